@@ -1,0 +1,16 @@
+// SPDX-License-Identifier: Apache-2.0
+#pragma once
+// kvmem umbrella header: core types, policies and the host backend. Needs nothing but C++20.
+// Optional backends have their own entry headers (kvmem/backend/kokkos.hpp, kvmem/backend/cuda.hpp).
+
+#include "kvmem/core/config.hpp"
+#include "kvmem/core/math.hpp"
+#include "kvmem/core/numeric.hpp"
+#include "kvmem/core/softmax.hpp"
+#include "kvmem/core/status.hpp"
+#include "kvmem/core/tensor.hpp"
+#include "kvmem/policy/budget.hpp"
+#include "kvmem/policy/decay.hpp"
+#include "kvmem/policy/precision.hpp"
+#include "kvmem/policy/prune.hpp"
+#include "kvmem/backend/host/executor.hpp"
