@@ -10,10 +10,13 @@
 // Needs nlohmann-json (Debian: nlohmann-json3-dev); not part of the dependency-free umbrella header.
 
 #include <algorithm>
+#include <atomic>
 #include <bit>
+#include <chrono>
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
+#include <filesystem>
 #include <fstream>
 #include <iterator>
 #include <map>
@@ -77,59 +80,44 @@ class SafetensorsFile {
   static constexpr std::uint64_t kMaxHeaderBytes = 100u << 20;
 
   static Status load(const std::string& path, SafetensorsFile& out) {
-    std::ifstream in(path, std::ios::binary);
-    if (!in) return io_error(path + ": cannot open file");
-    std::vector<std::uint8_t> bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
-    if (in.bad()) return io_error(path + ": read failed");
+    std::vector<std::uint8_t> bytes;
+    KVMEM_RETURN_IF_ERROR(read_file(path, bytes));
     Status status = parse(std::move(bytes), out);
     if (!status.is_ok()) return {status.code(), path + ": " + status.message()};
     return status;
   }
 
-  // Parses a complete file image. On failure `out` is unchanged.
-  static Status parse(std::vector<std::uint8_t> bytes, SafetensorsFile& out) {
-    if (bytes.size() < 8)
-      return io_error("truncated file: " + std::to_string(bytes.size()) + " bytes, the 8-byte header length is missing");
+  // Reads only the length and the header JSON (metadata, names, dtypes, shapes) and checks every
+  // tensor's offsets against the file size, without reading the data: a cheap way to inspect a large
+  // file. read() on the result answers "data not loaded".
+  static Status load_header(const std::string& path, SafetensorsFile& out) {
+    std::uint64_t file_size = 0;
+    KVMEM_RETURN_IF_ERROR(regular_file_size(path, file_size));
+    std::ifstream in(path, std::ios::binary);
+    if (!in) return io_error(path + ": cannot open file");
+    std::vector<std::uint8_t> prefix(8, 0);
+    if (file_size < 8)
+      return io_error(path + ": truncated file: " + std::to_string(file_size) + " bytes, the 8-byte header length is missing");
+    in.read(reinterpret_cast<char*>(prefix.data()), 8);
     std::uint64_t header_len = 0;
-    std::memcpy(&header_len, bytes.data(), 8);
-    if (header_len > kMaxHeaderBytes)
-      return io_error("header length " + std::to_string(header_len) + " exceeds the limit of " +
-                      std::to_string(kMaxHeaderBytes) + " bytes");
-    if (header_len > bytes.size() - 8)
-      return io_error("truncated file: header of " + std::to_string(header_len) + " bytes but only " +
-                      std::to_string(bytes.size() - 8) + " bytes follow the length");
-    const auto* header_begin = reinterpret_cast<const char*>(bytes.data() + 8);
-    nlohmann::json header = nlohmann::json::parse(header_begin, header_begin + header_len, nullptr, false);
-    if (header.is_discarded()) return io_error("header JSON is not parseable");
-    if (!header.is_object()) return io_error("header JSON is not an object");
-
-    SafetensorsFile file;
-    const std::uint64_t data_size = bytes.size() - 8 - header_len;
-    for (auto it = header.begin(); it != header.end(); ++it) {
-      const std::string& name = it.key();
-      const nlohmann::json& entry = it.value();
-      if (name == "__metadata__") {
-        if (!entry.is_object()) return io_error("__metadata__ is not an object");
-        for (auto m = entry.begin(); m != entry.end(); ++m)
-          file.metadata_[m.key()] = m.value().is_string() ? m.value().get<std::string>() : m.value().dump();
-        continue;
-      }
-      TensorInfo info;
-      KVMEM_RETURN_IF_ERROR(parse_entry(name, entry, data_size, info));
-      file.tensors_.push_back(std::move(info));
+    std::memcpy(&header_len, prefix.data(), 8);
+    if (header_len <= kMaxHeaderBytes && header_len <= file_size - 8) {
+      prefix.resize(8 + header_len);
+      in.read(reinterpret_cast<char*>(prefix.data() + 8), static_cast<std::streamsize>(header_len));
+      if (!in) return io_error(path + ": read failed");
     }
-    // Tensors must not overlap (the format requires a dense, non-overlapping buffer).
-    std::vector<const TensorInfo*> by_offset;
-    for (const auto& t : file.tensors_) by_offset.push_back(&t);
-    std::sort(by_offset.begin(), by_offset.end(), [](auto* a, auto* b) { return a->begin < b->begin; });
-    for (std::size_t i = 1; i < by_offset.size(); ++i)
-      if (by_offset[i]->begin < by_offset[i - 1]->end && by_offset[i]->begin != by_offset[i]->end)
-        return io_error("tensor '" + by_offset[i]->name + "' overlaps tensor '" + by_offset[i - 1]->name + "'");
-
-    file.data_offset_ = 8 + header_len;
-    file.bytes_ = std::move(bytes);
+    SafetensorsFile file;
+    Status status = parse_impl(std::move(prefix), file_size, file);
+    if (!status.is_ok()) return {status.code(), path + ": " + status.message()};
+    file.data_loaded_ = false;
     out = std::move(file);
     return Status::ok();
+  }
+
+  // Parses a complete file image. On failure `out` is unchanged.
+  static Status parse(std::vector<std::uint8_t> bytes, SafetensorsFile& out) {
+    const std::uint64_t size = bytes.size();
+    return parse_impl(std::move(bytes), size, out);
   }
 
   [[nodiscard]] const std::map<std::string, std::string>& metadata() const { return metadata_; }
@@ -140,11 +128,15 @@ class SafetensorsFile {
     return nullptr;
   }
   [[nodiscard]] bool has(const std::string& name) const { return find(name) != nullptr; }
-
+  // False after load_header(): names and shapes are known, the data is not.
+  [[nodiscard]] bool data_loaded() const { return data_loaded_; }
+  // Bytes of the data buffer that follows the header.
+  [[nodiscard]] std::uint64_t data_size() const { return data_size_; }
   // Reads a floating tensor (F64, F32, F16, BF16) converted to double.
   Status read(const std::string& name, std::vector<double>& values, std::vector<std::int64_t>* shape = nullptr) const {
     const TensorInfo* info = find(name);
     if (info == nullptr) return io_error("missing tensor '" + name + "'");
+    if (!data_loaded_) return io_error("tensor '" + name + "': data not loaded (header-only read)");
     const std::uint8_t* src = bytes_.data() + data_offset_ + info->begin;
     const auto n = static_cast<std::size_t>(info->numel());
     std::vector<double> result(n);
@@ -164,6 +156,7 @@ class SafetensorsFile {
   Status read(const std::string& name, std::vector<std::int64_t>& values, std::vector<std::int64_t>* shape = nullptr) const {
     const TensorInfo* info = find(name);
     if (info == nullptr) return io_error("missing tensor '" + name + "'");
+    if (!data_loaded_) return io_error("tensor '" + name + "': data not loaded (header-only read)");
     const std::uint8_t* src = bytes_.data() + data_offset_ + info->begin;
     const auto n = static_cast<std::size_t>(info->numel());
     std::vector<std::int64_t> result(n);
@@ -181,6 +174,112 @@ class SafetensorsFile {
   }
 
  private:
+  static constexpr int kMaxNesting = 64;
+
+  static int nesting_depth(const char* begin, const char* end) {
+    int depth = 0, deepest = 0;
+    bool in_string = false;
+    for (const char* p = begin; p != end; ++p) {
+      const char c = *p;
+      if (in_string) {
+        if (c == '\\' && p + 1 != end) ++p;
+        else if (c == '"') in_string = false;
+      } else if (c == '"') {
+        in_string = true;
+      } else if (c == '{' || c == '[') {
+        deepest = std::max(deepest, ++depth);
+      } else if (c == '}' || c == ']') {
+        --depth;
+      }
+    }
+    return deepest;
+  }
+
+  static Status regular_file_size(const std::string& path, std::uint64_t& size) {
+    std::error_code ec;
+    const auto status = std::filesystem::status(path, ec);
+    if (ec || !std::filesystem::exists(status)) return io_error(path + ": cannot open file (it does not exist)");
+    if (!std::filesystem::is_regular_file(status)) return io_error(path + ": not a regular file");
+    size = std::filesystem::file_size(path, ec);
+    if (ec) return io_error(path + ": cannot determine the file size");
+    return Status::ok();
+  }
+
+  // One read of the whole file (the size is known, so no incremental growth).
+  static Status read_file(const std::string& path, std::vector<std::uint8_t>& bytes) {
+    std::uint64_t size = 0;
+    KVMEM_RETURN_IF_ERROR(regular_file_size(path, size));
+    std::ifstream in(path, std::ios::binary);
+    if (!in) return io_error(path + ": cannot open file");
+    bytes.resize(static_cast<std::size_t>(size));
+    if (size) in.read(reinterpret_cast<char*>(bytes.data()), static_cast<std::streamsize>(size));
+    if (static_cast<std::uint64_t>(in.gcount()) != size && size)
+      return io_error(path + ": read failed after " + std::to_string(in.gcount()) + " of " + std::to_string(size) + " bytes");
+    return Status::ok();
+  }
+
+  // `bytes` holds at least the length and the header (the whole file for parse(), the prefix for
+  // load_header()); `file_size` is the size of the whole file, which bounds every data offset.
+  static Status parse_impl(std::vector<std::uint8_t> bytes, std::uint64_t file_size, SafetensorsFile& out) {
+    if (file_size < 8)
+      return io_error("truncated file: " + std::to_string(file_size) + " bytes, the 8-byte header length is missing");
+    std::uint64_t header_len = 0;
+    std::memcpy(&header_len, bytes.data(), 8);
+    if (header_len > kMaxHeaderBytes)
+      return io_error("header length " + std::to_string(header_len) + " exceeds the limit of " +
+                      std::to_string(kMaxHeaderBytes) + " bytes (corrupt length field?)");
+    if (header_len > file_size - 8)
+      return io_error("truncated file: header of " + std::to_string(header_len) + " bytes but only " +
+                      std::to_string(file_size - 8) + " bytes follow the length");
+    const auto* header_begin = reinterpret_cast<const char*>(bytes.data() + 8);
+    const auto* header_end = header_begin + header_len;
+    // nlohmann parses iteratively but dump()s recursively; a hostile header of nested brackets could
+    // exhaust the stack later, so nesting is bounded before parsing (real headers nest 3 deep).
+    if (nesting_depth(header_begin, header_end) > kMaxNesting)
+      return io_error("header JSON is not parseable: nested deeper than " + std::to_string(kMaxNesting) + " levels");
+    nlohmann::json header = nlohmann::json::parse(header_begin, header_end, nullptr, false);
+    if (header.is_discarded()) return io_error("header JSON is not parseable");
+    if (!header.is_object()) return io_error("header JSON is not an object");
+
+    SafetensorsFile file;
+    const std::uint64_t data_size = file_size - 8 - header_len;
+    for (auto it = header.begin(); it != header.end(); ++it) {
+      const std::string& name = it.key();
+      const nlohmann::json& entry = it.value();
+      if (name == "__metadata__") {
+        if (!entry.is_object()) return io_error("__metadata__ is not an object");
+        // The format asks for string values; other JSON is kept as its text rather than rejected.
+        for (auto m = entry.begin(); m != entry.end(); ++m)
+          file.metadata_[m.key()] = m.value().is_string()
+                                        ? m.value().get<std::string>()
+                                        : m.value().dump(-1, ' ', false, nlohmann::json::error_handler_t::replace);
+        continue;
+      }
+      TensorInfo info;
+      KVMEM_RETURN_IF_ERROR(parse_entry(name, entry, data_size, info));
+      file.tensors_.push_back(std::move(info));
+    }
+    // Tensors must not overlap (the format requires a dense, non-overlapping buffer).
+    std::vector<const TensorInfo*> by_offset;
+    for (const auto& t : file.tensors_) by_offset.push_back(&t);
+    std::sort(by_offset.begin(), by_offset.end(), [](auto* a, auto* b) { return a->begin < b->begin; });
+    // Compare with the non-empty tensor reaching furthest so far: an empty tensor between two
+    // overlapping ones must not hide the overlap.
+    const TensorInfo* reach = nullptr;
+    for (const TensorInfo* t : by_offset) {
+      if (t->begin == t->end) continue;
+      if (reach != nullptr && t->begin < reach->end)
+        return io_error("tensor '" + t->name + "' overlaps tensor '" + reach->name + "'");
+      if (reach == nullptr || t->end > reach->end) reach = t;
+    }
+
+    file.data_offset_ = 8 + header_len;
+    file.data_size_ = data_size;
+    file.bytes_ = std::move(bytes);
+    out = std::move(file);
+    return Status::ok();
+  }
+
   static Status parse_entry(const std::string& name, const nlohmann::json& entry, std::uint64_t data_size,
                             TensorInfo& info) {
     const std::string where = "tensor '" + name + "': ";
@@ -235,14 +334,18 @@ class SafetensorsFile {
 
   std::vector<std::uint8_t> bytes_;
   std::uint64_t data_offset_ = 0;
+  std::uint64_t data_size_ = 0;
+  bool data_loaded_ = true;
   std::vector<TensorInfo> tensors_;
   std::map<std::string, std::string> metadata_;
 };
 
-// Collects F64/I64 tensors and metadata, then writes them in one go.
+// Collects tensors and metadata, then writes them in one go. add() stores F64/I64 (what kvmem
+// writes); add_raw() stores any dtype's little-endian bytes (tests build torch-style F32/BF16 files).
 class SafetensorsWriter {
  public:
   void set_metadata(const std::string& key, const std::string& value) { metadata_[key] = value; }
+  [[nodiscard]] std::size_t size() const { return tensors_.size(); }
 
   void add(const std::string& name, const std::vector<std::int64_t>& shape, const std::vector<double>& values) {
     add_raw(name, "F64", shape, values.data(), values.size() * sizeof(double));
@@ -251,8 +354,24 @@ class SafetensorsWriter {
     add_raw(name, "I64", shape, values.data(), values.size() * sizeof(std::int64_t));
   }
 
-  // Writes `path` through a temporary file and a rename, so readers never see a partial file.
+  // `dtype` is a safetensors dtype name ("F32", "BF16", ...); `size` bytes are copied from `data`.
+  // Consistency with the shape is checked by write(), which then writes nothing.
+  void add_raw(const std::string& name, const std::string& dtype, const std::vector<std::int64_t>& shape,
+               const void* data, std::size_t size) {
+    Entry e{name, dtype, shape, std::vector<std::uint8_t>(size)};
+    if (size) std::memcpy(e.bytes.data(), data, size);
+    for (auto& existing : tensors_)
+      if (existing.name == name) {
+        existing = std::move(e);
+        return;
+      }
+    tensors_.push_back(std::move(e));
+  }
+
+  // Writes `path` through a temporary file in the same folder and a rename, so readers never see a
+  // partial file; an inconsistent tensor is reported before anything is written.
   Status write(const std::string& path) const {
+    for (const auto& t : tensors_) KVMEM_RETURN_IF_ERROR(check(t));
     nlohmann::json header = nlohmann::json::object();
     if (!metadata_.empty()) header["__metadata__"] = metadata_;
     std::uint64_t offset = 0;
@@ -262,7 +381,8 @@ class SafetensorsWriter {
     }
     std::string text = header.dump();
     text.append((8 - text.size() % 8) % 8, ' ');  // align the data buffer to 8 bytes
-    const std::string temp = path + ".tmp-kvmem";
+    // A per-writer name, so two writers of one path do not share a temporary file.
+    const std::string temp = path + "." + unique_suffix() + ".tmp-kvmem";
     {
       std::ofstream out(temp, std::ios::binary | std::ios::trunc);
       if (!out) return io_error(path + ": cannot open for writing");
@@ -270,7 +390,7 @@ class SafetensorsWriter {
       out.write(reinterpret_cast<const char*>(&len), 8);
       out.write(text.data(), static_cast<std::streamsize>(text.size()));
       for (const auto& t : tensors_) out.write(reinterpret_cast<const char*>(t.bytes.data()), static_cast<std::streamsize>(t.bytes.size()));
-      out.flush();
+      out.close();
       if (!out) {
         std::remove(temp.c_str());
         return io_error(path + ": write failed");
@@ -290,16 +410,24 @@ class SafetensorsWriter {
     std::vector<std::int64_t> shape;
     std::vector<std::uint8_t> bytes;
   };
-  void add_raw(const std::string& name, const char* dtype, const std::vector<std::int64_t>& shape, const void* data,
-               std::size_t size) {
-    Entry e{name, dtype, shape, std::vector<std::uint8_t>(size)};
-    if (size) std::memcpy(e.bytes.data(), data, size);
-    for (auto& existing : tensors_)
-      if (existing.name == name) {
-        existing = std::move(e);
-        return;
-      }
-    tensors_.push_back(std::move(e));
+  static Status check(const Entry& t) {
+    if (t.name == "__metadata__") return io_error("a tensor cannot be named __metadata__");
+    DType dtype;
+    if (!parse_dtype(t.dtype, dtype)) return io_error("tensor '" + t.name + "': unknown dtype '" + t.dtype + "'");
+    std::uint64_t numel = 1;
+    for (auto e : t.shape) {
+      if (e < 0) return io_error("tensor '" + t.name + "': negative extent in the shape");
+      numel *= static_cast<std::uint64_t>(e);
+    }
+    if (numel * dtype_size(dtype) != t.bytes.size())
+      return io_error("tensor '" + t.name + "': " + std::to_string(t.bytes.size()) + " bytes for a shape that needs " +
+                      std::to_string(numel * dtype_size(dtype)));
+    return Status::ok();
+  }
+  static std::string unique_suffix() {
+    static std::atomic<unsigned> counter{0};
+    const auto now = static_cast<unsigned long long>(std::chrono::steady_clock::now().time_since_epoch().count());
+    return std::to_string(now) + "-" + std::to_string(counter.fetch_add(1));
   }
 
   std::vector<Entry> tensors_;

@@ -1,0 +1,258 @@
+// SPDX-License-Identifier: Apache-2.0
+#pragma once
+// kvmem-replay adapter for KV Means (spec KVM.md; tensor names of shared/golden/README.md).
+// It reads the configuration into Spec, checks every input's shape against it, and runs one backend:
+//   prefill            -> out, state_k, state_v, state_rho, slots_after_update, route_append_u{u},
+//                         route_merge_u{u}
+//   decode_split (cfg) -> out_decode (prefill of [0, split), then one decode step per token)
+// A state-only case (no q) runs prefill on zero queries: the state and the routes do not read q
+// (spec KVM.md 4.5), and out / out_decode are not written because they would be meaningless.
+
+#include <cmath>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "replay_core.hpp"
+
+#include "kvmem/policy/budget.hpp"
+
+#if KVMEM_REPLAY_WITH_REFERENCE_KVM
+#include "kvmem/reference/kvm.hpp"
+#endif
+#if KVMEM_REPLAY_WITH_HOST_KVM
+#include "kvmem/backend/host/kvm.hpp"
+#endif
+
+namespace kvmem::replay::kvm_adapter {
+
+struct Spec {
+  std::int64_t B = 0, T = 0, Hq = 0, Hk = 0, D = 0, Dv = 0;
+  std::int64_t chunk = 256, window_chunks = 2, sink = 1, rope_dims = 64;
+  budget::Any budget;
+  bool merge_gate_keys = true, merge_gate_values = true, head_temps = true, value_radius = true, gate_appends = false,
+       gate_initial = false;
+  double ln_eps = 1e-5;
+  double scale = 0.0;  // 0: 1/sqrt(D)
+  std::int64_t decode_split = -1;  // -1: no decode run
+  // The authors' eager bf16 rounding of the value readout (golden README): off, as in the goldens.
+  bool round_value_readout_bf16 = false;
+};
+
+inline budget::Any parse_budget(const ConfigReader& cfg) {
+  const Json* b = cfg.find("budget");
+  if (b == nullptr) throw BadInput("config: missing key 'budget'");
+  if (!b->is_object()) throw BadInput("config: 'budget' must be an object, got " + b->dump());
+  const ConfigReader r(*b, "config.budget");
+  const std::string kind = r.string_or("kind", "");
+  const std::int64_t maximum = r.integer_or("max_slots", budget::kPaperMaxSlots, 1, kMaxExtent);
+  budget::Any any;
+  if (kind == "fixed") {
+    // The goldens give a fixed budget as `min` (raw target 0, floored at min: README "Target").
+    const std::int64_t count = r.has("count") ? r.integer("count", 0, kMaxExtent) : r.integer("min", 0, kMaxExtent);
+    any = budget::Fixed{count, maximum};
+  } else if (kind == "power") {
+    any = budget::Power{r.real_or("factor", 16.0, 0.0, 1e300), r.real_or("exponent", 0.5, 0.0, 1e300),
+                        r.integer_or("min", 256, 0, kMaxExtent), r.integer_or("round_down", 1, 1, kMaxExtent), maximum};
+  } else if (kind == "saturating") {
+    if (!r.has("saturation")) throw BadInput("config.budget: kind 'saturating' needs 'saturation'");
+    any = budget::Saturating{r.real_or("saturation", 1024.0, 0.0, 1e300), r.integer_or("min", 1, 0, kMaxExtent), maximum,
+                             r.integer_or("round_down", 1, 1, kMaxExtent)};
+  } else {
+    throw BadInput("config.budget: 'kind' must be fixed, power or saturating, got '" + kind + "'");
+  }
+  const Status status = any.validate();
+  if (!status.is_ok()) throw BadInput("config.budget: " + status.message());
+  return any;
+}
+
+inline Spec parse_config(const Json& config) {
+  const ConfigReader cfg(config);
+  Spec s;
+  s.B = cfg.integer("B", 1, kMaxExtent);
+  s.T = cfg.integer("T", 1, kMaxExtent);
+  s.Hq = cfg.integer("Hq", 1, kMaxExtent);
+  s.Hk = cfg.integer("Hk", 1, kMaxExtent);
+  s.D = cfg.integer("D", 1, kMaxExtent);
+  s.Dv = cfg.integer("Dv", 1, kMaxExtent);
+  if (s.Hq % s.Hk != 0)
+    throw BadInput("config: 'Hq' (" + std::to_string(s.Hq) + ") must be a multiple of 'Hk' (" + std::to_string(s.Hk) + ")");
+  s.chunk = cfg.integer_or("chunk", s.chunk, 1, kMaxExtent);
+  s.window_chunks = cfg.integer_or("window_chunks", s.window_chunks, 1, kMaxExtent);
+  s.sink = cfg.integer_or("sink", s.sink, 0, s.chunk - 1);  // a merge needs a non-sink slot (spec 3)
+  s.rope_dims = cfg.integer_or("rope_dims", std::min<std::int64_t>(s.rope_dims, s.D), 0, s.D);
+  s.budget = parse_budget(cfg);
+  s.merge_gate_keys = cfg.boolean_or("merge_gate_keys", s.merge_gate_keys);
+  s.merge_gate_values = cfg.boolean_or("merge_gate_values", s.merge_gate_values);
+  s.head_temps = cfg.boolean_or("head_temps", s.head_temps);
+  s.value_radius = cfg.boolean_or("value_radius", s.value_radius);
+  s.gate_appends = cfg.boolean_or("gate_appends", s.gate_appends);
+  s.gate_initial = cfg.boolean_or("gate_initial_state", s.gate_initial);
+  s.ln_eps = cfg.real_or("ln_eps", s.ln_eps, 1e-300, 1.0);
+  s.scale = cfg.real_or("scale", s.scale, 0.0, 1e300);
+  s.decode_split = cfg.integer_or("decode_split", -1, -1, s.T);
+  s.round_value_readout_bf16 = cfg.boolean_or("round_value_readout_bf16", false);
+  return s;
+}
+
+struct Inputs {
+  bool has_q = false;
+  std::vector<double> q, k, v, gate, ln_weight, ln_bias, tau_state, tau_bswa;
+};
+
+inline Inputs load_inputs(const Case& c, const Spec& s) {
+  const std::string bht = "B=" + std::to_string(s.B) + ", Hk=" + std::to_string(s.Hk) + ", T=" + std::to_string(s.T);
+  Inputs in;
+  in.has_q = c.file.has("q");
+  if (in.has_q)
+    in.q = input_f64(c, "q", {s.B, s.Hq, s.T, s.D},
+                     "B=" + std::to_string(s.B) + ", Hq=" + std::to_string(s.Hq) + ", T=" + std::to_string(s.T) +
+                         ", D=" + std::to_string(s.D));
+  else
+    in.q.assign(static_cast<std::size_t>(s.B * s.Hq * s.T * s.D), 0.0);
+  in.k = input_f64(c, "k", {s.B, s.Hk, s.T, s.D}, bht + ", D=" + std::to_string(s.D));
+  in.v = input_f64(c, "v", {s.B, s.Hk, s.T, s.Dv}, bht + ", Dv=" + std::to_string(s.Dv));
+  in.gate = input_f64(c, "gate", {s.B, s.Hk, s.T}, bht);
+  in.ln_weight = input_f64(c, "ln_weight", {s.D}, "D=" + std::to_string(s.D));
+  in.ln_bias = input_f64(c, "ln_bias", {s.D}, "D=" + std::to_string(s.D));
+  in.tau_state = input_f64(c, "tau_state", {s.Hq}, "Hq=" + std::to_string(s.Hq));
+  in.tau_bswa = input_f64(c, "tau_bswa", {s.Hq}, "Hq=" + std::to_string(s.Hq));
+  return in;
+}
+
+// What one prefill (+ decode) produced, backend-neutral.
+struct Results {
+  std::vector<double> out, out_decode, state_k, state_v, state_rho;
+  std::int64_t slots = 0;
+  std::vector<std::int64_t> slots_after_update;
+  std::vector<std::vector<std::int64_t>> route_append, route_merge;  // per update, [B,Hk,n_u] / [B,Hk,C]
+  bool has_decode = false;
+};
+
+// Turns Results into named output tensors, checking every size against the configuration so a
+// backend bug cannot produce a file whose shapes lie.
+inline void emit(const Spec& s, const Inputs& in, Results r, Outputs& outputs) {
+  if (in.has_q) outputs.add("out", {s.B, s.T, s.Hq, s.Dv}, std::move(r.out));
+  if (r.has_decode) outputs.add("out_decode", {s.B, s.T, s.Hq, s.Dv}, std::move(r.out_decode));
+  outputs.add("state_k", {s.B, s.Hk, r.slots, s.D}, std::move(r.state_k));
+  outputs.add("state_v", {s.B, s.Hk, r.slots, s.Dv}, std::move(r.state_v));
+  outputs.add("state_rho", {s.B, s.Hk, r.slots}, std::move(r.state_rho));
+  const auto updates = static_cast<std::int64_t>(r.slots_after_update.size());
+  outputs.add("slots_after_update", {updates}, std::move(r.slots_after_update));
+  const std::int64_t rows = s.B * s.Hk;
+  for (std::size_t u = 0; u < r.route_append.size(); ++u) {
+    const auto n = static_cast<std::int64_t>(r.route_append[u].size());
+    if (n % rows != 0)
+      throw std::logic_error("internal: route_append_u" + std::to_string(u + 1) + " has " + std::to_string(n) +
+                             " entries, not a multiple of B*Hk");
+    outputs.add("route_append_u" + std::to_string(u + 1), {s.B, s.Hk, n / rows}, std::move(r.route_append[u]));
+  }
+  for (std::size_t u = 0; u < r.route_merge.size(); ++u)
+    outputs.add("route_merge_u" + std::to_string(u + 1), {s.B, s.Hk, s.chunk}, std::move(r.route_merge[u]));
+}
+
+// ---- backends ------------------------------------------------------------------------------------
+
+#if KVMEM_REPLAY_WITH_REFERENCE_KVM
+inline Results run_reference(const Spec& s, const Inputs& in, Progress& progress) {
+  namespace ref = kvmem::reference::kvm;
+  ref::Config cfg;
+  cfg.B = s.B;
+  cfg.T = s.T;
+  cfg.Hq = s.Hq;
+  cfg.Hk = s.Hk;
+  cfg.D = s.D;
+  cfg.Dv = s.Dv;
+  cfg.chunk = s.chunk;
+  cfg.window_chunks = s.window_chunks;
+  cfg.sink = s.sink;
+  cfg.rope_dims = s.rope_dims;
+  cfg.budget = s.budget;
+  cfg.merge_gate_keys = s.merge_gate_keys;
+  cfg.merge_gate_values = s.merge_gate_values;
+  cfg.head_temps = s.head_temps;
+  cfg.value_radius = s.value_radius;
+  cfg.gate_appends = s.gate_appends;
+  cfg.gate_initial = s.gate_initial;
+  cfg.ln_eps = s.ln_eps;
+  cfg.scale = s.scale;
+  cfg.round_value_readout_bf16 = s.round_value_readout_bf16;
+  ref::Inputs inputs;
+  inputs.q = in.q;
+  inputs.k = in.k;
+  inputs.v = in.v;
+  inputs.gate = in.gate;
+  inputs.ln_weight = in.ln_weight;
+  inputs.ln_bias = in.ln_bias;
+  inputs.tau_state = in.tau_state;
+  inputs.tau_bswa = in.tau_bswa;
+  const Status status = ref::validate(cfg, inputs);
+  if (!status.is_ok()) throw BadInput("reference kvm rejects the case: " + status.message());
+
+  Results r;
+  ref::Result res = progress.phase("prefill", s.T, [&] { return ref::prefill(cfg, inputs); });
+  r.out = std::move(res.out);
+  r.state_k = std::move(res.state_k);
+  r.state_v = std::move(res.state_v);
+  r.state_rho = std::move(res.state_rho);
+  r.slots = res.slots;
+  r.slots_after_update = std::move(res.slots_after_update);
+  r.route_append = std::move(res.route_append);
+  r.route_merge = std::move(res.route_merge);
+  if (in.has_q && s.decode_split >= 0) {
+    r.out_decode = progress.phase("prefill " + std::to_string(s.decode_split) + " + decode", s.T,
+                                  [&] { return ref::prefill_then_decode(cfg, inputs, s.decode_split); });
+    r.has_decode = true;
+  }
+  return r;
+}
+#endif
+
+inline std::string skip_reason(const std::string& name, const Case& /*c*/, Backend backend) {
+  if (name == "route_margin_min" || name == "append_margin_min") return "diagnostic of the generator, not recomputed";
+  if (name.rfind("d_", 0) == 0) return std::string("gradient: backend ") + to_string(backend) + " implements no KVM backward";
+  if (name == "out" || name == "out_decode") return "not computed for this case";
+  return "";
+}
+
+// Runs the case; throws BadInput for anything wrong with it.
+inline void run(const Options& opt, const Case& c, Outputs& outputs) {
+  const Spec spec = parse_config(c.config);
+  const Inputs inputs = load_inputs(c, spec);
+  std::string unavailable;
+  switch (opt.backend) {
+    case Backend::kReference:
+#if !KVMEM_REPLAY_WITH_REFERENCE_KVM
+      unavailable = not_built(opt.backend, "include/kvmem/reference/kvm.hpp was not present when it was built");
+#endif
+      break;
+    case Backend::kHost:
+#if !KVMEM_REPLAY_WITH_HOST_KVM
+      unavailable = not_built(opt.backend, "include/kvmem/backend/host/kvm.hpp was not present when it was built");
+#endif
+      break;
+    case Backend::kKokkos: case Backend::kCuda:
+      unavailable = not_built(opt.backend, gpu_backend_reason(opt.backend, "kvm"));
+      break;
+  }
+  if (!unavailable.empty()) throw BadInput(unavailable);
+
+  Progress progress(!opt.quiet, std::string("kvm/") + to_string(opt.backend));
+  if (!inputs.has_q) progress.note("no 'q' in the input: state-only case, prefill runs on zero queries; out and out_decode are not written");
+  if (c.file.has("dout"))
+    progress.note(std::string("'dout' present, but backend ") + to_string(opt.backend) +
+                  " implements no KVM backward: gradients are not computed");
+  Results results;
+  if (opt.backend == Backend::kReference) {
+#if KVMEM_REPLAY_WITH_REFERENCE_KVM
+    results = run_reference(spec, inputs, progress);
+#endif
+  } else if (opt.backend == Backend::kHost) {
+#if KVMEM_REPLAY_WITH_HOST_KVM
+    results = run_host(spec, inputs, opt, progress);
+#endif
+  }
+  emit(spec, inputs, std::move(results), outputs);
+}
+
+}  // namespace kvmem::replay::kvm_adapter

@@ -1,0 +1,218 @@
+// SPDX-License-Identifier: Apache-2.0
+#pragma once
+// kvmem-replay adapter for Universal Attention (spec UA.md; tensor names of shared/golden/README.md).
+//   dense                      -> out, lse, lambda_last
+//   decode (no pruning)        -> out_decode
+//   pruned, per config threshold p -> out_pruned_p{digits}, kept_p{digits}  (0.05 -> p005)
+// The optional output gate z_o [B,T,H,D] is passed on when the input has it.
+
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <set>
+#include <string>
+#include <vector>
+
+#include "replay_core.hpp"
+
+#if KVMEM_REPLAY_WITH_REFERENCE_UA
+#include "kvmem/reference/ua.hpp"
+#endif
+#if KVMEM_REPLAY_WITH_HOST_UA
+#include "kvmem/backend/host/ua.hpp"
+#endif
+
+namespace kvmem::replay::ua_adapter {
+
+struct Spec {
+  std::int64_t B = 0, T = 0, H = 0, G = 0, D = 0;
+  std::int64_t prefill_chunk = 128;
+  std::int64_t prefill_split = -1;  // -1: the whole prompt is prefilled
+  bool evict_before_attention = true;
+  std::vector<double> thresholds;
+};
+
+// The tensor-name suffix of threshold p, as the goldens spell it: the decimal digits of p with at
+// least two and at most three decimals, dot removed (0.05 -> "p005", 0.15 -> "p015", 0.125 -> "p0125").
+inline std::string threshold_suffix(double p) {
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "%.3f", p);
+  std::string text = buf;
+  if (text.size() > 4 && text.back() == '0') text.pop_back();  // keep two decimals minimum
+  std::string digits;
+  for (char ch : text)
+    if (ch != '.') digits += ch;
+  return "p" + digits;
+}
+
+inline Spec parse_config(const Json& config) {
+  const ConfigReader cfg(config);
+  Spec s;
+  s.B = cfg.integer("B", 1, kMaxExtent);
+  s.T = cfg.integer("T", 1, kMaxExtent);
+  s.H = cfg.integer("H", 1, kMaxExtent);
+  s.G = cfg.integer("G", 1, kMaxExtent);
+  s.D = cfg.integer("D", 1, kMaxExtent);
+  if (s.H % s.G != 0)
+    throw BadInput("config: 'H' (" + std::to_string(s.H) + ") must be a multiple of 'G' (" + std::to_string(s.G) + ")");
+  s.prefill_chunk = cfg.integer_or("prefill_chunk", s.prefill_chunk, 1, kMaxExtent);
+  s.prefill_split = cfg.integer_or("prefill_split", s.prefill_split, -1, s.T);
+  s.evict_before_attention = cfg.boolean_or("evict_before_attention", s.evict_before_attention);
+  // The library's UA has scale 1, clamp 1e-6 and the three-gate set; a case asking for something
+  // else cannot be replayed faithfully, so it is refused rather than silently run differently.
+  if (const double scale = cfg.real_or("scale", 1.0, -1e300, 1e300); scale != 1.0)
+    throw BadInput("config: 'scale' = " + ConfigReader::num(scale) + " is not supported (UA uses softmax scale 1)");
+  if (const double clamp = cfg.real_or("clamp", 1e-6, -1e300, 1e300); clamp != 1e-6)
+    throw BadInput("config: 'clamp' = " + ConfigReader::num(clamp) + " is not supported (UA clamps at 1e-6)");
+  if (const Json* gates = cfg.find("gates")) {
+    std::set<std::string> names;
+    if (gates->is_array())
+      for (const auto& g : *gates)
+        if (g.is_string()) names.insert(g.get<std::string>());
+    if (!gates->is_array() || names != std::set<std::string>{"query", "key", "similarity"} || gates->size() != 3)
+      throw BadInput("config: 'gates' must be [\"query\",\"key\",\"similarity\"] (the set kvmem-replay runs), got " +
+                     gates->dump());
+  }
+  if (const std::string gqa = cfg.string_or("gqa", "floor(h/r)"); gqa != "floor(h/r)")
+    throw BadInput("config: 'gqa' must be \"floor(h/r)\", got '" + gqa + "'");
+  if (const Json* th = cfg.find("thresholds")) {
+    if (!th->is_array()) throw BadInput("config: 'thresholds' must be an array of numbers in (0, 1), got " + th->dump());
+    std::set<std::string> seen;
+    for (const auto& p : *th) {
+      if (!p.is_number() || !(p.get<double>() > 0.0 && p.get<double>() < 1.0))
+        throw BadInput("config: every entry of 'thresholds' must be a number in (0, 1), got " + p.dump());
+      if (!seen.insert(threshold_suffix(p.get<double>())).second)
+        throw BadInput("config: thresholds " + th->dump() + " name the same output twice (" +
+                       threshold_suffix(p.get<double>()) + ")");
+      s.thresholds.push_back(p.get<double>());
+    }
+    if (s.thresholds.size() > 64) throw BadInput("config: more than 64 thresholds");
+  }
+  return s;
+}
+
+struct Inputs {
+  std::vector<double> q, k, v, z_k, z_q, z_o;
+};
+
+inline Inputs load_inputs(const Case& c, const Spec& s) {
+  const std::string bgt = "B=" + std::to_string(s.B) + ", G=" + std::to_string(s.G) + ", T=" + std::to_string(s.T);
+  const std::string d = ", D=" + std::to_string(s.D);
+  Inputs in;
+  in.q = input_f64(c, "q", {s.B, s.H, s.T, s.D},
+                   "B=" + std::to_string(s.B) + ", H=" + std::to_string(s.H) + ", T=" + std::to_string(s.T) + d);
+  in.k = input_f64(c, "k", {s.B, s.G, s.T, s.D}, bgt + d);
+  in.v = input_f64(c, "v", {s.B, s.G, s.T, s.D}, bgt + d);
+  in.z_k = input_f64(c, "z_k", {s.B, s.G, s.T}, bgt);
+  in.z_q = input_f64(c, "z_q", {s.B, s.G, s.T}, bgt);
+  if (c.file.has("z_o"))
+    in.z_o = input_f64(c, "z_o", {s.B, s.T, s.H, s.D},
+                       "B=" + std::to_string(s.B) + ", T=" + std::to_string(s.T) + ", H=" + std::to_string(s.H) + d);
+  return in;
+}
+
+struct Pruned {
+  double p = 0.0;
+  std::vector<double> out;
+  std::vector<std::int64_t> kept;  // [B,G,T] 0/1
+};
+struct Results {
+  std::vector<double> out, lse, lambda_last, out_decode;
+  std::vector<Pruned> pruned;
+};
+
+inline void emit(const Spec& s, Results r, Outputs& outputs) {
+  outputs.add("out", {s.B, s.T, s.H, s.D}, std::move(r.out));
+  outputs.add("lse", {s.B, s.H, s.T}, std::move(r.lse));
+  outputs.add("lambda_last", {s.B, s.G, s.T}, std::move(r.lambda_last));
+  outputs.add("out_decode", {s.B, s.T, s.H, s.D}, std::move(r.out_decode));
+  for (auto& p : r.pruned) {
+    const std::string suffix = threshold_suffix(p.p);
+    outputs.add("out_pruned_" + suffix, {s.B, s.T, s.H, s.D}, std::move(p.out));
+    outputs.add("kept_" + suffix, {s.B, s.G, s.T}, std::move(p.kept));
+  }
+}
+
+// ---- backends ------------------------------------------------------------------------------------
+
+#if KVMEM_REPLAY_WITH_REFERENCE_UA
+inline Results run_reference(const Spec& s, const Inputs& in, Progress& progress) {
+  namespace ref = kvmem::reference::ua;
+  ref::Config cfg;
+  cfg.B = s.B;
+  cfg.T = s.T;
+  cfg.H = s.H;
+  cfg.G = s.G;
+  cfg.D = s.D;
+  cfg.prefill_chunk = s.prefill_chunk;
+  cfg.prefill_split = s.prefill_split;
+  cfg.evict_before_attention = s.evict_before_attention;
+  ref::Inputs inputs;
+  inputs.q = in.q;
+  inputs.k = in.k;
+  inputs.v = in.v;
+  inputs.z_k = in.z_k;
+  inputs.z_q = in.z_q;
+  inputs.z_o = in.z_o;
+  const Status status = ref::validate(cfg, inputs);
+  if (!status.is_ok()) throw BadInput("reference ua rejects the case: " + status.message());
+
+  Results r;
+  ref::DenseResult dense = progress.phase("dense", s.T, [&] { return ref::dense(cfg, inputs); });
+  r.out = std::move(dense.out);
+  r.lse = std::move(dense.lse);
+  r.lambda_last = std::move(dense.lambda_last);
+  r.out_decode = progress.phase("decode", s.T, [&] { return ref::decode_dense(cfg, inputs); });
+  for (double p : s.thresholds) {
+    ref::PrunedResult pr = progress.phase("pruned " + threshold_suffix(p), s.T, [&] { return ref::pruned(cfg, inputs, p); });
+    r.pruned.push_back({p, std::move(pr.out), std::move(pr.kept)});
+  }
+  return r;
+}
+#endif
+
+inline std::string skip_reason(const std::string& name, const Case& /*c*/, Backend backend) {
+  if (name.rfind("d_", 0) == 0) return std::string("gradient: backend ") + to_string(backend) + " implements no UA backward";
+  if (name.rfind("out_pruned_", 0) == 0 || name.rfind("kept_", 0) == 0) return "threshold not in config 'thresholds'";
+  return "";
+}
+
+inline void run(const Options& opt, const Case& c, Outputs& outputs) {
+  const Spec spec = parse_config(c.config);
+  const Inputs inputs = load_inputs(c, spec);
+  std::string unavailable;
+  switch (opt.backend) {
+    case Backend::kReference:
+#if !KVMEM_REPLAY_WITH_REFERENCE_UA
+      unavailable = not_built(opt.backend, "include/kvmem/reference/ua.hpp was not present when it was built");
+#endif
+      break;
+    case Backend::kHost:
+#if !KVMEM_REPLAY_WITH_HOST_UA
+      unavailable = not_built(opt.backend, "include/kvmem/backend/host/ua.hpp was not present when it was built");
+#endif
+      break;
+    case Backend::kKokkos: case Backend::kCuda:
+      unavailable = not_built(opt.backend, gpu_backend_reason(opt.backend, "ua"));
+      break;
+  }
+  if (!unavailable.empty()) throw BadInput(unavailable);
+
+  Progress progress(!opt.quiet, std::string("ua/") + to_string(opt.backend));
+  if (c.file.has("dout"))
+    progress.note(std::string("'dout' present, but backend ") + to_string(opt.backend) +
+                  " implements no UA backward: gradients are not computed");
+  Results results;
+  if (opt.backend == Backend::kReference) {
+#if KVMEM_REPLAY_WITH_REFERENCE_UA
+    results = run_reference(spec, inputs, progress);
+#endif
+  } else if (opt.backend == Backend::kHost) {
+#if KVMEM_REPLAY_WITH_HOST_UA
+    results = run_host(spec, inputs, opt, progress);
+#endif
+  }
+  emit(spec, std::move(results), outputs);
+}
+
+}  // namespace kvmem::replay::ua_adapter
