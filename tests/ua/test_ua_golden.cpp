@@ -16,6 +16,7 @@
 
 #include "kvmem/reference/ua.hpp"
 #include "support/golden.hpp"
+#include "ua_host_support.hpp"
 #include "ua_test_support.hpp"
 
 namespace {
@@ -72,6 +73,41 @@ TEST_CASE("golden: fp64 reference matches every UA golden", "[ua][golden]") {
       check_kept(c, pr.kept, g.i64(std::string("kept_") + tag), p, tag);
       std::cout << " out_pruned_" << tag << " "
                 << kvmem::test::deviation(pr.out, g.f64(std::string("out_pruned_") + tag)).relative();
+    }
+    std::cout << "\n";
+  }
+}
+
+TEST_CASE("golden: fp32 host backend matches every UA golden", "[ua][golden][host]") {
+  using namespace kvmem::test::ua;
+  constexpr double kFp32Tol = 1e-5;  // README: fp32 within 1e-5 relative
+  const auto files = kvmem::test::golden_files("ua");
+  REQUIRE(files.size() >= 3);
+  for (const auto& path : files) {
+    const Golden g = load_golden(path);
+    const Case c = from_golden(g);
+    const FloatCase f(c);
+    INFO(g.name);
+    const auto dense = host_forward(f);
+    KVMEM_CHECK_CLOSE(dense.out, g.f64("out"), kFp32Tol);
+    KVMEM_CHECK_CLOSE(dense.lse, g.f64("lse"), kFp32Tol);
+    KVMEM_CHECK_CLOSE(dense.lambda_last, g.f64("lambda_last"), kFp32Tol);
+    std::cout << g.name << " host fp32 rel err: out " << kvmem::test::deviation(dense.out, g.f64("out")).relative()
+              << " lse " << kvmem::test::deviation(dense.lse, g.f64("lse")).relative() << " lambda_last "
+              << kvmem::test::deviation(dense.lambda_last, g.f64("lambda_last")).relative();
+    {
+      kvmem::ua::PrunedCache<float> cache(f.cache_shape());
+      const auto decoded = host_prefill_decode(f, 0, kvmem::ua::Options{}, cache);
+      KVMEM_CHECK_CLOSE(decoded, g.f64("out_decode"), kFp32Tol);
+      std::cout << " out_decode " << kvmem::test::deviation(decoded, g.f64("out_decode")).relative();
+    }
+    for (const auto& [p, tag] : {std::pair{0.05, "p005"}, std::pair{0.15, "p015"}}) {
+      kvmem::ua::PrunedCache<float> cache(f.cache_shape());
+      kvmem::ua::Options opt{p, c.config.prefill_chunk, c.config.evict_before_attention};
+      const auto out = host_prefill_decode(f, c.config.prefill_split, opt, cache);
+      KVMEM_CHECK_CLOSE(out, g.f64(std::string("out_pruned_") + tag), kFp32Tol);
+      check_kept(c, kept_mask(cache, c.config.T), g.i64(std::string("kept_") + tag), p, tag);
+      std::cout << " out_pruned_" << tag << " " << kvmem::test::deviation(out, g.f64(std::string("out_pruned_") + tag)).relative();
     }
     std::cout << "\n";
   }

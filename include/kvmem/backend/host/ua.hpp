@@ -1,0 +1,29 @@
+// SPDX-License-Identifier: Apache-2.0
+#pragma once
+// Universal Attention on the host backend: the ua/ operations run one (sequence, kv head) item per
+// task through host::parallel_for; each item runs start to finish on one thread (its chunks and
+// evictions are sequential, spec UA.md 4.5), so results do not depend on the thread count.
+//
+//   #include <kvmem/backend/host/ua.hpp>
+//   kvmem::ua::PrunedCache<float> cache({B, H, G, D, capacity});
+//   kvmem::ua::prefill(kvmem::host::Executor{}, cache, inputs, {.p = 0.05}, out);   // out [B,T,H,D]
+//   kvmem::ua::decode(kvmem::host::Executor{}, cache, step, {.p = 0.05}, out1);     // out1 [B,1,H,D]
+
+#include <cstdint>
+#include <utility>
+
+#include "kvmem/backend/host/executor.hpp"
+#include "kvmem/ua/cache.hpp"
+#include "kvmem/ua/ops.hpp"
+
+namespace kvmem::ua {
+
+template <>
+struct Launcher<host::Executor> {
+  template <class Body>
+  static void for_each(const host::Executor& exec, std::int64_t items, Body&& body) {
+    host::parallel_for(exec, items, std::forward<Body>(body));
+  }
+};
+
+}  // namespace kvmem::ua

@@ -1,0 +1,168 @@
+// SPDX-License-Identifier: Apache-2.0
+#pragma once
+// Universal Attention block body shared by every backend (spec UA.md 4.3-4.5): a block of
+// consecutive query positions of one (sequence, kv head) and its r query heads attends to the
+// cached entries of that kv head with the additive bias Λ, in tiles of kQueryTile rows x kKeyTile
+// keys with an online softmax (core/softmax.hpp). Λ is built tile by tile from the entries' λ and the
+// decay tile, never as an L x L matrix: memory is O(tile) per worker plus the λ the cache keeps anyway.
+//
+// The same body serves dense prefill (an empty cache, one block), chunked prefill (one block per chunk;
+// the caller evicts at the chunk end) and decode (one row). λ accumulates in increasing position
+// (kernel/ua_decay.hpp), and a row's softmax visits the entries in the same key tiles whatever the
+// block size, so decode and prefill give bitwise identical λ and outputs.
+//
+// Backend-neutral: KVMEM_HOST_DEVICE, no allocation, no containers, no exceptions.
+
+#include <cmath>
+#include <cstdint>
+
+#include "kvmem/core/config.hpp"
+#include "kvmem/core/math.hpp"
+#include "kvmem/core/numeric.hpp"
+#include "kvmem/core/softmax.hpp"
+#include "kvmem/kernel/ua_decay.hpp"
+
+namespace kvmem::kernel::ua {
+
+inline constexpr std::int64_t kQueryTile = 32;  // query positions per tile (all r heads share the bias tile)
+inline constexpr std::int64_t kKeyTile = 64;    // cached entries per tile
+
+// Workspace (in Acc elements) one worker needs for attend_block with `heads` query heads of dim D.
+KVMEM_HOST_DEVICE constexpr std::int64_t block_workspace_elems(std::int64_t heads, std::int64_t D) {
+  return heads * kQueryTile * D    // output accumulators
+         + 2 * heads * kQueryTile  // running max and sum per (head, row)
+         + 2 * kKeyTile * kQueryTile  // decay tile and bias tile
+         + kKeyTile;                  // one row's logits
+}
+
+// One block of query positions [first, first + rows) of one (sequence, kv head).
+// KS: cache storage type, QS: input type of q / new keys / gates, OS: output type, Acc: accumulate type.
+template <class KS, class QS, class OS, class Acc>
+struct BlockArgs {
+  std::int64_t D = 0;      // head dim (keys and values)
+  std::int64_t heads = 0;  // r query heads of the group
+  // Cached entries in ascending position order. On entry λ_e = Λ_{through, pos_e} for pos_e <= through
+  // and 0 for newer entries (appended by the caller, e.g. this block's own keys); on exit
+  // λ_e = Λ_{first + rows - 1, pos_e} for every entry with pos_e < first + rows.
+  const KS* keys = nullptr;          // [n, D], rows key_stride apart
+  const KS* values = nullptr;        // [n, D], rows value_stride apart
+  std::int64_t key_stride = 0, value_stride = 0;
+  Acc* lambda = nullptr;             // [n], log space
+  const Acc* key_logit = nullptr;    // [n], z_k of each entry
+  const std::int64_t* pos = nullptr;  // [n], absolute positions, ascending
+  std::int64_t n = 0;
+  std::int64_t through = -1;  // λ already includes the decay of every position <= through
+  // The block's query positions.
+  std::int64_t first = 0, rows = 0;
+  const QS* new_keys = nullptr;      // [rows, D] k_m of positions first.., rows new_key_stride apart
+  std::int64_t new_key_stride = 0;
+  const QS* query_logit = nullptr;   // [rows] z_q of positions first.., query_logit_stride apart
+  std::int64_t query_logit_stride = 1;
+  const QS* q = nullptr;             // [heads, rows, D]
+  std::int64_t q_head_stride = 0, q_row_stride = 0;
+  const QS* z_o = nullptr;           // [rows, heads, D] output-gate logits, nullptr = no gate (spec UA.md 7)
+  std::int64_t z_o_row_stride = 0, z_o_head_stride = 0;
+  OS* out = nullptr;                 // [rows, heads, D]
+  std::int64_t out_row_stride = 0, out_head_stride = 0;
+  Acc* lse = nullptr;                // [heads, rows] natural log-sum-exp, nullptr = not wanted
+  std::int64_t lse_head_stride = 0, lse_row_stride = 1;
+  Acc* workspace = nullptr;          // [block_workspace_elems(heads, D)]
+};
+
+template <class Set, class KS, class QS, class OS, class Acc>
+KVMEM_HOST_DEVICE inline void attend_block(const BlockArgs<KS, QS, OS, Acc>& a) {
+  using std::exp;
+  const std::int64_t D = a.D;
+  Acc* acc = a.workspace;                          // [heads, kQueryTile, D]
+  Acc* row_max = acc + a.heads * kQueryTile * D;   // [heads, kQueryTile]
+  Acc* row_sum = row_max + a.heads * kQueryTile;   // [heads, kQueryTile]
+  Acc* decay = row_sum + a.heads * kQueryTile;     // [kKeyTile, kQueryTile]
+  Acc* bias = decay + kKeyTile * kQueryTile;       // [kQueryTile, kKeyTile]
+  Acc* logits = bias + kKeyTile * kQueryTile;      // [kKeyTile]
+
+  for (std::int64_t r0 = 0; r0 < a.rows; r0 += kQueryTile) {
+    const std::int64_t nr = (a.rows - r0) < kQueryTile ? (a.rows - r0) : kQueryTile;
+    const std::int64_t m0 = a.first + r0;        // first position of the tile
+    const std::int64_t m_last = m0 + nr - 1;
+    const std::int64_t through = a.through > m0 - 1 ? a.through : m0 - 1;  // λ holds Λ_{through, .}
+    const std::int64_t skip = through + 1 > m0 ? through + 1 - m0 : 0;    // rows already in λ (decode)
+    for (std::int64_t x = 0; x < a.heads * nr * D; ++x) acc[x] = Acc(0);
+    for (std::int64_t x = 0; x < a.heads * kQueryTile; ++x) {
+      row_max[x] = negative_infinity<Acc>();
+      row_sum[x] = Acc(0);
+    }
+
+    for (std::int64_t e0 = 0; e0 < a.n && a.pos[e0] <= m_last; e0 += kKeyTile) {
+      std::int64_t ne = (a.n - e0) < kKeyTile ? (a.n - e0) : kKeyTile;
+      while (ne > 0 && a.pos[e0 + ne - 1] > m_last) --ne;  // entries beyond the tile are all masked
+
+      // Bias tile: Λ_{m, pos_e} for the tile's rows (spec UA.md 4.2), then λ moves to row m_last.
+      if (nr > skip)
+        decay_tile<Set, Acc>(a.keys + e0 * a.key_stride, a.key_stride, a.key_logit + e0, a.pos + e0, ne,
+                             a.new_keys + (r0 + skip) * a.new_key_stride, a.new_key_stride,
+                             a.query_logit + (r0 + skip) * a.query_logit_stride, a.query_logit_stride, m0 + skip, nr - skip, D, decay,
+                             kQueryTile);
+      for (std::int64_t e = 0; e < ne; ++e) {
+        const std::int64_t p = a.pos[e0 + e];
+        Acc lam = a.lambda[e0 + e];
+        for (std::int64_t i = 0; i < skip && i < nr; ++i)
+          bias[i * kKeyTile + e] = (m0 + i < p) ? negative_infinity<Acc>() : lam;
+        if (nr > skip) {
+          lam = cumulative_decay(lam, p, m0 + skip, decay + e * kQueryTile, nr - skip, bias + skip * kKeyTile + e,
+                                 kKeyTile);
+          if (p <= m_last) a.lambda[e0 + e] = lam;  // Λ_{m_last, p}
+        }
+      }
+
+      // Online softmax of every (head, row) over this key tile; the r heads share the bias tile.
+      for (std::int64_t h = 0; h < a.heads; ++h)
+        for (std::int64_t i = 0; i < nr; ++i) {
+          const QS* qrow = a.q + h * a.q_head_stride + (r0 + i) * a.q_row_stride;
+          const Acc* brow = bias + i * kKeyTile;
+          Acc block_max = negative_infinity<Acc>();
+          for (std::int64_t e = 0; e < ne; ++e) {
+            logits[e] = brow[e] == negative_infinity<Acc>()
+                            ? negative_infinity<Acc>()
+                            : dot8<Acc>(qrow, a.keys + (e0 + e) * a.key_stride, D) + brow[e];  // scale 1
+            if (logits[e] > block_max) block_max = logits[e];
+          }
+          if (block_max == negative_infinity<Acc>()) continue;
+          OnlineSoftmax<Acc> sm;
+          sm.max = row_max[h * kQueryTile + i];
+          sm.sum = row_sum[h * kQueryTile + i];
+          Acc* arow = acc + (h * kQueryTile + i) * D;
+          const Acc rescale = sm.raise_max(block_max);
+          if (rescale != Acc(1))
+            for (std::int64_t d = 0; d < D; ++d) arow[d] *= rescale;
+          for (std::int64_t e = 0; e < ne; ++e) {
+            const Acc w = sm.accumulate(logits[e]);
+            if (w == Acc(0)) continue;
+            const KS* vrow = a.values + (e0 + e) * a.value_stride;
+            for (std::int64_t d = 0; d < D; ++d) arow[d] += w * load_as<Acc>(vrow[d]);
+          }
+          row_max[h * kQueryTile + i] = sm.max;
+          row_sum[h * kQueryTile + i] = sm.sum;
+        }
+    }
+
+    // Normalise, apply the optional output gate y = o * sigmoid(z_o) (spec UA.md 7), write lse.
+    for (std::int64_t h = 0; h < a.heads; ++h)
+      for (std::int64_t i = 0; i < nr; ++i) {
+        OnlineSoftmax<Acc> sm;
+        sm.max = row_max[h * kQueryTile + i];
+        sm.sum = row_sum[h * kQueryTile + i];
+        const Acc inv = sm.normaliser();
+        const Acc* arow = acc + (h * kQueryTile + i) * D;
+        OS* orow = a.out + (r0 + i) * a.out_row_stride + h * a.out_head_stride;
+        const QS* zrow = a.z_o ? a.z_o + (r0 + i) * a.z_o_row_stride + h * a.z_o_head_stride : nullptr;
+        for (std::int64_t d = 0; d < D; ++d) {
+          Acc y = arow[d] * inv;
+          if (zrow) y *= sigmoid(load_as<Acc>(zrow[d]));
+          orow[d] = store_as<OS>(y);
+        }
+        if (a.lse) a.lse[h * a.lse_head_stride + (r0 + i) * a.lse_row_stride] = sm.lse();
+      }
+  }
+}
+
+}  // namespace kvmem::kernel::ua

@@ -1,0 +1,115 @@
+// SPDX-License-Identifier: Apache-2.0
+#pragma once
+// Universal Attention decay bodies shared by every backend (spec UA.md 4.1, 4.2, 4.4 step 1):
+// the per-step decay A_jm of one (key j, position m) pair from the gates of a decay::Set, a decay
+// tile, the cumulative decay along the position axis, and the decode lambda update.
+//
+// Backend-neutral: KVMEM_HOST_DEVICE, no allocation, no containers, no exceptions. The cumulative
+// decay always accumulates in increasing m (Λ_ij = Λ_{i-1,j} + A_ji, spec UA.md 4.2), one rounding per
+// step, so prefill tiles, chunked prefill and token-by-token decode produce bitwise identical λ.
+
+#include <cstdint>
+#include <type_traits>
+
+#include "kvmem/core/config.hpp"
+#include "kvmem/core/math.hpp"
+#include "kvmem/core/numeric.hpp"
+#include "kvmem/policy/decay.hpp"
+
+namespace kvmem::kernel::ua {
+
+// a . b over n elements with eight partial sums (vectorises without reassociation; the order is
+// fixed, so every caller gets the same bits). a: [n], b: [n]
+template <class Acc, class A, class B>
+KVMEM_HOST_DEVICE inline Acc dot8(const A* a, const B* b, std::int64_t n) {
+  Acc part[8] = {Acc(0), Acc(0), Acc(0), Acc(0), Acc(0), Acc(0), Acc(0), Acc(0)};
+  std::int64_t i = 0;
+  for (; i + 8 <= n; i += 8)
+    for (int l = 0; l < 8; ++l) part[l] += load_as<Acc>(a[i + l]) * load_as<Acc>(b[i + l]);
+  Acc s = ((part[0] + part[1]) + (part[2] + part[3])) + ((part[4] + part[5]) + (part[6] + part[7]));
+  for (; i < n; ++i) s += load_as<Acc>(a[i]) * load_as<Acc>(b[i]);
+  return s;
+}
+
+namespace detail {
+template <class S>
+struct HasSimilarityGate : std::false_type {};
+template <class... G>
+struct HasSimilarityGate<decay::Set<G...>> : std::bool_constant<(std::is_same_v<G, decay::SimilarityGate> || ...)> {};
+}  // namespace detail
+
+// A set that contains SimilarityGate has a factor relu(c)^2 = 0 for c <= 0, so its geometric mean is
+// 0 and A = 0 exactly (spec UA.md 4.1 step 3): kernels may skip the remaining gates for such pairs.
+template <class S>
+inline constexpr bool kHasSimilarityGate = detail::HasSimilarityGate<S>::value;
+
+// Spec UA.md 4.1: A_jm for one pair j < m of one (sequence, kv head).
+// key_j: [D] (cached key, storage type), key_m: [D] (the later token's key)
+template <class Set, class Acc, class KJ, class KM>
+KVMEM_HOST_DEVICE inline Acc pair_decay(const KJ* key_j, Acc key_logit_j, std::int64_t pos_j, const KM* key_m,
+                                        Acc query_logit_m, std::int64_t pos_m, std::int64_t D) {
+  decay::PairInputs<Acc> in;
+  in.key_logit = key_logit_j;
+  in.query_logit = query_logit_m;
+  in.key_position = pos_j;
+  in.position = pos_m;
+  if constexpr (Set::kNeedsSimilarity) {
+    in.similarity = dot8<Acc>(key_j, key_m, D);
+    if constexpr (kHasSimilarityGate<Set>)
+      if (!(in.similarity > Acc(0))) return Acc(0);  // relu(c)^2 = 0 -> x = 0 -> A = 0 exactly
+  }
+  return Set::template log_decay<Acc>(in);
+}
+
+// Decay tile (spec UA.md 4.1): tile[e * ld + i] = A(key e, position m_i) for keys [0, n_keys) and
+// positions m_i = first_pos + i, i in [0, n_pos); 0 where m_i <= pos_e (self term and the future).
+// keys: [n_keys, D] rows key_stride apart; key_logit, key_pos: [n_keys];
+// new_keys: [n_pos, D] rows new_key_stride apart; query_logit: [n_pos] query_logit_stride apart;
+// tile: [n_keys, ld]
+template <class Set, class Acc, class KS, class QS>
+KVMEM_HOST_DEVICE inline void decay_tile(const KS* keys, std::int64_t key_stride, const Acc* key_logit,
+                                         const std::int64_t* key_pos, std::int64_t n_keys, const QS* new_keys,
+                                         std::int64_t new_key_stride, const QS* query_logit,
+                                         std::int64_t query_logit_stride, std::int64_t first_pos, std::int64_t n_pos,
+                                         std::int64_t D, Acc* tile, std::int64_t ld) {
+  for (std::int64_t e = 0; e < n_keys; ++e)
+    for (std::int64_t i = 0; i < n_pos; ++i) {
+      const std::int64_t m = first_pos + i;
+      tile[e * ld + i] = m > key_pos[e] ? pair_decay<Set, Acc>(keys + e * key_stride, key_logit[e], key_pos[e],
+                                                               new_keys + i * new_key_stride,
+                                                               load_as<Acc>(query_logit[i * query_logit_stride]), m, D)
+                                        : Acc(0);
+    }
+}
+
+// Cumulative decay along the position axis for one key (spec UA.md 4.2): given λ = Λ_{m0-1,j} and the
+// key's decay row a[i] = A_{j, m0+i}, writes bias[i * ld] = Λ_{m0+i, j} for i in [0, n) (-inf where
+// m0+i < pos_j, 0 on the diagonal) and returns Λ_{m0+n-1, j}. Accumulates in increasing m.
+// a: [n]; bias: [n] with stride ld
+template <class Acc>
+KVMEM_HOST_DEVICE inline Acc cumulative_decay(Acc lambda, std::int64_t pos_j, std::int64_t m0, const Acc* a,
+                                              std::int64_t n, Acc* bias, std::int64_t ld) {
+  for (std::int64_t i = 0; i < n; ++i) {
+    const std::int64_t m = m0 + i;
+    if (m < pos_j) {
+      bias[i * ld] = negative_infinity<Acc>();  // causal mask
+      continue;
+    }
+    if (m > pos_j) lambda += a[i];
+    bias[i * ld] = lambda;
+  }
+  return lambda;
+}
+
+// Decode step 1 (spec UA.md 4.4): λ_e += A(e, t) for every cached entry of one (sequence, kv head).
+// keys: [n, D] rows key_stride apart; lambda, key_logit, key_pos: [n]; new_key: [D]
+template <class Set, class Acc, class KS, class QS>
+KVMEM_HOST_DEVICE inline void lambda_update(const KS* keys, std::int64_t key_stride, const Acc* key_logit,
+                                            const std::int64_t* key_pos, Acc* lambda, std::int64_t n,
+                                            const QS* new_key, Acc query_logit, std::int64_t t, std::int64_t D) {
+  for (std::int64_t e = 0; e < n; ++e)
+    if (t > key_pos[e])
+      lambda[e] += pair_decay<Set, Acc>(keys + e * key_stride, key_logit[e], key_pos[e], new_key, query_logit, t, D);
+}
+
+}  // namespace kvmem::kernel::ua

@@ -1,0 +1,40 @@
+// SPDX-License-Identifier: Apache-2.0
+#pragma once
+// Universal Attention eviction body shared by every backend (spec UA.md 4.5): evict every entry of
+// one (sequence, kv head) whose λ lies strictly below ln p, and compact the survivors stably, so they
+// stay in ascending position order (this fixes the summation order the goldens assume). Rows
+// [kept, n) are free afterwards; the caller reports them for reclamation.
+//
+// Backend-neutral: KVMEM_HOST_DEVICE, no allocation, no containers, no exceptions.
+
+#include <cstdint>
+
+#include "kvmem/core/config.hpp"
+
+namespace kvmem::kernel::ua {
+
+// Returns the number of survivors. log_p = -inf (p = 0) never evicts. The comparison is done in double,
+// exactly as prune::Threshold::evicts does it.
+// keys, values: [n, D] rows row_stride apart; lambda, key_logit, pos: [n]
+template <class KS, class Acc>
+KVMEM_HOST_DEVICE inline std::int64_t evict_and_compact(KS* keys, KS* values, std::int64_t row_stride, Acc* lambda,
+                                                         Acc* key_logit, std::int64_t* pos, std::int64_t n,
+                                                         std::int64_t D, double log_p) {
+  std::int64_t kept = 0;
+  for (std::int64_t e = 0; e < n; ++e) {
+    if (static_cast<double>(lambda[e]) < log_p) continue;  // evicted for good (λ never increases)
+    if (kept != e) {
+      for (std::int64_t d = 0; d < D; ++d) {
+        keys[kept * row_stride + d] = keys[e * row_stride + d];
+        values[kept * row_stride + d] = values[e * row_stride + d];
+      }
+      lambda[kept] = lambda[e];
+      key_logit[kept] = key_logit[e];
+      pos[kept] = pos[e];
+    }
+    ++kept;
+  }
+  return kept;
+}
+
+}  // namespace kvmem::kernel::ua
