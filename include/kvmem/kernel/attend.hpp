@@ -1,0 +1,69 @@
+// SPDX-License-Identifier: Apache-2.0
+#pragma once
+// Generic attend-row body shared by every backend: one query row accumulates a range of keys into
+// an online-softmax state (core/softmax.hpp) and an unnormalised output accumulator. KVM's readout
+// (spec KVM.md 4.4) calls it once over the state slots and once per contiguous window segment, so
+// slots and window share ONE softmax; dense causal attention calls it over [0, t].
+//
+// Backend-neutral: KVMEM_HOST_DEVICE, no allocation, no containers, no exceptions. Keys are read in
+// tiles of kAttendTile so a tile's logits stay in registers/L1 and each row rescales once per tile.
+
+#include <cstdint>
+
+#include "kvmem/core/config.hpp"
+#include "kvmem/core/math.hpp"
+#include "kvmem/core/numeric.hpp"
+#include "kvmem/core/softmax.hpp"
+
+namespace kvmem::kernel {
+
+inline constexpr std::int64_t kAttendTile = 64;
+
+// a . b over n elements, eight partial sums so the compiler can vectorise without reassociation.
+// a: [n] (accumulate type), b: [n] (storage type)
+template <class Acc, class B>
+KVMEM_HOST_DEVICE inline Acc dot(const Acc* a, const B* b, std::int64_t n) {
+  Acc part[8] = {Acc(0), Acc(0), Acc(0), Acc(0), Acc(0), Acc(0), Acc(0), Acc(0)};
+  std::int64_t i = 0;
+  for (; i + 8 <= n; i += 8)
+    for (int l = 0; l < 8; ++l) part[l] += a[i + l] * load_as<Acc>(b[i + l]);
+  Acc s = ((part[0] + part[1]) + (part[2] + part[3])) + ((part[4] + part[5]) + (part[6] + part[7]));
+  for (; i < n; ++i) s += a[i] * load_as<Acc>(b[i]);
+  return s;
+}
+
+// Accumulates keys [0, count) into one row: l_j = logit_scale * (q . k_j), p over the union of
+// everything pushed into `sm` so far (spec KVM.md 4.4 step 3).
+// q: [D]; keys: [count, ldk] (first D used); vals: [count, ldv] (first Dv used); acc: [Dv]
+template <class Acc, class K, class V>
+KVMEM_HOST_DEVICE inline void attend_accumulate(OnlineSoftmax<Acc>& sm, Acc* acc, const Acc* q, std::int64_t D,
+                                                Acc logit_scale, const K* keys, std::int64_t ldk, const V* vals,
+                                                std::int64_t ldv, std::int64_t Dv, std::int64_t count) {
+  using std::exp;
+  Acc logits[kAttendTile];
+  for (std::int64_t base = 0; base < count; base += kAttendTile) {
+    const std::int64_t n = (count - base) < kAttendTile ? (count - base) : kAttendTile;
+    Acc block_max = negative_infinity<Acc>();
+    for (std::int64_t j = 0; j < n; ++j) {
+      logits[j] = logit_scale * dot(q, keys + (base + j) * ldk, D);
+      if (logits[j] > block_max) block_max = logits[j];
+    }
+    const Acc rescale = sm.raise_max(block_max);
+    if (rescale != Acc(1))
+      for (std::int64_t d = 0; d < Dv; ++d) acc[d] *= rescale;
+    for (std::int64_t j = 0; j < n; ++j) {
+      const Acc w = sm.accumulate(logits[j]);
+      const V* row = vals + (base + j) * ldv;
+      for (std::int64_t d = 0; d < Dv; ++d) acc[d] += w * load_as<Acc>(row[d]);
+    }
+  }
+}
+
+// out = acc / sum (an empty row gives zeros). acc: [Dv], out: [Dv]
+template <class Acc, class Out>
+KVMEM_HOST_DEVICE inline void attend_finish(const OnlineSoftmax<Acc>& sm, const Acc* acc, std::int64_t Dv, Out* out) {
+  const Acc inv = sm.normaliser();
+  for (std::int64_t d = 0; d < Dv; ++d) out[d] = static_cast<Out>(acc[d] * inv);
+}
+
+}  // namespace kvmem::kernel

@@ -1,0 +1,131 @@
+// SPDX-License-Identifier: Apache-2.0
+#pragma once
+// KVM state-update bodies shared by every backend (spec KVM.md 4.2-4.5): key preprocessing (zeroed
+// RoPE channels, LN_s), the value readout V^, novelty scores, append selection by rank, merge
+// routing by argmax over non-sink slots and the scatter of gated sums. Each body works on one
+// (sequence, KV head) and one row or one slot at a time; backends decide where the bodies run.
+//
+// KVMEM_HOST_DEVICE, no allocation, no containers, no exceptions, no virtual functions.
+
+#include <cmath>
+#include <cstdint>
+
+#include "kvmem/core/config.hpp"
+#include "kvmem/core/numeric.hpp"
+#include "kvmem/kernel/attend.hpp"
+
+namespace kvmem::kernel {
+
+// LN_s(x) = w (x - mean)/sqrt(var + eps) + b, biased variance over D (spec 4.2 step 2). y may alias x.
+// x: [D], w: [D], b: [D], y: [D]
+template <class Acc, class X>
+KVMEM_HOST_DEVICE inline void layer_norm(const X* x, std::int64_t D, const Acc* w, const Acc* b, Acc eps, Acc* y) {
+  using std::sqrt;
+  Acc mean = Acc(0);
+  for (std::int64_t d = 0; d < D; ++d) mean += load_as<Acc>(x[d]);
+  mean /= static_cast<Acc>(D);
+  Acc var = Acc(0);
+  for (std::int64_t d = 0; d < D; ++d) {
+    const Acc c = load_as<Acc>(x[d]) - mean;
+    var += c * c;
+  }
+  var /= static_cast<Acc>(D);
+  const Acc inv = Acc(1) / sqrt(var + eps);
+  for (std::int64_t d = 0; d < D; ++d) y[d] = w[d] * ((load_as<Acc>(x[d]) - mean) * inv) + b[d];
+}
+
+// k0 = LN_s(k with channels [0, r) zeroed) (spec 4.2 steps 1-2; LN refills the zeroed channels).
+// k: [D], k0: [D]
+template <class Acc, class K>
+KVMEM_HOST_DEVICE inline void preprocess_key(const K* k, std::int64_t D, std::int64_t rope_dims, const Acc* w,
+                                             const Acc* b, Acc eps, Acc* k0) {
+  for (std::int64_t d = 0; d < D; ++d) k0[d] = d < rope_dims ? Acc(0) : load_as<Acc>(k[d]);
+  layer_norm(k0, D, w, b, eps, k0);
+}
+
+// ||x||_2. x: [n]
+template <class Acc, class X>
+KVMEM_HOST_DEVICE inline Acc norm2(const X* x, std::int64_t n) {
+  using std::sqrt;
+  Acc s = Acc(0);
+  for (std::int64_t i = 0; i < n; ++i) s += load_as<Acc>(x[i]) * load_as<Acc>(x[i]);
+  return sqrt(s);
+}
+
+// V^ = rho * Sv / max(||Sv||, 1e-12) (value radius) or Sv / cnt (count mode)  (spec 4.4 step 2).
+// sv: [Dv], out: [Dv]
+template <class Acc, class Out>
+KVMEM_HOST_DEVICE inline void value_readout(const Acc* sv, std::int64_t Dv, Acc rho, Acc cnt, bool value_radius,
+                                            Out* out) {
+  Acc f;
+  if (value_radius) {
+    Acc n = norm2<Acc>(sv, Dv);
+    if (n < Acc(1e-12)) n = Acc(1e-12);
+    f = rho / n;
+  } else {
+    f = Acc(1) / cnt;
+  }
+  for (std::int64_t d = 0; d < Dv; ++d) out[d] = store_as<Out>(sv[d] * f);
+}
+
+// Novelty, one slot at a time: score_i = max(score_i, k0_i . khat) (spec 4.5 step 2; scores start
+// at -inf and see every current slot, sink included). k0: [n, D], khat: [D], score: [n]
+template <class Acc>
+KVMEM_HOST_DEVICE inline void novelty_update(const Acc* k0, std::int64_t n, std::int64_t D, const Acc* khat,
+                                             Acc* score) {
+  for (std::int64_t i = 0; i < n; ++i) {
+    const Acc s = dot(khat, k0 + i * D, D);
+    if (s > score[i]) score[i] = s;
+  }
+}
+
+// Append selection by rank: token i is appended iff fewer than n_app tokens precede it in the
+// order (score asc, index asc) (spec 4.5 step 2; stable ties by lower index, spec 7.4). O(n^2)
+// comparisons, no sort, so a GPU thread per token computes its own rank.
+// score: [n], target: [n] (set to -1 for appended tokens, 0 otherwise)
+template <class Acc>
+KVMEM_HOST_DEVICE inline void select_appends(const Acc* score, std::int64_t n, std::int64_t n_app,
+                                             std::int64_t* target) {
+  for (std::int64_t i = 0; i < n; ++i) {
+    std::int64_t rank = 0;
+    for (std::int64_t j = 0; j < n; ++j)
+      rank += (score[j] < score[i] || (score[j] == score[i] && j < i)) ? 1 : 0;
+    target[i] = rank < n_app ? -1 : 0;
+  }
+}
+
+// Merge routing, one candidate slot j at a time in increasing j (j >= sink): token i (target != -1)
+// moves to j when kg_i . K^+_j beats its best so far strictly, so ties keep the smaller j (spec 4.5
+// step 4). Before the first slot, set best_logit[i] = -inf and target[i] = 0 (unrouted) for merges.
+// kg: [n, D], khat: [D], best_logit: [n], target: [n]
+template <class Acc>
+KVMEM_HOST_DEVICE inline void merge_route_update(const Acc* kg, std::int64_t n, std::int64_t D, const Acc* khat,
+                                                 std::int64_t j, Acc* best_logit, std::int64_t* target,
+                                                 bool first_candidate) {
+  for (std::int64_t i = 0; i < n; ++i) {
+    if (target[i] == -1) continue;
+    const Acc l = dot(khat, kg + i * D, D);
+    if (first_candidate || l > best_logit[i]) {
+      best_logit[i] = l;
+      target[i] = j;
+    }
+  }
+}
+
+// Scatter of gated sums into slot j: Sk_j += sum kg_i, Sv_j += sum vg_i, cnt_j += #i over the
+// tokens routed to j, added in increasing token order (spec 4.5 step 4, one parallel scatter
+// against the same K^+: the bodies run after routing is complete).
+// kg: [n, D], vg: [n, Dv], target: [n], sk: [D], sv: [Dv]
+template <class Acc>
+KVMEM_HOST_DEVICE inline void scatter_into_slot(const Acc* kg, const Acc* vg, const std::int64_t* target,
+                                                std::int64_t n, std::int64_t D, std::int64_t Dv, std::int64_t j,
+                                                Acc* sk, Acc* sv, Acc* cnt) {
+  for (std::int64_t i = 0; i < n; ++i) {
+    if (target[i] != j) continue;
+    for (std::int64_t d = 0; d < D; ++d) sk[d] += kg[i * D + d];
+    for (std::int64_t d = 0; d < Dv; ++d) sv[d] += vg[i * Dv + d];
+    *cnt += Acc(1);
+  }
+}
+
+}  // namespace kvmem::kernel
