@@ -68,10 +68,12 @@ struct Call {
     for (std::int64_t d = 0; d < Dv(); ++d) sv[d] = load_as<A>(vr[d]);
     it.rho[j] = kernel::norm2<A>(sv, Dv());
     it.cnt[j] = A(1);
-    if (p().gate_initial) {
+    if (p().gate_initial) {  // Sk = kg, Sv = vg: each gated only when its merge gate flag is on (spec 4.2)
       const A g = it.wg[ring];
-      for (std::int64_t d = 0; d < D(); ++d) sk[d] *= g;
-      for (std::int64_t d = 0; d < Dv(); ++d) sv[d] *= g;
+      if (p().merge_gate_keys)
+        for (std::int64_t d = 0; d < D(); ++d) sk[d] *= g;
+      if (p().merge_gate_values)
+        for (std::int64_t d = 0; d < Dv(); ++d) sv[d] *= g;
     }
     refresh(it, j, j + 1);
   }

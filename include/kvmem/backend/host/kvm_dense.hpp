@@ -34,7 +34,7 @@ void dense_causal_attention(const Executor& exec,
     const std::int64_t b = i / Hk, g = i % Hk;
     const std::int64_t rows_max = block * rep;
     std::vector<A> qb(std::size_t(rows_max * D)), acc(std::size_t(rows_max * Dv));
-    std::vector<OnlineSoftmax<A>> soft(std::size_t(rows_max));
+    std::vector<OnlineSoftmax<A>> soft(static_cast<std::size_t>(rows_max));
     const S* kp = &k(b, g, 0, 0);
     const S* vp = &v(b, g, 0, 0);
     for (std::int64_t t0 = 0; t0 < T; t0 += block) {
