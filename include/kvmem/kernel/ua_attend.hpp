@@ -71,7 +71,6 @@ struct BlockArgs {
 
 template <class Set, class KS, class QS, class OS, class Acc>
 KVMEM_HOST_DEVICE inline void attend_block(const BlockArgs<KS, QS, OS, Acc>& a) {
-  using std::exp;
   const std::int64_t D = a.D;
   Acc* acc = a.workspace;                          // [heads, kQueryTile, D]
   Acc* row_max = acc + a.heads * kQueryTile * D;   // [heads, kQueryTile]

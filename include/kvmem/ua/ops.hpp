@@ -48,8 +48,10 @@ struct Inputs {
 };
 
 // Customisation point: a backend specialises Launcher<Executor> with
-//   template <class Body> static void for_each(const Executor&, std::int64_t items, Body&& body);
-// running body(item) once for every (sequence, kv head) item. ua/ knows no backend (DESIGN.md 1).
+//   template <class Body> static void for_each(const Executor&, std::int64_t items, std::int64_t work, Body&& body);
+// running body(item) once for every (sequence, kv head) item; `work` is a rough multiply-add count of
+// the whole call, so a backend can run small calls (a decode step over a pruned cache) inline instead
+// of paying for a launch. ua/ knows no backend (DESIGN.md 1).
 template <class Exec>
 struct Launcher {
   static_assert(sizeof(Exec) == 0,
@@ -255,7 +257,9 @@ Status prefill(const Exec& exec, PrunedCache<Storage>& cache, const Inputs& in, 
                TensorView<float, 4> out) {
   KVMEM_RETURN_IF_ERROR(detail::validate_cache_call(cache, in, opt, out, false));
   const CacheShape& s = cache.shape();
-  Launcher<Exec>::for_each(exec, s.batch * s.kv_heads, [&](std::int64_t it) {
+  const std::int64_t T = in.q.extent(2);
+  const std::int64_t work = s.batch * s.query_heads * s.head_dim * T * (cache.max_length() + T);
+  Launcher<Exec>::for_each(exec, s.batch * s.kv_heads, work, [&](std::int64_t it) {
     detail::prefill_item<Set>(cache, it / s.kv_heads, it % s.kv_heads, in, opt, out);
   });
   for (std::int64_t b = 0; b < s.batch; ++b) cache.advance(b, in.q.extent(2));
@@ -269,7 +273,11 @@ Status decode(const Exec& exec, PrunedCache<Storage>& cache, const Inputs& in, c
               TensorView<float, 4> out) {
   KVMEM_RETURN_IF_ERROR(detail::validate_cache_call(cache, in, opt, out, true));
   const CacheShape& s = cache.shape();
-  Launcher<Exec>::for_each(exec, s.batch * s.kv_heads, [&](std::int64_t it) {
+  std::int64_t entries = 0;
+  for (std::int64_t b = 0; b < s.batch; ++b)
+    for (std::int64_t g = 0; g < s.kv_heads; ++g) entries += cache.length(b, g) + 1;
+  const std::int64_t work = entries * s.head_dim * (cache.group_size() + 1);
+  Launcher<Exec>::for_each(exec, s.batch * s.kv_heads, work, [&](std::int64_t it) {
     detail::decode_item<Set>(cache, it / s.kv_heads, it % s.kv_heads, in, opt, out);
   });
   for (std::int64_t b = 0; b < s.batch; ++b) cache.advance(b, 1);
@@ -293,7 +301,7 @@ Status forward(const Exec& exec, const Inputs& in, TensorView<float, 4> out, Ten
     KVMEM_RETURN_IF_ERROR(check_shape(TensorView<const float, 3>(lambda_last), {B, G, T}, "lambda_last [B,G,T]"));
   const std::int64_t r = H / G;
   const std::int64_t ws = kernel::ua::block_workspace_elems(r, D);
-  Launcher<Exec>::for_each(exec, B * G, [&](std::int64_t it) {
+  Launcher<Exec>::for_each(exec, B * G, B * H * D * T * T, [&](std::int64_t it) {
     const std::int64_t b = it / G, g = it % G;
     // Keys and values stay in the caller's tensors; λ, gates and positions are per-item copies.
     std::vector<float> lambda(static_cast<std::size_t>(T), 0.0f), key_logit(static_cast<std::size_t>(T)),

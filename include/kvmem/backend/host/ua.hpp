@@ -20,8 +20,16 @@ namespace kvmem::ua {
 
 template <>
 struct Launcher<host::Executor> {
+  // Below about this many multiply-adds a call runs on the calling thread: starting threads costs more
+  // than the work (a decode step over a pruned cache is a few microseconds).
+  static constexpr std::int64_t kInlineWork = std::int64_t(1) << 18;
+
   template <class Body>
-  static void for_each(const host::Executor& exec, std::int64_t items, Body&& body) {
+  static void for_each(const host::Executor& exec, std::int64_t items, std::int64_t work, Body&& body) {
+    if (work < kInlineWork) {
+      for (std::int64_t i = 0; i < items; ++i) body(i);
+      return;
+    }
     host::parallel_for(exec, items, std::forward<Body>(body));
   }
 };
