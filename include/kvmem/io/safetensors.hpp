@@ -305,9 +305,12 @@ class SafetensorsFile {
       return io_error(where + "data_offsets must be [begin, end] with non-negative integers");
     info.begin = (*offsets)[0].get<std::uint64_t>();
     info.end = (*offsets)[1].get<std::uint64_t>();
-    if (info.begin > info.end || info.end > data_size)
+    if (info.begin > info.end)
       return io_error(where + "data_offsets [" + std::to_string(info.begin) + ", " + std::to_string(info.end) +
-                      "] lie outside the data buffer of " + std::to_string(data_size) + " bytes");
+                      "] end before they begin");
+    if (info.end > data_size)
+      return io_error(where + "data_offsets [" + std::to_string(info.begin) + ", " + std::to_string(info.end) +
+                      "] lie outside the data buffer of " + std::to_string(data_size) + " bytes (truncated file?)");
     if (info.end - info.begin != numel * dtype_size(info.dtype))
       return io_error(where + "data_offsets span " + std::to_string(info.end - info.begin) + " bytes but the shape and dtype need " +
                       std::to_string(numel * dtype_size(info.dtype)));

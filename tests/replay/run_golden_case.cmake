@@ -1,0 +1,31 @@
+# Runs kvmem-replay on one golden case and checks the contract of issue 5:
+# exit 0, one PASS line per compared tensor, no FAIL line, and an output file that exists.
+# Args: TOOL, CASE, BACKEND, OUT.
+get_filename_component(_dir "${OUT}" DIRECTORY)
+file(MAKE_DIRECTORY "${_dir}")
+file(REMOVE "${OUT}")
+execute_process(COMMAND "${TOOL}" "${CASE}" -o "${OUT}" --backend "${BACKEND}"
+                RESULT_VARIABLE _rc OUTPUT_VARIABLE _out ERROR_VARIABLE _err)
+message("${_out}")
+if(_err)
+  message("stderr:\n${_err}")
+endif()
+if(NOT _rc EQUAL 0)
+  message(FATAL_ERROR "kvmem-replay exited with ${_rc} (expected 0)")
+endif()
+string(REGEX MATCHALL "[^\n]*  PASS\n" _pass "${_out}")
+list(LENGTH _pass _npass)
+if(_npass EQUAL 0)
+  message(FATAL_ERROR "no PASS line: nothing was compared")
+endif()
+if(_out MATCHES "  FAIL")
+  message(FATAL_ERROR "a tensor FAILs although the exit status is 0")
+endif()
+# Every tensor the golden expects from a forward run must have been compared, not skipped.
+if(_out MATCHES "\n(out|out_decode|state_[a-z]+|slots_after_update|route_[a-z]+_u[0-9]+|lse|lambda_last|out_pruned_p[0-9]+|kept_p[0-9]+) +SKIP")
+  message(FATAL_ERROR "a forward result of the golden was skipped: ${CMAKE_MATCH_1}")
+endif()
+if(NOT EXISTS "${OUT}")
+  message(FATAL_ERROR "no output file ${OUT}")
+endif()
+message("${_npass} tensors PASS")
