@@ -15,6 +15,7 @@
 #include <string>
 #include <type_traits>
 
+#include "kvmem/core/config.hpp"
 #include "kvmem/core/status.hpp"
 
 namespace kvmem::budget {
@@ -23,18 +24,18 @@ namespace kvmem::budget {
 inline constexpr std::int64_t kPaperMaxSlots = 2'560'000;
 
 namespace detail {
-constexpr std::int64_t min3(std::int64_t a, std::int64_t b, std::int64_t c) {
+KVMEM_HOST_DEVICE constexpr std::int64_t min3(std::int64_t a, std::int64_t b, std::int64_t c) {
   const std::int64_t ab = a < b ? a : b;
   return ab < c ? ab : c;
 }
 // target = max(min(raw, avail, maximum), current) -- spec KVM.md 3.1
-constexpr std::int64_t capped_target(std::int64_t raw, std::int64_t avail, std::int64_t maximum,
+KVMEM_HOST_DEVICE constexpr std::int64_t capped_target(std::int64_t raw, std::int64_t avail, std::int64_t maximum,
                                      std::int64_t current) {
   const std::int64_t capped = min3(raw, avail, maximum);
   return capped > current ? capped : current;
 }
 // R * floor(value / R), then at least `minimum`; `value` is already floored.
-constexpr std::int64_t round_and_floor(std::int64_t value, std::int64_t round_down, std::int64_t minimum) {
+KVMEM_HOST_DEVICE constexpr std::int64_t round_and_floor(std::int64_t value, std::int64_t round_down, std::int64_t minimum) {
   const std::int64_t rounded = round_down * (value / round_down);
   return rounded > minimum ? rounded : minimum;
 }
@@ -51,8 +52,8 @@ struct Fixed {
 
   static constexpr const char* kName = "fixed";
 
-  constexpr std::int64_t raw(std::int64_t /*tokens*/) const { return count; }
-  constexpr std::int64_t slots(std::int64_t tokens, std::int64_t avail, std::int64_t current) const {
+  KVMEM_HOST_DEVICE constexpr std::int64_t raw(std::int64_t /*tokens*/) const { return count; }
+  KVMEM_HOST_DEVICE constexpr std::int64_t slots(std::int64_t tokens, std::int64_t avail, std::int64_t current) const {
     return detail::capped_target(raw(tokens), avail, maximum, current);
   }
   constexpr std::int64_t max_slots(std::int64_t n_ctx) const { return detail::min3(count, n_ctx, maximum); }
@@ -74,12 +75,12 @@ struct Power {
 
   static constexpr const char* kName = "power";
 
-  std::int64_t raw(std::int64_t tokens) const {
+  KVMEM_HOST_DEVICE std::int64_t raw(std::int64_t tokens) const {
     // Evaluated in double and floored, exactly as the reference (std::pow(double(N), e)).
     const auto value = static_cast<std::int64_t>(std::floor(factor * std::pow(static_cast<double>(tokens), exponent)));
     return detail::round_and_floor(value, round_down, minimum);
   }
-  std::int64_t slots(std::int64_t tokens, std::int64_t avail, std::int64_t current) const {
+  KVMEM_HOST_DEVICE std::int64_t slots(std::int64_t tokens, std::int64_t avail, std::int64_t current) const {
     return detail::capped_target(raw(tokens), avail, maximum, current);
   }
   // raw() is non-decreasing in N for factor > 0, exponent >= 0, so raw(n_ctx) bounds every N <= n_ctx.
@@ -104,12 +105,12 @@ struct Saturating {
 
   static constexpr const char* kName = "saturating";
 
-  constexpr std::int64_t raw(std::int64_t tokens) const {
+  KVMEM_HOST_DEVICE constexpr std::int64_t raw(std::int64_t tokens) const {
     const double n = static_cast<double>(tokens);
     const auto value = static_cast<std::int64_t>(saturation * n / (saturation + n));  // >= 0: trunc == floor
     return detail::round_and_floor(value, round_down, minimum);
   }
-  constexpr std::int64_t slots(std::int64_t tokens, std::int64_t avail, std::int64_t current) const {
+  KVMEM_HOST_DEVICE constexpr std::int64_t slots(std::int64_t tokens, std::int64_t avail, std::int64_t current) const {
     return detail::capped_target(raw(tokens), avail, maximum, current);
   }
   // Nsat*N/(Nsat+N) increases with N, so raw(n_ctx) bounds every N <= n_ctx.

@@ -1,0 +1,77 @@
+// SPDX-License-Identifier: Apache-2.0
+#pragma once
+// The Kokkos executor (DESIGN.md 3: executor first): an execution-space instance plus the few
+// launch choices an engine may want to fix. kvm::Backend and the ua operations are specialised /
+// overloaded for Executor<Space> in backend/kokkos/kvm.hpp and backend/kokkos/ua.hpp.
+//
+//   kvmem::kokkos::Executor<Kokkos::Serial> exec{Kokkos::Serial()};
+//   kvmem::kvm::prefill(exec, state, weights, q, k, v, gate, out);
+//
+// Memory: every pointer an operation receives (tensor views, lengths, the state or cache) must be
+// accessible from Space (Kokkos::SpaceAccessibility<Space, MemorySpace>). Views come either as
+// kvmem::TensorView over the space's memory or as Kokkos::View through to_tensor_view(), which keeps
+// the view's strides, so LayoutRight, LayoutLeft and LayoutStride views are described exactly (the
+// operations then say which strides they accept).
+//
+// Written against the Kokkos 3.4 API that is still valid in Kokkos 4 (DESIGN.md 4).
+
+#include <cstddef>
+#include <cstdint>
+#include <type_traits>
+
+#include <Kokkos_Core.hpp>
+
+#include "kvmem/core/tensor.hpp"
+
+namespace kvmem::kokkos {
+
+template <class ExecSpace = Kokkos::DefaultExecutionSpace>
+struct Executor {
+  using execution_space = ExecSpace;
+  using memory_space = typename ExecSpace::memory_space;
+
+  ExecSpace space{};
+  // true: before anything changes, one reduction checks the data-dependent preconditions (finite
+  // inputs, lengths, capacity) and its result is read back on the host, so bad input returns a Status.
+  // false: no device-to-host read at all (for graph capture); kernels then skip every item whose
+  // sizes would overflow the state or cache and leave it untouched, and non-finite inputs propagate.
+  bool checked = true;
+  // Threads per team; 0 lets Kokkos choose (Kokkos::AUTO). Serial always runs one.
+  int team_size = 0;
+};
+
+// An unmanaged Kokkos::View of caller memory in Space's memory space (the form the operations take).
+template <class DataType, class Space, class Layout = Kokkos::LayoutRight>
+using UnmanagedView =
+    Kokkos::View<DataType, Layout, typename Space::memory_space, Kokkos::MemoryTraits<Kokkos::Unmanaged>>;
+
+// A kvmem tensor view over a Kokkos::View's memory with the view's own strides (any layout).
+template <class View>
+auto to_tensor_view(const View& view) {
+  using Value = typename View::value_type;
+  constexpr std::size_t kRank = View::rank;
+  Extents<kRank> extents{};
+  Extents<kRank> strides{};
+  for (std::size_t i = 0; i < kRank; ++i) {
+    extents[i] = static_cast<std::int64_t>(view.extent(i));
+    strides[i] = static_cast<std::int64_t>(view.stride(i));
+  }
+  return TensorView<Value, kRank>(view.data(), extents, strides);
+}
+
+namespace detail {
+
+// A team policy of `league` teams on exec's instance, team size from the executor.
+template <class Space>
+Kokkos::TeamPolicy<Space> team_policy(const Executor<Space>& exec, std::int64_t league) {
+  if (exec.team_size > 0) return Kokkos::TeamPolicy<Space>(exec.space, static_cast<int>(league), exec.team_size);
+  return Kokkos::TeamPolicy<Space>(exec.space, static_cast<int>(league), Kokkos::AUTO);
+}
+
+// Level-0 team scratch on CUDA is capped near 40 KB (DESIGN.md 4: 48 KiB minus what Kokkos keeps);
+// larger per-team buffers go to level 1.
+inline constexpr std::size_t kScratch0Bytes = 32 * 1024;
+
+}  // namespace detail
+
+}  // namespace kvmem::kokkos
