@@ -10,6 +10,7 @@
 // adapter never needs its own error plumbing and no output file is written.
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cmath>
 #include <condition_variable>
@@ -393,6 +394,7 @@ class Progress {
   // Runs `body` as one phase over `tokens` tokens.
   template <class Body>
   decltype(auto) phase(const std::string& name, std::int64_t tokens, Body&& body) {
+    done_.store(-1);
     if (!enabled_) return body();
     const auto begin = Clock::now();
     Heartbeat beat(*this, name, tokens, begin);
@@ -408,6 +410,11 @@ class Progress {
       }
     } done{*this, name, tokens, begin};
     return body();
+  }
+  // Adapters that loop over tokens report them, and the heartbeat then shows "done/total tokens".
+  void advance(std::int64_t tokens) {
+    std::int64_t cur = done_.load();
+    done_.store(cur < 0 ? tokens : cur + tokens);
   }
   void note(const std::string& text) const {
     std::fprintf(stderr, "kvmem-replay: %s\n", text.c_str());
@@ -429,9 +436,11 @@ class Progress {
     Heartbeat(const Progress& p, const std::string& name, std::int64_t tokens, Clock::time_point begin)
         : thread_([this, &p, name, tokens, begin] {
             std::unique_lock lock(mutex_);
-            while (!cv_.wait_for(lock, std::chrono::seconds(1), [this] { return stop_; }))
-              p.line(name + ": running over " + std::to_string(tokens) + " tokens, " + seconds(Clock::now() - begin) +
-                     " elapsed");
+            while (!cv_.wait_for(lock, std::chrono::seconds(1), [this] { return stop_; })) {
+              const std::int64_t done = p.done_.load();
+              p.line(name + ": " + (done >= 0 ? std::to_string(done) + "/" : std::string("running over ")) +
+                     std::to_string(tokens) + " tokens, " + seconds(Clock::now() - begin) + " elapsed");
+            }
           }) {}
     ~Heartbeat() {
       {
@@ -452,6 +461,7 @@ class Progress {
   bool enabled_;
   std::string label_;
   Clock::time_point start_;
+  std::atomic<std::int64_t> done_{-1};  // tokens finished in the current phase; -1: not reported
 };
 
 // ---- comparison ---------------------------------------------------------------------------------

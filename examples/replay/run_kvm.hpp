@@ -8,6 +8,7 @@
 // A state-only case (no q) runs prefill on zero queries: the state and the routes do not read q
 // (spec KVM.md 4.5), and out / out_decode are not written because they would be meaningless.
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <string>
@@ -15,6 +16,8 @@
 
 #include "replay_core.hpp"
 
+#include "kvmem/core/numeric.hpp"
+#include "kvmem/core/tensor.hpp"
 #include "kvmem/policy/budget.hpp"
 
 #if KVMEM_REPLAY_WITH_REFERENCE_KVM
@@ -205,6 +208,136 @@ inline Results run_reference(const Spec& s, const Inputs& in, Progress& progress
     r.has_decode = true;
   }
   return r;
+}
+#endif
+
+#if KVMEM_REPLAY_WITH_HOST_KVM
+namespace host_detail {
+
+inline std::vector<float> to_float(const std::vector<double>& x) { return {x.begin(), x.end()}; }
+
+// Tokens [t0, t1) of a [rows, T, width] float tensor, contiguous (what a call takes).
+inline std::vector<float> tokens(const std::vector<float>& x, std::int64_t rows, std::int64_t T, std::int64_t width,
+                                 std::int64_t t0, std::int64_t t1) {
+  std::vector<float> y;
+  y.reserve(static_cast<std::size_t>(rows * (t1 - t0) * width));
+  for (std::int64_t r = 0; r < rows; ++r)
+    y.insert(y.end(), x.begin() + (r * T + t0) * width, x.begin() + (r * T + t1) * width);
+  return y;
+}
+
+struct FloatInputs {
+  std::vector<float> q, k, v, gate, ln_w, ln_b, tau_s, tau_w;
+  explicit FloatInputs(const Inputs& in)
+      : q(to_float(in.q)), k(to_float(in.k)), v(to_float(in.v)), gate(to_float(in.gate)), ln_w(to_float(in.ln_weight)),
+        ln_b(to_float(in.ln_bias)), tau_s(to_float(in.tau_state)), tau_w(to_float(in.tau_bswa)) {}
+  [[nodiscard]] kvm::Weights weights() const {
+    return {{ln_w.data(), {std::int64_t(ln_w.size())}},
+            {ln_b.data(), {std::int64_t(ln_b.size())}},
+            {tau_s.data(), {std::int64_t(tau_s.size())}},
+            {tau_w.data(), {std::int64_t(tau_w.size())}}};
+  }
+};
+
+// Feeds tokens [t0, t1) of every sequence through one prefill call (a decode step when t1 = t0 + 1:
+// the host backend runs both with the same driver) and scatters the rows into out [B,T,Hq,Dv].
+template <class S>
+void feed(const host::Executor& exec, kvm::State<S, float>& st, const Spec& s, const FloatInputs& f, std::int64_t t0,
+          std::int64_t t1, std::vector<double>& out, kvm::RouteLog* log) {
+  const std::int64_t n = t1 - t0;
+  const auto q = tokens(f.q, s.B * s.Hq, s.T, s.D, t0, t1);
+  const auto k = tokens(f.k, s.B * s.Hk, s.T, s.D, t0, t1);
+  const auto v = tokens(f.v, s.B * s.Hk, s.T, s.Dv, t0, t1);
+  const auto g = tokens(f.gate, s.B * s.Hk, s.T, 1, t0, t1);
+  std::vector<float> o(static_cast<std::size_t>(s.B * n * s.Hq * s.Dv), 0.0f);
+  const Status status = kvm::prefill(exec, st, f.weights(), TensorView<const float, 4>(q.data(), {s.B, s.Hq, n, s.D}),
+                                     TensorView<const float, 4>(k.data(), {s.B, s.Hk, n, s.D}),
+                                     TensorView<const float, 4>(v.data(), {s.B, s.Hk, n, s.Dv}),
+                                     TensorView<const float, 3>(g.data(), {s.B, s.Hk, n}),
+                                     TensorView<float, 4>(o.data(), {s.B, n, s.Hq, s.Dv}), nullptr, log);
+  if (!status.is_ok()) throw BadInput("host kvm rejects the case: " + status.message());
+  const std::int64_t row = s.Hq * s.Dv;
+  for (std::int64_t b = 0; b < s.B; ++b)
+    std::copy(o.begin() + b * n * row, o.begin() + (b + 1) * n * row, out.begin() + (b * s.T + t0) * row);
+}
+
+template <class S>
+kvm::State<S, float> make_state(const Spec& s) {
+  kvm::Params p;
+  p.chunk = s.chunk;
+  p.window_chunks = s.window_chunks;
+  p.sink = s.sink;
+  p.rope_dims = s.rope_dims;
+  p.budget = s.budget;
+  p.merge_gate_keys = s.merge_gate_keys;
+  p.merge_gate_values = s.merge_gate_values;
+  p.head_temps = s.head_temps;
+  p.value_radius = s.value_radius;
+  p.gate_appends = s.gate_appends;
+  p.gate_initial = s.gate_initial;
+  p.ln_eps = s.ln_eps;
+  p.scale = s.scale;
+  kvm::State<S, float> st;
+  const Status status = kvm::State<S, float>::create(p, kvm::Shape{s.B, s.Hq, s.Hk, s.D, s.Dv, s.T}, st);
+  if (!status.is_ok()) throw BadInput("host kvm rejects the configuration: " + status.message());
+  return st;
+}
+
+template <class S>
+Results run(const Spec& s, const Inputs& in, const Options& opt, Progress& progress) {
+  const host::Executor exec{opt.threads};
+  const FloatInputs f(in);
+  Results r;
+  r.out.assign(static_cast<std::size_t>(s.B * s.T * s.Hq * s.Dv), 0.0);
+  {
+    auto st = make_state<S>(s);
+    kvm::RouteLog log;
+    progress.phase("prefill", s.T, [&] { feed(exec, st, s, f, 0, s.T, r.out, &log); });
+    r.slots = st.slots(0);
+    for (std::int64_t b = 0; b < s.B; ++b)
+      for (std::int64_t g = 0; g < s.Hk; ++g) {
+        const auto it = st.item(b, g);
+        r.state_k.insert(r.state_k.end(), it.sk, it.sk + r.slots * s.D);
+        r.state_v.insert(r.state_v.end(), it.sv, it.sv + r.slots * s.Dv);
+        r.state_rho.insert(r.state_rho.end(), it.rho, it.rho + r.slots);
+      }
+    // Routes per update, concatenated over the (b, kv head) items as the goldens store them.
+    const std::size_t U = log.items.empty() ? 0 : log.items[0].size();
+    r.route_append.assign(U, {});
+    r.route_merge.assign(U, {});
+    r.slots_after_update.assign(U, 0);
+    for (std::size_t u = 0; u < U; ++u)
+      for (const auto& item : log.items) {
+        if (item.size() != U) throw std::logic_error("internal: host kvm logged different update counts per item");
+        r.route_append[u].insert(r.route_append[u].end(), item[u].appended.begin(), item[u].appended.end());
+        r.route_merge[u].insert(r.route_merge[u].end(), item[u].target.begin(), item[u].target.end());
+        r.slots_after_update[u] = item[u].slots_after;
+      }
+  }
+  if (in.has_q && s.decode_split >= 0) {
+    auto st = make_state<S>(s);
+    r.out_decode.assign(r.out.size(), 0.0);
+    progress.phase("prefill " + std::to_string(s.decode_split) + " + decode", s.T, [&] {
+      if (s.decode_split > 0) feed(exec, st, s, f, 0, s.decode_split, r.out_decode, nullptr);
+      progress.advance(s.decode_split);
+      for (std::int64_t t = s.decode_split; t < s.T; ++t) {
+        feed(exec, st, s, f, t, t + 1, r.out_decode, nullptr);
+        progress.advance(1);
+      }
+    });
+    r.has_decode = true;
+  }
+  return r;
+}
+
+}  // namespace host_detail
+
+// fp32 or bf16 storage (window keys/values and readout copies); sums and math in fp32.
+inline Results run_host(const Spec& s, const Inputs& in, const Options& opt, Progress& progress) {
+  if (s.round_value_readout_bf16)
+    throw BadInput("config: 'round_value_readout_bf16' is only implemented by the reference backend");
+  if (opt.precision == Precision::kBf16) return host_detail::run<bf16>(s, in, opt, progress);
+  return host_detail::run<float>(s, in, opt, progress);
 }
 #endif
 

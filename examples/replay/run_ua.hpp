@@ -15,6 +15,9 @@
 
 #include "replay_core.hpp"
 
+#include "kvmem/core/numeric.hpp"
+#include "kvmem/core/tensor.hpp"
+
 #if KVMEM_REPLAY_WITH_REFERENCE_UA
 #include "kvmem/reference/ua.hpp"
 #endif
@@ -168,6 +171,117 @@ inline Results run_reference(const Spec& s, const Inputs& in, Progress& progress
     r.pruned.push_back({p, std::move(pr.out), std::move(pr.kept)});
   }
   return r;
+}
+#endif
+
+#if KVMEM_REPLAY_WITH_HOST_UA
+namespace host_detail {
+
+// Float copies of the inputs and strided views of token ranges (no copies per call).
+struct FloatInputs {
+  Spec s;
+  std::vector<float> q, k, v, z_k, z_q, z_o;
+  FloatInputs(const Spec& spec, const Inputs& in)
+      : s(spec), q(in.q.begin(), in.q.end()), k(in.k.begin(), in.k.end()), v(in.v.begin(), in.v.end()),
+        z_k(in.z_k.begin(), in.z_k.end()), z_q(in.z_q.begin(), in.z_q.end()), z_o(in.z_o.begin(), in.z_o.end()) {}
+
+  [[nodiscard]] ua::Inputs slice(std::int64_t t0, std::int64_t t1) const {
+    const std::int64_t B = s.B, H = s.H, G = s.G, T = s.T, D = s.D, n = t1 - t0;
+    ua::Inputs in;
+    in.q = {q.data() + t0 * D, {B, H, n, D}, {H * T * D, T * D, D, 1}};
+    in.k = {k.data() + t0 * D, {B, G, n, D}, {G * T * D, T * D, D, 1}};
+    in.v = {v.data() + t0 * D, {B, G, n, D}, {G * T * D, T * D, D, 1}};
+    in.z_k = {z_k.data() + t0, {B, G, n}, {G * T, T, 1}};
+    in.z_q = {z_q.data() + t0, {B, G, n}, {G * T, T, 1}};
+    if (!z_o.empty()) in.z_o = {z_o.data() + t0 * H * D, {B, n, H, D}, {T * H * D, H * D, D, 1}};
+    return in;
+  }
+  [[nodiscard]] TensorView<float, 4> out_slice(std::vector<float>& out, std::int64_t t0, std::int64_t t1) const {
+    return {out.data() + t0 * s.H * s.D, {s.B, t1 - t0, s.H, s.D}, {s.T * s.H * s.D, s.H * s.D, s.D, 1}};
+  }
+};
+
+inline void check(const Status& status, const char* what) {
+  if (!status.is_ok()) throw BadInput(std::string("host ua rejects the case (") + what + "): " + status.message());
+}
+
+// Chunked prefill of [0, split) with `opt`, then one decode call per later token.
+template <class S>
+std::vector<float> prefill_decode(const host::Executor& exec, const FloatInputs& f, std::int64_t split,
+                                  const ua::Options& opt, ua::PrunedCache<S>& cache, Progress& progress) {
+  std::vector<float> out(static_cast<std::size_t>(f.s.B * f.s.T * f.s.H * f.s.D), 0.0f);
+  if (split > 0) check(ua::prefill(exec, cache, f.slice(0, split), opt, f.out_slice(out, 0, split)), "prefill");
+  progress.advance(split);
+  for (std::int64_t t = split; t < f.s.T; ++t) {
+    check(ua::decode(exec, cache, f.slice(t, t + 1), opt, f.out_slice(out, t, t + 1)), "decode");
+    progress.advance(1);
+  }
+  return out;
+}
+
+template <class S>
+ua::PrunedCache<S> make_cache(const Spec& s) {
+  ua::PrunedCache<S> cache;
+  check(ua::PrunedCache<S>::create({s.B, s.H, s.G, s.D, s.T, 16}, cache), "cache");
+  return cache;
+}
+
+inline std::vector<double> to_double(const std::vector<float>& x) { return {x.begin(), x.end()}; }
+
+template <class S>
+Results run(const Spec& s, const Inputs& in, const Options& options, Progress& progress) {
+  const host::Executor exec{options.threads};
+  const FloatInputs f(s, in);
+  Results r;
+  {
+    std::vector<float> out(static_cast<std::size_t>(s.B * s.T * s.H * s.D)), lse(static_cast<std::size_t>(s.B * s.H * s.T)),
+        lambda(static_cast<std::size_t>(s.B * s.G * s.T));
+    progress.phase("dense", s.T, [&] {
+      check(ua::forward(exec, f.slice(0, s.T), f.out_slice(out, 0, s.T), TensorView<float, 3>(lse.data(), {s.B, s.H, s.T}),
+                        TensorView<float, 3>(lambda.data(), {s.B, s.G, s.T})),
+            "forward");
+    });
+    r.out = to_double(out);
+    r.lse = to_double(lse);
+    r.lambda_last = to_double(lambda);
+  }
+  ua::Options dense_opt;
+  dense_opt.p = 0.0;
+  dense_opt.prefill_chunk = s.prefill_chunk;
+  dense_opt.evict_before_attention = s.evict_before_attention;
+  {
+    auto cache = make_cache<S>(s);
+    r.out_decode = to_double(progress.phase("decode", s.T, [&] { return prefill_decode(exec, f, 0, dense_opt, cache, progress); }));
+  }
+  const std::int64_t split = s.prefill_split < 0 ? s.T : s.prefill_split;
+  for (double p : s.thresholds) {
+    auto cache = make_cache<S>(s);
+    ua::Options opt = dense_opt;
+    opt.p = p;
+    Pruned pr;
+    pr.p = p;
+    pr.out = to_double(progress.phase("pruned " + threshold_suffix(p), s.T,
+                                      [&] { return prefill_decode(exec, f, split, opt, cache, progress); }));
+    pr.kept.assign(static_cast<std::size_t>(s.B * s.G * s.T), 0);
+    for (std::int64_t b = 0; b < s.B; ++b)
+      for (std::int64_t g = 0; g < s.G; ++g)
+        for (std::int64_t e = 0; e < cache.length(b, g); ++e) {
+          const std::int64_t pos = cache.positions(b, g)[e];
+          if (pos < 0 || pos >= s.T) throw std::logic_error("internal: host ua cache holds position " + std::to_string(pos));
+          pr.kept[static_cast<std::size_t>((b * s.G + g) * s.T + pos)] = 1;
+        }
+    r.pruned.push_back(std::move(pr));
+  }
+  return r;
+}
+
+}  // namespace host_detail
+
+// fp32: everything in float. bf16: the decode caches store keys and values in bf16 (lambda and
+// accumulation stay fp32); the dense forward has no storage and runs in fp32.
+inline Results run_host(const Spec& s, const Inputs& in, const Options& opt, Progress& progress) {
+  if (opt.precision == Precision::kBf16) return host_detail::run<bf16>(s, in, opt, progress);
+  return host_detail::run<float>(s, in, opt, progress);
 }
 #endif
 

@@ -227,6 +227,43 @@ TEST_CASE("wrong expected tensors fail: shape, value, route", "[replay][compare]
 }
 #endif
 
+#if KVMEM_REPLAY_HAVE_HOST_KVM
+TEST_CASE("host results do not depend on --threads", "[replay][host]") {
+  TempDir dir("threads");
+  const std::string golden = kvmem::test::golden_case("kvm", "kvm_g5_gqa");
+  const auto one = kvmem::test::run_tool({golden, "-o", dir.file("t1.safetensors"), "--threads", "1", "--quiet"}, dir.path());
+  const auto three = kvmem::test::run_tool({golden, "-o", dir.file("t3.safetensors"), "--threads", "3", "--quiet"}, dir.path());
+  INFO(one.out << one.err << three.out << three.err);
+  REQUIRE(one.rc == 0);
+  REQUIRE(three.rc == 0);
+  const auto a = load(dir.file("t1.safetensors")), b = load(dir.file("t3.safetensors"));
+  CHECK(a.metadata().at("backend") == "host");
+  CHECK(a.metadata().at("precision") == "fp32");
+  for (const auto& t : a.tensors()) {
+    INFO(t.name);
+    REQUIRE(b.has(t.name));
+    if (t.dtype == kvmem::io::DType::kF64) CHECK(f64(a, t.name) == f64(b, t.name));
+    else CHECK(i64(a, t.name) == i64(b, t.name));
+  }
+}
+#endif
+
+#if KVMEM_REPLAY_HAVE_HOST_UA
+TEST_CASE("host bf16 UA stays within the bf16 tolerance and keeps the kept sets", "[replay][host]") {
+  TempDir dir("bf16");
+  const std::string golden = kvmem::test::golden_case("ua", "ua_g1_gqa_t37");
+  const auto run = kvmem::test::run_tool({golden, "-o", dir.file("o.safetensors"), "--precision", "bf16", "--quiet"}, dir.path());
+  INFO(run.out << run.err);
+  CHECK(run.rc == 0);
+  CHECK(line_has(run.out, "out_decode", "tol 3.000e-02"));
+  CHECK(line_has(run.out, "kept_p015", "PASS"));
+  // bf16 storage really is used: the decode output is not the fp32 one
+  const auto fp32 = kvmem::test::run_tool({golden, "-o", dir.file("f.safetensors"), "--quiet"}, dir.path());
+  REQUIRE(fp32.rc == 0);
+  CHECK(f64(load(dir.file("o.safetensors")), "out_decode") != f64(load(dir.file("f.safetensors")), "out_decode"));
+}
+#endif
+
 #if !KVMEM_REPLAY_HAVE_REFERENCE_KVM || !KVMEM_REPLAY_HAVE_REFERENCE_UA
 TEST_CASE("replay runs need the reference backend", "[replay][!mayfail]") {
   WARN("kvmem-replay was built without a reference backend: the run tests are not compiled");
