@@ -3,6 +3,7 @@
 // come from the spec (worked example, invariants), from plain causal softmax written out here, or
 // from the fp64 reference; never from the host path itself, except where the spec demands equality
 // of two host runs (decode == prefill, p = 0 == dense, P = 1 prefill == decode evicting after).
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <limits>
@@ -392,4 +393,32 @@ TEST_CASE("host: a user decay gate plugs in and matches the reference with the s
   KVMEM_CHECK_CLOSE(out, ref_out.out, kFp32Tol);
   CHECK(kept_mask(cache, 90) == ref_out.kept);
   CHECK(cache.length(0, 0) < 90);
+}
+
+TEST_CASE("host: across prefill chunk ends the kept set only loses keys, except the chunk's own", "[ua][host]") {
+  const Case c = random_case(1, 128, 4, 2, 16, 141);
+  const FloatCase f(c);
+  kua::PrunedCache<float> cache(f.cache_shape());
+  std::vector<float> out = f.make_out();
+  std::vector<std::int64_t> prev[2];
+  for (std::int64_t t0 = 0; t0 < 128; t0 += 16) {  // one call per chunk of 16: eviction at each call's end
+    REQUIRE(kua::prefill(kvmem::host::Executor{2}, cache, f.slice(t0, t0 + 16), kua::Options{0.05, 16, true},
+                         f.out_slice(out, t0, t0 + 16)).is_ok());
+    for (std::int64_t g = 0; g < 2; ++g) {
+      const auto now = kept_positions(cache, 0, g);
+      for (auto j : now) {
+        const bool old = std::find(prev[g].begin(), prev[g].end(), j) != prev[g].end();
+        CHECK((old || (j >= t0 && j < t0 + 16)));
+      }
+      CHECK(std::is_sorted(now.begin(), now.end()));  // stable compaction keeps ascending positions
+      prev[g] = now;
+    }
+  }
+  // and one call over all 128 tokens with chunk 16 gives the same outputs and cache
+  kua::PrunedCache<float> whole(f.cache_shape());
+  std::vector<float> out_whole = f.make_out();
+  REQUIRE(kua::prefill(kvmem::host::Executor{2}, whole, f.slice(0, 128), kua::Options{0.05, 16, true}, f.out_slice(out_whole, 0, 128)).is_ok());
+  CHECK(out_whole == out);
+  for (std::int64_t g = 0; g < 2; ++g) CHECK(kept_positions(whole, 0, g) == prev[g]);
+  CHECK(prev[0].size() < 128);
 }

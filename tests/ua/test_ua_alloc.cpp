@@ -1,0 +1,48 @@
+// SPDX-License-Identifier: Apache-2.0
+// No allocation on the prefill/decode path once a PrunedCache exists (DESIGN.md 3). A counting global
+// operator new (this executable only) brackets the calls; one worker thread, so the host executor
+// does not start threads (which would allocate their own stacks and bookkeeping).
+#include <atomic>
+#include <cstdlib>
+#include <new>
+#include <vector>
+
+#include <catch2/catch.hpp>
+
+#include "kvmem/backend/host/ua.hpp"
+#include "ua_host_support.hpp"
+#include "ua_test_support.hpp"
+
+namespace {
+std::atomic<long> g_allocations{0};
+}  // namespace
+
+void* operator new(std::size_t size) {
+  g_allocations.fetch_add(1, std::memory_order_relaxed);
+  if (void* p = std::malloc(size ? size : 1)) return p;
+  throw std::bad_alloc();
+}
+void operator delete(void* p) noexcept { std::free(p); }
+void operator delete(void* p, std::size_t) noexcept { std::free(p); }
+
+TEST_CASE("ua: prefill and decode do not allocate once the cache exists", "[ua][host]") {
+  using namespace kvmem::test::ua;
+  const Case c = random_case(2, 96, 4, 2, 16, 151, 1.0, true);
+  const FloatCase f(c);
+  kvmem::ua::PrunedCache<kvmem::bf16> cache(f.cache_shape());
+  std::vector<float> out = f.make_out();
+  const kvmem::host::Executor exec{1};
+  const kvmem::ua::Options opt{0.05, 32, true};
+  const long before = g_allocations.load();
+  kvmem::Status s = kvmem::ua::prefill(exec, cache, f.slice(0, 64), opt, f.out_slice(out, 0, 64));
+  for (std::int64_t t = 64; t < 96 && s.is_ok(); ++t) s = kvmem::ua::decode(exec, cache, f.slice(t, t + 1), opt, f.out_slice(out, t, t + 1));
+  const long after = g_allocations.load();
+  REQUIRE(s.is_ok());
+  CHECK(after - before == 0);
+  CHECK(cache.position(0) == 96);
+  // the counter does count: a freshly made vector allocates
+  const long probe_before = g_allocations.load();
+  std::vector<float> probe(1000, 1.0f);
+  CHECK(g_allocations.load() - probe_before >= 1);
+  CHECK(probe[999] == 1.0f);
+}
