@@ -1,1 +1,206 @@
 // SPDX-License-Identifier: Apache-2.0
+// KVM on Kokkos: random shapes, budgets and flags against the fp64 reference (1e-5 relative, routes and
+// |S| exact) and bitwise against the host backend (same bodies, same tile order); decode == prefill at
+// every split; ragged lengths read on the device; views of any layout; validation before any change.
+#include <cstdint>
+#include <limits>
+#include <vector>
+
+#include <catch2/catch.hpp>
+
+#include "kvm_kokkos_util.hpp"
+
+namespace {
+using namespace kvmem::test;
+using kvmem::budget::Fixed;
+using kvmem::budget::Power;
+using kvmem::budget::Saturating;
+constexpr double kTolFp32 = 1e-5;
+
+TEST_CASE("kokkos kvm matches the reference and the host backend on random shapes, budgets and flags",
+          "[kokkos][kvm][unit]") {
+  std::uint64_t seed = 100;
+  for (auto c : {small_config(2, 61, 2, 2, 16, 16, Power{3.0, 0.5, 8, 1, 8000}),
+                 small_config(1, 70, 6, 2, 16, 12, Saturating{32.0, 1, 8000, 1}),  // GQA rep 3, Dv != D
+                 small_config(2, 45, 3, 1, 8, 20, Fixed{8, 8}),                     // MQA, Dv > D
+                 small_config(1, 83, 2, 1, 12, 8, Power{4.0, 0.5, 8, 1, 30})}) {    // cap binds
+    for (int flags = 0; flags < 5; ++flags) {
+      c.gate_appends = flags & 1;
+      c.merge_gate_keys = !(flags & 2);
+      c.head_temps = flags != 3;
+      c.gate_initial = flags == 3;
+      c.value_radius = flags != 4;  // count mode
+      const auto in = random_inputs(c, seed++);
+      INFO("B" << c.B << " T" << c.T << " Hq" << c.Hq << " Hk" << c.Hk << " D" << c.D << " Dv" << c.Dv << " budget "
+               << c.budget.name() << " flags " << flags);
+      const auto ref = rkvm::prefill(c, in);
+      const auto kk = kokkos_prefill<float>(c, in);
+      KVMEM_CHECK_CLOSE(kk.out, ref.out, kTolFp32);
+      KVMEM_CHECK_CLOSE(kk.state_k, ref.state_k, kTolFp32);
+      KVMEM_CHECK_CLOSE(kk.state_v, ref.state_v, kTolFp32);
+      CHECK(kk.slots_after_update == ref.slots_after_update);
+      CHECK(kk.route_append == ref.route_append);
+      CHECK(kk.route_merge == ref.route_merge);
+      const auto host = host_prefill<float>(c, in);
+      CHECK(kk.out == host.out);
+      CHECK(kk.state_k == host.state_k);
+      CHECK(kk.state_v == host.state_v);
+    }
+  }
+}
+
+TEST_CASE("kokkos kvm one-token calls equal one prefill at every split", "[kokkos][kvm][unit]") {
+  auto c = small_config(2, 45, 4, 2, 8, 6, Power{3.0, 0.5, 8, 1, 8000});
+  c.chunk = 4;
+  const auto in = random_inputs(c, 11);
+  const auto kk = kokkos_prefill<float>(c, in);
+  KVMEM_CHECK_CLOSE(kk.out, rkvm::prefill(c, in).out, kTolFp32);
+  for (std::int64_t split = 0; split <= c.T; ++split) {
+    INFO("split " << split);
+    HostResult fin;
+    const auto od = kokkos_prefill_then_decode<float>(c, in, split, &fin);
+    CHECK(od == kk.out);  // the same operations in the same order (spec 6.1: exact)
+    CHECK(fin.state_k == kk.state_k);
+    CHECK(fin.state_v == kk.state_v);
+    const std::size_t first = kk.route_merge.size() - fin.route_merge.size();
+    for (std::size_t u = 0; u < fin.route_merge.size(); ++u) CHECK(fin.route_merge[u] == kk.route_merge[first + u]);
+  }
+}
+
+TEST_CASE("kokkos kvm decode through kvm::decode and bf16 storage equal the host backend", "[kokkos][kvm][unit]") {
+  auto c = small_config(2, 40, 4, 2, 16, 16, Power{3.0, 0.5, 8, 1, 8000});
+  const auto in = random_inputs(c, 21);
+  const KokkosExec exec{};
+  auto st = make_kokkos_state<kvmem::bf16>(exec, c);
+  kvmem::kvm::State<kvmem::bf16, float> host_st;
+  REQUIRE(kvmem::kvm::State<kvmem::bf16, float>::create(to_params(c), to_shape(c, c.T), host_st).is_ok());
+  const FloatWeights w(in);
+  std::vector<float> out_k, out_h;
+  REQUIRE(kokkos_feed(exec, st.state, c, in, w, 0, 30, out_k).is_ok());
+  REQUIRE(host_feed(host_st, c, in, w, 0, 30, out_h).is_ok());
+  // One step through kvm::decode with views of Kokkos memory.
+  const auto q = to_device(slice_tokens(in.q, c.B * c.Hq, c.T, c.D, 30, 31), c.B, c.Hq, 1, c.D);
+  const auto k = to_device(slice_tokens(in.k, c.B * c.Hk, c.T, c.D, 30, 31), c.B, c.Hk, 1, c.D);
+  const auto v = to_device(slice_tokens(in.v, c.B * c.Hk, c.T, c.Dv, 30, 31), c.B, c.Hk, 1, c.Dv);
+  const auto g = to_device(slice_tokens(in.gate, c.B * c.Hk, c.T, 1, 30, 31), c.B, c.Hk, 1);
+  const auto o = to_device(std::vector<float>(std::size_t(c.B * c.Hq * c.Dv), 0.0f), c.B, 1, c.Hq, c.Dv);
+  const auto lw = to_device(w.w, c.D), lb = to_device(w.b, c.D), ts = to_device(w.ts, c.Hq), tw = to_device(w.tw, c.Hq);
+  using kvmem::kokkos::to_tensor_view;
+  using kvmem::TensorView;
+  const kvmem::kvm::Weights wv{to_tensor_view(lw), to_tensor_view(lb), to_tensor_view(ts), to_tensor_view(tw)};
+  REQUIRE(kvmem::kvm::decode(exec, st.state, wv, TensorView<const float, 4>(to_tensor_view(q)),
+                             TensorView<const float, 4>(to_tensor_view(k)), TensorView<const float, 4>(to_tensor_view(v)),
+                             TensorView<const float, 3>(to_tensor_view(g)), to_tensor_view(o))
+              .is_ok());
+  std::vector<float> step_h;
+  REQUIRE(host_feed(host_st, c, in, w, 30, 31, step_h).is_ok());
+  const auto step_k = to_host(o);
+  std::vector<float> expect;
+  for (std::int64_t b = 0; b < c.B; ++b)
+    expect.insert(expect.end(), step_h.begin() + (b * c.T + 30) * c.Hq * c.Dv, step_h.begin() + (b * c.T + 31) * c.Hq * c.Dv);
+  CHECK(out_k == out_h);
+  CHECK(step_k == expect);
+  CHECK(st.state.tokens(0) == 31);
+  CHECK(st.state.slots(1) == host_st.slots(1));
+}
+
+TEST_CASE("kokkos kvm ragged lengths in device memory equal separate single-sequence references",
+          "[kokkos][kvm][unit]") {
+  auto c = small_config(3, 53, 4, 2, 16, 8, Power{3.0, 0.5, 8, 1, 8000});
+  const auto in = random_inputs(c, 5);
+  const std::vector<std::int64_t> lengths{53, 17, 40};
+  const auto dev_lengths = to_device(lengths, 3);
+  const KokkosExec exec{};
+  auto st = make_kokkos_state<float>(exec, c);
+  std::vector<float> out;
+  REQUIRE(kokkos_feed(exec, st.state, c, in, FloatWeights(in), 0, c.T, out, dev_lengths.data()).is_ok());
+  for (std::int64_t b = 0; b < 3; ++b) {
+    INFO("sequence " << b << " length " << lengths[std::size_t(b)]);
+    CHECK(st.state.tokens(b) == lengths[std::size_t(b)]);
+    auto cb = c;
+    cb.B = 1;
+    cb.T = lengths[std::size_t(b)];
+    rkvm::Inputs ib = in;
+    const auto pick = [&](const std::vector<double>& x, std::int64_t rows, std::int64_t width) {
+      std::vector<double> y;
+      for (std::int64_t r = b * rows; r < (b + 1) * rows; ++r)
+        y.insert(y.end(), x.begin() + r * c.T * width, x.begin() + (r * c.T + cb.T) * width);
+      return y;
+    };
+    ib.q = pick(in.q, c.Hq, c.D);
+    ib.k = pick(in.k, c.Hk, c.D);
+    ib.v = pick(in.v, c.Hk, c.Dv);
+    ib.gate = pick(in.gate, c.Hk, 1);
+    const auto ref = rkvm::prefill(cb, ib);
+    const auto row = [&](std::int64_t t) { return out.begin() + (b * c.T + t) * c.Hq * c.Dv; };
+    KVMEM_CHECK_CLOSE(std::vector<float>(row(0), row(cb.T)), ref.out, kTolFp32);
+    CHECK(st.state.slots(b) == ref.slots);
+    CHECK(std::vector<float>(row(cb.T), row(c.T)) == std::vector<float>(std::size_t((c.T - cb.T) * c.Hq * c.Dv), 0.0f));
+  }
+}
+
+TEST_CASE("kokkos kvm reads LayoutLeft and strided views through their strides", "[kokkos][kvm][unit]") {
+  auto c = small_config(2, 30, 4, 2, 8, 8, Fixed{8, 8});
+  const auto in = random_inputs(c, 9);
+  const KokkosExec exec{};
+  const auto right = kokkos_prefill<float>(c, in);
+  // q and k as LayoutLeft copies, out as a LayoutLeft view: same values through different strides.
+  const auto qr = to_device(slice_tokens(in.q, c.B * c.Hq, c.T, c.D, 0, c.T), c.B, c.Hq, c.T, c.D);
+  const auto kr = to_device(slice_tokens(in.k, c.B * c.Hk, c.T, c.D, 0, c.T), c.B, c.Hk, c.T, c.D);
+  const auto v = to_device(slice_tokens(in.v, c.B * c.Hk, c.T, c.Dv, 0, c.T), c.B, c.Hk, c.T, c.Dv);
+  const auto g = to_device(slice_tokens(in.gate, c.B * c.Hk, c.T, 1, 0, c.T), c.B, c.Hk, c.T);
+  using Left4 = Kokkos::View<float****, Kokkos::LayoutLeft, KokkosSpace::memory_space>;
+  Left4 ql("q left", c.B, c.Hq, c.T, c.D), kl("k left", c.B, c.Hk, c.T, c.D), ol("out left", c.B, c.T, c.Hq, c.Dv);
+  Kokkos::deep_copy(ql, qr);
+  Kokkos::deep_copy(kl, kr);
+  const FloatWeights w(in);
+  const auto lw = to_device(w.w, c.D), lb = to_device(w.b, c.D), ts = to_device(w.ts, c.Hq), tw = to_device(w.tw, c.Hq);
+  using kvmem::kokkos::to_tensor_view;
+  using kvmem::TensorView;
+  auto st = make_kokkos_state<float>(exec, c);
+  REQUIRE(kvmem::kvm::prefill(exec, st.state,
+                              kvmem::kvm::Weights{to_tensor_view(lw), to_tensor_view(lb), to_tensor_view(ts), to_tensor_view(tw)},
+                              TensorView<const float, 4>(to_tensor_view(ql)), TensorView<const float, 4>(to_tensor_view(kl)),
+                              TensorView<const float, 4>(to_tensor_view(v)), TensorView<const float, 3>(to_tensor_view(g)),
+                              to_tensor_view(ol))
+              .is_ok());
+  using Right4 = Kokkos::View<float****, Kokkos::LayoutRight, KokkosSpace::memory_space>;
+  Right4 o("out right", c.B, c.T, c.Hq, c.Dv);
+  Kokkos::deep_copy(o, ol);
+  CHECK(to_host(o) == right.out);
+}
+
+TEST_CASE("kokkos kvm rejects bad input before any state change", "[kokkos][kvm][unit]") {
+  auto c = small_config(2, 20, 2, 2, 8, 8, Fixed{8, 8});
+  auto in = random_inputs(c, 3);
+  const FloatWeights w(in);
+  const KokkosExec exec{};
+  auto st = make_kokkos_state<float>(exec, c);
+  std::vector<float> out;
+  REQUIRE(kokkos_feed(exec, st.state, c, in, w, 0, 10, out).is_ok());
+  const auto sk_before = std::vector<float>(st.state.item(1, 1).sk, st.state.item(1, 1).sk + 8 * c.D);
+  SECTION("NaN in k of sequence 1") {
+    in.k[std::size_t(((1 * c.Hk + 1) * c.T + 12) * c.D + 3)] = std::numeric_limits<double>::quiet_NaN();
+    const auto s = kokkos_feed(exec, st.state, c, in, w, 10, 20, out);
+    CHECK(s.code() == kvmem::StatusCode::kInvalidArgument);
+    CHECK(s.to_string().find("sequence 1") != std::string::npos);
+  }
+  SECTION("gate <= 0") {
+    in.gate[std::size_t((0 * c.Hk + 1) * c.T + 15)] = 0.0;
+    CHECK(kokkos_feed(exec, st.state, c, in, w, 10, 20, out).code() == kvmem::StatusCode::kInvalidArgument);
+  }
+  SECTION("more tokens than n_ctx, checked and unchecked") {
+    auto c2 = c;
+    c2.T = 11;  // the state was sized for 20 tokens; 10 + 11 > 20
+    auto in2 = random_inputs(c2, 4);
+    CHECK(kokkos_feed(exec, st.state, c2, in2, FloatWeights(in2), 0, 11, out).code() == kvmem::StatusCode::kOutOfRange);
+    // Unchecked: no read-back; the kernels skip the overflowing sequences and leave them untouched.
+    const KokkosExec unchecked{KokkosSpace(), false};
+    CHECK(kokkos_feed(unchecked, st.state, c2, in2, FloatWeights(in2), 0, 11, out).is_ok());
+  }
+  CHECK(st.state.tokens(0) == 10);
+  CHECK(st.state.tokens(1) == 10);
+  CHECK(std::vector<float>(st.state.item(1, 1).sk, st.state.item(1, 1).sk + 8 * c.D) == sk_before);
+}
+
+}  // namespace

@@ -85,7 +85,11 @@ KVMEM_HOST_DEVICE inline void attend_block(const BlockArgs<KS, QS, OS, Acc>& a) 
     const std::int64_t m_last = m0 + nr - 1;
     const std::int64_t through = a.through > m0 - 1 ? a.through : m0 - 1;  // λ holds Λ_{through, .}
     const std::int64_t skip = through + 1 > m0 ? through + 1 - m0 : 0;    // rows already in λ (decode)
-    for (std::int64_t x = 0; x < a.heads * nr * D; ++x) acc[x] = Acc(0);
+    // acc is [heads, kQueryTile, D]: zero the nr rows of every head (a flat heads*nr*D prefix misses the
+    // rows of heads >= 1 when nr < kQueryTile; the first rescale by 0 hid that only while the workspace
+    // held finite values, which team scratch on Kokkos does not guarantee).
+    for (std::int64_t h = 0; h < a.heads; ++h)
+      for (std::int64_t x = 0; x < nr * D; ++x) acc[h * kQueryTile * D + x] = Acc(0);
     for (std::int64_t x = 0; x < a.heads * kQueryTile; ++x) {
       row_max[x] = negative_infinity<Acc>();
       row_sum[x] = Acc(0);
