@@ -101,11 +101,12 @@ class TensorView {
     return data_[offset(index...)];
   }
 
-  // Implicit conversion to a view of const elements.
-  constexpr operator TensorView<const T, Rank>() const noexcept
-    requires(!std::is_const_v<T>)
-  {
-    return TensorView<const T, Rank>(data_, extents_, strides_);
+  // Implicit conversion to a view of const elements. A template, so that TensorView<const T> does
+  // not declare a conversion to its own type (nvcc warns about that even when it is constrained out).
+  template <class U = T>
+    requires(!std::is_const_v<U>)
+  constexpr operator TensorView<const U, Rank>() const noexcept {
+    return TensorView<const U, Rank>(data_, extents_, strides_);
   }
 
  private:

@@ -1,0 +1,243 @@
+// SPDX-License-Identifier: Apache-2.0
+// KV Means on the CUDA backend: prefill (ms) and decode (ms/token over 256 consecutive tokens, one
+// state update included) at B x H32 x D128 bf16 for fixed-256 and 16 sqrt N, plus B = 1 decode
+// plain and replayed from a captured CUDA graph. Prints a table and writes JSON lines (--json FILE)
+// that benchmarks/gpu_report.py joins with the PyTorch SDPA anchor measured in the same run.
+//
+//   kvmem_bench_kvm_cuda [--batch 8] [--heads 32] [--tokens 4096,8192,16384,32768] [--json out.jsonl]
+
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "kvmem/backend/cuda.hpp"
+
+namespace {
+
+#define CHECK_CUDA(expr)                                                                  \
+  do {                                                                                    \
+    const cudaError_t err_ = (expr);                                                      \
+    if (err_ != cudaSuccess) {                                                            \
+      std::fprintf(stderr, "%s failed: %s\n", #expr, cudaGetErrorString(err_));           \
+      std::exit(1);                                                                       \
+    }                                                                                     \
+  } while (0)
+#define CHECK_STATUS(expr)                                                                \
+  do {                                                                                    \
+    const kvmem::Status st_ = (expr);                                                     \
+    if (!st_.is_ok()) {                                                                   \
+      std::fprintf(stderr, "%s failed: %s\n", #expr, st_.to_string().c_str());            \
+      std::exit(1);                                                                       \
+    }                                                                                     \
+  } while (0)
+
+using kvmem::bf16;
+using kvmem::TensorView;
+
+// Deterministic pseudo-random fill: N(0,1)-like via the sum of uniforms (no cuRAND dependency).
+__global__ void fill_kernel(bf16* x, std::int64_t n, std::uint64_t seed, float mean, float sd) {
+  for (std::int64_t i = blockIdx.x * std::int64_t(blockDim.x) + threadIdx.x; i < n; i += std::int64_t(gridDim.x) * blockDim.x) {
+    std::uint64_t h = (std::uint64_t(i) + 1) * 0x9E3779B97F4A7C15ull ^ seed;
+    float s = 0;
+    for (int r = 0; r < 4; ++r) {
+      h ^= h >> 31;
+      h *= 0xBF58476D1CE4E5B9ull;
+      h ^= h >> 29;
+      s += float(h >> 40) / float(1ull << 24);
+    }
+    x[i] = bf16(mean + sd * (s - 2.0f) * 1.7320508f);
+  }
+}
+__global__ void gate_kernel(bf16* x, std::int64_t n) {  // g = 1 + elu(z) > 0
+  for (std::int64_t i = blockIdx.x * std::int64_t(blockDim.x) + threadIdx.x; i < n; i += std::int64_t(gridDim.x) * blockDim.x) {
+    const float z = float(x[i]);
+    x[i] = bf16(z > 0 ? 1 + z : expf(z));
+  }
+}
+
+struct Buffer {
+  void* ptr = nullptr;
+  explicit Buffer(std::size_t bytes) { CHECK_CUDA(cudaMalloc(&ptr, std::max<std::size_t>(bytes, 16))); }
+  ~Buffer() { cudaFree(ptr); }
+  template <class T>
+  T* as() const { return static_cast<T*>(ptr); }
+};
+
+void fill(bf16* x, std::int64_t n, std::uint64_t seed, float mean = 0, float sd = 1) {
+  fill_kernel<<<1024, 256>>>(x, n, seed, mean, sd);
+  CHECK_CUDA(cudaGetLastError());
+}
+
+struct Row {
+  std::string budget;
+  std::int64_t batch, heads, tokens, slots;
+  double prefill_ms, decode_ms, decode_graph_ms, prefill_tflops, decode_gbps;
+};
+
+Row run(const char* name, kvmem::budget::Any budget, std::int64_t B, std::int64_t H, std::int64_t T, bool graph) {
+  const std::int64_t D = 128, decode_tokens = 256;
+  kvmem::kvm::Params p;  // paper defaults: C = 256, nb = 2, S = 1, r = 64
+  p.budget = budget;
+  const kvmem::kvm::Shape shape{B, H, H, D, D, T + decode_tokens};
+  kvmem::cuda::KvmState<bf16> state;
+  CHECK_STATUS(kvmem::cuda::KvmState<bf16>::create(p, shape, state));
+  const std::int64_t n_q = B * H * T * D, n_g = B * H * T;
+  Buffer q(n_q * 2), k(n_q * 2), v(n_q * 2), g(n_g * 2), out(n_q * 2);
+  fill(q.as<bf16>(), n_q, 1);
+  fill(k.as<bf16>(), n_q, 2);
+  fill(v.as<bf16>(), n_q, 3);
+  fill(g.as<bf16>(), n_g, 4);
+  gate_kernel<<<1024, 256>>>(g.as<bf16>(), n_g);
+  std::vector<float> ones(std::size_t(std::max(D, H)), 1.0f), zeros(std::size_t(D), 0.0f);
+  Buffer w(D * 4), bias(D * 4), ts(H * 4), tw(H * 4);
+  CHECK_CUDA(cudaMemcpy(w.ptr, ones.data(), D * 4, cudaMemcpyHostToDevice));
+  CHECK_CUDA(cudaMemcpy(bias.ptr, zeros.data(), D * 4, cudaMemcpyHostToDevice));
+  CHECK_CUDA(cudaMemcpy(ts.ptr, ones.data(), H * 4, cudaMemcpyHostToDevice));
+  CHECK_CUDA(cudaMemcpy(tw.ptr, ones.data(), H * 4, cudaMemcpyHostToDevice));
+  const kvmem::cuda::KvmWeights weights{w.as<float>(), bias.as<float>(), ts.as<float>(), tw.as<float>()};
+  cudaStream_t stream;
+  CHECK_CUDA(cudaStreamCreate(&stream));
+  const kvmem::cuda::Executor exec{stream};
+  const auto prefill = [&] {
+    state.reset();
+    CHECK_STATUS(kvmem::cuda::kvm_prefill(
+        exec, state, weights, TensorView<const bf16, 4>(q.as<bf16>(), {B, H, T, D}),
+        TensorView<const bf16, 4>(k.as<bf16>(), {B, H, T, D}), TensorView<const bf16, 4>(v.as<bf16>(), {B, H, T, D}),
+        TensorView<const bf16, 3>(g.as<bf16>(), {B, H, T}), TensorView<bf16, 4>(out.as<bf16>(), {B, T, H, D})));
+  };
+  cudaEvent_t e0, e1;
+  CHECK_CUDA(cudaEventCreate(&e0));
+  CHECK_CUDA(cudaEventCreate(&e1));
+  prefill();  // warm-up (module load, shared-memory attributes)
+  CHECK_CUDA(cudaStreamSynchronize(stream));
+  std::vector<float> times;
+  for (int rep = 0; rep < 3; ++rep) {
+    CHECK_CUDA(cudaEventRecord(e0, stream));
+    prefill();
+    CHECK_CUDA(cudaEventRecord(e1, stream));
+    CHECK_CUDA(cudaEventSynchronize(e1));
+    float ms = 0;
+    CHECK_CUDA(cudaEventElapsedTime(&ms, e0, e1));
+    times.push_back(ms);
+  }
+  std::sort(times.begin(), times.end());
+  Row row{name, B, H, T, state.slots(), times[1], 0, 0, 0, 0};
+  // attention FLOP of the prefill: 4 D per (query, visible key) per head
+  const kvmem::kvm::Geometry geo = p.geometry();
+  double keys = 0;
+  for (std::int64_t t = 0; t < T; ++t) {
+    const std::int64_t wb = geo.bswa_begin(t + 1);
+    keys += double(t - wb + 1) + (wb > 0 ? double(kvmem::kvm::slots_after(budget, geo, (t / p.chunk + 1) * p.chunk)) : 0.0);
+  }
+  row.prefill_tflops = 4.0 * D * keys * double(B * H) / (row.prefill_ms * 1e-3) / 1e12;
+
+  // decode: 256 consecutive tokens after the prefill (the first one runs a state update)
+  Buffer q1(B * H * D * 2), k1(B * H * D * 2), v1(B * H * D * 2), g1(B * H * 2), o1(B * H * D * 2);
+  fill(q1.as<bf16>(), B * H * D, 11);
+  fill(k1.as<bf16>(), B * H * D, 12);
+  fill(v1.as<bf16>(), B * H * D, 13);
+  fill(g1.as<bf16>(), B * H, 14, 1.0f, 0.1f);
+  const auto step = [&] {
+    CHECK_STATUS(kvmem::cuda::kvm_decode(
+        exec, state, weights, TensorView<const bf16, 4>(q1.as<bf16>(), {B, H, 1, D}),
+        TensorView<const bf16, 4>(k1.as<bf16>(), {B, H, 1, D}), TensorView<const bf16, 4>(v1.as<bf16>(), {B, H, 1, D}),
+        TensorView<const bf16, 3>(g1.as<bf16>(), {B, H, 1}), TensorView<bf16, 4>(o1.as<bf16>(), {B, 1, H, D})));
+  };
+  prefill();
+  CHECK_CUDA(cudaEventRecord(e0, stream));
+  for (std::int64_t i = 0; i < decode_tokens; ++i) step();
+  CHECK_CUDA(cudaEventRecord(e1, stream));
+  CHECK_CUDA(cudaEventSynchronize(e1));
+  float ms = 0;
+  CHECK_CUDA(cudaEventElapsedTime(&ms, e0, e1));
+  row.decode_ms = ms / float(decode_tokens);
+  // bytes read per token: every visible key and value row once per KV head (bf16)
+  const double keys_per_token = double(state.slots() + p.window());
+  row.decode_gbps = keys_per_token * 2.0 * D * 2.0 * double(B * H) / (row.decode_ms * 1e-3) / 1e9;
+  if (graph) {
+    // Replay one decode step (no update inside: the state stays mid-chunk) from a captured graph.
+    prefill();
+    step();  // position T: runs the update outside the capture
+    cudaGraph_t g_;
+    cudaGraphExec_t ge;
+    CHECK_CUDA(cudaStreamSynchronize(stream));
+    const std::int64_t n_before = state.tokens();
+    CHECK_CUDA(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
+    step();
+    CHECK_CUDA(cudaStreamEndCapture(stream, &g_));
+    CHECK_CUDA(cudaGraphInstantiate(&ge, g_, 0));
+    (void)n_before;  // the captured step is replayed at a fixed position: a timing of launch costs
+    CHECK_CUDA(cudaGraphLaunch(ge, stream));
+    CHECK_CUDA(cudaEventRecord(e0, stream));
+    for (int i = 0; i < 200; ++i) CHECK_CUDA(cudaGraphLaunch(ge, stream));
+    CHECK_CUDA(cudaEventRecord(e1, stream));
+    CHECK_CUDA(cudaEventSynchronize(e1));
+    CHECK_CUDA(cudaEventElapsedTime(&ms, e0, e1));
+    row.decode_graph_ms = ms / 200.0;
+    CHECK_CUDA(cudaGraphExecDestroy(ge));
+    CHECK_CUDA(cudaGraphDestroy(g_));
+  }
+  CHECK_CUDA(cudaStreamDestroy(stream));
+  return row;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  std::int64_t B = 8, H = 32;
+  std::vector<std::int64_t> tokens{4096, 8192, 16384, 32768};
+  const char* json = nullptr;
+  for (int i = 1; i + 1 < argc; i += 2) {
+    if (!std::strcmp(argv[i], "--batch")) B = std::atoll(argv[i + 1]);
+    else if (!std::strcmp(argv[i], "--heads")) H = std::atoll(argv[i + 1]);
+    else if (!std::strcmp(argv[i], "--json")) json = argv[i + 1];
+    else if (!std::strcmp(argv[i], "--tokens")) {
+      tokens.clear();
+      for (char* s = argv[i + 1]; *s;) {
+        tokens.push_back(std::strtoll(s, &s, 10));
+        if (*s == ',') ++s;
+      }
+    }
+  }
+  if (kvmem::cuda::device_count() == 0) {
+    std::printf("SKIPPED: no CUDA device\n");
+    return 0;
+  }
+  cudaDeviceProp prop;
+  CHECK_CUDA(cudaGetDeviceProperties(&prop, 0));
+  std::printf("kvmem KVM CUDA benchmark on %s (%d SMs), bf16 storage, D=128, C=256, window 512\n", prop.name,
+              prop.multiProcessorCount);
+  std::FILE* out = json ? std::fopen(json, "a") : nullptr;
+  std::printf("%-12s %3s %3s %6s %6s %11s %11s %11s %9s %9s\n", "budget", "B", "H", "T", "slots", "prefill_ms",
+              "decode_ms", "graph_ms", "TFLOP/s", "GB/s");
+  struct Named {
+    const char* name;
+    kvmem::budget::Any budget;
+  };
+  const Named budgets[] = {{"fixed-256", kvmem::budget::Fixed{256}}, {"16sqrtN", kvmem::budget::Power{16.0, 0.5, 256}}};
+  std::vector<Row> rows;
+  for (const auto& nb : budgets)
+    for (auto T : tokens) rows.push_back(run(nb.name, nb.budget, B, H, T, false));
+  for (const auto& nb : budgets)
+    for (auto T : {tokens.front(), tokens.back()}) rows.push_back(run(nb.name, nb.budget, 1, H, T, true));
+  for (const auto& r : rows) {
+    std::printf("%-12s %3lld %3lld %6lld %6lld %11.3f %11.4f %11.4f %9.1f %9.0f\n", r.budget.c_str(), (long long)r.batch,
+                (long long)r.heads, (long long)r.tokens, (long long)r.slots, r.prefill_ms, r.decode_ms, r.decode_graph_ms,
+                r.prefill_tflops, r.decode_gbps);
+    if (out)
+      std::fprintf(out,
+                   "{\"mechanism\":\"kvm\",\"budget\":\"%s\",\"B\":%lld,\"H\":%lld,\"T\":%lld,\"slots\":%lld,"
+                   "\"prefill_ms\":%.5f,\"decode_ms\":%.6f,\"decode_graph_ms\":%.6f,\"prefill_tflops\":%.3f,"
+                   "\"decode_gbps\":%.1f}\n",
+                   r.budget.c_str(), (long long)r.batch, (long long)r.heads, (long long)r.tokens, (long long)r.slots,
+                   r.prefill_ms, r.decode_ms, r.decode_graph_ms, r.prefill_tflops, r.decode_gbps);
+  }
+  if (out) std::fclose(out);
+  return 0;
+}

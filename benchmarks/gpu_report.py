@@ -1,0 +1,112 @@
+#!/usr/bin/env python3
+# SPDX-License-Identifier: Apache-2.0
+"""Dense anchors measured in the same run as kvmem's CUDA benchmarks, and the joined table.
+
+Measures PyTorch's scaled_dot_product_attention with the cuDNN and FlashAttention backends (dense causal
+prefill, and decode with one query over T keys) at the benchmark shape, a device-to-device copy bandwidth
+and a bf16 matmul rate, then reads kvmem's JSON lines and prints one table with ratios to cuDNN SDPA.
+
+    python3 benchmarks/gpu_report.py --kvm kvm.jsonl [--batch 8] [--heads 32] [--tokens 4096,...]
+"""
+import argparse
+import json
+import statistics
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+
+def timed(fn, reps=10, warmup=3):
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b))
+    return statistics.median(times)
+
+
+def sdpa(backend, q, k, v, causal):
+    with sdpa_kernel([backend]):
+        return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+
+
+def anchors(batch, heads, tokens, dim=128):
+    rows = {}
+    for T in tokens:
+        q, k, v = (torch.randn(batch, heads, T, dim, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+        q1 = torch.randn(batch, heads, 1, dim, device="cuda", dtype=torch.bfloat16)
+        for name, backend in (("cudnn", SDPBackend.CUDNN_ATTENTION), ("flash", SDPBackend.FLASH_ATTENTION)):
+            try:
+                pre = timed(lambda: sdpa(backend, q, k, v, True))
+                dec = timed(lambda: sdpa(backend, q1, k, v, False), reps=50)
+            except RuntimeError as e:  # a backend may refuse a shape
+                print(f"# {name} T={T}: {str(e).splitlines()[0]}")
+                pre = dec = float("nan")
+            rows[(name, T)] = (pre, dec)
+        del q, k, v
+        torch.cuda.empty_cache()
+    return rows
+
+
+def machine_ceilings():
+    n = 1 << 30  # 2 GiB of bf16 per side
+    src = torch.randn(n, device="cuda", dtype=torch.bfloat16)
+    dst = torch.empty_like(src)
+    ms = timed(lambda: dst.copy_(src))
+    copy_tbs = 2 * src.numel() * 2 / (ms * 1e-3) / 1e12
+    del src, dst
+    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    ms = timed(lambda: a @ b)
+    return copy_tbs, 2 * 8192**3 / (ms * 1e-3) / 1e12
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--kvm", help="JSON lines written by kvmem_bench_kvm_cuda --json")
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--heads", type=int, default=32)
+    ap.add_argument("--tokens", default="4096,8192,16384,32768")
+    args = ap.parse_args()
+    tokens = [int(t) for t in args.tokens.split(",")]
+    torch.manual_seed(0)
+    print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}")
+    copy_tbs, mm_tflops = machine_ceilings()
+    print(f"copy bandwidth {copy_tbs:.2f} TB/s (read + write), bf16 matmul 8192^3 {mm_tflops:.0f} TFLOP/s")
+    dense = anchors(args.batch, args.heads, tokens)
+    dense_b1 = anchors(1, args.heads, [tokens[0], tokens[-1]])
+    kvm = []
+    if args.kvm:
+        with open(args.kvm) as f:
+            kvm = [json.loads(line) for line in f if line.strip()]
+    print()
+    print(f"| variant | B | T | slots | prefill ms | x cuDNN | TFLOP/s | decode ms/token | x cuDNN | GB/s | graph ms/token |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    for T in tokens:
+        for name in ("cudnn", "flash"):
+            pre, dec = dense[(name, T)]
+            flop = 4 * 128 * args.batch * args.heads * T * (T + 1) / 2
+            byts = args.batch * args.heads * T * 128 * 2 * 2
+            print(f"| SDPA {name} dense | {args.batch} | {T} | {T} | {pre:.3f} | 1.00 | {flop / pre / 1e9:.0f} | "
+                  f"{dec:.4f} | | {byts / dec / 1e6:.0f} | |")
+    for r in kvm:
+        key_rows = dense if r["B"] == args.batch else dense_b1
+        ref = key_rows.get(("cudnn", r["T"]), (float("nan"), float("nan")))
+        print(f"| kvmem KVM {r['budget']} | {r['B']} | {r['T']} | {r['slots']} | {r['prefill_ms']:.3f} | "
+              f"{r['prefill_ms'] / ref[0]:.2f} | {r['prefill_tflops']:.1f} | {r['decode_ms']:.4f} | "
+              f"{r['decode_ms'] / ref[1]:.2f} | {r['decode_gbps']:.0f} | "
+              f"{r['decode_graph_ms']:.4f} |")
+    for T in (tokens[0], tokens[-1]):
+        pre, dec = dense_b1[("cudnn", T)]
+        print(f"| SDPA cudnn dense B=1 | 1 | {T} | {T} | {pre:.3f} | | | {dec:.4f} | 1.00 | | |")
+
+
+if __name__ == "__main__":
+    main()

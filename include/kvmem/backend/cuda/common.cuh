@@ -1,0 +1,78 @@
+// SPDX-License-Identifier: Apache-2.0
+#pragma once
+// Shared CUDA infrastructure: the executor (a stream), CUDA errors turned into kvmem::Status, an
+// owning device buffer, and device discovery for tests that must skip cleanly without a GPU.
+// Compiled by nvcc only (the .cuh headers are not part of the dependency-free umbrella header).
+
+#include <cuda_runtime.h>
+
+#include <cstddef>
+#include <string>
+#include <utility>
+
+#include "kvmem/core/status.hpp"
+
+namespace kvmem::cuda {
+
+// Executor of the CUDA backend (DESIGN.md 3): work is enqueued on `stream` and never synchronised
+// inside an operation, so an engine can overlap it or capture it in a CUDA graph.
+struct Executor {
+  cudaStream_t stream = nullptr;
+};
+
+inline Status to_status(cudaError_t err, const char* what) {
+  if (err == cudaSuccess) return Status::ok();
+  return {StatusCode::kBackendError, std::string(what) + ": " + cudaGetErrorName(err) + " (" + cudaGetErrorString(err) + ")"};
+}
+
+// Number of visible CUDA devices (0 when there is no driver or no device).
+inline int device_count() {
+  int n = 0;
+  if (cudaGetDeviceCount(&n) != cudaSuccess) {
+    (void)cudaGetLastError();  // clear the sticky "no device" error
+    return 0;
+  }
+  return n;
+}
+
+// Owning device allocation. Move-only; frees on destruction.
+class DeviceBuffer {
+ public:
+  DeviceBuffer() = default;
+  DeviceBuffer(const DeviceBuffer&) = delete;
+  DeviceBuffer& operator=(const DeviceBuffer&) = delete;
+  DeviceBuffer(DeviceBuffer&& o) noexcept : ptr_(std::exchange(o.ptr_, nullptr)), bytes_(std::exchange(o.bytes_, 0)) {}
+  DeviceBuffer& operator=(DeviceBuffer&& o) noexcept {
+    if (this != &o) {
+      release();
+      ptr_ = std::exchange(o.ptr_, nullptr);
+      bytes_ = std::exchange(o.bytes_, 0);
+    }
+    return *this;
+  }
+  ~DeviceBuffer() { release(); }
+
+  static Status allocate(std::size_t bytes, DeviceBuffer& out) {
+    DeviceBuffer b;
+    if (bytes > 0) KVMEM_RETURN_IF_ERROR(to_status(cudaMalloc(&b.ptr_, bytes), "cudaMalloc"));
+    b.bytes_ = bytes;
+    out = std::move(b);
+    return Status::ok();
+  }
+  [[nodiscard]] void* get() const { return ptr_; }
+  [[nodiscard]] std::size_t bytes() const { return bytes_; }
+
+ private:
+  void release() {
+    if (ptr_) (void)cudaFree(ptr_);
+    ptr_ = nullptr;
+    bytes_ = 0;
+  }
+  void* ptr_ = nullptr;
+  std::size_t bytes_ = 0;
+};
+
+}  // namespace kvmem::cuda
+
+// Launch check: a bad configuration surfaces at the launch, a fault later at a synchronisation.
+#define KVMEM_CUDA_RETURN_IF_LAUNCH_FAILED(what) KVMEM_RETURN_IF_ERROR(::kvmem::cuda::to_status(cudaGetLastError(), what))

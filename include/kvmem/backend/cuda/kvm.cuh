@@ -1,0 +1,326 @@
+// SPDX-License-Identifier: Apache-2.0
+#pragma once
+// KV Means on the CUDA backend.
+//
+//   kvmem::cuda::KvmState<S>           the cache in device memory (owning), sized once from
+//                                      slot_capacity(budget, geometry, n_ctx) like kvm::State;
+//   kvmem::cuda::kvm_prefill(exec, state, weights, q, k, v, gate, out [, log])
+//   kvmem::cuda::kvm_decode (exec, state, weights, q1, k1, v1, gate1, out1)
+// Views point to device memory; shapes as spec KVM.md 2. All sequences of a state advance together
+// (one shared token count), so every host decision -- which chunk boundary runs an update, how many
+// slots it appends (spec 3.1, closed form) -- depends only on counts known before the call: a prefill
+// or decode is one stream of launches with no host synchronisation and no allocation, and can be
+// captured in a CUDA graph. Values (NaN, g <= 0) are the caller's precondition here: checking them
+// would need a device-to-host round trip per call; shapes and parameters are validated.
+
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "kvmem/backend/cuda/common.cuh"
+#include "kvmem/backend/cuda/kvm_kernels.cuh"
+#include "kvmem/core/status.hpp"
+#include "kvmem/core/tensor.hpp"
+#include "kvmem/kvm/attention.hpp"
+#include "kvmem/kvm/params.hpp"
+#include "kvmem/kvm/schedule.hpp"
+
+namespace kvmem::cuda {
+
+// Learned parameters in device memory. ln_weight, ln_bias: [D]; tau_state, tau_bswa: [Hq].
+struct KvmWeights {
+  const float* ln_weight = nullptr;
+  const float* ln_bias = nullptr;
+  const float* tau_state = nullptr;
+  const float* tau_bswa = nullptr;
+};
+
+template <class S = float, class A = float>
+class KvmState {
+ public:
+  static constexpr std::int64_t kMaxDecodeSplits = 32;
+
+  static Status create(const kvm::Params& p, const kvm::Shape& s, KvmState& out) {
+    KVMEM_RETURN_IF_ERROR(kvm::validate(p, s));
+    if (p.chunk > 1024) return {StatusCode::kUnsupported, "cuda KVM: chunk must be <= 1024 (one thread per token of an update), got " + std::to_string(p.chunk)};
+    KvmState st;
+    st.params_ = p;
+    st.shape_ = s;
+    st.cap_ = kvm::slot_capacity(p.budget, p.geometry(), s.n_ctx);
+    const auto I = std::size_t(s.B * s.Hk), cap = std::size_t(st.cap_), C = std::size_t(p.chunk),
+               W = std::size_t(p.window()), D = std::size_t(s.D), Dv = std::size_t(s.Dv);
+    std::size_t off = 0;
+    const auto take = [&off](std::size_t bytes) {
+      const std::size_t at = off;
+      off += (bytes + 255) / 256 * 256;
+      return at;
+    };
+    struct Offsets {
+      std::size_t sk, sv, rho, cnt, khat32, khat, vhat, wk, wv, wg, k0, k0t, kgt, vg, kg, score, target, partial;
+    } o{};
+    o.sk = take(I * cap * D * sizeof(A));
+    o.sv = take(I * cap * Dv * sizeof(A));
+    o.rho = take(I * cap * sizeof(A));
+    o.cnt = take(I * cap * sizeof(A));
+    o.khat32 = take(I * cap * D * sizeof(A));
+    o.khat = take(I * cap * D * sizeof(S));
+    o.vhat = take(I * cap * Dv * sizeof(S));
+    o.wk = take(I * W * D * sizeof(S));
+    o.wv = take(I * W * Dv * sizeof(S));
+    o.wg = take(I * W * sizeof(A));
+    o.k0 = take(I * C * D * sizeof(A));
+    o.k0t = take(I * C * D * sizeof(A));
+    o.kgt = take(I * C * D * sizeof(A));
+    o.vg = take(I * C * Dv * sizeof(A));
+    o.kg = take(I * C * D * sizeof(A));
+    o.score = take(I * C * sizeof(A));
+    o.target = take(I * C * sizeof(int));
+    o.partial = take(std::size_t(s.B * s.Hq) * kMaxDecodeSplits * (Dv + 1) * sizeof(A));
+    KVMEM_RETURN_IF_ERROR(DeviceBuffer::allocate(off, st.memory_));
+    auto* base = static_cast<unsigned char*>(st.memory_.get());
+    auto& d = st.dev_;
+    d.sk = reinterpret_cast<A*>(base + o.sk);
+    d.sv = reinterpret_cast<A*>(base + o.sv);
+    d.rho = reinterpret_cast<A*>(base + o.rho);
+    d.cnt = reinterpret_cast<A*>(base + o.cnt);
+    d.khat32 = reinterpret_cast<A*>(base + o.khat32);
+    d.khat = reinterpret_cast<S*>(base + o.khat);
+    d.vhat = reinterpret_cast<S*>(base + o.vhat);
+    d.wk = reinterpret_cast<S*>(base + o.wk);
+    d.wv = reinterpret_cast<S*>(base + o.wv);
+    d.wg = reinterpret_cast<A*>(base + o.wg);
+    d.k0 = reinterpret_cast<A*>(base + o.k0);
+    d.k0t = reinterpret_cast<A*>(base + o.k0t);
+    d.kgt = reinterpret_cast<A*>(base + o.kgt);
+    d.vg = reinterpret_cast<A*>(base + o.vg);
+    d.kg = reinterpret_cast<A*>(base + o.kg);
+    d.score = reinterpret_cast<A*>(base + o.score);
+    d.target = reinterpret_cast<int*>(base + o.target);
+    d.partial = reinterpret_cast<A*>(base + o.partial);
+    d.cap = st.cap_;
+    d.C = p.chunk;
+    d.W = p.window();
+    d.D = s.D;
+    d.Dv = s.Dv;
+    d.Hq = s.Hq;
+    d.Hk = s.Hk;
+    d.sink = p.sink;
+    d.rope_dims = p.rope_dims;
+    d.max_splits = kMaxDecodeSplits;
+    d.eps = static_cast<A>(p.ln_eps);
+    d.scale = static_cast<A>(p.scale > 0 ? p.scale : 1.0 / std::sqrt(double(s.D)));
+    d.merge_gate_keys = p.merge_gate_keys;
+    d.merge_gate_values = p.merge_gate_values;
+    d.head_temps = p.head_temps;
+    d.value_radius = p.value_radius;
+    d.gate_appends = p.gate_appends;
+    d.gate_initial = p.gate_initial;
+    out = std::move(st);
+    return Status::ok();
+  }
+
+  [[nodiscard]] const kvm::Params& params() const { return params_; }
+  [[nodiscard]] const kvm::Shape& shape() const { return shape_; }
+  [[nodiscard]] std::int64_t capacity() const { return cap_; }
+  [[nodiscard]] std::int64_t tokens() const { return n_; }    // n, shared by every sequence
+  [[nodiscard]] std::int64_t covered() const { return cov_; } // cov
+  [[nodiscard]] std::int64_t slots() const { return slots_; } // |S|
+  [[nodiscard]] std::size_t allocated_bytes() const { return memory_.bytes(); }
+  [[nodiscard]] const kvm_detail::DeviceState<S, A>& device() const { return dev_; }
+  void reset() { n_ = cov_ = slots_ = 0; }
+
+  // Copies the state of item (b, g) to the host: Sk [S,D], Sv [S,Dv], rho [S] (tests, replay).
+  Status download(std::int64_t b, std::int64_t g, std::vector<A>& sk, std::vector<A>& sv, std::vector<A>& rho,
+                  cudaStream_t stream) const {
+    const std::int64_t i = b * shape_.Hk + g;
+    sk.resize(std::size_t(slots_ * shape_.D));
+    sv.resize(std::size_t(slots_ * shape_.Dv));
+    rho.resize(std::size_t(slots_));
+    KVMEM_RETURN_IF_ERROR(to_status(cudaMemcpyAsync(sk.data(), dev_.sk + i * cap_ * shape_.D, sk.size() * sizeof(A), cudaMemcpyDeviceToHost, stream), "download Sk"));
+    KVMEM_RETURN_IF_ERROR(to_status(cudaMemcpyAsync(sv.data(), dev_.sv + i * cap_ * shape_.Dv, sv.size() * sizeof(A), cudaMemcpyDeviceToHost, stream), "download Sv"));
+    KVMEM_RETURN_IF_ERROR(to_status(cudaMemcpyAsync(rho.data(), dev_.rho + i * cap_, rho.size() * sizeof(A), cudaMemcpyDeviceToHost, stream), "download rho"));
+    return to_status(cudaStreamSynchronize(stream), "download sync");
+  }
+
+ private:
+  template <class S2, class A2, class In, class Out>
+  friend Status kvm_run(const Executor&, KvmState<S2, A2>&, const KvmWeights&, TensorView<const In, 4>,
+                        TensorView<const In, 4>, TensorView<const In, 4>, TensorView<const In, 3>, TensorView<Out, 4>,
+                        kvm::RouteLog*);
+
+  kvm::Params params_{};
+  kvm::Shape shape_{};
+  std::int64_t cap_ = 0;
+  std::int64_t n_ = 0, cov_ = 0, slots_ = 0;  // host mirror of the shared counters
+  DeviceBuffer memory_;
+  kvm_detail::DeviceState<S, A> dev_{};
+};
+
+namespace kvm_detail {
+
+template <class Kernel>
+Status allow_shared(Kernel kernel, std::size_t bytes) {
+  if (bytes <= 48 * 1024) return Status::ok();
+  return to_status(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(bytes)),
+                   "cudaFuncSetAttribute(max dynamic shared memory)");
+}
+
+// Spec 4.5 on every item at once: U(tokens [a, a+C), N, avail) from `slots` slots. Returns the new |S|.
+template <class S, class A>
+Status run_update(const Executor& exec, const DeviceState<S, A>& d, const kvm::Params& p, std::int64_t items,
+                  std::int64_t a, std::int64_t slots, std::int64_t& slots_after, kvm::RouteLog* log) {
+  const std::int64_t C = p.chunk, N = p.window() + a, avail = a + C;
+  const std::int64_t target = p.budget.slots(N, avail, slots);
+  const std::int64_t n_app = std::min(target - slots, C);
+  const std::int64_t after = slots + n_app;
+  const auto grid = static_cast<unsigned>(items), block = static_cast<unsigned>(C);
+  update_prepare_kernel<S, A><<<grid, block, 0, exec.stream>>>(d, a);
+  KVMEM_CUDA_RETURN_IF_LAUNCH_FAILED("kvm update_prepare_kernel");
+  const std::size_t tile_bytes = std::size_t(kSlotTile) * std::size_t(d.D) * sizeof(A);
+  if (n_app > 0) {
+    const std::size_t bytes = tile_bytes + std::size_t(C) * (sizeof(A) + sizeof(int));
+    KVMEM_RETURN_IF_ERROR(allow_shared(update_append_kernel<S, A>, bytes));
+    update_append_kernel<S, A><<<grid, block, bytes, exec.stream>>>(d, a, slots, n_app);
+    KVMEM_CUDA_RETURN_IF_LAUNCH_FAILED("kvm update_append_kernel");
+  }
+  if (n_app < C) {
+    KVMEM_RETURN_IF_ERROR(allow_shared(update_route_kernel<S, A>, tile_bytes));
+    update_route_kernel<S, A><<<grid, block, tile_bytes, exec.stream>>>(d, after);
+    KVMEM_CUDA_RETURN_IF_LAUNCH_FAILED("kvm update_route_kernel");
+    constexpr unsigned kThreads = 128;
+    const dim3 sgrid(grid, static_cast<unsigned>((after - p.sink + kThreads - 1) / kThreads));
+    update_scatter_kernel<S, A><<<sgrid, kThreads, std::size_t(C) * sizeof(int), exec.stream>>>(d, after);
+    KVMEM_CUDA_RETURN_IF_LAUNCH_FAILED("kvm update_scatter_kernel");
+  }
+  if (log != nullptr) {  // test hook (spec 2): synchronises, never used on an engine's path
+    std::vector<int> targets(std::size_t(items * C));
+    KVMEM_RETURN_IF_ERROR(to_status(cudaMemcpyAsync(targets.data(), d.target, targets.size() * sizeof(int),
+                                                    cudaMemcpyDeviceToHost, exec.stream), "route log copy"));
+    KVMEM_RETURN_IF_ERROR(to_status(cudaStreamSynchronize(exec.stream), "route log sync"));
+    log->items.resize(std::size_t(items));
+    for (std::int64_t i = 0; i < items; ++i) {
+      kvm::UpdateRoute r;
+      r.first_token = a;
+      r.slots_before = slots;
+      r.slots_after = after;
+      for (std::int64_t c = 0; c < C; ++c) {
+        const int t = targets[std::size_t(i * C + c)];
+        r.target.push_back(t);
+        if (t == -1) r.appended.push_back(a + c);
+      }
+      log->items[std::size_t(i)].push_back(std::move(r));
+    }
+  }
+  slots_after = after;
+  return Status::ok();
+}
+
+}  // namespace kvm_detail
+
+// One call of T tokens for every sequence (T = 1 is a decode step). See the header comment.
+template <class S, class A, class In, class Out>
+Status kvm_run(const Executor& exec, KvmState<S, A>& state, const KvmWeights& w,
+               TensorView<const In, 4> q,     // [B,Hq,T,D]   device
+               TensorView<const In, 4> k,     // [B,Hk,T,D]   device
+               TensorView<const In, 4> v,     // [B,Hk,T,Dv]  device
+               TensorView<const In, 3> gate,  // [B,Hk,T]     device
+               TensorView<Out, 4> out,        // [B,T,Hq,Dv]  device
+               kvm::RouteLog* log = nullptr) {
+  using namespace kvm_detail;
+  const kvm::Shape& sh = state.shape_;
+  const kvm::Params& p = state.params_;
+  const std::int64_t B = sh.B, T = q.extent(2);
+  KVMEM_RETURN_IF_ERROR(check_shape(q, {B, sh.Hq, T, sh.D}, "q"));
+  KVMEM_RETURN_IF_ERROR(check_shape(k, {B, sh.Hk, T, sh.D}, "k"));
+  KVMEM_RETURN_IF_ERROR(check_shape(v, {B, sh.Hk, T, sh.Dv}, "v"));
+  KVMEM_RETURN_IF_ERROR(check_shape(gate, {B, sh.Hk, T}, "gate"));
+  KVMEM_RETURN_IF_ERROR(check_shape(out, {B, T, sh.Hq, sh.Dv}, "out"));
+  if (!q.is_contiguous() || !k.is_contiguous() || !v.is_contiguous() || !gate.is_contiguous() || !out.is_contiguous())
+    return invalid_argument("q, k, v, gate, out", "contiguous row-major views", "a strided view");
+  if (!w.ln_weight || !w.ln_bias || !w.tau_state || !w.tau_bswa)
+    return invalid_argument("weights", "device pointers for ln_weight, ln_bias, tau_state, tau_bswa", "nullptr");
+  if (state.n_ + T > sh.n_ctx)
+    return {StatusCode::kOutOfRange, std::to_string(state.n_) + " + " + std::to_string(T) +
+                                         " tokens exceed the state's n_ctx = " + std::to_string(sh.n_ctx)};
+  static_assert(std::is_same_v<A, float>, "cuda KVM: the accumulate type is float (weights are float)");
+  DeviceState<S, A>& d = state.dev_;  // weights are read in place: no copy on the hot path
+  d.ln_w = w.ln_weight;
+  d.ln_b = w.ln_bias;
+  d.tau_s = w.tau_state;
+  d.tau_w = w.tau_bswa;
+
+  const kvm::Geometry geo = p.geometry();
+  const std::int64_t C = p.chunk, items = B * sh.Hk, n0 = state.n_;
+  std::int64_t cov = state.cov_, slots = state.slots_;
+  // Head dims 64 and 128 keep each row's query and accumulator in registers; others use shared memory.
+  auto attend = attend_rows_kernel<S, A, In, Out, 0, 0>;
+  std::size_t attend_bytes = attend_shared_bytes<0, 0>(sh.D, sh.Dv, sizeof(A));
+  if (sh.D == 128 && sh.Dv == 128) {
+    attend = attend_rows_kernel<S, A, In, Out, 128, 128>;
+    attend_bytes = attend_shared_bytes<128, 128>(sh.D, sh.Dv, sizeof(A));
+  } else if (sh.D == 64 && sh.Dv == 64) {
+    attend = attend_rows_kernel<S, A, In, Out, 64, 64>;
+    attend_bytes = attend_shared_bytes<64, 64>(sh.D, sh.Dv, sizeof(A));
+  }
+  KVMEM_RETURN_IF_ERROR(allow_shared(attend, attend_bytes));
+  for (std::int64_t t0 = n0; t0 < n0 + T;) {
+    const std::int64_t t1 = std::min(n0 + T, (t0 / C + 1) * C);
+    const std::int64_t wb = geo.bswa_begin(t0 + 1);
+    if (cov < wb) {  // spec 4.7 step 4: the first token of a new chunk, before its attention
+      KVMEM_RETURN_IF_ERROR(run_update(exec, d, p, items, cov, slots, slots, log));
+      cov += C;
+    }
+    const dim3 igrid(static_cast<unsigned>(items), static_cast<unsigned>(t1 - t0));
+    ingest_kernel<S, A, In><<<igrid, 128, 0, exec.stream>>>(d, k.data(), v.data(), gate.data(), T, n0, t0, cov);
+    KVMEM_CUDA_RETURN_IF_LAUNCH_FAILED("kvm ingest_kernel");
+    if (t0 < C && t1 > cov) {  // initial slots founded by positions [cov, min(t1, C))
+      const std::int64_t founded = std::min(t1, C) - std::max(t0, cov);
+      slots += founded;
+      cov = std::min(t1, C);
+    }
+    if (t1 - t0 == 1 && T == 1) {  // decode: split-K over the virtual key list
+      const std::int64_t keys = (wb > 0 ? slots : 0) + (t0 - wb + 1);
+      const std::int64_t splits = std::min<std::int64_t>(KvmState<S, A>::kMaxDecodeSplits, std::max<std::int64_t>(1, keys / 128));
+      const std::int64_t per = (keys + splits - 1) / splits;
+      const std::size_t bytes = (std::size_t(sh.D) + 4 * std::size_t(sh.Dv) + 4) * sizeof(A);
+      decode_partial_kernel<S, A, In><<<dim3(unsigned(B * sh.Hq), unsigned(splits)), 128, bytes, exec.stream>>>(
+          d, q.data(), t0, wb, slots, per);
+      KVMEM_CUDA_RETURN_IF_LAUNCH_FAILED("kvm decode_partial_kernel");
+      decode_combine_kernel<S, A, Out><<<unsigned(B * sh.Hq), 32, 0, exec.stream>>>(d, out.data(), splits);
+      KVMEM_CUDA_RETURN_IF_LAUNCH_FAILED("kvm decode_combine_kernel");
+    } else {
+      const dim3 agrid(static_cast<unsigned>(B * sh.Hq), static_cast<unsigned>((t1 - t0 + kRowsPerBlock - 1) / kRowsPerBlock));
+      attend<<<agrid, kRowsPerBlock * kLanesPerRow, attend_bytes, exec.stream>>>(
+          d, q.data(), out.data(), T, n0, t0, t1, wb, slots);
+      KVMEM_CUDA_RETURN_IF_LAUNCH_FAILED("kvm attend_rows_kernel");
+    }
+    t0 = t1;
+  }
+  state.n_ = n0 + T;
+  state.cov_ = cov;
+  state.slots_ = slots;
+  return Status::ok();
+}
+
+// Prefill T tokens of every sequence (chunked exactly like spec 4.6; a non-empty state continues).
+template <class S, class A, class In, class Out>
+Status kvm_prefill(const Executor& exec, KvmState<S, A>& state, const KvmWeights& w, TensorView<const In, 4> q,
+                   TensorView<const In, 4> k, TensorView<const In, 4> v, TensorView<const In, 3> gate,
+                   TensorView<Out, 4> out, kvm::RouteLog* log = nullptr) {
+  return kvm_run(exec, state, w, q, k, v, gate, out, log);
+}
+
+// One token per sequence (spec 4.7): the update on the first token of a new chunk, then split-K attention.
+template <class S, class A, class In, class Out>
+Status kvm_decode(const Executor& exec, KvmState<S, A>& state, const KvmWeights& w, TensorView<const In, 4> q,
+                  TensorView<const In, 4> k, TensorView<const In, 4> v, TensorView<const In, 3> gate,
+                  TensorView<Out, 4> out, kvm::RouteLog* log = nullptr) {
+  if (q.extent(2) != 1) return invalid_argument("decode q tokens", 1, q.extent(2));
+  return kvm_run(exec, state, w, q, k, v, gate, out, log);
+}
+
+}  // namespace kvmem::cuda

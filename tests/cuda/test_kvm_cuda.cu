@@ -1,0 +1,237 @@
+// SPDX-License-Identifier: Apache-2.0
+// KVM on the CUDA backend against the float64 goldens (fp32 storage: out, state, |S| trajectory and
+// routes exactly, decode split) and against the host backend (bf16 storage at a larger shape),
+// plus decode == prefill. Skips, saying so, when no CUDA device is visible.
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <vector>
+
+#include <catch2/catch.hpp>
+
+#include "kvm/kvm_host_util.hpp"
+#include "kvmem/backend/cuda.hpp"
+#include "support/golden.hpp"
+
+namespace {
+using kvmem::TensorView;
+namespace rkvm = kvmem::reference::kvm;
+using namespace kvmem::test;
+
+bool no_device() {
+  if (kvmem::cuda::device_count() > 0) return false;
+  WARN("SKIPPED: no CUDA device visible; the gpu suite needs one (CI compiles it only)");
+  return true;
+}
+
+#define CUDA_REQUIRE(expr) REQUIRE(kvmem::cuda::to_status((expr), #expr).to_string() == "ok")
+
+template <class T>
+struct Dev {
+  T* ptr = nullptr;
+  std::size_t n = 0;
+  explicit Dev(std::size_t count) : n(count) { CUDA_REQUIRE(cudaMalloc(&ptr, std::max<std::size_t>(1, n) * sizeof(T))); }
+  Dev(const std::vector<T>& host) : Dev(host.size()) {
+    CUDA_REQUIRE(cudaMemcpy(ptr, host.data(), n * sizeof(T), cudaMemcpyHostToDevice));
+  }
+  ~Dev() { cudaFree(ptr); }
+  std::vector<T> get() const {
+    std::vector<T> h(n);
+    CUDA_REQUIRE(cudaMemcpy(h.data(), ptr, n * sizeof(T), cudaMemcpyDeviceToHost));
+    return h;
+  }
+};
+
+struct DevWeights {
+  Dev<float> w, b, ts, tw;
+  explicit DevWeights(const FloatWeights& f) : w(f.w), b(f.b), ts(f.ts), tw(f.tw) {}
+  kvmem::cuda::KvmWeights view() const { return {w.ptr, b.ptr, ts.ptr, tw.ptr}; }
+};
+
+template <class S>
+std::vector<S> as_storage(const std::vector<float>& x) {
+  std::vector<S> y(x.size());
+  for (std::size_t i = 0; i < x.size(); ++i) y[i] = kvmem::store_as<S>(x[i]);
+  return y;
+}
+
+// Feeds tokens [t0, t1) (inputs in storage type S, output float) and writes their rows into out_full.
+template <class S>
+kvmem::Status cuda_feed(kvmem::cuda::KvmState<S>& st, const rkvm::Config& c, const rkvm::Inputs& in,
+                        const DevWeights& w, std::int64_t t0, std::int64_t t1, std::vector<float>& out_full,
+                        kvmem::kvm::RouteLog* log) {
+  const std::int64_t n = t1 - t0;
+  const std::vector<float> qf = in.q.empty() ? std::vector<float>(std::size_t(c.B * c.Hq * n * c.D), 0.0f)
+                                             : slice_tokens(in.q, c.B * c.Hq, c.T, c.D, t0, t1);
+  Dev<S> q(as_storage<S>(qf)), k(as_storage<S>(slice_tokens(in.k, c.B * c.Hk, c.T, c.D, t0, t1))),
+      v(as_storage<S>(slice_tokens(in.v, c.B * c.Hk, c.T, c.Dv, t0, t1))),
+      g(as_storage<S>(slice_tokens(in.gate, c.B * c.Hk, c.T, 1, t0, t1)));
+  Dev<float> out(std::vector<float>(std::size_t(c.B * n * c.Hq * c.Dv), -7.0f));  // poisoned
+  const kvmem::cuda::Executor exec{};
+  const auto status = kvmem::cuda::kvm_prefill(
+      exec, st, w.view(), TensorView<const S, 4>(q.ptr, {c.B, c.Hq, n, c.D}),
+      TensorView<const S, 4>(k.ptr, {c.B, c.Hk, n, c.D}), TensorView<const S, 4>(v.ptr, {c.B, c.Hk, n, c.Dv}),
+      TensorView<const S, 3>(g.ptr, {c.B, c.Hk, n}), TensorView<float, 4>(out.ptr, {c.B, n, c.Hq, c.Dv}), log);
+  if (!status.is_ok()) return status;
+  KVMEM_RETURN_IF_ERROR(kvmem::cuda::to_status(cudaDeviceSynchronize(), "sync after prefill"));
+  const auto o = out.get();
+  out_full.resize(std::size_t(c.B * c.T * c.Hq * c.Dv), 0.0f);
+  for (std::int64_t b = 0; b < c.B; ++b)
+    for (std::int64_t t = 0; t < n; ++t)
+      for (std::int64_t i = 0; i < c.Hq * c.Dv; ++i)
+        out_full[std::size_t(((b * c.T + t0 + t) * c.Hq) * c.Dv + i)] = o[std::size_t((b * n + t) * c.Hq * c.Dv + i)];
+  return kvmem::Status::ok();
+}
+
+template <class S>
+void extract_cuda_state(const kvmem::cuda::KvmState<S>& st, const rkvm::Config& c, HostResult& r) {
+  r.slots = st.slots();
+  r.state_k.clear();
+  r.state_v.clear();
+  r.state_rho.clear();
+  for (std::int64_t b = 0; b < c.B; ++b)
+    for (std::int64_t g = 0; g < c.Hk; ++g) {
+      std::vector<float> sk, sv, rho;
+      REQUIRE(st.download(b, g, sk, sv, rho, nullptr).is_ok());
+      r.state_k.insert(r.state_k.end(), sk.begin(), sk.end());
+      r.state_v.insert(r.state_v.end(), sv.begin(), sv.end());
+      r.state_rho.insert(r.state_rho.end(), rho.begin(), rho.end());
+    }
+}
+
+// Prefill [0, split) then decode every later token; split == T is a plain prefill.
+template <class S>
+HostResult cuda_run(const rkvm::Config& c, const rkvm::Inputs& in, std::int64_t split) {
+  kvmem::cuda::KvmState<S> st;
+  const auto created = kvmem::cuda::KvmState<S>::create(to_params(c), to_shape(c, c.T), st);
+  INFO(created.to_string());
+  REQUIRE(created.is_ok());
+  const DevWeights w(FloatWeights{in});
+  HostResult r;
+  kvmem::kvm::RouteLog log;
+  if (split > 0) {
+    const auto s = cuda_feed(st, c, in, w, 0, split, r.out, &log);
+    INFO(s.to_string());
+    REQUIRE(s.is_ok());
+  }
+  for (std::int64_t t = split; t < c.T; ++t) {
+    const auto s = cuda_feed(st, c, in, w, t, t + 1, r.out, &log);
+    INFO(s.to_string());
+    REQUIRE(s.is_ok());
+  }
+  extract_cuda_state(st, c, r);
+  extract_routes(log, c, r);
+  return r;
+}
+
+constexpr double kTolFp32 = 1e-5;  // golden README rule: max |x - ref| <= tol * max(1, max |ref|)
+}  // namespace
+
+TEST_CASE("kvm cuda fp32 matches every public golden file", "[kvm][cuda][golden]") {
+  if (no_device()) return;
+  const auto files = golden_files("kvm");
+  REQUIRE(files.size() >= 15);
+  for (const auto& path : files) {
+    const auto g = load_golden(path);
+    const auto c = config_from_golden(g);
+    const auto in = inputs_from_golden(g);
+    SECTION(g.name) {
+      const auto r = cuda_run<float>(c, in, c.T);
+      CHECK(r.slots == g.shape("state_k")[2]);
+      KVMEM_CHECK_CLOSE(r.state_k, g.f64("state_k"), kTolFp32);
+      KVMEM_CHECK_CLOSE(r.state_v, g.f64("state_v"), kTolFp32);
+      KVMEM_CHECK_CLOSE(r.state_rho, g.f64("state_rho"), kTolFp32);
+      const auto updates = g.config.at("updates").get<std::size_t>();
+      REQUIRE(r.route_merge.size() == updates);
+      if (updates > 0) CHECK(r.slots_after_update == g.i64("slots_after_update"));
+      for (std::size_t u = 1; u <= updates; ++u) {
+        INFO(g.name << " update " << u);
+        CHECK(r.route_append[u - 1] == g.i64("route_append_u" + std::to_string(u)));
+        CHECK(r.route_merge[u - 1] == g.i64("route_merge_u" + std::to_string(u)));
+      }
+      if (g.has("out")) {
+        KVMEM_CHECK_CLOSE(r.out, g.f64("out"), kTolFp32);
+        const auto split = g.config.at("decode_split").get<std::int64_t>();
+        const auto d = cuda_run<float>(c, in, split);
+        KVMEM_CHECK_CLOSE(d.out, g.f64("out_decode"), kTolFp32);
+      }
+    }
+  }
+}
+
+TEST_CASE("kvm cuda decode equals prefill at several splits (fp32, GQA, Dv != D, power budget)", "[kvm][cuda][sanitize]") {
+  if (no_device()) return;
+  auto c = small_config(2, 61, 4, 2, 16, 12, kvmem::budget::Power{3.0, 0.5, 8});
+  const auto in = random_inputs(c, 42);
+  const auto whole = cuda_run<float>(c, in, c.T);
+  for (std::int64_t split : {1, 8, 17, 24, 33, 60}) {
+    INFO("split " << split);
+    const auto r = cuda_run<float>(c, in, split);
+    KVMEM_CHECK_CLOSE(r.out, whole.out, 1e-6);
+    CHECK(r.route_merge == whole.route_merge);
+    CHECK(r.slots == whole.slots);
+  }
+}
+
+TEST_CASE("kvm cuda bf16 storage agrees with the host backend at a paper-like shape", "[kvm][cuda]") {
+  if (no_device()) return;
+  // C = 256, nb = 2, 16 sqrt N, D = 128, T = 1300 (three updates, ragged last chunk), GQA 4:2.
+  rkvm::Config c = small_config(2, 1300, 4, 2, 128, 128, kvmem::budget::Power{16.0, 0.5, 256});
+  c.chunk = 256;
+  c.rope_dims = 64;
+  const auto in = random_inputs(c, 7);
+  const auto host = host_prefill<kvmem::bf16>(c, in);
+  const auto gpu = cuda_run<kvmem::bf16>(c, in, c.T);
+  CHECK(gpu.slots == host.slots);
+  CHECK(gpu.slots_after_update == host.slots_after_update);
+  // Both paths store bf16 k, v and readout copies and accumulate in fp32; they differ only in the
+  // order of fp32 sums, so routes agree except near-ties and outputs agree far inside the bf16 bound.
+  std::size_t flips = 0, total = 0;
+  for (std::size_t u = 0; u < host.route_merge.size(); ++u)
+    for (std::size_t i = 0; i < host.route_merge[u].size(); ++i, ++total) flips += host.route_merge[u][i] != gpu.route_merge[u][i];
+  INFO("route differences " << flips << " of " << total);
+  CHECK(flips * 200 <= total);  // at most 0.5% near-ties
+  const double e = relative_frobenius(gpu.out, host.out);
+  INFO("out relative Frobenius cuda vs host " << e);
+  CHECK(e <= 1e-2);
+  const auto decoded = cuda_run<kvmem::bf16>(c, in, 1100);
+  const double ed = relative_frobenius(decoded.out, gpu.out);
+  INFO("decode vs prefill relative Frobenius " << ed);
+  CHECK(ed <= 1e-5);
+}
+
+TEST_CASE("kvm cuda rejects bad shapes before touching the state", "[kvm][cuda]") {
+  if (no_device()) return;
+  auto c = small_config(1, 20, 2, 2, 16, 16, kvmem::budget::Fixed{8, 8});
+  kvmem::cuda::KvmState<float> st;
+  REQUIRE(kvmem::cuda::KvmState<float>::create(to_params(c), to_shape(c, 20), st).is_ok());
+  const auto in = random_inputs(c, 1);
+  const DevWeights w(FloatWeights{in});
+  Dev<float> q(std::size_t(2 * 4 * 16)), k(std::size_t(2 * 4 * 16)), v(std::size_t(2 * 4 * 16)), g(std::size_t(8)),
+      o(std::size_t(2 * 4 * 16));
+  const auto status = kvmem::cuda::kvm_prefill(
+      kvmem::cuda::Executor{}, st, w.view(), TensorView<const float, 4>(q.ptr, {1, 2, 4, 16}),
+      TensorView<const float, 4>(k.ptr, {1, 2, 4, 16}), TensorView<const float, 4>(v.ptr, {1, 2, 4, 8}),
+      TensorView<const float, 3>(g.ptr, {1, 2, 4}), TensorView<float, 4>(o.ptr, {1, 4, 2, 16}));
+  CHECK(status.code() == kvmem::StatusCode::kInvalidArgument);
+  CHECK(status.message() == "v shape: expected [1,2,4,16], got [1,2,4,8]");
+  CHECK(st.tokens() == 0);
+  CHECK(st.slots() == 0);
+}
+
+TEST_CASE("kvm cuda fp32 register-tiled head dims 64 and 128 match the host backend", "[kvm][cuda][sanitize]") {
+  if (no_device()) return;
+  for (std::int64_t dim : {64, 128}) {
+    rkvm::Config c = small_config(1, 700, 4, 2, dim, dim, kvmem::budget::Saturating{256.0, 1});
+    c.chunk = 64;
+    c.rope_dims = dim / 2;
+    const auto in = random_inputs(c, 100 + std::uint64_t(dim));
+    const auto host = host_prefill<float>(c, in);
+    const auto gpu = cuda_run<float>(c, in, c.T);
+    INFO("head dim " << dim);
+    CHECK(gpu.slots_after_update == host.slots_after_update);
+    CHECK(gpu.route_merge == host.route_merge);
+    KVMEM_CHECK_CLOSE(gpu.out, host.out, 1e-5);
+    KVMEM_CHECK_CLOSE(gpu.state_v, host.state_v, 1e-5);
+  }
+}
