@@ -23,8 +23,13 @@
 #if KVMEM_REPLAY_WITH_REFERENCE_KVM
 #include "kvmem/reference/kvm.hpp"
 #endif
-#if KVMEM_REPLAY_WITH_HOST_KVM
+#if KVMEM_REPLAY_WITH_HOST_KVM || KVMEM_REPLAY_WITH_KOKKOS_KVM
 #include "kvmem/backend/host/kvm.hpp"
+#endif
+#if KVMEM_REPLAY_WITH_KOKKOS_KVM
+#include <Kokkos_Core.hpp>
+
+#include "kvmem/backend/kokkos.hpp"
 #endif
 
 namespace kvmem::replay::kvm_adapter {
@@ -211,7 +216,7 @@ inline Results run_reference(const Spec& s, const Inputs& in, Progress& progress
 }
 #endif
 
-#if KVMEM_REPLAY_WITH_HOST_KVM
+#if KVMEM_REPLAY_WITH_HOST_KVM || KVMEM_REPLAY_WITH_KOKKOS_KVM
 namespace host_detail {
 
 inline std::vector<float> to_float(const std::vector<double>& x) { return {x.begin(), x.end()}; }
@@ -261,8 +266,7 @@ void feed(const host::Executor& exec, kvm::State<S, float>& st, const Spec& s, c
     std::copy(o.begin() + b * n * row, o.begin() + (b + 1) * n * row, out.begin() + (b * s.T + t0) * row);
 }
 
-template <class S>
-kvm::State<S, float> make_state(const Spec& s) {
+inline kvm::Params params_of(const Spec& s) {
   kvm::Params p;
   p.chunk = s.chunk;
   p.window_chunks = s.window_chunks;
@@ -277,10 +281,40 @@ kvm::State<S, float> make_state(const Spec& s) {
   p.gate_initial = s.gate_initial;
   p.ln_eps = s.ln_eps;
   p.scale = s.scale;
+  return p;
+}
+
+template <class S>
+kvm::State<S, float> make_state(const Spec& s) {
   kvm::State<S, float> st;
-  const Status status = kvm::State<S, float>::create(p, kvm::Shape{s.B, s.Hq, s.Hk, s.D, s.Dv, s.T}, st);
+  const Status status = kvm::State<S, float>::create(params_of(s), kvm::Shape{s.B, s.Hq, s.Hk, s.D, s.Dv, s.T}, st);
   if (!status.is_ok()) throw BadInput("host kvm rejects the configuration: " + status.message());
   return st;
+}
+
+// The final state and the route log of a prefill, in the goldens' layout: state [B,Hk,S,*], routes
+// per update concatenated over the (b, kv head) items.
+template <class S>
+void collect(const kvm::State<S, float>& st, const Spec& s, const kvm::RouteLog& log, Results& r) {
+  r.slots = st.slots(0);
+  for (std::int64_t b = 0; b < s.B; ++b)
+    for (std::int64_t g = 0; g < s.Hk; ++g) {
+      const auto it = st.item(b, g);
+      r.state_k.insert(r.state_k.end(), it.sk, it.sk + r.slots * s.D);
+      r.state_v.insert(r.state_v.end(), it.sv, it.sv + r.slots * s.Dv);
+      r.state_rho.insert(r.state_rho.end(), it.rho, it.rho + r.slots);
+    }
+  const std::size_t U = log.items.empty() ? 0 : log.items[0].size();
+  r.route_append.assign(U, {});
+  r.route_merge.assign(U, {});
+  r.slots_after_update.assign(U, 0);
+  for (std::size_t u = 0; u < U; ++u)
+    for (const auto& item : log.items) {
+      if (item.size() != U) throw std::logic_error("internal: the backend logged different update counts per item");
+      r.route_append[u].insert(r.route_append[u].end(), item[u].appended.begin(), item[u].appended.end());
+      r.route_merge[u].insert(r.route_merge[u].end(), item[u].target.begin(), item[u].target.end());
+      r.slots_after_update[u] = item[u].slots_after;
+    }
 }
 
 template <class S>
@@ -293,26 +327,7 @@ Results run(const Spec& s, const Inputs& in, const Options& opt, Progress& progr
     auto st = make_state<S>(s);
     kvm::RouteLog log;
     progress.phase("prefill", s.T, [&] { feed(exec, st, s, f, 0, s.T, r.out, &log); });
-    r.slots = st.slots(0);
-    for (std::int64_t b = 0; b < s.B; ++b)
-      for (std::int64_t g = 0; g < s.Hk; ++g) {
-        const auto it = st.item(b, g);
-        r.state_k.insert(r.state_k.end(), it.sk, it.sk + r.slots * s.D);
-        r.state_v.insert(r.state_v.end(), it.sv, it.sv + r.slots * s.Dv);
-        r.state_rho.insert(r.state_rho.end(), it.rho, it.rho + r.slots);
-      }
-    // Routes per update, concatenated over the (b, kv head) items as the goldens store them.
-    const std::size_t U = log.items.empty() ? 0 : log.items[0].size();
-    r.route_append.assign(U, {});
-    r.route_merge.assign(U, {});
-    r.slots_after_update.assign(U, 0);
-    for (std::size_t u = 0; u < U; ++u)
-      for (const auto& item : log.items) {
-        if (item.size() != U) throw std::logic_error("internal: host kvm logged different update counts per item");
-        r.route_append[u].insert(r.route_append[u].end(), item[u].appended.begin(), item[u].appended.end());
-        r.route_merge[u].insert(r.route_merge[u].end(), item[u].target.begin(), item[u].target.end());
-        r.slots_after_update[u] = item[u].slots_after;
-      }
+    collect(st, s, log, r);
   }
   if (in.has_q && s.decode_split >= 0) {
     auto st = make_state<S>(s);
@@ -331,13 +346,105 @@ Results run(const Spec& s, const Inputs& in, const Options& opt, Progress& progr
 }
 
 }  // namespace host_detail
+#endif
 
+#if KVMEM_REPLAY_WITH_HOST_KVM
 // fp32 or bf16 storage (window keys/values and readout copies); sums and math in fp32.
 inline Results run_host(const Spec& s, const Inputs& in, const Options& opt, Progress& progress) {
   if (s.round_value_readout_bf16)
     throw BadInput("config: 'round_value_readout_bf16' is only implemented by the reference backend");
   if (opt.precision == Precision::kBf16) return host_detail::run<bf16>(s, in, opt, progress);
   return host_detail::run<float>(s, in, opt, progress);
+}
+#endif
+
+#if KVMEM_REPLAY_WITH_KOKKOS_KVM
+namespace kokkos_detail {
+
+using Space = Kokkos::DefaultExecutionSpace;
+using MemSpace = Space::memory_space;
+using Exec = kokkos::Executor<Space>;
+
+// A host vector copied into the execution space's memory (the device on a GPU build).
+inline Kokkos::View<float*, MemSpace> to_device(const std::vector<float>& x) {
+  Kokkos::View<float*, MemSpace> view(Kokkos::view_alloc(Kokkos::WithoutInitializing, "kvmem-replay input"), x.size());
+  Kokkos::View<const float*, Kokkos::HostSpace, Kokkos::MemoryTraits<Kokkos::Unmanaged>> host(x.data(), x.size());
+  Kokkos::deep_copy(view, host);
+  return view;
+}
+
+template <class S>
+void feed(const Exec& exec, kvm::State<S, float>& st, const Spec& s, const host_detail::FloatInputs& f,
+          std::int64_t t0, std::int64_t t1, std::vector<double>& out, kvm::RouteLog* log) {
+  using host_detail::tokens;
+  const std::int64_t n = t1 - t0;
+  const auto q = to_device(tokens(f.q, s.B * s.Hq, s.T, s.D, t0, t1));
+  const auto k = to_device(tokens(f.k, s.B * s.Hk, s.T, s.D, t0, t1));
+  const auto v = to_device(tokens(f.v, s.B * s.Hk, s.T, s.Dv, t0, t1));
+  const auto g = to_device(tokens(f.gate, s.B * s.Hk, s.T, 1, t0, t1));
+  const auto lw = to_device(f.ln_w), lb = to_device(f.ln_b), ts = to_device(f.tau_s), tw = to_device(f.tau_w);
+  Kokkos::View<float*, MemSpace> o("kvmem-replay out", static_cast<std::size_t>(s.B * n * s.Hq * s.Dv));
+  const kvm::Weights weights{{lw.data(), {s.D}}, {lb.data(), {s.D}}, {ts.data(), {s.Hq}}, {tw.data(), {s.Hq}}};
+  const Status status = kvm::prefill(exec, st, weights, TensorView<const float, 4>(q.data(), {s.B, s.Hq, n, s.D}),
+                                     TensorView<const float, 4>(k.data(), {s.B, s.Hk, n, s.D}),
+                                     TensorView<const float, 4>(v.data(), {s.B, s.Hk, n, s.Dv}),
+                                     TensorView<const float, 3>(g.data(), {s.B, s.Hk, n}),
+                                     TensorView<float, 4>(o.data(), {s.B, n, s.Hq, s.Dv}), nullptr, log);
+  if (!status.is_ok()) throw BadInput("kokkos kvm rejects the case: " + status.message());
+  exec.space.fence();
+  const auto host = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), o);
+  const std::int64_t row = s.Hq * s.Dv;
+  for (std::int64_t b = 0; b < s.B; ++b)
+    std::copy(host.data() + b * n * row, host.data() + (b + 1) * n * row, out.begin() + (b * s.T + t0) * row);
+}
+
+template <class S>
+kokkos::KvmState<S, float, MemSpace> make_state(const Exec& exec, const Spec& s) {
+  kokkos::KvmState<S, float, MemSpace> st;
+  const Status status = kokkos::create_state<S, float>(exec, host_detail::params_of(s), kvm::Shape{s.B, s.Hq, s.Hk, s.D, s.Dv, s.T}, st);
+  if (!status.is_ok()) throw BadInput("kokkos kvm rejects the configuration: " + status.message());
+  return st;
+}
+
+template <class S>
+Results run(const Spec& s, const Inputs& in, Progress& progress) {
+  const Exec exec{};
+  const host_detail::FloatInputs f(in);
+  Results r;
+  r.out.assign(static_cast<std::size_t>(s.B * s.T * s.Hq * s.Dv), 0.0);
+  {
+    auto st = make_state<S>(exec, s);
+    kvm::RouteLog log;
+    progress.phase("prefill", s.T, [&] { feed(exec, st.state, s, f, 0, s.T, r.out, &log); });
+    host_detail::collect(st.state, s, log, r);  // the state's memory is host-accessible (create_state)
+  }
+  if (in.has_q && s.decode_split >= 0) {
+    auto st = make_state<S>(exec, s);
+    r.out_decode.assign(r.out.size(), 0.0);
+    progress.phase("prefill " + std::to_string(s.decode_split) + " + decode", s.T, [&] {
+      if (s.decode_split > 0) feed(exec, st.state, s, f, 0, s.decode_split, r.out_decode, nullptr);
+      progress.advance(s.decode_split);
+      for (std::int64_t t = s.decode_split; t < s.T; ++t) {
+        feed(exec, st.state, s, f, t, t + 1, r.out_decode, nullptr);
+        progress.advance(1);
+      }
+    });
+    r.has_decode = true;
+  }
+  return r;
+}
+
+}  // namespace kokkos_detail
+
+// Kokkos' default execution space of this build (Serial with Debian's Kokkos). Kokkos is initialised
+// for this run only; the guard outlives every View of the run.
+inline Results run_kokkos(const Spec& s, const Inputs& in, const Options& opt, Progress& progress) {
+  if (s.round_value_readout_bf16)
+    throw BadInput("config: 'round_value_readout_bf16' is only implemented by the reference backend");
+  if (opt.threads > 0) progress.note("--threads does not apply to the kokkos backend (Kokkos chooses; see KOKKOS_NUM_THREADS)");
+  Kokkos::ScopeGuard guard;
+  if (opt.precision == Precision::kBf16) return kokkos_detail::run<bf16>(s, in, progress);
+  return kokkos_detail::run<float>(s, in, progress);
 }
 #endif
 
@@ -364,7 +471,12 @@ inline void run(const Options& opt, const Case& c, Outputs& outputs) {
       unavailable = not_built(opt.backend, "include/kvmem/backend/host/kvm.hpp was not present when it was built");
 #endif
       break;
-    case Backend::kKokkos: case Backend::kCuda:
+    case Backend::kKokkos:
+#if !KVMEM_REPLAY_WITH_KOKKOS_KVM
+      unavailable = not_built(opt.backend, gpu_backend_reason(opt.backend, "kvm"));
+#endif
+      break;
+    case Backend::kCuda:
       unavailable = not_built(opt.backend, gpu_backend_reason(opt.backend, "kvm"));
       break;
   }
@@ -383,6 +495,10 @@ inline void run(const Options& opt, const Case& c, Outputs& outputs) {
   } else if (opt.backend == Backend::kHost) {
 #if KVMEM_REPLAY_WITH_HOST_KVM
     results = run_host(spec, inputs, opt, progress);
+#endif
+  } else if (opt.backend == Backend::kKokkos) {
+#if KVMEM_REPLAY_WITH_KOKKOS_KVM
+    results = run_kokkos(spec, inputs, opt, progress);
 #endif
   }
   emit(spec, inputs, std::move(results), outputs);
