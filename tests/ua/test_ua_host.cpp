@@ -364,6 +364,10 @@ TEST_CASE("host: compile-time Attention<Set, Threshold{p}, Bf16Storage> equals t
   kua::PrunedCache<kvmem::bf16> b(f.cache_shape());
   const auto out_b = host_prefill_decode(f, 70, kua::Options{0.05, 32, true}, b, 1);
   CHECK(out_a == out_b);
+  // the runtime policy path gives the same options
+  const kvmem::prune::Threshold runtime{0.05};
+  CHECK(kua::Options::with(runtime, 32).p == 0.05);
+  CHECK(kua::Options::with(kvmem::prune::None{}).p == 0.0);
   using Dense = kua::Attention<>;
   static_assert(Dense::threshold() == 0.0);
 }

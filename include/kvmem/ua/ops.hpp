@@ -35,6 +35,14 @@ struct Options {
   double p = 0.0;                      // eviction threshold, evict iff λ < ln p; 0 = never (dense)
   std::int64_t prefill_chunk = 128;    // P: prefill evicts at the end of each chunk
   bool evict_before_attention = true;  // decode order: λ update, append, evict, attend (false: evict last)
+
+  // From a prune policy value chosen at run time (prune::Threshold{p}) or prune::None (dense).
+  static Options with(const prune::Threshold& policy, std::int64_t chunk = 128, bool evict_before = true) {
+    return Options{policy.p, chunk, evict_before};
+  }
+  static Options with(const prune::None&, std::int64_t chunk = 128, bool evict_before = true) {
+    return Options{0.0, chunk, evict_before};
+  }
 };
 
 // Views of caller memory (float inputs). T is the number of tokens of the call (1 for decode).
