@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <limits>
 #include <string>
 #include <vector>
@@ -252,6 +253,19 @@ TEST_CASE("an output folder that does not exist is an error after the run, with 
   CHECK_THAT(run.err, Catch::Contains("cannot open for writing"));
   CHECK(run.out.empty());  // no comparison lines for results that were not saved
   CHECK_FALSE(fs::exists(dir.path() / "missing"));
+}
+#endif
+
+#if KVMEM_REPLAY_HAVE_REFERENCE_KVM && KVMEM_REPLAY_HAVE_HOST_KVM
+TEST_CASE("non-finite inputs are rejected by every backend before anything is written", "[replay][cli]") {
+  TempDir dir("nan");
+  auto img = kvmem::test::split_image(kvmem::test::read_bytes(kKvm));
+  const auto at = img.header["k"]["data_offsets"][0].get<std::size_t>() + 8 * 17;
+  const double nan = std::numeric_limits<double>::quiet_NaN();
+  std::memcpy(img.data.data() + at, &nan, 8);
+  kvmem::test::write_bytes(dir.file("nan.safetensors"), kvmem::test::join_image(img));
+  expect_bad(dir, dir.file("nan.safetensors"), {"--backend", "reference"}, "reference kvm rejects the case");
+  expect_bad(dir, dir.file("nan.safetensors"), {"--backend", "host"}, "host kvm rejects the case");
 }
 #endif
 
