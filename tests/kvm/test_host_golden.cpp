@@ -54,6 +54,10 @@ TEST_CASE("kvm host fp32 matches every public golden file", "[kvm][golden]") {
         HostResult fin;
         const auto od = host_prefill_then_decode<float>(c, in, split, &fin);
         KVMEM_CHECK_CLOSE(od, g.f64("out_decode"), kTolFp32);
+        WARN(g.name << " host fp32: max relative error out " << deviation(r.out, g.f64("out")).relative()
+                    << ", out_decode " << deviation(od, g.f64("out_decode")).relative() << ", state_k "
+                    << deviation(r.state_k, g.f64("state_k")).relative() << ", state_v "
+                    << deviation(r.state_v, g.f64("state_v")).relative());
         // decode reaches the same final state as prefill
         KVMEM_CHECK_CLOSE(fin.state_k, g.f64("state_k"), kTolFp32);
         KVMEM_CHECK_CLOSE(fin.state_v, g.f64("state_v"), kTolFp32);
