@@ -3,6 +3,7 @@
 // Runs the host backend on a reference-style problem (rkvm::Config + Inputs in double): float
 // inputs, storage S, and the results laid out like the reference Result so tests compare directly.
 
+#include <algorithm>
 #include <cstdint>
 #include <vector>
 
@@ -86,6 +87,7 @@ struct HostResult {
   std::int64_t slots = 0;
   std::vector<std::int64_t> slots_after_update;
   std::vector<std::vector<std::int64_t>> route_append, route_merge;  // per update, [B,Hk,*]
+  double merge_margin = 1e300, append_margin = 1e300;  // minima over updates, rows and heads
 };
 
 template <class S>
@@ -114,6 +116,8 @@ inline void extract_routes(const kvmem::kvm::RouteLog& log, const rkvm::Config& 
       r.route_append[u].insert(r.route_append[u].end(), rt.appended.begin(), rt.appended.end());
       r.route_merge[u].insert(r.route_merge[u].end(), rt.target.begin(), rt.target.end());
       r.slots_after_update[u] = rt.slots_after;
+      r.merge_margin = std::min(r.merge_margin, rt.merge_margin);
+      r.append_margin = std::min(r.append_margin, rt.append_margin);
     }
 }
 

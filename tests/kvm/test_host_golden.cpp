@@ -49,6 +49,10 @@ TEST_CASE("kvm host fp32 matches every public golden file", "[kvm][golden]") {
         CHECK(r.route_append[std::size_t(u - 1)] == g.i64("route_append_u" + std::to_string(u)));
         CHECK(r.route_merge[std::size_t(u - 1)] == g.i64("route_merge_u" + std::to_string(u)));
       }
+      // decision margins of the test hook against the golden's (fp32 vs fp64 logits)
+      const double gm = g.f64("route_margin_min").at(0), ga = g.f64("append_margin_min").at(0);
+      CHECK(std::abs(r.merge_margin - gm) <= 1e-4 * std::max(1.0, std::abs(gm)));
+      CHECK(std::abs(r.append_margin - ga) <= 1e-4 * std::max(1.0, std::abs(ga)));
       if (has_q) {
         const auto split = g.config.at("decode_split").get<std::int64_t>();
         HostResult fin;

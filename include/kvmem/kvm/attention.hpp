@@ -34,6 +34,9 @@ struct UpdateRoute {
   std::int64_t slots_after = 0;   // |S| after
   std::vector<std::int64_t> appended;  // absolute token ids, ascending
   std::vector<std::int64_t> target;    // [C]: merge target slot (>= sink) or -1 if appended
+  // Decision margins (spec 2 test hooks), so tests can skip near-ties explicitly:
+  double merge_margin = 1e300;   // smallest top1 - top2 merge logit kg . K^+_j over non-sink slots
+  double append_margin = 1e300;  // gap at the append cut-off (n-th vs (n+1)-th smallest novelty score)
 };
 struct RouteLog {
   std::vector<std::vector<UpdateRoute>> items;  // [B*Hk], updates in order

@@ -17,6 +17,7 @@
 #include <cstdint>
 #include <new>
 #include <string>
+#include <vector>
 
 #include "kvmem/backend/host/executor.hpp"
 #include "kvmem/core/numeric.hpp"
@@ -96,6 +97,7 @@ struct Call {
         it.vg[i * Dv() + d] = pr.merge_gate_values ? g * x : x;
       }
     }
+    double append_gap = 1e300;
     // spec 3.1: target and appends
     const std::int64_t target = pr.budget.slots(N, avail, S_cur);
     const std::int64_t n_app = std::min(target - S_cur, C);
@@ -106,6 +108,11 @@ struct Call {
         kernel::novelty_update(it.k0, C, D(), it.row, it.score);
       }
       kernel::select_appends(it.score, C, n_app, it.target);
+      if (routes != nullptr && n_app < C) {  // test hook only: allocation allowed
+        std::vector<A> sorted(it.score, it.score + C);
+        std::sort(sorted.begin(), sorted.end());
+        append_gap = double(sorted[std::size_t(n_app)]) - double(sorted[std::size_t(n_app - 1)]);
+      }
     } else {
       for (std::int64_t i = 0; i < C; ++i) it.target[i] = 0;
     }
@@ -137,16 +144,45 @@ struct Call {
         kernel::layer_norm(it.sk + j * D(), D(), st.ln_w(), st.ln_b(), eps, it.row);
         kernel::merge_route_update(it.kg, C, D(), it.row, j, it.best, it.target, j == pr.sink);
       }
+      if (route != nullptr) route->merge_margin = merge_margin(it, S_new);
       for (std::int64_t j = pr.sink; j < S_new; ++j)
         kernel::scatter_into_slot(it.kg, it.vg, it.target, C, D(), Dv(), j, it.sk + j * D(), it.sv + j * Dv(),
                                   it.cnt + j);
     }
     if (route != nullptr) {
+      route->append_margin = append_gap;
       route->slots_after = S_new;
       route->target.assign(it.target, it.target + C);
     }
     refresh(it, pr.sink, S_new);
     return S_new;
+  }
+
+  // Test hook: smallest top1 - top2 merge logit over the merged tokens, against K^+ before the
+  // scatter (spec 2). Only runs when a RouteLog is attached; allocates.
+  double merge_margin(const ItemView<S, A>& it, std::int64_t S_new) const {
+    const Params& pr = p();
+    const std::int64_t C = pr.chunk;
+    const A eps = static_cast<A>(pr.ln_eps);
+    std::vector<A> top1(std::size_t(C), negative_infinity<A>()), top2(std::size_t(C), negative_infinity<A>());
+    for (std::int64_t j = pr.sink; j < S_new; ++j) {
+      kernel::layer_norm(it.sk + j * D(), D(), st.ln_w(), st.ln_b(), eps, it.row);
+      for (std::int64_t i = 0; i < C; ++i) {
+        if (it.target[i] == -1) continue;
+        const A l = kernel::dot(it.row, it.kg + i * D(), D());
+        if (l > top1[std::size_t(i)]) {
+          top2[std::size_t(i)] = top1[std::size_t(i)];
+          top1[std::size_t(i)] = l;
+        } else if (l > top2[std::size_t(i)]) {
+          top2[std::size_t(i)] = l;
+        }
+      }
+    }
+    double margin = 1e300;
+    for (std::int64_t i = 0; i < C; ++i)
+      if (it.target[i] != -1 && top2[std::size_t(i)] > negative_infinity<A>())
+        margin = std::min(margin, double(top1[std::size_t(i)]) - double(top2[std::size_t(i)]));
+    return margin;
   }
 
   // Queries [t0, t1) (absolute; local index t - n0) of KV group (b, g) over the state (if
