@@ -279,3 +279,38 @@ TEST_CASE("kvm state invariants hold after every decode step", "[kvm][unit]") {
   }
 }
 }  // namespace
+
+namespace {
+TEST_CASE("kvm host results do not depend on the thread count", "[kvm][unit]") {
+  auto c = small_config(3, 70, 4, 2, 16, 8, Power{3.0, 0.5, 8, 1, 8000});
+  const auto in = random_inputs(c, 42);
+  const auto one = host_prefill<float>(c, in, 1);
+  for (int threads : {2, 3, 0}) {
+    const auto many = host_prefill<float>(c, in, threads);
+    CHECK(many.out == one.out);
+    CHECK(many.state_k == one.state_k);
+    CHECK(many.route_merge == one.route_merge);
+  }
+}
+
+// spec 6.8: for a fixed pre-update state the merge targets do not depend on the gate values
+// (g > 0 scales every merge logit of a token alike); only update 1 has the same pre-update state.
+// spec 6.9: with both merge gates off the output does not depend on g at all.
+TEST_CASE("kvm gate routing invariance and gate-free flags", "[kvm][unit]") {
+  auto c = small_config(1, 64, 2, 2, 16, 16, Power{3.0, 0.5, 8, 1, 8000});
+  const auto in = random_inputs(c, 9);
+  auto in2 = in;
+  std::mt19937_64 rng(5);
+  std::uniform_real_distribution<double> u(0.1, 3.0);
+  for (auto& g : in2.gate) g = u(rng);
+  const auto a = rkvm::prefill(c, in), b = rkvm::prefill(c, in2);
+  CHECK(a.route_merge[0] == b.route_merge[0]);
+  CHECK(a.route_append[0] == b.route_append[0]);
+  const auto ha = host_prefill<float>(c, in), hb = host_prefill<float>(c, in2);
+  CHECK(ha.route_merge[0] == hb.route_merge[0]);
+  CHECK(ha.out != hb.out);  // gates matter with the default flags
+  c.merge_gate_keys = c.merge_gate_values = false;
+  CHECK(host_prefill<float>(c, in).out == host_prefill<float>(c, in2).out);
+  KVMEM_CHECK_CLOSE(rkvm::prefill(c, in).out, rkvm::prefill(c, in2).out, 0.0);
+}
+}  // namespace
