@@ -49,9 +49,15 @@ TEST_CASE("host: cumulative decay is 0 on the diagonal, non-increasing down a co
   const std::int64_t T = 70, D = 16;
   std::vector<std::int64_t> pos(T);
   for (std::int64_t t = 0; t < T; ++t) pos[t] = t;
-  std::vector<float> tile(T * T), col(T);
+  std::vector<float> tile(T * T), col(T), scratch(T);
   kvmem::kernel::ua::decay_tile<kvmem::decay::Universal, float>(f.k.data(), D, f.z_k.data(), pos.data(), T, f.k.data(), D,
-                                                                f.z_q.data(), 1, 0, T, D, tile.data(), T);
+                                                                f.z_q.data(), 1, 0, T, D, tile.data(), T, scratch.data());
+  // the tile's precomputed gate parts give bitwise the value decay::Set computes per pair
+  for (std::int64_t j = 0; j < T; ++j)
+    for (std::int64_t m = j + 1; m < T; ++m) {
+      kvmem::decay::PairInputs<float> in{f.z_k[j], f.z_q[m], kvmem::kernel::ua::dot8<float>(f.k.data() + j * D, f.k.data() + m * D, D), j, m};
+      CHECK(tile[j * T + m] == kvmem::decay::Universal::log_decay(in));
+    }
   for (std::int64_t j = 0; j < T; ++j) {
     kvmem::kernel::ua::cumulative_decay<float>(0.0f, j, 0, tile.data() + j * T, T, col.data(), 1);
     for (std::int64_t i = 0; i < j; ++i) CHECK(col[i] == -std::numeric_limits<float>::infinity());

@@ -32,7 +32,8 @@ KVMEM_HOST_DEVICE constexpr std::int64_t block_workspace_elems(std::int64_t head
   return heads * kQueryTile * D    // output accumulators
          + 2 * heads * kQueryTile  // running max and sum per (head, row)
          + 2 * kKeyTile * kQueryTile  // decay tile and bias tile
-         + kKeyTile;                  // one row's logits
+         + kKeyTile                   // one row's logits
+         + kQueryTile;                // query-gate parts of the tile's positions
 }
 
 // One block of query positions [first, first + rows) of one (sequence, kv head).
@@ -78,6 +79,7 @@ KVMEM_HOST_DEVICE inline void attend_block(const BlockArgs<KS, QS, OS, Acc>& a) 
   Acc* decay = row_sum + a.heads * kQueryTile;     // [kKeyTile, kQueryTile]
   Acc* bias = decay + kKeyTile * kQueryTile;       // [kQueryTile, kKeyTile]
   Acc* logits = bias + kKeyTile * kQueryTile;      // [kKeyTile]
+  Acc* query_part = logits + kKeyTile;             // [kQueryTile]
 
   for (std::int64_t r0 = 0; r0 < a.rows; r0 += kQueryTile) {
     const std::int64_t nr = (a.rows - r0) < kQueryTile ? (a.rows - r0) : kQueryTile;
@@ -104,7 +106,7 @@ KVMEM_HOST_DEVICE inline void attend_block(const BlockArgs<KS, QS, OS, Acc>& a) 
         decay_tile<Set, Acc>(a.keys + e0 * a.key_stride, a.key_stride, a.key_logit + e0, a.pos + e0, ne,
                              a.new_keys + (r0 + skip) * a.new_key_stride, a.new_key_stride,
                              a.query_logit + (r0 + skip) * a.query_logit_stride, a.query_logit_stride, m0 + skip, nr - skip, D, decay,
-                             kQueryTile);
+                             kQueryTile, query_part);
       for (std::int64_t e = 0; e < ne; ++e) {
         const std::int64_t p = a.pos[e0 + e];
         Acc lam = a.lambda[e0 + e];

@@ -43,11 +43,52 @@ struct HasSimilarityGate<decay::Set<G...>> : std::bool_constant<(std::is_same_v<
 template <class S>
 inline constexpr bool kHasSimilarityGate = detail::HasSimilarityGate<S>::value;
 
-// Spec UA.md 4.1: A_jm for one pair j < m of one (sequence, kv head).
+// The gate sum of decay::Set, with the per-key part (KeyGate: depends on z_k[j] only) and the
+// per-position part (QueryGate: z_q[m] only) precomputed once per key / position instead of once per
+// pair. The fold runs left to right over the set's gates exactly like Set::log_mean_factor, with the
+// same values, so the result is bitwise the one the set itself computes.
+namespace detail {
+template <class G, class Acc>
+KVMEM_HOST_DEVICE inline Acc gate_value(const decay::PairInputs<Acc>& in, Acc key_part, Acc query_part) {
+  if constexpr (std::is_same_v<G, decay::KeyGate>) return key_part;
+  else if constexpr (std::is_same_v<G, decay::QueryGate>) return query_part;
+  else return static_cast<Acc>(G::log_factor(in));
+}
+template <class S>
+struct SetDecay;
+template <class... G>
+struct SetDecay<decay::Set<G...>> {
+  template <class Acc>
+  KVMEM_HOST_DEVICE static Acc log_decay(const decay::PairInputs<Acc>& in, Acc key_part, Acc query_part) {
+    Acc sum = Acc(0);
+    ((sum = sum + gate_value<G, Acc>(in, key_part, query_part)), ...);
+    return log_decay_from_log_factor(sum / static_cast<Acc>(sizeof...(G)), static_cast<Acc>(decay::kClampEps));
+  }
+};
+}  // namespace detail
+
+// log g_k[j] (the KeyGate factor) of one key, and log g_q[m] (the QueryGate factor) of one position;
+// 0 when the set has no such gate (the value is then never read).
+template <class Acc>
+KVMEM_HOST_DEVICE inline Acc key_gate_part(Acc key_logit) {
+  decay::PairInputs<Acc> in;
+  in.key_logit = key_logit;
+  return decay::KeyGate::log_factor(in);
+}
+template <class Acc>
+KVMEM_HOST_DEVICE inline Acc query_gate_part(Acc query_logit) {
+  decay::PairInputs<Acc> in;
+  in.query_logit = query_logit;
+  return decay::QueryGate::log_factor(in);
+}
+
+// Spec UA.md 4.1: A_jm for one pair j < m of one (sequence, kv head), given the precomputed gate parts
+// key_part = key_gate_part(z_k[j]) and query_part = query_gate_part(z_q[m]).
 // key_j: [D] (cached key, storage type), key_m: [D] (the later token's key)
 template <class Set, class Acc, class KJ, class KM>
-KVMEM_HOST_DEVICE inline Acc pair_decay(const KJ* key_j, Acc key_logit_j, std::int64_t pos_j, const KM* key_m,
-                                        Acc query_logit_m, std::int64_t pos_m, std::int64_t D) {
+KVMEM_HOST_DEVICE inline Acc pair_decay(const KJ* key_j, Acc key_logit_j, Acc key_part, std::int64_t pos_j,
+                                        const KM* key_m, Acc query_logit_m, Acc query_part, std::int64_t pos_m,
+                                        std::int64_t D) {
   decay::PairInputs<Acc> in;
   in.key_logit = key_logit_j;
   in.query_logit = query_logit_m;
@@ -58,28 +99,41 @@ KVMEM_HOST_DEVICE inline Acc pair_decay(const KJ* key_j, Acc key_logit_j, std::i
     if constexpr (kHasSimilarityGate<Set>)
       if (!(in.similarity > Acc(0))) return Acc(0);  // relu(c)^2 = 0 -> x = 0 -> A = 0 exactly
   }
-  return Set::template log_decay<Acc>(in);
+  return detail::SetDecay<Set>::template log_decay<Acc>(in, key_part, query_part);
+}
+
+// The same without precomputed parts (one-off pairs, tests).
+template <class Set, class Acc, class KJ, class KM>
+KVMEM_HOST_DEVICE inline Acc pair_decay(const KJ* key_j, Acc key_logit_j, std::int64_t pos_j, const KM* key_m,
+                                        Acc query_logit_m, std::int64_t pos_m, std::int64_t D) {
+  return pair_decay<Set, Acc>(key_j, key_logit_j, key_gate_part(key_logit_j), pos_j, key_m, query_logit_m,
+                              query_gate_part(query_logit_m), pos_m, D);
 }
 
 // Decay tile (spec UA.md 4.1): tile[e * ld + i] = A(key e, position m_i) for keys [0, n_keys) and
 // positions m_i = first_pos + i, i in [0, n_pos); 0 where m_i <= pos_e (self term and the future).
 // keys: [n_keys, D] rows key_stride apart; key_logit, key_pos: [n_keys];
 // new_keys: [n_pos, D] rows new_key_stride apart; query_logit: [n_pos] query_logit_stride apart;
-// tile: [n_keys, ld]
+// tile: [n_keys, ld]; query_part: [n_pos] scratch
 template <class Set, class Acc, class KS, class QS>
 KVMEM_HOST_DEVICE inline void decay_tile(const KS* keys, std::int64_t key_stride, const Acc* key_logit,
                                          const std::int64_t* key_pos, std::int64_t n_keys, const QS* new_keys,
                                          std::int64_t new_key_stride, const QS* query_logit,
                                          std::int64_t query_logit_stride, std::int64_t first_pos, std::int64_t n_pos,
-                                         std::int64_t D, Acc* tile, std::int64_t ld) {
-  for (std::int64_t e = 0; e < n_keys; ++e)
+                                         std::int64_t D, Acc* tile, std::int64_t ld, Acc* query_part) {
+  // query_part: [n_pos] scratch for log g_q of each position (computed once per tile, not per pair)
+  for (std::int64_t i = 0; i < n_pos; ++i) query_part[i] = query_gate_part(load_as<Acc>(query_logit[i * query_logit_stride]));
+  for (std::int64_t e = 0; e < n_keys; ++e) {
+    const Acc key_part = key_gate_part(key_logit[e]);
     for (std::int64_t i = 0; i < n_pos; ++i) {
       const std::int64_t m = first_pos + i;
-      tile[e * ld + i] = m > key_pos[e] ? pair_decay<Set, Acc>(keys + e * key_stride, key_logit[e], key_pos[e],
+      tile[e * ld + i] = m > key_pos[e] ? pair_decay<Set, Acc>(keys + e * key_stride, key_logit[e], key_part, key_pos[e],
                                                                new_keys + i * new_key_stride,
-                                                               load_as<Acc>(query_logit[i * query_logit_stride]), m, D)
+                                                               load_as<Acc>(query_logit[i * query_logit_stride]),
+                                                               query_part[i], m, D)
                                         : Acc(0);
     }
+  }
 }
 
 // Cumulative decay along the position axis for one key (spec UA.md 4.2): given λ = Λ_{m0-1,j} and the
@@ -107,9 +161,11 @@ template <class Set, class Acc, class KS, class QS>
 KVMEM_HOST_DEVICE inline void lambda_update(const KS* keys, std::int64_t key_stride, const Acc* key_logit,
                                             const std::int64_t* key_pos, Acc* lambda, std::int64_t n,
                                             const QS* new_key, Acc query_logit, std::int64_t t, std::int64_t D) {
+  const Acc query_part = query_gate_part(query_logit);
   for (std::int64_t e = 0; e < n; ++e)
     if (t > key_pos[e])
-      lambda[e] += pair_decay<Set, Acc>(keys + e * key_stride, key_logit[e], key_pos[e], new_key, query_logit, t, D);
+      lambda[e] += pair_decay<Set, Acc>(keys + e * key_stride, key_logit[e], key_gate_part(key_logit[e]), key_pos[e],
+                                        new_key, query_logit, query_part, t, D);
 }
 
 }  // namespace kvmem::kernel::ua
