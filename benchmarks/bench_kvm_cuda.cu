@@ -5,6 +5,7 @@
 // that benchmarks/gpu_report.py joins with the PyTorch SDPA anchor measured in the same run.
 //
 //   kvmem_bench_kvm_cuda [--batch 8] [--heads 32] [--tokens 4096,8192,16384,32768] [--json out.jsonl]
+//                        [--budget fixed-256|16sqrtN] [--b1 0|1]
 
 #include <cuda_runtime.h>
 
@@ -193,8 +194,12 @@ int main(int argc, char** argv) {
   std::int64_t B = 8, H = 32;
   std::vector<std::int64_t> tokens{4096, 8192, 16384, 32768};
   const char* json = nullptr;
+  bool with_b1 = true;
+  std::string only_budget;
   for (int i = 1; i + 1 < argc; i += 2) {
     if (!std::strcmp(argv[i], "--batch")) B = std::atoll(argv[i + 1]);
+    else if (!std::strcmp(argv[i], "--b1")) with_b1 = std::atoi(argv[i + 1]) != 0;
+    else if (!std::strcmp(argv[i], "--budget")) only_budget = argv[i + 1];
     else if (!std::strcmp(argv[i], "--heads")) H = std::atoll(argv[i + 1]);
     else if (!std::strcmp(argv[i], "--json")) json = argv[i + 1];
     else if (!std::strcmp(argv[i], "--tokens")) {
@@ -223,9 +228,11 @@ int main(int argc, char** argv) {
   const Named budgets[] = {{"fixed-256", kvmem::budget::Fixed{256}}, {"16sqrtN", kvmem::budget::Power{16.0, 0.5, 256}}};
   std::vector<Row> rows;
   for (const auto& nb : budgets)
-    for (auto T : tokens) rows.push_back(run(nb.name, nb.budget, B, H, T, false));
+    if (only_budget.empty() || only_budget == nb.name)
+      for (auto T : tokens) rows.push_back(run(nb.name, nb.budget, B, H, T, false));
   for (const auto& nb : budgets)
-    for (auto T : {tokens.front(), tokens.back()}) rows.push_back(run(nb.name, nb.budget, 1, H, T, true));
+    if (with_b1 && (only_budget.empty() || only_budget == nb.name))
+      for (auto T : {tokens.front(), tokens.back()}) rows.push_back(run(nb.name, nb.budget, 1, H, T, true));
   for (const auto& r : rows) {
     std::printf("%-12s %3lld %3lld %6lld %6lld %11.3f %11.4f %11.4f %9.1f %9.0f\n", r.budget.c_str(), (long long)r.batch,
                 (long long)r.heads, (long long)r.tokens, (long long)r.slots, r.prefill_ms, r.decode_ms, r.decode_graph_ms,

@@ -22,10 +22,10 @@ nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --f
 # logs of the build stay out of $OUT unless it fails (at most 8 files come back from a device run)
 cmake "${cfg[@]}" >/tmp/kvmem_configure.log 2>&1 || { cp /tmp/kvmem_configure.log "$out/"; tail -30 /tmp/kvmem_configure.log; exit 1; }
 cmake --build build/cuda -j16 --target test_kvm_cuda kvmem_bench_kvm_cuda >/tmp/kvmem_build.log 2>&1 || { cp /tmp/kvmem_build.log "$out/"; grep -E "error|Error" /tmp/kvmem_build.log | head -40; exit 1; }
-ctest --test-dir build/cuda -L gpu --output-on-failure 2>&1 | tee "$out/ctest.log" | tail -15
+ctest --test-dir build/cuda -L gpu --timeout 120 --output-on-failure 2>&1 | tee "$out/ctest.log" | tail -15
 if command -v compute-sanitizer >/dev/null; then
   for tool in memcheck racecheck; do
-    compute-sanitizer --tool $tool --error-exitcode 3 build/cuda/tests/cuda/test_kvm_cuda "[sanitize]" \
+    timeout 150 compute-sanitizer --tool $tool --error-exitcode 3 build/cuda/tests/cuda/test_kvm_cuda "[sanitize]" \
       >"$out/sanitizer_$tool.log" 2>&1
     echo "compute-sanitizer $tool: exit $? -- $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY|No tests ran|FAILED' "$out/sanitizer_$tool.log" | tail -2 | tr '\n' ' ')"
   done
@@ -33,5 +33,5 @@ fi
 tokens=4096,8192,16384,32768
 ((quick)) && tokens=4096,8192
 rm -f "$out/kvm.jsonl"
-build/cuda/benchmarks/kvmem_bench_kvm_cuda --tokens $tokens --json "$out/kvm.jsonl"
+timeout 240 build/cuda/benchmarks/kvmem_bench_kvm_cuda --tokens $tokens --json "$out/kvm.jsonl"
 PYTHONUNBUFFERED=1 python3 benchmarks/gpu_report.py --kvm "$out/kvm.jsonl" --tokens $tokens 2>&1 | tee "$out/report.md"

@@ -194,10 +194,14 @@ TEST_CASE("kvm cuda bf16 storage agrees with the host backend at a paper-like sh
   const double e = relative_frobenius(gpu.out, host.out);
   INFO("out relative Frobenius cuda vs host " << e);
   CHECK(e <= 1e-2);
+  // bf16 prefill runs on the tensor cores, which round the probabilities to bf16 before p.v (as
+  // FlashAttention does); decode keeps them in fp32. The two agree to bf16 precision, not bitwise;
+  // in fp32 storage decode == prefill to 1e-6 (test above).
   const auto decoded = cuda_run<kvmem::bf16>(c, in, 1100);
   const double ed = relative_frobenius(decoded.out, gpu.out);
   INFO("decode vs prefill relative Frobenius " << ed);
-  CHECK(ed <= 1e-5);
+  CHECK(ed <= 5e-3);
+  CHECK(decoded.route_merge == gpu.route_merge);
 }
 
 TEST_CASE("kvm cuda rejects bad shapes before touching the state", "[kvm][cuda]") {
@@ -233,5 +237,23 @@ TEST_CASE("kvm cuda fp32 register-tiled head dims 64 and 128 match the host back
     CHECK(gpu.route_merge == host.route_merge);
     KVMEM_CHECK_CLOSE(gpu.out, host.out, 1e-5);
     KVMEM_CHECK_CLOSE(gpu.state_v, host.state_v, 1e-5);
+  }
+}
+
+TEST_CASE("kvm cuda bf16 tensor-core readout (head dims 64 and 128) matches the host backend", "[kvm][cuda][sanitize]") {
+  if (no_device()) return;
+  for (std::int64_t dim : {64, 128}) {
+    rkvm::Config c = small_config(2, 333, 4, 2, dim, dim, kvmem::budget::Power{4.0, 0.5, 32});
+    c.chunk = 32;
+    c.rope_dims = dim / 2;
+    const auto in = random_inputs(c, 300 + std::uint64_t(dim));
+    const auto host = host_prefill<kvmem::bf16>(c, in);
+    const auto gpu = cuda_run<kvmem::bf16>(c, in, c.T);
+    INFO("head dim " << dim);
+    CHECK(gpu.slots_after_update == host.slots_after_update);
+    // bf16 operands on both sides; the tensor-core path also rounds the probabilities to bf16
+    const double e = relative_frobenius(gpu.out, host.out);
+    INFO("out relative Frobenius " << e);
+    CHECK(e <= 1e-2);
   }
 }

@@ -22,6 +22,7 @@
 #include <vector>
 
 #include "kvmem/backend/cuda/common.cuh"
+#include "kvmem/backend/cuda/kvm_attend_tc.cuh"
 #include "kvmem/backend/cuda/kvm_kernels.cuh"
 #include "kvmem/core/status.hpp"
 #include "kvmem/core/tensor.hpp"
@@ -178,7 +179,8 @@ Status run_update(const Executor& exec, const DeviceState<S, A>& d, const kvm::P
   const std::int64_t n_app = std::min(target - slots, C);
   const std::int64_t after = slots + n_app;
   const auto grid = static_cast<unsigned>(items), block = static_cast<unsigned>(C);
-  update_prepare_kernel<S, A><<<grid, block, 0, exec.stream>>>(d, a);
+  const dim3 pgrid(grid, static_cast<unsigned>((C + kWarpsPerBlock - 1) / kWarpsPerBlock));
+  update_prepare_kernel<S, A><<<pgrid, 32 * kWarpsPerBlock, 0, exec.stream>>>(d, a);
   KVMEM_CUDA_RETURN_IF_LAUNCH_FAILED("kvm update_prepare_kernel");
   const std::size_t tile_bytes = std::size_t(kSlotTile) * std::size_t(d.D) * sizeof(A);
   if (n_app > 0) {
@@ -191,9 +193,8 @@ Status run_update(const Executor& exec, const DeviceState<S, A>& d, const kvm::P
     KVMEM_RETURN_IF_ERROR(allow_shared(update_route_kernel<S, A>, tile_bytes));
     update_route_kernel<S, A><<<grid, block, tile_bytes, exec.stream>>>(d, after);
     KVMEM_CUDA_RETURN_IF_LAUNCH_FAILED("kvm update_route_kernel");
-    constexpr unsigned kThreads = 128;
-    const dim3 sgrid(grid, static_cast<unsigned>((after - p.sink + kThreads - 1) / kThreads));
-    update_scatter_kernel<S, A><<<sgrid, kThreads, std::size_t(C) * sizeof(int), exec.stream>>>(d, after);
+    const dim3 sgrid(grid, static_cast<unsigned>((after - p.sink + kWarpsPerBlock - 1) / kWarpsPerBlock));
+    update_scatter_kernel<S, A><<<sgrid, 32 * kWarpsPerBlock, std::size_t(C) * sizeof(int), exec.stream>>>(d, after);
     KVMEM_CUDA_RETURN_IF_LAUNCH_FAILED("kvm update_scatter_kernel");
   }
   if (log != nullptr) {  // test hook (spec 2): synchronises, never used on an engine's path
@@ -267,6 +268,21 @@ Status kvm_run(const Executor& exec, KvmState<S, A>& state, const KvmWeights& w,
     attend_bytes = attend_shared_bytes<64, 64>(sh.D, sh.Dv, sizeof(A));
   }
   KVMEM_RETURN_IF_ERROR(allow_shared(attend, attend_bytes));
+  // bf16 storage with head dims 128 or 64: q.k and p.v on the tensor cores.
+  void (*attend_tc)(DeviceState<bf16, float>, const In*, Out*, std::int64_t, std::int64_t, std::int64_t, std::int64_t,
+                    std::int64_t, std::int64_t) = nullptr;
+  std::size_t tc_bytes = 0;
+  (void)tc_bytes;
+  if constexpr (std::is_same_v<S, bf16>) {
+    if (sh.D == 128 && sh.Dv == 128) {
+      attend_tc = attend_tc_kernel<In, Out, 128, 128>;
+      tc_bytes = TcLayout<128, 128>::kBytes;
+    } else if (sh.D == 64 && sh.Dv == 64) {
+      attend_tc = attend_tc_kernel<In, Out, 64, 64>;
+      tc_bytes = TcLayout<64, 64>::kBytes;
+    }
+    if (attend_tc != nullptr) KVMEM_RETURN_IF_ERROR(allow_shared(attend_tc, tc_bytes));
+  }
   for (std::int64_t t0 = n0; t0 < n0 + T;) {
     const std::int64_t t1 = std::min(n0 + T, (t0 / C + 1) * C);
     const std::int64_t wb = geo.bswa_begin(t0 + 1);
@@ -287,16 +303,35 @@ Status kvm_run(const Executor& exec, KvmState<S, A>& state, const KvmWeights& w,
       const std::int64_t splits = std::min<std::int64_t>(KvmState<S, A>::kMaxDecodeSplits, std::max<std::int64_t>(1, keys / 128));
       const std::int64_t per = (keys + splits - 1) / splits;
       const std::size_t bytes = (std::size_t(sh.D) + 4 * std::size_t(sh.Dv) + 4) * sizeof(A);
-      decode_partial_kernel<S, A, In><<<dim3(unsigned(B * sh.Hq), unsigned(splits)), 128, bytes, exec.stream>>>(
-          d, q.data(), t0, wb, slots, per);
+      const dim3 dgrid(unsigned(B * sh.Hq), unsigned(splits));
+      bool vectorised = false;
+      if constexpr (std::is_same_v<S, bf16>) {
+        if (sh.D == 128 && sh.Dv == 128) {
+          decode_partial_bf16_kernel<A, In><<<dgrid, 128, 0, exec.stream>>>(d, q.data(), t0, wb, slots, per);
+          vectorised = true;
+        }
+      }
+      if (!vectorised)
+        decode_partial_kernel<S, A, In><<<dgrid, 128, bytes, exec.stream>>>(d, q.data(), t0, wb, slots, per);
       KVMEM_CUDA_RETURN_IF_LAUNCH_FAILED("kvm decode_partial_kernel");
       decode_combine_kernel<S, A, Out><<<unsigned(B * sh.Hq), 32, 0, exec.stream>>>(d, out.data(), splits);
       KVMEM_CUDA_RETURN_IF_LAUNCH_FAILED("kvm decode_combine_kernel");
     } else {
-      const dim3 agrid(static_cast<unsigned>(B * sh.Hq), static_cast<unsigned>((t1 - t0 + kRowsPerBlock - 1) / kRowsPerBlock));
-      attend<<<agrid, kRowsPerBlock * kLanesPerRow, attend_bytes, exec.stream>>>(
-          d, q.data(), out.data(), T, n0, t0, t1, wb, slots);
-      KVMEM_CUDA_RETURN_IF_LAUNCH_FAILED("kvm attend_rows_kernel");
+      bool on_tensor_cores = false;
+      if constexpr (std::is_same_v<S, bf16>) {
+        if (attend_tc != nullptr) {
+          const dim3 tgrid(static_cast<unsigned>(B * sh.Hq), static_cast<unsigned>((t1 - t0 + kTcRows - 1) / kTcRows));
+          attend_tc<<<tgrid, 32 * kTcWarps, tc_bytes, exec.stream>>>(d, q.data(), out.data(), T, n0, t0, t1, wb, slots);
+          KVMEM_CUDA_RETURN_IF_LAUNCH_FAILED("kvm attend_tc_kernel");
+          on_tensor_cores = true;
+        }
+      }
+      if (!on_tensor_cores) {
+        const dim3 agrid(static_cast<unsigned>(B * sh.Hq), static_cast<unsigned>((t1 - t0 + kRowsPerBlock - 1) / kRowsPerBlock));
+        attend<<<agrid, kRowsPerBlock * kLanesPerRow, attend_bytes, exec.stream>>>(
+            d, q.data(), out.data(), T, n0, t0, t1, wb, slots);
+        KVMEM_CUDA_RETURN_IF_LAUNCH_FAILED("kvm attend_rows_kernel");
+      }
     }
     t0 = t1;
   }

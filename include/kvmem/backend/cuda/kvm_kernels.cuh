@@ -58,6 +58,54 @@ __device__ void refresh_slot(const DeviceState<S, A>& st, std::int64_t i, std::i
   kernel::value_readout(st.sv + sj * st.Dv, st.Dv, st.rho[sj], st.cnt[sj], st.value_radius, st.vhat + sj * st.Dv);
 }
 
+// Sum over the 32 lanes of a warp with xor shuffles: a fixed order, every lane gets the same value.
+template <class A>
+__device__ A warp_sum(A x) {
+#pragma unroll
+  for (int off = 16; off > 0; off >>= 1) x += __shfl_xor_sync(0xffffffffu, x, off);
+  return x;
+}
+
+// LN_s (spec 4.2 step 2) with the D channels split over the lanes of a warp: the same formula as
+// kernel::layer_norm, reduced in parallel. Lane l reads and writes only channels l, l+32, ..., so
+// y may alias x.
+template <class A, class X>
+__device__ void warp_layer_norm(const X* x, std::int64_t D, const A* w, const A* b, A eps, A* y, int lane) {
+  A sum = A(0);
+  for (std::int64_t d = lane; d < D; d += 32) sum += load_as<A>(x[d]);
+  const A mean = warp_sum(sum) / static_cast<A>(D);
+  A var = A(0);
+  for (std::int64_t d = lane; d < D; d += 32) {
+    const A c = load_as<A>(x[d]) - mean;
+    var += c * c;
+  }
+  const A inv = A(1) / sqrt(warp_sum(var) / static_cast<A>(D) + eps);
+  for (std::int64_t d = lane; d < D; d += 32) y[d] = w[d] * ((load_as<A>(x[d]) - mean) * inv) + b[d];
+}
+
+// refresh_slot with a warp: K^_j = LN_s(Sk_j) into khat32/khat, V^_j (spec 4.4 steps 1-2).
+template <class S, class A>
+__device__ void warp_refresh_slot(const DeviceState<S, A>& st, std::int64_t i, std::int64_t j, int lane) {
+  const std::int64_t sj = i * st.cap + j;
+  A* k32 = st.khat32 + sj * st.D;
+  warp_layer_norm(st.sk + sj * st.D, st.D, st.ln_w, st.ln_b, st.eps, k32, lane);
+  for (std::int64_t d = lane; d < st.D; d += 32) st.khat[sj * st.D + d] = store_as<S>(k32[d]);
+  const A* sv = st.sv + sj * st.Dv;
+  A f;
+  if (st.value_radius) {
+    A sq = A(0);
+    for (std::int64_t d = lane; d < st.Dv; d += 32) sq += sv[d] * sv[d];
+    A n = sqrt(warp_sum(sq));
+    if (n < A(1e-12)) n = A(1e-12);
+    f = st.rho[sj] / n;
+  } else {
+    f = A(1) / st.cnt[sj];
+  }
+  for (std::int64_t d = lane; d < st.Dv; d += 32) st.vhat[sj * st.Dv + d] = store_as<S>(sv[d] * f);
+}
+
+inline constexpr int kWarpsPerBlock = 8;  // update kernels that give each token or slot a warp
+
 // Tokens [t0, t1) enter the window ring; tokens below C that the state has not covered found their
 // slot j = t (spec 4.3; before the first update |S| equals the position). grid (I, t1 - t0).
 // k: [B,Hk,T,D], v: [B,Hk,T,Dv], gate: [B,Hk,T] (local token index t - n0)
@@ -91,26 +139,32 @@ __global__ void ingest_kernel(DeviceState<S, A> st, const In* k, const In* v, co
   refresh_slot(st, i, t);
 }
 
-// Update step 1 (spec 4.5): k0, kg, vg of the C tokens [a, a+C) read from the ring. grid I, block C.
+// Update step 1 (spec 4.5): k0, kg, vg of the C tokens [a, a+C) read from the ring, one warp per
+// token. grid (I, ceil(C / kWarpsPerBlock)), block 32 * kWarpsPerBlock.
 template <class S, class A>
 __global__ void update_prepare_kernel(DeviceState<S, A> st, std::int64_t a) {
-  const std::int64_t i = blockIdx.x, c = threadIdx.x, C = st.C, D = st.D, Dv = st.Dv;
+  const int lane = threadIdx.x % 32;
+  const std::int64_t i = blockIdx.x, c = std::int64_t(blockIdx.y) * kWarpsPerBlock + threadIdx.x / 32;
+  const std::int64_t C = st.C, D = st.D, Dv = st.Dv;
+  if (c >= C) return;
   const std::int64_t ring = (a + c) % st.W;
+  const S* kr = st.wk + (i * st.W + ring) * D;
   A* k0 = st.k0 + (i * C + c) * D;
-  kernel::preprocess_key(st.wk + (i * st.W + ring) * D, D, st.rope_dims, st.ln_w, st.ln_b, st.eps, k0);
+  for (std::int64_t d = lane; d < D; d += 32) k0[d] = d < st.rope_dims ? A(0) : load_as<A>(kr[d]);  // spec 4.2 step 1
+  warp_layer_norm(k0, D, st.ln_w, st.ln_b, st.eps, k0, lane);
   const A g = st.wg[i * st.W + ring];
-  for (std::int64_t d = 0; d < D; ++d) {
+  for (std::int64_t d = lane; d < D; d += 32) {
     const A kgv = st.merge_gate_keys ? g * k0[d] : k0[d];
     st.k0t[(i * D + d) * C + c] = k0[d];
     st.kgt[(i * D + d) * C + c] = kgv;
     st.kg[(i * C + c) * D + d] = kgv;
   }
   const S* vr = st.wv + (i * st.W + ring) * Dv;
-  for (std::int64_t d = 0; d < Dv; ++d) {
+  for (std::int64_t d = lane; d < Dv; d += 32) {
     const A x = load_as<A>(vr[d]);
     st.vg[(i * C + c) * Dv + d] = st.merge_gate_values ? g * x : x;
   }
-  st.target[i * C + c] = 0;
+  if (lane == 0) st.target[i * C + c] = 0;
 }
 
 inline constexpr int kSlotTile = 16;
@@ -196,8 +250,9 @@ __global__ void update_route_kernel(DeviceState<S, A> st, std::int64_t slots_aft
   if (st.target[i * C + c] != -1) st.target[i * C + c] = arg;
 }
 
-// Update step 4 scatter: one thread per slot j >= sink adds its routed tokens in token order, then
-// refreshes the slot's readout. grid (I, ceil((slots_after - sink)/blockDim)), smem C ints.
+// Update step 4 scatter: one warp per slot j >= sink adds its routed tokens in token order (lanes
+// split the channels), then refreshes the slot's readout. grid (I, ceil((slots_after - sink) /
+// kWarpsPerBlock)), block 32 * kWarpsPerBlock, smem C ints.
 template <class S, class A>
 __global__ void update_scatter_kernel(DeviceState<S, A> st, std::int64_t slots_after) {
   extern __shared__ unsigned char smem_raw[];
@@ -205,16 +260,20 @@ __global__ void update_scatter_kernel(DeviceState<S, A> st, std::int64_t slots_a
   const std::int64_t i = blockIdx.x, C = st.C, D = st.D, Dv = st.Dv;
   for (std::int64_t c = threadIdx.x; c < C; c += blockDim.x) target[c] = st.target[i * C + c];
   __syncthreads();
-  const std::int64_t j = st.sink + blockIdx.y * blockDim.x + threadIdx.x;
+  const int lane = threadIdx.x % 32;
+  const std::int64_t j = st.sink + std::int64_t(blockIdx.y) * kWarpsPerBlock + threadIdx.x / 32;
   if (j >= slots_after) return;
   const std::int64_t sj = i * st.cap + j;
+  A added = A(0);
   for (std::int64_t c = 0; c < C; ++c) {
     if (target[c] != j) continue;
-    for (std::int64_t d = 0; d < D; ++d) st.sk[sj * D + d] += st.kg[(i * C + c) * D + d];
-    for (std::int64_t d = 0; d < Dv; ++d) st.sv[sj * Dv + d] += st.vg[(i * C + c) * Dv + d];
-    st.cnt[sj] += A(1);
+    for (std::int64_t d = lane; d < D; d += 32) st.sk[sj * D + d] += st.kg[(i * C + c) * D + d];
+    for (std::int64_t d = lane; d < Dv; d += 32) st.sv[sj * Dv + d] += st.vg[(i * C + c) * Dv + d];
+    added += A(1);
   }
-  refresh_slot(st, i, j);
+  if (lane == 0) st.cnt[sj] += added;
+  __syncwarp();
+  warp_refresh_slot(st, i, j, lane);
 }
 
 inline constexpr int kRowsPerBlock = 32;  // query rows of one head per attention block
@@ -396,6 +455,76 @@ __global__ void decode_partial_kernel(DeviceState<S, A> st, const In* q, std::in
   }
   for (std::int64_t d = lane; d < Dv; d += 32) dst[d] = po[d];
   if (lane == 0) dst[Dv] = lse;
+}
+
+// decode_partial_kernel for bf16 storage and D = Dv = 128: each half-warp takes every 8th key and
+// each lane reads 8 channels with one 16-byte load, so a key row is one coalesced 256-byte read.
+// Same split layout and outputs as decode_partial_kernel. grid (B*Hq, splits), block 128.
+template <class A, class In>
+__global__ void decode_partial_bf16_kernel(DeviceState<bf16, A> st, const In* q, std::int64_t pos, std::int64_t w,
+                                           std::int64_t slots, std::int64_t per_split) {
+  constexpr int kDim = 128, kHalves = 8, kPer = 8;
+  __shared__ A po[kHalves][kDim];
+  __shared__ A pl[kHalves];
+  const std::int64_t Hq = st.Hq, bh = blockIdx.x, b = bh / Hq, h = bh % Hq, item = b * st.Hk + h / st.rep();
+  const int half = threadIdx.x / 16, l = threadIdx.x % 16;
+  A qr[kPer], acc[kPer];
+#pragma unroll
+  for (int e = 0; e < kPer; ++e) {
+    qr[e] = load_as<A>(q[bh * kDim + l * kPer + e]);
+    acc[e] = A(0);
+  }
+  const std::int64_t n_state = w > 0 ? slots : 0;
+  const std::int64_t total = n_state + (pos - w + 1);
+  const std::int64_t k_begin = std::int64_t(blockIdx.y) * per_split;
+  const std::int64_t k_end = (k_begin + per_split) < total ? (k_begin + per_split) : total;
+  const A ls_state = st.scale * (st.head_temps ? st.tau_s[h] : A(1));
+  const A ls_window = st.scale * (st.head_temps ? st.tau_w[h] : A(1));
+  OnlineSoftmax<A> sm;
+  // The loop runs the same number of times in both halves of a warp (the shuffles need every lane);
+  // a half whose key lies past the split end computes on zeros and pushes nothing.
+  for (std::int64_t x0 = k_begin; x0 < k_end; x0 += kHalves) {
+    const std::int64_t x = x0 + half;
+    const bool valid = x < k_end;
+    const bool in_state = x < n_state;
+    uint4 kv = make_uint4(0, 0, 0, 0), vv = make_uint4(0, 0, 0, 0);
+    if (valid) {
+      const std::int64_t row = in_state ? item * st.cap + x : item * st.W + (w + x - n_state) % st.W;
+      kv = reinterpret_cast<const uint4*>((in_state ? st.khat : st.wk) + row * kDim)[l];
+      vv = reinterpret_cast<const uint4*>((in_state ? st.vhat : st.wv) + row * kDim)[l];
+    }
+    const bf16* kb = reinterpret_cast<const bf16*>(&kv);
+    const bf16* vb = reinterpret_cast<const bf16*>(&vv);
+    A part = A(0);
+#pragma unroll
+    for (int e = 0; e < kPer; ++e) part += qr[e] * load_as<A>(kb[e]);
+#pragma unroll
+    for (int off = 8; off > 0; off >>= 1) part += __shfl_xor_sync(0xffffffffu, part, off);  // within the half
+    if (!valid) continue;
+    const typename OnlineSoftmax<A>::Step step = sm.push((in_state ? ls_state : ls_window) * part);
+#pragma unroll
+    for (int e = 0; e < kPer; ++e) acc[e] = acc[e] * step.rescale + step.weight * load_as<A>(vb[e]);
+  }
+  const A norm = sm.normaliser();
+#pragma unroll
+  for (int e = 0; e < kPer; ++e) po[half][l * kPer + e] = acc[e] * norm;
+  if (l == 0) pl[half] = sm.lse();
+  __syncthreads();
+  if (threadIdx.x >= 32) return;
+  // merge the halves in a fixed order, one lane per 4 channels
+  A* dst = st.partial + (bh * st.max_splits + blockIdx.y) * (kDim + 1);
+  A lse = pl[0];
+  for (int hi = 1; hi < kHalves; ++hi) {
+    const A lse_b = pl[hi];
+    const A top = lse > lse_b ? lse : lse_b;
+    if (top == negative_infinity<A>()) continue;
+    const A wa = lse == negative_infinity<A>() ? A(0) : exp(lse - top);
+    const A wb = lse_b == negative_infinity<A>() ? A(0) : exp(lse_b - top);
+    for (int d = threadIdx.x; d < kDim; d += 32) po[0][d] = (wa * po[0][d] + wb * po[hi][d]) / (wa + wb);
+    lse = top + log(wa + wb);
+  }
+  for (int d = threadIdx.x; d < kDim; d += 32) dst[d] = po[0][d];
+  if (threadIdx.x == 0) dst[kDim] = lse;
 }
 
 // Merges the split partials in split order into out[b, 0, h, :]. grid B*Hq, block 32.
