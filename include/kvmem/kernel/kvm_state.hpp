@@ -16,6 +16,9 @@
 
 namespace kvmem::kernel {
 
+// Slots per block in the blocked routing bodies (a workspace of kRouteRows * D per item).
+inline constexpr std::int64_t kRouteRows = 8;
+
 // LN_s(x) = w (x - mean)/sqrt(var + eps) + b, biased variance over D (spec 4.2 step 2). y may alias x.
 // x: [D], w: [D], b: [D], y: [D]
 template <class Acc, class X>
@@ -79,6 +82,21 @@ KVMEM_HOST_DEVICE inline void novelty_update(const Acc* k0, std::int64_t n, std:
   }
 }
 
+// Blocked form of novelty_update for `rows` consecutive slots (khat: [rows, D]): each token row is
+// read once per block instead of once per slot; the dots are the same, so results are identical.
+template <class Acc>
+KVMEM_HOST_DEVICE inline void novelty_update_rows(const Acc* k0, std::int64_t n, std::int64_t D, const Acc* khat,
+                                                  std::int64_t rows, Acc* score) {
+  for (std::int64_t i = 0; i < n; ++i) {
+    Acc best = score[i];
+    for (std::int64_t r = 0; r < rows; ++r) {
+      const Acc s = dot(khat + r * D, k0 + i * D, D);
+      if (s > best) best = s;
+    }
+    score[i] = best;
+  }
+}
+
 // Append selection by rank: token i is appended iff fewer than n_app tokens precede it in the
 // order (score asc, index asc) (spec 4.5 step 2; stable ties by lower index, spec 7.4). O(n^2)
 // comparisons, no sort, so a GPU thread per token computes its own rank.
@@ -108,6 +126,24 @@ KVMEM_HOST_DEVICE inline void merge_route_update(const Acc* kg, std::int64_t n, 
     if (first_candidate || l > best_logit[i]) {
       best_logit[i] = l;
       target[i] = j;
+    }
+  }
+}
+
+// Blocked form of merge_route_update for slots j0 .. j0+rows-1 (khat: [rows, D]), still in
+// increasing j per token, so ties keep the smaller j and results equal the one-slot form.
+template <class Acc>
+KVMEM_HOST_DEVICE inline void merge_route_update_rows(const Acc* kg, std::int64_t n, std::int64_t D, const Acc* khat,
+                                                      std::int64_t j0, std::int64_t rows, Acc* best_logit,
+                                                      std::int64_t* target, bool first_candidate) {
+  for (std::int64_t i = 0; i < n; ++i) {
+    if (target[i] == -1) continue;
+    for (std::int64_t r = 0; r < rows; ++r) {
+      const Acc l = dot(khat + r * D, kg + i * D, D);
+      if ((first_candidate && r == 0) || l > best_logit[i]) {
+        best_logit[i] = l;
+        target[i] = j0 + r;
+      }
     }
   }
 }

@@ -47,7 +47,7 @@ struct ItemView {
   Acc* score;                // [C]
   Acc* best;                 // [C]
   std::int64_t* target;      // [C]
-  Acc* row;                  // [D]
+  Acc* row;                  // [kRowBlock, D] (LN rows of a block of slots)
   Acc* qblock;               // [rep*C, D]
   Acc* acc;                  // [rep*C, Dv]
   OnlineSoftmax<Acc>* soft;  // [rep*C]
@@ -59,6 +59,7 @@ class State {
   using storage_type = Storage;
   using accumulate_type = Acc;
   static constexpr std::size_t kAlign = 64;
+  static constexpr std::int64_t kRowBlock = 8;  // >= kernel::kRouteRows (kvm/ does not include kernel/)
 
   State() = default;
 
@@ -143,7 +144,7 @@ class State {
     v.score = at<Acc>(lay_.score) + i * C;
     v.best = at<Acc>(lay_.best) + i * C;
     v.target = at<std::int64_t>(lay_.target) + i * C;
-    v.row = at<Acc>(lay_.row) + i * D;
+    v.row = at<Acc>(lay_.row) + i * kRowBlock * D;
     v.qblock = at<Acc>(lay_.qblock) + i * R * D;
     v.acc = at<Acc>(lay_.acc) + i * R * Dv;
     v.soft = at<OnlineSoftmax<Acc>>(lay_.soft) + i * R;
@@ -195,7 +196,7 @@ class State {
     l.score = take(I * C * sizeof(Acc));
     l.best = take(I * C * sizeof(Acc));
     l.target = take(I * C * sizeof(std::int64_t));
-    l.row = take(I * D * sizeof(Acc));
+    l.row = take(I * kRowBlock * D * sizeof(Acc));
     l.qblock = take(I * R * D * sizeof(Acc));
     l.acc = take(I * R * Dv * sizeof(Acc));
     l.soft = take(I * R * sizeof(OnlineSoftmax<Acc>));

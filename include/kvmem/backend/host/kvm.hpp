@@ -103,9 +103,11 @@ struct Call {
     const std::int64_t n_app = std::min(target - S_cur, C);
     if (n_app > 0) {  // step 2: novelty against the pre-update state, ungated k0, sink included
       for (std::int64_t i = 0; i < C; ++i) it.score[i] = negative_infinity<A>();
-      for (std::int64_t j = 0; j < S_cur; ++j) {
-        kernel::layer_norm(it.sk + j * D(), D(), st.ln_w(), st.ln_b(), eps, it.row);
-        kernel::novelty_update(it.k0, C, D(), it.row, it.score);
+      for (std::int64_t j0 = 0; j0 < S_cur; j0 += kernel::kRouteRows) {
+        const std::int64_t rows = std::min(kernel::kRouteRows, S_cur - j0);
+        for (std::int64_t r = 0; r < rows; ++r)
+          kernel::layer_norm(it.sk + (j0 + r) * D(), D(), st.ln_w(), st.ln_b(), eps, it.row + r * D());
+        kernel::novelty_update_rows(it.k0, C, D(), it.row, rows, it.score);
       }
       kernel::select_appends(it.score, C, n_app, it.target);
       if (routes != nullptr && n_app < C) {  // test hook only: allocation allowed
@@ -140,9 +142,11 @@ struct Call {
     }
     // step 4: route against K^+ of the expanded state, then one scatter
     if (n_app < C) {
-      for (std::int64_t j = pr.sink; j < S_new; ++j) {
-        kernel::layer_norm(it.sk + j * D(), D(), st.ln_w(), st.ln_b(), eps, it.row);
-        kernel::merge_route_update(it.kg, C, D(), it.row, j, it.best, it.target, j == pr.sink);
+      for (std::int64_t j0 = pr.sink; j0 < S_new; j0 += kernel::kRouteRows) {
+        const std::int64_t rows = std::min(kernel::kRouteRows, S_new - j0);
+        for (std::int64_t r = 0; r < rows; ++r)
+          kernel::layer_norm(it.sk + (j0 + r) * D(), D(), st.ln_w(), st.ln_b(), eps, it.row + r * D());
+        kernel::merge_route_update_rows(it.kg, C, D(), it.row, j0, rows, it.best, it.target, j0 == pr.sink);
       }
       if (route != nullptr) route->merge_margin = merge_margin(it, S_new);
       for (std::int64_t j = pr.sink; j < S_new; ++j)
@@ -350,6 +354,7 @@ struct Backend<host::Executor> {
       state.tau_w()[h] = static_cast<A>(weights.tau_bswa(h));
     }
     if (log != nullptr) log->items.resize(std::size_t(B * sh.Hk));
+    static_assert(State<S, A>::kRowBlock >= kernel::kRouteRows, "kvm State: row workspace below the routing block");
     const host_detail::Call<S, A, In, Out> call{state, q, k, v, gate, out, log};
     host::parallel_for(exec, B * sh.Hk, [&](std::int64_t i) {
       const std::int64_t b = i / sh.Hk, g = i % sh.Hk;
