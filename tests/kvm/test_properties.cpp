@@ -314,3 +314,30 @@ TEST_CASE("kvm gate routing invariance and gate-free flags", "[kvm][unit]") {
   KVMEM_CHECK_CLOSE(rkvm::prefill(c, in).out, rkvm::prefill(c, in2).out, 0.0);
 }
 }  // namespace
+
+namespace {
+TEST_CASE("kvm host matches the reference for sink 0, window of 1 and 3 chunks, rope 0 and D", "[kvm][unit]") {
+  struct Variant {
+    std::int64_t sink, nb, rope, chunk;
+  };
+  std::uint64_t seed = 500;
+  for (const Variant& var : {Variant{0, 2, 8, 8}, Variant{1, 1, 8, 8}, Variant{1, 3, 0, 8}, Variant{2, 2, 16, 6},
+                             Variant{1, 1, 4, 5}}) {
+    auto c = small_config(2, 67, 4, 2, 16, 8, Saturating{40.0, 1, 8000, 1});
+    c.sink = var.sink;
+    c.window_chunks = var.nb;
+    c.rope_dims = var.rope;
+    c.chunk = var.chunk;
+    const auto in = random_inputs(c, seed++);
+    INFO("sink " << var.sink << " nb " << var.nb << " rope " << var.rope << " chunk " << var.chunk);
+    const auto ref = rkvm::prefill(c, in);
+    const auto host = host_prefill<float>(c, in);
+    KVMEM_CHECK_CLOSE(host.out, ref.out, kTolFp32);
+    KVMEM_CHECK_CLOSE(host.state_k, ref.state_k, kTolFp32);
+    CHECK(host.route_merge == ref.route_merge);
+    CHECK(host.slots_after_update == ref.slots_after_update);
+    KVMEM_CHECK_CLOSE(host_prefill_then_decode<float>(c, in, 23), ref.out, kTolFp32);
+    KVMEM_CHECK_CLOSE(rkvm::prefill_then_decode(c, in, 23), ref.out, kTolRef);
+  }
+}
+}  // namespace
