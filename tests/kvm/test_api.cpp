@@ -258,3 +258,35 @@ TEST_CASE("kvm bf16 storage accuracy against fp64", "[kvm][unit]") {
   CHECK(e > relative_frobenius(host_prefill<float>(c, in).out, ref.out));
 }
 }  // namespace
+
+namespace {
+TEST_CASE("kvm reference validation and the optional bf16 V^ rounding switch", "[kvm][unit]") {
+  auto c = small_config(1, 40, 2, 2, 16, 16, Power{3.0, 0.5, 8, 1, 8000});
+  const auto in = random_inputs(c, 13);
+  REQUIRE(rkvm::validate(c, in).is_ok());
+  auto bad = in;
+  bad.gate[7] = -0.5;
+  CHECK(rkvm::validate(c, bad).message().find("gate") != std::string::npos);
+  bad = in;
+  bad.k[3] = std::numeric_limits<double>::quiet_NaN();
+  CHECK(rkvm::validate(c, bad).message().find("k") != std::string::npos);
+  auto bc = c;
+  bc.Hq = 3;
+  CHECK_FALSE(rkvm::validate(bc, in).is_ok());
+  bc = c;
+  bc.sink = bc.chunk;
+  CHECK(rkvm::validate(bc, in).message().find("sink") != std::string::npos);
+  CHECK_THROWS_AS(rkvm::prefill(c, bad), kvmem::Error);
+  // The authors' eager bf16 cast of V^ (spec 7.1): off by default; on, outputs that read the state
+  // move by about bf16 precision, outputs before the first state readout (t < nb*C) do not move.
+  auto cr = c;
+  cr.round_value_readout_bf16 = true;
+  const auto a = rkvm::prefill(c, in).out, b = rkvm::prefill(cr, in).out;
+  const std::size_t row = std::size_t(c.Hq * c.Dv), first = std::size_t(c.chunk * c.window_chunks) * row;
+  CHECK(std::equal(a.begin(), a.begin() + std::ptrdiff_t(first), b.begin()));
+  const std::vector<double> tail_a(a.begin() + std::ptrdiff_t(first), a.end()), tail_b(b.begin() + std::ptrdiff_t(first), b.end());
+  const double e = relative_frobenius(tail_b, tail_a);
+  CHECK(e > 0.0);
+  CHECK(e < 1e-2);
+}
+}  // namespace
