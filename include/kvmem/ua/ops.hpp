@@ -258,7 +258,9 @@ Status validate_cache_call(const PrunedCache<Storage>& cache, const Inputs& in, 
 }  // namespace detail
 
 // Prefill T tokens of every sequence into the cache (spec UA.md 4.5) and write their outputs.
-// The caller rotates token t of sequence b at position cache.position(b) + t.
+// The caller rotates token t of sequence b at position cache.position(b) + t. Needs
+// longest cache + T <= capacity (checked up front; eviction is data-dependent): to keep the cache
+// small, feed a long prompt in calls of prefill_chunk tokens, which gives the same result as one call.
 // out: [B,T,H,D]
 template <DecaySet Set = decay::Universal, class Exec, class Storage>
 Status prefill(const Exec& exec, PrunedCache<Storage>& cache, const Inputs& in, const Options& opt,
