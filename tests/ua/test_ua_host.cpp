@@ -322,7 +322,7 @@ TEST_CASE("host: validation errors leave the cache untouched", "[ua][host]") {
   expect_error(kua::decode(exec, cache, f.slice(22, 23), kua::Options{0.15, 8, true}, f.out_slice(out, 22, 23)), "NaN or Inf");
 }
 
-TEST_CASE("host: the position counter is the token count after evictions; freed pages and the report", "[ua][host]") {
+TEST_CASE("host: the position counter is the token count after evictions, freed pages and the report", "[ua][host]") {
   const Case c = random_case(2, 160, 4, 2, 16, 111);
   const FloatCase f(c);
   kua::PrunedCache<float> cache(f.cache_shape());
@@ -357,7 +357,7 @@ TEST_CASE("host: the position counter is the token count after evictions; freed 
   CHECK(cache.length(0, 0) < 160);
 }
 
-TEST_CASE("host: compile-time Attention<Set, Threshold{p}, Bf16Storage> equals the runtime path; thread count does not matter", "[ua][host]") {
+TEST_CASE("host: compile-time Attention<Set, Threshold{p}, Bf16Storage> equals the runtime path and the thread count does not matter", "[ua][host]") {
   const Case c = random_case(2, 100, 4, 2, 16, 121);
   const FloatCase f(c);
   using Ua = kua::Attention<kvmem::decay::Universal, kvmem::prune::Threshold{0.05}, kvmem::precision::Bf16Storage>;
