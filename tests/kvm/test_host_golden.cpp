@@ -113,20 +113,23 @@ TEST_CASE("kvm host bf16 storage within the documented bound of every public gol
         CHECK(relative_frobenius(r.state_k, ref.state_k) <= kTolBf16Frobenius);
         CHECK(relative_frobenius(r.state_v, ref.state_v) <= kTolBf16Frobenius);
       }
-      if (flips > 0) return;  // golden comparison only meaningful with the golden's routing
-      if (has_q) {
-        const double e = relative_frobenius(r.out, g.f64("out"));
-        INFO(g.name << " bf16 out relative Frobenius " << e);
-        CHECK(e <= kTolBf16Frobenius);
-        const double ed = relative_frobenius(host_prefill_then_decode<kvmem::bf16>(c, in, split), g.f64("out_decode"));
-        INFO(g.name << " bf16 out_decode relative Frobenius " << ed);
-        CHECK(ed <= kTolBf16Frobenius);
-      }
-      CHECK(r.slots == g.shape("state_k")[2]);
+      CHECK(r.slots == g.shape("state_k")[2]);  // |S| is data independent: exact even in bf16
       CHECK(r.slots_after_update == g.i64("slots_after_update"));
-      CHECK(relative_frobenius(r.state_k, g.f64("state_k")) <= kTolBf16Frobenius);
-      CHECK(relative_frobenius(r.state_v, g.f64("state_v")) <= kTolBf16Frobenius);
-      CHECK(relative_frobenius(r.state_rho, g.f64("state_rho")) <= kTolBf16Frobenius);
+      // golden comparison only meaningful with the golden's routing (no early return: a return
+      // inside a SECTION would hide the sections of the later files from Catch)
+      if (flips == 0) {
+        if (has_q) {
+          const double e = relative_frobenius(r.out, g.f64("out"));
+          INFO(g.name << " bf16 out relative Frobenius " << e);
+          CHECK(e <= kTolBf16Frobenius);
+          const double ed = relative_frobenius(host_prefill_then_decode<kvmem::bf16>(c, in, split), g.f64("out_decode"));
+          INFO(g.name << " bf16 out_decode relative Frobenius " << ed);
+          CHECK(ed <= kTolBf16Frobenius);
+        }
+        CHECK(relative_frobenius(r.state_k, g.f64("state_k")) <= kTolBf16Frobenius);
+        CHECK(relative_frobenius(r.state_v, g.f64("state_v")) <= kTolBf16Frobenius);
+        CHECK(relative_frobenius(r.state_rho, g.f64("state_rho")) <= kTolBf16Frobenius);
+      }
     }
   }
 }

@@ -470,4 +470,270 @@ inline std::vector<double> prefill_then_decode(const Config& c, const Inputs& in
   return out;
 }
 
+
+// ---- backward (spec 5): routing constant, everything else by the chain rule ----------------------
+
+struct Grads {
+  std::vector<double> dq, dk, dv, dgate;                // like q, k, v, gate
+  std::vector<double> d_ln_weight, d_ln_bias;           // [D]
+  std::vector<double> d_tau_state, d_tau_bswa;          // [Hq]
+};
+
+namespace detail {
+// y = LN_s(x): accumulates dx (into dx), dw, db from dy (spec 5, LN_s).
+inline void ln_s_backward(const Config& c, const Inputs& in, const Row& x, const Row& dy, Row& dx, Row& dw, Row& db) {
+  const double n = double(x.size());
+  double mean = 0;
+  for (double e : x) mean += e;
+  mean /= n;
+  double var = 0;
+  for (double e : x) var += (e - mean) * (e - mean);
+  var /= n;
+  const double sigma = std::sqrt(var + c.ln_eps);
+  Row xh(x.size()), gh(x.size());
+  double mg = 0, mgx = 0;
+  for (std::size_t d = 0; d < x.size(); ++d) {
+    xh[d] = (x[d] - mean) / sigma;
+    gh[d] = dy[d] * in.ln_weight[d];
+    dw[d] += dy[d] * xh[d];
+    db[d] += dy[d];
+    mg += gh[d];
+    mgx += gh[d] * xh[d];
+  }
+  mg /= n;
+  mgx /= n;
+  for (std::size_t d = 0; d < x.size(); ++d) dx[d] += (gh[d] - mg - xh[d] * mgx) / sigma;
+}
+}  // namespace detail
+
+// Gradients of sum(out * dout) for one prefill over all T tokens. dout: [B,T,Hq,Dv].
+inline Grads backward(const Config& c, const Inputs& in, const std::vector<double>& dout) {
+  throw_if_error(validate(c, in));
+  if (std::int64_t(dout.size()) != c.B * c.T * c.Hq * c.Dv)
+    throw Error(invalid_argument("dout size", c.B * c.T * c.Hq * c.Dv, dout.size()));
+  using detail::Row;
+  const auto geo = detail::geometry_of(c);
+  const std::int64_t T = c.T, C = c.chunk, rep = c.Hq / c.Hk, D = c.D, Dv = c.Dv;
+  const double scale = detail::scale_of(c);
+  Grads gr;
+  gr.dq.assign(in.q.size(), 0.0);
+  gr.dk.assign(in.k.size(), 0.0);
+  gr.dv.assign(in.v.size(), 0.0);
+  gr.dgate.assign(in.gate.size(), 0.0);
+  gr.d_ln_weight.assign(std::size_t(D), 0.0);
+  gr.d_ln_bias.assign(std::size_t(D), 0.0);
+  gr.d_tau_state.assign(std::size_t(c.Hq), 0.0);
+  gr.d_tau_bswa.assign(std::size_t(c.Hq), 0.0);
+  for (std::int64_t b = 0; b < c.B; ++b) {
+    for (std::int64_t g = 0; g < c.Hk; ++g) {
+      const detail::Problem p{c, in, b, g};
+      // Forward with snapshots: s_0 (init) and s_u after update u, and the routing of each update.
+      std::vector<detail::Slots> versions;
+      std::vector<detail::UpdateLog> logs;
+      std::vector<std::int64_t> first_token;
+      detail::Slots s;
+      for (std::int64_t j = 0; j < std::min(T, C); ++j) detail::init_slot(p, s, j);
+      versions.push_back(s);
+      const std::int64_t F = std::min(T, geo.window());
+      for (std::int64_t qb = F; qb < T; qb += C) {
+        const std::int64_t qe = std::min(T, qb + C), w = geo.bswa_begin(qe);
+        const std::int64_t w2 = geo.bswa_begin(std::min(T, qe + C));
+        if (w2 > w) {
+          logs.push_back(detail::update(p, s, w, qe, w2));
+          first_token.push_back(w);
+          versions.push_back(s);
+        }
+      }
+      // Gradient w.r.t. each version's (Sk, Sv, rho), from the readouts that read it.
+      std::vector<std::vector<Row>> gSk(versions.size()), gSv(versions.size());
+      std::vector<Row> grho(versions.size());
+      for (std::size_t u = 0; u < versions.size(); ++u) {
+        const std::size_t n = versions[u].sk.size();
+        gSk[u].assign(n, Row(std::size_t(D), 0.0));
+        gSv[u].assign(n, Row(std::size_t(Dv), 0.0));
+        grho[u].assign(n, 0.0);
+      }
+      Row dk0_acc_dummy;
+      for (std::int64_t t = 0; t < T; ++t) {
+        const std::int64_t chunk = t / C;
+        const bool reads_state = chunk >= c.window_chunks;
+        const std::int64_t w = reads_state ? (chunk + 1 - c.window_chunks) * C : 0;
+        const std::size_t u = reads_state ? std::size_t(chunk - c.window_chunks) : 0;
+        const detail::Slots* st = reads_state ? &versions[u] : nullptr;
+        // state readout rows of this version
+        std::vector<Row> khat, vhat;
+        if (st != nullptr)
+          for (std::size_t j = 0; j < st->sk.size(); ++j) {
+            khat.push_back(detail::ln_s(c, in, st->sk[j]));
+            Row vh(static_cast<std::size_t>(Dv));
+            if (c.value_radius) {
+              const double nn = std::max(detail::norm2(st->sv[j]), 1e-12);
+              for (std::size_t d = 0; d < vh.size(); ++d) vh[d] = st->rho[j] * st->sv[j][d] / nn;
+            } else {
+              for (std::size_t d = 0; d < vh.size(); ++d) vh[d] = st->sv[j][d] / st->cnt[j];
+            }
+            vhat.push_back(vh);
+          }
+        std::vector<Row> dkhat(khat.size(), Row(std::size_t(D), 0.0)), dvhat(vhat.size(), Row(std::size_t(Dv), 0.0));
+        for (std::int64_t hh = 0; hh < rep; ++hh) {
+          const std::int64_t h = g * rep + hh;
+          const double ts = c.head_temps ? in.tau_state[std::size_t(h)] : 1.0;
+          const double tw = c.head_temps ? in.tau_bswa[std::size_t(h)] : 1.0;
+          const Row q = p.q(h, t);
+          const double* dO = dout.data() + ((b * T + t) * c.Hq + h) * Dv;
+          // logits: slots then window
+          std::vector<double> l, qk;
+          for (const auto& kh : khat) {
+            qk.push_back(detail::dot(q, kh));
+            l.push_back(ts * qk.back() * scale);
+          }
+          for (std::int64_t x = w; x <= t; ++x) {
+            qk.push_back(detail::dot(q, p.k(x)));
+            l.push_back(tw * qk.back() * scale);
+          }
+          const double mx = *std::max_element(l.begin(), l.end());
+          double z = 0;
+          for (double e : l) z += std::exp(e - mx);
+          std::vector<double> pr(l.size());
+          for (std::size_t i = 0; i < l.size(); ++i) pr[i] = std::exp(l[i] - mx) / z;
+          const auto val = [&](std::size_t i) { return i < khat.size() ? vhat[i] : p.v(w + std::int64_t(i - khat.size())); };
+          Row o(std::size_t(Dv), 0.0);
+          for (std::size_t i = 0; i < l.size(); ++i) {
+            const Row vi = val(i);
+            for (std::size_t d = 0; d < o.size(); ++d) o[d] += pr[i] * vi[d];
+          }
+          double delta = 0;
+          for (std::int64_t d = 0; d < Dv; ++d) delta += dO[d] * o[std::size_t(d)];
+          double* dq = gr.dq.data() + ((b * c.Hq + h) * T + t) * D;
+          for (std::size_t i = 0; i < l.size(); ++i) {
+            const Row vi = val(i);
+            double dOv = 0;
+            for (std::int64_t d = 0; d < Dv; ++d) dOv += dO[d] * vi[std::size_t(d)];
+            const double dl = pr[i] * (dOv - delta);
+            if (i < khat.size()) {
+              for (std::int64_t d = 0; d < D; ++d) {
+                dq[d] += scale * dl * ts * khat[i][std::size_t(d)];
+                dkhat[i][std::size_t(d)] += dl * ts * q[std::size_t(d)] * scale;
+              }
+              if (c.head_temps) gr.d_tau_state[std::size_t(h)] += dl * qk[i] * scale;
+              for (std::int64_t d = 0; d < Dv; ++d) dvhat[i][std::size_t(d)] += pr[i] * dO[d];
+            } else {
+              const std::int64_t x = w + std::int64_t(i - khat.size());
+              const Row kx = p.k(x);
+              double* dk = gr.dk.data() + ((b * c.Hk + g) * T + x) * D;
+              double* dv = gr.dv.data() + ((b * c.Hk + g) * T + x) * Dv;
+              for (std::int64_t d = 0; d < D; ++d) {
+                dq[d] += scale * dl * tw * kx[std::size_t(d)];
+                dk[d] += dl * tw * q[std::size_t(d)] * scale;
+              }
+              if (c.head_temps) gr.d_tau_bswa[std::size_t(h)] += dl * qk[i] * scale;
+              for (std::int64_t d = 0; d < Dv; ++d) dv[d] += pr[i] * dO[d];
+            }
+          }
+        }
+        // dK^ -> dSk through LN_s; dV^ -> dSv, drho through the radius (or count) readout.
+        for (std::size_t j = 0; j < khat.size(); ++j) {
+          detail::ln_s_backward(c, in, st->sk[j], dkhat[j], gSk[u][j], gr.d_ln_weight, gr.d_ln_bias);
+          if (c.value_radius) {
+            const Row& sv = st->sv[j];
+            const double nn = detail::norm2(sv);
+            if (nn > 1e-12) {
+              double udv = 0;
+              for (std::size_t d = 0; d < sv.size(); ++d) udv += sv[d] / nn * dvhat[j][d];
+              for (std::size_t d = 0; d < sv.size(); ++d)
+                gSv[u][j][d] += st->rho[j] / nn * (dvhat[j][d] - sv[d] / nn * udv);
+              grho[u][j] += udv;
+            } else {
+              for (std::size_t d = 0; d < sv.size(); ++d) {
+                gSv[u][j][d] += st->rho[j] * dvhat[j][d] / 1e-12;
+                grho[u][j] += sv[d] * dvhat[j][d] / 1e-12;
+              }
+            }
+          } else {
+            for (std::size_t d = 0; d < st->sv[j].size(); ++d) gSv[u][j][d] += dvhat[j][d] / st->cnt[j];
+          }
+        }
+      }
+      // Per-token gradients of k0, kg, v (raw), vg; then gates, LN_s and the key.
+      std::vector<Row> dk0(std::size_t(T), Row(std::size_t(D), 0.0)), dkg(std::size_t(T), Row(std::size_t(D), 0.0));
+      std::vector<Row> dvr(std::size_t(T), Row(std::size_t(Dv), 0.0)), dvg(std::size_t(T), Row(std::size_t(Dv), 0.0));
+      const auto add = [](Row& a, const Row& x, double f = 1.0) {
+        for (std::size_t d = 0; d < a.size(); ++d) a[d] += f * x[d];
+      };
+      const auto radius_grad = [&](Row& dvv, const Row& vv, double drho) {  // d||v|| = v/||v||
+        const double nn = detail::norm2(vv);
+        if (nn > 0) add(dvv, vv, drho / nn);
+      };
+      for (std::size_t u = versions.size(); u-- > 1;) {
+        // G_u is complete (own readouts + carried from u+1); carry to s_{u-1} and distribute update u.
+        const detail::UpdateLog& lg = logs[u - 1];
+        const std::int64_t a = first_token[u - 1];
+        const std::size_t before = versions[u - 1].sk.size();
+        for (std::size_t j = 0; j < before; ++j) {
+          add(gSk[u - 1][j], gSk[u][j]);
+          add(gSv[u - 1][j], gSv[u][j]);
+          grho[u - 1][j] += grho[u][j];
+        }
+        for (std::size_t r = 0; r < lg.appended.size(); ++r) {
+          const std::int64_t i = lg.appended[r];
+          const std::size_t slot = before + r;
+          if (c.gate_appends) {
+            add(dkg[std::size_t(i)], gSk[u][slot]);
+            add(dvg[std::size_t(i)], gSv[u][slot]);
+            radius_grad(dvg[std::size_t(i)], p.vg(i), grho[u][slot]);
+          } else {
+            add(dk0[std::size_t(i)], gSk[u][slot]);
+            add(dvr[std::size_t(i)], gSv[u][slot]);
+            radius_grad(dvr[std::size_t(i)], p.v(i), grho[u][slot]);
+          }
+        }
+        for (std::int64_t i = 0; i < C; ++i) {
+          const std::int64_t j = lg.merged[std::size_t(i)];
+          if (j < 0) continue;
+          add(dkg[std::size_t(a + i)], gSk[u][std::size_t(j)]);
+          add(dvg[std::size_t(a + i)], gSv[u][std::size_t(j)]);
+        }
+      }
+      for (std::size_t j = 0; j < versions[0].sk.size(); ++j) {  // init slots from G_0 (spec 4.3)
+        const std::int64_t i = std::int64_t(j);
+        if (c.gate_initial) {
+          add(dkg[j], gSk[0][j]);
+          add(dvg[j], gSv[0][j]);
+        } else {
+          add(dk0[j], gSk[0][j]);
+          add(dvr[j], gSv[0][j]);
+        }
+        radius_grad(dvr[j], p.v(i), grho[0][j]);  // rho always from the raw v
+      }
+      for (std::int64_t i = 0; i < T; ++i) {
+        const double gi = p.gate(i);
+        const Row k0 = p.k0(i), vi = p.v(i);
+        double& dg = gr.dgate[std::size_t((b * c.Hk + g) * T + i)];
+        if (c.merge_gate_keys) {
+          dg += detail::dot(dkg[std::size_t(i)], k0);
+          add(dk0[std::size_t(i)], dkg[std::size_t(i)], gi);
+        } else {
+          add(dk0[std::size_t(i)], dkg[std::size_t(i)]);
+        }
+        if (c.merge_gate_values) {
+          dg += detail::dot(dvg[std::size_t(i)], vi);
+          add(dvr[std::size_t(i)], dvg[std::size_t(i)], gi);
+        } else {
+          add(dvr[std::size_t(i)], dvg[std::size_t(i)]);
+        }
+        double* dv = gr.dv.data() + ((b * c.Hk + g) * T + i) * Dv;
+        for (std::int64_t d = 0; d < Dv; ++d) dv[d] += dvr[std::size_t(i)][std::size_t(d)];
+        // LN_s backward to k~ (rope channels zeroed), then into k for channels >= r
+        Row kt = p.k(i);
+        for (std::int64_t d = 0; d < c.rope_dims; ++d) kt[std::size_t(d)] = 0;
+        Row dkt(std::size_t(D), 0.0);
+        detail::ln_s_backward(c, in, kt, dk0[std::size_t(i)], dkt, gr.d_ln_weight, gr.d_ln_bias);
+        double* dk = gr.dk.data() + ((b * c.Hk + g) * T + i) * D;
+        for (std::int64_t d = c.rope_dims; d < D; ++d) dk[d] += dkt[std::size_t(d)];
+      }
+    }
+  }
+  return gr;
+}
+
 }  // namespace kvmem::reference::kvm
