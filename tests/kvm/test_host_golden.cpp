@@ -7,9 +7,10 @@
 //    against the fp64 golden (spec 7.2; append cut-off gaps are ~1e-3, bf16 keeps ~3 digits), and a
 //    flipped append changes every later readout, so the golden comparison is split:
 //      * against the fp64 reference run on the bf16-rounded k and v (what the bf16 path stores):
-//        routes exactly, out and out_decode within 2e-2 relative Frobenius;
-//      * against the golden itself: when no route differs, out/out_decode/state within 2e-2 relative
+//        routes exactly, out and out_decode within the bound below;
+//      * against the golden itself: when no route differs, out/out_decode/state within the same
 //        Frobenius; the number of differing routes is always printed.
+//    Bound: 1e-2 relative Frobenius (DESIGN.md 5); achieved <= 2.8e-3.
 #include <catch2/catch.hpp>
 
 #include "kvm_host_util.hpp"
@@ -17,7 +18,7 @@
 namespace {
 using namespace kvmem::test;
 constexpr double kTolFp32 = 1e-5;
-constexpr double kTolBf16Frobenius = 2e-2;
+constexpr double kTolBf16Frobenius = 1e-2;  // DESIGN.md 5; achieved <= 2.8e-3 on the public files
 
 TEST_CASE("kvm host fp32 matches every public golden file", "[kvm][golden]") {
   const auto files = golden_files("kvm");
@@ -109,6 +110,7 @@ TEST_CASE("kvm host bf16 storage within the documented bound of every public gol
           const double ed = relative_frobenius(host_prefill_then_decode<kvmem::bf16>(c, in, split), ref.out);
           INFO(g.name << " bf16 out_decode vs reference(bf16 k, v): relative Frobenius " << ed);
           CHECK(ed <= kTolBf16Frobenius);
+          WARN(g.name << " bf16 vs reference(bf16 k, v): relative Frobenius out " << e << ", out_decode " << ed);
         }
         CHECK(relative_frobenius(r.state_k, ref.state_k) <= kTolBf16Frobenius);
         CHECK(relative_frobenius(r.state_v, ref.state_v) <= kTolBf16Frobenius);
@@ -125,6 +127,7 @@ TEST_CASE("kvm host bf16 storage within the documented bound of every public gol
           const double ed = relative_frobenius(host_prefill_then_decode<kvmem::bf16>(c, in, split), g.f64("out_decode"));
           INFO(g.name << " bf16 out_decode relative Frobenius " << ed);
           CHECK(ed <= kTolBf16Frobenius);
+          WARN(g.name << " bf16 vs golden: relative Frobenius out " << e << ", out_decode " << ed);
         }
         CHECK(relative_frobenius(r.state_k, g.f64("state_k")) <= kTolBf16Frobenius);
         CHECK(relative_frobenius(r.state_v, g.f64("state_v")) <= kTolBf16Frobenius);
