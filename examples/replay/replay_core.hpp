@@ -384,7 +384,8 @@ class Outputs {
 // ---- progress -----------------------------------------------------------------------------------
 
 // One line per finished phase (tokens, elapsed), and while a phase runs longer than a second a
-// heartbeat line every second, so a long case shows it is alive. Lines go to stderr.
+// heartbeat line every second (every fifth second after the first ten), so a long case shows it is
+// alive. Lines go to stderr.
 class Progress {
  public:
   Progress(bool enabled, std::string label) : enabled_(enabled), label_(std::move(label)), start_(Clock::now()) {}
@@ -436,7 +437,9 @@ class Progress {
     Heartbeat(const Progress& p, const std::string& name, std::int64_t tokens, Clock::time_point begin)
         : thread_([this, &p, name, tokens, begin] {
             std::unique_lock lock(mutex_);
-            while (!cv_.wait_for(lock, std::chrono::seconds(1), [this] { return stop_; })) {
+            // Every second for the first ten, then every fifth: alive, without flooding a log.
+            for (int beat = 1; !cv_.wait_for(lock, std::chrono::seconds(1), [this] { return stop_; }); ++beat) {
+              if (beat > 10 && beat % 5 != 0) continue;
               const std::int64_t done = p.done_.load();
               p.line(name + ": " + (done >= 0 ? std::to_string(done) + "/" : std::string("running over ")) +
                      std::to_string(tokens) + " tokens, " + seconds(Clock::now() - begin) + " elapsed");
