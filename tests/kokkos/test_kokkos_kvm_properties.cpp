@@ -104,6 +104,29 @@ TEST_CASE("kokkos kvm decode through kvm::decode and bf16 storage equal the host
   CHECK(st.state.slots(1) == host_st.slots(1));
 }
 
+TEST_CASE("kokkos kvm forward allocates its state in the space's memory and matches the reference",
+          "[kokkos][kvm][unit]") {
+  const auto c = small_config(2, 37, 4, 2, 16, 12, Saturating{32.0, 1, 8000, 1});
+  const auto in = random_inputs(c, 13);
+  const FloatWeights w(in);
+  const auto q = to_device(slice_tokens(in.q, c.B * c.Hq, c.T, c.D, 0, c.T), c.B, c.Hq, c.T, c.D);
+  const auto k = to_device(slice_tokens(in.k, c.B * c.Hk, c.T, c.D, 0, c.T), c.B, c.Hk, c.T, c.D);
+  const auto v = to_device(slice_tokens(in.v, c.B * c.Hk, c.T, c.Dv, 0, c.T), c.B, c.Hk, c.T, c.Dv);
+  const auto g = to_device(slice_tokens(in.gate, c.B * c.Hk, c.T, 1, 0, c.T), c.B, c.Hk, c.T);
+  const auto lw = to_device(w.w, c.D), lb = to_device(w.b, c.D), ts = to_device(w.ts, c.Hq), tw = to_device(w.tw, c.Hq);
+  Kokkos::View<float****, Kokkos::LayoutRight, KokkosSpace::memory_space> o("out", c.B, c.T, c.Hq, c.Dv);
+  using kvmem::kokkos::to_tensor_view;
+  using kvmem::TensorView;
+  const auto s = kvmem::kvm::forward(KokkosExec{}, to_params(c),
+                                     kvmem::kvm::Weights{to_tensor_view(lw), to_tensor_view(lb), to_tensor_view(ts), to_tensor_view(tw)},
+                                     TensorView<const float, 4>(to_tensor_view(q)), TensorView<const float, 4>(to_tensor_view(k)),
+                                     TensorView<const float, 4>(to_tensor_view(v)), TensorView<const float, 3>(to_tensor_view(g)),
+                                     to_tensor_view(o));
+  INFO(s.to_string());
+  REQUIRE(s.is_ok());
+  KVMEM_CHECK_CLOSE(to_host(o), rkvm::prefill(c, in).out, kTolFp32);
+}
+
 TEST_CASE("kokkos kvm ragged lengths in device memory equal separate single-sequence references",
           "[kokkos][kvm][unit]") {
   auto c = small_config(3, 53, 4, 2, 16, 8, Power{3.0, 0.5, 8, 1, 8000});

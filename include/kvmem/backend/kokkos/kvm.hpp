@@ -11,6 +11,10 @@
 // host backend's and decode == prefill holds exactly). |S| after an update is data independent
 // (spec 3.1) and every thread computes it from the budget, so no broadcast is needed.
 //
+// Team scratch is not used here: each row's q copy, accumulator and softmax state come from the State's
+// per-item workspace (already in the space's memory), and staging a kAttendTile-row K/V tile would take
+// 64 (D + Dv) sizeof(S) = 64 KB for D = Dv = 128 fp32, over the ~40 KB level-0 cap on CUDA (DESIGN.md 4).
+//
 // Launch sequence of one call, all on exec.space (in order, no host round trip in between):
 //   [checked] one reduction over sequences (lengths, n_ctx, finite inputs, gate > 0) read back;
 //   weights -> state (ln_w, ln_b, tau_s, tau_w in Acc); the item teams; the per-sequence counter fold.
@@ -529,5 +533,25 @@ struct Backend<kokkos::Executor<Space>> {
     return Status::ok();
   }
 };
+
+// kvm::forward on Kokkos: whole sequences from an empty cache whose state lives in the space's memory
+// (create_state) instead of the host allocation of the generic forward. Allocates per call (training-
+// style use, as the generic forward).
+template <class S = float, class A = float, class Space, class In, class Out>
+Status forward(const kokkos::Executor<Space>& exec, const Params& params, const Weights& weights,
+               TensorView<const In, 4> q,     // [B,Hq,T,D]
+               TensorView<const In, 4> k,     // [B,Hk,T,D]
+               TensorView<const In, 4> v,     // [B,Hk,T,Dv]
+               TensorView<const In, 3> gate,  // [B,Hk,T]
+               TensorView<Out, 4> out,        // [B,T,Hq,Dv]
+               const std::int64_t* lengths = nullptr) {
+  const Shape shape{q.extent(0), q.extent(1), k.extent(1), q.extent(3), v.extent(3),
+                    q.extent(2) > 0 ? q.extent(2) : 1};
+  kokkos::KvmState<S, A, typename Space::memory_space> state;
+  KVMEM_RETURN_IF_ERROR((kokkos::create_state<S, A>(exec, params, shape, state)));
+  KVMEM_RETURN_IF_ERROR(prefill(exec, state.state, weights, q, k, v, gate, out, lengths));
+  exec.space.fence();  // the state's memory is released on return
+  return Status::ok();
+}
 
 }  // namespace kvmem::kvm

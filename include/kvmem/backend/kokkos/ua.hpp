@@ -188,13 +188,14 @@ struct UaCacheCall {
   std::int64_t* counter;  // [B]
   std::int64_t G, r, D, T, capacity, chunk, ws_elems;
   double log_p;
+  bool prune;  // log_p > -inf, decided on the host (std::numeric_limits is not device code)
   bool decode, evict_before_attention;
 
   KOKKOS_INLINE_FUNCTION UaItem<Storage> item(std::int64_t i) const {
     const std::int64_t row0 = i * capacity;
     return {keys + row0 * D, values + row0 * D, lambda + row0, key_logit + row0, pos + row0};
   }
-  KOKKOS_INLINE_FUNCTION bool prunes() const { return log_p > -std::numeric_limits<double>::infinity(); }
+  KOKKOS_INLINE_FUNCTION bool prunes() const { return prune; }
 
   KOKKOS_INLINE_FUNCTION void append_row(const UaItem<Storage>& it, std::int64_t row, std::int64_t b, std::int64_t g,
                                          std::int64_t t, std::int64_t position) const {
@@ -363,7 +364,9 @@ Status ua_cache_call(const Executor<Space>& exec, UaCache<Storage, MemSpace>& ca
                                                  cache.peak.data(), cache.counter.data(), s.kv_heads, r, s.head_dim,
                                                  T, s.capacity, opt.prefill_chunk,
                                                  kernel::ua::block_workspace_elems(r, s.head_dim),
-                                                 ua::detail::log_threshold(opt.p), decode,
+                                                 ua::detail::log_threshold(opt.p),
+                                                 ua::detail::log_threshold(opt.p) > -std::numeric_limits<double>::infinity(),
+                                                 decode,
                                                  opt.evict_before_attention};
   auto policy = team_policy(exec, s.batch * s.kv_heads);
   policy.set_scratch_size(call.ws_level(), Kokkos::PerTeam(call.scratch_bytes()));
