@@ -9,7 +9,7 @@
 //      * against the fp64 reference run on the bf16-rounded k and v (what the bf16 path stores):
 //        routes exactly, out and out_decode within the bound below;
 //      * against the golden itself: when no route differs, out/out_decode/state within the same
-//        Frobenius; the number of differing routes is always printed.
+//        bound; the number of differing routes is always printed.
 //    Bound: 1e-2 relative Frobenius (DESIGN.md 5); achieved <= 2.8e-3.
 #include <catch2/catch.hpp>
 
