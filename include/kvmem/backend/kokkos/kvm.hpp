@@ -467,7 +467,9 @@ struct Backend<kokkos::Executor<Space>> {
         const std::int64_t b = found % B;
         const std::string seq = "sequence " + std::to_string(b);
         switch (static_cast<KvmCheck>(found / B)) {
-          case KvmCheck::kLength: return invalid_argument("lengths[" + std::to_string(b) + "]", "0 <= length <= T", "a length outside");
+          case KvmCheck::kLength:
+            return invalid_argument("lengths[" + std::to_string(b) + "]", "0 <= length <= T = " + std::to_string(T),
+                                    "a value outside (read on the device)");
           case KvmCheck::kContext:
             return {StatusCode::kOutOfRange, seq + ": tokens seen + length exceed the state's n_ctx = " + std::to_string(sh.n_ctx)};
           case KvmCheck::kQ: return invalid_argument("q", "finite values", "NaN or Inf in " + seq);
