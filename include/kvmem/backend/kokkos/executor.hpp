@@ -34,7 +34,9 @@ struct Executor {
   // true: before anything changes, one reduction checks the data-dependent preconditions (finite
   // inputs, lengths, capacity) and its result is read back on the host, so bad input returns a Status.
   // false: no device-to-host read at all (for graph capture); kernels then skip every item whose
-  // sizes would overflow the state or cache and leave it untouched, and non-finite inputs propagate.
+  // sizes would overflow the state or cache and leave it untouched (KVM: the sequence's counters too;
+  // UA: the sequence's position still advances, since the per-item skip is not visible to the
+  // counter kernel), and non-finite inputs propagate.
   bool checked = true;
   // Threads per team; 0 lets Kokkos choose (Kokkos::AUTO). Serial always runs one.
   int team_size = 0;
