@@ -42,6 +42,23 @@ struct RouteLog {
   std::vector<std::vector<UpdateRoute>> items;  // [B*Hk], updates in order
 };
 
+// The shapes of one call of T tokens against the cache shape (spec 2); every backend checks them
+// first. Layout (contiguity, strides) is each backend's own rule.
+template <class In, class Out>
+Status check_call_shapes(const Shape& sh,
+                         const TensorView<const In, 4>& q,     // [B,Hq,T,D]
+                         const TensorView<const In, 4>& k,     // [B,Hk,T,D]
+                         const TensorView<const In, 4>& v,     // [B,Hk,T,Dv]
+                         const TensorView<const In, 3>& gate,  // [B,Hk,T]
+                         const TensorView<Out, 4>& out) {      // [B,T,Hq,Dv]
+  const std::int64_t B = sh.B, T = q.extent(2);
+  KVMEM_RETURN_IF_ERROR(check_shape(q, {B, sh.Hq, T, sh.D}, "q"));
+  KVMEM_RETURN_IF_ERROR(check_shape(k, {B, sh.Hk, T, sh.D}, "k"));
+  KVMEM_RETURN_IF_ERROR(check_shape(v, {B, sh.Hk, T, sh.Dv}, "v"));
+  KVMEM_RETURN_IF_ERROR(check_shape(gate, {B, sh.Hk, T}, "gate"));
+  return check_shape(out, {B, T, sh.Hq, sh.Dv}, "out");
+}
+
 // Customisation point: backends specialise Backend<Executor> with static prefill().
 template <class Executor>
 struct Backend;

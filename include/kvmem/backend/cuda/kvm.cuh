@@ -235,11 +235,7 @@ Status kvm_run(const Executor& exec, KvmState<S, A>& state, const KvmWeights& w,
   const kvm::Shape& sh = state.shape_;
   const kvm::Params& p = state.params_;
   const std::int64_t B = sh.B, T = q.extent(2);
-  KVMEM_RETURN_IF_ERROR(check_shape(q, {B, sh.Hq, T, sh.D}, "q"));
-  KVMEM_RETURN_IF_ERROR(check_shape(k, {B, sh.Hk, T, sh.D}, "k"));
-  KVMEM_RETURN_IF_ERROR(check_shape(v, {B, sh.Hk, T, sh.Dv}, "v"));
-  KVMEM_RETURN_IF_ERROR(check_shape(gate, {B, sh.Hk, T}, "gate"));
-  KVMEM_RETURN_IF_ERROR(check_shape(out, {B, T, sh.Hq, sh.Dv}, "out"));
+  KVMEM_RETURN_IF_ERROR(kvm::check_call_shapes(sh, q, k, v, gate, out));
   if (!q.is_contiguous() || !k.is_contiguous() || !v.is_contiguous() || !gate.is_contiguous() || !out.is_contiguous())
     return invalid_argument("q, k, v, gate, out", "contiguous row-major views", "a strided view");
   if (!w.ln_weight || !w.ln_bias || !w.tau_state || !w.tau_bswa)

@@ -85,28 +85,23 @@ __global__ void attend_tc_kernel(DeviceState<bf16, float> st, const In* q, Out* 
     for (std::int64_t base = begin; base < end; base += kTcKeys) {
       const std::int64_t n = (end - base) < kTcKeys ? (end - base) : kTcKeys;
       __syncthreads();  // previous tile fully consumed (and qs/os initialised on the first pass)
-      // stage K and V rows with 16-byte loads; rows past n are zero
-      constexpr int kKVec = kD / 8, kVVec = kDv / 8;
-      for (int e = threadIdx.x; e < kTcKeys * kKVec; e += blockDim.x) {
-        const int s = e / kKVec, c = e % kKVec;
-        uint4 x = make_uint4(0, 0, 0, 0);
-        if (s < n) {
-          const bf16* src = phase == 0 ? st.khat + (item * st.cap + base + s) * kD
-                                       : st.wk + (item * st.W + (base + s) % st.W) * kD;
-          x = reinterpret_cast<const uint4*>(src)[c];
+      // stage K and V rows with 16-byte loads; rows past n are zero. Slots come from the readout
+      // copies, window keys from the ring (position p at p mod W).
+      const auto stage = [&](nv_bf16* dst, int pitch, int dim, const bf16* slot_rows, const bf16* ring_rows) {
+        const int vecs = dim / 8;
+        for (int e = threadIdx.x; e < kTcKeys * vecs; e += blockDim.x) {
+          const int s = e / vecs, c = e % vecs;
+          uint4 x = make_uint4(0, 0, 0, 0);
+          if (s < n) {
+            const bf16* src = phase == 0 ? slot_rows + (item * st.cap + base + s) * dim
+                                         : ring_rows + (item * st.W + (base + s) % st.W) * dim;
+            x = reinterpret_cast<const uint4*>(src)[c];
+          }
+          *reinterpret_cast<uint4*>(dst + s * pitch + c * 8) = x;
         }
-        *reinterpret_cast<uint4*>(ks + s * L::kKPitch + c * 8) = x;
-      }
-      for (int e = threadIdx.x; e < kTcKeys * kVVec; e += blockDim.x) {
-        const int s = e / kVVec, c = e % kVVec;
-        uint4 x = make_uint4(0, 0, 0, 0);
-        if (s < n) {
-          const bf16* src = phase == 0 ? st.vhat + (item * st.cap + base + s) * kDv
-                                       : st.wv + (item * st.W + (base + s) % st.W) * kDv;
-          x = reinterpret_cast<const uint4*>(src)[c];
-        }
-        *reinterpret_cast<uint4*>(vs + s * L::kVPitch + c * 8) = x;
-      }
+      };
+      stage(ks, L::kKPitch, kD, st.khat, st.wk);
+      stage(vs, L::kVPitch, kDv, st.vhat, st.wv);
       __syncthreads();
       // S = Q K^T for the warp's 16 rows and the tile's 64 keys
       for (int nb = 0; nb < kTcKeys / 16; ++nb) {

@@ -400,6 +400,25 @@ __global__ void attend_rows_kernel(DeviceState<S, A> st, const In* q, Out* out, 
   }
 }
 
+// One warp merges `parts` normalised partial results (po[p*Dv + d], log-sum-exp pl[p]) in order p =
+// 0, 1, ... into dst[0, Dv) and dst[Dv] = lse: the exact merge of core/softmax.hpp merge_partials, in
+// a fixed order so decode is deterministic. po[0, Dv) is overwritten.
+template <class A>
+__device__ void warp_merge_partials(A* po, const A* pl, int parts, std::int64_t Dv, A* dst, int lane) {
+  A lse = pl[0];
+  for (int p = 1; p < parts; ++p) {
+    const A lse_b = pl[p];
+    const A top = lse > lse_b ? lse : lse_b;
+    if (top == negative_infinity<A>()) continue;
+    const A wa = lse == negative_infinity<A>() ? A(0) : exp(lse - top);
+    const A wb = lse_b == negative_infinity<A>() ? A(0) : exp(lse_b - top);
+    for (std::int64_t d = lane; d < Dv; d += 32) po[d] = (wa * po[d] + wb * po[p * Dv + d]) / (wa + wb);
+    lse = top + log(wa + wb);
+  }
+  for (std::int64_t d = lane; d < Dv; d += 32) dst[d] = po[d];
+  if (lane == 0) dst[Dv] = lse;
+}
+
 // Decode readout, split-K: block (bh, split) covers keys [split*per, ...) of the virtual key list
 // [slots | window [w, pos]]; each warp takes every 4th key, lanes split the head dims. Writes the
 // normalised partial (o, lse) of the split. grid (B*Hq, splits), block 128.
@@ -441,20 +460,7 @@ __global__ void decode_partial_kernel(DeviceState<S, A> st, const In* q, std::in
   for (std::int64_t d = lane; d < Dv; d += 32) po[warp * Dv + d] *= sm.normaliser();
   __syncthreads();
   if (warp != 0) return;
-  // merge the warps in a fixed order (core/softmax.hpp merge_partials), one lane per dim chunk
-  A* dst = st.partial + (bh * st.max_splits + blockIdx.y) * (Dv + 1);
-  A lse = pl[0];
-  for (int wi = 1; wi < kWarps; ++wi) {
-    const A lse_b = pl[wi];
-    const A hi = lse > lse_b ? lse : lse_b;
-    if (hi == negative_infinity<A>()) continue;
-    const A wa = lse == negative_infinity<A>() ? A(0) : exp(lse - hi);
-    const A wb = lse_b == negative_infinity<A>() ? A(0) : exp(lse_b - hi);
-    for (std::int64_t d = lane; d < Dv; d += 32) po[d] = (wa * po[d] + wb * po[wi * Dv + d]) / (wa + wb);
-    lse = hi + log(wa + wb);
-  }
-  for (std::int64_t d = lane; d < Dv; d += 32) dst[d] = po[d];
-  if (lane == 0) dst[Dv] = lse;
+  warp_merge_partials(po, pl, kWarps, Dv, st.partial + (bh * st.max_splits + blockIdx.y) * (Dv + 1), lane);
 }
 
 // decode_partial_kernel for bf16 storage and D = Dv = 128: each half-warp takes every 8th key and
@@ -511,20 +517,8 @@ __global__ void decode_partial_bf16_kernel(DeviceState<bf16, A> st, const In* q,
   if (l == 0) pl[half] = sm.lse();
   __syncthreads();
   if (threadIdx.x >= 32) return;
-  // merge the halves in a fixed order, one lane per 4 channels
-  A* dst = st.partial + (bh * st.max_splits + blockIdx.y) * (kDim + 1);
-  A lse = pl[0];
-  for (int hi = 1; hi < kHalves; ++hi) {
-    const A lse_b = pl[hi];
-    const A top = lse > lse_b ? lse : lse_b;
-    if (top == negative_infinity<A>()) continue;
-    const A wa = lse == negative_infinity<A>() ? A(0) : exp(lse - top);
-    const A wb = lse_b == negative_infinity<A>() ? A(0) : exp(lse_b - top);
-    for (int d = threadIdx.x; d < kDim; d += 32) po[0][d] = (wa * po[0][d] + wb * po[hi][d]) / (wa + wb);
-    lse = top + log(wa + wb);
-  }
-  for (int d = threadIdx.x; d < kDim; d += 32) dst[d] = po[0][d];
-  if (threadIdx.x == 0) dst[kDim] = lse;
+  warp_merge_partials(&po[0][0], pl, kHalves, kDim, st.partial + (bh * st.max_splits + blockIdx.y) * (kDim + 1),
+                      int(threadIdx.x));
 }
 
 // Merges the split partials in split order into out[b, 0, h, :]. grid B*Hq, block 32.

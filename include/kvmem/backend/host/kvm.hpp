@@ -321,11 +321,7 @@ struct Backend<host::Executor> {
     if (!state.valid()) return invalid_argument("state", "a created or placed State", "an empty State");
     const Shape& sh = state.shape();
     const std::int64_t B = sh.B, T = q.extent(2);
-    KVMEM_RETURN_IF_ERROR(check_shape(q, {B, sh.Hq, T, sh.D}, "q"));
-    KVMEM_RETURN_IF_ERROR(check_shape(k, {B, sh.Hk, T, sh.D}, "k"));
-    KVMEM_RETURN_IF_ERROR(check_shape(v, {B, sh.Hk, T, sh.Dv}, "v"));
-    KVMEM_RETURN_IF_ERROR(check_shape(gate, {B, sh.Hk, T}, "gate"));
-    KVMEM_RETURN_IF_ERROR(check_shape(out, {B, T, sh.Hq, sh.Dv}, "out"));
+    KVMEM_RETURN_IF_ERROR(check_call_shapes(sh, q, k, v, gate, out));
     if (!q.is_contiguous() || !k.is_contiguous() || !v.is_contiguous() || !gate.is_contiguous() ||
         !out.is_contiguous())
       return invalid_argument("q, k, v, gate, out", "contiguous row-major views", "a strided view");

@@ -406,11 +406,7 @@ struct Backend<kokkos::Executor<Space>> {
     const Shape& sh = state.shape();
     const Params& pr = state.params();
     const std::int64_t B = sh.B, T = q.extent(2);
-    KVMEM_RETURN_IF_ERROR(check_shape(q, {B, sh.Hq, T, sh.D}, "q"));
-    KVMEM_RETURN_IF_ERROR(check_shape(k, {B, sh.Hk, T, sh.D}, "k"));
-    KVMEM_RETURN_IF_ERROR(check_shape(v, {B, sh.Hk, T, sh.Dv}, "v"));
-    KVMEM_RETURN_IF_ERROR(check_shape(gate, {B, sh.Hk, T}, "gate"));
-    KVMEM_RETURN_IF_ERROR(check_shape(out, {B, T, sh.Hq, sh.Dv}, "out"));
+    KVMEM_RETURN_IF_ERROR(check_call_shapes(sh, q, k, v, gate, out));
     KVMEM_RETURN_IF_ERROR(check_shape(weights.ln_weight, {sh.D}, "ln_weight"));
     KVMEM_RETURN_IF_ERROR(check_shape(weights.ln_bias, {sh.D}, "ln_bias"));
     KVMEM_RETURN_IF_ERROR(check_shape(weights.tau_state, {sh.Hq}, "tau_state"));
