@@ -101,6 +101,8 @@ inline std::string usage_text() {
          "\n"
          "  -o, --output FILE   where to write the results (required)\n"
          "  --backend B         reference (float64 oracle) | host (default) | kokkos | cuda\n"
+         "                      (kokkos: KVM and UA when built with -DKVMEM_KOKKOS=ON, Kokkos' default\n"
+         "                      execution space; cuda: no adapter yet. An absent backend exits 2.)\n"
          "  --precision P       storage precision of host/kokkos/cuda: fp32 (default) | bf16;\n"
          "                      not accepted with --backend reference (always float64)\n"
          "  --threads N         host threads, N >= 1 (default: all hardware threads)\n"
@@ -600,17 +602,18 @@ inline std::string not_built(Backend b, const std::string& why) {
   return std::string("backend ") + to_string(b) + " is not built into this kvmem-replay (" + why + ")";
 }
 
-// Kokkos and CUDA have no kvmem backend yet; the hook keeps the message honest about what to enable.
+// Why a GPU backend is absent: not configured, or configured but without a replay adapter for the
+// mechanism (Kokkos has adapters for KVM and UA, run_kvm.hpp / run_ua.hpp; CUDA has none yet).
 inline std::string gpu_backend_reason(Backend b, [[maybe_unused]] const std::string& mechanism) {
   if (b == Backend::kKokkos) {
 #if defined(KVMEM_REPLAY_WITH_KOKKOS)
-    return "kvmem has no Kokkos " + mechanism + " backend adapter yet";
+    return "kvmem-replay has no Kokkos " + mechanism + " adapter in this build";
 #else
     return "configure kvmem with -DKVMEM_KOKKOS=ON";
 #endif
   }
 #if defined(KVMEM_REPLAY_WITH_CUDA)
-  return "kvmem has no CUDA " + mechanism + " backend adapter yet";
+  return "kvmem-replay has no CUDA " + mechanism + " adapter yet";
 #else
   return "configure kvmem with -DKVMEM_CUDA=ON";
 #endif

@@ -21,8 +21,13 @@
 #if KVMEM_REPLAY_WITH_REFERENCE_UA
 #include "kvmem/reference/ua.hpp"
 #endif
-#if KVMEM_REPLAY_WITH_HOST_UA
+#if KVMEM_REPLAY_WITH_HOST_UA || KVMEM_REPLAY_WITH_KOKKOS_UA
 #include "kvmem/backend/host/ua.hpp"
+#endif
+#if KVMEM_REPLAY_WITH_KOKKOS_UA
+#include <Kokkos_Core.hpp>
+
+#include "kvmem/backend/kokkos.hpp"
 #endif
 
 namespace kvmem::replay::ua_adapter {
@@ -174,7 +179,7 @@ inline Results run_reference(const Spec& s, const Inputs& in, Progress& progress
 }
 #endif
 
-#if KVMEM_REPLAY_WITH_HOST_UA
+#if KVMEM_REPLAY_WITH_HOST_UA || KVMEM_REPLAY_WITH_KOKKOS_UA
 namespace host_detail {
 
 // Float copies of the inputs and strided views of token ranges (no copies per call).
@@ -201,9 +206,37 @@ struct FloatInputs {
   }
 };
 
-inline void check(const Status& status, const char* what) {
-  if (!status.is_ok()) throw BadInput(std::string("host ua rejects the case (") + what + "): " + status.message());
+inline void check(const Status& status, const char* what, const char* backend = "host") {
+  if (!status.is_ok())
+    throw BadInput(std::string(backend) + " ua rejects the case (" + what + "): " + status.message());
 }
+
+inline std::vector<double> to_double(const std::vector<float>& x) { return {x.begin(), x.end()}; }
+
+// The cache shape every cache run uses: room for the whole case, pages of 16 rows.
+inline ua::CacheShape cache_shape(const Spec& s) { return {s.B, s.H, s.G, s.D, s.T, 16}; }
+
+// Cache membership [B,G,T] as 0/1 from per-(b, g) row positions; `positions(b, g)` returns the
+// pointer and `length(b, g)` the row count.
+template <class Positions, class Length>
+std::vector<std::int64_t> kept_mask(const Spec& s, const Positions& positions, const Length& length, const char* backend) {
+  std::vector<std::int64_t> kept(static_cast<std::size_t>(s.B * s.G * s.T), 0);
+  for (std::int64_t b = 0; b < s.B; ++b)
+    for (std::int64_t g = 0; g < s.G; ++g)
+      for (std::int64_t e = 0; e < length(b, g); ++e) {
+        const std::int64_t pos = positions(b, g)[e];
+        if (pos < 0 || pos >= s.T)
+          throw std::logic_error(std::string("internal: ") + backend + " ua cache holds position " + std::to_string(pos));
+        kept[static_cast<std::size_t>((b * s.G + g) * s.T + pos)] = 1;
+      }
+  return kept;
+}
+
+}  // namespace host_detail
+#endif
+
+#if KVMEM_REPLAY_WITH_HOST_UA
+namespace host_detail {
 
 // Chunked prefill of [0, split) with `opt`, then one decode call per later token.
 template <class S>
@@ -222,11 +255,9 @@ std::vector<float> prefill_decode(const host::Executor& exec, const FloatInputs&
 template <class S>
 ua::PrunedCache<S> make_cache(const Spec& s) {
   ua::PrunedCache<S> cache;
-  check(ua::PrunedCache<S>::create({s.B, s.H, s.G, s.D, s.T, 16}, cache), "cache");
+  check(ua::PrunedCache<S>::create(cache_shape(s), cache), "cache");
   return cache;
 }
-
-inline std::vector<double> to_double(const std::vector<float>& x) { return {x.begin(), x.end()}; }
 
 template <class S>
 Results run(const Spec& s, const Inputs& in, const Options& options, Progress& progress) {
@@ -262,14 +293,9 @@ Results run(const Spec& s, const Inputs& in, const Options& options, Progress& p
     pr.p = p;
     pr.out = to_double(progress.phase("pruned " + threshold_suffix(p), s.T,
                                       [&] { return prefill_decode(exec, f, split, opt, cache, progress); }));
-    pr.kept.assign(static_cast<std::size_t>(s.B * s.G * s.T), 0);
-    for (std::int64_t b = 0; b < s.B; ++b)
-      for (std::int64_t g = 0; g < s.G; ++g)
-        for (std::int64_t e = 0; e < cache.length(b, g); ++e) {
-          const std::int64_t pos = cache.positions(b, g)[e];
-          if (pos < 0 || pos >= s.T) throw std::logic_error("internal: host ua cache holds position " + std::to_string(pos));
-          pr.kept[static_cast<std::size_t>((b * s.G + g) * s.T + pos)] = 1;
-        }
+    pr.kept = kept_mask(
+        s, [&](std::int64_t b, std::int64_t g) { return cache.positions(b, g); },
+        [&](std::int64_t b, std::int64_t g) { return cache.length(b, g); }, "host");
     r.pruned.push_back(std::move(pr));
   }
   return r;
@@ -282,6 +308,148 @@ Results run(const Spec& s, const Inputs& in, const Options& options, Progress& p
 inline Results run_host(const Spec& s, const Inputs& in, const Options& opt, Progress& progress) {
   if (opt.precision == Precision::kBf16) return host_detail::run<bf16>(s, in, opt, progress);
   return host_detail::run<float>(s, in, opt, progress);
+}
+#endif
+
+#if KVMEM_REPLAY_WITH_KOKKOS_UA
+namespace kokkos_detail {
+
+using Space = Kokkos::DefaultExecutionSpace;
+using MemSpace = Space::memory_space;
+using Exec = kokkos::Executor<Space>;
+using DeviceVector = Kokkos::View<float*, MemSpace>;
+using host_detail::check;
+
+// A host vector copied into the execution space's memory (the device on a GPU build).
+inline DeviceVector to_device(const std::vector<float>& x, const char* label) {
+  DeviceVector view(Kokkos::view_alloc(Kokkos::WithoutInitializing, std::string(label)), x.size());
+  Kokkos::View<const float*, Kokkos::HostSpace, Kokkos::MemoryTraits<Kokkos::Unmanaged>> host(x.data(), x.size());
+  Kokkos::deep_copy(view, host);
+  return view;
+}
+
+inline std::vector<double> to_host(const DeviceVector& x) {
+  const auto host = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), x);
+  return {host.data(), host.data() + host.size()};
+}
+
+// The float inputs copied once into the space's memory; token ranges are strided views of those
+// copies with host_detail::FloatInputs' strides, so every call reads the same layout as the host run.
+struct DeviceInputs {
+  const host_detail::FloatInputs& f;
+  DeviceVector q, k, v, z_k, z_q, z_o;
+
+  explicit DeviceInputs(const host_detail::FloatInputs& fi)
+      : f(fi), q(to_device(fi.q, "kvmem-replay q")), k(to_device(fi.k, "kvmem-replay k")),
+        v(to_device(fi.v, "kvmem-replay v")), z_k(to_device(fi.z_k, "kvmem-replay z_k")),
+        z_q(to_device(fi.z_q, "kvmem-replay z_q")) {
+    if (!fi.z_o.empty()) z_o = to_device(fi.z_o, "kvmem-replay z_o");
+  }
+
+  [[nodiscard]] ua::Inputs slice(std::int64_t t0, std::int64_t t1) const {
+    const ua::Inputs host = f.slice(t0, t1);
+    const auto rebase = [](auto view, const std::vector<float>& from, const DeviceVector& to) {
+      using V = decltype(view);
+      return V(to.data() + (view.data() - from.data()), view.extents(), view.strides());
+    };
+    ua::Inputs in;
+    in.q = rebase(host.q, f.q, q);
+    in.k = rebase(host.k, f.k, k);
+    in.v = rebase(host.v, f.v, v);
+    in.z_k = rebase(host.z_k, f.z_k, z_k);
+    in.z_q = rebase(host.z_q, f.z_q, z_q);
+    if (!f.z_o.empty()) in.z_o = rebase(host.z_o, f.z_o, z_o);
+    return in;
+  }
+  [[nodiscard]] DeviceVector make_out(const char* label) const {
+    return DeviceVector(std::string(label), static_cast<std::size_t>(f.s.B * f.s.T * f.s.H * f.s.D));
+  }
+  [[nodiscard]] TensorView<float, 4> out_slice(const DeviceVector& out, std::int64_t t0, std::int64_t t1) const {
+    const Spec& s = f.s;
+    return {out.data() + t0 * s.H * s.D, {s.B, t1 - t0, s.H, s.D}, {s.T * s.H * s.D, s.H * s.D, s.D, 1}};
+  }
+};
+
+// Chunked prefill of [0, split) with `opt`, then one decode call per later token.
+template <class S>
+std::vector<double> prefill_decode(const Exec& exec, const DeviceInputs& d, std::int64_t split, const ua::Options& opt,
+                                   kokkos::UaCache<S, MemSpace>& cache, Progress& progress) {
+  const std::int64_t T = d.f.s.T;
+  const DeviceVector out = d.make_out("kvmem-replay out");
+  if (split > 0) check(ua::prefill(exec, cache, d.slice(0, split), opt, d.out_slice(out, 0, split)), "prefill", "kokkos");
+  progress.advance(split);
+  for (std::int64_t t = split; t < T; ++t) {
+    check(ua::decode(exec, cache, d.slice(t, t + 1), opt, d.out_slice(out, t, t + 1)), "decode", "kokkos");
+    progress.advance(1);
+  }
+  exec.space.fence();
+  return to_host(out);
+}
+
+template <class S>
+kokkos::UaCache<S, MemSpace> make_cache(const Exec& exec, const Spec& s) {
+  kokkos::UaCache<S, MemSpace> cache;
+  check(kokkos::create_cache<S>(exec, host_detail::cache_shape(s), cache), "cache", "kokkos");
+  return cache;
+}
+
+template <class S>
+Results run(const Spec& s, const Inputs& in, Progress& progress) {
+  const Exec exec{};
+  const host_detail::FloatInputs f(s, in);
+  const DeviceInputs d(f);
+  Results r;
+  {
+    const DeviceVector out = d.make_out("kvmem-replay out");
+    const DeviceVector lse("kvmem-replay lse", static_cast<std::size_t>(s.B * s.H * s.T));
+    const DeviceVector lambda("kvmem-replay lambda_last", static_cast<std::size_t>(s.B * s.G * s.T));
+    progress.phase("dense", s.T, [&] {
+      check(ua::forward(exec, d.slice(0, s.T), d.out_slice(out, 0, s.T),
+                        TensorView<float, 3>(lse.data(), {s.B, s.H, s.T}),
+                        TensorView<float, 3>(lambda.data(), {s.B, s.G, s.T})),
+            "forward", "kokkos");
+    });
+    r.out = to_host(out);
+    r.lse = to_host(lse);
+    r.lambda_last = to_host(lambda);
+  }
+  ua::Options dense_opt;
+  dense_opt.p = 0.0;
+  dense_opt.prefill_chunk = s.prefill_chunk;
+  dense_opt.evict_before_attention = s.evict_before_attention;
+  {
+    auto cache = make_cache<S>(exec, s);
+    r.out_decode = progress.phase("decode", s.T, [&] { return prefill_decode(exec, d, 0, dense_opt, cache, progress); });
+  }
+  const std::int64_t split = s.prefill_split < 0 ? s.T : s.prefill_split;
+  for (double p : s.thresholds) {
+    auto cache = make_cache<S>(exec, s);
+    ua::Options opt = dense_opt;
+    opt.p = p;
+    Pruned pr;
+    pr.p = p;
+    pr.out = progress.phase("pruned " + threshold_suffix(p), s.T,
+                            [&] { return prefill_decode(exec, d, split, opt, cache, progress); });
+    const kokkos::UaCacheSnapshot snap = kokkos::snapshot(cache);
+    pr.kept = host_detail::kept_mask(
+        s, [&](std::int64_t b, std::int64_t g) { return snap.positions(b, g); },
+        [&](std::int64_t b, std::int64_t g) { return snap.length_of(b, g); }, "kokkos");
+    r.pruned.push_back(std::move(pr));
+  }
+  return r;
+}
+
+}  // namespace kokkos_detail
+
+// Kokkos' default execution space of this build (Serial with Debian's Kokkos), the same storage
+// choice as the host adapter: fp32, or bf16 keys/values in the decode caches (kokkos::UaCache<bf16>;
+// lambda and accumulation stay fp32, the dense forward runs in fp32). Kokkos is initialised for this
+// run only; the guard outlives every View of the run.
+inline Results run_kokkos(const Spec& s, const Inputs& in, const Options& opt, Progress& progress) {
+  if (opt.threads > 0) progress.note("--threads does not apply to the kokkos backend (Kokkos chooses; see KOKKOS_NUM_THREADS)");
+  Kokkos::ScopeGuard guard;
+  if (opt.precision == Precision::kBf16) return kokkos_detail::run<bf16>(s, in, progress);
+  return kokkos_detail::run<float>(s, in, progress);
 }
 #endif
 
@@ -306,7 +474,12 @@ inline void run(const Options& opt, const Case& c, Outputs& outputs) {
       unavailable = not_built(opt.backend, "include/kvmem/backend/host/ua.hpp was not present when it was built");
 #endif
       break;
-    case Backend::kKokkos: case Backend::kCuda:
+    case Backend::kKokkos:
+#if !KVMEM_REPLAY_WITH_KOKKOS_UA
+      unavailable = not_built(opt.backend, gpu_backend_reason(opt.backend, "ua"));
+#endif
+      break;
+    case Backend::kCuda:
       unavailable = not_built(opt.backend, gpu_backend_reason(opt.backend, "ua"));
       break;
   }
@@ -324,6 +497,10 @@ inline void run(const Options& opt, const Case& c, Outputs& outputs) {
   } else if (opt.backend == Backend::kHost) {
 #if KVMEM_REPLAY_WITH_HOST_UA
     results = run_host(spec, inputs, opt, progress);
+#endif
+  } else if (opt.backend == Backend::kKokkos) {
+#if KVMEM_REPLAY_WITH_KOKKOS_UA
+    results = run_kokkos(spec, inputs, opt, progress);
 #endif
   }
   emit(spec, std::move(results), outputs);

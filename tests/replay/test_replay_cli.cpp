@@ -92,13 +92,48 @@ TEST_CASE("bad options exit 2 with one line naming the option", "[replay][cli]")
   CHECK_THAT(help.out, Catch::Contains("bf16 3e-2"));  // the bf16 tolerance is stated
 }
 
-TEST_CASE("kokkos and cuda answer that they are not built in", "[replay][cli]") {
-  TempDir dir("gpu");
-  for (const std::string backend : {"kokkos", "cuda"}) {
-    expect_bad(dir, kKvm, {"--backend", backend}, "backend " + backend + " is not built into this kvmem-replay");
-    expect_bad(dir, kUa, {"--backend", backend}, "backend " + backend + " is not built into this kvmem-replay");
+// Which GPU backends this kvmem-replay has is a build property (KVMEM_REPLAY_HAVE_<BACKEND>_<MECH>,
+// from examples/replay/CMakeLists.txt): a built one must run the case, an absent one must answer
+// "not built" with exit 2 and write nothing.
+void expect_backend(const TempDir& dir, const std::string& input, const std::string& backend, bool built) {
+  INFO("backend " << backend << ", input " << input << (built ? " (built in)" : " (not built in)"));
+  if (!built) {
+    expect_bad(dir, input, {"--backend", backend}, "backend " + backend + " is not built into this kvmem-replay");
+    return;
   }
+  const std::string out = dir.file(backend + "_out.safetensors");
+  fs::remove(out);
+  const auto run = kvmem::test::run_tool({input, "-o", out, "--backend", backend, "--quiet"}, dir.path());
+  INFO("stderr: " << run.err << "stdout: " << run.out);
+  CHECK(run.rc == 0);
+  CHECK_THAT(run.err, !Catch::Contains("not built"));
+  CHECK_THAT(run.out, Catch::Contains("(backend " + backend + ", fp32)"));
+  CHECK_THAT(run.out, !Catch::Contains("FAIL"));
+  REQUIRE(fs::exists(out));
+  kvmem::io::SafetensorsFile f;
+  REQUIRE(kvmem::io::SafetensorsFile::load(out, f).is_ok());
+  CHECK(f.metadata().at("backend") == backend);
+  CHECK(f.has("out"));
 }
+
+TEST_CASE("kokkos and cuda run when built in and otherwise answer that they are not", "[replay][cli]") {
+  TempDir dir("gpu");
+  expect_backend(dir, kKvm, "kokkos", KVMEM_REPLAY_HAVE_KOKKOS_KVM);
+  expect_backend(dir, kUa, "kokkos", KVMEM_REPLAY_HAVE_KOKKOS_UA);
+  expect_backend(dir, kKvm, "cuda", KVMEM_REPLAY_HAVE_CUDA_KVM);
+  expect_backend(dir, kUa, "cuda", KVMEM_REPLAY_HAVE_CUDA_UA);
+}
+
+#if !KVMEM_REPLAY_HAVE_KOKKOS_KVM && !KVMEM_REPLAY_HAVE_KOKKOS_UA
+TEST_CASE("a build without kokkos says how to get it", "[replay][cli]") {
+  TempDir dir("gpu_hint");
+  // Either Kokkos is not configured, or it is but the tool has no adapter for the mechanism.
+  const auto err = expect_bad(dir, kUa, {"--backend", "kokkos"}, "backend kokkos is not built into this kvmem-replay");
+  const bool configure_hint = err.find("-DKVMEM_KOKKOS=ON") != std::string::npos;
+  const bool adapter_hint = err.find("has no Kokkos ua adapter") != std::string::npos;
+  CHECK((configure_hint || adapter_hint));
+}
+#endif
 
 TEST_CASE("missing, unreadable and truncated files", "[replay][cli]") {
   TempDir dir("truncated");
@@ -266,6 +301,26 @@ TEST_CASE("non-finite inputs are rejected by every backend before anything is wr
   kvmem::test::write_bytes(dir.file("nan.safetensors"), kvmem::test::join_image(img));
   expect_bad(dir, dir.file("nan.safetensors"), {"--backend", "reference"}, "reference kvm rejects the case");
   expect_bad(dir, dir.file("nan.safetensors"), {"--backend", "host"}, "host kvm rejects the case");
+#if KVMEM_REPLAY_HAVE_KOKKOS_KVM
+  expect_bad(dir, dir.file("nan.safetensors"), {"--backend", "kokkos"}, "kokkos kvm rejects the case");
+#endif
+}
+#endif
+
+#if KVMEM_REPLAY_HAVE_HOST_UA || KVMEM_REPLAY_HAVE_KOKKOS_UA
+TEST_CASE("non-finite UA inputs are rejected by the host and kokkos backends before anything is written", "[replay][cli]") {
+  TempDir dir("nan_ua");
+  auto img = kvmem::test::split_image(kvmem::test::read_bytes(kUa));
+  const auto at = img.header["q"]["data_offsets"][0].get<std::size_t>() + 8 * 3;
+  const double inf = std::numeric_limits<double>::infinity();
+  std::memcpy(img.data.data() + at, &inf, 8);
+  kvmem::test::write_bytes(dir.file("inf.safetensors"), kvmem::test::join_image(img));
+#if KVMEM_REPLAY_HAVE_HOST_UA
+  expect_bad(dir, dir.file("inf.safetensors"), {"--backend", "host"}, "host ua rejects the case");
+#endif
+#if KVMEM_REPLAY_HAVE_KOKKOS_UA
+  expect_bad(dir, dir.file("inf.safetensors"), {"--backend", "kokkos"}, "kokkos ua rejects the case");
+#endif
 }
 #endif
 

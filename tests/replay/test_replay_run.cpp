@@ -2,6 +2,7 @@
 // kvmem-replay runs that compare with the goldens: --config overrides (flat, nested, mechanism),
 // torch-style files (F32 tensors, no kvmem metadata, padded header), and expected tensors that are
 // deliberately wrong (a shape, a value, a route) so the comparison must fail them.
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <string>
@@ -261,6 +262,81 @@ TEST_CASE("host bf16 UA stays within the bf16 tolerance and keeps the kept sets"
   const auto fp32 = kvmem::test::run_tool({golden, "-o", dir.file("f.safetensors"), "--quiet"}, dir.path());
   REQUIRE(fp32.rc == 0);
   CHECK(f64(load(dir.file("o.safetensors")), "out_decode") != f64(load(dir.file("f.safetensors")), "out_decode"));
+}
+#endif
+
+#if KVMEM_REPLAY_HAVE_HOST_UA && KVMEM_REPLAY_HAVE_KOKKOS_UA
+namespace {
+
+// A UA file with inputs only (no expected tensors): the inputs of `golden`, an output gate z_o
+// (no golden has one), and the golden's config patched by `patch`.
+void write_ua_inputs_with_z_o(const std::string& golden, const nlohmann::json& patch, const std::string& path) {
+  const auto g = load(golden);
+  nlohmann::json cfg = nlohmann::json::parse(g.metadata().at("config"));
+  cfg.merge_patch(patch);
+  kvmem::io::SafetensorsWriter w;
+  w.set_metadata("mechanism", "ua");
+  w.set_metadata("config", cfg.dump());
+  for (const std::string name : {"q", "k", "v", "z_k", "z_q"}) w.add(name, g.find(name)->shape, f64(g, name));
+  const std::int64_t B = cfg["B"], T = cfg["T"], H = cfg["H"], D = cfg["D"];
+  std::vector<double> z_o(static_cast<std::size_t>(B * T * H * D));
+  for (std::size_t i = 0; i < z_o.size(); ++i) z_o[i] = 2.0 * std::sin(0.37 * static_cast<double>(i) + 0.1);
+  w.add("z_o", {B, T, H, D}, z_o);
+  REQUIRE(w.write(path).is_ok());
+}
+
+}  // namespace
+
+TEST_CASE("kokkos UA writes the tensors of the host UA adapter", "[replay][kokkos]") {
+  TempDir dir("kokkos_ua");
+  const std::string golden = kvmem::test::golden_case("ua", "ua_g1_gqa_t37");
+  const std::string gated = dir.file("gated.safetensors");
+  // z_o, evict after attention and a third threshold: paths the goldens do not take
+  write_ua_inputs_with_z_o(golden, {{"evict_before_attention", false}, {"thresholds", {0.05, 0.15, 0.3}}}, gated);
+  for (const std::string& input : {golden, gated}) {
+    for (const std::string precision : {"fp32", "bf16"}) {
+      INFO(input << " " << precision);
+      const std::string host_out = dir.file("host_" + precision + ".safetensors");
+      const std::string kokkos_out = dir.file("kokkos_" + precision + ".safetensors");
+      const auto host = kvmem::test::run_tool({input, "-o", host_out, "--backend", "host", "--precision", precision, "--quiet"},
+                                              dir.path());
+      const auto kok = kvmem::test::run_tool(
+          {input, "-o", kokkos_out, "--backend", "kokkos", "--precision", precision, "--quiet"}, dir.path());
+      INFO(host.out << host.err << kok.out << kok.err);
+      REQUIRE(host.rc == 0);
+      REQUIRE(kok.rc == 0);
+      const auto a = load(host_out), b = load(kokkos_out);
+      CHECK(b.metadata().at("backend") == "kokkos");
+      CHECK(b.metadata().at("precision") == precision);
+      // the same tensors, names, dtypes and shapes
+      std::vector<std::string> names_a, names_b;
+      for (const auto& t : a.tensors()) names_a.push_back(t.name);
+      for (const auto& t : b.tensors()) names_b.push_back(t.name);
+      std::sort(names_a.begin(), names_a.end());
+      std::sort(names_b.begin(), names_b.end());
+      CHECK(names_a == names_b);
+      const std::size_t expected = input == gated ? 4 + 2 * 3 : 4 + 2 * 2;
+      CHECK(names_a.size() == expected);
+      for (const auto& t : a.tensors()) {
+        INFO(t.name);
+        const auto* u = b.find(t.name);
+        REQUIRE(u != nullptr);
+        CHECK(u->dtype == t.dtype);
+        CHECK(u->shape == t.shape);
+        if (t.dtype == kvmem::io::DType::kF64) CHECK(max_rel(f64(b, t.name), f64(a, t.name)) <= 1e-6);
+        else CHECK(i64(b, t.name) == i64(a, t.name));
+      }
+      // the pruned runs prune: a kept set that keeps everything would compare trivially
+      const auto kept = i64(b, "kept_p015");
+      CHECK(std::count(kept.begin(), kept.end(), 0) > 0);
+      CHECK(std::count(kept.begin(), kept.end(), 1) > 0);
+    }
+    // bf16 storage really is used by the kokkos caches: the decode output is not the fp32 one
+    CHECK(f64(load(dir.file("kokkos_bf16.safetensors")), "out_decode") !=
+          f64(load(dir.file("kokkos_fp32.safetensors")), "out_decode"));
+  }
+  // the gate is applied: the gated run's out is not the golden's
+  CHECK(max_rel(f64(load(dir.file("kokkos_fp32.safetensors")), "out"), f64(load(golden), "out")) > 1e-3);
 }
 #endif
 
