@@ -106,6 +106,7 @@ inline Spec parse_config(const Json& config) {
 struct Inputs {
   bool has_q = false;
   std::vector<double> q, k, v, gate, ln_weight, ln_bias, tau_state, tau_bswa;
+  std::vector<double> dout;  // [B,T,Hq,Dv] upstream gradient; empty when the case has none
 };
 
 inline Inputs load_inputs(const Case& c, const Spec& s) {
@@ -125,6 +126,10 @@ inline Inputs load_inputs(const Case& c, const Spec& s) {
   in.ln_bias = input_f64(c, "ln_bias", {s.D}, "D=" + std::to_string(s.D));
   in.tau_state = input_f64(c, "tau_state", {s.Hq}, "Hq=" + std::to_string(s.Hq));
   in.tau_bswa = input_f64(c, "tau_bswa", {s.Hq}, "Hq=" + std::to_string(s.Hq));
+  if (in.has_q && c.file.has("dout"))
+    in.dout = input_f64(c, "dout", {s.B, s.T, s.Hq, s.Dv},
+                        "B=" + std::to_string(s.B) + ", T=" + std::to_string(s.T) + ", Hq=" + std::to_string(s.Hq) +
+                            ", Dv=" + std::to_string(s.Dv));
   return in;
 }
 
@@ -135,6 +140,9 @@ struct Results {
   std::vector<std::int64_t> slots_after_update;
   std::vector<std::vector<std::int64_t>> route_append, route_merge;  // per update, [B,Hk,n_u] / [B,Hk,C]
   bool has_decode = false;
+  // Gradients of sum(out * dout) (spec 5), when the backend implements backward and dout is given.
+  bool has_grads = false;
+  std::vector<double> d_q, d_k, d_v, d_gate, d_ln_weight, d_ln_bias, d_tau_state, d_tau_bswa;
 };
 
 // Turns Results into named output tensors, checking every size against the configuration so a
@@ -157,6 +165,16 @@ inline void emit(const Spec& s, const Inputs& in, Results r, Outputs& outputs) {
   }
   for (std::size_t u = 0; u < r.route_merge.size(); ++u)
     outputs.add("route_merge_u" + std::to_string(u + 1), {s.B, s.Hk, s.chunk}, std::move(r.route_merge[u]));
+  if (r.has_grads) {
+    outputs.add("d_q", {s.B, s.Hq, s.T, s.D}, std::move(r.d_q));
+    outputs.add("d_k", {s.B, s.Hk, s.T, s.D}, std::move(r.d_k));
+    outputs.add("d_v", {s.B, s.Hk, s.T, s.Dv}, std::move(r.d_v));
+    outputs.add("d_gate", {s.B, s.Hk, s.T}, std::move(r.d_gate));
+    outputs.add("d_ln_weight", {s.D}, std::move(r.d_ln_weight));
+    outputs.add("d_ln_bias", {s.D}, std::move(r.d_ln_bias));
+    outputs.add("d_tau_state", {s.Hq}, std::move(r.d_tau_state));
+    outputs.add("d_tau_bswa", {s.Hq}, std::move(r.d_tau_bswa));
+  }
 }
 
 // ---- backends ------------------------------------------------------------------------------------
@@ -211,6 +229,18 @@ inline Results run_reference(const Spec& s, const Inputs& in, Progress& progress
     r.out_decode = progress.phase("prefill " + std::to_string(s.decode_split) + " + decode", s.T,
                                   [&] { return ref::prefill_then_decode(cfg, inputs, s.decode_split); });
     r.has_decode = true;
+  }
+  if (!in.dout.empty()) {  // spec 5: routing constant, everything else by the chain rule
+    ref::Grads g = progress.phase("backward", s.T, [&] { return ref::backward(cfg, inputs, in.dout); });
+    r.d_q = std::move(g.dq);
+    r.d_k = std::move(g.dk);
+    r.d_v = std::move(g.dv);
+    r.d_gate = std::move(g.dgate);
+    r.d_ln_weight = std::move(g.d_ln_weight);
+    r.d_ln_bias = std::move(g.d_ln_bias);
+    r.d_tau_state = std::move(g.d_tau_state);
+    r.d_tau_bswa = std::move(g.d_tau_bswa);
+    r.has_grads = true;
   }
   return r;
 }
@@ -484,7 +514,7 @@ inline void run(const Options& opt, const Case& c, Outputs& outputs) {
 
   Progress progress(!opt.quiet, std::string("kvm/") + to_string(opt.backend));
   if (!inputs.has_q) progress.note("no 'q' in the input: state-only case, prefill runs on zero queries; out and out_decode are not written");
-  if (c.file.has("dout"))
+  if (c.file.has("dout") && opt.backend != Backend::kReference)
     progress.note(std::string("'dout' present, but backend ") + to_string(opt.backend) +
                   " implements no KVM backward: gradients are not computed");
   Results results;
