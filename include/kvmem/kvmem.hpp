@@ -1,6 +1,7 @@
 // SPDX-License-Identifier: Apache-2.0
 #pragma once
-// kvmem umbrella header: core types, policies and the host backend. Needs nothing but C++20.
+// kvmem umbrella header: core types, policies, both mechanisms and the host backend (the embedded
+// default). Needs nothing but C++20.
 // Optional backends have their own entry headers (kvmem/backend/kokkos.hpp, kvmem/backend/cuda.hpp).
 
 #include "kvmem/core/config.hpp"
@@ -14,3 +15,9 @@
 #include "kvmem/policy/precision.hpp"
 #include "kvmem/policy/prune.hpp"
 #include "kvmem/backend/host/executor.hpp"
+#include "kvmem/backend/host/kvm.hpp"
+#include "kvmem/backend/host/ua.hpp"
+#include "kvmem/kvm/attention.hpp"
+#include "kvmem/kvm/schedule.hpp"
+#include "kvmem/ua/cache.hpp"
+#include "kvmem/ua/ops.hpp"
