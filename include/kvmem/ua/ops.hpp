@@ -92,9 +92,10 @@ Status check_rows(const TensorView<T, Rank>& view, const char* name) {
   return Status::ok();
 }
 
-// Shapes, strides and finiteness of one call with T tokens.
-inline Status validate_inputs(const Inputs& in, TensorView<float, 4> out, std::int64_t B, std::int64_t H,
-                              std::int64_t G, std::int64_t D) {
+// Shapes and row strides of the inputs of one call with T tokens (no data read); every backend checks
+// these first. The bodies read rows through pointers, so the innermost stride must be 1.
+inline Status check_call_shapes(const Inputs& in, TensorView<float, 4> out, std::int64_t B, std::int64_t H,
+                                std::int64_t G, std::int64_t D) {
   const std::int64_t T = in.q.extent(2);
   if (T <= 0) return invalid_argument("q tokens (dim 2)", "at least one token", T);
   KVMEM_RETURN_IF_ERROR(check_shape(in.q, {B, H, T, D}, "q [B,H,T,D]"));
@@ -108,7 +109,13 @@ inline Status validate_inputs(const Inputs& in, TensorView<float, 4> out, std::i
   KVMEM_RETURN_IF_ERROR(check_rows(in.k, "k"));
   KVMEM_RETURN_IF_ERROR(check_rows(in.v, "v"));
   KVMEM_RETURN_IF_ERROR(check_rows(in.z_o, "z_o"));
-  KVMEM_RETURN_IF_ERROR(check_rows(out, "out"));
+  return check_rows(out, "out");
+}
+
+// Shapes, strides and finiteness of one call with T tokens (the host backend's full check).
+inline Status validate_inputs(const Inputs& in, TensorView<float, 4> out, std::int64_t B, std::int64_t H,
+                              std::int64_t G, std::int64_t D) {
+  KVMEM_RETURN_IF_ERROR(check_call_shapes(in, out, B, H, G, D));
   KVMEM_RETURN_IF_ERROR(check_finite(in.q, "q"));
   KVMEM_RETURN_IF_ERROR(check_finite(in.k, "k"));
   KVMEM_RETURN_IF_ERROR(check_finite(in.v, "v"));

@@ -321,25 +321,10 @@ Status ua_check(const Executor<Space>& exec, const UaViews& in, std::int64_t B, 
   return invalid_argument(kNames[found], "finite values", "NaN or Inf");
 }
 
-// Shapes and strides of one call, on the host (no data read).
+// Shapes and strides of one call, on the host (no data read): the same checks as the host backend.
 inline Status ua_shapes(const ua::Inputs& in, TensorView<float, 4> out, std::int64_t B, std::int64_t H,
                         std::int64_t G, std::int64_t D) {
-  const std::int64_t T = in.q.extent(2);
-  if (T <= 0) return invalid_argument("q tokens (dim 2)", "at least one token", T);
-  KVMEM_RETURN_IF_ERROR(check_shape(in.q, {B, H, T, D}, "q [B,H,T,D]"));
-  KVMEM_RETURN_IF_ERROR(check_shape(in.k, {B, G, T, D}, "k [B,G,T,D]"));
-  KVMEM_RETURN_IF_ERROR(check_shape(in.v, {B, G, T, D}, "v [B,G,T,D]"));
-  KVMEM_RETURN_IF_ERROR(check_shape(in.z_k, {B, G, T}, "z_k [B,G,T]"));
-  KVMEM_RETURN_IF_ERROR(check_shape(in.z_q, {B, G, T}, "z_q [B,G,T]"));
-  if (!in.z_o.empty()) KVMEM_RETURN_IF_ERROR(check_shape(in.z_o, {B, T, H, D}, "z_o [B,T,H,D]"));
-  KVMEM_RETURN_IF_ERROR(check_shape(TensorView<const float, 4>(out), {B, T, H, D}, "out [B,T,H,D]"));
-  // The bodies read rows through pointers: the innermost stride must be 1 (any outer strides).
-  KVMEM_RETURN_IF_ERROR(ua::detail::check_rows(in.q, "q"));
-  KVMEM_RETURN_IF_ERROR(ua::detail::check_rows(in.k, "k"));
-  KVMEM_RETURN_IF_ERROR(ua::detail::check_rows(in.v, "v"));
-  KVMEM_RETURN_IF_ERROR(ua::detail::check_rows(in.z_o, "z_o"));
-  KVMEM_RETURN_IF_ERROR(ua::detail::check_rows(out, "out"));
-  return Status::ok();
+  return ua::detail::check_call_shapes(in, out, B, H, G, D);
 }
 
 template <class Set, class Space, class Storage, class MemSpace>
