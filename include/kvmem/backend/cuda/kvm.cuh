@@ -263,7 +263,9 @@ Status kvm_run(const Executor& exec, KvmState<S, A>& state, const KvmWeights& w,
     attend = attend_rows_kernel<S, A, In, Out, 64, 64>;
     attend_bytes = attend_shared_bytes<64, 64>(sh.D, sh.Dv, sizeof(A));
   }
-  KVMEM_RETURN_IF_ERROR(allow_shared(attend, attend_bytes));
+  // A decode call (T = 1) never launches the row kernels: keep the driver calls off its hot path.
+  const bool attends_rows = T > 1;
+  if (attends_rows) KVMEM_RETURN_IF_ERROR(allow_shared(attend, attend_bytes));
   // bf16 storage with head dims 128 or 64: q.k and p.v on the tensor cores.
   void (*attend_tc)(DeviceState<bf16, float>, const In*, Out*, std::int64_t, std::int64_t, std::int64_t, std::int64_t,
                     std::int64_t, std::int64_t) = nullptr;
@@ -277,7 +279,7 @@ Status kvm_run(const Executor& exec, KvmState<S, A>& state, const KvmWeights& w,
       attend_tc = attend_tc_kernel<In, Out, 64, 64>;
       tc_bytes = TcLayout<64, 64>::kBytes;
     }
-    if (attend_tc != nullptr) KVMEM_RETURN_IF_ERROR(allow_shared(attend_tc, tc_bytes));
+    if (attends_rows && attend_tc != nullptr) KVMEM_RETURN_IF_ERROR(allow_shared(attend_tc, tc_bytes));
   }
   for (std::int64_t t0 = n0; t0 < n0 + T;) {
     const std::int64_t t1 = std::min(n0 + T, (t0 / C + 1) * C);
