@@ -7,6 +7,7 @@ prefill, and decode with one query over T keys) at the benchmark shape, a device
 and a bf16 matmul rate, then reads kvmem's JSON lines and prints one table with ratios to cuDNN SDPA.
 
     python3 benchmarks/gpu_report.py --kvm kvm.jsonl [--batch 8] [--heads 32] [--tokens 4096,...]
+    python3 benchmarks/gpu_report.py --ua ua.jsonl [--ua-tokens 4096,8192,16384]   (B8 H16 G4 GQA anchors)
 """
 import argparse
 import json
@@ -32,9 +33,54 @@ def timed(fn, reps=10, warmup=3):
     return statistics.median(times)
 
 
-def sdpa(backend, q, k, v, causal):
+def sdpa(backend, q, k, v, causal, gqa=False):
     with sdpa_kernel([backend]):
-        return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+        return F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=gqa)
+
+
+def gqa_anchors(batch, heads, kv_heads, tokens, dim=128):
+    """Dense causal SDPA prefill and q_len-1 decode with grouped kv heads (the UA benchmark shape)."""
+    rows = {}
+    for T in tokens:
+        q = torch.randn(batch, heads, T, dim, device="cuda", dtype=torch.bfloat16)
+        k, v = (torch.randn(batch, kv_heads, T, dim, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+        q1 = torch.randn(batch, heads, 1, dim, device="cuda", dtype=torch.bfloat16)
+        for name, backend in (("cudnn", SDPBackend.CUDNN_ATTENTION), ("flash", SDPBackend.FLASH_ATTENTION)):
+            try:
+                pre = timed(lambda: sdpa(backend, q, k, v, True, True))
+                dec = timed(lambda: sdpa(backend, q1, k, v, False, True), reps=50)
+            except RuntimeError as e:
+                print(f"# {name} GQA T={T}: {str(e).splitlines()[0]}")
+                pre = dec = float("nan")
+            rows[(name, T)] = (pre, dec)
+        del q, k, v
+        torch.cuda.empty_cache()
+    return rows
+
+
+def ua_table(path, anchors_by_t, copy_tbs):
+    with open(path) as f:
+        ua = [json.loads(line) for line in f if line.strip()]
+    print()
+    print("| variant | B | T | p | prefill ms | x cuDNN | kept (prefill) | decode ms/token | x cuDNN | kept (decode) "
+          "| kept KV MB | bandwidth-limit ms | x limit |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    for T in sorted({r["T"] for r in ua}):
+        for name in ("cudnn", "flash"):
+            pre, dec = anchors_by_t.get((name, T), (float("nan"), float("nan")))
+            print(f"| SDPA {name} dense GQA | {ua[0]['B']} | {T} | | {pre:.3f} | 1.00 | 1 | {dec:.4f} | 1.00 | 1 | | | |")
+        for r in (x for x in ua if x["T"] == T):
+            pre, dec = anchors_by_t.get(("cudnn", T), (float("nan"), float("nan")))
+            variant = "pruned" if r["p"] > 0 else "dense"
+            line = (f"| kvmem UA {variant} | {r['B']} | {T} | {r['p']:.2f} | {r['prefill_ms']:.3f} | "
+                    f"{r['prefill_ms'] / pre:.2f} | {r['kept_prefill']:.4f} | ")
+            if r["p"] > 0:
+                limit_ms = r["kept_bytes"] / (copy_tbs * 1e12) * 1e3  # kept keys + values read at the copy rate
+                line += (f"{r['decode_ms']:.4f} | {r['decode_ms'] / dec:.2f} | {r['kept_decode']:.4f} | "
+                         f"{r['kept_bytes'] / 1e6:.2f} | {limit_ms:.4f} | {r['decode_ms'] / limit_ms:.1f} |")
+            else:
+                line += "| | | | | |"
+            print(line)
 
 
 def anchors(batch, heads, tokens, dim=128):
@@ -74,12 +120,19 @@ def main():
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--heads", type=int, default=32)
     ap.add_argument("--tokens", default="4096,8192,16384,32768")
+    ap.add_argument("--ua", help="JSON lines written by kvmem_bench_ua_cuda --json")
+    ap.add_argument("--ua-tokens", default="4096,8192,16384")
     args = ap.parse_args()
     tokens = [int(t) for t in args.tokens.split(",")]
     torch.manual_seed(0)
     print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}")
     copy_tbs, mm_tflops = machine_ceilings()
     print(f"copy bandwidth {copy_tbs:.2f} TB/s (read + write), bf16 matmul 8192^3 {mm_tflops:.0f} TFLOP/s")
+    if args.ua:
+        ua_tokens = [int(t) for t in args.ua_tokens.split(",")]
+        ua_table(args.ua, gqa_anchors(8, 16, 4, ua_tokens), copy_tbs)
+    if not args.kvm:
+        return
     dense = anchors(args.batch, args.heads, tokens)
     dense_b1 = anchors(1, args.heads, [tokens[0], tokens[-1]])
     kvm = []

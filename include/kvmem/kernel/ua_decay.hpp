@@ -82,6 +82,22 @@ KVMEM_HOST_DEVICE inline Acc query_gate_part(Acc query_logit) {
   return decay::QueryGate::log_factor(in);
 }
 
+// Spec UA.md 4.1: A_jm for one pair j < m from its similarity c_jm = k_j . k_m, computed by the caller
+// (a backend that forms the similarities as a tile product, e.g. on tensor cores, calls this per pair).
+template <class Set, class Acc>
+KVMEM_HOST_DEVICE inline Acc decay_from_similarity(Acc similarity, Acc key_logit_j, Acc key_part, std::int64_t pos_j,
+                                                   Acc query_logit_m, Acc query_part, std::int64_t pos_m) {
+  decay::PairInputs<Acc> in;
+  in.key_logit = key_logit_j;
+  in.query_logit = query_logit_m;
+  in.key_position = pos_j;
+  in.position = pos_m;
+  in.similarity = similarity;
+  if constexpr (kHasSimilarityGate<Set>)
+    if (!(similarity > Acc(0))) return Acc(0);  // relu(c)^2 = 0 -> x = 0 -> A = 0 exactly
+  return detail::SetDecay<Set>::template log_decay<Acc>(in, key_part, query_part);
+}
+
 // Spec UA.md 4.1: A_jm for one pair j < m of one (sequence, kv head), given the precomputed gate parts
 // key_part = key_gate_part(z_k[j]) and query_part = query_gate_part(z_q[m]).
 // key_j: [D] (cached key, storage type), key_m: [D] (the later token's key)
@@ -89,17 +105,8 @@ template <class Set, class Acc, class KJ, class KM>
 KVMEM_HOST_DEVICE inline Acc pair_decay(const KJ* key_j, Acc key_logit_j, Acc key_part, std::int64_t pos_j,
                                         const KM* key_m, Acc query_logit_m, Acc query_part, std::int64_t pos_m,
                                         std::int64_t D) {
-  decay::PairInputs<Acc> in;
-  in.key_logit = key_logit_j;
-  in.query_logit = query_logit_m;
-  in.key_position = pos_j;
-  in.position = pos_m;
-  if constexpr (Set::kNeedsSimilarity) {
-    in.similarity = dot8<Acc>(key_j, key_m, D);
-    if constexpr (kHasSimilarityGate<Set>)
-      if (!(in.similarity > Acc(0))) return Acc(0);  // relu(c)^2 = 0 -> x = 0 -> A = 0 exactly
-  }
-  return detail::SetDecay<Set>::template log_decay<Acc>(in, key_part, query_part);
+  const Acc similarity = Set::kNeedsSimilarity ? dot8<Acc>(key_j, key_m, D) : Acc(0);
+  return decay_from_similarity<Set, Acc>(similarity, key_logit_j, key_part, pos_j, query_logit_m, query_part, pos_m);
 }
 
 // The same without precomputed parts (one-off pairs, tests).

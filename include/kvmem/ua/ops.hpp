@@ -94,8 +94,10 @@ Status check_rows(const TensorView<T, Rank>& view, const char* name) {
 
 // Shapes and row strides of the inputs of one call with T tokens (no data read); every backend checks
 // these first. The bodies read rows through pointers, so the innermost stride must be 1.
-inline Status check_call_shapes(const Inputs& in, TensorView<float, 4> out, std::int64_t B, std::int64_t H,
-                                std::int64_t G, std::int64_t D) {
+// In: Inputs or a backend's inputs struct with the same members (device views of another element type).
+template <class In, class O>
+Status check_call_shapes(const In& in, TensorView<O, 4> out, std::int64_t B, std::int64_t H, std::int64_t G,
+                         std::int64_t D) {
   const std::int64_t T = in.q.extent(2);
   if (T <= 0) return invalid_argument("q tokens (dim 2)", "at least one token", T);
   KVMEM_RETURN_IF_ERROR(check_shape(in.q, {B, H, T, D}, "q [B,H,T,D]"));
@@ -104,7 +106,7 @@ inline Status check_call_shapes(const Inputs& in, TensorView<float, 4> out, std:
   KVMEM_RETURN_IF_ERROR(check_shape(in.z_k, {B, G, T}, "z_k [B,G,T]"));
   KVMEM_RETURN_IF_ERROR(check_shape(in.z_q, {B, G, T}, "z_q [B,G,T]"));
   if (!in.z_o.empty()) KVMEM_RETURN_IF_ERROR(check_shape(in.z_o, {B, T, H, D}, "z_o [B,T,H,D]"));
-  KVMEM_RETURN_IF_ERROR(check_shape(TensorView<const float, 4>(out), {B, T, H, D}, "out [B,T,H,D]"));
+  KVMEM_RETURN_IF_ERROR(check_shape(TensorView<const O, 4>(out), {B, T, H, D}, "out [B,T,H,D]"));
   KVMEM_RETURN_IF_ERROR(check_rows(in.q, "q"));
   KVMEM_RETURN_IF_ERROR(check_rows(in.k, "k"));
   KVMEM_RETURN_IF_ERROR(check_rows(in.v, "v"));

@@ -1,0 +1,226 @@
+// SPDX-License-Identifier: Apache-2.0
+// Universal Attention on the CUDA backend at B x H16 x G4 x D128, bf16 storage: dense UA prefill
+// (p = 0, ms), chunked prefill with pruning (p = 0.05 / 0.15, ms, kept fraction) and self-pruning decode
+// (ms/token over 256 consecutive tokens after that prefill, kept fraction, bytes of the kept cache read
+// per token). Inputs: q ~ 2 N(0,1), unit-norm random keys, v ~ N(0,1), gate logits ~ N(1, 1.5). Prints a
+// table and writes JSON lines (--json FILE) that benchmarks/gpu_report.py joins with the SDPA anchors.
+//
+//   kvmem_bench_ua_cuda [--batch 8] [--heads 16] [--kv-heads 4] [--tokens 4096,8192,16384]
+//                       [--dense-only 32768] [--json out.jsonl]
+// --dense-only T...: extra lengths where only the dense prefill runs once (one call, B sequences).
+
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <numeric>
+#include <string>
+#include <vector>
+
+#include "kvmem/backend/cuda/ua.cuh"
+
+namespace {
+
+#define CHECK_CUDA(expr)                                                        \
+  do {                                                                          \
+    const cudaError_t err_ = (expr);                                            \
+    if (err_ != cudaSuccess) {                                                  \
+      std::fprintf(stderr, "%s failed: %s\n", #expr, cudaGetErrorString(err_)); \
+      std::exit(1);                                                             \
+    }                                                                           \
+  } while (0)
+#define CHECK_STATUS(expr)                                                         \
+  do {                                                                             \
+    const kvmem::Status st_ = (expr);                                              \
+    if (!st_.is_ok()) {                                                            \
+      std::fprintf(stderr, "%s failed: %s\n", #expr, st_.to_string().c_str());     \
+      std::exit(1);                                                                \
+    }                                                                              \
+  } while (0)
+
+using kvmem::bf16;
+using kvmem::TensorView;
+
+__device__ inline float hash_normal(std::uint64_t i, std::uint64_t seed) {  // sum of 4 uniforms, unit variance
+  std::uint64_t h = (i + 1) * 0x9E3779B97F4A7C15ull ^ seed;
+  float s = 0;
+  for (int r = 0; r < 4; ++r) {
+    h ^= h >> 31;
+    h *= 0xBF58476D1CE4E5B9ull;
+    h ^= h >> 29;
+    s += float(h >> 40) / float(1ull << 24);
+  }
+  return (s - 2.0f) * 1.7320508f;
+}
+template <class T>
+__global__ void fill_kernel(T* x, std::int64_t n, std::uint64_t seed, float mean, float sd) {
+  for (std::int64_t i = blockIdx.x * std::int64_t(blockDim.x) + threadIdx.x; i < n; i += std::int64_t(gridDim.x) * blockDim.x)
+    x[i] = T(mean + sd * hash_normal(std::uint64_t(i), seed));
+}
+// k / (||k|| + 1e-6), one warp per row (spec UA.md 2: normalised keys)
+__global__ void normalise_kernel(bf16* k, std::int64_t rows, std::int64_t D) {
+  const std::int64_t row = blockIdx.x * std::int64_t(blockDim.x / 32) + threadIdx.x / 32;
+  if (row >= rows) return;
+  float ss = 0;
+  for (std::int64_t d = threadIdx.x % 32; d < D; d += 32) ss += float(k[row * D + d]) * float(k[row * D + d]);
+  for (int o = 16; o > 0; o /= 2) ss += __shfl_xor_sync(0xffffffffu, ss, o);
+  const float inv = 1.0f / (sqrtf(ss) + 1e-6f);
+  for (std::int64_t d = threadIdx.x % 32; d < D; d += 32) k[row * D + d] = bf16(float(k[row * D + d]) * inv);
+}
+
+template <class T>
+struct Buffer {
+  T* ptr = nullptr;
+  explicit Buffer(std::size_t n) { CHECK_CUDA(cudaMalloc(&ptr, std::max<std::size_t>(n, 1) * sizeof(T))); }
+  ~Buffer() { cudaFree(ptr); }
+};
+
+struct Inputs {  // [B,H,T,D] q, [B,G,T,D] k v, [B,G,T] gates; out [B,T,H,D]
+  std::int64_t B, H, G, T, D;
+  Buffer<bf16> q, k, v;
+  Buffer<float> zk, zq, out;
+  Inputs(std::int64_t b, std::int64_t h, std::int64_t g, std::int64_t t, std::int64_t d, std::uint64_t seed)
+      : B(b), H(h), G(g), T(t), D(d), q(std::size_t(b * h * t * d)), k(std::size_t(b * g * t * d)),
+        v(std::size_t(b * g * t * d)), zk(std::size_t(b * g * t)), zq(std::size_t(b * g * t)), out(std::size_t(b * t * h * d)) {
+    fill_kernel<<<1024, 256>>>(q.ptr, B * H * T * D, seed + 1, 0.0f, 2.0f);
+    fill_kernel<<<1024, 256>>>(k.ptr, B * G * T * D, seed + 2, 0.0f, 1.0f);
+    normalise_kernel<<<unsigned((B * G * T + 7) / 8), 256>>>(k.ptr, B * G * T, D);
+    fill_kernel<<<1024, 256>>>(v.ptr, B * G * T * D, seed + 3, 0.0f, 1.0f);
+    fill_kernel<<<1024, 256>>>(zk.ptr, B * G * T, seed + 4, 1.0f, 1.5f);
+    fill_kernel<<<1024, 256>>>(zq.ptr, B * G * T, seed + 5, 1.0f, 1.5f);
+    CHECK_CUDA(cudaGetLastError());
+  }
+  kvmem::cuda::UaInputs<bf16> slice(std::int64_t t0, std::int64_t t1) const {
+    const std::int64_t n = t1 - t0;
+    kvmem::cuda::UaInputs<bf16> in;
+    in.q = {q.ptr + t0 * D, {B, H, n, D}, {H * T * D, T * D, D, 1}};
+    in.k = {k.ptr + t0 * D, {B, G, n, D}, {G * T * D, T * D, D, 1}};
+    in.v = {v.ptr + t0 * D, {B, G, n, D}, {G * T * D, T * D, D, 1}};
+    in.z_k = {zk.ptr + t0, {B, G, n}, {G * T, T, 1}};
+    in.z_q = {zq.ptr + t0, {B, G, n}, {G * T, T, 1}};
+    return in;
+  }
+  TensorView<float, 4> out_slice(std::int64_t t0, std::int64_t t1) const {
+    return {out.ptr + t0 * H * D, {B, t1 - t0, H, D}, {T * H * D, H * D, D, 1}};
+  }
+};
+
+struct Timer {
+  cudaEvent_t a, b;
+  Timer() {
+    CHECK_CUDA(cudaEventCreate(&a));
+    CHECK_CUDA(cudaEventCreate(&b));
+  }
+  ~Timer() {
+    cudaEventDestroy(a);
+    cudaEventDestroy(b);
+  }
+  void start() { CHECK_CUDA(cudaEventRecord(a)); }
+  float stop_ms() {
+    CHECK_CUDA(cudaEventRecord(b));
+    CHECK_CUDA(cudaEventSynchronize(b));
+    float ms = 0;
+    CHECK_CUDA(cudaEventElapsedTime(&ms, a, b));
+    return ms;
+  }
+};
+
+void reset_all(kvmem::cuda::UaCache<bf16>& cache, std::int64_t B) {
+  for (std::int64_t b = 0; b < B; ++b) CHECK_STATUS(cache.reset_sequence(b, nullptr));
+  std::vector<std::int64_t> len;
+  CHECK_STATUS(cache.lengths(len, nullptr));  // tightens the host bound back to 0
+}
+
+double mean_length(kvmem::cuda::UaCache<bf16>& cache) {
+  std::vector<std::int64_t> len;
+  CHECK_STATUS(cache.lengths(len, nullptr));
+  return double(std::accumulate(len.begin(), len.end(), std::int64_t(0))) / double(len.size());
+}
+
+std::vector<std::int64_t> parse_list(const char* s) {
+  std::vector<std::int64_t> v;
+  for (const char* p = s; *p;) {
+    v.push_back(std::strtoll(p, const_cast<char**>(&p), 10));
+    if (*p == ',') ++p;
+  }
+  return v;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  std::int64_t B = 8, H = 16, G = 4, D = 128;
+  std::vector<std::int64_t> tokens = {4096, 8192, 16384}, dense_only;
+  const char* json = nullptr;
+  for (int i = 1; i + 1 < argc; i += 2) {
+    if (!std::strcmp(argv[i], "--batch")) B = std::atoll(argv[i + 1]);
+    else if (!std::strcmp(argv[i], "--heads")) H = std::atoll(argv[i + 1]);
+    else if (!std::strcmp(argv[i], "--kv-heads")) G = std::atoll(argv[i + 1]);
+    else if (!std::strcmp(argv[i], "--tokens")) tokens = parse_list(argv[i + 1]);
+    else if (!std::strcmp(argv[i], "--dense-only")) dense_only = parse_list(argv[i + 1]);
+    else if (!std::strcmp(argv[i], "--json")) json = argv[i + 1];
+    else {
+      std::fprintf(stderr, "unknown option %s\n", argv[i]);
+      return 2;
+    }
+  }
+  if (kvmem::cuda::device_count() == 0) {
+    std::printf("SKIPPED: no CUDA device\n");
+    return 0;
+  }
+  FILE* js = json ? std::fopen(json, "a") : nullptr;
+  constexpr std::int64_t kDecodeSteps = 256;
+  const kvmem::cuda::Executor exec{};
+  std::printf("| variant | B | T | p | prefill ms | kept after prefill | decode ms/token | kept after decode | kept KV MB/token | GB/s |\n");
+  std::printf("|---|---|---|---|---|---|---|---|---|---|\n");
+  std::vector<std::pair<std::int64_t, bool>> runs;
+  for (auto T : tokens) runs.push_back({T, false});
+  for (auto T : dense_only) runs.push_back({T, true});
+  for (const auto& [T, only_dense] : runs) {
+    Inputs in(B, H, G, T + kDecodeSteps, D, 1234 + std::uint64_t(T));
+    kvmem::cuda::UaCache<bf16> cache;
+    CHECK_STATUS(kvmem::cuda::UaCache<bf16>::create({B, H, G, D, T + kDecodeSteps, 16}, cache));
+    Timer timer;
+    for (double p : {0.0, 0.05, 0.15}) {
+      if (only_dense && p > 0) break;
+      const kvmem::ua::Options opt{p, 128, true};
+      const int reps = only_dense ? 1 : 3;
+      float prefill_ms = 1e30f;
+      for (int rep = 0; rep < reps + (only_dense ? 0 : 1); ++rep) {  // one warm-up unless dense-only
+        reset_all(cache, B);
+        timer.start();
+        CHECK_STATUS(kvmem::cuda::ua_prefill(exec, cache, in.slice(0, T), opt, in.out_slice(0, T)));
+        const float ms = timer.stop_ms();
+        if (rep > 0 || only_dense) prefill_ms = std::min(prefill_ms, ms);
+      }
+      const double kept_prefill = mean_length(cache) / double(T);
+      double decode_ms = 0, kept_decode = 0, bytes_per_token = 0;
+      if (p > 0) {
+        const double before = mean_length(cache);
+        timer.start();
+        for (std::int64_t t = T; t < T + kDecodeSteps; ++t)
+          CHECK_STATUS(kvmem::cuda::ua_decode(exec, cache, in.slice(t, t + 1), opt, in.out_slice(t, t + 1)));
+        decode_ms = timer.stop_ms() / double(kDecodeSteps);
+        const double after = mean_length(cache);
+        kept_decode = after / double(T + kDecodeSteps);
+        // keys + values of the kept entries (bf16) of every (sequence, kv head), averaged over the steps
+        bytes_per_token = 0.5 * (before + after) * double(B * G) * 2.0 * double(D) * 2.0;
+      }
+      std::printf("| kvmem UA %s | %lld | %lld | %.2f | %.3f | %.4f | %.4f | %.4f | %.2f | %.0f |\n",
+                  p > 0 ? "pruned" : "dense", (long long)B, (long long)T, p, prefill_ms, kept_prefill, decode_ms,
+                  kept_decode, bytes_per_token / 1e6, decode_ms > 0 ? bytes_per_token / (decode_ms * 1e6) : 0.0);
+      std::fflush(stdout);
+      if (js)
+        std::fprintf(js,
+                     "{\"B\": %lld, \"H\": %lld, \"G\": %lld, \"D\": %lld, \"T\": %lld, \"p\": %g, \"prefill_ms\": %.5f, "
+                     "\"kept_prefill\": %.6f, \"decode_ms\": %.6f, \"kept_decode\": %.6f, \"kept_bytes\": %.0f}\n",
+                     (long long)B, (long long)H, (long long)G, (long long)D, (long long)T, p, prefill_ms, kept_prefill,
+                     decode_ms, kept_decode, bytes_per_token);
+    }
+  }
+  if (js) std::fclose(js);
+  return 0;
+}

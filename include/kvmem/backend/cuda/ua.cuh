@@ -1,0 +1,345 @@
+// SPDX-License-Identifier: Apache-2.0
+#pragma once
+// Universal Attention on the CUDA backend (spec UA.md).
+//
+//   kvmem::cuda::UaCache<S>          the pruned cache in device memory (owning, allocated once): per
+//                                    (sequence, kv head) a variable-length list of (key, value, λ,
+//                                    z_k, position) rows in ascending position, a length and an
+//                                    absolute position counter on the device;
+//   kvmem::cuda::ua_prefill<Set>(exec, cache, in, opt, out)   chunked prefill with pruning (4.5)
+//   kvmem::cuda::ua_decode<Set>(exec, cache, in1, opt, out1)  one self-pruning decode step (4.4, 4.5)
+//   kvmem::cuda::ua_forward<Set>(exec, in, out, lse, lambda_last)  dense UA without a cache
+// Inputs live in device memory: q, k, v (and the optional output-gate logits z_o) in the storage type S
+// (float, bf16 or fp16), the gate logits z_k, z_q in fp32; outputs are fp32. λ and the decay sums are
+// fp32 throughout. Work is enqueued on exec.stream with no allocation and no host synchronisation,
+// except one documented case: when the host's conservative bound on the cache length says a call
+// might not fit (longest + T > capacity), the call first reads the true lengths back (one sync).
+// Every length and position lives on the device, so a decode step is a fixed sequence of launches an
+// engine can capture in a CUDA graph and replay. Results are deterministic: partials of the entry
+// splits are merged in split order, never with atomics.
+//
+// Shapes and options are validated (messages name the argument); values (NaN/Inf) are the caller's
+// precondition here, as on the CUDA KVM path: checking them would cost a device-to-host round trip.
+
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "kvmem/backend/cuda/common.cuh"
+#include "kvmem/backend/cuda/ua_kernels.cuh"
+#include "kvmem/core/status.hpp"
+#include "kvmem/core/tensor.hpp"
+#include "kvmem/policy/decay.hpp"
+#include "kvmem/ua/cache.hpp"
+#include "kvmem/ua/ops.hpp"
+
+namespace kvmem::cuda {
+
+// One call's inputs in device memory. T tokens (1 for decode); innermost stride 1.
+template <class S>
+struct UaInputs {
+  TensorView<const S, 4> q;        // [B,H,T,D] post-RoPE queries, no 1/sqrt(D)
+  TensorView<const S, 4> k;        // [B,G,T,D] normalised, then rotated keys
+  TensorView<const S, 4> v;        // [B,G,T,D]
+  TensorView<const float, 3> z_k;  // [B,G,T] key-gate logits
+  TensorView<const float, 3> z_q;  // [B,G,T] query-side gate logits
+  TensorView<const S, 4> z_o;      // [B,T,H,D] output-gate logits; empty view = no output gate
+};
+
+// Sizes of the per-call scratch a cache owns next to its rows.
+struct UaCacheLimits {
+  std::int64_t max_prefill_chunk = 128;  // largest Options::prefill_chunk a prefill may use (<= 1024)
+  int max_splits = 16;                   // entry splits per (sequence, kv head): parallelism of a call
+};
+
+template <class S = float>
+class UaCache {
+  static_assert(std::is_same_v<S, float> || std::is_same_v<S, bf16> || std::is_same_v<S, fp16>,
+                "kvmem::cuda::UaCache: storage must be float, kvmem::bf16 or kvmem::fp16");
+
+ public:
+  using storage_type = S;
+
+  UaCache() = default;
+
+  static Status create(const ua::CacheShape& s, UaCache& out, UaCacheLimits limits = {}) {
+    KVMEM_RETURN_IF_ERROR(ua::PrunedCache<float>::validate_shape(s));
+    if (limits.max_prefill_chunk <= 0 || limits.max_prefill_chunk > 1024)
+      return invalid_argument("UaCacheLimits max_prefill_chunk", "1..1024", limits.max_prefill_chunk);
+    if (limits.max_splits <= 0 || limits.max_splits > 1024)
+      return invalid_argument("UaCacheLimits max_splits", "1..1024", limits.max_splits);
+    if (s.head_dim > 256)
+      return {StatusCode::kUnsupported, "cuda UA: head_dim must be <= 256, got " + std::to_string(s.head_dim)};
+    UaCache c;
+    c.shape_ = s;
+    c.limits_ = limits;
+    const auto I = std::size_t(s.batch * s.kv_heads), cap = std::size_t(s.capacity), D = std::size_t(s.head_dim);
+    const auto r = std::size_t(s.query_heads / s.kv_heads), P = std::size_t(limits.max_prefill_chunk),
+               splits = std::size_t(limits.max_splits);
+    std::size_t off = 0;
+    const auto take = [&off](std::size_t bytes) {
+      const std::size_t at = off;
+      off += (bytes + 255) / 256 * 256;
+      return at;
+    };
+    const std::size_t o_keys = take(I * cap * D * sizeof(S)), o_values = take(I * cap * D * sizeof(S)),
+                      o_lambda = take(I * cap * sizeof(float)), o_logit = take(I * cap * sizeof(float)),
+                      o_pos = take(I * cap * sizeof(std::int64_t)), o_len = take(I * sizeof(std::int64_t)),
+                      o_counter = take(I * sizeof(std::int64_t)), o_ml = take(I * splits * r * P * 2 * sizeof(float)),
+                      o_acc = take(I * splits * r * P * D * sizeof(float)), o_new = take(I * P * sizeof(float));
+    KVMEM_RETURN_IF_ERROR(DeviceBuffer::allocate(off, c.memory_));
+    auto* base = static_cast<unsigned char*>(c.memory_.get());
+    auto& d = c.dev_;
+    d.keys = reinterpret_cast<S*>(base + o_keys);
+    d.values = reinterpret_cast<S*>(base + o_values);
+    d.lambda = reinterpret_cast<float*>(base + o_lambda);
+    d.key_logit = reinterpret_cast<float*>(base + o_logit);
+    d.pos = reinterpret_cast<std::int64_t*>(base + o_pos);
+    d.length = reinterpret_cast<std::int64_t*>(base + o_len);
+    d.counter = reinterpret_cast<std::int64_t*>(base + o_counter);
+    d.cap = s.capacity;
+    d.D = s.head_dim;
+    d.G = s.kv_heads;
+    d.r = s.query_heads / s.kv_heads;
+    c.part_ml_ = reinterpret_cast<float*>(base + o_ml);
+    c.part_acc_ = reinterpret_cast<float*>(base + o_acc);
+    c.lambda_new_ = reinterpret_cast<float*>(base + o_new);
+    // lengths and counters start at 0 (the rows are written before they are read)
+    KVMEM_RETURN_IF_ERROR(to_status(cudaMemset(d.length, 0, I * sizeof(std::int64_t)), "cudaMemset lengths"));
+    KVMEM_RETURN_IF_ERROR(to_status(cudaMemset(d.counter, 0, I * sizeof(std::int64_t)), "cudaMemset counters"));
+    KVMEM_RETURN_IF_ERROR(to_status(cudaDeviceSynchronize(), "UaCache::create"));
+    c.position_.assign(std::size_t(s.batch), 0);
+    out = std::move(c);
+    return Status::ok();
+  }
+
+  [[nodiscard]] const ua::CacheShape& shape() const { return shape_; }
+  [[nodiscard]] const UaCacheLimits& limits() const { return limits_; }
+  [[nodiscard]] std::int64_t group_size() const { return shape_.query_heads / shape_.kv_heads; }
+  [[nodiscard]] std::size_t allocated_bytes() const { return memory_.bytes(); }
+  // Next absolute position of sequence b (tokens seen since creation or reset_sequence; host mirror).
+  [[nodiscard]] std::int64_t position(std::int64_t b) const { return position_[std::size_t(b)]; }
+  // A bound the host keeps without reading the device: no item holds more entries than this.
+  [[nodiscard]] std::int64_t length_bound() const { return bound_; }
+  [[nodiscard]] const ua_detail::DeviceCache<S>& device() const { return dev_; }
+
+  // Reads every item's entry count back ([B*G], item b*G+g) and tightens length_bound(). Synchronises
+  // `stream`.
+  Status lengths(std::vector<std::int64_t>& out, cudaStream_t stream) {
+    out.resize(std::size_t(shape_.batch * shape_.kv_heads));
+    KVMEM_RETURN_IF_ERROR(to_status(cudaMemcpyAsync(out.data(), dev_.length, out.size() * sizeof(std::int64_t),
+                                                    cudaMemcpyDeviceToHost, stream), "UaCache lengths copy"));
+    KVMEM_RETURN_IF_ERROR(to_status(cudaStreamSynchronize(stream), "UaCache lengths sync"));
+    bound_ = out.empty() ? 0 : *std::max_element(out.begin(), out.end());
+    return Status::ok();
+  }
+
+  // Copies the entries of item (b, g) to the host: positions and λ [n]; keys and values [n, D] when
+  // the pointers are given (tests, replay, inspection; synchronises `stream`).
+  Status download(std::int64_t b, std::int64_t g, std::vector<std::int64_t>& pos, std::vector<float>& lambda,
+                  std::vector<S>* keys, std::vector<S>* values, cudaStream_t stream) const {
+    const std::int64_t item = b * shape_.kv_heads + g, row0 = item * shape_.capacity, D = shape_.head_dim;
+    std::int64_t n = 0;
+    KVMEM_RETURN_IF_ERROR(to_status(cudaMemcpyAsync(&n, dev_.length + item, sizeof(n), cudaMemcpyDeviceToHost, stream), "download length"));
+    KVMEM_RETURN_IF_ERROR(to_status(cudaStreamSynchronize(stream), "download sync"));
+    pos.resize(std::size_t(n));
+    lambda.resize(std::size_t(n));
+    KVMEM_RETURN_IF_ERROR(to_status(cudaMemcpyAsync(pos.data(), dev_.pos + row0, pos.size() * sizeof(std::int64_t), cudaMemcpyDeviceToHost, stream), "download positions"));
+    KVMEM_RETURN_IF_ERROR(to_status(cudaMemcpyAsync(lambda.data(), dev_.lambda + row0, lambda.size() * sizeof(float), cudaMemcpyDeviceToHost, stream), "download lambda"));
+    if (keys) {
+      keys->resize(std::size_t(n * D));
+      KVMEM_RETURN_IF_ERROR(to_status(cudaMemcpyAsync(keys->data(), dev_.keys + row0 * D, keys->size() * sizeof(S), cudaMemcpyDeviceToHost, stream), "download keys"));
+    }
+    if (values) {
+      values->resize(std::size_t(n * D));
+      KVMEM_RETURN_IF_ERROR(to_status(cudaMemcpyAsync(values->data(), dev_.values + row0 * D, values->size() * sizeof(S), cudaMemcpyDeviceToHost, stream), "download values"));
+    }
+    return to_status(cudaStreamSynchronize(stream), "download sync");
+  }
+
+  // Empties sequence b (all its kv heads) and restarts its position counter, on `stream`.
+  Status reset_sequence(std::int64_t b, cudaStream_t stream) {
+    if (b < 0 || b >= shape_.batch) return invalid_argument("reset_sequence b", "0..B-1", b);
+    const std::size_t bytes = std::size_t(shape_.kv_heads) * sizeof(std::int64_t);
+    KVMEM_RETURN_IF_ERROR(to_status(cudaMemsetAsync(dev_.length + b * shape_.kv_heads, 0, bytes, stream), "reset lengths"));
+    KVMEM_RETURN_IF_ERROR(to_status(cudaMemsetAsync(dev_.counter + b * shape_.kv_heads, 0, bytes, stream), "reset counters"));
+    position_[std::size_t(b)] = 0;
+    return Status::ok();
+  }
+
+ private:
+  template <class Set, class S2>
+  friend Status ua_run(const Executor&, UaCache<S2>&, const UaInputs<S2>&, const ua::Options&, TensorView<float, 4>,
+                       TensorView<float, 3>, bool);
+
+  ua::CacheShape shape_{};
+  UaCacheLimits limits_{};
+  DeviceBuffer memory_;
+  ua_detail::DeviceCache<S> dev_{};
+  float* part_ml_ = nullptr;
+  float* part_acc_ = nullptr;
+  float* lambda_new_ = nullptr;
+  std::vector<std::int64_t> position_;  // [B] host mirror of the device counters
+  std::int64_t bound_ = 0;              // >= every item's length
+};
+
+namespace ua_detail {
+
+inline Status allow_shared(const void* kernel, std::size_t bytes) {
+  if (bytes <= 48 * 1024) return Status::ok();
+  return to_status(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(bytes)),
+                   "cudaFuncSetAttribute(max dynamic shared memory)");
+}
+
+template <class S>
+DeviceCall<S> make_call(const UaInputs<S>& in, TensorView<float, 4> out, TensorView<float, 3> lse) {
+  DeviceCall<S> a;
+  a.q = in.q.data();
+  a.q_b = in.q.stride(0), a.q_h = in.q.stride(1), a.q_t = in.q.stride(2);
+  a.k = in.k.data();
+  a.k_b = in.k.stride(0), a.k_g = in.k.stride(1), a.k_t = in.k.stride(2);
+  a.v = in.v.data();
+  a.v_b = in.v.stride(0), a.v_g = in.v.stride(1), a.v_t = in.v.stride(2);
+  a.z_k = in.z_k.data();
+  a.zk_b = in.z_k.stride(0), a.zk_g = in.z_k.stride(1), a.zk_t = in.z_k.stride(2);
+  a.z_q = in.z_q.data();
+  a.zq_b = in.z_q.stride(0), a.zq_g = in.z_q.stride(1), a.zq_t = in.z_q.stride(2);
+  if (!in.z_o.empty()) {
+    a.z_o = in.z_o.data();
+    a.zo_b = in.z_o.stride(0), a.zo_t = in.z_o.stride(1), a.zo_h = in.z_o.stride(2);
+  }
+  a.out = out.data();
+  a.o_b = out.stride(0), a.o_t = out.stride(1), a.o_h = out.stride(2);
+  if (!lse.empty()) {
+    a.lse = lse.data();
+    a.l_b = lse.stride(0), a.l_h = lse.stride(1), a.l_t = lse.stride(2);
+  }
+  return a;
+}
+
+// Lanes of the chunk kernel hold ceil(D / 4) dims each; instantiate for four head-dim ranges.
+template <class Set, class S, class F>
+Status with_chunk_kernel(std::int64_t D, F&& launch) {
+  if (D <= 32) return launch(chunk_attend_kernel<Set, S, 8>);
+  if (D <= 64) return launch(chunk_attend_kernel<Set, S, 16>);
+  if (D <= 128) return launch(chunk_attend_kernel<Set, S, 32>);
+  return launch(chunk_attend_kernel<Set, S, 64>);
+}
+
+}  // namespace ua_detail
+
+// Prefill (decode == false: T tokens in chunks of opt.prefill_chunk) or one decode step (T = 1).
+template <class Set, class S>
+Status ua_run(const Executor& exec, UaCache<S>& cache, const UaInputs<S>& in, const ua::Options& opt,
+              TensorView<float, 4> out, TensorView<float, 3> lse, bool decode) {
+  using namespace ua_detail;
+  const ua::CacheShape& s = cache.shape_;
+  if (!cache.memory_.get()) return invalid_argument("cache", "a cache made by UaCache::create", "an empty cache");
+  KVMEM_RETURN_IF_ERROR(ua::detail::validate_options(opt));
+  KVMEM_RETURN_IF_ERROR(ua::detail::check_call_shapes(in, out, s.batch, s.query_heads, s.kv_heads, s.head_dim));
+  const std::int64_t T = in.q.extent(2), B = s.batch, G = s.kv_heads, I = B * G, D = s.head_dim;
+  if (!lse.empty()) KVMEM_RETURN_IF_ERROR(check_shape(TensorView<const float, 3>(lse), {B, s.query_heads, T}, "lse [B,H,T]"));
+  if (decode && T != 1) return invalid_argument("decode tokens (q dim 2)", 1, T);
+  if (!decode && opt.prefill_chunk > cache.limits_.max_prefill_chunk)
+    return invalid_argument("Options prefill_chunk", kvmem::detail::concat("<= UaCacheLimits max_prefill_chunk = ", cache.limits_.max_prefill_chunk), opt.prefill_chunk);
+  // Room for everything the call may append before evicting (the host backend's rule). The host bound
+  // grows by T per call; only when it says "might not fit" are the true lengths read back.
+  if (cache.bound_ + T > s.capacity) {
+    std::vector<std::int64_t> len;
+    KVMEM_RETURN_IF_ERROR(cache.lengths(len, exec.stream));
+    if (cache.bound_ + T > s.capacity)
+      return {StatusCode::kOutOfRange,
+              kvmem::detail::concat("cache capacity: expected room for ", cache.bound_ + T,
+                                    " rows per (sequence, kv head) (longest ", cache.bound_, " + ", T,
+                                    " new tokens), got capacity ", s.capacity)};
+  }
+  DeviceCall<S> a = make_call(in, out, lse);
+  a.part_ml = cache.part_ml_;
+  a.part_acc = cache.part_acc_;
+  a.log_p = ua::detail::log_threshold(opt.p);
+  a.evict_before_attention = opt.evict_before_attention;
+  const auto& dev = cache.dev_;
+  const std::int64_t r = cache.group_size();
+  if (decode) {
+    a.P = 1;
+    a.lambda_new = nullptr;
+    const std::int64_t want = (cache.bound_ + 1 + 2 * kDecodeThreads - 1) / (2 * kDecodeThreads);
+    a.splits = int(std::clamp<std::int64_t>(want, 1, cache.limits_.max_splits));
+    const std::size_t bytes = decode_smem_bytes(D, r);
+    KVMEM_RETURN_IF_ERROR(allow_shared(reinterpret_cast<const void*>(decode_attend_kernel<Set, S>), bytes));
+    decode_attend_kernel<Set, S><<<dim3(unsigned(a.splits), unsigned(I)), kDecodeThreads, bytes, exec.stream>>>(dev, a);
+    KVMEM_CUDA_RETURN_IF_LAUNCH_FAILED("ua decode_attend_kernel");
+    const std::size_t fbytes = finish_smem_bytes<S>(D);
+    KVMEM_RETURN_IF_ERROR(allow_shared(reinterpret_cast<const void*>(finish_kernel<S>), fbytes));
+    finish_kernel<S><<<unsigned(I), kFinishThreads, fbytes, exec.stream>>>(dev, a, 0, 1, 32);
+    KVMEM_CUDA_RETURN_IF_LAUNCH_FAILED("ua finish_kernel (decode)");
+  } else {
+    a.P = cache.limits_.max_prefill_chunk;
+    a.lambda_new = cache.lambda_new_;
+    const std::size_t bytes = chunk_smem_bytes(D, r), fbytes = finish_smem_bytes<S>(D);
+    KVMEM_RETURN_IF_ERROR(allow_shared(reinterpret_cast<const void*>(finish_kernel<S>), fbytes));
+    std::int64_t bound = cache.bound_;
+    for (std::int64_t t0 = 0; t0 < T; t0 += opt.prefill_chunk) {
+      const std::int64_t rows = std::min(opt.prefill_chunk, T - t0);
+      const std::int64_t want = (bound + rows + 2 * kEntryTile - 1) / (2 * kEntryTile);
+      a.splits = int(std::clamp<std::int64_t>(want, 1, cache.limits_.max_splits));
+      const Status launched = with_chunk_kernel<Set, S>(D, [&](auto kernel) -> Status {
+        KVMEM_RETURN_IF_ERROR(allow_shared(reinterpret_cast<const void*>(kernel), bytes));
+        kernel<<<dim3(unsigned(a.splits), unsigned(I)), kChunkThreads, bytes, exec.stream>>>(dev, a, t0, rows);
+        return to_status(cudaGetLastError(), "ua chunk_attend_kernel");
+      });
+      KVMEM_RETURN_IF_ERROR(launched);
+      finish_kernel<S><<<unsigned(I), kFinishThreads, fbytes, exec.stream>>>(dev, a, t0, rows, kEntryTile);
+      KVMEM_CUDA_RETURN_IF_LAUNCH_FAILED("ua finish_kernel (prefill)");
+      bound += rows;
+    }
+  }
+  cache.bound_ += T;
+  for (auto& p : cache.position_) p += T;
+  return Status::ok();
+}
+
+// Prefill T tokens of every sequence (spec UA.md 4.5): the caller rotates token t of sequence b at
+// position cache.position(b) + t. out: [B,T,H,D] fp32, device. lse [B,H,T] optional.
+template <DecaySet Set = decay::Universal, class S>
+Status ua_prefill(const Executor& exec, UaCache<S>& cache, const UaInputs<S>& in, const ua::Options& opt,
+                  TensorView<float, 4> out, TensorView<float, 3> lse = {}) {
+  return ua_run<Set>(exec, cache, in, opt, out, lse, false);
+}
+
+// One decode step (T = 1) of every sequence at position cache.position(b) (spec UA.md 4.4, 4.5).
+template <DecaySet Set = decay::Universal, class S>
+Status ua_decode(const Executor& exec, UaCache<S>& cache, const UaInputs<S>& in, const ua::Options& opt,
+                 TensorView<float, 4> out) {
+  return ua_run<Set>(exec, cache, in, opt, out, {}, true);
+}
+
+// Dense UA over T tokens without a cache (spec UA.md 2): out [B,T,H,D], optional lse [B,H,T] and
+// lambda_last [B,G,T] (contiguous). Runs as a chunked prefill with p = 0 into a scratch cache it
+// allocates for the call (memory O(B*G*T*D), never L x L); engines that call it repeatedly keep a
+// UaCache and call ua_prefill with p = 0 instead.
+template <DecaySet Set = decay::Universal, class S>
+Status ua_forward(const Executor& exec, const UaInputs<S>& in, TensorView<float, 4> out, TensorView<float, 3> lse = {},
+                  TensorView<float, 3> lambda_last = {}) {
+  const std::int64_t B = in.q.extent(0), H = in.q.extent(1), T = in.q.extent(2), D = in.q.extent(3), G = in.k.extent(1);
+  if (G <= 0 || H % G != 0) return invalid_argument("H % G (q dim 1, k dim 1)", 0, G > 0 ? H % G : G);
+  if (!lambda_last.empty()) {
+    KVMEM_RETURN_IF_ERROR(check_shape(TensorView<const float, 3>(lambda_last), {B, G, T}, "lambda_last [B,G,T]"));
+    if (!lambda_last.is_contiguous()) return invalid_argument("lambda_last", "a contiguous view", "a strided view");
+  }
+  UaCache<S> scratch;
+  KVMEM_RETURN_IF_ERROR(UaCache<S>::create({B, H, G, D, std::max<std::int64_t>(T, 1), 16}, scratch));
+  KVMEM_RETURN_IF_ERROR(ua_prefill<Set>(exec, scratch, in, ua::Options{}, out, lse));
+  if (!lambda_last.empty())  // no eviction: row j of every item is position j, λ_j = Λ_{T-1, j}
+    KVMEM_RETURN_IF_ERROR(to_status(cudaMemcpyAsync(lambda_last.data(), scratch.device().lambda,
+                                                    std::size_t(B * G * T) * sizeof(float), cudaMemcpyDeviceToDevice,
+                                                    exec.stream), "lambda_last copy"));
+  // the scratch cache is freed on return: wait for the work that reads it
+  return to_status(cudaStreamSynchronize(exec.stream), "ua_forward sync");
+}
+
+}  // namespace kvmem::cuda

@@ -1,0 +1,536 @@
+// SPDX-License-Identifier: Apache-2.0
+#pragma once
+// Universal Attention CUDA kernels (spec UA.md 4). Included by backend/cuda/ua.cuh; not a public API.
+//
+// One operation is a few launches per chunk of query rows (prefill) or per token (decode):
+//   chunk_attend_kernel / decode_attend_kernel   grid (splits, B*G): each block takes a contiguous,
+//       ascending range of the entries of one (sequence, kv head) item -- its cached keys followed by
+//       the call's own keys -- builds the decay on the fly (A from the similarity of the entry's key
+//       and each row's key, through the decay::Set body of kernel/ua_decay.hpp), carries λ along the
+//       rows in increasing position (spec 4.2: one rounding per step, the order of every backend),
+//       writes each entry's λ back, and leaves one online-softmax partial (max, sum, accumulator) per
+//       (query head, row) of its range;
+//   finish_kernel   grid (B*G): merges the partials of the splits in split order (deterministic: no
+//       atomics), applies the output gate, writes the output and lse, then evicts every entry with
+//       λ < ln p and compacts the survivors stably in place, appends the surviving new keys, and
+//       advances the item's position counter.
+// No L x L matrix exists anywhere: λ is one float per entry, the decay lives in a tile of shared
+// memory for the duration of one (entry tile, row tile) step.
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "kvmem/core/math.hpp"
+#include "kvmem/core/numeric.hpp"
+#include "kvmem/core/softmax.hpp"
+#include "kvmem/kernel/ua_decay.hpp"
+
+namespace kvmem::cuda::ua_detail {
+
+// The cache in device memory (one item = one (sequence, kv head); rows ascending in position).
+template <class S>
+struct DeviceCache {
+  S* keys = nullptr;             // [I, cap, D]
+  S* values = nullptr;           // [I, cap, D]
+  float* lambda = nullptr;       // [I, cap] λ_e = Λ_{n-1, pos_e} (log space)
+  float* key_logit = nullptr;    // [I, cap] z_k of each entry
+  std::int64_t* pos = nullptr;   // [I, cap] absolute positions
+  std::int64_t* length = nullptr;   // [I] entries in use
+  std::int64_t* counter = nullptr;  // [I] next absolute position (tokens seen by the sequence)
+  std::int64_t cap = 0, D = 0, G = 0, r = 0;
+};
+
+// One call's inputs (device memory, innermost stride 1) and the scratch of its partials.
+template <class S>
+struct DeviceCall {
+  const S* q = nullptr;  // [B,H,T,D]
+  std::int64_t q_b = 0, q_h = 0, q_t = 0;
+  const S* k = nullptr;  // [B,G,T,D]
+  std::int64_t k_b = 0, k_g = 0, k_t = 0;
+  const S* v = nullptr;  // [B,G,T,D]
+  std::int64_t v_b = 0, v_g = 0, v_t = 0;
+  const float* z_k = nullptr;  // [B,G,T]
+  std::int64_t zk_b = 0, zk_g = 0, zk_t = 0;
+  const float* z_q = nullptr;  // [B,G,T]
+  std::int64_t zq_b = 0, zq_g = 0, zq_t = 0;
+  const S* z_o = nullptr;  // [B,T,H,D] or nullptr (no output gate)
+  std::int64_t zo_b = 0, zo_t = 0, zo_h = 0;
+  float* out = nullptr;  // [B,T,H,D]
+  std::int64_t o_b = 0, o_t = 0, o_h = 0;
+  float* lse = nullptr;  // [B,H,T] or nullptr
+  std::int64_t l_b = 0, l_h = 0, l_t = 0;
+  // scratch
+  float* part_ml = nullptr;      // [I, splits, r, P, 2] running max and sum of each partial
+  float* part_acc = nullptr;     // [I, splits, r, P, D] unnormalised accumulators
+  float* lambda_new = nullptr;   // [I, P] λ of the call's own keys at the end of the chunk
+  std::int64_t P = 0;            // rows per chunk the scratch is laid out for
+  int splits = 1;                // grid.x of the attend kernel
+  double log_p = 0.0;            // ln p; -inf = never evict
+  bool evict_before_attention = true;
+};
+
+inline constexpr int kEntryTile = 64;   // entries staged per step of the chunk kernel
+inline constexpr int kChunkThreads = 256;
+inline constexpr int kLanesPerPair = 4;  // threads sharing one (query head, row) in the chunk kernel
+inline constexpr int kPairs = kChunkThreads / kLanesPerPair;
+inline constexpr int kDecodeThreads = 128;
+
+// Entries [begin, end) of split s when `total` entries are split `splits` ways in aligned pieces of at
+// least `min_piece` (finish_kernel recomputes the same ranges to know how many partials exist).
+struct Range {
+  std::int64_t begin, end;
+};
+__host__ __device__ inline std::int64_t split_piece(std::int64_t total, int splits, std::int64_t min_piece) {
+  std::int64_t piece = (total + splits - 1) / splits;
+  piece = (piece + min_piece - 1) / min_piece * min_piece;
+  return piece > min_piece ? piece : min_piece;
+}
+__host__ __device__ inline int active_splits(std::int64_t total, int splits, std::int64_t min_piece) {
+  const std::int64_t piece = split_piece(total, splits, min_piece);
+  return int((total + piece - 1) / piece);
+}
+
+// Rows of query heads per chunk-kernel row tile: all r heads of a group share one decay tile.
+__host__ __device__ inline int chunk_row_tile(std::int64_t r) { return int(r >= kPairs ? 1 : kPairs / r); }
+
+template <class S>
+__device__ inline float ld(const S* p) {
+  return load_as<float>(*p);
+}
+
+// ---- prefill / forward: one chunk of `rows` query rows (calls positions counter + t0 ...) --------
+// grid (splits, I), block kChunkThreads, dynamic smem chunk_smem_bytes(D, r).
+// kDpt: dims per lane (>= ceil(D / kLanesPerPair)); lane l owns dims l, l + 4, l + 8, ...
+__host__ __device__ inline std::size_t chunk_smem_bytes(std::int64_t D, std::int64_t r) {
+  const std::int64_t rt = chunk_row_tile(r);
+  return sizeof(float) * std::size_t(2 * kEntryTile * (D + 1)  // keys, values of the entry tile
+                                     + rt * (D + 1)            // the row tile's keys (decay similarity)
+                                     + kEntryTile * rt          // decay, then bias tile
+                                     + kPairs * kEntryTile      // logits of every (head, row)
+                                     + 2 * kEntryTile + 2 * rt)  // entry key logits/parts, row gate logits/parts
+         + sizeof(std::int64_t) * kEntryTile;                   // entry positions
+}
+
+template <class Set, class S, int kDpt>
+__global__ void __launch_bounds__(kChunkThreads) chunk_attend_kernel(DeviceCache<S> c, DeviceCall<S> a, std::int64_t t0,
+                                                                     std::int64_t rows) {
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  const std::int64_t D = c.D, r = c.r, item = blockIdx.y, b = item / c.G, g = item % c.G;
+  const int rt = chunk_row_tile(r);
+  const std::int64_t pitch = D + 1;  // odd pitch: entry rows read by different lanes fall in different banks
+  float* ks = reinterpret_cast<float*>(smem_raw);
+  float* vs = ks + kEntryTile * pitch;
+  float* nk = vs + kEntryTile * pitch;
+  float* tile = nk + rt * pitch;         // [kEntryTile][rt]: A, then Λ
+  float* logits = tile + kEntryTile * rt;  // [kPairs][kEntryTile]
+  float* e_logit = logits + kPairs * kEntryTile;
+  float* e_part = e_logit + kEntryTile;
+  float* r_logit = e_part + kEntryTile;
+  float* r_part = r_logit + rt;
+  std::int64_t* e_pos = reinterpret_cast<std::int64_t*>(r_part + rt);
+
+  const std::int64_t n = c.length[item], total = n + rows;
+  const std::int64_t piece = split_piece(total, a.splits, kEntryTile);
+  const std::int64_t e_begin = blockIdx.x * piece;
+  if (e_begin >= total) return;
+  const std::int64_t e_end = e_begin + piece < total ? e_begin + piece : total;
+  const std::int64_t first = c.counter[item];  // absolute position of the chunk's row 0 (input row t0)
+  const std::int64_t cache_row0 = item * c.cap;
+
+  const int tid = threadIdx.x, pair = tid / kLanesPerPair, lane = tid % kLanesPerPair;
+  const int head = pair / rt, prow = pair % rt;
+  const bool pair_live = head < r;
+
+  for (std::int64_t r0 = 0; r0 < rows; r0 += rt) {
+    const std::int64_t nr = rows - r0 < rt ? rows - r0 : rt;
+    const std::int64_t m_last = first + r0 + nr - 1;
+    const bool row_live = pair_live && prow < nr;
+    // the row tile's keys and query-side gates (the decay's later tokens)
+    for (std::int64_t x = tid; x < nr * D; x += blockDim.x) {
+      const std::int64_t i = x / D, d = x % D;
+      nk[i * pitch + d] = ld(a.k + b * a.k_b + g * a.k_g + (t0 + r0 + i) * a.k_t + d);
+    }
+    for (std::int64_t i = tid; i < nr; i += blockDim.x) {
+      r_logit[i] = a.z_q[b * a.zq_b + g * a.zq_g + (t0 + r0 + i) * a.zq_t];
+      r_part[i] = kernel::ua::query_gate_part(r_logit[i]);
+    }
+    float q[kDpt], acc[kDpt];
+    OnlineSoftmax<float> sm;
+    const std::int64_t h_abs = g * r + head;
+    for (int x = 0; x < kDpt; ++x) {
+      const std::int64_t d = lane + std::int64_t(x) * kLanesPerPair;
+      q[x] = (row_live && d < D) ? ld(a.q + b * a.q_b + h_abs * a.q_h + (t0 + r0 + prow) * a.q_t + d) : 0.0f;
+      acc[x] = 0.0f;
+    }
+
+    for (std::int64_t e0 = e_begin; e0 < e_end; e0 += kEntryTile) {
+      if (e0 >= n && first + (e0 - n) > m_last) break;  // the call's keys beyond this row tile: masked
+      const std::int64_t ne = e_end - e0 < kEntryTile ? e_end - e0 : kEntryTile;
+      __syncthreads();  // the previous step's readers of ks/vs/tile are done (and nk is written)
+      for (std::int64_t x = tid; x < ne * D; x += blockDim.x) {
+        const std::int64_t e = x / D, d = x % D, idx = e0 + e;
+        const S* kp = idx < n ? c.keys + (cache_row0 + idx) * D
+                              : a.k + b * a.k_b + g * a.k_g + (t0 + idx - n) * a.k_t;
+        const S* vp = idx < n ? c.values + (cache_row0 + idx) * D
+                              : a.v + b * a.v_b + g * a.v_g + (t0 + idx - n) * a.v_t;
+        ks[e * pitch + d] = ld(kp + d);
+        vs[e * pitch + d] = ld(vp + d);
+      }
+      for (std::int64_t e = tid; e < ne; e += blockDim.x) {
+        const std::int64_t idx = e0 + e;
+        e_logit[e] = idx < n ? c.key_logit[cache_row0 + idx] : a.z_k[b * a.zk_b + g * a.zk_g + (t0 + idx - n) * a.zk_t];
+        e_part[e] = kernel::ua::key_gate_part(e_logit[e]);
+        e_pos[e] = idx < n ? c.pos[cache_row0 + idx] : first + (idx - n);
+      }
+      __syncthreads();
+      // decay tile A(e, m) for the tile's rows m (spec 4.1); 0 where m <= pos_e
+      for (std::int64_t x = tid; x < ne * nr; x += blockDim.x) {
+        const std::int64_t e = x / nr, i = x % nr, m = first + r0 + i;
+        float a_em = 0.0f;
+        if (m > e_pos[e]) {
+          float sim = 0.0f;
+          if constexpr (Set::kNeedsSimilarity)
+            for (std::int64_t d = 0; d < D; ++d) sim += ks[e * pitch + d] * nk[i * pitch + d];
+          a_em = kernel::ua::decay_from_similarity<Set, float>(sim, e_logit[e], e_part[e], e_pos[e], r_logit[i],
+                                                              r_part[i], m);
+        }
+        tile[e * rt + i] = a_em;
+      }
+      __syncthreads();
+      // Λ along the rows in increasing m (spec 4.2), one thread per entry; λ persists in global memory
+      // between row tiles (this block is the only one that touches these entries).
+      for (std::int64_t e = tid; e < ne; e += blockDim.x) {
+        const std::int64_t idx = e0 + e, p = e_pos[e];
+        float* lam_at = idx < n ? c.lambda + cache_row0 + idx : a.lambda_new + item * a.P + (idx - n);
+        // a call key at or after this row tile's first row has no decay yet (Λ_pp = 0); its entry tile
+        // may have been skipped entirely by earlier row tiles, so its slot is not read
+        float lam = (idx >= n && idx - n >= r0) ? 0.0f : *lam_at;
+        for (std::int64_t i = 0; i < nr; ++i) {
+          const std::int64_t m = first + r0 + i;
+          if (m < p) {
+            tile[e * rt + i] = negative_infinity<float>();
+            continue;
+          }
+          if (m > p) lam += tile[e * rt + i];
+          tile[e * rt + i] = lam;
+        }
+        *lam_at = lam;
+      }
+      __syncthreads();
+      // logits of every (head, row) pair, then one online-softmax step over the tile
+      float tile_max = negative_infinity<float>();
+      for (std::int64_t e = 0; e < ne; ++e) {
+        float part = 0.0f;
+        for (int x = 0; x < kDpt; ++x) {
+          const std::int64_t d = lane + std::int64_t(x) * kLanesPerPair;
+          if (d < D) part += q[x] * ks[e * pitch + d];
+        }
+        part += __shfl_xor_sync(0xffffffffu, part, 1);
+        part += __shfl_xor_sync(0xffffffffu, part, 2);
+        const float bias = row_live ? tile[e * rt + prow] : negative_infinity<float>();
+        const float logit = bias == negative_infinity<float>() ? bias : part + bias;  // scale 1
+        if (lane == 0) logits[pair * kEntryTile + e] = logit;
+        tile_max = logit > tile_max ? logit : tile_max;
+      }
+      __syncwarp();
+      if (row_live && tile_max != negative_infinity<float>()) {
+        const float rescale = sm.raise_max(tile_max);
+        if (rescale != 1.0f)
+          for (int x = 0; x < kDpt; ++x) acc[x] *= rescale;
+        for (std::int64_t e = 0; e < ne; ++e) {
+          const float w = sm.accumulate(logits[pair * kEntryTile + e]);
+          if (w == 0.0f) continue;
+          for (int x = 0; x < kDpt; ++x) {
+            const std::int64_t d = lane + std::int64_t(x) * kLanesPerPair;
+            if (d < D) acc[x] += w * vs[e * pitch + d];
+          }
+        }
+      }
+    }
+    // this split's partial for every live (head, row)
+    if (row_live) {
+      const std::int64_t slot = ((item * a.splits + blockIdx.x) * r + head) * a.P + (r0 + prow);
+      if (lane == 0) {
+        a.part_ml[slot * 2] = sm.max;
+        a.part_ml[slot * 2 + 1] = sm.sum;
+      }
+      for (int x = 0; x < kDpt; ++x) {
+        const std::int64_t d = lane + std::int64_t(x) * kLanesPerPair;
+        if (d < D) a.part_acc[slot * D + d] = acc[x];
+      }
+    }
+    __syncthreads();  // nk / r_logit are rewritten by the next row tile
+  }
+}
+
+// ---- decode: one row per item --------------------------------------------------------------------
+// grid (splits, I), block kDecodeThreads, dynamic smem decode_smem_bytes(D, r). One thread per entry
+// for the λ update and the logits (the entry's key row is read once for both), then the block walks the
+// tile's value rows with one thread per dim for all r heads. The new token is entry n (λ = 0).
+__host__ __device__ inline std::size_t decode_smem_bytes(std::int64_t D, std::int64_t r) {
+  return sizeof(float) * std::size_t((r + 1) * D      // queries of the group, the new key
+                                     + r * D           // accumulators
+                                     + r * kDecodeThreads  // weights of the tile's entries per head
+                                     + 2 * r + 32);     // running max / sum per head, reduction scratch
+}
+
+__device__ inline float block_reduce_max(float x, float* scratch) {
+  for (int o = 16; o > 0; o /= 2) x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, o));
+  __syncthreads();
+  if (threadIdx.x % 32 == 0) scratch[threadIdx.x / 32] = x;
+  __syncthreads();
+  float m = scratch[0];
+  for (int w = 1; w < int(blockDim.x / 32); ++w) m = fmaxf(m, scratch[w]);
+  return m;
+}
+__device__ inline float block_reduce_sum(float x, float* scratch) {
+  for (int o = 16; o > 0; o /= 2) x += __shfl_xor_sync(0xffffffffu, x, o);
+  __syncthreads();
+  if (threadIdx.x % 32 == 0) scratch[threadIdx.x / 32] = x;
+  __syncthreads();
+  float s = scratch[0];
+  for (int w = 1; w < int(blockDim.x / 32); ++w) s += scratch[w];  // fixed order: deterministic
+  return s;
+}
+
+template <class Set, class S>
+__global__ void __launch_bounds__(kDecodeThreads) decode_attend_kernel(DeviceCache<S> c, DeviceCall<S> a) {
+  extern __shared__ __align__(16) float dsm[];
+  const std::int64_t D = c.D, r = c.r, item = blockIdx.y, b = item / c.G, g = item % c.G;
+  float* qs = dsm;             // [r][D]
+  float* nk = qs + r * D;      // [D]
+  float* acc = nk + D;         // [r][D]
+  float* wts = acc + r * D;    // [r][kDecodeThreads]
+  float* run_max = wts + r * kDecodeThreads;  // [r]
+  float* run_sum = run_max + r;                // [r]
+  float* scratch = run_sum + r;                // [32]
+
+  const std::int64_t n = c.length[item], total = n + 1;
+  const std::int64_t piece = split_piece(total, a.splits, 32);
+  const std::int64_t e_begin = blockIdx.x * piece;
+  if (e_begin >= total) return;
+  const std::int64_t e_end = e_begin + piece < total ? e_begin + piece : total;
+  const std::int64_t t = c.counter[item], row0 = item * c.cap;
+  const int tid = threadIdx.x;
+  const S* new_key = a.k + b * a.k_b + g * a.k_g;
+  for (std::int64_t x = tid; x < r * D; x += blockDim.x) {
+    const std::int64_t h = x / D, d = x % D;
+    qs[x] = ld(a.q + b * a.q_b + (g * r + h) * a.q_h + d);
+    acc[x] = 0.0f;
+  }
+  for (std::int64_t d = tid; d < D; d += blockDim.x) nk[d] = ld(new_key + d);
+  for (std::int64_t h = tid; h < r; h += blockDim.x) {
+    run_max[h] = negative_infinity<float>();
+    run_sum[h] = 0.0f;
+  }
+  const float zq = a.z_q[b * a.zq_b + g * a.zq_g];
+  const float q_part = kernel::ua::query_gate_part(zq);
+  __syncthreads();
+
+  for (std::int64_t e0 = e_begin; e0 < e_end; e0 += kDecodeThreads) {
+    const std::int64_t idx = e0 + tid;
+    const bool live = idx < e_end;
+    // 1. λ update (spec 4.4 step 1) and eviction test, 2. logits of the r heads
+    float lam = 0.0f;
+    bool masked = !live;
+    if (live && idx < n) {
+      const S* krow = c.keys + (row0 + idx) * D;
+      float sim = 0.0f;
+      for (std::int64_t d = 0; d < D; ++d) sim += ld(krow + d) * nk[d];
+      const float zk = c.key_logit[row0 + idx];
+      const std::int64_t p = c.pos[row0 + idx];
+      lam = c.lambda[row0 + idx];
+      if (t > p)
+        lam += kernel::ua::decay_from_similarity<Set, float>(sim, zk, kernel::ua::key_gate_part(zk), p, zq, q_part, t);
+      c.lambda[row0 + idx] = lam;
+      masked = a.evict_before_attention && double(lam) < a.log_p;
+    }
+    const S* krow = live ? (idx < n ? c.keys + (row0 + idx) * D : new_key) : nullptr;
+    for (std::int64_t h = 0; h < r; ++h) {
+      float logit = negative_infinity<float>();
+      if (!masked) {
+        float s = 0.0f;
+        for (std::int64_t d = 0; d < D; ++d) s += qs[h * D + d] * ld(krow + d);
+        logit = s + lam;  // scale 1
+      }
+      wts[h * kDecodeThreads + tid] = logit;
+    }
+    __syncthreads();
+    // 3. online softmax step per head over the tile (every thread computes the same max / sum)
+    for (std::int64_t h = 0; h < r; ++h) {
+      const float mine = wts[h * kDecodeThreads + tid];
+      const float tile_max = block_reduce_max(mine, scratch);
+      const float old_max = run_max[h];
+      const float new_max = tile_max > old_max ? tile_max : old_max;
+      const float w = (mine == negative_infinity<float>()) ? 0.0f : expf(mine - new_max);
+      const float tile_sum = block_reduce_sum(w, scratch);
+      const float rescale = (old_max == negative_infinity<float>() || new_max == negative_infinity<float>())
+                                ? 0.0f
+                                : expf(old_max - new_max);
+      __syncthreads();  // everyone has read run_max[h] and wts[h][tid] before they change
+      wts[h * kDecodeThreads + tid] = w;
+      for (std::int64_t d = tid; d < D; d += blockDim.x) acc[h * D + d] *= rescale;
+      if (tid == 0) {
+        run_max[h] = new_max;
+        run_sum[h] = run_sum[h] * rescale + tile_sum;
+      }
+    }
+    __syncthreads();
+    // 4. p.v: one thread per dim, every head, the tile's value rows in entry order
+    const std::int64_t ne = e_end - e0 < kDecodeThreads ? e_end - e0 : kDecodeThreads;
+    for (std::int64_t d = tid; d < D; d += blockDim.x)
+      for (std::int64_t e = 0; e < ne; ++e) {
+        const std::int64_t id = e0 + e;
+        const float val = ld(id < n ? c.values + (row0 + id) * D + d : a.v + b * a.v_b + g * a.v_g + d);
+        for (std::int64_t h = 0; h < r; ++h) acc[h * D + d] += wts[h * kDecodeThreads + e] * val;
+      }
+    __syncthreads();
+  }
+  for (std::int64_t h = 0; h < r; ++h) {
+    const std::int64_t slot = (item * a.splits + blockIdx.x) * r + h;  // P = 1 row
+    if (tid == 0) {
+      a.part_ml[slot * 2] = run_max[h];
+      a.part_ml[slot * 2 + 1] = run_sum[h];
+    }
+    for (std::int64_t d = tid; d < D; d += blockDim.x) a.part_acc[slot * D + d] = acc[h * D + d];
+  }
+}
+
+// ---- finish: merge, gate, evict + compact, append, advance -------------------------------------
+// grid (I), block 256, dynamic smem finish_smem_bytes(D).
+inline constexpr int kFinishThreads = 256;
+inline constexpr int kCompactRows = 32;  // rows staged per compaction step
+template <class S>
+__host__ __device__ inline std::size_t finish_smem_bytes(std::int64_t D) {
+  return std::size_t(kCompactRows) * std::size_t(2 * D) * sizeof(S) + std::size_t(kCompactRows) * (2 * sizeof(float) + sizeof(std::int64_t)) +
+         std::size_t(kFinishThreads) * sizeof(int) + 64;
+}
+
+template <class S>
+__global__ void __launch_bounds__(kFinishThreads) finish_kernel(DeviceCache<S> c, DeviceCall<S> a, std::int64_t t0,
+                                                                std::int64_t rows, std::int64_t min_piece) {
+  extern __shared__ __align__(16) unsigned char fsm[];
+  const std::int64_t D = c.D, r = c.r, item = blockIdx.x, b = item / c.G, g = item % c.G;
+  const std::int64_t n = c.length[item], total = n + rows, row0 = item * c.cap;
+  const std::int64_t first = c.counter[item];  // absolute position of the chunk's row 0 (input row t0)
+  const int used = active_splits(total, a.splits, min_piece);
+  const int tid = threadIdx.x;
+
+  // 1. merge the splits' partials in split order, normalise, output gate, lse
+  for (std::int64_t x = tid; x < r * rows * D; x += blockDim.x) {
+    const std::int64_t h = x / (rows * D), i = (x / D) % rows, d = x % D;
+    float hi = negative_infinity<float>();
+    for (int s = 0; s < used; ++s) {
+      const float m = a.part_ml[(((item * a.splits + s) * r + h) * a.P + i) * 2];
+      hi = m > hi ? m : hi;
+    }
+    float sum = 0.0f, y = 0.0f;
+    if (hi != negative_infinity<float>())
+      for (int s = 0; s < used; ++s) {
+        const std::int64_t slot = ((item * a.splits + s) * r + h) * a.P + i;
+        const float m = a.part_ml[slot * 2];
+        if (m == negative_infinity<float>()) continue;
+        const float w = expf(m - hi);
+        sum += w * a.part_ml[slot * 2 + 1];
+        y += w * a.part_acc[slot * D + d];
+      }
+    y = sum > 0.0f ? y / sum : 0.0f;
+    const std::int64_t hq = g * r + h;
+    if (a.z_o) y *= sigmoid(ld(a.z_o + b * a.zo_b + (t0 + i) * a.zo_t + hq * a.zo_h + d));
+    a.out[b * a.o_b + (t0 + i) * a.o_t + hq * a.o_h + d] = y;
+    if (a.lse && d == 0) a.lse[b * a.l_b + hq * a.l_h + (t0 + i) * a.l_t] = sum > 0.0f ? hi + logf(sum) : negative_infinity<float>();
+  }
+
+  // 2. evict λ < ln p and compact stably in place (survivors keep ascending positions), staging
+  //    kCompactRows rows in shared memory so no row is overwritten before it is read.
+  S* kst = reinterpret_cast<S*>(fsm);
+  S* vst = kst + kCompactRows * D;
+  float* lst = reinterpret_cast<float*>(vst + kCompactRows * D);
+  float* zst = lst + kCompactRows;
+  std::int64_t* pst = reinterpret_cast<std::int64_t*>(zst + kCompactRows);
+  int* dst = reinterpret_cast<int*>(pst + kCompactRows);
+  const bool prunes = a.log_p > -INFINITY;
+  std::int64_t kept = n;
+  if (prunes) {
+    kept = 0;
+    for (std::int64_t e0 = 0; e0 < n; e0 += kCompactRows) {
+      const std::int64_t ne = n - e0 < kCompactRows ? n - e0 : kCompactRows;
+      __syncthreads();
+      if (tid == 0) {  // prefix of survivors of this group (32 flags: serial is cheaper than a scan)
+        std::int64_t k = kept;
+        for (std::int64_t e = 0; e < ne; ++e) {
+          const bool keep = !(double(c.lambda[row0 + e0 + e]) < a.log_p);
+          dst[e] = keep ? int(k - e0 - e) : 1;  // offset <= 0 for survivors, 1 = evicted
+          if (keep) ++k;
+        }
+        dst[kCompactRows] = int(k - kept);
+      }
+      __syncthreads();
+      const std::int64_t moved = dst[kCompactRows];
+      bool any_move = false;
+      for (std::int64_t e = 0; e < ne; ++e) any_move = any_move || (dst[e] <= 0 && dst[e] != 0);
+      if (any_move) {
+        for (std::int64_t x = tid; x < ne * D; x += blockDim.x) {
+          const std::int64_t e = x / D, d = x % D;
+          kst[x] = c.keys[(row0 + e0 + e) * D + d];
+          vst[x] = c.values[(row0 + e0 + e) * D + d];
+        }
+        for (std::int64_t e = tid; e < ne; e += blockDim.x) {
+          lst[e] = c.lambda[row0 + e0 + e];
+          zst[e] = c.key_logit[row0 + e0 + e];
+          pst[e] = c.pos[row0 + e0 + e];
+        }
+        __syncthreads();
+        for (std::int64_t x = tid; x < ne * D; x += blockDim.x) {
+          const std::int64_t e = x / D, d = x % D;
+          if (dst[e] > 0) continue;
+          const std::int64_t to = e0 + e + dst[e];
+          c.keys[(row0 + to) * D + d] = kst[x];
+          c.values[(row0 + to) * D + d] = vst[x];
+        }
+        for (std::int64_t e = tid; e < ne; e += blockDim.x) {
+          if (dst[e] > 0) continue;
+          const std::int64_t to = e0 + e + dst[e];
+          c.lambda[row0 + to] = lst[e];
+          c.key_logit[row0 + to] = zst[e];
+          c.pos[row0 + to] = pst[e];
+        }
+      }
+      kept += moved;
+    }
+  }
+  __syncthreads();
+  // 3. append the call's keys that survive (decode: the new token, λ = 0, never evicted in its step
+  //    when evicting before attention; with eviction after attention its λ = 0 >= ln p as well)
+  __shared__ int new_dst[1024 + 1];
+  if (tid == 0) {
+    std::int64_t k = kept;
+    for (std::int64_t j = 0; j < rows; ++j) {
+      const float lam = a.lambda_new ? a.lambda_new[item * a.P + j] : 0.0f;
+      const bool keep = !(prunes && double(lam) < a.log_p);
+      new_dst[j] = keep ? int(k++) : -1;
+    }
+    new_dst[rows] = int(k);
+  }
+  __syncthreads();
+  for (std::int64_t x = tid; x < rows * D; x += blockDim.x) {
+    const std::int64_t j = x / D, d = x % D;
+    if (new_dst[j] < 0) continue;
+    c.keys[(row0 + new_dst[j]) * D + d] = a.k[b * a.k_b + g * a.k_g + (t0 + j) * a.k_t + d];
+    c.values[(row0 + new_dst[j]) * D + d] = a.v[b * a.v_b + g * a.v_g + (t0 + j) * a.v_t + d];
+  }
+  for (std::int64_t j = tid; j < rows; j += blockDim.x) {
+    if (new_dst[j] < 0) continue;
+    c.lambda[row0 + new_dst[j]] = a.lambda_new ? a.lambda_new[item * a.P + j] : 0.0f;
+    c.key_logit[row0 + new_dst[j]] = a.z_k[b * a.zk_b + g * a.zk_g + (t0 + j) * a.zk_t];
+    c.pos[row0 + new_dst[j]] = first + j;
+  }
+  __syncthreads();
+  if (tid == 0) {
+    c.length[item] = new_dst[rows];
+    c.counter[item] += rows;
+  }
+}
+
+}  // namespace kvmem::cuda::ua_detail

@@ -1,0 +1,354 @@
+// SPDX-License-Identifier: Apache-2.0
+// Universal Attention on the CUDA backend: every public UA golden in fp32 (out, lse, lambda_last,
+// out_decode, the pruned outputs and exact kept sets for p = 0.05 / 0.15), random cases in bf16 at
+// head dims 80 and 128 against the host backend, decode == prefill, pruned == dense as p -> 0, the
+// output gate, and validation. Skips, saying so, when no CUDA device is visible.
+#include <cuda_runtime.h>
+
+#include <cmath>
+#include <cstdint>
+#include <iostream>
+#include <string>
+#include <vector>
+
+#include <catch2/catch.hpp>
+
+#include "kvmem/backend/cuda/ua.cuh"
+#include "support/golden.hpp"
+#include "ua/ua_host_support.hpp"
+
+namespace {
+using kvmem::TensorView;
+using namespace kvmem::test;
+using namespace kvmem::test::ua;
+
+bool no_device() {
+  if (kvmem::cuda::device_count() > 0) return false;
+  WARN("SKIPPED: no CUDA device visible; the gpu suite needs one (CI compiles it only)");
+  return true;
+}
+
+#define CUDA_REQUIRE(expr) REQUIRE(kvmem::cuda::to_status((expr), #expr).to_string() == "ok")
+
+template <class T>
+struct Dev {
+  T* ptr = nullptr;
+  std::size_t n = 0;
+  explicit Dev(std::size_t count) : n(count) { CUDA_REQUIRE(cudaMalloc(&ptr, std::max<std::size_t>(1, n) * sizeof(T))); }
+  explicit Dev(const std::vector<T>& host) : Dev(host.size()) {
+    CUDA_REQUIRE(cudaMemcpy(ptr, host.data(), n * sizeof(T), cudaMemcpyHostToDevice));
+  }
+  Dev(const Dev&) = delete;
+  ~Dev() { cudaFree(ptr); }
+  std::vector<T> get() const {
+    std::vector<T> h(n);
+    CUDA_REQUIRE(cudaMemcpy(h.data(), ptr, n * sizeof(T), cudaMemcpyDeviceToHost));
+    return h;
+  }
+};
+
+template <class S>
+std::vector<S> as_storage(const std::vector<float>& x) {
+  std::vector<S> y(x.size());
+  for (std::size_t i = 0; i < x.size(); ++i) y[i] = kvmem::store_as<S>(x[i]);
+  return y;
+}
+// The values a storage type S can hold (host runs see exactly what the device sees).
+template <class S>
+std::vector<float> rounded(const std::vector<float>& x) {
+  std::vector<float> y(x.size());
+  for (std::size_t i = 0; i < x.size(); ++i) y[i] = kvmem::load_as<float>(kvmem::store_as<S>(x[i]));
+  return y;
+}
+
+// A FloatCase's tensors in device memory (q, k, v, z_o in S; gate logits fp32) and views of token ranges.
+template <class S>
+struct DevCase {
+  const FloatCase& f;
+  Dev<S> q, k, v, z_o;
+  Dev<float> z_k, z_q;
+  explicit DevCase(const FloatCase& fc)
+      : f(fc), q(as_storage<S>(fc.q)), k(as_storage<S>(fc.k)), v(as_storage<S>(fc.v)), z_o(as_storage<S>(fc.z_o)),
+        z_k(fc.z_k), z_q(fc.z_q) {}
+  kvmem::cuda::UaInputs<S> slice(std::int64_t t0, std::int64_t t1) const {
+    const auto& c = f.c;
+    const std::int64_t B = c.B, H = c.H, G = c.G, T = c.T, D = c.D, n = t1 - t0;
+    kvmem::cuda::UaInputs<S> in;
+    in.q = {q.ptr + t0 * D, {B, H, n, D}, {H * T * D, T * D, D, 1}};
+    in.k = {k.ptr + t0 * D, {B, G, n, D}, {G * T * D, T * D, D, 1}};
+    in.v = {v.ptr + t0 * D, {B, G, n, D}, {G * T * D, T * D, D, 1}};
+    in.z_k = {z_k.ptr + t0, {B, G, n}, {G * T, T, 1}};
+    in.z_q = {z_q.ptr + t0, {B, G, n}, {G * T, T, 1}};
+    if (!f.z_o.empty()) in.z_o = {z_o.ptr + t0 * H * D, {B, n, H, D}, {T * H * D, H * D, D, 1}};
+    return in;
+  }
+  TensorView<float, 4> out_slice(float* out, std::int64_t t0, std::int64_t t1) const {
+    const std::int64_t H = f.c.H, T = f.c.T, D = f.c.D;
+    return {out + t0 * H * D, {f.c.B, t1 - t0, H, D}, {T * H * D, H * D, D, 1}};
+  }
+};
+
+struct CudaRun {
+  std::vector<float> out;
+  std::vector<std::int64_t> kept;  // [B,G,T] 0/1 membership after the last token
+  std::vector<std::int64_t> lengths;
+};
+
+// Chunked prefill of [0, split), then decode of [split, T), all with `opt` (the goldens' pruned run).
+template <class S>
+CudaRun cuda_prefill_decode(const FloatCase& f, std::int64_t split, const kvmem::ua::Options& opt,
+                            kvmem::cuda::UaCacheLimits limits = {}) {
+  const auto& c = f.c;
+  DevCase<S> d(f);
+  kvmem::cuda::UaCache<S> cache;
+  const auto created = kvmem::cuda::UaCache<S>::create(f.cache_shape(), cache, limits);
+  INFO(created.to_string());
+  REQUIRE(created.is_ok());
+  Dev<float> out(std::vector<float>(std::size_t(c.B * c.T * c.H * c.D), -7.0f));  // poisoned
+  const kvmem::cuda::Executor exec{};
+  if (split > 0) {
+    const auto s = kvmem::cuda::ua_prefill(exec, cache, d.slice(0, split), opt, d.out_slice(out.ptr, 0, split));
+    INFO(s.to_string());
+    REQUIRE(s.is_ok());
+  }
+  for (std::int64_t t = split; t < c.T; ++t) {
+    const auto s = kvmem::cuda::ua_decode(exec, cache, d.slice(t, t + 1), opt, d.out_slice(out.ptr, t, t + 1));
+    INFO(s.to_string());
+    REQUIRE(s.is_ok());
+  }
+  CUDA_REQUIRE(cudaDeviceSynchronize());
+  CudaRun r;
+  r.out = out.get();
+  r.kept.assign(std::size_t(c.B * c.G * c.T), 0);
+  for (std::int64_t b = 0; b < c.B; ++b) {
+    CHECK(cache.position(b) == c.T);
+    for (std::int64_t g = 0; g < c.G; ++g) {
+      std::vector<std::int64_t> pos;
+      std::vector<float> lam;
+      REQUIRE(cache.download(b, g, pos, lam, nullptr, nullptr, nullptr).is_ok());
+      r.lengths.push_back(std::int64_t(pos.size()));
+      for (std::size_t e = 0; e < pos.size(); ++e) {
+        if (e > 0) CHECK(pos[e] > pos[e - 1]);  // ascending, stable compaction
+        REQUIRE(pos[e] >= 0);
+        REQUIRE(pos[e] < c.T);
+        r.kept[std::size_t((b * c.G + g) * c.T + pos[e])] = 1;
+      }
+    }
+  }
+  return r;
+}
+
+struct CudaDense {
+  std::vector<float> out, lse, lambda_last;
+};
+template <class S>
+CudaDense cuda_forward(const FloatCase& f) {
+  const auto& c = f.c;
+  DevCase<S> d(f);
+  Dev<float> out(std::size_t(c.B * c.T * c.H * c.D)), lse(std::size_t(c.B * c.H * c.T)), lam(std::size_t(c.B * c.G * c.T));
+  const auto s = kvmem::cuda::ua_forward(kvmem::cuda::Executor{}, d.slice(0, c.T), d.out_slice(out.ptr, 0, c.T),
+                                         TensorView<float, 3>(lse.ptr, {c.B, c.H, c.T}),
+                                         TensorView<float, 3>(lam.ptr, {c.B, c.G, c.T}));
+  INFO(s.to_string());
+  REQUIRE(s.is_ok());
+  return {out.get(), lse.get(), lam.get()};
+}
+
+// Kept-set comparison: exact, except keys whose λ at the last token lies within `band` of ln p
+// (spec UA.md 6.12: don't-care when the other side rounds differently); the count is reported.
+std::int64_t kept_mismatches(const Case& c, const std::vector<std::int64_t>& a, const std::vector<std::int64_t>& b,
+                             double p, double band, std::int64_t& excluded) {
+  std::int64_t bad = 0;
+  excluded = 0;
+  for (std::int64_t bb = 0; bb < c.config.B; ++bb)
+    for (std::int64_t g = 0; g < c.config.G; ++g) {
+      const auto last = lambda_last_row(c, bb, g);
+      for (std::int64_t j = 0; j < c.config.T; ++j) {
+        const std::size_t e = std::size_t((bb * c.config.G + g) * c.config.T + j);
+        if (a[e] == b[e]) continue;
+        if (std::abs(last[std::size_t(j)] - std::log(p)) < band) ++excluded;
+        else ++bad;
+      }
+    }
+  return bad;
+}
+
+constexpr double kTolFp32 = 1e-5;  // golden README: max |x - ref| <= 1e-5 * max(1, max |ref|)
+}  // namespace
+
+TEST_CASE("ua cuda fp32 matches every public UA golden", "[ua][cuda][golden]") {
+  if (no_device()) return;
+  const auto files = golden_files("ua");
+  REQUIRE(files.size() >= 3);
+  for (const auto& path : files) {
+    const Golden g = load_golden(path);
+    const Case c = from_golden(g);
+    const FloatCase f(c);
+    INFO(g.name);
+    const auto dense = cuda_forward<float>(f);
+    KVMEM_CHECK_CLOSE(dense.out, g.f64("out"), kTolFp32);
+    KVMEM_CHECK_CLOSE(dense.lse, g.f64("lse"), kTolFp32);
+    KVMEM_CHECK_CLOSE(dense.lambda_last, g.f64("lambda_last"), kTolFp32);
+    const auto decoded = cuda_prefill_decode<float>(f, 0, kvmem::ua::Options{});
+    KVMEM_CHECK_CLOSE(decoded.out, g.f64("out_decode"), kTolFp32);
+    std::cout << g.name << " cuda fp32 rel err: out " << deviation(dense.out, g.f64("out")).relative() << " lse "
+              << deviation(dense.lse, g.f64("lse")).relative() << " lambda_last "
+              << deviation(dense.lambda_last, g.f64("lambda_last")).relative() << " out_decode "
+              << deviation(decoded.out, g.f64("out_decode")).relative();
+    for (const auto& [p, tag] : {std::pair{0.05, "p005"}, std::pair{0.15, "p015"}}) {
+      const kvmem::ua::Options opt{p, c.config.prefill_chunk, c.config.evict_before_attention};
+      const auto r = cuda_prefill_decode<float>(f, c.config.prefill_split, opt);
+      KVMEM_CHECK_CLOSE(r.out, g.f64(std::string("out_pruned_") + tag), kTolFp32);
+      std::int64_t excluded = 0;
+      const auto bad = kept_mismatches(c, r.kept, g.i64(std::string("kept_") + tag), p, 1e-9, excluded);
+      INFO(tag << ": " << bad << " kept-set mismatches, " << excluded << " within 1e-9 of ln p");
+      CHECK(bad == 0);
+      CHECK(excluded == 0);  // the README guarantees margins >= 6e-4
+      std::cout << " out_pruned_" << tag << " " << deviation(r.out, g.f64(std::string("out_pruned_") + tag)).relative();
+    }
+    std::cout << "\n";
+  }
+}
+
+TEST_CASE("ua cuda G0 worked example: chunked prefill kept sets and decode orders", "[ua][cuda][sanitize]") {
+  if (no_device()) return;
+  const Case c = g0_case(4);
+  const FloatCase f(c);
+  // spec UA.md 8: chunk 4, kept after t = 15: p = 0.05 -> {4, 5, 10, 13, 14, 15}; p = 0.15 -> {14, 15}
+  for (const auto& [p, want] : {std::pair{0.05, std::vector<std::int64_t>{4, 5, 10, 13, 14, 15}},
+                                std::pair{0.15, std::vector<std::int64_t>{14, 15}}}) {
+    const auto r = cuda_prefill_decode<float>(f, 16, kvmem::ua::Options{p, 4, true});
+    std::vector<std::int64_t> kept;
+    for (std::int64_t j = 0; j < 16; ++j)
+      if (r.kept[std::size_t(j)]) kept.push_back(j);
+    INFO("p " << p);
+    CHECK(kept == want);
+  }
+  // decode from an empty cache, O(h0, t=15), both eviction orders (spec UA.md 8)
+  const std::vector<std::pair<kvmem::ua::Options, std::vector<double>>> decode_cases = {
+      {{0.05, 128, true}, {-0.409134, -0.714472, -0.770225, -0.556915}},
+      {{0.05, 128, false}, {-0.461722, -0.735490, -0.752331, -0.506360}},
+      {{0.15, 128, true}, {-0.232012, -0.729708, -0.972495, -0.875562}},
+      {{0.15, 128, false}, {-0.342484, -0.784143, -0.951878, -0.787095}}};
+  for (const auto& [opt, want] : decode_cases) {
+    const auto r = cuda_prefill_decode<float>(f, 0, opt);
+    INFO("p " << opt.p << " evict_before_attention " << opt.evict_before_attention);
+    for (std::int64_t d = 0; d < 4; ++d) CHECK(r.out[std::size_t((15 * 2 + 0) * 4 + d)] == Approx(want[std::size_t(d)]).margin(2e-6));
+  }
+}
+
+TEST_CASE("ua cuda decode equals prefill, pruned equals dense as p -> 0 (fp32)", "[ua][cuda][sanitize]") {
+  if (no_device()) return;
+  const Case c = random_case(2, 150, 4, 2, 32, 11);
+  const FloatCase f(c);
+  const auto dense = cuda_forward<float>(f);
+  const auto host = host_forward(f);
+  KVMEM_CHECK_CLOSE(dense.out, host.out, 1e-5);
+  KVMEM_CHECK_CLOSE(dense.lambda_last, host.lambda_last, 1e-5);
+  for (std::int64_t split : {0, 1, 37, 128, 149}) {
+    INFO("split " << split);
+    const auto r = cuda_prefill_decode<float>(f, split, kvmem::ua::Options{0.0, 32, true});
+    KVMEM_CHECK_CLOSE(r.out, dense.out, 1e-5);
+    for (auto len : r.lengths) CHECK(len == c.config.T);  // p = 0 never evicts
+  }
+  const auto tiny = cuda_prefill_decode<float>(f, 100, kvmem::ua::Options{1e-30, 32, true});
+  KVMEM_CHECK_CLOSE(tiny.out, dense.out, 1e-5);
+  for (auto len : tiny.lengths) CHECK(len == c.config.T);  // λ >= 149 ln 1e-6 > ln 1e-30
+}
+
+TEST_CASE("ua cuda fp32 pruned prefill and decode match the host backend (GQA, output gate, several chunks)", "[ua][cuda]") {
+  if (no_device()) return;
+  for (const bool gate : {false, true}) {
+    const Case c = random_case(2, 300, 8, 2, 64, 21, 1.0, gate);
+    const FloatCase f(c);
+    for (double p : {0.05, 0.15}) {
+      const kvmem::ua::Options opt{p, 64, true};
+      kvmem::ua::PrunedCache<float> hc(f.cache_shape());
+      const auto host = host_prefill_decode(f, 200, opt, hc);
+      const auto gpu = cuda_prefill_decode<float>(f, 200, opt);
+      INFO("gate " << gate << " p " << p);
+      KVMEM_CHECK_CLOSE(gpu.out, host, 1e-5);
+      std::int64_t excluded = 0;
+      CHECK(kept_mismatches(c, gpu.kept, kept_mask(hc, c.config.T), p, 1e-4, excluded) == 0);
+      CHECK(excluded <= 1);
+    }
+  }
+}
+
+TEST_CASE("ua cuda bf16 storage agrees with the host backend at head dims 80 and 128", "[ua][cuda]") {
+  if (no_device()) return;
+  for (std::int64_t dim : {80, 128}) {
+    Case c = random_case(2, 400, 16, 4, dim, 31 + std::uint32_t(dim));
+    FloatCase f(c);
+    f.q = rounded<kvmem::bf16>(f.q);  // both sides see the same bf16 inputs
+    f.k = rounded<kvmem::bf16>(f.k);
+    f.v = rounded<kvmem::bf16>(f.v);
+    for (double p : {0.05, 0.15}) {
+      const kvmem::ua::Options opt{p, 128, true};
+      kvmem::ua::PrunedCache<kvmem::bf16> hc(f.cache_shape());
+      const auto host = host_prefill_decode(f, 300, opt, hc);
+      const auto gpu = cuda_prefill_decode<kvmem::bf16>(f, 300, opt);
+      const double e = relative_frobenius(gpu.out, host);
+      std::int64_t excluded = 0;
+      const auto bad = kept_mismatches(c, gpu.kept, kept_mask(hc, c.config.T), p, 1e-3, excluded);
+      INFO("dim " << dim << " p " << p << ": out relative Frobenius " << e << ", kept mismatches " << bad
+                  << " (+ " << excluded << " near-ties within 1e-3)");
+      CHECK(e <= 1e-4);  // same bf16 operands, fp32 sums in a different order
+      CHECK(bad == 0);
+    }
+  }
+}
+
+TEST_CASE("ua cuda rejects bad calls before touching the cache", "[ua][cuda]") {
+  if (no_device()) return;
+  const Case c = random_case(1, 8, 2, 1, 16, 3);
+  const FloatCase f(c);
+  DevCase<float> d(f);
+  Dev<float> out(std::size_t(8 * 2 * 16));
+  kvmem::cuda::UaCache<float> cache;
+  REQUIRE(kvmem::cuda::UaCache<float>::create({1, 2, 1, 16, 8, 16}, cache).is_ok());
+  const kvmem::cuda::Executor exec{};
+  auto in = d.slice(0, 8);
+  in.v = {d.v.ptr, {1, 1, 8, 8}};
+  auto s = kvmem::cuda::ua_prefill(exec, cache, in, {}, d.out_slice(out.ptr, 0, 8));
+  CHECK(s.code() == kvmem::StatusCode::kInvalidArgument);
+  CHECK(s.message() == "v [B,G,T,D] shape: expected [1,1,8,16], got [1,1,8,8]");
+  s = kvmem::cuda::ua_prefill(exec, cache, d.slice(0, 8), kvmem::ua::Options{0.0, 256, true}, d.out_slice(out.ptr, 0, 8));
+  CHECK(s.code() == kvmem::StatusCode::kInvalidArgument);
+  CHECK(s.message().find("max_prefill_chunk = 128") != std::string::npos);
+  s = kvmem::cuda::ua_decode(exec, cache, d.slice(0, 2), {}, d.out_slice(out.ptr, 0, 2));
+  CHECK(s.code() == kvmem::StatusCode::kInvalidArgument);
+  CHECK(cache.position(0) == 0);
+  // capacity: 8 rows, a dense prefill of 8 fits, a 9th token does not (checked against the true length)
+  REQUIRE(kvmem::cuda::ua_prefill(exec, cache, d.slice(0, 8), {}, d.out_slice(out.ptr, 0, 8)).is_ok());
+  s = kvmem::cuda::ua_decode(exec, cache, d.slice(7, 8), {}, d.out_slice(out.ptr, 7, 8));
+  CHECK(s.code() == kvmem::StatusCode::kOutOfRange);
+  INFO(s.message());
+  CHECK(s.message().find("capacity") != std::string::npos);
+  CHECK(cache.position(0) == 8);
+  CHECK(cache.length_bound() == 8);
+}
+
+TEST_CASE("ua cuda capacity below the prompt: pruning keeps the cache small across calls", "[ua][cuda]") {
+  if (no_device()) return;
+  // capacity 96 rows for a 400-token prompt fed in calls of 64 tokens: the host bound would overflow,
+  // so calls read the true lengths back and continue; outputs equal one host prefill of 400 tokens.
+  const Case c = random_case(1, 400, 4, 2, 32, 5, 2.0);
+  const FloatCase f(c);
+  const kvmem::ua::Options opt{0.15, 64, true};
+  kvmem::ua::PrunedCache<float> hc(f.cache_shape());
+  const auto host = host_prefill_decode(f, 400, opt, hc);
+  INFO("host max length " << hc.max_length());
+  REQUIRE(hc.max_length() + 64 <= 96);  // the case keeps few keys, so it fits
+  DevCase<float> d(f);
+  kvmem::cuda::UaCache<float> cache;
+  REQUIRE(kvmem::cuda::UaCache<float>::create(f.cache_shape(96), cache).is_ok());
+  Dev<float> out(std::size_t(400 * 4 * 32));
+  for (std::int64_t t0 = 0; t0 < 400; t0 += 64) {
+    const std::int64_t t1 = std::min<std::int64_t>(400, t0 + 64);
+    const auto s = kvmem::cuda::ua_prefill(kvmem::cuda::Executor{}, cache, d.slice(t0, t1), opt, d.out_slice(out.ptr, t0, t1));
+    INFO(s.to_string());
+    REQUIRE(s.is_ok());
+  }
+  KVMEM_CHECK_CLOSE(out.get(), host, 1e-5);
+}
