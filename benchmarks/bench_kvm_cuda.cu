@@ -5,7 +5,10 @@
 // that benchmarks/gpu_report.py joins with the PyTorch SDPA anchor measured in the same run.
 //
 //   kvmem_bench_kvm_cuda [--batch 8] [--heads 32] [--tokens 4096,8192,16384,32768] [--json out.jsonl]
-//                        [--budget fixed-256|16sqrtN] [--b1 0|1]
+//                        [--budget fixed-256|16sqrtN] [--b1 0|1] [--fast-routing 0|1]
+//
+// update_ms is the one decode step of the 256 that runs the state update (update + attention);
+// --fast-routing 1 routes on single bf16 products (KvmState::set_fast_routing), rows say "+fast".
 
 #include <cuda_runtime.h>
 
@@ -78,16 +81,18 @@ void fill(bf16* x, std::int64_t n, std::uint64_t seed, float mean = 0, float sd 
 struct Row {
   std::string budget;
   std::int64_t batch, heads, tokens, slots;
-  double prefill_ms, decode_ms, decode_graph_ms, prefill_tflops, decode_gbps;
+  double prefill_ms, decode_ms, decode_graph_ms, prefill_tflops, decode_gbps, update_ms;
 };
 
-Row run(const char* name, kvmem::budget::Any budget, std::int64_t B, std::int64_t H, std::int64_t T, bool graph) {
+Row run(const std::string& name, kvmem::budget::Any budget, std::int64_t B, std::int64_t H, std::int64_t T, bool graph,
+        bool fast_routing) {
   const std::int64_t D = 128, decode_tokens = 256;
   kvmem::kvm::Params p;  // paper defaults: C = 256, nb = 2, S = 1, r = 64
   p.budget = budget;
   const kvmem::kvm::Shape shape{B, H, H, D, D, T + decode_tokens};
   kvmem::cuda::KvmState<bf16> state;
   CHECK_STATUS(kvmem::cuda::KvmState<bf16>::create(p, shape, state));
+  state.set_fast_routing(fast_routing);
   const std::int64_t n_q = B * H * T * D, n_g = B * H * T;
   Buffer q(n_q * 2), k(n_q * 2), v(n_q * 2), g(n_g * 2), out(n_q * 2);
   fill(q.as<bf16>(), n_q, 1);
@@ -128,7 +133,7 @@ Row run(const char* name, kvmem::budget::Any budget, std::int64_t B, std::int64_
     times.push_back(ms);
   }
   std::sort(times.begin(), times.end());
-  Row row{name, B, H, T, state.slots(), times[1], 0, 0, 0, 0};
+  Row row{name, B, H, T, state.slots(), times[1], 0, 0, 0, 0, 0};
   // attention FLOP of the prefill: 4 D per (query, visible key) per head
   const kvmem::kvm::Geometry geo = p.geometry();
   double keys = 0;
@@ -150,14 +155,22 @@ Row run(const char* name, kvmem::budget::Any budget, std::int64_t B, std::int64_
         TensorView<const bf16, 4>(k1.as<bf16>(), {B, H, 1, D}), TensorView<const bf16, 4>(v1.as<bf16>(), {B, H, 1, D}),
         TensorView<const bf16, 3>(g1.as<bf16>(), {B, H, 1}), TensorView<bf16, 4>(o1.as<bf16>(), {B, 1, H, D})));
   };
+  cudaEvent_t e_upd;
+  CHECK_CUDA(cudaEventCreate(&e_upd));
   prefill();
   CHECK_CUDA(cudaEventRecord(e0, stream));
-  for (std::int64_t i = 0; i < decode_tokens; ++i) step();
+  for (std::int64_t i = 0; i < decode_tokens; ++i) {
+    step();
+    if (i == 0) CHECK_CUDA(cudaEventRecord(e_upd, stream));
+  }
   CHECK_CUDA(cudaEventRecord(e1, stream));
   CHECK_CUDA(cudaEventSynchronize(e1));
-  float ms = 0;
+  float ms = 0, upd = 0;
   CHECK_CUDA(cudaEventElapsedTime(&ms, e0, e1));
+  CHECK_CUDA(cudaEventElapsedTime(&upd, e0, e_upd));
   row.decode_ms = ms / float(decode_tokens);
+  row.update_ms = upd;
+  CHECK_CUDA(cudaEventDestroy(e_upd));
   // bytes read per token: every visible key and value row once per KV head (bf16)
   const double keys_per_token = double(state.slots() + p.window());
   row.decode_gbps = keys_per_token * 2.0 * D * 2.0 * double(B * H) / (row.decode_ms * 1e-3) / 1e9;
@@ -194,11 +207,12 @@ int main(int argc, char** argv) {
   std::int64_t B = 8, H = 32;
   std::vector<std::int64_t> tokens{4096, 8192, 16384, 32768};
   const char* json = nullptr;
-  bool with_b1 = true;
+  bool with_b1 = true, fast = false;
   std::string only_budget;
   for (int i = 1; i + 1 < argc; i += 2) {
     if (!std::strcmp(argv[i], "--batch")) B = std::atoll(argv[i + 1]);
     else if (!std::strcmp(argv[i], "--b1")) with_b1 = std::atoi(argv[i + 1]) != 0;
+    else if (!std::strcmp(argv[i], "--fast-routing")) fast = std::atoi(argv[i + 1]) != 0;
     else if (!std::strcmp(argv[i], "--budget")) only_budget = argv[i + 1];
     else if (!std::strcmp(argv[i], "--heads")) H = std::atoll(argv[i + 1]);
     else if (!std::strcmp(argv[i], "--json")) json = argv[i + 1];
@@ -219,8 +233,8 @@ int main(int argc, char** argv) {
   std::printf("kvmem KVM CUDA benchmark on %s (%d SMs), bf16 storage, D=128, C=256, window 512\n", prop.name,
               prop.multiProcessorCount);
   std::FILE* out = json ? std::fopen(json, "a") : nullptr;
-  std::printf("%-12s %3s %3s %6s %6s %11s %11s %11s %9s %9s\n", "budget", "B", "H", "T", "slots", "prefill_ms",
-              "decode_ms", "graph_ms", "TFLOP/s", "GB/s");
+  std::printf("%-14s %3s %3s %6s %6s %11s %11s %11s %9s %9s %9s\n", "budget", "B", "H", "T", "slots", "prefill_ms",
+              "decode_ms", "graph_ms", "TFLOP/s", "GB/s", "update_ms");
   struct Named {
     const char* name;
     kvmem::budget::Any budget;
@@ -229,21 +243,22 @@ int main(int argc, char** argv) {
   std::vector<Row> rows;
   for (const auto& nb : budgets)
     if (only_budget.empty() || only_budget == nb.name)
-      for (auto T : tokens) rows.push_back(run(nb.name, nb.budget, B, H, T, false));
+      for (auto T : tokens) rows.push_back(run(std::string(nb.name) + (fast ? "+fast" : ""), nb.budget, B, H, T, false, fast));
   for (const auto& nb : budgets)
     if (with_b1 && (only_budget.empty() || only_budget == nb.name))
-      for (auto T : {tokens.front(), tokens.back()}) rows.push_back(run(nb.name, nb.budget, 1, H, T, true));
+      for (auto T : {tokens.front(), tokens.back()})
+        rows.push_back(run(std::string(nb.name) + (fast ? "+fast" : ""), nb.budget, 1, H, T, true, fast));
   for (const auto& r : rows) {
-    std::printf("%-12s %3lld %3lld %6lld %6lld %11.3f %11.4f %11.4f %9.1f %9.0f\n", r.budget.c_str(), (long long)r.batch,
-                (long long)r.heads, (long long)r.tokens, (long long)r.slots, r.prefill_ms, r.decode_ms, r.decode_graph_ms,
-                r.prefill_tflops, r.decode_gbps);
+    std::printf("%-14s %3lld %3lld %6lld %6lld %11.3f %11.4f %11.4f %9.1f %9.0f %9.4f\n", r.budget.c_str(),
+                (long long)r.batch, (long long)r.heads, (long long)r.tokens, (long long)r.slots, r.prefill_ms, r.decode_ms,
+                r.decode_graph_ms, r.prefill_tflops, r.decode_gbps, r.update_ms);
     if (out)
       std::fprintf(out,
                    "{\"mechanism\":\"kvm\",\"budget\":\"%s\",\"B\":%lld,\"H\":%lld,\"T\":%lld,\"slots\":%lld,"
                    "\"prefill_ms\":%.5f,\"decode_ms\":%.6f,\"decode_graph_ms\":%.6f,\"prefill_tflops\":%.3f,"
-                   "\"decode_gbps\":%.1f}\n",
+                   "\"decode_gbps\":%.1f,\"update_step_ms\":%.5f}\n",
                    r.budget.c_str(), (long long)r.batch, (long long)r.heads, (long long)r.tokens, (long long)r.slots,
-                   r.prefill_ms, r.decode_ms, r.decode_graph_ms, r.prefill_tflops, r.decode_gbps);
+                   r.prefill_ms, r.decode_ms, r.decode_graph_ms, r.prefill_tflops, r.decode_gbps, r.update_ms);
   }
   if (out) std::fclose(out);
   return 0;

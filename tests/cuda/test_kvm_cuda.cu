@@ -5,6 +5,7 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <cstdio>
 #include <vector>
 
 #include <catch2/catch.hpp>
@@ -101,11 +102,12 @@ void extract_cuda_state(const kvmem::cuda::KvmState<S>& st, const rkvm::Config& 
 
 // Prefill [0, split) then decode every later token; split == T is a plain prefill.
 template <class S>
-HostResult cuda_run(const rkvm::Config& c, const rkvm::Inputs& in, std::int64_t split) {
+HostResult cuda_run(const rkvm::Config& c, const rkvm::Inputs& in, std::int64_t split, bool fast_routing = false) {
   kvmem::cuda::KvmState<S> st;
   const auto created = kvmem::cuda::KvmState<S>::create(to_params(c), to_shape(c, c.T), st);
   INFO(created.to_string());
   REQUIRE(created.is_ok());
+  st.set_fast_routing(fast_routing);
   const DevWeights w(FloatWeights{in});
   HostResult r;
   kvmem::kvm::RouteLog log;
@@ -125,6 +127,67 @@ HostResult cuda_run(const rkvm::Config& c, const rkvm::Inputs& in, std::int64_t 
 }
 
 constexpr double kTolFp32 = 1e-5;  // golden README rule: max |x - ref| <= tol * max(1, max |ref|)
+
+// Merge targets that differ between two runs of the same schedule (printed by the bf16 tests).
+std::size_t route_flips(const HostResult& a, const HostResult& b, std::size_t& total) {
+  std::size_t flips = 0;
+  total = 0;
+  for (std::size_t u = 0; u < a.route_merge.size() && u < b.route_merge.size(); ++u)
+    for (std::size_t i = 0; i < a.route_merge[u].size() && i < b.route_merge[u].size(); ++i, ++total)
+      flips += a.route_merge[u][i] != b.route_merge[u][i];
+  return flips;
+}
+
+// A decode step captured in a CUDA graph and replayed twice gives, bitwise, the plain step's output
+// (the split counters reset themselves; host counts advance at capture time). Position t0 is
+// mid-chunk (no update inside the captured step) and its key list spans several splits.
+template <class S>
+void check_graph_step(std::int64_t dim) {
+  rkvm::Config c = small_config(2, 300, 4, 2, dim, dim, kvmem::budget::Power{4.0, 0.5, 32});
+  c.chunk = 32;
+  c.rope_dims = dim / 2;
+  const auto in = random_inputs(c, 500 + std::uint64_t(dim));
+  const std::int64_t t0 = 250;
+  kvmem::cuda::KvmState<S> plain, captured;
+  REQUIRE(kvmem::cuda::KvmState<S>::create(to_params(c), to_shape(c, c.T), plain).is_ok());
+  REQUIRE(kvmem::cuda::KvmState<S>::create(to_params(c), to_shape(c, c.T), captured).is_ok());
+  const DevWeights w(FloatWeights{in});
+  std::vector<float> out_plain, out_unused;
+  REQUIRE(cuda_feed(plain, c, in, w, 0, t0, out_plain, nullptr).is_ok());
+  REQUIRE(cuda_feed(captured, c, in, w, 0, t0, out_unused, nullptr).is_ok());
+  REQUIRE(cuda_feed(plain, c, in, w, t0, t0 + 1, out_plain, nullptr).is_ok());
+  Dev<S> q(as_storage<S>(slice_tokens(in.q, c.B * c.Hq, c.T, c.D, t0, t0 + 1))),
+      k(as_storage<S>(slice_tokens(in.k, c.B * c.Hk, c.T, c.D, t0, t0 + 1))),
+      v(as_storage<S>(slice_tokens(in.v, c.B * c.Hk, c.T, c.Dv, t0, t0 + 1))),
+      g(as_storage<S>(slice_tokens(in.gate, c.B * c.Hk, c.T, 1, t0, t0 + 1)));
+  Dev<float> o(std::size_t(c.B * c.Hq * c.Dv));
+  cudaStream_t stream = nullptr;
+  CUDA_REQUIRE(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  cudaGraph_t graph = nullptr;
+  cudaGraphExec_t exec = nullptr;
+  CUDA_REQUIRE(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
+  const auto status = kvmem::cuda::kvm_decode(
+      kvmem::cuda::Executor{stream}, captured, w.view(), TensorView<const S, 4>(q.ptr, {c.B, c.Hq, 1, c.D}),
+      TensorView<const S, 4>(k.ptr, {c.B, c.Hk, 1, c.D}), TensorView<const S, 4>(v.ptr, {c.B, c.Hk, 1, c.Dv}),
+      TensorView<const S, 3>(g.ptr, {c.B, c.Hk, 1}), TensorView<float, 4>(o.ptr, {c.B, 1, c.Hq, c.Dv}));
+  CUDA_REQUIRE(cudaStreamEndCapture(stream, &graph));
+  INFO(status.to_string());
+  REQUIRE(status.is_ok());
+  CUDA_REQUIRE(cudaGraphInstantiate(&exec, graph, 0));
+  std::vector<float> expect;
+  for (std::int64_t b = 0; b < c.B; ++b)
+    for (std::int64_t i = 0; i < c.Hq * c.Dv; ++i)
+      expect.push_back(out_plain[std::size_t(((b * c.T + t0) * c.Hq) * c.Dv + i)]);
+  for (int replay = 0; replay < 2; ++replay) {
+    CUDA_REQUIRE(cudaGraphLaunch(exec, stream));
+    CUDA_REQUIRE(cudaStreamSynchronize(stream));
+    INFO("replay " << replay << " head dim " << dim);
+    CHECK(o.get() == expect);
+  }
+  CUDA_REQUIRE(cudaGraphExecDestroy(exec));
+  CUDA_REQUIRE(cudaGraphDestroy(graph));
+  CUDA_REQUIRE(cudaStreamDestroy(stream));
+}
 }  // namespace
 
 TEST_CASE("kvm cuda fp32 matches every public golden file", "[kvm][cuda][golden]") {
@@ -184,11 +247,12 @@ TEST_CASE("kvm cuda bf16 storage agrees with the host backend at a paper-like sh
   const auto gpu = cuda_run<kvmem::bf16>(c, in, c.T);
   CHECK(gpu.slots == host.slots);
   CHECK(gpu.slots_after_update == host.slots_after_update);
-  // Both paths store bf16 k, v and readout copies and accumulate in fp32; they differ only in the
-  // order of fp32 sums, so routes agree except near-ties and outputs agree far inside the bf16 bound.
-  std::size_t flips = 0, total = 0;
-  for (std::size_t u = 0; u < host.route_merge.size(); ++u)
-    for (std::size_t i = 0; i < host.route_merge[u].size(); ++i, ++total) flips += host.route_merge[u][i] != gpu.route_merge[u][i];
+  // Both paths store bf16 k, v and readout copies and accumulate in fp32. The GPU routes on the
+  // tensor cores from hi/lo bf16 splits (about fp32 accuracy), so routes agree except near-ties and
+  // outputs agree far inside the bf16 bound.
+  std::size_t total = 0;
+  const std::size_t flips = route_flips(host, gpu, total);
+  std::printf("kvm cuda bf16 (hi/lo tensor-core routing): %zu of %zu merge routes differ from the host backend\n", flips, total);
   INFO("route differences " << flips << " of " << total);
   CHECK(flips * 200 <= total);  // at most 0.5% near-ties
   const double e = relative_frobenius(gpu.out, host.out);
@@ -202,6 +266,44 @@ TEST_CASE("kvm cuda bf16 storage agrees with the host backend at a paper-like sh
   INFO("decode vs prefill relative Frobenius " << ed);
   CHECK(ed <= 5e-3);
   CHECK(decoded.route_merge == gpu.route_merge);
+}
+
+TEST_CASE("kvm cuda bf16 fast routing (single bf16 products) stays close to the host backend", "[kvm][cuda]") {
+  if (no_device()) return;
+  rkvm::Config c = small_config(2, 1300, 4, 2, 128, 128, kvmem::budget::Power{16.0, 0.5, 256});
+  c.chunk = 256;
+  c.rope_dims = 64;
+  const auto in = random_inputs(c, 7);
+  const auto host = host_prefill<kvmem::bf16>(c, in);
+  const auto gpu = cuda_run<kvmem::bf16>(c, in, c.T, true);
+  CHECK(gpu.slots == host.slots);
+  CHECK(gpu.slots_after_update == host.slots_after_update);
+  // bf16 logits (spec 7.2: the reference's eager bf16 path routes on them too) flip routes where two
+  // slots are within bf16 rounding of each other: counted, printed and bounded, not required equal.
+  // A changed novelty score near the append cut moves a token between the append and merge sets,
+  // which changes that slot's value direction: outputs drift further than with exact routes
+  // (2.6e-2 relative Frobenius measured on this case, against 0 flips with the default routing).
+  std::size_t total = 0;
+  const std::size_t flips = route_flips(host, gpu, total);
+  std::size_t append_diff = 0;
+  for (std::size_t u = 0; u < host.route_append.size() && u < gpu.route_append.size(); ++u)
+    append_diff += host.route_append[u] != gpu.route_append[u];
+  const double e = relative_frobenius(gpu.out, host.out);
+  std::printf("kvm cuda bf16 fast routing: %zu of %zu merge routes differ from the host backend, %zu of %zu "
+              "updates have a different append set, out relative Frobenius %.3g\n",
+              flips, total, append_diff, host.route_append.size(), e);
+  INFO("route differences " << flips << " of " << total);
+  CHECK(flips * 10 <= total);  // at most 10%
+  INFO("out relative Frobenius cuda vs host " << e);
+  CHECK(e <= 5e-2);
+  const auto decoded = cuda_run<kvmem::bf16>(c, in, 1100, true);  // same kernels: same routes
+  CHECK(decoded.route_merge == gpu.route_merge);
+}
+
+TEST_CASE("kvm cuda decode step replays from a captured CUDA graph", "[kvm][cuda]") {
+  if (no_device()) return;
+  check_graph_step<float>(64);         // generic fused decode kernel
+  check_graph_step<kvmem::bf16>(128);  // vectorised bf16 fused decode kernel
 }
 
 TEST_CASE("kvm cuda rejects bad shapes before touching the state", "[kvm][cuda]") {
@@ -252,6 +354,11 @@ TEST_CASE("kvm cuda bf16 tensor-core readout (head dims 64 and 128) matches the 
     INFO("head dim " << dim);
     CHECK(gpu.slots_after_update == host.slots_after_update);
     // bf16 operands on both sides; the tensor-core path also rounds the probabilities to bf16
+    std::size_t total = 0;
+    const std::size_t flips = route_flips(host, gpu, total);
+    std::printf("kvm cuda bf16 D=%lld C=32: %zu of %zu merge routes differ from the host backend\n", (long long)dim, flips,
+                total);
+    CHECK(flips * 100 <= total);  // at most 1% near-ties
     const double e = relative_frobenius(gpu.out, host.out);
     INFO("out relative Frobenius " << e);
     CHECK(e <= 1e-2);

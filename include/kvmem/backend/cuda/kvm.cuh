@@ -19,6 +19,8 @@
 #include <cmath>
 #include <cstdint>
 #include <string>
+#include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "kvmem/backend/cuda/common.cuh"
@@ -40,10 +42,59 @@ struct KvmWeights {
   const float* tau_bswa = nullptr;
 };
 
+namespace kvm_detail {
+
+// A second stream and two events owned by a state. A prefill runs the selection of the next update
+// (prepare, novelty, appends, routes) on it beside the current chunk's readout: fork makes the
+// selection wait for the work before the readout, join makes the scatter wait for the selection.
+// Both are stream dependencies, so a prefill still captures as one CUDA graph.
+struct SideStream {
+  cudaStream_t stream = nullptr;
+  cudaEvent_t fork = nullptr, join = nullptr;
+
+  SideStream() = default;
+  SideStream(const SideStream&) = delete;
+  SideStream& operator=(const SideStream&) = delete;
+  SideStream(SideStream&& o) noexcept
+      : stream(std::exchange(o.stream, nullptr)), fork(std::exchange(o.fork, nullptr)), join(std::exchange(o.join, nullptr)) {}
+  SideStream& operator=(SideStream&& o) noexcept {
+    if (this != &o) {
+      release();
+      stream = std::exchange(o.stream, nullptr);
+      fork = std::exchange(o.fork, nullptr);
+      join = std::exchange(o.join, nullptr);
+    }
+    return *this;
+  }
+  ~SideStream() { release(); }
+
+  static Status create(SideStream& out) {
+    SideStream s;
+    int least = 0, greatest = 0;  // the selection is on the critical path: schedule its blocks first
+    KVMEM_RETURN_IF_ERROR(to_status(cudaDeviceGetStreamPriorityRange(&least, &greatest), "cudaDeviceGetStreamPriorityRange"));
+    KVMEM_RETURN_IF_ERROR(to_status(cudaStreamCreateWithPriority(&s.stream, cudaStreamNonBlocking, greatest), "cudaStreamCreateWithPriority"));
+    KVMEM_RETURN_IF_ERROR(to_status(cudaEventCreateWithFlags(&s.fork, cudaEventDisableTiming), "cudaEventCreateWithFlags (fork)"));
+    KVMEM_RETURN_IF_ERROR(to_status(cudaEventCreateWithFlags(&s.join, cudaEventDisableTiming), "cudaEventCreateWithFlags (join)"));
+    out = std::move(s);
+    return Status::ok();
+  }
+
+ private:
+  void release() {
+    if (stream) (void)cudaStreamDestroy(stream);
+    if (fork) (void)cudaEventDestroy(fork);
+    if (join) (void)cudaEventDestroy(join);
+    stream = nullptr;
+    fork = join = nullptr;
+  }
+};
+
+}  // namespace kvm_detail
+
 template <class S = float, class A = float>
 class KvmState {
  public:
-  static constexpr std::int64_t kMaxDecodeSplits = 32;
+  static constexpr std::int64_t kMaxDecodeSplits = kvm_detail::kMaxSplitsPerRow;
 
   static Status create(const kvm::Params& p, const kvm::Shape& s, KvmState& out) {
     KVMEM_RETURN_IF_ERROR(kvm::validate(p, s));
@@ -61,14 +112,17 @@ class KvmState {
       return at;
     };
     struct Offsets {
-      std::size_t sk, sv, rho, cnt, khat32, khat, vhat, wk, wv, wg, k0, k0t, kgt, vg, kg, score, target, partial;
+      std::size_t sk, sv, rho, cnt, khat32, khat, khat_lo, vhat, wk, wv, wg, k0, k0t, kgt, vg, kg, score, target, partial,
+          counter;
     } o{};
+    constexpr bool kBf16 = std::is_same_v<S, bf16>;
     o.sk = take(I * cap * D * sizeof(A));
     o.sv = take(I * cap * Dv * sizeof(A));
     o.rho = take(I * cap * sizeof(A));
     o.cnt = take(I * cap * sizeof(A));
     o.khat32 = take(I * cap * D * sizeof(A));
     o.khat = take(I * cap * D * sizeof(S));
+    o.khat_lo = take(kBf16 ? I * cap * D * sizeof(bf16) : 0);
     o.vhat = take(I * cap * Dv * sizeof(S));
     o.wk = take(I * W * D * sizeof(S));
     o.wv = take(I * W * Dv * sizeof(S));
@@ -81,6 +135,7 @@ class KvmState {
     o.score = take(I * C * sizeof(A));
     o.target = take(I * C * sizeof(int));
     o.partial = take(std::size_t(s.B * s.Hq) * kMaxDecodeSplits * (Dv + 1) * sizeof(A));
+    o.counter = take(std::size_t(s.B * s.Hq) * sizeof(int));
     KVMEM_RETURN_IF_ERROR(DeviceBuffer::allocate(off, st.memory_));
     auto* base = static_cast<unsigned char*>(st.memory_.get());
     auto& d = st.dev_;
@@ -102,6 +157,20 @@ class KvmState {
     d.score = reinterpret_cast<A*>(base + o.score);
     d.target = reinterpret_cast<int*>(base + o.target);
     d.partial = reinterpret_cast<A*>(base + o.partial);
+    d.counter = reinterpret_cast<int*>(base + o.counter);
+    d.khat_lo = kBf16 ? reinterpret_cast<bf16*>(base + o.khat_lo) : nullptr;
+    d.k0_hl = reinterpret_cast<bf16*>(d.k0t);  // [I, C, 2, D] bf16 fills the [I, D, C] float buffer exactly
+    d.kg_hl = reinterpret_cast<bf16*>(d.kgt);
+    d.tc_route = kBf16 && (s.D == 64 || s.D == 128) && p.chunk % 16 == 0;
+    d.route_terms = 3;
+    // the decode counters start at 0 (the last split of each step resets its own)
+    KVMEM_RETURN_IF_ERROR(to_status(cudaMemset(d.counter, 0, std::size_t(s.B * s.Hq) * sizeof(int)), "cudaMemset decode counters"));
+    KVMEM_RETURN_IF_ERROR(to_status(cudaDeviceSynchronize(), "sync after state creation"));
+    KVMEM_RETURN_IF_ERROR(kvm_detail::SideStream::create(st.side_));
+    int device = 0;
+    KVMEM_RETURN_IF_ERROR(to_status(cudaGetDevice(&device), "cudaGetDevice"));
+    KVMEM_RETURN_IF_ERROR(to_status(cudaDeviceGetAttribute(&st.sm_count_, cudaDevAttrMultiProcessorCount, device),
+                                    "cudaDeviceGetAttribute(multiprocessor count)"));
     d.cap = st.cap_;
     d.C = p.chunk;
     d.W = p.window();
@@ -133,6 +202,13 @@ class KvmState {
   [[nodiscard]] std::size_t allocated_bytes() const { return memory_.bytes(); }
   [[nodiscard]] const kvm_detail::DeviceState<S, A>& device() const { return dev_; }
   void reset() { n_ = cov_ = slots_ = 0; }
+  // bf16 storage with head dim 64 or 128 routes on the tensor cores. By default each novelty and
+  // routing dot is computed from hi/lo bf16 splits of both operands (three products, about fp32
+  // accuracy: routes match the host backend except at true near-ties). Fast routing uses one bf16
+  // product (bf16 logits, as the reference's eager bf16 path): about 3x cheaper, and routes flip
+  // where two slots are within bf16 rounding of each other. No effect on fp32 storage.
+  void set_fast_routing(bool fast) { dev_.route_terms = fast ? 1 : 3; }
+  [[nodiscard]] bool routes_on_tensor_cores() const { return dev_.tc_route; }
 
   // Copies the state of item (b, g) to the host: Sk [S,D], Sv [S,Dv], rho [S] (tests, replay).
   Status download(std::int64_t b, std::int64_t g, std::vector<A>& sk, std::vector<A>& sv, std::vector<A>& rho,
@@ -157,6 +233,8 @@ class KvmState {
   kvm::Shape shape_{};
   std::int64_t cap_ = 0;
   std::int64_t n_ = 0, cov_ = 0, slots_ = 0;  // host mirror of the shared counters
+  int sm_count_ = 1;                           // multiprocessors: sizes the decode split-K grid
+  kvm_detail::SideStream side_;                // next update's selection beside a prefill readout
   DeviceBuffer memory_;
   kvm_detail::DeviceState<S, A> dev_{};
 };
@@ -170,31 +248,87 @@ Status allow_shared(Kernel kernel, std::size_t bytes) {
                    "cudaFuncSetAttribute(max dynamic shared memory)");
 }
 
+// Novelty scores (kRoute false, slots [j0, j1) into st.score) or merge routes (kRoute true) on the
+// tensor cores; bf16 storage with d.tc_route only.
+template <bool kRoute>
+Status launch_tc_scores(const Executor& exec, const DeviceState<bf16, float>& d, std::int64_t items, std::int64_t j0,
+                        std::int64_t j1) {
+  const dim3 grid(static_cast<unsigned>(items), static_cast<unsigned>((d.C + kRtTokens - 1) / kRtTokens));
+  const unsigned block = 32 * kRtWarps;
+  if (d.D == 128) {
+    if (d.route_terms == 1) update_tc_scores_kernel<128, 1, kRoute><<<grid, block, 0, exec.stream>>>(d, j0, j1);
+    else update_tc_scores_kernel<128, 3, kRoute><<<grid, block, 0, exec.stream>>>(d, j0, j1);
+  } else {
+    if (d.route_terms == 1) update_tc_scores_kernel<64, 1, kRoute><<<grid, block, 0, exec.stream>>>(d, j0, j1);
+    else update_tc_scores_kernel<64, 3, kRoute><<<grid, block, 0, exec.stream>>>(d, j0, j1);
+  }
+  return to_status(cudaGetLastError(), kRoute ? "kvm update_tc_scores_kernel (routes)" : "kvm update_tc_scores_kernel (novelty)");
+}
+
 // Spec 4.5 on every item at once: U(tokens [a, a+C), N, avail) from `slots` slots. Returns the new |S|.
+// Host-known shape of one update: U(tokens [a, a+C)) from `slots` slots to `after` (spec 3.1).
+struct UpdatePlan {
+  std::int64_t a = 0, slots = 0, n_app = 0, after = 0;
+};
+
+// Update steps 1-4 up to the routes (prepare, novelty, appends, merge targets). Reads the state and
+// writes only new slots (j >= plan.slots) and the update workspace, so it may run while a readout of
+// the current state is in flight; the scatter (update_finish) changes existing slots and may not.
 template <class S, class A>
-Status run_update(const Executor& exec, const DeviceState<S, A>& d, const kvm::Params& p, std::int64_t items,
-                  std::int64_t a, std::int64_t slots, std::int64_t& slots_after, kvm::RouteLog* log) {
+Status update_select(const Executor& exec, const DeviceState<S, A>& d, const kvm::Params& p, std::int64_t items,
+                     std::int64_t a, std::int64_t slots, UpdatePlan& plan) {
   const std::int64_t C = p.chunk, N = p.window() + a, avail = a + C;
   const std::int64_t target = p.budget.slots(N, avail, slots);
   const std::int64_t n_app = std::min(target - slots, C);
   const std::int64_t after = slots + n_app;
-  const auto grid = static_cast<unsigned>(items), block = static_cast<unsigned>(C);
+  plan = UpdatePlan{a, slots, n_app, after};
+  const auto grid = static_cast<unsigned>(items);
   const dim3 pgrid(grid, static_cast<unsigned>((C + kWarpsPerBlock - 1) / kWarpsPerBlock));
   update_prepare_kernel<S, A><<<pgrid, 32 * kWarpsPerBlock, 0, exec.stream>>>(d, a);
   KVMEM_CUDA_RETURN_IF_LAUNCH_FAILED("kvm update_prepare_kernel");
   const std::size_t tile_bytes = std::size_t(kSlotTile) * std::size_t(d.D) * sizeof(A);
+  const std::size_t select_bytes = std::size_t(C) * (sizeof(A) + 2 * sizeof(int));
+  const unsigned tblock = token_block(C);
+  bool tc = false;
+  if constexpr (std::is_same_v<S, bf16>) tc = d.tc_route;
   if (n_app > 0) {
-    const std::size_t bytes = tile_bytes + std::size_t(C) * (sizeof(A) + sizeof(int));
-    KVMEM_RETURN_IF_ERROR(allow_shared(update_append_kernel<S, A>, bytes));
-    update_append_kernel<S, A><<<grid, block, bytes, exec.stream>>>(d, a, slots, n_app);
+    if (tc) {
+      if constexpr (std::is_same_v<S, bf16>) KVMEM_RETURN_IF_ERROR(launch_tc_scores<false>(exec, d, items, 0, slots));
+      update_append_kernel<S, A, true><<<grid, tblock, select_bytes, exec.stream>>>(d, a, slots, n_app);
+    } else {
+      const std::size_t bytes = tile_bytes + select_bytes;
+      KVMEM_RETURN_IF_ERROR(allow_shared(update_append_kernel<S, A, false>, bytes));
+      update_append_kernel<S, A, false><<<grid, tblock, bytes, exec.stream>>>(d, a, slots, n_app);
+    }
     KVMEM_CUDA_RETURN_IF_LAUNCH_FAILED("kvm update_append_kernel");
   }
   if (n_app < C) {
-    KVMEM_RETURN_IF_ERROR(allow_shared(update_route_kernel<S, A>, tile_bytes));
-    update_route_kernel<S, A><<<grid, block, tile_bytes, exec.stream>>>(d, after);
-    KVMEM_CUDA_RETURN_IF_LAUNCH_FAILED("kvm update_route_kernel");
-    const dim3 sgrid(grid, static_cast<unsigned>((after - p.sink + kWarpsPerBlock - 1) / kWarpsPerBlock));
-    update_scatter_kernel<S, A><<<sgrid, 32 * kWarpsPerBlock, std::size_t(C) * sizeof(int), exec.stream>>>(d, after);
+    if (tc) {
+      if constexpr (std::is_same_v<S, bf16>) KVMEM_RETURN_IF_ERROR(launch_tc_scores<true>(exec, d, items, p.sink, after));
+    } else {
+      KVMEM_RETURN_IF_ERROR(allow_shared(update_route_kernel<S, A>, tile_bytes));
+      update_route_kernel<S, A><<<grid, tblock, tile_bytes, exec.stream>>>(d, after);
+      KVMEM_CUDA_RETURN_IF_LAUNCH_FAILED("kvm update_route_kernel");
+    }
+  }
+  return Status::ok();
+}
+
+// Update step 4 scatter (and the test hook's route log) of a selected update.
+template <class S, class A>
+Status update_finish(const Executor& exec, const DeviceState<S, A>& d, const kvm::Params& p, std::int64_t items,
+                     const UpdatePlan& plan, kvm::RouteLog* log) {
+  const std::int64_t C = p.chunk, a = plan.a, slots = plan.slots, after = plan.after;
+  const auto grid = static_cast<unsigned>(items);
+  if (plan.n_app < C) {
+    if (a == C) {  // first update: every non-sink slot (see update_scatter_kernel)
+      const dim3 sgrid(grid, static_cast<unsigned>((after - p.sink + kWarpsPerBlock - 1) / kWarpsPerBlock));
+      update_scatter_kernel<S, A><<<sgrid, 32 * kWarpsPerBlock, std::size_t(C) * sizeof(int), exec.stream>>>(d, after);
+    } else {
+      const std::int64_t touched = std::min(C, after - p.sink);
+      const dim3 sgrid(grid, static_cast<unsigned>(std::max<std::int64_t>(1, (touched + 2 * kWarpsPerBlock - 1) / (2 * kWarpsPerBlock))));
+      update_scatter_touched_kernel<S, A><<<sgrid, 32 * kWarpsPerBlock, 3 * std::size_t(C) * sizeof(int), exec.stream>>>(d);
+    }
     KVMEM_CUDA_RETURN_IF_LAUNCH_FAILED("kvm update_scatter_kernel");
   }
   if (log != nullptr) {  // test hook (spec 2): synchronises, never used on an engine's path
@@ -216,7 +350,6 @@ Status run_update(const Executor& exec, const DeviceState<S, A>& d, const kvm::P
       log->items[std::size_t(i)].push_back(std::move(r));
     }
   }
-  slots_after = after;
   return Status::ok();
 }
 
@@ -281,40 +414,71 @@ Status kvm_run(const Executor& exec, KvmState<S, A>& state, const KvmWeights& w,
     }
     if (attends_rows && attend_tc != nullptr) KVMEM_RETURN_IF_ERROR(allow_shared(attend_tc, tc_bytes));
   }
+  const SideStream& side = state.side_;
+  UpdatePlan pending{};
+  bool selected = false;  // the selection of the next update already runs on the side stream
   for (std::int64_t t0 = n0; t0 < n0 + T;) {
     const std::int64_t t1 = std::min(n0 + T, (t0 / C + 1) * C);
     const std::int64_t wb = geo.bswa_begin(t0 + 1);
     if (cov < wb) {  // spec 4.7 step 4: the first token of a new chunk, before its attention
-      KVMEM_RETURN_IF_ERROR(run_update(exec, d, p, items, cov, slots, slots, log));
+      UpdatePlan plan{};
+      if (selected) {
+        plan = pending;
+        selected = false;
+        KVMEM_RETURN_IF_ERROR(to_status(cudaStreamWaitEvent(exec.stream, side.join, 0), "cudaStreamWaitEvent (join)"));
+      } else {
+        KVMEM_RETURN_IF_ERROR(update_select(exec, d, p, items, cov, slots, plan));
+      }
+      KVMEM_RETURN_IF_ERROR(update_finish(exec, d, p, items, plan, log));
+      slots = plan.after;
       cov += C;
     }
-    const dim3 igrid(static_cast<unsigned>(items), static_cast<unsigned>(t1 - t0));
-    ingest_kernel<S, A, In><<<igrid, 128, 0, exec.stream>>>(d, k.data(), v.data(), gate.data(), T, n0, t0, cov);
-    KVMEM_CUDA_RETURN_IF_LAUNCH_FAILED("kvm ingest_kernel");
-    if (t0 < C && t1 > cov) {  // initial slots founded by positions [cov, min(t1, C))
+    const bool decode_step = t1 - t0 == 1 && T == 1;
+    const bool founds = t0 < C && t1 > cov;  // initial slots founded by positions [cov, min(t1, C))
+    if (!decode_step || founds) {  // a decode step appends its token inside the fused kernel
+      const dim3 igrid(static_cast<unsigned>(items), static_cast<unsigned>(t1 - t0));
+      ingest_kernel<S, A, In><<<igrid, 128, 0, exec.stream>>>(d, k.data(), v.data(), gate.data(), T, n0, t0, cov);
+      KVMEM_CUDA_RETURN_IF_LAUNCH_FAILED("kvm ingest_kernel");
+    }
+    if (founds) {
       const std::int64_t founded = std::min(t1, C) - std::max(t0, cov);
       slots += founded;
       cov = std::min(t1, C);
     }
-    if (t1 - t0 == 1 && T == 1) {  // decode: split-K over the virtual key list
+    if (decode_step) {  // one fused launch: ring append + split-K attention + merge by the last split
       const std::int64_t keys = (wb > 0 ? slots : 0) + (t0 - wb + 1);
-      const std::int64_t splits = std::min<std::int64_t>(KvmState<S, A>::kMaxDecodeSplits, std::max<std::int64_t>(1, keys / 128));
+      const std::int64_t rows = B * sh.Hq;
+      // enough blocks to fill the device (16 blocks of 128 threads per SM), at least 32 keys a split
+      std::int64_t splits = std::min((16 * std::int64_t(state.sm_count_) + rows - 1) / rows, (keys + 31) / 32);
+      splits = std::clamp<std::int64_t>(splits, 1, KvmState<S, A>::kMaxDecodeSplits);
       const std::int64_t per = (keys + splits - 1) / splits;
-      const std::size_t bytes = (std::size_t(sh.D) + 4 * std::size_t(sh.Dv) + 4) * sizeof(A);
-      const dim3 dgrid(unsigned(B * sh.Hq), unsigned(splits));
+      splits = (keys + per - 1) / per;  // no empty split
+      const dim3 dgrid(static_cast<unsigned>(rows), static_cast<unsigned>(splits));
       bool vectorised = false;
       if constexpr (std::is_same_v<S, bf16>) {
         if (sh.D == 128 && sh.Dv == 128) {
-          decode_partial_bf16_kernel<A, In><<<dgrid, 128, 0, exec.stream>>>(d, q.data(), t0, wb, slots, per);
+          decode_fused_bf16_kernel<A, In, Out><<<dgrid, 128, 0, exec.stream>>>(
+              d, q.data(), k.data(), v.data(), gate.data(), out.data(), t0, wb, slots, per, int(splits));
           vectorised = true;
         }
       }
-      if (!vectorised)
-        decode_partial_kernel<S, A, In><<<dgrid, 128, bytes, exec.stream>>>(d, q.data(), t0, wb, slots, per);
-      KVMEM_CUDA_RETURN_IF_LAUNCH_FAILED("kvm decode_partial_kernel");
-      decode_combine_kernel<S, A, Out><<<unsigned(B * sh.Hq), 32, 0, exec.stream>>>(d, out.data(), splits);
-      KVMEM_CUDA_RETURN_IF_LAUNCH_FAILED("kvm decode_combine_kernel");
+      if (!vectorised) {
+        const std::size_t bytes = (std::size_t(sh.D) + 4 * std::size_t(sh.Dv) + 4) * sizeof(A);
+        decode_fused_kernel<S, A, In, Out><<<dgrid, 128, bytes, exec.stream>>>(
+            d, q.data(), k.data(), v.data(), gate.data(), out.data(), t0, wb, slots, per, int(splits));
+      }
+      KVMEM_CUDA_RETURN_IF_LAUNCH_FAILED("kvm decode_fused_kernel");
     } else {
+      // The update before the next chunk (if this call reaches it) selects from the state this chunk
+      // reads and writes only new slots: run that part beside the readout (spec 4.6: the readout of
+      // a chunk needs only the state before it). The scatter waits for both (join, stream order).
+      if (t1 < n0 + T && cov < geo.bswa_begin(t1 + 1)) {
+        KVMEM_RETURN_IF_ERROR(to_status(cudaEventRecord(side.fork, exec.stream), "cudaEventRecord (fork)"));
+        KVMEM_RETURN_IF_ERROR(to_status(cudaStreamWaitEvent(side.stream, side.fork, 0), "cudaStreamWaitEvent (fork)"));
+        KVMEM_RETURN_IF_ERROR(update_select(Executor{side.stream}, d, p, items, cov, slots, pending));
+        KVMEM_RETURN_IF_ERROR(to_status(cudaEventRecord(side.join, side.stream), "cudaEventRecord (join)"));
+        selected = true;
+      }
       bool on_tensor_cores = false;
       if constexpr (std::is_same_v<S, bf16>) {
         if (attend_tc != nullptr) {

@@ -161,4 +161,125 @@ __global__ void attend_tc_kernel(DeviceState<bf16, float> st, const In* q, Out* 
   for (int d = half; d < kDv; d += 2) orow[d] = store_as<Out>(os[r * L::kOPitch + d] * inv);
 }
 
+// ---- State update on the tensor cores (bf16 storage, spec 4.5 steps 2 and 4) ----------------------
+// Novelty (max over slots of k0 . K^) and merge routing (argmax over non-sink slots of kg . K^+) as
+// [tokens x slots] products. Operands are split as x = hi + lo (two bf16 values, |x - hi - lo| about
+// 2^-16 |x|); with kTerms = 3 each dot is hi.hi + lo.hi + hi.lo accumulated in fp32, which is about
+// as accurate as the fp32 dot of the host backend, so routes agree with it except at true near-ties.
+// kTerms = 1 (KvmState::set_fast_routing) uses hi.hi only: bf16 logits like the reference's eager
+// bf16 path (spec 7.2), three times fewer products, and route flips near ties.
+// Each warp owns 16 tokens whose hi/lo fragments stay in registers; slots arrive in tiles of
+// kRtSlots rows staged in shared memory (hi = khat, lo = khat_lo).
+inline constexpr int kRtWarps = 8;
+inline constexpr int kRtTokens = 16 * kRtWarps;  // tokens per block
+inline constexpr int kRtSlots = 32;              // slots per staged tile
+
+// kRoute = false: st.score[c] = max_{j in [j0, j1)} k0_c . K^_j. kRoute = true: for tokens not
+// appended (target != -1), st.target[c] = argmax_{j in [j0, j1)} kg_c . K^_j, ties to the smaller j.
+// grid (I, ceil(C / kRtTokens)), block 32 * kRtWarps; needs C % 16 == 0.
+template <int kD, int kTerms, bool kRoute>
+__global__ void __launch_bounds__(32 * kRtWarps) update_tc_scores_kernel(DeviceState<bf16, float> st, std::int64_t j0,
+                                                                         std::int64_t j1) {
+  namespace wmma = nvcuda::wmma;
+  using nv_bf16 = __nv_bfloat16;
+  constexpr int kPitch = kD + 8;         // bf16 elements (+16 bytes against bank conflicts)
+  constexpr int kSPitch = kRtSlots + 4;  // float
+  __shared__ __align__(128) nv_bf16 khi[kRtSlots * kPitch];
+  __shared__ __align__(128) nv_bf16 klo[kTerms == 3 ? kRtSlots * kPitch : 8];
+  __shared__ __align__(128) float ss[kRtTokens * kSPitch];
+  const std::int64_t i = blockIdx.x, C = st.C;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const std::int64_t c0 = std::int64_t(blockIdx.y) * kRtTokens + warp * 16;  // the warp's first token
+  const bool active = c0 < C;  // warp-uniform (C % 16 == 0)
+  const nv_bf16* tok = reinterpret_cast<const nv_bf16*>(kRoute ? st.kg_hl : st.k0_hl) + ((i * C + (active ? c0 : 0)) * 2) * kD;
+  wmma::fragment<wmma::matrix_a, 16, 16, 16, nv_bf16, wmma::row_major> ahi[kD / 16], alo[kTerms == 3 ? kD / 16 : 1];
+  if (active) {
+#pragma unroll
+    for (int kb = 0; kb < kD / 16; ++kb) {
+      wmma::load_matrix_sync(ahi[kb], tok + kb * 16, 2 * kD);  // token rows are (hi, lo) pairs
+      if constexpr (kTerms == 3) wmma::load_matrix_sync(alo[kb], tok + kD + kb * 16, 2 * kD);
+    }
+  }
+  float* sw = ss + warp * 16 * kSPitch;
+  const int r = lane / 2, half = lane % 2;  // lane -> token row r, columns [half*16, half*16 + 16)
+  float best = negative_infinity<float>();
+  int arg = -1;
+  // Slot tiles are fetched into registers one tile ahead, so their loads overlap the products of
+  // the tile before (each thread moves kPer 16-byte vectors of hi and of lo per tile).
+  constexpr int kVecs = kD / 8;
+  constexpr int kPer = kRtSlots * kVecs / (32 * kRtWarps);
+  static_assert(kPer * 32 * kRtWarps == kRtSlots * kVecs, "slot tile must split evenly over the block");
+  uint4 nh[kPer], nl[kPer];
+  const auto fetch = [&](std::int64_t base) {
+#pragma unroll
+    for (int k = 0; k < kPer; ++k) {
+      const int e = threadIdx.x + k * 32 * kRtWarps, s = e / kVecs, v = e % kVecs;
+      nh[k] = make_uint4(0, 0, 0, 0);
+      nl[k] = make_uint4(0, 0, 0, 0);
+      if (base + s < j1) {  // rows past the end are zero (and masked below)
+        const std::int64_t row = i * st.cap + base + s;
+        nh[k] = reinterpret_cast<const uint4*>(st.khat + row * kD)[v];
+        if constexpr (kTerms == 3) nl[k] = reinterpret_cast<const uint4*>(st.khat_lo + row * kD)[v];
+      }
+    }
+  };
+  fetch(j0);
+  for (std::int64_t base = j0; base < j1; base += kRtSlots) {
+    const std::int64_t n = (j1 - base) < kRtSlots ? (j1 - base) : kRtSlots;
+    __syncthreads();  // the previous tile is consumed
+#pragma unroll
+    for (int k = 0; k < kPer; ++k) {
+      const int e = threadIdx.x + k * 32 * kRtWarps, s = e / kVecs, v = e % kVecs;
+      *reinterpret_cast<uint4*>(khi + s * kPitch + v * 8) = nh[k];
+      if constexpr (kTerms == 3) *reinterpret_cast<uint4*>(klo + s * kPitch + v * 8) = nl[k];
+    }
+    __syncthreads();
+    if (base + kRtSlots < j1) fetch(base + kRtSlots);
+    if (!active) continue;
+#pragma unroll
+    for (int nb = 0; nb < kRtSlots / 16; ++nb) {
+      wmma::fragment<wmma::accumulator, 16, 16, 16, float> acc;
+      wmma::fill_fragment(acc, 0.0f);
+#pragma unroll
+      for (int kb = 0; kb < kD / 16; ++kb) {
+        wmma::fragment<wmma::matrix_b, 16, 16, 16, nv_bf16, wmma::col_major> fb;
+        wmma::load_matrix_sync(fb, khi + (nb * 16) * kPitch + kb * 16, kPitch);
+        wmma::mma_sync(acc, ahi[kb], fb, acc);
+        if constexpr (kTerms == 3) {
+          wmma::mma_sync(acc, alo[kb], fb, acc);
+          wmma::load_matrix_sync(fb, klo + (nb * 16) * kPitch + kb * 16, kPitch);
+          wmma::mma_sync(acc, ahi[kb], fb, acc);
+        }
+      }
+      wmma::store_matrix_sync(sw + nb * 16, acc, kSPitch, wmma::mem_row_major);
+    }
+    __syncwarp();
+#pragma unroll
+    for (int x = 0; x < kRtSlots / 2; ++x) {
+      const int col = half * (kRtSlots / 2) + x;
+      if (col >= n) break;
+      const float val = sw[r * kSPitch + col];
+      if (kRoute ? (arg < 0 || val > best) : val > best) {
+        best = val;
+        arg = static_cast<int>(base + col);
+      }
+    }
+    __syncwarp();
+  }
+  // the two lanes of a row: larger value, ties to the smaller slot
+  const float ob = __shfl_xor_sync(0xffffffffu, best, 1);
+  const int oa = __shfl_xor_sync(0xffffffffu, arg, 1);
+  if (oa >= 0 && (arg < 0 || ob > best || (ob == best && oa < arg))) {
+    best = ob;
+    arg = oa;
+  }
+  if (!active || half != 0) return;
+  const std::int64_t c = c0 + r;
+  if constexpr (kRoute) {
+    if (st.target[i * C + c] != -1) st.target[i * C + c] = arg;
+  } else {
+    st.score[i * C + c] = best;
+  }
+}
+
 }  // namespace kvmem::cuda::kvm_detail

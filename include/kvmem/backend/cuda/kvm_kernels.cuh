@@ -36,6 +36,12 @@ struct DeviceState {
   A* score;   // [I, C]
   int* target;  // [I, C]  -1 appended, else merge slot
   A* partial;   // [B*Hq, max_splits, Dv + 1] decode split results (o, lse)
+  int* counter;  // [B*Hq] decode splits finished this step; the last one merges and resets it to 0
+  // Tensor-core routing (bf16 storage, tc_route): khat32 = khat + khat_lo to ~2^-16, and the update's
+  // k0 / kg rows as hi and lo bf16 halves. khat_lo is nullptr without it.
+  bf16* khat_lo;  // [I, cap, D]
+  bf16* k0_hl;    // [I, C, 2, D]  (hi row, lo row) per token; aliases the k0t buffer
+  bf16* kg_hl;    // [I, C, 2, D]  aliases the kgt buffer
   const A* ln_w;   // [D]   caller's device weights, read in place (no per-call copy)
   const A* ln_b;   // [D]
   const A* tau_s;  // [Hq]
@@ -43,6 +49,8 @@ struct DeviceState {
   std::int64_t cap, C, W, D, Dv, Hq, Hk, sink, rope_dims, max_splits;
   A eps, scale;
   bool merge_gate_keys, merge_gate_values, head_temps, value_radius, gate_appends, gate_initial;
+  bool tc_route;   // novelty and routing dots on the tensor cores (bf16 storage, D = 64 or 128, C % 16 == 0)
+  int route_terms; // 3: hi*hi + lo*hi + hi*lo (about fp32 accuracy); 1: hi*hi only (fast, flips near ties)
 
   __device__ std::int64_t rep() const { return Hq / Hk; }
 };
@@ -55,6 +63,8 @@ __device__ void refresh_slot(const DeviceState<S, A>& st, std::int64_t i, std::i
   S* kh = st.khat + (i * st.cap + j) * st.D;
   for (std::int64_t d = 0; d < st.D; ++d) kh[d] = store_as<S>(k32[d]);
   const std::int64_t sj = i * st.cap + j;
+  if (st.khat_lo != nullptr)
+    for (std::int64_t d = 0; d < st.D; ++d) st.khat_lo[sj * st.D + d] = store_as<bf16>(k32[d] - load_as<A>(kh[d]));
   kernel::value_readout(st.sv + sj * st.Dv, st.Dv, st.rho[sj], st.cnt[sj], st.value_radius, st.vhat + sj * st.Dv);
 }
 
@@ -89,7 +99,11 @@ __device__ void warp_refresh_slot(const DeviceState<S, A>& st, std::int64_t i, s
   const std::int64_t sj = i * st.cap + j;
   A* k32 = st.khat32 + sj * st.D;
   warp_layer_norm(st.sk + sj * st.D, st.D, st.ln_w, st.ln_b, st.eps, k32, lane);
-  for (std::int64_t d = lane; d < st.D; d += 32) st.khat[sj * st.D + d] = store_as<S>(k32[d]);
+  for (std::int64_t d = lane; d < st.D; d += 32) {
+    const S hi = store_as<S>(k32[d]);
+    st.khat[sj * st.D + d] = hi;
+    if (st.khat_lo != nullptr) st.khat_lo[sj * st.D + d] = store_as<bf16>(k32[d] - load_as<A>(hi));
+  }
   const A* sv = st.sv + sj * st.Dv;
   A f;
   if (st.value_radius) {
@@ -155,8 +169,16 @@ __global__ void update_prepare_kernel(DeviceState<S, A> st, std::int64_t a) {
   const A g = st.wg[i * st.W + ring];
   for (std::int64_t d = lane; d < D; d += 32) {
     const A kgv = st.merge_gate_keys ? g * k0[d] : k0[d];
-    st.k0t[(i * D + d) * C + c] = k0[d];
-    st.kgt[(i * D + d) * C + c] = kgv;
+    if (st.tc_route) {  // hi/lo bf16 rows for the tensor cores (coalesced)
+      const bf16 kh = store_as<bf16>(k0[d]), gh = store_as<bf16>(kgv);
+      st.k0_hl[((i * C + c) * 2) * D + d] = kh;
+      st.k0_hl[((i * C + c) * 2 + 1) * D + d] = store_as<bf16>(k0[d] - load_as<A>(kh));
+      st.kg_hl[((i * C + c) * 2) * D + d] = gh;
+      st.kg_hl[((i * C + c) * 2 + 1) * D + d] = store_as<bf16>(kgv - load_as<A>(gh));
+    } else {
+      st.k0t[(i * D + d) * C + c] = k0[d];
+      st.kgt[(i * D + d) * C + c] = kgv;
+    }
     st.kg[(i * C + c) * D + d] = kgv;
   }
   const S* vr = st.wv + (i * st.W + ring) * Dv;
@@ -169,15 +191,16 @@ __global__ void update_prepare_kernel(DeviceState<S, A> st, std::int64_t a) {
 
 inline constexpr int kSlotTile = 16;
 
-// For token c of item i (one thread each), visits slots [j0, j1) in tiles of kSlotTile rows of
-// khat32 staged in shared memory and calls visit(j, x . khat32_j) in increasing j, where x is the
-// token's column of `xt` [D, C]. Dynamic shared memory: kSlotTile * D accumulate values.
+// For token c of item i (one thread each; threads c >= C compute on token 0 and are ignored), visits
+// slots [j0, j1) in tiles of kSlotTile rows of khat32 staged in shared memory and calls visit(j,
+// x . khat32_j) in increasing j, where x is the token's column of `xt` [D, C]. Dynamic shared
+// memory: kSlotTile * D accumulate values.
 template <class S, class A, class Visit>
 __device__ void sweep_slots(const DeviceState<S, A>& st, std::int64_t i, const A* xt, std::int64_t j0, std::int64_t j1,
                             Visit&& visit) {
   extern __shared__ unsigned char smem_raw[];
   A* tile = reinterpret_cast<A*>(smem_raw);
-  const std::int64_t c = threadIdx.x, C = st.C, D = st.D;
+  const std::int64_t C = st.C, D = st.D, c = std::int64_t(threadIdx.x) < C ? std::int64_t(threadIdx.x) : 0;
   for (std::int64_t base = j0; base < j1; base += kSlotTile) {
     const std::int64_t n = (j1 - base) < kSlotTile ? (j1 - base) : kSlotTile;
     __syncthreads();
@@ -195,47 +218,81 @@ __device__ void sweep_slots(const DeviceState<S, A>& st, std::int64_t i, const A
   }
 }
 
-// Update step 2 (spec 4.5): novelty score_c = max_j k0_c . LN_s(Sk_j) over all current slots, then
-// the append set by rank (score asc, index asc) and the appends in token order (step 3), each new
-// slot refreshed. grid I, block C, dynamic smem kSlotTile*D*sizeof(A) + C*(sizeof(A)+sizeof(int)).
-template <class S, class A>
+// Threads per block of the kernels that give each token of an update a thread: C rounded up to
+// whole warps (the warp-wide shuffles of the appends need full warps).
+inline unsigned token_block(std::int64_t C) { return static_cast<unsigned>((C + 31) / 32 * 32); }
+
+// Update steps 2-3 (spec 4.5): novelty score_c = max_j k0_c . LN_s(Sk_j) over all current slots
+// (swept here in fp32, or already in st.score from the tensor-core pass when kScoresReady), the
+// append set by rank (score asc, index asc), then the appends in token order, one warp per new slot.
+// grid I, block token_block(C), dynamic smem (kScoresReady ? 0 : kSlotTile*D*sizeof(A)) +
+// C*(sizeof(A) + 2*sizeof(int)).
+template <class S, class A, bool kScoresReady>
 __global__ void update_append_kernel(DeviceState<S, A> st, std::int64_t a, std::int64_t slots_before,
                                      std::int64_t n_app) {
   const std::int64_t i = blockIdx.x, c = threadIdx.x, C = st.C, D = st.D, Dv = st.Dv;
-  A best = negative_infinity<A>();
-  sweep_slots(st, i, st.k0t + i * D * C, 0, slots_before, [&](std::int64_t, A x) {
-    if (x > best) best = x;
-  });
+  const bool token = c < C;
   extern __shared__ unsigned char smem_raw[];
-  A* score = reinterpret_cast<A*>(smem_raw + kSlotTile * D * sizeof(A));
+  A* score = reinterpret_cast<A*>(smem_raw + (kScoresReady ? 0 : kSlotTile * D * sizeof(A)));
   int* appended = reinterpret_cast<int*>(score + C);
+  int* order = appended + C;  // order[p]: the token founding slot slots_before + p
+  A best = negative_infinity<A>();
+  if constexpr (kScoresReady) {
+    if (token) best = st.score[i * C + c];
+  } else {
+    sweep_slots(st, i, st.k0t + i * D * C, 0, slots_before, [&](std::int64_t, A x) {
+      if (x > best) best = x;
+    });
+  }
+  if (token) {
+    score[c] = best;
+    if constexpr (!kScoresReady) st.score[i * C + c] = best;
+  }
   __syncthreads();
-  score[c] = best;
-  st.score[i * C + c] = best;
+  bool is_app = false;
+  if (token) {
+    std::int64_t rank = 0;
+    for (std::int64_t o = 0; o < C; ++o) rank += (score[o] < best || (score[o] == best && o < c)) ? 1 : 0;
+    is_app = rank < n_app;
+    appended[c] = is_app ? 1 : 0;
+  }
   __syncthreads();
-  std::int64_t rank = 0;
-  for (std::int64_t o = 0; o < C; ++o) rank += (score[o] < best || (score[o] == best && o < c)) ? 1 : 0;
-  const bool is_app = rank < n_app;
-  appended[c] = is_app ? 1 : 0;
+  if (is_app) {
+    std::int64_t pos = 0;  // appends keep increasing token order
+    for (std::int64_t o = 0; o < c; ++o) pos += appended[o];
+    order[pos] = static_cast<int>(c);
+    st.target[i * C + c] = -1;
+  }
   __syncthreads();
-  if (!is_app) return;
-  std::int64_t pos = 0;  // appends keep increasing token order
-  for (std::int64_t o = 0; o < c; ++o) pos += appended[o];
-  const std::int64_t j = slots_before + pos, sj = i * st.cap + j;
-  st.target[i * C + c] = -1;
-  const std::int64_t ring = (a + c) % st.W;
-  A* sk = st.sk + sj * D;
-  A* sv = st.sv + sj * Dv;
-  for (std::int64_t d = 0; d < D; ++d) sk[d] = st.gate_appends ? st.kg[(i * C + c) * D + d] : st.k0[(i * C + c) * D + d];
-  for (std::int64_t d = 0; d < Dv; ++d)
-    sv[d] = st.gate_appends ? st.vg[(i * C + c) * Dv + d] : load_as<A>(st.wv[(i * st.W + ring) * Dv + d]);
-  st.rho[sj] = kernel::norm2<A>(sv, Dv);
-  st.cnt[sj] = A(1);
-  refresh_slot(st, i, j);
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, warps = blockDim.x / 32;
+  for (std::int64_t p = warp; p < n_app; p += warps) {
+    const std::int64_t t = order[p], j = slots_before + p, sj = i * st.cap + j, ring = (a + t) % st.W;
+    A* sk = st.sk + sj * D;
+    A* sv = st.sv + sj * Dv;
+    const A* ksrc = (st.gate_appends ? st.kg : st.k0) + (i * C + t) * D;
+    for (std::int64_t d = lane; d < D; d += 32) sk[d] = ksrc[d];
+    A rho = A(0);
+    if (st.gate_appends) {
+      const A* vsrc = st.vg + (i * C + t) * Dv;
+      for (std::int64_t d = lane; d < Dv; d += 32) sv[d] = vsrc[d];
+      if (lane == 0) rho = kernel::norm2<A>(vsrc, Dv);  // the sequential sum of the host backend
+    } else {
+      const S* vsrc = st.wv + (i * st.W + ring) * Dv;
+      for (std::int64_t d = lane; d < Dv; d += 32) sv[d] = load_as<A>(vsrc[d]);
+      if (lane == 0) rho = kernel::norm2<A>(vsrc, Dv);
+    }
+    if (lane == 0) {
+      st.rho[sj] = rho;
+      st.cnt[sj] = A(1);
+    }
+    __syncwarp();
+    warp_refresh_slot(st, i, j, lane);
+    __syncwarp();
+  }
 }
 
 // Update step 4 routing (spec 4.5): j*(c) = argmax_{j >= sink} kg_c . K^+_j over the expanded state,
-// ties to the smaller j. grid I, block C, dynamic smem kSlotTile*D*sizeof(A).
+// ties to the smaller j. fp32 path. grid I, block token_block(C), dynamic smem kSlotTile*D*sizeof(A).
 template <class S, class A>
 __global__ void update_route_kernel(DeviceState<S, A> st, std::int64_t slots_after) {
   const std::int64_t i = blockIdx.x, c = threadIdx.x, C = st.C, D = st.D;
@@ -247,33 +304,85 @@ __global__ void update_route_kernel(DeviceState<S, A> st, std::int64_t slots_aft
       arg = static_cast<int>(j);
     }
   });
-  if (st.target[i * C + c] != -1) st.target[i * C + c] = arg;
+  if (c < C && st.target[i * C + c] != -1) st.target[i * C + c] = arg;
 }
 
-// Update step 4 scatter: one warp per slot j >= sink adds its routed tokens in token order (lanes
-// split the channels), then refreshes the slot's readout. grid (I, ceil((slots_after - sink) /
-// kWarpsPerBlock)), block 32 * kWarpsPerBlock, smem C ints.
+// Adds the tokens routed to slot j (token order, lanes split the channels) and refreshes its readout.
+template <class S, class A>
+__device__ void scatter_into_slot(const DeviceState<S, A>& st, std::int64_t i, std::int64_t j, const int* target,
+                                  std::int64_t c_first, int lane) {
+  const std::int64_t C = st.C, D = st.D, Dv = st.Dv, sj = i * st.cap + j;
+  A added = A(0);
+  for (std::int64_t cb = c_first - c_first % 32; cb < C; cb += 32) {
+    const std::int64_t cc = cb + lane;
+    unsigned m = __ballot_sync(0xffffffffu, cc >= c_first && cc < C && target[cc] == j);
+    while (m != 0u) {
+      const std::int64_t c = cb + (__ffs(m) - 1);
+      m &= m - 1u;
+      for (std::int64_t d = lane; d < D; d += 32) st.sk[sj * D + d] += st.kg[(i * C + c) * D + d];
+      for (std::int64_t d = lane; d < Dv; d += 32) st.sv[sj * Dv + d] += st.vg[(i * C + c) * Dv + d];
+      added += A(1);
+    }
+  }
+  if (lane == 0) st.cnt[sj] += added;
+  __syncwarp();
+  warp_refresh_slot(st, i, j, lane);
+}
+
+// Update step 4 scatter over every slot j >= sink (one warp per slot; a slot nothing was routed to
+// is refreshed unchanged). Used by the first update, whose slots were founded with the one-thread
+// refresh: after it every non-sink slot carries the warp refresh, so later updates may skip
+// untouched slots bit-exactly. grid (I, ceil((slots_after - sink) / kWarpsPerBlock)), block
+// 32 * kWarpsPerBlock, smem C ints.
 template <class S, class A>
 __global__ void update_scatter_kernel(DeviceState<S, A> st, std::int64_t slots_after) {
   extern __shared__ unsigned char smem_raw[];
   int* target = reinterpret_cast<int*>(smem_raw);
-  const std::int64_t i = blockIdx.x, C = st.C, D = st.D, Dv = st.Dv;
+  const std::int64_t i = blockIdx.x, C = st.C;
   for (std::int64_t c = threadIdx.x; c < C; c += blockDim.x) target[c] = st.target[i * C + c];
   __syncthreads();
   const int lane = threadIdx.x % 32;
   const std::int64_t j = st.sink + std::int64_t(blockIdx.y) * kWarpsPerBlock + threadIdx.x / 32;
   if (j >= slots_after) return;
-  const std::int64_t sj = i * st.cap + j;
-  A added = A(0);
-  for (std::int64_t c = 0; c < C; ++c) {
-    if (target[c] != j) continue;
-    for (std::int64_t d = lane; d < D; d += 32) st.sk[sj * D + d] += st.kg[(i * C + c) * D + d];
-    for (std::int64_t d = lane; d < Dv; d += 32) st.sv[sj * Dv + d] += st.vg[(i * C + c) * Dv + d];
-    added += A(1);
+  scatter_into_slot(st, i, j, target, 0, lane);
+}
+
+// Update step 4 scatter over the touched slots only (those some token was routed to; at most C):
+// the block lists each touched slot by its first token, and warps take list entries. Bitwise the
+// same sums and readouts as update_scatter_kernel (untouched slots would be refreshed unchanged).
+// grid (I, any), block 32 * kWarpsPerBlock, smem 3*C ints.
+template <class S, class A>
+__global__ void update_scatter_touched_kernel(DeviceState<S, A> st) {
+  extern __shared__ unsigned char smem_raw[];
+  __shared__ int n_lead;
+  int* target = reinterpret_cast<int*>(smem_raw);
+  int* first = target + st.C;
+  int* lead = first + st.C;  // lead[p]: first token of the p-th touched slot (token order)
+  const std::int64_t i = blockIdx.x, C = st.C;
+  if (threadIdx.x == 0) n_lead = 0;
+  for (std::int64_t c = threadIdx.x; c < C; c += blockDim.x) target[c] = st.target[i * C + c];
+  __syncthreads();
+  for (std::int64_t c = threadIdx.x; c < C; c += blockDim.x) {
+    const int t = target[c];
+    bool f = t >= 0;
+    for (std::int64_t o = 0; o < c && f; ++o) f = target[o] != t;
+    first[c] = f ? 1 : 0;
+    if (f) atomicAdd(&n_lead, 1);  // an integer count: the order of the adds does not matter
   }
-  if (lane == 0) st.cnt[sj] += added;
-  __syncwarp();
-  warp_refresh_slot(st, i, j, lane);
+  __syncthreads();
+  for (std::int64_t c = threadIdx.x; c < C; c += blockDim.x) {
+    if (!first[c]) continue;
+    int pos = 0;
+    for (std::int64_t o = 0; o < c; ++o) pos += first[o];
+    lead[pos] = static_cast<int>(c);
+  }
+  __syncthreads();
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  for (std::int64_t p = std::int64_t(blockIdx.y) * kWarpsPerBlock + warp; p < n_lead;
+       p += std::int64_t(gridDim.y) * kWarpsPerBlock) {
+    const int c0 = lead[p];
+    scatter_into_slot(st, i, target[c0], target, c0, lane);
+  }
 }
 
 inline constexpr int kRowsPerBlock = 32;  // query rows of one head per attention block
@@ -401,10 +510,10 @@ __global__ void attend_rows_kernel(DeviceState<S, A> st, const In* q, Out* out, 
 }
 
 // One warp merges `parts` normalised partial results (po[p*Dv + d], log-sum-exp pl[p]) in order p =
-// 0, 1, ... into dst[0, Dv) and dst[Dv] = lse: the exact merge of core/softmax.hpp merge_partials, in
-// a fixed order so decode is deterministic. po[0, Dv) is overwritten.
+// 0, 1, ... into po[0, Dv) and returns the merged log-sum-exp: the exact merge of core/softmax.hpp
+// merge_partials, in a fixed order so decode is deterministic.
 template <class A>
-__device__ void warp_merge_partials(A* po, const A* pl, int parts, std::int64_t Dv, A* dst, int lane) {
+__device__ A warp_merge_partials(A* po, const A* pl, int parts, std::int64_t Dv, int lane) {
   A lse = pl[0];
   for (int p = 1; p < parts; ++p) {
     const A lse_b = pl[p];
@@ -415,17 +524,85 @@ __device__ void warp_merge_partials(A* po, const A* pl, int parts, std::int64_t 
     for (std::int64_t d = lane; d < Dv; d += 32) po[d] = (wa * po[d] + wb * po[p * Dv + d]) / (wa + wb);
     lse = top + log(wa + wb);
   }
-  for (std::int64_t d = lane; d < Dv; d += 32) dst[d] = po[d];
-  if (lane == 0) dst[Dv] = lse;
+  __syncwarp();
+  return lse;
 }
 
-// Decode readout, split-K: block (bh, split) covers keys [split*per, ...) of the virtual key list
-// [slots | window [w, pos]]; each warp takes every 4th key, lanes split the head dims. Writes the
-// normalised partial (o, lse) of the split. grid (B*Hq, splits), block 128.
-// q: [B,Hq,1,D]
+inline constexpr int kMaxSplitsPerRow = 32;  // one lane per split in the merge (KvmState::kMaxDecodeSplits)
+
+// Ends decode split blockIdx.y of row bh (called by one warp; po[0, Dv) holds the split's normalised
+// partial, lse its log-sum-exp). With one split the block writes out[bh] itself. Otherwise it
+// publishes the partial, and the last split to finish (an integer counter per row: no float
+// atomics) merges all partials in split order -- the same result whichever block arrives last --
+// and resets the counter for the next step, so a captured step replays as is.
+template <class S, class A, class Out>
+__device__ void finish_decode_split(const DeviceState<S, A>& st, const A* po, A lse, Out* out, std::int64_t bh,
+                                    int splits, int lane) {
+  const std::int64_t Dv = st.Dv;
+  if (splits == 1) {
+    for (std::int64_t d = lane; d < Dv; d += 32) out[bh * Dv + d] = store_as<Out>(po[d]);
+    return;
+  }
+  A* base = st.partial + bh * st.max_splits * (Dv + 1);
+  A* mine = base + std::int64_t(blockIdx.y) * (Dv + 1);
+  for (std::int64_t d = lane; d < Dv; d += 32) mine[d] = po[d];
+  if (lane == 0) mine[Dv] = lse;
+  __threadfence();  // the partial is visible device-wide before the count says so
+  __syncwarp();
+  int last = 0;
+  if (lane == 0) last = atomicAdd(st.counter + bh, 1) == splits - 1 ? 1 : 0;
+  last = __shfl_sync(0xffffffffu, last, 0);
+  if (!last) return;
+  __threadfence();
+  // the exact merge of every split (L2 reads: other blocks wrote them during this kernel). Lane s
+  // holds split s's log-sum-exp; its weight goes to shared memory, and each output channel then
+  // reads every split's value with independent loads (no chain of dependent round trips).
+  __shared__ A weight[kMaxSplitsPerRow];
+  const A l = lane < splits ? __ldcg(base + std::int64_t(lane) * (Dv + 1) + Dv) : negative_infinity<A>();
+  A top = l;
+#pragma unroll
+  for (int off = 16; off > 0; off >>= 1) {
+    const A o = __shfl_xor_sync(0xffffffffu, top, off);
+    top = top > o ? top : o;
+  }
+  const A wl = l == negative_infinity<A>() ? A(0) : exp(l - top);
+  const A total = warp_sum(wl);
+  weight[lane] = wl;
+  __syncwarp();
+  for (std::int64_t d = lane; d < Dv; d += 32) {
+    A o = A(0);
+#pragma unroll 8
+    for (int s = 0; s < splits; ++s) o += weight[s] * __ldcg(base + s * (Dv + 1) + d);
+    out[bh * Dv + d] = store_as<Out>(o / total);
+  }
+  if (lane == 0) st.counter[bh] = 0;
+}
+
+// The decode token (position pos) enters its item's window ring; called by one block per item (the
+// split-0 block of the item's first query head). Blocks never read that ring row in this step: it
+// held position pos - W, outside the window, and the token itself is read from the inputs.
+// k1: [B,Hk,1,D], v1: [B,Hk,1,Dv], g1: [B,Hk,1]
 template <class S, class A, class In>
-__global__ void decode_partial_kernel(DeviceState<S, A> st, const In* q, std::int64_t pos, std::int64_t w,
-                                      std::int64_t slots, std::int64_t per_split) {
+__device__ void ingest_decode_token(const DeviceState<S, A>& st, const In* k1, const In* v1, const In* g1,
+                                    std::int64_t item, std::int64_t pos) {
+  const std::int64_t ring = pos % st.W;
+  for (std::int64_t d = threadIdx.x; d < st.D; d += blockDim.x)
+    st.wk[(item * st.W + ring) * st.D + d] = store_as<S>(load_as<A>(k1[item * st.D + d]));
+  for (std::int64_t d = threadIdx.x; d < st.Dv; d += blockDim.x)
+    st.wv[(item * st.W + ring) * st.Dv + d] = store_as<S>(load_as<A>(v1[item * st.Dv + d]));
+  if (threadIdx.x == 0) st.wg[item * st.W + ring] = load_as<A>(g1[item]);
+}
+
+// Fused decode step (spec 4.7 steps 1 and 6), split-K: block (bh, split) covers keys [split*per, ...)
+// of the virtual key list [slots | window [w, pos]]; each warp takes every 4th key, lanes split the
+// head dims. The block of the item's first head and split 0 also appends the token to the ring;
+// the last split to finish merges (finish_decode_split). One launch per step.
+// grid (B*Hq, splits), block 128, dynamic smem (D + 4 Dv + 4) * sizeof(A).
+// q: [B,Hq,1,D], k1: [B,Hk,1,D], v1: [B,Hk,1,Dv], g1: [B,Hk,1], out: [B,1,Hq,Dv]
+template <class S, class A, class In, class Out>
+__global__ void decode_fused_kernel(DeviceState<S, A> st, const In* q, const In* k1, const In* v1, const In* g1,
+                                    Out* out, std::int64_t pos, std::int64_t w, std::int64_t slots,
+                                    std::int64_t per_split, int splits) {
   constexpr int kWarps = 4;
   extern __shared__ unsigned char smem_raw[];
   const std::int64_t D = st.D, Dv = st.Dv, Hq = st.Hq;
@@ -433,6 +610,7 @@ __global__ void decode_partial_kernel(DeviceState<S, A> st, const In* q, std::in
   A* po = qs + D;                          // [kWarps, Dv]
   A* pl = po + kWarps * Dv;                // [kWarps]
   const std::int64_t bh = blockIdx.x, b = bh / Hq, h = bh % Hq, item = b * st.Hk + h / st.rep();
+  if (blockIdx.y == 0 && h % st.rep() == 0) ingest_decode_token(st, k1, v1, g1, item, pos);
   for (std::int64_t d = threadIdx.x; d < D; d += blockDim.x) qs[d] = load_as<A>(q[bh * D + d]);
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   for (std::int64_t d = lane; d < Dv; d += 32) po[warp * Dv + d] = A(0);
@@ -443,36 +621,50 @@ __global__ void decode_partial_kernel(DeviceState<S, A> st, const In* q, std::in
   const std::int64_t k_end = (k_begin + per_split) < total ? (k_begin + per_split) : total;
   const A ls_state = st.scale * (st.head_temps ? st.tau_s[h] : A(1));
   const A ls_window = st.scale * (st.head_temps ? st.tau_w[h] : A(1));
+  const In* knew = k1 + item * D;
+  const In* vnew = v1 + item * Dv;
   OnlineSoftmax<A> sm;
   for (std::int64_t x = k_begin + warp; x < k_end; x += kWarps) {
     const bool in_state = x < n_state;
+    const bool is_new = x == total - 1;  // the decode token: from the inputs, rounded as the ring stores it
     const S* kr = in_state ? st.khat + (item * st.cap + x) * D : st.wk + (item * st.W + (w + x - n_state) % st.W) * D;
     const S* vr = in_state ? st.vhat + (item * st.cap + x) * Dv : st.wv + (item * st.W + (w + x - n_state) % st.W) * Dv;
     A part = A(0);
-    for (std::int64_t d = lane; d < D; d += 32) part += qs[d] * load_as<A>(kr[d]);
+    if (is_new) {
+      for (std::int64_t d = lane; d < D; d += 32) part += qs[d] * load_as<A>(store_as<S>(load_as<A>(knew[d])));
+    } else {
+      for (std::int64_t d = lane; d < D; d += 32) part += qs[d] * load_as<A>(kr[d]);
+    }
 #pragma unroll
     for (int off = 16; off > 0; off >>= 1) part += __shfl_xor_sync(0xffffffffu, part, off);
     const typename OnlineSoftmax<A>::Step step = sm.push((in_state ? ls_state : ls_window) * part);
-    for (std::int64_t d = lane; d < Dv; d += 32)
-      po[warp * Dv + d] = po[warp * Dv + d] * step.rescale + step.weight * load_as<A>(vr[d]);
+    for (std::int64_t d = lane; d < Dv; d += 32) {
+      const A val = is_new ? load_as<A>(store_as<S>(load_as<A>(vnew[d]))) : load_as<A>(vr[d]);
+      po[warp * Dv + d] = po[warp * Dv + d] * step.rescale + step.weight * val;
+    }
   }
   if (lane == 0) pl[warp] = sm.lse();
   for (std::int64_t d = lane; d < Dv; d += 32) po[warp * Dv + d] *= sm.normaliser();
   __syncthreads();
   if (warp != 0) return;
-  warp_merge_partials(po, pl, kWarps, Dv, st.partial + (bh * st.max_splits + blockIdx.y) * (Dv + 1), lane);
+  const A lse = warp_merge_partials(po, pl, kWarps, Dv, lane);
+  finish_decode_split(st, po, lse, out, bh, splits, lane);
 }
 
-// decode_partial_kernel for bf16 storage and D = Dv = 128: each half-warp takes every 8th key and
-// each lane reads 8 channels with one 16-byte load, so a key row is one coalesced 256-byte read.
-// Same split layout and outputs as decode_partial_kernel. grid (B*Hq, splits), block 128.
-template <class A, class In>
-__global__ void decode_partial_bf16_kernel(DeviceState<bf16, A> st, const In* q, std::int64_t pos, std::int64_t w,
-                                           std::int64_t slots, std::int64_t per_split) {
-  constexpr int kDim = 128, kHalves = 8, kPer = 8;
+// decode_fused_kernel for bf16 storage and D = Dv = 128: each half-warp takes keys 8 apart and each
+// lane reads 8 channels with one 16-byte load, so a key row is one coalesced 256-byte read; a half
+// loads kUnroll keys and values before it uses any (memory-level parallelism), and the online
+// softmax raises its max once per group. Same split layout as decode_fused_kernel.
+// grid (B*Hq, splits), block 128.
+template <class A, class In, class Out>
+__global__ void decode_fused_bf16_kernel(DeviceState<bf16, A> st, const In* q, const In* k1, const In* v1,
+                                         const In* g1, Out* out, std::int64_t pos, std::int64_t w, std::int64_t slots,
+                                         std::int64_t per_split, int splits) {
+  constexpr int kDim = 128, kHalves = 8, kPer = 8, kUnroll = 4;
   __shared__ A po[kHalves][kDim];
   __shared__ A pl[kHalves];
   const std::int64_t Hq = st.Hq, bh = blockIdx.x, b = bh / Hq, h = bh % Hq, item = b * st.Hk + h / st.rep();
+  if (blockIdx.y == 0 && h % st.rep() == 0) ingest_decode_token(st, k1, v1, g1, item, pos);
   const int half = threadIdx.x / 16, l = threadIdx.x % 16;
   A qr[kPer], acc[kPer];
 #pragma unroll
@@ -487,29 +679,58 @@ __global__ void decode_partial_bf16_kernel(DeviceState<bf16, A> st, const In* q,
   const A ls_state = st.scale * (st.head_temps ? st.tau_s[h] : A(1));
   const A ls_window = st.scale * (st.head_temps ? st.tau_w[h] : A(1));
   OnlineSoftmax<A> sm;
-  // The loop runs the same number of times in both halves of a warp (the shuffles need every lane);
-  // a half whose key lies past the split end computes on zeros and pushes nothing.
-  for (std::int64_t x0 = k_begin; x0 < k_end; x0 += kHalves) {
-    const std::int64_t x = x0 + half;
-    const bool valid = x < k_end;
-    const bool in_state = x < n_state;
-    uint4 kv = make_uint4(0, 0, 0, 0), vv = make_uint4(0, 0, 0, 0);
-    if (valid) {
-      const std::int64_t row = in_state ? item * st.cap + x : item * st.W + (w + x - n_state) % st.W;
-      kv = reinterpret_cast<const uint4*>((in_state ? st.khat : st.wk) + row * kDim)[l];
-      vv = reinterpret_cast<const uint4*>((in_state ? st.vhat : st.wv) + row * kDim)[l];
+  // The loop runs the same number of times in every half of a warp (the shuffles need every lane);
+  // a key past the split end computes on zeros and is masked.
+  for (std::int64_t x0 = k_begin; x0 < k_end; x0 += kHalves * kUnroll) {
+    uint4 kv[kUnroll], vv[kUnroll];
+    bool valid[kUnroll], in_state[kUnroll];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const std::int64_t x = x0 + u * kHalves + half;
+      valid[u] = x < k_end;
+      in_state[u] = x < n_state;
+      kv[u] = make_uint4(0, 0, 0, 0);
+      vv[u] = make_uint4(0, 0, 0, 0);
+      if (!valid[u]) continue;
+      if (x == total - 1) {  // the decode token, from the inputs, rounded as the ring stores it
+        bf16* kb = reinterpret_cast<bf16*>(&kv[u]);
+        bf16* vb = reinterpret_cast<bf16*>(&vv[u]);
+#pragma unroll
+        for (int e = 0; e < kPer; ++e) {
+          kb[e] = store_as<bf16>(load_as<A>(k1[item * kDim + l * kPer + e]));
+          vb[e] = store_as<bf16>(load_as<A>(v1[item * kDim + l * kPer + e]));
+        }
+      } else {
+        const std::int64_t row = in_state[u] ? item * st.cap + x : item * st.W + (w + x - n_state) % st.W;
+        kv[u] = reinterpret_cast<const uint4*>((in_state[u] ? st.khat : st.wk) + row * kDim)[l];
+        vv[u] = reinterpret_cast<const uint4*>((in_state[u] ? st.vhat : st.wv) + row * kDim)[l];
+      }
     }
-    const bf16* kb = reinterpret_cast<const bf16*>(&kv);
-    const bf16* vb = reinterpret_cast<const bf16*>(&vv);
-    A part = A(0);
+    A logit[kUnroll];
+    A group_max = negative_infinity<A>();
 #pragma unroll
-    for (int e = 0; e < kPer; ++e) part += qr[e] * load_as<A>(kb[e]);
+    for (int u = 0; u < kUnroll; ++u) {
+      const bf16* kb = reinterpret_cast<const bf16*>(&kv[u]);
+      A part = A(0);
 #pragma unroll
-    for (int off = 8; off > 0; off >>= 1) part += __shfl_xor_sync(0xffffffffu, part, off);  // within the half
-    if (!valid) continue;
-    const typename OnlineSoftmax<A>::Step step = sm.push((in_state ? ls_state : ls_window) * part);
+      for (int e = 0; e < kPer; ++e) part += qr[e] * load_as<A>(kb[e]);
 #pragma unroll
-    for (int e = 0; e < kPer; ++e) acc[e] = acc[e] * step.rescale + step.weight * load_as<A>(vb[e]);
+      for (int off = 8; off > 0; off >>= 1) part += __shfl_xor_sync(0xffffffffu, part, off);  // within the half
+      logit[u] = valid[u] ? (in_state[u] ? ls_state : ls_window) * part : negative_infinity<A>();
+      group_max = logit[u] > group_max ? logit[u] : group_max;
+    }
+    const A rescale = sm.raise_max(group_max);
+    if (rescale != A(1)) {
+#pragma unroll
+      for (int e = 0; e < kPer; ++e) acc[e] *= rescale;
+    }
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const A wgt = sm.accumulate(logit[u]);  // 0 for masked keys
+      const bf16* vb = reinterpret_cast<const bf16*>(&vv[u]);
+#pragma unroll
+      for (int e = 0; e < kPer; ++e) acc[e] += wgt * load_as<A>(vb[e]);
+    }
   }
   const A norm = sm.normaliser();
 #pragma unroll
@@ -517,30 +738,8 @@ __global__ void decode_partial_bf16_kernel(DeviceState<bf16, A> st, const In* q,
   if (l == 0) pl[half] = sm.lse();
   __syncthreads();
   if (threadIdx.x >= 32) return;
-  warp_merge_partials(&po[0][0], pl, kHalves, kDim, st.partial + (bh * st.max_splits + blockIdx.y) * (kDim + 1),
-                      int(threadIdx.x));
-}
-
-// Merges the split partials in split order into out[b, 0, h, :]. grid B*Hq, block 32.
-template <class S, class A, class Out>
-__global__ void decode_combine_kernel(DeviceState<S, A> st, Out* out, std::int64_t splits) {
-  const std::int64_t bh = blockIdx.x, Dv = st.Dv;
-  const A* src = st.partial + bh * st.max_splits * (Dv + 1);
-  A lse = negative_infinity<A>();
-  for (std::int64_t s = 0; s < splits; ++s) lse = lse > src[s * (Dv + 1) + Dv] ? lse : src[s * (Dv + 1) + Dv];
-  A total = A(0);
-  for (std::int64_t s = 0; s < splits; ++s) {
-    const A l = src[s * (Dv + 1) + Dv];
-    total += l == negative_infinity<A>() ? A(0) : exp(l - lse);
-  }
-  for (std::int64_t d = threadIdx.x; d < Dv; d += blockDim.x) {
-    A o = A(0);
-    for (std::int64_t s = 0; s < splits; ++s) {
-      const A l = src[s * (Dv + 1) + Dv];
-      if (l != negative_infinity<A>()) o += exp(l - lse) * src[s * (Dv + 1) + d];
-    }
-    out[bh * Dv + d] = store_as<Out>(o / total);
-  }
+  const A lse = warp_merge_partials(&po[0][0], pl, kHalves, kDim, int(threadIdx.x));
+  finish_decode_split(st, &po[0][0], lse, out, bh, splits, int(threadIdx.x));
 }
 
 }  // namespace kvmem::cuda::kvm_detail
