@@ -30,6 +30,7 @@
 #include <vector>
 
 #include "kvmem/backend/cuda/common.cuh"
+#include "kvmem/backend/cuda/ua_attend_tc.cuh"
 #include "kvmem/backend/cuda/ua_kernels.cuh"
 #include "kvmem/core/status.hpp"
 #include "kvmem/core/tensor.hpp"
@@ -221,13 +222,33 @@ DeviceCall<S> make_call(const UaInputs<S>& in, TensorView<float, 4> out, TensorV
   return a;
 }
 
-// Lanes of the chunk kernel hold ceil(D / 4) dims each; instantiate for four head-dim ranges.
+// The tensor-core kernel needs bf16 rows of 16-byte aligned vectors (base pointers and strides).
+template <class S>
+bool tc_aligned(const UaInputs<S>& in) {
+  const auto ok4 = [](const auto& v) {
+    return reinterpret_cast<std::uintptr_t>(v.data()) % 16 == 0 && v.stride(0) % 8 == 0 && v.stride(1) % 8 == 0 &&
+           v.stride(2) % 8 == 0;
+  };
+  return ok4(in.q) && ok4(in.k) && ok4(in.v);
+}
+
+// The chunk kernel of a call: tensor cores for bf16 with D in {64, 80, 128} and r in {4, 8} (the
+// paper's shapes), else the CUDA-core kernel, whose lanes hold ceil(D / 4) dims each (four ranges).
+// launch(kernel, shared_bytes, threads)
 template <class Set, class S, class F>
-Status with_chunk_kernel(std::int64_t D, F&& launch) {
-  if (D <= 32) return launch(chunk_attend_kernel<Set, S, 8>);
-  if (D <= 64) return launch(chunk_attend_kernel<Set, S, 16>);
-  if (D <= 128) return launch(chunk_attend_kernel<Set, S, 32>);
-  return launch(chunk_attend_kernel<Set, S, 64>);
+Status with_chunk_kernel(const UaInputs<S>& in, std::int64_t D, std::int64_t r, F&& launch) {
+  if constexpr (std::is_same_v<S, bf16>) {
+    if (tc_group_ok(r) && tc_aligned(in)) {
+      if (D == 64) return launch(chunk_attend_tc_kernel<Set, 64>, UaTcLayout<64>::kBytes, 32 * kTcWarps);
+      if (D == 80) return launch(chunk_attend_tc_kernel<Set, 80>, UaTcLayout<80>::kBytes, 32 * kTcWarps);
+      if (D == 128) return launch(chunk_attend_tc_kernel<Set, 128>, UaTcLayout<128>::kBytes, 32 * kTcWarps);
+    }
+  }
+  const std::size_t bytes = chunk_smem_bytes(D, r);
+  if (D <= 32) return launch(chunk_attend_kernel<Set, S, 8>, bytes, kChunkThreads);
+  if (D <= 64) return launch(chunk_attend_kernel<Set, S, 16>, bytes, kChunkThreads);
+  if (D <= 128) return launch(chunk_attend_kernel<Set, S, 32>, bytes, kChunkThreads);
+  return launch(chunk_attend_kernel<Set, S, 64>, bytes, kChunkThreads);
 }
 
 }  // namespace ua_detail
@@ -275,25 +296,27 @@ Status ua_run(const Executor& exec, UaCache<S>& cache, const UaInputs<S>& in, co
     KVMEM_CUDA_RETURN_IF_LAUNCH_FAILED("ua decode_attend_kernel");
     const std::size_t fbytes = finish_smem_bytes<S>(D);
     KVMEM_RETURN_IF_ERROR(allow_shared(reinterpret_cast<const void*>(finish_kernel<S>), fbytes));
-    finish_kernel<S><<<unsigned(I), kFinishThreads, fbytes, exec.stream>>>(dev, a, 0, 1, 32);
+    finish_kernel<S><<<unsigned(I), kFinishThreads, fbytes, exec.stream>>>(dev, a, 0, 1, 32, true);
     KVMEM_CUDA_RETURN_IF_LAUNCH_FAILED("ua finish_kernel (decode)");
   } else {
     a.P = cache.limits_.max_prefill_chunk;
     a.lambda_new = cache.lambda_new_;
-    const std::size_t bytes = chunk_smem_bytes(D, r), fbytes = finish_smem_bytes<S>(D);
+    const std::size_t fbytes = finish_smem_bytes<S>(D);
     KVMEM_RETURN_IF_ERROR(allow_shared(reinterpret_cast<const void*>(finish_kernel<S>), fbytes));
     std::int64_t bound = cache.bound_;
     for (std::int64_t t0 = 0; t0 < T; t0 += opt.prefill_chunk) {
       const std::int64_t rows = std::min(opt.prefill_chunk, T - t0);
       const std::int64_t want = (bound + rows + 2 * kEntryTile - 1) / (2 * kEntryTile);
       a.splits = int(std::clamp<std::int64_t>(want, 1, cache.limits_.max_splits));
-      const Status launched = with_chunk_kernel<Set, S>(D, [&](auto kernel) -> Status {
+      const Status launched = with_chunk_kernel<Set, S>(in, D, r, [&](auto kernel, std::size_t bytes, int threads) -> Status {
         KVMEM_RETURN_IF_ERROR(allow_shared(reinterpret_cast<const void*>(kernel), bytes));
-        kernel<<<dim3(unsigned(a.splits), unsigned(I)), kChunkThreads, bytes, exec.stream>>>(dev, a, t0, rows);
+        kernel<<<dim3(unsigned(a.splits), unsigned(I)), unsigned(threads), bytes, exec.stream>>>(dev, a, t0, rows);
         return to_status(cudaGetLastError(), "ua chunk_attend_kernel");
       });
       KVMEM_RETURN_IF_ERROR(launched);
-      finish_kernel<S><<<unsigned(I), kFinishThreads, fbytes, exec.stream>>>(dev, a, t0, rows, kEntryTile);
+      merge_kernel<S><<<dim3(unsigned(rows), unsigned(I)), kMergeThreads, 0, exec.stream>>>(dev, a, t0, rows, kEntryTile);
+      KVMEM_CUDA_RETURN_IF_LAUNCH_FAILED("ua merge_kernel");
+      finish_kernel<S><<<unsigned(I), kFinishThreads, fbytes, exec.stream>>>(dev, a, t0, rows, kEntryTile, false);
       KVMEM_CUDA_RETURN_IF_LAUNCH_FAILED("ua finish_kernel (prefill)");
       bound += rows;
     }

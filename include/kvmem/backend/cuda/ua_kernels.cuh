@@ -10,10 +10,11 @@
 //       rows in increasing position (spec 4.2: one rounding per step, the order of every backend),
 //       writes each entry's λ back, and leaves one online-softmax partial (max, sum, accumulator) per
 //       (query head, row) of its range;
-//   finish_kernel   grid (B*G): merges the partials of the splits in split order (deterministic: no
-//       atomics), applies the output gate, writes the output and lse, then evicts every entry with
-//       λ < ln p and compacts the survivors stably in place, appends the surviving new keys, and
-//       advances the item's position counter.
+//   merge_kernel    grid (rows, B*G): merges the partials of the splits in split order (deterministic:
+//       no atomics), applies the output gate, writes the output and lse (a decode step merges inside
+//       finish_kernel instead, one launch less);
+//   finish_kernel   grid (B*G): evicts every entry with λ < ln p and compacts the survivors stably in
+//       place, appends the surviving new keys, and advances the item's position counter.
 // No L x L matrix exists anywhere: λ is one float per entry, the decay lives in a tile of shared
 // memory for the duration of one (entry tile, row tile) step.
 
@@ -77,7 +78,7 @@ inline constexpr int kPairs = kChunkThreads / kLanesPerPair;
 inline constexpr int kDecodeThreads = 128;
 
 // Entries [begin, end) of split s when `total` entries are split `splits` ways in aligned pieces of at
-// least `min_piece` (finish_kernel recomputes the same ranges to know how many partials exist).
+// least `min_piece` (the merge recomputes the same ranges to know how many partials exist).
 struct Range {
   std::int64_t begin, end;
 };
@@ -265,14 +266,15 @@ __global__ void __launch_bounds__(kChunkThreads) chunk_attend_kernel(DeviceCache
 }
 
 // ---- decode: one row per item --------------------------------------------------------------------
-// grid (splits, I), block kDecodeThreads, dynamic smem decode_smem_bytes(D, r). One thread per entry
-// for the λ update and the logits (the entry's key row is read once for both), then the block walks the
-// tile's value rows with one thread per dim for all r heads. The new token is entry n (λ = 0).
+// grid (splits, I), block kDecodeThreads, dynamic smem decode_smem_bytes(D, r). A warp takes one entry
+// at a time, its lanes over the dims (coalesced rows): the entry's key is read once for the λ update
+// (spec 4.4 step 1) and the r logits. Then the block walks the tile's value rows with one thread per
+// dim for all r heads. The new token is entry n (λ = 0).
 __host__ __device__ inline std::size_t decode_smem_bytes(std::int64_t D, std::int64_t r) {
-  return sizeof(float) * std::size_t((r + 1) * D      // queries of the group, the new key
-                                     + r * D           // accumulators
-                                     + r * kDecodeThreads  // weights of the tile's entries per head
-                                     + 2 * r + 32);     // running max / sum per head, reduction scratch
+  return sizeof(float) * std::size_t((r + 1) * D         // queries of the group, the new key
+                                     + r * D              // accumulators
+                                     + r * kDecodeThreads  // logits, then weights, of the tile's entries per head
+                                     + 2 * r + 32);        // running max / sum per head, reduction scratch
 }
 
 __device__ inline float block_reduce_max(float x, float* scratch) {
@@ -293,6 +295,10 @@ __device__ inline float block_reduce_sum(float x, float* scratch) {
   for (int w = 1; w < int(blockDim.x / 32); ++w) s += scratch[w];  // fixed order: deterministic
   return s;
 }
+__device__ inline float warp_sum(float x) {
+  for (int o = 16; o > 0; o /= 2) x += __shfl_xor_sync(0xffffffffu, x, o);
+  return x;
+}
 
 template <class Set, class S>
 __global__ void __launch_bounds__(kDecodeThreads) decode_attend_kernel(DeviceCache<S> c, DeviceCall<S> a) {
@@ -312,7 +318,7 @@ __global__ void __launch_bounds__(kDecodeThreads) decode_attend_kernel(DeviceCac
   if (e_begin >= total) return;
   const std::int64_t e_end = e_begin + piece < total ? e_begin + piece : total;
   const std::int64_t t = c.counter[item], row0 = item * c.cap;
-  const int tid = threadIdx.x;
+  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, warps = kDecodeThreads / 32;
   const S* new_key = a.k + b * a.k_b + g * a.k_g;
   for (std::int64_t x = tid; x < r * D; x += blockDim.x) {
     const std::int64_t h = x / D, d = x % D;
@@ -329,32 +335,36 @@ __global__ void __launch_bounds__(kDecodeThreads) decode_attend_kernel(DeviceCac
   __syncthreads();
 
   for (std::int64_t e0 = e_begin; e0 < e_end; e0 += kDecodeThreads) {
-    const std::int64_t idx = e0 + tid;
-    const bool live = idx < e_end;
-    // 1. λ update (spec 4.4 step 1) and eviction test, 2. logits of the r heads
-    float lam = 0.0f;
-    bool masked = !live;
-    if (live && idx < n) {
-      const S* krow = c.keys + (row0 + idx) * D;
-      float sim = 0.0f;
-      for (std::int64_t d = 0; d < D; ++d) sim += ld(krow + d) * nk[d];
-      const float zk = c.key_logit[row0 + idx];
-      const std::int64_t p = c.pos[row0 + idx];
-      lam = c.lambda[row0 + idx];
-      if (t > p)
-        lam += kernel::ua::decay_from_similarity<Set, float>(sim, zk, kernel::ua::key_gate_part(zk), p, zq, q_part, t);
-      c.lambda[row0 + idx] = lam;
-      masked = a.evict_before_attention && double(lam) < a.log_p;
-    }
-    const S* krow = live ? (idx < n ? c.keys + (row0 + idx) * D : new_key) : nullptr;
-    for (std::int64_t h = 0; h < r; ++h) {
-      float logit = negative_infinity<float>();
-      if (!masked) {
-        float s = 0.0f;
-        for (std::int64_t d = 0; d < D; ++d) s += qs[h * D + d] * ld(krow + d);
-        logit = s + lam;  // scale 1
+    const std::int64_t ne = e_end - e0 < kDecodeThreads ? e_end - e0 : kDecodeThreads;
+    // 1. λ update and eviction test, 2. logits of the r heads (one warp per entry)
+    for (std::int64_t e = warp; e < kDecodeThreads; e += warps) {
+      const std::int64_t idx = e0 + e;
+      if (e >= ne) {
+        for (std::int64_t h = lane; h < r; h += 32) wts[h * kDecodeThreads + e] = negative_infinity<float>();
+        continue;
       }
-      wts[h * kDecodeThreads + tid] = logit;
+      const S* krow = idx < n ? c.keys + (row0 + idx) * D : new_key;
+      float sim = 0.0f;
+      for (std::int64_t d = lane; d < D; d += 32) sim += ld(krow + d) * nk[d];
+      float lam = 0.0f;
+      bool masked = false;
+      if (idx < n) {
+        sim = warp_sum(sim);
+        const float zk = c.key_logit[row0 + idx];
+        const std::int64_t p = c.pos[row0 + idx];
+        lam = c.lambda[row0 + idx];
+        if (t > p)
+          lam += kernel::ua::decay_from_similarity<Set, float>(sim, zk, kernel::ua::key_gate_part(zk), p, zq, q_part, t);
+        if (lane == 0) c.lambda[row0 + idx] = lam;
+        masked = a.evict_before_attention && double(lam) < a.log_p;
+      }
+      for (std::int64_t h = 0; h < r; ++h) {
+        float part = 0.0f;
+        if (!masked)
+          for (std::int64_t d = lane; d < D; d += 32) part += qs[h * D + d] * ld(krow + d);
+        part = warp_sum(part);
+        if (lane == 0) wts[h * kDecodeThreads + e] = masked ? negative_infinity<float>() : part + lam;  // scale 1
+      }
     }
     __syncthreads();
     // 3. online softmax step per head over the tile (every thread computes the same max / sum)
@@ -378,7 +388,6 @@ __global__ void __launch_bounds__(kDecodeThreads) decode_attend_kernel(DeviceCac
     }
     __syncthreads();
     // 4. p.v: one thread per dim, every head, the tile's value rows in entry order
-    const std::int64_t ne = e_end - e0 < kDecodeThreads ? e_end - e0 : kDecodeThreads;
     for (std::int64_t d = tid; d < D; d += blockDim.x)
       for (std::int64_t e = 0; e < ne; ++e) {
         const std::int64_t id = e0 + e;
@@ -397,29 +406,15 @@ __global__ void __launch_bounds__(kDecodeThreads) decode_attend_kernel(DeviceCac
   }
 }
 
-// ---- finish: merge, gate, evict + compact, append, advance -------------------------------------
-// grid (I), block 256, dynamic smem finish_smem_bytes(D).
-inline constexpr int kFinishThreads = 256;
-inline constexpr int kCompactRows = 32;  // rows staged per compaction step
+// ---- merge: the splits' partials of one row, in split order -------------------------------------
+// Every head of the group for row i (input row t0 + i): normalise, output gate, lse. Runs on the
+// calling block's threads (merge_kernel for prefill rows, finish_kernel for a decode step).
 template <class S>
-__host__ __device__ inline std::size_t finish_smem_bytes(std::int64_t D) {
-  return std::size_t(kCompactRows) * std::size_t(2 * D) * sizeof(S) + std::size_t(kCompactRows) * (2 * sizeof(float) + sizeof(std::int64_t)) +
-         std::size_t(kFinishThreads) * sizeof(int) + 64;
-}
-
-template <class S>
-__global__ void __launch_bounds__(kFinishThreads) finish_kernel(DeviceCache<S> c, DeviceCall<S> a, std::int64_t t0,
-                                                                std::int64_t rows, std::int64_t min_piece) {
-  extern __shared__ __align__(16) unsigned char fsm[];
-  const std::int64_t D = c.D, r = c.r, item = blockIdx.x, b = item / c.G, g = item % c.G;
-  const std::int64_t n = c.length[item], total = n + rows, row0 = item * c.cap;
-  const std::int64_t first = c.counter[item];  // absolute position of the chunk's row 0 (input row t0)
-  const int used = active_splits(total, a.splits, min_piece);
-  const int tid = threadIdx.x;
-
-  // 1. merge the splits' partials in split order, normalise, output gate, lse
-  for (std::int64_t x = tid; x < r * rows * D; x += blockDim.x) {
-    const std::int64_t h = x / (rows * D), i = (x / D) % rows, d = x % D;
+__device__ inline void merge_row(const DeviceCache<S>& c, const DeviceCall<S>& a, std::int64_t item, std::int64_t t0,
+                                 std::int64_t i, int used) {
+  const std::int64_t D = c.D, r = c.r, b = item / c.G, g = item % c.G;
+  for (std::int64_t x = threadIdx.x; x < r * D; x += blockDim.x) {
+    const std::int64_t h = x / D, d = x % D;
     float hi = negative_infinity<float>();
     for (int s = 0; s < used; ++s) {
       const float m = a.part_ml[(((item * a.splits + s) * r + h) * a.P + i) * 2];
@@ -439,42 +434,72 @@ __global__ void __launch_bounds__(kFinishThreads) finish_kernel(DeviceCache<S> c
     const std::int64_t hq = g * r + h;
     if (a.z_o) y *= sigmoid(ld(a.z_o + b * a.zo_b + (t0 + i) * a.zo_t + hq * a.zo_h + d));
     a.out[b * a.o_b + (t0 + i) * a.o_t + hq * a.o_h + d] = y;
-    if (a.lse && d == 0) a.lse[b * a.l_b + hq * a.l_h + (t0 + i) * a.l_t] = sum > 0.0f ? hi + logf(sum) : negative_infinity<float>();
+    if (a.lse && d == 0)
+      a.lse[b * a.l_b + hq * a.l_h + (t0 + i) * a.l_t] = sum > 0.0f ? hi + logf(sum) : negative_infinity<float>();
   }
+}
 
-  // 2. evict λ < ln p and compact stably in place (survivors keep ascending positions), staging
-  //    kCompactRows rows in shared memory so no row is overwritten before it is read.
+inline constexpr int kMergeThreads = 128;
+// grid (rows, I), block kMergeThreads.
+template <class S>
+__global__ void __launch_bounds__(kMergeThreads) merge_kernel(DeviceCache<S> c, DeviceCall<S> a, std::int64_t t0,
+                                                              std::int64_t rows, std::int64_t min_piece) {
+  const std::int64_t item = blockIdx.y;
+  merge_row(c, a, item, t0, blockIdx.x, active_splits(c.length[item] + rows, a.splits, min_piece));
+}
+
+// ---- finish: evict + compact, append, advance (decode: merge first) -----------------------------
+// grid (I), block kFinishThreads, dynamic smem finish_smem_bytes<S>(D). Must run after every kernel of
+// the step that reads the item's rows or its length (it changes both).
+inline constexpr int kFinishThreads = 256;
+inline constexpr int kCompactRows = 32;  // rows staged per compaction step (one warp's ballot)
+template <class S>
+__host__ __device__ inline std::size_t finish_smem_bytes(std::int64_t D) {
+  return std::size_t(kCompactRows) * std::size_t(2 * D) * sizeof(S) +
+         std::size_t(kCompactRows) * (2 * sizeof(float) + sizeof(std::int64_t)) + 64;
+}
+
+template <class S>
+__global__ void __launch_bounds__(kFinishThreads) finish_kernel(DeviceCache<S> c, DeviceCall<S> a, std::int64_t t0,
+                                                                std::int64_t rows, std::int64_t min_piece,
+                                                                bool merge) {
+  extern __shared__ __align__(16) unsigned char fsm[];
+  const std::int64_t D = c.D, item = blockIdx.x, b = item / c.G, g = item % c.G;
+  const std::int64_t n = c.length[item], row0 = item * c.cap;
+  const std::int64_t first = c.counter[item];  // absolute position of the call's row t0
+  const int tid = threadIdx.x, lane = tid % 32;
+  if (merge)
+    for (std::int64_t i = 0; i < rows; ++i) merge_row(c, a, item, t0, i, active_splits(n + rows, a.splits, min_piece));
+
+  // 1. evict λ < ln p and compact stably in place (survivors keep ascending positions). Warp 0 turns
+  //    32 keep flags into destinations with a ballot; the group's rows are staged in shared memory, so
+  //    no row is overwritten before it is read.
   S* kst = reinterpret_cast<S*>(fsm);
   S* vst = kst + kCompactRows * D;
   float* lst = reinterpret_cast<float*>(vst + kCompactRows * D);
   float* zst = lst + kCompactRows;
   std::int64_t* pst = reinterpret_cast<std::int64_t*>(zst + kCompactRows);
-  int* dst = reinterpret_cast<int*>(pst + kCompactRows);
+  __shared__ int dst[kCompactRows];  // destination row, -1 = evicted
+  __shared__ int group_kept;
   const bool prunes = a.log_p > -INFINITY;
   std::int64_t kept = n;
   if (prunes) {
     kept = 0;
     for (std::int64_t e0 = 0; e0 < n; e0 += kCompactRows) {
       const std::int64_t ne = n - e0 < kCompactRows ? n - e0 : kCompactRows;
-      __syncthreads();
-      if (tid == 0) {  // prefix of survivors of this group (32 flags: serial is cheaper than a scan)
-        std::int64_t k = kept;
-        for (std::int64_t e = 0; e < ne; ++e) {
-          const bool keep = !(double(c.lambda[row0 + e0 + e]) < a.log_p);
-          dst[e] = keep ? int(k - e0 - e) : 1;  // offset <= 0 for survivors, 1 = evicted
-          if (keep) ++k;
-        }
-        dst[kCompactRows] = int(k - kept);
+      __syncthreads();  // the previous group is written
+      if (tid < 32) {
+        const bool keep = lane < ne && !(double(c.lambda[row0 + e0 + lane]) < a.log_p);
+        const unsigned mask = __ballot_sync(0xffffffffu, keep);
+        dst[lane] = keep ? int(kept + __popc(mask & ((1u << lane) - 1u))) : -1;
+        if (lane == 0) group_kept = __popc(mask);
       }
       __syncthreads();
-      const std::int64_t moved = dst[kCompactRows];
-      bool any_move = false;
-      for (std::int64_t e = 0; e < ne; ++e) any_move = any_move || (dst[e] <= 0 && dst[e] != 0);
-      if (any_move) {
+      const bool moves = dst[ne - 1] != int(e0 + ne - 1) || group_kept != ne;  // any survivor below its row
+      if (moves && kept + group_kept < e0 + ne) {
         for (std::int64_t x = tid; x < ne * D; x += blockDim.x) {
-          const std::int64_t e = x / D, d = x % D;
-          kst[x] = c.keys[(row0 + e0 + e) * D + d];
-          vst[x] = c.values[(row0 + e0 + e) * D + d];
+          kst[x] = c.keys[(row0 + e0) * D + x];
+          vst[x] = c.values[(row0 + e0) * D + x];
         }
         for (std::int64_t e = tid; e < ne; e += blockDim.x) {
           lst[e] = c.lambda[row0 + e0 + e];
@@ -484,51 +509,49 @@ __global__ void __launch_bounds__(kFinishThreads) finish_kernel(DeviceCache<S> c
         __syncthreads();
         for (std::int64_t x = tid; x < ne * D; x += blockDim.x) {
           const std::int64_t e = x / D, d = x % D;
-          if (dst[e] > 0) continue;
-          const std::int64_t to = e0 + e + dst[e];
-          c.keys[(row0 + to) * D + d] = kst[x];
-          c.values[(row0 + to) * D + d] = vst[x];
+          if (dst[e] < 0) continue;
+          c.keys[(row0 + dst[e]) * D + d] = kst[x];
+          c.values[(row0 + dst[e]) * D + d] = vst[x];
         }
         for (std::int64_t e = tid; e < ne; e += blockDim.x) {
-          if (dst[e] > 0) continue;
-          const std::int64_t to = e0 + e + dst[e];
-          c.lambda[row0 + to] = lst[e];
-          c.key_logit[row0 + to] = zst[e];
-          c.pos[row0 + to] = pst[e];
+          if (dst[e] < 0) continue;
+          c.lambda[row0 + dst[e]] = lst[e];
+          c.key_logit[row0 + dst[e]] = zst[e];
+          c.pos[row0 + dst[e]] = pst[e];
         }
       }
-      kept += moved;
+      kept += group_kept;
     }
   }
-  __syncthreads();
-  // 3. append the call's keys that survive (decode: the new token, λ = 0, never evicted in its step
-  //    when evicting before attention; with eviction after attention its λ = 0 >= ln p as well)
-  __shared__ int new_dst[1024 + 1];
-  if (tid == 0) {
-    std::int64_t k = kept;
-    for (std::int64_t j = 0; j < rows; ++j) {
-      const float lam = a.lambda_new ? a.lambda_new[item * a.P + j] : 0.0f;
-      const bool keep = !(prunes && double(lam) < a.log_p);
-      new_dst[j] = keep ? int(k++) : -1;
+  // 2. append the call's keys that survive (a decode step's new token has λ = 0 >= ln p: always kept)
+  for (std::int64_t j0 = 0; j0 < rows; j0 += kCompactRows) {
+    const std::int64_t nj = rows - j0 < kCompactRows ? rows - j0 : kCompactRows;
+    __syncthreads();
+    if (tid < 32) {
+      const float lam = (lane < nj && a.lambda_new) ? a.lambda_new[item * a.P + j0 + lane] : 0.0f;
+      const bool keep = lane < nj && !(prunes && double(lam) < a.log_p);
+      const unsigned mask = __ballot_sync(0xffffffffu, keep);
+      dst[lane] = keep ? int(kept + __popc(mask & ((1u << lane) - 1u))) : -1;
+      if (lane == 0) group_kept = __popc(mask);
     }
-    new_dst[rows] = int(k);
+    __syncthreads();
+    for (std::int64_t x = tid; x < nj * D; x += blockDim.x) {
+      const std::int64_t j = x / D, d = x % D;
+      if (dst[j] < 0) continue;
+      c.keys[(row0 + dst[j]) * D + d] = a.k[b * a.k_b + g * a.k_g + (t0 + j0 + j) * a.k_t + d];
+      c.values[(row0 + dst[j]) * D + d] = a.v[b * a.v_b + g * a.v_g + (t0 + j0 + j) * a.v_t + d];
+    }
+    for (std::int64_t j = tid; j < nj; j += blockDim.x) {
+      if (dst[j] < 0) continue;
+      c.lambda[row0 + dst[j]] = a.lambda_new ? a.lambda_new[item * a.P + j0 + j] : 0.0f;
+      c.key_logit[row0 + dst[j]] = a.z_k[b * a.zk_b + g * a.zk_g + (t0 + j0 + j) * a.zk_t];
+      c.pos[row0 + dst[j]] = first + j0 + j;
+    }
+    kept += group_kept;
   }
-  __syncthreads();
-  for (std::int64_t x = tid; x < rows * D; x += blockDim.x) {
-    const std::int64_t j = x / D, d = x % D;
-    if (new_dst[j] < 0) continue;
-    c.keys[(row0 + new_dst[j]) * D + d] = a.k[b * a.k_b + g * a.k_g + (t0 + j) * a.k_t + d];
-    c.values[(row0 + new_dst[j]) * D + d] = a.v[b * a.v_b + g * a.v_g + (t0 + j) * a.v_t + d];
-  }
-  for (std::int64_t j = tid; j < rows; j += blockDim.x) {
-    if (new_dst[j] < 0) continue;
-    c.lambda[row0 + new_dst[j]] = a.lambda_new ? a.lambda_new[item * a.P + j] : 0.0f;
-    c.key_logit[row0 + new_dst[j]] = a.z_k[b * a.zk_b + g * a.zk_g + (t0 + j) * a.zk_t];
-    c.pos[row0 + new_dst[j]] = first + j;
-  }
-  __syncthreads();
+  __syncthreads();  // every thread has read length / counter (first) above
   if (tid == 0) {
-    c.length[item] = new_dst[rows];
+    c.length[item] = kept;
     c.counter[item] += rows;
   }
 }

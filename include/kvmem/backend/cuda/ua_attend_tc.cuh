@@ -1,0 +1,257 @@
+// SPDX-License-Identifier: Apache-2.0
+#pragma once
+// Tensor-core chunk kernel of Universal Attention for bf16 storage (spec UA.md 4.1-4.3): the same
+// work as chunk_attend_kernel (ua_kernels.cuh) -- one split of one item's entries, every row of the
+// chunk, λ carried in increasing position -- with the three products on the tensor cores (WMMA
+// 16x16x16, bf16 operands, fp32 accumulation): the key/key similarity of the decay tile (shared by the
+// r query heads of the group), q.k, and p.v. Like FlashAttention, the probabilities are rounded to bf16
+// before p.v; logits, λ, the running max/sum and the accumulator stay fp32.
+//
+// Eight warps; a row tile holds kTcQueryRows (head, row) pairs = r heads x (kTcQueryRows / r) rows, each
+// warp owns 16 of them (one head); entries arrive in tiles of kTcEntries staged in shared memory.
+
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+#include <mma.h>
+
+#include <cstdint>
+
+#include "kvmem/backend/cuda/ua_kernels.cuh"
+#include "kvmem/core/numeric.hpp"
+#include "kvmem/core/softmax.hpp"
+#include "kvmem/kernel/ua_decay.hpp"
+
+namespace kvmem::cuda::ua_detail {
+
+inline constexpr int kTcWarps = 8;
+inline constexpr int kTcQueryRows = 16 * kTcWarps;  // (head, row) pairs per row tile
+inline constexpr int kTcEntries = 64;               // entries per tile
+
+// Group sizes the tensor-core kernel takes: r divides 128 and leaves at most 32 rows per tile (the
+// decay tile and the tile's keys then fit next to the per-warp buffers).
+__host__ __device__ inline bool tc_group_ok(std::int64_t r) { return r == 4 || r == 8; }
+
+template <int kD>
+struct UaTcLayout {
+  static constexpr int kRows = 32;            // chunk rows per row tile at most (r >= 4)
+  static constexpr int kQPitch = kD + 8;      // bf16; +16 bytes per row breaks bank conflicts
+  static constexpr int kKPitch = kD + 8;
+  static constexpr int kAPitch = kRows + 4;   // float: decay / bias tile [entry][row]
+  static constexpr int kSPitch = kTcEntries + 4;  // float
+  static constexpr int kPPitch = kTcEntries + 8;  // bf16
+  static constexpr int kOPitch = kD + 4;          // float
+  static constexpr std::size_t align(std::size_t x) { return (x + 127) / 128 * 128; }
+  static constexpr std::size_t kQ = 0;
+  static constexpr std::size_t kK = align(kQ + std::size_t(kTcQueryRows) * kQPitch * 2);
+  static constexpr std::size_t kV = align(kK + std::size_t(kTcEntries) * kKPitch * 2);
+  static constexpr std::size_t kNK = align(kV + std::size_t(kTcEntries) * kKPitch * 2);
+  static constexpr std::size_t kA = align(kNK + std::size_t(kRows) * kKPitch * 2);
+  static constexpr std::size_t kS = align(kA + std::size_t(kTcEntries) * kAPitch * 4);
+  static constexpr std::size_t kP = align(kS + std::size_t(kTcQueryRows) * kSPitch * 4);
+  static constexpr std::size_t kO = align(kP + std::size_t(kTcQueryRows) * kPPitch * 2);
+  static constexpr std::size_t kMeta = align(kO + std::size_t(kTcQueryRows) * kOPitch * 4);
+  static constexpr std::size_t kBytes = align(kMeta + std::size_t(kTcEntries) * (2 * 4 + 8) + std::size_t(kRows) * 8);
+};
+
+// grid (splits, I), block 32 * kTcWarps, dynamic smem UaTcLayout<kD>::kBytes. Same arguments and
+// outputs as chunk_attend_kernel; S is bf16, rows of q/k/v 16-byte aligned (checked by the launcher).
+template <class Set, int kD>
+__global__ void __launch_bounds__(32 * kTcWarps) chunk_attend_tc_kernel(DeviceCache<bf16> c, DeviceCall<bf16> a,
+                                                                       std::int64_t t0, std::int64_t rows) {
+  namespace wmma = nvcuda::wmma;
+  using L = UaTcLayout<kD>;
+  using nv_bf16 = __nv_bfloat16;
+  extern __shared__ __align__(128) unsigned char smem_raw[];
+  nv_bf16* qs = reinterpret_cast<nv_bf16*>(smem_raw + L::kQ);
+  nv_bf16* ks = reinterpret_cast<nv_bf16*>(smem_raw + L::kK);
+  nv_bf16* vs = reinterpret_cast<nv_bf16*>(smem_raw + L::kV);
+  nv_bf16* nk = reinterpret_cast<nv_bf16*>(smem_raw + L::kNK);
+  float* at = reinterpret_cast<float*>(smem_raw + L::kA);  // [entry][row]: similarity -> A -> Λ
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, tid = threadIdx.x;
+  float* ss = reinterpret_cast<float*>(smem_raw + L::kS) + warp * 16 * L::kSPitch;
+  nv_bf16* ps = reinterpret_cast<nv_bf16*>(smem_raw + L::kP) + warp * 16 * L::kPPitch;
+  float* os = reinterpret_cast<float*>(smem_raw + L::kO) + warp * 16 * L::kOPitch;
+  float* e_logit = reinterpret_cast<float*>(smem_raw + L::kMeta);
+  float* e_part = e_logit + kTcEntries;
+  std::int64_t* e_pos = reinterpret_cast<std::int64_t*>(e_part + kTcEntries);
+  float* r_logit = reinterpret_cast<float*>(e_pos + kTcEntries);
+  float* r_part = r_logit + L::kRows;
+
+  const std::int64_t D = kD, r = c.r, item = blockIdx.y, b = item / c.G, g = item % c.G;
+  const int rt = int(kTcQueryRows / r);  // chunk rows per row tile (32 or 16)
+  const std::int64_t n = c.length[item], total = n + rows;
+  const std::int64_t piece = split_piece(total, a.splits, kTcEntries);
+  const std::int64_t e_begin = blockIdx.x * piece;
+  if (e_begin >= total) return;
+  const std::int64_t e_end = e_begin + piece < total ? e_begin + piece : total;
+  const std::int64_t first = c.counter[item], cache_row0 = item * c.cap;
+  // this warp's 16 (head, row) pairs: one head, rows [row_base, row_base + 16) of the row tile
+  const int head = (warp * 16) / rt, row_base = (warp * 16) % rt;
+  // softmax bookkeeping: lane -> pair row lr = lane / 2, columns [half * 32, half * 32 + 32)
+  const int lr = lane / 2, half = lane % 2;
+  constexpr int kVec = kD / 8;  // 16-byte vectors per row
+
+  for (std::int64_t r0 = 0; r0 < rows; r0 += rt) {
+    const std::int64_t nr = rows - r0 < rt ? rows - r0 : rt;
+    const std::int64_t m_last = first + r0 + nr - 1;
+    __syncthreads();  // the previous row tile is fully consumed
+    // queries of every (head, row) pair (zeros past the chunk), the row tile's keys and gates
+    for (int x = tid; x < kTcQueryRows * kVec; x += blockDim.x) {
+      const int pr = x / kVec, cv = x % kVec, h = pr / rt, i = pr % rt;
+      uint4 v = make_uint4(0, 0, 0, 0);
+      if (i < nr)
+        v = reinterpret_cast<const uint4*>(a.q + b * a.q_b + (g * r + h) * a.q_h + (t0 + r0 + i) * a.q_t)[cv];
+      *reinterpret_cast<uint4*>(qs + pr * L::kQPitch + cv * 8) = v;
+    }
+    for (int x = tid; x < L::kRows * kVec; x += blockDim.x) {
+      const int i = x / kVec, cv = x % kVec;
+      uint4 v = make_uint4(0, 0, 0, 0);
+      if (i < nr) v = reinterpret_cast<const uint4*>(a.k + b * a.k_b + g * a.k_g + (t0 + r0 + i) * a.k_t)[cv];
+      *reinterpret_cast<uint4*>(nk + i * L::kKPitch + cv * 8) = v;
+    }
+    for (int i = tid; i < nr; i += blockDim.x) {
+      r_logit[i] = a.z_q[b * a.zq_b + g * a.zq_g + (t0 + r0 + i) * a.zq_t];
+      r_part[i] = kernel::ua::query_gate_part(r_logit[i]);
+    }
+    for (int x = lane; x < 16 * kD; x += 32) os[(x / kD) * L::kOPitch + x % kD] = 0.0f;
+    OnlineSoftmax<float> sm;  // this lane's half of pair row lr
+
+    for (std::int64_t e0 = e_begin; e0 < e_end; e0 += kTcEntries) {
+      if (e0 >= n && first + (e0 - n) > m_last) break;  // the call's keys beyond this row tile: masked
+      const std::int64_t ne = e_end - e0 < kTcEntries ? e_end - e0 : kTcEntries;
+      __syncthreads();  // previous entry tile consumed; qs / nk written
+      for (int x = tid; x < kTcEntries * kVec; x += blockDim.x) {
+        const int e = x / kVec, cv = x % kVec;
+        const std::int64_t idx = e0 + e;
+        uint4 kv = make_uint4(0, 0, 0, 0), vv = make_uint4(0, 0, 0, 0);
+        if (e < ne) {
+          const bf16* kp = idx < n ? c.keys + (cache_row0 + idx) * D : a.k + b * a.k_b + g * a.k_g + (t0 + idx - n) * a.k_t;
+          const bf16* vp = idx < n ? c.values + (cache_row0 + idx) * D : a.v + b * a.v_b + g * a.v_g + (t0 + idx - n) * a.v_t;
+          kv = reinterpret_cast<const uint4*>(kp)[cv];
+          vv = reinterpret_cast<const uint4*>(vp)[cv];
+        }
+        *reinterpret_cast<uint4*>(ks + e * L::kKPitch + cv * 8) = kv;
+        *reinterpret_cast<uint4*>(vs + e * L::kKPitch + cv * 8) = vv;
+      }
+      for (int e = tid; e < ne; e += blockDim.x) {
+        const std::int64_t idx = e0 + e;
+        e_logit[e] = idx < n ? c.key_logit[cache_row0 + idx] : a.z_k[b * a.zk_b + g * a.zk_g + (t0 + idx - n) * a.zk_t];
+        e_part[e] = kernel::ua::key_gate_part(e_logit[e]);
+        e_pos[e] = idx < n ? c.pos[cache_row0 + idx] : first + (idx - n);
+      }
+      __syncthreads();
+      // similarity tile K NK^T [entries x rows] on the tensor cores (one 16 x 16 tile per warp)
+      if constexpr (Set::kNeedsSimilarity) {
+        const int tiles_r = rt / 16;
+        if (warp < (kTcEntries / 16) * tiles_r) {
+          const int te = warp / tiles_r, tr = warp % tiles_r;
+          wmma::fragment<wmma::accumulator, 16, 16, 16, float> acc;
+          wmma::fill_fragment(acc, 0.0f);
+#pragma unroll
+          for (int kb = 0; kb < kD / 16; ++kb) {
+            wmma::fragment<wmma::matrix_a, 16, 16, 16, nv_bf16, wmma::row_major> fa;
+            wmma::fragment<wmma::matrix_b, 16, 16, 16, nv_bf16, wmma::col_major> fb;
+            wmma::load_matrix_sync(fa, ks + (te * 16) * L::kKPitch + kb * 16, L::kKPitch);
+            wmma::load_matrix_sync(fb, nk + (tr * 16) * L::kKPitch + kb * 16, L::kKPitch);
+            wmma::mma_sync(acc, fa, fb, acc);
+          }
+          wmma::store_matrix_sync(at + (te * 16) * L::kAPitch + tr * 16, acc, L::kAPitch, wmma::mem_row_major);
+        }
+        __syncthreads();
+      }
+      // A(e, m) from the similarity (spec 4.1), 0 where m <= pos_e
+      for (int x = tid; x < ne * rt; x += blockDim.x) {
+        const int e = x / rt, i = x % rt;
+        const std::int64_t m = first + r0 + i;
+        float a_em = 0.0f;
+        if (i < nr && m > e_pos[e]) {
+          const float sim = Set::kNeedsSimilarity ? at[e * L::kAPitch + i] : 0.0f;
+          a_em = kernel::ua::decay_from_similarity<Set, float>(sim, e_logit[e], e_part[e], e_pos[e], r_logit[i], r_part[i], m);
+        }
+        at[e * L::kAPitch + i] = a_em;
+      }
+      __syncthreads();
+      // Λ along the rows in increasing m (spec 4.2), one thread per entry (as chunk_attend_kernel)
+      for (int e = tid; e < ne; e += blockDim.x) {
+        const std::int64_t idx = e0 + e, p = e_pos[e];
+        float* lam_at = idx < n ? c.lambda + cache_row0 + idx : a.lambda_new + item * a.P + (idx - n);
+        float lam = (idx >= n && idx - n >= r0) ? 0.0f : *lam_at;
+        for (int i = 0; i < nr; ++i) {
+          const std::int64_t m = first + r0 + i;
+          if (m < p) {
+            at[e * L::kAPitch + i] = negative_infinity<float>();
+            continue;
+          }
+          if (m > p) lam += at[e * L::kAPitch + i];
+          at[e * L::kAPitch + i] = lam;
+        }
+        *lam_at = lam;
+      }
+      __syncthreads();
+      // S = Q K^T for the warp's 16 pairs and the tile's entries
+#pragma unroll
+      for (int nb = 0; nb < kTcEntries / 16; ++nb) {
+        wmma::fragment<wmma::accumulator, 16, 16, 16, float> acc;
+        wmma::fill_fragment(acc, 0.0f);
+#pragma unroll
+        for (int kb = 0; kb < kD / 16; ++kb) {
+          wmma::fragment<wmma::matrix_a, 16, 16, 16, nv_bf16, wmma::row_major> fa;
+          wmma::fragment<wmma::matrix_b, 16, 16, 16, nv_bf16, wmma::col_major> fb;
+          wmma::load_matrix_sync(fa, qs + (warp * 16) * L::kQPitch + kb * 16, L::kQPitch);
+          wmma::load_matrix_sync(fb, ks + (nb * 16) * L::kKPitch + kb * 16, L::kKPitch);
+          wmma::mma_sync(acc, fa, fb, acc);
+        }
+        wmma::store_matrix_sync(ss + nb * 16, acc, L::kSPitch, wmma::mem_row_major);
+      }
+      __syncwarp();
+      // logits = q.k + Λ (scale 1), online softmax on the lane's 32 columns
+      const int row_in_tile = row_base + lr;
+      const bool row_live = row_in_tile < nr;
+      float logit[32];
+      float tile_max = negative_infinity<float>();
+#pragma unroll
+      for (int x = 0; x < 32; ++x) {
+        const int col = half * 32 + x;
+        const float bias = (row_live && col < ne) ? at[col * L::kAPitch + row_in_tile] : negative_infinity<float>();
+        logit[x] = bias == negative_infinity<float>() ? bias : ss[lr * L::kSPitch + col] + bias;
+        tile_max = fmaxf(tile_max, logit[x]);
+      }
+      tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, 1));
+      const float rescale = sm.raise_max(tile_max);
+#pragma unroll
+      for (int x = 0; x < 32; ++x) ps[lr * L::kPPitch + half * 32 + x] = __float2bfloat16_rn(sm.accumulate(logit[x]));
+      if (rescale != 1.0f)
+        for (int d = half; d < kD; d += 2) os[lr * L::kOPitch + d] *= rescale;
+      __syncwarp();
+      // O += P V
+#pragma unroll
+      for (int db = 0; db < kD / 16; ++db) {
+        wmma::fragment<wmma::accumulator, 16, 16, 16, float> acc;
+        wmma::load_matrix_sync(acc, os + db * 16, L::kOPitch, wmma::mem_row_major);
+#pragma unroll
+        for (int kb = 0; kb < kTcEntries / 16; ++kb) {
+          wmma::fragment<wmma::matrix_a, 16, 16, 16, nv_bf16, wmma::row_major> fa;
+          wmma::fragment<wmma::matrix_b, 16, 16, 16, nv_bf16, wmma::row_major> fb;
+          wmma::load_matrix_sync(fa, ps + kb * 16, L::kPPitch);
+          wmma::load_matrix_sync(fb, vs + (kb * 16) * L::kKPitch + db * 16, L::kKPitch);
+          wmma::mma_sync(acc, fa, fb, acc);
+        }
+        wmma::store_matrix_sync(os + db * 16, acc, L::kOPitch, wmma::mem_row_major);
+      }
+      __syncwarp();
+    }
+    // this split's partial of every live pair row: max, sum (both halves), unnormalised accumulator
+    const float total_sum = sm.sum + __shfl_xor_sync(0xffffffffu, sm.sum, 1);
+    const int row_in_tile = row_base + lr;
+    if (row_in_tile < nr) {
+      const std::int64_t slot = ((item * a.splits + blockIdx.x) * r + head) * a.P + (r0 + row_in_tile);
+      if (half == 0) {
+        a.part_ml[slot * 2] = sm.max;
+        a.part_ml[slot * 2 + 1] = total_sum;
+      }
+      for (int d = half; d < kD; d += 2) a.part_acc[slot * D + d] = os[lr * L::kOPitch + d];
+    }
+  }
+}
+
+}  // namespace kvmem::cuda::ua_detail
