@@ -2,10 +2,11 @@
 #pragma once
 // Tensor-core KVM prefill readout for bf16 storage (spec 4.4): the same joint online softmax over
 // [state slots | causal window] as attend_rows_kernel, with q.k and p.v on the tensor cores
-// (WMMA 16x16x16, bf16 operands, fp32 accumulation). Like FlashAttention, the probabilities are
-// rounded to bf16 before the p.v product; logits, the running max/sum and the output accumulator stay
-// fp32. Four warps own 16 query rows each (64 rows of one head per block); keys arrive in tiles of
-// 64 rows staged in shared memory.
+// (mma.sync m16n8k16, bf16 operands, fp32 accumulation, accumulators in registers). Like
+// FlashAttention, the probabilities are rounded to bf16 before the p.v product; logits, the running
+// max/sum and the output accumulator stay fp32. Four warps own 16 query rows each (64 rows of one
+// head per block); keys arrive in tiles of 64 rows, double-buffered in shared memory with cp.async.
+// Also here: novelty and routing of the state update on the tensor cores (WMMA).
 
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
@@ -23,142 +24,222 @@ inline constexpr int kTcWarps = 4;
 inline constexpr int kTcRows = 16 * kTcWarps;  // query rows per block
 inline constexpr int kTcKeys = 64;             // keys per tile
 
+// Shared memory: two K/V tile buffers (cp.async double buffering), rows padded by 16 bytes so the
+// fragment reads of a warp hit 32 different banks.
 template <int kD, int kDv>
 struct TcLayout {
-  static constexpr int kQPitch = kD + 8;     // bf16 elements; +16 bytes breaks bank conflicts
-  static constexpr int kKPitch = kD + 8;
+  static constexpr int kKPitch = kD + 8;  // bf16 elements
   static constexpr int kVPitch = kDv + 8;
-  static constexpr int kSPitch = kTcKeys + 4;  // float
-  static constexpr int kPPitch = kTcKeys + 8;  // bf16
-  static constexpr int kOPitch = kDv + 4;      // float
-  static constexpr std::size_t align(std::size_t x) { return (x + 127) / 128 * 128; }
-  static constexpr std::size_t kQ = 0;
-  static constexpr std::size_t kK = align(kQ + std::size_t(kTcRows) * kQPitch * 2);
-  static constexpr std::size_t kV = align(kK + std::size_t(kTcKeys) * kKPitch * 2);
-  static constexpr std::size_t kS = align(kV + std::size_t(kTcKeys) * kVPitch * 2);
-  static constexpr std::size_t kP = align(kS + std::size_t(kTcRows) * kSPitch * 4);
-  static constexpr std::size_t kO = align(kP + std::size_t(kTcRows) * kPPitch * 2);
-  static constexpr std::size_t kBytes = align(kO + std::size_t(kTcRows) * kOPitch * 4);
+  static constexpr std::size_t kKTile = std::size_t(kTcKeys) * kKPitch * 2;  // bytes
+  static constexpr std::size_t kVTile = std::size_t(kTcKeys) * kVPitch * 2;
+  static constexpr std::size_t kBuffer = kKTile + kVTile;
+  static constexpr std::size_t kBytes = 2 * kBuffer;
 };
 
+namespace tc_detail {
+// D = A B + D for one m16n8k16 tile, bf16 operands, fp32 accumulators (PTX fragment layouts).
+__device__ inline void mma_16816(float (&d)[4], const std::uint32_t (&a)[4], std::uint32_t b0, std::uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+      "{%0,%1,%2,%3};\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+// Two floats -> one register of two bf16 (lo = first), round to nearest even.
+__device__ inline std::uint32_t pack_bf16(float lo, float hi) {
+  const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+  return *reinterpret_cast<const std::uint32_t*>(&v);
+}
+__device__ inline std::uint32_t pack_raw(std::uint16_t lo, std::uint16_t hi) {
+  return std::uint32_t(lo) | (std::uint32_t(hi) << 16);
+}
+// 16-byte global -> shared copy that bypasses registers; bytes = 0 writes zeros.
+__device__ inline void cp_async16(void* smem, const void* gmem, int bytes) {
+  const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(s), "l"(gmem), "r"(bytes));
+}
+__device__ inline void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int kPending>
+__device__ inline void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending));
+}
+}  // namespace tc_detail
+
+// Each warp owns 16 query rows: Q stays in registers as A fragments, S = Q K^T and O += P V run as
+// m16n8k16 mma.sync with the accumulators (S tile and the whole O row block) in registers, the
+// FlashAttention-2 layout. Thread (lane) holds rows r = lane/4 and r + 8, columns 2*(lane%4) + {0,1}
+// of every 8-wide tile; the four lanes of a quad share a row's maxima (shuffles) and add their
+// partial sums at the end. Key tiles are [state slots...][window...] in steps of kTcKeys, the next
+// one loading (cp.async) while the current one is used.
 // grid (B*Hq, ceil((t1 - t0) / kTcRows)), block 32 * kTcWarps, dynamic smem TcLayout::kBytes.
 // q: [B,Hq,T,kD], out: [B,T,Hq,kDv]
 template <class In, class Out, int kD, int kDv>
-__global__ void attend_tc_kernel(DeviceState<bf16, float> st, const In* q, Out* out, std::int64_t T, std::int64_t n0,
-                                 std::int64_t t0, std::int64_t t1, std::int64_t w, std::int64_t slots) {
-  namespace wmma = nvcuda::wmma;
+__global__ void __launch_bounds__(32 * kTcWarps) attend_tc_kernel(DeviceState<bf16, float> st, const In* q, Out* out,
+                                                                  std::int64_t T, std::int64_t n0, std::int64_t t0,
+                                                                  std::int64_t t1, std::int64_t w, std::int64_t slots) {
   using L = TcLayout<kD, kDv>;
-  using nv_bf16 = __nv_bfloat16;
+  using namespace tc_detail;
   extern __shared__ __align__(128) unsigned char smem_raw[];
-  nv_bf16* qs = reinterpret_cast<nv_bf16*>(smem_raw + L::kQ);
-  nv_bf16* ks = reinterpret_cast<nv_bf16*>(smem_raw + L::kK);
-  nv_bf16* vs = reinterpret_cast<nv_bf16*>(smem_raw + L::kV);
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  float* ss = reinterpret_cast<float*>(smem_raw + L::kS) + warp * 16 * L::kSPitch;
-  nv_bf16* ps = reinterpret_cast<nv_bf16*>(smem_raw + L::kP) + warp * 16 * L::kPPitch;
-  float* os = reinterpret_cast<float*>(smem_raw + L::kO) + warp * 16 * L::kOPitch;
-
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, quad = lane % 4, r = lane / 4;
   const std::int64_t Hq = st.Hq, bh = blockIdx.x, b = bh / Hq, h = bh % Hq, item = b * st.Hk + h / st.rep();
   const std::int64_t row0 = t0 + std::int64_t(blockIdx.y) * kTcRows;  // position of the block's first row
   const std::int64_t last_t = (row0 + kTcRows - 1) < (t1 - 1) ? (row0 + kTcRows - 1) : (t1 - 1);
-  // queries -> bf16 rows of qs (zeros past t1); output accumulator -> 0
-  for (int e = threadIdx.x; e < kTcRows * kD; e += blockDim.x) {
-    const int r = e / kD, d = e % kD;
-    const std::int64_t t = row0 + r;
-    const float x = t < t1 ? load_as<float>(q[((b * Hq + h) * T + (t - n0)) * kD + d]) : 0.0f;
-    qs[r * L::kQPitch + d] = __float2bfloat16_rn(x);
-  }
-  for (int e = lane; e < 16 * kDv; e += 32) os[(e / kDv) * L::kOPitch + e % kDv] = 0.0f;
+  const std::int64_t ta = row0 + warp * 16 + r, tb = ta + 8;  // this thread's two rows
+  const bool act_a = ta < t1, act_b = tb < t1;
 
-  // softmax bookkeeping: lane -> row r = lane / 2 of the warp's 16, columns [half*32, half*32 + 32)
-  const int r = lane / 2, half = lane % 2;
-  const std::int64_t t_row = row0 + warp * 16 + r;
-  const bool row_active = t_row < t1;
-  OnlineSoftmax<float> sm;  // this lane's half of the row; both halves see the same maxima
+  // Q as A fragments (bf16): element (row, col) of k-step ks at col = ks*16 + 2*quad + {0,1} (+8)
+  std::uint32_t qa[kD / 16][4];
+  {
+    const In* qra = q + ((b * Hq + h) * T + (act_a ? ta - n0 : 0)) * kD;
+    const In* qrb = q + ((b * Hq + h) * T + (act_b ? tb - n0 : 0)) * kD;
+#pragma unroll
+    for (int ks = 0; ks < kD / 16; ++ks) {
+      const int c = ks * 16 + 2 * quad;
+      const auto ld = [&](const In* row, bool act, int col) { return act ? load_as<float>(row[col]) : 0.0f; };
+      qa[ks][0] = pack_bf16(ld(qra, act_a, c), ld(qra, act_a, c + 1));
+      qa[ks][1] = pack_bf16(ld(qrb, act_b, c), ld(qrb, act_b, c + 1));
+      qa[ks][2] = pack_bf16(ld(qra, act_a, c + 8), ld(qra, act_a, c + 9));
+      qa[ks][3] = pack_bf16(ld(qrb, act_b, c + 8), ld(qrb, act_b, c + 9));
+    }
+  }
+  float o[kDv / 8][4];
+#pragma unroll
+  for (int nd = 0; nd < kDv / 8; ++nd) o[nd][0] = o[nd][1] = o[nd][2] = o[nd][3] = 0.0f;
+  OnlineSoftmax<float> sm_a, sm_b;  // this lane's columns of rows ta, tb (a quad sees the same maxima)
   const float ls_state = st.scale * (st.head_temps ? st.tau_s[h] : 1.0f);
   const float ls_window = st.scale * (st.head_temps ? st.tau_w[h] : 1.0f);
 
-  for (int phase = 0; phase < 2; ++phase) {
-    const std::int64_t begin = phase == 0 ? 0 : w;
-    const std::int64_t end = phase == 0 ? (w > 0 ? slots : 0) : last_t + 1;
-    const float ls = phase == 0 ? ls_state : ls_window;
-    for (std::int64_t base = begin; base < end; base += kTcKeys) {
-      const std::int64_t n = (end - base) < kTcKeys ? (end - base) : kTcKeys;
-      __syncthreads();  // previous tile fully consumed (and qs/os initialised on the first pass)
-      // stage K and V rows with 16-byte loads; rows past n are zero. Slots come from the readout
-      // copies, window keys from the ring (position p at p mod W).
-      const auto stage = [&](nv_bf16* dst, int pitch, int dim, const bf16* slot_rows, const bf16* ring_rows) {
-        const int vecs = dim / 8;
-        for (int e = threadIdx.x; e < kTcKeys * vecs; e += blockDim.x) {
-          const int s = e / vecs, c = e % vecs;
-          uint4 x = make_uint4(0, 0, 0, 0);
-          if (s < n) {
-            const bf16* src = phase == 0 ? slot_rows + (item * st.cap + base + s) * dim
-                                         : ring_rows + (item * st.W + (base + s) % st.W) * dim;
-            x = reinterpret_cast<const uint4*>(src)[c];
-          }
-          *reinterpret_cast<uint4*>(dst + s * pitch + c * 8) = x;
-        }
-      };
-      stage(ks, L::kKPitch, kD, st.khat, st.wk);
-      stage(vs, L::kVPitch, kDv, st.vhat, st.wv);
-      __syncthreads();
-      // S = Q K^T for the warp's 16 rows and the tile's 64 keys
-      for (int nb = 0; nb < kTcKeys / 16; ++nb) {
-        wmma::fragment<wmma::accumulator, 16, 16, 16, float> acc;
-        wmma::fill_fragment(acc, 0.0f);
+  const std::int64_t n_state = w > 0 ? slots : 0;
+  const std::int64_t state_tiles = (n_state + kTcKeys - 1) / kTcKeys;
+  const std::int64_t tiles = state_tiles + (last_t + 1 - w + kTcKeys - 1) / kTcKeys;
+  // tile k -> its first key (slot index or window position) and key count
+  const auto tile_of = [&](std::int64_t k, bool& in_state, std::int64_t& base, std::int64_t& n) {
+    in_state = k < state_tiles;
+    base = in_state ? k * kTcKeys : w + (k - state_tiles) * kTcKeys;
+    const std::int64_t end = in_state ? n_state : last_t + 1;
+    n = (end - base) < kTcKeys ? (end - base) : kTcKeys;
+  };
+  const auto issue = [&](std::int64_t k) {
+    bool in_state;
+    std::int64_t base, n;
+    tile_of(k, in_state, base, n);
+    unsigned char* buf = smem_raw + (k % 2) * L::kBuffer;
+    bf16* ks = reinterpret_cast<bf16*>(buf);
+    bf16* vs = reinterpret_cast<bf16*>(buf + L::kKTile);
+    constexpr int kKVecs = kD / 8, kVVecs = kDv / 8;
+    for (int e = threadIdx.x; e < kTcKeys * kKVecs; e += blockDim.x) {
+      const int s = e / kKVecs, c = e % kKVecs;
+      const std::int64_t key = base + (s < n ? s : 0);  // rows past n: zeros from a valid address
+      const bf16* src = in_state ? st.khat + (item * st.cap + key) * kD : st.wk + (item * st.W + key % st.W) * kD;
+      cp_async16(ks + s * L::kKPitch + c * 8, src + c * 8, s < n ? 16 : 0);
+    }
+    for (int e = threadIdx.x; e < kTcKeys * kVVecs; e += blockDim.x) {
+      const int s = e / kVVecs, c = e % kVVecs;
+      const std::int64_t key = base + (s < n ? s : 0);
+      const bf16* src = in_state ? st.vhat + (item * st.cap + key) * kDv : st.wv + (item * st.W + key % st.W) * kDv;
+      cp_async16(vs + s * L::kVPitch + c * 8, src + c * 8, s < n ? 16 : 0);
+    }
+    cp_async_commit();
+  };
+
+  if (tiles > 0) issue(0);
+  for (std::int64_t k = 0; k < tiles; ++k) {
+    if (k + 1 < tiles) {
+      issue(k + 1);
+      cp_async_wait<1>();
+    } else {
+      cp_async_wait<0>();
+    }
+    __syncthreads();
+    bool in_state;
+    std::int64_t base, n;
+    tile_of(k, in_state, base, n);
+    const std::uint16_t* ks = reinterpret_cast<const std::uint16_t*>(smem_raw + (k % 2) * L::kBuffer);
+    const std::uint16_t* vs = reinterpret_cast<const std::uint16_t*>(smem_raw + (k % 2) * L::kBuffer + L::kKTile);
+    // S = Q K^T: 8 tiles of 8 keys; B fragment (k = dim, n = key) reads two adjacent dims of a key row
+    float s[kTcKeys / 8][4];
 #pragma unroll
-        for (int kb = 0; kb < kD / 16; ++kb) {
-          wmma::fragment<wmma::matrix_a, 16, 16, 16, nv_bf16, wmma::row_major> fa;
-          wmma::fragment<wmma::matrix_b, 16, 16, 16, nv_bf16, wmma::col_major> fb;
-          wmma::load_matrix_sync(fa, qs + (warp * 16) * L::kQPitch + kb * 16, L::kQPitch);
-          wmma::load_matrix_sync(fb, ks + (nb * 16) * L::kKPitch + kb * 16, L::kKPitch);
-          wmma::mma_sync(acc, fa, fb, acc);
-        }
-        wmma::store_matrix_sync(ss + nb * 16, acc, L::kSPitch, wmma::mem_row_major);
+    for (int nt = 0; nt < kTcKeys / 8; ++nt) {
+      s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.0f;
+      const std::uint16_t* krow = ks + (nt * 8 + r) * L::kKPitch + 2 * quad;
+#pragma unroll
+      for (int kk = 0; kk < kD / 16; ++kk) {
+        const std::uint32_t b0 = *reinterpret_cast<const std::uint32_t*>(krow + kk * 16);
+        const std::uint32_t b1 = *reinterpret_cast<const std::uint32_t*>(krow + kk * 16 + 8);
+        mma_16816(s[nt], qa[kk], b0, b1);
       }
-      __syncwarp();
-      // online softmax on the lane's 32 columns; the row max is combined across the two lanes
-      float logit[32];
-      float tile_max = negative_infinity<float>();
+    }
+    // mask, scale, row maxima over the quad, online softmax (spec 4.4: state keys see every slot,
+    // window keys are causal)
+    const float ls = in_state ? ls_state : ls_window;
+    float max_a = negative_infinity<float>(), max_b = negative_infinity<float>();
 #pragma unroll
-      for (int x = 0; x < 32; ++x) {
-        const int col = half * 32 + x;
-        const bool visible = row_active && col < n && (phase == 0 || base + col <= t_row);
-        logit[x] = visible ? ls * ss[r * L::kSPitch + col] : negative_infinity<float>();
-        tile_max = fmaxf(tile_max, logit[x]);
+    for (int nt = 0; nt < kTcKeys / 8; ++nt) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int col = nt * 8 + 2 * quad + (e & 1);
+        const bool row_b = e >= 2;
+        const std::int64_t t_row = row_b ? tb : ta;
+        const bool visible = (row_b ? act_b : act_a) && col < n && (in_state || base + col <= t_row);
+        s[nt][e] = visible ? ls * s[nt][e] : negative_infinity<float>();
+        if (row_b) max_b = fmaxf(max_b, s[nt][e]);
+        else max_a = fmaxf(max_a, s[nt][e]);
       }
-      tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, 1));
-      const float rescale = sm.raise_max(tile_max);
+    }
+    max_a = fmaxf(max_a, __shfl_xor_sync(0xffffffffu, max_a, 1));
+    max_a = fmaxf(max_a, __shfl_xor_sync(0xffffffffu, max_a, 2));
+    max_b = fmaxf(max_b, __shfl_xor_sync(0xffffffffu, max_b, 1));
+    max_b = fmaxf(max_b, __shfl_xor_sync(0xffffffffu, max_b, 2));
+    const float resc_a = sm_a.raise_max(max_a), resc_b = sm_b.raise_max(max_b);
+    if (resc_a != 1.0f || resc_b != 1.0f) {
 #pragma unroll
-      for (int x = 0; x < 32; ++x) ps[r * L::kPPitch + half * 32 + x] = __float2bfloat16_rn(sm.accumulate(logit[x]));
-      if (rescale != 1.0f)
-        for (int d = half; d < kDv; d += 2) os[r * L::kOPitch + d] *= rescale;
-      __syncwarp();
-      // O += P V
-#pragma unroll
-      for (int db = 0; db < kDv / 16; ++db) {
-        wmma::fragment<wmma::accumulator, 16, 16, 16, float> acc;
-        wmma::load_matrix_sync(acc, os + db * 16, L::kOPitch, wmma::mem_row_major);
-#pragma unroll
-        for (int kb = 0; kb < kTcKeys / 16; ++kb) {
-          wmma::fragment<wmma::matrix_a, 16, 16, 16, nv_bf16, wmma::row_major> fa;
-          wmma::fragment<wmma::matrix_b, 16, 16, 16, nv_bf16, wmma::row_major> fb;
-          wmma::load_matrix_sync(fa, ps + kb * 16, L::kPPitch);
-          wmma::load_matrix_sync(fb, vs + (kb * 16) * L::kVPitch + db * 16, L::kVPitch);
-          wmma::mma_sync(acc, fa, fb, acc);
-        }
-        wmma::store_matrix_sync(os + db * 16, acc, L::kOPitch, wmma::mem_row_major);
+      for (int nd = 0; nd < kDv / 8; ++nd) {
+        o[nd][0] *= resc_a;
+        o[nd][1] *= resc_a;
+        o[nd][2] *= resc_b;
+        o[nd][3] *= resc_b;
       }
-      __syncwarp();
+    }
+    // O += P V: P (rounded to bf16, as FlashAttention does) comes straight from the S registers
+#pragma unroll
+    for (int kk = 0; kk < kTcKeys / 16; ++kk) {
+      std::uint32_t pa[4];
+      pa[0] = pack_bf16(sm_a.accumulate(s[2 * kk][0]), sm_a.accumulate(s[2 * kk][1]));
+      pa[1] = pack_bf16(sm_b.accumulate(s[2 * kk][2]), sm_b.accumulate(s[2 * kk][3]));
+      pa[2] = pack_bf16(sm_a.accumulate(s[2 * kk + 1][0]), sm_a.accumulate(s[2 * kk + 1][1]));
+      pa[3] = pack_bf16(sm_b.accumulate(s[2 * kk + 1][2]), sm_b.accumulate(s[2 * kk + 1][3]));
+      const std::uint16_t* v0 = vs + (kk * 16 + 2 * quad) * L::kVPitch + r;  // (key, dim) = (2*quad, r)
+#pragma unroll
+      for (int nd = 0; nd < kDv / 8; ++nd) {
+        const std::uint16_t* vp = v0 + nd * 8;
+        const std::uint32_t b0 = pack_raw(vp[0], vp[L::kVPitch]);
+        const std::uint32_t b1 = pack_raw(vp[8 * L::kVPitch], vp[9 * L::kVPitch]);
+        mma_16816(o[nd], pa, b0, b1);
+      }
+    }
+    __syncthreads();  // this buffer is refilled by the issue two tiles on
+  }
+  // l = the quad's partial sums (every lane was rescaled by the same maxima)
+  float sum_a = sm_a.sum, sum_b = sm_b.sum;
+  sum_a += __shfl_xor_sync(0xffffffffu, sum_a, 1);
+  sum_a += __shfl_xor_sync(0xffffffffu, sum_a, 2);
+  sum_b += __shfl_xor_sync(0xffffffffu, sum_b, 1);
+  sum_b += __shfl_xor_sync(0xffffffffu, sum_b, 2);
+  const float inv_a = sum_a > 0.0f ? 1.0f / sum_a : 0.0f, inv_b = sum_b > 0.0f ? 1.0f / sum_b : 0.0f;
+  Out* oa = out + (((b * T + (act_a ? ta - n0 : 0)) * Hq) + h) * kDv;
+  Out* ob = out + (((b * T + (act_b ? tb - n0 : 0)) * Hq) + h) * kDv;
+#pragma unroll
+  for (int nd = 0; nd < kDv / 8; ++nd) {
+    const int c = nd * 8 + 2 * quad;
+    if (act_a) {
+      oa[c] = store_as<Out>(o[nd][0] * inv_a);
+      oa[c + 1] = store_as<Out>(o[nd][1] * inv_a);
+    }
+    if (act_b) {
+      ob[c] = store_as<Out>(o[nd][2] * inv_b);
+      ob[c + 1] = store_as<Out>(o[nd][3] * inv_b);
     }
   }
-  // l = both halves' sums (each half was rescaled by the same maxima)
-  const float total = sm.sum + __shfl_xor_sync(0xffffffffu, sm.sum, 1);
-  if (!row_active) return;
-  const float inv = total > 0.0f ? 1.0f / total : 0.0f;
-  Out* orow = out + (((b * T + (t_row - n0)) * Hq) + h) * kDv;
-  for (int d = half; d < kDv; d += 2) orow[d] = store_as<Out>(os[r * L::kOPitch + d] * inv);
 }
 
 // ---- State update on the tensor cores (bf16 storage, spec 4.5 steps 2 and 4) ----------------------
