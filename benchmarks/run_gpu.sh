@@ -4,16 +4,18 @@
 # run, and print the tables. Results go to $OUT (or ./gpu-results). Usage on the GPU machine, from the
 # repo root:
 #   benchmarks/run_gpu.sh [--prefix DIR_WITH_CATCH2_AND_JSON] [--golden DIR] [--quick] [--only kvm|ua]
+#                         [--no-sanitize]   (skips compute-sanitizer when the device time is short)
 set -uo pipefail
 out=${OUT:-$PWD/gpu-results}
 mkdir -p "$out"
-prefix="" golden="" quick=0 only=""
+prefix="" golden="" quick=0 only="" sanitize=1
 while (($#)); do
   case $1 in
     --prefix) prefix=$2; shift 2 ;;
     --golden) golden=$2; shift 2 ;;
     --quick) quick=1; shift ;;
     --only) only=$2; shift 2 ;;
+    --no-sanitize) sanitize=0; shift ;;
     *) echo "unknown option $1" >&2; exit 2 ;;
   esac
 done
@@ -37,7 +39,7 @@ for m in "${mechanisms[@]}"; do
 done
 for m in "${built[@]}"; do
   ctest --test-dir build/cuda -R "test_${m}_cuda" --timeout 180 --output-on-failure 2>&1 | tee "$out/ctest_$m.log" | tail -8
-  if command -v compute-sanitizer >/dev/null; then
+  if ((sanitize)) && command -v compute-sanitizer >/dev/null; then
     for tool in memcheck racecheck; do
       timeout 150 compute-sanitizer --tool $tool --error-exitcode 3 build/cuda/tests/cuda/test_${m}_cuda "[sanitize]" \
         >/tmp/sanitizer_${m}_$tool.log 2>&1

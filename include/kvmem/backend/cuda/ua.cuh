@@ -90,7 +90,7 @@ class UaCache {
     const std::size_t o_keys = take(I * cap * D * sizeof(S)), o_values = take(I * cap * D * sizeof(S)),
                       o_lambda = take(I * cap * sizeof(float)), o_logit = take(I * cap * sizeof(float)),
                       o_pos = take(I * cap * sizeof(std::int64_t)), o_len = take(I * sizeof(std::int64_t)),
-                      o_counter = take(I * sizeof(std::int64_t)), o_ml = take(I * splits * r * P * 2 * sizeof(float)),
+                      o_counter = take(I * sizeof(std::int64_t)), o_done = take(I * sizeof(int)), o_ml = take(I * splits * r * P * 2 * sizeof(float)),
                       o_acc = take(I * splits * r * P * D * sizeof(float)), o_new = take(I * P * sizeof(float));
     KVMEM_RETURN_IF_ERROR(DeviceBuffer::allocate(off, c.memory_));
     auto* base = static_cast<unsigned char*>(c.memory_.get());
@@ -102,6 +102,7 @@ class UaCache {
     d.pos = reinterpret_cast<std::int64_t*>(base + o_pos);
     d.length = reinterpret_cast<std::int64_t*>(base + o_len);
     d.counter = reinterpret_cast<std::int64_t*>(base + o_counter);
+    d.done = reinterpret_cast<int*>(base + o_done);
     d.cap = s.capacity;
     d.D = s.head_dim;
     d.G = s.kv_heads;
@@ -112,6 +113,7 @@ class UaCache {
     // lengths and counters start at 0 (the rows are written before they are read)
     KVMEM_RETURN_IF_ERROR(to_status(cudaMemset(d.length, 0, I * sizeof(std::int64_t)), "cudaMemset lengths"));
     KVMEM_RETURN_IF_ERROR(to_status(cudaMemset(d.counter, 0, I * sizeof(std::int64_t)), "cudaMemset counters"));
+    KVMEM_RETURN_IF_ERROR(to_status(cudaMemset(d.done, 0, I * sizeof(int)), "cudaMemset decode tickets"));
     KVMEM_RETURN_IF_ERROR(to_status(cudaDeviceSynchronize(), "UaCache::create"));
     c.position_.assign(std::size_t(s.batch), 0);
     out = std::move(c);
@@ -290,14 +292,10 @@ Status ua_run(const Executor& exec, UaCache<S>& cache, const UaInputs<S>& in, co
     a.lambda_new = nullptr;
     const std::int64_t want = (cache.bound_ + 1 + 2 * kDecodeThreads - 1) / (2 * kDecodeThreads);
     a.splits = int(std::clamp<std::int64_t>(want, 1, cache.limits_.max_splits));
-    const std::size_t bytes = decode_smem_bytes(D, r);
+    const std::size_t bytes = decode_kernel_smem_bytes<S>(D, r);
     KVMEM_RETURN_IF_ERROR(allow_shared(reinterpret_cast<const void*>(decode_attend_kernel<Set, S>), bytes));
     decode_attend_kernel<Set, S><<<dim3(unsigned(a.splits), unsigned(I)), kDecodeThreads, bytes, exec.stream>>>(dev, a);
     KVMEM_CUDA_RETURN_IF_LAUNCH_FAILED("ua decode_attend_kernel");
-    const std::size_t fbytes = finish_smem_bytes<S>(D);
-    KVMEM_RETURN_IF_ERROR(allow_shared(reinterpret_cast<const void*>(finish_kernel<S>), fbytes));
-    finish_kernel<S><<<unsigned(I), kFinishThreads, fbytes, exec.stream>>>(dev, a, 0, 1, 32, true);
-    KVMEM_CUDA_RETURN_IF_LAUNCH_FAILED("ua finish_kernel (decode)");
   } else {
     a.P = cache.limits_.max_prefill_chunk;
     a.lambda_new = cache.lambda_new_;
@@ -316,7 +314,7 @@ Status ua_run(const Executor& exec, UaCache<S>& cache, const UaInputs<S>& in, co
       KVMEM_RETURN_IF_ERROR(launched);
       merge_kernel<S><<<dim3(unsigned(rows), unsigned(I)), kMergeThreads, 0, exec.stream>>>(dev, a, t0, rows, kEntryTile);
       KVMEM_CUDA_RETURN_IF_LAUNCH_FAILED("ua merge_kernel");
-      finish_kernel<S><<<unsigned(I), kFinishThreads, fbytes, exec.stream>>>(dev, a, t0, rows, kEntryTile, false);
+      finish_kernel<S><<<unsigned(I), kFinishThreads, fbytes, exec.stream>>>(dev, a, t0, rows);
       KVMEM_CUDA_RETURN_IF_LAUNCH_FAILED("ua finish_kernel (prefill)");
       bound += rows;
     }

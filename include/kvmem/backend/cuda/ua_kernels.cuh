@@ -11,10 +11,11 @@
 //       writes each entry's λ back, and leaves one online-softmax partial (max, sum, accumulator) per
 //       (query head, row) of its range;
 //   merge_kernel    grid (rows, B*G): merges the partials of the splits in split order (deterministic:
-//       no atomics), applies the output gate, writes the output and lse (a decode step merges inside
-//       finish_kernel instead, one launch less);
+//       no float atomics), applies the output gate, writes the output and lse;
 //   finish_kernel   grid (B*G): evicts every entry with λ < ln p and compacts the survivors stably in
 //       place, appends the surviving new keys, and advances the item's position counter.
+// A decode step is one launch: the last split of an item to finish (an integer ticket) runs the merge
+// and the finish of that item.
 // No L x L matrix exists anywhere: λ is one float per entry, the decay lives in a tile of shared
 // memory for the duration of one (entry tile, row tile) step.
 
@@ -39,6 +40,7 @@ struct DeviceCache {
   std::int64_t* pos = nullptr;   // [I, cap] absolute positions
   std::int64_t* length = nullptr;   // [I] entries in use
   std::int64_t* counter = nullptr;  // [I] next absolute position (tokens seen by the sequence)
+  int* done = nullptr;              // [I] decode splits finished this step (the last one resets it to 0)
   std::int64_t cap = 0, D = 0, G = 0, r = 0;
 };
 
@@ -266,10 +268,9 @@ __global__ void __launch_bounds__(kChunkThreads) chunk_attend_kernel(DeviceCache
 }
 
 // ---- decode: one row per item --------------------------------------------------------------------
-// grid (splits, I), block kDecodeThreads, dynamic smem decode_smem_bytes(D, r). A warp takes one entry
-// at a time, its lanes over the dims (coalesced rows): the entry's key is read once for the λ update
-// (spec 4.4 step 1) and the r logits. Then the block walks the tile's value rows with one thread per
-// dim for all r heads. The new token is entry n (λ = 0).
+// A group of 8 lanes takes one entry at a time, its lanes over the dims: the entry's key is read once
+// for the λ update (spec 4.4 step 1) and the r logits. Then the block walks the tile's value rows with
+// one thread per dim for all r heads. The new token is entry n (λ = 0).
 __host__ __device__ inline std::size_t decode_smem_bytes(std::int64_t D, std::int64_t r) {
   return sizeof(float) * std::size_t((r + 1) * D         // queries of the group, the new key
                                      + r * D              // accumulators
@@ -295,11 +296,182 @@ __device__ inline float block_reduce_sum(float x, float* scratch) {
   for (int w = 1; w < int(blockDim.x / 32); ++w) s += scratch[w];  // fixed order: deterministic
   return s;
 }
-__device__ inline float warp_sum(float x) {
-  for (int o = 16; o > 0; o /= 2) x += __shfl_xor_sync(0xffffffffu, x, o);
+// Sum over the kDecodeGroup lanes of a group (xor offsets below the group size stay inside it).
+inline constexpr int kDecodeGroup = 8;
+inline constexpr int kGroupsPerWarp = 32 / kDecodeGroup;
+inline constexpr int kDecodeDimsPerLane = 256 / kDecodeGroup;  // head_dim <= 256 (UaCache::create)
+__device__ inline float group_sum(float x) {
+  for (int o = kDecodeGroup / 2; o > 0; o /= 2) x += __shfl_xor_sync(0xffffffffu, x, o);
   return x;
 }
 
+// ---- merge: the splits' partials of one row, in split order -------------------------------------
+// Every head of the group for row i (input row t0 + i): normalise, output gate, lse. Runs on the
+// calling block's threads (merge_kernel for prefill rows, the last split of a decode step). Partials
+// are read with ld.global.cg: other blocks wrote them.
+template <class S>
+__device__ inline void merge_row(const DeviceCache<S>& c, const DeviceCall<S>& a, std::int64_t item, std::int64_t t0,
+                                 std::int64_t i, int used) {
+  const std::int64_t D = c.D, r = c.r, b = item / c.G, g = item % c.G;
+  for (std::int64_t x = threadIdx.x; x < r * D; x += blockDim.x) {
+    const std::int64_t h = x / D, d = x % D;
+    float hi = negative_infinity<float>();
+    for (int s = 0; s < used; ++s) {
+      const float m = __ldcg(a.part_ml + (((item * a.splits + s) * r + h) * a.P + i) * 2);
+      hi = m > hi ? m : hi;
+    }
+    float sum = 0.0f, y = 0.0f;
+    if (hi != negative_infinity<float>())
+      for (int s = 0; s < used; ++s) {
+        const std::int64_t slot = ((item * a.splits + s) * r + h) * a.P + i;
+        const float m = __ldcg(a.part_ml + slot * 2);
+        if (m == negative_infinity<float>()) continue;
+        const float w = expf(m - hi);
+        sum += w * __ldcg(a.part_ml + slot * 2 + 1);
+        y += w * __ldcg(a.part_acc + slot * D + d);
+      }
+    y = sum > 0.0f ? y / sum : 0.0f;
+    const std::int64_t hq = g * r + h;
+    if (a.z_o) y *= sigmoid(ld(a.z_o + b * a.zo_b + (t0 + i) * a.zo_t + hq * a.zo_h + d));
+    a.out[b * a.o_b + (t0 + i) * a.o_t + hq * a.o_h + d] = y;
+    if (a.lse && d == 0)
+      a.lse[b * a.l_b + hq * a.l_h + (t0 + i) * a.l_t] = sum > 0.0f ? hi + logf(sum) : negative_infinity<float>();
+  }
+}
+
+inline constexpr int kMergeThreads = 128;
+// grid (rows, I), block kMergeThreads.
+template <class S>
+__global__ void __launch_bounds__(kMergeThreads) merge_kernel(DeviceCache<S> c, DeviceCall<S> a, std::int64_t t0,
+                                                              std::int64_t rows, std::int64_t min_piece) {
+  const std::int64_t item = blockIdx.y;
+  merge_row(c, a, item, t0, blockIdx.x, active_splits(c.length[item] + rows, a.splits, min_piece));
+}
+
+// ---- finish: evict + compact, append, advance ---------------------------------------------------
+// One item on the calling block's threads (any multiple of 32), with finish_smem_bytes<S>(D) bytes of
+// shared memory at `fsm`. Runs after everything of the step that reads the item's rows or its length
+// (it changes both): finish_kernel after a prefill chunk, the last split of a decode step. λ is read
+// with ld.global.cg: other blocks of the step updated it, and this block's L1 may hold old lines.
+inline constexpr int kFinishThreads = 256;
+inline constexpr int kCompactRows = 32;  // rows staged per compaction step (one warp's ballot)
+inline constexpr int kMaxCallRows = 1024;  // rows of one chunk (UaCacheLimits::max_prefill_chunk <= 1024)
+template <class S>
+__host__ __device__ inline std::size_t finish_smem_bytes(std::int64_t D) {
+  return std::size_t(kCompactRows) * std::size_t(2 * D) * sizeof(S) +
+         std::size_t(kCompactRows) * (2 * sizeof(float) + sizeof(std::int64_t)) + 64;
+}
+
+template <class S>
+__device__ inline void finish_item(const DeviceCache<S>& c, const DeviceCall<S>& a, std::int64_t item, std::int64_t t0,
+                                   std::int64_t rows, unsigned char* fsm) {
+  const std::int64_t D = c.D, b = item / c.G, g = item % c.G;
+  const std::int64_t n = c.length[item], row0 = item * c.cap;
+  const std::int64_t first = c.counter[item];  // absolute position of the call's row t0
+  const int tid = threadIdx.x, lane = tid % 32;
+
+  // 1. evict λ < ln p and compact stably in place (survivors keep ascending positions). Warp 0 turns
+  //    32 keep flags into destinations with a ballot; the group's rows are staged in shared memory, so
+  //    no row is overwritten before it is read.
+  S* kst = reinterpret_cast<S*>(fsm);
+  S* vst = kst + kCompactRows * D;
+  float* lst = reinterpret_cast<float*>(vst + kCompactRows * D);
+  float* zst = lst + kCompactRows;
+  std::int64_t* pst = reinterpret_cast<std::int64_t*>(zst + kCompactRows);
+  __shared__ int dst[kCompactRows];  // destination row, -1 = evicted
+  __shared__ int group_kept;
+  const bool prunes = a.log_p > -INFINITY;
+  std::int64_t kept = n;
+  if (prunes) {
+    kept = 0;
+    for (std::int64_t e0 = 0; e0 < n; e0 += kCompactRows) {
+      const std::int64_t ne = n - e0 < kCompactRows ? n - e0 : kCompactRows;
+      __syncthreads();  // the previous group is written
+      if (tid < 32) {
+        const bool keep = lane < ne && !(double(__ldcg(c.lambda + row0 + e0 + lane)) < a.log_p);
+        const unsigned mask = __ballot_sync(0xffffffffu, keep);
+        dst[lane] = keep ? int(kept + __popc(mask & ((1u << lane) - 1u))) : -1;
+        if (lane == 0) group_kept = __popc(mask);
+      }
+      __syncthreads();
+      const bool moves = dst[ne - 1] != int(e0 + ne - 1) || group_kept != ne;  // any survivor below its row
+      if (moves && kept + group_kept < e0 + ne) {
+        for (std::int64_t x = tid; x < ne * D; x += blockDim.x) {
+          kst[x] = c.keys[(row0 + e0) * D + x];
+          vst[x] = c.values[(row0 + e0) * D + x];
+        }
+        for (std::int64_t e = tid; e < ne; e += blockDim.x) {
+          lst[e] = __ldcg(c.lambda + row0 + e0 + e);
+          zst[e] = c.key_logit[row0 + e0 + e];
+          pst[e] = c.pos[row0 + e0 + e];
+        }
+        __syncthreads();
+        for (std::int64_t x = tid; x < ne * D; x += blockDim.x) {
+          const std::int64_t e = x / D, d = x % D;
+          if (dst[e] < 0) continue;
+          c.keys[(row0 + dst[e]) * D + d] = kst[x];
+          c.values[(row0 + dst[e]) * D + d] = vst[x];
+        }
+        for (std::int64_t e = tid; e < ne; e += blockDim.x) {
+          if (dst[e] < 0) continue;
+          c.lambda[row0 + dst[e]] = lst[e];
+          c.key_logit[row0 + dst[e]] = zst[e];
+          c.pos[row0 + dst[e]] = pst[e];
+        }
+      }
+      kept += group_kept;
+    }
+  }
+  // 2. append the call's keys that survive (a decode step's new token has λ = 0 >= ln p: always kept):
+  //    warp 0 turns the keep flags into destinations 32 rows per ballot, then every thread copies
+  __shared__ int new_dst[kMaxCallRows];
+  __syncthreads();
+  if (tid < 32) {
+    for (std::int64_t j0 = 0; j0 < rows; j0 += 32) {
+      const std::int64_t j = j0 + lane;
+      const float lam = (j < rows && a.lambda_new) ? a.lambda_new[item * a.P + j] : 0.0f;
+      const bool keep = j < rows && !(prunes && double(lam) < a.log_p);
+      const unsigned mask = __ballot_sync(0xffffffffu, keep);
+      if (j < rows) new_dst[j] = keep ? int(kept + __popc(mask & ((1u << lane) - 1u))) : -1;
+      kept += __popc(mask);
+    }
+    if (lane == 0) group_kept = int(kept);
+  }
+  __syncthreads();
+  kept = group_kept;
+  for (std::int64_t x = tid; x < rows * D; x += blockDim.x) {
+    const std::int64_t j = x / D, d = x % D;
+    if (new_dst[j] < 0) continue;
+    c.keys[(row0 + new_dst[j]) * D + d] = a.k[b * a.k_b + g * a.k_g + (t0 + j) * a.k_t + d];
+    c.values[(row0 + new_dst[j]) * D + d] = a.v[b * a.v_b + g * a.v_g + (t0 + j) * a.v_t + d];
+  }
+  for (std::int64_t j = tid; j < rows; j += blockDim.x) {
+    if (new_dst[j] < 0) continue;
+    c.lambda[row0 + new_dst[j]] = a.lambda_new ? a.lambda_new[item * a.P + j] : 0.0f;
+    c.key_logit[row0 + new_dst[j]] = a.z_k[b * a.zk_b + g * a.zk_g + (t0 + j) * a.zk_t];
+    c.pos[row0 + new_dst[j]] = first + j;
+  }
+  __syncthreads();  // every thread has read length / counter (first) above
+  if (tid == 0) {
+    c.length[item] = kept;
+    c.counter[item] += rows;
+  }
+}
+
+// grid (I), block kFinishThreads, dynamic smem finish_smem_bytes<S>(D): after a prefill chunk.
+template <class S>
+__global__ void __launch_bounds__(kFinishThreads) finish_kernel(DeviceCache<S> c, DeviceCall<S> a, std::int64_t t0,
+                                                                std::int64_t rows) {
+  extern __shared__ __align__(16) unsigned char fsm[];
+  finish_item(c, a, blockIdx.x, t0, rows, fsm);
+}
+
+// grid (splits, I), block kDecodeThreads, dynamic smem decode_kernel_smem_bytes<S>(D, r).
+template <class S>
+__host__ __device__ inline std::size_t decode_kernel_smem_bytes(std::int64_t D, std::int64_t r) {
+  const std::size_t attend = decode_smem_bytes(D, r), finish = finish_smem_bytes<S>(D);
+  return attend > finish ? attend : finish;
+}
 template <class Set, class S>
 __global__ void __launch_bounds__(kDecodeThreads) decode_attend_kernel(DeviceCache<S> c, DeviceCall<S> a) {
   extern __shared__ __align__(16) float dsm[];
@@ -319,6 +491,7 @@ __global__ void __launch_bounds__(kDecodeThreads) decode_attend_kernel(DeviceCac
   const std::int64_t e_end = e_begin + piece < total ? e_begin + piece : total;
   const std::int64_t t = c.counter[item], row0 = item * c.cap;
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, warps = kDecodeThreads / 32;
+  const int grp = lane / kDecodeGroup, sub = lane % kDecodeGroup;
   const S* new_key = a.k + b * a.k_b + g * a.k_g;
   for (std::int64_t x = tid; x < r * D; x += blockDim.x) {
     const std::int64_t h = x / D, d = x % D;
@@ -336,34 +509,46 @@ __global__ void __launch_bounds__(kDecodeThreads) decode_attend_kernel(DeviceCac
 
   for (std::int64_t e0 = e_begin; e0 < e_end; e0 += kDecodeThreads) {
     const std::int64_t ne = e_end - e0 < kDecodeThreads ? e_end - e0 : kDecodeThreads;
-    // 1. λ update and eviction test, 2. logits of the r heads (one warp per entry)
-    for (std::int64_t e = warp; e < kDecodeThreads; e += warps) {
-      const std::int64_t idx = e0 + e;
-      if (e >= ne) {
-        for (std::int64_t h = lane; h < r; h += 32) wts[h * kDecodeThreads + e] = negative_infinity<float>();
-        continue;
+    // 1. λ update and eviction test, 2. logits of the r heads. A group of kDecodeGroup lanes takes one
+    //    entry (lanes over the dims, the key row held in registers for the r + 1 dot products); every
+    //    lane runs every shuffle, so groups without an entry just contribute zeros.
+    for (std::int64_t eb = warp * kGroupsPerWarp; eb < kDecodeThreads; eb += warps * kGroupsPerWarp) {
+      const std::int64_t e = eb + grp, idx = e0 + e;
+      const bool valid = e < ne, cached = valid && idx < n;
+      const S* krow = cached ? c.keys + (row0 + idx) * D : new_key;
+      float key[kDecodeDimsPerLane];
+#pragma unroll
+      for (int x = 0; x < kDecodeDimsPerLane; ++x) {
+        const std::int64_t d = sub + std::int64_t(x) * kDecodeGroup;
+        key[x] = (valid && d < D) ? ld(krow + d) : 0.0f;
       }
-      const S* krow = idx < n ? c.keys + (row0 + idx) * D : new_key;
       float sim = 0.0f;
-      for (std::int64_t d = lane; d < D; d += 32) sim += ld(krow + d) * nk[d];
+#pragma unroll
+      for (int x = 0; x < kDecodeDimsPerLane; ++x) {
+        const std::int64_t d = sub + std::int64_t(x) * kDecodeGroup;
+        if (d < D) sim += key[x] * nk[d];
+      }
+      sim = group_sum(sim);
       float lam = 0.0f;
-      bool masked = false;
-      if (idx < n) {
-        sim = warp_sum(sim);
+      bool masked = !valid;
+      if (cached) {
         const float zk = c.key_logit[row0 + idx];
         const std::int64_t p = c.pos[row0 + idx];
         lam = c.lambda[row0 + idx];
         if (t > p)
           lam += kernel::ua::decay_from_similarity<Set, float>(sim, zk, kernel::ua::key_gate_part(zk), p, zq, q_part, t);
-        if (lane == 0) c.lambda[row0 + idx] = lam;
+        if (sub == 0) c.lambda[row0 + idx] = lam;
         masked = a.evict_before_attention && double(lam) < a.log_p;
       }
       for (std::int64_t h = 0; h < r; ++h) {
         float part = 0.0f;
-        if (!masked)
-          for (std::int64_t d = lane; d < D; d += 32) part += qs[h * D + d] * ld(krow + d);
-        part = warp_sum(part);
-        if (lane == 0) wts[h * kDecodeThreads + e] = masked ? negative_infinity<float>() : part + lam;  // scale 1
+#pragma unroll
+        for (int x = 0; x < kDecodeDimsPerLane; ++x) {
+          const std::int64_t d = sub + std::int64_t(x) * kDecodeGroup;
+          if (d < D) part += qs[h * D + d] * key[x];
+        }
+        part = group_sum(part);
+        if (sub == 0) wts[h * kDecodeThreads + e] = masked ? negative_infinity<float>() : part + lam;  // scale 1
       }
     }
     __syncthreads();
@@ -404,156 +589,19 @@ __global__ void __launch_bounds__(kDecodeThreads) decode_attend_kernel(DeviceCac
     }
     for (std::int64_t d = tid; d < D; d += blockDim.x) a.part_acc[slot * D + d] = acc[h * D + d];
   }
-}
-
-// ---- merge: the splits' partials of one row, in split order -------------------------------------
-// Every head of the group for row i (input row t0 + i): normalise, output gate, lse. Runs on the
-// calling block's threads (merge_kernel for prefill rows, finish_kernel for a decode step).
-template <class S>
-__device__ inline void merge_row(const DeviceCache<S>& c, const DeviceCall<S>& a, std::int64_t item, std::int64_t t0,
-                                 std::int64_t i, int used) {
-  const std::int64_t D = c.D, r = c.r, b = item / c.G, g = item % c.G;
-  for (std::int64_t x = threadIdx.x; x < r * D; x += blockDim.x) {
-    const std::int64_t h = x / D, d = x % D;
-    float hi = negative_infinity<float>();
-    for (int s = 0; s < used; ++s) {
-      const float m = a.part_ml[(((item * a.splits + s) * r + h) * a.P + i) * 2];
-      hi = m > hi ? m : hi;
-    }
-    float sum = 0.0f, y = 0.0f;
-    if (hi != negative_infinity<float>())
-      for (int s = 0; s < used; ++s) {
-        const std::int64_t slot = ((item * a.splits + s) * r + h) * a.P + i;
-        const float m = a.part_ml[slot * 2];
-        if (m == negative_infinity<float>()) continue;
-        const float w = expf(m - hi);
-        sum += w * a.part_ml[slot * 2 + 1];
-        y += w * a.part_acc[slot * D + d];
-      }
-    y = sum > 0.0f ? y / sum : 0.0f;
-    const std::int64_t hq = g * r + h;
-    if (a.z_o) y *= sigmoid(ld(a.z_o + b * a.zo_b + (t0 + i) * a.zo_t + hq * a.zo_h + d));
-    a.out[b * a.o_b + (t0 + i) * a.o_t + hq * a.o_h + d] = y;
-    if (a.lse && d == 0)
-      a.lse[b * a.l_b + hq * a.l_h + (t0 + i) * a.l_t] = sum > 0.0f ? hi + logf(sum) : negative_infinity<float>();
-  }
-}
-
-inline constexpr int kMergeThreads = 128;
-// grid (rows, I), block kMergeThreads.
-template <class S>
-__global__ void __launch_bounds__(kMergeThreads) merge_kernel(DeviceCache<S> c, DeviceCall<S> a, std::int64_t t0,
-                                                              std::int64_t rows, std::int64_t min_piece) {
-  const std::int64_t item = blockIdx.y;
-  merge_row(c, a, item, t0, blockIdx.x, active_splits(c.length[item] + rows, a.splits, min_piece));
-}
-
-// ---- finish: evict + compact, append, advance (decode: merge first) -----------------------------
-// grid (I), block kFinishThreads, dynamic smem finish_smem_bytes<S>(D). Must run after every kernel of
-// the step that reads the item's rows or its length (it changes both).
-inline constexpr int kFinishThreads = 256;
-inline constexpr int kCompactRows = 32;  // rows staged per compaction step (one warp's ballot)
-template <class S>
-__host__ __device__ inline std::size_t finish_smem_bytes(std::int64_t D) {
-  return std::size_t(kCompactRows) * std::size_t(2 * D) * sizeof(S) +
-         std::size_t(kCompactRows) * (2 * sizeof(float) + sizeof(std::int64_t)) + 64;
-}
-
-template <class S>
-__global__ void __launch_bounds__(kFinishThreads) finish_kernel(DeviceCache<S> c, DeviceCall<S> a, std::int64_t t0,
-                                                                std::int64_t rows, std::int64_t min_piece,
-                                                                bool merge) {
-  extern __shared__ __align__(16) unsigned char fsm[];
-  const std::int64_t D = c.D, item = blockIdx.x, b = item / c.G, g = item % c.G;
-  const std::int64_t n = c.length[item], row0 = item * c.cap;
-  const std::int64_t first = c.counter[item];  // absolute position of the call's row t0
-  const int tid = threadIdx.x, lane = tid % 32;
-  if (merge)
-    for (std::int64_t i = 0; i < rows; ++i) merge_row(c, a, item, t0, i, active_splits(n + rows, a.splits, min_piece));
-
-  // 1. evict λ < ln p and compact stably in place (survivors keep ascending positions). Warp 0 turns
-  //    32 keep flags into destinations with a ballot; the group's rows are staged in shared memory, so
-  //    no row is overwritten before it is read.
-  S* kst = reinterpret_cast<S*>(fsm);
-  S* vst = kst + kCompactRows * D;
-  float* lst = reinterpret_cast<float*>(vst + kCompactRows * D);
-  float* zst = lst + kCompactRows;
-  std::int64_t* pst = reinterpret_cast<std::int64_t*>(zst + kCompactRows);
-  __shared__ int dst[kCompactRows];  // destination row, -1 = evicted
-  __shared__ int group_kept;
-  const bool prunes = a.log_p > -INFINITY;
-  std::int64_t kept = n;
-  if (prunes) {
-    kept = 0;
-    for (std::int64_t e0 = 0; e0 < n; e0 += kCompactRows) {
-      const std::int64_t ne = n - e0 < kCompactRows ? n - e0 : kCompactRows;
-      __syncthreads();  // the previous group is written
-      if (tid < 32) {
-        const bool keep = lane < ne && !(double(c.lambda[row0 + e0 + lane]) < a.log_p);
-        const unsigned mask = __ballot_sync(0xffffffffu, keep);
-        dst[lane] = keep ? int(kept + __popc(mask & ((1u << lane) - 1u))) : -1;
-        if (lane == 0) group_kept = __popc(mask);
-      }
-      __syncthreads();
-      const bool moves = dst[ne - 1] != int(e0 + ne - 1) || group_kept != ne;  // any survivor below its row
-      if (moves && kept + group_kept < e0 + ne) {
-        for (std::int64_t x = tid; x < ne * D; x += blockDim.x) {
-          kst[x] = c.keys[(row0 + e0) * D + x];
-          vst[x] = c.values[(row0 + e0) * D + x];
-        }
-        for (std::int64_t e = tid; e < ne; e += blockDim.x) {
-          lst[e] = c.lambda[row0 + e0 + e];
-          zst[e] = c.key_logit[row0 + e0 + e];
-          pst[e] = c.pos[row0 + e0 + e];
-        }
-        __syncthreads();
-        for (std::int64_t x = tid; x < ne * D; x += blockDim.x) {
-          const std::int64_t e = x / D, d = x % D;
-          if (dst[e] < 0) continue;
-          c.keys[(row0 + dst[e]) * D + d] = kst[x];
-          c.values[(row0 + dst[e]) * D + d] = vst[x];
-        }
-        for (std::int64_t e = tid; e < ne; e += blockDim.x) {
-          if (dst[e] < 0) continue;
-          c.lambda[row0 + dst[e]] = lst[e];
-          c.key_logit[row0 + dst[e]] = zst[e];
-          c.pos[row0 + dst[e]] = pst[e];
-        }
-      }
-      kept += group_kept;
-    }
-  }
-  // 2. append the call's keys that survive (a decode step's new token has λ = 0 >= ln p: always kept)
-  for (std::int64_t j0 = 0; j0 < rows; j0 += kCompactRows) {
-    const std::int64_t nj = rows - j0 < kCompactRows ? rows - j0 : kCompactRows;
-    __syncthreads();
-    if (tid < 32) {
-      const float lam = (lane < nj && a.lambda_new) ? a.lambda_new[item * a.P + j0 + lane] : 0.0f;
-      const bool keep = lane < nj && !(prunes && double(lam) < a.log_p);
-      const unsigned mask = __ballot_sync(0xffffffffu, keep);
-      dst[lane] = keep ? int(kept + __popc(mask & ((1u << lane) - 1u))) : -1;
-      if (lane == 0) group_kept = __popc(mask);
-    }
-    __syncthreads();
-    for (std::int64_t x = tid; x < nj * D; x += blockDim.x) {
-      const std::int64_t j = x / D, d = x % D;
-      if (dst[j] < 0) continue;
-      c.keys[(row0 + dst[j]) * D + d] = a.k[b * a.k_b + g * a.k_g + (t0 + j0 + j) * a.k_t + d];
-      c.values[(row0 + dst[j]) * D + d] = a.v[b * a.v_b + g * a.v_g + (t0 + j0 + j) * a.v_t + d];
-    }
-    for (std::int64_t j = tid; j < nj; j += blockDim.x) {
-      if (dst[j] < 0) continue;
-      c.lambda[row0 + dst[j]] = a.lambda_new ? a.lambda_new[item * a.P + j0 + j] : 0.0f;
-      c.key_logit[row0 + dst[j]] = a.z_k[b * a.zk_b + g * a.zk_g + (t0 + j0 + j) * a.zk_t];
-      c.pos[row0 + dst[j]] = first + j0 + j;
-    }
-    kept += group_kept;
-  }
-  __syncthreads();  // every thread has read length / counter (first) above
-  if (tid == 0) {
-    c.length[item] = kept;
-    c.counter[item] += rows;
-  }
+  // The last split of the item to finish merges every split in split order and finishes the step (an
+  // integer ticket: which block arrives last does not change the result). One launch per step.
+  const int used = active_splits(total, a.splits, 32);
+  __shared__ int last;
+  __threadfence();  // this block's partial and λ are visible device-wide before the ticket says so
+  __syncthreads();
+  if (tid == 0) last = atomicAdd(c.done + item, 1) == used - 1 ? 1 : 0;
+  __syncthreads();
+  if (!last) return;
+  __threadfence();
+  merge_row(c, a, item, 0, 0, used);
+  finish_item(c, a, item, 0, 1, reinterpret_cast<unsigned char*>(dsm));  // the attention buffers are free now
+  if (tid == 0) c.done[item] = 0;
 }
 
 }  // namespace kvmem::cuda::ua_detail
