@@ -290,12 +290,21 @@ Status ua_run(const Executor& exec, UaCache<S>& cache, const UaInputs<S>& in, co
   if (decode) {
     a.P = 1;
     a.lambda_new = nullptr;
-    const std::int64_t want = (cache.bound_ + 1 + 2 * kDecodeThreads - 1) / (2 * kDecodeThreads);
-    a.splits = int(std::clamp<std::int64_t>(want, 1, cache.limits_.max_splits));
+    // Every split the cache allows: the kernel sizes the pieces from the true length (at least 32
+    // entries each), so a short cache uses few blocks and the rest return at once; a decode step is
+    // latency-bound, and more blocks shorten each block's chain of dependent loads.
+    a.splits = cache.limits_.max_splits;
     const std::size_t bytes = decode_kernel_smem_bytes<S>(D, r);
-    KVMEM_RETURN_IF_ERROR(allow_shared(reinterpret_cast<const void*>(decode_attend_kernel<Set, S>), bytes));
-    decode_attend_kernel<Set, S><<<dim3(unsigned(a.splits), unsigned(I)), kDecodeThreads, bytes, exec.stream>>>(dev, a);
-    KVMEM_CUDA_RETURN_IF_LAUNCH_FAILED("ua decode_attend_kernel");
+    const auto launch = [&](auto kernel) -> Status {
+      KVMEM_RETURN_IF_ERROR(allow_shared(reinterpret_cast<const void*>(kernel), bytes));
+      kernel<<<dim3(unsigned(a.splits), unsigned(I)), kDecodeThreads, bytes, exec.stream>>>(dev, a);
+      return to_status(cudaGetLastError(), "ua decode_attend_kernel");
+    };
+    // lanes of an 8-lane group hold ceil(D / 8) dims each
+    const Status launched = D <= 64    ? launch(decode_attend_kernel<Set, S, 8>)
+                            : D <= 128 ? launch(decode_attend_kernel<Set, S, 16>)
+                                       : launch(decode_attend_kernel<Set, S, 32>);
+    KVMEM_RETURN_IF_ERROR(launched);
   } else {
     a.P = cache.limits_.max_prefill_chunk;
     a.lambda_new = cache.lambda_new_;

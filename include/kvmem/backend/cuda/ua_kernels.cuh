@@ -299,7 +299,6 @@ __device__ inline float block_reduce_sum(float x, float* scratch) {
 // Sum over the kDecodeGroup lanes of a group (xor offsets below the group size stay inside it).
 inline constexpr int kDecodeGroup = 8;
 inline constexpr int kGroupsPerWarp = 32 / kDecodeGroup;
-inline constexpr int kDecodeDimsPerLane = 256 / kDecodeGroup;  // head_dim <= 256 (UaCache::create)
 __device__ inline float group_sum(float x) {
   for (int o = kDecodeGroup / 2; o > 0; o /= 2) x += __shfl_xor_sync(0xffffffffu, x, o);
   return x;
@@ -472,7 +471,8 @@ __host__ __device__ inline std::size_t decode_kernel_smem_bytes(std::int64_t D, 
   const std::size_t attend = decode_smem_bytes(D, r), finish = finish_smem_bytes<S>(D);
   return attend > finish ? attend : finish;
 }
-template <class Set, class S>
+// kDpl: dims per lane of an 8-lane group (>= ceil(D / 8)).
+template <class Set, class S, int kDpl>
 __global__ void __launch_bounds__(kDecodeThreads) decode_attend_kernel(DeviceCache<S> c, DeviceCall<S> a) {
   extern __shared__ __align__(16) float dsm[];
   const std::int64_t D = c.D, r = c.r, item = blockIdx.y, b = item / c.G, g = item % c.G;
@@ -512,19 +512,21 @@ __global__ void __launch_bounds__(kDecodeThreads) decode_attend_kernel(DeviceCac
     // 1. λ update and eviction test, 2. logits of the r heads. A group of kDecodeGroup lanes takes one
     //    entry (lanes over the dims, the key row held in registers for the r + 1 dot products); every
     //    lane runs every shuffle, so groups without an entry just contribute zeros.
-    for (std::int64_t eb = warp * kGroupsPerWarp; eb < kDecodeThreads; eb += warps * kGroupsPerWarp) {
+    for (std::int64_t x = tid; x < r * kDecodeThreads; x += blockDim.x)
+      if (x % kDecodeThreads >= ne) wts[x] = negative_infinity<float>();  // slots without an entry
+    for (std::int64_t eb = warp * kGroupsPerWarp; eb < ne; eb += warps * kGroupsPerWarp) {  // warp-uniform bound
       const std::int64_t e = eb + grp, idx = e0 + e;
       const bool valid = e < ne, cached = valid && idx < n;
       const S* krow = cached ? c.keys + (row0 + idx) * D : new_key;
-      float key[kDecodeDimsPerLane];
+      float key[kDpl];
 #pragma unroll
-      for (int x = 0; x < kDecodeDimsPerLane; ++x) {
+      for (int x = 0; x < kDpl; ++x) {
         const std::int64_t d = sub + std::int64_t(x) * kDecodeGroup;
         key[x] = (valid && d < D) ? ld(krow + d) : 0.0f;
       }
       float sim = 0.0f;
 #pragma unroll
-      for (int x = 0; x < kDecodeDimsPerLane; ++x) {
+      for (int x = 0; x < kDpl; ++x) {
         const std::int64_t d = sub + std::int64_t(x) * kDecodeGroup;
         if (d < D) sim += key[x] * nk[d];
       }
@@ -543,12 +545,12 @@ __global__ void __launch_bounds__(kDecodeThreads) decode_attend_kernel(DeviceCac
       for (std::int64_t h = 0; h < r; ++h) {
         float part = 0.0f;
 #pragma unroll
-        for (int x = 0; x < kDecodeDimsPerLane; ++x) {
+        for (int x = 0; x < kDpl; ++x) {
           const std::int64_t d = sub + std::int64_t(x) * kDecodeGroup;
           if (d < D) part += qs[h * D + d] * key[x];
         }
         part = group_sum(part);
-        if (sub == 0) wts[h * kDecodeThreads + e] = masked ? negative_infinity<float>() : part + lam;  // scale 1
+        if (sub == 0 && valid) wts[h * kDecodeThreads + e] = masked ? negative_infinity<float>() : part + lam;  // scale 1
       }
     }
     __syncthreads();
@@ -573,12 +575,25 @@ __global__ void __launch_bounds__(kDecodeThreads) decode_attend_kernel(DeviceCac
     }
     __syncthreads();
     // 4. p.v: one thread per dim, every head, the tile's value rows in entry order
-    for (std::int64_t d = tid; d < D; d += blockDim.x)
-      for (std::int64_t e = 0; e < ne; ++e) {
+    for (std::int64_t d = tid; d < D; d += blockDim.x) {
+      std::int64_t e = 0;
+      for (; e + 4 <= ne; e += 4) {  // four independent loads in flight
+        float val[4];
+#pragma unroll
+        for (int u = 0; u < 4; ++u) {
+          const std::int64_t id = e0 + e + u;
+          val[u] = ld(id < n ? c.values + (row0 + id) * D + d : a.v + b * a.v_b + g * a.v_g + d);
+        }
+        for (std::int64_t h = 0; h < r; ++h)
+#pragma unroll
+          for (int u = 0; u < 4; ++u) acc[h * D + d] += wts[h * kDecodeThreads + e + u] * val[u];
+      }
+      for (; e < ne; ++e) {
         const std::int64_t id = e0 + e;
         const float val = ld(id < n ? c.values + (row0 + id) * D + d : a.v + b * a.v_b + g * a.v_g + d);
         for (std::int64_t h = 0; h < r; ++h) acc[h * D + d] += wts[h * kDecodeThreads + e] * val;
       }
+    }
     __syncthreads();
   }
   for (std::int64_t h = 0; h < r; ++h) {
