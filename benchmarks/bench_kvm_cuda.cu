@@ -20,44 +20,15 @@
 #include <string>
 #include <vector>
 
+#include "cuda_bench_support.cuh"
 #include "kvmem/backend/cuda.hpp"
 
 namespace {
 
-#define CHECK_CUDA(expr)                                                                  \
-  do {                                                                                    \
-    const cudaError_t err_ = (expr);                                                      \
-    if (err_ != cudaSuccess) {                                                            \
-      std::fprintf(stderr, "%s failed: %s\n", #expr, cudaGetErrorString(err_));           \
-      std::exit(1);                                                                       \
-    }                                                                                     \
-  } while (0)
-#define CHECK_STATUS(expr)                                                                \
-  do {                                                                                    \
-    const kvmem::Status st_ = (expr);                                                     \
-    if (!st_.is_ok()) {                                                                   \
-      std::fprintf(stderr, "%s failed: %s\n", #expr, st_.to_string().c_str());            \
-      std::exit(1);                                                                       \
-    }                                                                                     \
-  } while (0)
-
 using kvmem::bf16;
 using kvmem::TensorView;
+using kvmem::bench::fill;
 
-// Deterministic pseudo-random fill: N(0,1)-like via the sum of uniforms (no cuRAND dependency).
-__global__ void fill_kernel(bf16* x, std::int64_t n, std::uint64_t seed, float mean, float sd) {
-  for (std::int64_t i = blockIdx.x * std::int64_t(blockDim.x) + threadIdx.x; i < n; i += std::int64_t(gridDim.x) * blockDim.x) {
-    std::uint64_t h = (std::uint64_t(i) + 1) * 0x9E3779B97F4A7C15ull ^ seed;
-    float s = 0;
-    for (int r = 0; r < 4; ++r) {
-      h ^= h >> 31;
-      h *= 0xBF58476D1CE4E5B9ull;
-      h ^= h >> 29;
-      s += float(h >> 40) / float(1ull << 24);
-    }
-    x[i] = bf16(mean + sd * (s - 2.0f) * 1.7320508f);
-  }
-}
 __global__ void gate_kernel(bf16* x, std::int64_t n) {  // g = 1 + elu(z) > 0
   for (std::int64_t i = blockIdx.x * std::int64_t(blockDim.x) + threadIdx.x; i < n; i += std::int64_t(gridDim.x) * blockDim.x) {
     const float z = float(x[i]);
@@ -72,11 +43,6 @@ struct Buffer {
   template <class T>
   T* as() const { return static_cast<T*>(ptr); }
 };
-
-void fill(bf16* x, std::int64_t n, std::uint64_t seed, float mean = 0, float sd = 1) {
-  fill_kernel<<<1024, 256>>>(x, n, seed, mean, sd);
-  CHECK_CUDA(cudaGetLastError());
-}
 
 struct Row {
   std::string budget;

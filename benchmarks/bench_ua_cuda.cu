@@ -20,46 +20,16 @@
 #include <string>
 #include <vector>
 
+#include "cuda_bench_support.cuh"
 #include "kvmem/backend/cuda/ua.cuh"
 
 namespace {
 
-#define CHECK_CUDA(expr)                                                        \
-  do {                                                                          \
-    const cudaError_t err_ = (expr);                                            \
-    if (err_ != cudaSuccess) {                                                  \
-      std::fprintf(stderr, "%s failed: %s\n", #expr, cudaGetErrorString(err_)); \
-      std::exit(1);                                                             \
-    }                                                                           \
-  } while (0)
-#define CHECK_STATUS(expr)                                                         \
-  do {                                                                             \
-    const kvmem::Status st_ = (expr);                                              \
-    if (!st_.is_ok()) {                                                            \
-      std::fprintf(stderr, "%s failed: %s\n", #expr, st_.to_string().c_str());     \
-      std::exit(1);                                                                \
-    }                                                                              \
-  } while (0)
-
 using kvmem::bf16;
 using kvmem::TensorView;
+using kvmem::bench::Buffer;
+using kvmem::bench::fill;
 
-__device__ inline float hash_normal(std::uint64_t i, std::uint64_t seed) {  // sum of 4 uniforms, unit variance
-  std::uint64_t h = (i + 1) * 0x9E3779B97F4A7C15ull ^ seed;
-  float s = 0;
-  for (int r = 0; r < 4; ++r) {
-    h ^= h >> 31;
-    h *= 0xBF58476D1CE4E5B9ull;
-    h ^= h >> 29;
-    s += float(h >> 40) / float(1ull << 24);
-  }
-  return (s - 2.0f) * 1.7320508f;
-}
-template <class T>
-__global__ void fill_kernel(T* x, std::int64_t n, std::uint64_t seed, float mean, float sd) {
-  for (std::int64_t i = blockIdx.x * std::int64_t(blockDim.x) + threadIdx.x; i < n; i += std::int64_t(gridDim.x) * blockDim.x)
-    x[i] = T(mean + sd * hash_normal(std::uint64_t(i), seed));
-}
 // k / (||k|| + 1e-6), one warp per row (spec UA.md 2: normalised keys)
 __global__ void normalise_kernel(bf16* k, std::int64_t rows, std::int64_t D) {
   const std::int64_t row = blockIdx.x * std::int64_t(blockDim.x / 32) + threadIdx.x / 32;
@@ -71,13 +41,6 @@ __global__ void normalise_kernel(bf16* k, std::int64_t rows, std::int64_t D) {
   for (std::int64_t d = threadIdx.x % 32; d < D; d += 32) k[row * D + d] = bf16(float(k[row * D + d]) * inv);
 }
 
-template <class T>
-struct Buffer {
-  T* ptr = nullptr;
-  explicit Buffer(std::size_t n) { CHECK_CUDA(cudaMalloc(&ptr, std::max<std::size_t>(n, 1) * sizeof(T))); }
-  ~Buffer() { cudaFree(ptr); }
-};
-
 struct Inputs {  // [B,H,T,D] q, [B,G,T,D] k v, [B,G,T] gates; out [B,T,H,D]
   std::int64_t B, H, G, T, D;
   Buffer<bf16> q, k, v;
@@ -85,13 +48,13 @@ struct Inputs {  // [B,H,T,D] q, [B,G,T,D] k v, [B,G,T] gates; out [B,T,H,D]
   Inputs(std::int64_t b, std::int64_t h, std::int64_t g, std::int64_t t, std::int64_t d, std::uint64_t seed)
       : B(b), H(h), G(g), T(t), D(d), q(std::size_t(b * h * t * d)), k(std::size_t(b * g * t * d)),
         v(std::size_t(b * g * t * d)), zk(std::size_t(b * g * t)), zq(std::size_t(b * g * t)), out(std::size_t(b * t * h * d)) {
-    fill_kernel<<<1024, 256>>>(q.ptr, B * H * T * D, seed + 1, 0.0f, 2.0f);
-    fill_kernel<<<1024, 256>>>(k.ptr, B * G * T * D, seed + 2, 0.0f, 1.0f);
+    fill(q.ptr, B * H * T * D, seed + 1, 0.0f, 2.0f);
+    fill(k.ptr, B * G * T * D, seed + 2, 0.0f, 1.0f);
     normalise_kernel<<<unsigned((B * G * T + 7) / 8), 256>>>(k.ptr, B * G * T, D);
-    fill_kernel<<<1024, 256>>>(v.ptr, B * G * T * D, seed + 3, 0.0f, 1.0f);
-    fill_kernel<<<1024, 256>>>(zk.ptr, B * G * T, seed + 4, 1.0f, 1.5f);
-    fill_kernel<<<1024, 256>>>(zq.ptr, B * G * T, seed + 5, 1.0f, 1.5f);
     CHECK_CUDA(cudaGetLastError());
+    fill(v.ptr, B * G * T * D, seed + 3, 0.0f, 1.0f);
+    fill(zk.ptr, B * G * T, seed + 4, 1.0f, 1.5f);
+    fill(zq.ptr, B * G * T, seed + 5, 1.0f, 1.5f);
   }
   kvmem::cuda::UaInputs<bf16> slice(std::int64_t t0, std::int64_t t1) const {
     const std::int64_t n = t1 - t0;

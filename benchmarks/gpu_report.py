@@ -38,26 +38,6 @@ def sdpa(backend, q, k, v, causal, gqa=False):
         return F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=gqa)
 
 
-def gqa_anchors(batch, heads, kv_heads, tokens, dim=128):
-    """Dense causal SDPA prefill and q_len-1 decode with grouped kv heads (the UA benchmark shape)."""
-    rows = {}
-    for T in tokens:
-        q = torch.randn(batch, heads, T, dim, device="cuda", dtype=torch.bfloat16)
-        k, v = (torch.randn(batch, kv_heads, T, dim, device="cuda", dtype=torch.bfloat16) for _ in range(2))
-        q1 = torch.randn(batch, heads, 1, dim, device="cuda", dtype=torch.bfloat16)
-        for name, backend in (("cudnn", SDPBackend.CUDNN_ATTENTION), ("flash", SDPBackend.FLASH_ATTENTION)):
-            try:
-                pre = timed(lambda: sdpa(backend, q, k, v, True, True))
-                dec = timed(lambda: sdpa(backend, q1, k, v, False, True), reps=50)
-            except RuntimeError as e:
-                print(f"# {name} GQA T={T}: {str(e).splitlines()[0]}")
-                pre = dec = float("nan")
-            rows[(name, T)] = (pre, dec)
-        del q, k, v
-        torch.cuda.empty_cache()
-    return rows
-
-
 def ua_table(path, anchors_by_t, copy_tbs):
     with open(path) as f:
         ua = [json.loads(line) for line in f if line.strip()]
@@ -83,17 +63,21 @@ def ua_table(path, anchors_by_t, copy_tbs):
             print(line)
 
 
-def anchors(batch, heads, tokens, dim=128):
+def anchors(batch, heads, tokens, dim=128, kv_heads=None):
+    """Dense causal SDPA prefill and q_len-1 decode per backend; kv_heads < heads runs grouped (GQA)."""
+    kv_heads = kv_heads or heads
+    gqa = kv_heads != heads
     rows = {}
     for T in tokens:
-        q, k, v = (torch.randn(batch, heads, T, dim, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+        q = torch.randn(batch, heads, T, dim, device="cuda", dtype=torch.bfloat16)
+        k, v = (torch.randn(batch, kv_heads, T, dim, device="cuda", dtype=torch.bfloat16) for _ in range(2))
         q1 = torch.randn(batch, heads, 1, dim, device="cuda", dtype=torch.bfloat16)
         for name, backend in (("cudnn", SDPBackend.CUDNN_ATTENTION), ("flash", SDPBackend.FLASH_ATTENTION)):
             try:
-                pre = timed(lambda: sdpa(backend, q, k, v, True))
-                dec = timed(lambda: sdpa(backend, q1, k, v, False), reps=50)
+                pre = timed(lambda: sdpa(backend, q, k, v, True, gqa))
+                dec = timed(lambda: sdpa(backend, q1, k, v, False, gqa), reps=50)
             except RuntimeError as e:  # a backend may refuse a shape
-                print(f"# {name} T={T}: {str(e).splitlines()[0]}")
+                print(f"# {name} T={T}{' GQA' if gqa else ''}: {str(e).splitlines()[0]}")
                 pre = dec = float("nan")
             rows[(name, T)] = (pre, dec)
         del q, k, v
@@ -130,7 +114,7 @@ def main():
     print(f"copy bandwidth {copy_tbs:.2f} TB/s (read + write), bf16 matmul 8192^3 {mm_tflops:.0f} TFLOP/s")
     if args.ua:
         ua_tokens = [int(t) for t in args.ua_tokens.split(",")]
-        ua_table(args.ua, gqa_anchors(8, 16, 4, ua_tokens), copy_tbs)
+        ua_table(args.ua, anchors(8, 16, ua_tokens, kv_heads=4), copy_tbs)
     if not args.kvm:
         return
     dense = anchors(args.batch, args.heads, tokens)

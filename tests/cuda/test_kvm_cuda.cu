@@ -12,49 +12,20 @@
 
 #include "kvm/kvm_host_util.hpp"
 #include "kvmem/backend/cuda.hpp"
+#include "cuda/cuda_test_support.hpp"
 #include "support/golden.hpp"
 
 namespace {
 using kvmem::TensorView;
 namespace rkvm = kvmem::reference::kvm;
 using namespace kvmem::test;
-
-bool no_device() {
-  if (kvmem::cuda::device_count() > 0) return false;
-  WARN("SKIPPED: no CUDA device visible; the gpu suite needs one (CI compiles it only)");
-  return true;
-}
-
-#define CUDA_REQUIRE(expr) REQUIRE(kvmem::cuda::to_status((expr), #expr).to_string() == "ok")
-
-template <class T>
-struct Dev {
-  T* ptr = nullptr;
-  std::size_t n = 0;
-  explicit Dev(std::size_t count) : n(count) { CUDA_REQUIRE(cudaMalloc(&ptr, std::max<std::size_t>(1, n) * sizeof(T))); }
-  Dev(const std::vector<T>& host) : Dev(host.size()) {
-    CUDA_REQUIRE(cudaMemcpy(ptr, host.data(), n * sizeof(T), cudaMemcpyHostToDevice));
-  }
-  ~Dev() { cudaFree(ptr); }
-  std::vector<T> get() const {
-    std::vector<T> h(n);
-    CUDA_REQUIRE(cudaMemcpy(h.data(), ptr, n * sizeof(T), cudaMemcpyDeviceToHost));
-    return h;
-  }
-};
+using namespace kvmem::test::cuda;
 
 struct DevWeights {
   Dev<float> w, b, ts, tw;
   explicit DevWeights(const FloatWeights& f) : w(f.w), b(f.b), ts(f.ts), tw(f.tw) {}
   kvmem::cuda::KvmWeights view() const { return {w.ptr, b.ptr, ts.ptr, tw.ptr}; }
 };
-
-template <class S>
-std::vector<S> as_storage(const std::vector<float>& x) {
-  std::vector<S> y(x.size());
-  for (std::size_t i = 0; i < x.size(); ++i) y[i] = kvmem::store_as<S>(x[i]);
-  return y;
-}
 
 // Feeds tokens [t0, t1) (inputs in storage type S, output float) and writes their rows into out_full.
 template <class S>
@@ -162,31 +133,31 @@ void check_graph_step(std::int64_t dim) {
       g(as_storage<S>(slice_tokens(in.gate, c.B * c.Hk, c.T, 1, t0, t0 + 1)));
   Dev<float> o(std::size_t(c.B * c.Hq * c.Dv));
   cudaStream_t stream = nullptr;
-  CUDA_REQUIRE(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  KVMEM_CUDA_REQUIRE(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
   cudaGraph_t graph = nullptr;
   cudaGraphExec_t exec = nullptr;
-  CUDA_REQUIRE(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
+  KVMEM_CUDA_REQUIRE(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
   const auto status = kvmem::cuda::kvm_decode(
       kvmem::cuda::Executor{stream}, captured, w.view(), TensorView<const S, 4>(q.ptr, {c.B, c.Hq, 1, c.D}),
       TensorView<const S, 4>(k.ptr, {c.B, c.Hk, 1, c.D}), TensorView<const S, 4>(v.ptr, {c.B, c.Hk, 1, c.Dv}),
       TensorView<const S, 3>(g.ptr, {c.B, c.Hk, 1}), TensorView<float, 4>(o.ptr, {c.B, 1, c.Hq, c.Dv}));
-  CUDA_REQUIRE(cudaStreamEndCapture(stream, &graph));
+  KVMEM_CUDA_REQUIRE(cudaStreamEndCapture(stream, &graph));
   INFO(status.to_string());
   REQUIRE(status.is_ok());
-  CUDA_REQUIRE(cudaGraphInstantiate(&exec, graph, 0));
+  KVMEM_CUDA_REQUIRE(cudaGraphInstantiate(&exec, graph, 0));
   std::vector<float> expect;
   for (std::int64_t b = 0; b < c.B; ++b)
     for (std::int64_t i = 0; i < c.Hq * c.Dv; ++i)
       expect.push_back(out_plain[std::size_t(((b * c.T + t0) * c.Hq) * c.Dv + i)]);
   for (int replay = 0; replay < 2; ++replay) {
-    CUDA_REQUIRE(cudaGraphLaunch(exec, stream));
-    CUDA_REQUIRE(cudaStreamSynchronize(stream));
+    KVMEM_CUDA_REQUIRE(cudaGraphLaunch(exec, stream));
+    KVMEM_CUDA_REQUIRE(cudaStreamSynchronize(stream));
     INFO("replay " << replay << " head dim " << dim);
     CHECK(o.get() == expect);
   }
-  CUDA_REQUIRE(cudaGraphExecDestroy(exec));
-  CUDA_REQUIRE(cudaGraphDestroy(graph));
-  CUDA_REQUIRE(cudaStreamDestroy(stream));
+  KVMEM_CUDA_REQUIRE(cudaGraphExecDestroy(exec));
+  KVMEM_CUDA_REQUIRE(cudaGraphDestroy(graph));
+  KVMEM_CUDA_REQUIRE(cudaStreamDestroy(stream));
 }
 }  // namespace
 

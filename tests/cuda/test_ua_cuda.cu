@@ -14,45 +14,16 @@
 #include <catch2/catch.hpp>
 
 #include "kvmem/backend/cuda/ua.cuh"
+#include "cuda/cuda_test_support.hpp"
 #include "support/golden.hpp"
 #include "ua/ua_host_support.hpp"
 
 namespace {
 using kvmem::TensorView;
 using namespace kvmem::test;
+using namespace kvmem::test::cuda;
 using namespace kvmem::test::ua;
 
-bool no_device() {
-  if (kvmem::cuda::device_count() > 0) return false;
-  WARN("SKIPPED: no CUDA device visible; the gpu suite needs one (CI compiles it only)");
-  return true;
-}
-
-#define CUDA_REQUIRE(expr) REQUIRE(kvmem::cuda::to_status((expr), #expr).to_string() == "ok")
-
-template <class T>
-struct Dev {
-  T* ptr = nullptr;
-  std::size_t n = 0;
-  explicit Dev(std::size_t count) : n(count) { CUDA_REQUIRE(cudaMalloc(&ptr, std::max<std::size_t>(1, n) * sizeof(T))); }
-  explicit Dev(const std::vector<T>& host) : Dev(host.size()) {
-    CUDA_REQUIRE(cudaMemcpy(ptr, host.data(), n * sizeof(T), cudaMemcpyHostToDevice));
-  }
-  Dev(const Dev&) = delete;
-  ~Dev() { cudaFree(ptr); }
-  std::vector<T> get() const {
-    std::vector<T> h(n);
-    CUDA_REQUIRE(cudaMemcpy(h.data(), ptr, n * sizeof(T), cudaMemcpyDeviceToHost));
-    return h;
-  }
-};
-
-template <class S>
-std::vector<S> as_storage(const std::vector<float>& x) {
-  std::vector<S> y(x.size());
-  for (std::size_t i = 0; i < x.size(); ++i) y[i] = kvmem::store_as<S>(x[i]);
-  return y;
-}
 // The values a storage type S can hold (host runs see exactly what the device sees).
 template <class S>
 std::vector<float> rounded(const std::vector<float>& x) {
@@ -95,7 +66,7 @@ struct CudaRun {
 };
 
 // Chunked prefill of [0, split), then decode of [split, T), all with `opt` (the goldens' pruned run).
-template <class S>
+template <class S, class Set = kvmem::decay::Universal>
 CudaRun cuda_prefill_decode(const FloatCase& f, std::int64_t split, const kvmem::ua::Options& opt,
                             kvmem::cuda::UaCacheLimits limits = {}) {
   const auto& c = f.c;
@@ -107,16 +78,16 @@ CudaRun cuda_prefill_decode(const FloatCase& f, std::int64_t split, const kvmem:
   Dev<float> out(std::vector<float>(std::size_t(c.B * c.T * c.H * c.D), -7.0f));  // poisoned
   const kvmem::cuda::Executor exec{};
   if (split > 0) {
-    const auto s = kvmem::cuda::ua_prefill(exec, cache, d.slice(0, split), opt, d.out_slice(out.ptr, 0, split));
+    const auto s = kvmem::cuda::ua_prefill<Set>(exec, cache, d.slice(0, split), opt, d.out_slice(out.ptr, 0, split));
     INFO(s.to_string());
     REQUIRE(s.is_ok());
   }
   for (std::int64_t t = split; t < c.T; ++t) {
-    const auto s = kvmem::cuda::ua_decode(exec, cache, d.slice(t, t + 1), opt, d.out_slice(out.ptr, t, t + 1));
+    const auto s = kvmem::cuda::ua_decode<Set>(exec, cache, d.slice(t, t + 1), opt, d.out_slice(out.ptr, t, t + 1));
     INFO(s.to_string());
     REQUIRE(s.is_ok());
   }
-  CUDA_REQUIRE(cudaDeviceSynchronize());
+  KVMEM_CUDA_REQUIRE(cudaDeviceSynchronize());
   CudaRun r;
   r.out = out.get();
   r.kept.assign(std::size_t(c.B * c.G * c.T), 0);
@@ -154,19 +125,22 @@ CudaDense cuda_forward(const FloatCase& f) {
   return {out.get(), lse.get(), lam.get()};
 }
 
-// Kept-set comparison: exact, except keys whose λ at the last token lies within `band` of ln p
-// (spec UA.md 6.12: don't-care when the other side rounds differently); the count is reported.
+// Kept-set comparison: exact, except keys whose λ at the last token (fp64 reference, decay set Set) lies
+// within `band` of ln p (spec UA.md 6.12: don't-care when the other side rounds differently); the
+// count of those is returned in `excluded`.
+template <class Set = kvmem::decay::Universal>
 std::int64_t kept_mismatches(const Case& c, const std::vector<std::int64_t>& a, const std::vector<std::int64_t>& b,
                              double p, double band, std::int64_t& excluded) {
   std::int64_t bad = 0;
   excluded = 0;
+  const std::int64_t T = c.config.T;
   for (std::int64_t bb = 0; bb < c.config.B; ++bb)
     for (std::int64_t g = 0; g < c.config.G; ++g) {
-      const auto last = lambda_last_row(c, bb, g);
-      for (std::int64_t j = 0; j < c.config.T; ++j) {
-        const std::size_t e = std::size_t((bb * c.config.G + g) * c.config.T + j);
+      const auto lam = kvmem::reference::ua::cumulative_decay<Set>(c.config, c.inputs, bb, g);
+      for (std::int64_t j = 0; j < T; ++j) {
+        const std::size_t e = std::size_t((bb * c.config.G + g) * T + j);
         if (a[e] == b[e]) continue;
-        if (std::abs(last[std::size_t(j)] - std::log(p)) < band) ++excluded;
+        if (std::abs(lam[std::size_t((T - 1) * T + j)] - std::log(p)) < band) ++excluded;
         else ++bad;
       }
     }
@@ -379,4 +353,54 @@ TEST_CASE("ua cuda bf16 tensor-core chunk kernel at a small shape (sanitizer cas
   INFO("out relative Frobenius " << e << ", kept mismatches " << bad << " (+ " << excluded << " near-ties)");
   CHECK(e <= 1e-2);
   CHECK(bad == 0);
+}
+
+namespace {
+// A user gate (DESIGN.md 2): forget faster the further apart the tokens are; the kernels pick it up
+// through the decay::Set like the built-in gates.
+struct DistanceGate {
+  template <class Real>
+  KVMEM_HOST_DEVICE static Real log_factor(const kvmem::decay::PairInputs<Real>& in) {
+    return -Real(0.05) * static_cast<Real>(in.position - in.key_position);
+  }
+};
+using DistanceSet = kvmem::decay::Set<kvmem::decay::KeyGate, DistanceGate>;  // no similarity products
+using UniversalPlusDistance =
+    kvmem::decay::Set<kvmem::decay::QueryGate, kvmem::decay::KeyGate, kvmem::decay::SimilarityGate, DistanceGate>;
+}  // namespace
+
+TEST_CASE("ua cuda user decay gates: fp32 against the fp64 reference, bf16 tensor cores against the host", "[ua][cuda]") {
+  if (no_device()) return;
+  {  // CUDA-core kernels, a set without the similarity gate
+    Case c = random_case(1, 90, 2, 1, 8, 131);
+    c.config.prefill_chunk = 16;
+    c.config.prefill_split = 60;
+    const FloatCase f(c);
+    const auto ref = kvmem::reference::ua::pruned<DistanceSet>(c.config, c.inputs, 0.05);
+    const auto gpu = cuda_prefill_decode<float, DistanceSet>(f, 60, kvmem::ua::Options{0.05, 16, true});
+    KVMEM_CHECK_CLOSE(gpu.out, ref.out, kTolFp32);
+    CHECK(gpu.kept == ref.kept);
+    CHECK(gpu.lengths[0] < 90);
+  }
+  {  // tensor-core chunk kernel (bf16, r = 4): the paper's gates plus the user gate
+    Case c = random_case(1, 260, 8, 2, 64, 133);
+    FloatCase f(c);
+    f.q = rounded<kvmem::bf16>(f.q);
+    f.k = rounded<kvmem::bf16>(f.k);
+    f.v = rounded<kvmem::bf16>(f.v);
+    const kvmem::ua::Options opt{0.05, 64, true};
+    kvmem::ua::PrunedCache<kvmem::bf16> hc(f.cache_shape());
+    std::vector<float> host = f.make_out();
+    REQUIRE(kvmem::ua::prefill<UniversalPlusDistance>(kvmem::host::Executor{2}, hc, f.slice(0, 200), opt,
+                                                       f.out_slice(host, 0, 200)).is_ok());
+    for (std::int64_t t = 200; t < 260; ++t)
+      REQUIRE(kvmem::ua::decode<UniversalPlusDistance>(kvmem::host::Executor{2}, hc, f.slice(t, t + 1), opt,
+                                                        f.out_slice(host, t, t + 1)).is_ok());
+    const auto gpu = cuda_prefill_decode<kvmem::bf16, UniversalPlusDistance>(f, 200, opt);
+    const double e = relative_frobenius(gpu.out, host);
+    INFO("out relative Frobenius " << e);
+    CHECK(e <= 1e-2);
+    std::int64_t excluded = 0;
+    CHECK(kept_mismatches<UniversalPlusDistance>(c, gpu.kept, kept_mask(hc, c.config.T), 0.05, 1e-3, excluded) == 0);
+  }
 }

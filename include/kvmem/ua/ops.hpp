@@ -45,15 +45,20 @@ struct Options {
   }
 };
 
-// Views of caller memory (float inputs). T is the number of tokens of the call (1 for decode).
-struct Inputs {
-  TensorView<const float, 4> q;    // [B,H,T,D] post-RoPE queries, no 1/sqrt(D)
-  TensorView<const float, 4> k;    // [B,G,T,D] normalised, then rotated keys
-  TensorView<const float, 4> v;    // [B,G,T,D]
+// Views of one call's inputs. T is the number of tokens of the call (1 for decode). q, k, v and z_o
+// have the element type S (float on the host; the CUDA backend also takes bf16 / fp16 device memory),
+// the gate logits are fp32.
+template <class S>
+struct InputsOf {
+  TensorView<const S, 4> q;        // [B,H,T,D] post-RoPE queries, no 1/sqrt(D)
+  TensorView<const S, 4> k;        // [B,G,T,D] normalised, then rotated keys
+  TensorView<const S, 4> v;        // [B,G,T,D]
   TensorView<const float, 3> z_k;  // [B,G,T] key-gate logits
   TensorView<const float, 3> z_q;  // [B,G,T] query-side gate logits
-  TensorView<const float, 4> z_o;  // [B,T,H,D] output-gate logits; empty view = no output gate
+  TensorView<const S, 4> z_o;      // [B,T,H,D] output-gate logits; empty view = no output gate
 };
+// Host and Kokkos inputs: float views of caller memory.
+using Inputs = InputsOf<float>;
 
 // Customisation point: a backend specialises Launcher<Executor> with
 //   template <class Body> static void for_each(const Executor&, std::int64_t items, std::int64_t work, Body&& body);
@@ -94,9 +99,8 @@ Status check_rows(const TensorView<T, Rank>& view, const char* name) {
 
 // Shapes and row strides of the inputs of one call with T tokens (no data read); every backend checks
 // these first. The bodies read rows through pointers, so the innermost stride must be 1.
-// In: Inputs or a backend's inputs struct with the same members (device views of another element type).
-template <class In, class O>
-Status check_call_shapes(const In& in, TensorView<O, 4> out, std::int64_t B, std::int64_t H, std::int64_t G,
+template <class S, class O>
+Status check_call_shapes(const InputsOf<S>& in, TensorView<O, 4> out, std::int64_t B, std::int64_t H, std::int64_t G,
                          std::int64_t D) {
   const std::int64_t T = in.q.extent(2);
   if (T <= 0) return invalid_argument("q tokens (dim 2)", "at least one token", T);

@@ -72,6 +72,16 @@ class DeviceBuffer {
   std::size_t bytes_ = 0;
 };
 
+// Opts a kernel into more than the default 48 KB of dynamic shared memory (a driver call, so launchers
+// call it only for kernels that need it).
+template <class Kernel>
+Status allow_shared(Kernel kernel, std::size_t bytes) {
+  if (bytes <= 48 * 1024) return Status::ok();
+  return to_status(cudaFuncSetAttribute(reinterpret_cast<const void*>(kernel), cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                        int(bytes)),
+                   "cudaFuncSetAttribute(max dynamic shared memory)");
+}
+
 }  // namespace kvmem::cuda
 
 // Launch check: a bad configuration surfaces at the launch, a fault later at a synchronisation.

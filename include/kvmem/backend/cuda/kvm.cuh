@@ -241,12 +241,6 @@ class KvmState {
 
 namespace kvm_detail {
 
-template <class Kernel>
-Status allow_shared(Kernel kernel, std::size_t bytes) {
-  if (bytes <= 48 * 1024) return Status::ok();
-  return to_status(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(bytes)),
-                   "cudaFuncSetAttribute(max dynamic shared memory)");
-}
 
 // Novelty scores (kRoute false, slots [j0, j1) into st.score) or merge routes (kRoute true) on the
 // tensor cores; bf16 storage with d.tc_route only.

@@ -40,16 +40,9 @@
 
 namespace kvmem::cuda {
 
-// One call's inputs in device memory. T tokens (1 for decode); innermost stride 1.
+// One call's inputs in device memory (q, k, v, z_o in the storage type S; gate logits fp32).
 template <class S>
-struct UaInputs {
-  TensorView<const S, 4> q;        // [B,H,T,D] post-RoPE queries, no 1/sqrt(D)
-  TensorView<const S, 4> k;        // [B,G,T,D] normalised, then rotated keys
-  TensorView<const S, 4> v;        // [B,G,T,D]
-  TensorView<const float, 3> z_k;  // [B,G,T] key-gate logits
-  TensorView<const float, 3> z_q;  // [B,G,T] query-side gate logits
-  TensorView<const S, 4> z_o;      // [B,T,H,D] output-gate logits; empty view = no output gate
-};
+using UaInputs = ua::InputsOf<S>;
 
 // Sizes of the per-call scratch a cache owns next to its rows.
 struct UaCacheLimits {
@@ -192,12 +185,6 @@ class UaCache {
 
 namespace ua_detail {
 
-inline Status allow_shared(const void* kernel, std::size_t bytes) {
-  if (bytes <= 48 * 1024) return Status::ok();
-  return to_status(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(bytes)),
-                   "cudaFuncSetAttribute(max dynamic shared memory)");
-}
-
 template <class S>
 DeviceCall<S> make_call(const UaInputs<S>& in, TensorView<float, 4> out, TensorView<float, 3> lse) {
   DeviceCall<S> a;
@@ -296,7 +283,7 @@ Status ua_run(const Executor& exec, UaCache<S>& cache, const UaInputs<S>& in, co
     a.splits = cache.limits_.max_splits;
     const std::size_t bytes = decode_kernel_smem_bytes<S>(D, r);
     const auto launch = [&](auto kernel) -> Status {
-      KVMEM_RETURN_IF_ERROR(allow_shared(reinterpret_cast<const void*>(kernel), bytes));
+      KVMEM_RETURN_IF_ERROR(allow_shared(kernel, bytes));
       kernel<<<dim3(unsigned(a.splits), unsigned(I)), kDecodeThreads, bytes, exec.stream>>>(dev, a);
       return to_status(cudaGetLastError(), "ua decode_attend_kernel");
     };
@@ -309,14 +296,14 @@ Status ua_run(const Executor& exec, UaCache<S>& cache, const UaInputs<S>& in, co
     a.P = cache.limits_.max_prefill_chunk;
     a.lambda_new = cache.lambda_new_;
     const std::size_t fbytes = finish_smem_bytes<S>(D);
-    KVMEM_RETURN_IF_ERROR(allow_shared(reinterpret_cast<const void*>(finish_kernel<S>), fbytes));
+    KVMEM_RETURN_IF_ERROR(allow_shared(finish_kernel<S>, fbytes));
     std::int64_t bound = cache.bound_;
     for (std::int64_t t0 = 0; t0 < T; t0 += opt.prefill_chunk) {
       const std::int64_t rows = std::min(opt.prefill_chunk, T - t0);
       const std::int64_t want = (bound + rows + 2 * kEntryTile - 1) / (2 * kEntryTile);
       a.splits = int(std::clamp<std::int64_t>(want, 1, cache.limits_.max_splits));
       const Status launched = with_chunk_kernel<Set, S>(in, D, r, [&](auto kernel, std::size_t bytes, int threads) -> Status {
-        KVMEM_RETURN_IF_ERROR(allow_shared(reinterpret_cast<const void*>(kernel), bytes));
+        KVMEM_RETURN_IF_ERROR(allow_shared(kernel, bytes));
         kernel<<<dim3(unsigned(a.splits), unsigned(I)), unsigned(threads), bytes, exec.stream>>>(dev, a, t0, rows);
         return to_status(cudaGetLastError(), "ua chunk_attend_kernel");
       });

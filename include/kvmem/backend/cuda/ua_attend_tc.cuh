@@ -53,6 +53,24 @@ struct UaTcLayout {
   static constexpr std::size_t kBytes = align(kMeta + std::size_t(kTcEntries) * (2 * 4 + 8) + std::size_t(kRows) * 8);
 };
 
+// One warp: out[16 x 16] (fp32, row pitch ldo) = A B^T for bf16 rows A[16 x kD], B[16 x kD] (row pitches
+// lda, ldb) on the tensor cores. Serves the key/key similarity and q.k.
+template <int kD>
+__device__ inline void tile_abt(const __nv_bfloat16* a, int lda, const __nv_bfloat16* b, int ldb, float* out, int ldo) {
+  namespace wmma = nvcuda::wmma;
+  wmma::fragment<wmma::accumulator, 16, 16, 16, float> acc;
+  wmma::fill_fragment(acc, 0.0f);
+#pragma unroll
+  for (int kb = 0; kb < kD / 16; ++kb) {
+    wmma::fragment<wmma::matrix_a, 16, 16, 16, __nv_bfloat16, wmma::row_major> fa;
+    wmma::fragment<wmma::matrix_b, 16, 16, 16, __nv_bfloat16, wmma::col_major> fb;
+    wmma::load_matrix_sync(fa, a + kb * 16, lda);
+    wmma::load_matrix_sync(fb, b + kb * 16, ldb);
+    wmma::mma_sync(acc, fa, fb, acc);
+  }
+  wmma::store_matrix_sync(out, acc, ldo, wmma::mem_row_major);
+}
+
 // grid (splits, I), block 32 * kTcWarps, dynamic smem UaTcLayout<kD>::kBytes. Same arguments and
 // outputs as chunk_attend_kernel; S is bf16, rows of q/k/v 16-byte aligned (checked by the launcher).
 template <class Set, int kD>
@@ -145,17 +163,8 @@ __global__ void __launch_bounds__(32 * kTcWarps) chunk_attend_tc_kernel(DeviceCa
         const int tiles_r = rt / 16;
         if (warp < (kTcEntries / 16) * tiles_r) {
           const int te = warp / tiles_r, tr = warp % tiles_r;
-          wmma::fragment<wmma::accumulator, 16, 16, 16, float> acc;
-          wmma::fill_fragment(acc, 0.0f);
-#pragma unroll
-          for (int kb = 0; kb < kD / 16; ++kb) {
-            wmma::fragment<wmma::matrix_a, 16, 16, 16, nv_bf16, wmma::row_major> fa;
-            wmma::fragment<wmma::matrix_b, 16, 16, 16, nv_bf16, wmma::col_major> fb;
-            wmma::load_matrix_sync(fa, ks + (te * 16) * L::kKPitch + kb * 16, L::kKPitch);
-            wmma::load_matrix_sync(fb, nk + (tr * 16) * L::kKPitch + kb * 16, L::kKPitch);
-            wmma::mma_sync(acc, fa, fb, acc);
-          }
-          wmma::store_matrix_sync(at + (te * 16) * L::kAPitch + tr * 16, acc, L::kAPitch, wmma::mem_row_major);
+          tile_abt<kD>(ks + (te * 16) * L::kKPitch, L::kKPitch, nk + (tr * 16) * L::kKPitch, L::kKPitch,
+                       at + (te * 16) * L::kAPitch + tr * 16, L::kAPitch);
         }
         __syncthreads();
       }
@@ -190,19 +199,9 @@ __global__ void __launch_bounds__(32 * kTcWarps) chunk_attend_tc_kernel(DeviceCa
       __syncthreads();
       // S = Q K^T for the warp's 16 pairs and the tile's entries
 #pragma unroll
-      for (int nb = 0; nb < kTcEntries / 16; ++nb) {
-        wmma::fragment<wmma::accumulator, 16, 16, 16, float> acc;
-        wmma::fill_fragment(acc, 0.0f);
-#pragma unroll
-        for (int kb = 0; kb < kD / 16; ++kb) {
-          wmma::fragment<wmma::matrix_a, 16, 16, 16, nv_bf16, wmma::row_major> fa;
-          wmma::fragment<wmma::matrix_b, 16, 16, 16, nv_bf16, wmma::col_major> fb;
-          wmma::load_matrix_sync(fa, qs + (warp * 16) * L::kQPitch + kb * 16, L::kQPitch);
-          wmma::load_matrix_sync(fb, ks + (nb * 16) * L::kKPitch + kb * 16, L::kKPitch);
-          wmma::mma_sync(acc, fa, fb, acc);
-        }
-        wmma::store_matrix_sync(ss + nb * 16, acc, L::kSPitch, wmma::mem_row_major);
-      }
+      for (int nb = 0; nb < kTcEntries / 16; ++nb)
+        tile_abt<kD>(qs + (warp * 16) * L::kQPitch, L::kQPitch, ks + (nb * 16) * L::kKPitch, L::kKPitch, ss + nb * 16,
+                     L::kSPitch);
       __syncwarp();
       // logits = q.k + Λ (scale 1), online softmax on the lane's 32 columns
       const int row_in_tile = row_base + lr;

@@ -1,0 +1,68 @@
+// SPDX-License-Identifier: Apache-2.0
+#pragma once
+// Shared pieces of the CUDA benchmarks: fail-fast checks (a benchmark has no caller to return a Status
+// to), deterministic pseudo-random fills on the device (no cuRAND dependency), and a typed device buffer.
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+
+#include "kvmem/core/status.hpp"
+
+#define CHECK_CUDA(expr)                                                        \
+  do {                                                                          \
+    const cudaError_t err_ = (expr);                                            \
+    if (err_ != cudaSuccess) {                                                  \
+      std::fprintf(stderr, "%s failed: %s\n", #expr, cudaGetErrorString(err_)); \
+      std::exit(1);                                                             \
+    }                                                                           \
+  } while (0)
+#define CHECK_STATUS(expr)                                                     \
+  do {                                                                         \
+    const kvmem::Status st_ = (expr);                                          \
+    if (!st_.is_ok()) {                                                        \
+      std::fprintf(stderr, "%s failed: %s\n", #expr, st_.to_string().c_str()); \
+      std::exit(1);                                                            \
+    }                                                                          \
+  } while (0)
+
+namespace kvmem::bench {
+
+// Unit-variance noise from a hash of (index, seed): the sum of four uniforms, centred and scaled.
+__device__ inline float hash_normal(std::uint64_t i, std::uint64_t seed) {
+  std::uint64_t h = (i + 1) * 0x9E3779B97F4A7C15ull ^ seed;
+  float s = 0;
+  for (int r = 0; r < 4; ++r) {
+    h ^= h >> 31;
+    h *= 0xBF58476D1CE4E5B9ull;
+    h ^= h >> 29;
+    s += float(h >> 40) / float(1ull << 24);
+  }
+  return (s - 2.0f) * 1.7320508f;
+}
+
+template <class T>
+__global__ void fill_kernel(T* x, std::int64_t n, std::uint64_t seed, float mean, float sd) {
+  for (std::int64_t i = blockIdx.x * std::int64_t(blockDim.x) + threadIdx.x; i < n; i += std::int64_t(gridDim.x) * blockDim.x)
+    x[i] = T(mean + sd * hash_normal(std::uint64_t(i), seed));
+}
+
+// x[i] ~ mean + sd * N(0,1)-like, deterministic in (i, seed).
+template <class T>
+void fill(T* x, std::int64_t n, std::uint64_t seed, float mean = 0, float sd = 1) {
+  fill_kernel<<<1024, 256>>>(x, n, seed, mean, sd);
+  CHECK_CUDA(cudaGetLastError());
+}
+
+template <class T>
+struct Buffer {
+  T* ptr = nullptr;
+  explicit Buffer(std::size_t n) { CHECK_CUDA(cudaMalloc(&ptr, std::max<std::size_t>(n, 1) * sizeof(T))); }
+  Buffer(const Buffer&) = delete;
+  Buffer& operator=(const Buffer&) = delete;
+  ~Buffer() { cudaFree(ptr); }
+};
+
+}  // namespace kvmem::bench
