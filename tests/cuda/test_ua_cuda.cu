@@ -404,3 +404,22 @@ TEST_CASE("ua cuda user decay gates: fp32 against the fp64 reference, bf16 tenso
     CHECK(kept_mismatches<UniversalPlusDistance>(c, gpu.kept, kept_mask(hc, c.config.T), 0.05, 1e-3, excluded) == 0);
   }
 }
+
+TEST_CASE("ua cuda fp16 storage agrees with the host backend (CUDA-core kernels)", "[ua][cuda]") {
+  if (no_device()) return;
+  Case c = random_case(2, 300, 8, 2, 64, 151);
+  FloatCase f(c);
+  f.q = rounded<kvmem::fp16>(f.q);  // both sides see the same fp16 inputs
+  f.k = rounded<kvmem::fp16>(f.k);
+  f.v = rounded<kvmem::fp16>(f.v);
+  const kvmem::ua::Options opt{0.05, 64, true};
+  kvmem::ua::PrunedCache<kvmem::fp16> hc(f.cache_shape());
+  const auto host = host_prefill_decode(f, 220, opt, hc);
+  const auto gpu = cuda_prefill_decode<kvmem::fp16>(f, 220, opt);
+  const double e = relative_frobenius(gpu.out, host);
+  std::int64_t excluded = 0;
+  const auto bad = kept_mismatches(c, gpu.kept, kept_mask(hc, c.config.T), 0.05, 1e-3, excluded);
+  INFO("out relative Frobenius " << e << ", kept mismatches " << bad << " (+ " << excluded << " near-ties)");
+  CHECK(e <= 1e-4);  // same fp16 operands, fp32 sums in a different order
+  CHECK(bad == 0);
+}
