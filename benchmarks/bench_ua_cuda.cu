@@ -46,8 +46,17 @@ struct Inputs {  // [B,H,T,D] q, [B,G,T,D] k v, [B,G,T] gates; out [B,T,H,D]
   Buffer<bf16> q, k, v;
   Buffer<float> zk, zq, out;
   Inputs(std::int64_t b, std::int64_t h, std::int64_t g, std::int64_t t, std::int64_t d, std::uint64_t seed)
-      : B(b), H(h), G(g), T(t), D(d), q(std::size_t(b * h * t * d)), k(std::size_t(b * g * t * d)),
-        v(std::size_t(b * g * t * d)), zk(std::size_t(b * g * t)), zq(std::size_t(b * g * t)), out(std::size_t(b * t * h * d)) {
+      : B(b),
+        H(h),
+        G(g),
+        T(t),
+        D(d),
+        q(std::size_t(b * h * t * d)),
+        k(std::size_t(b * g * t * d)),
+        v(std::size_t(b * g * t * d)),
+        zk(std::size_t(b * g * t)),
+        zq(std::size_t(b * g * t)),
+        out(std::size_t(b * t * h * d)) {
     fill(q.ptr, B * H * T * D, seed + 1, 0.0f, 2.0f);
     fill(k.ptr, B * G * T * D, seed + 2, 0.0f, 1.0f);
     normalise_kernel<<<unsigned((B * G * T + 7) / 8), 256>>>(k.ptr, B * G * T, D);
@@ -119,12 +128,18 @@ int main(int argc, char** argv) {
   std::vector<std::int64_t> tokens = {4096, 8192, 16384}, dense_only;
   const char* json = nullptr;
   for (int i = 1; i + 1 < argc; i += 2) {
-    if (!std::strcmp(argv[i], "--batch")) B = std::atoll(argv[i + 1]);
-    else if (!std::strcmp(argv[i], "--heads")) H = std::atoll(argv[i + 1]);
-    else if (!std::strcmp(argv[i], "--kv-heads")) G = std::atoll(argv[i + 1]);
-    else if (!std::strcmp(argv[i], "--tokens")) tokens = parse_list(argv[i + 1]);
-    else if (!std::strcmp(argv[i], "--dense-only")) dense_only = parse_list(argv[i + 1]);
-    else if (!std::strcmp(argv[i], "--json")) json = argv[i + 1];
+    if (!std::strcmp(argv[i], "--batch"))
+      B = std::atoll(argv[i + 1]);
+    else if (!std::strcmp(argv[i], "--heads"))
+      H = std::atoll(argv[i + 1]);
+    else if (!std::strcmp(argv[i], "--kv-heads"))
+      G = std::atoll(argv[i + 1]);
+    else if (!std::strcmp(argv[i], "--tokens"))
+      tokens = parse_list(argv[i + 1]);
+    else if (!std::strcmp(argv[i], "--dense-only"))
+      dense_only = parse_list(argv[i + 1]);
+    else if (!std::strcmp(argv[i], "--json"))
+      json = argv[i + 1];
     else {
       std::fprintf(stderr, "unknown option %s\n", argv[i]);
       return 2;
@@ -137,7 +152,9 @@ int main(int argc, char** argv) {
   FILE* js = json ? std::fopen(json, "a") : nullptr;
   constexpr std::int64_t kDecodeSteps = 256;
   const kvmem::cuda::Executor exec{};
-  std::printf("| variant | B | T | p | prefill ms | kept after prefill | decode ms/token | kept after decode | kept KV MB/token | GB/s |\n");
+  std::printf(
+      "| variant | B | T | p | prefill ms | kept after prefill | decode ms/token | kept after decode | kept KV "
+      "MB/token | GB/s |\n");
   std::printf("|---|---|---|---|---|---|---|---|---|---|\n");
   std::vector<std::pair<std::int64_t, bool>> runs;
   for (auto T : tokens) runs.push_back({T, false});
@@ -177,11 +194,12 @@ int main(int argc, char** argv) {
                   kept_decode, bytes_per_token / 1e6, decode_ms > 0 ? bytes_per_token / (decode_ms * 1e6) : 0.0);
       std::fflush(stdout);
       if (js)
-        std::fprintf(js,
-                     "{\"B\": %lld, \"H\": %lld, \"G\": %lld, \"D\": %lld, \"T\": %lld, \"p\": %g, \"prefill_ms\": %.5f, "
-                     "\"kept_prefill\": %.6f, \"decode_ms\": %.6f, \"kept_decode\": %.6f, \"kept_bytes\": %.0f}\n",
-                     (long long)B, (long long)H, (long long)G, (long long)D, (long long)T, p, prefill_ms, kept_prefill,
-                     decode_ms, kept_decode, bytes_per_token);
+        std::fprintf(
+            js,
+            "{\"B\": %lld, \"H\": %lld, \"G\": %lld, \"D\": %lld, \"T\": %lld, \"p\": %g, \"prefill_ms\": %.5f, "
+            "\"kept_prefill\": %.6f, \"decode_ms\": %.6f, \"kept_decode\": %.6f, \"kept_bytes\": %.0f}\n",
+            (long long)B, (long long)H, (long long)G, (long long)D, (long long)T, p, prefill_ms, kept_prefill,
+            decode_ms, kept_decode, bytes_per_token);
     }
   }
   if (js) std::fclose(js);

@@ -45,7 +45,8 @@ __device__ inline float hash_normal(std::uint64_t i, std::uint64_t seed) {
 
 template <class T>
 __global__ void fill_kernel(T* x, std::int64_t n, std::uint64_t seed, float mean, float sd) {
-  for (std::int64_t i = blockIdx.x * std::int64_t(blockDim.x) + threadIdx.x; i < n; i += std::int64_t(gridDim.x) * blockDim.x)
+  for (std::int64_t i = blockIdx.x * std::int64_t(blockDim.x) + threadIdx.x; i < n;
+       i += std::int64_t(gridDim.x) * blockDim.x)
     x[i] = T(mean + sd * hash_normal(std::uint64_t(i), seed));
 }
 

@@ -29,7 +29,9 @@ template <class T>
 struct Dev {
   T* ptr = nullptr;
   std::size_t n = 0;
-  explicit Dev(std::size_t count) : n(count) { KVMEM_CUDA_REQUIRE(cudaMalloc(&ptr, std::max<std::size_t>(1, n) * sizeof(T))); }
+  explicit Dev(std::size_t count) : n(count) {
+    KVMEM_CUDA_REQUIRE(cudaMalloc(&ptr, std::max<std::size_t>(1, n) * sizeof(T)));
+  }
   explicit Dev(const std::vector<T>& host) : Dev(host.size()) {
     KVMEM_CUDA_REQUIRE(cudaMemcpy(ptr, host.data(), n * sizeof(T), cudaMemcpyHostToDevice));
   }

@@ -13,8 +13,8 @@
 
 #include <catch2/catch.hpp>
 
-#include "kvmem/backend/cuda/ua.cuh"
 #include "cuda/cuda_test_support.hpp"
+#include "kvmem/backend/cuda/ua.cuh"
 #include "support/golden.hpp"
 #include "ua/ua_host_support.hpp"
 
@@ -39,8 +39,13 @@ struct DevCase {
   Dev<S> q, k, v, z_o;
   Dev<float> z_k, z_q;
   explicit DevCase(const FloatCase& fc)
-      : f(fc), q(as_storage<S>(fc.q)), k(as_storage<S>(fc.k)), v(as_storage<S>(fc.v)), z_o(as_storage<S>(fc.z_o)),
-        z_k(fc.z_k), z_q(fc.z_q) {}
+      : f(fc),
+        q(as_storage<S>(fc.q)),
+        k(as_storage<S>(fc.k)),
+        v(as_storage<S>(fc.v)),
+        z_o(as_storage<S>(fc.z_o)),
+        z_k(fc.z_k),
+        z_q(fc.z_q) {}
   kvmem::cuda::UaInputs<S> slice(std::int64_t t0, std::int64_t t1) const {
     const auto& c = f.c;
     const std::int64_t B = c.B, H = c.H, G = c.G, T = c.T, D = c.D, n = t1 - t0;
@@ -116,7 +121,8 @@ template <class S>
 CudaDense cuda_forward(const FloatCase& f) {
   const auto& c = f.c;
   DevCase<S> d(f);
-  Dev<float> out(std::size_t(c.B * c.T * c.H * c.D)), lse(std::size_t(c.B * c.H * c.T)), lam(std::size_t(c.B * c.G * c.T));
+  Dev<float> out(std::size_t(c.B * c.T * c.H * c.D)), lse(std::size_t(c.B * c.H * c.T)),
+      lam(std::size_t(c.B * c.G * c.T));
   const auto s = kvmem::cuda::ua_forward(kvmem::cuda::Executor{}, d.slice(0, c.T), d.out_slice(out.ptr, 0, c.T),
                                          TensorView<float, 3>(lse.ptr, {c.B, c.H, c.T}),
                                          TensorView<float, 3>(lam.ptr, {c.B, c.G, c.T}));
@@ -140,8 +146,10 @@ std::int64_t kept_mismatches(const Case& c, const std::vector<std::int64_t>& a, 
       for (std::int64_t j = 0; j < T; ++j) {
         const std::size_t e = std::size_t((bb * c.config.G + g) * T + j);
         if (a[e] == b[e]) continue;
-        if (std::abs(lam[std::size_t((T - 1) * T + j)] - std::log(p)) < band) ++excluded;
-        else ++bad;
+        if (std::abs(lam[std::size_t((T - 1) * T + j)] - std::log(p)) < band)
+          ++excluded;
+        else
+          ++bad;
       }
     }
   return bad;
@@ -207,7 +215,8 @@ TEST_CASE("ua cuda G0 worked example: chunked prefill kept sets and decode order
   for (const auto& [opt, want] : decode_cases) {
     const auto r = cuda_prefill_decode<float>(f, 0, opt);
     INFO("p " << opt.p << " evict_before_attention " << opt.evict_before_attention);
-    for (std::int64_t d = 0; d < 4; ++d) CHECK(r.out[std::size_t((15 * 2 + 0) * 4 + d)] == Approx(want[std::size_t(d)]).margin(2e-6));
+    for (std::int64_t d = 0; d < 4; ++d)
+      CHECK(r.out[std::size_t((15 * 2 + 0) * 4 + d)] == Approx(want[std::size_t(d)]).margin(2e-6));
   }
 }
 
@@ -230,7 +239,8 @@ TEST_CASE("ua cuda decode equals prefill, pruned equals dense as p -> 0 (fp32)",
   for (auto len : tiny.lengths) CHECK(len == c.config.T);  // λ >= 149 ln 1e-6 > ln 1e-30
 }
 
-TEST_CASE("ua cuda fp32 pruned prefill and decode match the host backend (GQA, output gate, several chunks)", "[ua][cuda]") {
+TEST_CASE("ua cuda fp32 pruned prefill and decode match the host backend (GQA, output gate, several chunks)",
+          "[ua][cuda]") {
   if (no_device()) return;
   for (const bool gate : {false, true}) {
     const Case c = random_case(2, 300, 8, 2, 64, 21, 1.0, gate);
@@ -295,7 +305,8 @@ TEST_CASE("ua cuda rejects bad calls before touching the cache", "[ua][cuda]") {
   auto s = kvmem::cuda::ua_prefill(exec, cache, in, {}, d.out_slice(out.ptr, 0, 8));
   CHECK(s.code() == kvmem::StatusCode::kInvalidArgument);
   CHECK(s.message() == "v [B,G,T,D] shape: expected [1,1,8,16], got [1,1,8,8]");
-  s = kvmem::cuda::ua_prefill(exec, cache, d.slice(0, 8), kvmem::ua::Options{0.0, 256, true}, d.out_slice(out.ptr, 0, 8));
+  s = kvmem::cuda::ua_prefill(exec, cache, d.slice(0, 8), kvmem::ua::Options{0.0, 256, true},
+                              d.out_slice(out.ptr, 0, 8));
   CHECK(s.code() == kvmem::StatusCode::kInvalidArgument);
   CHECK(s.message().find("max_prefill_chunk = 128") != std::string::npos);
   s = kvmem::cuda::ua_decode(exec, cache, d.slice(0, 2), {}, d.out_slice(out.ptr, 0, 2));
@@ -328,7 +339,8 @@ TEST_CASE("ua cuda capacity below the prompt: pruning keeps the cache small acro
   Dev<float> out(std::size_t(400 * 4 * 32));
   for (std::int64_t t0 = 0; t0 < 400; t0 += 64) {
     const std::int64_t t1 = std::min<std::int64_t>(400, t0 + 64);
-    const auto s = kvmem::cuda::ua_prefill(kvmem::cuda::Executor{}, cache, d.slice(t0, t1), opt, d.out_slice(out.ptr, t0, t1));
+    const auto s =
+        kvmem::cuda::ua_prefill(kvmem::cuda::Executor{}, cache, d.slice(t0, t1), opt, d.out_slice(out.ptr, t0, t1));
     INFO(s.to_string());
     REQUIRE(s.is_ok());
   }
@@ -369,7 +381,8 @@ using UniversalPlusDistance =
     kvmem::decay::Set<kvmem::decay::QueryGate, kvmem::decay::KeyGate, kvmem::decay::SimilarityGate, DistanceGate>;
 }  // namespace
 
-TEST_CASE("ua cuda user decay gates: fp32 against the fp64 reference, bf16 tensor cores against the host", "[ua][cuda]") {
+TEST_CASE("ua cuda user decay gates: fp32 against the fp64 reference, bf16 tensor cores against the host",
+          "[ua][cuda]") {
   if (no_device()) return;
   {  // CUDA-core kernels, a set without the similarity gate
     Case c = random_case(1, 90, 2, 1, 8, 131);
@@ -392,10 +405,12 @@ TEST_CASE("ua cuda user decay gates: fp32 against the fp64 reference, bf16 tenso
     kvmem::ua::PrunedCache<kvmem::bf16> hc(f.cache_shape());
     std::vector<float> host = f.make_out();
     REQUIRE(kvmem::ua::prefill<UniversalPlusDistance>(kvmem::host::Executor{2}, hc, f.slice(0, 200), opt,
-                                                       f.out_slice(host, 0, 200)).is_ok());
+                                                      f.out_slice(host, 0, 200))
+                .is_ok());
     for (std::int64_t t = 200; t < 260; ++t)
       REQUIRE(kvmem::ua::decode<UniversalPlusDistance>(kvmem::host::Executor{2}, hc, f.slice(t, t + 1), opt,
-                                                        f.out_slice(host, t, t + 1)).is_ok());
+                                                       f.out_slice(host, t, t + 1))
+                  .is_ok());
     const auto gpu = cuda_prefill_decode<kvmem::bf16, UniversalPlusDistance>(f, 200, opt);
     const double e = relative_frobenius(gpu.out, host);
     INFO("out relative Frobenius " << e);

@@ -16,7 +16,8 @@
 // might not fit (longest + T > capacity), the call first reads the true lengths back (one sync).
 // Every length and position lives on the device, so a decode step is a fixed sequence of launches an
 // engine can capture in a CUDA graph and replay. Results are deterministic: partials of the entry
-// splits are merged in split order, never with atomics.
+// splits are merged in split order, never with float atomics (an integer ticket only picks which block
+// of a decode step does the merge).
 //
 // Shapes and options are validated (messages name the argument); values (NaN/Inf) are the caller's
 // precondition here, as on the CUDA KVM path: checking them would cost a device-to-host round trip.
@@ -44,7 +45,8 @@ namespace kvmem::cuda {
 template <class S>
 using UaInputs = ua::InputsOf<S>;
 
-// Sizes of the per-call scratch a cache owns next to its rows.
+// Sizes of the per-call scratch a cache owns next to its rows: B*G*max_splits*r*max_prefill_chunk*(D+2)
+// floats of split partials (134 MB at B8 G4 r4 D128 with the defaults) and B*G*max_prefill_chunk λ.
 struct UaCacheLimits {
   std::int64_t max_prefill_chunk = 128;  // largest Options::prefill_chunk a prefill may use (<= 1024)
   int max_splits = 16;                   // entry splits per (sequence, kv head): parallelism of a call
@@ -83,7 +85,8 @@ class UaCache {
     const std::size_t o_keys = take(I * cap * D * sizeof(S)), o_values = take(I * cap * D * sizeof(S)),
                       o_lambda = take(I * cap * sizeof(float)), o_logit = take(I * cap * sizeof(float)),
                       o_pos = take(I * cap * sizeof(std::int64_t)), o_len = take(I * sizeof(std::int64_t)),
-                      o_counter = take(I * sizeof(std::int64_t)), o_done = take(I * sizeof(int)), o_ml = take(I * splits * r * P * 2 * sizeof(float)),
+                      o_counter = take(I * sizeof(std::int64_t)), o_done = take(I * sizeof(int)),
+                      o_ml = take(I * splits * r * P * 2 * sizeof(float)),
                       o_acc = take(I * splits * r * P * D * sizeof(float)), o_new = take(I * P * sizeof(float));
     KVMEM_RETURN_IF_ERROR(DeviceBuffer::allocate(off, c.memory_));
     auto* base = static_cast<unsigned char*>(c.memory_.get());
@@ -124,11 +127,12 @@ class UaCache {
   [[nodiscard]] const ua_detail::DeviceCache<S>& device() const { return dev_; }
 
   // Reads every item's entry count back ([B*G], item b*G+g) and tightens length_bound(). Synchronises
-  // `stream`.
+  // `stream`, which must be the stream the cache's operations run on.
   Status lengths(std::vector<std::int64_t>& out, cudaStream_t stream) {
     out.resize(std::size_t(shape_.batch * shape_.kv_heads));
-    KVMEM_RETURN_IF_ERROR(to_status(cudaMemcpyAsync(out.data(), dev_.length, out.size() * sizeof(std::int64_t),
-                                                    cudaMemcpyDeviceToHost, stream), "UaCache lengths copy"));
+    KVMEM_RETURN_IF_ERROR(to_status(
+        cudaMemcpyAsync(out.data(), dev_.length, out.size() * sizeof(std::int64_t), cudaMemcpyDeviceToHost, stream),
+        "UaCache lengths copy"));
     KVMEM_RETURN_IF_ERROR(to_status(cudaStreamSynchronize(stream), "UaCache lengths sync"));
     bound_ = out.empty() ? 0 : *std::max_element(out.begin(), out.end());
     return Status::ok();
@@ -140,19 +144,28 @@ class UaCache {
                   std::vector<S>* keys, std::vector<S>* values, cudaStream_t stream) const {
     const std::int64_t item = b * shape_.kv_heads + g, row0 = item * shape_.capacity, D = shape_.head_dim;
     std::int64_t n = 0;
-    KVMEM_RETURN_IF_ERROR(to_status(cudaMemcpyAsync(&n, dev_.length + item, sizeof(n), cudaMemcpyDeviceToHost, stream), "download length"));
+    KVMEM_RETURN_IF_ERROR(to_status(cudaMemcpyAsync(&n, dev_.length + item, sizeof(n), cudaMemcpyDeviceToHost, stream),
+                                    "download length"));
     KVMEM_RETURN_IF_ERROR(to_status(cudaStreamSynchronize(stream), "download sync"));
     pos.resize(std::size_t(n));
     lambda.resize(std::size_t(n));
-    KVMEM_RETURN_IF_ERROR(to_status(cudaMemcpyAsync(pos.data(), dev_.pos + row0, pos.size() * sizeof(std::int64_t), cudaMemcpyDeviceToHost, stream), "download positions"));
-    KVMEM_RETURN_IF_ERROR(to_status(cudaMemcpyAsync(lambda.data(), dev_.lambda + row0, lambda.size() * sizeof(float), cudaMemcpyDeviceToHost, stream), "download lambda"));
+    KVMEM_RETURN_IF_ERROR(to_status(
+        cudaMemcpyAsync(pos.data(), dev_.pos + row0, pos.size() * sizeof(std::int64_t), cudaMemcpyDeviceToHost, stream),
+        "download positions"));
+    KVMEM_RETURN_IF_ERROR(to_status(cudaMemcpyAsync(lambda.data(), dev_.lambda + row0, lambda.size() * sizeof(float),
+                                                    cudaMemcpyDeviceToHost, stream),
+                                    "download lambda"));
     if (keys) {
       keys->resize(std::size_t(n * D));
-      KVMEM_RETURN_IF_ERROR(to_status(cudaMemcpyAsync(keys->data(), dev_.keys + row0 * D, keys->size() * sizeof(S), cudaMemcpyDeviceToHost, stream), "download keys"));
+      KVMEM_RETURN_IF_ERROR(to_status(
+          cudaMemcpyAsync(keys->data(), dev_.keys + row0 * D, keys->size() * sizeof(S), cudaMemcpyDeviceToHost, stream),
+          "download keys"));
     }
     if (values) {
       values->resize(std::size_t(n * D));
-      KVMEM_RETURN_IF_ERROR(to_status(cudaMemcpyAsync(values->data(), dev_.values + row0 * D, values->size() * sizeof(S), cudaMemcpyDeviceToHost, stream), "download values"));
+      KVMEM_RETURN_IF_ERROR(to_status(cudaMemcpyAsync(values->data(), dev_.values + row0 * D,
+                                                      values->size() * sizeof(S), cudaMemcpyDeviceToHost, stream),
+                                      "download values"));
     }
     return to_status(cudaStreamSynchronize(stream), "download sync");
   }
@@ -161,8 +174,10 @@ class UaCache {
   Status reset_sequence(std::int64_t b, cudaStream_t stream) {
     if (b < 0 || b >= shape_.batch) return invalid_argument("reset_sequence b", "0..B-1", b);
     const std::size_t bytes = std::size_t(shape_.kv_heads) * sizeof(std::int64_t);
-    KVMEM_RETURN_IF_ERROR(to_status(cudaMemsetAsync(dev_.length + b * shape_.kv_heads, 0, bytes, stream), "reset lengths"));
-    KVMEM_RETURN_IF_ERROR(to_status(cudaMemsetAsync(dev_.counter + b * shape_.kv_heads, 0, bytes, stream), "reset counters"));
+    KVMEM_RETURN_IF_ERROR(
+        to_status(cudaMemsetAsync(dev_.length + b * shape_.kv_heads, 0, bytes, stream), "reset lengths"));
+    KVMEM_RETURN_IF_ERROR(
+        to_status(cudaMemsetAsync(dev_.counter + b * shape_.kv_heads, 0, bytes, stream), "reset counters"));
     position_[std::size_t(b)] = 0;
     return Status::ok();
   }
@@ -252,20 +267,23 @@ Status ua_run(const Executor& exec, UaCache<S>& cache, const UaInputs<S>& in, co
   KVMEM_RETURN_IF_ERROR(ua::detail::validate_options(opt));
   KVMEM_RETURN_IF_ERROR(ua::detail::check_call_shapes(in, out, s.batch, s.query_heads, s.kv_heads, s.head_dim));
   const std::int64_t T = in.q.extent(2), B = s.batch, G = s.kv_heads, I = B * G, D = s.head_dim;
-  if (!lse.empty()) KVMEM_RETURN_IF_ERROR(check_shape(TensorView<const float, 3>(lse), {B, s.query_heads, T}, "lse [B,H,T]"));
+  if (!lse.empty())
+    KVMEM_RETURN_IF_ERROR(check_shape(TensorView<const float, 3>(lse), {B, s.query_heads, T}, "lse [B,H,T]"));
   if (decode && T != 1) return invalid_argument("decode tokens (q dim 2)", 1, T);
   if (!decode && opt.prefill_chunk > cache.limits_.max_prefill_chunk)
-    return invalid_argument("Options prefill_chunk", kvmem::detail::concat("<= UaCacheLimits max_prefill_chunk = ", cache.limits_.max_prefill_chunk), opt.prefill_chunk);
+    return invalid_argument(
+        "Options prefill_chunk",
+        kvmem::detail::concat("<= UaCacheLimits max_prefill_chunk = ", cache.limits_.max_prefill_chunk),
+        opt.prefill_chunk);
   // Room for everything the call may append before evicting (the host backend's rule). The host bound
   // grows by T per call; only when it says "might not fit" are the true lengths read back.
   if (cache.bound_ + T > s.capacity) {
     std::vector<std::int64_t> len;
     KVMEM_RETURN_IF_ERROR(cache.lengths(len, exec.stream));
     if (cache.bound_ + T > s.capacity)
-      return {StatusCode::kOutOfRange,
-              kvmem::detail::concat("cache capacity: expected room for ", cache.bound_ + T,
-                                    " rows per (sequence, kv head) (longest ", cache.bound_, " + ", T,
-                                    " new tokens), got capacity ", s.capacity)};
+      return {StatusCode::kOutOfRange, kvmem::detail::concat("cache capacity: expected room for ", cache.bound_ + T,
+                                                             " rows per (sequence, kv head) (longest ", cache.bound_,
+                                                             " + ", T, " new tokens), got capacity ", s.capacity)};
   }
   DeviceCall<S> a = make_call(in, out, lse);
   a.part_ml = cache.part_ml_;
@@ -302,13 +320,15 @@ Status ua_run(const Executor& exec, UaCache<S>& cache, const UaInputs<S>& in, co
       const std::int64_t rows = std::min(opt.prefill_chunk, T - t0);
       const std::int64_t want = (bound + rows + 2 * kEntryTile - 1) / (2 * kEntryTile);
       a.splits = int(std::clamp<std::int64_t>(want, 1, cache.limits_.max_splits));
-      const Status launched = with_chunk_kernel<Set, S>(in, D, r, [&](auto kernel, std::size_t bytes, int threads) -> Status {
-        KVMEM_RETURN_IF_ERROR(allow_shared(kernel, bytes));
-        kernel<<<dim3(unsigned(a.splits), unsigned(I)), unsigned(threads), bytes, exec.stream>>>(dev, a, t0, rows);
-        return to_status(cudaGetLastError(), "ua chunk_attend_kernel");
-      });
+      const Status launched =
+          with_chunk_kernel<Set, S>(in, D, r, [&](auto kernel, std::size_t bytes, int threads) -> Status {
+            KVMEM_RETURN_IF_ERROR(allow_shared(kernel, bytes));
+            kernel<<<dim3(unsigned(a.splits), unsigned(I)), unsigned(threads), bytes, exec.stream>>>(dev, a, t0, rows);
+            return to_status(cudaGetLastError(), "ua chunk_attend_kernel");
+          });
       KVMEM_RETURN_IF_ERROR(launched);
-      merge_kernel<S><<<dim3(unsigned(rows), unsigned(I)), kMergeThreads, 0, exec.stream>>>(dev, a, t0, rows, kEntryTile);
+      merge_kernel<S>
+          <<<dim3(unsigned(rows), unsigned(I)), kMergeThreads, 0, exec.stream>>>(dev, a, t0, rows, kEntryTile);
       KVMEM_CUDA_RETURN_IF_LAUNCH_FAILED("ua merge_kernel");
       finish_kernel<S><<<unsigned(I), kFinishThreads, fbytes, exec.stream>>>(dev, a, t0, rows);
       KVMEM_CUDA_RETURN_IF_LAUNCH_FAILED("ua finish_kernel (prefill)");
@@ -352,9 +372,10 @@ Status ua_forward(const Executor& exec, const UaInputs<S>& in, TensorView<float,
   KVMEM_RETURN_IF_ERROR(UaCache<S>::create({B, H, G, D, std::max<std::int64_t>(T, 1), 16}, scratch));
   KVMEM_RETURN_IF_ERROR(ua_prefill<Set>(exec, scratch, in, ua::Options{}, out, lse));
   if (!lambda_last.empty())  // no eviction: row j of every item is position j, λ_j = Λ_{T-1, j}
-    KVMEM_RETURN_IF_ERROR(to_status(cudaMemcpyAsync(lambda_last.data(), scratch.device().lambda,
-                                                    std::size_t(B * G * T) * sizeof(float), cudaMemcpyDeviceToDevice,
-                                                    exec.stream), "lambda_last copy"));
+    KVMEM_RETURN_IF_ERROR(
+        to_status(cudaMemcpyAsync(lambda_last.data(), scratch.device().lambda, std::size_t(B * G * T) * sizeof(float),
+                                  cudaMemcpyDeviceToDevice, exec.stream),
+                  "lambda_last copy"));
   // the scratch cache is freed on return: wait for the work that reads it
   return to_status(cudaStreamSynchronize(exec.stream), "ua_forward sync");
 }

@@ -29,14 +29,16 @@ inline constexpr int kTcEntries = 64;               // entries per tile
 
 // Group sizes the tensor-core kernel takes: r divides 128 and leaves at most 32 rows per tile (the
 // decay tile and the tile's keys then fit next to the per-warp buffers).
-__host__ __device__ inline bool tc_group_ok(std::int64_t r) { return r == 4 || r == 8; }
+__host__ __device__ inline bool tc_group_ok(std::int64_t r) {
+  return r == 4 || r == 8;
+}
 
 template <int kD>
 struct UaTcLayout {
-  static constexpr int kRows = 32;            // chunk rows per row tile at most (r >= 4)
-  static constexpr int kQPitch = kD + 8;      // bf16; +16 bytes per row breaks bank conflicts
+  static constexpr int kRows = 32;        // chunk rows per row tile at most (r >= 4)
+  static constexpr int kQPitch = kD + 8;  // bf16; +16 bytes per row breaks bank conflicts
   static constexpr int kKPitch = kD + 8;
-  static constexpr int kAPitch = kRows + 4;   // float: decay / bias tile [entry][row]
+  static constexpr int kAPitch = kRows + 4;       // float: decay / bias tile [entry][row]
   static constexpr int kSPitch = kTcEntries + 4;  // float
   static constexpr int kPPitch = kTcEntries + 8;  // bf16
   static constexpr int kOPitch = kD + 4;          // float
@@ -74,8 +76,8 @@ __device__ inline void tile_abt(const __nv_bfloat16* a, int lda, const __nv_bflo
 // grid (splits, I), block 32 * kTcWarps, dynamic smem UaTcLayout<kD>::kBytes. Same arguments and
 // outputs as chunk_attend_kernel; S is bf16, rows of q/k/v 16-byte aligned (checked by the launcher).
 template <class Set, int kD>
-__global__ void __launch_bounds__(32 * kTcWarps) chunk_attend_tc_kernel(DeviceCache<bf16> c, DeviceCall<bf16> a,
-                                                                       std::int64_t t0, std::int64_t rows) {
+__global__ void __launch_bounds__(32 * kTcWarps)
+    chunk_attend_tc_kernel(DeviceCache<bf16> c, DeviceCall<bf16> a, std::int64_t t0, std::int64_t rows) {
   namespace wmma = nvcuda::wmma;
   using L = UaTcLayout<kD>;
   using nv_bf16 = __nv_bfloat16;
@@ -117,8 +119,7 @@ __global__ void __launch_bounds__(32 * kTcWarps) chunk_attend_tc_kernel(DeviceCa
     for (int x = tid; x < kTcQueryRows * kVec; x += blockDim.x) {
       const int pr = x / kVec, cv = x % kVec, h = pr / rt, i = pr % rt;
       uint4 v = make_uint4(0, 0, 0, 0);
-      if (i < nr)
-        v = reinterpret_cast<const uint4*>(a.q + b * a.q_b + (g * r + h) * a.q_h + (t0 + r0 + i) * a.q_t)[cv];
+      if (i < nr) v = reinterpret_cast<const uint4*>(a.q + b * a.q_b + (g * r + h) * a.q_h + (t0 + r0 + i) * a.q_t)[cv];
       *reinterpret_cast<uint4*>(qs + pr * L::kQPitch + cv * 8) = v;
     }
     for (int x = tid; x < L::kRows * kVec; x += blockDim.x) {
@@ -143,8 +144,10 @@ __global__ void __launch_bounds__(32 * kTcWarps) chunk_attend_tc_kernel(DeviceCa
         const std::int64_t idx = e0 + e;
         uint4 kv = make_uint4(0, 0, 0, 0), vv = make_uint4(0, 0, 0, 0);
         if (e < ne) {
-          const bf16* kp = idx < n ? c.keys + (cache_row0 + idx) * D : a.k + b * a.k_b + g * a.k_g + (t0 + idx - n) * a.k_t;
-          const bf16* vp = idx < n ? c.values + (cache_row0 + idx) * D : a.v + b * a.v_b + g * a.v_g + (t0 + idx - n) * a.v_t;
+          const bf16* kp =
+              idx < n ? c.keys + (cache_row0 + idx) * D : a.k + b * a.k_b + g * a.k_g + (t0 + idx - n) * a.k_t;
+          const bf16* vp =
+              idx < n ? c.values + (cache_row0 + idx) * D : a.v + b * a.v_b + g * a.v_g + (t0 + idx - n) * a.v_t;
           kv = reinterpret_cast<const uint4*>(kp)[cv];
           vv = reinterpret_cast<const uint4*>(vp)[cv];
         }
@@ -175,7 +178,8 @@ __global__ void __launch_bounds__(32 * kTcWarps) chunk_attend_tc_kernel(DeviceCa
         float a_em = 0.0f;
         if (i < nr && m > e_pos[e]) {
           const float sim = Set::kNeedsSimilarity ? at[e * L::kAPitch + i] : 0.0f;
-          a_em = kernel::ua::decay_from_similarity<Set, float>(sim, e_logit[e], e_part[e], e_pos[e], r_logit[i], r_part[i], m);
+          a_em = kernel::ua::decay_from_similarity<Set, float>(sim, e_logit[e], e_part[e], e_pos[e], r_logit[i],
+                                                               r_part[i], m);
         }
         at[e * L::kAPitch + i] = a_em;
       }

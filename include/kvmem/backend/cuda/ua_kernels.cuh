@@ -33,11 +33,11 @@ namespace kvmem::cuda::ua_detail {
 // The cache in device memory (one item = one (sequence, kv head); rows ascending in position).
 template <class S>
 struct DeviceCache {
-  S* keys = nullptr;             // [I, cap, D]
-  S* values = nullptr;           // [I, cap, D]
-  float* lambda = nullptr;       // [I, cap] λ_e = Λ_{n-1, pos_e} (log space)
-  float* key_logit = nullptr;    // [I, cap] z_k of each entry
-  std::int64_t* pos = nullptr;   // [I, cap] absolute positions
+  S* keys = nullptr;                // [I, cap, D]
+  S* values = nullptr;              // [I, cap, D]
+  float* lambda = nullptr;          // [I, cap] λ_e = Λ_{n-1, pos_e} (log space)
+  float* key_logit = nullptr;       // [I, cap] z_k of each entry
+  std::int64_t* pos = nullptr;      // [I, cap] absolute positions
   std::int64_t* length = nullptr;   // [I] entries in use
   std::int64_t* counter = nullptr;  // [I] next absolute position (tokens seen by the sequence)
   int* done = nullptr;              // [I] decode splits finished this step (the last one resets it to 0)
@@ -64,16 +64,16 @@ struct DeviceCall {
   float* lse = nullptr;  // [B,H,T] or nullptr
   std::int64_t l_b = 0, l_h = 0, l_t = 0;
   // scratch
-  float* part_ml = nullptr;      // [I, splits, r, P, 2] running max and sum of each partial
-  float* part_acc = nullptr;     // [I, splits, r, P, D] unnormalised accumulators
-  float* lambda_new = nullptr;   // [I, P] λ of the call's own keys at the end of the chunk
-  std::int64_t P = 0;            // rows per chunk the scratch is laid out for
-  int splits = 1;                // grid.x of the attend kernel
-  double log_p = 0.0;            // ln p; -inf = never evict
+  float* part_ml = nullptr;     // [I, splits, r, P, 2] running max and sum of each partial
+  float* part_acc = nullptr;    // [I, splits, r, P, D] unnormalised accumulators
+  float* lambda_new = nullptr;  // [I, P] λ of the call's own keys at the end of the chunk
+  std::int64_t P = 0;           // rows per chunk the scratch is laid out for
+  int splits = 1;               // grid.x of the attend kernel
+  double log_p = 0.0;           // ln p; -inf = never evict
   bool evict_before_attention = true;
 };
 
-inline constexpr int kEntryTile = 64;   // entries staged per step of the chunk kernel
+inline constexpr int kEntryTile = 64;  // entries staged per step of the chunk kernel
 inline constexpr int kChunkThreads = 256;
 inline constexpr int kLanesPerPair = 4;  // threads sharing one (query head, row) in the chunk kernel
 inline constexpr int kPairs = kChunkThreads / kLanesPerPair;
@@ -95,7 +95,9 @@ __host__ __device__ inline int active_splits(std::int64_t total, int splits, std
 }
 
 // Rows of query heads per chunk-kernel row tile: all r heads of a group share one decay tile.
-__host__ __device__ inline int chunk_row_tile(std::int64_t r) { return int(r >= kPairs ? 1 : kPairs / r); }
+__host__ __device__ inline int chunk_row_tile(std::int64_t r) {
+  return int(r >= kPairs ? 1 : kPairs / r);
+}
 
 template <class S>
 __device__ inline float ld(const S* p) {
@@ -107,17 +109,17 @@ __device__ inline float ld(const S* p) {
 // kDpt: dims per lane (>= ceil(D / kLanesPerPair)); lane l owns dims l, l + 4, l + 8, ...
 __host__ __device__ inline std::size_t chunk_smem_bytes(std::int64_t D, std::int64_t r) {
   const std::int64_t rt = chunk_row_tile(r);
-  return sizeof(float) * std::size_t(2 * kEntryTile * (D + 1)  // keys, values of the entry tile
-                                     + rt * (D + 1)            // the row tile's keys (decay similarity)
-                                     + kEntryTile * rt          // decay, then bias tile
-                                     + kPairs * kEntryTile      // logits of every (head, row)
+  return sizeof(float) * std::size_t(2 * kEntryTile * (D + 1)    // keys, values of the entry tile
+                                     + rt * (D + 1)              // the row tile's keys (decay similarity)
+                                     + kEntryTile * rt           // decay, then bias tile
+                                     + kPairs * kEntryTile       // logits of every (head, row)
                                      + 2 * kEntryTile + 2 * rt)  // entry key logits/parts, row gate logits/parts
-         + sizeof(std::int64_t) * kEntryTile;                   // entry positions
+         + sizeof(std::int64_t) * kEntryTile;                    // entry positions
 }
 
 template <class Set, class S, int kDpt>
-__global__ void __launch_bounds__(kChunkThreads) chunk_attend_kernel(DeviceCache<S> c, DeviceCall<S> a, std::int64_t t0,
-                                                                     std::int64_t rows) {
+__global__ void __launch_bounds__(kChunkThreads)
+    chunk_attend_kernel(DeviceCache<S> c, DeviceCall<S> a, std::int64_t t0, std::int64_t rows) {
   extern __shared__ __align__(16) unsigned char smem_raw[];
   const std::int64_t D = c.D, r = c.r, item = blockIdx.y, b = item / c.G, g = item % c.G;
   const int rt = chunk_row_tile(r);
@@ -125,7 +127,7 @@ __global__ void __launch_bounds__(kChunkThreads) chunk_attend_kernel(DeviceCache
   float* ks = reinterpret_cast<float*>(smem_raw);
   float* vs = ks + kEntryTile * pitch;
   float* nk = vs + kEntryTile * pitch;
-  float* tile = nk + rt * pitch;         // [kEntryTile][rt]: A, then Λ
+  float* tile = nk + rt * pitch;           // [kEntryTile][rt]: A, then Λ
   float* logits = tile + kEntryTile * rt;  // [kPairs][kEntryTile]
   float* e_logit = logits + kPairs * kEntryTile;
   float* e_part = e_logit + kEntryTile;
@@ -173,10 +175,9 @@ __global__ void __launch_bounds__(kChunkThreads) chunk_attend_kernel(DeviceCache
       __syncthreads();  // the previous step's readers of ks/vs/tile are done (and nk is written)
       for (std::int64_t x = tid; x < ne * D; x += blockDim.x) {
         const std::int64_t e = x / D, d = x % D, idx = e0 + e;
-        const S* kp = idx < n ? c.keys + (cache_row0 + idx) * D
-                              : a.k + b * a.k_b + g * a.k_g + (t0 + idx - n) * a.k_t;
-        const S* vp = idx < n ? c.values + (cache_row0 + idx) * D
-                              : a.v + b * a.v_b + g * a.v_g + (t0 + idx - n) * a.v_t;
+        const S* kp = idx < n ? c.keys + (cache_row0 + idx) * D : a.k + b * a.k_b + g * a.k_g + (t0 + idx - n) * a.k_t;
+        const S* vp =
+            idx < n ? c.values + (cache_row0 + idx) * D : a.v + b * a.v_b + g * a.v_g + (t0 + idx - n) * a.v_t;
         ks[e * pitch + d] = ld(kp + d);
         vs[e * pitch + d] = ld(vp + d);
       }
@@ -196,7 +197,7 @@ __global__ void __launch_bounds__(kChunkThreads) chunk_attend_kernel(DeviceCache
           if constexpr (Set::kNeedsSimilarity)
             for (std::int64_t d = 0; d < D; ++d) sim += ks[e * pitch + d] * nk[i * pitch + d];
           a_em = kernel::ua::decay_from_similarity<Set, float>(sim, e_logit[e], e_part[e], e_pos[e], r_logit[i],
-                                                              r_part[i], m);
+                                                               r_part[i], m);
         }
         tile[e * rt + i] = a_em;
       }
@@ -272,8 +273,8 @@ __global__ void __launch_bounds__(kChunkThreads) chunk_attend_kernel(DeviceCache
 // for the λ update (spec 4.4 step 1) and the r logits. Then the block walks the tile's value rows with
 // one thread per dim for all r heads. The new token is entry n (λ = 0).
 __host__ __device__ inline std::size_t decode_smem_bytes(std::int64_t D, std::int64_t r) {
-  return sizeof(float) * std::size_t((r + 1) * D         // queries of the group, the new key
-                                     + r * D              // accumulators
+  return sizeof(float) * std::size_t((r + 1) * D           // queries of the group, the new key
+                                     + r * D               // accumulators
                                      + r * kDecodeThreads  // logits, then weights, of the tile's entries per head
                                      + 2 * r + 32);        // running max / sum per head, reduction scratch
 }
@@ -341,8 +342,8 @@ __device__ inline void merge_row(const DeviceCache<S>& c, const DeviceCall<S>& a
 inline constexpr int kMergeThreads = 128;
 // grid (rows, I), block kMergeThreads.
 template <class S>
-__global__ void __launch_bounds__(kMergeThreads) merge_kernel(DeviceCache<S> c, DeviceCall<S> a, std::int64_t t0,
-                                                              std::int64_t rows, std::int64_t min_piece) {
+__global__ void __launch_bounds__(kMergeThreads)
+    merge_kernel(DeviceCache<S> c, DeviceCall<S> a, std::int64_t t0, std::int64_t rows, std::int64_t min_piece) {
   const std::int64_t item = blockIdx.y;
   merge_row(c, a, item, t0, blockIdx.x, active_splits(c.length[item] + rows, a.splits, min_piece));
 }
@@ -353,7 +354,7 @@ __global__ void __launch_bounds__(kMergeThreads) merge_kernel(DeviceCache<S> c, 
 // (it changes both): finish_kernel after a prefill chunk, the last split of a decode step. λ is read
 // with ld.global.cg: other blocks of the step updated it, and this block's L1 may hold old lines.
 inline constexpr int kFinishThreads = 256;
-inline constexpr int kCompactRows = 32;  // rows staged per compaction step (one warp's ballot)
+inline constexpr int kCompactRows = 32;    // rows staged per compaction step (one warp's ballot)
 inline constexpr int kMaxCallRows = 1024;  // rows of one chunk (UaCacheLimits::max_prefill_chunk <= 1024)
 template <class S>
 __host__ __device__ inline std::size_t finish_smem_bytes(std::int64_t D) {
@@ -459,8 +460,8 @@ __device__ inline void finish_item(const DeviceCache<S>& c, const DeviceCall<S>&
 
 // grid (I), block kFinishThreads, dynamic smem finish_smem_bytes<S>(D): after a prefill chunk.
 template <class S>
-__global__ void __launch_bounds__(kFinishThreads) finish_kernel(DeviceCache<S> c, DeviceCall<S> a, std::int64_t t0,
-                                                                std::int64_t rows) {
+__global__ void __launch_bounds__(kFinishThreads)
+    finish_kernel(DeviceCache<S> c, DeviceCall<S> a, std::int64_t t0, std::int64_t rows) {
   extern __shared__ __align__(16) unsigned char fsm[];
   finish_item(c, a, blockIdx.x, t0, rows, fsm);
 }
@@ -476,13 +477,13 @@ template <class Set, class S, int kDpl>
 __global__ void __launch_bounds__(kDecodeThreads) decode_attend_kernel(DeviceCache<S> c, DeviceCall<S> a) {
   extern __shared__ __align__(16) float dsm[];
   const std::int64_t D = c.D, r = c.r, item = blockIdx.y, b = item / c.G, g = item % c.G;
-  float* qs = dsm;             // [r][D]
-  float* nk = qs + r * D;      // [D]
-  float* acc = nk + D;         // [r][D]
-  float* wts = acc + r * D;    // [r][kDecodeThreads]
+  float* qs = dsm;                            // [r][D]
+  float* nk = qs + r * D;                     // [D]
+  float* acc = nk + D;                        // [r][D]
+  float* wts = acc + r * D;                   // [r][kDecodeThreads]
   float* run_max = wts + r * kDecodeThreads;  // [r]
-  float* run_sum = run_max + r;                // [r]
-  float* scratch = run_sum + r;                // [32]
+  float* run_sum = run_max + r;               // [r]
+  float* scratch = run_sum + r;               // [32]
 
   const std::int64_t n = c.length[item], total = n + 1;
   const std::int64_t piece = split_piece(total, a.splits, 32);
@@ -513,7 +514,7 @@ __global__ void __launch_bounds__(kDecodeThreads) decode_attend_kernel(DeviceCac
     //    entry (lanes over the dims, the key row held in registers for the r + 1 dot products); every
     //    lane runs every shuffle, so groups without an entry just contribute zeros.
     for (std::int64_t x = tid; x < r * kDecodeThreads; x += blockDim.x)
-      if (x % kDecodeThreads >= ne) wts[x] = negative_infinity<float>();  // slots without an entry
+      if (x % kDecodeThreads >= ne) wts[x] = negative_infinity<float>();                    // slots without an entry
     for (std::int64_t eb = warp * kGroupsPerWarp; eb < ne; eb += warps * kGroupsPerWarp) {  // warp-uniform bound
       const std::int64_t e = eb + grp, idx = e0 + e;
       const bool valid = e < ne, cached = valid && idx < n;
@@ -538,7 +539,8 @@ __global__ void __launch_bounds__(kDecodeThreads) decode_attend_kernel(DeviceCac
         const std::int64_t p = c.pos[row0 + idx];
         lam = c.lambda[row0 + idx];
         if (t > p)
-          lam += kernel::ua::decay_from_similarity<Set, float>(sim, zk, kernel::ua::key_gate_part(zk), p, zq, q_part, t);
+          lam +=
+              kernel::ua::decay_from_similarity<Set, float>(sim, zk, kernel::ua::key_gate_part(zk), p, zq, q_part, t);
         if (sub == 0) c.lambda[row0 + idx] = lam;
         masked = a.evict_before_attention && double(lam) < a.log_p;
       }
@@ -550,7 +552,8 @@ __global__ void __launch_bounds__(kDecodeThreads) decode_attend_kernel(DeviceCac
           if (d < D) part += qs[h * D + d] * key[x];
         }
         part = group_sum(part);
-        if (sub == 0 && valid) wts[h * kDecodeThreads + e] = masked ? negative_infinity<float>() : part + lam;  // scale 1
+        if (sub == 0 && valid)
+          wts[h * kDecodeThreads + e] = masked ? negative_infinity<float>() : part + lam;  // scale 1
       }
     }
     __syncthreads();
