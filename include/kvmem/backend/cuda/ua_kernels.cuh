@@ -3,7 +3,8 @@
 // Universal Attention CUDA kernels (spec UA.md 4). Included by backend/cuda/ua.cuh; not a public API.
 //
 // One operation is a few launches per chunk of query rows (prefill) or per token (decode):
-//   chunk_attend_kernel / decode_attend_kernel   grid (splits, B*G): each block takes a contiguous,
+//   chunk_attend_kernel (chunk_attend_tc_kernel for bf16 on the tensor cores, ua_attend_tc.cuh) /
+//   decode_attend_kernel   grid (splits, B*G): each block takes a contiguous,
 //       ascending range of the entries of one (sequence, kv head) item -- its cached keys followed by
 //       the call's own keys -- builds the decay on the fly (A from the similarity of the entry's key
 //       and each row's key, through the decay::Set body of kernel/ua_decay.hpp), carries λ along the
