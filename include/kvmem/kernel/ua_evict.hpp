@@ -1,17 +1,34 @@
 // SPDX-License-Identifier: Apache-2.0
 #pragma once
-// Universal Attention eviction body shared by every backend (spec UA.md 4.5): evict every entry of
-// one (sequence, kv head) whose λ lies strictly below ln p, and compact the survivors stably, so they
-// stay in ascending position order (this fixes the summation order the goldens assume). Rows
-// [kept, n) are free afterwards; the caller reports them for reclamation.
+// Universal Attention entry bodies shared by the host and Kokkos backends (spec UA.md 4.4, 4.5): append
+// a new entry, and evict every entry of one (sequence, kv head) whose λ lies strictly below ln p,
+// compacting the survivors stably, so they stay in ascending position order (this fixes the summation
+// order the goldens assume). Rows [kept, n) are free afterwards; the caller reports them for
+// reclamation. (The CUDA backend runs the same rules block-parallel, backend/cuda/ua_kernels.cuh.)
 //
 // Backend-neutral: KVMEM_HOST_DEVICE, no allocation, no containers, no exceptions.
 
 #include <cstdint>
 
 #include "kvmem/core/config.hpp"
+#include "kvmem/core/numeric.hpp"
 
 namespace kvmem::kernel::ua {
+
+// Spec UA.md 4.4 step 2: the new token's entry at `row`, with λ = Λ_tt = 0 and its absolute position.
+// keys, values: [.., D] rows D apart; lambda, key_logit, pos: [..]; key, value: [D]
+template <class KS, class In>
+KVMEM_HOST_DEVICE inline void append_entry(KS* keys, KS* values, float* lambda, float* key_logit, std::int64_t* pos,
+                                           std::int64_t row, const In* key, const In* value, float z_k,
+                                           std::int64_t position, std::int64_t D) {
+  for (std::int64_t d = 0; d < D; ++d) {
+    keys[row * D + d] = store_as<KS>(load_as<float>(key[d]));
+    values[row * D + d] = store_as<KS>(load_as<float>(value[d]));
+  }
+  lambda[row] = 0.0f;
+  key_logit[row] = z_k;
+  pos[row] = position;
+}
 
 // Returns the number of survivors. log_p = -inf (p = 0) never evicts. The comparison is done in double,
 // exactly as prune::Threshold::evicts does it.

@@ -20,6 +20,7 @@
 #include <new>
 #include <string>
 
+#include "kvmem/core/arena.hpp"
 #include "kvmem/core/numeric.hpp"
 #include "kvmem/core/softmax.hpp"
 #include "kvmem/core/status.hpp"
@@ -175,37 +176,32 @@ class State {
     const auto C = std::size_t(p.chunk), W = std::size_t(p.window()), D = std::size_t(s.D), Dv = std::size_t(s.Dv);
     const auto R = std::size_t(s.rep()) * C;
     Layout l{};
-    std::size_t off = 0;
-    const auto take = [&off](std::size_t bytes) {
-      const std::size_t at = off;
-      off += (bytes + kAlign - 1) / kAlign * kAlign;
-      return at;
-    };
-    l.sk = take(I * cap * D * sizeof(Acc));
-    l.sv = take(I * cap * Dv * sizeof(Acc));
-    l.rho = take(I * cap * sizeof(Acc));
-    l.cnt = take(I * cap * sizeof(Acc));
-    l.khat = take(I * cap * D * sizeof(Storage));
-    l.vhat = take(I * cap * Dv * sizeof(Storage));
-    l.wk = take(I * W * D * sizeof(Storage));
-    l.wv = take(I * W * Dv * sizeof(Storage));
-    l.wg = take(I * W * sizeof(Acc));
-    l.k0 = take(I * C * D * sizeof(Acc));
-    l.kg = take(I * C * D * sizeof(Acc));
-    l.vg = take(I * C * Dv * sizeof(Acc));
-    l.score = take(I * C * sizeof(Acc));
-    l.best = take(I * C * sizeof(Acc));
-    l.target = take(I * C * sizeof(std::int64_t));
-    l.row = take(I * kRowBlock * D * sizeof(Acc));
-    l.qblock = take(I * R * D * sizeof(Acc));
-    l.acc = take(I * R * Dv * sizeof(Acc));
-    l.soft = take(I * R * sizeof(OnlineSoftmax<Acc>));
-    l.wts = take((2 * D + 2 * std::size_t(s.Hq)) * sizeof(Acc));
-    l.n = take(std::size_t(s.B) * sizeof(std::int64_t));
-    l.cov = take(std::size_t(s.B) * sizeof(std::int64_t));
-    l.slots = take(std::size_t(s.B) * sizeof(std::int64_t));
-    l.item_result = take(I * 2 * sizeof(std::int64_t));
-    l.total = off;
+    ArenaLayout arena(kAlign);
+    l.sk = arena.take(I * cap * D * sizeof(Acc));
+    l.sv = arena.take(I * cap * Dv * sizeof(Acc));
+    l.rho = arena.take(I * cap * sizeof(Acc));
+    l.cnt = arena.take(I * cap * sizeof(Acc));
+    l.khat = arena.take(I * cap * D * sizeof(Storage));
+    l.vhat = arena.take(I * cap * Dv * sizeof(Storage));
+    l.wk = arena.take(I * W * D * sizeof(Storage));
+    l.wv = arena.take(I * W * Dv * sizeof(Storage));
+    l.wg = arena.take(I * W * sizeof(Acc));
+    l.k0 = arena.take(I * C * D * sizeof(Acc));
+    l.kg = arena.take(I * C * D * sizeof(Acc));
+    l.vg = arena.take(I * C * Dv * sizeof(Acc));
+    l.score = arena.take(I * C * sizeof(Acc));
+    l.best = arena.take(I * C * sizeof(Acc));
+    l.target = arena.take(I * C * sizeof(std::int64_t));
+    l.row = arena.take(I * kRowBlock * D * sizeof(Acc));
+    l.qblock = arena.take(I * R * D * sizeof(Acc));
+    l.acc = arena.take(I * R * Dv * sizeof(Acc));
+    l.soft = arena.take(I * R * sizeof(OnlineSoftmax<Acc>));
+    l.wts = arena.take((2 * D + 2 * std::size_t(s.Hq)) * sizeof(Acc));
+    l.n = arena.take(std::size_t(s.B) * sizeof(std::int64_t));
+    l.cov = arena.take(std::size_t(s.B) * sizeof(std::int64_t));
+    l.slots = arena.take(std::size_t(s.B) * sizeof(std::int64_t));
+    l.item_result = arena.take(I * 2 * sizeof(std::int64_t));
+    l.total = arena.total();
     return l;
   }
   void bind(std::byte* base, const Params& p, const Shape& s, const Layout& l) {

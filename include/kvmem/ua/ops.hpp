@@ -143,13 +143,8 @@ inline double log_threshold(double p) { return prune::Threshold{p}.log_threshold
 template <class Storage>
 void append_row(typename PrunedCache<Storage>::ItemView& v, std::int64_t row, const Inputs& in, std::int64_t b,
                 std::int64_t g, std::int64_t t, std::int64_t pos, std::int64_t D) {
-  for (std::int64_t d = 0; d < D; ++d) {
-    v.keys[row * D + d] = store_as<Storage>(in.k(b, g, t, d));
-    v.values[row * D + d] = store_as<Storage>(in.v(b, g, t, d));
-  }
-  v.lambda[row] = 0.0f;  // Λ_tt = 0
-  v.key_logit[row] = in.z_k(b, g, t);
-  v.pos[row] = pos;
+  kernel::ua::append_entry(v.keys, v.values, v.lambda, v.key_logit, v.pos, row, &in.k(b, g, t, 0), &in.v(b, g, t, 0),
+                           in.z_k(b, g, t), pos, D);
 }
 
 // BlockArgs for query tokens [t0, t1) of the call for (b, g), over `n` cache-like entries.

@@ -24,6 +24,7 @@
 #include <vector>
 
 #include "kvmem/backend/cuda/common.cuh"
+#include "kvmem/core/arena.hpp"
 #include "kvmem/backend/cuda/kvm_attend_tc.cuh"
 #include "kvmem/backend/cuda/kvm_kernels.cuh"
 #include "kvmem/core/status.hpp"
@@ -105,38 +106,33 @@ class KvmState {
     st.cap_ = kvm::slot_capacity(p.budget, p.geometry(), s.n_ctx);
     const auto I = std::size_t(s.B * s.Hk), cap = std::size_t(st.cap_), C = std::size_t(p.chunk),
                W = std::size_t(p.window()), D = std::size_t(s.D), Dv = std::size_t(s.Dv);
-    std::size_t off = 0;
-    const auto take = [&off](std::size_t bytes) {
-      const std::size_t at = off;
-      off += (bytes + 255) / 256 * 256;
-      return at;
-    };
+    ArenaLayout arena(256);
     struct Offsets {
       std::size_t sk, sv, rho, cnt, khat32, khat, khat_lo, vhat, wk, wv, wg, k0, k0t, kgt, vg, kg, score, target, partial,
           counter;
     } o{};
     constexpr bool kBf16 = std::is_same_v<S, bf16>;
-    o.sk = take(I * cap * D * sizeof(A));
-    o.sv = take(I * cap * Dv * sizeof(A));
-    o.rho = take(I * cap * sizeof(A));
-    o.cnt = take(I * cap * sizeof(A));
-    o.khat32 = take(I * cap * D * sizeof(A));
-    o.khat = take(I * cap * D * sizeof(S));
-    o.khat_lo = take(kBf16 ? I * cap * D * sizeof(bf16) : 0);
-    o.vhat = take(I * cap * Dv * sizeof(S));
-    o.wk = take(I * W * D * sizeof(S));
-    o.wv = take(I * W * Dv * sizeof(S));
-    o.wg = take(I * W * sizeof(A));
-    o.k0 = take(I * C * D * sizeof(A));
-    o.k0t = take(I * C * D * sizeof(A));
-    o.kgt = take(I * C * D * sizeof(A));
-    o.vg = take(I * C * Dv * sizeof(A));
-    o.kg = take(I * C * D * sizeof(A));
-    o.score = take(I * C * sizeof(A));
-    o.target = take(I * C * sizeof(int));
-    o.partial = take(std::size_t(s.B * s.Hq) * kMaxDecodeSplits * (Dv + 1) * sizeof(A));
-    o.counter = take(std::size_t(s.B * s.Hq) * sizeof(int));
-    KVMEM_RETURN_IF_ERROR(DeviceBuffer::allocate(off, st.memory_));
+    o.sk = arena.take(I * cap * D * sizeof(A));
+    o.sv = arena.take(I * cap * Dv * sizeof(A));
+    o.rho = arena.take(I * cap * sizeof(A));
+    o.cnt = arena.take(I * cap * sizeof(A));
+    o.khat32 = arena.take(I * cap * D * sizeof(A));
+    o.khat = arena.take(I * cap * D * sizeof(S));
+    o.khat_lo = arena.take(kBf16 ? I * cap * D * sizeof(bf16) : 0);
+    o.vhat = arena.take(I * cap * Dv * sizeof(S));
+    o.wk = arena.take(I * W * D * sizeof(S));
+    o.wv = arena.take(I * W * Dv * sizeof(S));
+    o.wg = arena.take(I * W * sizeof(A));
+    o.k0 = arena.take(I * C * D * sizeof(A));
+    o.k0t = arena.take(I * C * D * sizeof(A));
+    o.kgt = arena.take(I * C * D * sizeof(A));
+    o.vg = arena.take(I * C * Dv * sizeof(A));
+    o.kg = arena.take(I * C * D * sizeof(A));
+    o.score = arena.take(I * C * sizeof(A));
+    o.target = arena.take(I * C * sizeof(int));
+    o.partial = arena.take(std::size_t(s.B * s.Hq) * kMaxDecodeSplits * (Dv + 1) * sizeof(A));
+    o.counter = arena.take(std::size_t(s.B * s.Hq) * sizeof(int));
+    KVMEM_RETURN_IF_ERROR(DeviceBuffer::allocate(arena.total(), st.memory_));
     auto* base = static_cast<unsigned char*>(st.memory_.get());
     auto& d = st.dev_;
     d.sk = reinterpret_cast<A*>(base + o.sk);

@@ -33,6 +33,7 @@
 #include "kvmem/backend/cuda/common.cuh"
 #include "kvmem/backend/cuda/ua_attend_tc.cuh"
 #include "kvmem/backend/cuda/ua_kernels.cuh"
+#include "kvmem/core/arena.hpp"
 #include "kvmem/core/status.hpp"
 #include "kvmem/core/tensor.hpp"
 #include "kvmem/policy/decay.hpp"
@@ -76,19 +77,15 @@ class UaCache {
     const auto I = std::size_t(s.batch * s.kv_heads), cap = std::size_t(s.capacity), D = std::size_t(s.head_dim);
     const auto r = std::size_t(s.query_heads / s.kv_heads), P = std::size_t(limits.max_prefill_chunk),
                splits = std::size_t(limits.max_splits);
-    std::size_t off = 0;
-    const auto take = [&off](std::size_t bytes) {
-      const std::size_t at = off;
-      off += (bytes + 255) / 256 * 256;
-      return at;
-    };
-    const std::size_t o_keys = take(I * cap * D * sizeof(S)), o_values = take(I * cap * D * sizeof(S)),
-                      o_lambda = take(I * cap * sizeof(float)), o_logit = take(I * cap * sizeof(float)),
-                      o_pos = take(I * cap * sizeof(std::int64_t)), o_len = take(I * sizeof(std::int64_t)),
-                      o_counter = take(I * sizeof(std::int64_t)), o_done = take(I * sizeof(int)),
-                      o_ml = take(I * splits * r * P * 2 * sizeof(float)),
-                      o_acc = take(I * splits * r * P * D * sizeof(float)), o_new = take(I * P * sizeof(float));
-    KVMEM_RETURN_IF_ERROR(DeviceBuffer::allocate(off, c.memory_));
+    ArenaLayout arena(256);
+    const std::size_t o_keys = arena.take(I * cap * D * sizeof(S)), o_values = arena.take(I * cap * D * sizeof(S)),
+                      o_lambda = arena.take(I * cap * sizeof(float)), o_logit = arena.take(I * cap * sizeof(float)),
+                      o_pos = arena.take(I * cap * sizeof(std::int64_t)), o_len = arena.take(I * sizeof(std::int64_t)),
+                      o_counter = arena.take(I * sizeof(std::int64_t)), o_done = arena.take(I * sizeof(int)),
+                      o_ml = arena.take(I * splits * r * P * 2 * sizeof(float)),
+                      o_acc = arena.take(I * splits * r * P * D * sizeof(float)),
+                      o_new = arena.take(I * P * sizeof(float));
+    KVMEM_RETURN_IF_ERROR(DeviceBuffer::allocate(arena.total(), c.memory_));
     auto* base = static_cast<unsigned char*>(c.memory_.get());
     auto& d = c.dev_;
     d.keys = reinterpret_cast<S*>(base + o_keys);
@@ -236,23 +233,31 @@ bool tc_aligned(const UaInputs<S>& in) {
   return ok4(in.q) && ok4(in.k) && ok4(in.v);
 }
 
-// The chunk kernel of a call: tensor cores for bf16 with D in {64, 80, 128} and r in {4, 8} (the
-// paper's shapes), else the CUDA-core kernel, whose lanes hold ceil(D / 4) dims each (four ranges).
-// launch(kernel, shared_bytes, threads)
-template <class Set, class S, class F>
-Status with_chunk_kernel(const UaInputs<S>& in, std::int64_t D, std::int64_t r, F&& launch) {
+// The chunk kernel of a call and its launch shape. Every variant has the same signature for a given S.
+template <class S>
+struct ChunkKernel {
+  void (*kernel)(DeviceCache<S>, DeviceCall<S>, std::int64_t, std::int64_t);
+  std::size_t shared_bytes;
+  int threads;
+};
+
+// Tensor cores for bf16 with D in {64, 80, 128} and r in {4, 8} (the paper's shapes), else the CUDA-core
+// kernel, whose lanes hold ceil(D / 4) dims each (four ranges). Chosen once per call: every chunk of a
+// call has the same inputs, head dim and group size.
+template <class Set, class S>
+ChunkKernel<S> chunk_kernel_for(const UaInputs<S>& in, std::int64_t D, std::int64_t r) {
   if constexpr (std::is_same_v<S, bf16>) {
     if (tc_group_ok(r) && tc_aligned(in)) {
-      if (D == 64) return launch(chunk_attend_tc_kernel<Set, 64>, UaTcLayout<64>::kBytes, 32 * kTcWarps);
-      if (D == 80) return launch(chunk_attend_tc_kernel<Set, 80>, UaTcLayout<80>::kBytes, 32 * kTcWarps);
-      if (D == 128) return launch(chunk_attend_tc_kernel<Set, 128>, UaTcLayout<128>::kBytes, 32 * kTcWarps);
+      if (D == 64) return {chunk_attend_tc_kernel<Set, 64>, UaTcLayout<64>::kBytes, 32 * kTcWarps};
+      if (D == 80) return {chunk_attend_tc_kernel<Set, 80>, UaTcLayout<80>::kBytes, 32 * kTcWarps};
+      if (D == 128) return {chunk_attend_tc_kernel<Set, 128>, UaTcLayout<128>::kBytes, 32 * kTcWarps};
     }
   }
   const std::size_t bytes = chunk_smem_bytes(D, r);
-  if (D <= 32) return launch(chunk_attend_kernel<Set, S, 8>, bytes, kChunkThreads);
-  if (D <= 64) return launch(chunk_attend_kernel<Set, S, 16>, bytes, kChunkThreads);
-  if (D <= 128) return launch(chunk_attend_kernel<Set, S, 32>, bytes, kChunkThreads);
-  return launch(chunk_attend_kernel<Set, S, 64>, bytes, kChunkThreads);
+  if (D <= 32) return {chunk_attend_kernel<Set, S, 8>, bytes, kChunkThreads};
+  if (D <= 64) return {chunk_attend_kernel<Set, S, 16>, bytes, kChunkThreads};
+  if (D <= 128) return {chunk_attend_kernel<Set, S, 32>, bytes, kChunkThreads};
+  return {chunk_attend_kernel<Set, S, 64>, bytes, kChunkThreads};
 }
 
 }  // namespace ua_detail
@@ -300,33 +305,29 @@ Status ua_run(const Executor& exec, UaCache<S>& cache, const UaInputs<S>& in, co
     // latency-bound, and more blocks shorten each block's chain of dependent loads.
     a.splits = cache.limits_.max_splits;
     const std::size_t bytes = decode_kernel_smem_bytes<S>(D, r);
-    const auto launch = [&](auto kernel) -> Status {
-      KVMEM_RETURN_IF_ERROR(allow_shared(kernel, bytes));
-      kernel<<<dim3(unsigned(a.splits), unsigned(I)), kDecodeThreads, bytes, exec.stream>>>(dev, a);
-      return to_status(cudaGetLastError(), "ua decode_attend_kernel");
-    };
     // lanes of an 8-lane group hold ceil(D / 8) dims each
-    const Status launched = D <= 64    ? launch(decode_attend_kernel<Set, S, 8>)
-                            : D <= 128 ? launch(decode_attend_kernel<Set, S, 16>)
-                                       : launch(decode_attend_kernel<Set, S, 32>);
-    KVMEM_RETURN_IF_ERROR(launched);
+    void (*const kernel)(DeviceCache<S>, DeviceCall<S>) = D <= 64    ? decode_attend_kernel<Set, S, 8>
+                                                          : D <= 128 ? decode_attend_kernel<Set, S, 16>
+                                                                     : decode_attend_kernel<Set, S, 32>;
+    KVMEM_RETURN_IF_ERROR(allow_shared(kernel, bytes));
+    kernel<<<dim3(unsigned(a.splits), unsigned(I)), kDecodeThreads, bytes, exec.stream>>>(dev, a);
+    KVMEM_CUDA_RETURN_IF_LAUNCH_FAILED("ua decode_attend_kernel");
   } else {
     a.P = cache.limits_.max_prefill_chunk;
     a.lambda_new = cache.lambda_new_;
     const std::size_t fbytes = finish_smem_bytes<S>(D);
+    const ChunkKernel<S> chunk = chunk_kernel_for<Set, S>(in, D, r);
+    // shared-memory opt-ins are driver calls: once per call, not once per chunk
     KVMEM_RETURN_IF_ERROR(allow_shared(finish_kernel<S>, fbytes));
+    KVMEM_RETURN_IF_ERROR(allow_shared(chunk.kernel, chunk.shared_bytes));
     std::int64_t bound = cache.bound_;
     for (std::int64_t t0 = 0; t0 < T; t0 += opt.prefill_chunk) {
       const std::int64_t rows = std::min(opt.prefill_chunk, T - t0);
       const std::int64_t want = (bound + rows + 2 * kEntryTile - 1) / (2 * kEntryTile);
       a.splits = int(std::clamp<std::int64_t>(want, 1, cache.limits_.max_splits));
-      const Status launched =
-          with_chunk_kernel<Set, S>(in, D, r, [&](auto kernel, std::size_t bytes, int threads) -> Status {
-            KVMEM_RETURN_IF_ERROR(allow_shared(kernel, bytes));
-            kernel<<<dim3(unsigned(a.splits), unsigned(I)), unsigned(threads), bytes, exec.stream>>>(dev, a, t0, rows);
-            return to_status(cudaGetLastError(), "ua chunk_attend_kernel");
-          });
-      KVMEM_RETURN_IF_ERROR(launched);
+      chunk.kernel<<<dim3(unsigned(a.splits), unsigned(I)), unsigned(chunk.threads), chunk.shared_bytes, exec.stream>>>(
+          dev, a, t0, rows);
+      KVMEM_CUDA_RETURN_IF_LAUNCH_FAILED("ua chunk_attend_kernel");
       merge_kernel<S>
           <<<dim3(unsigned(rows), unsigned(I)), kMergeThreads, 0, exec.stream>>>(dev, a, t0, rows, kEntryTile);
       KVMEM_CUDA_RETURN_IF_LAUNCH_FAILED("ua merge_kernel");

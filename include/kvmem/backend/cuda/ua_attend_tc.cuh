@@ -128,10 +128,7 @@ __global__ void __launch_bounds__(32 * kTcWarps)
       if (i < nr) v = reinterpret_cast<const uint4*>(a.k + b * a.k_b + g * a.k_g + (t0 + r0 + i) * a.k_t)[cv];
       *reinterpret_cast<uint4*>(nk + i * L::kKPitch + cv * 8) = v;
     }
-    for (int i = tid; i < nr; i += blockDim.x) {
-      r_logit[i] = a.z_q[b * a.zq_b + g * a.zq_g + (t0 + r0 + i) * a.zq_t];
-      r_part[i] = kernel::ua::query_gate_part(r_logit[i]);
-    }
+    load_row_gates(a, b, g, t0 + r0, nr, r_logit, r_part);
     for (int x = lane; x < 16 * kD; x += 32) os[(x / kD) * L::kOPitch + x % kD] = 0.0f;
     OnlineSoftmax<float> sm;  // this lane's half of pair row lr
 
@@ -154,12 +151,7 @@ __global__ void __launch_bounds__(32 * kTcWarps)
         *reinterpret_cast<uint4*>(ks + e * L::kKPitch + cv * 8) = kv;
         *reinterpret_cast<uint4*>(vs + e * L::kKPitch + cv * 8) = vv;
       }
-      for (int e = tid; e < ne; e += blockDim.x) {
-        const std::int64_t idx = e0 + e;
-        e_logit[e] = idx < n ? c.key_logit[cache_row0 + idx] : a.z_k[b * a.zk_b + g * a.zk_g + (t0 + idx - n) * a.zk_t];
-        e_part[e] = kernel::ua::key_gate_part(e_logit[e]);
-        e_pos[e] = idx < n ? c.pos[cache_row0 + idx] : first + (idx - n);
-      }
+      load_entry_meta(c, a, item, n, t0, first, e0, ne, e_logit, e_part, e_pos);
       __syncthreads();
       // similarity tile K NK^T [entries x rows] on the tensor cores (one 16 x 16 tile per warp)
       if constexpr (Set::kNeedsSimilarity) {
@@ -184,22 +176,7 @@ __global__ void __launch_bounds__(32 * kTcWarps)
         at[e * L::kAPitch + i] = a_em;
       }
       __syncthreads();
-      // Λ along the rows in increasing m (spec 4.2), one thread per entry (as chunk_attend_kernel)
-      for (int e = tid; e < ne; e += blockDim.x) {
-        const std::int64_t idx = e0 + e, p = e_pos[e];
-        float* lam_at = idx < n ? c.lambda + cache_row0 + idx : a.lambda_new + item * a.P + (idx - n);
-        float lam = (idx >= n && idx - n >= r0) ? 0.0f : *lam_at;
-        for (int i = 0; i < nr; ++i) {
-          const std::int64_t m = first + r0 + i;
-          if (m < p) {
-            at[e * L::kAPitch + i] = negative_infinity<float>();
-            continue;
-          }
-          if (m > p) lam += at[e * L::kAPitch + i];
-          at[e * L::kAPitch + i] = lam;
-        }
-        *lam_at = lam;
-      }
+      carry_lambda(c, a, item, n, first, r0, nr, e0, ne, e_pos, at, L::kAPitch);
       __syncthreads();
       // S = Q K^T for the warp's 16 pairs and the tile's entries
 #pragma unroll

@@ -105,6 +105,59 @@ __device__ inline float ld(const S* p) {
   return load_as<float>(*p);
 }
 
+// ---- pieces both chunk kernels share (this one and chunk_attend_tc_kernel) ---------------------
+// The row tile's query-side gate logits and their log-gate parts (the decay's later tokens).
+template <class S>
+__device__ inline void load_row_gates(const DeviceCall<S>& a, std::int64_t b, std::int64_t g, std::int64_t first_row,
+                                      std::int64_t nr, float* r_logit, float* r_part) {
+  for (std::int64_t i = threadIdx.x; i < nr; i += blockDim.x) {
+    r_logit[i] = a.z_q[b * a.zq_b + g * a.zq_g + (first_row + i) * a.zq_t];
+    r_part[i] = kernel::ua::query_gate_part(r_logit[i]);
+  }
+}
+
+// Key-gate logits, their log parts and positions of entries [e0, e0 + ne) of an item: cached entries
+// below n, then the call's own keys (input row t0 + idx - n, position first + idx - n).
+template <class S>
+__device__ inline void load_entry_meta(const DeviceCache<S>& c, const DeviceCall<S>& a, std::int64_t item,
+                                       std::int64_t n, std::int64_t t0, std::int64_t first, std::int64_t e0,
+                                       std::int64_t ne, float* e_logit, float* e_part, std::int64_t* e_pos) {
+  const std::int64_t b = item / c.G, g = item % c.G, row0 = item * c.cap;
+  for (std::int64_t e = threadIdx.x; e < ne; e += blockDim.x) {
+    const std::int64_t idx = e0 + e;
+    e_logit[e] = idx < n ? c.key_logit[row0 + idx] : a.z_k[b * a.zk_b + g * a.zk_g + (t0 + idx - n) * a.zk_t];
+    e_part[e] = kernel::ua::key_gate_part(e_logit[e]);
+    e_pos[e] = idx < n ? c.pos[row0 + idx] : first + (idx - n);
+  }
+}
+
+// Λ along the rows in increasing m (spec 4.2), one thread per entry: tile[e * pitch + i] holds A(e, m_i)
+// on entry and Λ_{m_i, pos_e} (-inf before the entry's position) on exit, for rows m_i = first + r0 + i,
+// i < nr. λ persists in global memory between row tiles: the cache's λ for cached entries, the call's
+// lambda_new for its own keys (this block is the only one that touches these entries).
+template <class S>
+__device__ inline void carry_lambda(const DeviceCache<S>& c, const DeviceCall<S>& a, std::int64_t item, std::int64_t n,
+                                    std::int64_t first, std::int64_t r0, std::int64_t nr, std::int64_t e0,
+                                    std::int64_t ne, const std::int64_t* e_pos, float* tile, std::int64_t pitch) {
+  for (std::int64_t e = threadIdx.x; e < ne; e += blockDim.x) {
+    const std::int64_t idx = e0 + e, p = e_pos[e];
+    float* lam_at = idx < n ? c.lambda + item * c.cap + idx : a.lambda_new + item * a.P + (idx - n);
+    // a call key at or after this row tile's first row has no decay yet (Λ_pp = 0); its entry tile
+    // may have been skipped entirely by earlier row tiles, so its slot is not read
+    float lam = (idx >= n && idx - n >= r0) ? 0.0f : *lam_at;
+    for (std::int64_t i = 0; i < nr; ++i) {
+      const std::int64_t m = first + r0 + i;
+      if (m < p) {
+        tile[e * pitch + i] = negative_infinity<float>();
+        continue;
+      }
+      if (m > p) lam += tile[e * pitch + i];
+      tile[e * pitch + i] = lam;
+    }
+    *lam_at = lam;
+  }
+}
+
 // ---- prefill / forward: one chunk of `rows` query rows (calls positions counter + t0 ...) --------
 // grid (splits, I), block kChunkThreads, dynamic smem chunk_smem_bytes(D, r).
 // kDpt: dims per lane (>= ceil(D / kLanesPerPair)); lane l owns dims l, l + 4, l + 8, ...
@@ -157,10 +210,7 @@ __global__ void __launch_bounds__(kChunkThreads)
       const std::int64_t i = x / D, d = x % D;
       nk[i * pitch + d] = ld(a.k + b * a.k_b + g * a.k_g + (t0 + r0 + i) * a.k_t + d);
     }
-    for (std::int64_t i = tid; i < nr; i += blockDim.x) {
-      r_logit[i] = a.z_q[b * a.zq_b + g * a.zq_g + (t0 + r0 + i) * a.zq_t];
-      r_part[i] = kernel::ua::query_gate_part(r_logit[i]);
-    }
+    load_row_gates(a, b, g, t0 + r0, nr, r_logit, r_part);
     float q[kDpt], acc[kDpt];
     OnlineSoftmax<float> sm;
     const std::int64_t h_abs = g * r + head;
@@ -182,12 +232,7 @@ __global__ void __launch_bounds__(kChunkThreads)
         ks[e * pitch + d] = ld(kp + d);
         vs[e * pitch + d] = ld(vp + d);
       }
-      for (std::int64_t e = tid; e < ne; e += blockDim.x) {
-        const std::int64_t idx = e0 + e;
-        e_logit[e] = idx < n ? c.key_logit[cache_row0 + idx] : a.z_k[b * a.zk_b + g * a.zk_g + (t0 + idx - n) * a.zk_t];
-        e_part[e] = kernel::ua::key_gate_part(e_logit[e]);
-        e_pos[e] = idx < n ? c.pos[cache_row0 + idx] : first + (idx - n);
-      }
+      load_entry_meta(c, a, item, n, t0, first, e0, ne, e_logit, e_part, e_pos);
       __syncthreads();
       // decay tile A(e, m) for the tile's rows m (spec 4.1); 0 where m <= pos_e
       for (std::int64_t x = tid; x < ne * nr; x += blockDim.x) {
@@ -203,25 +248,7 @@ __global__ void __launch_bounds__(kChunkThreads)
         tile[e * rt + i] = a_em;
       }
       __syncthreads();
-      // Λ along the rows in increasing m (spec 4.2), one thread per entry; λ persists in global memory
-      // between row tiles (this block is the only one that touches these entries).
-      for (std::int64_t e = tid; e < ne; e += blockDim.x) {
-        const std::int64_t idx = e0 + e, p = e_pos[e];
-        float* lam_at = idx < n ? c.lambda + cache_row0 + idx : a.lambda_new + item * a.P + (idx - n);
-        // a call key at or after this row tile's first row has no decay yet (Λ_pp = 0); its entry tile
-        // may have been skipped entirely by earlier row tiles, so its slot is not read
-        float lam = (idx >= n && idx - n >= r0) ? 0.0f : *lam_at;
-        for (std::int64_t i = 0; i < nr; ++i) {
-          const std::int64_t m = first + r0 + i;
-          if (m < p) {
-            tile[e * rt + i] = negative_infinity<float>();
-            continue;
-          }
-          if (m > p) lam += tile[e * rt + i];
-          tile[e * rt + i] = lam;
-        }
-        *lam_at = lam;
-      }
+      carry_lambda(c, a, item, n, first, r0, nr, e0, ne, e_pos, tile, rt);
       __syncthreads();
       // logits of every (head, row) pair, then one online-softmax step over the tile
       float tile_max = negative_infinity<float>();
@@ -395,8 +422,7 @@ __device__ inline void finish_item(const DeviceCache<S>& c, const DeviceCall<S>&
         if (lane == 0) group_kept = __popc(mask);
       }
       __syncthreads();
-      const bool moves = dst[ne - 1] != int(e0 + ne - 1) || group_kept != ne;  // any survivor below its row
-      if (moves && kept + group_kept < e0 + ne) {
+      if (kept + group_kept < e0 + ne) {  // an eviction so far: survivors may move down (a copy in place is harmless)
         for (std::int64_t x = tid; x < ne * D; x += blockDim.x) {
           kst[x] = c.keys[(row0 + e0) * D + x];
           vst[x] = c.values[(row0 + e0) * D + x];

@@ -199,13 +199,8 @@ struct UaCacheCall {
 
   KOKKOS_INLINE_FUNCTION void append_row(const UaItem<Storage>& it, std::int64_t row, std::int64_t b, std::int64_t g,
                                          std::int64_t t, std::int64_t position) const {
-    for (std::int64_t d = 0; d < D; ++d) {
-      it.keys[row * D + d] = store_as<Storage>(in.k(b, g, t, d));
-      it.values[row * D + d] = store_as<Storage>(in.v(b, g, t, d));
-    }
-    it.lambda[row] = 0.0f;  // Λ_tt = 0
-    it.key_logit[row] = in.z_k(b, g, t);
-    it.pos[row] = position;
+    kernel::ua::append_entry(it.keys, it.values, it.lambda, it.key_logit, it.pos, row, &in.k(b, g, t, 0),
+                             &in.v(b, g, t, 0), in.z_k(b, g, t), position, D);
   }
   KOKKOS_INLINE_FUNCTION kernel::ua::BlockArgs<Storage, float, float, float> with_cache(
       kernel::ua::BlockArgs<Storage, float, float, float> a, const UaItem<Storage>& it, std::int64_t n,
