@@ -5,10 +5,11 @@
 # repo root:
 #   benchmarks/run_gpu.sh [--prefix DIR_WITH_CATCH2_AND_JSON] [--golden DIR] [--quick] [--only kvm|ua]
 #                         [--no-sanitize]   (skips compute-sanitizer when the device time is short)
+#                         [--no-bench]      (build and tests only)
 set -uo pipefail
 out=${OUT:-$PWD/gpu-results}
 mkdir -p "$out"
-prefix="" golden="" quick=0 only="" sanitize=1
+prefix="" golden="" quick=0 only="" sanitize=1 bench=1
 while (($#)); do
   case $1 in
     --prefix) prefix=$2; shift 2 ;;
@@ -16,6 +17,7 @@ while (($#)); do
     --quick) quick=1; shift ;;
     --only) only=$2; shift 2 ;;
     --no-sanitize) sanitize=0; shift ;;
+    --no-bench) bench=0; shift ;;
     *) echo "unknown option $1" >&2; exit 2 ;;
   esac
 done
@@ -50,6 +52,7 @@ for m in "${built[@]}"; do
   fi
 done
 report=()
+((bench)) || built=()
 for m in "${built[@]}"; do
   case $m in
     kvm)
