@@ -274,7 +274,7 @@ Status update_select(const Executor& exec, const DeviceState<S, A>& d, const kvm
   plan = UpdatePlan{a, slots, n_app, after};
   const auto grid = static_cast<unsigned>(items);
   const dim3 pgrid(grid, static_cast<unsigned>((C + kWarpsPerBlock - 1) / kWarpsPerBlock));
-  update_prepare_kernel<S, A><<<pgrid, 32 * kWarpsPerBlock, 0, exec.stream>>>(d, a);
+  update_prepare_kernel<S, A><<<pgrid, 32 * kWarpsPerBlock, 0, exec.stream>>>(d, a, n_app > 0);
   KVMEM_CUDA_RETURN_IF_LAUNCH_FAILED("kvm update_prepare_kernel");
   const std::size_t tile_bytes = std::size_t(kSlotTile) * std::size_t(d.D) * sizeof(A);
   const std::size_t select_bytes = std::size_t(C) * (sizeof(A) + 2 * sizeof(int));
@@ -315,9 +315,15 @@ Status update_finish(const Executor& exec, const DeviceState<S, A>& d, const kvm
       const dim3 sgrid(grid, static_cast<unsigned>((after - p.sink + kWarpsPerBlock - 1) / kWarpsPerBlock));
       update_scatter_kernel<S, A><<<sgrid, 32 * kWarpsPerBlock, std::size_t(C) * sizeof(int), exec.stream>>>(d, after);
     } else {
-      const std::int64_t touched = std::min(C, after - p.sink);
-      const dim3 sgrid(grid, static_cast<unsigned>(std::max<std::int64_t>(1, (touched + 2 * kWarpsPerBlock - 1) / (2 * kWarpsPerBlock))));
-      update_scatter_touched_kernel<S, A><<<sgrid, 32 * kWarpsPerBlock, 3 * std::size_t(C) * sizeof(int), exec.stream>>>(d);
+      // about two touched slots per warp, and at most 8192 slots (32 KB of first-token table) a block
+      const std::int64_t range = after - p.sink, touched = std::min(C, range);
+      std::int64_t blocks = std::max<std::int64_t>(1, (touched + 2 * kWarpsPerBlock - 1) / (2 * kWarpsPerBlock));
+      blocks = std::max<std::int64_t>(blocks, (range + 8191) / 8192);
+      const std::int64_t per_block = (range + blocks - 1) / blocks;
+      blocks = (range + per_block - 1) / per_block;
+      const dim3 sgrid(grid, static_cast<unsigned>(blocks));
+      update_scatter_touched_kernel<S, A><<<sgrid, 32 * kWarpsPerBlock, std::size_t(C + per_block) * sizeof(int), exec.stream>>>(
+          d, after, per_block);
     }
     KVMEM_CUDA_RETURN_IF_LAUNCH_FAILED("kvm update_scatter_kernel");
   }
@@ -426,8 +432,9 @@ Status kvm_run(const Executor& exec, KvmState<S, A>& state, const KvmWeights& w,
     const bool decode_step = t1 - t0 == 1 && T == 1;
     const bool founds = t0 < C && t1 > cov;  // initial slots founded by positions [cov, min(t1, C))
     if (!decode_step || founds) {  // a decode step appends its token inside the fused kernel
-      const dim3 igrid(static_cast<unsigned>(items), static_cast<unsigned>(t1 - t0));
-      ingest_kernel<S, A, In><<<igrid, 128, 0, exec.stream>>>(d, k.data(), v.data(), gate.data(), T, n0, t0, cov);
+      const dim3 igrid(static_cast<unsigned>(items), static_cast<unsigned>((t1 - t0 + kWarpsPerBlock - 1) / kWarpsPerBlock));
+      ingest_kernel<S, A, In><<<igrid, 32 * kWarpsPerBlock, 0, exec.stream>>>(d, k.data(), v.data(), gate.data(), T, n0, t0,
+                                                                              t1, cov);
       KVMEM_CUDA_RETURN_IF_LAUNCH_FAILED("kvm ingest_kernel");
     }
     if (founds) {
@@ -472,7 +479,7 @@ Status kvm_run(const Executor& exec, KvmState<S, A>& state, const KvmWeights& w,
       bool on_tensor_cores = false;
       if constexpr (std::is_same_v<S, bf16>) {
         if (attend_tc != nullptr) {
-          const dim3 tgrid(static_cast<unsigned>(B * sh.Hq), static_cast<unsigned>((t1 - t0 + kTcRows - 1) / kTcRows));
+          const dim3 tgrid(static_cast<unsigned>(B * sh.Hq * ((t1 - t0 + kTcRows - 1) / kTcRows)));
           attend_tc<<<tgrid, 32 * kTcWarps, tc_bytes, exec.stream>>>(d, q.data(), out.data(), T, n0, t0, t1, wb, slots);
           KVMEM_CUDA_RETURN_IF_LAUNCH_FAILED("kvm attend_tc_kernel");
           on_tensor_cores = true;

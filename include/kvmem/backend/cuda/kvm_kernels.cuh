@@ -93,10 +93,88 @@ __device__ void warp_layer_norm(const X* x, std::int64_t D, const A* w, const A*
   for (std::int64_t d = lane; d < D; d += 32) y[d] = w[d] * ((load_as<A>(x[d]) - mean) * inv) + b[d];
 }
 
-// refresh_slot with a warp: K^_j = LN_s(Sk_j) into khat32/khat, V^_j (spec 4.4 steps 1-2).
+inline constexpr int kLaneRegs = 4;  // channels per lane held in registers: head dims up to 32 * kLaneRegs
+
+// warp_layer_norm on a row held in registers (lane l holds channels l + 32 e, e < kLaneRegs; slots
+// past D are ignored): the same operations in the same order, so both forms give bitwise the same
+// row. D <= 32 * kLaneRegs.
+template <class A>
+__device__ void warp_layer_norm_regs(A (&x)[kLaneRegs], std::int64_t D, const A* w, const A* b, A eps, int lane) {
+  A sum = A(0);
+#pragma unroll
+  for (int e = 0; e < kLaneRegs; ++e)
+    if (lane + 32 * e < D) sum += x[e];
+  const A mean = warp_sum(sum) / static_cast<A>(D);
+  A var = A(0);
+#pragma unroll
+  for (int e = 0; e < kLaneRegs; ++e) {
+    if (lane + 32 * e < D) {
+      const A c = x[e] - mean;
+      var += c * c;
+    }
+  }
+  const A inv = A(1) / sqrt(warp_sum(var) / static_cast<A>(D) + eps);
+#pragma unroll
+  for (int e = 0; e < kLaneRegs; ++e) {
+    const int d = lane + 32 * e;
+    if (d < D) x[e] = w[d] * ((x[e] - mean) * inv) + b[d];
+  }
+}
+
+// K^_j, V^_j of slot sj (spec 4.4 steps 1-2) from its sums Sk (k) and Sv (v) in registers (layout
+// of warp_layer_norm_regs), its rho and cnt: no round trip through memory. D, Dv <= 32 * kLaneRegs.
+template <class S, class A>
+__device__ void warp_refresh_regs(const DeviceState<S, A>& st, std::int64_t sj, const A (&k)[kLaneRegs],
+                                  const A (&v)[kLaneRegs], A rho, A cnt, int lane) {
+  const std::int64_t D = st.D, Dv = st.Dv;
+  A kh[kLaneRegs];
+#pragma unroll
+  for (int e = 0; e < kLaneRegs; ++e) kh[e] = k[e];
+  warp_layer_norm_regs(kh, D, st.ln_w, st.ln_b, st.eps, lane);
+#pragma unroll
+  for (int e = 0; e < kLaneRegs; ++e) {
+    const int d = lane + 32 * e;
+    if (d >= D) continue;
+    const S hi = store_as<S>(kh[e]);
+    st.khat32[sj * D + d] = kh[e];
+    st.khat[sj * D + d] = hi;
+    if (st.khat_lo != nullptr) st.khat_lo[sj * D + d] = store_as<bf16>(kh[e] - load_as<A>(hi));
+  }
+  A f;
+  if (st.value_radius) {
+    A sq = A(0);
+#pragma unroll
+    for (int e = 0; e < kLaneRegs; ++e)
+      if (lane + 32 * e < Dv) sq += v[e] * v[e];
+    A n = sqrt(warp_sum(sq));
+    if (n < A(1e-12)) n = A(1e-12);
+    f = rho / n;
+  } else {
+    f = A(1) / cnt;
+  }
+#pragma unroll
+  for (int e = 0; e < kLaneRegs; ++e) {
+    const int d = lane + 32 * e;
+    if (d < Dv) st.vhat[sj * Dv + d] = store_as<S>(v[e] * f);
+  }
+}
+
+// refresh_slot with a warp: K^_j = LN_s(Sk_j) into khat32/khat, V^_j (spec 4.4 steps 1-2). Head dims
+// up to 128 go through registers (warp_refresh_regs: bitwise the same as the memory form below).
 template <class S, class A>
 __device__ void warp_refresh_slot(const DeviceState<S, A>& st, std::int64_t i, std::int64_t j, int lane) {
   const std::int64_t sj = i * st.cap + j;
+  if (st.D <= 32 * kLaneRegs && st.Dv <= 32 * kLaneRegs) {
+    A k[kLaneRegs], v[kLaneRegs];
+#pragma unroll
+    for (int e = 0; e < kLaneRegs; ++e) {
+      const int d = lane + 32 * e;
+      k[e] = d < st.D ? st.sk[sj * st.D + d] : A(0);
+      v[e] = d < st.Dv ? st.sv[sj * st.Dv + d] : A(0);
+    }
+    warp_refresh_regs(st, sj, k, v, st.rho[sj], st.cnt[sj], lane);
+    return;
+  }
   A* k32 = st.khat32 + sj * st.D;
   warp_layer_norm(st.sk + sj * st.D, st.D, st.ln_w, st.ln_b, st.eps, k32, lane);
   for (std::int64_t d = lane; d < st.D; d += 32) {
@@ -120,21 +198,24 @@ __device__ void warp_refresh_slot(const DeviceState<S, A>& st, std::int64_t i, s
 
 inline constexpr int kWarpsPerBlock = 8;  // update kernels that give each token or slot a warp
 
-// Tokens [t0, t1) enter the window ring; tokens below C that the state has not covered found their
-// slot j = t (spec 4.3; before the first update |S| equals the position). grid (I, t1 - t0).
+// Tokens [t0, t1) enter the window ring, one warp per token; tokens below C that the state has not
+// covered found their slot j = t (spec 4.3; before the first update |S| equals the position).
+// grid (I, ceil((t1 - t0) / kWarpsPerBlock)), block 32 * kWarpsPerBlock.
 // k: [B,Hk,T,D], v: [B,Hk,T,Dv], gate: [B,Hk,T] (local token index t - n0)
 template <class S, class A, class In>
 __global__ void ingest_kernel(DeviceState<S, A> st, const In* k, const In* v, const In* gate, std::int64_t T,
-                              std::int64_t n0, std::int64_t t0, std::int64_t cov) {
-  const std::int64_t i = blockIdx.x, t = t0 + blockIdx.y, ring = t % st.W;
-  const std::int64_t local = (i * T + (t - n0));
+                              std::int64_t n0, std::int64_t t0, std::int64_t t1, std::int64_t cov) {
+  const int lane = threadIdx.x % 32;
+  const std::int64_t i = blockIdx.x, t = t0 + std::int64_t(blockIdx.y) * kWarpsPerBlock + threadIdx.x / 32;
+  if (t >= t1) return;  // warp-uniform
+  const std::int64_t ring = t % st.W, local = (i * T + (t - n0));
   S* wk = st.wk + (i * st.W + ring) * st.D;
   S* wv = st.wv + (i * st.W + ring) * st.Dv;
-  for (std::int64_t d = threadIdx.x; d < st.D; d += blockDim.x) wk[d] = store_as<S>(load_as<A>(k[local * st.D + d]));
-  for (std::int64_t d = threadIdx.x; d < st.Dv; d += blockDim.x) wv[d] = store_as<S>(load_as<A>(v[local * st.Dv + d]));
-  if (threadIdx.x == 0) st.wg[i * st.W + ring] = load_as<A>(gate[local]);
-  __syncthreads();
-  if (threadIdx.x != 0 || t >= st.C || t < cov) return;
+  for (std::int64_t d = lane; d < st.D; d += 32) wk[d] = store_as<S>(load_as<A>(k[local * st.D + d]));
+  for (std::int64_t d = lane; d < st.Dv; d += 32) wv[d] = store_as<S>(load_as<A>(v[local * st.Dv + d]));
+  if (lane == 0) st.wg[i * st.W + ring] = load_as<A>(gate[local]);
+  __syncwarp();  // the founding below reads the row back from the ring
+  if (lane != 0 || t >= st.C || t < cov) return;
   // init rule (spec 4.3), read back from the ring so every backend founds slots from the stored k, v
   const std::int64_t sj = i * st.cap + t;
   A* sk = st.sk + sj * st.D;
@@ -153,10 +234,11 @@ __global__ void ingest_kernel(DeviceState<S, A> st, const In* k, const In* v, co
   refresh_slot(st, i, t);
 }
 
-// Update step 1 (spec 4.5): k0, kg, vg of the C tokens [a, a+C) read from the ring, one warp per
-// token. grid (I, ceil(C / kWarpsPerBlock)), block 32 * kWarpsPerBlock.
+// Update step 1 (spec 4.5): kg, vg (and, when the update appends, k0 for the novelty scores and the
+// appends) of the C tokens [a, a+C) read from the ring, one warp per token.
+// grid (I, ceil(C / kWarpsPerBlock)), block 32 * kWarpsPerBlock.
 template <class S, class A>
-__global__ void update_prepare_kernel(DeviceState<S, A> st, std::int64_t a) {
+__global__ void update_prepare_kernel(DeviceState<S, A> st, std::int64_t a, bool novelty) {
   const int lane = threadIdx.x % 32;
   const std::int64_t i = blockIdx.x, c = std::int64_t(blockIdx.y) * kWarpsPerBlock + threadIdx.x / 32;
   const std::int64_t C = st.C, D = st.D, Dv = st.Dv;
@@ -164,27 +246,51 @@ __global__ void update_prepare_kernel(DeviceState<S, A> st, std::int64_t a) {
   const std::int64_t ring = (a + c) % st.W;
   const S* kr = st.wk + (i * st.W + ring) * D;
   A* k0 = st.k0 + (i * C + c) * D;
-  for (std::int64_t d = lane; d < D; d += 32) k0[d] = d < st.rope_dims ? A(0) : load_as<A>(kr[d]);  // spec 4.2 step 1
-  warp_layer_norm(k0, D, st.ln_w, st.ln_b, st.eps, k0, lane);
   const A g = st.wg[i * st.W + ring];
-  for (std::int64_t d = lane; d < D; d += 32) {
-    const A kgv = st.merge_gate_keys ? g * k0[d] : k0[d];
+  // this token's k0 row: lane l holds channels l + 32 e (in registers for head dims up to 128, else
+  // normalised in place in st.k0)
+  A x[kLaneRegs];
+  const bool in_regs = D <= 32 * kLaneRegs;
+  if (in_regs) {
+#pragma unroll
+    for (int e = 0; e < kLaneRegs; ++e) {
+      const int d = lane + 32 * e;
+      x[e] = d < D && d >= st.rope_dims ? load_as<A>(kr[d]) : A(0);  // spec 4.2 step 1
+    }
+    warp_layer_norm_regs(x, D, st.ln_w, st.ln_b, st.eps, lane);
+  } else {
+    for (std::int64_t d = lane; d < D; d += 32) k0[d] = d < st.rope_dims ? A(0) : load_as<A>(kr[d]);
+    warp_layer_norm(k0, D, st.ln_w, st.ln_b, st.eps, k0, lane);
+  }
+  const auto emit = [&](std::int64_t d, A k0v) {
+    const A kgv = st.merge_gate_keys ? g * k0v : k0v;
+    if (novelty && in_regs) k0[d] = k0v;  // the appends copy k0 rows (spec 4.5 step 3)
     if (st.tc_route) {  // hi/lo bf16 rows for the tensor cores (coalesced)
-      const bf16 kh = store_as<bf16>(k0[d]), gh = store_as<bf16>(kgv);
-      st.k0_hl[((i * C + c) * 2) * D + d] = kh;
-      st.k0_hl[((i * C + c) * 2 + 1) * D + d] = store_as<bf16>(k0[d] - load_as<A>(kh));
+      if (novelty) {
+        const bf16 kh = store_as<bf16>(k0v);
+        st.k0_hl[((i * C + c) * 2) * D + d] = kh;
+        st.k0_hl[((i * C + c) * 2 + 1) * D + d] = store_as<bf16>(k0v - load_as<A>(kh));
+      }
+      const bf16 gh = store_as<bf16>(kgv);
       st.kg_hl[((i * C + c) * 2) * D + d] = gh;
       st.kg_hl[((i * C + c) * 2 + 1) * D + d] = store_as<bf16>(kgv - load_as<A>(gh));
     } else {
-      st.k0t[(i * D + d) * C + c] = k0[d];
+      if (novelty) st.k0t[(i * D + d) * C + c] = k0v;
       st.kgt[(i * D + d) * C + c] = kgv;
     }
     st.kg[(i * C + c) * D + d] = kgv;
+  };
+  if (in_regs) {
+#pragma unroll
+    for (int e = 0; e < kLaneRegs; ++e)
+      if (lane + 32 * e < D) emit(lane + 32 * e, x[e]);
+  } else {
+    for (std::int64_t d = lane; d < D; d += 32) emit(d, k0[d]);
   }
   const S* vr = st.wv + (i * st.W + ring) * Dv;
   for (std::int64_t d = lane; d < Dv; d += 32) {
-    const A x = load_as<A>(vr[d]);
-    st.vg[(i * C + c) * Dv + d] = st.merge_gate_values ? g * x : x;
+    const A y = load_as<A>(vr[d]);
+    st.vg[(i * C + c) * Dv + d] = st.merge_gate_values ? g * y : y;
   }
   if (lane == 0) st.target[i * C + c] = 0;
 }
@@ -308,14 +414,79 @@ __global__ void update_route_kernel(DeviceState<S, A> st, std::int64_t slots_aft
 }
 
 // Adds the tokens routed to slot j (token order, lanes split the channels) and refreshes its readout.
+// Tokens at or after c_first are scanned (c_first: the first token routed to j, or 0).
 template <class S, class A>
 __device__ void scatter_into_slot(const DeviceState<S, A>& st, std::int64_t i, std::int64_t j, const int* target,
                                   std::int64_t c_first, int lane) {
   const std::int64_t C = st.C, D = st.D, Dv = st.Dv, sj = i * st.cap + j;
+  // the tokens of 32-token group `base` routed to j, as a warp-uniform mask
+  const auto group = [&](std::int64_t base) {
+    const std::int64_t cc = base + lane;
+    return __ballot_sync(0xffffffffu, cc >= c_first && cc < C && target[cc] == j);
+  };
+  std::int64_t cb = c_first - c_first % 32;
+  if (D <= 32 * kLaneRegs && Dv <= 32 * kLaneRegs) {
+    // Sums in registers (one load and one store per slot, not a read-modify-write per token), and
+    // the routed rows fetched kBatch at a time, all loads of a batch issued before its adds. The adds
+    // keep token order, so the sums are bitwise those of the memory form below.
+    constexpr int kBatch = 4;
+    A k[kLaneRegs], v[kLaneRegs];
+#pragma unroll
+    for (int e = 0; e < kLaneRegs; ++e) {
+      const int d = lane + 32 * e;
+      k[e] = d < D ? st.sk[sj * D + d] : A(0);
+      v[e] = d < Dv ? st.sv[sj * Dv + d] : A(0);
+    }
+    const A rho = st.rho[sj];
+    A cnt = st.cnt[sj], added = A(0);
+    unsigned m = group(cb);
+    for (;;) {
+      std::int64_t tok[kBatch];
+#pragma unroll
+      for (int u = 0; u < kBatch; ++u) {
+        while (m == 0u && cb + 32 < C) {
+          cb += 32;
+          m = group(cb);
+        }
+        tok[u] = m != 0u ? cb + (__ffs(m) - 1) : -1;
+        m &= m - 1u;
+      }
+      if (tok[0] < 0) break;
+      A kt[kBatch][kLaneRegs], vt[kBatch][kLaneRegs];
+#pragma unroll
+      for (int u = 0; u < kBatch; ++u) {
+#pragma unroll
+        for (int e = 0; e < kLaneRegs; ++e) {
+          const int d = lane + 32 * e;
+          kt[u][e] = tok[u] >= 0 && d < D ? st.kg[(i * C + tok[u]) * D + d] : A(0);
+          vt[u][e] = tok[u] >= 0 && d < Dv ? st.vg[(i * C + tok[u]) * Dv + d] : A(0);
+        }
+      }
+#pragma unroll
+      for (int u = 0; u < kBatch; ++u) {
+        if (tok[u] < 0) break;
+#pragma unroll
+        for (int e = 0; e < kLaneRegs; ++e) {
+          k[e] += kt[u][e];
+          v[e] += vt[u][e];
+        }
+        added += A(1);
+      }
+    }
+    cnt += added;
+#pragma unroll
+    for (int e = 0; e < kLaneRegs; ++e) {
+      const int d = lane + 32 * e;
+      if (d < D) st.sk[sj * D + d] = k[e];
+      if (d < Dv) st.sv[sj * Dv + d] = v[e];
+    }
+    if (lane == 0) st.cnt[sj] = cnt;
+    warp_refresh_regs(st, sj, k, v, rho, cnt, lane);
+    return;
+  }
   A added = A(0);
-  for (std::int64_t cb = c_first - c_first % 32; cb < C; cb += 32) {
-    const std::int64_t cc = cb + lane;
-    unsigned m = __ballot_sync(0xffffffffu, cc >= c_first && cc < C && target[cc] == j);
+  for (; cb < C; cb += 32) {
+    unsigned m = group(cb);
     while (m != 0u) {
       const std::int64_t c = cb + (__ffs(m) - 1);
       m &= m - 1u;
@@ -347,41 +518,31 @@ __global__ void update_scatter_kernel(DeviceState<S, A> st, std::int64_t slots_a
   scatter_into_slot(st, i, j, target, 0, lane);
 }
 
-// Update step 4 scatter over the touched slots only (those some token was routed to; at most C):
-// the block lists each touched slot by its first token, and warps take list entries. Bitwise the
-// same sums and readouts as update_scatter_kernel (untouched slots would be refreshed unchanged).
-// grid (I, any), block 32 * kWarpsPerBlock, smem 3*C ints.
+// Update step 4 scatter over the touched slots only (those some token was routed to; at most C).
+// Block y covers the non-sink slots [lo, lo + per_block): it finds the first token routed to each
+// (an integer atomicMin: the same result in any order) and its warps take the touched ones. Bitwise
+// the same sums and readouts as update_scatter_kernel (untouched slots would be refreshed unchanged).
+// grid (I, ceil((slots_after - sink) / per_block)), block 32 * kWarpsPerBlock, smem (C + per_block) ints.
 template <class S, class A>
-__global__ void update_scatter_touched_kernel(DeviceState<S, A> st) {
+__global__ void update_scatter_touched_kernel(DeviceState<S, A> st, std::int64_t slots_after, std::int64_t per_block) {
   extern __shared__ unsigned char smem_raw[];
-  __shared__ int n_lead;
   int* target = reinterpret_cast<int*>(smem_raw);
-  int* first = target + st.C;
-  int* lead = first + st.C;  // lead[p]: first token of the p-th touched slot (token order)
+  int* first = target + st.C;  // first[j - lo]: the first token routed to slot j, C if none
   const std::int64_t i = blockIdx.x, C = st.C;
-  if (threadIdx.x == 0) n_lead = 0;
+  const std::int64_t lo = st.sink + std::int64_t(blockIdx.y) * per_block;
+  const std::int64_t hi = (lo + per_block) < slots_after ? (lo + per_block) : slots_after;
   for (std::int64_t c = threadIdx.x; c < C; c += blockDim.x) target[c] = st.target[i * C + c];
+  for (std::int64_t s = threadIdx.x; s < per_block; s += blockDim.x) first[s] = static_cast<int>(C);
   __syncthreads();
   for (std::int64_t c = threadIdx.x; c < C; c += blockDim.x) {
     const int t = target[c];
-    bool f = t >= 0;
-    for (std::int64_t o = 0; o < c && f; ++o) f = target[o] != t;
-    first[c] = f ? 1 : 0;
-    if (f) atomicAdd(&n_lead, 1);  // an integer count: the order of the adds does not matter
-  }
-  __syncthreads();
-  for (std::int64_t c = threadIdx.x; c < C; c += blockDim.x) {
-    if (!first[c]) continue;
-    int pos = 0;
-    for (std::int64_t o = 0; o < c; ++o) pos += first[o];
-    lead[pos] = static_cast<int>(c);
+    if (t >= lo && t < hi) atomicMin(first + (t - lo), static_cast<int>(c));
   }
   __syncthreads();
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-  for (std::int64_t p = std::int64_t(blockIdx.y) * kWarpsPerBlock + warp; p < n_lead;
-       p += std::int64_t(gridDim.y) * kWarpsPerBlock) {
-    const int c0 = lead[p];
-    scatter_into_slot(st, i, target[c0], target, c0, lane);
+  for (std::int64_t j = lo + warp; j < hi; j += kWarpsPerBlock) {
+    const int c0 = first[j - lo];
+    if (c0 < C) scatter_into_slot(st, i, j, target, c0, lane);
   }
 }
 
