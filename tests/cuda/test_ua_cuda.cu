@@ -71,9 +71,10 @@ struct CudaRun {
 };
 
 // Chunked prefill of [0, split), then decode of [split, T), all with `opt` (the goldens' pruned run).
+// first_call > 0: the prefill is two calls, [0, first_call) and [first_call, split).
 template <class S, class Set = kvmem::decay::Universal>
 CudaRun cuda_prefill_decode(const FloatCase& f, std::int64_t split, const kvmem::ua::Options& opt,
-                            kvmem::cuda::UaCacheLimits limits = {}) {
+                            kvmem::cuda::UaCacheLimits limits = {}, std::int64_t first_call = 0) {
   const auto& c = f.c;
   DevCase<S> d(f);
   kvmem::cuda::UaCache<S> cache;
@@ -82,8 +83,9 @@ CudaRun cuda_prefill_decode(const FloatCase& f, std::int64_t split, const kvmem:
   REQUIRE(created.is_ok());
   Dev<float> out(std::vector<float>(std::size_t(c.B * c.T * c.H * c.D), -7.0f));  // poisoned
   const kvmem::cuda::Executor exec{};
-  if (split > 0) {
-    const auto s = kvmem::cuda::ua_prefill<Set>(exec, cache, d.slice(0, split), opt, d.out_slice(out.ptr, 0, split));
+  for (const auto& [t0, t1] : {std::pair{std::int64_t(0), first_call}, std::pair{first_call, split}}) {
+    if (t1 <= t0) continue;
+    const auto s = kvmem::cuda::ua_prefill<Set>(exec, cache, d.slice(t0, t1), opt, d.out_slice(out.ptr, t0, t1));
     INFO(s.to_string());
     REQUIRE(s.is_ok());
   }
@@ -437,4 +439,54 @@ TEST_CASE("ua cuda fp16 storage agrees with the host backend (CUDA-core kernels)
   INFO("out relative Frobenius " << e << ", kept mismatches " << bad << " (+ " << excluded << " near-ties)");
   CHECK(e <= 1e-4);  // same fp16 operands, fp32 sums in a different order
   CHECK(bad == 0);
+}
+
+TEST_CASE("ua cuda bf16 dense prefill (p = 0): the pipelined tensor-core kernel against the host", "[ua][cuda]") {
+  if (no_device()) return;
+  // p = 0 with bf16, D in {64, 80, 128} and r in {4, 8} takes dense_prefill_tc_kernel: every row of a call
+  // in one launch, row tiles chained through λ. Several row tiles (ragged last one), several entry
+  // tiles, a second call that starts from cached rows, then decode; probabilities are rounded to bf16
+  // before p.v (tolerance 1e-2), λ and lse stay fp32.
+  struct Shape {
+    std::int64_t dim, H, G;
+    bool gate;
+  };
+  for (const Shape& sh : {Shape{128, 16, 4, false}, Shape{80, 16, 4, true}, Shape{64, 16, 2, false}}) {
+    Case c = random_case(2, 300, sh.H, sh.G, sh.dim, 41 + std::uint32_t(sh.dim), 1.0, sh.gate);
+    FloatCase f(c);
+    f.q = rounded<kvmem::bf16>(f.q);  // both sides see the same bf16 inputs
+    f.k = rounded<kvmem::bf16>(f.k);
+    f.v = rounded<kvmem::bf16>(f.v);
+    f.z_o = rounded<kvmem::bf16>(f.z_o);
+    const auto host = host_forward(f);
+    const auto dense = cuda_forward<kvmem::bf16>(f);
+    const double e_out = relative_frobenius(dense.out, host.out), e_lse = relative_frobenius(dense.lse, host.lse),
+                 e_lam = relative_frobenius(dense.lambda_last, host.lambda_last);
+    INFO("dim " << sh.dim << " r " << sh.H / sh.G << " gate " << sh.gate << ": out " << e_out << ", lse " << e_lse
+                << ", lambda_last " << e_lam);
+    CHECK(e_out <= 1e-2);
+    CHECK(e_lse <= 1e-3);
+    CHECK(e_lam <= 1e-4);
+    const auto calls = cuda_prefill_decode<kvmem::bf16>(f, 250, kvmem::ua::Options{0.0, 128, true}, {}, 100);
+    const double e_calls = relative_frobenius(calls.out, host.out);
+    INFO("two prefill calls + decode: out " << e_calls);
+    CHECK(e_calls <= 1e-2);
+    for (auto len : calls.lengths) CHECK(len == c.config.T);  // p = 0 never evicts
+  }
+}
+
+TEST_CASE("ua cuda bf16 dense tensor-core prefill at a small shape (sanitizer case)", "[ua][cuda][sanitize]") {
+  if (no_device()) return;
+  // r = 4, D = 64: three row tiles of 32 rows, two calls (the second over 25 cached rows), then decode
+  Case c = random_case(1, 70, 8, 2, 64, 79);
+  FloatCase f(c);
+  f.q = rounded<kvmem::bf16>(f.q);
+  f.k = rounded<kvmem::bf16>(f.k);
+  f.v = rounded<kvmem::bf16>(f.v);
+  const auto host = host_forward(f);
+  const auto gpu = cuda_prefill_decode<kvmem::bf16>(f, 60, kvmem::ua::Options{0.0, 128, true}, {}, 25);
+  const double e = relative_frobenius(gpu.out, host.out);
+  INFO("out relative Frobenius " << e);
+  CHECK(e <= 1e-2);
+  for (auto len : gpu.lengths) CHECK(len == c.config.T);
 }

@@ -14,6 +14,9 @@
 // fp32 throughout. Work is enqueued on exec.stream with no allocation and no host synchronisation,
 // except one documented case: when the host's conservative bound on the cache length says a call
 // might not fit (longest + T > capacity), the call first reads the true lengths back (one sync).
+// A prefill with p = 0 (nothing is evicted) in bf16 with D in {64, 80, 128} and r in {4, 8} runs every row
+// of the call in one pipelined tensor-core launch (ua_dense_tc.cuh); every other prefill runs chunk by
+// chunk (ua_kernels.cuh, ua_attend_tc.cuh).
 // Every length and position lives on the device, so a decode step is a fixed sequence of launches an
 // engine can capture in a CUDA graph and replay. Results are deterministic: partials of the entry
 // splits are merged in split order, never with float atomics (an integer ticket only picks which block
@@ -27,11 +30,13 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <limits>
 #include <string>
 #include <vector>
 
 #include "kvmem/backend/cuda/common.cuh"
 #include "kvmem/backend/cuda/ua_attend_tc.cuh"
+#include "kvmem/backend/cuda/ua_dense_tc.cuh"
 #include "kvmem/backend/cuda/ua_kernels.cuh"
 #include "kvmem/core/arena.hpp"
 #include "kvmem/core/status.hpp"
@@ -47,7 +52,8 @@ template <class S>
 using UaInputs = ua::InputsOf<S>;
 
 // Sizes of the per-call scratch a cache owns next to its rows: B*G*max_splits*r*max_prefill_chunk*(D+2)
-// floats of split partials (134 MB at B8 G4 r4 D128 with the defaults) and B*G*max_prefill_chunk λ.
+// floats of split partials (134 MB at B8 G4 r4 D128 with the defaults) and B*G*max_prefill_chunk λ,
+// plus 1 + B*G*ceil(capacity / 16) ints for the dense tensor-core prefill's row-tile pipeline.
 struct UaCacheLimits {
   std::int64_t max_prefill_chunk = 128;  // largest Options::prefill_chunk a prefill may use (<= 1024)
   int max_splits = 16;                   // entry splits per (sequence, kv head): parallelism of a call
@@ -84,7 +90,8 @@ class UaCache {
                       o_counter = arena.take(I * sizeof(std::int64_t)), o_done = arena.take(I * sizeof(int)),
                       o_ml = arena.take(I * splits * r * P * 2 * sizeof(float)),
                       o_acc = arena.take(I * splits * r * P * D * sizeof(float)),
-                      o_new = arena.take(I * P * sizeof(float));
+                      o_new = arena.take(I * P * sizeof(float)),
+                      o_sync = arena.take(std::size_t(ua_detail::dense_sync_ints(std::int64_t(I), s.capacity)) * sizeof(int));
     KVMEM_RETURN_IF_ERROR(DeviceBuffer::allocate(arena.total(), c.memory_));
     auto* base = static_cast<unsigned char*>(c.memory_.get());
     auto& d = c.dev_;
@@ -103,6 +110,7 @@ class UaCache {
     c.part_ml_ = reinterpret_cast<float*>(base + o_ml);
     c.part_acc_ = reinterpret_cast<float*>(base + o_acc);
     c.lambda_new_ = reinterpret_cast<float*>(base + o_new);
+    c.dense_sync_ = reinterpret_cast<int*>(base + o_sync);
     // lengths and counters start at 0 (the rows are written before they are read)
     KVMEM_RETURN_IF_ERROR(to_status(cudaMemset(d.length, 0, I * sizeof(std::int64_t)), "cudaMemset lengths"));
     KVMEM_RETURN_IF_ERROR(to_status(cudaMemset(d.counter, 0, I * sizeof(std::int64_t)), "cudaMemset counters"));
@@ -191,6 +199,7 @@ class UaCache {
   float* part_ml_ = nullptr;
   float* part_acc_ = nullptr;
   float* lambda_new_ = nullptr;
+  int* dense_sync_ = nullptr;  // ticket + row-tile progress of the dense tensor-core prefill
   std::vector<std::int64_t> position_;  // [B] host mirror of the device counters
   std::int64_t bound_ = 0;              // >= every item's length
 };
@@ -260,6 +269,26 @@ ChunkKernel<S> chunk_kernel_for(const UaInputs<S>& in, std::int64_t D, std::int6
   return {chunk_attend_kernel<Set, S, 64>, bytes, kChunkThreads};
 }
 
+// The dense tensor-core prefill (ua_dense_tc.cuh): bf16 with D in {64, 80, 128}, r in {4, 8}, and p = 0
+// (log_p = -inf: nothing is evicted, so the whole call is one pipelined launch). kernel == nullptr: the
+// call takes the chunked path.
+template <class S>
+struct DenseKernel {
+  void (*kernel)(DeviceCache<S>, DeviceCall<S>, std::int64_t, std::int64_t, std::int64_t, int*) = nullptr;
+  std::size_t shared_bytes = 0;
+};
+template <class Set, class S>
+DenseKernel<S> dense_kernel_for(const UaInputs<S>& in, std::int64_t D, std::int64_t r, double log_p) {
+  if constexpr (std::is_same_v<S, bf16>) {
+    if (log_p == -std::numeric_limits<double>::infinity() && tc_group_ok(r) && tc_aligned(in)) {
+      if (D == 64) return {dense_prefill_tc_kernel<Set, 64>, UaDenseLayout<64>::kBytes};
+      if (D == 80) return {dense_prefill_tc_kernel<Set, 80>, UaDenseLayout<80>::kBytes};
+      if (D == 128) return {dense_prefill_tc_kernel<Set, 128>, UaDenseLayout<128>::kBytes};
+    }
+  }
+  return {};
+}
+
 }  // namespace ua_detail
 
 // Prefill (decode == false: T tokens in chunks of opt.prefill_chunk) or one decode step (T = 1).
@@ -312,6 +341,19 @@ Status ua_run(const Executor& exec, UaCache<S>& cache, const UaInputs<S>& in, co
     KVMEM_RETURN_IF_ERROR(allow_shared(kernel, bytes));
     kernel<<<dim3(unsigned(a.splits), unsigned(I)), kDecodeThreads, bytes, exec.stream>>>(dev, a);
     KVMEM_CUDA_RETURN_IF_LAUNCH_FAILED("ua decode_attend_kernel");
+  } else if (const DenseKernel<S> dense = dense_kernel_for<Set, S>(in, D, r, a.log_p); dense.kernel) {
+    if (T > 0) {
+      const std::int64_t tiles = dense_row_tiles(T, r);
+      KVMEM_RETURN_IF_ERROR(to_status(
+          cudaMemsetAsync(cache.dense_sync_, 0, std::size_t(1 + I * tiles) * sizeof(int), exec.stream),
+          "cudaMemsetAsync dense prefill pipeline"));
+      KVMEM_RETURN_IF_ERROR(allow_shared(dense.kernel, dense.shared_bytes));
+      dense.kernel<<<unsigned(tiles * I), kDnThreads, dense.shared_bytes, exec.stream>>>(dev, a, T, I, tiles,
+                                                                                         cache.dense_sync_);
+      KVMEM_CUDA_RETURN_IF_LAUNCH_FAILED("ua dense_prefill_tc_kernel");
+      dense_advance_kernel<S><<<1, 128, 0, exec.stream>>>(dev, I, T);
+      KVMEM_CUDA_RETURN_IF_LAUNCH_FAILED("ua dense_advance_kernel");
+    }
   } else {
     a.P = cache.limits_.max_prefill_chunk;
     a.lambda_new = cache.lambda_new_;

@@ -1,0 +1,434 @@
+// SPDX-License-Identifier: Apache-2.0
+#pragma once
+// Dense Universal Attention prefill on the tensor cores (bf16 storage, p = 0; spec UA.md 4.1-4.3): every
+// row of the call in one launch, with no split partials and no merge.
+//
+// Why a separate path: with p = 0 nothing is evicted, so the chunk boundaries of 4.5 do not change the
+// result and the prompt need not be walked chunk by chunk. Each block owns one row tile (kDnPairs
+// (head, row) pairs = r heads x 128 / r rows) of one (sequence, kv head) item and walks *every* entry up
+// to its last row, so it finishes its own softmax and writes the output directly (FlashAttention's
+// query-stationary order). The one dependency is λ: row tile k needs Λ_{r0-1, j} of every entry j
+// before its first row r0, which row tile k-1 leaves in the cache's λ array as it passes each entry tile.
+// The row tiles of an item therefore run as a pipeline: tile k handles entry tile e after tile k-1 has
+// published it (an integer progress counter per row tile, release/acquire through L2). Blocks take their
+// row tile from an integer ticket in launch order, so the tile a block waits for belongs to a block that
+// is already running: no deadlock, whatever order the hardware starts blocks in.
+// λ is carried one entry per thread in increasing position (spec 4.2, the rounding order of every
+// backend); every output is produced by one block in a fixed order: deterministic, no float atomics.
+// Memory: the cache rows the prompt is appended to, one int per row tile (UaCache) and no L x L matrix.
+//
+// Inside a block: 8 warps, each 16 (head, row) pairs of the tile; entries arrive 64 at a time through a
+// cp.async double buffer. Per entry tile: the key/key similarity of the decay tile (one 16 x rt/2 piece
+// per warp) and S = Q K^T with mma.sync (fp32 accumulators in registers) -> A(e, m) from the decay::Set
+// (kernel/ua_decay.hpp) into shared memory -> 64 threads carry λ down the tile's rows -> logits = S + Λ,
+// online softmax in registers, O += P V with the probabilities rounded to bf16 (as FlashAttention does).
+
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "kvmem/backend/cuda/ua_kernels.cuh"
+#include "kvmem/core/numeric.hpp"
+#include "kvmem/kernel/ua_decay.hpp"
+
+namespace kvmem::cuda::ua_detail {
+
+inline constexpr int kDnWarps = 8;
+inline constexpr int kDnThreads = 32 * kDnWarps;
+inline constexpr int kDnPairs = 16 * kDnWarps;  // (head, row) pairs per row tile
+inline constexpr int kDnEntries = 64;           // entries per entry tile
+inline constexpr int kDnMaxRows = 32;           // rows per row tile at most (r >= 4)
+
+// Rows of a row tile for group size r (r in {4, 8}: 32 or 16), and the row tiles of a T-row call.
+__host__ __device__ inline int dense_row_tile(std::int64_t r) {
+  return int(kDnPairs / r);
+}
+__host__ __device__ inline std::int64_t dense_row_tiles(std::int64_t T, std::int64_t r) {
+  return (T + dense_row_tile(r) - 1) / dense_row_tile(r);
+}
+// Ints of pipeline state a cache of `capacity` rows needs: a ticket, and a progress counter per
+// (item, row tile) for the shortest row tile (16 rows at r = 8).
+__host__ __device__ inline std::int64_t dense_sync_ints(std::int64_t items, std::int64_t capacity) {
+  return 1 + items * ((capacity + 15) / 16);
+}
+
+template <int kD>
+struct UaDenseLayout {
+  static_assert(kD % 16 == 0, "the dense tensor-core UA kernel takes head dims that are multiples of 16");
+  static constexpr int kKPitch = kD + 8;          // bf16: rows 16 bytes apart modulo 128, ldmatrix without conflicts
+  static constexpr int kAPitch = kDnEntries + 8;  // float: decay / Λ tile [row][entry]
+  static constexpr std::size_t kTile = std::size_t(kDnEntries) * kKPitch * 2;
+  static constexpr std::size_t kK = 0;       // [2][kDnEntries][kKPitch] keys of the entry tiles
+  static constexpr std::size_t kV = 2 * kTile;  // [2][kDnEntries][kKPitch] values
+  static constexpr std::size_t kNK = 4 * kTile;  // [kDnMaxRows][kKPitch] keys of the row tile
+  static constexpr std::size_t kA = kNK + std::size_t(kDnMaxRows) * kKPitch * 2;  // [kDnMaxRows][kAPitch]
+  static constexpr std::size_t kBytes = kA + std::size_t(kDnMaxRows) * kAPitch * 4;
+};
+
+// ---- PTX wrappers (sm_80+) -------------------------------------------------------------------------
+__device__ inline std::uint32_t smem_addr(const void* p) {
+  return static_cast<std::uint32_t>(__cvta_generic_to_shared(p));
+}
+// 16 bytes global -> shared, asynchronously; src_bytes = 0 fills zeros (rows past the valid range).
+__device__ inline void cp_async16(void* dst, const void* src, int src_bytes) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_addr(dst)), "l"(src), "r"(src_bytes)
+               : "memory");
+}
+__device__ inline void cp_async_commit() {
+  asm volatile("cp.async.commit_group;\n" ::: "memory");
+}
+template <int kPending>
+__device__ inline void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending) : "memory");
+}
+__device__ inline void ldsm_x2(std::uint32_t& r0, std::uint32_t& r1, const void* p) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x2.shared.b16 {%0,%1}, [%2];\n"
+               : "=r"(r0), "=r"(r1)
+               : "r"(smem_addr(p))
+               : "memory");
+}
+__device__ inline void ldsm_x4(std::uint32_t (&r)[4], const void* p) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(smem_addr(p))
+               : "memory");
+}
+__device__ inline void ldsm_x4_trans(std::uint32_t (&r)[4], const void* p) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(smem_addr(p))
+               : "memory");
+}
+// d += a b (m16n8k16, bf16 operands, fp32 accumulators)
+__device__ inline void mma_bf16(float (&d)[4], const std::uint32_t (&a)[4], std::uint32_t b0, std::uint32_t b1) {
+  asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+__device__ inline std::uint32_t pack_bf16(float lo, float hi) {
+  const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);  // .x (lower address) = lo
+  return *reinterpret_cast<const std::uint32_t*>(&v);
+}
+__device__ inline int load_acquire(const int* p) {
+  int v;
+  asm volatile("ld.acquire.gpu.global.b32 %0, [%1];\n" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+
+// grid (row tiles * I), block kDnThreads, dynamic smem UaDenseLayout<kD>::kBytes. T rows of the call (all
+// of them: input rows 0..T-1, positions counter + 0 ...). sync: [1 + I * tiles] ints, zero on entry
+// (ticket, then the progress of row tile k of item i at 1 + i * tiles + k). Appends the call's rows to
+// the cache (rows n + t: p = 0 evicts nothing) and leaves λ_j = Λ_{T-1, j} for every entry; the
+// lengths and counters advance afterwards (dense_advance_kernel).
+template <class Set, int kD>
+__global__ void __launch_bounds__(kDnThreads, 1)
+    dense_prefill_tc_kernel(DeviceCache<bf16> c, DeviceCall<bf16> a, std::int64_t T, std::int64_t items,
+                            std::int64_t tiles, int* sync) {
+  using L = UaDenseLayout<kD>;
+  using nv_bf16 = __nv_bfloat16;
+  constexpr float kLog2e = 1.4426950408889634f;
+  constexpr int kVec = kD / 8;  // 16-byte vectors per row
+  extern __shared__ __align__(128) unsigned char smem_raw[];
+  nv_bf16* ks_base = reinterpret_cast<nv_bf16*>(smem_raw + L::kK);
+  nv_bf16* vs_base = reinterpret_cast<nv_bf16*>(smem_raw + L::kV);
+  nv_bf16* nk = reinterpret_cast<nv_bf16*>(smem_raw + L::kNK);
+  float* at = reinterpret_cast<float*>(smem_raw + L::kA);  // [row][entry]: A, then Λ
+  __shared__ float s_rlogit[kDnMaxRows], s_rpart[kDnMaxRows];
+  __shared__ long long s_ticket;
+
+  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, qr = lane / 4, t4 = lane % 4;
+  if (tid == 0) s_ticket = atomicAdd(sync, 1);
+  __syncthreads();
+  const std::int64_t ticket = s_ticket, k = ticket / items, item = ticket % items;
+  const std::int64_t r = c.r, b = item / c.G, g = item % c.G, D = kD;
+  const int rt = dense_row_tile(r);
+  const std::int64_t n = c.length[item], first = c.counter[item], row0 = item * c.cap;
+  const std::int64_t r0 = k * rt, nr = T - r0 < rt ? T - r0 : rt;
+  const std::int64_t e_total = n + r0 + nr;  // entries the tile's rows see: the cache, then call rows < r0 + nr
+  const std::int64_t e_wait = n + r0;        // entries whose λ row tile k-1 carries to row r0 - 1
+  const int* done_prev = sync + 1 + item * tiles + (k - 1);  // read only when k > 0
+  int* done_mine = sync + 1 + item * tiles + k;
+
+  // the row tile's keys (decay similarity) and query-side gates; its rows are appended to the cache at
+  // rows n + t (nothing is evicted), which no block of this call reads (call keys come from the input)
+  for (int x = tid; x < kDnMaxRows * kVec; x += kDnThreads) {
+    const int i = x / kVec, cv = x % kVec;
+    uint4 kv = make_uint4(0, 0, 0, 0);
+    if (i < nr) {
+      const std::int64_t t = r0 + i;
+      kv = reinterpret_cast<const uint4*>(a.k + b * a.k_b + g * a.k_g + t * a.k_t)[cv];
+      const uint4 vv = reinterpret_cast<const uint4*>(a.v + b * a.v_b + g * a.v_g + t * a.v_t)[cv];
+      reinterpret_cast<uint4*>(c.keys + (row0 + n + t) * D)[cv] = kv;
+      reinterpret_cast<uint4*>(c.values + (row0 + n + t) * D)[cv] = vv;
+    }
+    *reinterpret_cast<uint4*>(nk + i * L::kKPitch + cv * 8) = kv;
+  }
+  for (int i = tid; i < kDnMaxRows; i += kDnThreads) {
+    float zq = 0.0f;
+    if (i < nr) {
+      const std::int64_t t = r0 + i;
+      zq = a.z_q[b * a.zq_b + g * a.zq_g + t * a.zq_t];
+      c.key_logit[row0 + n + t] = a.z_k[b * a.zk_b + g * a.zk_g + t * a.zk_t];
+      c.pos[row0 + n + t] = first + t;
+    }
+    s_rlogit[i] = zq;
+    s_rpart[i] = kernel::ua::query_gate_part(zq);
+  }
+
+  // this warp's 16 (head, row) pairs: pair p -> head p / rt, row p % rt; the lane holds pairs qr, qr + 8
+  const int p_lo = 16 * warp + qr, p_hi = p_lo + 8;
+  const int h_lo = p_lo / rt, i_lo = p_lo % rt, h_hi = p_hi / rt, i_hi = p_hi % rt;
+  const bool live_lo = i_lo < nr, live_hi = i_hi < nr;
+  std::uint32_t qf[kD / 16][4];  // Q as mma A fragments, for the whole block
+  {
+    const nv_bf16* q_lo =
+        reinterpret_cast<const nv_bf16*>(a.q + b * a.q_b + (g * r + h_lo) * a.q_h + (r0 + (live_lo ? i_lo : 0)) * a.q_t);
+    const nv_bf16* q_hi =
+        reinterpret_cast<const nv_bf16*>(a.q + b * a.q_b + (g * r + h_hi) * a.q_h + (r0 + (live_hi ? i_hi : 0)) * a.q_t);
+#pragma unroll
+    for (int kb = 0; kb < kD / 16; ++kb) {
+      const int col = 16 * kb + 2 * t4;
+      qf[kb][0] = live_lo ? *reinterpret_cast<const std::uint32_t*>(q_lo + col) : 0u;
+      qf[kb][1] = live_hi ? *reinterpret_cast<const std::uint32_t*>(q_hi + col) : 0u;
+      qf[kb][2] = live_lo ? *reinterpret_cast<const std::uint32_t*>(q_lo + col + 8) : 0u;
+      qf[kb][3] = live_hi ? *reinterpret_cast<const std::uint32_t*>(q_hi + col + 8) : 0u;
+    }
+  }
+  float o[kD / 8][4];
+#pragma unroll
+  for (int j = 0; j < kD / 8; ++j) o[j][0] = o[j][1] = o[j][2] = o[j][3] = 0.0f;
+  float m_lo = negative_infinity<float>(), m_hi = negative_infinity<float>(), l_lo = 0.0f, l_hi = 0.0f;
+
+  // entry tile e0.. -> buffer buf (cached rows below n, then the call's input rows; zeros past e_total)
+  const auto load_tile = [&](std::int64_t e0, int buf) {
+    nv_bf16* ks = ks_base + buf * kDnEntries * L::kKPitch;
+    nv_bf16* vs = vs_base + buf * kDnEntries * L::kKPitch;
+    for (int x = tid; x < kDnEntries * kVec; x += kDnThreads) {
+      const int e = x / kVec, cv = x % kVec;
+      const std::int64_t idx = e0 + e;
+      const bool valid = idx < e_total;
+      const bf16* kp = a.k;  // any valid address when nothing is copied
+      const bf16* vp = a.v;
+      if (valid) {
+        kp = idx < n ? c.keys + (row0 + idx) * D : a.k + b * a.k_b + g * a.k_g + (idx - n) * a.k_t;
+        vp = idx < n ? c.values + (row0 + idx) * D : a.v + b * a.v_b + g * a.v_g + (idx - n) * a.v_t;
+      }
+      cp_async16(ks + e * L::kKPitch + cv * 8, kp + cv * 8, valid ? 16 : 0);
+      cp_async16(vs + e * L::kKPitch + cv * 8, vp + cv * 8, valid ? 16 : 0);
+    }
+    cp_async_commit();
+  };
+
+  // decay-tile piece of this warp: entries 16 * (warp % 4) + {qr, qr + 8}, rows rbase + 8 * nt + 2 * t4 + {0, 1}
+  const int eb = 16 * (warp % 4), rbase = (warp / 4) * (rt / 2);
+  const std::int64_t n_etiles = (e_total + kDnEntries - 1) / kDnEntries;
+  load_tile(0, 0);
+  for (std::int64_t et = 0; et < n_etiles; ++et) {
+    const std::int64_t e0 = et * kDnEntries;
+    const int buf = int(et & 1);
+    if (et + 1 < n_etiles) {
+      load_tile(e0 + kDnEntries, buf ^ 1);  // the buffer was released by the barrier closing step et - 1
+      cp_async_wait<1>();
+    } else {
+      cp_async_wait<0>();
+    }
+    // gates and positions of this lane's two decay entries (positions past e_total: masked)
+    float e_logit[2], e_part[2];
+    std::int64_t e_pos[2];
+#pragma unroll
+    for (int hf = 0; hf < 2; ++hf) {
+      const std::int64_t idx = e0 + eb + qr + 8 * hf;
+      e_logit[hf] = 0.0f;
+      e_pos[hf] = INT64_MAX;
+      if (idx < e_total) {
+        e_logit[hf] = idx < n ? c.key_logit[row0 + idx] : a.z_k[b * a.zk_b + g * a.zk_g + (idx - n) * a.zk_t];
+        e_pos[hf] = idx < n ? c.pos[row0 + idx] : first + (idx - n);
+      }
+      e_part[hf] = kernel::ua::key_gate_part(e_logit[hf]);
+    }
+    __syncthreads();  // entry tile et is in shared memory (and, the first time, nk and the row gates)
+    const nv_bf16* ks = ks_base + buf * kDnEntries * L::kKPitch;
+    const nv_bf16* vs = vs_base + buf * kDnEntries * L::kKPitch;
+
+    // 1. decay tile A(e, m) (spec 4.1): similarity K NK^T on the tensor cores, then the set's gate fold;
+    //    A = 0 where m <= pos_e and on rows past the call (the carry then leaves λ unchanged there)
+    {
+      float sim[2][4] = {};
+      const int nts = rt / 16;  // n8 tiles of rows per warp (2 at r = 4, 1 at r = 8)
+      if constexpr (Set::kNeedsSimilarity) {
+#pragma unroll
+        for (int kb = 0; kb < kD / 16; ++kb) {
+          std::uint32_t fa[4];
+          ldsm_x4(fa, ks + (eb + lane % 16) * L::kKPitch + 16 * kb + 8 * (lane / 16));
+#pragma unroll
+          for (int nt = 0; nt < 2; ++nt) {
+            if (nt >= nts) break;
+            std::uint32_t b0, b1;
+            ldsm_x2(b0, b1, nk + (rbase + 8 * nt + lane % 8) * L::kKPitch + 16 * kb + 8 * ((lane / 8) % 2));
+            mma_bf16(sim[nt], fa, b0, b1);
+          }
+        }
+      }
+#pragma unroll
+      for (int nt = 0; nt < 2; ++nt) {
+        if (nt >= nts) break;
+#pragma unroll
+        for (int x = 0; x < 4; ++x) {
+          const int hf = x / 2, i = rbase + 8 * nt + 2 * t4 + x % 2, e = eb + qr + 8 * hf;
+          const std::int64_t m = first + r0 + i;
+          float a_em = 0.0f;
+          if (i < nr && m > e_pos[hf])
+            a_em = kernel::ua::decay_from_similarity<Set, float>(sim[nt][x], e_logit[hf], e_part[hf], e_pos[hf],
+                                                                 s_rlogit[i], s_rpart[i], m);
+          at[i * L::kAPitch + e] = a_em;
+        }
+      }
+    }
+    // 2. S = Q K^T for the warp's 16 pairs and the tile's 64 entries (independent of λ)
+    float s[kDnEntries / 8][4];
+#pragma unroll
+    for (int j = 0; j < kDnEntries / 8; ++j) s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.0f;
+#pragma unroll
+    for (int kb = 0; kb < kD / 16; ++kb) {
+#pragma unroll
+      for (int jp = 0; jp < kDnEntries / 16; ++jp) {
+        std::uint32_t fb[4];
+        ldsm_x4(fb, ks + (16 * jp + 8 * (lane / 16) + lane % 8) * L::kKPitch + 16 * kb + 8 * ((lane / 8) % 2));
+        mma_bf16(s[2 * jp], qf[kb], fb[0], fb[1]);
+        mma_bf16(s[2 * jp + 1], qf[kb], fb[2], fb[3]);
+      }
+    }
+    // the previous row tile has carried this entry tile's λ to row r0 - 1 (its release, our acquire)
+    if (tid == 0 && k > 0 && e0 < e_wait) {
+      while (load_acquire(done_prev) <= int(et)) __nanosleep(64);
+    }
+    __syncthreads();  // the A tile is complete; λ of the previous row tile is published
+
+    // 3. carry λ down the rows (spec 4.2: increasing m, one rounding per step): one thread per entry.
+    //    at[] becomes Λ_{m, e} (-inf before the entry's position); λ goes back to the cache row of the
+    //    entry (a call key's row n + t is its row after this call), read through L2 (ld.cg): another
+    //    block wrote it.
+    if (tid < kDnEntries) {
+      const std::int64_t idx = e0 + tid;
+      if (idx < e_total) {
+        // rows i < before precede the entry (masked); A = 0 up to its own row, so λ stays 0 there
+        const std::int64_t p = idx < n ? c.pos[row0 + idx] : first + (idx - n), before = p - (first + r0);
+        const int masked = before < 0 ? 0 : (before > rt ? rt : int(before));
+        float lam = (idx >= n && idx - n >= r0) ? 0.0f : __ldcg(c.lambda + row0 + idx);
+        // 16 rows per round: the loads are issued together, then the dependent adds run back to back
+        for (int i0 = 0; i0 < rt; i0 += 16) {
+          float av[16];
+#pragma unroll
+          for (int i = 0; i < 16; ++i) av[i] = at[(i0 + i) * L::kAPitch + tid];
+#pragma unroll
+          for (int i = 0; i < 16; ++i) {
+            lam += av[i];
+            at[(i0 + i) * L::kAPitch + tid] = i0 + i < masked ? negative_infinity<float>() : lam;
+          }
+        }
+        c.lambda[row0 + idx] = lam;
+        __threadfence();  // visible device-wide before the progress counter says so
+      } else {
+        for (int i = 0; i < rt; ++i) at[i * L::kAPitch + tid] = negative_infinity<float>();
+      }
+    }
+    __syncthreads();  // Λ tile complete, λ of this entry tile stored
+    if (tid == 0) atomicExch(done_mine, int(et + 1));
+
+    // 4. logits = q.k + Λ (scale 1), online softmax in registers (rows p_lo, p_hi; the quad holds a row)
+    float mx_lo = negative_infinity<float>(), mx_hi = negative_infinity<float>();
+#pragma unroll
+    for (int j = 0; j < kDnEntries / 8; ++j) {
+      const float2 blo = *reinterpret_cast<const float2*>(at + i_lo * L::kAPitch + 8 * j + 2 * t4);
+      const float2 bhi = *reinterpret_cast<const float2*>(at + i_hi * L::kAPitch + 8 * j + 2 * t4);
+      s[j][0] += blo.x;
+      s[j][1] += blo.y;
+      s[j][2] += bhi.x;
+      s[j][3] += bhi.y;
+      mx_lo = fmaxf(mx_lo, fmaxf(s[j][0], s[j][1]));
+      mx_hi = fmaxf(mx_hi, fmaxf(s[j][2], s[j][3]));
+    }
+    mx_lo = fmaxf(mx_lo, __shfl_xor_sync(0xffffffffu, mx_lo, 1));
+    mx_lo = fmaxf(mx_lo, __shfl_xor_sync(0xffffffffu, mx_lo, 2));
+    mx_hi = fmaxf(mx_hi, __shfl_xor_sync(0xffffffffu, mx_hi, 1));
+    mx_hi = fmaxf(mx_hi, __shfl_xor_sync(0xffffffffu, mx_hi, 2));
+    const float new_lo = fmaxf(m_lo, mx_lo), new_hi = fmaxf(m_hi, mx_hi);
+    // a row with every logit masked so far keeps max -inf: subtract 0 instead (every weight is 0)
+    const float base_lo = new_lo == negative_infinity<float>() ? 0.0f : new_lo * kLog2e;
+    const float base_hi = new_hi == negative_infinity<float>() ? 0.0f : new_hi * kLog2e;
+    const float scale_lo = exp2f(fmaf(m_lo, kLog2e, -base_lo)), scale_hi = exp2f(fmaf(m_hi, kLog2e, -base_hi));
+    m_lo = new_lo;
+    m_hi = new_hi;
+    l_lo *= scale_lo;
+    l_hi *= scale_hi;
+#pragma unroll
+    for (int j = 0; j < kD / 8; ++j) {
+      o[j][0] *= scale_lo;
+      o[j][1] *= scale_lo;
+      o[j][2] *= scale_hi;
+      o[j][3] *= scale_hi;
+    }
+#pragma unroll
+    for (int j = 0; j < kDnEntries / 8; ++j) {
+      s[j][0] = exp2f(fmaf(s[j][0], kLog2e, -base_lo));
+      s[j][1] = exp2f(fmaf(s[j][1], kLog2e, -base_lo));
+      s[j][2] = exp2f(fmaf(s[j][2], kLog2e, -base_hi));
+      s[j][3] = exp2f(fmaf(s[j][3], kLog2e, -base_hi));
+      l_lo += s[j][0] + s[j][1];
+      l_hi += s[j][2] + s[j][3];
+    }
+    // 5. O += P V: the S accumulators of entries 16 kk.. are the A fragment of k-step kk
+#pragma unroll
+    for (int kk = 0; kk < kDnEntries / 16; ++kk) {
+      const std::uint32_t pa[4] = {pack_bf16(s[2 * kk][0], s[2 * kk][1]), pack_bf16(s[2 * kk][2], s[2 * kk][3]),
+                                   pack_bf16(s[2 * kk + 1][0], s[2 * kk + 1][1]),
+                                   pack_bf16(s[2 * kk + 1][2], s[2 * kk + 1][3])};
+#pragma unroll
+      for (int dp = 0; dp < kD / 16; ++dp) {
+        std::uint32_t fb[4];
+        ldsm_x4_trans(fb, vs + (16 * kk + 8 * ((lane / 8) % 2) + lane % 8) * L::kKPitch + 16 * dp + 8 * (lane / 16));
+        mma_bf16(o[2 * dp], pa, fb[0], fb[1]);
+        mma_bf16(o[2 * dp + 1], pa, fb[2], fb[3]);
+      }
+    }
+    __syncthreads();  // the buffers and the Λ tile are free for the next entry tile
+  }
+
+  // 6. normalise, output gate, write y and lse (the quad's partial sums in a fixed order)
+  l_lo += __shfl_xor_sync(0xffffffffu, l_lo, 1);
+  l_lo += __shfl_xor_sync(0xffffffffu, l_lo, 2);
+  l_hi += __shfl_xor_sync(0xffffffffu, l_hi, 1);
+  l_hi += __shfl_xor_sync(0xffffffffu, l_hi, 2);
+#pragma unroll
+  for (int hf = 0; hf < 2; ++hf) {
+    const bool live = hf ? live_hi : live_lo;
+    if (!live) continue;
+    const std::int64_t hq = g * r + (hf ? h_hi : h_lo), t = r0 + (hf ? i_hi : i_lo);
+    const float l = hf ? l_hi : l_lo, mx = hf ? m_hi : m_lo;
+    float* out = a.out + b * a.o_b + t * a.o_t + hq * a.o_h;
+    const bf16* zo = a.z_o ? a.z_o + b * a.zo_b + t * a.zo_t + hq * a.zo_h : nullptr;
+#pragma unroll
+    for (int j = 0; j < kD / 8; ++j) {
+#pragma unroll
+      for (int x = 0; x < 2; ++x) {
+        const int d = 8 * j + 2 * t4 + x;
+        float y = l > 0.0f ? o[j][2 * hf + x] / l : 0.0f;
+        if (zo) y *= sigmoid(ld(zo + d));
+        out[d] = y;
+      }
+    }
+    if (a.lse && t4 == 0) a.lse[b * a.l_b + hq * a.l_h + t * a.l_t] = l > 0.0f ? mx + logf(l) : negative_infinity<float>();
+  }
+}
+
+// grid 1, after dense_prefill_tc_kernel: every item holds its T new rows, its counter advances by T.
+template <class S>
+__global__ void dense_advance_kernel(DeviceCache<S> c, std::int64_t items, std::int64_t T) {
+  for (std::int64_t i = threadIdx.x; i < items; i += blockDim.x) {
+    c.length[i] += T;
+    c.counter[i] += T;
+  }
+}
+
+}  // namespace kvmem::cuda::ua_detail
