@@ -313,8 +313,8 @@ Status update_finish(const Executor& exec, const DeviceState<S, A>& d, const kvm
   if (plan.n_app < C) {
     if (a == C) {  // first update: every non-sink slot (see update_scatter_kernel)
       const dim3 sgrid(grid, static_cast<unsigned>((after - p.sink + kWarpsPerBlock - 1) / kWarpsPerBlock));
-      update_scatter_kernel<S, A><<<sgrid, 32 * kWarpsPerBlock, std::size_t(C) * sizeof(int), exec.stream>>>(d, after);
-    } else {
+      update_scatter_kernel<S, A><<<sgrid, 32 * kWarpsPerBlock, std::size_t(C) * sizeof(int), exec.stream>>>(d, a, after);
+    } else if (after > p.sink) {
       // about two touched slots per warp, and at most 8192 slots (32 KB of first-token table) a block
       const std::int64_t range = after - p.sink, touched = std::min(C, range);
       std::int64_t blocks = std::max<std::int64_t>(1, (touched + 2 * kWarpsPerBlock - 1) / (2 * kWarpsPerBlock));
@@ -323,7 +323,7 @@ Status update_finish(const Executor& exec, const DeviceState<S, A>& d, const kvm
       blocks = (range + per_block - 1) / per_block;
       const dim3 sgrid(grid, static_cast<unsigned>(blocks));
       update_scatter_touched_kernel<S, A><<<sgrid, 32 * kWarpsPerBlock, std::size_t(C + per_block) * sizeof(int), exec.stream>>>(
-          d, after, per_block);
+          d, a, after, per_block);
     }
     KVMEM_CUDA_RETURN_IF_LAUNCH_FAILED("kvm update_scatter_kernel");
   }
@@ -410,6 +410,10 @@ Status kvm_run(const Executor& exec, KvmState<S, A>& state, const KvmWeights& w,
     }
     if (attends_rows && attend_tc != nullptr) KVMEM_RETURN_IF_ERROR(allow_shared(attend_tc, tc_bytes));
   }
+  // ingest copies whole 16-byte vectors when the inputs are in the storage type and every row is aligned
+  const auto aligned16 = [](const void* ptr) { return reinterpret_cast<std::uintptr_t>(ptr) % 16 == 0; };
+  const bool copy16 = std::is_same_v<In, S> && (sh.D * std::int64_t(sizeof(S))) % 16 == 0 &&
+                      (sh.Dv * std::int64_t(sizeof(S))) % 16 == 0 && aligned16(k.data()) && aligned16(v.data());
   const SideStream& side = state.side_;
   UpdatePlan pending{};
   bool selected = false;  // the selection of the next update already runs on the side stream
@@ -434,7 +438,7 @@ Status kvm_run(const Executor& exec, KvmState<S, A>& state, const KvmWeights& w,
     if (!decode_step || founds) {  // a decode step appends its token inside the fused kernel
       const dim3 igrid(static_cast<unsigned>(items), static_cast<unsigned>((t1 - t0 + kWarpsPerBlock - 1) / kWarpsPerBlock));
       ingest_kernel<S, A, In><<<igrid, 32 * kWarpsPerBlock, 0, exec.stream>>>(d, k.data(), v.data(), gate.data(), T, n0, t0,
-                                                                              t1, cov);
+                                                                              t1, cov, copy16);
       KVMEM_CUDA_RETURN_IF_LAUNCH_FAILED("kvm ingest_kernel");
     }
     if (founds) {

@@ -50,8 +50,18 @@ __device__ inline std::uint32_t pack_bf16(float lo, float hi) {
   const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
   return *reinterpret_cast<const std::uint32_t*>(&v);
 }
-__device__ inline std::uint32_t pack_raw(std::uint16_t lo, std::uint16_t hi) {
-  return std::uint32_t(lo) | (std::uint32_t(hi) << 16);
+// Four 8x8 b16 matrices from shared memory (lane l gives the address of row l % 8 of matrix l / 8);
+// lane l receives row l / 4, columns 2 (l % 4) + {0, 1} of each (.trans: row 2 (l % 4) + {0, 1},
+// column l / 4), the B-fragment layout of mma m16n8k16.
+__device__ inline void ldmatrix_x4(std::uint32_t (&d)[4], unsigned addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(d[0]), "=r"(d[1]), "=r"(d[2]), "=r"(d[3])
+               : "r"(addr));
+}
+__device__ inline void ldmatrix_x4_trans(std::uint32_t (&d)[4], unsigned addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(d[0]), "=r"(d[1]), "=r"(d[2]), "=r"(d[3])
+               : "r"(addr));
 }
 // 16-byte global -> shared copy that bypasses registers; bytes = 0 writes zeros.
 __device__ inline void cp_async16(void* smem, const void* gmem, int bytes) {
@@ -93,7 +103,7 @@ struct TcSoftmax {
 // grid B*Hq*ceil((t1 - t0) / kTcRows) (row block fastest), block 32 * kTcWarps, dynamic smem TcLayout::kBytes.
 // q: [B,Hq,T,kD], out: [B,T,Hq,kDv]
 template <class In, class Out, int kD, int kDv>
-__global__ void __launch_bounds__(32 * kTcWarps) attend_tc_kernel(DeviceState<bf16, float> st, const In* q, Out* out,
+__global__ void __launch_bounds__(32 * kTcWarps, 3) attend_tc_kernel(DeviceState<bf16, float> st, const In* q, Out* out,
                                                                   std::int64_t T, std::int64_t n0, std::int64_t t0,
                                                                   std::int64_t t1, std::int64_t w, std::int64_t slots) {
   using L = TcLayout<kD, kDv>;
@@ -149,17 +159,26 @@ __global__ void __launch_bounds__(32 * kTcWarps) attend_tc_kernel(DeviceState<bf
     bf16* ks = reinterpret_cast<bf16*>(buf);
     bf16* vs = reinterpret_cast<bf16*>(buf + L::kKTile);
     constexpr int kKVecs = kD / 8, kVVecs = kDv / 8;
+    // Tile row s is slot base + s, or window position base + s at ring row (base + s) mod W: the ring
+    // row of the tile's first key is found once (32-bit arithmetic per row, no 64-bit modulo).
+    const bf16* kbase = in_state ? st.khat + (item * st.cap + base) * kD : st.wk + item * st.W * kD;
+    const bf16* vbase = in_state ? st.vhat + (item * st.cap + base) * kDv : st.wv + item * st.W * kDv;
+    const int ring0 = in_state ? 0 : static_cast<int>(base % st.W), ring_len = static_cast<int>(st.W);
+    const int rows = static_cast<int>(n);
+    const auto row_of = [&](int s) {  // rows past n read row 0 (a valid address; zero-filled)
+      if (s >= rows) s = 0;
+      if (in_state) return s;
+      int r = ring0 + s;
+      while (r >= ring_len) r -= ring_len;
+      return r;
+    };
     for (int e = threadIdx.x; e < kTcKeys * kKVecs; e += blockDim.x) {
       const int s = e / kKVecs, c = e % kKVecs;
-      const std::int64_t key = base + (s < n ? s : 0);  // rows past n: zeros from a valid address
-      const bf16* src = in_state ? st.khat + (item * st.cap + key) * kD : st.wk + (item * st.W + key % st.W) * kD;
-      cp_async16(ks + s * L::kKPitch + c * 8, src + c * 8, s < n ? 16 : 0);
+      cp_async16(ks + s * L::kKPitch + c * 8, kbase + std::int64_t(row_of(s)) * kD + c * 8, s < rows ? 16 : 0);
     }
     for (int e = threadIdx.x; e < kTcKeys * kVVecs; e += blockDim.x) {
       const int s = e / kVVecs, c = e % kVVecs;
-      const std::int64_t key = base + (s < n ? s : 0);
-      const bf16* src = in_state ? st.vhat + (item * st.cap + key) * kDv : st.wv + (item * st.W + key % st.W) * kDv;
-      cp_async16(vs + s * L::kVPitch + c * 8, src + c * 8, s < n ? 16 : 0);
+      cp_async16(vs + s * L::kVPitch + c * 8, vbase + std::int64_t(row_of(s)) * kDv + c * 8, s < rows ? 16 : 0);
     }
     cp_async_commit();
   };
@@ -176,24 +195,33 @@ __global__ void __launch_bounds__(32 * kTcWarps) attend_tc_kernel(DeviceState<bf
     bool in_state;
     std::int64_t base, n;
     tile_of(k, in_state, base, n);
-    const std::uint16_t* ks = reinterpret_cast<const std::uint16_t*>(smem_raw + (k % 2) * L::kBuffer);
-    const std::uint16_t* vs = reinterpret_cast<const std::uint16_t*>(smem_raw + (k % 2) * L::kBuffer + L::kKTile);
-    // S = Q K^T: 8 tiles of 8 keys; B fragment (k = dim, n = key) reads two adjacent dims of a key row
+    const unsigned ks = static_cast<unsigned>(__cvta_generic_to_shared(smem_raw + (k % 2) * L::kBuffer));
+    const unsigned vs = ks + static_cast<unsigned>(L::kKTile);
+    // S = Q K^T: 8 tiles of 8 keys. B fragments (k = dim, n = key) come from ldmatrix: lane l points
+    // at key row l % 8 of 8x8 matrix l / 8, the matrices being dims +0, +8, +16, +24 of the key
+    // rows, which gives the (b0, b1) pairs of two consecutive k-steps.
     float s[kTcKeys / 8][4];
 #pragma unroll
     for (int nt = 0; nt < kTcKeys / 8; ++nt) {
       s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.0f;
-      const std::uint16_t* krow = ks + (nt * 8 + r) * L::kKPitch + 2 * quad;
+      const unsigned krow = ks + static_cast<unsigned>(((nt * 8 + lane % 8) * L::kKPitch + (lane / 8) * 8) * 2);
 #pragma unroll
-      for (int kk = 0; kk < kD / 16; ++kk) {
-        const std::uint32_t b0 = *reinterpret_cast<const std::uint32_t*>(krow + kk * 16);
-        const std::uint32_t b1 = *reinterpret_cast<const std::uint32_t*>(krow + kk * 16 + 8);
-        mma_16816(s[nt], qa[kk], b0, b1);
+      for (int kk = 0; kk < kD / 16; kk += 2) {
+        std::uint32_t b[4];
+        ldmatrix_x4(b, krow + kk * 16 * 2);
+        mma_16816(s[nt], qa[kk], b[0], b[1]);
+        mma_16816(s[nt], qa[kk + 1], b[2], b[3]);
       }
     }
     // mask, scale, row maxima over the quad, online softmax (spec 4.4: state keys see every slot,
-    // window keys are causal)
+    // window keys are causal): key col of the tile is visible to a row iff col < that row's limit
     const float ls = in_state ? ls_state : ls_window;
+    const auto limit = [&](bool act, std::int64_t t_row) {
+      if (!act) return 0;
+      const std::int64_t lim = in_state ? n : ((t_row - base + 1) < n ? (t_row - base + 1) : n);
+      return lim < 0 ? 0 : static_cast<int>(lim);
+    };
+    const int lim_a = limit(act_a, ta), lim_b = limit(act_b, tb);
     float max_a = negative_infinity<float>(), max_b = negative_infinity<float>();
 #pragma unroll
     for (int nt = 0; nt < kTcKeys / 8; ++nt) {
@@ -201,9 +229,7 @@ __global__ void __launch_bounds__(32 * kTcWarps) attend_tc_kernel(DeviceState<bf
       for (int e = 0; e < 4; ++e) {
         const int col = nt * 8 + 2 * quad + (e & 1);
         const bool row_b = e >= 2;
-        const std::int64_t t_row = row_b ? tb : ta;
-        const bool visible = (row_b ? act_b : act_a) && col < n && (in_state || base + col <= t_row);
-        s[nt][e] = visible ? ls * s[nt][e] : negative_infinity<float>();
+        s[nt][e] = col < (row_b ? lim_b : lim_a) ? ls * s[nt][e] : negative_infinity<float>();
         if (row_b) max_b = fmaxf(max_b, s[nt][e]);
         else max_a = fmaxf(max_a, s[nt][e]);
       }
@@ -222,7 +248,9 @@ __global__ void __launch_bounds__(32 * kTcWarps) attend_tc_kernel(DeviceState<bf
         o[nd][3] *= resc_b;
       }
     }
-    // O += P V: P (rounded to bf16, as FlashAttention does) comes straight from the S registers
+    // O += P V: P (rounded to bf16, as FlashAttention does) comes straight from the S registers; the
+    // V fragments from ldmatrix.trans: lane l points at key row kk*16 + 8*((l/8) % 2) + l % 8, dims
+    // (nd + l/16)*8, which gives the (b0, b1) pairs of dim tiles nd and nd + 1.
 #pragma unroll
     for (int kk = 0; kk < kTcKeys / 16; ++kk) {
       std::uint32_t pa[4];
@@ -230,13 +258,14 @@ __global__ void __launch_bounds__(32 * kTcWarps) attend_tc_kernel(DeviceState<bf
       pa[1] = pack_bf16(sm_b.accumulate(s[2 * kk][2]), sm_b.accumulate(s[2 * kk][3]));
       pa[2] = pack_bf16(sm_a.accumulate(s[2 * kk + 1][0]), sm_a.accumulate(s[2 * kk + 1][1]));
       pa[3] = pack_bf16(sm_b.accumulate(s[2 * kk + 1][2]), sm_b.accumulate(s[2 * kk + 1][3]));
-      const std::uint16_t* v0 = vs + (kk * 16 + 2 * quad) * L::kVPitch + r;  // (key, dim) = (2*quad, r)
+      const unsigned vrow =
+          vs + static_cast<unsigned>(((kk * 16 + ((lane / 8) % 2) * 8 + lane % 8) * L::kVPitch + (lane / 16) * 8) * 2);
 #pragma unroll
-      for (int nd = 0; nd < kDv / 8; ++nd) {
-        const std::uint16_t* vp = v0 + nd * 8;
-        const std::uint32_t b0 = pack_raw(vp[0], vp[L::kVPitch]);
-        const std::uint32_t b1 = pack_raw(vp[8 * L::kVPitch], vp[9 * L::kVPitch]);
-        mma_16816(o[nd], pa, b0, b1);
+      for (int nd = 0; nd < kDv / 8; nd += 2) {
+        std::uint32_t b[4];
+        ldmatrix_x4_trans(b, vrow + nd * 8 * 2);
+        mma_16816(o[nd], pa, b[0], b[1]);
+        mma_16816(o[nd + 1], pa, b[2], b[3]);
       }
     }
     __syncthreads();  // this buffer is refilled by the issue two tiles on

@@ -8,6 +8,7 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <type_traits>
 
 #include "kvmem/core/numeric.hpp"
 #include "kvmem/core/softmax.hpp"
@@ -204,20 +205,72 @@ inline constexpr int kWarpsPerBlock = 8;  // update kernels that give each token
 // k: [B,Hk,T,D], v: [B,Hk,T,Dv], gate: [B,Hk,T] (local token index t - n0)
 template <class S, class A, class In>
 __global__ void ingest_kernel(DeviceState<S, A> st, const In* k, const In* v, const In* gate, std::int64_t T,
-                              std::int64_t n0, std::int64_t t0, std::int64_t t1, std::int64_t cov) {
+                              std::int64_t n0, std::int64_t t0, std::int64_t t1, std::int64_t cov, bool copy16) {
   const int lane = threadIdx.x % 32;
   const std::int64_t i = blockIdx.x, t = t0 + std::int64_t(blockIdx.y) * kWarpsPerBlock + threadIdx.x / 32;
   if (t >= t1) return;  // warp-uniform
   const std::int64_t ring = t % st.W, local = (i * T + (t - n0));
   S* wk = st.wk + (i * st.W + ring) * st.D;
   S* wv = st.wv + (i * st.W + ring) * st.Dv;
-  for (std::int64_t d = lane; d < st.D; d += 32) wk[d] = store_as<S>(load_as<A>(k[local * st.D + d]));
-  for (std::int64_t d = lane; d < st.Dv; d += 32) wv[d] = store_as<S>(load_as<A>(v[local * st.Dv + d]));
+  if constexpr (std::is_same_v<In, S>) {
+    if (copy16) {  // rows of whole 16-byte vectors, stored as given (In == S): plain copies
+      const std::int64_t kv = st.D * std::int64_t(sizeof(S)) / 16, vv = st.Dv * std::int64_t(sizeof(S)) / 16;
+      for (std::int64_t e = lane; e < kv; e += 32)
+        reinterpret_cast<uint4*>(wk)[e] = reinterpret_cast<const uint4*>(k + local * st.D)[e];
+      for (std::int64_t e = lane; e < vv; e += 32)
+        reinterpret_cast<uint4*>(wv)[e] = reinterpret_cast<const uint4*>(v + local * st.Dv)[e];
+    }
+  }
+  if (!copy16) {
+    for (std::int64_t d = lane; d < st.D; d += 32) wk[d] = store_as<S>(load_as<A>(k[local * st.D + d]));
+    for (std::int64_t d = lane; d < st.Dv; d += 32) wv[d] = store_as<S>(load_as<A>(v[local * st.Dv + d]));
+  }
   if (lane == 0) st.wg[i * st.W + ring] = load_as<A>(gate[local]);
   __syncwarp();  // the founding below reads the row back from the ring
-  if (lane != 0 || t >= st.C || t < cov) return;
+  if (t >= st.C || t < cov) return;  // warp-uniform
   // init rule (spec 4.3), read back from the ring so every backend founds slots from the stored k, v
   const std::int64_t sj = i * st.cap + t;
+  if (st.D <= 32 * kLaneRegs && st.Dv <= 32 * kLaneRegs) {
+    // the whole warp: LN_s in registers, rho summed in kernel::norm2's sequential order (the host's)
+    A kr[kLaneRegs], vr[kLaneRegs];
+#pragma unroll
+    for (int e = 0; e < kLaneRegs; ++e) {
+      const int d = lane + 32 * e;
+      kr[e] = d < st.D && d >= st.rope_dims ? load_as<A>(wk[d]) : A(0);  // spec 4.2 step 1
+      vr[e] = d < st.Dv ? load_as<A>(wv[d]) : A(0);
+    }
+    warp_layer_norm_regs(kr, st.D, st.ln_w, st.ln_b, st.eps, lane);
+    A sq = A(0);
+#pragma unroll
+    for (int e = 0; e < kLaneRegs; ++e) {
+      for (int l = 0; l < 32; ++l) {
+        const A x = __shfl_sync(0xffffffffu, vr[e], l);
+        if (l + 32 * e < st.Dv) sq += x * x;
+      }
+    }
+    const A rho = sqrt(sq);
+    if (st.gate_initial) {
+      const A g = st.wg[i * st.W + ring];
+#pragma unroll
+      for (int e = 0; e < kLaneRegs; ++e) {
+        if (st.merge_gate_keys) kr[e] *= g;
+        if (st.merge_gate_values) vr[e] *= g;
+      }
+    }
+#pragma unroll
+    for (int e = 0; e < kLaneRegs; ++e) {
+      const int d = lane + 32 * e;
+      if (d < st.D) st.sk[sj * st.D + d] = kr[e];
+      if (d < st.Dv) st.sv[sj * st.Dv + d] = vr[e];
+    }
+    if (lane == 0) {
+      st.rho[sj] = rho;
+      st.cnt[sj] = A(1);
+    }
+    warp_refresh_regs(st, sj, kr, vr, rho, A(1), lane);
+    return;
+  }
+  if (lane != 0) return;
   A* sk = st.sk + sj * st.D;
   A* sv = st.sv + sj * st.Dv;
   kernel::preprocess_key(wk, st.D, st.rope_dims, st.ln_w, st.ln_b, st.eps, sk);
@@ -232,6 +285,14 @@ __global__ void ingest_kernel(DeviceState<S, A> st, const In* k, const In* v, co
       for (std::int64_t d = 0; d < st.Dv; ++d) sv[d] *= g;
   }
   refresh_slot(st, i, t);
+}
+
+// Head dims up to 128: the scatter keeps a slot's sums in registers and reads the merged tokens' values
+// from the ring (vg = g v, the same product as update_prepare_kernel's), so vg is written only for
+// the appends and for wider heads.
+template <class S, class A>
+__device__ inline bool scatter_in_registers(const DeviceState<S, A>& st) {
+  return st.D <= 32 * kLaneRegs && st.Dv <= 32 * kLaneRegs;
 }
 
 // Update step 1 (spec 4.5): kg, vg (and, when the update appends, k0 for the novelty scores and the
@@ -287,10 +348,12 @@ __global__ void update_prepare_kernel(DeviceState<S, A> st, std::int64_t a, bool
   } else {
     for (std::int64_t d = lane; d < D; d += 32) emit(d, k0[d]);
   }
-  const S* vr = st.wv + (i * st.W + ring) * Dv;
-  for (std::int64_t d = lane; d < Dv; d += 32) {
-    const A y = load_as<A>(vr[d]);
-    st.vg[(i * C + c) * Dv + d] = st.merge_gate_values ? g * y : y;
+  if (novelty || !scatter_in_registers(st)) {  // else the scatter gates the ring's values itself
+    const S* vr = st.wv + (i * st.W + ring) * Dv;
+    for (std::int64_t d = lane; d < Dv; d += 32) {
+      const A y = load_as<A>(vr[d]);
+      st.vg[(i * C + c) * Dv + d] = st.merge_gate_values ? g * y : y;
+    }
   }
   if (lane == 0) st.target[i * C + c] = 0;
 }
@@ -417,7 +480,7 @@ __global__ void update_route_kernel(DeviceState<S, A> st, std::int64_t slots_aft
 // Tokens at or after c_first are scanned (c_first: the first token routed to j, or 0).
 template <class S, class A>
 __device__ void scatter_into_slot(const DeviceState<S, A>& st, std::int64_t i, std::int64_t j, const int* target,
-                                  std::int64_t c_first, int lane) {
+                                  std::int64_t a, std::int64_t c_first, int lane) {
   const std::int64_t C = st.C, D = st.D, Dv = st.Dv, sj = i * st.cap + j;
   // the tokens of 32-token group `base` routed to j, as a warp-uniform mask
   const auto group = [&](std::int64_t base) {
@@ -425,11 +488,11 @@ __device__ void scatter_into_slot(const DeviceState<S, A>& st, std::int64_t i, s
     return __ballot_sync(0xffffffffu, cc >= c_first && cc < C && target[cc] == j);
   };
   std::int64_t cb = c_first - c_first % 32;
-  if (D <= 32 * kLaneRegs && Dv <= 32 * kLaneRegs) {
+  if (scatter_in_registers(st)) {
     // Sums in registers (one load and one store per slot, not a read-modify-write per token), and
     // the routed rows fetched kBatch at a time, all loads of a batch issued before its adds. The adds
     // keep token order, so the sums are bitwise those of the memory form below.
-    constexpr int kBatch = 4;
+    constexpr int kBatch = 2;
     A k[kLaneRegs], v[kLaneRegs];
 #pragma unroll
     for (int e = 0; e < kLaneRegs; ++e) {
@@ -455,11 +518,15 @@ __device__ void scatter_into_slot(const DeviceState<S, A>& st, std::int64_t i, s
       A kt[kBatch][kLaneRegs], vt[kBatch][kLaneRegs];
 #pragma unroll
       for (int u = 0; u < kBatch; ++u) {
+        // token tok[u] is position a + tok[u], still in the ring (the next chunk enters it after the scatter)
+        const std::int64_t ring = tok[u] >= 0 ? (a + tok[u]) % st.W : 0;
+        const A g = tok[u] >= 0 ? st.wg[i * st.W + ring] : A(0);
 #pragma unroll
         for (int e = 0; e < kLaneRegs; ++e) {
           const int d = lane + 32 * e;
           kt[u][e] = tok[u] >= 0 && d < D ? st.kg[(i * C + tok[u]) * D + d] : A(0);
-          vt[u][e] = tok[u] >= 0 && d < Dv ? st.vg[(i * C + tok[u]) * Dv + d] : A(0);
+          const A x = tok[u] >= 0 && d < Dv ? load_as<A>(st.wv[(i * st.W + ring) * Dv + d]) : A(0);
+          vt[u][e] = st.merge_gate_values ? g * x : x;  // vg (spec 4.2 step 3)
         }
       }
 #pragma unroll
@@ -501,12 +568,12 @@ __device__ void scatter_into_slot(const DeviceState<S, A>& st, std::int64_t i, s
 }
 
 // Update step 4 scatter over every slot j >= sink (one warp per slot; a slot nothing was routed to
-// is refreshed unchanged). Used by the first update, whose slots were founded with the one-thread
-// refresh: after it every non-sink slot carries the warp refresh, so later updates may skip
+// is refreshed unchanged). Used by the first update, whose slots may have been founded with the
+// one-thread refresh (head dims above 128): after it every non-sink slot carries the warp refresh, so later updates may skip
 // untouched slots bit-exactly. grid (I, ceil((slots_after - sink) / kWarpsPerBlock)), block
 // 32 * kWarpsPerBlock, smem C ints.
 template <class S, class A>
-__global__ void update_scatter_kernel(DeviceState<S, A> st, std::int64_t slots_after) {
+__global__ void update_scatter_kernel(DeviceState<S, A> st, std::int64_t a, std::int64_t slots_after) {
   extern __shared__ unsigned char smem_raw[];
   int* target = reinterpret_cast<int*>(smem_raw);
   const std::int64_t i = blockIdx.x, C = st.C;
@@ -515,7 +582,7 @@ __global__ void update_scatter_kernel(DeviceState<S, A> st, std::int64_t slots_a
   const int lane = threadIdx.x % 32;
   const std::int64_t j = st.sink + std::int64_t(blockIdx.y) * kWarpsPerBlock + threadIdx.x / 32;
   if (j >= slots_after) return;
-  scatter_into_slot(st, i, j, target, 0, lane);
+  scatter_into_slot(st, i, j, target, a, 0, lane);
 }
 
 // Update step 4 scatter over the touched slots only (those some token was routed to; at most C).
@@ -524,7 +591,8 @@ __global__ void update_scatter_kernel(DeviceState<S, A> st, std::int64_t slots_a
 // the same sums and readouts as update_scatter_kernel (untouched slots would be refreshed unchanged).
 // grid (I, ceil((slots_after - sink) / per_block)), block 32 * kWarpsPerBlock, smem (C + per_block) ints.
 template <class S, class A>
-__global__ void update_scatter_touched_kernel(DeviceState<S, A> st, std::int64_t slots_after, std::int64_t per_block) {
+__global__ void __launch_bounds__(32 * kWarpsPerBlock, 4) update_scatter_touched_kernel(DeviceState<S, A> st, std::int64_t a, std::int64_t slots_after,
+                                                                               std::int64_t per_block) {
   extern __shared__ unsigned char smem_raw[];
   int* target = reinterpret_cast<int*>(smem_raw);
   int* first = target + st.C;  // first[j - lo]: the first token routed to slot j, C if none
@@ -542,7 +610,7 @@ __global__ void update_scatter_touched_kernel(DeviceState<S, A> st, std::int64_t
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   for (std::int64_t j = lo + warp; j < hi; j += kWarpsPerBlock) {
     const int c0 = first[j - lo];
-    if (c0 < C) scatter_into_slot(st, i, j, target, c0, lane);
+    if (c0 < C) scatter_into_slot(st, i, j, target, a, c0, lane);
   }
 }
 
@@ -839,6 +907,8 @@ __global__ void decode_fused_bf16_kernel(DeviceState<bf16, A> st, const In* q, c
   const std::int64_t k_end = (k_begin + per_split) < total ? (k_begin + per_split) : total;
   const A ls_state = st.scale * (st.head_temps ? st.tau_s[h] : A(1));
   const A ls_window = st.scale * (st.head_temps ? st.tau_w[h] : A(1));
+  // window keys lie within W positions of w: their ring rows follow from w's with 32-bit arithmetic
+  const int ring_len = static_cast<int>(st.W), w_ring = static_cast<int>(w % st.W);
   OnlineSoftmax<A> sm;
   // The loop runs the same number of times in every half of a warp (the shuffles need every lane);
   // a key past the split end computes on zeros and is masked.
@@ -862,7 +932,12 @@ __global__ void decode_fused_bf16_kernel(DeviceState<bf16, A> st, const In* q, c
           vb[e] = store_as<bf16>(load_as<A>(v1[item * kDim + l * kPer + e]));
         }
       } else {
-        const std::int64_t row = in_state[u] ? item * st.cap + x : item * st.W + (w + x - n_state) % st.W;
+        std::int64_t row = item * st.cap + x;
+        if (!in_state[u]) {  // window position w + (x - n_state), at ring row (w mod W + x - n_state) mod W
+          int r = w_ring + static_cast<int>(x - n_state);
+          if (r >= ring_len) r -= ring_len;
+          row = item * st.W + r;
+        }
         kv[u] = reinterpret_cast<const uint4*>((in_state[u] ? st.khat : st.wk) + row * kDim)[l];
         vv[u] = reinterpret_cast<const uint4*>((in_state[u] ? st.vhat : st.wv) + row * kDim)[l];
       }
