@@ -5,8 +5,8 @@
 //
 // Why a separate path: with p = 0 nothing is evicted, so the chunk boundaries of 4.5 do not change the
 // result and the prompt need not be walked chunk by chunk. Each block owns one row tile (kDnPairs
-// (head, row) pairs = r heads x 128 / r rows) of one (sequence, kv head) item and walks *every* entry up
-// to its last row, so it finishes its own softmax and writes the output directly (FlashAttention's
+// (head, row) pairs = r heads x kDnPairs / r rows) of one (sequence, kv head) item and walks *every* entry
+// up to its last row, so it finishes its own softmax and writes the output directly (FlashAttention's
 // query-stationary order). The one dependency is λ: row tile k needs Λ_{r0-1, j} of every entry j
 // before its first row r0, which row tile k-1 leaves in the cache's λ array as it passes each entry tile.
 // The row tiles of an item therefore run as a pipeline: tile k handles entry tile e after tile k-1 has
@@ -17,9 +17,9 @@
 // backend); every output is produced by one block in a fixed order: deterministic, no float atomics.
 // Memory: the cache rows the prompt is appended to, one int per row tile (UaCache) and no L x L matrix.
 //
-// Inside a block: 8 warps, each 16 (head, row) pairs of the tile; entries arrive 64 at a time through a
-// cp.async double buffer. Per entry tile: the key/key similarity of the decay tile (one 16 x rt/2 piece
-// per warp) and S = Q K^T with mma.sync (fp32 accumulators in registers) -> A(e, m) from the decay::Set
+// Inside a block: kDnWarps warps, each 16 (head, row) pairs of the tile; entries arrive 64 at a time
+// through a cp.async double buffer. Per entry tile: the key/key similarity of the decay tile and
+// S = Q K^T with mma.sync (fp32 accumulators in registers) -> A(e, m) from the decay::Set
 // (kernel/ua_decay.hpp) into shared memory -> 64 threads carry λ down the tile's rows -> logits = S + Λ,
 // online softmax in registers, O += P V with the probabilities rounded to bf16 (as FlashAttention does).
 
@@ -34,13 +34,21 @@
 
 namespace kvmem::cuda::ua_detail {
 
-inline constexpr int kDnWarps = 8;
+// Warps per block: 8 (128 pairs, one block per SM at about 250 registers a thread). 4 warps (64 pairs,
+// two blocks per SM) measured 5 % slower on the H200 at B8 H16 G4 D128 8K (25.4 vs 24.1 ms).
+#ifndef KVMEM_UA_DENSE_WARPS
+#define KVMEM_UA_DENSE_WARPS 8
+#endif
+inline constexpr int kDnWarps = KVMEM_UA_DENSE_WARPS;
+static_assert(kDnWarps == 4 || kDnWarps == 8, "KVMEM_UA_DENSE_WARPS must be 4 or 8");
 inline constexpr int kDnThreads = 32 * kDnWarps;
-inline constexpr int kDnPairs = 16 * kDnWarps;  // (head, row) pairs per row tile
-inline constexpr int kDnEntries = 64;           // entries per entry tile
-inline constexpr int kDnMaxRows = 32;           // rows per row tile at most (r >= 4)
+inline constexpr int kDnPairs = 16 * kDnWarps;       // (head, row) pairs per row tile
+inline constexpr int kDnEntries = 64;                // entries per entry tile
+inline constexpr int kDnMaxRows = kDnPairs / 4;      // rows per row tile at most (r >= 4)
+inline constexpr int kDnRowGroups = kDnWarps / 4;    // warps sharing the entries of a decay tile
+inline constexpr int kDnCarryThreads = kDnEntries;   // one thread per entry of the tile carries λ
 
-// Rows of a row tile for group size r (r in {4, 8}: 32 or 16), and the row tiles of a T-row call.
+// Rows of a row tile for group size r (r in {4, 8}), and the row tiles of a T-row call.
 __host__ __device__ inline int dense_row_tile(std::int64_t r) {
   return int(kDnPairs / r);
 }
@@ -48,9 +56,9 @@ __host__ __device__ inline std::int64_t dense_row_tiles(std::int64_t T, std::int
   return (T + dense_row_tile(r) - 1) / dense_row_tile(r);
 }
 // Ints of pipeline state a cache of `capacity` rows needs: a ticket, and a progress counter per
-// (item, row tile) for the shortest row tile (16 rows at r = 8).
+// (item, row tile) for the shortest row tile (8 rows: 4 warps at r = 8).
 __host__ __device__ inline std::int64_t dense_sync_ints(std::int64_t items, std::int64_t capacity) {
-  return 1 + items * ((capacity + 15) / 16);
+  return 1 + items * ((capacity + 7) / 8);
 }
 
 template <int kD>
@@ -59,8 +67,8 @@ struct UaDenseLayout {
   static constexpr int kKPitch = kD + 8;          // bf16: rows 16 bytes apart modulo 128, ldmatrix without conflicts
   static constexpr int kAPitch = kDnEntries + 8;  // float: decay / Λ tile [row][entry]
   static constexpr std::size_t kTile = std::size_t(kDnEntries) * kKPitch * 2;
-  static constexpr std::size_t kK = 0;       // [2][kDnEntries][kKPitch] keys of the entry tiles
-  static constexpr std::size_t kV = 2 * kTile;  // [2][kDnEntries][kKPitch] values
+  static constexpr std::size_t kK = 0;           // [2][kDnEntries][kKPitch] keys of the entry tiles
+  static constexpr std::size_t kV = 2 * kTile;   // [2][kDnEntries][kKPitch] values
   static constexpr std::size_t kNK = 4 * kTile;  // [kDnMaxRows][kKPitch] keys of the row tile
   static constexpr std::size_t kA = kNK + std::size_t(kDnMaxRows) * kKPitch * 2;  // [kDnMaxRows][kAPitch]
   static constexpr std::size_t kBytes = kA + std::size_t(kDnMaxRows) * kAPitch * 4;
@@ -122,19 +130,21 @@ __device__ inline int load_acquire(const int* p) {
 // the cache (rows n + t: p = 0 evicts nothing) and leaves λ_j = Λ_{T-1, j} for every entry; the
 // lengths and counters advance afterwards (dense_advance_kernel).
 template <class Set, int kD>
-__global__ void __launch_bounds__(kDnThreads, 1)
+__global__ void __launch_bounds__(kDnThreads, 8 / kDnWarps)
     dense_prefill_tc_kernel(DeviceCache<bf16> c, DeviceCall<bf16> a, std::int64_t T, std::int64_t items,
                             std::int64_t tiles, int* sync) {
   using L = UaDenseLayout<kD>;
   using nv_bf16 = __nv_bfloat16;
   constexpr float kLog2e = 1.4426950408889634f;
   constexpr int kVec = kD / 8;  // 16-byte vectors per row
-  extern __shared__ __align__(128) unsigned char smem_raw[];
-  nv_bf16* ks_base = reinterpret_cast<nv_bf16*>(smem_raw + L::kK);
-  nv_bf16* vs_base = reinterpret_cast<nv_bf16*>(smem_raw + L::kV);
-  nv_bf16* nk = reinterpret_cast<nv_bf16*>(smem_raw + L::kNK);
-  float* at = reinterpret_cast<float*>(smem_raw + L::kA);  // [row][entry]: A, then Λ
-  __shared__ float s_rlogit[kDnMaxRows], s_rpart[kDnMaxRows];
+  extern __shared__ __align__(128) unsigned char dense_smem[];
+  nv_bf16* ks_base = reinterpret_cast<nv_bf16*>(dense_smem + L::kK);
+  nv_bf16* vs_base = reinterpret_cast<nv_bf16*>(dense_smem + L::kV);
+  nv_bf16* nk = reinterpret_cast<nv_bf16*>(dense_smem + L::kNK);
+  float* at = reinterpret_cast<float*>(dense_smem + L::kA);  // [row][entry]: A, then Λ
+  __shared__ float s_rlogit[kDnMaxRows], s_rpart[kDnMaxRows];  // row tile: query-side gate logits, log parts
+  __shared__ float s_elogit[kDnEntries], s_epart[kDnEntries];   // entry tile: key-gate logits, log parts
+  __shared__ long long s_epos[kDnEntries];                      // entry tile: positions
   __shared__ long long s_ticket;
 
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, qr = lane / 4, t4 = lane % 4;
@@ -146,7 +156,6 @@ __global__ void __launch_bounds__(kDnThreads, 1)
   const std::int64_t n = c.length[item], first = c.counter[item], row0 = item * c.cap;
   const std::int64_t r0 = k * rt, nr = T - r0 < rt ? T - r0 : rt;
   const std::int64_t e_total = n + r0 + nr;  // entries the tile's rows see: the cache, then call rows < r0 + nr
-  const std::int64_t e_wait = n + r0;        // entries whose λ row tile k-1 carries to row r0 - 1
   const int* done_prev = sync + 1 + item * tiles + (k - 1);  // read only when k > 0
   int* done_mine = sync + 1 + item * tiles + k;
 
@@ -220,10 +229,27 @@ __global__ void __launch_bounds__(kDnThreads, 1)
     cp_async_commit();
   };
 
-  // decay-tile piece of this warp: entries 16 * (warp % 4) + {qr, qr + 8}, rows rbase + 8 * nt + 2 * t4 + {0, 1}
-  const int eb = 16 * (warp % 4), rbase = (warp / 4) * (rt / 2);
+  // decay-tile piece of this warp: entries eb + {qr, qr + 8}, rows rbase + 8 * nt + 2 * t4 + {0, 1}, nt < nts
+  const int eb = 16 * (warp % 4), rbase = (warp / 4) * (rt / kDnRowGroups), nts = rt / (8 * kDnRowGroups);
+  // the carry threads' entries: λ hand-off state (seen: the predecessor's progress this thread acquired)
+  int seen = 0;
+  // key-gate logit and position of entry e0 + tid (positions past e_total: INT64_MAX, masked). The carry
+  // threads load them one entry tile ahead (the latency hides behind a whole step) and publish them,
+  // with the key-gate part, in shared memory for the decay of the tile: computed once per entry.
+  const auto load_meta = [&](std::int64_t e0, float& logit, std::int64_t& pos) {
+    const std::int64_t idx = e0 + tid;
+    logit = 0.0f;
+    pos = INT64_MAX;
+    if (idx < e_total) {
+      logit = idx < n ? c.key_logit[row0 + idx] : a.z_k[b * a.zk_b + g * a.zk_g + (idx - n) * a.zk_t];
+      pos = idx < n ? c.pos[row0 + idx] : first + (idx - n);
+    }
+  };
   const std::int64_t n_etiles = (e_total + kDnEntries - 1) / kDnEntries;
+  float nx_logit = 0.0f;
+  std::int64_t nx_pos = INT64_MAX;
   load_tile(0, 0);
+  if (tid < kDnCarryThreads) load_meta(0, nx_logit, nx_pos);
   for (std::int64_t et = 0; et < n_etiles; ++et) {
     const std::int64_t e0 = et * kDnEntries;
     const int buf = int(et & 1);
@@ -233,29 +259,43 @@ __global__ void __launch_bounds__(kDnThreads, 1)
     } else {
       cp_async_wait<0>();
     }
-    // gates and positions of this lane's two decay entries (positions past e_total: masked)
-    float e_logit[2], e_part[2];
-    std::int64_t e_pos[2];
-#pragma unroll
-    for (int hf = 0; hf < 2; ++hf) {
-      const std::int64_t idx = e0 + eb + qr + 8 * hf;
-      e_logit[hf] = 0.0f;
-      e_pos[hf] = INT64_MAX;
+    // the carry thread's entry: position and incoming λ, loaded now so the L2 latency overlaps the decay
+    // and q.k below. λ of an entry before row r0 comes from the previous row tile: acquire its progress
+    // counter first (rarely: the predecessor started earlier and is usually many entry tiles ahead).
+    std::int64_t c_pos = INT64_MAX;
+    float c_lam = 0.0f;
+    if (tid < kDnCarryThreads) {
+      const std::int64_t idx = e0 + tid;
+      c_pos = nx_pos;
+      s_elogit[tid] = nx_logit;
+      s_epart[tid] = kernel::ua::key_gate_part(nx_logit);
+      s_epos[tid] = nx_pos;
+      if (et + 1 < n_etiles) load_meta(e0 + kDnEntries, nx_logit, nx_pos);
       if (idx < e_total) {
-        e_logit[hf] = idx < n ? c.key_logit[row0 + idx] : a.z_k[b * a.zk_b + g * a.zk_g + (idx - n) * a.zk_t];
-        e_pos[hf] = idx < n ? c.pos[row0 + idx] : first + (idx - n);
+        if (!(idx >= n && idx - n >= r0)) {  // not one of this tile's own keys (those start at λ = 0)
+          if (k > 0 && seen <= int(et))
+            while ((seen = load_acquire(done_prev)) <= int(et)) __nanosleep(32);
+          c_lam = __ldcg(c.lambda + row0 + idx);  // another block wrote it: read through L2
+        }
       }
-      e_part[hf] = kernel::ua::key_gate_part(e_logit[hf]);
     }
-    __syncthreads();  // entry tile et is in shared memory (and, the first time, nk and the row gates)
+    __syncthreads();  // entry tile et and its gates are in shared memory (the first time, nk and the row gates too)
     const nv_bf16* ks = ks_base + buf * kDnEntries * L::kKPitch;
     const nv_bf16* vs = vs_base + buf * kDnEntries * L::kKPitch;
 
     // 1. decay tile A(e, m) (spec 4.1): similarity K NK^T on the tensor cores, then the set's gate fold;
     //    A = 0 where m <= pos_e and on rows past the call (the carry then leaves λ unchanged there)
+    float s[kDnEntries / 8][4];
     {
+      float e_logit[2], e_part[2];
+      std::int64_t e_pos[2];
+#pragma unroll
+      for (int hf = 0; hf < 2; ++hf) {
+        e_logit[hf] = s_elogit[eb + qr + 8 * hf];
+        e_part[hf] = s_epart[eb + qr + 8 * hf];
+        e_pos[hf] = s_epos[eb + qr + 8 * hf];
+      }
       float sim[2][4] = {};
-      const int nts = rt / 16;  // n8 tiles of rows per warp (2 at r = 4, 1 at r = 8)
       if constexpr (Set::kNeedsSimilarity) {
 #pragma unroll
         for (int kb = 0; kb < kD / 16; ++kb) {
@@ -270,71 +310,81 @@ __global__ void __launch_bounds__(kDnThreads, 1)
           }
         }
       }
+      // 2. with it, S = Q K^T for the warp's 16 pairs and the tile's 64 entries (independent of λ): one
+      //    k-step of q.k goes out to the tensor cores before each decay element, so the mma latency
+      //    hides behind the element's gate fold
 #pragma unroll
-      for (int nt = 0; nt < 2; ++nt) {
-        if (nt >= nts) break;
+      for (int j = 0; j < kDnEntries / 8; ++j) s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.0f;
 #pragma unroll
-        for (int x = 0; x < 4; ++x) {
+      for (int el = 0; el < 8; ++el) {
+        if (el < kD / 16) {
+#pragma unroll
+          for (int jp = 0; jp < kDnEntries / 16; ++jp) {
+            std::uint32_t fb[4];
+            ldsm_x4(fb, ks + (16 * jp + 8 * (lane / 16) + lane % 8) * L::kKPitch + 16 * el + 8 * ((lane / 8) % 2));
+            mma_bf16(s[2 * jp], qf[el < kD / 16 ? el : 0], fb[0], fb[1]);
+            mma_bf16(s[2 * jp + 1], qf[el < kD / 16 ? el : 0], fb[2], fb[3]);
+          }
+        }
+        const int nt = el / 4, x = el % 4;
+        if (nt < nts) {
           const int hf = x / 2, i = rbase + 8 * nt + 2 * t4 + x % 2, e = eb + qr + 8 * hf;
           const std::int64_t m = first + r0 + i;
-          float a_em = 0.0f;
-          if (i < nr && m > e_pos[hf])
-            a_em = kernel::ua::decay_from_similarity<Set, float>(sim[nt][x], e_logit[hf], e_part[hf], e_pos[hf],
-                                                                 s_rlogit[i], s_rpart[i], m);
-          at[i * L::kAPitch + e] = a_em;
+          // evaluated for every element and then selected (entries past the range have position
+          // INT64_MAX: A = 0); rows past the call get A = 0 too
+          const float a_em = kernel::ua::decay_from_similarity<Set, float>(sim[nt][x], e_logit[hf], e_part[hf],
+                                                                           e_pos[hf], s_rlogit[i], s_rpart[i], m);
+          at[i * L::kAPitch + e] = (i < nr && m > e_pos[hf]) ? a_em : 0.0f;
+        }
+      }
+#pragma unroll
+      for (int kb = 8; kb < kD / 16; ++kb) {  // head dims above 128
+#pragma unroll
+        for (int jp = 0; jp < kDnEntries / 16; ++jp) {
+          std::uint32_t fb[4];
+          ldsm_x4(fb, ks + (16 * jp + 8 * (lane / 16) + lane % 8) * L::kKPitch + 16 * kb + 8 * ((lane / 8) % 2));
+          mma_bf16(s[2 * jp], qf[kb], fb[0], fb[1]);
+          mma_bf16(s[2 * jp + 1], qf[kb], fb[2], fb[3]);
         }
       }
     }
-    // 2. S = Q K^T for the warp's 16 pairs and the tile's 64 entries (independent of λ)
-    float s[kDnEntries / 8][4];
-#pragma unroll
-    for (int j = 0; j < kDnEntries / 8; ++j) s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.0f;
-#pragma unroll
-    for (int kb = 0; kb < kD / 16; ++kb) {
-#pragma unroll
-      for (int jp = 0; jp < kDnEntries / 16; ++jp) {
-        std::uint32_t fb[4];
-        ldsm_x4(fb, ks + (16 * jp + 8 * (lane / 16) + lane % 8) * L::kKPitch + 16 * kb + 8 * ((lane / 8) % 2));
-        mma_bf16(s[2 * jp], qf[kb], fb[0], fb[1]);
-        mma_bf16(s[2 * jp + 1], qf[kb], fb[2], fb[3]);
-      }
-    }
-    // the previous row tile has carried this entry tile's λ to row r0 - 1 (its release, our acquire)
-    if (tid == 0 && k > 0 && e0 < e_wait) {
-      while (load_acquire(done_prev) <= int(et)) __nanosleep(64);
-    }
-    __syncthreads();  // the A tile is complete; λ of the previous row tile is published
+    __syncthreads();  // the A tile is complete
 
     // 3. carry λ down the rows (spec 4.2: increasing m, one rounding per step): one thread per entry.
     //    at[] becomes Λ_{m, e} (-inf before the entry's position); λ goes back to the cache row of the
     //    entry (a call key's row n + t is its row after this call), read through L2 (ld.cg): another
     //    block wrote it.
-    if (tid < kDnEntries) {
+    if (tid < kDnCarryThreads) {
       const std::int64_t idx = e0 + tid;
       if (idx < e_total) {
         // rows i < before precede the entry (masked); A = 0 up to its own row, so λ stays 0 there
-        const std::int64_t p = idx < n ? c.pos[row0 + idx] : first + (idx - n), before = p - (first + r0);
+        const std::int64_t before = c_pos - (first + r0);
         const int masked = before < 0 ? 0 : (before > rt ? rt : int(before));
-        float lam = (idx >= n && idx - n >= r0) ? 0.0f : __ldcg(c.lambda + row0 + idx);
-        // 16 rows per round: the loads are issued together, then the dependent adds run back to back
-        for (int i0 = 0; i0 < rt; i0 += 16) {
-          float av[16];
+        float lam = c_lam;
+        // 8 rows per round (rt is a multiple of 8): the loads issue together, then the dependent adds
+        for (int i0 = 0; i0 < rt; i0 += 8) {
+          float av[8];
 #pragma unroll
-          for (int i = 0; i < 16; ++i) av[i] = at[(i0 + i) * L::kAPitch + tid];
+          for (int i = 0; i < 8; ++i) av[i] = at[(i0 + i) * L::kAPitch + tid];
 #pragma unroll
-          for (int i = 0; i < 16; ++i) {
+          for (int i = 0; i < 8; ++i) {
             lam += av[i];
             at[(i0 + i) * L::kAPitch + tid] = i0 + i < masked ? negative_infinity<float>() : lam;
           }
         }
         c.lambda[row0 + idx] = lam;
-        __threadfence();  // visible device-wide before the progress counter says so
       } else {
         for (int i = 0; i < rt; ++i) at[i * L::kAPitch + tid] = negative_infinity<float>();
       }
     }
     __syncthreads();  // Λ tile complete, λ of this entry tile stored
-    if (tid == 0) atomicExch(done_mine, int(et + 1));
+    // publish: the barrier orders the carry threads' λ stores before this thread's fence, which makes
+    // them visible device-wide before the counter (the pattern of a grid-wide barrier). The last warp
+    // has no global stores in flight of its own, so the fence costs it little.
+    if (tid == kDnThreads - 32) {
+      __threadfence();
+      atomicExch(done_mine, int(et + 1));
+    }
 
     // 4. logits = q.k + Λ (scale 1), online softmax in registers (rows p_lo, p_hi; the quad holds a row)
     float mx_lo = negative_infinity<float>(), mx_hi = negative_infinity<float>();
