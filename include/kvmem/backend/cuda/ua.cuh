@@ -91,7 +91,8 @@ class UaCache {
                       o_ml = arena.take(I * splits * r * P * 2 * sizeof(float)),
                       o_acc = arena.take(I * splits * r * P * D * sizeof(float)),
                       o_new = arena.take(I * P * sizeof(float)),
-                      o_sync = arena.take(std::size_t(ua_detail::dense_sync_ints(std::int64_t(I), s.capacity)) * sizeof(int));
+                      o_sync = arena.take(std::size_t(ua_detail::dense_sync_ints(std::int64_t(I), s.capacity)) *
+                                          sizeof(int));
     KVMEM_RETURN_IF_ERROR(DeviceBuffer::allocate(arena.total(), c.memory_));
     auto* base = static_cast<unsigned char*>(c.memory_.get());
     auto& d = c.dev_;
@@ -199,7 +200,7 @@ class UaCache {
   float* part_ml_ = nullptr;
   float* part_acc_ = nullptr;
   float* lambda_new_ = nullptr;
-  int* dense_sync_ = nullptr;  // ticket + row-tile progress of the dense tensor-core prefill
+  int* dense_sync_ = nullptr;           // ticket + row-tile progress of the dense tensor-core prefill
   std::vector<std::int64_t> position_;  // [B] host mirror of the device counters
   std::int64_t bound_ = 0;              // >= every item's length
 };
@@ -344,9 +345,9 @@ Status ua_run(const Executor& exec, UaCache<S>& cache, const UaInputs<S>& in, co
   } else if (const DenseKernel<S> dense = dense_kernel_for<Set, S>(in, D, r, a.log_p); dense.kernel) {
     if (T > 0) {
       const std::int64_t tiles = dense_row_tiles(T, r);
-      KVMEM_RETURN_IF_ERROR(to_status(
-          cudaMemsetAsync(cache.dense_sync_, 0, std::size_t(1 + I * tiles) * sizeof(int), exec.stream),
-          "cudaMemsetAsync dense prefill pipeline"));
+      KVMEM_RETURN_IF_ERROR(
+          to_status(cudaMemsetAsync(cache.dense_sync_, 0, std::size_t(1 + I * tiles) * sizeof(int), exec.stream),
+                    "cudaMemsetAsync dense prefill pipeline"));
       KVMEM_RETURN_IF_ERROR(allow_shared(dense.kernel, dense.shared_bytes));
       dense.kernel<<<unsigned(tiles * I), kDnThreads, dense.shared_bytes, exec.stream>>>(dev, a, T, I, tiles,
                                                                                          cache.dense_sync_);

@@ -42,11 +42,11 @@ namespace kvmem::cuda::ua_detail {
 inline constexpr int kDnWarps = KVMEM_UA_DENSE_WARPS;
 static_assert(kDnWarps == 4 || kDnWarps == 8, "KVMEM_UA_DENSE_WARPS must be 4 or 8");
 inline constexpr int kDnThreads = 32 * kDnWarps;
-inline constexpr int kDnPairs = 16 * kDnWarps;       // (head, row) pairs per row tile
-inline constexpr int kDnEntries = 64;                // entries per entry tile
-inline constexpr int kDnMaxRows = kDnPairs / 4;      // rows per row tile at most (r >= 4)
-inline constexpr int kDnRowGroups = kDnWarps / 4;    // warps sharing the entries of a decay tile
-inline constexpr int kDnCarryThreads = kDnEntries;   // one thread per entry of the tile carries λ
+inline constexpr int kDnPairs = 16 * kDnWarps;      // (head, row) pairs per row tile
+inline constexpr int kDnEntries = 64;               // entries per entry tile
+inline constexpr int kDnMaxRows = kDnPairs / 4;     // rows per row tile at most (r >= 4)
+inline constexpr int kDnRowGroups = kDnWarps / 4;   // warps sharing the entries of a decay tile
+inline constexpr int kDnCarryThreads = kDnEntries;  // one thread per entry of the tile carries λ
 
 // Rows of a row tile for group size r (r in {4, 8}), and the row tiles of a T-row call.
 __host__ __device__ inline int dense_row_tile(std::int64_t r) {
@@ -141,10 +141,10 @@ __global__ void __launch_bounds__(kDnThreads, 8 / kDnWarps)
   nv_bf16* ks_base = reinterpret_cast<nv_bf16*>(dense_smem + L::kK);
   nv_bf16* vs_base = reinterpret_cast<nv_bf16*>(dense_smem + L::kV);
   nv_bf16* nk = reinterpret_cast<nv_bf16*>(dense_smem + L::kNK);
-  float* at = reinterpret_cast<float*>(dense_smem + L::kA);  // [row][entry]: A, then Λ
+  float* at = reinterpret_cast<float*>(dense_smem + L::kA);    // [row][entry]: A, then Λ
   __shared__ float s_rlogit[kDnMaxRows], s_rpart[kDnMaxRows];  // row tile: query-side gate logits, log parts
-  __shared__ float s_elogit[kDnEntries], s_epart[kDnEntries];   // entry tile: key-gate logits, log parts
-  __shared__ long long s_epos[kDnEntries];                      // entry tile: positions
+  __shared__ float s_elogit[kDnEntries], s_epart[kDnEntries];  // entry tile: key-gate logits, log parts
+  __shared__ long long s_epos[kDnEntries];                     // entry tile: positions
   __shared__ long long s_ticket;
 
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, qr = lane / 4, t4 = lane % 4;
@@ -191,10 +191,10 @@ __global__ void __launch_bounds__(kDnThreads, 8 / kDnWarps)
   const bool live_lo = i_lo < nr, live_hi = i_hi < nr;
   std::uint32_t qf[kD / 16][4];  // Q as mma A fragments, for the whole block
   {
-    const nv_bf16* q_lo =
-        reinterpret_cast<const nv_bf16*>(a.q + b * a.q_b + (g * r + h_lo) * a.q_h + (r0 + (live_lo ? i_lo : 0)) * a.q_t);
-    const nv_bf16* q_hi =
-        reinterpret_cast<const nv_bf16*>(a.q + b * a.q_b + (g * r + h_hi) * a.q_h + (r0 + (live_hi ? i_hi : 0)) * a.q_t);
+    const nv_bf16* q_lo = reinterpret_cast<const nv_bf16*>(a.q + b * a.q_b + (g * r + h_lo) * a.q_h +
+                                                           (r0 + (live_lo ? i_lo : 0)) * a.q_t);
+    const nv_bf16* q_hi = reinterpret_cast<const nv_bf16*>(a.q + b * a.q_b + (g * r + h_hi) * a.q_h +
+                                                           (r0 + (live_hi ? i_hi : 0)) * a.q_t);
 #pragma unroll
     for (int kb = 0; kb < kD / 16; ++kb) {
       const int col = 16 * kb + 2 * t4;
@@ -468,7 +468,8 @@ __global__ void __launch_bounds__(kDnThreads, 8 / kDnWarps)
         out[d] = y;
       }
     }
-    if (a.lse && t4 == 0) a.lse[b * a.l_b + hq * a.l_h + t * a.l_t] = l > 0.0f ? mx + logf(l) : negative_infinity<float>();
+    if (a.lse && t4 == 0)
+      a.lse[b * a.l_b + hq * a.l_h + t * a.l_t] = l > 0.0f ? mx + logf(l) : negative_infinity<float>();
   }
 }
 
