@@ -108,8 +108,8 @@ class KvmState {
                W = std::size_t(p.window()), D = std::size_t(s.D), Dv = std::size_t(s.Dv);
     ArenaLayout arena(256);
     struct Offsets {
-      std::size_t sk, sv, rho, cnt, khat32, khat, khat_lo, vhat, wk, wv, wg, k0, k0t, kgt, vg, kg, score, target, partial,
-          counter;
+      std::size_t sk, sv, rho, cnt, khat32, khat, khat_lo, vhat, wk, wv, wg, k0, k0t, kgt, vg, kg, score, rbest, target,
+          partial, counter;
     } o{};
     constexpr bool kBf16 = std::is_same_v<S, bf16>;
     o.sk = arena.take(I * cap * D * sizeof(A));
@@ -129,6 +129,7 @@ class KvmState {
     o.vg = arena.take(I * C * Dv * sizeof(A));
     o.kg = arena.take(I * C * D * sizeof(A));
     o.score = arena.take(I * C * sizeof(A));
+    o.rbest = arena.take(kBf16 ? I * C * sizeof(A) : 0);
     o.target = arena.take(I * C * sizeof(int));
     o.partial = arena.take(std::size_t(s.B * s.Hq) * kMaxDecodeSplits * (Dv + 1) * sizeof(A));
     o.counter = arena.take(std::size_t(s.B * s.Hq) * sizeof(int));
@@ -151,6 +152,7 @@ class KvmState {
     d.vg = reinterpret_cast<A*>(base + o.vg);
     d.kg = reinterpret_cast<A*>(base + o.kg);
     d.score = reinterpret_cast<A*>(base + o.score);
+    d.rbest = kBf16 ? reinterpret_cast<A*>(base + o.rbest) : nullptr;
     d.target = reinterpret_cast<int*>(base + o.target);
     d.partial = reinterpret_cast<A*>(base + o.partial);
     d.counter = reinterpret_cast<int*>(base + o.counter);
@@ -238,21 +240,21 @@ class KvmState {
 namespace kvm_detail {
 
 
-// Novelty scores (kRoute false, slots [j0, j1) into st.score) or merge routes (kRoute true) on the
-// tensor cores; bf16 storage with d.tc_route only.
-template <bool kRoute>
+// One pass of update_tc_scores_kernel (kMode: RtMode) over slots [j0, j1) on the tensor cores; bf16
+// storage with d.tc_route only.
+template <int kMode>
 Status launch_tc_scores(const Executor& exec, const DeviceState<bf16, float>& d, std::int64_t items, std::int64_t j0,
                         std::int64_t j1) {
   const dim3 grid(static_cast<unsigned>(items), static_cast<unsigned>((d.C + kRtTokens - 1) / kRtTokens));
   const unsigned block = 32 * kRtWarps;
   if (d.D == 128) {
-    if (d.route_terms == 1) update_tc_scores_kernel<128, 1, kRoute><<<grid, block, 0, exec.stream>>>(d, j0, j1);
-    else update_tc_scores_kernel<128, 3, kRoute><<<grid, block, 0, exec.stream>>>(d, j0, j1);
+    if (d.route_terms == 1) update_tc_scores_kernel<128, 1, kMode><<<grid, block, 0, exec.stream>>>(d, j0, j1);
+    else update_tc_scores_kernel<128, 3, kMode><<<grid, block, 0, exec.stream>>>(d, j0, j1);
   } else {
-    if (d.route_terms == 1) update_tc_scores_kernel<64, 1, kRoute><<<grid, block, 0, exec.stream>>>(d, j0, j1);
-    else update_tc_scores_kernel<64, 3, kRoute><<<grid, block, 0, exec.stream>>>(d, j0, j1);
+    if (d.route_terms == 1) update_tc_scores_kernel<64, 1, kMode><<<grid, block, 0, exec.stream>>>(d, j0, j1);
+    else update_tc_scores_kernel<64, 3, kMode><<<grid, block, 0, exec.stream>>>(d, j0, j1);
   }
-  return to_status(cudaGetLastError(), kRoute ? "kvm update_tc_scores_kernel (routes)" : "kvm update_tc_scores_kernel (novelty)");
+  return to_status(cudaGetLastError(), kMode == kRtNovelty ? "kvm update_tc_scores_kernel (novelty)" : "kvm update_tc_scores_kernel (routes)");
 }
 
 // Spec 4.5 on every item at once: U(tokens [a, a+C), N, avail) from `slots` slots. Returns the new |S|.
@@ -283,7 +285,7 @@ Status update_select(const Executor& exec, const DeviceState<S, A>& d, const kvm
   if constexpr (std::is_same_v<S, bf16>) tc = d.tc_route;
   if (n_app > 0) {
     if (tc) {
-      if constexpr (std::is_same_v<S, bf16>) KVMEM_RETURN_IF_ERROR(launch_tc_scores<false>(exec, d, items, 0, slots));
+      if constexpr (std::is_same_v<S, bf16>) KVMEM_RETURN_IF_ERROR(launch_tc_scores<kRtNovelty>(exec, d, items, 0, slots));
       update_append_kernel<S, A, true><<<grid, tblock, select_bytes, exec.stream>>>(d, a, slots, n_app);
     } else {
       const std::size_t bytes = tile_bytes + select_bytes;
@@ -294,7 +296,11 @@ Status update_select(const Executor& exec, const DeviceState<S, A>& d, const kvm
   }
   if (n_app < C) {
     if (tc) {
-      if constexpr (std::is_same_v<S, bf16>) KVMEM_RETURN_IF_ERROR(launch_tc_scores<true>(exec, d, items, p.sink, after));
+      // after appends only the new slots remain to be scanned (the novelty pass took the old ones)
+      if constexpr (std::is_same_v<S, bf16>) {
+        if (n_app > 0) KVMEM_RETURN_IF_ERROR(launch_tc_scores<kRtRouteNew>(exec, d, items, slots, after));
+        else KVMEM_RETURN_IF_ERROR(launch_tc_scores<kRtRoute>(exec, d, items, p.sink, after));
+      }
     } else {
       KVMEM_RETURN_IF_ERROR(allow_shared(update_route_kernel<S, A>, tile_bytes));
       update_route_kernel<S, A><<<grid, tblock, tile_bytes, exec.stream>>>(d, after);

@@ -6,11 +6,10 @@
 // FlashAttention, the probabilities are rounded to bf16 before the p.v product; logits, the running
 // max/sum and the output accumulator stay fp32. Four warps own 16 query rows each (64 rows of one
 // head per block); keys arrive in tiles of 64 rows, double-buffered in shared memory with cp.async.
-// Also here: novelty and routing of the state update on the tensor cores (WMMA).
+// Also here: novelty and routing of the state update on the tensor cores (mma.sync).
 
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
-#include <mma.h>
 
 #include <cstdint>
 
@@ -300,117 +299,195 @@ __global__ void __launch_bounds__(32 * kTcWarps, 3) attend_tc_kernel(DeviceState
 // as accurate as the fp32 dot of the host backend, so routes agree with it except at true near-ties.
 // kTerms = 1 (KvmState::set_fast_routing) uses hi.hi only: bf16 logits like the reference's eager
 // bf16 path (spec 7.2), three times fewer products, and route flips near ties.
-// Each warp owns 16 tokens whose hi/lo fragments stay in registers; slots arrive in tiles of
-// kRtSlots rows staged in shared memory (hi = khat, lo = khat_lo).
+// Each warp owns 16 tokens whose hi/lo A fragments stay in registers; slots arrive in tiles of
+// kRtSlots rows (hi = khat, lo = khat_lo), double-buffered in shared memory with cp.async, and reach
+// the tensor cores through ldmatrix as in attend_tc_kernel. The products of a tile stay in registers
+// (mma.sync m16n8k16: lane l holds tokens l/4 and l/4 + 8, slots 2 (l % 4) + {0, 1} of each 8-slot
+// group) and feed each lane's running max; the four lanes of a quad merge at the end.
 inline constexpr int kRtWarps = 8;
 inline constexpr int kRtTokens = 16 * kRtWarps;  // tokens per block
 inline constexpr int kRtSlots = 32;              // slots per staged tile
 
-// kRoute = false: st.score[c] = max_{j in [j0, j1)} k0_c . K^_j. kRoute = true: for tokens not
-// appended (target != -1), st.target[c] = argmax_{j in [j0, j1)} kg_c . K^_j, ties to the smaller j.
+// What a pass computes (argmax: the first slot of the largest value, the host's sequential scan).
+// An update that appends scans the pre-update slots once: with g > 0, argmax_j kg . K^+_j equals
+// argmax_j k0 . K^+_j (spec 4.5), and merges change no slot before the routes are taken, so the
+// novelty pass also gives the best old slot of every token, and the routing pass then only scans
+// the appended slots (a handful per update once the state is large).
+enum RtMode : int {
+  kRtNovelty = 0,   // st.score[c] = max_{j in [j0, j1)} k0_c . K^_j (every slot, sink included), and the
+                    // route candidate st.rbest[c], st.target[c] = max, argmax_{j in [max(j0, sink), j1)}
+  kRtRoute = 1,     // no appends: for tokens with target != -1, st.target[c] = argmax_{j in [j0, j1)} kg_c . K^_j
+  kRtRouteNew = 2,  // after appends, slots [j0, j1) = the appended ones: for tokens with target != -1,
+                    // st.target[c] = that argmax of k0_c . K^+_j if its value exceeds st.rbest[c]
+};
+
 // grid (I, ceil(C / kRtTokens)), block 32 * kRtWarps; needs C % 16 == 0.
-template <int kD, int kTerms, bool kRoute>
-__global__ void __launch_bounds__(32 * kRtWarps) update_tc_scores_kernel(DeviceState<bf16, float> st, std::int64_t j0,
+template <int kD, int kTerms, int kMode>
+__global__ void __launch_bounds__(32 * kRtWarps, 2) update_tc_scores_kernel(DeviceState<bf16, float> st, std::int64_t j0,
                                                                          std::int64_t j1) {
-  namespace wmma = nvcuda::wmma;
-  using nv_bf16 = __nv_bfloat16;
-  constexpr int kPitch = kD + 8;         // bf16 elements (+16 bytes against bank conflicts)
-  constexpr int kSPitch = kRtSlots + 4;  // float
-  __shared__ __align__(128) nv_bf16 khi[kRtSlots * kPitch];
-  __shared__ __align__(128) nv_bf16 klo[kTerms == 3 ? kRtSlots * kPitch : 8];
-  __shared__ __align__(128) float ss[kRtTokens * kSPitch];
+  using namespace tc_detail;
+  constexpr int kPitch = kD + 8;  // bf16 elements (+16 bytes: the 8 rows of an ldmatrix hit 32 banks)
+  constexpr int kTile = kRtSlots * kPitch;  // elements of one hi or lo tile
+  constexpr int kParts = kTerms == 3 ? 2 : 1;  // hi (and lo) tiles per buffer
+  __shared__ __align__(128) bf16 tiles_smem[2 * kParts * kTile];
   const std::int64_t i = blockIdx.x, C = st.C;
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, quad = lane % 4, r = lane / 4;
   const std::int64_t c0 = std::int64_t(blockIdx.y) * kRtTokens + warp * 16;  // the warp's first token
   const bool active = c0 < C;  // warp-uniform (C % 16 == 0)
-  const nv_bf16* tok = reinterpret_cast<const nv_bf16*>(kRoute ? st.kg_hl : st.k0_hl) + ((i * C + (active ? c0 : 0)) * 2) * kD;
-  wmma::fragment<wmma::matrix_a, 16, 16, 16, nv_bf16, wmma::row_major> ahi[kD / 16], alo[kTerms == 3 ? kD / 16 : 1];
-  if (active) {
+  // A fragments (token rows are (hi, lo) pairs of kD bf16): element (token, dim) of k-step kk sits at
+  // token r or r + 8, dims kk*16 + 2 quad + {0, 1} (+ 8)
+  std::uint32_t ahi[kD / 16][4], alo[kTerms == 3 ? kD / 16 : 1][4];
+  {
+    const bf16* tok = (kMode == kRtRoute ? st.kg_hl : st.k0_hl) + ((i * C + (active ? c0 : 0)) * 2) * kD;
+    const std::uint32_t* ra = reinterpret_cast<const std::uint32_t*>(tok + (2 * r) * kD);
+    const std::uint32_t* rb = reinterpret_cast<const std::uint32_t*>(tok + (2 * (r + 8)) * kD);
+    constexpr int kLo = kD / 2;  // the lo row follows the hi row: kD bf16 = kD / 2 words on
 #pragma unroll
-    for (int kb = 0; kb < kD / 16; ++kb) {
-      wmma::load_matrix_sync(ahi[kb], tok + kb * 16, 2 * kD);  // token rows are (hi, lo) pairs
-      if constexpr (kTerms == 3) wmma::load_matrix_sync(alo[kb], tok + kD + kb * 16, 2 * kD);
+    for (int kk = 0; kk < kD / 16; ++kk) {
+      const int w0 = kk * 8 + quad, w1 = w0 + 4;
+      ahi[kk][0] = active ? ra[w0] : 0u;
+      ahi[kk][1] = active ? rb[w0] : 0u;
+      ahi[kk][2] = active ? ra[w1] : 0u;
+      ahi[kk][3] = active ? rb[w1] : 0u;
+      if constexpr (kTerms == 3) {
+        alo[kk][0] = active ? ra[kLo + w0] : 0u;
+        alo[kk][1] = active ? rb[kLo + w0] : 0u;
+        alo[kk][2] = active ? ra[kLo + w1] : 0u;
+        alo[kk][3] = active ? rb[kLo + w1] : 0u;
+      }
     }
   }
-  float* sw = ss + warp * 16 * kSPitch;
-  const int r = lane / 2, half = lane % 2;  // lane -> token row r, columns [half*16, half*16 + 16)
-  float best = negative_infinity<float>();
-  int arg = -1;
-  // Slot tiles are fetched into registers one tile ahead, so their loads overlap the products of
-  // the tile before (each thread moves kPer 16-byte vectors of hi and of lo per tile).
-  constexpr int kVecs = kD / 8;
-  constexpr int kPer = kRtSlots * kVecs / (32 * kRtWarps);
-  static_assert(kPer * 32 * kRtWarps == kRtSlots * kVecs, "slot tile must split evenly over the block");
-  uint4 nh[kPer], nl[kPer];
-  const auto fetch = [&](std::int64_t base) {
-#pragma unroll
-    for (int k = 0; k < kPer; ++k) {
-      const int e = threadIdx.x + k * 32 * kRtWarps, s = e / kVecs, v = e % kVecs;
-      nh[k] = make_uint4(0, 0, 0, 0);
-      nl[k] = make_uint4(0, 0, 0, 0);
-      if (base + s < j1) {  // rows past the end are zero (and masked below)
-        const std::int64_t row = i * st.cap + base + s;
-        nh[k] = reinterpret_cast<const uint4*>(st.khat + row * kD)[v];
-        if constexpr (kTerms == 3) nl[k] = reinterpret_cast<const uint4*>(st.khat_lo + row * kD)[v];
-      }
+  const std::int64_t tiles = (j1 - j0 + kRtSlots - 1) / kRtSlots;
+  const auto issue = [&](std::int64_t k) {
+    const std::int64_t base = j0 + k * kRtSlots;
+    const std::int64_t n = (j1 - base) < kRtSlots ? (j1 - base) : kRtSlots;
+    bf16* buf = tiles_smem + (k % 2) * kParts * kTile;
+    constexpr int kVecs = kD / 8;
+    for (int e = threadIdx.x; e < kRtSlots * kVecs; e += blockDim.x) {
+      const int s = e / kVecs, c = e % kVecs;
+      const std::int64_t row = i * st.cap + base + (s < n ? s : 0);  // rows past n: zeros from a valid address
+      cp_async16(buf + s * kPitch + c * 8, st.khat + row * kD + c * 8, s < n ? 16 : 0);
+      if constexpr (kTerms == 3) cp_async16(buf + kTile + s * kPitch + c * 8, st.khat_lo + row * kD + c * 8, s < n ? 16 : 0);
+    }
+    cp_async_commit();
+  };
+  constexpr bool kRoute = kMode != kRtNovelty;
+  float best_a = negative_infinity<float>(), best_b = negative_infinity<float>();  // tokens r, r + 8
+  int arg_a = -1, arg_b = -1;
+  float cbest_a = negative_infinity<float>(), cbest_b = negative_infinity<float>();  // route candidates
+  int carg_a = -1, carg_b = -1;
+  // running max (and its slot) of one token: the first of equal values wins, as in the host's scan
+  const auto visit = [](float val, int j, float& best, int& arg) {
+    if (val > best) {
+      best = val;
+      arg = j;
     }
   };
-  fetch(j0);
-  for (std::int64_t base = j0; base < j1; base += kRtSlots) {
-    const std::int64_t n = (j1 - base) < kRtSlots ? (j1 - base) : kRtSlots;
-    __syncthreads();  // the previous tile is consumed
-#pragma unroll
-    for (int k = 0; k < kPer; ++k) {
-      const int e = threadIdx.x + k * 32 * kRtWarps, s = e / kVecs, v = e % kVecs;
-      *reinterpret_cast<uint4*>(khi + s * kPitch + v * 8) = nh[k];
-      if constexpr (kTerms == 3) *reinterpret_cast<uint4*>(klo + s * kPitch + v * 8) = nl[k];
+  const auto visit_route = [](float val, int j, float& best, int& arg) {
+    if (arg < 0 || val > best) {
+      best = val;
+      arg = j;
+    }
+  };
+  const int sink = static_cast<int>(st.sink);
+  if (tiles > 0) issue(0);
+  for (std::int64_t k = 0; k < tiles; ++k) {
+    if (k + 1 < tiles) {
+      issue(k + 1);
+      cp_async_wait<1>();
+    } else {
+      cp_async_wait<0>();
     }
     __syncthreads();
-    if (base + kRtSlots < j1) fetch(base + kRtSlots);
-    if (!active) continue;
+    if (active) {
+      const std::int64_t base = j0 + k * kRtSlots;
+      const int n = static_cast<int>((j1 - base) < kRtSlots ? (j1 - base) : kRtSlots);
+      const unsigned hi_tile = static_cast<unsigned>(__cvta_generic_to_shared(tiles_smem + (k % 2) * kParts * kTile));
+      const unsigned lo_tile = hi_tile + kTile * 2;
+      float sc[kRtSlots / 8][4];
 #pragma unroll
-    for (int nb = 0; nb < kRtSlots / 16; ++nb) {
-      wmma::fragment<wmma::accumulator, 16, 16, 16, float> acc;
-      wmma::fill_fragment(acc, 0.0f);
+      for (int nt = 0; nt < kRtSlots / 8; ++nt) {
+        sc[nt][0] = sc[nt][1] = sc[nt][2] = sc[nt][3] = 0.0f;
+        // lane l points at slot row l % 8 of 8x8 matrix l / 8: dims +0, +8, +16, +24 of the k-step pair
+        const unsigned off = static_cast<unsigned>(((nt * 8 + lane % 8) * kPitch + (lane / 8) * 8) * 2);
 #pragma unroll
-      for (int kb = 0; kb < kD / 16; ++kb) {
-        wmma::fragment<wmma::matrix_b, 16, 16, 16, nv_bf16, wmma::col_major> fb;
-        wmma::load_matrix_sync(fb, khi + (nb * 16) * kPitch + kb * 16, kPitch);
-        wmma::mma_sync(acc, ahi[kb], fb, acc);
-        if constexpr (kTerms == 3) {
-          wmma::mma_sync(acc, alo[kb], fb, acc);
-          wmma::load_matrix_sync(fb, klo + (nb * 16) * kPitch + kb * 16, kPitch);
-          wmma::mma_sync(acc, ahi[kb], fb, acc);
+        for (int kk = 0; kk < kD / 16; kk += 2) {
+          std::uint32_t bh[4], bl[4];
+          ldmatrix_x4(bh, hi_tile + off + kk * 32);
+          if constexpr (kTerms == 3) ldmatrix_x4(bl, lo_tile + off + kk * 32);
+          // per k-step: hi.hi, then lo.hi and hi.lo (the order of the products of one dot)
+          mma_16816(sc[nt], ahi[kk], bh[0], bh[1]);
+          if constexpr (kTerms == 3) {
+            mma_16816(sc[nt], alo[kk], bh[0], bh[1]);
+            mma_16816(sc[nt], ahi[kk], bl[0], bl[1]);
+          }
+          mma_16816(sc[nt], ahi[kk + 1], bh[2], bh[3]);
+          if constexpr (kTerms == 3) {
+            mma_16816(sc[nt], alo[kk + 1], bh[2], bh[3]);
+            mma_16816(sc[nt], ahi[kk + 1], bl[2], bl[3]);
+          }
         }
       }
-      wmma::store_matrix_sync(sw + nb * 16, acc, kSPitch, wmma::mem_row_major);
-    }
-    __syncwarp();
+      // slots in increasing order for each token
 #pragma unroll
-    for (int x = 0; x < kRtSlots / 2; ++x) {
-      const int col = half * (kRtSlots / 2) + x;
-      if (col >= n) break;
-      const float val = sw[r * kSPitch + col];
-      if (kRoute ? (arg < 0 || val > best) : val > best) {
-        best = val;
-        arg = static_cast<int>(base + col);
+      for (int nt = 0; nt < kRtSlots / 8; ++nt) {
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const int col = nt * 8 + 2 * quad + e;
+          if (col < n) {
+            const int j = static_cast<int>(base) + col;
+            if constexpr (kRoute) {
+              visit_route(sc[nt][e], j, best_a, arg_a);
+              visit_route(sc[nt][2 + e], j, best_b, arg_b);
+            } else {
+              visit(sc[nt][e], j, best_a, arg_a);
+              visit(sc[nt][2 + e], j, best_b, arg_b);
+              if (j >= sink) {
+                visit_route(sc[nt][e], j, cbest_a, carg_a);
+                visit_route(sc[nt][2 + e], j, cbest_b, carg_b);
+              }
+            }
+          }
+        }
       }
     }
-    __syncwarp();
+    __syncthreads();  // this buffer is refilled by the issue two tiles on
   }
-  // the two lanes of a row: larger value, ties to the smaller slot
-  const float ob = __shfl_xor_sync(0xffffffffu, best, 1);
-  const int oa = __shfl_xor_sync(0xffffffffu, arg, 1);
-  if (oa >= 0 && (arg < 0 || ob > best || (ob == best && oa < arg))) {
-    best = ob;
-    arg = oa;
+  // the four lanes of a quad hold interleaved slots of the same tokens: larger value, ties to the
+  // smaller slot
+  const auto merge = [](float& best, int& arg, int off) {
+    const float ob = __shfl_xor_sync(0xffffffffu, best, off);
+    const int oa = __shfl_xor_sync(0xffffffffu, arg, off);
+    if (oa >= 0 && (arg < 0 || ob > best || (ob == best && oa < arg))) {
+      best = ob;
+      arg = oa;
+    }
+  };
+  merge(best_a, arg_a, 1);
+  merge(best_a, arg_a, 2);
+  merge(best_b, arg_b, 1);
+  merge(best_b, arg_b, 2);
+  if constexpr (!kRoute) {
+    merge(cbest_a, carg_a, 1);
+    merge(cbest_a, carg_a, 2);
+    merge(cbest_b, carg_b, 1);
+    merge(cbest_b, carg_b, 2);
   }
-  if (!active || half != 0) return;
-  const std::int64_t c = c0 + r;
-  if constexpr (kRoute) {
-    if (st.target[i * C + c] != -1) st.target[i * C + c] = arg;
-  } else {
-    st.score[i * C + c] = best;
+  if (!active || quad != 0) return;
+  const std::int64_t ca = i * C + c0 + r, cb = ca + 8;
+  if constexpr (kMode == kRtNovelty) {
+    st.score[ca] = best_a;
+    st.score[cb] = best_b;
+    st.rbest[ca] = cbest_a;  // an update always has a non-sink slot (|S| >= C > sink): carg >= 0
+    st.rbest[cb] = cbest_b;
+    st.target[ca] = carg_a;  // the appends mark theirs -1 after this pass
+    st.target[cb] = carg_b;
+  } else if constexpr (kMode == kRtRoute) {
+    if (st.target[ca] != -1) st.target[ca] = arg_a;
+    if (st.target[cb] != -1) st.target[cb] = arg_b;
+  } else {  // an appended slot wins only if strictly better: ties go to the older, smaller slot
+    if (st.target[ca] != -1 && arg_a >= 0 && best_a > st.rbest[ca]) st.target[ca] = arg_a;
+    if (st.target[cb] != -1 && arg_b >= 0 && best_b > st.rbest[cb]) st.target[cb] = arg_b;
   }
 }
 

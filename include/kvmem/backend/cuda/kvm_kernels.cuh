@@ -35,6 +35,7 @@ struct DeviceState {
   A* vg;      // [I, C, Dv]
   A* kg;      // [I, C, D]
   A* score;   // [I, C]
+  A* rbest;   // [I, C]  best k0 . K^ over the non-sink pre-update slots (route candidate, tensor-core path)
   int* target;  // [I, C]  -1 appended, else merge slot
   A* partial;   // [B*Hq, max_splits, Dv + 1] decode split results (o, lse)
   int* counter;  // [B*Hq] decode splits finished this step; the last one merges and resets it to 0
