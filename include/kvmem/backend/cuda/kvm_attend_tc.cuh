@@ -14,6 +14,7 @@
 #include <cstdint>
 
 #include "kvmem/backend/cuda/kvm_kernels.cuh"
+#include "kvmem/backend/cuda/ptx.cuh"
 #include "kvmem/core/numeric.hpp"
 #include "kvmem/core/softmax.hpp"
 
@@ -35,44 +36,6 @@ struct TcLayout {
   static constexpr std::size_t kBytes = 2 * kBuffer;
 };
 
-namespace tc_detail {
-// D = A B + D for one m16n8k16 tile, bf16 operands, fp32 accumulators (PTX fragment layouts).
-__device__ inline void mma_16816(float (&d)[4], const std::uint32_t (&a)[4], std::uint32_t b0, std::uint32_t b1) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-      "{%0,%1,%2,%3};\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-// Two floats -> one register of two bf16 (lo = first), round to nearest even.
-__device__ inline std::uint32_t pack_bf16(float lo, float hi) {
-  const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
-  return *reinterpret_cast<const std::uint32_t*>(&v);
-}
-// Four 8x8 b16 matrices from shared memory (lane l gives the address of row l % 8 of matrix l / 8);
-// lane l receives row l / 4, columns 2 (l % 4) + {0, 1} of each (.trans: row 2 (l % 4) + {0, 1},
-// column l / 4), the B-fragment layout of mma m16n8k16.
-__device__ inline void ldmatrix_x4(std::uint32_t (&d)[4], unsigned addr) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-               : "=r"(d[0]), "=r"(d[1]), "=r"(d[2]), "=r"(d[3])
-               : "r"(addr));
-}
-__device__ inline void ldmatrix_x4_trans(std::uint32_t (&d)[4], unsigned addr) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-               : "=r"(d[0]), "=r"(d[1]), "=r"(d[2]), "=r"(d[3])
-               : "r"(addr));
-}
-// 16-byte global -> shared copy that bypasses registers; bytes = 0 writes zeros.
-__device__ inline void cp_async16(void* smem, const void* gmem, int bytes) {
-  const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(s), "l"(gmem), "r"(bytes));
-}
-__device__ inline void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
-template <int kPending>
-__device__ inline void cp_async_wait() {
-  asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending));
-}
-}  // namespace tc_detail
 
 // The online softmax of OnlineSoftmax<float> with the hardware exponential (ex2.approx, about 2 ulp):
 // the probabilities are rounded to bf16 before p.v anyway, so the accurate expf bought nothing here.
@@ -106,7 +69,7 @@ __global__ void __launch_bounds__(32 * kTcWarps, 3) attend_tc_kernel(DeviceState
                                                                   std::int64_t T, std::int64_t n0, std::int64_t t0,
                                                                   std::int64_t t1, std::int64_t w, std::int64_t slots) {
   using L = TcLayout<kD, kDv>;
-  using namespace tc_detail;
+  using namespace ptx;
   extern __shared__ __align__(128) unsigned char smem_raw[];
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, quad = lane % 4, r = lane / 4;
   // The row blocks of one head are adjacent in the grid, so they run together and read the head's
@@ -194,7 +157,7 @@ __global__ void __launch_bounds__(32 * kTcWarps, 3) attend_tc_kernel(DeviceState
     bool in_state;
     std::int64_t base, n;
     tile_of(k, in_state, base, n);
-    const unsigned ks = static_cast<unsigned>(__cvta_generic_to_shared(smem_raw + (k % 2) * L::kBuffer));
+    const unsigned ks = shared_address(smem_raw + (k % 2) * L::kBuffer);
     const unsigned vs = ks + static_cast<unsigned>(L::kKTile);
     // S = Q K^T: 8 tiles of 8 keys. B fragments (k = dim, n = key) come from ldmatrix: lane l points
     // at key row l % 8 of 8x8 matrix l / 8, the matrices being dims +0, +8, +16, +24 of the key
@@ -208,8 +171,8 @@ __global__ void __launch_bounds__(32 * kTcWarps, 3) attend_tc_kernel(DeviceState
       for (int kk = 0; kk < kD / 16; kk += 2) {
         std::uint32_t b[4];
         ldmatrix_x4(b, krow + kk * 16 * 2);
-        mma_16816(s[nt], qa[kk], b[0], b[1]);
-        mma_16816(s[nt], qa[kk + 1], b[2], b[3]);
+        mma_bf16_16816(s[nt], qa[kk], b[0], b[1]);
+        mma_bf16_16816(s[nt], qa[kk + 1], b[2], b[3]);
       }
     }
     // mask, scale, row maxima over the quad, online softmax (spec 4.4: state keys see every slot,
@@ -263,8 +226,8 @@ __global__ void __launch_bounds__(32 * kTcWarps, 3) attend_tc_kernel(DeviceState
       for (int nd = 0; nd < kDv / 8; nd += 2) {
         std::uint32_t b[4];
         ldmatrix_x4_trans(b, vrow + nd * 8 * 2);
-        mma_16816(o[nd], pa, b[0], b[1]);
-        mma_16816(o[nd + 1], pa, b[2], b[3]);
+        mma_bf16_16816(o[nd], pa, b[0], b[1]);
+        mma_bf16_16816(o[nd + 1], pa, b[2], b[3]);
       }
     }
     __syncthreads();  // this buffer is refilled by the issue two tiles on
@@ -325,7 +288,7 @@ enum RtMode : int {
 template <int kD, int kTerms, int kMode>
 __global__ void __launch_bounds__(32 * kRtWarps, 2) update_tc_scores_kernel(DeviceState<bf16, float> st, std::int64_t j0,
                                                                          std::int64_t j1) {
-  using namespace tc_detail;
+  using namespace ptx;
   constexpr int kPitch = kD + 8;  // bf16 elements (+16 bytes: the 8 rows of an ldmatrix hit 32 banks)
   constexpr int kTile = kRtSlots * kPitch;  // elements of one hi or lo tile
   constexpr int kParts = kTerms == 3 ? 2 : 1;  // hi (and lo) tiles per buffer
@@ -402,7 +365,7 @@ __global__ void __launch_bounds__(32 * kRtWarps, 2) update_tc_scores_kernel(Devi
     if (active) {
       const std::int64_t base = j0 + k * kRtSlots;
       const int n = static_cast<int>((j1 - base) < kRtSlots ? (j1 - base) : kRtSlots);
-      const unsigned hi_tile = static_cast<unsigned>(__cvta_generic_to_shared(tiles_smem + (k % 2) * kParts * kTile));
+      const unsigned hi_tile = shared_address(tiles_smem + (k % 2) * kParts * kTile);
       const unsigned lo_tile = hi_tile + kTile * 2;
       float sc[kRtSlots / 8][4];
 #pragma unroll
@@ -416,15 +379,15 @@ __global__ void __launch_bounds__(32 * kRtWarps, 2) update_tc_scores_kernel(Devi
           ldmatrix_x4(bh, hi_tile + off + kk * 32);
           if constexpr (kTerms == 3) ldmatrix_x4(bl, lo_tile + off + kk * 32);
           // per k-step: hi.hi, then lo.hi and hi.lo (the order of the products of one dot)
-          mma_16816(sc[nt], ahi[kk], bh[0], bh[1]);
+          mma_bf16_16816(sc[nt], ahi[kk], bh[0], bh[1]);
           if constexpr (kTerms == 3) {
-            mma_16816(sc[nt], alo[kk], bh[0], bh[1]);
-            mma_16816(sc[nt], ahi[kk], bl[0], bl[1]);
+            mma_bf16_16816(sc[nt], alo[kk], bh[0], bh[1]);
+            mma_bf16_16816(sc[nt], ahi[kk], bl[0], bl[1]);
           }
-          mma_16816(sc[nt], ahi[kk + 1], bh[2], bh[3]);
+          mma_bf16_16816(sc[nt], ahi[kk + 1], bh[2], bh[3]);
           if constexpr (kTerms == 3) {
-            mma_16816(sc[nt], alo[kk + 1], bh[2], bh[3]);
-            mma_16816(sc[nt], ahi[kk + 1], bl[2], bl[3]);
+            mma_bf16_16816(sc[nt], alo[kk + 1], bh[2], bh[3]);
+            mma_bf16_16816(sc[nt], ahi[kk + 1], bl[2], bl[3]);
           }
         }
       }

@@ -28,6 +28,7 @@
 
 #include <cstdint>
 
+#include "kvmem/backend/cuda/ptx.cuh"
 #include "kvmem/backend/cuda/ua_kernels.cuh"
 #include "kvmem/core/numeric.hpp"
 #include "kvmem/kernel/ua_decay.hpp"
@@ -74,56 +75,6 @@ struct UaDenseLayout {
   static constexpr std::size_t kBytes = kA + std::size_t(kDnMaxRows) * kAPitch * 4;
 };
 
-// ---- PTX wrappers (sm_80+) -------------------------------------------------------------------------
-__device__ inline std::uint32_t smem_addr(const void* p) {
-  return static_cast<std::uint32_t>(__cvta_generic_to_shared(p));
-}
-// 16 bytes global -> shared, asynchronously; src_bytes = 0 fills zeros (rows past the valid range).
-__device__ inline void cp_async16(void* dst, const void* src, int src_bytes) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_addr(dst)), "l"(src), "r"(src_bytes)
-               : "memory");
-}
-__device__ inline void cp_async_commit() {
-  asm volatile("cp.async.commit_group;\n" ::: "memory");
-}
-template <int kPending>
-__device__ inline void cp_async_wait() {
-  asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending) : "memory");
-}
-__device__ inline void ldsm_x2(std::uint32_t& r0, std::uint32_t& r1, const void* p) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x2.shared.b16 {%0,%1}, [%2];\n"
-               : "=r"(r0), "=r"(r1)
-               : "r"(smem_addr(p))
-               : "memory");
-}
-__device__ inline void ldsm_x4(std::uint32_t (&r)[4], const void* p) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(smem_addr(p))
-               : "memory");
-}
-__device__ inline void ldsm_x4_trans(std::uint32_t (&r)[4], const void* p) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(smem_addr(p))
-               : "memory");
-}
-// d += a b (m16n8k16, bf16 operands, fp32 accumulators)
-__device__ inline void mma_bf16(float (&d)[4], const std::uint32_t (&a)[4], std::uint32_t b0, std::uint32_t b1) {
-  asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-__device__ inline std::uint32_t pack_bf16(float lo, float hi) {
-  const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);  // .x (lower address) = lo
-  return *reinterpret_cast<const std::uint32_t*>(&v);
-}
-__device__ inline int load_acquire(const int* p) {
-  int v;
-  asm volatile("ld.acquire.gpu.global.b32 %0, [%1];\n" : "=r"(v) : "l"(p) : "memory");
-  return v;
-}
-
 // grid (row tiles * I), block kDnThreads, dynamic smem UaDenseLayout<kD>::kBytes. T rows of the call (all
 // of them: input rows 0..T-1, positions counter + 0 ...). sync: [1 + I * tiles] ints, zero on entry
 // (ticket, then the progress of row tile k of item i at 1 + i * tiles + k). Appends the call's rows to
@@ -133,6 +84,7 @@ template <class Set, int kD>
 __global__ void __launch_bounds__(kDnThreads, 8 / kDnWarps)
     dense_prefill_tc_kernel(DeviceCache<bf16> c, DeviceCall<bf16> a, std::int64_t T, std::int64_t items,
                             std::int64_t tiles, int* sync) {
+  using namespace ptx;
   using L = UaDenseLayout<kD>;
   using nv_bf16 = __nv_bfloat16;
   constexpr float kLog2e = 1.4426950408889634f;
@@ -300,13 +252,13 @@ __global__ void __launch_bounds__(kDnThreads, 8 / kDnWarps)
 #pragma unroll
         for (int kb = 0; kb < kD / 16; ++kb) {
           std::uint32_t fa[4];
-          ldsm_x4(fa, ks + (eb + lane % 16) * L::kKPitch + 16 * kb + 8 * (lane / 16));
+          ldmatrix_x4(fa, ks + (eb + lane % 16) * L::kKPitch + 16 * kb + 8 * (lane / 16));
 #pragma unroll
           for (int nt = 0; nt < 2; ++nt) {
             if (nt >= nts) break;
             std::uint32_t b0, b1;
-            ldsm_x2(b0, b1, nk + (rbase + 8 * nt + lane % 8) * L::kKPitch + 16 * kb + 8 * ((lane / 8) % 2));
-            mma_bf16(sim[nt], fa, b0, b1);
+            ldmatrix_x2(b0, b1, nk + (rbase + 8 * nt + lane % 8) * L::kKPitch + 16 * kb + 8 * ((lane / 8) % 2));
+            mma_bf16_16816(sim[nt], fa, b0, b1);
           }
         }
       }
@@ -321,9 +273,9 @@ __global__ void __launch_bounds__(kDnThreads, 8 / kDnWarps)
 #pragma unroll
           for (int jp = 0; jp < kDnEntries / 16; ++jp) {
             std::uint32_t fb[4];
-            ldsm_x4(fb, ks + (16 * jp + 8 * (lane / 16) + lane % 8) * L::kKPitch + 16 * el + 8 * ((lane / 8) % 2));
-            mma_bf16(s[2 * jp], qf[el < kD / 16 ? el : 0], fb[0], fb[1]);
-            mma_bf16(s[2 * jp + 1], qf[el < kD / 16 ? el : 0], fb[2], fb[3]);
+            ldmatrix_x4(fb, ks + (16 * jp + 8 * (lane / 16) + lane % 8) * L::kKPitch + 16 * el + 8 * ((lane / 8) % 2));
+            mma_bf16_16816(s[2 * jp], qf[el < kD / 16 ? el : 0], fb[0], fb[1]);
+            mma_bf16_16816(s[2 * jp + 1], qf[el < kD / 16 ? el : 0], fb[2], fb[3]);
           }
         }
         const int nt = el / 4, x = el % 4;
@@ -342,9 +294,9 @@ __global__ void __launch_bounds__(kDnThreads, 8 / kDnWarps)
 #pragma unroll
         for (int jp = 0; jp < kDnEntries / 16; ++jp) {
           std::uint32_t fb[4];
-          ldsm_x4(fb, ks + (16 * jp + 8 * (lane / 16) + lane % 8) * L::kKPitch + 16 * kb + 8 * ((lane / 8) % 2));
-          mma_bf16(s[2 * jp], qf[kb], fb[0], fb[1]);
-          mma_bf16(s[2 * jp + 1], qf[kb], fb[2], fb[3]);
+          ldmatrix_x4(fb, ks + (16 * jp + 8 * (lane / 16) + lane % 8) * L::kKPitch + 16 * kb + 8 * ((lane / 8) % 2));
+          mma_bf16_16816(s[2 * jp], qf[kb], fb[0], fb[1]);
+          mma_bf16_16816(s[2 * jp + 1], qf[kb], fb[2], fb[3]);
         }
       }
     }
@@ -437,9 +389,9 @@ __global__ void __launch_bounds__(kDnThreads, 8 / kDnWarps)
 #pragma unroll
       for (int dp = 0; dp < kD / 16; ++dp) {
         std::uint32_t fb[4];
-        ldsm_x4_trans(fb, vs + (16 * kk + 8 * ((lane / 8) % 2) + lane % 8) * L::kKPitch + 16 * dp + 8 * (lane / 16));
-        mma_bf16(o[2 * dp], pa, fb[0], fb[1]);
-        mma_bf16(o[2 * dp + 1], pa, fb[2], fb[3]);
+        ldmatrix_x4_trans(fb, vs + (16 * kk + 8 * ((lane / 8) % 2) + lane % 8) * L::kKPitch + 16 * dp + 8 * (lane / 16));
+        mma_bf16_16816(o[2 * dp], pa, fb[0], fb[1]);
+        mma_bf16_16816(o[2 * dp + 1], pa, fb[2], fb[3]);
       }
     }
     __syncthreads();  // the buffers and the Λ tile are free for the next entry tile

@@ -1,0 +1,87 @@
+// SPDX-License-Identifier: Apache-2.0
+#pragma once
+// The inline-PTX pieces the tensor-core kernels of both mechanisms build on (sm_80+: mma.sync m16n8k16
+// with bf16 operands, ldmatrix, cp.async; sm_70+: ld.acquire). One copy, so a fix to an operand
+// constraint or a clobber reaches every kernel.
+//
+// Shared-memory reads and writes issued by these wrappers carry a "memory" clobber: the compiler must
+// not move ordinary shared-memory accesses across an asynchronous copy, its wait, or an ldmatrix.
+// mma.sync reads and writes registers only, so it is left non-volatile for the scheduler.
+
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+namespace kvmem::cuda::ptx {
+
+// 32-bit shared-window address of a generic pointer into shared memory.
+__device__ inline unsigned shared_address(const void* p) {
+  return static_cast<unsigned>(__cvta_generic_to_shared(p));
+}
+
+// 16 bytes global -> shared without passing through registers; bytes = 0 writes zeros (rows past the
+// valid range), so a tile's padding never holds stale data.
+__device__ inline void cp_async16(void* smem, const void* gmem, int bytes) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(shared_address(smem)), "l"(gmem), "r"(bytes)
+               : "memory");
+}
+__device__ inline void cp_async_commit() {
+  asm volatile("cp.async.commit_group;\n" ::: "memory");
+}
+// Waits until at most kPending committed groups are still in flight.
+template <int kPending>
+__device__ inline void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending) : "memory");
+}
+
+// ldmatrix: 8x8 b16 matrices from shared memory. Lane l gives the address of row l % 8 of matrix l / 8;
+// lane l receives row l / 4, columns 2 (l % 4) + {0, 1} of each matrix (.trans: row 2 (l % 4) + {0, 1},
+// column l / 4), the A/B fragment layouts of mma m16n8k16.
+__device__ inline void ldmatrix_x2(std::uint32_t& r0, std::uint32_t& r1, unsigned addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x2.shared.b16 {%0,%1}, [%2];\n" : "=r"(r0), "=r"(r1) : "r"(addr) : "memory");
+}
+__device__ inline void ldmatrix_x4(std::uint32_t (&r)[4], unsigned addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(addr)
+               : "memory");
+}
+__device__ inline void ldmatrix_x4_trans(std::uint32_t (&r)[4], unsigned addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(addr)
+               : "memory");
+}
+__device__ inline void ldmatrix_x2(std::uint32_t& r0, std::uint32_t& r1, const void* p) {
+  ldmatrix_x2(r0, r1, shared_address(p));
+}
+__device__ inline void ldmatrix_x4(std::uint32_t (&r)[4], const void* p) {
+  ldmatrix_x4(r, shared_address(p));
+}
+__device__ inline void ldmatrix_x4_trans(std::uint32_t (&r)[4], const void* p) {
+  ldmatrix_x4_trans(r, shared_address(p));
+}
+
+// d += a b for one m16n8k16 tile: bf16 operands, fp32 accumulators (PTX fragment layouts).
+__device__ inline void mma_bf16_16816(float (&d)[4], const std::uint32_t (&a)[4], std::uint32_t b0, std::uint32_t b1) {
+  asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// Two floats -> one register of two bf16 (lo at the lower address), round to nearest even.
+__device__ inline std::uint32_t pack_bf16(float lo, float hi) {
+  const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+  return *reinterpret_cast<const std::uint32_t*>(&v);
+}
+
+// Load with acquire semantics at GPU scope: writes released by another block before it published
+// the value are visible after this returns.
+__device__ inline int load_acquire(const int* p) {
+  int v;
+  asm volatile("ld.acquire.gpu.global.b32 %0, [%1];\n" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+
+}  // namespace kvmem::cuda::ptx
