@@ -31,6 +31,14 @@ std::vector<float> rounded(const std::vector<float>& x) {
   for (std::size_t i = 0; i < x.size(); ++i) y[i] = kvmem::load_as<float>(kvmem::store_as<S>(x[i]));
   return y;
 }
+// Rounds the inputs a device call stores in S (q, k, v and the output-gate logits) in place.
+template <class S>
+void round_inputs_to(FloatCase& f) {
+  f.q = rounded<S>(f.q);
+  f.k = rounded<S>(f.k);
+  f.v = rounded<S>(f.v);
+  f.z_o = rounded<S>(f.z_o);
+}
 
 // A FloatCase's tensors in device memory (q, k, v, z_o in S; gate logits fp32) and views of token ranges.
 template <class S>
@@ -274,9 +282,7 @@ TEST_CASE("ua cuda bf16 storage agrees with the host backend at head dims 80 and
     const std::int64_t dim = sh.dim;
     Case c = random_case(2, 400, sh.H, sh.G, dim, 31 + std::uint32_t(dim));
     FloatCase f(c);
-    f.q = rounded<kvmem::bf16>(f.q);  // both sides see the same bf16 inputs
-    f.k = rounded<kvmem::bf16>(f.k);
-    f.v = rounded<kvmem::bf16>(f.v);
+    round_inputs_to<kvmem::bf16>(f);  // host and device see the same bf16 inputs
     for (double p : {0.05, 0.15}) {
       const kvmem::ua::Options opt{p, 128, true};
       kvmem::ua::PrunedCache<kvmem::bf16> hc(f.cache_shape());
@@ -304,22 +310,22 @@ TEST_CASE("ua cuda rejects bad calls before touching the cache", "[ua][cuda]") {
   const kvmem::cuda::Executor exec{};
   auto in = d.slice(0, 8);
   in.v = {d.v.ptr, {1, 1, 8, 8}};
-  auto s = kvmem::cuda::ua_prefill(exec, cache, in, {}, d.out_slice(out.ptr, 0, 8));
-  CHECK(s.code() == kvmem::StatusCode::kInvalidArgument);
-  CHECK(s.message() == "v [B,G,T,D] shape: expected [1,1,8,16], got [1,1,8,8]");
-  s = kvmem::cuda::ua_prefill(exec, cache, d.slice(0, 8), kvmem::ua::Options{0.0, 256, true},
-                              d.out_slice(out.ptr, 0, 8));
-  CHECK(s.code() == kvmem::StatusCode::kInvalidArgument);
-  CHECK(s.message().find("max_prefill_chunk = 128") != std::string::npos);
-  s = kvmem::cuda::ua_decode(exec, cache, d.slice(0, 2), {}, d.out_slice(out.ptr, 0, 2));
-  CHECK(s.code() == kvmem::StatusCode::kInvalidArgument);
+  const auto wrong_v = kvmem::cuda::ua_prefill(exec, cache, in, {}, d.out_slice(out.ptr, 0, 8));
+  CHECK(wrong_v.code() == kvmem::StatusCode::kInvalidArgument);
+  CHECK(wrong_v.message() == "v [B,G,T,D] shape: expected [1,1,8,16], got [1,1,8,8]");
+  const auto big_chunk = kvmem::cuda::ua_prefill(exec, cache, d.slice(0, 8), kvmem::ua::Options{0.0, 256, true},
+                                                 d.out_slice(out.ptr, 0, 8));
+  CHECK(big_chunk.code() == kvmem::StatusCode::kInvalidArgument);
+  CHECK(big_chunk.message().find("max_prefill_chunk = 128") != std::string::npos);
+  const auto two_tokens = kvmem::cuda::ua_decode(exec, cache, d.slice(0, 2), {}, d.out_slice(out.ptr, 0, 2));
+  CHECK(two_tokens.code() == kvmem::StatusCode::kInvalidArgument);
   CHECK(cache.position(0) == 0);
   // capacity: 8 rows, a dense prefill of 8 fits, a 9th token does not (checked against the true length)
   REQUIRE(kvmem::cuda::ua_prefill(exec, cache, d.slice(0, 8), {}, d.out_slice(out.ptr, 0, 8)).is_ok());
-  s = kvmem::cuda::ua_decode(exec, cache, d.slice(7, 8), {}, d.out_slice(out.ptr, 7, 8));
-  CHECK(s.code() == kvmem::StatusCode::kOutOfRange);
-  INFO(s.message());
-  CHECK(s.message().find("capacity") != std::string::npos);
+  const auto ninth = kvmem::cuda::ua_decode(exec, cache, d.slice(7, 8), {}, d.out_slice(out.ptr, 7, 8));
+  CHECK(ninth.code() == kvmem::StatusCode::kOutOfRange);
+  INFO(ninth.message());
+  CHECK(ninth.message().find("capacity") != std::string::npos);
   CHECK(cache.position(0) == 8);
   CHECK(cache.length_bound() == 8);
 }
@@ -354,9 +360,7 @@ TEST_CASE("ua cuda bf16 tensor-core chunk kernel at a small shape (sanitizer cas
   // r = 4, D = 64: the tensor-core chunk kernel, a ragged last chunk, entry splits, then decode
   Case c = random_case(1, 203, 8, 2, 64, 77);
   FloatCase f(c);
-  f.q = rounded<kvmem::bf16>(f.q);
-  f.k = rounded<kvmem::bf16>(f.k);
-  f.v = rounded<kvmem::bf16>(f.v);
+  round_inputs_to<kvmem::bf16>(f);  // host and device see the same bf16 inputs
   const kvmem::ua::Options opt{0.05, 64, true};
   kvmem::ua::PrunedCache<kvmem::bf16> hc(f.cache_shape());
   const auto host = host_prefill_decode(f, 170, opt, hc);
@@ -400,9 +404,7 @@ TEST_CASE("ua cuda user decay gates: fp32 against the fp64 reference, bf16 tenso
   {  // tensor-core chunk kernel (bf16, r = 4): the paper's gates plus the user gate
     Case c = random_case(1, 260, 8, 2, 64, 133);
     FloatCase f(c);
-    f.q = rounded<kvmem::bf16>(f.q);
-    f.k = rounded<kvmem::bf16>(f.k);
-    f.v = rounded<kvmem::bf16>(f.v);
+    round_inputs_to<kvmem::bf16>(f);  // host and device see the same bf16 inputs
     const kvmem::ua::Options opt{0.05, 64, true};
     kvmem::ua::PrunedCache<kvmem::bf16> hc(f.cache_shape());
     std::vector<float> host = f.make_out();
@@ -426,9 +428,7 @@ TEST_CASE("ua cuda fp16 storage agrees with the host backend (CUDA-core kernels)
   if (no_device()) return;
   Case c = random_case(2, 300, 8, 2, 64, 151);
   FloatCase f(c);
-  f.q = rounded<kvmem::fp16>(f.q);  // both sides see the same fp16 inputs
-  f.k = rounded<kvmem::fp16>(f.k);
-  f.v = rounded<kvmem::fp16>(f.v);
+  round_inputs_to<kvmem::fp16>(f);  // host and device see the same fp16 inputs
   const kvmem::ua::Options opt{0.05, 64, true};
   kvmem::ua::PrunedCache<kvmem::fp16> hc(f.cache_shape());
   const auto host = host_prefill_decode(f, 220, opt, hc);
@@ -454,10 +454,7 @@ TEST_CASE("ua cuda bf16 dense prefill (p = 0): the pipelined tensor-core kernel 
   for (const Shape& sh : {Shape{128, 16, 4, false}, Shape{80, 16, 4, true}, Shape{64, 16, 2, false}}) {
     Case c = random_case(2, 300, sh.H, sh.G, sh.dim, 41 + std::uint32_t(sh.dim), 1.0, sh.gate);
     FloatCase f(c);
-    f.q = rounded<kvmem::bf16>(f.q);  // both sides see the same bf16 inputs
-    f.k = rounded<kvmem::bf16>(f.k);
-    f.v = rounded<kvmem::bf16>(f.v);
-    f.z_o = rounded<kvmem::bf16>(f.z_o);
+    round_inputs_to<kvmem::bf16>(f);  // host and device see the same bf16 inputs
     const auto host = host_forward(f);
     const auto dense = cuda_forward<kvmem::bf16>(f);
     const double e_out = relative_frobenius(dense.out, host.out), e_lse = relative_frobenius(dense.lse, host.lse),
@@ -480,9 +477,7 @@ TEST_CASE("ua cuda bf16 dense tensor-core prefill at a small shape (sanitizer ca
   // r = 4, D = 64: three row tiles of 32 rows, two calls (the second over 25 cached rows), then decode
   Case c = random_case(1, 70, 8, 2, 64, 79);
   FloatCase f(c);
-  f.q = rounded<kvmem::bf16>(f.q);
-  f.k = rounded<kvmem::bf16>(f.k);
-  f.v = rounded<kvmem::bf16>(f.v);
+  round_inputs_to<kvmem::bf16>(f);  // host and device see the same bf16 inputs
   const auto host = host_forward(f);
   const auto gpu = cuda_prefill_decode<kvmem::bf16>(f, 60, kvmem::ua::Options{0.0, 128, true}, {}, 25);
   const double e = relative_frobenius(gpu.out, host.out);
