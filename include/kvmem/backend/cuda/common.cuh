@@ -7,10 +7,12 @@
 #include <cuda_runtime.h>
 
 #include <cstddef>
+#include <cstdint>
 #include <string>
 #include <utility>
 
 #include "kvmem/core/status.hpp"
+#include "kvmem/core/tensor.hpp"
 
 namespace kvmem::cuda {
 
@@ -80,6 +82,17 @@ Status allow_shared(Kernel kernel, std::size_t bytes) {
   return to_status(cudaFuncSetAttribute(reinterpret_cast<const void*>(kernel), cudaFuncAttributeMaxDynamicSharedMemorySize,
                                         int(bytes)),
                    "cudaFuncSetAttribute(max dynamic shared memory)");
+}
+
+// Every innermost row of the view starts on a 16-byte boundary (aligned base, every outer stride a
+// whole number of 16-byte vectors), so kernels may move its rows as uint4 / cp.async vectors. Checked
+// on the host once per call.
+template <class T, std::size_t Rank>
+bool rows_16byte_aligned(const TensorView<T, Rank>& view) {
+  if (reinterpret_cast<std::uintptr_t>(view.data()) % 16 != 0) return false;
+  for (std::size_t i = 0; i + 1 < Rank; ++i)
+    if ((view.stride(i) * std::int64_t(sizeof(T))) % 16 != 0) return false;
+  return true;
 }
 
 }  // namespace kvmem::cuda

@@ -417,9 +417,7 @@ Status kvm_run(const Executor& exec, KvmState<S, A>& state, const KvmWeights& w,
     if (attends_rows && attend_tc != nullptr) KVMEM_RETURN_IF_ERROR(allow_shared(attend_tc, tc_bytes));
   }
   // ingest copies whole 16-byte vectors when the inputs are in the storage type and every row is aligned
-  const auto aligned16 = [](const void* ptr) { return reinterpret_cast<std::uintptr_t>(ptr) % 16 == 0; };
-  const bool copy16 = std::is_same_v<In, S> && (sh.D * std::int64_t(sizeof(S))) % 16 == 0 &&
-                      (sh.Dv * std::int64_t(sizeof(S))) % 16 == 0 && aligned16(k.data()) && aligned16(v.data());
+  const bool copy16 = std::is_same_v<In, S> && rows_16byte_aligned(k) && rows_16byte_aligned(v);
   const SideStream& side = state.side_;
   UpdatePlan pending{};
   bool selected = false;  // the selection of the next update already runs on the side stream

@@ -147,12 +147,7 @@ __global__ void __launch_bounds__(32 * kTcWarps, 3) attend_tc_kernel(DeviceState
 
   if (tiles > 0) issue(0);
   for (std::int64_t k = 0; k < tiles; ++k) {
-    if (k + 1 < tiles) {
-      issue(k + 1);
-      cp_async_wait<1>();
-    } else {
-      cp_async_wait<0>();
-    }
+    issue_next_and_wait(k, tiles, issue);
     __syncthreads();
     bool in_state;
     std::int64_t base, n;
@@ -355,12 +350,7 @@ __global__ void __launch_bounds__(32 * kRtWarps, 2) update_tc_scores_kernel(Devi
   const int sink = static_cast<int>(st.sink);
   if (tiles > 0) issue(0);
   for (std::int64_t k = 0; k < tiles; ++k) {
-    if (k + 1 < tiles) {
-      issue(k + 1);
-      cp_async_wait<1>();
-    } else {
-      cp_async_wait<0>();
-    }
+    issue_next_and_wait(k, tiles, issue);
     __syncthreads();
     if (active) {
       const std::int64_t base = j0 + k * kRtSlots;

@@ -57,16 +57,22 @@ struct DeviceState {
   __device__ std::int64_t rep() const { return Hq / Hk; }
 };
 
+// Channel d of slot sj's readout key K^ from its accumulate-type value: the storage copy and, with
+// tensor-core routing, the bf16 remainder (khat + khat_lo = khat32 to about 2^-16).
+template <class S, class A>
+__device__ inline void store_readout_key(const DeviceState<S, A>& st, std::int64_t sj, std::int64_t d, A k32) {
+  const S hi = store_as<S>(k32);
+  st.khat[sj * st.D + d] = hi;
+  if (st.khat_lo != nullptr) st.khat_lo[sj * st.D + d] = store_as<bf16>(k32 - load_as<A>(hi));
+}
+
 // K^_j, V^_j of slot j of item i from its sums (spec 4.4 steps 1-2); one thread.
 template <class S, class A>
 __device__ void refresh_slot(const DeviceState<S, A>& st, std::int64_t i, std::int64_t j) {
-  A* k32 = st.khat32 + (i * st.cap + j) * st.D;
-  kernel::layer_norm(st.sk + (i * st.cap + j) * st.D, st.D, st.ln_w, st.ln_b, st.eps, k32);
-  S* kh = st.khat + (i * st.cap + j) * st.D;
-  for (std::int64_t d = 0; d < st.D; ++d) kh[d] = store_as<S>(k32[d]);
   const std::int64_t sj = i * st.cap + j;
-  if (st.khat_lo != nullptr)
-    for (std::int64_t d = 0; d < st.D; ++d) st.khat_lo[sj * st.D + d] = store_as<bf16>(k32[d] - load_as<A>(kh[d]));
+  A* k32 = st.khat32 + sj * st.D;
+  kernel::layer_norm(st.sk + sj * st.D, st.D, st.ln_w, st.ln_b, st.eps, k32);
+  for (std::int64_t d = 0; d < st.D; ++d) store_readout_key(st, sj, d, k32[d]);
   kernel::value_readout(st.sv + sj * st.Dv, st.Dv, st.rho[sj], st.cnt[sj], st.value_radius, st.vhat + sj * st.Dv);
 }
 
@@ -137,10 +143,8 @@ __device__ void warp_refresh_regs(const DeviceState<S, A>& st, std::int64_t sj, 
   for (int e = 0; e < kLaneRegs; ++e) {
     const int d = lane + 32 * e;
     if (d >= D) continue;
-    const S hi = store_as<S>(kh[e]);
     st.khat32[sj * D + d] = kh[e];
-    st.khat[sj * D + d] = hi;
-    if (st.khat_lo != nullptr) st.khat_lo[sj * D + d] = store_as<bf16>(kh[e] - load_as<A>(hi));
+    store_readout_key(st, sj, d, kh[e]);
   }
   A f;
   if (st.value_radius) {
@@ -179,11 +183,7 @@ __device__ void warp_refresh_slot(const DeviceState<S, A>& st, std::int64_t i, s
   }
   A* k32 = st.khat32 + sj * st.D;
   warp_layer_norm(st.sk + sj * st.D, st.D, st.ln_w, st.ln_b, st.eps, k32, lane);
-  for (std::int64_t d = lane; d < st.D; d += 32) {
-    const S hi = store_as<S>(k32[d]);
-    st.khat[sj * st.D + d] = hi;
-    if (st.khat_lo != nullptr) st.khat_lo[sj * st.D + d] = store_as<bf16>(k32[d] - load_as<A>(hi));
-  }
+  for (std::int64_t d = lane; d < st.D; d += 32) store_readout_key(st, sj, d, k32[d]);
   const A* sv = st.sv + sj * st.Dv;
   A f;
   if (st.value_radius) {

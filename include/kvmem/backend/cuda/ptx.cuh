@@ -35,6 +35,19 @@ __device__ inline void cp_async_wait() {
   asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending) : "memory");
 }
 
+// One step of a double-buffered cp.async loop over `tiles` tiles (tile k + 1 goes to the buffer tile k - 1
+// used): issues tile k + 1 when there is one, then waits until tile k has landed, leaving k + 1 in
+// flight. The caller's barrier then makes tile k visible to the block.
+template <class Issue>
+__device__ inline void issue_next_and_wait(std::int64_t k, std::int64_t tiles, Issue&& issue) {
+  if (k + 1 < tiles) {
+    issue(k + 1);
+    cp_async_wait<1>();
+  } else {
+    cp_async_wait<0>();
+  }
+}
+
 // ldmatrix: 8x8 b16 matrices from shared memory. Lane l gives the address of row l % 8 of matrix l / 8;
 // lane l receives row l / 4, columns 2 (l % 4) + {0, 1} of each matrix (.trans: row 2 (l % 4) + {0, 1},
 // column l / 4), the A/B fragment layouts of mma m16n8k16.

@@ -216,6 +216,7 @@ DeviceCall<S> make_call(const UaInputs<S>& in, TensorView<float, 4> out, TensorV
   a.k_b = in.k.stride(0), a.k_g = in.k.stride(1), a.k_t = in.k.stride(2);
   a.v = in.v.data();
   a.v_b = in.v.stride(0), a.v_g = in.v.stride(1), a.v_t = in.v.stride(2);
+  a.kv_rows16 = rows_16byte_aligned(in.k) && rows_16byte_aligned(in.v);
   a.z_k = in.z_k.data();
   a.zk_b = in.z_k.stride(0), a.zk_g = in.z_k.stride(1), a.zk_t = in.z_k.stride(2);
   a.z_q = in.z_q.data();
@@ -233,14 +234,10 @@ DeviceCall<S> make_call(const UaInputs<S>& in, TensorView<float, 4> out, TensorV
   return a;
 }
 
-// The tensor-core kernel needs bf16 rows of 16-byte aligned vectors (base pointers and strides).
+// The tensor-core kernels read q, k, v rows as 16-byte vectors.
 template <class S>
 bool tc_aligned(const UaInputs<S>& in) {
-  const auto ok4 = [](const auto& v) {
-    return reinterpret_cast<std::uintptr_t>(v.data()) % 16 == 0 && v.stride(0) % 8 == 0 && v.stride(1) % 8 == 0 &&
-           v.stride(2) % 8 == 0;
-  };
-  return ok4(in.q) && ok4(in.k) && ok4(in.v);
+  return rows_16byte_aligned(in.q) && rows_16byte_aligned(in.k) && rows_16byte_aligned(in.v);
 }
 
 // The chunk kernel of a call and its launch shape. Every variant has the same signature for a given S.
@@ -343,18 +340,16 @@ Status ua_run(const Executor& exec, UaCache<S>& cache, const UaInputs<S>& in, co
     kernel<<<dim3(unsigned(a.splits), unsigned(I)), kDecodeThreads, bytes, exec.stream>>>(dev, a);
     KVMEM_CUDA_RETURN_IF_LAUNCH_FAILED("ua decode_attend_kernel");
   } else if (const DenseKernel<S> dense = dense_kernel_for<Set, S>(in, D, r, a.log_p); dense.kernel) {
-    if (T > 0) {
-      const std::int64_t tiles = dense_row_tiles(T, r);
-      KVMEM_RETURN_IF_ERROR(
-          to_status(cudaMemsetAsync(cache.dense_sync_, 0, std::size_t(1 + I * tiles) * sizeof(int), exec.stream),
-                    "cudaMemsetAsync dense prefill pipeline"));
-      KVMEM_RETURN_IF_ERROR(allow_shared(dense.kernel, dense.shared_bytes));
-      dense.kernel<<<unsigned(tiles * I), kDnThreads, dense.shared_bytes, exec.stream>>>(dev, a, T, I, tiles,
-                                                                                         cache.dense_sync_);
-      KVMEM_CUDA_RETURN_IF_LAUNCH_FAILED("ua dense_prefill_tc_kernel");
-      dense_advance_kernel<S><<<1, 128, 0, exec.stream>>>(dev, I, T);
-      KVMEM_CUDA_RETURN_IF_LAUNCH_FAILED("ua dense_advance_kernel");
-    }
+    const std::int64_t tiles = dense_row_tiles(T, r);  // T >= 1 (check_call_shapes)
+    KVMEM_RETURN_IF_ERROR(
+        to_status(cudaMemsetAsync(cache.dense_sync_, 0, std::size_t(1 + I * tiles) * sizeof(int), exec.stream),
+                  "cudaMemsetAsync dense prefill pipeline"));
+    KVMEM_RETURN_IF_ERROR(allow_shared(dense.kernel, dense.shared_bytes));
+    dense.kernel<<<unsigned(tiles * I), kDnThreads, dense.shared_bytes, exec.stream>>>(dev, a, T, I, tiles,
+                                                                                       cache.dense_sync_);
+    KVMEM_CUDA_RETURN_IF_LAUNCH_FAILED("ua dense_prefill_tc_kernel");
+    dense_advance_kernel<S><<<1, 128, 0, exec.stream>>>(dev, I, T);
+    KVMEM_CUDA_RETURN_IF_LAUNCH_FAILED("ua dense_advance_kernel");
   } else {
     a.P = cache.limits_.max_prefill_chunk;
     a.lambda_new = cache.lambda_new_;

@@ -205,12 +205,8 @@ __global__ void __launch_bounds__(kDnThreads, 8 / kDnWarps)
   for (std::int64_t et = 0; et < n_etiles; ++et) {
     const std::int64_t e0 = et * kDnEntries;
     const int buf = int(et & 1);
-    if (et + 1 < n_etiles) {
-      load_tile(e0 + kDnEntries, buf ^ 1);  // the buffer was released by the barrier closing step et - 1
-      cp_async_wait<1>();
-    } else {
-      cp_async_wait<0>();
-    }
+    // the next tile's buffer was released by the barrier closing step et - 1
+    issue_next_and_wait(et, n_etiles, [&](std::int64_t next) { load_tile(next * kDnEntries, int(next & 1)); });
     // the carry thread's entry: position and incoming λ, loaded now so the L2 latency overlaps the decay
     // and q.k below. λ of an entry before row r0 comes from the previous row tile: acquire its progress
     // counter first (rarely: the predecessor started earlier and is usually many entry tiles ahead).

@@ -54,6 +54,7 @@ struct DeviceCall {
   std::int64_t k_b = 0, k_g = 0, k_t = 0;
   const S* v = nullptr;  // [B,G,T,D]
   std::int64_t v_b = 0, v_g = 0, v_t = 0;
+  bool kv_rows16 = false;  // every k and v row starts on a 16-byte boundary (rows_16byte_aligned)
   const float* z_k = nullptr;  // [B,G,T]
   std::int64_t zk_b = 0, zk_g = 0, zk_t = 0;
   const float* z_q = nullptr;  // [B,G,T]
@@ -410,10 +411,6 @@ __device__ inline void copy_rows(std::int64_t rows, std::int64_t D, bool vec16, 
     }
   }
 }
-__device__ inline bool aligned16(const void* p) {
-  return reinterpret_cast<std::uintptr_t>(p) % 16 == 0;
-}
-
 template <class S>
 __device__ inline void finish_item(const DeviceCache<S>& c, const DeviceCall<S>& a, std::int64_t item, std::int64_t t0,
                                    std::int64_t rows, unsigned char* fsm) {
@@ -422,9 +419,8 @@ __device__ inline void finish_item(const DeviceCache<S>& c, const DeviceCall<S>&
   const std::int64_t first = c.counter[item];  // absolute position of the call's row t0
   const int tid = threadIdx.x, lane = tid % 32;
   // rows of the cache and of the staging buffer start 16 bytes apart when D * sizeof(S) is a multiple of 16
-  // (the cache arena and the dynamic shared memory are 16-byte aligned)
-  const bool vec_cache = (D * std::int64_t(sizeof(S))) % 16 == 0 && aligned16(c.keys) && aligned16(c.values) &&
-                         aligned16(fsm);
+  // (UaCache's arena and the dynamic shared memory are 16-byte aligned)
+  const bool vec_cache = (D * std::int64_t(sizeof(S))) % 16 == 0;
 
   // 1. evict λ < ln p and compact stably in place (survivors keep ascending positions). Warp 0 turns
   //    32 keep flags into destinations with a ballot; the group's rows are staged in shared memory, so
@@ -494,8 +490,7 @@ __device__ inline void finish_item(const DeviceCache<S>& c, const DeviceCall<S>&
   kept = group_kept;
   const S* k_in = a.k + b * a.k_b + g * a.k_g + t0 * a.k_t;
   const S* v_in = a.v + b * a.v_b + g * a.v_g + t0 * a.v_t;
-  const bool vec_in = vec_cache && aligned16(k_in) && aligned16(v_in) && (a.k_t * std::int64_t(sizeof(S))) % 16 == 0 &&
-                      (a.v_t * std::int64_t(sizeof(S))) % 16 == 0;
+  const bool vec_in = vec_cache && a.kv_rows16;
   copy_rows<S>(rows, D, vec_in, [&](std::int64_t j) { return k_in + j * a.k_t; },
                [&](std::int64_t j) { return new_dst[j] < 0 ? nullptr : c.keys + (row0 + new_dst[j]) * D; });
   copy_rows<S>(rows, D, vec_in, [&](std::int64_t j) { return v_in + j * a.v_t; },
