@@ -24,7 +24,8 @@ struct Executor {
 
 inline Status to_status(cudaError_t err, const char* what) {
   if (err == cudaSuccess) return Status::ok();
-  return {StatusCode::kBackendError, std::string(what) + ": " + cudaGetErrorName(err) + " (" + cudaGetErrorString(err) + ")"};
+  return {StatusCode::kBackendError,
+          std::string(what) + ": " + cudaGetErrorName(err) + " (" + cudaGetErrorString(err) + ")"};
 }
 
 // Number of visible CUDA devices (0 when there is no driver or no device).
@@ -79,8 +80,8 @@ class DeviceBuffer {
 template <class Kernel>
 Status allow_shared(Kernel kernel, std::size_t bytes) {
   if (bytes <= 48 * 1024) return Status::ok();
-  return to_status(cudaFuncSetAttribute(reinterpret_cast<const void*>(kernel), cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                        int(bytes)),
+  return to_status(cudaFuncSetAttribute(reinterpret_cast<const void*>(kernel),
+                                        cudaFuncAttributeMaxDynamicSharedMemorySize, int(bytes)),
                    "cudaFuncSetAttribute(max dynamic shared memory)");
 }
 
@@ -98,4 +99,5 @@ bool rows_16byte_aligned(const TensorView<T, Rank>& view) {
 }  // namespace kvmem::cuda
 
 // Launch check: a bad configuration surfaces at the launch, a fault later at a synchronisation.
-#define KVMEM_CUDA_RETURN_IF_LAUNCH_FAILED(what) KVMEM_RETURN_IF_ERROR(::kvmem::cuda::to_status(cudaGetLastError(), what))
+#define KVMEM_CUDA_RETURN_IF_LAUNCH_FAILED(what) \
+  KVMEM_RETURN_IF_ERROR(::kvmem::cuda::to_status(cudaGetLastError(), what))

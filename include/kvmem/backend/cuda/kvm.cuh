@@ -24,9 +24,9 @@
 #include <vector>
 
 #include "kvmem/backend/cuda/common.cuh"
-#include "kvmem/core/arena.hpp"
 #include "kvmem/backend/cuda/kvm_attend_tc.cuh"
 #include "kvmem/backend/cuda/kvm_kernels.cuh"
+#include "kvmem/core/arena.hpp"
 #include "kvmem/core/status.hpp"
 #include "kvmem/core/tensor.hpp"
 #include "kvmem/kvm/attention.hpp"
@@ -57,7 +57,9 @@ struct SideStream {
   SideStream(const SideStream&) = delete;
   SideStream& operator=(const SideStream&) = delete;
   SideStream(SideStream&& o) noexcept
-      : stream(std::exchange(o.stream, nullptr)), fork(std::exchange(o.fork, nullptr)), join(std::exchange(o.join, nullptr)) {}
+      : stream(std::exchange(o.stream, nullptr)),
+        fork(std::exchange(o.fork, nullptr)),
+        join(std::exchange(o.join, nullptr)) {}
   SideStream& operator=(SideStream&& o) noexcept {
     if (this != &o) {
       release();
@@ -72,10 +74,14 @@ struct SideStream {
   static Status create(SideStream& out) {
     SideStream s;
     int least = 0, greatest = 0;  // the selection is on the critical path: schedule its blocks first
-    KVMEM_RETURN_IF_ERROR(to_status(cudaDeviceGetStreamPriorityRange(&least, &greatest), "cudaDeviceGetStreamPriorityRange"));
-    KVMEM_RETURN_IF_ERROR(to_status(cudaStreamCreateWithPriority(&s.stream, cudaStreamNonBlocking, greatest), "cudaStreamCreateWithPriority"));
-    KVMEM_RETURN_IF_ERROR(to_status(cudaEventCreateWithFlags(&s.fork, cudaEventDisableTiming), "cudaEventCreateWithFlags (fork)"));
-    KVMEM_RETURN_IF_ERROR(to_status(cudaEventCreateWithFlags(&s.join, cudaEventDisableTiming), "cudaEventCreateWithFlags (join)"));
+    KVMEM_RETURN_IF_ERROR(
+        to_status(cudaDeviceGetStreamPriorityRange(&least, &greatest), "cudaDeviceGetStreamPriorityRange"));
+    KVMEM_RETURN_IF_ERROR(to_status(cudaStreamCreateWithPriority(&s.stream, cudaStreamNonBlocking, greatest),
+                                    "cudaStreamCreateWithPriority"));
+    KVMEM_RETURN_IF_ERROR(
+        to_status(cudaEventCreateWithFlags(&s.fork, cudaEventDisableTiming), "cudaEventCreateWithFlags (fork)"));
+    KVMEM_RETURN_IF_ERROR(
+        to_status(cudaEventCreateWithFlags(&s.join, cudaEventDisableTiming), "cudaEventCreateWithFlags (join)"));
     out = std::move(s);
     return Status::ok();
   }
@@ -99,7 +105,9 @@ class KvmState {
 
   static Status create(const kvm::Params& p, const kvm::Shape& s, KvmState& out) {
     KVMEM_RETURN_IF_ERROR(kvm::validate(p, s));
-    if (p.chunk > 1024) return {StatusCode::kUnsupported, "cuda KVM: chunk must be <= 1024 (one thread per token of an update), got " + std::to_string(p.chunk)};
+    if (p.chunk > 1024)
+      return {StatusCode::kUnsupported,
+              "cuda KVM: chunk must be <= 1024 (one thread per token of an update), got " + std::to_string(p.chunk)};
     KvmState st;
     st.params_ = p;
     st.shape_ = s;
@@ -162,7 +170,8 @@ class KvmState {
     d.tc_route = kBf16 && (s.D == 64 || s.D == 128) && p.chunk % 16 == 0;
     d.route_terms = 3;
     // the decode counters start at 0 (the last split of each step resets its own)
-    KVMEM_RETURN_IF_ERROR(to_status(cudaMemset(d.counter, 0, std::size_t(s.B * s.Hq) * sizeof(int)), "cudaMemset decode counters"));
+    KVMEM_RETURN_IF_ERROR(
+        to_status(cudaMemset(d.counter, 0, std::size_t(s.B * s.Hq) * sizeof(int)), "cudaMemset decode counters"));
     KVMEM_RETURN_IF_ERROR(to_status(cudaDeviceSynchronize(), "sync after state creation"));
     KVMEM_RETURN_IF_ERROR(kvm_detail::SideStream::create(st.side_));
     int device = 0;
@@ -194,9 +203,9 @@ class KvmState {
   [[nodiscard]] const kvm::Params& params() const { return params_; }
   [[nodiscard]] const kvm::Shape& shape() const { return shape_; }
   [[nodiscard]] std::int64_t capacity() const { return cap_; }
-  [[nodiscard]] std::int64_t tokens() const { return n_; }    // n, shared by every sequence
-  [[nodiscard]] std::int64_t covered() const { return cov_; } // cov
-  [[nodiscard]] std::int64_t slots() const { return slots_; } // |S|
+  [[nodiscard]] std::int64_t tokens() const { return n_; }     // n, shared by every sequence
+  [[nodiscard]] std::int64_t covered() const { return cov_; }  // cov
+  [[nodiscard]] std::int64_t slots() const { return slots_; }  // |S|
   [[nodiscard]] std::size_t allocated_bytes() const { return memory_.bytes(); }
   [[nodiscard]] const kvm_detail::DeviceState<S, A>& device() const { return dev_; }
   void reset() { n_ = cov_ = slots_ = 0; }
@@ -215,9 +224,15 @@ class KvmState {
     sk.resize(std::size_t(slots_ * shape_.D));
     sv.resize(std::size_t(slots_ * shape_.Dv));
     rho.resize(std::size_t(slots_));
-    KVMEM_RETURN_IF_ERROR(to_status(cudaMemcpyAsync(sk.data(), dev_.sk + i * cap_ * shape_.D, sk.size() * sizeof(A), cudaMemcpyDeviceToHost, stream), "download Sk"));
-    KVMEM_RETURN_IF_ERROR(to_status(cudaMemcpyAsync(sv.data(), dev_.sv + i * cap_ * shape_.Dv, sv.size() * sizeof(A), cudaMemcpyDeviceToHost, stream), "download Sv"));
-    KVMEM_RETURN_IF_ERROR(to_status(cudaMemcpyAsync(rho.data(), dev_.rho + i * cap_, rho.size() * sizeof(A), cudaMemcpyDeviceToHost, stream), "download rho"));
+    KVMEM_RETURN_IF_ERROR(to_status(cudaMemcpyAsync(sk.data(), dev_.sk + i * cap_ * shape_.D, sk.size() * sizeof(A),
+                                                    cudaMemcpyDeviceToHost, stream),
+                                    "download Sk"));
+    KVMEM_RETURN_IF_ERROR(to_status(cudaMemcpyAsync(sv.data(), dev_.sv + i * cap_ * shape_.Dv, sv.size() * sizeof(A),
+                                                    cudaMemcpyDeviceToHost, stream),
+                                    "download Sv"));
+    KVMEM_RETURN_IF_ERROR(to_status(
+        cudaMemcpyAsync(rho.data(), dev_.rho + i * cap_, rho.size() * sizeof(A), cudaMemcpyDeviceToHost, stream),
+        "download rho"));
     return to_status(cudaStreamSynchronize(stream), "download sync");
   }
 
@@ -231,14 +246,13 @@ class KvmState {
   kvm::Shape shape_{};
   std::int64_t cap_ = 0;
   std::int64_t n_ = 0, cov_ = 0, slots_ = 0;  // host mirror of the shared counters
-  int sm_count_ = 1;                           // multiprocessors: sizes the decode split-K grid
-  kvm_detail::SideStream side_;                // next update's selection beside a prefill readout
+  int sm_count_ = 1;                          // multiprocessors: sizes the decode split-K grid
+  kvm_detail::SideStream side_;               // next update's selection beside a prefill readout
   DeviceBuffer memory_;
   kvm_detail::DeviceState<S, A> dev_{};
 };
 
 namespace kvm_detail {
-
 
 // One pass of update_tc_scores_kernel (kMode: RtMode) over slots [j0, j1) on the tensor cores; bf16
 // storage with d.tc_route only.
@@ -248,13 +262,18 @@ Status launch_tc_scores(const Executor& exec, const DeviceState<bf16, float>& d,
   const dim3 grid(static_cast<unsigned>(items), static_cast<unsigned>((d.C + kRtTokens - 1) / kRtTokens));
   const unsigned block = 32 * kRtWarps;
   if (d.D == 128) {
-    if (d.route_terms == 1) update_tc_scores_kernel<128, 1, kMode><<<grid, block, 0, exec.stream>>>(d, j0, j1);
-    else update_tc_scores_kernel<128, 3, kMode><<<grid, block, 0, exec.stream>>>(d, j0, j1);
+    if (d.route_terms == 1)
+      update_tc_scores_kernel<128, 1, kMode><<<grid, block, 0, exec.stream>>>(d, j0, j1);
+    else
+      update_tc_scores_kernel<128, 3, kMode><<<grid, block, 0, exec.stream>>>(d, j0, j1);
   } else {
-    if (d.route_terms == 1) update_tc_scores_kernel<64, 1, kMode><<<grid, block, 0, exec.stream>>>(d, j0, j1);
-    else update_tc_scores_kernel<64, 3, kMode><<<grid, block, 0, exec.stream>>>(d, j0, j1);
+    if (d.route_terms == 1)
+      update_tc_scores_kernel<64, 1, kMode><<<grid, block, 0, exec.stream>>>(d, j0, j1);
+    else
+      update_tc_scores_kernel<64, 3, kMode><<<grid, block, 0, exec.stream>>>(d, j0, j1);
   }
-  return to_status(cudaGetLastError(), kMode == kRtNovelty ? "kvm update_tc_scores_kernel (novelty)" : "kvm update_tc_scores_kernel (routes)");
+  return to_status(cudaGetLastError(), kMode == kRtNovelty ? "kvm update_tc_scores_kernel (novelty)"
+                                                           : "kvm update_tc_scores_kernel (routes)");
 }
 
 // Spec 4.5 on every item at once: U(tokens [a, a+C), N, avail) from `slots` slots. Returns the new |S|.
@@ -285,7 +304,8 @@ Status update_select(const Executor& exec, const DeviceState<S, A>& d, const kvm
   if constexpr (std::is_same_v<S, bf16>) tc = d.tc_route;
   if (n_app > 0) {
     if (tc) {
-      if constexpr (std::is_same_v<S, bf16>) KVMEM_RETURN_IF_ERROR(launch_tc_scores<kRtNovelty>(exec, d, items, 0, slots));
+      if constexpr (std::is_same_v<S, bf16>)
+        KVMEM_RETURN_IF_ERROR(launch_tc_scores<kRtNovelty>(exec, d, items, 0, slots));
       update_append_kernel<S, A, true><<<grid, tblock, select_bytes, exec.stream>>>(d, a, slots, n_app);
     } else {
       const std::size_t bytes = tile_bytes + select_bytes;
@@ -298,8 +318,10 @@ Status update_select(const Executor& exec, const DeviceState<S, A>& d, const kvm
     if (tc) {
       // after appends only the new slots remain to be scanned (the novelty pass took the old ones)
       if constexpr (std::is_same_v<S, bf16>) {
-        if (n_app > 0) KVMEM_RETURN_IF_ERROR(launch_tc_scores<kRtRouteNew>(exec, d, items, slots, after));
-        else KVMEM_RETURN_IF_ERROR(launch_tc_scores<kRtRoute>(exec, d, items, p.sink, after));
+        if (n_app > 0)
+          KVMEM_RETURN_IF_ERROR(launch_tc_scores<kRtRouteNew>(exec, d, items, slots, after));
+        else
+          KVMEM_RETURN_IF_ERROR(launch_tc_scores<kRtRoute>(exec, d, items, p.sink, after));
       }
     } else {
       KVMEM_RETURN_IF_ERROR(allow_shared(update_route_kernel<S, A>, tile_bytes));
@@ -319,7 +341,8 @@ Status update_finish(const Executor& exec, const DeviceState<S, A>& d, const kvm
   if (plan.n_app < C) {
     if (a == C) {  // first update: every non-sink slot (see update_scatter_kernel)
       const dim3 sgrid(grid, static_cast<unsigned>((after - p.sink + kWarpsPerBlock - 1) / kWarpsPerBlock));
-      update_scatter_kernel<S, A><<<sgrid, 32 * kWarpsPerBlock, std::size_t(C) * sizeof(int), exec.stream>>>(d, a, after);
+      update_scatter_kernel<S, A>
+          <<<sgrid, 32 * kWarpsPerBlock, std::size_t(C) * sizeof(int), exec.stream>>>(d, a, after);
     } else if (after > p.sink) {
       // about two touched slots per warp, and at most 8192 slots (32 KB of first-token table) a block
       const std::int64_t range = after - p.sink, touched = std::min(C, range);
@@ -328,15 +351,17 @@ Status update_finish(const Executor& exec, const DeviceState<S, A>& d, const kvm
       const std::int64_t per_block = (range + blocks - 1) / blocks;
       blocks = (range + per_block - 1) / per_block;
       const dim3 sgrid(grid, static_cast<unsigned>(blocks));
-      update_scatter_touched_kernel<S, A><<<sgrid, 32 * kWarpsPerBlock, std::size_t(C + per_block) * sizeof(int), exec.stream>>>(
-          d, a, after, per_block);
+      update_scatter_touched_kernel<S, A>
+          <<<sgrid, 32 * kWarpsPerBlock, std::size_t(C + per_block) * sizeof(int), exec.stream>>>(d, a, after,
+                                                                                                  per_block);
     }
     KVMEM_CUDA_RETURN_IF_LAUNCH_FAILED("kvm update_scatter_kernel");
   }
   if (log != nullptr) {  // test hook (spec 2): synchronises, never used on an engine's path
     std::vector<int> targets(std::size_t(items * C));
-    KVMEM_RETURN_IF_ERROR(to_status(cudaMemcpyAsync(targets.data(), d.target, targets.size() * sizeof(int),
-                                                    cudaMemcpyDeviceToHost, exec.stream), "route log copy"));
+    KVMEM_RETURN_IF_ERROR(to_status(
+        cudaMemcpyAsync(targets.data(), d.target, targets.size() * sizeof(int), cudaMemcpyDeviceToHost, exec.stream),
+        "route log copy"));
     KVMEM_RETURN_IF_ERROR(to_status(cudaStreamSynchronize(exec.stream), "route log sync"));
     log->items.resize(std::size_t(items));
     for (std::int64_t i = 0; i < items; ++i) {
@@ -439,10 +464,11 @@ Status kvm_run(const Executor& exec, KvmState<S, A>& state, const KvmWeights& w,
     }
     const bool decode_step = t1 - t0 == 1 && T == 1;
     const bool founds = t0 < C && t1 > cov;  // initial slots founded by positions [cov, min(t1, C))
-    if (!decode_step || founds) {  // a decode step appends its token inside the fused kernel
-      const dim3 igrid(static_cast<unsigned>(items), static_cast<unsigned>((t1 - t0 + kWarpsPerBlock - 1) / kWarpsPerBlock));
-      ingest_kernel<S, A, In><<<igrid, 32 * kWarpsPerBlock, 0, exec.stream>>>(d, k.data(), v.data(), gate.data(), T, n0, t0,
-                                                                              t1, cov, copy16);
+    if (!decode_step || founds) {            // a decode step appends its token inside the fused kernel
+      const dim3 igrid(static_cast<unsigned>(items),
+                       static_cast<unsigned>((t1 - t0 + kWarpsPerBlock - 1) / kWarpsPerBlock));
+      ingest_kernel<S, A, In><<<igrid, 32 * kWarpsPerBlock, 0, exec.stream>>>(d, k.data(), v.data(), gate.data(), T, n0,
+                                                                              t0, t1, cov, copy16);
       KVMEM_CUDA_RETURN_IF_LAUNCH_FAILED("kvm ingest_kernel");
     }
     if (founds) {
@@ -494,9 +520,10 @@ Status kvm_run(const Executor& exec, KvmState<S, A>& state, const KvmWeights& w,
         }
       }
       if (!on_tensor_cores) {
-        const dim3 agrid(static_cast<unsigned>(B * sh.Hq), static_cast<unsigned>((t1 - t0 + kRowsPerBlock - 1) / kRowsPerBlock));
-        attend<<<agrid, kRowsPerBlock * kLanesPerRow, attend_bytes, exec.stream>>>(
-            d, q.data(), out.data(), T, n0, t0, t1, wb, slots);
+        const dim3 agrid(static_cast<unsigned>(B * sh.Hq),
+                         static_cast<unsigned>((t1 - t0 + kRowsPerBlock - 1) / kRowsPerBlock));
+        attend<<<agrid, kRowsPerBlock * kLanesPerRow, attend_bytes, exec.stream>>>(d, q.data(), out.data(), T, n0, t0,
+                                                                                   t1, wb, slots);
         KVMEM_CUDA_RETURN_IF_LAUNCH_FAILED("kvm attend_rows_kernel");
       }
     }

@@ -36,7 +36,6 @@ struct TcLayout {
   static constexpr std::size_t kBytes = 2 * kBuffer;
 };
 
-
 // The online softmax of OnlineSoftmax<float> with the hardware exponential (ex2.approx, about 2 ulp):
 // the probabilities are rounded to bf16 before p.v anyway, so the accurate expf bought nothing here.
 struct TcSoftmax {
@@ -65,9 +64,9 @@ struct TcSoftmax {
 // grid B*Hq*ceil((t1 - t0) / kTcRows) (row block fastest), block 32 * kTcWarps, dynamic smem TcLayout::kBytes.
 // q: [B,Hq,T,kD], out: [B,T,Hq,kDv]
 template <class In, class Out, int kD, int kDv>
-__global__ void __launch_bounds__(32 * kTcWarps, 3) attend_tc_kernel(DeviceState<bf16, float> st, const In* q, Out* out,
-                                                                  std::int64_t T, std::int64_t n0, std::int64_t t0,
-                                                                  std::int64_t t1, std::int64_t w, std::int64_t slots) {
+__global__ void __launch_bounds__(32 * kTcWarps, 3)
+    attend_tc_kernel(DeviceState<bf16, float> st, const In* q, Out* out, std::int64_t T, std::int64_t n0,
+                     std::int64_t t0, std::int64_t t1, std::int64_t w, std::int64_t slots) {
   using L = TcLayout<kD, kDv>;
   using namespace ptx;
   extern __shared__ __align__(128) unsigned char smem_raw[];
@@ -75,7 +74,8 @@ __global__ void __launch_bounds__(32 * kTcWarps, 3) attend_tc_kernel(DeviceState
   // The row blocks of one head are adjacent in the grid, so they run together and read the head's
   // key/value tiles from L2 instead of each from DRAM.
   const std::int64_t row_blocks = (t1 - t0 + kTcRows - 1) / kTcRows;
-  const std::int64_t Hq = st.Hq, bh = blockIdx.x / row_blocks, b = bh / Hq, h = bh % Hq, item = b * st.Hk + h / st.rep();
+  const std::int64_t Hq = st.Hq, bh = blockIdx.x / row_blocks, b = bh / Hq, h = bh % Hq,
+                     item = b * st.Hk + h / st.rep();
   const std::int64_t row0 = t0 + std::int64_t(blockIdx.x % row_blocks) * kTcRows;  // the block's first row
   const std::int64_t last_t = (row0 + kTcRows - 1) < (t1 - 1) ? (row0 + kTcRows - 1) : (t1 - 1);
   const std::int64_t ta = row0 + warp * 16 + r, tb = ta + 8;  // this thread's two rows
@@ -187,8 +187,10 @@ __global__ void __launch_bounds__(32 * kTcWarps, 3) attend_tc_kernel(DeviceState
         const int col = nt * 8 + 2 * quad + (e & 1);
         const bool row_b = e >= 2;
         s[nt][e] = col < (row_b ? lim_b : lim_a) ? ls * s[nt][e] : negative_infinity<float>();
-        if (row_b) max_b = fmaxf(max_b, s[nt][e]);
-        else max_a = fmaxf(max_a, s[nt][e]);
+        if (row_b)
+          max_b = fmaxf(max_b, s[nt][e]);
+        else
+          max_a = fmaxf(max_a, s[nt][e]);
       }
     }
     max_a = fmaxf(max_a, __shfl_xor_sync(0xffffffffu, max_a, 1));
@@ -281,17 +283,17 @@ enum RtMode : int {
 
 // grid (I, ceil(C / kRtTokens)), block 32 * kRtWarps; needs C % 16 == 0.
 template <int kD, int kTerms, int kMode>
-__global__ void __launch_bounds__(32 * kRtWarps, 2) update_tc_scores_kernel(DeviceState<bf16, float> st, std::int64_t j0,
-                                                                         std::int64_t j1) {
+__global__ void __launch_bounds__(32 * kRtWarps, 2)
+    update_tc_scores_kernel(DeviceState<bf16, float> st, std::int64_t j0, std::int64_t j1) {
   using namespace ptx;
-  constexpr int kPitch = kD + 8;  // bf16 elements (+16 bytes: the 8 rows of an ldmatrix hit 32 banks)
-  constexpr int kTile = kRtSlots * kPitch;  // elements of one hi or lo tile
+  constexpr int kPitch = kD + 8;               // bf16 elements (+16 bytes: the 8 rows of an ldmatrix hit 32 banks)
+  constexpr int kTile = kRtSlots * kPitch;     // elements of one hi or lo tile
   constexpr int kParts = kTerms == 3 ? 2 : 1;  // hi (and lo) tiles per buffer
   __shared__ __align__(128) bf16 tiles_smem[2 * kParts * kTile];
   const std::int64_t i = blockIdx.x, C = st.C;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, quad = lane % 4, r = lane / 4;
   const std::int64_t c0 = std::int64_t(blockIdx.y) * kRtTokens + warp * 16;  // the warp's first token
-  const bool active = c0 < C;  // warp-uniform (C % 16 == 0)
+  const bool active = c0 < C;                                                // warp-uniform (C % 16 == 0)
   // A fragments (token rows are (hi, lo) pairs of kD bf16): element (token, dim) of k-step kk sits at
   // token r or r + 8, dims kk*16 + 2 quad + {0, 1} (+ 8)
   std::uint32_t ahi[kD / 16][4], alo[kTerms == 3 ? kD / 16 : 1][4];
@@ -325,7 +327,8 @@ __global__ void __launch_bounds__(32 * kRtWarps, 2) update_tc_scores_kernel(Devi
       const int s = e / kVecs, c = e % kVecs;
       const std::int64_t row = i * st.cap + base + (s < n ? s : 0);  // rows past n: zeros from a valid address
       cp_async16(buf + s * kPitch + c * 8, st.khat + row * kD + c * 8, s < n ? 16 : 0);
-      if constexpr (kTerms == 3) cp_async16(buf + kTile + s * kPitch + c * 8, st.khat_lo + row * kD + c * 8, s < n ? 16 : 0);
+      if constexpr (kTerms == 3)
+        cp_async16(buf + kTile + s * kPitch + c * 8, st.khat_lo + row * kD + c * 8, s < n ? 16 : 0);
     }
     cp_async_commit();
   };

@@ -19,31 +19,31 @@ namespace kvmem::cuda::kvm_detail {
 // Device pointers and sizes of a KvmState, passed by value to every kernel. Item i = b*Hk + g.
 template <class S, class A>
 struct DeviceState {
-  A* sk;      // [I, cap, D]  raw summed keys
-  A* sv;      // [I, cap, Dv] raw summed values
-  A* rho;     // [I, cap]
-  A* cnt;     // [I, cap]
-  A* khat32;  // [I, cap, D]  LN_s(Sk) in the accumulate type (routing reads it, as the host does)
-  S* khat;    // [I, cap, D]  readout keys (storage type)
-  S* vhat;    // [I, cap, Dv] readout values (storage type)
-  S* wk;      // [I, W, D]    window ring, position p at p mod W
-  S* wv;      // [I, W, Dv]
-  A* wg;      // [I, W]
-  A* k0;      // [I, C, D]    update workspace
-  A* k0t;     // [I, D, C]    the same, transposed (coalesced reads across tokens)
-  A* kgt;     // [I, D, C]    gated keys, transposed
-  A* vg;      // [I, C, Dv]
-  A* kg;      // [I, C, D]
-  A* score;   // [I, C]
-  A* rbest;   // [I, C]  best k0 . K^ over the non-sink pre-update slots (route candidate, tensor-core path)
-  int* target;  // [I, C]  -1 appended, else merge slot
-  A* partial;   // [B*Hq, max_splits, Dv + 1] decode split results (o, lse)
+  A* sk;         // [I, cap, D]  raw summed keys
+  A* sv;         // [I, cap, Dv] raw summed values
+  A* rho;        // [I, cap]
+  A* cnt;        // [I, cap]
+  A* khat32;     // [I, cap, D]  LN_s(Sk) in the accumulate type (routing reads it, as the host does)
+  S* khat;       // [I, cap, D]  readout keys (storage type)
+  S* vhat;       // [I, cap, Dv] readout values (storage type)
+  S* wk;         // [I, W, D]    window ring, position p at p mod W
+  S* wv;         // [I, W, Dv]
+  A* wg;         // [I, W]
+  A* k0;         // [I, C, D]    update workspace
+  A* k0t;        // [I, D, C]    the same, transposed (coalesced reads across tokens)
+  A* kgt;        // [I, D, C]    gated keys, transposed
+  A* vg;         // [I, C, Dv]
+  A* kg;         // [I, C, D]
+  A* score;      // [I, C]
+  A* rbest;      // [I, C]  best k0 . K^ over the non-sink pre-update slots (route candidate, tensor-core path)
+  int* target;   // [I, C]  -1 appended, else merge slot
+  A* partial;    // [B*Hq, max_splits, Dv + 1] decode split results (o, lse)
   int* counter;  // [B*Hq] decode splits finished this step; the last one merges and resets it to 0
   // Tensor-core routing (bf16 storage, tc_route): khat32 = khat + khat_lo to ~2^-16, and the update's
   // k0 / kg rows as hi and lo bf16 halves. khat_lo is nullptr without it.
-  bf16* khat_lo;  // [I, cap, D]
-  bf16* k0_hl;    // [I, C, 2, D]  (hi row, lo row) per token; aliases the k0t buffer
-  bf16* kg_hl;    // [I, C, 2, D]  aliases the kgt buffer
+  bf16* khat_lo;   // [I, cap, D]
+  bf16* k0_hl;     // [I, C, 2, D]  (hi row, lo row) per token; aliases the k0t buffer
+  bf16* kg_hl;     // [I, C, 2, D]  aliases the kgt buffer
   const A* ln_w;   // [D]   caller's device weights, read in place (no per-call copy)
   const A* ln_b;   // [D]
   const A* tau_s;  // [Hq]
@@ -51,8 +51,8 @@ struct DeviceState {
   std::int64_t cap, C, W, D, Dv, Hq, Hk, sink, rope_dims, max_splits;
   A eps, scale;
   bool merge_gate_keys, merge_gate_values, head_temps, value_radius, gate_appends, gate_initial;
-  bool tc_route;   // novelty and routing dots on the tensor cores (bf16 storage, D = 64 or 128, C % 16 == 0)
-  int route_terms; // 3: hi*hi + lo*hi + hi*lo (about fp32 accuracy); 1: hi*hi only (fast, flips near ties)
+  bool tc_route;    // novelty and routing dots on the tensor cores (bf16 storage, D = 64 or 128, C % 16 == 0)
+  int route_terms;  // 3: hi*hi + lo*hi + hi*lo (about fp32 accuracy); 1: hi*hi only (fast, flips near ties)
 
   __device__ std::int64_t rep() const { return Hq / Hk; }
 };
@@ -227,7 +227,7 @@ __global__ void ingest_kernel(DeviceState<S, A> st, const In* k, const In* v, co
     for (std::int64_t d = lane; d < st.Dv; d += 32) wv[d] = store_as<S>(load_as<A>(v[local * st.Dv + d]));
   }
   if (lane == 0) st.wg[i * st.W + ring] = load_as<A>(gate[local]);
-  __syncwarp();  // the founding below reads the row back from the ring
+  __syncwarp();                      // the founding below reads the row back from the ring
   if (t >= st.C || t < cov) return;  // warp-uniform
   // init rule (spec 4.3), read back from the ring so every backend founds slots from the stored k, v
   const std::int64_t sj = i * st.cap + t;
@@ -327,7 +327,7 @@ __global__ void update_prepare_kernel(DeviceState<S, A> st, std::int64_t a, bool
   const auto emit = [&](std::int64_t d, A k0v) {
     const A kgv = st.merge_gate_keys ? g * k0v : k0v;
     if (novelty && in_regs) k0[d] = k0v;  // the appends copy k0 rows (spec 4.5 step 3)
-    if (st.tc_route) {  // hi/lo bf16 rows for the tensor cores (coalesced)
+    if (st.tc_route) {                    // hi/lo bf16 rows for the tensor cores (coalesced)
       if (novelty) {
         const bf16 kh = store_as<bf16>(k0v);
         st.k0_hl[((i * C + c) * 2) * D + d] = kh;
@@ -390,7 +390,9 @@ __device__ void sweep_slots(const DeviceState<S, A>& st, std::int64_t i, const A
 
 // Threads per block of the kernels that give each token of an update a thread: C rounded up to
 // whole warps (the warp-wide shuffles of the appends need full warps).
-inline unsigned token_block(std::int64_t C) { return static_cast<unsigned>((C + 31) / 32 * 32); }
+inline unsigned token_block(std::int64_t C) {
+  return static_cast<unsigned>((C + 31) / 32 * 32);
+}
 
 // Update steps 2-3 (spec 4.5): novelty score_c = max_j k0_c . LN_s(Sk_j) over all current slots
 // (swept here in fp32, or already in st.score from the tensor-core pass when kScoresReady), the
@@ -570,9 +572,9 @@ __device__ void scatter_into_slot(const DeviceState<S, A>& st, std::int64_t i, s
 
 // Update step 4 scatter over every slot j >= sink (one warp per slot; a slot nothing was routed to
 // is refreshed unchanged). Used by the first update, whose slots may have been founded with the
-// one-thread refresh (head dims above 128): after it every non-sink slot carries the warp refresh, so later updates may skip
-// untouched slots bit-exactly. grid (I, ceil((slots_after - sink) / kWarpsPerBlock)), block
-// 32 * kWarpsPerBlock, smem C ints.
+// one-thread refresh (head dims above 128): after it every non-sink slot carries the warp refresh, so later updates may
+// skip untouched slots bit-exactly. grid (I, ceil((slots_after - sink) / kWarpsPerBlock)), block 32 * kWarpsPerBlock,
+// smem C ints.
 template <class S, class A>
 __global__ void update_scatter_kernel(DeviceState<S, A> st, std::int64_t a, std::int64_t slots_after) {
   extern __shared__ unsigned char smem_raw[];
@@ -592,8 +594,9 @@ __global__ void update_scatter_kernel(DeviceState<S, A> st, std::int64_t a, std:
 // the same sums and readouts as update_scatter_kernel (untouched slots would be refreshed unchanged).
 // grid (I, ceil((slots_after - sink) / per_block)), block 32 * kWarpsPerBlock, smem (C + per_block) ints.
 template <class S, class A>
-__global__ void __launch_bounds__(32 * kWarpsPerBlock, 4) update_scatter_touched_kernel(DeviceState<S, A> st, std::int64_t a, std::int64_t slots_after,
-                                                                               std::int64_t per_block) {
+__global__ void __launch_bounds__(32 * kWarpsPerBlock, 4)
+    update_scatter_touched_kernel(DeviceState<S, A> st, std::int64_t a, std::int64_t slots_after,
+                                  std::int64_t per_block) {
   extern __shared__ unsigned char smem_raw[];
   int* target = reinterpret_cast<int*>(smem_raw);
   int* first = target + st.C;  // first[j - lo]: the first token routed to slot j, C if none
@@ -639,13 +642,13 @@ template <class S, class A, class In, class Out, int kD, int kDv>
 __global__ void attend_rows_kernel(DeviceState<S, A> st, const In* q, Out* out, std::int64_t T, std::int64_t n0,
                                    std::int64_t t0, std::int64_t t1, std::int64_t w, std::int64_t slots) {
   constexpr bool kInRegisters = kD > 0 && kDv > 0;
-  constexpr int kQ = kInRegisters ? kD / kLanesPerRow : 1;   // dims per lane (registers)
+  constexpr int kQ = kInRegisters ? kD / kLanesPerRow : 1;  // dims per lane (registers)
   constexpr int kV = kInRegisters ? kDv / kLanesPerRow : 1;
   extern __shared__ unsigned char smem_raw[];
   const std::int64_t D = kInRegisters ? kD : st.D, Dv = kInRegisters ? kDv : st.Dv, Hq = st.Hq;
-  A* ks = reinterpret_cast<A*>(smem_raw);  // [kKeyTile, D]
-  A* vs = ks + kKeyTile * D;               // [kKeyTile, Dv]
-  A* qs = vs + kKeyTile * Dv;              // [rows, D + pad]   (shared-memory path only)
+  A* ks = reinterpret_cast<A*>(smem_raw);      // [kKeyTile, D]
+  A* vs = ks + kKeyTile * D;                   // [kKeyTile, Dv]
+  A* qs = vs + kKeyTile * Dv;                  // [rows, D + pad]   (shared-memory path only)
   A* as = qs + kRowsPerBlock * (D + kRowPad);  // [rows, Dv + pad]
   const std::int64_t bh = blockIdx.x, b = bh / Hq, h = bh % Hq, g = h / st.rep(), item = b * st.Hk + g;
   const int row = threadIdx.x / kLanesPerRow, lane = threadIdx.x % kLanesPerRow;
@@ -661,7 +664,8 @@ __global__ void attend_rows_kernel(DeviceState<S, A> st, const In* q, Out* out, 
 #pragma unroll
     for (int e = 0; e < kV; ++e) ar[e] = A(0);
   } else {
-    for (std::int64_t d = lane; d < D; d += kLanesPerRow) qs[row * (D + kRowPad) + d] = active ? load_as<A>(qrow[d]) : A(0);
+    for (std::int64_t d = lane; d < D; d += kLanesPerRow)
+      qs[row * (D + kRowPad) + d] = active ? load_as<A>(qrow[d]) : A(0);
     for (std::int64_t d = lane; d < Dv; d += kLanesPerRow) as[row * (Dv + kRowPad) + d] = A(0);
   }
   OnlineSoftmax<A> sm;
@@ -678,13 +682,13 @@ __global__ void attend_rows_kernel(DeviceState<S, A> st, const In* q, Out* out, 
       // Rows s >= n are zero-filled: their weight is 0, and 0 * (stale shared memory) could be NaN.
       for (std::int64_t e = threadIdx.x; e < kKeyTile * D; e += blockDim.x) {
         const std::int64_t s = e / D, d = e % D;
-        ks[e] = s >= n ? A(0)
+        ks[e] = s >= n       ? A(0)
                 : phase == 0 ? load_as<A>(st.khat[(item * st.cap + base + s) * D + d])
                              : load_as<A>(st.wk[(item * st.W + (base + s) % st.W) * D + d]);
       }
       for (std::int64_t e = threadIdx.x; e < kKeyTile * Dv; e += blockDim.x) {
         const std::int64_t s = e / Dv, d = e % Dv;
-        vs[e] = s >= n ? A(0)
+        vs[e] = s >= n       ? A(0)
                 : phase == 0 ? load_as<A>(st.vhat[(item * st.cap + base + s) * Dv + d])
                              : load_as<A>(st.wv[(item * st.W + (base + s) % st.W) * Dv + d]);
       }
@@ -716,7 +720,7 @@ __global__ void attend_rows_kernel(DeviceState<S, A> st, const In* q, Out* out, 
         }
       }
 #pragma unroll
-      for (int s = 0; s < kKeyTile; ++s) {  // fully unrolled: logit[] stays in registers
+      for (int s = 0; s < kKeyTile; ++s) {      // fully unrolled: logit[] stays in registers
         const A wgt = sm.accumulate(logit[s]);  // 0 for masked keys and s >= n
         if constexpr (kInRegisters) {
 #pragma unroll
@@ -887,8 +891,8 @@ __global__ void decode_fused_kernel(DeviceState<S, A> st, const In* q, const In*
 // softmax raises its max once per group. Same split layout as decode_fused_kernel.
 // grid (B*Hq, splits), block 128.
 template <class A, class In, class Out>
-__global__ void decode_fused_bf16_kernel(DeviceState<bf16, A> st, const In* q, const In* k1, const In* v1,
-                                         const In* g1, Out* out, std::int64_t pos, std::int64_t w, std::int64_t slots,
+__global__ void decode_fused_bf16_kernel(DeviceState<bf16, A> st, const In* q, const In* k1, const In* v1, const In* g1,
+                                         Out* out, std::int64_t pos, std::int64_t w, std::int64_t slots,
                                          std::int64_t per_split, int splits) {
   constexpr int kDim = 128, kHalves = 8, kPer = 8, kUnroll = 4;
   __shared__ A po[kHalves][kDim];

@@ -385,7 +385,8 @@ __global__ void __launch_bounds__(kDnThreads, 8 / kDnWarps)
 #pragma unroll
       for (int dp = 0; dp < kD / 16; ++dp) {
         std::uint32_t fb[4];
-        ldmatrix_x4_trans(fb, vs + (16 * kk + 8 * ((lane / 8) % 2) + lane % 8) * L::kKPitch + 16 * dp + 8 * (lane / 16));
+        ldmatrix_x4_trans(fb,
+                          vs + (16 * kk + 8 * ((lane / 8) % 2) + lane % 8) * L::kKPitch + 16 * dp + 8 * (lane / 16));
         mma_bf16_16816(o[2 * dp], pa, fb[0], fb[1]);
         mma_bf16_16816(o[2 * dp + 1], pa, fb[2], fb[3]);
       }

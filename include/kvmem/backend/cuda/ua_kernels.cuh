@@ -54,7 +54,7 @@ struct DeviceCall {
   std::int64_t k_b = 0, k_g = 0, k_t = 0;
   const S* v = nullptr;  // [B,G,T,D]
   std::int64_t v_b = 0, v_g = 0, v_t = 0;
-  bool kv_rows16 = false;  // every k and v row starts on a 16-byte boundary (rows_16byte_aligned)
+  bool kv_rows16 = false;      // every k and v row starts on a 16-byte boundary (rows_16byte_aligned)
   const float* z_k = nullptr;  // [B,G,T]
   std::int64_t zk_b = 0, zk_g = 0, zk_t = 0;
   const float* z_q = nullptr;  // [B,G,T]
@@ -447,20 +447,24 @@ __device__ inline void finish_item(const DeviceCache<S>& c, const DeviceCall<S>&
       }
       __syncthreads();
       if (kept + group_kept < e0 + ne) {  // an eviction so far: survivors may move down (a copy in place is harmless)
-        copy_rows<S>(ne, D, vec_cache, [&](std::int64_t e) { return c.keys + (row0 + e0 + e) * D; },
-                     [&](std::int64_t e) { return kst + e * D; });
-        copy_rows<S>(ne, D, vec_cache, [&](std::int64_t e) { return c.values + (row0 + e0 + e) * D; },
-                     [&](std::int64_t e) { return vst + e * D; });
+        copy_rows<S>(
+            ne, D, vec_cache, [&](std::int64_t e) { return c.keys + (row0 + e0 + e) * D; },
+            [&](std::int64_t e) { return kst + e * D; });
+        copy_rows<S>(
+            ne, D, vec_cache, [&](std::int64_t e) { return c.values + (row0 + e0 + e) * D; },
+            [&](std::int64_t e) { return vst + e * D; });
         for (std::int64_t e = tid; e < ne; e += blockDim.x) {
           lst[e] = __ldcg(c.lambda + row0 + e0 + e);
           zst[e] = c.key_logit[row0 + e0 + e];
           pst[e] = c.pos[row0 + e0 + e];
         }
         __syncthreads();
-        copy_rows<S>(ne, D, vec_cache, [&](std::int64_t e) { return kst + e * D; },
-                     [&](std::int64_t e) { return dst[e] < 0 ? nullptr : c.keys + (row0 + dst[e]) * D; });
-        copy_rows<S>(ne, D, vec_cache, [&](std::int64_t e) { return vst + e * D; },
-                     [&](std::int64_t e) { return dst[e] < 0 ? nullptr : c.values + (row0 + dst[e]) * D; });
+        copy_rows<S>(
+            ne, D, vec_cache, [&](std::int64_t e) { return kst + e * D; },
+            [&](std::int64_t e) { return dst[e] < 0 ? nullptr : c.keys + (row0 + dst[e]) * D; });
+        copy_rows<S>(
+            ne, D, vec_cache, [&](std::int64_t e) { return vst + e * D; },
+            [&](std::int64_t e) { return dst[e] < 0 ? nullptr : c.values + (row0 + dst[e]) * D; });
         for (std::int64_t e = tid; e < ne; e += blockDim.x) {
           if (dst[e] < 0) continue;
           c.lambda[row0 + dst[e]] = lst[e];
@@ -491,10 +495,12 @@ __device__ inline void finish_item(const DeviceCache<S>& c, const DeviceCall<S>&
   const S* k_in = a.k + b * a.k_b + g * a.k_g + t0 * a.k_t;
   const S* v_in = a.v + b * a.v_b + g * a.v_g + t0 * a.v_t;
   const bool vec_in = vec_cache && a.kv_rows16;
-  copy_rows<S>(rows, D, vec_in, [&](std::int64_t j) { return k_in + j * a.k_t; },
-               [&](std::int64_t j) { return new_dst[j] < 0 ? nullptr : c.keys + (row0 + new_dst[j]) * D; });
-  copy_rows<S>(rows, D, vec_in, [&](std::int64_t j) { return v_in + j * a.v_t; },
-               [&](std::int64_t j) { return new_dst[j] < 0 ? nullptr : c.values + (row0 + new_dst[j]) * D; });
+  copy_rows<S>(
+      rows, D, vec_in, [&](std::int64_t j) { return k_in + j * a.k_t; },
+      [&](std::int64_t j) { return new_dst[j] < 0 ? nullptr : c.keys + (row0 + new_dst[j]) * D; });
+  copy_rows<S>(
+      rows, D, vec_in, [&](std::int64_t j) { return v_in + j * a.v_t; },
+      [&](std::int64_t j) { return new_dst[j] < 0 ? nullptr : c.values + (row0 + new_dst[j]) * D; });
   for (std::int64_t j = tid; j < rows; j += blockDim.x) {
     if (new_dst[j] < 0) continue;
     c.lambda[row0 + new_dst[j]] = a.lambda_new ? a.lambda_new[item * a.P + j] : 0.0f;
