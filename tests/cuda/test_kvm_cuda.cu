@@ -27,23 +27,33 @@ struct DevWeights {
   kvmem::cuda::KvmWeights view() const { return {w.ptr, b.ptr, ts.ptr, tw.ptr}; }
 };
 
-// Feeds tokens [t0, t1) (inputs in storage type S, output float) and writes their rows into out_full.
-template <class S>
+// Values rounded to the storage type S, held in the input type In (In = float keeps them exactly).
+template <class S, class In>
+std::vector<In> as_input(const std::vector<float>& x) {
+  std::vector<In> y(x.size());
+  for (std::size_t i = 0; i < x.size(); ++i) y[i] = kvmem::store_as<In>(kvmem::load_as<float>(kvmem::store_as<S>(x[i])));
+  return y;
+}
+
+// Feeds tokens [t0, t1) (inputs in type In holding storage-type values, output float) and writes
+// their rows into out_full. In = S lets a bf16 prefill read its window keys from the inputs (readouts
+// beside the update chain); In = float with the same values keeps every readout on the chain.
+template <class S, class In = S>
 kvmem::Status cuda_feed(kvmem::cuda::KvmState<S>& st, const rkvm::Config& c, const rkvm::Inputs& in,
                         const DevWeights& w, std::int64_t t0, std::int64_t t1, std::vector<float>& out_full,
-                        kvmem::kvm::RouteLog* log) {
+                        kvmem::kvm::RouteLog* log, cudaStream_t stream = nullptr) {
   const std::int64_t n = t1 - t0;
   const std::vector<float> qf = in.q.empty() ? std::vector<float>(std::size_t(c.B * c.Hq * n * c.D), 0.0f)
                                              : slice_tokens(in.q, c.B * c.Hq, c.T, c.D, t0, t1);
-  Dev<S> q(as_storage<S>(qf)), k(as_storage<S>(slice_tokens(in.k, c.B * c.Hk, c.T, c.D, t0, t1))),
-      v(as_storage<S>(slice_tokens(in.v, c.B * c.Hk, c.T, c.Dv, t0, t1))),
-      g(as_storage<S>(slice_tokens(in.gate, c.B * c.Hk, c.T, 1, t0, t1)));
+  Dev<In> q(as_input<S, In>(qf)), k(as_input<S, In>(slice_tokens(in.k, c.B * c.Hk, c.T, c.D, t0, t1))),
+      v(as_input<S, In>(slice_tokens(in.v, c.B * c.Hk, c.T, c.Dv, t0, t1))),
+      g(as_input<S, In>(slice_tokens(in.gate, c.B * c.Hk, c.T, 1, t0, t1)));
   Dev<float> out(std::vector<float>(std::size_t(c.B * n * c.Hq * c.Dv), -7.0f));  // poisoned
-  const kvmem::cuda::Executor exec{};
+  const kvmem::cuda::Executor exec{stream};
   const auto status = kvmem::cuda::kvm_prefill(
-      exec, st, w.view(), TensorView<const S, 4>(q.ptr, {c.B, c.Hq, n, c.D}),
-      TensorView<const S, 4>(k.ptr, {c.B, c.Hk, n, c.D}), TensorView<const S, 4>(v.ptr, {c.B, c.Hk, n, c.Dv}),
-      TensorView<const S, 3>(g.ptr, {c.B, c.Hk, n}), TensorView<float, 4>(out.ptr, {c.B, n, c.Hq, c.Dv}), log);
+      exec, st, w.view(), TensorView<const In, 4>(q.ptr, {c.B, c.Hq, n, c.D}),
+      TensorView<const In, 4>(k.ptr, {c.B, c.Hk, n, c.D}), TensorView<const In, 4>(v.ptr, {c.B, c.Hk, n, c.Dv}),
+      TensorView<const In, 3>(g.ptr, {c.B, c.Hk, n}), TensorView<float, 4>(out.ptr, {c.B, n, c.Hq, c.Dv}), log);
   if (!status.is_ok()) return status;
   KVMEM_RETURN_IF_ERROR(kvmem::cuda::to_status(cudaDeviceSynchronize(), "sync after prefill"));
   const auto o = out.get();
@@ -362,4 +372,101 @@ TEST_CASE("kvm cuda bf16 fixed budget (updates without appends) matches the host
     const auto decoded = cuda_run<kvmem::bf16>(c, in, 200);  // same update kernels: same routes
     CHECK(decoded.route_merge == gpu.route_merge);
   }
+}
+
+namespace {
+// A bf16 prefill on the tensor cores in the calls `cuts` (token boundaries), inputs in type In.
+template <class In>
+HostResult bf16_prefill_calls(const rkvm::Config& c, const rkvm::Inputs& in, const std::vector<std::int64_t>& cuts) {
+  kvmem::cuda::KvmState<kvmem::bf16> st;
+  REQUIRE(kvmem::cuda::KvmState<kvmem::bf16>::create(to_params(c), to_shape(c, c.T), st).is_ok());
+  REQUIRE(st.readouts_beside_updates());  // with storage-type inputs; float inputs keep them on the chain
+  const DevWeights w(FloatWeights{in});
+  HostResult r;
+  kvmem::kvm::RouteLog log;
+  std::int64_t t0 = 0;
+  for (const std::int64_t t1 : cuts) {
+    const auto s = cuda_feed<kvmem::bf16, In>(st, c, in, w, t0, t1, r.out, &log);
+    INFO(s.to_string());
+    REQUIRE(s.is_ok());
+    t0 = t1;
+  }
+  extract_cuda_state(st, c, r);
+  extract_routes(log, c, r);
+  return r;
+}
+}  // namespace
+
+TEST_CASE("kvm cuda bf16 readouts beside the update chain equal the chained readouts bitwise", "[kvm][cuda][sanitize]") {
+  if (no_device()) return;
+  // bf16 inputs: each chunk's readout reads a snapshot of the slots and its window from the inputs,
+  // on the caller's stream beside the updates. float inputs holding the same bf16 values: every
+  // readout on the chain from the live state and the ring. Same kernels, same operands: bitwise.
+  // A prefill in two calls: the second call's first chunks see window keys from before the call
+  // (the ring, on the chain), its later chunks are detached again.
+  for (std::int64_t dim : {64, 128}) {
+    for (const bool fixed : {true, false}) {
+      // states no larger than the window (64) take the detached path; the power budget appends
+      rkvm::Config c = small_config(2, 333, 4, 2, dim, dim,
+                                    fixed ? kvmem::budget::Any{kvmem::budget::Fixed{32, 32}}
+                                          : kvmem::budget::Any{kvmem::budget::Power{2.0, 0.5, 32}});
+      c.chunk = 32;
+      c.rope_dims = dim / 2;
+      const auto in = random_inputs(c, 900 + std::uint64_t(dim));
+      const auto detached = bf16_prefill_calls<kvmem::bf16>(c, in, {c.T});
+      const auto chained = bf16_prefill_calls<float>(c, in, {c.T});
+      const auto two_calls = bf16_prefill_calls<kvmem::bf16>(c, in, {150, c.T});
+      INFO("head dim " << dim << (fixed ? " fixed budget" : " power budget"));
+      if (!fixed) CHECK(detached.slots > 32);  // the power budget grew the state by appends
+      CHECK(detached.route_merge == chained.route_merge);
+      CHECK(detached.slots_after_update == chained.slots_after_update);
+      CHECK(detached.out == chained.out);
+      CHECK(detached.state_v == chained.state_v);
+      CHECK(two_calls.route_merge == detached.route_merge);
+      CHECK(two_calls.out == detached.out);
+    }
+  }
+}
+
+TEST_CASE("kvm cuda bf16 prefill with detached readouts replays from a captured CUDA graph", "[kvm][cuda]") {
+  if (no_device()) return;
+  // The chain, aux and readout streams fork from and join the caller's stream: one graph. Replayed
+  // on a fresh state (host counts advance at capture time) it gives the plain prefill's output.
+  rkvm::Config c = small_config(2, 300, 4, 2, 128, 128, kvmem::budget::Power{2.0, 0.5, 32});  // <= window
+  c.chunk = 32;
+  c.rope_dims = 64;
+  const auto in = random_inputs(c, 1234);
+  const DevWeights w(FloatWeights{in});
+  kvmem::cuda::KvmState<kvmem::bf16> plain, captured;
+  REQUIRE(kvmem::cuda::KvmState<kvmem::bf16>::create(to_params(c), to_shape(c, c.T), plain).is_ok());
+  REQUIRE(kvmem::cuda::KvmState<kvmem::bf16>::create(to_params(c), to_shape(c, c.T), captured).is_ok());
+  REQUIRE(captured.readouts_beside_updates());
+  std::vector<float> out_plain;
+  REQUIRE(cuda_feed(plain, c, in, w, 0, c.T, out_plain, nullptr).is_ok());
+  using kvmem::bf16;
+  Dev<bf16> q(as_storage<bf16>(slice_tokens(in.q, c.B * c.Hq, c.T, c.D, 0, c.T))),
+      k(as_storage<bf16>(slice_tokens(in.k, c.B * c.Hk, c.T, c.D, 0, c.T))),
+      v(as_storage<bf16>(slice_tokens(in.v, c.B * c.Hk, c.T, c.Dv, 0, c.T))),
+      g(as_storage<bf16>(slice_tokens(in.gate, c.B * c.Hk, c.T, 1, 0, c.T)));
+  Dev<float> o(std::size_t(c.B * c.T * c.Hq * c.Dv));
+  cudaStream_t stream = nullptr;
+  KVMEM_CUDA_REQUIRE(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  cudaGraph_t graph = nullptr;
+  cudaGraphExec_t exec = nullptr;
+  KVMEM_CUDA_REQUIRE(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
+  const auto status = kvmem::cuda::kvm_prefill(
+      kvmem::cuda::Executor{stream}, captured, w.view(), TensorView<const kvmem::bf16, 4>(q.ptr, {c.B, c.Hq, c.T, c.D}),
+      TensorView<const kvmem::bf16, 4>(k.ptr, {c.B, c.Hk, c.T, c.D}),
+      TensorView<const kvmem::bf16, 4>(v.ptr, {c.B, c.Hk, c.T, c.Dv}),
+      TensorView<const kvmem::bf16, 3>(g.ptr, {c.B, c.Hk, c.T}), TensorView<float, 4>(o.ptr, {c.B, c.T, c.Hq, c.Dv}));
+  KVMEM_CUDA_REQUIRE(cudaStreamEndCapture(stream, &graph));
+  INFO(status.to_string());
+  REQUIRE(status.is_ok());
+  KVMEM_CUDA_REQUIRE(cudaGraphInstantiate(&exec, graph, 0));
+  KVMEM_CUDA_REQUIRE(cudaGraphLaunch(exec, stream));
+  KVMEM_CUDA_REQUIRE(cudaStreamSynchronize(stream));
+  CHECK(o.get() == out_plain);
+  KVMEM_CUDA_REQUIRE(cudaGraphExecDestroy(exec));
+  KVMEM_CUDA_REQUIRE(cudaGraphDestroy(graph));
+  KVMEM_CUDA_REQUIRE(cudaStreamDestroy(stream));
 }

@@ -48,7 +48,9 @@ namespace kvm_detail {
 // A second stream and two events owned by a state. A prefill runs the selection of the next update
 // (prepare, novelty, appends, routes) on it beside the current chunk's readout: fork makes the
 // selection wait for the work before the readout, join makes the scatter wait for the selection.
-// Both are stream dependencies, so a prefill still captures as one CUDA graph.
+// With readouts off the chain (ReadoutPipeline) the whole update chain runs on it instead: fork at
+// the call's start, join at its end. Both are stream dependencies, so a prefill still captures as
+// one CUDA graph.
 struct SideStream {
   cudaStream_t stream = nullptr;
   cudaEvent_t fork = nullptr, join = nullptr;
@@ -93,6 +95,80 @@ struct SideStream {
     if (join) (void)cudaEventDestroy(join);
     stream = nullptr;
     fork = join = nullptr;
+  }
+};
+
+// Readout off the update chain (bf16 storage, tensor-core readout, inputs in the storage type): the
+// state trajectory does not depend on the queries, so a prefill runs the updates as a chain on the
+// side stream (highest priority) and each chunk's readout on the caller's stream beside them. The
+// readout of a chunk reads a snapshot of the slots' readout copies taken once the chunk's update is
+// done, and its window keys from the call's k/v inputs. An aux stream takes the snapshot copy and
+// the ingest of each chunk beside the next update's selection. kReadoutSnapshots buffers: a snapshot
+// is refilled once the readout kReadoutSnapshots chunks back has finished with it, so the chain may
+// run that many chunks ahead of the readouts. Measured at B 8, H 32, D 128, T 32K, fixed-256 (H200):
+// the chain alone 30.8 ms, the readouts alone 27.6 ms, both 48.6 ms. Both fill the GPU (the readout
+// with 3 blocks of 168 registers per SM, the chain's routing with 2 of 128 x 256), so they share
+// the SMs rather than overlap freely; a readout grid of 2 blocks per SM left the chain no room
+// either (49.5 ms) and 1 per SM starved the readouts (57.9 ms). Only states no larger than the
+// window take this path: a snapshot then costs at most the window's bytes, and the update is short
+// (no novelty pass over many slots). A larger state (16 sqrt N: 2884 slots at 32K) makes the update
+// a tensor-core-bound novelty pass that shares the SMs with the readout just the same, while its
+// snapshot costs 0.4 GB of copies a chunk: 149.3 ms detached against 140.8 ms with the readout on
+// the chain and the selection beside it (the other path below).
+inline constexpr int kReadoutSnapshots = 3;
+
+struct ReadoutPipeline {
+  cudaStream_t aux = nullptr;
+  cudaEvent_t chained = nullptr;                    // the chain after a chunk's update: aux may start
+  cudaEvent_t snapped = nullptr;                    // aux after a chunk's snapshot: its readout may start
+  cudaEvent_t aux_done[2] = {nullptr, nullptr};     // aux after a chunk's ingest (two chunks in flight)
+  cudaEvent_t read[kReadoutSnapshots] = {nullptr};  // readout of snapshot r finished
+
+  ReadoutPipeline() = default;
+  ReadoutPipeline(const ReadoutPipeline&) = delete;
+  ReadoutPipeline& operator=(const ReadoutPipeline&) = delete;
+  ReadoutPipeline(ReadoutPipeline&& o) noexcept { take(o); }
+  ReadoutPipeline& operator=(ReadoutPipeline&& o) noexcept {
+    if (this != &o) {
+      release();
+      take(o);
+    }
+    return *this;
+  }
+  ~ReadoutPipeline() { release(); }
+
+  static Status create(ReadoutPipeline& out) {
+    ReadoutPipeline p;
+    int least = 0, greatest = 0;
+    KVMEM_RETURN_IF_ERROR(
+        to_status(cudaDeviceGetStreamPriorityRange(&least, &greatest), "cudaDeviceGetStreamPriorityRange"));
+    KVMEM_RETURN_IF_ERROR(to_status(cudaStreamCreateWithPriority(&p.aux, cudaStreamNonBlocking, greatest),
+                                    "cudaStreamCreateWithPriority (aux)"));
+    for (cudaEvent_t* e : p.events())
+      KVMEM_RETURN_IF_ERROR(
+          to_status(cudaEventCreateWithFlags(e, cudaEventDisableTiming), "cudaEventCreateWithFlags (readout)"));
+    out = std::move(p);
+    return Status::ok();
+  }
+
+ private:
+  std::vector<cudaEvent_t*> events() {
+    std::vector<cudaEvent_t*> e{&chained, &snapped, &aux_done[0], &aux_done[1]};
+    for (auto& r : read) e.push_back(&r);
+    return e;
+  }
+  void take(ReadoutPipeline& o) {
+    aux = std::exchange(o.aux, nullptr);
+    const auto mine = events(), theirs = o.events();
+    for (std::size_t i = 0; i < mine.size(); ++i) *mine[i] = std::exchange(*theirs[i], nullptr);
+  }
+  void release() {
+    if (aux) (void)cudaStreamDestroy(aux);
+    aux = nullptr;
+    for (cudaEvent_t* e : events()) {
+      if (*e) (void)cudaEventDestroy(*e);
+      *e = nullptr;
+    }
   }
 };
 
@@ -141,6 +217,11 @@ class KvmState {
     o.target = arena.take(I * C * sizeof(int));
     o.partial = arena.take(std::size_t(s.B * s.Hq) * kMaxDecodeSplits * (Dv + 1) * sizeof(A));
     o.counter = arena.take(std::size_t(s.B * s.Hq) * sizeof(int));
+    // readout snapshots where the readout runs on the tensor cores and the state is no larger than
+    // the window (kvm_detail::ReadoutPipeline says why)
+    const bool snapshots = kBf16 && s.D == s.Dv && (s.D == 64 || s.D == 128) && st.cap_ <= p.window();
+    std::size_t snap[kvm_detail::kReadoutSnapshots] = {};
+    for (auto& o_snap : snap) o_snap = arena.take(snapshots ? I * cap * (D + Dv) * sizeof(S) : 0);
     KVMEM_RETURN_IF_ERROR(DeviceBuffer::allocate(arena.total(), st.memory_));
     auto* base = static_cast<unsigned char*>(st.memory_.get());
     auto& d = st.dev_;
@@ -165,6 +246,10 @@ class KvmState {
     d.partial = reinterpret_cast<A*>(base + o.partial);
     d.counter = reinterpret_cast<int*>(base + o.counter);
     d.khat_lo = kBf16 ? reinterpret_cast<bf16*>(base + o.khat_lo) : nullptr;
+    for (int r = 0; r < kvm_detail::kReadoutSnapshots && snapshots; ++r) {
+      st.snap_k_[r] = reinterpret_cast<S*>(base + snap[r]);
+      st.snap_v_[r] = st.snap_k_[r] + I * cap * D;  // [I, cap, D] keys, then [I, cap, Dv] values
+    }
     d.k0_hl = reinterpret_cast<bf16*>(d.k0t);  // [I, C, 2, D] bf16 fills the [I, D, C] float buffer exactly
     d.kg_hl = reinterpret_cast<bf16*>(d.kgt);
     d.tc_route = kBf16 && (s.D == 64 || s.D == 128) && p.chunk % 16 == 0;
@@ -174,6 +259,7 @@ class KvmState {
         to_status(cudaMemset(d.counter, 0, std::size_t(s.B * s.Hq) * sizeof(int)), "cudaMemset decode counters"));
     KVMEM_RETURN_IF_ERROR(to_status(cudaDeviceSynchronize(), "sync after state creation"));
     KVMEM_RETURN_IF_ERROR(kvm_detail::SideStream::create(st.side_));
+    if (snapshots) KVMEM_RETURN_IF_ERROR(kvm_detail::ReadoutPipeline::create(st.pipe_));
     int device = 0;
     KVMEM_RETURN_IF_ERROR(to_status(cudaGetDevice(&device), "cudaGetDevice"));
     KVMEM_RETURN_IF_ERROR(to_status(cudaDeviceGetAttribute(&st.sm_count_, cudaDevAttrMultiProcessorCount, device),
@@ -216,6 +302,10 @@ class KvmState {
   // where two slots are within bf16 rounding of each other. No effect on fp32 storage.
   void set_fast_routing(bool fast) { dev_.route_terms = fast ? 1 : 3; }
   [[nodiscard]] bool routes_on_tensor_cores() const { return dev_.tc_route; }
+  // A prefill whose k/v inputs are in the storage type (16-byte rows) runs each chunk's readout
+  // beside the update chain (kvm_detail::ReadoutPipeline): bf16 storage, head dims 64 or 128, a state
+  // no larger than the window. The snapshots it reads are part of allocated_bytes().
+  [[nodiscard]] bool readouts_beside_updates() const { return snap_k_[0] != nullptr; }
 
   // Copies the state of item (b, g) to the host: Sk [S,D], Sv [S,Dv], rho [S] (tests, replay).
   Status download(std::int64_t b, std::int64_t g, std::vector<A>& sk, std::vector<A>& sv, std::vector<A>& rho,
@@ -248,6 +338,9 @@ class KvmState {
   std::int64_t n_ = 0, cov_ = 0, slots_ = 0;  // host mirror of the shared counters
   int sm_count_ = 1;                          // multiprocessors: sizes the decode split-K grid
   kvm_detail::SideStream side_;               // next update's selection beside a prefill readout
+  kvm_detail::ReadoutPipeline pipe_;          // readouts beside the update chain (bf16 tensor cores)
+  S* snap_k_[kvm_detail::kReadoutSnapshots] = {};  // readout snapshots in memory_ (nullptr: none)
+  S* snap_v_[kvm_detail::kReadoutSnapshots] = {};
   DeviceBuffer memory_;
   kvm_detail::DeviceState<S, A> dev_{};
 };
@@ -427,8 +520,8 @@ Status kvm_run(const Executor& exec, KvmState<S, A>& state, const KvmWeights& w,
   const bool attends_rows = T > 1;
   if (attends_rows) KVMEM_RETURN_IF_ERROR(allow_shared(attend, attend_bytes));
   // bf16 storage with head dims 128 or 64: q.k and p.v on the tensor cores.
-  void (*attend_tc)(DeviceState<bf16, float>, const In*, Out*, std::int64_t, std::int64_t, std::int64_t, std::int64_t,
-                    std::int64_t, std::int64_t) = nullptr;
+  void (*attend_tc)(DeviceState<bf16, float>, TcSources, const In*, Out*, std::int64_t, std::int64_t, std::int64_t,
+                    std::int64_t, std::int64_t, std::int64_t) = nullptr;
   std::size_t tc_bytes = 0;
   (void)tc_bytes;
   if constexpr (std::is_same_v<S, bf16>) {
@@ -444,6 +537,26 @@ Status kvm_run(const Executor& exec, KvmState<S, A>& state, const KvmWeights& w,
   // ingest copies whole 16-byte vectors when the inputs are in the storage type and every row is aligned
   const bool copy16 = std::is_same_v<In, S> && rows_16byte_aligned(k) && rows_16byte_aligned(v);
   const SideStream& side = state.side_;
+  // Readouts off the update chain (ReadoutPipeline): a prefill on the tensor cores whose k/v inputs
+  // the readout can copy as they are (storage type, 16-byte rows). The chain of updates then runs on
+  // the side stream, the readouts on the caller's stream.
+  const ReadoutPipeline& pipe = state.pipe_;
+  const bool detach = T > 1 && attend_tc != nullptr && copy16 && state.snap_k_[0] != nullptr;
+  const Executor chain = detach ? Executor{side.stream} : exec;
+  const auto record = [](cudaEvent_t e, cudaStream_t on) { return to_status(cudaEventRecord(e, on), "cudaEventRecord"); };
+  const auto wait = [](cudaStream_t s, cudaEvent_t e) {
+    return to_status(cudaStreamWaitEvent(s, e, 0), "cudaStreamWaitEvent");
+  };
+  std::int64_t aux_records = 0;                         // aux_done records of this call
+  bool snapshot_used[kReadoutSnapshots] = {};           // a readout of this call read snapshot r
+  std::int64_t snapshots_taken = 0;
+  const auto chain_waits_aux = [&](std::int64_t age) {  // the chain waits for the aux work `age` chunks back
+    return aux_records > age ? wait(side.stream, pipe.aux_done[(aux_records - 1 - age) % 2]) : Status::ok();
+  };
+  if (detach) {
+    KVMEM_RETURN_IF_ERROR(record(side.fork, exec.stream));
+    KVMEM_RETURN_IF_ERROR(wait(side.stream, side.fork));
+  }
   UpdatePlan pending{};
   bool selected = false;  // the selection of the next update already runs on the side stream
   for (std::int64_t t0 = n0; t0 < n0 + T;) {
@@ -456,24 +569,55 @@ Status kvm_run(const Executor& exec, KvmState<S, A>& state, const KvmWeights& w,
         selected = false;
         KVMEM_RETURN_IF_ERROR(to_status(cudaStreamWaitEvent(exec.stream, side.join, 0), "cudaStreamWaitEvent (join)"));
       } else {
-        KVMEM_RETURN_IF_ERROR(update_select(exec, d, p, items, cov, slots, plan));
+        // The selection reads the tokens leaving the window (ingested nb chunks back) and the slots:
+        // with nb >= 2 that is aux work two chunks back, so the latest ingest and snapshot run beside it.
+        if (detach) KVMEM_RETURN_IF_ERROR(chain_waits_aux(p.window_chunks == 1 ? 0 : 1));
+        KVMEM_RETURN_IF_ERROR(update_select(chain, d, p, items, cov, slots, plan));
       }
-      KVMEM_RETURN_IF_ERROR(update_finish(exec, d, p, items, plan, log));
+      // the scatter changes the slots the last snapshot copies and reads the ring rows ingested last
+      if (detach) KVMEM_RETURN_IF_ERROR(chain_waits_aux(0));
+      KVMEM_RETURN_IF_ERROR(update_finish(chain, d, p, items, plan, log));
       slots = plan.after;
       cov += C;
     }
     const bool decode_step = t1 - t0 == 1 && T == 1;
     const bool founds = t0 < C && t1 > cov;  // initial slots founded by positions [cov, min(t1, C))
-    if (!decode_step || founds) {            // a decode step appends its token inside the fused kernel
+    // the readout of [t0, t1) sees the slots (when wb > 0) and the window [wb, t1); detached when
+    // the whole window is in this call's inputs
+    const std::int64_t readout_slots = slots + (founds ? std::min(t1, C) - std::max(t0, cov) : 0);
+    const bool detached_readout = detach && wb >= n0;
+    const bool snapshot = detached_readout && wb > 0 && readout_slots > 0;
+    const int snap = static_cast<int>(snapshots_taken % kReadoutSnapshots);
+    const Executor ingest_on = detach ? Executor{pipe.aux} : chain;
+    if (detach) {  // aux: after this chunk's update, snapshot (if read) then ingest
+      KVMEM_RETURN_IF_ERROR(record(pipe.chained, side.stream));
+      KVMEM_RETURN_IF_ERROR(wait(pipe.aux, pipe.chained));
+    }
+    if constexpr (std::is_same_v<S, bf16>) {
+      if (snapshot) {
+        if (snapshot_used[snap]) KVMEM_RETURN_IF_ERROR(wait(pipe.aux, pipe.read[snap]));
+        const std::int64_t vecs = readout_slots * (sh.D + sh.Dv) / 8;
+        const dim3 cgrid(static_cast<unsigned>(items),
+                         static_cast<unsigned>(std::clamp<std::int64_t>((vecs + 1023) / 1024, 1, 64)));
+        snapshot_readout_kernel<<<cgrid, 256, 0, pipe.aux>>>(d.khat, d.vhat, state.snap_k_[snap],
+                                                             state.snap_v_[snap], d.cap, d.D, d.Dv, readout_slots);
+        KVMEM_CUDA_RETURN_IF_LAUNCH_FAILED("kvm snapshot_readout_kernel");
+        KVMEM_RETURN_IF_ERROR(record(pipe.snapped, pipe.aux));
+      }
+    }
+    if (!decode_step || founds) {  // a decode step appends its token inside the fused kernel
       const dim3 igrid(static_cast<unsigned>(items),
                        static_cast<unsigned>((t1 - t0 + kWarpsPerBlock - 1) / kWarpsPerBlock));
-      ingest_kernel<S, A, In><<<igrid, 32 * kWarpsPerBlock, 0, exec.stream>>>(d, k.data(), v.data(), gate.data(), T, n0,
-                                                                              t0, t1, cov, copy16);
+      ingest_kernel<S, A, In><<<igrid, 32 * kWarpsPerBlock, 0, ingest_on.stream>>>(d, k.data(), v.data(), gate.data(),
+                                                                                    T, n0, t0, t1, cov, copy16);
       KVMEM_CUDA_RETURN_IF_LAUNCH_FAILED("kvm ingest_kernel");
     }
+    if (detach) {
+      KVMEM_RETURN_IF_ERROR(record(pipe.aux_done[aux_records % 2], pipe.aux));
+      ++aux_records;
+    }
     if (founds) {
-      const std::int64_t founded = std::min(t1, C) - std::max(t0, cov);
-      slots += founded;
+      slots = readout_slots;
       cov = std::min(t1, C);
     }
     if (decode_step) {  // one fused launch: ring append + split-K attention + merge by the last split
@@ -484,26 +628,41 @@ Status kvm_run(const Executor& exec, KvmState<S, A>& state, const KvmWeights& w,
       splits = std::clamp<std::int64_t>(splits, 1, KvmState<S, A>::kMaxDecodeSplits);
       const std::int64_t per = (keys + splits - 1) / splits;
       splits = (keys + per - 1) / per;  // no empty split
-      const dim3 dgrid(static_cast<unsigned>(rows), static_cast<unsigned>(splits));
+      // programmatic dependent launch: the step's blocks may be scheduled while the previous kernel
+      // finishes (they wait for it before touching memory), which hides a launch latency per token
+      cudaLaunchAttribute pdl{};
+      pdl.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+      pdl.val.programmaticStreamSerializationAllowed = 1;
+      cudaLaunchConfig_t cfg{};
+      cfg.gridDim = dim3(static_cast<unsigned>(rows), static_cast<unsigned>(splits));
+      cfg.blockDim = dim3(128);
+      cfg.stream = exec.stream;
+      cfg.attrs = &pdl;
+      cfg.numAttrs = 1;
+      const In *qd = q.data(), *kd = k.data(), *vd = v.data(), *gd = gate.data();
+      Out* od = out.data();
+      const int n_splits = static_cast<int>(splits);
       bool vectorised = false;
       if constexpr (std::is_same_v<S, bf16>) {
         if (sh.D == 128 && sh.Dv == 128) {
-          decode_fused_bf16_kernel<A, In, Out><<<dgrid, 128, 0, exec.stream>>>(
-              d, q.data(), k.data(), v.data(), gate.data(), out.data(), t0, wb, slots, per, int(splits));
+          KVMEM_RETURN_IF_ERROR(to_status(cudaLaunchKernelEx(&cfg, decode_fused_bf16_kernel<A, In, Out>, d, qd, kd, vd,
+                                                             gd, od, t0, wb, slots, per, n_splits),
+                                          "kvm decode_fused_bf16_kernel"));
           vectorised = true;
         }
       }
       if (!vectorised) {
-        const std::size_t bytes = (std::size_t(sh.D) + 4 * std::size_t(sh.Dv) + 4) * sizeof(A);
-        decode_fused_kernel<S, A, In, Out><<<dgrid, 128, bytes, exec.stream>>>(
-            d, q.data(), k.data(), v.data(), gate.data(), out.data(), t0, wb, slots, per, int(splits));
+        cfg.dynamicSmemBytes = (std::size_t(sh.D) + 4 * std::size_t(sh.Dv) + 4) * sizeof(A);
+        KVMEM_RETURN_IF_ERROR(to_status(cudaLaunchKernelEx(&cfg, decode_fused_kernel<S, A, In, Out>, d, qd, kd, vd, gd,
+                                                           od, t0, wb, slots, per, n_splits),
+                                        "kvm decode_fused_kernel"));
       }
-      KVMEM_CUDA_RETURN_IF_LAUNCH_FAILED("kvm decode_fused_kernel");
     } else {
       // The update before the next chunk (if this call reaches it) selects from the state this chunk
       // reads and writes only new slots: run that part beside the readout (spec 4.6: the readout of
       // a chunk needs only the state before it). The scatter waits for both (join, stream order).
-      if (t1 < n0 + T && cov < geo.bswa_begin(t1 + 1)) {
+      // Detached readouts need no such overlap: the whole chain runs beside them.
+      if (!detach && t1 < n0 + T && cov < geo.bswa_begin(t1 + 1)) {
         KVMEM_RETURN_IF_ERROR(to_status(cudaEventRecord(side.fork, exec.stream), "cudaEventRecord (fork)"));
         KVMEM_RETURN_IF_ERROR(to_status(cudaStreamWaitEvent(side.stream, side.fork, 0), "cudaStreamWaitEvent (fork)"));
         KVMEM_RETURN_IF_ERROR(update_select(Executor{side.stream}, d, p, items, cov, slots, pending));
@@ -513,21 +672,45 @@ Status kvm_run(const Executor& exec, KvmState<S, A>& state, const KvmWeights& w,
       bool on_tensor_cores = false;
       if constexpr (std::is_same_v<S, bf16>) {
         if (attend_tc != nullptr) {
-          const dim3 tgrid(static_cast<unsigned>(B * sh.Hq * ((t1 - t0 + kTcRows - 1) / kTcRows)));
-          attend_tc<<<tgrid, 32 * kTcWarps, tc_bytes, exec.stream>>>(d, q.data(), out.data(), T, n0, t0, t1, wb, slots);
+          const std::int64_t grid = B * sh.Hq * ((t1 - t0 + kTcRows - 1) / kTcRows);
+          TcSources src{d.khat, d.vhat, d.wk, d.wv, d.W, 0, true};
+          cudaStream_t on = chain.stream;
+          if (detached_readout) {
+            if constexpr (std::is_same_v<In, S>) src = TcSources{d.khat, d.vhat, k.data(), v.data(), T, n0, false};
+            if (snapshot) {
+              src.khat = state.snap_k_[snap];
+              src.vhat = state.snap_v_[snap];
+              KVMEM_RETURN_IF_ERROR(wait(exec.stream, pipe.snapped));
+            }
+            on = exec.stream;
+          } else if (detach) {  // a window that starts before this call: the ring, in chain order
+            KVMEM_RETURN_IF_ERROR(chain_waits_aux(0));
+          }
+          attend_tc<<<static_cast<unsigned>(grid), 32 * kTcWarps, tc_bytes, on>>>(d, src, q.data(), out.data(), T, n0,
+                                                                                 t0, t1, wb, readout_slots);
           KVMEM_CUDA_RETURN_IF_LAUNCH_FAILED("kvm attend_tc_kernel");
+          if (snapshot) {
+            KVMEM_RETURN_IF_ERROR(record(pipe.read[snap], exec.stream));
+            snapshot_used[snap] = true;
+            ++snapshots_taken;
+          }
           on_tensor_cores = true;
         }
       }
       if (!on_tensor_cores) {
         const dim3 agrid(static_cast<unsigned>(B * sh.Hq),
                          static_cast<unsigned>((t1 - t0 + kRowsPerBlock - 1) / kRowsPerBlock));
-        attend<<<agrid, kRowsPerBlock * kLanesPerRow, attend_bytes, exec.stream>>>(d, q.data(), out.data(), T, n0, t0,
-                                                                                   t1, wb, slots);
+        attend<<<agrid, kRowsPerBlock * kLanesPerRow, attend_bytes, chain.stream>>>(d, q.data(), out.data(), T, n0, t0,
+                                                                                    t1, wb, slots);
         KVMEM_CUDA_RETURN_IF_LAUNCH_FAILED("kvm attend_rows_kernel");
       }
     }
     t0 = t1;
+  }
+  if (detach) {  // join: the caller's stream waits for the chain, which waits for the last aux work
+    KVMEM_RETURN_IF_ERROR(chain_waits_aux(0));
+    KVMEM_RETURN_IF_ERROR(record(side.join, side.stream));
+    KVMEM_RETURN_IF_ERROR(wait(exec.stream, side.join));
   }
   state.n_ = n0 + T;
   state.cov_ = cov;

@@ -55,28 +55,38 @@ struct TcSoftmax {
   }
 };
 
+// Where a readout finds its keys. The slots: the live state's readout copies, or a snapshot of them
+// taken when the chunk's update was done (the readout then runs beside later updates). The window:
+// the ring (position p at row p mod W), or the call's own k/v inputs (position p at row p - n0),
+// which hold every window position of a chunk whose window starts inside the call.
+struct TcSources {
+  const bf16* khat;        // [I, cap, D]
+  const bf16* vhat;        // [I, cap, Dv]
+  const bf16* wk;          // ring [I, W, D] or inputs [I, T, D]
+  const bf16* wv;          // ring [I, W, Dv] or inputs [I, T, Dv]
+  std::int64_t rows;       // rows per item of wk, wv: W or T
+  std::int64_t first;      // inputs: the position of row 0 (n0)
+  bool ring;
+};
+
+// One row block of attend_tc_kernel: rows t0 + rb*kTcRows + [0, kTcRows) of head bh = b*Hq + h.
 // Each warp owns 16 query rows: Q stays in registers as A fragments, S = Q K^T and O += P V run as
 // m16n8k16 mma.sync with the accumulators (S tile and the whole O row block) in registers, the
 // FlashAttention-2 layout. Thread (lane) holds rows r = lane/4 and r + 8, columns 2*(lane%4) + {0,1}
 // of every 8-wide tile; the four lanes of a quad share a row's maxima (shuffles) and add their
 // partial sums at the end. Key tiles are [state slots...][window...] in steps of kTcKeys, the next
 // one loading (cp.async) while the current one is used.
-// grid B*Hq*ceil((t1 - t0) / kTcRows) (row block fastest), block 32 * kTcWarps, dynamic smem TcLayout::kBytes.
-// q: [B,Hq,T,kD], out: [B,T,Hq,kDv]
 template <class In, class Out, int kD, int kDv>
-__global__ void __launch_bounds__(32 * kTcWarps, 3)
-    attend_tc_kernel(DeviceState<bf16, float> st, const In* q, Out* out, std::int64_t T, std::int64_t n0,
-                     std::int64_t t0, std::int64_t t1, std::int64_t w, std::int64_t slots) {
+__device__ __forceinline__ void attend_tc_rows(const DeviceState<bf16, float>& st, const TcSources& src, const In* q,
+                                               Out* out, std::int64_t T, std::int64_t n0, std::int64_t t0,
+                                               std::int64_t t1, std::int64_t w, std::int64_t slots, std::int64_t bh,
+                                               std::int64_t rb) {
   using L = TcLayout<kD, kDv>;
   using namespace ptx;
   extern __shared__ __align__(128) unsigned char smem_raw[];
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, quad = lane % 4, r = lane / 4;
-  // The row blocks of one head are adjacent in the grid, so they run together and read the head's
-  // key/value tiles from L2 instead of each from DRAM.
-  const std::int64_t row_blocks = (t1 - t0 + kTcRows - 1) / kTcRows;
-  const std::int64_t Hq = st.Hq, bh = blockIdx.x / row_blocks, b = bh / Hq, h = bh % Hq,
-                     item = b * st.Hk + h / st.rep();
-  const std::int64_t row0 = t0 + std::int64_t(blockIdx.x % row_blocks) * kTcRows;  // the block's first row
+  const std::int64_t Hq = st.Hq, b = bh / Hq, h = bh % Hq, item = b * st.Hk + h / st.rep();
+  const std::int64_t row0 = t0 + rb * kTcRows;  // the block's first row
   const std::int64_t last_t = (row0 + kTcRows - 1) < (t1 - 1) ? (row0 + kTcRows - 1) : (t1 - 1);
   const std::int64_t ta = row0 + warp * 16 + r, tb = ta + 8;  // this thread's two rows
   const bool act_a = ta < t1, act_b = tb < t1;
@@ -121,17 +131,19 @@ __global__ void __launch_bounds__(32 * kTcWarps, 3)
     bf16* ks = reinterpret_cast<bf16*>(buf);
     bf16* vs = reinterpret_cast<bf16*>(buf + L::kKTile);
     constexpr int kKVecs = kD / 8, kVVecs = kDv / 8;
-    // Tile row s is slot base + s, or window position base + s at ring row (base + s) mod W: the ring
-    // row of the tile's first key is found once (32-bit arithmetic per row, no 64-bit modulo).
-    const bf16* kbase = in_state ? st.khat + (item * st.cap + base) * kD : st.wk + item * st.W * kD;
-    const bf16* vbase = in_state ? st.vhat + (item * st.cap + base) * kDv : st.wv + item * st.W * kDv;
-    const int ring0 = in_state ? 0 : static_cast<int>(base % st.W), ring_len = static_cast<int>(st.W);
-    const int rows = static_cast<int>(n);
+    // Tile row s is slot base + s, or window position base + s at ring row (base + s) mod W or input
+    // row base + s - n0: the row of the tile's first key is found once (32-bit arithmetic per row, no
+    // 64-bit modulo).
+    const bf16* kbase = in_state ? src.khat + (item * st.cap + base) * kD : src.wk + item * src.rows * kD;
+    const bf16* vbase = in_state ? src.vhat + (item * st.cap + base) * kDv : src.wv + item * src.rows * kDv;
+    const bool wraps = !in_state && src.ring;
+    const int first_row = in_state ? 0 : static_cast<int>(src.ring ? base % st.W : base - src.first);
+    const int ring_len = static_cast<int>(st.W), rows = static_cast<int>(n);
     const auto row_of = [&](int s) {  // rows past n read row 0 (a valid address; zero-filled)
       if (s >= rows) s = 0;
-      if (in_state) return s;
-      int r = ring0 + s;
-      while (r >= ring_len) r -= ring_len;
+      int r = first_row + s;
+      if (wraps)
+        while (r >= ring_len) r -= ring_len;
       return r;
     };
     for (int e = threadIdx.x; e < kTcKeys * kKVecs; e += blockDim.x) {
@@ -249,6 +261,39 @@ __global__ void __launch_bounds__(32 * kTcWarps, 3)
       ob[c] = store_as<Out>(o[nd][2] * inv_b);
       ob[c + 1] = store_as<Out>(o[nd][3] * inv_b);
     }
+  }
+}
+
+// grid B*Hq*ceil((t1 - t0) / kTcRows) (row block fastest), block 32 * kTcWarps, dynamic smem TcLayout::kBytes.
+// q: [B,Hq,T,kD], out: [B,T,Hq,kDv]
+template <class In, class Out, int kD, int kDv>
+__global__ void __launch_bounds__(32 * kTcWarps, 3)
+    attend_tc_kernel(DeviceState<bf16, float> st, TcSources src, const In* q, Out* out, std::int64_t T,
+                     std::int64_t n0, std::int64_t t0, std::int64_t t1, std::int64_t w, std::int64_t slots) {
+  // The row blocks of one head are adjacent in the grid, so they run together and read the head's
+  // key/value tiles from L2 instead of each from DRAM.
+  const std::int64_t row_blocks = (t1 - t0 + kTcRows - 1) / kTcRows;
+  attend_tc_rows<In, Out, kD, kDv>(st, src, q, out, T, n0, t0, t1, w, slots, blockIdx.x / row_blocks,
+                                   blockIdx.x % row_blocks);
+}
+
+// Copies the readout keys and values of slots [0, slots) of every item (khat, vhat; same layout, cap
+// rows per item) into a snapshot that a readout reads while later updates change the state. 16-byte
+// vectors: D and Dv are multiples of 8 (64 or 128 here). grid (I, any), block any.
+__global__ void snapshot_readout_kernel(const bf16* __restrict__ khat, const bf16* __restrict__ vhat,
+                                        bf16* __restrict__ snap_k, bf16* __restrict__ snap_v, std::int64_t cap,
+                                        std::int64_t D, std::int64_t Dv, std::int64_t slots) {
+  const std::int64_t i = blockIdx.x, k_vecs = slots * D / 8, v_vecs = slots * Dv / 8;
+  const uint4* ks = reinterpret_cast<const uint4*>(khat + i * cap * D);
+  const uint4* vs = reinterpret_cast<const uint4*>(vhat + i * cap * Dv);
+  uint4* kd = reinterpret_cast<uint4*>(snap_k + i * cap * D);
+  uint4* vd = reinterpret_cast<uint4*>(snap_v + i * cap * Dv);
+  const std::int64_t stride = std::int64_t(gridDim.y) * blockDim.x;
+  for (std::int64_t e = std::int64_t(blockIdx.y) * blockDim.x + threadIdx.x; e < k_vecs + v_vecs; e += stride) {
+    if (e < k_vecs)
+      kd[e] = ks[e];
+    else
+      vd[e - k_vecs] = vs[e - k_vecs];
   }
 }
 

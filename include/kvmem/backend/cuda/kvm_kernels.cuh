@@ -23,7 +23,8 @@ struct DeviceState {
   A* sv;         // [I, cap, Dv] raw summed values
   A* rho;        // [I, cap]
   A* cnt;        // [I, cap]
-  A* khat32;     // [I, cap, D]  LN_s(Sk) in the accumulate type (routing reads it, as the host does)
+  A* khat32;     // [I, cap, D]  LN_s(Sk) in the accumulate type (routing reads it, as the host does;
+                 //              not kept up to date with tc_route, whose routing reads khat + khat_lo)
   S* khat;       // [I, cap, D]  readout keys (storage type)
   S* vhat;       // [I, cap, Dv] readout values (storage type)
   S* wk;         // [I, W, D]    window ring, position p at p mod W
@@ -143,7 +144,7 @@ __device__ void warp_refresh_regs(const DeviceState<S, A>& st, std::int64_t sj, 
   for (int e = 0; e < kLaneRegs; ++e) {
     const int d = lane + 32 * e;
     if (d >= D) continue;
-    st.khat32[sj * D + d] = kh[e];
+    if (!st.tc_route) st.khat32[sj * D + d] = kh[e];  // tensor-core routing reads khat + khat_lo instead
     store_readout_key(st, sj, d, kh[e]);
   }
   A f;
@@ -827,6 +828,22 @@ __device__ void ingest_decode_token(const DeviceState<S, A>& st, const In* k1, c
   if (threadIdx.x == 0) st.wg[item * st.W + ring] = load_as<A>(g1[item]);
 }
 
+// Programmatic dependent launch (sm_90, kvm_run launches decode steps with it): a decode kernel may
+// be scheduled while the kernel before it on the stream is still running, which hides the launch
+// latency of a step. It waits for that kernel to complete (and its writes to be visible) before
+// touching memory, so the order of effects is the plain stream order.
+__device__ inline void wait_for_previous_grid() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;\n" ::: "memory");
+#endif
+}
+// Lets the next kernel on the stream be scheduled (it still waits for this one to complete).
+__device__ inline void allow_next_grid() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+#endif
+}
+
 // Fused decode step (spec 4.7 steps 1 and 6), split-K: block (bh, split) covers keys [split*per, ...)
 // of the virtual key list [slots | window [w, pos]]; each warp takes every 4th key, lanes split the
 // head dims. The block of the item's first head and split 0 also appends the token to the ring;
@@ -843,6 +860,8 @@ __global__ void decode_fused_kernel(DeviceState<S, A> st, const In* q, const In*
   A* qs = reinterpret_cast<A*>(smem_raw);  // [D]
   A* po = qs + D;                          // [kWarps, Dv]
   A* pl = po + kWarps * Dv;                // [kWarps]
+  wait_for_previous_grid();
+  allow_next_grid();
   const std::int64_t bh = blockIdx.x, b = bh / Hq, h = bh % Hq, item = b * st.Hk + h / st.rep();
   if (blockIdx.y == 0 && h % st.rep() == 0) ingest_decode_token(st, k1, v1, g1, item, pos);
   for (std::int64_t d = threadIdx.x; d < D; d += blockDim.x) qs[d] = load_as<A>(q[bh * D + d]);
@@ -897,6 +916,8 @@ __global__ void decode_fused_bf16_kernel(DeviceState<bf16, A> st, const In* q, c
   constexpr int kDim = 128, kHalves = 8, kPer = 8, kUnroll = 4;
   __shared__ A po[kHalves][kDim];
   __shared__ A pl[kHalves];
+  wait_for_previous_grid();
+  allow_next_grid();
   const std::int64_t Hq = st.Hq, bh = blockIdx.x, b = bh / Hq, h = bh % Hq, item = b * st.Hk + h / st.rep();
   if (blockIdx.y == 0 && h % st.rep() == 0) ingest_decode_token(st, k1, v1, g1, item, pos);
   const int half = threadIdx.x / 16, l = threadIdx.x % 16;
