@@ -17,26 +17,41 @@
 // backend); every output is produced by one block in a fixed order: deterministic, no float atomics.
 // Memory: the cache rows the prompt is appended to, one int per row tile (UaCache) and no L x L matrix.
 //
+// Entry tiles are walked newest first (the order of the softmax sum is free; λ is carried per entry, along
+// the rows, so the entry order does not touch it). The newest entries carry the least decay, so the
+// running maximum is usually settled by the first tile: later tiles skip the rescale of O (its factor is
+// exactly 1 when no maximum of the warp moved), and a 16-entry step of P V whose probabilities all
+// underflowed to 0 is skipped (it would add exact zeros). Both skips leave every result bit unchanged.
+//
 // Inside a block: kDnWarps warps, each 16 (head, row) pairs of the tile; entries arrive 64 at a time
 // through a cp.async double buffer. Per entry tile: the key/key similarity of the decay tile and
-// S = Q K^T with mma.sync (fp32 accumulators in registers) -> A(e, m) from the decay::Set
-// (kernel/ua_decay.hpp) into shared memory -> 64 threads carry λ down the tile's rows -> logits = S + Λ,
-// online softmax in registers, O += P V with the probabilities rounded to bf16 (as FlashAttention does).
+// S = Q K^T with mma.sync (fp32 accumulators in registers) -> A(e, m) into shared memory -> 64 threads carry
+// λ down the tile's rows -> logits = S + Λ, online softmax in registers, O += P V with the probabilities
+// rounded to bf16 (as FlashAttention does).
+//
+// The decay of a set made of the built-in gates (any of QueryGate, KeyGate, SimilarityGate) is evaluated in
+// base 2 with the per-key and per-position terms scaled once per entry / row: log2 x = q_m + k_j +
+// (2 n_sim / |set|) log2 c_jm, x = 2^(log2 x), A = log1p(-min(x, 1 - 1e-6)): the spec's x and A (4.1) to
+// within a few ulp of x (as the natural-log fold), with the full-accuracy log1pf, one fused multiply-add
+// per pair instead of a division by |set|, and no branches, so the compiler interleaves the pairs. Any
+// other set goes through the shared fold (kernel/ua_decay.hpp) pair by pair.
 
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <type_traits>
 
 #include "kvmem/backend/cuda/ptx.cuh"
 #include "kvmem/backend/cuda/ua_kernels.cuh"
 #include "kvmem/core/numeric.hpp"
 #include "kvmem/kernel/ua_decay.hpp"
+#include "kvmem/policy/decay.hpp"
 
 namespace kvmem::cuda::ua_detail {
 
-// Warps per block: 8 (128 pairs, one block per SM at about 250 registers a thread). 4 warps (64 pairs,
-// two blocks per SM) measured 5 % slower on the H200 at B8 H16 G4 D128 8K (25.4 vs 24.1 ms).
+// Warps per block: 8 (128 pairs, one block per SM). 4 warps (64 pairs) share each loaded key/value tile
+// among half as many rows.
 #ifndef KVMEM_UA_DENSE_WARPS
 #define KVMEM_UA_DENSE_WARPS 8
 #endif
@@ -75,17 +90,68 @@ struct UaDenseLayout {
   static constexpr std::size_t kBytes = kA + std::size_t(kDnMaxRows) * kAPitch * 4;
 };
 
+// The base-2 fold of a set whose gates are all built in (see the top of the file). kLog2 is false for a
+// set with any other gate: the kernel then calls the shared fold per pair.
+template <class G>
+inline constexpr bool kDnBuiltinGate = std::is_same_v<G, decay::QueryGate> || std::is_same_v<G, decay::KeyGate> ||
+                                       std::is_same_v<G, decay::SimilarityGate>;
+template <class Set>
+struct DenseFold {
+  static constexpr bool kLog2 = false;
+};
+template <class... G>
+struct DenseFold<decay::Set<G...>> {
+  static constexpr bool kLog2 = (kDnBuiltinGate<G> && ...);
+  static constexpr double kLog2e = 1.4426950408889634;
+  static constexpr int kSize = int(sizeof...(G));
+  static constexpr int kSim = (int(std::is_same_v<G, decay::SimilarityGate>) + ...);
+  // log2 of the geometric mean's factors: ln g_q (ln g_k) of each QueryGate (KeyGate), 2 log2 c of each
+  // SimilarityGate, over |set|
+  static constexpr float kQueryScale = float((int(std::is_same_v<G, decay::QueryGate>) + ...) * kLog2e / kSize);
+  static constexpr float kKeyScale = float((int(std::is_same_v<G, decay::KeyGate>) + ...) * kLog2e / kSize);
+  static constexpr float kSimScale = float(2.0 * kSim / kSize);
+
+  // A_jm from the pair's similarity and its scaled gate terms query_log2 + key_log2 (spec 4.1). log2 c
+  // comes from lg2.approx, whose error is absolute (2^-22.6, the hardware reduces the range): log2 c only
+  // enters x through 2^(log2 x), so that is a relative error of at most 1.1e-7 in x, the size of the
+  // rounding of log2 x itself and below exp2f's own 2 ulp. log1p keeps the full-accuracy log1pf: A is
+  // small where x is, and needs relative accuracy.
+  __device__ static float decay(float similarity, float gate_log2) {
+    float log2_x = gate_log2;
+    if constexpr (kSim > 0) {
+      float log2_c;
+      asm("lg2.approx.f32 %0, %1;" : "=f"(log2_c) : "f"(similarity));
+      log2_x = fmaf(kSimScale, log2_c, log2_x);
+    }
+    float x = exp2f(log2_x);
+    if constexpr (kSim > 0) x = similarity > 0.0f ? x : 0.0f;  // relu(c)^2 = 0 -> x = 0 -> A = 0 exactly
+    return log1pf(-fminf(x, 1.0f - float(decay::kClampEps)));
+  }
+};
+
+// 2^x for the softmax weights, results below 2^-126 flushed to 0: next to the row maximum's weight 1
+// such a weight is below fp32's resolution (and a whole tile below it is skipped, see step 4)
+__device__ inline float dense_exp2(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+// logits this far (in log2 units) below the row maximum have weight exactly 0 under dense_exp2
+inline constexpr float kDnUnderflowLog2 = -127.0f;
+
 // grid (row tiles * I), block kDnThreads, dynamic smem UaDenseLayout<kD>::kBytes. T rows of the call (all
 // of them: input rows 0..T-1, positions counter + 0 ...). sync: [1 + I * tiles] ints, zero on entry
-// (ticket, then the progress of row tile k of item i at 1 + i * tiles + k). Appends the call's rows to
-// the cache (rows n + t: p = 0 evicts nothing) and leaves λ_j = Λ_{T-1, j} for every entry; the
-// lengths and counters advance afterwards (dense_advance_kernel).
+// (ticket, then the progress of row tile k of item i at 1 + i * tiles + k: the entry tiles it has
+// finished, newest first). Appends the call's rows to the cache (rows n + t: p = 0 evicts nothing) and
+// leaves λ_j = Λ_{T-1, j} for every entry; the lengths and counters advance afterwards
+// (dense_advance_kernel).
 template <class Set, int kD>
 __global__ void __launch_bounds__(kDnThreads, 8 / kDnWarps)
     dense_prefill_tc_kernel(DeviceCache<bf16> c, DeviceCall<bf16> a, std::int64_t T, std::int64_t items,
                             std::int64_t tiles, int* sync) {
   using namespace ptx;
   using L = UaDenseLayout<kD>;
+  using Fold = DenseFold<Set>;
   using nv_bf16 = __nv_bfloat16;
   constexpr float kLog2e = 1.4426950408889634f;
   constexpr int kVec = kD / 8;  // 16-byte vectors per row
@@ -93,10 +159,13 @@ __global__ void __launch_bounds__(kDnThreads, 8 / kDnWarps)
   nv_bf16* ks_base = reinterpret_cast<nv_bf16*>(dense_smem + L::kK);
   nv_bf16* vs_base = reinterpret_cast<nv_bf16*>(dense_smem + L::kV);
   nv_bf16* nk = reinterpret_cast<nv_bf16*>(dense_smem + L::kNK);
-  float* at = reinterpret_cast<float*>(dense_smem + L::kA);    // [row][entry]: A, then Λ
-  __shared__ float s_rlogit[kDnMaxRows], s_rpart[kDnMaxRows];  // row tile: query-side gate logits, log parts
-  __shared__ float s_elogit[kDnEntries], s_epart[kDnEntries];  // entry tile: key-gate logits, log parts
-  __shared__ long long s_epos[kDnEntries];                     // entry tile: positions
+  float* at = reinterpret_cast<float*>(dense_smem + L::kA);  // [row][entry]: A, then Λ
+  // row tile: query-side gate (the scaled log2 term of the base-2 fold; else the logit and its log part)
+  __shared__ float s_rgate[kDnMaxRows], s_rpart[kDnMaxRows];
+  // entry tile: key-side gate (as for rows), positions, and the first row after each entry's position
+  __shared__ float s_egate[kDnEntries], s_epart[kDnEntries];
+  __shared__ long long s_epos[kDnEntries];
+  __shared__ int s_efirst[kDnEntries];
   __shared__ long long s_ticket;
 
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, qr = lane / 4, t4 = lane % 4;
@@ -106,10 +175,17 @@ __global__ void __launch_bounds__(kDnThreads, 8 / kDnWarps)
   const std::int64_t r = c.r, b = item / c.G, g = item % c.G, D = kD;
   const int rt = dense_row_tile(r);
   const std::int64_t n = c.length[item], first = c.counter[item], row0 = item * c.cap;
-  const std::int64_t r0 = k * rt, nr = T - r0 < rt ? T - r0 : rt;
+  const std::int64_t r0 = k * rt;
+  const int nr = T - r0 < rt ? int(T - r0) : rt;  // rows of this tile
+  const std::int64_t row_pos0 = first + r0;  // position of the tile's first row
   const std::int64_t e_total = n + r0 + nr;  // entries the tile's rows see: the cache, then call rows < r0 + nr
+  const std::int64_t e_prev = n + r0;        // entries before the tile's own rows (λ from row tile k - 1)
   const int* done_prev = sync + 1 + item * tiles + (k - 1);  // read only when k > 0
   int* done_mine = sync + 1 + item * tiles + k;
+  const nv_bf16* in_k = reinterpret_cast<const nv_bf16*>(a.k + b * a.k_b + g * a.k_g);
+  const nv_bf16* in_v = reinterpret_cast<const nv_bf16*>(a.v + b * a.v_b + g * a.v_g);
+  const nv_bf16* cache_k = reinterpret_cast<const nv_bf16*>(c.keys + row0 * D);
+  const nv_bf16* cache_v = reinterpret_cast<const nv_bf16*>(c.values + row0 * D);
 
   // the row tile's keys (decay similarity) and query-side gates; its rows are appended to the cache at
   // rows n + t (nothing is evicted), which no block of this call reads (call keys come from the input)
@@ -118,8 +194,8 @@ __global__ void __launch_bounds__(kDnThreads, 8 / kDnWarps)
     uint4 kv = make_uint4(0, 0, 0, 0);
     if (i < nr) {
       const std::int64_t t = r0 + i;
-      kv = reinterpret_cast<const uint4*>(a.k + b * a.k_b + g * a.k_g + t * a.k_t)[cv];
-      const uint4 vv = reinterpret_cast<const uint4*>(a.v + b * a.v_b + g * a.v_g + t * a.v_t)[cv];
+      kv = reinterpret_cast<const uint4*>(in_k + t * a.k_t)[cv];
+      const uint4 vv = reinterpret_cast<const uint4*>(in_v + t * a.v_t)[cv];
       reinterpret_cast<uint4*>(c.keys + (row0 + n + t) * D)[cv] = kv;
       reinterpret_cast<uint4*>(c.values + (row0 + n + t) * D)[cv] = vv;
     }
@@ -133,8 +209,13 @@ __global__ void __launch_bounds__(kDnThreads, 8 / kDnWarps)
       c.key_logit[row0 + n + t] = a.z_k[b * a.zk_b + g * a.zk_g + t * a.zk_t];
       c.pos[row0 + n + t] = first + t;
     }
-    s_rlogit[i] = zq;
-    s_rpart[i] = kernel::ua::query_gate_part(zq);
+    const float part = kernel::ua::query_gate_part(zq);
+    if constexpr (Fold::kLog2) {
+      s_rgate[i] = Fold::kQueryScale * part;
+    } else {
+      s_rgate[i] = zq;
+      s_rpart[i] = part;
+    }
   }
 
   // this warp's 16 (head, row) pairs: pair p -> head p / rt, row p % rt; the lane holds pairs qr, qr + 8
@@ -161,19 +242,34 @@ __global__ void __launch_bounds__(kDnThreads, 8 / kDnWarps)
   for (int j = 0; j < kD / 8; ++j) o[j][0] = o[j][1] = o[j][2] = o[j][3] = 0.0f;
   float m_lo = negative_infinity<float>(), m_hi = negative_infinity<float>(), l_lo = 0.0f, l_hi = 0.0f;
 
-  // entry tile e0.. -> buffer buf (cached rows below n, then the call's input rows; zeros past e_total)
-  const auto load_tile = [&](std::int64_t e0, int buf) {
+  // entry tile et -> buffer buf (cached rows below n, then the call's input rows; zeros past e_total)
+  const auto load_tile = [&](std::int64_t et, int buf) {
     nv_bf16* ks = ks_base + buf * kDnEntries * L::kKPitch;
     nv_bf16* vs = vs_base + buf * kDnEntries * L::kKPitch;
+    const std::int64_t e0 = et * kDnEntries;
+    const bool all_cached = e0 + kDnEntries <= n, all_input = e0 >= n && e0 + kDnEntries <= e_total;
+    if (all_cached || all_input) {  // the usual tile: every row valid, in one array with one row stride
+      const nv_bf16* kp = all_cached ? cache_k + e0 * D : in_k + (e0 - n) * a.k_t;
+      const nv_bf16* vp = all_cached ? cache_v + e0 * D : in_v + (e0 - n) * a.v_t;
+      const std::int64_t k_stride = all_cached ? D : a.k_t, v_stride = all_cached ? D : a.v_t;
+#pragma unroll
+      for (int x = tid; x < kDnEntries * kVec; x += kDnThreads) {
+        const int e = x / kVec, cv = x % kVec;
+        cp_async16(ks + e * L::kKPitch + cv * 8, kp + e * k_stride + cv * 8, 16);
+        cp_async16(vs + e * L::kKPitch + cv * 8, vp + e * v_stride + cv * 8, 16);
+      }
+      cp_async_commit();
+      return;
+    }
     for (int x = tid; x < kDnEntries * kVec; x += kDnThreads) {
       const int e = x / kVec, cv = x % kVec;
-      const std::int64_t idx = e0 + e;
-      const bool valid = idx < e_total;
-      const bf16* kp = a.k;  // any valid address when nothing is copied
-      const bf16* vp = a.v;
+      const std::int64_t idx = et * kDnEntries + e;
+      const bool valid = idx < e_total, cached = idx < n;
+      const nv_bf16* kp = in_k;  // any valid address when nothing is copied
+      const nv_bf16* vp = in_v;
       if (valid) {
-        kp = idx < n ? c.keys + (row0 + idx) * D : a.k + b * a.k_b + g * a.k_g + (idx - n) * a.k_t;
-        vp = idx < n ? c.values + (row0 + idx) * D : a.v + b * a.v_b + g * a.v_g + (idx - n) * a.v_t;
+        kp = cached ? cache_k + idx * D : in_k + (idx - n) * a.k_t;
+        vp = cached ? cache_v + idx * D : in_v + (idx - n) * a.v_t;
       }
       cp_async16(ks + e * L::kKPitch + cv * 8, kp + cv * 8, valid ? 16 : 0);
       cp_async16(vs + e * L::kKPitch + cv * 8, vp + cv * 8, valid ? 16 : 0);
@@ -187,7 +283,7 @@ __global__ void __launch_bounds__(kDnThreads, 8 / kDnWarps)
   int seen = 0;
   // key-gate logit and position of entry e0 + tid (positions past e_total: INT64_MAX, masked). The carry
   // threads load them one entry tile ahead (the latency hides behind a whole step) and publish them,
-  // with the key-gate part, in shared memory for the decay of the tile: computed once per entry.
+  // with the key-gate term, in shared memory for the decay of the tile: computed once per entry.
   const auto load_meta = [&](std::int64_t e0, float& logit, std::int64_t& pos) {
     const std::int64_t idx = e0 + tid;
     logit = 0.0f;
@@ -197,37 +293,49 @@ __global__ void __launch_bounds__(kDnThreads, 8 / kDnWarps)
       pos = idx < n ? c.pos[row0 + idx] : first + (idx - n);
     }
   };
+  // entry tiles newest first: step s handles entry tile n_etiles - 1 - s, in buffer s & 1
   const std::int64_t n_etiles = (e_total + kDnEntries - 1) / kDnEntries;
+  const std::int64_t n_etiles_prev = (e_prev + kDnEntries - 1) / kDnEntries;  // row tile k - 1's
   float nx_logit = 0.0f;
   std::int64_t nx_pos = INT64_MAX;
-  load_tile(0, 0);
-  if (tid < kDnCarryThreads) load_meta(0, nx_logit, nx_pos);
-  for (std::int64_t et = 0; et < n_etiles; ++et) {
-    const std::int64_t e0 = et * kDnEntries;
-    const int buf = int(et & 1);
-    // the next tile's buffer was released by the barrier closing step et - 1
-    issue_next_and_wait(et, n_etiles, [&](std::int64_t next) { load_tile(next * kDnEntries, int(next & 1)); });
+  load_tile(n_etiles - 1, 0);
+  if (tid < kDnCarryThreads) load_meta((n_etiles - 1) * kDnEntries, nx_logit, nx_pos);
+  for (std::int64_t step = 0; step < n_etiles; ++step) {
+    const std::int64_t et = n_etiles - 1 - step, e0 = et * kDnEntries;
+    const int buf = int(step & 1);
+    cp_async_wait<0>();  // this thread's part of entry tile et has landed
     // the carry thread's entry: position and incoming λ, loaded now so the L2 latency overlaps the decay
     // and q.k below. λ of an entry before row r0 comes from the previous row tile: acquire its progress
-    // counter first (rarely: the predecessor started earlier and is usually many entry tiles ahead).
+    // counter first (rarely waits: the predecessor started earlier and walks the same tiles in the same
+    // order, the newest first).
     std::int64_t c_pos = INT64_MAX;
     float c_lam = 0.0f;
     if (tid < kDnCarryThreads) {
       const std::int64_t idx = e0 + tid;
       c_pos = nx_pos;
-      s_elogit[tid] = nx_logit;
-      s_epart[tid] = kernel::ua::key_gate_part(nx_logit);
+      const float part = kernel::ua::key_gate_part(nx_logit);
+      if constexpr (Fold::kLog2) {
+        s_egate[tid] = Fold::kKeyScale * part;
+      } else {
+        s_egate[tid] = nx_logit;
+        s_epart[tid] = part;
+      }
       s_epos[tid] = nx_pos;
-      if (et + 1 < n_etiles) load_meta(e0 + kDnEntries, nx_logit, nx_pos);
-      if (idx < e_total) {
-        if (!(idx >= n && idx - n >= r0)) {  // not one of this tile's own keys (those start at λ = 0)
-          if (k > 0 && seen <= int(et))
-            while ((seen = load_acquire(done_prev)) <= int(et)) __nanosleep(32);
-          c_lam = __ldcg(c.lambda + row0 + idx);  // another block wrote it: read through L2
-        }
+      // first row m > pos_e of the tile (every row for cached entries, none for entries past the range)
+      const std::int64_t first_after = nx_pos == INT64_MAX ? rt : nx_pos - row_pos0 + 1;
+      s_efirst[tid] = first_after < 0 ? 0 : (first_after > rt ? rt : int(first_after));
+      if (et > 0) load_meta(e0 - kDnEntries, nx_logit, nx_pos);
+      if (idx < e_prev) {  // not one of this tile's own keys (those start at λ = 0)
+        const int need = int(n_etiles_prev - et);
+        if (k > 0 && seen < need)
+          while ((seen = load_acquire(done_prev)) < need) __nanosleep(32);
+        c_lam = __ldcg(c.lambda + row0 + idx);  // another block wrote it: read through L2
       }
     }
-    __syncthreads();  // entry tile et and its gates are in shared memory (the first time, nk and the row gates too)
+    // entry tile et and its gates are in shared memory (the first time, nk and the row gates too); every
+    // warp is past step - 1, so its buffer and the Λ tile are free
+    __syncthreads();
+    if (et > 0) load_tile(et - 1, buf ^ 1);  // lands during this step
     const nv_bf16* ks = ks_base + buf * kDnEntries * L::kKPitch;
     const nv_bf16* vs = vs_base + buf * kDnEntries * L::kKPitch;
 
@@ -235,13 +343,17 @@ __global__ void __launch_bounds__(kDnThreads, 8 / kDnWarps)
     //    A = 0 where m <= pos_e and on rows past the call (the carry then leaves λ unchanged there)
     float s[kDnEntries / 8][4];
     {
-      float e_logit[2], e_part[2];
+      float e_gate[2], e_part[2];
       std::int64_t e_pos[2];
+      int e_first[2];
 #pragma unroll
       for (int hf = 0; hf < 2; ++hf) {
-        e_logit[hf] = s_elogit[eb + qr + 8 * hf];
-        e_part[hf] = s_epart[eb + qr + 8 * hf];
-        e_pos[hf] = s_epos[eb + qr + 8 * hf];
+        e_gate[hf] = s_egate[eb + qr + 8 * hf];
+        e_first[hf] = s_efirst[eb + qr + 8 * hf];
+        if constexpr (!Fold::kLog2) {
+          e_part[hf] = s_epart[eb + qr + 8 * hf];
+          e_pos[hf] = s_epos[eb + qr + 8 * hf];
+        }
       }
       float sim[2][4] = {};
       if constexpr (Set::kNeedsSimilarity) {
@@ -277,12 +389,16 @@ __global__ void __launch_bounds__(kDnThreads, 8 / kDnWarps)
         const int nt = el / 4, x = el % 4;
         if (nt < nts) {
           const int hf = x / 2, i = rbase + 8 * nt + 2 * t4 + x % 2, e = eb + qr + 8 * hf;
-          const std::int64_t m = first + r0 + i;
-          // evaluated for every element and then selected (entries past the range have position
-          // INT64_MAX: A = 0); rows past the call get A = 0 too
-          const float a_em = kernel::ua::decay_from_similarity<Set, float>(sim[nt][x], e_logit[hf], e_part[hf],
-                                                                           e_pos[hf], s_rlogit[i], s_rpart[i], m);
-          at[i * L::kAPitch + e] = (i < nr && m > e_pos[hf]) ? a_em : 0.0f;
+          // evaluated for every element and then selected (entries past the range have no rows after
+          // them: A = 0); rows past the call get A = 0 too
+          float a_em;
+          if constexpr (Fold::kLog2) {
+            a_em = Fold::decay(sim[nt][x], s_rgate[i] + e_gate[hf]);
+          } else {
+            a_em = kernel::ua::decay_from_similarity<Set, float>(sim[nt][x], e_gate[hf], e_part[hf], e_pos[hf],
+                                                                 s_rgate[i], s_rpart[i], row_pos0 + i);
+          }
+          at[i * L::kAPitch + e] = (i >= e_first[hf] && i < nr) ? a_em : 0.0f;
         }
       }
 #pragma unroll
@@ -306,7 +422,7 @@ __global__ void __launch_bounds__(kDnThreads, 8 / kDnWarps)
       const std::int64_t idx = e0 + tid;
       if (idx < e_total) {
         // rows i < before precede the entry (masked); A = 0 up to its own row, so λ stays 0 there
-        const std::int64_t before = c_pos - (first + r0);
+        const std::int64_t before = c_pos - row_pos0;
         const int masked = before < 0 ? 0 : (before > rt ? rt : int(before));
         float lam = c_lam;
         // 8 rows per round (rt is a multiple of 8): the loads issue together, then the dependent adds
@@ -331,7 +447,7 @@ __global__ void __launch_bounds__(kDnThreads, 8 / kDnWarps)
     // has no global stores in flight of its own, so the fence costs it little.
     if (tid == kDnThreads - 32) {
       __threadfence();
-      atomicExch(done_mine, int(et + 1));
+      atomicExch(done_mine, int(step + 1));
     }
 
     // 4. logits = q.k + Λ (scale 1), online softmax in registers (rows p_lo, p_hi; the quad holds a row)
@@ -355,30 +471,44 @@ __global__ void __launch_bounds__(kDnThreads, 8 / kDnWarps)
     // a row with every logit masked so far keeps max -inf: subtract 0 instead (every weight is 0)
     const float base_lo = new_lo == negative_infinity<float>() ? 0.0f : new_lo * kLog2e;
     const float base_hi = new_hi == negative_infinity<float>() ? 0.0f : new_hi * kLog2e;
-    const float scale_lo = exp2f(fmaf(m_lo, kLog2e, -base_lo)), scale_hi = exp2f(fmaf(m_hi, kLog2e, -base_hi));
+    // every weight of the warp's tile 0 (its largest logit per row far below the row's maximum; the
+    // maximum then did not move): the tile adds exact zeros to l and O
+    if (!__any_sync(0xffffffffu, fmaf(mx_lo, kLog2e, -base_lo) >= kDnUnderflowLog2 ||
+                                     fmaf(mx_hi, kLog2e, -base_hi) >= kDnUnderflowLog2))
+      continue;
+    // rescale only when a maximum of the warp moved: otherwise every factor is exp2(rounding error of
+    // m log2e) = 1 exactly, or 0 on a row whose O and l are still 0
+    if (__any_sync(0xffffffffu, new_lo != m_lo || new_hi != m_hi)) {
+      const float scale_lo = dense_exp2(fmaf(m_lo, kLog2e, -base_lo));
+      const float scale_hi = dense_exp2(fmaf(m_hi, kLog2e, -base_hi));
+      l_lo *= scale_lo;
+      l_hi *= scale_hi;
+#pragma unroll
+      for (int j = 0; j < kD / 8; ++j) {
+        o[j][0] *= scale_lo;
+        o[j][1] *= scale_lo;
+        o[j][2] *= scale_hi;
+        o[j][3] *= scale_hi;
+      }
+    }
     m_lo = new_lo;
     m_hi = new_hi;
-    l_lo *= scale_lo;
-    l_hi *= scale_hi;
-#pragma unroll
-    for (int j = 0; j < kD / 8; ++j) {
-      o[j][0] *= scale_lo;
-      o[j][1] *= scale_lo;
-      o[j][2] *= scale_hi;
-      o[j][3] *= scale_hi;
-    }
 #pragma unroll
     for (int j = 0; j < kDnEntries / 8; ++j) {
-      s[j][0] = exp2f(fmaf(s[j][0], kLog2e, -base_lo));
-      s[j][1] = exp2f(fmaf(s[j][1], kLog2e, -base_lo));
-      s[j][2] = exp2f(fmaf(s[j][2], kLog2e, -base_hi));
-      s[j][3] = exp2f(fmaf(s[j][3], kLog2e, -base_hi));
-      l_lo += s[j][0] + s[j][1];
-      l_hi += s[j][2] + s[j][3];
+      s[j][0] = dense_exp2(fmaf(s[j][0], kLog2e, -base_lo));
+      s[j][1] = dense_exp2(fmaf(s[j][1], kLog2e, -base_lo));
+      s[j][2] = dense_exp2(fmaf(s[j][2], kLog2e, -base_hi));
+      s[j][3] = dense_exp2(fmaf(s[j][3], kLog2e, -base_hi));
     }
-    // 5. O += P V: the S accumulators of entries 16 kk.. are the A fragment of k-step kk
+    // 5. O += P V: the S accumulators of entries 16 kk.. are the A fragment of k-step kk. A step whose
+    //    probabilities are all 0 for the warp adds exact zeros: skipped.
 #pragma unroll
     for (int kk = 0; kk < kDnEntries / 16; ++kk) {
+      const float part_lo = (s[2 * kk][0] + s[2 * kk][1]) + (s[2 * kk + 1][0] + s[2 * kk + 1][1]);
+      const float part_hi = (s[2 * kk][2] + s[2 * kk][3]) + (s[2 * kk + 1][2] + s[2 * kk + 1][3]);
+      l_lo += part_lo;
+      l_hi += part_hi;
+      if (!__any_sync(0xffffffffu, part_lo + part_hi > 0.0f)) continue;
       const std::uint32_t pa[4] = {pack_bf16(s[2 * kk][0], s[2 * kk][1]), pack_bf16(s[2 * kk][2], s[2 * kk][3]),
                                    pack_bf16(s[2 * kk + 1][0], s[2 * kk + 1][1]),
                                    pack_bf16(s[2 * kk + 1][2], s[2 * kk + 1][3])};
@@ -391,7 +521,6 @@ __global__ void __launch_bounds__(kDnThreads, 8 / kDnWarps)
         mma_bf16_16816(o[2 * dp + 1], pa, fb[2], fb[3]);
       }
     }
-    __syncthreads();  // the buffers and the Λ tile are free for the next entry tile
   }
 
   // 6. normalise, output gate, write y and lse (the quad's partial sums in a fixed order)
