@@ -1,13 +1,17 @@
 // SPDX-License-Identifier: Apache-2.0
 // Universal Attention on the CUDA backend at B x H16 x G4 x D128, bf16 storage: dense UA prefill
 // (p = 0, ms), chunked prefill with pruning (p = 0.05 / 0.15, ms, kept fraction) and self-pruning decode
-// (ms/token over 256 consecutive tokens after that prefill, kept fraction, bytes of the kept cache read
-// per token). Inputs: q ~ 2 N(0,1), unit-norm random keys, v ~ N(0,1), gate logits ~ N(1, 1.5). Prints a
-// table and writes JSON lines (--json FILE) that benchmarks/gpu_report.py joins with the SDPA anchors.
+// (ms/token over 256 consecutive tokens after that prefill, launched one by one and replayed from one
+// captured CUDA graph of the same 256 steps; kept fraction, bytes of the kept cache read per token).
+// First it measures the launch floor: an empty kernel launched 256 times back to back, plain and from
+// a graph, at <<<1, 32>>> and at the decode launch's shape. Inputs: q ~ 2 N(0,1), unit-norm random
+// keys, v ~ N(0,1), gate logits ~ N(1, 1.5). Prints tables and writes JSON lines (--json FILE) that
+// benchmarks/gpu_report.py joins with the SDPA anchors.
 //
 //   kvmem_bench_ua_cuda [--batch 8] [--heads 16] [--kv-heads 4] [--tokens 4096,8192,16384]
-//                       [--dense-only 32768] [--json out.jsonl]
+//                       [--dense-only 32768] [--pruned-only 1] [--json out.jsonl]
 // --dense-only T...: extra lengths where only the dense prefill runs once (one call, B sequences).
+// --pruned-only 1: skip the dense (p = 0) rows of --tokens.
 
 #include <cuda_runtime.h>
 
@@ -82,6 +86,7 @@ struct Inputs {  // [B,H,T,D] q, [B,G,T,D] k v, [B,G,T] gates; out [B,T,H,D]
 
 struct Timer {
   cudaEvent_t a, b;
+  cudaStream_t stream = nullptr;
   Timer() {
     CHECK_CUDA(cudaEventCreate(&a));
     CHECK_CUDA(cudaEventCreate(&b));
@@ -90,9 +95,12 @@ struct Timer {
     cudaEventDestroy(a);
     cudaEventDestroy(b);
   }
-  void start() { CHECK_CUDA(cudaEventRecord(a)); }
+  void start(cudaStream_t s = nullptr) {
+    stream = s;
+    CHECK_CUDA(cudaEventRecord(a, s));
+  }
   float stop_ms() {
-    CHECK_CUDA(cudaEventRecord(b));
+    CHECK_CUDA(cudaEventRecord(b, stream));
     CHECK_CUDA(cudaEventSynchronize(b));
     float ms = 0;
     CHECK_CUDA(cudaEventElapsedTime(&ms, a, b));
@@ -112,6 +120,35 @@ double mean_length(kvmem::cuda::UaCache<bf16>& cache) {
   return double(std::accumulate(len.begin(), len.end(), std::int64_t(0))) / double(len.size());
 }
 
+__global__ void empty_kernel() {}
+
+// Microseconds per launch of an empty kernel of the given shape, 256 launches back to back: plain
+// (each launch submitted by the host) and replayed from one captured graph of the 256 launches.
+std::pair<double, double> launch_floor_us(dim3 grid, unsigned threads, cudaStream_t stream) {
+  constexpr int kLaunches = 256;
+  Timer timer;
+  for (int i = 0; i < kLaunches; ++i) empty_kernel<<<grid, threads, 0, stream>>>();  // warm-up
+  CHECK_CUDA(cudaStreamSynchronize(stream));
+  timer.start(stream);
+  for (int i = 0; i < kLaunches; ++i) empty_kernel<<<grid, threads, 0, stream>>>();
+  CHECK_CUDA(cudaGetLastError());
+  const double plain = 1e3 * timer.stop_ms() / kLaunches;
+  cudaGraph_t graph;
+  cudaGraphExec_t exec;
+  CHECK_CUDA(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
+  for (int i = 0; i < kLaunches; ++i) empty_kernel<<<grid, threads, 0, stream>>>();
+  CHECK_CUDA(cudaStreamEndCapture(stream, &graph));
+  CHECK_CUDA(cudaGraphInstantiate(&exec, graph, 0));
+  CHECK_CUDA(cudaGraphLaunch(exec, stream));  // warm-up (uploads the graph)
+  CHECK_CUDA(cudaStreamSynchronize(stream));
+  timer.start(stream);
+  CHECK_CUDA(cudaGraphLaunch(exec, stream));
+  const double graphed = 1e3 * timer.stop_ms() / kLaunches;
+  CHECK_CUDA(cudaGraphExecDestroy(exec));
+  CHECK_CUDA(cudaGraphDestroy(graph));
+  return {plain, graphed};
+}
+
 std::vector<std::int64_t> parse_list(const char* s) {
   std::vector<std::int64_t> v;
   for (const char* p = s; *p;) {
@@ -127,6 +164,7 @@ int main(int argc, char** argv) {
   std::int64_t B = 8, H = 16, G = 4, D = 128;
   std::vector<std::int64_t> tokens = {4096, 8192, 16384}, dense_only;
   const char* json = nullptr;
+  bool pruned_only = false;
   for (int i = 1; i + 1 < argc; i += 2) {
     if (!std::strcmp(argv[i], "--batch"))
       B = std::atoll(argv[i + 1]);
@@ -138,6 +176,8 @@ int main(int argc, char** argv) {
       tokens = parse_list(argv[i + 1]);
     else if (!std::strcmp(argv[i], "--dense-only"))
       dense_only = parse_list(argv[i + 1]);
+    else if (!std::strcmp(argv[i], "--pruned-only"))
+      pruned_only = std::atoi(argv[i + 1]) != 0;
     else if (!std::strcmp(argv[i], "--json"))
       json = argv[i + 1];
     else {
@@ -152,10 +192,24 @@ int main(int argc, char** argv) {
   FILE* js = json ? std::fopen(json, "a") : nullptr;
   constexpr std::int64_t kDecodeSteps = 256;
   const kvmem::cuda::Executor exec{};
+  // a non-blocking stream: a capture must not make the legacy stream wait on it
+  cudaStream_t graph_stream;
+  CHECK_CUDA(cudaStreamCreateWithFlags(&graph_stream, cudaStreamNonBlocking));
+  const kvmem::cuda::Executor graph_exec{graph_stream};
+  {
+    const int splits = kvmem::cuda::UaCacheLimits{}.max_splits;
+    const auto one = launch_floor_us(dim3(1), 32, graph_stream);
+    const auto shaped =
+        launch_floor_us(dim3(unsigned(B * G), unsigned(splits)), kvmem::cuda::ua_detail::kDecodeThreads, graph_stream);
+    std::printf("| empty kernel (launch floor) | plain us/launch | graph us/launch |\n|---|---|---|\n");
+    std::printf("| <<<1, 32>>> | %.2f | %.2f |\n", one.first, one.second);
+    std::printf("| <<<(%lld, %d), %d>>> (the decode launch's shape) | %.2f | %.2f |\n\n", (long long)(B * G), splits,
+                kvmem::cuda::ua_detail::kDecodeThreads, shaped.first, shaped.second);
+  }
   std::printf(
-      "| variant | B | T | p | prefill ms | kept after prefill | decode ms/token | kept after decode | kept KV "
-      "MB/token | GB/s |\n");
-  std::printf("|---|---|---|---|---|---|---|---|---|---|\n");
+      "| variant | B | T | p | prefill ms | kept after prefill | decode ms/token | decode ms/token (graph) | kept "
+      "after decode | kept KV MB/token | GB/s (graph) |\n");
+  std::printf("|---|---|---|---|---|---|---|---|---|---|---|\n");
   std::vector<std::pair<std::int64_t, bool>> runs;
   for (auto T : tokens) runs.push_back({T, false});
   for (auto T : dense_only) runs.push_back({T, true});
@@ -166,6 +220,7 @@ int main(int argc, char** argv) {
     Timer timer;
     for (double p : {0.0, 0.05, 0.15}) {
       if (only_dense && p > 0) break;
+      if (pruned_only && !only_dense && p == 0) continue;
       const kvmem::ua::Options opt{p, 128, true};
       const int reps = only_dense ? 1 : 3;
       float prefill_ms = 1e30f;
@@ -177,31 +232,60 @@ int main(int argc, char** argv) {
         if (rep > 0 || only_dense) prefill_ms = std::min(prefill_ms, ms);
       }
       const double kept_prefill = mean_length(cache) / double(T);
-      double decode_ms = 0, kept_decode = 0, bytes_per_token = 0;
+      double decode_ms = 0, decode_graph_ms = 0, kept_decode = 0, bytes_per_token = 0;
       if (p > 0) {
         const double before = mean_length(cache);
         timer.start();
         for (std::int64_t t = T; t < T + kDecodeSteps; ++t)
           CHECK_STATUS(kvmem::cuda::ua_decode(exec, cache, in.slice(t, t + 1), opt, in.out_slice(t, t + 1)));
         decode_ms = timer.stop_ms() / double(kDecodeSteps);
+        std::vector<std::int64_t> plain_lengths;
+        CHECK_STATUS(cache.lengths(plain_lengths, nullptr));
         const double after = mean_length(cache);
         kept_decode = after / double(T + kDecodeSteps);
         // keys + values of the kept entries (bf16) of every (sequence, kv head), averaged over the steps
         bytes_per_token = 0.5 * (before + after) * double(B * G) * 2.0 * double(D) * 2.0;
+        // the same 256 steps again from the same prefill, captured once and replayed as one graph
+        reset_all(cache, B);
+        CHECK_STATUS(kvmem::cuda::ua_prefill(exec, cache, in.slice(0, T), opt, in.out_slice(0, T)));
+        CHECK_CUDA(cudaDeviceSynchronize());
+        cudaGraph_t graph;
+        cudaGraphExec_t graph_run;
+        CHECK_CUDA(cudaStreamBeginCapture(graph_stream, cudaStreamCaptureModeThreadLocal));
+        for (std::int64_t t = T; t < T + kDecodeSteps; ++t)
+          CHECK_STATUS(kvmem::cuda::ua_decode(graph_exec, cache, in.slice(t, t + 1), opt, in.out_slice(t, t + 1)));
+        CHECK_CUDA(cudaStreamEndCapture(graph_stream, &graph));
+        CHECK_CUDA(cudaGraphInstantiate(&graph_run, graph, 0));
+        CHECK_CUDA(cudaGraphUpload(graph_run, graph_stream));
+        CHECK_CUDA(cudaStreamSynchronize(graph_stream));
+        timer.start(graph_stream);
+        CHECK_CUDA(cudaGraphLaunch(graph_run, graph_stream));
+        decode_graph_ms = timer.stop_ms() / double(kDecodeSteps);
+        CHECK_CUDA(cudaGraphExecDestroy(graph_run));
+        CHECK_CUDA(cudaGraphDestroy(graph));
+        std::vector<std::int64_t> graph_lengths;
+        CHECK_STATUS(cache.lengths(graph_lengths, graph_stream));
+        if (graph_lengths != plain_lengths) {
+          std::fprintf(stderr, "the graph replay kept other entries than the plain decode\n");
+          return 1;
+        }
       }
-      std::printf("| kvmem UA %s | %lld | %lld | %.2f | %.3f | %.4f | %.4f | %.4f | %.2f | %.0f |\n",
+      std::printf("| kvmem UA %s | %lld | %lld | %.2f | %.3f | %.4f | %.4f | %.4f | %.4f | %.2f | %.0f |\n",
                   p > 0 ? "pruned" : "dense", (long long)B, (long long)T, p, prefill_ms, kept_prefill, decode_ms,
-                  kept_decode, bytes_per_token / 1e6, decode_ms > 0 ? bytes_per_token / (decode_ms * 1e6) : 0.0);
+                  decode_graph_ms, kept_decode, bytes_per_token / 1e6,
+                  decode_graph_ms > 0 ? bytes_per_token / (decode_graph_ms * 1e6) : 0.0);
       std::fflush(stdout);
       if (js)
         std::fprintf(
             js,
             "{\"B\": %lld, \"H\": %lld, \"G\": %lld, \"D\": %lld, \"T\": %lld, \"p\": %g, \"prefill_ms\": %.5f, "
-            "\"kept_prefill\": %.6f, \"decode_ms\": %.6f, \"kept_decode\": %.6f, \"kept_bytes\": %.0f}\n",
+            "\"kept_prefill\": %.6f, \"decode_ms\": %.6f, \"decode_graph_ms\": %.6f, \"kept_decode\": %.6f, "
+            "\"kept_bytes\": %.0f}\n",
             (long long)B, (long long)H, (long long)G, (long long)D, (long long)T, p, prefill_ms, kept_prefill,
-            decode_ms, kept_decode, bytes_per_token);
+            decode_ms, decode_graph_ms, kept_decode, bytes_per_token);
     }
   }
   if (js) std::fclose(js);
+  CHECK_CUDA(cudaStreamDestroy(graph_stream));
   return 0;
 }

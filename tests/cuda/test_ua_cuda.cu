@@ -5,6 +5,7 @@
 // output gate, and validation. Skips, saying so, when no CUDA device is visible.
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <iostream>
@@ -80,9 +81,11 @@ struct CudaRun {
 
 // Chunked prefill of [0, split), then decode of [split, T), all with `opt` (the goldens' pruned run).
 // first_call > 0: the prefill is two calls, [0, first_call) and [first_call, split).
+// length_trace: when given, every item's length after each decode step is appended to it.
 template <class S, class Set = kvmem::decay::Universal>
 CudaRun cuda_prefill_decode(const FloatCase& f, std::int64_t split, const kvmem::ua::Options& opt,
-                            kvmem::cuda::UaCacheLimits limits = {}, std::int64_t first_call = 0) {
+                            kvmem::cuda::UaCacheLimits limits = {}, std::int64_t first_call = 0,
+                            std::vector<std::int64_t>* length_trace = nullptr) {
   const auto& c = f.c;
   DevCase<S> d(f);
   kvmem::cuda::UaCache<S> cache;
@@ -101,6 +104,11 @@ CudaRun cuda_prefill_decode(const FloatCase& f, std::int64_t split, const kvmem:
     const auto s = kvmem::cuda::ua_decode<Set>(exec, cache, d.slice(t, t + 1), opt, d.out_slice(out.ptr, t, t + 1));
     INFO(s.to_string());
     REQUIRE(s.is_ok());
+    if (length_trace) {
+      std::vector<std::int64_t> len;
+      REQUIRE(cache.lengths(len, exec.stream).is_ok());
+      length_trace->insert(length_trace->end(), len.begin(), len.end());
+    }
   }
   KVMEM_CUDA_REQUIRE(cudaDeviceSynchronize());
   CudaRun r;
@@ -484,4 +492,92 @@ TEST_CASE("ua cuda bf16 dense tensor-core prefill at a small shape (sanitizer ca
   INFO("out relative Frobenius " << e);
   CHECK(e <= 1e-2);
   for (auto len : gpu.lengths) CHECK(len == c.config.T);
+}
+
+namespace {
+// A user gate with a constant factor: next to KeyGate it gives every key a lifetime set by its z_k
+// (spec UA.md 4.1: A = log(1 - sqrt(sigmoid(z_k) e^c)) per step), so a case can keep a chosen number of
+// entries, evict some of them at every step and vary the kept length slowly.
+template <int kTenthsOfLogFactor>
+struct ConstantGate {
+  template <class Real>
+  KVMEM_HOST_DEVICE static Real log_factor(const kvmem::decay::PairInputs<Real>&) {
+    return Real(kTenthsOfLogFactor) / Real(10);
+  }
+};
+template <int kTenths>
+using LifetimeSet = kvmem::decay::Set<kvmem::decay::KeyGate, ConstantGate<kTenths>>;
+
+// The host backend with a decay set: chunked prefill of [0, split), then decode of [split, T).
+template <class Set, class Storage>
+std::vector<float> host_prefill_decode_set(const FloatCase& f, std::int64_t split, const kvmem::ua::Options& opt,
+                                           kvmem::ua::PrunedCache<Storage>& hc) {
+  std::vector<float> out = f.make_out();
+  const kvmem::host::Executor exec{2};
+  REQUIRE(kvmem::ua::prefill<Set>(exec, hc, f.slice(0, split), opt, f.out_slice(out, 0, split)).is_ok());
+  for (std::int64_t t = split; t < f.c.T; ++t)
+    REQUIRE(kvmem::ua::decode<Set>(exec, hc, f.slice(t, t + 1), opt, f.out_slice(out, t, t + 1)).is_ok());
+  return out;
+}
+}  // namespace
+
+TEST_CASE("ua cuda one-block decode: evictions across several tiles (sanitizer case)", "[ua][cuda][sanitize]") {
+  if (no_device()) return;
+  // lifetimes of about 100-290 steps (c = -7): the kept length climbs past two 64-entry tiles of the
+  // one-block path, and from about step 100 on keys from the middle of the cache leave at most steps, so
+  // survivors move down within and across tiles
+  Case c = random_case(1, 300, 8, 2, 64, 83);
+  FloatCase f(c);
+  round_inputs_to<kvmem::bf16>(f);  // host and device see the same bf16 inputs
+  using Set = LifetimeSet<-70>;
+  const kvmem::ua::Options opt{0.05, 64, true};
+  kvmem::ua::PrunedCache<kvmem::bf16> hc(f.cache_shape());
+  const auto host = host_prefill_decode_set<Set>(f, 60, opt, hc);
+  std::vector<std::int64_t> trace;
+  const auto gpu = cuda_prefill_decode<kvmem::bf16, Set>(f, 60, opt, {}, 0, &trace);
+  const double e = relative_frobenius(gpu.out, host);
+  std::int64_t excluded = 0;
+  const auto bad = kept_mismatches<Set>(c, gpu.kept, kept_mask(hc, c.config.T), 0.05, 1e-3, excluded);
+  const auto longest = *std::max_element(trace.begin(), trace.end());
+  const std::int64_t items = c.config.B * c.config.G;
+  std::int64_t evicting_steps = 0;  // steps after which an item is not one entry longer than before
+  for (std::size_t i = std::size_t(items); i < trace.size(); ++i)
+    evicting_steps += trace[i] <= trace[i - std::size_t(items)];
+  INFO("out relative Frobenius " << e << ", kept mismatches " << bad << " (+ " << excluded << " near-ties), longest "
+                                 << longest << ", steps that evicted " << evicting_steps);
+  CHECK(e <= 1e-2);
+  CHECK(bad == 0);
+  CHECK(longest > 2 * kvmem::cuda::ua_detail::kOneBlockTile);
+  CHECK(longest <= kvmem::cuda::ua_detail::kOneBlockMaxKept);  // every step on the one-block path
+  CHECK(evicting_steps >= 50);
+}
+
+TEST_CASE("ua cuda decode: items cross the one-block limit and come back (bf16, D 128, r 4)", "[ua][cuda]") {
+  if (no_device()) return;
+  // lifetimes of about 190-470 steps (c = -8.3): kept lengths wander around kOneBlockMaxKept, so items
+  // switch between the one-block path and the entry splits, in both directions, while evicting
+  Case c = random_case(1, 1000, 8, 2, 128, 87);
+  FloatCase f(c);
+  round_inputs_to<kvmem::bf16>(f);  // host and device see the same bf16 inputs
+  using Set = LifetimeSet<-83>;
+  const kvmem::ua::Options opt{0.05, 128, true};
+  kvmem::ua::PrunedCache<kvmem::bf16> hc(f.cache_shape());
+  const auto host = host_prefill_decode_set<Set>(f, 128, opt, hc);
+  std::vector<std::int64_t> trace;  // [steps][items]
+  const auto gpu = cuda_prefill_decode<kvmem::bf16, Set>(f, 128, opt, {}, 0, &trace);
+  const double e = relative_frobenius(gpu.out, host);
+  std::int64_t excluded = 0;
+  const auto bad = kept_mismatches<Set>(c, gpu.kept, kept_mask(hc, c.config.T), 0.05, 1e-3, excluded);
+  const std::int64_t items = c.config.B * c.config.G, limit = kvmem::cuda::ua_detail::kOneBlockMaxKept;
+  std::int64_t up = 0, down = 0;
+  for (std::size_t i = std::size_t(items); i < trace.size(); ++i) {
+    up += trace[i - std::size_t(items)] <= limit && trace[i] > limit;
+    down += trace[i - std::size_t(items)] > limit && trace[i] <= limit;
+  }
+  INFO("out relative Frobenius " << e << ", kept mismatches " << bad << " (+ " << excluded
+                                 << " near-ties), crossings up " << up << " down " << down);
+  CHECK(e <= 1e-2);
+  CHECK(bad == 0);
+  CHECK(up >= 1);
+  CHECK(down >= 1);
 }

@@ -88,6 +88,7 @@ class UaCache {
                       o_lambda = arena.take(I * cap * sizeof(float)), o_logit = arena.take(I * cap * sizeof(float)),
                       o_pos = arena.take(I * cap * sizeof(std::int64_t)), o_len = arena.take(I * sizeof(std::int64_t)),
                       o_counter = arena.take(I * sizeof(std::int64_t)), o_done = arena.take(I * sizeof(int)),
+                      o_next = arena.take(I * sizeof(std::int64_t)),
                       o_ml = arena.take(I * splits * r * P * 2 * sizeof(float)),
                       o_acc = arena.take(I * splits * r * P * D * sizeof(float)),
                       o_new = arena.take(I * P * sizeof(float)),
@@ -104,6 +105,7 @@ class UaCache {
     d.length = reinterpret_cast<std::int64_t*>(base + o_len);
     d.counter = reinterpret_cast<std::int64_t*>(base + o_counter);
     d.done = reinterpret_cast<int*>(base + o_done);
+    d.next_length = reinterpret_cast<std::int64_t*>(base + o_next);
     d.cap = s.capacity;
     d.D = s.head_dim;
     d.G = s.kv_heads;
@@ -327,9 +329,10 @@ Status ua_run(const Executor& exec, UaCache<S>& cache, const UaInputs<S>& in, co
   if (decode) {
     a.P = 1;
     a.lambda_new = nullptr;
-    // Every split the cache allows: the kernel sizes the pieces from the true length (at least 32
-    // entries each), so a short cache uses few blocks and the rest return at once; a decode step is
-    // latency-bound, and more blocks shorten each block's chain of dependent loads.
+    // Every split the cache allows: the kernel reads the true length; an item of at most
+    // kOneBlockMaxKept entries is decoded by one block (the others take their ticket and return), a
+    // longer one is split in pieces of at least 32 entries; a decode step is latency-bound, and more
+    // blocks shorten each block's chain of dependent loads.
     a.splits = cache.limits_.max_splits;
     const std::size_t bytes = decode_kernel_smem_bytes<S>(D, r);
     // lanes of an 8-lane group hold ceil(D / 8) dims each
@@ -337,7 +340,7 @@ Status ua_run(const Executor& exec, UaCache<S>& cache, const UaInputs<S>& in, co
                                                           : D <= 128 ? decode_attend_kernel<Set, S, 16>
                                                                      : decode_attend_kernel<Set, S, 32>;
     KVMEM_RETURN_IF_ERROR(allow_shared(kernel, bytes));
-    kernel<<<dim3(unsigned(a.splits), unsigned(I)), kDecodeThreads, bytes, exec.stream>>>(dev, a);
+    kernel<<<dim3(unsigned(I), unsigned(a.splits)), kDecodeThreads, bytes, exec.stream>>>(dev, a);
     KVMEM_CUDA_RETURN_IF_LAUNCH_FAILED("ua decode_attend_kernel");
   } else if (const DenseKernel<S> dense = dense_kernel_for<Set, S>(in, D, r, a.log_p); dense.kernel) {
     const std::int64_t tiles = dense_row_tiles(T, r);  // T >= 1 (check_call_shapes)

@@ -15,8 +15,10 @@
 //       no float atomics), applies the output gate, writes the output and lse;
 //   finish_kernel   grid (B*G): evicts every entry with λ < ln p and compacts the survivors stably in
 //       place, appends the surviving new keys, and advances the item's position counter.
-// A decode step is one launch: the last split of an item to finish (an integer ticket) runs the merge
-// and the finish of that item.
+// A decode step is one launch. An item with at most kOneBlockMaxKept entries (the device reads the
+// true length) is decoded by one block that updates λ, evicts, compacts, appends and attends in one
+// pass; a longer one splits its entries over the blocks, and the last split of the item to finish (an
+// integer ticket) runs the merge and the finish of that item.
 // No L x L matrix exists anywhere: λ is one float per entry, the decay lives in a tile of shared
 // memory for the duration of one (entry tile, row tile) step.
 
@@ -24,6 +26,7 @@
 
 #include <cstdint>
 
+#include "kvmem/backend/cuda/ptx.cuh"
 #include "kvmem/core/math.hpp"
 #include "kvmem/core/numeric.hpp"
 #include "kvmem/core/softmax.hpp"
@@ -34,14 +37,15 @@ namespace kvmem::cuda::ua_detail {
 // The cache in device memory (one item = one (sequence, kv head); rows ascending in position).
 template <class S>
 struct DeviceCache {
-  S* keys = nullptr;                // [I, cap, D]
-  S* values = nullptr;              // [I, cap, D]
-  float* lambda = nullptr;          // [I, cap] λ_e = Λ_{n-1, pos_e} (log space)
-  float* key_logit = nullptr;       // [I, cap] z_k of each entry
-  std::int64_t* pos = nullptr;      // [I, cap] absolute positions
-  std::int64_t* length = nullptr;   // [I] entries in use
-  std::int64_t* counter = nullptr;  // [I] next absolute position (tokens seen by the sequence)
-  int* done = nullptr;              // [I] decode splits finished this step (the last one resets it to 0)
+  S* keys = nullptr;                    // [I, cap, D]
+  S* values = nullptr;                  // [I, cap, D]
+  float* lambda = nullptr;              // [I, cap] λ_e = Λ_{n-1, pos_e} (log space)
+  float* key_logit = nullptr;           // [I, cap] z_k of each entry
+  std::int64_t* pos = nullptr;          // [I, cap] absolute positions
+  std::int64_t* length = nullptr;       // [I] entries in use
+  std::int64_t* counter = nullptr;      // [I] next absolute position (tokens seen by the sequence)
+  int* done = nullptr;                  // [I] decode blocks finished this step (the last one resets it to 0)
+  std::int64_t* next_length = nullptr;  // [I] a one-block decode step's new length, published by the last block
   std::int64_t cap = 0, D = 0, G = 0, r = 0;
 };
 
@@ -79,7 +83,7 @@ inline constexpr int kEntryTile = 64;  // entries staged per step of the chunk k
 inline constexpr int kChunkThreads = 256;
 inline constexpr int kLanesPerPair = 4;  // threads sharing one (query head, row) in the chunk kernel
 inline constexpr int kPairs = kChunkThreads / kLanesPerPair;
-inline constexpr int kDecodeThreads = 128;
+inline constexpr int kDecodeThreads = 256;
 
 // Entries [begin, end) of split s when `total` entries are split `splits` ways in aligned pieces of at
 // least `min_piece` (the merge recomputes the same ranges to know how many partials exist).
@@ -297,10 +301,7 @@ __global__ void __launch_bounds__(kChunkThreads)
   }
 }
 
-// ---- decode: one row per item --------------------------------------------------------------------
-// A group of 8 lanes takes one entry at a time, its lanes over the dims: the entry's key is read once
-// for the λ update (spec 4.4 step 1) and the r logits. Then the block walks the tile's value rows with
-// one thread per dim for all r heads. The new token is entry n (λ = 0).
+// ---- decode: one row per item (the kernels are after the finish) ---------------------------------
 __host__ __device__ inline std::size_t decode_smem_bytes(std::int64_t D, std::int64_t r) {
   return sizeof(float) * std::size_t((r + 1) * D           // queries of the group, the new key
                                      + r * D               // accumulators
@@ -393,19 +394,22 @@ __host__ __device__ inline std::size_t finish_smem_bytes(std::int64_t D) {
 
 // Copies rows of D elements of S with the block's threads: row i from src(i) to dst(i) (nullptr: the row
 // is skipped). With vec16, every row start is 16-byte aligned and D * sizeof(S) is a multiple of 16, so
-// whole 16-byte vectors move (8 bf16 per load instead of one); otherwise element by element.
+// whole 16-byte vectors move (8 bf16 per load instead of one); otherwise element by element. Indices
+// within the copy are 32-bit (rows <= kMaxCallRows, D <= 256): 64-bit division is a long emulated
+// sequence, and these loops run on the latency-bound finish and decode paths.
 template <class S, class Src, class Dst>
 __device__ inline void copy_rows(std::int64_t rows, std::int64_t D, bool vec16, Src src, Dst dst) {
   if (vec16) {
-    const std::int64_t per_row = D * std::int64_t(sizeof(S)) / 16;
-    for (std::int64_t x = threadIdx.x; x < rows * per_row; x += blockDim.x) {
-      const std::int64_t i = x / per_row, w = x % per_row;
+    const int per_row = int(D) * int(sizeof(S)) / 16, count = int(rows) * per_row;
+    for (int x = int(threadIdx.x); x < count; x += int(blockDim.x)) {
+      const int i = x / per_row, w = x % per_row;
       S* to = dst(i);
       if (to != nullptr) reinterpret_cast<uint4*>(to)[w] = reinterpret_cast<const uint4*>(src(i))[w];
     }
   } else {
-    for (std::int64_t x = threadIdx.x; x < rows * D; x += blockDim.x) {
-      const std::int64_t i = x / D, d = x % D;
+    const int dim = int(D), count = int(rows) * dim;
+    for (int x = int(threadIdx.x); x < count; x += int(blockDim.x)) {
+      const int i = x / dim, d = x % dim;
       S* to = dst(i);
       if (to != nullptr) to[d] = src(i)[d];
     }
@@ -522,17 +526,305 @@ __global__ void __launch_bounds__(kFinishThreads)
   finish_item(c, a, blockIdx.x, t0, rows, fsm);
 }
 
-// grid (splits, I), block kDecodeThreads, dynamic smem decode_kernel_smem_bytes<S>(D, r).
-template <class S>
-__host__ __device__ inline std::size_t decode_kernel_smem_bytes(std::int64_t D, std::int64_t r) {
-  const std::size_t attend = decode_smem_bytes(D, r), finish = finish_smem_bytes<S>(D);
-  return attend > finish ? attend : finish;
-}
-// kDpl: dims per lane of an 8-lane group (>= ceil(D / 8)).
+// ---- decode, short caches: the whole step of one item in one block -------------------------------
+// An item that keeps at most kOneBlockMaxKept entries is decoded by split 0 of the launch alone: per
+// tile of kOneBlockTile entries (ascending position, the new token last) the block stages keys,
+// values, λ, z_k and positions in shared memory, updates λ (spec 4.4: λ_j += A_{j,t}, independent per
+// entry), decides eviction, takes one online-softmax step per head, and writes the survivors to their
+// stable-compaction slots (a ballot prefix sum: ascending position kept); then it appends the new
+// token and writes the output. No partials and no merge: one block, one chain of dependent loads per
+// tile. Compaction in place is safe tile by tile: a row's destination is never above its source, so
+// writes land on rows this tile or an earlier one has already staged.
+inline constexpr int kOneBlockTile = 64;  // a multiple of 32: one ballot per 32 entries
+inline constexpr std::int64_t kOneBlockMaxKept = 256;
+
+// Byte offsets of the one-block path's shared memory. Staged rows are D + 16 bytes apart: the four
+// 8-lane groups of a warp read the same columns of four rows, which then fall in different banks.
+struct OneBlockLayout {
+  std::int64_t pitch;  // elements of S per staged row
+  std::size_t keys, values, pos, lambda, logit, keep, dst, qs, nk, acc, wts, run_max, run_sum, rescale, kept, bytes;
+  __host__ __device__ static std::size_t up16(std::size_t x) { return (x + 15) / 16 * 16; }
+  __host__ __device__ OneBlockLayout(std::int64_t D, std::int64_t r, std::size_t elem) {
+    pitch = D + std::int64_t(16 / elem);
+    const std::size_t tile = std::size_t(kOneBlockTile), row_bytes = std::size_t(pitch) * elem;
+    keys = 0;
+    values = keys + tile * row_bytes;
+    pos = up16(values + tile * row_bytes);
+    lambda = pos + tile * sizeof(std::int64_t);
+    logit = lambda + tile * sizeof(float);
+    keep = logit + tile * sizeof(float);
+    dst = keep + tile * sizeof(int);
+    qs = up16(dst + tile * sizeof(int));
+    nk = up16(qs + std::size_t(r * D) * sizeof(float));
+    acc = up16(nk + std::size_t(D) * sizeof(float));
+    wts = up16(acc + std::size_t(r * D) * sizeof(float));
+    run_max = up16(wts + std::size_t(r) * tile * sizeof(float));
+    run_sum = run_max + std::size_t(r) * sizeof(float);
+    rescale = run_sum + std::size_t(r) * sizeof(float);
+    kept = up16(rescale + std::size_t(r) * sizeof(float));
+    bytes = kept + 16;
+  }
+};
+
+// Split 0 of an item with n <= kOneBlockMaxKept cached entries: the whole step except publishing the
+// new length (the last block of the item does that, see decode_attend_kernel). Returns the length
+// after the step (survivors + the new token) in every thread.
 template <class Set, class S, int kDpl>
-__global__ void __launch_bounds__(kDecodeThreads) decode_attend_kernel(DeviceCache<S> c, DeviceCall<S> a) {
-  extern __shared__ __align__(16) float dsm[];
-  const std::int64_t D = c.D, r = c.r, item = blockIdx.y, b = item / c.G, g = item % c.G;
+__device__ inline std::int64_t decode_one_block(const DeviceCache<S>& c, const DeviceCall<S>& a, std::int64_t item,
+                                                std::int64_t n, unsigned char* smem) {
+  const std::int64_t D = c.D, r = c.r, b = item / c.G, g = item % c.G, row0 = item * c.cap;
+  const std::int64_t t = c.counter[item];
+  const OneBlockLayout L(D, r, sizeof(S));
+  const int pitch = int(L.pitch);
+  S* kst = reinterpret_cast<S*>(smem + L.keys);
+  S* vst = reinterpret_cast<S*>(smem + L.values);
+  std::int64_t* pos_t = reinterpret_cast<std::int64_t*>(smem + L.pos);
+  float* lam_t = reinterpret_cast<float*>(smem + L.lambda);
+  float* zk_t = reinterpret_cast<float*>(smem + L.logit);
+  int* keep_t = reinterpret_cast<int*>(smem + L.keep);
+  int* dst_t = reinterpret_cast<int*>(smem + L.dst);    // destination row of a survivor, -1 otherwise
+  float* qs = reinterpret_cast<float*>(smem + L.qs);    // [r][D]
+  float* nk = reinterpret_cast<float*>(smem + L.nk);    // [D]
+  float* acc = reinterpret_cast<float*>(smem + L.acc);  // [r][D]
+  float* wts = reinterpret_cast<float*>(smem + L.wts);  // [r][kOneBlockTile] logits, then weights
+  float* run_max = reinterpret_cast<float*>(smem + L.run_max);
+  float* run_sum = reinterpret_cast<float*>(smem + L.run_sum);
+  float* rescale = reinterpret_cast<float*>(smem + L.rescale);
+  int* kept_s = reinterpret_cast<int*>(smem + L.kept);  // survivors so far (the last warp keeps it)
+
+  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, warps = int(blockDim.x / 32);
+  const int grp = lane / kDecodeGroup, sub = lane % kDecodeGroup;
+  const S* new_key = a.k + b * a.k_b + g * a.k_g;
+  const S* new_value = a.v + b * a.v_b + g * a.v_g;
+  const int dim = int(D);  // tile-local indices are 32-bit (D <= 256, kOneBlockTile rows)
+  for (int x = tid; x < int(r) * dim; x += int(blockDim.x)) {
+    qs[x] = ld(a.q + b * a.q_b + (g * r + x / dim) * a.q_h + x % dim);
+    acc[x] = 0.0f;
+  }
+  for (int d = tid; d < dim; d += int(blockDim.x)) nk[d] = ld(new_key + d);
+  for (std::int64_t h = tid; h < r; h += blockDim.x) {
+    run_max[h] = negative_infinity<float>();
+    run_sum[h] = 0.0f;
+  }
+  if (tid == 0) *kept_s = 0;
+  const float zq = a.z_q[b * a.zq_b + g * a.zq_g];
+  const float q_part = kernel::ua::query_gate_part(zq);
+  // cache rows start 16 bytes apart when D * sizeof(S) is a multiple of 16 (the arena is 256-aligned),
+  // and so do the staged rows (pitch D + 16 bytes, dynamic shared memory 16-byte aligned)
+  const bool vec = (D * std::int64_t(sizeof(S))) % 16 == 0;
+  const std::int64_t total = n + 1;  // the cached entries, then the new token (entry n, λ = 0)
+
+  for (std::int64_t e0 = 0; e0 < total; e0 += kOneBlockTile) {
+    const int ne = int(total - e0 < kOneBlockTile ? total - e0 : kOneBlockTile);
+    const int cached = int(n - e0 < ne ? n - e0 : ne);  // entries of the tile that are cache rows
+    __syncthreads();  // the previous tile's readers of the staging buffers are done (setup written)
+    // 1. stage the tile: rows with cp.async (no registers, every load in flight at once)
+    const S* tile_keys = c.keys + (row0 + e0) * D;
+    const S* tile_values = c.values + (row0 + e0) * D;
+    if (vec) {
+      const int per_row = dim * int(sizeof(S)) / 16, per = 16 / int(sizeof(S));
+      for (int x = tid; x < cached * per_row; x += int(blockDim.x)) {
+        const int e = x / per_row, w = x % per_row;
+        ptx::cp_async16(kst + e * pitch + w * per, tile_keys + e * dim + w * per, 16);
+        ptx::cp_async16(vst + e * pitch + w * per, tile_values + e * dim + w * per, 16);
+      }
+      ptx::cp_async_commit();
+    } else {
+      for (int x = tid; x < cached * dim; x += int(blockDim.x)) {
+        const int e = x / dim, d = x % dim;
+        kst[e * pitch + d] = tile_keys[e * dim + d];
+        vst[e * pitch + d] = tile_values[e * dim + d];
+      }
+    }
+    if (cached < ne)  // the new token is the tile's last entry
+      for (int d = tid; d < dim; d += int(blockDim.x)) {
+        kst[cached * pitch + d] = new_key[d];
+        vst[cached * pitch + d] = new_value[d];
+      }
+    for (int e = tid; e < ne; e += int(blockDim.x)) {
+      const bool in_cache = e < cached;
+      lam_t[e] = in_cache ? c.lambda[row0 + e0 + e] : 0.0f;
+      zk_t[e] = in_cache ? c.key_logit[row0 + e0 + e] : a.z_k[b * a.zk_b + g * a.zk_g];
+      pos_t[e] = in_cache ? c.pos[row0 + e0 + e] : t;
+    }
+    ptx::cp_async_wait<0>();
+    __syncthreads();
+    // 2. λ update, eviction test and the r logits: a group of kDecodeGroup lanes per entry, lanes over
+    //    the dims (every lane runs every shuffle: the loop bound is warp-uniform)
+    for (int eb = warp * kGroupsPerWarp; eb < ne; eb += warps * kGroupsPerWarp) {
+      const int e = eb + grp;
+      const bool valid = e < ne, in_cache = e < cached;
+      float key[kDpl];
+#pragma unroll
+      for (int x = 0; x < kDpl; ++x) {
+        const int d = sub + x * kDecodeGroup;
+        key[x] = (valid && d < dim) ? ld(kst + e * pitch + d) : 0.0f;
+      }
+      float lam = 0.0f;
+      bool keep = false, attend = valid;
+      if constexpr (Set::kNeedsSimilarity) {
+        float sim = 0.0f;
+#pragma unroll
+        for (int x = 0; x < kDpl; ++x) {
+          const int d = sub + x * kDecodeGroup;
+          if (d < dim) sim += key[x] * nk[d];
+        }
+        sim = group_sum(sim);
+        if (in_cache) {
+          const float zk = zk_t[e];
+          const std::int64_t p = pos_t[e];
+          lam = lam_t[e];
+          if (t > p)
+            lam +=
+                kernel::ua::decay_from_similarity<Set, float>(sim, zk, kernel::ua::key_gate_part(zk), p, zq, q_part, t);
+        }
+      } else if (in_cache) {
+        const float zk = zk_t[e];
+        const std::int64_t p = pos_t[e];
+        lam = lam_t[e];
+        if (t > p)
+          lam +=
+              kernel::ua::decay_from_similarity<Set, float>(0.0f, zk, kernel::ua::key_gate_part(zk), p, zq, q_part, t);
+      }
+      if (in_cache) {
+        keep = !(double(lam) < a.log_p);
+        attend = keep || !a.evict_before_attention;
+      }
+      for (int h = 0; h < int(r); ++h) {
+        float part = 0.0f;
+#pragma unroll
+        for (int x = 0; x < kDpl; ++x) {
+          const int d = sub + x * kDecodeGroup;
+          if (d < dim) part += qs[h * dim + d] * key[x];
+        }
+        part = group_sum(part);
+        if (sub == 0 && valid)
+          wts[h * kOneBlockTile + e] = attend ? part + lam : negative_infinity<float>();  // scale 1
+      }
+      __syncwarp();  // the group's lanes have read lam_t[e]
+      if (sub == 0 && valid) {
+        lam_t[e] = lam;
+        keep_t[e] = keep ? 1 : 0;  // the new token is appended after the survivors, never moved
+      }
+    }
+    __syncthreads();
+    // 3. the last warp: survivors' destinations, 32 entries per ballot. Warp w: the online-softmax step
+    //    of heads w, w + warps, ... over the tile (warp reductions in a fixed order: deterministic)
+    if (warp == warps - 1) {
+      int kept = *kept_s;
+      for (int e = lane; e < kOneBlockTile; e += 32) {  // warp-uniform bound
+        const bool keep = e < ne && keep_t[e] != 0;
+        const unsigned mask = __ballot_sync(0xffffffffu, keep);
+        dst_t[e] = keep ? kept + __popc(mask & ((1u << lane) - 1u)) : -1;
+        kept += __popc(mask);
+      }
+      __syncwarp();
+      if (lane == 0) *kept_s = kept;
+    }
+    constexpr int kPerLane = kOneBlockTile / 32;
+    for (std::int64_t h = warp; h < r; h += warps) {
+      float l[kPerLane], w[kPerLane];
+      float tile_max = negative_infinity<float>();
+#pragma unroll
+      for (int u = 0; u < kPerLane; ++u) {
+        const int e = lane + 32 * u;
+        l[u] = e < ne ? wts[h * kOneBlockTile + e] : negative_infinity<float>();
+        tile_max = fmaxf(tile_max, l[u]);
+      }
+      for (int o = 16; o > 0; o /= 2) tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, o));
+      const float old_max = run_max[h];
+      const float new_max = tile_max > old_max ? tile_max : old_max;
+      float tile_sum = 0.0f;
+#pragma unroll
+      for (int u = 0; u < kPerLane; ++u) {
+        w[u] = l[u] == negative_infinity<float>() ? 0.0f : expf(l[u] - new_max);
+        tile_sum += w[u];
+      }
+      for (int o = 16; o > 0; o /= 2) tile_sum += __shfl_xor_sync(0xffffffffu, tile_sum, o);
+      const float scale = (old_max == negative_infinity<float>() || new_max == negative_infinity<float>())
+                              ? 0.0f
+                              : expf(old_max - new_max);
+#pragma unroll
+      for (int u = 0; u < kPerLane; ++u)
+        if (lane + 32 * u < ne) wts[h * kOneBlockTile + lane + 32 * u] = w[u];
+      __syncwarp();
+      if (lane == 0) {
+        run_max[h] = new_max;
+        run_sum[h] = run_sum[h] * scale + tile_sum;
+        rescale[h] = scale;
+      }
+    }
+    __syncthreads();
+    // 4. p.v: a thread per (dim, pair of heads), each value read once for both heads
+    const int head_pairs = (int(r) + 1) / 2;
+    for (int x = tid; x < dim * head_pairs; x += int(blockDim.x)) {
+      const int d = x % dim, h0 = 2 * (x / dim), nh = int(r) - h0 < 2 ? 1 : 2;
+      float s0 = acc[h0 * dim + d] * rescale[h0], s1 = nh == 2 ? acc[(h0 + 1) * dim + d] * rescale[h0 + 1] : 0.0f;
+      const float* w0 = wts + h0 * kOneBlockTile;
+      const float* w1 = nh == 2 ? w0 + kOneBlockTile : w0;  // a lone last head reads its own weights twice
+      for (int e = 0; e < ne; ++e) {
+        const float v = ld(vst + e * pitch + d);
+        s0 += w0[e] * v;
+        s1 += w1[e] * v;
+      }
+      acc[h0 * dim + d] = s0;
+      if (nh == 2) acc[(h0 + 1) * dim + d] = s1;
+    }
+    // 5. survivors to their slots (only rows that move are copied; every survivor's λ changed)
+    auto moved = [&](std::int64_t e) { return dst_t[e] >= 0 && dst_t[e] != e0 + e; };
+    copy_rows<S>(
+        ne, D, vec, [&](std::int64_t e) { return kst + e * pitch; },
+        [&](std::int64_t e) { return moved(e) ? c.keys + (row0 + dst_t[e]) * D : nullptr; });
+    copy_rows<S>(
+        ne, D, vec, [&](std::int64_t e) { return vst + e * pitch; },
+        [&](std::int64_t e) { return moved(e) ? c.values + (row0 + dst_t[e]) * D : nullptr; });
+    for (int e = tid; e < ne; e += int(blockDim.x)) {
+      if (dst_t[e] < 0) continue;
+      c.lambda[row0 + dst_t[e]] = lam_t[e];
+      if (moved(e)) {
+        c.key_logit[row0 + dst_t[e]] = zk_t[e];
+        c.pos[row0 + dst_t[e]] = pos_t[e];
+      }
+    }
+    if (cached < ne) {  // 6. append the new token after the survivors (λ = 0 >= ln p: always kept)
+      const std::int64_t slot = row0 + *kept_s;
+      copy_rows<S>(
+          1, D, vec, [&](std::int64_t) { return kst + cached * pitch; },
+          [&](std::int64_t) { return c.keys + slot * D; });
+      copy_rows<S>(
+          1, D, vec, [&](std::int64_t) { return vst + cached * pitch; },
+          [&](std::int64_t) { return c.values + slot * D; });
+      if (tid == 0) {
+        c.lambda[slot] = 0.0f;
+        c.key_logit[slot] = zk_t[cached];
+        c.pos[slot] = t;
+      }
+    }
+  }
+  // 7. output
+  __syncthreads();  // every accumulator is final
+  for (int d = tid; d < dim; d += int(blockDim.x))
+    for (int h = 0; h < int(r); ++h) {
+      const float sum = run_sum[h];
+      float y = sum > 0.0f ? acc[h * dim + d] / sum : 0.0f;
+      const std::int64_t hq = g * r + h;
+      if (a.z_o) y *= sigmoid(ld(a.z_o + b * a.zo_b + hq * a.zo_h + d));
+      a.out[b * a.o_b + hq * a.o_h + d] = y;
+      if (a.lse && d == 0)
+        a.lse[b * a.l_b + hq * a.l_h] = sum > 0.0f ? run_max[h] + logf(sum) : negative_infinity<float>();
+    }
+  return std::int64_t(*kept_s) + 1;
+}
+
+// ---- decode, long caches: entry splits ----------------------------------------------------------
+// A group of 8 lanes takes one entry at a time, its lanes over the dims: the entry's key is read once
+// for the λ update (spec 4.4 step 1) and the r logits. Then the block walks the tile's value rows with
+// one thread per dim for all r heads. The new token is entry n (λ = 0). Leaves this split's partial
+// (nothing when the split has no entries).
+template <class Set, class S, int kDpl>
+__device__ inline void decode_split(const DeviceCache<S>& c, const DeviceCall<S>& a, std::int64_t item, std::int64_t n,
+                                    int split, float* dsm) {
+  const std::int64_t D = c.D, r = c.r, b = item / c.G, g = item % c.G;
   float* qs = dsm;                            // [r][D]
   float* nk = qs + r * D;                     // [D]
   float* acc = nk + D;                        // [r][D]
@@ -541,9 +833,9 @@ __global__ void __launch_bounds__(kDecodeThreads) decode_attend_kernel(DeviceCac
   float* run_sum = run_max + r;               // [r]
   float* scratch = run_sum + r;               // [32]
 
-  const std::int64_t n = c.length[item], total = n + 1;
+  const std::int64_t total = n + 1;
   const std::int64_t piece = split_piece(total, a.splits, 32);
-  const std::int64_t e_begin = blockIdx.x * piece;
+  const std::int64_t e_begin = split * piece;
   if (e_begin >= total) return;
   const std::int64_t e_end = e_begin + piece < total ? e_begin + piece : total;
   const std::int64_t t = c.counter[item], row0 = item * c.cap;
@@ -656,26 +948,79 @@ __global__ void __launch_bounds__(kDecodeThreads) decode_attend_kernel(DeviceCac
     __syncthreads();
   }
   for (std::int64_t h = 0; h < r; ++h) {
-    const std::int64_t slot = (item * a.splits + blockIdx.x) * r + h;  // P = 1 row
+    const std::int64_t slot = (item * a.splits + split) * r + h;  // P = 1 row
     if (tid == 0) {
       a.part_ml[slot * 2] = run_max[h];
       a.part_ml[slot * 2 + 1] = run_sum[h];
     }
     for (std::int64_t d = tid; d < D; d += blockDim.x) a.part_acc[slot * D + d] = acc[h * D + d];
   }
-  // The last split of the item to finish merges every split in split order and finishes the step (an
-  // integer ticket: which block arrives last does not change the result). One launch per step.
-  const int used = active_splits(total, a.splits, 32);
+}
+
+// grid (I, splits), block kDecodeThreads, dynamic smem decode_kernel_smem_bytes<S>(D, r).
+template <class S>
+__host__ __device__ inline std::size_t decode_kernel_smem_bytes(std::int64_t D, std::int64_t r) {
+  const std::size_t attend = decode_smem_bytes(D, r), finish = finish_smem_bytes<S>(D),
+                    one_block = OneBlockLayout(D, r, sizeof(S)).bytes;
+  const std::size_t split = attend > finish ? attend : finish;
+  return split > one_block ? split : one_block;
+}
+// Memory ordering of the decode ticket (PTX memory model, GPU scope): the length every block reads
+// first is an acquire load, so nothing the block does afterwards (its ticket included) is ordered
+// before it; a block that wrote something releases it with an acq_rel fence before its ticket, and
+// the last block fences after its ticket before reading the others' writes. (__threadfence is a
+// sequentially consistent fence: stronger than needed, and it is the costliest step of an idle block.)
+__device__ inline std::int64_t load_acquire_i64(const std::int64_t* p) {
+  std::int64_t v;
+  asm volatile("ld.acquire.gpu.global.b64 %0, [%1];\n" : "=l"(v) : "l"(p) : "memory");
+  return v;
+}
+__device__ inline void fence_acq_rel_gpu() {
+  asm volatile("fence.acq_rel.gpu;\n" ::: "memory");
+}
+// One decode step of every item in one launch. The device reads each item's true length and picks the
+// path: up to kOneBlockMaxKept cached entries, split 0 does the whole step (decode_one_block) and the
+// other splits only take their ticket; longer items split their entries over the blocks, and the last
+// block merges the partials in split order and finishes the step (evict, compact, append).
+// Every block of an item takes one integer ticket after its part (which block arrives last does not
+// change the result); the last one publishes the new length and position. Until then no block of the
+// step can see a changed length, so every block of an item takes the same path. Items run along
+// grid x, splits along y: the blocks are dispatched x first, so every item's split 0 starts in the
+// first wave even when the idle splits do not all fit at once.
+// kDpl: dims per lane of an 8-lane group (>= ceil(D / 8)).
+template <class Set, class S, int kDpl>
+__global__ void __launch_bounds__(kDecodeThreads) decode_attend_kernel(DeviceCache<S> c, DeviceCall<S> a) {
+  extern __shared__ __align__(16) float dsm[];
+  const std::int64_t item = blockIdx.x, n = load_acquire_i64(c.length + item);
+  const int split = int(blockIdx.y);
+  const bool one_block = n <= kOneBlockMaxKept;
+  bool wrote = true;
+  if (one_block) {
+    wrote = split == 0;
+    if (wrote) {
+      const std::int64_t length = decode_one_block<Set, S, kDpl>(c, a, item, n, reinterpret_cast<unsigned char*>(dsm));
+      if (threadIdx.x == 0) c.next_length[item] = length;
+    }
+  } else {
+    decode_split<Set, S, kDpl>(c, a, item, n, split, dsm);
+  }
   __shared__ int last;
-  __threadfence();  // this block's partial and λ are visible device-wide before the ticket says so
+  if (wrote) fence_acq_rel_gpu();  // this block's rows, λ, partial and next length before its ticket
   __syncthreads();
-  if (tid == 0) last = atomicAdd(c.done + item, 1) == used - 1 ? 1 : 0;
+  if (threadIdx.x == 0) last = atomicAdd(c.done + item, 1) == int(gridDim.y) - 1 ? 1 : 0;
   __syncthreads();
   if (!last) return;
-  __threadfence();
-  merge_row(c, a, item, 0, 0, used);
-  finish_item(c, a, item, 0, 1, reinterpret_cast<unsigned char*>(dsm));  // the attention buffers are free now
-  if (tid == 0) c.done[item] = 0;
+  fence_acq_rel_gpu();
+  if (one_block) {
+    if (threadIdx.x == 0) {
+      c.length[item] = __ldcg(c.next_length + item);
+      c.counter[item] += 1;
+    }
+  } else {
+    merge_row(c, a, item, 0, 0, active_splits(n + 1, a.splits, 32));
+    finish_item(c, a, item, 0, 1, reinterpret_cast<unsigned char*>(dsm));  // the attention buffers are free now
+  }
+  if (threadIdx.x == 0) c.done[item] = 0;
 }
 
 }  // namespace kvmem::cuda::ua_detail
