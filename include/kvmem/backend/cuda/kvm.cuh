@@ -543,6 +543,18 @@ Status kvm_run(const Executor& exec, KvmState<S, A>& state, const KvmWeights& w,
   const ReadoutPipeline& pipe = state.pipe_;
   const bool detach = T > 1 && attend_tc != nullptr && copy16 && state.snap_k_[0] != nullptr;
   const Executor chain = detach ? Executor{side.stream} : exec;
+  // With the window read from the inputs, the updates read their tokens there too: a chunk enters
+  // the ring only if a later reader needs it there (founding, a readout on the chain, the last window).
+  d.in_k = d.in_v = d.in_g = nullptr;
+  d.in_first = n0;
+  d.in_count = T;
+  if constexpr (std::is_same_v<In, S>) {
+    if (detach) {
+      d.in_k = k.data();
+      d.in_v = v.data();
+      d.in_g = gate.data();
+    }
+  }
   const auto record = [](cudaEvent_t e, cudaStream_t on) { return to_status(cudaEventRecord(e, on), "cudaEventRecord"); };
   const auto wait = [](cudaStream_t s, cudaEvent_t e) {
     return to_status(cudaStreamWaitEvent(s, e, 0), "cudaStreamWaitEvent");
@@ -605,7 +617,9 @@ Status kvm_run(const Executor& exec, KvmState<S, A>& state, const KvmWeights& w,
         KVMEM_RETURN_IF_ERROR(record(pipe.snapped, pipe.aux));
       }
     }
-    if (!decode_step || founds) {  // a decode step appends its token inside the fused kernel
+    // a decode step appends its token inside the fused kernel
+    const bool ingest = detach ? founds || !detached_readout || t1 > n0 + T - p.window() : !decode_step || founds;
+    if (ingest) {
       const dim3 igrid(static_cast<unsigned>(items),
                        static_cast<unsigned>((t1 - t0 + kWarpsPerBlock - 1) / kWarpsPerBlock));
       ingest_kernel<S, A, In><<<igrid, 32 * kWarpsPerBlock, 0, ingest_on.stream>>>(d, k.data(), v.data(), gate.data(),

@@ -45,6 +45,14 @@ struct DeviceState {
   bf16* khat_lo;   // [I, cap, D]
   bf16* k0_hl;     // [I, C, 2, D]  (hi row, lo row) per token; aliases the k0t buffer
   bf16* kg_hl;     // [I, C, 2, D]  aliases the kgt buffer
+  // A prefill call's own inputs (storage type, [I, in_count, *] for positions in_first + r), set
+  // for prefills with readouts beside the chain: an update reads the tokens leaving the window
+  // from them (token_key and friends) instead of the ring, so such a prefill ingests only the
+  // chunks a later reader of the ring needs. nullptr: every token from the ring.
+  const S* in_k;   // [I, in_count, D]
+  const S* in_v;   // [I, in_count, Dv]
+  const S* in_g;   // [I, in_count]
+  std::int64_t in_first, in_count;
   const A* ln_w;   // [D]   caller's device weights, read in place (no per-call copy)
   const A* ln_b;   // [D]
   const A* tau_s;  // [Hq]
@@ -57,6 +65,25 @@ struct DeviceState {
 
   __device__ std::int64_t rep() const { return Hq / Hk; }
 };
+
+// Key, value row and gate of position p of item i for an update: from the call's inputs when they
+// hold it (the same values the ring would: the ring stores storage-type inputs as they are), else
+// from the ring (row p mod W).
+template <class S, class A>
+__device__ inline const S* token_key(const DeviceState<S, A>& st, std::int64_t i, std::int64_t p) {
+  if (st.in_k != nullptr && p >= st.in_first) return st.in_k + (i * st.in_count + (p - st.in_first)) * st.D;
+  return st.wk + (i * st.W + p % st.W) * st.D;
+}
+template <class S, class A>
+__device__ inline const S* token_value(const DeviceState<S, A>& st, std::int64_t i, std::int64_t p) {
+  if (st.in_v != nullptr && p >= st.in_first) return st.in_v + (i * st.in_count + (p - st.in_first)) * st.Dv;
+  return st.wv + (i * st.W + p % st.W) * st.Dv;
+}
+template <class S, class A>
+__device__ inline A token_gate(const DeviceState<S, A>& st, std::int64_t i, std::int64_t p) {
+  if (st.in_g != nullptr && p >= st.in_first) return load_as<A>(st.in_g[i * st.in_count + (p - st.in_first)]);
+  return st.wg[i * st.W + p % st.W];
+}
 
 // Channel d of slot sj's readout key K^ from its accumulate-type value: the storage copy and, with
 // tensor-core routing, the bf16 remainder (khat + khat_lo = khat32 to about 2^-16).
@@ -298,7 +325,7 @@ __device__ inline bool scatter_in_registers(const DeviceState<S, A>& st) {
 }
 
 // Update step 1 (spec 4.5): kg, vg (and, when the update appends, k0 for the novelty scores and the
-// appends) of the C tokens [a, a+C) read from the ring, one warp per token.
+// appends) of the C tokens [a, a+C) read from the ring or the call's inputs, one warp per token.
 // grid (I, ceil(C / kWarpsPerBlock)), block 32 * kWarpsPerBlock.
 template <class S, class A>
 __global__ void update_prepare_kernel(DeviceState<S, A> st, std::int64_t a, bool novelty) {
@@ -306,10 +333,9 @@ __global__ void update_prepare_kernel(DeviceState<S, A> st, std::int64_t a, bool
   const std::int64_t i = blockIdx.x, c = std::int64_t(blockIdx.y) * kWarpsPerBlock + threadIdx.x / 32;
   const std::int64_t C = st.C, D = st.D, Dv = st.Dv;
   if (c >= C) return;
-  const std::int64_t ring = (a + c) % st.W;
-  const S* kr = st.wk + (i * st.W + ring) * D;
+  const S* kr = token_key(st, i, a + c);
   A* k0 = st.k0 + (i * C + c) * D;
-  const A g = st.wg[i * st.W + ring];
+  const A g = token_gate(st, i, a + c);
   // this token's k0 row: lane l holds channels l + 32 e (in registers for head dims up to 128, else
   // normalised in place in st.k0)
   A x[kLaneRegs];
@@ -351,7 +377,7 @@ __global__ void update_prepare_kernel(DeviceState<S, A> st, std::int64_t a, bool
     for (std::int64_t d = lane; d < D; d += 32) emit(d, k0[d]);
   }
   if (novelty || !scatter_in_registers(st)) {  // else the scatter gates the ring's values itself
-    const S* vr = st.wv + (i * st.W + ring) * Dv;
+    const S* vr = token_value(st, i, a + c);
     for (std::int64_t d = lane; d < Dv; d += 32) {
       const A y = load_as<A>(vr[d]);
       st.vg[(i * C + c) * Dv + d] = st.merge_gate_values ? g * y : y;
@@ -439,7 +465,7 @@ __global__ void update_append_kernel(DeviceState<S, A> st, std::int64_t a, std::
   __syncthreads();
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, warps = blockDim.x / 32;
   for (std::int64_t p = warp; p < n_app; p += warps) {
-    const std::int64_t t = order[p], j = slots_before + p, sj = i * st.cap + j, ring = (a + t) % st.W;
+    const std::int64_t t = order[p], j = slots_before + p, sj = i * st.cap + j;
     A* sk = st.sk + sj * D;
     A* sv = st.sv + sj * Dv;
     const A* ksrc = (st.gate_appends ? st.kg : st.k0) + (i * C + t) * D;
@@ -450,7 +476,7 @@ __global__ void update_append_kernel(DeviceState<S, A> st, std::int64_t a, std::
       for (std::int64_t d = lane; d < Dv; d += 32) sv[d] = vsrc[d];
       if (lane == 0) rho = kernel::norm2<A>(vsrc, Dv);  // the sequential sum of the host backend
     } else {
-      const S* vsrc = st.wv + (i * st.W + ring) * Dv;
+      const S* vsrc = token_value(st, i, a + t);
       for (std::int64_t d = lane; d < Dv; d += 32) sv[d] = load_as<A>(vsrc[d]);
       if (lane == 0) rho = kernel::norm2<A>(vsrc, Dv);
     }
@@ -522,14 +548,15 @@ __device__ void scatter_into_slot(const DeviceState<S, A>& st, std::int64_t i, s
       A kt[kBatch][kLaneRegs], vt[kBatch][kLaneRegs];
 #pragma unroll
       for (int u = 0; u < kBatch; ++u) {
-        // token tok[u] is position a + tok[u], still in the ring (the next chunk enters it after the scatter)
-        const std::int64_t ring = tok[u] >= 0 ? (a + tok[u]) % st.W : 0;
-        const A g = tok[u] >= 0 ? st.wg[i * st.W + ring] : A(0);
+        // token tok[u] is position a + tok[u], still in the ring (the next chunk enters it after the
+        // scatter) or in the call's inputs
+        const S* vrow = tok[u] >= 0 ? token_value(st, i, a + tok[u]) : nullptr;
+        const A g = tok[u] >= 0 ? token_gate(st, i, a + tok[u]) : A(0);
 #pragma unroll
         for (int e = 0; e < kLaneRegs; ++e) {
           const int d = lane + 32 * e;
           kt[u][e] = tok[u] >= 0 && d < D ? st.kg[(i * C + tok[u]) * D + d] : A(0);
-          const A x = tok[u] >= 0 && d < Dv ? load_as<A>(st.wv[(i * st.W + ring) * Dv + d]) : A(0);
+          const A x = tok[u] >= 0 && d < Dv ? load_as<A>(vrow[d]) : A(0);
           vt[u][e] = st.merge_gate_values ? g * x : x;  // vg (spec 4.2 step 3)
         }
       }
