@@ -377,10 +377,11 @@ TEST_CASE("kvm cuda bf16 fixed budget (updates without appends) matches the host
 namespace {
 // A bf16 prefill on the tensor cores in the calls `cuts` (token boundaries), inputs in type In.
 template <class In>
-HostResult bf16_prefill_calls(const rkvm::Config& c, const rkvm::Inputs& in, const std::vector<std::int64_t>& cuts) {
+HostResult bf16_prefill_calls(const rkvm::Config& c, const rkvm::Inputs& in, const std::vector<std::int64_t>& cuts,
+                              bool beside_updates) {
   kvmem::cuda::KvmState<kvmem::bf16> st;
   REQUIRE(kvmem::cuda::KvmState<kvmem::bf16>::create(to_params(c), to_shape(c, c.T), st).is_ok());
-  REQUIRE(st.readouts_beside_updates());  // with storage-type inputs; float inputs keep them on the chain
+  REQUIRE(st.readouts_beside_updates() == beside_updates);  // with storage-type inputs (float: on the chain)
   const DevWeights w(FloatWeights{in});
   HostResult r;
   kvmem::kvm::RouteLog log;
@@ -399,31 +400,37 @@ HostResult bf16_prefill_calls(const rkvm::Config& c, const rkvm::Inputs& in, con
 
 TEST_CASE("kvm cuda bf16 readouts beside the update chain equal the chained readouts bitwise", "[kvm][cuda][sanitize]") {
   if (no_device()) return;
-  // bf16 inputs: each chunk's readout reads a snapshot of the slots and its window from the inputs,
-  // on the caller's stream beside the updates. float inputs holding the same bf16 values: every
-  // readout on the chain from the live state and the ring. Same kernels, same operands: bitwise.
-  // A prefill in two calls: the second call's first chunks see window keys from before the call
-  // (the ring, on the chain), its later chunks are detached again.
+  // bf16 inputs: each chunk's readout reads its window from the inputs and the updates read their
+  // tokens there (the ring gets only what later readers need); with a state no larger than the
+  // window (64) the readouts also run beside the updates on a snapshot of the slots. float inputs
+  // holding the same bf16 values: every token through the ring, every readout on the chain from
+  // the live state. Same kernels, same operands: bitwise. A prefill in two calls: the second call's
+  // first chunks see window keys from before the call (the ring, on the chain).
+  struct Case {
+    kvmem::budget::Any budget;
+    bool beside_updates, appends;
+    const char* name;
+  };
+  const Case cases[] = {{kvmem::budget::Fixed{32, 32}, true, false, "fixed budget"},
+                        {kvmem::budget::Power{2.0, 0.5, 32}, true, true, "power budget within the window"},
+                        {kvmem::budget::Power{4.0, 0.5, 32}, false, true, "power budget beyond the window"}};
   for (std::int64_t dim : {64, 128}) {
-    for (const bool fixed : {true, false}) {
-      // states no larger than the window (64) take the detached path; the power budget appends
-      rkvm::Config c = small_config(2, 333, 4, 2, dim, dim,
-                                    fixed ? kvmem::budget::Any{kvmem::budget::Fixed{32, 32}}
-                                          : kvmem::budget::Any{kvmem::budget::Power{2.0, 0.5, 32}});
+    for (const Case& bc : cases) {
+      rkvm::Config c = small_config(2, 333, 4, 2, dim, dim, bc.budget);
       c.chunk = 32;
       c.rope_dims = dim / 2;
       const auto in = random_inputs(c, 900 + std::uint64_t(dim));
-      const auto detached = bf16_prefill_calls<kvmem::bf16>(c, in, {c.T});
-      const auto chained = bf16_prefill_calls<float>(c, in, {c.T});
-      const auto two_calls = bf16_prefill_calls<kvmem::bf16>(c, in, {150, c.T});
-      INFO("head dim " << dim << (fixed ? " fixed budget" : " power budget"));
-      if (!fixed) CHECK(detached.slots > 32);  // the power budget grew the state by appends
-      CHECK(detached.route_merge == chained.route_merge);
-      CHECK(detached.slots_after_update == chained.slots_after_update);
-      CHECK(detached.out == chained.out);
-      CHECK(detached.state_v == chained.state_v);
-      CHECK(two_calls.route_merge == detached.route_merge);
-      CHECK(two_calls.out == detached.out);
+      const auto from_inputs = bf16_prefill_calls<kvmem::bf16>(c, in, {c.T}, bc.beside_updates);
+      const auto chained = bf16_prefill_calls<float>(c, in, {c.T}, bc.beside_updates);
+      const auto two_calls = bf16_prefill_calls<kvmem::bf16>(c, in, {150, c.T}, bc.beside_updates);
+      INFO("head dim " << dim << ", " << bc.name);
+      CHECK((bc.appends ? from_inputs.slots > 32 : from_inputs.slots == 32));
+      CHECK(from_inputs.route_merge == chained.route_merge);
+      CHECK(from_inputs.slots_after_update == chained.slots_after_update);
+      CHECK(from_inputs.out == chained.out);
+      CHECK(from_inputs.state_v == chained.state_v);
+      CHECK(two_calls.route_merge == from_inputs.route_merge);
+      CHECK(two_calls.out == from_inputs.out);
     }
   }
 }

@@ -537,19 +537,21 @@ Status kvm_run(const Executor& exec, KvmState<S, A>& state, const KvmWeights& w,
   // ingest copies whole 16-byte vectors when the inputs are in the storage type and every row is aligned
   const bool copy16 = std::is_same_v<In, S> && rows_16byte_aligned(k) && rows_16byte_aligned(v);
   const SideStream& side = state.side_;
-  // Readouts off the update chain (ReadoutPipeline): a prefill on the tensor cores whose k/v inputs
-  // the readout can copy as they are (storage type, 16-byte rows). The chain of updates then runs on
-  // the side stream, the readouts on the caller's stream.
+  // A prefill on the tensor cores whose k/v inputs the readout can copy as they are (storage type,
+  // 16-byte rows) reads each chunk's window from them when they hold all of it, and the updates read
+  // their tokens there too: a chunk enters the ring only if a later reader needs it there (founding,
+  // a readout whose window starts before the call, the call's last window).
+  const bool window_in_inputs = T > 1 && attend_tc != nullptr && copy16;
+  // Readouts off the update chain (ReadoutPipeline) where the state has snapshots: the chain of
+  // updates then runs on the side stream, the readouts on the caller's stream.
   const ReadoutPipeline& pipe = state.pipe_;
-  const bool detach = T > 1 && attend_tc != nullptr && copy16 && state.snap_k_[0] != nullptr;
+  const bool detach = window_in_inputs && state.snap_k_[0] != nullptr;
   const Executor chain = detach ? Executor{side.stream} : exec;
-  // With the window read from the inputs, the updates read their tokens there too: a chunk enters
-  // the ring only if a later reader needs it there (founding, a readout on the chain, the last window).
   d.in_k = d.in_v = d.in_g = nullptr;
   d.in_first = n0;
   d.in_count = T;
   if constexpr (std::is_same_v<In, S>) {
-    if (detach) {
+    if (window_in_inputs) {
       d.in_k = k.data();
       d.in_v = v.data();
       d.in_g = gate.data();
@@ -594,10 +596,11 @@ Status kvm_run(const Executor& exec, KvmState<S, A>& state, const KvmWeights& w,
     }
     const bool decode_step = t1 - t0 == 1 && T == 1;
     const bool founds = t0 < C && t1 > cov;  // initial slots founded by positions [cov, min(t1, C))
-    // the readout of [t0, t1) sees the slots (when wb > 0) and the window [wb, t1); detached when
-    // the whole window is in this call's inputs
+    // the readout of [t0, t1) sees the slots (when wb > 0) and the window [wb, t1); it reads the
+    // window from the inputs, and is detached, when the whole window is in this call's inputs
     const std::int64_t readout_slots = slots + (founds ? std::min(t1, C) - std::max(t0, cov) : 0);
-    const bool detached_readout = detach && wb >= n0;
+    const bool reads_inputs = window_in_inputs && wb >= n0;
+    const bool detached_readout = detach && reads_inputs;
     const bool snapshot = detached_readout && wb > 0 && readout_slots > 0;
     const int snap = static_cast<int>(snapshots_taken % kReadoutSnapshots);
     const Executor ingest_on = detach ? Executor{pipe.aux} : chain;
@@ -618,7 +621,7 @@ Status kvm_run(const Executor& exec, KvmState<S, A>& state, const KvmWeights& w,
       }
     }
     // a decode step appends its token inside the fused kernel
-    const bool ingest = detach ? founds || !detached_readout || t1 > n0 + T - p.window() : !decode_step || founds;
+    const bool ingest = window_in_inputs ? founds || !reads_inputs || t1 > n0 + T - p.window() : !decode_step || founds;
     if (ingest) {
       const dim3 igrid(static_cast<unsigned>(items),
                        static_cast<unsigned>((t1 - t0 + kWarpsPerBlock - 1) / kWarpsPerBlock));
@@ -689,8 +692,10 @@ Status kvm_run(const Executor& exec, KvmState<S, A>& state, const KvmWeights& w,
           const std::int64_t grid = B * sh.Hq * ((t1 - t0 + kTcRows - 1) / kTcRows);
           TcSources src{d.khat, d.vhat, d.wk, d.wv, d.W, 0, true};
           cudaStream_t on = chain.stream;
+          if constexpr (std::is_same_v<In, S>) {
+            if (reads_inputs) src = TcSources{d.khat, d.vhat, k.data(), v.data(), T, n0, false};
+          }
           if (detached_readout) {
-            if constexpr (std::is_same_v<In, S>) src = TcSources{d.khat, d.vhat, k.data(), v.data(), T, n0, false};
             if (snapshot) {
               src.khat = state.snap_k_[snap];
               src.vhat = state.snap_v_[snap];
