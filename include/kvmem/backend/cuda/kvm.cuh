@@ -102,11 +102,13 @@ struct SideStream {
 // state trajectory does not depend on the queries, so a prefill runs the updates as a chain on the
 // side stream (highest priority) and each chunk's readout on the caller's stream beside them. The
 // readout of a chunk reads a snapshot of the slots' readout copies taken once the chunk's update is
-// done, and its window keys from the call's k/v inputs. An aux stream takes the snapshot copy and
-// the ingest of each chunk beside the next update's selection. kReadoutSnapshots buffers: a snapshot
-// is refilled once the readout kReadoutSnapshots chunks back has finished with it, so the chain may
-// run that many chunks ahead of the readouts. Measured at B 8, H 32, D 128, T 32K, fixed-256 (H200):
-// the chain alone 30.8 ms, the readouts alone 27.6 ms, both 48.6 ms. Both fill the GPU (the readout
+// done, and its window keys from the call's k/v inputs. An aux stream takes the snapshot copy (and
+// the ingest of the chunks the ring must hold) beside the next update's selection. kReadoutSnapshots
+// buffers: a snapshot is refilled once the readout kReadoutSnapshots chunks back has finished with
+// it, so the chain may run that many chunks ahead of the readouts. Measured at B 8, H 32, D 128,
+// T 32K, fixed-256 (H200), while every chunk was still ingested into the ring: the chain alone
+// 30.8 ms, the readouts alone 27.6 ms, both 48.6 ms (45.0 ms once the updates read their tokens
+// from the inputs and the ring took only what later readers need). Both fill the GPU (the readout
 // with 3 blocks of 168 registers per SM, the chain's routing with 2 of 128 x 256), so they share
 // the SMs rather than overlap freely; a readout grid of 2 blocks per SM left the chain no room
 // either (49.5 ms) and 1 per SM starved the readouts (57.9 ms). Only states no larger than the
