@@ -32,8 +32,8 @@
 // The decay of a set made of the built-in gates (any of QueryGate, KeyGate, SimilarityGate) is evaluated in
 // base 2 with the per-key and per-position terms scaled once per entry / row: log2 x = q_m + k_j +
 // (2 n_sim / |set|) log2 c_jm, x = 2^(log2 x), A = log1p(-min(x, 1 - 1e-6)): the spec's x and A (4.1) to
-// within a few ulp of x (as the natural-log fold), with the full-accuracy log1pf, one fused multiply-add
-// per pair instead of a division by |set|, and no branches, so the compiler interleaves the pairs. Any
+// within a few ulp of x (as the natural-log fold), log1p within 2 ulp, one fused multiply-add per pair
+// instead of a division by |set|, and no branches, so the compiler interleaves the pairs. Any
 // other set goes through the shared fold (kernel/ua_decay.hpp) pair by pair.
 
 #include <cuda_bf16.h>
@@ -65,7 +65,7 @@ inline constexpr int kDnRowGroups = kDnWarps / 4;   // warps sharing the entries
 inline constexpr int kDnCarryThreads = kDnEntries;  // one thread per entry of the tile carries λ
 
 // Rows of a row tile for group size r (r in {4, 8}), and the row tiles of a T-row call.
-__host__ __device__ inline int dense_row_tile(std::int64_t r) {
+__host__ __device__ constexpr int dense_row_tile(std::int64_t r) {
   return int(kDnPairs / r);
 }
 __host__ __device__ inline std::int64_t dense_row_tiles(std::int64_t T, std::int64_t r) {
@@ -89,6 +89,34 @@ struct UaDenseLayout {
   static constexpr std::size_t kA = kNK + std::size_t(kDnMaxRows) * kKPitch * 2;  // [kDnMaxRows][kAPitch]
   static constexpr std::size_t kBytes = kA + std::size_t(kDnMaxRows) * kAPitch * 4;
 };
+
+// 1 / d from the hardware reciprocal (MUFU.RCP: about 1 ulp; d normal here)
+__device__ inline float dense_rcp(float d) {
+  float r;
+  asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(d));
+  return r;
+}
+
+// log1p(y) for y in (-1, 0], without branches (log1pf's special cases, y <= -1, inf and NaN, cannot occur:
+// y = -min(x, 1 - 1e-6)), so the compiler interleaves the pairs of a tile. Within 1.5 ulp of log1p for an
+// exact reciprocal and 2.3 ulp with a reciprocal 1 ulp off (checked on every 7th float of the range
+// against a double log1p; log1pf: 1 ulp). u = 1 + y = 2^e m with m in [sqrt(1/2), sqrt(2)), c = y - (u - 1)
+// the rounding of u (exact); log m = log(1 + f) = f - (f^2/2 - s (f^2/2 + R(s^2))) with s = f / (2 + f) and
+// R(z) = 2z/3 + 2z^2/5 + 2z^3/7 + 2z^4/9 the atanh series (|s| <= 0.172: truncation below 1e-9 relative),
+// the leading f exact so that s and R need only a few digits; log1p(y) = e ln 2 + log m + c / u.
+__device__ inline float dense_log1p(float y) {
+  const float u = 1.0f + y;
+  const float c = y - (u - 1.0f);  // exact: u - 1 is exact for u in [1/2, 1], and u itself below 1/2
+  const int bits = __float_as_int(u);
+  const int e = (bits - 0x3f3504f3) >> 23;  // 0x3f3504f3 = sqrt(1/2)
+  const float f = __int_as_float(bits - (e << 23)) - 1.0f;  // m - 1, exact
+  const float s = f * dense_rcp(2.0f + f);
+  const float z = s * s;
+  const float r = z * fmaf(z, fmaf(z, fmaf(z, 2.0f / 9, 2.0f / 7), 2.0f / 5), 2.0f / 3);
+  const float half_f2 = 0.5f * f * f;
+  const float log_m = f - fmaf(-s, half_f2 + r, half_f2);
+  return fmaf(float(e), 0.693147180559945309f, fmaf(c, dense_rcp(u), log_m));
+}
 
 // The base-2 fold of a set whose gates are all built in (see the top of the file). kLog2 is false for a
 // set with any other gate: the kernel then calls the shared fold per pair.
@@ -114,8 +142,8 @@ struct DenseFold<decay::Set<G...>> {
   // A_jm from the pair's similarity and its scaled gate terms query_log2 + key_log2 (spec 4.1). log2 c
   // comes from lg2.approx, whose error is absolute (2^-22.6, the hardware reduces the range): log2 c only
   // enters x through 2^(log2 x), so that is a relative error of at most 1.1e-7 in x, the size of the
-  // rounding of log2 x itself and below exp2f's own 2 ulp. log1p keeps the full-accuracy log1pf: A is
-  // small where x is, and needs relative accuracy.
+  // rounding of log2 x itself and below exp2f's own 2 ulp. log1p stays accurate (dense_log1p): A is small
+  // where x is, and needs relative accuracy.
   __device__ static float decay(float similarity, float gate_log2) {
     float log2_x = gate_log2;
     if constexpr (kSim > 0) {
@@ -125,7 +153,7 @@ struct DenseFold<decay::Set<G...>> {
     }
     float x = exp2f(log2_x);
     if constexpr (kSim > 0) x = similarity > 0.0f ? x : 0.0f;  // relu(c)^2 = 0 -> x = 0 -> A = 0 exactly
-    return log1pf(-fminf(x, 1.0f - float(decay::kClampEps)));
+    return dense_log1p(-fminf(x, 1.0f - float(decay::kClampEps)));
   }
 };
 
@@ -139,23 +167,21 @@ __device__ inline float dense_exp2(float x) {
 // logits this far (in log2 units) below the row maximum have weight exactly 0 under dense_exp2
 inline constexpr float kDnUnderflowLog2 = -127.0f;
 
-// grid (row tiles * I), block kDnThreads, dynamic smem UaDenseLayout<kD>::kBytes. T rows of the call (all
-// of them: input rows 0..T-1, positions counter + 0 ...). sync: [1 + I * tiles] ints, zero on entry
-// (ticket, then the progress of row tile k of item i at 1 + i * tiles + k: the entry tiles it has
-// finished, newest first). Appends the call's rows to the cache (rows n + t: p = 0 evicts nothing) and
-// leaves λ_j = Λ_{T-1, j} for every entry; the lengths and counters advance afterwards
-// (dense_advance_kernel).
-template <class Set, int kD>
-__global__ void __launch_bounds__(kDnThreads, 8 / kDnWarps)
-    dense_prefill_tc_kernel(DeviceCache<bf16> c, DeviceCall<bf16> a, std::int64_t T, std::int64_t items,
-                            std::int64_t tiles, int* sync) {
+// The work of one block of dense_prefill_tc_kernel (below): row tile `ticket`, kRows = dense_row_tile(r)
+// rows, a compile-time constant so that the decay tile's shape, the pair -> (head, row) map and the λ
+// carry unroll.
+template <class Set, int kD, int kRows>
+__device__ __forceinline__ void dense_prefill_row_tile(const DeviceCache<bf16>& c, const DeviceCall<bf16>& a,
+                                                       std::int64_t T, std::int64_t items, std::int64_t tiles,
+                                                       int* sync, std::int64_t ticket, unsigned char* dense_smem) {
   using namespace ptx;
   using L = UaDenseLayout<kD>;
   using Fold = DenseFold<Set>;
   using nv_bf16 = __nv_bfloat16;
   constexpr float kLog2e = 1.4426950408889634f;
   constexpr int kVec = kD / 8;  // 16-byte vectors per row
-  extern __shared__ __align__(128) unsigned char dense_smem[];
+  constexpr int rt = kRows;
+  static_assert(rt % (8 * kDnRowGroups) == 0 && rt <= kDnMaxRows, "a row tile splits into 8-row mma tiles");
   nv_bf16* ks_base = reinterpret_cast<nv_bf16*>(dense_smem + L::kK);
   nv_bf16* vs_base = reinterpret_cast<nv_bf16*>(dense_smem + L::kV);
   nv_bf16* nk = reinterpret_cast<nv_bf16*>(dense_smem + L::kNK);
@@ -166,14 +192,10 @@ __global__ void __launch_bounds__(kDnThreads, 8 / kDnWarps)
   __shared__ float s_egate[kDnEntries], s_epart[kDnEntries];
   __shared__ long long s_epos[kDnEntries];
   __shared__ int s_efirst[kDnEntries];
-  __shared__ long long s_ticket;
 
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, qr = lane / 4, t4 = lane % 4;
-  if (tid == 0) s_ticket = atomicAdd(sync, 1);
-  __syncthreads();
-  const std::int64_t ticket = s_ticket, k = ticket / items, item = ticket % items;
+  const std::int64_t k = ticket / items, item = ticket % items;
   const std::int64_t r = c.r, b = item / c.G, g = item % c.G, D = kD;
-  const int rt = dense_row_tile(r);
   const std::int64_t n = c.length[item], first = c.counter[item], row0 = item * c.cap;
   const std::int64_t r0 = k * rt;
   const int nr = T - r0 < rt ? int(T - r0) : rt;  // rows of this tile
@@ -278,7 +300,8 @@ __global__ void __launch_bounds__(kDnThreads, 8 / kDnWarps)
   };
 
   // decay-tile piece of this warp: entries eb + {qr, qr + 8}, rows rbase + 8 * nt + 2 * t4 + {0, 1}, nt < nts
-  const int eb = 16 * (warp % 4), rbase = (warp / 4) * (rt / kDnRowGroups), nts = rt / (8 * kDnRowGroups);
+  constexpr int nts = rt / (8 * kDnRowGroups);
+  const int eb = 16 * (warp % 4), rbase = (warp / 4) * (rt / kDnRowGroups);
   // the carry threads' entries: λ hand-off state (seen: the predecessor's progress this thread acquired)
   int seen = 0;
   // key-gate logit and position of entry e0 + tid (positions past e_total: INT64_MAX, masked). The carry
@@ -362,8 +385,7 @@ __global__ void __launch_bounds__(kDnThreads, 8 / kDnWarps)
           std::uint32_t fa[4];
           ldmatrix_x4(fa, ks + (eb + lane % 16) * L::kKPitch + 16 * kb + 8 * (lane / 16));
 #pragma unroll
-          for (int nt = 0; nt < 2; ++nt) {
-            if (nt >= nts) break;
+          for (int nt = 0; nt < nts; ++nt) {
             std::uint32_t b0, b1;
             ldmatrix_x2(b0, b1, nk + (rbase + 8 * nt + lane % 8) * L::kKPitch + 16 * kb + 8 * ((lane / 8) % 2));
             mma_bf16_16816(sim[nt], fa, b0, b1);
@@ -387,7 +409,7 @@ __global__ void __launch_bounds__(kDnThreads, 8 / kDnWarps)
           }
         }
         const int nt = el / 4, x = el % 4;
-        if (nt < nts) {
+        if (nt < nts) {  // resolved at compile time
           const int hf = x / 2, i = rbase + 8 * nt + 2 * t4 + x % 2, e = eb + qr + 8 * hf;
           // evaluated for every element and then selected (entries past the range have no rows after
           // them: A = 0); rows past the call get A = 0 too
@@ -426,6 +448,7 @@ __global__ void __launch_bounds__(kDnThreads, 8 / kDnWarps)
         const int masked = before < 0 ? 0 : (before > rt ? rt : int(before));
         float lam = c_lam;
         // 8 rows per round (rt is a multiple of 8): the loads issue together, then the dependent adds
+#pragma unroll
         for (int i0 = 0; i0 < rt; i0 += 8) {
           float av[8];
 #pragma unroll
@@ -438,6 +461,7 @@ __global__ void __launch_bounds__(kDnThreads, 8 / kDnWarps)
         }
         c.lambda[row0 + idx] = lam;
       } else {
+#pragma unroll
         for (int i = 0; i < rt; ++i) at[i * L::kAPitch + tid] = negative_infinity<float>();
       }
     }
@@ -549,6 +573,26 @@ __global__ void __launch_bounds__(kDnThreads, 8 / kDnWarps)
     if (a.lse && t4 == 0)
       a.lse[b * a.l_b + hq * a.l_h + t * a.l_t] = l > 0.0f ? mx + logf(l) : negative_infinity<float>();
   }
+}
+
+// grid (row tiles * I), block kDnThreads, dynamic smem UaDenseLayout<kD>::kBytes. T rows of the call (all
+// of them: input rows 0..T-1, positions counter + 0 ...). sync: [1 + I * tiles] ints, zero on entry
+// (ticket, then the progress of row tile k of item i at 1 + i * tiles + k: the entry tiles it has
+// finished, newest first). Appends the call's rows to the cache (rows n + t: p = 0 evicts nothing) and
+// leaves λ_j = Λ_{T-1, j} for every entry; the lengths and counters advance afterwards
+// (dense_advance_kernel).
+template <class Set, int kD>
+__global__ void __launch_bounds__(kDnThreads, 8 / kDnWarps)
+    dense_prefill_tc_kernel(DeviceCache<bf16> c, DeviceCall<bf16> a, std::int64_t T, std::int64_t items,
+                            std::int64_t tiles, int* sync) {
+  extern __shared__ __align__(128) unsigned char dense_smem[];
+  __shared__ long long s_ticket;
+  if (threadIdx.x == 0) s_ticket = atomicAdd(sync, 1);
+  __syncthreads();
+  if (c.r == 4)
+    dense_prefill_row_tile<Set, kD, dense_row_tile(4)>(c, a, T, items, tiles, sync, s_ticket, dense_smem);
+  else  // r == 8 (tc_group_ok)
+    dense_prefill_row_tile<Set, kD, dense_row_tile(8)>(c, a, T, items, tiles, sync, s_ticket, dense_smem);
 }
 
 // grid 1, after dense_prefill_tc_kernel: every item holds its T new rows, its counter advances by T.
