@@ -16,6 +16,7 @@
 
 #include <cstdint>
 
+#include "kvmem/backend/cuda/ptx.cuh"
 #include "kvmem/backend/cuda/ua_kernels.cuh"
 #include "kvmem/core/numeric.hpp"
 #include "kvmem/core/softmax.hpp"
@@ -115,19 +116,22 @@ __global__ void __launch_bounds__(32 * kTcWarps)
     const std::int64_t nr = rows - r0 < rt ? rows - r0 : rt;
     const std::int64_t m_last = first + r0 + nr - 1;
     __syncthreads();  // the previous row tile is fully consumed
-    // queries of every (head, row) pair (zeros past the chunk), the row tile's keys and gates
+    // queries of every (head, row) pair (zeros past the chunk), the row tile's keys and gates. Rows are
+    // staged with cp.async (every vector in flight at once; zero-filled past the chunk); the wait
+    // before the barrier that follows the first entry tile's staging makes them visible.
     for (int x = tid; x < kTcQueryRows * kVec; x += blockDim.x) {
       const int pr = x / kVec, cv = x % kVec, h = pr / rt, i = pr % rt;
-      uint4 v = make_uint4(0, 0, 0, 0);
-      if (i < nr) v = reinterpret_cast<const uint4*>(a.q + b * a.q_b + (g * r + h) * a.q_h + (t0 + r0 + i) * a.q_t)[cv];
-      *reinterpret_cast<uint4*>(qs + pr * L::kQPitch + cv * 8) = v;
+      const bool live = i < nr;
+      const bf16* src = a.q + b * a.q_b + (g * r + h) * a.q_h + (t0 + r0 + (live ? i : 0)) * a.q_t + cv * 8;
+      ptx::cp_async16(qs + pr * L::kQPitch + cv * 8, src, live ? 16 : 0);
     }
     for (int x = tid; x < L::kRows * kVec; x += blockDim.x) {
       const int i = x / kVec, cv = x % kVec;
-      uint4 v = make_uint4(0, 0, 0, 0);
-      if (i < nr) v = reinterpret_cast<const uint4*>(a.k + b * a.k_b + g * a.k_g + (t0 + r0 + i) * a.k_t)[cv];
-      *reinterpret_cast<uint4*>(nk + i * L::kKPitch + cv * 8) = v;
+      const bool live = i < nr;
+      const bf16* src = a.k + b * a.k_b + g * a.k_g + (t0 + r0 + (live ? i : 0)) * a.k_t + cv * 8;
+      ptx::cp_async16(nk + i * L::kKPitch + cv * 8, src, live ? 16 : 0);
     }
+    ptx::cp_async_commit();
     load_row_gates(a, b, g, t0 + r0, nr, r_logit, r_part);
     for (int x = lane; x < 16 * kD; x += 32) os[(x / kD) * L::kOPitch + x % kD] = 0.0f;
     OnlineSoftmax<float> sm;  // this lane's half of pair row lr
@@ -138,20 +142,17 @@ __global__ void __launch_bounds__(32 * kTcWarps)
       __syncthreads();  // previous entry tile consumed; qs / nk written
       for (int x = tid; x < kTcEntries * kVec; x += blockDim.x) {
         const int e = x / kVec, cv = x % kVec;
-        const std::int64_t idx = e0 + e;
-        uint4 kv = make_uint4(0, 0, 0, 0), vv = make_uint4(0, 0, 0, 0);
-        if (e < ne) {
-          const bf16* kp =
-              idx < n ? c.keys + (cache_row0 + idx) * D : a.k + b * a.k_b + g * a.k_g + (t0 + idx - n) * a.k_t;
-          const bf16* vp =
-              idx < n ? c.values + (cache_row0 + idx) * D : a.v + b * a.v_b + g * a.v_g + (t0 + idx - n) * a.v_t;
-          kv = reinterpret_cast<const uint4*>(kp)[cv];
-          vv = reinterpret_cast<const uint4*>(vp)[cv];
-        }
-        *reinterpret_cast<uint4*>(ks + e * L::kKPitch + cv * 8) = kv;
-        *reinterpret_cast<uint4*>(vs + e * L::kKPitch + cv * 8) = vv;
+        const std::int64_t idx = e0 + (e < ne ? e : 0);  // rows past the tile: zero-filled from row e0
+        const bf16* kp =
+            idx < n ? c.keys + (cache_row0 + idx) * D : a.k + b * a.k_b + g * a.k_g + (t0 + idx - n) * a.k_t;
+        const bf16* vp =
+            idx < n ? c.values + (cache_row0 + idx) * D : a.v + b * a.v_b + g * a.v_g + (t0 + idx - n) * a.v_t;
+        ptx::cp_async16(ks + e * L::kKPitch + cv * 8, kp + cv * 8, e < ne ? 16 : 0);
+        ptx::cp_async16(vs + e * L::kKPitch + cv * 8, vp + cv * 8, e < ne ? 16 : 0);
       }
+      ptx::cp_async_commit();
       load_entry_meta(c, a, item, n, t0, first, e0, ne, e_logit, e_part, e_pos);
+      ptx::cp_async_wait<0>();  // this tile's rows (and the row tile's queries and keys) have landed
       __syncthreads();
       // similarity tile K NK^T [entries x rows] on the tensor cores (one 16 x 16 tile per warp)
       if constexpr (Set::kNeedsSimilarity) {
@@ -220,6 +221,7 @@ __global__ void __launch_bounds__(32 * kTcWarps)
       }
       __syncwarp();
     }
+    ptx::cp_async_wait<0>();  // a row tile without entry tiles: its staging lands before qs / nk are reused
     // this split's partial of every live pair row: max, sum (both halves), unnormalised accumulator
     const float total_sum = sm.sum + __shfl_xor_sync(0xffffffffu, sm.sum, 1);
     const int row_in_tile = row_base + lr;

@@ -338,27 +338,50 @@ __device__ inline float group_sum(float x) {
 // ---- merge: the splits' partials of one row, in split order -------------------------------------
 // Every head of the group for row i (input row t0 + i): normalise, output gate, lse. Runs on the
 // calling block's threads (merge_kernel for prefill rows, the last split of a decode step). Partials
-// are read with ld.global.cg: other blocks wrote them.
+// are read with ld.global.cg: other blocks wrote them. They are read kMergeBatch splits at a time into
+// registers, so the loads of a batch are in flight together: one round trip per batch (a chunk uses a
+// few splits: one batch) instead of two dependent loads per split.
+inline constexpr int kMergeBatch = 4;
 template <class S>
 __device__ inline void merge_row(const DeviceCache<S>& c, const DeviceCall<S>& a, std::int64_t item, std::int64_t t0,
                                  std::int64_t i, int used) {
   const std::int64_t D = c.D, r = c.r, b = item / c.G, g = item % c.G;
-  for (std::int64_t x = threadIdx.x; x < r * D; x += blockDim.x) {
-    const std::int64_t h = x / D, d = x % D;
+  const int dim = int(D);
+  for (int x = int(threadIdx.x); x < int(r) * dim; x += int(blockDim.x)) {
+    const int h = x / dim, d = x % dim;
+    float m[kMergeBatch], l[kMergeBatch], v[kMergeBatch];
+    auto load_batch = [&](int s0) {
+#pragma unroll
+      for (int u = 0; u < kMergeBatch; ++u) {
+        const int s = s0 + u;
+        m[u] = negative_infinity<float>();
+        l[u] = v[u] = 0.0f;
+        if (s < used) {
+          const std::int64_t slot = ((item * a.splits + s) * r + h) * a.P + i;
+          m[u] = __ldcg(a.part_ml + slot * 2);
+          l[u] = __ldcg(a.part_ml + slot * 2 + 1);
+          v[u] = __ldcg(a.part_acc + slot * D + d);
+        }
+      }
+    };
+    // the largest partial max first, then the weighted sums in split order
     float hi = negative_infinity<float>();
-    for (int s = 0; s < used; ++s) {
-      const float m = __ldcg(a.part_ml + (((item * a.splits + s) * r + h) * a.P + i) * 2);
-      hi = m > hi ? m : hi;
+    for (int s0 = 0; s0 < used; s0 += kMergeBatch) {
+      load_batch(s0);
+#pragma unroll
+      for (int u = 0; u < kMergeBatch; ++u) hi = m[u] > hi ? m[u] : hi;
     }
     float sum = 0.0f, y = 0.0f;
     if (hi != negative_infinity<float>())
-      for (int s = 0; s < used; ++s) {
-        const std::int64_t slot = ((item * a.splits + s) * r + h) * a.P + i;
-        const float m = __ldcg(a.part_ml + slot * 2);
-        if (m == negative_infinity<float>()) continue;
-        const float w = expf(m - hi);
-        sum += w * __ldcg(a.part_ml + slot * 2 + 1);
-        y += w * __ldcg(a.part_acc + slot * D + d);
+      for (int s0 = 0; s0 < used; s0 += kMergeBatch) {
+        if (used > kMergeBatch) load_batch(s0);  // one batch: still in the registers
+#pragma unroll
+        for (int u = 0; u < kMergeBatch; ++u) {
+          if (m[u] == negative_infinity<float>()) continue;
+          const float w = expf(m[u] - hi);
+          sum += w * l[u];
+          y += w * v[u];
+        }
       }
     y = sum > 0.0f ? y / sum : 0.0f;
     const std::int64_t hq = g * r + h;
@@ -393,18 +416,30 @@ __host__ __device__ inline std::size_t finish_smem_bytes(std::int64_t D) {
 }
 
 // Copies rows of D elements of S with the block's threads: row i from src(i) to dst(i) (nullptr: the row
-// is skipped). With vec16, every row start is 16-byte aligned and D * sizeof(S) is a multiple of 16, so
-// whole 16-byte vectors move (8 bf16 per load instead of one); otherwise element by element. Indices
-// within the copy are 32-bit (rows <= kMaxCallRows, D <= 256): 64-bit division is a long emulated
-// sequence, and these loops run on the latency-bound finish and decode paths.
+// is skipped); source and destination rows of one call do not overlap. With vec16, every row start is
+// 16-byte aligned and D * sizeof(S) is a multiple of 16, so whole 16-byte vectors move (8 bf16 per load
+// instead of one), kCopyBatch per thread loaded before any is stored (the loads are in flight together:
+// these copies sit on the latency-bound finish and decode paths); otherwise element by element.
+// Indices within the copy are 32-bit (rows <= kMaxCallRows, D <= 256): 64-bit division is a long
+// emulated sequence.
+inline constexpr int kCopyBatch = 4;
 template <class S, class Src, class Dst>
 __device__ inline void copy_rows(std::int64_t rows, std::int64_t D, bool vec16, Src src, Dst dst) {
   if (vec16) {
-    const int per_row = int(D) * int(sizeof(S)) / 16, count = int(rows) * per_row;
-    for (int x = int(threadIdx.x); x < count; x += int(blockDim.x)) {
-      const int i = x / per_row, w = x % per_row;
-      S* to = dst(i);
-      if (to != nullptr) reinterpret_cast<uint4*>(to)[w] = reinterpret_cast<const uint4*>(src(i))[w];
+    const int per_row = int(D) * int(sizeof(S)) / 16, count = int(rows) * per_row, step = int(blockDim.x);
+    for (int x0 = int(threadIdx.x); x0 < count; x0 += kCopyBatch * step) {
+      uint4 v[kCopyBatch];
+      uint4* to[kCopyBatch];
+#pragma unroll
+      for (int u = 0; u < kCopyBatch; ++u) {
+        const int x = x0 + u * step, i = x / per_row, w = x % per_row;
+        S* row = x < count ? dst(i) : nullptr;
+        to[u] = row != nullptr ? reinterpret_cast<uint4*>(row) + w : nullptr;
+        if (to[u] != nullptr) v[u] = reinterpret_cast<const uint4*>(src(i))[w];
+      }
+#pragma unroll
+      for (int u = 0; u < kCopyBatch; ++u)
+        if (to[u] != nullptr) *to[u] = v[u];
     }
   } else {
     const int dim = int(D), count = int(rows) * dim;
@@ -484,13 +519,22 @@ __device__ inline void finish_item(const DeviceCache<S>& c, const DeviceCall<S>&
   __shared__ int new_dst[kMaxCallRows];
   __syncthreads();
   if (tid < 32) {
-    for (std::int64_t j0 = 0; j0 < rows; j0 += 32) {
-      const std::int64_t j = j0 + lane;
-      const float lam = (j < rows && a.lambda_new) ? a.lambda_new[item * a.P + j] : 0.0f;
-      const bool keep = j < rows && !(prunes && double(lam) < a.log_p);
-      const unsigned mask = __ballot_sync(0xffffffffu, keep);
-      if (j < rows) new_dst[j] = keep ? int(kept + __popc(mask & ((1u << lane) - 1u))) : -1;
-      kept += __popc(mask);
+    constexpr int kBallots = 4;  // λ of 4 x 32 rows loaded before their ballots: one round trip
+    for (std::int64_t j0 = 0; j0 < rows; j0 += 32 * kBallots) {
+      float lam[kBallots];
+#pragma unroll
+      for (int u = 0; u < kBallots; ++u) {
+        const std::int64_t j = j0 + 32 * u + lane;
+        lam[u] = (j < rows && a.lambda_new) ? a.lambda_new[item * a.P + j] : 0.0f;
+      }
+#pragma unroll
+      for (int u = 0; u < kBallots; ++u) {
+        const std::int64_t j = j0 + 32 * u + lane;
+        const bool keep = j < rows && !(prunes && double(lam[u]) < a.log_p);
+        const unsigned mask = __ballot_sync(0xffffffffu, keep);
+        if (j < rows) new_dst[j] = keep ? int(kept + __popc(mask & ((1u << lane) - 1u))) : -1;
+        kept += __popc(mask);
+      }
     }
     if (lane == 0) group_kept = int(kept);
   }
@@ -610,7 +654,8 @@ __device__ inline std::int64_t decode_one_block(const DeviceCache<S>& c, const D
   const float zq = a.z_q[b * a.zq_b + g * a.zq_g];
   const float q_part = kernel::ua::query_gate_part(zq);
   // cache rows start 16 bytes apart when D * sizeof(S) is a multiple of 16 (the arena is 256-aligned),
-  // and so do the staged rows (pitch D + 16 bytes, dynamic shared memory 16-byte aligned)
+  // and so do the staged rows (pitch D + 16 bytes, dynamic shared memory 16-byte aligned) and the fp32
+  // rows of qs (D is then a multiple of 4)
   const bool vec = (D * std::int64_t(sizeof(S))) % 16 == 0;
   const std::int64_t total = n + 1;  // the cached entries, then the new token (entry n, λ = 0)
 
@@ -654,22 +699,54 @@ __device__ inline std::int64_t decode_one_block(const DeviceCache<S>& c, const D
     for (int eb = warp * kGroupsPerWarp; eb < ne; eb += warps * kGroupsPerWarp) {
       const int e = eb + grp;
       const bool valid = e < ne, in_cache = e < cached;
+      // The lane's dims: with 16-byte rows, vectors sub, sub + 8, ... of the row (one shared-memory
+      // load per vector of the key, per four floats of q and the new key); else dims sub, sub + 8, ...
+      constexpr int kPer = int(16 / sizeof(S)), kVecs = kDpl / kPer;
       float key[kDpl];
+      if (vec) {
 #pragma unroll
-      for (int x = 0; x < kDpl; ++x) {
-        const int d = sub + x * kDecodeGroup;
-        key[x] = (valid && d < dim) ? ld(kst + e * pitch + d) : 0.0f;
-      }
-      float lam = 0.0f;
-      bool keep = false, attend = valid;
-      if constexpr (Set::kNeedsSimilarity) {
-        float sim = 0.0f;
+        for (int j = 0; j < kVecs; ++j) {
+          const int d0 = (sub + j * kDecodeGroup) * kPer;
+          uint4 raw = make_uint4(0, 0, 0, 0);
+          if (valid && d0 < dim) raw = *reinterpret_cast<const uint4*>(kst + e * pitch + d0);
+          const S* parts = reinterpret_cast<const S*>(&raw);
+#pragma unroll
+          for (int k = 0; k < kPer; ++k) key[j * kPer + k] = load_as<float>(parts[k]);
+        }
+      } else {
 #pragma unroll
         for (int x = 0; x < kDpl; ++x) {
           const int d = sub + x * kDecodeGroup;
-          if (d < dim) sim += key[x] * nk[d];
+          key[x] = (valid && d < dim) ? ld(kst + e * pitch + d) : 0.0f;
         }
-        sim = group_sum(sim);
+      }
+      auto dot = [&](const float* row) {  // this lane's part of key . row
+        float part = 0.0f;
+        if (vec) {
+#pragma unroll
+          for (int j = 0; j < kVecs; ++j) {
+            const int d0 = (sub + j * kDecodeGroup) * kPer;
+            if (d0 < dim)
+#pragma unroll
+              for (int k = 0; k < kPer; k += 4) {
+                const float4 f = *reinterpret_cast<const float4*>(row + d0 + k);
+                part += key[j * kPer + k] * f.x + key[j * kPer + k + 1] * f.y + key[j * kPer + k + 2] * f.z +
+                        key[j * kPer + k + 3] * f.w;
+              }
+          }
+        } else {
+#pragma unroll
+          for (int x = 0; x < kDpl; ++x) {
+            const int d = sub + x * kDecodeGroup;
+            if (d < dim) part += key[x] * row[d];
+          }
+        }
+        return part;
+      };
+      float lam = 0.0f;
+      bool keep = false, attend = valid;
+      if constexpr (Set::kNeedsSimilarity) {
+        const float sim = group_sum(dot(nk));
         if (in_cache) {
           const float zk = zk_t[e];
           const std::int64_t p = pos_t[e];
@@ -691,13 +768,7 @@ __device__ inline std::int64_t decode_one_block(const DeviceCache<S>& c, const D
         attend = keep || !a.evict_before_attention;
       }
       for (int h = 0; h < int(r); ++h) {
-        float part = 0.0f;
-#pragma unroll
-        for (int x = 0; x < kDpl; ++x) {
-          const int d = sub + x * kDecodeGroup;
-          if (d < dim) part += qs[h * dim + d] * key[x];
-        }
-        part = group_sum(part);
+        const float part = group_sum(dot(qs + h * dim));
         if (sub == 0 && valid)
           wts[h * kOneBlockTile + e] = attend ? part + lam : negative_infinity<float>();  // scale 1
       }
@@ -762,7 +833,21 @@ __device__ inline std::int64_t decode_one_block(const DeviceCache<S>& c, const D
       float s0 = acc[h0 * dim + d] * rescale[h0], s1 = nh == 2 ? acc[(h0 + 1) * dim + d] * rescale[h0 + 1] : 0.0f;
       const float* w0 = wts + h0 * kOneBlockTile;
       const float* w1 = nh == 2 ? w0 + kOneBlockTile : w0;  // a lone last head reads its own weights twice
-      for (int e = 0; e < ne; ++e) {
+      int e = 0;
+      for (; e + 4 <= ne; e += 4) {  // four entries a step: the value loads independent, weights as float4
+        const float4 a0 = *reinterpret_cast<const float4*>(w0 + e), a1 = *reinterpret_cast<const float4*>(w1 + e);
+        const float v0 = ld(vst + e * pitch + d), v1 = ld(vst + (e + 1) * pitch + d),
+                    v2 = ld(vst + (e + 2) * pitch + d), v3 = ld(vst + (e + 3) * pitch + d);
+        s0 += a0.x * v0;
+        s0 += a0.y * v1;
+        s0 += a0.z * v2;
+        s0 += a0.w * v3;
+        s1 += a1.x * v0;
+        s1 += a1.y * v1;
+        s1 += a1.z * v2;
+        s1 += a1.w * v3;
+      }
+      for (; e < ne; ++e) {
         const float v = ld(vst + e * pitch + d);
         s0 += w0[e] * v;
         s1 += w1[e] * v;
