@@ -20,8 +20,9 @@
 // Entry tiles are walked newest first (the order of the softmax sum is free; λ is carried per entry, along
 // the rows, so the entry order does not touch it). The newest entries carry the least decay, so the
 // running maximum is usually settled by the first tile: later tiles skip the rescale of O (its factor is
-// exactly 1 when no maximum of the warp moved), and a 16-entry step of P V whose probabilities all
-// underflowed to 0 is skipped (it would add exact zeros). Both skips leave every result bit unchanged.
+// exactly 1 when no maximum of the warp moved), the exps and P V of a tile whose weights all underflow for
+// the warp, and a 16-entry step of P V whose weights are all 0 (they would add exact zeros). The skips
+// leave every result bit unchanged; how often they fire depends on how fast Λ decays.
 //
 // Inside a block: kDnWarps warps, each 16 (head, row) pairs of the tile; entries arrive 64 at a time
 // through a cp.async double buffer. Per entry tile: the key/key similarity of the decay tile and
@@ -32,7 +33,7 @@
 // The decay of a set made of the built-in gates (any of QueryGate, KeyGate, SimilarityGate) is evaluated in
 // base 2 with the per-key and per-position terms scaled once per entry / row: log2 x = q_m + k_j +
 // (2 n_sim / |set|) log2 c_jm, x = 2^(log2 x), A = log1p(-min(x, 1 - 1e-6)): the spec's x and A (4.1) to
-// within a few ulp of x (as the natural-log fold), log1p within 2 ulp, one fused multiply-add per pair
+// within a few ulp of x (as the natural-log fold), log1p within 2.5 ulp, one fused multiply-add per pair
 // instead of a division by |set|, and no branches, so the compiler interleaves the pairs. Any
 // other set goes through the shared fold (kernel/ua_decay.hpp) pair by pair.
 
@@ -50,8 +51,10 @@
 
 namespace kvmem::cuda::ua_detail {
 
-// Warps per block: 8 (128 pairs, one block per SM). 4 warps (64 pairs) share each loaded key/value tile
-// among half as many rows.
+// Warps per block: 8 (128 pairs, one block per SM). 4 warps (64 pairs, two blocks per SM) share each
+// loaded key/value tile among half as many rows; they measured 5 % faster on the H200 at B8 H16 G4 D128 8K
+// (14.97 vs 15.81 ms, results ua_cuda_2026-11-29_h200_v5_dense.md) but have not had a test run yet, so 8
+// stays the default.
 #ifndef KVMEM_UA_DENSE_WARPS
 #define KVMEM_UA_DENSE_WARPS 8
 #endif
