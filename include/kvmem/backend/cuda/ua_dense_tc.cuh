@@ -51,12 +51,13 @@
 
 namespace kvmem::cuda::ua_detail {
 
-// Warps per block: 8 (128 pairs, one block per SM). 4 warps (64 pairs, two blocks per SM) share each
-// loaded key/value tile among half as many rows; they measured 5 % faster on the H200 at B8 H16 G4 D128 8K
-// (14.97 vs 15.81 ms, results ua_cuda_2026-11-29_h200_v5_dense.md) but have not had a test run yet, so 8
-// stays the default.
+// Warps per block: 4 (64 pairs, two blocks per SM) by default. They share each loaded key/value tile
+// among half as many rows as 8 warps (128 pairs, one block per SM), but the second block per SM hides
+// the dependency stalls: 14.97 vs 15.81 ms on the H200 at B8 H16 G4 D128 8K (results
+// ua_cuda_2026-11-29_h200_v5_dense.md; tested and measured again in _v6.md). -DKVMEM_UA_DENSE_WARPS=8
+// selects the other shape.
 #ifndef KVMEM_UA_DENSE_WARPS
-#define KVMEM_UA_DENSE_WARPS 8
+#define KVMEM_UA_DENSE_WARPS 4
 #endif
 inline constexpr int kDnWarps = KVMEM_UA_DENSE_WARPS;
 static_assert(kDnWarps == 4 || kDnWarps == 8, "KVMEM_UA_DENSE_WARPS must be 4 or 8");
