@@ -41,7 +41,7 @@ std::vector<In> as_input(const std::vector<float>& x) {
 template <class S, class In = S>
 kvmem::Status cuda_feed(kvmem::cuda::KvmState<S>& st, const rkvm::Config& c, const rkvm::Inputs& in,
                         const DevWeights& w, std::int64_t t0, std::int64_t t1, std::vector<float>& out_full,
-                        kvmem::kvm::RouteLog* log, cudaStream_t stream = nullptr) {
+                        kvmem::kvm::RouteLog* log) {
   const std::int64_t n = t1 - t0;
   const std::vector<float> qf = in.q.empty() ? std::vector<float>(std::size_t(c.B * c.Hq * n * c.D), 0.0f)
                                              : slice_tokens(in.q, c.B * c.Hq, c.T, c.D, t0, t1);
@@ -49,7 +49,7 @@ kvmem::Status cuda_feed(kvmem::cuda::KvmState<S>& st, const rkvm::Config& c, con
       v(as_input<S, In>(slice_tokens(in.v, c.B * c.Hk, c.T, c.Dv, t0, t1))),
       g(as_input<S, In>(slice_tokens(in.gate, c.B * c.Hk, c.T, 1, t0, t1)));
   Dev<float> out(std::vector<float>(std::size_t(c.B * n * c.Hq * c.Dv), -7.0f));  // poisoned
-  const kvmem::cuda::Executor exec{stream};
+  const kvmem::cuda::Executor exec{};
   const auto status = kvmem::cuda::kvm_prefill(
       exec, st, w.view(), TensorView<const In, 4>(q.ptr, {c.B, c.Hq, n, c.D}),
       TensorView<const In, 4>(k.ptr, {c.B, c.Hk, n, c.D}), TensorView<const In, 4>(v.ptr, {c.B, c.Hk, n, c.Dv}),
@@ -119,6 +119,53 @@ std::size_t route_flips(const HostResult& a, const HostResult& b, std::size_t& t
   return flips;
 }
 
+// One call of tokens [t0, t1) (inputs in the storage type S) on `st`, captured in a CUDA graph on a
+// non-blocking stream: kvm_decode for one token, else kvm_prefill. The capture runs only the host side
+// (the state's host counts advance then); replay() runs the captured launches and returns the output
+// [B, t1 - t0, Hq, Dv].
+template <class S>
+struct CapturedCall {
+  Dev<S> q, k, v, g;
+  Dev<float> o;
+  cudaStream_t stream = nullptr;
+  cudaGraph_t graph = nullptr;
+  cudaGraphExec_t exec = nullptr;
+
+  CapturedCall(kvmem::cuda::KvmState<S>& st, const rkvm::Config& c, const rkvm::Inputs& in, const DevWeights& w,
+               std::int64_t t0, std::int64_t t1)
+      : q(as_storage<S>(slice_tokens(in.q, c.B * c.Hq, c.T, c.D, t0, t1))),
+        k(as_storage<S>(slice_tokens(in.k, c.B * c.Hk, c.T, c.D, t0, t1))),
+        v(as_storage<S>(slice_tokens(in.v, c.B * c.Hk, c.T, c.Dv, t0, t1))),
+        g(as_storage<S>(slice_tokens(in.gate, c.B * c.Hk, c.T, 1, t0, t1))),
+        o(std::size_t(c.B * (t1 - t0) * c.Hq * c.Dv)) {
+    const std::int64_t n = t1 - t0;
+    KVMEM_CUDA_REQUIRE(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+    KVMEM_CUDA_REQUIRE(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
+    const auto call =
+        n == 1 ? kvmem::cuda::kvm_decode<S, float, S, float> : kvmem::cuda::kvm_prefill<S, float, S, float>;
+    const auto status =
+        call(kvmem::cuda::Executor{stream}, st, w.view(), TensorView<const S, 4>(q.ptr, {c.B, c.Hq, n, c.D}),
+             TensorView<const S, 4>(k.ptr, {c.B, c.Hk, n, c.D}), TensorView<const S, 4>(v.ptr, {c.B, c.Hk, n, c.Dv}),
+             TensorView<const S, 3>(g.ptr, {c.B, c.Hk, n}), TensorView<float, 4>(o.ptr, {c.B, n, c.Hq, c.Dv}), nullptr);
+    KVMEM_CUDA_REQUIRE(cudaStreamEndCapture(stream, &graph));
+    INFO(status.to_string());
+    REQUIRE(status.is_ok());
+    KVMEM_CUDA_REQUIRE(cudaGraphInstantiate(&exec, graph, 0));
+  }
+  CapturedCall(const CapturedCall&) = delete;
+  CapturedCall& operator=(const CapturedCall&) = delete;
+  ~CapturedCall() {
+    if (exec) cudaGraphExecDestroy(exec);
+    if (graph) cudaGraphDestroy(graph);
+    if (stream) cudaStreamDestroy(stream);
+  }
+  std::vector<float> replay() {
+    KVMEM_CUDA_REQUIRE(cudaGraphLaunch(exec, stream));
+    KVMEM_CUDA_REQUIRE(cudaStreamSynchronize(stream));
+    return o.get();
+  }
+};
+
 // A decode step captured in a CUDA graph and replayed twice gives, bitwise, the plain step's output
 // (the split counters reset themselves; host counts advance at capture time). Position t0 is
 // mid-chunk (no update inside the captured step) and its key list spans several splits.
@@ -137,37 +184,16 @@ void check_graph_step(std::int64_t dim) {
   REQUIRE(cuda_feed(plain, c, in, w, 0, t0, out_plain, nullptr).is_ok());
   REQUIRE(cuda_feed(captured, c, in, w, 0, t0, out_unused, nullptr).is_ok());
   REQUIRE(cuda_feed(plain, c, in, w, t0, t0 + 1, out_plain, nullptr).is_ok());
-  Dev<S> q(as_storage<S>(slice_tokens(in.q, c.B * c.Hq, c.T, c.D, t0, t0 + 1))),
-      k(as_storage<S>(slice_tokens(in.k, c.B * c.Hk, c.T, c.D, t0, t0 + 1))),
-      v(as_storage<S>(slice_tokens(in.v, c.B * c.Hk, c.T, c.Dv, t0, t0 + 1))),
-      g(as_storage<S>(slice_tokens(in.gate, c.B * c.Hk, c.T, 1, t0, t0 + 1)));
-  Dev<float> o(std::size_t(c.B * c.Hq * c.Dv));
-  cudaStream_t stream = nullptr;
-  KVMEM_CUDA_REQUIRE(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
-  cudaGraph_t graph = nullptr;
-  cudaGraphExec_t exec = nullptr;
-  KVMEM_CUDA_REQUIRE(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
-  const auto status = kvmem::cuda::kvm_decode(
-      kvmem::cuda::Executor{stream}, captured, w.view(), TensorView<const S, 4>(q.ptr, {c.B, c.Hq, 1, c.D}),
-      TensorView<const S, 4>(k.ptr, {c.B, c.Hk, 1, c.D}), TensorView<const S, 4>(v.ptr, {c.B, c.Hk, 1, c.Dv}),
-      TensorView<const S, 3>(g.ptr, {c.B, c.Hk, 1}), TensorView<float, 4>(o.ptr, {c.B, 1, c.Hq, c.Dv}));
-  KVMEM_CUDA_REQUIRE(cudaStreamEndCapture(stream, &graph));
-  INFO(status.to_string());
-  REQUIRE(status.is_ok());
-  KVMEM_CUDA_REQUIRE(cudaGraphInstantiate(&exec, graph, 0));
+  CapturedCall<S> step(captured, c, in, w, t0, t0 + 1);
   std::vector<float> expect;
   for (std::int64_t b = 0; b < c.B; ++b)
     for (std::int64_t i = 0; i < c.Hq * c.Dv; ++i)
       expect.push_back(out_plain[std::size_t(((b * c.T + t0) * c.Hq) * c.Dv + i)]);
   for (int replay = 0; replay < 2; ++replay) {
-    KVMEM_CUDA_REQUIRE(cudaGraphLaunch(exec, stream));
-    KVMEM_CUDA_REQUIRE(cudaStreamSynchronize(stream));
+    const auto out = step.replay();
     INFO("replay " << replay << " head dim " << dim);
-    CHECK(o.get() == expect);
+    CHECK(out == expect);
   }
-  KVMEM_CUDA_REQUIRE(cudaGraphExecDestroy(exec));
-  KVMEM_CUDA_REQUIRE(cudaGraphDestroy(graph));
-  KVMEM_CUDA_REQUIRE(cudaStreamDestroy(stream));
 }
 }  // namespace
 
@@ -450,30 +476,6 @@ TEST_CASE("kvm cuda bf16 prefill with detached readouts replays from a captured 
   REQUIRE(captured.readouts_beside_updates());
   std::vector<float> out_plain;
   REQUIRE(cuda_feed(plain, c, in, w, 0, c.T, out_plain, nullptr).is_ok());
-  using kvmem::bf16;
-  Dev<bf16> q(as_storage<bf16>(slice_tokens(in.q, c.B * c.Hq, c.T, c.D, 0, c.T))),
-      k(as_storage<bf16>(slice_tokens(in.k, c.B * c.Hk, c.T, c.D, 0, c.T))),
-      v(as_storage<bf16>(slice_tokens(in.v, c.B * c.Hk, c.T, c.Dv, 0, c.T))),
-      g(as_storage<bf16>(slice_tokens(in.gate, c.B * c.Hk, c.T, 1, 0, c.T)));
-  Dev<float> o(std::size_t(c.B * c.T * c.Hq * c.Dv));
-  cudaStream_t stream = nullptr;
-  KVMEM_CUDA_REQUIRE(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
-  cudaGraph_t graph = nullptr;
-  cudaGraphExec_t exec = nullptr;
-  KVMEM_CUDA_REQUIRE(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
-  const auto status = kvmem::cuda::kvm_prefill(
-      kvmem::cuda::Executor{stream}, captured, w.view(), TensorView<const kvmem::bf16, 4>(q.ptr, {c.B, c.Hq, c.T, c.D}),
-      TensorView<const kvmem::bf16, 4>(k.ptr, {c.B, c.Hk, c.T, c.D}),
-      TensorView<const kvmem::bf16, 4>(v.ptr, {c.B, c.Hk, c.T, c.Dv}),
-      TensorView<const kvmem::bf16, 3>(g.ptr, {c.B, c.Hk, c.T}), TensorView<float, 4>(o.ptr, {c.B, c.T, c.Hq, c.Dv}));
-  KVMEM_CUDA_REQUIRE(cudaStreamEndCapture(stream, &graph));
-  INFO(status.to_string());
-  REQUIRE(status.is_ok());
-  KVMEM_CUDA_REQUIRE(cudaGraphInstantiate(&exec, graph, 0));
-  KVMEM_CUDA_REQUIRE(cudaGraphLaunch(exec, stream));
-  KVMEM_CUDA_REQUIRE(cudaStreamSynchronize(stream));
-  CHECK(o.get() == out_plain);
-  KVMEM_CUDA_REQUIRE(cudaGraphExecDestroy(exec));
-  KVMEM_CUDA_REQUIRE(cudaGraphDestroy(graph));
-  KVMEM_CUDA_REQUIRE(cudaStreamDestroy(stream));
+  CapturedCall<kvmem::bf16> prefill(captured, c, in, w, 0, c.T);
+  CHECK(prefill.replay() == out_plain);
 }

@@ -519,6 +519,27 @@ std::vector<float> host_prefill_decode_set(const FloatCase& f, std::int64_t spli
     REQUIRE(kvmem::ua::decode<Set>(exec, hc, f.slice(t, t + 1), opt, f.out_slice(out, t, t + 1)).is_ok());
   return out;
 }
+
+// bf16 inputs, chunked prefill of [0, split) then decode with `opt` on the host and the device, with a
+// user decay set: the output's relative Frobenius error, the kept-set mismatches (and near-ties left
+// out) and every item's length after each device decode step ([steps][items]).
+struct SetRun {
+  double error = 0;
+  std::int64_t mismatches = 0, near_ties = 0;
+  std::vector<std::int64_t> lengths;
+};
+template <class Set>
+SetRun host_vs_cuda_set(const Case& c, std::int64_t split, const kvmem::ua::Options& opt) {
+  FloatCase f(c);
+  round_inputs_to<kvmem::bf16>(f);  // host and device see the same bf16 inputs
+  kvmem::ua::PrunedCache<kvmem::bf16> hc(f.cache_shape());
+  const auto host = host_prefill_decode_set<Set>(f, split, opt, hc);
+  SetRun run;
+  const auto gpu = cuda_prefill_decode<kvmem::bf16, Set>(f, split, opt, {}, 0, &run.lengths);
+  run.error = relative_frobenius(gpu.out, host);
+  run.mismatches = kept_mismatches<Set>(c, gpu.kept, kept_mask(hc, c.config.T), opt.p, 1e-3, run.near_ties);
+  return run;
+}
 }  // namespace
 
 TEST_CASE("ua cuda one-block decode: evictions across several tiles (sanitizer case)", "[ua][cuda][sanitize]") {
@@ -526,18 +547,8 @@ TEST_CASE("ua cuda one-block decode: evictions across several tiles (sanitizer c
   // lifetimes of about 100-290 steps (c = -7): the kept length climbs past two 64-entry tiles of the
   // one-block path, and from about step 100 on keys from the middle of the cache leave at most steps, so
   // survivors move down within and across tiles
-  Case c = random_case(1, 300, 8, 2, 64, 83);
-  FloatCase f(c);
-  round_inputs_to<kvmem::bf16>(f);  // host and device see the same bf16 inputs
-  using Set = LifetimeSet<-70>;
-  const kvmem::ua::Options opt{0.05, 64, true};
-  kvmem::ua::PrunedCache<kvmem::bf16> hc(f.cache_shape());
-  const auto host = host_prefill_decode_set<Set>(f, 60, opt, hc);
-  std::vector<std::int64_t> trace;
-  const auto gpu = cuda_prefill_decode<kvmem::bf16, Set>(f, 60, opt, {}, 0, &trace);
-  const double e = relative_frobenius(gpu.out, host);
-  std::int64_t excluded = 0;
-  const auto bad = kept_mismatches<Set>(c, gpu.kept, kept_mask(hc, c.config.T), 0.05, 1e-3, excluded);
+  const Case c = random_case(1, 300, 8, 2, 64, 83);
+  const auto [e, bad, excluded, trace] = host_vs_cuda_set<LifetimeSet<-70>>(c, 60, kvmem::ua::Options{0.05, 64, true});
   const auto longest = *std::max_element(trace.begin(), trace.end());
   const std::int64_t items = c.config.B * c.config.G;
   std::int64_t evicting_steps = 0;  // steps after which an item is not one entry longer than before
@@ -556,18 +567,9 @@ TEST_CASE("ua cuda decode: items cross the one-block limit and come back (bf16, 
   if (no_device()) return;
   // lifetimes of about 190-470 steps (c = -8.3): kept lengths wander around kOneBlockMaxKept, so items
   // switch between the one-block path and the entry splits, in both directions, while evicting
-  Case c = random_case(1, 1000, 8, 2, 128, 87);
-  FloatCase f(c);
-  round_inputs_to<kvmem::bf16>(f);  // host and device see the same bf16 inputs
-  using Set = LifetimeSet<-83>;
-  const kvmem::ua::Options opt{0.05, 128, true};
-  kvmem::ua::PrunedCache<kvmem::bf16> hc(f.cache_shape());
-  const auto host = host_prefill_decode_set<Set>(f, 128, opt, hc);
-  std::vector<std::int64_t> trace;  // [steps][items]
-  const auto gpu = cuda_prefill_decode<kvmem::bf16, Set>(f, 128, opt, {}, 0, &trace);
-  const double e = relative_frobenius(gpu.out, host);
-  std::int64_t excluded = 0;
-  const auto bad = kept_mismatches<Set>(c, gpu.kept, kept_mask(hc, c.config.T), 0.05, 1e-3, excluded);
+  const Case c = random_case(1, 1000, 8, 2, 128, 87);
+  const auto [e, bad, excluded, trace] =
+      host_vs_cuda_set<LifetimeSet<-83>>(c, 128, kvmem::ua::Options{0.05, 128, true});
   const std::int64_t items = c.config.B * c.config.G, limit = kvmem::cuda::ua_detail::kOneBlockMaxKept;
   std::int64_t up = 0, down = 0;
   for (std::size_t i = std::size_t(items); i < trace.size(); ++i) {

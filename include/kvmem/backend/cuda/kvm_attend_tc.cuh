@@ -60,31 +60,36 @@ struct TcSoftmax {
 // the ring (position p at row p mod W), or the call's own k/v inputs (position p at row p - n0),
 // which hold every window position of a chunk whose window starts inside the call.
 struct TcSources {
-  const bf16* khat;        // [I, cap, D]
-  const bf16* vhat;        // [I, cap, Dv]
-  const bf16* wk;          // ring [I, W, D] or inputs [I, T, D]
-  const bf16* wv;          // ring [I, W, Dv] or inputs [I, T, Dv]
-  std::int64_t rows;       // rows per item of wk, wv: W or T
-  std::int64_t first;      // inputs: the position of row 0 (n0)
+  const bf16* khat;    // [I, cap, D]
+  const bf16* vhat;    // [I, cap, Dv]
+  const bf16* wk;      // ring [I, W, D] or inputs [I, T, D]
+  const bf16* wv;      // ring [I, W, Dv] or inputs [I, T, Dv]
+  std::int64_t rows;   // rows per item of wk, wv: W or T
+  std::int64_t first;  // inputs: the position of row 0 (n0)
   bool ring;
 };
 
-// One row block of attend_tc_kernel: rows t0 + rb*kTcRows + [0, kTcRows) of head bh = b*Hq + h.
-// Each warp owns 16 query rows: Q stays in registers as A fragments, S = Q K^T and O += P V run as
-// m16n8k16 mma.sync with the accumulators (S tile and the whole O row block) in registers, the
-// FlashAttention-2 layout. Thread (lane) holds rows r = lane/4 and r + 8, columns 2*(lane%4) + {0,1}
-// of every 8-wide tile; the four lanes of a quad share a row's maxima (shuffles) and add their
-// partial sums at the end. Key tiles are [state slots...][window...] in steps of kTcKeys, the next
-// one loading (cp.async) while the current one is used.
+// Readout of rows [t0, t1) on the tensor cores. Block: rows t0 + rb*kTcRows + [0, kTcRows) of head
+// bh = b*Hq + h; the row blocks of one head are adjacent in the grid, so they run together and read
+// the head's key/value tiles from L2 instead of each from DRAM. Each warp owns 16 query rows: Q stays
+// in registers as A fragments, S = Q K^T and O += P V run as m16n8k16 mma.sync with the accumulators
+// (S tile and the whole O row block) in registers, the FlashAttention-2 layout. Thread (lane) holds
+// rows r = lane/4 and r + 8, columns 2*(lane%4) + {0,1} of every 8-wide tile; the four lanes of a
+// quad share a row's maxima (shuffles) and add their partial sums at the end. Key tiles are
+// [state slots...][window...] in steps of kTcKeys, the next one loading (cp.async) while the current
+// one is used.
+// grid B*Hq*ceil((t1 - t0) / kTcRows) (row block fastest), block 32 * kTcWarps, dynamic smem TcLayout::kBytes.
+// q: [B,Hq,T,kD], out: [B,T,Hq,kDv]
 template <class In, class Out, int kD, int kDv>
-__device__ __forceinline__ void attend_tc_rows(const DeviceState<bf16, float>& st, const TcSources& src, const In* q,
-                                               Out* out, std::int64_t T, std::int64_t n0, std::int64_t t0,
-                                               std::int64_t t1, std::int64_t w, std::int64_t slots, std::int64_t bh,
-                                               std::int64_t rb) {
+__global__ void __launch_bounds__(32 * kTcWarps, 3)
+    attend_tc_kernel(DeviceState<bf16, float> st, TcSources src, const In* q, Out* out, std::int64_t T, std::int64_t n0,
+                     std::int64_t t0, std::int64_t t1, std::int64_t w, std::int64_t slots) {
   using L = TcLayout<kD, kDv>;
   using namespace ptx;
   extern __shared__ __align__(128) unsigned char smem_raw[];
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, quad = lane % 4, r = lane / 4;
+  const std::int64_t row_blocks = (t1 - t0 + kTcRows - 1) / kTcRows;
+  const std::int64_t bh = blockIdx.x / row_blocks, rb = blockIdx.x % row_blocks;
   const std::int64_t Hq = st.Hq, b = bh / Hq, h = bh % Hq, item = b * st.Hk + h / st.rep();
   const std::int64_t row0 = t0 + rb * kTcRows;  // the block's first row
   const std::int64_t last_t = (row0 + kTcRows - 1) < (t1 - 1) ? (row0 + kTcRows - 1) : (t1 - 1);
@@ -262,19 +267,6 @@ __device__ __forceinline__ void attend_tc_rows(const DeviceState<bf16, float>& s
       ob[c + 1] = store_as<Out>(o[nd][3] * inv_b);
     }
   }
-}
-
-// grid B*Hq*ceil((t1 - t0) / kTcRows) (row block fastest), block 32 * kTcWarps, dynamic smem TcLayout::kBytes.
-// q: [B,Hq,T,kD], out: [B,T,Hq,kDv]
-template <class In, class Out, int kD, int kDv>
-__global__ void __launch_bounds__(32 * kTcWarps, 3)
-    attend_tc_kernel(DeviceState<bf16, float> st, TcSources src, const In* q, Out* out, std::int64_t T,
-                     std::int64_t n0, std::int64_t t0, std::int64_t t1, std::int64_t w, std::int64_t slots) {
-  // The row blocks of one head are adjacent in the grid, so they run together and read the head's
-  // key/value tiles from L2 instead of each from DRAM.
-  const std::int64_t row_blocks = (t1 - t0 + kTcRows - 1) / kTcRows;
-  attend_tc_rows<In, Out, kD, kDv>(st, src, q, out, T, n0, t0, t1, w, slots, blockIdx.x / row_blocks,
-                                   blockIdx.x % row_blocks);
 }
 
 // Copies the readout keys and values of slots [0, slots) of every item (khat, vhat; same layout, cap

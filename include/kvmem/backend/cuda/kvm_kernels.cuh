@@ -10,6 +10,7 @@
 #include <cstdint>
 #include <type_traits>
 
+#include "kvmem/backend/cuda/ptx.cuh"
 #include "kvmem/core/numeric.hpp"
 #include "kvmem/core/softmax.hpp"
 #include "kvmem/kernel/kvm_state.hpp"
@@ -42,16 +43,16 @@ struct DeviceState {
   int* counter;  // [B*Hq] decode splits finished this step; the last one merges and resets it to 0
   // Tensor-core routing (bf16 storage, tc_route): khat32 = khat + khat_lo to ~2^-16, and the update's
   // k0 / kg rows as hi and lo bf16 halves. khat_lo is nullptr without it.
-  bf16* khat_lo;   // [I, cap, D]
-  bf16* k0_hl;     // [I, C, 2, D]  (hi row, lo row) per token; aliases the k0t buffer
-  bf16* kg_hl;     // [I, C, 2, D]  aliases the kgt buffer
+  bf16* khat_lo;  // [I, cap, D]
+  bf16* k0_hl;    // [I, C, 2, D]  (hi row, lo row) per token; aliases the k0t buffer
+  bf16* kg_hl;    // [I, C, 2, D]  aliases the kgt buffer
   // A prefill call's own inputs (storage type, [I, in_count, *] for positions in_first + r), set
   // for prefills with readouts beside the chain: an update reads the tokens leaving the window
   // from them (token_key and friends) instead of the ring, so such a prefill ingests only the
   // chunks a later reader of the ring needs. nullptr: every token from the ring.
-  const S* in_k;   // [I, in_count, D]
-  const S* in_v;   // [I, in_count, Dv]
-  const S* in_g;   // [I, in_count]
+  const S* in_k;  // [I, in_count, D]
+  const S* in_v;  // [I, in_count, Dv]
+  const S* in_g;  // [I, in_count]
   std::int64_t in_first, in_count;
   const A* ln_w;   // [D]   caller's device weights, read in place (no per-call copy)
   const A* ln_b;   // [D]
@@ -855,22 +856,6 @@ __device__ void ingest_decode_token(const DeviceState<S, A>& st, const In* k1, c
   if (threadIdx.x == 0) st.wg[item * st.W + ring] = load_as<A>(g1[item]);
 }
 
-// Programmatic dependent launch (sm_90, kvm_run launches decode steps with it): a decode kernel may
-// be scheduled while the kernel before it on the stream is still running, which hides the launch
-// latency of a step. It waits for that kernel to complete (and its writes to be visible) before
-// touching memory, so the order of effects is the plain stream order.
-__device__ inline void wait_for_previous_grid() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("griddepcontrol.wait;\n" ::: "memory");
-#endif
-}
-// Lets the next kernel on the stream be scheduled (it still waits for this one to complete).
-__device__ inline void allow_next_grid() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
-#endif
-}
-
 // Fused decode step (spec 4.7 steps 1 and 6), split-K: block (bh, split) covers keys [split*per, ...)
 // of the virtual key list [slots | window [w, pos]]; each warp takes every 4th key, lanes split the
 // head dims. The block of the item's first head and split 0 also appends the token to the ring;
@@ -887,8 +872,9 @@ __global__ void decode_fused_kernel(DeviceState<S, A> st, const In* q, const In*
   A* qs = reinterpret_cast<A*>(smem_raw);  // [D]
   A* po = qs + D;                          // [kWarps, Dv]
   A* pl = po + kWarps * Dv;                // [kWarps]
-  wait_for_previous_grid();
-  allow_next_grid();
+  // kvm_run launches decode steps as dependent launches (ptx.cuh): hides a launch latency per step
+  ptx::wait_for_previous_grid();
+  ptx::allow_next_grid();
   const std::int64_t bh = blockIdx.x, b = bh / Hq, h = bh % Hq, item = b * st.Hk + h / st.rep();
   if (blockIdx.y == 0 && h % st.rep() == 0) ingest_decode_token(st, k1, v1, g1, item, pos);
   for (std::int64_t d = threadIdx.x; d < D; d += blockDim.x) qs[d] = load_as<A>(q[bh * D + d]);
@@ -943,8 +929,9 @@ __global__ void decode_fused_bf16_kernel(DeviceState<bf16, A> st, const In* q, c
   constexpr int kDim = 128, kHalves = 8, kPer = 8, kUnroll = 4;
   __shared__ A po[kHalves][kDim];
   __shared__ A pl[kHalves];
-  wait_for_previous_grid();
-  allow_next_grid();
+  // kvm_run launches decode steps as dependent launches (ptx.cuh): hides a launch latency per step
+  ptx::wait_for_previous_grid();
+  ptx::allow_next_grid();
   const std::int64_t Hq = st.Hq, bh = blockIdx.x, b = bh / Hq, h = bh % Hq, item = b * st.Hk + h / st.rep();
   if (blockIdx.y == 0 && h % st.rep() == 0) ingest_decode_token(st, k1, v1, g1, item, pos);
   const int half = threadIdx.x / 16, l = threadIdx.x % 16;

@@ -1,8 +1,8 @@
 // SPDX-License-Identifier: Apache-2.0
 #pragma once
-// The inline-PTX pieces the tensor-core kernels of both mechanisms build on (sm_80+: mma.sync m16n8k16
-// with bf16 operands, ldmatrix, cp.async; sm_70+: ld.acquire). One copy, so a fix to an operand
-// constraint or a clobber reaches every kernel.
+// The inline-PTX pieces the kernels of both mechanisms build on (sm_80+: mma.sync m16n8k16 with bf16
+// operands, ldmatrix, cp.async; sm_70+: ld.acquire, fence.acq_rel, the approximate math instructions;
+// sm_90: griddepcontrol). One copy, so a fix to an operand constraint or a clobber reaches every kernel.
 //
 // Shared-memory reads and writes issued by these wrappers carry a "memory" clobber: the compiler must
 // not move ordinary shared-memory accesses across an asynchronous copy, its wait, or an ldmatrix.
@@ -95,6 +95,51 @@ __device__ inline int load_acquire(const int* p) {
   int v;
   asm volatile("ld.acquire.gpu.global.b32 %0, [%1];\n" : "=r"(v) : "l"(p) : "memory");
   return v;
+}
+__device__ inline std::int64_t load_acquire(const std::int64_t* p) {
+  std::int64_t v;
+  asm volatile("ld.acquire.gpu.global.b64 %0, [%1];\n" : "=l"(v) : "l"(p) : "memory");
+  return v;
+}
+// Acquire-release fence at GPU scope: orders this thread's earlier writes before its later ones (a
+// ticket) and its later reads after earlier acquires. __threadfence is sequentially consistent, which a
+// ticket does not need, and costs more.
+__device__ inline void fence_acq_rel_gpu() {
+  asm volatile("fence.acq_rel.gpu;\n" ::: "memory");
+}
+
+// Programmatic dependent launch (sm_90; the launch sets cudaLaunchAttributeProgrammaticStreamSerialization):
+// a kernel may be scheduled while the kernel before it on the stream is still running. It waits for that
+// kernel to complete (and its writes to be visible) before touching memory, so the order of effects is
+// the plain stream order. No-ops where the instruction does not exist.
+__device__ inline void wait_for_previous_grid() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;\n" ::: "memory");
+#endif
+}
+// Lets the next kernel on the stream be scheduled (it still waits for this one to complete).
+__device__ inline void allow_next_grid() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+#endif
+}
+
+// Approximate math instructions (MUFU), for callers that have bounded their error. rcp: about 1 ulp for
+// normal d; lg2: absolute error about 2^-22.6; ex2 with ftz: results below 2^-126 flush to 0.
+__device__ inline float rcp_approx_ftz(float d) {
+  float r;
+  asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(d));
+  return r;
+}
+__device__ inline float lg2_approx(float x) {
+  float r;
+  asm("lg2.approx.f32 %0, %1;" : "=f"(r) : "f"(x));
+  return r;
+}
+__device__ inline float ex2_approx_ftz(float x) {
+  float r;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(x));
+  return r;
 }
 
 }  // namespace kvmem::cuda::ptx

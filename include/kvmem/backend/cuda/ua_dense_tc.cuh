@@ -94,13 +94,6 @@ struct UaDenseLayout {
   static constexpr std::size_t kBytes = kA + std::size_t(kDnMaxRows) * kAPitch * 4;
 };
 
-// 1 / d from the hardware reciprocal (MUFU.RCP: about 1 ulp; d normal here)
-__device__ inline float dense_rcp(float d) {
-  float r;
-  asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(d));
-  return r;
-}
-
 // log1p(y) for y in (-1, 0], without branches (log1pf's special cases, y <= -1, inf and NaN, cannot occur:
 // y = -min(x, 1 - 1e-6)), so the compiler interleaves the pairs of a tile. Within 1.5 ulp of log1p for an
 // exact reciprocal and 2.3 ulp with a reciprocal 1 ulp off (checked on every 7th float of the range
@@ -112,14 +105,14 @@ __device__ inline float dense_log1p(float y) {
   const float u = 1.0f + y;
   const float c = y - (u - 1.0f);  // exact: u - 1 is exact for u in [1/2, 1], and u itself below 1/2
   const int bits = __float_as_int(u);
-  const int e = (bits - 0x3f3504f3) >> 23;  // 0x3f3504f3 = sqrt(1/2)
+  const int e = (bits - 0x3f3504f3) >> 23;                  // 0x3f3504f3 = sqrt(1/2)
   const float f = __int_as_float(bits - (e << 23)) - 1.0f;  // m - 1, exact
-  const float s = f * dense_rcp(2.0f + f);
+  const float s = f * ptx::rcp_approx_ftz(2.0f + f);        // about 1 ulp; 2 + f is normal
   const float z = s * s;
   const float r = z * fmaf(z, fmaf(z, fmaf(z, 2.0f / 9, 2.0f / 7), 2.0f / 5), 2.0f / 3);
   const float half_f2 = 0.5f * f * f;
   const float log_m = f - fmaf(-s, half_f2 + r, half_f2);
-  return fmaf(float(e), 0.693147180559945309f, fmaf(c, dense_rcp(u), log_m));
+  return fmaf(float(e), 0.693147180559945309f, fmaf(c, ptx::rcp_approx_ftz(u), log_m));
 }
 
 // The base-2 fold of a set whose gates are all built in (see the top of the file). kLog2 is false for a
@@ -151,9 +144,7 @@ struct DenseFold<decay::Set<G...>> {
   __device__ static float decay(float similarity, float gate_log2) {
     float log2_x = gate_log2;
     if constexpr (kSim > 0) {
-      float log2_c;
-      asm("lg2.approx.f32 %0, %1;" : "=f"(log2_c) : "f"(similarity));
-      log2_x = fmaf(kSimScale, log2_c, log2_x);
+      log2_x = fmaf(kSimScale, ptx::lg2_approx(similarity), log2_x);
     }
     float x = exp2f(log2_x);
     if constexpr (kSim > 0) x = similarity > 0.0f ? x : 0.0f;  // relu(c)^2 = 0 -> x = 0 -> A = 0 exactly
@@ -161,14 +152,9 @@ struct DenseFold<decay::Set<G...>> {
   }
 };
 
-// 2^x for the softmax weights, results below 2^-126 flushed to 0: next to the row maximum's weight 1
-// such a weight is below fp32's resolution (and a whole tile below it is skipped, see step 4)
-__device__ inline float dense_exp2(float x) {
-  float y;
-  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
-  return y;
-}
-// logits this far (in log2 units) below the row maximum have weight exactly 0 under dense_exp2
+// The softmax weights are 2^x by ptx::ex2_approx_ftz, results below 2^-126 flushed to 0: next to the row
+// maximum's weight 1 such a weight is below fp32's resolution (and a whole tile below it is skipped, see
+// step 4). Logits this far (in log2 units) below the row maximum have weight exactly 0.
 inline constexpr float kDnUnderflowLog2 = -127.0f;
 
 // The work of one block of dense_prefill_tc_kernel (below): row tile `ticket`, kRows = dense_row_tile(r)
@@ -203,9 +189,9 @@ __device__ __forceinline__ void dense_prefill_row_tile(const DeviceCache<bf16>& 
   const std::int64_t n = c.length[item], first = c.counter[item], row0 = item * c.cap;
   const std::int64_t r0 = k * rt;
   const int nr = T - r0 < rt ? int(T - r0) : rt;  // rows of this tile
-  const std::int64_t row_pos0 = first + r0;  // position of the tile's first row
-  const std::int64_t e_total = n + r0 + nr;  // entries the tile's rows see: the cache, then call rows < r0 + nr
-  const std::int64_t e_prev = n + r0;        // entries before the tile's own rows (λ from row tile k - 1)
+  const std::int64_t row_pos0 = first + r0;       // position of the tile's first row
+  const std::int64_t e_total = n + r0 + nr;       // entries the tile's rows see: the cache, then call rows < r0 + nr
+  const std::int64_t e_prev = n + r0;             // entries before the tile's own rows (λ from row tile k - 1)
   const int* done_prev = sync + 1 + item * tiles + (k - 1);  // read only when k > 0
   int* done_mine = sync + 1 + item * tiles + k;
   const nv_bf16* in_k = reinterpret_cast<const nv_bf16*>(a.k + b * a.k_b + g * a.k_g);
@@ -507,8 +493,8 @@ __device__ __forceinline__ void dense_prefill_row_tile(const DeviceCache<bf16>& 
     // rescale only when a maximum of the warp moved: otherwise every factor is exp2(rounding error of
     // m log2e) = 1 exactly, or 0 on a row whose O and l are still 0
     if (__any_sync(0xffffffffu, new_lo != m_lo || new_hi != m_hi)) {
-      const float scale_lo = dense_exp2(fmaf(m_lo, kLog2e, -base_lo));
-      const float scale_hi = dense_exp2(fmaf(m_hi, kLog2e, -base_hi));
+      const float scale_lo = ptx::ex2_approx_ftz(fmaf(m_lo, kLog2e, -base_lo));
+      const float scale_hi = ptx::ex2_approx_ftz(fmaf(m_hi, kLog2e, -base_hi));
       l_lo *= scale_lo;
       l_hi *= scale_hi;
 #pragma unroll
@@ -523,10 +509,10 @@ __device__ __forceinline__ void dense_prefill_row_tile(const DeviceCache<bf16>& 
     m_hi = new_hi;
 #pragma unroll
     for (int j = 0; j < kDnEntries / 8; ++j) {
-      s[j][0] = dense_exp2(fmaf(s[j][0], kLog2e, -base_lo));
-      s[j][1] = dense_exp2(fmaf(s[j][1], kLog2e, -base_lo));
-      s[j][2] = dense_exp2(fmaf(s[j][2], kLog2e, -base_hi));
-      s[j][3] = dense_exp2(fmaf(s[j][3], kLog2e, -base_hi));
+      s[j][0] = ptx::ex2_approx_ftz(fmaf(s[j][0], kLog2e, -base_lo));
+      s[j][1] = ptx::ex2_approx_ftz(fmaf(s[j][1], kLog2e, -base_lo));
+      s[j][2] = ptx::ex2_approx_ftz(fmaf(s[j][2], kLog2e, -base_hi));
+      s[j][3] = ptx::ex2_approx_ftz(fmaf(s[j][3], kLog2e, -base_hi));
     }
     // 5. O += P V: the S accumulators of entries 16 kk.. are the A fragment of k-step kk. A step whose
     //    probabilities are all 0 for the warp adds exact zeros: skipped.

@@ -743,27 +743,17 @@ __device__ inline std::int64_t decode_one_block(const DeviceCache<S>& c, const D
         }
         return part;
       };
+      float sim = 0.0f;  // a set without the similarity gate never reads it
+      if constexpr (Set::kNeedsSimilarity) sim = group_sum(dot(nk));  // every lane: shuffles
       float lam = 0.0f;
       bool keep = false, attend = valid;
-      if constexpr (Set::kNeedsSimilarity) {
-        const float sim = group_sum(dot(nk));
-        if (in_cache) {
-          const float zk = zk_t[e];
-          const std::int64_t p = pos_t[e];
-          lam = lam_t[e];
-          if (t > p)
-            lam +=
-                kernel::ua::decay_from_similarity<Set, float>(sim, zk, kernel::ua::key_gate_part(zk), p, zq, q_part, t);
-        }
-      } else if (in_cache) {
+      if (in_cache) {
         const float zk = zk_t[e];
         const std::int64_t p = pos_t[e];
         lam = lam_t[e];
         if (t > p)
           lam +=
-              kernel::ua::decay_from_similarity<Set, float>(0.0f, zk, kernel::ua::key_gate_part(zk), p, zq, q_part, t);
-      }
-      if (in_cache) {
+              kernel::ua::decay_from_similarity<Set, float>(sim, zk, kernel::ua::key_gate_part(zk), p, zq, q_part, t);
         keep = !(double(lam) < a.log_p);
         attend = keep || !a.evict_before_attention;
       }
@@ -1055,14 +1045,6 @@ __host__ __device__ inline std::size_t decode_kernel_smem_bytes(std::int64_t D, 
 // before it; a block that wrote something releases it with an acq_rel fence before its ticket, and
 // the last block fences after its ticket before reading the others' writes. (__threadfence is a
 // sequentially consistent fence: stronger than needed, and it is the costliest step of an idle block.)
-__device__ inline std::int64_t load_acquire_i64(const std::int64_t* p) {
-  std::int64_t v;
-  asm volatile("ld.acquire.gpu.global.b64 %0, [%1];\n" : "=l"(v) : "l"(p) : "memory");
-  return v;
-}
-__device__ inline void fence_acq_rel_gpu() {
-  asm volatile("fence.acq_rel.gpu;\n" ::: "memory");
-}
 // One decode step of every item in one launch. The device reads each item's true length and picks the
 // path: up to kOneBlockMaxKept cached entries, split 0 does the whole step (decode_one_block) and the
 // other splits only take their ticket; longer items split their entries over the blocks, and the last
@@ -1076,7 +1058,7 @@ __device__ inline void fence_acq_rel_gpu() {
 template <class Set, class S, int kDpl>
 __global__ void __launch_bounds__(kDecodeThreads) decode_attend_kernel(DeviceCache<S> c, DeviceCall<S> a) {
   extern __shared__ __align__(16) float dsm[];
-  const std::int64_t item = blockIdx.x, n = load_acquire_i64(c.length + item);
+  const std::int64_t item = blockIdx.x, n = ptx::load_acquire(c.length + item);
   const int split = int(blockIdx.y);
   const bool one_block = n <= kOneBlockMaxKept;
   bool wrote = true;
@@ -1090,12 +1072,12 @@ __global__ void __launch_bounds__(kDecodeThreads) decode_attend_kernel(DeviceCac
     decode_split<Set, S, kDpl>(c, a, item, n, split, dsm);
   }
   __shared__ int last;
-  if (wrote) fence_acq_rel_gpu();  // this block's rows, λ, partial and next length before its ticket
+  if (wrote) ptx::fence_acq_rel_gpu();  // this block's rows, λ, partial and next length before its ticket
   __syncthreads();
   if (threadIdx.x == 0) last = atomicAdd(c.done + item, 1) == int(gridDim.y) - 1 ? 1 : 0;
   __syncthreads();
   if (!last) return;
-  fence_acq_rel_gpu();
+  ptx::fence_acq_rel_gpu();
   if (one_block) {
     if (threadIdx.x == 0) {
       c.length[item] = __ldcg(c.next_length + item);
