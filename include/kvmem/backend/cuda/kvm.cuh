@@ -639,41 +639,52 @@ Status kvm_run(const Executor& exec, KvmState<S, A>& state, const KvmWeights& w,
       slots = readout_slots;
       cov = std::min(t1, C);
     }
-    if (decode_step) {  // one fused launch: ring append + split-K attention + merge by the last split
+    if (decode_step) {  // one fused launch: ring append + split-K attention + merge of the splits
       const std::int64_t keys = (wb > 0 ? slots : 0) + (t0 - wb + 1);
       const std::int64_t rows = B * sh.Hq;
-      // enough blocks to fill the device (16 blocks of 128 threads per SM), at least 32 keys a split
-      std::int64_t splits = std::min((16 * std::int64_t(state.sm_count_) + rows - 1) / rows, (keys + 31) / 32);
-      splits = std::clamp<std::int64_t>(splits, 1, KvmState<S, A>::kMaxDecodeSplits);
-      const std::int64_t per = (keys + splits - 1) / splits;
-      splits = (keys + per - 1) / per;  // no empty split
       // programmatic dependent launch: the step's blocks may be scheduled while the previous kernel
       // finishes (they wait for it before touching memory), which hides a launch latency per token
-      cudaLaunchAttribute pdl{};
-      pdl.id = cudaLaunchAttributeProgrammaticStreamSerialization;
-      pdl.val.programmaticStreamSerializationAllowed = 1;
+      cudaLaunchAttribute attrs[2]{};
+      attrs[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+      attrs[0].val.programmaticStreamSerializationAllowed = 1;
       cudaLaunchConfig_t cfg{};
-      cfg.gridDim = dim3(static_cast<unsigned>(rows), static_cast<unsigned>(splits));
-      cfg.blockDim = dim3(128);
       cfg.stream = exec.stream;
-      cfg.attrs = &pdl;
+      cfg.attrs = attrs;
       cfg.numAttrs = 1;
       const In *qd = q.data(), *kd = k.data(), *vd = v.data(), *gd = gate.data();
       Out* od = out.data();
-      const int n_splits = static_cast<int>(splits);
       bool vectorised = false;
-      if constexpr (std::is_same_v<S, bf16>) {
-        if (sh.D == 128 && sh.Dv == 128) {
-          KVMEM_RETURN_IF_ERROR(to_status(cudaLaunchKernelEx(&cfg, decode_fused_bf16_kernel<A, In, Out>, d, qd, kd, vd,
-                                                             gd, od, t0, wb, slots, per, n_splits),
+      if constexpr (std::is_same_v<S, bf16> && std::is_same_v<A, float>) {
+        if (sh.D == kDecodeDim && sh.Dv == kDecodeDim) {
+          // the whole grid resident at once (kDecodeBlocksPerSm per SM), at least a stage of keys per
+          // split, and the splits of a row in one cluster
+          const DecodeSplits sp = decode_splits(rows, keys, kDecodeBlocksPerSm * std::int64_t(state.sm_count_),
+                                                kDecodeMaxCluster, kDecodeStageKeys);
+          cfg.gridDim = dim3(static_cast<unsigned>(rows), static_cast<unsigned>(sp.splits));
+          cfg.blockDim = dim3(kDecodeThreads);
+          cfg.dynamicSmemBytes = kDecodeSmemBytes;
+          if (sp.splits > 1) {
+            attrs[1].id = cudaLaunchAttributeClusterDimension;
+            attrs[1].val.clusterDim.x = 1;
+            attrs[1].val.clusterDim.y = static_cast<unsigned>(sp.splits);
+            attrs[1].val.clusterDim.z = 1;
+            cfg.numAttrs = 2;
+          }
+          KVMEM_RETURN_IF_ERROR(to_status(cudaLaunchKernelEx(&cfg, decode_fused_bf16_kernel<In, Out>, d, qd, kd, vd, gd,
+                                                             od, t0, wb, slots, sp.per, static_cast<int>(sp.splits)),
                                           "kvm decode_fused_bf16_kernel"));
           vectorised = true;
         }
       }
       if (!vectorised) {
+        // enough blocks to fill the device (16 blocks of 128 threads per SM), at least 32 keys a split
+        const DecodeSplits sp = decode_splits(rows, keys, 16 * std::int64_t(state.sm_count_),
+                                              KvmState<S, A>::kMaxDecodeSplits, 32);
+        cfg.gridDim = dim3(static_cast<unsigned>(rows), static_cast<unsigned>(sp.splits));
+        cfg.blockDim = dim3(128);
         cfg.dynamicSmemBytes = (std::size_t(sh.D) + 4 * std::size_t(sh.Dv) + 4) * sizeof(A);
         KVMEM_RETURN_IF_ERROR(to_status(cudaLaunchKernelEx(&cfg, decode_fused_kernel<S, A, In, Out>, d, qd, kd, vd, gd,
-                                                           od, t0, wb, slots, per, n_splits),
+                                                           od, t0, wb, slots, sp.per, static_cast<int>(sp.splits)),
                                         "kvm decode_fused_kernel"));
       }
     } else {

@@ -7,6 +7,7 @@
 
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <type_traits>
 
@@ -917,105 +918,210 @@ __global__ void decode_fused_kernel(DeviceState<S, A> st, const In* q, const In*
   finish_decode_split(st, po, lse, out, bh, splits, lane);
 }
 
-// decode_fused_kernel for bf16 storage and D = Dv = 128: each half-warp takes keys 8 apart and each
-// lane reads 8 channels with one 16-byte load, so a key row is one coalesced 256-byte read; a half
-// loads kUnroll keys and values before it uses any (memory-level parallelism), and the online
-// softmax raises its max once per group. Same split layout as decode_fused_kernel.
-// grid (B*Hq, splits), block 128.
-template <class A, class In, class Out>
-__global__ void decode_fused_bf16_kernel(DeviceState<bf16, A> st, const In* q, const In* k1, const In* v1, const In* g1,
-                                         Out* out, std::int64_t pos, std::int64_t w, std::int64_t slots,
-                                         std::int64_t per_split, int splits) {
-  constexpr int kDim = 128, kHalves = 8, kPer = 8, kUnroll = 4;
-  __shared__ A po[kHalves][kDim];
-  __shared__ A pl[kHalves];
+// decode_fused_kernel for bf16 storage, D = Dv = 128 and fp32 accumulation, built for memory-level
+// parallelism and a short chain of dependent latencies (a decode step reads every visible key once, so
+// it is bound by bytes at large batches and by latency at batch 1):
+// - keys stream global -> shared memory in stages of kDecodeStageKeys (K and V rows, cp.async), with
+//   kDecodeStages - 1 stages in flight while the block computes on the oldest one;
+// - the splits of a row form one thread-block cluster: they merge through distributed shared memory
+//   (two cluster barriers) instead of global partials, a fence and a counter;
+// - the host sizes the split count so the whole grid is resident at once (one wave).
+// Each of the 16 half-warps takes kDecodeStageKeys / 16 keys of a stage; a lane holds 8 channels of q and
+// of its output.
+// The decode token (the last key of the last split) comes from the inputs, rounded as the ring stores
+// it, exactly as in decode_fused_kernel.
+// grid (B*Hq, splits), cluster (1, splits, 1), block kDecodeThreads, dynamic smem kDecodeSmemBytes.
+inline constexpr int kDecodeThreads = 256;
+// Stage shape, measured on the H200 (B8 H32 D128, 32K; ms/token fixed-256 / 16 sqrt N / B=1 fixed-256):
+// 3 stages of 32 keys 0.0331 / 0.129 / 0.0117; 6 stages of 16 keys (more bytes in flight, twice the
+// barriers) 0.0348 / 0.140 / 0.0129: the barrier and the per-stage softmax, not the bytes in flight, set
+// the pace.
+inline constexpr int kDecodeStageKeys = 32;  // two keys per half-warp
+inline constexpr int kDecodeStages = 3;      // 2 stages (32 KB) in flight while the block computes
+inline constexpr int kDecodeMaxCluster = 8;  // the portable cluster size bounds the splits of a row
+inline constexpr int kDecodeDim = 128;
+// K and V rows of every stage; 48 KB, the most a kernel may use without opting in per device.
+inline constexpr std::size_t kDecodeSmemBytes = std::size_t(kDecodeStages) * kDecodeStageKeys * 2 * kDecodeDim * 2;
+inline constexpr int kDecodeBlocksPerSm = 4;  // __launch_bounds__ below; 4 x 48 KB of shared memory fit an SM
+
+// Split-K plan of a decode step: `splits` blocks per row, `per` keys each (the last one fewer, none empty).
+struct DecodeSplits {
+  std::int64_t splits, per;
+};
+// As many splits as fit `resident` blocks in one wave (at most max_splits, at least `granule` keys
+// each); `per` is a whole number of granules, so every split but the last reads full stages.
+inline DecodeSplits decode_splits(std::int64_t rows, std::int64_t keys, std::int64_t resident, std::int64_t max_splits,
+                                  std::int64_t granule) {
+  std::int64_t splits = std::min(resident / rows, (keys + granule - 1) / granule);
+  splits = std::clamp<std::int64_t>(splits, 1, max_splits);
+  std::int64_t per = (keys + splits - 1) / splits;
+  per = (per + granule - 1) / granule * granule;
+  return {(keys + per - 1) / per, per};
+}
+
+template <class In, class Out>
+__global__ void __launch_bounds__(kDecodeThreads, kDecodeBlocksPerSm)
+    decode_fused_bf16_kernel(DeviceState<bf16, float> st, const In* q, const In* k1, const In* v1, const In* g1,
+                             Out* out, std::int64_t pos, std::int64_t w, std::int64_t slots, std::int64_t per_split,
+                             int splits) {
+  constexpr int kDim = kDecodeDim, kHalves = kDecodeThreads / 16, kPer = 8, kRow = 2 * kDim;
+  constexpr int kKeysPerHalf = kDecodeStageKeys / kHalves;
+  static_assert(kKeysPerHalf * kHalves == kDecodeStageKeys, "a stage is a whole number of keys per half-warp");
+  constexpr float kNegInf = negative_infinity<float>();
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  bf16* stage = reinterpret_cast<bf16*>(smem_raw);  // [kDecodeStages][kDecodeStageKeys][K row | V row]
   // kvm_run launches decode steps as dependent launches (ptx.cuh): hides a launch latency per step
   ptx::wait_for_previous_grid();
   ptx::allow_next_grid();
   const std::int64_t Hq = st.Hq, bh = blockIdx.x, b = bh / Hq, h = bh % Hq, item = b * st.Hk + h / st.rep();
-  if (blockIdx.y == 0 && h % st.rep() == 0) ingest_decode_token(st, k1, v1, g1, item, pos);
-  const int half = threadIdx.x / 16, l = threadIdx.x % 16;
-  A qr[kPer], acc[kPer];
-#pragma unroll
-  for (int e = 0; e < kPer; ++e) {
-    qr[e] = load_as<A>(q[bh * kDim + l * kPer + e]);
-    acc[e] = A(0);
-  }
   const std::int64_t n_state = w > 0 ? slots : 0;
   const std::int64_t total = n_state + (pos - w + 1);
   const std::int64_t k_begin = std::int64_t(blockIdx.y) * per_split;
-  const std::int64_t k_end = (k_begin + per_split) < total ? (k_begin + per_split) : total;
-  const A ls_state = st.scale * (st.head_temps ? st.tau_s[h] : A(1));
-  const A ls_window = st.scale * (st.head_temps ? st.tau_w[h] : A(1));
+  const int n_keys = static_cast<int>((k_begin + per_split < total ? k_begin + per_split : total) - k_begin);
+  const int n_stages = (n_keys + kDecodeStageKeys - 1) / kDecodeStageKeys;
   // window keys lie within W positions of w: their ring rows follow from w's with 32-bit arithmetic
   const int ring_len = static_cast<int>(st.W), w_ring = static_cast<int>(w % st.W);
-  OnlineSoftmax<A> sm;
-  // The loop runs the same number of times in every half of a warp (the shuffles need every lane);
-  // a key past the split end computes on zeros and is masked.
-  for (std::int64_t x0 = k_begin; x0 < k_end; x0 += kHalves * kUnroll) {
-    uint4 kv[kUnroll], vv[kUnroll];
-    bool valid[kUnroll], in_state[kUnroll];
+
+  // Stage s: keys k_begin + s * kDecodeStageKeys + [0, kDecodeStageKeys). A key row pair (K | V) is 32
+  // pieces of 16 bytes: a warp copies whole pairs, lane l piece l (K channels 8l.. for l < 16, else V),
+  // so a thread's channel and arrays never change; keys past the split read nothing and leave zeros.
+  const int lane = threadIdx.x % 32;
+  const bool copies_v = lane >= kDim / 8;
+  const int chan = (lane % (kDim / 8)) * 8;
+  const bf16* state_rows = (copies_v ? st.vhat : st.khat) + item * st.cap * kDim + chan;
+  const bf16* ring_rows = (copies_v ? st.wv : st.wk) + item * st.W * kDim + chan;
+  const In* token = (copies_v ? v1 : k1) + item * kDim + chan;
+  const auto issue = [&](int s) {
+    bf16* buf = stage + std::size_t(s % kDecodeStages) * kDecodeStageKeys * kRow;
+    for (int key = threadIdx.x / 32; key < kDecodeStageKeys; key += kDecodeThreads / 32) {
+      bf16* dst = buf + key * kRow + lane * 8;
+      const int x_in = s * kDecodeStageKeys + key;
+      const std::int64_t x = k_begin + x_in;
+      if (x_in >= n_keys) {
+        ptx::cp_async16(dst, st.khat, 0);
+      } else if (x == total - 1) {  // the decode token: from the inputs, rounded as the ring stores it
+        alignas(16) bf16 piece[8];
 #pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
-      const std::int64_t x = x0 + u * kHalves + half;
-      valid[u] = x < k_end;
-      in_state[u] = x < n_state;
-      kv[u] = make_uint4(0, 0, 0, 0);
-      vv[u] = make_uint4(0, 0, 0, 0);
-      if (!valid[u]) continue;
-      if (x == total - 1) {  // the decode token, from the inputs, rounded as the ring stores it
-        bf16* kb = reinterpret_cast<bf16*>(&kv[u]);
-        bf16* vb = reinterpret_cast<bf16*>(&vv[u]);
-#pragma unroll
-        for (int e = 0; e < kPer; ++e) {
-          kb[e] = store_as<bf16>(load_as<A>(k1[item * kDim + l * kPer + e]));
-          vb[e] = store_as<bf16>(load_as<A>(v1[item * kDim + l * kPer + e]));
-        }
-      } else {
-        std::int64_t row = item * st.cap + x;
-        if (!in_state[u]) {  // window position w + (x - n_state), at ring row (w mod W + x - n_state) mod W
-          int r = w_ring + static_cast<int>(x - n_state);
-          if (r >= ring_len) r -= ring_len;
-          row = item * st.W + r;
-        }
-        kv[u] = reinterpret_cast<const uint4*>((in_state[u] ? st.khat : st.wk) + row * kDim)[l];
-        vv[u] = reinterpret_cast<const uint4*>((in_state[u] ? st.vhat : st.wv) + row * kDim)[l];
+        for (int e = 0; e < 8; ++e) piece[e] = store_as<bf16>(load_as<float>(token[e]));
+        *reinterpret_cast<uint4*>(dst) = *reinterpret_cast<const uint4*>(piece);
+      } else if (x < n_state) {
+        ptx::cp_async16(dst, state_rows + x * kDim, 16);
+      } else {  // window position w + (x - n_state), at ring row (w mod W + x - n_state) mod W
+        int r = w_ring + static_cast<int>(x - n_state);
+        if (r >= ring_len) r -= ring_len;
+        ptx::cp_async16(dst, ring_rows + std::int64_t(r) * kDim, 16);
       }
     }
-    A logit[kUnroll];
-    A group_max = negative_infinity<A>();
+    ptx::cp_async_commit();
+  };
+  for (int s = 0; s < kDecodeStages - 1; ++s) {
+    if (s < n_stages) issue(s);
+    else ptx::cp_async_commit();  // empty group: every iteration below waits on the same count
+  }
+  // while the first stages are in flight: the ring append and this lane's channels of q
+  if (blockIdx.y == 0 && h % st.rep() == 0) ingest_decode_token(st, k1, v1, g1, item, pos);
+  const int half = threadIdx.x / 16, l = threadIdx.x % 16;
+  float qr[kPer], acc[kPer];
 #pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
-      const bf16* kb = reinterpret_cast<const bf16*>(&kv[u]);
-      A part = A(0);
+  for (int e = 0; e < kPer; ++e) {
+    qr[e] = load_as<float>(q[bh * kDim + l * kPer + e]);
+    acc[e] = 0.0f;
+  }
+  const float ls_state = st.scale * (st.head_temps ? st.tau_s[h] : 1.0f);
+  const float ls_window = st.scale * (st.head_temps ? st.tau_w[h] : 1.0f);
+  OnlineSoftmax<float> sm;
+  for (int s = 0; s < n_stages; ++s) {
+    ptx::cp_async_wait<kDecodeStages - 2>();  // this thread's pieces of stage s have landed
+    __syncthreads();                          // everyone's have, and stage s - 1's buffer is free
+    if (s + kDecodeStages - 1 < n_stages) issue(s + kDecodeStages - 1);
+    else ptx::cp_async_commit();
+    const bf16* buf = stage + std::size_t(s % kDecodeStages) * kDecodeStageKeys * kRow;
+    float logit[kKeysPerHalf];
+    float group_max = kNegInf;
 #pragma unroll
-      for (int e = 0; e < kPer; ++e) part += qr[e] * load_as<A>(kb[e]);
+    for (int u = 0; u < kKeysPerHalf; ++u) {
+      const int key = half + u * kHalves, x_in = s * kDecodeStageKeys + key;
+      const uint4 kv = reinterpret_cast<const uint4*>(buf + key * kRow)[l];
+      const bf16* kb = reinterpret_cast<const bf16*>(&kv);
+      float part = 0.0f;
+#pragma unroll
+      for (int e = 0; e < kPer; ++e) part += qr[e] * load_as<float>(kb[e]);
 #pragma unroll
       for (int off = 8; off > 0; off >>= 1) part += __shfl_xor_sync(0xffffffffu, part, off);  // within the half
-      logit[u] = valid[u] ? (in_state[u] ? ls_state : ls_window) * part : negative_infinity<A>();
+      logit[u] = x_in < n_keys ? (k_begin + x_in < n_state ? ls_state : ls_window) * part : kNegInf;
       group_max = logit[u] > group_max ? logit[u] : group_max;
     }
-    const A rescale = sm.raise_max(group_max);
-    if (rescale != A(1)) {
+    const float rescale = sm.raise_max(group_max);
+    if (rescale != 1.0f) {
 #pragma unroll
       for (int e = 0; e < kPer; ++e) acc[e] *= rescale;
     }
 #pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
-      const A wgt = sm.accumulate(logit[u]);  // 0 for masked keys
-      const bf16* vb = reinterpret_cast<const bf16*>(&vv[u]);
+    for (int u = 0; u < kKeysPerHalf; ++u) {
+      const float wgt = sm.accumulate(logit[u]);  // 0 for masked keys (their rows hold zeros)
+      const uint4 vv = reinterpret_cast<const uint4*>(buf + (half + u * kHalves) * kRow + kDim)[l];
+      const bf16* vb = reinterpret_cast<const bf16*>(&vv);
 #pragma unroll
-      for (int e = 0; e < kPer; ++e) acc[e] += wgt * load_as<A>(vb[e]);
+      for (int e = 0; e < kPer; ++e) acc[e] += wgt * load_as<float>(vb[e]);
     }
   }
-  const A norm = sm.normaliser();
+  ptx::cp_async_wait<0>();
+  __syncthreads();  // every stage consumed: the stage buffers now hold the merge
+
+  // The block's 16 half-warp partials -> one (o, lse), in half order; then the splits of the row, in
+  // split order, by the cluster's first block. Fixed orders: deterministic.
+  float* po = reinterpret_cast<float*>(smem_raw);  // [kHalves][kDim] normalised partials
+  float* pl = po + kHalves * kDim;                 // [kHalves] their log-sum-exps, then the weights
+  float* res = pl + kHalves;                       // [kDim + 1] the block's (o, lse): read by the cluster
+  float* wsplit = res + kDim + 1;                  // [kDecodeMaxCluster] split weights, then their sum
+  const float norm = sm.normaliser();
 #pragma unroll
-  for (int e = 0; e < kPer; ++e) po[half][l * kPer + e] = acc[e] * norm;
+  for (int e = 0; e < kPer; ++e) po[half * kDim + l * kPer + e] = acc[e] * norm;
   if (l == 0) pl[half] = sm.lse();
   __syncthreads();
-  if (threadIdx.x >= 32) return;
-  const A lse = warp_merge_partials(&po[0][0], pl, kHalves, kDim, int(threadIdx.x));
-  finish_decode_split(st, &po[0][0], lse, out, bh, splits, int(threadIdx.x));
+  if (threadIdx.x < kDim) {
+    float top = kNegInf;
+    for (int p = 0; p < kHalves; ++p) top = pl[p] > top ? pl[p] : top;
+    float o = 0.0f, sum = 0.0f;
+    for (int p = 0; p < kHalves; ++p) {
+      const float wp = pl[p] == kNegInf ? 0.0f : expf(pl[p] - top);
+      o += wp * po[p * kDim + threadIdx.x];
+      sum += wp;
+    }
+    // sum >= 1 (the largest weight is exactly 1) unless the block saw no key: the host never plans an
+    // empty split, but one would contribute nothing rather than NaN
+    const float o_norm = sum > 0.0f ? o / sum : 0.0f;
+    if (splits == 1) {
+      out[bh * kDim + threadIdx.x] = store_as<Out>(o_norm);
+    } else {
+      res[threadIdx.x] = o_norm;
+      if (threadIdx.x == 0) res[kDim] = sum > 0.0f ? top + logf(sum) : kNegInf;
+    }
+  }
+  if (splits == 1) return;
+  ptx::cluster_sync();  // every split's (o, lse) is visible to the cluster
+  if (blockIdx.y == 0) {
+    if (threadIdx.x < 32) {  // lane s reads split s's log-sum-exp
+      const float lse = lane < splits ? ptx::load_cluster(ptx::cluster_address(res + kDim, lane)) : kNegInf;
+      float top = lse;
+#pragma unroll
+      for (int off = 16; off > 0; off >>= 1) {
+        const float o = __shfl_xor_sync(0xffffffffu, top, off);
+        top = top > o ? top : o;
+      }
+      const float wl = lse == kNegInf ? 0.0f : expf(lse - top);
+      if (lane < splits) wsplit[lane] = wl;
+      const float total_w = warp_sum(wl);
+      if (lane == 0) wsplit[kDecodeMaxCluster] = total_w;
+    }
+    __syncthreads();
+    if (threadIdx.x < kDim) {
+      float o = 0.0f;
+      for (int s = 0; s < splits; ++s) o += wsplit[s] * ptx::load_cluster(ptx::cluster_address(res + threadIdx.x, s));
+      out[bh * kDim + threadIdx.x] = store_as<Out>(o / wsplit[kDecodeMaxCluster]);
+    }
+  }
+  ptx::cluster_sync();  // no block leaves while the first one may still read its shared memory
 }
 
 }  // namespace kvmem::cuda::kvm_detail

@@ -124,6 +124,33 @@ __device__ inline void allow_next_grid() {
 #endif
 }
 
+// Thread-block clusters (sm_90; the launch sets cudaLaunchAttributeClusterDimension). cluster_sync is a
+// barrier over every thread of every block of the cluster, with release / acquire semantics: shared
+// memory written before it is visible to the cluster's other blocks after it, and a block that has
+// passed it may still be read by the others until their next cluster_sync. Every thread of the cluster
+// must reach it (no early return before it).
+__device__ inline void cluster_sync() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;\n" ::: "memory");
+#endif
+}
+// The shared::cluster address of variable `p` (in this block's shared memory) in the cluster's block `rank`.
+__device__ inline unsigned cluster_address(const void* p, unsigned rank) {
+  unsigned out = 0;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(out) : "r"(shared_address(p)), "r"(rank));
+#endif
+  return out;
+}
+// A float from another block's shared memory (an address from cluster_address).
+__device__ inline float load_cluster(unsigned addr) {
+  float v = 0.0f;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("ld.shared::cluster.f32 %0, [%1];\n" : "=f"(v) : "r"(addr) : "memory");
+#endif
+  return v;
+}
+
 // Approximate math instructions (MUFU), for callers that have bounded their error. rcp: about 1 ulp for
 // normal d; lg2: absolute error about 2^-22.6; ex2 with ftz: results below 2^-126 flush to 0.
 __device__ inline float rcp_approx_ftz(float d) {
