@@ -659,7 +659,7 @@ Status kvm_run(const Executor& exec, KvmState<S, A>& state, const KvmWeights& w,
           // the whole grid resident at once (kDecodeBlocksPerSm per SM), at least a stage of keys per
           // split, and the splits of a row in one cluster
           const DecodeSplits sp = decode_splits(rows, keys, kDecodeBlocksPerSm * std::int64_t(state.sm_count_),
-                                                kDecodeMaxCluster, kDecodeStageKeys);
+                                                kDecodeMaxCluster, kDecodeSplitGranule);
           cfg.gridDim = dim3(static_cast<unsigned>(rows), static_cast<unsigned>(sp.splits));
           cfg.blockDim = dim3(kDecodeThreads);
           cfg.dynamicSmemBytes = kDecodeSmemBytes;

@@ -921,27 +921,31 @@ __global__ void decode_fused_kernel(DeviceState<S, A> st, const In* q, const In*
 // decode_fused_kernel for bf16 storage, D = Dv = 128 and fp32 accumulation, built for memory-level
 // parallelism and a short chain of dependent latencies (a decode step reads every visible key once, so
 // it is bound by bytes at large batches and by latency at batch 1):
-// - keys stream global -> shared memory in stages of kDecodeStageKeys (K and V rows, cp.async), with
-//   kDecodeStages - 1 stages in flight while the block computes on the oldest one;
+// - each warp streams its own keys global -> shared memory (cp.async) in units of kDecodeWarpKeys K and
+//   V rows, kDecodeWarpStages - 1 units in flight while it computes on the oldest one; a warp waits only
+//   for its own copies (no block barrier in the loop, so one slow load stalls one warp, not the block);
 // - the splits of a row form one thread-block cluster: they merge through distributed shared memory
 //   (two cluster barriers) instead of global partials, a fence and a counter;
 // - the host sizes the split count so the whole grid is resident at once (one wave).
-// Each of the 16 half-warps takes kDecodeStageKeys / 16 keys of a stage; a lane holds 8 channels of q and
-// of its output.
+// Unit u of a split holds its keys [u * kDecodeWarpKeys, ...); warp w takes units w, w + 4, ... Each
+// half-warp takes half of a unit's keys; a lane holds 8 channels of q and of its output.
 // The decode token (the last key of the last split) comes from the inputs, rounded as the ring stores
 // it, exactly as in decode_fused_kernel.
 // grid (B*Hq, splits), cluster (1, splits, 1), block kDecodeThreads, dynamic smem kDecodeSmemBytes.
-inline constexpr int kDecodeThreads = 256;
-// Stage shape, measured on the H200 (B8 H32 D128, 32K; ms/token fixed-256 / 16 sqrt N / B=1 fixed-256):
-// 3 stages of 32 keys 0.0331 / 0.129 / 0.0117; 6 stages of 16 keys (more bytes in flight, twice the
-// barriers) 0.0348 / 0.140 / 0.0129: the barrier and the per-stage softmax, not the bytes in flight, set
-// the pace.
-inline constexpr int kDecodeStageKeys = 32;  // two keys per half-warp
-inline constexpr int kDecodeStages = 3;      // 2 stages (32 KB) in flight while the block computes
+//
+// Shapes measured on the H200 (B8 H32 D128 at 32K, ms/token for fixed-256 / 16 sqrt N / B=1 fixed-256),
+// with block-wide stages instead of warp units: 3 stages of 32 keys per 256-thread block 0.0331 / 0.129 /
+// 0.0117; 6 stages of 16 keys 0.0348 / 0.140 / 0.0129 (more bytes in flight, twice the barriers).
+inline constexpr int kDecodeThreads = 128;
+inline constexpr int kDecodeWarpKeys = 8;    // keys per warp unit: 4 per half-warp
+inline constexpr int kDecodeWarpStages = 3;  // units per warp ring: 2 in flight while one is read
 inline constexpr int kDecodeMaxCluster = 8;  // the portable cluster size bounds the splits of a row
 inline constexpr int kDecodeDim = 128;
-// K and V rows of every stage; 48 KB, the most a kernel may use without opting in per device.
-inline constexpr std::size_t kDecodeSmemBytes = std::size_t(kDecodeStages) * kDecodeStageKeys * 2 * kDecodeDim * 2;
+// a split's keys come in whole rounds of one unit per warp
+inline constexpr int kDecodeSplitGranule = kDecodeWarpKeys * (kDecodeThreads / 32);
+// K and V rows of every warp's ring; 48 KB, the most a kernel may use without opting in per device.
+inline constexpr std::size_t kDecodeSmemBytes =
+    std::size_t(kDecodeThreads / 32) * kDecodeWarpStages * kDecodeWarpKeys * 2 * kDecodeDim * 2;
 inline constexpr int kDecodeBlocksPerSm = 4;  // __launch_bounds__ below; 4 x 48 KB of shared memory fit an SM
 
 // Split-K plan of a decode step: `splits` blocks per row, `per` keys each (the last one fewer, none empty).
@@ -949,7 +953,7 @@ struct DecodeSplits {
   std::int64_t splits, per;
 };
 // As many splits as fit `resident` blocks in one wave (at most max_splits, at least `granule` keys
-// each); `per` is a whole number of granules, so every split but the last reads full stages.
+// each); `per` is a whole number of granules, so every split but the last reads whole rounds.
 inline DecodeSplits decode_splits(std::int64_t rows, std::int64_t keys, std::int64_t resident, std::int64_t max_splits,
                                   std::int64_t granule) {
   std::int64_t splits = std::min(resident / rows, (keys + granule - 1) / granule);
@@ -964,12 +968,10 @@ __global__ void __launch_bounds__(kDecodeThreads, kDecodeBlocksPerSm)
     decode_fused_bf16_kernel(DeviceState<bf16, float> st, const In* q, const In* k1, const In* v1, const In* g1,
                              Out* out, std::int64_t pos, std::int64_t w, std::int64_t slots, std::int64_t per_split,
                              int splits) {
-  constexpr int kDim = kDecodeDim, kHalves = kDecodeThreads / 16, kPer = 8, kRow = 2 * kDim;
-  constexpr int kKeysPerHalf = kDecodeStageKeys / kHalves;
-  static_assert(kKeysPerHalf * kHalves == kDecodeStageKeys, "a stage is a whole number of keys per half-warp");
+  constexpr int kDim = kDecodeDim, kWarps = kDecodeThreads / 32, kHalves = 2 * kWarps, kPer = 8, kRow = 2 * kDim;
+  constexpr int kUnit = kDecodeWarpKeys, kKeysPerHalf = kUnit / 2, kStages = kDecodeWarpStages;
   constexpr float kNegInf = negative_infinity<float>();
-  extern __shared__ __align__(16) unsigned char smem_raw[];
-  bf16* stage = reinterpret_cast<bf16*>(smem_raw);  // [kDecodeStages][kDecodeStageKeys][K row | V row]
+  extern __shared__ __align__(128) unsigned char smem_raw[];  // as kvm_attend_tc.cuh declares it
   // kvm_run launches decode steps as dependent launches (ptx.cuh): hides a launch latency per step
   ptx::wait_for_previous_grid();
   ptx::allow_next_grid();
@@ -978,24 +980,29 @@ __global__ void __launch_bounds__(kDecodeThreads, kDecodeBlocksPerSm)
   const std::int64_t total = n_state + (pos - w + 1);
   const std::int64_t k_begin = std::int64_t(blockIdx.y) * per_split;
   const int n_keys = static_cast<int>((k_begin + per_split < total ? k_begin + per_split : total) - k_begin);
-  const int n_stages = (n_keys + kDecodeStageKeys - 1) / kDecodeStageKeys;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int n_units = (n_keys + kUnit - 1) / kUnit;
+  const int my_units = n_units > warp ? (n_units - warp + kWarps - 1) / kWarps : 0;
+  // this warp's ring: [kStages][kUnit keys][K row | V row]
+  bf16* ring = reinterpret_cast<bf16*>(smem_raw) + std::size_t(warp) * kStages * kUnit * kRow;
   // window keys lie within W positions of w: their ring rows follow from w's with 32-bit arithmetic
   const int ring_len = static_cast<int>(st.W), w_ring = static_cast<int>(w % st.W);
 
-  // Stage s: keys k_begin + s * kDecodeStageKeys + [0, kDecodeStageKeys). A key row pair (K | V) is 32
-  // pieces of 16 bytes: a warp copies whole pairs, lane l piece l (K channels 8l.. for l < 16, else V),
-  // so a thread's channel and arrays never change; keys past the split read nothing and leave zeros.
-  const int lane = threadIdx.x % 32;
+  // The warp's j-th unit. A key row pair (K | V) is 32 pieces of 16 bytes: lane l copies piece l of
+  // every key of the unit (K channels 8l.. for l < 16, else V), so its channel and arrays never change;
+  // keys past the split read nothing and leave zeros.
   const bool copies_v = lane >= kDim / 8;
   const int chan = (lane % (kDim / 8)) * 8;
   const bf16* state_rows = (copies_v ? st.vhat : st.khat) + item * st.cap * kDim + chan;
   const bf16* ring_rows = (copies_v ? st.wv : st.wk) + item * st.W * kDim + chan;
   const In* token = (copies_v ? v1 : k1) + item * kDim + chan;
-  const auto issue = [&](int s) {
-    bf16* buf = stage + std::size_t(s % kDecodeStages) * kDecodeStageKeys * kRow;
-    for (int key = threadIdx.x / 32; key < kDecodeStageKeys; key += kDecodeThreads / 32) {
+  const auto issue = [&](int j) {
+    bf16* buf = ring + (j % kStages) * kUnit * kRow;
+    const int first = (warp + j * kWarps) * kUnit;
+#pragma unroll
+    for (int key = 0; key < kUnit; ++key) {
       bf16* dst = buf + key * kRow + lane * 8;
-      const int x_in = s * kDecodeStageKeys + key;
+      const int x_in = first + key;
       const std::int64_t x = k_begin + x_in;
       if (x_in >= n_keys) {
         ptx::cp_async16(dst, st.khat, 0);
@@ -1014,13 +1021,13 @@ __global__ void __launch_bounds__(kDecodeThreads, kDecodeBlocksPerSm)
     }
     ptx::cp_async_commit();
   };
-  for (int s = 0; s < kDecodeStages - 1; ++s) {
-    if (s < n_stages) issue(s);
+  for (int j = 0; j < kStages - 1; ++j) {
+    if (j < my_units) issue(j);
     else ptx::cp_async_commit();  // empty group: every iteration below waits on the same count
   }
-  // while the first stages are in flight: the ring append and this lane's channels of q
+  // while the first units are in flight: the ring append and this lane's channels of q
   if (blockIdx.y == 0 && h % st.rep() == 0) ingest_decode_token(st, k1, v1, g1, item, pos);
-  const int half = threadIdx.x / 16, l = threadIdx.x % 16;
+  const int half = threadIdx.x / 16, l = threadIdx.x % 16, in_unit = (lane / 16) * kKeysPerHalf;
   float qr[kPer], acc[kPer];
 #pragma unroll
   for (int e = 0; e < kPer; ++e) {
@@ -1030,17 +1037,18 @@ __global__ void __launch_bounds__(kDecodeThreads, kDecodeBlocksPerSm)
   const float ls_state = st.scale * (st.head_temps ? st.tau_s[h] : 1.0f);
   const float ls_window = st.scale * (st.head_temps ? st.tau_w[h] : 1.0f);
   OnlineSoftmax<float> sm;
-  for (int s = 0; s < n_stages; ++s) {
-    ptx::cp_async_wait<kDecodeStages - 2>();  // this thread's pieces of stage s have landed
-    __syncthreads();                          // everyone's have, and stage s - 1's buffer is free
-    if (s + kDecodeStages - 1 < n_stages) issue(s + kDecodeStages - 1);
+  for (int j = 0; j < my_units; ++j) {
+    ptx::cp_async_wait<kStages - 2>();  // this lane's pieces of unit j have landed
+    __syncwarp();                       // every lane's have, and unit j - 1's buffer is free
+    if (j + kStages - 1 < my_units) issue(j + kStages - 1);
     else ptx::cp_async_commit();
-    const bf16* buf = stage + std::size_t(s % kDecodeStages) * kDecodeStageKeys * kRow;
+    const bf16* buf = ring + (j % kStages) * kUnit * kRow;
+    const int first = (warp + j * kWarps) * kUnit;
     float logit[kKeysPerHalf];
     float group_max = kNegInf;
 #pragma unroll
     for (int u = 0; u < kKeysPerHalf; ++u) {
-      const int key = half + u * kHalves, x_in = s * kDecodeStageKeys + key;
+      const int key = in_unit + u, x_in = first + key;
       const uint4 kv = reinterpret_cast<const uint4*>(buf + key * kRow)[l];
       const bf16* kb = reinterpret_cast<const bf16*>(&kv);
       float part = 0.0f;
@@ -1059,14 +1067,14 @@ __global__ void __launch_bounds__(kDecodeThreads, kDecodeBlocksPerSm)
 #pragma unroll
     for (int u = 0; u < kKeysPerHalf; ++u) {
       const float wgt = sm.accumulate(logit[u]);  // 0 for masked keys (their rows hold zeros)
-      const uint4 vv = reinterpret_cast<const uint4*>(buf + (half + u * kHalves) * kRow + kDim)[l];
+      const uint4 vv = reinterpret_cast<const uint4*>(buf + (in_unit + u) * kRow + kDim)[l];
       const bf16* vb = reinterpret_cast<const bf16*>(&vv);
 #pragma unroll
       for (int e = 0; e < kPer; ++e) acc[e] += wgt * load_as<float>(vb[e]);
     }
   }
   ptx::cp_async_wait<0>();
-  __syncthreads();  // every stage consumed: the stage buffers now hold the merge
+  __syncthreads();  // every unit consumed: the rings now hold the merge
 
   // The block's 16 half-warp partials -> one (o, lse), in half order; then the splits of the row, in
   // split order, by the cluster's first block. Fixed orders: deterministic.
