@@ -656,7 +656,7 @@ Status kvm_run(const Executor& exec, KvmState<S, A>& state, const KvmWeights& w,
       bool vectorised = false;
       if constexpr (std::is_same_v<S, bf16> && std::is_same_v<A, float>) {
         if (sh.D == kDecodeDim && sh.Dv == kDecodeDim) {
-          // the whole grid resident at once (kDecodeBlocksPerSm per SM), at least a stage of keys per
+          // the whole grid resident at once (kDecodeBlocksPerSm per SM), at least a round of warp units per
           // split, and the splits of a row in one cluster
           const DecodeSplits sp = decode_splits(rows, keys, kDecodeBlocksPerSm * std::int64_t(state.sm_count_),
                                                 kDecodeMaxCluster, kDecodeSplitGranule);

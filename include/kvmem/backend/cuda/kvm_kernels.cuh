@@ -933,9 +933,11 @@ __global__ void decode_fused_kernel(DeviceState<S, A> st, const In* q, const In*
 // it, exactly as in decode_fused_kernel.
 // grid (B*Hq, splits), cluster (1, splits, 1), block kDecodeThreads, dynamic smem kDecodeSmemBytes.
 //
-// Shapes measured on the H200 (B8 H32 D128 at 32K, ms/token for fixed-256 / 16 sqrt N / B=1 fixed-256),
-// with block-wide stages instead of warp units: 3 stages of 32 keys per 256-thread block 0.0331 / 0.129 /
-// 0.0117; 6 stages of 16 keys 0.0348 / 0.140 / 0.0129 (more bytes in flight, twice the barriers).
+// Shapes measured on the H200 (B8 H32 D128 at 32K, ms/token for fixed-256 / 16 sqrt N / B=1 fixed-256;
+// benchmarks/results/kvm_cuda_2026-11-30_h200_v1_decode.md): these warp units 0.0284 / 0.113 / 0.0105;
+// block-wide stages (a __syncthreads per stage) of 32 keys x 3 in 256-thread blocks 0.0318 / 0.123 /
+// 0.0112, of 16 keys x 6 0.0348 / 0.140 / 0.0129 (more bytes in flight, twice the barriers): a stage
+// waits for the slowest of its copies, so the barriers, not the bytes in flight, set the pace.
 inline constexpr int kDecodeThreads = 128;
 inline constexpr int kDecodeWarpKeys = 8;    // keys per warp unit: 4 per half-warp
 inline constexpr int kDecodeWarpStages = 3;  // units per warp ring: 2 in flight while one is read
