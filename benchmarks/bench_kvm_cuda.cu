@@ -185,8 +185,14 @@ int main(int argc, char** argv) {
     else if (!std::strcmp(argv[i], "--tokens")) {
       tokens.clear();
       for (char* s = argv[i + 1]; *s;) {
-        tokens.push_back(std::strtoll(s, &s, 10));
-        if (*s == ',') ++s;
+        char* end = nullptr;
+        tokens.push_back(std::strtoll(s, &end, 10));
+        if (end == s || (*end != ',' && *end != '\0')) {  // never stall on a character strtoll leaves
+          std::fprintf(stderr, "kvmem_bench_kvm_cuda: --tokens expects integers separated by commas, got '%s'\n",
+                       argv[i + 1]);
+          return 2;
+        }
+        s = *end == ',' ? end + 1 : end;
       }
     }
   }

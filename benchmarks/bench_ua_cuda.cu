@@ -149,11 +149,18 @@ std::pair<double, double> launch_floor_us(dim3 grid, unsigned threads, cudaStrea
   return {plain, graphed};
 }
 
+// "4096,8192" -> {4096, 8192}; "" -> {}. Anything else is a usage error (the loop must never stall on a
+// character strtoll does not consume).
 std::vector<std::int64_t> parse_list(const char* s) {
   std::vector<std::int64_t> v;
   for (const char* p = s; *p;) {
-    v.push_back(std::strtoll(p, const_cast<char**>(&p), 10));
-    if (*p == ',') ++p;
+    char* end = nullptr;
+    v.push_back(std::strtoll(p, &end, 10));
+    if (end == p || (*end != ',' && *end != '\0')) {
+      std::fprintf(stderr, "kvmem_bench_ua_cuda: expected a comma-separated list of integers, got '%s'\n", s);
+      std::exit(2);
+    }
+    p = *end == ',' ? end + 1 : end;
   }
   return v;
 }
