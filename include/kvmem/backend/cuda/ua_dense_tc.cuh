@@ -167,6 +167,15 @@ inline constexpr float kDnUnderflowLog2 = -127.0f;
 // every weight of the tile 0, leave every maximum where it is and add nothing: the skip is exact.
 inline constexpr float kDnSkipSlack = 1.00390625f;  // 1 + 2^-8
 
+// The largest value over the warp (no NaN), in every lane: one redux of an order-preserving unsigned key
+// instead of five shuffle rounds (the carry warps' reduction lies on the path every warp waits for).
+__device__ inline float dense_warp_max(float v) {
+  const unsigned b = __float_as_uint(v);
+  const unsigned key = (b & 0x80000000u) ? ~b : (b | 0x80000000u);
+  const unsigned m = __reduce_max_sync(0xffffffffu, key);
+  return __uint_as_float((m & 0x80000000u) ? (m & 0x7fffffffu) : ~m);
+}
+
 // Test hooks of the certified skip (UaCache::set_dense_skip_stats): skip_off != 0 computes every tile's
 // q.k after the λ carry (the path a tile predicted dead takes) and never skips; skipped counts the
 // (warp, entry tile) steps the skip saved.
@@ -437,53 +446,65 @@ __device__ __forceinline__ void dense_prefill_row_tile(const DeviceCache<bf16>& 
       }
       {  // |k_e|^2 of entry eb + qr sits in kk[0] at (row qr, column qr), of eb + 8 + qr in kk[1] at (qr + 8, qr)
         const bool odd = qr & 1;
-        float kss = t4 == qr / 2 ? fmaxf(odd ? kk[0][1] : kk[0][0], odd ? kk[1][3] : kk[1][2]) : 0.0f;
-#pragma unroll
-        for (int off = 16; off > 0; off /= 2) kss = fmaxf(kss, __shfl_xor_sync(0xffffffffu, kss, off));
-        if (warp < 4 && lane == 0) s_kss[warp] = kss;
+        const float kss = t4 == qr / 2 ? fmaxf(odd ? kk[0][1] : kk[0][0], odd ? kk[1][3] : kk[1][2]) : 0.0f;
+        if (warp < 4) {
+          const float kss_max = dense_warp_max(kss);
+          if (lane == 0) s_kss[warp] = kss_max;
+        }
       }
       // 2. with it, S = Q K^T for the warp's 16 pairs and the tile's 64 entries (independent of λ): one
       //    k-step of q.k goes out to the tensor cores before each decay element, so the mma latency
-      //    hides behind the element's gate fold
+      //    hides behind the element's gate fold. Two straight-line copies, with and without q.k (a
+      //    tile predicted dead, step 3b): a branch inside would split the elements' chains apart.
 #pragma unroll
       for (int j = 0; j < kDnEntries / 8; ++j) s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.0f;
+      const auto decay_elements = [&](auto with_qk) {
+        constexpr bool kQK = decltype(with_qk)::value;
 #pragma unroll
-      for (int el = 0; el < 8; ++el) {
-        if (el < kD / 16 && !defer) {
+        for (int el = 0; el < 8; ++el) {
+          if (kQK && el < kD / 16) {
 #pragma unroll
-          for (int jp = 0; jp < kDnEntries / 16; ++jp) {
-            std::uint32_t fb[4];
-            ldmatrix_x4(fb, ks + (16 * jp + 8 * (lane / 16) + lane % 8) * L::kKPitch + 16 * el + 8 * ((lane / 8) % 2));
-            mma_bf16_16816(s[2 * jp], qf[el < kD / 16 ? el : 0], fb[0], fb[1]);
-            mma_bf16_16816(s[2 * jp + 1], qf[el < kD / 16 ? el : 0], fb[2], fb[3]);
+            for (int jp = 0; jp < kDnEntries / 16; ++jp) {
+              std::uint32_t fb[4];
+              ldmatrix_x4(fb,
+                          ks + (16 * jp + 8 * (lane / 16) + lane % 8) * L::kKPitch + 16 * el + 8 * ((lane / 8) % 2));
+              mma_bf16_16816(s[2 * jp], qf[el < kD / 16 ? el : 0], fb[0], fb[1]);
+              mma_bf16_16816(s[2 * jp + 1], qf[el < kD / 16 ? el : 0], fb[2], fb[3]);
+            }
+          }
+          const int nt = el / 4, x = el % 4;
+          if (nt < nts) {  // resolved at compile time
+            const int hf = x / 2, i = rbase + 8 * nt + 2 * t4 + x % 2, e = eb + qr + 8 * hf;
+            // evaluated for every element and then selected (entries past the range have no rows after
+            // them: A = 0); rows past the call get A = 0 too
+            float a_em;
+            if constexpr (Fold::kLog2) {
+              a_em = Fold::decay(sim[nt][x], s_rgate[i] + e_gate[hf]);
+            } else {
+              a_em = kernel::ua::decay_from_similarity<Set, float>(sim[nt][x], e_gate[hf], e_part[hf], e_pos[hf],
+                                                                   s_rgate[i], s_rpart[i], row_pos0 + i);
+            }
+            at[i * L::kAPitch + e] = (i >= e_first[hf] && i < nr) ? a_em : 0.0f;
           }
         }
-        const int nt = el / 4, x = el % 4;
-        if (nt < nts) {  // resolved at compile time
-          const int hf = x / 2, i = rbase + 8 * nt + 2 * t4 + x % 2, e = eb + qr + 8 * hf;
-          // evaluated for every element and then selected (entries past the range have no rows after
-          // them: A = 0); rows past the call get A = 0 too
-          float a_em;
-          if constexpr (Fold::kLog2) {
-            a_em = Fold::decay(sim[nt][x], s_rgate[i] + e_gate[hf]);
-          } else {
-            a_em = kernel::ua::decay_from_similarity<Set, float>(sim[nt][x], e_gate[hf], e_part[hf], e_pos[hf],
-                                                                 s_rgate[i], s_rpart[i], row_pos0 + i);
+        if constexpr (kQK) {
+#pragma unroll
+          for (int kb = 8; kb < kD / 16; ++kb) {  // head dims above 128
+#pragma unroll
+            for (int jp = 0; jp < kDnEntries / 16; ++jp) {
+              std::uint32_t fb[4];
+              ldmatrix_x4(fb,
+                          ks + (16 * jp + 8 * (lane / 16) + lane % 8) * L::kKPitch + 16 * kb + 8 * ((lane / 8) % 2));
+              mma_bf16_16816(s[2 * jp], qf[kb], fb[0], fb[1]);
+              mma_bf16_16816(s[2 * jp + 1], qf[kb], fb[2], fb[3]);
+            }
           }
-          at[i * L::kAPitch + e] = (i >= e_first[hf] && i < nr) ? a_em : 0.0f;
         }
-      }
-#pragma unroll
-      for (int kb = 8; kb < kD / 16; ++kb) {  // head dims above 128
-        if (defer) break;
-#pragma unroll
-        for (int jp = 0; jp < kDnEntries / 16; ++jp) {
-          std::uint32_t fb[4];
-          ldmatrix_x4(fb, ks + (16 * jp + 8 * (lane / 16) + lane % 8) * L::kKPitch + 16 * kb + 8 * ((lane / 8) % 2));
-          mma_bf16_16816(s[2 * jp], qf[kb], fb[0], fb[1]);
-          mma_bf16_16816(s[2 * jp + 1], qf[kb], fb[2], fb[3]);
-        }
-      }
+      };
+      if (defer)
+        decay_elements(std::false_type{});
+      else
+        decay_elements(std::true_type{});
     }
     __syncthreads();  // the A tile is complete
 
@@ -518,8 +539,7 @@ __device__ __forceinline__ void dense_prefill_row_tile(const DeviceCache<bf16>& 
 #pragma unroll
         for (int i = 0; i < rt; ++i) at[i * L::kAPitch + tid] = negative_infinity<float>();
       }
-#pragma unroll
-      for (int off = 16; off > 0; off /= 2) lmax = fmaxf(lmax, __shfl_xor_sync(0xffffffffu, lmax, off));
+      lmax = dense_warp_max(lmax);
       if (lane == 0) s_lmax[warp] = lmax;  // the largest Λ of the tile's 32 entries of this warp, every row
     }
     __syncthreads();  // Λ tile complete, λ of this entry tile stored
