@@ -22,13 +22,16 @@
 // running maximum is usually settled by the first tile: later tiles skip the rescale of O (its factor is
 // exactly 1 when no maximum of the warp moved), the exps and P V of a tile whose weights all underflow for
 // the warp, and a 16-entry step of P V whose weights are all 0 (they would add exact zeros). The skips
-// leave every result bit unchanged; how often they fire depends on how fast Λ decays.
+// leave every result bit unchanged; how often they fire depends on how fast Λ decays. Those skips come
+// after q.k; a tile whose weights a bound proves to underflow (|q_i| |k_j| + max Λ far below the row's
+// maximum: kDnSkipSlack, step 3b) skips q.k as well, and its logits; λ is still carried through it.
 //
 // Inside a block: kDnWarps warps, each 16 (head, row) pairs of the tile; entries arrive 64 at a time
 // through a cp.async double buffer. Per entry tile: the key/key similarity of the decay tile and
 // S = Q K^T with mma.sync (fp32 accumulators in registers) -> A(e, m) into shared memory -> 64 threads carry
-// λ down the tile's rows -> logits = S + Λ, online softmax in registers, O += P V with the probabilities
-// rounded to bf16 (as FlashAttention does).
+// λ down the tile's rows -> the certified skip's test -> logits = S + Λ, online softmax in registers,
+// O += P V with the probabilities rounded to bf16 (as FlashAttention does). A warp whose previous tile
+// was skipped leaves q.k out of the decay step and computes it after the test, only if the tile is live.
 //
 // The decay of a set made of the built-in gates (any of QueryGate, KeyGate, SimilarityGate) is evaluated in
 // base 2 with the per-key and per-position terms scaled once per entry / row: log2 x = q_m + k_j +
