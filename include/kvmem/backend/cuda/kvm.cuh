@@ -46,8 +46,9 @@ struct KvmWeights {
 namespace kvm_detail {
 
 // A second stream and two events owned by a state. A prefill runs the selection of the next update
-// (prepare, novelty, appends, routes) on it beside the current chunk's readout: fork makes the
-// selection wait for the work before the readout, join makes the scatter wait for the selection.
+// (novelty, appends, routes; the fp32 sweeps' prepare pass first) on it beside the current chunk's
+// readout: fork makes the selection wait for the work before the readout, join makes the scatter
+// wait for the selection.
 // With readouts off the chain (ReadoutPipeline) the whole update chain runs on it instead: fork at
 // the call's start, join at its end. Both are stream dependencies, so a prefill still captures as
 // one CUDA graph.

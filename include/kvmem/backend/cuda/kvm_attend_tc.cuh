@@ -336,8 +336,8 @@ __global__ void __launch_bounds__(32 * kRtWarps, 2)
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, quad = lane % 4, r = lane / 4;
   const std::int64_t c0 = std::int64_t(blockIdx.y) * kRtTokens + warp * 16;  // the warp's first token
   const bool active = c0 < C;                                                // warp-uniform (C % 16 == 0)
-  // A fragments (token rows are (hi, lo) pairs of kD bf16): element (token, dim) of k-step kk sits at
-  // token r or r + 8, dims kk*16 + 2 quad + {0, 1} (+ 8)
+  // A fragments (hi and lo bf16 parts of the tokens' k0 or kg): element (token, dim) of k-step kk sits
+  // at token r or r + 8, dims kk*16 + 2 quad + {0, 1} (+ 8)
   std::uint32_t ahi[kD / 16][4], alo[kTerms == 3 ? kD / 16 : 1][4];
 #pragma unroll
   for (int kk = 0; kk < kD / 16; ++kk)

@@ -156,26 +156,6 @@ __device__ void warp_layer_norm_regs(A (&x)[kLaneRegs], std::int64_t D, const A*
   }
 }
 
-// k0 of position p of item i (spec 4.2 steps 1-2) in registers, layout of warp_layer_norm_regs; the
-// whole warp, D <= 32 * kLaneRegs: token_key_regs loads the key (rope channels zeroed, step 1),
-// warp_layer_norm_regs normalises it (step 2).
-template <class S, class A>
-__device__ inline void token_key_regs(const DeviceState<S, A>& st, std::int64_t i, std::int64_t p, A (&x)[kLaneRegs],
-                                      int lane) {
-  const S* kr = token_key(st, i, p);
-#pragma unroll
-  for (int e = 0; e < kLaneRegs; ++e) {
-    const int d = lane + 32 * e;
-    x[e] = d < st.D && d >= st.rope_dims ? load_as<A>(kr[d]) : A(0);
-  }
-}
-template <class S, class A>
-__device__ inline void token_k0_regs(const DeviceState<S, A>& st, std::int64_t i, std::int64_t p, A (&x)[kLaneRegs],
-                                     int lane) {
-  token_key_regs(st, i, p, x, lane);
-  warp_layer_norm_regs(x, st.D, st.ln_w, st.ln_b, st.eps, lane);
-}
-
 // The gated key kg = g k0 (spec 4.2 step 3) of one channel: an explicit rounded product, so no pass
 // contracts it into a later add (the host stores kg, then sums it).
 template <class A>
@@ -363,6 +343,7 @@ __global__ void update_prepare_kernel(DeviceState<S, A> st, std::int64_t a, bool
   const std::int64_t i = blockIdx.x, c = std::int64_t(blockIdx.y) * kWarpsPerBlock + threadIdx.x / 32;
   const std::int64_t C = st.C, D = st.D, Dv = st.Dv;
   if (c >= C) return;
+  const S* kr = token_key(st, i, a + c);
   A* k0 = st.k0 + (i * C + c) * D;
   const A g = token_gate(st, i, a + c);
   // this token's k0 row: lane l holds channels l + 32 e (in registers for head dims up to 128, else
@@ -370,9 +351,13 @@ __global__ void update_prepare_kernel(DeviceState<S, A> st, std::int64_t a, bool
   A x[kLaneRegs];
   const bool in_regs = D <= 32 * kLaneRegs;
   if (in_regs) {
-    token_k0_regs(st, i, a + c, x, lane);
+#pragma unroll
+    for (int e = 0; e < kLaneRegs; ++e) {
+      const int d = lane + 32 * e;
+      x[e] = d < D && d >= st.rope_dims ? load_as<A>(kr[d]) : A(0);  // spec 4.2 step 1
+    }
+    warp_layer_norm_regs(x, D, st.ln_w, st.ln_b, st.eps, lane);
   } else {
-    const S* kr = token_key(st, i, a + c);
     for (std::int64_t d = lane; d < D; d += 32) k0[d] = d < st.rope_dims ? A(0) : load_as<A>(kr[d]);
     warp_layer_norm(k0, D, st.ln_w, st.ln_b, st.eps, k0, lane);
   }
