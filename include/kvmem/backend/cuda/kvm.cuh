@@ -46,8 +46,9 @@ struct KvmWeights {
 namespace kvm_detail {
 
 // A second stream and two events owned by a state. A prefill runs the selection of the next update
-// (prepare, novelty, appends, routes) on it beside the current chunk's readout: fork makes the
-// selection wait for the work before the readout, join makes the scatter wait for the selection.
+// (novelty, appends, routes; the fp32 sweeps' prepare pass first) on it beside the current chunk's
+// readout: fork makes the selection wait for the work before the readout, join makes the scatter
+// wait for the selection.
 // With readouts off the chain (ReadoutPipeline) the whole update chain runs on it instead: fork at
 // the call's start, join at its end. Both are stream dependencies, so a prefill still captures as
 // one CUDA graph.
@@ -252,8 +253,6 @@ class KvmState {
       st.snap_k_[r] = reinterpret_cast<S*>(base + snap[r]);
       st.snap_v_[r] = st.snap_k_[r] + I * cap * D;  // [I, cap, D] keys, then [I, cap, Dv] values
     }
-    d.k0_hl = reinterpret_cast<bf16*>(d.k0t);  // [I, C, 2, D] bf16 fills the [I, D, C] float buffer exactly
-    d.kg_hl = reinterpret_cast<bf16*>(d.kgt);
     d.tc_route = kBf16 && (s.D == 64 || s.D == 128) && p.chunk % 16 == 0;
     d.route_terms = 3;
     // the decode counters start at 0 (the last split of each step resets its own)
@@ -349,23 +348,23 @@ class KvmState {
 
 namespace kvm_detail {
 
-// One pass of update_tc_scores_kernel (kMode: RtMode) over slots [j0, j1) on the tensor cores; bf16
-// storage with d.tc_route only.
+// One pass of update_tc_scores_kernel (kMode: RtMode) for the update of tokens [a, a + C) over slots
+// [j0, j1) on the tensor cores; bf16 storage with d.tc_route only.
 template <int kMode>
-Status launch_tc_scores(const Executor& exec, const DeviceState<bf16, float>& d, std::int64_t items, std::int64_t j0,
-                        std::int64_t j1) {
+Status launch_tc_scores(const Executor& exec, const DeviceState<bf16, float>& d, std::int64_t items, std::int64_t a,
+                        std::int64_t j0, std::int64_t j1) {
   const dim3 grid(static_cast<unsigned>(items), static_cast<unsigned>((d.C + kRtTokens - 1) / kRtTokens));
   const unsigned block = 32 * kRtWarps;
   if (d.D == 128) {
     if (d.route_terms == 1)
-      update_tc_scores_kernel<128, 1, kMode><<<grid, block, 0, exec.stream>>>(d, j0, j1);
+      update_tc_scores_kernel<128, 1, kMode><<<grid, block, 0, exec.stream>>>(d, a, j0, j1);
     else
-      update_tc_scores_kernel<128, 3, kMode><<<grid, block, 0, exec.stream>>>(d, j0, j1);
+      update_tc_scores_kernel<128, 3, kMode><<<grid, block, 0, exec.stream>>>(d, a, j0, j1);
   } else {
     if (d.route_terms == 1)
-      update_tc_scores_kernel<64, 1, kMode><<<grid, block, 0, exec.stream>>>(d, j0, j1);
+      update_tc_scores_kernel<64, 1, kMode><<<grid, block, 0, exec.stream>>>(d, a, j0, j1);
     else
-      update_tc_scores_kernel<64, 3, kMode><<<grid, block, 0, exec.stream>>>(d, j0, j1);
+      update_tc_scores_kernel<64, 3, kMode><<<grid, block, 0, exec.stream>>>(d, a, j0, j1);
   }
   return to_status(cudaGetLastError(), kMode == kRtNovelty ? "kvm update_tc_scores_kernel (novelty)"
                                                            : "kvm update_tc_scores_kernel (routes)");
@@ -389,18 +388,24 @@ Status update_select(const Executor& exec, const DeviceState<S, A>& d, const kvm
   const std::int64_t after = slots + n_app;
   plan = UpdatePlan{a, slots, n_app, after};
   const auto grid = static_cast<unsigned>(items);
-  const dim3 pgrid(grid, static_cast<unsigned>((C + kWarpsPerBlock - 1) / kWarpsPerBlock));
-  update_prepare_kernel<S, A><<<pgrid, 32 * kWarpsPerBlock, 0, exec.stream>>>(d, a, n_app > 0);
-  KVMEM_CUDA_RETURN_IF_LAUNCH_FAILED("kvm update_prepare_kernel");
+  bool tc = false;
+  if constexpr (std::is_same_v<S, bf16>) tc = d.tc_route;
+  // Tensor-core routing needs no prepare pass: its first pass (novelty, or routing without appends)
+  // builds the tokens' k0 / kg from their keys and writes the kg (k0) rows the appends and the scatter
+  // add; the appends and a register scatter gate the values themselves. The fp32 sweeps, and a scatter
+  // of values wider than 128 (memory form, reads vg rows), still take it.
+  if (!tc || !scatter_in_registers(d)) {
+    const dim3 pgrid(grid, static_cast<unsigned>((C + kWarpsPerBlock - 1) / kWarpsPerBlock));
+    update_prepare_kernel<S, A><<<pgrid, 32 * kWarpsPerBlock, 0, exec.stream>>>(d, a, n_app > 0);
+    KVMEM_CUDA_RETURN_IF_LAUNCH_FAILED("kvm update_prepare_kernel");
+  }
   const std::size_t tile_bytes = std::size_t(kSlotTile) * std::size_t(d.D) * sizeof(A);
   const std::size_t select_bytes = std::size_t(C) * (sizeof(A) + 2 * sizeof(int));
   const unsigned tblock = token_block(C);
-  bool tc = false;
-  if constexpr (std::is_same_v<S, bf16>) tc = d.tc_route;
   if (n_app > 0) {
     if (tc) {
       if constexpr (std::is_same_v<S, bf16>)
-        KVMEM_RETURN_IF_ERROR(launch_tc_scores<kRtNovelty>(exec, d, items, 0, slots));
+        KVMEM_RETURN_IF_ERROR(launch_tc_scores<kRtNovelty>(exec, d, items, a, 0, slots));
       update_append_kernel<S, A, true><<<grid, tblock, select_bytes, exec.stream>>>(d, a, slots, n_app);
     } else {
       const std::size_t bytes = tile_bytes + select_bytes;
@@ -414,9 +419,9 @@ Status update_select(const Executor& exec, const DeviceState<S, A>& d, const kvm
       // after appends only the new slots remain to be scanned (the novelty pass took the old ones)
       if constexpr (std::is_same_v<S, bf16>) {
         if (n_app > 0)
-          KVMEM_RETURN_IF_ERROR(launch_tc_scores<kRtRouteNew>(exec, d, items, slots, after));
+          KVMEM_RETURN_IF_ERROR(launch_tc_scores<kRtRouteNew>(exec, d, items, a, slots, after));
         else
-          KVMEM_RETURN_IF_ERROR(launch_tc_scores<kRtRoute>(exec, d, items, p.sink, after));
+          KVMEM_RETURN_IF_ERROR(launch_tc_scores<kRtRoute>(exec, d, items, a, p.sink, after));
       }
     } else {
       KVMEM_RETURN_IF_ERROR(allow_shared(update_route_kernel<S, A>, tile_bytes));
@@ -439,9 +444,11 @@ Status update_finish(const Executor& exec, const DeviceState<S, A>& d, const kvm
       update_scatter_kernel<S, A>
           <<<sgrid, 32 * kWarpsPerBlock, std::size_t(C) * sizeof(int), exec.stream>>>(d, a, after);
     } else if (after > p.sink) {
-      // about two touched slots per warp, and at most 8192 slots (32 KB of first-token table) a block
+      // about four touched slots per warp (a block's first-token table costs a load round trip and two
+      // barriers before its warps start: at B8 H32 fixed-256, 41.2 ms prefill against 41.9 with two
+      // slots a warp and 43.2 with one), and at most 8192 slots (32 KB of table) a block
       const std::int64_t range = after - p.sink, touched = std::min(C, range);
-      std::int64_t blocks = std::max<std::int64_t>(1, (touched + 2 * kWarpsPerBlock - 1) / (2 * kWarpsPerBlock));
+      std::int64_t blocks = std::max<std::int64_t>(1, (touched + 4 * kWarpsPerBlock - 1) / (4 * kWarpsPerBlock));
       blocks = std::max<std::int64_t>(blocks, (range + 8191) / 8192);
       const std::int64_t per_block = (range + blocks - 1) / blocks;
       blocks = (range + per_block - 1) / per_block;

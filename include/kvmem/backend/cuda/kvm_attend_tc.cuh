@@ -318,10 +318,15 @@ enum RtMode : int {
                     // st.target[c] = that argmax of k0_c . K^+_j if its value exceeds st.rbest[c]
 };
 
+// The token operands are built here, in the A fragment layout, from the keys of the update's tokens
+// [a, a + C): k0 = LN_s of the key, kg = g k0 (spec 4.2), no prepare pass and no hi/lo rows in memory.
+// kRtNovelty and kRtRoute also write the fp32 kg rows (and k0 rows for ungated appends) that the
+// appends and the scatter add, so every consumer of a token's kg sees the same values.
+// kRtRoute writes every token's target (an update without appends merges every token).
 // grid (I, ceil(C / kRtTokens)), block 32 * kRtWarps; needs C % 16 == 0.
 template <int kD, int kTerms, int kMode>
 __global__ void __launch_bounds__(32 * kRtWarps, 2)
-    update_tc_scores_kernel(DeviceState<bf16, float> st, std::int64_t j0, std::int64_t j1) {
+    update_tc_scores_kernel(DeviceState<bf16, float> st, std::int64_t a, std::int64_t j0, std::int64_t j1) {
   using namespace ptx;
   constexpr int kPitch = kD + 8;               // bf16 elements (+16 bytes: the 8 rows of an ldmatrix hit 32 banks)
   constexpr int kTile = kRtSlots * kPitch;     // elements of one hi or lo tile
@@ -331,27 +336,74 @@ __global__ void __launch_bounds__(32 * kRtWarps, 2)
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, quad = lane % 4, r = lane / 4;
   const std::int64_t c0 = std::int64_t(blockIdx.y) * kRtTokens + warp * 16;  // the warp's first token
   const bool active = c0 < C;                                                // warp-uniform (C % 16 == 0)
-  // A fragments (token rows are (hi, lo) pairs of kD bf16): element (token, dim) of k-step kk sits at
-  // token r or r + 8, dims kk*16 + 2 quad + {0, 1} (+ 8)
+  // A fragments (hi and lo bf16 parts of the tokens' k0 or kg): element (token, dim) of k-step kk sits
+  // at token r or r + 8, dims kk*16 + 2 quad + {0, 1} (+ 8)
   std::uint32_t ahi[kD / 16][4], alo[kTerms == 3 ? kD / 16 : 1][4];
-  {
-    const bf16* tok = (kMode == kRtRoute ? st.kg_hl : st.k0_hl) + ((i * C + (active ? c0 : 0)) * 2) * kD;
-    const std::uint32_t* ra = reinterpret_cast<const std::uint32_t*>(tok + (2 * r) * kD);
-    const std::uint32_t* rb = reinterpret_cast<const std::uint32_t*>(tok + (2 * (r + 8)) * kD);
-    constexpr int kLo = kD / 2;  // the lo row follows the hi row: kD bf16 = kD / 2 words on
 #pragma unroll
-    for (int kk = 0; kk < kD / 16; ++kk) {
-      const int w0 = kk * 8 + quad, w1 = w0 + 4;
-      ahi[kk][0] = active ? ra[w0] : 0u;
-      ahi[kk][1] = active ? rb[w0] : 0u;
-      ahi[kk][2] = active ? ra[w1] : 0u;
-      ahi[kk][3] = active ? rb[w1] : 0u;
-      if constexpr (kTerms == 3) {
-        alo[kk][0] = active ? ra[kLo + w0] : 0u;
-        alo[kk][1] = active ? rb[kLo + w0] : 0u;
-        alo[kk][2] = active ? ra[kLo + w1] : 0u;
-        alo[kk][3] = active ? rb[kLo + w1] : 0u;
-      }
+  for (int kk = 0; kk < kD / 16; ++kk)
+#pragma unroll
+    for (int q = 0; q < 4; ++q) {
+      ahi[kk][q] = 0u;
+      if constexpr (kTerms == 3) alo[kk][q] = 0u;
+    }
+  if (active) {
+    // lane (r, quad) holds, of token c0 + r (h = 0) and c0 + r + 8 (h = 1), dims kk*16 + 8m + 2 quad
+    // + {0, 1} (m = 0, 1): the four lanes of a quad hold the token's kD dims, so LN_s reduces over
+    // the quad (two xor shuffles) with the 16 tokens of the warp side by side
+    constexpr int kK = kD / 16;
+    const bool rows = kMode != kRtRouteNew;  // the pass that sees the tokens first writes their rows
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const std::int64_t c = c0 + r + 8 * h, p = a + c;
+      const std::uint32_t* kw = reinterpret_cast<const std::uint32_t*>(token_key(st, i, p));
+      float x[kK][4];
+      float sum = 0.0f;
+#pragma unroll
+      for (int kk = 0; kk < kK; ++kk)
+#pragma unroll
+        for (int m = 0; m < 2; ++m) {
+          const std::uint32_t w = kw[kk * 8 + 4 * m + quad];
+          const int d = kk * 16 + 8 * m + 2 * quad;
+          x[kk][2 * m] = d >= st.rope_dims ? __uint_as_float(w << 16) : 0.0f;  // spec 4.2 step 1
+          x[kk][2 * m + 1] = d + 1 >= st.rope_dims ? __uint_as_float(w & 0xffff0000u) : 0.0f;
+          sum += x[kk][2 * m] + x[kk][2 * m + 1];
+        }
+      sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+      sum += __shfl_xor_sync(0xffffffffu, sum, 2);
+      const float mean = sum / static_cast<float>(kD);
+      float var = 0.0f;
+#pragma unroll
+      for (int kk = 0; kk < kK; ++kk)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const float dv = x[kk][e] - mean;
+          var += dv * dv;
+        }
+      var += __shfl_xor_sync(0xffffffffu, var, 1);
+      var += __shfl_xor_sync(0xffffffffu, var, 2);
+      const float inv = 1.0f / sqrtf(var / static_cast<float>(kD) + st.eps);
+      const float g = token_gate(st, i, p);
+      float* kg_row = st.kg + (i * C + c) * kD;
+      float* k0_row = st.k0 + (i * C + c) * kD;
+#pragma unroll
+      for (int kk = 0; kk < kK; ++kk)
+#pragma unroll
+        for (int m = 0; m < 2; ++m) {
+          const int d = kk * 16 + 8 * m + 2 * quad;
+          const float y0 = st.ln_w[d] * ((x[kk][2 * m] - mean) * inv) + st.ln_b[d];  // k0 (spec 4.2 step 2)
+          const float y1 = st.ln_w[d + 1] * ((x[kk][2 * m + 1] - mean) * inv) + st.ln_b[d + 1];
+          const float g0 = gated_key(st.merge_gate_keys, g, y0), g1 = gated_key(st.merge_gate_keys, g, y1);
+          if (rows) *reinterpret_cast<float2*>(kg_row + d) = make_float2(g0, g1);
+          if (kMode == kRtNovelty && !st.gate_appends) *reinterpret_cast<float2*>(k0_row + d) = make_float2(y0, y1);
+          const float o0 = kMode == kRtRoute ? g0 : y0, o1 = kMode == kRtRoute ? g1 : y1;  // kg or k0
+          const __nv_bfloat162 hi = __floats2bfloat162_rn(o0, o1);
+          ahi[kk][h + 2 * m] = *reinterpret_cast<const std::uint32_t*>(&hi);
+          if constexpr (kTerms == 3) {
+            const float2 hf = __bfloat1622float2(hi);
+            const __nv_bfloat162 lo = __floats2bfloat162_rn(o0 - hf.x, o1 - hf.y);
+            alo[kk][h + 2 * m] = *reinterpret_cast<const std::uint32_t*>(&lo);
+          }
+        }
     }
   }
   const std::int64_t tiles = (j1 - j0 + kRtSlots - 1) / kRtSlots;
@@ -475,9 +527,9 @@ __global__ void __launch_bounds__(32 * kRtWarps, 2)
     st.rbest[cb] = cbest_b;
     st.target[ca] = carg_a;  // the appends mark theirs -1 after this pass
     st.target[cb] = carg_b;
-  } else if constexpr (kMode == kRtRoute) {
-    if (st.target[ca] != -1) st.target[ca] = arg_a;
-    if (st.target[cb] != -1) st.target[cb] = arg_b;
+  } else if constexpr (kMode == kRtRoute) {  // no appends: every token merges
+    st.target[ca] = arg_a;
+    st.target[cb] = arg_b;
   } else {  // an appended slot wins only if strictly better: ties go to the older, smaller slot
     if (st.target[ca] != -1 && arg_a >= 0 && best_a > st.rbest[ca]) st.target[ca] = arg_a;
     if (st.target[cb] != -1 && arg_b >= 0 && best_b > st.rbest[cb]) st.target[cb] = arg_b;

@@ -42,11 +42,9 @@ struct DeviceState {
   int* target;   // [I, C]  -1 appended, else merge slot
   A* partial;    // [B*Hq, max_splits, Dv + 1] decode split results (o, lse)
   int* counter;  // [B*Hq] decode splits finished this step; the last one merges and resets it to 0
-  // Tensor-core routing (bf16 storage, tc_route): khat32 = khat + khat_lo to ~2^-16, and the update's
-  // k0 / kg rows as hi and lo bf16 halves. khat_lo is nullptr without it.
+  // Tensor-core routing (bf16 storage, tc_route): khat32 = khat + khat_lo to ~2^-16 (the routing
+  // passes build the tokens' hi/lo operands themselves). khat_lo is nullptr without it.
   bf16* khat_lo;  // [I, cap, D]
-  bf16* k0_hl;    // [I, C, 2, D]  (hi row, lo row) per token; aliases the k0t buffer
-  bf16* kg_hl;    // [I, C, 2, D]  aliases the kgt buffer
   // A prefill call's own inputs (storage type, [I, in_count, *] for positions in_first + r), set
   // for prefills with readouts beside the chain: an update reads the tokens leaving the window
   // from them (token_key and friends) instead of the ring, so such a prefill ingests only the
@@ -157,6 +155,14 @@ __device__ void warp_layer_norm_regs(A (&x)[kLaneRegs], std::int64_t D, const A*
     const int d = lane + 32 * e;
     if (d < D) x[e] = w[d] * ((x[e] - mean) * inv) + b[d];
   }
+}
+
+// The gated key kg = g k0 (spec 4.2 step 3) of one channel: an explicit rounded product, so no pass
+// contracts it into a later add (the host stores kg, then sums it).
+template <class A>
+__device__ inline A gated_key(bool merge_gate_keys, A g, A k0) {
+  if constexpr (std::is_same_v<A, float>) return merge_gate_keys ? __fmul_rn(g, k0) : k0;
+  return merge_gate_keys ? g * k0 : k0;
 }
 
 // K^_j, V^_j of slot sj (spec 4.4 steps 1-2) from its sums Sk (k) and Sv (v) in registers (layout
@@ -322,12 +328,15 @@ __global__ void ingest_kernel(DeviceState<S, A> st, const In* k, const In* v, co
 // from the ring (vg = g v, the same product as update_prepare_kernel's), so vg is written only for
 // the appends and for wider heads.
 template <class S, class A>
-__device__ inline bool scatter_in_registers(const DeviceState<S, A>& st) {
+__host__ __device__ inline bool scatter_in_registers(const DeviceState<S, A>& st) {
   return st.D <= 32 * kLaneRegs && st.Dv <= 32 * kLaneRegs;
 }
 
-// Update step 1 (spec 4.5): kg, vg (and, when the update appends, k0 for the novelty scores and the
-// appends) of the C tokens [a, a+C) read from the ring or the call's inputs, one warp per token.
+// Update step 1 (spec 4.5) of the fp32 sweeps: kg, vg (and, when the update appends, k0 for the
+// novelty scores and the appends) of the C tokens [a, a+C) read from the ring or the call's inputs,
+// one warp per token. Tensor-core routing runs it only for values wider than 128 (the memory-form
+// scatter reads vg): its novelty and routing passes build the tokens' operands from the keys and
+// write the kg (k0) rows themselves (update_tc_scores_kernel).
 // grid (I, ceil(C / kWarpsPerBlock)), block 32 * kWarpsPerBlock.
 template <class S, class A>
 __global__ void update_prepare_kernel(DeviceState<S, A> st, std::int64_t a, bool novelty) {
@@ -354,21 +363,10 @@ __global__ void update_prepare_kernel(DeviceState<S, A> st, std::int64_t a, bool
     warp_layer_norm(k0, D, st.ln_w, st.ln_b, st.eps, k0, lane);
   }
   const auto emit = [&](std::int64_t d, A k0v) {
-    const A kgv = st.merge_gate_keys ? g * k0v : k0v;
+    const A kgv = gated_key(st.merge_gate_keys, g, k0v);
     if (novelty && in_regs) k0[d] = k0v;  // the appends copy k0 rows (spec 4.5 step 3)
-    if (st.tc_route) {                    // hi/lo bf16 rows for the tensor cores (coalesced)
-      if (novelty) {
-        const bf16 kh = store_as<bf16>(k0v);
-        st.k0_hl[((i * C + c) * 2) * D + d] = kh;
-        st.k0_hl[((i * C + c) * 2 + 1) * D + d] = store_as<bf16>(k0v - load_as<A>(kh));
-      }
-      const bf16 gh = store_as<bf16>(kgv);
-      st.kg_hl[((i * C + c) * 2) * D + d] = gh;
-      st.kg_hl[((i * C + c) * 2 + 1) * D + d] = store_as<bf16>(kgv - load_as<A>(gh));
-    } else {
-      if (novelty) st.k0t[(i * D + d) * C + c] = k0v;
-      st.kgt[(i * D + d) * C + c] = kgv;
-    }
+    if (novelty) st.k0t[(i * D + d) * C + c] = k0v;
+    st.kgt[(i * D + d) * C + c] = kgv;
     st.kg[(i * C + c) * D + d] = kgv;
   };
   if (in_regs) {
@@ -473,7 +471,18 @@ __global__ void update_append_kernel(DeviceState<S, A> st, std::int64_t a, std::
     const A* ksrc = (st.gate_appends ? st.kg : st.k0) + (i * C + t) * D;
     for (std::int64_t d = lane; d < D; d += 32) sk[d] = ksrc[d];
     A rho = A(0);
-    if (st.gate_appends) {
+    if (st.gate_appends && kScoresReady) {
+      // tensor-core routing has no prepare pass: vg = g v from the token (update_prepare_kernel's
+      // product), then rho over the row the warp wrote
+      const S* vrow = token_value(st, i, a + t);
+      const A g = token_gate(st, i, a + t);
+      for (std::int64_t d = lane; d < Dv; d += 32) {
+        const A y = load_as<A>(vrow[d]);
+        sv[d] = st.merge_gate_values ? g * y : y;
+      }
+      __syncwarp();
+      if (lane == 0) rho = kernel::norm2<A>(sv, Dv);  // the sequential sum of the host backend
+    } else if (st.gate_appends) {
       const A* vsrc = st.vg + (i * C + t) * Dv;
       for (std::int64_t d = lane; d < Dv; d += 32) sv[d] = vsrc[d];
       if (lane == 0) rho = kernel::norm2<A>(vsrc, Dv);  // the sequential sum of the host backend
