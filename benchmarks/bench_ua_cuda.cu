@@ -12,8 +12,6 @@
 //                       [--dense-only 32768] [--pruned-only 1] [--json out.jsonl]
 // --dense-only T...: extra lengths where only the dense prefill runs once (one call, B sequences).
 // --pruned-only 1: skip the dense (p = 0) rows of --tokens.
-// --skip-stats 1: after each dense row, one more (untimed) dense prefill that counts the (warp, entry tile)
-// steps the dense kernel's certified skip saved, printed as a line of its own.
 
 #include <cuda_runtime.h>
 
@@ -173,7 +171,7 @@ int main(int argc, char** argv) {
   std::int64_t B = 8, H = 16, G = 4, D = 128;
   std::vector<std::int64_t> tokens = {4096, 8192, 16384}, dense_only;
   const char* json = nullptr;
-  bool pruned_only = false, skip_stats = false;
+  bool pruned_only = false;
   for (int i = 1; i + 1 < argc; i += 2) {
     if (!std::strcmp(argv[i], "--batch"))
       B = std::atoll(argv[i + 1]);
@@ -187,8 +185,6 @@ int main(int argc, char** argv) {
       dense_only = parse_list(argv[i + 1]);
     else if (!std::strcmp(argv[i], "--pruned-only"))
       pruned_only = std::atoi(argv[i + 1]) != 0;
-    else if (!std::strcmp(argv[i], "--skip-stats"))
-      skip_stats = std::atoi(argv[i + 1]) != 0;
     else if (!std::strcmp(argv[i], "--json"))
       json = argv[i + 1];
     else {
@@ -243,24 +239,6 @@ int main(int argc, char** argv) {
         if (rep > 0 || only_dense) prefill_ms = std::min(prefill_ms, ms);
       }
       const double kept_prefill = mean_length(cache) / double(T);
-      if (skip_stats && p == 0) {  // one more dense prefill, counting the skipped (warp, entry tile) steps
-        using kvmem::cuda::ua_detail::DenseSkipStats;
-        Buffer<DenseSkipStats> stats(1);
-        CHECK_CUDA(cudaMemset(stats.ptr, 0, sizeof(DenseSkipStats)));
-        cache.set_dense_skip_stats(stats.ptr);
-        reset_all(cache, B);
-        CHECK_STATUS(kvmem::cuda::ua_prefill(exec, cache, in.slice(0, T), opt, in.out_slice(0, T)));
-        DenseSkipStats h;
-        CHECK_CUDA(cudaMemcpy(&h, stats.ptr, sizeof(h), cudaMemcpyDeviceToHost));
-        cache.set_dense_skip_stats(nullptr);
-        // every (warp, entry tile) step of the launch: row tile k walks ceil(min(T, (k + 1) rt) / 64) tiles
-        const std::int64_t rt = kvmem::cuda::ua_detail::dense_row_tile(H / G), e = kvmem::cuda::ua_detail::kDnEntries;
-        double steps = 0;
-        for (std::int64_t r0 = 0; r0 < T; r0 += rt) steps += double((std::min(T, r0 + rt) + e - 1) / e);
-        steps *= double(B * G * kvmem::cuda::ua_detail::kDnWarps);
-        std::printf("dense skip stats T %lld: %llu of %.0f (warp, entry tile) steps skipped (%.1f%%)\n", (long long)T,
-                    h.skipped, steps, 100.0 * double(h.skipped) / steps);
-      }
       double decode_ms = 0, decode_graph_ms = 0, kept_decode = 0, bytes_per_token = 0;
       if (p > 0) {
         const double before = mean_length(cache);

@@ -178,10 +178,6 @@ class UaCache {
     return to_status(cudaStreamSynchronize(stream), "download sync");
   }
 
-  // For tests: the dense tensor-core prefill reads its skip switch from, and counts the entry tiles it
-  // skipped into, `stats` (device memory the caller owns; nullptr, the default: skip on, no counting).
-  void set_dense_skip_stats(ua_detail::DenseSkipStats* stats) { dense_stats_ = stats; }
-
   // Empties sequence b (all its kv heads) and restarts its position counter, on `stream`.
   Status reset_sequence(std::int64_t b, cudaStream_t stream) {
     if (b < 0 || b >= shape_.batch) return invalid_argument("reset_sequence b", "0..B-1", b);
@@ -207,7 +203,6 @@ class UaCache {
   float* part_acc_ = nullptr;
   float* lambda_new_ = nullptr;
   int* dense_sync_ = nullptr;           // ticket + row-tile progress of the dense tensor-core prefill
-  ua_detail::DenseSkipStats* dense_stats_ = nullptr;  // test hooks of the dense prefill's skip, or nullptr
   std::vector<std::int64_t> position_;  // [B] host mirror of the device counters
   std::int64_t bound_ = 0;              // >= every item's length
 };
@@ -279,8 +274,7 @@ ChunkKernel<S> chunk_kernel_for(const UaInputs<S>& in, std::int64_t D, std::int6
 // call takes the chunked path.
 template <class S>
 struct DenseKernel {
-  void (*kernel)(DeviceCache<S>, DeviceCall<S>, std::int64_t, std::int64_t, std::int64_t, int*,
-                 DenseSkipStats*) = nullptr;
+  void (*kernel)(DeviceCache<S>, DeviceCall<S>, std::int64_t, std::int64_t, std::int64_t, int*) = nullptr;
   std::size_t shared_bytes = 0;
 };
 template <class Set, class S>
@@ -354,8 +348,8 @@ Status ua_run(const Executor& exec, UaCache<S>& cache, const UaInputs<S>& in, co
         to_status(cudaMemsetAsync(cache.dense_sync_, 0, std::size_t(1 + I * tiles) * sizeof(int), exec.stream),
                   "cudaMemsetAsync dense prefill pipeline"));
     KVMEM_RETURN_IF_ERROR(allow_shared(dense.kernel, dense.shared_bytes));
-    dense.kernel<<<unsigned(tiles * I), kDnThreads, dense.shared_bytes, exec.stream>>>(
-        dev, a, T, I, tiles, cache.dense_sync_, cache.dense_stats_);
+    dense.kernel<<<unsigned(tiles * I), kDnThreads, dense.shared_bytes, exec.stream>>>(dev, a, T, I, tiles,
+                                                                                       cache.dense_sync_);
     KVMEM_CUDA_RETURN_IF_LAUNCH_FAILED("ua dense_prefill_tc_kernel");
     dense_advance_kernel<S><<<1, 128, 0, exec.stream>>>(dev, I, T);
     KVMEM_CUDA_RETURN_IF_LAUNCH_FAILED("ua dense_advance_kernel");

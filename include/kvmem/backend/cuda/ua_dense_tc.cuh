@@ -22,16 +22,13 @@
 // running maximum is usually settled by the first tile: later tiles skip the rescale of O (its factor is
 // exactly 1 when no maximum of the warp moved), the exps and P V of a tile whose weights all underflow for
 // the warp, and a 16-entry step of P V whose weights are all 0 (they would add exact zeros). The skips
-// leave every result bit unchanged; how often they fire depends on how fast Λ decays. Those skips come
-// after q.k; a tile whose weights a bound proves to underflow (|q_i| |k_j| + max Λ far below the row's
-// maximum: kDnSkipSlack, step 3b) skips q.k as well, and its logits; λ is still carried through it.
+// leave every result bit unchanged; how often they fire depends on how fast Λ decays.
 //
 // Inside a block: kDnWarps warps, each 16 (head, row) pairs of the tile; entries arrive 64 at a time
 // through a cp.async double buffer. Per entry tile: the key/key similarity of the decay tile and
 // S = Q K^T with mma.sync (fp32 accumulators in registers) -> A(e, m) into shared memory -> 64 threads carry
-// λ down the tile's rows -> the certified skip's test -> logits = S + Λ, online softmax in registers,
-// O += P V with the probabilities rounded to bf16 (as FlashAttention does). A warp whose previous tile
-// was skipped leaves q.k out of the decay step and computes it after the test, only if the tile is live.
+// λ down the tile's rows -> logits = S + Λ, online softmax in registers, O += P V with the probabilities
+// rounded to bf16 (as FlashAttention does).
 //
 // The decay of a set made of the built-in gates (any of QueryGate, KeyGate, SimilarityGate) is evaluated in
 // base 2 with the per-key and per-position terms scaled once per entry / row: log2 x = q_m + k_j +
@@ -160,41 +157,13 @@ struct DenseFold<decay::Set<G...>> {
 // step 4). Logits this far (in log2 units) below the row maximum have weight exactly 0.
 inline constexpr float kDnUnderflowLog2 = -127.0f;
 
-// The certified skip of an entry tile (step 3b): for a row i and an entry j of the tile the logit is
-// fl(S_ij + Λ_ij) with S_ij the mma's q_i.k_j <= |q_i| |k_j| (Cauchy-Schwarz; the mma's products of bf16
-// values are exact and its fp32 sums are off by far less than 2^-12 of sum |q_d k_d| <= |q_i| |k_j|).
-// With qn_i, kn the fp32 norms of the very bf16 values the mma reads (sums of exact squares: within 2^-16)
-// and Λmax the largest Λ of the tile, X_i = fl(qn_i kn) (1 + 2^-8) + Λmax >= S_ij + Λ_ij, so rounding
-// (monotone) gives X_i >= every logit of row i in the tile. When X_i < m_i (the running maximum) and
-// X_i lies more than kDnUnderflowLog2 + 1 (log2) below m_i for every row of the warp, step 4 would find
-// every weight of the tile 0, leave every maximum where it is and add nothing: the skip is exact.
-inline constexpr float kDnSkipSlack = 1.00390625f;  // 1 + 2^-8
-
-// The largest value over the warp (no NaN), in every lane: one redux of an order-preserving unsigned key
-// instead of five shuffle rounds (the carry warps' reduction lies on the path every warp waits for).
-__device__ inline float dense_warp_max(float v) {
-  const unsigned b = __float_as_uint(v);
-  const unsigned key = (b & 0x80000000u) ? ~b : (b | 0x80000000u);
-  const unsigned m = __reduce_max_sync(0xffffffffu, key);
-  return __uint_as_float((m & 0x80000000u) ? (m & 0x7fffffffu) : ~m);
-}
-
-// Test hooks of the certified skip (UaCache::set_dense_skip_stats): skip_off != 0 computes every tile's
-// q.k after the λ carry (the path a tile predicted dead takes) and never skips; skipped counts the
-// (warp, entry tile) steps the skip saved.
-struct DenseSkipStats {
-  int skip_off = 0;
-  unsigned long long skipped = 0;
-};
-
 // The work of one block of dense_prefill_tc_kernel (below): row tile `ticket`, kRows = dense_row_tile(r)
 // rows, a compile-time constant so that the decay tile's shape, the pair -> (head, row) map and the λ
 // carry unroll.
 template <class Set, int kD, int kRows>
 __device__ __forceinline__ void dense_prefill_row_tile(const DeviceCache<bf16>& c, const DeviceCall<bf16>& a,
                                                        std::int64_t T, std::int64_t items, std::int64_t tiles,
-                                                       int* sync, DenseSkipStats* stats, std::int64_t ticket,
-                                                       unsigned char* dense_smem) {
+                                                       int* sync, std::int64_t ticket, unsigned char* dense_smem) {
   using namespace ptx;
   using L = UaDenseLayout<kD>;
   using Fold = DenseFold<Set>;
@@ -213,11 +182,6 @@ __device__ __forceinline__ void dense_prefill_row_tile(const DeviceCache<bf16>& 
   __shared__ float s_egate[kDnEntries], s_epart[kDnEntries];
   __shared__ long long s_epos[kDnEntries];
   __shared__ int s_efirst[kDnEntries];
-  // certified skip (step 3b): |q| of each (head, row) pair, max |k|^2 over each warp's 16 entries, max Λ
-  // over each carry warp's entries, the skipped steps of each warp, and whether the skip is on
-  __shared__ float s_qn[kDnPairs], s_kss[4], s_lmax[kDnCarryThreads / 32];
-  __shared__ unsigned s_skipped[kDnWarps];
-  __shared__ int s_skip_on;
 
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, qr = lane / 4, t4 = lane % 4;
   const std::int64_t k = ticket / items, item = ticket % items;
@@ -284,27 +248,6 @@ __device__ __forceinline__ void dense_prefill_row_tile(const DeviceCache<bf16>& 
       qf[kb][2] = live_lo ? *reinterpret_cast<const std::uint32_t*>(q_lo + col + 8) : 0u;
       qf[kb][3] = live_hi ? *reinterpret_cast<const std::uint32_t*>(q_hi + col + 8) : 0u;
     }
-    // |q| of the pairs, from the bf16 values the mma reads (exact squares, fp32 sums), for the skip bound
-    float ss_lo = 0.0f, ss_hi = 0.0f;
-#pragma unroll
-    for (int kb = 0; kb < kD / 16; ++kb) {
-#pragma unroll
-      for (int x = 0; x < 4; ++x) {
-        const float a0 = __uint_as_float(qf[kb][x] << 16), a1 = __uint_as_float(qf[kb][x] & 0xffff0000u);
-        float& ss = (x & 1) ? ss_hi : ss_lo;
-        ss = fmaf(a0, a0, fmaf(a1, a1, ss));
-      }
-    }
-    ss_lo += __shfl_xor_sync(0xffffffffu, ss_lo, 1);
-    ss_lo += __shfl_xor_sync(0xffffffffu, ss_lo, 2);
-    ss_hi += __shfl_xor_sync(0xffffffffu, ss_hi, 1);
-    ss_hi += __shfl_xor_sync(0xffffffffu, ss_hi, 2);
-    if (t4 == 0) {
-      s_qn[p_lo] = sqrtf(ss_lo);
-      s_qn[p_hi] = sqrtf(ss_hi);
-    }
-    if (lane == 0) s_skipped[warp] = 0;
-    if (tid == 0) s_skip_on = stats == nullptr || stats->skip_off == 0;
   }
   float o[kD / 8][4];
 #pragma unroll
@@ -370,9 +313,6 @@ __device__ __forceinline__ void dense_prefill_row_tile(const DeviceCache<bf16>& 
   std::int64_t nx_pos = INT64_MAX;
   load_tile(n_etiles - 1, 0);
   if (tid < kDnCarryThreads) load_meta((n_etiles - 1) * kDnEntries, nx_logit, nx_pos);
-  // the warp's previous tile was skipped (step 3b): predict this one dead too and compute its q.k only
-  // after the decision (warp-uniform)
-  bool defer = stats != nullptr && stats->skip_off != 0;  // skip off: every tile's q.k takes that path
   for (std::int64_t step = 0; step < n_etiles; ++step) {
     const std::int64_t et = n_etiles - 1 - step, e0 = et * kDnEntries;
     const int buf = int(step & 1);
@@ -429,16 +369,11 @@ __device__ __forceinline__ void dense_prefill_row_tile(const DeviceCache<bf16>& 
         }
       }
       float sim[2][4] = {};
-      // and |k|^2 of the warp's 16 entries for the skip bound: the diagonal of K_w K_w^T, whose B
-      // fragments are the A fragment's registers (entries eb..eb+7: fa[0], fa[2]; eb+8..eb+15: fa[1], fa[3])
-      float kk[2][4] = {};
+      if constexpr (Set::kNeedsSimilarity) {
 #pragma unroll
-      for (int kb = 0; kb < kD / 16; ++kb) {
-        std::uint32_t fa[4];
-        ldmatrix_x4(fa, ks + (eb + lane % 16) * L::kKPitch + 16 * kb + 8 * (lane / 16));
-        mma_bf16_16816(kk[0], fa, fa[0], fa[2]);
-        mma_bf16_16816(kk[1], fa, fa[1], fa[3]);
-        if constexpr (Set::kNeedsSimilarity) {
+        for (int kb = 0; kb < kD / 16; ++kb) {
+          std::uint32_t fa[4];
+          ldmatrix_x4(fa, ks + (eb + lane % 16) * L::kKPitch + 16 * kb + 8 * (lane / 16));
 #pragma unroll
           for (int nt = 0; nt < nts; ++nt) {
             std::uint32_t b0, b1;
@@ -447,67 +382,47 @@ __device__ __forceinline__ void dense_prefill_row_tile(const DeviceCache<bf16>& 
           }
         }
       }
-      {  // |k_e|^2 of entry eb + qr sits in kk[0] at (row qr, column qr), of eb + 8 + qr in kk[1] at (qr + 8, qr)
-        const bool odd = qr & 1;
-        const float kss = t4 == qr / 2 ? fmaxf(odd ? kk[0][1] : kk[0][0], odd ? kk[1][3] : kk[1][2]) : 0.0f;
-        if (warp < 4) {
-          const float kss_max = dense_warp_max(kss);
-          if (lane == 0) s_kss[warp] = kss_max;
-        }
-      }
       // 2. with it, S = Q K^T for the warp's 16 pairs and the tile's 64 entries (independent of λ): one
       //    k-step of q.k goes out to the tensor cores before each decay element, so the mma latency
-      //    hides behind the element's gate fold. Two straight-line copies, with and without q.k (a
-      //    tile predicted dead, step 3b): a branch inside would split the elements' chains apart.
+      //    hides behind the element's gate fold
 #pragma unroll
       for (int j = 0; j < kDnEntries / 8; ++j) s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.0f;
-      const auto decay_elements = [&](auto with_qk) {
-        constexpr bool kQK = decltype(with_qk)::value;
 #pragma unroll
-        for (int el = 0; el < 8; ++el) {
-          if (kQK && el < kD / 16) {
+      for (int el = 0; el < 8; ++el) {
+        if (el < kD / 16) {
 #pragma unroll
-            for (int jp = 0; jp < kDnEntries / 16; ++jp) {
-              std::uint32_t fb[4];
-              ldmatrix_x4(fb,
-                          ks + (16 * jp + 8 * (lane / 16) + lane % 8) * L::kKPitch + 16 * el + 8 * ((lane / 8) % 2));
-              mma_bf16_16816(s[2 * jp], qf[el < kD / 16 ? el : 0], fb[0], fb[1]);
-              mma_bf16_16816(s[2 * jp + 1], qf[el < kD / 16 ? el : 0], fb[2], fb[3]);
-            }
-          }
-          const int nt = el / 4, x = el % 4;
-          if (nt < nts) {  // resolved at compile time
-            const int hf = x / 2, i = rbase + 8 * nt + 2 * t4 + x % 2, e = eb + qr + 8 * hf;
-            // evaluated for every element and then selected (entries past the range have no rows after
-            // them: A = 0); rows past the call get A = 0 too
-            float a_em;
-            if constexpr (Fold::kLog2) {
-              a_em = Fold::decay(sim[nt][x], s_rgate[i] + e_gate[hf]);
-            } else {
-              a_em = kernel::ua::decay_from_similarity<Set, float>(sim[nt][x], e_gate[hf], e_part[hf], e_pos[hf],
-                                                                   s_rgate[i], s_rpart[i], row_pos0 + i);
-            }
-            at[i * L::kAPitch + e] = (i >= e_first[hf] && i < nr) ? a_em : 0.0f;
+          for (int jp = 0; jp < kDnEntries / 16; ++jp) {
+            std::uint32_t fb[4];
+            ldmatrix_x4(fb, ks + (16 * jp + 8 * (lane / 16) + lane % 8) * L::kKPitch + 16 * el + 8 * ((lane / 8) % 2));
+            mma_bf16_16816(s[2 * jp], qf[el < kD / 16 ? el : 0], fb[0], fb[1]);
+            mma_bf16_16816(s[2 * jp + 1], qf[el < kD / 16 ? el : 0], fb[2], fb[3]);
           }
         }
-        if constexpr (kQK) {
-#pragma unroll
-          for (int kb = 8; kb < kD / 16; ++kb) {  // head dims above 128
-#pragma unroll
-            for (int jp = 0; jp < kDnEntries / 16; ++jp) {
-              std::uint32_t fb[4];
-              ldmatrix_x4(fb,
-                          ks + (16 * jp + 8 * (lane / 16) + lane % 8) * L::kKPitch + 16 * kb + 8 * ((lane / 8) % 2));
-              mma_bf16_16816(s[2 * jp], qf[kb], fb[0], fb[1]);
-              mma_bf16_16816(s[2 * jp + 1], qf[kb], fb[2], fb[3]);
-            }
+        const int nt = el / 4, x = el % 4;
+        if (nt < nts) {  // resolved at compile time
+          const int hf = x / 2, i = rbase + 8 * nt + 2 * t4 + x % 2, e = eb + qr + 8 * hf;
+          // evaluated for every element and then selected (entries past the range have no rows after
+          // them: A = 0); rows past the call get A = 0 too
+          float a_em;
+          if constexpr (Fold::kLog2) {
+            a_em = Fold::decay(sim[nt][x], s_rgate[i] + e_gate[hf]);
+          } else {
+            a_em = kernel::ua::decay_from_similarity<Set, float>(sim[nt][x], e_gate[hf], e_part[hf], e_pos[hf],
+                                                                 s_rgate[i], s_rpart[i], row_pos0 + i);
           }
+          at[i * L::kAPitch + e] = (i >= e_first[hf] && i < nr) ? a_em : 0.0f;
         }
-      };
-      if (defer)
-        decay_elements(std::false_type{});
-      else
-        decay_elements(std::true_type{});
+      }
+#pragma unroll
+      for (int kb = 8; kb < kD / 16; ++kb) {  // head dims above 128
+#pragma unroll
+        for (int jp = 0; jp < kDnEntries / 16; ++jp) {
+          std::uint32_t fb[4];
+          ldmatrix_x4(fb, ks + (16 * jp + 8 * (lane / 16) + lane % 8) * L::kKPitch + 16 * kb + 8 * ((lane / 8) % 2));
+          mma_bf16_16816(s[2 * jp], qf[kb], fb[0], fb[1]);
+          mma_bf16_16816(s[2 * jp + 1], qf[kb], fb[2], fb[3]);
+        }
+      }
     }
     __syncthreads();  // the A tile is complete
 
@@ -517,7 +432,6 @@ __device__ __forceinline__ void dense_prefill_row_tile(const DeviceCache<bf16>& 
     //    block wrote it.
     if (tid < kDnCarryThreads) {
       const std::int64_t idx = e0 + tid;
-      float lmax = negative_infinity<float>();
       if (idx < e_total) {
         // rows i < before precede the entry (masked); A = 0 up to its own row, so λ stays 0 there
         const std::int64_t before = c_pos - row_pos0;
@@ -532,9 +446,7 @@ __device__ __forceinline__ void dense_prefill_row_tile(const DeviceCache<bf16>& 
 #pragma unroll
           for (int i = 0; i < 8; ++i) {
             lam += av[i];
-            const float lam_i = i0 + i < masked ? negative_infinity<float>() : lam;
-            at[(i0 + i) * L::kAPitch + tid] = lam_i;
-            lmax = fmaxf(lmax, lam_i);
+            at[(i0 + i) * L::kAPitch + tid] = i0 + i < masked ? negative_infinity<float>() : lam;
           }
         }
         c.lambda[row0 + idx] = lam;
@@ -542,8 +454,6 @@ __device__ __forceinline__ void dense_prefill_row_tile(const DeviceCache<bf16>& 
 #pragma unroll
         for (int i = 0; i < rt; ++i) at[i * L::kAPitch + tid] = negative_infinity<float>();
       }
-      lmax = dense_warp_max(lmax);
-      if (lane == 0) s_lmax[warp] = lmax;  // the largest Λ of the tile's 32 entries of this warp, every row
     }
     __syncthreads();  // Λ tile complete, λ of this entry tile stored
     // publish: the barrier orders the carry threads' λ stores before this thread's fence, which makes
@@ -553,44 +463,6 @@ __device__ __forceinline__ void dense_prefill_row_tile(const DeviceCache<bf16>& 
       __threadfence();
       atomicExch(done_mine, int(step + 1));
     }
-
-    // 3b. certified skip (see kDnSkipSlack): X bounds every logit of the row in this tile; when it is
-    //     far enough below the row's maximum for every row of the warp, step 4 would add exact zeros
-    //     and move no maximum, so q.k (if not done yet), the logits, exps and P V are skipped. The λ
-    //     carry above ran all the same (λ of every entry is an output).
-    const bool skip_on = s_skip_on != 0;
-    bool dead = false;
-    if (skip_on) {
-      float kss = s_kss[0];
-#pragma unroll
-      for (int w = 1; w < (kDnWarps < 4 ? kDnWarps : 4); ++w) kss = fmaxf(kss, s_kss[w]);
-      float lm = s_lmax[0];
-#pragma unroll
-      for (int w = 1; w < kDnCarryThreads / 32; ++w) lm = fmaxf(lm, s_lmax[w]);
-      const float kn = sqrtf(kss);
-      const float x_lo = (s_qn[p_lo] * kn) * kDnSkipSlack + lm, x_hi = (s_qn[p_hi] * kn) * kDnSkipSlack + lm;
-      const bool ok_lo = x_lo < m_lo && fmaf(x_lo, kLog2e, -(m_lo * kLog2e)) < kDnUnderflowLog2 - 1.0f;
-      const bool ok_hi = x_hi < m_hi && fmaf(x_hi, kLog2e, -(m_hi * kLog2e)) < kDnUnderflowLog2 - 1.0f;
-      dead = __all_sync(0xffffffffu, ok_lo && ok_hi);
-    }
-    if (dead) {
-      if (lane == 0) ++s_skipped[warp];
-      defer = true;
-      continue;
-    }
-    if (defer) {  // q.k not computed with the decay tile: now, in the same order (the same bits)
-#pragma unroll
-      for (int kb = 0; kb < kD / 16; ++kb) {
-#pragma unroll
-        for (int jp = 0; jp < kDnEntries / 16; ++jp) {
-          std::uint32_t fb[4];
-          ldmatrix_x4(fb, ks + (16 * jp + 8 * (lane / 16) + lane % 8) * L::kKPitch + 16 * kb + 8 * ((lane / 8) % 2));
-          mma_bf16_16816(s[2 * jp], qf[kb], fb[0], fb[1]);
-          mma_bf16_16816(s[2 * jp + 1], qf[kb], fb[2], fb[3]);
-        }
-      }
-    }
-    defer = !skip_on;
 
     // 4. logits = q.k + Λ (scale 1), online softmax in registers (rows p_lo, p_hi; the quad holds a row)
     float mx_lo = negative_infinity<float>(), mx_hi = negative_infinity<float>();
@@ -665,8 +537,6 @@ __device__ __forceinline__ void dense_prefill_row_tile(const DeviceCache<bf16>& 
     }
   }
 
-  if (stats != nullptr && lane == 0 && s_skipped[warp] != 0) atomicAdd(&stats->skipped, s_skipped[warp]);
-
   // 6. normalise, output gate, write y and lse (the quad's partial sums in a fixed order)
   l_lo += __shfl_xor_sync(0xffffffffu, l_lo, 1);
   l_lo += __shfl_xor_sync(0xffffffffu, l_lo, 2);
@@ -695,8 +565,7 @@ __device__ __forceinline__ void dense_prefill_row_tile(const DeviceCache<bf16>& 
   }
 }
 
-// grid (row tiles * I), block kDnThreads, dynamic smem UaDenseLayout<kD>::kBytes. stats: nullptr, or the
-// test hooks of the certified skip (DenseSkipStats). T rows of the call (all
+// grid (row tiles * I), block kDnThreads, dynamic smem UaDenseLayout<kD>::kBytes. T rows of the call (all
 // of them: input rows 0..T-1, positions counter + 0 ...). sync: [1 + I * tiles] ints, zero on entry
 // (ticket, then the progress of row tile k of item i at 1 + i * tiles + k: the entry tiles it has
 // finished, newest first). Appends the call's rows to the cache (rows n + t: p = 0 evicts nothing) and
@@ -705,15 +574,15 @@ __device__ __forceinline__ void dense_prefill_row_tile(const DeviceCache<bf16>& 
 template <class Set, int kD>
 __global__ void __launch_bounds__(kDnThreads, 8 / kDnWarps)
     dense_prefill_tc_kernel(DeviceCache<bf16> c, DeviceCall<bf16> a, std::int64_t T, std::int64_t items,
-                            std::int64_t tiles, int* sync, DenseSkipStats* stats) {
+                            std::int64_t tiles, int* sync) {
   extern __shared__ __align__(128) unsigned char dense_smem[];
   __shared__ long long s_ticket;
   if (threadIdx.x == 0) s_ticket = atomicAdd(sync, 1);
   __syncthreads();
   if (c.r == 4)
-    dense_prefill_row_tile<Set, kD, dense_row_tile(4)>(c, a, T, items, tiles, sync, stats, s_ticket, dense_smem);
+    dense_prefill_row_tile<Set, kD, dense_row_tile(4)>(c, a, T, items, tiles, sync, s_ticket, dense_smem);
   else  // r == 8 (tc_group_ok)
-    dense_prefill_row_tile<Set, kD, dense_row_tile(8)>(c, a, T, items, tiles, sync, stats, s_ticket, dense_smem);
+    dense_prefill_row_tile<Set, kD, dense_row_tile(8)>(c, a, T, items, tiles, sync, s_ticket, dense_smem);
 }
 
 // grid 1, after dense_prefill_tc_kernel: every item holds its T new rows, its counter advances by T.
