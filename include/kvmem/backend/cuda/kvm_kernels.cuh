@@ -981,6 +981,7 @@ __global__ void __launch_bounds__(kDecodeThreads, kDecodeBlocksPerSm)
                              int splits) {
   constexpr int kDim = kDecodeDim, kWarps = kDecodeThreads / 32, kHalves = 2 * kWarps, kPer = 8, kRow = 2 * kDim;
   constexpr int kUnit = kDecodeWarpKeys, kKeysPerHalf = kUnit / 2, kStages = kDecodeWarpStages;
+  static_assert(kDecodeThreads >= kDim, "the merge gives every output channel its own thread");
   constexpr float kNegInf = negative_infinity<float>();
   extern __shared__ __align__(128) unsigned char smem_raw[];  // as kvm_attend_tc.cuh declares it
   // kvm_run launches decode steps as dependent launches (ptx.cuh): hides a launch latency per step
@@ -1087,8 +1088,8 @@ __global__ void __launch_bounds__(kDecodeThreads, kDecodeBlocksPerSm)
   ptx::cp_async_wait<0>();
   __syncthreads();  // every unit consumed: the rings now hold the merge
 
-  // The block's 16 half-warp partials -> one (o, lse), in half order; then the splits of the row, in
-  // split order, by the cluster's first block. Fixed orders: deterministic.
+  // The block's kHalves half-warp partials -> one (o, lse), in half order (thread d merges channel d);
+  // then the splits of the row, in split order, by the cluster's first block. Fixed orders: deterministic.
   float* po = reinterpret_cast<float*>(smem_raw);  // [kHalves][kDim] normalised partials
   float* pl = po + kHalves * kDim;                 // [kHalves] their log-sum-exps, then the weights
   float* res = pl + kHalves;                       // [kDim + 1] the block's (o, lse): read by the cluster
