@@ -165,6 +165,13 @@ __device__ inline A gated_key(bool merge_gate_keys, A g, A k0) {
   return merge_gate_keys ? g * k0 : k0;
 }
 
+// The gated value vg = g v (spec 4.2 step 3) of one channel. Every pass that gates values (prepare,
+// appends, scatter) uses this one product, so they agree bitwise.
+template <class A>
+__device__ inline A gated_value(bool merge_gate_values, A g, A v) {
+  return merge_gate_values ? g * v : v;
+}
+
 // K^_j, V^_j of slot sj (spec 4.4 steps 1-2) from its sums Sk (k) and Sv (v) in registers (layout
 // of warp_layer_norm_regs), its rho and cnt: no round trip through memory. D, Dv <= 32 * kLaneRegs.
 template <class S, class A>
@@ -380,7 +387,7 @@ __global__ void update_prepare_kernel(DeviceState<S, A> st, std::int64_t a, bool
     const S* vr = token_value(st, i, a + c);
     for (std::int64_t d = lane; d < Dv; d += 32) {
       const A y = load_as<A>(vr[d]);
-      st.vg[(i * C + c) * Dv + d] = st.merge_gate_values ? g * y : y;
+      st.vg[(i * C + c) * Dv + d] = gated_value(st.merge_gate_values, g, y);
     }
   }
   if (lane == 0) st.target[i * C + c] = 0;
@@ -478,7 +485,7 @@ __global__ void update_append_kernel(DeviceState<S, A> st, std::int64_t a, std::
       const A g = token_gate(st, i, a + t);
       for (std::int64_t d = lane; d < Dv; d += 32) {
         const A y = load_as<A>(vrow[d]);
-        sv[d] = st.merge_gate_values ? g * y : y;
+        sv[d] = gated_value(st.merge_gate_values, g, y);
       }
       __syncwarp();
       if (lane == 0) rho = kernel::norm2<A>(sv, Dv);  // the sequential sum of the host backend
@@ -568,7 +575,7 @@ __device__ void scatter_into_slot(const DeviceState<S, A>& st, std::int64_t i, s
           const int d = lane + 32 * e;
           kt[u][e] = tok[u] >= 0 && d < D ? st.kg[(i * C + tok[u]) * D + d] : A(0);
           const A x = tok[u] >= 0 && d < Dv ? load_as<A>(vrow[d]) : A(0);
-          vt[u][e] = st.merge_gate_values ? g * x : x;  // vg (spec 4.2 step 3)
+          vt[u][e] = gated_value(st.merge_gate_values, g, x);
         }
       }
 #pragma unroll
@@ -803,6 +810,22 @@ __device__ A warp_merge_partials(A* po, const A* pl, int parts, std::int64_t Dv,
 
 inline constexpr int kMaxSplitsPerRow = 32;  // one lane per split in the merge (KvmState::kMaxDecodeSplits)
 
+// The weights of a merge of split partials: lane s holds split s's log-sum-exp l (-inf where there is
+// no split s) and gets exp(l - the warp's largest l) (0 for -inf); *total is their sum over the warp, in
+// a fixed shuffle order (deterministic). Called by a whole warp.
+template <class A>
+__device__ A warp_split_weight(A l, A* total) {
+  A top = l;
+#pragma unroll
+  for (int off = 16; off > 0; off >>= 1) {
+    const A o = __shfl_xor_sync(0xffffffffu, top, off);
+    top = top > o ? top : o;
+  }
+  const A w = l == negative_infinity<A>() ? A(0) : exp(l - top);
+  *total = warp_sum(w);
+  return w;
+}
+
 // Ends decode split blockIdx.y of row bh (called by one warp; po[0, Dv) holds the split's normalised
 // partial, lse its log-sum-exp). With one split the block writes out[bh] itself. Otherwise it
 // publishes the partial, and the last split to finish (an integer counter per row: no float
@@ -832,14 +855,8 @@ __device__ void finish_decode_split(const DeviceState<S, A>& st, const A* po, A 
   // reads every split's value with independent loads (no chain of dependent round trips).
   __shared__ A weight[kMaxSplitsPerRow];
   const A l = lane < splits ? __ldcg(base + std::int64_t(lane) * (Dv + 1) + Dv) : negative_infinity<A>();
-  A top = l;
-#pragma unroll
-  for (int off = 16; off > 0; off >>= 1) {
-    const A o = __shfl_xor_sync(0xffffffffu, top, off);
-    top = top > o ? top : o;
-  }
-  const A wl = l == negative_infinity<A>() ? A(0) : exp(l - top);
-  const A total = warp_sum(wl);
+  A total;
+  const A wl = warp_split_weight(l, &total);
   weight[lane] = wl;
   __syncwarp();
   for (std::int64_t d = lane; d < Dv; d += 32) {
@@ -1091,7 +1108,7 @@ __global__ void __launch_bounds__(kDecodeThreads, kDecodeBlocksPerSm)
   // The block's kHalves half-warp partials -> one (o, lse), in half order (thread d merges channel d);
   // then the splits of the row, in split order, by the cluster's first block. Fixed orders: deterministic.
   float* po = reinterpret_cast<float*>(smem_raw);  // [kHalves][kDim] normalised partials
-  float* pl = po + kHalves * kDim;                 // [kHalves] their log-sum-exps, then the weights
+  float* pl = po + kHalves * kDim;                 // [kHalves] their log-sum-exps
   float* res = pl + kHalves;                       // [kDim + 1] the block's (o, lse): read by the cluster
   float* wsplit = res + kDim + 1;                  // [kDecodeMaxCluster] split weights, then their sum
   const float norm = sm.normaliser();
@@ -1123,15 +1140,9 @@ __global__ void __launch_bounds__(kDecodeThreads, kDecodeBlocksPerSm)
   if (blockIdx.y == 0) {
     if (threadIdx.x < 32) {  // lane s reads split s's log-sum-exp
       const float lse = lane < splits ? ptx::load_cluster(ptx::cluster_address(res + kDim, lane)) : kNegInf;
-      float top = lse;
-#pragma unroll
-      for (int off = 16; off > 0; off >>= 1) {
-        const float o = __shfl_xor_sync(0xffffffffu, top, off);
-        top = top > o ? top : o;
-      }
-      const float wl = lse == kNegInf ? 0.0f : expf(lse - top);
+      float total_w;
+      const float wl = warp_split_weight(lse, &total_w);
       if (lane < splits) wsplit[lane] = wl;
-      const float total_w = warp_sum(wl);
       if (lane == 0) wsplit[kDecodeMaxCluster] = total_w;
     }
     __syncthreads();
