@@ -26,6 +26,7 @@
 #include "kvmem/backend/cuda/common.cuh"
 #include "kvmem/backend/cuda/kvm_attend_tc.cuh"
 #include "kvmem/backend/cuda/kvm_kernels.cuh"
+#include "kvmem/backend/cuda/kvm_route_tc.cuh"
 #include "kvmem/core/arena.hpp"
 #include "kvmem/core/status.hpp"
 #include "kvmem/core/tensor.hpp"
