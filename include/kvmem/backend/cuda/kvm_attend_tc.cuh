@@ -12,6 +12,7 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <type_traits>
 
 #include "kvmem/backend/cuda/kvm_kernels.cuh"
 #include "kvmem/backend/cuda/ptx.cuh"
@@ -23,6 +24,7 @@ namespace kvmem::cuda::kvm_detail {
 inline constexpr int kTcWarps = 4;
 inline constexpr int kTcRows = 16 * kTcWarps;  // query rows per block
 inline constexpr int kTcKeys = 64;             // keys per tile
+inline constexpr float kLog2e = 1.4426950408889634f;
 
 // Shared memory: two K/V tile buffers (cp.async double buffering), rows padded by 16 bytes so the
 // fragment reads of a warp hit 32 different banks.
@@ -36,20 +38,24 @@ struct TcLayout {
   static constexpr std::size_t kBytes = 2 * kBuffer;
 };
 
-// The online softmax of OnlineSoftmax<float> with the hardware exponential (ex2.approx, about 2 ulp):
-// the probabilities are rounded to bf16 before p.v anyway, so the accurate expf bought nothing here.
+// The online softmax of OnlineSoftmax<float> in base 2 with the hardware exponential (ex2.approx,
+// about 2 ulp): the logits arrive already multiplied by log2(e) (folded into the per-head scale, one
+// multiply per logit), so a weight is one subtraction and one MUFU op. The probabilities are rounded
+// to bf16 before p.v anyway, so the accurate expf bought nothing here. Every row sees a key in the
+// first tile of its walk (a slot, or window position w <= t), so the maximum is finite from then on:
+// masked logits (-inf) give ex2(-inf) = 0 with no test per logit.
 struct TcSoftmax {
   float max = negative_infinity<float>();
   float sum = 0.0f;
   __device__ float raise_max(float block_max) {
     if (!(block_max > max)) return 1.0f;
-    const float rescale = max == negative_infinity<float>() ? 0.0f : __expf(max - block_max);
+    const float rescale = max == negative_infinity<float>() ? 0.0f : ptx::ex2_approx_ftz(max - block_max);
     max = block_max;
     sum *= rescale;
     return rescale;
   }
-  __device__ float accumulate(float logit) {
-    const float weight = logit == negative_infinity<float>() ? 0.0f : __expf(logit - max);
+  __device__ float accumulate(float logit2) {
+    const float weight = ptx::ex2_approx_ftz(logit2 - max);
     sum += weight;
     return weight;
   }
@@ -115,61 +121,90 @@ __global__ void __launch_bounds__(32 * kTcWarps, 3)
 #pragma unroll
   for (int nd = 0; nd < kDv / 8; ++nd) o[nd][0] = o[nd][1] = o[nd][2] = o[nd][3] = 0.0f;
   TcSoftmax sm_a, sm_b;  // this lane's columns of rows ta, tb (a quad sees the same maxima)
-  const float ls_state = st.scale * (st.head_temps ? st.tau_s[h] : 1.0f);
-  const float ls_window = st.scale * (st.head_temps ? st.tau_w[h] : 1.0f);
+  // base-2 logits (TcSoftmax): the scale, the head's temperature and log2(e) in one factor
+  const float ls_state = st.scale * (st.head_temps ? st.tau_s[h] : 1.0f) * kLog2e;
+  const float ls_window = st.scale * (st.head_temps ? st.tau_w[h] : 1.0f) * kLog2e;
 
   const std::int64_t n_state = w > 0 ? slots : 0;
   const std::int64_t state_tiles = (n_state + kTcKeys - 1) / kTcKeys;
   const std::int64_t tiles = state_tiles + (last_t + 1 - w + kTcKeys - 1) / kTcKeys;
   // tile k -> its first key (slot index or window position) and key count
-  const auto tile_of = [&](std::int64_t k, bool& in_state, std::int64_t& base, std::int64_t& n) {
+  const auto tile_of = [&](std::int64_t k, bool& in_state, std::int64_t& base, int& n) {
     in_state = k < state_tiles;
     base = in_state ? k * kTcKeys : w + (k - state_tiles) * kTcKeys;
     const std::int64_t end = in_state ? n_state : last_t + 1;
-    n = (end - base) < kTcKeys ? (end - base) : kTcKeys;
+    n = static_cast<int>((end - base) < kTcKeys ? (end - base) : kTcKeys);
   };
+  // Each thread copies the same 16-byte column c of tile rows s0, s0 + kStep, ...: the column, the
+  // first row and the shared-memory offsets are fixed per thread, so a full tile of contiguous rows
+  // (every slot tile but the last, every window tile from the inputs, ring tiles that do not wrap) is
+  // a pointer stride per copy; only a partial or wrapping tile works out each row.
+  constexpr int kKVecs = kD / 8, kVVecs = kDv / 8;
+  static_assert((32 * kTcWarps) % kKVecs == 0 && (32 * kTcWarps) % kVVecs == 0, "whole rows per pass");
+  constexpr int kKStep = 32 * kTcWarps / kKVecs, kVStep = 32 * kTcWarps / kVVecs;
+  const int kc = threadIdx.x % kKVecs, ks0 = threadIdx.x / kKVecs;
+  const int vc = threadIdx.x % kVVecs, vs0 = threadIdx.x / kVVecs;
+  const unsigned smem0 = shared_address(smem_raw);
+  const unsigned k_dst0 = smem0 + static_cast<unsigned>((ks0 * L::kKPitch + kc * 8) * 2);
+  const unsigned v_dst0 = smem0 + static_cast<unsigned>(L::kKTile + (vs0 * L::kVPitch + vc * 8) * 2);
+  const int ring_len = static_cast<int>(st.W);
   const auto issue = [&](std::int64_t k) {
     bool in_state;
-    std::int64_t base, n;
+    std::int64_t base;
+    int n;
     tile_of(k, in_state, base, n);
-    unsigned char* buf = smem_raw + (k % 2) * L::kBuffer;
-    bf16* ks = reinterpret_cast<bf16*>(buf);
-    bf16* vs = reinterpret_cast<bf16*>(buf + L::kKTile);
-    constexpr int kKVecs = kD / 8, kVVecs = kDv / 8;
+    const unsigned buf = static_cast<unsigned>((k % 2) * L::kBuffer);
     // Tile row s is slot base + s, or window position base + s at ring row (base + s) mod W or input
-    // row base + s - n0: the row of the tile's first key is found once (32-bit arithmetic per row, no
-    // 64-bit modulo).
+    // row base + s - n0 (32-bit arithmetic per row, no 64-bit modulo).
     const bf16* kbase = in_state ? src.khat + (item * st.cap + base) * kD : src.wk + item * src.rows * kD;
     const bf16* vbase = in_state ? src.vhat + (item * st.cap + base) * kDv : src.wv + item * src.rows * kDv;
     const bool wraps = !in_state && src.ring;
     const int first_row = in_state ? 0 : static_cast<int>(src.ring ? base % st.W : base - src.first);
-    const int ring_len = static_cast<int>(st.W), rows = static_cast<int>(n);
-    const auto row_of = [&](int s) {  // rows past n read row 0 (a valid address; zero-filled)
-      if (s >= rows) s = 0;
-      int r = first_row + s;
-      if (wraps)
-        while (r >= ring_len) r -= ring_len;
-      return r;
-    };
-    for (int e = threadIdx.x; e < kTcKeys * kKVecs; e += blockDim.x) {
-      const int s = e / kKVecs, c = e % kKVecs;
-      cp_async16(ks + s * L::kKPitch + c * 8, kbase + std::int64_t(row_of(s)) * kD + c * 8, s < rows ? 16 : 0);
-    }
-    for (int e = threadIdx.x; e < kTcKeys * kVVecs; e += blockDim.x) {
-      const int s = e / kVVecs, c = e % kVVecs;
-      cp_async16(vs + s * L::kVPitch + c * 8, vbase + std::int64_t(row_of(s)) * kDv + c * 8, s < rows ? 16 : 0);
+    if (n == kTcKeys && (!wraps || first_row + kTcKeys <= ring_len)) {
+      const bf16* kp = kbase + std::int64_t(first_row + ks0) * kD + kc * 8;
+      const bf16* vp = vbase + std::int64_t(first_row + vs0) * kDv + vc * 8;
+#pragma unroll
+      for (int i = 0; i < kTcKeys / kKStep; ++i)
+        cp_async16(k_dst0 + buf + i * kKStep * L::kKPitch * 2, kp + i * kKStep * kD, 16);
+#pragma unroll
+      for (int i = 0; i < kTcKeys / kVStep; ++i)
+        cp_async16(v_dst0 + buf + i * kVStep * L::kVPitch * 2, vp + i * kVStep * kDv, 16);
+    } else {
+      const auto row_of = [&](int s) {  // rows past n read row 0 (a valid address; zero-filled)
+        if (s >= n) s = 0;
+        int r = first_row + s;
+        if (wraps)
+          while (r >= ring_len) r -= ring_len;
+        return r;
+      };
+#pragma unroll
+      for (int i = 0; i < kTcKeys / kKStep; ++i) {
+        const int s = ks0 + i * kKStep;
+        cp_async16(k_dst0 + buf + i * kKStep * L::kKPitch * 2, kbase + std::int64_t(row_of(s)) * kD + kc * 8,
+                   s < n ? 16 : 0);
+      }
+#pragma unroll
+      for (int i = 0; i < kTcKeys / kVStep; ++i) {
+        const int s = vs0 + i * kVStep;
+        cp_async16(v_dst0 + buf + i * kVStep * L::kVPitch * 2, vbase + std::int64_t(row_of(s)) * kDv + vc * 8,
+                   s < n ? 16 : 0);
+      }
     }
     cp_async_commit();
   };
 
-  if (tiles > 0) issue(0);
-  for (std::int64_t k = 0; k < tiles; ++k) {
-    issue_next_and_wait(k, tiles, issue);
-    __syncthreads();
+  // One key tile: S = Q K^T, the online softmax, O += P V. kMasked: some key of the tile is hidden from
+  // some row of the warp (spec 4.4: state keys see every slot, window keys are causal; key col is
+  // visible to a row iff col < that row's limit). Only a partial tile or a window tile that reaches
+  // past the warp's first row needs the masks: one or two tiles of a row block's walk.
+  const std::int64_t warp_row0 = row0 + warp * 16;
+  const auto tile_step = [&](std::int64_t k, auto masked_tag) {
+    constexpr bool kMasked = decltype(masked_tag)::value;
     bool in_state;
-    std::int64_t base, n;
+    std::int64_t base;
+    int n;
     tile_of(k, in_state, base, n);
-    const unsigned ks = shared_address(smem_raw + (k % 2) * L::kBuffer);
+    const unsigned ks = smem0 + static_cast<unsigned>((k % 2) * L::kBuffer);
     const unsigned vs = ks + static_cast<unsigned>(L::kKTile);
     // S = Q K^T: 8 tiles of 8 keys. B fragments (k = dim, n = key) come from ldmatrix: lane l points
     // at key row l % 8 of 8x8 matrix l / 8, the matrices being dims +0, +8, +16, +24 of the key
@@ -187,23 +222,28 @@ __global__ void __launch_bounds__(32 * kTcWarps, 3)
         mma_bf16_16816(s[nt], qa[kk + 1], b[2], b[3]);
       }
     }
-    // mask, scale, row maxima over the quad, online softmax (spec 4.4: state keys see every slot,
-    // window keys are causal): key col of the tile is visible to a row iff col < that row's limit
+    // scale (base 2), mask, row maxima over the quad, online softmax
     const float ls = in_state ? ls_state : ls_window;
-    const auto limit = [&](bool act, std::int64_t t_row) {
-      if (!act) return 0;
-      const std::int64_t lim = in_state ? n : ((t_row - base + 1) < n ? (t_row - base + 1) : n);
-      return lim < 0 ? 0 : static_cast<int>(lim);
-    };
-    const int lim_a = limit(act_a, ta), lim_b = limit(act_b, tb);
+    int lim_a = kTcKeys, lim_b = kTcKeys;
+    if constexpr (kMasked) {
+      const auto limit = [&](std::int64_t t_row) {
+        const std::int64_t lim = in_state ? n : ((t_row - base + 1) < n ? (t_row - base + 1) : n);
+        return lim < 0 ? 0 : static_cast<int>(lim);
+      };
+      lim_a = limit(ta);
+      lim_b = limit(tb);
+    }
     float max_a = negative_infinity<float>(), max_b = negative_infinity<float>();
 #pragma unroll
     for (int nt = 0; nt < kTcKeys / 8; ++nt) {
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
-        const int col = nt * 8 + 2 * quad + (e & 1);
         const bool row_b = e >= 2;
-        s[nt][e] = col < (row_b ? lim_b : lim_a) ? ls * s[nt][e] : negative_infinity<float>();
+        s[nt][e] *= ls;
+        if constexpr (kMasked) {
+          const int col = nt * 8 + 2 * quad + (e & 1);
+          if (col >= (row_b ? lim_b : lim_a)) s[nt][e] = negative_infinity<float>();
+        }
         if (row_b)
           max_b = fmaxf(max_b, s[nt][e]);
         else
@@ -244,6 +284,20 @@ __global__ void __launch_bounds__(32 * kTcWarps, 3)
         mma_bf16_16816(o[nd + 1], pa, b[2], b[3]);
       }
     }
+  };
+
+  if (tiles > 0) issue(0);
+  for (std::int64_t k = 0; k < tiles; ++k) {
+    issue_next_and_wait(k, tiles, issue);
+    __syncthreads();
+    bool in_state;
+    std::int64_t base;
+    int n;
+    tile_of(k, in_state, base, n);
+    if (n < kTcKeys || (!in_state && base + kTcKeys - 1 > warp_row0))  // warp-uniform
+      tile_step(k, std::true_type{});
+    else
+      tile_step(k, std::false_type{});
     __syncthreads();  // this buffer is refilled by the issue two tiles on
   }
   // l = the quad's partial sums (every lane was rescaled by the same maxima)
