@@ -22,9 +22,11 @@ __device__ inline unsigned shared_address(const void* p) {
 
 // 16 bytes global -> shared without passing through registers; bytes = 0 writes zeros (rows past the
 // valid range), so a tile's padding never holds stale data.
+__device__ inline void cp_async16(unsigned smem_addr, const void* gmem, int bytes) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_addr), "l"(gmem), "r"(bytes) : "memory");
+}
 __device__ inline void cp_async16(void* smem, const void* gmem, int bytes) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(shared_address(smem)), "l"(gmem), "r"(bytes)
-               : "memory");
+  cp_async16(shared_address(smem), gmem, bytes);
 }
 __device__ inline void cp_async_commit() {
   asm volatile("cp.async.commit_group;\n" ::: "memory");
