@@ -27,12 +27,17 @@ namespace kvmem::cuda::kvm_detail {
 // tensor cores through ldmatrix as in attend_tc_kernel. The products of kRtGroup slots at a time stay
 // in registers (mma.sync m16n8k16: lane l holds tokens l/4 and l/4 + 8, slots 2 (l % 4) + {0, 1} of
 // each 8-slot group) and feed each lane's running max; the four lanes of a quad merge at the end.
-// The pass is bound by the tensor-core issue (B8 H32 D128, 16 sqrt N at 32K: 2884 slots, about 145
-// GFLOP per update with kTerms = 3), so the loop is shaped for it: the mma of one k-step run over the
-// four slot groups' accumulators before the next k-step (four independent chains per warp rather than
-// 24 dependent mma in a row), the pipeline keeps kRtStages - 1 tiles in flight behind one barrier per
-// tile, and the argmax tests run only on the first and last groups. 32 tokens a warp (half the
-// ldmatrix per mma) measured slower: 226 registers leave one block of 8 warps per SM.
+// What bounds the pass (ncu, B8 H32 D128 16 sqrt N, a 2600-slot novelty pass, 4 warps per scheduler at
+// 128 registers): the latency of dependent instructions (mma accumulator chains, compare/select
+// chains) and of ldmatrix, not bandwidth. So the loop is shaped for latency: the mma of one k-step run
+// over the four accumulators of a slot group before the next k-step (four independent chains per
+// warp rather than 24 dependent mma in a row); the pipeline keeps kRtStages - 1 tiles in flight
+// behind one barrier per tile; the argmax tests (col < n, first candidate, sink) run only on the
+// first and last groups, and the other groups take their max by a pair tree. Measured and not kept:
+// 32 tokens a warp (half the ldmatrix per mma, but 226 registers leave one block of 8 warps per SM:
+// 0.99 ms per 32K update against main's 0.87) and 64-slot groups (eight chains: 2.5 % slower end to
+// end, and more wasted mma on the handful of appended slots of a kRtRouteNew pass). Results:
+// benchmarks/results/kvm_cuda_2026-11-30_h200_route.md.
 inline constexpr int kRtWarps = 8;
 inline constexpr int kRtTokens = 16 * kRtWarps;  // tokens per block
 inline constexpr int kRtSlots = 64;              // slots per staged tile
@@ -211,9 +216,9 @@ __global__ void __launch_bounds__(32 * kRtWarps, 2)
       // four accumulators so that independent mma follow each other
 #pragma unroll
       for (int kk = 0; kk < kK; ++kk) {
-        std::uint32_t bh[2][4], bl[2][4];
+        std::uint32_t bh[kRtGroup / 16][4], bl[kRtGroup / 16][4];
 #pragma unroll
-        for (int p = 0; p < 2; ++p) {
+        for (int p = 0; p < kRtGroup / 16; ++p) {
           const unsigned off = static_cast<unsigned>((grp * kRtGroup + p * 16) * kPitch * 2 + kk * 32);
           ldmatrix_x4(bh[p], hi_tile + off);
           if constexpr (kTerms == 3) ldmatrix_x4(bl[p], lo_tile + off);
@@ -235,34 +240,58 @@ __global__ void __launch_bounds__(32 * kRtWarps, 2)
       // wins; in the novelty pass it feeds only the route candidate, whose max is then the score's too
       // (the score takes the larger of best and cbest at the end).
       const bool plain = base + kRtGroup <= j1 && base - kRtGroup >= (kRoute ? j0 : (j0 > sink ? j0 : sink));
+      if (plain) {
+        // the lane's leftmost max of the group by pairs (a later value wins only if larger: the scan's
+        // result for finite scores, in log2 dependent steps rather than one per value), then against
+        // the running max.
+        // Heap order: the values are the leaves kV + m (slot order), node t pairs 2t (earlier) and 2t + 1.
+        constexpr int kV = kRtGroup / 4;
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          float v[2 * kV];
+          int col[2 * kV];
+#pragma unroll
+          for (int nt = 0; nt < kRtGroup / 8; ++nt)
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+              v[kV + 2 * nt + e] = sc[nt][2 * h + e];
+              col[kV + 2 * nt + e] = nt * 8 + e;
+            }
+#pragma unroll
+          for (int t = kV - 1; t >= 1; --t) {
+            const bool later = v[2 * t + 1] > v[2 * t];
+            v[t] = later ? v[2 * t + 1] : v[2 * t];
+            col[t] = later ? col[2 * t + 1] : col[2 * t];
+          }
+          float& b = kRoute ? best[h] : cbest[h];
+          int& g = kRoute ? arg[h] : carg[h];
+          if (v[1] > b) {
+            b = v[1];
+            g = static_cast<int>(base) + 2 * quad + col[1];
+          }
+        }
+        continue;
+      }
       const int n = static_cast<int>((j1 - base) < kRtGroup ? (j1 - base) : kRtGroup);
 #pragma unroll
       for (int nt = 0; nt < kRtGroup / 8; ++nt)
 #pragma unroll
         for (int e = 0; e < 2; ++e) {
           const int col = nt * 8 + 2 * quad + e, j = static_cast<int>(base) + col;
+          if (col >= n) continue;
 #pragma unroll
           for (int h = 0; h < 2; ++h) {
             const float val = sc[nt][2 * h + e];
-            if (plain) {
-              float& b = kRoute ? best[h] : cbest[h];
-              int& g = kRoute ? arg[h] : carg[h];
-              if (val > b) {
-                b = val;
-                g = j;
+            if constexpr (kRoute) {
+              if (arg[h] < 0 || val > best[h]) {
+                best[h] = val;
+                arg[h] = j;
               }
-            } else if (col < n) {
-              if constexpr (kRoute) {
-                if (arg[h] < 0 || val > best[h]) {
-                  best[h] = val;
-                  arg[h] = j;
-                }
-              } else {
-                if (val > best[h]) best[h] = val;
-                if (j >= sink && (carg[h] < 0 || val > cbest[h])) {
-                  cbest[h] = val;
-                  carg[h] = j;
-                }
+            } else {
+              if (val > best[h]) best[h] = val;
+              if (j >= sink && (carg[h] < 0 || val > cbest[h])) {
+                cbest[h] = val;
+                carg[h] = j;
               }
             }
           }
