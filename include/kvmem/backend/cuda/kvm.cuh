@@ -351,24 +351,26 @@ namespace kvm_detail {
 
 // One pass of update_tc_scores_kernel (kMode: RtMode) for the update of tokens [a, a + C) over slots
 // [j0, j1) on the tensor cores; bf16 storage with d.tc_route only.
+template <int kD, int kTerms, int kMode>
+Status launch_tc_scores_as(const Executor& exec, const DeviceState<bf16, float>& d, std::int64_t items,
+                           std::int64_t a, std::int64_t j0, std::int64_t j1) {
+  const auto kernel = update_tc_scores_kernel<kD, kTerms, kMode>;
+  constexpr std::size_t bytes = rt_shared_bytes<kD, kTerms>();
+  KVMEM_RETURN_IF_ERROR(allow_shared(kernel, bytes));
+  const std::int64_t blocks = items * ((d.C + kRtTokens - 1) / kRtTokens);
+  kernel<<<static_cast<unsigned>(blocks), 32 * kRtWarps, bytes, exec.stream>>>(d, a, j0, j1);
+  return to_status(cudaGetLastError(), kMode == kRtNovelty ? "kvm update_tc_scores_kernel (novelty)"
+                                                           : "kvm update_tc_scores_kernel (routes)");
+}
+
 template <int kMode>
 Status launch_tc_scores(const Executor& exec, const DeviceState<bf16, float>& d, std::int64_t items, std::int64_t a,
                         std::int64_t j0, std::int64_t j1) {
-  const dim3 grid(static_cast<unsigned>(items), static_cast<unsigned>((d.C + kRtTokens - 1) / kRtTokens));
-  const unsigned block = 32 * kRtWarps;
-  if (d.D == 128) {
-    if (d.route_terms == 1)
-      update_tc_scores_kernel<128, 1, kMode><<<grid, block, 0, exec.stream>>>(d, a, j0, j1);
-    else
-      update_tc_scores_kernel<128, 3, kMode><<<grid, block, 0, exec.stream>>>(d, a, j0, j1);
-  } else {
-    if (d.route_terms == 1)
-      update_tc_scores_kernel<64, 1, kMode><<<grid, block, 0, exec.stream>>>(d, a, j0, j1);
-    else
-      update_tc_scores_kernel<64, 3, kMode><<<grid, block, 0, exec.stream>>>(d, a, j0, j1);
-  }
-  return to_status(cudaGetLastError(), kMode == kRtNovelty ? "kvm update_tc_scores_kernel (novelty)"
-                                                           : "kvm update_tc_scores_kernel (routes)");
+  if (d.D == 128)
+    return d.route_terms == 1 ? launch_tc_scores_as<128, 1, kMode>(exec, d, items, a, j0, j1)
+                              : launch_tc_scores_as<128, 3, kMode>(exec, d, items, a, j0, j1);
+  return d.route_terms == 1 ? launch_tc_scores_as<64, 1, kMode>(exec, d, items, a, j0, j1)
+                            : launch_tc_scores_as<64, 3, kMode>(exec, d, items, a, j0, j1);
 }
 
 // Spec 4.5 on every item at once: U(tokens [a, a+C), N, avail) from `slots` slots. Returns the new |S|.

@@ -7,6 +7,7 @@
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
+#include <cstddef>
 #include <cstdint>
 
 #include "kvmem/backend/cuda/kvm_kernels.cuh"
@@ -22,13 +23,34 @@ namespace kvmem::cuda::kvm_detail {
 // kTerms = 1 (KvmState::set_fast_routing) uses hi.hi only: bf16 logits like the reference's eager
 // bf16 path (spec 7.2), three times fewer products, and route flips near ties.
 // Each warp owns 16 tokens whose hi/lo A fragments stay in registers; slots arrive in tiles of
-// kRtSlots rows (hi = khat, lo = khat_lo), double-buffered in shared memory with cp.async, and reach
-// the tensor cores through ldmatrix as in attend_tc_kernel. The products of a tile stay in registers
-// (mma.sync m16n8k16: lane l holds tokens l/4 and l/4 + 8, slots 2 (l % 4) + {0, 1} of each 8-slot
-// group) and feed each lane's running max; the four lanes of a quad merge at the end.
+// kRtSlots rows (hi = khat, lo = khat_lo), kRtStages deep in shared memory with cp.async, and reach the
+// tensor cores through ldmatrix as in attend_tc_kernel. The products of kRtGroup slots at a time stay
+// in registers (mma.sync m16n8k16: lane l holds tokens l/4 and l/4 + 8, slots 2 (l % 4) + {0, 1} of
+// each 8-slot group) and feed each lane's running max; the four lanes of a quad merge at the end.
+// What bounds the pass (ncu, B8 H32 D128 16 sqrt N, a 2600-slot novelty pass, 4 warps per scheduler at
+// 128 registers): the latency of dependent instructions (mma accumulator chains, compare/select
+// chains) and of ldmatrix, not bandwidth. So the loop is shaped for latency: the mma of one k-step run
+// over the four accumulators of a slot group before the next k-step (four independent chains per
+// warp rather than 24 dependent mma in a row); the pipeline keeps kRtStages - 1 tiles in flight
+// behind one barrier per tile; the argmax tests (col < n, first candidate, sink) run only on the
+// first and last groups, and the other groups take their max by a pair tree. Measured and not kept:
+// 32 tokens a warp (half the ldmatrix per mma, but 226 registers leave one block of 8 warps per SM:
+// 0.99 ms per 32K update against main's 0.87) and 64-slot groups (eight chains: 2.5 % slower end to
+// end, and more wasted mma on the handful of appended slots of a kRtRouteNew pass). Results:
+// benchmarks/results/kvm_cuda_2026-11-30_h200_route.md.
 inline constexpr int kRtWarps = 8;
 inline constexpr int kRtTokens = 16 * kRtWarps;  // tokens per block
-inline constexpr int kRtSlots = 32;              // slots per staged tile
+inline constexpr int kRtSlots = 64;              // slots per staged tile
+inline constexpr int kRtStages = 3;              // staged tiles (kRtStages - 1 in flight while one is used)
+inline constexpr int kRtGroup = 32;              // slots whose products are in registers at once
+
+// Dynamic shared memory of update_tc_scores_kernel: kRtStages tiles of hi (and lo) slot rows, pitch
+// kD + 8 (+16 bytes: the 8 rows of an ldmatrix hit 32 banks). 104 KB at kD = 128, kTerms = 3: two
+// blocks per SM.
+template <int kD, int kTerms>
+constexpr std::size_t rt_shared_bytes() {
+  return std::size_t(kRtStages) * (kTerms == 3 ? 2 : 1) * kRtSlots * (kD + 8) * sizeof(bf16);
+}
 
 // What a pass computes (argmax: the first slot of the largest value, the host's sequential scan).
 // An update that appends scans the pre-update slots once: with g > 0, argmax_j kg . K^+_j equals
@@ -48,24 +70,58 @@ enum RtMode : int {
 // kRtNovelty and kRtRoute also write the fp32 kg rows (and k0 rows for ungated appends) that the
 // appends and the scatter add, so every consumer of a token's kg sees the same values.
 // kRtRoute writes every token's target (an update without appends merges every token).
-// grid (I, ceil(C / kRtTokens)), block 32 * kRtWarps; needs C % 16 == 0.
+// Block b takes item b / tb, tokens [(b % tb) kRtTokens, +kRtTokens) with tb = ceil(C / kRtTokens): the
+// token blocks of one item are adjacent in launch order, so the later ones find the item's slots in L2
+// (with the item fastest they ran a wave apart and each read the slots from DRAM).
+// grid (I tb), block 32 * kRtWarps, dynamic smem rt_shared_bytes; needs C % 16 == 0.
 template <int kD, int kTerms, int kMode>
 __global__ void __launch_bounds__(32 * kRtWarps, 2)
     update_tc_scores_kernel(DeviceState<bf16, float> st, std::int64_t a, std::int64_t j0, std::int64_t j1) {
   using namespace ptx;
-  constexpr int kPitch = kD + 8;               // bf16 elements (+16 bytes: the 8 rows of an ldmatrix hit 32 banks)
+  constexpr int kPitch = kD + 8;               // bf16 elements
   constexpr int kTile = kRtSlots * kPitch;     // elements of one hi or lo tile
-  constexpr int kParts = kTerms == 3 ? 2 : 1;  // hi (and lo) tiles per buffer
-  __shared__ __align__(128) bf16 tiles_smem[2 * kParts * kTile];
-  const std::int64_t i = blockIdx.x, C = st.C;
+  constexpr int kParts = kTerms == 3 ? 2 : 1;  // hi (and lo) tiles per stage
+  constexpr int kK = kD / 16;                  // k-steps
+  extern __shared__ __align__(128) unsigned char rt_smem_raw[];
+  bf16* tiles_smem = reinterpret_cast<bf16*>(rt_smem_raw);
+  const std::int64_t C = st.C, tb = (C + kRtTokens - 1) / kRtTokens;
+  const std::int64_t i = blockIdx.x / tb;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, quad = lane % 4, r = lane / 4;
-  const std::int64_t c0 = std::int64_t(blockIdx.y) * kRtTokens + warp * 16;  // the warp's first token
-  const bool active = c0 < C;                                                // warp-uniform (C % 16 == 0)
+  const std::int64_t c0 = (std::int64_t(blockIdx.x) % tb) * kRtTokens + warp * 16;  // the warp's first token
+  const bool active = c0 < C;                                                      // warp-uniform (C % 16 == 0)
+  // Tile k's copies: thread t moves 16-byte vector t % kVecs of rows t / kVecs + kPass m; the item's
+  // row base and the thread's offsets are fixed, so each copy costs one multiply-add of the row.
+  const std::int64_t tiles = (j1 - j0 + kRtSlots - 1) / kRtSlots;
+  constexpr int kVecs = kD / 8, kPass = 32 * kRtWarps / kVecs;
+  static_assert(kRtSlots % kPass == 0, "whole passes per tile");
+  const int vcol = (threadIdx.x % kVecs) * 8, vrow = threadIdx.x / kVecs;
+  const bf16* khat_item = st.khat + i * st.cap * kD + vcol;
+  const bf16* khat_lo_item = st.khat_lo + i * st.cap * kD + vcol;
+  // every call commits one group (empty past the last tile), so the wait below counts tiles
+  const auto issue = [&](std::int64_t k) {
+    if (k < tiles) {
+      const std::int64_t base = j0 + k * kRtSlots;
+      const std::int64_t n = (j1 - base) < kRtSlots ? (j1 - base) : kRtSlots;
+      bf16* buf = tiles_smem + (k % kRtStages) * kParts * kTile + vrow * kPitch + vcol;
+#pragma unroll
+      for (int m = 0; m < kRtSlots / kPass; ++m) {
+        const int s = vrow + m * kPass;
+        const std::int64_t row = base + (s < n ? s : 0);  // rows past n: zeros from a valid address
+        cp_async16(buf + m * kPass * kPitch, khat_item + row * kD, s < n ? 16 : 0);
+        if constexpr (kTerms == 3)
+          cp_async16(buf + kTile + m * kPass * kPitch, khat_lo_item + row * kD, s < n ? 16 : 0);
+      }
+    }
+    cp_async_commit();
+  };
+  // the first tiles travel while the tokens' operands are built
+#pragma unroll
+  for (int s = 0; s < kRtStages - 1; ++s) issue(s);
   // A fragments (hi and lo bf16 parts of the tokens' k0 or kg): element (token, dim) of k-step kk sits
   // at token r or r + 8, dims kk*16 + 2 quad + {0, 1} (+ 8)
-  std::uint32_t ahi[kD / 16][4], alo[kTerms == 3 ? kD / 16 : 1][4];
+  std::uint32_t ahi[kK][4], alo[kTerms == 3 ? kK : 1][4];
 #pragma unroll
-  for (int kk = 0; kk < kD / 16; ++kk)
+  for (int kk = 0; kk < kK; ++kk)
 #pragma unroll
     for (int q = 0; q < 4; ++q) {
       ahi[kk][q] = 0u;
@@ -75,7 +131,6 @@ __global__ void __launch_bounds__(32 * kRtWarps, 2)
     // lane (r, quad) holds, of token c0 + r (h = 0) and c0 + r + 8 (h = 1), dims kk*16 + 8m + 2 quad
     // + {0, 1} (m = 0, 1): the four lanes of a quad hold the token's kD dims, so LN_s reduces over
     // the quad (two xor shuffles) with the 16 tokens of the warp side by side
-    constexpr int kK = kD / 16;
     const bool rows = kMode != kRtRouteNew;  // the pass that sees the tokens first writes their rows
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
@@ -131,133 +186,155 @@ __global__ void __launch_bounds__(32 * kRtWarps, 2)
         }
     }
   }
-  const std::int64_t tiles = (j1 - j0 + kRtSlots - 1) / kRtSlots;
-  const auto issue = [&](std::int64_t k) {
-    const std::int64_t base = j0 + k * kRtSlots;
-    const std::int64_t n = (j1 - base) < kRtSlots ? (j1 - base) : kRtSlots;
-    bf16* buf = tiles_smem + (k % 2) * kParts * kTile;
-    constexpr int kVecs = kD / 8;
-    for (int e = threadIdx.x; e < kRtSlots * kVecs; e += blockDim.x) {
-      const int s = e / kVecs, c = e % kVecs;
-      const std::int64_t row = i * st.cap + base + (s < n ? s : 0);  // rows past n: zeros from a valid address
-      cp_async16(buf + s * kPitch + c * 8, st.khat + row * kD + c * 8, s < n ? 16 : 0);
-      if constexpr (kTerms == 3)
-        cp_async16(buf + kTile + s * kPitch + c * 8, st.khat_lo + row * kD + c * 8, s < n ? 16 : 0);
-    }
-    cp_async_commit();
-  };
   constexpr bool kRoute = kMode != kRtNovelty;
-  float best_a = negative_infinity<float>(), best_b = negative_infinity<float>();  // tokens r, r + 8
-  int arg_a = -1, arg_b = -1;
-  float cbest_a = negative_infinity<float>(), cbest_b = negative_infinity<float>();  // route candidates
-  int carg_a = -1, carg_b = -1;
-  // running max (and its slot) of one token: the first of equal values wins, as in the host's scan
-  const auto visit = [](float val, int j, float& best, int& arg) {
-    if (val > best) {
-      best = val;
-      arg = j;
-    }
-  };
-  const auto visit_route = [](float val, int j, float& best, int& arg) {
-    if (arg < 0 || val > best) {
-      best = val;
-      arg = j;
-    }
-  };
+  // Running maxima of tokens r (index 0) and r + 8 (index 1), the first of equal values winning as in
+  // the host's scan. best: the pass's argmax (kRoute), or the novelty score over the slots of the
+  // tested groups (value only); cbest: the novelty pass's route candidate.
+  float best[2] = {negative_infinity<float>(), negative_infinity<float>()};
+  float cbest[2] = {negative_infinity<float>(), negative_infinity<float>()};
+  int arg[2] = {-1, -1}, carg[2] = {-1, -1};
   const int sink = static_cast<int>(st.sink);
-  if (tiles > 0) issue(0);
+  // lane l points at slot row l % 8 of 8x8 matrix l / 8: matrices 0, 1 are slot group 2p, dims +0, +8
+  // of the k-step, matrices 2, 3 the same of group 2p + 1 (the b0, b1 of two mma)
+  const unsigned lane_off = static_cast<unsigned>((((lane / 16) * 8 + lane % 8) * kPitch + ((lane / 8) % 2) * 8) * 2);
   for (std::int64_t k = 0; k < tiles; ++k) {
-    issue_next_and_wait(k, tiles, issue);
+    cp_async_wait<kRtStages - 2>();
+    // tile k is visible, and every warp is done with tile k - 1, whose stage the issue below refills
     __syncthreads();
-    if (active) {
-      const std::int64_t base = j0 + k * kRtSlots;
-      const int n = static_cast<int>((j1 - base) < kRtSlots ? (j1 - base) : kRtSlots);
-      const unsigned hi_tile = shared_address(tiles_smem + (k % 2) * kParts * kTile);
-      const unsigned lo_tile = hi_tile + kTile * 2;
-      float sc[kRtSlots / 8][4];
+    issue(k + kRtStages - 1);
+    if (!active) continue;
+    const unsigned hi_tile = shared_address(tiles_smem + (k % kRtStages) * kParts * kTile) + lane_off;
+    const unsigned lo_tile = hi_tile + kTile * 2;
 #pragma unroll
-      for (int nt = 0; nt < kRtSlots / 8; ++nt) {
-        sc[nt][0] = sc[nt][1] = sc[nt][2] = sc[nt][3] = 0.0f;
-        // lane l points at slot row l % 8 of 8x8 matrix l / 8: dims +0, +8, +16, +24 of the k-step pair
-        const unsigned off = static_cast<unsigned>(((nt * 8 + lane % 8) * kPitch + (lane / 8) * 8) * 2);
+    for (int grp = 0; grp < kRtSlots / kRtGroup; ++grp) {
+      const std::int64_t base = j0 + k * kRtSlots + grp * kRtGroup;
+      if (base >= j1) break;
+      float sc[kRtGroup / 8][4];
 #pragma unroll
-        for (int kk = 0; kk < kD / 16; kk += 2) {
-          std::uint32_t bh[4], bl[4];
-          ldmatrix_x4(bh, hi_tile + off + kk * 32);
-          if constexpr (kTerms == 3) ldmatrix_x4(bl, lo_tile + off + kk * 32);
-          // per k-step: hi.hi, then lo.hi and hi.lo (the order of the products of one dot)
-          mma_bf16_16816(sc[nt], ahi[kk], bh[0], bh[1]);
-          if constexpr (kTerms == 3) {
-            mma_bf16_16816(sc[nt], alo[kk], bh[0], bh[1]);
-            mma_bf16_16816(sc[nt], ahi[kk], bl[0], bl[1]);
-          }
-          mma_bf16_16816(sc[nt], ahi[kk + 1], bh[2], bh[3]);
-          if constexpr (kTerms == 3) {
-            mma_bf16_16816(sc[nt], alo[kk + 1], bh[2], bh[3]);
-            mma_bf16_16816(sc[nt], ahi[kk + 1], bl[2], bl[3]);
-          }
+      for (int nt = 0; nt < kRtGroup / 8; ++nt) sc[nt][0] = sc[nt][1] = sc[nt][2] = sc[nt][3] = 0.0f;
+      // per k-step: hi.hi, then lo.hi and hi.lo (the order of the products of one dot), each over the
+      // four accumulators so that independent mma follow each other
+#pragma unroll
+      for (int kk = 0; kk < kK; ++kk) {
+        std::uint32_t bh[kRtGroup / 16][4], bl[kRtGroup / 16][4];
+#pragma unroll
+        for (int p = 0; p < kRtGroup / 16; ++p) {
+          const unsigned off = static_cast<unsigned>((grp * kRtGroup + p * 16) * kPitch * 2 + kk * 32);
+          ldmatrix_x4(bh[p], hi_tile + off);
+          if constexpr (kTerms == 3) ldmatrix_x4(bl[p], lo_tile + off);
+        }
+#pragma unroll
+        for (int nt = 0; nt < kRtGroup / 8; ++nt)
+          mma_bf16_16816(sc[nt], ahi[kk], bh[nt / 2][2 * (nt % 2)], bh[nt / 2][2 * (nt % 2) + 1]);
+        if constexpr (kTerms == 3) {
+#pragma unroll
+          for (int nt = 0; nt < kRtGroup / 8; ++nt)
+            mma_bf16_16816(sc[nt], alo[kk], bh[nt / 2][2 * (nt % 2)], bh[nt / 2][2 * (nt % 2) + 1]);
+#pragma unroll
+          for (int nt = 0; nt < kRtGroup / 8; ++nt)
+            mma_bf16_16816(sc[nt], ahi[kk], bl[nt / 2][2 * (nt % 2)], bl[nt / 2][2 * (nt % 2) + 1]);
         }
       }
-      // slots in increasing order for each token
+      // Slots in increasing order for each token. A group inside [j0, j1) whose previous group was whole
+      // and past the sink (so every lane has a candidate of each max) needs no tests: a larger value
+      // wins; in the novelty pass it feeds only the route candidate, whose max is then the score's too
+      // (the score takes the larger of best and cbest at the end).
+      const bool plain = base + kRtGroup <= j1 && base - kRtGroup >= (kRoute ? j0 : (j0 > sink ? j0 : sink));
+      if (plain) {
+        // the lane's leftmost max of the group by pairs (a later value wins only if larger: the scan's
+        // result for finite scores, in log2 dependent steps rather than one per value), then against
+        // the running max.
+        // Heap order: the values are the leaves kV + m (slot order), node t pairs 2t (earlier) and 2t + 1.
+        constexpr int kV = kRtGroup / 4;
 #pragma unroll
-      for (int nt = 0; nt < kRtSlots / 8; ++nt) {
+        for (int h = 0; h < 2; ++h) {
+          float v[2 * kV];
+          int col[2 * kV];
+#pragma unroll
+          for (int nt = 0; nt < kRtGroup / 8; ++nt)
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+              v[kV + 2 * nt + e] = sc[nt][2 * h + e];
+              col[kV + 2 * nt + e] = nt * 8 + e;
+            }
+#pragma unroll
+          for (int t = kV - 1; t >= 1; --t) {
+            const bool later = v[2 * t + 1] > v[2 * t];
+            v[t] = later ? v[2 * t + 1] : v[2 * t];
+            col[t] = later ? col[2 * t + 1] : col[2 * t];
+          }
+          float& b = kRoute ? best[h] : cbest[h];
+          int& g = kRoute ? arg[h] : carg[h];
+          if (v[1] > b) {
+            b = v[1];
+            g = static_cast<int>(base) + 2 * quad + col[1];
+          }
+        }
+        continue;
+      }
+      const int n = static_cast<int>((j1 - base) < kRtGroup ? (j1 - base) : kRtGroup);
+#pragma unroll
+      for (int nt = 0; nt < kRtGroup / 8; ++nt)
 #pragma unroll
         for (int e = 0; e < 2; ++e) {
-          const int col = nt * 8 + 2 * quad + e;
-          if (col < n) {
-            const int j = static_cast<int>(base) + col;
+          const int col = nt * 8 + 2 * quad + e, j = static_cast<int>(base) + col;
+          if (col >= n) continue;
+#pragma unroll
+          for (int h = 0; h < 2; ++h) {
+            const float val = sc[nt][2 * h + e];
             if constexpr (kRoute) {
-              visit_route(sc[nt][e], j, best_a, arg_a);
-              visit_route(sc[nt][2 + e], j, best_b, arg_b);
+              if (arg[h] < 0 || val > best[h]) {
+                best[h] = val;
+                arg[h] = j;
+              }
             } else {
-              visit(sc[nt][e], j, best_a, arg_a);
-              visit(sc[nt][2 + e], j, best_b, arg_b);
-              if (j >= sink) {
-                visit_route(sc[nt][e], j, cbest_a, carg_a);
-                visit_route(sc[nt][2 + e], j, cbest_b, carg_b);
+              if (val > best[h]) best[h] = val;
+              if (j >= sink && (carg[h] < 0 || val > cbest[h])) {
+                cbest[h] = val;
+                carg[h] = j;
               }
             }
           }
         }
-      }
     }
-    __syncthreads();  // this buffer is refilled by the issue two tiles on
   }
   // the four lanes of a quad hold interleaved slots of the same tokens: larger value, ties to the
   // smaller slot
-  const auto merge = [](float& best, int& arg, int off) {
-    const float ob = __shfl_xor_sync(0xffffffffu, best, off);
-    const int oa = __shfl_xor_sync(0xffffffffu, arg, off);
-    if (oa >= 0 && (arg < 0 || ob > best || (ob == best && oa < arg))) {
-      best = ob;
-      arg = oa;
+  const auto merge = [](float& b, int& g, int off) {
+    const float ob = __shfl_xor_sync(0xffffffffu, b, off);
+    const int og = __shfl_xor_sync(0xffffffffu, g, off);
+    if (og >= 0 && (g < 0 || ob > b || (ob == b && og < g))) {
+      b = ob;
+      g = og;
     }
   };
-  merge(best_a, arg_a, 1);
-  merge(best_a, arg_a, 2);
-  merge(best_b, arg_b, 1);
-  merge(best_b, arg_b, 2);
-  if constexpr (!kRoute) {
-    merge(cbest_a, carg_a, 1);
-    merge(cbest_a, carg_a, 2);
-    merge(cbest_b, carg_b, 1);
-    merge(cbest_b, carg_b, 2);
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    if constexpr (kRoute) {
+      merge(best[h], arg[h], 1);
+      merge(best[h], arg[h], 2);
+    } else {
+      // the score: every visited value went to best (tested groups) or cbest (plain groups)
+      float score = cbest[h] > best[h] ? cbest[h] : best[h];
+      score = fmaxf(score, __shfl_xor_sync(0xffffffffu, score, 1));
+      best[h] = fmaxf(score, __shfl_xor_sync(0xffffffffu, score, 2));
+      merge(cbest[h], carg[h], 1);
+      merge(cbest[h], carg[h], 2);
+    }
   }
   if (!active || quad != 0) return;
-  const std::int64_t ca = i * C + c0 + r, cb = ca + 8;
-  if constexpr (kMode == kRtNovelty) {
-    st.score[ca] = best_a;
-    st.score[cb] = best_b;
-    st.rbest[ca] = cbest_a;  // an update always has a non-sink slot (|S| >= C > sink): carg >= 0
-    st.rbest[cb] = cbest_b;
-    st.target[ca] = carg_a;  // the appends mark theirs -1 after this pass
-    st.target[cb] = carg_b;
-  } else if constexpr (kMode == kRtRoute) {  // no appends: every token merges
-    st.target[ca] = arg_a;
-    st.target[cb] = arg_b;
-  } else {  // an appended slot wins only if strictly better: ties go to the older, smaller slot
-    if (st.target[ca] != -1 && arg_a >= 0 && best_a > st.rbest[ca]) st.target[ca] = arg_a;
-    if (st.target[cb] != -1 && arg_b >= 0 && best_b > st.rbest[cb]) st.target[cb] = arg_b;
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const std::int64_t c = i * C + c0 + r + 8 * h;
+    if constexpr (kMode == kRtNovelty) {
+      st.score[c] = best[h];
+      st.rbest[c] = cbest[h];  // an update always has a non-sink slot (|S| >= C > sink): carg >= 0
+      st.target[c] = carg[h];  // the appends mark theirs -1 after this pass
+    } else if constexpr (kMode == kRtRoute) {  // no appends: every token merges
+      st.target[c] = arg[h];
+    } else {  // an appended slot wins only if strictly better: ties go to the older, smaller slot
+      if (st.target[c] != -1 && arg[h] >= 0 && best[h] > st.rbest[c]) st.target[c] = arg[h];
+    }
   }
 }
 
