@@ -13,8 +13,8 @@
 // published it (an integer progress counter per row tile, release/acquire through L2). Blocks take their
 // row tile from an integer ticket in launch order, so the tile a block waits for belongs to a block that
 // is already running: no deadlock, whatever order the hardware starts blocks in.
-// λ is carried one entry per thread in increasing position (spec 4.2, the rounding order of every
-// backend); every output is produced by one block in a fixed order: deterministic, no float atomics.
+// λ is carried one entry per thread in increasing row (spec 4.2, the rounding order of every backend);
+// every output is produced by one block in a fixed order: deterministic, no float atomics.
 // Memory: the cache rows the prompt is appended to, one int per row tile (UaCache) and no L x L matrix.
 //
 // Entry tiles are walked newest first (the order of the softmax sum is free; λ is carried per entry, along
@@ -24,16 +24,21 @@
 // the warp, and a 16-entry step of P V whose weights are all 0 (they would add exact zeros). The skips
 // leave every result bit unchanged; how often they fire depends on how fast Λ decays.
 //
-// Inside a block: kDnWarps warps, each 16 (head, row) pairs of the tile; entries arrive 64 at a time
-// through a cp.async double buffer. Per entry tile: the key/key similarity of the decay tile and
-// S = Q K^T with mma.sync (fp32 accumulators in registers) -> A(e, m) into shared memory -> 64 threads carry
-// λ down the tile's rows -> logits = S + Λ, online softmax in registers, O += P V with the probabilities
-// rounded to bf16 (as FlashAttention does).
+// Inside a block: 4 warps, each 16 (head, row) pairs of the tile, at <= 168 registers so that three blocks
+// share an SM (12 warps to hide the latencies of each step's dependent phases); entries arrive 64 at a
+// time, keys through a cp.async double buffer, values through one buffer loaded while the decay runs. Per
+// entry tile, two block barriers: each warp folds the decay of 16 entries for all rows of the tile (their
+// key/key similarity with mma.sync, A(e, m) into shared memory) and 16 of its lanes carry λ down those
+// columns at once (no barrier between fold and carry) -> barrier -> per half tile of 32 entries: S = Q K^T
+// with mma.sync (fp32 accumulators in registers), logits = S + Λ, online softmax in registers, O += P V with
+// the probabilities rounded to bf16 (as FlashAttention does). Measured against the earlier shape (two
+// blocks per SM at 254 registers, 64 threads carrying λ between two barriers): 13.8 vs 15.0 ms at B8 H16 G4
+// D128 8K (results ua_cuda_2026-11-30_h200_dense2.md).
 //
 // The decay of a set made of the built-in gates (any of QueryGate, KeyGate, SimilarityGate) is evaluated in
 // base 2 with the per-key and per-position terms scaled once per entry / row: log2 x = q_m + k_j +
 // (2 n_sim / |set|) log2 c_jm, x = 2^(log2 x), A = log1p(-min(x, 1 - 1e-6)): the spec's x and A (4.1) to
-// within a few ulp of x (as the natural-log fold), log1p within 2.5 ulp, one fused multiply-add per pair
+// within a few ulp of x (as the natural-log fold), log1p within 1.5 ulp, one fused multiply-add per pair
 // instead of a division by |set|, and no branches, so the compiler interleaves the pairs. Any
 // other set goes through the shared fold (kernel/ua_decay.hpp) pair by pair.
 
@@ -51,22 +56,18 @@
 
 namespace kvmem::cuda::ua_detail {
 
-// Warps per block: 4 (64 pairs, two blocks per SM) by default. They share each loaded key/value tile
-// among half as many rows as 8 warps (128 pairs, one block per SM), but the second block per SM hides
-// the dependency stalls: 14.97 vs 15.81 ms on the H200 at B8 H16 G4 D128 8K (results
-// ua_cuda_2026-11-29_h200_v5_dense.md; tested and measured again in _v6.md). -DKVMEM_UA_DENSE_WARPS=8
-// selects the other shape.
-#ifndef KVMEM_UA_DENSE_WARPS
-#define KVMEM_UA_DENSE_WARPS 4
-#endif
-inline constexpr int kDnWarps = KVMEM_UA_DENSE_WARPS;
-static_assert(kDnWarps == 4 || kDnWarps == 8, "KVMEM_UA_DENSE_WARPS must be 4 or 8");
+// Warps per block: 4 (64 pairs), three blocks per SM (<= 168 registers; 13.83 ms at B8 H16 G4 D128 8K on
+// the H200 against 14.27 ms for the same code at two blocks per SM and 254 registers, results
+// ua_cuda_2026-11-30_h200_dense2.md). 8-warp blocks (128 pairs, one block per SM) shared each key/value
+// tile among twice the rows but lost to two 4-warp blocks per SM in the earlier shape (15.81 vs 14.97 ms,
+// ua_cuda_2026-11-29_h200_v5_dense.md and _v6.md); the per-warp λ carry (step 2 of the kernel) needs each
+// warp to fold all rows of its entries, which holds for 4 warps.
+inline constexpr int kDnWarps = 4;
 inline constexpr int kDnThreads = 32 * kDnWarps;
-inline constexpr int kDnPairs = 16 * kDnWarps;      // (head, row) pairs per row tile
-inline constexpr int kDnEntries = 64;               // entries per entry tile
-inline constexpr int kDnMaxRows = kDnPairs / 4;     // rows per row tile at most (r >= 4)
-inline constexpr int kDnRowGroups = kDnWarps / 4;   // warps sharing the entries of a decay tile
-inline constexpr int kDnCarryThreads = kDnEntries;  // one thread per entry of the tile carries λ
+inline constexpr int kDnPairs = 16 * kDnWarps;    // (head, row) pairs per row tile
+inline constexpr int kDnEntries = 16 * kDnWarps;  // entries per entry tile: 16 per warp
+inline constexpr int kDnMaxRows = kDnPairs / 4;   // rows per row tile at most (r >= 4)
+inline constexpr int kDnBlocksPerSM = 3;
 
 // Rows of a row tile for group size r (r in {4, 8}), and the row tiles of a T-row call.
 __host__ __device__ constexpr int dense_row_tile(std::int64_t r) {
@@ -84,23 +85,31 @@ __host__ __device__ inline std::int64_t dense_sync_ints(std::int64_t items, std:
 template <int kD>
 struct UaDenseLayout {
   static_assert(kD % 16 == 0, "the dense tensor-core UA kernel takes head dims that are multiples of 16");
-  static constexpr int kKPitch = kD + 8;          // bf16: rows 16 bytes apart modulo 128, ldmatrix without conflicts
-  static constexpr int kAPitch = kDnEntries + 8;  // float: decay / Λ tile [row][entry]
+  static constexpr int kKPitch = kD + 8;  // bf16: rows 16 bytes apart modulo 128, ldmatrix without conflicts
+  // float: decay / Λ tile [entry][row], an entry's rows contiguous: its carrier moves them in 16-byte
+  // vectors. Pitch kDnMaxRows + 4: the 16-byte accesses of 8 consecutive entries and the row-pair reads of
+  // step 3 fall in distinct banks
+  static constexpr int kAPitch = kDnMaxRows + 4;
   static constexpr std::size_t kTile = std::size_t(kDnEntries) * kKPitch * 2;
   static constexpr std::size_t kK = 0;           // [2][kDnEntries][kKPitch] keys of the entry tiles
-  static constexpr std::size_t kV = 2 * kTile;   // [2][kDnEntries][kKPitch] values
-  static constexpr std::size_t kNK = 4 * kTile;  // [kDnMaxRows][kKPitch] keys of the row tile
-  static constexpr std::size_t kA = kNK + std::size_t(kDnMaxRows) * kKPitch * 2;  // [kDnMaxRows][kAPitch]
-  static constexpr std::size_t kBytes = kA + std::size_t(kDnMaxRows) * kAPitch * 4;
+  static constexpr std::size_t kV = 2 * kTile;   // [kDnEntries][kKPitch] values (one buffer, see the kernel)
+  static constexpr std::size_t kNK = 3 * kTile;  // [kDnMaxRows][kKPitch] keys of the row tile
+  static constexpr std::size_t kA = kNK + std::size_t(kDnMaxRows) * kKPitch * 2;  // [kDnEntries][kAPitch]
+  static constexpr std::size_t kBytes = kA + std::size_t(kDnEntries) * kAPitch * 4;
+  // kDnBlocksPerSM blocks in an SM's 228 KB, with their static arrays and the 1 KB the driver reserves
+  static_assert(kDnBlocksPerSM * (kBytes + 4096) <= 228 * 1024, "the dense UA blocks do not fit an SM");
 };
 
 // log1p(y) for y in (-1, 0], without branches (log1pf's special cases, y <= -1, inf and NaN, cannot occur:
-// y = -min(x, 1 - 1e-6)), so the compiler interleaves the pairs of a tile. Within 1.5 ulp of log1p for an
-// exact reciprocal and 2.3 ulp with a reciprocal 1 ulp off (checked on every 7th float of the range
-// against a double log1p; log1pf: 1 ulp). u = 1 + y = 2^e m with m in [sqrt(1/2), sqrt(2)), c = y - (u - 1)
+// y = -min(x, 1 - 1e-6)), so the compiler interleaves the pairs of a tile. Within 1.44 ulp of log1p with
+// the reciprocal exact or 1 ulp off either way (checked on every 7th float of the range against a double
+// log1p; log1pf: 1 ulp). u = 1 + y = 2^e m with m in [sqrt(1/2), sqrt(2)), c = y - (u - 1)
 // the rounding of u (exact); log m = log(1 + f) = f - (f^2/2 - s (f^2/2 + R(s^2))) with s = f / (2 + f) and
 // R(z) = 2z/3 + 2z^2/5 + 2z^3/7 + 2z^4/9 the atanh series (|s| <= 0.172: truncation below 1e-9 relative),
-// the leading f exact so that s and R need only a few digits; log1p(y) = e ln 2 + log m + c / u.
+// the leading f exact so that s and R need only a few digits; log1p(y) = e ln 2 + log m + c / u. c is 0
+// unless u is in (1/2, 1], and there c (2 - u) stands for c / u: off by c (1 - u)^2 / u, at most 0.36 ulp of
+// the result (at u = 1/2) and exact at u = 1, where the term matters most, so no second reciprocal
+// (the MUFU op it saves is a quarter of the fold's; a 1 ulp error of that reciprocal cost 2.3 ulp near 0).
 __device__ inline float dense_log1p(float y) {
   const float u = 1.0f + y;
   const float c = y - (u - 1.0f);  // exact: u - 1 is exact for u in [1/2, 1], and u itself below 1/2
@@ -112,7 +121,16 @@ __device__ inline float dense_log1p(float y) {
   const float r = z * fmaf(z, fmaf(z, fmaf(z, 2.0f / 9, 2.0f / 7), 2.0f / 5), 2.0f / 3);
   const float half_f2 = 0.5f * f * f;
   const float log_m = f - fmaf(-s, half_f2 + r, half_f2);
-  return fmaf(float(e), 0.693147180559945309f, fmaf(c, ptx::rcp_approx_ftz(u), log_m));
+  return fmaf(float(e), 0.693147180559945309f, fmaf(c, 2.0f - u, log_m));
+}
+
+// lg2.approx with subnormal inputs flushed to 0 (log2 -> -inf, x -> 0, A -> 0): the plain form scales them
+// up first, four more instructions per pair. A similarity below 2^-126 has x below 2^-84 (2^(-126 * 2 n_sim
+// / |set|)), so A moves by less than 2^-84.
+__device__ inline float dense_lg2_approx_ftz(float x) {
+  float r;
+  asm("lg2.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(x));
+  return r;
 }
 
 // The base-2 fold of a set whose gates are all built in (see the top of the file). kLog2 is false for a
@@ -139,31 +157,33 @@ struct DenseFold<decay::Set<G...>> {
   // A_jm from the pair's similarity and its scaled gate terms query_log2 + key_log2 (spec 4.1). log2 c
   // comes from lg2.approx, whose error is absolute (2^-22.6, the hardware reduces the range): log2 c only
   // enters x through 2^(log2 x), so that is a relative error of at most 1.1e-7 in x, the size of the
-  // rounding of log2 x itself and below exp2f's own 2 ulp. log1p stays accurate (dense_log1p): A is small
-  // where x is, and needs relative accuracy.
+  // rounding of log2 x itself and below ex2.approx's own 2 ulp. ex2 flushes results below 2^-126 to 0
+  // (exp2f differs only there, by three more instructions a pair): A then moves by less than 2^-126.
+  // log1p stays accurate (dense_log1p): A is small where x is, and needs relative accuracy.
   __device__ static float decay(float similarity, float gate_log2) {
     float log2_x = gate_log2;
     if constexpr (kSim > 0) {
-      log2_x = fmaf(kSimScale, ptx::lg2_approx(similarity), log2_x);
+      log2_x = fmaf(kSimScale, dense_lg2_approx_ftz(similarity), log2_x);
     }
-    float x = exp2f(log2_x);
+    float x = ptx::ex2_approx_ftz(log2_x);
     if constexpr (kSim > 0) x = similarity > 0.0f ? x : 0.0f;  // relu(c)^2 = 0 -> x = 0 -> A = 0 exactly
     return dense_log1p(-fminf(x, 1.0f - float(decay::kClampEps)));
   }
 };
 
 // The softmax weights are 2^x by ptx::ex2_approx_ftz, results below 2^-126 flushed to 0: next to the row
-// maximum's weight 1 such a weight is below fp32's resolution (and a whole tile below it is skipped, see
-// step 4). Logits this far (in log2 units) below the row maximum have weight exactly 0.
+// maximum's weight 1 such a weight is below fp32's resolution (and a warp's half tile below it is skipped, see
+// step 3). Logits this far (in log2 units) below the row maximum have weight exactly 0.
 inline constexpr float kDnUnderflowLog2 = -127.0f;
 
-// The work of one block of dense_prefill_tc_kernel (below): row tile `ticket`, kRows = dense_row_tile(r)
+// The work of one block of dense_prefill_tc_kernel (below): row tile *s_ticket, kRows = dense_row_tile(r)
 // rows, a compile-time constant so that the decay tile's shape, the pair -> (head, row) map and the λ
 // carry unroll.
 template <class Set, int kD, int kRows>
 __device__ __forceinline__ void dense_prefill_row_tile(const DeviceCache<bf16>& c, const DeviceCall<bf16>& a,
                                                        std::int64_t T, std::int64_t items, std::int64_t tiles,
-                                                       int* sync, std::int64_t ticket, unsigned char* dense_smem) {
+                                                       int* sync, const long long* s_ticket,
+                                                       unsigned char* dense_smem) {
   using namespace ptx;
   using L = UaDenseLayout<kD>;
   using Fold = DenseFold<Set>;
@@ -171,11 +191,11 @@ __device__ __forceinline__ void dense_prefill_row_tile(const DeviceCache<bf16>& 
   constexpr float kLog2e = 1.4426950408889634f;
   constexpr int kVec = kD / 8;  // 16-byte vectors per row
   constexpr int rt = kRows;
-  static_assert(rt % (8 * kDnRowGroups) == 0 && rt <= kDnMaxRows, "a row tile splits into 8-row mma tiles");
+  static_assert(rt % 8 == 0 && rt <= kDnMaxRows, "a row tile splits into 8-row mma tiles");
   nv_bf16* ks_base = reinterpret_cast<nv_bf16*>(dense_smem + L::kK);
   nv_bf16* vs_base = reinterpret_cast<nv_bf16*>(dense_smem + L::kV);
   nv_bf16* nk = reinterpret_cast<nv_bf16*>(dense_smem + L::kNK);
-  float* at = reinterpret_cast<float*>(dense_smem + L::kA);  // [row][entry]: A, then Λ
+  float* at = reinterpret_cast<float*>(dense_smem + L::kA);  // [entry][row]: A, then Λ
   // row tile: query-side gate (the scaled log2 term of the base-2 fold; else the logit and its log part)
   __shared__ float s_rgate[kDnMaxRows], s_rpart[kDnMaxRows];
   // entry tile: key-side gate (as for rows), positions, and the first row after each entry's position
@@ -184,16 +204,19 @@ __device__ __forceinline__ void dense_prefill_row_tile(const DeviceCache<bf16>& 
   __shared__ int s_efirst[kDnEntries];
 
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, qr = lane / 4, t4 = lane % 4;
-  const std::int64_t k = ticket / items, item = ticket % items;
+  const std::int64_t k = *s_ticket / items, item = *s_ticket % items;
   const std::int64_t r = c.r, b = item / c.G, g = item % c.G, D = kD;
   const std::int64_t n = c.length[item], first = c.counter[item], row0 = item * c.cap;
   const std::int64_t r0 = k * rt;
   const int nr = T - r0 < rt ? int(T - r0) : rt;  // rows of this tile
   const std::int64_t row_pos0 = first + r0;       // position of the tile's first row
-  const std::int64_t e_total = n + r0 + nr;       // entries the tile's rows see: the cache, then call rows < r0 + nr
-  const std::int64_t e_prev = n + r0;             // entries before the tile's own rows (λ from row tile k - 1)
-  const int* done_prev = sync + 1 + item * tiles + (k - 1);  // read only when k > 0
-  int* done_mine = sync + 1 + item * tiles + k;
+  // entry indices of the item as int (fewer registers live through the loop): an item's rows fit in
+  // device memory, so fewer than 2^31 of them
+  const int e_total = int(n + r0 + nr);  // entries the tile's rows see: the cache, then call rows < r0 + nr
+  const int e_prev = int(n + r0);        // entries before the tile's own rows (λ from row tile k - 1)
+  float* const lambda = c.lambda + row0;
+  int* const done_mine = sync + 1 + item * tiles + k;  // row tile k - 1's counter precedes it (read when k > 0)
+  const bool has_prev = k > 0;
   const nv_bf16* in_k = reinterpret_cast<const nv_bf16*>(a.k + b * a.k_b + g * a.k_g);
   const nv_bf16* in_v = reinterpret_cast<const nv_bf16*>(a.v + b * a.v_b + g * a.v_g);
   const nv_bf16* cache_k = reinterpret_cast<const nv_bf16*>(c.keys + row0 * D);
@@ -254,78 +277,94 @@ __device__ __forceinline__ void dense_prefill_row_tile(const DeviceCache<bf16>& 
   for (int j = 0; j < kD / 8; ++j) o[j][0] = o[j][1] = o[j][2] = o[j][3] = 0.0f;
   float m_lo = negative_infinity<float>(), m_hi = negative_infinity<float>(), l_lo = 0.0f, l_hi = 0.0f;
 
-  // entry tile et -> buffer buf (cached rows below n, then the call's input rows; zeros past e_total)
-  const auto load_tile = [&](std::int64_t et, int buf) {
-    nv_bf16* ks = ks_base + buf * kDnEntries * L::kKPitch;
-    nv_bf16* vs = vs_base + buf * kDnEntries * L::kKPitch;
-    const std::int64_t e0 = et * kDnEntries;
+  // rows [e0, e0 + kDnEntries) of the keys or the values -> tile dst (cached rows below n, then the call's
+  // input rows; zeros past e_total), one cp.async group
+  const auto load_rows = [&](int e0, nv_bf16* dst, const nv_bf16* cache, const nv_bf16* input, std::int64_t in_stride) {
     const bool all_cached = e0 + kDnEntries <= n, all_input = e0 >= n && e0 + kDnEntries <= e_total;
     if (all_cached || all_input) {  // the usual tile: every row valid, in one array with one row stride
-      const nv_bf16* kp = all_cached ? cache_k + e0 * D : in_k + (e0 - n) * a.k_t;
-      const nv_bf16* vp = all_cached ? cache_v + e0 * D : in_v + (e0 - n) * a.v_t;
-      const std::int64_t k_stride = all_cached ? D : a.k_t, v_stride = all_cached ? D : a.v_t;
+      const std::int64_t stride = all_cached ? D : in_stride;
+      if constexpr (kDnThreads % kVec == 0) {
+        // a fixed row and 16-byte column per thread and pass: the addresses step by a constant, a few
+        // instructions per copy instead of a division and a 64-bit product
+        constexpr int kPassRows = kDnThreads / kVec;
+        const int e = tid / kVec, cv = tid % kVec;
+        const nv_bf16* src = (all_cached ? cache + e0 * D : input + (e0 - n) * in_stride) + e * stride + cv * 8;
+        nv_bf16* to = dst + e * L::kKPitch + cv * 8;
 #pragma unroll
+        for (int pass = 0; pass < kDnEntries / kPassRows; ++pass)
+          cp_async16(to + pass * kPassRows * L::kKPitch, src + pass * kPassRows * stride, 16);
+      } else {
+        const nv_bf16* p = all_cached ? cache + e0 * D : input + (e0 - n) * in_stride;
+        for (int x = tid; x < kDnEntries * kVec; x += kDnThreads) {
+          const int e = x / kVec, cv = x % kVec;
+          cp_async16(dst + e * L::kKPitch + cv * 8, p + e * stride + cv * 8, 16);
+        }
+      }
+    } else {
       for (int x = tid; x < kDnEntries * kVec; x += kDnThreads) {
         const int e = x / kVec, cv = x % kVec;
-        cp_async16(ks + e * L::kKPitch + cv * 8, kp + e * k_stride + cv * 8, 16);
-        cp_async16(vs + e * L::kKPitch + cv * 8, vp + e * v_stride + cv * 8, 16);
+        const int idx = e0 + e;
+        const bool valid = idx < e_total;
+        const nv_bf16* p = input;  // any valid address when nothing is copied
+        if (valid) p = idx < n ? cache + idx * D : input + (idx - n) * in_stride;
+        cp_async16(dst + e * L::kKPitch + cv * 8, p + cv * 8, valid ? 16 : 0);
       }
-      cp_async_commit();
-      return;
-    }
-    for (int x = tid; x < kDnEntries * kVec; x += kDnThreads) {
-      const int e = x / kVec, cv = x % kVec;
-      const std::int64_t idx = et * kDnEntries + e;
-      const bool valid = idx < e_total, cached = idx < n;
-      const nv_bf16* kp = in_k;  // any valid address when nothing is copied
-      const nv_bf16* vp = in_v;
-      if (valid) {
-        kp = cached ? cache_k + idx * D : in_k + (idx - n) * a.k_t;
-        vp = cached ? cache_v + idx * D : in_v + (idx - n) * a.v_t;
-      }
-      cp_async16(ks + e * L::kKPitch + cv * 8, kp + cv * 8, valid ? 16 : 0);
-      cp_async16(vs + e * L::kKPitch + cv * 8, vp + cv * 8, valid ? 16 : 0);
     }
     cp_async_commit();
   };
 
-  // decay-tile piece of this warp: entries eb + {qr, qr + 8}, rows rbase + 8 * nt + 2 * t4 + {0, 1}, nt < nts
-  constexpr int nts = rt / (8 * kDnRowGroups);
-  const int eb = 16 * (warp % 4), rbase = (warp / 4) * (rt / kDnRowGroups);
-  // the carry threads' entries: λ hand-off state (seen: the predecessor's progress this thread acquired)
+  // this warp's piece of the decay tile: entries eb + {qr, qr + 8}, rows 8 * nt + 2 * t4 + {0, 1}, nt < nts;
+  // lane eb + l (l < 16) then carries λ of entry eb + l down all rt rows
+  constexpr int nts = rt / 8;
+  const int eb = 16 * warp;
+  const bool carrier = lane < 16;
+  const int ce = eb + lane;  // the carrier's entry in the tile
+  // the carriers' λ hand-off state (seen: the predecessor's progress this thread acquired)
   int seen = 0;
-  // key-gate logit and position of entry e0 + tid (positions past e_total: INT64_MAX, masked). The carry
-  // threads load them one entry tile ahead (the latency hides behind a whole step) and publish them,
-  // with the key-gate term, in shared memory for the decay of the tile: computed once per entry.
-  const auto load_meta = [&](std::int64_t e0, float& logit, std::int64_t& pos) {
-    const std::int64_t idx = e0 + tid;
+  // key-gate logit and position of entry e0 + tid (positions past e_total: INT64_MAX, masked). Threads
+  // tid < kDnEntries load them one entry tile ahead (the latency hides behind a whole step) and publish
+  // them, with the key-gate term, in shared memory for the decay and the carry of the tile: computed once
+  // per entry.
+  const float* const key_logit = c.key_logit + row0;
+  const std::int64_t* const key_pos = c.pos + row0;
+  const float* const in_zk = a.z_k + b * a.zk_b + g * a.zk_g;
+  const auto load_meta = [&](int e0, float& logit, std::int64_t& pos) {
+    const int idx = e0 + tid;
     logit = 0.0f;
     pos = INT64_MAX;
     if (idx < e_total) {
-      logit = idx < n ? c.key_logit[row0 + idx] : a.z_k[b * a.zk_b + g * a.zk_g + (idx - n) * a.zk_t];
-      pos = idx < n ? c.pos[row0 + idx] : first + (idx - n);
+      logit = idx < n ? key_logit[idx] : in_zk[(idx - n) * a.zk_t];
+      pos = idx < n ? key_pos[idx] : first + (idx - n);
     }
   };
-  // entry tiles newest first: step s handles entry tile n_etiles - 1 - s, in buffer s & 1
-  const std::int64_t n_etiles = (e_total + kDnEntries - 1) / kDnEntries;
-  const std::int64_t n_etiles_prev = (e_prev + kDnEntries - 1) / kDnEntries;  // row tile k - 1's
+  // S = Q K^T for the warp's 16 pairs and the 32 entries c0.. of key tile ks, in fp32 accumulators
+  constexpr int kJ = 32 / 8;  // 8-entry accumulator tiles per half tile
+  const auto qk = [&](float(&s)[kJ][4], const nv_bf16* ks, int c0) {
+#pragma unroll
+    for (int j = 0; j < kJ; ++j) s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.0f;
+#pragma unroll
+    for (int kb = 0; kb < kD / 16; ++kb) {
+#pragma unroll
+      for (int jp = 0; jp < kJ / 2; ++jp) {
+        std::uint32_t fb[4];
+        ldmatrix_x4(fb, ks + (c0 + 16 * jp + 8 * (lane / 16) + lane % 8) * L::kKPitch + 16 * kb + 8 * ((lane / 8) % 2));
+        mma_bf16_16816(s[2 * jp], qf[kb], fb[0], fb[1]);
+        mma_bf16_16816(s[2 * jp + 1], qf[kb], fb[2], fb[3]);
+      }
+    }
+  };
+  // entry tiles newest first: step s handles entry tile n_etiles - 1 - s, keys in buffer s & 1
+  const int n_etiles = (e_total + kDnEntries - 1) / kDnEntries;
+  const int n_etiles_prev = (e_prev + kDnEntries - 1) / kDnEntries;  // row tile k - 1's
   float nx_logit = 0.0f;
   std::int64_t nx_pos = INT64_MAX;
-  load_tile(n_etiles - 1, 0);
-  if (tid < kDnCarryThreads) load_meta((n_etiles - 1) * kDnEntries, nx_logit, nx_pos);
-  for (std::int64_t step = 0; step < n_etiles; ++step) {
-    const std::int64_t et = n_etiles - 1 - step, e0 = et * kDnEntries;
+  load_rows((n_etiles - 1) * kDnEntries, ks_base, cache_k, in_k, a.k_t);
+  if (tid < kDnEntries) load_meta((n_etiles - 1) * kDnEntries, nx_logit, nx_pos);
+  for (int step = 0; step < n_etiles; ++step) {
+    const int et = n_etiles - 1 - step, e0 = et * kDnEntries;
     const int buf = int(step & 1);
-    cp_async_wait<0>();  // this thread's part of entry tile et has landed
-    // the carry thread's entry: position and incoming λ, loaded now so the L2 latency overlaps the decay
-    // and q.k below. λ of an entry before row r0 comes from the previous row tile: acquire its progress
-    // counter first (rarely waits: the predecessor started earlier and walks the same tiles in the same
-    // order, the newest first).
-    std::int64_t c_pos = INT64_MAX;
-    float c_lam = 0.0f;
-    if (tid < kDnCarryThreads) {
-      const std::int64_t idx = e0 + tid;
-      c_pos = nx_pos;
+    cp_async_wait<0>();  // this thread's part of key tile et (and of the last value tile) has landed
+    if (tid < kDnEntries) {
       const float part = kernel::ua::key_gate_part(nx_logit);
       if constexpr (Fold::kLog2) {
         s_egate[tid] = Fold::kKeyScale * part;
@@ -338,23 +377,31 @@ __device__ __forceinline__ void dense_prefill_row_tile(const DeviceCache<bf16>& 
       const std::int64_t first_after = nx_pos == INT64_MAX ? rt : nx_pos - row_pos0 + 1;
       s_efirst[tid] = first_after < 0 ? 0 : (first_after > rt ? rt : int(first_after));
       if (et > 0) load_meta(e0 - kDnEntries, nx_logit, nx_pos);
-      if (idx < e_prev) {  // not one of this tile's own keys (those start at λ = 0)
-        const int need = int(n_etiles_prev - et);
-        if (k > 0 && seen < need)
-          while ((seen = load_acquire(done_prev)) < need) __nanosleep(32);
-        c_lam = __ldcg(c.lambda + row0 + idx);  // another block wrote it: read through L2
-      }
     }
-    // entry tile et and its gates are in shared memory (the first time, nk and the row gates too); every
-    // warp is past step - 1, so its buffer and the Λ tile are free
+    // the carrier's incoming λ, loaded now so the L2 latency overlaps the decay below. λ of an entry
+    // before row r0 comes from the previous row tile: acquire its progress counter first (rarely waits:
+    // the predecessor started earlier and walks the same tiles in the same order, the newest first).
+    float c_lam = 0.0f;
+    if (carrier && e0 + ce < e_prev) {  // not one of this tile's own keys (those start at λ = 0)
+      const int need = n_etiles_prev - et;
+      if (has_prev && seen < need)
+        while ((seen = load_acquire(done_mine - 1)) < need) __nanosleep(32);
+      c_lam = __ldcg(lambda + e0 + ce);  // another block wrote it: read through L2
+    }
+    // key tile et and its gates are in shared memory (the first time, nk and the row gates too); every
+    // warp is past step - 1, so the value tile, the other key buffer and the Λ tile are free
     __syncthreads();
-    if (et > 0) load_tile(et - 1, buf ^ 1);  // lands during this step
+    load_rows(e0, vs_base, cache_v, in_v, a.v_t);  // value tile et: lands during the decay and the carry
+    if (et > 0) {
+      load_rows(e0 - kDnEntries, ks_base + (buf ^ 1) * kDnEntries * L::kKPitch, cache_k, in_k, a.k_t);
+    } else {
+      cp_async_commit();  // an empty group: the wait for the value tile below counts one group behind it
+    }
     const nv_bf16* ks = ks_base + buf * kDnEntries * L::kKPitch;
-    const nv_bf16* vs = vs_base + buf * kDnEntries * L::kKPitch;
 
-    // 1. decay tile A(e, m) (spec 4.1): similarity K NK^T on the tensor cores, then the set's gate fold;
-    //    A = 0 where m <= pos_e and on rows past the call (the carry then leaves λ unchanged there)
-    float s[kDnEntries / 8][4];
+    // 1. this warp's 16 columns of the decay tile A(e, m) (spec 4.1): similarity K NK^T on the tensor
+    //    cores, then the set's gate fold; A = 0 where m <= pos_e and on rows past the call (the carry then
+    //    leaves λ unchanged there)
     {
       float e_gate[2], e_part[2];
       std::int64_t e_pos[2];
@@ -368,7 +415,7 @@ __device__ __forceinline__ void dense_prefill_row_tile(const DeviceCache<bf16>& 
           e_pos[hf] = s_epos[eb + qr + 8 * hf];
         }
       }
-      float sim[2][4] = {};
+      float sim[nts][4] = {};
       if constexpr (Set::kNeedsSimilarity) {
 #pragma unroll
         for (int kb = 0; kb < kD / 16; ++kb) {
@@ -377,30 +424,16 @@ __device__ __forceinline__ void dense_prefill_row_tile(const DeviceCache<bf16>& 
 #pragma unroll
           for (int nt = 0; nt < nts; ++nt) {
             std::uint32_t b0, b1;
-            ldmatrix_x2(b0, b1, nk + (rbase + 8 * nt + lane % 8) * L::kKPitch + 16 * kb + 8 * ((lane / 8) % 2));
+            ldmatrix_x2(b0, b1, nk + (8 * nt + lane % 8) * L::kKPitch + 16 * kb + 8 * ((lane / 8) % 2));
             mma_bf16_16816(sim[nt], fa, b0, b1);
           }
         }
       }
-      // 2. with it, S = Q K^T for the warp's 16 pairs and the tile's 64 entries (independent of λ): one
-      //    k-step of q.k goes out to the tensor cores before each decay element, so the mma latency
-      //    hides behind the element's gate fold
 #pragma unroll
-      for (int j = 0; j < kDnEntries / 8; ++j) s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.0f;
+      for (int nt = 0; nt < nts; ++nt) {
 #pragma unroll
-      for (int el = 0; el < 8; ++el) {
-        if (el < kD / 16) {
-#pragma unroll
-          for (int jp = 0; jp < kDnEntries / 16; ++jp) {
-            std::uint32_t fb[4];
-            ldmatrix_x4(fb, ks + (16 * jp + 8 * (lane / 16) + lane % 8) * L::kKPitch + 16 * el + 8 * ((lane / 8) % 2));
-            mma_bf16_16816(s[2 * jp], qf[el < kD / 16 ? el : 0], fb[0], fb[1]);
-            mma_bf16_16816(s[2 * jp + 1], qf[el < kD / 16 ? el : 0], fb[2], fb[3]);
-          }
-        }
-        const int nt = el / 4, x = el % 4;
-        if (nt < nts) {  // resolved at compile time
-          const int hf = x / 2, i = rbase + 8 * nt + 2 * t4 + x % 2, e = eb + qr + 8 * hf;
+        for (int x = 0; x < 4; ++x) {
+          const int hf = x / 2, i = 8 * nt + 2 * t4 + x % 2, e = eb + qr + 8 * hf;
           // evaluated for every element and then selected (entries past the range have no rows after
           // them: A = 0); rows past the call get A = 0 too
           float a_em;
@@ -410,146 +443,155 @@ __device__ __forceinline__ void dense_prefill_row_tile(const DeviceCache<bf16>& 
             a_em = kernel::ua::decay_from_similarity<Set, float>(sim[nt][x], e_gate[hf], e_part[hf], e_pos[hf],
                                                                  s_rgate[i], s_rpart[i], row_pos0 + i);
           }
-          at[i * L::kAPitch + e] = (i >= e_first[hf] && i < nr) ? a_em : 0.0f;
-        }
-      }
-#pragma unroll
-      for (int kb = 8; kb < kD / 16; ++kb) {  // head dims above 128
-#pragma unroll
-        for (int jp = 0; jp < kDnEntries / 16; ++jp) {
-          std::uint32_t fb[4];
-          ldmatrix_x4(fb, ks + (16 * jp + 8 * (lane / 16) + lane % 8) * L::kKPitch + 16 * kb + 8 * ((lane / 8) % 2));
-          mma_bf16_16816(s[2 * jp], qf[kb], fb[0], fb[1]);
-          mma_bf16_16816(s[2 * jp + 1], qf[kb], fb[2], fb[3]);
+          at[e * L::kAPitch + i] = (i >= e_first[hf] && i < nr) ? a_em : 0.0f;
         }
       }
     }
-    __syncthreads();  // the A tile is complete
+    __syncwarp();  // the warp's columns of the A tile are complete
+    // q.k of the first half tile (step 3) goes to the tensor cores now: it needs no λ, and runs beside
+    // the carry and the barrier below
+    float s[kJ][4];
+    qk(s, ks, 0);
 
-    // 3. carry λ down the rows (spec 4.2: increasing m, one rounding per step): one thread per entry.
+    // 2. carry λ down the rows (spec 4.2: increasing m, one rounding per step): lane l < 16 of the warp
+    //    that folded the column, entry eb + l, so no block barrier stands between the fold and the carry.
     //    at[] becomes Λ_{m, e} (-inf before the entry's position); λ goes back to the cache row of the
     //    entry (a call key's row n + t is its row after this call), read through L2 (ld.cg): another
     //    block wrote it.
-    if (tid < kDnCarryThreads) {
-      const std::int64_t idx = e0 + tid;
+    if (carrier) {
+      const int idx = e0 + ce;
+      float4* col = reinterpret_cast<float4*>(at + ce * L::kAPitch);
       if (idx < e_total) {
-        // rows i < before precede the entry (masked); A = 0 up to its own row, so λ stays 0 there
-        const std::int64_t before = c_pos - row_pos0;
-        const int masked = before < 0 ? 0 : (before > rt ? rt : int(before));
+        // rows i < masked precede the entry (an entry of the range lies at row s_efirst - 1 of the tile or
+        // before it); A = 0 up to its own row, so λ stays 0 there
+        const int masked = s_efirst[ce] > 0 ? s_efirst[ce] - 1 : 0;
+        float av[rt];  // the column's rt values, loaded together before the dependent adds
+#pragma unroll
+        for (int v = 0; v < rt / 4; ++v) *reinterpret_cast<float4*>(av + 4 * v) = col[v];
         float lam = c_lam;
-        // 8 rows per round (rt is a multiple of 8): the loads issue together, then the dependent adds
 #pragma unroll
-        for (int i0 = 0; i0 < rt; i0 += 8) {
-          float av[8];
-#pragma unroll
-          for (int i = 0; i < 8; ++i) av[i] = at[(i0 + i) * L::kAPitch + tid];
-#pragma unroll
-          for (int i = 0; i < 8; ++i) {
-            lam += av[i];
-            at[(i0 + i) * L::kAPitch + tid] = i0 + i < masked ? negative_infinity<float>() : lam;
-          }
+        for (int i = 0; i < rt; ++i) {
+          lam += av[i];
+          av[i] = i < masked ? negative_infinity<float>() : lam;
         }
-        c.lambda[row0 + idx] = lam;
-      } else {
 #pragma unroll
-        for (int i = 0; i < rt; ++i) at[i * L::kAPitch + tid] = negative_infinity<float>();
+        for (int v = 0; v < rt / 4; ++v) col[v] = *reinterpret_cast<const float4*>(av + 4 * v);
+        lambda[idx] = lam;
+      } else {
+        const float inf = negative_infinity<float>();
+#pragma unroll
+        for (int v = 0; v < rt / 4; ++v) col[v] = make_float4(inf, inf, inf, inf);
       }
     }
-    __syncthreads();  // Λ tile complete, λ of this entry tile stored
-    // publish: the barrier orders the carry threads' λ stores before this thread's fence, which makes
-    // them visible device-wide before the counter (the pattern of a grid-wide barrier). The last warp
-    // has no global stores in flight of its own, so the fence costs it little.
-    if (tid == kDnThreads - 32) {
+    cp_async_wait<1>();  // this thread's part of value tile et has landed (the next key tile may not)
+    __syncthreads();     // Λ tile complete, λ of this entry tile stored, value tile et in shared memory
+    // publish: the barrier orders the carriers' λ stores before this thread's fence, which makes them
+    // visible device-wide before the counter (the pattern of a grid-wide barrier). The last lane is no
+    // carrier and has no global stores in flight of its own.
+    if (tid == kDnThreads - 1) {
       __threadfence();
-      atomicExch(done_mine, int(step + 1));
+      atomicExch(done_mine, step + 1);
     }
 
-    // 4. logits = q.k + Λ (scale 1), online softmax in registers (rows p_lo, p_hi; the quad holds a row)
-    float mx_lo = negative_infinity<float>(), mx_hi = negative_infinity<float>();
+    // 3. per half of the tile (32 entries: 16 S registers instead of 32 keep the block at <= 168
+    //    registers, three blocks per SM; one half at a time keeps the compiler from holding both): logits
+    //    = S + Λ (scale 1), online softmax in registers (rows p_lo, p_hi; the quad holds a row), O += P V
+#pragma unroll 1
+    for (int hv = 0; hv < kDnEntries / 32; ++hv) {
+      const int c0 = 32 * hv;  // the half's first entry in the tile
+      if (hv > 0) qk(s, ks, c0);
+      float mx_lo = negative_infinity<float>(), mx_hi = negative_infinity<float>();
 #pragma unroll
-    for (int j = 0; j < kDnEntries / 8; ++j) {
-      const float2 blo = *reinterpret_cast<const float2*>(at + i_lo * L::kAPitch + 8 * j + 2 * t4);
-      const float2 bhi = *reinterpret_cast<const float2*>(at + i_hi * L::kAPitch + 8 * j + 2 * t4);
-      s[j][0] += blo.x;
-      s[j][1] += blo.y;
-      s[j][2] += bhi.x;
-      s[j][3] += bhi.y;
-      mx_lo = fmaxf(mx_lo, fmaxf(s[j][0], s[j][1]));
-      mx_hi = fmaxf(mx_hi, fmaxf(s[j][2], s[j][3]));
-    }
-    mx_lo = fmaxf(mx_lo, __shfl_xor_sync(0xffffffffu, mx_lo, 1));
-    mx_lo = fmaxf(mx_lo, __shfl_xor_sync(0xffffffffu, mx_lo, 2));
-    mx_hi = fmaxf(mx_hi, __shfl_xor_sync(0xffffffffu, mx_hi, 1));
-    mx_hi = fmaxf(mx_hi, __shfl_xor_sync(0xffffffffu, mx_hi, 2));
-    const float new_lo = fmaxf(m_lo, mx_lo), new_hi = fmaxf(m_hi, mx_hi);
-    // a row with every logit masked so far keeps max -inf: subtract 0 instead (every weight is 0)
-    const float base_lo = new_lo == negative_infinity<float>() ? 0.0f : new_lo * kLog2e;
-    const float base_hi = new_hi == negative_infinity<float>() ? 0.0f : new_hi * kLog2e;
-    // every weight of the warp's tile 0 (its largest logit per row far below the row's maximum; the
-    // maximum then did not move): the tile adds exact zeros to l and O
-    if (!__any_sync(0xffffffffu, fmaf(mx_lo, kLog2e, -base_lo) >= kDnUnderflowLog2 ||
-                                     fmaf(mx_hi, kLog2e, -base_hi) >= kDnUnderflowLog2))
-      continue;
-    // rescale only when a maximum of the warp moved: otherwise every factor is exp2(rounding error of
-    // m log2e) = 1 exactly, or 0 on a row whose O and l are still 0
-    if (__any_sync(0xffffffffu, new_lo != m_lo || new_hi != m_hi)) {
-      const float scale_lo = ptx::ex2_approx_ftz(fmaf(m_lo, kLog2e, -base_lo));
-      const float scale_hi = ptx::ex2_approx_ftz(fmaf(m_hi, kLog2e, -base_hi));
-      l_lo *= scale_lo;
-      l_hi *= scale_hi;
-#pragma unroll
-      for (int j = 0; j < kD / 8; ++j) {
-        o[j][0] *= scale_lo;
-        o[j][1] *= scale_lo;
-        o[j][2] *= scale_hi;
-        o[j][3] *= scale_hi;
+      for (int j = 0; j < kJ; ++j) {
+        const float* lam_col = at + (c0 + 8 * j + 2 * t4) * L::kAPitch;  // Λ of entries c0 + 8 j + 2 t4 + {0, 1}
+        const float2 blo = make_float2(lam_col[i_lo], lam_col[L::kAPitch + i_lo]);
+        const float2 bhi = make_float2(lam_col[i_hi], lam_col[L::kAPitch + i_hi]);
+        s[j][0] += blo.x;
+        s[j][1] += blo.y;
+        s[j][2] += bhi.x;
+        s[j][3] += bhi.y;
+        mx_lo = fmaxf(mx_lo, fmaxf(s[j][0], s[j][1]));
+        mx_hi = fmaxf(mx_hi, fmaxf(s[j][2], s[j][3]));
       }
-    }
-    m_lo = new_lo;
-    m_hi = new_hi;
+      mx_lo = fmaxf(mx_lo, __shfl_xor_sync(0xffffffffu, mx_lo, 1));
+      mx_lo = fmaxf(mx_lo, __shfl_xor_sync(0xffffffffu, mx_lo, 2));
+      mx_hi = fmaxf(mx_hi, __shfl_xor_sync(0xffffffffu, mx_hi, 1));
+      mx_hi = fmaxf(mx_hi, __shfl_xor_sync(0xffffffffu, mx_hi, 2));
+      const float new_lo = fmaxf(m_lo, mx_lo), new_hi = fmaxf(m_hi, mx_hi);
+      // a row with every logit masked so far keeps max -inf: subtract 0 instead (every weight is 0)
+      const float base_lo = new_lo == negative_infinity<float>() ? 0.0f : new_lo * kLog2e;
+      const float base_hi = new_hi == negative_infinity<float>() ? 0.0f : new_hi * kLog2e;
+      // every weight of the warp's half tile 0 (its largest logit per row far below the row's maximum;
+      // the maximum then did not move): the half adds exact zeros to l and O
+      if (!__any_sync(0xffffffffu, fmaf(mx_lo, kLog2e, -base_lo) >= kDnUnderflowLog2 ||
+                                       fmaf(mx_hi, kLog2e, -base_hi) >= kDnUnderflowLog2))
+        continue;
+      // rescale only when a maximum of the warp moved: otherwise every factor is exp2(rounding error of
+      // m log2e) = 1 exactly, or 0 on a row whose O and l are still 0
+      if (__any_sync(0xffffffffu, new_lo != m_lo || new_hi != m_hi)) {
+        const float scale_lo = ptx::ex2_approx_ftz(fmaf(m_lo, kLog2e, -base_lo));
+        const float scale_hi = ptx::ex2_approx_ftz(fmaf(m_hi, kLog2e, -base_hi));
+        l_lo *= scale_lo;
+        l_hi *= scale_hi;
 #pragma unroll
-    for (int j = 0; j < kDnEntries / 8; ++j) {
-      s[j][0] = ptx::ex2_approx_ftz(fmaf(s[j][0], kLog2e, -base_lo));
-      s[j][1] = ptx::ex2_approx_ftz(fmaf(s[j][1], kLog2e, -base_lo));
-      s[j][2] = ptx::ex2_approx_ftz(fmaf(s[j][2], kLog2e, -base_hi));
-      s[j][3] = ptx::ex2_approx_ftz(fmaf(s[j][3], kLog2e, -base_hi));
-    }
-    // 5. O += P V: the S accumulators of entries 16 kk.. are the A fragment of k-step kk. A step whose
-    //    probabilities are all 0 for the warp adds exact zeros: skipped.
+        for (int j = 0; j < kD / 8; ++j) {
+          o[j][0] *= scale_lo;
+          o[j][1] *= scale_lo;
+          o[j][2] *= scale_hi;
+          o[j][3] *= scale_hi;
+        }
+      }
+      m_lo = new_lo;
+      m_hi = new_hi;
 #pragma unroll
-    for (int kk = 0; kk < kDnEntries / 16; ++kk) {
-      const float part_lo = (s[2 * kk][0] + s[2 * kk][1]) + (s[2 * kk + 1][0] + s[2 * kk + 1][1]);
-      const float part_hi = (s[2 * kk][2] + s[2 * kk][3]) + (s[2 * kk + 1][2] + s[2 * kk + 1][3]);
-      l_lo += part_lo;
-      l_hi += part_hi;
-      if (!__any_sync(0xffffffffu, part_lo + part_hi > 0.0f)) continue;
-      const std::uint32_t pa[4] = {pack_bf16(s[2 * kk][0], s[2 * kk][1]), pack_bf16(s[2 * kk][2], s[2 * kk][3]),
-                                   pack_bf16(s[2 * kk + 1][0], s[2 * kk + 1][1]),
-                                   pack_bf16(s[2 * kk + 1][2], s[2 * kk + 1][3])};
+      for (int j = 0; j < kJ; ++j) {
+        s[j][0] = ptx::ex2_approx_ftz(fmaf(s[j][0], kLog2e, -base_lo));
+        s[j][1] = ptx::ex2_approx_ftz(fmaf(s[j][1], kLog2e, -base_lo));
+        s[j][2] = ptx::ex2_approx_ftz(fmaf(s[j][2], kLog2e, -base_hi));
+        s[j][3] = ptx::ex2_approx_ftz(fmaf(s[j][3], kLog2e, -base_hi));
+      }
+      // O += P V: the S accumulators of entries 16 kk.. are the A fragment of k-step kk. A step whose
+      // probabilities are all 0 for the warp adds exact zeros: skipped.
 #pragma unroll
-      for (int dp = 0; dp < kD / 16; ++dp) {
-        std::uint32_t fb[4];
-        ldmatrix_x4_trans(fb,
-                          vs + (16 * kk + 8 * ((lane / 8) % 2) + lane % 8) * L::kKPitch + 16 * dp + 8 * (lane / 16));
-        mma_bf16_16816(o[2 * dp], pa, fb[0], fb[1]);
-        mma_bf16_16816(o[2 * dp + 1], pa, fb[2], fb[3]);
+      for (int kk = 0; kk < kJ / 2; ++kk) {
+        const float part_lo = (s[2 * kk][0] + s[2 * kk][1]) + (s[2 * kk + 1][0] + s[2 * kk + 1][1]);
+        const float part_hi = (s[2 * kk][2] + s[2 * kk][3]) + (s[2 * kk + 1][2] + s[2 * kk + 1][3]);
+        l_lo += part_lo;
+        l_hi += part_hi;
+        if (!__any_sync(0xffffffffu, part_lo + part_hi > 0.0f)) continue;
+        const std::uint32_t pa[4] = {pack_bf16(s[2 * kk][0], s[2 * kk][1]), pack_bf16(s[2 * kk][2], s[2 * kk][3]),
+                                     pack_bf16(s[2 * kk + 1][0], s[2 * kk + 1][1]),
+                                     pack_bf16(s[2 * kk + 1][2], s[2 * kk + 1][3])};
+#pragma unroll
+        for (int dp = 0; dp < kD / 16; ++dp) {
+          std::uint32_t fb[4];
+          ldmatrix_x4_trans(
+              fb, vs_base + (c0 + 16 * kk + 8 * ((lane / 8) % 2) + lane % 8) * L::kKPitch + 16 * dp + 8 * (lane / 16));
+          mma_bf16_16816(o[2 * dp], pa, fb[0], fb[1]);
+          mma_bf16_16816(o[2 * dp + 1], pa, fb[2], fb[3]);
+        }
       }
     }
   }
 
-  // 6. normalise, output gate, write y and lse (the quad's partial sums in a fixed order)
+  // 4. normalise, output gate, write y and lse (the quad's partial sums in a fixed order). The row's
+  //    indices come again from the ticket in shared memory (a volatile load, so the compiler does not
+  //    hold them in registers through the loop, where O leaves few to spare)
   l_lo += __shfl_xor_sync(0xffffffffu, l_lo, 1);
   l_lo += __shfl_xor_sync(0xffffffffu, l_lo, 2);
   l_hi += __shfl_xor_sync(0xffffffffu, l_hi, 1);
   l_hi += __shfl_xor_sync(0xffffffffu, l_hi, 2);
+  const std::int64_t ticket = *static_cast<const volatile long long*>(s_ticket);
+  const std::int64_t out_item = ticket % items, out_r0 = ticket / items * rt;
+  const std::int64_t out_b = out_item / c.G, out_g = out_item % c.G;
 #pragma unroll
   for (int hf = 0; hf < 2; ++hf) {
-    const bool live = hf ? live_hi : live_lo;
-    if (!live) continue;
-    const std::int64_t hq = g * r + (hf ? h_hi : h_lo), t = r0 + (hf ? i_hi : i_lo);
+    const int p = 16 * warp + qr + 8 * hf;  // the pair p_lo or p_hi
+    const std::int64_t hq = out_g * c.r + p / rt, t = out_r0 + p % rt;
+    if (t >= T) continue;  // a row past the call
     const float l = hf ? l_hi : l_lo, mx = hf ? m_hi : m_lo;
-    float* out = a.out + b * a.o_b + t * a.o_t + hq * a.o_h;
-    const bf16* zo = a.z_o ? a.z_o + b * a.zo_b + t * a.zo_t + hq * a.zo_h : nullptr;
+    float* out = a.out + out_b * a.o_b + t * a.o_t + hq * a.o_h;
+    const bf16* zo = a.z_o ? a.z_o + out_b * a.zo_b + t * a.zo_t + hq * a.zo_h : nullptr;
 #pragma unroll
     for (int j = 0; j < kD / 8; ++j) {
 #pragma unroll
@@ -561,7 +603,7 @@ __device__ __forceinline__ void dense_prefill_row_tile(const DeviceCache<bf16>& 
       }
     }
     if (a.lse && t4 == 0)
-      a.lse[b * a.l_b + hq * a.l_h + t * a.l_t] = l > 0.0f ? mx + logf(l) : negative_infinity<float>();
+      a.lse[out_b * a.l_b + hq * a.l_h + t * a.l_t] = l > 0.0f ? mx + logf(l) : negative_infinity<float>();
   }
 }
 
@@ -572,7 +614,7 @@ __device__ __forceinline__ void dense_prefill_row_tile(const DeviceCache<bf16>& 
 // leaves λ_j = Λ_{T-1, j} for every entry; the lengths and counters advance afterwards
 // (dense_advance_kernel).
 template <class Set, int kD>
-__global__ void __launch_bounds__(kDnThreads, 8 / kDnWarps)
+__global__ void __launch_bounds__(kDnThreads, kDnBlocksPerSM)
     dense_prefill_tc_kernel(DeviceCache<bf16> c, DeviceCall<bf16> a, std::int64_t T, std::int64_t items,
                             std::int64_t tiles, int* sync) {
   extern __shared__ __align__(128) unsigned char dense_smem[];
@@ -580,9 +622,9 @@ __global__ void __launch_bounds__(kDnThreads, 8 / kDnWarps)
   if (threadIdx.x == 0) s_ticket = atomicAdd(sync, 1);
   __syncthreads();
   if (c.r == 4)
-    dense_prefill_row_tile<Set, kD, dense_row_tile(4)>(c, a, T, items, tiles, sync, s_ticket, dense_smem);
+    dense_prefill_row_tile<Set, kD, dense_row_tile(4)>(c, a, T, items, tiles, sync, &s_ticket, dense_smem);
   else  // r == 8 (tc_group_ok)
-    dense_prefill_row_tile<Set, kD, dense_row_tile(8)>(c, a, T, items, tiles, sync, s_ticket, dense_smem);
+    dense_prefill_row_tile<Set, kD, dense_row_tile(8)>(c, a, T, items, tiles, sync, &s_ticket, dense_smem);
 }
 
 // grid 1, after dense_prefill_tc_kernel: every item holds its T new rows, its counter advances by T.
