@@ -88,8 +88,8 @@ struct TcSources {
 // rows; S = Q K^T and O += P V run as m16n8k16 mma.sync with the accumulators (S tile and the whole O
 // row block) in registers, the FlashAttention-2 layout. Q sits in shared memory (bf16, loaded once)
 // and reaches the tensor cores through ldmatrix one k-step pair at a time: with two atoms per warp,
-// every K and V fragment a warp loads feeds two mma instead of one (half the ldmatrix traffic and half
-// the L2 -> shared copies per query row of one atom a warp), and the registers Q would take hold the
+// every K and V fragment a warp loads feeds two mma instead of one (half the ldmatrix traffic per mma,
+// and a block's L2 -> shared copies serve twice the rows), and the registers Q would take hold the
 // second atom's accumulators. Thread (lane) holds rows r = lane/4 and r + 8 of each atom, columns
 // 2*(lane%4) + {0,1} of every 8-wide tile; the four lanes of a quad share a row's maxima (shuffles)
 // and add their partial sums at the end. Key tiles are [state slots...][window...] in steps of
