@@ -57,14 +57,16 @@ struct DevCase {
         z_q(fc.z_q) {}
   kvmem::cuda::UaInputs<S> slice(std::int64_t t0, std::int64_t t1) const {
     const auto& c = f.c;
-    const std::int64_t B = c.B, H = c.H, G = c.G, T = c.T, D = c.D, n = t1 - t0;
+    // the shapes name c.B and t1 - t0 in place: nvcc (#177) reports a local used only as a bare element
+    // of a braced shape as never referenced
+    const std::int64_t H = c.H, G = c.G, T = c.T, D = c.D;
     kvmem::cuda::UaInputs<S> in;
-    in.q = {q.ptr + t0 * D, {B, H, n, D}, {H * T * D, T * D, D, 1}};
-    in.k = {k.ptr + t0 * D, {B, G, n, D}, {G * T * D, T * D, D, 1}};
-    in.v = {v.ptr + t0 * D, {B, G, n, D}, {G * T * D, T * D, D, 1}};
-    in.z_k = {z_k.ptr + t0, {B, G, n}, {G * T, T, 1}};
-    in.z_q = {z_q.ptr + t0, {B, G, n}, {G * T, T, 1}};
-    if (!f.z_o.empty()) in.z_o = {z_o.ptr + t0 * H * D, {B, n, H, D}, {T * H * D, H * D, D, 1}};
+    in.q = {q.ptr + t0 * D, {c.B, H, t1 - t0, D}, {H * T * D, T * D, D, 1}};
+    in.k = {k.ptr + t0 * D, {c.B, G, t1 - t0, D}, {G * T * D, T * D, D, 1}};
+    in.v = {v.ptr + t0 * D, {c.B, G, t1 - t0, D}, {G * T * D, T * D, D, 1}};
+    in.z_k = {z_k.ptr + t0, {c.B, G, t1 - t0}, {G * T, T, 1}};
+    in.z_q = {z_q.ptr + t0, {c.B, G, t1 - t0}, {G * T, T, 1}};
+    if (!f.z_o.empty()) in.z_o = {z_o.ptr + t0 * H * D, {c.B, t1 - t0, H, D}, {T * H * D, H * D, D, 1}};
     return in;
   }
   TensorView<float, 4> out_slice(float* out, std::int64_t t0, std::int64_t t1) const {
