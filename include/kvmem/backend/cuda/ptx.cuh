@@ -165,6 +165,13 @@ __device__ inline float lg2_approx(float x) {
   asm("lg2.approx.f32 %0, %1;" : "=f"(r) : "f"(x));
   return r;
 }
+// lg2 with subnormal inputs flushed to 0 (log2 -> -inf): the plain form scales them up first, four more
+// instructions.
+__device__ inline float lg2_approx_ftz(float x) {
+  float r;
+  asm("lg2.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(x));
+  return r;
+}
 __device__ inline float ex2_approx_ftz(float x) {
   float r;
   asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(x));

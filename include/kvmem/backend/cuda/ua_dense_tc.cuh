@@ -124,15 +124,6 @@ __device__ inline float dense_log1p(float y) {
   return fmaf(float(e), 0.693147180559945309f, fmaf(c, 2.0f - u, log_m));
 }
 
-// lg2.approx with subnormal inputs flushed to 0 (log2 -> -inf, x -> 0, A -> 0): the plain form scales them
-// up first, four more instructions per pair. A similarity below 2^-126 has x below 2^-84 (2^(-126 * 2 n_sim
-// / |set|)), so A moves by less than 2^-84.
-__device__ inline float dense_lg2_approx_ftz(float x) {
-  float r;
-  asm("lg2.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(x));
-  return r;
-}
-
 // The base-2 fold of a set whose gates are all built in (see the top of the file). kLog2 is false for a
 // set with any other gate: the kernel then calls the shared fold per pair.
 template <class G>
@@ -159,11 +150,13 @@ struct DenseFold<decay::Set<G...>> {
   // enters x through 2^(log2 x), so that is a relative error of at most 1.1e-7 in x, the size of the
   // rounding of log2 x itself and below ex2.approx's own 2 ulp. ex2 flushes results below 2^-126 to 0
   // (exp2f differs only there, by three more instructions a pair): A then moves by less than 2^-126.
+  // lg2 flushes similarities below 2^-126 to 0 (log2 -> -inf, x -> 0, A -> 0): such a similarity has x
+  // below 2^-84 (2^(-126 * 2 n_sim / |set|)), so A moves by less than 2^-84.
   // log1p stays accurate (dense_log1p): A is small where x is, and needs relative accuracy.
   __device__ static float decay(float similarity, float gate_log2) {
     float log2_x = gate_log2;
     if constexpr (kSim > 0) {
-      log2_x = fmaf(kSimScale, dense_lg2_approx_ftz(similarity), log2_x);
+      log2_x = fmaf(kSimScale, ptx::lg2_approx_ftz(similarity), log2_x);
     }
     float x = ptx::ex2_approx_ftz(log2_x);
     if constexpr (kSim > 0) x = similarity > 0.0f ? x : 0.0f;  // relu(c)^2 = 0 -> x = 0 -> A = 0 exactly
