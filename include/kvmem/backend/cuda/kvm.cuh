@@ -18,6 +18,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <string>
 #include <type_traits>
 #include <utility>
@@ -447,18 +448,27 @@ Status update_finish(const Executor& exec, const DeviceState<S, A>& d, const kvm
       update_scatter_kernel<S, A>
           <<<sgrid, 32 * kWarpsPerBlock, std::size_t(C) * sizeof(int), exec.stream>>>(d, a, after);
     } else if (after > p.sink) {
-      // about four touched slots per warp (a block's first-token table costs a load round trip and two
-      // barriers before its warps start: at B8 H32 fixed-256, 41.2 ms prefill against 41.9 with two
-      // slots a warp and 43.2 with one), and at most 8192 slots (32 KB of table) a block
+      // EXPERIMENT knobs (removed before merge): touched slots per warp, pair mode
+      static const int spw = std::getenv("KVMEM_SCATTER_SPW") ? std::atoi(std::getenv("KVMEM_SCATTER_SPW")) : 4;
+      static const int mode = std::getenv("KVMEM_SCATTER_MODE") ? std::atoi(std::getenv("KVMEM_SCATTER_MODE")) : 21;
       const std::int64_t range = after - p.sink, touched = std::min(C, range);
-      std::int64_t blocks = std::max<std::int64_t>(1, (touched + 4 * kWarpsPerBlock - 1) / (4 * kWarpsPerBlock));
+      std::int64_t blocks = std::max<std::int64_t>(1, (touched + spw * kWarpsPerBlock - 1) / (spw * kWarpsPerBlock));
       blocks = std::max<std::int64_t>(blocks, (range + 8191) / 8192);
       const std::int64_t per_block = (range + blocks - 1) / blocks;
       blocks = (range + per_block - 1) / per_block;
       const dim3 sgrid(grid, static_cast<unsigned>(blocks));
-      update_scatter_touched_kernel<S, A>
-          <<<sgrid, 32 * kWarpsPerBlock, std::size_t(C + per_block) * sizeof(int), exec.stream>>>(d, a, after,
-                                                                                                  per_block);
+      const auto launch = [&](auto kernel, int slots_per_warp) -> Status {
+        const std::size_t bytes = scatter_touched_bytes(d, per_block, slots_per_warp);
+        KVMEM_RETURN_IF_ERROR(allow_shared(kernel, bytes));
+        kernel<<<sgrid, 32 * kWarpsPerBlock, bytes, exec.stream>>>(d, a, after, per_block);
+        return Status::ok();
+      };
+      if (!scatter_in_registers(d)) KVMEM_RETURN_IF_ERROR(launch(update_scatter_touched_kernel<S, A, 0, 1>, 0));
+      else if (mode == 12) KVMEM_RETURN_IF_ERROR(launch(update_scatter_touched_kernel<S, A, 1, 2>, 1));
+      else if (mode == 22) KVMEM_RETURN_IF_ERROR(launch(update_scatter_touched_kernel<S, A, 2, 2>, 2));
+      else if (mode == 14) KVMEM_RETURN_IF_ERROR(launch(update_scatter_touched_kernel<S, A, 1, 4>, 1));
+      else if (mode == 41) KVMEM_RETURN_IF_ERROR(launch(update_scatter_touched_kernel<S, A, 4, 1>, 4));
+      else KVMEM_RETURN_IF_ERROR(launch(update_scatter_touched_kernel<S, A, 2, 1>, 2));
     }
     KVMEM_CUDA_RETURN_IF_LAUNCH_FAILED("kvm update_scatter_kernel");
   }
