@@ -450,7 +450,7 @@ Status update_finish(const Executor& exec, const DeviceState<S, A>& d, const kvm
       // about eight touched slots per warp (four rounds of kScatterSlots): a block's prologue (the
       // targets, the first-token table and the touched list) costs a load round trip and three barriers
       // before its warps start; at B8 H32 fixed-256 32K, 30.9 ms prefill against 31.9 with four slots a
-      // warp and 33.5 with two. At most 8192 slots (32 KB of table) a block.
+      // warp and 33.5 with two (12 and 16: within the noise). At most 8192 slots (32 KB of table) a block.
       constexpr std::int64_t kSlotsPerWarp = 8;
       const std::int64_t range = after - p.sink, touched = std::min(C, range);
       std::int64_t blocks =

@@ -638,11 +638,14 @@ __global__ void update_scatter_kernel(DeviceState<S, A> st, std::int64_t a, std:
 // slots before it finishes the first: every global load of a slot (its sums, rho and count, and the
 // rows of the first kScatterBatch tokens routed to it, whose indices come from a scan of the chunk's
 // targets in shared memory) is issued at begin, so the loads of all of them are in flight together.
-// The adds keep token order, so the sums are bitwise those of scatter_into_slot. At B8 H32 D128 bf16
-// (ncu, 32K prefill): two slots of one row each beat one slot of two rows, four slots of one row and
-// two slots of two rows (those need more registers, so fewer warps fit).
+// The adds keep token order, so the sums are bitwise those of scatter_into_slot. B8 H32 D128 bf16
+// fixed-256 32K prefill at four touched slots a warp: two slots of one row 31.9 ms, one slot of two
+// rows 32.7, four slots of one row 34.9, two slots of two rows 35.9, one slot of four rows 35.7 (the
+// larger ones need more registers, so fewer warps fit); beginning each slot right after the one two
+// before it finishes (a rolling pipeline of two) lost too, 32.3 ms at eight slots a warp against 30.8.
 inline constexpr int kScatterSlots = 2;
 inline constexpr int kScatterBatch = 1;
+
 // One slot in flight in a warp: sums in the layout of warp_layer_norm_regs, rho, count, the number of
 // routed tokens, and the rows of the batch of tokens being added.
 template <class A>
@@ -764,7 +767,7 @@ __global__ void __launch_bounds__(32 * kWarpsPerBlock, kInRegisters ? 3 : 4)
   const S** vrow = reinterpret_cast<const S**>(smem_raw);  // [C]
   A* gate = reinterpret_cast<A*>(vrow + C);                // [C]
   int* target = reinterpret_cast<int*>(gate + C);          // [C]
-  int* first = target + C;       // [per_block] first[j - lo]: the first token routed to slot j, C if none
+  int* first = target + C;           // [per_block] first[j - lo]: the first token routed to slot j, C if none
   int* touched = first + per_block;  // [min(per_block, C)] j - lo of the touched slots
   int* n_touched = touched + (per_block < C ? per_block : C);
   int* lists = n_touched + 1;  // register form: [kWarpsPerBlock][kScatterSlots C] the tokens of a warp's slots
@@ -772,7 +775,7 @@ __global__ void __launch_bounds__(32 * kWarpsPerBlock, kInRegisters ? 3 : 4)
   const std::int64_t hi = (lo + per_block) < slots_after ? (lo + per_block) : slots_after;
   for (std::int64_t c = threadIdx.x; c < C; c += blockDim.x) {
     target[c] = st.target[i * C + c];
-    if (kInRegisters) {  // token a + c is still in the ring (the next chunk enters it after the scatter) or in the inputs
+    if (kInRegisters) {  // token a + c: in the ring (the next chunk enters it after the scatter) or the inputs
       vrow[c] = token_value(st, i, a + c);
       gate[c] = token_gate(st, i, a + c);
     }
@@ -792,25 +795,26 @@ __global__ void __launch_bounds__(32 * kWarpsPerBlock, kInRegisters ? 3 : 4)
   __syncthreads();
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, n = *n_touched;
   if constexpr (!kInRegisters) {
-    for (int p = warp; p < n; p += kWarpsPerBlock) scatter_into_slot(st, i, lo + touched[p], target, a, first[touched[p]], lane);
+    for (int p = warp; p < n; p += kWarpsPerBlock)
+      scatter_into_slot(st, i, lo + touched[p], target, a, first[touched[p]], lane);
   } else {
-  const ScatterTokens<S, A> tokens{target, vrow, gate};
-  int* list = lists + std::int64_t(warp) * kScatterSlots * C;
-  for (int p = warp; p < n; p += kScatterSlots * kWarpsPerBlock) {
-    ScatterSlot<A> x[kScatterSlots];
+    const ScatterTokens<S, A> tokens{target, vrow, gate};
+    int* list = lists + std::int64_t(warp) * kScatterSlots * C;
+    for (int p = warp; p < n; p += kScatterSlots * kWarpsPerBlock) {
+      ScatterSlot<A> x[kScatterSlots];
 #pragma unroll
-    for (int u = 0; u < kScatterSlots; ++u) {
-      const int q = p + u * kWarpsPerBlock;
-      if (q < n) scatter_begin(st, i, lo + touched[q], first[touched[q]], tokens, list + u * C, x[u], lane);
+      for (int u = 0; u < kScatterSlots; ++u) {
+        const int q = p + u * kWarpsPerBlock;
+        if (q < n) scatter_begin(st, i, lo + touched[q], first[touched[q]], tokens, list + u * C, x[u], lane);
+      }
+#pragma unroll
+      for (int u = 0; u < kScatterSlots; ++u)
+        if (p + u * kWarpsPerBlock < n) scatter_finish(st, i, tokens, list + u * C, x[u], lane);
     }
-#pragma unroll
-    for (int u = 0; u < kScatterSlots; ++u)
-      if (p + u * kWarpsPerBlock < n) scatter_finish(st, i, tokens, list + u * C, x[u], lane);
-  }
   }
 }
 
-// Dynamic shared memory of update_scatter_touched_kernel.
+// Dynamic shared memory of update_scatter_touched_kernel (the memory form leaves vrow and gate unused).
 template <class S, class A>
 std::size_t scatter_touched_bytes(const DeviceState<S, A>& st, std::int64_t per_block) {
   const std::int64_t C = st.C, touched = per_block < C ? per_block : C;
