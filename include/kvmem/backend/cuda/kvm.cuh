@@ -447,18 +447,28 @@ Status update_finish(const Executor& exec, const DeviceState<S, A>& d, const kvm
       update_scatter_kernel<S, A>
           <<<sgrid, 32 * kWarpsPerBlock, std::size_t(C) * sizeof(int), exec.stream>>>(d, a, after);
     } else if (after > p.sink) {
-      // about four touched slots per warp (a block's first-token table costs a load round trip and two
-      // barriers before its warps start: at B8 H32 fixed-256, 41.2 ms prefill against 41.9 with two
-      // slots a warp and 43.2 with one), and at most 8192 slots (32 KB of table) a block
+      // about eight touched slots per warp (four rounds of kScatterSlots): a block's prologue (the
+      // targets, the first-token table and the touched list) costs a load round trip and three barriers
+      // before its warps start; at B8 H32 fixed-256 32K, 30.9 ms prefill against 31.9 with four slots a
+      // warp and 33.5 with two (12 and 16: within the noise). At most 8192 slots (32 KB of table) a block.
+      constexpr std::int64_t kSlotsPerWarp = 8;
       const std::int64_t range = after - p.sink, touched = std::min(C, range);
-      std::int64_t blocks = std::max<std::int64_t>(1, (touched + 4 * kWarpsPerBlock - 1) / (4 * kWarpsPerBlock));
+      std::int64_t blocks =
+          std::max<std::int64_t>(1, (touched + kSlotsPerWarp * kWarpsPerBlock - 1) / (kSlotsPerWarp * kWarpsPerBlock));
       blocks = std::max<std::int64_t>(blocks, (range + 8191) / 8192);
       const std::int64_t per_block = (range + blocks - 1) / blocks;
       blocks = (range + per_block - 1) / per_block;
       const dim3 sgrid(grid, static_cast<unsigned>(blocks));
-      update_scatter_touched_kernel<S, A>
-          <<<sgrid, 32 * kWarpsPerBlock, std::size_t(C + per_block) * sizeof(int), exec.stream>>>(d, a, after,
-                                                                                                  per_block);
+      const std::size_t bytes = scatter_touched_bytes(d, per_block);
+      const auto launch = [&](auto kernel) -> Status {
+        KVMEM_RETURN_IF_ERROR(allow_shared(kernel, bytes));
+        kernel<<<sgrid, 32 * kWarpsPerBlock, bytes, exec.stream>>>(d, a, after, per_block);
+        return Status::ok();
+      };
+      if (scatter_in_registers(d))
+        KVMEM_RETURN_IF_ERROR(launch(update_scatter_touched_kernel<S, A, true>));
+      else
+        KVMEM_RETURN_IF_ERROR(launch(update_scatter_touched_kernel<S, A, false>));
     }
     KVMEM_CUDA_RETURN_IF_LAUNCH_FAILED("kvm update_scatter_kernel");
   }

@@ -634,34 +634,194 @@ __global__ void update_scatter_kernel(DeviceState<S, A> st, std::int64_t a, std:
   scatter_into_slot(st, i, j, target, a, 0, lane);
 }
 
+// The register-form scatter of the touched slots (head dims up to 128). A warp begins kScatterSlots
+// slots before it finishes the first: every global load of a slot (its sums, rho and count, and the
+// rows of the first kScatterBatch tokens routed to it, whose indices come from a scan of the chunk's
+// targets in shared memory) is issued at begin, so the loads of all of them are in flight together.
+// The adds keep token order, so the sums are bitwise those of scatter_into_slot. B8 H32 D128 bf16
+// fixed-256 32K prefill at four touched slots a warp: two slots of one row 31.9 ms, one slot of two
+// rows 32.7, four slots of one row 34.9, two slots of two rows 35.9, one slot of four rows 35.7 (the
+// larger ones need more registers, so fewer warps fit); beginning each slot right after the one two
+// before it finishes (a rolling pipeline of two) lost too, 32.3 ms at eight slots a warp against 30.8.
+inline constexpr int kScatterSlots = 2;
+inline constexpr int kScatterBatch = 1;
+
+// One slot in flight in a warp: sums in the layout of warp_layer_norm_regs, rho, count, the number of
+// routed tokens, and the rows of the batch of tokens being added.
+template <class A>
+struct ScatterSlot {
+  std::int64_t sj;
+  int n;
+  A k[kLaneRegs], v[kLaneRegs], rho, cnt;
+  A kt[kScatterBatch][kLaneRegs], vt[kScatterBatch][kLaneRegs];
+};
+
+// The chunk's tokens as the touched-slot scatter sees them, in shared memory: merge target, value row
+// (ring or call inputs, token_value) and gate (token_gate), resolved once per block.
+template <class S, class A>
+struct ScatterTokens {
+  const int* target;
+  const S* const* vrow;
+  const A* gate;
+};
+
+// Loads the gated key and value rows of tokens list[b, b + kScatterBatch) routed to slot s (rows past
+// s.n read as zeros and are never added).
+template <class S, class A>
+__device__ void scatter_load_batch(const DeviceState<S, A>& st, std::int64_t i, const ScatterTokens<S, A>& tokens,
+                                   const int* list, int b, ScatterSlot<A>& s, int lane) {
+  const int D = static_cast<int>(st.D), Dv = static_cast<int>(st.Dv);
+  const A* kg = st.kg + i * st.C * st.D;
+#pragma unroll
+  for (int u = 0; u < kScatterBatch; ++u) {
+    const bool live = b + u < s.n;
+    const int c = live ? list[b + u] : 0;
+    const S* vrow = tokens.vrow[c];
+    const A g = tokens.gate[c];
+#pragma unroll
+    for (int e = 0; e < kLaneRegs; ++e) {
+      const int d = lane + 32 * e;
+      s.kt[u][e] = live && d < D ? kg[c * D + d] : A(0);
+      const A x = live && d < Dv ? load_as<A>(vrow[d]) : A(0);
+      s.vt[u][e] = gated_value(st.merge_gate_values, g, x);
+    }
+  }
+}
+
+// Starts slot j of item i (c_first: the first token routed to it): issues the loads of its sums and
+// lists its tokens in increasing order into `list` (C ints of this warp), then issues the loads of
+// the first batch of their rows.
+template <class S, class A>
+__device__ void scatter_begin(const DeviceState<S, A>& st, std::int64_t i, std::int64_t j, int c_first,
+                              const ScatterTokens<S, A>& tokens, int* list, ScatterSlot<A>& s, int lane) {
+  const std::int64_t C = st.C, D = st.D, Dv = st.Dv;
+  s.sj = i * st.cap + j;
+#pragma unroll
+  for (int e = 0; e < kLaneRegs; ++e) {
+    const int d = lane + 32 * e;
+    s.k[e] = d < D ? st.sk[s.sj * D + d] : A(0);
+    s.v[e] = d < Dv ? st.sv[s.sj * Dv + d] : A(0);
+  }
+  s.rho = st.rho[s.sj];
+  s.cnt = st.cnt[s.sj];
+  int n = 0;
+  __syncwarp();  // the lanes are done reading `list` for the warp's previous slot
+  for (std::int64_t cb = c_first - c_first % 32; cb < C; cb += 32) {
+    const std::int64_t c = cb + lane;
+    const bool hit = c < C && tokens.target[c] == j;
+    const unsigned m = __ballot_sync(0xffffffffu, hit);
+    if (hit) list[n + __popc(m & ((1u << lane) - 1u))] = static_cast<int>(c);
+    n += __popc(m);
+  }
+  __syncwarp();
+  s.n = n;
+  scatter_load_batch(st, i, tokens, list, 0, s, lane);
+}
+
+// Finishes slot s begun by scatter_begin: adds its tokens' rows in token order (a batch at a time),
+// stores the sums and count and refreshes the readout.
+template <class S, class A>
+__device__ void scatter_finish(const DeviceState<S, A>& st, std::int64_t i, const ScatterTokens<S, A>& tokens,
+                               const int* list, ScatterSlot<A>& s, int lane) {
+  const std::int64_t D = st.D, Dv = st.Dv;
+  for (int b = 0;;) {
+#pragma unroll
+    for (int u = 0; u < kScatterBatch; ++u) {
+      if (b + u >= s.n) break;
+#pragma unroll
+      for (int e = 0; e < kLaneRegs; ++e) {
+        s.k[e] += s.kt[u][e];
+        s.v[e] += s.vt[u][e];
+      }
+    }
+    b += kScatterBatch;
+    if (b >= s.n) break;
+    scatter_load_batch(st, i, tokens, list, b, s, lane);
+  }
+  s.cnt += A(s.n);  // the same as adding 1 per token: counts are exact
+#pragma unroll
+  for (int e = 0; e < kLaneRegs; ++e) {
+    const int d = lane + 32 * e;
+    if (d < D) st.sk[s.sj * D + d] = s.k[e];
+    if (d < Dv) st.sv[s.sj * Dv + d] = s.v[e];
+  }
+  if (lane == 0) st.cnt[s.sj] = s.cnt;
+  warp_refresh_regs(st, s.sj, s.k, s.v, s.rho, s.cnt, lane);
+}
+
 // Update step 4 scatter over the touched slots only (those some token was routed to; at most C).
 // Block y covers the non-sink slots [lo, lo + per_block): it finds the first token routed to each
-// (an integer atomicMin: the same result in any order) and its warps take the touched ones. Bitwise
-// the same sums and readouts as update_scatter_kernel (untouched slots would be refreshed unchanged).
-// grid (I, ceil((slots_after - sink) / per_block)), block 32 * kWarpsPerBlock, smem (C + per_block) ints.
-template <class S, class A>
-__global__ void __launch_bounds__(32 * kWarpsPerBlock, 4)
+// (an integer atomicMin: the same result in any order), lists the touched ones (in any order: each
+// is one warp's work, independent of the others) and deals them to its warps, kScatterSlots at a time
+// in the register form (kInRegisters: head dims up to 128; the two slots' registers allow three
+// blocks per SM). Bitwise the same sums and readouts as update_scatter_kernel (untouched slots would
+// be refreshed unchanged).
+// grid (I, ceil((slots_after - sink) / per_block)), block 32 * kWarpsPerBlock, smem
+// scatter_touched_bytes(st, per_block).
+template <class S, class A, bool kInRegisters>
+__global__ void __launch_bounds__(32 * kWarpsPerBlock, kInRegisters ? 3 : 4)
     update_scatter_touched_kernel(DeviceState<S, A> st, std::int64_t a, std::int64_t slots_after,
                                   std::int64_t per_block) {
   extern __shared__ unsigned char smem_raw[];
-  int* target = reinterpret_cast<int*>(smem_raw);
-  int* first = target + st.C;  // first[j - lo]: the first token routed to slot j, C if none
   const std::int64_t i = blockIdx.x, C = st.C;
+  const S** vrow = reinterpret_cast<const S**>(smem_raw);  // [C]
+  A* gate = reinterpret_cast<A*>(vrow + C);                // [C]
+  int* target = reinterpret_cast<int*>(gate + C);          // [C]
+  int* first = target + C;           // [per_block] first[j - lo]: the first token routed to slot j, C if none
+  int* touched = first + per_block;  // [min(per_block, C)] j - lo of the touched slots
+  int* n_touched = touched + (per_block < C ? per_block : C);
+  int* lists = n_touched + 1;  // register form: [kWarpsPerBlock][kScatterSlots C] the tokens of a warp's slots
   const std::int64_t lo = st.sink + std::int64_t(blockIdx.y) * per_block;
   const std::int64_t hi = (lo + per_block) < slots_after ? (lo + per_block) : slots_after;
-  for (std::int64_t c = threadIdx.x; c < C; c += blockDim.x) target[c] = st.target[i * C + c];
+  for (std::int64_t c = threadIdx.x; c < C; c += blockDim.x) {
+    target[c] = st.target[i * C + c];
+    if (kInRegisters) {  // token a + c: in the ring (the next chunk enters it after the scatter) or the inputs
+      vrow[c] = token_value(st, i, a + c);
+      gate[c] = token_gate(st, i, a + c);
+    }
+  }
   for (std::int64_t s = threadIdx.x; s < per_block; s += blockDim.x) first[s] = static_cast<int>(C);
+  if (threadIdx.x == 0) *n_touched = 0;
   __syncthreads();
   for (std::int64_t c = threadIdx.x; c < C; c += blockDim.x) {
     const int t = target[c];
     if (t >= lo && t < hi) atomicMin(first + (t - lo), static_cast<int>(c));
   }
   __syncthreads();
-  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-  for (std::int64_t j = lo + warp; j < hi; j += kWarpsPerBlock) {
-    const int c0 = first[j - lo];
-    if (c0 < C) scatter_into_slot(st, i, j, target, a, c0, lane);
+  for (std::int64_t c = threadIdx.x; c < C; c += blockDim.x) {
+    const int t = target[c];
+    if (t >= lo && t < hi && first[t - lo] == c) touched[atomicAdd(n_touched, 1)] = static_cast<int>(t - lo);
   }
+  __syncthreads();
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, n = *n_touched;
+  if constexpr (!kInRegisters) {
+    for (int p = warp; p < n; p += kWarpsPerBlock)
+      scatter_into_slot(st, i, lo + touched[p], target, a, first[touched[p]], lane);
+  } else {
+    const ScatterTokens<S, A> tokens{target, vrow, gate};
+    int* list = lists + std::int64_t(warp) * kScatterSlots * C;
+    for (int p = warp; p < n; p += kScatterSlots * kWarpsPerBlock) {
+      ScatterSlot<A> x[kScatterSlots];
+#pragma unroll
+      for (int u = 0; u < kScatterSlots; ++u) {
+        const int q = p + u * kWarpsPerBlock;
+        if (q < n) scatter_begin(st, i, lo + touched[q], first[touched[q]], tokens, list + u * C, x[u], lane);
+      }
+#pragma unroll
+      for (int u = 0; u < kScatterSlots; ++u)
+        if (p + u * kWarpsPerBlock < n) scatter_finish(st, i, tokens, list + u * C, x[u], lane);
+    }
+  }
+}
+
+// Dynamic shared memory of update_scatter_touched_kernel (the memory form leaves vrow and gate unused).
+template <class S, class A>
+std::size_t scatter_touched_bytes(const DeviceState<S, A>& st, std::int64_t per_block) {
+  const std::int64_t C = st.C, touched = per_block < C ? per_block : C;
+  std::size_t bytes = std::size_t(C) * (sizeof(const S*) + sizeof(A) + sizeof(int)) +
+                      std::size_t(per_block + touched + 1) * sizeof(int);
+  if (scatter_in_registers(st)) bytes += std::size_t(kWarpsPerBlock * kScatterSlots) * std::size_t(C) * sizeof(int);
+  return bytes;
 }
 
 inline constexpr int kRowsPerBlock = 32;  // query rows of one head per attention block
