@@ -1,10 +1,11 @@
 // SPDX-License-Identifier: Apache-2.0
 // KV Means on the CUDA backend: prefill (ms) and decode (ms/token over 256 consecutive tokens, one
 // state update included) at B x H32 x D128 bf16 for fixed-256 and 16 sqrt N, plus B = 1 decode
-// plain and replayed from a captured CUDA graph. Prints a table and writes JSON lines (--json FILE)
+// plain and replayed from a captured CUDA graph. --kv-heads Hk < H measures grouped-query attention
+// (H query heads over Hk KV heads; the decode GB/s then count each KV head's rows once). Prints a table and writes JSON lines (--json FILE)
 // that benchmarks/gpu_report.py joins with the PyTorch SDPA anchor measured in the same run.
 //
-//   kvmem_bench_kvm_cuda [--batch 8] [--heads 32] [--tokens 4096,8192,16384,32768] [--json out.jsonl]
+//   kvmem_bench_kvm_cuda [--batch 8] [--heads 32] [--kv-heads 32] [--tokens 4096,8192,16384,32768] [--json out.jsonl]
 //                        [--budget fixed-256|16sqrtN] [--b1 0|1] [--fast-routing 0|1]
 //
 // update_ms is the one decode step of the 256 that runs the state update (update + attention);
@@ -46,24 +47,24 @@ struct Buffer {
 
 struct Row {
   std::string budget;
-  std::int64_t batch, heads, tokens, slots;
+  std::int64_t batch, heads, kv_heads, tokens, slots;
   double prefill_ms, decode_ms, decode_graph_ms, prefill_tflops, decode_gbps, update_ms;
 };
 
-Row run(const std::string& name, kvmem::budget::Any budget, std::int64_t B, std::int64_t H, std::int64_t T, bool graph,
-        bool fast_routing) {
+Row run(const std::string& name, kvmem::budget::Any budget, std::int64_t B, std::int64_t H, std::int64_t Hk,
+        std::int64_t T, bool graph, bool fast_routing) {
   const std::int64_t D = 128, decode_tokens = 256;
   kvmem::kvm::Params p;  // paper defaults: C = 256, nb = 2, S = 1, r = 64
   p.budget = budget;
-  const kvmem::kvm::Shape shape{B, H, H, D, D, T + decode_tokens};
+  const kvmem::kvm::Shape shape{B, H, Hk, D, D, T + decode_tokens};
   kvmem::cuda::KvmState<bf16> state;
   CHECK_STATUS(kvmem::cuda::KvmState<bf16>::create(p, shape, state));
   state.set_fast_routing(fast_routing);
-  const std::int64_t n_q = B * H * T * D, n_g = B * H * T;
-  Buffer q(n_q * 2), k(n_q * 2), v(n_q * 2), g(n_g * 2), out(n_q * 2);
+  const std::int64_t n_q = B * H * T * D, n_kv = B * Hk * T * D, n_g = B * Hk * T;
+  Buffer q(n_q * 2), k(n_kv * 2), v(n_kv * 2), g(n_g * 2), out(n_q * 2);
   fill(q.as<bf16>(), n_q, 1);
-  fill(k.as<bf16>(), n_q, 2);
-  fill(v.as<bf16>(), n_q, 3);
+  fill(k.as<bf16>(), n_kv, 2);
+  fill(v.as<bf16>(), n_kv, 3);
   fill(g.as<bf16>(), n_g, 4);
   gate_kernel<<<1024, 256>>>(g.as<bf16>(), n_g);
   std::vector<float> ones(std::size_t(std::max(D, H)), 1.0f), zeros(std::size_t(D), 0.0f);
@@ -80,8 +81,8 @@ Row run(const std::string& name, kvmem::budget::Any budget, std::int64_t B, std:
     state.reset();
     CHECK_STATUS(kvmem::cuda::kvm_prefill(
         exec, state, weights, TensorView<const bf16, 4>(q.as<bf16>(), {B, H, T, D}),
-        TensorView<const bf16, 4>(k.as<bf16>(), {B, H, T, D}), TensorView<const bf16, 4>(v.as<bf16>(), {B, H, T, D}),
-        TensorView<const bf16, 3>(g.as<bf16>(), {B, H, T}), TensorView<bf16, 4>(out.as<bf16>(), {B, T, H, D})));
+        TensorView<const bf16, 4>(k.as<bf16>(), {B, Hk, T, D}), TensorView<const bf16, 4>(v.as<bf16>(), {B, Hk, T, D}),
+        TensorView<const bf16, 3>(g.as<bf16>(), {B, Hk, T}), TensorView<bf16, 4>(out.as<bf16>(), {B, T, H, D})));
   };
   cudaEvent_t e0, e1;
   CHECK_CUDA(cudaEventCreate(&e0));
@@ -99,7 +100,7 @@ Row run(const std::string& name, kvmem::budget::Any budget, std::int64_t B, std:
     times.push_back(ms);
   }
   std::sort(times.begin(), times.end());
-  Row row{name, B, H, T, state.slots(), times[1], 0, 0, 0, 0, 0};
+  Row row{name, B, H, Hk, T, state.slots(), times[1], 0, 0, 0, 0, 0};
   // attention FLOP of the prefill: 4 D per (query, visible key) per head
   const kvmem::kvm::Geometry geo = p.geometry();
   double keys = 0;
@@ -110,16 +111,16 @@ Row run(const std::string& name, kvmem::budget::Any budget, std::int64_t B, std:
   row.prefill_tflops = 4.0 * D * keys * double(B * H) / (row.prefill_ms * 1e-3) / 1e12;
 
   // decode: 256 consecutive tokens after the prefill (the first one runs a state update)
-  Buffer q1(B * H * D * 2), k1(B * H * D * 2), v1(B * H * D * 2), g1(B * H * 2), o1(B * H * D * 2);
+  Buffer q1(B * H * D * 2), k1(B * Hk * D * 2), v1(B * Hk * D * 2), g1(B * Hk * 2), o1(B * H * D * 2);
   fill(q1.as<bf16>(), B * H * D, 11);
-  fill(k1.as<bf16>(), B * H * D, 12);
-  fill(v1.as<bf16>(), B * H * D, 13);
-  fill(g1.as<bf16>(), B * H, 14, 1.0f, 0.1f);
+  fill(k1.as<bf16>(), B * Hk * D, 12);
+  fill(v1.as<bf16>(), B * Hk * D, 13);
+  fill(g1.as<bf16>(), B * Hk, 14, 1.0f, 0.1f);
   const auto step = [&] {
     CHECK_STATUS(kvmem::cuda::kvm_decode(
         exec, state, weights, TensorView<const bf16, 4>(q1.as<bf16>(), {B, H, 1, D}),
-        TensorView<const bf16, 4>(k1.as<bf16>(), {B, H, 1, D}), TensorView<const bf16, 4>(v1.as<bf16>(), {B, H, 1, D}),
-        TensorView<const bf16, 3>(g1.as<bf16>(), {B, H, 1}), TensorView<bf16, 4>(o1.as<bf16>(), {B, 1, H, D})));
+        TensorView<const bf16, 4>(k1.as<bf16>(), {B, Hk, 1, D}), TensorView<const bf16, 4>(v1.as<bf16>(), {B, Hk, 1, D}),
+        TensorView<const bf16, 3>(g1.as<bf16>(), {B, Hk, 1}), TensorView<bf16, 4>(o1.as<bf16>(), {B, 1, H, D})));
   };
   cudaEvent_t e_upd;
   CHECK_CUDA(cudaEventCreate(&e_upd));
@@ -139,7 +140,7 @@ Row run(const std::string& name, kvmem::budget::Any budget, std::int64_t B, std:
   CHECK_CUDA(cudaEventDestroy(e_upd));
   // bytes read per token: every visible key and value row once per KV head (bf16)
   const double keys_per_token = double(state.slots() + p.window());
-  row.decode_gbps = keys_per_token * 2.0 * D * 2.0 * double(B * H) / (row.decode_ms * 1e-3) / 1e9;
+  row.decode_gbps = keys_per_token * 2.0 * D * 2.0 * double(B * Hk) / (row.decode_ms * 1e-3) / 1e9;
   if (graph) {
     // Replay one decode step (no update inside: the state stays mid-chunk) from a captured graph.
     prefill();
@@ -170,7 +171,7 @@ Row run(const std::string& name, kvmem::budget::Any budget, std::int64_t B, std:
 }  // namespace
 
 int main(int argc, char** argv) {
-  std::int64_t B = 8, H = 32;
+  std::int64_t B = 8, H = 32, Hk = 0;  // Hk = 0: as many KV heads as query heads
   std::vector<std::int64_t> tokens{4096, 8192, 16384, 32768};
   const char* json = nullptr;
   bool with_b1 = true, fast = false;
@@ -181,6 +182,7 @@ int main(int argc, char** argv) {
     else if (!std::strcmp(argv[i], "--fast-routing")) fast = std::atoi(argv[i + 1]) != 0;
     else if (!std::strcmp(argv[i], "--budget")) only_budget = argv[i + 1];
     else if (!std::strcmp(argv[i], "--heads")) H = std::atoll(argv[i + 1]);
+    else if (!std::strcmp(argv[i], "--kv-heads")) Hk = std::atoll(argv[i + 1]);
     else if (!std::strcmp(argv[i], "--json")) json = argv[i + 1];
     else if (!std::strcmp(argv[i], "--tokens")) {
       tokens.clear();
@@ -196,6 +198,12 @@ int main(int argc, char** argv) {
       }
     }
   }
+  if (Hk == 0) Hk = H;
+  if (Hk < 1 || H % Hk != 0) {
+    std::fprintf(stderr, "kvmem_bench_kvm_cuda: --kv-heads must divide --heads (%lld), got %lld\n", (long long)H,
+                 (long long)Hk);
+    return 2;
+  }
   if (kvmem::cuda::device_count() == 0) {
     std::printf("SKIPPED: no CUDA device\n");
     return 0;
@@ -205,7 +213,7 @@ int main(int argc, char** argv) {
   std::printf("kvmem KVM CUDA benchmark on %s (%d SMs), bf16 storage, D=128, C=256, window 512\n", prop.name,
               prop.multiProcessorCount);
   std::FILE* out = json ? std::fopen(json, "a") : nullptr;
-  std::printf("%-14s %3s %3s %6s %6s %11s %11s %11s %9s %9s %9s\n", "budget", "B", "H", "T", "slots", "prefill_ms",
+  std::printf("%-14s %3s %3s %3s %6s %6s %11s %11s %11s %9s %9s %9s\n", "budget", "B", "H", "Hk", "T", "slots", "prefill_ms",
               "decode_ms", "graph_ms", "TFLOP/s", "GB/s", "update_ms");
   struct Named {
     const char* name;
@@ -215,21 +223,21 @@ int main(int argc, char** argv) {
   std::vector<Row> rows;
   for (const auto& nb : budgets)
     if (only_budget.empty() || only_budget == nb.name)
-      for (auto T : tokens) rows.push_back(run(std::string(nb.name) + (fast ? "+fast" : ""), nb.budget, B, H, T, false, fast));
+      for (auto T : tokens) rows.push_back(run(std::string(nb.name) + (fast ? "+fast" : ""), nb.budget, B, H, Hk, T, false, fast));
   for (const auto& nb : budgets)
     if (with_b1 && (only_budget.empty() || only_budget == nb.name))
       for (auto T : {tokens.front(), tokens.back()})
-        rows.push_back(run(std::string(nb.name) + (fast ? "+fast" : ""), nb.budget, 1, H, T, true, fast));
+        rows.push_back(run(std::string(nb.name) + (fast ? "+fast" : ""), nb.budget, 1, H, Hk, T, true, fast));
   for (const auto& r : rows) {
-    std::printf("%-14s %3lld %3lld %6lld %6lld %11.3f %11.4f %11.4f %9.1f %9.0f %9.4f\n", r.budget.c_str(),
-                (long long)r.batch, (long long)r.heads, (long long)r.tokens, (long long)r.slots, r.prefill_ms, r.decode_ms,
+    std::printf("%-14s %3lld %3lld %3lld %6lld %6lld %11.3f %11.4f %11.4f %9.1f %9.0f %9.4f\n", r.budget.c_str(),
+                (long long)r.batch, (long long)r.heads, (long long)r.kv_heads, (long long)r.tokens, (long long)r.slots, r.prefill_ms, r.decode_ms,
                 r.decode_graph_ms, r.prefill_tflops, r.decode_gbps, r.update_ms);
     if (out)
       std::fprintf(out,
-                   "{\"mechanism\":\"kvm\",\"budget\":\"%s\",\"B\":%lld,\"H\":%lld,\"T\":%lld,\"slots\":%lld,"
+                   "{\"mechanism\":\"kvm\",\"budget\":\"%s\",\"B\":%lld,\"H\":%lld,\"Hk\":%lld,\"T\":%lld,\"slots\":%lld,"
                    "\"prefill_ms\":%.5f,\"decode_ms\":%.6f,\"decode_graph_ms\":%.6f,\"prefill_tflops\":%.3f,"
                    "\"decode_gbps\":%.1f,\"update_step_ms\":%.5f}\n",
-                   r.budget.c_str(), (long long)r.batch, (long long)r.heads, (long long)r.tokens, (long long)r.slots,
+                   r.budget.c_str(), (long long)r.batch, (long long)r.heads, (long long)r.kv_heads, (long long)r.tokens, (long long)r.slots,
                    r.prefill_ms, r.decode_ms, r.decode_graph_ms, r.prefill_tflops, r.decode_gbps, r.update_ms);
   }
   if (out) std::fclose(out);

@@ -167,6 +167,8 @@ def main():
             print(f"| SDPA {name} dense | {args.batch} | {T} | {T} | {pre:.3f} | 1.00 | {flop / pre / 1e9:.0f} | "
                   f"{dec:.4f} | | {byts / dec / 1e6:.0f} | |")
     for r in kvm:
+        if r.get("Hk", r["H"]) != r["H"]:
+            continue  # grouped-query rows: the anchors measured here are multi-head
         key_rows = dense if r["B"] == args.batch else dense_b1
         ref = key_rows.get(("cudnn", r["T"]), (float("nan"), float("nan")))
         print(f"| kvmem KVM {r['budget']} | {r['B']} | {r['T']} | {r['slots']} | {r['prefill_ms']:.3f} | "

@@ -495,6 +495,102 @@ Status update_finish(const Executor& exec, const DeviceState<S, A>& d, const kvm
   return Status::ok();
 }
 
+// The prefill readout kernels of a call's shape: `rows`, the scalar kernel (head dims 64 and 128
+// keep each row's query and accumulator in registers, others use shared memory), and `tc`, the
+// tensor-core kernel for bf16 storage with head dims 128 or 64 (q.k and p.v on the tensor cores;
+// nullptr for other shapes), which a prefill takes when there is one.
+template <class S, class A, class In, class Out>
+struct ReadoutKernels {
+  using Rows = void (*)(DeviceState<S, A>, const In*, Out*, std::int64_t, std::int64_t, std::int64_t, std::int64_t,
+                        std::int64_t, std::int64_t);
+  using Tc = void (*)(DeviceState<bf16, float>, TcSources, const In*, Out*, std::int64_t, std::int64_t, std::int64_t,
+                      std::int64_t, std::int64_t, std::int64_t);
+  Rows rows = attend_rows_kernel<S, A, In, Out, 0, 0>;
+  std::size_t rows_bytes = 0;
+  Tc tc = nullptr;
+  std::size_t tc_bytes = 0;
+
+  explicit ReadoutKernels(const kvm::Shape& sh) : rows_bytes(attend_shared_bytes<0, 0>(sh.D, sh.Dv, sizeof(A))) {
+    if (sh.D == 128 && sh.Dv == 128) {
+      rows = attend_rows_kernel<S, A, In, Out, 128, 128>;
+      rows_bytes = attend_shared_bytes<128, 128>(sh.D, sh.Dv, sizeof(A));
+    } else if (sh.D == 64 && sh.Dv == 64) {
+      rows = attend_rows_kernel<S, A, In, Out, 64, 64>;
+      rows_bytes = attend_shared_bytes<64, 64>(sh.D, sh.Dv, sizeof(A));
+    }
+    if constexpr (std::is_same_v<S, bf16>) {
+      if (sh.D == 128 && sh.Dv == 128) {
+        tc = attend_tc_kernel<In, Out, 128, 128>;
+        tc_bytes = TcLayout<128, 128>::kBytes;
+      } else if (sh.D == 64 && sh.Dv == 64) {
+        tc = attend_tc_kernel<In, Out, 64, 64>;
+        tc_bytes = TcLayout<64, 64>::kBytes;
+      }
+    }
+  }
+
+  // Opts the kernels into their dynamic shared memory (a driver call each).
+  Status allow_shared_memory() const {
+    KVMEM_RETURN_IF_ERROR(allow_shared(rows, rows_bytes));
+    if (tc != nullptr) KVMEM_RETURN_IF_ERROR(allow_shared(tc, tc_bytes));
+    return Status::ok();
+  }
+};
+
+// One decode step (spec 4.7) of every row in one fused launch: ring append, split-K attention over
+// [slots | window [wb, t0]] and the merge of the splits. bf16 storage with head dims 128 takes the
+// vectorised kernel whose splits merge through a cluster's shared memory; other shapes the generic one.
+template <class S, class A, class In, class Out>
+Status launch_decode_step(const Executor& exec, const DeviceState<S, A>& d, const kvm::Shape& sh, int sm_count,
+                          const In* qd, const In* kd, const In* vd, const In* gd, Out* od, std::int64_t t0,
+                          std::int64_t wb, std::int64_t slots) {
+  const std::int64_t keys = (wb > 0 ? slots : 0) + (t0 - wb + 1);
+  const std::int64_t rows = sh.B * sh.Hq;
+  // programmatic dependent launch: the step's blocks may be scheduled while the previous kernel
+  // finishes (they wait for it before touching memory), which hides a launch latency per token
+  cudaLaunchAttribute attrs[2]{};
+  attrs[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attrs[0].val.programmaticStreamSerializationAllowed = 1;
+  cudaLaunchConfig_t cfg{};
+  cfg.stream = exec.stream;
+  cfg.attrs = attrs;
+  cfg.numAttrs = 1;
+  bool vectorised = false;
+  if constexpr (std::is_same_v<S, bf16> && std::is_same_v<A, float>) {
+    if (sh.D == kDecodeDim && sh.Dv == kDecodeDim) {
+      // the whole grid resident at once (kDecodeBlocksPerSm per SM), at least a round of warp units per
+      // split, and the splits of a row in one cluster
+      const DecodeSplits sp = decode_splits(rows, keys, kDecodeBlocksPerSm * std::int64_t(sm_count),
+                                            kDecodeMaxCluster, kDecodeSplitGranule);
+      cfg.gridDim = dim3(static_cast<unsigned>(rows), static_cast<unsigned>(sp.splits));
+      cfg.blockDim = dim3(kDecodeThreads);
+      cfg.dynamicSmemBytes = kDecodeSmemBytes;
+      if (sp.splits > 1) {
+        attrs[1].id = cudaLaunchAttributeClusterDimension;
+        attrs[1].val.clusterDim.x = 1;
+        attrs[1].val.clusterDim.y = static_cast<unsigned>(sp.splits);
+        attrs[1].val.clusterDim.z = 1;
+        cfg.numAttrs = 2;
+      }
+      KVMEM_RETURN_IF_ERROR(to_status(cudaLaunchKernelEx(&cfg, decode_fused_bf16_kernel<In, Out>, d, qd, kd, vd, gd,
+                                                         od, t0, wb, slots, sp.per, static_cast<int>(sp.splits)),
+                                      "kvm decode_fused_bf16_kernel"));
+      vectorised = true;
+    }
+  }
+  if (!vectorised) {
+    // enough blocks to fill the device (16 blocks of 128 threads per SM), at least 32 keys a split
+    const DecodeSplits sp = decode_splits(rows, keys, 16 * std::int64_t(sm_count), kMaxSplitsPerRow, 32);
+    cfg.gridDim = dim3(static_cast<unsigned>(rows), static_cast<unsigned>(sp.splits));
+    cfg.blockDim = dim3(128);
+    cfg.dynamicSmemBytes = (std::size_t(sh.D) + 4 * std::size_t(sh.Dv) + 4) * sizeof(A);
+    KVMEM_RETURN_IF_ERROR(to_status(cudaLaunchKernelEx(&cfg, decode_fused_kernel<S, A, In, Out>, d, qd, kd, vd, gd,
+                                                       od, t0, wb, slots, sp.per, static_cast<int>(sp.splits)),
+                                    "kvm decode_fused_kernel"));
+  }
+  return Status::ok();
+}
+
 }  // namespace kvm_detail
 
 // One call of T tokens for every sequence (T = 1 is a decode step). See the header comment.
@@ -528,34 +624,9 @@ Status kvm_run(const Executor& exec, KvmState<S, A>& state, const KvmWeights& w,
   const kvm::Geometry geo = p.geometry();
   const std::int64_t C = p.chunk, items = B * sh.Hk, n0 = state.n_;
   std::int64_t cov = state.cov_, slots = state.slots_;
-  // Head dims 64 and 128 keep each row's query and accumulator in registers; others use shared memory.
-  auto attend = attend_rows_kernel<S, A, In, Out, 0, 0>;
-  std::size_t attend_bytes = attend_shared_bytes<0, 0>(sh.D, sh.Dv, sizeof(A));
-  if (sh.D == 128 && sh.Dv == 128) {
-    attend = attend_rows_kernel<S, A, In, Out, 128, 128>;
-    attend_bytes = attend_shared_bytes<128, 128>(sh.D, sh.Dv, sizeof(A));
-  } else if (sh.D == 64 && sh.Dv == 64) {
-    attend = attend_rows_kernel<S, A, In, Out, 64, 64>;
-    attend_bytes = attend_shared_bytes<64, 64>(sh.D, sh.Dv, sizeof(A));
-  }
-  // A decode call (T = 1) never launches the row kernels: keep the driver calls off its hot path.
-  const bool attends_rows = T > 1;
-  if (attends_rows) KVMEM_RETURN_IF_ERROR(allow_shared(attend, attend_bytes));
-  // bf16 storage with head dims 128 or 64: q.k and p.v on the tensor cores.
-  void (*attend_tc)(DeviceState<bf16, float>, TcSources, const In*, Out*, std::int64_t, std::int64_t, std::int64_t,
-                    std::int64_t, std::int64_t, std::int64_t) = nullptr;
-  std::size_t tc_bytes = 0;
-  (void)tc_bytes;
-  if constexpr (std::is_same_v<S, bf16>) {
-    if (sh.D == 128 && sh.Dv == 128) {
-      attend_tc = attend_tc_kernel<In, Out, 128, 128>;
-      tc_bytes = TcLayout<128, 128>::kBytes;
-    } else if (sh.D == 64 && sh.Dv == 64) {
-      attend_tc = attend_tc_kernel<In, Out, 64, 64>;
-      tc_bytes = TcLayout<64, 64>::kBytes;
-    }
-    if (attends_rows && attend_tc != nullptr) KVMEM_RETURN_IF_ERROR(allow_shared(attend_tc, tc_bytes));
-  }
+  const ReadoutKernels<S, A, In, Out> readout(sh);
+  // A decode call (T = 1) never launches the readout kernels: keep the driver calls off its hot path.
+  if (T > 1) KVMEM_RETURN_IF_ERROR(readout.allow_shared_memory());
   // ingest copies whole 16-byte vectors when the inputs are in the storage type and every row is aligned
   const bool copy16 = std::is_same_v<In, S> && rows_16byte_aligned(k) && rows_16byte_aligned(v);
   const SideStream& side = state.side_;
@@ -563,7 +634,7 @@ Status kvm_run(const Executor& exec, KvmState<S, A>& state, const KvmWeights& w,
   // 16-byte rows) reads each chunk's window from them when they hold all of it, and the updates read
   // their tokens there too: a chunk enters the ring only if a later reader needs it there (founding,
   // a readout whose window starts before the call, the call's last window).
-  const bool window_in_inputs = T > 1 && attend_tc != nullptr && copy16;
+  const bool window_in_inputs = T > 1 && readout.tc != nullptr && copy16;
   // Readouts off the update chain (ReadoutPipeline) where the state has snapshots: the chain of
   // updates then runs on the side stream, the readouts on the caller's stream.
   const ReadoutPipeline& pipe = state.pipe_;
@@ -660,53 +731,8 @@ Status kvm_run(const Executor& exec, KvmState<S, A>& state, const KvmWeights& w,
       cov = std::min(t1, C);
     }
     if (decode_step) {  // one fused launch: ring append + split-K attention + merge of the splits
-      const std::int64_t keys = (wb > 0 ? slots : 0) + (t0 - wb + 1);
-      const std::int64_t rows = B * sh.Hq;
-      // programmatic dependent launch: the step's blocks may be scheduled while the previous kernel
-      // finishes (they wait for it before touching memory), which hides a launch latency per token
-      cudaLaunchAttribute attrs[2]{};
-      attrs[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-      attrs[0].val.programmaticStreamSerializationAllowed = 1;
-      cudaLaunchConfig_t cfg{};
-      cfg.stream = exec.stream;
-      cfg.attrs = attrs;
-      cfg.numAttrs = 1;
-      const In *qd = q.data(), *kd = k.data(), *vd = v.data(), *gd = gate.data();
-      Out* od = out.data();
-      bool vectorised = false;
-      if constexpr (std::is_same_v<S, bf16> && std::is_same_v<A, float>) {
-        if (sh.D == kDecodeDim && sh.Dv == kDecodeDim) {
-          // the whole grid resident at once (kDecodeBlocksPerSm per SM), at least a round of warp units per
-          // split, and the splits of a row in one cluster
-          const DecodeSplits sp = decode_splits(rows, keys, kDecodeBlocksPerSm * std::int64_t(state.sm_count_),
-                                                kDecodeMaxCluster, kDecodeSplitGranule);
-          cfg.gridDim = dim3(static_cast<unsigned>(rows), static_cast<unsigned>(sp.splits));
-          cfg.blockDim = dim3(kDecodeThreads);
-          cfg.dynamicSmemBytes = kDecodeSmemBytes;
-          if (sp.splits > 1) {
-            attrs[1].id = cudaLaunchAttributeClusterDimension;
-            attrs[1].val.clusterDim.x = 1;
-            attrs[1].val.clusterDim.y = static_cast<unsigned>(sp.splits);
-            attrs[1].val.clusterDim.z = 1;
-            cfg.numAttrs = 2;
-          }
-          KVMEM_RETURN_IF_ERROR(to_status(cudaLaunchKernelEx(&cfg, decode_fused_bf16_kernel<In, Out>, d, qd, kd, vd, gd,
-                                                             od, t0, wb, slots, sp.per, static_cast<int>(sp.splits)),
-                                          "kvm decode_fused_bf16_kernel"));
-          vectorised = true;
-        }
-      }
-      if (!vectorised) {
-        // enough blocks to fill the device (16 blocks of 128 threads per SM), at least 32 keys a split
-        const DecodeSplits sp = decode_splits(rows, keys, 16 * std::int64_t(state.sm_count_),
-                                              KvmState<S, A>::kMaxDecodeSplits, 32);
-        cfg.gridDim = dim3(static_cast<unsigned>(rows), static_cast<unsigned>(sp.splits));
-        cfg.blockDim = dim3(128);
-        cfg.dynamicSmemBytes = (std::size_t(sh.D) + 4 * std::size_t(sh.Dv) + 4) * sizeof(A);
-        KVMEM_RETURN_IF_ERROR(to_status(cudaLaunchKernelEx(&cfg, decode_fused_kernel<S, A, In, Out>, d, qd, kd, vd, gd,
-                                                           od, t0, wb, slots, sp.per, static_cast<int>(sp.splits)),
-                                        "kvm decode_fused_kernel"));
-      }
+      KVMEM_RETURN_IF_ERROR(launch_decode_step(exec, d, sh, state.sm_count_, q.data(), k.data(), v.data(), gate.data(),
+                                               out.data(), t0, wb, slots));
     } else {
       // The update before the next chunk (if this call reaches it) selects from the state this chunk
       // reads and writes only new slots: run that part beside the readout (spec 4.6: the readout of
@@ -721,7 +747,7 @@ Status kvm_run(const Executor& exec, KvmState<S, A>& state, const KvmWeights& w,
       }
       bool on_tensor_cores = false;
       if constexpr (std::is_same_v<S, bf16>) {
-        if (attend_tc != nullptr) {
+        if (readout.tc != nullptr) {
           const std::int64_t grid = B * sh.Hq * ((t1 - t0 + kTcRows - 1) / kTcRows);
           TcSources src{d.khat, d.vhat, d.wk, d.wv, d.W, 0, true};
           cudaStream_t on = chain.stream;
@@ -738,8 +764,8 @@ Status kvm_run(const Executor& exec, KvmState<S, A>& state, const KvmWeights& w,
           } else if (detach) {  // a window that starts before this call: the ring, in chain order
             KVMEM_RETURN_IF_ERROR(chain_waits_aux(0));
           }
-          attend_tc<<<static_cast<unsigned>(grid), 32 * kTcWarps, tc_bytes, on>>>(d, src, q.data(), out.data(), T, n0,
-                                                                                 t0, t1, wb, readout_slots);
+          readout.tc<<<static_cast<unsigned>(grid), 32 * kTcWarps, readout.tc_bytes, on>>>(d, src, q.data(), out.data(),
+                                                                                         T, n0, t0, t1, wb, readout_slots);
           KVMEM_CUDA_RETURN_IF_LAUNCH_FAILED("kvm attend_tc_kernel");
           if (snapshot) {
             KVMEM_RETURN_IF_ERROR(record(pipe.read[snap], exec.stream));
@@ -752,8 +778,8 @@ Status kvm_run(const Executor& exec, KvmState<S, A>& state, const KvmWeights& w,
       if (!on_tensor_cores) {
         const dim3 agrid(static_cast<unsigned>(B * sh.Hq),
                          static_cast<unsigned>((t1 - t0 + kRowsPerBlock - 1) / kRowsPerBlock));
-        attend<<<agrid, kRowsPerBlock * kLanesPerRow, attend_bytes, chain.stream>>>(d, q.data(), out.data(), T, n0, t0,
-                                                                                    t1, wb, slots);
+        readout.rows<<<agrid, kRowsPerBlock * kLanesPerRow, readout.rows_bytes, chain.stream>>>(d, q.data(), out.data(), T,
+                                                                                                n0, t0, t1, wb, slots);
         KVMEM_CUDA_RETURN_IF_LAUNCH_FAILED("kvm attend_rows_kernel");
       }
     }
