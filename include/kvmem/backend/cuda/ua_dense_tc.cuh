@@ -98,7 +98,7 @@ struct UaDenseLayout {
   static constexpr std::size_t kV = 2 * kTile;   // [kDnEntries][kKPitch] values (one buffer, see the kernel)
   static constexpr std::size_t kNK = 3 * kTile;  // [kDnMaxRows][kKPitch] keys of the row tile
   static constexpr std::size_t kA = kNK + std::size_t(kDnMaxRows) * kKPitch * 2;  // [kDnEntries][kAPitch]
-  static constexpr std::size_t kL = kA + std::size_t(kDnEntries) * kAPitch * 4;  // [kDnMaxRows][kLPitch]
+  static constexpr std::size_t kL = kA + std::size_t(kDnEntries) * kAPitch * 4;   // [kDnMaxRows][kLPitch]
   static constexpr std::size_t kBytes = kL + std::size_t(kDnMaxRows) * kLPitch * 4;
   // kDnBlocksPerSM blocks in an SM's 228 KB, with their static arrays and the 1 KB the driver reserves
   static_assert(kDnBlocksPerSM * (kBytes + 4096) <= 228 * 1024, "the dense UA blocks do not fit an SM");
@@ -341,7 +341,7 @@ __device__ __forceinline__ void dense_prefill_row_tile(const DeviceCache<bf16>& 
   // against q.k of the first half issued before the carry and Λ added after the barrier. Loading the key
   // fragments one k-step ahead of their mma (ncu counts the most stall samples on these mma, waiting for
   // their ldmatrix) measured 1 % slower (ua_cuda_2026-11-30_h200_uadense3.md).
-  constexpr int kJ = 32 / 8;  // 8-entry accumulator tiles per half tile
+  constexpr int kJ = 32 / 8;                                    // 8-entry accumulator tiles per half tile
   const float* const lam_lo = lt + i_lo * L::kLPitch + 2 * t4;  // Λ of the lane's rows, entries 2 t4 + {0, 1}
   const float* const lam_hi = lt + i_hi * L::kLPitch + 2 * t4;
   const auto logits = [&](float(&s)[kJ][4], const nv_bf16* ks, int c0) {
