@@ -29,11 +29,12 @@
 // time, keys through a cp.async double buffer, values through one buffer loaded while the decay runs. Per
 // entry tile, two block barriers: each warp folds the decay of 16 entries for all rows of the tile (their
 // key/key similarity with mma.sync, A(e, m) into shared memory) and 16 of its lanes carry λ down those
-// columns at once (no barrier between fold and carry) -> barrier -> per half tile of 32 entries: S = Q K^T
-// with mma.sync (fp32 accumulators in registers), logits = S + Λ, online softmax in registers, O += P V with
-// the probabilities rounded to bf16 (as FlashAttention does). Measured against the earlier shape (two
-// blocks per SM at 254 registers, 64 threads carrying λ between two barriers): 13.8 vs 15.0 ms at B8 H16 G4
-// D128 8K (results ua_cuda_2026-11-30_h200_dense2.md).
+// columns at once (no barrier between fold and carry) into a Λ tile -> barrier -> per half tile of 32
+// entries: logits = Λ + Q K^T with mma.sync (fp32 accumulators in registers that start from Λ), online
+// softmax in registers, O += P V with the probabilities rounded to bf16 (as FlashAttention does). Measured
+// against the earlier shape (two blocks per SM at 254 registers, 64 threads carrying λ between two
+// barriers): 13.8 vs 15.0 ms at B8 H16 G4 D128 8K (results ua_cuda_2026-11-30_h200_dense2.md); with Λ as
+// the accumulators' start: 12.9 ms (ua_cuda_2026-11-30_h200_uadense3.md).
 //
 // The decay of a set made of the built-in gates (any of QueryGate, KeyGate, SimilarityGate) is evaluated in
 // base 2 with the per-key and per-position terms scaled once per entry / row: log2 x = q_m + k_j +
@@ -86,16 +87,19 @@ template <int kD>
 struct UaDenseLayout {
   static_assert(kD % 16 == 0, "the dense tensor-core UA kernel takes head dims that are multiples of 16");
   static constexpr int kKPitch = kD + 8;  // bf16: rows 16 bytes apart modulo 128, ldmatrix without conflicts
-  // float: decay / Λ tile [entry][row], an entry's rows contiguous: its carrier moves them in 16-byte
-  // vectors. Pitch kDnMaxRows + 4: the 16-byte accesses of 8 consecutive entries and the row-pair reads of
-  // step 3 fall in distinct banks
+  // float: decay tile A [entry][row], an entry's rows contiguous: its carrier loads them in 16-byte
+  // vectors. Pitch kDnMaxRows + 4: the 16-byte accesses of 8 consecutive entries fall in distinct banks
   static constexpr int kAPitch = kDnMaxRows + 4;
+  // float: Λ tile [row][entry] for step 3, where a lane reads the two entries of its accumulator pair as one
+  // 8-byte vector; pitch kDnEntries + 8 puts the 4 rows of a half warp 8 banks apart (no conflicts)
+  static constexpr int kLPitch = kDnEntries + 8;
   static constexpr std::size_t kTile = std::size_t(kDnEntries) * kKPitch * 2;
   static constexpr std::size_t kK = 0;           // [2][kDnEntries][kKPitch] keys of the entry tiles
   static constexpr std::size_t kV = 2 * kTile;   // [kDnEntries][kKPitch] values (one buffer, see the kernel)
   static constexpr std::size_t kNK = 3 * kTile;  // [kDnMaxRows][kKPitch] keys of the row tile
   static constexpr std::size_t kA = kNK + std::size_t(kDnMaxRows) * kKPitch * 2;  // [kDnEntries][kAPitch]
-  static constexpr std::size_t kBytes = kA + std::size_t(kDnEntries) * kAPitch * 4;
+  static constexpr std::size_t kL = kA + std::size_t(kDnEntries) * kAPitch * 4;   // [kDnMaxRows][kLPitch]
+  static constexpr std::size_t kBytes = kL + std::size_t(kDnMaxRows) * kLPitch * 4;
   // kDnBlocksPerSM blocks in an SM's 228 KB, with their static arrays and the 1 KB the driver reserves
   static_assert(kDnBlocksPerSM * (kBytes + 4096) <= 228 * 1024, "the dense UA blocks do not fit an SM");
 };
@@ -188,7 +192,8 @@ __device__ __forceinline__ void dense_prefill_row_tile(const DeviceCache<bf16>& 
   nv_bf16* ks_base = reinterpret_cast<nv_bf16*>(dense_smem + L::kK);
   nv_bf16* vs_base = reinterpret_cast<nv_bf16*>(dense_smem + L::kV);
   nv_bf16* nk = reinterpret_cast<nv_bf16*>(dense_smem + L::kNK);
-  float* at = reinterpret_cast<float*>(dense_smem + L::kA);  // [entry][row]: A, then Λ
+  float* at = reinterpret_cast<float*>(dense_smem + L::kA);  // [entry][row]: A
+  float* lt = reinterpret_cast<float*>(dense_smem + L::kL);  // [row][entry]: Λ
   // row tile: query-side gate (the scaled log2 term of the base-2 fold; else the logit and its log part)
   __shared__ float s_rgate[kDnMaxRows], s_rpart[kDnMaxRows];
   // entry tile: key-side gate (as for rows), positions, and the first row after each entry's position
@@ -330,11 +335,25 @@ __device__ __forceinline__ void dense_prefill_row_tile(const DeviceCache<bf16>& 
       pos = idx < n ? key_pos[idx] : first + (idx - n);
     }
   };
-  // S = Q K^T for the warp's 16 pairs and the 32 entries c0.. of key tile ks, in fp32 accumulators
-  constexpr int kJ = 32 / 8;  // 8-entry accumulator tiles per half tile
-  const auto qk = [&](float(&s)[kJ][4], const nv_bf16* ks, int c0) {
+  // logits Λ + Q K^T for the warp's 16 pairs and the 32 entries c0.. of key tile ks, in fp32 accumulators
+  // that start from Λ: the tensor cores add it (inside their fp32 accumulation, where S + Λ rounded S
+  // first), so no add per logit waits on the end of the mma chain; 12.9 vs 13.8 ms at B8 H16 G4 D128 8K
+  // against q.k of the first half issued before the carry and Λ added after the barrier. Loading the key
+  // fragments one k-step ahead of their mma (ncu counts the most stall samples on these mma, waiting for
+  // their ldmatrix) measured 1 % slower (ua_cuda_2026-11-30_h200_uadense3.md).
+  constexpr int kJ = 32 / 8;                                    // 8-entry accumulator tiles per half tile
+  const float* const lam_lo = lt + i_lo * L::kLPitch + 2 * t4;  // Λ of the lane's rows, entries 2 t4 + {0, 1}
+  const float* const lam_hi = lt + i_hi * L::kLPitch + 2 * t4;
+  const auto logits = [&](float(&s)[kJ][4], const nv_bf16* ks, int c0) {
 #pragma unroll
-    for (int j = 0; j < kJ; ++j) s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.0f;
+    for (int j = 0; j < kJ; ++j) {
+      const float2 lo = *reinterpret_cast<const float2*>(lam_lo + c0 + 8 * j);
+      const float2 hi = *reinterpret_cast<const float2*>(lam_hi + c0 + 8 * j);
+      s[j][0] = lo.x;
+      s[j][1] = lo.y;
+      s[j][2] = hi.x;
+      s[j][3] = hi.y;
+    }
 #pragma unroll
     for (int kb = 0; kb < kD / 16; ++kb) {
 #pragma unroll
@@ -441,19 +460,16 @@ __device__ __forceinline__ void dense_prefill_row_tile(const DeviceCache<bf16>& 
       }
     }
     __syncwarp();  // the warp's columns of the A tile are complete
-    // q.k of the first half tile (step 3) goes to the tensor cores now: it needs no λ, and runs beside
-    // the carry and the barrier below
-    float s[kJ][4];
-    qk(s, ks, 0);
 
     // 2. carry λ down the rows (spec 4.2: increasing m, one rounding per step): lane l < 16 of the warp
     //    that folded the column, entry eb + l, so no block barrier stands between the fold and the carry.
-    //    at[] becomes Λ_{m, e} (-inf before the entry's position); λ goes back to the cache row of the
+    //    lt[] receives Λ_{m, e} (-inf before the entry's position); λ goes back to the cache row of the
     //    entry (a call key's row n + t is its row after this call), read through L2 (ld.cg): another
     //    block wrote it.
     if (carrier) {
       const int idx = e0 + ce;
-      float4* col = reinterpret_cast<float4*>(at + ce * L::kAPitch);
+      const float4* col = reinterpret_cast<const float4*>(at + ce * L::kAPitch);
+      float* lam_col = lt + ce;  // the entry's column of the Λ tile, rows kLPitch apart
       if (idx < e_total) {
         // rows i < masked precede the entry (an entry of the range lies at row s_efirst - 1 of the tile or
         // before it); A = 0 up to its own row, so λ stays 0 there
@@ -465,15 +481,12 @@ __device__ __forceinline__ void dense_prefill_row_tile(const DeviceCache<bf16>& 
 #pragma unroll
         for (int i = 0; i < rt; ++i) {
           lam += av[i];
-          av[i] = i < masked ? negative_infinity<float>() : lam;
+          lam_col[i * L::kLPitch] = i < masked ? negative_infinity<float>() : lam;
         }
-#pragma unroll
-        for (int v = 0; v < rt / 4; ++v) col[v] = *reinterpret_cast<const float4*>(av + 4 * v);
         lambda[idx] = lam;
       } else {
-        const float inf = negative_infinity<float>();
 #pragma unroll
-        for (int v = 0; v < rt / 4; ++v) col[v] = make_float4(inf, inf, inf, inf);
+        for (int i = 0; i < rt; ++i) lam_col[i * L::kLPitch] = negative_infinity<float>();
       }
     }
     cp_async_wait<1>();  // this thread's part of value tile et has landed (the next key tile may not)
@@ -488,21 +501,15 @@ __device__ __forceinline__ void dense_prefill_row_tile(const DeviceCache<bf16>& 
 
     // 3. per half of the tile (32 entries: 16 S registers instead of 32 keep the block at <= 168
     //    registers, three blocks per SM; one half at a time keeps the compiler from holding both): logits
-    //    = S + Λ (scale 1), online softmax in registers (rows p_lo, p_hi; the quad holds a row), O += P V
+    //    = Λ + S (scale 1), online softmax in registers (rows p_lo, p_hi; the quad holds a row), O += P V
 #pragma unroll 1
     for (int hv = 0; hv < kDnEntries / 32; ++hv) {
       const int c0 = 32 * hv;  // the half's first entry in the tile
-      if (hv > 0) qk(s, ks, c0);
+      float s[kJ][4];
+      logits(s, ks, c0);
       float mx_lo = negative_infinity<float>(), mx_hi = negative_infinity<float>();
 #pragma unroll
       for (int j = 0; j < kJ; ++j) {
-        const float* lam_col = at + (c0 + 8 * j + 2 * t4) * L::kAPitch;  // Λ of entries c0 + 8 j + 2 t4 + {0, 1}
-        const float2 blo = make_float2(lam_col[i_lo], lam_col[L::kAPitch + i_lo]);
-        const float2 bhi = make_float2(lam_col[i_hi], lam_col[L::kAPitch + i_hi]);
-        s[j][0] += blo.x;
-        s[j][1] += blo.y;
-        s[j][2] += bhi.x;
-        s[j][3] += bhi.y;
         mx_lo = fmaxf(mx_lo, fmaxf(s[j][0], s[j][1]));
         mx_hi = fmaxf(mx_hi, fmaxf(s[j][2], s[j][3]));
       }
