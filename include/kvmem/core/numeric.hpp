@@ -13,6 +13,11 @@
 
 namespace kvmem {
 
+// log2(e): kernels that take base-2 exponentials (ex2) of natural-log quantities fold it into their
+// factors. The float form is the correctly rounded float of the same number.
+inline constexpr double kLog2e = 1.4426950408889634;
+inline constexpr float kLog2eFloat = float(kLog2e);
+
 namespace detail {
 KVMEM_HOST_DEVICE inline std::uint32_t float_bits(float value) {
   std::uint32_t bits;

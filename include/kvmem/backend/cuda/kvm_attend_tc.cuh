@@ -29,7 +29,6 @@ inline constexpr int kTcWarps = 4;
 inline constexpr int kTcAtoms = 2;
 inline constexpr int kTcRows = 16 * kTcAtoms * kTcWarps;  // query rows per block
 inline constexpr int kTcKeys = 64;                        // keys per tile
-inline constexpr float kLog2e = 1.4426950408889634f;
 
 // Shared memory: the block's query rows (bf16, loaded once), then two K/V tile buffers (cp.async double
 // buffering); rows padded by 16 bytes so the 8 rows of an ldmatrix hit 32 different banks.
@@ -140,8 +139,8 @@ __global__ void __launch_bounds__(32 * kTcWarps, kTcAtoms == 1 ? 3 : 2)
     for (int nd = 0; nd < kDv / 8; ++nd) o[m][nd][0] = o[m][nd][1] = o[m][nd][2] = o[m][nd][3] = 0.0f;
   TcSoftmax sm[kM][2];  // this lane's columns of each of its rows (a quad sees the same maxima)
   // base-2 logits (TcSoftmax): the scale, the head's temperature and log2(e) in one factor
-  const float ls_state = st.scale * (st.head_temps ? st.tau_s[h] : 1.0f) * kLog2e;
-  const float ls_window = st.scale * (st.head_temps ? st.tau_w[h] : 1.0f) * kLog2e;
+  const float ls_state = st.scale * (st.head_temps ? st.tau_s[h] : 1.0f) * kLog2eFloat;
+  const float ls_window = st.scale * (st.head_temps ? st.tau_w[h] : 1.0f) * kLog2eFloat;
 
   const std::int64_t n_state = w > 0 ? slots : 0;
   const std::int64_t state_tiles = (n_state + kTcKeys - 1) / kTcKeys;

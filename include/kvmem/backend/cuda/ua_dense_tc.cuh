@@ -140,7 +140,6 @@ struct DenseFold {
 template <class... G>
 struct DenseFold<decay::Set<G...>> {
   static constexpr bool kLog2 = (kDnBuiltinGate<G> && ...);
-  static constexpr double kLog2e = 1.4426950408889634;
   static constexpr int kSize = int(sizeof...(G));
   static constexpr int kSim = (int(std::is_same_v<G, decay::SimilarityGate>) + ...);
   // log2 of the geometric mean's factors: ln g_q (ln g_k) of each QueryGate (KeyGate), 2 log2 c of each
@@ -185,7 +184,6 @@ __device__ __forceinline__ void dense_prefill_row_tile(const DeviceCache<bf16>& 
   using L = UaDenseLayout<kD>;
   using Fold = DenseFold<Set>;
   using nv_bf16 = __nv_bfloat16;
-  constexpr float kLog2e = 1.4426950408889634f;
   constexpr int kVec = kD / 8;  // 16-byte vectors per row
   constexpr int rt = kRows;
   static_assert(rt % 8 == 0 && rt <= kDnMaxRows, "a row tile splits into 8-row mma tiles");
@@ -519,18 +517,18 @@ __device__ __forceinline__ void dense_prefill_row_tile(const DeviceCache<bf16>& 
       mx_hi = fmaxf(mx_hi, __shfl_xor_sync(0xffffffffu, mx_hi, 2));
       const float new_lo = fmaxf(m_lo, mx_lo), new_hi = fmaxf(m_hi, mx_hi);
       // a row with every logit masked so far keeps max -inf: subtract 0 instead (every weight is 0)
-      const float base_lo = new_lo == negative_infinity<float>() ? 0.0f : new_lo * kLog2e;
-      const float base_hi = new_hi == negative_infinity<float>() ? 0.0f : new_hi * kLog2e;
+      const float base_lo = new_lo == negative_infinity<float>() ? 0.0f : new_lo * kLog2eFloat;
+      const float base_hi = new_hi == negative_infinity<float>() ? 0.0f : new_hi * kLog2eFloat;
       // every weight of the warp's half tile 0 (its largest logit per row far below the row's maximum;
       // the maximum then did not move): the half adds exact zeros to l and O
-      if (!__any_sync(0xffffffffu, fmaf(mx_lo, kLog2e, -base_lo) >= kDnUnderflowLog2 ||
-                                       fmaf(mx_hi, kLog2e, -base_hi) >= kDnUnderflowLog2))
+      if (!__any_sync(0xffffffffu, fmaf(mx_lo, kLog2eFloat, -base_lo) >= kDnUnderflowLog2 ||
+                                       fmaf(mx_hi, kLog2eFloat, -base_hi) >= kDnUnderflowLog2))
         continue;
       // rescale only when a maximum of the warp moved: otherwise every factor is exp2(rounding error of
       // m log2e) = 1 exactly, or 0 on a row whose O and l are still 0
       if (__any_sync(0xffffffffu, new_lo != m_lo || new_hi != m_hi)) {
-        const float scale_lo = ptx::ex2_approx_ftz(fmaf(m_lo, kLog2e, -base_lo));
-        const float scale_hi = ptx::ex2_approx_ftz(fmaf(m_hi, kLog2e, -base_hi));
+        const float scale_lo = ptx::ex2_approx_ftz(fmaf(m_lo, kLog2eFloat, -base_lo));
+        const float scale_hi = ptx::ex2_approx_ftz(fmaf(m_hi, kLog2eFloat, -base_hi));
         l_lo *= scale_lo;
         l_hi *= scale_hi;
 #pragma unroll
@@ -545,10 +543,10 @@ __device__ __forceinline__ void dense_prefill_row_tile(const DeviceCache<bf16>& 
       m_hi = new_hi;
 #pragma unroll
       for (int j = 0; j < kJ; ++j) {
-        s[j][0] = ptx::ex2_approx_ftz(fmaf(s[j][0], kLog2e, -base_lo));
-        s[j][1] = ptx::ex2_approx_ftz(fmaf(s[j][1], kLog2e, -base_lo));
-        s[j][2] = ptx::ex2_approx_ftz(fmaf(s[j][2], kLog2e, -base_hi));
-        s[j][3] = ptx::ex2_approx_ftz(fmaf(s[j][3], kLog2e, -base_hi));
+        s[j][0] = ptx::ex2_approx_ftz(fmaf(s[j][0], kLog2eFloat, -base_lo));
+        s[j][1] = ptx::ex2_approx_ftz(fmaf(s[j][1], kLog2eFloat, -base_lo));
+        s[j][2] = ptx::ex2_approx_ftz(fmaf(s[j][2], kLog2eFloat, -base_hi));
+        s[j][3] = ptx::ex2_approx_ftz(fmaf(s[j][3], kLog2eFloat, -base_hi));
       }
       // O += P V: the S accumulators of entries 16 kk.. are the A fragment of k-step kk. A step whose
       // probabilities are all 0 for the warp adds exact zeros: skipped.
