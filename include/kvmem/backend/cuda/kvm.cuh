@@ -560,9 +560,9 @@ Status launch_decode_step(const Executor& exec, const DeviceState<S, A>& d, cons
     if (sh.D == kDecodeDim && sh.Dv == kDecodeDim) {
       // the whole grid resident at once (kDecodeBlocksPerSm per SM), at least a round of warp units per
       // split, and the splits of a row in one cluster
-      const int heads = decode_heads_per_block(sh.Hq / sh.Hk);  // query heads sharing a block's reads
-      const DecodeSplits sp = decode_splits(rows / heads, keys, kDecodeBlocksPerSm * std::int64_t(sm_count),
-                                            kDecodeMaxCluster, kDecodeSplitGranule);
+      const std::int64_t resident = kDecodeBlocksPerSm * std::int64_t(sm_count);
+      const int heads = decode_heads_per_block(rows, sh.Hq / sh.Hk, resident);  // query heads sharing a block
+      const DecodeSplits sp = decode_splits(rows / heads, keys, resident, kDecodeMaxCluster, kDecodeSplitGranule);
       cfg.gridDim = dim3(static_cast<unsigned>(rows / heads), static_cast<unsigned>(sp.splits));
       cfg.blockDim = dim3(kDecodeThreads);
       cfg.dynamicSmemBytes = kDecodeSmemBytes;

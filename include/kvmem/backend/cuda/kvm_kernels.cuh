@@ -1159,10 +1159,16 @@ inline DecodeSplits decode_splits(std::int64_t rows, std::int64_t keys, std::int
   return {(keys + per - 1) / per, per};
 }
 
-// Query heads per block of decode_fused_bf16_kernel for `rep` query heads per KV head: the heads of a
-// group that share a block read their keys and values once (4 at most: each head keeps 8 channels of
-// q and of its output per lane in registers).
-inline int decode_heads_per_block(std::int64_t rep) {
+// Query heads per block of decode_fused_bf16_kernel for `rows` query rows (B Hq), `rep` query heads
+// per KV head and `resident` blocks in one wave: the heads of a group that share a block read their
+// keys and values once (4 at most: each head keeps 8 channels of q and of its output per lane in
+// registers). That pays only when the rows alone fill the device at the most splits a row takes; with
+// fewer rows the step is bound by latency, and a block per head keeps more blocks in flight. Measured
+// on the H200, 32 query heads over 8 KV heads, 32K, ms/token (fixed-256 / 16 sqrt N): B = 8 (256 rows)
+// 0.0251 / 0.0891 grouped against 0.0248 / 0.0998; B = 1 (32 rows) 0.0147 / 0.0364 grouped against
+// 0.0100 / 0.0298 (benchmarks/results/kvm_cuda_2026-11-30_h200_gqa.md).
+inline int decode_heads_per_block(std::int64_t rows, std::int64_t rep, std::int64_t resident) {
+  if (rows * kDecodeMaxCluster <= resident) return 1;
   return rep % 4 == 0 ? 4 : rep % 2 == 0 ? 2 : 1;
 }
 
