@@ -76,7 +76,7 @@ for m in "${built[@]}"; do
       rm -f "$out/kvm.jsonl"
       timeout 240 "$benches/kvmem_bench_kvm_cuda" --tokens $tokens --json "$out/kvm.jsonl"
       # grouped-query attention, 32 query heads over 8 KV heads (printed only, no file: the report's anchors are multi-head, and at most 8 files come back)
-      ((quick)) || timeout 60 "$benches/kvmem_bench_kvm_cuda" --kv-heads 8 --tokens 32768 --b1 0
+      ((quick)) || timeout 60 "$benches/kvmem_bench_kvm_cuda" --kv-heads 8 --tokens 32768 --b1 1
       report+=(--kvm "$out/kvm.jsonl" --tokens $tokens) ;;
     ua)
       tokens=4096,8192,16384 dense_only=32768

@@ -275,6 +275,45 @@ TEST_CASE("kvm cuda bf16 storage agrees with the host backend at a paper-like sh
   CHECK(decoded.route_merge == gpu.route_merge);
 }
 
+// Grouped-query decode at D = 128: the query heads of a KV head share a block (4, 2 or 1 per block by
+// the group size; 8 take two blocks of 4) when the rows fill the device (kvm_kernels.cuh,
+// decode_heads_per_block): B = 16 at 8 query heads is 128 rows, which an H200 (132 SMs) groups.
+// Per-head temperatures catch a head mixed up with its neighbour; the decode steps cross the first
+// update, so both slots and window are read, over several cluster splits. Decode keeps the
+// probabilities in fp32 while the tensor-core prefill rounds them to bf16 (see the paper-like test):
+// the two agree to bf16 precision, and a wrong head would be off by O(1).
+void check_grouped_decode(std::int64_t hq, std::int64_t hk, std::int64_t T, std::int64_t decode_from, bool with_host) {
+  rkvm::Config c = small_config(16, T, hq, hk, 128, 128, kvmem::budget::Power{16.0, 0.5, 256});
+  c.chunk = 256;
+  c.rope_dims = 64;
+  c.head_temps = true;
+  const auto in = random_inputs(c, 40 + std::uint64_t(hk));
+  const auto prefilled = cuda_run<kvmem::bf16>(c, in, c.T);
+  const auto decoded = cuda_run<kvmem::bf16>(c, in, decode_from);
+  INFO("Hq " << hq << " Hk " << hk);
+  CHECK(decoded.route_merge == prefilled.route_merge);
+  const double ep = relative_frobenius(decoded.out, prefilled.out);
+  INFO("decode vs prefill relative Frobenius " << ep);
+  CHECK(ep <= 5e-3);
+  if (with_host) {
+    const double eh = relative_frobenius(decoded.out, host_prefill<kvmem::bf16>(c, in).out);
+    INFO("decode vs host relative Frobenius " << eh);
+    CHECK(eh <= 1e-2);
+  }
+}
+
+TEST_CASE("kvm cuda bf16 grouped-query decode (2, 4 and 8 query heads per KV head) matches prefill and host",
+          "[kvm][cuda]") {
+  if (no_device()) return;
+  const std::int64_t shapes[][2] = {{8, 4}, {8, 2}, {8, 1}};
+  for (const auto& [hq, hk] : shapes) check_grouped_decode(hq, hk, 700, 500, true);
+}
+
+TEST_CASE("kvm cuda bf16 grouped-query decode, 4 query heads per block, short", "[kvm][cuda][sanitize]") {
+  if (no_device()) return;
+  check_grouped_decode(8, 2, 540, 500, false);
+}
+
 TEST_CASE("kvm cuda bf16 fast routing (single bf16 products) stays close to the host backend", "[kvm][cuda]") {
   if (no_device()) return;
   rkvm::Config c = small_config(2, 1300, 4, 2, 128, 128, kvmem::budget::Power{16.0, 0.5, 256});

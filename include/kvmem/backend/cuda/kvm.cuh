@@ -560,9 +560,10 @@ Status launch_decode_step(const Executor& exec, const DeviceState<S, A>& d, cons
     if (sh.D == kDecodeDim && sh.Dv == kDecodeDim) {
       // the whole grid resident at once (kDecodeBlocksPerSm per SM), at least a round of warp units per
       // split, and the splits of a row in one cluster
-      const DecodeSplits sp = decode_splits(rows, keys, kDecodeBlocksPerSm * std::int64_t(sm_count),
-                                            kDecodeMaxCluster, kDecodeSplitGranule);
-      cfg.gridDim = dim3(static_cast<unsigned>(rows), static_cast<unsigned>(sp.splits));
+      const std::int64_t resident = kDecodeBlocksPerSm * std::int64_t(sm_count);
+      const int heads = decode_heads_per_block(rows, sh.Hq / sh.Hk, resident);  // query heads sharing a block
+      const DecodeSplits sp = decode_splits(rows / heads, keys, resident, kDecodeMaxCluster, kDecodeSplitGranule);
+      cfg.gridDim = dim3(static_cast<unsigned>(rows / heads), static_cast<unsigned>(sp.splits));
       cfg.blockDim = dim3(kDecodeThreads);
       cfg.dynamicSmemBytes = kDecodeSmemBytes;
       if (sp.splits > 1) {
@@ -572,9 +573,14 @@ Status launch_decode_step(const Executor& exec, const DeviceState<S, A>& d, cons
         attrs[1].val.clusterDim.z = 1;
         cfg.numAttrs = 2;
       }
-      KVMEM_RETURN_IF_ERROR(to_status(cudaLaunchKernelEx(&cfg, decode_fused_bf16_kernel<In, Out>, d, qd, kd, vd, gd,
-                                                         od, t0, wb, slots, sp.per, static_cast<int>(sp.splits)),
-                                      "kvm decode_fused_bf16_kernel"));
+      const auto launch = [&](auto kernel) {
+        return to_status(cudaLaunchKernelEx(&cfg, kernel, d, qd, kd, vd, gd, od, t0, wb, slots, sp.per,
+                                            static_cast<int>(sp.splits)),
+                         "kvm decode_fused_bf16_kernel");
+      };
+      KVMEM_RETURN_IF_ERROR(heads == 4   ? launch(decode_fused_bf16_kernel<In, Out, 4>)
+                            : heads == 2 ? launch(decode_fused_bf16_kernel<In, Out, 2>)
+                                         : launch(decode_fused_bf16_kernel<In, Out, 1>));
       vectorised = true;
     }
   }

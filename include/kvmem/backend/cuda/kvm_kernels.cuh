@@ -1114,10 +1114,14 @@ __global__ void decode_fused_kernel(DeviceState<S, A> st, const In* q, const In*
 //   (two cluster barriers) instead of global partials, a fence and a counter;
 // - the host sizes the split count so the whole grid is resident at once (one wave).
 // Unit u of a split holds its keys [u * kDecodeWarpKeys, ...); warp w takes units w, w + 4, ... Each
-// half-warp takes half of a unit's keys; a lane holds 8 channels of q and of its output.
+// half-warp takes half of a unit's keys; a lane holds 8 channels of q and of its output for each of
+// the block's kHeads query heads, which share one KV head: every key and value row a block reads
+// serves all of them (grouped-query attention read the cache once per query head before: at B8, 32
+// query heads over 8 KV heads, 32K, 0.0248 ms/token for fixed-256 against 0.0139 for 8 heads without
+// grouping, the same cache bytes). Each head's arithmetic is that of kHeads = 1.
 // The decode token (the last key of the last split) comes from the inputs, rounded as the ring stores
 // it, exactly as in decode_fused_kernel.
-// grid (B*Hq, splits), cluster (1, splits, 1), block kDecodeThreads, dynamic smem kDecodeSmemBytes.
+// grid (B*Hq/kHeads, splits), cluster (1, splits, 1), block kDecodeThreads, dynamic smem kDecodeSmemBytes.
 //
 // Shapes measured on the H200 (B8 H32 D128 at 32K, ms/token for fixed-256 / 16 sqrt N / B=1 fixed-256;
 // benchmarks/results/kvm_cuda_2026-11-30_h200_v1_decode.md): these warp units 0.0284 / 0.113 / 0.0105;
@@ -1135,6 +1139,10 @@ inline constexpr int kDecodeSplitGranule = kDecodeWarpKeys * (kDecodeThreads / 3
 inline constexpr std::size_t kDecodeSmemBytes =
     std::size_t(kDecodeThreads / 32) * kDecodeWarpStages * kDecodeWarpKeys * 2 * kDecodeDim * 2;
 inline constexpr int kDecodeBlocksPerSm = 4;  // __launch_bounds__ below; 4 x 48 KB of shared memory fit an SM
+// the merge of 4 heads (partials, log-sum-exps, results, split weights) reuses the rings
+static_assert((4 * (2 * kDecodeThreads / 32) * (kDecodeDim + 1) + 4 * (kDecodeDim + 1) + 4 * (kDecodeMaxCluster + 1)) *
+                      sizeof(float) <= kDecodeSmemBytes,
+              "the decode merge fits the rings' shared memory");
 
 // Split-K plan of a decode step: `splits` blocks per row, `per` keys each (the last one fewer, none empty).
 struct DecodeSplits {
@@ -1151,7 +1159,20 @@ inline DecodeSplits decode_splits(std::int64_t rows, std::int64_t keys, std::int
   return {(keys + per - 1) / per, per};
 }
 
-template <class In, class Out>
+// Query heads per block of decode_fused_bf16_kernel for `rows` query rows (B Hq), `rep` query heads
+// per KV head and `resident` blocks in one wave: the heads of a group that share a block read their
+// keys and values once (4 at most: each head keeps 8 channels of q and of its output per lane in
+// registers). That pays only when the rows alone fill the device at the most splits a row takes; with
+// fewer rows the step is bound by latency, and a block per head keeps more blocks in flight. Measured
+// on the H200, 32 query heads over 8 KV heads, 32K, ms/token (fixed-256 / 16 sqrt N): B = 8 (256 rows)
+// 0.0251 / 0.0891 grouped against 0.0248 / 0.0998; B = 1 (32 rows) 0.0147 / 0.0364 grouped against
+// 0.0100 / 0.0298 (benchmarks/results/kvm_cuda_2026-11-30_h200_gqa.md).
+inline int decode_heads_per_block(std::int64_t rows, std::int64_t rep, std::int64_t resident) {
+  if (rows * kDecodeMaxCluster <= resident) return 1;
+  return rep % 4 == 0 ? 4 : rep % 2 == 0 ? 2 : 1;
+}
+
+template <class In, class Out, int kHeads>
 __global__ void __launch_bounds__(kDecodeThreads, kDecodeBlocksPerSm)
     decode_fused_bf16_kernel(DeviceState<bf16, float> st, const In* q, const In* k1, const In* v1, const In* g1,
                              Out* out, std::int64_t pos, std::int64_t w, std::int64_t slots, std::int64_t per_split,
@@ -1159,12 +1180,15 @@ __global__ void __launch_bounds__(kDecodeThreads, kDecodeBlocksPerSm)
   constexpr int kDim = kDecodeDim, kWarps = kDecodeThreads / 32, kHalves = 2 * kWarps, kPer = 8, kRow = 2 * kDim;
   constexpr int kUnit = kDecodeWarpKeys, kKeysPerHalf = kUnit / 2, kStages = kDecodeWarpStages;
   static_assert(kDecodeThreads >= kDim, "the merge gives every output channel its own thread");
+  static_assert(kHeads <= kWarps, "the cluster merge gives every head a warp");
   constexpr float kNegInf = negative_infinity<float>();
   extern __shared__ __align__(128) unsigned char smem_raw[];  // as kvm_attend_tc.cuh declares it
   // kvm_run launches decode steps as dependent launches (ptx.cuh): hides a launch latency per step
   ptx::wait_for_previous_grid();
   ptx::allow_next_grid();
-  const std::int64_t Hq = st.Hq, bh = blockIdx.x, b = bh / Hq, h = bh % Hq, item = b * st.Hk + h / st.rep();
+  // this block's query heads h0 .. h0 + kHeads - 1 (rows bh0 ..) share KV head item
+  const std::int64_t Hq = st.Hq, blocks_per_b = Hq / kHeads, b = blockIdx.x / blocks_per_b;
+  const std::int64_t h0 = (blockIdx.x % blocks_per_b) * kHeads, bh0 = b * Hq + h0, item = b * st.Hk + h0 / st.rep();
   const std::int64_t n_state = w > 0 ? slots : 0;
   const std::int64_t total = n_state + (pos - w + 1);
   const std::int64_t k_begin = std::int64_t(blockIdx.y) * per_split;
@@ -1215,17 +1239,20 @@ __global__ void __launch_bounds__(kDecodeThreads, kDecodeBlocksPerSm)
     else ptx::cp_async_commit();  // empty group: every iteration below waits on the same count
   }
   // while the first units are in flight: the ring append and this lane's channels of q
-  if (blockIdx.y == 0 && h % st.rep() == 0) ingest_decode_token(st, k1, v1, g1, item, pos);
+  if (blockIdx.y == 0 && h0 % st.rep() == 0) ingest_decode_token(st, k1, v1, g1, item, pos);
   const int half = threadIdx.x / 16, l = threadIdx.x % 16, in_unit = (lane / 16) * kKeysPerHalf;
-  float qr[kPer], acc[kPer];
+  float qr[kHeads][kPer], acc[kHeads][kPer], ls_state[kHeads], ls_window[kHeads];
+  OnlineSoftmax<float> sm[kHeads];
 #pragma unroll
-  for (int e = 0; e < kPer; ++e) {
-    qr[e] = load_as<float>(q[bh * kDim + l * kPer + e]);
-    acc[e] = 0.0f;
+  for (int hh = 0; hh < kHeads; ++hh) {
+#pragma unroll
+    for (int e = 0; e < kPer; ++e) {
+      qr[hh][e] = load_as<float>(q[(bh0 + hh) * kDim + l * kPer + e]);
+      acc[hh][e] = 0.0f;
+    }
+    ls_state[hh] = st.scale * (st.head_temps ? st.tau_s[h0 + hh] : 1.0f);
+    ls_window[hh] = st.scale * (st.head_temps ? st.tau_w[h0 + hh] : 1.0f);
   }
-  const float ls_state = st.scale * (st.head_temps ? st.tau_s[h] : 1.0f);
-  const float ls_window = st.scale * (st.head_temps ? st.tau_w[h] : 1.0f);
-  OnlineSoftmax<float> sm;
   for (int j = 0; j < my_units; ++j) {
     ptx::cp_async_wait<kStages - 2>();  // this lane's pieces of unit j have landed
     __syncwarp();                       // every lane's have, and unit j - 1's buffer is free
@@ -1233,83 +1260,114 @@ __global__ void __launch_bounds__(kDecodeThreads, kDecodeBlocksPerSm)
     else ptx::cp_async_commit();
     const bf16* buf = ring + (j % kStages) * kUnit * kRow;
     const int first = (warp + j * kWarps) * kUnit;
-    float logit[kKeysPerHalf];
-    float group_max = kNegInf;
+    // each key's row is read once for every head of the block
+    float logit[kHeads][kKeysPerHalf], group_max[kHeads];
+#pragma unroll
+    for (int hh = 0; hh < kHeads; ++hh) group_max[hh] = kNegInf;
 #pragma unroll
     for (int u = 0; u < kKeysPerHalf; ++u) {
       const int key = in_unit + u, x_in = first + key;
       const uint4 kv = reinterpret_cast<const uint4*>(buf + key * kRow)[l];
       const bf16* kb = reinterpret_cast<const bf16*>(&kv);
-      float part = 0.0f;
+      float kf[kPer];
 #pragma unroll
-      for (int e = 0; e < kPer; ++e) part += qr[e] * load_as<float>(kb[e]);
+      for (int e = 0; e < kPer; ++e) kf[e] = load_as<float>(kb[e]);
+      const bool live = x_in < n_keys, in_state = k_begin + x_in < n_state;
 #pragma unroll
-      for (int off = 8; off > 0; off >>= 1) part += __shfl_xor_sync(0xffffffffu, part, off);  // within the half
-      logit[u] = x_in < n_keys ? (k_begin + x_in < n_state ? ls_state : ls_window) * part : kNegInf;
-      group_max = logit[u] > group_max ? logit[u] : group_max;
+      for (int hh = 0; hh < kHeads; ++hh) {
+        float part = 0.0f;
+#pragma unroll
+        for (int e = 0; e < kPer; ++e) part += qr[hh][e] * kf[e];
+#pragma unroll
+        for (int off = 8; off > 0; off >>= 1) part += __shfl_xor_sync(0xffffffffu, part, off);  // within the half
+        logit[hh][u] = live ? (in_state ? ls_state[hh] : ls_window[hh]) * part : kNegInf;
+        group_max[hh] = logit[hh][u] > group_max[hh] ? logit[hh][u] : group_max[hh];
+      }
     }
-    const float rescale = sm.raise_max(group_max);
-    if (rescale != 1.0f) {
 #pragma unroll
-      for (int e = 0; e < kPer; ++e) acc[e] *= rescale;
+    for (int hh = 0; hh < kHeads; ++hh) {
+      const float rescale = sm[hh].raise_max(group_max[hh]);
+      if (rescale != 1.0f) {
+#pragma unroll
+        for (int e = 0; e < kPer; ++e) acc[hh][e] *= rescale;
+      }
     }
 #pragma unroll
     for (int u = 0; u < kKeysPerHalf; ++u) {
-      const float wgt = sm.accumulate(logit[u]);  // 0 for masked keys (their rows hold zeros)
       const uint4 vv = reinterpret_cast<const uint4*>(buf + (in_unit + u) * kRow + kDim)[l];
       const bf16* vb = reinterpret_cast<const bf16*>(&vv);
+      float vf[kPer];
 #pragma unroll
-      for (int e = 0; e < kPer; ++e) acc[e] += wgt * load_as<float>(vb[e]);
+      for (int e = 0; e < kPer; ++e) vf[e] = load_as<float>(vb[e]);
+#pragma unroll
+      for (int hh = 0; hh < kHeads; ++hh) {
+        const float wgt = sm[hh].accumulate(logit[hh][u]);  // 0 for masked keys (their rows hold zeros)
+#pragma unroll
+        for (int e = 0; e < kPer; ++e) acc[hh][e] += wgt * vf[e];
+      }
     }
   }
   ptx::cp_async_wait<0>();
   __syncthreads();  // every unit consumed: the rings now hold the merge
 
-  // The block's kHalves half-warp partials -> one (o, lse), in half order (thread d merges channel d);
-  // then the splits of the row, in split order, by the cluster's first block. Fixed orders: deterministic.
-  float* po = reinterpret_cast<float*>(smem_raw);  // [kHalves][kDim] normalised partials
-  float* pl = po + kHalves * kDim;                 // [kHalves] their log-sum-exps
-  float* res = pl + kHalves;                       // [kDim + 1] the block's (o, lse): read by the cluster
-  float* wsplit = res + kDim + 1;                  // [kDecodeMaxCluster] split weights, then their sum
-  const float norm = sm.normaliser();
+  // Per head: the block's kHalves half-warp partials -> one (o, lse), in half order (thread d merges
+  // channel d); then the splits of the row, in split order, by the cluster's first block. Fixed orders:
+  // deterministic.
+  float* po = reinterpret_cast<float*>(smem_raw);  // [kHeads][kHalves][kDim] normalised partials
+  float* pl = po + kHeads * kHalves * kDim;        // [kHeads][kHalves] their log-sum-exps
+  float* res = pl + kHeads * kHalves;              // [kHeads][kDim + 1] the block's (o, lse): read by the cluster
+  float* wsplit = res + kHeads * (kDim + 1);       // [kHeads][kDecodeMaxCluster + 1] split weights, then their sum
 #pragma unroll
-  for (int e = 0; e < kPer; ++e) po[half * kDim + l * kPer + e] = acc[e] * norm;
-  if (l == 0) pl[half] = sm.lse();
+  for (int hh = 0; hh < kHeads; ++hh) {
+    const float norm = sm[hh].normaliser();
+#pragma unroll
+    for (int e = 0; e < kPer; ++e) po[(hh * kHalves + half) * kDim + l * kPer + e] = acc[hh][e] * norm;
+    if (l == 0) pl[hh * kHalves + half] = sm[hh].lse();
+  }
   __syncthreads();
   if (threadIdx.x < kDim) {
-    float top = kNegInf;
-    for (int p = 0; p < kHalves; ++p) top = pl[p] > top ? pl[p] : top;
-    float o = 0.0f, sum = 0.0f;
-    for (int p = 0; p < kHalves; ++p) {
-      const float wp = pl[p] == kNegInf ? 0.0f : expf(pl[p] - top);
-      o += wp * po[p * kDim + threadIdx.x];
-      sum += wp;
-    }
-    // sum >= 1 (the largest weight is exactly 1) unless the block saw no key: the host never plans an
-    // empty split, but one would contribute nothing rather than NaN
-    const float o_norm = sum > 0.0f ? o / sum : 0.0f;
-    if (splits == 1) {
-      out[bh * kDim + threadIdx.x] = store_as<Out>(o_norm);
-    } else {
-      res[threadIdx.x] = o_norm;
-      if (threadIdx.x == 0) res[kDim] = sum > 0.0f ? top + logf(sum) : kNegInf;
+    for (int hh = 0; hh < kHeads; ++hh) {
+      const float* hpl = pl + hh * kHalves;
+      float top = kNegInf;
+      for (int p = 0; p < kHalves; ++p) top = hpl[p] > top ? hpl[p] : top;
+      float o = 0.0f, sum = 0.0f;
+      for (int p = 0; p < kHalves; ++p) {
+        const float wp = hpl[p] == kNegInf ? 0.0f : expf(hpl[p] - top);
+        o += wp * po[(hh * kHalves + p) * kDim + threadIdx.x];
+        sum += wp;
+      }
+      // sum >= 1 (the largest weight is exactly 1) unless the block saw no key: the host never plans
+      // an empty split, but one would contribute nothing rather than NaN
+      const float o_norm = sum > 0.0f ? o / sum : 0.0f;
+      if (splits == 1) {
+        out[(bh0 + hh) * kDim + threadIdx.x] = store_as<Out>(o_norm);
+      } else {
+        res[hh * (kDim + 1) + threadIdx.x] = o_norm;
+        if (threadIdx.x == 0) res[hh * (kDim + 1) + kDim] = sum > 0.0f ? top + logf(sum) : kNegInf;
+      }
     }
   }
   if (splits == 1) return;
   ptx::cluster_sync();  // every split's (o, lse) is visible to the cluster
   if (blockIdx.y == 0) {
-    if (threadIdx.x < 32) {  // lane s reads split s's log-sum-exp
-      const float lse = lane < splits ? ptx::load_cluster(ptx::cluster_address(res + kDim, lane)) : kNegInf;
+    if (warp < kHeads) {  // warp hh, lane s reads split s's log-sum-exp of head hh
+      float* hres = res + warp * (kDim + 1);
+      const float lse = lane < splits ? ptx::load_cluster(ptx::cluster_address(hres + kDim, lane)) : kNegInf;
       float total_w;
       const float wl = warp_split_weight(lse, &total_w);
-      if (lane < splits) wsplit[lane] = wl;
-      if (lane == 0) wsplit[kDecodeMaxCluster] = total_w;
+      float* hw = wsplit + warp * (kDecodeMaxCluster + 1);
+      if (lane < splits) hw[lane] = wl;
+      if (lane == 0) hw[kDecodeMaxCluster] = total_w;
     }
     __syncthreads();
     if (threadIdx.x < kDim) {
-      float o = 0.0f;
-      for (int s = 0; s < splits; ++s) o += wsplit[s] * ptx::load_cluster(ptx::cluster_address(res + threadIdx.x, s));
-      out[bh * kDim + threadIdx.x] = store_as<Out>(o / wsplit[kDecodeMaxCluster]);
+      for (int hh = 0; hh < kHeads; ++hh) {
+        const float* hw = wsplit + hh * (kDecodeMaxCluster + 1);
+        float o = 0.0f;
+        for (int s = 0; s < splits; ++s)
+          o += hw[s] * ptx::load_cluster(ptx::cluster_address(res + hh * (kDim + 1) + threadIdx.x, s));
+        out[(bh0 + hh) * kDim + threadIdx.x] = store_as<Out>(o / hw[kDecodeMaxCluster]);
+      }
     }
   }
   ptx::cluster_sync();  // no block leaves while the first one may still read its shared memory
