@@ -58,7 +58,7 @@ for m in "${built[@]}"; do
   fi
   if ((sanitize)) && command -v compute-sanitizer >/dev/null; then
     for tool in memcheck racecheck; do
-      timeout 150 compute-sanitizer --tool $tool --error-exitcode 3 "$tests/test_${m}_cuda" "[sanitize]" \
+      timeout 240 compute-sanitizer --tool $tool --error-exitcode 3 "$tests/test_${m}_cuda" "[sanitize]" \
         >/tmp/sanitizer_${m}_$tool.log 2>&1
       rc=$?
       echo "compute-sanitizer $tool $m: exit $rc -- $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY|No tests ran|FAILED|passed' /tmp/sanitizer_${m}_$tool.log | tail -2 | tr '\n' ' ')" | tee -a "$out/sanitizer.log"
