@@ -131,6 +131,19 @@ __device__ void warp_layer_norm(const X* x, std::int64_t D, const A* w, const A*
 
 inline constexpr int kLaneRegs = 4;  // channels per lane held in registers: head dims up to 32 * kLaneRegs
 
+// x / n for a count n >= 1. A power of two n (every head dim the register forms see in practice) gives
+// the product with its reciprocal 2^-k, built from the exponent bits: x / 2^k and x * 2^-k are both the
+// correctly rounded x 2^-k, so bitwise equal (subnormal results too, with no flush to zero), and the
+// product skips the division's Newton steps and slow-path check.
+template <class A>
+__device__ inline A divide_by_count(A x, std::int64_t n) {
+  if constexpr (std::is_same_v<A, float>) {
+    if (n > 0 && (n & (n - 1)) == 0)
+      return x * __int_as_float((127 - (__ffsll(n) - 1)) << 23);
+  }
+  return x / static_cast<A>(n);
+}
+
 // warp_layer_norm on a row held in registers (lane l holds channels l + 32 e, e < kLaneRegs; slots
 // past D are ignored): the same operations in the same order, so both forms give bitwise the same
 // row. D <= 32 * kLaneRegs.
@@ -140,7 +153,7 @@ __device__ void warp_layer_norm_regs(A (&x)[kLaneRegs], std::int64_t D, const A*
 #pragma unroll
   for (int e = 0; e < kLaneRegs; ++e)
     if (lane + 32 * e < D) sum += x[e];
-  const A mean = warp_sum(sum) / static_cast<A>(D);
+  const A mean = divide_by_count(warp_sum(sum), D);
   A var = A(0);
 #pragma unroll
   for (int e = 0; e < kLaneRegs; ++e) {
@@ -149,7 +162,7 @@ __device__ void warp_layer_norm_regs(A (&x)[kLaneRegs], std::int64_t D, const A*
       var += c * c;
     }
   }
-  const A inv = A(1) / sqrt(warp_sum(var) / static_cast<A>(D) + eps);
+  const A inv = A(1) / sqrt(divide_by_count(warp_sum(var), D) + eps);
 #pragma unroll
   for (int e = 0; e < kLaneRegs; ++e) {
     const int d = lane + 32 * e;
@@ -172,23 +185,63 @@ __device__ inline A gated_value(bool merge_gate_values, A g, A v) {
   return merge_gate_values ? g * v : v;
 }
 
+// bf16::from_float of a and b packed as a | b << 16 (round to nearest even, a NaN keeps its sign and
+// payload with the quiet bit set): one hardware conversion for both, except when either is a NaN, where
+// the hardware gives the canonical NaN instead.
+__device__ inline std::uint32_t bf16_pair_bits(float a, float b) {
+  if (isnan(a) || isnan(b)) return bf16::from_float(a) | std::uint32_t(bf16::from_float(b)) << 16;
+  return ptx::pack_bf16(a, b);
+}
+
+// The storage copy of a row held in registers (layout of warp_layer_norm_regs) to row[d], d < n:
+// store_as<S> per channel. For bf16, two channels per hardware conversion (bf16_pair_bits), and with
+// lo (tensor-core routing's khat_lo, nullptr without it) the bf16 remainder x - bf16(x) as well, as
+// store_readout_key gives it.
+template <class S, class A>
+__device__ inline void store_row_regs(S* row, bf16* lo, const A (&x)[kLaneRegs], int n, int lane) {
+  if constexpr (std::is_same_v<S, bf16> && std::is_same_v<A, float> && kLaneRegs % 2 == 0) {
+#pragma unroll
+    for (int e = 0; e < kLaneRegs; e += 2) {
+      const int d = lane + 32 * e;
+      const std::uint32_t hi = bf16_pair_bits(x[e], x[e + 1]);
+      if (d < n) row[d] = bf16::from_bits(static_cast<std::uint16_t>(hi));
+      if (d + 32 < n) row[d + 32] = bf16::from_bits(static_cast<std::uint16_t>(hi >> 16));
+      if (lo == nullptr) continue;
+      const std::uint32_t rem =
+          bf16_pair_bits(x[e] - __uint_as_float(hi << 16), x[e + 1] - __uint_as_float(hi & 0xffff0000u));
+      if (d < n) lo[d] = bf16::from_bits(static_cast<std::uint16_t>(rem));
+      if (d + 32 < n) lo[d + 32] = bf16::from_bits(static_cast<std::uint16_t>(rem >> 16));
+    }
+  } else {
+#pragma unroll
+    for (int e = 0; e < kLaneRegs; ++e) {
+      const int d = lane + 32 * e;
+      if (d >= n) continue;
+      const S h = store_as<S>(x[e]);
+      row[d] = h;
+      if (lo != nullptr) lo[d] = store_as<bf16>(x[e] - load_as<A>(h));
+    }
+  }
+}
+
 // K^_j, V^_j of slot sj (spec 4.4 steps 1-2) from its sums Sk (k) and Sv (v) in registers (layout
 // of warp_layer_norm_regs), its rho and cnt: no round trip through memory. D, Dv <= 32 * kLaneRegs.
+// The stores are those of store_readout_key and refresh_slot, channel for channel.
 template <class S, class A>
 __device__ void warp_refresh_regs(const DeviceState<S, A>& st, std::int64_t sj, const A (&k)[kLaneRegs],
                                   const A (&v)[kLaneRegs], A rho, A cnt, int lane) {
-  const std::int64_t D = st.D, Dv = st.Dv;
+  const int D = static_cast<int>(st.D), Dv = static_cast<int>(st.Dv);
   A kh[kLaneRegs];
 #pragma unroll
   for (int e = 0; e < kLaneRegs; ++e) kh[e] = k[e];
-  warp_layer_norm_regs(kh, D, st.ln_w, st.ln_b, st.eps, lane);
+  warp_layer_norm_regs(kh, st.D, st.ln_w, st.ln_b, st.eps, lane);
+  if (!st.tc_route) {  // tensor-core routing reads khat + khat_lo instead
+    A* k32 = st.khat32 + sj * st.D;
 #pragma unroll
-  for (int e = 0; e < kLaneRegs; ++e) {
-    const int d = lane + 32 * e;
-    if (d >= D) continue;
-    if (!st.tc_route) st.khat32[sj * D + d] = kh[e];  // tensor-core routing reads khat + khat_lo instead
-    store_readout_key(st, sj, d, kh[e]);
+    for (int e = 0; e < kLaneRegs; ++e)
+      if (lane + 32 * e < D) k32[lane + 32 * e] = kh[e];
   }
+  store_row_regs(st.khat + sj * st.D, st.khat_lo != nullptr ? st.khat_lo + sj * st.D : nullptr, kh, D, lane);
   A f;
   if (st.value_radius) {
     A sq = A(0);
@@ -201,11 +254,10 @@ __device__ void warp_refresh_regs(const DeviceState<S, A>& st, std::int64_t sj, 
   } else {
     f = A(1) / cnt;
   }
+  A vh[kLaneRegs];
 #pragma unroll
-  for (int e = 0; e < kLaneRegs; ++e) {
-    const int d = lane + 32 * e;
-    if (d < Dv) st.vhat[sj * Dv + d] = store_as<S>(v[e] * f);
-  }
+  for (int e = 0; e < kLaneRegs; ++e) vh[e] = v[e] * f;
+  store_row_regs(st.vhat + sj * st.Dv, static_cast<bf16*>(nullptr), vh, Dv, lane);
 }
 
 // refresh_slot with a warp: K^_j = LN_s(Sk_j) into khat32/khat, V^_j (spec 4.4 steps 1-2). Head dims
