@@ -8,6 +8,7 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <cstddef>
 #include <cstdint>
 #include <type_traits>
 
@@ -146,14 +147,14 @@ __device__ inline A divide_by_count(A x, std::int64_t n) {
 
 // warp_layer_norm on a row held in registers (lane l holds channels l + 32 e, e < kLaneRegs; slots
 // past D are ignored): the same operations in the same order, so both forms give bitwise the same
-// row. D <= 32 * kLaneRegs.
+// row. D <= 32 * kLaneRegs. This part: the mean and 1 / sqrt(var + eps).
 template <class A>
-__device__ void warp_layer_norm_regs(A (&x)[kLaneRegs], std::int64_t D, const A* w, const A* b, A eps, int lane) {
+__device__ void warp_layer_norm_stats(const A (&x)[kLaneRegs], std::int64_t D, A eps, int lane, A& mean, A& inv) {
   A sum = A(0);
 #pragma unroll
   for (int e = 0; e < kLaneRegs; ++e)
     if (lane + 32 * e < D) sum += x[e];
-  const A mean = divide_by_count(warp_sum(sum), D);
+  mean = divide_by_count(warp_sum(sum), D);
   A var = A(0);
 #pragma unroll
   for (int e = 0; e < kLaneRegs; ++e) {
@@ -162,11 +163,39 @@ __device__ void warp_layer_norm_regs(A (&x)[kLaneRegs], std::int64_t D, const A*
       var += c * c;
     }
   }
-  const A inv = A(1) / sqrt(divide_by_count(warp_sum(var), D) + eps);
+  inv = A(1) / sqrt(divide_by_count(warp_sum(var), D) + eps);
+}
+
+template <class A>
+__device__ void warp_layer_norm_regs(A (&x)[kLaneRegs], std::int64_t D, const A* w, const A* b, A eps, int lane) {
+  A mean, inv;
+  warp_layer_norm_stats(x, D, eps, lane, mean, inv);
 #pragma unroll
   for (int e = 0; e < kLaneRegs; ++e) {
     const int d = lane + 32 * e;
     if (d < D) x[e] = w[d] * ((x[e] - mean) * inv) + b[d];
+  }
+}
+
+// LN_s weight and bias of one channel side by side: a block that normalizes many rows keeps a copy of
+// them in shared memory and reads both with one 8-byte load (for float).
+template <class A>
+struct alignas(2 * sizeof(A)) LnWeight {
+  A w, b;
+};
+
+// warp_layer_norm_regs with the weights and biases from such a copy: the same formula.
+template <class A>
+__device__ void warp_layer_norm_regs(A (&x)[kLaneRegs], std::int64_t D, const LnWeight<A>* wb, A eps, int lane) {
+  A mean, inv;
+  warp_layer_norm_stats(x, D, eps, lane, mean, inv);
+#pragma unroll
+  for (int e = 0; e < kLaneRegs; ++e) {
+    const int d = lane + 32 * e;
+    if (d < D) {
+      const LnWeight<A> p = wb[d];
+      x[e] = p.w * ((x[e] - mean) * inv) + p.b;
+    }
   }
 }
 
@@ -189,7 +218,7 @@ __device__ inline A gated_value(bool merge_gate_values, A g, A v) {
 // payload with the quiet bit set): one hardware conversion for both, except when either is a NaN, where
 // the hardware gives the canonical NaN instead.
 __device__ inline std::uint32_t bf16_pair_bits(float a, float b) {
-  if (isnan(a) || isnan(b)) return bf16::from_float(a) | std::uint32_t(bf16::from_float(b)) << 16;
+  if (a != a || b != b) return bf16::from_float(a) | std::uint32_t(bf16::from_float(b)) << 16;
   return ptx::pack_bf16(a, b);
 }
 
@@ -227,14 +256,18 @@ __device__ inline void store_row_regs(S* row, bf16* lo, const A (&x)[kLaneRegs],
 // K^_j, V^_j of slot sj (spec 4.4 steps 1-2) from its sums Sk (k) and Sv (v) in registers (layout
 // of warp_layer_norm_regs), its rho and cnt: no round trip through memory. D, Dv <= 32 * kLaneRegs.
 // The stores are those of store_readout_key and refresh_slot, channel for channel.
-template <class S, class A>
+// wb: a copy of the LN_s weights in shared memory (const LnWeight<A>*), or none: read st.ln_w and st.ln_b.
+template <class S, class A, class Ln = std::nullptr_t>
 __device__ void warp_refresh_regs(const DeviceState<S, A>& st, std::int64_t sj, const A (&k)[kLaneRegs],
-                                  const A (&v)[kLaneRegs], A rho, A cnt, int lane) {
+                                  const A (&v)[kLaneRegs], A rho, A cnt, int lane, Ln wb = nullptr) {
   const int D = static_cast<int>(st.D), Dv = static_cast<int>(st.Dv);
   A kh[kLaneRegs];
 #pragma unroll
   for (int e = 0; e < kLaneRegs; ++e) kh[e] = k[e];
-  warp_layer_norm_regs(kh, st.D, st.ln_w, st.ln_b, st.eps, lane);
+  if constexpr (std::is_same_v<Ln, std::nullptr_t>)
+    warp_layer_norm_regs(kh, st.D, st.ln_w, st.ln_b, st.eps, lane);
+  else
+    warp_layer_norm_regs(kh, st.D, wb, st.eps, lane);
   if (!st.tc_route) {  // tensor-core routing reads khat + khat_lo instead
     A* k32 = st.khat32 + sj * st.D;
 #pragma unroll
@@ -715,6 +748,7 @@ struct ScatterTokens {
   const int* target;
   const S* const* vrow;
   const A* gate;
+  const LnWeight<A>* ln;  // the LN_s weights, copied once per block
 };
 
 // Loads the gated key and value rows of tokens list[b, b + kScatterBatch) routed to slot s (rows past
@@ -758,11 +792,13 @@ __device__ void scatter_begin(const DeviceState<S, A>& st, std::int64_t i, std::
   s.cnt = st.cnt[s.sj];
   int n = 0;
   __syncwarp();  // the lanes are done reading `list` for the warp's previous slot
-  for (std::int64_t cb = c_first - c_first % 32; cb < C; cb += 32) {
-    const std::int64_t c = cb + lane;
-    const bool hit = c < C && tokens.target[c] == j;
+  // 32-bit indices: targets are ints, C <= the chunk
+  const int c_end = static_cast<int>(C), target = static_cast<int>(j);
+  for (int cb = c_first - c_first % 32; cb < c_end; cb += 32) {
+    const int c = cb + lane;
+    const bool hit = c < c_end && tokens.target[c] == target;
     const unsigned m = __ballot_sync(0xffffffffu, hit);
-    if (hit) list[n + __popc(m & ((1u << lane) - 1u))] = static_cast<int>(c);
+    if (hit) list[n + __popc(m & ((1u << lane) - 1u))] = c;
     n += __popc(m);
   }
   __syncwarp();
@@ -798,7 +834,7 @@ __device__ void scatter_finish(const DeviceState<S, A>& st, std::int64_t i, cons
     if (d < Dv) st.sv[s.sj * Dv + d] = s.v[e];
   }
   if (lane == 0) st.cnt[s.sj] = s.cnt;
-  warp_refresh_regs(st, s.sj, s.k, s.v, s.rho, s.cnt, lane);
+  warp_refresh_regs(st, s.sj, s.k, s.v, s.rho, s.cnt, lane, tokens.ln);
 }
 
 // Update step 4 scatter over the touched slots only (those some token was routed to; at most C).
@@ -816,8 +852,9 @@ __global__ void __launch_bounds__(32 * kWarpsPerBlock, kInRegisters ? 3 : 4)
                                   std::int64_t per_block) {
   extern __shared__ unsigned char smem_raw[];
   const std::int64_t i = blockIdx.x, C = st.C;
-  const S** vrow = reinterpret_cast<const S**>(smem_raw);  // [C]
-  A* gate = reinterpret_cast<A*>(vrow + C);                // [C]
+  LnWeight<A>* ln = reinterpret_cast<LnWeight<A>*>(smem_raw);  // register form: [D]
+  const S** vrow = reinterpret_cast<const S**>(ln + (kInRegisters ? st.D : 0));  // [C]
+  A* gate = reinterpret_cast<A*>(vrow + C);                                      // [C]
   int* target = reinterpret_cast<int*>(gate + C);          // [C]
   int* first = target + C;           // [per_block] first[j - lo]: the first token routed to slot j, C if none
   int* touched = first + per_block;  // [min(per_block, C)] j - lo of the touched slots
@@ -832,6 +869,8 @@ __global__ void __launch_bounds__(32 * kWarpsPerBlock, kInRegisters ? 3 : 4)
       gate[c] = token_gate(st, i, a + c);
     }
   }
+  if (kInRegisters)
+    for (std::int64_t d = threadIdx.x; d < st.D; d += blockDim.x) ln[d] = LnWeight<A>{st.ln_w[d], st.ln_b[d]};
   for (std::int64_t s = threadIdx.x; s < per_block; s += blockDim.x) first[s] = static_cast<int>(C);
   if (threadIdx.x == 0) *n_touched = 0;
   __syncthreads();
@@ -850,7 +889,7 @@ __global__ void __launch_bounds__(32 * kWarpsPerBlock, kInRegisters ? 3 : 4)
     for (int p = warp; p < n; p += kWarpsPerBlock)
       scatter_into_slot(st, i, lo + touched[p], target, a, first[touched[p]], lane);
   } else {
-    const ScatterTokens<S, A> tokens{target, vrow, gate};
+    const ScatterTokens<S, A> tokens{target, vrow, gate, ln};
     int* list = lists + std::int64_t(warp) * kScatterSlots * C;
     for (int p = warp; p < n; p += kScatterSlots * kWarpsPerBlock) {
       ScatterSlot<A> x[kScatterSlots];
@@ -872,7 +911,8 @@ std::size_t scatter_touched_bytes(const DeviceState<S, A>& st, std::int64_t per_
   const std::int64_t C = st.C, touched = per_block < C ? per_block : C;
   std::size_t bytes = std::size_t(C) * (sizeof(const S*) + sizeof(A) + sizeof(int)) +
                       std::size_t(per_block + touched + 1) * sizeof(int);
-  if (scatter_in_registers(st)) bytes += std::size_t(kWarpsPerBlock * kScatterSlots) * std::size_t(C) * sizeof(int);
+  if (scatter_in_registers(st))
+    bytes += std::size_t(st.D) * sizeof(LnWeight<A>) + std::size_t(kWarpsPerBlock * kScatterSlots) * std::size_t(C) * sizeof(int);
   return bytes;
 }
 
