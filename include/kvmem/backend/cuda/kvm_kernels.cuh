@@ -8,6 +8,7 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <cstddef>
 #include <cstdint>
 #include <type_traits>
 
@@ -131,16 +132,28 @@ __device__ void warp_layer_norm(const X* x, std::int64_t D, const A* w, const A*
 
 inline constexpr int kLaneRegs = 4;  // channels per lane held in registers: head dims up to 32 * kLaneRegs
 
+// x / n for a count n >= 1. A power of two n (every head dim the register forms see in practice) gives
+// the product with its reciprocal 2^-k, built from the exponent bits: x / 2^k and x * 2^-k are both the
+// correctly rounded x 2^-k, so bitwise equal (subnormal results too, with no flush to zero), and the
+// product skips the division's Newton steps and slow-path check.
+template <class A>
+__device__ inline A divide_by_count(A x, std::int64_t n) {
+  if constexpr (std::is_same_v<A, float>) {
+    if (n > 0 && (n & (n - 1)) == 0) return x * __int_as_float((127 - (__ffsll(n) - 1)) << 23);
+  }
+  return x / static_cast<A>(n);
+}
+
 // warp_layer_norm on a row held in registers (lane l holds channels l + 32 e, e < kLaneRegs; slots
 // past D are ignored): the same operations in the same order, so both forms give bitwise the same
-// row. D <= 32 * kLaneRegs.
+// row. D <= 32 * kLaneRegs. This part: the mean and 1 / sqrt(var + eps).
 template <class A>
-__device__ void warp_layer_norm_regs(A (&x)[kLaneRegs], std::int64_t D, const A* w, const A* b, A eps, int lane) {
+__device__ void warp_layer_norm_stats(const A (&x)[kLaneRegs], std::int64_t D, A eps, int lane, A& mean, A& inv) {
   A sum = A(0);
 #pragma unroll
   for (int e = 0; e < kLaneRegs; ++e)
     if (lane + 32 * e < D) sum += x[e];
-  const A mean = warp_sum(sum) / static_cast<A>(D);
+  mean = divide_by_count(warp_sum(sum), D);
   A var = A(0);
 #pragma unroll
   for (int e = 0; e < kLaneRegs; ++e) {
@@ -149,11 +162,39 @@ __device__ void warp_layer_norm_regs(A (&x)[kLaneRegs], std::int64_t D, const A*
       var += c * c;
     }
   }
-  const A inv = A(1) / sqrt(warp_sum(var) / static_cast<A>(D) + eps);
+  inv = A(1) / sqrt(divide_by_count(warp_sum(var), D) + eps);
+}
+
+template <class A>
+__device__ void warp_layer_norm_regs(A (&x)[kLaneRegs], std::int64_t D, const A* w, const A* b, A eps, int lane) {
+  A mean, inv;
+  warp_layer_norm_stats(x, D, eps, lane, mean, inv);
 #pragma unroll
   for (int e = 0; e < kLaneRegs; ++e) {
     const int d = lane + 32 * e;
     if (d < D) x[e] = w[d] * ((x[e] - mean) * inv) + b[d];
+  }
+}
+
+// LN_s weight and bias of one channel side by side: a block that normalizes many rows keeps a copy of
+// them in shared memory and reads both with one 8-byte load (for float).
+template <class A>
+struct alignas(2 * sizeof(A)) LnWeight {
+  A w, b;
+};
+
+// warp_layer_norm_regs with the weights and biases from such a copy: the same formula.
+template <class A>
+__device__ void warp_layer_norm_regs(A (&x)[kLaneRegs], std::int64_t D, const LnWeight<A>* wb, A eps, int lane) {
+  A mean, inv;
+  warp_layer_norm_stats(x, D, eps, lane, mean, inv);
+#pragma unroll
+  for (int e = 0; e < kLaneRegs; ++e) {
+    const int d = lane + 32 * e;
+    if (d < D) {
+      const LnWeight<A> p = wb[d];
+      x[e] = p.w * ((x[e] - mean) * inv) + p.b;
+    }
   }
 }
 
@@ -172,23 +213,67 @@ __device__ inline A gated_value(bool merge_gate_values, A g, A v) {
   return merge_gate_values ? g * v : v;
 }
 
+// bf16::from_float of a and b packed as a | b << 16 (round to nearest even, a NaN keeps its sign and
+// payload with the quiet bit set): one hardware conversion for both, except when either is a NaN, where
+// the hardware gives the canonical NaN instead.
+__device__ inline std::uint32_t bf16_pair_bits(float a, float b) {
+  if (a != a || b != b) return bf16::from_float(a) | std::uint32_t(bf16::from_float(b)) << 16;
+  return ptx::pack_bf16(a, b);
+}
+
+// The storage copy of a row held in registers (layout of warp_layer_norm_regs) to row[d], d < n:
+// store_as<S> per channel. For bf16, two channels per hardware conversion (bf16_pair_bits), and with
+// lo (tensor-core routing's khat_lo, nullptr without it) the bf16 remainder x - bf16(x) as well, as
+// store_readout_key gives it.
+template <class S, class A>
+__device__ inline void store_row_regs(S* row, bf16* lo, const A (&x)[kLaneRegs], int n, int lane) {
+  if constexpr (std::is_same_v<S, bf16> && std::is_same_v<A, float> && kLaneRegs % 2 == 0) {
+#pragma unroll
+    for (int e = 0; e < kLaneRegs; e += 2) {
+      const int d = lane + 32 * e;
+      const std::uint32_t hi = bf16_pair_bits(x[e], x[e + 1]);
+      if (d < n) row[d] = bf16::from_bits(static_cast<std::uint16_t>(hi));
+      if (d + 32 < n) row[d + 32] = bf16::from_bits(static_cast<std::uint16_t>(hi >> 16));
+      if (lo == nullptr) continue;
+      const std::uint32_t rem =
+          bf16_pair_bits(x[e] - __uint_as_float(hi << 16), x[e + 1] - __uint_as_float(hi & 0xffff0000u));
+      if (d < n) lo[d] = bf16::from_bits(static_cast<std::uint16_t>(rem));
+      if (d + 32 < n) lo[d + 32] = bf16::from_bits(static_cast<std::uint16_t>(rem >> 16));
+    }
+  } else {
+#pragma unroll
+    for (int e = 0; e < kLaneRegs; ++e) {
+      const int d = lane + 32 * e;
+      if (d >= n) continue;
+      const S h = store_as<S>(x[e]);
+      row[d] = h;
+      if (lo != nullptr) lo[d] = store_as<bf16>(x[e] - load_as<A>(h));
+    }
+  }
+}
+
 // K^_j, V^_j of slot sj (spec 4.4 steps 1-2) from its sums Sk (k) and Sv (v) in registers (layout
 // of warp_layer_norm_regs), its rho and cnt: no round trip through memory. D, Dv <= 32 * kLaneRegs.
-template <class S, class A>
+// The stores are those of store_readout_key and refresh_slot, channel for channel.
+// wb: a copy of the LN_s weights in shared memory (const LnWeight<A>*), or none: read st.ln_w and st.ln_b.
+template <class S, class A, class Ln = std::nullptr_t>
 __device__ void warp_refresh_regs(const DeviceState<S, A>& st, std::int64_t sj, const A (&k)[kLaneRegs],
-                                  const A (&v)[kLaneRegs], A rho, A cnt, int lane) {
-  const std::int64_t D = st.D, Dv = st.Dv;
+                                  const A (&v)[kLaneRegs], A rho, A cnt, int lane, Ln wb = nullptr) {
+  const int D = static_cast<int>(st.D), Dv = static_cast<int>(st.Dv);
   A kh[kLaneRegs];
 #pragma unroll
   for (int e = 0; e < kLaneRegs; ++e) kh[e] = k[e];
-  warp_layer_norm_regs(kh, D, st.ln_w, st.ln_b, st.eps, lane);
+  if constexpr (std::is_same_v<Ln, std::nullptr_t>)
+    warp_layer_norm_regs(kh, st.D, st.ln_w, st.ln_b, st.eps, lane);
+  else
+    warp_layer_norm_regs(kh, st.D, wb, st.eps, lane);
+  if (!st.tc_route) {  // tensor-core routing reads khat + khat_lo instead
+    A* k32 = st.khat32 + sj * st.D;
 #pragma unroll
-  for (int e = 0; e < kLaneRegs; ++e) {
-    const int d = lane + 32 * e;
-    if (d >= D) continue;
-    if (!st.tc_route) st.khat32[sj * D + d] = kh[e];  // tensor-core routing reads khat + khat_lo instead
-    store_readout_key(st, sj, d, kh[e]);
+    for (int e = 0; e < kLaneRegs; ++e)
+      if (lane + 32 * e < D) k32[lane + 32 * e] = kh[e];
   }
+  store_row_regs(st.khat + sj * st.D, st.khat_lo != nullptr ? st.khat_lo + sj * st.D : nullptr, kh, D, lane);
   A f;
   if (st.value_radius) {
     A sq = A(0);
@@ -201,11 +286,10 @@ __device__ void warp_refresh_regs(const DeviceState<S, A>& st, std::int64_t sj, 
   } else {
     f = A(1) / cnt;
   }
+  A vh[kLaneRegs];
 #pragma unroll
-  for (int e = 0; e < kLaneRegs; ++e) {
-    const int d = lane + 32 * e;
-    if (d < Dv) st.vhat[sj * Dv + d] = store_as<S>(v[e] * f);
-  }
+  for (int e = 0; e < kLaneRegs; ++e) vh[e] = v[e] * f;
+  store_row_regs(st.vhat + sj * st.Dv, static_cast<bf16*>(nullptr), vh, Dv, lane);
 }
 
 // refresh_slot with a warp: K^_j = LN_s(Sk_j) into khat32/khat, V^_j (spec 4.4 steps 1-2). Head dims
@@ -643,6 +727,8 @@ __global__ void update_scatter_kernel(DeviceState<S, A> st, std::int64_t a, std:
 // rows 32.7, four slots of one row 34.9, two slots of two rows 35.9, one slot of four rows 35.7 (the
 // larger ones need more registers, so fewer warps fit); beginning each slot right after the one two
 // before it finishes (a rolling pipeline of two) lost too, 32.3 ms at eight slots a warp against 30.8.
+// Refreshing a warp's two slots together (their LN and value-radius reductions side by side) lost as
+// well: 64.2 us a scatter launch against 63.0 at fixed-256 32K, 77.7 against 76.4 at 16 sqrt N.
 inline constexpr int kScatterSlots = 2;
 inline constexpr int kScatterBatch = 1;
 
@@ -663,6 +749,7 @@ struct ScatterTokens {
   const int* target;
   const S* const* vrow;
   const A* gate;
+  const LnWeight<A>* ln;  // the LN_s weights, copied once per block
 };
 
 // Loads the gated key and value rows of tokens list[b, b + kScatterBatch) routed to slot s (rows past
@@ -706,11 +793,13 @@ __device__ void scatter_begin(const DeviceState<S, A>& st, std::int64_t i, std::
   s.cnt = st.cnt[s.sj];
   int n = 0;
   __syncwarp();  // the lanes are done reading `list` for the warp's previous slot
-  for (std::int64_t cb = c_first - c_first % 32; cb < C; cb += 32) {
-    const std::int64_t c = cb + lane;
-    const bool hit = c < C && tokens.target[c] == j;
+  // 32-bit indices: targets are ints, C <= the chunk
+  const int c_end = static_cast<int>(C), target = static_cast<int>(j);
+  for (int cb = c_first - c_first % 32; cb < c_end; cb += 32) {
+    const int c = cb + lane;
+    const bool hit = c < c_end && tokens.target[c] == target;
     const unsigned m = __ballot_sync(0xffffffffu, hit);
-    if (hit) list[n + __popc(m & ((1u << lane) - 1u))] = static_cast<int>(c);
+    if (hit) list[n + __popc(m & ((1u << lane) - 1u))] = c;
     n += __popc(m);
   }
   __syncwarp();
@@ -746,7 +835,7 @@ __device__ void scatter_finish(const DeviceState<S, A>& st, std::int64_t i, cons
     if (d < Dv) st.sv[s.sj * Dv + d] = s.v[e];
   }
   if (lane == 0) st.cnt[s.sj] = s.cnt;
-  warp_refresh_regs(st, s.sj, s.k, s.v, s.rho, s.cnt, lane);
+  warp_refresh_regs(st, s.sj, s.k, s.v, s.rho, s.cnt, lane, tokens.ln);
 }
 
 // Update step 4 scatter over the touched slots only (those some token was routed to; at most C).
@@ -764,9 +853,10 @@ __global__ void __launch_bounds__(32 * kWarpsPerBlock, kInRegisters ? 3 : 4)
                                   std::int64_t per_block) {
   extern __shared__ unsigned char smem_raw[];
   const std::int64_t i = blockIdx.x, C = st.C;
-  const S** vrow = reinterpret_cast<const S**>(smem_raw);  // [C]
-  A* gate = reinterpret_cast<A*>(vrow + C);                // [C]
-  int* target = reinterpret_cast<int*>(gate + C);          // [C]
+  LnWeight<A>* ln = reinterpret_cast<LnWeight<A>*>(smem_raw);                    // register form: [D]
+  const S** vrow = reinterpret_cast<const S**>(ln + (kInRegisters ? st.D : 0));  // [C]
+  A* gate = reinterpret_cast<A*>(vrow + C);                                      // [C]
+  int* target = reinterpret_cast<int*>(gate + C);                                // [C]
   int* first = target + C;           // [per_block] first[j - lo]: the first token routed to slot j, C if none
   int* touched = first + per_block;  // [min(per_block, C)] j - lo of the touched slots
   int* n_touched = touched + (per_block < C ? per_block : C);
@@ -780,6 +870,8 @@ __global__ void __launch_bounds__(32 * kWarpsPerBlock, kInRegisters ? 3 : 4)
       gate[c] = token_gate(st, i, a + c);
     }
   }
+  if (kInRegisters)
+    for (std::int64_t d = threadIdx.x; d < st.D; d += blockDim.x) ln[d] = LnWeight<A>{st.ln_w[d], st.ln_b[d]};
   for (std::int64_t s = threadIdx.x; s < per_block; s += blockDim.x) first[s] = static_cast<int>(C);
   if (threadIdx.x == 0) *n_touched = 0;
   __syncthreads();
@@ -798,7 +890,7 @@ __global__ void __launch_bounds__(32 * kWarpsPerBlock, kInRegisters ? 3 : 4)
     for (int p = warp; p < n; p += kWarpsPerBlock)
       scatter_into_slot(st, i, lo + touched[p], target, a, first[touched[p]], lane);
   } else {
-    const ScatterTokens<S, A> tokens{target, vrow, gate};
+    const ScatterTokens<S, A> tokens{target, vrow, gate, ln};
     int* list = lists + std::int64_t(warp) * kScatterSlots * C;
     for (int p = warp; p < n; p += kScatterSlots * kWarpsPerBlock) {
       ScatterSlot<A> x[kScatterSlots];
@@ -820,7 +912,9 @@ std::size_t scatter_touched_bytes(const DeviceState<S, A>& st, std::int64_t per_
   const std::int64_t C = st.C, touched = per_block < C ? per_block : C;
   std::size_t bytes = std::size_t(C) * (sizeof(const S*) + sizeof(A) + sizeof(int)) +
                       std::size_t(per_block + touched + 1) * sizeof(int);
-  if (scatter_in_registers(st)) bytes += std::size_t(kWarpsPerBlock * kScatterSlots) * std::size_t(C) * sizeof(int);
+  if (scatter_in_registers(st))
+    bytes += std::size_t(st.D) * sizeof(LnWeight<A>) +
+             std::size_t(kWarpsPerBlock * kScatterSlots) * std::size_t(C) * sizeof(int);
   return bytes;
 }
 
