@@ -277,20 +277,28 @@ TEST_CASE("kvm cuda bf16 storage agrees with the host backend at a paper-like sh
 
 // Grouped-query decode at D = 128: the query heads of a KV head share a block (4, 2 or 1 per block by
 // the group size; 8 take two blocks of 4) when the rows fill the device (kvm_kernels.cuh,
-// decode_heads_per_block): B = 16 at 8 query heads is 128 rows, which an H200 (132 SMs) groups.
-// Per-head temperatures catch a head mixed up with its neighbour; the decode steps cross the first
-// update, so both slots and window are read, over several cluster splits. Decode keeps the
-// probabilities in fp32 while the tensor-core prefill rounds them to bf16 (see the paper-like test):
-// the two agree to bf16 precision, and a wrong head would be off by O(1).
+// decode_heads_per_block). The batch is sized from this device's multiprocessors so that they do, on
+// any GPU (an H200, 132 SMs: B = 9 at 8 query heads), and the test checks that the kernel it meant to
+// reach is the one chosen. Per-head temperatures catch a head mixed up with its neighbour; the decode
+// steps cross the first update, so both slots and window are read, over several cluster splits. Decode
+// keeps the probabilities in fp32 while the tensor-core prefill rounds them to bf16 (see the paper-like
+// test): the two agree to bf16 precision, and a wrong head would be off by O(1).
 void check_grouped_decode(std::int64_t hq, std::int64_t hk, std::int64_t T, std::int64_t decode_from, bool with_host) {
-  rkvm::Config c = small_config(16, T, hq, hk, 128, 128, kvmem::budget::Power{16.0, 0.5, 256});
+  namespace kd = kvmem::cuda::kvm_detail;
+  int sm_count = 0;
+  KVMEM_CUDA_REQUIRE(cudaDeviceGetAttribute(&sm_count, cudaDevAttrMultiProcessorCount, 0));
+  const std::int64_t resident = std::int64_t(kd::kDecodeBlocksPerSm) * sm_count;
+  const std::int64_t B = resident / (kd::kDecodeMaxCluster * hq) + 1;  // B hq kDecodeMaxCluster > resident
+  const int rep = static_cast<int>(hq / hk), expected_heads = rep % 4 == 0 ? 4 : rep % 2 == 0 ? 2 : 1;
+  INFO("Hq " << hq << " Hk " << hk << " B " << B);
+  REQUIRE(kd::decode_heads_per_block(B * hq, rep, resident) == expected_heads);
+  rkvm::Config c = small_config(B, T, hq, hk, 128, 128, kvmem::budget::Power{16.0, 0.5, 256});
   c.chunk = 256;
   c.rope_dims = 64;
   c.head_temps = true;
   const auto in = random_inputs(c, 40 + std::uint64_t(hk));
   const auto prefilled = cuda_run<kvmem::bf16>(c, in, c.T);
   const auto decoded = cuda_run<kvmem::bf16>(c, in, decode_from);
-  INFO("Hq " << hq << " Hk " << hk);
   CHECK(decoded.route_merge == prefilled.route_merge);
   const double ep = relative_frobenius(decoded.out, prefilled.out);
   INFO("decode vs prefill relative Frobenius " << ep);

@@ -442,19 +442,18 @@ Status update_finish(const Executor& exec, const DeviceState<S, A>& d, const kvm
   const std::int64_t C = p.chunk, a = plan.a, slots = plan.slots, after = plan.after;
   const auto grid = static_cast<unsigned>(items);
   if (plan.n_app < C) {
-    if (a == C) {  // first update: every non-sink slot (see update_scatter_kernel)
-      const dim3 sgrid(grid, static_cast<unsigned>((after - p.sink + kWarpsPerBlock - 1) / kWarpsPerBlock));
-      update_scatter_kernel<S, A>
-          <<<sgrid, 32 * kWarpsPerBlock, std::size_t(C) * sizeof(int), exec.stream>>>(d, a, after);
-    } else if (after > p.sink) {
-      // about eight touched slots per warp (four rounds of kScatterSlots): a block's prologue (the
-      // targets, the first-token table and the touched list) costs a load round trip and three barriers
-      // before its warps start; at B8 H32 fixed-256 32K, 30.9 ms prefill against 31.9 with four slots a
-      // warp and 33.5 with two (12 and 16: within the noise). At most 8192 slots (32 KB of table) a block.
+    if (after > p.sink) {
+      // The first update scatters every non-sink slot, later ones the touched slots only (see
+      // update_scatter_touched_kernel). About eight slots per warp (four rounds of kScatterSlots): a
+      // block's prologue (the targets, the first-token table and the touched list) costs a load round
+      // trip and three barriers before its warps start; at B8 H32 fixed-256 32K, 30.9 ms prefill against
+      // 31.9 with four slots a warp and 33.5 with two (12 and 16: within the noise). At most 8192 slots
+      // (32 KB of table) a block.
       constexpr std::int64_t kSlotsPerWarp = 8;
-      const std::int64_t range = after - p.sink, touched = std::min(C, range);
+      const bool every_slot = a == C;
+      const std::int64_t range = after - p.sink, work = every_slot ? range : std::min(C, range);
       std::int64_t blocks =
-          std::max<std::int64_t>(1, (touched + kSlotsPerWarp * kWarpsPerBlock - 1) / (kSlotsPerWarp * kWarpsPerBlock));
+          std::max<std::int64_t>(1, (work + kSlotsPerWarp * kWarpsPerBlock - 1) / (kSlotsPerWarp * kWarpsPerBlock));
       blocks = std::max<std::int64_t>(blocks, (range + 8191) / 8192);
       const std::int64_t per_block = (range + blocks - 1) / blocks;
       blocks = (range + per_block - 1) / per_block;
@@ -462,7 +461,7 @@ Status update_finish(const Executor& exec, const DeviceState<S, A>& d, const kvm
       const std::size_t bytes = scatter_touched_bytes(d, per_block);
       const auto launch = [&](auto kernel) -> Status {
         KVMEM_RETURN_IF_ERROR(allow_shared(kernel, bytes));
-        kernel<<<sgrid, 32 * kWarpsPerBlock, bytes, exec.stream>>>(d, a, after, per_block);
+        kernel<<<sgrid, 32 * kWarpsPerBlock, bytes, exec.stream>>>(d, a, after, per_block, every_slot);
         return Status::ok();
       };
       if (scatter_in_registers(d))
@@ -470,7 +469,7 @@ Status update_finish(const Executor& exec, const DeviceState<S, A>& d, const kvm
       else
         KVMEM_RETURN_IF_ERROR(launch(update_scatter_touched_kernel<S, A, false>));
     }
-    KVMEM_CUDA_RETURN_IF_LAUNCH_FAILED("kvm update_scatter_kernel");
+    KVMEM_CUDA_RETURN_IF_LAUNCH_FAILED("kvm update_scatter_touched_kernel");
   }
   if (log != nullptr) {  // test hook (spec 2): synchronises, never used on an engine's path
     std::vector<int> targets(std::size_t(items * C));

@@ -165,17 +165,6 @@ __device__ void warp_layer_norm_stats(const A (&x)[kLaneRegs], std::int64_t D, A
   inv = A(1) / sqrt(divide_by_count(warp_sum(var), D) + eps);
 }
 
-template <class A>
-__device__ void warp_layer_norm_regs(A (&x)[kLaneRegs], std::int64_t D, const A* w, const A* b, A eps, int lane) {
-  A mean, inv;
-  warp_layer_norm_stats(x, D, eps, lane, mean, inv);
-#pragma unroll
-  for (int e = 0; e < kLaneRegs; ++e) {
-    const int d = lane + 32 * e;
-    if (d < D) x[e] = w[d] * ((x[e] - mean) * inv) + b[d];
-  }
-}
-
 // LN_s weight and bias of one channel side by side: a block that normalizes many rows keeps a copy of
 // them in shared memory and reads both with one 8-byte load (for float).
 template <class A>
@@ -183,16 +172,30 @@ struct alignas(2 * sizeof(A)) LnWeight {
   A w, b;
 };
 
-// warp_layer_norm_regs with the weights and biases from such a copy: the same formula.
+// The LN_s weights where DeviceState keeps them (two arrays in global memory), read through the same
+// ln[d] -> LnWeight as a block's shared copy (a const LnWeight<A>*): the LN below has one body for both.
 template <class A>
-__device__ void warp_layer_norm_regs(A (&x)[kLaneRegs], std::int64_t D, const LnWeight<A>* wb, A eps, int lane) {
+struct StateLnWeights {
+  const A* w;
+  const A* b;
+  __device__ LnWeight<A> operator[](std::int64_t d) const { return {w[d], b[d]}; }
+};
+
+template <class S, class A>
+__device__ StateLnWeights<A> state_ln(const DeviceState<S, A>& st) {
+  return {st.ln_w, st.ln_b};
+}
+
+// LN_s of a row held in registers (lane l holds channels l + 32 e). ln: StateLnWeights or a shared copy.
+template <class A, class Ln>
+__device__ void warp_layer_norm_regs(A (&x)[kLaneRegs], std::int64_t D, const Ln& ln, A eps, int lane) {
   A mean, inv;
   warp_layer_norm_stats(x, D, eps, lane, mean, inv);
 #pragma unroll
   for (int e = 0; e < kLaneRegs; ++e) {
     const int d = lane + 32 * e;
     if (d < D) {
-      const LnWeight<A> p = wb[d];
+      const LnWeight<A> p = ln[d];
       x[e] = p.w * ((x[e] - mean) * inv) + p.b;
     }
   }
@@ -255,18 +258,15 @@ __device__ inline void store_row_regs(S* row, bf16* lo, const A (&x)[kLaneRegs],
 // K^_j, V^_j of slot sj (spec 4.4 steps 1-2) from its sums Sk (k) and Sv (v) in registers (layout
 // of warp_layer_norm_regs), its rho and cnt: no round trip through memory. D, Dv <= 32 * kLaneRegs.
 // The stores are those of store_readout_key and refresh_slot, channel for channel.
-// wb: a copy of the LN_s weights in shared memory (const LnWeight<A>*), or none: read st.ln_w and st.ln_b.
-template <class S, class A, class Ln = std::nullptr_t>
+// ln: the LN_s weights, state_ln(st) or a block's copy in shared memory (const LnWeight<A>*).
+template <class S, class A, class Ln>
 __device__ void warp_refresh_regs(const DeviceState<S, A>& st, std::int64_t sj, const A (&k)[kLaneRegs],
-                                  const A (&v)[kLaneRegs], A rho, A cnt, int lane, Ln wb = nullptr) {
+                                  const A (&v)[kLaneRegs], A rho, A cnt, const Ln& ln, int lane) {
   const int D = static_cast<int>(st.D), Dv = static_cast<int>(st.Dv);
   A kh[kLaneRegs];
 #pragma unroll
   for (int e = 0; e < kLaneRegs; ++e) kh[e] = k[e];
-  if constexpr (std::is_same_v<Ln, std::nullptr_t>)
-    warp_layer_norm_regs(kh, st.D, st.ln_w, st.ln_b, st.eps, lane);
-  else
-    warp_layer_norm_regs(kh, st.D, wb, st.eps, lane);
+  warp_layer_norm_regs(kh, st.D, ln, st.eps, lane);
   if (!st.tc_route) {  // tensor-core routing reads khat + khat_lo instead
     A* k32 = st.khat32 + sj * st.D;
 #pragma unroll
@@ -305,7 +305,7 @@ __device__ void warp_refresh_slot(const DeviceState<S, A>& st, std::int64_t i, s
       k[e] = d < st.D ? st.sk[sj * st.D + d] : A(0);
       v[e] = d < st.Dv ? st.sv[sj * st.Dv + d] : A(0);
     }
-    warp_refresh_regs(st, sj, k, v, st.rho[sj], st.cnt[sj], lane);
+    warp_refresh_regs(st, sj, k, v, st.rho[sj], st.cnt[sj], state_ln(st), lane);
     return;
   }
   A* k32 = st.khat32 + sj * st.D;
@@ -367,7 +367,7 @@ __global__ void ingest_kernel(DeviceState<S, A> st, const In* k, const In* v, co
       kr[e] = d < st.D && d >= st.rope_dims ? load_as<A>(wk[d]) : A(0);  // spec 4.2 step 1
       vr[e] = d < st.Dv ? load_as<A>(wv[d]) : A(0);
     }
-    warp_layer_norm_regs(kr, st.D, st.ln_w, st.ln_b, st.eps, lane);
+    warp_layer_norm_regs(kr, st.D, state_ln(st), st.eps, lane);
     A sq = A(0);
 #pragma unroll
     for (int e = 0; e < kLaneRegs; ++e) {
@@ -395,7 +395,7 @@ __global__ void ingest_kernel(DeviceState<S, A> st, const In* k, const In* v, co
       st.rho[sj] = rho;
       st.cnt[sj] = A(1);
     }
-    warp_refresh_regs(st, sj, kr, vr, rho, A(1), lane);
+    warp_refresh_regs(st, sj, kr, vr, rho, A(1), state_ln(st), lane);
     return;
   }
   if (lane != 0) return;
@@ -448,7 +448,7 @@ __global__ void update_prepare_kernel(DeviceState<S, A> st, std::int64_t a, bool
       const int d = lane + 32 * e;
       x[e] = d < D && d >= st.rope_dims ? load_as<A>(kr[d]) : A(0);  // spec 4.2 step 1
     }
-    warp_layer_norm_regs(x, D, st.ln_w, st.ln_b, st.eps, lane);
+    warp_layer_norm_regs(x, D, state_ln(st), st.eps, lane);
   } else {
     for (std::int64_t d = lane; d < D; d += 32) k0[d] = d < st.rope_dims ? A(0) : load_as<A>(kr[d]);
     warp_layer_norm(k0, D, st.ln_w, st.ln_b, st.eps, k0, lane);
@@ -608,85 +608,18 @@ __global__ void update_route_kernel(DeviceState<S, A> st, std::int64_t slots_aft
   if (c < C && st.target[i * C + c] != -1) st.target[i * C + c] = arg;
 }
 
-// Adds the tokens routed to slot j (token order, lanes split the channels) and refreshes its readout.
-// Tokens at or after c_first are scanned (c_first: the first token routed to j, or 0).
+// Adds the tokens routed to slot j (token order, lanes split the channels, read-modify-write of the
+// sums per token) and refreshes its readout: the memory form of the scatter, for head dims above 128
+// (scatter_in_registers). Tokens at or after c_first are scanned (c_first: the first token routed to j,
+// or C if none).
 template <class S, class A>
 __device__ void scatter_into_slot(const DeviceState<S, A>& st, std::int64_t i, std::int64_t j, const int* target,
-                                  std::int64_t a, std::int64_t c_first, int lane) {
+                                  std::int64_t c_first, int lane) {
   const std::int64_t C = st.C, D = st.D, Dv = st.Dv, sj = i * st.cap + j;
-  // the tokens of 32-token group `base` routed to j, as a warp-uniform mask
-  const auto group = [&](std::int64_t base) {
-    const std::int64_t cc = base + lane;
-    return __ballot_sync(0xffffffffu, cc >= c_first && cc < C && target[cc] == j);
-  };
-  std::int64_t cb = c_first - c_first % 32;
-  if (scatter_in_registers(st)) {
-    // Sums in registers (one load and one store per slot, not a read-modify-write per token), and
-    // the routed rows fetched kBatch at a time, all loads of a batch issued before its adds. The adds
-    // keep token order, so the sums are bitwise those of the memory form below.
-    constexpr int kBatch = 2;
-    A k[kLaneRegs], v[kLaneRegs];
-#pragma unroll
-    for (int e = 0; e < kLaneRegs; ++e) {
-      const int d = lane + 32 * e;
-      k[e] = d < D ? st.sk[sj * D + d] : A(0);
-      v[e] = d < Dv ? st.sv[sj * Dv + d] : A(0);
-    }
-    const A rho = st.rho[sj];
-    A cnt = st.cnt[sj], added = A(0);
-    unsigned m = group(cb);
-    for (;;) {
-      std::int64_t tok[kBatch];
-#pragma unroll
-      for (int u = 0; u < kBatch; ++u) {
-        while (m == 0u && cb + 32 < C) {
-          cb += 32;
-          m = group(cb);
-        }
-        tok[u] = m != 0u ? cb + (__ffs(m) - 1) : -1;
-        m &= m - 1u;
-      }
-      if (tok[0] < 0) break;
-      A kt[kBatch][kLaneRegs], vt[kBatch][kLaneRegs];
-#pragma unroll
-      for (int u = 0; u < kBatch; ++u) {
-        // token tok[u] is position a + tok[u], still in the ring (the next chunk enters it after the
-        // scatter) or in the call's inputs
-        const S* vrow = tok[u] >= 0 ? token_value(st, i, a + tok[u]) : nullptr;
-        const A g = tok[u] >= 0 ? token_gate(st, i, a + tok[u]) : A(0);
-#pragma unroll
-        for (int e = 0; e < kLaneRegs; ++e) {
-          const int d = lane + 32 * e;
-          kt[u][e] = tok[u] >= 0 && d < D ? st.kg[(i * C + tok[u]) * D + d] : A(0);
-          const A x = tok[u] >= 0 && d < Dv ? load_as<A>(vrow[d]) : A(0);
-          vt[u][e] = gated_value(st.merge_gate_values, g, x);
-        }
-      }
-#pragma unroll
-      for (int u = 0; u < kBatch; ++u) {
-        if (tok[u] < 0) break;
-#pragma unroll
-        for (int e = 0; e < kLaneRegs; ++e) {
-          k[e] += kt[u][e];
-          v[e] += vt[u][e];
-        }
-        added += A(1);
-      }
-    }
-    cnt += added;
-#pragma unroll
-    for (int e = 0; e < kLaneRegs; ++e) {
-      const int d = lane + 32 * e;
-      if (d < D) st.sk[sj * D + d] = k[e];
-      if (d < Dv) st.sv[sj * Dv + d] = v[e];
-    }
-    if (lane == 0) st.cnt[sj] = cnt;
-    warp_refresh_regs(st, sj, k, v, rho, cnt, lane);
-    return;
-  }
   A added = A(0);
-  for (; cb < C; cb += 32) {
-    unsigned m = group(cb);
+  for (std::int64_t cb = c_first - c_first % 32; cb < C; cb += 32) {
+    const std::int64_t cc = cb + lane;
+    unsigned m = __ballot_sync(0xffffffffu, cc >= c_first && cc < C && target[cc] == j);
     while (m != 0u) {
       const std::int64_t c = cb + (__ffs(m) - 1);
       m &= m - 1u;
@@ -698,24 +631,6 @@ __device__ void scatter_into_slot(const DeviceState<S, A>& st, std::int64_t i, s
   if (lane == 0) st.cnt[sj] += added;
   __syncwarp();
   warp_refresh_slot(st, i, j, lane);
-}
-
-// Update step 4 scatter over every slot j >= sink (one warp per slot; a slot nothing was routed to
-// is refreshed unchanged). Used by the first update, whose slots may have been founded with the
-// one-thread refresh (head dims above 128): after it every non-sink slot carries the warp refresh, so later updates may
-// skip untouched slots bit-exactly. grid (I, ceil((slots_after - sink) / kWarpsPerBlock)), block 32 * kWarpsPerBlock,
-// smem C ints.
-template <class S, class A>
-__global__ void update_scatter_kernel(DeviceState<S, A> st, std::int64_t a, std::int64_t slots_after) {
-  extern __shared__ unsigned char smem_raw[];
-  int* target = reinterpret_cast<int*>(smem_raw);
-  const std::int64_t i = blockIdx.x, C = st.C;
-  for (std::int64_t c = threadIdx.x; c < C; c += blockDim.x) target[c] = st.target[i * C + c];
-  __syncthreads();
-  const int lane = threadIdx.x % 32;
-  const std::int64_t j = st.sink + std::int64_t(blockIdx.y) * kWarpsPerBlock + threadIdx.x / 32;
-  if (j >= slots_after) return;
-  scatter_into_slot(st, i, j, target, a, 0, lane);
 }
 
 // The register-form scatter of the touched slots (head dims up to 128). A warp begins kScatterSlots
@@ -835,22 +750,24 @@ __device__ void scatter_finish(const DeviceState<S, A>& st, std::int64_t i, cons
     if (d < Dv) st.sv[s.sj * Dv + d] = s.v[e];
   }
   if (lane == 0) st.cnt[s.sj] = s.cnt;
-  warp_refresh_regs(st, s.sj, s.k, s.v, s.rho, s.cnt, lane, tokens.ln);
+  warp_refresh_regs(st, s.sj, s.k, s.v, s.rho, s.cnt, tokens.ln, lane);
 }
 
-// Update step 4 scatter over the touched slots only (those some token was routed to; at most C).
-// Block y covers the non-sink slots [lo, lo + per_block): it finds the first token routed to each
-// (an integer atomicMin: the same result in any order), lists the touched ones (in any order: each
-// is one warp's work, independent of the others) and deals them to its warps, kScatterSlots at a time
-// in the register form (kInRegisters: head dims up to 128; the two slots' registers allow three
-// blocks per SM). Bitwise the same sums and readouts as update_scatter_kernel (untouched slots would
-// be refreshed unchanged).
+// Update step 4 scatter. Block y covers the non-sink slots [lo, lo + per_block): it finds the first
+// token routed to each (an integer atomicMin: the same result in any order) and deals its slots to its
+// warps, kScatterSlots at a time in the register form (kInRegisters: head dims up to 128; the two
+// slots' registers allow three blocks per SM), one at a time in the memory form (scatter_into_slot).
+// Later updates take only the touched slots (those some token was routed to; at most C, listed in any
+// order: each is one warp's work, independent of the others): an untouched slot's readout would be
+// refreshed unchanged. The first update (every_slot) takes every slot: its slots may have been founded
+// with the one-thread refresh (head dims above 128), and after it every non-sink slot carries the warp
+// refresh, so later updates may skip untouched slots bit-exactly.
 // grid (I, ceil((slots_after - sink) / per_block)), block 32 * kWarpsPerBlock, smem
 // scatter_touched_bytes(st, per_block).
 template <class S, class A, bool kInRegisters>
 __global__ void __launch_bounds__(32 * kWarpsPerBlock, kInRegisters ? 3 : 4)
     update_scatter_touched_kernel(DeviceState<S, A> st, std::int64_t a, std::int64_t slots_after,
-                                  std::int64_t per_block) {
+                                  std::int64_t per_block, bool every_slot) {
   extern __shared__ unsigned char smem_raw[];
   const std::int64_t i = blockIdx.x, C = st.C;
   LnWeight<A>* ln = reinterpret_cast<LnWeight<A>*>(smem_raw);                    // register form: [D]
@@ -858,7 +775,7 @@ __global__ void __launch_bounds__(32 * kWarpsPerBlock, kInRegisters ? 3 : 4)
   A* gate = reinterpret_cast<A*>(vrow + C);                                      // [C]
   int* target = reinterpret_cast<int*>(gate + C);                                // [C]
   int* first = target + C;           // [per_block] first[j - lo]: the first token routed to slot j, C if none
-  int* touched = first + per_block;  // [min(per_block, C)] j - lo of the touched slots
+  int* touched = first + per_block;  // [min(per_block, C)] j - lo of the touched slots (not every_slot)
   int* n_touched = touched + (per_block < C ? per_block : C);
   int* lists = n_touched + 1;  // register form: [kWarpsPerBlock][kScatterSlots C] the tokens of a warp's slots
   const std::int64_t lo = st.sink + std::int64_t(blockIdx.y) * per_block;
@@ -871,7 +788,7 @@ __global__ void __launch_bounds__(32 * kWarpsPerBlock, kInRegisters ? 3 : 4)
     }
   }
   if (kInRegisters)
-    for (std::int64_t d = threadIdx.x; d < st.D; d += blockDim.x) ln[d] = LnWeight<A>{st.ln_w[d], st.ln_b[d]};
+    for (std::int64_t d = threadIdx.x; d < st.D; d += blockDim.x) ln[d] = state_ln(st)[d];
   for (std::int64_t s = threadIdx.x; s < per_block; s += blockDim.x) first[s] = static_cast<int>(C);
   if (threadIdx.x == 0) *n_touched = 0;
   __syncthreads();
@@ -880,15 +797,19 @@ __global__ void __launch_bounds__(32 * kWarpsPerBlock, kInRegisters ? 3 : 4)
     if (t >= lo && t < hi) atomicMin(first + (t - lo), static_cast<int>(c));
   }
   __syncthreads();
-  for (std::int64_t c = threadIdx.x; c < C; c += blockDim.x) {
-    const int t = target[c];
-    if (t >= lo && t < hi && first[t - lo] == c) touched[atomicAdd(n_touched, 1)] = static_cast<int>(t - lo);
+  if (every_slot) {
+    if (threadIdx.x == 0) *n_touched = static_cast<int>(hi - lo);
+  } else {
+    for (std::int64_t c = threadIdx.x; c < C; c += blockDim.x) {
+      const int t = target[c];
+      if (t >= lo && t < hi && first[t - lo] == c) touched[atomicAdd(n_touched, 1)] = static_cast<int>(t - lo);
+    }
   }
   __syncthreads();
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, n = *n_touched;
+  const auto slot = [&](int p) { return every_slot ? p : touched[p]; };  // j - lo of the block's p-th slot
   if constexpr (!kInRegisters) {
-    for (int p = warp; p < n; p += kWarpsPerBlock)
-      scatter_into_slot(st, i, lo + touched[p], target, a, first[touched[p]], lane);
+    for (int p = warp; p < n; p += kWarpsPerBlock) scatter_into_slot(st, i, lo + slot(p), target, first[slot(p)], lane);
   } else {
     const ScatterTokens<S, A> tokens{target, vrow, gate, ln};
     int* list = lists + std::int64_t(warp) * kScatterSlots * C;
@@ -897,7 +818,7 @@ __global__ void __launch_bounds__(32 * kWarpsPerBlock, kInRegisters ? 3 : 4)
 #pragma unroll
       for (int u = 0; u < kScatterSlots; ++u) {
         const int q = p + u * kWarpsPerBlock;
-        if (q < n) scatter_begin(st, i, lo + touched[q], first[touched[q]], tokens, list + u * C, x[u], lane);
+        if (q < n) scatter_begin(st, i, lo + slot(q), first[slot(q)], tokens, list + u * C, x[u], lane);
       }
 #pragma unroll
       for (int u = 0; u < kScatterSlots; ++u)
