@@ -620,4 +620,28 @@ inline std::string gpu_backend_reason(Backend b, [[maybe_unused]] const std::str
 #endif
 }
 
+// The adapters one mechanism's file (run_kvm.hpp, run_ua.hpp) was built with: its KVMEM_REPLAY_WITH_*
+// flags, and the headers whose absence leaves the reference and host adapters out.
+struct BuiltAdapters {
+  bool reference, host, kokkos;
+  const char* reference_header;
+  const char* host_header;
+};
+
+// Why backend b cannot replay `mechanism` in this build, or "" when it can.
+inline std::string unavailable_reason(Backend b, const std::string& mechanism, const BuiltAdapters& built) {
+  const auto absent = [](const char* header) { return std::string(header) + " was not present when it was built"; };
+  switch (b) {
+    case Backend::kReference:
+      return built.reference ? "" : not_built(b, absent(built.reference_header));
+    case Backend::kHost:
+      return built.host ? "" : not_built(b, absent(built.host_header));
+    case Backend::kKokkos:
+      return built.kokkos ? "" : not_built(b, gpu_backend_reason(b, mechanism));
+    case Backend::kCuda:
+      return not_built(b, gpu_backend_reason(b, mechanism));
+  }
+  return "";
+}
+
 }  // namespace kvmem::replay

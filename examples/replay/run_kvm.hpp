@@ -489,27 +489,10 @@ inline std::string skip_reason(const std::string& name, const Case& /*c*/, Backe
 inline void run(const Options& opt, const Case& c, Outputs& outputs) {
   const Spec spec = parse_config(c.config);
   const Inputs inputs = load_inputs(c, spec);
-  std::string unavailable;
-  switch (opt.backend) {
-    case Backend::kReference:
-#if !KVMEM_REPLAY_WITH_REFERENCE_KVM
-      unavailable = not_built(opt.backend, "include/kvmem/reference/kvm.hpp was not present when it was built");
-#endif
-      break;
-    case Backend::kHost:
-#if !KVMEM_REPLAY_WITH_HOST_KVM
-      unavailable = not_built(opt.backend, "include/kvmem/backend/host/kvm.hpp was not present when it was built");
-#endif
-      break;
-    case Backend::kKokkos:
-#if !KVMEM_REPLAY_WITH_KOKKOS_KVM
-      unavailable = not_built(opt.backend, gpu_backend_reason(opt.backend, "kvm"));
-#endif
-      break;
-    case Backend::kCuda:
-      unavailable = not_built(opt.backend, gpu_backend_reason(opt.backend, "kvm"));
-      break;
-  }
+  const std::string unavailable =
+      unavailable_reason(opt.backend, "kvm",
+                         {KVMEM_REPLAY_WITH_REFERENCE_KVM != 0, KVMEM_REPLAY_WITH_HOST_KVM != 0, KVMEM_REPLAY_WITH_KOKKOS_KVM != 0,
+                          "include/kvmem/reference/kvm.hpp", "include/kvmem/backend/host/kvm.hpp"});
   if (!unavailable.empty()) throw BadInput(unavailable);
 
   Progress progress(!opt.quiet, std::string("kvm/") + to_string(opt.backend));

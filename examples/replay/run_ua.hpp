@@ -462,27 +462,10 @@ inline std::string skip_reason(const std::string& name, const Case& /*c*/, Backe
 inline void run(const Options& opt, const Case& c, Outputs& outputs) {
   const Spec spec = parse_config(c.config);
   const Inputs inputs = load_inputs(c, spec);
-  std::string unavailable;
-  switch (opt.backend) {
-    case Backend::kReference:
-#if !KVMEM_REPLAY_WITH_REFERENCE_UA
-      unavailable = not_built(opt.backend, "include/kvmem/reference/ua.hpp was not present when it was built");
-#endif
-      break;
-    case Backend::kHost:
-#if !KVMEM_REPLAY_WITH_HOST_UA
-      unavailable = not_built(opt.backend, "include/kvmem/backend/host/ua.hpp was not present when it was built");
-#endif
-      break;
-    case Backend::kKokkos:
-#if !KVMEM_REPLAY_WITH_KOKKOS_UA
-      unavailable = not_built(opt.backend, gpu_backend_reason(opt.backend, "ua"));
-#endif
-      break;
-    case Backend::kCuda:
-      unavailable = not_built(opt.backend, gpu_backend_reason(opt.backend, "ua"));
-      break;
-  }
+  const std::string unavailable =
+      unavailable_reason(opt.backend, "ua",
+                         {KVMEM_REPLAY_WITH_REFERENCE_UA != 0, KVMEM_REPLAY_WITH_HOST_UA != 0, KVMEM_REPLAY_WITH_KOKKOS_UA != 0,
+                          "include/kvmem/reference/ua.hpp", "include/kvmem/backend/host/ua.hpp"});
   if (!unavailable.empty()) throw BadInput(unavailable);
 
   Progress progress(!opt.quiet, std::string("ua/") + to_string(opt.backend));

@@ -317,7 +317,7 @@ TEST_CASE("kvm cuda bf16 grouped-query decode (2, 4 and 8 query heads per KV hea
   for (const auto& [hq, hk] : shapes) check_grouped_decode(hq, hk, 700, 500, true);
 }
 
-TEST_CASE("kvm cuda bf16 grouped-query decode, 4 query heads per block, short", "[kvm][cuda][sanitize]") {
+TEST_CASE("kvm cuda bf16 grouped-query decode with 4 query heads per block (short)", "[kvm][cuda][sanitize]") {
   if (no_device()) return;
   check_grouped_decode(8, 2, 540, 500, false);
 }
