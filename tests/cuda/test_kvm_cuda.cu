@@ -207,18 +207,7 @@ TEST_CASE("kvm cuda fp32 matches every public golden file", "[kvm][cuda][golden]
     const auto in = inputs_from_golden(g);
     SECTION(g.name) {
       const auto r = cuda_run<float>(c, in, c.T);
-      CHECK(r.slots == g.shape("state_k")[2]);
-      KVMEM_CHECK_CLOSE(r.state_k, g.f64("state_k"), kTolFp32);
-      KVMEM_CHECK_CLOSE(r.state_v, g.f64("state_v"), kTolFp32);
-      KVMEM_CHECK_CLOSE(r.state_rho, g.f64("state_rho"), kTolFp32);
-      const auto updates = g.config.at("updates").get<std::size_t>();
-      REQUIRE(r.route_merge.size() == updates);
-      if (updates > 0) CHECK(r.slots_after_update == g.i64("slots_after_update"));
-      for (std::size_t u = 1; u <= updates; ++u) {
-        INFO(g.name << " update " << u);
-        CHECK(r.route_append[u - 1] == g.i64("route_append_u" + std::to_string(u)));
-        CHECK(r.route_merge[u - 1] == g.i64("route_merge_u" + std::to_string(u)));
-      }
+      check_state_and_routes(g, r, kTolFp32);
       if (g.has("out")) {
         KVMEM_CHECK_CLOSE(r.out, g.f64("out"), kTolFp32);
         const auto split = g.config.at("decode_split").get<std::int64_t>();

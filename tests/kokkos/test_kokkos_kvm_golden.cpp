@@ -28,18 +28,7 @@ TEST_CASE("kokkos kvm fp32 matches every public golden file", "[kokkos][kvm][gol
         KVMEM_CHECK_CLOSE(r.out, g.f64("out"), kTolFp32);
         std::cout << " out " << deviation(r.out, g.f64("out")).relative();
       }
-      CHECK(r.slots == g.shape("state_k")[2]);
-      KVMEM_CHECK_CLOSE(r.state_k, g.f64("state_k"), kTolFp32);
-      KVMEM_CHECK_CLOSE(r.state_v, g.f64("state_v"), kTolFp32);
-      KVMEM_CHECK_CLOSE(r.state_rho, g.f64("state_rho"), kTolFp32);
-      CHECK(r.slots_after_update == g.i64("slots_after_update"));
-      const auto U = g.config.at("updates").get<std::int64_t>();
-      REQUIRE(std::int64_t(r.route_append.size()) == U);
-      for (std::int64_t u = 1; u <= U; ++u) {
-        INFO("update " << u);
-        CHECK(r.route_append[std::size_t(u - 1)] == g.i64("route_append_u" + std::to_string(u)));
-        CHECK(r.route_merge[std::size_t(u - 1)] == g.i64("route_merge_u" + std::to_string(u)));
-      }
+      check_state_and_routes(g, r, kTolFp32);
       if (has_q) {
         HostResult fin;
         const auto od = kokkos_prefill_then_decode<float>(c, in, g.config.at("decode_split").get<std::int64_t>(), &fin);

@@ -67,6 +67,27 @@ inline rkvm::Inputs inputs_from_golden(const Golden& g) {
   return in;
 }
 
+// What every backend's golden test checks of a prefill's state: the slot count; the slots' K, V and
+// rho (golden rule: max |x - ref| <= tol max(1, max |ref|)); |S| after the updates and both routes of
+// every update, exactly. Result: any type with HostResult's fields (slots, state_k, state_v, state_rho,
+// slots_after_update, route_append, route_merge).
+template <class Result>
+void check_state_and_routes(const Golden& g, const Result& r, double tol) {
+  CHECK(r.slots == g.shape("state_k")[2]);
+  KVMEM_CHECK_CLOSE(r.state_k, g.f64("state_k"), tol);
+  KVMEM_CHECK_CLOSE(r.state_v, g.f64("state_v"), tol);
+  KVMEM_CHECK_CLOSE(r.state_rho, g.f64("state_rho"), tol);
+  const auto updates = g.config.at("updates").get<std::size_t>();
+  REQUIRE(r.route_append.size() == updates);
+  REQUIRE(r.route_merge.size() == updates);
+  if (updates > 0) CHECK(r.slots_after_update == g.i64("slots_after_update"));
+  for (std::size_t u = 1; u <= updates; ++u) {
+    INFO(g.name << " update " << u);
+    CHECK(r.route_append[u - 1] == g.i64("route_append_u" + std::to_string(u)));
+    CHECK(r.route_merge[u - 1] == g.i64("route_merge_u" + std::to_string(u)));
+  }
+}
+
 // Random problem: q, k, v ~ N(0,1) (keys scaled so that routing margins are comfortable),
 // gate = 1 + elu(N(0,1)) > 0, LN affine ~ N(1,0.2)/N(0,0.2), tau ~ U(0.5,1.5) (the golden recipe).
 inline rkvm::Inputs random_inputs(const rkvm::Config& c, std::uint64_t seed) {

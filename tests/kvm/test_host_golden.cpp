@@ -38,18 +38,7 @@ TEST_CASE("kvm host fp32 matches every public golden file", "[kvm][golden]") {
       } else {
         WARN(g.name << ": has_q_out = false, output and decode not checked (state-only case)");
       }
-      CHECK(r.slots == g.shape("state_k")[2]);
-      KVMEM_CHECK_CLOSE(r.state_k, g.f64("state_k"), kTolFp32);
-      KVMEM_CHECK_CLOSE(r.state_v, g.f64("state_v"), kTolFp32);
-      KVMEM_CHECK_CLOSE(r.state_rho, g.f64("state_rho"), kTolFp32);
-      CHECK(r.slots_after_update == g.i64("slots_after_update"));
-      const auto U = g.config.at("updates").get<std::int64_t>();
-      REQUIRE(std::int64_t(r.route_append.size()) == U);
-      for (std::int64_t u = 1; u <= U; ++u) {
-        INFO("update " << u);
-        CHECK(r.route_append[std::size_t(u - 1)] == g.i64("route_append_u" + std::to_string(u)));
-        CHECK(r.route_merge[std::size_t(u - 1)] == g.i64("route_merge_u" + std::to_string(u)));
-      }
+      check_state_and_routes(g, r, kTolFp32);
       // decision margins of the test hook against the golden's (fp32 vs fp64 logits)
       const double gm = g.f64("route_margin_min").at(0), ga = g.f64("append_margin_min").at(0);
       CHECK(std::abs(r.merge_margin - gm) <= 1e-4 * std::max(1.0, std::abs(gm)));

@@ -28,18 +28,7 @@ TEST_CASE("kvm reference matches every public golden file", "[kvm][golden]") {
       } else {
         WARN(g.name << ": has_q_out = false, output and decode not checked (state-only case)");
       }
-      CHECK(r.slots == g.shape("state_k")[2]);
-      KVMEM_CHECK_CLOSE(r.state_k, g.f64("state_k"), kTol);
-      KVMEM_CHECK_CLOSE(r.state_v, g.f64("state_v"), kTol);
-      KVMEM_CHECK_CLOSE(r.state_rho, g.f64("state_rho"), kTol);
-      CHECK(r.slots_after_update == g.i64("slots_after_update"));
-      const auto U = g.config.at("updates").get<std::int64_t>();
-      REQUIRE(std::int64_t(r.route_append.size()) == U);
-      for (std::int64_t u = 1; u <= U; ++u) {
-        INFO("update " << u);
-        CHECK(r.route_append[std::size_t(u - 1)] == g.i64("route_append_u" + std::to_string(u)));
-        CHECK(r.route_merge[std::size_t(u - 1)] == g.i64("route_merge_u" + std::to_string(u)));
-      }
+      check_state_and_routes(g, r, kTol);
       if (has_q) {
         const auto split = g.config.at("decode_split").get<std::int64_t>();
         const auto od = rkvm::prefill_then_decode(c, in, split);
