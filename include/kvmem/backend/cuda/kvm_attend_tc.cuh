@@ -27,12 +27,13 @@ inline constexpr int kTcRows = 16 * kTcWarps;  // query rows per block: 64 a war
 inline constexpr int kTcKeys = 64;             // keys per tile
 inline constexpr int kTcThreads = 32 * kTcWarps;
 // Blocks per SM the registers are budgeted for. wgmma: 2 (127 registers; S, P and the O rows of a
-// warpgroup's 64 rows take 112 per thread). Two warpgroups of each of two blocks interleave softmax
-// and products, and an SM keeps room for the update kernels that run beside a prefill's readout. A
+// warpgroup's 64 rows take 112 per thread): the two warpgroups of each of two blocks interleave
+// softmax and products, and an SM keeps room for the update kernels that run beside a prefill's
+// readout. On the H200 (fixed-256 32K, per chunk readout): 88 us at two blocks, 116 us at one. A
 // pipelined variant (P_{k-1} V_{k-1} in flight during the softmax of tile k, FlashAttention-3's
-// intra-warpgroup overlap) needs a second P and S in registers: 210 registers, one block per SM, and
-// it measured slower (readout 114 vs 91 us a fixed-256 32K chunk, prefill 30.4 vs 24.6 ms; results
-// kvm_cuda_2026-11-30_h200_wgmma.md). mma.sync: 1 (197 registers).
+// intra-warpgroup overlap) keeps a second P and the next S in registers: 210 registers and one block
+// per SM, 114 us; squeezed to two blocks it spills, 137 us (results kvm_cuda_2026-11-30_h200_wgmma.md).
+// mma.sync: 1 (197 registers).
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
 inline constexpr int kTcMinBlocks = 2;
 #else
