@@ -769,7 +769,7 @@ Status kvm_run(const Executor& exec, KvmState<S, A>& state, const KvmWeights& w,
           } else if (detach) {  // a window that starts before this call: the ring, in chain order
             KVMEM_RETURN_IF_ERROR(chain_waits_aux(0));
           }
-          readout.tc<<<static_cast<unsigned>(grid), 32 * kTcWarps, readout.tc_bytes, on>>>(d, src, q.data(), out.data(),
+          readout.tc<<<static_cast<unsigned>(grid), kTcThreads, readout.tc_bytes, on>>>(d, src, q.data(), out.data(),
                                                                                          T, n0, t0, t1, wb, readout_slots);
           KVMEM_CUDA_RETURN_IF_LAUNCH_FAILED("kvm attend_tc_kernel");
           if (snapshot) {

@@ -2,7 +2,8 @@
 #pragma once
 // The inline-PTX pieces the kernels of both mechanisms build on (sm_80+: mma.sync m16n8k16 with bf16
 // operands, ldmatrix, cp.async; sm_70+: ld.acquire, fence.acq_rel, the approximate math instructions;
-// sm_90: griddepcontrol). One copy, so a fix to an operand constraint or a clobber reaches every kernel.
+// sm_90: griddepcontrol; sm_90a: wgmma). One copy, so a fix to an operand constraint or a clobber
+// reaches every kernel.
 //
 // Shared-memory reads and writes issued by these wrappers carry a "memory" clobber: the compiler must
 // not move ordinary shared-memory accesses across an asynchronous copy, its wait, or an ldmatrix.
@@ -84,6 +85,108 @@ __device__ inline void mma_bf16_16816(float (&d)[4], const std::uint32_t (&a)[4]
       : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
+
+// Warpgroup MMA (sm_90a only: wgmma is an arch-specific feature, so these exist where the compiler
+// defines __CUDA_ARCH_FEAT_SM90_ALL; callers guard on the same macro). The four warps of a warpgroup
+// issue one m64nNk16 product together; it runs asynchronously on the tensor cores, reading its B
+// operand (and A, for the _ss forms) from shared memory through a matrix descriptor, and its
+// accumulators are the registers' D fragments: warp w of the warpgroup holds rows 16 w + lane / 4 and
+// + 8, columns 8 i + 2 (lane % 4) + {0, 1} in d[i][0..1] and d[i][2..3] (the mma.sync m16n8 layout
+// repeated over the N / 8 column tiles). A from registers has the m16n8k16 A fragment layout.
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+// Descriptor of an operand in the 128-byte swizzle layout: 8-row atoms of 128-byte rows (64 bf16), the
+// 16-byte chunk j of row r stored at chunk j ^ (r % 8), every atom 1024-byte aligned (the hardware
+// swizzles on address bits, so a start address advanced by 32 bytes inside a row selects the next k16
+// slice). K-major (no transpose): sbo = the step between 8-row groups, lbo unused. MN-major
+// (transposed): lbo = the step between 64-element column blocks, sbo = the step between 8-row groups.
+__device__ inline std::uint64_t wgmma_desc_sw128(unsigned smem_addr, unsigned lbo, unsigned sbo) {
+  return std::uint64_t((smem_addr & 0x3FFFFu) >> 4) | (std::uint64_t(lbo >> 4) << 16) |
+         (std::uint64_t(sbo >> 4) << 32) | (std::uint64_t(1) << 62);
+}
+// Orders this thread's register writes (accumulators, A fragments) before the wgmma that reads them.
+__device__ inline void wgmma_fence() {
+  asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+}
+__device__ inline void wgmma_commit() {
+  asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+}
+// Waits until at most kPending committed wgmma groups are still running.
+template <int kPending>
+__device__ inline void wgmma_wait() {
+  asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(kPending) : "memory");
+}
+// Keeps the compiler from moving reads or writes of registers an asynchronous wgmma owns across the
+// issue or the wait (CUTLASS's warpgroup_fence_operand): call it on the accumulators and A fragments
+// after the wait, and on the accumulators before the issue.
+template <int kN>
+__device__ inline void wgmma_fence_operands(float (&d)[kN][4]) {
+#pragma unroll
+  for (int i = 0; i < kN; ++i)
+#pragma unroll
+    for (int j = 0; j < 4; ++j) asm volatile("" : "+f"(d[i][j])::"memory");
+}
+template <int kN>
+__device__ inline void wgmma_fence_operands(std::uint32_t (&a)[kN][4]) {
+#pragma unroll
+  for (int i = 0; i < kN; ++i)
+#pragma unroll
+    for (int j = 0; j < 4; ++j) asm volatile("" : "+r"(a[i][j])::"memory");
+}
+// Generic-proxy writes to shared memory (cp.async, st.shared) -> visible to the async proxy that
+// wgmma reads its shared-memory operands through; then a barrier publishes them to the warpgroups.
+__device__ inline void fence_proxy_async_shared() {
+  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+}
+// d (+)= a b, A and B from shared memory, both K-major; accumulate = 0 overwrites d.
+__device__ inline void wgmma_m64n64k16_ss(float (&d)[8][4], std::uint64_t a_desc, std::uint64_t b_desc,
+                                          int accumulate) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 "
+      "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%"
+      "30,%31}, %32, %33, p, 1, 1, 0, 0;\n}\n"
+      : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]),
+        "+f"(d[1][3]), "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]), "+f"(d[3][0]), "+f"(d[3][1]),
+        "+f"(d[3][2]), "+f"(d[3][3]), "+f"(d[4][0]), "+f"(d[4][1]), "+f"(d[4][2]), "+f"(d[4][3]), "+f"(d[5][0]),
+        "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]), "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]),
+        "+f"(d[7][0]), "+f"(d[7][1]), "+f"(d[7][2]), "+f"(d[7][3])
+      : "l"(a_desc), "l"(b_desc), "r"(accumulate));
+}
+// d += a b, A from registers, B from shared memory MN-major (transposed: rows of B are the k index);
+// the scale-d predicate is set (always accumulate).
+__device__ inline void wgmma_m64n64k16_rs_mn(float (&d)[8][4], const std::uint32_t (&a)[4], std::uint64_t b_desc) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 "
+      "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%"
+      "30,%31}, {%32,%33,%34,%35}, %36, p, 1, 1, 1;\n}\n"
+      : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]),
+        "+f"(d[1][3]), "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]), "+f"(d[3][0]), "+f"(d[3][1]),
+        "+f"(d[3][2]), "+f"(d[3][3]), "+f"(d[4][0]), "+f"(d[4][1]), "+f"(d[4][2]), "+f"(d[4][3]), "+f"(d[5][0]),
+        "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]), "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]),
+        "+f"(d[7][0]), "+f"(d[7][1]), "+f"(d[7][2]), "+f"(d[7][3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b_desc), "r"(1));
+}
+__device__ inline void wgmma_m64n128k16_rs_mn(float (&d)[16][4], const std::uint32_t (&a)[4], std::uint64_t b_desc) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 "
+      "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%"
+      "30,%31,%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47,%48,%49,%50,%51,%52,%53,%54,%55,%56,%57,%"
+      "58,%59,%60,%61,%62,%63}, {%64,%65,%66,%67}, %68, p, 1, 1, 1;\n}\n"
+      : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]),
+        "+f"(d[1][3]), "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]), "+f"(d[3][0]), "+f"(d[3][1]),
+        "+f"(d[3][2]), "+f"(d[3][3]), "+f"(d[4][0]), "+f"(d[4][1]), "+f"(d[4][2]), "+f"(d[4][3]), "+f"(d[5][0]),
+        "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]), "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]),
+        "+f"(d[7][0]), "+f"(d[7][1]), "+f"(d[7][2]), "+f"(d[7][3]), "+f"(d[8][0]), "+f"(d[8][1]), "+f"(d[8][2]),
+        "+f"(d[8][3]), "+f"(d[9][0]), "+f"(d[9][1]), "+f"(d[9][2]), "+f"(d[9][3]), "+f"(d[10][0]), "+f"(d[10][1]),
+        "+f"(d[10][2]), "+f"(d[10][3]), "+f"(d[11][0]), "+f"(d[11][1]), "+f"(d[11][2]), "+f"(d[11][3]), "+f"(d[12][0]),
+        "+f"(d[12][1]), "+f"(d[12][2]), "+f"(d[12][3]), "+f"(d[13][0]), "+f"(d[13][1]), "+f"(d[13][2]), "+f"(d[13][3]),
+        "+f"(d[14][0]), "+f"(d[14][1]), "+f"(d[14][2]), "+f"(d[14][3]), "+f"(d[15][0]), "+f"(d[15][1]), "+f"(d[15][2]),
+        "+f"(d[15][3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b_desc), "r"(1));
+}
+#endif  // __CUDA_ARCH_FEAT_SM90_ALL
 
 // Two floats -> one register of two bf16 (lo at the lower address), round to nearest even.
 __device__ inline std::uint32_t pack_bf16(float lo, float hi) {
