@@ -34,14 +34,16 @@
 // softmax in registers, O += P V with the probabilities rounded to bf16 (as FlashAttention does). Measured
 // against the earlier shape (two blocks per SM at 254 registers, 64 threads carrying λ between two
 // barriers): 13.8 vs 15.0 ms at B8 H16 G4 D128 8K (results ua_cuda_2026-11-30_h200_dense2.md); with Λ as
-// the accumulators' start: 12.9 ms (ua_cuda_2026-11-30_h200_uadense3.md).
+// the accumulators' start: 12.9 ms (ua_cuda_2026-11-30_h200_uadense3.md); with the key gate and the log1p
+// of the fold on lg2 / ex2 and no mask selects in the fold and the carry of the usual tile: 12.1 ms
+// (ua_cuda_2026-11-30_h200_uadense4.md).
 //
 // The decay of a set made of the built-in gates (any of QueryGate, KeyGate, SimilarityGate) is evaluated in
 // base 2 with the per-key and per-position terms scaled once per entry / row: log2 x = q_m + k_j +
 // (2 n_sim / |set|) log2 c_jm, x = 2^(log2 x), A = log1p(-min(x, 1 - 1e-6)): the spec's x and A (4.1) to
-// within a few ulp of x (as the natural-log fold), log1p within 1.5 ulp, one fused multiply-add per pair
-// instead of a division by |set|, and no branches, so the compiler interleaves the pairs. Any
-// other set goes through the shared fold (kernel/ua_decay.hpp) pair by pair.
+// within a few ulp of x (as the natural-log fold), A within 1.1e-7 absolute (dense_log1p), one fused
+// multiply-add per pair instead of a division by |set|, and no branches, so the compiler interleaves the
+// pairs. Any other set goes through the shared fold (kernel/ua_decay.hpp) pair by pair.
 
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
@@ -104,28 +106,29 @@ struct UaDenseLayout {
   static_assert(kDnBlocksPerSM * (kBytes + 4096) <= 228 * 1024, "the dense UA blocks do not fit an SM");
 };
 
-// log1p(y) for y in (-1, 0], without branches (log1pf's special cases, y <= -1, inf and NaN, cannot occur:
-// y = -min(x, 1 - 1e-6)), so the compiler interleaves the pairs of a tile. Within 1.44 ulp of log1p with
-// the reciprocal exact or 1 ulp off either way (checked on every 7th float of the range against a double
-// log1p; log1pf: 1 ulp). u = 1 + y = 2^e m with m in [sqrt(1/2), sqrt(2)), c = y - (u - 1)
-// the rounding of u (exact); log m = log(1 + f) = f - (f^2/2 - s (f^2/2 + R(s^2))) with s = f / (2 + f) and
-// R(z) = 2z/3 + 2z^2/5 + 2z^3/7 + 2z^4/9 the atanh series (|s| <= 0.172: truncation below 1e-9 relative),
-// the leading f exact so that s and R need only a few digits; log1p(y) = e ln 2 + log m + c / u. c is 0
-// unless u is in (1/2, 1], and there c (2 - u) stands for c / u: off by c (1 - u)^2 / u, at most 0.36 ulp of
-// the result (at u = 1/2) and exact at u = 1, where the term matters most, so no second reciprocal
-// (the MUFU op it saves is a quarter of the fold's; a 1 ulp error of that reciprocal cost 2.3 ulp near 0).
+// log1p(y) for y in [-(1 - 1e-6), 0]: u = 1 + y and c = y - (u - 1), the rounding of u (exact: u - 1 is exact
+// for u in [1/2, 1], and u itself below 1/2, where c = 0), then log1p(y) = log(u) + log(1 + c / u) with
+// log(u) = ln 2 lg2.approx(u) and c / u as c (2 - u) (off by c (1 - u)^2 / u, below 2^-25). lg2.approx's
+// error is absolute, 2^-22.6: the result is within 1.1e-7 of log1p (absolute; relative only where |A| is
+// above about 0.1) and at most 0. What it feeds is the λ carry, a sum of A whose own
+// rounding is ulp(λ) / 2 per row, 1.2e-7 once |λ| reaches 2: an absolute error of 1.1e-7 per A is of that
+// order, and moves a softmax weight by 1.1e-7 relative per row of decay, far below the rounding of the
+// probabilities to bf16 (2^-9) before P V. 7 instructions a pair instead of 25 (the range reduction and
+// the atanh series of a relatively accurate log1p): the decay fold was the largest part of a step.
 __device__ inline float dense_log1p(float y) {
   const float u = 1.0f + y;
-  const float c = y - (u - 1.0f);  // exact: u - 1 is exact for u in [1/2, 1], and u itself below 1/2
-  const int bits = __float_as_int(u);
-  const int e = (bits - 0x3f3504f3) >> 23;                  // 0x3f3504f3 = sqrt(1/2)
-  const float f = __int_as_float(bits - (e << 23)) - 1.0f;  // m - 1, exact
-  const float s = f * ptx::rcp_approx_ftz(2.0f + f);        // about 1 ulp; 2 + f is normal
-  const float z = s * s;
-  const float r = z * fmaf(z, fmaf(z, fmaf(z, 2.0f / 9, 2.0f / 7), 2.0f / 5), 2.0f / 3);
-  const float half_f2 = 0.5f * f * f;
-  const float log_m = f - fmaf(-s, half_f2 + r, half_f2);
-  return fmaf(float(e), 0.693147180559945309f, fmaf(c, 2.0f - u, log_m));
+  const float c = y - (u - 1.0f);
+  return fminf(fmaf(c, 2.0f - u, 0.693147180559945309f * ptx::lg2_approx_ftz(u)), 0.0f);
+}
+
+// log2 sigmoid(z) = -log2(1 + 2^t), t = -z log2 e, as -(max(t, 0) + log2(1 + 2^-|t|)) (no overflow) with
+// ex2 and lg2.approx: lg2's error is absolute, 2^-22.6 (its argument is in [1, 2]), the size of the error of
+// log2 c in the fold below, so x moves by at most 1.1e-7 relative, as there; ex2's 2 ulp of 2^-|t| add
+// below 2^-22 to the result. A few instructions per entry of a tile instead of expf and log1pf (the key
+// gate of every entry, every entry tile, in every row tile). z = +inf gives 0, z = -inf gives -inf.
+__device__ inline float dense_log2_sigmoid(float z) {
+  const float t = -kLog2eFloat * z;
+  return -(fmaxf(t, 0.0f) + ptx::lg2_approx_ftz(1.0f + ptx::ex2_approx_ftz(-fabsf(t))));
 }
 
 // The base-2 fold of a set whose gates are all built in (see the top of the file). kLog2 is false for a
@@ -142,10 +145,10 @@ struct DenseFold<decay::Set<G...>> {
   static constexpr bool kLog2 = (kDnBuiltinGate<G> && ...);
   static constexpr int kSize = int(sizeof...(G));
   static constexpr int kSim = (int(std::is_same_v<G, decay::SimilarityGate>) + ...);
-  // log2 of the geometric mean's factors: ln g_q (ln g_k) of each QueryGate (KeyGate), 2 log2 c of each
-  // SimilarityGate, over |set|
+  // log2 of the geometric mean's factors: ln g_q of each QueryGate (scaled by log2 e), log2 g_k of each
+  // KeyGate (dense_log2_sigmoid), 2 log2 c of each SimilarityGate, over |set|
   static constexpr float kQueryScale = float((int(std::is_same_v<G, decay::QueryGate>) + ...) * kLog2e / kSize);
-  static constexpr float kKeyScale = float((int(std::is_same_v<G, decay::KeyGate>) + ...) * kLog2e / kSize);
+  static constexpr float kKeyShare = float((int(std::is_same_v<G, decay::KeyGate>) + ...)) / kSize;
   static constexpr float kSimScale = float(2.0 * kSim / kSize);
 
   // A_jm from the pair's similarity and its scaled gate terms query_log2 + key_log2 (spec 4.1). log2 c
@@ -155,15 +158,15 @@ struct DenseFold<decay::Set<G...>> {
   // (exp2f differs only there, by three more instructions a pair): A then moves by less than 2^-126.
   // lg2 flushes similarities below 2^-126 to 0 (log2 -> -inf, x -> 0, A -> 0): such a similarity has x
   // below 2^-84 (2^(-126 * 2 n_sim / |set|)), so A moves by less than 2^-84.
-  // log1p stays accurate (dense_log1p): A is small where x is, and needs relative accuracy.
+  // log1p to within 1.1e-7 absolute (dense_log1p).
   __device__ static float decay(float similarity, float gate_log2) {
     float log2_x = gate_log2;
     if constexpr (kSim > 0) {
       log2_x = fmaf(kSimScale, ptx::lg2_approx_ftz(similarity), log2_x);
     }
-    float x = ptx::ex2_approx_ftz(log2_x);
-    if constexpr (kSim > 0) x = similarity > 0.0f ? x : 0.0f;  // relu(c)^2 = 0 -> x = 0 -> A = 0 exactly
-    return dense_log1p(-fminf(x, 1.0f - float(decay::kClampEps)));
+    const float a = dense_log1p(-fminf(ptx::ex2_approx_ftz(log2_x), 1.0f - float(decay::kClampEps)));
+    if constexpr (kSim > 0) return similarity > 0.0f ? a : 0.0f;  // relu(c)^2 = 0 -> x = 0 -> A = 0 exactly
+    return a;
   }
 };
 
@@ -320,7 +323,8 @@ __device__ __forceinline__ void dense_prefill_row_tile(const DeviceCache<bf16>& 
   // key-gate logit and position of entry e0 + tid (positions past e_total: INT64_MAX, masked). Threads
   // tid < kDnEntries load them one entry tile ahead (the latency hides behind a whole step) and publish
   // them, with the key-gate term, in shared memory for the decay and the carry of the tile: computed once
-  // per entry.
+  // per entry. Threads tid >= kDnEntries doing the positions instead (two threads per entry) measured 2.6 %
+  // slower (12.43 vs 12.11 ms at 8K, more spills; ua_cuda_2026-11-30_h200_uadense4.md).
   const float* const key_logit = c.key_logit + row0;
   const std::int64_t* const key_pos = c.pos + row0;
   const float* const in_zk = a.z_k + b * a.zk_b + g * a.zk_g;
@@ -375,12 +379,11 @@ __device__ __forceinline__ void dense_prefill_row_tile(const DeviceCache<bf16>& 
     const int buf = int(step & 1);
     cp_async_wait<0>();  // this thread's part of key tile et (and of the last value tile) has landed
     if (tid < kDnEntries) {
-      const float part = kernel::ua::key_gate_part(nx_logit);
       if constexpr (Fold::kLog2) {
-        s_egate[tid] = Fold::kKeyScale * part;
+        s_egate[tid] = Fold::kKeyShare * dense_log2_sigmoid(nx_logit);
       } else {
         s_egate[tid] = nx_logit;
-        s_epart[tid] = part;
+        s_epart[tid] = kernel::ua::key_gate_part(nx_logit);
       }
       s_epos[tid] = nx_pos;
       // first row m > pos_e of the tile (every row for cached entries, none for entries past the range)
@@ -439,23 +442,32 @@ __device__ __forceinline__ void dense_prefill_row_tile(const DeviceCache<bf16>& 
           }
         }
       }
+      const auto fold = [&](auto masked) {
 #pragma unroll
-      for (int nt = 0; nt < nts; ++nt) {
+        for (int nt = 0; nt < nts; ++nt) {
 #pragma unroll
-        for (int x = 0; x < 4; ++x) {
-          const int hf = x / 2, i = 8 * nt + 2 * t4 + x % 2, e = eb + qr + 8 * hf;
-          // evaluated for every element and then selected (entries past the range have no rows after
-          // them: A = 0); rows past the call get A = 0 too
-          float a_em;
-          if constexpr (Fold::kLog2) {
-            a_em = Fold::decay(sim[nt][x], s_rgate[i] + e_gate[hf]);
-          } else {
-            a_em = kernel::ua::decay_from_similarity<Set, float>(sim[nt][x], e_gate[hf], e_part[hf], e_pos[hf],
-                                                                 s_rgate[i], s_rpart[i], row_pos0 + i);
+          for (int x = 0; x < 4; ++x) {
+            const int hf = x / 2, i = 8 * nt + 2 * t4 + x % 2, e = eb + qr + 8 * hf;
+            float a_em;
+            if constexpr (Fold::kLog2) {
+              a_em = Fold::decay(sim[nt][x], s_rgate[i] + e_gate[hf]);
+            } else {
+              a_em = kernel::ua::decay_from_similarity<Set, float>(sim[nt][x], e_gate[hf], e_part[hf], e_pos[hf],
+                                                                   s_rgate[i], s_rpart[i], row_pos0 + i);
+            }
+            // evaluated for every element and then selected (entries past the range have no rows after
+            // them: A = 0); rows past the call get A = 0 too
+            if constexpr (decltype(masked)::value) a_em = (i >= e_first[hf] && i < nr) ? a_em : 0.0f;
+            at[e * L::kAPitch + i] = a_em;
           }
-          at[e * L::kAPitch + i] = (i >= e_first[hf] && i < nr) ? a_em : 0.0f;
         }
-      }
+      };
+      // the usual tile (every entry before the tile's rows, no rows past the call) selects nothing (12.10
+      // vs 12.11 ms at 8K with the select: within the noise)
+      if (e0 + kDnEntries <= e_prev && nr == rt)
+        fold(std::false_type{});
+      else
+        fold(std::true_type{});
     }
     __syncwarp();  // the warp's columns of the A tile are complete
 
@@ -468,11 +480,24 @@ __device__ __forceinline__ void dense_prefill_row_tile(const DeviceCache<bf16>& 
       const int idx = e0 + ce;
       const float4* col = reinterpret_cast<const float4*>(at + ce * L::kAPitch);
       float* lam_col = lt + ce;  // the entry's column of the Λ tile, rows kLPitch apart
-      if (idx < e_total) {
+      if (e0 + kDnEntries <= e_prev) {
+        // the usual tile: every entry precedes the tile's rows, so no row is masked (no select per row:
+        // 12.11 vs 12.18 ms at 8K)
+        float av[rt];  // the column's rt values, loaded together before the dependent adds
+#pragma unroll
+        for (int v = 0; v < rt / 4; ++v) *reinterpret_cast<float4*>(av + 4 * v) = col[v];
+        float lam = c_lam;
+#pragma unroll
+        for (int i = 0; i < rt; ++i) {
+          lam += av[i];
+          lam_col[i * L::kLPitch] = lam;
+        }
+        lambda[idx] = lam;
+      } else if (idx < e_total) {
         // rows i < masked precede the entry (an entry of the range lies at row s_efirst - 1 of the tile or
         // before it); A = 0 up to its own row, so λ stays 0 there
         const int masked = s_efirst[ce] > 0 ? s_efirst[ce] - 1 : 0;
-        float av[rt];  // the column's rt values, loaded together before the dependent adds
+        float av[rt];
 #pragma unroll
         for (int v = 0; v < rt / 4; ++v) *reinterpret_cast<float4*>(av + 4 * v) = col[v];
         float lam = c_lam;
@@ -499,7 +524,12 @@ __device__ __forceinline__ void dense_prefill_row_tile(const DeviceCache<bf16>& 
 
     // 3. per half of the tile (32 entries: 16 S registers instead of 32 keep the block at <= 168
     //    registers, three blocks per SM; one half at a time keeps the compiler from holding both): logits
-    //    = Λ + S (scale 1), online softmax in registers (rows p_lo, p_hi; the quad holds a row), O += P V
+    //    = Λ + S (scale 1), online softmax in registers (rows p_lo, p_hi; the quad holds a row), O += P V.
+    //    Skipping a half's logits where Λ + |q| |k| (Cauchy-Schwarz) bounds them below the underflow (the
+    //    largest Λ from the carry, the largest |k| from the keys' Gram matrix on the tensor cores) measured
+    //    5.6 % slower at 8K: it costs every step and rarely fires before the test after the logits below,
+    //    as the bound takes the slowest-decaying of 32 entries and |q| |k| (about 23 in the benchmark)
+    //    where the largest q.k is about 6 (ua_cuda_2026-11-30_h200_uadense4.md).
 #pragma unroll 1
     for (int hv = 0; hv < kDnEntries / 32; ++hv) {
       const int c0 = 32 * hv;  // the half's first entry in the tile
