@@ -377,6 +377,7 @@ __global__ void __launch_bounds__(kTcThreads, kTcMinBlocks)
   // Warpgroup g multiplies its 64 query rows (Q rows 64 g .. 64 g + 63, K-major) by the key tile
   // (K-major: S = Q K^T needs no transpose) k16 slice by slice: slice kk is 32 bytes into the rows of
   // column block kk / 4. O += P V: V is MN-major ([key][dv] rows), k16 slice j its key rows 16 j ..
+  // 16 j + 15, 16 rows of 128 bytes on from the tile's start; P comes from registers.
   const int wg = threadIdx.x / 128;
   const unsigned q_wg = smem0 + static_cast<unsigned>(wg * 64 * 128);
   const auto issue_scores = [&](std::int64_t k, float(&s)[kTcKeys / 8][4]) {
