@@ -20,6 +20,18 @@
 #include "kvmem/core/tensor.hpp"
 #include "kvmem/policy/budget.hpp"
 
+// The adapters this file is built with: examples/replay/CMakeLists.txt sets each flag to 0 or 1; a file
+// that includes this one without them (a test) gets none of them, as `#if` would read them.
+#ifndef KVMEM_REPLAY_WITH_REFERENCE_KVM
+#define KVMEM_REPLAY_WITH_REFERENCE_KVM 0
+#endif
+#ifndef KVMEM_REPLAY_WITH_HOST_KVM
+#define KVMEM_REPLAY_WITH_HOST_KVM 0
+#endif
+#ifndef KVMEM_REPLAY_WITH_KOKKOS_KVM
+#define KVMEM_REPLAY_WITH_KOKKOS_KVM 0
+#endif
+
 #if KVMEM_REPLAY_WITH_REFERENCE_KVM
 #include "kvmem/reference/kvm.hpp"
 #endif

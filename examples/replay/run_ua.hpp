@@ -18,6 +18,18 @@
 #include "kvmem/core/numeric.hpp"
 #include "kvmem/core/tensor.hpp"
 
+// The adapters this file is built with: examples/replay/CMakeLists.txt sets each flag to 0 or 1; a file
+// that includes this one without them (a test) gets none of them, as `#if` would read them.
+#ifndef KVMEM_REPLAY_WITH_REFERENCE_UA
+#define KVMEM_REPLAY_WITH_REFERENCE_UA 0
+#endif
+#ifndef KVMEM_REPLAY_WITH_HOST_UA
+#define KVMEM_REPLAY_WITH_HOST_UA 0
+#endif
+#ifndef KVMEM_REPLAY_WITH_KOKKOS_UA
+#define KVMEM_REPLAY_WITH_KOKKOS_UA 0
+#endif
+
 #if KVMEM_REPLAY_WITH_REFERENCE_UA
 #include "kvmem/reference/ua.hpp"
 #endif
