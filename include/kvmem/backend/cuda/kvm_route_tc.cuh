@@ -290,10 +290,10 @@ __global__ void __launch_bounds__(32 * kRtWarps, 2)
   // by a slot group as m64n32k16 products, A from registers, B = the group's 32 slot rows (K-major: no
   // transpose) through a descriptor; k16 slice kk is 32 bytes into the rows of column block kk / 4.
   // The two groups of a tile are committed apart, so the tensor cores compute the second while the
-  // warps fold the first. Warps past the update's tokens (C % 64 != 0) take part with zero operands:
-  // a wgmma needs the whole warpgroup.
-  const int wg = threadIdx.x / 128;
-  const bool wg_active = (std::int64_t(blockIdx.x) % tb) * kRtTokens + wg * 64 < C;  // warpgroup-uniform
+  // warps fold the first. No wgmma sits in a branch that depends on the thread (ptxas would serialize
+  // them all): warps past the update's tokens take part with zero operands (a wgmma needs the whole
+  // warpgroup), and the second group of the last tile is computed even when it has no slot (its rows
+  // are zeros), only its fold is skipped.
   const auto issue_products = [&](float(&sc)[kRtGroup / 8][4], unsigned hi_tile, int grp) {
 #pragma unroll
     for (int kk = 0; kk < kK; ++kk) {
@@ -320,27 +320,19 @@ __global__ void __launch_bounds__(32 * kRtWarps, 2)
     fence_proxy_async_shared();
     __syncthreads();
     issue(k + kRtStages - 1);
-    if (!wg_active) continue;
     const unsigned hi_tile = tiles_smem + static_cast<unsigned>(k % kRtStages) * kParts * kTileBytes;
     const std::int64_t base = j0 + k * kRtSlots;
-    const bool two = base + kRtGroup < j1;  // the tile's second group has slots
     wgmma_fence();
     issue_products(sc0, hi_tile, 0);
-    if (two) {
-      issue_products(sc1, hi_tile, 1);
-      wgmma_wait<1>();
-    } else {
-      wgmma_wait<0>();
-    }
+    issue_products(sc1, hi_tile, 1);
+    wgmma_wait<1>();
     wgmma_fence_operands(sc0);
     take_group(base, sc0);
-    if (two) {
-      wgmma_wait<0>();
-      wgmma_fence_operands(sc1);
-      take_group(base + kRtGroup, sc1);
-    }
+    wgmma_wait<0>();
+    wgmma_fence_operands(sc1);
     wgmma_fence_operands(ahi);
     wgmma_fence_operands(alo);
+    if (base + kRtGroup < j1) take_group(base + kRtGroup, sc1);
   }
 #else
   // lane l points at slot row l % 8 of 8x8 matrix l / 8: matrices 0, 1 are slot group 2p, dims +0, +8
