@@ -1,8 +1,9 @@
 // SPDX-License-Identifier: Apache-2.0
 #pragma once
 // State update of KV Means on the tensor cores (bf16 storage, spec 4.5 steps 2 and 4): novelty and
-// merge routing as [tokens x slots] products with mma.sync. Split from kvm_attend_tc.cuh so the
-// readout and the update chain can change apart; both use the fragment layouts described there.
+// merge routing as [tokens x slots] products on Hopper's warpgroup MMA (wgmma) where the device code
+// is built for sm_90a, mma.sync m16n8k16 elsewhere. Split from kvm_attend_tc.cuh so the readout and
+// the update chain can change apart; both use the fragment layouts described there.
 
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
@@ -23,10 +24,16 @@ namespace kvmem::cuda::kvm_detail {
 // kTerms = 1 (KvmState::set_fast_routing) uses hi.hi only: bf16 logits like the reference's eager
 // bf16 path (spec 7.2), three times fewer products, and route flips near ties.
 // Each warp owns 16 tokens whose hi/lo A fragments stay in registers; slots arrive in tiles of
-// kRtSlots rows (hi = khat, lo = khat_lo), kRtStages deep in shared memory with cp.async, and reach the
-// tensor cores through ldmatrix as in attend_tc_kernel. The products of kRtGroup slots at a time stay
-// in registers (mma.sync m16n8k16: lane l holds tokens l/4 and l/4 + 8, slots 2 (l % 4) + {0, 1} of
-// each 8-slot group) and feed each lane's running max; the four lanes of a quad merge at the end.
+// kRtSlots rows (hi = khat, lo = khat_lo), kRtStages deep in shared memory with cp.async. The products
+// of kRtGroup slots at a time stay in registers (lane l holds tokens l/4 and l/4 + 8, slots 2 (l % 4) +
+// {0, 1} of each 8-slot group: the m16n8 accumulator layout, which wgmma's m64nN repeats) and feed
+// each lane's running max; the four lanes of a quad merge at the end.
+// sm_90a: the four warps of a warpgroup (64 tokens) issue each group's products as asynchronous
+// m64n32k16 wgmma (A from registers, the slot rows as B from 128-byte-swizzled shared memory), the
+// second group of a tile running on the tensor cores while the warps fold the first. H200, B8 H32 D128
+// 32K: a 16 sqrt N novelty pass 266 -> 185 us, a fixed-256 routing pass 61 -> 49 us against the
+// mma.sync path (results kvm_cuda_2026-11-30_h200_wgroute.md). Elsewhere (the compute_90 PTX) the
+// mma.sync path below, operands through ldmatrix, whose notes follow.
 // What bounds the pass (ncu, B8 H32 D128 16 sqrt N, a 2600-slot novelty pass, 4 warps per scheduler at
 // 128 registers): the latency of dependent instructions (mma accumulator chains, compare/select
 // chains) and of ldmatrix, not bandwidth. So the loop is shaped for latency: the mma of one k-step run
@@ -290,10 +297,10 @@ __global__ void __launch_bounds__(32 * kRtWarps, 2)
   // by a slot group as m64n32k16 products, A from registers, B = the group's 32 slot rows (K-major: no
   // transpose) through a descriptor; k16 slice kk is 32 bytes into the rows of column block kk / 4.
   // The two groups of a tile are committed apart, so the tensor cores compute the second while the
-  // warps fold the first. No wgmma sits in a branch that depends on the thread (ptxas would serialize
-  // them all): warps past the update's tokens take part with zero operands (a wgmma needs the whole
-  // warpgroup), and the second group of the last tile is computed even when it has no slot (its rows
-  // are zeros), only its fold is skipped.
+  // warps fold the first; a tile whose second group has no slot (the last, and the one tile of most
+  // kRtRouteNew passes) issues only the first. No wgmma sits in a branch that depends on the thread
+  // (ptxas then serializes every wgmma of the kernel, C7520): warps past the update's tokens take part
+  // with zero operands, a wgmma needing the whole warpgroup.
   const auto issue_products = [&](float(&sc)[kRtGroup / 8][4], unsigned hi_tile, int grp) {
 #pragma unroll
     for (int kk = 0; kk < kK; ++kk) {
@@ -322,17 +329,24 @@ __global__ void __launch_bounds__(32 * kRtWarps, 2)
     issue(k + kRtStages - 1);
     const unsigned hi_tile = tiles_smem + static_cast<unsigned>(k % kRtStages) * kParts * kTileBytes;
     const std::int64_t base = j0 + k * kRtSlots;
+    const bool two = base + kRtGroup < j1;  // block-uniform
     wgmma_fence();
     issue_products(sc0, hi_tile, 0);
-    issue_products(sc1, hi_tile, 1);
-    wgmma_wait<1>();
+    if (two) {
+      issue_products(sc1, hi_tile, 1);
+      wgmma_wait<1>();
+    } else {
+      wgmma_wait<0>();
+    }
     wgmma_fence_operands(sc0);
     take_group(base, sc0);
-    wgmma_wait<0>();
-    wgmma_fence_operands(sc1);
+    if (two) {
+      wgmma_wait<0>();
+      wgmma_fence_operands(sc1);
+      take_group(base + kRtGroup, sc1);
+    }
     wgmma_fence_operands(ahi);
     wgmma_fence_operands(alo);
-    if (base + kRtGroup < j1) take_group(base + kRtGroup, sc1);
   }
 #else
   // lane l points at slot row l % 8 of 8x8 matrix l / 8: matrices 0, 1 are slot group 2p, dims +0, +8
