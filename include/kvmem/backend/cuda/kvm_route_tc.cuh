@@ -28,12 +28,11 @@ namespace kvmem::cuda::kvm_detail {
 // of kRtGroup slots at a time stay in registers (lane l holds tokens l/4 and l/4 + 8, slots 2 (l % 4) +
 // {0, 1} of each 8-slot group: the m16n8 accumulator layout, which wgmma's m64nN repeats) and feed
 // each lane's running max; the four lanes of a quad merge at the end.
-// sm_90a: the four warps of a warpgroup (64 tokens) issue each group's products as asynchronous
-// m64n32k16 wgmma (A from registers, the slot rows as B from 128-byte-swizzled shared memory), the
-// second group of a tile running on the tensor cores while the warps fold the first. H200, B8 H32 D128
-// 32K: a 16 sqrt N novelty pass 266 -> 185 us, a fixed-256 routing pass 61 -> 49 us against the
+// sm_90a: the four warps of a warpgroup (64 tokens) issue a tile's products as asynchronous m64n64k16
+// wgmma (A from registers, the slot rows as B from 128-byte-swizzled shared memory). H200, B8 H32 D128
+// 32K: a 16 sqrt N novelty pass 266 -> 181 us, a fixed-256 routing pass 61 -> 49 us against the
 // mma.sync path (results kvm_cuda_2026-11-30_h200_wgroute.md). Elsewhere (the compute_90 PTX) the
-// mma.sync path below, operands through ldmatrix, whose notes follow.
+// mma.sync path, operands through ldmatrix, whose notes follow.
 // What bounds the pass (ncu, B8 H32 D128 16 sqrt N, a 2600-slot novelty pass, 4 warps per scheduler at
 // 128 registers): the latency of dependent instructions (mma accumulator chains, compare/select
 // chains) and of ldmatrix, not bandwidth. So the loop is shaped for latency: the mma of one k-step run
@@ -294,32 +293,19 @@ __global__ void __launch_bounds__(32 * kRtWarps, 2)
   };
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   // wgmma: warpgroup g multiplies its 64 tokens (warp w of it: tokens 16 w .., the A fragments above)
-  // by a slot group as m64n32k16 products, A from registers, B = the group's 32 slot rows (K-major: no
+  // by the tile's 64 slots as m64n64k16 products, A from registers, B = the slot rows (K-major: no
   // transpose) through a descriptor; k16 slice kk is 32 bytes into the rows of column block kk / 4.
-  // The two groups of a tile are committed apart, so the tensor cores compute the second while the
-  // warps fold the first; a tile whose second group has no slot (the last, and the one tile of most
-  // kRtRouteNew passes) issues only the first. No wgmma sits in a branch that depends on the thread
-  // (ptxas then serializes every wgmma of the kernel, C7520): warps past the update's tokens take part
-  // with zero operands, a wgmma needing the whole warpgroup.
-  const auto issue_products = [&](float(&sc)[kRtGroup / 8][4], unsigned hi_tile, int grp) {
+  // One accumulator a tile, folded as two groups once the products are done: on the H200 this beat
+  // two m64n32k16 groups a tile with the second computed while the first is folded (a 16 sqrt N 32K
+  // novelty pass 181 against 186 us; the overlap itself bought 1 %), at the cost of full-width
+  // products on the few appended slots of a kRtRouteNew pass (23 against 21 us). No wgmma sits in a
+  // branch that depends on the thread (ptxas then serializes every wgmma of the kernel, C7520): warps
+  // past the update's tokens take part with zero operands, a wgmma needing the whole warpgroup.
+  float sc[kRtSlots / 8][4];
 #pragma unroll
-    for (int kk = 0; kk < kK; ++kk) {
-      const unsigned off = static_cast<unsigned>((kk / 4) * kRtSlots * 128 + grp * kRtGroup * 128 + (kk % 4) * 32);
-      const std::uint64_t bh = wgmma_desc_sw128(hi_tile + off, 16, 1024);
-      wgmma_m64n32k16_rs(sc, ahi[kk], bh, kk > 0);
-      if constexpr (kTerms == 3) {
-        // hi.hi, lo.hi, hi.lo: the order of the products of one dot, as in the mma.sync path
-        wgmma_m64n32k16_rs(sc, alo[kk], bh, 1);
-        wgmma_m64n32k16_rs(sc, ahi[kk], wgmma_desc_sw128(hi_tile + kTileBytes + off, 16, 1024), 1);
-      }
-    }
-    wgmma_commit();
-  };
-  float sc0[kRtGroup / 8][4], sc1[kRtGroup / 8][4];
+  for (int nt = 0; nt < kRtSlots / 8; ++nt)
 #pragma unroll
-  for (int nt = 0; nt < kRtGroup / 8; ++nt)
-#pragma unroll
-    for (int e = 0; e < 4; ++e) sc0[nt][e] = sc1[nt][e] = 0.0f;
+    for (int e = 0; e < 4; ++e) sc[nt][e] = 0.0f;
   for (std::int64_t k = 0; k < tiles; ++k) {
     cp_async_wait<kRtStages - 2>();
     // tile k is visible to the tensor cores (async proxy), and every warpgroup's products of tile
@@ -329,24 +315,26 @@ __global__ void __launch_bounds__(32 * kRtWarps, 2)
     issue(k + kRtStages - 1);
     const unsigned hi_tile = tiles_smem + static_cast<unsigned>(k % kRtStages) * kParts * kTileBytes;
     const std::int64_t base = j0 + k * kRtSlots;
-    const bool two = base + kRtGroup < j1;  // block-uniform
     wgmma_fence();
-    issue_products(sc0, hi_tile, 0);
-    if (two) {
-      issue_products(sc1, hi_tile, 1);
-      wgmma_wait<1>();
-    } else {
-      wgmma_wait<0>();
+#pragma unroll
+    for (int kk = 0; kk < kK; ++kk) {
+      const unsigned off = static_cast<unsigned>((kk / 4) * kRtSlots * 128 + (kk % 4) * 32);
+      const std::uint64_t bh = wgmma_desc_sw128(hi_tile + off, 16, 1024);
+      wgmma_m64n64k16_rs(sc, ahi[kk], bh, kk > 0);
+      if constexpr (kTerms == 3) {
+        // hi.hi, lo.hi, hi.lo: the order of the products of one dot, as in the mma.sync path
+        wgmma_m64n64k16_rs(sc, alo[kk], bh, 1);
+        wgmma_m64n64k16_rs(sc, ahi[kk], wgmma_desc_sw128(hi_tile + kTileBytes + off, 16, 1024), 1);
+      }
     }
-    wgmma_fence_operands(sc0);
-    take_group(base, sc0);
-    if (two) {
-      wgmma_wait<0>();
-      wgmma_fence_operands(sc1);
-      take_group(base + kRtGroup, sc1);
-    }
+    wgmma_commit();
+    wgmma_wait<0>();
+    wgmma_fence_operands(sc);
     wgmma_fence_operands(ahi);
     wgmma_fence_operands(alo);
+    // slot tiles 0-3 of the accumulator are the first group, 4-7 the second (the same fragment layout)
+    take_group(base, reinterpret_cast<const float(&)[kRtGroup / 8][4]>(sc[0]));
+    if (base + kRtGroup < j1) take_group(base + kRtGroup, reinterpret_cast<const float(&)[kRtGroup / 8][4]>(sc[kRtGroup / 8]));
   }
 #else
   // lane l points at slot row l % 8 of 8x8 matrix l / 8: matrices 0, 1 are slot group 2p, dims +0, +8
