@@ -1,8 +1,9 @@
 // SPDX-License-Identifier: Apache-2.0
 #pragma once
 // State update of KV Means on the tensor cores (bf16 storage, spec 4.5 steps 2 and 4): novelty and
-// merge routing as [tokens x slots] products with mma.sync. Split from kvm_attend_tc.cuh so the
-// readout and the update chain can change apart; both use the fragment layouts described there.
+// merge routing as [tokens x slots] products on Hopper's warpgroup MMA (wgmma) where the device code
+// is built for sm_90a, mma.sync m16n8k16 elsewhere. Split from kvm_attend_tc.cuh so the readout and
+// the update chain can change apart; both use the fragment layouts described there.
 
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
@@ -23,10 +24,15 @@ namespace kvmem::cuda::kvm_detail {
 // kTerms = 1 (KvmState::set_fast_routing) uses hi.hi only: bf16 logits like the reference's eager
 // bf16 path (spec 7.2), three times fewer products, and route flips near ties.
 // Each warp owns 16 tokens whose hi/lo A fragments stay in registers; slots arrive in tiles of
-// kRtSlots rows (hi = khat, lo = khat_lo), kRtStages deep in shared memory with cp.async, and reach the
-// tensor cores through ldmatrix as in attend_tc_kernel. The products of kRtGroup slots at a time stay
-// in registers (mma.sync m16n8k16: lane l holds tokens l/4 and l/4 + 8, slots 2 (l % 4) + {0, 1} of
-// each 8-slot group) and feed each lane's running max; the four lanes of a quad merge at the end.
+// kRtSlots rows (hi = khat, lo = khat_lo), kRtStages deep in shared memory with cp.async. The products
+// of kRtGroup slots at a time stay in registers (lane l holds tokens l/4 and l/4 + 8, slots 2 (l % 4) +
+// {0, 1} of each 8-slot group: the m16n8 accumulator layout, which wgmma's m64nN repeats) and feed
+// each lane's running max; the four lanes of a quad merge at the end.
+// sm_90a: the four warps of a warpgroup (64 tokens) issue a tile's products as asynchronous m64n64k16
+// wgmma (A from registers, the slot rows as B from 128-byte-swizzled shared memory). H200, B8 H32 D128
+// 32K: a 16 sqrt N novelty pass 266 -> 181 us, a fixed-256 routing pass 61 -> 49 us against the
+// mma.sync path (results kvm_cuda_2026-11-30_h200_wgroute.md). Elsewhere (the compute_90 PTX) the
+// mma.sync path, operands through ldmatrix, whose notes follow.
 // What bounds the pass (ncu, B8 H32 D128 16 sqrt N, a 2600-slot novelty pass, 4 warps per scheduler at
 // 128 registers): the latency of dependent instructions (mma accumulator chains, compare/select
 // chains) and of ldmatrix, not bandwidth. So the loop is shaped for latency: the mma of one k-step run
@@ -44,12 +50,24 @@ inline constexpr int kRtSlots = 64;              // slots per staged tile
 inline constexpr int kRtStages = 3;              // staged tiles (kRtStages - 1 in flight while one is used)
 inline constexpr int kRtGroup = 32;              // slots whose products are in registers at once
 
-// Dynamic shared memory of update_tc_scores_kernel: kRtStages tiles of hi (and lo) slot rows, pitch
-// kD + 8 (+16 bytes: the 8 rows of an ldmatrix hit 32 banks). 104 KB at kD = 128, kTerms = 3: two
-// blocks per SM.
+// Shared memory of update_tc_scores_kernel: kRtStages stages of a hi (and a lo) tile of kRtSlots slot
+// rows. mma.sync path: rows of pitch kD + 8 (+16 bytes: the 8 rows of an ldmatrix hit 32 banks).
+// wgmma path: the 128-byte swizzle layout of TcSwizzledLayout (kD / 64 column blocks of [slot][64 bf16],
+// 16-byte vector j of row r at j ^ (r % 8)), K-major B operands read through descriptors, from a
+// 1024-byte boundary. The launch gives the larger (the host does not know which path the device
+// compiled): 104 KB at kD = 128, kTerms = 3, two blocks per SM.
+template <int kD, int kTerms>
+constexpr std::size_t rt_padded_bytes() {
+  return std::size_t(kRtStages) * (kTerms == 3 ? 2 : 1) * kRtSlots * (kD + 8) * sizeof(bf16);
+}
+template <int kD, int kTerms>
+constexpr std::size_t rt_swizzled_bytes() {
+  return std::size_t(kRtStages) * (kTerms == 3 ? 2 : 1) * kRtSlots * kD * sizeof(bf16) + 1024;
+}
 template <int kD, int kTerms>
 constexpr std::size_t rt_shared_bytes() {
-  return std::size_t(kRtStages) * (kTerms == 3 ? 2 : 1) * kRtSlots * (kD + 8) * sizeof(bf16);
+  return rt_padded_bytes<kD, kTerms>() > rt_swizzled_bytes<kD, kTerms>() ? rt_padded_bytes<kD, kTerms>()
+                                                                           : rt_swizzled_bytes<kD, kTerms>();
 }
 
 // What a pass computes (argmax: the first slot of the largest value, the host's sequential scan).
@@ -78,12 +96,17 @@ template <int kD, int kTerms, int kMode>
 __global__ void __launch_bounds__(32 * kRtWarps, 2)
     update_tc_scores_kernel(DeviceState<bf16, float> st, std::int64_t a, std::int64_t j0, std::int64_t j1) {
   using namespace ptx;
-  constexpr int kPitch = kD + 8;               // bf16 elements
-  constexpr int kTile = kRtSlots * kPitch;     // elements of one hi or lo tile
   constexpr int kParts = kTerms == 3 ? 2 : 1;  // hi (and lo) tiles per stage
   constexpr int kK = kD / 16;                  // k-steps
   extern __shared__ __align__(128) unsigned char rt_smem_raw[];
-  bf16* tiles_smem = reinterpret_cast<bf16*>(rt_smem_raw);
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  constexpr unsigned kTileBytes = kRtSlots * kD * 2;  // one hi or lo tile, swizzled
+  const unsigned tiles_smem = shared_address(rt_smem_raw + (1024u - shared_address(rt_smem_raw) % 1024u) % 1024u);
+#else
+  constexpr int kPitch = kD + 8;  // bf16 elements
+  constexpr unsigned kTileBytes = kRtSlots * kPitch * 2;
+  const unsigned tiles_smem = shared_address(rt_smem_raw);
+#endif
   const std::int64_t C = st.C, tb = (C + kRtTokens - 1) / kRtTokens;
   const std::int64_t i = blockIdx.x / tb;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, quad = lane % 4, r = lane / 4;
@@ -94,7 +117,16 @@ __global__ void __launch_bounds__(32 * kRtWarps, 2)
   const std::int64_t tiles = (j1 - j0 + kRtSlots - 1) / kRtSlots;
   constexpr int kVecs = kD / 8, kPass = 32 * kRtWarps / kVecs;
   static_assert(kRtSlots % kPass == 0, "whole passes per tile");
-  const int vcol = (threadIdx.x % kVecs) * 8, vrow = threadIdx.x / kVecs;
+  const int vec = threadIdx.x % kVecs, vcol = vec * 8, vrow = threadIdx.x / kVecs;
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  // the rows a thread copies are vrow + kPass m, all of the same row % 8 (kPass % 8 == 0): one swizzle
+  static_assert(kPass % 8 == 0, "one swizzle pattern per thread");
+  const unsigned dst_off = static_cast<unsigned>((vec / 8) * kRtSlots * 128 + vrow * 128 + ((vec % 8) ^ (vrow % 8)) * 16);
+  constexpr unsigned kPassBytes = kPass * 128;
+#else
+  const unsigned dst_off = static_cast<unsigned>((vrow * kPitch + vcol) * 2);
+  constexpr unsigned kPassBytes = kPass * kPitch * 2;
+#endif
   const bf16* khat_item = st.khat + i * st.cap * kD + vcol;
   const bf16* khat_lo_item = st.khat_lo + i * st.cap * kD + vcol;
   // every call commits one group (empty past the last tile), so the wait below counts tiles
@@ -102,14 +134,13 @@ __global__ void __launch_bounds__(32 * kRtWarps, 2)
     if (k < tiles) {
       const std::int64_t base = j0 + k * kRtSlots;
       const std::int64_t n = (j1 - base) < kRtSlots ? (j1 - base) : kRtSlots;
-      bf16* buf = tiles_smem + (k % kRtStages) * kParts * kTile + vrow * kPitch + vcol;
+      const unsigned buf = tiles_smem + static_cast<unsigned>(k % kRtStages) * kParts * kTileBytes + dst_off;
 #pragma unroll
       for (int m = 0; m < kRtSlots / kPass; ++m) {
         const int s = vrow + m * kPass;
         const std::int64_t row = base + (s < n ? s : 0);  // rows past n: zeros from a valid address
-        cp_async16(buf + m * kPass * kPitch, khat_item + row * kD, s < n ? 16 : 0);
-        if constexpr (kTerms == 3)
-          cp_async16(buf + kTile + m * kPass * kPitch, khat_lo_item + row * kD, s < n ? 16 : 0);
+        cp_async16(buf + m * kPassBytes, khat_item + row * kD, s < n ? 16 : 0);
+        if constexpr (kTerms == 3) cp_async16(buf + kTileBytes + m * kPassBytes, khat_lo_item + row * kD, s < n ? 16 : 0);
       }
     }
     cp_async_commit();
@@ -194,6 +225,118 @@ __global__ void __launch_bounds__(32 * kRtWarps, 2)
   float cbest[2] = {negative_infinity<float>(), negative_infinity<float>()};
   int arg[2] = {-1, -1}, carg[2] = {-1, -1};
   const int sink = static_cast<int>(st.sink);
+  // Folds the products of the kRtGroup slots [base, base + kRtGroup) of this lane's two tokens into the
+  // running maxima (sc: the m16n8 accumulator layout over kRtGroup / 8 slot tiles); groups come in
+  // increasing slot order.
+  const auto take_group = [&](std::int64_t base, const float(&sc)[kRtGroup / 8][4]) {
+    // Slots in increasing order for each token. A group inside [j0, j1) whose previous group was whole
+    // and past the sink (so every lane has a candidate of each max) needs no tests: a larger value
+    // wins; in the novelty pass it feeds only the route candidate, whose max is then the score's too
+    // (the score takes the larger of best and cbest at the end).
+    const bool plain = base + kRtGroup <= j1 && base - kRtGroup >= (kRoute ? j0 : (j0 > sink ? j0 : sink));
+    if (plain) {
+      // the lane's leftmost max of the group by pairs (a later value wins only if larger: the scan's
+      // result for finite scores, in log2 dependent steps rather than one per value), then against
+      // the running max.
+      // Heap order: the values are the leaves kV + m (slot order), node t pairs 2t (earlier) and 2t + 1.
+      constexpr int kV = kRtGroup / 4;
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        float v[2 * kV];
+        int col[2 * kV];
+#pragma unroll
+        for (int nt = 0; nt < kRtGroup / 8; ++nt)
+#pragma unroll
+          for (int e = 0; e < 2; ++e) {
+            v[kV + 2 * nt + e] = sc[nt][2 * h + e];
+            col[kV + 2 * nt + e] = nt * 8 + e;
+          }
+#pragma unroll
+        for (int t = kV - 1; t >= 1; --t) {
+          const bool later = v[2 * t + 1] > v[2 * t];
+          v[t] = later ? v[2 * t + 1] : v[2 * t];
+          col[t] = later ? col[2 * t + 1] : col[2 * t];
+        }
+        float& b = kRoute ? best[h] : cbest[h];
+        int& g = kRoute ? arg[h] : carg[h];
+        if (v[1] > b) {
+          b = v[1];
+          g = static_cast<int>(base) + 2 * quad + col[1];
+        }
+      }
+      return;
+    }
+    const int n = static_cast<int>((j1 - base) < kRtGroup ? (j1 - base) : kRtGroup);
+#pragma unroll
+    for (int nt = 0; nt < kRtGroup / 8; ++nt)
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const int col = nt * 8 + 2 * quad + e, j = static_cast<int>(base) + col;
+        if (col >= n) continue;
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const float val = sc[nt][2 * h + e];
+          if constexpr (kRoute) {
+            if (arg[h] < 0 || val > best[h]) {
+              best[h] = val;
+              arg[h] = j;
+            }
+          } else {
+            if (val > best[h]) best[h] = val;
+            if (j >= sink && (carg[h] < 0 || val > cbest[h])) {
+              cbest[h] = val;
+              carg[h] = j;
+            }
+          }
+        }
+      }
+  };
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  // wgmma: warpgroup g multiplies its 64 tokens (warp w of it: tokens 16 w .., the A fragments above)
+  // by the tile's 64 slots as m64n64k16 products, A from registers, B = the slot rows (K-major: no
+  // transpose) through a descriptor; k16 slice kk is 32 bytes into the rows of column block kk / 4.
+  // One accumulator a tile, folded as two groups once the products are done: on the H200 this beat
+  // two m64n32k16 groups a tile with the second computed while the first is folded (a 16 sqrt N 32K
+  // novelty pass 181 against 186 us; the overlap itself bought 1 %), at the cost of full-width
+  // products on the few appended slots of a kRtRouteNew pass (23 against 21 us). No wgmma sits in a
+  // branch that depends on the thread (ptxas then serializes every wgmma of the kernel, C7520): warps
+  // past the update's tokens take part with zero operands, a wgmma needing the whole warpgroup.
+  float sc[kRtSlots / 8][4];
+#pragma unroll
+  for (int nt = 0; nt < kRtSlots / 8; ++nt)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) sc[nt][e] = 0.0f;
+  for (std::int64_t k = 0; k < tiles; ++k) {
+    cp_async_wait<kRtStages - 2>();
+    // tile k is visible to the tensor cores (async proxy), and every warpgroup's products of tile
+    // k - 1 are done, so the issue below may refill its stage
+    fence_proxy_async_shared();
+    __syncthreads();
+    issue(k + kRtStages - 1);
+    const unsigned hi_tile = tiles_smem + static_cast<unsigned>(k % kRtStages) * kParts * kTileBytes;
+    const std::int64_t base = j0 + k * kRtSlots;
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < kK; ++kk) {
+      const unsigned off = static_cast<unsigned>((kk / 4) * kRtSlots * 128 + (kk % 4) * 32);
+      const std::uint64_t bh = wgmma_desc_sw128(hi_tile + off, 16, 1024);
+      wgmma_m64n64k16_rs(sc, ahi[kk], bh, kk > 0);
+      if constexpr (kTerms == 3) {
+        // hi.hi, lo.hi, hi.lo: the order of the products of one dot, as in the mma.sync path
+        wgmma_m64n64k16_rs(sc, alo[kk], bh, 1);
+        wgmma_m64n64k16_rs(sc, ahi[kk], wgmma_desc_sw128(hi_tile + kTileBytes + off, 16, 1024), 1);
+      }
+    }
+    wgmma_commit();
+    wgmma_wait<0>();
+    wgmma_fence_operands(sc);
+    wgmma_fence_operands(ahi);
+    wgmma_fence_operands(alo);
+    // slot tiles 0-3 of the accumulator are the first group, 4-7 the second (the same fragment layout)
+    take_group(base, reinterpret_cast<const float(&)[kRtGroup / 8][4]>(sc[0]));
+    if (base + kRtGroup < j1) take_group(base + kRtGroup, reinterpret_cast<const float(&)[kRtGroup / 8][4]>(sc[kRtGroup / 8]));
+  }
+#else
   // lane l points at slot row l % 8 of 8x8 matrix l / 8: matrices 0, 1 are slot group 2p, dims +0, +8
   // of the k-step, matrices 2, 3 the same of group 2p + 1 (the b0, b1 of two mma)
   const unsigned lane_off = static_cast<unsigned>((((lane / 16) * 8 + lane % 8) * kPitch + ((lane / 8) % 2) * 8) * 2);
@@ -203,8 +346,8 @@ __global__ void __launch_bounds__(32 * kRtWarps, 2)
     __syncthreads();
     issue(k + kRtStages - 1);
     if (!active) continue;
-    const unsigned hi_tile = shared_address(tiles_smem + (k % kRtStages) * kParts * kTile) + lane_off;
-    const unsigned lo_tile = hi_tile + kTile * 2;
+    const unsigned hi_tile = tiles_smem + static_cast<unsigned>(k % kRtStages) * kParts * kTileBytes + lane_off;
+    const unsigned lo_tile = hi_tile + kTileBytes;
 #pragma unroll
     for (int grp = 0; grp < kRtSlots / kRtGroup; ++grp) {
       const std::int64_t base = j0 + k * kRtSlots + grp * kRtGroup;
@@ -235,69 +378,10 @@ __global__ void __launch_bounds__(32 * kRtWarps, 2)
             mma_bf16_16816(sc[nt], ahi[kk], bl[nt / 2][2 * (nt % 2)], bl[nt / 2][2 * (nt % 2) + 1]);
         }
       }
-      // Slots in increasing order for each token. A group inside [j0, j1) whose previous group was whole
-      // and past the sink (so every lane has a candidate of each max) needs no tests: a larger value
-      // wins; in the novelty pass it feeds only the route candidate, whose max is then the score's too
-      // (the score takes the larger of best and cbest at the end).
-      const bool plain = base + kRtGroup <= j1 && base - kRtGroup >= (kRoute ? j0 : (j0 > sink ? j0 : sink));
-      if (plain) {
-        // the lane's leftmost max of the group by pairs (a later value wins only if larger: the scan's
-        // result for finite scores, in log2 dependent steps rather than one per value), then against
-        // the running max.
-        // Heap order: the values are the leaves kV + m (slot order), node t pairs 2t (earlier) and 2t + 1.
-        constexpr int kV = kRtGroup / 4;
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          float v[2 * kV];
-          int col[2 * kV];
-#pragma unroll
-          for (int nt = 0; nt < kRtGroup / 8; ++nt)
-#pragma unroll
-            for (int e = 0; e < 2; ++e) {
-              v[kV + 2 * nt + e] = sc[nt][2 * h + e];
-              col[kV + 2 * nt + e] = nt * 8 + e;
-            }
-#pragma unroll
-          for (int t = kV - 1; t >= 1; --t) {
-            const bool later = v[2 * t + 1] > v[2 * t];
-            v[t] = later ? v[2 * t + 1] : v[2 * t];
-            col[t] = later ? col[2 * t + 1] : col[2 * t];
-          }
-          float& b = kRoute ? best[h] : cbest[h];
-          int& g = kRoute ? arg[h] : carg[h];
-          if (v[1] > b) {
-            b = v[1];
-            g = static_cast<int>(base) + 2 * quad + col[1];
-          }
-        }
-        continue;
-      }
-      const int n = static_cast<int>((j1 - base) < kRtGroup ? (j1 - base) : kRtGroup);
-#pragma unroll
-      for (int nt = 0; nt < kRtGroup / 8; ++nt)
-#pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          const int col = nt * 8 + 2 * quad + e, j = static_cast<int>(base) + col;
-          if (col >= n) continue;
-#pragma unroll
-          for (int h = 0; h < 2; ++h) {
-            const float val = sc[nt][2 * h + e];
-            if constexpr (kRoute) {
-              if (arg[h] < 0 || val > best[h]) {
-                best[h] = val;
-                arg[h] = j;
-              }
-            } else {
-              if (val > best[h]) best[h] = val;
-              if (j >= sink && (carg[h] < 0 || val > cbest[h])) {
-                cbest[h] = val;
-                carg[h] = j;
-              }
-            }
-          }
-        }
+      take_group(base, sc);
     }
   }
+#endif
   // the four lanes of a quad hold interleaved slots of the same tokens: larger value, ties to the
   // smaller slot
   const auto merge = [](float& b, int& g, int off) {
