@@ -444,7 +444,7 @@ Status update_finish(const Executor& exec, const DeviceState<S, A>& d, const kvm
   if (plan.n_app < C) {
     if (after > p.sink) {
       // The first update scatters every non-sink slot, later ones the touched slots only (see
-      // update_scatter_touched_kernel). About eight slots per warp (four rounds of kScatterSlots): a
+      // update_scatter_kernel). About eight slots per warp (four rounds of kScatterSlots): a
       // block's prologue (the targets, the first-token table and the touched list) costs a load round
       // trip and three barriers before its warps start; at B8 H32 fixed-256 32K, 30.9 ms prefill against
       // 31.9 with four slots a warp and 33.5 with two (12 and 16: within the noise). At most 8192 slots
@@ -458,18 +458,18 @@ Status update_finish(const Executor& exec, const DeviceState<S, A>& d, const kvm
       const std::int64_t per_block = (range + blocks - 1) / blocks;
       blocks = (range + per_block - 1) / per_block;
       const dim3 sgrid(grid, static_cast<unsigned>(blocks));
-      const std::size_t bytes = scatter_touched_bytes(d, per_block);
+      const std::size_t bytes = scatter_shared_bytes(d, per_block);
       const auto launch = [&](auto kernel) -> Status {
         KVMEM_RETURN_IF_ERROR(allow_shared(kernel, bytes));
         kernel<<<sgrid, 32 * kWarpsPerBlock, bytes, exec.stream>>>(d, a, after, per_block, every_slot);
         return Status::ok();
       };
       if (scatter_in_registers(d))
-        KVMEM_RETURN_IF_ERROR(launch(update_scatter_touched_kernel<S, A, true>));
+        KVMEM_RETURN_IF_ERROR(launch(update_scatter_kernel<S, A, true>));
       else
-        KVMEM_RETURN_IF_ERROR(launch(update_scatter_touched_kernel<S, A, false>));
+        KVMEM_RETURN_IF_ERROR(launch(update_scatter_kernel<S, A, false>));
     }
-    KVMEM_CUDA_RETURN_IF_LAUNCH_FAILED("kvm update_scatter_touched_kernel");
+    KVMEM_CUDA_RETURN_IF_LAUNCH_FAILED("kvm update_scatter_kernel");
   }
   if (log != nullptr) {  // test hook (spec 2): synchronises, never used on an engine's path
     std::vector<int> targets(std::size_t(items * C));

@@ -60,11 +60,10 @@ struct TcPaddedLayout {
 };
 
 // Shared memory of the wgmma path, in the 128-byte swizzle layout the tensor cores read through
-// descriptors (ptx::wgmma_desc_sw128): a matrix of `rows` rows is stored as kD / 64 column blocks of
-// [rows][64 bf16], block after block, 16-byte vector j of row r of a block at j ^ (r % 8) (the 8 rows
-// of an atom spread their chunks over all banks). Q is K-major (the A operand of S = Q K^T), K as well
+// descriptors (ptx::sw128_offset, ptx::wgmma_desc_sw128: the 8 rows of an atom spread their 16-byte
+// chunks over all banks). Q is K-major (the A operand of S = Q K^T), K as well
 // (the B operand), V is MN-major (the B operand of O = P V, read transposed). The region starts on a
-// 1024-byte boundary (the swizzle pattern follows address bits), hence the 1024 spare bytes.
+// 1024-byte boundary (ptx::align_shared_1024), hence the 1024 spare bytes.
 template <int kD, int kDv>
 struct TcSwizzledLayout {
   static_assert(kD % 64 == 0 && kDv % 64 == 0, "whole 128-byte rows");
@@ -74,12 +73,9 @@ struct TcSwizzledLayout {
   static constexpr std::size_t kVTile = std::size_t(kTcKeys) * kDv * 2;
   static constexpr std::size_t kBuffer = kKTile + kVTile;
   static constexpr std::size_t kBytes = kQTile + 2 * kBuffer + 1024;
-  __device__ static unsigned offset(int rows, int row, int vec) {
-    return static_cast<unsigned>((vec / 8) * rows * 128 + row * 128 + ((vec % 8) ^ (row % 8)) * 16);
-  }
-  __device__ static unsigned q_offset(int row, int vec) { return offset(kTcRows, row, vec); }
-  __device__ static unsigned k_offset(int row, int vec) { return offset(kTcKeys, row, vec); }
-  __device__ static unsigned v_offset(int row, int vec) { return offset(kTcKeys, row, vec); }
+  __device__ static unsigned q_offset(int row, int vec) { return ptx::sw128_offset(kTcRows, row, vec); }
+  __device__ static unsigned k_offset(int row, int vec) { return ptx::sw128_offset(kTcKeys, row, vec); }
+  __device__ static unsigned v_offset(int row, int vec) { return ptx::sw128_offset(kTcKeys, row, vec); }
 };
 
 // The dynamic shared memory a launch gives attend_tc_kernel: the larger of the two layouts (the host
@@ -329,7 +325,7 @@ __global__ void __launch_bounds__(kTcThreads, kTcMinBlocks)
   const std::int64_t last_t = (row0 + kTcRows - 1) < (t1 - 1) ? (row0 + kTcRows - 1) : (t1 - 1);
   const std::int64_t warp_row0 = row0 + warp * 16;
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-  unsigned char* const smem = smem_raw + ((1024u - shared_address(smem_raw) % 1024u) % 1024u);
+  unsigned char* const smem = align_shared_1024(smem_raw);
 #else
   unsigned char* const smem = smem_raw;
 #endif
@@ -385,8 +381,8 @@ __global__ void __launch_bounds__(kTcThreads, kTcMinBlocks)
 #pragma unroll
     for (int kk = 0; kk < kD / 16; ++kk)
       wgmma_m64n64k16_ss(
-          s, wgmma_desc_sw128(q_wg + static_cast<unsigned>((kk / 4) * kTcRows * 128 + (kk % 4) * 32), 16, 1024),
-          wgmma_desc_sw128(ks + static_cast<unsigned>((kk / 4) * kTcKeys * 128 + (kk % 4) * 32), 16, 1024), kk > 0);
+          s, wgmma_desc_sw128(q_wg + sw128_k16_offset(kTcRows, kk), 16, 1024),
+          wgmma_desc_sw128(ks + sw128_k16_offset(kTcKeys, kk), 16, 1024), kk > 0);
     wgmma_commit();
   };
   const auto issue_values = [&](std::int64_t k, const std::uint32_t(&pa)[kTcKeys / 16][4]) {

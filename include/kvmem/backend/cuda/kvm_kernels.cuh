@@ -633,7 +633,7 @@ __device__ void scatter_into_slot(const DeviceState<S, A>& st, std::int64_t i, s
   warp_refresh_slot(st, i, j, lane);
 }
 
-// The register-form scatter of the touched slots (head dims up to 128). A warp begins kScatterSlots
+// The register-form scatter (head dims up to 128). A warp begins kScatterSlots
 // slots before it finishes the first: every global load of a slot (its sums, rho and count, and the
 // rows of the first kScatterBatch tokens routed to it, whose indices come from a scan of the chunk's
 // targets in shared memory) is issued at begin, so the loads of all of them are in flight together.
@@ -657,7 +657,7 @@ struct ScatterSlot {
   A kt[kScatterBatch][kLaneRegs], vt[kScatterBatch][kLaneRegs];
 };
 
-// The chunk's tokens as the touched-slot scatter sees them, in shared memory: merge target, value row
+// The chunk's tokens as the scatter sees them, in shared memory: merge target, value row
 // (ring or call inputs, token_value) and gate (token_gate), resolved once per block.
 template <class S, class A>
 struct ScatterTokens {
@@ -763,10 +763,10 @@ __device__ void scatter_finish(const DeviceState<S, A>& st, std::int64_t i, cons
 // with the one-thread refresh (head dims above 128), and after it every non-sink slot carries the warp
 // refresh, so later updates may skip untouched slots bit-exactly.
 // grid (I, ceil((slots_after - sink) / per_block)), block 32 * kWarpsPerBlock, smem
-// scatter_touched_bytes(st, per_block).
+// scatter_shared_bytes(st, per_block).
 template <class S, class A, bool kInRegisters>
 __global__ void __launch_bounds__(32 * kWarpsPerBlock, kInRegisters ? 3 : 4)
-    update_scatter_touched_kernel(DeviceState<S, A> st, std::int64_t a, std::int64_t slots_after,
+    update_scatter_kernel(DeviceState<S, A> st, std::int64_t a, std::int64_t slots_after,
                                   std::int64_t per_block, bool every_slot) {
   extern __shared__ unsigned char smem_raw[];
   const std::int64_t i = blockIdx.x, C = st.C;
@@ -827,9 +827,9 @@ __global__ void __launch_bounds__(32 * kWarpsPerBlock, kInRegisters ? 3 : 4)
   }
 }
 
-// Dynamic shared memory of update_scatter_touched_kernel (the memory form leaves vrow and gate unused).
+// Dynamic shared memory of update_scatter_kernel (the memory form leaves vrow and gate unused).
 template <class S, class A>
-std::size_t scatter_touched_bytes(const DeviceState<S, A>& st, std::int64_t per_block) {
+std::size_t scatter_shared_bytes(const DeviceState<S, A>& st, std::int64_t per_block) {
   const std::int64_t C = st.C, touched = per_block < C ? per_block : C;
   std::size_t bytes = std::size_t(C) * (sizeof(const S*) + sizeof(A) + sizeof(int)) +
                       std::size_t(per_block + touched + 1) * sizeof(int);

@@ -52,9 +52,8 @@ inline constexpr int kRtGroup = 32;              // slots whose products are in 
 
 // Shared memory of update_tc_scores_kernel: kRtStages stages of a hi (and a lo) tile of kRtSlots slot
 // rows. mma.sync path: rows of pitch kD + 8 (+16 bytes: the 8 rows of an ldmatrix hit 32 banks).
-// wgmma path: the 128-byte swizzle layout of TcSwizzledLayout (kD / 64 column blocks of [slot][64 bf16],
-// 16-byte vector j of row r at j ^ (r % 8)), K-major B operands read through descriptors, from a
-// 1024-byte boundary. The launch gives the larger (the host does not know which path the device
+// wgmma path: the 128-byte swizzle layout of the readout's tiles (ptx::sw128_offset: kD / 64 column
+// blocks of [slot][64 bf16]), K-major B operands read through descriptors, from a 1024-byte boundary. The launch gives the larger (the host does not know which path the device
 // compiled): 104 KB at kD = 128, kTerms = 3, two blocks per SM.
 template <int kD, int kTerms>
 constexpr std::size_t rt_padded_bytes() {
@@ -101,7 +100,7 @@ __global__ void __launch_bounds__(32 * kRtWarps, 2)
   extern __shared__ __align__(128) unsigned char rt_smem_raw[];
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   constexpr unsigned kTileBytes = kRtSlots * kD * 2;  // one hi or lo tile, swizzled
-  const unsigned tiles_smem = shared_address(rt_smem_raw + (1024u - shared_address(rt_smem_raw) % 1024u) % 1024u);
+  const unsigned tiles_smem = shared_address(align_shared_1024(rt_smem_raw));
 #else
   constexpr int kPitch = kD + 8;  // bf16 elements
   constexpr unsigned kTileBytes = kRtSlots * kPitch * 2;
@@ -121,7 +120,7 @@ __global__ void __launch_bounds__(32 * kRtWarps, 2)
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   // the rows a thread copies are vrow + kPass m, all of the same row % 8 (kPass % 8 == 0): one swizzle
   static_assert(kPass % 8 == 0, "one swizzle pattern per thread");
-  const unsigned dst_off = static_cast<unsigned>((vec / 8) * kRtSlots * 128 + vrow * 128 + ((vec % 8) ^ (vrow % 8)) * 16);
+  const unsigned dst_off = sw128_offset(kRtSlots, vrow, vec);
   constexpr unsigned kPassBytes = kPass * 128;
 #else
   const unsigned dst_off = static_cast<unsigned>((vrow * kPitch + vcol) * 2);
@@ -318,7 +317,7 @@ __global__ void __launch_bounds__(32 * kRtWarps, 2)
     wgmma_fence();
 #pragma unroll
     for (int kk = 0; kk < kK; ++kk) {
-      const unsigned off = static_cast<unsigned>((kk / 4) * kRtSlots * 128 + (kk % 4) * 32);
+      const unsigned off = sw128_k16_offset(kRtSlots, kk);
       const std::uint64_t bh = wgmma_desc_sw128(hi_tile + off, 16, 1024);
       wgmma_m64n64k16_rs(sc, ahi[kk], bh, kk > 0);
       if constexpr (kTerms == 3) {

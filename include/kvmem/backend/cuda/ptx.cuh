@@ -93,6 +93,23 @@ __device__ inline void mma_bf16_16816(float (&d)[4], const std::uint32_t (&a)[4]
 // accumulators are the registers' D fragments: warp w of the warpgroup holds rows 16 w + lane / 4 and
 // + 8, columns 8 i + 2 (lane % 4) + {0, 1} in d[i][0..1] and d[i][2..3] (the mma.sync m16n8 layout
 // repeated over the N / 8 column tiles). A from registers has the m16n8k16 A fragment layout.
+// The 128-byte swizzle layout those descriptors read, as the kernels store it (plain arithmetic, so it
+// is defined for every build): a K-major matrix of `rows` rows is kept as column blocks of [rows][64
+// bf16], block after block, and 16-byte vector j of row r of a block sits at j ^ (r % 8).
+// Byte offset of vector `vec` (8 bf16) of row `row`:
+__device__ inline unsigned sw128_offset(int rows, int row, int vec) {
+  return static_cast<unsigned>((vec / 8) * rows * 128 + row * 128 + ((vec % 8) ^ (row % 8)) * 16);
+}
+// Byte offset at which k16 slice kk (columns 16 kk .. 16 kk + 15) starts: 32 bytes into the rows of
+// column block kk / 4, the start address a descriptor of that slice takes.
+__device__ inline unsigned sw128_k16_offset(int rows, int kk) {
+  return static_cast<unsigned>((kk / 4) * rows * 128 + (kk % 4) * 32);
+}
+// The first 1024-byte boundary at or after p in shared memory: swizzled tiles start on one (the
+// pattern follows address bits), so their dynamic shared memory has 1024 spare bytes.
+__device__ inline unsigned char* align_shared_1024(unsigned char* p) {
+  return p + (1024u - shared_address(p) % 1024u) % 1024u;
+}
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
 // Descriptor of an operand in the 128-byte swizzle layout: 8-row atoms of 128-byte rows (64 bf16), the
 // 16-byte chunk j of row r stored at chunk j ^ (r % 8), every atom 1024-byte aligned (the hardware
