@@ -22,6 +22,13 @@
 
 namespace kvmem::cuda::kvm_detail {
 
+#ifndef KVMEM_EXP_STAGED
+#define KVMEM_EXP_STAGED 1
+#endif
+#ifndef KVMEM_EXP_PINGPONG
+#define KVMEM_EXP_PINGPONG 1
+#endif
+
 inline constexpr int kTcWarps = 8;             // two warpgroups (wgmma) or eight warps of one m16 atom (mma.sync)
 inline constexpr int kTcRows = 16 * kTcWarps;  // query rows per block: 64 a warpgroup, 16 a warp
 inline constexpr int kTcKeys = 64;             // keys per tile
@@ -406,8 +413,14 @@ __global__ void __launch_bounds__(kTcThreads, kTcMinBlocks)
     if (k + 1 < walk.tiles) walk.issue(k + 1);
     float s[kTcKeys / 8][4];
     wgmma_fence();
+#if KVMEM_EXP_PINGPONG
+    if (wg == 1) named_barrier_sync<1, kTcThreads>();
+#endif
     issue_scores(k, s);
     wgmma_wait<0>();
+#if KVMEM_EXP_PINGPONG
+    if (wg == 0) named_barrier_arrive<1, kTcThreads>();
+#endif
     wgmma_fence_operands(s);
     float resc[2];
     softmax(k, s, resc);
@@ -469,20 +482,52 @@ __global__ void __launch_bounds__(kTcThreads, kTcMinBlocks)
   }
 #endif
   // l = the quad's partial sums (every lane was rescaled by the same maxima)
+  float inv[2];
 #pragma unroll
   for (int e = 0; e < 2; ++e) {
-    const std::int64_t t = warp_row0 + e * 8 + r;
     float sum = sm[e].sum;
     sum += __shfl_xor_sync(0xffffffffu, sum, 1);
     sum += __shfl_xor_sync(0xffffffffu, sum, 2);
+    inv[e] = sum > 0.0f ? 1.0f / sum : 0.0f;
+  }
+#if KVMEM_EXP_STAGED
+  if constexpr (std::is_same_v<Out, bf16> || std::is_same_v<Out, fp16>) {
+    if (reinterpret_cast<std::uintptr_t>(out) % 16 == 0) {
+      // Through the warp's own 16 Q rows (no product reads them any more: on the wgmma path, every
+      // warp of the warpgroup issued the last P V after its wait for the last S) to whole 16-byte row
+      // segments: one store a vector instead of two-byte stores spread over eight rows.
+#pragma unroll
+      for (int e = 0; e < 2; ++e)
+#pragma unroll
+        for (int nd = 0; nd < kDv / 8; ++nd) {
+          const std::uint32_t pair = std::uint32_t(store_as<Out>(o[nd][2 * e] * inv[e]).bits) |
+                                     std::uint32_t(store_as<Out>(o[nd][2 * e + 1] * inv[e]).bits) << 16;
+          *reinterpret_cast<std::uint32_t*>(smem + L::q_offset(warp * 16 + e * 8 + r, nd) + 4 * quad) = pair;
+        }
+      __syncwarp();
+      constexpr int kVecs = kDv / 8;
+#pragma unroll
+      for (int i = 0; i < 16 * kVecs / 32; ++i) {
+        const int v = lane + 32 * i, row = v / kVecs, c = v % kVecs;
+        const std::int64_t t = warp_row0 + row;
+        if (t < t1)
+          *reinterpret_cast<uint4*>(out + (((b * T + (t - n0)) * Hq) + h) * kDv + c * 8) =
+              *reinterpret_cast<const uint4*>(smem + L::q_offset(warp * 16 + row, c));
+      }
+      return;
+    }
+  }
+#endif
+#pragma unroll
+  for (int e = 0; e < 2; ++e) {
+    const std::int64_t t = warp_row0 + e * 8 + r;
     if (t >= t1) continue;
-    const float inv = sum > 0.0f ? 1.0f / sum : 0.0f;
     Out* orow = out + (((b * T + (t - n0)) * Hq) + h) * kDv;
 #pragma unroll
     for (int nd = 0; nd < kDv / 8; ++nd) {
       const int c = nd * 8 + 2 * quad;
-      orow[c] = store_as<Out>(o[nd][2 * e] * inv);
-      orow[c + 1] = store_as<Out>(o[nd][2 * e + 1] * inv);
+      orow[c] = store_as<Out>(o[nd][2 * e] * inv[e]);
+      orow[c + 1] = store_as<Out>(o[nd][2 * e + 1] * inv[e]);
     }
   }
 }
