@@ -22,13 +22,6 @@
 
 namespace kvmem::cuda::kvm_detail {
 
-#ifndef KVMEM_EXP_STAGED
-#define KVMEM_EXP_STAGED 1
-#endif
-#ifndef KVMEM_EXP_PINGPONG
-#define KVMEM_EXP_PINGPONG 1
-#endif
-
 inline constexpr int kTcWarps = 8;             // two warpgroups (wgmma) or eight warps of one m16 atom (mma.sync)
 inline constexpr int kTcRows = 16 * kTcWarps;  // query rows per block: 64 a warpgroup, 16 a warp
 inline constexpr int kTcKeys = 64;             // keys per tile
@@ -311,6 +304,7 @@ __device__ inline void probabilities(const float (&s)[kTcKeys / 8][4], TcSoftmax
 // swizzled shared memory (P from registers). Elsewhere (the compute_90 PTX, JIT-compiled for later
 // GPUs): mma.sync m16n8k16, operands through ldmatrix. Same arithmetic otherwise: fp32 logits scaled
 // to base 2, masked, online softmax, P rounded to bf16, fp32 accumulation.
+// bf16 / fp16 output rows leave through shared memory as 16-byte row segments.
 // grid B*Hq*ceil((t1 - t0) / kTcRows) (row block fastest), block kTcThreads, dynamic smem TcLayout::kBytes.
 // q: [B,Hq,T,kD], out: [B,T,Hq,kDv]
 template <class In, class Out, int kD, int kDv>
@@ -413,14 +407,8 @@ __global__ void __launch_bounds__(kTcThreads, kTcMinBlocks)
     if (k + 1 < walk.tiles) walk.issue(k + 1);
     float s[kTcKeys / 8][4];
     wgmma_fence();
-#if KVMEM_EXP_PINGPONG
-    if (wg == 1) named_barrier_sync<1, kTcThreads>();
-#endif
     issue_scores(k, s);
     wgmma_wait<0>();
-#if KVMEM_EXP_PINGPONG
-    if (wg == 0) named_barrier_arrive<1, kTcThreads>();
-#endif
     wgmma_fence_operands(s);
     float resc[2];
     softmax(k, s, resc);
@@ -490,12 +478,16 @@ __global__ void __launch_bounds__(kTcThreads, kTcMinBlocks)
     sum += __shfl_xor_sync(0xffffffffu, sum, 2);
     inv[e] = sum > 0.0f ? 1.0f / sum : 0.0f;
   }
-#if KVMEM_EXP_STAGED
+  // bf16 / fp16 outputs leave through shared memory. Stored from the registers, each warp store wrote
+  // two-byte pieces of eight rows (a thread holds two adjacent columns of every eight-column tile, 128
+  // stores); staged in the warp's own 16 Q rows they leave as whole 16-byte row segments, eight vector
+  // stores a thread (H200, fixed-256 32K: readout 87 -> 73 us). Nothing reads those Q rows any more: on
+  // the wgmma path every warp of the warpgroup issued the last P V, so had passed its wait for the last
+  // S, before the wait that ended the loop. Float outputs (twice the bytes of the warp's Q rows) and a
+  // misaligned output keep the direct stores.
+  static_assert(kDv <= kD, "a warp's output rows fit in its Q rows");
   if constexpr (std::is_same_v<Out, bf16> || std::is_same_v<Out, fp16>) {
     if (reinterpret_cast<std::uintptr_t>(out) % 16 == 0) {
-      // Through the warp's own 16 Q rows (no product reads them any more: on the wgmma path, every
-      // warp of the warpgroup issued the last P V after its wait for the last S) to whole 16-byte row
-      // segments: one store a vector instead of two-byte stores spread over eight rows.
 #pragma unroll
       for (int e = 0; e < 2; ++e)
 #pragma unroll
@@ -517,7 +509,6 @@ __global__ void __launch_bounds__(kTcThreads, kTcMinBlocks)
       return;
     }
   }
-#endif
 #pragma unroll
   for (int e = 0; e < 2; ++e) {
     const std::int64_t t = warp_row0 + e * 8 + r;

@@ -314,17 +314,4 @@ __device__ inline float ex2_approx_ftz(float x) {
   return r;
 }
 
-// Named barriers (bar.sync / bar.arrive on hardware barrier kId, 1..15; __syncthreads takes 0) over
-// kThreads threads, a multiple of 32: a warpgroup synchronising alone, or one warpgroup waiting for
-// another (the waiting threads sync, the signalling ones arrive without waiting; the counts add up).
-// Immediate operands: a barrier number in a register makes ptxas reserve all sixteen.
-template <int kId, int kThreads>
-__device__ inline void named_barrier_sync() {
-  asm volatile("bar.sync %0, %1;\n" ::"n"(kId), "n"(kThreads) : "memory");
-}
-template <int kId, int kThreads>
-__device__ inline void named_barrier_arrive() {
-  asm volatile("bar.arrive %0, %1;\n" ::"n"(kId), "n"(kThreads) : "memory");
-}
-
 }  // namespace kvmem::cuda::ptx
