@@ -35,10 +35,10 @@ std::vector<In> as_input(const std::vector<float>& x) {
   return y;
 }
 
-// Feeds tokens [t0, t1) (inputs in type In holding storage-type values, output float) and writes
+// Feeds tokens [t0, t1) (inputs in type In holding storage-type values, output in type Out) and writes
 // their rows into out_full. In = S lets a bf16 prefill read its window keys from the inputs (readouts
 // beside the update chain); In = float with the same values keeps every readout on the chain.
-template <class S, class In = S>
+template <class S, class In = S, class Out = float>
 kvmem::Status cuda_feed(kvmem::cuda::KvmState<S>& st, const rkvm::Config& c, const rkvm::Inputs& in,
                         const DevWeights& w, std::int64_t t0, std::int64_t t1, std::vector<float>& out_full,
                         kvmem::kvm::RouteLog* log) {
@@ -48,12 +48,12 @@ kvmem::Status cuda_feed(kvmem::cuda::KvmState<S>& st, const rkvm::Config& c, con
   Dev<In> q(as_input<S, In>(qf)), k(as_input<S, In>(slice_tokens(in.k, c.B * c.Hk, c.T, c.D, t0, t1))),
       v(as_input<S, In>(slice_tokens(in.v, c.B * c.Hk, c.T, c.Dv, t0, t1))),
       g(as_input<S, In>(slice_tokens(in.gate, c.B * c.Hk, c.T, 1, t0, t1)));
-  Dev<float> out(std::vector<float>(std::size_t(c.B * n * c.Hq * c.Dv), -7.0f));  // poisoned
+  Dev<Out> out(std::vector<Out>(std::size_t(c.B * n * c.Hq * c.Dv), kvmem::store_as<Out>(-7.0f)));  // poisoned
   const kvmem::cuda::Executor exec{};
   const auto status = kvmem::cuda::kvm_prefill(
       exec, st, w.view(), TensorView<const In, 4>(q.ptr, {c.B, c.Hq, n, c.D}),
       TensorView<const In, 4>(k.ptr, {c.B, c.Hk, n, c.D}), TensorView<const In, 4>(v.ptr, {c.B, c.Hk, n, c.Dv}),
-      TensorView<const In, 3>(g.ptr, {c.B, c.Hk, n}), TensorView<float, 4>(out.ptr, {c.B, n, c.Hq, c.Dv}), log);
+      TensorView<const In, 3>(g.ptr, {c.B, c.Hk, n}), TensorView<Out, 4>(out.ptr, {c.B, n, c.Hq, c.Dv}), log);
   if (!status.is_ok()) return status;
   KVMEM_RETURN_IF_ERROR(kvmem::cuda::to_status(cudaDeviceSynchronize(), "sync after prefill"));
   const auto o = out.get();
@@ -61,7 +61,8 @@ kvmem::Status cuda_feed(kvmem::cuda::KvmState<S>& st, const rkvm::Config& c, con
   for (std::int64_t b = 0; b < c.B; ++b)
     for (std::int64_t t = 0; t < n; ++t)
       for (std::int64_t i = 0; i < c.Hq * c.Dv; ++i)
-        out_full[std::size_t(((b * c.T + t0 + t) * c.Hq) * c.Dv + i)] = o[std::size_t((b * n + t) * c.Hq * c.Dv + i)];
+        out_full[std::size_t(((b * c.T + t0 + t) * c.Hq) * c.Dv + i)] =
+            kvmem::load_as<float>(o[std::size_t((b * n + t) * c.Hq * c.Dv + i)]);
   return kvmem::Status::ok();
 }
 
@@ -499,7 +500,7 @@ TEST_CASE("kvm cuda bf16 tensor-core updates build token operands from the keys 
 
 namespace {
 // A bf16 prefill on the tensor cores in the calls `cuts` (token boundaries), inputs in type In.
-template <class In>
+template <class In, class Out = float>
 HostResult bf16_prefill_calls(const rkvm::Config& c, const rkvm::Inputs& in, const std::vector<std::int64_t>& cuts,
                               bool beside_updates) {
   kvmem::cuda::KvmState<kvmem::bf16> st;
@@ -510,7 +511,7 @@ HostResult bf16_prefill_calls(const rkvm::Config& c, const rkvm::Inputs& in, con
   kvmem::kvm::RouteLog log;
   std::int64_t t0 = 0;
   for (const std::int64_t t1 : cuts) {
-    const auto s = cuda_feed<kvmem::bf16, In>(st, c, in, w, t0, t1, r.out, &log);
+    const auto s = cuda_feed<kvmem::bf16, In, Out>(st, c, in, w, t0, t1, r.out, &log);
     INFO(s.to_string());
     REQUIRE(s.is_ok());
     t0 = t1;
@@ -555,6 +556,27 @@ TEST_CASE("kvm cuda bf16 readouts beside the update chain equal the chained read
       CHECK(two_calls.route_merge == from_inputs.route_merge);
       CHECK(two_calls.out == from_inputs.out);
     }
+  }
+}
+
+TEST_CASE("kvm cuda bf16 tensor-core readout into bf16 outputs rounds the float outputs bitwise", "[kvm][cuda][sanitize]") {
+  if (no_device()) return;
+  // The readout stores bf16 outputs through shared memory as whole 16-byte row segments, float
+  // outputs straight from the registers: the same values, so the bf16 rows are the float rows rounded.
+  // Chunks of 32 rows: every row block is partial (its rows past the chunk are not stored).
+  for (std::int64_t dim : {64, 128}) {
+    rkvm::Config c = small_config(2, 333, 4, 2, dim, dim, kvmem::budget::Power{2.0, 0.5, 32});
+    c.chunk = 32;
+    c.rope_dims = dim / 2;
+    const auto in = random_inputs(c, 700 + std::uint64_t(dim));
+    const auto as_float = bf16_prefill_calls<kvmem::bf16>(c, in, {c.T}, true);
+    const auto as_bf16 = bf16_prefill_calls<kvmem::bf16, kvmem::bf16>(c, in, {c.T}, true);
+    INFO("head dim " << dim);
+    REQUIRE(as_bf16.out.size() == as_float.out.size());
+    std::size_t differ = 0;
+    for (std::size_t i = 0; i < as_float.out.size(); ++i)
+      differ += as_bf16.out[i] != kvmem::load_as<float>(kvmem::store_as<kvmem::bf16>(as_float.out[i]));
+    CHECK(differ == 0);
   }
 }
 

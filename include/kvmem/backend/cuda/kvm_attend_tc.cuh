@@ -304,6 +304,7 @@ __device__ inline void probabilities(const float (&s)[kTcKeys / 8][4], TcSoftmax
 // swizzled shared memory (P from registers). Elsewhere (the compute_90 PTX, JIT-compiled for later
 // GPUs): mma.sync m16n8k16, operands through ldmatrix. Same arithmetic otherwise: fp32 logits scaled
 // to base 2, masked, online softmax, P rounded to bf16, fp32 accumulation.
+// bf16 / fp16 output rows leave through shared memory as 16-byte row segments.
 // grid B*Hq*ceil((t1 - t0) / kTcRows) (row block fastest), block kTcThreads, dynamic smem TcLayout::kBytes.
 // q: [B,Hq,T,kD], out: [B,T,Hq,kDv]
 template <class In, class Out, int kD, int kDv>
@@ -469,20 +470,55 @@ __global__ void __launch_bounds__(kTcThreads, kTcMinBlocks)
   }
 #endif
   // l = the quad's partial sums (every lane was rescaled by the same maxima)
+  float inv[2];
 #pragma unroll
   for (int e = 0; e < 2; ++e) {
-    const std::int64_t t = warp_row0 + e * 8 + r;
     float sum = sm[e].sum;
     sum += __shfl_xor_sync(0xffffffffu, sum, 1);
     sum += __shfl_xor_sync(0xffffffffu, sum, 2);
+    inv[e] = sum > 0.0f ? 1.0f / sum : 0.0f;
+  }
+  // bf16 / fp16 outputs leave through shared memory. Stored from the registers, each warp store wrote
+  // two-byte pieces of eight rows (a thread holds two adjacent columns of every eight-column tile, 128
+  // stores); staged in the warp's own 16 Q rows they leave as whole 16-byte row segments, eight vector
+  // stores a thread (H200, fixed-256 32K: readout 87 -> 73 us). Nothing reads those Q rows any more: on
+  // the wgmma path every warp of the warpgroup issued the last P V, so had passed its wait for the last
+  // S, before the wait that ended the loop. Float outputs (twice the bytes of the warp's Q rows) and a
+  // misaligned output keep the direct stores.
+  static_assert(kDv <= kD, "a warp's output rows fit in its Q rows");
+  if constexpr (std::is_same_v<Out, bf16> || std::is_same_v<Out, fp16>) {
+    if (reinterpret_cast<std::uintptr_t>(out) % 16 == 0) {
+#pragma unroll
+      for (int e = 0; e < 2; ++e)
+#pragma unroll
+        for (int nd = 0; nd < kDv / 8; ++nd) {
+          const std::uint32_t pair = std::uint32_t(store_as<Out>(o[nd][2 * e] * inv[e]).bits) |
+                                     std::uint32_t(store_as<Out>(o[nd][2 * e + 1] * inv[e]).bits) << 16;
+          *reinterpret_cast<std::uint32_t*>(smem + L::q_offset(warp * 16 + e * 8 + r, nd) + 4 * quad) = pair;
+        }
+      __syncwarp();
+      constexpr int kVecs = kDv / 8;
+#pragma unroll
+      for (int i = 0; i < 16 * kVecs / 32; ++i) {
+        const int v = lane + 32 * i, row = v / kVecs, c = v % kVecs;
+        const std::int64_t t = warp_row0 + row;
+        if (t < t1)
+          *reinterpret_cast<uint4*>(out + (((b * T + (t - n0)) * Hq) + h) * kDv + c * 8) =
+              *reinterpret_cast<const uint4*>(smem + L::q_offset(warp * 16 + row, c));
+      }
+      return;
+    }
+  }
+#pragma unroll
+  for (int e = 0; e < 2; ++e) {
+    const std::int64_t t = warp_row0 + e * 8 + r;
     if (t >= t1) continue;
-    const float inv = sum > 0.0f ? 1.0f / sum : 0.0f;
     Out* orow = out + (((b * T + (t - n0)) * Hq) + h) * kDv;
 #pragma unroll
     for (int nd = 0; nd < kDv / 8; ++nd) {
       const int c = nd * 8 + 2 * quad;
-      orow[c] = store_as<Out>(o[nd][2 * e] * inv);
-      orow[c + 1] = store_as<Out>(o[nd][2 * e + 1] * inv);
+      orow[c] = store_as<Out>(o[nd][2 * e] * inv[e]);
+      orow[c + 1] = store_as<Out>(o[nd][2 * e + 1] * inv[e]);
     }
   }
 }
