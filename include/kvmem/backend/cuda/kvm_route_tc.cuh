@@ -428,7 +428,7 @@ __global__ void __launch_bounds__(32 * kRtWarps, 2)
     // cores' fp32 sum of a_hi b_hi differ by
     //   |a.b - a_hi.b_hi| = |a_lo.b + a_hi.b_lo| <= (2^-8 + 2^-18) sum_d |a_d| |b_d|
     // plus the accumulation errors: S's 128 tensor-core additions, counted as truncations of 2^-22
-    // relative each, <= D 2^-22 = 2^-15 of sum |a||b| at D = 128, and R's 34 fp32 roundings, ~2^-18.
+    // relative each, <= D 2^-22 = 2^-15 of sum |a||b| at D = 128, and R's D fp32 roundings, <= 2^-17.
     // So |S - R| <= E = (2^-8 + 2^-11) P with P >= sum_d |a_d| |b_d|, the 2^-11 covering the rest
     // with room to spare (also the fp32 arithmetic of P itself and of the threshold). Every slot row
     // is b = LN_s(Sk_j) = w z + c (ln_w, ln_b; |z|^2 = D var / (var + eps) <= D), hence
@@ -444,8 +444,9 @@ __global__ void __launch_bounds__(32 * kRtWarps, 2)
     // novelty pass has two maxima: over all slots (the score: sink slots are listed against it) and
     // over the route candidates (slots >= ns0, listed against theirs, the lower threshold).
     // Lists: kRtListCap slots and screened values per lane and token in shared memory (a lane sees
-    // a quarter of the slots); a token with more candidates than that (many slots within 2 E of its
-    // max: repeated keys) overflows, and its whole block falls back to the exact sweep.
+    // a quarter of the slots, those of its accumulator columns); a lane with more candidates of a
+    // token than that (many slots within 2 E of its max: repeated keys) overflows, and its whole block
+    // falls back to the exact sweep.
     using One = std::integral_constant<int, 1>;
     const std::int64_t ns0 = kRoute ? j0 : (j0 > sink ? j0 : sink);  // route candidates: slots >= ns0
     float top[2] = {negative_infinity<float>(), negative_infinity<float>()};      // max S, slots >= ns0
@@ -531,6 +532,10 @@ __global__ void __launch_bounds__(32 * kRtWarps, 2)
           list_slot[entry(h, listed[h], lane)] = j;
           list_value[entry(h, listed[h], lane)] = val;
           ++listed[h];
+          // the refine reads the row at the end; the hi row was just staged (in L2), the lo row was not
+          const bf16* const lo_row = st.khat_lo + (i * st.cap + j) * kD;
+#pragma unroll
+          for (int line = 0; line < kD * 2 / 128; ++line) prefetch_l2(lo_row + line * 64);
         }
       }
     };
@@ -563,56 +568,57 @@ __global__ void __launch_bounds__(32 * kRtWarps, 2)
       for (int s = 0; s < kRtStages - 1; ++s) issue(s, Parts{});
       exact_sweep();
     } else if (active) {
-      // Refine: the four lanes of a quad hold a token's dims (the A fragments); each list entry of the
-      // token (the four lanes' lists in turn) is dotted by all four, slot row from global memory (L2:
-      // the item's rows were just staged), the partial sums added over the quad in one order, so
-      // every lane folds the same value and the quad merge below changes nothing.
-      const std::uint32_t* const hi_rows = reinterpret_cast<const std::uint32_t*>(st.khat + i * st.cap * kD);
-      const std::uint32_t* const lo_rows = reinterpret_cast<const std::uint32_t*>(st.khat_lo + i * st.cap * kD);
+      // Refine: each lane dots its own entries (its quarter of the slots) over all kD dims, so the
+      // lanes of a warp work side by side with no rounds in step; the quad merge below then takes
+      // the max / argmax of the four lanes' values. The token's hi and lo fragments, spread over the
+      // quad's four lanes, are read from shared memory (hi parked here in the stage bytes the sweep is
+      // done with: every warpgroup's products are complete), 16 bytes (4 lanes) at a time; the slot
+      // rows come from global memory as 16-byte vectors (the lo rows prefetched to L2 when listed).
+      std::uint32_t* const ahi_parked = reinterpret_cast<std::uint32_t*>(align_shared_1024(rt_smem_raw));
+#pragma unroll
+      for (int kk = 0; kk < kK; ++kk)
+#pragma unroll
+        for (int q = 0; q < 4; ++q) ahi_parked[(kk * 4 + q) * 32 * kRtWarps + threadIdx.x] = ahi[kk][q];
+      __syncwarp();  // the quad's lanes read each other's
+      const int quad0 = static_cast<int>(threadIdx.x) & ~3;
       const auto widen = [](std::uint32_t w) { return make_float2(__uint_as_float(w << 16), __uint_as_float(w & 0xffff0000u)); };
 #pragma unroll
       for (int h = 0; h < 2; ++h)
-        for (int q = 0; q < 4; ++q) {
-          const int owner = (lane & ~3) | q;
-          const int count = __shfl_sync(0xffffffffu, listed[h], owner);
-          const int rounds = __reduce_max_sync(0xffffffffu, count);
-          for (int e = 0; e < rounds; ++e) {
-            int j = 0;
-            bool take = false;
-            if (e < count) {
-              j = list_slot[entry(h, e, owner)];
-              take = list_value[entry(h, e, owner)] >= threshold(h, j);  // the final thresholds
-            }
-            float part = 0.0f;
-            if (take) {
-              const std::uint32_t* const hw = hi_rows + std::int64_t(j) * (kD / 2);
-              const std::uint32_t* const lw = lo_rows + std::int64_t(j) * (kD / 2);
+        for (int e = 0; e < listed[h]; ++e) {
+          const int j = list_slot[entry(h, e, lane)];
+          if (list_value[entry(h, e, lane)] < threshold(h, j)) continue;  // passed by the final maxima
+          const uint4* const hw = reinterpret_cast<const uint4*>(st.khat + (i * st.cap + j) * kD);
+          const uint4* const lw = reinterpret_cast<const uint4*>(st.khat_lo + (i * st.cap + j) * kD);
+          float dot = 0.0f;
 #pragma unroll
-              for (int kk = 0; kk < kK; ++kk)
+          for (int kk = 0; kk < kK; ++kk)
 #pragma unroll
-                for (int m = 0; m < 2; ++m) {
-                  const int w = kk * 8 + 4 * m + quad;  // dims kk*16 + 8m + 2 quad + {0, 1}
-                  const float2 ah = widen(ahi[kk][h + 2 * m]), al = widen(parked(kk, h + 2 * m));
-                  const float2 bh = widen(hw[w]), bl = widen(lw[w]);
-                  // hi + lo is exact in fp32 (17 significant bits)
-                  part = fmaf(ah.x + al.x, bh.x + bl.x, part);
-                  part = fmaf(ah.y + al.y, bh.y + bl.y, part);
-                }
+            for (int m = 0; m < 2; ++m) {
+              // words kk*8 + 4m + {0..3} of the row: dims kk*16 + 8m .. + 7, lane quad0 + x holding word x
+              const int at = (kk * 4 + h + 2 * m) * 32 * kRtWarps + quad0;
+              const uint4 th = *reinterpret_cast<const uint4*>(ahi_parked + at);
+              const uint4 tl = *reinterpret_cast<const uint4*>(alo_parked + at);
+              const uint4 bh = hw[kk * 2 + m], bl = lw[kk * 2 + m];
+              const std::uint32_t ta[4] = {th.x, th.y, th.z, th.w}, tb[4] = {tl.x, tl.y, tl.z, tl.w};
+              const std::uint32_t ra[4] = {bh.x, bh.y, bh.z, bh.w}, rb[4] = {bl.x, bl.y, bl.z, bl.w};
+#pragma unroll
+              for (int x = 0; x < 4; ++x) {
+                // hi + lo is exact in fp32 (17 significant bits)
+                const float2 ah = widen(ta[x]), al = widen(tb[x]), bhf = widen(ra[x]), blf = widen(rb[x]);
+                dot = fmaf(ah.x + al.x, bhf.x + blf.x, dot);
+                dot = fmaf(ah.y + al.y, bhf.y + blf.y, dot);
+              }
             }
-            part += __shfl_xor_sync(0xffffffffu, part, 1);
-            part += __shfl_xor_sync(0xffffffffu, part, 2);
-            if (!take) continue;
-            if constexpr (kRoute) {
-              if (arg[h] < 0 || part > best[h] || (part == best[h] && j < arg[h])) {
-                best[h] = part;
-                arg[h] = j;
-              }
-            } else {
-              if (part > best[h]) best[h] = part;
-              if (j >= ns0 && (carg[h] < 0 || part > cbest[h] || (part == cbest[h] && j < carg[h]))) {
-                cbest[h] = part;
-                carg[h] = j;
-              }
+          if constexpr (kRoute) {
+            if (arg[h] < 0 || dot > best[h] || (dot == best[h] && j < arg[h])) {
+              best[h] = dot;
+              arg[h] = j;
+            }
+          } else {
+            if (dot > best[h]) best[h] = dot;
+            if (j >= ns0 && (carg[h] < 0 || dot > cbest[h] || (dot == cbest[h] && j < carg[h]))) {
+              cbest[h] = dot;
+              carg[h] = j;
             }
           }
         }
