@@ -174,7 +174,6 @@ template <class S>
 void check_graph_step(std::int64_t dim) {
   rkvm::Config c = small_config(2, 300, 4, 2, dim, dim, kvmem::budget::Power{4.0, 0.5, 32});
   c.chunk = 32;
-  c.rope_dims = dim / 2;
   const auto in = random_inputs(c, 500 + std::uint64_t(dim));
   const std::int64_t t0 = 250;
   kvmem::cuda::KvmState<S> plain, captured;
@@ -238,7 +237,6 @@ TEST_CASE("kvm cuda bf16 storage agrees with the host backend at a paper-like sh
   // C = 256, nb = 2, 16 sqrt N, D = 128, T = 1300 (three updates, ragged last chunk), GQA 4:2.
   rkvm::Config c = small_config(2, 1300, 4, 2, 128, 128, kvmem::budget::Power{16.0, 0.5, 256});
   c.chunk = 256;
-  c.rope_dims = 64;
   const auto in = random_inputs(c, 7);
   const auto host = host_prefill<kvmem::bf16>(c, in);
   const auto gpu = cuda_run<kvmem::bf16>(c, in, c.T);
@@ -284,7 +282,6 @@ void check_grouped_decode(std::int64_t hq, std::int64_t hk, std::int64_t T, std:
   REQUIRE(kd::decode_heads_per_block(B * hq, rep, resident) == expected_heads);
   rkvm::Config c = small_config(B, T, hq, hk, 128, 128, kvmem::budget::Power{16.0, 0.5, 256});
   c.chunk = 256;
-  c.rope_dims = 64;
   c.head_temps = true;
   const auto in = random_inputs(c, 40 + std::uint64_t(hk));
   const auto prefilled = cuda_run<kvmem::bf16>(c, in, c.T);
@@ -316,7 +313,6 @@ TEST_CASE("kvm cuda bf16 fast routing (single bf16 products) stays close to the 
   if (no_device()) return;
   rkvm::Config c = small_config(2, 1300, 4, 2, 128, 128, kvmem::budget::Power{16.0, 0.5, 256});
   c.chunk = 256;
-  c.rope_dims = 64;
   const auto in = random_inputs(c, 7);
   const auto host = host_prefill<kvmem::bf16>(c, in);
   const auto gpu = cuda_run<kvmem::bf16>(c, in, c.T, true);
@@ -374,7 +370,6 @@ TEST_CASE("kvm cuda fp32 register-tiled head dims 64 and 128 match the host back
   for (std::int64_t dim : {64, 128}) {
     rkvm::Config c = small_config(1, 700, 4, 2, dim, dim, kvmem::budget::Saturating{256.0, 1});
     c.chunk = 64;
-    c.rope_dims = dim / 2;
     const auto in = random_inputs(c, 100 + std::uint64_t(dim));
     const auto host = host_prefill<float>(c, in);
     const auto gpu = cuda_run<float>(c, in, c.T);
@@ -386,12 +381,18 @@ TEST_CASE("kvm cuda fp32 register-tiled head dims 64 and 128 match the host back
   }
 }
 
+// The tensor-core readout cases: two sequences of 333 tokens, 4 query heads over 2 KV heads, head dims
+// dim, chunks of 32 rows (every row block of the readout is partial; 333 leaves a ragged last chunk).
+rkvm::Config tc_readout_config(std::int64_t dim, kvmem::budget::Any budget) {
+  rkvm::Config c = small_config(2, 333, 4, 2, dim, dim, budget);
+  c.chunk = 32;
+  return c;
+}
+
 TEST_CASE("kvm cuda bf16 tensor-core readout (head dims 64 and 128) matches the host backend", "[kvm][cuda][sanitize]") {
   if (no_device()) return;
   for (std::int64_t dim : {64, 128}) {
-    rkvm::Config c = small_config(2, 333, 4, 2, dim, dim, kvmem::budget::Power{4.0, 0.5, 32});
-    c.chunk = 32;
-    c.rope_dims = dim / 2;
+    const rkvm::Config c = tc_readout_config(dim, kvmem::budget::Power{4.0, 0.5, 32});
     const auto in = random_inputs(c, 300 + std::uint64_t(dim));
     const auto host = host_prefill<kvmem::bf16>(c, in);
     const auto gpu = cuda_run<kvmem::bf16>(c, in, c.T);
@@ -414,9 +415,7 @@ TEST_CASE("kvm cuda bf16 fixed budget (updates without appends) matches the host
   // A fixed budget of C slots never appends: every update takes the routing pass over all non-sink
   // slots with the gated keys (the paper's fixed-256 path), not the novelty + appended-slots pair.
   for (std::int64_t dim : {64, 128}) {
-    rkvm::Config c = small_config(2, 333, 4, 2, dim, dim, kvmem::budget::Fixed{32, 32});
-    c.chunk = 32;
-    c.rope_dims = dim / 2;
+    const rkvm::Config c = tc_readout_config(dim, kvmem::budget::Fixed{32, 32});
     const auto in = random_inputs(c, 700 + std::uint64_t(dim));
     const auto host = host_prefill<kvmem::bf16>(c, in);
     const auto gpu = cuda_run<kvmem::bf16>(c, in, c.T);
@@ -453,7 +452,6 @@ TEST_CASE("kvm cuda bf16 tensor-core updates build token operands from the keys 
     for (std::int64_t dv : {128, 160}) {
       rkvm::Config c = small_config(2, 333, 4, 2, 128, dv, budget);
       c.chunk = 32;
-      c.rope_dims = 64;
       const auto in = random_inputs(c, 4100 + std::uint64_t(dv));
       const auto host = host_prefill<kvmem::bf16>(c, in);
       const auto gpu = cuda_run<kvmem::bf16>(c, in, c.T);
@@ -540,9 +538,7 @@ TEST_CASE("kvm cuda bf16 readouts beside the update chain equal the chained read
                         {kvmem::budget::Power{4.0, 0.5, 32}, false, true, "power budget beyond the window"}};
   for (std::int64_t dim : {64, 128}) {
     for (const Case& bc : cases) {
-      rkvm::Config c = small_config(2, 333, 4, 2, dim, dim, bc.budget);
-      c.chunk = 32;
-      c.rope_dims = dim / 2;
+      const rkvm::Config c = tc_readout_config(dim, bc.budget);
       const auto in = random_inputs(c, 900 + std::uint64_t(dim));
       const auto from_inputs = bf16_prefill_calls<kvmem::bf16>(c, in, {c.T}, bc.beside_updates);
       const auto chained = bf16_prefill_calls<float>(c, in, {c.T}, bc.beside_updates);
@@ -565,9 +561,7 @@ TEST_CASE("kvm cuda bf16 tensor-core readout into bf16 outputs rounds the float 
   // outputs straight from the registers: the same values, so the bf16 rows are the float rows rounded.
   // Chunks of 32 rows: every row block is partial (its rows past the chunk are not stored).
   for (std::int64_t dim : {64, 128}) {
-    rkvm::Config c = small_config(2, 333, 4, 2, dim, dim, kvmem::budget::Power{2.0, 0.5, 32});
-    c.chunk = 32;
-    c.rope_dims = dim / 2;
+    const rkvm::Config c = tc_readout_config(dim, kvmem::budget::Power{2.0, 0.5, 32});
     const auto in = random_inputs(c, 700 + std::uint64_t(dim));
     const auto as_float = bf16_prefill_calls<kvmem::bf16>(c, in, {c.T}, true);
     const auto as_bf16 = bf16_prefill_calls<kvmem::bf16, kvmem::bf16>(c, in, {c.T}, true);
@@ -586,7 +580,6 @@ TEST_CASE("kvm cuda bf16 prefill with detached readouts replays from a captured 
   // on a fresh state (host counts advance at capture time) it gives the plain prefill's output.
   rkvm::Config c = small_config(2, 300, 4, 2, 128, 128, kvmem::budget::Power{2.0, 0.5, 32});  // <= window
   c.chunk = 32;
-  c.rope_dims = 64;
   const auto in = random_inputs(c, 1234);
   const DevWeights w(FloatWeights{in});
   kvmem::cuda::KvmState<kvmem::bf16> plain, captured;
