@@ -314,19 +314,4 @@ __device__ inline float ex2_approx_ftz(float x) {
   return r;
 }
 
-#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-// The dense UA prefill's logits (ua_dense_tc.cuh), a half tile of 32 entries at a time: d += a b, A from
-// registers, B from shared memory K-major, always accumulating (d starts from the decay term Λ).
-__device__ inline void wgmma_m64n32k16_rs(float (&d)[4][4], const std::uint32_t (&a)[4], std::uint64_t b_desc) {
-  asm volatile(
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %21, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16 "
-      "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15}, {%16,%17,%18,%19}, %20, p, 1, 1, 0;\n}\n"
-      : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]),
-        "+f"(d[1][3]), "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]), "+f"(d[3][0]), "+f"(d[3][1]),
-        "+f"(d[3][2]), "+f"(d[3][3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b_desc), "r"(1));
-}
-#endif  // __CUDA_ARCH_FEAT_SM90_ALL
-
 }  // namespace kvmem::cuda::ptx

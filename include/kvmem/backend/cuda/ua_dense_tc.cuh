@@ -37,6 +37,12 @@
 // the accumulators' start: 12.9 ms (ua_cuda_2026-11-30_h200_uadense3.md); with the key gate and the log1p
 // of the fold on lg2 / ex2 and no mask selects in the fold and the carry of the usual tile: 12.1 ms
 // (ua_cuda_2026-11-30_h200_uadense4.md).
+// Built for sm_90a with D a multiple of 64 (the compute_90 PTX and D = 80 keep the mma.sync path above),
+// the block's 4 warps are one warpgroup and the two products of step 3 run as warpgroup MMA (wgmma) from
+// 128-byte-swizzled key and value tiles: Q K^T of the whole entry tile is issued right after barrier 1 and
+// runs on the tensor cores during the decay and the carry, Λ is added to it after barrier 2, then the
+// online softmax and P V (P from registers). Two blocks per SM at 255 registers: 11.74 vs 12.10 ms at 8K
+// (ua_cuda_2026-11-30_h200_uawg.md).
 //
 // The decay of a set made of the built-in gates (any of QueryGate, KeyGate, SimilarityGate) is evaluated in
 // base 2 with the per-key and per-position terms scaled once per entry / row: log2 x = q_m + k_j +
@@ -70,17 +76,20 @@ inline constexpr int kDnThreads = 32 * kDnWarps;
 inline constexpr int kDnPairs = 16 * kDnWarps;    // (head, row) pairs per row tile
 inline constexpr int kDnEntries = 16 * kDnWarps;  // entries per entry tile: 16 per warp
 inline constexpr int kDnMaxRows = kDnPairs / 4;   // rows per row tile at most (r >= 4)
-#ifdef KVMEM_UAWG_BLOCKS
-inline constexpr int kDnBlocksPerSM = KVMEM_UAWG_BLOCKS;
-#else
 inline constexpr int kDnBlocksPerSM = 3;
-#endif
-// Entries per product on the sm_90a path (step 3): a half tile, as on mma.sync.
-#ifdef KVMEM_UAWG_ENTRIES
-inline constexpr int kDnWgEntries = KVMEM_UAWG_ENTRIES;
+// Blocks per SM of dense_prefill_tc_kernel<Set, kD>: three on mma.sync (above); two on wgmma (sm_90a and kD
+// a multiple of 64), where the logits of the whole entry tile stay in flight through the decay beside O and
+// Q's fragments (255 registers; at three blocks, 168 registers, the same code spills 588 bytes). Measured
+// at B8 H16 G4 D128 8K on the H200: 11.74 ms against 12.10 ms for mma.sync at three blocks
+// (ua_cuda_2026-11-30_h200_uawg.md).
+template <int kD>
+__host__ __device__ constexpr int dense_blocks_per_sm() {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  return kD % 64 == 0 ? 2 : kDnBlocksPerSM;
 #else
-inline constexpr int kDnWgEntries = 32;
+  return kDnBlocksPerSM;
 #endif
+}
 
 // Rows of a row tile for group size r (r in {4, 8}), and the row tiles of a T-row call.
 __host__ __device__ constexpr int dense_row_tile(std::int64_t r) {
@@ -114,16 +123,9 @@ struct UaDenseLayout {
   // 8-byte vector; pitch kDnEntries + 8 puts the 4 rows of a half warp 8 banks apart (no conflicts)
   static constexpr int kLPitch = kDnEntries + 8;
   static constexpr std::size_t kTile = std::size_t(kDnEntries) * (kSwizzled ? kD : kKPitch) * 2;
-#ifdef KVMEM_UAWG_PIPE
-  static constexpr bool kPipe = kSwizzled;
-#else
-  static constexpr bool kPipe = false;
-#endif
-  static constexpr int kVBufs = kPipe ? 2 : 1;
   static constexpr std::size_t kK = 0;           // [2][kDnEntries][kD] keys of the entry tiles
-  static constexpr std::size_t kV = 2 * kTile;   // [kVBufs][kDnEntries][kD] values
-  static constexpr std::size_t kQ = kV + kVBufs * kTile;  // [kDnPairs][kD] queries (pipe only)
-  static constexpr std::size_t kNK = kQ + (kPipe ? std::size_t(kDnPairs) * kD * 2 : 0);  // [kDnMaxRows][kKPitch] keys of the row tile (always padded)
+  static constexpr std::size_t kV = 2 * kTile;   // [kDnEntries][kD] values (one buffer, see the kernel)
+  static constexpr std::size_t kNK = 3 * kTile;  // [kDnMaxRows][kKPitch] keys of the row tile (always padded)
   static constexpr std::size_t kA = kNK + std::size_t(kDnMaxRows) * kKPitch * 2;  // [kDnEntries][kAPitch]
   static constexpr std::size_t kL = kA + std::size_t(kDnEntries) * kAPitch * 4;   // [kDnMaxRows][kLPitch]
   static constexpr std::size_t kBytes = kL + std::size_t(kDnMaxRows) * kLPitch * 4 + (kSwizzled ? 1024 : 0);
@@ -320,17 +322,6 @@ __device__ __forceinline__ void dense_prefill_row_tile(const DeviceCache<bf16>& 
       qf[kb][3] = live_hi ? *reinterpret_cast<const std::uint32_t*>(q_hi + col + 8) : 0u;
     }
   }
-#if defined(__CUDA_ARCH_FEAT_SM90_ALL) && defined(KVMEM_UAWG_PIPE)
-  if constexpr (L::kPipe) {
-    for (int x = tid; x < kDnPairs * kVec; x += kDnThreads) {
-      const int p = x / kVec, cv = x % kVec, hp = p / rt, ip = p % rt;
-      uint4 v = make_uint4(0, 0, 0, 0);
-      if (ip < nr) v = *reinterpret_cast<const uint4*>(a.q + b * a.q_b + (g * r + hp) * a.q_h + (r0 + ip) * a.q_t + 8 * cv);
-      *reinterpret_cast<uint4*>(smem + L::kQ + sw128_offset(kDnPairs, p, cv)) = v;
-    }
-  }
-  std::uint32_t pa_prev[kDnEntries / 16][4];  // P of the previous tile, read by its P V in flight
-#endif
   float o[kD / 8][4];
 #pragma unroll
   for (int j = 0; j < kD / 8; ++j) o[j][0] = o[j][1] = o[j][2] = o[j][3] = 0.0f;
@@ -408,10 +399,9 @@ __device__ __forceinline__ void dense_prefill_row_tile(const DeviceCache<bf16>& 
   constexpr int kJ = 32 / 8;                                    // 8-entry accumulator tiles per half tile
   const float* const lam_lo = lt + i_lo * L::kLPitch + 2 * t4;  // Λ of the lane's rows, entries 2 t4 + {0, 1}
   const float* const lam_hi = lt + i_hi * L::kLPitch + 2 * t4;
-  // Λ of entries c0 + 8 j + 2 t4 + {0, 1} for the lane's two pairs: the start of the logits' accumulators
-  const auto seed_logits = [&]<int kN>(float(&s)[kN][4], int c0) {
+  const auto logits = [&](float(&s)[kJ][4], const unsigned char* ks, int c0) {
 #pragma unroll
-    for (int j = 0; j < kN; ++j) {
+    for (int j = 0; j < kJ; ++j) {
       const float2 lo = *reinterpret_cast<const float2*>(lam_lo + c0 + 8 * j);
       const float2 hi = *reinterpret_cast<const float2*>(lam_hi + c0 + 8 * j);
       s[j][0] = lo.x;
@@ -419,9 +409,6 @@ __device__ __forceinline__ void dense_prefill_row_tile(const DeviceCache<bf16>& 
       s[j][2] = hi.x;
       s[j][3] = hi.y;
     }
-  };
-  const auto logits = [&](float(&s)[kJ][4], const unsigned char* ks, int c0) {
-    seed_logits(s, c0);
 #pragma unroll
     for (int kb = 0; kb < kD / 16; ++kb) {
 #pragma unroll
@@ -480,15 +467,6 @@ __device__ __forceinline__ void dense_prefill_row_tile(const DeviceCache<bf16>& 
     }
     return true;
   };
-#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-  // logits of kDnWgEntries entries at a time on wgmma
-  const auto wgmma_dense_logits = []<int kN>(float(&s)[kN][4], const std::uint32_t(&qa)[4], std::uint64_t kdesc) {
-    if constexpr (kN == 8)
-      wgmma_m64n64k16_rs(s, qa, kdesc, 1);
-    else
-      wgmma_m64n32k16_rs(s, qa, kdesc);
-  };
-#endif
   // the tiles this thread copied with cp.async (generic proxy) -> visible to wgmma's reads of them (async
   // proxy) once the next barrier has passed
   const auto copies_to_tensor_cores = [] {
@@ -534,29 +512,27 @@ __device__ __forceinline__ void dense_prefill_row_tile(const DeviceCache<bf16>& 
     // key tile et and its gates are in shared memory (the first time, nk and the row gates too); every
     // warp is past step - 1, so the value tile, the other key buffer and the Λ tile are free
     __syncthreads();
-    load_rows(e0, vs_base + (L::kPipe ? buf * L::kTile : 0), cache_v, in_v, a.v_t);  // value tile et: lands during the decay and the carry
+    load_rows(e0, vs_base, cache_v, in_v, a.v_t);  // value tile et: lands during the decay and the carry
     if (et > 0) {
       load_rows(e0 - kDnEntries, ks_base + (buf ^ 1) * L::kTile, cache_k, in_k, a.k_t);
     } else {
       cp_async_commit();  // an empty group: the wait for the value tile below counts one group behind it
     }
     const unsigned char* ks = ks_base + buf * L::kTile;
-#if defined(__CUDA_ARCH_FEAT_SM90_ALL) && defined(KVMEM_UAWG_EARLY)
-    // Q K^T of the whole key tile from 0, issued now: the tensor cores run it during the decay and the carry
-    float s_early[kDnEntries / 8][4] = {};
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    // sm_90a: Q K^T of the whole key tile as warpgroup MMA (m64n64k16, the block's 4 warps together), issued
+    // now so that the tensor cores run it during the decay and the carry (it needs only the key tile; Λ is
+    // added once the carry is done, step 3). A = Q's fragments from registers (the mma.sync A fragments of
+    // each warp's 16 pairs), B = the key tile from swizzled shared memory, K-major: k16 slice kb is 32 bytes
+    // into the rows of column block kb / 4. 11.74 ms at 8K, against 12.22 ms for the same products issued
+    // after the carry, from Λ (ua_cuda_2026-11-30_h200_uawg.md).
+    float s_tile[kDnEntries / 8][4] = {};
     if constexpr (kWg) {
-      static_assert(kDnWgEntries == kDnEntries, "the early logits are of the whole tile");
       wgmma_fence();
 #pragma unroll
-      for (int kb = 0; kb < kD / 16; ++kb) {
-#ifdef KVMEM_UAWG_PIPE
-        wgmma_m64n64k16_ss(s_early, wgmma_desc_sw128(shared_address(smem + L::kQ) + sw128_k16_offset(kDnPairs, kb), 16, 1024),
+      for (int kb = 0; kb < kD / 16; ++kb)
+        wgmma_m64n64k16_rs(s_tile, qf[kb],
                            wgmma_desc_sw128(shared_address(ks) + sw128_k16_offset(kDnEntries, kb), 16, 1024), 1);
-#else
-        wgmma_m64n64k16_rs(s_early, qf[kb],
-                           wgmma_desc_sw128(shared_address(ks) + sw128_k16_offset(kDnEntries, kb), 16, 1024), 1);
-#endif
-      }
       wgmma_commit();
     }
 #endif
@@ -682,83 +658,54 @@ __device__ __forceinline__ void dense_prefill_row_tile(const DeviceCache<bf16>& 
     //    where the largest q.k is about 6 (ua_cuda_2026-11-30_h200_uadense4.md).
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
     if constexpr (kWg) {
-      // sm_90a: S and P V as warpgroup MMA, issued by the block's 4 warps together. S = Λ + Q K^T as
-      // m64nXk16 with Q's fragments from registers (the A operand: the mma.sync A fragments of the warp's
-      // 16 pairs) and the key tile from swizzled shared memory (K-major: k16 slice kb is 32 bytes into
-      // the rows of column block kb / 4), the accumulators starting from Λ as on mma.sync. O += P V as
-      // m64nDk16 with P from registers and the value tile read MN-major (slice kk: rows 16 kk.., column
-      // blocks of 64 values kDnEntries rows apart). No ldmatrix -> mma chains: a warp issues 8 + 2
-      // instructions per half tile instead of 48 mma and 24 ldmatrix.
-      const unsigned ks_addr = shared_address(ks), vs_addr = shared_address(vs_base + (L::kPipe ? buf * L::kTile : 0));
-#pragma unroll 1
-      for (int hv = 0; hv < kDnEntries / kDnWgEntries; ++hv) {
-        const int c0 = kDnWgEntries * hv;
-#ifdef KVMEM_UAWG_EARLY
-        float(&s)[kDnWgEntries / 8][4] = s_early;
-        wgmma_wait<0>();
-        wgmma_fence_operands(s);
-#ifdef KVMEM_UAWG_PIPE
-        wgmma_fence_operands(o);
-        wgmma_fence_operands(pa_prev);
-#endif
+      // sm_90a: the whole tile at once. logits = fl(Q K^T) + Λ: the products' accumulation is done before
+      // Λ is known, so Λ is added after it (one more fp32 rounding per logit than on mma.sync, where the
+      // accumulators start from Λ; the probabilities are rounded to bf16 after it anyway). O += P V as
+      // m64nDk16 with P from registers and the value tile read MN-major (k16 slice kk: rows 16 kk..,
+      // column blocks of 64 values kDnEntries rows apart). No ldmatrix -> mma chains: a warp issues 8 + 4
+      // instructions per tile for the two products instead of 128 mma and 64 ldmatrix.
+      float(&s)[kDnEntries / 8][4] = s_tile;
+      wgmma_wait<0>();
+      wgmma_fence_operands(s);
 #pragma unroll
-        for (int j = 0; j < kDnWgEntries / 8; ++j) {
-          const float2 lo = *reinterpret_cast<const float2*>(lam_lo + c0 + 8 * j);
-          const float2 hi = *reinterpret_cast<const float2*>(lam_hi + c0 + 8 * j);
-          s[j][0] += lo.x;
-          s[j][1] += lo.y;
-          s[j][2] += hi.x;
-          s[j][3] += hi.y;
-        }
-#else
-        float s[kDnWgEntries / 8][4];
-        seed_logits(s, c0);
-        wgmma_fence();
-#pragma unroll
-        for (int kb = 0; kb < kD / 16; ++kb)
-          wgmma_dense_logits(s, qf[kb],
-                             wgmma_desc_sw128(ks_addr + c0 * 128 + sw128_k16_offset(kDnEntries, kb), 16, 1024));
-        wgmma_commit();
-        wgmma_wait<0>();
-        wgmma_fence_operands(s);
-#endif
-        // every warp takes part in P V (one instruction of the warpgroup): a warp whose weights all
-        // underflow gives P = 0, which adds exact zeros to l and O as the skip on mma.sync leaves them
-        if (!online_softmax(s)) {
-#pragma unroll
-          for (int j = 0; j < kDnWgEntries / 8; ++j) s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.0f;
-        }
-#ifdef KVMEM_UAWG_PIPE
-        std::uint32_t(&pa)[kDnWgEntries / 16][4] = pa_prev;
-#else
-        std::uint32_t pa[kDnWgEntries / 16][4];
-#endif
-#pragma unroll
-        for (int kk = 0; kk < kDnWgEntries / 16; ++kk) {
-          l_lo += (s[2 * kk][0] + s[2 * kk][1]) + (s[2 * kk + 1][0] + s[2 * kk + 1][1]);
-          l_hi += (s[2 * kk][2] + s[2 * kk][3]) + (s[2 * kk + 1][2] + s[2 * kk + 1][3]);
-          pa[kk][0] = pack_bf16(s[2 * kk][0], s[2 * kk][1]);
-          pa[kk][1] = pack_bf16(s[2 * kk][2], s[2 * kk][3]);
-          pa[kk][2] = pack_bf16(s[2 * kk + 1][0], s[2 * kk + 1][1]);
-          pa[kk][3] = pack_bf16(s[2 * kk + 1][2], s[2 * kk + 1][3]);
-        }
-        wgmma_fence();
-#pragma unroll
-        for (int kk = 0; kk < kDnWgEntries / 16; ++kk) {
-          const std::uint64_t vdesc =
-              wgmma_desc_sw128(vs_addr + unsigned(c0 + 16 * kk) * 128, kDnEntries * 128, 1024);
-          if constexpr (kD == 128)
-            wgmma_m64n128k16_rs_mn(o, pa[kk], vdesc);
-          else
-            wgmma_m64n64k16_rs_mn(o, pa[kk], vdesc);
-        }
-        wgmma_commit();
-#ifndef KVMEM_UAWG_PIPE
-        wgmma_wait<0>();
-        wgmma_fence_operands(o);
-        wgmma_fence_operands(pa);
-#endif
+      for (int j = 0; j < kDnEntries / 8; ++j) {
+        const float2 lo = *reinterpret_cast<const float2*>(lam_lo + 8 * j);
+        const float2 hi = *reinterpret_cast<const float2*>(lam_hi + 8 * j);
+        s[j][0] += lo.x;
+        s[j][1] += lo.y;
+        s[j][2] += hi.x;
+        s[j][3] += hi.y;
       }
+      // every warp takes part in P V (one instruction of the warpgroup): a warp whose weights all
+      // underflow gives P = 0, which adds exact zeros to l and O as the skip on mma.sync leaves them
+      if (!online_softmax(s)) {
+#pragma unroll
+        for (int j = 0; j < kDnEntries / 8; ++j) s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.0f;
+      }
+      std::uint32_t pa[kDnEntries / 16][4];
+#pragma unroll
+      for (int kk = 0; kk < kDnEntries / 16; ++kk) {
+        l_lo += (s[2 * kk][0] + s[2 * kk][1]) + (s[2 * kk + 1][0] + s[2 * kk + 1][1]);
+        l_hi += (s[2 * kk][2] + s[2 * kk][3]) + (s[2 * kk + 1][2] + s[2 * kk + 1][3]);
+        pa[kk][0] = pack_bf16(s[2 * kk][0], s[2 * kk][1]);
+        pa[kk][1] = pack_bf16(s[2 * kk][2], s[2 * kk][3]);
+        pa[kk][2] = pack_bf16(s[2 * kk + 1][0], s[2 * kk + 1][1]);
+        pa[kk][3] = pack_bf16(s[2 * kk + 1][2], s[2 * kk + 1][3]);
+      }
+      wgmma_fence();
+      const unsigned vs_addr = shared_address(vs_base);
+#pragma unroll
+      for (int kk = 0; kk < kDnEntries / 16; ++kk) {
+        const std::uint64_t vdesc = wgmma_desc_sw128(vs_addr + unsigned(16 * kk) * 128, kDnEntries * 128, 1024);
+        if constexpr (kD == 128)
+          wgmma_m64n128k16_rs_mn(o, pa[kk], vdesc);
+        else
+          wgmma_m64n64k16_rs_mn(o, pa[kk], vdesc);
+      }
+      wgmma_commit();
+      wgmma_wait<0>();
+      wgmma_fence_operands(o);
+      wgmma_fence_operands(pa);
     } else
 #endif
 #pragma unroll 1
@@ -790,11 +737,6 @@ __device__ __forceinline__ void dense_prefill_row_tile(const DeviceCache<bf16>& 
     }
   }
 
-#if defined(__CUDA_ARCH_FEAT_SM90_ALL) && defined(KVMEM_UAWG_PIPE)
-  wgmma_wait<0>();
-  wgmma_fence_operands(o);
-  wgmma_fence_operands(pa_prev);
-#endif
   // 4. normalise, output gate, write y and lse (the quad's partial sums in a fixed order). The row's
   //    indices come again from the ticket in shared memory (a volatile load, so the compiler does not
   //    hold them in registers through the loop, where O leaves few to spare)
@@ -835,7 +777,7 @@ __device__ __forceinline__ void dense_prefill_row_tile(const DeviceCache<bf16>& 
 // leaves λ_j = Λ_{T-1, j} for every entry; the lengths and counters advance afterwards
 // (dense_advance_kernel).
 template <class Set, int kD>
-__global__ void __launch_bounds__(kDnThreads, kDnBlocksPerSM)
+__global__ void __launch_bounds__(kDnThreads, dense_blocks_per_sm<kD>())
     dense_prefill_tc_kernel(DeviceCache<bf16> c, DeviceCall<bf16> a, std::int64_t T, std::int64_t items,
                             std::int64_t tiles, int* sync) {
   extern __shared__ __align__(128) unsigned char dense_smem[];
