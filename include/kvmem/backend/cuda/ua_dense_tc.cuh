@@ -41,8 +41,8 @@
 // the block's 4 warps are one warpgroup and the two products of step 3 run as warpgroup MMA (wgmma) from
 // 128-byte-swizzled key and value tiles: Q K^T of the whole entry tile is issued right after barrier 1 and
 // runs on the tensor cores during the decay and the carry, Λ is added to it after barrier 2, then the
-// online softmax and P V (P from registers). Two blocks per SM at 255 registers: 11.74 vs 12.10 ms at 8K
-// (ua_cuda_2026-11-30_h200_uawg.md).
+// online softmax and P V (P from registers). Q lives in shared memory and the key tiles in one buffer, so
+// that three blocks share an SM as on mma.sync: 10.99 vs 12.11 ms at 8K (ua_cuda_2026-11-30_h200_uawg.md).
 //
 // The decay of a set made of the built-in gates (any of QueryGate, KeyGate, SimilarityGate) is evaluated in
 // base 2 with the per-key and per-position terms scaled once per entry / row: log2 x = q_m + k_j +
@@ -70,26 +70,17 @@ namespace kvmem::cuda::ua_detail {
 // ua_cuda_2026-11-30_h200_dense2.md). 8-warp blocks (128 pairs, one block per SM) shared each key/value
 // tile among twice the rows but lost to two 4-warp blocks per SM in the earlier shape (15.81 vs 14.97 ms,
 // ua_cuda_2026-11-29_h200_v5_dense.md and _v6.md); the per-warp λ carry (step 2 of the kernel) needs each
-// warp to fold all rows of its entries, which holds for 4 warps.
+// warp to fold all rows of its entries, which holds for 4 warps. The wgmma path (sm_90a) fits three blocks
+// too, with Q in shared memory (its fragments would take 32 registers) and one key buffer: 10.99 ms at 8K
+// (168 registers, 108 bytes spilled) against 11.70 ms at two blocks per SM with Q's fragments in registers
+// and two key buffers (255 registers, no spill) and 16.49 ms for that code squeezed to three blocks (588
+// bytes spilled; ua_cuda_2026-11-30_h200_uawg.md).
 inline constexpr int kDnWarps = 4;
 inline constexpr int kDnThreads = 32 * kDnWarps;
 inline constexpr int kDnPairs = 16 * kDnWarps;    // (head, row) pairs per row tile
 inline constexpr int kDnEntries = 16 * kDnWarps;  // entries per entry tile: 16 per warp
 inline constexpr int kDnMaxRows = kDnPairs / 4;   // rows per row tile at most (r >= 4)
 inline constexpr int kDnBlocksPerSM = 3;
-// Blocks per SM of dense_prefill_tc_kernel<Set, kD>: three on mma.sync (above); two on wgmma (sm_90a and kD
-// a multiple of 64), where the logits of the whole entry tile stay in flight through the decay beside O and
-// Q's fragments (255 registers; at three blocks, 168 registers, the same code spills 588 bytes). Measured
-// at B8 H16 G4 D128 8K on the H200: 11.74 ms against 12.10 ms for mma.sync at three blocks
-// (ua_cuda_2026-11-30_h200_uawg.md).
-template <int kD>
-__host__ __device__ constexpr int dense_blocks_per_sm() {
-#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-  return kD % 64 == 0 ? 2 : kDnBlocksPerSM;
-#else
-  return kDnBlocksPerSM;
-#endif
-}
 
 // Rows of a row tile for group size r (r in {4, 8}), and the row tiles of a T-row call.
 __host__ __device__ constexpr int dense_row_tile(std::int64_t r) {
@@ -104,11 +95,12 @@ __host__ __device__ inline std::int64_t dense_sync_ints(std::int64_t items, std:
   return 1 + items * ((capacity + 7) / 8);
 }
 
-// Shared memory of a block. kSwizzled (the wgmma path: sm_90a and kD a multiple of 64): the key and value
-// tiles in the 128-byte swizzle layout the tensor cores read through descriptors (ptx::sw128_offset: a
-// K-major key tile is the B operand of S = Q K^T, the value tile read MN-major that of O += P V; the swizzle
-// also spreads the 8 rows of an ldmatrix over all banks, so the rows need no padding), starting on a
-// 1024-byte boundary (ptx::align_shared_1024, hence 1024 spare bytes). Otherwise rows padded by 16 bytes.
+// Shared memory of a block. kSwizzled (the wgmma path: sm_90a and kD a multiple of 64): the key, value and
+// query tiles in the 128-byte swizzle layout the tensor cores read through descriptors (ptx::sw128_offset:
+// Q [pair][dim] and a key tile, both K-major, are the A and B operands of S = Q K^T, the value tile read
+// MN-major the B operand of O += P V; the swizzle also spreads the 8 rows of an ldmatrix over all banks, so
+// the rows need no padding), starting on a 1024-byte boundary (ptx::align_shared_1024, hence 1024 spare
+// bytes), and one key buffer (see the kernel). Otherwise rows padded by 16 bytes and two key buffers.
 template <int kD, bool kSwizzled = false>
 struct UaDenseLayout {
   static_assert(kD % 16 == 0, "the dense tensor-core UA kernel takes head dims that are multiples of 16");
@@ -123,9 +115,12 @@ struct UaDenseLayout {
   // 8-byte vector; pitch kDnEntries + 8 puts the 4 rows of a half warp 8 banks apart (no conflicts)
   static constexpr int kLPitch = kDnEntries + 8;
   static constexpr std::size_t kTile = std::size_t(kDnEntries) * (kSwizzled ? kD : kKPitch) * 2;
-  static constexpr std::size_t kK = 0;           // [2][kDnEntries][kD] keys of the entry tiles
-  static constexpr std::size_t kV = 2 * kTile;   // [kDnEntries][kD] values (one buffer, see the kernel)
-  static constexpr std::size_t kNK = 3 * kTile;  // [kDnMaxRows][kKPitch] keys of the row tile (always padded)
+  static constexpr int kKBufs = kSwizzled ? 1 : 2;
+  static constexpr std::size_t kK = 0;                   // [kKBufs][kDnEntries][kD] keys of the entry tiles
+  static constexpr std::size_t kV = kKBufs * kTile;      // [kDnEntries][kD] values (one buffer, see the kernel)
+  static constexpr std::size_t kQ = kV + kTile;          // [kDnPairs][kD] queries (swizzled only)
+  static constexpr std::size_t kNK = kQ + (kSwizzled ? std::size_t(kDnPairs) * kD * 2 : 0);  // [kDnMaxRows][kKPitch]
+                                                         // keys of the row tile (always padded)
   static constexpr std::size_t kA = kNK + std::size_t(kDnMaxRows) * kKPitch * 2;  // [kDnEntries][kAPitch]
   static constexpr std::size_t kL = kA + std::size_t(kDnEntries) * kAPitch * 4;   // [kDnMaxRows][kLPitch]
   static constexpr std::size_t kBytes = kL + std::size_t(kDnMaxRows) * kLPitch * 4 + (kSwizzled ? 1024 : 0);
@@ -307,7 +302,7 @@ __device__ __forceinline__ void dense_prefill_row_tile(const DeviceCache<bf16>& 
   const int p_lo = 16 * warp + qr, p_hi = p_lo + 8;
   const int h_lo = p_lo / rt, i_lo = p_lo % rt, h_hi = p_hi / rt, i_hi = p_hi % rt;
   const bool live_lo = i_lo < nr, live_hi = i_hi < nr;
-  std::uint32_t qf[kD / 16][4];  // Q as mma A fragments, for the whole block
+  std::uint32_t qf[kD / 16][4];  // Q as mma A fragments, for the whole block (mma.sync; unused on wgmma)
   {
     const nv_bf16* q_lo = reinterpret_cast<const nv_bf16*>(a.q + b * a.q_b + (g * r + h_lo) * a.q_h +
                                                            (r0 + (live_lo ? i_lo : 0)) * a.q_t);
@@ -322,6 +317,19 @@ __device__ __forceinline__ void dense_prefill_row_tile(const DeviceCache<bf16>& 
       qf[kb][3] = live_hi ? *reinterpret_cast<const std::uint32_t*>(q_hi + col + 8) : 0u;
     }
   }
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  // wgmma reads Q (the A operand of the logits) from shared memory: the block's 64 pairs as rows, zeros
+  // past the call (published to the tensor cores by the first step's proxy fence and barrier)
+  if constexpr (kWg) {
+    for (int x = tid; x < kDnPairs * kVec; x += kDnThreads) {
+      const int p = x / kVec, cv = x % kVec, hp = p / rt, ip = p % rt;
+      uint4 v = make_uint4(0, 0, 0, 0);
+      if (ip < nr)
+        v = *reinterpret_cast<const uint4*>(a.q + b * a.q_b + (g * r + hp) * a.q_h + (r0 + ip) * a.q_t + 8 * cv);
+      *reinterpret_cast<uint4*>(smem + L::kQ + sw128_offset(kDnPairs, p, cv)) = v;
+    }
+  }
+#endif
   float o[kD / 8][4];
 #pragma unroll
   for (int j = 0; j < kD / 8; ++j) o[j][0] = o[j][1] = o[j][2] = o[j][3] = 0.0f;
@@ -513,25 +521,28 @@ __device__ __forceinline__ void dense_prefill_row_tile(const DeviceCache<bf16>& 
     // warp is past step - 1, so the value tile, the other key buffer and the Λ tile are free
     __syncthreads();
     load_rows(e0, vs_base, cache_v, in_v, a.v_t);  // value tile et: lands during the decay and the carry
-    if (et > 0) {
-      load_rows(e0 - kDnEntries, ks_base + (buf ^ 1) * L::kTile, cache_k, in_k, a.k_t);
-    } else {
-      cp_async_commit();  // an empty group: the wait for the value tile below counts one group behind it
+    if constexpr (!kWg) {  // the next key tile into the other buffer (sm_90a: one buffer, after barrier 2)
+      if (et > 0) {
+        load_rows(e0 - kDnEntries, ks_base + (buf ^ 1) * L::kTile, cache_k, in_k, a.k_t);
+      } else {
+        cp_async_commit();  // an empty group: the wait for the value tile below counts one group behind it
+      }
     }
-    const unsigned char* ks = ks_base + buf * L::kTile;
+    const unsigned char* ks = ks_base + (kWg ? 0 : buf * L::kTile);
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
     // sm_90a: Q K^T of the whole key tile as warpgroup MMA (m64n64k16, the block's 4 warps together), issued
     // now so that the tensor cores run it during the decay and the carry (it needs only the key tile; Λ is
-    // added once the carry is done, step 3). A = Q's fragments from registers (the mma.sync A fragments of
-    // each warp's 16 pairs), B = the key tile from swizzled shared memory, K-major: k16 slice kb is 32 bytes
-    // into the rows of column block kb / 4. 11.74 ms at 8K, against 12.22 ms for the same products issued
-    // after the carry, from Λ (ua_cuda_2026-11-30_h200_uawg.md).
+    // added once the carry is done, step 3). Q and the key tile from swizzled shared memory, both K-major:
+    // k16 slice kb is 32 bytes into the rows of column block kb / 4. At two blocks per SM: 11.74 ms at 8K,
+    // against 12.22 ms for the same products issued after the carry, from Λ
+    // (ua_cuda_2026-11-30_h200_uawg.md).
     float s_tile[kDnEntries / 8][4] = {};
     if constexpr (kWg) {
       wgmma_fence();
 #pragma unroll
       for (int kb = 0; kb < kD / 16; ++kb)
-        wgmma_m64n64k16_rs(s_tile, qf[kb],
+        wgmma_m64n64k16_ss(s_tile,
+                           wgmma_desc_sw128(shared_address(smem + L::kQ) + sw128_k16_offset(kDnPairs, kb), 16, 1024),
                            wgmma_desc_sw128(shared_address(ks) + sw128_k16_offset(kDnEntries, kb), 16, 1024), 1);
       wgmma_commit();
     }
@@ -637,7 +648,19 @@ __device__ __forceinline__ void dense_prefill_row_tile(const DeviceCache<bf16>& 
         for (int i = 0; i < rt; ++i) lam_col[i * L::kLPitch] = negative_infinity<float>();
       }
     }
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    if constexpr (kWg) {
+      // the logits are done: they were the last reads of the key buffer, which the next key tile takes after
+      // the barrier (it lands during step 3; the other two blocks of the SM cover what it does not)
+      wgmma_wait<0>();
+      wgmma_fence_operands(s_tile);
+      cp_async_wait<0>();  // this thread's part of value tile et has landed (no key tile in flight)
+    } else {
+      cp_async_wait<1>();
+    }
+#else
     cp_async_wait<1>();  // this thread's part of value tile et has landed (the next key tile may not)
+#endif
     copies_to_tensor_cores();
     __syncthreads();     // Λ tile complete, λ of this entry tile stored, value tile et in shared memory
     // publish: the barrier orders the carriers' λ stores before this thread's fence, which makes them
@@ -646,6 +669,9 @@ __device__ __forceinline__ void dense_prefill_row_tile(const DeviceCache<bf16>& 
     if (tid == kDnThreads - 1) {
       __threadfence();
       atomicExch(done_mine, step + 1);
+    }
+    if constexpr (kWg) {  // the next key tile, into the one key buffer
+      if (et > 0) load_rows(e0 - kDnEntries, ks_base, cache_k, in_k, a.k_t);
     }
 
     // 3. per half of the tile (32 entries: 16 S registers instead of 32 keep the block at <= 168
@@ -665,8 +691,6 @@ __device__ __forceinline__ void dense_prefill_row_tile(const DeviceCache<bf16>& 
       // column blocks of 64 values kDnEntries rows apart). No ldmatrix -> mma chains: a warp issues 8 + 4
       // instructions per tile for the two products instead of 128 mma and 64 ldmatrix.
       float(&s)[kDnEntries / 8][4] = s_tile;
-      wgmma_wait<0>();
-      wgmma_fence_operands(s);
 #pragma unroll
       for (int j = 0; j < kDnEntries / 8; ++j) {
         const float2 lo = *reinterpret_cast<const float2*>(lam_lo + 8 * j);
@@ -777,7 +801,7 @@ __device__ __forceinline__ void dense_prefill_row_tile(const DeviceCache<bf16>& 
 // leaves λ_j = Λ_{T-1, j} for every entry; the lengths and counters advance afterwards
 // (dense_advance_kernel).
 template <class Set, int kD>
-__global__ void __launch_bounds__(kDnThreads, dense_blocks_per_sm<kD>())
+__global__ void __launch_bounds__(kDnThreads, kDnBlocksPerSM)
     dense_prefill_tc_kernel(DeviceCache<bf16> c, DeviceCall<bf16> a, std::int64_t T, std::int64_t items,
                             std::int64_t tiles, int* sync) {
   extern __shared__ __align__(128) unsigned char dense_smem[];
