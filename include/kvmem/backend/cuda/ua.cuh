@@ -281,9 +281,9 @@ template <class Set, class S>
 DenseKernel<S> dense_kernel_for(const UaInputs<S>& in, std::int64_t D, std::int64_t r, double log_p) {
   if constexpr (std::is_same_v<S, bf16>) {
     if (log_p == -std::numeric_limits<double>::infinity() && tc_group_ok(r) && tc_aligned(in)) {
-      if (D == 64) return {dense_prefill_tc_kernel<Set, 64>, UaDenseLayout<64>::kBytes};
-      if (D == 80) return {dense_prefill_tc_kernel<Set, 80>, UaDenseLayout<80>::kBytes};
-      if (D == 128) return {dense_prefill_tc_kernel<Set, 128>, UaDenseLayout<128>::kBytes};
+      if (D == 64) return {dense_prefill_tc_kernel<Set, 64>, dense_shared_bytes<64>()};
+      if (D == 80) return {dense_prefill_tc_kernel<Set, 80>, dense_shared_bytes<80>()};
+      if (D == 128) return {dense_prefill_tc_kernel<Set, 128>, dense_shared_bytes<128>()};
     }
   }
   return {};

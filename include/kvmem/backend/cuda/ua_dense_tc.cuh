@@ -37,6 +37,12 @@
 // the accumulators' start: 12.9 ms (ua_cuda_2026-11-30_h200_uadense3.md); with the key gate and the log1p
 // of the fold on lg2 / ex2 and no mask selects in the fold and the carry of the usual tile: 12.1 ms
 // (ua_cuda_2026-11-30_h200_uadense4.md).
+// Built for sm_90a with D a multiple of 64 (the compute_90 PTX and D = 80 keep the mma.sync path above),
+// the block's 4 warps are one warpgroup and the two products of step 3 run as warpgroup MMA (wgmma) from
+// 128-byte-swizzled key and value tiles: Q K^T of the whole entry tile is issued right after barrier 1 and
+// runs on the tensor cores during the decay and the carry, Λ is added to it after barrier 2, then the
+// online softmax and P V (P from registers). Q lives in shared memory and the key tiles in one buffer, so
+// that three blocks share an SM as on mma.sync: 10.99 vs 12.11 ms at 8K (ua_cuda_2026-11-30_h200_uawg.md).
 //
 // The decay of a set made of the built-in gates (any of QueryGate, KeyGate, SimilarityGate) is evaluated in
 // base 2 with the per-key and per-position terms scaled once per entry / row: log2 x = q_m + k_j +
@@ -64,7 +70,11 @@ namespace kvmem::cuda::ua_detail {
 // ua_cuda_2026-11-30_h200_dense2.md). 8-warp blocks (128 pairs, one block per SM) shared each key/value
 // tile among twice the rows but lost to two 4-warp blocks per SM in the earlier shape (15.81 vs 14.97 ms,
 // ua_cuda_2026-11-29_h200_v5_dense.md and _v6.md); the per-warp λ carry (step 2 of the kernel) needs each
-// warp to fold all rows of its entries, which holds for 4 warps.
+// warp to fold all rows of its entries, which holds for 4 warps. The wgmma path (sm_90a) fits three blocks
+// too, with Q in shared memory (its fragments would take 32 registers) and one key buffer: 10.99 ms at 8K
+// (168 registers, 108 bytes spilled) against 11.70 ms at two blocks per SM with Q's fragments in registers
+// and two key buffers (255 registers, no spill) and 16.49 ms for that code squeezed to three blocks (588
+// bytes spilled; ua_cuda_2026-11-30_h200_uawg.md).
 inline constexpr int kDnWarps = 4;
 inline constexpr int kDnThreads = 32 * kDnWarps;
 inline constexpr int kDnPairs = 16 * kDnWarps;    // (head, row) pairs per row tile
@@ -85,26 +95,56 @@ __host__ __device__ inline std::int64_t dense_sync_ints(std::int64_t items, std:
   return 1 + items * ((capacity + 7) / 8);
 }
 
-template <int kD>
+// Shared memory of a block. kSwizzled (the wgmma path: sm_90a and kD a multiple of 64): the key, value and
+// query tiles in the 128-byte swizzle layout the tensor cores read through descriptors (ptx::sw128_offset:
+// Q [pair][dim] and a key tile, both K-major, are the A and B operands of S = Q K^T, the value tile read
+// MN-major the B operand of O += P V; the swizzle also spreads the 8 rows of an ldmatrix over all banks, so
+// the rows need no padding), starting on a 1024-byte boundary (ptx::align_shared_1024, hence 1024 spare
+// bytes), and one key buffer (see the kernel). Otherwise rows padded by 16 bytes and two key buffers.
+template <int kD, bool kSwizzled = false>
 struct UaDenseLayout {
   static_assert(kD % 16 == 0, "the dense tensor-core UA kernel takes head dims that are multiples of 16");
+  static_assert(!kSwizzled || kD % 64 == 0, "the swizzled tiles of the dense UA kernel take whole 128-byte rows");
   static constexpr int kKPitch = kD + 8;  // bf16: rows 16 bytes apart modulo 128, ldmatrix without conflicts
+  // bytes from a tile row to the next one (of the same 64-column block when swizzled)
+  static constexpr unsigned kRowBytes = kSwizzled ? 128u : unsigned(kKPitch * 2);
   // float: decay tile A [entry][row], an entry's rows contiguous: its carrier loads them in 16-byte
   // vectors. Pitch kDnMaxRows + 4: the 16-byte accesses of 8 consecutive entries fall in distinct banks
   static constexpr int kAPitch = kDnMaxRows + 4;
   // float: Λ tile [row][entry] for step 3, where a lane reads the two entries of its accumulator pair as one
   // 8-byte vector; pitch kDnEntries + 8 puts the 4 rows of a half warp 8 banks apart (no conflicts)
   static constexpr int kLPitch = kDnEntries + 8;
-  static constexpr std::size_t kTile = std::size_t(kDnEntries) * kKPitch * 2;
-  static constexpr std::size_t kK = 0;           // [2][kDnEntries][kKPitch] keys of the entry tiles
-  static constexpr std::size_t kV = 2 * kTile;   // [kDnEntries][kKPitch] values (one buffer, see the kernel)
-  static constexpr std::size_t kNK = 3 * kTile;  // [kDnMaxRows][kKPitch] keys of the row tile
+  static constexpr std::size_t kTile = std::size_t(kDnEntries) * (kSwizzled ? kD : kKPitch) * 2;
+  static constexpr int kKBufs = kSwizzled ? 1 : 2;
+  static constexpr std::size_t kK = 0;                   // [kKBufs][kDnEntries][kD] keys of the entry tiles
+  static constexpr std::size_t kV = kKBufs * kTile;      // [kDnEntries][kD] values (one buffer, see the kernel)
+  static constexpr std::size_t kQ = kV + kTile;          // [kDnPairs][kD] queries (swizzled only)
+  static constexpr std::size_t kNK = kQ + (kSwizzled ? std::size_t(kDnPairs) * kD * 2 : 0);  // [kDnMaxRows][kKPitch]
+                                                         // keys of the row tile (always padded)
   static constexpr std::size_t kA = kNK + std::size_t(kDnMaxRows) * kKPitch * 2;  // [kDnEntries][kAPitch]
   static constexpr std::size_t kL = kA + std::size_t(kDnEntries) * kAPitch * 4;   // [kDnMaxRows][kLPitch]
-  static constexpr std::size_t kBytes = kL + std::size_t(kDnMaxRows) * kLPitch * 4;
+  static constexpr std::size_t kBytes = kL + std::size_t(kDnMaxRows) * kLPitch * 4 + (kSwizzled ? 1024 : 0);
   // kDnBlocksPerSM blocks in an SM's 228 KB, with their static arrays and the 1 KB the driver reserves
   static_assert(kDnBlocksPerSM * (kBytes + 4096) <= 228 * 1024, "the dense UA blocks do not fit an SM");
+  // byte offset of 16-byte vector `vec` of row `row` in a key or value tile
+  __device__ static unsigned tile_offset(int row, int vec) {
+    if constexpr (kSwizzled)
+      return ptx::sw128_offset(kDnEntries, row, vec);
+    else
+      return unsigned((row * kKPitch + vec * 8) * 2);
+  }
 };
+// The dynamic shared memory a launch of dense_prefill_tc_kernel<Set, kD> takes: the larger layout (the host
+// does not know which path the device code was built with).
+template <int kD>
+constexpr std::size_t dense_shared_bytes() {
+  if constexpr (kD % 64 == 0) {
+    return UaDenseLayout<kD, true>::kBytes > UaDenseLayout<kD>::kBytes ? UaDenseLayout<kD, true>::kBytes
+                                                                          : UaDenseLayout<kD>::kBytes;
+  } else {
+    return UaDenseLayout<kD>::kBytes;
+  }
+}
 
 // log1p(y) for y in [-(1 - 1e-6), 0]: u = 1 + y and c = y - (u - 1), the rounding of u (exact: u - 1 is exact
 // for u in [1/2, 1], and u itself below 1/2, where c = 0), then log1p(y) = log(u) + log(1 + c / u) with
@@ -184,17 +224,23 @@ __device__ __forceinline__ void dense_prefill_row_tile(const DeviceCache<bf16>& 
                                                        int* sync, const long long* s_ticket,
                                                        unsigned char* dense_smem) {
   using namespace ptx;
-  using L = UaDenseLayout<kD>;
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  constexpr bool kWg = kD % 64 == 0;  // step 3 on warpgroup MMA (the block's 4 warps are one warpgroup)
+#else
+  constexpr bool kWg = false;
+#endif
+  using L = UaDenseLayout<kD, kWg>;
   using Fold = DenseFold<Set>;
   using nv_bf16 = __nv_bfloat16;
   constexpr int kVec = kD / 8;  // 16-byte vectors per row
   constexpr int rt = kRows;
   static_assert(rt % 8 == 0 && rt <= kDnMaxRows, "a row tile splits into 8-row mma tiles");
-  nv_bf16* ks_base = reinterpret_cast<nv_bf16*>(dense_smem + L::kK);
-  nv_bf16* vs_base = reinterpret_cast<nv_bf16*>(dense_smem + L::kV);
-  nv_bf16* nk = reinterpret_cast<nv_bf16*>(dense_smem + L::kNK);
-  float* at = reinterpret_cast<float*>(dense_smem + L::kA);  // [entry][row]: A
-  float* lt = reinterpret_cast<float*>(dense_smem + L::kL);  // [row][entry]: Λ
+  unsigned char* const smem = kWg ? align_shared_1024(dense_smem) : dense_smem;
+  unsigned char* const ks_base = smem + L::kK;  // key and value tiles: bytes, rows at L::tile_offset
+  unsigned char* const vs_base = smem + L::kV;
+  nv_bf16* nk = reinterpret_cast<nv_bf16*>(smem + L::kNK);
+  float* at = reinterpret_cast<float*>(smem + L::kA);  // [entry][row]: A
+  float* lt = reinterpret_cast<float*>(smem + L::kL);  // [row][entry]: Λ
   // row tile: query-side gate (the scaled log2 term of the base-2 fold; else the logit and its log part)
   __shared__ float s_rgate[kDnMaxRows], s_rpart[kDnMaxRows];
   // entry tile: key-side gate (as for rows), positions, and the first row after each entry's position
@@ -256,7 +302,7 @@ __device__ __forceinline__ void dense_prefill_row_tile(const DeviceCache<bf16>& 
   const int p_lo = 16 * warp + qr, p_hi = p_lo + 8;
   const int h_lo = p_lo / rt, i_lo = p_lo % rt, h_hi = p_hi / rt, i_hi = p_hi % rt;
   const bool live_lo = i_lo < nr, live_hi = i_hi < nr;
-  std::uint32_t qf[kD / 16][4];  // Q as mma A fragments, for the whole block
+  std::uint32_t qf[kD / 16][4];  // Q as mma A fragments, for the whole block (mma.sync; unused on wgmma)
   {
     const nv_bf16* q_lo = reinterpret_cast<const nv_bf16*>(a.q + b * a.q_b + (g * r + h_lo) * a.q_h +
                                                            (r0 + (live_lo ? i_lo : 0)) * a.q_t);
@@ -271,6 +317,19 @@ __device__ __forceinline__ void dense_prefill_row_tile(const DeviceCache<bf16>& 
       qf[kb][3] = live_hi ? *reinterpret_cast<const std::uint32_t*>(q_hi + col + 8) : 0u;
     }
   }
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  // wgmma reads Q (the A operand of the logits) from shared memory: the block's 64 pairs as rows, zeros
+  // past the call (published to the tensor cores by the first step's proxy fence and barrier)
+  if constexpr (kWg) {
+    for (int x = tid; x < kDnPairs * kVec; x += kDnThreads) {
+      const int p = x / kVec, cv = x % kVec, hp = p / rt, ip = p % rt;
+      uint4 v = make_uint4(0, 0, 0, 0);
+      if (ip < nr)
+        v = *reinterpret_cast<const uint4*>(a.q + b * a.q_b + (g * r + hp) * a.q_h + (r0 + ip) * a.q_t + 8 * cv);
+      *reinterpret_cast<uint4*>(smem + L::kQ + sw128_offset(kDnPairs, p, cv)) = v;
+    }
+  }
+#endif
   float o[kD / 8][4];
 #pragma unroll
   for (int j = 0; j < kD / 8; ++j) o[j][0] = o[j][1] = o[j][2] = o[j][3] = 0.0f;
@@ -278,7 +337,8 @@ __device__ __forceinline__ void dense_prefill_row_tile(const DeviceCache<bf16>& 
 
   // rows [e0, e0 + kDnEntries) of the keys or the values -> tile dst (cached rows below n, then the call's
   // input rows; zeros past e_total), one cp.async group
-  const auto load_rows = [&](int e0, nv_bf16* dst, const nv_bf16* cache, const nv_bf16* input, std::int64_t in_stride) {
+  const auto load_rows = [&](int e0, unsigned char* dst, const nv_bf16* cache, const nv_bf16* input,
+                              std::int64_t in_stride) {
     const bool all_cached = e0 + kDnEntries <= n, all_input = e0 >= n && e0 + kDnEntries <= e_total;
     if (all_cached || all_input) {  // the usual tile: every row valid, in one array with one row stride
       const std::int64_t stride = all_cached ? D : in_stride;
@@ -286,17 +346,18 @@ __device__ __forceinline__ void dense_prefill_row_tile(const DeviceCache<bf16>& 
         // a fixed row and 16-byte column per thread and pass: the addresses step by a constant, a few
         // instructions per copy instead of a division and a 64-bit product
         constexpr int kPassRows = kDnThreads / kVec;
+        static_assert(kPassRows % 8 == 0, "a pass of rows keeps the swizzle phase (row % 8)");
         const int e = tid / kVec, cv = tid % kVec;
         const nv_bf16* src = (all_cached ? cache + e0 * D : input + (e0 - n) * in_stride) + e * stride + cv * 8;
-        nv_bf16* to = dst + e * L::kKPitch + cv * 8;
+        unsigned char* to = dst + L::tile_offset(e, cv);
 #pragma unroll
         for (int pass = 0; pass < kDnEntries / kPassRows; ++pass)
-          cp_async16(to + pass * kPassRows * L::kKPitch, src + pass * kPassRows * stride, 16);
+          cp_async16(to + pass * kPassRows * L::kRowBytes, src + pass * kPassRows * stride, 16);
       } else {
         const nv_bf16* p = all_cached ? cache + e0 * D : input + (e0 - n) * in_stride;
         for (int x = tid; x < kDnEntries * kVec; x += kDnThreads) {
           const int e = x / kVec, cv = x % kVec;
-          cp_async16(dst + e * L::kKPitch + cv * 8, p + e * stride + cv * 8, 16);
+          cp_async16(dst + L::tile_offset(e, cv), p + e * stride + cv * 8, 16);
         }
       }
     } else {
@@ -306,7 +367,7 @@ __device__ __forceinline__ void dense_prefill_row_tile(const DeviceCache<bf16>& 
         const bool valid = idx < e_total;
         const nv_bf16* p = input;  // any valid address when nothing is copied
         if (valid) p = idx < n ? cache + idx * D : input + (idx - n) * in_stride;
-        cp_async16(dst + e * L::kKPitch + cv * 8, p + cv * 8, valid ? 16 : 0);
+        cp_async16(dst + L::tile_offset(e, cv), p + cv * 8, valid ? 16 : 0);
       }
     }
     cp_async_commit();
@@ -346,7 +407,7 @@ __device__ __forceinline__ void dense_prefill_row_tile(const DeviceCache<bf16>& 
   constexpr int kJ = 32 / 8;                                    // 8-entry accumulator tiles per half tile
   const float* const lam_lo = lt + i_lo * L::kLPitch + 2 * t4;  // Λ of the lane's rows, entries 2 t4 + {0, 1}
   const float* const lam_hi = lt + i_hi * L::kLPitch + 2 * t4;
-  const auto logits = [&](float(&s)[kJ][4], const nv_bf16* ks, int c0) {
+  const auto logits = [&](float(&s)[kJ][4], const unsigned char* ks, int c0) {
 #pragma unroll
     for (int j = 0; j < kJ; ++j) {
       const float2 lo = *reinterpret_cast<const float2*>(lam_lo + c0 + 8 * j);
@@ -361,11 +422,65 @@ __device__ __forceinline__ void dense_prefill_row_tile(const DeviceCache<bf16>& 
 #pragma unroll
       for (int jp = 0; jp < kJ / 2; ++jp) {
         std::uint32_t fb[4];
-        ldmatrix_x4(fb, ks + (c0 + 16 * jp + 8 * (lane / 16) + lane % 8) * L::kKPitch + 16 * kb + 8 * ((lane / 8) % 2));
+        ldmatrix_x4(fb, ks + L::tile_offset(c0 + 16 * jp + 8 * (lane / 16) + lane % 8, 2 * kb + (lane / 8) % 2));
         mma_bf16_16816(s[2 * jp], qf[kb], fb[0], fb[1]);
         mma_bf16_16816(s[2 * jp + 1], qf[kb], fb[2], fb[3]);
       }
     }
+  };
+  // The online softmax of logits s (kN 8-entry tiles, rows p_lo and p_hi): raises the running maxima and
+  // turns s into the weights 2^(x log2 e - max log2 e), rescaling l and O only when a maximum of the warp
+  // moved (otherwise every factor is exp2(rounding error of m log2e) = 1 exactly, or 0 on a row whose O and
+  // l are still 0). Returns false, touching nothing, when every weight of the warp would be 0 (its largest
+  // logit per row far below the row's maximum, which then did not move): s adds exact zeros to l and O.
+  const auto online_softmax = [&]<int kN>(float(&s)[kN][4]) -> bool {
+    float mx_lo = negative_infinity<float>(), mx_hi = negative_infinity<float>();
+#pragma unroll
+    for (int j = 0; j < kN; ++j) {
+      mx_lo = fmaxf(mx_lo, fmaxf(s[j][0], s[j][1]));
+      mx_hi = fmaxf(mx_hi, fmaxf(s[j][2], s[j][3]));
+    }
+    mx_lo = fmaxf(mx_lo, __shfl_xor_sync(0xffffffffu, mx_lo, 1));
+    mx_lo = fmaxf(mx_lo, __shfl_xor_sync(0xffffffffu, mx_lo, 2));
+    mx_hi = fmaxf(mx_hi, __shfl_xor_sync(0xffffffffu, mx_hi, 1));
+    mx_hi = fmaxf(mx_hi, __shfl_xor_sync(0xffffffffu, mx_hi, 2));
+    const float new_lo = fmaxf(m_lo, mx_lo), new_hi = fmaxf(m_hi, mx_hi);
+    // a row with every logit masked so far keeps max -inf: subtract 0 instead (every weight is 0)
+    const float base_lo = new_lo == negative_infinity<float>() ? 0.0f : new_lo * kLog2eFloat;
+    const float base_hi = new_hi == negative_infinity<float>() ? 0.0f : new_hi * kLog2eFloat;
+    if (!__any_sync(0xffffffffu, fmaf(mx_lo, kLog2eFloat, -base_lo) >= kDnUnderflowLog2 ||
+                                     fmaf(mx_hi, kLog2eFloat, -base_hi) >= kDnUnderflowLog2))
+      return false;
+    if (__any_sync(0xffffffffu, new_lo != m_lo || new_hi != m_hi)) {
+      const float scale_lo = ptx::ex2_approx_ftz(fmaf(m_lo, kLog2eFloat, -base_lo));
+      const float scale_hi = ptx::ex2_approx_ftz(fmaf(m_hi, kLog2eFloat, -base_hi));
+      l_lo *= scale_lo;
+      l_hi *= scale_hi;
+#pragma unroll
+      for (int j = 0; j < kD / 8; ++j) {
+        o[j][0] *= scale_lo;
+        o[j][1] *= scale_lo;
+        o[j][2] *= scale_hi;
+        o[j][3] *= scale_hi;
+      }
+    }
+    m_lo = new_lo;
+    m_hi = new_hi;
+#pragma unroll
+    for (int j = 0; j < kN; ++j) {
+      s[j][0] = ptx::ex2_approx_ftz(fmaf(s[j][0], kLog2eFloat, -base_lo));
+      s[j][1] = ptx::ex2_approx_ftz(fmaf(s[j][1], kLog2eFloat, -base_lo));
+      s[j][2] = ptx::ex2_approx_ftz(fmaf(s[j][2], kLog2eFloat, -base_hi));
+      s[j][3] = ptx::ex2_approx_ftz(fmaf(s[j][3], kLog2eFloat, -base_hi));
+    }
+    return true;
+  };
+  // the tiles this thread copied with cp.async (generic proxy) -> visible to wgmma's reads of them (async
+  // proxy) once the next barrier has passed
+  const auto copies_to_tensor_cores = [] {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    if constexpr (kWg) fence_proxy_async_shared();
+#endif
   };
   // entry tiles newest first: step s handles entry tile n_etiles - 1 - s, keys in buffer s & 1
   const int n_etiles = (e_total + kDnEntries - 1) / kDnEntries;
@@ -378,6 +493,7 @@ __device__ __forceinline__ void dense_prefill_row_tile(const DeviceCache<bf16>& 
     const int et = n_etiles - 1 - step, e0 = et * kDnEntries;
     const int buf = int(step & 1);
     cp_async_wait<0>();  // this thread's part of key tile et (and of the last value tile) has landed
+    copies_to_tensor_cores();
     if (tid < kDnEntries) {
       if constexpr (Fold::kLog2) {
         s_egate[tid] = Fold::kKeyShare * dense_log2_sigmoid(nx_logit);
@@ -405,12 +521,32 @@ __device__ __forceinline__ void dense_prefill_row_tile(const DeviceCache<bf16>& 
     // warp is past step - 1, so the value tile, the other key buffer and the Λ tile are free
     __syncthreads();
     load_rows(e0, vs_base, cache_v, in_v, a.v_t);  // value tile et: lands during the decay and the carry
-    if (et > 0) {
-      load_rows(e0 - kDnEntries, ks_base + (buf ^ 1) * kDnEntries * L::kKPitch, cache_k, in_k, a.k_t);
-    } else {
-      cp_async_commit();  // an empty group: the wait for the value tile below counts one group behind it
+    if constexpr (!kWg) {  // the next key tile into the other buffer (sm_90a: one buffer, after barrier 2)
+      if (et > 0) {
+        load_rows(e0 - kDnEntries, ks_base + (buf ^ 1) * L::kTile, cache_k, in_k, a.k_t);
+      } else {
+        cp_async_commit();  // an empty group: the wait for the value tile below counts one group behind it
+      }
     }
-    const nv_bf16* ks = ks_base + buf * kDnEntries * L::kKPitch;
+    const unsigned char* ks = ks_base + (kWg ? 0 : buf * L::kTile);
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    // sm_90a: Q K^T of the whole key tile as warpgroup MMA (m64n64k16, the block's 4 warps together), issued
+    // now so that the tensor cores run it during the decay and the carry (it needs only the key tile; Λ is
+    // added once the carry is done, step 3). Q and the key tile from swizzled shared memory, both K-major:
+    // k16 slice kb is 32 bytes into the rows of column block kb / 4. At two blocks per SM: 11.74 ms at 8K,
+    // against 12.22 ms for the same products issued after the carry, from Λ
+    // (ua_cuda_2026-11-30_h200_uawg.md).
+    float s_tile[kDnEntries / 8][4] = {};
+    if constexpr (kWg) {
+      wgmma_fence();
+#pragma unroll
+      for (int kb = 0; kb < kD / 16; ++kb)
+        wgmma_m64n64k16_ss(s_tile,
+                           wgmma_desc_sw128(shared_address(smem + L::kQ) + sw128_k16_offset(kDnPairs, kb), 16, 1024),
+                           wgmma_desc_sw128(shared_address(ks) + sw128_k16_offset(kDnEntries, kb), 16, 1024), 1);
+      wgmma_commit();
+    }
+#endif
 
     // 1. this warp's 16 columns of the decay tile A(e, m) (spec 4.1): similarity K NK^T on the tensor
     //    cores, then the set's gate fold; A = 0 where m <= pos_e and on rows past the call (the carry then
@@ -433,7 +569,7 @@ __device__ __forceinline__ void dense_prefill_row_tile(const DeviceCache<bf16>& 
 #pragma unroll
         for (int kb = 0; kb < kD / 16; ++kb) {
           std::uint32_t fa[4];
-          ldmatrix_x4(fa, ks + (eb + lane % 16) * L::kKPitch + 16 * kb + 8 * (lane / 16));
+          ldmatrix_x4(fa, ks + L::tile_offset(eb + lane % 16, 2 * kb + lane / 16));
 #pragma unroll
           for (int nt = 0; nt < nts; ++nt) {
             std::uint32_t b0, b1;
@@ -512,7 +648,20 @@ __device__ __forceinline__ void dense_prefill_row_tile(const DeviceCache<bf16>& 
         for (int i = 0; i < rt; ++i) lam_col[i * L::kLPitch] = negative_infinity<float>();
       }
     }
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    if constexpr (kWg) {
+      // the logits are done: they were the last reads of the key buffer, which the next key tile takes after
+      // the barrier (it lands during step 3; the other two blocks of the SM cover what it does not)
+      wgmma_wait<0>();
+      wgmma_fence_operands(s_tile);
+      cp_async_wait<0>();  // this thread's part of value tile et has landed (no key tile in flight)
+    } else {
+      cp_async_wait<1>();
+    }
+#else
     cp_async_wait<1>();  // this thread's part of value tile et has landed (the next key tile may not)
+#endif
+    copies_to_tensor_cores();
     __syncthreads();     // Λ tile complete, λ of this entry tile stored, value tile et in shared memory
     // publish: the barrier orders the carriers' λ stores before this thread's fence, which makes them
     // visible device-wide before the counter (the pattern of a grid-wide barrier). The last lane is no
@@ -520,6 +669,9 @@ __device__ __forceinline__ void dense_prefill_row_tile(const DeviceCache<bf16>& 
     if (tid == kDnThreads - 1) {
       __threadfence();
       atomicExch(done_mine, step + 1);
+    }
+    if constexpr (kWg) {  // the next key tile, into the one key buffer
+      if (et > 0) load_rows(e0 - kDnEntries, ks_base, cache_k, in_k, a.k_t);
     }
 
     // 3. per half of the tile (32 entries: 16 S registers instead of 32 keep the block at <= 168
@@ -530,54 +682,62 @@ __device__ __forceinline__ void dense_prefill_row_tile(const DeviceCache<bf16>& 
     //    5.6 % slower at 8K: it costs every step and rarely fires before the test after the logits below,
     //    as the bound takes the slowest-decaying of 32 entries and |q| |k| (about 23 in the benchmark)
     //    where the largest q.k is about 6 (ua_cuda_2026-11-30_h200_uadense4.md).
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    if constexpr (kWg) {
+      // sm_90a: the whole tile at once. logits = fl(Q K^T) + Λ: the products' accumulation is done before
+      // Λ is known, so Λ is added after it (one more fp32 rounding per logit than on mma.sync, where the
+      // accumulators start from Λ; the probabilities are rounded to bf16 after it anyway). O += P V as
+      // m64nDk16 with P from registers and the value tile read MN-major (k16 slice kk: rows 16 kk..,
+      // column blocks of 64 values kDnEntries rows apart). No ldmatrix -> mma chains: a warp issues 8 + 4
+      // instructions per tile for the two products instead of 128 mma and 64 ldmatrix.
+      float(&s)[kDnEntries / 8][4] = s_tile;
+#pragma unroll
+      for (int j = 0; j < kDnEntries / 8; ++j) {
+        const float2 lo = *reinterpret_cast<const float2*>(lam_lo + 8 * j);
+        const float2 hi = *reinterpret_cast<const float2*>(lam_hi + 8 * j);
+        s[j][0] += lo.x;
+        s[j][1] += lo.y;
+        s[j][2] += hi.x;
+        s[j][3] += hi.y;
+      }
+      // every warp takes part in P V (one instruction of the warpgroup): a warp whose weights all
+      // underflow gives P = 0, which adds exact zeros to l and O as the skip on mma.sync leaves them
+      if (!online_softmax(s)) {
+#pragma unroll
+        for (int j = 0; j < kDnEntries / 8; ++j) s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.0f;
+      }
+      std::uint32_t pa[kDnEntries / 16][4];
+#pragma unroll
+      for (int kk = 0; kk < kDnEntries / 16; ++kk) {
+        l_lo += (s[2 * kk][0] + s[2 * kk][1]) + (s[2 * kk + 1][0] + s[2 * kk + 1][1]);
+        l_hi += (s[2 * kk][2] + s[2 * kk][3]) + (s[2 * kk + 1][2] + s[2 * kk + 1][3]);
+        pa[kk][0] = pack_bf16(s[2 * kk][0], s[2 * kk][1]);
+        pa[kk][1] = pack_bf16(s[2 * kk][2], s[2 * kk][3]);
+        pa[kk][2] = pack_bf16(s[2 * kk + 1][0], s[2 * kk + 1][1]);
+        pa[kk][3] = pack_bf16(s[2 * kk + 1][2], s[2 * kk + 1][3]);
+      }
+      wgmma_fence();
+      const unsigned vs_addr = shared_address(vs_base);
+#pragma unroll
+      for (int kk = 0; kk < kDnEntries / 16; ++kk) {
+        const std::uint64_t vdesc = wgmma_desc_sw128(vs_addr + unsigned(16 * kk) * 128, kDnEntries * 128, 1024);
+        if constexpr (kD == 128)
+          wgmma_m64n128k16_rs_mn(o, pa[kk], vdesc);
+        else
+          wgmma_m64n64k16_rs_mn(o, pa[kk], vdesc);
+      }
+      wgmma_commit();
+      wgmma_wait<0>();
+      wgmma_fence_operands(o);
+      wgmma_fence_operands(pa);
+    } else
+#endif
 #pragma unroll 1
     for (int hv = 0; hv < kDnEntries / 32; ++hv) {
       const int c0 = 32 * hv;  // the half's first entry in the tile
       float s[kJ][4];
       logits(s, ks, c0);
-      float mx_lo = negative_infinity<float>(), mx_hi = negative_infinity<float>();
-#pragma unroll
-      for (int j = 0; j < kJ; ++j) {
-        mx_lo = fmaxf(mx_lo, fmaxf(s[j][0], s[j][1]));
-        mx_hi = fmaxf(mx_hi, fmaxf(s[j][2], s[j][3]));
-      }
-      mx_lo = fmaxf(mx_lo, __shfl_xor_sync(0xffffffffu, mx_lo, 1));
-      mx_lo = fmaxf(mx_lo, __shfl_xor_sync(0xffffffffu, mx_lo, 2));
-      mx_hi = fmaxf(mx_hi, __shfl_xor_sync(0xffffffffu, mx_hi, 1));
-      mx_hi = fmaxf(mx_hi, __shfl_xor_sync(0xffffffffu, mx_hi, 2));
-      const float new_lo = fmaxf(m_lo, mx_lo), new_hi = fmaxf(m_hi, mx_hi);
-      // a row with every logit masked so far keeps max -inf: subtract 0 instead (every weight is 0)
-      const float base_lo = new_lo == negative_infinity<float>() ? 0.0f : new_lo * kLog2eFloat;
-      const float base_hi = new_hi == negative_infinity<float>() ? 0.0f : new_hi * kLog2eFloat;
-      // every weight of the warp's half tile 0 (its largest logit per row far below the row's maximum;
-      // the maximum then did not move): the half adds exact zeros to l and O
-      if (!__any_sync(0xffffffffu, fmaf(mx_lo, kLog2eFloat, -base_lo) >= kDnUnderflowLog2 ||
-                                       fmaf(mx_hi, kLog2eFloat, -base_hi) >= kDnUnderflowLog2))
-        continue;
-      // rescale only when a maximum of the warp moved: otherwise every factor is exp2(rounding error of
-      // m log2e) = 1 exactly, or 0 on a row whose O and l are still 0
-      if (__any_sync(0xffffffffu, new_lo != m_lo || new_hi != m_hi)) {
-        const float scale_lo = ptx::ex2_approx_ftz(fmaf(m_lo, kLog2eFloat, -base_lo));
-        const float scale_hi = ptx::ex2_approx_ftz(fmaf(m_hi, kLog2eFloat, -base_hi));
-        l_lo *= scale_lo;
-        l_hi *= scale_hi;
-#pragma unroll
-        for (int j = 0; j < kD / 8; ++j) {
-          o[j][0] *= scale_lo;
-          o[j][1] *= scale_lo;
-          o[j][2] *= scale_hi;
-          o[j][3] *= scale_hi;
-        }
-      }
-      m_lo = new_lo;
-      m_hi = new_hi;
-#pragma unroll
-      for (int j = 0; j < kJ; ++j) {
-        s[j][0] = ptx::ex2_approx_ftz(fmaf(s[j][0], kLog2eFloat, -base_lo));
-        s[j][1] = ptx::ex2_approx_ftz(fmaf(s[j][1], kLog2eFloat, -base_lo));
-        s[j][2] = ptx::ex2_approx_ftz(fmaf(s[j][2], kLog2eFloat, -base_hi));
-        s[j][3] = ptx::ex2_approx_ftz(fmaf(s[j][3], kLog2eFloat, -base_hi));
-      }
+      if (!online_softmax(s)) continue;
       // O += P V: the S accumulators of entries 16 kk.. are the A fragment of k-step kk. A step whose
       // probabilities are all 0 for the warp adds exact zeros: skipped.
 #pragma unroll
@@ -593,8 +753,7 @@ __device__ __forceinline__ void dense_prefill_row_tile(const DeviceCache<bf16>& 
 #pragma unroll
         for (int dp = 0; dp < kD / 16; ++dp) {
           std::uint32_t fb[4];
-          ldmatrix_x4_trans(
-              fb, vs_base + (c0 + 16 * kk + 8 * ((lane / 8) % 2) + lane % 8) * L::kKPitch + 16 * dp + 8 * (lane / 16));
+          ldmatrix_x4_trans(fb, vs_base + L::tile_offset(c0 + 16 * kk + 8 * ((lane / 8) % 2) + lane % 8, 2 * dp + lane / 16));
           mma_bf16_16816(o[2 * dp], pa, fb[0], fb[1]);
           mma_bf16_16816(o[2 * dp + 1], pa, fb[2], fb[3]);
         }
