@@ -314,4 +314,10 @@ __device__ inline float ex2_approx_ftz(float x) {
   return r;
 }
 
+
+// --- KVM routing pass, screen and refine (kvm_route_tc.cuh) ---
+// Asks L2 for the line holding p, with no register written and nothing to wait for: a row the
+// kernel reads later, after its latency has passed.
+__device__ inline void prefetch_l2(const void* p) { asm volatile("prefetch.global.L2 [%0];\n" ::"l"(p)); }
+
 }  // namespace kvmem::cuda::ptx
