@@ -51,10 +51,10 @@ inline constexpr int kRtSlots = 64;              // slots per staged tile
 inline constexpr int kRtStages = 3;              // staged tiles (kRtStages - 1 in flight while one is used)
 inline constexpr int kRtGroup = 32;              // slots whose products are in registers at once
 #ifndef SCREEN2_CAP
-#define SCREEN2_CAP 4
+#define SCREEN2_CAP 6
 #endif
 #ifndef SCREEN2_STAGES
-#define SCREEN2_STAGES 4
+#define SCREEN2_STAGES 3
 #endif
 #ifndef SCREEN2_FAST
 #define SCREEN2_FAST 1
@@ -458,7 +458,6 @@ __global__ void __launch_bounds__(32 * kRtWarps, 2)
     // a quarter of the slots, those of its accumulator columns); a lane with more candidates of a
     // token than that (many slots within 2 E of its max: repeated keys) overflows, and its whole block
     // falls back to the exact sweep.
-    using One = std::integral_constant<int, 1>;
     const std::int64_t ns0 = kRoute ? j0 : (j0 > sink ? j0 : sink);  // route candidates: slots >= ns0
     float top[2] = {negative_infinity<float>(), negative_infinity<float>()};      // max S, slots >= ns0
     float top_all[2] = {negative_infinity<float>(), negative_infinity<float>()};  // max S, all (novelty)
@@ -569,16 +568,38 @@ __global__ void __launch_bounds__(32 * kRtWarps, 2)
         }
       }
     };
+    // The sweep's own copies and descriptors, cheap per tile (the sweep's instructions between the
+    // products are what bounds it): tile k's rows from a pointer advanced by whole tiles, stages
+    // counted rather than taken modulo, each descriptor an add to the first stage's.
+    const bf16* const first_rows = khat_item + (j0 + vrow) * kD;
+    const auto issue_hi = [&](std::int64_t k, int stage) {
+      if (k < tiles) {
+        const bf16* const rows = first_rows + k * (kRtSlots * kD);
+        const std::int64_t left = j1 - j0 - k * kRtSlots;
+        const int n = left < kRtSlots ? static_cast<int>(left) : kRtSlots;
+        const unsigned buf = tiles_smem + static_cast<unsigned>(stage) * kTileBytes + dst_off;
+#pragma unroll
+        for (int m = 0; m < kRtSlots / kPass; ++m) {
+          const bool in = vrow + m * kPass < n;  // rows past n: zeros from a valid address (the tile's first row)
+          cp_async16(buf + m * kPassBytes, in ? rows + m * kPass * kD : rows - vrow * kD, in ? 16 : 0);
+        }
+      }
+      cp_async_commit();
+    };
+    const std::uint64_t stage0_desc = wgmma_desc_sw128(tiles_smem, 16, 1024);
+    int stage = 0, refill = kRtScreenStages - 1;  // stages of tile k and of tile k + kRtScreenStages - 1
     for (std::int64_t k = 0; k < tiles; ++k) {
       cp_async_wait<kRtScreenStages - 2>();
       fence_proxy_async_shared();  // as in the exact sweep
       __syncthreads();
-      issue(k + kRtScreenStages - 1, One{});
-      const unsigned hi_tile = tiles_smem + static_cast<unsigned>(k % kRtScreenStages) * kTileBytes;
+      issue_hi(k + kRtScreenStages - 1, refill);
+      const unsigned stage_off = static_cast<unsigned>(stage) * kTileBytes;
+      stage = stage + 1 == kRtScreenStages ? 0 : stage + 1;
+      refill = refill + 1 == kRtScreenStages ? 0 : refill + 1;
       wgmma_fence();
 #pragma unroll
       for (int kk = 0; kk < kK; ++kk)
-        wgmma_m64n64k16_rs(sc, ahi[kk], wgmma_desc_sw128(hi_tile + sw128_k16_offset(kRtSlots, kk), 16, 1024), kk > 0);
+        wgmma_m64n64k16_rs(sc, ahi[kk], wgmma_desc_advance(stage0_desc, stage_off + sw128_k16_offset(kRtSlots, kk)), kk > 0);
       wgmma_commit();
       wgmma_wait<0>();
       wgmma_fence_operands(sc);
@@ -598,47 +619,80 @@ __global__ void __launch_bounds__(32 * kRtWarps, 2)
       for (int s = 0; s < kRtStages - 1; ++s) issue(s, Parts{});
       exact_sweep();
     } else if (active) {
-      // Refine: each lane dots its own entries (its quarter of the slots) over all kD dims, so the
-      // lanes of a warp work side by side with no rounds in step; the quad merge below then takes
-      // the max / argmax of the four lanes' values. The token's hi and lo fragments, spread over the
-      // quad's four lanes, are read from shared memory (hi parked here in the stage bytes the sweep is
-      // done with: every warpgroup's products are complete), 16 bytes (4 lanes) at a time; the slot
-      // rows come from global memory as 16-byte vectors (the lo rows prefetched to L2 when listed).
-      std::uint32_t* const ahi_parked = reinterpret_cast<std::uint32_t*>(align_shared_1024(rt_smem_raw));
+      // Refine. The entries that pass the final maxima (about 1.3 a token) are few and unevenly
+      // spread over the lanes, so each lane does not dot its own: the warp's entries become one list
+      // of jobs that its 32 lanes share (a round for the warp's 16 tokens, usually), each dot written
+      // back over the entry's screened value; the owners then take their entries' refined values in
+      // slot order, and the quad merge below the max / argmax of the four lanes'. A dot reads the
+      // token's hi and lo fragments, spread over its quad's four lanes, from shared memory (hi parked
+      // here in the stage bytes the sweep is done with: every warpgroup's products are complete), 16
+      // bytes (4 lanes) at a time, and the slot rows from global memory as 16-byte vectors (the lo rows
+      // prefetched to L2 when listed). Each dot is the same sum in the same order whichever lane does it.
+      unsigned char* const stage_bytes = align_shared_1024(rt_smem_raw);
+      std::uint32_t* const ahi_parked = reinterpret_cast<std::uint32_t*>(stage_bytes);
+      constexpr int kWarpJobs = 32 * 2 * kRtListCap;
+      std::uint16_t* const jobs = reinterpret_cast<std::uint16_t*>(stage_bytes + kK * 4 * 32 * kRtWarps * sizeof(std::uint32_t)) +
+                                  warp * kWarpJobs;
+      static_assert(kK * 4 * 32 * kRtWarps * sizeof(std::uint32_t) + kRtWarps * kWarpJobs * sizeof(std::uint16_t) <=
+                        std::size_t(kRtScreenStages) * kTileBytes,
+                    "parked hi operands and the jobs fit in the stages");
 #pragma unroll
       for (int kk = 0; kk < kK; ++kk)
 #pragma unroll
         for (int q = 0; q < 4; ++q) ahi_parked[(kk * 4 + q) * 32 * kRtWarps + threadIdx.x] = ahi[kk][q];
-      __syncwarp();  // the quad's lanes read each other's
-      const int quad0 = static_cast<int>(threadIdx.x) & ~3;
+      // this lane's jobs: bit h kRtListCap + e for entry e of token h, listed and not passed by the final maxima
+      unsigned mine = 0u;
+#pragma unroll
+      for (int h = 0; h < 2; ++h)
+        for (int e = 0; e < listed[h]; ++e)
+          if (list_value[entry(h, e, lane)] >= threshold(h, list_slot[entry(h, e, lane)])) mine |= 1u << (h * kRtListCap + e);
+      // the lane's place in the warp's job list: an inclusive scan of the counts
+      int upto = __popc(mine);
+#pragma unroll
+      for (int off = 1; off < 32; off *= 2) {
+        const int v = __shfl_up_sync(0xffffffffu, upto, off);
+        if (lane >= off) upto += v;
+      }
+      const int total = __shfl_sync(0xffffffffu, upto, 31);
+      for (unsigned bits = mine, at = upto - __popc(mine); bits != 0u; bits &= bits - 1u, ++at)
+        jobs[at] = static_cast<std::uint16_t>((lane << 8) | (__ffs(bits) - 1));  // owner lane, entry bit
+      __syncwarp();  // the jobs and the parked operands of the warp's lanes are visible
       const auto widen = [](std::uint32_t w) { return make_float2(__uint_as_float(w << 16), __uint_as_float(w & 0xffff0000u)); };
+      for (int t = lane; t < total; t += 32) {
+        const int owner = jobs[t] >> 8, bit = jobs[t] & 0xff, h = bit / kRtListCap;
+        const int at_entry = entry(h, bit % kRtListCap, owner), j = list_slot[at_entry];
+        const int quad0 = warp * 32 + (owner & ~3);
+        const uint4* const hw = reinterpret_cast<const uint4*>(st.khat + (i * st.cap + j) * kD);
+        const uint4* const lw = reinterpret_cast<const uint4*>(st.khat_lo + (i * st.cap + j) * kD);
+        float dot = 0.0f;
+#pragma unroll
+        for (int kk = 0; kk < kK; ++kk)
+#pragma unroll
+          for (int m = 0; m < 2; ++m) {
+            // words kk*8 + 4m + {0..3} of the row: dims kk*16 + 8m .. + 7, lane quad0 + x holding word x
+            const int at = (kk * 4 + h + 2 * m) * 32 * kRtWarps + quad0;
+            const uint4 th = *reinterpret_cast<const uint4*>(ahi_parked + at);
+            const uint4 tl = *reinterpret_cast<const uint4*>(alo_parked + at);
+            const uint4 bh = hw[kk * 2 + m], bl = lw[kk * 2 + m];
+            const std::uint32_t ta[4] = {th.x, th.y, th.z, th.w}, tb[4] = {tl.x, tl.y, tl.z, tl.w};
+            const std::uint32_t ra[4] = {bh.x, bh.y, bh.z, bh.w}, rb[4] = {bl.x, bl.y, bl.z, bl.w};
+#pragma unroll
+            for (int x = 0; x < 4; ++x) {
+              // hi + lo is exact in fp32 (17 significant bits)
+              const float2 ah = widen(ta[x]), al = widen(tb[x]), bhf = widen(ra[x]), blf = widen(rb[x]);
+              dot = fmaf(ah.x + al.x, bhf.x + blf.x, dot);
+              dot = fmaf(ah.y + al.y, bhf.y + blf.y, dot);
+            }
+          }
+        list_value[at_entry] = dot;
+      }
+      __syncwarp();  // the refined values are back in the owners' entries
 #pragma unroll
       for (int h = 0; h < 2; ++h)
         for (int e = 0; e < listed[h]; ++e) {
+          if (!((mine >> (h * kRtListCap + e)) & 1u)) continue;
           const int j = list_slot[entry(h, e, lane)];
-          if (list_value[entry(h, e, lane)] < threshold(h, j)) continue;  // passed by the final maxima
-          const uint4* const hw = reinterpret_cast<const uint4*>(st.khat + (i * st.cap + j) * kD);
-          const uint4* const lw = reinterpret_cast<const uint4*>(st.khat_lo + (i * st.cap + j) * kD);
-          float dot = 0.0f;
-#pragma unroll
-          for (int kk = 0; kk < kK; ++kk)
-#pragma unroll
-            for (int m = 0; m < 2; ++m) {
-              // words kk*8 + 4m + {0..3} of the row: dims kk*16 + 8m .. + 7, lane quad0 + x holding word x
-              const int at = (kk * 4 + h + 2 * m) * 32 * kRtWarps + quad0;
-              const uint4 th = *reinterpret_cast<const uint4*>(ahi_parked + at);
-              const uint4 tl = *reinterpret_cast<const uint4*>(alo_parked + at);
-              const uint4 bh = hw[kk * 2 + m], bl = lw[kk * 2 + m];
-              const std::uint32_t ta[4] = {th.x, th.y, th.z, th.w}, tb[4] = {tl.x, tl.y, tl.z, tl.w};
-              const std::uint32_t ra[4] = {bh.x, bh.y, bh.z, bh.w}, rb[4] = {bl.x, bl.y, bl.z, bl.w};
-#pragma unroll
-              for (int x = 0; x < 4; ++x) {
-                // hi + lo is exact in fp32 (17 significant bits)
-                const float2 ah = widen(ta[x]), al = widen(tb[x]), bhf = widen(ra[x]), blf = widen(rb[x]);
-                dot = fmaf(ah.x + al.x, bhf.x + blf.x, dot);
-                dot = fmaf(ah.y + al.y, bhf.y + blf.y, dot);
-              }
-            }
+          const float dot = list_value[entry(h, e, lane)];
           if constexpr (kRoute) {
             if (arg[h] < 0 || dot > best[h] || (dot == best[h] && j < arg[h])) {
               best[h] = dot;
