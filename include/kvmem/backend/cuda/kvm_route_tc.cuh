@@ -50,17 +50,9 @@ inline constexpr int kRtTokens = 16 * kRtWarps;  // tokens per block
 inline constexpr int kRtSlots = 64;              // slots per staged tile
 inline constexpr int kRtStages = 3;              // staged tiles (kRtStages - 1 in flight while one is used)
 inline constexpr int kRtGroup = 32;              // slots whose products are in registers at once
-#ifndef SCREEN2_CAP
-#define SCREEN2_CAP 6
-#endif
-#ifndef SCREEN2_STAGES
-#define SCREEN2_STAGES 3
-#endif
-#ifndef SCREEN2_FAST
-#define SCREEN2_FAST 1
-#endif
-inline constexpr int kRtListCap = SCREEN2_CAP;             // screened passes: candidates a lane keeps per token
-inline constexpr int kRtScreenStages = SCREEN2_STAGES;
+// screened passes: candidates a lane keeps per token (H200: 4 entries overflowed 5 of 512 blocks of a
+// 32K novelty pass into the exact sweep, the price of a fourth stage of hi tiles beside the lists)
+inline constexpr int kRtListCap = 6;
 // The screened passes' bound on |screened - refined score| per unit of sum_d |a_d| |b_d| (derived at
 // the screen in update_tc_scores_kernel): 2^-8 from the bf16 splits, 2^-11 for every other error.
 inline constexpr float kRtScreenMargin = 0x1p-8f + 0x1p-11f;
@@ -88,7 +80,7 @@ constexpr std::size_t rt_screen_list_bytes() {
 }
 template <int kD>
 constexpr std::size_t rt_screen_bytes() {
-  return std::size_t(kRtScreenStages) * kRtSlots * kD * sizeof(bf16) + 1024 + rt_screen_list_bytes<kD>() +
+  return std::size_t(kRtStages) * kRtSlots * kD * sizeof(bf16) + 1024 + rt_screen_list_bytes<kD>() +
          std::size_t(32 * kRtWarps) * (kD / 4) * sizeof(std::uint32_t);
 }
 template <int kD, int kTerms>
@@ -173,8 +165,7 @@ __global__ void __launch_bounds__(32 * kRtWarps, 2)
     if (k < tiles) {
       const std::int64_t base = j0 + k * kRtSlots;
       const std::int64_t n = (j1 - base) < kRtSlots ? (j1 - base) : kRtSlots;
-      constexpr int kStages = kScreen && kP == 1 ? kRtScreenStages : kRtStages;
-      const unsigned buf = tiles_smem + static_cast<unsigned>(k % kStages) * kP * kTileBytes + dst_off;
+      const unsigned buf = tiles_smem + static_cast<unsigned>(k % kRtStages) * kP * kTileBytes + dst_off;
 #pragma unroll
       for (int m = 0; m < kRtSlots / kPass; ++m) {
         const int s = vrow + m * kPass;
@@ -188,14 +179,14 @@ __global__ void __launch_bounds__(32 * kRtWarps, 2)
   // Screened passes: the candidate lists follow the staged hi tiles, and the tokens' lo operands
   // (A fragments the screen does not multiply) wait there for the refine or the fallback rather than
   // in registers, register q of k-step kk of thread t at word (kk 4 + q) 32 kRtWarps + t: conflict-free.
-  unsigned char* const lists = align_shared_1024(rt_smem_raw) + kRtScreenStages * kTileBytes;
+  unsigned char* const lists = align_shared_1024(rt_smem_raw) + kRtStages * kTileBytes;
   std::uint32_t* const alo_parked = reinterpret_cast<std::uint32_t*>(lists + rt_screen_list_bytes<kD>());
   const auto parked = [&](int kk, int q) -> std::uint32_t& {
     return alo_parked[(kk * 4 + q) * 32 * kRtWarps + threadIdx.x];
   };
   // the first tiles travel while the tokens' operands are built
 #pragma unroll
-  for (int s = 0; s < (kScreen ? kRtScreenStages : kRtStages) - 1; ++s) issue(s, std::integral_constant<int, kScreen ? 1 : kParts>{});
+  for (int s = 0; s < kRtStages - 1; ++s) issue(s, std::integral_constant<int, kScreen ? 1 : kParts>{});
   // A fragments (hi and lo bf16 parts of the tokens' k0 or kg): element (token, dim) of k-step kk sits
   // at token r or r + 8, dims kk*16 + 2 quad + {0, 1} (+ 8)
   std::uint32_t ahi[kK][4], alo[kTerms == 3 ? kK : 1][4];
@@ -479,7 +470,8 @@ __global__ void __launch_bounds__(32 * kRtWarps, 2)
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
         unsigned mask = 0u;
-        if (SCREEN2_FAST && plain) {
+        if (plain) {
+          // every slot of the tile is a route candidate: one maximum, one threshold, no slot tests
           float v[kRtSlots / 8];  // a pair tree: log2 dependent steps
 #pragma unroll
           for (int nt = 0; nt < kRtSlots / 8; ++nt) v[nt] = fmaxf(sc[nt][2 * h], sc[nt][2 * h + 1]);
@@ -497,18 +489,8 @@ __global__ void __launch_bounds__(32 * kRtWarps, 2)
 #pragma unroll
             for (int e = 0; e < 2; ++e) mask |= static_cast<unsigned>(sc[nt][2 * h + e] >= thr) << (2 * nt + e);
         } else {
-        // the lane's maxima over its slots of the tile: route candidates, and all
-        float lane_top = negative_infinity<float>(), lane_all = negative_infinity<float>();
-        if (plain) {
-          float v[kRtSlots / 8];  // a pair tree: log2 dependent steps
-#pragma unroll
-          for (int nt = 0; nt < kRtSlots / 8; ++nt) v[nt] = fmaxf(sc[nt][2 * h], sc[nt][2 * h + 1]);
-#pragma unroll
-          for (int w = kRtSlots / 16; w >= 1; w /= 2)
-#pragma unroll
-            for (int t = 0; t < w; ++t) v[t] = fmaxf(v[t], v[t + w]);
-          lane_top = lane_all = v[0];
-        } else {
+          // the lane's maxima over its slots of the tile: route candidates, and all
+          float lane_top = negative_infinity<float>(), lane_all = negative_infinity<float>();
 #pragma unroll
           for (int nt = 0; nt < kRtSlots / 8; ++nt)
 #pragma unroll
@@ -519,20 +501,19 @@ __global__ void __launch_bounds__(32 * kRtWarps, 2)
               if (base + col >= ns0) lane_top = fmaxf(lane_top, val);
               lane_all = fmaxf(lane_all, val);
             }
-        }
-        top[h] = fmaxf(top[h], quad_max(lane_top));
-        if constexpr (!kRoute) top_all[h] = fmaxf(top_all[h], quad_max(lane_all));
-        // a quick test (thr <= thr_all: top <= top_all), then the lane's candidates of the tile
-        const float thr = top[h] - two_e[h], thr_all = kRoute ? thr : top_all[h] - two_e[h];
-        if (!(lane_top >= thr || lane_all >= thr_all)) continue;
+          top[h] = fmaxf(top[h], quad_max(lane_top));
+          if constexpr (!kRoute) top_all[h] = fmaxf(top_all[h], quad_max(lane_all));
+          // a quick test (thr <= thr_all: top <= top_all), then the lane's candidates of the tile
+          const float thr = top[h] - two_e[h], thr_all = kRoute ? thr : top_all[h] - two_e[h];
+          if (!(lane_top >= thr || lane_all >= thr_all)) continue;
 #pragma unroll
-        for (int nt = 0; nt < kRtSlots / 8; ++nt)
+          for (int nt = 0; nt < kRtSlots / 8; ++nt)
 #pragma unroll
-          for (int e = 0; e < 2; ++e) {
-            const int col = nt * 8 + 2 * quad + e;
-            const bool take = col < n && sc[nt][2 * h + e] >= (base + col >= ns0 ? thr : thr_all);
-            mask |= static_cast<unsigned>(take) << (2 * nt + e);
-          }
+            for (int e = 0; e < 2; ++e) {
+              const int col = nt * 8 + 2 * quad + e;
+              const bool take = col < n && sc[nt][2 * h + e] >= (base + col >= ns0 ? thr : thr_all);
+              mask |= static_cast<unsigned>(take) << (2 * nt + e);
+            }
         }
         while (mask != 0u) {
           const int b = __ffs(mask) - 1;
@@ -587,15 +568,15 @@ __global__ void __launch_bounds__(32 * kRtWarps, 2)
       cp_async_commit();
     };
     const std::uint64_t stage0_desc = wgmma_desc_sw128(tiles_smem, 16, 1024);
-    int stage = 0, refill = kRtScreenStages - 1;  // stages of tile k and of tile k + kRtScreenStages - 1
+    int stage = 0, refill = kRtStages - 1;  // stages of tile k and of tile k + kRtStages - 1
     for (std::int64_t k = 0; k < tiles; ++k) {
-      cp_async_wait<kRtScreenStages - 2>();
+      cp_async_wait<kRtStages - 2>();
       fence_proxy_async_shared();  // as in the exact sweep
       __syncthreads();
-      issue_hi(k + kRtScreenStages - 1, refill);
+      issue_hi(k + kRtStages - 1, refill);
       const unsigned stage_off = static_cast<unsigned>(stage) * kTileBytes;
-      stage = stage + 1 == kRtScreenStages ? 0 : stage + 1;
-      refill = refill + 1 == kRtScreenStages ? 0 : refill + 1;
+      stage = stage + 1 == kRtStages ? 0 : stage + 1;
+      refill = refill + 1 == kRtStages ? 0 : refill + 1;
       wgmma_fence();
 #pragma unroll
       for (int kk = 0; kk < kK; ++kk)
@@ -634,7 +615,7 @@ __global__ void __launch_bounds__(32 * kRtWarps, 2)
       std::uint16_t* const jobs = reinterpret_cast<std::uint16_t*>(stage_bytes + kK * 4 * 32 * kRtWarps * sizeof(std::uint32_t)) +
                                   warp * kWarpJobs;
       static_assert(kK * 4 * 32 * kRtWarps * sizeof(std::uint32_t) + kRtWarps * kWarpJobs * sizeof(std::uint16_t) <=
-                        std::size_t(kRtScreenStages) * kTileBytes,
+                        std::size_t(kRtStages) * kTileBytes,
                     "parked hi operands and the jobs fit in the stages");
 #pragma unroll
       for (int kk = 0; kk < kK; ++kk)
