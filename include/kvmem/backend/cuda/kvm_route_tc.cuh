@@ -10,7 +10,6 @@
 
 #include <cstddef>
 #include <cstdint>
-#include <type_traits>
 
 #include "kvmem/backend/cuda/kvm_kernels.cuh"
 #include "kvmem/backend/cuda/ptx.cuh"
@@ -50,12 +49,6 @@ inline constexpr int kRtTokens = 16 * kRtWarps;  // tokens per block
 inline constexpr int kRtSlots = 64;              // slots per staged tile
 inline constexpr int kRtStages = 3;              // staged tiles (kRtStages - 1 in flight while one is used)
 inline constexpr int kRtGroup = 32;              // slots whose products are in registers at once
-// screened passes: candidates a lane keeps per token (H200: 4 entries overflowed 5 of 512 blocks of a
-// 32K novelty pass into the exact sweep, the price of a fourth stage of hi tiles beside the lists)
-inline constexpr int kRtListCap = 6;
-// The screened passes' bound on |screened - refined score| per unit of sum_d |a_d| |b_d| (derived at
-// the screen in update_tc_scores_kernel): 2^-8 from the bf16 splits, 2^-11 for every other error.
-inline constexpr float kRtScreenMargin = 0x1p-8f + 0x1p-11f;
 
 // Shared memory of update_tc_scores_kernel: kRtStages stages of a hi (and a lo) tile of kRtSlots slot
 // rows. mma.sync path: rows of pitch kD + 8 (+16 bytes: the 8 rows of an ldmatrix hit 32 banks).
@@ -70,25 +63,10 @@ template <int kD, int kTerms>
 constexpr std::size_t rt_swizzled_bytes() {
   return std::size_t(kRtStages) * (kTerms == 3 ? 2 : 1) * kRtSlots * kD * sizeof(bf16) + 1024;
 }
-// The screened passes (kTerms = 3 on sm_90a) stage hi tiles only, followed by the candidate lists
-// (slot and screened value of kRtListCap entries per lane and token) and the tokens' lo operands
-// (which the screen does not multiply: out of registers, 128 with them); the exact sweep a block
-// falls back to reuses the same bytes for its hi and lo tiles. 105 KB at kD = 128.
-template <int kD>
-constexpr std::size_t rt_screen_list_bytes() {
-  return std::size_t(32 * kRtWarps) * 2 * kRtListCap * (sizeof(int) + sizeof(float));
-}
-template <int kD>
-constexpr std::size_t rt_screen_bytes() {
-  return std::size_t(kRtStages) * kRtSlots * kD * sizeof(bf16) + 1024 + rt_screen_list_bytes<kD>() +
-         std::size_t(32 * kRtWarps) * (kD / 4) * sizeof(std::uint32_t);
-}
 template <int kD, int kTerms>
 constexpr std::size_t rt_shared_bytes() {
-  constexpr std::size_t tiles = rt_padded_bytes<kD, kTerms>() > rt_swizzled_bytes<kD, kTerms>()
-                                    ? rt_padded_bytes<kD, kTerms>()
-                                    : rt_swizzled_bytes<kD, kTerms>();
-  return kTerms == 3 && rt_screen_bytes<kD>() > tiles ? rt_screen_bytes<kD>() : tiles;
+  return rt_padded_bytes<kD, kTerms>() > rt_swizzled_bytes<kD, kTerms>() ? rt_padded_bytes<kD, kTerms>()
+                                                                           : rt_swizzled_bytes<kD, kTerms>();
 }
 
 // What a pass computes (argmax: the first slot of the largest value, the host's sequential scan).
@@ -119,15 +97,7 @@ __global__ void __launch_bounds__(32 * kRtWarps, 2)
   using namespace ptx;
   constexpr int kParts = kTerms == 3 ? 2 : 1;  // hi (and lo) tiles per stage
   constexpr int kK = kD / 16;                  // k-steps
-  using Parts = std::integral_constant<int, kParts>;
   extern __shared__ __align__(128) unsigned char rt_smem_raw[];
-#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-  // the screen and refine of the exact passes (see "Screen and refine" below); kRtRouteNew's handful
-  // of appended slots keeps the exact sweep
-  constexpr bool kScreen = kTerms == 3 && kMode != kRtRouteNew;
-#else
-  constexpr bool kScreen = false;
-#endif
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   constexpr unsigned kTileBytes = kRtSlots * kD * 2;  // one hi or lo tile, swizzled
   const unsigned tiles_smem = shared_address(align_shared_1024(rt_smem_raw));
@@ -158,35 +128,25 @@ __global__ void __launch_bounds__(32 * kRtWarps, 2)
 #endif
   const bf16* khat_item = st.khat + i * st.cap * kD + vcol;
   const bf16* khat_lo_item = st.khat_lo + i * st.cap * kD + vcol;
-  // every call commits one group (empty past the last tile), so the wait below counts tiles; parts:
-  // the tiles of a stage (integral_constant 1: hi only, as the screen stages them; 2: hi and lo)
-  const auto issue = [&](std::int64_t k, auto parts) {
-    constexpr int kP = decltype(parts)::value;
+  // every call commits one group (empty past the last tile), so the wait below counts tiles
+  const auto issue = [&](std::int64_t k) {
     if (k < tiles) {
       const std::int64_t base = j0 + k * kRtSlots;
       const std::int64_t n = (j1 - base) < kRtSlots ? (j1 - base) : kRtSlots;
-      const unsigned buf = tiles_smem + static_cast<unsigned>(k % kRtStages) * kP * kTileBytes + dst_off;
+      const unsigned buf = tiles_smem + static_cast<unsigned>(k % kRtStages) * kParts * kTileBytes + dst_off;
 #pragma unroll
       for (int m = 0; m < kRtSlots / kPass; ++m) {
         const int s = vrow + m * kPass;
         const std::int64_t row = base + (s < n ? s : 0);  // rows past n: zeros from a valid address
         cp_async16(buf + m * kPassBytes, khat_item + row * kD, s < n ? 16 : 0);
-        if constexpr (kP == 2) cp_async16(buf + kTileBytes + m * kPassBytes, khat_lo_item + row * kD, s < n ? 16 : 0);
+        if constexpr (kTerms == 3) cp_async16(buf + kTileBytes + m * kPassBytes, khat_lo_item + row * kD, s < n ? 16 : 0);
       }
     }
     cp_async_commit();
   };
-  // Screened passes: the candidate lists follow the staged hi tiles, and the tokens' lo operands
-  // (A fragments the screen does not multiply) wait there for the refine or the fallback rather than
-  // in registers, register q of k-step kk of thread t at word (kk 4 + q) 32 kRtWarps + t: conflict-free.
-  unsigned char* const lists = align_shared_1024(rt_smem_raw) + kRtStages * kTileBytes;
-  std::uint32_t* const alo_parked = reinterpret_cast<std::uint32_t*>(lists + rt_screen_list_bytes<kD>());
-  const auto parked = [&](int kk, int q) -> std::uint32_t& {
-    return alo_parked[(kk * 4 + q) * 32 * kRtWarps + threadIdx.x];
-  };
   // the first tiles travel while the tokens' operands are built
 #pragma unroll
-  for (int s = 0; s < kRtStages - 1; ++s) issue(s, std::integral_constant<int, kScreen ? 1 : kParts>{});
+  for (int s = 0; s < kRtStages - 1; ++s) issue(s);
   // A fragments (hi and lo bf16 parts of the tokens' k0 or kg): element (token, dim) of k-step kk sits
   // at token r or r + 8, dims kk*16 + 2 quad + {0, 1} (+ 8)
   std::uint32_t ahi[kK][4], alo[kTerms == 3 ? kK : 1][4];
@@ -197,8 +157,6 @@ __global__ void __launch_bounds__(32 * kRtWarps, 2)
       ahi[kk][q] = 0u;
       if constexpr (kTerms == 3) alo[kk][q] = 0u;
     }
-  // the screen's margin of tokens r and r + 8: twice the bound on |screened - refined| (see below)
-  float two_e[2] = {0.0f, 0.0f};
   if (active) {
     // lane (r, quad) holds, of token c0 + r (h = 0) and c0 + r + 8 (h = 1), dims kk*16 + 8m + 2 quad
     // + {0, 1} (m = 0, 1): the four lanes of a quad hold the token's kD dims, so LN_s reduces over
@@ -237,7 +195,6 @@ __global__ void __launch_bounds__(32 * kRtWarps, 2)
       const float g = token_gate(st, i, p);
       float* kg_row = st.kg + (i * C + c) * kD;
       float* k0_row = st.k0 + (i * C + c) * kD;
-      float a2 = 0.0f;  // |a|^2, for the screen's bound
 #pragma unroll
       for (int kk = 0; kk < kK; ++kk)
 #pragma unroll
@@ -249,46 +206,14 @@ __global__ void __launch_bounds__(32 * kRtWarps, 2)
           if (rows) *reinterpret_cast<float2*>(kg_row + d) = make_float2(g0, g1);
           if (kMode == kRtNovelty && !st.gate_appends) *reinterpret_cast<float2*>(k0_row + d) = make_float2(y0, y1);
           const float o0 = kMode == kRtRoute ? g0 : y0, o1 = kMode == kRtRoute ? g1 : y1;  // kg or k0
-          if constexpr (kScreen) a2 += o0 * o0 + o1 * o1;
           const __nv_bfloat162 hi = __floats2bfloat162_rn(o0, o1);
           ahi[kk][h + 2 * m] = *reinterpret_cast<const std::uint32_t*>(&hi);
           if constexpr (kTerms == 3) {
             const float2 hf = __bfloat1622float2(hi);
             const __nv_bfloat162 lo = __floats2bfloat162_rn(o0 - hf.x, o1 - hf.y);
-            if constexpr (kScreen)
-              parked(kk, h + 2 * m) = *reinterpret_cast<const std::uint32_t*>(&lo);
-            else
-              alo[kk][h + 2 * m] = *reinterpret_cast<const std::uint32_t*>(&lo);
+            alo[kk][h + 2 * m] = *reinterpret_cast<const std::uint32_t*>(&lo);
           }
         }
-      if constexpr (kScreen) {
-        a2 += __shfl_xor_sync(0xffffffffu, a2, 1);
-        a2 += __shfl_xor_sync(0xffffffffu, a2, 2);
-        two_e[h] = sqrtf(a2);
-      }
-    }
-    if constexpr (kScreen) {
-      // sum_d |a_d| |K^_d| <= |a| (sqrt(D) max |w_d| + |b|) for every slot (see the screen's bound); the
-      // quad's lanes see the weights of all kD dims (after the build: fewer registers live)
-      float w_max = 0.0f, b2 = 0.0f;
-#pragma unroll
-      for (int kk = 0; kk < kK; ++kk)
-#pragma unroll
-        for (int m = 0; m < 2; ++m)
-#pragma unroll
-          for (int e = 0; e < 2; ++e) {
-            const int d = kk * 16 + 8 * m + 2 * quad + e;
-            w_max = fmaxf(w_max, fabsf(st.ln_w[d]));
-            b2 += st.ln_b[d] * st.ln_b[d];
-          }
-#pragma unroll
-      for (int off = 1; off <= 2; off *= 2) {
-        w_max = fmaxf(w_max, __shfl_xor_sync(0xffffffffu, w_max, off));
-        b2 += __shfl_xor_sync(0xffffffffu, b2, off);
-      }
-      const float slot_norm = sqrtf(static_cast<float>(kD)) * w_max + sqrtf(b2);
-#pragma unroll
-      for (int h = 0; h < 2; ++h) two_e[h] *= 2.0f * kRtScreenMargin * slot_norm;
     }
   }
   constexpr bool kRoute = kMode != kRtNovelty;
@@ -380,314 +305,35 @@ __global__ void __launch_bounds__(32 * kRtWarps, 2)
   for (int nt = 0; nt < kRtSlots / 8; ++nt)
 #pragma unroll
     for (int e = 0; e < 4; ++e) sc[nt][e] = 0.0f;
-  // The exact sweep: every tile's kTerms products per k-step, folded by take_group.
-  const auto exact_sweep = [&]() {
-    for (std::int64_t k = 0; k < tiles; ++k) {
-      cp_async_wait<kRtStages - 2>();
-      // tile k is visible to the tensor cores (async proxy), and every warpgroup's products of tile
-      // k - 1 are done, so the issue below may refill its stage
-      fence_proxy_async_shared();
-      __syncthreads();
-      issue(k + kRtStages - 1, Parts{});
-      const unsigned hi_tile = tiles_smem + static_cast<unsigned>(k % kRtStages) * kParts * kTileBytes;
-      const std::int64_t base = j0 + k * kRtSlots;
-      wgmma_fence();
+  for (std::int64_t k = 0; k < tiles; ++k) {
+    cp_async_wait<kRtStages - 2>();
+    // tile k is visible to the tensor cores (async proxy), and every warpgroup's products of tile
+    // k - 1 are done, so the issue below may refill its stage
+    fence_proxy_async_shared();
+    __syncthreads();
+    issue(k + kRtStages - 1);
+    const unsigned hi_tile = tiles_smem + static_cast<unsigned>(k % kRtStages) * kParts * kTileBytes;
+    const std::int64_t base = j0 + k * kRtSlots;
+    wgmma_fence();
 #pragma unroll
-      for (int kk = 0; kk < kK; ++kk) {
-        const unsigned off = sw128_k16_offset(kRtSlots, kk);
-        const std::uint64_t bh = wgmma_desc_sw128(hi_tile + off, 16, 1024);
-        wgmma_m64n64k16_rs(sc, ahi[kk], bh, kk > 0);
-        if constexpr (kTerms == 3) {
-          // hi.hi, lo.hi, hi.lo: the order of the products of one dot, as in the mma.sync path
-          wgmma_m64n64k16_rs(sc, alo[kk], bh, 1);
-          wgmma_m64n64k16_rs(sc, ahi[kk], wgmma_desc_sw128(hi_tile + kTileBytes + off, 16, 1024), 1);
-        }
+    for (int kk = 0; kk < kK; ++kk) {
+      const unsigned off = sw128_k16_offset(kRtSlots, kk);
+      const std::uint64_t bh = wgmma_desc_sw128(hi_tile + off, 16, 1024);
+      wgmma_m64n64k16_rs(sc, ahi[kk], bh, kk > 0);
+      if constexpr (kTerms == 3) {
+        // hi.hi, lo.hi, hi.lo: the order of the products of one dot, as in the mma.sync path
+        wgmma_m64n64k16_rs(sc, alo[kk], bh, 1);
+        wgmma_m64n64k16_rs(sc, ahi[kk], wgmma_desc_sw128(hi_tile + kTileBytes + off, 16, 1024), 1);
       }
-      wgmma_commit();
-      wgmma_wait<0>();
-      wgmma_fence_operands(sc);
-      wgmma_fence_operands(ahi);
-      wgmma_fence_operands(alo);
-      // slot tiles 0-3 of the accumulator are the first group, 4-7 the second (the same fragment layout)
-      take_group(base, reinterpret_cast<const float(&)[kRtGroup / 8][4]>(sc[0]));
-      if (base + kRtGroup < j1)
-        take_group(base + kRtGroup, reinterpret_cast<const float(&)[kRtGroup / 8][4]>(sc[kRtGroup / 8]));
     }
-  };
-  if constexpr (!kScreen) {
-    exact_sweep();
-  } else {
-    // Screen and refine (kTerms = 3: the novelty pass and the routing pass without appends). Only
-    // the max (novelty) and the argmax (routes) of a token's scores matter, and a third of the
-    // products finds the few slots that can hold them: the sweep multiplies hi.hi only (the
-    // kTerms = 1 arithmetic), keeps per token the running max of these screened values, and lists
-    // the slots that come within the margin 2 E of it; the listed slots are then refined exactly.
-    //
-    // The bound E. Token operand a = a_hi + a_lo (fp32 k0 or kg to ~2^-17), slot row b = b_hi + b_lo
-    // (khat + khat_lo), each hi the bf16 rounding of the sum, so |a_lo| <= 2^-9 |a|, |a_hi| <= (1 +
-    // 2^-9) |a| per dim. The refined value R = sum_d a_d b_d (fp32 FMA on CUDA cores: at least as exact
-    // as the three products it replaces, which drop lo.lo) and the screened value S = the tensor
-    // cores' fp32 sum of a_hi b_hi differ by
-    //   |a.b - a_hi.b_hi| = |a_lo.b + a_hi.b_lo| <= (2^-8 + 2^-18) sum_d |a_d| |b_d|
-    // plus the accumulation errors: S's 128 tensor-core additions, counted as truncations of 2^-22
-    // relative each, <= D 2^-22 = 2^-15 of sum |a||b| at D = 128, and R's D fp32 roundings, <= 2^-17.
-    // So |S - R| <= E = (2^-8 + 2^-11) P with P >= sum_d |a_d| |b_d|, the 2^-11 covering the rest
-    // with room to spare (also the fp32 arithmetic of P itself and of the threshold). Every slot row
-    // is b = LN_s(Sk_j) = w z + c (ln_w, ln_b; |z|^2 = D var / (var + eps) <= D), hence
-    //   sum_d |a_d| |b_d| <= |a| |b| <= |a| (max_d |w_d| sqrt(D) + |c|) = P,
-    // one number per token, computed with its operands (two_e = 2 E). (The per-dim form sqrt(D)
-    // |a w| + sum_d |a_d c_d| is tighter for uneven weights, but its products in the operand build
-    // pushed the kernel past 128 registers.)
-    // Candidates. Let m maximize S and j* maximize R (either among the slots of one max). Then S_j*
-    // >= R_j* - E >= R_m - E >= S_m - 2E: every slot that may hold the max of R, ties included,
-    // has S >= max S - 2E, and a fortiori >= the running max - 2E when its tile is screened, so
-    // listing those (and dropping a listed slot once it falls below the risen threshold) keeps every
-    // one, and their refined values give the exact max and argmax (ties to the smaller slot). The
-    // novelty pass has two maxima: over all slots (the score: sink slots are listed against it) and
-    // over the route candidates (slots >= ns0, listed against theirs, the lower threshold).
-    // Lists: kRtListCap slots and screened values per lane and token in shared memory (a lane sees
-    // a quarter of the slots, those of its accumulator columns); a lane with more candidates of a
-    // token than that (many slots within 2 E of its max: repeated keys) overflows, and its whole block
-    // falls back to the exact sweep.
-    const std::int64_t ns0 = kRoute ? j0 : (j0 > sink ? j0 : sink);  // route candidates: slots >= ns0
-    float top[2] = {negative_infinity<float>(), negative_infinity<float>()};      // max S, slots >= ns0
-    float top_all[2] = {negative_infinity<float>(), negative_infinity<float>()};  // max S, all (novelty)
-    int listed[2] = {0, 0};
-    bool overflow = false;
-    int* const list_slot = reinterpret_cast<int*>(lists);
-    float* const list_value = reinterpret_cast<float*>(lists + 32 * kRtWarps * 2 * kRtListCap * sizeof(int));
-    // entry e of token h of lane l: consecutive lanes side by side, a warp's accesses to one e in 32 banks
-    const auto entry = [&](int h, int e, int l) { return ((warp * 2 + h) * kRtListCap + e) * 32 + l; };
-    const auto threshold = [&](int h, std::int64_t j) { return (j >= ns0 ? top[h] : top_all[h]) - two_e[h]; };
-    const auto quad_max = [](float v) {
-      v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, 1));
-      return fmaxf(v, __shfl_xor_sync(0xffffffffu, v, 2));
-    };
-    // a tile's screened values (sc) into the running maxima, then its candidates into the lists
-    const auto screen_tile = [&](std::int64_t base) {
-      const bool plain = base >= ns0 && base + kRtSlots <= j1;  // every slot a valid route candidate
-      const int n = static_cast<int>((j1 - base) < kRtSlots ? (j1 - base) : kRtSlots);
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        unsigned mask = 0u;
-        if (plain) {
-          // every slot of the tile is a route candidate: one maximum, one threshold, no slot tests
-          float v[kRtSlots / 8];  // a pair tree: log2 dependent steps
-#pragma unroll
-          for (int nt = 0; nt < kRtSlots / 8; ++nt) v[nt] = fmaxf(sc[nt][2 * h], sc[nt][2 * h + 1]);
-#pragma unroll
-          for (int w = kRtSlots / 16; w >= 1; w /= 2)
-#pragma unroll
-            for (int t = 0; t < w; ++t) v[t] = fmaxf(v[t], v[t + w]);
-          const float tile_top = quad_max(v[0]);
-          top[h] = fmaxf(top[h], tile_top);
-          if constexpr (!kRoute) top_all[h] = fmaxf(top_all[h], tile_top);
-          const float thr = top[h] - two_e[h];
-          if (!(v[0] >= thr)) continue;
-#pragma unroll
-          for (int nt = 0; nt < kRtSlots / 8; ++nt)
-#pragma unroll
-            for (int e = 0; e < 2; ++e) mask |= static_cast<unsigned>(sc[nt][2 * h + e] >= thr) << (2 * nt + e);
-        } else {
-          // the lane's maxima over its slots of the tile: route candidates, and all
-          float lane_top = negative_infinity<float>(), lane_all = negative_infinity<float>();
-#pragma unroll
-          for (int nt = 0; nt < kRtSlots / 8; ++nt)
-#pragma unroll
-            for (int e = 0; e < 2; ++e) {
-              const int col = nt * 8 + 2 * quad + e;
-              if (col >= n) continue;
-              const float val = sc[nt][2 * h + e];
-              if (base + col >= ns0) lane_top = fmaxf(lane_top, val);
-              lane_all = fmaxf(lane_all, val);
-            }
-          top[h] = fmaxf(top[h], quad_max(lane_top));
-          if constexpr (!kRoute) top_all[h] = fmaxf(top_all[h], quad_max(lane_all));
-          // a quick test (thr <= thr_all: top <= top_all), then the lane's candidates of the tile
-          const float thr = top[h] - two_e[h], thr_all = kRoute ? thr : top_all[h] - two_e[h];
-          if (!(lane_top >= thr || lane_all >= thr_all)) continue;
-#pragma unroll
-          for (int nt = 0; nt < kRtSlots / 8; ++nt)
-#pragma unroll
-            for (int e = 0; e < 2; ++e) {
-              const int col = nt * 8 + 2 * quad + e;
-              const bool take = col < n && sc[nt][2 * h + e] >= (base + col >= ns0 ? thr : thr_all);
-              mask |= static_cast<unsigned>(take) << (2 * nt + e);
-            }
-        }
-        while (mask != 0u) {
-          const int b = __ffs(mask) - 1;
-          mask &= mask - 1u;
-          float val = 0.0f;  // value b by selects: no indexed registers (local memory)
-#pragma unroll
-          for (int t = 0; t < kRtSlots / 4; ++t) val = t == b ? sc[t / 2][2 * h + t % 2] : val;
-          const int j = static_cast<int>(base) + (b / 2) * 8 + 2 * quad + b % 2;
-          if (listed[h] == kRtListCap) {  // full: drop the entries the risen maxima have passed
-            int kept = 0;
-            for (int e = 0; e < kRtListCap; ++e) {
-              const int s = list_slot[entry(h, e, lane)];
-              const float sv = list_value[entry(h, e, lane)];
-              if (sv >= threshold(h, s)) {
-                list_slot[entry(h, kept, lane)] = s;
-                list_value[entry(h, kept, lane)] = sv;
-                ++kept;
-              }
-            }
-            listed[h] = kept;
-          }
-          if (listed[h] == kRtListCap) {
-            overflow = true;
-            break;
-          }
-          list_slot[entry(h, listed[h], lane)] = j;
-          list_value[entry(h, listed[h], lane)] = val;
-          ++listed[h];
-          // the refine reads the row at the end; the hi row was just staged (in L2), the lo row was not
-          const bf16* const lo_row = st.khat_lo + (i * st.cap + j) * kD;
-#pragma unroll
-          for (int line = 0; line < kD * 2 / 128; ++line) prefetch_l2(lo_row + line * 64);
-        }
-      }
-    };
-    // The sweep's own copies and descriptors, cheap per tile (the sweep's instructions between the
-    // products are what bounds it): tile k's rows from a pointer advanced by whole tiles, stages
-    // counted rather than taken modulo, each descriptor an add to the first stage's.
-    const bf16* const first_rows = khat_item + (j0 + vrow) * kD;
-    const auto issue_hi = [&](std::int64_t k, int stage) {
-      if (k < tiles) {
-        const bf16* const rows = first_rows + k * (kRtSlots * kD);
-        const std::int64_t left = j1 - j0 - k * kRtSlots;
-        const int n = left < kRtSlots ? static_cast<int>(left) : kRtSlots;
-        const unsigned buf = tiles_smem + static_cast<unsigned>(stage) * kTileBytes + dst_off;
-#pragma unroll
-        for (int m = 0; m < kRtSlots / kPass; ++m) {
-          const bool in = vrow + m * kPass < n;  // rows past n: zeros from a valid address (the tile's first row)
-          cp_async16(buf + m * kPassBytes, in ? rows + m * kPass * kD : rows - vrow * kD, in ? 16 : 0);
-        }
-      }
-      cp_async_commit();
-    };
-    const std::uint64_t stage0_desc = wgmma_desc_sw128(tiles_smem, 16, 1024);
-    int stage = 0, refill = kRtStages - 1;  // stages of tile k and of tile k + kRtStages - 1
-    for (std::int64_t k = 0; k < tiles; ++k) {
-      cp_async_wait<kRtStages - 2>();
-      fence_proxy_async_shared();  // as in the exact sweep
-      __syncthreads();
-      issue_hi(k + kRtStages - 1, refill);
-      const unsigned stage_off = static_cast<unsigned>(stage) * kTileBytes;
-      stage = stage + 1 == kRtStages ? 0 : stage + 1;
-      refill = refill + 1 == kRtStages ? 0 : refill + 1;
-      wgmma_fence();
-#pragma unroll
-      for (int kk = 0; kk < kK; ++kk)
-        wgmma_m64n64k16_rs(sc, ahi[kk], wgmma_desc_advance(stage0_desc, stage_off + sw128_k16_offset(kRtSlots, kk)), kk > 0);
-      wgmma_commit();
-      wgmma_wait<0>();
-      wgmma_fence_operands(sc);
-      wgmma_fence_operands(ahi);
-      if (active) screen_tile(j0 + k * kRtSlots);
-    }
-    if (__syncthreads_or(overflow)) {
-      // every warp is past its last tile (the copies still pending are the empty groups): the stages
-      // and the lists may take the exact sweep's hi and lo tiles
-      cp_async_wait<0>();
-#pragma unroll
-      for (int kk = 0; kk < kK; ++kk)
-#pragma unroll
-        for (int q = 0; q < 4; ++q) alo[kk][q] = active ? parked(kk, q) : 0u;  // zeros past the tokens
-      __syncthreads();  // every thread has its lo operands back before the tiles overwrite them
-#pragma unroll
-      for (int s = 0; s < kRtStages - 1; ++s) issue(s, Parts{});
-      exact_sweep();
-    } else if (active) {
-      // Refine. The entries that pass the final maxima (about 1.3 a token) are few and unevenly
-      // spread over the lanes, so each lane does not dot its own: the warp's entries become one list
-      // of jobs that its 32 lanes share (a round for the warp's 16 tokens, usually), each dot written
-      // back over the entry's screened value; the owners then take their entries' refined values in
-      // slot order, and the quad merge below the max / argmax of the four lanes'. A dot reads the
-      // token's hi and lo fragments, spread over its quad's four lanes, from shared memory (hi parked
-      // here in the stage bytes the sweep is done with: every warpgroup's products are complete), 16
-      // bytes (4 lanes) at a time, and the slot rows from global memory as 16-byte vectors (the lo rows
-      // prefetched to L2 when listed). Each dot is the same sum in the same order whichever lane does it.
-      unsigned char* const stage_bytes = align_shared_1024(rt_smem_raw);
-      std::uint32_t* const ahi_parked = reinterpret_cast<std::uint32_t*>(stage_bytes);
-      constexpr int kWarpJobs = 32 * 2 * kRtListCap;
-      std::uint16_t* const jobs = reinterpret_cast<std::uint16_t*>(stage_bytes + kK * 4 * 32 * kRtWarps * sizeof(std::uint32_t)) +
-                                  warp * kWarpJobs;
-      static_assert(kK * 4 * 32 * kRtWarps * sizeof(std::uint32_t) + kRtWarps * kWarpJobs * sizeof(std::uint16_t) <=
-                        std::size_t(kRtStages) * kTileBytes,
-                    "parked hi operands and the jobs fit in the stages");
-#pragma unroll
-      for (int kk = 0; kk < kK; ++kk)
-#pragma unroll
-        for (int q = 0; q < 4; ++q) ahi_parked[(kk * 4 + q) * 32 * kRtWarps + threadIdx.x] = ahi[kk][q];
-      // this lane's jobs: bit h kRtListCap + e for entry e of token h, listed and not passed by the final maxima
-      unsigned mine = 0u;
-#pragma unroll
-      for (int h = 0; h < 2; ++h)
-        for (int e = 0; e < listed[h]; ++e)
-          if (list_value[entry(h, e, lane)] >= threshold(h, list_slot[entry(h, e, lane)])) mine |= 1u << (h * kRtListCap + e);
-      // the lane's place in the warp's job list: an inclusive scan of the counts
-      int upto = __popc(mine);
-#pragma unroll
-      for (int off = 1; off < 32; off *= 2) {
-        const int v = __shfl_up_sync(0xffffffffu, upto, off);
-        if (lane >= off) upto += v;
-      }
-      const int total = __shfl_sync(0xffffffffu, upto, 31);
-      for (unsigned bits = mine, at = upto - __popc(mine); bits != 0u; bits &= bits - 1u, ++at)
-        jobs[at] = static_cast<std::uint16_t>((lane << 8) | (__ffs(bits) - 1));  // owner lane, entry bit
-      __syncwarp();  // the jobs and the parked operands of the warp's lanes are visible
-      const auto widen = [](std::uint32_t w) { return make_float2(__uint_as_float(w << 16), __uint_as_float(w & 0xffff0000u)); };
-      for (int t = lane; t < total; t += 32) {
-        const int owner = jobs[t] >> 8, bit = jobs[t] & 0xff, h = bit / kRtListCap;
-        const int at_entry = entry(h, bit % kRtListCap, owner), j = list_slot[at_entry];
-        const int quad0 = warp * 32 + (owner & ~3);
-        const uint4* const hw = reinterpret_cast<const uint4*>(st.khat + (i * st.cap + j) * kD);
-        const uint4* const lw = reinterpret_cast<const uint4*>(st.khat_lo + (i * st.cap + j) * kD);
-        float dot = 0.0f;
-#pragma unroll
-        for (int kk = 0; kk < kK; ++kk)
-#pragma unroll
-          for (int m = 0; m < 2; ++m) {
-            // words kk*8 + 4m + {0..3} of the row: dims kk*16 + 8m .. + 7, lane quad0 + x holding word x
-            const int at = (kk * 4 + h + 2 * m) * 32 * kRtWarps + quad0;
-            const uint4 th = *reinterpret_cast<const uint4*>(ahi_parked + at);
-            const uint4 tl = *reinterpret_cast<const uint4*>(alo_parked + at);
-            const uint4 bh = hw[kk * 2 + m], bl = lw[kk * 2 + m];
-            const std::uint32_t ta[4] = {th.x, th.y, th.z, th.w}, tb[4] = {tl.x, tl.y, tl.z, tl.w};
-            const std::uint32_t ra[4] = {bh.x, bh.y, bh.z, bh.w}, rb[4] = {bl.x, bl.y, bl.z, bl.w};
-#pragma unroll
-            for (int x = 0; x < 4; ++x) {
-              // hi + lo is exact in fp32 (17 significant bits)
-              const float2 ah = widen(ta[x]), al = widen(tb[x]), bhf = widen(ra[x]), blf = widen(rb[x]);
-              dot = fmaf(ah.x + al.x, bhf.x + blf.x, dot);
-              dot = fmaf(ah.y + al.y, bhf.y + blf.y, dot);
-            }
-          }
-        list_value[at_entry] = dot;
-      }
-      __syncwarp();  // the refined values are back in the owners' entries
-#pragma unroll
-      for (int h = 0; h < 2; ++h)
-        for (int e = 0; e < listed[h]; ++e) {
-          if (!((mine >> (h * kRtListCap + e)) & 1u)) continue;
-          const int j = list_slot[entry(h, e, lane)];
-          const float dot = list_value[entry(h, e, lane)];
-          if constexpr (kRoute) {
-            if (arg[h] < 0 || dot > best[h] || (dot == best[h] && j < arg[h])) {
-              best[h] = dot;
-              arg[h] = j;
-            }
-          } else {
-            if (dot > best[h]) best[h] = dot;
-            if (j >= ns0 && (carg[h] < 0 || dot > cbest[h] || (dot == cbest[h] && j < carg[h]))) {
-              cbest[h] = dot;
-              carg[h] = j;
-            }
-          }
-        }
-    }
+    wgmma_commit();
+    wgmma_wait<0>();
+    wgmma_fence_operands(sc);
+    wgmma_fence_operands(ahi);
+    wgmma_fence_operands(alo);
+    // slot tiles 0-3 of the accumulator are the first group, 4-7 the second (the same fragment layout)
+    take_group(base, reinterpret_cast<const float(&)[kRtGroup / 8][4]>(sc[0]));
+    if (base + kRtGroup < j1) take_group(base + kRtGroup, reinterpret_cast<const float(&)[kRtGroup / 8][4]>(sc[kRtGroup / 8]));
   }
 #else
   // lane l points at slot row l % 8 of 8x8 matrix l / 8: matrices 0, 1 are slot group 2p, dims +0, +8
@@ -697,7 +343,7 @@ __global__ void __launch_bounds__(32 * kRtWarps, 2)
     cp_async_wait<kRtStages - 2>();
     // tile k is visible, and every warp is done with tile k - 1, whose stage the issue below refills
     __syncthreads();
-    issue(k + kRtStages - 1, Parts{});
+    issue(k + kRtStages - 1);
     if (!active) continue;
     const unsigned hi_tile = tiles_smem + static_cast<unsigned>(k % kRtStages) * kParts * kTileBytes + lane_off;
     const unsigned lo_tile = hi_tile + kTileBytes;

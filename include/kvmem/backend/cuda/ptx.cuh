@@ -314,14 +314,4 @@ __device__ inline float ex2_approx_ftz(float x) {
   return r;
 }
 
-
-// --- KVM routing pass, screen and refine (kvm_route_tc.cuh) ---
-// Asks L2 for the line holding p, with no register written and nothing to wait for: a row the
-// kernel reads later, after its latency has passed.
-__device__ inline void prefetch_l2(const void* p) { asm volatile("prefetch.global.L2 [%0];\n" ::"l"(p)); }
-// The wgmma descriptor of the operand `bytes` (a multiple of 16) past desc's: its start address field
-// (bits 0-13, address / 16) takes the step with no carry out, shared memory being under 256 KB; an add
-// where wgmma_desc_sw128 of the new address costs a mask and shifts.
-__device__ inline std::uint64_t wgmma_desc_advance(std::uint64_t desc, unsigned bytes) { return desc + (bytes >> 4); }
-
 }  // namespace kvmem::cuda::ptx
