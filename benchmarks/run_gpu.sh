@@ -57,7 +57,7 @@ for m in "${built[@]}"; do
     ctest --test-dir build/cuda -R "test_${m}_cuda" --timeout 180 --output-on-failure 2>&1 | tee "$out/ctest_$m.log" | tail -8
   fi
   if ((sanitize)) && command -v compute-sanitizer >/dev/null; then
-    # racecheck of the KVM "readouts beside the update chain" case passed 240 s with the routing pass on
+    # racecheck of the KVM "readouts beside the update chain" case ran past 240 s with the routing pass on
     # wgmma (main a6fb1f6, 2026-11-30 v8; five cases before it were clean): give each tool 480 s
     for tool in memcheck racecheck; do
       timeout 480 compute-sanitizer --tool $tool --error-exitcode 3 "$tests/test_${m}_cuda" "[sanitize]" \

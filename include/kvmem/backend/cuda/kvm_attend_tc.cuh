@@ -78,13 +78,11 @@ struct TcSwizzledLayout {
   __device__ static unsigned v_offset(int row, int vec) { return ptx::sw128_offset(kTcKeys, row, vec); }
 };
 
-// The dynamic shared memory a launch gives attend_tc_kernel: the larger of the two layouts (the host
-// does not know which path the device compiled).
+// The dynamic shared memory a launch gives attend_tc_kernel (either path's layout fits).
 template <int kD, int kDv>
 struct TcLayout {
-  static constexpr std::size_t kBytes = TcPaddedLayout<kD, kDv>::kBytes > TcSwizzledLayout<kD, kDv>::kBytes
-                                            ? TcPaddedLayout<kD, kDv>::kBytes
-                                            : TcSwizzledLayout<kD, kDv>::kBytes;
+  static constexpr std::size_t kBytes =
+      ptx::shared_bytes_of_either_path(TcSwizzledLayout<kD, kDv>::kBytes, TcPaddedLayout<kD, kDv>::kBytes);
 };
 
 // The online softmax of OnlineSoftmax<float> in base 2 with the hardware exponential (ex2.approx,

@@ -53,8 +53,9 @@ inline constexpr int kRtGroup = 32;              // slots whose products are in 
 // Shared memory of update_tc_scores_kernel: kRtStages stages of a hi (and a lo) tile of kRtSlots slot
 // rows. mma.sync path: rows of pitch kD + 8 (+16 bytes: the 8 rows of an ldmatrix hit 32 banks).
 // wgmma path: the 128-byte swizzle layout of the readout's tiles (ptx::sw128_offset: kD / 64 column
-// blocks of [slot][64 bf16]), K-major B operands read through descriptors, from a 1024-byte boundary. The launch gives the larger (the host does not know which path the device
-// compiled): 104 KB at kD = 128, kTerms = 3, two blocks per SM.
+// blocks of [slot][64 bf16]), K-major B operands read through descriptors, from a 1024-byte boundary.
+// A launch gives the larger (ptx::shared_bytes_of_either_path): 104 KB at kD = 128, kTerms = 3, two
+// blocks per SM.
 template <int kD, int kTerms>
 constexpr std::size_t rt_padded_bytes() {
   return std::size_t(kRtStages) * (kTerms == 3 ? 2 : 1) * kRtSlots * (kD + 8) * sizeof(bf16);
@@ -65,8 +66,7 @@ constexpr std::size_t rt_swizzled_bytes() {
 }
 template <int kD, int kTerms>
 constexpr std::size_t rt_shared_bytes() {
-  return rt_padded_bytes<kD, kTerms>() > rt_swizzled_bytes<kD, kTerms>() ? rt_padded_bytes<kD, kTerms>()
-                                                                           : rt_swizzled_bytes<kD, kTerms>();
+  return ptx::shared_bytes_of_either_path(rt_swizzled_bytes<kD, kTerms>(), rt_padded_bytes<kD, kTerms>());
 }
 
 // What a pass computes (argmax: the first slot of the largest value, the host's sequential scan).

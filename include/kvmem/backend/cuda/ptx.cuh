@@ -12,6 +12,7 @@
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
+#include <cstddef>
 #include <cstdint>
 
 namespace kvmem::cuda::ptx {
@@ -109,6 +110,12 @@ __device__ inline unsigned sw128_k16_offset(int rows, int kk) {
 // pattern follows address bits), so their dynamic shared memory has 1024 spare bytes.
 __device__ inline unsigned char* align_shared_1024(unsigned char* p) {
   return p + (1024u - shared_address(p) % 1024u) % 1024u;
+}
+// The dynamic shared memory a launch gives a kernel with a wgmma path and an mma.sync path whose layouts
+// differ: the larger of the two, because the host cannot know which path the device runs (the sm_90a
+// machine code, or the compute_90 PTX JIT-compiled for another GPU).
+__host__ __device__ constexpr std::size_t shared_bytes_of_either_path(std::size_t wgmma_path, std::size_t mma_sync_path) {
+  return wgmma_path > mma_sync_path ? wgmma_path : mma_sync_path;
 }
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
 // Descriptor of an operand in the 128-byte swizzle layout: 8-row atoms of 128-byte rows (64 bf16), the

@@ -134,16 +134,14 @@ struct UaDenseLayout {
       return unsigned((row * kKPitch + vec * 8) * 2);
   }
 };
-// The dynamic shared memory a launch of dense_prefill_tc_kernel<Set, kD> takes: the larger layout (the host
-// does not know which path the device code was built with).
+// The dynamic shared memory a launch of dense_prefill_tc_kernel<Set, kD> takes (head dims that are not a
+// multiple of 64 have only the mma.sync path).
 template <int kD>
 constexpr std::size_t dense_shared_bytes() {
-  if constexpr (kD % 64 == 0) {
-    return UaDenseLayout<kD, true>::kBytes > UaDenseLayout<kD>::kBytes ? UaDenseLayout<kD, true>::kBytes
-                                                                          : UaDenseLayout<kD>::kBytes;
-  } else {
+  if constexpr (kD % 64 == 0)
+    return ptx::shared_bytes_of_either_path(UaDenseLayout<kD, true>::kBytes, UaDenseLayout<kD>::kBytes);
+  else
     return UaDenseLayout<kD>::kBytes;
-  }
 }
 
 // log1p(y) for y in [-(1 - 1e-6), 0]: u = 1 + y and c = y - (u - 1), the rounding of u (exact: u - 1 is exact
