@@ -17,6 +17,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>  // EXPERIMENT
 #include <cstdint>
 #include <string>
 #include <type_traits>
@@ -449,7 +450,7 @@ Status update_finish(const Executor& exec, const DeviceState<S, A>& d, const kvm
       // trip and three barriers before its warps start; at B8 H32 fixed-256 32K, 30.9 ms prefill against
       // 31.9 with four slots a warp and 33.5 with two (12 and 16: within the noise). At most 8192 slots
       // (32 KB of table) a block.
-      constexpr std::int64_t kSlotsPerWarp = 8;
+      static const std::int64_t kSlotsPerWarp = std::getenv("KVMEM_SCAT_SPW") ? std::atoll(std::getenv("KVMEM_SCAT_SPW")) : 8;  // EXPERIMENT
       const bool every_slot = a == C;
       const std::int64_t range = after - p.sink, work = every_slot ? range : std::min(C, range);
       std::int64_t blocks =
@@ -459,9 +460,10 @@ Status update_finish(const Executor& exec, const DeviceState<S, A>& d, const kvm
       blocks = (range + per_block - 1) / per_block;
       const dim3 sgrid(grid, static_cast<unsigned>(blocks));
       const std::size_t bytes = scatter_shared_bytes(d, per_block);
+      const bool async_rows = scatter_rows_async(d);
       const auto launch = [&](auto kernel) -> Status {
         KVMEM_RETURN_IF_ERROR(allow_shared(kernel, bytes));
-        kernel<<<sgrid, 32 * kWarpsPerBlock, bytes, exec.stream>>>(d, a, after, per_block, every_slot);
+        kernel<<<sgrid, 32 * kWarpsPerBlock, bytes, exec.stream>>>(d, a, after, per_block, every_slot, async_rows);
         return Status::ok();
       };
       if (scatter_in_registers(d))
