@@ -17,7 +17,6 @@
 
 #include <algorithm>
 #include <cmath>
-#include <cstdlib>  // EXPERIMENT
 #include <cstdint>
 #include <string>
 #include <type_traits>
@@ -450,7 +449,7 @@ Status update_finish(const Executor& exec, const DeviceState<S, A>& d, const kvm
       // trip and three barriers before its warps start; at B8 H32 fixed-256 32K, 30.9 ms prefill against
       // 31.9 with four slots a warp and 33.5 with two (12 and 16: within the noise). At most 8192 slots
       // (32 KB of table) a block.
-      static const std::int64_t kSlotsPerWarp = std::getenv("KVMEM_SCAT_SPW") ? std::atoll(std::getenv("KVMEM_SCAT_SPW")) : 8;  // EXPERIMENT
+      constexpr std::int64_t kSlotsPerWarp = 8;
       const bool every_slot = a == C;
       const std::int64_t range = after - p.sink, work = every_slot ? range : std::min(C, range);
       std::int64_t blocks =

@@ -674,16 +674,20 @@ __device__ inline const A* routed_key_row(const DeviceState<S, A>& st, std::int6
   return st.kg + (i * st.C + c) * st.D;
 }
 
-// Copies n elements from global src to shared dst over the lanes of a warp: with `async`, 16-byte
-// cp.async pieces (n * sizeof(T) a multiple of 16, both rows 16-byte aligned; complete after the
-// caller's wait), else plain loads and stores (shapes without that alignment).
+// Copies row src (n elements) into dst, a stage row of 32 * kLaneRegs elements in shared memory, over
+// the lanes of a warp, with zeros past n (so the adds need no bounds checks): with `async`, one 16-byte
+// cp.async piece per lane (n * sizeof(T) a multiple of 16, both rows 16-byte aligned; a piece past n
+// copies 0 bytes, which fills it with zeros; complete after the caller's wait), else plain loads and
+// stores (shapes without that alignment).
 template <class T>
 __device__ inline void stage_row(T* dst, const T* src, int n, bool async, int lane) {
+  constexpr int kRow = 32 * kLaneRegs, kPiece = 16 / int(sizeof(T));
+  static_assert(kRow <= 32 * kPiece, "one 16-byte piece per lane covers a stage row");
   if (async) {
-    constexpr int kPiece = 16 / int(sizeof(T));
-    for (int q = lane * kPiece; q < n; q += 32 * kPiece) ptx::cp_async16(dst + q, src + q, 16);
+    const int q = lane * kPiece;
+    if (q < kRow) ptx::cp_async16(dst + q, src + (q < n ? q : 0), q < n ? 16 : 0);
   } else {
-    for (int d = lane; d < n; d += 32) dst[d] = src[d];
+    for (int d = lane; d < kRow; d += 32) dst[d] = d < n ? src[d] : T{};
   }
 }
 template <class T>
@@ -694,41 +698,34 @@ __device__ inline void stage_value(T* dst, const T* src, bool async) {
     *dst = *src;
 }
 
-// Lists the tokens routed to slot `target` (c_first: the first of them, C if none) in increasing order
-// into list[1, 1 + n) and their number n into list[0]; returns n.
-__device__ inline int list_routed_tokens(const int* targets, int C, int c_first, int target, int* list, int lane) {
-  int n = 0;
-  for (int cb = c_first - c_first % 32; cb < C; cb += 32) {
+// Lists the n tokens routed to slot `target` (c_first: the first of them) in increasing order into
+// list, scanning the chunk's targets from c_first until all n are found.
+__device__ inline void list_routed_tokens(const int* targets, int C, int c_first, int n, int target, int* list,
+                                          int lane) {
+  for (int cb = c_first - c_first % 32, found = 0; found < n; cb += 32) {
     const int c = cb + lane;
     const bool hit = c < C && targets[c] == target;
     const unsigned m = __ballot_sync(0xffffffffu, hit);
-    if (hit) list[1 + n + __popc(m & ((1u << lane) - 1u))] = c;
-    n += __popc(m);
+    if (hit) list[found + __popc(m & ((1u << lane) - 1u))] = c;
+    found += __popc(m);
   }
-  if (lane == 0) list[0] = n;
   __syncwarp();  // the list is read by every lane
-  return n;
-}
-
-// Ints of one warp's token lists in the register-form scatter: a header per slot (the block deals at
-// most ceil(per_block / kWarpsPerBlock) slots to a warp) and each token at most once.
-__host__ __device__ inline std::int64_t scatter_list_ints(std::int64_t C, std::int64_t per_block) {
-  return C + (per_block + kWarpsPerBlock - 1) / kWarpsPerBlock;
 }
 
 // One warp's share of a scatter block: its slots are the block's p-th for p = warp + kWarpsPerBlock k
-// (slot(p): j - lo), walked as the stream above with kScatterDepth stages of scatter_stage_bytes<A>()
-// at `stages`. `list` (C + ceil(n_slots / kWarpsPerBlock) ints of this warp) receives each slot's
-// token list, header first (list_routed_tokens), as the stream reaches it.
+// (slot(p): j - lo; first[j - lo] and routed[j - lo]: its first token and number of tokens), walked as
+// the stream above with kScatterDepth stages of scatter_stage_bytes<A>() at `stages`. `list` (C ints of
+// this warp) receives each slot's token list (list_routed_tokens) as the stream reaches it.
 template <class S, class A, class Slot>
 __device__ void scatter_warp_stream(const DeviceState<S, A>& st, std::int64_t i, std::int64_t lo,
-                                    const ScatterTokens<S, A>& tokens, const int* first, const Slot& slot, int n_slots,
-                                    bool async_rows, unsigned char* stages, int* list, int warp, int lane) {
+                                    const ScatterTokens<S, A>& tokens, const int* first, const int* routed,
+                                    const Slot& slot, int n_slots, bool async_rows, unsigned char* stages, int* list,
+                                    int warp, int lane) {
   const int C = static_cast<int>(st.C), D = static_cast<int>(st.D), Dv = static_cast<int>(st.Dv);
   constexpr std::size_t kHalf = 32 * kLaneRegs * sizeof(A);  // the second row of a stage starts here
   const auto stage = [&](int e) { return stages + (e & (kScatterDepth - 1)) * scatter_stage_bytes<A>(); };
   const auto has_slot = [&](int k) { return warp + kWarpsPerBlock * k < n_slots; };
-  const auto slot_row = [&](int k) { return i * st.cap + lo + slot(warp + kWarpsPerBlock * k); };
+  const auto slot_rel = [&](int k) { return slot(warp + kWarpsPerBlock * k); };  // j - lo of the warp's k-th slot
 
   // Issue side: copies stream row e into its stage and commits one cp.async group per row (an empty
   // one past the end), so row e is complete once at most kScatterDepth - 1 later groups are pending.
@@ -741,11 +738,12 @@ __device__ void scatter_warp_stream(const DeviceState<S, A>& st, std::int64_t i,
       stage_row(reinterpret_cast<A*>(s), routed_key_row(st, i, c), D, async_rows, lane);
       stage_row(reinterpret_cast<S*>(s + kHalf), tokens.vrow[c], Dv, async_rows, lane);
     } else if (has_slot(issue_slot)) {  // the next slot: list its tokens, then copy its sums
-      const int rel = slot(warp + kWarpsPerBlock * issue_slot);  // j - lo
-      const std::int64_t sj = slot_row(issue_slot++);
-      issue_left = list_routed_tokens(tokens.target, C, first[rel], static_cast<int>(lo + rel), list + list_end, lane);
-      issue_pos = list_end + 1;
-      list_end = issue_pos + issue_left;
+      const int rel = slot_rel(issue_slot++);
+      const std::int64_t sj = i * st.cap + lo + rel;
+      issue_left = routed[rel];
+      list_routed_tokens(tokens.target, C, first[rel], issue_left, static_cast<int>(lo + rel), list + list_end, lane);
+      issue_pos = list_end;
+      list_end += issue_left;
       stage_row(reinterpret_cast<A*>(s), st.sk + sj * D, D, async_rows, lane);
       stage_row(reinterpret_cast<A*>(s + kHalf), st.sv + sj * Dv, Dv, async_rows, lane);
       A* rho_cnt = reinterpret_cast<A*>(s + 2 * kHalf);
@@ -756,7 +754,7 @@ __device__ void scatter_warp_stream(const DeviceState<S, A>& st, std::int64_t i,
   };
 
   // Take side: the slot being added (sums in the layout of warp_layer_norm_regs).
-  int take_slot = 0, take_left = 0, take_pos = 0, routed = 0;
+  int take_slot = 0, take_left = 0, take_pos = 0, n_routed = 0;
   std::int64_t sj = 0;
   A k[kLaneRegs], v[kLaneRegs], rho = A(0), cnt = A(0);
   for (int e = 0; e < kScatterDepth; ++e) issue(e);
@@ -771,21 +769,20 @@ __device__ void scatter_warp_stream(const DeviceState<S, A>& st, std::int64_t i,
       const S* vr = reinterpret_cast<const S*>(s + kHalf);
       const A g = tokens.gate[c];
 #pragma unroll
-      for (int e2 = 0; e2 < kLaneRegs; ++e2) {
-        const int d = lane + 32 * e2;
-        k[e2] += d < D ? kg[d] : A(0);
-        v[e2] += gated_value(st.merge_gate_values, g, d < Dv ? load_as<A>(vr[d]) : A(0));
+      for (int e2 = 0; e2 < kLaneRegs; ++e2) {  // channels past D, Dv: zeros in the stage
+        k[e2] += kg[lane + 32 * e2];
+        v[e2] += gated_value(st.merge_gate_values, g, load_as<A>(vr[lane + 32 * e2]));
       }
     } else {  // the next slot: its sums
-      sj = slot_row(take_slot++);
-      routed = take_left = list[take_pos++];
+      const int rel = slot_rel(take_slot++);
+      sj = i * st.cap + lo + rel;
+      n_routed = take_left = routed[rel];
       const A* sk = reinterpret_cast<const A*>(s);
       const A* sv = reinterpret_cast<const A*>(s + kHalf);
 #pragma unroll
-      for (int e2 = 0; e2 < kLaneRegs; ++e2) {
-        const int d = lane + 32 * e2;
-        k[e2] = d < D ? sk[d] : A(0);
-        v[e2] = d < Dv ? sv[d] : A(0);
+      for (int e2 = 0; e2 < kLaneRegs; ++e2) {  // channels past D, Dv: zeros in the stage
+        k[e2] = sk[lane + 32 * e2];
+        v[e2] = sv[lane + 32 * e2];
       }
       rho = sv[32 * kLaneRegs];
       cnt = sv[32 * kLaneRegs + 1];
@@ -794,7 +791,7 @@ __device__ void scatter_warp_stream(const DeviceState<S, A>& st, std::int64_t i,
     issue(e + kScatterDepth);
     if (take_left > 0) continue;
     // the slot's last row is in: store its sums and count, refresh its readout
-    cnt += A(routed);  // the same as adding 1 per token: counts are exact
+    cnt += A(n_routed);  // the same as adding 1 per token: counts are exact
 #pragma unroll
     for (int e2 = 0; e2 < kLaneRegs; ++e2) {
       const int d = lane + 32 * e2;
@@ -830,10 +827,11 @@ __global__ void __launch_bounds__(32 * kWarpsPerBlock, 4)
   const S** vrow = reinterpret_cast<const S**>(ln + (kInRegisters ? st.D : 0));  // [C]
   A* gate = reinterpret_cast<A*>(vrow + C);                                      // [C]
   int* target = reinterpret_cast<int*>(gate + C);                                // [C]
-  int* first = target + C;           // [per_block] first[j - lo]: the first token routed to slot j, C if none
-  int* touched = first + per_block;  // [min(per_block, C)] j - lo of the touched slots (not every_slot)
+  int* first = target + C;            // [per_block] first[j - lo]: the first token routed to slot j, C if none
+  int* routed = first + per_block;    // [per_block] routed[j - lo]: the number of tokens routed to slot j
+  int* touched = routed + per_block;  // [min(per_block, C)] j - lo of the touched slots (not every_slot)
   int* n_touched = touched + (per_block < C ? per_block : C);
-  int* lists = n_touched + 1;  // register form: [kWarpsPerBlock][scatter_list_ints] the token lists of a warp's slots
+  int* lists = n_touched + 1;  // register form: [kWarpsPerBlock][C] the token lists of a warp's slots
   const std::int64_t lo = st.sink + std::int64_t(blockIdx.y) * per_block;
   const std::int64_t hi = (lo + per_block) < slots_after ? (lo + per_block) : slots_after;
   for (std::int64_t c = threadIdx.x; c < C; c += blockDim.x) {
@@ -845,21 +843,19 @@ __global__ void __launch_bounds__(32 * kWarpsPerBlock, 4)
   }
   if (kInRegisters)
     for (std::int64_t d = threadIdx.x; d < st.D; d += blockDim.x) ln[d] = state_ln(st)[d];
-  for (std::int64_t s = threadIdx.x; s < per_block; s += blockDim.x) first[s] = static_cast<int>(C);
-  if (threadIdx.x == 0) *n_touched = 0;
+  for (std::int64_t s = threadIdx.x; s < per_block; s += blockDim.x) {
+    first[s] = static_cast<int>(C);
+    routed[s] = 0;
+  }
+  if (threadIdx.x == 0) *n_touched = every_slot ? static_cast<int>(hi - lo) : 0;
   __syncthreads();
+  // integer atomics: the minima, the counts and the set of touched slots do not depend on their order
   for (std::int64_t c = threadIdx.x; c < C; c += blockDim.x) {
     const int t = target[c];
-    if (t >= lo && t < hi) atomicMin(first + (t - lo), static_cast<int>(c));
-  }
-  __syncthreads();
-  if (every_slot) {
-    if (threadIdx.x == 0) *n_touched = static_cast<int>(hi - lo);
-  } else {
-    for (std::int64_t c = threadIdx.x; c < C; c += blockDim.x) {
-      const int t = target[c];
-      if (t >= lo && t < hi && first[t - lo] == c) touched[atomicAdd(n_touched, 1)] = static_cast<int>(t - lo);
-    }
+    if (t < lo || t >= hi) continue;
+    atomicMin(first + (t - lo), static_cast<int>(c));
+    if (atomicAdd(routed + (t - lo), 1) == 0 && !every_slot)
+      touched[atomicAdd(n_touched, 1)] = static_cast<int>(t - lo);
   }
   __syncthreads();
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, n = *n_touched;
@@ -868,9 +864,8 @@ __global__ void __launch_bounds__(32 * kWarpsPerBlock, 4)
     for (int p = warp; p < n; p += kWarpsPerBlock) scatter_into_slot(st, i, lo + slot(p), target, first[slot(p)], lane);
   } else {
     const ScatterTokens<S, A> tokens{target, vrow, gate, ln};
-    scatter_warp_stream(st, i, lo, tokens, first, slot, n, async_rows,
-                        stages + warp * kScatterDepth * scatter_stage_bytes<A>(),
-                        lists + std::int64_t(warp) * scatter_list_ints(C, per_block), warp, lane);
+    scatter_warp_stream(st, i, lo, tokens, first, routed, slot, n, async_rows,
+                        stages + warp * kScatterDepth * scatter_stage_bytes<A>(), lists + warp * C, warp, lane);
   }
 }
 
@@ -880,10 +875,9 @@ template <class S, class A>
 std::size_t scatter_shared_bytes(const DeviceState<S, A>& st, std::int64_t per_block) {
   const std::int64_t C = st.C, touched = per_block < C ? per_block : C;
   std::size_t bytes = std::size_t(C) * (sizeof(const S*) + sizeof(A) + sizeof(int)) +
-                      std::size_t(per_block + touched + 1) * sizeof(int);
+                      std::size_t(2 * per_block + touched + 1) * sizeof(int);
   if (scatter_in_registers(st))
-    bytes += std::size_t(kWarpsPerBlock) * (kScatterDepth * scatter_stage_bytes<A>() +
-                                            std::size_t(scatter_list_ints(C, per_block)) * sizeof(int)) +
+    bytes += std::size_t(kWarpsPerBlock) * (kScatterDepth * scatter_stage_bytes<A>() + std::size_t(C) * sizeof(int)) +
              std::size_t(st.D) * sizeof(LnWeight<A>);
   return bytes;
 }
