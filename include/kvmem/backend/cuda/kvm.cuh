@@ -444,11 +444,14 @@ Status update_finish(const Executor& exec, const DeviceState<S, A>& d, const kvm
   if (plan.n_app < C) {
     if (after > p.sink) {
       // The first update scatters every non-sink slot, later ones the touched slots only (see
-      // update_scatter_kernel). About eight slots per warp (four rounds of kScatterSlots): a
-      // block's prologue (the targets, the first-token table and the touched list) costs a load round
-      // trip and three barriers before its warps start; at B8 H32 fixed-256 32K, 30.9 ms prefill against
-      // 31.9 with four slots a warp and 33.5 with two (12 and 16: within the noise). At most 8192 slots
-      // (32 KB of table) a block.
+      // update_scatter_kernel). About eight slots per warp (the stream of scatter_warp_stream): a
+      // block's prologue (the targets, the first-token and count tables and the touched list) costs a
+      // load round trip and two barriers before its warps start; at B8 H32 fixed-256 32K, 30.9 ms
+      // prefill against 31.9 with four slots a warp and 33.5 with two (12 and 16: within the noise; the
+      // design before the stream). With the stream (its first version, a5b9386), 16 slots a warp (one
+      // wave of 512 blocks at fixed-256) gave 61.0 us a scatter against 65.5 at fixed-256 but 98.5
+      // against 80.0 at 16 sqrt N, whose 1442-slot blocks then need 59 KB of shared memory (three
+      // blocks an SM). At most 8192 slots (64 KB of tables) a block.
       constexpr std::int64_t kSlotsPerWarp = 8;
       const bool every_slot = a == C;
       const std::int64_t range = after - p.sink, work = every_slot ? range : std::min(C, range);
@@ -459,9 +462,10 @@ Status update_finish(const Executor& exec, const DeviceState<S, A>& d, const kvm
       blocks = (range + per_block - 1) / per_block;
       const dim3 sgrid(grid, static_cast<unsigned>(blocks));
       const std::size_t bytes = scatter_shared_bytes(d, per_block);
+      const bool async_rows = scatter_rows_async(d);
       const auto launch = [&](auto kernel) -> Status {
         KVMEM_RETURN_IF_ERROR(allow_shared(kernel, bytes));
-        kernel<<<sgrid, 32 * kWarpsPerBlock, bytes, exec.stream>>>(d, a, after, per_block, every_slot);
+        kernel<<<sgrid, 32 * kWarpsPerBlock, bytes, exec.stream>>>(d, a, after, per_block, every_slot, async_rows);
         return Status::ok();
       };
       if (scatter_in_registers(d))

@@ -210,9 +210,11 @@ __device__ inline A gated_key(bool merge_gate_keys, A g, A k0) {
 }
 
 // The gated value vg = g v (spec 4.2 step 3) of one channel. Every pass that gates values (prepare,
-// appends, scatter) uses this one product, so they agree bitwise.
+// appends, scatter) uses this one product, so they agree bitwise; an explicit rounded product, as
+// gated_key's, because the scatter adds it straight into the sums (the host stores vg, then sums it).
 template <class A>
 __device__ inline A gated_value(bool merge_gate_values, A g, A v) {
+  if constexpr (std::is_same_v<A, float>) return merge_gate_values ? __fmul_rn(g, v) : v;
   return merge_gate_values ? g * v : v;
 }
 
@@ -633,29 +635,31 @@ __device__ void scatter_into_slot(const DeviceState<S, A>& st, std::int64_t i, s
   warp_refresh_slot(st, i, j, lane);
 }
 
-// The register-form scatter (head dims up to 128). A warp begins kScatterSlots
-// slots before it finishes the first: every global load of a slot (its sums, rho and count, and the
-// rows of the first kScatterBatch tokens routed to it, whose indices come from a scan of the chunk's
-// targets in shared memory) is issued at begin, so the loads of all of them are in flight together.
-// The adds keep token order, so the sums are bitwise those of scatter_into_slot. B8 H32 D128 bf16
-// fixed-256 32K prefill at four touched slots a warp: two slots of one row 31.9 ms, one slot of two
-// rows 32.7, four slots of one row 34.9, two slots of two rows 35.9, one slot of four rows 35.7 (the
-// larger ones need more registers, so fewer warps fit); beginning each slot right after the one two
-// before it finishes (a rolling pipeline of two) lost too, 32.3 ms at eight slots a warp against 30.8.
-// Refreshing a warp's two slots together (their LN and value-radius reductions side by side) lost as
-// well: 64.2 us a scatter launch against 63.0 at fixed-256 32K, 77.7 against 76.4 at 16 sqrt N.
-inline constexpr int kScatterSlots = 2;
-inline constexpr int kScatterBatch = 1;
+// The register-form scatter (head dims up to 128) runs a warp's slots as one stream of rows: for each
+// slot its sums (Sk, Sv, rho and count), then the rows of the tokens routed to it (gated key, value) in
+// token order. The warp keeps the next kScatterDepth rows of its stream in flight, copied into
+// shared memory with cp.async (no registers held for them), so the loads of the next slots and tokens
+// overlap the adds, stores and readout refresh of the current one, across slot boundaries; only the
+// slot being added holds registers (its sums). The adds keep token order, so the sums are bitwise
+// those of scatter_into_slot. B8 H32 D128 bf16 32K, ncu mean of 20 launches: 58.5 us at fixed-256
+// (74.0 at 16 sqrt N) against 63.0 (78.0) for the design before it; 58 registers, four blocks an SM,
+// 0.69 issued warps per scheduler (0.52 before), 35.6M instructions (29.7M before: the stream's own
+// bookkeeping), so now bound by issue more than by the loads.
+// Before it (main at 6a59554): a warp began two slots in registers (sums and the first routed row of
+// each), then walked each slot's tokens with a load round trip per token; 78 registers, three blocks
+// per SM. Variants of that design that lost: more slots or rows in registers (four slots of one row,
+// two slots of two rows, one slot of four rows: fewer warps fit), a rolling pipeline of two slots in
+// registers, both slots refreshed together. The stream's first version (a5b9386: copy loops and bounds
+// checks per row, a ballot scan of every slot to the chunk's end) ran 42.3M instructions, 65.5 us.
+inline constexpr int kScatterDepth = 4;
+static_assert((kScatterDepth & (kScatterDepth - 1)) == 0, "the stage of stream row e is e % kScatterDepth");
 
-// One slot in flight in a warp: sums in the layout of warp_layer_norm_regs, rho, count, the number of
-// routed tokens, and the rows of the batch of tokens being added.
+// Bytes of one stage: the larger of a slot's sums (Sk, Sv up to 32 * kLaneRegs channels each, then rho
+// and count) and a token's rows (kg in the first half, the value row in storage type in the second).
 template <class A>
-struct ScatterSlot {
-  std::int64_t sj;
-  int n;
-  A k[kLaneRegs], v[kLaneRegs], rho, cnt;
-  A kt[kScatterBatch][kLaneRegs], vt[kScatterBatch][kLaneRegs];
-};
+constexpr std::size_t scatter_stage_bytes() {
+  return 2 * 32 * kLaneRegs * sizeof(A) + 16;
+}
 
 // The chunk's tokens as the scatter sees them, in shared memory: merge target, value row
 // (ring or call inputs, token_value) and gate (token_gate), resolved once per block.
@@ -667,96 +671,147 @@ struct ScatterTokens {
   const LnWeight<A>* ln;  // the LN_s weights, copied once per block
 };
 
-// Loads the gated key and value rows of tokens list[b, b + kScatterBatch) routed to slot s (rows past
-// s.n read as zeros and are never added).
+// The gated key row kg of token c of item i (the routing pass writes it): the one place the scatter
+// reads it.
 template <class S, class A>
-__device__ void scatter_load_batch(const DeviceState<S, A>& st, std::int64_t i, const ScatterTokens<S, A>& tokens,
-                                   const int* list, int b, ScatterSlot<A>& s, int lane) {
-  const int D = static_cast<int>(st.D), Dv = static_cast<int>(st.Dv);
-  const A* kg = st.kg + i * st.C * st.D;
-#pragma unroll
-  for (int u = 0; u < kScatterBatch; ++u) {
-    const bool live = b + u < s.n;
-    const int c = live ? list[b + u] : 0;
-    const S* vrow = tokens.vrow[c];
-    const A g = tokens.gate[c];
-#pragma unroll
-    for (int e = 0; e < kLaneRegs; ++e) {
-      const int d = lane + 32 * e;
-      s.kt[u][e] = live && d < D ? kg[c * D + d] : A(0);
-      const A x = live && d < Dv ? load_as<A>(vrow[d]) : A(0);
-      s.vt[u][e] = gated_value(st.merge_gate_values, g, x);
-    }
-  }
+__device__ inline const A* routed_key_row(const DeviceState<S, A>& st, std::int64_t i, int c) {
+  return st.kg + (i * st.C + c) * st.D;
 }
 
-// Starts slot j of item i (c_first: the first token routed to it): issues the loads of its sums and
-// lists its tokens in increasing order into `list` (C ints of this warp), then issues the loads of
-// the first batch of their rows.
-template <class S, class A>
-__device__ void scatter_begin(const DeviceState<S, A>& st, std::int64_t i, std::int64_t j, int c_first,
-                              const ScatterTokens<S, A>& tokens, int* list, ScatterSlot<A>& s, int lane) {
-  const std::int64_t C = st.C, D = st.D, Dv = st.Dv;
-  s.sj = i * st.cap + j;
-#pragma unroll
-  for (int e = 0; e < kLaneRegs; ++e) {
-    const int d = lane + 32 * e;
-    s.k[e] = d < D ? st.sk[s.sj * D + d] : A(0);
-    s.v[e] = d < Dv ? st.sv[s.sj * Dv + d] : A(0);
+// Copies row src (n elements) into dst, a stage row of 32 * kLaneRegs elements in shared memory, over
+// the lanes of a warp, with zeros past n (so the adds need no bounds checks): with `async`, one 16-byte
+// cp.async piece per lane (n * sizeof(T) a multiple of 16, both rows 16-byte aligned; a piece past n
+// copies 0 bytes, which fills it with zeros; complete after the caller's wait), else plain loads and
+// stores (shapes without that alignment).
+template <class T>
+__device__ inline void stage_row(T* dst, const T* src, int n, bool async, int lane) {
+  constexpr int kRow = 32 * kLaneRegs, kPiece = 16 / int(sizeof(T));
+  static_assert(kRow <= 32 * kPiece, "one 16-byte piece per lane covers a stage row");
+  if (async) {
+    const int q = lane * kPiece;
+    if (q < kRow) ptx::cp_async16(dst + q, src + (q < n ? q : 0), q < n ? 16 : 0);
+  } else {
+    for (int d = lane; d < kRow; d += 32) dst[d] = d < n ? src[d] : T{};
   }
-  s.rho = st.rho[s.sj];
-  s.cnt = st.cnt[s.sj];
-  int n = 0;
-  __syncwarp();  // the lanes are done reading `list` for the warp's previous slot
-  // 32-bit indices: targets are ints, C <= the chunk
-  const int c_end = static_cast<int>(C), target = static_cast<int>(j);
-  for (int cb = c_first - c_first % 32; cb < c_end; cb += 32) {
+}
+template <class T>
+__device__ inline void stage_value(T* dst, const T* src, bool async) {
+  if (async)
+    ptx::cp_async_ca<int(sizeof(T))>(dst, src);
+  else
+    *dst = *src;
+}
+
+// Lists the n tokens routed to slot `target` (c_first: the first of them) in increasing order into
+// list, scanning the chunk's targets from c_first until all n are found.
+__device__ inline void list_routed_tokens(const int* targets, int C, int c_first, int n, int target, int* list,
+                                          int lane) {
+  for (int cb = c_first - c_first % 32, found = 0; found < n; cb += 32) {
     const int c = cb + lane;
-    const bool hit = c < c_end && tokens.target[c] == target;
+    const bool hit = c < C && targets[c] == target;
     const unsigned m = __ballot_sync(0xffffffffu, hit);
-    if (hit) list[n + __popc(m & ((1u << lane) - 1u))] = c;
-    n += __popc(m);
+    if (hit) list[found + __popc(m & ((1u << lane) - 1u))] = c;
+    found += __popc(m);
   }
-  __syncwarp();
-  s.n = n;
-  scatter_load_batch(st, i, tokens, list, 0, s, lane);
+  __syncwarp();  // the list is read by every lane
 }
 
-// Finishes slot s begun by scatter_begin: adds its tokens' rows in token order (a batch at a time),
-// stores the sums and count and refreshes the readout.
-template <class S, class A>
-__device__ void scatter_finish(const DeviceState<S, A>& st, std::int64_t i, const ScatterTokens<S, A>& tokens,
-                               const int* list, ScatterSlot<A>& s, int lane) {
-  const std::int64_t D = st.D, Dv = st.Dv;
-  for (int b = 0;;) {
-#pragma unroll
-    for (int u = 0; u < kScatterBatch; ++u) {
-      if (b + u >= s.n) break;
-#pragma unroll
-      for (int e = 0; e < kLaneRegs; ++e) {
-        s.k[e] += s.kt[u][e];
-        s.v[e] += s.vt[u][e];
-      }
+// One warp's share of a scatter block: its slots are the block's p-th for p = warp + kWarpsPerBlock k
+// (slot(p): j - lo; first[j - lo] and routed[j - lo]: its first token and number of tokens), walked as
+// the stream above with kScatterDepth stages of scatter_stage_bytes<A>() at `stages`. `list` (C ints of
+// this warp) receives each slot's token list (list_routed_tokens) as the stream reaches it.
+template <class S, class A, class Slot>
+__device__ void scatter_warp_stream(const DeviceState<S, A>& st, std::int64_t i, std::int64_t lo,
+                                    const ScatterTokens<S, A>& tokens, const int* first, const int* routed,
+                                    const Slot& slot, int n_slots, bool async_rows, unsigned char* stages, int* list,
+                                    int warp, int lane) {
+  const int C = static_cast<int>(st.C), D = static_cast<int>(st.D), Dv = static_cast<int>(st.Dv);
+  constexpr std::size_t kHalf = 32 * kLaneRegs * sizeof(A);  // the second row of a stage starts here
+  const auto stage = [&](int e) { return stages + (e & (kScatterDepth - 1)) * scatter_stage_bytes<A>(); };
+  const auto has_slot = [&](int k) { return warp + kWarpsPerBlock * k < n_slots; };
+  const auto slot_rel = [&](int k) { return slot(warp + kWarpsPerBlock * k); };  // j - lo of the warp's k-th slot
+
+  // Issue side: copies stream row e into its stage and commits one cp.async group per row (an empty
+  // one past the end), so row e is complete once at most kScatterDepth - 1 later groups are pending.
+  int issue_slot = 0, issue_left = 0, issue_pos = 0, list_end = 0;
+  const auto issue = [&](int e) {
+    unsigned char* s = stage(e);
+    if (issue_left > 0) {  // the next token of the slot being issued
+      const int c = list[issue_pos++];
+      --issue_left;
+      stage_row(reinterpret_cast<A*>(s), routed_key_row(st, i, c), D, async_rows, lane);
+      stage_row(reinterpret_cast<S*>(s + kHalf), tokens.vrow[c], Dv, async_rows, lane);
+    } else if (has_slot(issue_slot)) {  // the next slot: list its tokens, then copy its sums
+      const int rel = slot_rel(issue_slot++);
+      const std::int64_t sj = i * st.cap + lo + rel;
+      issue_left = routed[rel];
+      list_routed_tokens(tokens.target, C, first[rel], issue_left, static_cast<int>(lo + rel), list + list_end, lane);
+      issue_pos = list_end;
+      list_end += issue_left;
+      stage_row(reinterpret_cast<A*>(s), st.sk + sj * D, D, async_rows, lane);
+      stage_row(reinterpret_cast<A*>(s + kHalf), st.sv + sj * Dv, Dv, async_rows, lane);
+      A* rho_cnt = reinterpret_cast<A*>(s + 2 * kHalf);
+      if (lane == 0) stage_value(rho_cnt, st.rho + sj, async_rows);
+      if (lane == 1) stage_value(rho_cnt + 1, st.cnt + sj, async_rows);
     }
-    b += kScatterBatch;
-    if (b >= s.n) break;
-    scatter_load_batch(st, i, tokens, list, b, s, lane);
-  }
-  s.cnt += A(s.n);  // the same as adding 1 per token: counts are exact
+    ptx::cp_async_commit();
+  };
+
+  // Take side: the slot being added (sums in the layout of warp_layer_norm_regs).
+  int take_slot = 0, take_left = 0, take_pos = 0, n_routed = 0;
+  std::int64_t sj = 0;
+  A k[kLaneRegs], v[kLaneRegs], rho = A(0), cnt = A(0);
+  for (int e = 0; e < kScatterDepth; ++e) issue(e);
+  for (int e = 0; take_left > 0 || has_slot(take_slot); ++e) {
+    ptx::cp_async_wait<kScatterDepth - 1>();
+    __syncwarp();  // row e, copied by every lane, is visible to all
+    const unsigned char* s = stage(e);
+    if (take_left > 0) {  // a token of the current slot: add its rows
+      const int c = list[take_pos++];
+      --take_left;
+      const A* kg = reinterpret_cast<const A*>(s);
+      const S* vr = reinterpret_cast<const S*>(s + kHalf);
+      const A g = tokens.gate[c];
 #pragma unroll
-  for (int e = 0; e < kLaneRegs; ++e) {
-    const int d = lane + 32 * e;
-    if (d < D) st.sk[s.sj * D + d] = s.k[e];
-    if (d < Dv) st.sv[s.sj * Dv + d] = s.v[e];
+      for (int e2 = 0; e2 < kLaneRegs; ++e2) {  // channels past D, Dv: zeros in the stage
+        k[e2] += kg[lane + 32 * e2];
+        v[e2] += gated_value(st.merge_gate_values, g, load_as<A>(vr[lane + 32 * e2]));
+      }
+    } else {  // the next slot: its sums
+      const int rel = slot_rel(take_slot++);
+      sj = i * st.cap + lo + rel;
+      n_routed = take_left = routed[rel];
+      const A* sk = reinterpret_cast<const A*>(s);
+      const A* sv = reinterpret_cast<const A*>(s + kHalf);
+#pragma unroll
+      for (int e2 = 0; e2 < kLaneRegs; ++e2) {  // channels past D, Dv: zeros in the stage
+        k[e2] = sk[lane + 32 * e2];
+        v[e2] = sv[lane + 32 * e2];
+      }
+      rho = sv[32 * kLaneRegs];
+      cnt = sv[32 * kLaneRegs + 1];
+    }
+    __syncwarp();  // every lane is done with stage e: refill it
+    issue(e + kScatterDepth);
+    if (take_left > 0) continue;
+    // the slot's last row is in: store its sums and count, refresh its readout
+    cnt += A(n_routed);  // the same as adding 1 per token: counts are exact
+#pragma unroll
+    for (int e2 = 0; e2 < kLaneRegs; ++e2) {
+      const int d = lane + 32 * e2;
+      if (d < D) st.sk[sj * D + d] = k[e2];
+      if (d < Dv) st.sv[sj * Dv + d] = v[e2];
+    }
+    if (lane == 0) st.cnt[sj] = cnt;
+    warp_refresh_regs(st, sj, k, v, rho, cnt, tokens.ln, lane);
   }
-  if (lane == 0) st.cnt[s.sj] = s.cnt;
-  warp_refresh_regs(st, s.sj, s.k, s.v, s.rho, s.cnt, tokens.ln, lane);
 }
 
 // Update step 4 scatter. Block y covers the non-sink slots [lo, lo + per_block): it finds the first
 // token routed to each (an integer atomicMin: the same result in any order) and deals its slots to its
-// warps, kScatterSlots at a time in the register form (kInRegisters: head dims up to 128; the two
-// slots' registers allow three blocks per SM), one at a time in the memory form (scatter_into_slot).
+// warps, as a stream of rows per warp in the register form (kInRegisters: head dims up to 128,
+// scatter_warp_stream; async_rows: its rows are copied with 16-byte cp.async, scatter_rows_async), one
+// at a time in the memory form (scatter_into_slot).
 // Later updates take only the touched slots (those some token was routed to; at most C, listed in any
 // order: each is one warp's work, independent of the others): an untouched slot's readout would be
 // refreshed unchanged. The first update (every_slot) takes every slot: its slots may have been founded
@@ -765,19 +820,22 @@ __device__ void scatter_finish(const DeviceState<S, A>& st, std::int64_t i, cons
 // grid (I, ceil((slots_after - sink) / per_block)), block 32 * kWarpsPerBlock, smem
 // scatter_shared_bytes(st, per_block).
 template <class S, class A, bool kInRegisters>
-__global__ void __launch_bounds__(32 * kWarpsPerBlock, kInRegisters ? 3 : 4)
-    update_scatter_kernel(DeviceState<S, A> st, std::int64_t a, std::int64_t slots_after,
-                                  std::int64_t per_block, bool every_slot) {
+__global__ void __launch_bounds__(32 * kWarpsPerBlock, 4)
+    update_scatter_kernel(DeviceState<S, A> st, std::int64_t a, std::int64_t slots_after, std::int64_t per_block,
+                          bool every_slot, bool async_rows) {
   extern __shared__ unsigned char smem_raw[];
   const std::int64_t i = blockIdx.x, C = st.C;
-  LnWeight<A>* ln = reinterpret_cast<LnWeight<A>*>(smem_raw);                    // register form: [D]
+  unsigned char* stages = smem_raw;  // register form: [kWarpsPerBlock][kScatterDepth] stages (16-byte aligned)
+  LnWeight<A>* ln = reinterpret_cast<LnWeight<A>*>(
+      stages + (kInRegisters ? kWarpsPerBlock * kScatterDepth * scatter_stage_bytes<A>() : 0));  // register form: [D]
   const S** vrow = reinterpret_cast<const S**>(ln + (kInRegisters ? st.D : 0));  // [C]
   A* gate = reinterpret_cast<A*>(vrow + C);                                      // [C]
   int* target = reinterpret_cast<int*>(gate + C);                                // [C]
-  int* first = target + C;           // [per_block] first[j - lo]: the first token routed to slot j, C if none
-  int* touched = first + per_block;  // [min(per_block, C)] j - lo of the touched slots (not every_slot)
+  int* first = target + C;            // [per_block] first[j - lo]: the first token routed to slot j, C if none
+  int* routed = first + per_block;    // [per_block] routed[j - lo]: the number of tokens routed to slot j
+  int* touched = routed + per_block;  // [min(per_block, C)] j - lo of the touched slots (not every_slot)
   int* n_touched = touched + (per_block < C ? per_block : C);
-  int* lists = n_touched + 1;  // register form: [kWarpsPerBlock][kScatterSlots C] the tokens of a warp's slots
+  int* lists = n_touched + 1;  // register form: [kWarpsPerBlock][C] the token lists of a warp's slots
   const std::int64_t lo = st.sink + std::int64_t(blockIdx.y) * per_block;
   const std::int64_t hi = (lo + per_block) < slots_after ? (lo + per_block) : slots_after;
   for (std::int64_t c = threadIdx.x; c < C; c += blockDim.x) {
@@ -789,21 +847,19 @@ __global__ void __launch_bounds__(32 * kWarpsPerBlock, kInRegisters ? 3 : 4)
   }
   if (kInRegisters)
     for (std::int64_t d = threadIdx.x; d < st.D; d += blockDim.x) ln[d] = state_ln(st)[d];
-  for (std::int64_t s = threadIdx.x; s < per_block; s += blockDim.x) first[s] = static_cast<int>(C);
-  if (threadIdx.x == 0) *n_touched = 0;
+  for (std::int64_t s = threadIdx.x; s < per_block; s += blockDim.x) {
+    first[s] = static_cast<int>(C);
+    routed[s] = 0;
+  }
+  if (threadIdx.x == 0) *n_touched = every_slot ? static_cast<int>(hi - lo) : 0;
   __syncthreads();
+  // integer atomics: the minima, the counts and the set of touched slots do not depend on their order
   for (std::int64_t c = threadIdx.x; c < C; c += blockDim.x) {
     const int t = target[c];
-    if (t >= lo && t < hi) atomicMin(first + (t - lo), static_cast<int>(c));
-  }
-  __syncthreads();
-  if (every_slot) {
-    if (threadIdx.x == 0) *n_touched = static_cast<int>(hi - lo);
-  } else {
-    for (std::int64_t c = threadIdx.x; c < C; c += blockDim.x) {
-      const int t = target[c];
-      if (t >= lo && t < hi && first[t - lo] == c) touched[atomicAdd(n_touched, 1)] = static_cast<int>(t - lo);
-    }
+    if (t < lo || t >= hi) continue;
+    atomicMin(first + (t - lo), static_cast<int>(c));
+    if (atomicAdd(routed + (t - lo), 1) == 0 && !every_slot)
+      touched[atomicAdd(n_touched, 1)] = static_cast<int>(t - lo);
   }
   __syncthreads();
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, n = *n_touched;
@@ -812,31 +868,34 @@ __global__ void __launch_bounds__(32 * kWarpsPerBlock, kInRegisters ? 3 : 4)
     for (int p = warp; p < n; p += kWarpsPerBlock) scatter_into_slot(st, i, lo + slot(p), target, first[slot(p)], lane);
   } else {
     const ScatterTokens<S, A> tokens{target, vrow, gate, ln};
-    int* list = lists + std::int64_t(warp) * kScatterSlots * C;
-    for (int p = warp; p < n; p += kScatterSlots * kWarpsPerBlock) {
-      ScatterSlot<A> x[kScatterSlots];
-#pragma unroll
-      for (int u = 0; u < kScatterSlots; ++u) {
-        const int q = p + u * kWarpsPerBlock;
-        if (q < n) scatter_begin(st, i, lo + slot(q), first[slot(q)], tokens, list + u * C, x[u], lane);
-      }
-#pragma unroll
-      for (int u = 0; u < kScatterSlots; ++u)
-        if (p + u * kWarpsPerBlock < n) scatter_finish(st, i, tokens, list + u * C, x[u], lane);
-    }
+    scatter_warp_stream(st, i, lo, tokens, first, routed, slot, n, async_rows,
+                        stages + warp * kScatterDepth * scatter_stage_bytes<A>(), lists + warp * C, warp, lane);
   }
 }
 
-// Dynamic shared memory of update_scatter_kernel (the memory form leaves vrow and gate unused).
+// Dynamic shared memory of update_scatter_kernel (the memory form leaves its stages, the LN weights,
+// vrow, gate and the token lists unused).
 template <class S, class A>
 std::size_t scatter_shared_bytes(const DeviceState<S, A>& st, std::int64_t per_block) {
   const std::int64_t C = st.C, touched = per_block < C ? per_block : C;
   std::size_t bytes = std::size_t(C) * (sizeof(const S*) + sizeof(A) + sizeof(int)) +
-                      std::size_t(per_block + touched + 1) * sizeof(int);
+                      std::size_t(2 * per_block + touched + 1) * sizeof(int);
   if (scatter_in_registers(st))
-    bytes += std::size_t(st.D) * sizeof(LnWeight<A>) +
-             std::size_t(kWarpsPerBlock * kScatterSlots) * std::size_t(C) * sizeof(int);
+    bytes += std::size_t(kWarpsPerBlock) * (kScatterDepth * scatter_stage_bytes<A>() + std::size_t(C) * sizeof(int)) +
+             std::size_t(st.D) * sizeof(LnWeight<A>);
   return bytes;
+}
+
+// Whether the register-form scatter may copy its rows with 16-byte cp.async: every row it copies (the
+// sums, the kg rows and the tokens' value rows in the ring or the call's inputs) is a whole number of
+// 16-byte pieces starting on a 16-byte boundary. Other shapes copy them with plain loads.
+template <class S, class A>
+bool scatter_rows_async(const DeviceState<S, A>& st) {
+  const auto aligned = [](const void* p) { return reinterpret_cast<std::uintptr_t>(p) % 16 == 0; };
+  const bool rows = st.D * std::int64_t(sizeof(A)) % 16 == 0 && st.Dv * std::int64_t(sizeof(A)) % 16 == 0 &&
+                    st.Dv * std::int64_t(sizeof(S)) % 16 == 0;
+  return rows && aligned(st.sk) && aligned(st.sv) && aligned(st.kg) && aligned(st.wv) &&
+         (st.in_v == nullptr || aligned(st.in_v));
 }
 
 inline constexpr int kRowsPerBlock = 32;  // query rows of one head per attention block

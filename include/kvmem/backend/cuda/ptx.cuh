@@ -30,6 +30,14 @@ __device__ inline void cp_async16(unsigned smem_addr, const void* gmem, int byte
 __device__ inline void cp_async16(void* smem, const void* gmem, int bytes) {
   cp_async16(shared_address(smem), gmem, bytes);
 }
+// kBytes (4, 8 or 16) global -> shared through L1 (cp.async.ca: the only form for pieces under 16 bytes);
+// both addresses aligned to kBytes.
+template <int kBytes>
+__device__ inline void cp_async_ca(void* smem, const void* gmem) {
+  static_assert(kBytes == 4 || kBytes == 8 || kBytes == 16, "cp.async copies 4, 8 or 16 bytes");
+  asm volatile("cp.async.ca.shared.global [%0], [%1], %2;\n" ::"r"(shared_address(smem)), "l"(gmem), "n"(kBytes)
+               : "memory");
+}
 __device__ inline void cp_async_commit() {
   asm volatile("cp.async.commit_group;\n" ::: "memory");
 }
