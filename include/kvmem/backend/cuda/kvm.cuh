@@ -125,7 +125,9 @@ struct ReadoutPipeline {
   cudaStream_t aux = nullptr;
   cudaEvent_t chained = nullptr;                    // the chain after a chunk's update: aux may start
   cudaEvent_t snapped = nullptr;                    // aux after a chunk's snapshot: its readout may start
-  cudaEvent_t aux_done[2] = {nullptr, nullptr};     // aux after a chunk's ingest (two chunks in flight)
+  cudaEvent_t aux_done[2] = {nullptr, nullptr};     // aux after a chunk's work (two chunks in flight)
+  cudaEvent_t aux_copied[2] = {nullptr, nullptr};   // aux after a chunk's snapshot and ingest, before its
+                                                    // operand build (what the next scatter waits for)
   cudaEvent_t read[kReadoutSnapshots] = {nullptr};  // readout of snapshot r finished
 
   ReadoutPipeline() = default;
@@ -157,7 +159,7 @@ struct ReadoutPipeline {
 
  private:
   std::vector<cudaEvent_t*> events() {
-    std::vector<cudaEvent_t*> e{&chained, &snapped, &aux_done[0], &aux_done[1]};
+    std::vector<cudaEvent_t*> e{&chained, &snapped, &aux_done[0], &aux_done[1], &aux_copied[0], &aux_copied[1]};
     for (auto& r : read) e.push_back(&r);
     return e;
   }
@@ -200,6 +202,16 @@ class KvmState {
           partial, counter;
     } o{};
     constexpr bool kBf16 = std::is_same_v<S, bf16>;
+    // Tensor-core routing reads its tokens' k0 / kg rows (token_operands_kernel) from an operand ring
+    // of window_chunks chunk slots [nb][I, C, D], the chunk of position p in slot (p / C) mod nb: a
+    // prefill builds each chunk's rows when it ingests the chunk, off the update chain, and the update
+    // nb chunks later reads them (the ring's slot of a chunk is refilled only after that update). The
+    // ring replaces the one-slot workspace, whose [I, C, D] layout each slot keeps: I W D floats for k0
+    // and for kg instead of I C D each. The fp32 sweeps, and a scatter of values wider than 128 (whose
+    // prepare pass writes the workspace), keep the one slot.
+    const bool tc_route = kBf16 && (s.D == 64 || s.D == 128) && p.chunk % 16 == 0;
+    st.op_chunks_ = tc_route && s.Dv <= 32 * kvm_detail::kLaneRegs ? p.window_chunks : 1;
+    const std::size_t op_rows = std::size_t(st.op_chunks_) * I * C;
     o.sk = arena.take(I * cap * D * sizeof(A));
     o.sv = arena.take(I * cap * Dv * sizeof(A));
     o.rho = arena.take(I * cap * sizeof(A));
@@ -211,11 +223,11 @@ class KvmState {
     o.wk = arena.take(I * W * D * sizeof(S));
     o.wv = arena.take(I * W * Dv * sizeof(S));
     o.wg = arena.take(I * W * sizeof(A));
-    o.k0 = arena.take(I * C * D * sizeof(A));
+    o.k0 = arena.take(op_rows * D * sizeof(A));
     o.k0t = arena.take(I * C * D * sizeof(A));
     o.kgt = arena.take(I * C * D * sizeof(A));
     o.vg = arena.take(I * C * Dv * sizeof(A));
-    o.kg = arena.take(I * C * D * sizeof(A));
+    o.kg = arena.take(op_rows * D * sizeof(A));
     o.score = arena.take(I * C * sizeof(A));
     o.rbest = arena.take(kBf16 ? I * C * sizeof(A) : 0);
     o.target = arena.take(I * C * sizeof(int));
@@ -254,7 +266,14 @@ class KvmState {
       st.snap_k_[r] = reinterpret_cast<S*>(base + snap[r]);
       st.snap_v_[r] = st.snap_k_[r] + I * cap * D;  // [I, cap, D] keys, then [I, cap, Dv] values
     }
-    d.tc_route = kBf16 && (s.D == 64 || s.D == 128) && p.chunk % 16 == 0;
+    d.tc_route = tc_route;
+    if (st.op_chunks_ > 1) {  // which updates append (spec 3.1 closed form): their chunks' builds write k0 rows
+      std::int64_t before = std::min(s.n_ctx, p.chunk);
+      for (const std::int64_t after : kvm::slot_schedule(p.budget, p.geometry(), s.n_ctx)) {
+        st.update_appends_.push_back(after > before);
+        before = after;
+      }
+    }
     d.route_terms = 3;
     // the decode counters start at 0 (the last split of each step resets its own)
     KVMEM_RETURN_IF_ERROR(
@@ -296,7 +315,7 @@ class KvmState {
   [[nodiscard]] std::int64_t slots() const { return slots_; }  // |S|
   [[nodiscard]] std::size_t allocated_bytes() const { return memory_.bytes(); }
   [[nodiscard]] const kvm_detail::DeviceState<S, A>& device() const { return dev_; }
-  void reset() { n_ = cov_ = slots_ = 0; }
+  void reset() { n_ = cov_ = slots_ = built_from_ = 0; }
   // bf16 storage with head dim 64 or 128 routes on the tensor cores. By default each novelty and
   // routing dot is computed from hi/lo bf16 splits of both operands (three products, about fp32
   // accuracy: routes match the host backend except at true near-ties). Fast routing uses one bf16
@@ -339,6 +358,15 @@ class KvmState {
   std::int64_t cap_ = 0;
   std::int64_t n_ = 0, cov_ = 0, slots_ = 0;  // host mirror of the shared counters
   int sm_count_ = 1;                          // multiprocessors: sizes the decode split-K grid
+  std::int64_t op_chunks_ = 1;    // chunk slots of the token operand rows d.k0, d.kg (create says why)
+  std::int64_t built_from_ = 0;   // the operand ring holds the rows of every position >= C in [built_from_, n_)
+  std::vector<bool> update_appends_;  // [u - 1]: update u (tokens [u C, u C + C)) appends (operand ring only)
+
+  // Whether the update of tokens [a, a + C) appends, as the operand ring knows it (false: none runs).
+  [[nodiscard]] bool update_appends(std::int64_t a) const {
+    const std::int64_t u = a / params_.chunk;
+    return u >= 1 && u <= std::int64_t(update_appends_.size()) && update_appends_[std::size_t(u - 1)];
+  }
   kvm_detail::SideStream side_;               // next update's selection beside a prefill readout
   kvm_detail::ReadoutPipeline pipe_;          // readouts beside the update chain (bf16 tensor cores)
   S* snap_k_[kvm_detail::kReadoutSnapshots] = {};  // readout snapshots in memory_ (nullptr: none)
@@ -373,7 +401,29 @@ Status launch_tc_scores(const Executor& exec, const DeviceState<bf16, float>& d,
                             : launch_tc_scores_as<64, 3, kMode>(exec, d, items, a, j0, j1);
 }
 
-// Spec 4.5 on every item at once: U(tokens [a, a+C), N, avail) from `slots` slots. Returns the new |S|.
+// The state as the kernels of the update of tokens [a, a + C) (or the build of its tokens' operands)
+// see it: the k0 / kg rows at the chunk's slot of the operand ring (KvmState::create).
+template <class S, class A>
+DeviceState<S, A> with_operands_of(const DeviceState<S, A>& d, std::int64_t op_chunks, std::int64_t items,
+                                   std::int64_t a) {
+  DeviceState<S, A> at = d;
+  const std::int64_t offset = (a / d.C) % op_chunks * items * d.C * d.D;
+  at.k0 += offset;
+  at.kg += offset;
+  return at;
+}
+
+// The tokens' operands (token_operands_kernel) of positions [t0, t1), one chunk; d at the chunk's slot.
+inline Status launch_token_operands(const Executor& exec, const DeviceState<bf16, float>& d, std::int64_t items,
+                                    std::int64_t t0, std::int64_t t1, bool with_k0) {
+  const dim3 grid(static_cast<unsigned>(items), static_cast<unsigned>((t1 - t0 + kRtTokens - 1) / kRtTokens));
+  if (d.D == 128)
+    token_operands_kernel<128><<<grid, 32 * kRtWarps, 0, exec.stream>>>(d, t0, t1, with_k0);
+  else
+    token_operands_kernel<64><<<grid, 32 * kRtWarps, 0, exec.stream>>>(d, t0, t1, with_k0);
+  return to_status(cudaGetLastError(), "kvm token_operands_kernel");
+}
+
 // Host-known shape of one update: U(tokens [a, a+C)) from `slots` slots to `after` (spec 3.1).
 struct UpdatePlan {
   std::int64_t a = 0, slots = 0, n_app = 0, after = 0;
@@ -382,9 +432,11 @@ struct UpdatePlan {
 // Update steps 1-4 up to the routes (prepare, novelty, appends, merge targets). Reads the state and
 // writes only new slots (j >= plan.slots) and the update workspace, so it may run while a readout of
 // the current state is in flight; the scatter (update_finish) changes existing slots and may not.
+// d: at the tokens' operand slot (with_operands_of). Tensor-core routing: built_kg says the tokens' kg
+// rows are there already, built_k0 their k0 rows too; else they are built first, on this stream.
 template <class S, class A>
 Status update_select(const Executor& exec, const DeviceState<S, A>& d, const kvm::Params& p, std::int64_t items,
-                     std::int64_t a, std::int64_t slots, UpdatePlan& plan) {
+                     std::int64_t a, std::int64_t slots, bool built_kg, bool built_k0, UpdatePlan& plan) {
   const std::int64_t C = p.chunk, N = p.window() + a, avail = a + C;
   const std::int64_t target = p.budget.slots(N, avail, slots);
   const std::int64_t n_app = std::min(target - slots, C);
@@ -393,14 +445,18 @@ Status update_select(const Executor& exec, const DeviceState<S, A>& d, const kvm
   const auto grid = static_cast<unsigned>(items);
   bool tc = false;
   if constexpr (std::is_same_v<S, bf16>) tc = d.tc_route;
-  // Tensor-core routing needs no prepare pass: its first pass (novelty, or routing without appends)
-  // builds the tokens' k0 / kg from their keys and writes the kg (k0) rows the appends and the scatter
-  // add; the appends and a register scatter gate the values themselves. The fp32 sweeps, and a scatter
-  // of values wider than 128 (memory form, reads vg rows), still take it.
+  // Tensor-core routing needs no prepare pass: its passes, the appends and the scatter read the
+  // tokens' k0 / kg rows of token_operands_kernel; the appends and a register scatter gate the values
+  // themselves. The fp32 sweeps, and a scatter of values wider than 128 (memory form, reads vg rows),
+  // still take it (and there the operand rows, built after it, replace its k0 / kg rows).
   if (!tc || !scatter_in_registers(d)) {
     const dim3 pgrid(grid, static_cast<unsigned>((C + kWarpsPerBlock - 1) / kWarpsPerBlock));
     update_prepare_kernel<S, A><<<pgrid, 32 * kWarpsPerBlock, 0, exec.stream>>>(d, a, n_app > 0);
     KVMEM_CUDA_RETURN_IF_LAUNCH_FAILED("kvm update_prepare_kernel");
+  }
+  if constexpr (std::is_same_v<S, bf16>) {
+    if (tc && (!built_kg || (n_app > 0 && !built_k0)))
+      KVMEM_RETURN_IF_ERROR(launch_token_operands(exec, d, items, a, a + C, n_app > 0));
   }
   const std::size_t tile_bytes = std::size_t(kSlotTile) * std::size_t(d.D) * sizeof(A);
   const std::size_t select_bytes = std::size_t(C) * (sizeof(A) + 2 * sizeof(int));
@@ -665,10 +721,19 @@ Status kvm_run(const Executor& exec, KvmState<S, A>& state, const KvmWeights& w,
   const auto chain_waits_aux = [&](std::int64_t age) {  // the chain waits for the aux work `age` chunks back
     return aux_records > age ? wait(side.stream, pipe.aux_done[(aux_records - 1 - age) % 2]) : Status::ok();
   };
+  const auto chain_waits_copies = [&] {  // ... for the last chunk's snapshot and ingest only
+    return aux_records > 0 ? wait(side.stream, pipe.aux_copied[(aux_records - 1) % 2]) : Status::ok();
+  };
   if (detach) {
     KVMEM_RETURN_IF_ERROR(record(side.fork, exec.stream));
     KVMEM_RETURN_IF_ERROR(wait(side.stream, side.fork));
   }
+  // the update of tokens [a, a + C): its operand rows' slot, and which of them were built at ingest
+  const auto operands_of = [&](std::int64_t a) { return with_operands_of(d, state.op_chunks_, items, a); };
+  const auto select_update = [&](const Executor& on, std::int64_t a, std::int64_t slots_now, UpdatePlan& plan) {
+    const bool built = state.op_chunks_ > 1 && a >= state.built_from_;
+    return update_select(on, operands_of(a), p, items, a, slots_now, built, built && state.update_appends(a), plan);
+  };
   UpdatePlan pending{};
   bool selected = false;  // the selection of the next update already runs on the side stream
   for (std::int64_t t0 = n0; t0 < n0 + T;) {
@@ -684,11 +749,12 @@ Status kvm_run(const Executor& exec, KvmState<S, A>& state, const KvmWeights& w,
         // The selection reads the tokens leaving the window (ingested nb chunks back) and the slots:
         // with nb >= 2 that is aux work two chunks back, so the latest ingest and snapshot run beside it.
         if (detach) KVMEM_RETURN_IF_ERROR(chain_waits_aux(p.window_chunks == 1 ? 0 : 1));
-        KVMEM_RETURN_IF_ERROR(update_select(chain, d, p, items, cov, slots, plan));
+        KVMEM_RETURN_IF_ERROR(select_update(chain, cov, slots, plan));
       }
       // the scatter changes the slots the last snapshot copies and reads the ring rows ingested last
-      if (detach) KVMEM_RETURN_IF_ERROR(chain_waits_aux(0));
-      KVMEM_RETURN_IF_ERROR(update_finish(chain, d, p, items, plan, log));
+      // (not the operands built since: those of a later update)
+      if (detach) KVMEM_RETURN_IF_ERROR(chain_waits_copies());
+      KVMEM_RETURN_IF_ERROR(update_finish(chain, operands_of(plan.a), p, items, plan, log));
       slots = plan.after;
       cov += C;
     }
@@ -727,6 +793,22 @@ Status kvm_run(const Executor& exec, KvmState<S, A>& state, const KvmWeights& w,
                                                                                     T, n0, t0, t1, cov, copy16);
       KVMEM_CUDA_RETURN_IF_LAUNCH_FAILED("kvm ingest_kernel");
     }
+    // The operands of the chunk's tokens (positions from C: the founding chunk's never enter an
+    // update) for the update nb chunks on (KvmState::create), off the chain: on aux with it, else on
+    // the caller's stream after this chunk's readout, beside the next update's selection (the chunk's
+    // ring slot is that of the update just done, whose scatter is before it in stream order). With
+    // nb = 1 the next update reads them: before the fork. A decode step's token is built by the update.
+    const bool build_operands = state.op_chunks_ > 1 && !decode_step && t0 >= C;
+    const auto build = [&](cudaStream_t on) -> Status {
+      if constexpr (std::is_same_v<S, bf16>) {
+        const std::int64_t chunk = t0 / C * C;
+        return launch_token_operands(Executor{on}, operands_of(chunk), items, t0, t1, state.update_appends(chunk));
+      }
+      return Status::ok();
+    };
+    const bool build_after_readout = build_operands && !detach && p.window_chunks > 1;
+    if (detach) KVMEM_RETURN_IF_ERROR(record(pipe.aux_copied[aux_records % 2], pipe.aux));
+    if (build_operands && !build_after_readout) KVMEM_RETURN_IF_ERROR(build(ingest_on.stream));
     if (detach) {
       KVMEM_RETURN_IF_ERROR(record(pipe.aux_done[aux_records % 2], pipe.aux));
       ++aux_records;
@@ -746,7 +828,7 @@ Status kvm_run(const Executor& exec, KvmState<S, A>& state, const KvmWeights& w,
       if (!detach && t1 < n0 + T && cov < geo.bswa_begin(t1 + 1)) {
         KVMEM_RETURN_IF_ERROR(to_status(cudaEventRecord(side.fork, exec.stream), "cudaEventRecord (fork)"));
         KVMEM_RETURN_IF_ERROR(to_status(cudaStreamWaitEvent(side.stream, side.fork, 0), "cudaStreamWaitEvent (fork)"));
-        KVMEM_RETURN_IF_ERROR(update_select(Executor{side.stream}, d, p, items, cov, slots, pending));
+        KVMEM_RETURN_IF_ERROR(select_update(Executor{side.stream}, cov, slots, pending));
         KVMEM_RETURN_IF_ERROR(to_status(cudaEventRecord(side.join, side.stream), "cudaEventRecord (join)"));
         selected = true;
       }
@@ -767,7 +849,7 @@ Status kvm_run(const Executor& exec, KvmState<S, A>& state, const KvmWeights& w,
             }
             on = exec.stream;
           } else if (detach) {  // a window that starts before this call: the ring, in chain order
-            KVMEM_RETURN_IF_ERROR(chain_waits_aux(0));
+            KVMEM_RETURN_IF_ERROR(chain_waits_copies());
           }
           readout.tc<<<static_cast<unsigned>(grid), kTcThreads, readout.tc_bytes, on>>>(d, src, q.data(), out.data(),
                                                                                          T, n0, t0, t1, wb, readout_slots);
@@ -788,6 +870,7 @@ Status kvm_run(const Executor& exec, KvmState<S, A>& state, const KvmWeights& w,
         KVMEM_CUDA_RETURN_IF_LAUNCH_FAILED("kvm attend_rows_kernel");
       }
     }
+    if (build_after_readout) KVMEM_RETURN_IF_ERROR(build(chain.stream));
     t0 = t1;
   }
   if (detach) {  // join: the caller's stream waits for the chain, which waits for the last aux work
@@ -795,6 +878,7 @@ Status kvm_run(const Executor& exec, KvmState<S, A>& state, const KvmWeights& w,
     KVMEM_RETURN_IF_ERROR(record(side.join, side.stream));
     KVMEM_RETURN_IF_ERROR(wait(exec.stream, side.join));
   }
+  if (T == 1) state.built_from_ = n0 + 1;  // the decode step's token is in the key ring only
   state.n_ = n0 + T;
   state.cov_ = cov;
   state.slots_ = slots;

@@ -33,7 +33,7 @@ struct DeviceState {
   S* wk;         // [I, W, D]    window ring, position p at p mod W
   S* wv;         // [I, W, Dv]
   A* wg;         // [I, W]
-  A* k0;         // [I, C, D]    update workspace
+  A* k0;         // [I, C, D]    update workspace (tensor-core routing: a slot of the operand ring, KvmState::create)
   A* k0t;        // [I, D, C]    the same, transposed (coalesced reads across tokens)
   A* kgt;        // [I, D, C]    gated keys, transposed
   A* vg;         // [I, C, Dv]
@@ -44,7 +44,7 @@ struct DeviceState {
   A* partial;    // [B*Hq, max_splits, Dv + 1] decode split results (o, lse)
   int* counter;  // [B*Hq] decode splits finished this step; the last one merges and resets it to 0
   // Tensor-core routing (bf16 storage, tc_route): khat32 = khat + khat_lo to ~2^-16 (the routing
-  // passes build the tokens' hi/lo operands themselves). khat_lo is nullptr without it.
+  // passes split the tokens' k0 / kg rows into hi/lo operands themselves). khat_lo is nullptr without it.
   bf16* khat_lo;  // [I, cap, D]
   // A prefill call's own inputs (storage type, [I, in_count, *] for positions in_first + r), set
   // for prefills with readouts beside the chain: an update reads the tokens leaving the window
