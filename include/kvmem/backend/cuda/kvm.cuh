@@ -377,28 +377,28 @@ class KvmState {
 
 namespace kvm_detail {
 
-// One pass of update_tc_scores_kernel (kMode: RtMode) for the update of tokens [a, a + C) over slots
-// [j0, j1) on the tensor cores; bf16 storage with d.tc_route only.
+// One pass of update_tc_scores_kernel (kMode: RtMode) over slots [j0, j1) on the tensor cores, for the
+// update whose token operands d points at (with_operands_of); bf16 storage with d.tc_route only.
 template <int kD, int kTerms, int kMode>
 Status launch_tc_scores_as(const Executor& exec, const DeviceState<bf16, float>& d, std::int64_t items,
-                           std::int64_t a, std::int64_t j0, std::int64_t j1) {
+                           std::int64_t j0, std::int64_t j1) {
   const auto kernel = update_tc_scores_kernel<kD, kTerms, kMode>;
   constexpr std::size_t bytes = rt_shared_bytes<kD, kTerms>();
   KVMEM_RETURN_IF_ERROR(allow_shared(kernel, bytes));
   const std::int64_t blocks = items * ((d.C + kRtTokens - 1) / kRtTokens);
-  kernel<<<static_cast<unsigned>(blocks), 32 * kRtWarps, bytes, exec.stream>>>(d, a, j0, j1);
+  kernel<<<static_cast<unsigned>(blocks), 32 * kRtWarps, bytes, exec.stream>>>(d, j0, j1);
   return to_status(cudaGetLastError(), kMode == kRtNovelty ? "kvm update_tc_scores_kernel (novelty)"
                                                            : "kvm update_tc_scores_kernel (routes)");
 }
 
 template <int kMode>
-Status launch_tc_scores(const Executor& exec, const DeviceState<bf16, float>& d, std::int64_t items, std::int64_t a,
-                        std::int64_t j0, std::int64_t j1) {
+Status launch_tc_scores(const Executor& exec, const DeviceState<bf16, float>& d, std::int64_t items, std::int64_t j0,
+                        std::int64_t j1) {
   if (d.D == 128)
-    return d.route_terms == 1 ? launch_tc_scores_as<128, 1, kMode>(exec, d, items, a, j0, j1)
-                              : launch_tc_scores_as<128, 3, kMode>(exec, d, items, a, j0, j1);
-  return d.route_terms == 1 ? launch_tc_scores_as<64, 1, kMode>(exec, d, items, a, j0, j1)
-                            : launch_tc_scores_as<64, 3, kMode>(exec, d, items, a, j0, j1);
+    return d.route_terms == 1 ? launch_tc_scores_as<128, 1, kMode>(exec, d, items, j0, j1)
+                              : launch_tc_scores_as<128, 3, kMode>(exec, d, items, j0, j1);
+  return d.route_terms == 1 ? launch_tc_scores_as<64, 1, kMode>(exec, d, items, j0, j1)
+                            : launch_tc_scores_as<64, 3, kMode>(exec, d, items, j0, j1);
 }
 
 // The state as the kernels of the update of tokens [a, a + C) (or the build of its tokens' operands)
@@ -464,7 +464,7 @@ Status update_select(const Executor& exec, const DeviceState<S, A>& d, const kvm
   if (n_app > 0) {
     if (tc) {
       if constexpr (std::is_same_v<S, bf16>)
-        KVMEM_RETURN_IF_ERROR(launch_tc_scores<kRtNovelty>(exec, d, items, a, 0, slots));
+        KVMEM_RETURN_IF_ERROR(launch_tc_scores<kRtNovelty>(exec, d, items, 0, slots));
       update_append_kernel<S, A, true><<<grid, tblock, select_bytes, exec.stream>>>(d, a, slots, n_app);
     } else {
       const std::size_t bytes = tile_bytes + select_bytes;
@@ -478,9 +478,9 @@ Status update_select(const Executor& exec, const DeviceState<S, A>& d, const kvm
       // after appends only the new slots remain to be scanned (the novelty pass took the old ones)
       if constexpr (std::is_same_v<S, bf16>) {
         if (n_app > 0)
-          KVMEM_RETURN_IF_ERROR(launch_tc_scores<kRtRouteNew>(exec, d, items, a, slots, after));
+          KVMEM_RETURN_IF_ERROR(launch_tc_scores<kRtRouteNew>(exec, d, items, slots, after));
         else
-          KVMEM_RETURN_IF_ERROR(launch_tc_scores<kRtRoute>(exec, d, items, a, p.sink, after));
+          KVMEM_RETURN_IF_ERROR(launch_tc_scores<kRtRoute>(exec, d, items, p.sink, after));
       }
     } else {
       KVMEM_RETURN_IF_ERROR(allow_shared(update_route_kernel<S, A>, tile_bytes));

@@ -161,7 +161,7 @@ enum RtMode : int {
 // grid (I tb), block 32 * kRtWarps, dynamic smem rt_shared_bytes; needs C % 16 == 0.
 template <int kD, int kTerms, int kMode>
 __global__ void __launch_bounds__(32 * kRtWarps, 2)
-    update_tc_scores_kernel(DeviceState<bf16, float> st, std::int64_t a, std::int64_t j0, std::int64_t j1) {
+    update_tc_scores_kernel(DeviceState<bf16, float> st, std::int64_t j0, std::int64_t j1) {
   using namespace ptx;
   constexpr int kParts = kTerms == 3 ? 2 : 1;  // hi (and lo) tiles per stage
   constexpr int kK = kD / 16;                  // k-steps
