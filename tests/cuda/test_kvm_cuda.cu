@@ -439,9 +439,10 @@ TEST_CASE("kvm cuda bf16 fixed budget (updates without appends) matches the host
 TEST_CASE("kvm cuda bf16 tensor-core updates build token operands from the keys (values wider than 128)",
           "[kvm][cuda]") {
   if (no_device()) return;
-  // The tensor-core novelty and routing passes read each token's k0 / kg rows, built from its bf16 key
-  // (token_operands_kernel, no prepare pass), which the appends and the scatter add. Values wider than
-  // 128 take the memory-form scatter, which also reads the prepare pass's vg rows: both forms in one update.
+  // The tensor-core novelty and routing passes, the appends and the register scatter form each token's
+  // k0 / kg from its bf16 key and LN_s statistics (token_operands_kernel, no prepare pass). Values wider
+  // than 128 take the memory-form scatter, which reads kg rows and the prepare pass's vg rows: both
+  // forms in one update.
   // Routes and the |S| trajectory must agree with the host backend (flips only at near-ties: these
   // seeds give 2-5 of 1024, the same counts with the prepare pass of 9719ae0), the summed keys of
   // every item whose routes all agree must stay within 5e-3 of the host's (1.7e-3 measured, as with
@@ -558,13 +559,14 @@ TEST_CASE("kvm cuda bf16 readouts beside the update chain equal the chained read
 TEST_CASE("kvm cuda bf16 operand ring: windows of 1 and 3 chunks route alike in prefill, calls and decode",
           "[kvm][cuda][sanitize]") {
   if (no_device()) return;
-  // Tensor-core routing reads its tokens' k0 / kg rows from a ring of nb chunk slots, built as a
-  // prefill ingests each chunk (on the aux stream beside detached readouts, else after the chunk's
-  // readout, or before the next update's selection when nb = 1) and by the update itself for tokens
-  // that decode steps ingested. Every path builds with one kernel, so routes and state are bitwise
-  // those of a single prefill call: the ring's slot arithmetic and ordering at nb = 1 (the next
-  // update reads the chunk just built) and nb = 3, both budget forms (the k0 rows only for updates
-  // that append), a state within the window (detached readouts) and beyond it.
+  // Tensor-core routing forms its tokens' k0 / kg from their keys and LN_s statistics, kept in a ring
+  // of nb chunk slots: computed as a prefill ingests each chunk (on the aux stream beside detached
+  // readouts, else after the chunk's readout, or before the next update's selection when nb = 1) and
+  // by the update itself for tokens that decode steps ingested. Every path computes them with one
+  // kernel, so routes and state are bitwise those of a single prefill call: the ring's slot arithmetic
+  // and ordering at nb = 1 (the next update reads the chunk just computed) and nb = 3, both budget
+  // forms (routing alone; novelty, appends and appended-slot routing), a state within the window
+  // (detached readouts) and beyond it.
   struct Case {
     std::int64_t nb;
     kvmem::budget::Any budget;

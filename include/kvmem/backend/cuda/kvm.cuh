@@ -199,19 +199,16 @@ class KvmState {
     ArenaLayout arena(256);
     struct Offsets {
       std::size_t sk, sv, rho, cnt, khat32, khat, khat_lo, vhat, wk, wv, wg, k0, k0t, kgt, vg, kg, score, rbest, target,
-          partial, counter;
+          partial, counter, op_stats;
     } o{};
     constexpr bool kBf16 = std::is_same_v<S, bf16>;
-    // Tensor-core routing reads its tokens' k0 / kg rows (token_operands_kernel) from an operand ring
-    // of window_chunks chunk slots [nb][I, C, D], the chunk of position p in slot (p / C) mod nb: a
-    // prefill builds each chunk's rows when it ingests the chunk, off the update chain, and the update
-    // nb chunks later reads them (the ring's slot of a chunk is refilled only after that update). The
-    // ring replaces the one-slot workspace, whose [I, C, D] layout each slot keeps: I W D floats for k0
-    // and for kg instead of I C D each. The fp32 sweeps, and a scatter of values wider than 128 (whose
-    // prepare pass writes the workspace), keep the one slot.
+    // Tensor-core routing forms its tokens' k0 / kg from their keys and LN_s statistics
+    // (token_operands_kernel), kept in a ring of window_chunks chunk slots [nb][I, C, 2], the chunk of
+    // position p in slot (p / C) mod nb: a prefill computes each chunk's when it ingests the chunk, off
+    // the update chain, and the update nb chunks later reads them (a slot is refilled only after that
+    // update). 2 I W floats (1 MB at B8 Hk32 W512).
     const bool tc_route = kBf16 && (s.D == 64 || s.D == 128) && p.chunk % 16 == 0;
-    st.op_chunks_ = tc_route && s.Dv <= 32 * kvm_detail::kLaneRegs ? p.window_chunks : 1;
-    const std::size_t op_rows = std::size_t(st.op_chunks_) * I * C;
+    o.op_stats = arena.take(tc_route ? 2 * I * W * sizeof(A) : 0);
     o.sk = arena.take(I * cap * D * sizeof(A));
     o.sv = arena.take(I * cap * Dv * sizeof(A));
     o.rho = arena.take(I * cap * sizeof(A));
@@ -223,11 +220,11 @@ class KvmState {
     o.wk = arena.take(I * W * D * sizeof(S));
     o.wv = arena.take(I * W * Dv * sizeof(S));
     o.wg = arena.take(I * W * sizeof(A));
-    o.k0 = arena.take(op_rows * D * sizeof(A));
+    o.k0 = arena.take(I * C * D * sizeof(A));
     o.k0t = arena.take(I * C * D * sizeof(A));
     o.kgt = arena.take(I * C * D * sizeof(A));
     o.vg = arena.take(I * C * Dv * sizeof(A));
-    o.kg = arena.take(op_rows * D * sizeof(A));
+    o.kg = arena.take(I * C * D * sizeof(A));
     o.score = arena.take(I * C * sizeof(A));
     o.rbest = arena.take(kBf16 ? I * C * sizeof(A) : 0);
     o.target = arena.take(I * C * sizeof(int));
@@ -267,13 +264,7 @@ class KvmState {
       st.snap_v_[r] = st.snap_k_[r] + I * cap * D;  // [I, cap, D] keys, then [I, cap, Dv] values
     }
     d.tc_route = tc_route;
-    if (st.op_chunks_ > 1) {  // which updates append (spec 3.1 closed form): their chunks' builds write k0 rows
-      std::int64_t before = std::min(s.n_ctx, p.chunk);
-      for (const std::int64_t after : kvm::slot_schedule(p.budget, p.geometry(), s.n_ctx)) {
-        st.update_appends_.push_back(after > before);
-        before = after;
-      }
-    }
+    st.op_stats_ = tc_route ? reinterpret_cast<A*>(base + o.op_stats) : nullptr;
     d.route_terms = 3;
     // the decode counters start at 0 (the last split of each step resets its own)
     KVMEM_RETURN_IF_ERROR(
@@ -358,15 +349,8 @@ class KvmState {
   std::int64_t cap_ = 0;
   std::int64_t n_ = 0, cov_ = 0, slots_ = 0;  // host mirror of the shared counters
   int sm_count_ = 1;                          // multiprocessors: sizes the decode split-K grid
-  std::int64_t op_chunks_ = 1;    // chunk slots of the token operand rows d.k0, d.kg (create says why)
-  std::int64_t built_from_ = 0;   // the operand ring holds the rows of every position >= C in [built_from_, n_)
-  std::vector<bool> update_appends_;  // [u - 1]: update u (tokens [u C, u C + C)) appends (operand ring only)
-
-  // Whether the update of tokens [a, a + C) appends, as the operand ring knows it (false: none runs).
-  [[nodiscard]] bool update_appends(std::int64_t a) const {
-    const std::int64_t u = a / params_.chunk;
-    return u >= 1 && u <= std::int64_t(update_appends_.size()) && update_appends_[std::size_t(u - 1)];
-  }
+  A* op_stats_ = nullptr;        // the tokens' LN_s statistics ring in memory_ (create says why; nullptr: none)
+  std::int64_t built_from_ = 0;  // the ring holds the statistics of every position >= C in [built_from_, n_)
   kvm_detail::SideStream side_;               // next update's selection beside a prefill readout
   kvm_detail::ReadoutPipeline pipe_;          // readouts beside the update chain (bf16 tensor cores)
   S* snap_k_[kvm_detail::kReadoutSnapshots] = {};  // readout snapshots in memory_ (nullptr: none)
@@ -378,7 +362,7 @@ class KvmState {
 namespace kvm_detail {
 
 // One pass of update_tc_scores_kernel (kMode: RtMode) over slots [j0, j1) on the tensor cores, for the
-// update whose token operands d points at (with_operands_of); bf16 storage with d.tc_route only.
+// update d is for (for_update); bf16 storage with d.tc_route only.
 template <int kD, int kTerms, int kMode>
 Status launch_tc_scores_as(const Executor& exec, const DeviceState<bf16, float>& d, std::int64_t items,
                            std::int64_t j0, std::int64_t j1) {
@@ -401,29 +385,35 @@ Status launch_tc_scores(const Executor& exec, const DeviceState<bf16, float>& d,
                             : launch_tc_scores_as<64, 3, kMode>(exec, d, items, j0, j1);
 }
 
-// The state as the kernels of the update of tokens [a, a + C) (or the build of its tokens' operands)
-// see it: the k0 / kg rows at the chunk's slot of the operand ring (KvmState::create).
+// The slot of the chunk of position p in the LN_s statistics ring (KvmState::create); nullptr: none.
+template <class A>
+A* stats_slot(A* ring, const kvm::Params& p, std::int64_t items, std::int64_t pos) {
+  return ring == nullptr ? nullptr : ring + (pos / p.chunk) % p.window_chunks * items * p.chunk * 2;
+}
+
+// The state as the kernels of the update of tokens [a, a + C) see it: their LN_s statistics.
 template <class S, class A>
-DeviceState<S, A> with_operands_of(const DeviceState<S, A>& d, std::int64_t op_chunks, std::int64_t items,
-                                   std::int64_t a) {
+DeviceState<S, A> for_update(const DeviceState<S, A>& d, A* ring, const kvm::Params& p, std::int64_t items,
+                             std::int64_t a) {
   DeviceState<S, A> at = d;
-  const std::int64_t offset = (a / d.C) % op_chunks * items * d.C * d.D;
-  at.k0 += offset;
-  at.kg += offset;
+  at.op_stats = stats_slot(ring, p, items, a);
+  at.op_first = a;
   return at;
 }
 
-// The tokens' operands (token_operands_kernel) of positions [t0, t1), one chunk; d at the chunk's slot.
-inline Status launch_token_operands(const Executor& exec, const DeviceState<bf16, float>& d, std::int64_t items,
-                                    std::int64_t t0, std::int64_t t1, bool with_k0) {
+// The LN_s statistics (token_operands_kernel) of positions [t0, t1), one chunk, into `stats` (its slot);
+// with_rows: also the kg rows of the update workspace.
+inline Status launch_token_operands(const Executor& exec, const DeviceState<bf16, float>& d, float* stats,
+                                    std::int64_t items, std::int64_t t0, std::int64_t t1, bool with_rows) {
   const dim3 grid(static_cast<unsigned>(items), static_cast<unsigned>((t1 - t0 + kRtTokens - 1) / kRtTokens));
   if (d.D == 128)
-    token_operands_kernel<128><<<grid, 32 * kRtWarps, 0, exec.stream>>>(d, t0, t1, with_k0);
+    token_operands_kernel<128><<<grid, 32 * kRtWarps, 0, exec.stream>>>(d, stats, t0, t1, with_rows);
   else
-    token_operands_kernel<64><<<grid, 32 * kRtWarps, 0, exec.stream>>>(d, t0, t1, with_k0);
+    token_operands_kernel<64><<<grid, 32 * kRtWarps, 0, exec.stream>>>(d, stats, t0, t1, with_rows);
   return to_status(cudaGetLastError(), "kvm token_operands_kernel");
 }
 
+// Spec 4.5 on every item at once: U(tokens [a, a+C), N, avail) from `slots` slots. Returns the new |S|.
 // Host-known shape of one update: U(tokens [a, a+C)) from `slots` slots to `after` (spec 3.1).
 struct UpdatePlan {
   std::int64_t a = 0, slots = 0, n_app = 0, after = 0;
@@ -432,11 +422,11 @@ struct UpdatePlan {
 // Update steps 1-4 up to the routes (prepare, novelty, appends, merge targets). Reads the state and
 // writes only new slots (j >= plan.slots) and the update workspace, so it may run while a readout of
 // the current state is in flight; the scatter (update_finish) changes existing slots and may not.
-// d: at the tokens' operand slot (with_operands_of). Tensor-core routing: built_kg says the tokens' kg
-// rows are there already, built_k0 their k0 rows too; else they are built first, on this stream.
+// d: for the update (for_update). Tensor-core routing: `built` says the tokens' LN_s statistics are in
+// d.op_stats already; else they are computed first, on this stream.
 template <class S, class A>
 Status update_select(const Executor& exec, const DeviceState<S, A>& d, const kvm::Params& p, std::int64_t items,
-                     std::int64_t a, std::int64_t slots, bool built_kg, bool built_k0, UpdatePlan& plan) {
+                     std::int64_t a, std::int64_t slots, bool built, UpdatePlan& plan) {
   const std::int64_t C = p.chunk, N = p.window() + a, avail = a + C;
   const std::int64_t target = p.budget.slots(N, avail, slots);
   const std::int64_t n_app = std::min(target - slots, C);
@@ -445,18 +435,20 @@ Status update_select(const Executor& exec, const DeviceState<S, A>& d, const kvm
   const auto grid = static_cast<unsigned>(items);
   bool tc = false;
   if constexpr (std::is_same_v<S, bf16>) tc = d.tc_route;
-  // Tensor-core routing needs no prepare pass: its passes, the appends and the scatter read the
-  // tokens' k0 / kg rows of token_operands_kernel; the appends and a register scatter gate the values
-  // themselves. The fp32 sweeps, and a scatter of values wider than 128 (memory form, reads vg rows),
-  // still take it (and there the operand rows, built after it, replace its k0 / kg rows).
+  // Tensor-core routing needs no prepare pass: its passes, the appends and the register scatter form
+  // the tokens' k0 / kg from their keys and LN_s statistics (token_operand) and gate the values
+  // themselves. The fp32 sweeps, and a scatter of values wider than 128 (memory form, reads vg and kg
+  // rows), still take it (and there token_operands_kernel, after it, writes the kg rows again with
+  // the routing's statistics, which the appends also use).
   if (!tc || !scatter_in_registers(d)) {
     const dim3 pgrid(grid, static_cast<unsigned>((C + kWarpsPerBlock - 1) / kWarpsPerBlock));
     update_prepare_kernel<S, A><<<pgrid, 32 * kWarpsPerBlock, 0, exec.stream>>>(d, a, n_app > 0);
     KVMEM_CUDA_RETURN_IF_LAUNCH_FAILED("kvm update_prepare_kernel");
   }
   if constexpr (std::is_same_v<S, bf16>) {
-    if (tc && (!built_kg || (n_app > 0 && !built_k0)))
-      KVMEM_RETURN_IF_ERROR(launch_token_operands(exec, d, items, a, a + C, n_app > 0));
+    if (tc && (!built || !scatter_in_registers(d)))
+      KVMEM_RETURN_IF_ERROR(launch_token_operands(exec, d, d.op_stats, items, a, a + C,
+                                                  !scatter_in_registers(d)));
   }
   const std::size_t tile_bytes = std::size_t(kSlotTile) * std::size_t(d.D) * sizeof(A);
   const std::size_t select_bytes = std::size_t(C) * (sizeof(A) + 2 * sizeof(int));
@@ -728,11 +720,11 @@ Status kvm_run(const Executor& exec, KvmState<S, A>& state, const KvmWeights& w,
     KVMEM_RETURN_IF_ERROR(record(side.fork, exec.stream));
     KVMEM_RETURN_IF_ERROR(wait(side.stream, side.fork));
   }
-  // the update of tokens [a, a + C): its operand rows' slot, and which of them were built at ingest
-  const auto operands_of = [&](std::int64_t a) { return with_operands_of(d, state.op_chunks_, items, a); };
+  // the update of tokens [a, a + C) as its kernels see it, and whether a prefill computed its tokens'
+  // LN_s statistics as it ingested them
+  const auto operands_of = [&](std::int64_t a) { return for_update(d, state.op_stats_, p, items, a); };
   const auto select_update = [&](const Executor& on, std::int64_t a, std::int64_t slots_now, UpdatePlan& plan) {
-    const bool built = state.op_chunks_ > 1 && a >= state.built_from_;
-    return update_select(on, operands_of(a), p, items, a, slots_now, built, built && state.update_appends(a), plan);
+    return update_select(on, operands_of(a), p, items, a, slots_now, a >= state.built_from_, plan);
   };
   UpdatePlan pending{};
   bool selected = false;  // the selection of the next update already runs on the side stream
@@ -793,17 +785,15 @@ Status kvm_run(const Executor& exec, KvmState<S, A>& state, const KvmWeights& w,
                                                                                     T, n0, t0, t1, cov, copy16);
       KVMEM_CUDA_RETURN_IF_LAUNCH_FAILED("kvm ingest_kernel");
     }
-    // The operands of the chunk's tokens (positions from C: the founding chunk's never enter an
-    // update) for the update nb chunks on (KvmState::create), off the chain: on aux with it, else on
-    // the caller's stream after this chunk's readout, beside the next update's selection (the chunk's
-    // ring slot is that of the update just done, whose scatter is before it in stream order). With
-    // nb = 1 the next update reads them: before the fork. A decode step's token is built by the update.
-    const bool build_operands = state.op_chunks_ > 1 && !decode_step && t0 >= C;
+    // The LN_s statistics of the chunk's tokens (positions from C: the founding chunk's never enter
+    // an update) for the update nb chunks on (KvmState::create), off the chain: on aux with it, else
+    // on the caller's stream after this chunk's readout, beside the next update's selection (the
+    // chunk's ring slot is that of the update just done, whose scatter is before it in stream order).
+    // With nb = 1 the next update reads them: before the fork. A decode step's token: by its update.
+    const bool build_operands = state.op_stats_ != nullptr && !decode_step && t0 >= C;
     const auto build = [&](cudaStream_t on) -> Status {
-      if constexpr (std::is_same_v<S, bf16>) {
-        const std::int64_t chunk = t0 / C * C;
-        return launch_token_operands(Executor{on}, operands_of(chunk), items, t0, t1, state.update_appends(chunk));
-      }
+      if constexpr (std::is_same_v<S, bf16>)
+        return launch_token_operands(Executor{on}, d, stats_slot(state.op_stats_, p, items, t0), items, t0, t1, false);
       return Status::ok();
     };
     const bool build_after_readout = build_operands && !detach && p.window_chunks > 1;

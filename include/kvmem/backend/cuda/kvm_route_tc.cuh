@@ -69,21 +69,22 @@ constexpr std::size_t rt_shared_bytes() {
   return ptx::shared_bytes_of_either_path(rt_swizzled_bytes<kD, kTerms>(), rt_padded_bytes<kD, kTerms>());
 }
 
-// The tokens' operands for tensor-core routing (spec 4.2): k0 = LN_s of the key and kg = g k0, as the
-// fp32 rows of the update workspace (st.k0, st.kg: [I, C, D], row c = p mod C). The routing passes
-// split them into hi/lo A fragments; the appends and the scatter add them. They depend only on the
-// token's key and gate and on the LN weights, not on the state, so a prefill builds each chunk's rows
-// as it ingests the chunk, beside the update chain, into the chunk's slot of the state's operand ring
-// (KvmState::create); an update whose tokens were not built so (decode steps ingest one token at a
-// time) builds them on its chain first. One kernel for both: prefill and decode route bitwise alike.
+// The LN_s statistics of the tokens' keys for tensor-core routing (spec 4.2): mean and 1 / sqrt(var +
+// eps) of each token, [I, C, 2] at `stats` (row c = p mod C). From them and the key, every pass of the
+// update, the appends and the scatter form the token's k0 and kg channel by channel (token_operand,
+// ln_channel): no fp32 k0 / kg rows in memory, and no reductions on the update chain. The statistics
+// depend only on the key, not on the state, so a prefill computes each chunk's as it ingests the chunk,
+// beside the update chain, into the chunk's slot of the state's ring (KvmState::create); an update
+// whose tokens were not ingested so (decode steps ingest one token at a time) computes them on its
+// chain first. One kernel for both: prefill and decode route bitwise alike. with_rows: also the kg
+// rows of the update workspace (st.kg), for the memory-form scatter of values wider than 128.
 // Tokens [t0, t1) of one chunk. Lane (r, quad) of a warp of 16 tokens takes tokens r and r + 8, dims
-// kk*16 + 8m + 2 quad + {0, 1} (m = 0, 1): the A fragment layout, so LN_s reduces over the quad with
-// two xor shuffles and each pass loads back what its lanes wrote. k0 rows only when with_k0 (the update
-// that reads the chunk appends: novelty, appended slots, ungated appends).
+// kk*16 + 8m + 2 quad + {0, 1} (m = 0, 1), so the reductions run over the quad with two xor shuffles.
 // grid (I, ceil((t1 - t0) / kRtTokens)), block 32 * kRtWarps.
 template <int kD>
 __global__ void __launch_bounds__(32 * kRtWarps)
-    token_operands_kernel(DeviceState<bf16, float> st, std::int64_t t0, std::int64_t t1, bool with_k0) {
+    token_operands_kernel(DeviceState<bf16, float> st, float* stats, std::int64_t t0, std::int64_t t1,
+                          bool with_rows) {
   constexpr int kK = kD / 16;
   const std::int64_t i = blockIdx.x, C = st.C;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, quad = lane % 4, r = lane / 4;
@@ -91,7 +92,7 @@ __global__ void __launch_bounds__(32 * kRtWarps)
   if (first >= t1) return;                                                           // warp-uniform
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
-    // a token past t1 (quad-uniform) computes the last one's operands, for the shuffles, and stores nothing
+    // a token past t1 (quad-uniform) computes the last one's statistics, for the shuffles, and stores nothing
     const std::int64_t p = first + r + 8 * h < t1 ? first + r + 8 * h : t1 - 1;
     const bool store = first + r + 8 * h < t1;
     const std::uint32_t* kw = reinterpret_cast<const std::uint32_t*>(token_key(st, i, p));
@@ -121,20 +122,20 @@ __global__ void __launch_bounds__(32 * kRtWarps)
     var += __shfl_xor_sync(0xffffffffu, var, 1);
     var += __shfl_xor_sync(0xffffffffu, var, 2);
     const float inv = 1.0f / sqrtf(var / static_cast<float>(kD) + st.eps);
-    const float g = token_gate(st, i, p);
-    float* kg_row = st.kg + (i * C + p % C) * kD;
-    float* k0_row = st.k0 + (i * C + p % C) * kD;
     if (!store) continue;
+    const std::int64_t row = i * C + p % C;
+    if (quad == 0) *reinterpret_cast<float2*>(stats + 2 * row) = make_float2(mean, inv);
+    if (!with_rows) continue;
+    const float g = token_gate(st, i, p);
 #pragma unroll
     for (int kk = 0; kk < kK; ++kk)
 #pragma unroll
       for (int m = 0; m < 2; ++m) {
         const int d = kk * 16 + 8 * m + 2 * quad;
-        const float y0 = st.ln_w[d] * ((x[kk][2 * m] - mean) * inv) + st.ln_b[d];  // k0 (spec 4.2 step 2)
-        const float y1 = st.ln_w[d + 1] * ((x[kk][2 * m + 1] - mean) * inv) + st.ln_b[d + 1];
-        const float g0 = gated_key(st.merge_gate_keys, g, y0), g1 = gated_key(st.merge_gate_keys, g, y1);
-        *reinterpret_cast<float2*>(kg_row + d) = make_float2(g0, g1);
-        if (with_k0) *reinterpret_cast<float2*>(k0_row + d) = make_float2(y0, y1);
+        const float y0 = ln_channel(x[kk][2 * m], mean, inv, st.ln_w[d], st.ln_b[d]);
+        const float y1 = ln_channel(x[kk][2 * m + 1], mean, inv, st.ln_w[d + 1], st.ln_b[d + 1]);
+        *reinterpret_cast<float2*>(st.kg + row * kD + d) =
+            make_float2(gated_key(st.merge_gate_keys, g, y0), gated_key(st.merge_gate_keys, g, y1));
       }
   }
 }
@@ -152,8 +153,9 @@ enum RtMode : int {
                     // st.target[c] = that argmax of k0_c . K^+_j if its value exceeds st.rbest[c]
 };
 
-// The token operands: the fp32 k0 rows (novelty and appended-slot passes) or kg rows (routing pass)
-// that token_operands_kernel built when the tokens were ingested, split here into hi/lo A fragments.
+// The token operands, k0 (novelty and appended-slot passes) or kg (routing pass) of the update's tokens
+// [st.op_first, + C), are formed from their keys and the LN_s statistics token_operands_kernel computed
+// when the tokens were ingested (no reductions here), and split into hi/lo A fragments.
 // kRtRoute writes every token's target (an update without appends merges every token).
 // Block b takes item b / tb, tokens [(b % tb) kRtTokens, +kRtTokens) with tb = ceil(C / kRtTokens): the
 // token blocks of one item are adjacent in launch order, so the later ones find the item's slots in L2
@@ -227,22 +229,33 @@ __global__ void __launch_bounds__(32 * kRtWarps, 2)
     }
   if (active) {
     // lane (r, quad) holds, of token c0 + r (h = 0) and c0 + r + 8 (h = 1), dims kk*16 + 8m + 2 quad
-    // + {0, 1} (m = 0, 1) of its k0 (novelty, appended slots) or kg (routing) row, which
-    // token_operands_kernel built when the token was ingested
-    const float* rows = (kMode == kRtRoute ? st.kg : st.k0) + (i * C + c0) * kD;
+    // + {0, 1} (m = 0, 1) of its k0 (novelty, appended slots) or kg (routing), formed from its key and
+    // the LN_s statistics of token_operands_kernel as token_operand forms them
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-      const float* row = rows + (r + 8 * h) * kD;
+      const std::int64_t c = c0 + r + 8 * h, p = st.op_first + c;
+      const std::uint32_t* kw = reinterpret_cast<const std::uint32_t*>(token_key(st, i, p));
+      const float2 ms = *reinterpret_cast<const float2*>(st.op_stats + 2 * (i * C + c));  // mean, 1 / sd
+      const float g = kMode == kRtRoute ? token_gate(st, i, p) : 0.0f;
 #pragma unroll
       for (int kk = 0; kk < kK; ++kk)
 #pragma unroll
         for (int m = 0; m < 2; ++m) {
-          const float2 o = *reinterpret_cast<const float2*>(row + kk * 16 + 8 * m + 2 * quad);
-          const __nv_bfloat162 hi = __floats2bfloat162_rn(o.x, o.y);
+          const std::uint32_t w = kw[kk * 8 + 4 * m + quad];
+          const int d = kk * 16 + 8 * m + 2 * quad;
+          const float x0 = d >= st.rope_dims ? __uint_as_float(w << 16) : 0.0f;  // spec 4.2 step 1
+          const float x1 = d + 1 >= st.rope_dims ? __uint_as_float(w & 0xffff0000u) : 0.0f;
+          float o0 = ln_channel(x0, ms.x, ms.y, st.ln_w[d], st.ln_b[d]);  // k0 (spec 4.2 step 2)
+          float o1 = ln_channel(x1, ms.x, ms.y, st.ln_w[d + 1], st.ln_b[d + 1]);
+          if (kMode == kRtRoute) {  // kg (step 3)
+            o0 = gated_key(st.merge_gate_keys, g, o0);
+            o1 = gated_key(st.merge_gate_keys, g, o1);
+          }
+          const __nv_bfloat162 hi = __floats2bfloat162_rn(o0, o1);
           ahi[kk][h + 2 * m] = *reinterpret_cast<const std::uint32_t*>(&hi);
           if constexpr (kTerms == 3) {
             const float2 hf = __bfloat1622float2(hi);
-            const __nv_bfloat162 lo = __floats2bfloat162_rn(o.x - hf.x, o.y - hf.y);
+            const __nv_bfloat162 lo = __floats2bfloat162_rn(o0 - hf.x, o1 - hf.y);
             alo[kk][h + 2 * m] = *reinterpret_cast<const std::uint32_t*>(&lo);
           }
         }
