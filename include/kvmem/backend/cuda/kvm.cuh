@@ -125,9 +125,7 @@ struct ReadoutPipeline {
   cudaStream_t aux = nullptr;
   cudaEvent_t chained = nullptr;                    // the chain after a chunk's update: aux may start
   cudaEvent_t snapped = nullptr;                    // aux after a chunk's snapshot: its readout may start
-  cudaEvent_t aux_done[2] = {nullptr, nullptr};     // aux after a chunk's work (two chunks in flight)
-  cudaEvent_t aux_copied[2] = {nullptr, nullptr};   // aux after a chunk's snapshot and ingest, before its
-                                                    // operand build (what the next scatter waits for)
+  cudaEvent_t aux_done[2] = {nullptr, nullptr};     // aux after a chunk's ingest (two chunks in flight)
   cudaEvent_t read[kReadoutSnapshots] = {nullptr};  // readout of snapshot r finished
 
   ReadoutPipeline() = default;
@@ -159,7 +157,7 @@ struct ReadoutPipeline {
 
  private:
   std::vector<cudaEvent_t*> events() {
-    std::vector<cudaEvent_t*> e{&chained, &snapped, &aux_done[0], &aux_done[1], &aux_copied[0], &aux_copied[1]};
+    std::vector<cudaEvent_t*> e{&chained, &snapped, &aux_done[0], &aux_done[1]};
     for (auto& r : read) e.push_back(&r);
     return e;
   }
@@ -199,16 +197,9 @@ class KvmState {
     ArenaLayout arena(256);
     struct Offsets {
       std::size_t sk, sv, rho, cnt, khat32, khat, khat_lo, vhat, wk, wv, wg, k0, k0t, kgt, vg, kg, score, rbest, target,
-          partial, counter, op_stats;
+          partial, counter;
     } o{};
     constexpr bool kBf16 = std::is_same_v<S, bf16>;
-    // Tensor-core routing forms its tokens' k0 / kg from their keys and LN_s statistics
-    // (token_operands_kernel), kept in a ring of window_chunks chunk slots [nb][I, C, 2], the chunk of
-    // position p in slot (p / C) mod nb: a prefill computes each chunk's when it ingests the chunk, off
-    // the update chain, and the update nb chunks later reads them (a slot is refilled only after that
-    // update). 2 I W floats (1 MB at B8 Hk32 W512).
-    const bool tc_route = kBf16 && (s.D == 64 || s.D == 128) && p.chunk % 16 == 0;
-    o.op_stats = arena.take(tc_route ? 2 * I * W * sizeof(A) : 0);
     o.sk = arena.take(I * cap * D * sizeof(A));
     o.sv = arena.take(I * cap * Dv * sizeof(A));
     o.rho = arena.take(I * cap * sizeof(A));
@@ -263,8 +254,7 @@ class KvmState {
       st.snap_k_[r] = reinterpret_cast<S*>(base + snap[r]);
       st.snap_v_[r] = st.snap_k_[r] + I * cap * D;  // [I, cap, D] keys, then [I, cap, Dv] values
     }
-    d.tc_route = tc_route;
-    st.op_stats_ = tc_route ? reinterpret_cast<A*>(base + o.op_stats) : nullptr;
+    d.tc_route = kBf16 && (s.D == 64 || s.D == 128) && p.chunk % 16 == 0;
     d.route_terms = 3;
     // the decode counters start at 0 (the last split of each step resets its own)
     KVMEM_RETURN_IF_ERROR(
@@ -306,7 +296,7 @@ class KvmState {
   [[nodiscard]] std::int64_t slots() const { return slots_; }  // |S|
   [[nodiscard]] std::size_t allocated_bytes() const { return memory_.bytes(); }
   [[nodiscard]] const kvm_detail::DeviceState<S, A>& device() const { return dev_; }
-  void reset() { n_ = cov_ = slots_ = built_from_ = 0; }
+  void reset() { n_ = cov_ = slots_ = 0; }
   // bf16 storage with head dim 64 or 128 routes on the tensor cores. By default each novelty and
   // routing dot is computed from hi/lo bf16 splits of both operands (three products, about fp32
   // accuracy: routes match the host backend except at true near-ties). Fast routing uses one bf16
@@ -349,8 +339,6 @@ class KvmState {
   std::int64_t cap_ = 0;
   std::int64_t n_ = 0, cov_ = 0, slots_ = 0;  // host mirror of the shared counters
   int sm_count_ = 1;                          // multiprocessors: sizes the decode split-K grid
-  A* op_stats_ = nullptr;        // the tokens' LN_s statistics ring in memory_ (create says why; nullptr: none)
-  std::int64_t built_from_ = 0;  // the ring holds the statistics of every position >= C in [built_from_, n_)
   kvm_detail::SideStream side_;               // next update's selection beside a prefill readout
   kvm_detail::ReadoutPipeline pipe_;          // readouts beside the update chain (bf16 tensor cores)
   S* snap_k_[kvm_detail::kReadoutSnapshots] = {};  // readout snapshots in memory_ (nullptr: none)
@@ -361,56 +349,28 @@ class KvmState {
 
 namespace kvm_detail {
 
-// One pass of update_tc_scores_kernel (kMode: RtMode) over slots [j0, j1) on the tensor cores, for the
-// update d is for (for_update); bf16 storage with d.tc_route only.
+// One pass of update_tc_scores_kernel (kMode: RtMode) for the update of tokens [a, a + C) over slots
+// [j0, j1) on the tensor cores; bf16 storage with d.tc_route only.
 template <int kD, int kTerms, int kMode>
 Status launch_tc_scores_as(const Executor& exec, const DeviceState<bf16, float>& d, std::int64_t items,
-                           std::int64_t j0, std::int64_t j1) {
+                           std::int64_t a, std::int64_t j0, std::int64_t j1) {
   const auto kernel = update_tc_scores_kernel<kD, kTerms, kMode>;
   constexpr std::size_t bytes = rt_shared_bytes<kD, kTerms>();
   KVMEM_RETURN_IF_ERROR(allow_shared(kernel, bytes));
   const std::int64_t blocks = items * ((d.C + kRtTokens - 1) / kRtTokens);
-  kernel<<<static_cast<unsigned>(blocks), 32 * kRtWarps, bytes, exec.stream>>>(d, j0, j1);
+  kernel<<<static_cast<unsigned>(blocks), 32 * kRtWarps, bytes, exec.stream>>>(d, a, j0, j1);
   return to_status(cudaGetLastError(), kMode == kRtNovelty ? "kvm update_tc_scores_kernel (novelty)"
                                                            : "kvm update_tc_scores_kernel (routes)");
 }
 
 template <int kMode>
-Status launch_tc_scores(const Executor& exec, const DeviceState<bf16, float>& d, std::int64_t items, std::int64_t j0,
-                        std::int64_t j1) {
+Status launch_tc_scores(const Executor& exec, const DeviceState<bf16, float>& d, std::int64_t items, std::int64_t a,
+                        std::int64_t j0, std::int64_t j1) {
   if (d.D == 128)
-    return d.route_terms == 1 ? launch_tc_scores_as<128, 1, kMode>(exec, d, items, j0, j1)
-                              : launch_tc_scores_as<128, 3, kMode>(exec, d, items, j0, j1);
-  return d.route_terms == 1 ? launch_tc_scores_as<64, 1, kMode>(exec, d, items, j0, j1)
-                            : launch_tc_scores_as<64, 3, kMode>(exec, d, items, j0, j1);
-}
-
-// The slot of the chunk of position p in the LN_s statistics ring (KvmState::create); nullptr: none.
-template <class A>
-A* stats_slot(A* ring, const kvm::Params& p, std::int64_t items, std::int64_t pos) {
-  return ring == nullptr ? nullptr : ring + (pos / p.chunk) % p.window_chunks * items * p.chunk * 2;
-}
-
-// The state as the kernels of the update of tokens [a, a + C) see it: their LN_s statistics.
-template <class S, class A>
-DeviceState<S, A> for_update(const DeviceState<S, A>& d, A* ring, const kvm::Params& p, std::int64_t items,
-                             std::int64_t a) {
-  DeviceState<S, A> at = d;
-  at.op_stats = stats_slot(ring, p, items, a);
-  at.op_first = a;
-  return at;
-}
-
-// The LN_s statistics (token_operands_kernel) of positions [t0, t1), one chunk, into `stats` (its slot);
-// with_rows: also the kg rows of the update workspace.
-inline Status launch_token_operands(const Executor& exec, const DeviceState<bf16, float>& d, float* stats,
-                                    std::int64_t items, std::int64_t t0, std::int64_t t1, bool with_rows) {
-  const dim3 grid(static_cast<unsigned>(items), static_cast<unsigned>((t1 - t0 + kRtTokens - 1) / kRtTokens));
-  if (d.D == 128)
-    token_operands_kernel<128><<<grid, 32 * kRtWarps, 0, exec.stream>>>(d, stats, t0, t1, with_rows);
-  else
-    token_operands_kernel<64><<<grid, 32 * kRtWarps, 0, exec.stream>>>(d, stats, t0, t1, with_rows);
-  return to_status(cudaGetLastError(), "kvm token_operands_kernel");
+    return d.route_terms == 1 ? launch_tc_scores_as<128, 1, kMode>(exec, d, items, a, j0, j1)
+                              : launch_tc_scores_as<128, 3, kMode>(exec, d, items, a, j0, j1);
+  return d.route_terms == 1 ? launch_tc_scores_as<64, 1, kMode>(exec, d, items, a, j0, j1)
+                            : launch_tc_scores_as<64, 3, kMode>(exec, d, items, a, j0, j1);
 }
 
 // Spec 4.5 on every item at once: U(tokens [a, a+C), N, avail) from `slots` slots. Returns the new |S|.
@@ -422,11 +382,9 @@ struct UpdatePlan {
 // Update steps 1-4 up to the routes (prepare, novelty, appends, merge targets). Reads the state and
 // writes only new slots (j >= plan.slots) and the update workspace, so it may run while a readout of
 // the current state is in flight; the scatter (update_finish) changes existing slots and may not.
-// d: for the update (for_update). Tensor-core routing: `built` says the tokens' LN_s statistics are in
-// d.op_stats already; else they are computed first, on this stream.
 template <class S, class A>
 Status update_select(const Executor& exec, const DeviceState<S, A>& d, const kvm::Params& p, std::int64_t items,
-                     std::int64_t a, std::int64_t slots, bool built, UpdatePlan& plan) {
+                     std::int64_t a, std::int64_t slots, UpdatePlan& plan) {
   const std::int64_t C = p.chunk, N = p.window() + a, avail = a + C;
   const std::int64_t target = p.budget.slots(N, avail, slots);
   const std::int64_t n_app = std::min(target - slots, C);
@@ -435,20 +393,14 @@ Status update_select(const Executor& exec, const DeviceState<S, A>& d, const kvm
   const auto grid = static_cast<unsigned>(items);
   bool tc = false;
   if constexpr (std::is_same_v<S, bf16>) tc = d.tc_route;
-  // Tensor-core routing needs no prepare pass: its passes, the appends and the register scatter form
-  // the tokens' k0 / kg from their keys and LN_s statistics (token_operand) and gate the values
-  // themselves. The fp32 sweeps, and a scatter of values wider than 128 (memory form, reads vg and kg
-  // rows), still take it (and there token_operands_kernel, after it, writes the kg rows again with
-  // the routing's statistics, which the appends also use).
+  // Tensor-core routing needs no prepare pass: its first pass (novelty, or routing without appends)
+  // builds the tokens' k0 / kg from their keys and writes the kg (k0) rows the appends and the scatter
+  // add; the appends and a register scatter gate the values themselves. The fp32 sweeps, and a scatter
+  // of values wider than 128 (memory form, reads vg rows), still take it.
   if (!tc || !scatter_in_registers(d)) {
     const dim3 pgrid(grid, static_cast<unsigned>((C + kWarpsPerBlock - 1) / kWarpsPerBlock));
     update_prepare_kernel<S, A><<<pgrid, 32 * kWarpsPerBlock, 0, exec.stream>>>(d, a, n_app > 0);
     KVMEM_CUDA_RETURN_IF_LAUNCH_FAILED("kvm update_prepare_kernel");
-  }
-  if constexpr (std::is_same_v<S, bf16>) {
-    if (tc && (!built || !scatter_in_registers(d)))
-      KVMEM_RETURN_IF_ERROR(launch_token_operands(exec, d, d.op_stats, items, a, a + C,
-                                                  !scatter_in_registers(d)));
   }
   const std::size_t tile_bytes = std::size_t(kSlotTile) * std::size_t(d.D) * sizeof(A);
   const std::size_t select_bytes = std::size_t(C) * (sizeof(A) + 2 * sizeof(int));
@@ -456,7 +408,7 @@ Status update_select(const Executor& exec, const DeviceState<S, A>& d, const kvm
   if (n_app > 0) {
     if (tc) {
       if constexpr (std::is_same_v<S, bf16>)
-        KVMEM_RETURN_IF_ERROR(launch_tc_scores<kRtNovelty>(exec, d, items, 0, slots));
+        KVMEM_RETURN_IF_ERROR(launch_tc_scores<kRtNovelty>(exec, d, items, a, 0, slots));
       update_append_kernel<S, A, true><<<grid, tblock, select_bytes, exec.stream>>>(d, a, slots, n_app);
     } else {
       const std::size_t bytes = tile_bytes + select_bytes;
@@ -470,9 +422,9 @@ Status update_select(const Executor& exec, const DeviceState<S, A>& d, const kvm
       // after appends only the new slots remain to be scanned (the novelty pass took the old ones)
       if constexpr (std::is_same_v<S, bf16>) {
         if (n_app > 0)
-          KVMEM_RETURN_IF_ERROR(launch_tc_scores<kRtRouteNew>(exec, d, items, slots, after));
+          KVMEM_RETURN_IF_ERROR(launch_tc_scores<kRtRouteNew>(exec, d, items, a, slots, after));
         else
-          KVMEM_RETURN_IF_ERROR(launch_tc_scores<kRtRoute>(exec, d, items, p.sink, after));
+          KVMEM_RETURN_IF_ERROR(launch_tc_scores<kRtRoute>(exec, d, items, a, p.sink, after));
       }
     } else {
       KVMEM_RETURN_IF_ERROR(allow_shared(update_route_kernel<S, A>, tile_bytes));
@@ -713,19 +665,10 @@ Status kvm_run(const Executor& exec, KvmState<S, A>& state, const KvmWeights& w,
   const auto chain_waits_aux = [&](std::int64_t age) {  // the chain waits for the aux work `age` chunks back
     return aux_records > age ? wait(side.stream, pipe.aux_done[(aux_records - 1 - age) % 2]) : Status::ok();
   };
-  const auto chain_waits_copies = [&] {  // ... for the last chunk's snapshot and ingest only
-    return aux_records > 0 ? wait(side.stream, pipe.aux_copied[(aux_records - 1) % 2]) : Status::ok();
-  };
   if (detach) {
     KVMEM_RETURN_IF_ERROR(record(side.fork, exec.stream));
     KVMEM_RETURN_IF_ERROR(wait(side.stream, side.fork));
   }
-  // the update of tokens [a, a + C) as its kernels see it, and whether a prefill computed its tokens'
-  // LN_s statistics as it ingested them
-  const auto operands_of = [&](std::int64_t a) { return for_update(d, state.op_stats_, p, items, a); };
-  const auto select_update = [&](const Executor& on, std::int64_t a, std::int64_t slots_now, UpdatePlan& plan) {
-    return update_select(on, operands_of(a), p, items, a, slots_now, a >= state.built_from_, plan);
-  };
   UpdatePlan pending{};
   bool selected = false;  // the selection of the next update already runs on the side stream
   for (std::int64_t t0 = n0; t0 < n0 + T;) {
@@ -741,12 +684,11 @@ Status kvm_run(const Executor& exec, KvmState<S, A>& state, const KvmWeights& w,
         // The selection reads the tokens leaving the window (ingested nb chunks back) and the slots:
         // with nb >= 2 that is aux work two chunks back, so the latest ingest and snapshot run beside it.
         if (detach) KVMEM_RETURN_IF_ERROR(chain_waits_aux(p.window_chunks == 1 ? 0 : 1));
-        KVMEM_RETURN_IF_ERROR(select_update(chain, cov, slots, plan));
+        KVMEM_RETURN_IF_ERROR(update_select(chain, d, p, items, cov, slots, plan));
       }
       // the scatter changes the slots the last snapshot copies and reads the ring rows ingested last
-      // (not the operands built since: those of a later update)
-      if (detach) KVMEM_RETURN_IF_ERROR(chain_waits_copies());
-      KVMEM_RETURN_IF_ERROR(update_finish(chain, operands_of(plan.a), p, items, plan, log));
+      if (detach) KVMEM_RETURN_IF_ERROR(chain_waits_aux(0));
+      KVMEM_RETURN_IF_ERROR(update_finish(chain, d, p, items, plan, log));
       slots = plan.after;
       cov += C;
     }
@@ -785,20 +727,6 @@ Status kvm_run(const Executor& exec, KvmState<S, A>& state, const KvmWeights& w,
                                                                                     T, n0, t0, t1, cov, copy16);
       KVMEM_CUDA_RETURN_IF_LAUNCH_FAILED("kvm ingest_kernel");
     }
-    // The LN_s statistics of the chunk's tokens (positions from C: the founding chunk's never enter
-    // an update) for the update nb chunks on (KvmState::create), off the chain: on aux with it, else
-    // on the caller's stream after this chunk's readout, beside the next update's selection (the
-    // chunk's ring slot is that of the update just done, whose scatter is before it in stream order).
-    // With nb = 1 the next update reads them: before the fork. A decode step's token: by its update.
-    const bool build_operands = state.op_stats_ != nullptr && !decode_step && t0 >= C;
-    const auto build = [&](cudaStream_t on) -> Status {
-      if constexpr (std::is_same_v<S, bf16>)
-        return launch_token_operands(Executor{on}, d, stats_slot(state.op_stats_, p, items, t0), items, t0, t1, false);
-      return Status::ok();
-    };
-    const bool build_after_readout = build_operands && !detach && p.window_chunks > 1;
-    if (detach) KVMEM_RETURN_IF_ERROR(record(pipe.aux_copied[aux_records % 2], pipe.aux));
-    if (build_operands && !build_after_readout) KVMEM_RETURN_IF_ERROR(build(ingest_on.stream));
     if (detach) {
       KVMEM_RETURN_IF_ERROR(record(pipe.aux_done[aux_records % 2], pipe.aux));
       ++aux_records;
@@ -818,7 +746,7 @@ Status kvm_run(const Executor& exec, KvmState<S, A>& state, const KvmWeights& w,
       if (!detach && t1 < n0 + T && cov < geo.bswa_begin(t1 + 1)) {
         KVMEM_RETURN_IF_ERROR(to_status(cudaEventRecord(side.fork, exec.stream), "cudaEventRecord (fork)"));
         KVMEM_RETURN_IF_ERROR(to_status(cudaStreamWaitEvent(side.stream, side.fork, 0), "cudaStreamWaitEvent (fork)"));
-        KVMEM_RETURN_IF_ERROR(select_update(Executor{side.stream}, cov, slots, pending));
+        KVMEM_RETURN_IF_ERROR(update_select(Executor{side.stream}, d, p, items, cov, slots, pending));
         KVMEM_RETURN_IF_ERROR(to_status(cudaEventRecord(side.join, side.stream), "cudaEventRecord (join)"));
         selected = true;
       }
@@ -839,7 +767,7 @@ Status kvm_run(const Executor& exec, KvmState<S, A>& state, const KvmWeights& w,
             }
             on = exec.stream;
           } else if (detach) {  // a window that starts before this call: the ring, in chain order
-            KVMEM_RETURN_IF_ERROR(chain_waits_copies());
+            KVMEM_RETURN_IF_ERROR(chain_waits_aux(0));
           }
           readout.tc<<<static_cast<unsigned>(grid), kTcThreads, readout.tc_bytes, on>>>(d, src, q.data(), out.data(),
                                                                                          T, n0, t0, t1, wb, readout_slots);
@@ -860,7 +788,6 @@ Status kvm_run(const Executor& exec, KvmState<S, A>& state, const KvmWeights& w,
         KVMEM_CUDA_RETURN_IF_LAUNCH_FAILED("kvm attend_rows_kernel");
       }
     }
-    if (build_after_readout) KVMEM_RETURN_IF_ERROR(build(chain.stream));
     t0 = t1;
   }
   if (detach) {  // join: the caller's stream waits for the chain, which waits for the last aux work
@@ -868,7 +795,6 @@ Status kvm_run(const Executor& exec, KvmState<S, A>& state, const KvmWeights& w,
     KVMEM_RETURN_IF_ERROR(record(side.join, side.stream));
     KVMEM_RETURN_IF_ERROR(wait(exec.stream, side.join));
   }
-  if (T == 1) state.built_from_ = n0 + 1;  // the decode step's token is in the key ring only
   state.n_ = n0 + T;
   state.cov_ = cov;
   state.slots_ = slots;

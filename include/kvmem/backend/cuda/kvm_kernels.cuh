@@ -44,7 +44,7 @@ struct DeviceState {
   A* partial;    // [B*Hq, max_splits, Dv + 1] decode split results (o, lse)
   int* counter;  // [B*Hq] decode splits finished this step; the last one merges and resets it to 0
   // Tensor-core routing (bf16 storage, tc_route): khat32 = khat + khat_lo to ~2^-16 (the routing
-  // passes split the tokens' k0 / kg rows into hi/lo operands themselves). khat_lo is nullptr without it.
+  // passes build the tokens' hi/lo operands themselves). khat_lo is nullptr without it.
   bf16* khat_lo;  // [I, cap, D]
   // A prefill call's own inputs (storage type, [I, in_count, *] for positions in_first + r), set
   // for prefills with readouts beside the chain: an update reads the tokens leaving the window
@@ -54,11 +54,6 @@ struct DeviceState {
   const S* in_v;  // [I, in_count, Dv]
   const S* in_g;  // [I, in_count]
   std::int64_t in_first, in_count;
-  // Tensor-core routing: the LN_s statistics (mean, 1 / sqrt(var + eps)) of the tokens [op_first,
-  // op_first + C) of the update a kernel runs for, from which its passes, appends and scatter form
-  // each token's k0 and kg channels (token_operand); nullptr: they read the k0 / kg rows.
-  A* op_stats;  // [I, C, 2]
-  std::int64_t op_first;
   const A* ln_w;   // [D]   caller's device weights, read in place (no per-call copy)
   const A* ln_b;   // [D]
   const A* tau_s;  // [Hq]
@@ -212,27 +207,6 @@ template <class A>
 __device__ inline A gated_key(bool merge_gate_keys, A g, A k0) {
   if constexpr (std::is_same_v<A, float>) return merge_gate_keys ? __fmul_rn(g, k0) : k0;
   return merge_gate_keys ? g * k0 : k0;
-}
-
-// k0 of one channel from the key channel x and its token's LN_s statistics (spec 4.2 step 2): one
-// rounding order for every kernel that forms it, so they all get the same bits.
-template <class A>
-__device__ inline A ln_channel(A x, A mean, A inv, A w, A b) {
-  if constexpr (std::is_same_v<A, float>) return __fmaf_rn(w, __fmul_rn(__fsub_rn(x, mean), inv), b);
-  return w * ((x - mean) * inv) + b;
-}
-
-// Channel d of k0 (gated = false) or kg = g k0 of token c of item i in the update that st describes:
-// formed from the token's key and LN_s statistics where the update has them (tensor-core routing,
-// token_operands_kernel), else read from the item's rows ([C, D]: the prepare pass's k0 or kg).
-template <class S, class A>
-__device__ inline A token_operand(const DeviceState<S, A>& st, const A* rows, std::int64_t i, std::int64_t c,
-                                  std::int64_t d, bool gated, A g) {
-  if (st.op_stats == nullptr) return rows[c * st.D + d];
-  const A* stats = st.op_stats + (i * st.C + c) * 2;
-  const A x = d >= st.rope_dims ? load_as<A>(token_key(st, i, st.op_first + c)[d]) : A(0);  // spec 4.2 step 1
-  const A y = ln_channel(x, stats[0], stats[1], st.ln_w[d], st.ln_b[d]);
-  return gated ? gated_key(st.merge_gate_keys, g, y) : y;
 }
 
 // The gated value vg = g v (spec 4.2 step 3) of one channel. Every pass that gates values (prepare,
@@ -585,9 +559,8 @@ __global__ void update_append_kernel(DeviceState<S, A> st, std::int64_t a, std::
     const std::int64_t t = order[p], j = slots_before + p, sj = i * st.cap + j;
     A* sk = st.sk + sj * D;
     A* sv = st.sv + sj * Dv;
-    const A* krows = (st.gate_appends ? st.kg : st.k0) + i * C * D;
-    const A gk = st.gate_appends ? token_gate(st, i, a + t) : A(0);
-    for (std::int64_t d = lane; d < D; d += 32) sk[d] = token_operand(st, krows, i, t, d, st.gate_appends, gk);
+    const A* ksrc = (st.gate_appends ? st.kg : st.k0) + (i * C + t) * D;
+    for (std::int64_t d = lane; d < D; d += 32) sk[d] = ksrc[d];
     A rho = A(0);
     if (st.gate_appends && kScoresReady) {
       // tensor-core routing has no prepare pass: vg = g v from the token (update_prepare_kernel's
@@ -710,7 +683,7 @@ __device__ void scatter_load_batch(const DeviceState<S, A>& st, std::int64_t i, 
 #pragma unroll
     for (int e = 0; e < kLaneRegs; ++e) {
       const int d = lane + 32 * e;
-      s.kt[u][e] = live && d < D ? token_operand(st, kg, i, c, d, true, g) : A(0);
+      s.kt[u][e] = live && d < D ? kg[c * D + d] : A(0);
       const A x = live && d < Dv ? load_as<A>(vrow[d]) : A(0);
       s.vt[u][e] = gated_value(st.merge_gate_values, g, x);
     }

@@ -69,77 +69,6 @@ constexpr std::size_t rt_shared_bytes() {
   return ptx::shared_bytes_of_either_path(rt_swizzled_bytes<kD, kTerms>(), rt_padded_bytes<kD, kTerms>());
 }
 
-// The LN_s statistics of the tokens' keys for tensor-core routing (spec 4.2): mean and 1 / sqrt(var +
-// eps) of each token, [I, C, 2] at `stats` (row c = p mod C). From them and the key, every pass of the
-// update, the appends and the scatter form the token's k0 and kg channel by channel (token_operand,
-// ln_channel): no fp32 k0 / kg rows in memory, and no reductions on the update chain. The statistics
-// depend only on the key, not on the state, so a prefill computes each chunk's as it ingests the chunk,
-// beside the update chain, into the chunk's slot of the state's ring (KvmState::create); an update
-// whose tokens were not ingested so (decode steps ingest one token at a time) computes them on its
-// chain first. One kernel for both: prefill and decode route bitwise alike. with_rows: also the kg
-// rows of the update workspace (st.kg), for the memory-form scatter of values wider than 128.
-// Tokens [t0, t1) of one chunk. Lane (r, quad) of a warp of 16 tokens takes tokens r and r + 8, dims
-// kk*16 + 8m + 2 quad + {0, 1} (m = 0, 1), so the reductions run over the quad with two xor shuffles.
-// grid (I, ceil((t1 - t0) / kRtTokens)), block 32 * kRtWarps.
-template <int kD>
-__global__ void __launch_bounds__(32 * kRtWarps)
-    token_operands_kernel(DeviceState<bf16, float> st, float* stats, std::int64_t t0, std::int64_t t1,
-                          bool with_rows) {
-  constexpr int kK = kD / 16;
-  const std::int64_t i = blockIdx.x, C = st.C;
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, quad = lane % 4, r = lane / 4;
-  const std::int64_t first = t0 + std::int64_t(blockIdx.y) * kRtTokens + warp * 16;  // the warp's first token
-  if (first >= t1) return;                                                           // warp-uniform
-#pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    // a token past t1 (quad-uniform) computes the last one's statistics, for the shuffles, and stores nothing
-    const std::int64_t p = first + r + 8 * h < t1 ? first + r + 8 * h : t1 - 1;
-    const bool store = first + r + 8 * h < t1;
-    const std::uint32_t* kw = reinterpret_cast<const std::uint32_t*>(token_key(st, i, p));
-    float x[kK][4];
-    float sum = 0.0f;
-#pragma unroll
-    for (int kk = 0; kk < kK; ++kk)
-#pragma unroll
-      for (int m = 0; m < 2; ++m) {
-        const std::uint32_t w = kw[kk * 8 + 4 * m + quad];
-        const int d = kk * 16 + 8 * m + 2 * quad;
-        x[kk][2 * m] = d >= st.rope_dims ? __uint_as_float(w << 16) : 0.0f;  // spec 4.2 step 1
-        x[kk][2 * m + 1] = d + 1 >= st.rope_dims ? __uint_as_float(w & 0xffff0000u) : 0.0f;
-        sum += x[kk][2 * m] + x[kk][2 * m + 1];
-      }
-    sum += __shfl_xor_sync(0xffffffffu, sum, 1);
-    sum += __shfl_xor_sync(0xffffffffu, sum, 2);
-    const float mean = sum / static_cast<float>(kD);
-    float var = 0.0f;
-#pragma unroll
-    for (int kk = 0; kk < kK; ++kk)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const float dv = x[kk][e] - mean;
-        var += dv * dv;
-      }
-    var += __shfl_xor_sync(0xffffffffu, var, 1);
-    var += __shfl_xor_sync(0xffffffffu, var, 2);
-    const float inv = 1.0f / sqrtf(var / static_cast<float>(kD) + st.eps);
-    if (!store) continue;
-    const std::int64_t row = i * C + p % C;
-    if (quad == 0) *reinterpret_cast<float2*>(stats + 2 * row) = make_float2(mean, inv);
-    if (!with_rows) continue;
-    const float g = token_gate(st, i, p);
-#pragma unroll
-    for (int kk = 0; kk < kK; ++kk)
-#pragma unroll
-      for (int m = 0; m < 2; ++m) {
-        const int d = kk * 16 + 8 * m + 2 * quad;
-        const float y0 = ln_channel(x[kk][2 * m], mean, inv, st.ln_w[d], st.ln_b[d]);
-        const float y1 = ln_channel(x[kk][2 * m + 1], mean, inv, st.ln_w[d + 1], st.ln_b[d + 1]);
-        *reinterpret_cast<float2*>(st.kg + row * kD + d) =
-            make_float2(gated_key(st.merge_gate_keys, g, y0), gated_key(st.merge_gate_keys, g, y1));
-      }
-  }
-}
-
 // What a pass computes (argmax: the first slot of the largest value, the host's sequential scan).
 // An update that appends scans the pre-update slots once: with g > 0, argmax_j kg . K^+_j equals
 // argmax_j k0 . K^+_j (spec 4.5), and merges change no slot before the routes are taken, so the
@@ -153,9 +82,10 @@ enum RtMode : int {
                     // st.target[c] = that argmax of k0_c . K^+_j if its value exceeds st.rbest[c]
 };
 
-// The token operands, k0 (novelty and appended-slot passes) or kg (routing pass) of the update's tokens
-// [st.op_first, + C), are formed from their keys and the LN_s statistics token_operands_kernel computed
-// when the tokens were ingested (no reductions here), and split into hi/lo A fragments.
+// The token operands are built here, in the A fragment layout, from the keys of the update's tokens
+// [a, a + C): k0 = LN_s of the key, kg = g k0 (spec 4.2), no prepare pass and no hi/lo rows in memory.
+// kRtNovelty and kRtRoute also write the fp32 kg rows (and k0 rows for ungated appends) that the
+// appends and the scatter add, so every consumer of a token's kg sees the same values.
 // kRtRoute writes every token's target (an update without appends merges every token).
 // Block b takes item b / tb, tokens [(b % tb) kRtTokens, +kRtTokens) with tb = ceil(C / kRtTokens): the
 // token blocks of one item are adjacent in launch order, so the later ones find the item's slots in L2
@@ -163,7 +93,7 @@ enum RtMode : int {
 // grid (I tb), block 32 * kRtWarps, dynamic smem rt_shared_bytes; needs C % 16 == 0.
 template <int kD, int kTerms, int kMode>
 __global__ void __launch_bounds__(32 * kRtWarps, 2)
-    update_tc_scores_kernel(DeviceState<bf16, float> st, std::int64_t j0, std::int64_t j1) {
+    update_tc_scores_kernel(DeviceState<bf16, float> st, std::int64_t a, std::int64_t j0, std::int64_t j1) {
   using namespace ptx;
   constexpr int kParts = kTerms == 3 ? 2 : 1;  // hi (and lo) tiles per stage
   constexpr int kK = kD / 16;                  // k-steps
@@ -229,28 +159,53 @@ __global__ void __launch_bounds__(32 * kRtWarps, 2)
     }
   if (active) {
     // lane (r, quad) holds, of token c0 + r (h = 0) and c0 + r + 8 (h = 1), dims kk*16 + 8m + 2 quad
-    // + {0, 1} (m = 0, 1) of its k0 (novelty, appended slots) or kg (routing), formed from its key and
-    // the LN_s statistics of token_operands_kernel as token_operand forms them
+    // + {0, 1} (m = 0, 1): the four lanes of a quad hold the token's kD dims, so LN_s reduces over
+    // the quad (two xor shuffles) with the 16 tokens of the warp side by side
+    const bool rows = kMode != kRtRouteNew;  // the pass that sees the tokens first writes their rows
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-      const std::int64_t c = c0 + r + 8 * h, p = st.op_first + c;
+      const std::int64_t c = c0 + r + 8 * h, p = a + c;
       const std::uint32_t* kw = reinterpret_cast<const std::uint32_t*>(token_key(st, i, p));
-      const float2 ms = *reinterpret_cast<const float2*>(st.op_stats + 2 * (i * C + c));  // mean, 1 / sd
-      const float g = kMode == kRtRoute ? token_gate(st, i, p) : 0.0f;
+      float x[kK][4];
+      float sum = 0.0f;
 #pragma unroll
       for (int kk = 0; kk < kK; ++kk)
 #pragma unroll
         for (int m = 0; m < 2; ++m) {
           const std::uint32_t w = kw[kk * 8 + 4 * m + quad];
           const int d = kk * 16 + 8 * m + 2 * quad;
-          const float x0 = d >= st.rope_dims ? __uint_as_float(w << 16) : 0.0f;  // spec 4.2 step 1
-          const float x1 = d + 1 >= st.rope_dims ? __uint_as_float(w & 0xffff0000u) : 0.0f;
-          float o0 = ln_channel(x0, ms.x, ms.y, st.ln_w[d], st.ln_b[d]);  // k0 (spec 4.2 step 2)
-          float o1 = ln_channel(x1, ms.x, ms.y, st.ln_w[d + 1], st.ln_b[d + 1]);
-          if (kMode == kRtRoute) {  // kg (step 3)
-            o0 = gated_key(st.merge_gate_keys, g, o0);
-            o1 = gated_key(st.merge_gate_keys, g, o1);
-          }
+          x[kk][2 * m] = d >= st.rope_dims ? __uint_as_float(w << 16) : 0.0f;  // spec 4.2 step 1
+          x[kk][2 * m + 1] = d + 1 >= st.rope_dims ? __uint_as_float(w & 0xffff0000u) : 0.0f;
+          sum += x[kk][2 * m] + x[kk][2 * m + 1];
+        }
+      sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+      sum += __shfl_xor_sync(0xffffffffu, sum, 2);
+      const float mean = sum / static_cast<float>(kD);
+      float var = 0.0f;
+#pragma unroll
+      for (int kk = 0; kk < kK; ++kk)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const float dv = x[kk][e] - mean;
+          var += dv * dv;
+        }
+      var += __shfl_xor_sync(0xffffffffu, var, 1);
+      var += __shfl_xor_sync(0xffffffffu, var, 2);
+      const float inv = 1.0f / sqrtf(var / static_cast<float>(kD) + st.eps);
+      const float g = token_gate(st, i, p);
+      float* kg_row = st.kg + (i * C + c) * kD;
+      float* k0_row = st.k0 + (i * C + c) * kD;
+#pragma unroll
+      for (int kk = 0; kk < kK; ++kk)
+#pragma unroll
+        for (int m = 0; m < 2; ++m) {
+          const int d = kk * 16 + 8 * m + 2 * quad;
+          const float y0 = st.ln_w[d] * ((x[kk][2 * m] - mean) * inv) + st.ln_b[d];  // k0 (spec 4.2 step 2)
+          const float y1 = st.ln_w[d + 1] * ((x[kk][2 * m + 1] - mean) * inv) + st.ln_b[d + 1];
+          const float g0 = gated_key(st.merge_gate_keys, g, y0), g1 = gated_key(st.merge_gate_keys, g, y1);
+          if (rows) *reinterpret_cast<float2*>(kg_row + d) = make_float2(g0, g1);
+          if (kMode == kRtNovelty && !st.gate_appends) *reinterpret_cast<float2*>(k0_row + d) = make_float2(y0, y1);
+          const float o0 = kMode == kRtRoute ? g0 : y0, o1 = kMode == kRtRoute ? g1 : y1;  // kg or k0
           const __nv_bfloat162 hi = __floats2bfloat162_rn(o0, o1);
           ahi[kk][h + 2 * m] = *reinterpret_cast<const std::uint32_t*>(&hi);
           if constexpr (kTerms == 3) {
