@@ -47,7 +47,7 @@
 // The decay of a set made of the built-in gates (any of QueryGate, KeyGate, SimilarityGate) is evaluated in
 // base 2 with the per-key and per-position terms scaled once per entry / row: log2 x = q_m + k_j +
 // (2 n_sim / |set|) log2 c_jm, x = 2^(log2 x), A = log1p(-min(x, 1 - 1e-6)): the spec's x and A (4.1) to
-// within a few ulp of x (as the natural-log fold), A within 1.1e-7 absolute (dense_log1p), one fused
+// within a few ulp of x (as the natural-log fold), A within 1.4e-7 absolute (dense_log1m), one fused
 // multiply-add per pair instead of a division by |set|, and no branches, so the compiler interleaves the
 // pairs. Any other set goes through the shared fold (kernel/ua_decay.hpp) pair by pair.
 
@@ -144,19 +144,21 @@ constexpr std::size_t dense_shared_bytes() {
     return UaDenseLayout<kD>::kBytes;
 }
 
-// log1p(y) for y in [-(1 - 1e-6), 0]: u = 1 + y and c = y - (u - 1), the rounding of u (exact: u - 1 is exact
-// for u in [1/2, 1], and u itself below 1/2, where c = 0), then log1p(y) = log(u) + log(1 + c / u) with
-// log(u) = ln 2 lg2.approx(u) and c / u as c (2 - u) (off by c (1 - u)^2 / u, below 2^-25). lg2.approx's
-// error is absolute, 2^-22.6: the result is within 1.1e-7 of log1p (absolute; relative only where |A| is
-// above about 0.1) and at most 0. What it feeds is the λ carry, a sum of A whose own
-// rounding is ulp(λ) / 2 per row, 1.2e-7 once |λ| reaches 2: an absolute error of 1.1e-7 per A is of that
-// order, and moves a softmax weight by 1.1e-7 relative per row of decay, far below the rounding of the
-// probabilities to bf16 (2^-9) before P V. 7 instructions a pair instead of 25 (the range reduction and
-// the atanh series of a relatively accurate log1p): the decay fold was the largest part of a step.
-__device__ inline float dense_log1p(float y) {
-  const float u = 1.0f + y;
-  const float c = y - (u - 1.0f);
-  return fminf(fmaf(c, 2.0f - u, 0.693147180559945309f * ptx::lg2_approx_ftz(u)), 0.0f);
+// log1p(-m) for m in [0, 1 - 1e-6]: u = 1 - m and c = (1 - u) - m, the rounding of u (exact, Fast2Sum: 1 - u
+// is exact for u in [1/2, 1], and u itself below 1/2, where c = 0), then log1p(-m) = log(u) + log(1 + c / u)
+// with log(u) = ln 2 lg2.approx(u) and log(1 + c / u) as c (off by c (1 - u) / u + O(c^2), below 2^-25:
+// |c| <= 2^-25 where it is not 0). lg2.approx's error is absolute, 2^-22.6: the result is within 1.4e-7 of
+// log1p(-m) (absolute; relative only where |A| is above about 0.1) and at most 0; a tiny m (u = 1) gives
+// -m exactly. What it feeds is the λ carry, a sum of A whose own rounding is ulp(λ) / 2 per row, 1.2e-7
+// once |λ| reaches 2: an absolute error of 1.4e-7 per A is of that order, and moves a softmax weight by
+// 1.4e-7 relative per row of decay, far below the rounding of the probabilities to bf16 (2^-9) before P V.
+// 5 instructions a pair (three adds, lg2, one fused multiply-add, and the clamp) instead of 25 (the range
+// reduction and the atanh series of a relatively accurate log1p): the decay fold is the largest part of a
+// step's arithmetic. The earlier form c (2 - u) for log(1 + c / u) (within 1.1e-7) took two more.
+__device__ inline float dense_log1m(float m) {
+  const float u = 1.0f - m;
+  const float c = (1.0f - u) - m;
+  return fminf(fmaf(0.693147180559945309f, ptx::lg2_approx_ftz(u), c), 0.0f);
 }
 
 // log2 sigmoid(z) = -log2(1 + 2^t), t = -z log2 e, as -(max(t, 0) + log2(1 + 2^-|t|)) (no overflow) with
@@ -196,15 +198,16 @@ struct DenseFold<decay::Set<G...>> {
   // (exp2f differs only there, by three more instructions a pair): A then moves by less than 2^-126.
   // lg2 flushes similarities below 2^-126 to 0 (log2 -> -inf, x -> 0, A -> 0): such a similarity has x
   // below 2^-84 (2^(-126 * 2 n_sim / |set|)), so A moves by less than 2^-84.
-  // log1p to within 1.1e-7 absolute (dense_log1p).
+  // relu(c)^2 = 0 -> x = 0 -> A = 0 exactly: the similarity is clamped at 0 before lg2 (log2 0 = -inf, so
+  // x = 2^-inf = 0, u = 1, c = 0, lg2 1 = 0: A = 0 exactly, also for a NaN similarity, as fmaxf drops it);
+  // one max a pair instead of a compare and a select after the log1p.
+  // log1p to within 1.4e-7 absolute (dense_log1m).
   __device__ static float decay(float similarity, float gate_log2) {
     float log2_x = gate_log2;
     if constexpr (kSim > 0) {
-      log2_x = fmaf(kSimScale, ptx::lg2_approx_ftz(similarity), log2_x);
+      log2_x = fmaf(kSimScale, ptx::lg2_approx_ftz(fmaxf(similarity, 0.0f)), log2_x);
     }
-    const float a = dense_log1p(-fminf(ptx::ex2_approx_ftz(log2_x), 1.0f - float(decay::kClampEps)));
-    if constexpr (kSim > 0) return similarity > 0.0f ? a : 0.0f;  // relu(c)^2 = 0 -> x = 0 -> A = 0 exactly
-    return a;
+    return dense_log1m(fminf(ptx::ex2_approx_ftz(log2_x), 1.0f - float(decay::kClampEps)));
   }
 };
 
@@ -568,31 +571,44 @@ __device__ __forceinline__ void dense_prefill_row_tile(const DeviceCache<bf16>& 
         for (int kb = 0; kb < kD / 16; ++kb) {
           std::uint32_t fa[4];
           ldmatrix_x4(fa, ks + L::tile_offset(eb + lane % 16, 2 * kb + lane / 16));
+          // the row tile's keys as B fragments: two 8-row tiles per ldmatrix_x4 (lanes 16-31 address the
+          // second), one x2 for an odd last one
 #pragma unroll
-          for (int nt = 0; nt < nts; ++nt) {
+          for (int nt = 0; nt + 1 < nts; nt += 2) {
+            std::uint32_t fb[4];
+            ldmatrix_x4(fb, nk + (8 * (nt + lane / 16) + lane % 8) * L::kKPitch + 16 * kb + 8 * ((lane / 8) % 2));
+            mma_bf16_16816(sim[nt], fa, fb[0], fb[1]);
+            mma_bf16_16816(sim[nt + 1], fa, fb[2], fb[3]);
+          }
+          if constexpr (nts % 2) {
             std::uint32_t b0, b1;
-            ldmatrix_x2(b0, b1, nk + (8 * nt + lane % 8) * L::kKPitch + 16 * kb + 8 * ((lane / 8) % 2));
-            mma_bf16_16816(sim[nt], fa, b0, b1);
+            ldmatrix_x2(b0, b1, nk + (8 * (nts - 1) + lane % 8) * L::kKPitch + 16 * kb + 8 * ((lane / 8) % 2));
+            mma_bf16_16816(sim[nts - 1], fa, b0, b1);
           }
         }
       }
+      // the lane's two rows of an accumulator tile are adjacent in the entry's row of A: one 8-byte store
       const auto fold = [&](auto masked) {
 #pragma unroll
         for (int nt = 0; nt < nts; ++nt) {
 #pragma unroll
-          for (int x = 0; x < 4; ++x) {
-            const int hf = x / 2, i = 8 * nt + 2 * t4 + x % 2, e = eb + qr + 8 * hf;
-            float a_em;
-            if constexpr (Fold::kLog2) {
-              a_em = Fold::decay(sim[nt][x], s_rgate[i] + e_gate[hf]);
-            } else {
-              a_em = kernel::ua::decay_from_similarity<Set, float>(sim[nt][x], e_gate[hf], e_part[hf], e_pos[hf],
-                                                                   s_rgate[i], s_rpart[i], row_pos0 + i);
+          for (int hf = 0; hf < 2; ++hf) {
+            const int i0 = 8 * nt + 2 * t4, e = eb + qr + 8 * hf;
+            float a_em[2];
+#pragma unroll
+            for (int x = 0; x < 2; ++x) {
+              const int i = i0 + x;
+              if constexpr (Fold::kLog2) {
+                a_em[x] = Fold::decay(sim[nt][2 * hf + x], s_rgate[i] + e_gate[hf]);
+              } else {
+                a_em[x] = kernel::ua::decay_from_similarity<Set, float>(sim[nt][2 * hf + x], e_gate[hf], e_part[hf],
+                                                                        e_pos[hf], s_rgate[i], s_rpart[i], row_pos0 + i);
+              }
+              // evaluated for every element and then selected (entries past the range have no rows after
+              // them: A = 0); rows past the call get A = 0 too
+              if constexpr (decltype(masked)::value) a_em[x] = (i >= e_first[hf] && i < nr) ? a_em[x] : 0.0f;
             }
-            // evaluated for every element and then selected (entries past the range have no rows after
-            // them: A = 0); rows past the call get A = 0 too
-            if constexpr (decltype(masked)::value) a_em = (i >= e_first[hf] && i < nr) ? a_em : 0.0f;
-            at[e * L::kAPitch + i] = a_em;
+            *reinterpret_cast<float2*>(at + e * L::kAPitch + i0) = make_float2(a_em[0], a_em[1]);
           }
         }
       };
