@@ -483,6 +483,22 @@ __device__ __forceinline__ void dense_prefill_row_tile(const DeviceCache<bf16>& 
     if constexpr (kWg) fence_proxy_async_shared();
 #endif
   };
+  // sm_90a: P V of a step (wgmma, P from these registers) stays in flight into the next step, through its
+  // gates, metadata and λ acquire, up to barrier 1, after which the value tile is overwritten; its
+  // accumulators O are next touched after barrier 2. finish_pv waits for it (a no-op with none in flight)
+  // and keeps P's registers untouched until then.
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  std::uint32_t pv_a[kDnEntries / 16][4] = {};
+#endif
+  const auto finish_pv = [&] {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    if constexpr (kWg) {
+      wgmma_wait<0>();
+      wgmma_fence_operands(o);
+      wgmma_fence_operands(pv_a);
+    }
+#endif
+  };
   // entry tiles newest first: step s handles entry tile n_etiles - 1 - s, keys in buffer s & 1
   const int n_etiles = (e_total + kDnEntries - 1) / kDnEntries;
   const int n_etiles_prev = (e_prev + kDnEntries - 1) / kDnEntries;  // row tile k - 1's
@@ -518,6 +534,7 @@ __device__ __forceinline__ void dense_prefill_row_tile(const DeviceCache<bf16>& 
         while ((seen = load_acquire(done_mine - 1)) < need) __nanosleep(32);
       c_lam = __ldcg(lambda + e0 + ce);  // another block wrote it: read through L2
     }
+    finish_pv();
     // key tile et and its gates are in shared memory (the first time, nk and the row gates too); every
     // warp is past step - 1, so the value tile, the other key buffer and the Λ tile are free
     __syncthreads();
@@ -714,7 +731,7 @@ __device__ __forceinline__ void dense_prefill_row_tile(const DeviceCache<bf16>& 
 #pragma unroll
         for (int j = 0; j < kDnEntries / 8; ++j) s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.0f;
       }
-      std::uint32_t pa[kDnEntries / 16][4];
+      std::uint32_t(&pa)[kDnEntries / 16][4] = pv_a;
 #pragma unroll
       for (int kk = 0; kk < kDnEntries / 16; ++kk) {
         l_lo += (s[2 * kk][0] + s[2 * kk][1]) + (s[2 * kk + 1][0] + s[2 * kk + 1][1]);
@@ -734,10 +751,7 @@ __device__ __forceinline__ void dense_prefill_row_tile(const DeviceCache<bf16>& 
         else
           wgmma_m64n64k16_rs_mn(o, pa[kk], vdesc);
       }
-      wgmma_commit();
-      wgmma_wait<0>();
-      wgmma_fence_operands(o);
-      wgmma_fence_operands(pa);
+      wgmma_commit();  // waited for before the next step's barrier 1 (finish_pv)
     } else
 #endif
 #pragma unroll 1
@@ -768,6 +782,8 @@ __device__ __forceinline__ void dense_prefill_row_tile(const DeviceCache<bf16>& 
       }
     }
   }
+
+  finish_pv();
 
   // 4. normalise, output gate, write y and lse (the quad's partial sums in a fixed order). The row's
   //    indices come again from the ticket in shared memory (a volatile load, so the compiler does not
