@@ -525,14 +525,16 @@ __device__ __forceinline__ void dense_prefill_row_tile(const DeviceCache<bf16>& 
       if (et > 0) load_meta(e0 - kDnEntries, nx_logit, nx_pos);
     }
     // the carrier's incoming λ, loaded now so the L2 latency overlaps the decay below. λ of an entry
-    // before row r0 comes from the previous row tile: acquire its progress counter first (rarely waits:
-    // the predecessor started earlier and walks the same tiles in the same order, the newest first).
+    // before row r0 comes from the previous row tile: acquire its progress counter first. The predecessor
+    // walks the same tiles in the same order, the newest first, about one decay ahead of this block, so it
+    // has often not yet published this tile: then the carrier does not wait here, where the whole block
+    // would wait for it at barrier 1, but after its decay (step 2), which gives the predecessor that time.
     float c_lam = 0.0f;
-    if (carrier && e0 + ce < e_prev) {  // not one of this tile's own keys (those start at λ = 0)
-      const int need = n_etiles_prev - et;
-      if (has_prev && seen < need)
-        while ((seen = load_acquire(done_mine - 1)) < need) __nanosleep(32);
-      c_lam = __ldcg(lambda + e0 + ce);  // another block wrote it: read through L2
+    const bool lam_from_prev = carrier && e0 + ce < e_prev;  // not one of this tile's own keys (λ = 0)
+    const int need = n_etiles_prev - et;
+    if (lam_from_prev) {
+      if (has_prev && seen < need) seen = load_acquire(done_mine - 1);
+      if (!has_prev || seen >= need) c_lam = __ldcg(lambda + e0 + ce);  // another block wrote it: through L2
     }
     finish_pv();
     // key tile et and its gates are in shared memory (the first time, nk and the row gates too); every
@@ -644,6 +646,10 @@ __device__ __forceinline__ void dense_prefill_row_tile(const DeviceCache<bf16>& 
     //    entry (a call key's row n + t is its row after this call), read through L2 (ld.cg): another
     //    block wrote it.
     if (carrier) {
+      if (lam_from_prev && has_prev && seen < need) {  // the predecessor had not published the tile yet
+        while ((seen = load_acquire(done_mine - 1)) < need) __nanosleep(32);
+        c_lam = __ldcg(lambda + e0 + ce);
+      }
       const int idx = e0 + ce;
       const float4* col = reinterpret_cast<const float4*>(at + ce * L::kAPitch);
       float* lam_col = lt + ce;  // the entry's column of the Λ tile, rows kLPitch apart
