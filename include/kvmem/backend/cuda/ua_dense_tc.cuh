@@ -749,19 +749,23 @@ __device__ __forceinline__ void dense_prefill_row_tile(const DeviceCache<bf16>& 
       }
       // every warp takes part in P V (one instruction of the warpgroup): a warp whose weights all
       // underflow gives P = 0, which adds exact zeros to l and O as the skip on mma.sync leaves them
-      if (!online_softmax(s)) {
-#pragma unroll
-        for (int j = 0; j < kDnEntries / 8; ++j) s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.0f;
-      }
+      // (P = 0 is set directly, without the sums of l, which would add exact zeros, and the packs: with the
+      // newest entries first, most steps of a long row tile are past the decay's reach, 64 instructions a
+      // warp fewer on each)
       std::uint32_t(&pa)[kDnEntries / 16][4] = pv_a;
+      if (online_softmax(s)) {
 #pragma unroll
-      for (int kk = 0; kk < kDnEntries / 16; ++kk) {
-        l_lo += (s[2 * kk][0] + s[2 * kk][1]) + (s[2 * kk + 1][0] + s[2 * kk + 1][1]);
-        l_hi += (s[2 * kk][2] + s[2 * kk][3]) + (s[2 * kk + 1][2] + s[2 * kk + 1][3]);
-        pa[kk][0] = pack_bf16(s[2 * kk][0], s[2 * kk][1]);
-        pa[kk][1] = pack_bf16(s[2 * kk][2], s[2 * kk][3]);
-        pa[kk][2] = pack_bf16(s[2 * kk + 1][0], s[2 * kk + 1][1]);
-        pa[kk][3] = pack_bf16(s[2 * kk + 1][2], s[2 * kk + 1][3]);
+        for (int kk = 0; kk < kDnEntries / 16; ++kk) {
+          l_lo += (s[2 * kk][0] + s[2 * kk][1]) + (s[2 * kk + 1][0] + s[2 * kk + 1][1]);
+          l_hi += (s[2 * kk][2] + s[2 * kk][3]) + (s[2 * kk + 1][2] + s[2 * kk + 1][3]);
+          pa[kk][0] = pack_bf16(s[2 * kk][0], s[2 * kk][1]);
+          pa[kk][1] = pack_bf16(s[2 * kk][2], s[2 * kk][3]);
+          pa[kk][2] = pack_bf16(s[2 * kk + 1][0], s[2 * kk + 1][1]);
+          pa[kk][3] = pack_bf16(s[2 * kk + 1][2], s[2 * kk + 1][3]);
+        }
+      } else {
+#pragma unroll
+        for (int kk = 0; kk < kDnEntries / 16; ++kk) pa[kk][0] = pa[kk][1] = pa[kk][2] = pa[kk][3] = 0u;
       }
       wgmma_fence();
       const unsigned vs_addr = shared_address(vs_base);
