@@ -259,10 +259,6 @@ __device__ __forceinline__ void dense_prefill_row_tile(const DeviceCache<bf16>& 
   __shared__ float s_egate[kDnEntries], s_epart[kDnEntries];
   __shared__ long long s_epos[kDnEntries];
   __shared__ int s_efirst[kDnEntries];
-#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-  // per warp: the largest λ its carriers bring into the entry tile (the skip of step 3, sm_90a)
-  __shared__ float s_lam_bound[kDnWarps];
-#endif
 
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, qr = lane / 4, t4 = lane % 4;
   const std::int64_t k = *s_ticket / items, item = *s_ticket % items;
@@ -541,30 +537,15 @@ __device__ __forceinline__ void dense_prefill_row_tile(const DeviceCache<bf16>& 
       if (et > 0) load_meta(e0 - kDnEntries, nx_logit, nx_pos);
     }
     // the carrier's incoming λ, loaded now so the L2 latency overlaps the decay below. λ of an entry
-    // before row r0 comes from the previous row tile: acquire its progress counter first. The predecessor
-    // walks the same tiles in the same order, the newest first, about one decay ahead of this block, so it
-    // has often not yet published this tile: then the carrier does not wait here, where the whole block
-    // would wait for it at barrier 1, but after its decay (step 2), which gives the predecessor that time.
+    // before row r0 comes from the previous row tile: acquire its progress counter first (rarely waits:
+    // the predecessor started earlier and walks the same tiles in the same order, the newest first).
     float c_lam = 0.0f;
-    const bool lam_from_prev = carrier && e0 + ce < e_prev;  // not one of this tile's own keys (λ = 0)
-    const int need = n_etiles_prev - et;
-    if (lam_from_prev) {
-      if (has_prev && seen < need) seen = load_acquire(done_mine - 1);
-      if (!has_prev || seen >= need) c_lam = __ldcg(lambda + e0 + ce);  // another block wrote it: through L2
+    if (carrier && e0 + ce < e_prev) {  // not one of this tile's own keys (those start at λ = 0)
+      const int need = n_etiles_prev - et;
+      if (has_prev && seen < need)
+        while ((seen = load_acquire(done_mine - 1)) < need) __nanosleep(32);
+      c_lam = __ldcg(lambda + e0 + ce);  // another block wrote it: read through L2
     }
-#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-    if constexpr (kWg) {
-      // a bound on the tile's Λ for the skip of step 3: Λ(i, e) <= the λ entry e brings in (A <= 0, and
-      // fp32 adds of numbers <= 0 never raise a sum), 0 for the tile's own keys (λ starts at 0), -inf past
-      // the range; +inf (no skip) where the carrier has not loaded it yet (the predecessor was late)
-      float bound = negative_infinity<float>();
-      if (carrier && e0 + ce < e_total)
-        bound = !lam_from_prev ? 0.0f : (!has_prev || seen >= need) ? c_lam : -negative_infinity<float>();
-#pragma unroll
-      for (int x = 16; x >= 1; x /= 2) bound = fmaxf(bound, __shfl_xor_sync(0xffffffffu, bound, x));
-      if (lane == 0) s_lam_bound[warp] = bound;
-    }
-#endif
     finish_pv();
     // key tile et and its gates are in shared memory (the first time, nk and the row gates too); every
     // warp is past step - 1, so the value tile, the other key buffer and the Λ tile are free
@@ -675,10 +656,6 @@ __device__ __forceinline__ void dense_prefill_row_tile(const DeviceCache<bf16>& 
     //    entry (a call key's row n + t is its row after this call), read through L2 (ld.cg): another
     //    block wrote it.
     if (carrier) {
-      if (lam_from_prev && has_prev && seen < need) {  // the predecessor had not published the tile yet
-        while ((seen = load_acquire(done_mine - 1)) < need) __nanosleep(32);
-        c_lam = __ldcg(lambda + e0 + ce);
-      }
       const int idx = e0 + ce;
       const float4* col = reinterpret_cast<const float4*>(at + ce * L::kAPitch);
       float* lam_col = lt + L::lam_column(ce);  // the entry's column of the Λ tile, rows kLPitch apart
@@ -721,34 +698,8 @@ __device__ __forceinline__ void dense_prefill_row_tile(const DeviceCache<bf16>& 
 #else
     cp_async_wait<1>();  // this thread's part of value tile et has landed (the next key tile may not)
 #endif
-    // sm_90a: is every weight of this warp's rows in the tile exactly 0? The logits fl(s + Λ) are at most
-    // fl(s_max + Λ bound) (rounding is monotone), so when that is below the underflow against each row's
-    // running maximum, step 3 would leave m, l and O as they are (its exps give 0, P V adds zeros). When
-    // it holds for the whole block (barrier 2 ands it), step 3 is skipped: with the newest entries first,
-    // most steps of a long row tile are past the decay's reach. A row with no maximum yet (-inf) never
-    // passes (the test is then NaN or +inf).
-    int past_reach = 0;
-#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-    if constexpr (kWg) {
-      const float4 wb = *reinterpret_cast<const float4*>(s_lam_bound);
-      const float lam_bound = fmaxf(fmaxf(wb.x, wb.y), fmaxf(wb.z, wb.w));
-      float smax_lo = negative_infinity<float>(), smax_hi = negative_infinity<float>();
-#pragma unroll
-      for (int j = 0; j < kDnEntries / 8; ++j) {
-        smax_lo = fmaxf(smax_lo, fmaxf(s_tile[j][0], s_tile[j][1]));
-        smax_hi = fmaxf(smax_hi, fmaxf(s_tile[j][2], s_tile[j][3]));
-      }
-      past_reach = fmaf(smax_lo + lam_bound, kLog2eFloat, -m_lo * kLog2eFloat) < kDnUnderflowLog2 &&
-                   fmaf(smax_hi + lam_bound, kLog2eFloat, -m_hi * kLog2eFloat) < kDnUnderflowLog2;
-    }
-#endif
     copies_to_tensor_cores();
-    // Λ tile complete, λ of this entry tile stored, value tile et in shared memory
-    bool block_past_reach = false;
-    if constexpr (kWg)
-      block_past_reach = __syncthreads_and(past_reach) != 0;
-    else
-      __syncthreads();
+    __syncthreads();     // Λ tile complete, λ of this entry tile stored, value tile et in shared memory
     // publish: the barrier orders the carriers' λ stores before this thread's fence, which makes them
     // visible device-wide before the counter (the pattern of a grid-wide barrier). The last lane is no
     // carrier and has no global stores in flight of its own.
@@ -776,7 +727,6 @@ __device__ __forceinline__ void dense_prefill_row_tile(const DeviceCache<bf16>& 
       // m64nDk16 with P from registers and the value tile read MN-major (k16 slice kk: rows 16 kk..,
       // column blocks of 64 values kDnEntries rows apart). No ldmatrix -> mma chains: a warp issues 8 + 4
       // instructions per tile for the two products instead of 128 mma and 64 ldmatrix.
-      if (block_past_reach) continue;  // every weight of the block's rows is 0: nothing to add
       float(&s)[kDnEntries / 8][4] = s_tile;
 #pragma unroll
       for (int j = 0; j < kDnEntries / 8; j += 2) {  // accumulator pairs j and j + 1: 4 adjacent columns
