@@ -43,6 +43,9 @@
 // runs on the tensor cores during the decay and the carry, Λ is added to it after barrier 2, then the
 // online softmax and P V (P from registers). Q lives in shared memory and the key tiles in one buffer, so
 // that three blocks share an SM as on mma.sync: 10.99 vs 12.11 ms at 8K (ua_cuda_2026-11-30_h200_uawg.md).
+// Then, with fewer instructions per decay pair (dense_log1m, the similarity clamped before lg2), P V left in
+// flight up to the next barrier 1, Λ read in 16-byte vectors and P = 0 set without sums on a warp past the
+// decay's reach: 9.53 vs 10.98 ms at 8K (ua_cuda_2026-11-30_h200_uafold.md).
 //
 // The decay of a set made of the built-in gates (any of QueryGate, KeyGate, SimilarityGate) is evaluated in
 // base 2 with the per-key and per-position terms scaled once per entry / row: log2 x = q_m + k_j +
@@ -74,7 +77,7 @@ namespace kvmem::cuda::ua_detail {
 // too, with Q in shared memory (its fragments would take 32 registers) and one key buffer: 10.99 ms at 8K
 // (168 registers, 108 bytes spilled) against 11.70 ms at two blocks per SM with Q's fragments in registers
 // and two key buffers (255 registers, no spill) and 16.49 ms for that code squeezed to three blocks (588
-// bytes spilled; ua_cuda_2026-11-30_h200_uawg.md).
+// bytes spilled; ua_cuda_2026-11-30_h200_uawg.md). Now 168 registers and 24 bytes spilled (sm_90a, D = 128).
 inline constexpr int kDnWarps = 4;
 inline constexpr int kDnThreads = 32 * kDnWarps;
 inline constexpr int kDnPairs = 16 * kDnWarps;    // (head, row) pairs per row tile
@@ -117,7 +120,8 @@ struct UaDenseLayout {
   // 8 j + 2 t4 + {0, 1} and 8 (j + 1) + 2 t4 + {0, 1} (j even), are 4 adjacent columns (lam_column), so a
   // lane reads them as one 16-byte vector (8 loads a step instead of 16); pitch kDnEntries + 16 puts the
   // 2 rows of a quarter warp 16 banks apart. Both: no bank conflicts, and the 16 carriers of a warp store
-  // a row's 16 consecutive entries to 16 distinct banks.
+  // a row's 16 consecutive entries to 16 distinct banks. Within the noise at 8K (10.67 vs 10.70 ms; with
+  // the rest, 9.53 ms, against 9.57 ms without it and P V's overlap: ua_cuda_2026-11-30_h200_uafold.md).
   static constexpr int kLPitch = kDnEntries + (kSwizzled ? 16 : 8);
   __device__ static int lam_column(int entry) {
     if constexpr (kSwizzled)
@@ -165,7 +169,9 @@ constexpr std::size_t dense_shared_bytes() {
 // 1.4e-7 relative per row of decay, far below the rounding of the probabilities to bf16 (2^-9) before P V.
 // 5 instructions a pair (three adds, lg2, one fused multiply-add, and the clamp) instead of 25 (the range
 // reduction and the atanh series of a relatively accurate log1p): the decay fold is the largest part of a
-// step's arithmetic. The earlier form c (2 - u) for log(1 + c / u) (within 1.1e-7) took two more.
+// step's arithmetic. The earlier form c (2 - u) for log(1 + c / u) (within 1.1e-7) took two more. With the
+// clamp of the similarity (DenseFold::decay), the float2 stores of A and the paired ldmatrix of the fold:
+// 10.83 vs 10.98 ms at 8K (ua_cuda_2026-11-30_h200_uafold.md).
 __device__ inline float dense_log1m(float m) {
   const float u = 1.0f - m;
   const float c = (1.0f - u) - m;
@@ -498,7 +504,8 @@ __device__ __forceinline__ void dense_prefill_row_tile(const DeviceCache<bf16>& 
   // sm_90a: P V of a step (wgmma, P from these registers) stays in flight into the next step, through its
   // gates, metadata and λ acquire, up to barrier 1, after which the value tile is overwritten; its
   // accumulators O are next touched after barrier 2. finish_pv waits for it (a no-op with none in flight)
-  // and keeps P's registers untouched until then.
+  // and keeps P's registers untouched until then. 10.70 vs 10.83 ms at 8K, no more spills
+  // (ua_cuda_2026-11-30_h200_uafold.md).
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   std::uint32_t pv_a[kDnEntries / 16][4] = {};
 #endif
@@ -745,7 +752,8 @@ __device__ __forceinline__ void dense_prefill_row_tile(const DeviceCache<bf16>& 
       // underflow gives P = 0, which adds exact zeros to l and O as the skip on mma.sync leaves them
       // (P = 0 is set directly, without the sums of l, which would add exact zeros, and the packs: with the
       // newest entries first, most steps of a long row tile are past the decay's reach, 64 instructions a
-      // warp fewer on each)
+      // warp fewer on each; 9.57 vs 10.83 ms at 8K, and 0 instead of 108 bytes spilled without P V's
+      // overlap, ua_cuda_2026-11-30_h200_uafold.md)
       std::uint32_t(&pa)[kDnEntries / 16][4] = pv_a;
       if (online_softmax(s)) {
 #pragma unroll
