@@ -44,8 +44,8 @@
 // online softmax and P V (P from registers). Q lives in shared memory and the key tiles in one buffer, so
 // that three blocks share an SM as on mma.sync: 10.99 vs 12.11 ms at 8K (ua_cuda_2026-11-30_h200_uawg.md).
 // Then, with fewer instructions per decay pair (dense_log1m, the similarity clamped before lg2), P V left in
-// flight up to the next barrier 1, Λ read in 16-byte vectors and P = 0 set without sums on a warp past the
-// decay's reach: 9.53 vs 10.98 ms at 8K (ua_cuda_2026-11-30_h200_uafold.md).
+// flight up to the next barrier 1 and P = 0 set without sums on a warp past the decay's reach: 9.40 vs 11.01 ms
+// at 8K (ua_cuda_2026-11-30_h200_uafold.md).
 //
 // The decay of a set made of the built-in gates (any of QueryGate, KeyGate, SimilarityGate) is evaluated in
 // base 2 with the per-key and per-position terms scaled once per entry / row: log2 x = q_m + k_j +
@@ -77,7 +77,7 @@ namespace kvmem::cuda::ua_detail {
 // too, with Q in shared memory (its fragments would take 32 registers) and one key buffer: 10.99 ms at 8K
 // (168 registers, 108 bytes spilled) against 11.70 ms at two blocks per SM with Q's fragments in registers
 // and two key buffers (255 registers, no spill) and 16.49 ms for that code squeezed to three blocks (588
-// bytes spilled; ua_cuda_2026-11-30_h200_uawg.md). Now 168 registers and 24 bytes spilled (sm_90a, D = 128).
+// bytes spilled; ua_cuda_2026-11-30_h200_uawg.md). Now 168 registers and no spill (sm_90a, D = 128).
 inline constexpr int kDnWarps = 4;
 inline constexpr int kDnThreads = 32 * kDnWarps;
 inline constexpr int kDnPairs = 16 * kDnWarps;    // (head, row) pairs per row tile
@@ -114,21 +114,9 @@ struct UaDenseLayout {
   // float: decay tile A [entry][row], an entry's rows contiguous: its carrier loads them in 16-byte
   // vectors. Pitch kDnMaxRows + 4: the 16-byte accesses of 8 consecutive entries fall in distinct banks
   static constexpr int kAPitch = kDnMaxRows + 4;
-  // float: Λ tile [row][column] for step 3. mma.sync: column = entry, a lane reads the two entries of its
-  // accumulator pair as one 8-byte vector; pitch kDnEntries + 8 puts the 4 rows of a half warp 8 banks apart.
-  // Swizzled (wgmma, the whole tile's logits at once): the entries of two adjacent accumulator pairs,
-  // 8 j + 2 t4 + {0, 1} and 8 (j + 1) + 2 t4 + {0, 1} (j even), are 4 adjacent columns (lam_column), so a
-  // lane reads them as one 16-byte vector (8 loads a step instead of 16); pitch kDnEntries + 16 puts the
-  // 2 rows of a quarter warp 16 banks apart. Both: no bank conflicts, and the 16 carriers of a warp store
-  // a row's 16 consecutive entries to 16 distinct banks. Within the noise at 8K (10.67 vs 10.70 ms; with
-  // the rest, 9.53 ms, against 9.57 ms without it and P V's overlap: ua_cuda_2026-11-30_h200_uafold.md).
-  static constexpr int kLPitch = kDnEntries + (kSwizzled ? 16 : 8);
-  __device__ static int lam_column(int entry) {
-    if constexpr (kSwizzled)
-      return 16 * (entry / 16) + 4 * (entry % 8 / 2) + 2 * (entry / 8 % 2) + entry % 2;
-    else
-      return entry;
-  }
+  // float: Λ tile [row][entry] for step 3, where a lane reads the two entries of its accumulator pair as one
+  // 8-byte vector; pitch kDnEntries + 8 puts the 4 rows of a half warp 8 banks apart (no conflicts)
+  static constexpr int kLPitch = kDnEntries + 8;
   static constexpr std::size_t kTile = std::size_t(kDnEntries) * (kSwizzled ? kD : kKPitch) * 2;
   static constexpr int kKBufs = kSwizzled ? 1 : 2;
   static constexpr std::size_t kK = 0;                   // [kKBufs][kDnEntries][kD] keys of the entry tiles
@@ -423,9 +411,8 @@ __device__ __forceinline__ void dense_prefill_row_tile(const DeviceCache<bf16>& 
   // fragments one k-step ahead of their mma (ncu counts the most stall samples on these mma, waiting for
   // their ldmatrix) measured 1 % slower (ua_cuda_2026-11-30_h200_uadense3.md).
   constexpr int kJ = 32 / 8;                                    // 8-entry accumulator tiles per half tile
-  // Λ of the lane's rows: entries 2 t4 + {0, 1} (swizzled: and 8 + 2 t4 + {0, 1}, see lam_column)
-  const float* const lam_lo = lt + i_lo * L::kLPitch + L::lam_column(2 * t4);
-  const float* const lam_hi = lt + i_hi * L::kLPitch + L::lam_column(2 * t4);
+  const float* const lam_lo = lt + i_lo * L::kLPitch + 2 * t4;  // Λ of the lane's rows, entries 2 t4 + {0, 1}
+  const float* const lam_hi = lt + i_hi * L::kLPitch + 2 * t4;
   const auto logits = [&](float(&s)[kJ][4], const unsigned char* ks, int c0) {
 #pragma unroll
     for (int j = 0; j < kJ; ++j) {
@@ -504,8 +491,7 @@ __device__ __forceinline__ void dense_prefill_row_tile(const DeviceCache<bf16>& 
   // sm_90a: P V of a step (wgmma, P from these registers) stays in flight into the next step, through its
   // gates, metadata and λ acquire, up to barrier 1, after which the value tile is overwritten; its
   // accumulators O are next touched after barrier 2. finish_pv waits for it (a no-op with none in flight)
-  // and keeps P's registers untouched until then. 10.70 vs 10.83 ms at 8K, no more spills
-  // (ua_cuda_2026-11-30_h200_uafold.md).
+  // and keeps P's registers untouched until then. 10.70 vs 10.83 ms at 8K (ua_cuda_2026-11-30_h200_uafold.md).
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   std::uint32_t pv_a[kDnEntries / 16][4] = {};
 #endif
@@ -665,7 +651,7 @@ __device__ __forceinline__ void dense_prefill_row_tile(const DeviceCache<bf16>& 
     if (carrier) {
       const int idx = e0 + ce;
       const float4* col = reinterpret_cast<const float4*>(at + ce * L::kAPitch);
-      float* lam_col = lt + L::lam_column(ce);  // the entry's column of the Λ tile, rows kLPitch apart
+      float* lam_col = lt + ce;  // the entry's column of the Λ tile, rows kLPitch apart
       // rows i < masked get Λ = -inf (they precede the entry), the others the running λ
       const auto carry = [&](int masked) {
         float av[rt];  // the column's rt values, loaded together before the dependent adds
@@ -736,24 +722,20 @@ __device__ __forceinline__ void dense_prefill_row_tile(const DeviceCache<bf16>& 
       // instructions per tile for the two products instead of 128 mma and 64 ldmatrix.
       float(&s)[kDnEntries / 8][4] = s_tile;
 #pragma unroll
-      for (int j = 0; j < kDnEntries / 8; j += 2) {  // accumulator pairs j and j + 1: 4 adjacent columns
-        const float4 lo = *reinterpret_cast<const float4*>(lam_lo + 8 * j);
-        const float4 hi = *reinterpret_cast<const float4*>(lam_hi + 8 * j);
+      for (int j = 0; j < kDnEntries / 8; ++j) {
+        const float2 lo = *reinterpret_cast<const float2*>(lam_lo + 8 * j);
+        const float2 hi = *reinterpret_cast<const float2*>(lam_hi + 8 * j);
         s[j][0] += lo.x;
         s[j][1] += lo.y;
-        s[j + 1][0] += lo.z;
-        s[j + 1][1] += lo.w;
         s[j][2] += hi.x;
         s[j][3] += hi.y;
-        s[j + 1][2] += hi.z;
-        s[j + 1][3] += hi.w;
       }
       // every warp takes part in P V (one instruction of the warpgroup): a warp whose weights all
       // underflow gives P = 0, which adds exact zeros to l and O as the skip on mma.sync leaves them
       // (P = 0 is set directly, without the sums of l, which would add exact zeros, and the packs: with the
       // newest entries first, most steps of a long row tile are past the decay's reach, 64 instructions a
-      // warp fewer on each; 9.57 vs 10.83 ms at 8K, and 0 instead of 108 bytes spilled without P V's
-      // overlap, ua_cuda_2026-11-30_h200_uafold.md)
+      // warp fewer on each; 9.40 vs 10.70 ms at 8K with P V's overlap, 9.57 vs 10.83 without it, and no
+      // spill where there were 108 bytes: ua_cuda_2026-11-30_h200_uafold.md)
       std::uint32_t(&pa)[kDnEntries / 16][4] = pv_a;
       if (online_softmax(s)) {
 #pragma unroll
