@@ -43,11 +43,14 @@
 // runs on the tensor cores during the decay and the carry, Λ is added to it after barrier 2, then the
 // online softmax and P V (P from registers). Q lives in shared memory and the key tiles in one buffer, so
 // that three blocks share an SM as on mma.sync: 10.99 vs 12.11 ms at 8K (ua_cuda_2026-11-30_h200_uawg.md).
+// Then, with fewer instructions per decay pair (dense_log1m, the similarity clamped before lg2), P V left in
+// flight up to the next barrier 1 and P = 0 set without sums on a warp past the decay's reach: 9.40 vs 11.01 ms
+// at 8K (ua_cuda_2026-11-30_h200_uafold.md).
 //
 // The decay of a set made of the built-in gates (any of QueryGate, KeyGate, SimilarityGate) is evaluated in
 // base 2 with the per-key and per-position terms scaled once per entry / row: log2 x = q_m + k_j +
 // (2 n_sim / |set|) log2 c_jm, x = 2^(log2 x), A = log1p(-min(x, 1 - 1e-6)): the spec's x and A (4.1) to
-// within a few ulp of x (as the natural-log fold), A within 1.1e-7 absolute (dense_log1p), one fused
+// within a few ulp of x (as the natural-log fold), A within 1.4e-7 absolute (dense_log1m), one fused
 // multiply-add per pair instead of a division by |set|, and no branches, so the compiler interleaves the
 // pairs. Any other set goes through the shared fold (kernel/ua_decay.hpp) pair by pair.
 
@@ -74,7 +77,7 @@ namespace kvmem::cuda::ua_detail {
 // too, with Q in shared memory (its fragments would take 32 registers) and one key buffer: 10.99 ms at 8K
 // (168 registers, 108 bytes spilled) against 11.70 ms at two blocks per SM with Q's fragments in registers
 // and two key buffers (255 registers, no spill) and 16.49 ms for that code squeezed to three blocks (588
-// bytes spilled; ua_cuda_2026-11-30_h200_uawg.md).
+// bytes spilled; ua_cuda_2026-11-30_h200_uawg.md). Now 168 registers and no spill (sm_90a, D = 128).
 inline constexpr int kDnWarps = 4;
 inline constexpr int kDnThreads = 32 * kDnWarps;
 inline constexpr int kDnPairs = 16 * kDnWarps;    // (head, row) pairs per row tile
@@ -144,19 +147,23 @@ constexpr std::size_t dense_shared_bytes() {
     return UaDenseLayout<kD>::kBytes;
 }
 
-// log1p(y) for y in [-(1 - 1e-6), 0]: u = 1 + y and c = y - (u - 1), the rounding of u (exact: u - 1 is exact
-// for u in [1/2, 1], and u itself below 1/2, where c = 0), then log1p(y) = log(u) + log(1 + c / u) with
-// log(u) = ln 2 lg2.approx(u) and c / u as c (2 - u) (off by c (1 - u)^2 / u, below 2^-25). lg2.approx's
-// error is absolute, 2^-22.6: the result is within 1.1e-7 of log1p (absolute; relative only where |A| is
-// above about 0.1) and at most 0. What it feeds is the λ carry, a sum of A whose own
-// rounding is ulp(λ) / 2 per row, 1.2e-7 once |λ| reaches 2: an absolute error of 1.1e-7 per A is of that
-// order, and moves a softmax weight by 1.1e-7 relative per row of decay, far below the rounding of the
-// probabilities to bf16 (2^-9) before P V. 7 instructions a pair instead of 25 (the range reduction and
-// the atanh series of a relatively accurate log1p): the decay fold was the largest part of a step.
-__device__ inline float dense_log1p(float y) {
-  const float u = 1.0f + y;
-  const float c = y - (u - 1.0f);
-  return fminf(fmaf(c, 2.0f - u, 0.693147180559945309f * ptx::lg2_approx_ftz(u)), 0.0f);
+// log1p(-m) for m in [0, 1 - 1e-6]: u = 1 - m and c = (1 - u) - m, the rounding of u (exact, Fast2Sum: 1 - u
+// is exact for u in [1/2, 1], and u itself below 1/2, where c = 0), then log1p(-m) = log(u) + log(1 + c / u)
+// with log(u) = ln 2 lg2.approx(u) and log(1 + c / u) as c (off by c (1 - u) / u + O(c^2), below 2^-25:
+// |c| <= 2^-25 where it is not 0). lg2.approx's error is absolute, 2^-22.6: the result is within 1.4e-7 of
+// log1p(-m) (absolute; relative only where |A| is above about 0.1) and at most 0; a tiny m (u = 1) gives
+// -m exactly. What it feeds is the λ carry, a sum of A whose own rounding is ulp(λ) / 2 per row, 1.2e-7
+// once |λ| reaches 2: an absolute error of 1.4e-7 per A is of that order, and moves a softmax weight by
+// 1.4e-7 relative per row of decay, far below the rounding of the probabilities to bf16 (2^-9) before P V.
+// 5 instructions a pair (three adds, lg2, one fused multiply-add, and the clamp) instead of 25 (the range
+// reduction and the atanh series of a relatively accurate log1p): the decay fold is the largest part of a
+// step's arithmetic. The earlier form c (2 - u) for log(1 + c / u) (within 1.1e-7) took two more. With the
+// clamp of the similarity (DenseFold::decay), the float2 stores of A and the paired ldmatrix of the fold:
+// 10.83 vs 10.98 ms at 8K (ua_cuda_2026-11-30_h200_uafold.md).
+__device__ inline float dense_log1m(float m) {
+  const float u = 1.0f - m;
+  const float c = (1.0f - u) - m;
+  return fminf(fmaf(0.693147180559945309f, ptx::lg2_approx_ftz(u), c), 0.0f);
 }
 
 // log2 sigmoid(z) = -log2(1 + 2^t), t = -z log2 e, as -(max(t, 0) + log2(1 + 2^-|t|)) (no overflow) with
@@ -196,15 +203,16 @@ struct DenseFold<decay::Set<G...>> {
   // (exp2f differs only there, by three more instructions a pair): A then moves by less than 2^-126.
   // lg2 flushes similarities below 2^-126 to 0 (log2 -> -inf, x -> 0, A -> 0): such a similarity has x
   // below 2^-84 (2^(-126 * 2 n_sim / |set|)), so A moves by less than 2^-84.
-  // log1p to within 1.1e-7 absolute (dense_log1p).
+  // relu(c)^2 = 0 -> x = 0 -> A = 0 exactly: the similarity is clamped at 0 before lg2 (log2 0 = -inf, so
+  // x = 2^-inf = 0, u = 1, c = 0, lg2 1 = 0: A = 0 exactly, also for a NaN similarity, as fmaxf drops it);
+  // one max a pair instead of a compare and a select after the log1p.
+  // log1p to within 1.4e-7 absolute (dense_log1m).
   __device__ static float decay(float similarity, float gate_log2) {
     float log2_x = gate_log2;
     if constexpr (kSim > 0) {
-      log2_x = fmaf(kSimScale, ptx::lg2_approx_ftz(similarity), log2_x);
+      log2_x = fmaf(kSimScale, ptx::lg2_approx_ftz(fmaxf(similarity, 0.0f)), log2_x);
     }
-    const float a = dense_log1p(-fminf(ptx::ex2_approx_ftz(log2_x), 1.0f - float(decay::kClampEps)));
-    if constexpr (kSim > 0) return similarity > 0.0f ? a : 0.0f;  // relu(c)^2 = 0 -> x = 0 -> A = 0 exactly
-    return a;
+    return dense_log1m(fminf(ptx::ex2_approx_ftz(log2_x), 1.0f - float(decay::kClampEps)));
   }
 };
 
@@ -480,6 +488,22 @@ __device__ __forceinline__ void dense_prefill_row_tile(const DeviceCache<bf16>& 
     if constexpr (kWg) fence_proxy_async_shared();
 #endif
   };
+  // sm_90a: P V of a step (wgmma, P from these registers) stays in flight into the next step, through its
+  // gates, metadata and λ acquire, up to barrier 1, after which the value tile is overwritten; its
+  // accumulators O are next touched after barrier 2. finish_pv waits for it (a no-op with none in flight)
+  // and keeps P's registers untouched until then. 10.70 vs 10.83 ms at 8K (ua_cuda_2026-11-30_h200_uafold.md).
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  std::uint32_t pv_a[kDnEntries / 16][4] = {};
+#endif
+  const auto finish_pv = [&] {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    if constexpr (kWg) {
+      wgmma_wait<0>();
+      wgmma_fence_operands(o);
+      wgmma_fence_operands(pv_a);
+    }
+#endif
+  };
   // entry tiles newest first: step s handles entry tile n_etiles - 1 - s, keys in buffer s & 1
   const int n_etiles = (e_total + kDnEntries - 1) / kDnEntries;
   const int n_etiles_prev = (e_prev + kDnEntries - 1) / kDnEntries;  // row tile k - 1's
@@ -515,6 +539,7 @@ __device__ __forceinline__ void dense_prefill_row_tile(const DeviceCache<bf16>& 
         while ((seen = load_acquire(done_mine - 1)) < need) __nanosleep(32);
       c_lam = __ldcg(lambda + e0 + ce);  // another block wrote it: read through L2
     }
+    finish_pv();
     // key tile et and its gates are in shared memory (the first time, nk and the row gates too); every
     // warp is past step - 1, so the value tile, the other key buffer and the Λ tile are free
     __syncthreads();
@@ -568,31 +593,44 @@ __device__ __forceinline__ void dense_prefill_row_tile(const DeviceCache<bf16>& 
         for (int kb = 0; kb < kD / 16; ++kb) {
           std::uint32_t fa[4];
           ldmatrix_x4(fa, ks + L::tile_offset(eb + lane % 16, 2 * kb + lane / 16));
+          // the row tile's keys as B fragments: two 8-row tiles per ldmatrix_x4 (lanes 16-31 address the
+          // second), one x2 for an odd last one
 #pragma unroll
-          for (int nt = 0; nt < nts; ++nt) {
+          for (int nt = 0; nt + 1 < nts; nt += 2) {
+            std::uint32_t fb[4];
+            ldmatrix_x4(fb, nk + (8 * (nt + lane / 16) + lane % 8) * L::kKPitch + 16 * kb + 8 * ((lane / 8) % 2));
+            mma_bf16_16816(sim[nt], fa, fb[0], fb[1]);
+            mma_bf16_16816(sim[nt + 1], fa, fb[2], fb[3]);
+          }
+          if constexpr (nts % 2) {
             std::uint32_t b0, b1;
-            ldmatrix_x2(b0, b1, nk + (8 * nt + lane % 8) * L::kKPitch + 16 * kb + 8 * ((lane / 8) % 2));
-            mma_bf16_16816(sim[nt], fa, b0, b1);
+            ldmatrix_x2(b0, b1, nk + (8 * (nts - 1) + lane % 8) * L::kKPitch + 16 * kb + 8 * ((lane / 8) % 2));
+            mma_bf16_16816(sim[nts - 1], fa, b0, b1);
           }
         }
       }
+      // the lane's two rows of an accumulator tile are adjacent in the entry's row of A: one 8-byte store
       const auto fold = [&](auto masked) {
 #pragma unroll
         for (int nt = 0; nt < nts; ++nt) {
 #pragma unroll
-          for (int x = 0; x < 4; ++x) {
-            const int hf = x / 2, i = 8 * nt + 2 * t4 + x % 2, e = eb + qr + 8 * hf;
-            float a_em;
-            if constexpr (Fold::kLog2) {
-              a_em = Fold::decay(sim[nt][x], s_rgate[i] + e_gate[hf]);
-            } else {
-              a_em = kernel::ua::decay_from_similarity<Set, float>(sim[nt][x], e_gate[hf], e_part[hf], e_pos[hf],
-                                                                   s_rgate[i], s_rpart[i], row_pos0 + i);
+          for (int hf = 0; hf < 2; ++hf) {
+            const int i0 = 8 * nt + 2 * t4, e = eb + qr + 8 * hf;
+            float a_em[2];
+#pragma unroll
+            for (int x = 0; x < 2; ++x) {
+              const int i = i0 + x;
+              if constexpr (Fold::kLog2) {
+                a_em[x] = Fold::decay(sim[nt][2 * hf + x], s_rgate[i] + e_gate[hf]);
+              } else {
+                a_em[x] = kernel::ua::decay_from_similarity<Set, float>(sim[nt][2 * hf + x], e_gate[hf], e_part[hf],
+                                                                        e_pos[hf], s_rgate[i], s_rpart[i], row_pos0 + i);
+              }
+              // evaluated for every element and then selected (entries past the range have no rows after
+              // them: A = 0); rows past the call get A = 0 too
+              if constexpr (decltype(masked)::value) a_em[x] = (i >= e_first[hf] && i < nr) ? a_em[x] : 0.0f;
             }
-            // evaluated for every element and then selected (entries past the range have no rows after
-            // them: A = 0); rows past the call get A = 0 too
-            if constexpr (decltype(masked)::value) a_em = (i >= e_first[hf] && i < nr) ? a_em : 0.0f;
-            at[e * L::kAPitch + i] = a_em;
+            *reinterpret_cast<float2*>(at + e * L::kAPitch + i0) = make_float2(a_em[0], a_em[1]);
           }
         }
       };
@@ -694,19 +732,24 @@ __device__ __forceinline__ void dense_prefill_row_tile(const DeviceCache<bf16>& 
       }
       // every warp takes part in P V (one instruction of the warpgroup): a warp whose weights all
       // underflow gives P = 0, which adds exact zeros to l and O as the skip on mma.sync leaves them
-      if (!online_softmax(s)) {
+      // (P = 0 is set directly, without the sums of l, which would add exact zeros, and the packs: with the
+      // newest entries first, most steps of a long row tile are past the decay's reach, 64 instructions a
+      // warp fewer on each; 9.40 vs 10.70 ms at 8K with P V's overlap, 9.57 vs 10.83 without it, and no
+      // spill where there were 108 bytes: ua_cuda_2026-11-30_h200_uafold.md)
+      std::uint32_t(&pa)[kDnEntries / 16][4] = pv_a;
+      if (online_softmax(s)) {
 #pragma unroll
-        for (int j = 0; j < kDnEntries / 8; ++j) s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.0f;
-      }
-      std::uint32_t pa[kDnEntries / 16][4];
+        for (int kk = 0; kk < kDnEntries / 16; ++kk) {
+          l_lo += (s[2 * kk][0] + s[2 * kk][1]) + (s[2 * kk + 1][0] + s[2 * kk + 1][1]);
+          l_hi += (s[2 * kk][2] + s[2 * kk][3]) + (s[2 * kk + 1][2] + s[2 * kk + 1][3]);
+          pa[kk][0] = pack_bf16(s[2 * kk][0], s[2 * kk][1]);
+          pa[kk][1] = pack_bf16(s[2 * kk][2], s[2 * kk][3]);
+          pa[kk][2] = pack_bf16(s[2 * kk + 1][0], s[2 * kk + 1][1]);
+          pa[kk][3] = pack_bf16(s[2 * kk + 1][2], s[2 * kk + 1][3]);
+        }
+      } else {
 #pragma unroll
-      for (int kk = 0; kk < kDnEntries / 16; ++kk) {
-        l_lo += (s[2 * kk][0] + s[2 * kk][1]) + (s[2 * kk + 1][0] + s[2 * kk + 1][1]);
-        l_hi += (s[2 * kk][2] + s[2 * kk][3]) + (s[2 * kk + 1][2] + s[2 * kk + 1][3]);
-        pa[kk][0] = pack_bf16(s[2 * kk][0], s[2 * kk][1]);
-        pa[kk][1] = pack_bf16(s[2 * kk][2], s[2 * kk][3]);
-        pa[kk][2] = pack_bf16(s[2 * kk + 1][0], s[2 * kk + 1][1]);
-        pa[kk][3] = pack_bf16(s[2 * kk + 1][2], s[2 * kk + 1][3]);
+        for (int kk = 0; kk < kDnEntries / 16; ++kk) pa[kk][0] = pa[kk][1] = pa[kk][2] = pa[kk][3] = 0u;
       }
       wgmma_fence();
       const unsigned vs_addr = shared_address(vs_base);
@@ -718,10 +761,7 @@ __device__ __forceinline__ void dense_prefill_row_tile(const DeviceCache<bf16>& 
         else
           wgmma_m64n64k16_rs_mn(o, pa[kk], vdesc);
       }
-      wgmma_commit();
-      wgmma_wait<0>();
-      wgmma_fence_operands(o);
-      wgmma_fence_operands(pa);
+      wgmma_commit();  // waited for before the next step's barrier 1 (finish_pv)
     } else
 #endif
 #pragma unroll 1
@@ -752,6 +792,8 @@ __device__ __forceinline__ void dense_prefill_row_tile(const DeviceCache<bf16>& 
       }
     }
   }
+
+  finish_pv();
 
   // 4. normalise, output gate, write y and lse (the quad's partial sums in a fixed order). The row's
   //    indices come again from the ticket in shared memory (a volatile load, so the compiler does not
