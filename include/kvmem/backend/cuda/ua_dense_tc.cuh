@@ -504,6 +504,43 @@ __device__ __forceinline__ void dense_prefill_row_tile(const DeviceCache<bf16>& 
     }
 #endif
   };
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  // O += P V of the value tile in vs_base, P from pv_a (every warp of the warpgroup issues it): m64nDk16 with
+  // P from registers and the value tile read MN-major (k16 slice kk: rows 16 kk.., column blocks of 64
+  // values kDnEntries rows apart). Waited for by finish_pv.
+  [[maybe_unused]] const auto issue_pv = [&] {
+    wgmma_fence();
+    const unsigned vs_addr = shared_address(vs_base);
+#pragma unroll
+    for (int kk = 0; kk < kDnEntries / 16; ++kk) {
+      const std::uint64_t vdesc = wgmma_desc_sw128(vs_addr + unsigned(16 * kk) * 128, kDnEntries * 128, 1024);
+      if constexpr (kD == 128)
+        wgmma_m64n128k16_rs_mn(o, pv_a[kk], vdesc);
+      else
+        wgmma_m64n64k16_rs_mn(o, pv_a[kk], vdesc);
+    }
+    wgmma_commit();
+  };
+  // sm_90a: the steps past the decay's reach skip the value tile. With the newest entries first, once every
+  // weight of the block has underflowed at a step, the next (older) entries are almost always past reach too,
+  // so a step after such a step does not load its value tile and does not issue P V (predicted at barrier 1,
+  // from the warps' outcomes of the previous step). A warp that finds a weight above the underflow on such a
+  // step keeps its P in pv_a (the others hold P = 0) and the block runs that P V at the next barrier 1 (or
+  // after the last step), from the value tile loaded then: before any later rescale of O, so every result bit
+  // is what the unskipped order gives.
+  // warp_past: this warp's weights all underflowed at the previous step (uniform in the warp); pv_deferred:
+  // the previous step skipped its value tile and P V (uniform in the block)
+  [[maybe_unused]] bool warp_past = false, pv_deferred = false;
+  [[maybe_unused]] const auto deferred_pv = [&](int prev_e0) {
+    load_rows(prev_e0, vs_base, cache_v, in_v, a.v_t);
+    cp_async_wait<0>();
+    copies_to_tensor_cores();
+    __syncthreads();  // the value tile in shared memory
+    issue_pv();
+    finish_pv();
+    __syncthreads();  // every warp's P V has read the value tile, which the step's own value tile replaces
+  };
+#endif
   // entry tiles newest first: step s handles entry tile n_etiles - 1 - s, keys in buffer s & 1
   const int n_etiles = (e_total + kDnEntries - 1) / kDnEntries;
   const int n_etiles_prev = (e_prev + kDnEntries - 1) / kDnEntries;  // row tile k - 1's
@@ -542,8 +579,20 @@ __device__ __forceinline__ void dense_prefill_row_tile(const DeviceCache<bf16>& 
     finish_pv();
     // key tile et and its gates are in shared memory (the first time, nk and the row gates too); every
     // warp is past step - 1, so the value tile, the other key buffer and the Λ tile are free
-    __syncthreads();
-    load_rows(e0, vs_base, cache_v, in_v, a.v_t);  // value tile et: lands during the decay and the carry
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    bool skip_pv = false;  // this step skips its value tile and P V (see deferred_pv)
+    if constexpr (kWg) {
+      const bool block_past = __syncthreads_count(warp_past) == kDnThreads;
+      if (pv_deferred && !block_past) deferred_pv(e0 + kDnEntries);  // the previous step's P V was needed
+      skip_pv = block_past;
+      pv_deferred = skip_pv;
+    } else
+#endif
+      __syncthreads();
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    if (!skip_pv)
+#endif
+      load_rows(e0, vs_base, cache_v, in_v, a.v_t);  // value tile et: lands during the decay and the carry
     if constexpr (!kWg) {  // the next key tile into the other buffer (sm_90a: one buffer, after barrier 2)
       if (et > 0) {
         load_rows(e0 - kDnEntries, ks_base + (buf ^ 1) * L::kTile, cache_k, in_k, a.k_t);
@@ -737,7 +786,8 @@ __device__ __forceinline__ void dense_prefill_row_tile(const DeviceCache<bf16>& 
       // warp fewer on each; 9.40 vs 10.70 ms at 8K with P V's overlap, 9.57 vs 10.83 without it, and no
       // spill where there were 108 bytes: ua_cuda_2026-11-30_h200_uafold.md)
       std::uint32_t(&pa)[kDnEntries / 16][4] = pv_a;
-      if (online_softmax(s)) {
+      warp_past = !online_softmax(s);
+      if (!warp_past) {
 #pragma unroll
         for (int kk = 0; kk < kDnEntries / 16; ++kk) {
           l_lo += (s[2 * kk][0] + s[2 * kk][1]) + (s[2 * kk + 1][0] + s[2 * kk + 1][1]);
@@ -751,17 +801,7 @@ __device__ __forceinline__ void dense_prefill_row_tile(const DeviceCache<bf16>& 
 #pragma unroll
         for (int kk = 0; kk < kDnEntries / 16; ++kk) pa[kk][0] = pa[kk][1] = pa[kk][2] = pa[kk][3] = 0u;
       }
-      wgmma_fence();
-      const unsigned vs_addr = shared_address(vs_base);
-#pragma unroll
-      for (int kk = 0; kk < kDnEntries / 16; ++kk) {
-        const std::uint64_t vdesc = wgmma_desc_sw128(vs_addr + unsigned(16 * kk) * 128, kDnEntries * 128, 1024);
-        if constexpr (kD == 128)
-          wgmma_m64n128k16_rs_mn(o, pa[kk], vdesc);
-        else
-          wgmma_m64n64k16_rs_mn(o, pa[kk], vdesc);
-      }
-      wgmma_commit();  // waited for before the next step's barrier 1 (finish_pv)
+      if (!skip_pv) issue_pv();  // waited for before the next step's barrier 1 (finish_pv)
     } else
 #endif
 #pragma unroll 1
@@ -794,6 +834,11 @@ __device__ __forceinline__ void dense_prefill_row_tile(const DeviceCache<bf16>& 
   }
 
   finish_pv();
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  if constexpr (kWg) {
+    if (pv_deferred && __syncthreads_count(warp_past) < kDnThreads) deferred_pv(0);  // the last step's P V
+  }
+#endif
 
   // 4. normalise, output gate, write y and lse (the quad's partial sums in a fixed order). The row's
   //    indices come again from the ticket in shared memory (a volatile load, so the compiler does not
