@@ -509,17 +509,19 @@ __device__ __forceinline__ void dense_prefill_row_tile(const DeviceCache<bf16>& 
   // P from registers and the value tile read MN-major (k16 slice kk: rows 16 kk.., column blocks of 64
   // values kDnEntries rows apart). Waited for by finish_pv.
   [[maybe_unused]] const auto issue_pv = [&] {
-    wgmma_fence();
-    const unsigned vs_addr = shared_address(vs_base);
+    if constexpr (kWg) {
+      wgmma_fence();
+      const unsigned vs_addr = shared_address(vs_base);
 #pragma unroll
-    for (int kk = 0; kk < kDnEntries / 16; ++kk) {
-      const std::uint64_t vdesc = wgmma_desc_sw128(vs_addr + unsigned(16 * kk) * 128, kDnEntries * 128, 1024);
-      if constexpr (kD == 128)
-        wgmma_m64n128k16_rs_mn(o, pv_a[kk], vdesc);
-      else
-        wgmma_m64n64k16_rs_mn(o, pv_a[kk], vdesc);
+      for (int kk = 0; kk < kDnEntries / 16; ++kk) {
+        const std::uint64_t vdesc = wgmma_desc_sw128(vs_addr + unsigned(16 * kk) * 128, kDnEntries * 128, 1024);
+        if constexpr (kD == 128)
+          wgmma_m64n128k16_rs_mn(o, pv_a[kk], vdesc);
+        else
+          wgmma_m64n64k16_rs_mn(o, pv_a[kk], vdesc);
+      }
+      wgmma_commit();
     }
-    wgmma_commit();
   };
   // sm_90a: the steps past the decay's reach skip the value tile. With the newest entries first, once every
   // weight of the block has underflowed at a step, the next (older) entries are almost always past reach too,
