@@ -523,16 +523,23 @@ __device__ __forceinline__ void dense_prefill_row_tile(const DeviceCache<bf16>& 
       wgmma_commit();
     }
   };
-  // sm_90a: the steps past the decay's reach skip the value tile. With the newest entries first, once every
-  // weight of the block has underflowed at a step, the next (older) entries are almost always past reach too,
-  // so a step after such a step does not load its value tile and does not issue P V (predicted at barrier 1,
-  // from the warps' outcomes of the previous step). A warp that finds a weight above the underflow on such a
-  // step keeps its P in pv_a (the others hold P = 0) and the block runs that P V at the next barrier 1 (or
-  // after the last step), from the value tile loaded then: before any later rescale of O, so every result bit
-  // is what the unskipped order gives.
-  // warp_past: this warp's weights all underflowed at the previous step (uniform in the warp); pv_deferred:
-  // the previous step skipped its value tile and P V (uniform in the block)
-  [[maybe_unused]] bool warp_past = false, pv_deferred = false;
+  // sm_90a: the steps past the decay's reach skip the value tile. With the newest entries first, once the
+  // block's P is all 0 at a step (every weight underflowed), the next (older) entries are almost always past
+  // reach too, so a step after such a step does not load its value tile and does not issue P V (predicted at
+  // barrier 1 from the P registers of the previous step, which are live there anyway: no flag per warp). A
+  // warp that finds a weight above the underflow on such a step keeps its P in pv_a (the others hold P = 0)
+  // and the block runs that P V at the next barrier 1 (or after the last step), from the value tile loaded
+  // then: before any later rescale of O, so every result bit is what the unskipped order gives.
+  // pv_deferred: this step (after barrier 1) or the previous one (before it) skips its value tile and P V
+  // (uniform in the block)
+  [[maybe_unused]] bool pv_deferred = false;
+  // whether this thread's P of the last step has a weight that is not 0
+  [[maybe_unused]] const auto p_nonzero = [&] {
+    std::uint32_t any = 0;
+#pragma unroll
+    for (int kk = 0; kk < kDnEntries / 16; ++kk) any |= pv_a[kk][0] | pv_a[kk][1] | pv_a[kk][2] | pv_a[kk][3];
+    return any != 0u;
+  };
   [[maybe_unused]] const auto deferred_pv = [&](int prev_e0) {
     load_rows(prev_e0, vs_base, cache_v, in_v, a.v_t);
     cp_async_wait<0>();
@@ -582,17 +589,16 @@ __device__ __forceinline__ void dense_prefill_row_tile(const DeviceCache<bf16>& 
     // key tile et and its gates are in shared memory (the first time, nk and the row gates too); every
     // warp is past step - 1, so the value tile, the other key buffer and the Λ tile are free
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-    bool skip_pv = false;  // this step skips its value tile and P V (see deferred_pv)
     if constexpr (kWg) {
-      const bool block_past = __syncthreads_count(warp_past) == kDnThreads;
+      // the first step has no P yet (pv_a starts at 0): it never skips
+      const bool block_past = !__syncthreads_or(p_nonzero()) && step > 0;
       if (pv_deferred && !block_past) deferred_pv(e0 + kDnEntries);  // the previous step's P V was needed
-      skip_pv = block_past;
-      pv_deferred = skip_pv;
+      pv_deferred = block_past;
     } else
 #endif
       __syncthreads();
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-    if (!skip_pv)
+    if (!pv_deferred)
 #endif
       load_rows(e0, vs_base, cache_v, in_v, a.v_t);  // value tile et: lands during the decay and the carry
     if constexpr (!kWg) {  // the next key tile into the other buffer (sm_90a: one buffer, after barrier 2)
@@ -788,8 +794,7 @@ __device__ __forceinline__ void dense_prefill_row_tile(const DeviceCache<bf16>& 
       // warp fewer on each; 9.40 vs 10.70 ms at 8K with P V's overlap, 9.57 vs 10.83 without it, and no
       // spill where there were 108 bytes: ua_cuda_2026-11-30_h200_uafold.md)
       std::uint32_t(&pa)[kDnEntries / 16][4] = pv_a;
-      warp_past = !online_softmax(s);
-      if (!warp_past) {
+      if (online_softmax(s)) {
 #pragma unroll
         for (int kk = 0; kk < kDnEntries / 16; ++kk) {
           l_lo += (s[2 * kk][0] + s[2 * kk][1]) + (s[2 * kk + 1][0] + s[2 * kk + 1][1]);
@@ -803,7 +808,7 @@ __device__ __forceinline__ void dense_prefill_row_tile(const DeviceCache<bf16>& 
 #pragma unroll
         for (int kk = 0; kk < kDnEntries / 16; ++kk) pa[kk][0] = pa[kk][1] = pa[kk][2] = pa[kk][3] = 0u;
       }
-      if (!skip_pv) issue_pv();  // waited for before the next step's barrier 1 (finish_pv)
+      if (!pv_deferred) issue_pv();  // waited for before the next step's barrier 1 (finish_pv)
     } else
 #endif
 #pragma unroll 1
@@ -838,7 +843,7 @@ __device__ __forceinline__ void dense_prefill_row_tile(const DeviceCache<bf16>& 
   finish_pv();
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   if constexpr (kWg) {
-    if (pv_deferred && __syncthreads_count(warp_past) < kDnThreads) deferred_pv(0);  // the last step's P V
+    if (pv_deferred && __syncthreads_or(p_nonzero())) deferred_pv(0);  // the last step's P V
   }
 #endif
 
