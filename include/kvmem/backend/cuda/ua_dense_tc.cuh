@@ -504,52 +504,6 @@ __device__ __forceinline__ void dense_prefill_row_tile(const DeviceCache<bf16>& 
     }
 #endif
   };
-#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-  // O += P V of the value tile in vs_base, P from pv_a (every warp of the warpgroup issues it): m64nDk16 with
-  // P from registers and the value tile read MN-major (k16 slice kk: rows 16 kk.., column blocks of 64
-  // values kDnEntries rows apart). Waited for by finish_pv.
-  [[maybe_unused]] const auto issue_pv = [&] {
-    if constexpr (kWg) {
-      wgmma_fence();
-      const unsigned vs_addr = shared_address(vs_base);
-#pragma unroll
-      for (int kk = 0; kk < kDnEntries / 16; ++kk) {
-        const std::uint64_t vdesc = wgmma_desc_sw128(vs_addr + unsigned(16 * kk) * 128, kDnEntries * 128, 1024);
-        if constexpr (kD == 128)
-          wgmma_m64n128k16_rs_mn(o, pv_a[kk], vdesc);
-        else
-          wgmma_m64n64k16_rs_mn(o, pv_a[kk], vdesc);
-      }
-      wgmma_commit();
-    }
-  };
-  // sm_90a: the steps past the decay's reach skip the value tile. With the newest entries first, once the
-  // block's P is all 0 at a step (every weight underflowed), the next (older) entries are almost always past
-  // reach too, so a step after such a step does not load its value tile and does not issue P V (predicted at
-  // barrier 1 from the P registers of the previous step, which are live there anyway: no flag per warp). A
-  // warp that finds a weight above the underflow on such a step keeps its P in pv_a (the others hold P = 0)
-  // and the block runs that P V at the next barrier 1 (or after the last step), from the value tile loaded
-  // then: before any later rescale of O, so every result bit is what the unskipped order gives.
-  // pv_deferred: this step (after barrier 1) or the previous one (before it) skips its value tile and P V
-  // (uniform in the block)
-  [[maybe_unused]] bool pv_deferred = false;
-  // whether this thread's P of the last step has a weight that is not 0
-  [[maybe_unused]] const auto p_nonzero = [&] {
-    std::uint32_t any = 0;
-#pragma unroll
-    for (int kk = 0; kk < kDnEntries / 16; ++kk) any |= pv_a[kk][0] | pv_a[kk][1] | pv_a[kk][2] | pv_a[kk][3];
-    return any != 0u;
-  };
-  [[maybe_unused]] const auto deferred_pv = [&](int prev_e0) {
-    load_rows(prev_e0, vs_base, cache_v, in_v, a.v_t);
-    cp_async_wait<0>();
-    copies_to_tensor_cores();
-    __syncthreads();  // the value tile in shared memory
-    issue_pv();
-    finish_pv();
-    __syncthreads();  // every warp's P V has read the value tile, which the step's own value tile replaces
-  };
-#endif
   // entry tiles newest first: step s handles entry tile n_etiles - 1 - s, keys in buffer s & 1
   const int n_etiles = (e_total + kDnEntries - 1) / kDnEntries;
   const int n_etiles_prev = (e_prev + kDnEntries - 1) / kDnEntries;  // row tile k - 1's
@@ -588,19 +542,8 @@ __device__ __forceinline__ void dense_prefill_row_tile(const DeviceCache<bf16>& 
     finish_pv();
     // key tile et and its gates are in shared memory (the first time, nk and the row gates too); every
     // warp is past step - 1, so the value tile, the other key buffer and the Λ tile are free
-#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-    if constexpr (kWg) {
-      // the first step has no P yet (pv_a starts at 0): it never skips
-      const bool block_past = !__syncthreads_or(p_nonzero()) && step > 0;
-      if (pv_deferred && !block_past) deferred_pv(e0 + kDnEntries);  // the previous step's P V was needed
-      pv_deferred = block_past;
-    } else
-#endif
-      __syncthreads();
-#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-    if (!pv_deferred)
-#endif
-      load_rows(e0, vs_base, cache_v, in_v, a.v_t);  // value tile et: lands during the decay and the carry
+    __syncthreads();
+    load_rows(e0, vs_base, cache_v, in_v, a.v_t);  // value tile et: lands during the decay and the carry
     if constexpr (!kWg) {  // the next key tile into the other buffer (sm_90a: one buffer, after barrier 2)
       if (et > 0) {
         load_rows(e0 - kDnEntries, ks_base + (buf ^ 1) * L::kTile, cache_k, in_k, a.k_t);
@@ -808,7 +751,17 @@ __device__ __forceinline__ void dense_prefill_row_tile(const DeviceCache<bf16>& 
 #pragma unroll
         for (int kk = 0; kk < kDnEntries / 16; ++kk) pa[kk][0] = pa[kk][1] = pa[kk][2] = pa[kk][3] = 0u;
       }
-      if (!pv_deferred) issue_pv();  // waited for before the next step's barrier 1 (finish_pv)
+      wgmma_fence();
+      const unsigned vs_addr = shared_address(vs_base);
+#pragma unroll
+      for (int kk = 0; kk < kDnEntries / 16; ++kk) {
+        const std::uint64_t vdesc = wgmma_desc_sw128(vs_addr + unsigned(16 * kk) * 128, kDnEntries * 128, 1024);
+        if constexpr (kD == 128)
+          wgmma_m64n128k16_rs_mn(o, pa[kk], vdesc);
+        else
+          wgmma_m64n64k16_rs_mn(o, pa[kk], vdesc);
+      }
+      wgmma_commit();  // waited for before the next step's barrier 1 (finish_pv)
     } else
 #endif
 #pragma unroll 1
@@ -841,11 +794,6 @@ __device__ __forceinline__ void dense_prefill_row_tile(const DeviceCache<bf16>& 
   }
 
   finish_pv();
-#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-  if constexpr (kWg) {
-    if (pv_deferred && __syncthreads_or(p_nonzero())) deferred_pv(0);  // the last step's P V
-  }
-#endif
 
   // 4. normalise, output gate, write y and lse (the quad's partial sums in a fixed order). The row's
   //    indices come again from the ticket in shared memory (a volatile load, so the compiler does not
