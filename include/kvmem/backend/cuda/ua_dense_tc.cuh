@@ -308,8 +308,8 @@ __device__ __forceinline__ void dense_prefill_row_tile(const DeviceCache<bf16>& 
   const int p_lo = 16 * warp + qr, p_hi = p_lo + 8;
   const int h_lo = p_lo / rt, i_lo = p_lo % rt, h_hi = p_hi / rt, i_hi = p_hi % rt;
   const bool live_lo = i_lo < nr, live_hi = i_hi < nr;
-  std::uint32_t qf[kD / 16][4];  // Q as mma A fragments, for the whole block (mma.sync; unused on wgmma)
-  {
+  std::uint32_t qf[kD / 16][4];  // Q as mma A fragments, for the whole block (mma.sync; wgmma reads Q from smem)
+  if constexpr (!kWg) {
     const nv_bf16* q_lo = reinterpret_cast<const nv_bf16*>(a.q + b * a.q_b + (g * r + h_lo) * a.q_h +
                                                            (r0 + (live_lo ? i_lo : 0)) * a.q_t);
     const nv_bf16* q_hi = reinterpret_cast<const nv_bf16*>(a.q + b * a.q_b + (g * r + h_hi) * a.q_h +
@@ -480,6 +480,18 @@ __device__ __forceinline__ void dense_prefill_row_tile(const DeviceCache<bf16>& 
       s[j][3] = ptx::ex2_approx_ftz(fmaf(s[j][3], kLog2eFloat, -base_hi));
     }
     return true;
+  };
+  // k-step kk of P V takes the weights of entries 16 kk.. (accumulator tiles 2 kk and 2 kk + 1 of s): their
+  // sums per row, in the order both paths add them to l, and their bf16 A fragment
+  const auto kstep_sums = []<int kN>(const float(&s)[kN][4], int kk) {
+    return float2{(s[2 * kk][0] + s[2 * kk][1]) + (s[2 * kk + 1][0] + s[2 * kk + 1][1]),
+                  (s[2 * kk][2] + s[2 * kk][3]) + (s[2 * kk + 1][2] + s[2 * kk + 1][3])};
+  };
+  const auto kstep_fragment = []<int kN>(const float(&s)[kN][4], int kk, std::uint32_t(&pa)[4]) {
+    pa[0] = pack_bf16(s[2 * kk][0], s[2 * kk][1]);
+    pa[1] = pack_bf16(s[2 * kk][2], s[2 * kk][3]);
+    pa[2] = pack_bf16(s[2 * kk + 1][0], s[2 * kk + 1][1]);
+    pa[3] = pack_bf16(s[2 * kk + 1][2], s[2 * kk + 1][3]);
   };
   // the tiles this thread copied with cp.async (generic proxy) -> visible to wgmma's reads of them (async
   // proxy) once the next barrier has passed
@@ -740,12 +752,10 @@ __device__ __forceinline__ void dense_prefill_row_tile(const DeviceCache<bf16>& 
       if (online_softmax(s)) {
 #pragma unroll
         for (int kk = 0; kk < kDnEntries / 16; ++kk) {
-          l_lo += (s[2 * kk][0] + s[2 * kk][1]) + (s[2 * kk + 1][0] + s[2 * kk + 1][1]);
-          l_hi += (s[2 * kk][2] + s[2 * kk][3]) + (s[2 * kk + 1][2] + s[2 * kk + 1][3]);
-          pa[kk][0] = pack_bf16(s[2 * kk][0], s[2 * kk][1]);
-          pa[kk][1] = pack_bf16(s[2 * kk][2], s[2 * kk][3]);
-          pa[kk][2] = pack_bf16(s[2 * kk + 1][0], s[2 * kk + 1][1]);
-          pa[kk][3] = pack_bf16(s[2 * kk + 1][2], s[2 * kk + 1][3]);
+          const float2 part = kstep_sums(s, kk);
+          l_lo += part.x;
+          l_hi += part.y;
+          kstep_fragment(s, kk, pa[kk]);
         }
       } else {
 #pragma unroll
@@ -774,14 +784,12 @@ __device__ __forceinline__ void dense_prefill_row_tile(const DeviceCache<bf16>& 
       // probabilities are all 0 for the warp adds exact zeros: skipped.
 #pragma unroll
       for (int kk = 0; kk < kJ / 2; ++kk) {
-        const float part_lo = (s[2 * kk][0] + s[2 * kk][1]) + (s[2 * kk + 1][0] + s[2 * kk + 1][1]);
-        const float part_hi = (s[2 * kk][2] + s[2 * kk][3]) + (s[2 * kk + 1][2] + s[2 * kk + 1][3]);
-        l_lo += part_lo;
-        l_hi += part_hi;
-        if (!__any_sync(0xffffffffu, part_lo + part_hi > 0.0f)) continue;
-        const std::uint32_t pa[4] = {pack_bf16(s[2 * kk][0], s[2 * kk][1]), pack_bf16(s[2 * kk][2], s[2 * kk][3]),
-                                     pack_bf16(s[2 * kk + 1][0], s[2 * kk + 1][1]),
-                                     pack_bf16(s[2 * kk + 1][2], s[2 * kk + 1][3])};
+        const float2 part = kstep_sums(s, kk);
+        l_lo += part.x;
+        l_hi += part.y;
+        if (!__any_sync(0xffffffffu, part.x + part.y > 0.0f)) continue;
+        std::uint32_t pa[4];
+        kstep_fragment(s, kk, pa);
 #pragma unroll
         for (int dp = 0; dp < kD / 16; ++dp) {
           std::uint32_t fb[4];
@@ -828,7 +836,7 @@ __device__ __forceinline__ void dense_prefill_row_tile(const DeviceCache<bf16>& 
   }
 }
 
-// grid (row tiles * I), block kDnThreads, dynamic smem UaDenseLayout<kD>::kBytes. T rows of the call (all
+// grid (row tiles * I), block kDnThreads, dynamic smem dense_shared_bytes<kD>(). T rows of the call (all
 // of them: input rows 0..T-1, positions counter + 0 ...). sync: [1 + I * tiles] ints, zero on entry
 // (ticket, then the progress of row tile k of item i at 1 + i * tiles + k: the entry tiles it has
 // finished, newest first). Appends the call's rows to the cache (rows n + t: p = 0 evicts nothing) and
