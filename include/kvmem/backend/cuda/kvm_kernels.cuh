@@ -488,7 +488,7 @@ inline constexpr int kSlotTile = 16;
 template <class S, class A, class Visit>
 __device__ void sweep_slots(const DeviceState<S, A>& st, std::int64_t i, const A* xt, std::int64_t j0, std::int64_t j1,
                             Visit&& visit) {
-  extern __shared__ unsigned char smem_raw[];
+  extern __shared__ __align__(128) unsigned char smem_raw[];
   A* tile = reinterpret_cast<A*>(smem_raw);
   const std::int64_t C = st.C, D = st.D, c = std::int64_t(threadIdx.x) < C ? std::int64_t(threadIdx.x) : 0;
   for (std::int64_t base = j0; base < j1; base += kSlotTile) {
@@ -524,7 +524,7 @@ __global__ void update_append_kernel(DeviceState<S, A> st, std::int64_t a, std::
                                      std::int64_t n_app) {
   const std::int64_t i = blockIdx.x, c = threadIdx.x, C = st.C, D = st.D, Dv = st.Dv;
   const bool token = c < C;
-  extern __shared__ unsigned char smem_raw[];
+  extern __shared__ __align__(128) unsigned char smem_raw[];
   A* score = reinterpret_cast<A*>(smem_raw + (kScoresReady ? 0 : kSlotTile * D * sizeof(A)));
   int* appended = reinterpret_cast<int*>(score + C);
   int* order = appended + C;  // order[p]: the token founding slot slots_before + p
@@ -823,7 +823,7 @@ template <class S, class A, bool kInRegisters>
 __global__ void __launch_bounds__(32 * kWarpsPerBlock, 4)
     update_scatter_kernel(DeviceState<S, A> st, std::int64_t a, std::int64_t slots_after, std::int64_t per_block,
                           bool every_slot, bool async_rows) {
-  extern __shared__ unsigned char smem_raw[];
+  extern __shared__ __align__(128) unsigned char smem_raw[];
   const std::int64_t i = blockIdx.x, C = st.C;
   unsigned char* stages = smem_raw;  // register form: [kWarpsPerBlock][kScatterDepth] stages (16-byte aligned)
   LnWeight<A>* ln = reinterpret_cast<LnWeight<A>*>(
@@ -924,7 +924,7 @@ __global__ void attend_rows_kernel(DeviceState<S, A> st, const In* q, Out* out, 
   constexpr bool kInRegisters = kD > 0 && kDv > 0;
   constexpr int kQ = kInRegisters ? kD / kLanesPerRow : 1;  // dims per lane (registers)
   constexpr int kV = kInRegisters ? kDv / kLanesPerRow : 1;
-  extern __shared__ unsigned char smem_raw[];
+  extern __shared__ __align__(128) unsigned char smem_raw[];
   const std::int64_t D = kInRegisters ? kD : st.D, Dv = kInRegisters ? kDv : st.Dv, Hq = st.Hq;
   A* ks = reinterpret_cast<A*>(smem_raw);      // [kKeyTile, D]
   A* vs = ks + kKeyTile * D;                   // [kKeyTile, Dv]
@@ -1128,7 +1128,7 @@ __global__ void decode_fused_kernel(DeviceState<S, A> st, const In* q, const In*
                                     Out* out, std::int64_t pos, std::int64_t w, std::int64_t slots,
                                     std::int64_t per_split, int splits) {
   constexpr int kWarps = 4;
-  extern __shared__ unsigned char smem_raw[];
+  extern __shared__ __align__(128) unsigned char smem_raw[];
   const std::int64_t D = st.D, Dv = st.Dv, Hq = st.Hq;
   A* qs = reinterpret_cast<A*>(smem_raw);  // [D]
   A* po = qs + D;                          // [kWarps, Dv]
@@ -1256,7 +1256,7 @@ __global__ void __launch_bounds__(kDecodeThreads, kDecodeBlocksPerSm)
   static_assert(kDecodeThreads >= kDim, "the merge gives every output channel its own thread");
   static_assert(kHeads <= kWarps, "the cluster merge gives every head a warp");
   constexpr float kNegInf = negative_infinity<float>();
-  extern __shared__ __align__(128) unsigned char smem_raw[];  // as kvm_attend_tc.cuh declares it
+  extern __shared__ __align__(128) unsigned char smem_raw[];  // one symbol in kvm_detail: every declaration says 128
   // kvm_run launches decode steps as dependent launches (ptx.cuh): hides a launch latency per step
   ptx::wait_for_previous_grid();
   ptx::allow_next_grid();

@@ -179,7 +179,7 @@ __host__ __device__ inline std::size_t chunk_smem_bytes(std::int64_t D, std::int
 template <class Set, class S, int kDpt>
 __global__ void __launch_bounds__(kChunkThreads)
     chunk_attend_kernel(DeviceCache<S> c, DeviceCall<S> a, std::int64_t t0, std::int64_t rows) {
-  extern __shared__ __align__(16) unsigned char smem_raw[];
+  extern __shared__ __align__(128) unsigned char smem_raw[];  // one symbol in ua_detail: as ua_attend_tc.cuh
   const std::int64_t D = c.D, r = c.r, item = blockIdx.y, b = item / c.G, g = item % c.G;
   const int rt = chunk_row_tile(r);
   const std::int64_t pitch = D + 1;  // odd pitch: entry rows read by different lanes fall in different banks
