@@ -140,17 +140,20 @@ struct UaDenseLayout {
 // The dynamic shared memory a launch of dense_prefill_tc_kernel<Set, kD> takes (head dims that are not a
 // multiple of 64 have only the mma.sync path).
 // The warp-specialised block (sm_90a, D a multiple of 64; dense_prefill_row_tile_ws): a consumer warpgroup
-// (step 3) and a producer warpgroup (loads, steps 1-2), two blocks per SM. 65536 registers / (2 blocks x
-// 256 threads) = 128 per thread at launch; setmaxnreg then gives the consumer 168 (O, S and P: 112 of them)
-// and the producer 88 (168 + 88 = 2 x 128).
-inline constexpr int kDnWsThreads = 2 * kDnThreads;
-inline constexpr int kDnWsBlocksPerSM = 2;
+// (step 3) and kDnWsProducers producer warpgroups (loads, steps 1-2; producer p takes the steps s with
+// s % kDnWsProducers == p), one block per SM. 65536 registers / 512 threads = 128 per thread at launch;
+// setmaxnreg then gives the consumer 168 (O, S and P: 112 of them) and each producer 112.
+inline constexpr int kDnWsProducers = 3;
+inline constexpr int kDnWsThreads = (1 + kDnWsProducers) * kDnThreads;
+inline constexpr int kDnWsBlocksPerSM = 1;
 inline constexpr int kDnWsConsumerRegs = 168;
-inline constexpr int kDnWsProducerRegs = 88;
-static_assert(kDnWsConsumerRegs + kDnWsProducerRegs <= 2 * (65536 / (kDnWsThreads * kDnWsBlocksPerSM)),
+inline constexpr int kDnWsProducerRegs = 112;
+static_assert(kDnWsConsumerRegs + kDnWsProducers * kDnWsProducerRegs <=
+                  (1 + kDnWsProducers) * (65536 / (kDnWsThreads * kDnWsBlocksPerSM)),
               "the warpgroups' registers exceed the block's share of the SM");
-// Its shared memory: the swizzled key, value and query tiles of UaDenseLayout<kD, true>, with two key
-// buffers, two value buffers and two Λ tiles (the producer fills one while the consumer reads the other).
+// Its shared memory: the swizzled key, value and query tiles of UaDenseLayout<kD, true>; per producer two
+// key buffers (the next step's tile lands during this one), one value buffer, one decay tile A and one Λ
+// tile.
 template <int kD>
 struct UaDenseWsLayout {
   static_assert(kD % 64 == 0, "the swizzled tiles of the dense UA kernel take whole 128-byte rows");
@@ -159,13 +162,15 @@ struct UaDenseWsLayout {
   static constexpr int kLPitch = kDnEntries + 8;
   static constexpr std::size_t kTile = std::size_t(kDnEntries) * kD * 2;
   static constexpr std::size_t kLTile = std::size_t(kDnMaxRows) * kLPitch * 4;
-  static constexpr std::size_t kK = 0;                                             // [2][kDnEntries][kD] keys
-  static constexpr std::size_t kV = kK + 2 * kTile;                                // [2][kDnEntries][kD] values
-  static constexpr std::size_t kQ = kV + 2 * kTile;                                // [kDnPairs][kD] queries
-  static constexpr std::size_t kNK = kQ + std::size_t(kDnPairs) * kD * 2;         // [kDnMaxRows][kKPitch]
-  static constexpr std::size_t kA = kNK + std::size_t(kDnMaxRows) * kKPitch * 2;  // [kDnEntries][kAPitch]
-  static constexpr std::size_t kL = kA + std::size_t(kDnEntries) * kAPitch * 4;   // [2][kDnMaxRows][kLPitch]
-  static constexpr std::size_t kBytes = kL + 2 * kLTile + 1024;
+  static constexpr std::size_t kATile = std::size_t(kDnEntries) * kAPitch * 4;
+  static constexpr int kP = kDnWsProducers;
+  static constexpr std::size_t kK = 0;                                       // [kP][2][kDnEntries][kD] keys
+  static constexpr std::size_t kV = kK + 2 * kP * kTile;                     // [kP][kDnEntries][kD] values
+  static constexpr std::size_t kQ = kV + kP * kTile;                         // [kDnPairs][kD] queries
+  static constexpr std::size_t kNK = kQ + std::size_t(kDnPairs) * kD * 2;   // [kDnMaxRows][kKPitch]
+  static constexpr std::size_t kA = kNK + std::size_t(kDnMaxRows) * kKPitch * 2;  // [kP][kDnEntries][kAPitch]
+  static constexpr std::size_t kL = kA + kP * kATile;                        // [kP][kDnMaxRows][kLPitch]
+  static constexpr std::size_t kBytes = kL + kP * kLTile + 1024;
   static_assert(kDnWsBlocksPerSM * (kBytes + 4096) <= 228 * 1024, "the dense UA blocks do not fit an SM");
   __device__ static unsigned tile_offset(int row, int vec) { return ptx::sw128_offset(kDnEntries, row, vec); }
 };
@@ -902,7 +907,10 @@ __device__ __forceinline__ void dense_prefill_row_tile(const DeviceCache<bf16>& 
 //   tile free (b):  P V of value tile b done, Λ tile b read (consumer arrives, producer waits to refill)
 // The producer needs few registers (the fold holds 8 accumulators), the consumer O (64), S (32) and P (16):
 // setmaxnreg moves them (kDnWsProducerRegs / kDnWsConsumerRegs, 2 blocks per SM).
-inline constexpr unsigned kBarKeyFull = 1, kBarKeyFree = 3, kBarTileFull = 5, kBarTileFree = 7, kBarProducer = 9;
+inline constexpr unsigned kBarKeyFull = 1, kBarTileFull = 1 + kDnWsProducers, kBarFree = 1 + 2 * kDnWsProducers,
+                          kBarProducer = 1 + 3 * kDnWsProducers;
+static_assert(kBarProducer + kDnWsProducers <= 16, "a block has 16 named barriers");
+inline constexpr unsigned kDnWsPairThreads = 2 * kDnThreads;  // the consumer and one producer
 template <class Set, int kD, int kRows>
 __device__ __forceinline__ void dense_prefill_row_tile_ws(const DeviceCache<bf16>& c, const DeviceCall<bf16>& a,
                                                           std::int64_t T, std::int64_t items, std::int64_t tiles,
@@ -917,11 +925,12 @@ __device__ __forceinline__ void dense_prefill_row_tile_ws(const DeviceCache<bf16
   static_assert(rt % 8 == 0 && rt <= kDnMaxRows, "a row tile splits into 8-row mma tiles");
   unsigned char* const smem = align_shared_1024(dense_smem);
   nv_bf16* nk = reinterpret_cast<nv_bf16*>(smem + L::kNK);
-  float* at = reinterpret_cast<float*>(smem + L::kA);
   __shared__ float s_rgate[kDnMaxRows], s_rpart[kDnMaxRows];
-  __shared__ float s_egate[kDnEntries], s_epart[kDnEntries];
-  __shared__ long long s_epos[kDnEntries];
-  __shared__ int s_efirst[kDnEntries];
+  __shared__ float s_egate_all[kDnWsProducers][kDnEntries], s_epart_all[kDnWsProducers][kDnEntries];
+  __shared__ long long s_epos_all[kDnWsProducers][kDnEntries];
+  __shared__ int s_efirst_all[kDnWsProducers][kDnEntries];
+  // the steps published so far (the producers finish steps out of order; the progress counter goes in order)
+  __shared__ int s_published;
 
   const int tid = threadIdx.x, lane = tid % 32, qr = lane / 4, t4 = lane % 4;
   const std::int64_t k = *s_ticket / items, item = *s_ticket % items;
@@ -972,6 +981,7 @@ __device__ __forceinline__ void dense_prefill_row_tile_ws(const DeviceCache<bf16
       v = *reinterpret_cast<const uint4*>(a.q + b * a.q_b + (g * r + hp) * a.q_h + (r0 + ip) * a.q_t + 8 * cv);
     *reinterpret_cast<uint4*>(smem + L::kQ + sw128_offset(kDnPairs, p, cv)) = v;
   }
+  if (tid == 0) s_published = 0;
   fence_proxy_async_shared();  // Q -> the consumer's wgmma
   __syncthreads();
 
@@ -979,7 +989,15 @@ __device__ __forceinline__ void dense_prefill_row_tile_ws(const DeviceCache<bf16
   if (tid >= kDnThreads) {
     // ---------------- producer: loads, decay fold, λ carry ----------------
     setmaxnreg_dec<kDnWsProducerRegs>();
-    const int ptid = tid - kDnThreads, warp = ptid / 32;
+    const int producer = tid / kDnThreads - 1, ptid = tid % kDnThreads, warp = ptid / 32;
+    float* const s_egate = s_egate_all[producer];
+    float* const s_epart = s_epart_all[producer];
+    long long* const s_epos = s_epos_all[producer];
+    int* const s_efirst = s_efirst_all[producer];
+    float* const at = reinterpret_cast<float*>(smem + L::kA + producer * L::kATile);
+    unsigned char* const vs = smem + L::kV + producer * L::kTile;
+    float* const lt_mine = reinterpret_cast<float*>(smem + L::kL + producer * L::kLTile);
+    const auto key_buffer = [&](int j) { return smem + L::kK + (2 * producer + (j & 1)) * L::kTile; };
     const nv_bf16* cache_k = reinterpret_cast<const nv_bf16*>(c.keys + row0 * D);
     const nv_bf16* cache_v = reinterpret_cast<const nv_bf16*>(c.values + row0 * D);
     float* const lambda = c.lambda + row0;
@@ -1032,25 +1050,26 @@ __device__ __forceinline__ void dense_prefill_row_tile_ws(const DeviceCache<bf16
     int seen = 0;
     float nx_logit = 0.0f;
     std::int64_t nx_pos = INT64_MAX;
-    load_rows((n_etiles - 1) * kDnEntries, smem + L::kK, cache_k, in_k, a.k_t);
-    if (ptid < kDnEntries) load_meta((n_etiles - 1) * kDnEntries, nx_logit, nx_pos);
-    for (int step = 0; step < n_etiles; ++step) {
+    constexpr int kP = kDnWsProducers;
+    if (producer < n_etiles) {
+      load_rows((n_etiles - 1 - producer) * kDnEntries, key_buffer(0), cache_k, in_k, a.k_t);
+      if (ptid < kDnEntries) load_meta((n_etiles - 1 - producer) * kDnEntries, nx_logit, nx_pos);
+    }
+    for (int step = producer, j = 0; step < n_etiles; step += kP, ++j) {
       const int et = n_etiles - 1 - step, e0 = et * kDnEntries;
-      const int buf = step & 1;
-      const unsigned char* ks = smem + L::kK + buf * L::kTile;
-      // value tile et into buffer buf, once the consumer's P V of step - 2 is done with it
-      if (step >= 2) named_barrier_sync(kBarTileFree + buf, kDnWsThreads);
-      load_rows(e0, smem + L::kV + buf * L::kTile, cache_v, in_v, a.v_t);
-      // the next key tile into the other buffer, once the consumer's Q K^T of step - 1 is done with it
-      if (et > 0) {
-        if (step >= 1) named_barrier_sync(kBarKeyFree + (buf ^ 1), kDnWsThreads);
-        load_rows(e0 - kDnEntries, smem + L::kK + (buf ^ 1) * L::kTile, cache_k, in_k, a.k_t);
+      const unsigned char* ks = key_buffer(j);
+      // this producer's value, A and Λ tiles and its other key buffer, once the consumer is done with its
+      // step - kP
+      if (step >= kP) named_barrier_sync(kBarFree + producer, kDnWsPairThreads);
+      load_rows(e0, vs, cache_v, in_v, a.v_t);
+      if (et >= kP) {  // this producer's next key tile, into its other buffer
+        load_rows(e0 - kP * kDnEntries, key_buffer(j + 1), cache_k, in_k, a.k_t);
       } else {
         cp_async_commit();  // an empty group: the waits below count the same groups on every step
       }
       cp_async_wait<2>();  // key tile et (committed a step ago) has landed; its value tile and the next key may not
       fence_proxy_async_shared();
-      named_barrier_arrive(kBarKeyFull + buf, kDnWsThreads);
+      named_barrier_arrive(kBarKeyFull + producer, kDnWsPairThreads);
       if (ptid < kDnEntries) {
         if constexpr (Fold::kLog2) {
           s_egate[ptid] = Fold::kKeyShare * dense_log2_sigmoid(nx_logit);
@@ -1061,7 +1080,7 @@ __device__ __forceinline__ void dense_prefill_row_tile_ws(const DeviceCache<bf16
         s_epos[ptid] = nx_pos;
         const std::int64_t first_after = nx_pos == INT64_MAX ? rt : nx_pos - row_pos0 + 1;
         s_efirst[ptid] = first_after < 0 ? 0 : (first_after > rt ? rt : int(first_after));
-        if (et > 0) load_meta(e0 - kDnEntries, nx_logit, nx_pos);
+        if (et >= kP) load_meta(e0 - kP * kDnEntries, nx_logit, nx_pos);
       }
       float c_lam = 0.0f;
       if (carrier && e0 + ce < e_prev) {
@@ -1071,7 +1090,7 @@ __device__ __forceinline__ void dense_prefill_row_tile_ws(const DeviceCache<bf16
         c_lam = __ldcg(lambda + e0 + ce);
       }
       // key tile et and its gates visible to the producer's warps (the previous step's carry is done)
-      named_barrier_sync(kBarProducer, kDnThreads);
+      named_barrier_sync(kBarProducer + producer, kDnThreads);
 
       // 1. the warp's 16 columns of the decay tile A(e, m), as in dense_prefill_row_tile
       {
@@ -1140,7 +1159,7 @@ __device__ __forceinline__ void dense_prefill_row_tile_ws(const DeviceCache<bf16
       if (carrier) {
         const int idx = e0 + ce;
         const float4* col = reinterpret_cast<const float4*>(at + ce * L::kAPitch);
-        float* lam_col = reinterpret_cast<float*>(smem + L::kL + buf * L::kLTile) + ce;
+        float* lam_col = lt_mine + ce;
         const auto carry = [&](int masked) {
           float av[rt];
 #pragma unroll
@@ -1164,12 +1183,17 @@ __device__ __forceinline__ void dense_prefill_row_tile_ws(const DeviceCache<bf16
       }
       cp_async_wait<1>();  // value tile et has landed (the next key tile may not)
       fence_proxy_async_shared();
-      named_barrier_arrive(kBarTileFull + buf, kDnWsThreads);
+      named_barrier_arrive(kBarTileFull + producer, kDnWsPairThreads);
       // every carrier's λ stores precede the publication; the gates and A are free for the next step
-      named_barrier_sync(kBarProducer, kDnThreads);
+      named_barrier_sync(kBarProducer + producer, kDnThreads);
       if (ptid == kDnThreads - 1) {
+        // steps are published in order: wait for the producer of step - 1, then make this producer's λ
+        // (and, by the fence's cumulativity, the ones the earlier publishers fenced) visible device-wide
+        while (*static_cast<volatile int*>(&s_published) != step) {
+        }
         __threadfence();
         atomicExch(done_mine, step + 1);
+        *static_cast<volatile int*>(&s_published) = step + 1;
       }
     }
     return;
@@ -1187,22 +1211,20 @@ __device__ __forceinline__ void dense_prefill_row_tile_ws(const DeviceCache<bf16
   std::uint32_t pa[kDnEntries / 16][4] = {};
   const unsigned q_addr = shared_address(smem + L::kQ);
   for (int step = 0; step < n_etiles; ++step) {
-    const int buf = step & 1;
+    const int producer = step % kDnWsProducers, j = step / kDnWsProducers;
     float s[kDnEntries / 8][4];
-    named_barrier_sync(kBarKeyFull + buf, kDnWsThreads);
-    const unsigned k_addr = shared_address(smem + L::kK + buf * L::kTile);
+    named_barrier_sync(kBarKeyFull + producer, kDnWsPairThreads);
+    const unsigned k_addr = shared_address(smem + L::kK + (2 * producer + (j & 1)) * L::kTile);
     wgmma_fence();
 #pragma unroll
     for (int kb = 0; kb < kD / 16; ++kb)
       wgmma_m64n64k16_ss(s, wgmma_desc_sw128(q_addr + sw128_k16_offset(kDnPairs, kb), 16, 1024),
                          wgmma_desc_sw128(k_addr + sw128_k16_offset(kDnEntries, kb), 16, 1024), kb > 0);
     wgmma_commit();
-    named_barrier_sync(kBarTileFull + buf, kDnWsThreads);
+    named_barrier_sync(kBarTileFull + producer, kDnWsPairThreads);
     wgmma_wait<0>();
     wgmma_fence_operands(s);
-    // the key tile goes back to the producer, which refills it at step + 1 when a tile follows that one
-    if (step <= n_etiles - 3) named_barrier_arrive(kBarKeyFree + buf, kDnWsThreads);
-    const float* lt = reinterpret_cast<const float*>(smem + L::kL + buf * L::kLTile);
+    const float* lt = reinterpret_cast<const float*>(smem + L::kL + producer * L::kLTile);
     const float* const lam_lo = lt + i_lo * L::kLPitch + 2 * t4;
     const float* const lam_hi = lt + i_hi * L::kLPitch + 2 * t4;
 #pragma unroll
@@ -1266,7 +1288,7 @@ __device__ __forceinline__ void dense_prefill_row_tile_ws(const DeviceCache<bf16
       for (int kk = 0; kk < kDnEntries / 16; ++kk) pa[kk][0] = pa[kk][1] = pa[kk][2] = pa[kk][3] = 0u;
     }
     wgmma_fence();
-    const unsigned vs_addr = shared_address(smem + L::kV + buf * L::kTile);
+    const unsigned vs_addr = shared_address(smem + L::kV + producer * L::kTile);
 #pragma unroll
     for (int kk = 0; kk < kDnEntries / 16; ++kk) {
       const std::uint64_t vdesc = wgmma_desc_sw128(vs_addr + unsigned(16 * kk) * 128, kDnEntries * 128, 1024);
@@ -1278,11 +1300,11 @@ __device__ __forceinline__ void dense_prefill_row_tile_ws(const DeviceCache<bf16
     wgmma_commit();
     // P V is waited for here: left in flight into the next step (as on the one-warpgroup path), ptxas
     // serialises every wgmma of the loop (C7515: the accumulators of an in-flight P V are live across the
-    // loop's back edge). The value and Λ tiles go back to the producer, which refills them at step + 2.
+    // loop's back edge). The producer's tiles go back to it, for its step + kDnWsProducers.
     wgmma_wait<0>();
     wgmma_fence_operands(o);
     wgmma_fence_operands(pa);
-    if (step <= n_etiles - 3) named_barrier_arrive(kBarTileFree + buf, kDnWsThreads);
+    if (step + kDnWsProducers < n_etiles) named_barrier_arrive(kBarFree + producer, kDnWsPairThreads);
   }
   dense_write_rows<kD, rt>(a, c, T, items, s_ticket, warp, qr, t4, o, m_lo, m_hi, l_lo, l_hi);
 }
