@@ -169,25 +169,6 @@ __device__ inline void wgmma_fence_operands(std::uint32_t (&a)[kN][4]) {
 __device__ inline void fence_proxy_async_shared() {
   asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
 }
-// Named barriers (ids 1-15; 0 is __syncthreads'): `threads` threads of the block, a multiple of 32, meet at
-// barrier `id`. bar.sync waits; bar.arrive counts this thread in and goes on (a producer signals a
-// consumer). Both order this thread's earlier shared-memory accesses before the waiters' later ones.
-__device__ inline void named_barrier_sync(unsigned id, unsigned threads) {
-  asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
-}
-__device__ inline void named_barrier_arrive(unsigned id, unsigned threads) {
-  asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
-}
-// A warpgroup gives back registers to the block's pool (dec) or takes them from it (inc, waiting until
-// they are free): kRegs per thread from here on, a multiple of 8 in [24, 256].
-template <int kRegs>
-__device__ inline void setmaxnreg_dec() {
-  asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(kRegs));
-}
-template <int kRegs>
-__device__ inline void setmaxnreg_inc() {
-  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(kRegs));
-}
 // d (+)= a b, A and B from shared memory, both K-major; accumulate = 0 overwrites d.
 __device__ inline void wgmma_m64n64k16_ss(float (&d)[8][4], std::uint64_t a_desc, std::uint64_t b_desc,
                                           int accumulate) {

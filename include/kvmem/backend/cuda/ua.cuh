@@ -348,13 +348,8 @@ Status ua_run(const Executor& exec, UaCache<S>& cache, const UaInputs<S>& in, co
         to_status(cudaMemsetAsync(cache.dense_sync_, 0, std::size_t(1 + I * tiles) * sizeof(int), exec.stream),
                   "cudaMemsetAsync dense prefill pipeline"));
     KVMEM_RETURN_IF_ERROR(allow_shared(dense.kernel, dense.shared_bytes));
-    // the block size of the code the device loaded: 256 threads (two warpgroups) for the warp-specialised
-    // sm_90a kernel, 128 for the mma.sync one (dense_block_threads, fixed by each kernel's launch bounds)
-    cudaFuncAttributes dense_attr{};
-    KVMEM_RETURN_IF_ERROR(to_status(cudaFuncGetAttributes(&dense_attr, reinterpret_cast<const void*>(dense.kernel)),
-                                    "cudaFuncGetAttributes dense prefill"));
-    dense.kernel<<<unsigned(tiles * I), unsigned(dense_attr.maxThreadsPerBlock), dense.shared_bytes, exec.stream>>>(
-        dev, a, T, I, tiles, cache.dense_sync_);
+    dense.kernel<<<unsigned(tiles * I), kDnThreads, dense.shared_bytes, exec.stream>>>(dev, a, T, I, tiles,
+                                                                                       cache.dense_sync_);
     KVMEM_CUDA_RETURN_IF_LAUNCH_FAILED("ua dense_prefill_tc_kernel");
     dense_advance_kernel<S><<<1, 128, 0, exec.stream>>>(dev, I, T);
     KVMEM_CUDA_RETURN_IF_LAUNCH_FAILED("ua dense_advance_kernel");

@@ -139,61 +139,12 @@ struct UaDenseLayout {
 };
 // The dynamic shared memory a launch of dense_prefill_tc_kernel<Set, kD> takes (head dims that are not a
 // multiple of 64 have only the mma.sync path).
-// The warp-specialised block (sm_90a, D a multiple of 64; dense_prefill_row_tile_ws): a consumer warpgroup
-// (step 3) and kDnWsProducers producer warpgroups (loads, steps 1-2; producer p takes the steps s with
-// s % kDnWsProducers == p), one block per SM. 65536 registers / 512 threads = 128 per thread at launch;
-// setmaxnreg then gives the consumer 168 (O, S and P: 112 of them) and each producer 112.
-inline constexpr int kDnWsProducers = 3;
-inline constexpr int kDnWsThreads = (1 + kDnWsProducers) * kDnThreads;
-inline constexpr int kDnWsBlocksPerSM = 1;
-inline constexpr int kDnWsConsumerRegs = 168;
-inline constexpr int kDnWsProducerRegs = 112;
-static_assert(kDnWsConsumerRegs + kDnWsProducers * kDnWsProducerRegs <=
-                  (1 + kDnWsProducers) * (65536 / (kDnWsThreads * kDnWsBlocksPerSM)),
-              "the warpgroups' registers exceed the block's share of the SM");
-// Its shared memory: the swizzled key, value and query tiles of UaDenseLayout<kD, true>; per producer two
-// key buffers (the next step's tile lands during this one), one value buffer, one decay tile A and one Λ
-// tile.
-template <int kD>
-struct UaDenseWsLayout {
-  static_assert(kD % 64 == 0, "the swizzled tiles of the dense UA kernel take whole 128-byte rows");
-  static constexpr int kKPitch = kD + 8;
-  static constexpr int kAPitch = kDnMaxRows + 4;
-  static constexpr int kLPitch = kDnEntries + 8;
-  static constexpr std::size_t kTile = std::size_t(kDnEntries) * kD * 2;
-  static constexpr std::size_t kLTile = std::size_t(kDnMaxRows) * kLPitch * 4;
-  static constexpr std::size_t kATile = std::size_t(kDnEntries) * kAPitch * 4;
-  static constexpr int kP = kDnWsProducers;
-  static constexpr std::size_t kK = 0;                                       // [kP][2][kDnEntries][kD] keys
-  static constexpr std::size_t kV = kK + 2 * kP * kTile;                     // [kP][kDnEntries][kD] values
-  static constexpr std::size_t kQ = kV + kP * kTile;                         // [kDnPairs][kD] queries
-  static constexpr std::size_t kNK = kQ + std::size_t(kDnPairs) * kD * 2;   // [kDnMaxRows][kKPitch]
-  static constexpr std::size_t kA = kNK + std::size_t(kDnMaxRows) * kKPitch * 2;  // [kP][kDnEntries][kAPitch]
-  static constexpr std::size_t kL = kA + kP * kATile;                        // [kP][kDnMaxRows][kLPitch]
-  static constexpr std::size_t kBytes = kL + kP * kLTile + 1024;
-  static_assert(kDnWsBlocksPerSM * (kBytes + 4096) <= 228 * 1024, "the dense UA blocks do not fit an SM");
-  __device__ static unsigned tile_offset(int row, int vec) { return ptx::sw128_offset(kDnEntries, row, vec); }
-};
 template <int kD>
 constexpr std::size_t dense_shared_bytes() {
   if constexpr (kD % 64 == 0)
-    return ptx::shared_bytes_of_either_path(UaDenseWsLayout<kD>::kBytes, UaDenseLayout<kD>::kBytes);
+    return ptx::shared_bytes_of_either_path(UaDenseLayout<kD, true>::kBytes, UaDenseLayout<kD>::kBytes);
   else
     return UaDenseLayout<kD>::kBytes;
-}
-// Threads and blocks per SM of dense_prefill_tc_kernel<Set, kD> in the code being compiled (the host reads
-// the threads back from the loaded kernel's attributes: it cannot know which path the device runs).
-template <int kD>
-__host__ __device__ constexpr int dense_block_threads() {
-#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-  return kD % 64 == 0 ? kDnWsThreads : kDnThreads;
-#else
-  return kDnThreads;
-#endif
-}
-template <int kD>
-__host__ __device__ constexpr int dense_blocks_per_sm() {
-  return dense_block_threads<kD>() == kDnWsThreads ? kDnWsBlocksPerSM : kDnBlocksPerSM;
 }
 
 // log1p(-m) for m in [0, 1 - 1e-6]: u = 1 - m and c = (1 - u) - m, the rounding of u (exact, Fast2Sum: 1 - u
@@ -269,44 +220,6 @@ struct DenseFold<decay::Set<G...>> {
 // maximum's weight 1 such a weight is below fp32's resolution (and a warp's half tile below it is skipped, see
 // step 3). Logits this far (in log2 units) below the row maximum have weight exactly 0.
 inline constexpr float kDnUnderflowLog2 = -127.0f;
-
-// 4. normalise, output gate, write y and lse of the warp's pairs (the quad's partial sums in a fixed order).
-// The row's indices come again from the ticket in shared memory (a volatile load, so the compiler does not
-// hold them in registers through the loop, where O leaves few to spare)
-template <int kD, int rt>
-__device__ __forceinline__ void dense_write_rows(const DeviceCall<bf16>& a, const DeviceCache<bf16>& c, std::int64_t T,
-                                                 std::int64_t items, const long long* s_ticket, int warp, int qr,
-                                                 int t4, const float (&o)[kD / 8][4], float m_lo, float m_hi,
-                                                 float l_lo, float l_hi) {
-  l_lo += __shfl_xor_sync(0xffffffffu, l_lo, 1);
-  l_lo += __shfl_xor_sync(0xffffffffu, l_lo, 2);
-  l_hi += __shfl_xor_sync(0xffffffffu, l_hi, 1);
-  l_hi += __shfl_xor_sync(0xffffffffu, l_hi, 2);
-  const std::int64_t ticket = *static_cast<const volatile long long*>(s_ticket);
-  const std::int64_t out_item = ticket % items, out_r0 = ticket / items * rt;
-  const std::int64_t out_b = out_item / c.G, out_g = out_item % c.G;
-#pragma unroll
-  for (int hf = 0; hf < 2; ++hf) {
-    const int p = 16 * warp + qr + 8 * hf;  // the pair p_lo or p_hi
-    const std::int64_t hq = out_g * c.r + p / rt, t = out_r0 + p % rt;
-    if (t >= T) continue;  // a row past the call
-    const float l = hf ? l_hi : l_lo, mx = hf ? m_hi : m_lo;
-    float* out = a.out + out_b * a.o_b + t * a.o_t + hq * a.o_h;
-    const bf16* zo = a.z_o ? a.z_o + out_b * a.zo_b + t * a.zo_t + hq * a.zo_h : nullptr;
-#pragma unroll
-    for (int j = 0; j < kD / 8; ++j) {
-#pragma unroll
-      for (int x = 0; x < 2; ++x) {
-        const int d = 8 * j + 2 * t4 + x;
-        float y = l > 0.0f ? o[j][2 * hf + x] / l : 0.0f;
-        if (zo) y *= sigmoid(ld(zo + d));
-        out[d] = y;
-      }
-    }
-    if (a.lse && t4 == 0)
-      a.lse[out_b * a.l_b + hq * a.l_h + t * a.l_t] = l > 0.0f ? mx + logf(l) : negative_infinity<float>();
-  }
-}
 
 // The work of one block of dense_prefill_tc_kernel (below): row tile *s_ticket, kRows = dense_row_tile(r)
 // rows, a compile-time constant so that the decay tile's shape, the pair -> (head, row) map and the λ
@@ -890,425 +803,38 @@ __device__ __forceinline__ void dense_prefill_row_tile(const DeviceCache<bf16>& 
 
   finish_pv();
 
-  dense_write_rows<kD, rt>(a, c, T, items, s_ticket, warp, qr, t4, o, m_lo, m_hi, l_lo, l_hi);
+  // 4. normalise, output gate, write y and lse (the quad's partial sums in a fixed order). The row's
+  //    indices come again from the ticket in shared memory (a volatile load, so the compiler does not
+  //    hold them in registers through the loop, where O leaves few to spare)
+  l_lo += __shfl_xor_sync(0xffffffffu, l_lo, 1);
+  l_lo += __shfl_xor_sync(0xffffffffu, l_lo, 2);
+  l_hi += __shfl_xor_sync(0xffffffffu, l_hi, 1);
+  l_hi += __shfl_xor_sync(0xffffffffu, l_hi, 2);
+  const std::int64_t ticket = *static_cast<const volatile long long*>(s_ticket);
+  const std::int64_t out_item = ticket % items, out_r0 = ticket / items * rt;
+  const std::int64_t out_b = out_item / c.G, out_g = out_item % c.G;
+#pragma unroll
+  for (int hf = 0; hf < 2; ++hf) {
+    const int p = 16 * warp + qr + 8 * hf;  // the pair p_lo or p_hi
+    const std::int64_t hq = out_g * c.r + p / rt, t = out_r0 + p % rt;
+    if (t >= T) continue;  // a row past the call
+    const float l = hf ? l_hi : l_lo, mx = hf ? m_hi : m_lo;
+    float* out = a.out + out_b * a.o_b + t * a.o_t + hq * a.o_h;
+    const bf16* zo = a.z_o ? a.z_o + out_b * a.zo_b + t * a.zo_t + hq * a.zo_h : nullptr;
+#pragma unroll
+    for (int j = 0; j < kD / 8; ++j) {
+#pragma unroll
+      for (int x = 0; x < 2; ++x) {
+        const int d = 8 * j + 2 * t4 + x;
+        float y = l > 0.0f ? o[j][2 * hf + x] / l : 0.0f;
+        if (zo) y *= sigmoid(ld(zo + d));
+        out[d] = y;
+      }
+    }
+    if (a.lse && t4 == 0)
+      a.lse[out_b * a.l_b + hq * a.l_h + t * a.l_t] = l > 0.0f ? mx + logf(l) : negative_infinity<float>();
+  }
 }
-
-#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-// Warp-specialised form of dense_prefill_row_tile for sm_90a and D a multiple of 64: the block is two
-// warpgroups. Warpgroup 1 (the producer) loads the key and value tiles, folds the decay and carries λ
-// (steps 1-2) into one of two Λ tiles; warpgroup 0 (the consumer) runs step 3 (Q K^T, Λ + S, online
-// softmax, P V on wgmma) of the tile before, so that the decay's latency chain (similarity mma ->
-// lg2 / ex2 -> A -> 16 dependent adds) and the softmax's (wgmma wait -> max shuffles -> ex2 -> P V) run
-// side by side instead of one after the other behind two block barriers. Keys, values and Λ are double
-// buffered; the hand-offs are named barriers of 256 threads, one warpgroup arriving and the other waiting:
-//   key full  (kb): key tile in buffer kb landed           (producer arrives, consumer waits)
-//   key free  (kb): Q K^T of buffer kb done                 (consumer arrives, producer waits to refill)
-//   tile full (b):  Λ tile b complete, value tile b landed  (producer arrives, consumer waits)
-//   tile free (b):  P V of value tile b done, Λ tile b read (consumer arrives, producer waits to refill)
-// The producer needs few registers (the fold holds 8 accumulators), the consumer O (64), S (32) and P (16):
-// setmaxnreg moves them (kDnWsProducerRegs / kDnWsConsumerRegs, 2 blocks per SM).
-inline constexpr unsigned kBarKeyFull = 1, kBarTileFull = 1 + kDnWsProducers, kBarFree = 1 + 2 * kDnWsProducers,
-                          kBarProducer = 1 + 3 * kDnWsProducers;
-static_assert(kBarProducer + kDnWsProducers <= 16, "a block has 16 named barriers");
-inline constexpr unsigned kDnWsPairThreads = 2 * kDnThreads;  // the consumer and one producer
-template <class Set, int kD, int kRows>
-__device__ __forceinline__ void dense_prefill_row_tile_ws(const DeviceCache<bf16>& c, const DeviceCall<bf16>& a,
-                                                          std::int64_t T, std::int64_t items, std::int64_t tiles,
-                                                          int* sync, const long long* s_ticket,
-                                                          unsigned char* dense_smem) {
-  using namespace ptx;
-  using L = UaDenseWsLayout<kD>;
-  using Fold = DenseFold<Set>;
-  using nv_bf16 = __nv_bfloat16;
-  constexpr int kVec = kD / 8;
-  constexpr int rt = kRows;
-  static_assert(rt % 8 == 0 && rt <= kDnMaxRows, "a row tile splits into 8-row mma tiles");
-  unsigned char* const smem = align_shared_1024(dense_smem);
-  nv_bf16* nk = reinterpret_cast<nv_bf16*>(smem + L::kNK);
-  __shared__ float s_rgate[kDnMaxRows], s_rpart[kDnMaxRows];
-  __shared__ float s_egate_all[kDnWsProducers][kDnEntries], s_epart_all[kDnWsProducers][kDnEntries];
-  __shared__ long long s_epos_all[kDnWsProducers][kDnEntries];
-  __shared__ int s_efirst_all[kDnWsProducers][kDnEntries];
-  // the steps published so far (the producers finish steps out of order; the progress counter goes in order)
-  __shared__ int s_published;
-
-  const int tid = threadIdx.x, lane = tid % 32, qr = lane / 4, t4 = lane % 4;
-  const std::int64_t k = *s_ticket / items, item = *s_ticket % items;
-  const std::int64_t r = c.r, b = item / c.G, g = item % c.G, D = kD;
-  const std::int64_t n = c.length[item], first = c.counter[item], row0 = item * c.cap;
-  const std::int64_t r0 = k * rt;
-  const int nr = T - r0 < rt ? int(T - r0) : rt;
-  const std::int64_t row_pos0 = first + r0;
-  const int e_total = int(n + r0 + nr);
-  const int e_prev = int(n + r0);
-  const nv_bf16* in_k = reinterpret_cast<const nv_bf16*>(a.k + b * a.k_b + g * a.k_g);
-  const nv_bf16* in_v = reinterpret_cast<const nv_bf16*>(a.v + b * a.v_b + g * a.v_g);
-
-  // both warpgroups: the row tile's keys and query-side gates (producer) and Q (consumer, the A operand of
-  // the logits, swizzled; zeros past the call), then one block barrier
-  for (int x = tid; x < kDnMaxRows * kVec; x += kDnWsThreads) {
-    const int i = x / kVec, cv = x % kVec;
-    uint4 kv = make_uint4(0, 0, 0, 0);
-    if (i < nr) {
-      const std::int64_t t = r0 + i;
-      kv = reinterpret_cast<const uint4*>(in_k + t * a.k_t)[cv];
-      const uint4 vv = reinterpret_cast<const uint4*>(in_v + t * a.v_t)[cv];
-      reinterpret_cast<uint4*>(c.keys + (row0 + n + t) * D)[cv] = kv;
-      reinterpret_cast<uint4*>(c.values + (row0 + n + t) * D)[cv] = vv;
-    }
-    *reinterpret_cast<uint4*>(nk + i * L::kKPitch + cv * 8) = kv;
-  }
-  for (int i = tid; i < kDnMaxRows; i += kDnWsThreads) {
-    float zq = 0.0f;
-    if (i < nr) {
-      const std::int64_t t = r0 + i;
-      zq = a.z_q[b * a.zq_b + g * a.zq_g + t * a.zq_t];
-      c.key_logit[row0 + n + t] = a.z_k[b * a.zk_b + g * a.zk_g + t * a.zk_t];
-      c.pos[row0 + n + t] = first + t;
-    }
-    const float part = kernel::ua::query_gate_part(zq);
-    if constexpr (Fold::kLog2) {
-      s_rgate[i] = Fold::kQueryScale * part;
-    } else {
-      s_rgate[i] = zq;
-      s_rpart[i] = part;
-    }
-  }
-  for (int x = tid; x < kDnPairs * kVec; x += kDnWsThreads) {
-    const int p = x / kVec, cv = x % kVec, hp = p / rt, ip = p % rt;
-    uint4 v = make_uint4(0, 0, 0, 0);
-    if (ip < nr)
-      v = *reinterpret_cast<const uint4*>(a.q + b * a.q_b + (g * r + hp) * a.q_h + (r0 + ip) * a.q_t + 8 * cv);
-    *reinterpret_cast<uint4*>(smem + L::kQ + sw128_offset(kDnPairs, p, cv)) = v;
-  }
-  if (tid == 0) s_published = 0;
-  fence_proxy_async_shared();  // Q -> the consumer's wgmma
-  __syncthreads();
-
-  const int n_etiles = (e_total + kDnEntries - 1) / kDnEntries;
-  if (tid >= kDnThreads) {
-    // ---------------- producer: loads, decay fold, λ carry ----------------
-    setmaxnreg_dec<kDnWsProducerRegs>();
-    const int producer = tid / kDnThreads - 1, ptid = tid % kDnThreads, warp = ptid / 32;
-    float* const s_egate = s_egate_all[producer];
-    float* const s_epart = s_epart_all[producer];
-    long long* const s_epos = s_epos_all[producer];
-    int* const s_efirst = s_efirst_all[producer];
-    float* const at = reinterpret_cast<float*>(smem + L::kA + producer * L::kATile);
-    unsigned char* const vs = smem + L::kV + producer * L::kTile;
-    float* const lt_mine = reinterpret_cast<float*>(smem + L::kL + producer * L::kLTile);
-    const auto key_buffer = [&](int j) { return smem + L::kK + (2 * producer + (j & 1)) * L::kTile; };
-    const nv_bf16* cache_k = reinterpret_cast<const nv_bf16*>(c.keys + row0 * D);
-    const nv_bf16* cache_v = reinterpret_cast<const nv_bf16*>(c.values + row0 * D);
-    float* const lambda = c.lambda + row0;
-    int* const done_mine = sync + 1 + item * tiles + k;
-    const bool has_prev = k > 0;
-    // rows [e0, e0 + kDnEntries) of the keys or the values -> tile dst, one cp.async group (as in
-    // dense_prefill_row_tile, by the producer's 128 threads)
-    const auto load_rows = [&](int e0, unsigned char* dst, const nv_bf16* cache, const nv_bf16* input,
-                                std::int64_t in_stride) {
-      const bool all_cached = e0 + kDnEntries <= n, all_input = e0 >= n && e0 + kDnEntries <= e_total;
-      if (all_cached || all_input) {
-        const std::int64_t stride = all_cached ? D : in_stride;
-        constexpr int kPassRows = kDnThreads / kVec;
-        static_assert(kDnThreads % kVec == 0 && kPassRows % 8 == 0, "a pass of rows keeps the swizzle phase");
-        const int e = ptid / kVec, cv = ptid % kVec;
-        const nv_bf16* src = (all_cached ? cache + e0 * D : input + (e0 - n) * in_stride) + e * stride + cv * 8;
-        unsigned char* to = dst + L::tile_offset(e, cv);
-#pragma unroll
-        for (int pass = 0; pass < kDnEntries / kPassRows; ++pass)
-          cp_async16(to + pass * kPassRows * 128u, src + pass * kPassRows * stride, 16);
-      } else {
-        for (int x = ptid; x < kDnEntries * kVec; x += kDnThreads) {
-          const int e = x / kVec, cv = x % kVec;
-          const int idx = e0 + e;
-          const bool valid = idx < e_total;
-          const nv_bf16* p = input;
-          if (valid) p = idx < n ? cache + idx * D : input + (idx - n) * in_stride;
-          cp_async16(dst + L::tile_offset(e, cv), p + cv * 8, valid ? 16 : 0);
-        }
-      }
-      cp_async_commit();
-    };
-    const float* const key_logit = c.key_logit + row0;
-    const std::int64_t* const key_pos = c.pos + row0;
-    const float* const in_zk = a.z_k + b * a.zk_b + g * a.zk_g;
-    const auto load_meta = [&](int e0, float& logit, std::int64_t& pos) {
-      const int idx = e0 + ptid;
-      logit = 0.0f;
-      pos = INT64_MAX;
-      if (idx < e_total) {
-        logit = idx < n ? key_logit[idx] : in_zk[(idx - n) * a.zk_t];
-        pos = idx < n ? key_pos[idx] : first + (idx - n);
-      }
-    };
-    constexpr int nts = rt / 8;
-    const int eb = 16 * warp;
-    const bool carrier = lane < 16;
-    const int ce = eb + lane;
-    const int n_etiles_prev = (e_prev + kDnEntries - 1) / kDnEntries;
-    int seen = 0;
-    float nx_logit = 0.0f;
-    std::int64_t nx_pos = INT64_MAX;
-    constexpr int kP = kDnWsProducers;
-    if (producer < n_etiles) {
-      load_rows((n_etiles - 1 - producer) * kDnEntries, key_buffer(0), cache_k, in_k, a.k_t);
-      if (ptid < kDnEntries) load_meta((n_etiles - 1 - producer) * kDnEntries, nx_logit, nx_pos);
-    }
-    for (int step = producer, j = 0; step < n_etiles; step += kP, ++j) {
-      const int et = n_etiles - 1 - step, e0 = et * kDnEntries;
-      const unsigned char* ks = key_buffer(j);
-      // this producer's value, A and Λ tiles and its other key buffer, once the consumer is done with its
-      // step - kP
-      if (step >= kP) named_barrier_sync(kBarFree + producer, kDnWsPairThreads);
-      load_rows(e0, vs, cache_v, in_v, a.v_t);
-      if (et >= kP) {  // this producer's next key tile, into its other buffer
-        load_rows(e0 - kP * kDnEntries, key_buffer(j + 1), cache_k, in_k, a.k_t);
-      } else {
-        cp_async_commit();  // an empty group: the waits below count the same groups on every step
-      }
-      cp_async_wait<2>();  // key tile et (committed a step ago) has landed; its value tile and the next key may not
-      fence_proxy_async_shared();
-      named_barrier_arrive(kBarKeyFull + producer, kDnWsPairThreads);
-      if (ptid < kDnEntries) {
-        if constexpr (Fold::kLog2) {
-          s_egate[ptid] = Fold::kKeyShare * dense_log2_sigmoid(nx_logit);
-        } else {
-          s_egate[ptid] = nx_logit;
-          s_epart[ptid] = kernel::ua::key_gate_part(nx_logit);
-        }
-        s_epos[ptid] = nx_pos;
-        const std::int64_t first_after = nx_pos == INT64_MAX ? rt : nx_pos - row_pos0 + 1;
-        s_efirst[ptid] = first_after < 0 ? 0 : (first_after > rt ? rt : int(first_after));
-        if (et >= kP) load_meta(e0 - kP * kDnEntries, nx_logit, nx_pos);
-      }
-      float c_lam = 0.0f;
-      if (carrier && e0 + ce < e_prev) {
-        const int need = n_etiles_prev - et;
-        if (has_prev && seen < need)
-          while ((seen = load_acquire(done_mine - 1)) < need) __nanosleep(32);
-        c_lam = __ldcg(lambda + e0 + ce);
-      }
-      // key tile et and its gates visible to the producer's warps (the previous step's carry is done)
-      named_barrier_sync(kBarProducer + producer, kDnThreads);
-
-      // 1. the warp's 16 columns of the decay tile A(e, m), as in dense_prefill_row_tile
-      {
-        float e_gate[2], e_part[2];
-        std::int64_t e_pos[2];
-        int e_first[2];
-#pragma unroll
-        for (int hf = 0; hf < 2; ++hf) {
-          e_gate[hf] = s_egate[eb + qr + 8 * hf];
-          e_first[hf] = s_efirst[eb + qr + 8 * hf];
-          if constexpr (!Fold::kLog2) {
-            e_part[hf] = s_epart[eb + qr + 8 * hf];
-            e_pos[hf] = s_epos[eb + qr + 8 * hf];
-          }
-        }
-        float sim[nts][4] = {};
-        if constexpr (Set::kNeedsSimilarity) {
-#pragma unroll
-          for (int kb = 0; kb < kD / 16; ++kb) {
-            std::uint32_t fa[4];
-            ldmatrix_x4(fa, ks + L::tile_offset(eb + lane % 16, 2 * kb + lane / 16));
-#pragma unroll
-            for (int nt = 0; nt + 1 < nts; nt += 2) {
-              std::uint32_t fb[4];
-              ldmatrix_x4(fb, nk + (8 * (nt + lane / 16) + lane % 8) * L::kKPitch + 16 * kb + 8 * ((lane / 8) % 2));
-              mma_bf16_16816(sim[nt], fa, fb[0], fb[1]);
-              mma_bf16_16816(sim[nt + 1], fa, fb[2], fb[3]);
-            }
-            if constexpr (nts % 2) {
-              std::uint32_t b0, b1;
-              ldmatrix_x2(b0, b1, nk + (8 * (nts - 1) + lane % 8) * L::kKPitch + 16 * kb + 8 * ((lane / 8) % 2));
-              mma_bf16_16816(sim[nts - 1], fa, b0, b1);
-            }
-          }
-        }
-        const auto fold = [&](auto masked) {
-#pragma unroll
-          for (int nt = 0; nt < nts; ++nt) {
-#pragma unroll
-            for (int hf = 0; hf < 2; ++hf) {
-              const int i0 = 8 * nt + 2 * t4, e = eb + qr + 8 * hf;
-              float a_em[2];
-#pragma unroll
-              for (int x = 0; x < 2; ++x) {
-                const int i = i0 + x;
-                if constexpr (Fold::kLog2) {
-                  a_em[x] = Fold::decay(sim[nt][2 * hf + x], s_rgate[i] + e_gate[hf]);
-                } else {
-                  a_em[x] = kernel::ua::decay_from_similarity<Set, float>(sim[nt][2 * hf + x], e_gate[hf], e_part[hf],
-                                                                          e_pos[hf], s_rgate[i], s_rpart[i], row_pos0 + i);
-                }
-                if constexpr (decltype(masked)::value) a_em[x] = (i >= e_first[hf] && i < nr) ? a_em[x] : 0.0f;
-              }
-              *reinterpret_cast<float2*>(at + e * L::kAPitch + i0) = make_float2(a_em[0], a_em[1]);
-            }
-          }
-        };
-        if (e0 + kDnEntries <= e_prev && nr == rt)
-          fold(std::false_type{});
-        else
-          fold(std::true_type{});
-      }
-      __syncwarp();
-
-      // 2. carry λ down the rows into Λ tile buf (spec 4.2: increasing m, one rounding per step)
-      if (carrier) {
-        const int idx = e0 + ce;
-        const float4* col = reinterpret_cast<const float4*>(at + ce * L::kAPitch);
-        float* lam_col = lt_mine + ce;
-        const auto carry = [&](int masked) {
-          float av[rt];
-#pragma unroll
-          for (int v = 0; v < rt / 4; ++v) *reinterpret_cast<float4*>(av + 4 * v) = col[v];
-          float lam = c_lam;
-#pragma unroll
-          for (int i = 0; i < rt; ++i) {
-            lam += av[i];
-            lam_col[i * L::kLPitch] = i < masked ? negative_infinity<float>() : lam;
-          }
-          lambda[idx] = lam;
-        };
-        if (e0 + kDnEntries <= e_prev) {
-          carry(0);
-        } else if (idx < e_total) {
-          carry(s_efirst[ce] > 0 ? s_efirst[ce] - 1 : 0);
-        } else {
-#pragma unroll
-          for (int i = 0; i < rt; ++i) lam_col[i * L::kLPitch] = negative_infinity<float>();
-        }
-      }
-      cp_async_wait<1>();  // value tile et has landed (the next key tile may not)
-      fence_proxy_async_shared();
-      named_barrier_arrive(kBarTileFull + producer, kDnWsPairThreads);
-      // every carrier's λ stores precede the publication; the gates and A are free for the next step
-      named_barrier_sync(kBarProducer + producer, kDnThreads);
-      if (ptid == kDnThreads - 1) {
-        // steps are published in order: wait for the producer of step - 1, then make this producer's λ
-        // (and, by the fence's cumulativity, the ones the earlier publishers fenced) visible device-wide
-        while (*static_cast<volatile int*>(&s_published) != step) {
-        }
-        __threadfence();
-        atomicExch(done_mine, step + 1);
-        *static_cast<volatile int*>(&s_published) = step + 1;
-      }
-    }
-    return;
-  }
-
-  // ---------------- consumer: Q K^T, Λ + S, online softmax, P V ----------------
-  setmaxnreg_inc<kDnWsConsumerRegs>();
-  const int warp = tid / 32;
-  const int p_lo = 16 * warp + qr, p_hi = p_lo + 8;
-  const int i_lo = p_lo % rt, i_hi = p_hi % rt;
-  float o[kD / 8][4];
-#pragma unroll
-  for (int j = 0; j < kD / 8; ++j) o[j][0] = o[j][1] = o[j][2] = o[j][3] = 0.0f;
-  float m_lo = negative_infinity<float>(), m_hi = negative_infinity<float>(), l_lo = 0.0f, l_hi = 0.0f;
-  std::uint32_t pa[kDnEntries / 16][4] = {};
-  const unsigned q_addr = shared_address(smem + L::kQ);
-  for (int step = 0; step < n_etiles; ++step) {
-    const int producer = step % kDnWsProducers, j = step / kDnWsProducers;
-    float s[kDnEntries / 8][4];
-    named_barrier_sync(kBarKeyFull + producer, kDnWsPairThreads);
-    const unsigned k_addr = shared_address(smem + L::kK + (2 * producer + (j & 1)) * L::kTile);
-    wgmma_fence();
-#pragma unroll
-    for (int kb = 0; kb < kD / 16; ++kb)
-      wgmma_m64n64k16_ss(s, wgmma_desc_sw128(q_addr + sw128_k16_offset(kDnPairs, kb), 16, 1024),
-                         wgmma_desc_sw128(k_addr + sw128_k16_offset(kDnEntries, kb), 16, 1024), kb > 0);
-    wgmma_commit();
-    named_barrier_sync(kBarTileFull + producer, kDnWsPairThreads);
-    wgmma_wait<0>();
-    wgmma_fence_operands(s);
-    const float* lt = reinterpret_cast<const float*>(smem + L::kL + producer * L::kLTile);
-    const float* const lam_lo = lt + i_lo * L::kLPitch + 2 * t4;
-    const float* const lam_hi = lt + i_hi * L::kLPitch + 2 * t4;
-#pragma unroll
-    for (int j = 0; j < kDnEntries / 8; ++j) {
-      const float2 lo = *reinterpret_cast<const float2*>(lam_lo + 8 * j);
-      const float2 hi = *reinterpret_cast<const float2*>(lam_hi + 8 * j);
-      s[j][0] += lo.x;
-      s[j][1] += lo.y;
-      s[j][2] += hi.x;
-      s[j][3] += hi.y;
-    }
-    // the online softmax of dense_prefill_row_tile (rows p_lo, p_hi); a warp past the decay's reach gives P = 0
-    float mx_lo = negative_infinity<float>(), mx_hi = negative_infinity<float>();
-#pragma unroll
-    for (int j = 0; j < kDnEntries / 8; ++j) {
-      mx_lo = fmaxf(mx_lo, fmaxf(s[j][0], s[j][1]));
-      mx_hi = fmaxf(mx_hi, fmaxf(s[j][2], s[j][3]));
-    }
-    mx_lo = fmaxf(mx_lo, __shfl_xor_sync(0xffffffffu, mx_lo, 1));
-    mx_lo = fmaxf(mx_lo, __shfl_xor_sync(0xffffffffu, mx_lo, 2));
-    mx_hi = fmaxf(mx_hi, __shfl_xor_sync(0xffffffffu, mx_hi, 1));
-    mx_hi = fmaxf(mx_hi, __shfl_xor_sync(0xffffffffu, mx_hi, 2));
-    const float new_lo = fmaxf(m_lo, mx_lo), new_hi = fmaxf(m_hi, mx_hi);
-    const float base_lo = new_lo == negative_infinity<float>() ? 0.0f : new_lo * kLog2eFloat;
-    const float base_hi = new_hi == negative_infinity<float>() ? 0.0f : new_hi * kLog2eFloat;
-    if (__any_sync(0xffffffffu, fmaf(mx_lo, kLog2eFloat, -base_lo) >= kDnUnderflowLog2 ||
-                                    fmaf(mx_hi, kLog2eFloat, -base_hi) >= kDnUnderflowLog2)) {
-      if (__any_sync(0xffffffffu, new_lo != m_lo || new_hi != m_hi)) {
-        const float scale_lo = ex2_approx_ftz(fmaf(m_lo, kLog2eFloat, -base_lo));
-        const float scale_hi = ex2_approx_ftz(fmaf(m_hi, kLog2eFloat, -base_hi));
-        l_lo *= scale_lo;
-        l_hi *= scale_hi;
-#pragma unroll
-        for (int j = 0; j < kD / 8; ++j) {
-          o[j][0] *= scale_lo;
-          o[j][1] *= scale_lo;
-          o[j][2] *= scale_hi;
-          o[j][3] *= scale_hi;
-        }
-      }
-      m_lo = new_lo;
-      m_hi = new_hi;
-#pragma unroll
-      for (int j = 0; j < kDnEntries / 8; ++j) {
-        s[j][0] = ex2_approx_ftz(fmaf(s[j][0], kLog2eFloat, -base_lo));
-        s[j][1] = ex2_approx_ftz(fmaf(s[j][1], kLog2eFloat, -base_lo));
-        s[j][2] = ex2_approx_ftz(fmaf(s[j][2], kLog2eFloat, -base_hi));
-        s[j][3] = ex2_approx_ftz(fmaf(s[j][3], kLog2eFloat, -base_hi));
-      }
-#pragma unroll
-      for (int kk = 0; kk < kDnEntries / 16; ++kk) {
-        l_lo += (s[2 * kk][0] + s[2 * kk][1]) + (s[2 * kk + 1][0] + s[2 * kk + 1][1]);
-        l_hi += (s[2 * kk][2] + s[2 * kk][3]) + (s[2 * kk + 1][2] + s[2 * kk + 1][3]);
-        pa[kk][0] = pack_bf16(s[2 * kk][0], s[2 * kk][1]);
-        pa[kk][1] = pack_bf16(s[2 * kk][2], s[2 * kk][3]);
-        pa[kk][2] = pack_bf16(s[2 * kk + 1][0], s[2 * kk + 1][1]);
-        pa[kk][3] = pack_bf16(s[2 * kk + 1][2], s[2 * kk + 1][3]);
-      }
-    } else {
-#pragma unroll
-      for (int kk = 0; kk < kDnEntries / 16; ++kk) pa[kk][0] = pa[kk][1] = pa[kk][2] = pa[kk][3] = 0u;
-    }
-    wgmma_fence();
-    const unsigned vs_addr = shared_address(smem + L::kV + producer * L::kTile);
-#pragma unroll
-    for (int kk = 0; kk < kDnEntries / 16; ++kk) {
-      const std::uint64_t vdesc = wgmma_desc_sw128(vs_addr + unsigned(16 * kk) * 128, kDnEntries * 128, 1024);
-      if constexpr (kD == 128)
-        wgmma_m64n128k16_rs_mn(o, pa[kk], vdesc);
-      else
-        wgmma_m64n64k16_rs_mn(o, pa[kk], vdesc);
-    }
-    wgmma_commit();
-    // P V is waited for here: left in flight into the next step (as on the one-warpgroup path), ptxas
-    // serialises every wgmma of the loop (C7515: the accumulators of an in-flight P V are live across the
-    // loop's back edge). The producer's tiles go back to it, for its step + kDnWsProducers.
-    wgmma_wait<0>();
-    wgmma_fence_operands(o);
-    wgmma_fence_operands(pa);
-    if (step + kDnWsProducers < n_etiles) named_barrier_arrive(kBarFree + producer, kDnWsPairThreads);
-  }
-  dense_write_rows<kD, rt>(a, c, T, items, s_ticket, warp, qr, t4, o, m_lo, m_hi, l_lo, l_hi);
-}
-#endif
 
 // grid (row tiles * I), block kDnThreads, dynamic smem dense_shared_bytes<kD>(). T rows of the call (all
 // of them: input rows 0..T-1, positions counter + 0 ...). sync: [1 + I * tiles] ints, zero on entry
@@ -1317,27 +843,17 @@ __device__ __forceinline__ void dense_prefill_row_tile_ws(const DeviceCache<bf16
 // leaves λ_j = Λ_{T-1, j} for every entry; the lengths and counters advance afterwards
 // (dense_advance_kernel).
 template <class Set, int kD>
-__global__ void __launch_bounds__(dense_block_threads<kD>(), dense_blocks_per_sm<kD>())
+__global__ void __launch_bounds__(kDnThreads, kDnBlocksPerSM)
     dense_prefill_tc_kernel(DeviceCache<bf16> c, DeviceCall<bf16> a, std::int64_t T, std::int64_t items,
                             std::int64_t tiles, int* sync) {
   extern __shared__ __align__(128) unsigned char dense_smem[];
   __shared__ long long s_ticket;
   if (threadIdx.x == 0) s_ticket = atomicAdd(sync, 1);
   __syncthreads();
-#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-  if constexpr (kD % 64 == 0) {
-    if (c.r == 4)
-      dense_prefill_row_tile_ws<Set, kD, dense_row_tile(4)>(c, a, T, items, tiles, sync, &s_ticket, dense_smem);
-    else
-      dense_prefill_row_tile_ws<Set, kD, dense_row_tile(8)>(c, a, T, items, tiles, sync, &s_ticket, dense_smem);
-  } else
-#endif
-  {
-    if (c.r == 4)
-      dense_prefill_row_tile<Set, kD, dense_row_tile(4)>(c, a, T, items, tiles, sync, &s_ticket, dense_smem);
-    else  // r == 8 (tc_group_ok)
-      dense_prefill_row_tile<Set, kD, dense_row_tile(8)>(c, a, T, items, tiles, sync, &s_ticket, dense_smem);
-  }
+  if (c.r == 4)
+    dense_prefill_row_tile<Set, kD, dense_row_tile(4)>(c, a, T, items, tiles, sync, &s_ticket, dense_smem);
+  else  // r == 8 (tc_group_ok)
+    dense_prefill_row_tile<Set, kD, dense_row_tile(8)>(c, a, T, items, tiles, sync, &s_ticket, dense_smem);
 }
 
 // grid 1, after dense_prefill_tc_kernel: every item holds its T new rows, its counter advances by T.
