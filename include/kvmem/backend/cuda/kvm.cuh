@@ -18,6 +18,7 @@
 #include <algorithm>
 #include <array>
 #include <cmath>
+#include <cstdlib>
 #include <cstdint>
 #include <string>
 #include <type_traits>
@@ -81,7 +82,9 @@ struct SideStream {
     int least = 0, greatest = 0;  // the selection is on the critical path: schedule its blocks first
     KVMEM_RETURN_IF_ERROR(
         to_status(cudaDeviceGetStreamPriorityRange(&least, &greatest), "cudaDeviceGetStreamPriorityRange"));
-    KVMEM_RETURN_IF_ERROR(to_status(cudaStreamCreateWithPriority(&s.stream, cudaStreamNonBlocking, greatest),
+    const char* knob = std::getenv("KVMWAR_SCHED");  // EXPERIMENT ONLY (kvmwar), removed before merge
+    const bool low = knob != nullptr && std::string(knob) == "sidelow";
+    KVMEM_RETURN_IF_ERROR(to_status(cudaStreamCreateWithPriority(&s.stream, cudaStreamNonBlocking, low ? least : greatest),
                                     "cudaStreamCreateWithPriority"));
     KVMEM_RETURN_IF_ERROR(
         to_status(cudaEventCreateWithFlags(&s.fork, cudaEventDisableTiming), "cudaEventCreateWithFlags (fork)"));
@@ -246,7 +249,9 @@ class KvmState {
     KVMEM_RETURN_IF_ERROR(kvm_detail::SideStream::create(st.side_));
     // readouts beside the update chain where the readout runs on the tensor cores and the state is no
     // larger than the window (kvm_detail::ReadoutPipeline says why)
-    if (kBf16 && s.D == s.Dv && (s.D == 64 || s.D == 128) && st.cap_ <= p.window())
+    const char* knob = std::getenv("KVMWAR_SCHED");  // EXPERIMENT ONLY (kvmwar), removed before merge
+    const bool nodetach = knob != nullptr && std::string(knob) == "nodetach";
+    if (!nodetach && kBf16 && s.D == s.Dv && (s.D == 64 || s.D == 128) && st.cap_ <= p.window())
       KVMEM_RETURN_IF_ERROR(kvm_detail::ReadoutPipeline::create(st.pipe_));
     int device = 0;
     KVMEM_RETURN_IF_ERROR(to_status(cudaGetDevice(&device), "cudaGetDevice"));
