@@ -107,15 +107,18 @@ struct SideStream {
 // Readout off the update chain (bf16 storage, tensor-core readout, inputs in the storage type): the
 // state trajectory does not depend on the queries, so a prefill runs the updates as a chain on the
 // side stream (highest priority) and each chunk's readout on the caller's stream beside them. The
-// readout of a chunk reads the live slots' readout copies (khat, vhat) once the chunk's update is
-// done, and its window keys from the call's k/v inputs. Of the next update only the scatter
-// (update_finish) writes existing slots' khat / vhat: the selection (routing passes, appends into
-// slots the readout does not read) runs beside the readout, and the chain waits for the readout
-// (event `read`) just before the scatter. An aux stream takes the ingest of the chunks the ring must
-// hold beside the chain. Measured at B 8, H 32, D 128, T 32K, fixed-256 (H200): the copy this
-// replaced (a snapshot of khat / vhat after every update, three buffers, so that the chain could run
-// up to three chunks ahead of the readouts) cost 17.5 us a chunk of DRAM traffic; see
-// benchmarks/results/kvm_cuda_2026-11-30_h200_kvmwar.md for the schedule's numbers. Only states no
+// readout of a chunk reads the slots' readout rows (khat, vhat) as the chunk's update left them, and
+// its window keys from the call's k/v inputs. Of an update only the scatter (update_finish) changes
+// existing slots' readout rows (the selection reads them and appends slots no earlier readout
+// reads), so the state keeps two copies of them: each scatter writes the copy that is not live --
+// the slots it refreshes, plus the rows of the others copied from the live one (the untouched slots
+// and the sinks) -- and then that copy becomes live. The scatter waits only for the readout that last
+// read the copy it writes, two updates back (event `read`, one per copy): the chain may run one chunk
+// ahead of the readouts. An aux stream takes the ingest of the chunks the ring must hold beside the
+// chain. Measured at B 8, H 32, D 128, T 32K, fixed-256 (H200): this replaced a snapshot of every
+// slot's rows after each update (three buffers, the chain up to three chunks ahead), 17.5 us a chunk
+// of DRAM traffic; with one copy the chain would wait for the readout before every scatter;
+// benchmarks/results/kvm_cuda_2026-11-30_h200_kvmwar.md has the numbers. Only states no
 // larger than the window take this path: a larger state (16 sqrt N: 2884 slots at 32K) makes the
 // update a tensor-core-bound novelty pass that shares the SMs with the readout just the same, and
 // takes the other path below (the readout on the chain, the next selection beside it).
@@ -123,7 +126,7 @@ struct ReadoutPipeline {
   cudaStream_t aux = nullptr;
   cudaEvent_t chained = nullptr;                 // the chain after a chunk's update: aux and the readout may start
   cudaEvent_t aux_done[2] = {nullptr, nullptr};  // aux after a chunk's ingest (two chunks in flight)
-  cudaEvent_t read = nullptr;                    // the last readout of the live slots finished: a scatter may start
+  cudaEvent_t read[2] = {nullptr, nullptr};     // the last readout of readout copy r finished: a scatter may write it
 
   ReadoutPipeline() = default;
   ReadoutPipeline(const ReadoutPipeline&) = delete;
@@ -153,8 +156,8 @@ struct ReadoutPipeline {
   }
 
  private:
-  std::array<cudaEvent_t*, 4> events() {
-    return {&chained, &aux_done[0], &aux_done[1], &read};
+  std::array<cudaEvent_t*, 5> events() {
+    return {&chained, &aux_done[0], &aux_done[1], &read[0], &read[1]};
   }
   void take(ReadoutPipeline& o) {
     aux = std::exchange(o.aux, nullptr);
@@ -216,6 +219,11 @@ class KvmState {
     o.target = arena.take(I * C * sizeof(int));
     o.partial = arena.take(std::size_t(s.B * s.Hq) * kMaxDecodeSplits * (Dv + 1) * sizeof(A));
     o.counter = arena.take(std::size_t(s.B * s.Hq) * sizeof(int));
+    // readouts beside the update chain where the readout runs on the tensor cores and the state is no
+    // larger than the window (kvm_detail::ReadoutPipeline says why); they need a second readout copy
+    const bool beside = kBf16 && s.D == s.Dv && (s.D == 64 || s.D == 128) && st.cap_ <= p.window();
+    const std::size_t khat_other = arena.take(beside ? I * cap * D * sizeof(S) : 0);
+    const std::size_t vhat_other = arena.take(beside ? I * cap * Dv * sizeof(S) : 0);
     KVMEM_RETURN_IF_ERROR(DeviceBuffer::allocate(arena.total(), st.memory_));
     auto* base = static_cast<unsigned char*>(st.memory_.get());
     auto& d = st.dev_;
@@ -240,6 +248,12 @@ class KvmState {
     d.partial = reinterpret_cast<A*>(base + o.partial);
     d.counter = reinterpret_cast<int*>(base + o.counter);
     d.khat_lo = kBf16 ? reinterpret_cast<bf16*>(base + o.khat_lo) : nullptr;
+    st.khat_copy_[0] = d.khat;
+    st.vhat_copy_[0] = d.vhat;
+    if (beside) {
+      st.khat_copy_[1] = reinterpret_cast<S*>(base + khat_other);
+      st.vhat_copy_[1] = reinterpret_cast<S*>(base + vhat_other);
+    }
     d.tc_route = kBf16 && (s.D == 64 || s.D == 128) && p.chunk % 16 == 0;
     d.route_terms = 3;
     // the decode counters start at 0 (the last split of each step resets its own)
@@ -247,12 +261,7 @@ class KvmState {
         to_status(cudaMemset(d.counter, 0, std::size_t(s.B * s.Hq) * sizeof(int)), "cudaMemset decode counters"));
     KVMEM_RETURN_IF_ERROR(to_status(cudaDeviceSynchronize(), "sync after state creation"));
     KVMEM_RETURN_IF_ERROR(kvm_detail::SideStream::create(st.side_));
-    // readouts beside the update chain where the readout runs on the tensor cores and the state is no
-    // larger than the window (kvm_detail::ReadoutPipeline says why)
-    const char* knob = std::getenv("KVMWAR_SCHED");  // EXPERIMENT ONLY (kvmwar), removed before merge
-    const bool nodetach = knob != nullptr && std::string(knob) == "nodetach";
-    if (!nodetach && kBf16 && s.D == s.Dv && (s.D == 64 || s.D == 128) && st.cap_ <= p.window())
-      KVMEM_RETURN_IF_ERROR(kvm_detail::ReadoutPipeline::create(st.pipe_));
+    if (beside) KVMEM_RETURN_IF_ERROR(kvm_detail::ReadoutPipeline::create(st.pipe_));
     int device = 0;
     KVMEM_RETURN_IF_ERROR(to_status(cudaGetDevice(&device), "cudaGetDevice"));
     KVMEM_RETURN_IF_ERROR(to_status(cudaDeviceGetAttribute(&st.sm_count_, cudaDevAttrMultiProcessorCount, device),
@@ -332,6 +341,10 @@ class KvmState {
   int sm_count_ = 1;                          // multiprocessors: sizes the decode split-K grid
   kvm_detail::SideStream side_;               // next update's selection beside a prefill readout
   kvm_detail::ReadoutPipeline pipe_;          // readouts beside the update chain (bf16 tensor cores)
+  // The readout rows' copies (copy 1 only with pipe_) and the live one, which dev_.khat / vhat point to.
+  S* khat_copy_[2] = {};
+  S* vhat_copy_[2] = {};
+  int live_copy_ = 0;
   DeviceBuffer memory_;
   kvm_detail::DeviceState<S, A> dev_{};
 };
@@ -653,7 +666,7 @@ Status kvm_run(const Executor& exec, KvmState<S, A>& state, const KvmWeights& w,
     return to_status(cudaStreamWaitEvent(s, e, 0), "cudaStreamWaitEvent");
   };
   std::int64_t aux_records = 0;                         // aux_done records of this call
-  bool slots_read = false;                              // a readout of this call read the live slots (pipe.read)
+  bool copy_read[2] = {};                               // a readout of this call read readout copy r (pipe.read[r])
   const auto chain_waits_aux = [&](std::int64_t age) {  // the chain waits for the aux work `age` chunks back
     return aux_records > age ? wait(side.stream, pipe.aux_done[(aux_records - 1 - age) % 2]) : Status::ok();
   };
@@ -678,10 +691,23 @@ Status kvm_run(const Executor& exec, KvmState<S, A>& state, const KvmWeights& w,
         if (detach) KVMEM_RETURN_IF_ERROR(chain_waits_aux(p.window_chunks == 1 ? 0 : 1));
         KVMEM_RETURN_IF_ERROR(update_select(chain, d, p, items, cov, slots, plan));
       }
-      // the scatter changes the slots the last readout reads and reads the ring rows ingested last
-      if (detach && slots_read) KVMEM_RETURN_IF_ERROR(wait(side.stream, pipe.read));
+      // Beside the readouts the scatter writes the other readout copy once the readout that last read
+      // it is done (ReadoutPipeline); it reads the ring rows ingested last.
+      const bool flip = detach && plan.n_app < C && plan.after > p.sink;  // update_finish launches a scatter
+      const int other = 1 - state.live_copy_;
+      if (flip) {
+        if (copy_read[other]) KVMEM_RETURN_IF_ERROR(wait(side.stream, pipe.read[other]));
+        d.khat_from = d.khat;
+        d.vhat_from = d.vhat;
+        d.khat = state.khat_copy_[other];
+        d.vhat = state.vhat_copy_[other];
+      }
       if (detach) KVMEM_RETURN_IF_ERROR(chain_waits_aux(0));
       KVMEM_RETURN_IF_ERROR(update_finish(chain, d, p, items, plan, log));
+      if (flip) {
+        state.live_copy_ = other;
+        d.khat_from = d.vhat_from = nullptr;
+      }
       slots = plan.after;
       cov += C;
     }
@@ -749,8 +775,8 @@ Status kvm_run(const Executor& exec, KvmState<S, A>& state, const KvmWeights& w,
                                                                                          T, n0, t0, t1, wb, readout_slots);
           KVMEM_CUDA_RETURN_IF_LAUNCH_FAILED("kvm attend_tc_kernel");
           if (reads_slots) {
-            KVMEM_RETURN_IF_ERROR(record(pipe.read, exec.stream));
-            slots_read = true;
+            KVMEM_RETURN_IF_ERROR(record(pipe.read[state.live_copy_], exec.stream));
+            copy_read[state.live_copy_] = true;
           }
           on_tensor_cores = true;
         }
