@@ -18,7 +18,6 @@
 #include <algorithm>
 #include <array>
 #include <cmath>
-#include <cstdlib>
 #include <cstdint>
 #include <string>
 #include <type_traits>
@@ -82,9 +81,7 @@ struct SideStream {
     int least = 0, greatest = 0;  // the selection is on the critical path: schedule its blocks first
     KVMEM_RETURN_IF_ERROR(
         to_status(cudaDeviceGetStreamPriorityRange(&least, &greatest), "cudaDeviceGetStreamPriorityRange"));
-    const char* knob = std::getenv("KVMWAR_SCHED");  // EXPERIMENT ONLY (kvmwar), removed before merge
-    const bool low = knob != nullptr && std::string(knob) == "sidelow";
-    KVMEM_RETURN_IF_ERROR(to_status(cudaStreamCreateWithPriority(&s.stream, cudaStreamNonBlocking, low ? least : greatest),
+    KVMEM_RETURN_IF_ERROR(to_status(cudaStreamCreateWithPriority(&s.stream, cudaStreamNonBlocking, greatest),
                                     "cudaStreamCreateWithPriority"));
     KVMEM_RETURN_IF_ERROR(
         to_status(cudaEventCreateWithFlags(&s.fork, cudaEventDisableTiming), "cudaEventCreateWithFlags (fork)"));
@@ -110,23 +107,27 @@ struct SideStream {
 // readout of a chunk reads the slots' readout rows (khat, vhat) as the chunk's update left them, and
 // its window keys from the call's k/v inputs. Of an update only the scatter (update_finish) changes
 // existing slots' readout rows (the selection reads them and appends slots no earlier readout
-// reads), so the state keeps two copies of them: each scatter writes the copy that is not live --
-// the slots it refreshes, plus the rows of the others copied from the live one (the untouched slots
-// and the sinks) -- and then that copy becomes live. The scatter waits only for the readout that last
-// read the copy it writes, two updates back (event `read`, one per copy): the chain may run one chunk
-// ahead of the readouts. An aux stream takes the ingest of the chunks the ring must hold beside the
-// chain. Measured at B 8, H 32, D 128, T 32K, fixed-256 (H200): this replaced a snapshot of every
-// slot's rows after each update (three buffers, the chain up to three chunks ahead), 17.5 us a chunk
-// of DRAM traffic; with one copy the chain would wait for the readout before every scatter;
-// benchmarks/results/kvm_cuda_2026-11-30_h200_kvmwar.md has the numbers. Only states no
-// larger than the window take this path: a larger state (16 sqrt N: 2884 slots at 32K) makes the
-// update a tensor-core-bound novelty pass that shares the SMs with the readout just the same, and
-// takes the other path below (the readout on the chain, the next selection beside it).
+// reads), so the state keeps kReadoutCopies copies of them, one live: each scatter writes the next
+// copy -- the slots it refreshes, plus the rows of the others copied from the live one (the untouched
+// slots and the sinks) -- which then becomes live. The scatter waits only for the readout that last
+// read the copy it writes (event `read`, one per copy), kReadoutCopies updates back: the chain may
+// run kReadoutCopies - 1 chunks ahead of the readouts. An aux stream takes the ingest of the chunks
+// the ring must hold beside the chain. Measured at B 8, H 32, D 128, T 32K, fixed-256 (H200, the
+// benchmark's random inputs, median of three runs in one call): 20.16 ms against 20.88 for the
+// design before it, a snapshot of every slot's rows after each update on the aux stream (three
+// buffers, 17.5 us a chunk of DRAM traffic); a single live copy, the chain waiting for each
+// readout before the next scatter (no copies at all), 22.69 ms: the scatter then runs alone.
+// benchmarks/results/kvm_cuda_2026-11-30_h200_kvmwar.md has the numbers. Only states no larger than
+// the window take this path: a larger state (16 sqrt N: 2884 slots at 32K) makes the update a
+// tensor-core-bound novelty pass that shares the SMs with the readout just the same, and takes the
+// other path below (the readout on the chain, the next selection beside it).
+inline constexpr int kReadoutCopies = 3;
+
 struct ReadoutPipeline {
   cudaStream_t aux = nullptr;
   cudaEvent_t chained = nullptr;                 // the chain after a chunk's update: aux and the readout may start
   cudaEvent_t aux_done[2] = {nullptr, nullptr};  // aux after a chunk's ingest (two chunks in flight)
-  cudaEvent_t read[2] = {nullptr, nullptr};     // the last readout of readout copy r finished: a scatter may write it
+  cudaEvent_t read[kReadoutCopies] = {};        // the last readout of readout copy r finished: a scatter may write it
 
   ReadoutPipeline() = default;
   ReadoutPipeline(const ReadoutPipeline&) = delete;
@@ -156,8 +157,10 @@ struct ReadoutPipeline {
   }
 
  private:
-  std::array<cudaEvent_t*, 5> events() {
-    return {&chained, &aux_done[0], &aux_done[1], &read[0], &read[1]};
+  std::array<cudaEvent_t*, 3 + kReadoutCopies> events() {
+    std::array<cudaEvent_t*, 3 + kReadoutCopies> e{&chained, &aux_done[0], &aux_done[1]};
+    for (int r = 0; r < kReadoutCopies; ++r) e[std::size_t(3 + r)] = &read[r];
+    return e;
   }
   void take(ReadoutPipeline& o) {
     aux = std::exchange(o.aux, nullptr);
@@ -220,10 +223,10 @@ class KvmState {
     o.partial = arena.take(std::size_t(s.B * s.Hq) * kMaxDecodeSplits * (Dv + 1) * sizeof(A));
     o.counter = arena.take(std::size_t(s.B * s.Hq) * sizeof(int));
     // readouts beside the update chain where the readout runs on the tensor cores and the state is no
-    // larger than the window (kvm_detail::ReadoutPipeline says why); they need a second readout copy
+    // larger than the window (kvm_detail::ReadoutPipeline says why); they need more readout copies
     const bool beside = kBf16 && s.D == s.Dv && (s.D == 64 || s.D == 128) && st.cap_ <= p.window();
-    const std::size_t khat_other = arena.take(beside ? I * cap * D * sizeof(S) : 0);
-    const std::size_t vhat_other = arena.take(beside ? I * cap * Dv * sizeof(S) : 0);
+    std::size_t copies[kvm_detail::kReadoutCopies] = {};  // copy 0 is o.khat, o.vhat
+    for (int r = 1; r < kvm_detail::kReadoutCopies; ++r) copies[r] = arena.take(beside ? I * cap * (D + Dv) * sizeof(S) : 0);
     KVMEM_RETURN_IF_ERROR(DeviceBuffer::allocate(arena.total(), st.memory_));
     auto* base = static_cast<unsigned char*>(st.memory_.get());
     auto& d = st.dev_;
@@ -250,9 +253,9 @@ class KvmState {
     d.khat_lo = kBf16 ? reinterpret_cast<bf16*>(base + o.khat_lo) : nullptr;
     st.khat_copy_[0] = d.khat;
     st.vhat_copy_[0] = d.vhat;
-    if (beside) {
-      st.khat_copy_[1] = reinterpret_cast<S*>(base + khat_other);
-      st.vhat_copy_[1] = reinterpret_cast<S*>(base + vhat_other);
+    for (int r = 1; r < kvm_detail::kReadoutCopies && beside; ++r) {
+      st.khat_copy_[r] = reinterpret_cast<S*>(base + copies[r]);
+      st.vhat_copy_[r] = st.khat_copy_[r] + I * cap * D;  // [I, cap, D] keys, then [I, cap, Dv] values
     }
     d.tc_route = kBf16 && (s.D == 64 || s.D == 128) && p.chunk % 16 == 0;
     d.route_terms = 3;
@@ -341,9 +344,10 @@ class KvmState {
   int sm_count_ = 1;                          // multiprocessors: sizes the decode split-K grid
   kvm_detail::SideStream side_;               // next update's selection beside a prefill readout
   kvm_detail::ReadoutPipeline pipe_;          // readouts beside the update chain (bf16 tensor cores)
-  // The readout rows' copies (copy 1 only with pipe_) and the live one, which dev_.khat / vhat point to.
-  S* khat_copy_[2] = {};
-  S* vhat_copy_[2] = {};
+  // The readout rows' copies (all but copy 0 only with pipe_) and the live one, which dev_.khat / vhat
+  // point to.
+  S* khat_copy_[kvm_detail::kReadoutCopies] = {};
+  S* vhat_copy_[kvm_detail::kReadoutCopies] = {};
   int live_copy_ = 0;
   DeviceBuffer memory_;
   kvm_detail::DeviceState<S, A> dev_{};
@@ -666,7 +670,7 @@ Status kvm_run(const Executor& exec, KvmState<S, A>& state, const KvmWeights& w,
     return to_status(cudaStreamWaitEvent(s, e, 0), "cudaStreamWaitEvent");
   };
   std::int64_t aux_records = 0;                         // aux_done records of this call
-  bool copy_read[2] = {};                               // a readout of this call read readout copy r (pipe.read[r])
+  bool copy_read[kReadoutCopies] = {};                  // a readout of this call read readout copy r (pipe.read[r])
   const auto chain_waits_aux = [&](std::int64_t age) {  // the chain waits for the aux work `age` chunks back
     return aux_records > age ? wait(side.stream, pipe.aux_done[(aux_records - 1 - age) % 2]) : Status::ok();
   };
@@ -687,25 +691,25 @@ Status kvm_run(const Executor& exec, KvmState<S, A>& state, const KvmWeights& w,
         KVMEM_RETURN_IF_ERROR(to_status(cudaStreamWaitEvent(exec.stream, side.join, 0), "cudaStreamWaitEvent (join)"));
       } else {
         // The selection reads the tokens leaving the window (ingested nb chunks back) and the slots:
-        // with nb >= 2 that is aux work two chunks back, so the latest ingest and snapshot run beside it.
+        // with nb >= 2 that is aux work two chunks back, so the latest ingest runs beside it.
         if (detach) KVMEM_RETURN_IF_ERROR(chain_waits_aux(p.window_chunks == 1 ? 0 : 1));
         KVMEM_RETURN_IF_ERROR(update_select(chain, d, p, items, cov, slots, plan));
       }
-      // Beside the readouts the scatter writes the other readout copy once the readout that last read
+      // Beside the readouts the scatter writes the next readout copy once the readout that last read
       // it is done (ReadoutPipeline); it reads the ring rows ingested last.
       const bool flip = detach && plan.n_app < C && plan.after > p.sink;  // update_finish launches a scatter
-      const int other = 1 - state.live_copy_;
+      const int next = (state.live_copy_ + 1) % kReadoutCopies;
       if (flip) {
-        if (copy_read[other]) KVMEM_RETURN_IF_ERROR(wait(side.stream, pipe.read[other]));
+        if (copy_read[next]) KVMEM_RETURN_IF_ERROR(wait(side.stream, pipe.read[next]));
         d.khat_from = d.khat;
         d.vhat_from = d.vhat;
-        d.khat = state.khat_copy_[other];
-        d.vhat = state.vhat_copy_[other];
+        d.khat = state.khat_copy_[next];
+        d.vhat = state.vhat_copy_[next];
       }
       if (detach) KVMEM_RETURN_IF_ERROR(chain_waits_aux(0));
       KVMEM_RETURN_IF_ERROR(update_finish(chain, d, p, items, plan, log));
       if (flip) {
-        state.live_copy_ = other;
+        state.live_copy_ = next;
         d.khat_from = d.vhat_from = nullptr;
       }
       slots = plan.after;

@@ -46,9 +46,9 @@ struct DeviceState {
   // Tensor-core routing (bf16 storage, tc_route): khat32 = khat + khat_lo to ~2^-16 (the routing
   // passes build the tokens' hi/lo operands themselves). khat_lo is nullptr without it.
   bf16* khat_lo;  // [I, cap, D]
-  // Readouts beside the update chain (kvm.cuh, ReadoutPipeline) keep two copies of khat / vhat: a
-  // scatter into the copy no readout reads (khat, vhat here) also copies the rows it does not
-  // refresh from the live copy (khat_from, vhat_from). nullptr: the scatter refreshes in place.
+  // Readouts beside the update chain (kvm.cuh, ReadoutPipeline) keep several copies of khat / vhat:
+  // a scatter into a copy no readout reads any more (khat, vhat here) also copies the rows it does
+  // not refresh from the live copy (khat_from, vhat_from). nullptr: the scatter refreshes in place.
   const S* khat_from;  // [I, cap, D]
   const S* vhat_from;  // [I, cap, Dv]
   // A prefill call's own inputs (storage type, [I, in_count, *] for positions in_first + r), set
@@ -812,7 +812,7 @@ __device__ void scatter_warp_stream(const DeviceState<S, A>& st, std::int64_t i,
   }
 }
 
-// A scatter into the other readout copy (st.khat_from set): the readout rows of the block's slots
+// A scatter into another readout copy (st.khat_from set): the readout rows of the block's slots
 // that it does not refresh -- the untouched ones, and the sink slots (block y = 0) -- copied from the
 // live copy, so that the other copy then holds the whole state after the update. One warp a slot, in
 // 16-byte pieces: only bf16 rows of 64 or 128 channels (whole pieces, 16-byte aligned) take this path.
