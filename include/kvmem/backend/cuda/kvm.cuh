@@ -113,21 +113,23 @@ struct SideStream {
 // read the copy it writes (event `read`, one per copy), kReadoutCopies updates back: the chain may
 // run kReadoutCopies - 1 chunks ahead of the readouts. An aux stream takes the ingest of the chunks
 // the ring must hold beside the chain. Measured at B 8, H 32, D 128, T 32K, fixed-256 (H200, the
-// benchmark's random inputs, median of three runs in one call): 20.16 ms against 20.88 for the
-// design before it, a snapshot of every slot's rows after each update on the aux stream (three
-// buffers, 17.5 us a chunk of DRAM traffic); a single live copy, the chain waiting for each
-// readout before the next scatter (no copies at all), 22.69 ms: the scatter then runs alone.
-// benchmarks/results/kvm_cuda_2026-11-30_h200_kvmwar.md has the numbers. Only states no larger than
+// benchmark's random inputs, medians of three runs, main's binary in the same call): four copies
+// 20.04 ms, three 20.29, two 20.30, against 20.80 for the design before it, which copied every
+// slot's rows into a snapshot after each update on the aux stream (three buffers, the same memory
+// as four copies; 17.5 us a chunk of DRAM traffic, where the scatter's copies of untouched rows
+// cost it about 10 us). A single live copy (the chain waiting for each readout before the next
+// scatter, no copies at all) lost, 22.69 ms against 20.88: the scatter then runs with nothing
+// beside it. benchmarks/results/kvm_cuda_2026-11-30_h200_kvmwar.md has the numbers. Only states no larger than
 // the window take this path: a larger state (16 sqrt N: 2884 slots at 32K) makes the update a
 // tensor-core-bound novelty pass that shares the SMs with the readout just the same, and takes the
 // other path below (the readout on the chain, the next selection beside it).
-inline constexpr int kReadoutCopies = 3;
+inline constexpr int kReadoutCopies = 4;
 
 struct ReadoutPipeline {
   cudaStream_t aux = nullptr;
   cudaEvent_t chained = nullptr;                 // the chain after a chunk's update: aux and the readout may start
   cudaEvent_t aux_done[2] = {nullptr, nullptr};  // aux after a chunk's ingest (two chunks in flight)
-  cudaEvent_t read[kReadoutCopies] = {};        // the last readout of readout copy r finished: a scatter may write it
+  cudaEvent_t read[kReadoutCopies] = {};         // the last readout of readout copy r finished: a scatter may write it
 
   ReadoutPipeline() = default;
   ReadoutPipeline(const ReadoutPipeline&) = delete;
@@ -226,7 +228,8 @@ class KvmState {
     // larger than the window (kvm_detail::ReadoutPipeline says why); they need more readout copies
     const bool beside = kBf16 && s.D == s.Dv && (s.D == 64 || s.D == 128) && st.cap_ <= p.window();
     std::size_t copies[kvm_detail::kReadoutCopies] = {};  // copy 0 is o.khat, o.vhat
-    for (int r = 1; r < kvm_detail::kReadoutCopies; ++r) copies[r] = arena.take(beside ? I * cap * (D + Dv) * sizeof(S) : 0);
+    for (int r = 1; r < kvm_detail::kReadoutCopies; ++r)
+      copies[r] = arena.take(beside ? I * cap * (D + Dv) * sizeof(S) : 0);
     KVMEM_RETURN_IF_ERROR(DeviceBuffer::allocate(arena.total(), st.memory_));
     auto* base = static_cast<unsigned char*>(st.memory_.get());
     auto& d = st.dev_;
