@@ -112,17 +112,22 @@ struct SideStream {
 // slots and the sinks) -- which then becomes live. The scatter waits only for the readout that last
 // read the copy it writes (event `read`, one per copy), kReadoutCopies updates back: the chain may
 // run kReadoutCopies - 1 chunks ahead of the readouts. An aux stream takes the ingest of the chunks
-// the ring must hold beside the chain. Measured at B 8, H 32, D 128, T 32K, fixed-256 (H200, the
-// benchmark's random inputs, medians of three runs, main's binary in the same call): four copies
-// 20.04 ms, three 20.29, two 20.30, against 20.80 for the design before it, which copied every
-// slot's rows into a snapshot after each update on the aux stream (three buffers, the same memory
-// as four copies; 17.5 us a chunk of DRAM traffic, where the scatter's copies of untouched rows
-// cost it about 10 us). A single live copy (the chain waiting for each readout before the next
-// scatter, no copies at all) lost, 22.69 ms against 20.88: the scatter then runs with nothing
-// beside it. benchmarks/results/kvm_cuda_2026-11-30_h200_kvmwar.md has the numbers. Only states no larger than
-// the window take this path: a larger state (16 sqrt N: 2884 slots at 32K) makes the update a
-// tensor-core-bound novelty pass that shares the SMs with the readout just the same, and takes the
-// other path below (the readout on the chain, the next selection beside it).
+// the ring must hold beside the chain.
+// Measured at B 8, H 32, D 128, T 32K, fixed-256 (H200, the benchmark's random inputs, medians of
+// three runs, main's binary in the same call; benchmarks/results/kvm_cuda_2026-11-30_h200_kvmwar.md):
+// four copies 20.04 ms, three 20.29, two 20.30, against 20.80 for the design before, which copied
+// every slot's rows into one of three snapshots after each update on the aux stream (the memory of
+// four copies; 17.5 us of DRAM traffic a chunk, where the scatter's copies of the untouched rows cost
+// it about 10 us). One live copy and no copies at all (the chain waiting for each readout before the
+// next scatter) lost, 22.69 ms against 20.88: the scatter then runs with nothing beside it. The chain
+// must keep its priority (at the readouts' priority: 23.36 ms). Both halves fill the GPU (the readout
+// with 3 blocks of 168 registers per SM, the chain's routing with 2 of 128 x 256), so they share the
+// SMs rather than overlap freely; an earlier design measured a readout grid of 2 blocks per SM (no
+// room left for the chain) and of 1 (readouts starved), both slower. Only states no larger than the
+// window take this path: a larger state (16 sqrt N: 2884 slots at 32K) makes the update a
+// tensor-core-bound novelty pass that shares the SMs with the readout just the same, while copying
+// its untouched rows would move most of 0.4 GB a chunk (a snapshot of them did: 149.3 ms detached
+// against 140.8 ms with the readout on the chain and the selection beside it, the other path below).
 inline constexpr int kReadoutCopies = 4;
 
 struct ReadoutPipeline {
