@@ -16,6 +16,7 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstdint>
 #include <string>
@@ -103,30 +104,37 @@ struct SideStream {
 // Readout off the update chain (bf16 storage, tensor-core readout, inputs in the storage type): the
 // state trajectory does not depend on the queries, so a prefill runs the updates as a chain on the
 // side stream (highest priority) and each chunk's readout on the caller's stream beside them. The
-// readout of a chunk reads a snapshot of the slots' readout copies taken once the chunk's update is
-// done, and its window keys from the call's k/v inputs. An aux stream takes the snapshot copy (and
-// the ingest of the chunks the ring must hold) beside the next update's selection. kReadoutSnapshots
-// buffers: a snapshot is refilled once the readout kReadoutSnapshots chunks back has finished with
-// it, so the chain may run that many chunks ahead of the readouts. Measured at B 8, H 32, D 128,
-// T 32K, fixed-256 (H200), while every chunk was still ingested into the ring: the chain alone
-// 30.8 ms, the readouts alone 27.6 ms, both 48.6 ms (45.0 ms once the updates read their tokens
-// from the inputs and the ring took only what later readers need). Both fill the GPU (the readout
-// with 3 blocks of 168 registers per SM, the chain's routing with 2 of 128 x 256), so they share
-// the SMs rather than overlap freely; a readout grid of 2 blocks per SM left the chain no room
-// either (49.5 ms) and 1 per SM starved the readouts (57.9 ms). Only states no larger than the
-// window take this path: a snapshot then costs at most the window's bytes, and the update is short
-// (no novelty pass over many slots). A larger state (16 sqrt N: 2884 slots at 32K) makes the update
-// a tensor-core-bound novelty pass that shares the SMs with the readout just the same, while its
-// snapshot costs 0.4 GB of copies a chunk: 149.3 ms detached against 140.8 ms with the readout on
-// the chain and the selection beside it (the other path below).
-inline constexpr int kReadoutSnapshots = 3;
+// readout of a chunk reads the slots' readout rows (khat, vhat) as the chunk's update left them, and
+// its window keys from the call's k/v inputs. Of an update only the scatter (update_finish) changes
+// existing slots' readout rows (the selection reads them and appends slots no earlier readout
+// reads), so the state keeps kReadoutCopies copies of them, one live: each scatter writes the next
+// copy -- the slots it refreshes, plus the rows of the others copied from the live one (the untouched
+// slots and the sinks) -- which then becomes live. The scatter waits only for the readout that last
+// read the copy it writes (event `read`, one per copy), kReadoutCopies updates back: the chain may
+// run kReadoutCopies - 1 chunks ahead of the readouts. An aux stream takes the ingest of the chunks
+// the ring must hold beside the chain.
+// Measured at B 8, H 32, D 128, T 32K, fixed-256 (H200, the benchmark's random inputs, medians of
+// three runs, main's binary in the same call; benchmarks/results/kvm_cuda_2026-11-30_h200_kvmwar.md):
+// four copies 20.04 ms, three 20.29, two 20.30, against 20.80 for the design before, which copied
+// every slot's rows into one of three snapshots after each update on the aux stream (the memory of
+// four copies; 17.5 us of DRAM traffic a chunk, where the scatter's copies of the untouched rows cost
+// it about 10 us). One live copy and no copies at all (the chain waiting for each readout before the
+// next scatter) lost, 22.69 ms against 20.88: the scatter then runs with nothing beside it. The chain
+// must keep its priority (at the readouts' priority: 23.36 ms). Both halves fill the GPU (the readout
+// with 3 blocks of 168 registers per SM, the chain's routing with 2 of 128 x 256), so they share the
+// SMs rather than overlap freely; an earlier design measured a readout grid of 2 blocks per SM (no
+// room left for the chain) and of 1 (readouts starved), both slower. Only states no larger than the
+// window take this path: a larger state (16 sqrt N: 2884 slots at 32K) makes the update a
+// tensor-core-bound novelty pass that shares the SMs with the readout just the same, while copying
+// its untouched rows would move most of 0.4 GB a chunk (a snapshot of them did: 149.3 ms detached
+// against 140.8 ms with the readout on the chain and the selection beside it, the other path below).
+inline constexpr int kReadoutCopies = 4;
 
 struct ReadoutPipeline {
   cudaStream_t aux = nullptr;
-  cudaEvent_t chained = nullptr;                    // the chain after a chunk's update: aux may start
-  cudaEvent_t snapped = nullptr;                    // aux after a chunk's snapshot: its readout may start
-  cudaEvent_t aux_done[2] = {nullptr, nullptr};     // aux after a chunk's ingest (two chunks in flight)
-  cudaEvent_t read[kReadoutSnapshots] = {nullptr};  // readout of snapshot r finished
+  cudaEvent_t chained = nullptr;                 // the chain after a chunk's update: aux and the readout may start
+  cudaEvent_t aux_done[2] = {nullptr, nullptr};  // aux after a chunk's ingest (two chunks in flight)
+  cudaEvent_t read[kReadoutCopies] = {};         // the last readout of readout copy r finished: a scatter may write it
 
   ReadoutPipeline() = default;
   ReadoutPipeline(const ReadoutPipeline&) = delete;
@@ -156,9 +164,9 @@ struct ReadoutPipeline {
   }
 
  private:
-  std::vector<cudaEvent_t*> events() {
-    std::vector<cudaEvent_t*> e{&chained, &snapped, &aux_done[0], &aux_done[1]};
-    for (auto& r : read) e.push_back(&r);
+  std::array<cudaEvent_t*, 3 + kReadoutCopies> events() {
+    std::array<cudaEvent_t*, 3 + kReadoutCopies> e{&chained, &aux_done[0], &aux_done[1]};
+    for (int r = 0; r < kReadoutCopies; ++r) e[std::size_t(3 + r)] = &read[r];
     return e;
   }
   void take(ReadoutPipeline& o) {
@@ -221,11 +229,12 @@ class KvmState {
     o.target = arena.take(I * C * sizeof(int));
     o.partial = arena.take(std::size_t(s.B * s.Hq) * kMaxDecodeSplits * (Dv + 1) * sizeof(A));
     o.counter = arena.take(std::size_t(s.B * s.Hq) * sizeof(int));
-    // readout snapshots where the readout runs on the tensor cores and the state is no larger than
-    // the window (kvm_detail::ReadoutPipeline says why)
-    const bool snapshots = kBf16 && s.D == s.Dv && (s.D == 64 || s.D == 128) && st.cap_ <= p.window();
-    std::size_t snap[kvm_detail::kReadoutSnapshots] = {};
-    for (auto& o_snap : snap) o_snap = arena.take(snapshots ? I * cap * (D + Dv) * sizeof(S) : 0);
+    // readouts beside the update chain where the readout runs on the tensor cores and the state is no
+    // larger than the window (kvm_detail::ReadoutPipeline says why); they need more readout copies
+    const bool beside = kBf16 && s.D == s.Dv && (s.D == 64 || s.D == 128) && st.cap_ <= p.window();
+    std::size_t copies[kvm_detail::kReadoutCopies] = {};  // copy 0 is o.khat, o.vhat
+    for (int r = 1; r < kvm_detail::kReadoutCopies; ++r)
+      copies[r] = arena.take(beside ? I * cap * (D + Dv) * sizeof(S) : 0);
     KVMEM_RETURN_IF_ERROR(DeviceBuffer::allocate(arena.total(), st.memory_));
     auto* base = static_cast<unsigned char*>(st.memory_.get());
     auto& d = st.dev_;
@@ -250,9 +259,11 @@ class KvmState {
     d.partial = reinterpret_cast<A*>(base + o.partial);
     d.counter = reinterpret_cast<int*>(base + o.counter);
     d.khat_lo = kBf16 ? reinterpret_cast<bf16*>(base + o.khat_lo) : nullptr;
-    for (int r = 0; r < kvm_detail::kReadoutSnapshots && snapshots; ++r) {
-      st.snap_k_[r] = reinterpret_cast<S*>(base + snap[r]);
-      st.snap_v_[r] = st.snap_k_[r] + I * cap * D;  // [I, cap, D] keys, then [I, cap, Dv] values
+    st.khat_copy_[0] = d.khat;
+    st.vhat_copy_[0] = d.vhat;
+    for (int r = 1; r < kvm_detail::kReadoutCopies && beside; ++r) {
+      st.khat_copy_[r] = reinterpret_cast<S*>(base + copies[r]);
+      st.vhat_copy_[r] = st.khat_copy_[r] + I * cap * D;  // [I, cap, D] keys, then [I, cap, Dv] values
     }
     d.tc_route = kBf16 && (s.D == 64 || s.D == 128) && p.chunk % 16 == 0;
     d.route_terms = 3;
@@ -261,7 +272,7 @@ class KvmState {
         to_status(cudaMemset(d.counter, 0, std::size_t(s.B * s.Hq) * sizeof(int)), "cudaMemset decode counters"));
     KVMEM_RETURN_IF_ERROR(to_status(cudaDeviceSynchronize(), "sync after state creation"));
     KVMEM_RETURN_IF_ERROR(kvm_detail::SideStream::create(st.side_));
-    if (snapshots) KVMEM_RETURN_IF_ERROR(kvm_detail::ReadoutPipeline::create(st.pipe_));
+    if (beside) KVMEM_RETURN_IF_ERROR(kvm_detail::ReadoutPipeline::create(st.pipe_));
     int device = 0;
     KVMEM_RETURN_IF_ERROR(to_status(cudaGetDevice(&device), "cudaGetDevice"));
     KVMEM_RETURN_IF_ERROR(to_status(cudaDeviceGetAttribute(&st.sm_count_, cudaDevAttrMultiProcessorCount, device),
@@ -306,8 +317,8 @@ class KvmState {
   [[nodiscard]] bool routes_on_tensor_cores() const { return dev_.tc_route; }
   // A prefill whose k/v inputs are in the storage type (16-byte rows) runs each chunk's readout
   // beside the update chain (kvm_detail::ReadoutPipeline): bf16 storage, head dims 64 or 128, a state
-  // no larger than the window. The snapshots it reads are part of allocated_bytes().
-  [[nodiscard]] bool readouts_beside_updates() const { return snap_k_[0] != nullptr; }
+  // no larger than the window.
+  [[nodiscard]] bool readouts_beside_updates() const { return pipe_.aux != nullptr; }
 
   // Copies the state of item (b, g) to the host: Sk [S,D], Sv [S,Dv], rho [S] (tests, replay).
   Status download(std::int64_t b, std::int64_t g, std::vector<A>& sk, std::vector<A>& sv, std::vector<A>& rho,
@@ -341,8 +352,11 @@ class KvmState {
   int sm_count_ = 1;                          // multiprocessors: sizes the decode split-K grid
   kvm_detail::SideStream side_;               // next update's selection beside a prefill readout
   kvm_detail::ReadoutPipeline pipe_;          // readouts beside the update chain (bf16 tensor cores)
-  S* snap_k_[kvm_detail::kReadoutSnapshots] = {};  // readout snapshots in memory_ (nullptr: none)
-  S* snap_v_[kvm_detail::kReadoutSnapshots] = {};
+  // The readout rows' copies (all but copy 0 only with pipe_) and the live one, which dev_.khat / vhat
+  // point to.
+  S* khat_copy_[kvm_detail::kReadoutCopies] = {};
+  S* vhat_copy_[kvm_detail::kReadoutCopies] = {};
+  int live_copy_ = 0;
   DeviceBuffer memory_;
   kvm_detail::DeviceState<S, A> dev_{};
 };
@@ -644,10 +658,10 @@ Status kvm_run(const Executor& exec, KvmState<S, A>& state, const KvmWeights& w,
   // their tokens there too: a chunk enters the ring only if a later reader needs it there (founding,
   // a readout whose window starts before the call, the call's last window).
   const bool window_in_inputs = T > 1 && readout.tc != nullptr && copy16;
-  // Readouts off the update chain (ReadoutPipeline) where the state has snapshots: the chain of
+  // Readouts off the update chain (ReadoutPipeline) where the state has the pipeline: the chain of
   // updates then runs on the side stream, the readouts on the caller's stream.
   const ReadoutPipeline& pipe = state.pipe_;
-  const bool detach = window_in_inputs && state.snap_k_[0] != nullptr;
+  const bool detach = window_in_inputs && state.readouts_beside_updates();
   const Executor chain = detach ? Executor{side.stream} : exec;
   d.in_k = d.in_v = d.in_g = nullptr;
   d.in_first = n0;
@@ -664,8 +678,7 @@ Status kvm_run(const Executor& exec, KvmState<S, A>& state, const KvmWeights& w,
     return to_status(cudaStreamWaitEvent(s, e, 0), "cudaStreamWaitEvent");
   };
   std::int64_t aux_records = 0;                         // aux_done records of this call
-  bool snapshot_used[kReadoutSnapshots] = {};           // a readout of this call read snapshot r
-  std::int64_t snapshots_taken = 0;
+  bool copy_read[kReadoutCopies] = {};                  // a readout of this call read readout copy r (pipe.read[r])
   const auto chain_waits_aux = [&](std::int64_t age) {  // the chain waits for the aux work `age` chunks back
     return aux_records > age ? wait(side.stream, pipe.aux_done[(aux_records - 1 - age) % 2]) : Status::ok();
   };
@@ -686,13 +699,27 @@ Status kvm_run(const Executor& exec, KvmState<S, A>& state, const KvmWeights& w,
         KVMEM_RETURN_IF_ERROR(to_status(cudaStreamWaitEvent(exec.stream, side.join, 0), "cudaStreamWaitEvent (join)"));
       } else {
         // The selection reads the tokens leaving the window (ingested nb chunks back) and the slots:
-        // with nb >= 2 that is aux work two chunks back, so the latest ingest and snapshot run beside it.
+        // with nb >= 2 that is aux work two chunks back, so the latest ingest runs beside it.
         if (detach) KVMEM_RETURN_IF_ERROR(chain_waits_aux(p.window_chunks == 1 ? 0 : 1));
         KVMEM_RETURN_IF_ERROR(update_select(chain, d, p, items, cov, slots, plan));
       }
-      // the scatter changes the slots the last snapshot copies and reads the ring rows ingested last
+      // Beside the readouts the scatter writes the next readout copy once the readout that last read
+      // it is done (ReadoutPipeline); it reads the ring rows ingested last.
+      const bool flip = detach && plan.n_app < C && plan.after > p.sink;  // update_finish launches a scatter
+      const int next = (state.live_copy_ + 1) % kReadoutCopies;
+      if (flip) {
+        if (copy_read[next]) KVMEM_RETURN_IF_ERROR(wait(side.stream, pipe.read[next]));
+        d.khat_from = d.khat;
+        d.vhat_from = d.vhat;
+        d.khat = state.khat_copy_[next];
+        d.vhat = state.vhat_copy_[next];
+      }
       if (detach) KVMEM_RETURN_IF_ERROR(chain_waits_aux(0));
       KVMEM_RETURN_IF_ERROR(update_finish(chain, d, p, items, plan, log));
+      if (flip) {
+        state.live_copy_ = next;
+        d.khat_from = d.vhat_from = nullptr;
+      }
       slots = plan.after;
       cov += C;
     }
@@ -703,24 +730,11 @@ Status kvm_run(const Executor& exec, KvmState<S, A>& state, const KvmWeights& w,
     const std::int64_t readout_slots = slots + (founds ? std::min(t1, C) - std::max(t0, cov) : 0);
     const bool reads_inputs = window_in_inputs && wb >= n0;
     const bool detached_readout = detach && reads_inputs;
-    const bool snapshot = detached_readout && wb > 0 && readout_slots > 0;
-    const int snap = static_cast<int>(snapshots_taken % kReadoutSnapshots);
+    const bool reads_slots = detached_readout && wb > 0 && readout_slots > 0;
     const Executor ingest_on = detach ? Executor{pipe.aux} : chain;
-    if (detach) {  // aux: after this chunk's update, snapshot (if read) then ingest
+    if (detach) {  // after this chunk's update: aux ingests, the readout may read the slots
       KVMEM_RETURN_IF_ERROR(record(pipe.chained, side.stream));
       KVMEM_RETURN_IF_ERROR(wait(pipe.aux, pipe.chained));
-    }
-    if constexpr (std::is_same_v<S, bf16>) {
-      if (snapshot) {
-        if (snapshot_used[snap]) KVMEM_RETURN_IF_ERROR(wait(pipe.aux, pipe.read[snap]));
-        const std::int64_t vecs = readout_slots * (sh.D + sh.Dv) / 8;
-        const dim3 cgrid(static_cast<unsigned>(items),
-                         static_cast<unsigned>(std::clamp<std::int64_t>((vecs + 1023) / 1024, 1, 64)));
-        snapshot_readout_kernel<<<cgrid, 256, 0, pipe.aux>>>(d.khat, d.vhat, state.snap_k_[snap],
-                                                             state.snap_v_[snap], d.cap, d.D, d.Dv, readout_slots);
-        KVMEM_CUDA_RETURN_IF_LAUNCH_FAILED("kvm snapshot_readout_kernel");
-        KVMEM_RETURN_IF_ERROR(record(pipe.snapped, pipe.aux));
-      }
     }
     // a decode step appends its token inside the fused kernel
     const bool ingest = window_in_inputs ? founds || !reads_inputs || t1 > n0 + T - p.window() : !decode_step || founds;
@@ -764,11 +778,7 @@ Status kvm_run(const Executor& exec, KvmState<S, A>& state, const KvmWeights& w,
             if (reads_inputs) src = TcSources{d.khat, d.vhat, k.data(), v.data(), T, n0, false};
           }
           if (detached_readout) {
-            if (snapshot) {
-              src.khat = state.snap_k_[snap];
-              src.vhat = state.snap_v_[snap];
-              KVMEM_RETURN_IF_ERROR(wait(exec.stream, pipe.snapped));
-            }
+            if (reads_slots) KVMEM_RETURN_IF_ERROR(wait(exec.stream, pipe.chained));
             on = exec.stream;
           } else if (detach) {  // a window that starts before this call: the ring, in chain order
             KVMEM_RETURN_IF_ERROR(chain_waits_aux(0));
@@ -776,10 +786,9 @@ Status kvm_run(const Executor& exec, KvmState<S, A>& state, const KvmWeights& w,
           readout.tc<<<static_cast<unsigned>(grid), kTcThreads, readout.tc_bytes, on>>>(d, src, q.data(), out.data(),
                                                                                          T, n0, t0, t1, wb, readout_slots);
           KVMEM_CUDA_RETURN_IF_LAUNCH_FAILED("kvm attend_tc_kernel");
-          if (snapshot) {
-            KVMEM_RETURN_IF_ERROR(record(pipe.read[snap], exec.stream));
-            snapshot_used[snap] = true;
-            ++snapshots_taken;
+          if (reads_slots) {
+            KVMEM_RETURN_IF_ERROR(record(pipe.read[state.live_copy_], exec.stream));
+            copy_read[state.live_copy_] = true;
           }
           on_tensor_cores = true;
         }

@@ -108,8 +108,7 @@ struct TcSoftmax {
   }
 };
 
-// Where a readout finds its keys. The slots: the live state's readout copies, or a snapshot of them
-// taken when the chunk's update was done (the readout then runs beside later updates). The window:
+// Where a readout finds its keys. The slots: the state's readout copies (khat, vhat). The window:
 // the ring (position p at row p mod W), or the call's own k/v inputs (position p at row p - n0),
 // which hold every window position of a chunk whose window starts inside the call.
 struct TcSources {
@@ -518,26 +517,6 @@ __global__ void __launch_bounds__(kTcThreads, kTcMinBlocks)
       orow[c] = store_as<Out>(o[nd][2 * e] * inv[e]);
       orow[c + 1] = store_as<Out>(o[nd][2 * e + 1] * inv[e]);
     }
-  }
-}
-
-// Copies the readout keys and values of slots [0, slots) of every item (khat, vhat; same layout, cap
-// rows per item) into a snapshot that a readout reads while later updates change the state. 16-byte
-// vectors: D and Dv are multiples of 8 (64 or 128 here). grid (I, any), block any.
-__global__ void snapshot_readout_kernel(const bf16* __restrict__ khat, const bf16* __restrict__ vhat,
-                                        bf16* __restrict__ snap_k, bf16* __restrict__ snap_v, std::int64_t cap,
-                                        std::int64_t D, std::int64_t Dv, std::int64_t slots) {
-  const std::int64_t i = blockIdx.x, k_vecs = slots * D / 8, v_vecs = slots * Dv / 8;
-  const uint4* ks = reinterpret_cast<const uint4*>(khat + i * cap * D);
-  const uint4* vs = reinterpret_cast<const uint4*>(vhat + i * cap * Dv);
-  uint4* kd = reinterpret_cast<uint4*>(snap_k + i * cap * D);
-  uint4* vd = reinterpret_cast<uint4*>(snap_v + i * cap * Dv);
-  const std::int64_t stride = std::int64_t(gridDim.y) * blockDim.x;
-  for (std::int64_t e = std::int64_t(blockIdx.y) * blockDim.x + threadIdx.x; e < k_vecs + v_vecs; e += stride) {
-    if (e < k_vecs)
-      kd[e] = ks[e];
-    else
-      vd[e - k_vecs] = vs[e - k_vecs];
   }
 }
 

@@ -46,6 +46,11 @@ struct DeviceState {
   // Tensor-core routing (bf16 storage, tc_route): khat32 = khat + khat_lo to ~2^-16 (the routing
   // passes build the tokens' hi/lo operands themselves). khat_lo is nullptr without it.
   bf16* khat_lo;  // [I, cap, D]
+  // Readouts beside the update chain (kvm.cuh, ReadoutPipeline) keep several copies of khat / vhat:
+  // a scatter into a copy no readout reads any more (khat, vhat here) also copies the rows it does
+  // not refresh from the live copy (khat_from, vhat_from). nullptr: the scatter refreshes in place.
+  const S* khat_from;  // [I, cap, D]
+  const S* vhat_from;  // [I, cap, Dv]
   // A prefill call's own inputs (storage type, [I, in_count, *] for positions in_first + r), set
   // for prefills with readouts beside the chain: an update reads the tokens leaving the window
   // from them (token_key and friends) instead of the ring, so such a prefill ingests only the
@@ -807,6 +812,35 @@ __device__ void scatter_warp_stream(const DeviceState<S, A>& st, std::int64_t i,
   }
 }
 
+// A scatter into another readout copy (st.khat_from set): the readout rows of the block's slots
+// that it does not refresh -- the untouched ones, and the sink slots (block y = 0) -- copied from the
+// live copy, so that the other copy then holds the whole state after the update. One warp a slot, in
+// 16-byte pieces: only bf16 rows of 64 or 128 channels (whole pieces, 16-byte aligned) take this path.
+template <class S, class A>
+__device__ void copy_unrefreshed_rows(const DeviceState<S, A>& st, std::int64_t i, std::int64_t lo, std::int64_t hi,
+                                      const int* routed, bool every_slot, int warp, int lane) {
+  const int k_pieces = static_cast<int>(st.D * std::int64_t(sizeof(S)) / 16);
+  const int pieces = k_pieces + static_cast<int>(st.Dv * std::int64_t(sizeof(S)) / 16);
+  const auto copy = [&](std::int64_t j) {
+    const std::int64_t sj = i * st.cap + j;
+    const uint4* ks = reinterpret_cast<const uint4*>(st.khat_from + sj * st.D);
+    const uint4* vs = reinterpret_cast<const uint4*>(st.vhat_from + sj * st.Dv);
+    uint4* kd = reinterpret_cast<uint4*>(st.khat + sj * st.D);
+    uint4* vd = reinterpret_cast<uint4*>(st.vhat + sj * st.Dv);
+    for (int e = lane; e < pieces; e += 32) {
+      if (e < k_pieces)
+        kd[e] = ks[e];
+      else
+        vd[e - k_pieces] = vs[e - k_pieces];
+    }
+  };
+  if (blockIdx.y == 0)
+    for (std::int64_t j = warp; j < st.sink; j += kWarpsPerBlock) copy(j);
+  if (!every_slot)
+    for (std::int64_t p = warp; p < hi - lo; p += kWarpsPerBlock)
+      if (routed[p] == 0) copy(lo + p);
+}
+
 // Update step 4 scatter. Block y covers the non-sink slots [lo, lo + per_block): it finds the first
 // token routed to each (an integer atomicMin: the same result in any order) and deals its slots to its
 // warps, as a stream of rows per warp in the register form (kInRegisters: head dims up to 128,
@@ -871,6 +905,7 @@ __global__ void __launch_bounds__(32 * kWarpsPerBlock, 4)
     scatter_warp_stream(st, i, lo, tokens, first, routed, slot, n, async_rows,
                         stages + warp * kScatterDepth * scatter_stage_bytes<A>(), lists + warp * C, warp, lane);
   }
+  if (st.khat_from != nullptr) copy_unrefreshed_rows(st, i, lo, hi, routed, every_slot, warp, lane);
 }
 
 // Dynamic shared memory of update_scatter_kernel (the memory form leaves its stages, the LN weights,
