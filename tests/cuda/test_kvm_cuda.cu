@@ -546,8 +546,9 @@ TEST_CASE("kvm cuda bf16 readouts beside the update chain equal the chained read
   // tokens there (the ring gets only what later readers need); with a state no larger than the
   // window (64) the readouts also run beside the updates, from copies of the slots' readout rows
   // that each scatter rotates (ReadoutPipeline). float inputs holding the same bf16 values: every
-  // token through the ring, every readout on the chain from the live state. Same kernels, same operands: bitwise. A prefill in two calls: the second call's
-  // first chunks see window keys from before the call (the ring, on the chain).
+  // token through the ring, every readout on the chain from the live state. Same kernels, same
+  // operands: bitwise. A prefill in two calls: the second call's first chunks see window keys from
+  // before the call (the ring, on the chain).
   struct Case {
     kvmem::budget::Any budget;
     bool beside_updates, appends;

@@ -898,6 +898,8 @@ __global__ void __launch_bounds__(32 * kWarpsPerBlock, 4)
   __syncthreads();
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, n = *n_touched;
   const auto slot = [&](int p) { return every_slot ? p : touched[p]; };  // j - lo of the block's p-th slot
+  // before the stream, so that nothing of the copy stays live through it (after it: 8 bytes of spill)
+  if (st.khat_from != nullptr) copy_unrefreshed_rows(st, i, lo, hi, routed, every_slot, warp, lane);
   if constexpr (!kInRegisters) {
     for (int p = warp; p < n; p += kWarpsPerBlock) scatter_into_slot(st, i, lo + slot(p), target, first[slot(p)], lane);
   } else {
@@ -905,7 +907,6 @@ __global__ void __launch_bounds__(32 * kWarpsPerBlock, 4)
     scatter_warp_stream(st, i, lo, tokens, first, routed, slot, n, async_rows,
                         stages + warp * kScatterDepth * scatter_stage_bytes<A>(), lists + warp * C, warp, lane);
   }
-  if (st.khat_from != nullptr) copy_unrefreshed_rows(st, i, lo, hi, routed, every_slot, warp, lane);
 }
 
 // Dynamic shared memory of update_scatter_kernel (the memory form leaves its stages, the LN weights,
