@@ -223,7 +223,7 @@ inline constexpr float kDnUnderflowLog2 = -127.0f;
 
 // sm_90a: a step skips its value tile and P V when every weight of the block underflowed at each of the
 // kDnPastRun steps before it (see the kernel's s_past)
-inline constexpr int kDnPastRun = 2;
+inline constexpr int kDnPastRun = 1;
 
 // The work of one block of dense_prefill_tc_kernel (below): row tile *s_ticket, kRows = dense_row_tile(r)
 // rows, a compile-time constant so that the decay tile's shape, the pair -> (head, row) map and the λ
