@@ -254,13 +254,6 @@ __device__ inline std::int64_t load_acquire(const std::int64_t* p) {
   asm volatile("ld.acquire.gpu.global.b64 %0, [%1];\n" : "=l"(v) : "l"(p) : "memory");
   return v;
 }
-// Store with release semantics at GPU scope: this thread's earlier writes, and those of threads that a
-// block barrier ordered before it, are visible to a thread that acquires the value (load_acquire). One
-// fence.acq_rel and a store without a return, where __threadfence and an atomic exchange take a
-// sequentially consistent fence.
-__device__ inline void store_release(int* p, int v) {
-  asm volatile("st.release.gpu.global.b32 [%0], %1;\n" ::"l"(p), "r"(v) : "memory");
-}
 // Acquire-release fence at GPU scope: orders this thread's earlier writes before its later ones (a
 // ticket) and its later reads after earlier acquires. __threadfence is sequentially consistent, which a
 // ticket does not need, and costs more.

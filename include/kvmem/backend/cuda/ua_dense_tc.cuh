@@ -705,10 +705,13 @@ __device__ __forceinline__ void dense_prefill_row_tile(const DeviceCache<bf16>& 
 #endif
     copies_to_tensor_cores();
     __syncthreads();     // Λ tile complete, λ of this entry tile stored, value tile et in shared memory
-    // publish: the barrier orders the carriers' λ stores before this thread's release, which makes them
-    // visible device-wide with the counter (the pattern of a grid-wide barrier). The last lane is no
+    // publish: the barrier orders the carriers' λ stores before this thread's fence, which makes them
+    // visible device-wide before the counter (the pattern of a grid-wide barrier). The last lane is no
     // carrier and has no global stores in flight of its own.
-    if (tid == kDnThreads - 1) store_release(done_mine, step + 1);
+    if (tid == kDnThreads - 1) {
+      __threadfence();
+      atomicExch(done_mine, step + 1);
+    }
     if constexpr (kWg) {  // the next key tile, into the one key buffer
       if (et > 0) load_rows(e0 - kDnEntries, ks_base, cache_k, in_k, a.k_t);
     }
