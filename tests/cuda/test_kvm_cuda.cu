@@ -599,16 +599,39 @@ TEST_CASE("kvm cuda bf16 prefill with detached readouts replays from a captured 
   if (no_device()) return;
   // The chain, aux and readout streams fork from and join the caller's stream: one graph. Replayed
   // on a fresh state (host counts advance at capture time) it gives the plain prefill's output.
+  // Decode steps after it (across a chunk boundary: an update on the chain) then read the readout
+  // copy the replayed scatters left live, which the host chose at capture time: bitwise the plain
+  // state's outputs.
   rkvm::Config c = small_config(2, 300, 4, 2, 128, 128, kvmem::budget::Power{2.0, 0.5, 32});  // <= window
   c.chunk = 32;
+  const std::int64_t split = 270;  // decode steps 270..299 cross the chunk boundary at 288
   const auto in = random_inputs(c, 1234);
   const DevWeights w(FloatWeights{in});
   kvmem::cuda::KvmState<kvmem::bf16> plain, captured;
   REQUIRE(kvmem::cuda::KvmState<kvmem::bf16>::create(to_params(c), to_shape(c, c.T), plain).is_ok());
   REQUIRE(kvmem::cuda::KvmState<kvmem::bf16>::create(to_params(c), to_shape(c, c.T), captured).is_ok());
   REQUIRE(captured.readouts_beside_updates());
-  std::vector<float> out_plain;
-  REQUIRE(cuda_feed(plain, c, in, w, 0, c.T, out_plain, nullptr).is_ok());
-  CapturedCall<kvmem::bf16> prefill(captured, c, in, w, 0, c.T);
-  CHECK(prefill.replay() == out_plain);
+  std::vector<float> out_plain, out_captured;
+  REQUIRE(cuda_feed(plain, c, in, w, 0, split, out_plain, nullptr).is_ok());
+  CapturedCall<kvmem::bf16> prefill(captured, c, in, w, 0, split);
+  const std::vector<float> replayed = prefill.replay();  // [B, split, Hq, Dv]
+  const std::size_t row = std::size_t(c.Hq * c.Dv);
+  const auto at = [&](std::int64_t b, std::int64_t t) { return std::size_t(b * c.T + t) * row; };  // [B, T, Hq, Dv]
+  std::size_t differ = 0;
+  for (std::int64_t b = 0; b < c.B; ++b)
+    for (std::int64_t t = 0; t < split; ++t)
+      for (std::size_t i = 0; i < row; ++i)
+        differ += replayed[std::size_t(b * split + t) * row + i] != out_plain[at(b, t) + i];
+  CHECK(differ == 0);
+  for (std::int64_t t = split; t < c.T; ++t) {
+    REQUIRE(cuda_feed(plain, c, in, w, t, t + 1, out_plain, nullptr).is_ok());
+    REQUIRE(cuda_feed(captured, c, in, w, t, t + 1, out_captured, nullptr).is_ok());
+  }
+  REQUIRE(out_captured.size() == out_plain.size());
+  std::size_t decode_differ = 0;
+  for (std::int64_t b = 0; b < c.B; ++b)
+    for (std::int64_t t = split; t < c.T; ++t)
+      for (std::size_t i = 0; i < row; ++i) decode_differ += out_captured[at(b, t) + i] != out_plain[at(b, t) + i];
+  CHECK(decode_differ == 0);
+  CHECK(captured.slots() == plain.slots());
 }

@@ -707,19 +707,25 @@ Status kvm_run(const Executor& exec, KvmState<S, A>& state, const KvmWeights& w,
       // it is done (ReadoutPipeline); it reads the ring rows ingested last.
       const bool flip = detach && plan.n_app < C && plan.after > p.sink;  // update_finish launches a scatter
       const int next = (state.live_copy_ + 1) % kReadoutCopies;
-      if (flip) {
-        if (copy_read[next]) KVMEM_RETURN_IF_ERROR(wait(side.stream, pipe.read[next]));
+      if (detach) KVMEM_RETURN_IF_ERROR(chain_waits_aux(0));
+      if (flip && copy_read[next]) KVMEM_RETURN_IF_ERROR(wait(side.stream, pipe.read[next]));
+      if (flip) {  // the scatter writes copy `next` whole; it becomes live only if the update was enqueued
         d.khat_from = d.khat;
         d.vhat_from = d.vhat;
         d.khat = state.khat_copy_[next];
         d.vhat = state.vhat_copy_[next];
       }
-      if (detach) KVMEM_RETURN_IF_ERROR(chain_waits_aux(0));
-      KVMEM_RETURN_IF_ERROR(update_finish(chain, d, p, items, plan, log));
+      const Status finished = update_finish(chain, d, p, items, plan, log);
       if (flip) {
-        state.live_copy_ = next;
+        if (finished.is_ok()) {
+          state.live_copy_ = next;
+        } else {
+          d.khat = state.khat_copy_[state.live_copy_];
+          d.vhat = state.vhat_copy_[state.live_copy_];
+        }
         d.khat_from = d.vhat_from = nullptr;
       }
+      KVMEM_RETURN_IF_ERROR(finished);
       slots = plan.after;
       cov += C;
     }
