@@ -119,11 +119,11 @@ struct SideStream {
 // every slot's rows into one of three snapshots after each update on the aux stream (the memory of
 // four copies; 17.5 us of DRAM traffic a chunk, where the scatter's copies of the untouched rows cost
 // it about 10 us). Those copies in the scatter's prologue, on the chain, rather than beside it on aux:
-// 20.63 ms against 20.01 (medians of three alternating runs, same call; _kvmaux.md). One live copy and no copies at all (the chain waiting for each readout before the
-// next scatter) lost, 22.69 ms against 20.88: the scatter then runs with nothing beside it. The chain
-// must keep its priority (at the readouts' priority: 23.36 ms). Both halves fill the GPU (the readout
-// with 3 blocks of 168 registers per SM, the chain's routing with 2 of 128 x 256), so they share the
-// SMs rather than overlap freely; an earlier design measured a readout grid of 2 blocks per SM (no
+// 20.63 ms against 20.01 (medians of three alternating runs, same call; _kvmaux.md). One live copy
+// and no copies at all (the chain waiting for each readout before the next scatter) lost, 22.69 ms
+// against 20.88: the scatter then runs with nothing beside it. The chain must keep its priority (at
+// the readouts' priority: 23.36 ms). Both halves fill the GPU (the readout with 3 blocks of 168
+// registers per SM, the chain's routing with 2 of 128 x 256), so they share the SMs rather than overlap freely; an earlier design measured a readout grid of 2 blocks per SM (no
 // room left for the chain) and of 1 (readouts starved), both slower. Only states no larger than the
 // window take this path: a larger state (16 sqrt N: 2884 slots at 32K) makes the update a
 // tensor-core-bound novelty pass that shares the SMs with the readout just the same, while copying
