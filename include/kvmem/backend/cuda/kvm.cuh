@@ -123,12 +123,13 @@ struct SideStream {
 // and no copies at all (the chain waiting for each readout before the next scatter) lost, 22.69 ms
 // against 20.88: the scatter then runs with nothing beside it. The chain must keep its priority (at
 // the readouts' priority: 23.36 ms). Both halves fill the GPU (the readout with 3 blocks of 168
-// registers per SM, the chain's routing with 2 of 128 x 256), so they share the SMs rather than overlap freely; an earlier design measured a readout grid of 2 blocks per SM (no
-// room left for the chain) and of 1 (readouts starved), both slower. Only states no larger than the
-// window take this path: a larger state (16 sqrt N: 2884 slots at 32K) makes the update a
-// tensor-core-bound novelty pass that shares the SMs with the readout just the same, while copying
-// its untouched rows would move most of 0.4 GB a chunk (a snapshot of them did: 149.3 ms detached
-// against 140.8 ms with the readout on the chain and the selection beside it, the other path below).
+// registers per SM, the chain's routing with 2 of 128 x 256), so they share the SMs rather than
+// overlap freely; an earlier design measured a readout grid of 2 blocks per SM (no room left for the
+// chain) and of 1 (readouts starved), both slower. Only states no larger than the window take this
+// path: a larger state (16 sqrt N: 2884 slots at 32K) makes the update a tensor-core-bound novelty
+// pass that shares the SMs with the readout just the same, while copying its untouched rows would
+// move most of 0.4 GB a chunk (a snapshot of them did: 149.3 ms detached against 140.8 ms with the
+// readout on the chain and the selection beside it, the other path below).
 inline constexpr int kReadoutCopies = 4;
 
 struct ReadoutPipeline {
