@@ -107,27 +107,29 @@ struct SideStream {
 // readout of a chunk reads the slots' readout rows (khat, vhat) as the chunk's update left them, and
 // its window keys from the call's k/v inputs. Of an update only the scatter (update_finish) changes
 // existing slots' readout rows (the selection reads them and appends slots no earlier readout
-// reads), so the state keeps kReadoutCopies copies of them, one live: each scatter writes the next
-// copy -- the slots it refreshes, plus the rows of the others copied from the live one (the untouched
-// slots and the sinks) -- which then becomes live. The scatter waits only for the readout that last
-// read the copy it writes (event `read`, one per copy), kReadoutCopies updates back: the chain may
-// run kReadoutCopies - 1 chunks ahead of the readouts. An aux stream takes the ingest of the chunks
-// the ring must hold beside the chain.
+// reads), so the state keeps kReadoutCopies copies of them, one live: each scatter writes the slots
+// it refreshes into the next copy, and a copy kernel on an aux stream beside it the rows of the
+// others (the untouched slots and the sinks) from the live one; the next copy then becomes live. Both
+// wait only for the readout that last read the copy they write (event `read`, one per copy),
+// kReadoutCopies updates back: the chain may run kReadoutCopies - 1 chunks ahead of the readouts.
+// The aux stream also takes the ingest of the chunks the ring must hold beside the chain.
 // Measured at B 8, H 32, D 128, T 32K, fixed-256 (H200, the benchmark's random inputs, medians of
 // three runs, main's binary in the same call; benchmarks/results/kvm_cuda_2026-11-30_h200_kvmwar.md):
 // four copies 20.04 ms, three 20.29, two 20.30, against 20.80 for the design before, which copied
 // every slot's rows into one of three snapshots after each update on the aux stream (the memory of
 // four copies; 17.5 us of DRAM traffic a chunk, where the scatter's copies of the untouched rows cost
-// it about 10 us). One live copy and no copies at all (the chain waiting for each readout before the
-// next scatter) lost, 22.69 ms against 20.88: the scatter then runs with nothing beside it. The chain
-// must keep its priority (at the readouts' priority: 23.36 ms). Both halves fill the GPU (the readout
-// with 3 blocks of 168 registers per SM, the chain's routing with 2 of 128 x 256), so they share the
-// SMs rather than overlap freely; an earlier design measured a readout grid of 2 blocks per SM (no
-// room left for the chain) and of 1 (readouts starved), both slower. Only states no larger than the
-// window take this path: a larger state (16 sqrt N: 2884 slots at 32K) makes the update a
-// tensor-core-bound novelty pass that shares the SMs with the readout just the same, while copying
-// its untouched rows would move most of 0.4 GB a chunk (a snapshot of them did: 149.3 ms detached
-// against 140.8 ms with the readout on the chain and the selection beside it, the other path below).
+// it about 10 us). Those copies in the scatter's prologue, on the chain, rather than beside it on aux:
+// 20.63 ms against 20.01 (medians of three alternating runs, same call; _kvmaux.md). One live copy
+// and no copies at all (the chain waiting for each readout before the next scatter) lost, 22.69 ms
+// against 20.88: the scatter then runs with nothing beside it. The chain must keep its priority (at
+// the readouts' priority: 23.36 ms). Both halves fill the GPU (the readout with 3 blocks of 168
+// registers per SM, the chain's routing with 2 of 128 x 256), so they share the SMs rather than
+// overlap freely; an earlier design measured a readout grid of 2 blocks per SM (no room left for the
+// chain) and of 1 (readouts starved), both slower. Only states no larger than the window take this
+// path: a larger state (16 sqrt N: 2884 slots at 32K) makes the update a tensor-core-bound novelty
+// pass that shares the SMs with the readout just the same, while copying its untouched rows would
+// move most of 0.4 GB a chunk (a snapshot of them did: 149.3 ms detached against 140.8 ms with the
+// readout on the chain and the selection beside it, the other path below).
 inline constexpr int kReadoutCopies = 4;
 
 struct ReadoutPipeline {
@@ -135,6 +137,8 @@ struct ReadoutPipeline {
   cudaEvent_t chained = nullptr;                 // the chain after a chunk's update: aux and the readout may start
   cudaEvent_t aux_done[2] = {nullptr, nullptr};  // aux after a chunk's ingest (two chunks in flight)
   cudaEvent_t read[kReadoutCopies] = {};         // the last readout of readout copy r finished: a scatter may write it
+  cudaEvent_t selected = nullptr;                // the chain after an update's routing: aux may copy the untouched rows
+  cudaEvent_t copied = nullptr;                  // aux after that copy: the chain may go on past the scatter
 
   ReadoutPipeline() = default;
   ReadoutPipeline(const ReadoutPipeline&) = delete;
@@ -164,9 +168,9 @@ struct ReadoutPipeline {
   }
 
  private:
-  std::array<cudaEvent_t*, 3 + kReadoutCopies> events() {
-    std::array<cudaEvent_t*, 3 + kReadoutCopies> e{&chained, &aux_done[0], &aux_done[1]};
-    for (int r = 0; r < kReadoutCopies; ++r) e[std::size_t(3 + r)] = &read[r];
+  std::array<cudaEvent_t*, 5 + kReadoutCopies> events() {
+    std::array<cudaEvent_t*, 5 + kReadoutCopies> e{&chained, &aux_done[0], &aux_done[1], &selected, &copied};
+    for (int r = 0; r < kReadoutCopies; ++r) e[std::size_t(5 + r)] = &read[r];
     return e;
   }
   void take(ReadoutPipeline& o) {
@@ -449,6 +453,12 @@ Status update_select(const Executor& exec, const DeviceState<S, A>& d, const kvm
   return Status::ok();
 }
 
+// Whether the scatter of an update refreshes every non-sink slot (the first update; see
+// update_scatter_kernel) rather than only the slots some token was routed to.
+inline bool scatter_takes_every_slot(const UpdatePlan& plan, std::int64_t C) {
+  return plan.a == C;
+}
+
 // Update step 4 scatter (and the test hook's route log) of a selected update.
 template <class S, class A>
 Status update_finish(const Executor& exec, const DeviceState<S, A>& d, const kvm::Params& p, std::int64_t items,
@@ -467,7 +477,7 @@ Status update_finish(const Executor& exec, const DeviceState<S, A>& d, const kvm
       // against 80.0 at 16 sqrt N, whose 1442-slot blocks then need 59 KB of shared memory (three
       // blocks an SM). At most 8192 slots (64 KB of tables) a block.
       constexpr std::int64_t kSlotsPerWarp = 8;
-      const bool every_slot = a == C;
+      const bool every_slot = scatter_takes_every_slot(plan, C);
       const std::int64_t range = after - p.sink, work = every_slot ? range : std::min(C, range);
       std::int64_t blocks =
           std::max<std::int64_t>(1, (work + kSlotsPerWarp * kWarpsPerBlock - 1) / (kSlotsPerWarp * kWarpsPerBlock));
@@ -510,6 +520,22 @@ Status update_finish(const Executor& exec, const DeviceState<S, A>& d, const kvm
     }
   }
   return Status::ok();
+}
+
+// With readouts beside the chain: the rows of readout copy `to` that the scatter of a selected update
+// (update_finish, writing `to`) does not refresh, copied from the live copy `from`
+// (copy_unrefreshed_rows_kernel). Reads the update's merge targets: enqueue it after update_select.
+template <class S, class A>
+Status launch_copy_unrefreshed(const Executor& exec, const DeviceState<S, A>& d, const kvm::Params& p,
+                               std::int64_t items, const UpdatePlan& plan, const S* khat_from, const S* vhat_from,
+                               S* khat_to, S* vhat_to) {
+  const std::int64_t end = scatter_takes_every_slot(plan, p.chunk) ? std::min(p.sink, plan.after) : plan.after;
+  if (end == 0) return Status::ok();  // the first update of a state without sinks: the scatter writes every row
+  const dim3 grid(static_cast<unsigned>(items),
+                  static_cast<unsigned>((end + kCopySlotsPerBlock - 1) / kCopySlotsPerBlock));
+  copy_unrefreshed_rows_kernel<S, A>
+      <<<grid, 32 * kWarpsPerBlock, 0, exec.stream>>>(d, khat_from, vhat_from, khat_to, vhat_to, end);
+  return to_status(cudaGetLastError(), "kvm copy_unrefreshed_rows_kernel");
 }
 
 // The prefill readout kernels of a call's shape: `rows`, the scalar kernel (head dims 64 and 128
@@ -704,26 +730,39 @@ Status kvm_run(const Executor& exec, KvmState<S, A>& state, const KvmWeights& w,
         KVMEM_RETURN_IF_ERROR(update_select(chain, d, p, items, cov, slots, plan));
       }
       // Beside the readouts the scatter writes the next readout copy once the readout that last read
-      // it is done (ReadoutPipeline); it reads the ring rows ingested last.
+      // it is done (ReadoutPipeline); it reads the ring rows ingested last. The rows it does not
+      // refresh are copied into that copy on aux beside it, once the routing has written the targets
+      // (event `selected`); the chain waits for that copy (event `copied`) before it goes on: the
+      // readout (after `chained`) reads the whole copy, the next selection reads it and rewrites the
+      // targets.
       const bool flip = detach && plan.n_app < C && plan.after > p.sink;  // update_finish launches a scatter
       const int next = (state.live_copy_ + 1) % kReadoutCopies;
+      if (flip) {
+        KVMEM_RETURN_IF_ERROR(record(pipe.selected, side.stream));
+        KVMEM_RETURN_IF_ERROR(wait(pipe.aux, pipe.selected));
+        if (copy_read[next]) KVMEM_RETURN_IF_ERROR(wait(pipe.aux, pipe.read[next]));
+        KVMEM_RETURN_IF_ERROR(launch_copy_unrefreshed(Executor{pipe.aux}, d, p, items, plan, d.khat, d.vhat,
+                                                      state.khat_copy_[next], state.vhat_copy_[next]));
+        KVMEM_RETURN_IF_ERROR(record(pipe.copied, pipe.aux));
+      }
       if (detach) KVMEM_RETURN_IF_ERROR(chain_waits_aux(0));
       if (flip && copy_read[next]) KVMEM_RETURN_IF_ERROR(wait(side.stream, pipe.read[next]));
-      if (flip) {  // the scatter writes copy `next` whole; it becomes live only if the update was enqueued
-        d.khat_from = d.khat;
-        d.vhat_from = d.vhat;
+      if (flip) {  // copy `next` becomes live only if the update was enqueued
         d.khat = state.khat_copy_[next];
         d.vhat = state.vhat_copy_[next];
       }
       const Status finished = update_finish(chain, d, p, items, plan, log);
       if (flip) {
-        if (finished.is_ok()) {
+        // the chain joins the copy even if the scatter failed: no later write of copy `next` (another
+        // flip's scatter) may run beside it
+        const Status joined = wait(side.stream, pipe.copied);
+        if (finished.is_ok() && joined.is_ok()) {
           state.live_copy_ = next;
         } else {
           d.khat = state.khat_copy_[state.live_copy_];
           d.vhat = state.vhat_copy_[state.live_copy_];
         }
-        d.khat_from = d.vhat_from = nullptr;
+        KVMEM_RETURN_IF_ERROR(joined);
       }
       KVMEM_RETURN_IF_ERROR(finished);
       slots = plan.after;

@@ -46,11 +46,6 @@ struct DeviceState {
   // Tensor-core routing (bf16 storage, tc_route): khat32 = khat + khat_lo to ~2^-16 (the routing
   // passes build the tokens' hi/lo operands themselves). khat_lo is nullptr without it.
   bf16* khat_lo;  // [I, cap, D]
-  // Readouts beside the update chain (kvm.cuh, ReadoutPipeline) keep several copies of khat / vhat:
-  // a scatter into a copy no readout reads any more (khat, vhat here) also copies the rows it does
-  // not refresh from the live copy (khat_from, vhat_from). nullptr: the scatter refreshes in place.
-  const S* khat_from;  // [I, cap, D]
-  const S* vhat_from;  // [I, cap, Dv]
   // A prefill call's own inputs (storage type, [I, in_count, *] for positions in_first + r), set
   // for prefills with readouts beside the chain: an update reads the tokens leaving the window
   // from them (token_key and friends) instead of the ring, so such a prefill ingests only the
@@ -812,33 +807,50 @@ __device__ void scatter_warp_stream(const DeviceState<S, A>& st, std::int64_t i,
   }
 }
 
-// A scatter into another readout copy (st.khat_from set): the readout rows of the block's slots
-// that it does not refresh -- the untouched ones, and the sink slots (block y = 0) -- copied from the
-// live copy, so that the other copy then holds the whole state after the update. One warp a slot, in
-// 16-byte pieces: only bf16 rows of 64 or 128 channels (whole pieces, 16-byte aligned) take this path.
+// Readouts beside the update chain (kvm.cuh, ReadoutPipeline) keep several copies of the readout rows
+// (khat, vhat): the scatter of an update writes the rows it refreshes into the next copy, and this
+// kernel the others -- the sinks and the slots no token of the update was routed to -- copied from
+// the live copy, so that the next copy then holds the whole state after the update. It runs on the
+// aux stream beside the scatter (both write disjoint rows of the next copy, neither writes the live
+// one): it needs only the update's merge targets (st.target, final once the routing pass is done).
+// Rows [0, end): end = the slots after the update, or the sinks alone for the first update, whose
+// scatter refreshes every non-sink slot. Sinks are never merge targets (routes start at st.sink).
+// Block (i, y) covers slots [y * kCopySlotsPerBlock, ...) of item i, one warp a slot, 16-byte pieces:
+// only bf16 rows of 64 or 128 channels (whole pieces, 16-byte aligned) take this path.
+// grid (I, ceil(end / kCopySlotsPerBlock)), block 32 * kWarpsPerBlock.
+inline constexpr int kCopySlotsPerBlock = 64;
+
 template <class S, class A>
-__device__ void copy_unrefreshed_rows(const DeviceState<S, A>& st, std::int64_t i, std::int64_t lo, std::int64_t hi,
-                                      const int* routed, bool every_slot, int warp, int lane) {
+__global__ void __launch_bounds__(32 * kWarpsPerBlock)
+    copy_unrefreshed_rows_kernel(DeviceState<S, A> st, const S* __restrict__ khat_from, const S* __restrict__ vhat_from,
+                                 S* __restrict__ khat_to, S* __restrict__ vhat_to, std::int64_t end) {
+  __shared__ int routed[kCopySlotsPerBlock];  // nonzero: the scatter refreshes slot lo + s
+  const std::int64_t i = blockIdx.x, lo = std::int64_t(blockIdx.y) * kCopySlotsPerBlock;
+  const std::int64_t hi = lo + kCopySlotsPerBlock < end ? lo + kCopySlotsPerBlock : end;
+  for (int s = threadIdx.x; s < kCopySlotsPerBlock; s += blockDim.x) routed[s] = 0;
+  __syncthreads();
+  for (std::int64_t c = threadIdx.x; c < st.C; c += blockDim.x) {
+    const int t = st.target[i * st.C + c];
+    if (t >= lo && t < hi) atomicOr(routed + (t - lo), 1);  // an atomic: many tokens may mark one slot
+  }
+  __syncthreads();
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   const int k_pieces = static_cast<int>(st.D * std::int64_t(sizeof(S)) / 16);
   const int pieces = k_pieces + static_cast<int>(st.Dv * std::int64_t(sizeof(S)) / 16);
-  const auto copy = [&](std::int64_t j) {
+  for (std::int64_t j = lo + warp; j < hi; j += kWarpsPerBlock) {
+    if (routed[j - lo] != 0) continue;
     const std::int64_t sj = i * st.cap + j;
-    const uint4* ks = reinterpret_cast<const uint4*>(st.khat_from + sj * st.D);
-    const uint4* vs = reinterpret_cast<const uint4*>(st.vhat_from + sj * st.Dv);
-    uint4* kd = reinterpret_cast<uint4*>(st.khat + sj * st.D);
-    uint4* vd = reinterpret_cast<uint4*>(st.vhat + sj * st.Dv);
+    const uint4* ks = reinterpret_cast<const uint4*>(khat_from + sj * st.D);
+    const uint4* vs = reinterpret_cast<const uint4*>(vhat_from + sj * st.Dv);
+    uint4* kd = reinterpret_cast<uint4*>(khat_to + sj * st.D);
+    uint4* vd = reinterpret_cast<uint4*>(vhat_to + sj * st.Dv);
     for (int e = lane; e < pieces; e += 32) {
       if (e < k_pieces)
         kd[e] = ks[e];
       else
         vd[e - k_pieces] = vs[e - k_pieces];
     }
-  };
-  if (blockIdx.y == 0)
-    for (std::int64_t j = warp; j < st.sink; j += kWarpsPerBlock) copy(j);
-  if (!every_slot)
-    for (std::int64_t p = warp; p < hi - lo; p += kWarpsPerBlock)
-      if (routed[p] == 0) copy(lo + p);
+  }
 }
 
 // Update step 4 scatter. Block y covers the non-sink slots [lo, lo + per_block): it finds the first
@@ -898,8 +910,6 @@ __global__ void __launch_bounds__(32 * kWarpsPerBlock, 4)
   __syncthreads();
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, n = *n_touched;
   const auto slot = [&](int p) { return every_slot ? p : touched[p]; };  // j - lo of the block's p-th slot
-  // before the stream, so that nothing of the copy stays live through it (after it: 8 bytes of spill)
-  if (st.khat_from != nullptr) copy_unrefreshed_rows(st, i, lo, hi, routed, every_slot, warp, lane);
   if constexpr (!kInRegisters) {
     for (int p = warp; p < n; p += kWarpsPerBlock) scatter_into_slot(st, i, lo + slot(p), target, first[slot(p)], lane);
   } else {
