@@ -57,6 +57,11 @@ using UaInputs = ua::InputsOf<S>;
 struct UaCacheLimits {
   std::int64_t max_prefill_chunk = 128;  // largest Options::prefill_chunk a prefill may use (<= 1024)
   int max_splits = 16;                   // entry splits per (sequence, kv head): parallelism of a call
+  // The dense tensor-core prefill on sm_90a (bf16, D 64 or 128, p = 0): a row tile that sees more than this
+  // many 64-entry tiles (its cache plus the call's rows up to its own) skips the value tile and P V of the
+  // entry tiles predicted past the decay's reach. Below the default (rows up to 8K) the skip's code costs
+  // more than it saves; 0 makes every row tile skip (the results are the same bits either way).
+  int dense_skip_past_after_tiles = ua_detail::kDnSkipPastAfterTiles;
 };
 
 template <class S = float>
@@ -75,6 +80,8 @@ class UaCache {
       return invalid_argument("UaCacheLimits max_prefill_chunk", "1..1024", limits.max_prefill_chunk);
     if (limits.max_splits <= 0 || limits.max_splits > 1024)
       return invalid_argument("UaCacheLimits max_splits", "1..1024", limits.max_splits);
+    if (limits.dense_skip_past_after_tiles < 0)
+      return invalid_argument("UaCacheLimits dense_skip_past_after_tiles", ">= 0", limits.dense_skip_past_after_tiles);
     if (s.head_dim > 256)
       return {StatusCode::kUnsupported, "cuda UA: head_dim must be <= 256, got " + std::to_string(s.head_dim)};
     UaCache c;
@@ -274,7 +281,7 @@ ChunkKernel<S> chunk_kernel_for(const UaInputs<S>& in, std::int64_t D, std::int6
 // call takes the chunked path.
 template <class S>
 struct DenseKernel {
-  void (*kernel)(DeviceCache<S>, DeviceCall<S>, std::int64_t, std::int64_t, std::int64_t, int*) = nullptr;
+  void (*kernel)(DeviceCache<S>, DeviceCall<S>, std::int64_t, std::int64_t, std::int64_t, int*, int) = nullptr;
   std::size_t shared_bytes = 0;
 };
 template <class Set, class S>
@@ -348,8 +355,8 @@ Status ua_run(const Executor& exec, UaCache<S>& cache, const UaInputs<S>& in, co
         to_status(cudaMemsetAsync(cache.dense_sync_, 0, std::size_t(1 + I * tiles) * sizeof(int), exec.stream),
                   "cudaMemsetAsync dense prefill pipeline"));
     KVMEM_RETURN_IF_ERROR(allow_shared(dense.kernel, dense.shared_bytes));
-    dense.kernel<<<unsigned(tiles * I), kDnThreads, dense.shared_bytes, exec.stream>>>(dev, a, T, I, tiles,
-                                                                                       cache.dense_sync_);
+    dense.kernel<<<unsigned(tiles * I), kDnThreads, dense.shared_bytes, exec.stream>>>(
+        dev, a, T, I, tiles, cache.dense_sync_, cache.limits_.dense_skip_past_after_tiles);
     KVMEM_CUDA_RETURN_IF_LAUNCH_FAILED("ua dense_prefill_tc_kernel");
     dense_advance_kernel<S><<<1, 128, 0, exec.stream>>>(dev, I, T);
     KVMEM_CUDA_RETURN_IF_LAUNCH_FAILED("ua dense_advance_kernel");
