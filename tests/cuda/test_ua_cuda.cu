@@ -531,10 +531,10 @@ PastReachSteps past_reach_steps(const Case& c, double margin) {
               const std::int64_t m = r0 + i;
               const double* q = ref::detail::query_row(c.config, c.inputs, b, g * r + h, m);
               double tile_max = -inf;
-              for (std::int64_t j = e0; j < std::min(e0 + dn::kDnEntries, m + 1); ++j)
-                tile_max = std::max(tile_max, ref::detail::dot(q, ref::detail::key_row(c.config, c.inputs, b, g, j),
-                                                               c.config.D) +
-                                                  lam[std::size_t(m * T + j)]);
+              for (std::int64_t j = e0; j < std::min(e0 + dn::kDnEntries, m + 1); ++j) {
+                const double* k = ref::detail::key_row(c.config, c.inputs, b, g, j);
+                tile_max = std::max(tile_max, ref::detail::dot(q, k, c.config.D) + lam[std::size_t(m * T + j)]);
+              }
               double& run = running[std::size_t(h * nr + i)];
               run = std::max(run, tile_max);
               if (tile_max > -inf) gap = std::max(gap, tile_max - run);
@@ -592,14 +592,14 @@ TEST_CASE("ua cuda bf16 dense prefill past the decay's reach (sanitizer case)", 
   CHECK(e_lse <= 1e-3);
   CHECK(e_lam <= 1e-4);
 
-  // The skip body (sm_90a), which the default threshold leaves to rows past 8K, in every row tile here: the
-  // same result bits as the body without it (which the default runs here: 10 entry tiles at most), and
-  // within the same tolerance of the host. Its premise, from the fp64 logits of the bf16 inputs: steps
+  // The kernel with the skip body (sm_90a), which the default threshold leaves to calls past 8K rows, here
+  // with the threshold at 0: the same result bits as the kernel without it (which the default runs here: 10
+  // entry tiles at most), and within the same tolerance of the host. Its premise, from the fp64 logits of the bf16 inputs: steps
   // are skipped, and a skipped step's P V is deferred both inside the walk and after the last step.
   Case rounded = c;
-  for (auto [to, from] : {std::pair{&rounded.inputs.q, &f.q}, std::pair{&rounded.inputs.k, &f.k},
-                          std::pair{&rounded.inputs.v, &f.v}, std::pair{&rounded.inputs.z_k, &f.z_k},
-                          std::pair{&rounded.inputs.z_q, &f.z_q}})
+  for (auto [to, from] :
+       {std::pair{&rounded.inputs.q, &f.q}, std::pair{&rounded.inputs.k, &f.k}, std::pair{&rounded.inputs.v, &f.v},
+        std::pair{&rounded.inputs.z_k, &f.z_k}, std::pair{&rounded.inputs.z_q, &f.z_q}})
     to->assign(from->begin(), from->end());
   const PastReachSteps steps = past_reach_steps(rounded, 1.0);
   INFO("steps skipped " << steps.skipped << ", deferred inside the walk " << steps.deferred_inside

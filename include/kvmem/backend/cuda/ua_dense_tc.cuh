@@ -127,9 +127,8 @@ struct UaDenseLayout {
   static constexpr std::size_t kA = kNK + std::size_t(kDnMaxRows) * kKPitch * 2;  // [kDnEntries][kAPitch]
   static constexpr std::size_t kL = kA + std::size_t(kDnEntries) * kAPitch * 4;   // [kDnMaxRows][kLPitch]
   static constexpr std::size_t kBytes = kL + std::size_t(kDnMaxRows) * kLPitch * 4 + (kSwizzled ? 1024 : 0);
-  // kDnBlocksPerSM blocks in an SM's 228 KB, with their static arrays (each instantiation of the row-tile
-  // body has its own: with and without the skip, r = 4 and 8, up to 6 KB) and the 1 KB the driver reserves
-  static_assert(kDnBlocksPerSM * (kBytes + 8192) <= 228 * 1024, "the dense UA blocks do not fit an SM");
+  // kDnBlocksPerSM blocks in an SM's 228 KB, with their static arrays and the 1 KB the driver reserves
+  static_assert(kDnBlocksPerSM * (kBytes + 4096) <= 228 * 1024, "the dense UA blocks do not fit an SM");
   // byte offset of 16-byte vector `vec` of row `row` in a key or value tile
   __device__ static unsigned tile_offset(int row, int vec) {
     if constexpr (kSwizzled)
@@ -226,17 +225,17 @@ inline constexpr float kDnUnderflowLog2 = -127.0f;
 // underflowed at each of the kDnPastRun steps before it (see s_past in dense_prefill_row_tile)
 inline constexpr int kDnPastRun = 1;
 
-// sm_90a: row tiles that see more than this many entry tiles (rows past 8K) take the skip body by default
-// (UaCacheLimits::dense_skip_past_after_tiles). The skip's code costs 5 to 6 % on every step, where it fires
-// or not, and pays back only where most of a row tile's steps are past the decay's reach: 16K -8.7 %, 32K
-// -17.6 %, but 2K / 4K +8 % with it in every row tile (ua_cuda_2026-11-30_h200_uareach.md).
+// sm_90a: a call whose longest row tile sees more than this many entry tiles (rows past 8K) runs the kernel
+// with the skip body by default (UaCacheLimits::dense_skip_past_after_tiles). The skip's code costs 5 to 6 %
+// on every step, where it fires or not, and pays back only where most of a row tile's steps are past the
+// decay's reach: 16K -8.7 %, 32K -17.6 %, but 2K / 4K +8 % (ua_cuda_2026-11-30_h200_uareach.md).
 inline constexpr int kDnSkipPastAfterTiles = 128;
 
 // The work of one block of dense_prefill_tc_kernel (below): row tile *s_ticket, kRows = dense_row_tile(r)
 // rows, a compile-time constant so that the decay tile's shape, the pair -> (head, row) map and the λ
 // carry unroll. kSkipPast (sm_90a, wgmma path only): the body that skips the value tile and P V of the steps
-// predicted past the decay's reach, a separate instantiation so that the row tiles without it run none of
-// its code (the kernel picks one per block by its number of entry tiles).
+// predicted past the decay's reach, a separate instantiation so that the calls without it run none of its
+// code (the host picks the kernel per call by its longest row tile).
 template <class Set, int kD, int kRows, bool kSkipPast>
 __device__ __forceinline__ void dense_prefill_row_tile(const DeviceCache<bf16>& c, const DeviceCall<bf16>& a,
                                                        std::int64_t T, std::int64_t items, std::int64_t tiles,
@@ -963,42 +962,28 @@ __device__ __forceinline__ void dense_prefill_row_tile(const DeviceCache<bf16>& 
 // finished, newest first). Appends the call's rows to the cache (rows n + t: p = 0 evicts nothing) and
 // leaves λ_j = Λ_{T-1, j} for every entry; the lengths and counters advance afterwards
 // (dense_advance_kernel).
-// skip_past_after_tiles (sm_90a, D a multiple of 64): a row tile that sees more than this many entry tiles
-// runs the body with the skip past the decay's reach, the others the body without it (kDnSkipPastAfterTiles;
-// 0: every row tile skips). Both bodies give the same result bits; the row tiles of an item share one
-// launch, as the λ pipeline and the tickets need.
-template <class Set, int kD>
+// kSkipPast (sm_90a, D a multiple of 64; ignored elsewhere): every row tile runs the body with the skip past
+// the decay's reach. Both bodies give the same result bits. Chosen per launch, not per block: with both
+// bodies in one kernel and each block picking one by its row tile's entry tiles, ptxas spilled (D = 128: 276
+// bytes, each body alone none; ua_cuda_2026-11-30_h200_uaskip.md); the row tiles of an item must share one
+// launch (the λ pipeline and the tickets).
+template <class Set, int kD, bool kSkipPast>
 __global__ void __launch_bounds__(kDnThreads, kDnBlocksPerSM)
     dense_prefill_tc_kernel(DeviceCache<bf16> c, DeviceCall<bf16> a, std::int64_t T, std::int64_t items,
-                            std::int64_t tiles, int* sync, int skip_past_after_tiles) {
+                            std::int64_t tiles, int* sync) {
   extern __shared__ __align__(128) unsigned char dense_smem[];
   __shared__ long long s_ticket;
   if (threadIdx.x == 0) s_ticket = atomicAdd(sync, 1);
   __syncthreads();
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-  constexpr bool kCanSkipPast = kD % 64 == 0;  // the wgmma body (kWg of dense_prefill_row_tile)
+  constexpr bool kSkip = kSkipPast && kD % 64 == 0;  // the wgmma body (kWg of dense_prefill_row_tile)
 #else
-  constexpr bool kCanSkipPast = false;
+  constexpr bool kSkip = false;
 #endif
-  bool skip_past = false;
-  if constexpr (kCanSkipPast) {
-    // the entry tiles row tile k sees: the cache's n entries and the call's rows up to the tile's last
-    const std::int64_t rows = dense_row_tile(c.r), k = s_ticket / items;
-    const std::int64_t last_row = (k + 1) * rows < T ? (k + 1) * rows : T;
-    skip_past = (c.length[s_ticket % items] + last_row + kDnEntries - 1) / kDnEntries > skip_past_after_tiles;
-  }
-  // the bodies called directly (a lambda around them was not inlined: 256 bytes of spill at D = 128)
-  if (c.r == 4) {
-    if (skip_past)
-      dense_prefill_row_tile<Set, kD, dense_row_tile(4), kCanSkipPast>(c, a, T, items, tiles, sync, &s_ticket, dense_smem);
-    else
-      dense_prefill_row_tile<Set, kD, dense_row_tile(4), false>(c, a, T, items, tiles, sync, &s_ticket, dense_smem);
-  } else {  // r == 8 (tc_group_ok)
-    if (skip_past)
-      dense_prefill_row_tile<Set, kD, dense_row_tile(8), kCanSkipPast>(c, a, T, items, tiles, sync, &s_ticket, dense_smem);
-    else
-      dense_prefill_row_tile<Set, kD, dense_row_tile(8), false>(c, a, T, items, tiles, sync, &s_ticket, dense_smem);
-  }
+  if (c.r == 4)
+    dense_prefill_row_tile<Set, kD, dense_row_tile(4), kSkip>(c, a, T, items, tiles, sync, &s_ticket, dense_smem);
+  else  // r == 8 (tc_group_ok)
+    dense_prefill_row_tile<Set, kD, dense_row_tile(8), kSkip>(c, a, T, items, tiles, sync, &s_ticket, dense_smem);
 }
 
 // grid 1, after dense_prefill_tc_kernel: every item holds its T new rows, its counter advances by T.
