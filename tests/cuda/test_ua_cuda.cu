@@ -8,8 +8,11 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <iostream>
+#include <limits>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include <catch2/catch.hpp>
@@ -496,6 +499,58 @@ TEST_CASE("ua cuda bf16 dense tensor-core prefill at a small shape (sanitizer ca
   for (auto len : gpu.lengths) CHECK(len == c.config.T);
 }
 
+namespace {
+// What the dense prefill's skip body (sm_90a) meets in a case, from the fp64 logits of its (rounded) inputs:
+// with the newest entry tiles first, a step whose tile has every weight of the row tile's pairs underflow
+// (each pair's largest logit in the tile far below its running maximum, the tile's included) predicts the
+// next step past the reach, which then skips its value tile and P V; where that next step has weights after
+// all, its P V is deferred (inside the walk, or after the last step). `margin` (natural-log units) keeps
+// steps near the underflow, where the device's rounding may decide either way, out of every count.
+struct PastReachSteps {
+  std::int64_t skipped = 0, deferred_inside = 0, deferred_last = 0;
+};
+PastReachSteps past_reach_steps(const Case& c, double margin) {
+  namespace ref = kvmem::reference::ua;
+  namespace dn = kvmem::cuda::ua_detail;
+  const std::int64_t T = c.config.T, r = c.config.H / c.config.G, rows = dn::dense_row_tile(r);
+  const double underflow = double(dn::kDnUnderflowLog2) * std::log(2.0);  // the weights' exact 0, natural log
+  const double inf = std::numeric_limits<double>::infinity();
+  PastReachSteps steps;
+  for (std::int64_t b = 0; b < c.config.B; ++b)
+    for (std::int64_t g = 0; g < c.config.G; ++g) {
+      const auto lam = ref::cumulative_decay(c.config, c.inputs, b, g);
+      for (std::int64_t r0 = 0; r0 < T; r0 += rows) {
+        const std::int64_t nr = std::min(rows, T - r0), etiles = (r0 + nr + dn::kDnEntries - 1) / dn::kDnEntries;
+        std::vector<double> running(std::size_t(r * nr), -inf);  // each pair's largest logit so far
+        bool surely_past_before = false;                         // every weight of the previous step underflowed
+        for (std::int64_t step = 0; step < etiles; ++step) {
+          const std::int64_t e0 = (etiles - 1 - step) * dn::kDnEntries;
+          double gap = -inf;  // the largest of the pairs' (tile maximum - running maximum with the tile)
+          for (std::int64_t h = 0; h < r; ++h)
+            for (std::int64_t i = 0; i < nr; ++i) {
+              const std::int64_t m = r0 + i;
+              const double* q = ref::detail::query_row(c.config, c.inputs, b, g * r + h, m);
+              double tile_max = -inf;
+              for (std::int64_t j = e0; j < std::min(e0 + dn::kDnEntries, m + 1); ++j) {
+                const double* k = ref::detail::key_row(c.config, c.inputs, b, g, j);
+                tile_max = std::max(tile_max, ref::detail::dot(q, k, c.config.D) + lam[std::size_t(m * T + j)]);
+              }
+              double& run = running[std::size_t(h * nr + i)];
+              run = std::max(run, tile_max);
+              if (tile_max > -inf) gap = std::max(gap, tile_max - run);
+            }
+          if (surely_past_before) {
+            ++steps.skipped;
+            if (gap > underflow + margin) ++(step + 1 < etiles ? steps.deferred_inside : steps.deferred_last);
+          }
+          surely_past_before = gap < underflow - margin;
+        }
+      }
+    }
+  return steps;
+}
+}  // namespace
+
 TEST_CASE("ua cuda bf16 dense prefill past the decay's reach (sanitizer case)", "[ua][cuda][sanitize]") {
   if (no_device()) return;
   // D = 128, r = 4 (the wgmma path on sm_90a). The keys share a common direction (similarities about 0.5,
@@ -536,6 +591,34 @@ TEST_CASE("ua cuda bf16 dense prefill past the decay's reach (sanitizer case)", 
   CHECK(e_out <= 1e-2);
   CHECK(e_lse <= 1e-3);
   CHECK(e_lam <= 1e-4);
+
+  // The kernel with the skip body (sm_90a), which the default threshold leaves to calls past 8K rows, here
+  // with the threshold at 0: the same result bits as the kernel without it (which the default runs here: 10
+  // entry tiles at most), and within the same tolerance of the host. Its premise, from the fp64 logits of the bf16 inputs: steps
+  // are skipped, and a skipped step's P V is deferred both inside the walk and after the last step.
+  Case rounded = c;
+  for (auto [to, from] :
+       {std::pair{&rounded.inputs.q, &f.q}, std::pair{&rounded.inputs.k, &f.k}, std::pair{&rounded.inputs.v, &f.v},
+        std::pair{&rounded.inputs.z_k, &f.z_k}, std::pair{&rounded.inputs.z_q, &f.z_q}})
+    to->assign(from->begin(), from->end());
+  const PastReachSteps steps = past_reach_steps(rounded, 1.0);
+  INFO("steps skipped " << steps.skipped << ", deferred inside the walk " << steps.deferred_inside
+                        << ", after the last step " << steps.deferred_last);
+  CHECK(steps.skipped >= 50);
+  CHECK(steps.deferred_inside >= 1);
+  CHECK(steps.deferred_last >= 1);
+  const kvmem::ua::Options dense_opt{0.0, 128, true};  // p = 0: one dense launch for the whole call
+  kvmem::cuda::UaCacheLimits skip_everywhere;
+  skip_everywhere.dense_skip_past_after_tiles = 0;
+  const auto skipping = cuda_prefill_decode<kvmem::bf16>(f, kT, dense_opt, skip_everywhere);
+  const auto usual = cuda_prefill_decode<kvmem::bf16>(f, kT, dense_opt);
+  const double e_skip = relative_frobenius(skipping.out, host.out);
+  std::size_t differing = 0;
+  for (std::size_t x = 0; x < usual.out.size(); ++x)
+    differing += std::memcmp(&skipping.out[x], &usual.out[x], sizeof(float)) != 0;
+  INFO("skip body: out " << e_skip << ", outputs differing from the default threshold's " << differing);
+  CHECK(e_skip <= 1e-2);
+  CHECK(differing == 0);
 }
 
 namespace {

@@ -57,6 +57,12 @@ using UaInputs = ua::InputsOf<S>;
 struct UaCacheLimits {
   std::int64_t max_prefill_chunk = 128;  // largest Options::prefill_chunk a prefill may use (<= 1024)
   int max_splits = 16;                   // entry splits per (sequence, kv head): parallelism of a call
+  // The dense tensor-core prefill on sm_90a (bf16, D 64 or 128, p = 0): a call whose longest row tile may see
+  // more than this many 64-entry tiles (the cache's longest bound plus the call's tokens) runs the kernel
+  // that skips the value tile and P V of the entry tiles predicted past the decay's reach. Below the default
+  // (calls up to 8K rows) the skip's code costs more than it saves; 0: every call skips. The results are the
+  // same bits either way.
+  int dense_skip_past_after_tiles = ua_detail::kDnSkipPastAfterTiles;
 };
 
 template <class S = float>
@@ -75,6 +81,8 @@ class UaCache {
       return invalid_argument("UaCacheLimits max_prefill_chunk", "1..1024", limits.max_prefill_chunk);
     if (limits.max_splits <= 0 || limits.max_splits > 1024)
       return invalid_argument("UaCacheLimits max_splits", "1..1024", limits.max_splits);
+    if (limits.dense_skip_past_after_tiles < 0)
+      return invalid_argument("UaCacheLimits dense_skip_past_after_tiles", ">= 0", limits.dense_skip_past_after_tiles);
     if (s.head_dim > 256)
       return {StatusCode::kUnsupported, "cuda UA: head_dim must be <= 256, got " + std::to_string(s.head_dim)};
     UaCache c;
@@ -277,13 +285,18 @@ struct DenseKernel {
   void (*kernel)(DeviceCache<S>, DeviceCall<S>, std::int64_t, std::int64_t, std::int64_t, int*) = nullptr;
   std::size_t shared_bytes = 0;
 };
+// skip_past: the kernel that skips the steps past the decay's reach (D 64 and 128; D 80 has no wgmma path).
 template <class Set, class S>
-DenseKernel<S> dense_kernel_for(const UaInputs<S>& in, std::int64_t D, std::int64_t r, double log_p) {
+DenseKernel<S> dense_kernel_for(const UaInputs<S>& in, std::int64_t D, std::int64_t r, double log_p, bool skip_past) {
   if constexpr (std::is_same_v<S, bf16>) {
     if (log_p == -std::numeric_limits<double>::infinity() && tc_group_ok(r) && tc_aligned(in)) {
-      if (D == 64) return {dense_prefill_tc_kernel<Set, 64>, dense_shared_bytes<64>()};
-      if (D == 80) return {dense_prefill_tc_kernel<Set, 80>, dense_shared_bytes<80>()};
-      if (D == 128) return {dense_prefill_tc_kernel<Set, 128>, dense_shared_bytes<128>()};
+      if (D == 64)
+        return {skip_past ? dense_prefill_tc_kernel<Set, 64, true> : dense_prefill_tc_kernel<Set, 64, false>,
+                dense_shared_bytes<64>()};
+      if (D == 80) return {dense_prefill_tc_kernel<Set, 80, false>, dense_shared_bytes<80>()};
+      if (D == 128)
+        return {skip_past ? dense_prefill_tc_kernel<Set, 128, true> : dense_prefill_tc_kernel<Set, 128, false>,
+                dense_shared_bytes<128>()};
     }
   }
   return {};
@@ -342,7 +355,10 @@ Status ua_run(const Executor& exec, UaCache<S>& cache, const UaInputs<S>& in, co
     KVMEM_RETURN_IF_ERROR(allow_shared(kernel, bytes));
     kernel<<<dim3(unsigned(I), unsigned(a.splits)), kDecodeThreads, bytes, exec.stream>>>(dev, a);
     KVMEM_CUDA_RETURN_IF_LAUNCH_FAILED("ua decode_attend_kernel");
-  } else if (const DenseKernel<S> dense = dense_kernel_for<Set, S>(in, D, r, a.log_p); dense.kernel) {
+  } else if (const DenseKernel<S> dense = dense_kernel_for<Set, S>(
+                 in, D, r, a.log_p,
+                 (cache.bound_ + T + kDnEntries - 1) / kDnEntries > cache.limits_.dense_skip_past_after_tiles);
+             dense.kernel) {
     const std::int64_t tiles = dense_row_tiles(T, r);  // T >= 1 (check_call_shapes)
     KVMEM_RETURN_IF_ERROR(
         to_status(cudaMemsetAsync(cache.dense_sync_, 0, std::size_t(1 + I * tiles) * sizeof(int), exec.stream),

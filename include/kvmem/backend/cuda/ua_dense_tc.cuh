@@ -221,10 +221,22 @@ struct DenseFold<decay::Set<G...>> {
 // step 3). Logits this far (in log2 units) below the row maximum have weight exactly 0.
 inline constexpr float kDnUnderflowLog2 = -127.0f;
 
+// sm_90a, the skip body (kSkipPast): a step skips its value tile and P V when every weight of the block
+// underflowed at each of the kDnPastRun steps before it (see s_past in dense_prefill_row_tile)
+inline constexpr int kDnPastRun = 1;
+
+// sm_90a: a call whose longest row tile sees more than this many entry tiles (rows past 8K) runs the kernel
+// with the skip body by default (UaCacheLimits::dense_skip_past_after_tiles). The skip's code costs 5 to 6 %
+// on every step, where it fires or not, and pays back only where most of a row tile's steps are past the
+// decay's reach: 16K -8.7 %, 32K -17.6 %, but 2K / 4K +8 % (ua_cuda_2026-11-30_h200_uareach.md).
+inline constexpr int kDnSkipPastAfterTiles = 128;
+
 // The work of one block of dense_prefill_tc_kernel (below): row tile *s_ticket, kRows = dense_row_tile(r)
 // rows, a compile-time constant so that the decay tile's shape, the pair -> (head, row) map and the λ
-// carry unroll.
-template <class Set, int kD, int kRows>
+// carry unroll. kSkipPast (sm_90a, wgmma path only): the body that skips the value tile and P V of the steps
+// predicted past the decay's reach, a separate instantiation so that the calls without it run none of its
+// code (the host picks the kernel per call by its longest row tile).
+template <class Set, int kD, int kRows, bool kSkipPast>
 __device__ __forceinline__ void dense_prefill_row_tile(const DeviceCache<bf16>& c, const DeviceCall<bf16>& a,
                                                        std::int64_t T, std::int64_t items, std::int64_t tiles,
                                                        int* sync, const long long* s_ticket,
@@ -235,6 +247,7 @@ __device__ __forceinline__ void dense_prefill_row_tile(const DeviceCache<bf16>& 
 #else
   constexpr bool kWg = false;
 #endif
+  static_assert(kWg || !kSkipPast, "the skip past the decay's reach is a path of the wgmma body only");
   using L = UaDenseLayout<kD, kWg>;
   using Fold = DenseFold<Set>;
   using nv_bf16 = __nv_bfloat16;
@@ -516,6 +529,88 @@ __device__ __forceinline__ void dense_prefill_row_tile(const DeviceCache<bf16>& 
     }
 #endif
   };
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  // O += P V of the value tile in vs_base, P from pv_a (every warp of the warpgroup issues it): m64nDk16 with
+  // P from registers and the value tile read MN-major (k16 slice kk: rows 16 kk.., column blocks of 64
+  // values kDnEntries rows apart). Waited for by finish_pv.
+  [[maybe_unused]] const auto issue_pv = [&] {
+    if constexpr (kWg) {
+      wgmma_fence();
+      const unsigned vs_addr = shared_address(vs_base);
+#pragma unroll
+      for (int kk = 0; kk < kDnEntries / 16; ++kk) {
+        const std::uint64_t vdesc = wgmma_desc_sw128(vs_addr + unsigned(16 * kk) * 128, kDnEntries * 128, 1024);
+        if constexpr (kD == 128)
+          wgmma_m64n128k16_rs_mn(o, pv_a[kk], vdesc);
+        else
+          wgmma_m64n64k16_rs_mn(o, pv_a[kk], vdesc);
+      }
+      wgmma_commit();
+    }
+  };
+  // sm_90a, the skip body (kSkipPast): the steps past the decay's reach skip their value tile and P V. With
+  // the newest entries first,
+  // once every weight of the block has underflowed at a step, the next (older) entries are almost always past
+  // the reach too: a step after such a step does not load its value tile and issues no P V (predicted at
+  // barrier 1 from the warps' outcomes of the previous step). The first try (uafold2) kept a mispredicting
+  // warp's P in registers to the next step, live through the decay fold, and spilled; here such a warp parks
+  // its P fragment in the value buffer, which a skipped step leaves unused (slot p_slot, 16 bytes a lane and
+  // k-step: 8 KB for the block), and at the next barrier 1 the block takes it back, loads the skipped value
+  // tile and runs that P V before the step goes on: before any later rescale of O, so every result bit is
+  // the one of the unskipped order (the same wgmma sequence on O).
+  // s_past[t % kPastRing][w]: warp w's weights all underflowed at step t (written by its lane 0 after barrier 2
+  // of step t, read after barrier 1 of the kDnPastRun + 1 steps that follow): the flags live in shared
+  // memory, not in registers, which the decay fold uses up (two flags in registers spilled 12 to 28 bytes)
+  constexpr int kPastRing = 4;
+  static_assert(kDnPastRun + 1 < kPastRing, "a step's flags are read before the ring gives their slot again");
+  [[maybe_unused]] __shared__ __align__(16) int s_past[kPastRing][kDnWarps];
+  if constexpr (kSkipPast) {
+    // steps before the first: not past
+    if (tid < kPastRing * kDnWarps) s_past[tid / kDnWarps][tid % kDnWarps] = 0;  // before step 0's barrier 1
+  }
+  // every warp's weights underflowed at step t
+  [[maybe_unused]] const auto block_past_at = [&](int t) {
+    const int4 f = *reinterpret_cast<const int4*>(s_past[t & (kPastRing - 1)]);
+    return (f.x & f.y & f.z & f.w) != 0;
+  };
+  // step t skips its value tile and P V: the block was past at each of the kDnPastRun steps before it
+  [[maybe_unused]] const auto skips_pv = [&](int t) {
+    bool skip = true;
+#pragma unroll
+    for (int i = 1; i <= kDnPastRun; ++i) skip = skip && block_past_at(t - i);
+    return skip;
+  };
+  static_assert(kDnWarps * (kDnEntries / 16) * 32 * sizeof(uint4) <= L::kTile, "a block's P fits the value buffer");
+  [[maybe_unused]] uint4* const p_slot = reinterpret_cast<uint4*>(vs_base) + warp * (kDnEntries / 16) * 32 + lane;
+  // P V of step t, skipped though a warp had weights there (called after a barrier that follows step t's
+  // softmax), in two parts around the load of its value tile: take_back_p puts every warp's P of step t
+  // back in pv_a (0 for a warp past the reach), run_deferred_pv issues P V once the tile has landed and
+  // waits for it. The loop has one load of a value tile for both (a second call site spilled 8 bytes).
+  [[maybe_unused]] const auto take_back_p = [&](int t) {
+    if constexpr (kWg) {
+      const bool warp_past = s_past[t & (kPastRing - 1)][warp] != 0;
+#pragma unroll
+      for (int kk = 0; kk < kDnEntries / 16; ++kk) {
+        const uint4 parked = warp_past ? make_uint4(0u, 0u, 0u, 0u) : p_slot[32 * kk];
+        pv_a[kk][0] = parked.x;
+        pv_a[kk][1] = parked.y;
+        pv_a[kk][2] = parked.z;
+        pv_a[kk][3] = parked.w;
+      }
+      __syncthreads();  // every warp holds its P again: the value tile may take the buffer
+    }
+  };
+  [[maybe_unused]] const auto run_deferred_pv = [&] {
+    if constexpr (kWg) {
+      cp_async_wait<0>();
+      copies_to_tensor_cores();
+      __syncthreads();  // the value tile in shared memory
+      issue_pv();
+      finish_pv();
+      __syncthreads();  // every warp's P V has read the value tile, which the step's own value tile replaces
+    }
+  };
+#endif
   // entry tiles newest first: step s handles entry tile n_etiles - 1 - s, keys in buffer s & 1
   const int n_etiles = (e_total + kDnEntries - 1) / kDnEntries;
   const int n_etiles_prev = (e_prev + kDnEntries - 1) / kDnEntries;  // row tile k - 1's
@@ -555,7 +650,24 @@ __device__ __forceinline__ void dense_prefill_row_tile(const DeviceCache<bf16>& 
     // key tile et and its gates are in shared memory (the first time, nk and the row gates too); every
     // warp is past step - 1, so the value tile, the other key buffer and the Λ tile are free
     __syncthreads();
-    load_rows(e0, vs_base, cache_v, in_v, a.v_t);  // value tile et: lands during the decay and the carry
+    // value tile et: lands during the decay and the carry. sm_90a: none on a step predicted past the reach;
+    // first, the previous step's tile and P V when that step skipped them but a warp had weights there
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    if constexpr (kSkipPast) {
+      const bool skip_pv = skips_pv(step);
+      bool pv_deferred = !skip_pv && skips_pv(step - 1);  // (then a warp had weights at step - 1)
+      if (pv_deferred) take_back_p(step - 1);
+      for (int v_e0 = pv_deferred ? e0 + kDnEntries : e0;; v_e0 = e0) {
+        if (!skip_pv) load_rows(v_e0, vs_base, cache_v, in_v, a.v_t);
+        if (!pv_deferred) break;
+        run_deferred_pv();
+        pv_deferred = false;
+      }
+    } else
+#endif
+    {
+      load_rows(e0, vs_base, cache_v, in_v, a.v_t);
+    }
     if constexpr (!kWg) {  // the next key tile into the other buffer (sm_90a: one buffer, after barrier 2)
       if (et > 0) {
         load_rows(e0 - kDnEntries, ks_base + (buf ^ 1) * L::kTile, cache_k, in_k, a.k_t);
@@ -749,29 +861,27 @@ __device__ __forceinline__ void dense_prefill_row_tile(const DeviceCache<bf16>& 
       // warp fewer on each; 9.40 vs 10.70 ms at 8K with P V's overlap, 9.57 vs 10.83 without it, and no
       // spill where there were 108 bytes: ua_cuda_2026-11-30_h200_uafold.md)
       std::uint32_t(&pa)[kDnEntries / 16][4] = pv_a;
-      if (online_softmax(s)) {
+      const bool warp_past = !online_softmax(s);
+      bool skipped = false;  // this step's value tile and P V (the skip body only)
+      if constexpr (kSkipPast) {
+        if (lane == 0) s_past[step & (kPastRing - 1)][warp] = int(warp_past);
+        skipped = skips_pv(step);
+      }
+      if (!warp_past) {
 #pragma unroll
         for (int kk = 0; kk < kDnEntries / 16; ++kk) {
           const float2 part = kstep_sums(s, kk);
           l_lo += part.x;
           l_hi += part.y;
           kstep_fragment(s, kk, pa[kk]);
+          // mispredicted: P parked for the deferred P V in the value buffer, unused on a skipped step
+          if (kSkipPast && skipped) p_slot[32 * kk] = make_uint4(pa[kk][0], pa[kk][1], pa[kk][2], pa[kk][3]);
         }
       } else {
 #pragma unroll
         for (int kk = 0; kk < kDnEntries / 16; ++kk) pa[kk][0] = pa[kk][1] = pa[kk][2] = pa[kk][3] = 0u;
       }
-      wgmma_fence();
-      const unsigned vs_addr = shared_address(vs_base);
-#pragma unroll
-      for (int kk = 0; kk < kDnEntries / 16; ++kk) {
-        const std::uint64_t vdesc = wgmma_desc_sw128(vs_addr + unsigned(16 * kk) * 128, kDnEntries * 128, 1024);
-        if constexpr (kD == 128)
-          wgmma_m64n128k16_rs_mn(o, pa[kk], vdesc);
-        else
-          wgmma_m64n64k16_rs_mn(o, pa[kk], vdesc);
-      }
-      wgmma_commit();  // waited for before the next step's barrier 1 (finish_pv)
+      if (!skipped) issue_pv();  // waited for before the next step's barrier 1 (finish_pv)
     } else
 #endif
 #pragma unroll 1
@@ -802,6 +912,16 @@ __device__ __forceinline__ void dense_prefill_row_tile(const DeviceCache<bf16>& 
   }
 
   finish_pv();
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  if constexpr (kSkipPast) {
+    __syncthreads();  // every warp's flag of the last step
+    if (skips_pv(n_etiles - 1) && !block_past_at(n_etiles - 1)) {
+      take_back_p(n_etiles - 1);
+      load_rows(0, vs_base, cache_v, in_v, a.v_t);
+      run_deferred_pv();
+    }
+  }
+#endif
 
   // 4. normalise, output gate, write y and lse (the quad's partial sums in a fixed order). The row's
   //    indices come again from the ticket in shared memory (a volatile load, so the compiler does not
@@ -842,7 +962,12 @@ __device__ __forceinline__ void dense_prefill_row_tile(const DeviceCache<bf16>& 
 // finished, newest first). Appends the call's rows to the cache (rows n + t: p = 0 evicts nothing) and
 // leaves λ_j = Λ_{T-1, j} for every entry; the lengths and counters advance afterwards
 // (dense_advance_kernel).
-template <class Set, int kD>
+// kSkipPast (sm_90a, D a multiple of 64; ignored elsewhere): every row tile runs the body with the skip past
+// the decay's reach. Both bodies give the same result bits. Chosen per launch, not per block: with both
+// bodies in one kernel and each block picking one by its row tile's entry tiles, ptxas spilled (D = 128: 276
+// bytes, each body alone none; ua_cuda_2026-11-30_h200_uaskip.md); the row tiles of an item must share one
+// launch (the λ pipeline and the tickets).
+template <class Set, int kD, bool kSkipPast>
 __global__ void __launch_bounds__(kDnThreads, kDnBlocksPerSM)
     dense_prefill_tc_kernel(DeviceCache<bf16> c, DeviceCall<bf16> a, std::int64_t T, std::int64_t items,
                             std::int64_t tiles, int* sync) {
@@ -850,10 +975,15 @@ __global__ void __launch_bounds__(kDnThreads, kDnBlocksPerSM)
   __shared__ long long s_ticket;
   if (threadIdx.x == 0) s_ticket = atomicAdd(sync, 1);
   __syncthreads();
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  constexpr bool kSkip = kSkipPast && kD % 64 == 0;  // the wgmma body (kWg of dense_prefill_row_tile)
+#else
+  constexpr bool kSkip = false;
+#endif
   if (c.r == 4)
-    dense_prefill_row_tile<Set, kD, dense_row_tile(4)>(c, a, T, items, tiles, sync, &s_ticket, dense_smem);
+    dense_prefill_row_tile<Set, kD, dense_row_tile(4), kSkip>(c, a, T, items, tiles, sync, &s_ticket, dense_smem);
   else  // r == 8 (tc_group_ok)
-    dense_prefill_row_tile<Set, kD, dense_row_tile(8)>(c, a, T, items, tiles, sync, &s_ticket, dense_smem);
+    dense_prefill_row_tile<Set, kD, dense_row_tile(8), kSkip>(c, a, T, items, tiles, sync, &s_ticket, dense_smem);
 }
 
 // grid 1, after dense_prefill_tc_kernel: every item holds its T new rows, its counter advances by T.
