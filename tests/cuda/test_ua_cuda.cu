@@ -594,8 +594,9 @@ TEST_CASE("ua cuda bf16 dense prefill past the decay's reach (sanitizer case)", 
 
   // The kernel with the skip body (sm_90a), which the default threshold leaves to calls past 8K rows, here
   // with the threshold at 0: the same result bits as the kernel without it (which the default runs here: 10
-  // entry tiles at most), and within the same tolerance of the host. Its premise, from the fp64 logits of the bf16 inputs: steps
-  // are skipped, and a skipped step's P V is deferred both inside the walk and after the last step.
+  // entry tiles at most), and within the same tolerance of the host. Its premise, from the fp64 logits of
+  // the bf16 inputs: steps are skipped, and a skipped step's P V is deferred both inside the walk and after
+  // the last step.
   Case rounded = c;
   for (auto [to, from] :
        {std::pair{&rounded.inputs.q, &f.q}, std::pair{&rounded.inputs.k, &f.k}, std::pair{&rounded.inputs.v, &f.v},
