@@ -53,7 +53,8 @@ using UaInputs = ua::InputsOf<S>;
 
 // Sizes of the per-call scratch a cache owns next to its rows: B*G*max_splits*r*max_prefill_chunk*(D+2)
 // floats of split partials (134 MB at B8 G4 r4 D128 with the defaults) and B*G*max_prefill_chunk λ,
-// plus 1 + B*G*ceil(capacity / 8) ints for the dense tensor-core prefill's row-tile pipeline.
+// plus 1 + B*G*ceil(capacity / 8) ints for the dense tensor-core prefill's row-tile pipeline; and from
+// which call length the dense prefill takes its kernel with the skip past the decay's reach.
 struct UaCacheLimits {
   std::int64_t max_prefill_chunk = 128;  // largest Options::prefill_chunk a prefill may use (<= 1024)
   int max_splits = 16;                   // entry splits per (sequence, kv head): parallelism of a call
