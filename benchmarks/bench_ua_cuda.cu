@@ -9,8 +9,10 @@
 // benchmarks/gpu_report.py joins with the SDPA anchors.
 //
 //   kvmem_bench_ua_cuda [--batch 8] [--heads 16] [--kv-heads 4] [--tokens 4096,8192,16384]
-//                       [--dense-only 32768] [--pruned-only 1] [--json out.jsonl]
+//                       [--dense-only 32768] [--pruned-only 1] [--skip-after-tiles N] [--json out.jsonl]
 // --dense-only T...: extra lengths where only the dense prefill runs once (one call, B sequences).
+// --skip-after-tiles N: UaCacheLimits::dense_skip_past_after_tiles (from which call length the dense prefill
+//   takes its kernel with the skip past the decay's reach; 0: always), to measure where it starts to pay.
 // --pruned-only 1: skip the dense (p = 0) rows of --tokens.
 
 #include <cuda_runtime.h>
@@ -172,6 +174,7 @@ int main(int argc, char** argv) {
   std::vector<std::int64_t> tokens = {4096, 8192, 16384}, dense_only;
   const char* json = nullptr;
   bool pruned_only = false;
+  kvmem::cuda::UaCacheLimits limits;
   for (int i = 1; i + 1 < argc; i += 2) {
     if (!std::strcmp(argv[i], "--batch"))
       B = std::atoll(argv[i + 1]);
@@ -185,6 +188,8 @@ int main(int argc, char** argv) {
       dense_only = parse_list(argv[i + 1]);
     else if (!std::strcmp(argv[i], "--pruned-only"))
       pruned_only = std::atoi(argv[i + 1]) != 0;
+    else if (!std::strcmp(argv[i], "--skip-after-tiles"))
+      limits.dense_skip_past_after_tiles = std::atoi(argv[i + 1]);
     else if (!std::strcmp(argv[i], "--json"))
       json = argv[i + 1];
     else {
@@ -223,7 +228,7 @@ int main(int argc, char** argv) {
   for (const auto& [T, only_dense] : runs) {
     Inputs in(B, H, G, T + kDecodeSteps, D, 1234 + std::uint64_t(T));
     kvmem::cuda::UaCache<bf16> cache;
-    CHECK_STATUS(kvmem::cuda::UaCache<bf16>::create({B, H, G, D, T + kDecodeSteps, 16}, cache));
+    CHECK_STATUS(kvmem::cuda::UaCache<bf16>::create({B, H, G, D, T + kDecodeSteps, 16}, cache, limits));
     Timer timer;
     for (double p : {0.0, 0.05, 0.15}) {
       if (only_dense && p > 0) break;
