@@ -459,6 +459,12 @@ inline bool scatter_takes_every_slot(const UpdatePlan& plan, std::int64_t C) {
   return plan.a == C;
 }
 
+// Whether update_finish launches a scatter for the plan: not when every token founded a slot (nothing
+// merges), nor when every slot is a sink. The prefill's readout copies rotate exactly when it does.
+inline bool update_scatters(const UpdatePlan& plan, const kvm::Params& p) {
+  return plan.n_app < p.chunk && plan.after > p.sink;
+}
+
 // Update step 4 scatter (and the test hook's route log) of a selected update.
 template <class S, class A>
 Status update_finish(const Executor& exec, const DeviceState<S, A>& d, const kvm::Params& p, std::int64_t items,
@@ -466,7 +472,7 @@ Status update_finish(const Executor& exec, const DeviceState<S, A>& d, const kvm
   const std::int64_t C = p.chunk, a = plan.a, slots = plan.slots, after = plan.after;
   const auto grid = static_cast<unsigned>(items);
   if (plan.n_app < C) {
-    if (after > p.sink) {
+    if (update_scatters(plan, p)) {
       // The first update scatters every non-sink slot, later ones the touched slots only (see
       // update_scatter_kernel). About eight slots per warp (the stream of scatter_warp_stream): a
       // block's prologue (the targets, the first-token and count tables and the touched list) costs a
@@ -535,7 +541,8 @@ Status launch_copy_unrefreshed(const Executor& exec, const DeviceState<S, A>& d,
                   static_cast<unsigned>((end + kCopySlotsPerBlock - 1) / kCopySlotsPerBlock));
   copy_unrefreshed_rows_kernel<S, A>
       <<<grid, 32 * kWarpsPerBlock, 0, exec.stream>>>(d, khat_from, vhat_from, khat_to, vhat_to, end);
-  return to_status(cudaGetLastError(), "kvm copy_unrefreshed_rows_kernel");
+  KVMEM_CUDA_RETURN_IF_LAUNCH_FAILED("kvm copy_unrefreshed_rows_kernel");
+  return Status::ok();
 }
 
 // The prefill readout kernels of a call's shape: `rows`, the scalar kernel (head dims 64 and 128
@@ -735,7 +742,7 @@ Status kvm_run(const Executor& exec, KvmState<S, A>& state, const KvmWeights& w,
       // (event `selected`); the chain waits for that copy (event `copied`) before it goes on: the
       // readout (after `chained`) reads the whole copy, the next selection reads it and rewrites the
       // targets.
-      const bool flip = detach && plan.n_app < C && plan.after > p.sink;  // update_finish launches a scatter
+      const bool flip = detach && update_scatters(plan, p);
       const int next = (state.live_copy_ + 1) % kReadoutCopies;
       if (flip) {
         KVMEM_RETURN_IF_ERROR(record(pipe.selected, side.stream));
@@ -746,8 +753,8 @@ Status kvm_run(const Executor& exec, KvmState<S, A>& state, const KvmWeights& w,
         KVMEM_RETURN_IF_ERROR(record(pipe.copied, pipe.aux));
       }
       if (detach) KVMEM_RETURN_IF_ERROR(chain_waits_aux(0));
-      if (flip && copy_read[next]) KVMEM_RETURN_IF_ERROR(wait(side.stream, pipe.read[next]));
       if (flip) {  // copy `next` becomes live only if the update was enqueued
+        if (copy_read[next]) KVMEM_RETURN_IF_ERROR(wait(side.stream, pipe.read[next]));
         d.khat = state.khat_copy_[next];
         d.vhat = state.vhat_copy_[next];
       }

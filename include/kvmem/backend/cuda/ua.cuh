@@ -286,6 +286,15 @@ struct DenseKernel {
   void (*kernel)(DeviceCache<S>, DeviceCall<S>, std::int64_t, std::int64_t, std::int64_t, int*) = nullptr;
   std::size_t shared_bytes = 0;
 };
+
+// Whether a dense prefill of T rows takes the kernel with the skip past the decay's reach: its longest row
+// tile may see more entry tiles than UaCacheLimits::dense_skip_past_after_tiles (the cache's longest bound
+// plus the call's rows).
+template <class S>
+bool dense_skips_past(const UaCache<S>& cache, std::int64_t T) {
+  return (cache.length_bound() + T + kDnEntries - 1) / kDnEntries > cache.limits().dense_skip_past_after_tiles;
+}
+
 // skip_past: the kernel that skips the steps past the decay's reach (D 64 and 128; D 80 has no wgmma path).
 template <class Set, class S>
 DenseKernel<S> dense_kernel_for(const UaInputs<S>& in, std::int64_t D, std::int64_t r, double log_p, bool skip_past) {
@@ -356,9 +365,7 @@ Status ua_run(const Executor& exec, UaCache<S>& cache, const UaInputs<S>& in, co
     KVMEM_RETURN_IF_ERROR(allow_shared(kernel, bytes));
     kernel<<<dim3(unsigned(I), unsigned(a.splits)), kDecodeThreads, bytes, exec.stream>>>(dev, a);
     KVMEM_CUDA_RETURN_IF_LAUNCH_FAILED("ua decode_attend_kernel");
-  } else if (const DenseKernel<S> dense = dense_kernel_for<Set, S>(
-                 in, D, r, a.log_p,
-                 (cache.bound_ + T + kDnEntries - 1) / kDnEntries > cache.limits_.dense_skip_past_after_tiles);
+  } else if (const DenseKernel<S> dense = dense_kernel_for<Set, S>(in, D, r, a.log_p, dense_skips_past(cache, T));
              dense.kernel) {
     const std::int64_t tiles = dense_row_tiles(T, r);  // T >= 1 (check_call_shapes)
     KVMEM_RETURN_IF_ERROR(

@@ -221,10 +221,6 @@ struct DenseFold<decay::Set<G...>> {
 // step 3). Logits this far (in log2 units) below the row maximum have weight exactly 0.
 inline constexpr float kDnUnderflowLog2 = -127.0f;
 
-// sm_90a, the skip body (kSkipPast): a step skips its value tile and P V when every weight of the block
-// underflowed at each of the kDnPastRun steps before it (see s_past in dense_prefill_row_tile)
-inline constexpr int kDnPastRun = 1;
-
 // sm_90a: a call whose longest row tile sees more than this many entry tiles (rows past 8K) runs the kernel
 // with the skip body by default (UaCacheLimits::dense_skip_past_after_tiles). The skip's code costs 5 to 6 %
 // on every step, where it fires or not, and pays back only where most of a row tile's steps are past the
@@ -559,10 +555,10 @@ __device__ __forceinline__ void dense_prefill_row_tile(const DeviceCache<bf16>& 
   // tile and runs that P V before the step goes on: before any later rescale of O, so every result bit is
   // the one of the unskipped order (the same wgmma sequence on O).
   // s_past[t % kPastRing][w]: warp w's weights all underflowed at step t (written by its lane 0 after barrier 2
-  // of step t, read after barrier 1 of the kDnPastRun + 1 steps that follow): the flags live in shared
-  // memory, not in registers, which the decay fold uses up (two flags in registers spilled 12 to 28 bytes)
+  // of step t, read after barrier 1 of the two steps that follow, and after the loop): the flags live in
+  // shared memory, not in registers, which the decay fold uses up (two flags in registers spilled 12 to 28
+  // bytes). Predicting from the last step alone: waiting for two all-past steps lost (uareach's kDnPastRun 2).
   constexpr int kPastRing = 4;
-  static_assert(kDnPastRun + 1 < kPastRing, "a step's flags are read before the ring gives their slot again");
   [[maybe_unused]] __shared__ __align__(16) int s_past[kPastRing][kDnWarps];
   if constexpr (kSkipPast) {
     // steps before the first: not past
@@ -573,13 +569,8 @@ __device__ __forceinline__ void dense_prefill_row_tile(const DeviceCache<bf16>& 
     const int4 f = *reinterpret_cast<const int4*>(s_past[t & (kPastRing - 1)]);
     return (f.x & f.y & f.z & f.w) != 0;
   };
-  // step t skips its value tile and P V: the block was past at each of the kDnPastRun steps before it
-  [[maybe_unused]] const auto skips_pv = [&](int t) {
-    bool skip = true;
-#pragma unroll
-    for (int i = 1; i <= kDnPastRun; ++i) skip = skip && block_past_at(t - i);
-    return skip;
-  };
+  // step t skips its value tile and P V: the block was past at the step before it
+  [[maybe_unused]] const auto skips_pv = [&](int t) { return block_past_at(t - 1); };
   static_assert(kDnWarps * (kDnEntries / 16) * 32 * sizeof(uint4) <= L::kTile, "a block's P fits the value buffer");
   [[maybe_unused]] uint4* const p_slot = reinterpret_cast<uint4*>(vs_base) + warp * (kDnEntries / 16) * 32 + lane;
   // P V of step t, skipped though a warp had weights there (called after a barrier that follows step t's
