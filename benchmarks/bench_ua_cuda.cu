@@ -9,10 +9,13 @@
 // benchmarks/gpu_report.py joins with the SDPA anchors.
 //
 //   kvmem_bench_ua_cuda [--batch 8] [--heads 16] [--kv-heads 4] [--tokens 4096,8192,16384]
-//                       [--dense-only 32768] [--pruned-only 1] [--skip-after-tiles N] [--json out.jsonl]
+//                       [--dense-only 32768] [--pruned-only 1] [--skip-after-tiles N] [--item-group N]
+//                       [--json out.jsonl]
 // --dense-only T...: extra lengths where only the dense prefill runs once (one call, B sequences).
 // --skip-after-tiles N: UaCacheLimits::dense_skip_past_after_tiles (from which call length the dense prefill
 //   takes its kernel with the skip past the decay's reach; 0: always), to measure where it starts to pay.
+// --item-group N: UaCacheLimits::dense_item_group (how many items' row tiles the dense prefill hands out
+//   together; 0: automatic, from the SM count), to measure its L2 reuse.
 // --pruned-only 1: skip the dense (p = 0) rows of --tokens.
 
 #include <cuda_runtime.h>
@@ -190,6 +193,8 @@ int main(int argc, char** argv) {
       pruned_only = std::atoi(argv[i + 1]) != 0;
     else if (!std::strcmp(argv[i], "--skip-after-tiles"))
       limits.dense_skip_past_after_tiles = std::atoi(argv[i + 1]);
+    else if (!std::strcmp(argv[i], "--item-group"))
+      limits.dense_item_group = std::atoi(argv[i + 1]);
     else if (!std::strcmp(argv[i], "--json"))
       json = argv[i + 1];
     else {

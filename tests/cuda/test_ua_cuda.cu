@@ -341,6 +341,15 @@ TEST_CASE("ua cuda rejects bad calls before touching the cache", "[ua][cuda]") {
   CHECK(ninth.message().find("capacity") != std::string::npos);
   CHECK(cache.position(0) == 8);
   CHECK(cache.length_bound() == 8);
+  // limits that make no sense are refused at creation, with the field named
+  for (auto [field, limits] : {std::pair{"dense_skip_past_after_tiles", kvmem::cuda::UaCacheLimits{128, 16, -1}},
+                               std::pair{"dense_item_group", kvmem::cuda::UaCacheLimits{128, 16, 128, -1}}}) {
+    kvmem::cuda::UaCache<float> refused;
+    const auto made = kvmem::cuda::UaCache<float>::create({1, 2, 1, 16, 8, 16}, refused, limits);
+    INFO(made.message());
+    CHECK(made.code() == kvmem::StatusCode::kInvalidArgument);
+    CHECK(made.message().find(field) != std::string::npos);
+  }
 }
 
 TEST_CASE("ua cuda capacity below the prompt: pruning keeps the cache small across calls", "[ua][cuda]") {
@@ -482,7 +491,57 @@ TEST_CASE("ua cuda bf16 dense prefill (p = 0): the pipelined tensor-core kernel 
     INFO("two prefill calls + decode: out " << e_calls);
     CHECK(e_calls <= 1e-2);
     for (auto len : calls.lengths) CHECK(len == c.config.T);  // p = 0 never evicts
+    // the row tiles handed out in item groups (UaCacheLimits::dense_item_group; 8 items here: groups of 1,
+    // and of 3 with a smaller last group) change only which block runs which row tile: the same bits
+    const auto all_items = cuda_prefill_decode<kvmem::bf16>(f, c.config.T, kvmem::ua::Options{0.0, 128, true});
+    for (int group : {1, 3}) {
+      kvmem::cuda::UaCacheLimits grouped;
+      grouped.dense_item_group = group;
+      const auto run = cuda_prefill_decode<kvmem::bf16>(f, c.config.T, kvmem::ua::Options{0.0, 128, true}, grouped);
+      std::size_t differing = 0;
+      for (std::size_t x = 0; x < all_items.out.size(); ++x)
+        differing += std::memcmp(&run.out[x], &all_items.out[x], sizeof(float)) != 0;
+      INFO("item group " << group << ": outputs differing from one group of every item " << differing);
+      CHECK(differing == 0);
+      CHECK(relative_frobenius(run.out, host.out) <= 1e-2);  // and not a shared wrong answer
+    }
   }
+}
+
+TEST_CASE("ua cuda dense prefill: item groups hand out every row tile once, each after the one before it",
+          "[ua][cuda]") {
+  // host arithmetic only (no device needed): the launch's tickets 0 .. items * tiles - 1 map one to one
+  // onto (row tile, item), and row tile k - 1 of an item has a smaller ticket than row tile k (the λ
+  // pipeline's freedom from deadlock); groups of 1, a divisor, a non-divisor, all items, more than all
+  namespace dn = kvmem::cuda::ua_detail;
+  for (const std::int64_t items : {1, 7, 32})
+    for (const std::int64_t tiles : {1, 5, 512})
+      for (const std::int64_t group : {std::int64_t(1), std::int64_t(4), std::int64_t(12), items}) {
+        const std::int64_t g = dn::dense_item_group_for(int(group), 132, items);
+        std::vector<std::int64_t> ticket_of(std::size_t(items * tiles), -1);
+        bool in_range = true;
+        for (std::int64_t t = 0; t < items * tiles; ++t) {
+          const auto [k, item] = dn::dense_ticket_tile(t, items, tiles, g);
+          if (k < 0 || k >= tiles || item < 0 || item >= items) {
+            in_range = false;
+            break;
+          }
+          ticket_of[std::size_t(item * tiles + k)] = t;
+        }
+        INFO("items " << items << ", tiles " << tiles << ", group " << g);
+        REQUIRE(in_range);
+        CHECK(std::count(ticket_of.begin(), ticket_of.end(), -1) == 0);  // every row tile handed out
+        std::int64_t out_of_order = 0;
+        for (std::int64_t item = 0; item < items; ++item)
+          for (std::int64_t k = 1; k < tiles; ++k)
+            out_of_order += ticket_of[std::size_t(item * tiles + k - 1)] >= ticket_of[std::size_t(item * tiles + k)];
+        CHECK(out_of_order == 0);
+      }
+  // the automatic group: the resident blocks over kDnRowTilesInFlight, at least 1, at most every item
+  CHECK(dn::dense_item_group_for(0, 132, 32) == dn::kDnBlocksPerSM * 132 / dn::kDnRowTilesInFlight);
+  CHECK(dn::dense_item_group_for(0, 132, 4) == 4);
+  CHECK(dn::dense_item_group_for(0, 1, 32) == 1);
+  CHECK(dn::dense_item_group_for(5, 132, 32) == 5);
 }
 
 TEST_CASE("ua cuda bf16 dense tensor-core prefill at a small shape (sanitizer case)", "[ua][cuda][sanitize]") {

@@ -64,6 +64,13 @@ struct UaCacheLimits {
   // (calls up to 8K rows) the skip's code costs more than it saves; 0: every call skips. The results are the
   // same bits either way.
   int dense_skip_past_after_tiles = ua_detail::kDnSkipPastAfterTiles;
+  // The dense tensor-core prefill hands its row tiles out item group by item group (an item is a (sequence,
+  // kv head)): the row tiles of this many items run together, row tile k of each before row tile k + 1. A
+  // smaller group keeps an item's concurrent row tiles closer together in their walk over its keys and
+  // values, which are then read from L2 rather than DRAM; too small a group leaves too many of an item's
+  // row tiles waiting for λ from the one before. 0 (default): about ua_detail::kDnRowTilesInFlight row tiles
+  // of each item in flight on this device (dense_item_group_for). Results are the same bits for every group.
+  int dense_item_group = 0;
 };
 
 template <class S = float>
@@ -84,6 +91,8 @@ class UaCache {
       return invalid_argument("UaCacheLimits max_splits", "1..1024", limits.max_splits);
     if (limits.dense_skip_past_after_tiles < 0)
       return invalid_argument("UaCacheLimits dense_skip_past_after_tiles", ">= 0", limits.dense_skip_past_after_tiles);
+    if (limits.dense_item_group < 0)
+      return invalid_argument("UaCacheLimits dense_item_group", ">= 0", limits.dense_item_group);
     if (s.head_dim > 256)
       return {StatusCode::kUnsupported, "cuda UA: head_dim must be <= 256, got " + std::to_string(s.head_dim)};
     UaCache c;
@@ -128,6 +137,10 @@ class UaCache {
     KVMEM_RETURN_IF_ERROR(to_status(cudaMemset(d.counter, 0, I * sizeof(std::int64_t)), "cudaMemset counters"));
     KVMEM_RETURN_IF_ERROR(to_status(cudaMemset(d.done, 0, I * sizeof(int)), "cudaMemset decode tickets"));
     KVMEM_RETURN_IF_ERROR(to_status(cudaDeviceSynchronize(), "UaCache::create"));
+    int device = 0;
+    KVMEM_RETURN_IF_ERROR(to_status(cudaGetDevice(&device), "cudaGetDevice"));
+    KVMEM_RETURN_IF_ERROR(to_status(cudaDeviceGetAttribute(&c.sm_count_, cudaDevAttrMultiProcessorCount, device),
+                                    "cudaDeviceGetAttribute(multiprocessor count)"));
     c.position_.assign(std::size_t(s.batch), 0);
     out = std::move(c);
     return Status::ok();
@@ -212,6 +225,7 @@ class UaCache {
   float* part_acc_ = nullptr;
   float* lambda_new_ = nullptr;
   int* dense_sync_ = nullptr;           // ticket + row-tile progress of the dense tensor-core prefill
+  int sm_count_ = 1;                     // multiprocessors: sizes the dense prefill's item groups
   std::vector<std::int64_t> position_;  // [B] host mirror of the device counters
   std::int64_t bound_ = 0;              // >= every item's length
 };
@@ -283,7 +297,7 @@ ChunkKernel<S> chunk_kernel_for(const UaInputs<S>& in, std::int64_t D, std::int6
 // call takes the chunked path.
 template <class S>
 struct DenseKernel {
-  void (*kernel)(DeviceCache<S>, DeviceCall<S>, std::int64_t, std::int64_t, std::int64_t, int*) = nullptr;
+  void (*kernel)(DeviceCache<S>, DeviceCall<S>, std::int64_t, std::int64_t, std::int64_t, std::int64_t, int*) = nullptr;
   std::size_t shared_bytes = 0;
 };
 
@@ -372,7 +386,8 @@ Status ua_run(const Executor& exec, UaCache<S>& cache, const UaInputs<S>& in, co
         to_status(cudaMemsetAsync(cache.dense_sync_, 0, std::size_t(1 + I * tiles) * sizeof(int), exec.stream),
                   "cudaMemsetAsync dense prefill pipeline"));
     KVMEM_RETURN_IF_ERROR(allow_shared(dense.kernel, dense.shared_bytes));
-    dense.kernel<<<unsigned(tiles * I), kDnThreads, dense.shared_bytes, exec.stream>>>(dev, a, T, I, tiles,
+    const std::int64_t group = dense_item_group_for(cache.limits_.dense_item_group, cache.sm_count_, I);
+    dense.kernel<<<unsigned(tiles * I), kDnThreads, dense.shared_bytes, exec.stream>>>(dev, a, T, I, tiles, group,
                                                                                        cache.dense_sync_);
     KVMEM_CUDA_RETURN_IF_LAUNCH_FAILED("ua dense_prefill_tc_kernel");
     dense_advance_kernel<S><<<1, 128, 0, exec.stream>>>(dev, I, T);

@@ -92,6 +92,22 @@ __host__ __device__ constexpr int dense_row_tile(std::int64_t r) {
 __host__ __device__ inline std::int64_t dense_row_tiles(std::int64_t T, std::int64_t r) {
   return (T + dense_row_tile(r) - 1) / dense_row_tile(r);
 }
+// The row tile and item of a block's ticket. Tickets go out in launch order, item group by item group
+// (`group` items, the last group may be smaller); inside a group, row tile k of every item before row tile
+// k + 1 of any. Row tile k - 1 of an item always has the smaller ticket, so the tile a block waits for
+// belongs to a block that started before it (no deadlock for any group size).
+struct DenseTicketTile {
+  std::int64_t k, item;
+};
+// In 32 bits: the tickets number the blocks of one launch (grid.x < 2^31), so every value here is below 2^31.
+__host__ __device__ inline DenseTicketTile dense_ticket_tile(std::int64_t ticket, std::int64_t items,
+                                                             std::int64_t tiles, std::int64_t group) {
+  const unsigned t = unsigned(ticket), n = unsigned(items), g = unsigned(group);
+  const unsigned first = t / (g * unsigned(tiles)) * g;  // the group's first item
+  const unsigned size = g < n - first ? g : n - first;
+  const unsigned within = t - first * unsigned(tiles);
+  return {std::int64_t(within / size), std::int64_t(first + within % size)};
+}
 // Ints of pipeline state a cache of `capacity` rows needs: a ticket, and a progress counter per
 // (item, row tile) for the shortest row tile (8 rows: 4 warps at r = 8).
 __host__ __device__ inline std::int64_t dense_sync_ints(std::int64_t items, std::int64_t capacity) {
@@ -227,7 +243,25 @@ inline constexpr float kDnUnderflowLog2 = -127.0f;
 // decay's reach: 16K -8.7 %, 32K -17.6 %, but 2K / 4K +8 % (ua_cuda_2026-11-30_h200_uareach.md).
 inline constexpr int kDnSkipPastAfterTiles = 128;
 
-// The work of one block of dense_prefill_tc_kernel (below): row tile *s_ticket, kRows = dense_row_tile(r)
+// Row tiles of each item in flight when UaCacheLimits::dense_item_group is 0 (automatic): the items of a
+// group share the resident blocks, kDnBlocksPerSM an SM. Consecutive row tiles of an item then start about
+// 1 / kDnRowTilesInFlight of a row tile's walk apart, a few entry tiles at 8K, so the keys and values one
+// reads are still in L2 for the next. At B8 G4 8K on the H200 (396 resident blocks, 32 items): all items in
+// one group (12 row tiles of an item in flight) 9.40 ms with 27.5 GB read from DRAM (L2 hit rate 25 %),
+// groups of 12 items (33 row tiles in flight) 9.01 ms with 6.0 GB (75 %); groups of 16 / 8 / 6 / 4: 9.09 /
+// 9.03 / 9.30 / 9.41 ms, 4K best at 16 (-0.7 %, 12: +1 %), 16K at 8-12 (-3 %)
+// (ua_cuda_2026-11-30_h200_itemgroup.md).
+inline constexpr int kDnRowTilesInFlight = 32;
+
+// The item group of a launch over `items` items: `limit` items (UaCacheLimits::dense_item_group) or, for 0,
+// the resident blocks of `sm_count` multiprocessors over kDnRowTilesInFlight.
+inline std::int64_t dense_item_group_for(int limit, int sm_count, std::int64_t items) {
+  const std::int64_t automatic = std::int64_t(kDnBlocksPerSM) * sm_count / kDnRowTilesInFlight;
+  const std::int64_t group = limit > 0 ? limit : automatic;
+  return group < 1 ? 1 : group > items ? items : group;
+}
+
+// The work of one block of dense_prefill_tc_kernel (below): row tile *s_ticket / items of item *s_ticket % items, kRows = dense_row_tile(r)
 // rows, a compile-time constant so that the decay tile's shape, the pair -> (head, row) map and the λ
 // carry unroll. kSkipPast (sm_90a, wgmma path only): the body that skips the value tile and P V of the steps
 // predicted past the decay's reach, a separate instantiation so that the calls without it run none of its
@@ -961,10 +995,15 @@ __device__ __forceinline__ void dense_prefill_row_tile(const DeviceCache<bf16>& 
 template <class Set, int kD, bool kSkipPast>
 __global__ void __launch_bounds__(kDnThreads, kDnBlocksPerSM)
     dense_prefill_tc_kernel(DeviceCache<bf16> c, DeviceCall<bf16> a, std::int64_t T, std::int64_t items,
-                            std::int64_t tiles, int* sync) {
+                            std::int64_t tiles, std::int64_t group, int* sync) {
   extern __shared__ __align__(128) unsigned char dense_smem[];
+  // the block's row tile k of item i as the ticket k * items + i, which the row tile splits again (computing
+  // the tile there made ptxas spill)
   __shared__ long long s_ticket;
-  if (threadIdx.x == 0) s_ticket = atomicAdd(sync, 1);
+  if (threadIdx.x == 0) {
+    const DenseTicketTile t = dense_ticket_tile(atomicAdd(sync, 1), items, tiles, group);
+    s_ticket = t.k * items + t.item;
+  }
   __syncthreads();
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   constexpr bool kSkip = kSkipPast && kD % 64 == 0;  // the wgmma body (kWg of dense_prefill_row_tile)
