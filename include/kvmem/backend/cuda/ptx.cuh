@@ -254,6 +254,17 @@ __device__ inline std::int64_t load_acquire(const std::int64_t* p) {
   asm volatile("ld.acquire.gpu.global.b64 %0, [%1];\n" : "=l"(v) : "l"(p) : "memory");
   return v;
 }
+// A relaxed 64-bit load / store at GPU scope, through L2: single-copy atomic (an aligned b64), so a reader
+// sees all of a value another block stored or none of it. No ordering with other accesses (no memory
+// clobber either: the compiler may move unrelated loads and stores across them).
+__device__ inline std::uint64_t load_relaxed_gpu(const std::uint64_t* p) {
+  std::uint64_t v;
+  asm volatile("ld.relaxed.gpu.global.b64 %0, [%1];\n" : "=l"(v) : "l"(p));
+  return v;
+}
+__device__ inline void store_relaxed_gpu(std::uint64_t* p, std::uint64_t v) {
+  asm volatile("st.relaxed.gpu.global.b64 [%0], %1;\n" ::"l"(p), "l"(v));
+}
 // Acquire-release fence at GPU scope: orders this thread's earlier writes before its later ones (a
 // ticket) and its later reads after earlier acquires. __threadfence is sequentially consistent, which a
 // ticket does not need, and costs more.

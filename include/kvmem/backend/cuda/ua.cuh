@@ -53,7 +53,7 @@ using UaInputs = ua::InputsOf<S>;
 
 // Sizes of the per-call scratch a cache owns next to its rows: B*G*max_splits*r*max_prefill_chunk*(D+2)
 // floats of split partials (134 MB at B8 G4 r4 D128 with the defaults) and B*G*max_prefill_chunk λ,
-// plus 1 + B*G*ceil(capacity / 8) ints for the dense tensor-core prefill's row-tile pipeline; and from
+// plus 8 bytes per cache row (B*G*capacity) for the dense tensor-core prefill's λ hand-off; and from
 // which call length the dense prefill takes its kernel with the skip past the decay's reach.
 struct UaCacheLimits {
   std::int64_t max_prefill_chunk = 128;  // largest Options::prefill_chunk a prefill may use (<= 1024)
@@ -110,8 +110,7 @@ class UaCache {
                       o_ml = arena.take(I * splits * r * P * 2 * sizeof(float)),
                       o_acc = arena.take(I * splits * r * P * D * sizeof(float)),
                       o_new = arena.take(I * P * sizeof(float)),
-                      o_sync = arena.take(std::size_t(ua_detail::dense_sync_ints(std::int64_t(I), s.capacity)) *
-                                          sizeof(int));
+                      o_sync = arena.take(std::size_t(ua_detail::dense_sync_bytes(std::int64_t(I), s.capacity)));
     KVMEM_RETURN_IF_ERROR(DeviceBuffer::allocate(arena.total(), c.memory_));
     auto* base = static_cast<unsigned char*>(c.memory_.get());
     auto& d = c.dev_;
@@ -224,7 +223,7 @@ class UaCache {
   float* part_ml_ = nullptr;
   float* part_acc_ = nullptr;
   float* lambda_new_ = nullptr;
-  int* dense_sync_ = nullptr;           // ticket + row-tile progress of the dense tensor-core prefill
+  int* dense_sync_ = nullptr;           // ticket + λ hand-off of the dense tensor-core prefill (dense_sync_bytes)
   int sm_count_ = 1;                     // multiprocessors: sizes the dense prefill's item groups
   std::vector<std::int64_t> position_;  // [B] host mirror of the device counters
   std::int64_t bound_ = 0;              // >= every item's length
@@ -382,9 +381,12 @@ Status ua_run(const Executor& exec, UaCache<S>& cache, const UaInputs<S>& in, co
   } else if (const DenseKernel<S> dense = dense_kernel_for<Set, S>(in, D, r, a.log_p, dense_skips_past(cache, T));
              dense.kernel) {
     const std::int64_t tiles = dense_row_tiles(T, r);  // T >= 1 (check_call_shapes)
+    // the ticket, and the λ hand-off words of the rows this call walks (the cache's rows, then the call's)
     KVMEM_RETURN_IF_ERROR(
-        to_status(cudaMemsetAsync(cache.dense_sync_, 0, std::size_t(1 + I * tiles) * sizeof(int), exec.stream),
-                  "cudaMemsetAsync dense prefill pipeline"));
+        to_status(cudaMemsetAsync(cache.dense_sync_, 0, 8, exec.stream), "cudaMemsetAsync dense prefill ticket"));
+    KVMEM_RETURN_IF_ERROR(to_status(cudaMemset2DAsync(cache.dense_sync_ + 2, std::size_t(s.capacity) * 8, 0,
+                                                      std::size_t(cache.bound_ + T) * 8, std::size_t(I), exec.stream),
+                                    "cudaMemsetAsync dense prefill hand-off"));
     KVMEM_RETURN_IF_ERROR(allow_shared(dense.kernel, dense.shared_bytes));
     const std::int64_t group = dense_item_group_for(cache.limits_.dense_item_group, cache.sm_count_, I);
     dense.kernel<<<unsigned(tiles * I), kDnThreads, dense.shared_bytes, exec.stream>>>(dev, a, T, I, tiles, group,

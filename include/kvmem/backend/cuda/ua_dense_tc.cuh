@@ -8,14 +8,14 @@
 // (head, row) pairs = r heads x kDnPairs / r rows) of one (sequence, kv head) item and walks *every* entry
 // up to its last row, so it finishes its own softmax and writes the output directly (FlashAttention's
 // query-stationary order). The one dependency is λ: row tile k needs Λ_{r0-1, j} of every entry j
-// before its first row r0, which row tile k-1 leaves in the cache's λ array as it passes each entry tile.
-// The row tiles of an item therefore run as a pipeline: tile k handles entry tile e after tile k-1 has
-// published it (an integer progress counter per row tile, release/acquire through L2). Blocks take their
+// before its first row r0, which row tile k-1 hands over as it passes each entry tile. The row tiles of an
+// item therefore run as a pipeline: tile k carries λ of an entry after tile k-1 has handed it over (one
+// 64-bit word per entry, λ and a tag, stored and read whole through L2: dense_sync_bytes). Blocks take their
 // row tile from an integer ticket in launch order, so the tile a block waits for belongs to a block that
 // is already running: no deadlock, whatever order the hardware starts blocks in.
 // λ is carried one entry per thread in increasing row (spec 4.2, the rounding order of every backend);
 // every output is produced by one block in a fixed order: deterministic, no float atomics.
-// Memory: the cache rows the prompt is appended to, one int per row tile (UaCache) and no L x L matrix.
+// Memory: the cache rows the prompt is appended to, 8 bytes of hand-off per row (UaCache) and no L x L matrix.
 //
 // Entry tiles are walked newest first (the order of the softmax sum is free; λ is carried per entry, along
 // the rows, so the entry order does not touch it). The newest entries carry the least decay, so the
@@ -108,10 +108,16 @@ __host__ __device__ inline DenseTicketTile dense_ticket_tile(std::int64_t ticket
   const unsigned within = t - first * unsigned(tiles);
   return {std::int64_t(within / size), std::int64_t(first + within % size)};
 }
-// Ints of pipeline state a cache of `capacity` rows needs: a ticket, and a progress counter per
-// (item, row tile) for the shortest row tile (8 rows: 4 warps at r = 8).
-__host__ __device__ inline std::int64_t dense_sync_ints(std::int64_t items, std::int64_t capacity) {
-  return 1 + items * ((capacity + 7) / 8);
+// Pipeline state of the dense prefill (UaCache's dense sync memory): the ticket (an int, in 8 bytes), then per
+// (item, cache row) the λ hand-off from a row tile to the next, one 64-bit word: the entry's λ (float bits,
+// low half) and a tag (high half), the number of the row tile that may take it (row tile k writes k + 1).
+// The word is stored and read whole (single-copy atomic), so the value comes with its own proof of
+// freshness: no counter, no fence. Zeroed for the rows of a call before its launch (no row tile 0 waits).
+__host__ __device__ inline std::int64_t dense_sync_bytes(std::int64_t items, std::int64_t capacity) {
+  return 8 + items * capacity * 8;
+}
+__device__ inline std::uint64_t dense_lambda_word(float lambda, std::int64_t tag) {
+  return (std::uint64_t(std::uint32_t(tag)) << 32) | __float_as_uint(lambda);
 }
 
 // Shared memory of a block. kSwizzled (the wgmma path: sm_90a and kD a multiple of 64): the key, value and
@@ -309,8 +315,9 @@ __device__ __forceinline__ void dense_prefill_row_tile(const DeviceCache<bf16>& 
   const int e_total = int(n + r0 + nr);  // entries the tile's rows see: the cache, then call rows < r0 + nr
   const int e_prev = int(n + r0);        // entries before the tile's own rows (λ from row tile k - 1)
   float* const lambda = c.lambda + row0;
-  int* const done_mine = sync + 1 + item * tiles + k;  // row tile k - 1's counter precedes it (read when k > 0)
-  const bool has_prev = k > 0;
+  // λ hand-off words of the item's entries (dense_sync_bytes); this row tile reads the tag k, writes k + 1
+  std::uint64_t* const handoff = reinterpret_cast<std::uint64_t*>(sync + 2) + row0;
+  const bool has_prev = k > 0, has_next = k + 1 < tiles;
   const nv_bf16* in_k = reinterpret_cast<const nv_bf16*>(a.k + b * a.k_b + g * a.k_g);
   const nv_bf16* in_v = reinterpret_cast<const nv_bf16*>(a.v + b * a.v_b + g * a.v_g);
   const nv_bf16* cache_k = reinterpret_cast<const nv_bf16*>(c.keys + row0 * D);
@@ -428,8 +435,6 @@ __device__ __forceinline__ void dense_prefill_row_tile(const DeviceCache<bf16>& 
   const int eb = 16 * warp;
   const bool carrier = lane < 16;
   const int ce = eb + lane;  // the carrier's entry in the tile
-  // the carriers' λ hand-off state (seen: the predecessor's progress this thread acquired)
-  int seen = 0;
   // key-gate logit and position of entry e0 + tid (positions past e_total: INT64_MAX, masked). Threads
   // tid < kDnEntries load them one entry tile ahead (the latency hides behind a whole step) and publish
   // them, with the key-gate term, in shared memory for the decay and the carry of the tile: computed once
@@ -638,7 +643,6 @@ __device__ __forceinline__ void dense_prefill_row_tile(const DeviceCache<bf16>& 
 #endif
   // entry tiles newest first: step s handles entry tile n_etiles - 1 - s, keys in buffer s & 1
   const int n_etiles = (e_total + kDnEntries - 1) / kDnEntries;
-  const int n_etiles_prev = (e_prev + kDnEntries - 1) / kDnEntries;  // row tile k - 1's
   float nx_logit = 0.0f;
   std::int64_t nx_pos = INT64_MAX;
   load_rows((n_etiles - 1) * kDnEntries, ks_base, cache_k, in_k, a.k_t);
@@ -661,16 +665,14 @@ __device__ __forceinline__ void dense_prefill_row_tile(const DeviceCache<bf16>& 
       s_efirst[tid] = first_after < 0 ? 0 : (first_after > rt ? rt : int(first_after));
       if (et > 0) load_meta(e0 - kDnEntries, nx_logit, nx_pos);
     }
-    // the carrier's incoming λ, loaded now so the L2 latency overlaps the decay below. λ of an entry
-    // before row r0 comes from the previous row tile: acquire its progress counter first (rarely waits:
-    // the predecessor started earlier and walks the same tiles in the same order, the newest first).
-    float c_lam = 0.0f;
-    if (carrier && e0 + ce < e_prev) {  // not one of this tile's own keys (those start at λ = 0)
-      const int need = n_etiles_prev - et;
-      if (has_prev && seen < need)
-        while ((seen = load_acquire(done_mine - 1)) < need) __nanosleep(32);
-      c_lam = __ldcg(lambda + e0 + ce);  // another block wrote it: read through L2
-    }
+    // the carrier's incoming λ, loaded now so that the L2 latency overlaps the decay below (its tag is
+    // checked at the carry). λ of an entry before row r0: row tile 0 reads the cache's λ (from the calls
+    // before), a later row tile the hand-off word of the previous one (tag k), rarely not yet there: the
+    // predecessor started earlier and walks the same tiles in the same order, the newest first. An entry
+    // of this tile's own rows starts at λ = 0 (the word then stays 0, tag 0).
+    std::uint64_t c_word = 0;
+    if (carrier && e0 + ce < e_prev)
+      c_word = has_prev ? load_relaxed_gpu(handoff + e0 + ce) : std::uint64_t(__float_as_uint(__ldcg(lambda + e0 + ce)));
     finish_pv();
     // key tile et and its gates are in shared memory (the first time, nk and the row gates too); every
     // warp is past step - 1, so the value tile, the other key buffer and the Λ tile are free
@@ -794,11 +796,18 @@ __device__ __forceinline__ void dense_prefill_row_tile(const DeviceCache<bf16>& 
 
     // 2. carry λ down the rows (spec 4.2: increasing m, one rounding per step): lane l < 16 of the warp
     //    that folded the column, entry eb + l, so no block barrier stands between the fold and the carry.
-    //    lt[] receives Λ_{m, e} (-inf before the entry's position); λ goes back to the cache row of the
-    //    entry (a call key's row n + t is its row after this call), read through L2 (ld.cg): another
-    //    block wrote it.
+    //    lt[] receives Λ_{m, e} (-inf before the entry's position); λ goes to the next row tile in the
+    //    entry's hand-off word, from the last row tile to the cache row of the entry (a call key's row n + t
+    //    is its row after this call).
     if (carrier) {
       const int idx = e0 + ce;
+      if (has_prev && idx < e_prev) {  // the predecessor's word: wait for its tag
+        while (std::int64_t(c_word >> 32) != k) {
+          __nanosleep(32);
+          c_word = load_relaxed_gpu(handoff + idx);
+        }
+      }
+      const float c_lam = __uint_as_float(std::uint32_t(c_word));
       const float4* col = reinterpret_cast<const float4*>(at + ce * L::kAPitch);
       float* lam_col = lt + ce;  // the entry's column of the Λ tile, rows kLPitch apart
       // rows i < masked get Λ = -inf (they precede the entry), the others the running λ
@@ -812,7 +821,10 @@ __device__ __forceinline__ void dense_prefill_row_tile(const DeviceCache<bf16>& 
           lam += av[i];
           lam_col[i * L::kLPitch] = i < masked ? negative_infinity<float>() : lam;
         }
-        lambda[idx] = lam;
+        if (has_next)
+          store_relaxed_gpu(handoff + idx, dense_lambda_word(lam, k + 1));
+        else
+          lambda[idx] = lam;
       };
       if (e0 + kDnEntries <= e_prev) {
         // the usual tile: every entry precedes the tile's rows, so no row is masked; the constant 0 lets
@@ -841,14 +853,7 @@ __device__ __forceinline__ void dense_prefill_row_tile(const DeviceCache<bf16>& 
     cp_async_wait<1>();  // this thread's part of value tile et has landed (the next key tile may not)
 #endif
     copies_to_tensor_cores();
-    __syncthreads();     // Λ tile complete, λ of this entry tile stored, value tile et in shared memory
-    // publish: the barrier orders the carriers' λ stores before this thread's fence, which makes them
-    // visible device-wide before the counter (the pattern of a grid-wide barrier). The last lane is no
-    // carrier and has no global stores in flight of its own.
-    if (tid == kDnThreads - 1) {
-      __threadfence();
-      atomicExch(done_mine, step + 1);
-    }
+    __syncthreads();     // Λ tile complete, value tile et in shared memory
     if constexpr (kWg) {  // the next key tile, into the one key buffer
       if (et > 0) load_rows(e0 - kDnEntries, ks_base, cache_k, in_k, a.k_t);
     }
@@ -982,9 +987,8 @@ __device__ __forceinline__ void dense_prefill_row_tile(const DeviceCache<bf16>& 
 }
 
 // grid (row tiles * I), block kDnThreads, dynamic smem dense_shared_bytes<kD>(). T rows of the call (all
-// of them: input rows 0..T-1, positions counter + 0 ...). sync: [1 + I * tiles] ints, zero on entry
-// (ticket, then the progress of row tile k of item i at 1 + i * tiles + k: the entry tiles it has
-// finished, newest first). Appends the call's rows to the cache (rows n + t: p = 0 evicts nothing) and
+// of them: input rows 0..T-1, positions counter + 0 ...). sync: dense_sync_bytes(I, cap), zero on entry in
+// the ticket and in the hand-off words of every item's rows below n + T. Appends the call's rows to the cache (rows n + t: p = 0 evicts nothing) and
 // leaves λ_j = Λ_{T-1, j} for every entry; the lengths and counters advance afterwards
 // (dense_advance_kernel).
 // kSkipPast (sm_90a, D a multiple of 64; ignored elsewhere): every row tile runs the body with the skip past
