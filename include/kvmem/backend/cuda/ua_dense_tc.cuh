@@ -411,12 +411,17 @@ __device__ __forceinline__ void dense_prefill_row_tile(const DeviceCache<bf16>& 
           cp_async16(to + pass * kPassRows * L::kRowBytes, src + pass * kPassRows * stride, 16);
       } else {
         const nv_bf16* p = all_cached ? cache + e0 * D : input + (e0 - n) * in_stride;
+#pragma unroll 1
         for (int x = tid; x < kDnEntries * kVec; x += kDnThreads) {
           const int e = x / kVec, cv = x % kVec;
           cp_async16(dst + L::tile_offset(e, cv), p + e * stride + cv * 8, 16);
         }
       }
     } else {
+      // a tile across the cache / input boundary or past the rows, a few per row tile: kept a loop (unrolled,
+      // its copies for the value and the key tile made the step's code larger than the instruction cache
+      // serves well: 8.15 -> 7.93 ms at 8K without the unrolling, ua_cuda_2026-11-30_h200_handoff.md)
+#pragma unroll 1
       for (int x = tid; x < kDnEntries * kVec; x += kDnThreads) {
         const int e = x / kVec, cv = x % kVec;
         const int idx = e0 + e;
@@ -669,9 +674,10 @@ __device__ __forceinline__ void dense_prefill_row_tile(const DeviceCache<bf16>& 
     // checked at the carry). λ of an entry before row r0: row tile 0 reads the cache's λ (from the calls
     // before), a later row tile the hand-off word of the previous one (tag k), rarely not yet there: the
     // predecessor started earlier and walks the same tiles in the same order, the newest first. An entry
-    // of this tile's own rows starts at λ = 0 (the word then stays 0, tag 0).
+    // of this tile's own rows starts at λ = 0 (the word then stays 0, tag 0). The mma.sync path loads the
+    // word at the carry: held through its fold, the word's two registers made ptxas spill 8 bytes at D 80.
     std::uint64_t c_word = 0;
-    if (carrier && e0 + ce < e_prev)
+    if (kWg && carrier && e0 + ce < e_prev)
       c_word = has_prev ? load_relaxed_gpu(handoff + e0 + ce) : std::uint64_t(__float_as_uint(__ldcg(lambda + e0 + ce)));
     finish_pv();
     // key tile et and its gates are in shared memory (the first time, nk and the row gates too); every
@@ -761,7 +767,7 @@ __device__ __forceinline__ void dense_prefill_row_tile(const DeviceCache<bf16>& 
         }
       }
       // the lane's two rows of an accumulator tile are adjacent in the entry's row of A: one 8-byte store
-      const auto fold = [&](auto masked) {
+      const auto fold = [&] {
 #pragma unroll
         for (int nt = 0; nt < nts; ++nt) {
 #pragma unroll
@@ -779,18 +785,16 @@ __device__ __forceinline__ void dense_prefill_row_tile(const DeviceCache<bf16>& 
               }
               // evaluated for every element and then selected (entries past the range have no rows after
               // them: A = 0); rows past the call get A = 0 too
-              if constexpr (decltype(masked)::value) a_em[x] = (i >= e_first[hf] && i < nr) ? a_em[x] : 0.0f;
+              a_em[x] = (i >= e_first[hf] && i < nr) ? a_em[x] : 0.0f;
             }
             *reinterpret_cast<float2*>(at + e * L::kAPitch + i0) = make_float2(a_em[0], a_em[1]);
           }
         }
       };
-      // the usual tile (every entry before the tile's rows, no rows past the call) selects nothing (12.10
-      // vs 12.11 ms at 8K with the select: within the noise)
-      if (e0 + kDnEntries <= e_prev && nr == rt)
-        fold(std::false_type{});
-      else
-        fold(std::true_type{});
+      // one body for every tile, the usual one (every entry before the tile's rows, no rows past the call)
+      // included, where the select keeps every value: a second body without the select made the step's code
+      // larger (7.97 vs 7.94 ms at 8K with it, 4K +0.8 %; ua_cuda_2026-11-30_h200_handoff.md)
+      fold();
     }
     __syncwarp();  // the warp's columns of the A tile are complete
 
@@ -801,6 +805,8 @@ __device__ __forceinline__ void dense_prefill_row_tile(const DeviceCache<bf16>& 
     //    is its row after this call).
     if (carrier) {
       const int idx = e0 + ce;
+      if (!kWg && idx < e_prev)
+        c_word = has_prev ? load_relaxed_gpu(handoff + idx) : std::uint64_t(__float_as_uint(__ldcg(lambda + idx)));
       if (has_prev && idx < e_prev) {  // the predecessor's word: wait for its tag
         while (std::int64_t(c_word >> 32) != k) {
           __nanosleep(32);
@@ -842,20 +848,23 @@ __device__ __forceinline__ void dense_prefill_row_tile(const DeviceCache<bf16>& 
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
     if constexpr (kWg) {
       // the logits are done: they were the last reads of the key buffer, which the next key tile takes after
-      // the barrier (it lands during step 3; the other two blocks of the SM cover what it does not)
+      // the barrier (it lands during step 3; the other two blocks of the SM cover what it does not). The
+      // value tile is waited for just before P V, at the end of step 3.
       wgmma_wait<0>();
       wgmma_fence_operands(s_tile);
-      cp_async_wait<0>();  // this thread's part of value tile et has landed (no key tile in flight)
     } else {
       cp_async_wait<1>();
     }
 #else
     cp_async_wait<1>();  // this thread's part of value tile et has landed (the next key tile may not)
 #endif
-    copies_to_tensor_cores();
-    __syncthreads();     // Λ tile complete, value tile et in shared memory
-    if constexpr (kWg) {  // the next key tile, into the one key buffer
-      if (et > 0) load_rows(e0 - kDnEntries, ks_base, cache_k, in_k, a.k_t);
+    __syncthreads();  // Λ tile complete (mma.sync: and value tile et in shared memory)
+    if constexpr (kWg) {  // the next key tile, into the one key buffer (the last step: an empty group, so that
+                          // the value tile's group is always the one before the newest)
+      if (et > 0)
+        load_rows(e0 - kDnEntries, ks_base, cache_k, in_k, a.k_t);
+      else
+        cp_async_commit();
     }
 
     // 3. per half of the tile (32 entries: 16 S registers instead of 32 keep the block at <= 168
@@ -911,7 +920,15 @@ __device__ __forceinline__ void dense_prefill_row_tile(const DeviceCache<bf16>& 
 #pragma unroll
         for (int kk = 0; kk < kDnEntries / 16; ++kk) pa[kk][0] = pa[kk][1] = pa[kk][2] = pa[kk][3] = 0u;
       }
-      if (!skipped) issue_pv();  // waited for before the next step's barrier 1 (finish_pv)
+      if (!skipped) {
+        // value tile et, loaded after barrier 1, waited for only now: the softmax gave it time to land (at
+        // barrier 2 its wait was exposed: 8.04 -> 7.92 ms at 8K with the one fold body, ua_cuda_2026-11-30_h200_handoff.md). wgmma
+        // is issued by the whole warpgroup together, so the barrier costs little more than the issue.
+        cp_async_wait<1>();  // this thread's part of it (the next key tile, one group newer, may not have)
+        copies_to_tensor_cores();
+        __syncthreads();  // every thread's part, visible to the tensor cores
+        issue_pv();       // waited for before the next step's barrier 1 (finish_pv)
+      }
     } else
 #endif
 #pragma unroll 1
