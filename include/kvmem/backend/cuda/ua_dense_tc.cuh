@@ -267,11 +267,12 @@ inline std::int64_t dense_item_group_for(int limit, int sm_count, std::int64_t i
   return group < 1 ? 1 : group > items ? items : group;
 }
 
-// The work of one block of dense_prefill_tc_kernel (below): row tile *s_ticket / items of item *s_ticket % items, kRows = dense_row_tile(r)
-// rows, a compile-time constant so that the decay tile's shape, the pair -> (head, row) map and the λ
-// carry unroll. kSkipPast (sm_90a, wgmma path only): the body that skips the value tile and P V of the steps
-// predicted past the decay's reach, a separate instantiation so that the calls without it run none of its
-// code (the host picks the kernel per call by its longest row tile).
+// The work of one block of dense_prefill_tc_kernel (below): row tile *s_ticket / items of item
+// *s_ticket % items, kRows = dense_row_tile(r) rows, a compile-time constant so that the decay tile's
+// shape, the pair -> (head, row) map and the λ carry unroll. kSkipPast (sm_90a, wgmma path only): the body
+// that skips the value tile and P V of the steps predicted past the decay's reach, a separate instantiation
+// so that the calls without it run none of its code (the host picks the kernel per call by its longest row
+// tile).
 template <class Set, int kD, int kRows, bool kSkipPast>
 __device__ __forceinline__ void dense_prefill_row_tile(const DeviceCache<bf16>& c, const DeviceCall<bf16>& a,
                                                        std::int64_t T, std::int64_t items, std::int64_t tiles,
@@ -678,7 +679,8 @@ __device__ __forceinline__ void dense_prefill_row_tile(const DeviceCache<bf16>& 
     // word at the carry: held through its fold, the word's two registers made ptxas spill 8 bytes at D 80.
     std::uint64_t c_word = 0;
     if (kWg && carrier && e0 + ce < e_prev)
-      c_word = has_prev ? load_relaxed_gpu(handoff + e0 + ce) : std::uint64_t(__float_as_uint(__ldcg(lambda + e0 + ce)));
+      c_word = has_prev ? load_relaxed_gpu(handoff + e0 + ce)
+                        : std::uint64_t(__float_as_uint(__ldcg(lambda + e0 + ce)));
     finish_pv();
     // key tile et and its gates are in shared memory (the first time, nk and the row gates too); every
     // warp is past step - 1, so the value tile, the other key buffer and the Λ tile are free
@@ -922,8 +924,9 @@ __device__ __forceinline__ void dense_prefill_row_tile(const DeviceCache<bf16>& 
       }
       if (!skipped) {
         // value tile et, loaded after barrier 1, waited for only now: the softmax gave it time to land (at
-        // barrier 2 its wait was exposed: 8.04 -> 7.92 ms at 8K with the one fold body, ua_cuda_2026-11-30_h200_handoff.md). wgmma
-        // is issued by the whole warpgroup together, so the barrier costs little more than the issue.
+        // barrier 2 its wait was exposed: 8.04 -> 7.92 ms at 8K with the one fold body,
+        // ua_cuda_2026-11-30_h200_handoff.md). wgmma is issued by the whole warpgroup together, so the
+        // barrier costs little more than the issue.
         cp_async_wait<1>();  // this thread's part of it (the next key tile, one group newer, may not have)
         copies_to_tensor_cores();
         __syncthreads();  // every thread's part, visible to the tensor cores
@@ -1005,9 +1008,9 @@ __device__ __forceinline__ void dense_prefill_row_tile(const DeviceCache<bf16>& 
 
 // grid (row tiles * I), block kDnThreads, dynamic smem dense_shared_bytes<kD>(). T rows of the call (all
 // of them: input rows 0..T-1, positions counter + 0 ...). sync: dense_sync_bytes(I, cap), zero on entry in
-// the ticket and in the hand-off words of every item's rows below n + T. Appends the call's rows to the cache (rows n + t: p = 0 evicts nothing) and
-// leaves λ_j = Λ_{T-1, j} for every entry; the lengths and counters advance afterwards
-// (dense_advance_kernel).
+// the ticket and in the hand-off words of every item's rows below n + T; group: the item group
+// (dense_item_group_for). Appends the call's rows to the cache (rows n + t: p = 0 evicts nothing) and leaves
+// λ_j = Λ_{T-1, j} for every entry; the lengths and counters advance afterwards (dense_advance_kernel).
 // kSkipPast (sm_90a, D a multiple of 64; ignored elsewhere): every row tile runs the body with the skip past
 // the decay's reach. Both bodies give the same result bits. Chosen per launch, not per block: with both
 // bodies in one kernel and each block picking one by its row tile's entry tiles, ptxas spilled (D = 128: 276
