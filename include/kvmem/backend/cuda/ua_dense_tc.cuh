@@ -671,16 +671,7 @@ __device__ __forceinline__ void dense_prefill_row_tile(const DeviceCache<bf16>& 
       s_efirst[tid] = first_after < 0 ? 0 : (first_after > rt ? rt : int(first_after));
       if (et > 0) load_meta(e0 - kDnEntries, nx_logit, nx_pos);
     }
-    // the carrier's incoming λ, loaded now so that the L2 latency overlaps the decay below (its tag is
-    // checked at the carry). λ of an entry before row r0: row tile 0 reads the cache's λ (from the calls
-    // before), a later row tile the hand-off word of the previous one (tag k), rarely not yet there: the
-    // predecessor started earlier and walks the same tiles in the same order, the newest first. An entry
-    // of this tile's own rows starts at λ = 0 (the word then stays 0, tag 0). The mma.sync path loads the
-    // word at the carry: held through its fold, the word's two registers made ptxas spill 8 bytes at D 80.
-    std::uint64_t c_word = 0;
-    if (kWg && carrier && e0 + ce < e_prev)
-      c_word = has_prev ? load_relaxed_gpu(handoff + e0 + ce)
-                        : std::uint64_t(__float_as_uint(__ldcg(lambda + e0 + ce)));
+    std::uint64_t c_word = 0;  // the carrier's incoming λ (loaded after barrier 1, below)
     finish_pv();
     // key tile et and its gates are in shared memory (the first time, nk and the row gates too); every
     // warp is past step - 1, so the value tile, the other key buffer and the Λ tile are free
@@ -729,6 +720,17 @@ __device__ __forceinline__ void dense_prefill_row_tile(const DeviceCache<bf16>& 
       wgmma_commit();
     }
 #endif
+    // the carrier's incoming λ, loaded now so that the L2 latency overlaps the decay below (its tag is
+    // checked at the carry). λ of an entry before row r0: row tile 0 reads the cache's λ (from the calls
+    // before), a later row tile the hand-off word of the previous one (tag k), rarely not yet there: the
+    // predecessor started earlier and walks the same tiles in the same order, the newest first. An entry
+    // of this tile's own rows starts at λ = 0 (the word then stays 0, tag 0). Loaded here rather than before
+    // barrier 1 (7.91 -> 7.82 ms at 8K: fresher, fewer reloads at the carry) or at the carry (8.21 ms: its
+    // latency exposed; ua_cuda_2026-11-30_h200_handoff.md). The mma.sync path loads it at the carry: held
+    // through its fold, the word's two registers made ptxas spill 8 bytes at D 80.
+    if (kWg && carrier && e0 + ce < e_prev)
+      c_word = has_prev ? load_relaxed_gpu(handoff + e0 + ce)
+                        : std::uint64_t(__float_as_uint(__ldcg(lambda + e0 + ce)));
 
     // 1. this warp's 16 columns of the decay tile A(e, m) (spec 4.1): similarity K NK^T on the tensor
     //    cores, then the set's gate fold; A = 0 where m <= pos_e and on rows past the call (the carry then
