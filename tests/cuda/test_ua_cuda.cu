@@ -78,6 +78,13 @@ struct DevCase {
   }
 };
 
+// Outputs of two runs that differ in any bit (same length).
+std::size_t differing_bits(const std::vector<float>& a, const std::vector<float>& b) {
+  std::size_t n = 0;
+  for (std::size_t x = 0; x < a.size(); ++x) n += std::memcmp(&a[x], &b[x], sizeof(float)) != 0;
+  return n;
+}
+
 struct CudaRun {
   std::vector<float> out;
   std::vector<std::int64_t> kept;  // [B,G,T] 0/1 membership after the last token
@@ -342,8 +349,9 @@ TEST_CASE("ua cuda rejects bad calls before touching the cache", "[ua][cuda]") {
   CHECK(cache.position(0) == 8);
   CHECK(cache.length_bound() == 8);
   // limits that make no sense are refused at creation, with the field named
-  for (auto [field, limits] : {std::pair{"dense_skip_past_after_tiles", kvmem::cuda::UaCacheLimits{128, 16, -1}},
-                               std::pair{"dense_item_group", kvmem::cuda::UaCacheLimits{128, 16, 128, -1}}}) {
+  for (auto [field, limits] :
+       {std::pair{"dense_skip_past_after_tiles", kvmem::cuda::UaCacheLimits{.dense_skip_past_after_tiles = -1}},
+        std::pair{"dense_item_group", kvmem::cuda::UaCacheLimits{.dense_item_group = -1}}}) {
     kvmem::cuda::UaCache<float> refused;
     const auto made = kvmem::cuda::UaCache<float>::create({1, 2, 1, 16, 8, 16}, refused, limits);
     INFO(made.message());
@@ -498,9 +506,7 @@ TEST_CASE("ua cuda bf16 dense prefill (p = 0): the pipelined tensor-core kernel 
       kvmem::cuda::UaCacheLimits grouped;
       grouped.dense_item_group = group;
       const auto run = cuda_prefill_decode<kvmem::bf16>(f, c.config.T, kvmem::ua::Options{0.0, 128, true}, grouped);
-      std::size_t differing = 0;
-      for (std::size_t x = 0; x < all_items.out.size(); ++x)
-        differing += std::memcmp(&run.out[x], &all_items.out[x], sizeof(float)) != 0;
+      const std::size_t differing = differing_bits(run.out, all_items.out);
       INFO("item group " << group << ": outputs differing from one group of every item " << differing);
       CHECK(differing == 0);
       CHECK(relative_frobenius(run.out, host.out) <= 1e-2);  // and not a shared wrong answer
@@ -673,9 +679,7 @@ TEST_CASE("ua cuda bf16 dense prefill past the decay's reach (sanitizer case)", 
   const auto skipping = cuda_prefill_decode<kvmem::bf16>(f, kT, dense_opt, skip_everywhere);
   const auto usual = cuda_prefill_decode<kvmem::bf16>(f, kT, dense_opt);
   const double e_skip = relative_frobenius(skipping.out, host.out);
-  std::size_t differing = 0;
-  for (std::size_t x = 0; x < usual.out.size(); ++x)
-    differing += std::memcmp(&skipping.out[x], &usual.out[x], sizeof(float)) != 0;
+  const std::size_t differing = differing_bits(skipping.out, usual.out);
   INFO("skip body: out " << e_skip << ", outputs differing from the default threshold's " << differing);
   CHECK(e_skip <= 1e-2);
   CHECK(differing == 0);

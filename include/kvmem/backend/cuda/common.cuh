@@ -38,6 +38,14 @@ inline int device_count() {
   return n;
 }
 
+// Multiprocessors of the current device (launch shapes are sized from it).
+inline Status current_sm_count(int& out) {
+  int device = 0;
+  KVMEM_RETURN_IF_ERROR(to_status(cudaGetDevice(&device), "cudaGetDevice"));
+  return to_status(cudaDeviceGetAttribute(&out, cudaDevAttrMultiProcessorCount, device),
+                   "cudaDeviceGetAttribute(multiprocessor count)");
+}
+
 // Owning device allocation. Move-only; frees on destruction.
 class DeviceBuffer {
  public:

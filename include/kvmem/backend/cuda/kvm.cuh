@@ -277,10 +277,7 @@ class KvmState {
     KVMEM_RETURN_IF_ERROR(to_status(cudaDeviceSynchronize(), "sync after state creation"));
     KVMEM_RETURN_IF_ERROR(kvm_detail::SideStream::create(st.side_));
     if (beside) KVMEM_RETURN_IF_ERROR(kvm_detail::ReadoutPipeline::create(st.pipe_));
-    int device = 0;
-    KVMEM_RETURN_IF_ERROR(to_status(cudaGetDevice(&device), "cudaGetDevice"));
-    KVMEM_RETURN_IF_ERROR(to_status(cudaDeviceGetAttribute(&st.sm_count_, cudaDevAttrMultiProcessorCount, device),
-                                    "cudaDeviceGetAttribute(multiprocessor count)"));
+    KVMEM_RETURN_IF_ERROR(current_sm_count(st.sm_count_));
     d.cap = st.cap_;
     d.C = p.chunk;
     d.W = p.window();

@@ -136,10 +136,7 @@ class UaCache {
     KVMEM_RETURN_IF_ERROR(to_status(cudaMemset(d.counter, 0, I * sizeof(std::int64_t)), "cudaMemset counters"));
     KVMEM_RETURN_IF_ERROR(to_status(cudaMemset(d.done, 0, I * sizeof(int)), "cudaMemset decode tickets"));
     KVMEM_RETURN_IF_ERROR(to_status(cudaDeviceSynchronize(), "UaCache::create"));
-    int device = 0;
-    KVMEM_RETURN_IF_ERROR(to_status(cudaGetDevice(&device), "cudaGetDevice"));
-    KVMEM_RETURN_IF_ERROR(to_status(cudaDeviceGetAttribute(&c.sm_count_, cudaDevAttrMultiProcessorCount, device),
-                                    "cudaDeviceGetAttribute(multiprocessor count)"));
+    KVMEM_RETURN_IF_ERROR(current_sm_count(c.sm_count_));
     c.position_.assign(std::size_t(s.batch), 0);
     out = std::move(c);
     return Status::ok();

@@ -770,35 +770,32 @@ __device__ __forceinline__ void dense_prefill_row_tile(const DeviceCache<bf16>& 
           }
         }
       }
-      // the lane's two rows of an accumulator tile are adjacent in the entry's row of A: one 8-byte store
-      const auto fold = [&] {
+      // the fold, one body for every tile, the usual one (every entry before the tile's rows, no rows past
+      // the call) included, where the select keeps every value: a second body without the select made the
+      // step's code larger (7.97 vs 7.94 ms at 8K with it, 4K +0.8 %; ua_cuda_2026-11-30_h200_handoff.md).
+      // The lane's two rows of an accumulator tile are adjacent in the entry's row of A: one 8-byte store.
 #pragma unroll
-        for (int nt = 0; nt < nts; ++nt) {
+      for (int nt = 0; nt < nts; ++nt) {
 #pragma unroll
-          for (int hf = 0; hf < 2; ++hf) {
-            const int i0 = 8 * nt + 2 * t4, e = eb + qr + 8 * hf;
-            float a_em[2];
+        for (int hf = 0; hf < 2; ++hf) {
+          const int i0 = 8 * nt + 2 * t4, e = eb + qr + 8 * hf;
+          float a_em[2];
 #pragma unroll
-            for (int x = 0; x < 2; ++x) {
-              const int i = i0 + x;
-              if constexpr (Fold::kLog2) {
-                a_em[x] = Fold::decay(sim[nt][2 * hf + x], s_rgate[i] + e_gate[hf]);
-              } else {
-                a_em[x] = kernel::ua::decay_from_similarity<Set, float>(sim[nt][2 * hf + x], e_gate[hf], e_part[hf],
-                                                                        e_pos[hf], s_rgate[i], s_rpart[i], row_pos0 + i);
-              }
-              // evaluated for every element and then selected (entries past the range have no rows after
-              // them: A = 0); rows past the call get A = 0 too
-              a_em[x] = (i >= e_first[hf] && i < nr) ? a_em[x] : 0.0f;
+          for (int x = 0; x < 2; ++x) {
+            const int i = i0 + x;
+            if constexpr (Fold::kLog2) {
+              a_em[x] = Fold::decay(sim[nt][2 * hf + x], s_rgate[i] + e_gate[hf]);
+            } else {
+              a_em[x] = kernel::ua::decay_from_similarity<Set, float>(sim[nt][2 * hf + x], e_gate[hf], e_part[hf],
+                                                                      e_pos[hf], s_rgate[i], s_rpart[i], row_pos0 + i);
             }
-            *reinterpret_cast<float2*>(at + e * L::kAPitch + i0) = make_float2(a_em[0], a_em[1]);
+            // evaluated for every element and then selected (entries past the range have no rows after
+            // them: A = 0); rows past the call get A = 0 too
+            a_em[x] = (i >= e_first[hf] && i < nr) ? a_em[x] : 0.0f;
           }
+          *reinterpret_cast<float2*>(at + e * L::kAPitch + i0) = make_float2(a_em[0], a_em[1]);
         }
-      };
-      // one body for every tile, the usual one (every entry before the tile's rows, no rows past the call)
-      // included, where the select keeps every value: a second body without the select made the step's code
-      // larger (7.97 vs 7.94 ms at 8K with it, 4K +0.8 %; ua_cuda_2026-11-30_h200_handoff.md)
-      fold();
+      }
     }
     __syncwarp();  // the warp's columns of the A tile are complete
 
