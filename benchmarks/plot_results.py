@@ -55,6 +55,14 @@ def best_decode(row):
     return min(times) if times else None
 
 
+def nice_limits(values):
+    """The 1-2-5 steps just below the smallest and just above the largest value (log axes)."""
+    steps = [m * 10.0**e for e in range(-6, 7) for m in (1, 2, 5)]
+    lo = max([t for t in steps if t <= min(values)], default=min(values))
+    hi = min([t for t in steps if t >= max(values)], default=max(values))
+    return lo / 1.15, hi * 1.15
+
+
 def series_name(row):
     name = row["variant"]
     if row.get("kind") == "anchor" and name.startswith("SDPA "):
@@ -83,18 +91,24 @@ def plot(record, path):
     markers = iter("o^vD<>pX*")
     # seconds where every prefill takes longer than one (the host backend's runs)
     in_s = all((r.get("prefill_ms") or 1e9) >= 1000 for r in rows)
+    decode_title = ("decode (the faster of plain launches and CUDA-graph replay)" if record["backend"] == "cuda"
+                    else "decode (mean over the steps after the prefill)")
     panels = ((axes[0], "prefill", lambda r: r.get("prefill_ms") and r["prefill_ms"] / (1000 if in_s else 1),
                "prefill time (s)" if in_s else "prefill time (ms)"),
-              (axes[1], "decode", best_decode, "decode time per token (ms)"))
-    marker = {key: next(markers, "o") for key in series if key[0] == "kvmem"}
+              (axes[1], decode_title, best_decode, "decode time per token (ms)"))
+    kvmem_series = [key for key in series if key[0] == "kvmem"]
+    marker = {key: next(markers, "o") for key in kvmem_series}
+    color = {key: f"C{i % 10}" for i, key in enumerate(kvmem_series)}  # one colour per series in both panels
     for ax, title, value, ylabel in panels:
+        plotted = []
         for (kind, name), pts in series.items():
             xy = [(r["tokens"], value(r)) for r in pts if value(r)]
             if not xy:
                 continue
             x, y = zip(*xy)
+            plotted += y
             if kind == "kvmem":
-                style = dict(marker=marker[(kind, name)], linewidth=2, markersize=6)
+                style = dict(marker=marker[(kind, name)], color=color[(kind, name)], linewidth=2, markersize=6)
             else:
                 style = dict(marker="s", linestyle="--", color="0.2" if "cuDNN" in name or "causal" in name else "0.6")
             ax.plot(x, y, label=name, **style)
@@ -109,6 +123,8 @@ def plot(record, path):
         ax.yaxis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
         ax.yaxis.set_minor_locator(NullLocator())
         ax.yaxis.set_major_formatter(FuncFormatter(lambda y, _: f"{y:g}"))
+        if plotted:
+            ax.set_ylim(*nice_limits(plotted))
         ax.grid(True, which="major", alpha=0.3)
         ax.set_title(title)
     handles, labels = axes[0].get_legend_handles_labels()
@@ -117,9 +133,6 @@ def plot(record, path):
             handles.append(h)
             labels.append(label)
     fig.legend(handles, labels, loc="lower center", ncol=min(len(labels), 4), fontsize=8, frameon=False)
-    axes[1].text(0.01, 0.01, "decode: the faster of plain launches and CUDA-graph replay"
-                 if record["backend"] == "cuda" else "decode: mean over the steps after the prefill",
-                 transform=axes[1].transAxes, fontsize=7, color="0.4")
     m, s = record["machine"], record["shape"]
     where = f"{m['gpu']}, CUDA {m.get('cuda', '?')}" if record["backend"] == "cuda" else m.get("cpu", "CPU")
     heads = f"H{s['heads']}" + (f"/{s['kv_heads']}" if s.get("kv_heads") not in (None, s["heads"]) else "")
