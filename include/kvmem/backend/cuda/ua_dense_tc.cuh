@@ -32,8 +32,8 @@
 // columns at once (no barrier between fold and carry) into a Λ tile -> barrier -> per half tile of 32
 // entries: logits = Λ + Q K^T with mma.sync (fp32 accumulators in registers that start from Λ), online
 // softmax in registers, O += P V with the probabilities rounded to bf16 (as FlashAttention does). The key
-// gate and the log1p of the fold run on lg2 / ex2, and the fold and the carry of a tile away from the
-// diagonal and the cache's end take no mask selects.
+// gate and the log1p of the fold run on lg2 / ex2, and the fold and the carry of the usual tile (every
+// entry before the tile's rows) take no mask selects.
 // Built for sm_90a with D a multiple of 64 (the compute_90 PTX and D = 80 keep the mma.sync path above),
 // the block's 4 warps are one warpgroup and the two products of step 3 run as warpgroup MMA (wgmma) from
 // 128-byte-swizzled key and value tiles: Q K^T of the whole entry tile is issued right after barrier 1 and
