@@ -31,6 +31,7 @@ for a GPU run, benchmarks/results/*.json are the files of record):
       prefill_ms       one prefill of T tokens of every sequence (null: not measured)
       decode_ms        ms per decode step (one token per sequence), each step a plain launch
       decode_graph_ms  the same steps replayed from a captured CUDA graph (null: not measured)
+      run              optional: where a row was not measured in the run of the table
       kept_prefill, kept_decode, kept_kv_bytes, state_mib, kv_mib, ...: optional extras
 """
 import argparse
