@@ -117,11 +117,10 @@ struct SideStream {
 // often (with none, each scatter would run with nothing beside it). The chain keeps the highest priority:
 // it is the critical path, every later chunk's update and readout waits for it. Both halves fill the GPU
 // (the readout with 3 blocks of 168 registers per SM, the chain's routing with 2 of 128 x 256), so they
-// share the SMs rather than overlap freely. Only states no larger
-// than the window take this path: a larger state (16 sqrt N: 2884 slots at 32K) makes the update a
-// tensor-core-bound novelty pass that shares the SMs with the readout just the same, while copying its
-// untouched rows would move most of 0.4 GB a chunk; such states keep the readout on the chain and run
-// the selection beside it (the other path below).
+// share the SMs rather than overlap freely. Only states no larger than the window take this path: a larger
+// state (16 sqrt N: 2884 slots at 32K) makes the update a tensor-core-bound novelty pass that shares the
+// SMs with the readout just the same, while copying its untouched rows would move most of 0.4 GB a chunk;
+// such states keep the readout on the chain and run the selection beside it (the other path below).
 inline constexpr int kReadoutCopies = 4;
 
 struct ReadoutPipeline {
