@@ -1,7 +1,7 @@
 // SPDX-License-Identifier: Apache-2.0
 // KVM on the CPU (host backend): prefill and per-token decode against dense causal attention run
 // by the same backend (same attend-row body and tiling, backend/host/kvm_dense.hpp).
-// Shape of the issue: B = 1, Hq = Hk = 8, D = Dv = 128, C = 256, nb = 2, r = 64; budgets fixed-256
+// Shape: B = 1, Hq = Hk = 8, D = Dv = 128, C = 256, nb = 2, r = 64; budgets fixed-256
 // and 16 sqrt(N). Prints a markdown table: time, state bytes vs full-KV bytes, ratios.
 //
 //   kvmem_bench_kvm_cpu [--min-T 4096] [--max-T 32768] [--threads 0] [--decode-steps 256]

@@ -12,10 +12,16 @@ CUDA graph (as kvmem's graph column), and the decode ratios use the faster of th
 
     python3 benchmarks/gpu_report.py --kvm kvm.jsonl [--batch 8] [--heads 32] [--tokens 4096,...]
     python3 benchmarks/gpu_report.py --ua ua.jsonl [--ua-tokens 4096,8192,16384]   (B8 H16 G4 GQA anchors)
+
+--record-dir DIR also writes the JSON of record, DIR/kvm_cuda.json and DIR/ua_cuda.json (schema in
+benchmarks/plot_results.py, which plots them; --command names the command recorded in them).
 """
 import argparse
+import datetime
 import json
+import os
 import statistics
+import subprocess
 
 import torch
 import torch.nn.functional as F
@@ -88,6 +94,54 @@ def ua_table(path, anchors_by_t, copy_tbs):
             print(line)
 
 
+RECORDED_ANCHORS = []  # every anchor row measured, for the JSON of record
+
+
+def none_if_nan(x):
+    return None if x != x else x
+
+
+def machine_record(copy_tbs, mm_tflops):
+    props = torch.cuda.get_device_properties(0)
+    driver = None
+    try:
+        driver = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader", "-i", "0"],
+                                capture_output=True, text=True, check=True).stdout.strip() or None
+    except (OSError, subprocess.CalledProcessError):
+        pass
+    return dict(gpu=torch.cuda.get_device_name(), sm_count=props.multi_processor_count,
+                memory_mib=props.total_memory // (1 << 20), driver=driver, cuda=torch.version.cuda,
+                torch=torch.__version__, copy_tb_s=round(copy_tbs, 2), bf16_matmul_tflop_s=round(mm_tflops))
+
+
+def write_record(path, mechanism, shape, machine, command, rows):
+    """One JSON of record (schema: benchmarks/plot_results.py)."""
+    record = dict(schema="kvmem-benchmark-record/1", mechanism=mechanism, backend="cuda",
+                  date=datetime.datetime.now(datetime.timezone.utc).date().isoformat(), machine=machine,
+                  shape=shape, command=command, rows=rows)
+    with open(path, "w") as f:
+        json.dump(record, f, indent=1)
+        f.write("\n")
+
+
+def kvm_record_rows(kvm):
+    return [dict(kind="kvmem", variant=f"KVM {r['budget']}", batch=r["B"], heads=r["H"], kv_heads=r.get("Hk", r["H"]),
+                 tokens=r["T"], slots=r["slots"], prefill_ms=r["prefill_ms"], decode_ms=r["decode_ms"],
+                 decode_graph_ms=r["decode_graph_ms"] or None) for r in kvm]
+
+
+def ua_record_rows(ua):
+    rows = []
+    for r in ua:
+        row = dict(kind="kvmem", variant="UA pruned" if r["p"] > 0 else "UA dense", batch=r["B"], tokens=r["T"],
+                   p=r["p"], prefill_ms=r["prefill_ms"], kept_prefill=r["kept_prefill"])
+        if r["p"] > 0:
+            row.update(decode_ms=r["decode_ms"], decode_graph_ms=r.get("decode_graph_ms"),
+                       kept_decode=r["kept_decode"], kept_kv_bytes=r["kept_bytes"])
+        rows.append(row)
+    return rows
+
+
 def anchors(batch, heads, tokens, dim=128, kv_heads=None):
     """Dense causal SDPA prefill and q_len-1 decode per backend; kv_heads < heads runs grouped (GQA)."""
     kv_heads = kv_heads or heads
@@ -113,6 +167,9 @@ def anchors(batch, heads, tokens, dim=128, kv_heads=None):
                   f"{dec_graph:.4f} ms graph replay")
             measured = [t for t in (dec, dec_graph) if t == t]  # NaN: not measured
             rows[(name, T)] = (pre, min(measured) if measured else float("nan"))
+            RECORDED_ANCHORS.append(dict(kind="anchor", variant=f"SDPA {name}", batch=batch, heads=heads,
+                                         kv_heads=kv_heads, tokens=T, prefill_ms=none_if_nan(pre),
+                                         decode_ms=none_if_nan(dec), decode_graph_ms=none_if_nan(dec_graph)))
         del q, k, v
         torch.cuda.empty_cache()
     return rows
@@ -139,17 +196,27 @@ def main():
     ap.add_argument("--tokens", default="4096,8192,16384,32768")
     ap.add_argument("--ua", help="JSON lines written by kvmem_bench_ua_cuda --json")
     ap.add_argument("--ua-tokens", default="4096,8192,16384")
+    ap.add_argument("--record-dir", help="write the JSON of record (kvm_cuda.json, ua_cuda.json) here")
+    ap.add_argument("--command", default="", help="the command recorded in the JSON of record")
     args = ap.parse_args()
     tokens = [int(t) for t in args.tokens.split(",")]
     torch.manual_seed(0)
     print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}")
     copy_tbs, mm_tflops = machine_ceilings()
     print(f"copy bandwidth {copy_tbs:.2f} TB/s (read + write), bf16 matmul 8192^3 {mm_tflops:.0f} TFLOP/s")
+    machine = machine_record(copy_tbs, mm_tflops)
     if args.ua:
         ua_tokens = [int(t) for t in args.ua_tokens.split(",")]
         ua_table(args.ua, anchors(8, 16, ua_tokens, kv_heads=4), copy_tbs)
+        if args.record_dir:
+            with open(args.ua) as f:
+                ua = [json.loads(line) for line in f if line.strip()]
+            write_record(os.path.join(args.record_dir, "ua_cuda.json"), "ua",
+                         dict(heads=16, kv_heads=4, head_dim=128, storage="bf16"), machine, args.command,
+                         RECORDED_ANCHORS + ua_record_rows(ua))
     if not args.kvm:
         return
+    RECORDED_ANCHORS.clear()
     dense = anchors(args.batch, args.heads, tokens)
     dense_b1 = anchors(1, args.heads, [tokens[0], tokens[-1]])
     kvm = []
@@ -178,6 +245,10 @@ def main():
     for T in (tokens[0], tokens[-1]):
         pre, dec = dense_b1[("cudnn", T)]
         print(f"| SDPA cudnn dense B=1 | 1 | {T} | {T} | {pre:.3f} | | | {dec:.4f} | 1.00 | | |")
+    if args.record_dir:
+        write_record(os.path.join(args.record_dir, "kvm_cuda.json"), "kvm",
+                     dict(heads=args.heads, kv_heads=args.heads, head_dim=128, storage="bf16"), machine, args.command,
+                     RECORDED_ANCHORS + kvm_record_rows(kvm))
 
 
 if __name__ == "__main__":

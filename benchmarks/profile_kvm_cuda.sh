@@ -4,6 +4,7 @@
 # (or BENCH=path/to/kvmem_bench_kvm_cuda).
 set -uo pipefail
 out=${OUT:-$PWD/gpu-results}
+mkdir -p "$out"
 bench=${BENCH:-build/cuda/benchmarks/kvmem_bench_kvm_cuda}
 for budget in fixed-256 16sqrtN; do
   ncu --clock-control none --metrics gpu__time_duration.sum --csv \

@@ -8,6 +8,7 @@
 # Needs build/cuda from run_gpu.sh (or BENCH=path/to/kvmem_bench_ua_cuda). Results in $OUT/profile_ua*.
 set -uo pipefail
 out=${OUT:-$PWD/gpu-results}
+mkdir -p "$out"
 bench=${BENCH:-build/cuda/benchmarks/kvmem_bench_ua_cuda}
 ncu --clock-control none --metrics gpu__time_duration.sum --csv "$bench" --tokens 8192 >/tmp/ncu_ua.csv 2>/dev/null
 python3 benchmarks/ncu_kernel_times.py "UA B8 H16 G4 D128 T=8192: kernel time summed over one benchmark run" \

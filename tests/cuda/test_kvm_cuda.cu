@@ -463,10 +463,9 @@ TEST_CASE("kvm cuda bf16 tensor-core updates build token operands from the keys 
   // prepare pass) and write the kg rows the appends and the scatter add. Values wider than 128 take
   // the memory-form scatter, which also reads the prepare pass's vg rows: both forms in one update.
   // Routes and the |S| trajectory must agree with the host backend (flips only at near-ties: these
-  // seeds give 2-5 of 1024, the same counts with the prepare pass of 9719ae0), the summed keys of
-  // every item whose routes all agree must stay within 5e-3 of the host's (1.7e-3 measured, as with
-  // the prepare pass of 9719ae0: the host's bf16 state differs by that much; a wrong token, gate or
-  // row would be off by O(1)), and prefill and decode give bitwise one state.
+  // seeds give 2-5 of 1024), the summed keys of every item whose routes all agree must stay within
+  // 5e-3 of the host's (about 1.7e-3 on these seeds: the host's bf16 state differs by that much; a
+  // wrong token, gate or row would be off by O(1)), and prefill and decode give bitwise one state.
   const kvmem::budget::Any budgets[] = {kvmem::budget::Fixed{32, 32}, kvmem::budget::Power{4.0, 0.5, 32}};
   for (const auto& budget : budgets) {
     for (std::int64_t dv : {128, 160}) {

@@ -623,8 +623,7 @@ TEST_CASE("ua cuda bf16 dense prefill past the decay's reach (sanitizer case)", 
   // tiles walk steps past the decay's reach, where each warp sets P = 0 without its sums. One key of each
   // item points the other way (similarity <= 0 to every other key: A = 0, its λ stays 0), so its entry tile
   // comes back into reach after such steps: in tile 1 (batch 0) and in tile 0, the last step (batch 1).
-  // The other cases are too short to reach the underflow. (Written by the uafold2 branch for a skip of the
-  // value tile that lost; kept for the P = 0 path that is in.)
+  // The other cases are too short to reach the underflow.
   constexpr std::int64_t kT = 640, kD = 128;
   Case c = random_case(2, kT, 8, 2, kD, 97);
   std::vector<double> common(kD);

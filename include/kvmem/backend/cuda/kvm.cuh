@@ -113,23 +113,14 @@ struct SideStream {
 // wait only for the readout that last read the copy they write (event `read`, one per copy),
 // kReadoutCopies updates back: the chain may run kReadoutCopies - 1 chunks ahead of the readouts.
 // The aux stream also takes the ingest of the chunks the ring must hold beside the chain.
-// Measured at B 8, H 32, D 128, T 32K, fixed-256 (H200, the benchmark's random inputs, medians of
-// three runs, main's binary in the same call; benchmarks/results/kvm_cuda_2026-11-30_h200_kvmwar.md):
-// four copies 20.04 ms, three 20.29, two 20.30, against 20.80 for the design before, which copied
-// every slot's rows into one of three snapshots after each update on the aux stream (the memory of
-// four copies; 17.5 us of DRAM traffic a chunk, where the scatter's copies of the untouched rows cost
-// it about 10 us). Those copies in the scatter's prologue, on the chain, rather than beside it on aux:
-// 20.63 ms against 20.01 (medians of three alternating runs, same call; _kvmaux.md). One live copy
-// and no copies at all (the chain waiting for each readout before the next scatter) lost, 22.69 ms
-// against 20.88: the scatter then runs with nothing beside it. The chain must keep its priority (at
-// the readouts' priority: 23.36 ms). Both halves fill the GPU (the readout with 3 blocks of 168
-// registers per SM, the chain's routing with 2 of 128 x 256), so they share the SMs rather than
-// overlap freely; an earlier design measured a readout grid of 2 blocks per SM (no room left for the
-// chain) and of 1 (readouts starved), both slower. Only states no larger than the window take this
-// path: a larger state (16 sqrt N: 2884 slots at 32K) makes the update a tensor-core-bound novelty
-// pass that shares the SMs with the readout just the same, while copying its untouched rows would
-// move most of 0.4 GB a chunk (a snapshot of them did: 149.3 ms detached against 140.8 ms with the
-// readout on the chain and the selection beside it, the other path below).
+// Four copies let the chain run three chunks ahead of the readouts; with fewer it waits for them more
+// often (with none, each scatter would run with nothing beside it). The chain keeps the highest priority:
+// it is the critical path, every later chunk's update and readout waits for it. Both halves fill the GPU
+// (the readout with 3 blocks of 168 registers per SM, the chain's routing with 2 of 128 x 256), so they
+// share the SMs rather than overlap freely. Only states no larger than the window take this path: a larger
+// state (16 sqrt N: 2884 slots at 32K) makes the update a tensor-core-bound novelty pass that shares the
+// SMs with the readout just the same, while copying its untouched rows would move most of 0.4 GB a chunk;
+// such states keep the readout on the chain and run the selection beside it (the other path below).
 inline constexpr int kReadoutCopies = 4;
 
 struct ReadoutPipeline {
@@ -473,12 +464,9 @@ Status update_finish(const Executor& exec, const DeviceState<S, A>& d, const kvm
       // The first update scatters every non-sink slot, later ones the touched slots only (see
       // update_scatter_kernel). About eight slots per warp (the stream of scatter_warp_stream): a
       // block's prologue (the targets, the first-token and count tables and the touched list) costs a
-      // load round trip and two barriers before its warps start; at B8 H32 fixed-256 32K, 30.9 ms
-      // prefill against 31.9 with four slots a warp and 33.5 with two (12 and 16: within the noise; the
-      // design before the stream). With the stream (its first version, a5b9386), 16 slots a warp (one
-      // wave of 512 blocks at fixed-256) gave 61.0 us a scatter against 65.5 at fixed-256 but 98.5
-      // against 80.0 at 16 sqrt N, whose 1442-slot blocks then need 59 KB of shared memory (three
-      // blocks an SM). At most 8192 slots (64 KB of tables) a block.
+      // load round trip and two barriers before its warps start, which fewer slots a warp pay more
+      // often; more slots a warp would give 16 sqrt N's blocks (about 1442 slots) 59 KB of shared memory
+      // (three blocks an SM). At most 8192 slots (64 KB of tables) a block.
       constexpr std::int64_t kSlotsPerWarp = 8;
       const bool every_slot = scatter_takes_every_slot(plan, C);
       const std::int64_t range = after - p.sink, work = every_slot ? range : std::min(C, range);

@@ -29,11 +29,9 @@ inline constexpr int kTcThreads = 32 * kTcWarps;
 // Blocks per SM the registers are budgeted for. wgmma: 2 (127 registers; S, P and the O rows of a
 // warpgroup's 64 rows take 112 per thread): the two warpgroups of each of two blocks interleave
 // softmax and products, and an SM keeps room for the update kernels that run beside a prefill's
-// readout. On the H200 (fixed-256 32K, per chunk readout): 88 us at two blocks, 116 us at one. A
-// pipelined variant (P_{k-1} V_{k-1} in flight during the softmax of tile k, FlashAttention-3's
-// intra-warpgroup overlap) keeps a second P and the next S in registers: 210 registers and one block
-// per SM, 114 us; squeezed to two blocks it spills, 137 us (results kvm_cuda_2026-11-30_h200_wgmma.md).
-// mma.sync: 1 (197 registers).
+// readout. (Keeping P_{k-1} V_{k-1} in flight during the softmax of tile k, FlashAttention-3's
+// intra-warpgroup overlap, would hold a second P and the next S in registers: one block per SM, or a
+// spill at two.) mma.sync: 1 (197 registers).
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
 inline constexpr int kTcMinBlocks = 2;
 #else
@@ -205,9 +203,8 @@ struct TcKeyWalk {
 // Q rows row0 .. row0 + kTcRows - 1 of head (b, h) -> shared memory at smem0 as bf16 in layout L (rows
 // past t1: zeros). bf16 inputs in 16-byte rows travel as they are, by cp.async: the copies of a thread
 // are all in flight at once, and the first key tile's with them (the caller commits them with that
-// tile's group; returns true). (Loaded and converted one vector after another, they cost a global round
-// trip per vector before the first tile was even issued: long-scoreboard stalls were 23 % of a fixed-256
-// readout's, v6.) Other inputs are converted and stored; the loop's first barrier publishes them.
+// tile's group; returns true), rather than a global round trip per vector before the first tile is
+// issued. Other inputs are converted and stored; the loop's first barrier publishes them.
 template <class L, class In, int kD>
 __device__ bool load_query_rows(const In* q_head, unsigned char* smem, std::int64_t row0, std::int64_t t1,
                                 std::int64_t n0) {
@@ -478,7 +475,7 @@ __global__ void __launch_bounds__(kTcThreads, kTcMinBlocks)
   // bf16 / fp16 outputs leave through shared memory. Stored from the registers, each warp store wrote
   // two-byte pieces of eight rows (a thread holds two adjacent columns of every eight-column tile, 128
   // stores); staged in the warp's own 16 Q rows they leave as whole 16-byte row segments, eight vector
-  // stores a thread (H200, fixed-256 32K: readout 87 -> 73 us). Nothing reads those Q rows any more: on
+  // stores a thread. Nothing reads those Q rows any more: on
   // the wgmma path every warp of the warpgroup issued the last P V, so had passed its wait for the last
   // S, before the wait that ended the loop. Float outputs (twice the bytes of the warp's Q rows) and a
   // misaligned output keep the direct stores.

@@ -641,16 +641,8 @@ __device__ void scatter_into_slot(const DeviceState<S, A>& st, std::int64_t i, s
 // shared memory with cp.async (no registers held for them), so the loads of the next slots and tokens
 // overlap the adds, stores and readout refresh of the current one, across slot boundaries; only the
 // slot being added holds registers (its sums). The adds keep token order, so the sums are bitwise
-// those of scatter_into_slot. B8 H32 D128 bf16 32K, ncu mean of 20 launches: 58.5 us at fixed-256
-// (74.0 at 16 sqrt N) against 63.0 (78.0) for the design before it; 58 registers, four blocks an SM,
-// 0.69 issued warps per scheduler (0.52 before), 35.6M instructions (29.7M before: the stream's own
-// bookkeeping), so now bound by issue more than by the loads.
-// Before it (main at 6a59554): a warp began two slots in registers (sums and the first routed row of
-// each), then walked each slot's tokens with a load round trip per token; 78 registers, three blocks
-// per SM. Variants of that design that lost: more slots or rows in registers (four slots of one row,
-// two slots of two rows, one slot of four rows: fewer warps fit), a rolling pipeline of two slots in
-// registers, both slots refreshed together. The stream's first version (a5b9386: copy loops and bounds
-// checks per row, a ballot scan of every slot to the chunk's end) ran 42.3M instructions, 65.5 us.
+// those of scatter_into_slot. Rows in flight in shared memory rather than registers leave room for
+// four blocks an SM, and no load round trip per token stands between the adds.
 inline constexpr int kScatterDepth = 4;
 static_assert((kScatterDepth & (kScatterDepth - 1)) == 0, "the stage of stream row e is e % kScatterDepth");
 
@@ -1236,18 +1228,15 @@ __global__ void decode_fused_kernel(DeviceState<S, A> st, const In* q, const In*
 // Unit u of a split holds its keys [u * kDecodeWarpKeys, ...); warp w takes units w, w + 4, ... Each
 // half-warp takes half of a unit's keys; a lane holds 8 channels of q and of its output for each of
 // the block's kHeads query heads, which share one KV head: every key and value row a block reads
-// serves all of them (grouped-query attention read the cache once per query head before: at B8, 32
-// query heads over 8 KV heads, 32K, 0.0248 ms/token for fixed-256 against 0.0139 for 8 heads without
-// grouping, the same cache bytes). Each head's arithmetic is that of kHeads = 1.
+// serves all of them (rather than reading the cache once per query head). Each head's arithmetic is
+// that of kHeads = 1.
 // The decode token (the last key of the last split) comes from the inputs, rounded as the ring stores
 // it, exactly as in decode_fused_kernel.
 // grid (B*Hq/kHeads, splits), cluster (1, splits, 1), block kDecodeThreads, dynamic smem kDecodeSmemBytes.
 //
-// Shapes measured on the H200 (B8 H32 D128 at 32K, ms/token for fixed-256 / 16 sqrt N / B=1 fixed-256;
-// benchmarks/results/kvm_cuda_2026-11-30_h200_v1_decode.md): these warp units 0.0284 / 0.113 / 0.0105;
-// block-wide stages (a __syncthreads per stage) of 32 keys x 3 in 256-thread blocks 0.0318 / 0.123 /
-// 0.0112, of 16 keys x 6 0.0348 / 0.140 / 0.0129 (more bytes in flight, twice the barriers): a stage
-// waits for the slowest of its copies, so the barriers, not the bytes in flight, set the pace.
+// Each warp runs its own ring of units rather than block-wide stages behind a __syncthreads: a
+// block-wide stage waits for the slowest of its copies, so the barriers, not the bytes in flight, would
+// set the pace.
 inline constexpr int kDecodeThreads = 128;
 inline constexpr int kDecodeWarpKeys = 8;    // keys per warp unit: 4 per half-warp
 inline constexpr int kDecodeWarpStages = 3;  // units per warp ring: 2 in flight while one is read
@@ -1283,10 +1272,7 @@ inline DecodeSplits decode_splits(std::int64_t rows, std::int64_t keys, std::int
 // per KV head and `resident` blocks in one wave: the heads of a group that share a block read their
 // keys and values once (4 at most: each head keeps 8 channels of q and of its output per lane in
 // registers). That pays only when the rows alone fill the device at the most splits a row takes; with
-// fewer rows the step is bound by latency, and a block per head keeps more blocks in flight. Measured
-// on the H200, 32 query heads over 8 KV heads, 32K, ms/token (fixed-256 / 16 sqrt N): B = 8 (256 rows)
-// 0.0251 / 0.0891 grouped against 0.0248 / 0.0998; B = 1 (32 rows) 0.0147 / 0.0364 grouped against
-// 0.0100 / 0.0298 (benchmarks/results/kvm_cuda_2026-11-30_h200_gqa.md).
+// fewer rows the step is bound by latency, and a block per head keeps more blocks in flight.
 inline int decode_heads_per_block(std::int64_t rows, std::int64_t rep, std::int64_t resident) {
   if (rows * kDecodeMaxCluster <= resident) return 1;
   return rep % 4 == 0 ? 4 : rep % 2 == 0 ? 2 : 1;

@@ -29,21 +29,16 @@ namespace kvmem::cuda::kvm_detail {
 // {0, 1} of each 8-slot group: the m16n8 accumulator layout, which wgmma's m64nN repeats) and feed
 // each lane's running max; the four lanes of a quad merge at the end.
 // sm_90a: the four warps of a warpgroup (64 tokens) issue a tile's products as asynchronous m64n64k16
-// wgmma (A from registers, the slot rows as B from 128-byte-swizzled shared memory). H200, B8 H32 D128
-// 32K: a 16 sqrt N novelty pass 266 -> 181 us, a fixed-256 routing pass 61 -> 49 us against the
-// mma.sync path (results kvm_cuda_2026-11-30_h200_wgroute.md). Elsewhere (the compute_90 PTX) the
-// mma.sync path, operands through ldmatrix, whose notes follow.
-// What bounds the pass (ncu, B8 H32 D128 16 sqrt N, a 2600-slot novelty pass, 4 warps per scheduler at
-// 128 registers): the latency of dependent instructions (mma accumulator chains, compare/select
+// wgmma (A from registers, the slot rows as B from 128-byte-swizzled shared memory). Elsewhere (the
+// compute_90 PTX) the mma.sync path, operands through ldmatrix, whose notes follow.
+// What bounds the mma.sync pass (4 warps per scheduler at 128 registers): the latency of dependent
+// instructions (mma accumulator chains, compare/select
 // chains) and of ldmatrix, not bandwidth. So the loop is shaped for latency: the mma of one k-step run
 // over the four accumulators of a slot group before the next k-step (four independent chains per
 // warp rather than 24 dependent mma in a row); the pipeline keeps kRtStages - 1 tiles in flight
 // behind one barrier per tile; the argmax tests (col < n, first candidate, sink) run only on the
-// first and last groups, and the other groups take their max by a pair tree. Measured and not kept:
-// 32 tokens a warp (half the ldmatrix per mma, but 226 registers leave one block of 8 warps per SM:
-// 0.99 ms per 32K update against main's 0.87) and 64-slot groups (eight chains: 2.5 % slower end to
-// end, and more wasted mma on the handful of appended slots of a kRtRouteNew pass). Results:
-// benchmarks/results/kvm_cuda_2026-11-30_h200_route.md.
+// first and last groups, and the other groups take their max by a pair tree. 16 tokens a warp: 32
+// would halve the ldmatrix per mma but need 226 registers, one block of 8 warps per SM.
 inline constexpr int kRtWarps = 8;
 inline constexpr int kRtTokens = 16 * kRtWarps;  // tokens per block
 inline constexpr int kRtSlots = 64;              // slots per staged tile
@@ -294,10 +289,9 @@ __global__ void __launch_bounds__(32 * kRtWarps, 2)
   // wgmma: warpgroup g multiplies its 64 tokens (warp w of it: tokens 16 w .., the A fragments above)
   // by the tile's 64 slots as m64n64k16 products, A from registers, B = the slot rows (K-major: no
   // transpose) through a descriptor; k16 slice kk is 32 bytes into the rows of column block kk / 4.
-  // One accumulator a tile, folded as two groups once the products are done: on the H200 this beat
-  // two m64n32k16 groups a tile with the second computed while the first is folded (a 16 sqrt N 32K
-  // novelty pass 181 against 186 us; the overlap itself bought 1 %), at the cost of full-width
-  // products on the few appended slots of a kRtRouteNew pass (23 against 21 us). No wgmma sits in a
+  // One accumulator a tile, folded as two groups once the products are done (rather than two
+  // m64n32k16 groups with the second computed while the first is folded), at the cost of full-width
+  // products on the few appended slots of a kRtRouteNew pass. No wgmma sits in a
   // branch that depends on the thread (ptxas then serializes every wgmma of the kernel, C7520): warps
   // past the update's tokens take part with zero operands, a wgmma needing the whole warpgroup.
   float sc[kRtSlots / 8][4];

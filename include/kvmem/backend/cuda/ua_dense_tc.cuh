@@ -31,21 +31,16 @@
 // key/key similarity with mma.sync, A(e, m) into shared memory) and 16 of its lanes carry λ down those
 // columns at once (no barrier between fold and carry) into a Λ tile -> barrier -> per half tile of 32
 // entries: logits = Λ + Q K^T with mma.sync (fp32 accumulators in registers that start from Λ), online
-// softmax in registers, O += P V with the probabilities rounded to bf16 (as FlashAttention does). Measured
-// against the earlier shape (two blocks per SM at 254 registers, 64 threads carrying λ between two
-// barriers): 13.8 vs 15.0 ms at B8 H16 G4 D128 8K (results ua_cuda_2026-11-30_h200_dense2.md); with Λ as
-// the accumulators' start: 12.9 ms (ua_cuda_2026-11-30_h200_uadense3.md); with the key gate and the log1p
-// of the fold on lg2 / ex2 and no mask selects in the fold and the carry of the usual tile: 12.1 ms
-// (ua_cuda_2026-11-30_h200_uadense4.md).
+// softmax in registers, O += P V with the probabilities rounded to bf16 (as FlashAttention does). The key
+// gate and the log1p of the fold run on lg2 / ex2, and the fold and the carry of the usual tile (every
+// entry before the tile's rows) take no mask selects.
 // Built for sm_90a with D a multiple of 64 (the compute_90 PTX and D = 80 keep the mma.sync path above),
 // the block's 4 warps are one warpgroup and the two products of step 3 run as warpgroup MMA (wgmma) from
 // 128-byte-swizzled key and value tiles: Q K^T of the whole entry tile is issued right after barrier 1 and
 // runs on the tensor cores during the decay and the carry, Λ is added to it after barrier 2, then the
 // online softmax and P V (P from registers). Q lives in shared memory and the key tiles in one buffer, so
-// that three blocks share an SM as on mma.sync: 10.99 vs 12.11 ms at 8K (ua_cuda_2026-11-30_h200_uawg.md).
-// Then, with fewer instructions per decay pair (dense_log1m, the similarity clamped before lg2), P V left in
-// flight up to the next barrier 1 and P = 0 set without sums on a warp past the decay's reach: 9.40 vs 11.01 ms
-// at 8K (ua_cuda_2026-11-30_h200_uafold.md).
+// that three blocks share an SM as on mma.sync. P V stays in flight up to the next barrier 1, and a warp
+// past the decay's reach sets P = 0 without sums.
 //
 // The decay of a set made of the built-in gates (any of QueryGate, KeyGate, SimilarityGate) is evaluated in
 // base 2 with the per-key and per-position terms scaled once per entry / row: log2 x = q_m + k_j +
@@ -68,16 +63,11 @@
 
 namespace kvmem::cuda::ua_detail {
 
-// Warps per block: 4 (64 pairs), three blocks per SM (<= 168 registers; 13.83 ms at B8 H16 G4 D128 8K on
-// the H200 against 14.27 ms for the same code at two blocks per SM and 254 registers, results
-// ua_cuda_2026-11-30_h200_dense2.md). 8-warp blocks (128 pairs, one block per SM) shared each key/value
-// tile among twice the rows but lost to two 4-warp blocks per SM in the earlier shape (15.81 vs 14.97 ms,
-// ua_cuda_2026-11-29_h200_v5_dense.md and _v6.md); the per-warp λ carry (step 2 of the kernel) needs each
-// warp to fold all rows of its entries, which holds for 4 warps. The wgmma path (sm_90a) fits three blocks
-// too, with Q in shared memory (its fragments would take 32 registers) and one key buffer: 10.99 ms at 8K
-// (168 registers, 108 bytes spilled) against 11.70 ms at two blocks per SM with Q's fragments in registers
-// and two key buffers (255 registers, no spill) and 16.49 ms for that code squeezed to three blocks (588
-// bytes spilled; ua_cuda_2026-11-30_h200_uawg.md). Now 168 registers and no spill (sm_90a, D = 128).
+// Warps per block: 4 (64 pairs), three blocks per SM (<= 168 registers), so that 12 warps an SM hide the
+// latencies of a step's dependent phases. The per-warp λ carry (step 2 of the kernel) needs each warp to
+// fold all rows of its entries, which holds for 4 warps. The wgmma path (sm_90a) fits three blocks too,
+// with Q in shared memory (its fragments would take 32 registers) and one key buffer: 168 registers and no
+// spill (sm_90a, D = 128).
 inline constexpr int kDnWarps = 4;
 inline constexpr int kDnThreads = 32 * kDnWarps;
 inline constexpr int kDnPairs = 16 * kDnWarps;    // (head, row) pairs per row tile
@@ -179,9 +169,7 @@ constexpr std::size_t dense_shared_bytes() {
 // 1.4e-7 relative per row of decay, far below the rounding of the probabilities to bf16 (2^-9) before P V.
 // 5 instructions a pair (three adds, lg2, one fused multiply-add, and the clamp) instead of 25 (the range
 // reduction and the atanh series of a relatively accurate log1p): the decay fold is the largest part of a
-// step's arithmetic. The earlier form c (2 - u) for log(1 + c / u) (within 1.1e-7) took two more. With the
-// clamp of the similarity (DenseFold::decay), the float2 stores of A and the paired ldmatrix of the fold:
-// 10.83 vs 10.98 ms at 8K (ua_cuda_2026-11-30_h200_uafold.md).
+// step's arithmetic.
 __device__ inline float dense_log1m(float m) {
   const float u = 1.0f - m;
   const float c = (1.0f - u) - m;
@@ -244,19 +232,17 @@ struct DenseFold<decay::Set<G...>> {
 inline constexpr float kDnUnderflowLog2 = -127.0f;
 
 // sm_90a: a call whose longest row tile sees more than this many entry tiles (rows past 8K) runs the kernel
-// with the skip body by default (UaCacheLimits::dense_skip_past_after_tiles). The skip's code costs 5 to 6 %
-// on every step, where it fires or not, and pays back only where most of a row tile's steps are past the
-// decay's reach: 16K -8.7 %, 32K -17.6 %, but 2K / 4K +8 % (ua_cuda_2026-11-30_h200_uareach.md).
+// with the skip body by default (UaCacheLimits::dense_skip_past_after_tiles). The skip's code costs time on
+// every step, where it fires or not, and pays back only where most of a row tile's steps are past the
+// decay's reach, which on the benchmark's inputs holds from rows past 8K on.
 inline constexpr int kDnSkipPastAfterTiles = 128;
 
 // Row tiles of each item in flight when UaCacheLimits::dense_item_group is 0 (automatic): the items of a
 // group share the resident blocks, kDnBlocksPerSM an SM. Consecutive row tiles of an item then start about
 // 1 / kDnRowTilesInFlight of a row tile's walk apart, a few entry tiles at 8K, so the keys and values one
-// reads are still in L2 for the next. At B8 G4 8K on the H200 (396 resident blocks, 32 items): all items in
-// one group (12 row tiles of an item in flight) 9.40 ms with 27.5 GB read from DRAM (L2 hit rate 25 %),
-// groups of 12 items (33 row tiles in flight) 9.01 ms with 6.0 GB (75 %); groups of 16 / 8 / 6 / 4: 9.09 /
-// 9.03 / 9.30 / 9.41 ms, 4K best at 16 (-0.7 %, 12: +1 %), 16K at 8-12 (-3 %)
-// (ua_cuda_2026-11-30_h200_itemgroup.md).
+// reads are still in L2 for the next, rather than read again from DRAM. With all items in one group (on an
+// H200 at B8 G4: 396 resident blocks, 32 items, 12 row tiles of an item in flight) most of those reads miss
+// L2; about 32 row tiles of an item in flight keep most of them in it.
 inline constexpr int kDnRowTilesInFlight = 32;
 
 // The item group of a launch over `items` items: `limit` items (UaCacheLimits::dense_item_group) or, for 0,
@@ -420,8 +406,8 @@ __device__ __forceinline__ void dense_prefill_row_tile(const DeviceCache<bf16>& 
       }
     } else {
       // a tile across the cache / input boundary or past the rows, a few per row tile: kept a loop (unrolled,
-      // its copies for the value and the key tile made the step's code larger than the instruction cache
-      // serves well: 8.15 -> 7.93 ms at 8K without the unrolling, ua_cuda_2026-11-30_h200_handoff.md)
+      // its copies for the value and the key tile would make the step's code larger than the instruction
+      // cache serves well)
 #pragma unroll 1
       for (int x = tid; x < kDnEntries * kVec; x += kDnThreads) {
         const int e = x / kVec, cv = x % kVec;
@@ -444,8 +430,7 @@ __device__ __forceinline__ void dense_prefill_row_tile(const DeviceCache<bf16>& 
   // key-gate logit and position of entry e0 + tid (positions past e_total: INT64_MAX, masked). Threads
   // tid < kDnEntries load them one entry tile ahead (the latency hides behind a whole step) and publish
   // them, with the key-gate term, in shared memory for the decay and the carry of the tile: computed once
-  // per entry. Threads tid >= kDnEntries doing the positions instead (two threads per entry) measured 2.6 %
-  // slower (12.43 vs 12.11 ms at 8K, more spills; ua_cuda_2026-11-30_h200_uadense4.md).
+  // per entry, by one thread each (a second thread per entry for the positions would add registers).
   const float* const key_logit = c.key_logit + row0;
   const std::int64_t* const key_pos = c.pos + row0;
   const float* const in_zk = a.z_k + b * a.zk_b + g * a.zk_g;
@@ -460,10 +445,7 @@ __device__ __forceinline__ void dense_prefill_row_tile(const DeviceCache<bf16>& 
   };
   // logits Λ + Q K^T for the warp's 16 pairs and the 32 entries c0.. of key tile ks, in fp32 accumulators
   // that start from Λ: the tensor cores add it (inside their fp32 accumulation, where S + Λ rounded S
-  // first), so no add per logit waits on the end of the mma chain; 12.9 vs 13.8 ms at B8 H16 G4 D128 8K
-  // against q.k of the first half issued before the carry and Λ added after the barrier. Loading the key
-  // fragments one k-step ahead of their mma (ncu counts the most stall samples on these mma, waiting for
-  // their ldmatrix) measured 1 % slower (ua_cuda_2026-11-30_h200_uadense3.md).
+  // first), so no add per logit waits on the end of the mma chain.
   constexpr int kJ = 32 / 8;                                    // 8-entry accumulator tiles per half tile
   const float* const lam_lo = lt + i_lo * L::kLPitch + 2 * t4;  // Λ of the lane's rows, entries 2 t4 + {0, 1}
   const float* const lam_hi = lt + i_hi * L::kLPitch + 2 * t4;
@@ -557,7 +539,7 @@ __device__ __forceinline__ void dense_prefill_row_tile(const DeviceCache<bf16>& 
   // sm_90a: P V of a step (wgmma, P from these registers) stays in flight into the next step, through its
   // gates, metadata and λ acquire, up to barrier 1, after which the value tile is overwritten; its
   // accumulators O are next touched after barrier 2. finish_pv waits for it (a no-op with none in flight)
-  // and keeps P's registers untouched until then. 10.70 vs 10.83 ms at 8K (ua_cuda_2026-11-30_h200_uafold.md).
+  // and keeps P's registers untouched until then.
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   std::uint32_t pv_a[kDnEntries / 16][4] = {};
 #endif
@@ -593,16 +575,16 @@ __device__ __forceinline__ void dense_prefill_row_tile(const DeviceCache<bf16>& 
   // the newest entries first,
   // once every weight of the block has underflowed at a step, the next (older) entries are almost always past
   // the reach too: a step after such a step does not load its value tile and issues no P V (predicted at
-  // barrier 1 from the warps' outcomes of the previous step). The first try (uafold2) kept a mispredicting
-  // warp's P in registers to the next step, live through the decay fold, and spilled; here such a warp parks
+  // barrier 1 from the warps' outcomes of the previous step). Kept in registers to the next step, a
+  // mispredicting warp's P would be live through the decay fold and spill; so such a warp parks
   // its P fragment in the value buffer, which a skipped step leaves unused (slot p_slot, 16 bytes a lane and
   // k-step: 8 KB for the block), and at the next barrier 1 the block takes it back, loads the skipped value
   // tile and runs that P V before the step goes on: before any later rescale of O, so every result bit is
   // the one of the unskipped order (the same wgmma sequence on O).
   // s_past[t % kPastRing][w]: warp w's weights all underflowed at step t (written by its lane 0 after barrier 2
   // of step t, read after barrier 1 of the two steps that follow, and after the loop): the flags live in
-  // shared memory, not in registers, which the decay fold uses up (two flags in registers spilled 12 to 28
-  // bytes). Predicting from the last step alone: waiting for two all-past steps lost (uareach's kDnPastRun 2).
+  // shared memory, not in registers, which the decay fold uses up. The prediction looks at the last step
+  // alone: waiting for two all-past steps would skip less.
   constexpr int kPastRing = 4;
   [[maybe_unused]] __shared__ __align__(16) int s_past[kPastRing][kDnWarps];
   if constexpr (kSkipPast) {
@@ -621,7 +603,7 @@ __device__ __forceinline__ void dense_prefill_row_tile(const DeviceCache<bf16>& 
   // P V of step t, skipped though a warp had weights there (called after a barrier that follows step t's
   // softmax), in two parts around the load of its value tile: take_back_p puts every warp's P of step t
   // back in pv_a (0 for a warp past the reach), run_deferred_pv issues P V once the tile has landed and
-  // waits for it. The loop has one load of a value tile for both (a second call site spilled 8 bytes).
+  // waits for it. The loop has one load of a value tile for both (a second call site would spill).
   [[maybe_unused]] const auto take_back_p = [&](int t) {
     if constexpr (kWg) {
       const bool warp_past = s_past[t & (kPastRing - 1)][warp] != 0;
@@ -706,9 +688,7 @@ __device__ __forceinline__ void dense_prefill_row_tile(const DeviceCache<bf16>& 
     // sm_90a: Q K^T of the whole key tile as warpgroup MMA (m64n64k16, the block's 4 warps together), issued
     // now so that the tensor cores run it during the decay and the carry (it needs only the key tile; Λ is
     // added once the carry is done, step 3). Q and the key tile from swizzled shared memory, both K-major:
-    // k16 slice kb is 32 bytes into the rows of column block kb / 4. At two blocks per SM: 11.74 ms at 8K,
-    // against 12.22 ms for the same products issued after the carry, from Λ
-    // (ua_cuda_2026-11-30_h200_uawg.md).
+    // k16 slice kb is 32 bytes into the rows of column block kb / 4.
     float s_tile[kDnEntries / 8][4] = {};
     if constexpr (kWg) {
       wgmma_fence();
@@ -725,9 +705,9 @@ __device__ __forceinline__ void dense_prefill_row_tile(const DeviceCache<bf16>& 
     // before), a later row tile the hand-off word of the previous one (tag k), rarely not yet there: the
     // predecessor started earlier and walks the same tiles in the same order, the newest first. An entry
     // of this tile's own rows starts at λ = 0 (the word then stays 0, tag 0). Loaded here rather than before
-    // barrier 1 (7.91 -> 7.82 ms at 8K: fresher, fewer reloads at the carry) or at the carry (8.21 ms: its
-    // latency exposed; ua_cuda_2026-11-30_h200_handoff.md). The mma.sync path loads it at the carry: held
-    // through its fold, the word's two registers made ptxas spill 8 bytes at D 80.
+    // barrier 1 (the word is fresher, so fewer reloads at the carry) or at the carry (its latency exposed).
+    // The mma.sync path loads it at the carry: held through its fold, the word's two registers would make
+    // ptxas spill at D 80.
     if (kWg && carrier && e0 + ce < e_prev)
       c_word = has_prev ? load_relaxed_gpu(handoff + e0 + ce)
                         : std::uint64_t(__float_as_uint(__ldcg(lambda + e0 + ce)));
@@ -771,8 +751,8 @@ __device__ __forceinline__ void dense_prefill_row_tile(const DeviceCache<bf16>& 
         }
       }
       // the fold, one body for every tile, the usual one (every entry before the tile's rows, no rows past
-      // the call) included, where the select keeps every value: a second body without the select made the
-      // step's code larger (7.97 vs 7.94 ms at 8K with it, 4K +0.8 %; ua_cuda_2026-11-30_h200_handoff.md).
+      // the call) included, where the select keeps every value: a second body without the select would make
+      // the step's code larger.
       // The lane's two rows of an accumulator tile are adjacent in the entry's row of A: one 8-byte store.
 #pragma unroll
       for (int nt = 0; nt < nts; ++nt) {
@@ -835,7 +815,7 @@ __device__ __forceinline__ void dense_prefill_row_tile(const DeviceCache<bf16>& 
       };
       if (e0 + kDnEntries <= e_prev) {
         // the usual tile: every entry precedes the tile's rows, so no row is masked; the constant 0 lets
-        // the compiler drop the per-row select (12.11 vs 12.18 ms at 8K with it)
+        // the compiler drop the per-row select
         carry(0);
       } else if (idx < e_total) {
         // rows i < masked precede the entry (an entry of the range lies at row s_efirst - 1 of the tile or
@@ -871,11 +851,9 @@ __device__ __forceinline__ void dense_prefill_row_tile(const DeviceCache<bf16>& 
     // 3. per half of the tile (32 entries: 16 S registers instead of 32 keep the block at <= 168
     //    registers, three blocks per SM; one half at a time keeps the compiler from holding both): logits
     //    = Λ + S (scale 1), online softmax in registers (rows p_lo, p_hi; the quad holds a row), O += P V.
-    //    Skipping a half's logits where Λ + |q| |k| (Cauchy-Schwarz) bounds them below the underflow (the
-    //    largest Λ from the carry, the largest |k| from the keys' Gram matrix on the tensor cores) measured
-    //    5.6 % slower at 8K: it costs every step and rarely fires before the test after the logits below,
-    //    as the bound takes the slowest-decaying of 32 entries and |q| |k| (about 23 in the benchmark)
-    //    where the largest q.k is about 6 (ua_cuda_2026-11-30_h200_uadense4.md).
+    //    No skip of a half's logits where Λ + |q| |k| (Cauchy-Schwarz) bounds them below the underflow: it
+    //    would cost every step and rarely fire before the test after the logits below, as the bound takes
+    //    the slowest-decaying of 32 entries and |q| |k|, far above the largest q.k.
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
     if constexpr (kWg) {
       // sm_90a: the whole tile at once. logits = fl(Q K^T) + Λ: the products' accumulation is done before
@@ -898,8 +876,7 @@ __device__ __forceinline__ void dense_prefill_row_tile(const DeviceCache<bf16>& 
       // underflow gives P = 0, which adds exact zeros to l and O as the skip on mma.sync leaves them
       // (P = 0 is set directly, without the sums of l, which would add exact zeros, and the packs: with the
       // newest entries first, most steps of a long row tile are past the decay's reach, 64 instructions a
-      // warp fewer on each; 9.40 vs 10.70 ms at 8K with P V's overlap, 9.57 vs 10.83 without it, and no
-      // spill where there were 108 bytes: ua_cuda_2026-11-30_h200_uafold.md)
+      // warp fewer on each)
       std::uint32_t(&pa)[kDnEntries / 16][4] = pv_a;
       const bool warp_past = !online_softmax(s);
       bool skipped = false;  // this step's value tile and P V (the skip body only)
@@ -923,8 +900,7 @@ __device__ __forceinline__ void dense_prefill_row_tile(const DeviceCache<bf16>& 
       }
       if (!skipped) {
         // value tile et, loaded after barrier 1, waited for only now: the softmax gave it time to land (at
-        // barrier 2 its wait was exposed: 8.04 -> 7.92 ms at 8K with the one fold body,
-        // ua_cuda_2026-11-30_h200_handoff.md). wgmma is issued by the whole warpgroup together, so the
+        // barrier 2 its wait would be exposed). wgmma is issued by the whole warpgroup together, so the
         // barrier costs little more than the issue.
         cp_async_wait<1>();  // this thread's part of it (the next key tile, one group newer, may not have)
         copies_to_tensor_cores();
@@ -1012,8 +988,8 @@ __device__ __forceinline__ void dense_prefill_row_tile(const DeviceCache<bf16>& 
 // λ_j = Λ_{T-1, j} for every entry; the lengths and counters advance afterwards (dense_advance_kernel).
 // kSkipPast (sm_90a, D a multiple of 64; ignored elsewhere): every row tile runs the body with the skip past
 // the decay's reach. Both bodies give the same result bits. Chosen per launch, not per block: with both
-// bodies in one kernel and each block picking one by its row tile's entry tiles, ptxas spilled (D = 128: 276
-// bytes, each body alone none; ua_cuda_2026-11-30_h200_uaskip.md); the row tiles of an item must share one
+// bodies in one kernel and each block picking one by its row tile's entry tiles, ptxas spills (D = 128; each
+// body alone does not); the row tiles of an item must share one
 // launch (the λ pipeline and the tickets).
 template <class Set, int kD, bool kSkipPast>
 __global__ void __launch_bounds__(kDnThreads, kDnBlocksPerSM)

@@ -1,0 +1,167 @@
+#!/usr/bin/env python3
+# SPDX-License-Identifier: Apache-2.0
+"""Plots of the results of record: one PNG per JSON file, prefill time and decode time per token
+against the context length, kvmem's variants beside the dense anchors of the same run.
+
+    python3 benchmarks/plot_results.py [FILE.json ...] [--out DIR]
+
+With no file it reads every benchmarks/results/*.json and writes benchmarks/results/<name>.png.
+Needs matplotlib (Debian: python3-matplotlib).
+
+The JSON of record (schema "kvmem-benchmark-record/1"; benchmarks/gpu_report.py --record-dir writes it
+for a GPU run, benchmarks/results/*.json are the files of record):
+
+    schema     "kvmem-benchmark-record/1"
+    mechanism  "kvm" or "ua"
+    backend    "cuda" or "host"
+    date       ISO date of the run
+    machine    free-form object: gpu, sm_count, driver, cuda, torch, copy_tb_s, bf16_matmul_tflop_s
+               (GPU runs), or cpu, compiler, build (CPU runs)
+    shape      heads, kv_heads, head_dim, storage of the benchmark
+    command    the command that produced the numbers
+    notes      optional list of strings
+    rows       list of objects, one per (variant, batch, tokens[, p, storage]):
+      kind             "kvmem" or "anchor" (dense attention measured in the same run)
+      variant          e.g. "KVM fixed-256", "KVM 16sqrtN", "UA dense", "UA pruned", "SDPA cudnn", "dense causal"
+      batch, tokens    sequences per call and context length T
+      heads, kv_heads  optional, where a row differs from `shape` (grouped-query rows)
+      p                UA pruning threshold (0: dense)
+      storage          optional, where the run covers several storage types
+      slots            KVM state slots after the prefill
+      prefill_ms       one prefill of T tokens of every sequence (null: not measured)
+      decode_ms        ms per decode step (one token per sequence), each step a plain launch
+      decode_graph_ms  the same steps replayed from a captured CUDA graph (null: not measured)
+      run              optional: where a row was not measured in the run of the table
+      kept_prefill, kept_decode, kept_kv_bytes, state_mib, kv_mib, ...: optional extras
+"""
+import argparse
+import collections
+import glob
+import json
+import os
+import sys
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+from matplotlib.ticker import FuncFormatter, LogLocator, NullLocator  # noqa: E402
+
+SCHEMA = "kvmem-benchmark-record/1"
+
+
+def best_decode(row):
+    """ms/token: the faster of the plain launches and the graph replay (the strict figure for both sides)."""
+    times = [t for t in (row.get("decode_ms"), row.get("decode_graph_ms")) if t]
+    return min(times) if times else None
+
+
+def nice_limits(values):
+    """The 1-2-5 steps just below the smallest and just above the largest value (log axes)."""
+    steps = [m * 10.0**e for e in range(-6, 7) for m in (1, 2, 5)]
+    lo = max([t for t in steps if t <= min(values)], default=min(values))
+    hi = min([t for t in steps if t >= max(values)], default=max(values))
+    return lo / 1.15, hi * 1.15
+
+
+def series_name(row):
+    name = row["variant"]
+    if row.get("kind") == "anchor" and name.startswith("SDPA "):
+        name = {"SDPA cudnn": "cuDNN SDPA", "SDPA flash": "FlashAttention SDPA"}.get(name, name) + " (dense)"
+    if "p" in row and row["p"] > 0:
+        name += f" p = {row['p']:g}"
+    if row.get("storage"):
+        name += f" ({row['storage']})"
+    return name
+
+
+def main_rows(record):
+    """The rows of the record's main shape: the batch most kvmem rows use, KV heads as in `shape`."""
+    kv_heads = record["shape"].get("kv_heads")
+    batches = collections.Counter(r["batch"] for r in record["rows"] if r["kind"] == "kvmem")
+    batch = batches.most_common(1)[0][0]
+    return batch, [r for r in record["rows"] if r["batch"] == batch and r.get("kv_heads", kv_heads) == kv_heads]
+
+
+def plot(record, path):
+    batch, rows = main_rows(record)
+    series = collections.OrderedDict()
+    for r in sorted(rows, key=lambda r: (r["kind"] != "kvmem", r["variant"], r.get("p", 0), r["tokens"])):
+        series.setdefault((r["kind"], series_name(r)), []).append(r)
+    fig, axes = plt.subplots(1, 2, figsize=(12, 5.4))
+    markers = iter("o^vD<>pX*")
+    # seconds where every prefill takes longer than one (the host backend's runs)
+    in_s = all((r.get("prefill_ms") or 1e9) >= 1000 for r in rows)
+    decode_title = ("decode (the faster of plain launches and CUDA-graph replay)" if record["backend"] == "cuda"
+                    else "decode (mean over the steps after the prefill)")
+    panels = ((axes[0], "prefill", lambda r: r.get("prefill_ms") and r["prefill_ms"] / (1000 if in_s else 1),
+               "prefill time (s)" if in_s else "prefill time (ms)"),
+              (axes[1], decode_title, best_decode, "decode time per token (ms)"))
+    kvmem_series = [key for key in series if key[0] == "kvmem"]
+    marker = {key: next(markers, "o") for key in kvmem_series}
+    color = {key: f"C{i % 10}" for i, key in enumerate(kvmem_series)}  # one colour per series in both panels
+    for ax, title, value, ylabel in panels:
+        plotted = []
+        for (kind, name), pts in series.items():
+            xy = [(r["tokens"], value(r)) for r in pts if value(r)]
+            if not xy:
+                continue
+            x, y = zip(*xy)
+            plotted += y
+            if kind == "kvmem":
+                style = dict(marker=marker[(kind, name)], color=color[(kind, name)], linewidth=2, markersize=6)
+            else:
+                style = dict(marker="s", linestyle="--", color="0.2" if "cuDNN" in name or "causal" in name else "0.6")
+            ax.plot(x, y, label=name, **style)
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("context length T (tokens)")
+        ax.set_ylabel(ylabel)
+        ticks = sorted({r["tokens"] for r in rows})
+        ax.set_xticks(ticks)
+        ax.set_xticklabels([f"{t // 1024}K" for t in ticks])
+        ax.xaxis.set_minor_locator(NullLocator())
+        ax.yaxis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
+        ax.yaxis.set_minor_locator(NullLocator())
+        ax.yaxis.set_major_formatter(FuncFormatter(lambda y, _: f"{y:g}"))
+        if plotted:
+            ax.set_ylim(*nice_limits(plotted))
+        ax.grid(True, which="major", alpha=0.3)
+        ax.set_title(title)
+    handles, labels = axes[0].get_legend_handles_labels()
+    for h, label in zip(*axes[1].get_legend_handles_labels()):
+        if label not in labels:
+            handles.append(h)
+            labels.append(label)
+    fig.legend(handles, labels, loc="lower center", ncol=min(len(labels), 4), fontsize=8, frameon=False)
+    m, s = record["machine"], record["shape"]
+    where = f"{m['gpu']}, CUDA {m.get('cuda', '?')}" if record["backend"] == "cuda" else m.get("cpu", "CPU")
+    heads = f"H{s['heads']}" + (f"/{s['kv_heads']}" if s.get("kv_heads") not in (None, s["heads"]) else "")
+    backend = "CUDA backend" if record["backend"] == "cuda" else "host backend"
+    fig.suptitle(f"{'KV Means' if record['mechanism'] == 'kvm' else 'Universal Attention'}, {backend}: "
+                 f"B{batch} {heads} D{s['head_dim']} {s['storage']} — {where} — {record['date']}", fontsize=10)
+    fig.tight_layout(rect=(0, 0.1, 1, 1))
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main():
+    here = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("files", nargs="*", help="JSON files of record (default: benchmarks/results/*.json)")
+    ap.add_argument("--out", help="folder for the PNGs (default: next to each JSON file)")
+    args = ap.parse_args()
+    files = args.files or sorted(glob.glob(os.path.join(here, "*.json")))
+    for f in files:
+        with open(f) as fh:
+            record = json.load(fh)
+        if record.get("schema") != SCHEMA:
+            sys.exit(f"{f}: schema {record.get('schema')!r}, expected {SCHEMA!r}")
+        out = os.path.join(args.out or os.path.dirname(os.path.abspath(f)),
+                           os.path.splitext(os.path.basename(f))[0] + ".png")
+        plot(record, out)
+        print(out)
+
+
+if __name__ == "__main__":
+    main()
