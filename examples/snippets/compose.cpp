@@ -28,8 +28,8 @@ struct DistanceGate {
     return Real(-0.01) * static_cast<Real>(in.position - in.key_position);  // log f <= 0
   }
 };
-using Decay = kvmem::decay::Set<kvmem::decay::QueryGate, kvmem::decay::KeyGate, kvmem::decay::SimilarityGate,
-                                DistanceGate>;
+using Decay =
+    kvmem::decay::Set<kvmem::decay::QueryGate, kvmem::decay::KeyGate, kvmem::decay::SimilarityGate, DistanceGate>;
 constexpr auto kPrune = kvmem::prune::checked<kvmem::prune::Threshold{0.05}>();
 using Ua = kvmem::ua::Attention<Decay, kPrune, kvmem::precision::Fp32Storage>;
 
@@ -45,13 +45,13 @@ static_assert(Ua::threshold() == 0.05);
 kvmem::Status run_variants(const kvmem::host::Executor& exec, const kvmem::kvm::Weights& weights,
                            kvmem::TensorView<const float, 4> q, kvmem::TensorView<const float, 4> k,
                            kvmem::TensorView<const float, 4> v, kvmem::TensorView<const float, 3> gate,
-                           kvmem::TensorView<float, 4> kvm_out, Kvm::state_type& state,
-                           const kvmem::ua::Inputs& ua_in, kvmem::TensorView<float, 4> ua_out, Ua::Cache& cache) {
+                           kvmem::TensorView<float, 4> kvm_out, Kvm::state_type& state, const kvmem::ua::Inputs& ua_in,
+                           kvmem::TensorView<float, 4> ua_out, Ua::Cache& cache) {
   const std::int64_t B = q.extent(0), Hq = q.extent(1), T = q.extent(2), D = q.extent(3);
   const std::int64_t Hk = k.extent(1), Dv = v.extent(3);
 
   Kvm kvm;                    // kvm.params: the defaults of kvm::Params, with the budget of the type
-  kvm.params.rope_dims = 32;  // the rest of Params stays a run-time choice
+  kvm.params.rope_dims = 32;  // run-time Params as usual (rope_dims defaults to 64: set your model's)
   const kvmem::kvm::Shape shape{B, Hq, Hk, D, Dv, /*n_ctx*/ T};
   std::printf("KVM state: %lld slots per (sequence, KV head), %zu bytes\n",
               static_cast<long long>(kvmem::kvm::slot_capacity(Kvm::kBudget, kvm.params.geometry(), shape.n_ctx)),
@@ -84,10 +84,15 @@ int main() {
   }
   std::vector<float> ln_w(D, 1.0f), ln_b(D, 0.0f), tau(Hq, 1.0f);
   const kvmem::kvm::Weights weights{{ln_w.data(), {D}}, {ln_b.data(), {D}}, {tau.data(), {Hq}}, {tau.data(), {Hq}}};
-  const TensorView<const float, 4> qv(q.data(), {B, Hq, T, D}), kv(k.data(), {B, Hk, T, D}), vv(v.data(), {B, Hk, T, D});
+  const TensorView<const float, 4> qv(q.data(), {B, Hq, T, D}), kv(k.data(), {B, Hk, T, D}),
+      vv(v.data(), {B, Hk, T, D});
   const TensorView<const float, 3> gv(gate.data(), {B, Hk, T});
-  const kvmem::ua::Inputs ua_in{qv, kv, vv, TensorView<const float, 3>(z_k.data(), {B, Hk, T}),
-                                TensorView<const float, 3>(z_q.data(), {B, Hk, T}), {}};
+  const kvmem::ua::Inputs ua_in{qv,
+                                kv,
+                                vv,
+                                TensorView<const float, 3>(z_k.data(), {B, Hk, T}),
+                                TensorView<const float, 3>(z_q.data(), {B, Hk, T}),
+                                {}};
   const kvmem::host::Executor exec{};
   Kvm::state_type state;
   Ua::Cache cache;

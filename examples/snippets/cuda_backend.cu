@@ -28,18 +28,20 @@ kvmem::Status run_on_cuda(cudaStream_t stream, const float* q, const float* k, c
   // and decode enqueue their kernels on the stream and return.
   kvmem::kvm::Params params;
   params.rope_dims = 32;
-  kvmem::cuda::KvmState<float> kvm;  // KvmState<kvmem::bf16>: bf16 storage (inputs then in bf16 too)
+  kvmem::cuda::KvmState<float> kvm;  // KvmState<kvmem::bf16>: bf16 storage (float or bf16 inputs)
   KVMEM_RETURN_IF_ERROR(kvmem::cuda::KvmState<float>::create(params, {B, Hq, Hk, D, D, /*n_ctx*/ T}, kvm));
-  KVMEM_RETURN_IF_ERROR(kvmem::cuda::kvm_prefill(exec, kvm, weights, qv, kv, vv, TensorView<const float, 3>(gate, {B, Hk, T}),
+  KVMEM_RETURN_IF_ERROR(kvmem::cuda::kvm_prefill(exec, kvm, weights, qv, kv, vv,
+                                                 TensorView<const float, 3>(gate, {B, Hk, T}),
                                                  TensorView<float, 4>(out, {B, T, Hq, D})));
   kvm_slots = kvm.slots();  // the token count and |S| are kept on the host, shared by every sequence
 
   // Universal Attention: the cache's lengths and positions live on the device.
   kvmem::cuda::UaCache<float> cache;  // UaCache<kvmem::bf16> / <kvmem::fp16>: inputs in that type
   KVMEM_RETURN_IF_ERROR(kvmem::cuda::UaCache<float>::create({B, Hq, Hk, D, /*capacity*/ T}, cache));
-  const kvmem::cuda::UaInputs<float> in{qv, kv, vv, TensorView<const float, 3>(z_k, {B, Hk, T}),
-                                        TensorView<const float, 3>(z_q, {B, Hk, T}), {}};
-  KVMEM_RETURN_IF_ERROR(kvmem::cuda::ua_prefill(exec, cache, in, {/*p*/ 0.05}, TensorView<float, 4>(out, {B, T, Hq, D})));
+  const kvmem::cuda::UaInputs<float> in{
+      qv, kv, vv, TensorView<const float, 3>(z_k, {B, Hk, T}), TensorView<const float, 3>(z_q, {B, Hk, T}), {}};
+  KVMEM_RETURN_IF_ERROR(
+      kvmem::cuda::ua_prefill(exec, cache, in, {/*p*/ 0.05}, TensorView<float, 4>(out, {B, T, Hq, D})));
   return cache.lengths(ua_kept, stream);  // kept keys per (sequence, KV head): reads back, synchronises
 }
 // [snippet-end]

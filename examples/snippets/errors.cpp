@@ -72,11 +72,11 @@ int main() {
   std::vector<float> ln_w(D, 1.0f), ln_b(D, 0.0f), tau(1, 1.0f);
   const kvmem::kvm::Weights w{{ln_w.data(), {D}}, {ln_b.data(), {D}}, {tau.data(), {1}}, {tau.data(), {1}}};
   auto prefill = [&](std::int64_t tokens) {
-    return kvmem::kvm::prefill(kvmem::host::Executor{1}, state, w, TensorView<const float, 4>(x.data(), {1, 1, tokens, D}),
-                               TensorView<const float, 4>(x.data(), {1, 1, tokens, D}),
-                               TensorView<const float, 4>(x.data(), {1, 1, tokens, D}),
-                               TensorView<const float, 3>(g.data(), {1, 1, tokens}),
-                               TensorView<float, 4>(out.data(), {1, tokens, 1, D}));
+    return kvmem::kvm::prefill(
+        kvmem::host::Executor{1}, state, w, TensorView<const float, 4>(x.data(), {1, 1, tokens, D}),
+        TensorView<const float, 4>(x.data(), {1, 1, tokens, D}),
+        TensorView<const float, 4>(x.data(), {1, 1, tokens, D}), TensorView<const float, 3>(g.data(), {1, 1, tokens}),
+        TensorView<float, 4>(out.data(), {1, tokens, 1, D}));
   };
   SNIPPET_CHECK_OK(prefill(T));
   const kvmem::Status too_long = prefill(T);

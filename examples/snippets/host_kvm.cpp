@@ -16,8 +16,8 @@ kvmem::Status kv_means_on_host(kvmem::kvm::State<float>& state, std::vector<floa
   using kvmem::TensorView;
   const std::int64_t B = 1, Hq = 4, Hk = 2, D = 64, Dv = 64, T = 1000, steps = 8;
 
-  kvmem::kvm::Params params;         // chunk 256, window 2 chunks, 1 sink slot, rope_dims 64, fixed 256 slots
-  params.rope_dims = 32;             // rotated key channels of this model (the default 64 is for D = 128)
+  kvmem::kvm::Params params;  // chunk 256, window 2 chunks, 1 sink slot, rope_dims 64, fixed 256 slots
+  params.rope_dims = 32;      // rotated key channels of this model (the default 64 is for D = 128)
   params.budget = kvmem::budget::Power{16.0, 0.5, /*minimum*/ 256};  // 16·sqrt(N) slots
   // Sized once for the longest context: memory for the budget's largest slot count at n_ctx tokens.
   KVMEM_RETURN_IF_ERROR(kvmem::kvm::State<float>::create(params, {B, Hq, Hk, D, Dv, /*n_ctx*/ T + steps}, state));
@@ -37,8 +37,7 @@ kvmem::Status kv_means_on_host(kvmem::kvm::State<float>& state, std::vector<floa
   fill(v, 0.23f);
 
   const kvmem::host::Executor exec{/*threads, 0 = every core*/ 0};
-  KVMEM_RETURN_IF_ERROR(kvmem::kvm::prefill(exec, state, weights,
-                                            TensorView<const float, 4>(q.data(), {B, Hq, T, D}),
+  KVMEM_RETURN_IF_ERROR(kvmem::kvm::prefill(exec, state, weights, TensorView<const float, 4>(q.data(), {B, Hq, T, D}),
                                             TensorView<const float, 4>(k.data(), {B, Hk, T, D}),
                                             TensorView<const float, 4>(v.data(), {B, Hk, T, Dv}),
                                             TensorView<const float, 3>(gate.data(), {B, Hk, T}),
@@ -51,12 +50,10 @@ kvmem::Status kv_means_on_host(kvmem::kvm::State<float>& state, std::vector<floa
     fill(q1, 0.3f + 0.01f * float(step));
     fill(k1, 0.7f + 0.01f * float(step));
     fill(v1, 0.9f);
-    KVMEM_RETURN_IF_ERROR(kvmem::kvm::decode(exec, state, weights,
-                                             TensorView<const float, 4>(q1.data(), {B, Hq, 1, D}),
-                                             TensorView<const float, 4>(k1.data(), {B, Hk, 1, D}),
-                                             TensorView<const float, 4>(v1.data(), {B, Hk, 1, Dv}),
-                                             TensorView<const float, 3>(g1.data(), {B, Hk, 1}),
-                                             TensorView<float, 4>(out1.data(), {B, 1, Hq, Dv})));
+    KVMEM_RETURN_IF_ERROR(kvmem::kvm::decode(
+        exec, state, weights, TensorView<const float, 4>(q1.data(), {B, Hq, 1, D}),
+        TensorView<const float, 4>(k1.data(), {B, Hk, 1, D}), TensorView<const float, 4>(v1.data(), {B, Hk, 1, Dv}),
+        TensorView<const float, 3>(g1.data(), {B, Hk, 1}), TensorView<float, 4>(out1.data(), {B, 1, Hq, Dv})));
   }
   return kvmem::Status::ok();
 }

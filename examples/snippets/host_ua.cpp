@@ -41,12 +41,14 @@ kvmem::Status universal_attention_on_host(kvmem::ua::PrunedCache<float>& cache, 
   fill(v, 0.23f);
   fill(z_k, 0.05f);
   fill(z_q, 0.07f);
-  const kvmem::ua::Inputs prompt{TensorView<const float, 4>(q.data(), {B, H, T, D}),
-                                 TensorView<const float, 4>(k.data(), {B, G, T, D}),
-                                 TensorView<const float, 4>(v.data(), {B, G, T, D}),
-                                 TensorView<const float, 3>(z_k.data(), {B, G, T}),
-                                 TensorView<const float, 3>(z_q.data(), {B, G, T}),
-                                 /*z_o: no output gate*/ {}};
+  const kvmem::ua::Inputs prompt{
+      TensorView<const float, 4>(q.data(), {B, H, T, D}),
+      TensorView<const float, 4>(k.data(), {B, G, T, D}),
+      TensorView<const float, 4>(v.data(), {B, G, T, D}),
+      TensorView<const float, 3>(z_k.data(), {B, G, T}),
+      TensorView<const float, 3>(z_q.data(), {B, G, T}),
+      /*z_o: no output gate*/ {},
+  };
   const kvmem::host::Executor exec{};
   KVMEM_RETURN_IF_ERROR(kvmem::ua::prefill(exec, cache, prompt, opt, TensorView<float, 4>(out.data(), {B, T, H, D})));
 
@@ -58,12 +60,14 @@ kvmem::Status universal_attention_on_host(kvmem::ua::PrunedCache<float>& cache, 
     fill(k1, 0.013f + 0.001f * float(step));
     normalise_rows(k1);
     fill(v1, 0.9f);
-    const kvmem::ua::Inputs token{TensorView<const float, 4>(q1.data(), {B, H, 1, D}),
-                                  TensorView<const float, 4>(k1.data(), {B, G, 1, D}),
-                                  TensorView<const float, 4>(v1.data(), {B, G, 1, D}),
-                                  TensorView<const float, 3>(zk1.data(), {B, G, 1}),
-                                  TensorView<const float, 3>(zq1.data(), {B, G, 1}),
-                                  {}};
+    const kvmem::ua::Inputs token{
+        TensorView<const float, 4>(q1.data(), {B, H, 1, D}),
+        TensorView<const float, 4>(k1.data(), {B, G, 1, D}),
+        TensorView<const float, 4>(v1.data(), {B, G, 1, D}),
+        TensorView<const float, 3>(zk1.data(), {B, G, 1}),
+        TensorView<const float, 3>(zq1.data(), {B, G, 1}),
+        /*z_o*/ {},
+    };
     KVMEM_RETURN_IF_ERROR(kvmem::ua::decode(exec, cache, token, opt, TensorView<float, 4>(out1.data(), {B, 1, H, D})));
   }
   // Kept keys, bytes and the fraction of a dense cache removed, per (sequence, KV head).

@@ -29,17 +29,19 @@ kvmem::Status run_on_kokkos(const Space& space, std::int64_t& kvm_slots, kvmem::
   // Inputs (synthetic here): q [B,Hq,T,D], unit-norm keys k and values v [B,Hk,T,D], gates [B,Hk,T].
   View4 q("q", B, Hq, T, D), k("k", B, Hk, T, D), v("v", B, Hk, T, D), out("out", B, T, Hq, D);
   View3 gate("gate", B, Hk, T), z_k("z_k", B, Hk, T), z_q("z_q", B, Hk, T);
-  Kokkos::parallel_for("fill", Kokkos::RangePolicy<Space>(space, 0, B * Hk * T), KOKKOS_LAMBDA(const std::int64_t r) {
-    const std::int64_t b = r / (Hk * T), g = r / T % Hk, t = r % T;
-    for (std::int64_t d = 0; d < D; ++d) {
-      k(b, g, t, d) = (t * 31 + d * 17 + g * 5) % 3 == 0 ? -0.125f : 0.125f;  // 64 entries of 1/8: unit norm
-      v(b, g, t, d) = float((t * 13 + d * 7) % 19) / 19.0f;
-      for (std::int64_t h = g * (Hq / Hk); h < (g + 1) * (Hq / Hk); ++h) q(b, h, t, d) = float((t + d * h) % 11) / 11.0f;
-    }
-    gate(b, g, t) = 1.5f;
-    z_k(b, g, t) = float(t % 5) - 1.0f;
-    z_q(b, g, t) = float(t % 3);
-  });
+  Kokkos::parallel_for(
+      "fill", Kokkos::RangePolicy<Space>(space, 0, B * Hk * T), KOKKOS_LAMBDA(const std::int64_t r) {
+        const std::int64_t b = r / (Hk * T), g = r / T % Hk, t = r % T;
+        for (std::int64_t d = 0; d < D; ++d) {
+          k(b, g, t, d) = (t * 31 + d * 17 + g * 5) % 3 == 0 ? -0.125f : 0.125f;  // 64 entries of 1/8: unit norm
+          v(b, g, t, d) = float((t * 13 + d * 7) % 19) / 19.0f;
+          for (std::int64_t h = g * (Hq / Hk); h < (g + 1) * (Hq / Hk); ++h)
+            q(b, h, t, d) = float((t + d * h) % 11) / 11.0f;
+        }
+        gate(b, g, t) = 1.5f;
+        z_k(b, g, t) = float(t % 5) - 1.0f;
+        z_q(b, g, t) = float(t % 3);
+      });
   Kokkos::View<float*, Mem> ln_w("ln_w", D), ln_b("ln_b", D), tau("tau", Hq);
   Kokkos::deep_copy(space, ln_w, 1.0f);
   Kokkos::deep_copy(space, tau, 1.0f);
@@ -50,23 +52,22 @@ kvmem::Status run_on_kokkos(const Space& space, std::int64_t& kvm_slots, kvmem::
   params.rope_dims = 32;
   kvmem::kokkos::KvmState<float, float, Mem> kvm;
   KVMEM_RETURN_IF_ERROR(kvmem::kokkos::create_state(exec, params, {B, Hq, Hk, D, D, /*n_ctx*/ T}, kvm));
-  const kvmem::kvm::Weights weights{TensorView<const float, 1>(to_tensor_view(ln_w)),
-                                    TensorView<const float, 1>(to_tensor_view(ln_b)),
-                                    TensorView<const float, 1>(to_tensor_view(tau)),
-                                    TensorView<const float, 1>(to_tensor_view(tau))};
+  const kvmem::kvm::Weights weights{
+      TensorView<const float, 1>(to_tensor_view(ln_w)), TensorView<const float, 1>(to_tensor_view(ln_b)),
+      TensorView<const float, 1>(to_tensor_view(tau)), TensorView<const float, 1>(to_tensor_view(tau))};
   KVMEM_RETURN_IF_ERROR(kvmem::kvm::prefill(exec, kvm.state, weights, qv, kv, vv,
                                             TensorView<const float, 3>(to_tensor_view(gate)), to_tensor_view(out)));
 
   // Universal Attention: kokkos::UaCache holds the rows in Views; ua::prefill / decode as on the host.
   kvmem::kokkos::UaCache<float, Mem> cache;
   KVMEM_RETURN_IF_ERROR(kvmem::kokkos::create_cache(exec, {B, Hq, Hk, D, /*capacity*/ T}, cache));
-  const kvmem::ua::Inputs in{qv, kv, vv, TensorView<const float, 3>(to_tensor_view(z_k)),
-                             TensorView<const float, 3>(to_tensor_view(z_q)), {}};
+  const kvmem::ua::Inputs in{
+      qv, kv, vv, TensorView<const float, 3>(to_tensor_view(z_k)), TensorView<const float, 3>(to_tensor_view(z_q)), {}};
   KVMEM_RETURN_IF_ERROR(kvmem::ua::prefill(exec, cache, in, {/*p*/ 0.05}, to_tensor_view(out)));
 
-  space.fence();                          // the operations are asynchronous on the space
-  kvm_slots = kvm.state.slots(0);         // host-accessible state: read directly
-  ua = kvmem::kokkos::snapshot(cache);    // kept lengths, positions and λ copied to the host
+  space.fence();                        // the operations are asynchronous on the space
+  kvm_slots = kvm.state.slots(0);       // host-accessible state: read directly
+  ua = kvmem::kokkos::snapshot(cache);  // kept lengths, positions and λ copied to the host
   return kvmem::Status::ok();
 }
 // [snippet-end]
