@@ -5,7 +5,8 @@
 # In the Markdown, the line before the fence names the region:
 #   <!-- snippet: examples/snippets/host_kvm.cpp#kvm-host -->
 # In that file the region lies between the lines "// [snippet:kvm-host]" and "// [snippet-end]"; the
-# block must equal it with the region's common indentation removed.
+# block must equal it with the region's common indentation removed. Every region of
+# examples/snippets must be quoted by at least one page.
 #
 # usage: check_snippets.sh <repository root>
 set -eu
@@ -73,6 +74,16 @@ for md in README.md docs/*.md; do
     }' "$md" || status=1
   blocks=$(grep -c '^```\(cpp\|c++\|cxx\|cuda\)[[:space:]]*$' "$md" || true)
   echo "$md: $blocks C++ block(s) checked"
+done
+# Every region is quoted somewhere: a region no page shows is documentation that was dropped.
+for file in examples/snippets/*.cpp examples/snippets/*.cu; do
+  [ -f "$file" ] || continue
+  for name in $(sed -n 's|^[[:space:]]*// \[snippet:\([^]]*\)\][[:space:]]*$|\1|p' "$file"); do
+    if ! grep -q -F -x -- "<!-- snippet: $file#$name -->" README.md docs/*.md; then
+      echo "$file: region \"$name\" is not quoted by README.md or docs/*.md"
+      status=1
+    fi
+  done
 done
 [ "$status" -eq 0 ] && echo "every C++ block matches its snippet file" || echo "FAILED: see the messages above"
 exit "$status"
