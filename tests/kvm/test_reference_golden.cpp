@@ -11,10 +11,6 @@ constexpr double kTol = 1e-12;  // fp64 vs fp64 golden (README: reruns agree to 
 
 TEST_CASE("kvm reference matches every public golden file", "[kvm][golden]") {
   const auto files = golden_files("kvm");
-  if (files.empty()) {
-    WARN("SKIPPED: no golden files under " << golden_dir() << "/kvm");
-    return;
-  }
   for (const auto& path : files) {
     const Golden g = load_golden(path);
     SECTION(g.name) {
@@ -47,14 +43,12 @@ namespace {
 // Backward of the fp64 reference (spec 5) against the golden gradients (has_grads files).
 TEST_CASE("kvm reference backward matches the golden gradients", "[kvm][golden]") {
   const auto files = golden_files("kvm");
-  if (files.empty()) {
-    WARN("SKIPPED: no golden files under " << golden_dir() << "/kvm");
-    return;
-  }
   for (const auto& path : files) {
     const Golden g = load_golden(path);
     SECTION(g.name) {
       if (!g.config.at("has_grads").get<bool>()) {
+        // No gradients to compare; then the file must hold none either (else a check would be lost).
+        CHECK_FALSE(g.has("d_q"));
         WARN(g.name << ": has_grads = false, backward not checked");
       } else {
       const auto c = config_from_golden(g);

@@ -162,8 +162,12 @@ inline void edit_config(nlohmann::json& header, const std::function<void(nlohman
   header["__metadata__"]["config"] = config.dump();
 }
 
+// The path of one public golden file; a missing file fails the calling test case, naming the folder.
 inline std::string golden_case(const std::string& mechanism, const std::string& name) {
-  return golden_dir() + "/" + mechanism + "/" + name + ".safetensors";
+  const std::string path = golden_dir() + "/" + mechanism + "/" + name + ".safetensors";
+  if (!std::filesystem::is_regular_file(path))
+    FAIL("golden vectors missing: " << path << " not found (KVMEM_GOLDEN_DIR=" << golden_dir() << ")");
+  return path;
 }
 
 }  // namespace kvmem::test

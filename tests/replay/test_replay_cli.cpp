@@ -21,8 +21,15 @@ namespace {
 using kvmem::test::TempDir;
 namespace fs = std::filesystem;
 
-const std::string kKvm = kvmem::test::golden_case("kvm", "kvm_g6_short_t5");
-const std::string kUa = kvmem::test::golden_case("ua", "ua_g0_analytic");
+// The golden inputs, looked up inside the test cases: a missing file fails each case that needs it.
+const std::string& kvm_file() {
+  static const std::string path = kvmem::test::golden_case("kvm", "kvm_g6_short_t5");
+  return path;
+}
+const std::string& ua_file() {
+  static const std::string path = kvmem::test::golden_case("ua", "ua_g0_analytic");
+  return path;
+}
 
 int count_lines(const std::string& s) { return static_cast<int>(std::count(s.begin(), s.end(), '\n')); }
 
@@ -64,27 +71,27 @@ TEST_CASE("bad options exit 2 with one line naming the option", "[replay][cli]")
   const auto err = expect_bad(dir, "", {}, "no input file");
   CHECK(count_lines(err) == 1);
   {
-    const auto run = kvmem::test::run_tool({kKvm}, dir.path());
+    const auto run = kvmem::test::run_tool({kvm_file()}, dir.path());
     CHECK(run.rc == 2);
     CHECK_THAT(run.err, Catch::Contains("no output file"));
   }
-  expect_bad(dir, kKvm, {"--bogus"}, "unknown option '--bogus'");
-  expect_bad(dir, kKvm, {"--backend", "tpu"}, "--backend: expected reference, host, kokkos or cuda, got 'tpu'");
-  expect_bad(dir, kKvm, {"--backend=gpu"}, "got 'gpu'");
-  expect_bad(dir, kKvm, {"--precision", "fp8"}, "--precision: expected fp32 or bf16, got 'fp8'");
-  expect_bad(dir, kKvm, {"--threads", "0"}, "--threads: expected an integer >= 1, got '0'");
-  expect_bad(dir, kKvm, {"--threads", "two"}, "got 'two'");
-  expect_bad(dir, kKvm, {"--threads", "-3"}, "got '-3'");
-  expect_bad(dir, kKvm, {"--backend", "reference", "--precision", "bf16"}, "reference backend computes in float64");
-  expect_bad(dir, kKvm, {"--threads"}, "option --threads needs a value");
-  expect_bad(dir, kKvm, {kUa}, "more than one input file");
-  expect_bad(dir, kKvm, {"--config", dir.file("absent.json")}, "cannot open file");
+  expect_bad(dir, kvm_file(), {"--bogus"}, "unknown option '--bogus'");
+  expect_bad(dir, kvm_file(), {"--backend", "tpu"}, "--backend: expected reference, host, kokkos or cuda, got 'tpu'");
+  expect_bad(dir, kvm_file(), {"--backend=gpu"}, "got 'gpu'");
+  expect_bad(dir, kvm_file(), {"--precision", "fp8"}, "--precision: expected fp32 or bf16, got 'fp8'");
+  expect_bad(dir, kvm_file(), {"--threads", "0"}, "--threads: expected an integer >= 1, got '0'");
+  expect_bad(dir, kvm_file(), {"--threads", "two"}, "got 'two'");
+  expect_bad(dir, kvm_file(), {"--threads", "-3"}, "got '-3'");
+  expect_bad(dir, kvm_file(), {"--backend", "reference", "--precision", "bf16"}, "reference backend computes in float64");
+  expect_bad(dir, kvm_file(), {"--threads"}, "option --threads needs a value");
+  expect_bad(dir, kvm_file(), {ua_file()}, "more than one input file");
+  expect_bad(dir, kvm_file(), {"--config", dir.file("absent.json")}, "cannot open file");
   kvmem::test::write_text(dir.file("bad.json"), "{\"T\": ");
-  expect_bad(dir, kKvm, {"--config", dir.file("bad.json")}, "is not valid JSON");
+  expect_bad(dir, kvm_file(), {"--config", dir.file("bad.json")}, "is not valid JSON");
   kvmem::test::write_text(dir.file("array.json"), "[1, 2]");
-  expect_bad(dir, kKvm, {"--config", dir.file("array.json")}, "is not a JSON object");
+  expect_bad(dir, kvm_file(), {"--config", dir.file("array.json")}, "is not a JSON object");
   kvmem::test::write_text(dir.file("mech.json"), "{\"mechanism\": 3}");
-  expect_bad(dir, kKvm, {"--config", dir.file("mech.json")}, "'mechanism' must be a string");
+  expect_bad(dir, kvm_file(), {"--config", dir.file("mech.json")}, "'mechanism' must be a string");
 
   const auto help = kvmem::test::run_tool({"--help"}, dir.path());
   CHECK(help.rc == 0);
@@ -118,17 +125,17 @@ void expect_backend(const TempDir& dir, const std::string& input, const std::str
 
 TEST_CASE("kokkos and cuda run when built in and otherwise answer that they are not", "[replay][cli]") {
   TempDir dir("gpu");
-  expect_backend(dir, kKvm, "kokkos", KVMEM_REPLAY_HAVE_KOKKOS_KVM);
-  expect_backend(dir, kUa, "kokkos", KVMEM_REPLAY_HAVE_KOKKOS_UA);
-  expect_backend(dir, kKvm, "cuda", KVMEM_REPLAY_HAVE_CUDA_KVM);
-  expect_backend(dir, kUa, "cuda", KVMEM_REPLAY_HAVE_CUDA_UA);
+  expect_backend(dir, kvm_file(), "kokkos", KVMEM_REPLAY_HAVE_KOKKOS_KVM);
+  expect_backend(dir, ua_file(), "kokkos", KVMEM_REPLAY_HAVE_KOKKOS_UA);
+  expect_backend(dir, kvm_file(), "cuda", KVMEM_REPLAY_HAVE_CUDA_KVM);
+  expect_backend(dir, ua_file(), "cuda", KVMEM_REPLAY_HAVE_CUDA_UA);
 }
 
 #if !KVMEM_REPLAY_HAVE_KOKKOS_KVM && !KVMEM_REPLAY_HAVE_KOKKOS_UA
 TEST_CASE("a build without kokkos says how to get it", "[replay][cli]") {
   TempDir dir("gpu_hint");
   // Either Kokkos is not configured, or it is but the tool has no adapter for the mechanism.
-  const auto err = expect_bad(dir, kUa, {"--backend", "kokkos"}, "backend kokkos is not built into this kvmem-replay");
+  const auto err = expect_bad(dir, ua_file(), {"--backend", "kokkos"}, "backend kokkos is not built into this kvmem-replay");
   const bool configure_hint = err.find("-DKVMEM_KOKKOS=ON") != std::string::npos;
   const bool adapter_hint = err.find("has no Kokkos ua adapter") != std::string::npos;
   CHECK((configure_hint || adapter_hint));
@@ -141,7 +148,7 @@ TEST_CASE("missing, unreadable and truncated files", "[replay][cli]") {
   fs::create_directories(dir.path() / "folder.safetensors");
   expect_bad(dir, dir.file("folder.safetensors"), {}, "not a regular file");
 
-  const auto bytes = kvmem::test::read_bytes(kKvm);
+  const auto bytes = kvmem::test::read_bytes(kvm_file());
   auto cut = [&](std::size_t n) {
     const std::string path = dir.file("cut" + std::to_string(n) + ".safetensors");
     kvmem::test::write_bytes(path, std::vector<std::uint8_t>(bytes.begin(), bytes.begin() + static_cast<std::ptrdiff_t>(n)));
@@ -156,13 +163,13 @@ TEST_CASE("missing, unreadable and truncated files", "[replay][cli]") {
 
 TEST_CASE("header JSON that does not parse", "[replay][cli]") {
   TempDir dir("json");
-  auto bytes = kvmem::test::read_bytes(kKvm);
+  auto bytes = kvmem::test::read_bytes(kvm_file());
   REQUIRE(bytes[8] == '{');
   bytes[8] = '#';
   kvmem::test::write_bytes(dir.file("hash.safetensors"), bytes);
   expect_bad(dir, dir.file("hash.safetensors"), {}, "header JSON is not parseable");
 
-  bytes = kvmem::test::read_bytes(kKvm);
+  bytes = kvmem::test::read_bytes(kvm_file());
   const std::uint64_t huge = std::uint64_t{1} << 62;
   std::memcpy(bytes.data(), &huge, 8);
   kvmem::test::write_bytes(dir.file("len.safetensors"), bytes);
@@ -178,7 +185,7 @@ TEST_CASE("header JSON that does not parse", "[replay][cli]") {
 
 TEST_CASE("offsets outside the file, overlaps and unknown dtypes", "[replay][cli]") {
   TempDir dir("offsets");
-  const auto outside = edited(dir, kKvm, "outside.safetensors", [](nlohmann::json& h) {
+  const auto outside = edited(dir, kvm_file(), "outside.safetensors", [](nlohmann::json& h) {
     auto& off = h["v"]["data_offsets"];
     const auto span = off[1].get<std::uint64_t>() - off[0].get<std::uint64_t>();
     off[0] = std::uint64_t{1} << 40;
@@ -187,7 +194,7 @@ TEST_CASE("offsets outside the file, overlaps and unknown dtypes", "[replay][cli
   expect_bad(dir, outside, {}, "tensor 'v': data_offsets [1099511627776");
   expect_bad(dir, outside, {}, "outside the data buffer");
 
-  const auto reversed = edited(dir, kKvm, "reversed.safetensors", [](nlohmann::json& h) {
+  const auto reversed = edited(dir, kvm_file(), "reversed.safetensors", [](nlohmann::json& h) {
     auto& off = h["gate"]["data_offsets"];
     const auto b = off[0];
     off[0] = off[1];
@@ -195,75 +202,75 @@ TEST_CASE("offsets outside the file, overlaps and unknown dtypes", "[replay][cli
   });
   expect_bad(dir, reversed, {}, "end before they begin");
 
-  const auto overlap = edited(dir, kKvm, "overlap.safetensors", [](nlohmann::json& h) {
+  const auto overlap = edited(dir, kvm_file(), "overlap.safetensors", [](nlohmann::json& h) {
     h["ln_bias"]["data_offsets"] = h["ln_weight"]["data_offsets"];
   });
   expect_bad(dir, overlap, {}, "overlaps");
 
-  const auto dtype = edited(dir, kKvm, "dtype.safetensors", [](nlohmann::json& h) { h["q"]["dtype"] = "F80"; });
+  const auto dtype = edited(dir, kvm_file(), "dtype.safetensors", [](nlohmann::json& h) { h["q"]["dtype"] = "F80"; });
   expect_bad(dir, dtype, {}, "tensor 'q': unknown dtype 'F80'");
 
-  const auto integer = edited(dir, kKvm, "int.safetensors", [](nlohmann::json& h) { h["gate"]["dtype"] = "I64"; });
+  const auto integer = edited(dir, kvm_file(), "int.safetensors", [](nlohmann::json& h) { h["gate"]["dtype"] = "I64"; });
   expect_bad(dir, integer, {}, "tensor 'gate' has an integer dtype");
 
-  const auto size = edited(dir, kUa, "size.safetensors", [](nlohmann::json& h) { h["z_k"]["dtype"] = "F32"; });
+  const auto size = edited(dir, ua_file(), "size.safetensors", [](nlohmann::json& h) { h["z_k"]["dtype"] = "F32"; });
   expect_bad(dir, size, {}, "tensor 'z_k': data_offsets span 128 bytes but the shape and dtype need 64");
 }
 
 TEST_CASE("shapes that disagree with the config and missing tensors", "[replay][cli]") {
   TempDir dir("shapes");
   // Same byte count, different shape: the reader accepts it, the config check must not.
-  const auto reshaped = edited(dir, kKvm, "reshaped.safetensors", [](nlohmann::json& h) {
+  const auto reshaped = edited(dir, kvm_file(), "reshaped.safetensors", [](nlohmann::json& h) {
     h["k"]["shape"] = {1, 2, 10, 8};
   });
   expect_bad(dir, reshaped, {}, "tensor 'k' has shape [1,2,10,8] but the config (B=1, Hk=2, T=5, D=16) calls for [1,2,5,16]");
 
   kvmem::test::write_text(dir.file("t4.json"), R"({"T": 4})");
-  expect_bad(dir, kKvm, {"--config", dir.file("t4.json")}, "tensor 'q' has shape [1,2,5,16]");
+  expect_bad(dir, kvm_file(), {"--config", dir.file("t4.json")}, "tensor 'q' has shape [1,2,5,16]");
   kvmem::test::write_text(dir.file("g2.json"), R"({"G": 2})");
-  expect_bad(dir, kUa, {"--config", dir.file("g2.json")}, "tensor 'k' has shape [1,1,16,4]");
+  expect_bad(dir, ua_file(), {"--config", dir.file("g2.json")}, "tensor 'k' has shape [1,1,16,4]");
 
-  const auto no_v = edited(dir, kKvm, "no_v.safetensors", [](nlohmann::json& h) { h.erase("v"); });
+  const auto no_v = edited(dir, kvm_file(), "no_v.safetensors", [](nlohmann::json& h) { h.erase("v"); });
   expect_bad(dir, no_v, {}, "missing tensor 'v'");
-  const auto no_zq = edited(dir, kUa, "no_zq.safetensors", [](nlohmann::json& h) { h.erase("z_q"); });
+  const auto no_zq = edited(dir, ua_file(), "no_zq.safetensors", [](nlohmann::json& h) { h.erase("z_q"); });
   expect_bad(dir, no_zq, {}, "missing tensor 'z_q'");
-  const auto no_tau = edited(dir, kKvm, "no_tau.safetensors", [](nlohmann::json& h) { h.erase("tau_bswa"); });
+  const auto no_tau = edited(dir, kvm_file(), "no_tau.safetensors", [](nlohmann::json& h) { h.erase("tau_bswa"); });
   expect_bad(dir, no_tau, {}, "missing tensor 'tau_bswa'");
 }
 
 TEST_CASE("unknown mechanism and broken configurations", "[replay][cli]") {
   TempDir dir("config");
-  const auto mech = edited(dir, kKvm, "mech.safetensors", [](nlohmann::json& h) { h["__metadata__"]["mechanism"] = "kvx"; });
+  const auto mech = edited(dir, kvm_file(), "mech.safetensors", [](nlohmann::json& h) { h["__metadata__"]["mechanism"] = "kvx"; });
   expect_bad(dir, mech, {}, "unknown mechanism 'kvx' (known: kvm, ua)");
-  const auto no_mech = edited(dir, kKvm, "nomech.safetensors", [](nlohmann::json& h) { h["__metadata__"].erase("mechanism"); });
+  const auto no_mech = edited(dir, kvm_file(), "nomech.safetensors", [](nlohmann::json& h) { h["__metadata__"].erase("mechanism"); });
   expect_bad(dir, no_mech, {}, "metadata has no 'mechanism'");
-  const auto no_meta = edited(dir, kUa, "nometa.safetensors", [](nlohmann::json& h) { h.erase("__metadata__"); });
+  const auto no_meta = edited(dir, ua_file(), "nometa.safetensors", [](nlohmann::json& h) { h.erase("__metadata__"); });
   expect_bad(dir, no_meta, {}, "metadata has no 'mechanism'");
-  const auto no_cfg = edited(dir, kKvm, "nocfg.safetensors", [](nlohmann::json& h) { h["__metadata__"].erase("config"); });
+  const auto no_cfg = edited(dir, kvm_file(), "nocfg.safetensors", [](nlohmann::json& h) { h["__metadata__"].erase("config"); });
   expect_bad(dir, no_cfg, {}, "metadata has no 'config'");
-  const auto bad_cfg = edited(dir, kKvm, "badcfg.safetensors", [](nlohmann::json& h) { h["__metadata__"]["config"] = "{\"B\": 1,"; });
+  const auto bad_cfg = edited(dir, kvm_file(), "badcfg.safetensors", [](nlohmann::json& h) { h["__metadata__"]["config"] = "{\"B\": 1,"; });
   expect_bad(dir, bad_cfg, {}, "metadata 'config' is not valid JSON");
 
   auto with = [&](const std::string& golden, const std::string& name, const std::function<void(nlohmann::json&)>& edit) {
     return edited(dir, golden, name, [&](nlohmann::json& h) { kvmem::test::edit_config(h, edit); });
   };
-  expect_bad(dir, with(kKvm, "noT.safetensors", [](nlohmann::json& c) { c.erase("T"); }), {}, "config: missing key 'T'");
-  expect_bad(dir, with(kKvm, "strT.safetensors", [](nlohmann::json& c) { c["T"] = "5"; }), {}, "'T' must be an integer");
-  expect_bad(dir, with(kKvm, "negB.safetensors", [](nlohmann::json& c) { c["B"] = -1; }), {}, "'B' must lie in [1,");
-  expect_bad(dir, with(kKvm, "hq.safetensors", [](nlohmann::json& c) { c["Hq"] = 3; }), {}, "must be a multiple of 'Hk'");
-  expect_bad(dir, with(kKvm, "sink.safetensors", [](nlohmann::json& c) { c["sink"] = 8; }), {}, "'sink' must lie in [0, 7]");
-  expect_bad(dir, with(kKvm, "kind.safetensors", [](nlohmann::json& c) { c["budget"]["kind"] = "linear"; }), {},
+  expect_bad(dir, with(kvm_file(), "noT.safetensors", [](nlohmann::json& c) { c.erase("T"); }), {}, "config: missing key 'T'");
+  expect_bad(dir, with(kvm_file(), "strT.safetensors", [](nlohmann::json& c) { c["T"] = "5"; }), {}, "'T' must be an integer");
+  expect_bad(dir, with(kvm_file(), "negB.safetensors", [](nlohmann::json& c) { c["B"] = -1; }), {}, "'B' must lie in [1,");
+  expect_bad(dir, with(kvm_file(), "hq.safetensors", [](nlohmann::json& c) { c["Hq"] = 3; }), {}, "must be a multiple of 'Hk'");
+  expect_bad(dir, with(kvm_file(), "sink.safetensors", [](nlohmann::json& c) { c["sink"] = 8; }), {}, "'sink' must lie in [0, 7]");
+  expect_bad(dir, with(kvm_file(), "kind.safetensors", [](nlohmann::json& c) { c["budget"]["kind"] = "linear"; }), {},
              "config.budget: 'kind' must be fixed, power or saturating, got 'linear'");
-  expect_bad(dir, with(kKvm, "nobudget.safetensors", [](nlohmann::json& c) { c.erase("budget"); }), {}, "missing key 'budget'");
-  expect_bad(dir, with(kKvm, "flag.safetensors", [](nlohmann::json& c) { c["head_temps"] = 1; }), {}, "'head_temps' must be true or false");
-  expect_bad(dir, with(kKvm, "split.safetensors", [](nlohmann::json& c) { c["decode_split"] = 6; }), {}, "'decode_split' must lie in [-1, 5]");
-  expect_bad(dir, with(kUa, "th.safetensors", [](nlohmann::json& c) { c["thresholds"] = {0.05, 1.5}; }), {},
+  expect_bad(dir, with(kvm_file(), "nobudget.safetensors", [](nlohmann::json& c) { c.erase("budget"); }), {}, "missing key 'budget'");
+  expect_bad(dir, with(kvm_file(), "flag.safetensors", [](nlohmann::json& c) { c["head_temps"] = 1; }), {}, "'head_temps' must be true or false");
+  expect_bad(dir, with(kvm_file(), "split.safetensors", [](nlohmann::json& c) { c["decode_split"] = 6; }), {}, "'decode_split' must lie in [-1, 5]");
+  expect_bad(dir, with(ua_file(), "th.safetensors", [](nlohmann::json& c) { c["thresholds"] = {0.05, 1.5}; }), {},
              "every entry of 'thresholds' must be a number in (0, 1), got 1.5");
-  expect_bad(dir, with(kUa, "thdup.safetensors", [](nlohmann::json& c) { c["thresholds"] = {0.05, 0.0501}; }), {},
+  expect_bad(dir, with(ua_file(), "thdup.safetensors", [](nlohmann::json& c) { c["thresholds"] = {0.05, 0.0501}; }), {},
              "name the same output twice (p005)");
-  expect_bad(dir, with(kUa, "gates.safetensors", [](nlohmann::json& c) { c["gates"] = {"query", "key"}; }), {}, "'gates' must be");
-  expect_bad(dir, with(kUa, "scale.safetensors", [](nlohmann::json& c) { c["scale"] = 0.5; }), {}, "'scale' = 0.5 is not supported");
-  expect_bad(dir, with(kUa, "psplit.safetensors", [](nlohmann::json& c) { c["prefill_split"] = 17; }), {},
+  expect_bad(dir, with(ua_file(), "gates.safetensors", [](nlohmann::json& c) { c["gates"] = {"query", "key"}; }), {}, "'gates' must be");
+  expect_bad(dir, with(ua_file(), "scale.safetensors", [](nlohmann::json& c) { c["scale"] = 0.5; }), {}, "'scale' = 0.5 is not supported");
+  expect_bad(dir, with(ua_file(), "psplit.safetensors", [](nlohmann::json& c) { c["prefill_split"] = 17; }), {},
              "'prefill_split' must lie in [-1, 16]");
 }
 
@@ -271,7 +278,7 @@ TEST_CASE("a failed run leaves an existing output file untouched", "[replay][cli
   TempDir dir("untouched");
   const std::string out = dir.file("out.safetensors");
   kvmem::test::write_text(out, "previous results");
-  auto bytes = kvmem::test::read_bytes(kUa);
+  auto bytes = kvmem::test::read_bytes(ua_file());
   REQUIRE(bytes.size() > 8);
   bytes.erase(bytes.end() - 8, bytes.end());  // drop the last 8 bytes (erase: no grow path for GCC to misjudge)
   kvmem::test::write_bytes(dir.file("cut.safetensors"), bytes);
@@ -284,7 +291,7 @@ TEST_CASE("a failed run leaves an existing output file untouched", "[replay][cli
 TEST_CASE("an output folder that does not exist is an error after the run, with nothing written", "[replay][cli]") {
   TempDir dir("nofolder");
   const std::string out = dir.file("missing/out.safetensors");
-  const auto run = kvmem::test::run_tool({kKvm, "-o", out, "--backend", "reference", "--quiet"}, dir.path());
+  const auto run = kvmem::test::run_tool({kvm_file(), "-o", out, "--backend", "reference", "--quiet"}, dir.path());
   CHECK(run.rc == 2);
   CHECK_THAT(run.err, Catch::Contains("cannot open for writing"));
   CHECK(run.out.empty());  // no comparison lines for results that were not saved
@@ -295,7 +302,7 @@ TEST_CASE("an output folder that does not exist is an error after the run, with 
 #if KVMEM_REPLAY_HAVE_REFERENCE_KVM && KVMEM_REPLAY_HAVE_HOST_KVM
 TEST_CASE("non-finite inputs are rejected by every backend before anything is written", "[replay][cli]") {
   TempDir dir("nan");
-  auto img = kvmem::test::split_image(kvmem::test::read_bytes(kKvm));
+  auto img = kvmem::test::split_image(kvmem::test::read_bytes(kvm_file()));
   const auto at = img.header["k"]["data_offsets"][0].get<std::size_t>() + 8 * 17;
   const double nan = std::numeric_limits<double>::quiet_NaN();
   std::memcpy(img.data.data() + at, &nan, 8);
@@ -311,7 +318,7 @@ TEST_CASE("non-finite inputs are rejected by every backend before anything is wr
 #if KVMEM_REPLAY_HAVE_HOST_UA || KVMEM_REPLAY_HAVE_KOKKOS_UA
 TEST_CASE("non-finite UA inputs are rejected by the host and kokkos backends before anything is written", "[replay][cli]") {
   TempDir dir("nan_ua");
-  auto img = kvmem::test::split_image(kvmem::test::read_bytes(kUa));
+  auto img = kvmem::test::split_image(kvmem::test::read_bytes(ua_file()));
   const auto at = img.header["q"]["data_offsets"][0].get<std::size_t>() + 8 * 3;
   const double inf = std::numeric_limits<double>::infinity();
   std::memcpy(img.data.data() + at, &inf, 8);

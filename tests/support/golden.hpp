@@ -1,11 +1,13 @@
 // SPDX-License-Identifier: Apache-2.0
 #pragma once
-// Test helpers: load the float64 golden vectors of ../shared/golden in place, and compare tensors
-// with the tolerance rule of shared/golden/README.md (max |x - ref| <= tol * max(1, max |ref|)).
+// Test helpers: load the float64 golden vectors in place (KVMEM_GOLDEN_DIR, by default the copy in
+// tests/data/golden), and compare tensors with the tolerance rule of tests/data/golden/README.md
+// (max |x - ref| <= tol * max(1, max |ref|)).
 
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <filesystem>
 #include <string>
 #include <vector>
@@ -17,15 +19,26 @@
 
 namespace kvmem::test {
 
-inline std::string golden_dir() { return KVMEM_GOLDEN_DIR; }
+// The golden folder: the environment variable KVMEM_GOLDEN_DIR when set (another copy, without a
+// rebuild; the golden_missing_fails test points it at a folder that does not exist), else the
+// folder configured at build time.
+inline std::string golden_dir() {
+  const char* env = std::getenv("KVMEM_GOLDEN_DIR");
+  return env != nullptr && *env != '\0' ? std::string(env) : std::string(KVMEM_GOLDEN_DIR);
+}
 
-// Every *.safetensors of golden/<mechanism>, sorted by name.
+// Every *.safetensors of golden/<mechanism>, sorted by name. A missing or empty folder fails the
+// calling test case: a golden test must never pass without having compared anything.
 inline std::vector<std::string> golden_files(const std::string& mechanism) {
   std::vector<std::string> files;
   const std::filesystem::path dir = std::filesystem::path(golden_dir()) / mechanism;
-  if (!std::filesystem::is_directory(dir)) return files;
+  if (!std::filesystem::is_directory(dir))
+    FAIL("golden vectors missing: " << dir.string()
+                                    << " is not a folder (KVMEM_GOLDEN_DIR; the repository carries them in "
+                                       "tests/data/golden)");
   for (const auto& entry : std::filesystem::directory_iterator(dir))
     if (entry.path().extension() == ".safetensors") files.push_back(entry.path().string());
+  if (files.empty()) FAIL("golden vectors missing: no *.safetensors under " << dir.string());
   std::sort(files.begin(), files.end());
   return files;
 }

@@ -1,7 +1,8 @@
 // SPDX-License-Identifier: Apache-2.0
-// Every public UA golden (../shared/golden/ua, read in place): the fp64 reference and the fp32 host
-// backend against out, lse, lambda_last, out_decode, and the pruned outputs and kept sets for
-// p = 0.05 / 0.15. Tolerance rule of shared/golden/README.md: max |x - ref| <= tol * max(1, max |ref|)
+// Every public UA golden (KVMEM_GOLDEN_DIR/ua, by default tests/data/golden/ua, read in place): the
+// fp64 reference and the fp32 host backend against out, lse, lambda_last, out_decode, and the pruned
+// outputs and kept sets for p = 0.05 / 0.15. Tolerance rule of tests/data/golden/README.md:
+// max |x - ref| <= tol * max(1, max |ref|)
 // with tol = 1e-12 for the fp64 reference (the README reports <= 1.5e-12 between torch versions) and
 // 1e-5 for fp32. Kept sets must match exactly; a key whose λ at the last token lies within 1e-9 of
 // ln p is a don't-care (README; the goldens' margins are >= 6e-4, so none is expected, and the test
