@@ -1,0 +1,105 @@
+// SPDX-License-Identifier: Apache-2.0
+#pragma once
+// Exact ties in KVM routing (spec KVM.md 4.5 and 7.4), checked on any backend with the same cases:
+// merge-argmax ties go to the smallest non-sink slot, append-cutoff ties to the lowest token index.
+// The ties are exact by construction (identical slots or identical tokens give bitwise identical
+// dot products on every backend), and each case also has a closed-form expectation besides the fp64
+// reference's routes.
+//
+// A backend is a runner: HostResult(const rkvm::Config&, const rkvm::Inputs&, std::int64_t split):
+// prefill of [0, split) then one decode call per later token (split == T: one prefill), with the
+// outputs, the final state and the routes of every update (tests/kvm/kvm_host_util.hpp's layout).
+
+#include <cstdint>
+#include <vector>
+
+#include <catch2/catch.hpp>
+
+#include "kvm_host_util.hpp"
+
+namespace kvmem::test::boundary {
+
+// Token `from` copied onto token `to` (k, v and gate) in every (b, kv head).
+inline void copy_token(const rkvm::Config& c, rkvm::Inputs& in, std::int64_t from, std::int64_t to) {
+  for (std::int64_t row = 0; row < c.B * c.Hk; ++row) {
+    for (std::int64_t d = 0; d < c.D; ++d)
+      in.k[std::size_t((row * c.T + to) * c.D + d)] = in.k[std::size_t((row * c.T + from) * c.D + d)];
+    for (std::int64_t d = 0; d < c.Dv; ++d)
+      in.v[std::size_t((row * c.T + to) * c.Dv + d)] = in.v[std::size_t((row * c.T + from) * c.Dv + d)];
+    in.gate[std::size_t(row * c.T + to)] = in.gate[std::size_t(row * c.T + from)];
+  }
+}
+
+template <class Runner>
+void check_against_reference(const rkvm::Config& c, const rkvm::Inputs& in, Runner&& run, std::int64_t split,
+                             const rkvm::Result& ref) {
+  INFO("split " << split);
+  const HostResult r = run(c, in, split);
+  REQUIRE(r.route_merge.size() == ref.route_merge.size());
+  REQUIRE(r.route_append.size() == ref.route_append.size());
+  for (std::size_t u = 0; u < ref.route_merge.size(); ++u) {
+    INFO("update " << u + 1);
+    CHECK(r.route_merge[u] == ref.route_merge[u]);
+    CHECK(r.route_append[u] == ref.route_append[u]);
+  }
+  CHECK(r.slots == ref.slots);
+  KVMEM_CHECK_CLOSE(r.state_k, ref.state_k, 1e-5);
+  KVMEM_CHECK_CLOSE(r.state_v, ref.state_v, 1e-5);
+  KVMEM_CHECK_CLOSE(r.out, ref.out, 1e-5);
+}
+
+// Merge-argmax ties: tokens 0..3 identical, so init slots 0..3 have bitwise identical K^ (LN_s of the
+// same sum) and every merged token's logits to them tie exactly. The tokens of update 1 are close to
+// token 0, so many pick that group; each must go to its smallest non-sink member, slot `sink` (spec
+// 4.5 step 4: argmax over j >= S, ties to the smallest j). Fixed budget: update 1 only merges.
+template <class Runner>
+void check_merge_ties(Runner&& run) {
+  for (const std::int64_t sink : {0, 1, 2})
+    for (const bool gate_initial : {false, true}) {
+      INFO("sink " << sink << ", gate_initial " << gate_initial);
+      rkvm::Config c = small_config(2, 40, 4, 2, 8, 6, kvmem::budget::Fixed{8, 8});
+      c.sink = sink;
+      c.gate_initial = gate_initial;
+      rkvm::Inputs in = random_inputs(c, 7100 + std::uint64_t(sink));
+      for (std::int64_t t = 1; t < 4; ++t) copy_token(c, in, 0, t);
+      for (std::int64_t row = 0; row < c.B * c.Hk; ++row)  // update 1's tokens 8..15 near token 0
+        for (std::int64_t t = 8; t < 16; ++t)
+          for (std::int64_t d = 0; d < c.D; ++d)
+            in.k[std::size_t((row * c.T + t) * c.D + d)] =
+                in.k[std::size_t((row * c.T) * c.D + d)] + 0.3 * in.k[std::size_t((row * c.T + t) * c.D + d)];
+      const rkvm::Result ref = rkvm::prefill(c, in);
+      REQUIRE(ref.route_merge.size() == 2);
+      std::int64_t into_group = 0;
+      for (std::int64_t target : ref.route_merge[0]) {
+        if (target >= 0 && target < 4) {
+          ++into_group;
+          CHECK(target == sink);
+        }
+      }
+      REQUIRE(into_group > 0);  // the tie is exercised
+      for (const std::int64_t split : {c.T, std::int64_t(13), std::int64_t(0)}) check_against_reference(c, in, run, split, ref);
+    }
+}
+
+// Append-cutoff ties: every token of an update has the same key (values and gates differ), so all
+// novelty scores tie exactly (the score uses the ungated k0, spec 4.5 step 2) and the append set is
+// the first n_app tokens by index (ties by lower index, spec 7.4). Power budget f = 3, e = 0.5, min 8,
+// C = 8 (spec KVM.md 8): update 1 appends 6 of tokens 8..15, update 2 appends 2 of tokens 16..23.
+template <class Runner>
+void check_append_ties(Runner&& run) {
+  for (const bool value_radius : {true, false}) {
+    INFO("value_radius " << value_radius);
+    rkvm::Config c = small_config(1, 40, 2, 1, 8, 8, kvmem::budget::Power{3.0, 0.5, 8});
+    c.value_radius = value_radius;
+    rkvm::Inputs in = random_inputs(c, 7200);
+    for (std::int64_t t = 9; t < 24; ++t)
+      for (std::int64_t d = 0; d < c.D; ++d) in.k[std::size_t(t * c.D + d)] = in.k[std::size_t((t < 16 ? 8 : 16) * c.D + d)];
+    const rkvm::Result ref = rkvm::prefill(c, in);
+    REQUIRE(ref.route_append.size() == 2);
+    CHECK(ref.route_append[0] == std::vector<std::int64_t>{8, 9, 10, 11, 12, 13});
+    CHECK(ref.route_append[1] == std::vector<std::int64_t>{16, 17});
+    for (const std::int64_t split : {c.T, std::int64_t(13), std::int64_t(0)}) check_against_reference(c, in, run, split, ref);
+  }
+}
+
+}  // namespace kvmem::test::boundary
