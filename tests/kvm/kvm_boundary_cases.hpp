@@ -52,31 +52,45 @@ void check_against_reference(const rkvm::Config& c, const rkvm::Inputs& in, Runn
 // same sum) and every merged token's logits to them tie exactly. The tokens of update 1 are close to
 // token 0, so many pick that group; each must go to its smallest non-sink member, slot `sink` (spec
 // 4.5 step 4: argmax over j >= S, ties to the smallest j). Fixed budget: update 1 only merges.
+inline rkvm::Config merge_tie_config(std::int64_t sink, bool gate_initial, std::int64_t D = 8) {
+  rkvm::Config c = small_config(2, 40, 4, 2, D, D == 8 ? 6 : D, kvmem::budget::Fixed{8, 8});
+  c.sink = sink;
+  c.gate_initial = gate_initial;
+  return c;
+}
+inline rkvm::Inputs merge_tie_inputs(const rkvm::Config& c) {
+  rkvm::Inputs in = random_inputs(c, 7100 + std::uint64_t(c.sink));
+  for (std::int64_t t = 1; t < 4; ++t) copy_token(c, in, 0, t);
+  for (std::int64_t row = 0; row < c.B * c.Hk; ++row)  // update 1's tokens 8..15 near token 0
+    for (std::int64_t t = 8; t < 16; ++t)
+      for (std::int64_t d = 0; d < c.D; ++d)
+        in.k[std::size_t((row * c.T + t) * c.D + d)] =
+            in.k[std::size_t((row * c.T) * c.D + d)] + 0.3 * in.k[std::size_t((row * c.T + t) * c.D + d)];
+  return in;
+}
+// The closed form on update 1's routes (any backend or the reference): a token routed into the tied
+// group {0..3} goes to slot `sink`; at least one token is (the tie is exercised).
+inline void check_merge_tie_routes(const rkvm::Config& c, const std::vector<std::vector<std::int64_t>>& route_merge) {
+  REQUIRE(route_merge.size() == 2);
+  std::int64_t into_group = 0;
+  for (std::int64_t target : route_merge[0]) {
+    if (target >= 0 && target < 4) {
+      ++into_group;
+      CHECK(target == c.sink);
+    }
+  }
+  REQUIRE(into_group > 0);
+}
+
 template <class Runner>
 void check_merge_ties(Runner&& run) {
   for (const std::int64_t sink : {0, 1, 2})
     for (const bool gate_initial : {false, true}) {
       INFO("sink " << sink << ", gate_initial " << gate_initial);
-      rkvm::Config c = small_config(2, 40, 4, 2, 8, 6, kvmem::budget::Fixed{8, 8});
-      c.sink = sink;
-      c.gate_initial = gate_initial;
-      rkvm::Inputs in = random_inputs(c, 7100 + std::uint64_t(sink));
-      for (std::int64_t t = 1; t < 4; ++t) copy_token(c, in, 0, t);
-      for (std::int64_t row = 0; row < c.B * c.Hk; ++row)  // update 1's tokens 8..15 near token 0
-        for (std::int64_t t = 8; t < 16; ++t)
-          for (std::int64_t d = 0; d < c.D; ++d)
-            in.k[std::size_t((row * c.T + t) * c.D + d)] =
-                in.k[std::size_t((row * c.T) * c.D + d)] + 0.3 * in.k[std::size_t((row * c.T + t) * c.D + d)];
+      const rkvm::Config c = merge_tie_config(sink, gate_initial);
+      const rkvm::Inputs in = merge_tie_inputs(c);
       const rkvm::Result ref = rkvm::prefill(c, in);
-      REQUIRE(ref.route_merge.size() == 2);
-      std::int64_t into_group = 0;
-      for (std::int64_t target : ref.route_merge[0]) {
-        if (target >= 0 && target < 4) {
-          ++into_group;
-          CHECK(target == sink);
-        }
-      }
-      REQUIRE(into_group > 0);  // the tie is exercised
+      check_merge_tie_routes(c, ref.route_merge);
       for (const std::int64_t split : {c.T, std::int64_t(13), std::int64_t(0)}) check_against_reference(c, in, run, split, ref);
     }
 }
@@ -85,19 +99,31 @@ void check_merge_ties(Runner&& run) {
 // novelty scores tie exactly (the score uses the ungated k0, spec 4.5 step 2) and the append set is
 // the first n_app tokens by index (ties by lower index, spec 7.4). Power budget f = 3, e = 0.5, min 8,
 // C = 8 (spec KVM.md 8): update 1 appends 6 of tokens 8..15, update 2 appends 2 of tokens 16..23.
+inline rkvm::Config append_tie_config(bool value_radius, std::int64_t D = 8) {
+  rkvm::Config c = small_config(1, 40, 2, 1, D, D, kvmem::budget::Power{3.0, 0.5, 8});
+  c.value_radius = value_radius;
+  return c;
+}
+inline rkvm::Inputs append_tie_inputs(const rkvm::Config& c) {
+  rkvm::Inputs in = random_inputs(c, 7200);
+  for (std::int64_t t = 9; t < 24; ++t)
+    for (std::int64_t d = 0; d < c.D; ++d) in.k[std::size_t(t * c.D + d)] = in.k[std::size_t((t < 16 ? 8 : 16) * c.D + d)];
+  return in;
+}
+inline void check_append_tie_routes(const std::vector<std::vector<std::int64_t>>& route_append) {
+  REQUIRE(route_append.size() == 2);
+  CHECK(route_append[0] == std::vector<std::int64_t>{8, 9, 10, 11, 12, 13});
+  CHECK(route_append[1] == std::vector<std::int64_t>{16, 17});
+}
+
 template <class Runner>
 void check_append_ties(Runner&& run) {
   for (const bool value_radius : {true, false}) {
     INFO("value_radius " << value_radius);
-    rkvm::Config c = small_config(1, 40, 2, 1, 8, 8, kvmem::budget::Power{3.0, 0.5, 8});
-    c.value_radius = value_radius;
-    rkvm::Inputs in = random_inputs(c, 7200);
-    for (std::int64_t t = 9; t < 24; ++t)
-      for (std::int64_t d = 0; d < c.D; ++d) in.k[std::size_t(t * c.D + d)] = in.k[std::size_t((t < 16 ? 8 : 16) * c.D + d)];
+    const rkvm::Config c = append_tie_config(value_radius);
+    const rkvm::Inputs in = append_tie_inputs(c);
     const rkvm::Result ref = rkvm::prefill(c, in);
-    REQUIRE(ref.route_append.size() == 2);
-    CHECK(ref.route_append[0] == std::vector<std::int64_t>{8, 9, 10, 11, 12, 13});
-    CHECK(ref.route_append[1] == std::vector<std::int64_t>{16, 17});
+    check_append_tie_routes(ref.route_append);
     for (const std::int64_t split : {c.T, std::int64_t(13), std::int64_t(0)}) check_against_reference(c, in, run, split, ref);
   }
 }

@@ -7,6 +7,7 @@
 #include <catch2/catch.hpp>
 
 #include "kvm_boundary_cases.hpp"
+#include "support/near_ties.hpp"
 
 namespace {
 using namespace kvmem::test;
@@ -25,4 +26,27 @@ TEST_CASE("host kvm: merge-argmax ties go to the smallest non-sink slot", "[kvm]
 
 TEST_CASE("host kvm: append-cutoff ties go to the lowest token index", "[kvm][host][boundary]") {
   boundary::check_append_ties(host_run);
+}
+
+// The near-tie accounting the CUDA bf16 tests use (tests/support/near_ties.hpp), checked here where it
+// can be: it explains every route of the host's fp32 run (the fp64 reference forced along them) and
+// flags a route moved to another slot.
+TEST_CASE("near-tie accounting explains the host's fp32 routes and flags a moved one", "[kvm][host][nearties]") {
+  rkvm::Config c = small_config(2, 90, 4, 2, 16, 16, kvmem::budget::Power{3.0, 0.5, 8});
+  const rkvm::Inputs in = random_inputs(c, 515);
+  HostResult r = host_prefill<float>(c, in);
+  const auto stored = near_ties::kvm_inputs_as_stored<float>(in);
+  const auto acc = near_ties::account_kvm_routes(c, stored, r, 0.0);
+  INFO(acc.summary() << " " << acc.first_beyond);
+  CHECK(acc.beyond == 0);
+  CHECK(acc.merges > 100);
+  CHECK(acc.append_updates > 0);
+  // move one merge of the last update to the worst slot for that token: not a near-tie
+  auto& last = r.route_merge.back();
+  std::size_t moved = 0;
+  while (last[moved] < 0) ++moved;
+  last[moved] = last[moved] == c.sink ? c.sink + 1 : c.sink;
+  const auto bad = near_ties::account_kvm_routes(c, stored, r, 0.0);
+  INFO(bad.summary() << " " << bad.first_beyond);
+  CHECK(bad.beyond >= 1);
 }
