@@ -10,6 +10,7 @@
 // prefill of [0, split) then one decode call per later token (split == T: one prefill), with the
 // outputs, the final state and the routes of every update (tests/kvm/kvm_host_util.hpp's layout).
 
+#include <algorithm>
 #include <cstdint>
 #include <vector>
 
@@ -49,11 +50,13 @@ void check_against_reference(const rkvm::Config& c, const rkvm::Inputs& in, Runn
 }
 
 // Merge-argmax ties: tokens 0..3 identical, so init slots 0..3 have bitwise identical K^ (LN_s of the
-// same sum) and every merged token's logits to them tie exactly. The tokens of update 1 are close to
-// token 0, so many pick that group; each must go to its smallest non-sink member, slot `sink` (spec
-// 4.5 step 4: argmax over j >= S, ties to the smallest j). Fixed budget: update 1 only merges.
-inline rkvm::Config merge_tie_config(std::int64_t sink, bool gate_initial, std::int64_t D = 8) {
-  rkvm::Config c = small_config(2, 40, 4, 2, D, D == 8 ? 6 : D, kvmem::budget::Fixed{8, 8});
+// same sum) and every merged token's logits to them tie exactly. The tokens of update 1 (chunk 1) are
+// close to token 0, so many pick that group; each must go to its smallest non-sink member, slot
+// `sink` (spec 4.5 step 4: argmax over j >= S, ties to the smallest j). Fixed budget of C slots:
+// updates only merge. T = 5 C: two updates.
+inline rkvm::Config merge_tie_config(std::int64_t sink, bool gate_initial, std::int64_t D = 8, std::int64_t C = 8) {
+  rkvm::Config c = small_config(2, 5 * C, 4, 2, D, D == 8 ? 6 : D, kvmem::budget::Fixed{C, C});
+  c.chunk = C;
   c.sink = sink;
   c.gate_initial = gate_initial;
   return c;
@@ -61,8 +64,8 @@ inline rkvm::Config merge_tie_config(std::int64_t sink, bool gate_initial, std::
 inline rkvm::Inputs merge_tie_inputs(const rkvm::Config& c) {
   rkvm::Inputs in = random_inputs(c, 7100 + std::uint64_t(c.sink));
   for (std::int64_t t = 1; t < 4; ++t) copy_token(c, in, 0, t);
-  for (std::int64_t row = 0; row < c.B * c.Hk; ++row)  // update 1's tokens 8..15 near token 0
-    for (std::int64_t t = 8; t < 16; ++t)
+  for (std::int64_t row = 0; row < c.B * c.Hk; ++row)  // update 1's tokens near token 0
+    for (std::int64_t t = c.chunk; t < 2 * c.chunk; ++t)
       for (std::int64_t d = 0; d < c.D; ++d)
         in.k[std::size_t((row * c.T + t) * c.D + d)] =
             in.k[std::size_t((row * c.T) * c.D + d)] + 0.3 * in.k[std::size_t((row * c.T + t) * c.D + d)];
@@ -95,25 +98,40 @@ void check_merge_ties(Runner&& run) {
     }
 }
 
-// Append-cutoff ties: every token of an update has the same key (values and gates differ), so all
-// novelty scores tie exactly (the score uses the ungated k0, spec 4.5 step 2) and the append set is
-// the first n_app tokens by index (ties by lower index, spec 7.4). Power budget f = 3, e = 0.5, min 8,
-// C = 8 (spec KVM.md 8): update 1 appends 6 of tokens 8..15, update 2 appends 2 of tokens 16..23.
-inline rkvm::Config append_tie_config(bool value_radius, std::int64_t D = 8) {
-  rkvm::Config c = small_config(1, 40, 2, 1, D, D, kvmem::budget::Power{3.0, 0.5, 8});
+// Append-cutoff ties: every token of updates 1 and 2 (chunks 1 and 2) has its chunk's one key (values
+// and gates differ), so all novelty scores of an update tie exactly (the score uses the ungated k0,
+// spec 4.5 step 2) and the append set is the first n_app tokens by index (ties by lower index, spec
+// 7.4). Power budget f = 3, e = 0.5, min C; T = 5 C: two updates.
+inline rkvm::Config append_tie_config(bool value_radius, std::int64_t D = 8, std::int64_t C = 8) {
+  rkvm::Config c = small_config(1, 5 * C, 2, 1, D, D, kvmem::budget::Power{3.0, 0.5, C});
+  c.chunk = C;
   c.value_radius = value_radius;
   return c;
 }
 inline rkvm::Inputs append_tie_inputs(const rkvm::Config& c) {
   rkvm::Inputs in = random_inputs(c, 7200);
-  for (std::int64_t t = 9; t < 24; ++t)
-    for (std::int64_t d = 0; d < c.D; ++d) in.k[std::size_t(t * c.D + d)] = in.k[std::size_t((t < 16 ? 8 : 16) * c.D + d)];
+  const std::int64_t C = c.chunk;
+  for (std::int64_t t = C; t < 3 * C; ++t)
+    for (std::int64_t d = 0; d < c.D; ++d) in.k[std::size_t(t * c.D + d)] = in.k[std::size_t((t < 2 * C ? C : 2 * C) * c.D + d)];
   return in;
 }
-inline void check_append_tie_routes(const std::vector<std::vector<std::int64_t>>& route_append) {
+// Closed form: update u appends tokens [u C, u C + n_u), n_u from the budget (spec 3.1; C = 8 gives the
+// table of spec 8: 6 then 2 appends).
+inline void check_append_tie_routes(const rkvm::Config& c, const std::vector<std::vector<std::int64_t>>& route_append) {
   REQUIRE(route_append.size() == 2);
-  CHECK(route_append[0] == std::vector<std::int64_t>{8, 9, 10, 11, 12, 13});
-  CHECK(route_append[1] == std::vector<std::int64_t>{16, 17});
+  const std::int64_t C = c.chunk;
+  std::int64_t cur = C;
+  for (std::int64_t u = 1; u <= 2; ++u) {
+    const std::int64_t N = (c.window_chunks + u) * C, avail = (u + 1) * C;
+    const std::int64_t n = std::min(c.budget.slots(N, avail, cur) - cur, C);
+    std::vector<std::int64_t> expect;
+    for (std::int64_t t = u * C; t < u * C + n; ++t) expect.push_back(t);
+    INFO("update " << u);
+    REQUIRE(n > 0);
+    REQUIRE(n < C);  // a cut inside the tied chunk
+    CHECK(route_append[std::size_t(u - 1)] == expect);
+    cur += n;
+  }
 }
 
 template <class Runner>
@@ -123,7 +141,7 @@ void check_append_ties(Runner&& run) {
     const rkvm::Config c = append_tie_config(value_radius);
     const rkvm::Inputs in = append_tie_inputs(c);
     const rkvm::Result ref = rkvm::prefill(c, in);
-    check_append_tie_routes(ref.route_append);
+    check_append_tie_routes(c, ref.route_append);
     for (const std::int64_t split : {c.T, std::int64_t(13), std::int64_t(0)}) check_against_reference(c, in, run, split, ref);
   }
 }

@@ -28,6 +28,22 @@ TEST_CASE("host kvm: append-cutoff ties go to the lowest token index", "[kvm][ho
   boundary::check_append_ties(host_run);
 }
 
+TEST_CASE("host kvm bf16: exact ties break as the spec says at D = 64, C = 16", "[kvm][host][boundary]") {
+  // the configuration of the CUDA tensor-core tie test, on the host's bf16 state: closed forms only
+  for (const std::int64_t sink : {0, 1, 2}) {
+    INFO("merge ties, sink " << sink);
+    const rkvm::Config c = boundary::merge_tie_config(sink, false, 64, 16);
+    const rkvm::Inputs in = boundary::merge_tie_inputs(c);
+    boundary::check_merge_tie_routes(c, host_prefill<kvmem::bf16>(c, in).route_merge);
+    HostResult decoded;
+    host_prefill_then_decode<kvmem::bf16>(c, in, 37, &decoded);
+    boundary::check_merge_tie_routes(c, decoded.route_merge);
+  }
+  const rkvm::Config c = boundary::append_tie_config(true, 64, 16);
+  const rkvm::Inputs in = boundary::append_tie_inputs(c);
+  boundary::check_append_tie_routes(c, host_prefill<kvmem::bf16>(c, in).route_append);
+}
+
 // The near-tie accounting the CUDA bf16 tests use (tests/support/near_ties.hpp), checked here where it
 // can be: it explains every route of the host's fp32 run (the fp64 reference forced along them) and
 // flags a route moved to another slot.
