@@ -13,6 +13,7 @@
 
 #include "kvm/kvm_boundary_cases.hpp"
 #include "kvm/kvm_host_util.hpp"
+#include "kvm/kvm_option_grid.hpp"
 #include "kvmem/backend/cuda.hpp"
 #include "cuda/cuda_test_support.hpp"
 #include "support/golden.hpp"
@@ -658,55 +659,15 @@ TEST_CASE("kvm cuda bf16 prefill with detached readouts replays from a captured 
   CHECK(captured.slots() == plain.slots());
 }
 
-// ---- options the CUDA backend supports, against the fp64 reference (issue 31) ----------------------
+// ---- options the CUDA backend supports (tests/kvm/kvm_option_grid.hpp, issue 31) -------------------
 // kvm::validate accepts, and KvmState::create adds only chunk <= 1024: sink 0..C-1, any window, count
-// mode, gate_initial_state all run on CUDA. fp32 storage: routes exactly, state and outputs to 1e-5,
-// unless the host backend's recorded routing margins (kvm::RouteLog) fall below 1e-4 (a near-tie the
-// fp32 paths may decide either way: skipped, counted and printed); decode from the middle of the
-// sequence gives the prefill's routes.
+// mode and gate_initial_state all run on CUDA, so the grid runs here against the fp64 reference.
 TEST_CASE("kvm cuda fp32 over the option grid: sink 0/1/2, window 1-3 chunks, count mode, gate_initial_state",
           "[kvm][cuda][options]") {
   if (no_device()) return;
-  int combos = 0, skipped_routes = 0;
-  for (const std::int64_t sink : {0, 1, 2})
-    for (const std::int64_t nb : {1, 2, 3})
-      for (const bool value_radius : {true, false})
-        for (const bool gate_initial : {false, true}) {
-          rkvm::Config c = small_config(2, (nb + 4) * 8 + 5, 4, 2, 16, 12, kvmem::budget::Power{3.0, 0.5, 8});
-          c.sink = sink;
-          c.window_chunks = nb;
-          c.value_radius = value_radius;
-          c.gate_initial = gate_initial;
-          INFO("sink " << sink << ", window chunks " << nb << ", value_radius " << value_radius << ", gate_initial "
-                       << gate_initial);
-          const auto in = random_inputs(c, 9000 + std::uint64_t(combos));
-          ++combos;
-          const rkvm::Result ref = rkvm::prefill(c, in);
-          REQUIRE(ref.route_merge.size() == 4);  // (nb + 4) chunks + 5 tokens: four updates (spec 4.6)
-          const auto host = host_prefill<float>(c, in);
-          const auto gpu = cuda_run<float>(c, in, c.T);
-          CHECK(gpu.slots == ref.slots);
-          CHECK(gpu.slots_after_update == ref.slots_after_update);
-          if (host.merge_margin < 1e-4 || host.append_margin < 1e-4) {
-            ++skipped_routes;
-            std::printf("kvm cuda options: routes not compared (sink %lld nb %lld radius %d gate_initial %d: margins "
-                        "%.3g / %.3g)\n", (long long)sink, (long long)nb, int(value_radius), int(gate_initial),
-                        host.merge_margin, host.append_margin);
-            continue;
-          }
-          CHECK(gpu.route_merge == ref.route_merge);
-          CHECK(gpu.route_append == ref.route_append);
-          KVMEM_CHECK_CLOSE(gpu.state_k, ref.state_k, kTolFp32);
-          KVMEM_CHECK_CLOSE(gpu.state_v, ref.state_v, kTolFp32);
-          KVMEM_CHECK_CLOSE(gpu.state_rho, ref.state_rho, kTolFp32);
-          KVMEM_CHECK_CLOSE(gpu.out, ref.out, kTolFp32);
-          const std::int64_t split = nb * 8 + 11;  // mid-chunk, before the second update
-          const auto decoded = cuda_run<float>(c, in, split);
-          CHECK(decoded.route_merge == ref.route_merge);
-          KVMEM_CHECK_CLOSE(decoded.out, ref.out, kTolFp32);
-        }
-  std::printf("kvm cuda options: %d combinations, %d with routes not compared (near-ties)\n", combos, skipped_routes);
-  CHECK(skipped_routes * 4 <= combos);
+  option_grid::check_option_grid([](const rkvm::Config& c, const rkvm::Inputs& in, std::int64_t split) {
+    return cuda_run<float>(c, in, split);
+  });
 }
 
 TEST_CASE("kvm cuda bf16 over sink and window options matches the host backend up to near-ties",

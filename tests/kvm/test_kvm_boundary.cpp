@@ -7,6 +7,7 @@
 #include <catch2/catch.hpp>
 
 #include "kvm_boundary_cases.hpp"
+#include "kvm_option_grid.hpp"
 #include "support/near_ties.hpp"
 
 namespace {
@@ -65,4 +66,9 @@ TEST_CASE("near-tie accounting explains the host's fp32 routes and flags a moved
   const auto bad = near_ties::account_kvm_routes(c, stored, r, 0.0);
   INFO(bad.summary() << " " << bad.first_beyond);
   CHECK(bad.beyond >= 1);
+}
+
+TEST_CASE("host kvm fp32 over the option grid: sink 0/1/2, window 1-3 chunks, count mode, gate_initial_state",
+          "[kvm][host][options]") {
+  option_grid::check_option_grid(host_run);
 }

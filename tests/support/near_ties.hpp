@@ -124,9 +124,10 @@ inline Khat khat_of(const rkvm::Config& c, const rkvm::Inputs& in, const Slot& s
   return k;
 }
 
-// a . K^ and the bound on its CUDA error: the product rounding (`product`, relative per term), fp32
-// accumulation over D terms (D u sum|a K^|, also covering the fp32 rounding of a = k0 or kg), and the
-// K^ error above.
+// a . K^ and the bound on its CUDA error: the product rounding (`product`, relative per term), the fp32
+// accumulation of the D products (up to 3 D of them with hi/lo terms; tensor-core accumulation need
+// not round to nearest, so 8 D u sum|a K^| instead of D u), which also covers the fp32 rounding of
+// a = k0 or kg, and the K^ error above.
 inline void logit(const Row& a, const Khat& k, double product, double& value, double& err) {
   value = 0;
   double mag = 0, from_k = 0;
@@ -135,7 +136,7 @@ inline void logit(const Row& a, const Khat& k, double product, double& value, do
     mag += std::abs(a[d] * k.value[d]);
     from_k += std::abs(a[d]) * k.err[d];
   }
-  err = (product + 2.0 * double(a.size()) * kFp32Unit) * mag + from_k;
+  err = (product + 8.0 * double(a.size()) * kFp32Unit) * mag + from_k;
 }
 }  // namespace detail
 
@@ -269,12 +270,13 @@ struct KeptAccount {
 
 // Interval of the fp32 λ of one key at the last token, around the fp64 λ of the stored values (spec
 // UA.md 4.1, 4.2; `c` and `in` hold the values both sides see, e.g. bf16-rounded keys). Per pair j < m,
-// both sides compute c_jm as an fp32 dot of the same values (any order): |Δc| <= 2 D u sum_d |k_j,d
-// k_m,d|; A is non-increasing in c, so A over [c - Δc, c + Δc] bounds it, where x is widened by 16 u
-// (1 + |ln x|) for the fp32 logs, exp and the division by |set| behind x (u = 2^-24), A is evaluated
-// with both the fp64 clamp 1 - 1e-6 and the fp32 one (1 - 1e-6 rounded to float: fp32 backends
-// saturate at A = -13.802, fp64 at -13.816), and log1p adds 4 u |A|. The fp32 running sum adds
-// T u sum|A| (each of the T additions rounds a partial sum bounded by sum|A|).
+// both sides compute c_jm as an fp32 dot of the same values (any order, tensor cores included, whose
+// accumulation need not round to nearest): |Δc| <= 8 D u sum_d |k_j,d k_m,d| (u = 2^-24); A is
+// non-increasing in c, so A over [c - Δc, c + Δc] bounds it, where x is widened by 64 u (1 + |ln x|)
+// for the fp32 gate logs, exp (CUDA's fast exp: 2 + 1.2 |arg| ulp) and the division by |set| behind
+// x, A is evaluated with both the fp64 clamp 1 - 1e-6 and the fp32 one (1 - 1e-6 rounded to float:
+// fp32 backends saturate at A = -13.802, fp64 at -13.816), and log1p adds 8 u |A|. The fp32 running
+// sum adds T u sum|A| (each of the T additions rounds a partial sum bounded by sum|A|).
 template <class Set = kvmem::decay::Universal>
 std::pair<double, double> lambda_interval(const kvmem::reference::ua::Config& c, const kvmem::reference::ua::Inputs& in,
                                           std::int64_t b, std::int64_t g, std::int64_t j) {
@@ -289,7 +291,7 @@ std::pair<double, double> lambda_interval(const kvmem::reference::ua::Config& c,
       sim += key(j)[d] * key(m)[d];
       abs_sim += std::abs(key(j)[d] * key(m)[d]);
     }
-    const double dsim = 2.0 * double(c.D) * u * abs_sim;
+    const double dsim = 8.0 * double(c.D) * u * abs_sim;
     kvmem::decay::PairInputs<double> pair;
     pair.key_logit = in.z_k[std::size_t((b * c.G + g) * c.T + j)];
     pair.query_logit = in.z_q[std::size_t((b * c.G + g) * c.T + m)];
@@ -299,12 +301,12 @@ std::pair<double, double> lambda_interval(const kvmem::reference::ua::Config& c,
       pair.similarity = s;
       const double lx = Set::log_mean_factor(pair);
       if (lx == -std::numeric_limits<double>::infinity()) return 0.0;
-      return std::exp(lx) * (1.0 + widen * 16.0 * u * (1.0 + std::abs(lx)));
+      return std::exp(lx) * (1.0 + widen * 64.0 * u * (1.0 + std::abs(lx)));
     };
     const double x_hi = x_of(sim + dsim, 1.0), x_lo = x_of(sim - dsim, -1.0);
     const double a_lo = std::min(A_at(x_hi, cap64), A_at(x_hi, cap32)), a_hi = std::max(A_at(x_lo, cap64), A_at(x_lo, cap32));
-    lo += a_lo * (1.0 + 4.0 * u);
-    hi += a_hi * (1.0 - 4.0 * u);
+    lo += a_lo * (1.0 + 8.0 * u);
+    hi += a_hi * (1.0 - 8.0 * u);
     mag += std::abs(a_lo);
   }
   const double sum_err = double(c.T) * u * mag;
