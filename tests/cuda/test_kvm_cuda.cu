@@ -1,7 +1,9 @@
 // SPDX-License-Identifier: Apache-2.0
 // KVM on the CUDA backend against the float64 goldens (fp32 storage: out, state, |S| trajectory and
 // routes exactly, decode split) and against the host backend (bf16 storage at a larger shape),
-// plus decode == prefill. Skips, saying so, when no CUDA device is visible.
+// plus decode == prefill. Tags: [boundary] exact routing ties, [options] the option grid and the refused
+// chunk, [nearties] bf16 runs whose every route is accounted as a near-tie (tests/support/near_ties.hpp).
+// Skips, saying so, when no CUDA device is visible.
 #include <cuda_runtime.h>
 
 #include <cstdint>
