@@ -1,19 +1,25 @@
 // SPDX-License-Identifier: Apache-2.0
 // KVM on the CUDA backend against the float64 goldens (fp32 storage: out, state, |S| trajectory and
 // routes exactly, decode split) and against the host backend (bf16 storage at a larger shape),
-// plus decode == prefill. Skips, saying so, when no CUDA device is visible.
+// plus decode == prefill. Tags: [boundary] exact routing ties, [options] the option grid and the refused
+// chunk, [nearties] bf16 runs whose every route is accounted as a near-tie (tests/support/near_ties.hpp).
+// Skips, saying so, when no CUDA device is visible.
 #include <cuda_runtime.h>
 
 #include <cstdint>
 #include <cstdio>
+#include <string>
 #include <vector>
 
 #include <catch2/catch.hpp>
 
+#include "kvm/kvm_boundary_cases.hpp"
 #include "kvm/kvm_host_util.hpp"
+#include "kvm/kvm_option_grid.hpp"
 #include "kvmem/backend/cuda.hpp"
 #include "cuda/cuda_test_support.hpp"
 #include "support/golden.hpp"
+#include "support/near_ties.hpp"
 
 namespace {
 using kvmem::TensorView;
@@ -118,6 +124,20 @@ std::size_t route_flips(const HostResult& a, const HostResult& b, std::size_t& t
     for (std::size_t i = 0; i < a.route_merge[u].size() && i < b.route_merge[u].size(); ++i, ++total)
       flips += a.route_merge[u][i] != b.route_merge[u][i];
   return flips;
+}
+
+// Every route of a bf16 run (prefill of the whole sequence) must be the fp64 decision on the run's own
+// state or a near-tie of it (tests/support/near_ties.hpp derives the bound: default routing's hi/lo
+// products, or fast routing's bf16 products); the counts are printed, an unexplained route fails.
+void check_routes_are_near_ties(const rkvm::Config& c, const rkvm::Inputs& in, const HostResult& gpu, bool fast_routing,
+                                const std::string& label) {
+  const auto acc = near_ties::account_kvm_routes(
+      c, near_ties::kvm_inputs_as_stored<kvmem::bf16>(in), gpu,
+      fast_routing ? near_ties::kFastRoutingProduct : near_ties::kDefaultRoutingProduct);
+  std::printf("kvm cuda bf16 %s: %s\n", label.c_str(), acc.summary().c_str());
+  INFO(label << ": " << acc.summary() << "; first unexplained: " << acc.first_beyond);
+  CHECK(acc.merges > 0);
+  CHECK(acc.beyond == 0);
 }
 
 // One call of tokens [t0, t1) (inputs in the storage type S) on `st`, captured in a CUDA graph on a
@@ -232,7 +252,7 @@ TEST_CASE("kvm cuda decode equals prefill at several splits (fp32, GQA, Dv != D,
   }
 }
 
-TEST_CASE("kvm cuda bf16 storage agrees with the host backend at a paper-like shape", "[kvm][cuda]") {
+TEST_CASE("kvm cuda bf16 storage agrees with the host backend at a paper-like shape", "[kvm][cuda[nearties]") {
   if (no_device()) return;
   // C = 256, nb = 2, 16 sqrt N, D = 128, T = 1300 (three updates, ragged last chunk), GQA 4:2.
   rkvm::Config c = small_config(2, 1300, 4, 2, 128, 128, kvmem::budget::Power{16.0, 0.5, 256});
@@ -250,6 +270,7 @@ TEST_CASE("kvm cuda bf16 storage agrees with the host backend at a paper-like sh
   std::printf("kvm cuda bf16 (hi/lo tensor-core routing): %zu of %zu merge routes differ from the host backend\n", flips, total);
   INFO("route differences " << flips << " of " << total);
   CHECK(flips * 200 <= total);  // at most 0.5% near-ties
+  check_routes_are_near_ties(c, in, gpu, false, "paper-like shape");
   const double e = relative_frobenius(gpu.out, host.out);
   INFO("out relative Frobenius cuda vs host " << e);
   CHECK(e <= 1e-2);
@@ -309,7 +330,7 @@ TEST_CASE("kvm cuda bf16 grouped-query decode with 4 query heads per block (shor
   check_grouped_decode(8, 2, 540, 500, false);
 }
 
-TEST_CASE("kvm cuda bf16 fast routing (single bf16 products) stays close to the host backend", "[kvm][cuda]") {
+TEST_CASE("kvm cuda bf16 fast routing (single bf16 products) stays close to the host backend", "[kvm][cuda[nearties]") {
   if (no_device()) return;
   rkvm::Config c = small_config(2, 1300, 4, 2, 128, 128, kvmem::budget::Power{16.0, 0.5, 256});
   c.chunk = 256;
@@ -334,6 +355,7 @@ TEST_CASE("kvm cuda bf16 fast routing (single bf16 products) stays close to the 
               flips, total, append_diff, host.route_append.size(), e);
   INFO("route differences " << flips << " of " << total);
   CHECK(flips * 10 <= total);  // at most 10%
+  check_routes_are_near_ties(c, in, gpu, true, "fast routing");
   INFO("out relative Frobenius cuda vs host " << e);
   CHECK(e <= 5e-2);
   const auto decoded = cuda_run<kvmem::bf16>(c, in, 1100, true);  // same kernels: same routes
@@ -409,7 +431,7 @@ rkvm::Config tc_readout_config(std::int64_t dim, kvmem::budget::Any budget) {
   return c;
 }
 
-TEST_CASE("kvm cuda bf16 tensor-core readout (head dims 64 and 128) matches the host backend", "[kvm][cuda][sanitize]") {
+TEST_CASE("kvm cuda bf16 tensor-core readout (head dims 64 and 128) matches the host backend", "[kvm][cuda][sanitize[nearties]") {
   if (no_device()) return;
   for (std::int64_t dim : {64, 128}) {
     const rkvm::Config c = tc_readout_config(dim, kvmem::budget::Power{4.0, 0.5, 32});
@@ -424,13 +446,14 @@ TEST_CASE("kvm cuda bf16 tensor-core readout (head dims 64 and 128) matches the 
     std::printf("kvm cuda bf16 D=%lld C=32: %zu of %zu merge routes differ from the host backend\n", (long long)dim, flips,
                 total);
     CHECK(flips * 100 <= total);  // at most 1% near-ties
+    check_routes_are_near_ties(c, in, gpu, false, "tensor-core readout D=" + std::to_string(dim));
     const double e = relative_frobenius(gpu.out, host.out);
     INFO("out relative Frobenius " << e);
     CHECK(e <= 1e-2);
   }
 }
 
-TEST_CASE("kvm cuda bf16 fixed budget (updates without appends) matches the host backend", "[kvm][cuda][sanitize]") {
+TEST_CASE("kvm cuda bf16 fixed budget (updates without appends) matches the host backend", "[kvm][cuda][sanitize[nearties]") {
   if (no_device()) return;
   // A fixed budget of C slots never appends: every update takes the routing pass over all non-sink
   // slots with the gated keys (the paper's fixed-256 path), not the novelty + appended-slots pair.
@@ -448,6 +471,7 @@ TEST_CASE("kvm cuda bf16 fixed budget (updates without appends) matches the host
                 (long long)dim, flips, total);
     CHECK(total > 0);
     CHECK(flips * 100 <= total);  // at most 1% near-ties
+    check_routes_are_near_ties(c, in, gpu, false, "fixed budget D=" + std::to_string(dim));
     const double e = relative_frobenius(gpu.out, host.out);
     INFO("out relative Frobenius " << e);
     CHECK(e <= 1e-2);
@@ -457,7 +481,7 @@ TEST_CASE("kvm cuda bf16 fixed budget (updates without appends) matches the host
 }
 
 TEST_CASE("kvm cuda bf16 tensor-core updates build token operands from the keys (values wider than 128)",
-          "[kvm][cuda]") {
+          "[kvm][cuda][nearties]") {
   if (no_device()) return;
   // The tensor-core novelty and routing passes build each token's k0 / kg from its bf16 key (no
   // prepare pass) and write the kg rows the appends and the scatter add. Values wider than 128 take
@@ -484,6 +508,7 @@ TEST_CASE("kvm cuda bf16 tensor-core updates build token operands from the keys 
                   (long long)dv, gpu.slots == 32 ? "fixed" : "power", flips, total, host.merge_margin);
       CHECK(total > 0);
       CHECK(flips * 100 <= total);  // at most 1% near-ties
+      check_routes_are_near_ties(c, in, gpu, false, "keys-built operands Dv=" + std::to_string(dv));
       // items whose merge targets and append sets all agree: summed keys close to the host's
       const std::int64_t items = c.B * c.Hk, row = gpu.slots * c.D;
       std::int64_t compared = 0;
@@ -633,4 +658,91 @@ TEST_CASE("kvm cuda bf16 prefill with detached readouts replays from a captured 
       for (std::size_t i = 0; i < row; ++i) decode_differ += out_captured[at(b, t) + i] != out_plain[at(b, t) + i];
   CHECK(decode_differ == 0);
   CHECK(captured.slots() == plain.slots());
+}
+
+// ---- options the CUDA backend supports (tests/kvm/kvm_option_grid.hpp, issue 31) -------------------
+// kvm::validate accepts, and KvmState::create adds only chunk <= 1024: sink 0..C-1, any window, count
+// mode and gate_initial_state all run on CUDA, so the grid runs here against the fp64 reference.
+TEST_CASE("kvm cuda fp32 over the option grid: sink 0/1/2, window 1-3 chunks, count mode, gate_initial_state",
+          "[kvm][cuda][options]") {
+  if (no_device()) return;
+  option_grid::check_option_grid([](const rkvm::Config& c, const rkvm::Inputs& in, std::int64_t split) {
+    return cuda_run<float>(c, in, split);
+  });
+}
+
+TEST_CASE("kvm cuda bf16 over sink and window options matches the host backend up to near-ties",
+          "[kvm][cuda][options][nearties]") {
+  if (no_device()) return;
+  // the tensor-core update path (bf16, D = 64): sinks and windows change which slots route and when
+  for (const std::int64_t sink : {0, 2})
+    for (const std::int64_t nb : {1, 3}) {
+      rkvm::Config c = small_config(2, (nb + 4) * 32 + 7, 4, 2, 64, 64, kvmem::budget::Power{4.0, 0.5, 32});
+      c.chunk = 32;
+      c.sink = sink;
+      c.window_chunks = nb;
+      c.value_radius = sink == 0;
+      c.gate_initial = nb == 3;
+      INFO("sink " << sink << ", window chunks " << nb);
+      const auto in = random_inputs(c, 9100 + std::uint64_t(sink * 4 + nb));
+      const auto host = host_prefill<kvmem::bf16>(c, in);
+      const auto gpu = cuda_run<kvmem::bf16>(c, in, c.T);
+      CHECK(gpu.slots_after_update == host.slots_after_update);
+      check_routes_are_near_ties(c, in, gpu, false, "options sink=" + std::to_string(sink) + " nb=" + std::to_string(nb));
+      const double e = relative_frobenius(gpu.out, host.out);
+      std::size_t total = 0;
+      const std::size_t flips = route_flips(host, gpu, total);
+      INFO("out relative Frobenius " << e << ", " << flips << " of " << total << " routes differ from the host");
+      CHECK(e <= (flips == 0 ? 1e-2 : 5e-2));
+    }
+}
+
+TEST_CASE("kvm cuda refuses a chunk it does not support (> 1024) with a Status", "[kvm][cuda][options]") {
+  if (no_device()) return;
+  rkvm::Config c = small_config(1, 4096, 2, 1, 16, 16, kvmem::budget::Fixed{2048, 2048});
+  c.chunk = 2048;
+  REQUIRE(kvmem::kvm::validate(to_params(c), to_shape(c, c.T)).is_ok());  // valid KVM, just not on CUDA
+  kvmem::cuda::KvmState<float> st;
+  const auto status = kvmem::cuda::KvmState<float>::create(to_params(c), to_shape(c, c.T), st);
+  CHECK(status.code() == kvmem::StatusCode::kUnsupported);
+  CHECK(status.message().find("chunk must be <= 1024") != std::string::npos);
+}
+
+// ---- decision boundaries: exact routing ties (tests/kvm/kvm_boundary_cases.hpp, issue 31) -----------
+namespace {
+HostResult cuda_boundary_run(const rkvm::Config& c, const rkvm::Inputs& in, std::int64_t split) {
+  return cuda_run<float>(c, in, split);
+}
+}  // namespace
+
+TEST_CASE("kvm cuda fp32: merge-argmax ties go to the smallest non-sink slot", "[kvm][cuda][boundary]") {
+  if (no_device()) return;
+  boundary::check_merge_ties(cuda_boundary_run);
+}
+
+TEST_CASE("kvm cuda fp32: append-cutoff ties go to the lowest token index", "[kvm][cuda][boundary]") {
+  if (no_device()) return;
+  boundary::check_append_ties(cuda_boundary_run);
+}
+
+TEST_CASE("kvm cuda bf16 tensor-core routing: exact ties break as the spec says", "[kvm][cuda][boundary]") {
+  if (no_device()) return;
+  // D = 64 and C % 16 == 0 take the tensor-core novelty and routing passes (KvmState::create, tc_route);
+  // identical slots give bitwise identical products there too, so the closed forms hold exactly (no
+  // near-tie excuse).
+  for (const std::int64_t sink : {0, 1, 2}) {
+    INFO("merge ties, sink " << sink);
+    const rkvm::Config c = boundary::merge_tie_config(sink, false, 64, 16);
+    const rkvm::Inputs in = boundary::merge_tie_inputs(c);
+    for (const std::int64_t split : {c.T, std::int64_t(37)}) {
+      INFO("split " << split);
+      boundary::check_merge_tie_routes(c, cuda_run<kvmem::bf16>(c, in, split).route_merge);
+    }
+  }
+  const rkvm::Config c = boundary::append_tie_config(true, 64, 16);
+  const rkvm::Inputs in = boundary::append_tie_inputs(c);
+  for (const std::int64_t split : {c.T, std::int64_t(37)}) {
+    INFO("append ties, split " << split);
+    boundary::check_append_tie_routes(c, cuda_run<kvmem::bf16>(c, in, split).route_append);
+  }
 }

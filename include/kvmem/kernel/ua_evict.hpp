@@ -30,8 +30,16 @@ KVMEM_HOST_DEVICE inline void append_entry(KS* keys, KS* values, float* lambda, 
   pos[row] = position;
 }
 
-// Returns the number of survivors. log_p = -inf (p = 0) never evicts. The comparison is done in double,
-// exactly as prune::Threshold::evicts does it.
+// The eviction rule of spec UA.md 4.5, in one place for every backend (host, Kokkos, CUDA): an entry
+// goes iff λ < ln p, strictly, compared in double exactly as prune::Threshold::evicts does it. Strict
+// matters at the boundary: with p = 1 (ln p = 0) a key that has not decayed (λ = 0, the new token
+// included) stays (spec UA.md 4.6). log_p = -inf (p = 0) never evicts.
+template <class Lambda>
+KVMEM_HOST_DEVICE inline bool evicts(Lambda lambda, double log_p) {
+  return static_cast<double>(lambda) < log_p;
+}
+
+// Returns the number of survivors (evicts decides each entry).
 // keys, values: [n, D] rows row_stride apart; lambda, key_logit, pos: [n]
 template <class KS, class Acc>
 KVMEM_HOST_DEVICE inline std::int64_t evict_and_compact(KS* keys, KS* values, std::int64_t row_stride, Acc* lambda,
@@ -39,7 +47,7 @@ KVMEM_HOST_DEVICE inline std::int64_t evict_and_compact(KS* keys, KS* values, st
                                                          std::int64_t D, double log_p) {
   std::int64_t kept = 0;
   for (std::int64_t e = 0; e < n; ++e) {
-    if (static_cast<double>(lambda[e]) < log_p) continue;  // evicted for good (λ never increases)
+    if (evicts(lambda[e], log_p)) continue;  // evicted for good (λ never increases)
     if (kept != e) {
       for (std::int64_t d = 0; d < D; ++d) {
         keys[kept * row_stride + d] = keys[e * row_stride + d];

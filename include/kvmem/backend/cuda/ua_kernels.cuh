@@ -31,6 +31,7 @@
 #include "kvmem/core/numeric.hpp"
 #include "kvmem/core/softmax.hpp"
 #include "kvmem/kernel/ua_decay.hpp"
+#include "kvmem/kernel/ua_evict.hpp"
 
 namespace kvmem::cuda::ua_detail {
 
@@ -479,7 +480,7 @@ __device__ inline void finish_item(const DeviceCache<S>& c, const DeviceCall<S>&
       const std::int64_t ne = n - e0 < kCompactRows ? n - e0 : kCompactRows;
       __syncthreads();  // the previous group is written
       if (tid < 32) {
-        const bool keep = lane < ne && !(double(__ldcg(c.lambda + row0 + e0 + lane)) < a.log_p);
+        const bool keep = lane < ne && !kernel::ua::evicts(__ldcg(c.lambda + row0 + e0 + lane), a.log_p);
         const unsigned mask = __ballot_sync(0xffffffffu, keep);
         dst[lane] = keep ? int(kept + __popc(mask & ((1u << lane) - 1u))) : -1;
         if (lane == 0) group_kept = __popc(mask);
@@ -530,7 +531,7 @@ __device__ inline void finish_item(const DeviceCache<S>& c, const DeviceCall<S>&
 #pragma unroll
       for (int u = 0; u < kBallots; ++u) {
         const std::int64_t j = j0 + 32 * u + lane;
-        const bool keep = j < rows && !(prunes && double(lam[u]) < a.log_p);
+        const bool keep = j < rows && !(prunes && kernel::ua::evicts(lam[u], a.log_p));
         const unsigned mask = __ballot_sync(0xffffffffu, keep);
         if (j < rows) new_dst[j] = keep ? int(kept + __popc(mask & ((1u << lane) - 1u))) : -1;
         kept += __popc(mask);
@@ -754,7 +755,7 @@ __device__ inline std::int64_t decode_one_block(const DeviceCache<S>& c, const D
         if (t > p)
           lam +=
               kernel::ua::decay_from_similarity<Set, float>(sim, zk, kernel::ua::key_gate_part(zk), p, zq, q_part, t);
-        keep = !(double(lam) < a.log_p);
+        keep = !kernel::ua::evicts(lam, a.log_p);
         attend = keep || !a.evict_before_attention;
       }
       for (int h = 0; h < int(r); ++h) {
@@ -965,7 +966,7 @@ __device__ inline void decode_split(const DeviceCache<S>& c, const DeviceCall<S>
           lam +=
               kernel::ua::decay_from_similarity<Set, float>(sim, zk, kernel::ua::key_gate_part(zk), p, zq, q_part, t);
         if (sub == 0) c.lambda[row0 + idx] = lam;
-        masked = a.evict_before_attention && double(lam) < a.log_p;
+        masked = a.evict_before_attention && kernel::ua::evicts(lam, a.log_p);
       }
       for (std::int64_t h = 0; h < r; ++h) {
         float part = 0.0f;
