@@ -660,7 +660,7 @@ TEST_CASE("kvm cuda bf16 prefill with detached readouts replays from a captured 
   CHECK(captured.slots() == plain.slots());
 }
 
-// ---- options the CUDA backend supports (tests/kvm/kvm_option_grid.hpp, issue 31) -------------------
+// ---- options the CUDA backend supports (tests/kvm/kvm_option_grid.hpp) -------------------
 // kvm::validate accepts, and KvmState::create adds only chunk <= 1024: sink 0..C-1, any window, count
 // mode and gate_initial_state all run on CUDA, so the grid runs here against the fp64 reference.
 TEST_CASE("kvm cuda fp32 over the option grid: sink 0/1/2, window 1-3 chunks, count mode, gate_initial_state",
@@ -708,7 +708,7 @@ TEST_CASE("kvm cuda refuses a chunk it does not support (> 1024) with a Status",
   CHECK(status.message().find("chunk must be <= 1024") != std::string::npos);
 }
 
-// ---- decision boundaries: exact routing ties (tests/kvm/kvm_boundary_cases.hpp, issue 31) -----------
+// ---- decision boundaries: exact routing ties (tests/kvm/kvm_boundary_cases.hpp) -----------
 namespace {
 HostResult cuda_boundary_run(const rkvm::Config& c, const rkvm::Inputs& in, std::int64_t split) {
   return cuda_run<float>(c, in, split);

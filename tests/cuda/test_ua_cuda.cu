@@ -802,7 +802,7 @@ TEST_CASE("ua cuda decode: items cross the one-block limit and come back (bf16, 
   CHECK(down >= 1);
 }
 
-// ---- the eviction boundary (tests/ua/ua_boundary_cases.hpp, issue 31) --------------------------------
+// ---- the eviction boundary (tests/ua/ua_boundary_cases.hpp) --------------------------------
 namespace {
 boundary::Run cuda_boundary_run(const Case& c, std::int64_t split, const kvmem::ua::Options& opt) {
   const FloatCase f(c);

@@ -1,5 +1,5 @@
 // SPDX-License-Identifier: Apache-2.0
-// Two execution-space instances at once (issue 8), in two forms:
+// Two execution-space instances at once, in two forms:
 //  1. Two instances, work launched back to back with no fence in between (KVM prefill on one, UA prefill
 //     on the other, both unchecked so nothing reads back), then both fenced. On Kokkos >= 4 the two
 //     instances come from partition_space and may overlap (streams on a GPU). Kokkos 3.4.1's Serial has

@@ -1,4 +1,4 @@
-# Runs kvmem-replay on one golden case and checks the contract of issue 5:
+# Runs kvmem-replay on one golden case and checks its contract:
 # exit 0, one PASS line per compared tensor, no FAIL line, and an output file that exists.
 # Args: TOOL, CASE, BACKEND, OUT.
 get_filename_component(_dir "${OUT}" DIRECTORY)
