@@ -11,6 +11,11 @@
 // the tokens enter the window ring (and, below position C, found initial slots), then the segment
 // attends. Prefill and decode therefore run the same operations in the same order and agree
 // exactly (spec 6.1), and a prefill equals the chunked driver of spec 4.6.
+//
+// kvm::step runs the same driver per (row, KV head) item over packed token-major inputs (SeqIo
+// gives each item its tokens' addresses in either layout), so a row of a ragged step equals its
+// sequence run alone with prefill, bit for bit. The slot operations (reset, copy, export/import,
+// truncate) work on the per-slot counters and item memory directly.
 
 #include <algorithm>
 #include <cmath>
@@ -54,8 +59,10 @@ struct SeqIo {
                          const TensorView<const In, 4>& v, const TensorView<const In, 3>& gate,
                          const TensorView<Out, 4>& out, std::int64_t b) {
     const std::int64_t Hq = q.extent(1), Hk = k.extent(1), T = q.extent(2), D = q.extent(3), Dv = v.extent(3);
-    return {q.data() + b * Hq * T * D, k.data() + b * Hk * T * D, v.data() + b * Hk * T * Dv, gate.data() + b * Hk * T,
-            out.data() + b * T * Hq * Dv, nullptr, D, T * D, D, T * D, Dv, T * Dv, 1, T, Hq * Dv, Dv, 0, 0};
+    return {.q = q.data() + b * Hq * T * D, .k = k.data() + b * Hk * T * D, .v = v.data() + b * Hk * T * Dv,
+            .gate = gate.data() + b * Hk * T, .out = out.data() + b * T * Hq * Dv, .lse = nullptr,
+            .q_tok = D, .q_head = T * D, .k_tok = D, .k_head = T * D, .v_tok = Dv, .v_head = T * Dv,
+            .g_tok = 1, .g_head = T, .o_tok = Hq * Dv, .o_head = Dv, .l_tok = 0, .l_head = 0};
   }
   // The tokens from `start` of a step's packed views: q [tokens,Hq,D], k [tokens,Hk,D],
   // v [tokens,Hk,Dv], gate [tokens,Hk], out [tokens,Hq,Dv], lse [tokens,Hq] (may be empty).
@@ -63,9 +70,11 @@ struct SeqIo {
                       const TensorView<const In, 3>& v, const TensorView<const In, 2>& gate,
                       const TensorView<Out, 3>& out, const TensorView<float, 2>& lse, std::int64_t start) {
     const std::int64_t Hq = q.extent(1), Hk = k.extent(1), D = q.extent(2), Dv = v.extent(2);
-    return {q.data() + start * Hq * D, k.data() + start * Hk * D, v.data() + start * Hk * Dv, gate.data() + start * Hk,
-            out.data() + start * Hq * Dv, lse.empty() ? nullptr : lse.data() + start * Hq,
-            Hq * D, D, Hk * D, D, Hk * Dv, Dv, Hk, 1, Hq * Dv, Dv, Hq, 1};
+    return {.q = q.data() + start * Hq * D, .k = k.data() + start * Hk * D, .v = v.data() + start * Hk * Dv,
+            .gate = gate.data() + start * Hk, .out = out.data() + start * Hq * Dv,
+            .lse = lse.empty() ? nullptr : lse.data() + start * Hq,
+            .q_tok = Hq * D, .q_head = D, .k_tok = Hk * D, .k_head = D, .v_tok = Hk * Dv, .v_head = Dv,
+            .g_tok = Hk, .g_head = 1, .o_tok = Hq * Dv, .o_head = Dv, .l_tok = Hq, .l_head = 1};
   }
 };
 
