@@ -387,6 +387,40 @@ TEST_CASE("kvm cuda rejects bad shapes before touching the state", "[kvm][cuda]"
   CHECK(st.slots() == 0);
 }
 
+TEST_CASE("kvm cuda never-created and moved-from states refuse every call", "[kvm][cuda][slots]") {
+  if (no_device()) return;
+  auto c = small_config(1, 20, 2, 2, 16, 16, kvmem::budget::Fixed{8, 8});
+  const auto in = random_inputs(c, 1);
+  const DevWeights w(FloatWeights{in});
+  Dev<float> q(std::size_t(2 * 16)), k(std::size_t(2 * 16)), v(std::size_t(2 * 16)), g(std::size_t(2)),
+      o(std::size_t(2 * 16));
+  const auto decode = [&](kvmem::cuda::KvmState<float>& st) {
+    return kvmem::cuda::kvm_decode(kvmem::cuda::Executor{}, st, w.view(), TensorView<const float, 4>(q.ptr, {1, 2, 1, 16}),
+                                   TensorView<const float, 4>(k.ptr, {1, 2, 1, 16}),
+                                   TensorView<const float, 4>(v.ptr, {1, 2, 1, 16}),
+                                   TensorView<const float, 3>(g.ptr, {1, 2, 1}), TensorView<float, 4>(o.ptr, {1, 1, 2, 16}));
+  };
+  kvmem::cuda::KvmState<float> never;
+  CHECK(!never.valid());
+  CHECK(decode(never).code() == kvmem::StatusCode::kInvalidArgument);
+  kvmem::cuda::KvmState<float> a;
+  REQUIRE(kvmem::cuda::KvmState<float>::create(to_params(c), to_shape(c, 20), a).is_ok());
+  REQUIRE(decode(a).is_ok());
+  kvmem::cuda::KvmState<float> b(std::move(a));
+  CHECK(!a.valid());
+  CHECK(decode(a).code() == kvmem::StatusCode::kInvalidArgument);
+  std::vector<float> sk, sv, rho;
+  CHECK(!a.download(0, 0, sk, sv, rho, nullptr).is_ok());
+  CHECK(b.download(1, 0, sk, sv, rho, nullptr).code() == kvmem::StatusCode::kOutOfRange);  // one sequence only
+  REQUIRE(b.valid());
+  CHECK(b.tokens() == 1);
+  kvmem::cuda::KvmState<float> d;
+  d = std::move(b);
+  CHECK(!b.valid());
+  REQUIRE(decode(d).is_ok());  // the new owner continues
+  CHECK(d.tokens() == 2);
+}
+
 TEST_CASE("kvm cuda fp32 register-tiled head dims 64 and 128 match the host backend", "[kvm][cuda][sanitize]") {
   if (no_device()) return;
   for (std::int64_t dim : {64, 128}) {

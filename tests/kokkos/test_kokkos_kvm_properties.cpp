@@ -226,4 +226,31 @@ TEST_CASE("kokkos kvm rejects bad input before any state change", "[kokkos][kvm]
   CHECK(std::vector<float>(st.state.item(1, 1).sk, st.state.item(1, 1).sk + 8 * c.D) == sk_before);
 }
 
+TEST_CASE("kokkos kvm moved-from and never-created states refuse every call; slot indices are checked",
+          "[kokkos][kvm][unit][slots]") {
+  auto c = small_config(2, 20, 2, 2, 8, 8, Fixed{8, 8});
+  const auto in = random_inputs(c, 3);
+  const FloatWeights w(in);
+  const KokkosExec exec{};
+  auto a = make_kokkos_state<float>(exec, c);
+  auto twin = make_kokkos_state<float>(exec, c);
+  std::vector<float> out_a, out_twin;
+  REQUIRE(kokkos_feed(exec, a.state, c, in, w, 0, 10, out_a).is_ok());
+  REQUIRE(kokkos_feed(exec, twin.state, c, in, w, 0, 10, out_twin).is_ok());
+  CHECK(a.state.reset(8).code() == kvmem::StatusCode::kOutOfRange);  // used to zero sequence 0's counters
+  CHECK(a.state.tokens(0) == 10);
+  auto b = std::move(a);
+  decltype(b) never;
+  for (auto* e : {&a, &never}) {
+    CHECK(!e->state.valid());
+    CHECK(e->state.max_slots() == 0);
+    CHECK(!e->state.reset(0).is_ok());
+    CHECK(kokkos_feed(exec, e->state, c, in, w, 10, 20, out_a).code() == kvmem::StatusCode::kInvalidArgument);
+  }
+  // the new owner continues exactly like the twin that never moved
+  REQUIRE(kokkos_feed(exec, b.state, c, in, w, 10, 20, out_a).is_ok());
+  REQUIRE(kokkos_feed(exec, twin.state, c, in, w, 10, 20, out_twin).is_ok());
+  CHECK(out_a == out_twin);
+}
+
 }  // namespace

@@ -11,16 +11,26 @@
 //           update on the first token of a new chunk before its attention (spec 4.7).
 //   forward(exec, params, weights, q, k, v, gate, out)                 a whole sequence from an
 //           empty cache (training-style; allocates its own state).
+//   step   (exec, state, weights, rows, q, k, v, gate, out [, lse, log]) ragged rows over sequence
+//           slots (core/slots.hpp): row r advances slot[r] by its tokens, padding rows are skipped.
+//   reset_slots, copy_slots, export_bytes, export_slot, import_slot, truncate: the slot operations
+//           (docs/slots.md).
 //
-// Shapes (spec 2): q [B,Hq,T,D], k [B,Hk,T,D], v [B,Hk,T,Dv], gate [B,Hk,T], out [B,T,Hq,Dv].
+// Shapes (spec 2): q [B,Hq,T,D], k [B,Hk,T,D], v [B,Hk,T,Dv], gate [B,Hk,T], out [B,T,Hq,Dv];
+// a step's inputs are packed token-major: q [tokens,Hq,D], k [tokens,Hk,D], v [tokens,Hk,Dv],
+// gate [tokens,Hk], out [tokens,Hq,Dv], lse [tokens,Hq]. B is the state's slot count (max_slots).
 // Validation runs first; on error the state is untouched.
 
+#include <cstddef>
 #include <cstdint>
+#include <span>
 #include <vector>
 
+#include "kvmem/core/slots.hpp"
 #include "kvmem/core/status.hpp"
 #include "kvmem/core/tensor.hpp"
 #include "kvmem/kvm/params.hpp"
+#include "kvmem/kvm/record.hpp"
 #include "kvmem/kvm/state.hpp"
 #include "kvmem/policy/budget.hpp"
 #include "kvmem/policy/precision.hpp"
@@ -86,6 +96,82 @@ Status decode(const Executor& exec, State<S, A>& state, const Weights& weights,
               const std::int64_t* active = nullptr, RouteLog* log = nullptr) {
   if (q.extent(2) != 1) return invalid_argument("decode q tokens", 1, q.extent(2));
   return Backend<Executor>::prefill(exec, state, weights, q, k, v, gate, out, active, log);
+}
+
+// One step over sequence slots (DESIGN.md 3, core/slots.hpp). Row r runs the packed tokens
+// [query_start[r], query_start[r+1]) of the sequence in slot[r] (0 tokens allowed), exactly as a
+// prefill of those tokens on that sequence alone would (same operations in the same order, so the
+// results are bitwise equal); a padding row (slot -1) is skipped and its out and lse rows are zeroed.
+// lse (optional; an empty view is not written) is the natural log-sum-exp of each query row's scaled
+// logits over state and window, so partial results merge exactly (core/softmax.hpp). Validation
+// (rows, shapes, n_ctx of every slot, finite inputs, gate > 0) runs first; on error nothing changed.
+// A RouteLog gets one entry per (slot, KV head): log->items[slot * Hk + g].
+template <class Executor, class S, class A, class In, class Out>
+Status step(const Executor& exec, State<S, A>& state, const Weights& weights, const Rows& rows,
+            TensorView<const In, 3> q,     // [tokens,Hq,D]
+            TensorView<const In, 3> k,     // [tokens,Hk,D]
+            TensorView<const In, 3> v,     // [tokens,Hk,Dv]
+            TensorView<const In, 2> gate,  // [tokens,Hk]
+            TensorView<Out, 3> out,        // [tokens,Hq,Dv]
+            TensorView<float, 2> lse = {},  // [tokens,Hq] or empty
+            RouteLog* log = nullptr) {
+  return Backend<Executor>::step(exec, state, weights, rows, q, k, v, gate, out, lse, log);
+}
+
+// ---- slot operations (docs/slots.md); every slot index is checked, a refused call changes nothing ----
+
+// Forgets the sequences in `slots` (n = cov = |S| = 0). slots: [n], each in [0, max_slots).
+template <class Executor, class S, class A>
+Status reset_slots(const Executor& exec, State<S, A>& state, TensorView<const std::int32_t, 1> slots) {
+  return Backend<Executor>::reset_slots(exec, state, slots);
+}
+
+// Fork: slot dst[i] becomes a copy of slot src[i] (counters, memory slots, window), so it continues
+// bit for bit like its source. src, dst: [n]; destinations distinct and none of them another pair's
+// source (core/slots.hpp check_copy_pairs).
+template <class Executor, class S, class A>
+Status copy_slots(const Executor& exec, State<S, A>& state, TensorView<const std::int32_t, 1> src,
+                  TensorView<const std::int32_t, 1> dst) {
+  return Backend<Executor>::copy_slots(exec, state, src, dst);
+}
+
+// Exports the sequence in `slot` as a slot record (core/slots.hpp format, mechanism KVM). Fields,
+// in order (i64 unless noted; arrays over KV heads g = 0..Hk-1, rows in slot / position order):
+//   parameters checked on import: chunk, window_chunks, sink, rope_dims, budget_kind (0 fixed,
+//     1 power, 2 saturating), budget_minimum, budget_maximum, budget_round_down, budget_factor (f64),
+//     budget_exponent (f64), budget_saturation (f64) (values a budget kind lacks are 0), flags (bit 0
+//     merge_gate_keys, 1 merge_gate_values, 2 head_temps, 3 value_radius, 4 gate_appends,
+//     5 gate_initial), ln_eps (f64), scale (f64), Hq, Hk, D, Dv, storage (0 fp32, 1 bf16, 2 fp16);
+//   counters: n (tokens seen), cov (tokens summarised), slots (|S|);
+//   state (accumulate type, f32 or f64): sk [Hk,|S|,D], sv [Hk,|S|,Dv], rho [Hk,|S|], cnt [Hk,|S|];
+//   window, positions [bswa_begin(n), n) (spec 4.1; f32, exact for bf16/fp16 storage):
+//     window_k [Hk,w,D], window_v [Hk,w,Dv], window_g [Hk,w] (accumulate type).
+// The readout copies K^ = LN_s(Sk), V^ are derived and not exported; import_slot rebuilds them.
+// `bytes` must hold at least export_bytes(state, slot); exactly that many bytes are written at its front.
+template <class Executor, class S, class A>
+Status export_slot(const Executor& exec, const State<S, A>& state, std::int32_t slot, std::span<std::byte> bytes) {
+  return Backend<Executor>::export_slot(exec, state, slot, bytes);
+}
+
+// Imports a record written by export_slot (any backend) into `slot`, replacing what it held. The
+// record's version, mechanism and every parameter and shape field must equal the importing state's
+// (else a Status naming the field), and the state's n_ctx must hold its n tokens. The readout copies
+// are rebuilt from Sk, Sv with `weights` (the LN_s affine the sequence is read with). `bytes` is the
+// record, exactly export_bytes(source, slot) long.
+template <class Executor, class S, class A>
+Status import_slot(const Executor& exec, State<S, A>& state, const Weights& weights, std::int32_t slot,
+                   std::span<const std::byte> bytes) {
+  return Backend<Executor>::import_slot(exec, state, weights, slot, bytes);
+}
+
+// Drops the last n tokens of the sequence in `slot`. Exact (the slot then equals a sequence that
+// never saw them) when every dropped token is still only in the window or founded an initial slot
+// of its own (spec 4.3), and the window keeps every position a later token reads; otherwise
+// (a state update absorbed part of them, spec 4.5, or the window no longer holds what the shorter
+// sequence reads) the call is refused with a Status that says which, and nothing changes.
+template <class Executor, class S, class A>
+Status truncate(const Executor& exec, State<S, A>& state, std::int32_t slot, std::int64_t n) {
+  return Backend<Executor>::truncate(exec, state, slot, n);
 }
 
 // Whole sequences from an empty cache, storage type S (training-style forward).

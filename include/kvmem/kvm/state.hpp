@@ -63,6 +63,19 @@ class State {
   static constexpr std::int64_t kRowBlock = 8;  // >= kernel::kRouteRows (kvm/ does not include kernel/)
 
   State() = default;
+  // Moves leave the source empty (valid() false, every operation on it refused with a Status): a
+  // moved-from State must not keep pointers into memory its new owner frees (DESIGN.md 3).
+  State(State&& o) noexcept { take(o); }
+  State& operator=(State&& o) noexcept {
+    if (this != &o) {
+      release();
+      take(o);
+    }
+    return *this;
+  }
+  State(const State&) = delete;
+  State& operator=(const State&) = delete;
+  ~State() = default;
 
   // Bytes a placed state needs for (params, shape); 0 when they are invalid.
   static std::size_t bytes_required(const Params& p, const Shape& s) {
@@ -95,27 +108,42 @@ class State {
     return Status::ok();
   }
 
-  // Forget every sequence (n = 0); memory is kept.
+  // Forget every sequence slot (n = 0); memory is kept. No effect on an empty State.
   void reset() {
-    for (std::int64_t b = 0; b < shape_.B; ++b) reset(b);
+    if (!valid()) return;
+    for (std::int64_t b = 0; b < shape_.B; ++b) n_[b] = cov_[b] = slots_[b] = 0;
   }
-  void reset(std::int64_t b) {
-    n_[b] = 0;
-    cov_[b] = 0;
-    slots_[b] = 0;
+  // Forget the sequence in slot b. An empty State or b outside [0, max_slots) is refused.
+  Status reset(std::int64_t b) {
+    KVMEM_RETURN_IF_ERROR(check_slot(b, "slot"));
+    n_[b] = cov_[b] = slots_[b] = 0;
+    return Status::ok();
+  }
+  // Ok when the State holds memory and b names one of its slots.
+  [[nodiscard]] Status check_slot(std::int64_t b, const char* name) const {
+    if (!valid()) return invalid_argument("state", "a created or placed State", "an empty (moved-from or default) State");
+    if (b < 0 || b >= shape_.B)
+      return {StatusCode::kOutOfRange, std::string(name) + ": expected 0 <= slot < max_slots = " +
+                                           std::to_string(shape_.B) + ", got " + std::to_string(b)};
+    return Status::ok();
   }
 
   [[nodiscard]] bool valid() const { return base_ != nullptr; }
   [[nodiscard]] const Params& params() const { return params_; }
   [[nodiscard]] const Shape& shape() const { return shape_; }
-  [[nodiscard]] std::int64_t capacity() const { return cap_; }  // slots per (sequence, KV head)
+  // Sequence slots: Shape::B is the slot count, fixed at creation (DESIGN.md 3). A step's row names
+  // the slot it advances; prefill/decode treat slot b as batch row b.
+  [[nodiscard]] std::int64_t max_slots() const { return valid() ? shape_.B : 0; }
+  [[nodiscard]] std::int64_t capacity() const { return cap_; }  // memory slots per (sequence slot, KV head)
   [[nodiscard]] std::int64_t window_capacity() const { return params_.window(); }
-  [[nodiscard]] std::int64_t tokens(std::int64_t b) const { return n_[b]; }   // n
-  [[nodiscard]] std::int64_t covered(std::int64_t b) const { return cov_[b]; }  // cov
-  [[nodiscard]] std::int64_t slots(std::int64_t b) const { return slots_[b]; }  // |S|
+  // Counters of sequence slot b; 0 for an empty State or an index outside [0, max_slots).
+  [[nodiscard]] std::int64_t tokens(std::int64_t b) const { return in_range(b) ? n_[b] : 0; }     // n
+  [[nodiscard]] std::int64_t covered(std::int64_t b) const { return in_range(b) ? cov_[b] : 0; }  // cov
+  [[nodiscard]] std::int64_t slots(std::int64_t b) const { return in_range(b) ? slots_[b] : 0; }  // |S|
   // Bytes a cache of this layout keeps for sequence b right now: slots (sums, radius, count and the
   // readout copies) plus the window's k, v, g, over all KV heads.
   [[nodiscard]] std::size_t cache_bytes(std::int64_t b) const {
+    if (!in_range(b)) return 0;
     const auto S = std::size_t(slots_[b]);
     const auto win = std::size_t(std::min(n_[b], window_capacity()));
     const auto D = std::size_t(shape_.D), Dv = std::size_t(shape_.Dv);
@@ -215,6 +243,30 @@ class State {
     cov_ = at<std::int64_t>(l.cov);
     slots_ = at<std::int64_t>(l.slots);
     reset();
+  }
+  [[nodiscard]] bool in_range(std::int64_t b) const { return valid() && b >= 0 && b < shape_.B; }
+  void take(State& o) noexcept {
+    owned_ = std::move(o.owned_);
+    base_ = o.base_;
+    params_ = o.params_;
+    shape_ = o.shape_;
+    lay_ = o.lay_;
+    total_ = o.total_;
+    cap_ = o.cap_;
+    n_ = o.n_;
+    cov_ = o.cov_;
+    slots_ = o.slots_;
+    o.release();
+  }
+  void release() noexcept {
+    owned_.reset();
+    base_ = nullptr;
+    params_ = Params{};
+    shape_ = Shape{};
+    lay_ = Layout{};
+    total_ = 0;
+    cap_ = 0;
+    n_ = cov_ = slots_ = nullptr;
   }
   template <class T>
   T* at(std::size_t offset) const {

@@ -56,6 +56,7 @@ struct Result {
   std::vector<std::vector<std::int64_t>> route_append;  // per update u (index u-1): [B,Hk,n_u]
   std::vector<std::vector<std::int64_t>> route_merge;   // per update: [B,Hk,C], target slot or -1
   std::vector<double> state_cnt;                        // [B,Hk,S] merge counts (count mode)
+  std::vector<double> lse;  // [B,T,Hq]: natural log-sum-exp of each query's scaled logits (state and window)
 };
 
 namespace detail {
@@ -223,7 +224,7 @@ inline UpdateLog update(const Problem& p, Slots& s, std::int64_t a, std::int64_t
 // spec 4.4: one joint softmax over state slots (optional) and window keys [w, t].
 // `keys`/`vals` hold the raw window rows for positions w..t.
 inline Row readout(const Problem& p, std::int64_t h, const Row& q, const Slots* s, const std::vector<Row>& keys,
-                   const std::vector<Row>& vals) {
+                   const std::vector<Row>& vals, double* lse = nullptr) {
   const Config& c = p.c;
   const double scale = scale_of(c);
   const double ts = c.head_temps ? p.in.tau_state[std::size_t(h)] : 1.0;
@@ -253,6 +254,7 @@ inline Row readout(const Problem& p, std::int64_t h, const Row& q, const Slots* 
   const double mx = *std::max_element(logits.begin(), logits.end());
   double z = 0;
   for (double l : logits) z += std::exp(l - mx);
+  if (lse != nullptr) *lse = mx + std::log(z);  // log sum_j exp(l_j)
   Row o(std::size_t(c.Dv), 0.0);
   for (std::size_t i = 0; i < logits.size(); ++i) {
     const double pr = std::exp(logits[i] - mx) / z;
@@ -334,7 +336,10 @@ inline Result prefill(const Config& c, const Inputs& in_arg) {
   const auto geo = detail::geometry_of(c);
   const std::int64_t T = c.T, C = c.chunk, rep = c.Hq / c.Hk, U = geo.updates(T);
   Result r;
-  if (!state_only) r.out.assign(std::size_t(c.B * T * c.Hq * c.Dv), 0.0);
+  if (!state_only) {
+    r.out.assign(std::size_t(c.B * T * c.Hq * c.Dv), 0.0);
+    r.lse.assign(std::size_t(c.B * T * c.Hq), 0.0);
+  }
   r.route_append.resize(std::size_t(U));
   r.route_merge.assign(std::size_t(U), std::vector<std::int64_t>(std::size_t(c.B * c.Hk * C), -1));
   r.slots_after_update.assign(std::size_t(U), 0);
@@ -350,7 +355,8 @@ inline Result prefill(const Config& c, const Inputs& in_arg) {
           detail::window_rows(p, 0, t, keys, vals);
           for (std::int64_t hh = 0; hh < rep; ++hh) {
             const std::int64_t h = g * rep + hh;
-            detail::store_out(c, r.out, b, t, h, detail::readout(p, h, p.q(h, t), nullptr, keys, vals));
+            detail::store_out(c, r.out, b, t, h,
+                              detail::readout(p, h, p.q(h, t), nullptr, keys, vals, &r.lse[std::size_t((b * T + t) * c.Hq + h)]));
           }
         }
       for (std::int64_t j = 0; j < std::min(T, C); ++j) detail::init_slot(p, s, j);
@@ -363,7 +369,8 @@ inline Result prefill(const Config& c, const Inputs& in_arg) {
             detail::window_rows(p, w, t, keys, vals);
             for (std::int64_t hh = 0; hh < rep; ++hh) {
               const std::int64_t h = g * rep + hh;
-              detail::store_out(c, r.out, b, t, h, detail::readout(p, h, p.q(h, t), &s, keys, vals));
+              detail::store_out(c, r.out, b, t, h,
+                                detail::readout(p, h, p.q(h, t), &s, keys, vals, &r.lse[std::size_t((b * T + t) * c.Hq + h)]));
             }
           }
         const std::int64_t w2 = geo.bswa_begin(std::min(T, qe + C));

@@ -186,6 +186,18 @@ class KvmState {
  public:
   static constexpr std::int64_t kMaxDecodeSplits = kvm_detail::kMaxSplitsPerRow;
 
+  KvmState() = default;
+  // Moves leave the source empty (valid() false, every operation refused with a Status): its device
+  // pointers would otherwise alias memory the new owner frees (DESIGN.md 3).
+  KvmState(KvmState&& o) noexcept { take(o); }
+  KvmState& operator=(KvmState&& o) noexcept {
+    if (this != &o) take(o);
+    return *this;
+  }
+  KvmState(const KvmState&) = delete;
+  KvmState& operator=(const KvmState&) = delete;
+  ~KvmState() = default;
+
   static Status create(const kvm::Params& p, const kvm::Shape& s, KvmState& out) {
     KVMEM_RETURN_IF_ERROR(kvm::validate(p, s));
     if (p.chunk > 1024)
@@ -291,6 +303,8 @@ class KvmState {
     return Status::ok();
   }
 
+  // False for a state never created and for a moved-from one: every operation on it is refused.
+  [[nodiscard]] bool valid() const { return memory_.get() != nullptr; }
   [[nodiscard]] const kvm::Params& params() const { return params_; }
   [[nodiscard]] const kvm::Shape& shape() const { return shape_; }
   [[nodiscard]] std::int64_t capacity() const { return cap_; }
@@ -315,6 +329,9 @@ class KvmState {
   // Copies the state of item (b, g) to the host: Sk [S,D], Sv [S,Dv], rho [S] (tests, replay).
   Status download(std::int64_t b, std::int64_t g, std::vector<A>& sk, std::vector<A>& sv, std::vector<A>& rho,
                   cudaStream_t stream) const {
+    if (!valid()) return invalid_argument("state", "a KvmState made by KvmState::create", "an empty KvmState");
+    if (b < 0 || b >= shape_.B) return {StatusCode::kOutOfRange, "download b: expected 0 <= b < B = " + std::to_string(shape_.B) + ", got " + std::to_string(b)};
+    if (g < 0 || g >= shape_.Hk) return {StatusCode::kOutOfRange, "download g: expected 0 <= g < Hk = " + std::to_string(shape_.Hk) + ", got " + std::to_string(g)};
     const std::int64_t i = b * shape_.Hk + g;
     sk.resize(std::size_t(slots_ * shape_.D));
     sv.resize(std::size_t(slots_ * shape_.Dv));
@@ -336,6 +353,25 @@ class KvmState {
   friend Status kvm_run(const Executor&, KvmState<S2, A2>&, const KvmWeights&, TensorView<const In, 4>,
                         TensorView<const In, 4>, TensorView<const In, 4>, TensorView<const In, 3>, TensorView<Out, 4>,
                         kvm::RouteLog*);
+
+  void take(KvmState& o) noexcept {
+    params_ = std::exchange(o.params_, kvm::Params{});
+    shape_ = std::exchange(o.shape_, kvm::Shape{});
+    cap_ = std::exchange(o.cap_, 0);
+    n_ = std::exchange(o.n_, 0);
+    cov_ = std::exchange(o.cov_, 0);
+    slots_ = std::exchange(o.slots_, 0);
+    sm_count_ = std::exchange(o.sm_count_, 1);
+    side_ = std::move(o.side_);
+    pipe_ = std::move(o.pipe_);
+    for (int r = 0; r < kvm_detail::kReadoutCopies; ++r) {
+      khat_copy_[r] = std::exchange(o.khat_copy_[r], nullptr);
+      vhat_copy_[r] = std::exchange(o.vhat_copy_[r], nullptr);
+    }
+    live_copy_ = std::exchange(o.live_copy_, 0);
+    memory_ = std::move(o.memory_);
+    dev_ = std::exchange(o.dev_, kvm_detail::DeviceState<S, A>{});
+  }
 
   kvm::Params params_{};
   kvm::Shape shape_{};
@@ -644,6 +680,8 @@ Status kvm_run(const Executor& exec, KvmState<S, A>& state, const KvmWeights& w,
                TensorView<Out, 4> out,        // [B,T,Hq,Dv]  device
                kvm::RouteLog* log = nullptr) {
   using namespace kvm_detail;
+  if (!state.valid())
+    return invalid_argument("state", "a KvmState made by KvmState::create", "an empty (never created or moved-from) KvmState");
   const kvm::Shape& sh = state.shape_;
   const kvm::Params& p = state.params_;
   const std::int64_t B = sh.B, T = q.extent(2);

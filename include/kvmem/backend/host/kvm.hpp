@@ -11,11 +11,17 @@
 // the tokens enter the window ring (and, below position C, found initial slots), then the segment
 // attends. Prefill and decode therefore run the same operations in the same order and agree
 // exactly (spec 6.1), and a prefill equals the chunked driver of spec 4.6.
+//
+// kvm::step runs the same driver per (row, KV head) item over packed token-major inputs (SeqIo
+// gives each item its tokens' addresses in either layout), so a row of a ragged step equals its
+// sequence run alone with prefill, bit for bit. The slot operations (reset, copy, export/import,
+// truncate) work on the per-slot counters and item memory directly.
 
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <new>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -28,20 +34,53 @@
 #include "kvmem/kernel/kvm_state.hpp"
 #include "kvmem/kvm/attention.hpp"
 #include "kvmem/kvm/params.hpp"
+#include "kvmem/kvm/record.hpp"
 #include "kvmem/kvm/state.hpp"
 
 namespace kvmem::kvm {
 
 namespace host_detail {
 
+// Where one sequence's tokens of a call live: element pointers at its first token and the element
+// distances between consecutive tokens and heads, so one driver reads prefill's [B,H,T,*] views and
+// a step's packed token-major [tokens,H,*] views alike.
+template <class In, class Out>
+struct SeqIo {
+  const In* q;     // (token i, query head h) at q + i*q_tok + h*q_head, D elements
+  const In* k;     // (i, KV head g) at k + i*k_tok + g*k_head, D elements
+  const In* v;     // Dv elements
+  const In* gate;  // one element
+  Out* out;        // (i, h) at out + i*o_tok + h*o_head, Dv elements
+  float* lse;      // (i, h) at lse + i*l_tok + h*l_head, or nullptr
+  std::int64_t q_tok, q_head, k_tok, k_head, v_tok, v_head, g_tok, g_head, o_tok, o_head, l_tok, l_head;
+
+  // Sequence b of prefill's views: q [B,Hq,T,D], k [B,Hk,T,D], v [B,Hk,T,Dv], gate [B,Hk,T], out [B,T,Hq,Dv].
+  static SeqIo batch_row(const TensorView<const In, 4>& q, const TensorView<const In, 4>& k,
+                         const TensorView<const In, 4>& v, const TensorView<const In, 3>& gate,
+                         const TensorView<Out, 4>& out, std::int64_t b) {
+    const std::int64_t Hq = q.extent(1), Hk = k.extent(1), T = q.extent(2), D = q.extent(3), Dv = v.extent(3);
+    return {.q = q.data() + b * Hq * T * D, .k = k.data() + b * Hk * T * D, .v = v.data() + b * Hk * T * Dv,
+            .gate = gate.data() + b * Hk * T, .out = out.data() + b * T * Hq * Dv, .lse = nullptr,
+            .q_tok = D, .q_head = T * D, .k_tok = D, .k_head = T * D, .v_tok = Dv, .v_head = T * Dv,
+            .g_tok = 1, .g_head = T, .o_tok = Hq * Dv, .o_head = Dv, .l_tok = 0, .l_head = 0};
+  }
+  // The tokens from `start` of a step's packed views: q [tokens,Hq,D], k [tokens,Hk,D],
+  // v [tokens,Hk,Dv], gate [tokens,Hk], out [tokens,Hq,Dv], lse [tokens,Hq] (may be empty).
+  static SeqIo packed(const TensorView<const In, 3>& q, const TensorView<const In, 3>& k,
+                      const TensorView<const In, 3>& v, const TensorView<const In, 2>& gate,
+                      const TensorView<Out, 3>& out, const TensorView<float, 2>& lse, std::int64_t start) {
+    const std::int64_t Hq = q.extent(1), Hk = k.extent(1), D = q.extent(2), Dv = v.extent(2);
+    return {.q = q.data() + start * Hq * D, .k = k.data() + start * Hk * D, .v = v.data() + start * Hk * Dv,
+            .gate = gate.data() + start * Hk, .out = out.data() + start * Hq * Dv,
+            .lse = lse.empty() ? nullptr : lse.data() + start * Hq,
+            .q_tok = Hq * D, .q_head = D, .k_tok = Hk * D, .k_head = D, .v_tok = Hk * Dv, .v_head = Dv,
+            .g_tok = Hk, .g_head = 1, .o_tok = Hq * Dv, .o_head = Dv, .l_tok = Hq, .l_head = 1};
+  }
+};
+
 template <class S, class A, class In, class Out>
 struct Call {
   const State<S, A>& st;
-  TensorView<const In, 4> q;     // [B,Hq,T,D]
-  TensorView<const In, 4> k;     // [B,Hk,T,D]
-  TensorView<const In, 4> v;     // [B,Hk,T,Dv]
-  TensorView<const In, 3> gate;  // [B,Hk,T]
-  TensorView<Out, 4> out;        // [B,T,Hq,Dv]
   RouteLog* log;
 
   const Params& p() const { return st.params(); }
@@ -191,7 +230,7 @@ struct Call {
 
   // Queries [t0, t1) (absolute; local index t - n0) of KV group (b, g) over the state (if
   // w > 0) and the causal window [w, t] in the ring.
-  void attend_segment(const ItemView<S, A>& it, std::int64_t b, std::int64_t g, std::int64_t n0,
+  void attend_segment(const ItemView<S, A>& it, const SeqIo<In, Out>& io, std::int64_t g, std::int64_t n0,
                       std::int64_t t0, std::int64_t t1, std::int64_t w, std::int64_t S_cur) const {
     const Params& pr = p();
     const std::int64_t rep = st.shape().rep(), W = pr.window();
@@ -199,7 +238,7 @@ struct Call {
     const A scale = static_cast<A>(pr.scale > 0 ? pr.scale : 1.0 / std::sqrt(double(D())));
     for (std::int64_t r = 0; r < rows; ++r) {
       const std::int64_t t = t0 + r / rep, h = g * rep + r % rep;
-      const In* qr = &q(b, h, t - n0, 0);
+      const In* qr = io.q + (t - n0) * io.q_tok + h * io.q_head;
       for (std::int64_t d = 0; d < D(); ++d) it.qblock[r * D() + d] = load_as<A>(qr[d]);
       new (it.soft + r) OnlineSoftmax<A>();
       for (std::int64_t d = 0; d < Dv(); ++d) it.acc[r * Dv() + d] = A(0);
@@ -234,14 +273,26 @@ struct Call {
     }
     for (std::int64_t r = 0; r < rows; ++r) {
       const std::int64_t t = t0 + r / rep, h = g * rep + r % rep;
-      Out* o = &out(b, t - n0, h, 0);
+      Out* o = io.out + (t - n0) * io.o_tok + h * io.o_head;
       const A inv = it.soft[r].normaliser();
       for (std::int64_t d = 0; d < Dv(); ++d) o[d] = static_cast<Out>(it.acc[r * Dv() + d] * inv);
+      if (io.lse != nullptr) io.lse[(t - n0) * io.l_tok + h * io.l_head] = static_cast<float>(it.soft[r].lse());
     }
   }
 
-  // The whole token range of one (sequence b, KV head g).
-  void run_item(std::int64_t b, std::int64_t g, std::int64_t len) const {
+  // Zeroes the out (and lse) rows of local tokens [i0, i1) for the query heads of KV group g.
+  void zero_rows(const SeqIo<In, Out>& io, std::int64_t g, std::int64_t i0, std::int64_t i1) const {
+    const std::int64_t rep = st.shape().rep();
+    for (std::int64_t i = i0; i < i1; ++i)
+      for (std::int64_t h = g * rep; h < (g + 1) * rep; ++h) {
+        Out* o = io.out + i * io.o_tok + h * io.o_head;
+        for (std::int64_t d = 0; d < Dv(); ++d) o[d] = Out(0);
+        if (io.lse != nullptr) io.lse[i * io.l_tok + h * io.l_head] = 0.0f;
+      }
+  }
+
+  // The whole token range (len tokens of io) of one (sequence slot b, KV head g).
+  void run_item(const SeqIo<In, Out>& io, std::int64_t b, std::int64_t g, std::int64_t len) const {
     const Params& pr = p();
     const Geometry geo = pr.geometry();
     const std::int64_t C = pr.chunk, W = pr.window();
@@ -258,23 +309,19 @@ struct Call {
       }
       for (std::int64_t t = t0; t < t1; ++t) {  // window ring; init slots below position C (spec 4.3)
         const std::int64_t ring = t % W;
-        const In* kr = &k(b, g, t - n0, 0);
-        const In* vr = &v(b, g, t - n0, 0);
+        const In* kr = io.k + (t - n0) * io.k_tok + g * io.k_head;
+        const In* vr = io.v + (t - n0) * io.v_tok + g * io.v_head;
         for (std::int64_t d = 0; d < D(); ++d) it.wk[ring * D() + d] = store_as<S>(static_cast<A>(kr[d]));
         for (std::int64_t d = 0; d < Dv(); ++d) it.wv[ring * Dv() + d] = store_as<S>(static_cast<A>(vr[d]));
-        it.wg[ring] = static_cast<A>(gate(b, g, t - n0));
+        it.wg[ring] = static_cast<A>(io.gate[(t - n0) * io.g_tok + g * io.g_head]);
         if (t < C && t >= cov) {
           init_slot(it, ring, S_cur++);
           cov = t + 1;
         }
       }
-      attend_segment(it, b, g, n0, t0, t1, w, S_cur);
+      attend_segment(it, io, g, n0, t0, t1, w, S_cur);
       t0 = t1;
     }
-    const std::int64_t rep = st.shape().rep();
-    for (std::int64_t t = len; t < out.extent(1); ++t)  // rows past this sequence's length: zeros
-      for (std::int64_t h = g * rep; h < (g + 1) * rep; ++h)
-        for (std::int64_t d = 0; d < Dv(); ++d) out(b, t, h, d) = Out(0);
     std::int64_t* res = st.item_result() + 2 * (b * st.shape().Hk + g);
     res[0] = cov;
     res[1] = S_cur;
@@ -302,6 +349,39 @@ Status check_values(const TensorView<const E, R>& x, std::int64_t b, std::int64_
                                       std::to_string(t) + "]");
       }
     }
+  return Status::ok();
+}
+
+// Tokens [i0, i1) of a packed token-major view x [tokens, width...] must be finite (and > 0 for gates).
+template <class E>
+Status check_tokens(const E* x, std::int64_t width, std::int64_t i0, std::int64_t i1, const char* name, bool positive) {
+  for (std::int64_t i = i0 * width; i < i1 * width; ++i) {
+    const double e = static_cast<double>(x[i]);
+    if (!std::isfinite(e))
+      return invalid_argument(name, "finite values", "NaN or Inf at token " + std::to_string(i / width));
+    if (positive && !(e > 0))
+      return invalid_argument(name, "values > 0 (g = 1 + ELU > 0)", std::to_string(e) + " at token " + std::to_string(i / width));
+  }
+  return Status::ok();
+}
+
+// The learned parameters in Acc, kept in the state for the items of one call (and for the readout
+// rebuilt by import_slot).
+template <class S, class A>
+void load_weights(State<S, A>& state, const Weights& weights) {
+  const Shape& sh = state.shape();
+  for (std::int64_t d = 0; d < sh.D; ++d) {
+    state.ln_w()[d] = static_cast<A>(weights.ln_weight(d));
+    state.ln_b()[d] = static_cast<A>(weights.ln_bias(d));
+  }
+  for (std::int64_t h = 0; h < sh.Hq; ++h) {
+    state.tau_s()[h] = static_cast<A>(weights.tau_state(h));
+    state.tau_w()[h] = static_cast<A>(weights.tau_bswa(h));
+  }
+}
+
+inline Status check_list(const TensorView<const std::int32_t, 1>& v, const char* name) {
+  if (!v.is_contiguous()) return invalid_argument(name, "a contiguous view", "a strided view");
   return Status::ok();
 }
 
@@ -341,20 +421,15 @@ struct Backend<host::Executor> {
       KVMEM_RETURN_IF_ERROR(host_detail::check_values(g4, b, len, "gate", true));
     }
     // ---- run ----
-    for (std::int64_t d = 0; d < sh.D; ++d) {
-      state.ln_w()[d] = static_cast<A>(weights.ln_weight(d));
-      state.ln_b()[d] = static_cast<A>(weights.ln_bias(d));
-    }
-    for (std::int64_t h = 0; h < sh.Hq; ++h) {
-      state.tau_s()[h] = static_cast<A>(weights.tau_state(h));
-      state.tau_w()[h] = static_cast<A>(weights.tau_bswa(h));
-    }
+    host_detail::load_weights(state, weights);
     if (log != nullptr) log->items.resize(std::size_t(B * sh.Hk));
     static_assert(State<S, A>::kRowBlock >= kernel::kRouteRows, "kvm State: row workspace below the routing block");
-    const host_detail::Call<S, A, In, Out> call{state, q, k, v, gate, out, log};
+    const host_detail::Call<S, A, In, Out> call{state, log};
     host::parallel_for(exec, B * sh.Hk, [&](std::int64_t i) {
-      const std::int64_t b = i / sh.Hk, g = i % sh.Hk;
-      call.run_item(b, g, lengths ? lengths[b] : T);
+      const std::int64_t b = i / sh.Hk, g = i % sh.Hk, len = lengths ? lengths[b] : T;
+      const auto io = host_detail::SeqIo<In, Out>::batch_row(q, k, v, gate, out, b);
+      call.run_item(io, b, g, len);
+      call.zero_rows(io, g, len, T);  // rows past this sequence's length
     });
     for (std::int64_t b = 0; b < B; ++b) {
       const std::int64_t len = lengths ? lengths[b] : T;
@@ -363,6 +438,203 @@ struct Backend<host::Executor> {
       state.cov_data()[b] = res[0];
       state.slots_data()[b] = res[1];
     }
+    return Status::ok();
+  }
+
+  // kvm::step: work items (row, KV head); a row runs its slot's tokens with the prefill driver.
+  template <class S, class A, class In, class Out>
+  static Status step(const host::Executor& exec, State<S, A>& state, const Weights& weights, const Rows& rows,
+                     TensorView<const In, 3> q,     // [tokens,Hq,D]
+                     TensorView<const In, 3> k,     // [tokens,Hk,D]
+                     TensorView<const In, 3> v,     // [tokens,Hk,Dv]
+                     TensorView<const In, 2> gate,  // [tokens,Hk]
+                     TensorView<Out, 3> out,        // [tokens,Hq,Dv]
+                     TensorView<float, 2> lse,      // [tokens,Hq] or empty
+                     RouteLog* log) {
+    // ---- validation: nothing below changes the state until every check passed ----
+    if (!state.valid()) return invalid_argument("state", "a created or placed State", "an empty State");
+    const Shape& sh = state.shape();
+    const std::int64_t tokens = q.extent(0);
+    KVMEM_RETURN_IF_ERROR(check_shape(q, {tokens, sh.Hq, sh.D}, "q [tokens,Hq,D]"));
+    KVMEM_RETURN_IF_ERROR(check_shape(k, {tokens, sh.Hk, sh.D}, "k [tokens,Hk,D]"));
+    KVMEM_RETURN_IF_ERROR(check_shape(v, {tokens, sh.Hk, sh.Dv}, "v [tokens,Hk,Dv]"));
+    KVMEM_RETURN_IF_ERROR(check_shape(gate, {tokens, sh.Hk}, "gate [tokens,Hk]"));
+    KVMEM_RETURN_IF_ERROR(check_shape(out, {tokens, sh.Hq, sh.Dv}, "out [tokens,Hq,Dv]"));
+    if (!lse.empty()) KVMEM_RETURN_IF_ERROR(check_shape(lse, {tokens, sh.Hq}, "lse [tokens,Hq]"));
+    if (!q.is_contiguous() || !k.is_contiguous() || !v.is_contiguous() || !gate.is_contiguous() ||
+        !out.is_contiguous() || (!lse.empty() && !lse.is_contiguous()))
+      return invalid_argument("q, k, v, gate, out, lse", "contiguous row-major views", "a strided view");
+    if (!rows.slot.is_contiguous() || !rows.query_start.is_contiguous())
+      return invalid_argument("rows", "contiguous slot and query_start views", "a strided view");
+    KVMEM_RETURN_IF_ERROR(validate(weights, sh));
+    KVMEM_RETURN_IF_ERROR(validate_rows(rows, sh.B, tokens));
+    const std::int32_t* slot = rows.slot.data();
+    const std::int32_t* start = rows.query_start.data();
+    const std::int64_t R = rows.count();
+    for (std::int64_t r = 0; r < R; ++r) {
+      if (slot[r] < 0) continue;
+      const std::int64_t len = start[r + 1] - start[r], b = slot[r];
+      if (state.tokens(b) + len > sh.n_ctx)
+        return {StatusCode::kOutOfRange, "row " + std::to_string(r) + " (slot " + std::to_string(b) + "): " +
+                                             std::to_string(state.tokens(b)) + " + " + std::to_string(len) +
+                                             " tokens exceed the state's n_ctx = " + std::to_string(sh.n_ctx)};
+      KVMEM_RETURN_IF_ERROR(host_detail::check_tokens(q.data(), sh.Hq * sh.D, start[r], start[r + 1], "q", false));
+      KVMEM_RETURN_IF_ERROR(host_detail::check_tokens(k.data(), sh.Hk * sh.D, start[r], start[r + 1], "k", false));
+      KVMEM_RETURN_IF_ERROR(host_detail::check_tokens(v.data(), sh.Hk * sh.Dv, start[r], start[r + 1], "v", false));
+      KVMEM_RETURN_IF_ERROR(host_detail::check_tokens(gate.data(), sh.Hk, start[r], start[r + 1], "gate", true));
+    }
+    // ---- run ----
+    host_detail::load_weights(state, weights);
+    if (log != nullptr) log->items.resize(std::size_t(sh.B * sh.Hk));
+    const host_detail::Call<S, A, In, Out> call{state, log};
+    host::parallel_for(exec, R * sh.Hk, [&](std::int64_t i) {
+      const std::int64_t r = i / sh.Hk, g = i % sh.Hk, len = start[r + 1] - start[r];
+      const auto io = host_detail::SeqIo<In, Out>::packed(q, k, v, gate, out, lse, start[r]);
+      if (slot[r] < 0)
+        call.zero_rows(io, g, 0, len);  // padding row
+      else
+        call.run_item(io, slot[r], g, len);
+    });
+    for (std::int64_t r = 0; r < R; ++r) {
+      if (slot[r] < 0) continue;
+      const std::int64_t b = slot[r];
+      const std::int64_t* res = state.item_result() + 2 * (b * sh.Hk);
+      state.n_data()[b] += start[r + 1] - start[r];
+      state.cov_data()[b] = res[0];
+      state.slots_data()[b] = res[1];
+    }
+    return Status::ok();
+  }
+
+  template <class S, class A>
+  static Status reset_slots(const host::Executor& /*exec*/, State<S, A>& state, TensorView<const std::int32_t, 1> slots) {
+    if (!state.valid()) return invalid_argument("state", "a created or placed State", "an empty State");
+    KVMEM_RETURN_IF_ERROR(host_detail::check_list(slots, "slots"));
+    KVMEM_RETURN_IF_ERROR(check_slot_list(slots.data(), slots.extent(0), state.max_slots(), "slots", false));
+    for (std::int64_t i = 0; i < slots.extent(0); ++i) KVMEM_RETURN_IF_ERROR(state.reset(slots(i)));
+    return Status::ok();
+  }
+
+  template <class S, class A>
+  static Status copy_slots(const host::Executor& exec, State<S, A>& state, TensorView<const std::int32_t, 1> src,
+                           TensorView<const std::int32_t, 1> dst) {
+    if (!state.valid()) return invalid_argument("state", "a created or placed State", "an empty State");
+    KVMEM_RETURN_IF_ERROR(host_detail::check_list(src, "src"));
+    KVMEM_RETURN_IF_ERROR(host_detail::check_list(dst, "dst"));
+    if (src.extent(0) != dst.extent(0)) return invalid_argument("dst length", src.extent(0), dst.extent(0));
+    KVMEM_RETURN_IF_ERROR(check_copy_pairs(src.data(), dst.data(), src.extent(0), state.max_slots()));
+    const Shape& sh = state.shape();
+    const std::int64_t W = state.window_capacity(), D = sh.D, Dv = sh.Dv;
+    host::parallel_for(exec, src.extent(0) * sh.Hk, [&](std::int64_t i) {
+      const std::int64_t s = src(i / sh.Hk), d = dst(i / sh.Hk), g = i % sh.Hk;
+      if (s == d) return;
+      const auto a = state.item(s, g), b = state.item(d, g);
+      const std::int64_t used = state.slots(s);
+      std::copy(a.sk, a.sk + used * D, b.sk);
+      std::copy(a.sv, a.sv + used * Dv, b.sv);
+      std::copy(a.rho, a.rho + used, b.rho);
+      std::copy(a.cnt, a.cnt + used, b.cnt);
+      std::copy(a.khat, a.khat + used * D, b.khat);
+      std::copy(a.vhat, a.vhat + used * Dv, b.vhat);
+      std::copy(a.wk, a.wk + W * D, b.wk);
+      std::copy(a.wv, a.wv + W * Dv, b.wv);
+      std::copy(a.wg, a.wg + W, b.wg);
+    });
+    for (std::int64_t i = 0; i < src.extent(0); ++i) {  // counters after every item: sources are never destinations
+      const std::int64_t s = src(i), d = dst(i);
+      state.n_data()[d] = state.tokens(s);
+      state.cov_data()[d] = state.covered(s);
+      state.slots_data()[d] = state.slots(s);
+    }
+    return Status::ok();
+  }
+
+  template <class S, class A>
+  static Status export_slot(const host::Executor& /*exec*/, const State<S, A>& state, std::int32_t slot,
+                            std::span<std::byte> bytes) {
+    KVMEM_RETURN_IF_ERROR(state.check_slot(slot, "slot"));
+    const std::size_t need = kvm::export_bytes(state, slot);
+    if (bytes.size() < need)
+      return invalid_argument("bytes", ">= export_bytes(state, slot) = " + std::to_string(need), bytes.size());
+    slot_record::Writer w(bytes.first(need), slot_record::Mechanism::kKvm, record_detail::kFields);
+    record_detail::write(state, slot, state.tokens(slot), state.covered(slot), state.slots(slot), w, false);
+    return Status::ok();
+  }
+
+  template <class S, class A>
+  static Status import_slot(const host::Executor& /*exec*/, State<S, A>& state, const Weights& weights,
+                            std::int32_t slot, std::span<const std::byte> bytes) {
+    KVMEM_RETURN_IF_ERROR(state.check_slot(slot, "slot"));
+    const Shape& sh = state.shape();
+    KVMEM_RETURN_IF_ERROR(validate(weights, sh));
+    record_detail::Parsed<A> rec;
+    KVMEM_RETURN_IF_ERROR(record_detail::read(state, bytes, rec));
+    // ---- every check passed: write the slot ----
+    host_detail::load_weights(state, weights);
+    const std::int64_t D = sh.D, Dv = sh.Dv, W = state.window_capacity(), S_ = rec.slots;
+    const std::int64_t w0 = state.params().geometry().bswa_begin(rec.n), held = rec.n - w0;
+    const host_detail::Call<S, A, float, float> call{state, nullptr};
+    for (std::int64_t g = 0; g < sh.Hk; ++g) {
+      const auto it = state.item(slot, g);
+      std::copy_n(rec.sk.begin() + g * S_ * D, S_ * D, it.sk);
+      std::copy_n(rec.sv.begin() + g * S_ * Dv, S_ * Dv, it.sv);
+      std::copy_n(rec.rho.begin() + g * S_, S_, it.rho);
+      std::copy_n(rec.cnt.begin() + g * S_, S_, it.cnt);
+      call.refresh(it, 0, S_);  // the readout copies K^, V^ (spec 4.4), as the source computed them
+      for (std::int64_t i = 0; i < held; ++i) {
+        const std::int64_t ring = (w0 + i) % W, at = g * held + i;
+        for (std::int64_t d = 0; d < D; ++d) it.wk[ring * D + d] = store_as<S>(rec.wk[std::size_t(at * D + d)]);
+        for (std::int64_t d = 0; d < Dv; ++d) it.wv[ring * Dv + d] = store_as<S>(rec.wv[std::size_t(at * Dv + d)]);
+        it.wg[ring] = rec.wg[std::size_t(at)];
+      }
+    }
+    state.n_data()[slot] = rec.n;
+    state.cov_data()[slot] = rec.cov;
+    state.slots_data()[slot] = rec.slots;
+    return Status::ok();
+  }
+
+  template <class S, class A>
+  static Status truncate(const host::Executor& /*exec*/, State<S, A>& state, std::int32_t slot, std::int64_t n) {
+    KVMEM_RETURN_IF_ERROR(state.check_slot(slot, "slot"));
+    KVMEM_RETURN_IF_ERROR(truncate_check(state, slot, n));
+    const std::int64_t n_new = state.tokens(slot) - n;
+    const std::int64_t cov = state.params().geometry().covered(n_new);
+    if (state.covered(slot) != cov) state.slots_data()[slot] = cov;  // initial slots only: one per token (spec 4.3)
+    state.cov_data()[slot] = cov;
+    state.n_data()[slot] = n_new;
+    return Status::ok();
+  }
+
+  // Whether dropping the last n tokens of `slot` is exact (kvm::truncate); ok or the reason why not.
+  template <class S, class A>
+  static Status truncate_check(const State<S, A>& state, std::int64_t slot, std::int64_t n) {
+    const std::int64_t n_old = state.tokens(slot);
+    if (n < 0 || n > n_old)
+      return {StatusCode::kOutOfRange, "truncate n: expected 0 <= n <= tokens of slot " + std::to_string(slot) + " = " +
+                                           std::to_string(n_old) + ", got " + std::to_string(n)};
+    const std::int64_t n_new = n_old - n;
+    if (n == 0 || n_new == 0) return Status::ok();
+    const Geometry geo = state.params().geometry();
+    const std::int64_t C = geo.chunk, cov_old = state.covered(slot), cov_new = geo.covered(n_new);
+    // Memory slots: unchanged when no update ran for the dropped tokens; below the first update
+    // (cov <= C) the state is the initial slots, one founded by each token, and the dropped ones go.
+    if (cov_old != cov_new && cov_old > C) {
+      const std::int64_t at = cov_old + geo.window() - C + 1;  // tokens seen when that update ran (spec 4.7)
+      return invalid_argument("truncate n", "at most " + std::to_string(n_old - at) + ": the state update at token " +
+                                                std::to_string(at) + " absorbed tokens [" + std::to_string(cov_old - C) +
+                                                ", " + std::to_string(cov_old) +
+                                                ") into the memory slots and cannot be undone (spec 4.5)",
+                              n);
+    }
+    // Window: every position a later token or update reads must still be held ([bswa_begin(n_old), n_old)).
+    const std::int64_t reads_from = std::min(geo.bswa_begin(n_new + 1), n_new >= C ? cov_new : n_new);
+    if (reads_from < geo.bswa_begin(n_old))
+      return invalid_argument("truncate n", "a count whose shorter sequence reads only window positions >= " +
+                                                std::to_string(geo.bswa_begin(n_old)) +
+                                                " (the positions the window still holds)",
+                              std::to_string(n) + " (the shorter sequence reads from position " +
+                                  std::to_string(reads_from) + ")");
     return Status::ok();
   }
 };
