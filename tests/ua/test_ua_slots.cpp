@@ -458,3 +458,424 @@ TEST_CASE("slots: continuous batching of 32+ sequences in 16 slots equals each s
     CHECK(s.evicted == 0);
   }
 }
+
+// ---- step semantics ------------------------------------------------------------------------------
+
+namespace {
+// A random sequence of L tokens in the suite's shape.
+Seq random_seq(std::int64_t L, std::uint64_t seed, double gate_mean = 1.0) {
+  const Shape sh;
+  std::mt19937_64 rng(seed);
+  Seq s;
+  s.L = L;
+  s.resize(L, sh.H, sh.G, sh.D);
+  s.fill(0, sh.H, sh.G, sh.D, rng, gate_mean);
+  return s;
+}
+
+// The fp64 reference's inputs ([1,H,T,D] ... batch-major) for a token-major sequence.
+kvmem::reference::ua::Inputs ref_inputs(const Seq& s, const Shape& sh) {
+  kvmem::reference::ua::Inputs in;
+  const std::int64_t L = s.L, H = sh.H, G = sh.G, D = sh.D;
+  in.q.resize(std::size_t(H * L * D));
+  in.k.resize(std::size_t(G * L * D));
+  in.v.resize(in.k.size());
+  in.z_k.resize(std::size_t(G * L));
+  in.z_q.resize(in.z_k.size());
+  for (std::int64_t t = 0; t < L; ++t) {
+    for (std::int64_t h = 0; h < H; ++h)
+      for (std::int64_t d = 0; d < D; ++d) in.q[std::size_t((h * L + t) * D + d)] = s.q[std::size_t((t * H + h) * D + d)];
+    for (std::int64_t g = 0; g < G; ++g) {
+      for (std::int64_t d = 0; d < D; ++d) {
+        in.k[std::size_t((g * L + t) * D + d)] = s.k[std::size_t((t * G + g) * D + d)];
+        in.v[std::size_t((g * L + t) * D + d)] = s.v[std::size_t((t * G + g) * D + d)];
+      }
+      in.z_k[std::size_t(g * L + t)] = s.z_k[std::size_t(t * G + g)];
+      in.z_q[std::size_t(g * L + t)] = s.z_q[std::size_t(t * G + g)];
+    }
+  }
+  return in;
+}
+
+// Runs sequences side by side in one cache: sequence i in slot i, rows of `rows[i][k]` tokens at step k
+// (0 = not in the step). Returns out [L,H,D] and lse [L,H] per sequence.
+struct SideBySide {
+  std::vector<std::vector<float>> out, lse;
+};
+template <class Storage>
+SideBySide side_by_side(kua::PrunedCache<Storage>& cache, const std::vector<Seq>& seqs,
+                        const std::vector<std::vector<std::int64_t>>& rows, const kua::Options& opt) {
+  const Shape sh;
+  std::mt19937_64 rng(7);
+  SideBySide r;
+  std::vector<std::int64_t> done(seqs.size(), 0);
+  for (const auto& s : seqs) {
+    r.out.emplace_back(std::size_t(s.L * sh.H * sh.D), 0.0f);
+    r.lse.emplace_back(std::size_t(s.L * sh.H), 0.0f);
+  }
+  std::size_t steps = 0;
+  for (const auto& x : rows) steps = std::max(steps, x.size());
+  for (std::size_t k = 0; k < steps; ++k) {
+    Packed p;
+    for (std::size_t i = 0; i < seqs.size(); ++i)
+      if (k < rows[i].size() && rows[i][k] > 0) p.add(std::int32_t(i), &seqs[i], done[i], rows[i][k], sh, rng);
+    const Status st = p.run(cache, sh, opt);
+    INFO(st.to_string());
+    REQUIRE(st.is_ok());
+    for (std::size_t i = 0, row = 0; i < seqs.size(); ++i)
+      if (k < rows[i].size() && rows[i][k] > 0) {
+        const std::int64_t x0 = p.query_start[row], T = rows[i][k];
+        std::copy_n(p.out.begin() + x0 * sh.H * sh.D, T * sh.H * sh.D, r.out[i].begin() + done[i] * sh.H * sh.D);
+        std::copy_n(p.lse.begin() + x0 * sh.H, T * sh.H, r.lse[i].begin() + done[i] * sh.H);
+        done[i] += T;
+        ++row;
+      }
+  }
+  return r;
+}
+}  // namespace
+
+TEST_CASE("slots: outputs and lse equal the fp64 reference (dense), pruned outputs its pruned run", "[ua][slots]") {
+  const Shape sh;
+  const std::vector<Seq> seqs{random_seq(300, 11), random_seq(1, 12), random_seq(150, 13)};
+  // sequence 0: prefill rows of 64 (= P) then decode; 1: one decode token; 2: rows of 100 and 50
+  const auto then_decode = [](std::vector<std::int64_t> rows, std::int64_t L) {
+    std::int64_t n = 0;
+    for (auto T : rows) n += T;
+    for (; n < L; ++n) rows.push_back(1);
+    return rows;
+  };
+  const std::vector<std::vector<std::int64_t>> dense_rows{then_decode({64, 64, 64, 64}, 300), {0, 0, 1}, {100, 0, 50}};
+  kua::PrunedCache<float> cache(kua::CacheShape{3, sh.H, sh.G, sh.D, 300, 16});
+  const auto got = side_by_side(cache, seqs, dense_rows, kua::Options{0.0, 64, true});
+  for (std::size_t i = 0; i < seqs.size(); ++i) {
+    INFO("sequence " << i);
+    const kvmem::reference::ua::Config c{1, seqs[i].L, sh.H, sh.G, sh.D, 64, -1, true};
+    const auto ref = kvmem::reference::ua::dense(c, ref_inputs(seqs[i], sh));
+    // reference lse is [1,H,T]; ours [T,H]
+    std::vector<double> ref_lse(got.lse[i].size());
+    for (std::int64_t t = 0; t < seqs[i].L; ++t)
+      for (std::int64_t h = 0; h < sh.H; ++h) ref_lse[std::size_t(t * sh.H + h)] = ref.lse[std::size_t(h * seqs[i].L + t)];
+    KVMEM_CHECK_CLOSE(got.out[i], ref.out, 1e-5);
+    KVMEM_CHECK_CLOSE(got.lse[i], ref_lse, 1e-5);
+  }
+  // Pruned, p = 0.05: prefill rows of P up to the split, then decode rows, as the reference's pruned run.
+  kua::PrunedCache<float> pruned(kua::CacheShape{3, sh.H, sh.G, sh.D, 300, 16});
+  const std::vector<std::vector<std::int64_t>> rows{then_decode({128, 128}, 300), {1}, then_decode({0, 128}, 150)};
+  const auto got_p = side_by_side(pruned, seqs, rows, kua::Options{0.05, 128, true});
+  std::int64_t evicted = 0;
+  for (std::size_t i = 0; i < seqs.size(); ++i) {
+    INFO("sequence " << i);
+    const std::int64_t split = i == 1 ? 0 : (i == 0 ? 256 : 128);
+    const kvmem::reference::ua::Config c{1, seqs[i].L, sh.H, sh.G, sh.D, 128, split, true};
+    const auto ref = kvmem::reference::ua::pruned(c, ref_inputs(seqs[i], sh), 0.05);
+    KVMEM_CHECK_CLOSE(got_p.out[i], ref.out, 1e-5);
+    for (std::int64_t g = 0; g < sh.G; ++g) {
+      std::vector<std::int64_t> kept(std::size_t(seqs[i].L), 0);
+      for (std::int64_t e = 0; e < pruned.length(std::int64_t(i), g); ++e) kept[std::size_t(pruned.positions(std::int64_t(i), g)[e])] = 1;
+      CHECK(std::vector<std::int64_t>(ref.kept.begin() + g * seqs[i].L, ref.kept.begin() + (g + 1) * seqs[i].L) == kept);
+      evicted += seqs[i].L - pruned.length(std::int64_t(i), g);
+    }
+  }
+  CHECK(evicted > 0);
+}
+
+TEST_CASE("slots: a prompt in rows of whole chunks equals one prefill call; a 1-token row is a decode step", "[ua][slots]") {
+  const Shape sh;
+  const Seq s = random_seq(320, 21);
+  const kua::Options opt{0.05, 64, true};
+  // one prefill of 256, then decode 64 tokens, alone (batch-major API)
+  std::vector<std::int64_t> history{256};
+  for (int t = 0; t < 64; ++t) history.push_back(1);
+  const auto alone = run_alone<float>(s, sh, history, opt, 320);
+  // the same prompt as rows of 64, 128, 64 tokens (whole chunks) beside another sequence
+  kua::PrunedCache<float> cache(kua::CacheShape{2, sh.H, sh.G, sh.D, 320, 16});
+  std::vector<std::int64_t> rows{64, 128, 64};
+  for (int t = 0; t < 64; ++t) rows.push_back(1);
+  const auto got = side_by_side(cache, {s, random_seq(100, 22)}, {rows, {50, 49, 0, 1}}, opt);
+  CHECK(same_bits(got.out[0], alone));
+}
+
+TEST_CASE("slots: a full slot refuses only rows that advance it; reset, it steps again", "[ua][slots]") {
+  const Shape sh;
+  const std::vector<Seq> seqs{random_seq(40, 31), random_seq(40, 32)};
+  kua::PrunedCache<float> cache(kua::CacheShape{2, sh.H, sh.G, sh.D, 8, 16});
+  std::mt19937_64 rng(1);
+  const kua::Options dense{0.0, 64, true};
+  {  // fill slot 0 to capacity
+    Packed p;
+    p.add(0, &seqs[0], 0, 8, sh, rng);
+    REQUIRE(p.run(cache, sh, dense).is_ok());
+  }
+  const auto before = state_of(cache);
+  Packed both;
+  both.add(1, &seqs[1], 0, 1, sh, rng);
+  both.add(0, &seqs[0], 8, 1, sh, rng);
+  const Status s = both.run(cache, sh, dense);
+  CHECK(s.code() == StatusCode::kOutOfRange);
+  CHECK(s.message().find("row 1 (slot 0") != std::string::npos);
+  CHECK(state_of(cache) == before);  // validation first: slot 1 did not advance either
+  for (int t = 0; t < 7; ++t) {      // slot 1 alone keeps going
+    Packed one;
+    one.add(1, &seqs[1], t, 1, sh, rng);
+    REQUIRE(one.run(cache, sh, dense).is_ok());
+  }
+  CHECK(cache.position(1) == 7);
+  const Slots s0{0};
+  REQUIRE(kua::reset_slots(kvmem::host::Executor{}, cache, list(s0)).is_ok());
+  Packed again;
+  again.add(0, &seqs[0], 0, 1, sh, rng);
+  again.add(1, &seqs[1], 7, 1, sh, rng);
+  CHECK(again.run(cache, sh, dense).is_ok());
+  CHECK(cache.position(0) == 1);
+  CHECK(cache.position(1) == 8);
+}
+
+TEST_CASE("slots: bad rows, shapes and values are refused before any change", "[ua][slots]") {
+  const Shape sh;
+  const Seq s = random_seq(20, 41);
+  kua::PrunedCache<float> cache(kua::CacheShape{3, sh.H, sh.G, sh.D, 64, 16});
+  std::mt19937_64 rng(2);
+  const kua::Options opt{0.05, 64, true};
+  {
+    Packed p;
+    p.add(1, &s, 0, 5, sh, rng);
+    REQUIRE(p.run(cache, sh, opt).is_ok());
+  }
+  kua::PrunedCache<float> twin = cache;
+  const auto refused = [&](Packed& p, const kua::Options& o, StatusCode code) {
+    const Status st = p.run(cache, sh, o);
+    INFO(st.to_string());
+    CHECK(st.code() == code);
+    CHECK(state_of(cache) == state_of(twin));
+  };
+  Packed bad_slot;
+  bad_slot.add(0, &s, 0, 1, sh, rng);
+  bad_slot.add(3, &s, 1, 1, sh, rng);
+  refused(bad_slot, opt, StatusCode::kOutOfRange);
+  Packed negative;
+  negative.add(-2, &s, 0, 1, sh, rng);
+  refused(negative, opt, StatusCode::kOutOfRange);
+  Packed twice;
+  twice.add(1, &s, 5, 1, sh, rng);
+  twice.add(1, &s, 6, 1, sh, rng);
+  refused(twice, opt, StatusCode::kInvalidArgument);
+  Packed short_rows;
+  short_rows.add(1, &s, 5, 2, sh, rng);
+  short_rows.query_start.back() = 1;  // query_start[rows] != tokens
+  refused(short_rows, opt, StatusCode::kInvalidArgument);
+  Packed nan;
+  nan.add(2, &s, 0, 1, sh, rng);
+  nan.add(1, &s, 5, 3, sh, rng);
+  nan.k[5] = std::nanf("");
+  refused(nan, opt, StatusCode::kInvalidArgument);
+  Packed fine;
+  fine.add(1, &s, 5, 1, sh, rng);
+  refused(fine, kua::Options{1.5, 64, true}, StatusCode::kInvalidArgument);
+  // an output of the wrong shape
+  const Status st = kua::step(kvmem::host::Executor{}, cache, fine.rows(), fine.inputs(sh), opt,
+                              TensorView<float, 3>(fine.out.data(), {1, sh.G, sh.D}));
+  CHECK(st.code() == StatusCode::kInvalidArgument);
+  CHECK(state_of(cache) == state_of(twin));
+  // an empty batch is a no-op
+  Packed none;
+  CHECK(none.run(cache, sh, opt).is_ok());
+  CHECK(state_of(cache) == state_of(twin));
+}
+
+// ---- slot operations -----------------------------------------------------------------------------
+
+TEST_CASE("slots: copy_slots forks a slot that continues bit for bit like its source", "[ua][slots]") {
+  const Shape sh;
+  const Seq s = random_seq(200, 51);
+  kua::PrunedCache<kvmem::bf16> cache(kua::CacheShape{4, sh.H, sh.G, sh.D, 200, 16});
+  const kua::Options opt{0.05, 64, true};
+  const auto first = side_by_side(cache, {s}, {{150}}, opt);
+  const Slots src{0, 0}, dst{2, 3};
+  REQUIRE(kua::copy_slots(kvmem::host::Executor{}, cache, list(src), list(dst)).is_ok());
+  CHECK(export_record(cache, 2) == export_record(cache, 0));
+  // continue slot 0 and its copy in slot 3 with the same tokens, in one step each row
+  std::mt19937_64 rng(3);
+  for (std::int64_t t = 150; t < 200; t += 10) {
+    Packed p;
+    p.add(3, &s, t, 10, sh, rng);
+    p.add(0, &s, t, 10, sh, rng);
+    REQUIRE(p.run(cache, sh, opt).is_ok());
+    CHECK(std::equal(p.out.begin(), p.out.begin() + 10 * sh.H * sh.D, p.out.begin() + 10 * sh.H * sh.D));
+  }
+  CHECK(export_record(cache, 3) == export_record(cache, 0));
+  // refused pairs leave the cache untouched
+  const auto before = state_of(cache);
+  const Slots bad_src{0, 1}, bad_dst{1, 2};  // 1 is a destination and a source
+  CHECK(kua::copy_slots(kvmem::host::Executor{}, cache, list(bad_src), list(bad_dst)).code() == StatusCode::kInvalidArgument);
+  const Slots out_of_range{4};
+  CHECK(kua::copy_slots(kvmem::host::Executor{}, cache, list(src), list(out_of_range)).code() == StatusCode::kInvalidArgument);
+  CHECK(kua::copy_slots(kvmem::host::Executor{}, cache, list(out_of_range), list(out_of_range)).code() == StatusCode::kOutOfRange);
+  CHECK(state_of(cache) == before);
+}
+
+TEST_CASE("slots: export -> import continues bitwise; a record that differs is refused, naming the field", "[ua][slots]") {
+  const Shape sh;
+  const Seq s = random_seq(260, 61);
+  const kua::Options opt{0.05, 64, false};
+  kua::PrunedCache<kvmem::bf16> a(kua::CacheShape{2, sh.H, sh.G, sh.D, 260, 16});
+  (void)side_by_side(a, {random_seq(30, 62), s}, {{30}, {200}}, opt);
+  const auto rec = export_record(a, 1);
+  CHECK(rec.size() == kua::export_bytes(a, 1));
+  // into slot 2 of another cache with a different slot count and capacity
+  kua::PrunedCache<kvmem::bf16> b(kua::CacheShape{3, sh.H, sh.G, sh.D, 120, 16});
+  REQUIRE(kua::import_slot(kvmem::host::Executor{}, b, 2, rec).is_ok());
+  CHECK(b.position(2) == 200);
+  CHECK(export_record(b, 2) == rec);
+  std::mt19937_64 rng(4);
+  for (std::int64_t t = 200; t < 260; t += (t % 3 == 0 ? 1 : 7)) {
+    const std::int64_t T = std::min<std::int64_t>(t % 3 == 0 ? 1 : 7, 260 - t);
+    Packed pa, pb;
+    pa.add(1, &s, t, T, sh, rng);
+    pb.add(2, &s, t, T, sh, rng);
+    REQUIRE(pa.run(a, sh, opt).is_ok());
+    REQUIRE(pb.run(b, sh, opt).is_ok());
+    CHECK(same_bits(pa.out, pb.out));
+    CHECK(same_bits(pa.lse, pb.lse));
+    if (t % 3 != 0) t += T - 7;
+  }
+  CHECK(export_record(a, 1) == export_record(b, 2));
+
+  const auto refused = [&](auto& cache, std::span<const std::byte> bytes, const std::string& names) {
+    const auto before = state_of(cache);
+    const Status st = kua::import_slot(kvmem::host::Executor{}, cache, 0, bytes);
+    INFO(st.to_string());
+    CHECK(!st.is_ok());
+    CHECK(st.message().find(names) != std::string::npos);
+    CHECK(state_of(cache) == before);
+  };
+  auto version = rec;
+  version[8] = std::byte{7};
+  refused(b, version, "version");
+  auto mechanism = rec;
+  mechanism[12] = std::byte{1};
+  refused(b, mechanism, "mechanism");
+  refused(b, std::span<const std::byte>(rec).first(rec.size() - 3), "truncated");
+  auto longer = rec;
+  longer.push_back(std::byte{0});
+  refused(b, longer, "bytes");
+  kua::PrunedCache<kvmem::bf16> other_heads(kua::CacheShape{1, 2 * sh.H, sh.G, sh.D, 260, 16});
+  refused(other_heads, rec, "query_heads");
+  kua::PrunedCache<kvmem::bf16> other_dim(kua::CacheShape{1, sh.H, sh.G, 2 * sh.D, 260, 16});
+  refused(other_dim, rec, "head_dim");
+  kua::PrunedCache<float> other_storage(kua::CacheShape{1, sh.H, sh.G, sh.D, 260, 16});
+  refused(other_storage, rec, "storage");
+  std::int64_t most = 0;
+  for (std::int64_t g = 0; g < sh.G; ++g) most = std::max(most, a.length(1, g));
+  REQUIRE(most > 1);
+  kua::PrunedCache<kvmem::bf16> small(kua::CacheShape{1, sh.H, sh.G, sh.D, most - 1, 16});
+  refused(small, rec, "capacity");
+  // a field's content: λ > 0 is no λ of spec UA.md 4.2 (find the first λ in the record and corrupt it)
+  auto lambda = rec;
+  const std::string name = "lambda";
+  const auto at = std::search(lambda.begin(), lambda.end(), reinterpret_cast<const std::byte*>(name.data()),
+                              reinterpret_cast<const std::byte*>(name.data()) + name.size());
+  REQUIRE(at != lambda.end());
+  const float positive = 1.0f;
+  std::memcpy(&*(at + std::ptrdiff_t(name.size() + 1 + 8)), &positive, sizeof positive);
+  refused(b, lambda, "lambda");
+  // bad slots and empty caches
+  CHECK(kua::export_bytes(a, 2) == 0);
+  CHECK(kua::export_bytes(a, -1) == 0);
+  std::vector<std::byte> buf(rec.size());
+  CHECK(kua::export_slot(kvmem::host::Executor{}, a, 2, buf).code() == StatusCode::kOutOfRange);
+  CHECK(kua::export_slot(kvmem::host::Executor{}, a, 1, std::span<std::byte>(buf).first(10)).code() == StatusCode::kOutOfRange);
+  CHECK(kua::import_slot(kvmem::host::Executor{}, b, 3, rec).code() == StatusCode::kOutOfRange);
+}
+
+TEST_CASE("slots: truncate is exact for none or all of a slot's tokens and refused otherwise", "[ua][slots]") {
+  const Shape sh;
+  const Seq s = random_seq(100, 71);
+  kua::PrunedCache<float> cache(kua::CacheShape{2, sh.H, sh.G, sh.D, 100, 16});
+  const kua::Options opt{0.05, 64, true};
+  (void)side_by_side(cache, {random_seq(10, 72), s}, {{10}, {60, 1, 1}}, opt);
+  const kvmem::host::Executor exec;
+  const auto before = state_of(cache);
+  CHECK(kua::truncate(exec, cache, 1, 0).is_ok());
+  CHECK(state_of(cache) == before);
+  for (std::int64_t n : {1, 2, 61}) {
+    const Status st = kua::truncate(exec, cache, 1, n);
+    INFO(st.to_string());
+    CHECK(st.code() == StatusCode::kUnsupported);
+    CHECK(st.message().find("λ") != std::string::npos);
+    CHECK(state_of(cache) == before);
+  }
+  CHECK(kua::truncate(exec, cache, 1, 63).code() == StatusCode::kOutOfRange);
+  CHECK(kua::truncate(exec, cache, 1, -1).code() == StatusCode::kOutOfRange);
+  CHECK(kua::truncate(exec, cache, 2, 0).code() == StatusCode::kOutOfRange);
+  CHECK(state_of(cache) == before);
+  // all 62 tokens: the slot is as new, and runs the sequence again exactly like a fresh cache
+  REQUIRE(kua::truncate(exec, cache, 1, 62).is_ok());
+  CHECK(cache.position(1) == 0);
+  CHECK(cache.position(0) == 10);
+  std::mt19937_64 rng(5);
+  Packed p;
+  p.add(1, &s, 0, 100, sh, rng);
+  REQUIRE(p.run(cache, sh, opt).is_ok());
+  CHECK(same_bits(p.out, run_alone<float>(s, sh, {100}, opt, 100)));
+}
+
+// ---- safety --------------------------------------------------------------------------------------
+
+TEST_CASE("slots: empty and moved-from caches refuse every operation; bad slot indices leave the cache untouched", "[ua][slots]") {
+  const Shape sh;
+  const Seq s = random_seq(30, 81);
+  const kua::Options opt{0.05, 64, true};
+  const kvmem::host::Executor exec;
+  kua::PrunedCache<float> live(kua::CacheShape{2, sh.H, sh.G, sh.D, 64, 16});
+  (void)side_by_side(live, {s}, {{20}}, opt);
+  const auto snapshot = state_of(live);
+  kua::PrunedCache<float> moved(std::move(live));
+  CHECK(state_of(moved) == snapshot);  // the new owner has everything
+  kua::PrunedCache<float> assigned;
+  assigned = std::move(moved);
+  CHECK(state_of(assigned) == snapshot);
+  kua::PrunedCache<float> never;
+  for (auto* empty : {&live, &moved, &never}) {
+    CHECK(!empty->valid());
+    CHECK(empty->max_slots() == 0);
+    CHECK(empty->position(0) == 0);  // the segfault of issue 22
+    CHECK(empty->length(0, 0) == 0);
+    CHECK(empty->positions(0, 0) == nullptr);
+    CHECK(empty->freed_rows(0, 0) == 0);
+    CHECK(empty->max_length() == 0);
+    CHECK(kua::report(*empty).empty());
+    CHECK(!empty->reset_sequence(0).is_ok());
+    std::mt19937_64 rng(6);
+    Packed p;
+    p.add(0, &s, 0, 1, sh, rng);
+    CHECK(!p.run(*empty, sh, opt).is_ok());
+    std::vector<float> out(std::size_t(sh.H * sh.D));
+    CHECK(!kua::decode(exec, *empty, batch_view(s, sh, 0, 1), opt, TensorView<float, 4>(out.data(), {1, 1, sh.H, sh.D})).is_ok());
+    const Slots zero{0};
+    CHECK(!kua::reset_slots(exec, *empty, list(zero)).is_ok());
+    CHECK(!kua::copy_slots(exec, *empty, list(zero), list(zero)).is_ok());
+    CHECK(kua::export_bytes(*empty, 0) == 0);
+    std::vector<std::byte> buf(64);
+    CHECK(!kua::export_slot(exec, *empty, 0, buf).is_ok());
+    CHECK(!kua::import_slot(exec, *empty, 0, export_record(assigned, 0)).is_ok());
+    CHECK(!kua::truncate(exec, *empty, 0, 0).is_ok());
+    CHECK(!empty->valid());
+  }
+  // a moved-from cache can be given a new cache
+  REQUIRE(kua::PrunedCache<float>::create(kua::CacheShape{1, sh.H, sh.G, sh.D, 8, 16}, live).is_ok());
+  CHECK(live.max_slots() == 1);
+  // bad slot indices on a live cache: a Status, and the cache equals a twin that never saw the call
+  const kua::PrunedCache<float> twin = assigned;
+  CHECK(assigned.reset_sequence(2).code() == StatusCode::kOutOfRange);
+  CHECK(assigned.reset_sequence(-1).code() == StatusCode::kOutOfRange);
+  const Slots bad{0, 2};
+  CHECK(kua::reset_slots(exec, assigned, list(bad)).code() == StatusCode::kOutOfRange);
+  CHECK(kua::truncate(exec, assigned, -1, 0).code() == StatusCode::kOutOfRange);
+  CHECK(assigned.position(2) == 0);
+  CHECK(assigned.length(0, 2) == 0);
+  CHECK(assigned.keys(-1, 0) == nullptr);
+  CHECK(state_of(assigned) == state_of(twin));
+  CHECK(assigned.reset_sequence(0).is_ok());
+  CHECK(assigned.position(0) == 0);
+}
