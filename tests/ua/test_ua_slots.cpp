@@ -95,8 +95,8 @@ std::vector<float> run_alone(const Seq& s, const Shape& sh, const std::vector<st
   std::int64_t t0 = 0;
   for (auto T : rows) {
     TensorView<float, 4> o(out.data() + t0 * sh.H * sh.D, {1, T, sh.H, sh.D});
-    const Status st = T == 1 ? kua::decode(kvmem::host::Executor{1}, cache, batch_view(s, sh, t0, T), opt, o)
-                             : kua::prefill(kvmem::host::Executor{1}, cache, batch_view(s, sh, t0, T), opt, o);
+    const Status st = T == 1 ? kua::decode(kvmem::host::Executor{2}, cache, batch_view(s, sh, t0, T), opt, o)
+                             : kua::prefill(kvmem::host::Executor{2}, cache, batch_view(s, sh, t0, T), opt, o);
     INFO(st.to_string());
     REQUIRE(st.is_ok());
     t0 += T;
@@ -401,15 +401,17 @@ ScheduleStats continuous_batching(std::uint64_t seed, const kua::Options& opt, s
     CHECK(same_bits(got, alone));
     for (std::int64_t t = 0; t < x.done * H; ++t) CHECK(std::isfinite(x.lse[std::size_t(t)]));
   }
-  // lse of the whole schedule equals each sequence's lse from a one-slot step run (same rows), bitwise.
+  // lse of the whole schedule equals each sequence's lse from a one-slot step run (same rows), bitwise
+  // (every third sequence of at most 1,500 tokens, to keep the test fast).
   for (std::size_t i = 0; i < all.size(); i += 3) {
     const Live& x = all[i];
+    if (x.data.L > 1500) continue;
     kua::PrunedCache<Storage> one(kua::CacheShape{1, H, G, D, capacity, 16});
     std::int64_t t0 = 0;
     for (auto T : x.history) {
       Packed p;
       p.add(0, &x.data, t0, T, sh, rng);
-      REQUIRE(p.run(one, sh, opt, 1).is_ok());
+      REQUIRE(p.run(one, sh, opt).is_ok());
       CHECK(std::equal(p.lse.begin(), p.lse.end(), x.lse.begin() + t0 * H,
                        [](float a, float b) { return std::bit_cast<std::uint32_t>(a) == std::bit_cast<std::uint32_t>(b); }));
       t0 += T;
