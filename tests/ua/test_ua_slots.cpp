@@ -881,3 +881,26 @@ TEST_CASE("slots: empty and moved-from caches refuse every operation; bad slot i
   CHECK(assigned.reset_sequence(0).is_ok());
   CHECK(assigned.position(0) == 0);
 }
+
+TEST_CASE("slots: the composed ua::Attention steps like ua::step with its options", "[ua][slots]") {
+  using Ua = kua::Attention<kvmem::decay::Universal, kvmem::prune::Threshold{0.05}, kvmem::precision::Bf16Storage>;
+  const Shape sh;
+  const Seq s = random_seq(90, 91);
+  Ua::Cache a(kua::CacheShape{2, sh.H, sh.G, sh.D, 90, 16}), b(a.shape());
+  std::mt19937_64 rng(8);
+  for (std::int64_t t0 : {0, 70, 71}) {
+    const std::int64_t T = t0 == 0 ? 70 : 1;
+    Packed p, q;
+    p.add(1, &s, t0, T, sh, rng);
+    q.add(1, &s, t0, T, sh, rng);
+    REQUIRE(p.run(a, sh, kua::Options{0.05, 32, true}).is_ok());
+    q.out.assign(p.out.size(), 0.0f);
+    q.lse.assign(p.lse.size(), 0.0f);
+    REQUIRE(Ua::step(kvmem::host::Executor{}, b, q.rows(), q.inputs(sh), TensorView<float, 3>(q.out.data(), {T, sh.H, sh.D}),
+                     TensorView<float, 2>(q.lse.data(), {T, sh.H}), 32)
+                .is_ok());
+    CHECK(same_bits(p.out, q.out));
+    CHECK(same_bits(p.lse, q.lse));
+  }
+  CHECK(state_of(a) == state_of(b));
+}

@@ -1,8 +1,9 @@
 // SPDX-License-Identifier: Apache-2.0
 #pragma once
 // Universal Attention operations (spec UA.md 2, 4): prefill into a PrunedCache (chunked, evicting at
-// chunk ends), decode one token, and forward (dense, no cache: output + lse + lambda_last for
-// training-style use). Every operation takes the executor first, validates everything (shapes,
+// chunk ends), decode one token, step (a ragged batch of sequence slots mixing prefill rows and decode
+// rows, DESIGN.md 3), and forward (dense, no cache: output + lse + lambda_last for training-style use).
+// The slot operations (reset_slots, copy_slots, export/import, truncate) are in ua/slots.hpp. Every operation takes the executor first, validates everything (shapes,
 // NaN/Inf, threshold, chunk, capacity) before it touches the cache, and runs one (sequence, kv head)
 // item per worker through the backend's Launcher (backend/host/ua.hpp for kvmem::host::Executor).
 //
@@ -600,6 +601,11 @@ struct Attention {
   static Status decode(const Exec& exec, Cache& cache, const Inputs& in, TensorView<float, 4> out,
                        bool evict_before_attention = true) {
     return ua::decode<Set>(exec, cache, in, options(128, evict_before_attention), out);
+  }
+  template <class Exec>
+  static Status step(const Exec& exec, Cache& cache, const Rows& rows, const PackedInputs& in, TensorView<float, 3> out,
+                     TensorView<float, 2> lse = {}, std::int64_t prefill_chunk = 128, bool evict_before_attention = true) {
+    return ua::step<Set>(exec, cache, rows, in, options(prefill_chunk, evict_before_attention), out, lse);
   }
   template <class Exec>
   static Status forward(const Exec& exec, const Inputs& in, TensorView<float, 4> out, TensorView<float, 3> lse = {},
