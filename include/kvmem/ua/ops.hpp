@@ -3,9 +3,10 @@
 // Universal Attention operations (spec UA.md 2, 4): prefill into a PrunedCache (chunked, evicting at
 // chunk ends), decode one token, step (a ragged batch of sequence slots mixing prefill rows and decode
 // rows, DESIGN.md 3), and forward (dense, no cache: output + lse + lambda_last for training-style use).
-// The slot operations (reset_slots, copy_slots, export/import, truncate) are in ua/slots.hpp. Every operation takes the executor first, validates everything (shapes,
-// NaN/Inf, threshold, chunk, capacity) before it touches the cache, and runs one (sequence, kv head)
-// item per worker through the backend's Launcher (backend/host/ua.hpp for kvmem::host::Executor).
+// The slot operations (reset_slots, copy_slots, export/import, truncate) are in ua/slots.hpp. Every
+// operation takes the executor first, validates everything (shapes, NaN/Inf, threshold, chunk,
+// capacity) before it touches the cache, and runs one (sequence, kv head) item per worker through the
+// backend's Launcher (backend/host/ua.hpp for kvmem::host::Executor).
 //
 // Runtime configuration: Options{p, prefill_chunk, evict_before_attention}; p = 0 is dense UA
 // (prune::None) with the same API. Compile-time composition: ua::Attention<DecaySet, Prune, Precision>.
