@@ -839,4 +839,48 @@ TEST_CASE("ua cuda bf16 tensor-core chunk kernel: p = 1 keeps exactly the keys t
     const auto gpu = cuda_prefill_decode<kvmem::bf16>(f, split, kvmem::ua::Options{1.0, 64, true});
     CHECK(gpu.kept == closed);
   }
+
+TEST_CASE("ua cuda: a never-created or moved-from cache refuses every operation; bad slots are refused", "[ua][cuda][slots]") {
+  // Never created: refused before any CUDA call, so this part runs without a device.
+  kvmem::cuda::UaCache<float> never;
+  CHECK(!never.valid());
+  CHECK(never.max_slots() == 0);
+  CHECK(never.position(0) == 0);
+  std::vector<std::int64_t> lengths;
+  CHECK(never.lengths(lengths, nullptr).code() == kvmem::StatusCode::kInvalidArgument);
+  CHECK(never.reset_sequence(0, nullptr).code() == kvmem::StatusCode::kInvalidArgument);
+  std::vector<std::int64_t> pos;
+  std::vector<float> lambda;
+  CHECK(!never.download(0, 0, pos, lambda, nullptr, nullptr, nullptr).is_ok());
+  const kvmem::cuda::Executor exec{};
+  CHECK(kvmem::cuda::ua_decode(exec, never, kvmem::cuda::UaInputs<float>{}, {}, TensorView<float, 4>{}).code() ==
+        kvmem::StatusCode::kInvalidArgument);
+  if (no_device()) return;
+  const Case c = random_case(2, 8, 2, 1, 16, 4);
+  const FloatCase f(c);
+  DevCase<float> d(f);
+  Dev<float> out(std::size_t(2 * 8 * 2 * 16));
+  kvmem::cuda::UaCache<float> cache;
+  REQUIRE(kvmem::cuda::UaCache<float>::create({2, 2, 1, 16, 8, 16}, cache).is_ok());
+  REQUIRE(kvmem::cuda::ua_prefill(exec, cache, d.slice(0, 4), {}, d.out_slice(out.ptr, 0, 4)).is_ok());
+  // bad slot indices: a Status, the cache as before
+  CHECK(cache.reset_sequence(2, nullptr).code() == kvmem::StatusCode::kOutOfRange);
+  CHECK(cache.reset_sequence(-1, nullptr).code() == kvmem::StatusCode::kOutOfRange);
+  CHECK(!cache.download(0, 1, pos, lambda, nullptr, nullptr, nullptr).is_ok());
+  CHECK(cache.position(5) == 0);
+  REQUIRE(cache.lengths(lengths, nullptr).is_ok());
+  CHECK(lengths == std::vector<std::int64_t>{4, 4});
+  CHECK(cache.position(0) == 4);
+  // moved from: empty, and refusing instead of writing the new owner's memory
+  kvmem::cuda::UaCache<float> owner(std::move(cache));
+  CHECK(!cache.valid());
+  CHECK(cache.position(0) == 0);
+  CHECK(cache.reset_sequence(0, nullptr).code() == kvmem::StatusCode::kInvalidArgument);
+  CHECK(kvmem::cuda::ua_decode(exec, cache, d.slice(4, 5), {}, d.out_slice(out.ptr, 4, 5)).code() ==
+        kvmem::StatusCode::kInvalidArgument);
+  REQUIRE(owner.lengths(lengths, nullptr).is_ok());
+  CHECK(lengths == std::vector<std::int64_t>{4, 4});
+  CHECK(owner.position(1) == 4);
+  CHECK(kvmem::cuda::ua_decode(exec, owner, d.slice(4, 5), {}, d.out_slice(out.ptr, 4, 5)).is_ok());
+  CHECK(owner.position(0) == 5);
 }

@@ -108,4 +108,39 @@ TEST_CASE("kokkos ua rejects bad input before any change", "[kokkos][ua][unit]")
   CHECK(after.lambda == before.lambda);
 }
 
+TEST_CASE("kokkos ua: an empty or moved-from cache refuses every operation and reads as empty", "[kokkos][ua][unit][slots]") {
+  const Case c = random_case(2, 12, 2, 2, 8, 4, 1.0, false);
+  const FloatCase f(c);
+  const KokkosCase kc(f);
+  const auto out = kc.make_out();
+  const kvmem::ua::Options opt{0.05, 4, true};
+  auto cache = make_kokkos_cache({}, f, 12);
+  REQUIRE(kvmem::ua::prefill(KokkosExec{}, cache, kc.slice(0, 6), opt, kc.out_slice(out, 0, 6)).is_ok());
+  const auto before = kvmem::kokkos::snapshot(cache);
+  KokkosUaCache owner(std::move(cache));
+  KokkosUaCache never;
+  for (auto* empty : {&cache, &never}) {
+    CHECK(!empty->valid());
+    CHECK(empty->max_slots() == 0);
+    CHECK(empty->keys.data() == nullptr);
+    CHECK(kvmem::ua::decode(KokkosExec{}, *empty, kc.slice(6, 7), opt, kc.out_slice(out, 6, 7)).code() ==
+          kvmem::StatusCode::kInvalidArgument);
+    const auto snap = kvmem::kokkos::snapshot(*empty);
+    CHECK(snap.length_of(0, 0) == 0);
+    CHECK(snap.positions(0, 0) == nullptr);
+    CHECK(snap.freed_pages(0, 0).count == 0);
+  }
+  // the new owner holds the state, untouched by the refused calls, and goes on
+  const auto moved = kvmem::kokkos::snapshot(owner);
+  CHECK(moved.length == before.length);
+  CHECK(moved.counter == before.counter);
+  CHECK(moved.lambda == before.lambda);
+  CHECK(kvmem::ua::decode(KokkosExec{}, owner, kc.slice(6, 7), opt, kc.out_slice(out, 6, 7)).is_ok());
+  KokkosUaCache assigned;
+  assigned = std::move(owner);
+  CHECK(!owner.valid());
+  CHECK(assigned.max_slots() == 2);
+  CHECK(kvmem::kokkos::snapshot(assigned).counter == std::vector<std::int64_t>{7, 7});
+}
+
 }  // namespace

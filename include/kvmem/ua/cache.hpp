@@ -13,9 +13,19 @@
 // physical blocks can reclaim them.
 //
 // Keys and values are stored in `Storage` (float, bf16 or fp16); λ and the key-gate logit in fp32.
+//
+// Sequence slots (DESIGN.md 3, core/slots.hpp): the cache holds max_slots() = CacheShape::batch
+// sequence slots, fixed at creation. Each slot has its own position counter and its own entry list per
+// kv head, so slots join, advance (ua::step), fork (ua::copy_slots), restart (ua::reset_slots) and
+// travel (ua::export_slot / import_slot) independently of one another.
+//
+// Safety (DESIGN.md 3): a default-constructed or moved-from cache is empty (max_slots() == 0); every
+// operation of ua/ops.hpp refuses it with a Status, and the accessors below return 0 / nullptr for an
+// empty cache or an index outside the shape instead of reading out of bounds.
 
 #include <cstdint>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "kvmem/core/numeric.hpp"
@@ -48,6 +58,18 @@ class PrunedCache {
   using storage_type = Storage;
 
   PrunedCache() = default;
+  PrunedCache(const PrunedCache&) = default;
+  PrunedCache& operator=(const PrunedCache&) = default;
+  // A move leaves `o` empty (no slots), never a shape without rows.
+  PrunedCache(PrunedCache&& o) noexcept { swap(o); }
+  PrunedCache& operator=(PrunedCache&& o) noexcept {
+    if (this != &o) {
+      PrunedCache taken;
+      taken.swap(o);
+      swap(taken);
+    }
+    return *this;
+  }
 
   static Status validate_shape(const CacheShape& s) {
     if (s.batch <= 0) return invalid_argument("CacheShape batch", "> 0", s.batch);
@@ -85,44 +107,67 @@ class PrunedCache {
   explicit PrunedCache(const CacheShape& s) { throw_if_error(create(s, *this)); }
 
   [[nodiscard]] const CacheShape& shape() const { return shape_; }
+  // False for a default-constructed or moved-from cache, which holds no slots.
+  [[nodiscard]] bool valid() const { return shape_.capacity > 0; }
+  // Sequence slots (CacheShape::batch): slot b is the sequence b of prefill / decode.
+  [[nodiscard]] std::int64_t max_slots() const { return shape_.batch; }
   [[nodiscard]] std::int64_t group_size() const { return shape_.query_heads / shape_.kv_heads; }
   [[nodiscard]] std::int64_t item(std::int64_t b, std::int64_t g) const { return b * shape_.kv_heads + g; }
+  // Whether (b, g) names an item of this cache (false for every index of an empty cache).
+  [[nodiscard]] bool has(std::int64_t b, std::int64_t g = 0) const {
+    return b >= 0 && b < shape_.batch && g >= 0 && g < shape_.kv_heads && valid();
+  }
 
-  // Entries of (b, g) and the next absolute position of sequence b (= tokens seen, spec UA.md 6.10).
-  [[nodiscard]] std::int64_t length(std::int64_t b, std::int64_t g) const { return length_[idx(item(b, g))]; }
-  [[nodiscard]] std::int64_t position(std::int64_t b) const { return counter_[idx(b)]; }
+  // Entries of (b, g) and the next absolute position of sequence b (= tokens seen, spec UA.md 6.10);
+  // 0 for an index outside the cache.
+  [[nodiscard]] std::int64_t length(std::int64_t b, std::int64_t g) const { return has(b, g) ? length_[idx(item(b, g))] : 0; }
+  [[nodiscard]] std::int64_t position(std::int64_t b) const { return has(b) ? counter_[idx(b)] : 0; }
   [[nodiscard]] std::int64_t max_length() const {
     std::int64_t m = 0;
     for (auto l : length_) m = l > m ? l : m;
     return m;
   }
 
-  // Row views of one (b, g): positions, λ and key-gate logits [length], keys/values [length, D].
-  [[nodiscard]] const std::int64_t* positions(std::int64_t b, std::int64_t g) const { return pos_.data() + row0(b, g); }
-  [[nodiscard]] const float* lambda(std::int64_t b, std::int64_t g) const { return lambda_.data() + row0(b, g); }
-  [[nodiscard]] const float* key_logits(std::int64_t b, std::int64_t g) const { return key_logit_.data() + row0(b, g); }
-  [[nodiscard]] const Storage* keys(std::int64_t b, std::int64_t g) const { return keys_.data() + row0(b, g) * shape_.head_dim; }
-  [[nodiscard]] const Storage* values(std::int64_t b, std::int64_t g) const { return values_.data() + row0(b, g) * shape_.head_dim; }
+  // Row views of one (b, g): positions, λ and key-gate logits [length], keys/values [length, D];
+  // nullptr for an index outside the cache.
+  [[nodiscard]] const std::int64_t* positions(std::int64_t b, std::int64_t g) const {
+    return has(b, g) ? pos_.data() + row0(b, g) : nullptr;
+  }
+  [[nodiscard]] const float* lambda(std::int64_t b, std::int64_t g) const {
+    return has(b, g) ? lambda_.data() + row0(b, g) : nullptr;
+  }
+  [[nodiscard]] const float* key_logits(std::int64_t b, std::int64_t g) const {
+    return has(b, g) ? key_logit_.data() + row0(b, g) : nullptr;
+  }
+  [[nodiscard]] const Storage* keys(std::int64_t b, std::int64_t g) const {
+    return has(b, g) ? keys_.data() + row0(b, g) * shape_.head_dim : nullptr;
+  }
+  [[nodiscard]] const Storage* values(std::int64_t b, std::int64_t g) const {
+    return has(b, g) ? values_.data() + row0(b, g) * shape_.head_dim : nullptr;
+  }
 
-  // Pages of (b, g) freed by the last prefill/decode: rows [length, peak) were in use during the
+  // Pages of (b, g) freed by the last operation on slot b: rows [length, peak) were in use during the
   // operation and are free now; the pages wholly inside that tail are returned.
   [[nodiscard]] PageRange freed_pages(std::int64_t b, std::int64_t g) const {
+    if (!has(b, g)) return {};
     const std::int64_t pr = shape_.page_rows;
     const std::int64_t first = (length(b, g) + pr - 1) / pr;
     const std::int64_t end = (peak_[idx(item(b, g))] + pr - 1) / pr;
     return {first, end > first ? end - first : 0};
   }
   [[nodiscard]] std::int64_t freed_rows(std::int64_t b, std::int64_t g) const {
-    return peak_[idx(item(b, g))] - length(b, g);
+    return has(b, g) ? peak_[idx(item(b, g))] - length(b, g) : 0;
   }
 
-  // Empties sequence b (all its kv heads) and restarts its position counter, e.g. to reuse a slot.
-  void reset_sequence(std::int64_t b) {
-    for (std::int64_t g = 0; g < shape_.kv_heads; ++g) {
-      length_[idx(item(b, g))] = 0;
-      peak_[idx(item(b, g))] = 0;
-    }
-    counter_[idx(b)] = 0;
+  // Empties sequence b (all its kv heads) and restarts its position counter, e.g. to reuse a slot
+  // (the batched form is ua::reset_slots). A bad b or an empty cache is refused, the cache untouched.
+  Status reset_sequence(std::int64_t b) {
+    if (!valid()) return invalid_argument("cache", "a cache made by PrunedCache::create", "an empty cache");
+    if (!has(b))
+      return {StatusCode::kOutOfRange, kvmem::detail::concat("reset_sequence b: expected 0 <= b < max_slots = ",
+                                                             shape_.batch, ", got ", b)};
+    restart(b);
+    return Status::ok();
   }
 
   // ---- access for the operations in ua/ops.hpp (one (b, g) item per worker) ----
@@ -144,12 +189,35 @@ class PrunedCache {
             workspace_.data() + it * kernel::ua::block_workspace_elems(group_size(), shape_.head_dim)};
   }
   void advance(std::int64_t b, std::int64_t tokens) { counter_[idx(b)] += tokens; }
+  void set_position(std::int64_t b, std::int64_t position) { counter_[idx(b)] = position; }
+  // Unchecked reset of slot b (callers check b first).
+  void restart(std::int64_t b) {
+    for (std::int64_t g = 0; g < shape_.kv_heads; ++g) {
+      length_[idx(item(b, g))] = 0;
+      peak_[idx(item(b, g))] = 0;
+    }
+    counter_[idx(b)] = 0;
+  }
+
+  void swap(PrunedCache& o) noexcept {
+    std::swap(shape_, o.shape_);
+    keys_.swap(o.keys_);
+    values_.swap(o.values_);
+    lambda_.swap(o.lambda_);
+    key_logit_.swap(o.key_logit_);
+    pos_.swap(o.pos_);
+    length_.swap(o.length_);
+    peak_.swap(o.peak_);
+    counter_.swap(o.counter_);
+    workspace_.swap(o.workspace_);
+  }
 
  private:
   static std::size_t idx(std::int64_t i) { return static_cast<std::size_t>(i); }
   [[nodiscard]] std::int64_t row0(std::int64_t b, std::int64_t g) const { return item(b, g) * shape_.capacity; }
 
-  CacheShape shape_{};
+  // An empty cache: no slots, and a group size of 1 so that no accessor divides by zero.
+  CacheShape shape_{0, 1, 1, 0, 0, 16};
   std::vector<Storage> keys_, values_;  // [B, G, capacity, D]
   std::vector<float> lambda_, key_logit_;  // [B, G, capacity]
   std::vector<std::int64_t> pos_;          // [B, G, capacity]

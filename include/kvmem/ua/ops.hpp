@@ -1,10 +1,12 @@
 // SPDX-License-Identifier: Apache-2.0
 #pragma once
 // Universal Attention operations (spec UA.md 2, 4): prefill into a PrunedCache (chunked, evicting at
-// chunk ends), decode one token, and forward (dense, no cache: output + lse + lambda_last for
-// training-style use). Every operation takes the executor first, validates everything (shapes,
-// NaN/Inf, threshold, chunk, capacity) before it touches the cache, and runs one (sequence, kv head)
-// item per worker through the backend's Launcher (backend/host/ua.hpp for kvmem::host::Executor).
+// chunk ends), decode one token, step (a ragged batch of sequence slots mixing prefill rows and decode
+// rows, DESIGN.md 3), and forward (dense, no cache: output + lse + lambda_last for training-style use).
+// The slot operations (reset_slots, copy_slots, export/import, truncate) are in ua/slots.hpp. Every
+// operation takes the executor first, validates everything (shapes, NaN/Inf, threshold, chunk,
+// capacity) before it touches the cache, and runs one (sequence, kv head) item per worker through the
+// backend's Launcher (backend/host/ua.hpp for kvmem::host::Executor).
 //
 // Runtime configuration: Options{p, prefill_chunk, evict_before_attention}; p = 0 is dense UA
 // (prune::None) with the same API. Compile-time composition: ua::Attention<DecaySet, Prune, Precision>.
@@ -18,6 +20,7 @@
 #include <vector>
 
 #include "kvmem/core/math.hpp"
+#include "kvmem/core/slots.hpp"
 #include "kvmem/core/status.hpp"
 #include "kvmem/core/tensor.hpp"
 #include "kvmem/kernel/ua_attend.hpp"
@@ -27,6 +30,7 @@
 #include "kvmem/policy/precision.hpp"
 #include "kvmem/policy/prune.hpp"
 #include "kvmem/ua/cache.hpp"
+#include "kvmem/ua/slots.hpp"
 
 namespace kvmem::ua {
 
@@ -76,7 +80,10 @@ namespace detail {
 template <std::size_t Rank>
 Status check_finite(const TensorView<const float, Rank>& view, const char* name) {
   bool ok = true;
-  if constexpr (Rank == 3) {
+  if constexpr (Rank == 2) {
+    for (std::int64_t a = 0; a < view.extent(0); ++a)
+      for (std::int64_t b = 0; b < view.extent(1); ++b) ok = ok && std::isfinite(view(a, b));
+  } else if constexpr (Rank == 3) {
     for (std::int64_t a = 0; a < view.extent(0); ++a)
       for (std::int64_t b = 0; b < view.extent(1); ++b)
         for (std::int64_t c = 0; c < view.extent(2); ++c) ok = ok && std::isfinite(view(a, b, c));
@@ -140,37 +147,89 @@ inline Status validate_options(const Options& opt) {
 
 inline double log_threshold(double p) { return prune::Threshold{p}.log_threshold(); }
 
-template <class Storage>
-void append_row(typename PrunedCache<Storage>::ItemView& v, std::int64_t row, const Inputs& in, std::int64_t b,
-                std::int64_t g, std::int64_t t, std::int64_t pos, std::int64_t D) {
-  kernel::ua::append_entry(v.keys, v.values, v.lambda, v.key_logit, v.pos, row, &in.k(b, g, t, 0), &in.v(b, g, t, 0),
-                           in.z_k(b, g, t), pos, D);
+// The inputs and outputs of one (sequence, kv head) item over the T tokens of its call: pointers to
+// token 0 of the item (query heads g*r.., kv head g) and the strides between tokens and heads. The
+// batch-major ops (prefill, decode) and the token-major slot step (step) both describe their tensors
+// this way, so they run the very same item code and give the same bits.
+struct ItemIO {
+  std::int64_t T = 0;
+  const float* q = nullptr;  // [r heads, T, D]
+  std::int64_t q_head_stride = 0, q_row_stride = 0;
+  const float* k = nullptr;  // [T, D]
+  const float* v = nullptr;  // [T, D]
+  std::int64_t k_row_stride = 0, v_row_stride = 0;
+  const float* z_k = nullptr;  // [T]
+  const float* z_q = nullptr;  // [T]
+  std::int64_t z_k_stride = 1, z_q_stride = 1;
+  const float* z_o = nullptr;  // [T, r heads, D], nullptr = no output gate
+  std::int64_t z_o_row_stride = 0, z_o_head_stride = 0;
+  float* out = nullptr;  // [T, r heads, D]
+  std::int64_t out_row_stride = 0, out_head_stride = 0;
+  float* lse = nullptr;  // [r heads, T], nullptr = not wanted
+  std::int64_t lse_head_stride = 0, lse_row_stride = 0;
+};
+
+// Item (b, g) of a batch-major call (Inputs [B,H,T,D] ..., out [B,T,H,D]).
+inline ItemIO item_io(const Inputs& in, TensorView<float, 4> out, std::int64_t b, std::int64_t g, std::int64_t r) {
+  ItemIO io;
+  io.T = in.q.extent(2);
+  io.q = &in.q(b, g * r, 0, 0);
+  io.q_head_stride = in.q.stride(1);
+  io.q_row_stride = in.q.stride(2);
+  io.k = &in.k(b, g, 0, 0);
+  io.k_row_stride = in.k.stride(2);
+  io.v = &in.v(b, g, 0, 0);
+  io.v_row_stride = in.v.stride(2);
+  io.z_k = &in.z_k(b, g, 0);
+  io.z_k_stride = in.z_k.stride(2);
+  io.z_q = &in.z_q(b, g, 0);
+  io.z_q_stride = in.z_q.stride(2);
+  if (!in.z_o.empty()) {
+    io.z_o = &in.z_o(b, 0, g * r, 0);
+    io.z_o_row_stride = in.z_o.stride(1);
+    io.z_o_head_stride = in.z_o.stride(2);
+  }
+  io.out = &out(b, 0, g * r, 0);
+  io.out_row_stride = out.stride(1);
+  io.out_head_stride = out.stride(2);
+  return io;
 }
 
-// BlockArgs for query tokens [t0, t1) of the call for (b, g), over `n` cache-like entries.
+template <class Storage>
+void append_row(typename PrunedCache<Storage>::ItemView& v, std::int64_t row, const ItemIO& io, std::int64_t t,
+                std::int64_t pos, std::int64_t D) {
+  kernel::ua::append_entry(v.keys, v.values, v.lambda, v.key_logit, v.pos, row, io.k + t * io.k_row_stride,
+                           io.v + t * io.v_row_stride, io.z_k[t * io.z_k_stride], pos, D);
+}
+
+// BlockArgs for query tokens [t0, t1) of one item's call.
 template <class KS>
-kernel::ua::BlockArgs<KS, float, float, float> block_args(const Inputs& in, TensorView<float, 4> out, std::int64_t b,
-                                                           std::int64_t g, std::int64_t r, std::int64_t t0,
-                                                           std::int64_t t1) {
+kernel::ua::BlockArgs<KS, float, float, float> block_args(const ItemIO& io, std::int64_t D, std::int64_t r,
+                                                           std::int64_t t0, std::int64_t t1) {
   kernel::ua::BlockArgs<KS, float, float, float> a;
-  a.D = in.q.extent(3);
+  a.D = D;
   a.heads = r;
   a.rows = t1 - t0;
-  a.new_keys = &in.k(b, g, t0, 0);
-  a.new_key_stride = in.k.stride(2);
-  a.query_logit = &in.z_q(b, g, t0);
-  a.query_logit_stride = in.z_q.stride(2);
-  a.q = &in.q(b, g * r, t0, 0);
-  a.q_head_stride = in.q.stride(1);
-  a.q_row_stride = in.q.stride(2);
-  if (!in.z_o.empty()) {
-    a.z_o = &in.z_o(b, t0, g * r, 0);
-    a.z_o_row_stride = in.z_o.stride(1);
-    a.z_o_head_stride = in.z_o.stride(2);
+  a.new_keys = io.k + t0 * io.k_row_stride;
+  a.new_key_stride = io.k_row_stride;
+  a.query_logit = io.z_q + t0 * io.z_q_stride;
+  a.query_logit_stride = io.z_q_stride;
+  a.q = io.q + t0 * io.q_row_stride;
+  a.q_head_stride = io.q_head_stride;
+  a.q_row_stride = io.q_row_stride;
+  if (io.z_o != nullptr) {
+    a.z_o = io.z_o + t0 * io.z_o_row_stride;
+    a.z_o_row_stride = io.z_o_row_stride;
+    a.z_o_head_stride = io.z_o_head_stride;
   }
-  a.out = &out(b, t0, g * r, 0);
-  a.out_row_stride = out.stride(1);
-  a.out_head_stride = out.stride(2);
+  a.out = io.out + t0 * io.out_row_stride;
+  a.out_row_stride = io.out_row_stride;
+  a.out_head_stride = io.out_head_stride;
+  if (io.lse != nullptr) {
+    a.lse = io.lse + t0 * io.lse_row_stride;
+    a.lse_head_stride = io.lse_head_stride;
+    a.lse_row_stride = io.lse_row_stride;
+  }
   return a;
 }
 
@@ -190,21 +249,22 @@ kernel::ua::BlockArgs<Storage, float, float, float> with_cache(kernel::ua::Block
 }
 
 // Chunked prefill of one (b, g) item (spec UA.md 4.5): per chunk, append the chunk's keys, attend
-// (survivors + chunk keys t0..i with exact Λ), move λ to the chunk end, evict λ < ln p.
+// (survivors + chunk keys t0..i with exact Λ), move λ to the chunk end, evict λ < ln p. Chunks are
+// counted from the call's first token, and the survivors of earlier calls take part like the
+// survivors of an earlier chunk, so a call continues a non-empty cache.
 template <class Set, class Storage>
-void prefill_item(PrunedCache<Storage>& cache, std::int64_t b, std::int64_t g, const Inputs& in, const Options& opt,
-                  TensorView<float, 4> out) {
+void prefill_item(PrunedCache<Storage>& cache, std::int64_t b, std::int64_t g, const ItemIO& io, const Options& opt) {
   auto v = cache.item_view(b, g);
-  const std::int64_t D = in.q.extent(3), T = in.q.extent(2), r = cache.group_size();
+  const std::int64_t D = cache.shape().head_dim, T = io.T, r = cache.group_size();
   const std::int64_t first = cache.position(b);
   const double log_p = log_threshold(opt.p);
   std::int64_t n = *v.length, peak = n;
   for (std::int64_t t0 = 0; t0 < T; t0 += opt.prefill_chunk) {
     const std::int64_t t1 = t0 + opt.prefill_chunk < T ? t0 + opt.prefill_chunk : T;
-    for (std::int64_t t = t0; t < t1; ++t) append_row<Storage>(v, n + (t - t0), in, b, g, t, first + t, D);
+    for (std::int64_t t = t0; t < t1; ++t) append_row<Storage>(v, n + (t - t0), io, t, first + t, D);
     n += t1 - t0;
     peak = n > peak ? n : peak;
-    auto a = with_cache<Storage>(block_args<Storage>(in, out, b, g, r, t0, t1), v, n);
+    auto a = with_cache<Storage>(block_args<Storage>(io, D, r, t0, t1), v, n);
     a.through = first + t0 - 1;  // survivors hold Λ_{first+t0-1}; the chunk keys hold 0
     a.first = first + t0;
     kernel::ua::attend_block<Set>(a);
@@ -217,24 +277,23 @@ void prefill_item(PrunedCache<Storage>& cache, std::int64_t b, std::int64_t g, c
 
 // One decode step of one (b, g) item (spec UA.md 4.4, 4.5).
 template <class Set, class Storage>
-void decode_item(PrunedCache<Storage>& cache, std::int64_t b, std::int64_t g, const Inputs& in, const Options& opt,
-                 TensorView<float, 4> out) {
+void decode_item(PrunedCache<Storage>& cache, std::int64_t b, std::int64_t g, const ItemIO& io, const Options& opt) {
   auto v = cache.item_view(b, g);
-  const std::int64_t D = in.q.extent(3), r = cache.group_size();
+  const std::int64_t D = cache.shape().head_dim, r = cache.group_size();
   const std::int64_t t = cache.position(b);
   const double log_p = log_threshold(opt.p);
   const bool prunes = log_p > -std::numeric_limits<double>::infinity();
   std::int64_t n = *v.length;
   // 1. λ_j += A_jt for every cached entry
-  kernel::ua::lambda_update<Set, float>(v.keys, D, v.key_logit, v.pos, v.lambda, n, &in.k(b, g, 0, 0), in.z_q(b, g, 0), t, D);
+  kernel::ua::lambda_update<Set, float>(v.keys, D, v.key_logit, v.pos, v.lambda, n, io.k, io.z_q[0], t, D);
   // 2. append t with λ = 0
-  append_row<Storage>(v, n, in, b, g, 0, t, D);
+  append_row<Storage>(v, n, io, 0, t, D);
   ++n;
   const std::int64_t peak = n;
   // 3. evict (default order), 4. attend with bias λ, or evict afterwards
   if (prunes && opt.evict_before_attention)
     n = kernel::ua::evict_and_compact(v.keys, v.values, D, v.lambda, v.key_logit, v.pos, n, D, log_p);
-  auto a = with_cache<Storage>(block_args<Storage>(in, out, b, g, r, 0, 1), v, n);
+  auto a = with_cache<Storage>(block_args<Storage>(io, D, r, 0, 1), v, n);
   a.through = t;  // λ already includes A_{., t}
   a.first = t;
   kernel::ua::attend_block<Set>(a);
@@ -278,7 +337,8 @@ Status prefill(const Exec& exec, PrunedCache<Storage>& cache, const Inputs& in, 
   const std::int64_t T = in.q.extent(2);
   const std::int64_t work = s.batch * s.query_heads * s.head_dim * T * (cache.max_length() + T);
   Launcher<Exec>::for_each(exec, s.batch * s.kv_heads, work, [&](std::int64_t it) {
-    detail::prefill_item<Set>(cache, it / s.kv_heads, it % s.kv_heads, in, opt, out);
+    const std::int64_t b = it / s.kv_heads, g = it % s.kv_heads;
+    detail::prefill_item<Set>(cache, b, g, detail::item_io(in, out, b, g, cache.group_size()), opt);
   });
   for (std::int64_t b = 0; b < s.batch; ++b) cache.advance(b, in.q.extent(2));
   return Status::ok();
@@ -296,7 +356,8 @@ Status decode(const Exec& exec, PrunedCache<Storage>& cache, const Inputs& in, c
     for (std::int64_t g = 0; g < s.kv_heads; ++g) entries += cache.length(b, g) + 1;
   const std::int64_t work = entries * s.head_dim * (cache.group_size() + 1);
   Launcher<Exec>::for_each(exec, s.batch * s.kv_heads, work, [&](std::int64_t it) {
-    detail::decode_item<Set>(cache, it / s.kv_heads, it % s.kv_heads, in, opt, out);
+    const std::int64_t b = it / s.kv_heads, g = it % s.kv_heads;
+    detail::decode_item<Set>(cache, b, g, detail::item_io(in, out, b, g, cache.group_size()), opt);
   });
   for (std::int64_t b = 0; b < s.batch; ++b) cache.advance(b, 1);
   return Status::ok();
@@ -329,7 +390,7 @@ Status forward(const Exec& exec, const Inputs& in, TensorView<float, 4> out, Ten
       key_logit[static_cast<std::size_t>(t)] = in.z_k(b, g, t);
       pos[static_cast<std::size_t>(t)] = t;
     }
-    auto a = detail::block_args<float>(in, out, b, g, r, 0, T);
+    auto a = detail::block_args<float>(detail::item_io(in, out, b, g, r), D, r, 0, T);
     a.keys = &in.k(b, g, 0, 0);
     a.values = &in.v(b, g, 0, 0);
     a.key_stride = in.k.stride(2);
@@ -355,6 +416,160 @@ Status forward(const Exec& exec, const Inputs& in, TensorView<float, 4> out, Ten
         for (std::int64_t h = 0; h < r; ++h) lse(b, g * r + h, t) = lse_buf[static_cast<std::size_t>(h * T + t)];
     }
   });
+  return Status::ok();
+}
+
+// ---- the slot step (DESIGN.md 3, core/slots.hpp) -------------------------------------------------
+
+// Packed token-major inputs of one slot step: token x of the call belongs to the row r with
+// query_start[r] <= x < query_start[r+1]. q, k, v and z_o have the element type S (float on the host);
+// the gate logits are fp32.
+template <class S>
+struct PackedInputsOf {
+  TensorView<const S, 3> q;        // [tokens,H,D] post-RoPE queries, no 1/sqrt(D)
+  TensorView<const S, 3> k;        // [tokens,G,D] normalised, then rotated keys
+  TensorView<const S, 3> v;        // [tokens,G,D]
+  TensorView<const float, 2> z_k;  // [tokens,G] key-gate logits
+  TensorView<const float, 2> z_q;  // [tokens,G] query-side gate logits
+  TensorView<const S, 3> z_o;      // [tokens,H,D] output-gate logits; empty view = no output gate
+  [[nodiscard]] std::int64_t tokens() const { return q.extent(0); }
+};
+using PackedInputs = PackedInputsOf<float>;
+
+namespace detail {
+
+// Item (row token range [x0, x0 + T), kv head g) of a packed call.
+inline ItemIO item_io(const PackedInputs& in, TensorView<float, 3> out, TensorView<float, 2> lse, std::int64_t x0,
+                      std::int64_t T, std::int64_t g, std::int64_t r) {
+  ItemIO io;
+  io.T = T;
+  io.q = &in.q(x0, g * r, 0);
+  io.q_head_stride = in.q.stride(1);
+  io.q_row_stride = in.q.stride(0);
+  io.k = &in.k(x0, g, 0);
+  io.k_row_stride = in.k.stride(0);
+  io.v = &in.v(x0, g, 0);
+  io.v_row_stride = in.v.stride(0);
+  io.z_k = &in.z_k(x0, g);
+  io.z_k_stride = in.z_k.stride(0);
+  io.z_q = &in.z_q(x0, g);
+  io.z_q_stride = in.z_q.stride(0);
+  if (!in.z_o.empty()) {
+    io.z_o = &in.z_o(x0, g * r, 0);
+    io.z_o_row_stride = in.z_o.stride(0);
+    io.z_o_head_stride = in.z_o.stride(1);
+  }
+  io.out = &out(x0, g * r, 0);
+  io.out_row_stride = out.stride(0);
+  io.out_head_stride = out.stride(1);
+  if (!lse.empty()) {
+    io.lse = &lse(x0, g * r);
+    io.lse_row_stride = lse.stride(0);
+    io.lse_head_stride = lse.stride(1);
+  }
+  return io;
+}
+
+// Everything step checks before it changes anything (DESIGN.md 3: validation first).
+template <class Storage>
+Status validate_step(const PrunedCache<Storage>& cache, const Rows& rows, const PackedInputs& in, const Options& opt,
+                     TensorView<float, 3> out, TensorView<float, 2> lse) {
+  if (!cache.valid()) return invalid_argument("cache", "a cache made by PrunedCache::create", "an empty cache");
+  KVMEM_RETURN_IF_ERROR(validate_options(opt));
+  const CacheShape& s = cache.shape();
+  const std::int64_t N = in.tokens(), H = s.query_heads, G = s.kv_heads, D = s.head_dim;
+  KVMEM_RETURN_IF_ERROR(check_shape(in.q, {N, H, D}, "q [tokens,H,D]"));
+  KVMEM_RETURN_IF_ERROR(check_shape(in.k, {N, G, D}, "k [tokens,G,D]"));
+  KVMEM_RETURN_IF_ERROR(check_shape(in.v, {N, G, D}, "v [tokens,G,D]"));
+  KVMEM_RETURN_IF_ERROR(check_shape(in.z_k, {N, G}, "z_k [tokens,G]"));
+  KVMEM_RETURN_IF_ERROR(check_shape(in.z_q, {N, G}, "z_q [tokens,G]"));
+  if (!in.z_o.empty()) KVMEM_RETURN_IF_ERROR(check_shape(in.z_o, {N, H, D}, "z_o [tokens,H,D]"));
+  KVMEM_RETURN_IF_ERROR(check_shape(TensorView<const float, 3>(out), {N, H, D}, "out [tokens,H,D]"));
+  if (lse.data() != nullptr || !lse.empty())  // a default-constructed view: lse not wanted
+    KVMEM_RETURN_IF_ERROR(check_shape(TensorView<const float, 2>(lse), {N, H}, "lse [tokens,H]"));
+  KVMEM_RETURN_IF_ERROR(check_rows(in.q, "q"));
+  KVMEM_RETURN_IF_ERROR(check_rows(in.k, "k"));
+  KVMEM_RETURN_IF_ERROR(check_rows(in.v, "v"));
+  KVMEM_RETURN_IF_ERROR(check_rows(in.z_o, "z_o"));
+  KVMEM_RETURN_IF_ERROR(check_rows(out, "out"));
+  KVMEM_RETURN_IF_ERROR(check_finite(in.q, "q"));
+  KVMEM_RETURN_IF_ERROR(check_finite(in.k, "k"));
+  KVMEM_RETURN_IF_ERROR(check_finite(in.v, "v"));
+  KVMEM_RETURN_IF_ERROR(check_finite(in.z_k, "z_k"));
+  KVMEM_RETURN_IF_ERROR(check_finite(in.z_q, "z_q"));
+  if (!in.z_o.empty()) KVMEM_RETURN_IF_ERROR(check_finite(in.z_o, "z_o"));
+  KVMEM_RETURN_IF_ERROR(validate_rows(rows, cache.max_slots(), N));
+  // Capacity, row by row: only a row whose own slot would overflow is refused (the conservative bound
+  // of prefill, length + tokens, since eviction is data-dependent). The whole call is refused before
+  // any change, and the message names the row and the slot, so the engine can drop or reset that
+  // slot and step the others in its next call.
+  for (std::int64_t r = 0; r < rows.count(); ++r) {
+    const std::int32_t slot = rows.slot(r);
+    if (slot < 0) continue;
+    const std::int64_t n = rows.query_start(r + 1) - rows.query_start(r);
+    for (std::int64_t g = 0; g < G; ++g)
+      if (cache.length(slot, g) + n > s.capacity)
+        return {StatusCode::kOutOfRange,
+                kvmem::detail::concat("cache capacity: row ", r, " (slot ", slot, ", kv head ", g, ") needs room for ",
+                                      cache.length(slot, g) + n, " rows (", cache.length(slot, g), " kept + ", n,
+                                      " new tokens), got capacity ", s.capacity)};
+  }
+  return Status::ok();
+}
+
+}  // namespace detail
+
+// One step of a ragged batch of sequence slots (DESIGN.md 3, core/slots.hpp). Row r runs the tokens
+// [query_start[r], query_start[r+1]) of the packed inputs for the sequence in slot[r], which advances by
+// that many tokens; the caller rotates the row's token i at position cache.position(slot[r]) + i.
+//  - 1 token: one decode step (spec UA.md 4.4, 4.5; Options::evict_before_attention applies), bitwise
+//    equal to ua::decode of that sequence alone.
+//  - more tokens: a chunked prefill that continues the slot's cache (spec UA.md 4.5), bitwise equal to
+//    ua::prefill of that sequence alone: chunks of Options::prefill_chunk are counted from the row's
+//    first token, the slot's kept entries take part like the survivors of an earlier chunk, and the
+//    row ends with an eviction. A prompt fed in rows of whole chunks therefore gives the same cache and
+//    outputs as one prefill call of the whole prompt.
+//  - 0 tokens: the slot is not touched. A padding row (slot -1) is skipped.
+// Output rows of padding rows are zeroed (lse too); every other output row is written.
+// Validation first: shapes, finiteness, options, the rows (core/slots.hpp: slots in range, each at most
+// once), and capacity per row (kept + tokens <= capacity for each kv head of the row's slot); on any
+// error nothing changes. Slots named by no row are untouched, so a full slot refuses only calls that
+// advance it.
+// out: [tokens,H,D]; lse: [tokens,H] natural log-sum-exp of each softmax row, or empty (not wanted).
+template <DecaySet Set = decay::Universal, class Exec, class Storage>
+Status step(const Exec& exec, PrunedCache<Storage>& cache, const Rows& rows, const PackedInputs& in, const Options& opt,
+            TensorView<float, 3> out, TensorView<float, 2> lse = {}) {
+  KVMEM_RETURN_IF_ERROR(detail::validate_step(cache, rows, in, opt, out, lse));
+  const CacheShape& s = cache.shape();
+  const std::int64_t G = s.kv_heads, H = s.query_heads, D = s.head_dim, r = cache.group_size();
+  std::vector<std::int64_t> active;  // rows with a slot and at least one token
+  std::int64_t work = 0;
+  for (std::int64_t row = 0; row < rows.count(); ++row) {
+    const std::int64_t x0 = rows.query_start(row), x1 = rows.query_start(row + 1);
+    if (rows.slot(row) < 0) {
+      for (std::int64_t x = x0; x < x1; ++x)
+        for (std::int64_t h = 0; h < H; ++h) {
+          for (std::int64_t d = 0; d < D; ++d) out(x, h, d) = 0.0f;
+          if (!lse.empty()) lse(x, h) = 0.0f;
+        }
+      continue;
+    }
+    if (x1 == x0) continue;
+    active.push_back(row);
+    std::int64_t kept = 0;
+    for (std::int64_t g = 0; g < G; ++g) kept += cache.length(rows.slot(row), g);
+    work += H * D * (x1 - x0) * (kept / G + x1 - x0);
+  }
+  const auto items = static_cast<std::int64_t>(active.size()) * G;
+  Launcher<Exec>::for_each(exec, items, work, [&](std::int64_t it) {
+    const std::int64_t row = active[static_cast<std::size_t>(it / G)], g = it % G;
+    const std::int64_t slot = rows.slot(row), x0 = rows.query_start(row), T = rows.query_start(row + 1) - x0;
+    const detail::ItemIO io = detail::item_io(in, out, lse, x0, T, g, r);
+    if (T == 1) detail::decode_item<Set>(cache, slot, g, io, opt);
+    else detail::prefill_item<Set>(cache, slot, g, io, opt);
+  });
+  for (const std::int64_t row : active)
+    cache.advance(rows.slot(row), rows.query_start(row + 1) - rows.query_start(row));
   return Status::ok();
 }
 
@@ -387,6 +602,11 @@ struct Attention {
   static Status decode(const Exec& exec, Cache& cache, const Inputs& in, TensorView<float, 4> out,
                        bool evict_before_attention = true) {
     return ua::decode<Set>(exec, cache, in, options(128, evict_before_attention), out);
+  }
+  template <class Exec>
+  static Status step(const Exec& exec, Cache& cache, const Rows& rows, const PackedInputs& in, TensorView<float, 3> out,
+                     TensorView<float, 2> lse = {}, std::int64_t prefill_chunk = 128, bool evict_before_attention = true) {
+    return ua::step<Set>(exec, cache, rows, in, options(prefill_chunk, evict_before_attention), out, lse);
   }
   template <class Exec>
   static Status forward(const Exec& exec, const Inputs& in, TensorView<float, 4> out, TensorView<float, 3> lse = {},

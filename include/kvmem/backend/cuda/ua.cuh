@@ -32,6 +32,7 @@
 #include <cstdint>
 #include <limits>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "kvmem/backend/cuda/common.cuh"
@@ -82,6 +83,19 @@ class UaCache {
   using storage_type = S;
 
   UaCache() = default;
+  UaCache(const UaCache&) = delete;
+  UaCache& operator=(const UaCache&) = delete;
+  // A move leaves `o` empty (DESIGN.md 3): no device memory, no slots, and no pointer into the memory
+  // the new owner holds, so an operation on it is refused instead of writing the owner's rows.
+  UaCache(UaCache&& o) noexcept { swap(o); }
+  UaCache& operator=(UaCache&& o) noexcept {
+    if (this != &o) {
+      UaCache taken;
+      taken.swap(o);
+      swap(taken);
+    }
+    return *this;
+  }
 
   static Status create(const ua::CacheShape& s, UaCache& out, UaCacheLimits limits = {}) {
     KVMEM_RETURN_IF_ERROR(ua::PrunedCache<float>::validate_shape(s));
@@ -143,11 +157,18 @@ class UaCache {
   }
 
   [[nodiscard]] const ua::CacheShape& shape() const { return shape_; }
+  // False for a cache never created or moved from: every operation refuses it.
+  [[nodiscard]] bool valid() const { return memory_.get() != nullptr; }
+  // Sequence slots (CacheShape::batch); 0 for an empty cache.
+  [[nodiscard]] std::int64_t max_slots() const { return valid() ? shape_.batch : 0; }
   [[nodiscard]] const UaCacheLimits& limits() const { return limits_; }
   [[nodiscard]] std::int64_t group_size() const { return shape_.query_heads / shape_.kv_heads; }
   [[nodiscard]] std::size_t allocated_bytes() const { return memory_.bytes(); }
   // Next absolute position of sequence b (tokens seen since creation or reset_sequence; host mirror).
-  [[nodiscard]] std::int64_t position(std::int64_t b) const { return position_[std::size_t(b)]; }
+  // 0 for a slot outside the cache.
+  [[nodiscard]] std::int64_t position(std::int64_t b) const {
+    return b >= 0 && b < max_slots() ? position_[std::size_t(b)] : 0;
+  }
   // A bound the host keeps without reading the device: no item holds more entries than this.
   [[nodiscard]] std::int64_t length_bound() const { return bound_; }
   [[nodiscard]] const ua_detail::DeviceCache<S>& device() const { return dev_; }
@@ -155,6 +176,7 @@ class UaCache {
   // Reads every item's entry count back ([B*G], item b*G+g) and tightens length_bound(). Synchronises
   // `stream`, which must be the stream the cache's operations run on.
   Status lengths(std::vector<std::int64_t>& out, cudaStream_t stream) {
+    KVMEM_RETURN_IF_ERROR(check_valid());
     out.resize(std::size_t(shape_.batch * shape_.kv_heads));
     KVMEM_RETURN_IF_ERROR(to_status(
         cudaMemcpyAsync(out.data(), dev_.length, out.size() * sizeof(std::int64_t), cudaMemcpyDeviceToHost, stream),
@@ -168,6 +190,10 @@ class UaCache {
   // the pointers are given (tests, replay, inspection; synchronises `stream`).
   Status download(std::int64_t b, std::int64_t g, std::vector<std::int64_t>& pos, std::vector<float>& lambda,
                   std::vector<S>* keys, std::vector<S>* values, cudaStream_t stream) const {
+    KVMEM_RETURN_IF_ERROR(check_slot(b, "download b"));
+    if (g < 0 || g >= shape_.kv_heads)
+      return {StatusCode::kOutOfRange,
+              kvmem::detail::concat("download g: expected 0 <= g < kv_heads = ", shape_.kv_heads, ", got ", g)};
     const std::int64_t item = b * shape_.kv_heads + g, row0 = item * shape_.capacity, D = shape_.head_dim;
     std::int64_t n = 0;
     KVMEM_RETURN_IF_ERROR(to_status(cudaMemcpyAsync(&n, dev_.length + item, sizeof(n), cudaMemcpyDeviceToHost, stream),
@@ -198,7 +224,7 @@ class UaCache {
 
   // Empties sequence b (all its kv heads) and restarts its position counter, on `stream`.
   Status reset_sequence(std::int64_t b, cudaStream_t stream) {
-    if (b < 0 || b >= shape_.batch) return invalid_argument("reset_sequence b", "0..B-1", b);
+    KVMEM_RETURN_IF_ERROR(check_slot(b, "reset_sequence b"));
     const std::size_t bytes = std::size_t(shape_.kv_heads) * sizeof(std::int64_t);
     KVMEM_RETURN_IF_ERROR(
         to_status(cudaMemsetAsync(dev_.length + b * shape_.kv_heads, 0, bytes, stream), "reset lengths"));
@@ -209,11 +235,36 @@ class UaCache {
   }
 
  private:
+  Status check_valid() const {
+    if (!valid()) return invalid_argument("cache", "a cache made by UaCache::create", "an empty cache");
+    return Status::ok();
+  }
+  Status check_slot(std::int64_t b, const char* name) const {
+    KVMEM_RETURN_IF_ERROR(check_valid());
+    if (b < 0 || b >= shape_.batch)
+      return {StatusCode::kOutOfRange,
+              kvmem::detail::concat(name, ": expected 0 <= b < max_slots = ", shape_.batch, ", got ", b)};
+    return Status::ok();
+  }
+  void swap(UaCache& o) noexcept {
+    std::swap(shape_, o.shape_);
+    std::swap(limits_, o.limits_);
+    std::swap(memory_, o.memory_);
+    std::swap(dev_, o.dev_);
+    std::swap(part_ml_, o.part_ml_);
+    std::swap(part_acc_, o.part_acc_);
+    std::swap(lambda_new_, o.lambda_new_);
+    std::swap(dense_sync_, o.dense_sync_);
+    std::swap(sm_count_, o.sm_count_);
+    position_.swap(o.position_);
+    std::swap(bound_, o.bound_);
+  }
+
   template <class Set, class S2>
   friend Status ua_run(const Executor&, UaCache<S2>&, const UaInputs<S2>&, const ua::Options&, TensorView<float, 4>,
                        TensorView<float, 3>, bool);
 
-  ua::CacheShape shape_{};
+  ua::CacheShape shape_{0, 1, 1, 0, 0, 16};  // empty: no slots, a group size of 1
   UaCacheLimits limits_{};
   DeviceBuffer memory_;
   ua_detail::DeviceCache<S> dev_{};

@@ -8,6 +8,7 @@
 //   kvmem::ua::PrunedCache<float> cache({B, H, G, D, capacity});
 //   kvmem::ua::prefill(kvmem::host::Executor{}, cache, inputs, {.p = 0.05}, out);   // out [B,T,H,D]
 //   kvmem::ua::decode(kvmem::host::Executor{}, cache, step, {.p = 0.05}, out1);     // out1 [B,1,H,D]
+//   kvmem::ua::step(kvmem::host::Executor{}, cache, rows, packed, {.p = 0.05}, out, lse);  // slots, [tokens,H,D]
 
 #include <cstdint>
 #include <utility>

@@ -50,14 +50,43 @@ struct UaCache {
   using storage_type = Storage;
   using memory_space = MemSpace;
 
-  ua::CacheShape shape{};
+  ua::CacheShape shape{0, 1, 1, 0, 0, 16};  // empty until create_cache: no slots, a group size of 1
   Kokkos::View<Storage*, MemSpace> keys, values;             // [B, G, capacity, D]
   Kokkos::View<float*, MemSpace> lambda, key_logit;           // [B, G, capacity]
   Kokkos::View<std::int64_t*, MemSpace> pos;                  // [B, G, capacity]
   Kokkos::View<std::int64_t*, MemSpace> length, peak;         // [B, G]
   Kokkos::View<std::int64_t*, MemSpace> counter;              // [B] next absolute position
 
-  [[nodiscard]] bool valid() const { return shape.capacity > 0; }
+  UaCache() = default;
+  // A copy shares the Views (Kokkos semantics). A move leaves `o` empty (DESIGN.md 3): its shape says
+  // "no slots" and it holds no View, so an operation on it is refused instead of running on the new
+  // owner's memory.
+  UaCache(const UaCache&) = default;
+  UaCache& operator=(const UaCache&) = default;
+  UaCache(UaCache&& o) noexcept { swap(o); }
+  UaCache& operator=(UaCache&& o) noexcept {
+    if (this != &o) {
+      UaCache taken;
+      taken.swap(o);
+      swap(taken);
+    }
+    return *this;
+  }
+  void swap(UaCache& o) noexcept {
+    std::swap(shape, o.shape);
+    std::swap(keys, o.keys);
+    std::swap(values, o.values);
+    std::swap(lambda, o.lambda);
+    std::swap(key_logit, o.key_logit);
+    std::swap(pos, o.pos);
+    std::swap(length, o.length);
+    std::swap(peak, o.peak);
+    std::swap(counter, o.counter);
+  }
+
+  [[nodiscard]] bool valid() const { return shape.capacity > 0 && counter.extent(0) == std::size_t(shape.batch); }
+  // Sequence slots (CacheShape::batch); 0 for an empty cache.
+  [[nodiscard]] std::int64_t max_slots() const { return valid() ? shape.batch : 0; }
   [[nodiscard]] std::int64_t group_size() const { return shape.query_heads / shape.kv_heads; }
 };
 
@@ -91,12 +120,20 @@ struct UaCacheSnapshot {
   std::vector<float> lambda;                             // [B*G*capacity]
 
   [[nodiscard]] std::int64_t item(std::int64_t b, std::int64_t g) const { return b * shape.kv_heads + g; }
-  [[nodiscard]] std::int64_t length_of(std::int64_t b, std::int64_t g) const { return length[std::size_t(item(b, g))]; }
+  // Whether (b, g) is an item of the snapshot (false for every index of an empty cache's snapshot).
+  [[nodiscard]] bool has(std::int64_t b, std::int64_t g) const {
+    return b >= 0 && b < shape.batch && g >= 0 && g < shape.kv_heads && std::size_t(item(b, g)) < length.size();
+  }
+  // 0 / nullptr for an index outside the snapshot.
+  [[nodiscard]] std::int64_t length_of(std::int64_t b, std::int64_t g) const {
+    return has(b, g) ? length[std::size_t(item(b, g))] : 0;
+  }
   [[nodiscard]] const std::int64_t* positions(std::int64_t b, std::int64_t g) const {
-    return pos.data() + item(b, g) * shape.capacity;
+    return has(b, g) ? pos.data() + item(b, g) * shape.capacity : nullptr;
   }
   // Pages of (b, g) freed by the last operation, as ua::PrunedCache::freed_pages.
   [[nodiscard]] ua::PageRange freed_pages(std::int64_t b, std::int64_t g) const {
+    if (!has(b, g)) return {};
     const std::int64_t pr = shape.page_rows;
     const std::int64_t first = (length_of(b, g) + pr - 1) / pr;
     const std::int64_t end = (peak[std::size_t(item(b, g))] + pr - 1) / pr;

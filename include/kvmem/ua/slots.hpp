@@ -1,0 +1,301 @@
+// SPDX-License-Identifier: Apache-2.0
+#pragma once
+// Slot operations of the Universal Attention cache (DESIGN.md 3, core/slots.hpp): reset, copy (fork),
+// export / import of one slot as a versioned byte record, and truncate. The same names and argument
+// order as KVM's (kvmem::kvm), so an engine drives both mechanisms alike. Every operation validates
+// all of its arguments before it changes anything; a refused call leaves the cache bit-identical.
+// These are the host cache's operations (ua::PrunedCache); they run on the calling thread, and the
+// executor is taken for the common shape of the API.
+
+#include <cmath>
+#include <cstddef>
+#include <cstdint>
+#include <span>
+#include <string>
+#include <type_traits>
+#include <vector>
+
+#include "kvmem/core/numeric.hpp"
+#include "kvmem/core/slots.hpp"
+#include "kvmem/core/status.hpp"
+#include "kvmem/core/tensor.hpp"
+#include "kvmem/ua/cache.hpp"
+
+namespace kvmem::ua {
+
+namespace detail {
+
+template <class Storage>
+Status check_cache(const PrunedCache<Storage>& cache) {
+  if (!cache.valid()) return invalid_argument("cache", "a cache made by PrunedCache::create", "an empty cache");
+  return Status::ok();
+}
+
+template <class Storage>
+Status check_slot(const PrunedCache<Storage>& cache, std::int64_t slot, const char* name = "slot") {
+  KVMEM_RETURN_IF_ERROR(check_cache(cache));
+  if (slot < 0 || slot >= cache.max_slots())
+    return {StatusCode::kOutOfRange, kvmem::detail::concat(name, ": expected 0 <= slot < max_slots = ",
+                                                           cache.max_slots(), ", got ", slot)};
+  return Status::ok();
+}
+
+// Slot lists are read through data(): one slot after another.
+inline Status check_list_view(TensorView<const std::int32_t, 1> list, const char* name) {
+  if (list.extent(0) > 1 && list.stride(0) != 1) return invalid_argument(std::string(name) + " stride", 1, list.stride(0));
+  return Status::ok();
+}
+
+// The storage type's code in a slot record.
+template <class Storage>
+constexpr std::int64_t storage_code() {
+  if constexpr (std::is_same_v<Storage, float>) return 0;
+  else if constexpr (std::is_same_v<Storage, bf16>) return 1;
+  else return 2;  // fp16
+}
+
+inline constexpr std::uint32_t kUaRecordFields = 11;
+
+}  // namespace detail
+
+// Empties the listed slots (every kv head) and restarts their position counters. A slot may be listed
+// more than once. slots: [n] slot indices.
+template <class Exec, class Storage>
+Status reset_slots(const Exec& /*exec*/, PrunedCache<Storage>& cache, TensorView<const std::int32_t, 1> slots) {
+  KVMEM_RETURN_IF_ERROR(detail::check_cache(cache));
+  KVMEM_RETURN_IF_ERROR(detail::check_list_view(slots, "slots"));
+  KVMEM_RETURN_IF_ERROR(check_slot_list(slots.data(), slots.extent(0), cache.max_slots(), "slots", false));
+  for (std::int64_t i = 0; i < slots.extent(0); ++i) cache.restart(slots(i));
+  return Status::ok();
+}
+
+// Copies slot src[i] into slot dst[i] for every pair (fork: beam search, n > 1 sampling, a shared
+// prefix): entries, λ, key-gate logits, positions and the position counter, so the copy continues bit
+// for bit like its source. Pairs are checked by check_copy_pairs (destinations distinct and no source
+// of another pair). src, dst: [n] slot indices.
+template <class Exec, class Storage>
+Status copy_slots(const Exec& /*exec*/, PrunedCache<Storage>& cache, TensorView<const std::int32_t, 1> src,
+                  TensorView<const std::int32_t, 1> dst) {
+  KVMEM_RETURN_IF_ERROR(detail::check_cache(cache));
+  if (src.extent(0) != dst.extent(0)) return invalid_argument("dst count", src.extent(0), dst.extent(0));
+  KVMEM_RETURN_IF_ERROR(detail::check_list_view(src, "src"));
+  KVMEM_RETURN_IF_ERROR(detail::check_list_view(dst, "dst"));
+  KVMEM_RETURN_IF_ERROR(check_copy_pairs(src.data(), dst.data(), src.extent(0), cache.max_slots()));
+  const std::int64_t D = cache.shape().head_dim;
+  for (std::int64_t i = 0; i < src.extent(0); ++i) {
+    const std::int64_t a = src(i), b = dst(i);
+    if (a == b) continue;
+    for (std::int64_t g = 0; g < cache.shape().kv_heads; ++g) {
+      auto from = cache.item_view(a, g);
+      auto to = cache.item_view(b, g);
+      const std::int64_t n = *from.length;
+      for (std::int64_t e = 0; e < n * D; ++e) {
+        to.keys[e] = from.keys[e];
+        to.values[e] = from.values[e];
+      }
+      for (std::int64_t e = 0; e < n; ++e) {
+        to.lambda[e] = from.lambda[e];
+        to.key_logit[e] = from.key_logit[e];
+        to.pos[e] = from.pos[e];
+      }
+      // rows of the destination's old list beyond the copy are free now (freed_pages)
+      *to.peak = *to.length > n ? *to.length : n;
+      *to.length = n;
+    }
+    cache.set_position(b, cache.position(a));
+  }
+  return Status::ok();
+}
+
+// ---- export / import ---------------------------------------------------------------------------------
+//
+// A UA slot record (core/slots.hpp slot_record, mechanism UA) holds these fields, in this order:
+//   query_heads  i64      H   } the importing cache must have the same H, G, D and storage type
+//   kv_heads     i64      G   }
+//   head_dim     i64      D   }
+//   storage      i64      0 = float, 1 = bf16, 2 = fp16 (keys and values are stored in this type)
+//   position     i64      the slot's position counter n (tokens seen, spec UA.md 4.5)
+//   length       i64[G]   kept entries per kv head (each <= the importing cache's capacity and <= n)
+//   pos          i64[L]   absolute positions of the entries, kv head by kv head (L = Σ length),
+//                         ascending within a kv head, each < n
+//   key          f32[L*D] keys, as float (exact for every storage type)
+//   value        f32[L*D] values, as float
+//   lambda       f32[L]   λ_j = Λ_{n-1, pos_j} (spec UA.md 4.4), finite and <= 0
+//   key_logit    f32[L]   key-gate logit z_k of each entry
+// The pruning threshold and prefill chunk are options of each call, not state, so a record carries no
+// parameter. Page bookkeeping (peak rows) and workspaces are not canonical: an import starts them
+// afresh. A record's size depends on the slot's kept rows (export_bytes).
+
+namespace detail {
+
+template <class Storage>
+std::size_t write_record(const PrunedCache<Storage>& cache, std::int64_t slot, std::span<std::byte> out) {
+  const CacheShape& s = cache.shape();
+  const std::int64_t G = s.kv_heads, D = s.head_dim;
+  std::vector<std::int64_t> length(static_cast<std::size_t>(G)), pos;
+  std::vector<float> key, value, lambda, key_logit;
+  for (std::int64_t g = 0; g < G; ++g) {
+    const std::int64_t n = cache.length(slot, g);
+    length[static_cast<std::size_t>(g)] = n;
+    pos.insert(pos.end(), cache.positions(slot, g), cache.positions(slot, g) + n);
+    lambda.insert(lambda.end(), cache.lambda(slot, g), cache.lambda(slot, g) + n);
+    key_logit.insert(key_logit.end(), cache.key_logits(slot, g), cache.key_logits(slot, g) + n);
+    for (std::int64_t e = 0; e < n * D; ++e) {
+      key.push_back(load_as<float>(cache.keys(slot, g)[e]));
+      value.push_back(load_as<float>(cache.values(slot, g)[e]));
+    }
+  }
+  const auto L = static_cast<std::int64_t>(pos.size());
+  slot_record::Writer w(out, slot_record::Mechanism::kUa, kUaRecordFields);
+  w.scalar<std::int64_t>("query_heads", s.query_heads);
+  w.scalar<std::int64_t>("kv_heads", G);
+  w.scalar<std::int64_t>("head_dim", D);
+  w.scalar<std::int64_t>("storage", storage_code<Storage>());
+  w.scalar<std::int64_t>("position", cache.position(slot));
+  w.array("length", length.data(), G);
+  w.array("pos", pos.data(), L);
+  w.array("key", key.data(), L * D);
+  w.array("value", value.data(), L * D);
+  w.array("lambda", lambda.data(), L);
+  w.array("key_logit", key_logit.data(), L);
+  return w.size();
+}
+
+}  // namespace detail
+
+// Bytes of the record of `slot` (0 for an empty cache or a slot outside it: export_slot refuses those).
+template <class Storage>
+std::size_t export_bytes(const PrunedCache<Storage>& cache, std::int32_t slot) {
+  if (!detail::check_slot(cache, slot).is_ok()) return 0;
+  return detail::write_record(cache, slot, {});
+}
+
+// Writes the record of `slot` (fields above) into the first export_bytes(cache, slot) bytes of `out`.
+template <class Exec, class Storage>
+Status export_slot(const Exec& /*exec*/, const PrunedCache<Storage>& cache, std::int32_t slot, std::span<std::byte> out) {
+  KVMEM_RETURN_IF_ERROR(detail::check_slot(cache, slot));
+  const std::size_t bytes = export_bytes(cache, slot);
+  if (out.size() < bytes) return {StatusCode::kOutOfRange, kvmem::detail::concat("export_slot out: expected at least ", bytes,
+                                                                                 " bytes, got ", out.size())};
+  (void)detail::write_record(cache, slot, out.first(bytes));
+  return Status::ok();
+}
+
+// Replaces the contents of `slot` with a record made by export_slot (any backend's). The record is read
+// and checked whole before the slot changes: version, mechanism, shape (H, G, D, storage type), every
+// length against this cache's capacity, positions ascending and below the position counter, λ finite
+// and <= 0, keys and values finite and representable in the storage type. A mismatch is refused with a
+// Status naming the field.
+template <class Exec, class Storage>
+Status import_slot(const Exec& /*exec*/, PrunedCache<Storage>& cache, std::int32_t slot, std::span<const std::byte> in) {
+  KVMEM_RETURN_IF_ERROR(detail::check_slot(cache, slot));
+  const CacheShape& s = cache.shape();
+  const std::int64_t G = s.kv_heads, D = s.head_dim;
+  slot_record::Reader rd(in, slot_record::Mechanism::kUa, detail::kUaRecordFields);
+  KVMEM_RETURN_IF_ERROR(rd.status());
+  KVMEM_RETURN_IF_ERROR(rd.expect<std::int64_t>("query_heads", s.query_heads));
+  KVMEM_RETURN_IF_ERROR(rd.expect<std::int64_t>("kv_heads", G));
+  KVMEM_RETURN_IF_ERROR(rd.expect<std::int64_t>("head_dim", D));
+  KVMEM_RETURN_IF_ERROR(rd.expect<std::int64_t>("storage", detail::storage_code<Storage>()));
+  std::int64_t position = 0;
+  KVMEM_RETURN_IF_ERROR(rd.scalar("position", position));
+  if (position < 0) return invalid_argument("slot record field 'position'", ">= 0", position);
+  std::vector<std::int64_t> length(static_cast<std::size_t>(G));
+  KVMEM_RETURN_IF_ERROR(rd.array("length", length.data(), G));
+  std::int64_t L = 0;
+  for (std::int64_t g = 0; g < G; ++g) {
+    const std::int64_t n = length[static_cast<std::size_t>(g)];
+    const std::string field = "slot record field 'length'[" + std::to_string(g) + "]";
+    if (n < 0 || n > position) return invalid_argument(field, kvmem::detail::concat("0..position = ", position), n);
+    if (n > s.capacity)
+      return {StatusCode::kOutOfRange,
+              kvmem::detail::concat(field, ": expected <= the importing cache's capacity ", s.capacity, ", got ", n)};
+    L += n;
+  }
+  std::vector<std::int64_t> pos(static_cast<std::size_t>(L));
+  std::vector<float> key(static_cast<std::size_t>(L * D)), value(key.size()), lambda(pos.size()), key_logit(pos.size());
+  KVMEM_RETURN_IF_ERROR(rd.array("pos", pos.data(), L));
+  KVMEM_RETURN_IF_ERROR(rd.array("key", key.data(), L * D));
+  KVMEM_RETURN_IF_ERROR(rd.array("value", value.data(), L * D));
+  KVMEM_RETURN_IF_ERROR(rd.array("lambda", lambda.data(), L));
+  KVMEM_RETURN_IF_ERROR(rd.array("key_logit", key_logit.data(), L));
+  KVMEM_RETURN_IF_ERROR(rd.finish());
+  for (std::int64_t g = 0, e0 = 0; g < G; e0 += length[static_cast<std::size_t>(g)], ++g)
+    for (std::int64_t e = e0; e < e0 + length[static_cast<std::size_t>(g)]; ++e) {
+      const std::int64_t p = pos[static_cast<std::size_t>(e)];
+      if (p < 0 || p >= position || (e > e0 && p <= pos[static_cast<std::size_t>(e - 1)]))
+        return invalid_argument("slot record field 'pos'[" + std::to_string(e) + "]",
+                                "ascending positions per kv head, each below 'position' = " + std::to_string(position), p);
+    }
+  for (std::int64_t e = 0; e < L; ++e) {
+    const float lam = lambda[static_cast<std::size_t>(e)];
+    if (!std::isfinite(lam) || lam > 0.0f)
+      return invalid_argument("slot record field 'lambda'[" + std::to_string(e) + "]", "a finite value <= 0", lam);
+    if (!std::isfinite(key_logit[static_cast<std::size_t>(e)]))
+      return invalid_argument("slot record field 'key_logit'[" + std::to_string(e) + "]", "a finite value",
+                              key_logit[static_cast<std::size_t>(e)]);
+  }
+  for (std::size_t x = 0; x < key.size(); ++x)
+    for (const auto* field : {&key, &value}) {
+      const float f = (*field)[x];
+      if (!std::isfinite(f) || load_as<float>(store_as<Storage>(f)) != f)
+        return invalid_argument(std::string("slot record field '") + (field == &key ? "key" : "value") + "'[" +
+                                    std::to_string(x) + "]",
+                                "a finite value representable in the cache's storage type", f);
+    }
+  // Commit.
+  for (std::int64_t g = 0, e0 = 0; g < G; e0 += length[static_cast<std::size_t>(g)], ++g) {
+    auto v = cache.item_view(slot, g);
+    const std::int64_t n = length[static_cast<std::size_t>(g)];
+    for (std::int64_t e = 0; e < n; ++e) {
+      const auto src = static_cast<std::size_t>(e0 + e);
+      v.pos[e] = pos[src];
+      v.lambda[e] = lambda[src];
+      v.key_logit[e] = key_logit[src];
+      for (std::int64_t d = 0; d < D; ++d) {
+        v.keys[e * D + d] = store_as<Storage>(key[src * static_cast<std::size_t>(D) + static_cast<std::size_t>(d)]);
+        v.values[e * D + d] = store_as<Storage>(value[src * static_cast<std::size_t>(D) + static_cast<std::size_t>(d)]);
+      }
+    }
+    *v.peak = *v.length > n ? *v.length : n;
+    *v.length = n;
+  }
+  cache.set_position(slot, position);
+  return Status::ok();
+}
+
+// ---- truncate ----------------------------------------------------------------------------------------
+//
+// Drops the last n tokens of `slot`. UA can do this exactly only in two cases, and refuses every other
+// one with a Status that says why, never leaving a state that merely approximates the shorter sequence:
+//  - n = 0: nothing changes;
+//  - n = position(slot): the whole sequence goes, which is reset_slots of that slot.
+// Why not 0 < n < position: every kept entry's λ_j = Σ_{m=j+1..t} A_jm holds one decay term per later
+// token (spec UA.md 4.2), each depending on that token's key and query gate. Undoing the last n tokens
+// means taking their terms out again. Subtracting them in fp32 does not restore the bits (rounding), and
+// adding the remaining terms again from scratch needs the query-gate logits (never stored) and the keys
+// of every later token, evicted ones included (gone for good, spec UA.md 4.5). And the entries that the
+// dropped tokens' steps evicted cannot come back. So no exact shorter state can be rebuilt from the cache.
+// An engine that needs rollback (speculative decoding) keeps a copy: copy_slots before the speculative
+// tokens, and copy back (or reset) afterwards.
+template <class Exec, class Storage>
+Status truncate(const Exec& /*exec*/, PrunedCache<Storage>& cache, std::int32_t slot, std::int64_t n) {
+  KVMEM_RETURN_IF_ERROR(detail::check_slot(cache, slot));
+  const std::int64_t tokens = cache.position(slot);
+  if (n < 0 || n > tokens)
+    return {StatusCode::kOutOfRange,
+            kvmem::detail::concat("truncate n: expected 0 <= n <= the slot's tokens = ", tokens, ", got ", n)};
+  if (n == 0) return Status::ok();
+  if (n == tokens) {
+    cache.restart(slot);
+    return Status::ok();
+  }
+  return {StatusCode::kUnsupported,
+          kvmem::detail::concat("truncate n: UA drops tokens exactly only for n = 0 or n = all ", tokens,
+                                " tokens of the slot, got ", n,
+                                ": every kept key's λ holds one fp32 decay term per later token (spec UA.md 4.2), "
+                                "which cannot be taken out bit-exactly, and keys evicted by the dropped tokens' steps "
+                                "are gone; copy the slot before tokens that may be rolled back")};
+}
+
+}  // namespace kvmem::ua
