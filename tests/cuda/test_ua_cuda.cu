@@ -839,6 +839,7 @@ TEST_CASE("ua cuda bf16 tensor-core chunk kernel: p = 1 keeps exactly the keys t
     const auto gpu = cuda_prefill_decode<kvmem::bf16>(f, split, kvmem::ua::Options{1.0, 64, true});
     CHECK(gpu.kept == closed);
   }
+}
 
 TEST_CASE("ua cuda: a never-created or moved-from cache refuses every operation; bad slots are refused", "[ua][cuda][slots]") {
   // Never created: refused before any CUDA call, so this part runs without a device.
