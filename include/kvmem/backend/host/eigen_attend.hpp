@@ -1,0 +1,102 @@
+// SPDX-License-Identifier: Apache-2.0
+#pragma once
+// The attend step of kernel/attend.hpp for a block of query rows against one key tile, with the two
+// products (logits = Q K^T, acc += P V) done by Eigen's matrix kernels on maps of kvmem's own memory.
+// Requires Eigen 3.3+ (<Eigen/Core> on the include path; target kvmem::eigen). The online softmax
+// is core/softmax.hpp's: each row raises its running max to the tile's maximum (one rescale of its
+// accumulator per tile, as attend_accumulate does), then adds exp(logit - max), computed by Eigen's
+// vectorised exp over the row. Only the summation order differs from the scalar body, so results
+// agree with it and with the fp64 reference within fp32 rounding (DESIGN.md section 5), not bitwise.
+
+#include <algorithm>
+#include <cstdint>
+#include <type_traits>
+
+#include <Eigen/Core>
+
+#include "kvmem/core/math.hpp"
+#include "kvmem/core/numeric.hpp"
+#include "kvmem/core/softmax.hpp"
+
+namespace kvmem::host::eigen {
+
+using RowMatrix = Eigen::Matrix<float, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
+using ConstRowMap = Eigen::Map<const RowMatrix, Eigen::Unaligned, Eigen::OuterStride<>>;
+using RowMap = Eigen::Map<RowMatrix, Eigen::Unaligned, Eigen::OuterStride<>>;
+
+// Per-thread scratch of one tile: the logits / probabilities and, for bf16 and fp16 storage, the key
+// and value tile converted to fp32 once. Sized on first use; reuse one per thread across tiles.
+struct TileScratch {
+  RowMatrix logits, keys, values;
+};
+
+// One query block against one key tile.
+struct TileArgs {
+  std::int64_t rows = 0;                  // query rows in the block
+  std::int64_t D = 0, Dv = 0;             // key and value widths
+  std::int64_t n = 0;                     // keys in the tile
+  const float* q = nullptr;               // [rows, D]
+  const float* row_scale = nullptr;       // [rows]: logit scale per row, or null = `scale` for all
+  float scale = 1.0f;
+  const std::int64_t* visible = nullptr;  // [rows]: keys [0, visible[r]) of the tile are seen by
+                                          // row r (causal masks), or null = all n
+};
+
+// Accumulates keys [0, n) of a tile into every row of a block: l = scale_r * (q_r . k_j),
+// p over everything pushed into soft[r] so far (spec KVM.md 4.4 step 3, in tile form).
+// soft: [rows]; acc: [rows, Dv] unnormalised; keys: [n, ldk] (first D used); vals: [n, ldv]
+// (first Dv used). A row that sees no key of the tile is left unchanged.
+template <class K, class V>
+void attend_tile(const TileArgs& a, OnlineSoftmax<float>* soft, float* acc, const K* keys, std::int64_t ldk,
+                 const V* vals, std::int64_t ldv, TileScratch& scratch) {
+  using Eigen::Index;
+  const Index rows = Index(a.rows), n = Index(a.n), D = Index(a.D), Dv = Index(a.Dv);
+  if (rows == 0 || n == 0) return;
+  const float* kp = nullptr;
+  const float* vp = nullptr;
+  Index kld = Index(ldk), vld = Index(ldv);
+  if constexpr (std::is_same_v<K, float>) {
+    kp = keys;
+  } else {  // bf16 / fp16 storage: convert the tile once, not once per query row
+    if (scratch.keys.rows() < n || scratch.keys.cols() < D) scratch.keys.resize(n, D);
+    for (Index j = 0; j < n; ++j)
+      for (Index d = 0; d < D; ++d) scratch.keys(j, d) = load_as<float>(keys[j * ldk + d]);
+    kp = scratch.keys.data();
+    kld = scratch.keys.cols();
+  }
+  if constexpr (std::is_same_v<V, float>) {
+    vp = vals;
+  } else {
+    if (scratch.values.rows() < n || scratch.values.cols() < Dv) scratch.values.resize(n, Dv);
+    for (Index j = 0; j < n; ++j)
+      for (Index d = 0; d < Dv; ++d) scratch.values(j, d) = load_as<float>(vals[j * ldv + d]);
+    vp = scratch.values.data();
+    vld = scratch.values.cols();
+  }
+  const ConstRowMap Q(a.q, rows, D, Eigen::OuterStride<>(D));
+  const ConstRowMap Kt(kp, n, D, Eigen::OuterStride<>(kld));
+  const ConstRowMap Vt(vp, n, Dv, Eigen::OuterStride<>(vld));
+  RowMap O(acc, rows, Dv, Eigen::OuterStride<>(Dv));
+  if (scratch.logits.rows() < rows || scratch.logits.cols() < n) scratch.logits.resize(rows, n);
+  auto P = scratch.logits.topLeftCorner(rows, n);
+  P.noalias() = Q * Kt.transpose();
+  for (Index r = 0; r < rows; ++r) {
+    const Index seen = a.visible ? std::min<Index>(n, Index(a.visible[r])) : n;
+    auto row = P.row(r);
+    if (seen <= 0) {
+      row.setZero();
+      continue;
+    }
+    const float ls = a.row_scale ? a.row_scale[r] : a.scale;
+    auto live = row.head(seen).array();
+    live *= ls;
+    const float rescale = soft[r].raise_max(live.maxCoeff());
+    if (rescale != 1.0f) O.row(r) *= rescale;
+    live = (live - soft[r].max).exp();
+    soft[r].accumulate_sum(live.sum());
+    row.tail(n - seen).setZero();
+  }
+  O.noalias() += P * Vt;
+}
+
+}  // namespace kvmem::host::eigen
