@@ -11,6 +11,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <type_traits>
+#include <vector>
 
 #include <Eigen/Core>
 
@@ -97,6 +98,67 @@ void attend_tile(const TileArgs& a, OnlineSoftmax<float>* soft, float* acc, cons
     row.tail(n - seen).setZero();
   }
   O.noalias() += P * Vt;
+}
+
+// Per-thread scratch of a row block's key-range sweep: the tile scratch, a logit scale and the last
+// visible key position per row. Grows on first use to the largest block seen, then is reused.
+struct RangeScratch {
+  TileScratch tile;
+  std::vector<float> row_scale;
+  std::vector<std::int64_t> last, visible;
+  void reserve_rows(std::int64_t rows) {
+    if (std::int64_t(last.size()) < rows) {
+      row_scale.resize(std::size_t(rows));
+      last.resize(std::size_t(rows));
+      visible.resize(std::size_t(rows));
+    }
+  }
+};
+
+inline RangeScratch& thread_range_scratch() {
+  thread_local RangeScratch scratch;
+  return scratch;
+}
+
+// Keys at positions [a, e) stored contiguously from `keys`/`vals` (position a at row 0), in tiles of
+// kRangeTile keys. Row r sees the keys at positions <= last[r] (null = every key) with the logit
+// scale row_scale[r]. Large tiles keep the products efficient; the tile length is not part of the
+// result beyond rounding.
+inline constexpr std::int64_t kRangeTile = 128;
+
+struct RowBlock {
+  std::int64_t rows = 0, D = 0, Dv = 0;
+  const float* q = nullptr;          // [rows, D]
+  const float* row_scale = nullptr;  // [rows]
+  OnlineSoftmax<float>* soft = nullptr;  // [rows]
+  float* acc = nullptr;              // [rows, Dv] unnormalised
+};
+
+template <class K, class V>
+void attend_range(const RowBlock& blk, const K* keys, std::int64_t ldk, const V* vals, std::int64_t ldv, std::int64_t a,
+                  std::int64_t e, const std::int64_t* last, RangeScratch& scratch) {
+  TileArgs args;
+  args.rows = blk.rows;
+  args.D = blk.D;
+  args.Dv = blk.Dv;
+  args.q = blk.q;
+  args.row_scale = blk.row_scale;
+  for (std::int64_t t = a; t < e; t += kRangeTile) {
+    args.n = std::min(kRangeTile, e - t);
+    args.visible = nullptr;
+    if (last != nullptr) {
+      bool all = true, any = false;
+      for (std::int64_t r = 0; r < blk.rows; ++r) {
+        const std::int64_t seen = std::clamp<std::int64_t>(last[r] + 1 - t, 0, args.n);
+        scratch.visible[std::size_t(r)] = seen;
+        all = all && seen == args.n;
+        any = any || seen > 0;
+      }
+      if (!any) break;  // positions only grow: no row sees a later tile either
+      if (!all) args.visible = scratch.visible.data();
+    }
+    attend_tile(args, blk.soft, blk.acc, keys + (t - a) * ldk, ldk, vals + (t - a) * ldv, ldv, scratch.tile);
+  }
 }
 
 }  // namespace kvmem::host::eigen

@@ -17,6 +17,7 @@
 #include <cstdint>
 #include <new>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "kvmem/backend/host/executor.hpp"
@@ -29,6 +30,13 @@
 #include "kvmem/kvm/attention.hpp"
 #include "kvmem/kvm/params.hpp"
 #include "kvmem/kvm/state.hpp"
+
+#if !defined(KVMEM_NO_EIGEN) && __has_include(<Eigen/Core>)
+#include "kvmem/backend/host/eigen_attend.hpp"
+#define KVMEM_HOST_KVM_EIGEN 1
+#else
+#define KVMEM_HOST_KVM_EIGEN 0
+#endif
 
 namespace kvmem::kvm {
 
@@ -43,6 +51,7 @@ struct Call {
   TensorView<const In, 3> gate;  // [B,Hk,T]
   TensorView<Out, 4> out;        // [B,T,Hq,Dv]
   RouteLog* log;
+  bool exact = true;  // false: the readout may take the Eigen tile path (Executor::exact)
 
   const Params& p() const { return st.params(); }
   std::int64_t D() const { return st.shape().D; }
@@ -204,6 +213,14 @@ struct Call {
       new (it.soft + r) OnlineSoftmax<A>();
       for (std::int64_t d = 0; d < Dv(); ++d) it.acc[r * Dv() + d] = A(0);
     }
+#if KVMEM_HOST_KVM_EIGEN
+    if constexpr (std::is_same_v<A, float>) {
+      if (!exact) {
+        attend_segment_tiles(it, g, t0, t1, w, S_cur, rows, scale);
+        return finish_segment(it, b, g, n0, t0, rows);
+      }
+    }
+#endif
     const std::int64_t tile = kernel::kAttendTile;
     if (w > 0) {  // every slot, no mask (spec 4.1 step 2)
       for (std::int64_t j0 = 0; j0 < S_cur; j0 += tile) {
@@ -232,6 +249,12 @@ struct Call {
       }
       a = e;
     }
+    finish_segment(it, b, g, n0, t0, rows);
+  }
+
+  void finish_segment(const ItemView<S, A>& it, std::int64_t b, std::int64_t g, std::int64_t n0, std::int64_t t0,
+                      std::int64_t rows) const {
+    const std::int64_t rep = st.shape().rep();
     for (std::int64_t r = 0; r < rows; ++r) {
       const std::int64_t t = t0 + r / rep, h = g * rep + r % rep;
       Out* o = &out(b, t - n0, h, 0);
@@ -239,6 +262,33 @@ struct Call {
       for (std::int64_t d = 0; d < Dv(); ++d) o[d] = static_cast<Out>(it.acc[r * Dv() + d] * inv);
     }
   }
+
+#if KVMEM_HOST_KVM_EIGEN
+  // The same readout with the slot range and each window run (split at ring wraps) through Eigen
+  // tiles (backend/host/eigen_attend.hpp). Tiles differ between prefill and decode, so the two agree
+  // within fp32 rounding here, bitwise only on the exact path.
+  void attend_segment_tiles(const ItemView<S, A>& it, std::int64_t g, std::int64_t t0, std::int64_t t1, std::int64_t w,
+                            std::int64_t S_cur, std::int64_t rows, A scale) const {
+    const Params& pr = p();
+    const std::int64_t rep = st.shape().rep(), W = pr.window();
+    host::eigen::RangeScratch& ws = host::eigen::thread_range_scratch();
+    ws.reserve_rows(rows);
+    const host::eigen::RowBlock blk{rows, D(), Dv(), it.qblock, ws.row_scale.data(), it.soft, it.acc};
+    for (std::int64_t r = 0; r < rows; ++r) ws.last[std::size_t(r)] = t0 + r / rep;
+    if (w > 0) {
+      for (std::int64_t r = 0; r < rows; ++r)
+        ws.row_scale[std::size_t(r)] = scale * (pr.head_temps ? st.tau_s()[g * rep + r % rep] : A(1));
+      host::eigen::attend_range(blk, it.khat, D(), it.vhat, Dv(), 0, S_cur, nullptr, ws);
+    }
+    for (std::int64_t r = 0; r < rows; ++r)
+      ws.row_scale[std::size_t(r)] = scale * (pr.head_temps ? st.tau_w()[g * rep + r % rep] : A(1));
+    for (std::int64_t a = w; a < t1;) {
+      const std::int64_t e = std::min((a / W + 1) * W, t1), ring = a % W;
+      host::eigen::attend_range(blk, it.wk + ring * D(), D(), it.wv + ring * Dv(), Dv(), a, e, ws.last.data(), ws);
+      a = e;
+    }
+  }
+#endif
 
   // The whole token range of one (sequence b, KV head g).
   void run_item(std::int64_t b, std::int64_t g, std::int64_t len) const {
@@ -351,7 +401,7 @@ struct Backend<host::Executor> {
     }
     if (log != nullptr) log->items.resize(std::size_t(B * sh.Hk));
     static_assert(State<S, A>::kRowBlock >= kernel::kRouteRows, "kvm State: row workspace below the routing block");
-    const host_detail::Call<S, A, In, Out> call{state, q, k, v, gate, out, log};
+    const host_detail::Call<S, A, In, Out> call{state, q, k, v, gate, out, log, exec.exact};
     host::parallel_for(exec, B * sh.Hk, [&](std::int64_t i) {
       const std::int64_t b = i / sh.Hk, g = i % sh.Hk;
       call.run_item(b, g, lengths ? lengths[b] : T);
