@@ -100,10 +100,22 @@ void attend_tile(const TileArgs& a, OnlineSoftmax<float>* soft, float* acc, cons
   O.noalias() += P * Vt;
 }
 
+// logits[i, r] = x_i . y_r for x: [n, D], y: [rows, D] (row-major, fp32) into `logits` (resized to
+// at least n x rows; row stride = logits.cols()). The KVM update's novelty and routing scores.
+inline void cross_logits(const float* x, std::int64_t n, std::int64_t D, const float* y, std::int64_t rows,
+                         RowMatrix& logits) {
+  using Eigen::Index;
+  if (logits.rows() < Index(n) || logits.cols() < Index(rows)) logits.resize(Index(n), Index(rows));
+  const ConstRowMap X(x, Index(n), Index(D), Eigen::OuterStride<>(Index(D)));
+  const ConstRowMap Y(y, Index(rows), Index(D), Eigen::OuterStride<>(Index(D)));
+  logits.topLeftCorner(Index(n), Index(rows)).noalias() = X * Y.transpose();
+}
+
 // Per-thread scratch of a row block's key-range sweep: the tile scratch, a logit scale and the last
 // visible key position per row. Grows on first use to the largest block seen, then is reused.
 struct RangeScratch {
   TileScratch tile;
+  RowMatrix ln_rows;  // [kRangeTile, D]: layer-normed slot keys of one routing block
   std::vector<float> row_scale;
   std::vector<std::int64_t> last, visible;
   void reserve_rows(std::int64_t rows) {

@@ -112,12 +112,13 @@ struct Call {
     const std::int64_t n_app = std::min(target - S_cur, C);
     if (n_app > 0) {  // step 2: novelty against the pre-update state, ungated k0, sink included
       for (std::int64_t i = 0; i < C; ++i) it.score[i] = negative_infinity<A>();
-      for (std::int64_t j0 = 0; j0 < S_cur; j0 += kernel::kRouteRows) {
-        const std::int64_t rows = std::min(kernel::kRouteRows, S_cur - j0);
-        for (std::int64_t r = 0; r < rows; ++r)
-          kernel::layer_norm(it.sk + (j0 + r) * D(), D(), st.ln_w(), st.ln_b(), eps, it.row + r * D());
-        kernel::novelty_update_rows(it.k0, C, D(), it.row, rows, it.score);
-      }
+      if (!route_tiles(it, 0, S_cur, /*novelty=*/true))
+        for (std::int64_t j0 = 0; j0 < S_cur; j0 += kernel::kRouteRows) {
+          const std::int64_t rows = std::min(kernel::kRouteRows, S_cur - j0);
+          for (std::int64_t r = 0; r < rows; ++r)
+            kernel::layer_norm(it.sk + (j0 + r) * D(), D(), st.ln_w(), st.ln_b(), eps, it.row + r * D());
+          kernel::novelty_update_rows(it.k0, C, D(), it.row, rows, it.score);
+        }
       kernel::select_appends(it.score, C, n_app, it.target);
       if (routes != nullptr && n_app < C) {  // test hook only: allocation allowed
         std::vector<A> sorted(it.score, it.score + C);
@@ -151,12 +152,13 @@ struct Call {
     }
     // step 4: route against K^+ of the expanded state, then one scatter
     if (n_app < C) {
-      for (std::int64_t j0 = pr.sink; j0 < S_new; j0 += kernel::kRouteRows) {
-        const std::int64_t rows = std::min(kernel::kRouteRows, S_new - j0);
-        for (std::int64_t r = 0; r < rows; ++r)
-          kernel::layer_norm(it.sk + (j0 + r) * D(), D(), st.ln_w(), st.ln_b(), eps, it.row + r * D());
-        kernel::merge_route_update_rows(it.kg, C, D(), it.row, j0, rows, it.best, it.target, j0 == pr.sink);
-      }
+      if (!route_tiles(it, pr.sink, S_new, /*novelty=*/false))
+        for (std::int64_t j0 = pr.sink; j0 < S_new; j0 += kernel::kRouteRows) {
+          const std::int64_t rows = std::min(kernel::kRouteRows, S_new - j0);
+          for (std::int64_t r = 0; r < rows; ++r)
+            kernel::layer_norm(it.sk + (j0 + r) * D(), D(), st.ln_w(), st.ln_b(), eps, it.row + r * D());
+          kernel::merge_route_update_rows(it.kg, C, D(), it.row, j0, rows, it.best, it.target, j0 == pr.sink);
+        }
       if (route != nullptr) route->merge_margin = merge_margin(it, S_new);
       for (std::int64_t j = pr.sink; j < S_new; ++j)
         kernel::scatter_into_slot(it.kg, it.vg, it.target, C, D(), Dv(), j, it.sk + j * D(), it.sv + j * Dv(),
@@ -169,6 +171,37 @@ struct Call {
     }
     refresh(it, pr.sink, S_new);
     return S_new;
+  }
+
+  // Steps 2 and 4 with the token x slot logits of a block of slots as one Eigen product (the
+  // selection rules stay kernel/'s). Routes may differ from the exact path's only where two logits
+  // tie within fp32 rounding (DESIGN.md section 5). Returns false where this path does not apply
+  // (exact executor, no Eigen, A != float); the caller then runs the exact blocks.
+  bool route_tiles(const ItemView<S, A>& it, std::int64_t j_begin, std::int64_t j_end, bool novelty) const {
+#if KVMEM_HOST_KVM_EIGEN
+    if constexpr (std::is_same_v<A, float>) {
+      if (exact) return false;
+      const std::int64_t C = p().chunk, tile = host::eigen::kRangeTile;
+      const A eps = static_cast<A>(p().ln_eps);
+      host::eigen::RangeScratch& ws = host::eigen::thread_range_scratch();
+      if (ws.ln_rows.rows() < tile || ws.ln_rows.cols() < D()) ws.ln_rows.resize(tile, D());
+      for (std::int64_t j0 = j_begin; j0 < j_end; j0 += tile) {
+        const std::int64_t rows = std::min(tile, j_end - j0);
+        for (std::int64_t r = 0; r < rows; ++r)
+          kernel::layer_norm(it.sk + (j0 + r) * D(), D(), st.ln_w(), st.ln_b(), eps, ws.ln_rows.data() + r * D());
+        host::eigen::cross_logits(novelty ? it.k0 : it.kg, C, D(), ws.ln_rows.data(), rows, ws.tile.logits);
+        const A* logits = ws.tile.logits.data();
+        const std::int64_t ld = ws.tile.logits.cols();
+        if (novelty)
+          kernel::novelty_update_logits(logits, ld, C, rows, it.score);
+        else
+          kernel::merge_route_update_logits(logits, ld, C, j0, rows, it.best, it.target, j0 == j_begin);
+      }
+      return true;
+    }
+#endif
+    (void)it, (void)j_begin, (void)j_end, (void)novelty;
+    return false;
   }
 
   // Test hook: smallest top1 - top2 merge logit over the merged tokens, against K^+ before the
