@@ -30,8 +30,8 @@ std::uint64_t item_value(std::int64_t i) {
 }
 
 std::vector<std::uint64_t> run_items(const Executor& exec, std::int64_t count) {
-  std::vector<std::uint64_t> out(std::size_t(count), 0);
-  std::vector<std::atomic<int>> runs(std::size_t(count));
+  std::vector<std::uint64_t> out(static_cast<std::size_t>(count), 0);
+  std::vector<std::atomic<int>> runs(static_cast<std::size_t>(count));
   parallel_for(exec, count, [&](std::int64_t i) {
     out[std::size_t(i)] = item_value(i);
     runs[std::size_t(i)].fetch_add(1);

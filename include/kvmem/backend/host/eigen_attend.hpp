@@ -25,10 +25,20 @@ using RowMatrix = Eigen::Matrix<float, Eigen::Dynamic, Eigen::Dynamic, Eigen::Ro
 using ConstRowMap = Eigen::Map<const RowMatrix, Eigen::Unaligned, Eigen::OuterStride<>>;
 using RowMap = Eigen::Map<RowMatrix, Eigen::Unaligned, Eigen::OuterStride<>>;
 
-// Per-thread scratch of one tile: the logits / probabilities and, for bf16 and fp16 storage, the key
-// and value tile converted to fp32 once. Sized on first use; reuse one per thread across tiles.
+// Keys per tile (and slots per routing block): large enough that the products run at the speed of
+// Eigen's kernels, small enough that a key and value tile (2 x 64 KiB at D = 128) and the logits
+// stay in L2. It is also the fixed row stride of the logits scratch, a multiple of 16 floats, so
+// every logits row starts 64-byte aligned: Eigen's vectorised exp and sums then split each row into
+// the same packets whatever the scratch's history, and results depend only on the inputs.
+inline constexpr std::int64_t kTile = 128;
+
+// Per-thread scratch of one tile: the logits / probabilities ([rows, kTile]) and, for bf16 and fp16
+// storage, the key and value tile converted to fp32 once. Grows on first use; reuse one per thread.
 struct TileScratch {
   RowMatrix logits, keys, values;
+  void reserve_logits(Eigen::Index rows) {
+    if (logits.rows() < rows || logits.cols() != Eigen::Index(kTile)) logits.resize(std::max(rows, logits.rows()), kTile);
+  }
 };
 
 // One query block against one key tile.
@@ -46,7 +56,7 @@ struct TileArgs {
 // Accumulates keys [0, n) of a tile into every row of a block: l = scale_r * (q_r . k_j),
 // p over everything pushed into soft[r] so far (spec KVM.md 4.4 step 3, in tile form).
 // soft: [rows]; acc: [rows, Dv] unnormalised; keys: [n, ldk] (first D used); vals: [n, ldv]
-// (first Dv used). A row that sees no key of the tile is left unchanged.
+// (first Dv used); n <= kTile. A row that sees no key of the tile is left unchanged.
 template <class K, class V>
 void attend_tile(const TileArgs& a, OnlineSoftmax<float>* soft, float* acc, const K* keys, std::int64_t ldk,
                  const V* vals, std::int64_t ldv, TileScratch& scratch) {
@@ -59,7 +69,7 @@ void attend_tile(const TileArgs& a, OnlineSoftmax<float>* soft, float* acc, cons
   if constexpr (std::is_same_v<K, float>) {
     kp = keys;
   } else {  // bf16 / fp16 storage: convert the tile once, not once per query row
-    if (scratch.keys.rows() < n || scratch.keys.cols() < D) scratch.keys.resize(n, D);
+    if (scratch.keys.rows() < n || scratch.keys.cols() != D) scratch.keys.resize(std::max(n, scratch.keys.rows()), D);
     for (Index j = 0; j < n; ++j)
       for (Index d = 0; d < D; ++d) scratch.keys(j, d) = load_as<float>(keys[j * ldk + d]);
     kp = scratch.keys.data();
@@ -68,7 +78,8 @@ void attend_tile(const TileArgs& a, OnlineSoftmax<float>* soft, float* acc, cons
   if constexpr (std::is_same_v<V, float>) {
     vp = vals;
   } else {
-    if (scratch.values.rows() < n || scratch.values.cols() < Dv) scratch.values.resize(n, Dv);
+    if (scratch.values.rows() < n || scratch.values.cols() != Dv)
+      scratch.values.resize(std::max(n, scratch.values.rows()), Dv);
     for (Index j = 0; j < n; ++j)
       for (Index d = 0; d < Dv; ++d) scratch.values(j, d) = load_as<float>(vals[j * ldv + d]);
     vp = scratch.values.data();
@@ -78,7 +89,7 @@ void attend_tile(const TileArgs& a, OnlineSoftmax<float>* soft, float* acc, cons
   const ConstRowMap Kt(kp, n, D, Eigen::OuterStride<>(kld));
   const ConstRowMap Vt(vp, n, Dv, Eigen::OuterStride<>(vld));
   RowMap O(acc, rows, Dv, Eigen::OuterStride<>(Dv));
-  if (scratch.logits.rows() < rows || scratch.logits.cols() < n) scratch.logits.resize(rows, n);
+  scratch.reserve_logits(rows);
   auto P = scratch.logits.topLeftCorner(rows, n);
   P.noalias() = Q * Kt.transpose();
   for (Index r = 0; r < rows; ++r) {
@@ -100,12 +111,13 @@ void attend_tile(const TileArgs& a, OnlineSoftmax<float>* soft, float* acc, cons
   O.noalias() += P * Vt;
 }
 
-// logits[i, r] = x_i . y_r for x: [n, D], y: [rows, D] (row-major, fp32) into `logits` (resized to
-// at least n x rows; row stride = logits.cols()). The KVM update's novelty and routing scores.
+// logits[i, r] = x_i . y_r for x: [n, D], y: [rows, D] (row-major, fp32), rows <= kTile, into the
+// scratch's logits (row stride kTile). The KVM update's novelty and routing scores.
 inline void cross_logits(const float* x, std::int64_t n, std::int64_t D, const float* y, std::int64_t rows,
-                         RowMatrix& logits) {
+                         TileScratch& scratch) {
   using Eigen::Index;
-  if (logits.rows() < Index(n) || logits.cols() < Index(rows)) logits.resize(Index(n), Index(rows));
+  scratch.reserve_logits(Index(n));
+  RowMatrix& logits = scratch.logits;
   const ConstRowMap X(x, Index(n), Index(D), Eigen::OuterStride<>(Index(D)));
   const ConstRowMap Y(y, Index(rows), Index(D), Eigen::OuterStride<>(Index(D)));
   logits.topLeftCorner(Index(n), Index(rows)).noalias() = X * Y.transpose();
@@ -115,7 +127,7 @@ inline void cross_logits(const float* x, std::int64_t n, std::int64_t D, const f
 // visible key position per row. Grows on first use to the largest block seen, then is reused.
 struct RangeScratch {
   TileScratch tile;
-  RowMatrix ln_rows;  // [kRangeTile, D]: layer-normed slot keys of one routing block
+  RowMatrix ln_rows;  // [kTile, D]: layer-normed slot keys of one routing block
   std::vector<float> row_scale;
   std::vector<std::int64_t> last, visible;
   void reserve_rows(std::int64_t rows) {
@@ -133,10 +145,8 @@ inline RangeScratch& thread_range_scratch() {
 }
 
 // Keys at positions [a, e) stored contiguously from `keys`/`vals` (position a at row 0), in tiles of
-// kRangeTile keys. Row r sees the keys at positions <= last[r] (null = every key) with the logit
-// scale row_scale[r]. Large tiles keep the products efficient; the tile length is not part of the
-// result beyond rounding.
-inline constexpr std::int64_t kRangeTile = 128;
+// kTile keys. Row r sees the keys at positions <= last[r] (null = every key) with the logit scale
+// row_scale[r].
 
 struct RowBlock {
   std::int64_t rows = 0, D = 0, Dv = 0;
@@ -155,8 +165,8 @@ void attend_range(const RowBlock& blk, const K* keys, std::int64_t ldk, const V*
   args.Dv = blk.Dv;
   args.q = blk.q;
   args.row_scale = blk.row_scale;
-  for (std::int64_t t = a; t < e; t += kRangeTile) {
-    args.n = std::min(kRangeTile, e - t);
+  for (std::int64_t t = a; t < e; t += kTile) {
+    args.n = std::min(kTile, e - t);
     args.visible = nullptr;
     if (last != nullptr) {
       bool all = true, any = false;

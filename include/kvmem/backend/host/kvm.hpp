@@ -11,6 +11,12 @@
 // the tokens enter the window ring (and, below position C, found initial slots), then the segment
 // attends. Prefill and decode therefore run the same operations in the same order and agree
 // exactly (spec 6.1), and a prefill equals the chunked driver of spec 4.6.
+//
+// Executor::exact selects the arithmetic. Exact: the scalar kernel/ bodies above, bitwise equal
+// decode and prefill. Fast (the default, with Eigen available, backend/host/fast_path.hpp): the
+// readout and the update's novelty and routing logits are Eigen matrix products over tiles. Every
+// update still runs the same function on the same data in decode and prefill, so routes and state
+// agree bitwise; readout outputs agree within fp32 rounding, as they do with the fp64 reference.
 
 #include <algorithm>
 #include <cmath>
@@ -21,6 +27,7 @@
 #include <vector>
 
 #include "kvmem/backend/host/executor.hpp"
+#include "kvmem/backend/host/fast_path.hpp"
 #include "kvmem/core/numeric.hpp"
 #include "kvmem/core/softmax.hpp"
 #include "kvmem/core/status.hpp"
@@ -30,13 +37,6 @@
 #include "kvmem/kvm/attention.hpp"
 #include "kvmem/kvm/params.hpp"
 #include "kvmem/kvm/state.hpp"
-
-#if !defined(KVMEM_NO_EIGEN) && __has_include(<Eigen/Core>)
-#include "kvmem/backend/host/eigen_attend.hpp"
-#define KVMEM_HOST_KVM_EIGEN 1
-#else
-#define KVMEM_HOST_KVM_EIGEN 0
-#endif
 
 namespace kvmem::kvm {
 
@@ -178,18 +178,18 @@ struct Call {
   // tie within fp32 rounding (DESIGN.md section 5). Returns false where this path does not apply
   // (exact executor, no Eigen, A != float); the caller then runs the exact blocks.
   bool route_tiles(const ItemView<S, A>& it, std::int64_t j_begin, std::int64_t j_end, bool novelty) const {
-#if KVMEM_HOST_KVM_EIGEN
+#if KVMEM_HOST_EIGEN
     if constexpr (std::is_same_v<A, float>) {
       if (exact) return false;
-      const std::int64_t C = p().chunk, tile = host::eigen::kRangeTile;
+      const std::int64_t C = p().chunk, tile = host::eigen::kTile;
       const A eps = static_cast<A>(p().ln_eps);
       host::eigen::RangeScratch& ws = host::eigen::thread_range_scratch();
-      if (ws.ln_rows.rows() < tile || ws.ln_rows.cols() < D()) ws.ln_rows.resize(tile, D());
+      if (ws.ln_rows.rows() < tile || ws.ln_rows.cols() != D()) ws.ln_rows.resize(tile, D());
       for (std::int64_t j0 = j_begin; j0 < j_end; j0 += tile) {
         const std::int64_t rows = std::min(tile, j_end - j0);
         for (std::int64_t r = 0; r < rows; ++r)
           kernel::layer_norm(it.sk + (j0 + r) * D(), D(), st.ln_w(), st.ln_b(), eps, ws.ln_rows.data() + r * D());
-        host::eigen::cross_logits(novelty ? it.k0 : it.kg, C, D(), ws.ln_rows.data(), rows, ws.tile.logits);
+        host::eigen::cross_logits(novelty ? it.k0 : it.kg, C, D(), ws.ln_rows.data(), rows, ws.tile);
         const A* logits = ws.tile.logits.data();
         const std::int64_t ld = ws.tile.logits.cols();
         if (novelty)
@@ -246,7 +246,7 @@ struct Call {
       new (it.soft + r) OnlineSoftmax<A>();
       for (std::int64_t d = 0; d < Dv(); ++d) it.acc[r * Dv() + d] = A(0);
     }
-#if KVMEM_HOST_KVM_EIGEN
+#if KVMEM_HOST_EIGEN
     if constexpr (std::is_same_v<A, float>) {
       if (!exact) {
         attend_segment_tiles(it, g, t0, t1, w, S_cur, rows, scale);
@@ -296,7 +296,7 @@ struct Call {
     }
   }
 
-#if KVMEM_HOST_KVM_EIGEN
+#if KVMEM_HOST_EIGEN
   // The same readout with the slot range and each window run (split at ring wraps) through Eigen
   // tiles (backend/host/eigen_attend.hpp). Tiles differ between prefill and decode, so the two agree
   // within fp32 rounding here, bitwise only on the exact path.

@@ -17,28 +17,21 @@
 #include <vector>
 
 #include "kvmem/backend/host/executor.hpp"
+#include "kvmem/backend/host/fast_path.hpp"
 #include "kvmem/core/numeric.hpp"
 #include "kvmem/core/softmax.hpp"
 #include "kvmem/core/tensor.hpp"
 #include "kvmem/kernel/attend.hpp"
 
-#if !defined(KVMEM_NO_EIGEN) && __has_include(<Eigen/Core>)
-#include "kvmem/backend/host/eigen_attend.hpp"
-#define KVMEM_HOST_EIGEN 1
-#else
-#define KVMEM_HOST_EIGEN 0
-#endif
 
 namespace kvmem::host {
 
 #if KVMEM_HOST_EIGEN
 namespace dense_detail {
 
-// Query blocks and key tiles of the same length, aligned, so the diagonal tile of a block starts at
-// the block's first token and every row sees at least one key of every tile it visits. Large enough
-// that the products run at Eigen's kernel speed, small enough that a key and value tile (2 x 32 KiB
-// at D = 128 fp32) and the logits stay in L2.
-inline constexpr std::int64_t kEigenBlock = 128;
+// Query blocks and key tiles of the same length (eigen::kTile), aligned, so the diagonal tile of a
+// block starts at the block's first token and every row sees at least one key of every tile it visits.
+inline constexpr std::int64_t kEigenBlock = eigen::kTile;
 
 template <class S>
 void causal_eigen(const Executor& exec, TensorView<const S, 4> q, TensorView<const S, 4> k, TensorView<const S, 4> v,
