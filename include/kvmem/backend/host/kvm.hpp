@@ -51,7 +51,7 @@ struct Call {
   TensorView<const In, 3> gate;  // [B,Hk,T]
   TensorView<Out, 4> out;        // [B,T,Hq,Dv]
   RouteLog* log;
-  bool exact = true;  // false: the readout may take the Eigen tile path (Executor::exact)
+  bool exact = true;  // Executor::exact; false: readout and routing logits may take the Eigen tile paths
 
   const Params& p() const { return st.params(); }
   std::int64_t D() const { return st.shape().D; }
