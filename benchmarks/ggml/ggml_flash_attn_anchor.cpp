@@ -4,10 +4,10 @@
 // f16 K, V and mask as llama.cpp calls it. Prints the minimum wall time over the runs and that run's
 // process CPU time. Not part of the CMake build (it needs ggml); build it against a ggml checkout:
 //
-//   cmake -S ggml -B ggml/build -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON -DBUILD_SHARED_LIBS=OFF \
-//         -DGGML_BUILD_TESTS=OFF -DGGML_BUILD_EXAMPLES=OFF -DGGML_OPENMP=OFF
+//   cmake -S ggml -B ggml/build -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON -DBUILD_SHARED_LIBS=OFF
+//         -DGGML_BUILD_TESTS=OFF -DGGML_BUILD_EXAMPLES=OFF -DGGML_OPENMP=OFF       (one command)
 //   cmake --build ggml/build -j
-//   g++ -O3 -march=native benchmarks/ggml/ggml_flash_attn_anchor.cpp -Iggml/include ggml/build/src/libggml.a \
+//   g++ -O3 -march=native benchmarks/ggml/ggml_flash_attn_anchor.cpp -Iggml/include ggml/build/src/libggml.a
 //       ggml/build/src/libggml-cpu.a ggml/build/src/libggml-base.a -pthread -lm -o ggml_flash_attn_anchor
 //   taskset -c 0,1 ./ggml_flash_attn_anchor 8192 2 3     # T, threads, runs
 #include <sys/resource.h>
