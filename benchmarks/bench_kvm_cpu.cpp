@@ -10,7 +10,9 @@
 // machine shared with other work says how much of the wall time the benchmark actually ran.
 //
 //   kvmem_bench_kvm_cpu [--min-T 4096] [--max-T 32768] [--threads 0] [--decode-steps 256]
-//                       [--budget fixed|sqrt|both|none] [--bf16] [--no-dense] [--exact] [--repeat 1]
+//                       [--budget fixed|sqrt|both|none] [--bf16] [--no-dense] [--exact] [--repeat 1] [--flush]
+// --flush evicts the caches before every KVM decode step (outside the timed region), as an engine
+// sees it when other layers ran in between.
 #include <sys/resource.h>
 #include <time.h>
 
@@ -100,7 +102,7 @@ struct Options {
   std::int64_t min_t = 4096, max_t = 32768, decode_steps = 256;  // 256 = one chunk: includes its one update
   int threads = 0;
   std::string budget = "both";
-  bool bf16 = false, dense = true, exact = false;
+  bool bf16 = false, dense = true, exact = false, flush = false;
   int repeat = 1;
 };
 
@@ -123,11 +125,12 @@ Options parse(int argc, char** argv) {
     else if (a == "--bf16") o.bf16 = true;
     else if (a == "--no-dense") o.dense = false;
     else if (a == "--exact") o.exact = true;
+    else if (a == "--flush") o.flush = true;
     else if (a == "--repeat") o.repeat = std::max(1, std::stoi(next()));
     else {
       std::fprintf(stderr,
                    "usage: %s [--min-T N] [--max-T N] [--threads N] [--decode-steps N] [--budget fixed|sqrt|both|none] "
-                   "[--bf16] [--no-dense] [--exact] [--repeat N]\n",
+                   "[--bf16] [--no-dense] [--exact] [--repeat N] [--flush]\n",
                    argv[0]);
       std::exit(a == "--help" ? 0 : 2);
     }
@@ -176,7 +179,7 @@ struct KvmTiming {
 };
 
 template <class S>
-KvmTiming run_kvm(const Problem& p, kvmem::budget::Any budget, int threads) {
+KvmTiming run_kvm(const Problem& p, kvmem::budget::Any budget, int threads, bool flush) {
   kvm::Params params;
   params.chunk = 256;
   params.window_chunks = 2;
@@ -210,15 +213,22 @@ KvmTiming run_kvm(const Problem& p, kvmem::budget::Any budget, int threads) {
     dg.push_back(p.rows(p.g, 1, p.T + s, 1));
   }
   std::vector<float> o1(std::size_t(p.B * p.H * p.Dv));
-  t0 = Clock::now();
-  for (std::int64_t s = 0; s < p.steps; ++s)
+  std::vector<char> evict(flush ? std::size_t(256) << 20 : 0);  // larger than any last-level cache
+  double timed = 0;
+  for (std::int64_t s = 0; s < p.steps; ++s) {
+    if (flush) {  // untimed: write a buffer larger than the caches so the step reads its state from memory
+      for (std::size_t i = 0; i < evict.size(); i += 64) evict[i] = char(evict[i] + 1);
+    }
+    t0 = Clock::now();
     kvmem::throw_if_error(kvm::decode(exec, st, p.weights(),
                                       TensorView<const float, 4>(dq[std::size_t(s)].data(), {p.B, p.H, 1, p.D}),
                                       TensorView<const float, 4>(dk[std::size_t(s)].data(), {p.B, p.H, 1, p.D}),
                                       TensorView<const float, 4>(dv[std::size_t(s)].data(), {p.B, p.H, 1, p.Dv}),
                                       TensorView<const float, 3>(dg[std::size_t(s)].data(), {p.B, p.H, 1}),
                                       TensorView<float, 4>(o1.data(), {p.B, 1, p.H, p.Dv})));
-  r.decode_s = p.steps > 0 ? seconds_since(t0) / double(p.steps) : 0;
+    timed += seconds_since(t0);
+  }
+  r.decode_s = p.steps > 0 ? timed / double(p.steps) : 0;
   return r;
 }
 
@@ -282,6 +292,7 @@ int main(int argc, char** argv) {
   std::printf("KVM CPU benchmark (host backend, %d threads): B=1, Hq=Hk=8, D=Dv=128, C=256, nb=2, r=64, "
               "fp32 inputs, decode = mean of %lld steps after the prefill (256 = one chunk, so one state update is amortised as in steady state)\n",
               threads, static_cast<long long>(o.decode_steps));
+  std::printf("KVM decode: caches %s before each step\n", o.flush ? "evicted" : "warm (not evicted)");
   std::printf("dense prefill path: %s; times: min of %d runs\n", o.exact ? "exact (scalar rows)" : "fast (Eigen tiles if built with Eigen)", o.repeat);
   std::printf("measured peaks on these %d threads: FMA loop %.1f GFLOP/s, stream copy %.1f GB/s\n\n", threads, peak_gflops,
               peak_gbs);
@@ -316,7 +327,8 @@ int main(int argc, char** argv) {
     if (o.budget != "fixed") variants.push_back({"KVM 16 sqrt N", kvmem::budget::Power{16.0, 0.5, 256}});
     for (const auto& var : variants) {
       for (int prec = 0; prec < (o.bf16 ? 2 : 1); ++prec) {
-        const KvmTiming r = prec == 0 ? run_kvm<float>(p, var.budget, o.threads) : run_kvm<kvmem::bf16>(p, var.budget, o.threads);
+        const KvmTiming r = prec == 0 ? run_kvm<float>(p, var.budget, o.threads, o.flush)
+                                      : run_kvm<kvmem::bf16>(p, var.budget, o.threads, o.flush);
         const double state_mib = double(r.state_bytes) / (1024.0 * 1024.0);
         std::printf("| %lld | %s | %s | %lld | %.3f | %.3f | %.3f | %.1f | %.1f | %.1f | ", static_cast<long long>(T),
                     var.name, prec == 0 ? "fp32" : "bf16", static_cast<long long>(r.slots), r.prefill_s, r.prefill_cpu_s,
