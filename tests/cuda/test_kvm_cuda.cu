@@ -252,7 +252,7 @@ TEST_CASE("kvm cuda decode equals prefill at several splits (fp32, GQA, Dv != D,
   }
 }
 
-TEST_CASE("kvm cuda bf16 storage agrees with the host backend at a paper-like shape", "[kvm][cuda[nearties]") {
+TEST_CASE("kvm cuda bf16 storage agrees with the host backend at a paper-like shape", "[kvm][cuda][nearties]") {
   if (no_device()) return;
   // C = 256, nb = 2, 16 sqrt N, D = 128, T = 1300 (three updates, ragged last chunk), GQA 4:2.
   rkvm::Config c = small_config(2, 1300, 4, 2, 128, 128, kvmem::budget::Power{16.0, 0.5, 256});
@@ -330,7 +330,7 @@ TEST_CASE("kvm cuda bf16 grouped-query decode with 4 query heads per block (shor
   check_grouped_decode(8, 2, 540, 500, false);
 }
 
-TEST_CASE("kvm cuda bf16 fast routing (single bf16 products) stays close to the host backend", "[kvm][cuda[nearties]") {
+TEST_CASE("kvm cuda bf16 fast routing (single bf16 products) stays close to the host backend", "[kvm][cuda][nearties]") {
   if (no_device()) return;
   rkvm::Config c = small_config(2, 1300, 4, 2, 128, 128, kvmem::budget::Power{16.0, 0.5, 256});
   c.chunk = 256;
@@ -465,7 +465,7 @@ rkvm::Config tc_readout_config(std::int64_t dim, kvmem::budget::Any budget) {
   return c;
 }
 
-TEST_CASE("kvm cuda bf16 tensor-core readout (head dims 64 and 128) matches the host backend", "[kvm][cuda][sanitize[nearties]") {
+TEST_CASE("kvm cuda bf16 tensor-core readout (head dims 64 and 128) matches the host backend", "[kvm][cuda][sanitize][nearties]") {
   if (no_device()) return;
   for (std::int64_t dim : {64, 128}) {
     const rkvm::Config c = tc_readout_config(dim, kvmem::budget::Power{4.0, 0.5, 32});
@@ -487,7 +487,7 @@ TEST_CASE("kvm cuda bf16 tensor-core readout (head dims 64 and 128) matches the 
   }
 }
 
-TEST_CASE("kvm cuda bf16 fixed budget (updates without appends) matches the host backend", "[kvm][cuda][sanitize[nearties]") {
+TEST_CASE("kvm cuda bf16 fixed budget (updates without appends) matches the host backend", "[kvm][cuda][sanitize][nearties]") {
   if (no_device()) return;
   // A fixed budget of C slots never appends: every update takes the routing pass over all non-sink
   // slots with the gated keys (the paper's fixed-256 path), not the novelty + appended-slots pair.

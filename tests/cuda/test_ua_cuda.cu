@@ -321,7 +321,7 @@ TEST_CASE("ua cuda fp32 pruned prefill and decode match the host backend (GQA, o
   }
 }
 
-TEST_CASE("ua cuda bf16 storage agrees with the host backend at head dims 80 and 128", "[ua][cuda[nearties]") {
+TEST_CASE("ua cuda bf16 storage agrees with the host backend at head dims 80 and 128", "[ua][cuda][nearties]") {
   if (no_device()) return;
   // r = 4 runs the tensor-core chunk kernel, which rounds the probabilities to bf16 before p.v (as
   // FlashAttention does): agreement to bf16 precision. r = 2 runs the CUDA-core kernel on the same bf16
@@ -416,7 +416,7 @@ TEST_CASE("ua cuda capacity below the prompt: pruning keeps the cache small acro
   KVMEM_CHECK_CLOSE(out.get(), host, 1e-5);
 }
 
-TEST_CASE("ua cuda bf16 tensor-core chunk kernel at a small shape (sanitizer case)", "[ua][cuda][sanitize[nearties]") {
+TEST_CASE("ua cuda bf16 tensor-core chunk kernel at a small shape (sanitizer case)", "[ua][cuda][sanitize][nearties]") {
   if (no_device()) return;
   // r = 4, D = 64: the tensor-core chunk kernel, a ragged last chunk, entry splits, then decode
   Case c = random_case(1, 203, 8, 2, 64, 77);
@@ -482,7 +482,7 @@ TEST_CASE("ua cuda user decay gates: fp32 against the fp64 reference, bf16 tenso
   }
 }
 
-TEST_CASE("ua cuda fp16 storage agrees with the host backend (CUDA-core kernels)", "[ua][cuda[nearties]") {
+TEST_CASE("ua cuda fp16 storage agrees with the host backend (CUDA-core kernels)", "[ua][cuda][nearties]") {
   if (no_device()) return;
   Case c = random_case(2, 300, 8, 2, 64, 151);
   FloatCase f(c);
@@ -760,7 +760,7 @@ SetRun host_vs_cuda_set(const Case& c, std::int64_t split, const kvmem::ua::Opti
 }
 }  // namespace
 
-TEST_CASE("ua cuda one-block decode: evictions across several tiles (sanitizer case)", "[ua][cuda][sanitize[nearties]") {
+TEST_CASE("ua cuda one-block decode: evictions across several tiles (sanitizer case)", "[ua][cuda][sanitize][nearties]") {
   if (no_device()) return;
   // lifetimes of about 100-290 steps (c = -7): the kept length climbs past two 64-entry tiles of the
   // one-block path, and from about step 100 on keys from the middle of the cache leave at most steps, so
@@ -781,7 +781,7 @@ TEST_CASE("ua cuda one-block decode: evictions across several tiles (sanitizer c
   CHECK(evicting_steps >= 50);
 }
 
-TEST_CASE("ua cuda decode: items cross the one-block limit and come back (bf16, D 128, r 4)", "[ua][cuda[nearties]") {
+TEST_CASE("ua cuda decode: items cross the one-block limit and come back (bf16, D 128, r 4)", "[ua][cuda][nearties]") {
   if (no_device()) return;
   // lifetimes of about 190-470 steps (c = -8.3): kept lengths wander around kOneBlockMaxKept, so items
   // switch between the one-block path and the entry splits, in both directions, while evicting

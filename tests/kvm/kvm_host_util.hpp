@@ -54,11 +54,16 @@ struct FloatWeights {
   }
 };
 
+// Which host path the helpers run: exact (the scalar readout, bitwise decode == prefill) unless a
+// test asks for the fast tile path.
+enum class HostPath { kExact, kFast };
+
 // Feeds tokens [t0, t1) to the state; out_full [B,T,Hq,Dv] receives their rows.
 template <class S>
 kvmem::Status host_feed(kvmem::kvm::State<S, float>& st, const rkvm::Config& c, const rkvm::Inputs& in,
                         const FloatWeights& w, std::int64_t t0, std::int64_t t1, std::vector<float>& out_full,
-                        const std::int64_t* lengths = nullptr, kvmem::kvm::RouteLog* log = nullptr, int threads = 2) {
+                        const std::int64_t* lengths = nullptr, kvmem::kvm::RouteLog* log = nullptr, int threads = 2,
+                        HostPath path = HostPath::kExact) {
   const std::int64_t n = t1 - t0;
   std::vector<float> q = in.q.empty() ? std::vector<float>(std::size_t(c.B * c.Hq * n * c.D), 0.0f)
                                       : slice_tokens(in.q, c.B * c.Hq, c.T, c.D, t0, t1);
@@ -67,8 +72,10 @@ kvmem::Status host_feed(kvmem::kvm::State<S, float>& st, const rkvm::Config& c, 
   const auto g = slice_tokens(in.gate, c.B * c.Hk, c.T, 1, t0, t1);
   std::vector<float> out(std::size_t(c.B * n * c.Hq * c.Dv), -7.0f);
   using kvmem::TensorView;
+  kvmem::host::Executor exec{threads};
+  exec.exact = path == HostPath::kExact;
   const kvmem::Status s = kvmem::kvm::prefill(
-      kvmem::host::Executor{threads}, st, w.view(), TensorView<const float, 4>(q.data(), {c.B, c.Hq, n, c.D}),
+      exec, st, w.view(), TensorView<const float, 4>(q.data(), {c.B, c.Hq, n, c.D}),
       TensorView<const float, 4>(k.data(), {c.B, c.Hk, n, c.D}), TensorView<const float, 4>(v.data(), {c.B, c.Hk, n, c.Dv}),
       TensorView<const float, 3>(g.data(), {c.B, c.Hk, n}), TensorView<float, 4>(out.data(), {c.B, n, c.Hq, c.Dv}),
       lengths, log);
@@ -122,13 +129,14 @@ inline void extract_routes(const kvmem::kvm::RouteLog& log, const rkvm::Config& 
 }
 
 template <class S>
-HostResult host_prefill(const rkvm::Config& c, const rkvm::Inputs& in, int threads = 2) {
+HostResult host_prefill(const rkvm::Config& c, const rkvm::Inputs& in, int threads = 2,
+                        HostPath path = HostPath::kExact) {
   kvmem::kvm::State<S, float> st;
   REQUIRE(kvmem::kvm::State<S, float>::create(to_params(c), to_shape(c, c.T), st).is_ok());
   const FloatWeights w(in);
   HostResult r;
   kvmem::kvm::RouteLog log;
-  const auto status = host_feed(st, c, in, w, 0, c.T, r.out, nullptr, &log, threads);
+  const auto status = host_feed(st, c, in, w, 0, c.T, r.out, nullptr, &log, threads, path);
   INFO(status.to_string());
   REQUIRE(status.is_ok());
   extract_state(st, c, r);
@@ -139,14 +147,15 @@ HostResult host_prefill(const rkvm::Config& c, const rkvm::Inputs& in, int threa
 // Prefill [0, split), then one decode call per later token.
 template <class S>
 std::vector<float> host_prefill_then_decode(const rkvm::Config& c, const rkvm::Inputs& in, std::int64_t split,
-                                            HostResult* final_state = nullptr) {
+                                            HostResult* final_state = nullptr, HostPath path = HostPath::kExact) {
   kvmem::kvm::State<S, float> st;
   REQUIRE(kvmem::kvm::State<S, float>::create(to_params(c), to_shape(c, c.T), st).is_ok());
   const FloatWeights w(in);
   std::vector<float> out;
   kvmem::kvm::RouteLog log;
-  if (split > 0) REQUIRE(host_feed(st, c, in, w, 0, split, out, nullptr, &log).is_ok());
-  for (std::int64_t t = split; t < c.T; ++t) REQUIRE(host_feed(st, c, in, w, t, t + 1, out, nullptr, &log).is_ok());
+  if (split > 0) REQUIRE(host_feed(st, c, in, w, 0, split, out, nullptr, &log, 2, path).is_ok());
+  for (std::int64_t t = split; t < c.T; ++t)
+    REQUIRE(host_feed(st, c, in, w, t, t + 1, out, nullptr, &log, 2, path).is_ok());
   if (final_state != nullptr) {
     extract_state(st, c, *final_state);
     extract_routes(log, c, *final_state);

@@ -25,6 +25,18 @@
 
 namespace kvmem {
 
+namespace detail {
+// "name[i]" built by appending: GCC 12 reports a false -Wrestrict for `"[" + std::to_string(i)` once
+// it is inlined into a caller (GCC bug 105329), which breaks -Werror builds of users.
+inline std::string indexed(const char* name, std::int64_t i) {
+  std::string s(name);
+  s += '[';
+  s += std::to_string(i);
+  s += ']';
+  return s;
+}
+}  // namespace detail
+
 // The rows of one step, in the backend's memory space (device pointers on a GPU backend).
 struct Rows {
   TensorView<const std::int32_t, 1> slot;         // [rows]: slot index, or -1 for a padding row
@@ -44,7 +56,7 @@ inline Status validate_rows(const std::int32_t* slot, const std::int32_t* query_
   if (query_start[0] != 0) return invalid_argument("query_start[0]", 0, query_start[0]);
   std::vector<bool> seen(static_cast<std::size_t>(max_slots), false);
   for (std::int64_t r = 0; r < rows; ++r) {
-    const std::string at = "[" + std::to_string(r) + "]";
+    const std::string at = detail::indexed("", r);
     if (query_start[r + 1] < query_start[r])
       return invalid_argument("query_start" + at, "<= query_start[" + std::to_string(r + 1) + "] = " +
                                                       std::to_string(query_start[r + 1]) + " (non-decreasing)",
@@ -81,10 +93,10 @@ inline Status check_slot_list(const std::int32_t* slots, std::int64_t n, std::in
   for (std::int64_t i = 0; i < n; ++i) {
     const std::int32_t s = slots[i];
     if (s < 0 || s >= max_slots)
-      return {StatusCode::kOutOfRange, std::string(name) + "[" + std::to_string(i) + "]: expected 0 <= slot < max_slots = " +
+      return {StatusCode::kOutOfRange, detail::indexed(name, i) + ": expected 0 <= slot < max_slots = " +
                                            std::to_string(max_slots) + ", got " + std::to_string(s)};
     if (distinct && seen[static_cast<std::size_t>(s)])
-      return invalid_argument(std::string(name) + "[" + std::to_string(i) + "]", "a slot listed once", s);
+      return invalid_argument(detail::indexed(name, i), "a slot listed once", s);
     seen[static_cast<std::size_t>(s)] = true;
   }
   return Status::ok();

@@ -60,6 +60,10 @@ struct OnlineSoftmax {
     return weight;
   }
 
+  // Add the summed weights of a block of logits pushed after raise_max(block max), each weight
+  // exp(logit - max) computed by the caller's vectorised loop (the same formula as accumulate()).
+  KVMEM_HOST_DEVICE void accumulate_sum(Acc weight_sum) { sum += weight_sum; }
+
   [[nodiscard]] KVMEM_HOST_DEVICE bool empty() const { return sum == Acc(0); }
   // 1 / sum, the factor that normalises the accumulator (0 for an empty row).
   [[nodiscard]] KVMEM_HOST_DEVICE Acc normaliser() const { return sum > Acc(0) ? Acc(1) / sum : Acc(0); }

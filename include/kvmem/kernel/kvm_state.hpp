@@ -97,6 +97,19 @@ KVMEM_HOST_DEVICE inline void novelty_update_rows(const Acc* k0, std::int64_t n,
   }
 }
 
+// novelty_update_rows from precomputed logits (a backend's matrix product): logits[i * ld + r] =
+// k0_i . khat_r for slots r in [0, rows). logits: [n, ld], score: [n]
+template <class Acc>
+KVMEM_HOST_DEVICE inline void novelty_update_logits(const Acc* logits, std::int64_t ld, std::int64_t n,
+                                                    std::int64_t rows, Acc* score) {
+  for (std::int64_t i = 0; i < n; ++i) {
+    Acc best = score[i];
+    for (std::int64_t r = 0; r < rows; ++r)
+      if (logits[i * ld + r] > best) best = logits[i * ld + r];
+    score[i] = best;
+  }
+}
+
 // Append selection by rank: token i is appended iff fewer than n_app tokens precede it in the
 // order (score asc, index asc) (spec 4.5 step 2; stable ties by lower index, spec 7.4). O(n^2)
 // comparisons, no sort, so a GPU thread per token computes its own rank.
@@ -140,6 +153,24 @@ KVMEM_HOST_DEVICE inline void merge_route_update_rows(const Acc* kg, std::int64_
     if (target[i] == -1) continue;
     for (std::int64_t r = 0; r < rows; ++r) {
       const Acc l = dot(khat + r * D, kg + i * D, D);
+      if ((first_candidate && r == 0) || l > best_logit[i]) {
+        best_logit[i] = l;
+        target[i] = j0 + r;
+      }
+    }
+  }
+}
+
+// merge_route_update_rows from precomputed logits: logits[i * ld + r] = kg_i . K^+_{j0 + r}, same rule
+// (increasing j per token, strict improvement, ties keep the smaller j). logits: [n, ld]
+template <class Acc>
+KVMEM_HOST_DEVICE inline void merge_route_update_logits(const Acc* logits, std::int64_t ld, std::int64_t n,
+                                                        std::int64_t j0, std::int64_t rows, Acc* best_logit,
+                                                        std::int64_t* target, bool first_candidate) {
+  for (std::int64_t i = 0; i < n; ++i) {
+    if (target[i] == -1) continue;
+    for (std::int64_t r = 0; r < rows; ++r) {
+      const Acc l = logits[i * ld + r];
       if ((first_candidate && r == 0) || l > best_logit[i]) {
         best_logit[i] = l;
         target[i] = j0 + r;

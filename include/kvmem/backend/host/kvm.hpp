@@ -14,8 +14,14 @@
 //
 // kvm::step runs the same driver per (row, KV head) item over packed token-major inputs (SeqIo
 // gives each item its tokens' addresses in either layout), so a row of a ragged step equals its
-// sequence run alone with prefill, bit for bit. The slot operations (reset, copy, export/import,
+// sequence run alone with prefill, bit for bit on the exact path. The slot operations (reset, copy, export/import,
 // truncate) work on the per-slot counters and item memory directly.
+//
+// Executor::exact selects the arithmetic. Exact: the scalar kernel/ bodies above, bitwise equal
+// decode and prefill. Fast (the default, with Eigen available, backend/host/fast_path.hpp): the
+// readout and the update's novelty and routing logits are Eigen matrix products over tiles. Every
+// update still runs the same function on the same data in decode and prefill, so routes and state
+// agree bitwise; readout outputs agree within fp32 rounding, as they do with the fp64 reference.
 
 #include <algorithm>
 #include <cmath>
@@ -23,9 +29,11 @@
 #include <new>
 #include <span>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "kvmem/backend/host/executor.hpp"
+#include "kvmem/backend/host/fast_path.hpp"
 #include "kvmem/core/numeric.hpp"
 #include "kvmem/core/softmax.hpp"
 #include "kvmem/core/status.hpp"
@@ -82,6 +90,7 @@ template <class S, class A, class In, class Out>
 struct Call {
   const State<S, A>& st;
   RouteLog* log;
+  bool exact = true;  // Executor::exact; false: readout and routing logits may take the Eigen tile paths
 
   const Params& p() const { return st.params(); }
   std::int64_t D() const { return st.shape().D; }
@@ -142,12 +151,13 @@ struct Call {
     const std::int64_t n_app = std::min(target - S_cur, C);
     if (n_app > 0) {  // step 2: novelty against the pre-update state, ungated k0, sink included
       for (std::int64_t i = 0; i < C; ++i) it.score[i] = negative_infinity<A>();
-      for (std::int64_t j0 = 0; j0 < S_cur; j0 += kernel::kRouteRows) {
-        const std::int64_t rows = std::min(kernel::kRouteRows, S_cur - j0);
-        for (std::int64_t r = 0; r < rows; ++r)
-          kernel::layer_norm(it.sk + (j0 + r) * D(), D(), st.ln_w(), st.ln_b(), eps, it.row + r * D());
-        kernel::novelty_update_rows(it.k0, C, D(), it.row, rows, it.score);
-      }
+      if (!route_tiles(it, 0, S_cur, /*novelty=*/true))
+        for (std::int64_t j0 = 0; j0 < S_cur; j0 += kernel::kRouteRows) {
+          const std::int64_t rows = std::min(kernel::kRouteRows, S_cur - j0);
+          for (std::int64_t r = 0; r < rows; ++r)
+            kernel::layer_norm(it.sk + (j0 + r) * D(), D(), st.ln_w(), st.ln_b(), eps, it.row + r * D());
+          kernel::novelty_update_rows(it.k0, C, D(), it.row, rows, it.score);
+        }
       kernel::select_appends(it.score, C, n_app, it.target);
       if (routes != nullptr && n_app < C) {  // test hook only: allocation allowed
         std::vector<A> sorted(it.score, it.score + C);
@@ -181,12 +191,13 @@ struct Call {
     }
     // step 4: route against K^+ of the expanded state, then one scatter
     if (n_app < C) {
-      for (std::int64_t j0 = pr.sink; j0 < S_new; j0 += kernel::kRouteRows) {
-        const std::int64_t rows = std::min(kernel::kRouteRows, S_new - j0);
-        for (std::int64_t r = 0; r < rows; ++r)
-          kernel::layer_norm(it.sk + (j0 + r) * D(), D(), st.ln_w(), st.ln_b(), eps, it.row + r * D());
-        kernel::merge_route_update_rows(it.kg, C, D(), it.row, j0, rows, it.best, it.target, j0 == pr.sink);
-      }
+      if (!route_tiles(it, pr.sink, S_new, /*novelty=*/false))
+        for (std::int64_t j0 = pr.sink; j0 < S_new; j0 += kernel::kRouteRows) {
+          const std::int64_t rows = std::min(kernel::kRouteRows, S_new - j0);
+          for (std::int64_t r = 0; r < rows; ++r)
+            kernel::layer_norm(it.sk + (j0 + r) * D(), D(), st.ln_w(), st.ln_b(), eps, it.row + r * D());
+          kernel::merge_route_update_rows(it.kg, C, D(), it.row, j0, rows, it.best, it.target, j0 == pr.sink);
+        }
       if (route != nullptr) route->merge_margin = merge_margin(it, S_new);
       for (std::int64_t j = pr.sink; j < S_new; ++j)
         kernel::scatter_into_slot(it.kg, it.vg, it.target, C, D(), Dv(), j, it.sk + j * D(), it.sv + j * Dv(),
@@ -199,6 +210,37 @@ struct Call {
     }
     refresh(it, pr.sink, S_new);
     return S_new;
+  }
+
+  // Steps 2 and 4 with the token x slot logits of a block of slots as one Eigen product (the
+  // selection rules stay kernel/'s). Routes may differ from the exact path's only where two logits
+  // tie within fp32 rounding (DESIGN.md section 5). Returns false where this path does not apply
+  // (exact executor, no Eigen, A != float); the caller then runs the exact blocks.
+  bool route_tiles(const ItemView<S, A>& it, std::int64_t j_begin, std::int64_t j_end, bool novelty) const {
+#if KVMEM_HOST_EIGEN
+    if constexpr (std::is_same_v<A, float>) {
+      if (exact) return false;
+      const std::int64_t C = p().chunk, tile = host::eigen::kTile;
+      const A eps = static_cast<A>(p().ln_eps);
+      host::eigen::RangeScratch& ws = host::eigen::thread_range_scratch();
+      if (ws.ln_rows.rows() < tile || ws.ln_rows.cols() != D()) ws.ln_rows.resize(tile, D());
+      for (std::int64_t j0 = j_begin; j0 < j_end; j0 += tile) {
+        const std::int64_t rows = std::min(tile, j_end - j0);
+        for (std::int64_t r = 0; r < rows; ++r)
+          kernel::layer_norm(it.sk + (j0 + r) * D(), D(), st.ln_w(), st.ln_b(), eps, ws.ln_rows.data() + r * D());
+        host::eigen::cross_logits(novelty ? it.k0 : it.kg, C, D(), ws.ln_rows.data(), rows, ws.tile);
+        const A* logits = ws.tile.logits.data();
+        const std::int64_t ld = ws.tile.logits.cols();
+        if (novelty)
+          kernel::novelty_update_logits(logits, ld, C, rows, it.score);
+        else
+          kernel::merge_route_update_logits(logits, ld, C, j0, rows, it.best, it.target, j0 == j_begin);
+      }
+      return true;
+    }
+#endif
+    (void)it, (void)j_begin, (void)j_end, (void)novelty;
+    return false;
   }
 
   // Test hook: smallest top1 - top2 merge logit over the merged tokens, against K^+ before the
@@ -243,6 +285,14 @@ struct Call {
       new (it.soft + r) OnlineSoftmax<A>();
       for (std::int64_t d = 0; d < Dv(); ++d) it.acc[r * Dv() + d] = A(0);
     }
+#if KVMEM_HOST_EIGEN
+    if constexpr (std::is_same_v<A, float>) {
+      if (!exact) {
+        attend_segment_tiles(it, g, t0, t1, w, S_cur, rows, scale);
+        return finish_segment(it, io, g, n0, t0, rows);
+      }
+    }
+#endif
     const std::int64_t tile = kernel::kAttendTile;
     if (w > 0) {  // every slot, no mask (spec 4.1 step 2)
       for (std::int64_t j0 = 0; j0 < S_cur; j0 += tile) {
@@ -271,6 +321,12 @@ struct Call {
       }
       a = e;
     }
+    finish_segment(it, io, g, n0, t0, rows);
+  }
+
+  void finish_segment(const ItemView<S, A>& it, const SeqIo<In, Out>& io, std::int64_t g, std::int64_t n0,
+                      std::int64_t t0, std::int64_t rows) const {
+    const std::int64_t rep = st.shape().rep();
     for (std::int64_t r = 0; r < rows; ++r) {
       const std::int64_t t = t0 + r / rep, h = g * rep + r % rep;
       Out* o = io.out + (t - n0) * io.o_tok + h * io.o_head;
@@ -290,6 +346,33 @@ struct Call {
         if (io.lse != nullptr) io.lse[i * io.l_tok + h * io.l_head] = 0.0f;
       }
   }
+
+#if KVMEM_HOST_EIGEN
+  // The same readout with the slot range and each window run (split at ring wraps) through Eigen
+  // tiles (backend/host/eigen_attend.hpp). Tiles differ between prefill and decode, so the two agree
+  // within fp32 rounding here, bitwise only on the exact path.
+  void attend_segment_tiles(const ItemView<S, A>& it, std::int64_t g, std::int64_t t0, std::int64_t t1, std::int64_t w,
+                            std::int64_t S_cur, std::int64_t rows, A scale) const {
+    const Params& pr = p();
+    const std::int64_t rep = st.shape().rep(), W = pr.window();
+    host::eigen::RangeScratch& ws = host::eigen::thread_range_scratch();
+    ws.reserve_rows(rows);
+    const host::eigen::RowBlock blk{rows, D(), Dv(), it.qblock, ws.row_scale.data(), it.soft, it.acc};
+    for (std::int64_t r = 0; r < rows; ++r) ws.last[std::size_t(r)] = t0 + r / rep;
+    if (w > 0) {
+      for (std::int64_t r = 0; r < rows; ++r)
+        ws.row_scale[std::size_t(r)] = scale * (pr.head_temps ? st.tau_s()[g * rep + r % rep] : A(1));
+      host::eigen::attend_range(blk, it.khat, D(), it.vhat, Dv(), 0, S_cur, nullptr, ws);
+    }
+    for (std::int64_t r = 0; r < rows; ++r)
+      ws.row_scale[std::size_t(r)] = scale * (pr.head_temps ? st.tau_w()[g * rep + r % rep] : A(1));
+    for (std::int64_t a = w; a < t1;) {
+      const std::int64_t e = std::min((a / W + 1) * W, t1), ring = a % W;
+      host::eigen::attend_range(blk, it.wk + ring * D(), D(), it.wv + ring * Dv(), Dv(), a, e, ws.last.data(), ws);
+      a = e;
+    }
+  }
+#endif
 
   // The whole token range (len tokens of io) of one (sequence slot b, KV head g).
   void run_item(const SeqIo<In, Out>& io, std::int64_t b, std::int64_t g, std::int64_t len) const {
@@ -424,7 +507,7 @@ struct Backend<host::Executor> {
     host_detail::load_weights(state, weights);
     if (log != nullptr) log->items.resize(std::size_t(B * sh.Hk));
     static_assert(State<S, A>::kRowBlock >= kernel::kRouteRows, "kvm State: row workspace below the routing block");
-    const host_detail::Call<S, A, In, Out> call{state, log};
+    const host_detail::Call<S, A, In, Out> call{state, log, exec.exact};
     host::parallel_for(exec, B * sh.Hk, [&](std::int64_t i) {
       const std::int64_t b = i / sh.Hk, g = i % sh.Hk, len = lengths ? lengths[b] : T;
       const auto io = host_detail::SeqIo<In, Out>::batch_row(q, k, v, gate, out, b);
@@ -486,7 +569,7 @@ struct Backend<host::Executor> {
     // ---- run ----
     host_detail::load_weights(state, weights);
     if (log != nullptr) log->items.resize(std::size_t(sh.B * sh.Hk));
-    const host_detail::Call<S, A, In, Out> call{state, log};
+    const host_detail::Call<S, A, In, Out> call{state, log, exec.exact};
     host::parallel_for(exec, R * sh.Hk, [&](std::int64_t i) {
       const std::int64_t r = i / sh.Hk, g = i % sh.Hk, len = start[r + 1] - start[r];
       const auto io = host_detail::SeqIo<In, Out>::packed(q, k, v, gate, out, lse, start[r]);

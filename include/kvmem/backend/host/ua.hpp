@@ -21,8 +21,8 @@ namespace kvmem::ua {
 
 template <>
 struct Launcher<host::Executor> {
-  // Below about this many multiply-adds a call runs on the calling thread: starting threads costs more
-  // than the work (a decode step over a pruned cache is a few microseconds).
+  // Below about this many multiply-adds a call runs on the calling thread: waking the pool's threads
+  // costs more than the work (a decode step over a pruned cache is a few microseconds).
   static constexpr std::int64_t kInlineWork = std::int64_t(1) << 18;
 
   template <class Body>
