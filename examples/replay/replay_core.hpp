@@ -84,7 +84,7 @@ struct Options {
   bool help = false;
 };
 
-// Tolerances (relative rule of shared/golden/README.md: max|x - ref| <= tol * max(1, max|ref|)).
+// Tolerances (relative rule of tests/data/golden/README.md: max|x - ref| <= tol * max(1, max|ref|)).
 inline constexpr double kTolReference = 1e-9;
 inline constexpr double kTolFp32 = 1e-5;
 inline constexpr double kTolFp32UaDk = 1e-4;  // UA d_k: the c^(-1/3) factor amplifies rounding
@@ -95,7 +95,7 @@ inline std::string usage_text() {
          "                    [--precision fp32|bf16] [--threads N] [--config FILE.json] [--quiet]\n"
          "\n"
          "Runs the KVM or UA operation that CASE's metadata names (`mechanism`, `config`; layout of\n"
-         "shared/golden/README.md) on CASE's input tensors and writes every result, float64 (int64 for\n"
+         "tests/data/golden/README.md) on CASE's input tensors and writes every result, float64 (int64 for\n"
          "routes, slot counts and kept sets), to OUT under the names the goldens use. OUT is written\n"
          "through a temporary file and a rename: it is complete or absent.\n"
          "\n"

@@ -1,6 +1,6 @@
 // SPDX-License-Identifier: Apache-2.0
 #pragma once
-// kvmem-replay adapter for KV Means (spec KVM.md; tensor names of shared/golden/README.md).
+// kvmem-replay adapter for KV Means (spec KVM.md; tensor names of tests/data/golden/README.md).
 // It reads the configuration into Spec, checks every input's shape against it, and runs one backend:
 //   prefill            -> out, state_k, state_v, state_rho, slots_after_update, route_append_u{u},
 //                         route_merge_u{u}

@@ -1,6 +1,6 @@
 // SPDX-License-Identifier: Apache-2.0
 #pragma once
-// kvmem-replay adapter for Universal Attention (spec UA.md; tensor names of shared/golden/README.md).
+// kvmem-replay adapter for Universal Attention (spec UA.md; tensor names of tests/data/golden/README.md).
 //   dense                      -> out, lse, lambda_last
 //   decode (no pruning)        -> out_decode
 //   pruned, per config threshold p -> out_pruned_p{digits}, kept_p{digits}  (0.05 -> p005)

@@ -1,6 +1,6 @@
 // SPDX-License-Identifier: Apache-2.0
 #pragma once
-// KV Means, float64 reference: the test oracle and readable documentation of shared/spec/KVM.md.
+// KV Means, float64 reference: the test oracle and readable documentation of the KV Means math (docs/math.md).
 // Written formula by formula after the spec, slow and obviously right. It shares no code with
 // kernel/ (DESIGN.md section 1: an oracle that shares code with what it checks checks nothing); it
 // uses only core/, policy/ and kvm/schedule.hpp.

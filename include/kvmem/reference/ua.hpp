@@ -245,7 +245,7 @@ std::vector<double> decode_dense(const Config& c, const Inputs& in) {
   return out;
 }
 
-// The pruned run of shared/golden/README.md (spec UA.md 4.5): chunked prefill of [0, prefill_split)
+// The pruned run of tests/data/golden/README.md (spec UA.md 4.5): chunked prefill of [0, prefill_split)
 // with chunk prefill_chunk, evicting at every chunk end (chunk keys included), then decode of the
 // remaining tokens with the configured step order. p = 0 never evicts.
 template <DecaySet S = decay::Universal>
