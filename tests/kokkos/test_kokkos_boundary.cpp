@@ -1,7 +1,8 @@
 // SPDX-License-Identifier: Apache-2.0
 // Decision boundaries on the Kokkos backend, the same cases as the host's (tests/ua/ua_boundary_cases.hpp,
 // tests/kvm/kvm_boundary_cases.hpp): UA eviction at p = 1, λ exactly at ln p in fp32, p just above 0;
-// KVM merge-argmax and append-cutoff ties. Expected values: closed forms and the fp64 reference.
+// KVM merge-argmax and append-cutoff ties, and the KVM option grid. Expected values: closed forms and the
+// fp64 reference.
 #include <cstdint>
 #include <limits>
 #include <vector>
@@ -9,6 +10,7 @@
 #include <catch2/catch.hpp>
 
 #include "kvm/kvm_boundary_cases.hpp"
+#include "kvm/kvm_option_grid.hpp"
 #include "ua/ua_boundary_cases.hpp"
 #include "ua_kokkos_util.hpp"
 
@@ -59,4 +61,9 @@ TEST_CASE("kokkos kvm: merge-argmax ties go to the smallest non-sink slot", "[ko
 
 TEST_CASE("kokkos kvm: append-cutoff ties go to the lowest token index", "[kokkos][kvm][boundary]") {
   kvmem::test::boundary::check_append_ties(kokkos_kvm_run);
+}
+
+TEST_CASE("kokkos kvm fp32 over the option grid: sink 0/1/2, window 1-3 chunks, count mode, gate_initial_state",
+          "[kokkos][kvm][options]") {
+  kvmem::test::option_grid::check_option_grid(kokkos_kvm_run);
 }
