@@ -8,7 +8,7 @@
 #
 # Environment: JOBS (build parallelism, default 2), TEST_TIMEOUT (seconds per test executable, default
 # 1200; a timeout counts as caught), MUTATION_SCRATCH (scratch folder, default a new mktemp folder),
-# KVMEM_GOLDEN_DIR (golden vectors; default <repo>/../shared/golden when that folder exists).
+# KVMEM_GOLDEN_DIR (golden vectors; default: the build's, the repository's tests/data/golden).
 # Exit status: 0 when every mutant that ran was caught; 1 when one survived, did not apply or did not
 # build; 2 on a usage error or a failing unmutated baseline.
 set -euo pipefail
@@ -62,7 +62,6 @@ mkdir -p "$src"
   (cd "$src" && tar -xf -)
 echo "mutation: scratch tree $src"
 golden="${KVMEM_GOLDEN_DIR:-}"
-if [[ -z "$golden" && -d "$repo/../shared/golden" ]]; then golden=$(cd "$repo/../shared/golden" && pwd); fi
 cfg_extra=(-DKVMEM_BUILD_EXAMPLES=OFF -DKVMEM_BUILD_BENCHMARKS=OFF)
 [[ -n "$golden" ]] && cfg_extra+=("-DKVMEM_GOLDEN_DIR=$golden")
 if command -v ccache > /dev/null 2>&1; then
