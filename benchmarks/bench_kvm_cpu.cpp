@@ -36,7 +36,9 @@ using Clock = std::chrono::steady_clock;
 using kvmem::TensorView;
 namespace kvm = kvmem::kvm;
 
-double seconds_since(Clock::time_point t0) { return std::chrono::duration<double>(Clock::now() - t0).count(); }
+double seconds_since(Clock::time_point t0) {
+  return std::chrono::duration<double>(Clock::now() - t0).count();
+}
 
 double cpu_seconds() {
   rusage u{};
@@ -88,7 +90,8 @@ double measure_copy_gbs(const kvmem::host::Executor& exec, int threads) {
   for (int trial = 0; trial < 3; ++trial) {
     kvmem::host::parallel_for(exec, threads, [&](std::int64_t w) {
       const double c0 = thread_cpu_seconds();
-      const std::size_t lo = n * std::size_t(w) / std::size_t(threads), hi = n * std::size_t(w + 1) / std::size_t(threads);
+      const std::size_t lo = n * std::size_t(w) / std::size_t(threads),
+                        hi = n * std::size_t(w + 1) / std::size_t(threads);
       std::copy(a.begin() + std::ptrdiff_t(lo), a.begin() + std::ptrdiff_t(hi), b.begin() + std::ptrdiff_t(lo));
       cpu[std::size_t(w)] = thread_cpu_seconds() - c0;
     });
@@ -117,16 +120,26 @@ Options parse(int argc, char** argv) {
       }
       return argv[++i];
     };
-    if (a == "--min-T") o.min_t = std::stoll(next());
-    else if (a == "--max-T") o.max_t = std::stoll(next());
-    else if (a == "--threads") o.threads = std::stoi(next());
-    else if (a == "--decode-steps") o.decode_steps = std::stoll(next());
-    else if (a == "--budget") o.budget = next();
-    else if (a == "--bf16") o.bf16 = true;
-    else if (a == "--no-dense") o.dense = false;
-    else if (a == "--exact") o.exact = true;
-    else if (a == "--flush") o.flush = true;
-    else if (a == "--repeat") o.repeat = std::max(1, std::stoi(next()));
+    if (a == "--min-T")
+      o.min_t = std::stoll(next());
+    else if (a == "--max-T")
+      o.max_t = std::stoll(next());
+    else if (a == "--threads")
+      o.threads = std::stoi(next());
+    else if (a == "--decode-steps")
+      o.decode_steps = std::stoll(next());
+    else if (a == "--budget")
+      o.budget = next();
+    else if (a == "--bf16")
+      o.bf16 = true;
+    else if (a == "--no-dense")
+      o.dense = false;
+    else if (a == "--exact")
+      o.exact = true;
+    else if (a == "--flush")
+      o.flush = true;
+    else if (a == "--repeat")
+      o.repeat = std::max(1, std::stoi(next()));
     else {
       std::fprintf(stderr,
                    "usage: %s [--min-T N] [--max-T N] [--threads N] [--decode-steps N] [--budget fixed|sqrt|both|none] "
@@ -289,15 +302,20 @@ int main(int argc, char** argv) {
   const kvmem::host::Executor exec0{o.threads};
   const int threads = exec0.resolved_threads();
   const double peak_gflops = measure_fma_gflops(exec0, threads), peak_gbs = measure_copy_gbs(exec0, threads);
-  std::printf("KVM CPU benchmark (host backend, %d threads): B=1, Hq=Hk=8, D=Dv=128, C=256, nb=2, r=64, "
-              "fp32 inputs, decode = mean of %lld steps after the prefill (256 = one chunk, so one state update is amortised as in steady state)\n",
-              threads, static_cast<long long>(o.decode_steps));
+  std::printf(
+      "KVM CPU benchmark (host backend, %d threads): B=1, Hq=Hk=8, D=Dv=128, C=256, nb=2, r=64, "
+      "fp32 inputs, decode = mean of %lld steps after the prefill (256 = one chunk, so one state update is amortised "
+      "as in steady state)\n",
+      threads, static_cast<long long>(o.decode_steps));
   std::printf("KVM decode: caches %s before each step\n", o.flush ? "evicted" : "warm (not evicted)");
-  std::printf("dense prefill path: %s; times: min of %d runs\n", o.exact ? "exact (scalar rows)" : "fast (Eigen tiles if built with Eigen)", o.repeat);
-  std::printf("measured peaks on these %d threads: FMA loop %.1f GFLOP/s, stream copy %.1f GB/s\n\n", threads, peak_gflops,
-              peak_gbs);
-  std::printf("| T | variant | storage | slots | prefill s | cpu s | decode ms/token | state MiB | full-KV MiB | "
-              "bytes full/state | prefill dense/kvm | decode dense/kvm | prefill GFLOP/s: wall, CPU (%% peak) | decode GB/s (%% peak) |\n");
+  std::printf("dense prefill path: %s; times: min of %d runs\n",
+              o.exact ? "exact (scalar rows)" : "fast (Eigen tiles if built with Eigen)", o.repeat);
+  std::printf("measured peaks on these %d threads: FMA loop %.1f GFLOP/s, stream copy %.1f GB/s\n\n", threads,
+              peak_gflops, peak_gbs);
+  std::printf(
+      "| T | variant | storage | slots | prefill s | cpu s | decode ms/token | state MiB | full-KV MiB | "
+      "bytes full/state | prefill dense/kvm | decode dense/kvm | prefill GFLOP/s: wall, CPU (%% peak) | decode GB/s "
+      "(%% peak) |\n");
   std::printf("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n");
   for (std::int64_t T = 4096; T <= o.max_t; T *= 2) {
     if (T < o.min_t) continue;
@@ -311,10 +329,12 @@ int main(int argc, char** argv) {
       const double gflops = flop / dense.prefill_s * 1e-9;
       const double gflops_cpu = flop / (dense.prefill_cpu_s / threads) * 1e-9;  // as the peaks: per CPU second
       const double gbs = o.decode_steps > 0 ? double(T * p.H * (p.D + p.Dv) * 4) / dense.decode_s * 1e-9 : 0;
-      std::printf("| %lld | dense causal | fp32 | - | %.3f | %.3f | %.3f | %.1f | %.1f | 1.0 | 1.0 | 1.0 | %.1f, %.1f (%.0f%%) | "
-                  "%.1f (%.0f%%) |\n",
-                  static_cast<long long>(T), dense.prefill_s, dense.prefill_cpu_s, dense.decode_s * 1e3, full_mib,
-                  full_mib, gflops, gflops_cpu, 100 * gflops_cpu / peak_gflops, gbs, 100 * gbs / peak_gbs);
+      std::printf(
+          "| %lld | dense causal | fp32 | - | %.3f | %.3f | %.3f | %.1f | %.1f | 1.0 | 1.0 | 1.0 | %.1f, %.1f (%.0f%%) "
+          "| "
+          "%.1f (%.0f%%) |\n",
+          static_cast<long long>(T), dense.prefill_s, dense.prefill_cpu_s, dense.decode_s * 1e3, full_mib, full_mib,
+          gflops, gflops_cpu, 100 * gflops_cpu / peak_gflops, gbs, 100 * gbs / peak_gbs);
       std::fflush(stdout);
     }
     struct Variant {
@@ -331,9 +351,8 @@ int main(int argc, char** argv) {
                                       : run_kvm<kvmem::bf16>(p, var.budget, o.threads, o.flush);
         const double state_mib = double(r.state_bytes) / (1024.0 * 1024.0);
         std::printf("| %lld | %s | %s | %lld | %.3f | %.3f | %.3f | %.1f | %.1f | %.1f | ", static_cast<long long>(T),
-                    var.name, prec == 0 ? "fp32" : "bf16", static_cast<long long>(r.slots), r.prefill_s, r.prefill_cpu_s,
-                    r.decode_s * 1e3,
-                    state_mib, full_mib, full_mib / state_mib);
+                    var.name, prec == 0 ? "fp32" : "bf16", static_cast<long long>(r.slots), r.prefill_s,
+                    r.prefill_cpu_s, r.decode_s * 1e3, state_mib, full_mib, full_mib / state_mib);
         if (o.dense)
           std::printf("%.2f | %.2f | - | - |\n", dense.prefill_s / r.prefill_s, dense.decode_s / r.decode_s);
         else
@@ -342,8 +361,9 @@ int main(int argc, char** argv) {
       }
     }
   }
-  std::printf("\nstate bytes: per sequence, all KV heads: slot sums Sk, Sv, rho, count (fp32) + readout copies "
-              "K^, V^ (storage type) + the window's k, v (storage type) and gate (fp32). full-KV: fp32 K and V of "
-              "all T tokens.\n");
+  std::printf(
+      "\nstate bytes: per sequence, all KV heads: slot sums Sk, Sv, rho, count (fp32) + readout copies "
+      "K^, V^ (storage type) + the window's k, v (storage type) and gate (fp32). full-KV: fp32 K and V of "
+      "all T tokens.\n");
   return 0;
 }

@@ -2,8 +2,8 @@
 // KV Means on the CUDA backend: prefill (ms) and decode (ms/token over 256 consecutive tokens, one
 // state update included) at B x H32 x D128 bf16 for fixed-256 and 16 sqrt N, plus B = 1 decode
 // plain and replayed from a captured CUDA graph. --kv-heads Hk < H measures grouped-query attention
-// (H query heads over Hk KV heads; the decode GB/s then count each KV head's rows once). Prints a table and writes JSON lines (--json FILE)
-// that benchmarks/gpu_report.py joins with the PyTorch SDPA anchor measured in the same run.
+// (H query heads over Hk KV heads; the decode GB/s then count each KV head's rows once). Prints a table and writes JSON
+// lines (--json FILE) that benchmarks/gpu_report.py joins with the PyTorch SDPA anchor measured in the same run.
 //
 //   kvmem_bench_kvm_cuda [--batch 8] [--heads 32] [--kv-heads 32] [--tokens 4096,8192,16384,32768] [--json out.jsonl]
 //                        [--budget fixed-256|16sqrtN] [--b1 0|1] [--fast-routing 0|1]
@@ -31,7 +31,8 @@ using kvmem::TensorView;
 using kvmem::bench::fill;
 
 __global__ void gate_kernel(bf16* x, std::int64_t n) {  // g = 1 + elu(z) > 0
-  for (std::int64_t i = blockIdx.x * std::int64_t(blockDim.x) + threadIdx.x; i < n; i += std::int64_t(gridDim.x) * blockDim.x) {
+  for (std::int64_t i = blockIdx.x * std::int64_t(blockDim.x) + threadIdx.x; i < n;
+       i += std::int64_t(gridDim.x) * blockDim.x) {
     const float z = float(x[i]);
     x[i] = bf16(z > 0 ? 1 + z : expf(z));
   }
@@ -42,7 +43,9 @@ struct Buffer {
   explicit Buffer(std::size_t bytes) { CHECK_CUDA(cudaMalloc(&ptr, std::max<std::size_t>(bytes, 16))); }
   ~Buffer() { cudaFree(ptr); }
   template <class T>
-  T* as() const { return static_cast<T*>(ptr); }
+  T* as() const {
+    return static_cast<T*>(ptr);
+  }
 };
 
 struct Row {
@@ -106,7 +109,8 @@ Row run(const std::string& name, kvmem::budget::Any budget, std::int64_t B, std:
   double keys = 0;
   for (std::int64_t t = 0; t < T; ++t) {
     const std::int64_t wb = geo.bswa_begin(t + 1);
-    keys += double(t - wb + 1) + (wb > 0 ? double(kvmem::kvm::slots_after(budget, geo, (t / p.chunk + 1) * p.chunk)) : 0.0);
+    keys +=
+        double(t - wb + 1) + (wb > 0 ? double(kvmem::kvm::slots_after(budget, geo, (t / p.chunk + 1) * p.chunk)) : 0.0);
   }
   row.prefill_tflops = 4.0 * D * keys * double(B * H) / (row.prefill_ms * 1e-3) / 1e12;
 
@@ -117,10 +121,11 @@ Row run(const std::string& name, kvmem::budget::Any budget, std::int64_t B, std:
   fill(v1.as<bf16>(), B * Hk * D, 13);
   fill(g1.as<bf16>(), B * Hk, 14, 1.0f, 0.1f);
   const auto step = [&] {
-    CHECK_STATUS(kvmem::cuda::kvm_decode(
-        exec, state, weights, TensorView<const bf16, 4>(q1.as<bf16>(), {B, H, 1, D}),
-        TensorView<const bf16, 4>(k1.as<bf16>(), {B, Hk, 1, D}), TensorView<const bf16, 4>(v1.as<bf16>(), {B, Hk, 1, D}),
-        TensorView<const bf16, 3>(g1.as<bf16>(), {B, Hk, 1}), TensorView<bf16, 4>(o1.as<bf16>(), {B, 1, H, D})));
+    CHECK_STATUS(kvmem::cuda::kvm_decode(exec, state, weights, TensorView<const bf16, 4>(q1.as<bf16>(), {B, H, 1, D}),
+                                         TensorView<const bf16, 4>(k1.as<bf16>(), {B, Hk, 1, D}),
+                                         TensorView<const bf16, 4>(v1.as<bf16>(), {B, Hk, 1, D}),
+                                         TensorView<const bf16, 3>(g1.as<bf16>(), {B, Hk, 1}),
+                                         TensorView<bf16, 4>(o1.as<bf16>(), {B, 1, H, D})));
   };
   cudaEvent_t e_upd;
   CHECK_CUDA(cudaEventCreate(&e_upd));
@@ -177,13 +182,20 @@ int main(int argc, char** argv) {
   bool with_b1 = true, fast = false;
   std::string only_budget;
   for (int i = 1; i + 1 < argc; i += 2) {
-    if (!std::strcmp(argv[i], "--batch")) B = std::atoll(argv[i + 1]);
-    else if (!std::strcmp(argv[i], "--b1")) with_b1 = std::atoi(argv[i + 1]) != 0;
-    else if (!std::strcmp(argv[i], "--fast-routing")) fast = std::atoi(argv[i + 1]) != 0;
-    else if (!std::strcmp(argv[i], "--budget")) only_budget = argv[i + 1];
-    else if (!std::strcmp(argv[i], "--heads")) H = std::atoll(argv[i + 1]);
-    else if (!std::strcmp(argv[i], "--kv-heads")) Hk = std::atoll(argv[i + 1]);
-    else if (!std::strcmp(argv[i], "--json")) json = argv[i + 1];
+    if (!std::strcmp(argv[i], "--batch"))
+      B = std::atoll(argv[i + 1]);
+    else if (!std::strcmp(argv[i], "--b1"))
+      with_b1 = std::atoi(argv[i + 1]) != 0;
+    else if (!std::strcmp(argv[i], "--fast-routing"))
+      fast = std::atoi(argv[i + 1]) != 0;
+    else if (!std::strcmp(argv[i], "--budget"))
+      only_budget = argv[i + 1];
+    else if (!std::strcmp(argv[i], "--heads"))
+      H = std::atoll(argv[i + 1]);
+    else if (!std::strcmp(argv[i], "--kv-heads"))
+      Hk = std::atoll(argv[i + 1]);
+    else if (!std::strcmp(argv[i], "--json"))
+      json = argv[i + 1];
     else if (!std::strcmp(argv[i], "--tokens")) {
       tokens.clear();
       for (char* s = argv[i + 1]; *s;) {
@@ -213,8 +225,8 @@ int main(int argc, char** argv) {
   std::printf("kvmem KVM CUDA benchmark on %s (%d SMs), bf16 storage, D=128, C=256, window 512\n", prop.name,
               prop.multiProcessorCount);
   std::FILE* out = json ? std::fopen(json, "a") : nullptr;
-  std::printf("%-14s %3s %3s %3s %6s %6s %11s %11s %11s %9s %9s %9s\n", "budget", "B", "H", "Hk", "T", "slots", "prefill_ms",
-              "decode_ms", "graph_ms", "TFLOP/s", "GB/s", "update_ms");
+  std::printf("%-14s %3s %3s %3s %6s %6s %11s %11s %11s %9s %9s %9s\n", "budget", "B", "H", "Hk", "T", "slots",
+              "prefill_ms", "decode_ms", "graph_ms", "TFLOP/s", "GB/s", "update_ms");
   struct Named {
     const char* name;
     kvmem::budget::Any budget;
@@ -223,22 +235,25 @@ int main(int argc, char** argv) {
   std::vector<Row> rows;
   for (const auto& nb : budgets)
     if (only_budget.empty() || only_budget == nb.name)
-      for (auto T : tokens) rows.push_back(run(std::string(nb.name) + (fast ? "+fast" : ""), nb.budget, B, H, Hk, T, false, fast));
+      for (auto T : tokens)
+        rows.push_back(run(std::string(nb.name) + (fast ? "+fast" : ""), nb.budget, B, H, Hk, T, false, fast));
   for (const auto& nb : budgets)
     if (with_b1 && (only_budget.empty() || only_budget == nb.name))
       for (auto T : {tokens.front(), tokens.back()})
         rows.push_back(run(std::string(nb.name) + (fast ? "+fast" : ""), nb.budget, 1, H, Hk, T, true, fast));
   for (const auto& r : rows) {
     std::printf("%-14s %3lld %3lld %3lld %6lld %6lld %11.3f %11.4f %11.4f %9.1f %9.0f %9.4f\n", r.budget.c_str(),
-                (long long)r.batch, (long long)r.heads, (long long)r.kv_heads, (long long)r.tokens, (long long)r.slots, r.prefill_ms, r.decode_ms,
-                r.decode_graph_ms, r.prefill_tflops, r.decode_gbps, r.update_ms);
+                (long long)r.batch, (long long)r.heads, (long long)r.kv_heads, (long long)r.tokens, (long long)r.slots,
+                r.prefill_ms, r.decode_ms, r.decode_graph_ms, r.prefill_tflops, r.decode_gbps, r.update_ms);
     if (out)
-      std::fprintf(out,
-                   "{\"mechanism\":\"kvm\",\"budget\":\"%s\",\"B\":%lld,\"H\":%lld,\"Hk\":%lld,\"T\":%lld,\"slots\":%lld,"
-                   "\"prefill_ms\":%.5f,\"decode_ms\":%.6f,\"decode_graph_ms\":%.6f,\"prefill_tflops\":%.3f,"
-                   "\"decode_gbps\":%.1f,\"update_step_ms\":%.5f}\n",
-                   r.budget.c_str(), (long long)r.batch, (long long)r.heads, (long long)r.kv_heads, (long long)r.tokens, (long long)r.slots,
-                   r.prefill_ms, r.decode_ms, r.decode_graph_ms, r.prefill_tflops, r.decode_gbps, r.update_ms);
+      std::fprintf(
+          out,
+          "{\"mechanism\":\"kvm\",\"budget\":\"%s\",\"B\":%lld,\"H\":%lld,\"Hk\":%lld,\"T\":%lld,\"slots\":%lld,"
+          "\"prefill_ms\":%.5f,\"decode_ms\":%.6f,\"decode_graph_ms\":%.6f,\"prefill_tflops\":%.3f,"
+          "\"decode_gbps\":%.1f,\"update_step_ms\":%.5f}\n",
+          r.budget.c_str(), (long long)r.batch, (long long)r.heads, (long long)r.kv_heads, (long long)r.tokens,
+          (long long)r.slots, r.prefill_ms, r.decode_ms, r.decode_graph_ms, r.prefill_tflops, r.decode_gbps,
+          r.update_ms);
   }
   if (out) std::fclose(out);
   return 0;

@@ -60,17 +60,28 @@ Args parse(int argc, char** argv) {
       }
       return argv[++i];
     };
-    if (f == "--T") a.T = parse_list<std::int64_t>(next());
-    else if (f == "--B") a.B = std::stoll(next());
-    else if (f == "--H") a.H = std::stoll(next());
-    else if (f == "--G") a.G = std::stoll(next());
-    else if (f == "--D") a.D = std::stoll(next());
-    else if (f == "--threads") a.threads = std::stoi(next());
-    else if (f == "--p") a.p = parse_list<double>(next());
-    else if (f == "--decode-steps") a.decode_steps = std::stoll(next());
-    else if (f == "--chunk") a.chunk = std::stoll(next());
-    else if (f == "--no-prefill") a.prefill = false;
-    else if (f == "--no-decode") a.decode = false;
+    if (f == "--T")
+      a.T = parse_list<std::int64_t>(next());
+    else if (f == "--B")
+      a.B = std::stoll(next());
+    else if (f == "--H")
+      a.H = std::stoll(next());
+    else if (f == "--G")
+      a.G = std::stoll(next());
+    else if (f == "--D")
+      a.D = std::stoll(next());
+    else if (f == "--threads")
+      a.threads = std::stoi(next());
+    else if (f == "--p")
+      a.p = parse_list<double>(next());
+    else if (f == "--decode-steps")
+      a.decode_steps = std::stoll(next());
+    else if (f == "--chunk")
+      a.chunk = std::stoll(next());
+    else if (f == "--no-prefill")
+      a.prefill = false;
+    else if (f == "--no-decode")
+      a.decode = false;
     else {
       std::fprintf(stderr, "unknown flag %s (see the header of bench_ua_cpu.cpp)\n", f.c_str());
       std::exit(2);
@@ -176,7 +187,7 @@ void check(const kvmem::Status& s) {
 }
 
 struct Kept {
-  double fraction;       // kept entries / tokens seen, averaged over (b, g)
+  double fraction;        // kept entries / tokens seen, averaged over (b, g)
   std::int64_t kv_bytes;  // keys + values kept, all (b, g)
   std::int64_t dense_bytes;
 };
@@ -204,14 +215,14 @@ int main(int argc, char** argv) {
   const Args a = parse(argc, argv);
   const kvmem::host::Executor exec{a.threads};
   std::printf("# kvmem UA on the host backend\n\n");
-  std::printf("B=%lld H=%lld G=%lld D=%lld, threads=%d, fp32 storage, prefill chunk %lld, decode: %lld steps after a "
-              "prefill of T tokens (time per step). Gates: logits ~ N(1, 1.5); keys: random unit vectors.\n"
-              "kept = kept entries / tokens seen (mean over (b, kv head)); KV MiB = keys + values kept (all heads); "
-              "compression ratio = fraction of the dense KV cache removed; vs anchor = time / plain causal attention "
-              "time on the same backend.\n\n",
-              static_cast<long long>(a.B), static_cast<long long>(a.H), static_cast<long long>(a.G),
-              static_cast<long long>(a.D), a.threads, static_cast<long long>(a.chunk),
-              static_cast<long long>(a.decode_steps));
+  std::printf(
+      "B=%lld H=%lld G=%lld D=%lld, threads=%d, fp32 storage, prefill chunk %lld, decode: %lld steps after a "
+      "prefill of T tokens (time per step). Gates: logits ~ N(1, 1.5); keys: random unit vectors.\n"
+      "kept = kept entries / tokens seen (mean over (b, kv head)); KV MiB = keys + values kept (all heads); "
+      "compression ratio = fraction of the dense KV cache removed; vs anchor = time / plain causal attention "
+      "time on the same backend.\n\n",
+      static_cast<long long>(a.B), static_cast<long long>(a.H), static_cast<long long>(a.G),
+      static_cast<long long>(a.D), a.threads, static_cast<long long>(a.chunk), static_cast<long long>(a.decode_steps));
   std::printf("| phase | T | variant | time | kept | KV MiB | dense KV MiB | compression ratio | vs anchor |\n");
   std::printf("|---|---|---|---|---|---|---|---|---|\n");
   for (const std::int64_t T : a.T) {
@@ -238,7 +249,8 @@ int main(int argc, char** argv) {
       std::fflush(stdout);
     }
     for (const double p : a.p) {
-      const std::string name = p == 0.0 ? std::string("UA dense (p = 0)") : "UA pruned p = " + std::to_string(p).substr(0, 4);
+      const std::string name =
+          p == 0.0 ? std::string("UA dense (p = 0)") : "UA pruned p = " + std::to_string(p).substr(0, 4);
       kvmem::ua::PrunedCache<float> cache(kvmem::ua::CacheShape{a.B, a.H, a.G, a.D, T + steps, 16});
       const kvmem::ua::Options opt{p, a.chunk, true};
       const auto t0 = Clock::now();
@@ -252,7 +264,8 @@ int main(int argc, char** argv) {
       std::fflush(stdout);
       if (a.decode) {
         const auto t1 = Clock::now();
-        for (std::int64_t t = T; t < T + steps; ++t) check(kvmem::ua::decode(exec, cache, d.slice(t, t + 1), opt, d.out(out, t, t + 1)));
+        for (std::int64_t t = T; t < T + steps; ++t)
+          check(kvmem::ua::decode(exec, cache, d.slice(t, t + 1), opt, d.out(out, t, t + 1)));
         const double td = seconds_since(t1) / static_cast<double>(steps);
         const Kept kd = kept_of(cache);
         std::printf("| decode | %lld | %s | %.3f ms/step | %.4f | %s | %s | %.4f | %.2f |\n", static_cast<long long>(T),

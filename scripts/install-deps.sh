@@ -3,7 +3,7 @@
 # already present are not touched). Runs apt-get directly as root, through sudo otherwise.
 # pkgconf: the pkg-config consumer test; dpkg (always on Debian) and cpack (in cmake): the .deb test.
 set -euo pipefail
-packages=(g++ cmake make catch2 nlohmann-json3-dev libeigen3-dev libtrilinos-kokkos-dev pkgconf)
+packages=(g++ cmake make catch2 nlohmann-json3-dev libeigen3-dev libtrilinos-kokkos-dev pkgconf clang-format)
 missing=()
 for p in "${packages[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

@@ -16,11 +16,16 @@
 #include <cstdio>
 #include <cstdlib>
 #include <random>
-#include "ggml.h"
 #include "ggml-cpu.h"
-static double cpu_s() { rusage u{}; getrusage(RUSAGE_SELF, &u); return u.ru_utime.tv_sec + u.ru_stime.tv_sec + 1e-6 * (u.ru_utime.tv_usec + u.ru_stime.tv_usec); }
+#include "ggml.h"
+static double cpu_s() {
+  rusage u{};
+  getrusage(RUSAGE_SELF, &u);
+  return u.ru_utime.tv_sec + u.ru_stime.tv_sec + 1e-6 * (u.ru_utime.tv_usec + u.ru_stime.tv_usec);
+}
 int main(int argc, char** argv) {
-  const int T = argc > 1 ? atoi(argv[1]) : 4096, threads = argc > 2 ? atoi(argv[2]) : 2, reps = argc > 3 ? atoi(argv[3]) : 3;
+  const int T = argc > 1 ? atoi(argv[1]) : 4096, threads = argc > 2 ? atoi(argv[2]) : 2,
+            reps = argc > 3 ? atoi(argv[3]) : 3;
   const int D = 128, H = 8;
   ggml_init_params ip{size_t(T) * T * 2 + size_t(T) * D * H * 16 + (size_t(256) << 20), nullptr, false};
   ggml_context* ctx = ggml_init(ip);
@@ -34,7 +39,8 @@ int main(int argc, char** argv) {
   for (int64_t i = 0; i < ggml_nelements(k); ++i) ((ggml_fp16_t*)k->data)[i] = ggml_fp32_to_fp16(n01(rng));
   for (int64_t i = 0; i < ggml_nelements(v); ++i) ((ggml_fp16_t*)v->data)[i] = ggml_fp32_to_fp16(n01(rng));
   for (int i = 0; i < T; ++i)
-    for (int j = 0; j < T; ++j) ((ggml_fp16_t*)m->data)[size_t(i) * T + j] = ggml_fp32_to_fp16(j <= i ? 0.f : -INFINITY);
+    for (int j = 0; j < T; ++j)
+      ((ggml_fp16_t*)m->data)[size_t(i) * T + j] = ggml_fp32_to_fp16(j <= i ? 0.f : -INFINITY);
   ggml_tensor* out = ggml_flash_attn_ext(ctx, q, k, v, m, 1.0f / std::sqrt(float(D)), 0.f, 0.f);
   ggml_cgraph* gf = ggml_new_graph(ctx);
   ggml_build_forward_expand(gf, out);
@@ -44,9 +50,12 @@ int main(int argc, char** argv) {
     const auto t0 = std::chrono::steady_clock::now();
     ggml_graph_compute_with_ctx(ctx, gf, threads);
     const double w = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-    if (w < best) { best = w; best_cpu = cpu_s() - c0; }
+    if (w < best) {
+      best = w;
+      best_cpu = cpu_s() - c0;
+    }
   }
-  std::printf("ggml_flash_attn_ext T=%d H=%d D=%d threads=%d: min of %d wall %.3f s, cpu %.3f s, out[0]=%g\n", T, H, D, threads,
-              reps, best, best_cpu, double(((float*)out->data)[0]));
+  std::printf("ggml_flash_attn_ext T=%d H=%d D=%d threads=%d: min of %d wall %.3f s, cpu %.3f s, out[0]=%g\n", T, H, D,
+              threads, reps, best, best_cpu, double(((float*)out->data)[0]));
   ggml_free(ctx);
 }

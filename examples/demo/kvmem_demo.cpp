@@ -33,7 +33,9 @@ namespace {
 using Clock = std::chrono::steady_clock;
 using kvmem::TensorView;
 
-double seconds_since(Clock::time_point t0) { return std::chrono::duration<double>(Clock::now() - t0).count(); }
+double seconds_since(Clock::time_point t0) {
+  return std::chrono::duration<double>(Clock::now() - t0).count();
+}
 
 struct Options {
   std::int64_t tokens = 4096, heads = 4, dim = 64, decode = 32;
@@ -82,11 +84,16 @@ int main(int argc, char** argv) {
       std::fprintf(stderr, "kvmem-demo: %s needs a non-negative integer\n", a.c_str());
       return 2;
     }
-    if (a == "--tokens") o.tokens = v;
-    else if (a == "--heads") o.heads = v;
-    else if (a == "--head-dim") o.dim = v;
-    else if (a == "--threads") o.threads = int(v);
-    else if (a == "--decode") o.decode = v;
+    if (a == "--tokens")
+      o.tokens = v;
+    else if (a == "--heads")
+      o.heads = v;
+    else if (a == "--head-dim")
+      o.dim = v;
+    else if (a == "--threads")
+      o.threads = int(v);
+    else if (a == "--decode")
+      o.decode = v;
     else {
       std::fprintf(stderr, "kvmem-demo: unknown option %s\n", a.c_str());
       return 2;
@@ -105,8 +112,9 @@ int main(int argc, char** argv) {
     for (auto& e : *x) e = n01(rng);
   for (auto& e : gate) e = 1.f + std::abs(n01(rng));
 
-  std::printf("kvmem demo: one sequence of %lld tokens, %lld heads, head dim %lld, fp32, %d threads, %lld decode steps\n\n",
-              (long long)T, (long long)H, (long long)D, exec.resolved_threads(), (long long)S);
+  std::printf(
+      "kvmem demo: one sequence of %lld tokens, %lld heads, head dim %lld, fp32, %d threads, %lld decode steps\n\n",
+      (long long)T, (long long)H, (long long)D, exec.resolved_threads(), (long long)S);
   std::printf("%-24s %18s %12s %8s %10s %8s %11s %8s\n", "variant", "cache rows", "cache", "smaller", "prefill s",
               "speedup", "decode ms", "speedup");
 
@@ -115,10 +123,9 @@ int main(int argc, char** argv) {
   const auto qT = rows(q, H, N, D, 0, T), kT = rows(k, H, N, D, 0, T), vT = rows(v, H, N, D, 0, T);
   std::vector<float> out(std::size_t(T * H * D));
   auto t0 = Clock::now();
-  kvmem::host::dense_causal_attention<float>(exec, TensorView<const float, 4>(qT.data(), {1, H, T, D}),
-                                             TensorView<const float, 4>(kT.data(), {1, H, T, D}),
-                                             TensorView<const float, 4>(vT.data(), {1, H, T, D}),
-                                             TensorView<float, 4>(out.data(), {1, T, H, D}), scale);
+  kvmem::host::dense_causal_attention<float>(
+      exec, TensorView<const float, 4>(qT.data(), {1, H, T, D}), TensorView<const float, 4>(kT.data(), {1, H, T, D}),
+      TensorView<const float, 4>(vT.data(), {1, H, T, D}), TensorView<float, 4>(out.data(), {1, T, H, D}), scale);
   const double dense_prefill = seconds_since(t0);
   // dense decode: one query over the whole cache, per head, per step
   std::vector<float> acc(std::size_t(H * D)), o1(std::size_t(H * D));
@@ -152,25 +159,23 @@ int main(int argc, char** argv) {
     kvmem::throw_if_error(kvmem::kvm::State<float, float>::create(params, {1, H, H, D, D, N}, state));
     const auto gT = rows(gate, H, N, 1, 0, T);
     t0 = Clock::now();
-    kvmem::throw_if_error(kvmem::kvm::prefill(exec, state, weights, TensorView<const float, 4>(qT.data(), {1, H, T, D}),
-                                              TensorView<const float, 4>(kT.data(), {1, H, T, D}),
-                                              TensorView<const float, 4>(vT.data(), {1, H, T, D}),
-                                              TensorView<const float, 3>(gT.data(), {1, H, T}),
-                                              TensorView<float, 4>(out.data(), {1, T, H, D})));
+    kvmem::throw_if_error(kvmem::kvm::prefill(
+        exec, state, weights, TensorView<const float, 4>(qT.data(), {1, H, T, D}),
+        TensorView<const float, 4>(kT.data(), {1, H, T, D}), TensorView<const float, 4>(vT.data(), {1, H, T, D}),
+        TensorView<const float, 3>(gT.data(), {1, H, T}), TensorView<float, 4>(out.data(), {1, T, H, D})));
     const double prefill = seconds_since(t0);
     t0 = Clock::now();
     for (std::int64_t s = 0; s < S; ++s) {
       const auto q1 = rows(q, H, N, D, T + s, 1), k1 = rows(k, H, N, D, T + s, 1), v1 = rows(v, H, N, D, T + s, 1),
                  g1 = rows(gate, H, N, 1, T + s, 1);
-      kvmem::throw_if_error(kvmem::kvm::decode(exec, state, weights, TensorView<const float, 4>(q1.data(), {1, H, 1, D}),
-                                               TensorView<const float, 4>(k1.data(), {1, H, 1, D}),
-                                               TensorView<const float, 4>(v1.data(), {1, H, 1, D}),
-                                               TensorView<const float, 3>(g1.data(), {1, H, 1}),
-                                               TensorView<float, 4>(o1.data(), {1, 1, H, D})));
+      kvmem::throw_if_error(kvmem::kvm::decode(
+          exec, state, weights, TensorView<const float, 4>(q1.data(), {1, H, 1, D}),
+          TensorView<const float, 4>(k1.data(), {1, H, 1, D}), TensorView<const float, 4>(v1.data(), {1, H, 1, D}),
+          TensorView<const float, 3>(g1.data(), {1, H, 1}), TensorView<float, 4>(o1.data(), {1, 1, H, D})));
     }
     const double decode = S > 0 ? seconds_since(t0) / double(S) : 1.0;
-    const std::string kept = std::to_string(state.slots(0)) + " + " +
-                             std::to_string(std::min<std::int64_t>(N, params.window())) + " win";
+    const std::string kept =
+        std::to_string(state.slots(0)) + " + " + std::to_string(std::min<std::int64_t>(N, params.window())) + " win";
     print_row(b.name, kept, double(state.cache_bytes(0)), full_bytes, prefill, dense_prefill, decode, dense_decode);
   }
 
@@ -190,12 +195,10 @@ int main(int argc, char** argv) {
     kvmem::ua::PrunedCache<float> cache;
     kvmem::throw_if_error(kvmem::ua::PrunedCache<float>::create({1, H, H, D, N, 16}, cache));
     const kvmem::ua::Options opt{p, 128, true};
-    const kvmem::ua::Inputs in{TensorView<const float, 4>(qT.data(), {1, H, T, D}),
-                               TensorView<const float, 4>(ukT.data(), {1, H, T, D}),
-                               TensorView<const float, 4>(vT.data(), {1, H, T, D}),
-                               TensorView<const float, 3>(zkT.data(), {1, H, T}),
-                               TensorView<const float, 3>(zqT.data(), {1, H, T}),
-                               {}};
+    const kvmem::ua::Inputs in{
+        TensorView<const float, 4>(qT.data(), {1, H, T, D}), TensorView<const float, 4>(ukT.data(), {1, H, T, D}),
+        TensorView<const float, 4>(vT.data(), {1, H, T, D}), TensorView<const float, 3>(zkT.data(), {1, H, T}),
+        TensorView<const float, 3>(zqT.data(), {1, H, T}),   {}};
     t0 = Clock::now();
     kvmem::throw_if_error(kvmem::ua::prefill(exec, cache, in, opt, TensorView<float, 4>(out.data(), {1, T, H, D})));
     const double prefill = seconds_since(t0);
@@ -203,12 +206,10 @@ int main(int argc, char** argv) {
     for (std::int64_t s = 0; s < S; ++s) {
       const auto q1 = rows(q, H, N, D, T + s, 1), k1 = rows(uk, H, N, D, T + s, 1), v1 = rows(v, H, N, D, T + s, 1),
                  zk1 = rows(zk, H, N, 1, T + s, 1), zq1 = rows(zq, H, N, 1, T + s, 1);
-      const kvmem::ua::Inputs step{TensorView<const float, 4>(q1.data(), {1, H, 1, D}),
-                                   TensorView<const float, 4>(k1.data(), {1, H, 1, D}),
-                                   TensorView<const float, 4>(v1.data(), {1, H, 1, D}),
-                                   TensorView<const float, 3>(zk1.data(), {1, H, 1}),
-                                   TensorView<const float, 3>(zq1.data(), {1, H, 1}),
-                                   {}};
+      const kvmem::ua::Inputs step{
+          TensorView<const float, 4>(q1.data(), {1, H, 1, D}), TensorView<const float, 4>(k1.data(), {1, H, 1, D}),
+          TensorView<const float, 4>(v1.data(), {1, H, 1, D}), TensorView<const float, 3>(zk1.data(), {1, H, 1}),
+          TensorView<const float, 3>(zq1.data(), {1, H, 1}),   {}};
       kvmem::throw_if_error(kvmem::ua::decode(exec, cache, step, opt, TensorView<float, 4>(o1.data(), {1, 1, H, D})));
     }
     const double decode = S > 0 ? seconds_since(t0) / double(S) : 1.0;
@@ -223,7 +224,8 @@ int main(int argc, char** argv) {
     std::snprintf(rows_text, sizeof rows_text, "%.0f/head (%.1f%%)", kept / double(H), 100.0 * (1.0 - ratio));
     print_row(name, rows_text, bytes, full_bytes, prefill, dense_prefill, decode, dense_decode);
   }
-  std::printf("\n'smaller' = full KV bytes / cache bytes (KVM: slots + window + radii/gates; UA: kept keys + values\n"
-              "+ per-key lambda, gate, position). 'speedup' = dense time / variant time on the same backend.\n");
+  std::printf(
+      "\n'smaller' = full KV bytes / cache bytes (KVM: slots + window + radii/gates; UA: kept keys + values\n"
+      "+ per-key lambda, gate, position). 'speedup' = dense time / variant time on the same backend.\n");
   return 0;
 }

@@ -25,9 +25,10 @@ struct Options {
 
 int usage(const char* problem) {
   if (problem) std::fprintf(stderr, "kvmem-plan: %s\n", problem);
-  std::fprintf(stderr,
-               "usage: kvmem-plan [--layers L] [--kv-heads H] [--head-dim D] [--value-dim Dv] [--dtype bf16|fp16|fp32]\n"
-               "                  [--context N] [--batch B] [--chunk C] [--window-chunks nb]\n");
+  std::fprintf(
+      stderr,
+      "usage: kvmem-plan [--layers L] [--kv-heads H] [--head-dim D] [--value-dim Dv] [--dtype bf16|fp16|fp32]\n"
+      "                  [--context N] [--batch B] [--chunk C] [--window-chunks nb]\n");
   return 2;
 }
 
@@ -61,14 +62,22 @@ int main(int argc, char** argv) {
     if (i + 1 >= argc) return usage(("missing value for " + arg).c_str());
     const char* value = argv[++i];
     std::int64_t* target = nullptr;
-    if (arg == "--layers") target = &opt.layers;
-    else if (arg == "--kv-heads") target = &opt.kv_heads;
-    else if (arg == "--head-dim") target = &opt.head_dim;
-    else if (arg == "--value-dim") target = &opt.value_dim;
-    else if (arg == "--context") target = &opt.context;
-    else if (arg == "--batch") target = &opt.batch;
-    else if (arg == "--chunk") target = &opt.chunk;
-    else if (arg == "--window-chunks") target = &opt.window_chunks;
+    if (arg == "--layers")
+      target = &opt.layers;
+    else if (arg == "--kv-heads")
+      target = &opt.kv_heads;
+    else if (arg == "--head-dim")
+      target = &opt.head_dim;
+    else if (arg == "--value-dim")
+      target = &opt.value_dim;
+    else if (arg == "--context")
+      target = &opt.context;
+    else if (arg == "--batch")
+      target = &opt.batch;
+    else if (arg == "--chunk")
+      target = &opt.chunk;
+    else if (arg == "--window-chunks")
+      target = &opt.window_chunks;
     else if (arg == "--dtype") {
       opt.dtype = value;
       continue;
@@ -78,9 +87,12 @@ int main(int argc, char** argv) {
     if (!parse_int(value, *target)) return usage((arg + " needs a positive integer, got '" + value + "'").c_str());
   }
   double elem = 0;
-  if (opt.dtype == "bf16" || opt.dtype == "fp16") elem = 2;
-  else if (opt.dtype == "fp32") elem = 4;
-  else return usage(("--dtype must be bf16, fp16 or fp32, got '" + opt.dtype + "'").c_str());
+  if (opt.dtype == "bf16" || opt.dtype == "fp16")
+    elem = 2;
+  else if (opt.dtype == "fp32")
+    elem = 4;
+  else
+    return usage(("--dtype must be bf16, fp16 or fp32, got '" + opt.dtype + "'").c_str());
   if (opt.value_dim < 0) opt.value_dim = opt.head_dim;
 
   const double heads = static_cast<double>(opt.batch * opt.layers * opt.kv_heads);
@@ -100,7 +112,8 @@ int main(int argc, char** argv) {
               static_cast<long long>(opt.chunk), static_cast<long long>(opt.window_chunks),
               static_cast<long long>(geo.window()));
   std::printf("%-26s %10s %14s %10s\n", "cache", "slots", "memory", "vs full");
-  std::printf("%-26s %10lld %14s %9.2fx\n", "full KV cache", static_cast<long long>(opt.context), human(full).c_str(), 1.0);
+  std::printf("%-26s %10lld %14s %9.2fx\n", "full KV cache", static_cast<long long>(opt.context), human(full).c_str(),
+              1.0);
 
   struct Named {
     const char* name;
@@ -112,8 +125,10 @@ int main(int argc, char** argv) {
   for (const auto& b : budgets) {
     const std::int64_t slots = kvmem::kvm::slots_after(b.budget, geo, opt.context);
     const double bytes = heads * (static_cast<double>(slots) * (row + 4.0) + window_bytes);
-    std::printf("%-26s %10lld %14s %9.2fx\n", b.name, static_cast<long long>(slots), human(bytes).c_str(), full / bytes);
+    std::printf("%-26s %10lld %14s %9.2fx\n", b.name, static_cast<long long>(slots), human(bytes).c_str(),
+                full / bytes);
   }
-  std::printf("\n'vs full' = full-cache bytes / KVM bytes (slots + window, per-slot radius and per-token gate included).\n");
+  std::printf(
+      "\n'vs full' = full-cache bytes / KVM bytes (slots + window, per-slot radius and per-token gate included).\n");
   return 0;
 }

@@ -63,14 +63,20 @@ enum class Precision { kFp32, kBf16 };
 
 inline const char* to_string(Backend b) {
   switch (b) {
-    case Backend::kReference: return "reference";
-    case Backend::kHost: return "host";
-    case Backend::kKokkos: return "kokkos";
-    case Backend::kCuda: return "cuda";
+    case Backend::kReference:
+      return "reference";
+    case Backend::kHost:
+      return "host";
+    case Backend::kKokkos:
+      return "kokkos";
+    case Backend::kCuda:
+      return "cuda";
   }
   return "?";
 }
-inline const char* to_string(Precision p) { return p == Precision::kBf16 ? "bf16" : "fp32"; }
+inline const char* to_string(Precision p) {
+  return p == Precision::kBf16 ? "bf16" : "fp32";
+}
 
 struct Options {
   std::string input;
@@ -165,16 +171,24 @@ inline Options parse_args(const std::vector<std::string>& args) {
       if (opt.output.empty()) throw BadInput("option -o needs a file name");
     } else if (arg == "--backend") {
       const std::string v = value();
-      if (v == "reference") opt.backend = Backend::kReference;
-      else if (v == "host") opt.backend = Backend::kHost;
-      else if (v == "kokkos") opt.backend = Backend::kKokkos;
-      else if (v == "cuda") opt.backend = Backend::kCuda;
-      else throw BadInput("--backend: expected reference, host, kokkos or cuda, got '" + v + "'");
+      if (v == "reference")
+        opt.backend = Backend::kReference;
+      else if (v == "host")
+        opt.backend = Backend::kHost;
+      else if (v == "kokkos")
+        opt.backend = Backend::kKokkos;
+      else if (v == "cuda")
+        opt.backend = Backend::kCuda;
+      else
+        throw BadInput("--backend: expected reference, host, kokkos or cuda, got '" + v + "'");
     } else if (arg == "--precision") {
       const std::string v = value();
-      if (v == "fp32") opt.precision = Precision::kFp32;
-      else if (v == "bf16") opt.precision = Precision::kBf16;
-      else throw BadInput("--precision: expected fp32 or bf16, got '" + v + "'");
+      if (v == "fp32")
+        opt.precision = Precision::kFp32;
+      else if (v == "bf16")
+        opt.precision = Precision::kBf16;
+      else
+        throw BadInput("--precision: expected fp32 or bf16, got '" + v + "'");
       opt.precision_given = true;
     } else if (arg == "--threads") {
       const std::string v = value();
@@ -193,7 +207,8 @@ inline Options parse_args(const std::vector<std::string>& args) {
   if (opt.input.empty()) throw BadInput("no input file (usage: kvmem-replay CASE.safetensors -o OUT.safetensors ...)");
   if (opt.output.empty()) throw BadInput("no output file: pass -o OUT.safetensors");
   if (opt.backend == Backend::kReference && opt.precision_given)
-    throw BadInput("--precision applies to the host, kokkos and cuda backends; the reference backend computes in float64");
+    throw BadInput(
+        "--precision applies to the host, kokkos and cuda backends; the reference backend computes in float64");
   return opt;
 }
 
@@ -295,16 +310,18 @@ class ConfigReader {
     std::int64_t v = 0;
     if (j.is_number_integer()) {
       if (j.is_number_unsigned() && j.get<std::uint64_t>() > static_cast<std::uint64_t>(hi))
-        throw BadInput(where_ + ": '" + key + "' must lie in [" + std::to_string(lo) + ", " + std::to_string(hi) + "], got " + j.dump());
+        throw BadInput(where_ + ": '" + key + "' must lie in [" + std::to_string(lo) + ", " + std::to_string(hi) +
+                       "], got " + j.dump());
       v = j.get<std::int64_t>();
-    } else if (j.is_number_float() && std::isfinite(j.get<double>()) && std::floor(j.get<double>()) == j.get<double>() &&
-               std::abs(j.get<double>()) < 9e15) {
+    } else if (j.is_number_float() && std::isfinite(j.get<double>()) &&
+               std::floor(j.get<double>()) == j.get<double>() && std::abs(j.get<double>()) < 9e15) {
       v = static_cast<std::int64_t>(j.get<double>());
     } else {
       throw BadInput(where_ + ": '" + key + "' must be an integer, got " + j.dump());
     }
     if (v < lo || v > hi)
-      throw BadInput(where_ + ": '" + key + "' must lie in [" + std::to_string(lo) + ", " + std::to_string(hi) + "], got " + j.dump());
+      throw BadInput(where_ + ": '" + key + "' must lie in [" + std::to_string(lo) + ", " + std::to_string(hi) +
+                     "], got " + j.dump());
     return v;
   }
 
@@ -320,7 +337,8 @@ inline constexpr std::int64_t kMaxExtent = std::int64_t{1} << 31;
 
 // Reads a floating input tensor whose shape must equal `expected` (`why` says which config values
 // give that shape, for the message).
-inline std::vector<double> input_f64(const Case& c, const std::string& name, const Shape& expected, const std::string& why) {
+inline std::vector<double> input_f64(const Case& c, const std::string& name, const Shape& expected,
+                                     const std::string& why) {
   const io::TensorInfo* info = c.file.find(name);
   if (info == nullptr) throw BadInput(c.path + ": missing tensor '" + name + "' (shape " + shape_text(expected) + ")");
   if (info->shape != expected)
@@ -420,9 +438,7 @@ class Progress {
     std::int64_t cur = done_.load();
     done_.store(cur < 0 ? tokens : cur + tokens);
   }
-  void note(const std::string& text) const {
-    std::fprintf(stderr, "kvmem-replay: %s\n", text.c_str());
-  }
+  void note(const std::string& text) const { std::fprintf(stderr, "kvmem-replay: %s\n", text.c_str()); }
 
  private:
   using Clock = std::chrono::steady_clock;
@@ -517,7 +533,10 @@ inline Comparison compare_tensor(const io::SafetensorsFile& file, const OutTenso
   // Expected values as double: exact for every int64 that an index or a count can take.
   std::vector<double> ref;
   switch (info->dtype) {
-    case io::DType::kF64: case io::DType::kF32: case io::DType::kF16: case io::DType::kBF16: {
+    case io::DType::kF64:
+    case io::DType::kF32:
+    case io::DType::kF16:
+    case io::DType::kBF16: {
       if (!file.read(out.name, ref).is_ok()) ref.clear();
       break;
     }
@@ -534,8 +553,10 @@ inline Comparison compare_tensor(const io::SafetensorsFile& file, const OutTenso
     const double x = out.integer ? static_cast<double>(out.i[k]) : out.f[k];
     const double r = ref[k];
     double diff = std::abs(x - r);
-    if (std::isnan(x) && std::isnan(r)) diff = 0.0;                   // NaN where NaN is expected
-    else if (std::isnan(diff)) diff = std::numeric_limits<double>::infinity();  // NaN/inf where a number is
+    if (std::isnan(x) && std::isnan(r))
+      diff = 0.0;  // NaN where NaN is expected
+    else if (std::isnan(diff))
+      diff = std::numeric_limits<double>::infinity();  // NaN/inf where a number is
     if (diff != 0.0) ++c.mismatches;
     max_abs = std::max(max_abs, diff);
     if (std::isfinite(r)) scale = std::max(scale, std::abs(r));
@@ -543,7 +564,8 @@ inline Comparison compare_tensor(const io::SafetensorsFile& file, const OutTenso
   c.max_abs = max_abs;
   c.relative = max_abs / scale;
   c.pass = out.integer ? c.mismatches == 0 : c.relative <= tol;
-  std::string line = std::string(head) + " max_abs " + fmt_e(c.max_abs) + "  rel " + fmt_e(c.relative) + "  tol " + tol_text;
+  std::string line =
+      std::string(head) + " max_abs " + fmt_e(c.max_abs) + "  rel " + fmt_e(c.relative) + "  tol " + tol_text;
   if (out.integer) line += "  mismatches " + std::to_string(c.mismatches) + "/" + std::to_string(c.count);
   c.line = line + (c.pass ? "  PASS" : "  FAIL");
   return c;
@@ -555,7 +577,8 @@ using SkipReason = std::string (*)(const std::string& name, const Case& c, Backe
 
 // Prints one line per result that has an expected tensor, then a summary. Returns the number of
 // failures.
-inline int compare_all(const Case& c, const Outputs& outputs, const Options& opt, SkipReason skip_reason, std::FILE* sink) {
+inline int compare_all(const Case& c, const Outputs& outputs, const Options& opt, SkipReason skip_reason,
+                       std::FILE* sink) {
   int failed = 0, compared = 0;
   for (const auto& out : outputs.tensors()) {
     if (!c.file.has(out.name)) continue;
@@ -589,8 +612,10 @@ inline void write_outputs(const Options& opt, const Case& c, const Outputs& outp
   writer.set_metadata("precision", opt.backend == Backend::kReference ? "fp64" : to_string(opt.precision));
   writer.set_metadata("input", c.path);
   for (const auto& t : outputs.tensors()) {
-    if (t.integer) writer.add(t.name, t.shape, t.i);
-    else writer.add(t.name, t.shape, t.f);
+    if (t.integer)
+      writer.add(t.name, t.shape, t.i);
+    else
+      writer.add(t.name, t.shape, t.f);
   }
   const Status status = writer.write(opt.output);
   if (!status.is_ok()) throw BadInput(status.message());

@@ -53,7 +53,7 @@ struct Spec {
   bool merge_gate_keys = true, merge_gate_values = true, head_temps = true, value_radius = true, gate_appends = false,
        gate_initial = false;
   double ln_eps = 1e-5;
-  double scale = 0.0;  // 0: 1/sqrt(D)
+  double scale = 0.0;              // 0: 1/sqrt(D)
   std::int64_t decode_split = -1;  // -1: no decode run
   // The authors' eager bf16 rounding of the value readout (golden README): off, as in the goldens.
   bool round_value_readout_bf16 = false;
@@ -76,8 +76,8 @@ inline budget::Any parse_budget(const ConfigReader& cfg) {
                         r.integer_or("min", 256, 0, kMaxExtent), r.integer_or("round_down", 1, 1, kMaxExtent), maximum};
   } else if (kind == "saturating") {
     if (!r.has("saturation")) throw BadInput("config.budget: kind 'saturating' needs 'saturation'");
-    any = budget::Saturating{r.real_or("saturation", 1024.0, 0.0, 1e300), r.integer_or("min", 1, 0, kMaxExtent), maximum,
-                             r.integer_or("round_down", 1, 1, kMaxExtent)};
+    any = budget::Saturating{r.real_or("saturation", 1024.0, 0.0, 1e300), r.integer_or("min", 1, 0, kMaxExtent),
+                             maximum, r.integer_or("round_down", 1, 1, kMaxExtent)};
   } else {
     throw BadInput("config.budget: 'kind' must be fixed, power or saturating, got '" + kind + "'");
   }
@@ -96,7 +96,8 @@ inline Spec parse_config(const Json& config) {
   s.D = cfg.integer("D", 1, kMaxExtent);
   s.Dv = cfg.integer("Dv", 1, kMaxExtent);
   if (s.Hq % s.Hk != 0)
-    throw BadInput("config: 'Hq' (" + std::to_string(s.Hq) + ") must be a multiple of 'Hk' (" + std::to_string(s.Hk) + ")");
+    throw BadInput("config: 'Hq' (" + std::to_string(s.Hq) + ") must be a multiple of 'Hk' (" + std::to_string(s.Hk) +
+                   ")");
   s.chunk = cfg.integer_or("chunk", s.chunk, 1, kMaxExtent);
   s.window_chunks = cfg.integer_or("window_chunks", s.window_chunks, 1, kMaxExtent);
   s.sink = cfg.integer_or("sink", s.sink, 0, s.chunk - 1);  // a merge needs a non-sink slot (spec 3)
@@ -261,7 +262,9 @@ inline Results run_reference(const Spec& s, const Inputs& in, Progress& progress
 #if KVMEM_REPLAY_WITH_HOST_KVM || KVMEM_REPLAY_WITH_KOKKOS_KVM
 namespace host_detail {
 
-inline std::vector<float> to_float(const std::vector<double>& x) { return {x.begin(), x.end()}; }
+inline std::vector<float> to_float(const std::vector<double>& x) {
+  return {x.begin(), x.end()};
+}
 
 // Tokens [t0, t1) of a [rows, T, width] float tensor, contiguous (what a call takes).
 inline std::vector<float> tokens(const std::vector<float>& x, std::int64_t rows, std::int64_t T, std::int64_t width,
@@ -276,8 +279,14 @@ inline std::vector<float> tokens(const std::vector<float>& x, std::int64_t rows,
 struct FloatInputs {
   std::vector<float> q, k, v, gate, ln_w, ln_b, tau_s, tau_w;
   explicit FloatInputs(const Inputs& in)
-      : q(to_float(in.q)), k(to_float(in.k)), v(to_float(in.v)), gate(to_float(in.gate)), ln_w(to_float(in.ln_weight)),
-        ln_b(to_float(in.ln_bias)), tau_s(to_float(in.tau_state)), tau_w(to_float(in.tau_bswa)) {}
+      : q(to_float(in.q)),
+        k(to_float(in.k)),
+        v(to_float(in.v)),
+        gate(to_float(in.gate)),
+        ln_w(to_float(in.ln_weight)),
+        ln_b(to_float(in.ln_bias)),
+        tau_s(to_float(in.tau_state)),
+        tau_w(to_float(in.tau_bswa)) {}
   [[nodiscard]] kvm::Weights weights() const {
     return {{ln_w.data(), {std::int64_t(ln_w.size())}},
             {ln_b.data(), {std::int64_t(ln_b.size())}},
@@ -416,8 +425,8 @@ inline Kokkos::View<float*, MemSpace> to_device(const std::vector<float>& x) {
 }
 
 template <class S>
-void feed(const Exec& exec, kvm::State<S, float>& st, const Spec& s, const host_detail::FloatInputs& f,
-          std::int64_t t0, std::int64_t t1, std::vector<double>& out, kvm::RouteLog* log) {
+void feed(const Exec& exec, kvm::State<S, float>& st, const Spec& s, const host_detail::FloatInputs& f, std::int64_t t0,
+          std::int64_t t1, std::vector<double>& out, kvm::RouteLog* log) {
   using host_detail::tokens;
   const std::int64_t n = t1 - t0;
   const auto q = to_device(tokens(f.q, s.B * s.Hq, s.T, s.D, t0, t1));
@@ -443,7 +452,8 @@ void feed(const Exec& exec, kvm::State<S, float>& st, const Spec& s, const host_
 template <class S>
 kokkos::KvmState<S, float, MemSpace> make_state(const Exec& exec, const Spec& s) {
   kokkos::KvmState<S, float, MemSpace> st;
-  const Status status = kokkos::create_state<S, float>(exec, host_detail::params_of(s), kvm::Shape{s.B, s.Hq, s.Hk, s.D, s.Dv, s.T}, st);
+  const Status status =
+      kokkos::create_state<S, float>(exec, host_detail::params_of(s), kvm::Shape{s.B, s.Hq, s.Hk, s.D, s.Dv, s.T}, st);
   if (!status.is_ok()) throw BadInput("kokkos kvm rejects the configuration: " + status.message());
   return st;
 }
@@ -483,7 +493,8 @@ Results run(const Spec& s, const Inputs& in, Progress& progress) {
 inline Results run_kokkos(const Spec& s, const Inputs& in, const Options& opt, Progress& progress) {
   if (s.round_value_readout_bf16)
     throw BadInput("config: 'round_value_readout_bf16' is only implemented by the reference backend");
-  if (opt.threads > 0) progress.note("--threads does not apply to the kokkos backend (Kokkos chooses; see KOKKOS_NUM_THREADS)");
+  if (opt.threads > 0)
+    progress.note("--threads does not apply to the kokkos backend (Kokkos chooses; see KOKKOS_NUM_THREADS)");
   Kokkos::ScopeGuard guard;
   if (opt.precision == Precision::kBf16) return kokkos_detail::run<bf16>(s, in, progress);
   return kokkos_detail::run<float>(s, in, progress);
@@ -492,7 +503,8 @@ inline Results run_kokkos(const Spec& s, const Inputs& in, const Options& opt, P
 
 inline std::string skip_reason(const std::string& name, const Case& /*c*/, Backend backend) {
   if (name == "route_margin_min" || name == "append_margin_min") return "diagnostic of the generator, not recomputed";
-  if (name.rfind("d_", 0) == 0) return std::string("gradient: backend ") + to_string(backend) + " implements no KVM backward";
+  if (name.rfind("d_", 0) == 0)
+    return std::string("gradient: backend ") + to_string(backend) + " implements no KVM backward";
   if (name == "out" || name == "out_decode") return "not computed for this case";
   return "";
 }
@@ -501,14 +513,16 @@ inline std::string skip_reason(const std::string& name, const Case& /*c*/, Backe
 inline void run(const Options& opt, const Case& c, Outputs& outputs) {
   const Spec spec = parse_config(c.config);
   const Inputs inputs = load_inputs(c, spec);
-  const std::string unavailable =
-      unavailable_reason(opt.backend, "kvm",
-                         {KVMEM_REPLAY_WITH_REFERENCE_KVM != 0, KVMEM_REPLAY_WITH_HOST_KVM != 0, KVMEM_REPLAY_WITH_KOKKOS_KVM != 0,
-                          "include/kvmem/reference/kvm.hpp", "include/kvmem/backend/host/kvm.hpp"});
+  const std::string unavailable = unavailable_reason(
+      opt.backend, "kvm",
+      {KVMEM_REPLAY_WITH_REFERENCE_KVM != 0, KVMEM_REPLAY_WITH_HOST_KVM != 0, KVMEM_REPLAY_WITH_KOKKOS_KVM != 0,
+       "include/kvmem/reference/kvm.hpp", "include/kvmem/backend/host/kvm.hpp"});
   if (!unavailable.empty()) throw BadInput(unavailable);
 
   Progress progress(!opt.quiet, std::string("kvm/") + to_string(opt.backend));
-  if (!inputs.has_q) progress.note("no 'q' in the input: state-only case, prefill runs on zero queries; out and out_decode are not written");
+  if (!inputs.has_q)
+    progress.note(
+        "no 'q' in the input: state-only case, prefill runs on zero queries; out and out_decode are not written");
   if (c.file.has("dout") && opt.backend != Backend::kReference)
     progress.note(std::string("'dout' present, but backend ") + to_string(opt.backend) +
                   " implements no KVM backward: gradients are not computed");

@@ -96,7 +96,8 @@ inline Spec parse_config(const Json& config) {
   if (const std::string gqa = cfg.string_or("gqa", "floor(h/r)"); gqa != "floor(h/r)")
     throw BadInput("config: 'gqa' must be \"floor(h/r)\", got '" + gqa + "'");
   if (const Json* th = cfg.find("thresholds")) {
-    if (!th->is_array()) throw BadInput("config: 'thresholds' must be an array of numbers in (0, 1), got " + th->dump());
+    if (!th->is_array())
+      throw BadInput("config: 'thresholds' must be an array of numbers in (0, 1), got " + th->dump());
     std::set<std::string> seen;
     for (const auto& p : *th) {
       if (!p.is_number() || !(p.get<double>() > 0.0 && p.get<double>() < 1.0))
@@ -184,7 +185,8 @@ inline Results run_reference(const Spec& s, const Inputs& in, Progress& progress
   r.lambda_last = std::move(dense.lambda_last);
   r.out_decode = progress.phase("decode", s.T, [&] { return ref::decode_dense(cfg, inputs); });
   for (double p : s.thresholds) {
-    ref::PrunedResult pr = progress.phase("pruned " + threshold_suffix(p), s.T, [&] { return ref::pruned(cfg, inputs, p); });
+    ref::PrunedResult pr =
+        progress.phase("pruned " + threshold_suffix(p), s.T, [&] { return ref::pruned(cfg, inputs, p); });
     r.pruned.push_back({p, std::move(pr.out), std::move(pr.kept)});
   }
   return r;
@@ -199,8 +201,13 @@ struct FloatInputs {
   Spec s;
   std::vector<float> q, k, v, z_k, z_q, z_o;
   FloatInputs(const Spec& spec, const Inputs& in)
-      : s(spec), q(in.q.begin(), in.q.end()), k(in.k.begin(), in.k.end()), v(in.v.begin(), in.v.end()),
-        z_k(in.z_k.begin(), in.z_k.end()), z_q(in.z_q.begin(), in.z_q.end()), z_o(in.z_o.begin(), in.z_o.end()) {}
+      : s(spec),
+        q(in.q.begin(), in.q.end()),
+        k(in.k.begin(), in.k.end()),
+        v(in.v.begin(), in.v.end()),
+        z_k(in.z_k.begin(), in.z_k.end()),
+        z_q(in.z_q.begin(), in.z_q.end()),
+        z_o(in.z_o.begin(), in.z_o.end()) {}
 
   [[nodiscard]] ua::Inputs slice(std::int64_t t0, std::int64_t t1) const {
     const std::int64_t B = s.B, H = s.H, G = s.G, T = s.T, D = s.D, n = t1 - t0;
@@ -223,22 +230,28 @@ inline void check(const Status& status, const char* what, const char* backend = 
     throw BadInput(std::string(backend) + " ua rejects the case (" + what + "): " + status.message());
 }
 
-inline std::vector<double> to_double(const std::vector<float>& x) { return {x.begin(), x.end()}; }
+inline std::vector<double> to_double(const std::vector<float>& x) {
+  return {x.begin(), x.end()};
+}
 
 // The cache shape every cache run uses: room for the whole case, pages of 16 rows.
-inline ua::CacheShape cache_shape(const Spec& s) { return {s.B, s.H, s.G, s.D, s.T, 16}; }
+inline ua::CacheShape cache_shape(const Spec& s) {
+  return {s.B, s.H, s.G, s.D, s.T, 16};
+}
 
 // Cache membership [B,G,T] as 0/1 from per-(b, g) row positions; `positions(b, g)` returns the
 // pointer and `length(b, g)` the row count.
 template <class Positions, class Length>
-std::vector<std::int64_t> kept_mask(const Spec& s, const Positions& positions, const Length& length, const char* backend) {
+std::vector<std::int64_t> kept_mask(const Spec& s, const Positions& positions, const Length& length,
+                                    const char* backend) {
   std::vector<std::int64_t> kept(static_cast<std::size_t>(s.B * s.G * s.T), 0);
   for (std::int64_t b = 0; b < s.B; ++b)
     for (std::int64_t g = 0; g < s.G; ++g)
       for (std::int64_t e = 0; e < length(b, g); ++e) {
         const std::int64_t pos = positions(b, g)[e];
         if (pos < 0 || pos >= s.T)
-          throw std::logic_error(std::string("internal: ") + backend + " ua cache holds position " + std::to_string(pos));
+          throw std::logic_error(std::string("internal: ") + backend + " ua cache holds position " +
+                                 std::to_string(pos));
         kept[static_cast<std::size_t>((b * s.G + g) * s.T + pos)] = 1;
       }
   return kept;
@@ -277,10 +290,11 @@ Results run(const Spec& s, const Inputs& in, const Options& options, Progress& p
   const FloatInputs f(s, in);
   Results r;
   {
-    std::vector<float> out(static_cast<std::size_t>(s.B * s.T * s.H * s.D)), lse(static_cast<std::size_t>(s.B * s.H * s.T)),
-        lambda(static_cast<std::size_t>(s.B * s.G * s.T));
+    std::vector<float> out(static_cast<std::size_t>(s.B * s.T * s.H * s.D)),
+        lse(static_cast<std::size_t>(s.B * s.H * s.T)), lambda(static_cast<std::size_t>(s.B * s.G * s.T));
     progress.phase("dense", s.T, [&] {
-      check(ua::forward(exec, f.slice(0, s.T), f.out_slice(out, 0, s.T), TensorView<float, 3>(lse.data(), {s.B, s.H, s.T}),
+      check(ua::forward(exec, f.slice(0, s.T), f.out_slice(out, 0, s.T),
+                        TensorView<float, 3>(lse.data(), {s.B, s.H, s.T}),
                         TensorView<float, 3>(lambda.data(), {s.B, s.G, s.T})),
             "forward");
     });
@@ -294,7 +308,8 @@ Results run(const Spec& s, const Inputs& in, const Options& options, Progress& p
   dense_opt.evict_before_attention = s.evict_before_attention;
   {
     auto cache = make_cache<S>(s);
-    r.out_decode = to_double(progress.phase("decode", s.T, [&] { return prefill_decode(exec, f, 0, dense_opt, cache, progress); }));
+    r.out_decode = to_double(
+        progress.phase("decode", s.T, [&] { return prefill_decode(exec, f, 0, dense_opt, cache, progress); }));
   }
   const std::int64_t split = s.prefill_split < 0 ? s.T : s.prefill_split;
   for (double p : s.thresholds) {
@@ -352,8 +367,11 @@ struct DeviceInputs {
   DeviceVector q, k, v, z_k, z_q, z_o;
 
   explicit DeviceInputs(const host_detail::FloatInputs& fi)
-      : f(fi), q(to_device(fi.q, "kvmem-replay q")), k(to_device(fi.k, "kvmem-replay k")),
-        v(to_device(fi.v, "kvmem-replay v")), z_k(to_device(fi.z_k, "kvmem-replay z_k")),
+      : f(fi),
+        q(to_device(fi.q, "kvmem-replay q")),
+        k(to_device(fi.k, "kvmem-replay k")),
+        v(to_device(fi.v, "kvmem-replay v")),
+        z_k(to_device(fi.z_k, "kvmem-replay z_k")),
         z_q(to_device(fi.z_q, "kvmem-replay z_q")) {
     if (!fi.z_o.empty()) z_o = to_device(fi.z_o, "kvmem-replay z_o");
   }
@@ -388,7 +406,8 @@ std::vector<double> prefill_decode(const Exec& exec, const DeviceInputs& d, std:
                                    kokkos::UaCache<S, MemSpace>& cache, Progress& progress) {
   const std::int64_t T = d.f.s.T;
   const DeviceVector out = d.make_out("kvmem-replay out");
-  if (split > 0) check(ua::prefill(exec, cache, d.slice(0, split), opt, d.out_slice(out, 0, split)), "prefill", "kokkos");
+  if (split > 0)
+    check(ua::prefill(exec, cache, d.slice(0, split), opt, d.out_slice(out, 0, split)), "prefill", "kokkos");
   progress.advance(split);
   for (std::int64_t t = split; t < T; ++t) {
     check(ua::decode(exec, cache, d.slice(t, t + 1), opt, d.out_slice(out, t, t + 1)), "decode", "kokkos");
@@ -431,7 +450,8 @@ Results run(const Spec& s, const Inputs& in, Progress& progress) {
   dense_opt.evict_before_attention = s.evict_before_attention;
   {
     auto cache = make_cache<S>(exec, s);
-    r.out_decode = progress.phase("decode", s.T, [&] { return prefill_decode(exec, d, 0, dense_opt, cache, progress); });
+    r.out_decode =
+        progress.phase("decode", s.T, [&] { return prefill_decode(exec, d, 0, dense_opt, cache, progress); });
   }
   const std::int64_t split = s.prefill_split < 0 ? s.T : s.prefill_split;
   for (double p : s.thresholds) {
@@ -458,7 +478,8 @@ Results run(const Spec& s, const Inputs& in, Progress& progress) {
 // lambda and accumulation stay fp32, the dense forward runs in fp32). Kokkos is initialised for this
 // run only; the guard outlives every View of the run.
 inline Results run_kokkos(const Spec& s, const Inputs& in, const Options& opt, Progress& progress) {
-  if (opt.threads > 0) progress.note("--threads does not apply to the kokkos backend (Kokkos chooses; see KOKKOS_NUM_THREADS)");
+  if (opt.threads > 0)
+    progress.note("--threads does not apply to the kokkos backend (Kokkos chooses; see KOKKOS_NUM_THREADS)");
   Kokkos::ScopeGuard guard;
   if (opt.precision == Precision::kBf16) return kokkos_detail::run<bf16>(s, in, progress);
   return kokkos_detail::run<float>(s, in, progress);
@@ -466,7 +487,8 @@ inline Results run_kokkos(const Spec& s, const Inputs& in, const Options& opt, P
 #endif
 
 inline std::string skip_reason(const std::string& name, const Case& /*c*/, Backend backend) {
-  if (name.rfind("d_", 0) == 0) return std::string("gradient: backend ") + to_string(backend) + " implements no UA backward";
+  if (name.rfind("d_", 0) == 0)
+    return std::string("gradient: backend ") + to_string(backend) + " implements no UA backward";
   if (name.rfind("out_pruned_", 0) == 0 || name.rfind("kept_", 0) == 0) return "threshold not in config 'thresholds'";
   return "";
 }
@@ -474,10 +496,10 @@ inline std::string skip_reason(const std::string& name, const Case& /*c*/, Backe
 inline void run(const Options& opt, const Case& c, Outputs& outputs) {
   const Spec spec = parse_config(c.config);
   const Inputs inputs = load_inputs(c, spec);
-  const std::string unavailable =
-      unavailable_reason(opt.backend, "ua",
-                         {KVMEM_REPLAY_WITH_REFERENCE_UA != 0, KVMEM_REPLAY_WITH_HOST_UA != 0, KVMEM_REPLAY_WITH_KOKKOS_UA != 0,
-                          "include/kvmem/reference/ua.hpp", "include/kvmem/backend/host/ua.hpp"});
+  const std::string unavailable = unavailable_reason(
+      opt.backend, "ua",
+      {KVMEM_REPLAY_WITH_REFERENCE_UA != 0, KVMEM_REPLAY_WITH_HOST_UA != 0, KVMEM_REPLAY_WITH_KOKKOS_UA != 0,
+       "include/kvmem/reference/ua.hpp", "include/kvmem/backend/host/ua.hpp"});
   if (!unavailable.empty()) throw BadInput(unavailable);
 
   Progress progress(!opt.quiet, std::string("ua/") + to_string(opt.backend));

@@ -6,4 +6,6 @@ constexpr auto budget = kvmem::budget::checked<kvmem::budget::Power{16.0, 0.5, 2
 #else
 constexpr auto budget = kvmem::budget::checked<kvmem::budget::Power{16.0, 0.5, 256, 0}>();  // round_down 0
 #endif
-int main() { return 0; }
+int main() {
+  return 0;
+}

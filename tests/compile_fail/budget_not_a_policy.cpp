@@ -9,4 +9,6 @@ constexpr auto budget = kvmem::budget::checked<kvmem::budget::Fixed{256}>();
 #else
 constexpr auto budget = kvmem::budget::checked<NotABudget{}>();
 #endif
-int main() { return 0; }
+int main() {
+  return 0;
+}

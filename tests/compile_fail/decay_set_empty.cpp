@@ -7,4 +7,6 @@ using S = kvmem::decay::Set<kvmem::decay::KeyGate>;
 using S = kvmem::decay::Set<>;
 #endif
 constexpr int size = S::kSize;
-int main() { return size - size; }
+int main() {
+  return size - size;
+}

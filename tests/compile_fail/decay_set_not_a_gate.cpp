@@ -10,4 +10,6 @@ using S = kvmem::decay::Set<kvmem::decay::QueryGate, kvmem::decay::SimilarityGat
 using S = kvmem::decay::Set<kvmem::decay::QueryGate, NotAGate>;
 #endif
 constexpr int size = S::kSize;
-int main() { return size - size; }
+int main() {
+  return size - size;
+}

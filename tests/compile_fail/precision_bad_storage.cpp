@@ -7,4 +7,6 @@ using P = kvmem::precision::Policy<kvmem::bf16, float>;
 using P = kvmem::precision::Policy<int, float>;
 #endif
 P::storage_type value{};
-int main() { return 0; }
+int main() {
+  return 0;
+}

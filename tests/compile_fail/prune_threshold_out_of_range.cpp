@@ -6,4 +6,6 @@ constexpr auto policy = kvmem::prune::checked<kvmem::prune::Threshold{0.15}>();
 #else
 constexpr auto policy = kvmem::prune::checked<kvmem::prune::Threshold{1.5}>();
 #endif
-int main() { return 0; }
+int main() {
+  return 0;
+}

@@ -13,11 +13,11 @@
 
 #include <catch2/catch.hpp>
 
+#include "cuda/cuda_test_support.hpp"
 #include "kvm/kvm_boundary_cases.hpp"
 #include "kvm/kvm_host_util.hpp"
 #include "kvm/kvm_option_grid.hpp"
 #include "kvmem/backend/cuda.hpp"
-#include "cuda/cuda_test_support.hpp"
 #include "support/golden.hpp"
 #include "support/near_ties.hpp"
 
@@ -37,7 +37,8 @@ struct DevWeights {
 template <class S, class In>
 std::vector<In> as_input(const std::vector<float>& x) {
   std::vector<In> y(x.size());
-  for (std::size_t i = 0; i < x.size(); ++i) y[i] = kvmem::store_as<In>(kvmem::load_as<float>(kvmem::store_as<S>(x[i])));
+  for (std::size_t i = 0; i < x.size(); ++i)
+    y[i] = kvmem::store_as<In>(kvmem::load_as<float>(kvmem::store_as<S>(x[i])));
   return y;
 }
 
@@ -131,9 +132,9 @@ std::size_t route_flips(const HostResult& a, const HostResult& b, std::size_t& t
 // products, or fast routing's bf16 products); the counts are printed, an unexplained route fails.
 void check_routes_are_near_ties(const rkvm::Config& c, const rkvm::Inputs& in, const HostResult& gpu, bool fast_routing,
                                 const std::string& label) {
-  const auto acc = near_ties::account_kvm_routes(
-      c, near_ties::kvm_inputs_as_stored<kvmem::bf16>(in), gpu,
-      fast_routing ? near_ties::kFastRoutingProduct : near_ties::kDefaultRoutingProduct);
+  const auto acc =
+      near_ties::account_kvm_routes(c, near_ties::kvm_inputs_as_stored<kvmem::bf16>(in), gpu,
+                                    fast_routing ? near_ties::kFastRoutingProduct : near_ties::kDefaultRoutingProduct);
   std::printf("kvm cuda bf16 %s: %s\n", label.c_str(), acc.summary().c_str());
   INFO(label << ": " << acc.summary() << "; first unexplained: " << acc.first_beyond);
   CHECK(acc.merges > 0);
@@ -238,7 +239,8 @@ TEST_CASE("kvm cuda fp32 matches every public golden file", "[kvm][cuda][golden]
   }
 }
 
-TEST_CASE("kvm cuda decode equals prefill at several splits (fp32, GQA, Dv != D, power budget)", "[kvm][cuda][sanitize]") {
+TEST_CASE("kvm cuda decode equals prefill at several splits (fp32, GQA, Dv != D, power budget)",
+          "[kvm][cuda][sanitize]") {
   if (no_device()) return;
   auto c = small_config(2, 61, 4, 2, 16, 12, kvmem::budget::Power{3.0, 0.5, 8});
   const auto in = random_inputs(c, 42);
@@ -267,7 +269,8 @@ TEST_CASE("kvm cuda bf16 storage agrees with the host backend at a paper-like sh
   // outputs agree far inside the bf16 bound.
   std::size_t total = 0;
   const std::size_t flips = route_flips(host, gpu, total);
-  std::printf("kvm cuda bf16 (hi/lo tensor-core routing): %zu of %zu merge routes differ from the host backend\n", flips, total);
+  std::printf("kvm cuda bf16 (hi/lo tensor-core routing): %zu of %zu merge routes differ from the host backend\n",
+              flips, total);
   INFO("route differences " << flips << " of " << total);
   CHECK(flips * 200 <= total);  // at most 0.5% near-ties
   check_routes_are_near_ties(c, in, gpu, false, "paper-like shape");
@@ -330,7 +333,8 @@ TEST_CASE("kvm cuda bf16 grouped-query decode with 4 query heads per block (shor
   check_grouped_decode(8, 2, 540, 500, false);
 }
 
-TEST_CASE("kvm cuda bf16 fast routing (single bf16 products) stays close to the host backend", "[kvm][cuda][nearties]") {
+TEST_CASE("kvm cuda bf16 fast routing (single bf16 products) stays close to the host backend",
+          "[kvm][cuda][nearties]") {
   if (no_device()) return;
   rkvm::Config c = small_config(2, 1300, 4, 2, 128, 128, kvmem::budget::Power{16.0, 0.5, 256});
   c.chunk = 256;
@@ -350,9 +354,10 @@ TEST_CASE("kvm cuda bf16 fast routing (single bf16 products) stays close to the 
   for (std::size_t u = 0; u < host.route_append.size() && u < gpu.route_append.size(); ++u)
     append_diff += host.route_append[u] != gpu.route_append[u];
   const double e = relative_frobenius(gpu.out, host.out);
-  std::printf("kvm cuda bf16 fast routing: %zu of %zu merge routes differ from the host backend, %zu of %zu "
-              "updates have a different append set, out relative Frobenius %.3g\n",
-              flips, total, append_diff, host.route_append.size(), e);
+  std::printf(
+      "kvm cuda bf16 fast routing: %zu of %zu merge routes differ from the host backend, %zu of %zu "
+      "updates have a different append set, out relative Frobenius %.3g\n",
+      flips, total, append_diff, host.route_append.size(), e);
   INFO("route differences " << flips << " of " << total);
   CHECK(flips * 10 <= total);  // at most 10%
   check_routes_are_near_ties(c, in, gpu, true, "fast routing");
@@ -395,10 +400,10 @@ TEST_CASE("kvm cuda never-created and moved-from states refuse every call", "[kv
   Dev<float> q(std::size_t(2 * 16)), k(std::size_t(2 * 16)), v(std::size_t(2 * 16)), g(std::size_t(2)),
       o(std::size_t(2 * 16));
   const auto decode = [&](kvmem::cuda::KvmState<float>& st) {
-    return kvmem::cuda::kvm_decode(kvmem::cuda::Executor{}, st, w.view(), TensorView<const float, 4>(q.ptr, {1, 2, 1, 16}),
-                                   TensorView<const float, 4>(k.ptr, {1, 2, 1, 16}),
-                                   TensorView<const float, 4>(v.ptr, {1, 2, 1, 16}),
-                                   TensorView<const float, 3>(g.ptr, {1, 2, 1}), TensorView<float, 4>(o.ptr, {1, 1, 2, 16}));
+    return kvmem::cuda::kvm_decode(
+        kvmem::cuda::Executor{}, st, w.view(), TensorView<const float, 4>(q.ptr, {1, 2, 1, 16}),
+        TensorView<const float, 4>(k.ptr, {1, 2, 1, 16}), TensorView<const float, 4>(v.ptr, {1, 2, 1, 16}),
+        TensorView<const float, 3>(g.ptr, {1, 2, 1}), TensorView<float, 4>(o.ptr, {1, 1, 2, 16}));
   };
   kvmem::cuda::KvmState<float> never;
   CHECK(!never.valid());
@@ -465,7 +470,8 @@ rkvm::Config tc_readout_config(std::int64_t dim, kvmem::budget::Any budget) {
   return c;
 }
 
-TEST_CASE("kvm cuda bf16 tensor-core readout (head dims 64 and 128) matches the host backend", "[kvm][cuda][sanitize][nearties]") {
+TEST_CASE("kvm cuda bf16 tensor-core readout (head dims 64 and 128) matches the host backend",
+          "[kvm][cuda][sanitize][nearties]") {
   if (no_device()) return;
   for (std::int64_t dim : {64, 128}) {
     const rkvm::Config c = tc_readout_config(dim, kvmem::budget::Power{4.0, 0.5, 32});
@@ -477,8 +483,8 @@ TEST_CASE("kvm cuda bf16 tensor-core readout (head dims 64 and 128) matches the 
     // bf16 operands on both sides; the tensor-core path also rounds the probabilities to bf16
     std::size_t total = 0;
     const std::size_t flips = route_flips(host, gpu, total);
-    std::printf("kvm cuda bf16 D=%lld C=32: %zu of %zu merge routes differ from the host backend\n", (long long)dim, flips,
-                total);
+    std::printf("kvm cuda bf16 D=%lld C=32: %zu of %zu merge routes differ from the host backend\n", (long long)dim,
+                flips, total);
     CHECK(flips * 100 <= total);  // at most 1% near-ties
     check_routes_are_near_ties(c, in, gpu, false, "tensor-core readout D=" + std::to_string(dim));
     const double e = relative_frobenius(gpu.out, host.out);
@@ -487,7 +493,8 @@ TEST_CASE("kvm cuda bf16 tensor-core readout (head dims 64 and 128) matches the 
   }
 }
 
-TEST_CASE("kvm cuda bf16 fixed budget (updates without appends) matches the host backend", "[kvm][cuda][sanitize][nearties]") {
+TEST_CASE("kvm cuda bf16 fixed budget (updates without appends) matches the host backend",
+          "[kvm][cuda][sanitize][nearties]") {
   if (no_device()) return;
   // A fixed budget of C slots never appends: every update takes the routing pass over all non-sink
   // slots with the gated keys (the paper's fixed-256 path), not the novelty + appended-slots pair.
@@ -537,9 +544,10 @@ TEST_CASE("kvm cuda bf16 tensor-core updates build token operands from the keys 
       REQUIRE(gpu.slots == host.slots);
       std::size_t total = 0;
       const std::size_t flips = route_flips(host, gpu, total);
-      std::printf("kvm cuda bf16 keys-built operands D=128 Dv=%lld %s: %zu of %zu merge routes differ from the host "
-                  "backend (host's smallest top-2 merge margin %.3g)\n",
-                  (long long)dv, gpu.slots == 32 ? "fixed" : "power", flips, total, host.merge_margin);
+      std::printf(
+          "kvm cuda bf16 keys-built operands D=128 Dv=%lld %s: %zu of %zu merge routes differ from the host "
+          "backend (host's smallest top-2 merge margin %.3g)\n",
+          (long long)dv, gpu.slots == 32 ? "fixed" : "power", flips, total, host.merge_margin);
       CHECK(total > 0);
       CHECK(flips * 100 <= total);  // at most 1% near-ties
       check_routes_are_near_ties(c, in, gpu, false, "keys-built operands Dv=" + std::to_string(dv));
@@ -554,7 +562,8 @@ TEST_CASE("kvm cuda bf16 tensor-core updates build token operands from the keys 
           for (std::size_t e = 0; e < m; ++e)
             same = same && host.route_merge[u][std::size_t(it) * m + e] == gpu.route_merge[u][std::size_t(it) * m + e];
           for (std::size_t e = 0; e < n; ++e)
-            same = same && host.route_append[u][std::size_t(it) * n + e] == gpu.route_append[u][std::size_t(it) * n + e];
+            same =
+                same && host.route_append[u][std::size_t(it) * n + e] == gpu.route_append[u][std::size_t(it) * n + e];
         }
         if (!same) continue;
         ++compared;
@@ -598,7 +607,8 @@ HostResult bf16_prefill_calls(const rkvm::Config& c, const rkvm::Inputs& in, con
 }
 }  // namespace
 
-TEST_CASE("kvm cuda bf16 readouts beside the update chain equal the chained readouts bitwise", "[kvm][cuda][sanitize]") {
+TEST_CASE("kvm cuda bf16 readouts beside the update chain equal the chained readouts bitwise",
+          "[kvm][cuda][sanitize]") {
   if (no_device()) return;
   // bf16 inputs: each chunk's readout reads its window from the inputs and the updates read their
   // tokens there (the ring gets only what later readers need); with a state no larger than the
@@ -634,7 +644,8 @@ TEST_CASE("kvm cuda bf16 readouts beside the update chain equal the chained read
   }
 }
 
-TEST_CASE("kvm cuda bf16 tensor-core readout into bf16 outputs rounds the float outputs bitwise", "[kvm][cuda][sanitize]") {
+TEST_CASE("kvm cuda bf16 tensor-core readout into bf16 outputs rounds the float outputs bitwise",
+          "[kvm][cuda][sanitize]") {
   if (no_device()) return;
   // The readout stores bf16 outputs through shared memory as whole 16-byte row segments, float
   // outputs straight from the registers: the same values, so the bf16 rows are the float rows rounded.
@@ -700,9 +711,8 @@ TEST_CASE("kvm cuda bf16 prefill with detached readouts replays from a captured 
 TEST_CASE("kvm cuda fp32 over the option grid: sink 0/1/2, window 1-3 chunks, count mode, gate_initial_state",
           "[kvm][cuda][options]") {
   if (no_device()) return;
-  option_grid::check_option_grid([](const rkvm::Config& c, const rkvm::Inputs& in, std::int64_t split) {
-    return cuda_run<float>(c, in, split);
-  });
+  option_grid::check_option_grid(
+      [](const rkvm::Config& c, const rkvm::Inputs& in, std::int64_t split) { return cuda_run<float>(c, in, split); });
 }
 
 TEST_CASE("kvm cuda bf16 over sink and window options matches the host backend up to near-ties",
@@ -722,7 +732,8 @@ TEST_CASE("kvm cuda bf16 over sink and window options matches the host backend u
       const auto host = host_prefill<kvmem::bf16>(c, in);
       const auto gpu = cuda_run<kvmem::bf16>(c, in, c.T);
       CHECK(gpu.slots_after_update == host.slots_after_update);
-      check_routes_are_near_ties(c, in, gpu, false, "options sink=" + std::to_string(sink) + " nb=" + std::to_string(nb));
+      check_routes_are_near_ties(c, in, gpu, false,
+                                 "options sink=" + std::to_string(sink) + " nb=" + std::to_string(nb));
       const double e = relative_frobenius(gpu.out, host.out);
       std::size_t total = 0;
       const std::size_t flips = route_flips(host, gpu, total);

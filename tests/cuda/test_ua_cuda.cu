@@ -341,8 +341,8 @@ TEST_CASE("ua cuda bf16 storage agrees with the host backend at head dims 80 and
       const auto host = host_prefill_decode(f, 300, opt, hc);
       const auto gpu = cuda_prefill_decode<kvmem::bf16>(f, 300, opt);
       const double e = relative_frobenius(gpu.out, host);
-      const std::string label = "bf16 D=" + std::to_string(dim) + " r=" + std::to_string(sh.H / sh.G) +
-                                " p=" + std::to_string(p);
+      const std::string label =
+          "bf16 D=" + std::to_string(dim) + " r=" + std::to_string(sh.H / sh.G) + " p=" + std::to_string(p);
       check_kept_near_ties(c, f, gpu.kept, kept_mask(hc, c.config.T), p, label);
       INFO(label << ": out relative Frobenius " << e);
       CHECK(e <= sh.tol);
@@ -760,7 +760,8 @@ SetRun host_vs_cuda_set(const Case& c, std::int64_t split, const kvmem::ua::Opti
 }
 }  // namespace
 
-TEST_CASE("ua cuda one-block decode: evictions across several tiles (sanitizer case)", "[ua][cuda][sanitize][nearties]") {
+TEST_CASE("ua cuda one-block decode: evictions across several tiles (sanitizer case)",
+          "[ua][cuda][sanitize][nearties]") {
   if (no_device()) return;
   // lifetimes of about 100-290 steps (c = -7): the kept length climbs past two 64-entry tiles of the
   // one-block path, and from about step 100 on keys from the middle of the cache leave at most steps, so
@@ -811,7 +812,8 @@ boundary::Run cuda_boundary_run(const Case& c, std::int64_t split, const kvmem::
 }
 }  // namespace
 
-TEST_CASE("ua cuda fp32: p = 1 keeps exactly the keys that never decayed, the new token included", "[ua][cuda][boundary]") {
+TEST_CASE("ua cuda fp32: p = 1 keeps exactly the keys that never decayed, the new token included",
+          "[ua][cuda][boundary]") {
   if (no_device()) return;
   boundary::check_p_one(cuda_boundary_run);
 }
@@ -826,7 +828,8 @@ TEST_CASE("ua cuda fp32: p just above 0 evicts only keys decayed below ln p = -7
   boundary::check_p_tiny(cuda_boundary_run);
 }
 
-TEST_CASE("ua cuda bf16 tensor-core chunk kernel: p = 1 keeps exactly the keys that never decayed", "[ua][cuda][boundary]") {
+TEST_CASE("ua cuda bf16 tensor-core chunk kernel: p = 1 keeps exactly the keys that never decayed",
+          "[ua][cuda][boundary]") {
   if (no_device()) return;
   // r = 4, D = 64 (the tensor-core chunk kernel, as the sanitizer case): basis keys ±e_i are exact in
   // bf16 and their products exact in fp32, so the closed form holds without near-ties
@@ -841,7 +844,8 @@ TEST_CASE("ua cuda bf16 tensor-core chunk kernel: p = 1 keeps exactly the keys t
   }
 }
 
-TEST_CASE("ua cuda: a never-created or moved-from cache refuses every operation; bad slots are refused", "[ua][cuda][slots]") {
+TEST_CASE("ua cuda: a never-created or moved-from cache refuses every operation; bad slots are refused",
+          "[ua][cuda][slots]") {
   // Never created: refused before any CUDA call, so this part runs without a device.
   kvmem::cuda::UaCache<float> never;
   CHECK(!never.valid());

@@ -38,7 +38,8 @@ auto to_device(const std::vector<T>& host, Extent... extents) {
                                                                               std::size_t(extents)...);
   auto mirror = Kokkos::create_mirror_view(view);
   // No Catch2 macro here: the concurrency test calls this from two threads (Catch2 is not thread-safe).
-  if (std::size_t(mirror.span()) != host.size()) throw std::invalid_argument("to_device: extents do not match the data");
+  if (std::size_t(mirror.span()) != host.size())
+    throw std::invalid_argument("to_device: extents do not match the data");
   for (std::size_t i = 0; i < host.size(); ++i) mirror.data()[i] = host[i];
   Kokkos::deep_copy(view, mirror);
   return view;
@@ -65,14 +66,15 @@ kvmem::Status kokkos_feed(const KokkosExec& exec, kvmem::kvm::State<S, float>& s
   const auto g = to_device(slice_tokens(in.gate, c.B * c.Hk, c.T, 1, t0, t1), c.B, c.Hk, n);
   const auto lw = to_device(w.w, c.D), lb = to_device(w.b, c.D), ts = to_device(w.ts, c.Hq), tw = to_device(w.tw, c.Hq);
   const auto out = to_device(std::vector<float>(std::size_t(c.B * n * c.Hq * c.Dv), -7.0f), c.B, n, c.Hq, c.Dv);
-  using kvmem::kokkos::to_tensor_view;
   using kvmem::TensorView;
-  const kvmem::kvm::Weights weights{TensorView<const float, 1>(to_tensor_view(lw)), TensorView<const float, 1>(to_tensor_view(lb)),
-                                    TensorView<const float, 1>(to_tensor_view(ts)), TensorView<const float, 1>(to_tensor_view(tw))};
-  const kvmem::Status s = kvmem::kvm::prefill(
-      exec, st, weights, TensorView<const float, 4>(to_tensor_view(q)), TensorView<const float, 4>(to_tensor_view(k)),
-      TensorView<const float, 4>(to_tensor_view(v)), TensorView<const float, 3>(to_tensor_view(g)), to_tensor_view(out),
-      lengths, log);
+  using kvmem::kokkos::to_tensor_view;
+  const kvmem::kvm::Weights weights{
+      TensorView<const float, 1>(to_tensor_view(lw)), TensorView<const float, 1>(to_tensor_view(lb)),
+      TensorView<const float, 1>(to_tensor_view(ts)), TensorView<const float, 1>(to_tensor_view(tw))};
+  const kvmem::Status s =
+      kvmem::kvm::prefill(exec, st, weights, TensorView<const float, 4>(to_tensor_view(q)),
+                          TensorView<const float, 4>(to_tensor_view(k)), TensorView<const float, 4>(to_tensor_view(v)),
+                          TensorView<const float, 3>(to_tensor_view(g)), to_tensor_view(out), lengths, log);
   if (!s.is_ok()) return s;
   exec.space.fence();
   const auto o = to_host(out);
@@ -116,7 +118,8 @@ std::vector<float> kokkos_prefill_then_decode(const rkvm::Config& c, const rkvm:
   std::vector<float> out;
   kvmem::kvm::RouteLog log;
   if (split > 0) REQUIRE(kokkos_feed(exec, st.state, c, in, w, 0, split, out, nullptr, &log).is_ok());
-  for (std::int64_t t = split; t < c.T; ++t) REQUIRE(kokkos_feed(exec, st.state, c, in, w, t, t + 1, out, nullptr, &log).is_ok());
+  for (std::int64_t t = split; t < c.T; ++t)
+    REQUIRE(kokkos_feed(exec, st.state, c, in, w, t, t + 1, out, nullptr, &log).is_ok());
   if (final_state != nullptr) {
     extract_state(st.state, c, *final_state);
     extract_routes(log, c, *final_state);

@@ -43,7 +43,8 @@ kvmem::test::HostResult kokkos_kvm_run(const kvmem::test::rkvm::Config& c, const
 }
 }  // namespace
 
-TEST_CASE("kokkos ua: p = 1 keeps exactly the keys that never decayed, the new token included", "[kokkos][ua][boundary]") {
+TEST_CASE("kokkos ua: p = 1 keeps exactly the keys that never decayed, the new token included",
+          "[kokkos][ua][boundary]") {
   boundary::check_p_one(kokkos_ua_run);
 }
 

@@ -22,10 +22,10 @@
 
 namespace {
 using namespace kvmem::test;
+using kvmem::TensorView;
 using kvmem::budget::Power;
 using kvmem::budget::Saturating;
 using kvmem::kokkos::to_tensor_view;
-using kvmem::TensorView;
 
 std::vector<KokkosSpace> two_instances() {
 #if KOKKOS_VERSION >= 40000
@@ -46,19 +46,26 @@ struct KvmProblem {
   Kokkos::View<float*, Kokkos::LayoutRight, KokkosSpace::memory_space> lw, lb, ts, tw;
 
   KvmProblem(const rkvm::Config& cfg, std::uint64_t seed)
-      : c(cfg), in(random_inputs(cfg, seed)), w(in),
+      : c(cfg),
+        in(random_inputs(cfg, seed)),
+        w(in),
         q(to_device(slice_tokens(in.q, c.B * c.Hq, c.T, c.D, 0, c.T), c.B, c.Hq, c.T, c.D)),
         k(to_device(slice_tokens(in.k, c.B * c.Hk, c.T, c.D, 0, c.T), c.B, c.Hk, c.T, c.D)),
         v(to_device(slice_tokens(in.v, c.B * c.Hk, c.T, c.Dv, 0, c.T), c.B, c.Hk, c.T, c.Dv)),
-        out("out", c.B, c.T, c.Hq, c.Dv), g(to_device(slice_tokens(in.gate, c.B * c.Hk, c.T, 1, 0, c.T), c.B, c.Hk, c.T)),
-        lw(to_device(w.w, c.D)), lb(to_device(w.b, c.D)), ts(to_device(w.ts, c.Hq)), tw(to_device(w.tw, c.Hq)) {}
+        out("out", c.B, c.T, c.Hq, c.Dv),
+        g(to_device(slice_tokens(in.gate, c.B * c.Hk, c.T, 1, 0, c.T), c.B, c.Hk, c.T)),
+        lw(to_device(w.w, c.D)),
+        lb(to_device(w.b, c.D)),
+        ts(to_device(w.ts, c.Hq)),
+        tw(to_device(w.tw, c.Hq)) {}
 
   // Launches the prefill; returns without waiting for it.
   kvmem::Status launch(const KokkosExec& exec, kvmem::kvm::State<float, float>& st) const {
-    return kvmem::kvm::prefill(exec, st, kvmem::kvm::Weights{to_tensor_view(lw), to_tensor_view(lb), to_tensor_view(ts), to_tensor_view(tw)},
-                               TensorView<const float, 4>(to_tensor_view(q)), TensorView<const float, 4>(to_tensor_view(k)),
-                               TensorView<const float, 4>(to_tensor_view(v)), TensorView<const float, 3>(to_tensor_view(g)),
-                               to_tensor_view(out));
+    return kvmem::kvm::prefill(
+        exec, st, kvmem::kvm::Weights{to_tensor_view(lw), to_tensor_view(lb), to_tensor_view(ts), to_tensor_view(tw)},
+        TensorView<const float, 4>(to_tensor_view(q)), TensorView<const float, 4>(to_tensor_view(k)),
+        TensorView<const float, 4>(to_tensor_view(v)), TensorView<const float, 3>(to_tensor_view(g)),
+        to_tensor_view(out));
   }
 };
 

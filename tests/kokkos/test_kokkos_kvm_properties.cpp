@@ -22,8 +22,8 @@ TEST_CASE("kokkos kvm matches the reference and the host backend on random shape
   std::uint64_t seed = 100;
   for (auto c : {small_config(2, 61, 2, 2, 16, 16, Power{3.0, 0.5, 8, 1, 8000}),
                  small_config(1, 70, 6, 2, 16, 12, Saturating{32.0, 1, 8000, 1}),  // GQA rep 3, Dv != D
-                 small_config(2, 45, 3, 1, 8, 20, Fixed{8, 8}),                     // MQA, Dv > D
-                 small_config(1, 83, 2, 1, 12, 8, Power{4.0, 0.5, 8, 1, 30})}) {    // cap binds
+                 small_config(2, 45, 3, 1, 8, 20, Fixed{8, 8}),                    // MQA, Dv > D
+                 small_config(1, 83, 2, 1, 12, 8, Power{4.0, 0.5, 8, 1, 30})}) {   // cap binds
     for (int flags = 0; flags < 5; ++flags) {
       c.gate_appends = flags & 1;
       c.merge_gate_keys = !(flags & 2);
@@ -85,11 +85,12 @@ TEST_CASE("kokkos kvm decode through kvm::decode and bf16 storage equal the host
   const auto g = to_device(slice_tokens(in.gate, c.B * c.Hk, c.T, 1, 30, 31), c.B, c.Hk, 1);
   const auto o = to_device(std::vector<float>(std::size_t(c.B * c.Hq * c.Dv), 0.0f), c.B, 1, c.Hq, c.Dv);
   const auto lw = to_device(w.w, c.D), lb = to_device(w.b, c.D), ts = to_device(w.ts, c.Hq), tw = to_device(w.tw, c.Hq);
-  using kvmem::kokkos::to_tensor_view;
   using kvmem::TensorView;
+  using kvmem::kokkos::to_tensor_view;
   const kvmem::kvm::Weights wv{to_tensor_view(lw), to_tensor_view(lb), to_tensor_view(ts), to_tensor_view(tw)};
   REQUIRE(kvmem::kvm::decode(exec, st.state, wv, TensorView<const float, 4>(to_tensor_view(q)),
-                             TensorView<const float, 4>(to_tensor_view(k)), TensorView<const float, 4>(to_tensor_view(v)),
+                             TensorView<const float, 4>(to_tensor_view(k)),
+                             TensorView<const float, 4>(to_tensor_view(v)),
                              TensorView<const float, 3>(to_tensor_view(g)), to_tensor_view(o))
               .is_ok());
   std::vector<float> step_h;
@@ -97,7 +98,8 @@ TEST_CASE("kokkos kvm decode through kvm::decode and bf16 storage equal the host
   const auto step_k = to_host(o);
   std::vector<float> expect;
   for (std::int64_t b = 0; b < c.B; ++b)
-    expect.insert(expect.end(), step_h.begin() + (b * c.T + 30) * c.Hq * c.Dv, step_h.begin() + (b * c.T + 31) * c.Hq * c.Dv);
+    expect.insert(expect.end(), step_h.begin() + (b * c.T + 30) * c.Hq * c.Dv,
+                  step_h.begin() + (b * c.T + 31) * c.Hq * c.Dv);
   CHECK(out_k == out_h);
   CHECK(step_k == expect);
   CHECK(st.state.tokens(0) == 31);
@@ -115,13 +117,13 @@ TEST_CASE("kokkos kvm forward allocates its state in the space's memory and matc
   const auto g = to_device(slice_tokens(in.gate, c.B * c.Hk, c.T, 1, 0, c.T), c.B, c.Hk, c.T);
   const auto lw = to_device(w.w, c.D), lb = to_device(w.b, c.D), ts = to_device(w.ts, c.Hq), tw = to_device(w.tw, c.Hq);
   Kokkos::View<float****, Kokkos::LayoutRight, KokkosSpace::memory_space> o("out", c.B, c.T, c.Hq, c.Dv);
-  using kvmem::kokkos::to_tensor_view;
   using kvmem::TensorView;
-  const auto s = kvmem::kvm::forward(KokkosExec{}, to_params(c),
-                                     kvmem::kvm::Weights{to_tensor_view(lw), to_tensor_view(lb), to_tensor_view(ts), to_tensor_view(tw)},
-                                     TensorView<const float, 4>(to_tensor_view(q)), TensorView<const float, 4>(to_tensor_view(k)),
-                                     TensorView<const float, 4>(to_tensor_view(v)), TensorView<const float, 3>(to_tensor_view(g)),
-                                     to_tensor_view(o));
+  using kvmem::kokkos::to_tensor_view;
+  const auto s = kvmem::kvm::forward(
+      KokkosExec{}, to_params(c),
+      kvmem::kvm::Weights{to_tensor_view(lw), to_tensor_view(lb), to_tensor_view(ts), to_tensor_view(tw)},
+      TensorView<const float, 4>(to_tensor_view(q)), TensorView<const float, 4>(to_tensor_view(k)),
+      TensorView<const float, 4>(to_tensor_view(v)), TensorView<const float, 3>(to_tensor_view(g)), to_tensor_view(o));
   INFO(s.to_string());
   REQUIRE(s.is_ok());
   KVMEM_CHECK_CLOSE(to_host(o), rkvm::prefill(c, in).out, kTolFp32);
@@ -178,14 +180,15 @@ TEST_CASE("kokkos kvm reads LayoutLeft and strided views through their strides",
   Kokkos::deep_copy(kl, kr);
   const FloatWeights w(in);
   const auto lw = to_device(w.w, c.D), lb = to_device(w.b, c.D), ts = to_device(w.ts, c.Hq), tw = to_device(w.tw, c.Hq);
-  using kvmem::kokkos::to_tensor_view;
   using kvmem::TensorView;
+  using kvmem::kokkos::to_tensor_view;
   auto st = make_kokkos_state<float>(exec, c);
-  REQUIRE(kvmem::kvm::prefill(exec, st.state,
-                              kvmem::kvm::Weights{to_tensor_view(lw), to_tensor_view(lb), to_tensor_view(ts), to_tensor_view(tw)},
-                              TensorView<const float, 4>(to_tensor_view(ql)), TensorView<const float, 4>(to_tensor_view(kl)),
-                              TensorView<const float, 4>(to_tensor_view(v)), TensorView<const float, 3>(to_tensor_view(g)),
-                              to_tensor_view(ol))
+  REQUIRE(kvmem::kvm::prefill(
+              exec, st.state,
+              kvmem::kvm::Weights{to_tensor_view(lw), to_tensor_view(lb), to_tensor_view(ts), to_tensor_view(tw)},
+              TensorView<const float, 4>(to_tensor_view(ql)), TensorView<const float, 4>(to_tensor_view(kl)),
+              TensorView<const float, 4>(to_tensor_view(v)), TensorView<const float, 3>(to_tensor_view(g)),
+              to_tensor_view(ol))
               .is_ok());
   using Right4 = Kokkos::View<float****, Kokkos::LayoutRight, KokkosSpace::memory_space>;
   Right4 o("out right", c.B, c.T, c.Hq, c.Dv);

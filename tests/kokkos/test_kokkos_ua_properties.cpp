@@ -86,7 +86,8 @@ TEST_CASE("kokkos ua rejects bad input before any change", "[kokkos][ua][unit]")
   REQUIRE(kvmem::ua::prefill(KokkosExec{}, cache, kc.slice(0, 8), opt, kc.out_slice(out, 0, 8)).is_ok());
   const auto before = kvmem::kokkos::snapshot(cache);
   SECTION("capacity") {
-    const auto s = kvmem::ua::prefill(KokkosExec{}, cache, kc.slice(8, 12), kvmem::ua::Options{}, kc.out_slice(out, 8, 12));
+    const auto s =
+        kvmem::ua::prefill(KokkosExec{}, cache, kc.slice(8, 12), kvmem::ua::Options{}, kc.out_slice(out, 8, 12));
     CHECK(s.code() == kvmem::StatusCode::kOutOfRange);
   }
   SECTION("NaN in z_q") {
@@ -108,7 +109,8 @@ TEST_CASE("kokkos ua rejects bad input before any change", "[kokkos][ua][unit]")
   CHECK(after.lambda == before.lambda);
 }
 
-TEST_CASE("kokkos ua: an empty or moved-from cache refuses every operation and reads as empty", "[kokkos][ua][unit][slots]") {
+TEST_CASE("kokkos ua: an empty or moved-from cache refuses every operation and reads as empty",
+          "[kokkos][ua][unit][slots]") {
   const Case c = random_case(2, 12, 2, 2, 8, 4, 1.0, false);
   const FloatCase f(c);
   const KokkosCase kc(f);

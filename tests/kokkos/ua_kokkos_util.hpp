@@ -22,8 +22,12 @@ struct KokkosCase {
   Kokkos::View<float*, KokkosSpace::memory_space> q, k, v, z_k, z_q, z_o;
 
   explicit KokkosCase(const FloatCase& fc)
-      : f(fc), q(to_device(fc.q, fc.q.size())), k(to_device(fc.k, fc.k.size())), v(to_device(fc.v, fc.v.size())),
-        z_k(to_device(fc.z_k, fc.z_k.size())), z_q(to_device(fc.z_q, fc.z_q.size())) {
+      : f(fc),
+        q(to_device(fc.q, fc.q.size())),
+        k(to_device(fc.k, fc.k.size())),
+        v(to_device(fc.v, fc.v.size())),
+        z_k(to_device(fc.z_k, fc.z_k.size())),
+        z_q(to_device(fc.z_q, fc.z_q.size())) {
     if (!fc.z_o.empty()) z_o = to_device(fc.z_o, fc.z_o.size());
   }
 
@@ -47,7 +51,7 @@ struct KokkosCase {
     return Kokkos::View<float*, KokkosSpace::memory_space>("kvmem test ua out", f.make_out().size());
   }
   [[nodiscard]] kvmem::TensorView<float, 4> out_slice(const Kokkos::View<float*, KokkosSpace::memory_space>& out,
-                                                     std::int64_t t0, std::int64_t t1) const {
+                                                      std::int64_t t0, std::int64_t t1) const {
     const std::int64_t H = f.c.H, T = f.c.T, D = f.c.D;
     return {out.data() + t0 * H * D, {f.c.B, t1 - t0, H, D}, {T * H * D, H * D, D, 1}};
   }

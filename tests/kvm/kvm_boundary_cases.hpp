@@ -94,7 +94,8 @@ void check_merge_ties(Runner&& run) {
       const rkvm::Inputs in = merge_tie_inputs(c);
       const rkvm::Result ref = rkvm::prefill(c, in);
       check_merge_tie_routes(c, ref.route_merge);
-      for (const std::int64_t split : {c.T, std::int64_t(13), std::int64_t(0)}) check_against_reference(c, in, run, split, ref);
+      for (const std::int64_t split : {c.T, std::int64_t(13), std::int64_t(0)})
+        check_against_reference(c, in, run, split, ref);
     }
 }
 
@@ -112,7 +113,8 @@ inline rkvm::Inputs append_tie_inputs(const rkvm::Config& c) {
   rkvm::Inputs in = random_inputs(c, 7200);
   const std::int64_t C = c.chunk;
   for (std::int64_t t = C; t < 3 * C; ++t)
-    for (std::int64_t d = 0; d < c.D; ++d) in.k[std::size_t(t * c.D + d)] = in.k[std::size_t((t < 2 * C ? C : 2 * C) * c.D + d)];
+    for (std::int64_t d = 0; d < c.D; ++d)
+      in.k[std::size_t(t * c.D + d)] = in.k[std::size_t((t < 2 * C ? C : 2 * C) * c.D + d)];
   return in;
 }
 // Closed form: update u appends tokens [u C, u C + n_u), n_u from the budget (spec 3.1; C = 8 gives the
@@ -142,7 +144,8 @@ void check_append_ties(Runner&& run) {
     const rkvm::Inputs in = append_tie_inputs(c);
     const rkvm::Result ref = rkvm::prefill(c, in);
     check_append_tie_routes(c, ref.route_append);
-    for (const std::int64_t split : {c.T, std::int64_t(13), std::int64_t(0)}) check_against_reference(c, in, run, split, ref);
+    for (const std::int64_t split : {c.T, std::int64_t(13), std::int64_t(0)})
+      check_against_reference(c, in, run, split, ref);
   }
 }
 

@@ -46,11 +46,15 @@ inline std::vector<float> slice_tokens(const std::vector<double>& x, std::int64_
 struct FloatWeights {
   std::vector<float> w, b, ts, tw;
   explicit FloatWeights(const rkvm::Inputs& in)
-      : w(in.ln_weight.begin(), in.ln_weight.end()), b(in.ln_bias.begin(), in.ln_bias.end()),
-        ts(in.tau_state.begin(), in.tau_state.end()), tw(in.tau_bswa.begin(), in.tau_bswa.end()) {}
+      : w(in.ln_weight.begin(), in.ln_weight.end()),
+        b(in.ln_bias.begin(), in.ln_bias.end()),
+        ts(in.tau_state.begin(), in.tau_state.end()),
+        tw(in.tau_bswa.begin(), in.tau_bswa.end()) {}
   kvmem::kvm::Weights view() const {
-    return {{w.data(), {std::int64_t(w.size())}}, {b.data(), {std::int64_t(b.size())}},
-            {ts.data(), {std::int64_t(ts.size())}}, {tw.data(), {std::int64_t(tw.size())}}};
+    return {{w.data(), {std::int64_t(w.size())}},
+            {b.data(), {std::int64_t(b.size())}},
+            {ts.data(), {std::int64_t(ts.size())}},
+            {tw.data(), {std::int64_t(tw.size())}}};
   }
 };
 
@@ -76,9 +80,9 @@ kvmem::Status host_feed(kvmem::kvm::State<S, float>& st, const rkvm::Config& c, 
   exec.exact = path == HostPath::kExact;
   const kvmem::Status s = kvmem::kvm::prefill(
       exec, st, w.view(), TensorView<const float, 4>(q.data(), {c.B, c.Hq, n, c.D}),
-      TensorView<const float, 4>(k.data(), {c.B, c.Hk, n, c.D}), TensorView<const float, 4>(v.data(), {c.B, c.Hk, n, c.Dv}),
-      TensorView<const float, 3>(g.data(), {c.B, c.Hk, n}), TensorView<float, 4>(out.data(), {c.B, n, c.Hq, c.Dv}),
-      lengths, log);
+      TensorView<const float, 4>(k.data(), {c.B, c.Hk, n, c.D}),
+      TensorView<const float, 4>(v.data(), {c.B, c.Hk, n, c.Dv}), TensorView<const float, 3>(g.data(), {c.B, c.Hk, n}),
+      TensorView<float, 4>(out.data(), {c.B, n, c.Hq, c.Dv}), lengths, log);
   if (!s.is_ok()) return s;
   out_full.resize(std::size_t(c.B * c.T * c.Hq * c.Dv), 0.0f);
   for (std::int64_t b = 0; b < c.B; ++b)
@@ -89,12 +93,12 @@ kvmem::Status host_feed(kvmem::kvm::State<S, float>& st, const rkvm::Config& c, 
 }
 
 struct HostResult {
-  std::vector<float> out;                       // [B,T,Hq,Dv]
+  std::vector<float> out;                           // [B,T,Hq,Dv]
   std::vector<double> state_k, state_v, state_rho;  // [B,Hk,S,*]
   std::int64_t slots = 0;
   std::vector<std::int64_t> slots_after_update;
   std::vector<std::vector<std::int64_t>> route_append, route_merge;  // per update, [B,Hk,*]
-  double merge_margin = 1e300, append_margin = 1e300;  // minima over updates, rows and heads
+  double merge_margin = 1e300, append_margin = 1e300;                // minima over updates, rows and heads
 };
 
 template <class S>

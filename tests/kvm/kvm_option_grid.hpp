@@ -43,10 +43,11 @@ void check_option_grid(Runner&& run) {
           CHECK(r.slots_after_update == ref.slots_after_update);
           if (host.merge_margin < 1e-4 || host.append_margin < 1e-4) {
             ++skipped_routes;
-            std::printf("kvm options: routes not compared (sink %lld, window chunks %lld, radius %d, gate_initial %d: "
-                        "margins %.3g / %.3g)\n",
-                        (long long)sink, (long long)nb, int(value_radius), int(gate_initial), host.merge_margin,
-                        host.append_margin);
+            std::printf(
+                "kvm options: routes not compared (sink %lld, window chunks %lld, radius %d, gate_initial %d: "
+                "margins %.3g / %.3g)\n",
+                (long long)sink, (long long)nb, int(value_radius), int(gate_initial), host.merge_margin,
+                host.append_margin);
             continue;
           }
           CHECK(r.route_merge == ref.route_merge);

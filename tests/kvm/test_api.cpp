@@ -27,18 +27,34 @@ void* operator new(std::size_t n) {
   throw std::bad_alloc();
 }
 // Every non-aligned form goes through malloc/free, so sanitizers see matching pairs.
-void* operator new[](std::size_t n) { return ::operator new(n); }
+void* operator new[](std::size_t n) {
+  return ::operator new(n);
+}
 void* operator new(std::size_t n, const std::nothrow_t&) noexcept {
   g_allocations.fetch_add(1, std::memory_order_relaxed);
   return std::malloc(n ? n : 1);
 }
-void* operator new[](std::size_t n, const std::nothrow_t& tag) noexcept { return ::operator new(n, tag); }
-void operator delete(void* p, const std::nothrow_t&) noexcept { std::free(p); }
-void operator delete[](void* p, const std::nothrow_t&) noexcept { std::free(p); }
-void operator delete(void* p) noexcept { std::free(p); }
-void operator delete(void* p, std::size_t) noexcept { std::free(p); }
-void operator delete[](void* p) noexcept { std::free(p); }
-void operator delete[](void* p, std::size_t) noexcept { std::free(p); }
+void* operator new[](std::size_t n, const std::nothrow_t& tag) noexcept {
+  return ::operator new(n, tag);
+}
+void operator delete(void* p, const std::nothrow_t&) noexcept {
+  std::free(p);
+}
+void operator delete[](void* p, const std::nothrow_t&) noexcept {
+  std::free(p);
+}
+void operator delete(void* p) noexcept {
+  std::free(p);
+}
+void operator delete(void* p, std::size_t) noexcept {
+  std::free(p);
+}
+void operator delete[](void* p) noexcept {
+  std::free(p);
+}
+void operator delete[](void* p, std::size_t) noexcept {
+  std::free(p);
+}
 
 namespace {
 using namespace kvmem::test;
@@ -50,8 +66,10 @@ namespace kvm = kvmem::kvm;
 struct Buffers {
   std::vector<float> q, k, v, g, out;
   Buffers(const rkvm::Config& c, const rkvm::Inputs& in, std::int64_t t0, std::int64_t t1)
-      : q(slice_tokens(in.q, c.B * c.Hq, c.T, c.D, t0, t1)), k(slice_tokens(in.k, c.B * c.Hk, c.T, c.D, t0, t1)),
-        v(slice_tokens(in.v, c.B * c.Hk, c.T, c.Dv, t0, t1)), g(slice_tokens(in.gate, c.B * c.Hk, c.T, 1, t0, t1)),
+      : q(slice_tokens(in.q, c.B * c.Hq, c.T, c.D, t0, t1)),
+        k(slice_tokens(in.k, c.B * c.Hk, c.T, c.D, t0, t1)),
+        v(slice_tokens(in.v, c.B * c.Hk, c.T, c.Dv, t0, t1)),
+        g(slice_tokens(in.gate, c.B * c.Hk, c.T, 1, t0, t1)),
         out(std::size_t(c.B * (t1 - t0) * c.Hq * c.Dv)) {}
 };
 
@@ -175,10 +193,12 @@ TEST_CASE("kvm validation errors leave the state untouched", "[kvm][unit]") {
   std::vector<float> got;
   for (std::int64_t b = 0; b < c.B; ++b)
     for (std::int64_t t = 0; t < 10; ++t)
-      got.insert(got.end(), rest.out.begin() + (b * 10 + t) * c.Hq * c.Dv, rest.out.begin() + (b * 10 + t + 1) * c.Hq * c.Dv);
+      got.insert(got.end(), rest.out.begin() + (b * 10 + t) * c.Hq * c.Dv,
+                 rest.out.begin() + (b * 10 + t + 1) * c.Hq * c.Dv);
   std::vector<double> want;
   for (std::int64_t b = 0; b < c.B; ++b)
-    want.insert(want.end(), ref.out.begin() + (b * c.T + 30) * c.Hq * c.Dv, ref.out.begin() + (b * c.T + 40) * c.Hq * c.Dv);
+    want.insert(want.end(), ref.out.begin() + (b * c.T + 30) * c.Hq * c.Dv,
+                ref.out.begin() + (b * c.T + 40) * c.Hq * c.Dv);
   KVMEM_CHECK_CLOSE(got, want, 1e-5);
 }
 
@@ -237,11 +257,11 @@ TEST_CASE("kvm Attention composes a budget and a precision at compile time", "[k
   CHECK(st.slots(0) == ref.slots);
   // forward (training-style, own state) gives the same output
   std::vector<float> fwd(x.out.size());
-  REQUIRE(kvm::forward(exact1, attn.params, fw.view(),
-                       TensorView<const float, 4>(x.q.data(), {1, 2, 64, 16}),
+  REQUIRE(kvm::forward(exact1, attn.params, fw.view(), TensorView<const float, 4>(x.q.data(), {1, 2, 64, 16}),
                        TensorView<const float, 4>(x.k.data(), {1, 2, 64, 16}),
                        TensorView<const float, 4>(x.v.data(), {1, 2, 64, 16}),
-                       TensorView<const float, 3>(x.g.data(), {1, 2, 64}), TensorView<float, 4>(fwd.data(), {1, 64, 2, 16}))
+                       TensorView<const float, 3>(x.g.data(), {1, 2, 64}),
+                       TensorView<float, 4>(fwd.data(), {1, 64, 2, 16}))
               .is_ok());
   CHECK(fwd == x.out);
 }
@@ -300,7 +320,8 @@ TEST_CASE("kvm reference validation and the optional bf16 V^ rounding switch", "
   const auto a = rkvm::prefill(c, in).out, b = rkvm::prefill(cr, in).out;
   const std::size_t row = std::size_t(c.Hq * c.Dv), first = std::size_t(c.chunk * c.window_chunks) * row;
   CHECK(std::equal(a.begin(), a.begin() + std::ptrdiff_t(first), b.begin()));
-  const std::vector<double> tail_a(a.begin() + std::ptrdiff_t(first), a.end()), tail_b(b.begin() + std::ptrdiff_t(first), b.end());
+  const std::vector<double> tail_a(a.begin() + std::ptrdiff_t(first), a.end()),
+      tail_b(b.begin() + std::ptrdiff_t(first), b.end());
   const double e = relative_frobenius(tail_b, tail_a);
   CHECK(e > 0.0);
   CHECK(e < 1e-2);

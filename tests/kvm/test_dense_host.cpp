@@ -33,7 +33,8 @@ std::vector<double> causal_fp64(const Case& c, const std::vector<double>& q, con
         for (std::int64_t s = 0; s <= t; ++s) {
           double d = 0;
           for (std::int64_t i = 0; i < c.D; ++i)
-            d += q[std::size_t(((b * c.Hq + h) * c.T + t) * c.D + i)] * k[std::size_t(((b * c.Hk + g) * c.T + s) * c.D + i)];
+            d += q[std::size_t(((b * c.Hq + h) * c.T + t) * c.D + i)] *
+                 k[std::size_t(((b * c.Hk + g) * c.T + s) * c.D + i)];
           l[std::size_t(s)] = d * scale;
           mx = std::max(mx, l[std::size_t(s)]);
         }
@@ -42,7 +43,8 @@ std::vector<double> causal_fp64(const Case& c, const std::vector<double>& q, con
         for (std::int64_t s = 0; s <= t; ++s) {
           const double p = std::exp(l[std::size_t(s)] - mx) / z;
           for (std::int64_t d = 0; d < c.Dv; ++d)
-            out[std::size_t(((b * c.T + t) * c.Hq + h) * c.Dv + d)] += p * v[std::size_t(((b * c.Hk + g) * c.T + s) * c.Dv + d)];
+            out[std::size_t(((b * c.T + t) * c.Hq + h) * c.Dv + d)] +=
+                p * v[std::size_t(((b * c.Hk + g) * c.T + s) * c.Dv + d)];
         }
       }
   return out;
@@ -101,8 +103,16 @@ void check_case(const Case& c, std::uint32_t seed) {
 }  // namespace
 
 TEST_CASE("host dense causal attention (fast and exact paths) matches fp64 causal attention", "[host][unit]") {
-  SECTION("fp32, several blocks, ragged last block") { check_case<float>({2, 2, 2, 300, 64, 64}, 11); }
-  SECTION("fp32, GQA rep 3, Dv != D") { check_case<float>({1, 6, 2, 200, 32, 48}, 21); }
-  SECTION("fp32, one short block") { check_case<float>({1, 1, 1, 5, 16, 16}, 31); }
-  SECTION("bf16 storage") { check_case<kvmem::bf16>({1, 2, 1, 260, 64, 32}, 41); }
+  SECTION("fp32, several blocks, ragged last block") {
+    check_case<float>({2, 2, 2, 300, 64, 64}, 11);
+  }
+  SECTION("fp32, GQA rep 3, Dv != D") {
+    check_case<float>({1, 6, 2, 200, 32, 48}, 21);
+  }
+  SECTION("fp32, one short block") {
+    check_case<float>({1, 1, 1, 5, 16, 16}, 31);
+  }
+  SECTION("bf16 storage") {
+    check_case<kvmem::bf16>({1, 2, 1, 260, 64, 32}, 41);
+  }
 }

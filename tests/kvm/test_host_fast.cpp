@@ -32,7 +32,8 @@ std::vector<rkvm::Config> cases() {
 }
 }  // namespace
 
-TEST_CASE("kvm host fast path matches the reference; routes and kept slots equal the exact path's", "[kvm][host][unit]") {
+TEST_CASE("kvm host fast path matches the reference; routes and kept slots equal the exact path's",
+          "[kvm][host][unit]") {
   std::uint64_t seed = 500;
   for (const auto& c : cases()) {
     INFO("B" << c.B << " T" << c.T << " Hq" << c.Hq << " Hk" << c.Hk << " D" << c.D << " Dv" << c.Dv << " C" << c.chunk

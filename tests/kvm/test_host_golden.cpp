@@ -105,7 +105,8 @@ TEST_CASE("kvm host bf16 storage within the documented bound of every public gol
           const double e = relative_frobenius(r.out, g.f64("out"));
           INFO(g.name << " bf16 out relative Frobenius " << e);
           CHECK(e <= kTolBf16Frobenius);
-          const double ed = relative_frobenius(host_prefill_then_decode<kvmem::bf16>(c, in, split), g.f64("out_decode"));
+          const double ed =
+              relative_frobenius(host_prefill_then_decode<kvmem::bf16>(c, in, split), g.f64("out_decode"));
           INFO(g.name << " bf16 out_decode relative Frobenius " << ed);
           CHECK(ed <= kTolBf16Frobenius);
           WARN(g.name << " bf16 vs golden: relative Frobenius out " << e << ", out_decode " << ed);

@@ -18,16 +18,16 @@ using kvmem::budget::Fixed;
 using kvmem::budget::Power;
 using kvmem::budget::Saturating;
 
-constexpr double kTolRef = 1e-12;   // fp64 vs fp64
-constexpr double kTolFp32 = 1e-5;   // host fp32 vs fp64 reference (golden README rule)
+constexpr double kTolRef = 1e-12;  // fp64 vs fp64
+constexpr double kTolFp32 = 1e-5;  // host fp32 vs fp64 reference (golden README rule)
 
 // A few shapes: (B, T, Hq, Hk, D, Dv, budget), C = 8, nb = 2, r = D/2.
 std::vector<rkvm::Config> random_cases() {
   return {
       small_config(2, 61, 2, 2, 16, 16, Power{3.0, 0.5, 8, 1, 8000}),
-      small_config(1, 70, 6, 2, 16, 12, Saturating{32.0, 1, 8000, 1}),   // GQA rep 3, Dv != D
-      small_config(2, 45, 3, 1, 8, 20, Fixed{8, 8}),                      // MQA, Dv > D
-      small_config(1, 83, 2, 1, 12, 8, Power{4.0, 0.5, 8, 1, 30}),        // cap binds (max 30)
+      small_config(1, 70, 6, 2, 16, 12, Saturating{32.0, 1, 8000, 1}),  // GQA rep 3, Dv != D
+      small_config(2, 45, 3, 1, 8, 20, Fixed{8, 8}),                    // MQA, Dv > D
+      small_config(1, 83, 2, 1, 12, 8, Power{4.0, 0.5, 8, 1, 30}),      // cap binds (max 30)
   };
 }
 
@@ -44,8 +44,8 @@ std::vector<double> plain_causal(const rkvm::Config& c, const rkvm::Inputs& in) 
         for (std::int64_t s = 0; s <= t; ++s) {
           double d = 0;
           for (std::int64_t i = 0; i < c.D; ++i)
-            d += in.q[std::size_t(((b * c.Hq + h) * c.T + t) * c.D + i)] *
-                 in.tau_bswa[std::size_t(h)] * in.k[std::size_t(((b * c.Hk + g) * c.T + s) * c.D + i)];
+            d += in.q[std::size_t(((b * c.Hq + h) * c.T + t) * c.D + i)] * in.tau_bswa[std::size_t(h)] *
+                 in.k[std::size_t(((b * c.Hk + g) * c.T + s) * c.D + i)];
           l[std::size_t(s)] = d * scale;
         }
         const double mx = *std::max_element(l.begin(), l.end());
@@ -177,7 +177,8 @@ TEST_CASE("kvm host batches of different lengths equal separate single-sequence 
     const auto ref = rkvm::prefill(cb, ib);
     std::vector<float> got;
     for (std::int64_t t = 0; t < cb.T; ++t)
-      got.insert(got.end(), out.begin() + ((b * c.T + t) * c.Hq) * c.Dv, out.begin() + ((b * c.T + t + 1) * c.Hq) * c.Dv);
+      got.insert(got.end(), out.begin() + ((b * c.T + t) * c.Hq) * c.Dv,
+                 out.begin() + ((b * c.T + t + 1) * c.Hq) * c.Dv);
     KVMEM_CHECK_CLOSE(got, ref.out, kTolFp32);
     CHECK(st.slots(b) == ref.slots);
     // rows past the length are zero
@@ -194,8 +195,8 @@ TEST_CASE("kvm state invariants hold after every decode step", "[kvm][unit]") {
     const auto params = to_params(c);
     REQUIRE(kvmem::kvm::State<double, double>::create(params, to_shape(c, c.T), st).is_ok());
     const auto geo = params.geometry();
-    std::vector<double> q(std::size_t(c.B * c.Hq * c.D)), k(std::size_t(c.B * c.Hk * c.D)), v(std::size_t(c.B * c.Hk * c.Dv)),
-        g(std::size_t(c.B * c.Hk)), out(std::size_t(c.B * c.Hq * c.Dv));
+    std::vector<double> q(std::size_t(c.B * c.Hq * c.D)), k(std::size_t(c.B * c.Hk * c.D)),
+        v(std::size_t(c.B * c.Hk * c.Dv)), g(std::size_t(c.B * c.Hk)), out(std::size_t(c.B * c.Hq * c.Dv));
     const FloatWeights w(in);
     kvmem::kvm::RouteLog log;
     std::int64_t prev_slots = 0;
@@ -208,7 +209,8 @@ TEST_CASE("kvm state invariants hold after every decode step", "[kvm][unit]") {
         g[std::size_t(r)] = in.gate[std::size_t(r * c.T + t)];
       }
       using kvmem::TensorView;
-      REQUIRE(kvmem::kvm::decode(kvmem::host::Executor{2}, st, w.view(), TensorView<const double, 4>(q.data(), {c.B, c.Hq, 1, c.D}),
+      REQUIRE(kvmem::kvm::decode(kvmem::host::Executor{2}, st, w.view(),
+                                 TensorView<const double, 4>(q.data(), {c.B, c.Hq, 1, c.D}),
                                  TensorView<const double, 4>(k.data(), {c.B, c.Hk, 1, c.D}),
                                  TensorView<const double, 4>(v.data(), {c.B, c.Hk, 1, c.Dv}),
                                  TensorView<const double, 3>(g.data(), {c.B, c.Hk, 1}),
@@ -231,15 +233,17 @@ TEST_CASE("kvm state invariants hold after every decode step", "[kvm][unit]") {
           const std::int64_t row = b * c.Hk + hk;
           // sink slot: Sk_0 = k0_0 = LN_s(k_0 with r channels zeroed), Sv_0 = v_0, rho_0 = ||v_0||
           std::vector<double> k0(std::size_t(c.D));
-          for (std::int64_t d = 0; d < c.D; ++d) k0[std::size_t(d)] = d < c.rope_dims ? 0.0 : in.k[std::size_t((row * c.T) * c.D + d)];
+          for (std::int64_t d = 0; d < c.D; ++d)
+            k0[std::size_t(d)] = d < c.rope_dims ? 0.0 : in.k[std::size_t((row * c.T) * c.D + d)];
           double mean = 0, var = 0;
           for (double x : k0) mean += x / double(c.D);
           for (double x : k0) var += (x - mean) * (x - mean) / double(c.D);
           double vn = 0;
           for (std::int64_t d = 0; d < c.D; ++d) {
             // Weights reach the state as float (kvm::Weights), so the expected LN uses them rounded.
-            const double e = double(float(in.ln_weight[std::size_t(d)])) * (k0[std::size_t(d)] - mean) /
-                                 std::sqrt(var + c.ln_eps) + double(float(in.ln_bias[std::size_t(d)]));
+            const double e =
+                double(float(in.ln_weight[std::size_t(d)])) * (k0[std::size_t(d)] - mean) / std::sqrt(var + c.ln_eps) +
+                double(float(in.ln_bias[std::size_t(d)]));
             const double ge = c.gate_initial ? e * in.gate[std::size_t(row * c.T)] : e;
             CHECK(std::abs(it.sk[d] - ge) <= 1e-10 * std::max(1.0, std::abs(ge)));
           }
@@ -321,8 +325,8 @@ TEST_CASE("kvm host matches the reference for sink 0, window of 1 and 3 chunks, 
     std::int64_t sink, nb, rope, chunk;
   };
   std::uint64_t seed = 500;
-  for (const Variant& var : {Variant{0, 2, 8, 8}, Variant{1, 1, 8, 8}, Variant{1, 3, 0, 8}, Variant{2, 2, 16, 6},
-                             Variant{1, 1, 4, 5}}) {
+  for (const Variant& var :
+       {Variant{0, 2, 8, 8}, Variant{1, 1, 8, 8}, Variant{1, 3, 0, 8}, Variant{2, 2, 16, 6}, Variant{1, 1, 4, 5}}) {
     auto c = small_config(2, 67, 4, 2, 16, 8, Saturating{40.0, 1, 8000, 1});
     c.sink = var.sink;
     c.window_chunks = var.nb;

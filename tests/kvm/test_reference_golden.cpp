@@ -51,21 +51,21 @@ TEST_CASE("kvm reference backward matches the golden gradients", "[kvm][golden]"
         CHECK_FALSE(g.has("d_q"));
         WARN(g.name << ": has_grads = false, backward not checked");
       } else {
-      const auto c = config_from_golden(g);
-      const auto in = inputs_from_golden(g);
-      const auto gr = rkvm::backward(c, in, g.f64("dout"));
-      constexpr double kTolGrad = 1e-10;
-      KVMEM_CHECK_CLOSE(gr.dq, g.f64("d_q"), kTolGrad);
-      KVMEM_CHECK_CLOSE(gr.dk, g.f64("d_k"), kTolGrad);
-      KVMEM_CHECK_CLOSE(gr.dv, g.f64("d_v"), kTolGrad);
-      KVMEM_CHECK_CLOSE(gr.dgate, g.f64("d_gate"), kTolGrad);
-      KVMEM_CHECK_CLOSE(gr.d_ln_weight, g.f64("d_ln_weight"), kTolGrad);
-      KVMEM_CHECK_CLOSE(gr.d_ln_bias, g.f64("d_ln_bias"), kTolGrad);
-      KVMEM_CHECK_CLOSE(gr.d_tau_state, g.f64("d_tau_state"), kTolGrad);
-      KVMEM_CHECK_CLOSE(gr.d_tau_bswa, g.f64("d_tau_bswa"), kTolGrad);
-      WARN(g.name << " reference backward: max relative error d_q " << deviation(gr.dq, g.f64("d_q")).relative()
-                  << ", d_k " << deviation(gr.dk, g.f64("d_k")).relative() << ", d_gate "
-                  << deviation(gr.dgate, g.f64("d_gate")).relative());
+        const auto c = config_from_golden(g);
+        const auto in = inputs_from_golden(g);
+        const auto gr = rkvm::backward(c, in, g.f64("dout"));
+        constexpr double kTolGrad = 1e-10;
+        KVMEM_CHECK_CLOSE(gr.dq, g.f64("d_q"), kTolGrad);
+        KVMEM_CHECK_CLOSE(gr.dk, g.f64("d_k"), kTolGrad);
+        KVMEM_CHECK_CLOSE(gr.dv, g.f64("d_v"), kTolGrad);
+        KVMEM_CHECK_CLOSE(gr.dgate, g.f64("d_gate"), kTolGrad);
+        KVMEM_CHECK_CLOSE(gr.d_ln_weight, g.f64("d_ln_weight"), kTolGrad);
+        KVMEM_CHECK_CLOSE(gr.d_ln_bias, g.f64("d_ln_bias"), kTolGrad);
+        KVMEM_CHECK_CLOSE(gr.d_tau_state, g.f64("d_tau_state"), kTolGrad);
+        KVMEM_CHECK_CLOSE(gr.d_tau_bswa, g.f64("d_tau_bswa"), kTolGrad);
+        WARN(g.name << " reference backward: max relative error d_q " << deviation(gr.dq, g.f64("d_q")).relative()
+                    << ", d_k " << deviation(gr.dk, g.f64("d_k")).relative() << ", d_gate "
+                    << deviation(gr.dgate, g.f64("d_gate")).relative());
       }
     }
   }

@@ -21,7 +21,9 @@
 namespace {
 // A ragged row equals its sequence run alone bit for bit on the exact path; the fast path's tile
 // products depend on how many query rows a segment holds, so there the two agree within fp32 rounding.
-kvmem::host::Executor exact_exec(int threads) { return {.threads = threads, .exact = true}; }
+kvmem::host::Executor exact_exec(int threads) {
+  return {.threads = threads, .exact = true};
+}
 }  // namespace
 
 namespace {
@@ -58,8 +60,10 @@ struct RandomWeights {
     for (std::int64_t i = 0; i < d.Hq; ++i) ts.push_back(u(rng)), tw.push_back(u(rng));
   }
   kvm::Weights view() const {
-    return {{w.data(), {std::int64_t(w.size())}}, {b.data(), {std::int64_t(b.size())}},
-            {ts.data(), {std::int64_t(ts.size())}}, {tw.data(), {std::int64_t(tw.size())}}};
+    return {{w.data(), {std::int64_t(w.size())}},
+            {b.data(), {std::int64_t(b.size())}},
+            {ts.data(), {std::int64_t(ts.size())}},
+            {tw.data(), {std::int64_t(tw.size())}}};
   }
 };
 
@@ -103,11 +107,13 @@ struct Batch {
     const std::int64_t T = tokens();
     out.assign(std::size_t(T * d.Hq * d.Dv), -7.f);
     lse.assign(std::size_t(T * d.Hq), -7.f);
-    const Rows rows{I32View(slot.data(), {std::int64_t(slot.size())}), I32View(start.data(), {std::int64_t(start.size())})};
+    const Rows rows{I32View(slot.data(), {std::int64_t(slot.size())}),
+                    I32View(start.data(), {std::int64_t(start.size())})};
     return kvm::step(exact_exec(threads), st, w, rows, TensorView<const float, 3>(q.data(), {T, d.Hq, d.D}),
                      TensorView<const float, 3>(k.data(), {T, d.Hk, d.D}),
-                     TensorView<const float, 3>(v.data(), {T, d.Hk, d.Dv}), TensorView<const float, 2>(g.data(), {T, d.Hk}),
-                     TensorView<float, 3>(out.data(), {T, d.Hq, d.Dv}), TensorView<float, 2>(lse.data(), {T, d.Hq}));
+                     TensorView<const float, 3>(v.data(), {T, d.Hk, d.Dv}),
+                     TensorView<const float, 2>(g.data(), {T, d.Hk}), TensorView<float, 3>(out.data(), {T, d.Hq, d.Dv}),
+                     TensorView<float, 2>(lse.data(), {T, d.Hq}));
   }
 };
 
@@ -130,11 +136,10 @@ std::vector<float> alone_prefill(const kvm::Params& p, const Dims& d, std::int64
       g[std::size_t(h * T + t)] = x.g[std::size_t(h)];
     }
   }
-  const Status s = kvm::prefill(exact_exec(2), st, w, TensorView<const float, 4>(q.data(), {1, d.Hq, T, d.D}),
-                                TensorView<const float, 4>(k.data(), {1, d.Hk, T, d.D}),
-                                TensorView<const float, 4>(v.data(), {1, d.Hk, T, d.Dv}),
-                                TensorView<const float, 3>(g.data(), {1, d.Hk, T}),
-                                TensorView<float, 4>(out.data(), {1, T, d.Hq, d.Dv}));
+  const Status s = kvm::prefill(
+      exact_exec(2), st, w, TensorView<const float, 4>(q.data(), {1, d.Hq, T, d.D}),
+      TensorView<const float, 4>(k.data(), {1, d.Hk, T, d.D}), TensorView<const float, 4>(v.data(), {1, d.Hk, T, d.Dv}),
+      TensorView<const float, 3>(g.data(), {1, d.Hk, T}), TensorView<float, 4>(out.data(), {1, T, d.Hq, d.Dv}));
   INFO(s.to_string());
   REQUIRE(s.is_ok());
   return out;
@@ -153,7 +158,9 @@ std::vector<float> alone_lse(const kvm::Params& p, const Dims& d, std::int64_t n
   return b.lse;
 }
 
-bool same_bits(float a, float b) { return std::memcmp(&a, &b, sizeof a) == 0; }
+bool same_bits(float a, float b) {
+  return std::memcmp(&a, &b, sizeof a) == 0;
+}
 
 template <class S>
 std::vector<std::byte> export_of(const kvm::State<S, float>& st, std::int32_t slot) {
@@ -192,9 +199,9 @@ bool truncate_exact(std::int64_t C, std::int64_t nb, std::int64_t n_old, std::in
 // ---- the continuous-batching property (issue 22) ----------------------------------------------------
 
 struct Seq {
-  std::vector<Tok> toks;   // every token fed so far (the sequence's content)
-  std::int64_t target = 0;  // leaves at this length
-  std::int64_t prompt = 0;  // tokens fed in prefill chunks before decode
+  std::vector<Tok> toks;        // every token fed so far (the sequence's content)
+  std::int64_t target = 0;      // leaves at this length
+  std::int64_t prompt = 0;      // tokens fed in prefill chunks before decode
   std::vector<float> out, lse;  // [pos, Hq, Dv], [pos, Hq]: latest result per position
   std::vector<char> has;        // produced by this sequence's own rows (not inherited by a fork)
   std::int32_t slot = -1;
@@ -211,7 +218,9 @@ void continuous_batching(kvmem::budget::Any budget, std::uint64_t seed, int sequ
   REQUIRE(kvm::State<S, float>::create(p, {kSlots, d.Hq, d.Hk, d.D, d.Dv, n_ctx}, st).is_ok());
   REQUIRE(st.max_slots() == kSlots);
   std::mt19937_64 rng(seed);
-  const auto uni = [&](std::int64_t a, std::int64_t b) { return std::uniform_int_distribution<std::int64_t>(a, b)(rng); };
+  const auto uni = [&](std::int64_t a, std::int64_t b) {
+    return std::uniform_int_distribution<std::int64_t>(a, b)(rng);
+  };
   std::vector<Seq> seqs;
   std::vector<std::int32_t> owner(std::size_t(kSlots), -1);  // seq index per slot
   int created = 0, finished = 0, forks = 0, truncations = 0, refused = 0, resets = 0, steps = 0;
@@ -262,7 +271,7 @@ void continuous_batching(kvmem::budget::Any budget, std::uint64_t seed, int sequ
     for (std::int32_t sl = 0; sl < kSlots && created < sequences; ++sl)
       if (owner[std::size_t(sl)] < 0 && uni(0, 2) > 0) {
         Seq s;
-        s.target = created == 0 ? max_len : new_len();  // the first one has the full length
+        s.target = created == 0 ? max_len : new_len();                        // the first one has the full length
         s.prompt = s.target - uni(0, std::min<std::int64_t>(s.target, 120));  // then up to 120 decode steps
         s.slot = sl;
         REQUIRE(st.tokens(sl) == 0);
@@ -317,7 +326,8 @@ void continuous_batching(kvmem::budget::Any budget, std::uint64_t seed, int sequ
       Seq& s = seqs[std::size_t(pl.seq)];
       REQUIRE(st.tokens(pl.slot) == pl.to);
       max_seen = std::max(max_seen, pl.to);
-      std::copy(b.out.begin() + t0 * d.Hq * d.Dv, b.out.begin() + t1 * d.Hq * d.Dv, s.out.begin() + pl.from * d.Hq * d.Dv);
+      std::copy(b.out.begin() + t0 * d.Hq * d.Dv, b.out.begin() + t1 * d.Hq * d.Dv,
+                s.out.begin() + pl.from * d.Hq * d.Dv);
       std::copy(b.lse.begin() + t0 * d.Hq, b.lse.begin() + t1 * d.Hq, s.lse.begin() + pl.from * d.Hq);
       std::fill(s.has.begin() + pl.from, s.has.begin() + pl.to, 1);
     }
@@ -372,14 +382,13 @@ void continuous_batching(kvmem::budget::Any budget, std::uint64_t seed, int sequ
     }
     for (std::int32_t sl : leaving) finish(owner[std::size_t(sl)]);
     if (!leaving.empty()) {
-      REQUIRE(kvm::reset_slots(exact_exec(1), st, I32View(leaving.data(), {std::int64_t(leaving.size())}))
-                  .is_ok());
+      REQUIRE(kvm::reset_slots(exact_exec(1), st, I32View(leaving.data(), {std::int64_t(leaving.size())})).is_ok());
       for (std::int32_t sl : leaving) REQUIRE(st.tokens(sl) == 0);
       ++resets;
     }
   }
-  INFO("longest " << max_seen << " steps " << steps << " sequences " << created << " forks " << forks << " truncations " << truncations
-                << " refused " << refused << " rows checked " << checked_rows);
+  INFO("longest " << max_seen << " steps " << steps << " sequences " << created << " forks " << forks << " truncations "
+                  << truncations << " refused " << refused << " rows checked " << checked_rows);
   CHECK(created >= 32);
   CHECK(max_seen == max_len);  // the first sequence ran to max_len
   CHECK(forks > 0);
@@ -390,13 +399,21 @@ void continuous_batching(kvmem::budget::Any budget, std::uint64_t seed, int sequ
 }
 
 TEST_CASE("kvm step: continuous batching equals each sequence alone (fixed budget)", "[slots]") {
-  SECTION("fp32") { continuous_batching<float>(kvmem::budget::Fixed{16, 16}, 11, 34, 3000); }
-  SECTION("bf16") { continuous_batching<kvmem::bf16>(kvmem::budget::Fixed{16, 16}, 12, 34, 3000); }
+  SECTION("fp32") {
+    continuous_batching<float>(kvmem::budget::Fixed{16, 16}, 11, 34, 3000);
+  }
+  SECTION("bf16") {
+    continuous_batching<kvmem::bf16>(kvmem::budget::Fixed{16, 16}, 12, 34, 3000);
+  }
 }
 
 TEST_CASE("kvm step: continuous batching equals each sequence alone (power budget)", "[slots]") {
-  SECTION("fp32") { continuous_batching<float>(kvmem::budget::Power{2.0, 0.5, 16, 1, 100000}, 21, 34, 3000); }
-  SECTION("bf16") { continuous_batching<kvmem::bf16>(kvmem::budget::Power{2.0, 0.5, 16, 1, 100000}, 22, 34, 3000); }
+  SECTION("fp32") {
+    continuous_batching<float>(kvmem::budget::Power{2.0, 0.5, 16, 1, 100000}, 21, 34, 3000);
+  }
+  SECTION("bf16") {
+    continuous_batching<kvmem::bf16>(kvmem::budget::Power{2.0, 0.5, 16, 1, 100000}, 22, 34, 3000);
+  }
 }
 
 TEST_CASE("kvm step: continuous batching, saturating budget, many sequences", "[slots][.slow]") {
@@ -407,7 +424,7 @@ TEST_CASE("kvm step: continuous batching, saturating budget, many sequences", "[
 
 TEST_CASE("kvm step: lse and out match the fp64 reference", "[slots]") {
   for (const kvmem::budget::Any& budget : {kvmem::budget::Any(kvmem::budget::Fixed{8, 8}),
-                                          kvmem::budget::Any(kvmem::budget::Power{3.0, 0.5, 8, 1, 100000})}) {
+                                           kvmem::budget::Any(kvmem::budget::Power{3.0, 0.5, 8, 1, 100000})}) {
     rkvm::Config c = small_config(1, 150, 4, 2, 8, 8, budget);
     const rkvm::Inputs in = random_inputs(c, 7);
     const rkvm::Result ref = rkvm::prefill(c, in);
@@ -453,9 +470,9 @@ TEST_CASE("kvm step: lse and out match the fp64 reference", "[slots]") {
 
 // Feeds tokens [from, to) of `toks` to `slot` in chunks of up to `chunk`, returning out and lse rows.
 template <class S>
-void feed(kvm::State<S, float>& st, const kvm::Weights& w, const Dims& d, std::int32_t slot, const std::vector<Tok>& toks,
-          std::int64_t from, std::int64_t to, std::int64_t chunk, std::vector<float>* out = nullptr,
-          std::vector<float>* lse = nullptr) {
+void feed(kvm::State<S, float>& st, const kvm::Weights& w, const Dims& d, std::int32_t slot,
+          const std::vector<Tok>& toks, std::int64_t from, std::int64_t to, std::int64_t chunk,
+          std::vector<float>* out = nullptr, std::vector<float>* lse = nullptr) {
   for (std::int64_t t0 = from; t0 < to;) {
     const std::int64_t t1 = std::min(to, t0 + chunk);
     Batch b;
@@ -500,8 +517,12 @@ void round_trip(kvmem::budget::Any budget) {
 }
 
 TEST_CASE("kvm slots: export -> import continues bit for bit like the source", "[slots]") {
-  SECTION("fp32 fixed") { round_trip<float>(kvmem::budget::Fixed{8, 8}); }
-  SECTION("bf16 power") { round_trip<kvmem::bf16>(kvmem::budget::Power{3.0, 0.5, 8, 1, 100000}); }
+  SECTION("fp32 fixed") {
+    round_trip<float>(kvmem::budget::Fixed{8, 8});
+  }
+  SECTION("bf16 power") {
+    round_trip<kvmem::bf16>(kvmem::budget::Power{3.0, 0.5, 8, 1, 100000});
+  }
 }
 
 template <class S>
@@ -604,7 +625,8 @@ TEST_CASE("kvm slots: imports whose version, mechanism, parameters or shape diff
     refused(try_import<float>(p, d, 59, rec), "n_ctx");  // 60 tokens do not fit
   }
   SECTION("truncated or padded records") {
-    for (const std::size_t keep : {std::size_t(0), std::size_t(7), std::size_t(20), bytes.size() / 2, bytes.size() - 1}) {
+    for (const std::size_t keep :
+         {std::size_t(0), std::size_t(7), std::size_t(20), bytes.size() / 2, bytes.size() - 1}) {
       INFO("first " << keep << " bytes");
       CHECK(!try_import<float>(p, d, 300, rec.first(keep)).is_ok());
     }
@@ -630,11 +652,11 @@ TEST_CASE("kvm slots: truncate is exact where no update is undone, refused other
   const Case cases[] = {
       {14, 1, true},   // 13 tokens: the update at n = 13 stays
       {14, 2, false},  // 12 tokens: undoes the update at n = 13
-      {16, 3, true},   {17, 1, false}, {20, 3, true}, {20, 4, false},
+      {16, 3, true},  {17, 1, false}, {20, 3, true},  {20, 4, false},
       {6, 4, true},    // initial slots only: 2 remain (spec 4.3)
       {11, 2, true},   // 9 tokens: position 8 reads the window from 4, still held
       {11, 5, false},  // 6 tokens: position 6 reads from 0, but the window of 11 starts at 4
-      {8, 7, true},    {12, 12, true}, {30, 30, true}, {3, 0, true},
+      {8, 7, true},   {12, 12, true}, {30, 30, true}, {3, 0, true},
   };
   for (const Case& c : cases) {
     INFO("n_old " << c.n_old << " cut " << c.cut);
@@ -792,7 +814,8 @@ TEST_CASE("kvm slots: moved-from and never-created states are empty and refuse e
     CHECK(!kvm::decode(ex, *e, rw.view(), TensorView<const float, 4>(q.data(), {2, d.Hq, 1, d.D}),
                        TensorView<const float, 4>(k.data(), {2, d.Hk, 1, d.D}),
                        TensorView<const float, 4>(v.data(), {2, d.Hk, 1, d.Dv}),
-                       TensorView<const float, 3>(g.data(), {2, d.Hk, 1}), TensorView<float, 4>(out.data(), {2, 1, d.Hq, d.Dv}))
+                       TensorView<const float, 3>(g.data(), {2, d.Hk, 1}),
+                       TensorView<float, 4>(out.data(), {2, 1, d.Hq, d.Dv}))
                .is_ok());
   }
   // the final owner holds the sequence and continues exactly like the twin that never moved

@@ -80,8 +80,10 @@ inline void write_text(const std::string& path, const std::string& text) {
 inline std::string shell_quote(const std::string& s) {
   std::string q = "'";
   for (char c : s) {
-    if (c == '\'') q.append("'\\''");
-    else q.push_back(c);
+    if (c == '\'')
+      q.append("'\\''");
+    else
+      q.push_back(c);
   }
   q.push_back('\'');
   return q;
@@ -146,10 +148,13 @@ inline std::vector<std::uint8_t> join_image(const std::string& header_text, cons
   if (!data.empty()) std::memcpy(bytes.data() + 8 + text.size(), data.data(), data.size());
   return bytes;
 }
-inline std::vector<std::uint8_t> join_image(const Image& img) { return join_image(img.header.dump(), img.data); }
+inline std::vector<std::uint8_t> join_image(const Image& img) {
+  return join_image(img.header.dump(), img.data);
+}
 
 // A copy of `golden` with its header edited by `edit` (data buffer unchanged), written to `path`.
-inline void edited_copy(const std::string& golden, const std::string& path, const std::function<void(nlohmann::json&)>& edit) {
+inline void edited_copy(const std::string& golden, const std::string& path,
+                        const std::function<void(nlohmann::json&)>& edit) {
   Image img = split_image(read_bytes(golden));
   edit(img.header);
   write_bytes(path, join_image(img));

@@ -12,9 +12,9 @@
 
 #include <catch2/catch.hpp>
 
+#include "replay/replay_test_util.hpp"
 #include "replay_core.hpp"
 #include "run_ua.hpp"
-#include "replay/replay_test_util.hpp"
 
 namespace {
 
@@ -31,7 +31,9 @@ const std::string& ua_file() {
   return path;
 }
 
-int count_lines(const std::string& s) { return static_cast<int>(std::count(s.begin(), s.end(), '\n')); }
+int count_lines(const std::string& s) {
+  return static_cast<int>(std::count(s.begin(), s.end(), '\n'));
+}
 
 // Runs the tool on `input` with `extra` options, writing to <dir>/out.safetensors, and checks the
 // bad-input contract. Returns stderr.
@@ -82,7 +84,8 @@ TEST_CASE("bad options exit 2 with one line naming the option", "[replay][cli]")
   expect_bad(dir, kvm_file(), {"--threads", "0"}, "--threads: expected an integer >= 1, got '0'");
   expect_bad(dir, kvm_file(), {"--threads", "two"}, "got 'two'");
   expect_bad(dir, kvm_file(), {"--threads", "-3"}, "got '-3'");
-  expect_bad(dir, kvm_file(), {"--backend", "reference", "--precision", "bf16"}, "reference backend computes in float64");
+  expect_bad(dir, kvm_file(), {"--backend", "reference", "--precision", "bf16"},
+             "reference backend computes in float64");
   expect_bad(dir, kvm_file(), {"--threads"}, "option --threads needs a value");
   expect_bad(dir, kvm_file(), {ua_file()}, "more than one input file");
   expect_bad(dir, kvm_file(), {"--config", dir.file("absent.json")}, "cannot open file");
@@ -135,7 +138,8 @@ TEST_CASE("kokkos and cuda run when built in and otherwise answer that they are 
 TEST_CASE("a build without kokkos says how to get it", "[replay][cli]") {
   TempDir dir("gpu_hint");
   // Either Kokkos is not configured, or it is but the tool has no adapter for the mechanism.
-  const auto err = expect_bad(dir, ua_file(), {"--backend", "kokkos"}, "backend kokkos is not built into this kvmem-replay");
+  const auto err =
+      expect_bad(dir, ua_file(), {"--backend", "kokkos"}, "backend kokkos is not built into this kvmem-replay");
   const bool configure_hint = err.find("-DKVMEM_KOKKOS=ON") != std::string::npos;
   const bool adapter_hint = err.find("has no Kokkos ua adapter") != std::string::npos;
   CHECK((configure_hint || adapter_hint));
@@ -151,12 +155,13 @@ TEST_CASE("missing, unreadable and truncated files", "[replay][cli]") {
   const auto bytes = kvmem::test::read_bytes(kvm_file());
   auto cut = [&](std::size_t n) {
     const std::string path = dir.file("cut" + std::to_string(n) + ".safetensors");
-    kvmem::test::write_bytes(path, std::vector<std::uint8_t>(bytes.begin(), bytes.begin() + static_cast<std::ptrdiff_t>(n)));
+    kvmem::test::write_bytes(path,
+                             std::vector<std::uint8_t>(bytes.begin(), bytes.begin() + static_cast<std::ptrdiff_t>(n)));
     return path;
   };
   expect_bad(dir, cut(0), {}, "truncated file: 0 bytes");
   expect_bad(dir, cut(5), {}, "truncated file: 5 bytes");
-  expect_bad(dir, cut(100), {}, "truncated file: header of");          // inside the header
+  expect_bad(dir, cut(100), {}, "truncated file: header of");             // inside the header
   expect_bad(dir, cut(bytes.size() - 1), {}, "outside the data buffer");  // inside the data
   expect_bad(dir, cut(bytes.size() / 2), {}, "(truncated file?)");
 }
@@ -202,15 +207,15 @@ TEST_CASE("offsets outside the file, overlaps and unknown dtypes", "[replay][cli
   });
   expect_bad(dir, reversed, {}, "end before they begin");
 
-  const auto overlap = edited(dir, kvm_file(), "overlap.safetensors", [](nlohmann::json& h) {
-    h["ln_bias"]["data_offsets"] = h["ln_weight"]["data_offsets"];
-  });
+  const auto overlap = edited(dir, kvm_file(), "overlap.safetensors",
+                              [](nlohmann::json& h) { h["ln_bias"]["data_offsets"] = h["ln_weight"]["data_offsets"]; });
   expect_bad(dir, overlap, {}, "overlaps");
 
   const auto dtype = edited(dir, kvm_file(), "dtype.safetensors", [](nlohmann::json& h) { h["q"]["dtype"] = "F80"; });
   expect_bad(dir, dtype, {}, "tensor 'q': unknown dtype 'F80'");
 
-  const auto integer = edited(dir, kvm_file(), "int.safetensors", [](nlohmann::json& h) { h["gate"]["dtype"] = "I64"; });
+  const auto integer =
+      edited(dir, kvm_file(), "int.safetensors", [](nlohmann::json& h) { h["gate"]["dtype"] = "I64"; });
   expect_bad(dir, integer, {}, "tensor 'gate' has an integer dtype");
 
   const auto size = edited(dir, ua_file(), "size.safetensors", [](nlohmann::json& h) { h["z_k"]["dtype"] = "F32"; });
@@ -223,7 +228,8 @@ TEST_CASE("shapes that disagree with the config and missing tensors", "[replay][
   const auto reshaped = edited(dir, kvm_file(), "reshaped.safetensors", [](nlohmann::json& h) {
     h["k"]["shape"] = {1, 2, 10, 8};
   });
-  expect_bad(dir, reshaped, {}, "tensor 'k' has shape [1,2,10,8] but the config (B=1, Hk=2, T=5, D=16) calls for [1,2,5,16]");
+  expect_bad(dir, reshaped, {},
+             "tensor 'k' has shape [1,2,10,8] but the config (B=1, Hk=2, T=5, D=16) calls for [1,2,5,16]");
 
   kvmem::test::write_text(dir.file("t4.json"), R"({"T": 4})");
   expect_bad(dir, kvm_file(), {"--config", dir.file("t4.json")}, "tensor 'q' has shape [1,2,5,16]");
@@ -240,36 +246,63 @@ TEST_CASE("shapes that disagree with the config and missing tensors", "[replay][
 
 TEST_CASE("unknown mechanism and broken configurations", "[replay][cli]") {
   TempDir dir("config");
-  const auto mech = edited(dir, kvm_file(), "mech.safetensors", [](nlohmann::json& h) { h["__metadata__"]["mechanism"] = "kvx"; });
+  const auto mech =
+      edited(dir, kvm_file(), "mech.safetensors", [](nlohmann::json& h) { h["__metadata__"]["mechanism"] = "kvx"; });
   expect_bad(dir, mech, {}, "unknown mechanism 'kvx' (known: kvm, ua)");
-  const auto no_mech = edited(dir, kvm_file(), "nomech.safetensors", [](nlohmann::json& h) { h["__metadata__"].erase("mechanism"); });
+  const auto no_mech =
+      edited(dir, kvm_file(), "nomech.safetensors", [](nlohmann::json& h) { h["__metadata__"].erase("mechanism"); });
   expect_bad(dir, no_mech, {}, "metadata has no 'mechanism'");
   const auto no_meta = edited(dir, ua_file(), "nometa.safetensors", [](nlohmann::json& h) { h.erase("__metadata__"); });
   expect_bad(dir, no_meta, {}, "metadata has no 'mechanism'");
-  const auto no_cfg = edited(dir, kvm_file(), "nocfg.safetensors", [](nlohmann::json& h) { h["__metadata__"].erase("config"); });
+  const auto no_cfg =
+      edited(dir, kvm_file(), "nocfg.safetensors", [](nlohmann::json& h) { h["__metadata__"].erase("config"); });
   expect_bad(dir, no_cfg, {}, "metadata has no 'config'");
-  const auto bad_cfg = edited(dir, kvm_file(), "badcfg.safetensors", [](nlohmann::json& h) { h["__metadata__"]["config"] = "{\"B\": 1,"; });
+  const auto bad_cfg = edited(dir, kvm_file(), "badcfg.safetensors",
+                              [](nlohmann::json& h) { h["__metadata__"]["config"] = "{\"B\": 1,"; });
   expect_bad(dir, bad_cfg, {}, "metadata 'config' is not valid JSON");
 
-  auto with = [&](const std::string& golden, const std::string& name, const std::function<void(nlohmann::json&)>& edit) {
+  auto with = [&](const std::string& golden, const std::string& name,
+                  const std::function<void(nlohmann::json&)>& edit) {
     return edited(dir, golden, name, [&](nlohmann::json& h) { kvmem::test::edit_config(h, edit); });
   };
-  expect_bad(dir, with(kvm_file(), "noT.safetensors", [](nlohmann::json& c) { c.erase("T"); }), {}, "config: missing key 'T'");
-  expect_bad(dir, with(kvm_file(), "strT.safetensors", [](nlohmann::json& c) { c["T"] = "5"; }), {}, "'T' must be an integer");
-  expect_bad(dir, with(kvm_file(), "negB.safetensors", [](nlohmann::json& c) { c["B"] = -1; }), {}, "'B' must lie in [1,");
-  expect_bad(dir, with(kvm_file(), "hq.safetensors", [](nlohmann::json& c) { c["Hq"] = 3; }), {}, "must be a multiple of 'Hk'");
-  expect_bad(dir, with(kvm_file(), "sink.safetensors", [](nlohmann::json& c) { c["sink"] = 8; }), {}, "'sink' must lie in [0, 7]");
+  expect_bad(dir, with(kvm_file(), "noT.safetensors", [](nlohmann::json& c) { c.erase("T"); }), {},
+             "config: missing key 'T'");
+  expect_bad(dir, with(kvm_file(), "strT.safetensors", [](nlohmann::json& c) { c["T"] = "5"; }), {},
+             "'T' must be an integer");
+  expect_bad(dir, with(kvm_file(), "negB.safetensors", [](nlohmann::json& c) { c["B"] = -1; }), {},
+             "'B' must lie in [1,");
+  expect_bad(dir, with(kvm_file(), "hq.safetensors", [](nlohmann::json& c) { c["Hq"] = 3; }), {},
+             "must be a multiple of 'Hk'");
+  expect_bad(dir, with(kvm_file(), "sink.safetensors", [](nlohmann::json& c) { c["sink"] = 8; }), {},
+             "'sink' must lie in [0, 7]");
   expect_bad(dir, with(kvm_file(), "kind.safetensors", [](nlohmann::json& c) { c["budget"]["kind"] = "linear"; }), {},
              "config.budget: 'kind' must be fixed, power or saturating, got 'linear'");
-  expect_bad(dir, with(kvm_file(), "nobudget.safetensors", [](nlohmann::json& c) { c.erase("budget"); }), {}, "missing key 'budget'");
-  expect_bad(dir, with(kvm_file(), "flag.safetensors", [](nlohmann::json& c) { c["head_temps"] = 1; }), {}, "'head_temps' must be true or false");
-  expect_bad(dir, with(kvm_file(), "split.safetensors", [](nlohmann::json& c) { c["decode_split"] = 6; }), {}, "'decode_split' must lie in [-1, 5]");
-  expect_bad(dir, with(ua_file(), "th.safetensors", [](nlohmann::json& c) { c["thresholds"] = {0.05, 1.5}; }), {},
-             "every entry of 'thresholds' must be a number in (0, 1), got 1.5");
-  expect_bad(dir, with(ua_file(), "thdup.safetensors", [](nlohmann::json& c) { c["thresholds"] = {0.05, 0.0501}; }), {},
-             "name the same output twice (p005)");
-  expect_bad(dir, with(ua_file(), "gates.safetensors", [](nlohmann::json& c) { c["gates"] = {"query", "key"}; }), {}, "'gates' must be");
-  expect_bad(dir, with(ua_file(), "scale.safetensors", [](nlohmann::json& c) { c["scale"] = 0.5; }), {}, "'scale' = 0.5 is not supported");
+  expect_bad(dir, with(kvm_file(), "nobudget.safetensors", [](nlohmann::json& c) { c.erase("budget"); }), {},
+             "missing key 'budget'");
+  expect_bad(dir, with(kvm_file(), "flag.safetensors", [](nlohmann::json& c) { c["head_temps"] = 1; }), {},
+             "'head_temps' must be true or false");
+  expect_bad(dir, with(kvm_file(), "split.safetensors", [](nlohmann::json& c) { c["decode_split"] = 6; }), {},
+             "'decode_split' must lie in [-1, 5]");
+  expect_bad(dir,
+             with(ua_file(), "th.safetensors",
+                  [](nlohmann::json& c) {
+                    c["thresholds"] = {0.05, 1.5};
+                  }),
+             {}, "every entry of 'thresholds' must be a number in (0, 1), got 1.5");
+  expect_bad(dir,
+             with(ua_file(), "thdup.safetensors",
+                  [](nlohmann::json& c) {
+                    c["thresholds"] = {0.05, 0.0501};
+                  }),
+             {}, "name the same output twice (p005)");
+  expect_bad(dir,
+             with(ua_file(), "gates.safetensors",
+                  [](nlohmann::json& c) {
+                    c["gates"] = {"query", "key"};
+                  }),
+             {}, "'gates' must be");
+  expect_bad(dir, with(ua_file(), "scale.safetensors", [](nlohmann::json& c) { c["scale"] = 0.5; }), {},
+             "'scale' = 0.5 is not supported");
   expect_bad(dir, with(ua_file(), "psplit.safetensors", [](nlohmann::json& c) { c["prefill_split"] = 17; }), {},
              "'prefill_split' must lie in [-1, 16]");
 }
@@ -316,7 +349,8 @@ TEST_CASE("non-finite inputs are rejected by every backend before anything is wr
 #endif
 
 #if KVMEM_REPLAY_HAVE_HOST_UA || KVMEM_REPLAY_HAVE_KOKKOS_UA
-TEST_CASE("non-finite UA inputs are rejected by the host and kokkos backends before anything is written", "[replay][cli]") {
+TEST_CASE("non-finite UA inputs are rejected by the host and kokkos backends before anything is written",
+          "[replay][cli]") {
   TempDir dir("nan_ua");
   auto img = kvmem::test::split_image(kvmem::test::read_bytes(ua_file()));
   const auto at = img.header["q"]["data_offsets"][0].get<std::size_t>() + 8 * 3;

@@ -80,7 +80,8 @@ TEST_CASE("config override: thresholds choose the pruned outputs", "[replay][con
   const std::string golden = kvmem::test::golden_case("ua", "ua_g1_gqa_t37");
   kvmem::test::write_text(dir.file("cfg.json"), R"({"thresholds": [0.05]})");
   const std::string out = dir.file("out.safetensors");
-  const auto run = kvmem::test::run_tool({golden, "-o", out, "--backend", "reference", "--config", dir.file("cfg.json")}, dir.path());
+  const auto run = kvmem::test::run_tool(
+      {golden, "-o", out, "--backend", "reference", "--config", dir.file("cfg.json")}, dir.path());
   INFO(run.out << run.err);
   CHECK(run.rc == 0);
   CHECK(line_has(run.out, "kept_p005", "PASS"));
@@ -99,7 +100,8 @@ TEST_CASE("config override: thresholds choose the pruned outputs", "[replay][con
 
   // a threshold the golden has no tensor for is computed and written, but not compared
   kvmem::test::write_text(dir.file("cfg2.json"), R"({"thresholds": [0.3]})");
-  const auto run2 = kvmem::test::run_tool({golden, "-o", out, "--backend", "reference", "--config", dir.file("cfg2.json")}, dir.path());
+  const auto run2 = kvmem::test::run_tool(
+      {golden, "-o", out, "--backend", "reference", "--config", dir.file("cfg2.json")}, dir.path());
   CHECK(run2.rc == 0);
   CHECK(load(out).has("kept_p030"));
 }
@@ -114,7 +116,8 @@ TEST_CASE("a torch-style F32 UA file with the mechanism given by the config file
   cfg["mechanism"] = "ua";
   kvmem::test::write_text(dir.file("cfg.json"), cfg.dump());
   const std::string out = dir.file("out.safetensors");
-  const auto run = kvmem::test::run_tool({input, "-o", out, "--backend", "reference", "--config", dir.file("cfg.json")}, dir.path());
+  const auto run =
+      kvmem::test::run_tool({input, "-o", out, "--backend", "reference", "--config", dir.file("cfg.json")}, dir.path());
   INFO(run.out << run.err);
   REQUIRE(run.rc == 0);
   CHECK_THAT(run.out, Catch::Contains("nothing compared"));
@@ -135,21 +138,24 @@ TEST_CASE("config override: nested budget keys merge, flags replace", "[replay][
   const std::string out = dir.file("out.safetensors");
   // power law capped by the file's max_slots = 8 gives the fixed-8 schedule: still all PASS
   kvmem::test::write_text(dir.file("power.json"), R"({"budget": {"kind": "power", "factor": 3.0, "exponent": 0.5}})");
-  auto run = kvmem::test::run_tool({golden, "-o", out, "--backend", "reference", "--config", dir.file("power.json")}, dir.path());
+  auto run = kvmem::test::run_tool({golden, "-o", out, "--backend", "reference", "--config", dir.file("power.json")},
+                                   dir.path());
   INFO(run.out << run.err);
   CHECK(run.rc == 0);
   CHECK(line_has(run.out, "slots_after_update", "PASS"));
   // deleting max_slots (merge-patch null) lifts the cap: more slots, so routes and state fail
   kvmem::test::write_text(dir.file("uncapped.json"),
                           R"({"budget": {"kind": "power", "factor": 3.0, "exponent": 0.5, "max_slots": null}})");
-  run = kvmem::test::run_tool({golden, "-o", out, "--backend", "reference", "--config", dir.file("uncapped.json")}, dir.path());
+  run = kvmem::test::run_tool({golden, "-o", out, "--backend", "reference", "--config", dir.file("uncapped.json")},
+                              dir.path());
   CHECK(run.rc == 1);
   CHECK(line_has(run.out, "slots_after_update", "FAIL"));
   CHECK(line_has(run.out, "state_k", "FAIL"));
   CHECK(i64(load(out), "slots_after_update") != i64(load(golden), "slots_after_update"));
   // a flag: without head temperatures the output changes
   kvmem::test::write_text(dir.file("temps.json"), R"({"head_temps": false})");
-  run = kvmem::test::run_tool({golden, "-o", out, "--backend", "reference", "--config", dir.file("temps.json")}, dir.path());
+  run = kvmem::test::run_tool({golden, "-o", out, "--backend", "reference", "--config", dir.file("temps.json")},
+                              dir.path());
   CHECK(run.rc == 1);
   CHECK(line_has(run.out, "out", "FAIL"));
 }
@@ -164,7 +170,8 @@ TEST_CASE("a torch-style F32 KVM file keeps the golden routes", "[replay][torch]
   cfg["mechanism"] = "kvm";
   kvmem::test::write_text(dir.file("cfg.json"), cfg.dump());
   const std::string out = dir.file("out.safetensors");
-  const auto run = kvmem::test::run_tool({input, "-o", out, "--backend", "reference", "--config", dir.file("cfg.json")}, dir.path());
+  const auto run =
+      kvmem::test::run_tool({input, "-o", out, "--backend", "reference", "--config", dir.file("cfg.json")}, dir.path());
   INFO(run.out << run.err);
   REQUIRE(run.rc == 0);
   const auto result = load(out);
@@ -198,7 +205,9 @@ TEST_CASE("wrong expected tensors fail: shape, value, route", "[replay][compare]
   const auto g = load(golden);
 
   // shape: same bytes, another shape
-  kvmem::test::edited_copy(golden, dir.file("shape.safetensors"), [](nlohmann::json& h) { h["out"]["shape"] = {1, 64, 4, 8}; });
+  kvmem::test::edited_copy(golden, dir.file("shape.safetensors"), [](nlohmann::json& h) {
+    h["out"]["shape"] = {1, 64, 4, 8};
+  });
   auto run = kvmem::test::run_tool({dir.file("shape.safetensors"), "-o", out, "--backend", "reference"}, dir.path());
   CHECK(run.rc == 1);
   CHECK_THAT(run.out, Catch::Contains("shape [1,64,2,16] != expected [1,64,4,8]"));
@@ -232,8 +241,10 @@ TEST_CASE("wrong expected tensors fail: shape, value, route", "[replay][compare]
 TEST_CASE("host results do not depend on --threads", "[replay][host]") {
   TempDir dir("threads");
   const std::string golden = kvmem::test::golden_case("kvm", "kvm_g5_gqa");
-  const auto one = kvmem::test::run_tool({golden, "-o", dir.file("t1.safetensors"), "--threads", "1", "--quiet"}, dir.path());
-  const auto three = kvmem::test::run_tool({golden, "-o", dir.file("t3.safetensors"), "--threads", "3", "--quiet"}, dir.path());
+  const auto one =
+      kvmem::test::run_tool({golden, "-o", dir.file("t1.safetensors"), "--threads", "1", "--quiet"}, dir.path());
+  const auto three =
+      kvmem::test::run_tool({golden, "-o", dir.file("t3.safetensors"), "--threads", "3", "--quiet"}, dir.path());
   INFO(one.out << one.err << three.out << three.err);
   REQUIRE(one.rc == 0);
   REQUIRE(three.rc == 0);
@@ -243,8 +254,10 @@ TEST_CASE("host results do not depend on --threads", "[replay][host]") {
   for (const auto& t : a.tensors()) {
     INFO(t.name);
     REQUIRE(b.has(t.name));
-    if (t.dtype == kvmem::io::DType::kF64) CHECK(f64(a, t.name) == f64(b, t.name));
-    else CHECK(i64(a, t.name) == i64(b, t.name));
+    if (t.dtype == kvmem::io::DType::kF64)
+      CHECK(f64(a, t.name) == f64(b, t.name));
+    else
+      CHECK(i64(a, t.name) == i64(b, t.name));
   }
 }
 #endif
@@ -253,7 +266,8 @@ TEST_CASE("host results do not depend on --threads", "[replay][host]") {
 TEST_CASE("host bf16 UA stays within the bf16 tolerance and keeps the kept sets", "[replay][host]") {
   TempDir dir("bf16");
   const std::string golden = kvmem::test::golden_case("ua", "ua_g1_gqa_t37");
-  const auto run = kvmem::test::run_tool({golden, "-o", dir.file("o.safetensors"), "--precision", "bf16", "--quiet"}, dir.path());
+  const auto run =
+      kvmem::test::run_tool({golden, "-o", dir.file("o.safetensors"), "--precision", "bf16", "--quiet"}, dir.path());
   INFO(run.out << run.err);
   CHECK(run.rc == 0);
   CHECK(line_has(run.out, "out_decode", "tol 3.000e-02"));
@@ -298,8 +312,8 @@ TEST_CASE("kokkos UA writes the tensors of the host UA adapter", "[replay][kokko
       INFO(input << " " << precision);
       const std::string host_out = dir.file("host_" + precision + ".safetensors");
       const std::string kokkos_out = dir.file("kokkos_" + precision + ".safetensors");
-      const auto host = kvmem::test::run_tool({input, "-o", host_out, "--backend", "host", "--precision", precision, "--quiet"},
-                                              dir.path());
+      const auto host = kvmem::test::run_tool(
+          {input, "-o", host_out, "--backend", "host", "--precision", precision, "--quiet"}, dir.path());
       const auto kok = kvmem::test::run_tool(
           {input, "-o", kokkos_out, "--backend", "kokkos", "--precision", precision, "--quiet"}, dir.path());
       INFO(host.out << host.err << kok.out << kok.err);
@@ -323,8 +337,10 @@ TEST_CASE("kokkos UA writes the tensors of the host UA adapter", "[replay][kokko
         REQUIRE(u != nullptr);
         CHECK(u->dtype == t.dtype);
         CHECK(u->shape == t.shape);
-        if (t.dtype == kvmem::io::DType::kF64) CHECK(max_rel(f64(b, t.name), f64(a, t.name)) <= 1e-6);
-        else CHECK(i64(b, t.name) == i64(a, t.name));
+        if (t.dtype == kvmem::io::DType::kF64)
+          CHECK(max_rel(f64(b, t.name), f64(a, t.name)) <= 1e-6);
+        else
+          CHECK(i64(b, t.name) == i64(a, t.name));
       }
       // the pruned runs prune: a kept set that keeps everything would compare trivially
       const auto kept = i64(b, "kept_p015");

@@ -55,7 +55,9 @@ std::uint64_t header_len(const Bytes& b) {
   return n <= b.size() - 8 ? n : 0;
 }
 
-bool is_float(DType d) { return d == DType::kF64 || d == DType::kF32 || d == DType::kF16 || d == DType::kBF16; }
+bool is_float(DType d) {
+  return d == DType::kF64 || d == DType::kF32 || d == DType::kF16 || d == DType::kBF16;
+}
 
 // The success half of the property: everything a parsed file claims is inside it and readable.
 void check_parsed(const SafetensorsFile& f) {
@@ -147,10 +149,18 @@ class Mutator {
         std::uint64_t n;
         std::memcpy(&n, b.data(), 8);
         switch (pick(4)) {
-          case 0: n += pick(17) - 8; break;
-          case 1: n = rng_(); break;
-          case 2: n = 0; break;
-          default: n = b.size() - 8 - pick(std::min<std::size_t>(b.size() - 8, 64) + 1); break;
+          case 0:
+            n += pick(17) - 8;
+            break;
+          case 1:
+            n = rng_();
+            break;
+          case 2:
+            n = 0;
+            break;
+          default:
+            n = b.size() - 8 - pick(std::min<std::size_t>(b.size() - 8, 64) + 1);
+            break;
         }
         std::memcpy(b.data(), &n, 8);
         break;
@@ -164,8 +174,10 @@ class Mutator {
         for (int tries = 0; tries < 32; ++tries) {
           const std::size_t p = 8 + pick(n);
           if (b[p] >= '0' && b[p] <= '9') {
-            if (coin(0.5)) b[p] = static_cast<std::uint8_t>('0' + pick(10));
-            else b.insert(b.begin() + static_cast<std::ptrdiff_t>(p), static_cast<std::uint8_t>('0' + pick(10)));
+            if (coin(0.5))
+              b[p] = static_cast<std::uint8_t>('0' + pick(10));
+            else
+              b.insert(b.begin() + static_cast<std::ptrdiff_t>(p), static_cast<std::uint8_t>('0' + pick(10)));
             break;
           }
         }
@@ -174,7 +186,8 @@ class Mutator {
       default: {  // duplicate a range somewhere else
         if (b.size() < 2) break;
         const std::size_t from = pick(b.size()), len = 1 + pick(std::min<std::size_t>(32, b.size() - from));
-        const Bytes piece(b.begin() + static_cast<std::ptrdiff_t>(from), b.begin() + static_cast<std::ptrdiff_t>(from + len));
+        const Bytes piece(b.begin() + static_cast<std::ptrdiff_t>(from),
+                          b.begin() + static_cast<std::ptrdiff_t>(from + len));
         const std::size_t at = position(b);
         b.insert(b.begin() + static_cast<std::ptrdiff_t>(std::min(at, b.size())), piece.begin(), piece.end());
         break;
@@ -244,7 +257,8 @@ TEST_CASE("random mutations never crash the safetensors reader", "[safetensors][
     ++iterations;
   }
   WARN("fuzz: " << iterations << " mutants (" << parsed << " parsed, " << rejected << " rejected) in "
-                << std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count() << " s, seed " << seed);
+                << std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count() << " s, seed "
+                << seed);
   CHECK(iterations >= 1000);
   CHECK(parsed > 0);    // the mutations reach valid files (digit edits in the data, benign header edits)
   CHECK(rejected > 0);  // and broken ones

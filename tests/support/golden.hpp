@@ -120,10 +120,10 @@ double relative_frobenius(const std::vector<A>& actual, const std::vector<E>& ex
 }  // namespace kvmem::test
 
 // Checks the golden tolerance rule and prints the numbers on failure.
-#define KVMEM_CHECK_CLOSE(actual, expected, tol)                                                  \
-  do {                                                                                           \
-    const auto kvmem_dev_ = ::kvmem::test::deviation((actual), (expected));                      \
-    INFO(#actual << " vs " << #expected << ": max abs " << kvmem_dev_.max_abs << ", scale "      \
-                 << kvmem_dev_.scale << ", relative " << kvmem_dev_.relative() << ", tol " << (tol)); \
-    CHECK(kvmem_dev_.relative() <= (tol));                                                       \
+#define KVMEM_CHECK_CLOSE(actual, expected, tol)                                                                \
+  do {                                                                                                          \
+    const auto kvmem_dev_ = ::kvmem::test::deviation((actual), (expected));                                     \
+    INFO(#actual << " vs " << #expected << ": max abs " << kvmem_dev_.max_abs << ", scale " << kvmem_dev_.scale \
+                 << ", relative " << kvmem_dev_.relative() << ", tol " << (tol));                               \
+    CHECK(kvmem_dev_.relative() <= (tol));                                                                      \
   } while (false)

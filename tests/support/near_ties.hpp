@@ -165,7 +165,8 @@ inline RouteAccount account_kvm_routes(const rkvm::Config& c, const rkvm::Inputs
         for (std::size_t e = 0; e < n_app; ++e) {
           const std::int64_t t = run.route_append[std::size_t(u)][std::size_t(item) * n_app + e];
           if (t < a || t >= a + C) {
-            acc.fail("update " + std::to_string(u + 1) + ": appended token " + std::to_string(t) + " outside the chunk");
+            acc.fail("update " + std::to_string(u + 1) + ": appended token " + std::to_string(t) +
+                     " outside the chunk");
             continue;
           }
           appended[std::size_t(t - a)] = true;
@@ -186,8 +187,10 @@ inline RouteAccount account_kvm_routes(const rkvm::Config& c, const rkvm::Inputs
               err = std::max(err, e);  // |max_j x_j - max_j y_j| <= max_j |x_j - y_j|
             }
             order.emplace_back(score, i);
-            if (appended[std::size_t(i)]) in_hi = std::max(in_hi, score - err);
-            else out_lo = std::min(out_lo, score + err);
+            if (appended[std::size_t(i)])
+              in_hi = std::max(in_hi, score - err);
+            else
+              out_lo = std::min(out_lo, score + err);
           }
           std::sort(order.begin(), order.end());  // the fp64 choice: (score asc, index asc)
           for (std::size_t r = 0; r < order.size(); ++r)
@@ -255,10 +258,10 @@ inline RouteAccount account_kvm_routes(const rkvm::Config& c, const rkvm::Inputs
 // ---- UA ------------------------------------------------------------------------------------------
 
 struct KeptAccount {
-  std::int64_t keys = 0;        // keys compared
-  std::int64_t near_ties = 0;   // kept-set differences within the bound
-  std::int64_t beyond = 0;      // differences the bound does not explain: must be 0
-  double widest = 0;            // widest λ interval among the near-ties
+  std::int64_t keys = 0;       // keys compared
+  std::int64_t near_ties = 0;  // kept-set differences within the bound
+  std::int64_t beyond = 0;     // differences the bound does not explain: must be 0
+  double widest = 0;           // widest λ interval among the near-ties
   std::string first_beyond;
   [[nodiscard]] std::string summary() const {
     std::ostringstream s;
@@ -304,7 +307,8 @@ std::pair<double, double> lambda_interval(const kvmem::reference::ua::Config& c,
       return std::exp(lx) * (1.0 + widen * 64.0 * u * (1.0 + std::abs(lx)));
     };
     const double x_hi = x_of(sim + dsim, 1.0), x_lo = x_of(sim - dsim, -1.0);
-    const double a_lo = std::min(A_at(x_hi, cap64), A_at(x_hi, cap32)), a_hi = std::max(A_at(x_lo, cap64), A_at(x_lo, cap32));
+    const double a_lo = std::min(A_at(x_hi, cap64), A_at(x_hi, cap32)),
+                 a_hi = std::max(A_at(x_lo, cap64), A_at(x_lo, cap32));
     lo += a_lo * (1.0 + 8.0 * u);
     hi += a_hi * (1.0 - 8.0 * u);
     mag += std::abs(a_lo);

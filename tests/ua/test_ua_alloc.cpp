@@ -38,14 +38,30 @@ void* operator new[](std::size_t size) {
   if (void* p = counted_malloc(size)) return p;
   throw std::bad_alloc();
 }
-void* operator new(std::size_t size, const std::nothrow_t&) noexcept { return counted_malloc(size); }
-void* operator new[](std::size_t size, const std::nothrow_t&) noexcept { return counted_malloc(size); }
-void operator delete(void* p) noexcept { std::free(p); }
-void operator delete[](void* p) noexcept { std::free(p); }
-void operator delete(void* p, std::size_t) noexcept { std::free(p); }
-void operator delete[](void* p, std::size_t) noexcept { std::free(p); }
-void operator delete(void* p, const std::nothrow_t&) noexcept { std::free(p); }
-void operator delete[](void* p, const std::nothrow_t&) noexcept { std::free(p); }
+void* operator new(std::size_t size, const std::nothrow_t&) noexcept {
+  return counted_malloc(size);
+}
+void* operator new[](std::size_t size, const std::nothrow_t&) noexcept {
+  return counted_malloc(size);
+}
+void operator delete(void* p) noexcept {
+  std::free(p);
+}
+void operator delete[](void* p) noexcept {
+  std::free(p);
+}
+void operator delete(void* p, std::size_t) noexcept {
+  std::free(p);
+}
+void operator delete[](void* p, std::size_t) noexcept {
+  std::free(p);
+}
+void operator delete(void* p, const std::nothrow_t&) noexcept {
+  std::free(p);
+}
+void operator delete[](void* p, const std::nothrow_t&) noexcept {
+  std::free(p);
+}
 
 TEST_CASE("ua: prefill and decode do not allocate once the cache exists", "[ua][host]") {
   using namespace kvmem::test::ua;
@@ -57,7 +73,8 @@ TEST_CASE("ua: prefill and decode do not allocate once the cache exists", "[ua][
   const kvmem::ua::Options opt{0.05, 32, true};
   const long before = g_allocations.load();
   kvmem::Status s = kvmem::ua::prefill(exec, cache, f.slice(0, 64), opt, f.out_slice(out, 0, 64));
-  for (std::int64_t t = 64; t < 96 && s.is_ok(); ++t) s = kvmem::ua::decode(exec, cache, f.slice(t, t + 1), opt, f.out_slice(out, t, t + 1));
+  for (std::int64_t t = 64; t < 96 && s.is_ok(); ++t)
+    s = kvmem::ua::decode(exec, cache, f.slice(t, t + 1), opt, f.out_slice(out, t, t + 1));
   const long after = g_allocations.load();
   REQUIRE(s.is_ok());
   CHECK(after - before == 0);

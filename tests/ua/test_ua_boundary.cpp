@@ -8,8 +8,8 @@
 
 #include <catch2/catch.hpp>
 
-#include "ua_boundary_cases.hpp"
 #include "support/near_ties.hpp"
+#include "ua_boundary_cases.hpp"
 #include "ua_host_support.hpp"
 
 namespace {

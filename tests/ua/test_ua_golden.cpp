@@ -67,8 +67,8 @@ TEST_CASE("golden: fp64 reference matches every UA golden", "[ua][golden]") {
     const auto decoded = ref::decode_dense(c.config, c.inputs);
     KVMEM_CHECK_CLOSE(decoded, g.f64("out_decode"), kFp64Tol);
     std::cout << g.name << " reference rel err: out " << kvmem::test::deviation(dense.out, g.f64("out")).relative()
-              << " out_decode " << kvmem::test::deviation(decoded, g.f64("out_decode")).relative()
-              << " lse " << kvmem::test::deviation(dense.lse, g.f64("lse")).relative() << " lambda_last "
+              << " out_decode " << kvmem::test::deviation(decoded, g.f64("out_decode")).relative() << " lse "
+              << kvmem::test::deviation(dense.lse, g.f64("lse")).relative() << " lambda_last "
               << kvmem::test::deviation(dense.lambda_last, g.f64("lambda_last")).relative();
     for (const auto& [p, tag] : {std::pair{0.05, "p005"}, std::pair{0.15, "p015"}}) {
       const auto pr = ref::pruned(c.config, c.inputs, p);
@@ -110,7 +110,8 @@ TEST_CASE("golden: fp32 host backend matches every UA golden", "[ua][golden][hos
       const auto out = host_prefill_decode(f, c.config.prefill_split, opt, cache);
       KVMEM_CHECK_CLOSE(out, g.f64(std::string("out_pruned_") + tag), kFp32Tol);
       check_kept(c, kept_mask(cache, c.config.T), g.i64(std::string("kept_") + tag), p, tag);
-      std::cout << " out_pruned_" << tag << " " << kvmem::test::deviation(out, g.f64(std::string("out_pruned_") + tag)).relative();
+      std::cout << " out_pruned_" << tag << " "
+                << kvmem::test::deviation(out, g.f64(std::string("out_pruned_") + tag)).relative();
     }
     std::cout << "\n";
   }

@@ -33,8 +33,8 @@ std::vector<std::int64_t> kept_positions(const kua::PrunedCache<S>& cache, std::
 }
 
 // Run prefill of [0, split) then decode, with one cache.
-std::vector<float> run(const FloatCase& f, std::int64_t split, kua::Options opt, kua::PrunedCache<float>* keep = nullptr,
-                       int threads = 2) {
+std::vector<float> run(const FloatCase& f, std::int64_t split, kua::Options opt,
+                       kua::PrunedCache<float>* keep = nullptr, int threads = 2) {
   kua::PrunedCache<float> cache(f.cache_shape());
   auto out = host_prefill_decode(f, split, opt, cache, threads);
   if (keep) *keep = cache;
@@ -42,7 +42,8 @@ std::vector<float> run(const FloatCase& f, std::int64_t split, kua::Options opt,
 }
 }  // namespace
 
-TEST_CASE("host: cumulative decay is 0 on the diagonal, non-increasing down a column, equal to the reference", "[ua][host]") {
+TEST_CASE("host: cumulative decay is 0 on the diagonal, non-increasing down a column, equal to the reference",
+          "[ua][host]") {
   const Case c = random_case(1, 70, 2, 1, 16, 5);
   const FloatCase f(c);
   const auto lam = kvmem::reference::ua::cumulative_decay(c.config, c.inputs, 0, 0);
@@ -50,12 +51,14 @@ TEST_CASE("host: cumulative decay is 0 on the diagonal, non-increasing down a co
   std::vector<std::int64_t> pos(T);
   for (std::int64_t t = 0; t < T; ++t) pos[t] = t;
   std::vector<float> tile(T * T), col(T), scratch(T);
-  kvmem::kernel::ua::decay_tile<kvmem::decay::Universal, float>(f.k.data(), D, f.z_k.data(), pos.data(), T, f.k.data(), D,
-                                                                f.z_q.data(), 1, 0, T, D, tile.data(), T, scratch.data());
+  kvmem::kernel::ua::decay_tile<kvmem::decay::Universal, float>(f.k.data(), D, f.z_k.data(), pos.data(), T, f.k.data(),
+                                                                D, f.z_q.data(), 1, 0, T, D, tile.data(), T,
+                                                                scratch.data());
   // the tile's precomputed gate parts give bitwise the value decay::Set computes per pair
   for (std::int64_t j = 0; j < T; ++j)
     for (std::int64_t m = j + 1; m < T; ++m) {
-      kvmem::decay::PairInputs<float> in{f.z_k[j], f.z_q[m], kvmem::kernel::ua::dot8<float>(f.k.data() + j * D, f.k.data() + m * D, D), j, m};
+      kvmem::decay::PairInputs<float> in{
+          f.z_k[j], f.z_q[m], kvmem::kernel::ua::dot8<float>(f.k.data() + j * D, f.k.data() + m * D, D), j, m};
       CHECK(tile[j * T + m] == kvmem::decay::Universal::log_decay(in));
     }
   for (std::int64_t j = 0; j < T; ++j) {
@@ -88,7 +91,8 @@ TEST_CASE("host: gates at 0 give plain causal softmax attention with scale 1", "
         for (std::int64_t j = 0; j <= i; ++j) {
           s[j] = 0;
           for (std::int64_t d = 0; d < cf.D; ++d)
-            s[j] += c.inputs.q[((b * cf.H + h) * cf.T + i) * cf.D + d] * c.inputs.k[((b * cf.G + g) * cf.T + j) * cf.D + d];
+            s[j] +=
+                c.inputs.q[((b * cf.H + h) * cf.T + i) * cf.D + d] * c.inputs.k[((b * cf.G + g) * cf.T + j) * cf.D + d];
           mx = std::max(mx, s[j]);
         }
         for (std::int64_t j = 0; j <= i; ++j) sum += std::exp(s[j] - mx);
@@ -117,13 +121,16 @@ TEST_CASE("host: p -> 0 gives the dense result exactly and evicts nothing", "[ua
     } else {
       // a key evicted at 1e-300 needs λ < -690.8; compare only if nothing crossed it
       const bool none = cache.length(0, 0) == 150 && cache.length(0, 1) == 150;
-      if (none) CHECK(out == dense.out);
-      else WARN("p = 1e-300 evicted keys on this case; equality not checked");
+      if (none)
+        CHECK(out == dense.out);
+      else
+        WARN("p = 1e-300 evicted keys on this case; equality not checked");
     }
   }
 }
 
-TEST_CASE("host: decode equals prefill bitwise (outputs and λ), from an empty cache and after a prefill", "[ua][host]") {
+TEST_CASE("host: decode equals prefill bitwise (outputs and λ), from an empty cache and after a prefill",
+          "[ua][host]") {
   const Case c = random_case(2, 140, 4, 2, 16, 41, 1.0, true);  // with the output gate
   const FloatCase f(c);
   const auto dense = host_forward(f);
@@ -151,7 +158,9 @@ TEST_CASE("host: the kept set only loses keys except the new one, and equals {j 
   std::vector<std::int64_t> prev[2];
   std::int64_t near_ties = 0;
   for (std::int64_t t = 0; t < 120; ++t) {
-    REQUIRE(kua::decode(kvmem::host::Executor{2}, cache, f.slice(t, t + 1), kua::Options{p, 128, true}, f.out_slice(out, t, t + 1)).is_ok());
+    REQUIRE(kua::decode(kvmem::host::Executor{2}, cache, f.slice(t, t + 1), kua::Options{p, 128, true},
+                        f.out_slice(out, t, t + 1))
+                .is_ok());
     for (std::int64_t g = 0; g < 2; ++g) {
       const auto now = kept_positions(cache, 0, g);
       for (auto j : now) {  // K_t ⊆ K_{t-1} ∪ {t}
@@ -195,8 +204,10 @@ TEST_CASE("host: a query head only reads its group's cache", "[ua][host]") {
       for (std::int64_t h = 0; h < 4; ++h)
         for (std::int64_t d = 0; d < D; ++d) {
           const std::size_t e = static_cast<std::size_t>((t * 4 + h) * D + d);
-          if (h < 2) CHECK(a[e] == b[e]);  // heads 0, 1 read kv head 0 (floor(h / 2))
-          else diff_other += a[e] != b[e];
+          if (h < 2)
+            CHECK(a[e] == b[e]);  // heads 0, 1 read kv head 0 (floor(h / 2))
+          else
+            diff_other += a[e] != b[e];
         }
     CHECK(diff_other > 0);  // the change did reach heads 2, 3
   }
@@ -217,14 +228,16 @@ TEST_CASE("host: chunked prefill with P = 1 equals decode evicting after attenti
 
 TEST_CASE("host: G0 worked example of spec UA.md 8 (kept sets, pruned outputs)", "[ua][host]") {
   const FloatCase f(g0_case(4));
-  const std::vector<std::vector<std::int64_t>> p005 = {{2, 3}, {2, 3, 4, 5, 6, 7}, {2, 3, 4, 5, 10, 11}, {4, 5, 10, 13, 14, 15}};
+  const std::vector<std::vector<std::int64_t>> p005 = {
+      {2, 3}, {2, 3, 4, 5, 6, 7}, {2, 3, 4, 5, 10, 11}, {4, 5, 10, 13, 14, 15}};
   const std::vector<std::vector<std::int64_t>> p015 = {{2, 3}, {6, 7}, {11}, {14, 15}};
   for (double p : {0.05, 0.15}) {
     kua::PrunedCache<float> cache(f.cache_shape());
     std::vector<float> out = f.make_out();
     for (int s = 0; s < 4; ++s) {  // one prefill call per chunk of 4: evictions at t = 3, 7, 11, 15
       REQUIRE(kua::prefill(kvmem::host::Executor{1}, cache, f.slice(4 * s, 4 * s + 4), kua::Options{p, 4, true},
-                           f.out_slice(out, 4 * s, 4 * s + 4)).is_ok());
+                           f.out_slice(out, 4 * s, 4 * s + 4))
+                  .is_ok());
       INFO("p " << p << " after t = " << 4 * s + 3);
       CHECK(kept_positions(cache, 0, 0) == (p == 0.05 ? p005 : p015)[s]);
     }
@@ -233,7 +246,11 @@ TEST_CASE("host: G0 worked example of spec UA.md 8 (kept sets, pruned outputs)",
     for (int d = 0; d < 4; ++d) CHECK(out[(15 * 2) * 4 + d] == Approx(o[d]).margin(2e-6));
     CHECK(cache.position(0) == 16);  // spec UA.md 6.10: the counter is the token count
   }
-  struct Run { double p; bool before; std::vector<double> o; };
+  struct Run {
+    double p;
+    bool before;
+    std::vector<double> o;
+  };
   for (const Run& r : {Run{0.05, true, {-0.409134, -0.714472, -0.770225, -0.556915}},
                        Run{0.05, false, {-0.461722, -0.735490, -0.752331, -0.506360}},
                        Run{0.15, true, {-0.232012, -0.729708, -0.972495, -0.875562}},
@@ -242,8 +259,8 @@ TEST_CASE("host: G0 worked example of spec UA.md 8 (kept sets, pruned outputs)",
     kua::PrunedCache<float> cache(f.cache_shape());
     const auto out = host_prefill_decode(f, 0, kua::Options{r.p, 128, r.before}, cache);
     for (int d = 0; d < 4; ++d) CHECK(out[(15 * 2) * 4 + d] == Approx(r.o[d]).margin(2e-6));
-    CHECK(kept_positions(cache, 0, 0) == (r.p == 0.05 ? std::vector<std::int64_t>{4, 5, 10, 13, 14, 15}
-                                                      : std::vector<std::int64_t>{14, 15}));
+    CHECK(kept_positions(cache, 0, 0) ==
+          (r.p == 0.05 ? std::vector<std::int64_t>{4, 5, 10, 13, 14, 15} : std::vector<std::int64_t>{14, 15}));
   }
 }
 
@@ -308,18 +325,24 @@ TEST_CASE("host: validation errors leave the cache untouched", "[ua][host]") {
     CHECK(s.message().find(word) != std::string::npos);
     same();
   };
-  expect_error(kua::prefill(exec, cache, f.slice(20, 24), kua::Options{1.5, 8, true}, f.out_slice(out, 20, 24)), "[0, 1]");
-  expect_error(kua::prefill(exec, cache, f.slice(20, 24), kua::Options{-0.1, 8, true}, f.out_slice(out, 20, 24)), "[0, 1]");
-  expect_error(kua::prefill(exec, cache, f.slice(20, 24), kua::Options{0.15, 0, true}, f.out_slice(out, 20, 24)), "prefill_chunk");
-  expect_error(kua::decode(exec, cache, f.slice(20, 22), kua::Options{0.15, 8, true}, f.out_slice(out, 20, 22)), "decode tokens");
-  expect_error(kua::prefill(exec, cache, f.slice(0, 40), kua::Options{0.15, 8, true}, f.out_slice(out, 0, 40)), "capacity");
+  expect_error(kua::prefill(exec, cache, f.slice(20, 24), kua::Options{1.5, 8, true}, f.out_slice(out, 20, 24)),
+               "[0, 1]");
+  expect_error(kua::prefill(exec, cache, f.slice(20, 24), kua::Options{-0.1, 8, true}, f.out_slice(out, 20, 24)),
+               "[0, 1]");
+  expect_error(kua::prefill(exec, cache, f.slice(20, 24), kua::Options{0.15, 0, true}, f.out_slice(out, 20, 24)),
+               "prefill_chunk");
+  expect_error(kua::decode(exec, cache, f.slice(20, 22), kua::Options{0.15, 8, true}, f.out_slice(out, 20, 22)),
+               "decode tokens");
+  expect_error(kua::prefill(exec, cache, f.slice(0, 40), kua::Options{0.15, 8, true}, f.out_slice(out, 0, 40)),
+               "capacity");
   auto bad = f.slice(20, 24);
   bad.k = TensorView<const float, 4>(f.k.data(), {1, 1, 4, 7});
   expect_error(kua::prefill(exec, cache, bad, kua::Options{0.15, 8, true}, f.out_slice(out, 20, 24)), "k [B,G,T,D]");
   f.q[(1 * 40 + 22) * 8 + 3] = std::numeric_limits<float>::quiet_NaN();
   expect_error(kua::prefill(exec, cache, f.slice(20, 24), kua::Options{0.15, 8, true}, f.out_slice(out, 20, 24)), "q");
   f.q[(1 * 40 + 22) * 8 + 3] = std::numeric_limits<float>::infinity();
-  expect_error(kua::decode(exec, cache, f.slice(22, 23), kua::Options{0.15, 8, true}, f.out_slice(out, 22, 23)), "NaN or Inf");
+  expect_error(kua::decode(exec, cache, f.slice(22, 23), kua::Options{0.15, 8, true}, f.out_slice(out, 22, 23)),
+               "NaN or Inf");
 }
 
 TEST_CASE("host: the position counter is the token count after evictions, freed pages and the report", "[ua][host]") {
@@ -327,7 +350,9 @@ TEST_CASE("host: the position counter is the token count after evictions, freed 
   const FloatCase f(c);
   kua::PrunedCache<float> cache(f.cache_shape());
   std::vector<float> out = f.make_out();
-  REQUIRE(kua::prefill(kvmem::host::Executor{2}, cache, f.slice(0, 128), kua::Options{0.15, 128, true}, f.out_slice(out, 0, 128)).is_ok());
+  REQUIRE(kua::prefill(kvmem::host::Executor{2}, cache, f.slice(0, 128), kua::Options{0.15, 128, true},
+                       f.out_slice(out, 0, 128))
+              .is_ok());
   for (std::int64_t b = 0; b < 2; ++b) {
     CHECK(cache.position(b) == 128);
     for (std::int64_t g = 0; g < 2; ++g) {
@@ -340,7 +365,9 @@ TEST_CASE("host: the position counter is the token count after evictions, freed 
     }
   }
   for (std::int64_t t = 128; t < 160; ++t)
-    REQUIRE(kua::decode(kvmem::host::Executor{2}, cache, f.slice(t, t + 1), kua::Options{0.15, 128, true}, f.out_slice(out, t, t + 1)).is_ok());
+    REQUIRE(kua::decode(kvmem::host::Executor{2}, cache, f.slice(t, t + 1), kua::Options{0.15, 128, true},
+                        f.out_slice(out, t, t + 1))
+                .is_ok());
   const auto rows = kua::report(cache, 3);
   REQUIRE(rows.size() == 4);
   for (const auto& r : rows) {
@@ -357,7 +384,10 @@ TEST_CASE("host: the position counter is the token count after evictions, freed 
   CHECK(cache.length(0, 0) < 160);
 }
 
-TEST_CASE("host: compile-time Attention<Set, Threshold{p}, Bf16Storage> equals the runtime path and the thread count does not matter", "[ua][host]") {
+TEST_CASE(
+    "host: compile-time Attention<Set, Threshold{p}, Bf16Storage> equals the runtime path and the thread count does "
+    "not matter",
+    "[ua][host]") {
   const Case c = random_case(2, 100, 4, 2, 16, 121);
   const FloatCase f(c);
   using Ua = kua::Attention<kvmem::decay::Universal, kvmem::prune::Threshold{0.05}, kvmem::precision::Bf16Storage>;
@@ -397,9 +427,13 @@ TEST_CASE("host: a user decay gate plugs in and matches the reference with the s
   const auto ref_out = kvmem::reference::ua::pruned<DistanceSet>(c.config, c.inputs, 0.05);
   kua::PrunedCache<float> cache(f.cache_shape());
   std::vector<float> out = f.make_out();
-  REQUIRE(kua::prefill<DistanceSet>(kvmem::host::Executor{1}, cache, f.slice(0, 60), kua::Options{0.05, 16, true}, f.out_slice(out, 0, 60)).is_ok());
+  REQUIRE(kua::prefill<DistanceSet>(kvmem::host::Executor{1}, cache, f.slice(0, 60), kua::Options{0.05, 16, true},
+                                    f.out_slice(out, 0, 60))
+              .is_ok());
   for (std::int64_t t = 60; t < 90; ++t)
-    REQUIRE(kua::decode<DistanceSet>(kvmem::host::Executor{1}, cache, f.slice(t, t + 1), kua::Options{0.05, 16, true}, f.out_slice(out, t, t + 1)).is_ok());
+    REQUIRE(kua::decode<DistanceSet>(kvmem::host::Executor{1}, cache, f.slice(t, t + 1), kua::Options{0.05, 16, true},
+                                     f.out_slice(out, t, t + 1))
+                .is_ok());
   KVMEM_CHECK_CLOSE(out, ref_out.out, kFp32Tol);
   CHECK(kept_mask(cache, 90) == ref_out.kept);
   CHECK(cache.length(0, 0) < 90);
@@ -413,7 +447,8 @@ TEST_CASE("host: across prefill chunk ends the kept set only loses keys, except 
   std::vector<std::int64_t> prev[2];
   for (std::int64_t t0 = 0; t0 < 128; t0 += 16) {  // one call per chunk of 16: eviction at each call's end
     REQUIRE(kua::prefill(kvmem::host::Executor{2}, cache, f.slice(t0, t0 + 16), kua::Options{0.05, 16, true},
-                         f.out_slice(out, t0, t0 + 16)).is_ok());
+                         f.out_slice(out, t0, t0 + 16))
+                .is_ok());
     for (std::int64_t g = 0; g < 2; ++g) {
       const auto now = kept_positions(cache, 0, g);
       for (auto j : now) {
@@ -427,7 +462,9 @@ TEST_CASE("host: across prefill chunk ends the kept set only loses keys, except 
   // and one call over all 128 tokens with chunk 16 gives the same outputs and cache
   kua::PrunedCache<float> whole(f.cache_shape());
   std::vector<float> out_whole = f.make_out();
-  REQUIRE(kua::prefill(kvmem::host::Executor{2}, whole, f.slice(0, 128), kua::Options{0.05, 16, true}, f.out_slice(out_whole, 0, 128)).is_ok());
+  REQUIRE(kua::prefill(kvmem::host::Executor{2}, whole, f.slice(0, 128), kua::Options{0.05, 16, true},
+                       f.out_slice(out_whole, 0, 128))
+              .is_ok());
   CHECK(out_whole == out);
   for (std::int64_t g = 0; g < 2; ++g) CHECK(kept_positions(whole, 0, g) == prev[g]);
   CHECK(prev[0].size() < 128);

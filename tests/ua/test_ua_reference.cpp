@@ -58,8 +58,8 @@ TEST_CASE("reference: G0 decay numbers of spec UA.md 8", "[ua][reference]") {
   CHECK(a[0 * 16 + 1] == Approx(-2.238846).margin(1e-6));
   const auto lam = ref::cumulative_decay(c.config, c.inputs, 0, 0);
   const std::vector<double> row15 = {-11.198542, -9.430833, -6.347244, -3.764803, -2.654283, -2.706320,
-                                     -2.997719, -3.496197, -3.718026, -3.235967, -2.952282, -3.244324,
-                                     -3.339540, -2.302779, -1.177702, 0.0};
+                                     -2.997719,  -3.496197, -3.718026, -3.235967, -2.952282, -3.244324,
+                                     -3.339540,  -2.302779, -1.177702, 0.0};
   check_row(&lam[15 * 16], row15);
   check_row(&lam[4 * 16], {-4.171748, -3.672170, -2.655196, -1.450004, 0.0});
   const auto dense = ref::dense(c.config, c.inputs);
@@ -74,7 +74,8 @@ TEST_CASE("reference: G0 decay numbers of spec UA.md 8", "[ua][reference]") {
 
 TEST_CASE("reference: G0 chunked prefill P = 4 kept sets and outputs of spec UA.md 8", "[ua][reference]") {
   const Case c = g0_case(4);
-  const std::vector<std::vector<std::int64_t>> p005 = {{2, 3}, {2, 3, 4, 5, 6, 7}, {2, 3, 4, 5, 10, 11}, {4, 5, 10, 13, 14, 15}};
+  const std::vector<std::vector<std::int64_t>> p005 = {
+      {2, 3}, {2, 3, 4, 5, 6, 7}, {2, 3, 4, 5, 10, 11}, {4, 5, 10, 13, 14, 15}};
   const std::vector<std::vector<std::int64_t>> p015 = {{2, 3}, {6, 7}, {11}, {14, 15}};
   for (int s = 0; s < 4; ++s) {
     const Case pc = prefix(c, 4 * (s + 1));
@@ -89,20 +90,23 @@ TEST_CASE("reference: G0 chunked prefill P = 4 kept sets and outputs of spec UA.
 TEST_CASE("reference: G0 per-token pruned decode of spec UA.md 8", "[ua][reference]") {
   Case c = g0_case();
   c.config.prefill_split = 0;  // decode every token from an empty cache
-  struct Run { double p; bool before; std::vector<double> o; };
-  const std::vector<Run> runs = {
-      {0.05, true, {-0.409134, -0.714472, -0.770225, -0.556915}},
-      {0.05, false, {-0.461722, -0.735490, -0.752331, -0.506360}},
-      {0.15, true, {-0.232012, -0.729708, -0.972495, -0.875562}},
-      {0.15, false, {-0.342484, -0.784143, -0.951878, -0.787095}}};
+  struct Run {
+    double p;
+    bool before;
+    std::vector<double> o;
+  };
+  const std::vector<Run> runs = {{0.05, true, {-0.409134, -0.714472, -0.770225, -0.556915}},
+                                 {0.05, false, {-0.461722, -0.735490, -0.752331, -0.506360}},
+                                 {0.15, true, {-0.232012, -0.729708, -0.972495, -0.875562}},
+                                 {0.15, false, {-0.342484, -0.784143, -0.951878, -0.787095}}};
   for (const Run& run : runs) {
     INFO("p " << run.p << " evict_before_attention " << run.before);
     c.config.evict_before_attention = run.before;
     const auto r = ref::pruned(c.config, c.inputs, run.p);
     check_row(&r.out[(15 * 2) * 4], run.o);
     // "In all four runs the kept set after t = 15 equals the dense survivors"
-    const std::vector<std::int64_t> survivors = run.p == 0.05 ? std::vector<std::int64_t>{4, 5, 10, 13, 14, 15}
-                                                              : std::vector<std::int64_t>{14, 15};
+    const std::vector<std::int64_t> survivors =
+        run.p == 0.05 ? std::vector<std::int64_t>{4, 5, 10, 13, 14, 15} : std::vector<std::int64_t>{14, 15};
     CHECK(kept_list(r.kept) == survivors);
   }
 }

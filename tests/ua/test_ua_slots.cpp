@@ -110,7 +110,8 @@ struct Packed {
   Slots slot, query_start{0};
   std::int64_t N = 0;
   // Appends a row of tokens [t0, t0+T) of s (or T garbage tokens for a padding row when s is null).
-  void add(std::int32_t slot_index, const Seq* s, std::int64_t t0, std::int64_t T, const Shape& sh, std::mt19937_64& rng) {
+  void add(std::int32_t slot_index, const Seq* s, std::int64_t t0, std::int64_t T, const Shape& sh,
+           std::mt19937_64& rng) {
     const std::int64_t H = sh.H, G = sh.G, D = sh.D;
     std::normal_distribution<float> n01(0.0f, 1.0f);
     for (std::int64_t t = t0; t < t0 + T; ++t) {
@@ -412,8 +413,9 @@ ScheduleStats continuous_batching(std::uint64_t seed, const kua::Options& opt, s
       Packed p;
       p.add(0, &x.data, t0, T, sh, rng);
       REQUIRE(p.run(one, sh, opt).is_ok());
-      CHECK(std::equal(p.lse.begin(), p.lse.end(), x.lse.begin() + t0 * H,
-                       [](float a, float b) { return std::bit_cast<std::uint32_t>(a) == std::bit_cast<std::uint32_t>(b); }));
+      CHECK(std::equal(p.lse.begin(), p.lse.end(), x.lse.begin() + t0 * H, [](float a, float b) {
+        return std::bit_cast<std::uint32_t>(a) == std::bit_cast<std::uint32_t>(b);
+      }));
       t0 += T;
     }
   }
@@ -421,10 +423,10 @@ ScheduleStats continuous_batching(std::uint64_t seed, const kua::Options& opt, s
 }
 
 void report(const ScheduleStats& s) {
-  INFO("sequences " << s.sequences << ", steps " << s.steps << " (" << s.mixed_steps << " mixing prefill and decode rows), forks "
-                    << s.forks << ", migrations " << s.migrations << ", truncations exact " << s.truncations_exact
-                    << " / refused " << s.truncations_refused << ", padding rows " << s.padding_rows << ", lengths "
-                    << s.min_len << ".." << s.max_len);
+  INFO("sequences " << s.sequences << ", steps " << s.steps << " (" << s.mixed_steps
+                    << " mixing prefill and decode rows), forks " << s.forks << ", migrations " << s.migrations
+                    << ", truncations exact " << s.truncations_exact << " / refused " << s.truncations_refused
+                    << ", padding rows " << s.padding_rows << ", lengths " << s.min_len << ".." << s.max_len);
   CHECK(s.sequences >= 32);
   CHECK(s.max_len == 3000);
   CHECK(s.min_len == 1);
@@ -438,7 +440,8 @@ void report(const ScheduleStats& s) {
 
 }  // namespace
 
-TEST_CASE("slots: continuous batching of 32+ sequences in 16 slots equals each sequence run alone, bitwise", "[ua][slots]") {
+TEST_CASE("slots: continuous batching of 32+ sequences in 16 slots equals each sequence run alone, bitwise",
+          "[ua][slots]") {
   SECTION("fp32, pruning p = 0.05") {
     const auto s = continuous_batching<float>(1, kua::Options{0.05, 64, true}, 34, 3000, 16);
     report(s);
@@ -486,7 +489,8 @@ kvmem::reference::ua::Inputs ref_inputs(const Seq& s, const Shape& sh) {
   in.z_q.resize(in.z_k.size());
   for (std::int64_t t = 0; t < L; ++t) {
     for (std::int64_t h = 0; h < H; ++h)
-      for (std::int64_t d = 0; d < D; ++d) in.q[std::size_t((h * L + t) * D + d)] = s.q[std::size_t((t * H + h) * D + d)];
+      for (std::int64_t d = 0; d < D; ++d)
+        in.q[std::size_t((h * L + t) * D + d)] = s.q[std::size_t((t * H + h) * D + d)];
     for (std::int64_t g = 0; g < G; ++g) {
       for (std::int64_t d = 0; d < D; ++d) {
         in.k[std::size_t((g * L + t) * D + d)] = s.k[std::size_t((t * G + g) * D + d)];
@@ -557,7 +561,8 @@ TEST_CASE("slots: outputs and lse equal the fp64 reference (dense), pruned outpu
     // reference lse is [1,H,T]; ours [T,H]
     std::vector<double> ref_lse(got.lse[i].size());
     for (std::int64_t t = 0; t < seqs[i].L; ++t)
-      for (std::int64_t h = 0; h < sh.H; ++h) ref_lse[std::size_t(t * sh.H + h)] = ref.lse[std::size_t(h * seqs[i].L + t)];
+      for (std::int64_t h = 0; h < sh.H; ++h)
+        ref_lse[std::size_t(t * sh.H + h)] = ref.lse[std::size_t(h * seqs[i].L + t)];
     KVMEM_CHECK_CLOSE(got.out[i], ref.out, 1e-5);
     KVMEM_CHECK_CLOSE(got.lse[i], ref_lse, 1e-5);
   }
@@ -574,15 +579,18 @@ TEST_CASE("slots: outputs and lse equal the fp64 reference (dense), pruned outpu
     KVMEM_CHECK_CLOSE(got_p.out[i], ref.out, 1e-5);
     for (std::int64_t g = 0; g < sh.G; ++g) {
       std::vector<std::int64_t> kept(std::size_t(seqs[i].L), 0);
-      for (std::int64_t e = 0; e < pruned.length(std::int64_t(i), g); ++e) kept[std::size_t(pruned.positions(std::int64_t(i), g)[e])] = 1;
-      CHECK(std::vector<std::int64_t>(ref.kept.begin() + g * seqs[i].L, ref.kept.begin() + (g + 1) * seqs[i].L) == kept);
+      for (std::int64_t e = 0; e < pruned.length(std::int64_t(i), g); ++e)
+        kept[std::size_t(pruned.positions(std::int64_t(i), g)[e])] = 1;
+      CHECK(std::vector<std::int64_t>(ref.kept.begin() + g * seqs[i].L, ref.kept.begin() + (g + 1) * seqs[i].L) ==
+            kept);
       evicted += seqs[i].L - pruned.length(std::int64_t(i), g);
     }
   }
   CHECK(evicted > 0);
 }
 
-TEST_CASE("slots: a prompt in rows of whole chunks equals one prefill call; a 1-token row is a decode step", "[ua][slots]") {
+TEST_CASE("slots: a prompt in rows of whole chunks equals one prefill call; a 1-token row is a decode step",
+          "[ua][slots]") {
   const Shape sh;
   const Seq s = random_seq(320, 21);
   const kua::Options opt{0.05, 64, true};
@@ -709,14 +717,18 @@ TEST_CASE("slots: copy_slots forks a slot that continues bit for bit like its so
   // refused pairs leave the cache untouched
   const auto before = state_of(cache);
   const Slots bad_src{0, 1}, bad_dst{1, 2};  // 1 is a destination and a source
-  CHECK(kua::copy_slots(kvmem::host::Executor{}, cache, list(bad_src), list(bad_dst)).code() == StatusCode::kInvalidArgument);
+  CHECK(kua::copy_slots(kvmem::host::Executor{}, cache, list(bad_src), list(bad_dst)).code() ==
+        StatusCode::kInvalidArgument);
   const Slots out_of_range{4};
-  CHECK(kua::copy_slots(kvmem::host::Executor{}, cache, list(src), list(out_of_range)).code() == StatusCode::kInvalidArgument);
-  CHECK(kua::copy_slots(kvmem::host::Executor{}, cache, list(out_of_range), list(out_of_range)).code() == StatusCode::kOutOfRange);
+  CHECK(kua::copy_slots(kvmem::host::Executor{}, cache, list(src), list(out_of_range)).code() ==
+        StatusCode::kInvalidArgument);
+  CHECK(kua::copy_slots(kvmem::host::Executor{}, cache, list(out_of_range), list(out_of_range)).code() ==
+        StatusCode::kOutOfRange);
   CHECK(state_of(cache) == before);
 }
 
-TEST_CASE("slots: export -> import continues bitwise; a record that differs is refused, naming the field", "[ua][slots]") {
+TEST_CASE("slots: export -> import continues bitwise; a record that differs is refused, naming the field",
+          "[ua][slots]") {
   const Shape sh;
   const Seq s = random_seq(260, 61);
   const kua::Options opt{0.05, 64, false};
@@ -786,7 +798,8 @@ TEST_CASE("slots: export -> import continues bitwise; a record that differs is r
   CHECK(kua::export_bytes(a, -1) == 0);
   std::vector<std::byte> buf(rec.size());
   CHECK(kua::export_slot(kvmem::host::Executor{}, a, 2, buf).code() == StatusCode::kOutOfRange);
-  CHECK(kua::export_slot(kvmem::host::Executor{}, a, 1, std::span<std::byte>(buf).first(10)).code() == StatusCode::kOutOfRange);
+  CHECK(kua::export_slot(kvmem::host::Executor{}, a, 1, std::span<std::byte>(buf).first(10)).code() ==
+        StatusCode::kOutOfRange);
   CHECK(kua::import_slot(kvmem::host::Executor{}, b, 3, rec).code() == StatusCode::kOutOfRange);
 }
 
@@ -824,7 +837,8 @@ TEST_CASE("slots: truncate is exact for none or all of a slot's tokens and refus
 
 // ---- safety --------------------------------------------------------------------------------------
 
-TEST_CASE("slots: empty and moved-from caches refuse every operation; bad slot indices leave the cache untouched", "[ua][slots]") {
+TEST_CASE("slots: empty and moved-from caches refuse every operation; bad slot indices leave the cache untouched",
+          "[ua][slots]") {
   const Shape sh;
   const Seq s = random_seq(30, 81);
   const kua::Options opt{0.05, 64, true};
@@ -853,7 +867,8 @@ TEST_CASE("slots: empty and moved-from caches refuse every operation; bad slot i
     p.add(0, &s, 0, 1, sh, rng);
     CHECK(!p.run(*empty, sh, opt).is_ok());
     std::vector<float> out(std::size_t(sh.H * sh.D));
-    CHECK(!kua::decode(exec, *empty, batch_view(s, sh, 0, 1), opt, TensorView<float, 4>(out.data(), {1, 1, sh.H, sh.D})).is_ok());
+    CHECK(!kua::decode(exec, *empty, batch_view(s, sh, 0, 1), opt, TensorView<float, 4>(out.data(), {1, 1, sh.H, sh.D}))
+               .is_ok());
     const Slots zero{0};
     CHECK(!kua::reset_slots(exec, *empty, list(zero)).is_ok());
     CHECK(!kua::copy_slots(exec, *empty, list(zero), list(zero)).is_ok());
@@ -896,8 +911,9 @@ TEST_CASE("slots: the composed ua::Attention steps like ua::step with its option
     REQUIRE(p.run(a, sh, kua::Options{0.05, 32, true}).is_ok());
     q.out.assign(p.out.size(), 0.0f);
     q.lse.assign(p.lse.size(), 0.0f);
-    REQUIRE(Ua::step(kvmem::host::Executor{}, b, q.rows(), q.inputs(sh), TensorView<float, 3>(q.out.data(), {T, sh.H, sh.D}),
-                     TensorView<float, 2>(q.lse.data(), {T, sh.H}), 32)
+    REQUIRE(Ua::step(kvmem::host::Executor{}, b, q.rows(), q.inputs(sh),
+                     TensorView<float, 3>(q.out.data(), {T, sh.H, sh.D}), TensorView<float, 2>(q.lse.data(), {T, sh.H}),
+                     32)
                 .is_ok());
     CHECK(same_bits(p.out, q.out));
     CHECK(same_bits(p.lse, q.lse));

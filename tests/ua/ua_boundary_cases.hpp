@@ -25,9 +25,9 @@
 namespace kvmem::test::ua::boundary {
 
 struct Run {
-  std::vector<float> out;           // [B,T,H,D]
-  std::vector<std::int64_t> kept;   // [B,G,T], 1 = in the cache after the last token
-  std::vector<double> lambda;       // [B,G,T], the cache's λ of each kept position (NaN elsewhere)
+  std::vector<float> out;          // [B,T,H,D]
+  std::vector<std::int64_t> kept;  // [B,G,T], 1 = in the cache after the last token
+  std::vector<double> lambda;      // [B,G,T], the cache's λ of each kept position (NaN elsewhere)
 };
 
 // Step orders the checks run: (prefill split, chunk P, evict before attention).
@@ -65,7 +65,8 @@ inline std::vector<std::int64_t> p1_survivors(const Case& c) {
       for (std::int64_t m = j + 1; m < f.T && !repeated; ++m) {
         bool same = true;
         for (std::int64_t d = 0; d < f.D; ++d)
-          same = same && c.inputs.k[std::size_t((item * f.T + j) * f.D + d)] == c.inputs.k[std::size_t((item * f.T + m) * f.D + d)];
+          same = same && c.inputs.k[std::size_t((item * f.T + j) * f.D + d)] ==
+                             c.inputs.k[std::size_t((item * f.T + m) * f.D + d)];
         repeated = same;
       }
       kept[std::size_t(item * f.T + j)] = repeated ? 0 : 1;
@@ -124,11 +125,13 @@ void check_exact_threshold(Runner&& run) {
     c.config.evict_before_attention = m.evict_before;
     // λ of every key from a pruned run that evicts nothing here (p = denorm_min: ln p = -744), so the
     // backend takes the same pruned path as below (a backend may run p = 0 through a dense kernel)
-    const Run dense = run(c, m.split, kvmem::ua::Options{std::numeric_limits<double>::denorm_min(), m.chunk, m.evict_before});
+    const Run dense =
+        run(c, m.split, kvmem::ua::Options{std::numeric_limits<double>::denorm_min(), m.chunk, m.evict_before});
     const auto ref_lam = lambda_last_row(c, 0, 0);
     for (std::int64_t j = 0; j < T; ++j) {
       REQUIRE(dense.kept[std::size_t(j)] == 1);
-      CHECK(std::abs(dense.lambda[std::size_t(j)] - ref_lam[std::size_t(j)]) <= 1e-5 * std::max(1.0, std::abs(ref_lam[std::size_t(j)])));
+      CHECK(std::abs(dense.lambda[std::size_t(j)] - ref_lam[std::size_t(j)]) <=
+            1e-5 * std::max(1.0, std::abs(ref_lam[std::size_t(j)])));
     }
     // the key: λ in (-8, -0.3), at least 1e-3 from every other key's λ, and an exact p exists
     std::int64_t key = -1;

@@ -42,7 +42,9 @@ struct FloatCase {
     const std::int64_t H = c.H, T = c.T, D = c.D;
     return {out.data() + t0 * H * D, {c.B, t1 - t0, H, D}, {T * H * D, H * D, D, 1}};
   }
-  [[nodiscard]] std::vector<float> make_out() const { return std::vector<float>(static_cast<std::size_t>(c.B * c.T * c.H * c.D), 0.0f); }
+  [[nodiscard]] std::vector<float> make_out() const {
+    return std::vector<float>(static_cast<std::size_t>(c.B * c.T * c.H * c.D), 0.0f);
+  }
   [[nodiscard]] kvmem::ua::CacheShape cache_shape(std::int64_t capacity = -1) const {
     return {c.B, c.H, c.G, c.D, capacity < 0 ? c.T : capacity, 16};
   }

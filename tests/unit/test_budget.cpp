@@ -95,11 +95,11 @@ TEST_CASE("worked budget arithmetic of update 1 (spec KVM.md 8)", "[budget]") {
 
 TEST_CASE("caps: avail, maximum, never shrink, round-down", "[budget]") {
   const Power p{16.0, 0.5, 0, 1, 500};
-  CHECK(p.slots(768, 300, 256) == 300);   // capped by avail
-  CHECK(p.slots(4096, 5000, 256) == 500); // capped by maximum
-  CHECK(p.slots(768, 300, 400) == 400);   // never shrinks below current
-  CHECK(Power{16.0, 0.5, 0, 100}.raw(768) == 400);  // 443 rounded down to a multiple of 100
-  CHECK(Power{16.0, 0.5, 450, 100}.raw(768) == 450);  // then at least minimum
+  CHECK(p.slots(768, 300, 256) == 300);                                        // capped by avail
+  CHECK(p.slots(4096, 5000, 256) == 500);                                      // capped by maximum
+  CHECK(p.slots(768, 300, 400) == 400);                                        // never shrinks below current
+  CHECK(Power{16.0, 0.5, 0, 100}.raw(768) == 400);                             // 443 rounded down to a multiple of 100
+  CHECK(Power{16.0, 0.5, 450, 100}.raw(768) == 450);                           // then at least minimum
   CHECK(Saturating{32.0, 1, kvmem::budget::kPaperMaxSlots, 4}.raw(24) == 12);  // floor(13.71) = 13 -> 12
 }
 

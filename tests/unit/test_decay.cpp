@@ -14,7 +14,9 @@ using kvmem::decay::QueryGate;
 using kvmem::decay::Set;
 using kvmem::decay::SimilarityGate;
 
-double sigmoid(double z) { return 1.0 / (1.0 + std::exp(-z)); }
+double sigmoid(double z) {
+  return 1.0 / (1.0 + std::exp(-z));
+}
 
 // Spec UA.md 4.1 written directly: x = (g_k g_q relu(c)^2)^(1/3), A = log1p(-min(x, 1 - 1e-6)).
 double closed_form(double zk, double zq, double c) {

@@ -47,9 +47,9 @@ TEST_CASE("fp16 rounds to nearest, ties to even, with subnormals and overflow", 
   using kvmem::fp16;
   CHECK(fp16::from_float(1.0f) == 0x3c00);
   CHECK(fp16::from_float(-2.0f) == 0xc000);
-  CHECK(fp16::from_float(65504.0f) == 0x7bff);   // largest finite
-  CHECK(fp16::from_float(65519.0f) == 0x7bff);   // below the tie: stays finite
-  CHECK(fp16::from_float(65520.0f) == 0x7c00);   // the tie rounds to even = infinity
+  CHECK(fp16::from_float(65504.0f) == 0x7bff);  // largest finite
+  CHECK(fp16::from_float(65519.0f) == 0x7bff);  // below the tie: stays finite
+  CHECK(fp16::from_float(65520.0f) == 0x7c00);  // the tie rounds to even = infinity
   CHECK(fp16::from_float(1e10f) == 0x7c00);
   CHECK(fp16::from_float(-1e10f) == 0xfc00);
   // 1 + 2^-11 is a tie between 1 and 1 + 2^-10: to even (1.0); 1 + 3*2^-11 ties up
@@ -59,7 +59,7 @@ TEST_CASE("fp16 rounds to nearest, ties to even, with subnormals and overflow", 
   CHECK(fp16::from_float(std::ldexp(1.0f, -24)) == 0x0001);
   CHECK(fp16::from_float(std::ldexp(1.0f, -25)) == 0x0000);
   CHECK(fp16::from_float(std::ldexp(1.5f, -25)) == 0x0001);
-  CHECK(fp16::from_float(std::ldexp(3.0f, -25)) == 0x0002);  // 1.5 * 2^-24: tie -> even (2)
+  CHECK(fp16::from_float(std::ldexp(3.0f, -25)) == 0x0002);     // 1.5 * 2^-24: tie -> even (2)
   CHECK(fp16::from_float(std::ldexp(1023.5f, -24)) == 0x0400);  // rounds up into the smallest normal
   CHECK(fp16::from_float(std::ldexp(1.0f, -14)) == 0x0400);
   CHECK(std::isnan(fp16::to_float(fp16::from_float(std::nanf("")))));

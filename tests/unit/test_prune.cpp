@@ -13,7 +13,7 @@ TEST_CASE("threshold eviction is strict and in log space (spec UA.md 4.5)", "[pr
   CHECK_FALSE(p05.evicts(0.0));
   CHECK(kvmem::prune::Threshold{0.15}.log_threshold() == Approx(-1.897120).margin(1e-6));
   CHECK_FALSE(kvmem::prune::Threshold{0.0}.evicts(-1e300));  // p = 0 never evicts
-  CHECK(kvmem::prune::Threshold{1.0}.evicts(-1e-9));        // p = 1 evicts everything below 0
+  CHECK(kvmem::prune::Threshold{1.0}.evicts(-1e-9));         // p = 1 evicts everything below 0
   CHECK_FALSE(kvmem::prune::None{}.evicts(-1e300));
 }
 

@@ -41,7 +41,8 @@ TEST_CASE("broken files are rejected with a message naming the problem", "[safet
   CHECK_THAT(parse_error(image(R"({"x":{"dtype":"F64","shape":[-1],"data_offsets":[0,8]}})", 8)),
              Catch::Contains("non-negative"));
   CHECK_THAT(parse_error(image(R"({"x":{"dtype":"F64","shape":[1],"data_offsets":[0,8]},)"
-                               R"("y":{"dtype":"F64","shape":[1],"data_offsets":[4,12]}})", 16)),
+                               R"("y":{"dtype":"F64","shape":[1],"data_offsets":[4,12]}})",
+                               16)),
              Catch::Contains("overlaps"));
 }
 

@@ -21,5 +21,6 @@ TEST_CASE("every golden file loads with float64 tensors and a config", "[safeten
   CHECK(g.file.metadata().at("mechanism") == "kvm");
   const auto q = g.f64("q");
   CHECK(static_cast<std::int64_t>(q.size()) == g.config["B"].get<std::int64_t>() * g.config["Hq"].get<std::int64_t>() *
-                                                 g.config["T"].get<std::int64_t>() * g.config["D"].get<std::int64_t>());
+                                                   g.config["T"].get<std::int64_t>() *
+                                                   g.config["D"].get<std::int64_t>());
 }

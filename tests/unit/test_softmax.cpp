@@ -76,7 +76,8 @@ TEST_CASE("merging partial results over a split is exact", "[softmax]") {
   // an empty side is the identity
   std::vector<double> merged(dim);
   double lse = 0;
-  kvmem::merge_partials(whole.o.data(), whole.lse, merged.data(), -std::numeric_limits<double>::infinity(), dim, merged.data(), lse);
+  kvmem::merge_partials(whole.o.data(), whole.lse, merged.data(), -std::numeric_limits<double>::infinity(), dim,
+                        merged.data(), lse);
   CHECK(lse == whole.lse);
   CHECK(merged[1] == whole.o[1]);
 }

@@ -75,15 +75,15 @@ struct fp16 {
     const std::uint32_t bits = detail::float_bits(value);
     const std::uint32_t sign = (bits >> 16) & 0x8000u;
     const std::uint32_t abs = bits & 0x7fffffffu;
-    if (abs > 0x7f800000u) return static_cast<std::uint16_t>(sign | 0x7e00u);  // NaN
+    if (abs > 0x7f800000u) return static_cast<std::uint16_t>(sign | 0x7e00u);   // NaN
     if (abs >= 0x477ff000u) return static_cast<std::uint16_t>(sign | 0x7c00u);  // rounds to >= 65536: inf
     if (abs < 0x38800000u) {
       // Result is subnormal (or zero) in fp16: value = m * 2^-24 with m < 1024.
       // 0.5 * 2^-24 and below round to zero (ties to even: exactly half rounds to 0).
       if (abs <= 0x33000000u) return static_cast<std::uint16_t>(sign);
-      const std::uint32_t exponent = abs >> 23;                 // biased, 102..112
+      const std::uint32_t exponent = abs >> 23;                      // biased, 102..112
       const std::uint32_t mantissa = (abs & 0x7fffffu) | 0x800000u;  // with implicit bit
-      const std::uint32_t shift = 126u - exponent;              // brings it to units of 2^-24
+      const std::uint32_t shift = 126u - exponent;                   // brings it to units of 2^-24
       const std::uint32_t half = 1u << (shift - 1);
       std::uint32_t result = mantissa >> shift;
       const std::uint32_t remainder = mantissa & ((1u << shift) - 1u);
@@ -137,11 +137,16 @@ inline constexpr bool is_storage_type_v =
 // Name used in messages and reports.
 template <class T>
 constexpr const char* type_name() {
-  if constexpr (std::is_same_v<T, float>) return "fp32";
-  else if constexpr (std::is_same_v<T, double>) return "fp64";
-  else if constexpr (std::is_same_v<T, bf16>) return "bf16";
-  else if constexpr (std::is_same_v<T, fp16>) return "fp16";
-  else return "unknown";
+  if constexpr (std::is_same_v<T, float>)
+    return "fp32";
+  else if constexpr (std::is_same_v<T, double>)
+    return "fp64";
+  else if constexpr (std::is_same_v<T, bf16>)
+    return "bf16";
+  else if constexpr (std::is_same_v<T, fp16>)
+    return "fp16";
+  else
+    return "unknown";
 }
 
 }  // namespace kvmem

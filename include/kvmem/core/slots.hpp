@@ -58,9 +58,10 @@ inline Status validate_rows(const std::int32_t* slot, const std::int32_t* query_
   for (std::int64_t r = 0; r < rows; ++r) {
     const std::string at = detail::indexed("", r);
     if (query_start[r + 1] < query_start[r])
-      return invalid_argument("query_start" + at, "<= query_start[" + std::to_string(r + 1) + "] = " +
-                                                      std::to_string(query_start[r + 1]) + " (non-decreasing)",
-                              query_start[r]);
+      return invalid_argument(
+          "query_start" + at,
+          "<= query_start[" + std::to_string(r + 1) + "] = " + std::to_string(query_start[r + 1]) + " (non-decreasing)",
+          query_start[r]);
     const std::int32_t s = slot[r];
     if (s == -1) continue;
     if (s < -1 || s >= max_slots)
@@ -71,8 +72,8 @@ inline Status validate_rows(const std::int32_t* slot, const std::int32_t* query_
     seen[static_cast<std::size_t>(s)] = true;
   }
   if (query_start[rows] != tokens)
-    return invalid_argument("query_start[" + std::to_string(rows) + "]", "the packed token count " + std::to_string(tokens),
-                            query_start[rows]);
+    return invalid_argument("query_start[" + std::to_string(rows) + "]",
+                            "the packed token count " + std::to_string(tokens), query_start[rows]);
   return Status::ok();
 }
 
@@ -105,7 +106,8 @@ inline Status check_slot_list(const std::int32_t* slots, std::int64_t n, std::in
 // Pairs for copy_slots: sources and destinations in range, destinations distinct and none of them a
 // source of another pair (a batched copy reads every source before any destination is written, so a
 // destination that is also a source would make the result depend on the order).
-inline Status check_copy_pairs(const std::int32_t* src, const std::int32_t* dst, std::int64_t n, std::int64_t max_slots) {
+inline Status check_copy_pairs(const std::int32_t* src, const std::int32_t* dst, std::int64_t n,
+                               std::int64_t max_slots) {
   KVMEM_RETURN_IF_ERROR(check_slot_list(src, n, max_slots, "src", false));
   KVMEM_RETURN_IF_ERROR(check_slot_list(dst, n, max_slots, "dst", true));
   std::vector<bool> is_src(static_cast<std::size_t>(max_slots), false);
@@ -134,8 +136,10 @@ enum class Kind : std::uint8_t { kI64 = 1, kF64 = 2, kF32 = 3 };
 
 template <class T>
 constexpr Kind kind_of() {
-  if constexpr (std::is_same_v<T, std::int64_t>) return Kind::kI64;
-  else if constexpr (std::is_same_v<T, double>) return Kind::kF64;
+  if constexpr (std::is_same_v<T, std::int64_t>)
+    return Kind::kI64;
+  else if constexpr (std::is_same_v<T, double>)
+    return Kind::kF64;
   else {
     static_assert(std::is_same_v<T, float>, "slot_record: fields are int64, double or float arrays");
     return Kind::kF32;
@@ -206,7 +210,8 @@ class Reader {
     if (count != static_cast<std::uint64_t>(n))
       return fail(invalid_argument("slot record field '" + std::string(name) + "' length", n, count));
     if (!get(dst, static_cast<std::size_t>(n) * sizeof(T)))
-      return fail(invalid_argument("slot record", "complete data of field '" + std::string(name) + "'", "a truncated record"));
+      return fail(
+          invalid_argument("slot record", "complete data of field '" + std::string(name) + "'", "a truncated record"));
     return Status::ok();
   }
   template <class T>
@@ -219,16 +224,16 @@ class Reader {
     T got{};
     KVMEM_RETURN_IF_ERROR(scalar(name, got));
     if (!(got == expected))
-      return fail(invalid_argument("slot record field '" + std::string(name) + "'", "the importing state's " +
-                                                                                        to_text(expected),
-                                   to_text(got)));
+      return fail(invalid_argument("slot record field '" + std::string(name) + "'",
+                                   "the importing state's " + to_text(expected), to_text(got)));
     return Status::ok();
   }
   // The record must end after the last field.
   Status finish() {
     KVMEM_RETURN_IF_ERROR(status_);
     if (pos_ != in_.size())
-      return fail(invalid_argument("slot record", std::to_string(pos_) + " bytes", std::to_string(in_.size()) + " bytes"));
+      return fail(
+          invalid_argument("slot record", std::to_string(pos_) + " bytes", std::to_string(in_.size()) + " bytes"));
     return Status::ok();
   }
   [[nodiscard]] const Status& status() const { return status_; }
@@ -246,14 +251,14 @@ class Reader {
       got.resize(len);
       if (!get(got.data(), len)) got.clear();
     }
-    if (got != name)
-      return fail(invalid_argument("slot record field", "'" + std::string(name) + "'", "'" + got + "'"));
+    if (got != name) return fail(invalid_argument("slot record field", "'" + std::string(name) + "'", "'" + got + "'"));
     std::uint8_t k = 0;
     if (!get_value(k) || k != static_cast<std::uint8_t>(kind))
-      return fail(invalid_argument("slot record field '" + std::string(name) + "' element type",
-                                   static_cast<int>(kind), static_cast<int>(k)));
+      return fail(invalid_argument("slot record field '" + std::string(name) + "' element type", static_cast<int>(kind),
+                                   static_cast<int>(k)));
     if (!get_value(count))
-      return fail(invalid_argument("slot record", "a length for field '" + std::string(name) + "'", "a truncated record"));
+      return fail(
+          invalid_argument("slot record", "a length for field '" + std::string(name) + "'", "a truncated record"));
     return Status::ok();
   }
   Status fail(Status s) {

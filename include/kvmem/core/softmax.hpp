@@ -77,8 +77,8 @@ struct OnlineSoftmax {
 // Merges two normalised partial results (o_a, lse_a), (o_b, lse_b) of length `dim` into
 // (o_out, lse_out). o_out may alias o_a or o_b. An empty side (lse = -inf) contributes nothing.
 template <class Acc>
-KVMEM_HOST_DEVICE inline void merge_partials(const Acc* o_a, Acc lse_a, const Acc* o_b, Acc lse_b,
-                                             std::int64_t dim, Acc* o_out, Acc& lse_out) {
+KVMEM_HOST_DEVICE inline void merge_partials(const Acc* o_a, Acc lse_a, const Acc* o_b, Acc lse_b, std::int64_t dim,
+                                             Acc* o_out, Acc& lse_out) {
   using std::exp;
   using std::log;
   const Acc ninf = negative_infinity<Acc>();

@@ -23,12 +23,18 @@ enum class StatusCode {
 
 [[nodiscard]] inline const char* to_string(StatusCode code) noexcept {
   switch (code) {
-    case StatusCode::kOk: return "ok";
-    case StatusCode::kInvalidArgument: return "invalid argument";
-    case StatusCode::kOutOfRange: return "out of range";
-    case StatusCode::kUnsupported: return "unsupported";
-    case StatusCode::kBackendError: return "backend error";
-    case StatusCode::kIoError: return "I/O error";
+    case StatusCode::kOk:
+      return "ok";
+    case StatusCode::kInvalidArgument:
+      return "invalid argument";
+    case StatusCode::kOutOfRange:
+      return "out of range";
+    case StatusCode::kUnsupported:
+      return "unsupported";
+    case StatusCode::kBackendError:
+      return "backend error";
+    case StatusCode::kIoError:
+      return "I/O error";
   }
   return "unknown";
 }
@@ -79,8 +85,7 @@ std::string concat(const Parts&... parts) {
 // "<argument>: expected <expected>, got <actual>" -- the one message shape every check uses.
 template <class Expected, class Actual>
 Status invalid_argument(const std::string& argument, const Expected& expected, const Actual& actual) {
-  return {StatusCode::kInvalidArgument,
-          detail::concat(argument, ": expected ", expected, ", got ", actual)};
+  return {StatusCode::kInvalidArgument, detail::concat(argument, ": expected ", expected, ", got ", actual)};
 }
 
 }  // namespace kvmem

@@ -55,14 +55,12 @@ class TensorView {
 
   // Checked construction: rejects a null pointer for a non-empty view and negative extents or
   // strides, naming `name` in the message. On failure `out` is left unchanged.
-  static Status create(T* data, const Extents<Rank>& extents, const Extents<Rank>& strides,
-                       const std::string& name, TensorView& out) {
+  static Status create(T* data, const Extents<Rank>& extents, const Extents<Rank>& strides, const std::string& name,
+                       TensorView& out) {
     std::int64_t elements = 1;
     for (std::size_t i = 0; i < Rank; ++i) {
-      if (extents[i] < 0)
-        return invalid_argument(name + " extents", "non-negative extents", shape_string(extents));
-      if (strides[i] < 0)
-        return invalid_argument(name + " strides", "non-negative strides", shape_string(strides));
+      if (extents[i] < 0) return invalid_argument(name + " extents", "non-negative extents", shape_string(extents));
+      if (strides[i] < 0) return invalid_argument(name + " strides", "non-negative strides", shape_string(strides));
       elements *= extents[i];
     }
     if (elements > 0 && data == nullptr)
@@ -87,8 +85,8 @@ class TensorView {
   constexpr bool is_contiguous() const noexcept { return strides_ == row_major_strides(extents_); }
 
   template <class... Index>
-    requires(sizeof...(Index) == Rank && (std::is_integral_v<Index> && ...))
-  KVMEM_HOST_DEVICE constexpr std::int64_t offset(Index... index) const noexcept {
+  requires(sizeof...(Index) == Rank && (std::is_integral_v<Index> && ...)) KVMEM_HOST_DEVICE constexpr std::int64_t
+      offset(Index... index) const noexcept {
     const std::int64_t idx[] = {static_cast<std::int64_t>(index)...};
     std::int64_t off = 0;
     for (std::size_t i = 0; i < Rank; ++i) off += idx[i] * strides_[i];
@@ -96,16 +94,15 @@ class TensorView {
   }
 
   template <class... Index>
-    requires(sizeof...(Index) == Rank && (std::is_integral_v<Index> && ...))
-  KVMEM_HOST_DEVICE constexpr T& operator()(Index... index) const noexcept {
+  requires(sizeof...(Index) == Rank && (std::is_integral_v<Index> && ...)) KVMEM_HOST_DEVICE constexpr T& operator()(
+      Index... index) const noexcept {
     return data_[offset(index...)];
   }
 
   // Implicit conversion to a view of const elements. A template, so that TensorView<const T> does
   // not declare a conversion to its own type (nvcc warns about that even when it is constrained out).
   template <class U = T>
-    requires(!std::is_const_v<U>)
-  constexpr operator TensorView<const U, Rank>() const noexcept {
+  requires(!std::is_const_v<U>) constexpr operator TensorView<const U, Rank>() const noexcept {
     return TensorView<const U, Rank>(data_, extents_, strides_);
   }
 
@@ -120,8 +117,7 @@ template <class T, std::size_t Rank>
 Status check_shape(const TensorView<T, Rank>& view, const Extents<Rank>& expected, const std::string& name) {
   if (view.extents() != expected)
     return invalid_argument(name + " shape", shape_string(expected), shape_string(view.extents()));
-  if (view.size() > 0 && view.data() == nullptr)
-    return invalid_argument(name, "a non-null pointer", "nullptr");
+  if (view.size() > 0 && view.data() == nullptr) return invalid_argument(name, "a non-null pointer", "nullptr");
   return Status::ok();
 }
 

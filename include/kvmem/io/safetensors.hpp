@@ -37,9 +37,8 @@ enum class DType { kF64, kF32, kF16, kBF16, kI64, kI32, kI16, kI8, kU8, kBool };
 
 inline bool parse_dtype(const std::string& name, DType& out) {
   static const std::pair<const char*, DType> kTable[] = {
-      {"F64", DType::kF64}, {"F32", DType::kF32}, {"F16", DType::kF16}, {"BF16", DType::kBF16},
-      {"I64", DType::kI64}, {"I32", DType::kI32}, {"I16", DType::kI16}, {"I8", DType::kI8},
-      {"U8", DType::kU8},   {"BOOL", DType::kBool}};
+      {"F64", DType::kF64}, {"F32", DType::kF32}, {"F16", DType::kF16}, {"BF16", DType::kBF16}, {"I64", DType::kI64},
+      {"I32", DType::kI32}, {"I16", DType::kI16}, {"I8", DType::kI8},   {"U8", DType::kU8},     {"BOOL", DType::kBool}};
   for (const auto& [text, dtype] : kTable)
     if (name == text) {
       out = dtype;
@@ -50,10 +49,20 @@ inline bool parse_dtype(const std::string& name, DType& out) {
 
 inline std::size_t dtype_size(DType dtype) {
   switch (dtype) {
-    case DType::kF64: case DType::kI64: return 8;
-    case DType::kF32: case DType::kI32: return 4;
-    case DType::kF16: case DType::kBF16: case DType::kI16: return 2;
-    case DType::kI8: case DType::kU8: case DType::kBool: return 1;
+    case DType::kF64:
+    case DType::kI64:
+      return 8;
+    case DType::kF32:
+    case DType::kI32:
+      return 4;
+    case DType::kF16:
+    case DType::kBF16:
+    case DType::kI16:
+      return 2;
+    case DType::kI8:
+    case DType::kU8:
+    case DType::kBool:
+      return 1;
   }
   return 0;
 }
@@ -72,7 +81,9 @@ struct TensorInfo {
   }
 };
 
-inline Status io_error(const std::string& what) { return {StatusCode::kIoError, what}; }
+inline Status io_error(const std::string& what) {
+  return {StatusCode::kIoError, what};
+}
 
 class SafetensorsFile {
  public:
@@ -97,7 +108,8 @@ class SafetensorsFile {
     if (!in) return io_error(path + ": cannot open file");
     std::vector<std::uint8_t> prefix(8, 0);
     if (file_size < 8)
-      return io_error(path + ": truncated file: " + std::to_string(file_size) + " bytes, the 8-byte header length is missing");
+      return io_error(path + ": truncated file: " + std::to_string(file_size) +
+                      " bytes, the 8-byte header length is missing");
     in.read(reinterpret_cast<char*>(prefix.data()), 8);
     std::uint64_t header_len = 0;
     std::memcpy(&header_len, prefix.data(), 8);
@@ -141,11 +153,20 @@ class SafetensorsFile {
     const auto n = static_cast<std::size_t>(info->numel());
     std::vector<double> result(n);
     switch (info->dtype) {
-      case DType::kF64: copy_as<double>(src, result); break;
-      case DType::kF32: copy_as<float>(src, result); break;
-      case DType::kF16: convert16<fp16>(src, result); break;
-      case DType::kBF16: convert16<bf16>(src, result); break;
-      default: return io_error("tensor '" + name + "' has an integer dtype; a floating tensor was expected");
+      case DType::kF64:
+        copy_as<double>(src, result);
+        break;
+      case DType::kF32:
+        copy_as<float>(src, result);
+        break;
+      case DType::kF16:
+        convert16<fp16>(src, result);
+        break;
+      case DType::kBF16:
+        convert16<bf16>(src, result);
+        break;
+      default:
+        return io_error("tensor '" + name + "' has an integer dtype; a floating tensor was expected");
     }
     values = std::move(result);
     if (shape) *shape = info->shape;
@@ -153,7 +174,8 @@ class SafetensorsFile {
   }
 
   // Reads an integer or boolean tensor converted to int64.
-  Status read(const std::string& name, std::vector<std::int64_t>& values, std::vector<std::int64_t>* shape = nullptr) const {
+  Status read(const std::string& name, std::vector<std::int64_t>& values,
+              std::vector<std::int64_t>* shape = nullptr) const {
     const TensorInfo* info = find(name);
     if (info == nullptr) return io_error("missing tensor '" + name + "'");
     if (!data_loaded_) return io_error("tensor '" + name + "': data not loaded (header-only read)");
@@ -161,12 +183,24 @@ class SafetensorsFile {
     const auto n = static_cast<std::size_t>(info->numel());
     std::vector<std::int64_t> result(n);
     switch (info->dtype) {
-      case DType::kI64: copy_as<std::int64_t>(src, result); break;
-      case DType::kI32: copy_as<std::int32_t>(src, result); break;
-      case DType::kI16: copy_as<std::int16_t>(src, result); break;
-      case DType::kI8: copy_as<std::int8_t>(src, result); break;
-      case DType::kU8: case DType::kBool: copy_as<std::uint8_t>(src, result); break;
-      default: return io_error("tensor '" + name + "' has a floating dtype; an integer tensor was expected");
+      case DType::kI64:
+        copy_as<std::int64_t>(src, result);
+        break;
+      case DType::kI32:
+        copy_as<std::int32_t>(src, result);
+        break;
+      case DType::kI16:
+        copy_as<std::int16_t>(src, result);
+        break;
+      case DType::kI8:
+        copy_as<std::int8_t>(src, result);
+        break;
+      case DType::kU8:
+      case DType::kBool:
+        copy_as<std::uint8_t>(src, result);
+        break;
+      default:
+        return io_error("tensor '" + name + "' has a floating dtype; an integer tensor was expected");
     }
     values = std::move(result);
     if (shape) *shape = info->shape;
@@ -182,8 +216,10 @@ class SafetensorsFile {
     for (const char* p = begin; p != end; ++p) {
       const char c = *p;
       if (in_string) {
-        if (c == '\\' && p + 1 != end) ++p;
-        else if (c == '"') in_string = false;
+        if (c == '\\' && p + 1 != end)
+          ++p;
+        else if (c == '"')
+          in_string = false;
       } else if (c == '"') {
         in_string = true;
       } else if (c == '{' || c == '[') {
@@ -214,7 +250,8 @@ class SafetensorsFile {
     bytes.resize(static_cast<std::size_t>(size));
     if (size) in.read(reinterpret_cast<char*>(bytes.data()), static_cast<std::streamsize>(size));
     if (static_cast<std::uint64_t>(in.gcount()) != size && size)
-      return io_error(path + ": read failed after " + std::to_string(in.gcount()) + " of " + std::to_string(size) + " bytes");
+      return io_error(path + ": read failed after " + std::to_string(in.gcount()) + " of " + std::to_string(size) +
+                      " bytes");
     return Status::ok();
   }
 
@@ -312,8 +349,8 @@ class SafetensorsFile {
       return io_error(where + "data_offsets [" + std::to_string(info.begin) + ", " + std::to_string(info.end) +
                       "] lie outside the data buffer of " + std::to_string(data_size) + " bytes (truncated file?)");
     if (info.end - info.begin != numel * dtype_size(info.dtype))
-      return io_error(where + "data_offsets span " + std::to_string(info.end - info.begin) + " bytes but the shape and dtype need " +
-                      std::to_string(numel * dtype_size(info.dtype)));
+      return io_error(where + "data_offsets span " + std::to_string(info.end - info.begin) +
+                      " bytes but the shape and dtype need " + std::to_string(numel * dtype_size(info.dtype)));
     info.name = name;
     return Status::ok();
   }
@@ -392,7 +429,8 @@ class SafetensorsWriter {
       const std::uint64_t len = text.size();
       out.write(reinterpret_cast<const char*>(&len), 8);
       out.write(text.data(), static_cast<std::streamsize>(text.size()));
-      for (const auto& t : tensors_) out.write(reinterpret_cast<const char*>(t.bytes.data()), static_cast<std::streamsize>(t.bytes.size()));
+      for (const auto& t : tensors_)
+        out.write(reinterpret_cast<const char*>(t.bytes.data()), static_cast<std::streamsize>(t.bytes.size()));
       out.close();
       if (!out) {
         std::remove(temp.c_str());

@@ -119,8 +119,7 @@ KVMEM_HOST_DEVICE inline void select_appends(const Acc* score, std::int64_t n, s
                                              std::int64_t* target) {
   for (std::int64_t i = 0; i < n; ++i) {
     std::int64_t rank = 0;
-    for (std::int64_t j = 0; j < n; ++j)
-      rank += (score[j] < score[i] || (score[j] == score[i] && j < i)) ? 1 : 0;
+    for (std::int64_t j = 0; j < n; ++j) rank += (score[j] < score[i] || (score[j] == score[i] && j < i)) ? 1 : 0;
     target[i] = rank < n_app ? -1 : 0;
   }
 }

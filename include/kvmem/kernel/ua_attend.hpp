@@ -29,8 +29,8 @@ inline constexpr std::int64_t kKeyTile = 64;    // cached entries per tile
 
 // Workspace (in Acc elements) one worker needs for attend_block with `heads` query heads of dim D.
 KVMEM_HOST_DEVICE constexpr std::int64_t block_workspace_elems(std::int64_t heads, std::int64_t D) {
-  return heads * kQueryTile * D    // output accumulators
-         + 2 * heads * kQueryTile  // running max and sum per (head, row)
+  return heads * kQueryTile * D       // output accumulators
+         + 2 * heads * kQueryTile     // running max and sum per (head, row)
          + 2 * kKeyTile * kQueryTile  // decay tile and bias tile
          + kKeyTile                   // one row's logits
          + kQueryTile;                // query-gate parts of the tile's positions
@@ -45,48 +45,48 @@ struct BlockArgs {
   // Cached entries in ascending position order. On entry λ_e = Λ_{through, pos_e} for pos_e <= through
   // and 0 for newer entries (appended by the caller, e.g. this block's own keys); on exit
   // λ_e = Λ_{first + rows - 1, pos_e} for every entry with pos_e < first + rows.
-  const KS* keys = nullptr;          // [n, D], rows key_stride apart
-  const KS* values = nullptr;        // [n, D], rows value_stride apart
+  const KS* keys = nullptr;    // [n, D], rows key_stride apart
+  const KS* values = nullptr;  // [n, D], rows value_stride apart
   std::int64_t key_stride = 0, value_stride = 0;
-  Acc* lambda = nullptr;             // [n], log space
-  const Acc* key_logit = nullptr;    // [n], z_k of each entry
+  Acc* lambda = nullptr;              // [n], log space
+  const Acc* key_logit = nullptr;     // [n], z_k of each entry
   const std::int64_t* pos = nullptr;  // [n], absolute positions, ascending
   std::int64_t n = 0;
   std::int64_t through = -1;  // λ already includes the decay of every position <= through
   // The block's query positions.
   std::int64_t first = 0, rows = 0;
-  const QS* new_keys = nullptr;      // [rows, D] k_m of positions first.., rows new_key_stride apart
+  const QS* new_keys = nullptr;  // [rows, D] k_m of positions first.., rows new_key_stride apart
   std::int64_t new_key_stride = 0;
-  const QS* query_logit = nullptr;   // [rows] z_q of positions first.., query_logit_stride apart
+  const QS* query_logit = nullptr;  // [rows] z_q of positions first.., query_logit_stride apart
   std::int64_t query_logit_stride = 1;
-  const QS* q = nullptr;             // [heads, rows, D]
+  const QS* q = nullptr;  // [heads, rows, D]
   std::int64_t q_head_stride = 0, q_row_stride = 0;
-  const QS* z_o = nullptr;           // [rows, heads, D] output-gate logits, nullptr = no gate (spec UA.md 7)
+  const QS* z_o = nullptr;  // [rows, heads, D] output-gate logits, nullptr = no gate (spec UA.md 7)
   std::int64_t z_o_row_stride = 0, z_o_head_stride = 0;
-  OS* out = nullptr;                 // [rows, heads, D]
+  OS* out = nullptr;  // [rows, heads, D]
   std::int64_t out_row_stride = 0, out_head_stride = 0;
-  Acc* lse = nullptr;                // [heads, rows] natural log-sum-exp, nullptr = not wanted
+  Acc* lse = nullptr;  // [heads, rows] natural log-sum-exp, nullptr = not wanted
   std::int64_t lse_head_stride = 0, lse_row_stride = 1;
-  Acc* workspace = nullptr;          // [block_workspace_elems(heads, D)]
+  Acc* workspace = nullptr;  // [block_workspace_elems(heads, D)]
 };
 
 template <class Set, class KS, class QS, class OS, class Acc>
 KVMEM_HOST_DEVICE inline void attend_block(const BlockArgs<KS, QS, OS, Acc>& a) {
   const std::int64_t D = a.D;
-  Acc* acc = a.workspace;                          // [heads, kQueryTile, D]
-  Acc* row_max = acc + a.heads * kQueryTile * D;   // [heads, kQueryTile]
-  Acc* row_sum = row_max + a.heads * kQueryTile;   // [heads, kQueryTile]
-  Acc* decay = row_sum + a.heads * kQueryTile;     // [kKeyTile, kQueryTile]
-  Acc* bias = decay + kKeyTile * kQueryTile;       // [kQueryTile, kKeyTile]
-  Acc* logits = bias + kKeyTile * kQueryTile;      // [kKeyTile]
-  Acc* query_part = logits + kKeyTile;             // [kQueryTile]
+  Acc* acc = a.workspace;                         // [heads, kQueryTile, D]
+  Acc* row_max = acc + a.heads * kQueryTile * D;  // [heads, kQueryTile]
+  Acc* row_sum = row_max + a.heads * kQueryTile;  // [heads, kQueryTile]
+  Acc* decay = row_sum + a.heads * kQueryTile;    // [kKeyTile, kQueryTile]
+  Acc* bias = decay + kKeyTile * kQueryTile;      // [kQueryTile, kKeyTile]
+  Acc* logits = bias + kKeyTile * kQueryTile;     // [kKeyTile]
+  Acc* query_part = logits + kKeyTile;            // [kQueryTile]
 
   for (std::int64_t r0 = 0; r0 < a.rows; r0 += kQueryTile) {
     const std::int64_t nr = (a.rows - r0) < kQueryTile ? (a.rows - r0) : kQueryTile;
-    const std::int64_t m0 = a.first + r0;        // first position of the tile
+    const std::int64_t m0 = a.first + r0;  // first position of the tile
     const std::int64_t m_last = m0 + nr - 1;
     const std::int64_t through = a.through > m0 - 1 ? a.through : m0 - 1;  // λ holds Λ_{through, .}
-    const std::int64_t skip = through + 1 > m0 ? through + 1 - m0 : 0;    // rows already in λ (decode)
+    const std::int64_t skip = through + 1 > m0 ? through + 1 - m0 : 0;     // rows already in λ (decode)
     // acc is [heads, kQueryTile, D]: zero the nr rows of every head (a flat heads*nr*D prefix misses the
     // rows of heads >= 1 when nr < kQueryTile; the first rescale by 0 hid that only while the workspace
     // held finite values, which team scratch on Kokkos does not guarantee).
@@ -105,8 +105,8 @@ KVMEM_HOST_DEVICE inline void attend_block(const BlockArgs<KS, QS, OS, Acc>& a) 
       if (nr > skip)
         decay_tile<Set, Acc>(a.keys + e0 * a.key_stride, a.key_stride, a.key_logit + e0, a.pos + e0, ne,
                              a.new_keys + (r0 + skip) * a.new_key_stride, a.new_key_stride,
-                             a.query_logit + (r0 + skip) * a.query_logit_stride, a.query_logit_stride, m0 + skip, nr - skip, D, decay,
-                             kQueryTile, query_part);
+                             a.query_logit + (r0 + skip) * a.query_logit_stride, a.query_logit_stride, m0 + skip,
+                             nr - skip, D, decay, kQueryTile, query_part);
       for (std::int64_t e = 0; e < ne; ++e) {
         const std::int64_t p = a.pos[e0 + e];
         Acc lam = a.lambda[e0 + e];

@@ -50,9 +50,12 @@ inline constexpr bool kHasSimilarityGate = detail::HasSimilarityGate<S>::value;
 namespace detail {
 template <class G, class Acc>
 KVMEM_HOST_DEVICE inline Acc gate_value(const decay::PairInputs<Acc>& in, Acc key_part, Acc query_part) {
-  if constexpr (std::is_same_v<G, decay::KeyGate>) return key_part;
-  else if constexpr (std::is_same_v<G, decay::QueryGate>) return query_part;
-  else return static_cast<Acc>(G::log_factor(in));
+  if constexpr (std::is_same_v<G, decay::KeyGate>)
+    return key_part;
+  else if constexpr (std::is_same_v<G, decay::QueryGate>)
+    return query_part;
+  else
+    return static_cast<Acc>(G::log_factor(in));
 }
 template <class S>
 struct SetDecay;
@@ -129,16 +132,17 @@ KVMEM_HOST_DEVICE inline void decay_tile(const KS* keys, std::int64_t key_stride
                                          std::int64_t query_logit_stride, std::int64_t first_pos, std::int64_t n_pos,
                                          std::int64_t D, Acc* tile, std::int64_t ld, Acc* query_part) {
   // query_part: [n_pos] scratch for log g_q of each position (computed once per tile, not per pair)
-  for (std::int64_t i = 0; i < n_pos; ++i) query_part[i] = query_gate_part(load_as<Acc>(query_logit[i * query_logit_stride]));
+  for (std::int64_t i = 0; i < n_pos; ++i)
+    query_part[i] = query_gate_part(load_as<Acc>(query_logit[i * query_logit_stride]));
   for (std::int64_t e = 0; e < n_keys; ++e) {
     const Acc key_part = key_gate_part(key_logit[e]);
     for (std::int64_t i = 0; i < n_pos; ++i) {
       const std::int64_t m = first_pos + i;
-      tile[e * ld + i] = m > key_pos[e] ? pair_decay<Set, Acc>(keys + e * key_stride, key_logit[e], key_part, key_pos[e],
-                                                               new_keys + i * new_key_stride,
-                                                               load_as<Acc>(query_logit[i * query_logit_stride]),
-                                                               query_part[i], m, D)
-                                        : Acc(0);
+      tile[e * ld + i] =
+          m > key_pos[e] ? pair_decay<Set, Acc>(keys + e * key_stride, key_logit[e], key_part, key_pos[e],
+                                                new_keys + i * new_key_stride,
+                                                load_as<Acc>(query_logit[i * query_logit_stride]), query_part[i], m, D)
+                         : Acc(0);
     }
   }
 }
@@ -166,8 +170,8 @@ KVMEM_HOST_DEVICE inline Acc cumulative_decay(Acc lambda, std::int64_t pos_j, st
 // keys: [n, D] rows key_stride apart; lambda, key_logit, key_pos: [n]; new_key: [D]
 template <class Set, class Acc, class KS, class QS>
 KVMEM_HOST_DEVICE inline void lambda_update(const KS* keys, std::int64_t key_stride, const Acc* key_logit,
-                                            const std::int64_t* key_pos, Acc* lambda, std::int64_t n,
-                                            const QS* new_key, Acc query_logit, std::int64_t t, std::int64_t D) {
+                                            const std::int64_t* key_pos, Acc* lambda, std::int64_t n, const QS* new_key,
+                                            Acc query_logit, std::int64_t t, std::int64_t D) {
   const Acc query_part = query_gate_part(query_logit);
   for (std::int64_t e = 0; e < n; ++e)
     if (t > key_pos[e])

@@ -43,8 +43,8 @@ KVMEM_HOST_DEVICE inline bool evicts(Lambda lambda, double log_p) {
 // keys, values: [n, D] rows row_stride apart; lambda, key_logit, pos: [n]
 template <class KS, class Acc>
 KVMEM_HOST_DEVICE inline std::int64_t evict_and_compact(KS* keys, KS* values, std::int64_t row_stride, Acc* lambda,
-                                                         Acc* key_logit, std::int64_t* pos, std::int64_t n,
-                                                         std::int64_t D, double log_p) {
+                                                        Acc* key_logit, std::int64_t* pos, std::int64_t n,
+                                                        std::int64_t D, double log_p) {
   std::int64_t kept = 0;
   for (std::int64_t e = 0; e < n; ++e) {
     if (evicts(lambda[e], log_p)) continue;  // evicted for good (λ never increases)

@@ -39,9 +39,9 @@ namespace kvmem::kvm {
 
 // Test hook of spec 2: per update, the append list, merge targets and |S|.
 struct UpdateRoute {
-  std::int64_t first_token = 0;   // the update absorbs tokens [first_token, first_token + C)
-  std::int64_t slots_before = 0;  // |S| before
-  std::int64_t slots_after = 0;   // |S| after
+  std::int64_t first_token = 0;        // the update absorbs tokens [first_token, first_token + C)
+  std::int64_t slots_before = 0;       // |S| before
+  std::int64_t slots_after = 0;        // |S| after
   std::vector<std::int64_t> appended;  // absolute token ids, ascending
   std::vector<std::int64_t> target;    // [C]: merge target slot (>= sink) or -1 if appended
   // Decision margins (spec 2 test hooks), so tests can skip near-ties explicitly:
@@ -55,12 +55,11 @@ struct RouteLog {
 // The shapes of one call of T tokens against the cache shape (spec 2); every backend checks them
 // first. Layout (contiguity, strides) is each backend's own rule.
 template <class In, class Out>
-Status check_call_shapes(const Shape& sh,
-                         const TensorView<const In, 4>& q,     // [B,Hq,T,D]
-                         const TensorView<const In, 4>& k,     // [B,Hk,T,D]
-                         const TensorView<const In, 4>& v,     // [B,Hk,T,Dv]
-                         const TensorView<const In, 3>& gate,  // [B,Hk,T]
-                         const TensorView<Out, 4>& out) {      // [B,T,Hq,Dv]
+Status check_call_shapes(const Shape& sh, const TensorView<const In, 4>& q,  // [B,Hq,T,D]
+                         const TensorView<const In, 4>& k,                   // [B,Hk,T,D]
+                         const TensorView<const In, 4>& v,                   // [B,Hk,T,Dv]
+                         const TensorView<const In, 3>& gate,                // [B,Hk,T]
+                         const TensorView<Out, 4>& out) {                    // [B,T,Hq,Dv]
   const std::int64_t B = sh.B, T = q.extent(2);
   KVMEM_RETURN_IF_ERROR(check_shape(q, {B, sh.Hq, T, sh.D}, "q"));
   KVMEM_RETURN_IF_ERROR(check_shape(k, {B, sh.Hk, T, sh.D}, "k"));
@@ -75,11 +74,11 @@ struct Backend;
 
 template <class Executor, class S, class A, class In, class Out>
 Status prefill(const Executor& exec, State<S, A>& state, const Weights& weights,
-               TensorView<const In, 4> q,     // [B,Hq,T,D]
-               TensorView<const In, 4> k,     // [B,Hk,T,D]
-               TensorView<const In, 4> v,     // [B,Hk,T,Dv]
-               TensorView<const In, 3> gate,  // [B,Hk,T]
-               TensorView<Out, 4> out,        // [B,T,Hq,Dv]
+               TensorView<const In, 4> q,              // [B,Hq,T,D]
+               TensorView<const In, 4> k,              // [B,Hk,T,D]
+               TensorView<const In, 4> v,              // [B,Hk,T,Dv]
+               TensorView<const In, 3> gate,           // [B,Hk,T]
+               TensorView<Out, 4> out,                 // [B,T,Hq,Dv]
                const std::int64_t* lengths = nullptr,  // [B], each <= T; nullptr: all T
                RouteLog* log = nullptr) {
   return Backend<Executor>::prefill(exec, state, weights, q, k, v, gate, out, lengths, log);
@@ -108,11 +107,11 @@ Status decode(const Executor& exec, State<S, A>& state, const Weights& weights,
 // A RouteLog gets one entry per (slot, KV head): log->items[slot * Hk + g].
 template <class Executor, class S, class A, class In, class Out>
 Status step(const Executor& exec, State<S, A>& state, const Weights& weights, const Rows& rows,
-            TensorView<const In, 3> q,     // [tokens,Hq,D]
-            TensorView<const In, 3> k,     // [tokens,Hk,D]
-            TensorView<const In, 3> v,     // [tokens,Hk,Dv]
-            TensorView<const In, 2> gate,  // [tokens,Hk]
-            TensorView<Out, 3> out,        // [tokens,Hq,Dv]
+            TensorView<const In, 3> q,      // [tokens,Hq,D]
+            TensorView<const In, 3> k,      // [tokens,Hk,D]
+            TensorView<const In, 3> v,      // [tokens,Hk,Dv]
+            TensorView<const In, 2> gate,   // [tokens,Hk]
+            TensorView<Out, 3> out,         // [tokens,Hq,Dv]
             TensorView<float, 2> lse = {},  // [tokens,Hq] or empty
             RouteLog* log = nullptr) {
   return Backend<Executor>::step(exec, state, weights, rows, q, k, v, gate, out, lse, log);
@@ -183,8 +182,7 @@ Status forward(const Executor& exec, const Params& params, const Weights& weight
                TensorView<const In, 3> gate,  // [B,Hk,T]
                TensorView<Out, 4> out,        // [B,T,Hq,Dv]
                const std::int64_t* lengths = nullptr) {
-  const Shape shape{q.extent(0), q.extent(1), k.extent(1), q.extent(3), v.extent(3),
-                    q.extent(2) > 0 ? q.extent(2) : 1};
+  const Shape shape{q.extent(0), q.extent(1), k.extent(1), q.extent(3), v.extent(3), q.extent(2) > 0 ? q.extent(2) : 1};
   using StateType = State<S, A>;
   StateType state;
   KVMEM_RETURN_IF_ERROR(StateType::create(params, shape, state));

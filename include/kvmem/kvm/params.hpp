@@ -16,19 +16,19 @@
 namespace kvmem::kvm {
 
 struct Params {
-  std::int64_t chunk = 256;         // C
-  std::int64_t window_chunks = 2;   // nb (window = nb*C keys)
-  std::int64_t sink = 1;            // S: slots never merged into
-  std::int64_t rope_dims = 64;      // r: leading key channels zeroed before LN_s
+  std::int64_t chunk = 256;        // C
+  std::int64_t window_chunks = 2;  // nb (window = nb*C keys)
+  std::int64_t sink = 1;           // S: slots never merged into
+  std::int64_t rope_dims = 64;     // r: leading key channels zeroed before LN_s
   budget::Any budget = budget::Fixed{256, 256};
-  bool merge_gate_keys = true;      // kg = g k0
-  bool merge_gate_values = true;    // vg = g v
-  bool head_temps = true;           // false: tau = 1
-  bool value_radius = true;         // false: count mode V^ = Sv / cnt
-  bool gate_appends = false;        // appended slots take kg, vg
-  bool gate_initial = false;        // initial slots take kg, vg (rho from raw v, spec 7.5)
+  bool merge_gate_keys = true;    // kg = g k0
+  bool merge_gate_values = true;  // vg = g v
+  bool head_temps = true;         // false: tau = 1
+  bool value_radius = true;       // false: count mode V^ = Sv / cnt
+  bool gate_appends = false;      // appended slots take kg, vg
+  bool gate_initial = false;      // initial slots take kg, vg (rho from raw v, spec 7.5)
   double ln_eps = 1e-5;
-  double scale = 0;                 // 0 -> 1/sqrt(D)
+  double scale = 0;  // 0 -> 1/sqrt(D)
 
   [[nodiscard]] constexpr Geometry geometry() const { return {chunk, window_chunks}; }
   [[nodiscard]] constexpr std::int64_t window() const { return chunk * window_chunks; }
@@ -49,20 +49,25 @@ struct Weights {
 // spec 3 validation plus what a preallocated cache needs (DESIGN.md 3: before any state change).
 inline Status validate(const Params& p, const Shape& s) {
   if (p.chunk < 1) return invalid_argument("chunk", ">= 1", p.chunk);
-  if (p.window_chunks < 1) return invalid_argument("window_chunks", ">= 1 (the window is window_chunks*chunk keys)", p.window_chunks);
+  if (p.window_chunks < 1)
+    return invalid_argument("window_chunks", ">= 1 (the window is window_chunks*chunk keys)", p.window_chunks);
   if (p.sink < 0 || p.sink >= p.chunk)
-    return invalid_argument("sink", "0 <= sink < chunk = " + std::to_string(p.chunk) + " (a merge needs a non-sink slot)", p.sink);
+    return invalid_argument(
+        "sink", "0 <= sink < chunk = " + std::to_string(p.chunk) + " (a merge needs a non-sink slot)", p.sink);
   if (p.rope_dims < 0 || p.rope_dims > s.D)
     return invalid_argument("rope_dims", "0 <= rope_dims <= D = " + std::to_string(s.D), p.rope_dims);
   KVMEM_RETURN_IF_ERROR(p.budget.validate());
   const std::int64_t maximum = p.budget.visit([](const auto& b) { return b.maximum; });
   if (maximum < p.chunk)
-    return invalid_argument("budget maximum", ">= chunk = " + std::to_string(p.chunk) + " (the first chunk founds chunk slots)", maximum);
+    return invalid_argument("budget maximum",
+                            ">= chunk = " + std::to_string(p.chunk) + " (the first chunk founds chunk slots)", maximum);
   if (!(p.ln_eps > 0) || !std::isfinite(p.ln_eps)) return invalid_argument("ln_eps", "finite and > 0", p.ln_eps);
-  if (!(p.scale >= 0) || !std::isfinite(p.scale)) return invalid_argument("scale", "finite and >= 0 (0 selects 1/sqrt(D))", p.scale);
+  if (!(p.scale >= 0) || !std::isfinite(p.scale))
+    return invalid_argument("scale", "finite and >= 0 (0 selects 1/sqrt(D))", p.scale);
   if (s.B < 1) return invalid_argument("B", ">= 1", s.B);
   if (s.Hk < 1) return invalid_argument("Hk", ">= 1", s.Hk);
-  if (s.Hq < 1 || s.Hq % s.Hk != 0) return invalid_argument("Hq", "a positive multiple of Hk = " + std::to_string(s.Hk), s.Hq);
+  if (s.Hq < 1 || s.Hq % s.Hk != 0)
+    return invalid_argument("Hq", "a positive multiple of Hk = " + std::to_string(s.Hk), s.Hq);
   if (s.D < 1) return invalid_argument("D", ">= 1", s.D);
   if (s.Dv < 1) return invalid_argument("Dv", ">= 1", s.Dv);
   if (s.n_ctx < 1) return invalid_argument("n_ctx", ">= 1", s.n_ctx);

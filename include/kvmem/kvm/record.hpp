@@ -29,8 +29,10 @@ inline constexpr std::uint32_t kFields = 29;
 
 template <class S>
 constexpr std::int64_t storage_code() {
-  if constexpr (std::is_same_v<S, float>) return 0;
-  else if constexpr (std::is_same_v<S, bf16>) return 1;
+  if constexpr (std::is_same_v<S, float>)
+    return 0;
+  else if constexpr (std::is_same_v<S, bf16>)
+    return 1;
   else {
     static_assert(std::is_same_v<S, fp16>, "kvm slot record: storage is float, bf16 or fp16");
     return 2;
@@ -169,10 +171,10 @@ Status read(const State<S, A>& state, std::span<const std::byte> bytes, Parsed<A
   if (out.cov != geo.covered(out.n))
     return invalid_argument("slot record field 'cov'", "covered(n) = " + std::to_string(geo.covered(out.n)), out.cov);
   if (out.slots < std::min(out.n, p.chunk) || out.slots > state.capacity())
-    return invalid_argument("slot record field 'slots'",
-                            std::to_string(std::min(out.n, p.chunk)) + " <= |S| <= capacity " +
-                                std::to_string(state.capacity()),
-                            out.slots);
+    return invalid_argument(
+        "slot record field 'slots'",
+        std::to_string(std::min(out.n, p.chunk)) + " <= |S| <= capacity " + std::to_string(state.capacity()),
+        out.slots);
   const std::int64_t Hk = sh.Hk, D = sh.D, Dv = sh.Dv, S_ = out.slots, held = out.n - geo.bswa_begin(out.n);
   out.sk.resize(std::size_t(Hk * S_ * D));
   out.sv.resize(std::size_t(Hk * S_ * Dv));

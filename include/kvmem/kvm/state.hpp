@@ -121,7 +121,8 @@ class State {
   }
   // Ok when the State holds memory and b names one of its slots.
   [[nodiscard]] Status check_slot(std::int64_t b, const char* name) const {
-    if (!valid()) return invalid_argument("state", "a created or placed State", "an empty (moved-from or default) State");
+    if (!valid())
+      return invalid_argument("state", "a created or placed State", "an empty (moved-from or default) State");
     if (b < 0 || b >= shape_.B)
       return {StatusCode::kOutOfRange, std::string(name) + ": expected 0 <= slot < max_slots = " +
                                            std::to_string(shape_.B) + ", got " + std::to_string(b)};
@@ -195,8 +196,8 @@ class State {
 
  private:
   struct Layout {
-    std::size_t sk, sv, rho, cnt, khat, vhat, wk, wv, wg, k0, kg, vg, score, best, target, row, qblock, acc, soft,
-        wts, n, cov, slots, item_result, total;
+    std::size_t sk, sv, rho, cnt, khat, vhat, wk, wv, wg, k0, kg, vg, score, best, target, row, qblock, acc, soft, wts,
+        n, cov, slots, item_result, total;
   };
   static Layout layout(const Params& p, const Shape& s) {
     const auto I = std::size_t(s.B * s.Hk);

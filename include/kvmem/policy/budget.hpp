@@ -30,12 +30,13 @@ KVMEM_HOST_DEVICE constexpr std::int64_t min3(std::int64_t a, std::int64_t b, st
 }
 // target = max(min(raw, avail, maximum), current) -- spec KVM.md 3.1
 KVMEM_HOST_DEVICE constexpr std::int64_t capped_target(std::int64_t raw, std::int64_t avail, std::int64_t maximum,
-                                     std::int64_t current) {
+                                                       std::int64_t current) {
   const std::int64_t capped = min3(raw, avail, maximum);
   return capped > current ? capped : current;
 }
 // R * floor(value / R), then at least `minimum`; `value` is already floored.
-KVMEM_HOST_DEVICE constexpr std::int64_t round_and_floor(std::int64_t value, std::int64_t round_down, std::int64_t minimum) {
+KVMEM_HOST_DEVICE constexpr std::int64_t round_and_floor(std::int64_t value, std::int64_t round_down,
+                                                         std::int64_t minimum) {
   const std::int64_t rounded = round_down * (value / round_down);
   return rounded > minimum ? rounded : minimum;
 }
@@ -143,9 +144,12 @@ struct Any {
   template <class F>
   constexpr decltype(auto) visit(F&& f) const {
     switch (kind) {
-      case Kind::kPower: return f(power);
-      case Kind::kSaturating: return f(saturating);
-      case Kind::kFixed: break;
+      case Kind::kPower:
+        return f(power);
+      case Kind::kSaturating:
+        return f(saturating);
+      case Kind::kFixed:
+        break;
     }
     return f(fixed);
   }

@@ -19,11 +19,11 @@ namespace kvmem::decay {
 // Everything a gate may look at for the pair (key j, position m), j < m.
 template <class Real>
 struct PairInputs {
-  Real key_logit = Real(0);          // z_k[j]: key-gate logit of the key
-  Real query_logit = Real(0);        // z_q[m]: gate logit of the later token
-  Real similarity = Real(0);         // c_jm = k_j . k_m (normalised, post-RoPE keys)
-  std::int64_t key_position = 0;     // j
-  std::int64_t position = 0;         // m
+  Real key_logit = Real(0);       // z_k[j]: key-gate logit of the key
+  Real query_logit = Real(0);     // z_q[m]: gate logit of the later token
+  Real similarity = Real(0);      // c_jm = k_j . k_m (normalised, post-RoPE keys)
+  std::int64_t key_position = 0;  // j
+  std::int64_t position = 0;      // m
 };
 
 // f = sigmoid(z_k[j]): how readily key j forgets (the authors' static_src).
@@ -68,9 +68,27 @@ concept DecayGate = requires(const decay::PairInputs<double>& d, const decay::Pa
 namespace decay {
 
 namespace detail {
-template <class G> constexpr bool needs_key_logit() { if constexpr (requires { G::kNeedsKeyLogit; }) return G::kNeedsKeyLogit; else return false; }
-template <class G> constexpr bool needs_query_logit() { if constexpr (requires { G::kNeedsQueryLogit; }) return G::kNeedsQueryLogit; else return false; }
-template <class G> constexpr bool needs_similarity() { if constexpr (requires { G::kNeedsSimilarity; }) return G::kNeedsSimilarity; else return false; }
+template <class G>
+constexpr bool needs_key_logit() {
+  if constexpr (requires { G::kNeedsKeyLogit; })
+    return G::kNeedsKeyLogit;
+  else
+    return false;
+}
+template <class G>
+constexpr bool needs_query_logit() {
+  if constexpr (requires { G::kNeedsQueryLogit; })
+    return G::kNeedsQueryLogit;
+  else
+    return false;
+}
+template <class G>
+constexpr bool needs_similarity() {
+  if constexpr (requires { G::kNeedsSimilarity; })
+    return G::kNeedsSimilarity;
+  else
+    return false;
+}
 }  // namespace detail
 
 // Clamp of spec UA.md 3: x <= 1 - 1e-6, so every step adds at least ln(1e-6).

@@ -26,9 +26,7 @@ struct Threshold {
   double p = 0.05;
 
   static constexpr bool kEnabled = true;
-  double log_threshold() const {
-    return p > 0.0 ? std::log(p) : -std::numeric_limits<double>::infinity();
-  }
+  double log_threshold() const { return p > 0.0 ? std::log(p) : -std::numeric_limits<double>::infinity(); }
   bool evicts(double lambda) const { return lambda < log_threshold(); }
   constexpr const char* invalid_reason() const {
     if (!(p >= 0.0 && p <= 1.0)) return "the threshold p must lie in [0, 1] (0 disables pruning)";

@@ -27,8 +27,8 @@ struct Config {
   std::int64_t B = 1, T = 0, Hq = 1, Hk = 1, D = 0, Dv = 0;
   std::int64_t chunk = 256, window_chunks = 2, sink = 1, rope_dims = 64;
   kvmem::budget::Any budget;
-  bool merge_gate_keys = true, merge_gate_values = true, head_temps = true, value_radius = true,
-       gate_appends = false, gate_initial = false;
+  bool merge_gate_keys = true, merge_gate_values = true, head_temps = true, value_radius = true, gate_appends = false,
+       gate_initial = false;
   double ln_eps = 1e-5;
   double scale = 0;  // 0 -> 1/sqrt(D)
   // The authors' eager readout rounds V^ to bf16 (spec 7.1). Off by default: kvmem does not
@@ -63,15 +63,21 @@ namespace detail {
 
 using Row = std::vector<double>;
 
-inline double scale_of(const Config& c) { return c.scale > 0 ? c.scale : 1.0 / std::sqrt(double(c.D)); }
-inline kvmem::kvm::Geometry geometry_of(const Config& c) { return {c.chunk, c.window_chunks}; }
+inline double scale_of(const Config& c) {
+  return c.scale > 0 ? c.scale : 1.0 / std::sqrt(double(c.D));
+}
+inline kvmem::kvm::Geometry geometry_of(const Config& c) {
+  return {c.chunk, c.window_chunks};
+}
 
 inline double dot(const Row& a, const Row& b) {
   double s = 0;
   for (std::size_t i = 0; i < a.size(); ++i) s += a[i] * b[i];
   return s;
 }
-inline double norm2(const Row& a) { return std::sqrt(dot(a, a)); }
+inline double norm2(const Row& a) {
+  return std::sqrt(dot(a, a));
+}
 
 // LN_s(x) = w (x - mean) / sqrt(var + eps) + b, biased variance over D (spec 4.2 step 2).
 inline Row ln_s(const Config& c, const Inputs& in, const Row& x) {
@@ -214,8 +220,10 @@ inline UpdateLog update(const Problem& p, Slots& s, std::int64_t a, std::int64_t
     add_n[std::size_t(best_j)] += 1.0;
   }
   for (std::int64_t j = 0; j < n_slots; ++j) {
-    for (std::int64_t d = 0; d < c.D; ++d) s.sk[std::size_t(j)][std::size_t(d)] += add_k[std::size_t(j)][std::size_t(d)];
-    for (std::int64_t d = 0; d < c.Dv; ++d) s.sv[std::size_t(j)][std::size_t(d)] += add_v[std::size_t(j)][std::size_t(d)];
+    for (std::int64_t d = 0; d < c.D; ++d)
+      s.sk[std::size_t(j)][std::size_t(d)] += add_k[std::size_t(j)][std::size_t(d)];
+    for (std::int64_t d = 0; d < c.Dv; ++d)
+      s.sv[std::size_t(j)][std::size_t(d)] += add_v[std::size_t(j)][std::size_t(d)];
     s.cnt[std::size_t(j)] += add_n[std::size_t(j)];
   }
   return log;
@@ -290,18 +298,23 @@ inline Status validate(const Config& c, const Inputs& in) {
   if (c.B < 1) return invalid_argument("B", ">= 1", c.B);
   if (c.T < 0) return invalid_argument("T", ">= 0", c.T);
   if (c.Hk < 1) return invalid_argument("Hk", ">= 1", c.Hk);
-  if (c.Hq < 1 || c.Hq % c.Hk != 0) return invalid_argument("Hq", "a positive multiple of Hk = " + std::to_string(c.Hk), c.Hq);
+  if (c.Hq < 1 || c.Hq % c.Hk != 0)
+    return invalid_argument("Hq", "a positive multiple of Hk = " + std::to_string(c.Hk), c.Hq);
   if (c.D < 1) return invalid_argument("D", ">= 1", c.D);
   if (c.Dv < 1) return invalid_argument("Dv", ">= 1", c.Dv);
   if (c.chunk < 1) return invalid_argument("chunk", ">= 1", c.chunk);
   if (c.window_chunks < 1) return invalid_argument("window_chunks", ">= 1", c.window_chunks);
-  if (c.sink < 0 || c.sink >= c.chunk) return invalid_argument("sink", "0 <= sink < chunk = " + std::to_string(c.chunk), c.sink);
-  if (c.rope_dims < 0 || c.rope_dims > c.D) return invalid_argument("rope_dims", "0 <= rope_dims <= D = " + std::to_string(c.D), c.rope_dims);
+  if (c.sink < 0 || c.sink >= c.chunk)
+    return invalid_argument("sink", "0 <= sink < chunk = " + std::to_string(c.chunk), c.sink);
+  if (c.rope_dims < 0 || c.rope_dims > c.D)
+    return invalid_argument("rope_dims", "0 <= rope_dims <= D = " + std::to_string(c.D), c.rope_dims);
   KVMEM_RETURN_IF_ERROR(c.budget.validate());
   const std::int64_t max_slots = c.budget.visit([](const auto& b) { return b.maximum; });
-  if (max_slots < c.chunk) return invalid_argument("budget maximum", ">= chunk = " + std::to_string(c.chunk), max_slots);
+  if (max_slots < c.chunk)
+    return invalid_argument("budget maximum", ">= chunk = " + std::to_string(c.chunk), max_slots);
   if (!(c.ln_eps > 0) || !std::isfinite(c.ln_eps)) return invalid_argument("ln_eps", "finite and > 0", c.ln_eps);
-  if (!(c.scale >= 0) || !std::isfinite(c.scale)) return invalid_argument("scale", "finite and >= 0 (0: 1/sqrt(D))", c.scale);
+  if (!(c.scale >= 0) || !std::isfinite(c.scale))
+    return invalid_argument("scale", "finite and >= 0 (0: 1/sqrt(D))", c.scale);
   const auto check = [](const char* name, const std::vector<double>& x, std::int64_t n) -> Status {
     if (std::int64_t(x.size()) != n) return invalid_argument(std::string(name) + " size", n, x.size());
     if (!detail::all_finite(x)) return invalid_argument(name, "finite values", "NaN or Inf");
@@ -355,8 +368,9 @@ inline Result prefill(const Config& c, const Inputs& in_arg) {
           detail::window_rows(p, 0, t, keys, vals);
           for (std::int64_t hh = 0; hh < rep; ++hh) {
             const std::int64_t h = g * rep + hh;
-            detail::store_out(c, r.out, b, t, h,
-                              detail::readout(p, h, p.q(h, t), nullptr, keys, vals, &r.lse[std::size_t((b * T + t) * c.Hq + h)]));
+            detail::store_out(
+                c, r.out, b, t, h,
+                detail::readout(p, h, p.q(h, t), nullptr, keys, vals, &r.lse[std::size_t((b * T + t) * c.Hq + h)]));
           }
         }
       for (std::int64_t j = 0; j < std::min(T, C); ++j) detail::init_slot(p, s, j);
@@ -369,8 +383,9 @@ inline Result prefill(const Config& c, const Inputs& in_arg) {
             detail::window_rows(p, w, t, keys, vals);
             for (std::int64_t hh = 0; hh < rep; ++hh) {
               const std::int64_t h = g * rep + hh;
-              detail::store_out(c, r.out, b, t, h,
-                                detail::readout(p, h, p.q(h, t), &s, keys, vals, &r.lse[std::size_t((b * T + t) * c.Hq + h)]));
+              detail::store_out(
+                  c, r.out, b, t, h,
+                  detail::readout(p, h, p.q(h, t), &s, keys, vals, &r.lse[std::size_t((b * T + t) * c.Hq + h)]));
             }
           }
         const std::int64_t w2 = geo.bswa_begin(std::min(T, qe + C));
@@ -379,7 +394,8 @@ inline Result prefill(const Config& c, const Inputs& in_arg) {
           auto& app = r.route_append[std::size_t(u)];
           const std::size_t n_u = log.appended.size();
           if (app.empty()) app.assign(std::size_t(c.B * c.Hk) * n_u, 0);
-          std::copy(log.appended.begin(), log.appended.end(), app.begin() + std::ptrdiff_t((b * c.Hk + g) * std::int64_t(n_u)));
+          std::copy(log.appended.begin(), log.appended.end(),
+                    app.begin() + std::ptrdiff_t((b * c.Hk + g) * std::int64_t(n_u)));
           std::copy(log.merged.begin(), log.merged.end(), r.route_merge[std::size_t(u)].begin() + (b * c.Hk + g) * C);
           r.slots_after_update[std::size_t(u)] = std::int64_t(s.sk.size());
           ++u;
@@ -408,7 +424,8 @@ inline Result prefill(const Config& c, const Inputs& in_arg) {
 // Returns out [B,T,Hq,Dv]. 0 <= split <= T; split = 0 decodes from an empty cache.
 inline std::vector<double> prefill_then_decode(const Config& c, const Inputs& in, std::int64_t split) {
   throw_if_error(validate(c, in));
-  if (split < 0 || split > c.T) throw Error(invalid_argument("split", "0 <= split <= T = " + std::to_string(c.T), split));
+  if (split < 0 || split > c.T)
+    throw Error(invalid_argument("split", "0 <= split <= T = " + std::to_string(c.T), split));
   const auto geo = detail::geometry_of(c);
   const std::int64_t C = c.chunk, rep = c.Hq / c.Hk;
   std::vector<double> out(std::size_t(c.B * c.T * c.Hq * c.Dv), 0.0);
@@ -477,13 +494,12 @@ inline std::vector<double> prefill_then_decode(const Config& c, const Inputs& in
   return out;
 }
 
-
 // ---- backward (spec 5): routing constant, everything else by the chain rule ----------------------
 
 struct Grads {
-  std::vector<double> dq, dk, dv, dgate;                // like q, k, v, gate
-  std::vector<double> d_ln_weight, d_ln_bias;           // [D]
-  std::vector<double> d_tau_state, d_tau_bswa;          // [Hq]
+  std::vector<double> dq, dk, dv, dgate;        // like q, k, v, gate
+  std::vector<double> d_ln_weight, d_ln_bias;   // [D]
+  std::vector<double> d_tau_state, d_tau_bswa;  // [Hq]
 };
 
 namespace detail {
@@ -603,7 +619,9 @@ inline Grads backward(const Config& c, const Inputs& in, const std::vector<doubl
           for (double e : l) z += std::exp(e - mx);
           std::vector<double> pr(l.size());
           for (std::size_t i = 0; i < l.size(); ++i) pr[i] = std::exp(l[i] - mx) / z;
-          const auto val = [&](std::size_t i) { return i < khat.size() ? vhat[i] : p.v(w + std::int64_t(i - khat.size())); };
+          const auto val = [&](std::size_t i) {
+            return i < khat.size() ? vhat[i] : p.v(w + std::int64_t(i - khat.size()));
+          };
           Row o(std::size_t(Dv), 0.0);
           for (std::size_t i = 0; i < l.size(); ++i) {
             const Row vi = val(i);

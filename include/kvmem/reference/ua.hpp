@@ -26,8 +26,8 @@ namespace kvmem::reference::ua {
 
 struct Config {
   std::int64_t B = 0, T = 0, H = 0, G = 0, D = 0;
-  std::int64_t prefill_chunk = 128;   // P of spec UA.md 4.5
-  std::int64_t prefill_split = -1;    // tokens [0, split) are prefilled, the rest decoded; -1 -> T
+  std::int64_t prefill_chunk = 128;    // P of spec UA.md 4.5
+  std::int64_t prefill_split = -1;     // tokens [0, split) are prefilled, the rest decoded; -1 -> T
   bool evict_before_attention = true;  // decode-step order (spec UA.md 4.5)
 };
 
@@ -43,12 +43,14 @@ struct DenseResult {
 };
 
 struct PrunedResult {
-  std::vector<double> out;          // [B,T,H,D]
-  std::vector<std::int64_t> kept;   // [B,G,T], 1 = in the cache after the last token
+  std::vector<double> out;         // [B,T,H,D]
+  std::vector<std::int64_t> kept;  // [B,G,T], 1 = in the cache after the last token
 };
 
 namespace detail {
-inline std::int64_t split_of(const Config& c) { return c.prefill_split < 0 ? c.T : c.prefill_split; }
+inline std::int64_t split_of(const Config& c) {
+  return c.prefill_split < 0 ? c.T : c.prefill_split;
+}
 inline const double* key_row(const Config& c, const Inputs& in, std::int64_t b, std::int64_t g, std::int64_t t) {
   return in.k.data() + ((b * c.G + g) * c.T + t) * c.D;
 }
@@ -78,7 +80,8 @@ inline Status validate(const Config& c, const Inputs& in) {
   if (c.H % c.G != 0) return invalid_argument("Config H % G", "0 (H a multiple of G)", c.H % c.G);
   if (c.prefill_chunk <= 0) return invalid_argument("Config prefill_chunk", "a positive chunk length", c.prefill_chunk);
   if (c.prefill_split < -1 || c.prefill_split > c.T)
-    return invalid_argument("Config prefill_split", kvmem::detail::concat("-1 or a value in [0, T=", c.T, "]"), c.prefill_split);
+    return invalid_argument("Config prefill_split", kvmem::detail::concat("-1 or a value in [0, T=", c.T, "]"),
+                            c.prefill_split);
   const auto check = [](const std::vector<double>& x, std::int64_t n, const char* name) -> Status {
     if (static_cast<std::int64_t>(x.size()) != n)
       return invalid_argument(std::string("Inputs ") + name + " size", n, x.size());
@@ -191,7 +194,8 @@ DenseResult dense(const Config& c, const Inputs& in) {
             keys.push_back(j);
             bias.push_back(lam[i * c.T + j]);
           }
-          r.lse[(b * c.H + h) * c.T + i] = detail::attend_row(c, in, b, h, i, keys, bias, detail::out_row(c, r.out, b, i, h));
+          r.lse[(b * c.H + h) * c.T + i] =
+              detail::attend_row(c, in, b, h, i, keys, bias, detail::out_row(c, r.out, b, i, h));
         }
       }
     }
@@ -274,7 +278,8 @@ PrunedResult pruned(const Config& c, const Inputs& in, double p) {
                 keys.push_back(j);
                 bias.push_back(lam[i * c.T + j]);
               }
-            detail::attend_row(c, in, b, g * group + hh, i, keys, bias, detail::out_row(c, r.out, b, i, g * group + hh));
+            detail::attend_row(c, in, b, g * group + hh, i, keys, bias,
+                               detail::out_row(c, r.out, b, i, g * group + hh));
           }
         for (std::size_t e = 0; e < cache.pos.size(); ++e) cache.lambda[e] = lam[(t1 - 1) * c.T + cache.pos[e]];
         detail::evict(cache, p);  // 2. λ = Λ_{e,j} at the chunk end, evict λ < ln p

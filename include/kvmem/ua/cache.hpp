@@ -35,7 +35,7 @@
 namespace kvmem::ua {
 
 struct CacheShape {
-  std::int64_t batch = 1;       // B sequences
+  std::int64_t batch = 1;        // B sequences
   std::int64_t query_heads = 1;  // H
   std::int64_t kv_heads = 1;     // G, H % G == 0
   std::int64_t head_dim = 1;     // D (keys and values)
@@ -76,7 +76,8 @@ class PrunedCache {
     if (s.query_heads <= 0) return invalid_argument("CacheShape query_heads", "> 0", s.query_heads);
     if (s.kv_heads <= 0) return invalid_argument("CacheShape kv_heads", "> 0", s.kv_heads);
     if (s.query_heads % s.kv_heads != 0)
-      return invalid_argument("CacheShape query_heads % kv_heads", "0 (GQA groups of equal size)", s.query_heads % s.kv_heads);
+      return invalid_argument("CacheShape query_heads % kv_heads", "0 (GQA groups of equal size)",
+                              s.query_heads % s.kv_heads);
     if (s.head_dim <= 0) return invalid_argument("CacheShape head_dim", "> 0", s.head_dim);
     if (s.capacity <= 0) return invalid_argument("CacheShape capacity", "> 0 rows per (sequence, kv head)", s.capacity);
     if (s.page_rows <= 0) return invalid_argument("CacheShape page_rows", "> 0", s.page_rows);
@@ -98,8 +99,9 @@ class PrunedCache {
     c.length_.assign(items, 0);
     c.peak_.assign(items, 0);
     c.counter_.assign(static_cast<std::size_t>(s.batch), 0);
-    c.workspace_.assign(items * static_cast<std::size_t>(kernel::ua::block_workspace_elems(s.query_heads / s.kv_heads, s.head_dim)),
-                        0.0f);
+    c.workspace_.assign(
+        items * static_cast<std::size_t>(kernel::ua::block_workspace_elems(s.query_heads / s.kv_heads, s.head_dim)),
+        0.0f);
     out = std::move(c);
     return Status::ok();
   }
@@ -120,7 +122,9 @@ class PrunedCache {
 
   // Entries of (b, g) and the next absolute position of sequence b (= tokens seen, spec UA.md 6.10);
   // 0 for an index outside the cache.
-  [[nodiscard]] std::int64_t length(std::int64_t b, std::int64_t g) const { return has(b, g) ? length_[idx(item(b, g))] : 0; }
+  [[nodiscard]] std::int64_t length(std::int64_t b, std::int64_t g) const {
+    return has(b, g) ? length_[idx(item(b, g))] : 0;
+  }
   [[nodiscard]] std::int64_t position(std::int64_t b) const { return has(b) ? counter_[idx(b)] : 0; }
   [[nodiscard]] std::int64_t max_length() const {
     std::int64_t m = 0;
@@ -164,28 +168,33 @@ class PrunedCache {
   Status reset_sequence(std::int64_t b) {
     if (!valid()) return invalid_argument("cache", "a cache made by PrunedCache::create", "an empty cache");
     if (!has(b))
-      return {StatusCode::kOutOfRange, kvmem::detail::concat("reset_sequence b: expected 0 <= b < max_slots = ",
-                                                             shape_.batch, ", got ", b)};
+      return {StatusCode::kOutOfRange,
+              kvmem::detail::concat("reset_sequence b: expected 0 <= b < max_slots = ", shape_.batch, ", got ", b)};
     restart(b);
     return Status::ok();
   }
 
   // ---- access for the operations in ua/ops.hpp (one (b, g) item per worker) ----
   struct ItemView {
-    Storage* keys;        // [capacity, D]
-    Storage* values;      // [capacity, D]
-    float* lambda;        // [capacity]
-    float* key_logit;     // [capacity]
-    std::int64_t* pos;    // [capacity]
+    Storage* keys;      // [capacity, D]
+    Storage* values;    // [capacity, D]
+    float* lambda;      // [capacity]
+    float* key_logit;   // [capacity]
+    std::int64_t* pos;  // [capacity]
     std::int64_t* length;
     std::int64_t* peak;
-    float* workspace;     // [block_workspace_elems(r, D)]
+    float* workspace;  // [block_workspace_elems(r, D)]
   };
   ItemView item_view(std::int64_t b, std::int64_t g) {
     const std::int64_t it = item(b, g);
     const std::int64_t r0 = row0(b, g);
-    return {keys_.data() + r0 * shape_.head_dim, values_.data() + r0 * shape_.head_dim, lambda_.data() + r0,
-            key_logit_.data() + r0, pos_.data() + r0, &length_[idx(it)], &peak_[idx(it)],
+    return {keys_.data() + r0 * shape_.head_dim,
+            values_.data() + r0 * shape_.head_dim,
+            lambda_.data() + r0,
+            key_logit_.data() + r0,
+            pos_.data() + r0,
+            &length_[idx(it)],
+            &peak_[idx(it)],
             workspace_.data() + it * kernel::ua::block_workspace_elems(group_size(), shape_.head_dim)};
   }
   void advance(std::int64_t b, std::int64_t tokens) { counter_[idx(b)] += tokens; }
@@ -218,9 +227,9 @@ class PrunedCache {
 
   // An empty cache: no slots, and a group size of 1 so that no accessor divides by zero.
   CacheShape shape_{0, 1, 1, 0, 0, 16};
-  std::vector<Storage> keys_, values_;  // [B, G, capacity, D]
-  std::vector<float> lambda_, key_logit_;  // [B, G, capacity]
-  std::vector<std::int64_t> pos_;          // [B, G, capacity]
+  std::vector<Storage> keys_, values_;       // [B, G, capacity, D]
+  std::vector<float> lambda_, key_logit_;    // [B, G, capacity]
+  std::vector<std::int64_t> pos_;            // [B, G, capacity]
   std::vector<std::int64_t> length_, peak_;  // [B, G]
   std::vector<std::int64_t> counter_;        // [B]
   std::vector<float> workspace_;             // [B, G, block_workspace_elems]
@@ -232,11 +241,11 @@ class PrunedCache {
 // the per-key scalars (λ, key-gate logit: fp32, position: int64) are reported separately.
 struct CacheReportRow {
   std::int64_t layer = 0, batch = 0, kv_head = 0;
-  std::int64_t kept = 0;         // entries in the cache
-  std::int64_t dense = 0;        // entries a dense cache would hold (tokens seen, n_b)
-  std::int64_t kv_bytes = 0;     // kept * 2 * D * sizeof(storage)
+  std::int64_t kept = 0;      // entries in the cache
+  std::int64_t dense = 0;     // entries a dense cache would hold (tokens seen, n_b)
+  std::int64_t kv_bytes = 0;  // kept * 2 * D * sizeof(storage)
   std::int64_t dense_kv_bytes = 0;
-  std::int64_t scalar_bytes = 0;  // kept * (4 + 4 + 8)
+  std::int64_t scalar_bytes = 0;   // kept * (4 + 4 + 8)
   double compression_ratio = 0.0;  // 1 - kept / dense (0 when dense == 0)
 };
 

@@ -71,8 +71,9 @@ using Inputs = InputsOf<float>;
 // of paying for a launch. ua/ knows no backend (DESIGN.md 1).
 template <class Exec>
 struct Launcher {
-  static_assert(sizeof(Exec) == 0,
-                "kvmem::ua: no UA backend for this executor; include kvmem/backend/host/ua.hpp for kvmem::host::Executor");
+  static_assert(
+      sizeof(Exec) == 0,
+      "kvmem::ua: no UA backend for this executor; include kvmem/backend/host/ua.hpp for kvmem::host::Executor");
 };
 
 namespace detail {
@@ -145,7 +146,9 @@ inline Status validate_options(const Options& opt) {
   return Status::ok();
 }
 
-inline double log_threshold(double p) { return prune::Threshold{p}.log_threshold(); }
+inline double log_threshold(double p) {
+  return prune::Threshold{p}.log_threshold();
+}
 
 // The inputs and outputs of one (sequence, kv head) item over the T tokens of its call: pointers to
 // token 0 of the item (query heads g*r.., kv head g) and the strides between tokens and heads. The
@@ -205,7 +208,7 @@ void append_row(typename PrunedCache<Storage>::ItemView& v, std::int64_t row, co
 // BlockArgs for query tokens [t0, t1) of one item's call.
 template <class KS>
 kernel::ua::BlockArgs<KS, float, float, float> block_args(const ItemIO& io, std::int64_t D, std::int64_t r,
-                                                           std::int64_t t0, std::int64_t t1) {
+                                                          std::int64_t t0, std::int64_t t1) {
   kernel::ua::BlockArgs<KS, float, float, float> a;
   a.D = D;
   a.heads = r;
@@ -235,8 +238,8 @@ kernel::ua::BlockArgs<KS, float, float, float> block_args(const ItemIO& io, std:
 
 template <class Storage>
 kernel::ua::BlockArgs<Storage, float, float, float> with_cache(kernel::ua::BlockArgs<Storage, float, float, float> a,
-                                                                const typename PrunedCache<Storage>::ItemView& v,
-                                                                std::int64_t n) {
+                                                               const typename PrunedCache<Storage>::ItemView& v,
+                                                               std::int64_t n) {
   a.keys = v.keys;
   a.values = v.values;
   a.key_stride = a.value_stride = a.D;
@@ -565,8 +568,10 @@ Status step(const Exec& exec, PrunedCache<Storage>& cache, const Rows& rows, con
     const std::int64_t row = active[static_cast<std::size_t>(it / G)], g = it % G;
     const std::int64_t slot = rows.slot(row), x0 = rows.query_start(row), T = rows.query_start(row + 1) - x0;
     const detail::ItemIO io = detail::item_io(in, out, lse, x0, T, g, r);
-    if (T == 1) detail::decode_item<Set>(cache, slot, g, io, opt);
-    else detail::prefill_item<Set>(cache, slot, g, io, opt);
+    if (T == 1)
+      detail::decode_item<Set>(cache, slot, g, io, opt);
+    else
+      detail::prefill_item<Set>(cache, slot, g, io, opt);
   });
   for (const std::int64_t row : active)
     cache.advance(rows.slot(row), rows.query_start(row + 1) - rows.query_start(row));
@@ -577,7 +582,8 @@ Status step(const Exec& exec, PrunedCache<Storage>& cache, const Rows& rows, con
 //   using Ua = kvmem::ua::Attention<kvmem::decay::Universal, kvmem::prune::Threshold{0.05}>;
 //   Ua::Cache cache({B, H, G, D, capacity});
 //   Ua::prefill(exec, cache, inputs, out);  Ua::decode(exec, cache, step_inputs, out1);
-template <DecaySet Set = decay::Universal, auto Prune = prune::None{}, PrecisionPolicy Precision = precision::Fp32Storage>
+template <DecaySet Set = decay::Universal, auto Prune = prune::None{},
+          PrecisionPolicy Precision = precision::Fp32Storage>
 struct Attention {
   static constexpr auto kPrune = prune::checked<Prune>();
   using decay_set = Set;
@@ -587,8 +593,10 @@ struct Attention {
                 "kvmem::ua::Attention: the host UA path accumulates in fp32 (use the reference for fp64)");
 
   static constexpr double threshold() {
-    if constexpr (std::remove_cvref_t<decltype(kPrune)>::kEnabled) return kPrune.p;
-    else return 0.0;
+    if constexpr (std::remove_cvref_t<decltype(kPrune)>::kEnabled)
+      return kPrune.p;
+    else
+      return 0.0;
   }
   static Options options(std::int64_t prefill_chunk = 128, bool evict_before_attention = true) {
     return Options{threshold(), prefill_chunk, evict_before_attention};
@@ -605,7 +613,8 @@ struct Attention {
   }
   template <class Exec>
   static Status step(const Exec& exec, Cache& cache, const Rows& rows, const PackedInputs& in, TensorView<float, 3> out,
-                     TensorView<float, 2> lse = {}, std::int64_t prefill_chunk = 128, bool evict_before_attention = true) {
+                     TensorView<float, 2> lse = {}, std::int64_t prefill_chunk = 128,
+                     bool evict_before_attention = true) {
     return ua::step<Set>(exec, cache, rows, in, options(prefill_chunk, evict_before_attention), out, lse);
   }
   template <class Exec>

@@ -35,23 +35,27 @@ template <class Storage>
 Status check_slot(const PrunedCache<Storage>& cache, std::int64_t slot, const char* name = "slot") {
   KVMEM_RETURN_IF_ERROR(check_cache(cache));
   if (slot < 0 || slot >= cache.max_slots())
-    return {StatusCode::kOutOfRange, kvmem::detail::concat(name, ": expected 0 <= slot < max_slots = ",
-                                                           cache.max_slots(), ", got ", slot)};
+    return {StatusCode::kOutOfRange,
+            kvmem::detail::concat(name, ": expected 0 <= slot < max_slots = ", cache.max_slots(), ", got ", slot)};
   return Status::ok();
 }
 
 // Slot lists are read through data(): one slot after another.
 inline Status check_list_view(TensorView<const std::int32_t, 1> list, const char* name) {
-  if (list.extent(0) > 1 && list.stride(0) != 1) return invalid_argument(std::string(name) + " stride", 1, list.stride(0));
+  if (list.extent(0) > 1 && list.stride(0) != 1)
+    return invalid_argument(std::string(name) + " stride", 1, list.stride(0));
   return Status::ok();
 }
 
 // The storage type's code in a slot record.
 template <class Storage>
 constexpr std::int64_t storage_code() {
-  if constexpr (std::is_same_v<Storage, float>) return 0;
-  else if constexpr (std::is_same_v<Storage, bf16>) return 1;
-  else return 2;  // fp16
+  if constexpr (std::is_same_v<Storage, float>)
+    return 0;
+  else if constexpr (std::is_same_v<Storage, bf16>)
+    return 1;
+  else
+    return 2;  // fp16
 }
 
 inline constexpr std::uint32_t kUaRecordFields = 11;
@@ -172,11 +176,13 @@ std::size_t export_bytes(const PrunedCache<Storage>& cache, std::int32_t slot) {
 
 // Writes the record of `slot` (fields above) into the first export_bytes(cache, slot) bytes of `out`.
 template <class Exec, class Storage>
-Status export_slot(const Exec& /*exec*/, const PrunedCache<Storage>& cache, std::int32_t slot, std::span<std::byte> out) {
+Status export_slot(const Exec& /*exec*/, const PrunedCache<Storage>& cache, std::int32_t slot,
+                   std::span<std::byte> out) {
   KVMEM_RETURN_IF_ERROR(detail::check_slot(cache, slot));
   const std::size_t bytes = export_bytes(cache, slot);
-  if (out.size() < bytes) return {StatusCode::kOutOfRange, kvmem::detail::concat("export_slot out: expected at least ", bytes,
-                                                                                 " bytes, got ", out.size())};
+  if (out.size() < bytes)
+    return {StatusCode::kOutOfRange,
+            kvmem::detail::concat("export_slot out: expected at least ", bytes, " bytes, got ", out.size())};
   (void)detail::write_record(cache, slot, out.first(bytes));
   return Status::ok();
 }
@@ -187,7 +193,8 @@ Status export_slot(const Exec& /*exec*/, const PrunedCache<Storage>& cache, std:
 // and <= 0, keys and values finite and representable in the storage type. A mismatch is refused with a
 // Status naming the field.
 template <class Exec, class Storage>
-Status import_slot(const Exec& /*exec*/, PrunedCache<Storage>& cache, std::int32_t slot, std::span<const std::byte> in) {
+Status import_slot(const Exec& /*exec*/, PrunedCache<Storage>& cache, std::int32_t slot,
+                   std::span<const std::byte> in) {
   KVMEM_RETURN_IF_ERROR(detail::check_slot(cache, slot));
   const CacheShape& s = cache.shape();
   const std::int64_t G = s.kv_heads, D = s.head_dim;
@@ -225,7 +232,8 @@ Status import_slot(const Exec& /*exec*/, PrunedCache<Storage>& cache, std::int32
       const std::int64_t p = pos[static_cast<std::size_t>(e)];
       if (p < 0 || p >= position || (e > e0 && p <= pos[static_cast<std::size_t>(e - 1)]))
         return invalid_argument("slot record field 'pos'[" + std::to_string(e) + "]",
-                                "ascending positions per kv head, each below 'position' = " + std::to_string(position), p);
+                                "ascending positions per kv head, each below 'position' = " + std::to_string(position),
+                                p);
     }
   for (std::int64_t e = 0; e < L; ++e) {
     const float lam = lambda[static_cast<std::size_t>(e)];
@@ -239,9 +247,9 @@ Status import_slot(const Exec& /*exec*/, PrunedCache<Storage>& cache, std::int32
     for (const auto* field : {&key, &value}) {
       const float f = (*field)[x];
       if (!std::isfinite(f) || load_as<float>(store_as<Storage>(f)) != f)
-        return invalid_argument(std::string("slot record field '") + (field == &key ? "key" : "value") + "'[" +
-                                    std::to_string(x) + "]",
-                                "a finite value representable in the cache's storage type", f);
+        return invalid_argument(
+            std::string("slot record field '") + (field == &key ? "key" : "value") + "'[" + std::to_string(x) + "]",
+            "a finite value representable in the cache's storage type", f);
     }
   // Commit.
   for (std::int64_t g = 0, e0 = 0; g < G; e0 += length[static_cast<std::size_t>(g)], ++g) {

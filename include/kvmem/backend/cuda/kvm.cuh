@@ -330,8 +330,12 @@ class KvmState {
   Status download(std::int64_t b, std::int64_t g, std::vector<A>& sk, std::vector<A>& sv, std::vector<A>& rho,
                   cudaStream_t stream) const {
     if (!valid()) return invalid_argument("state", "a KvmState made by KvmState::create", "an empty KvmState");
-    if (b < 0 || b >= shape_.B) return {StatusCode::kOutOfRange, "download b: expected 0 <= b < B = " + std::to_string(shape_.B) + ", got " + std::to_string(b)};
-    if (g < 0 || g >= shape_.Hk) return {StatusCode::kOutOfRange, "download g: expected 0 <= g < Hk = " + std::to_string(shape_.Hk) + ", got " + std::to_string(g)};
+    if (b < 0 || b >= shape_.B)
+      return {StatusCode::kOutOfRange,
+              "download b: expected 0 <= b < B = " + std::to_string(shape_.B) + ", got " + std::to_string(b)};
+    if (g < 0 || g >= shape_.Hk)
+      return {StatusCode::kOutOfRange,
+              "download g: expected 0 <= g < Hk = " + std::to_string(shape_.Hk) + ", got " + std::to_string(g)};
     const std::int64_t i = b * shape_.Hk + g;
     sk.resize(std::size_t(slots_ * shape_.D));
     sv.resize(std::size_t(slots_ * shape_.Dv));
@@ -394,8 +398,8 @@ namespace kvm_detail {
 // One pass of update_tc_scores_kernel (kMode: RtMode) for the update of tokens [a, a + C) over slots
 // [j0, j1) on the tensor cores; bf16 storage with d.tc_route only.
 template <int kD, int kTerms, int kMode>
-Status launch_tc_scores_as(const Executor& exec, const DeviceState<bf16, float>& d, std::int64_t items,
-                           std::int64_t a, std::int64_t j0, std::int64_t j1) {
+Status launch_tc_scores_as(const Executor& exec, const DeviceState<bf16, float>& d, std::int64_t items, std::int64_t a,
+                           std::int64_t j0, std::int64_t j1) {
   const auto kernel = update_tc_scores_kernel<kD, kTerms, kMode>;
   constexpr std::size_t bytes = rt_shared_bytes<kD, kTerms>();
   KVMEM_RETURN_IF_ERROR(allow_shared(kernel, bytes));
@@ -645,9 +649,9 @@ Status launch_decode_step(const Executor& exec, const DeviceState<S, A>& d, cons
         cfg.numAttrs = 2;
       }
       const auto launch = [&](auto kernel) {
-        return to_status(cudaLaunchKernelEx(&cfg, kernel, d, qd, kd, vd, gd, od, t0, wb, slots, sp.per,
-                                            static_cast<int>(sp.splits)),
-                         "kvm decode_fused_bf16_kernel");
+        return to_status(
+            cudaLaunchKernelEx(&cfg, kernel, d, qd, kd, vd, gd, od, t0, wb, slots, sp.per, static_cast<int>(sp.splits)),
+            "kvm decode_fused_bf16_kernel");
       };
       KVMEM_RETURN_IF_ERROR(heads == 4   ? launch(decode_fused_bf16_kernel<In, Out, 4>)
                             : heads == 2 ? launch(decode_fused_bf16_kernel<In, Out, 2>)
@@ -661,8 +665,8 @@ Status launch_decode_step(const Executor& exec, const DeviceState<S, A>& d, cons
     cfg.gridDim = dim3(static_cast<unsigned>(rows), static_cast<unsigned>(sp.splits));
     cfg.blockDim = dim3(128);
     cfg.dynamicSmemBytes = (std::size_t(sh.D) + 4 * std::size_t(sh.Dv) + 4) * sizeof(A);
-    KVMEM_RETURN_IF_ERROR(to_status(cudaLaunchKernelEx(&cfg, decode_fused_kernel<S, A, In, Out>, d, qd, kd, vd, gd,
-                                                       od, t0, wb, slots, sp.per, static_cast<int>(sp.splits)),
+    KVMEM_RETURN_IF_ERROR(to_status(cudaLaunchKernelEx(&cfg, decode_fused_kernel<S, A, In, Out>, d, qd, kd, vd, gd, od,
+                                                       t0, wb, slots, sp.per, static_cast<int>(sp.splits)),
                                     "kvm decode_fused_kernel"));
   }
   return Status::ok();
@@ -681,7 +685,8 @@ Status kvm_run(const Executor& exec, KvmState<S, A>& state, const KvmWeights& w,
                kvm::RouteLog* log = nullptr) {
   using namespace kvm_detail;
   if (!state.valid())
-    return invalid_argument("state", "a KvmState made by KvmState::create", "an empty (never created or moved-from) KvmState");
+    return invalid_argument("state", "a KvmState made by KvmState::create",
+                            "an empty (never created or moved-from) KvmState");
   const kvm::Shape& sh = state.shape_;
   const kvm::Params& p = state.params_;
   const std::int64_t B = sh.B, T = q.extent(2);
@@ -729,7 +734,9 @@ Status kvm_run(const Executor& exec, KvmState<S, A>& state, const KvmWeights& w,
       d.in_g = gate.data();
     }
   }
-  const auto record = [](cudaEvent_t e, cudaStream_t on) { return to_status(cudaEventRecord(e, on), "cudaEventRecord"); };
+  const auto record = [](cudaEvent_t e, cudaStream_t on) {
+    return to_status(cudaEventRecord(e, on), "cudaEventRecord");
+  };
   const auto wait = [](cudaStream_t s, cudaEvent_t e) {
     return to_status(cudaStreamWaitEvent(s, e, 0), "cudaStreamWaitEvent");
   };
@@ -817,7 +824,7 @@ Status kvm_run(const Executor& exec, KvmState<S, A>& state, const KvmWeights& w,
       const dim3 igrid(static_cast<unsigned>(items),
                        static_cast<unsigned>((t1 - t0 + kWarpsPerBlock - 1) / kWarpsPerBlock));
       ingest_kernel<S, A, In><<<igrid, 32 * kWarpsPerBlock, 0, ingest_on.stream>>>(d, k.data(), v.data(), gate.data(),
-                                                                                    T, n0, t0, t1, cov, copy16);
+                                                                                   T, n0, t0, t1, cov, copy16);
       KVMEM_CUDA_RETURN_IF_LAUNCH_FAILED("kvm ingest_kernel");
     }
     if (detach) {
@@ -858,8 +865,8 @@ Status kvm_run(const Executor& exec, KvmState<S, A>& state, const KvmWeights& w,
           } else if (detach) {  // a window that starts before this call: the ring, in chain order
             KVMEM_RETURN_IF_ERROR(chain_waits_aux(0));
           }
-          readout.tc<<<static_cast<unsigned>(grid), kTcThreads, readout.tc_bytes, on>>>(d, src, q.data(), out.data(),
-                                                                                         T, n0, t0, t1, wb, readout_slots);
+          readout.tc<<<static_cast<unsigned>(grid), kTcThreads, readout.tc_bytes, on>>>(d, src, q.data(), out.data(), T,
+                                                                                        n0, t0, t1, wb, readout_slots);
           KVMEM_CUDA_RETURN_IF_LAUNCH_FAILED("kvm attend_tc_kernel");
           if (reads_slots) {
             KVMEM_RETURN_IF_ERROR(record(pipe.read[state.live_copy_], exec.stream));
@@ -871,8 +878,8 @@ Status kvm_run(const Executor& exec, KvmState<S, A>& state, const KvmWeights& w,
       if (!on_tensor_cores) {
         const dim3 agrid(static_cast<unsigned>(B * sh.Hq),
                          static_cast<unsigned>((t1 - t0 + kRowsPerBlock - 1) / kRowsPerBlock));
-        readout.rows<<<agrid, kRowsPerBlock * kLanesPerRow, readout.rows_bytes, chain.stream>>>(d, q.data(), out.data(), T,
-                                                                                                n0, t0, t1, wb, slots);
+        readout.rows<<<agrid, kRowsPerBlock * kLanesPerRow, readout.rows_bytes, chain.stream>>>(
+            d, q.data(), out.data(), T, n0, t0, t1, wb, slots);
         KVMEM_CUDA_RETURN_IF_LAUNCH_FAILED("kvm attend_rows_kernel");
       }
     }

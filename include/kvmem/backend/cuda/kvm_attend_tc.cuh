@@ -375,9 +375,8 @@ __global__ void __launch_bounds__(kTcThreads, kTcMinBlocks)
     const unsigned ks = walk.key_buffer(k);
 #pragma unroll
     for (int kk = 0; kk < kD / 16; ++kk)
-      wgmma_m64n64k16_ss(
-          s, wgmma_desc_sw128(q_wg + sw128_k16_offset(kTcRows, kk), 16, 1024),
-          wgmma_desc_sw128(ks + sw128_k16_offset(kTcKeys, kk), 16, 1024), kk > 0);
+      wgmma_m64n64k16_ss(s, wgmma_desc_sw128(q_wg + sw128_k16_offset(kTcRows, kk), 16, 1024),
+                         wgmma_desc_sw128(ks + sw128_k16_offset(kTcKeys, kk), 16, 1024), kk > 0);
     wgmma_commit();
   };
   const auto issue_values = [&](std::int64_t k, const std::uint32_t(&pa)[kTcKeys / 16][4]) {

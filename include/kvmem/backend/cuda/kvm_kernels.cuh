@@ -866,9 +866,9 @@ __global__ void __launch_bounds__(32 * kWarpsPerBlock, 4)
   unsigned char* stages = smem_raw;  // register form: [kWarpsPerBlock][kScatterDepth] stages (16-byte aligned)
   LnWeight<A>* ln = reinterpret_cast<LnWeight<A>*>(
       stages + (kInRegisters ? kWarpsPerBlock * kScatterDepth * scatter_stage_bytes<A>() : 0));  // register form: [D]
-  const S** vrow = reinterpret_cast<const S**>(ln + (kInRegisters ? st.D : 0));  // [C]
-  A* gate = reinterpret_cast<A*>(vrow + C);                                      // [C]
-  int* target = reinterpret_cast<int*>(gate + C);                                // [C]
+  const S** vrow = reinterpret_cast<const S**>(ln + (kInRegisters ? st.D : 0));                  // [C]
+  A* gate = reinterpret_cast<A*>(vrow + C);                                                      // [C]
+  int* target = reinterpret_cast<int*>(gate + C);                                                // [C]
   int* first = target + C;            // [per_block] first[j - lo]: the first token routed to slot j, C if none
   int* routed = first + per_block;    // [per_block] routed[j - lo]: the number of tokens routed to slot j
   int* touched = routed + per_block;  // [min(per_block, C)] j - lo of the touched slots (not every_slot)
@@ -1250,7 +1250,8 @@ inline constexpr std::size_t kDecodeSmemBytes =
 inline constexpr int kDecodeBlocksPerSm = 4;  // __launch_bounds__ below; 4 x 48 KB of shared memory fit an SM
 // the merge of 4 heads (partials, log-sum-exps, results, split weights) reuses the rings
 static_assert((4 * (2 * kDecodeThreads / 32) * (kDecodeDim + 1) + 4 * (kDecodeDim + 1) + 4 * (kDecodeMaxCluster + 1)) *
-                      sizeof(float) <= kDecodeSmemBytes,
+                      sizeof(float) <=
+                  kDecodeSmemBytes,
               "the decode merge fits the rings' shared memory");
 
 // Split-K plan of a decode step: `splits` blocks per row, `per` keys each (the last one fewer, none empty).
@@ -1341,8 +1342,10 @@ __global__ void __launch_bounds__(kDecodeThreads, kDecodeBlocksPerSm)
     ptx::cp_async_commit();
   };
   for (int j = 0; j < kStages - 1; ++j) {
-    if (j < my_units) issue(j);
-    else ptx::cp_async_commit();  // empty group: every iteration below waits on the same count
+    if (j < my_units)
+      issue(j);
+    else
+      ptx::cp_async_commit();  // empty group: every iteration below waits on the same count
   }
   // while the first units are in flight: the ring append and this lane's channels of q
   if (blockIdx.y == 0 && h0 % st.rep() == 0) ingest_decode_token(st, k1, v1, g1, item, pos);
@@ -1362,8 +1365,10 @@ __global__ void __launch_bounds__(kDecodeThreads, kDecodeBlocksPerSm)
   for (int j = 0; j < my_units; ++j) {
     ptx::cp_async_wait<kStages - 2>();  // this lane's pieces of unit j have landed
     __syncwarp();                       // every lane's have, and unit j - 1's buffer is free
-    if (j + kStages - 1 < my_units) issue(j + kStages - 1);
-    else ptx::cp_async_commit();
+    if (j + kStages - 1 < my_units)
+      issue(j + kStages - 1);
+    else
+      ptx::cp_async_commit();
     const bf16* buf = ring + (j % kStages) * kUnit * kRow;
     const int first = (warp + j * kWarps) * kUnit;
     // each key's row is read once for every head of the block

@@ -105,7 +105,7 @@ __global__ void __launch_bounds__(32 * kRtWarps, 2)
   const std::int64_t i = blockIdx.x / tb;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, quad = lane % 4, r = lane / 4;
   const std::int64_t c0 = (std::int64_t(blockIdx.x) % tb) * kRtTokens + warp * 16;  // the warp's first token
-  const bool active = c0 < C;                                                      // warp-uniform (C % 16 == 0)
+  const bool active = c0 < C;                                                       // warp-uniform (C % 16 == 0)
   // Tile k's copies: thread t moves 16-byte vector t % kVecs of rows t / kVecs + kPass m; the item's
   // row base and the thread's offsets are fixed, so each copy costs one multiply-add of the row.
   const std::int64_t tiles = (j1 - j0 + kRtSlots - 1) / kRtSlots;
@@ -134,7 +134,8 @@ __global__ void __launch_bounds__(32 * kRtWarps, 2)
         const int s = vrow + m * kPass;
         const std::int64_t row = base + (s < n ? s : 0);  // rows past n: zeros from a valid address
         cp_async16(buf + m * kPassBytes, khat_item + row * kD, s < n ? 16 : 0);
-        if constexpr (kTerms == 3) cp_async16(buf + kTileBytes + m * kPassBytes, khat_lo_item + row * kD, s < n ? 16 : 0);
+        if constexpr (kTerms == 3)
+          cp_async16(buf + kTileBytes + m * kPassBytes, khat_lo_item + row * kD, s < n ? 16 : 0);
       }
     }
     cp_async_commit();
@@ -327,7 +328,8 @@ __global__ void __launch_bounds__(32 * kRtWarps, 2)
     wgmma_fence_operands(alo);
     // slot tiles 0-3 of the accumulator are the first group, 4-7 the second (the same fragment layout)
     take_group(base, reinterpret_cast<const float(&)[kRtGroup / 8][4]>(sc[0]));
-    if (base + kRtGroup < j1) take_group(base + kRtGroup, reinterpret_cast<const float(&)[kRtGroup / 8][4]>(sc[kRtGroup / 8]));
+    if (base + kRtGroup < j1)
+      take_group(base + kRtGroup, reinterpret_cast<const float(&)[kRtGroup / 8][4]>(sc[kRtGroup / 8]));
   }
 #else
   // lane l points at slot row l % 8 of 8x8 matrix l / 8: matrices 0, 1 are slot group 2p, dims +0, +8
@@ -348,8 +350,8 @@ __global__ void __launch_bounds__(32 * kRtWarps, 2)
       float sc[kRtGroup / 8][4];
 #pragma unroll
       for (int nt = 0; nt < kRtGroup / 8; ++nt) sc[nt][0] = sc[nt][1] = sc[nt][2] = sc[nt][3] = 0.0f;
-      // per k-step: hi.hi, then lo.hi and hi.lo (the order of the products of one dot), each over the
-      // four accumulators so that independent mma follow each other
+        // per k-step: hi.hi, then lo.hi and hi.lo (the order of the products of one dot), each over the
+        // four accumulators so that independent mma follow each other
 #pragma unroll
       for (int kk = 0; kk < kK; ++kk) {
         std::uint32_t bh[kRtGroup / 16][4], bl[kRtGroup / 16][4];
@@ -405,8 +407,8 @@ __global__ void __launch_bounds__(32 * kRtWarps, 2)
     const std::int64_t c = i * C + c0 + r + 8 * h;
     if constexpr (kMode == kRtNovelty) {
       st.score[c] = best[h];
-      st.rbest[c] = cbest[h];  // an update always has a non-sink slot (|S| >= C > sink): carg >= 0
-      st.target[c] = carg[h];  // the appends mark theirs -1 after this pass
+      st.rbest[c] = cbest[h];                  // an update always has a non-sink slot (|S| >= C > sink): carg >= 0
+      st.target[c] = carg[h];                  // the appends mark theirs -1 after this pass
     } else if constexpr (kMode == kRtRoute) {  // no appends: every token merges
       st.target[c] = arg[h];
     } else {  // an appended slot wins only if strictly better: ties go to the older, smaller slot

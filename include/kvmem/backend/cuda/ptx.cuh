@@ -122,7 +122,8 @@ __device__ inline unsigned char* align_shared_1024(unsigned char* p) {
 // The dynamic shared memory a launch gives a kernel with a wgmma path and an mma.sync path whose layouts
 // differ: the larger of the two, because the host cannot know which path the device runs (the sm_90a
 // machine code, or the compute_90 PTX JIT-compiled for another GPU).
-__host__ __device__ constexpr std::size_t shared_bytes_of_either_path(std::size_t wgmma_path, std::size_t mma_sync_path) {
+__host__ __device__ constexpr std::size_t shared_bytes_of_either_path(std::size_t wgmma_path,
+                                                                      std::size_t mma_sync_path) {
   return wgmma_path > mma_sync_path ? wgmma_path : mma_sync_path;
 }
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)

@@ -272,7 +272,7 @@ class UaCache {
   float* part_acc_ = nullptr;
   float* lambda_new_ = nullptr;
   int* dense_sync_ = nullptr;           // ticket + λ hand-off of the dense tensor-core prefill (dense_sync_bytes)
-  int sm_count_ = 1;                     // multiprocessors: sizes the dense prefill's item groups
+  int sm_count_ = 1;                    // multiprocessors: sizes the dense prefill's item groups
   std::vector<std::int64_t> position_;  // [B] host mirror of the device counters
   std::int64_t bound_ = 0;              // >= every item's length
 };

@@ -131,11 +131,12 @@ struct UaDenseLayout {
   static constexpr int kLPitch = kDnEntries + 8;
   static constexpr std::size_t kTile = std::size_t(kDnEntries) * (kSwizzled ? kD : kKPitch) * 2;
   static constexpr int kKBufs = kSwizzled ? 1 : 2;
-  static constexpr std::size_t kK = 0;                   // [kKBufs][kDnEntries][kD] keys of the entry tiles
-  static constexpr std::size_t kV = kKBufs * kTile;      // [kDnEntries][kD] values (one buffer, see the kernel)
-  static constexpr std::size_t kQ = kV + kTile;          // [kDnPairs][kD] queries (swizzled only)
-  static constexpr std::size_t kNK = kQ + (kSwizzled ? std::size_t(kDnPairs) * kD * 2 : 0);  // [kDnMaxRows][kKPitch]
-                                                         // keys of the row tile (always padded)
+  static constexpr std::size_t kK = 0;               // [kKBufs][kDnEntries][kD] keys of the entry tiles
+  static constexpr std::size_t kV = kKBufs * kTile;  // [kDnEntries][kD] values (one buffer, see the kernel)
+  static constexpr std::size_t kQ = kV + kTile;      // [kDnPairs][kD] queries (swizzled only)
+  static constexpr std::size_t kNK =
+      kQ + (kSwizzled ? std::size_t(kDnPairs) * kD * 2 : 0);  // [kDnMaxRows][kKPitch]
+                                                              // keys of the row tile (always padded)
   static constexpr std::size_t kA = kNK + std::size_t(kDnMaxRows) * kKPitch * 2;  // [kDnEntries][kAPitch]
   static constexpr std::size_t kL = kA + std::size_t(kDnEntries) * kAPitch * 4;   // [kDnMaxRows][kLPitch]
   static constexpr std::size_t kBytes = kL + std::size_t(kDnMaxRows) * kLPitch * 4 + (kSwizzled ? 1024 : 0);
@@ -381,7 +382,7 @@ __device__ __forceinline__ void dense_prefill_row_tile(const DeviceCache<bf16>& 
   // rows [e0, e0 + kDnEntries) of the keys or the values -> tile dst (cached rows below n, then the call's
   // input rows; zeros past e_total), one cp.async group
   const auto load_rows = [&](int e0, unsigned char* dst, const nv_bf16* cache, const nv_bf16* input,
-                              std::int64_t in_stride) {
+                             std::int64_t in_stride) {
     const bool all_cached = e0 + kDnEntries <= n, all_input = e0 >= n && e0 + kDnEntries <= e_total;
     if (all_cached || all_input) {  // the usual tile: every row valid, in one array with one row stride
       const std::int64_t stride = all_cached ? D : in_stride;
@@ -709,8 +710,8 @@ __device__ __forceinline__ void dense_prefill_row_tile(const DeviceCache<bf16>& 
     // The mma.sync path loads it at the carry: held through its fold, the word's two registers would make
     // ptxas spill at D 80.
     if (kWg && carrier && e0 + ce < e_prev)
-      c_word = has_prev ? load_relaxed_gpu(handoff + e0 + ce)
-                        : std::uint64_t(__float_as_uint(__ldcg(lambda + e0 + ce)));
+      c_word =
+          has_prev ? load_relaxed_gpu(handoff + e0 + ce) : std::uint64_t(__float_as_uint(__ldcg(lambda + e0 + ce)));
 
     // 1. this warp's 16 columns of the decay tile A(e, m) (spec 4.1): similarity K NK^T on the tensor
     //    cores, then the set's gate fold; A = 0 where m <= pos_e and on rows past the call (the carry then
@@ -839,7 +840,7 @@ __device__ __forceinline__ void dense_prefill_row_tile(const DeviceCache<bf16>& 
 #else
     cp_async_wait<1>();  // this thread's part of value tile et has landed (the next key tile may not)
 #endif
-    __syncthreads();  // Λ tile complete (mma.sync: and value tile et in shared memory)
+    __syncthreads();      // Λ tile complete (mma.sync: and value tile et in shared memory)
     if constexpr (kWg) {  // the next key tile, into the one key buffer (the last step: an empty group, so that
                           // the value tile's group is always the one before the newest)
       if (et > 0)
@@ -910,30 +911,31 @@ __device__ __forceinline__ void dense_prefill_row_tile(const DeviceCache<bf16>& 
     } else
 #endif
 #pragma unroll 1
-    for (int hv = 0; hv < kDnEntries / 32; ++hv) {
-      const int c0 = 32 * hv;  // the half's first entry in the tile
-      float s[kJ][4];
-      logits(s, ks, c0);
-      if (!online_softmax(s)) continue;
-      // O += P V: the S accumulators of entries 16 kk.. are the A fragment of k-step kk. A step whose
-      // probabilities are all 0 for the warp adds exact zeros: skipped.
+      for (int hv = 0; hv < kDnEntries / 32; ++hv) {
+        const int c0 = 32 * hv;  // the half's first entry in the tile
+        float s[kJ][4];
+        logits(s, ks, c0);
+        if (!online_softmax(s)) continue;
+          // O += P V: the S accumulators of entries 16 kk.. are the A fragment of k-step kk. A step whose
+          // probabilities are all 0 for the warp adds exact zeros: skipped.
 #pragma unroll
-      for (int kk = 0; kk < kJ / 2; ++kk) {
-        const float2 part = kstep_sums(s, kk);
-        l_lo += part.x;
-        l_hi += part.y;
-        if (!__any_sync(0xffffffffu, part.x + part.y > 0.0f)) continue;
-        std::uint32_t pa[4];
-        kstep_fragment(s, kk, pa);
+        for (int kk = 0; kk < kJ / 2; ++kk) {
+          const float2 part = kstep_sums(s, kk);
+          l_lo += part.x;
+          l_hi += part.y;
+          if (!__any_sync(0xffffffffu, part.x + part.y > 0.0f)) continue;
+          std::uint32_t pa[4];
+          kstep_fragment(s, kk, pa);
 #pragma unroll
-        for (int dp = 0; dp < kD / 16; ++dp) {
-          std::uint32_t fb[4];
-          ldmatrix_x4_trans(fb, vs_base + L::tile_offset(c0 + 16 * kk + 8 * ((lane / 8) % 2) + lane % 8, 2 * dp + lane / 16));
-          mma_bf16_16816(o[2 * dp], pa, fb[0], fb[1]);
-          mma_bf16_16816(o[2 * dp + 1], pa, fb[2], fb[3]);
+          for (int dp = 0; dp < kD / 16; ++dp) {
+            std::uint32_t fb[4];
+            ldmatrix_x4_trans(
+                fb, vs_base + L::tile_offset(c0 + 16 * kk + 8 * ((lane / 8) % 2) + lane % 8, 2 * dp + lane / 16));
+            mma_bf16_16816(o[2 * dp], pa, fb[0], fb[1]);
+            mma_bf16_16816(o[2 * dp + 1], pa, fb[2], fb[3]);
+          }
         }
       }
-    }
   }
 
   finish_pv();

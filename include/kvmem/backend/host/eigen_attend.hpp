@@ -37,17 +37,18 @@ inline constexpr std::int64_t kTile = 128;
 struct TileScratch {
   RowMatrix logits, keys, values;
   void reserve_logits(Eigen::Index rows) {
-    if (logits.rows() < rows || logits.cols() != Eigen::Index(kTile)) logits.resize(std::max(rows, logits.rows()), kTile);
+    if (logits.rows() < rows || logits.cols() != Eigen::Index(kTile))
+      logits.resize(std::max(rows, logits.rows()), kTile);
   }
 };
 
 // One query block against one key tile.
 struct TileArgs {
-  std::int64_t rows = 0;                  // query rows in the block
-  std::int64_t D = 0, Dv = 0;             // key and value widths
-  std::int64_t n = 0;                     // keys in the tile
-  const float* q = nullptr;               // [rows, D]
-  const float* row_scale = nullptr;       // [rows]: logit scale per row, or null = `scale` for all
+  std::int64_t rows = 0;             // query rows in the block
+  std::int64_t D = 0, Dv = 0;        // key and value widths
+  std::int64_t n = 0;                // keys in the tile
+  const float* q = nullptr;          // [rows, D]
+  const float* row_scale = nullptr;  // [rows]: logit scale per row, or null = `scale` for all
   float scale = 1.0f;
   const std::int64_t* visible = nullptr;  // [rows]: keys [0, visible[r]) of the tile are seen by
                                           // row r (causal masks), or null = all n
@@ -150,10 +151,10 @@ inline RangeScratch& thread_range_scratch() {
 
 struct RowBlock {
   std::int64_t rows = 0, D = 0, Dv = 0;
-  const float* q = nullptr;          // [rows, D]
-  const float* row_scale = nullptr;  // [rows]
+  const float* q = nullptr;              // [rows, D]
+  const float* row_scale = nullptr;      // [rows]
   OnlineSoftmax<float>* soft = nullptr;  // [rows]
-  float* acc = nullptr;              // [rows, Dv] unnormalised
+  float* acc = nullptr;                  // [rows, Dv] unnormalised
 };
 
 template <class K, class V>

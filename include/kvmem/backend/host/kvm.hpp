@@ -67,10 +67,24 @@ struct SeqIo {
                          const TensorView<const In, 4>& v, const TensorView<const In, 3>& gate,
                          const TensorView<Out, 4>& out, std::int64_t b) {
     const std::int64_t Hq = q.extent(1), Hk = k.extent(1), T = q.extent(2), D = q.extent(3), Dv = v.extent(3);
-    return {.q = q.data() + b * Hq * T * D, .k = k.data() + b * Hk * T * D, .v = v.data() + b * Hk * T * Dv,
-            .gate = gate.data() + b * Hk * T, .out = out.data() + b * T * Hq * Dv, .lse = nullptr,
-            .q_tok = D, .q_head = T * D, .k_tok = D, .k_head = T * D, .v_tok = Dv, .v_head = T * Dv,
-            .g_tok = 1, .g_head = T, .o_tok = Hq * Dv, .o_head = Dv, .l_tok = 0, .l_head = 0};
+    return {.q = q.data() + b * Hq * T * D,
+            .k = k.data() + b * Hk * T * D,
+            .v = v.data() + b * Hk * T * Dv,
+            .gate = gate.data() + b * Hk * T,
+            .out = out.data() + b * T * Hq * Dv,
+            .lse = nullptr,
+            .q_tok = D,
+            .q_head = T * D,
+            .k_tok = D,
+            .k_head = T * D,
+            .v_tok = Dv,
+            .v_head = T * Dv,
+            .g_tok = 1,
+            .g_head = T,
+            .o_tok = Hq * Dv,
+            .o_head = Dv,
+            .l_tok = 0,
+            .l_head = 0};
   }
   // The tokens from `start` of a step's packed views: q [tokens,Hq,D], k [tokens,Hk,D],
   // v [tokens,Hk,Dv], gate [tokens,Hk], out [tokens,Hq,Dv], lse [tokens,Hq] (may be empty).
@@ -78,11 +92,24 @@ struct SeqIo {
                       const TensorView<const In, 3>& v, const TensorView<const In, 2>& gate,
                       const TensorView<Out, 3>& out, const TensorView<float, 2>& lse, std::int64_t start) {
     const std::int64_t Hq = q.extent(1), Hk = k.extent(1), D = q.extent(2), Dv = v.extent(2);
-    return {.q = q.data() + start * Hq * D, .k = k.data() + start * Hk * D, .v = v.data() + start * Hk * Dv,
-            .gate = gate.data() + start * Hk, .out = out.data() + start * Hq * Dv,
+    return {.q = q.data() + start * Hq * D,
+            .k = k.data() + start * Hk * D,
+            .v = v.data() + start * Hk * Dv,
+            .gate = gate.data() + start * Hk,
+            .out = out.data() + start * Hq * Dv,
             .lse = lse.empty() ? nullptr : lse.data() + start * Hq,
-            .q_tok = Hq * D, .q_head = D, .k_tok = Hk * D, .k_head = D, .v_tok = Hk * Dv, .v_head = Dv,
-            .g_tok = Hk, .g_head = 1, .o_tok = Hq * Dv, .o_head = Dv, .l_tok = Hq, .l_head = 1};
+            .q_tok = Hq * D,
+            .q_head = D,
+            .k_tok = Hk * D,
+            .k_head = D,
+            .v_tok = Hk * Dv,
+            .v_head = Dv,
+            .g_tok = Hk,
+            .g_head = 1,
+            .o_tok = Hq * Dv,
+            .o_head = Dv,
+            .l_tok = Hq,
+            .l_head = 1};
   }
 };
 
@@ -128,8 +155,8 @@ struct Call {
   }
 
   // Spec 4.5: U(tokens [a, a+C) read from the ring, N, avail). Returns the new |S|.
-  std::int64_t update(const ItemView<S, A>& it, std::int64_t a, std::int64_t N, std::int64_t avail,
-                      std::int64_t S_cur, std::vector<UpdateRoute>* routes) const {
+  std::int64_t update(const ItemView<S, A>& it, std::int64_t a, std::int64_t N, std::int64_t avail, std::int64_t S_cur,
+                      std::vector<UpdateRoute>* routes) const {
     const Params& pr = p();
     const std::int64_t C = pr.chunk, W = pr.window();
     const A eps = static_cast<A>(pr.ln_eps);
@@ -316,8 +343,8 @@ struct Call {
         const std::int64_t n = std::min(e, t + 1) - a;
         if (n <= 0) continue;
         const A ls = scale * (pr.head_temps ? st.tau_w()[h] : A(1));
-        kernel::attend_accumulate(it.soft[r], it.acc + r * Dv(), it.qblock + r * D(), D(), ls, it.wk + ring * D(),
-                                  D(), it.wv + ring * Dv(), Dv(), Dv(), n);
+        kernel::attend_accumulate(it.soft[r], it.acc + r * Dv(), it.qblock + r * D(), D(), ls, it.wk + ring * D(), D(),
+                                  it.wv + ring * Dv(), Dv(), Dv(), n);
       }
       a = e;
     }
@@ -443,7 +470,8 @@ Status check_tokens(const E* x, std::int64_t width, std::int64_t i0, std::int64_
     if (!std::isfinite(e))
       return invalid_argument(name, "finite values", "NaN or Inf at token " + std::to_string(i / width));
     if (positive && !(e > 0))
-      return invalid_argument(name, "values > 0 (g = 1 + ELU > 0)", std::to_string(e) + " at token " + std::to_string(i / width));
+      return invalid_argument(name, "values > 0 (g = 1 + ELU > 0)",
+                              std::to_string(e) + " at token " + std::to_string(i / width));
   }
   return Status::ok();
 }
@@ -485,8 +513,7 @@ struct Backend<host::Executor> {
     const Shape& sh = state.shape();
     const std::int64_t B = sh.B, T = q.extent(2);
     KVMEM_RETURN_IF_ERROR(check_call_shapes(sh, q, k, v, gate, out));
-    if (!q.is_contiguous() || !k.is_contiguous() || !v.is_contiguous() || !gate.is_contiguous() ||
-        !out.is_contiguous())
+    if (!q.is_contiguous() || !k.is_contiguous() || !v.is_contiguous() || !gate.is_contiguous() || !out.is_contiguous())
       return invalid_argument("q, k, v, gate, out", "contiguous row-major views", "a strided view");
     KVMEM_RETURN_IF_ERROR(validate(weights, sh));
     for (std::int64_t b = 0; b < B; ++b) {
@@ -495,8 +522,8 @@ struct Backend<host::Executor> {
         return invalid_argument("lengths[" + std::to_string(b) + "]", "0 <= length <= T = " + std::to_string(T), len);
       if (state.tokens(b) + len > sh.n_ctx)
         return {StatusCode::kOutOfRange, "sequence " + std::to_string(b) + ": " + std::to_string(state.tokens(b)) +
-                                             " + " + std::to_string(len) + " tokens exceed the state's n_ctx = " +
-                                             std::to_string(sh.n_ctx)};
+                                             " + " + std::to_string(len) +
+                                             " tokens exceed the state's n_ctx = " + std::to_string(sh.n_ctx)};
       KVMEM_RETURN_IF_ERROR(host_detail::check_values(q, b, len, "q", false));
       KVMEM_RETURN_IF_ERROR(host_detail::check_values(k, b, len, "k", false));
       KVMEM_RETURN_IF_ERROR(host_detail::check_values(v, b, len, "v", false));
@@ -558,8 +585,8 @@ struct Backend<host::Executor> {
       if (slot[r] < 0) continue;
       const std::int64_t len = start[r + 1] - start[r], b = slot[r];
       if (state.tokens(b) + len > sh.n_ctx)
-        return {StatusCode::kOutOfRange, "row " + std::to_string(r) + " (slot " + std::to_string(b) + "): " +
-                                             std::to_string(state.tokens(b)) + " + " + std::to_string(len) +
+        return {StatusCode::kOutOfRange, "row " + std::to_string(r) + " (slot " + std::to_string(b) +
+                                             "): " + std::to_string(state.tokens(b)) + " + " + std::to_string(len) +
                                              " tokens exceed the state's n_ctx = " + std::to_string(sh.n_ctx)};
       KVMEM_RETURN_IF_ERROR(host_detail::check_tokens(q.data(), sh.Hq * sh.D, start[r], start[r + 1], "q", false));
       KVMEM_RETURN_IF_ERROR(host_detail::check_tokens(k.data(), sh.Hk * sh.D, start[r], start[r + 1], "k", false));
@@ -590,7 +617,8 @@ struct Backend<host::Executor> {
   }
 
   template <class S, class A>
-  static Status reset_slots(const host::Executor& /*exec*/, State<S, A>& state, TensorView<const std::int32_t, 1> slots) {
+  static Status reset_slots(const host::Executor& /*exec*/, State<S, A>& state,
+                            TensorView<const std::int32_t, 1> slots) {
     if (!state.valid()) return invalid_argument("state", "a created or placed State", "an empty State");
     KVMEM_RETURN_IF_ERROR(host_detail::check_list(slots, "slots"));
     KVMEM_RETURN_IF_ERROR(check_slot_list(slots.data(), slots.extent(0), state.max_slots(), "slots", false));
@@ -704,20 +732,20 @@ struct Backend<host::Executor> {
     // (cov <= C) the state is the initial slots, one founded by each token, and the dropped ones go.
     if (cov_old != cov_new && cov_old > C) {
       const std::int64_t at = cov_old + geo.window() - C + 1;  // tokens seen when that update ran (spec 4.7)
-      return invalid_argument("truncate n", "at most " + std::to_string(n_old - at) + ": the state update at token " +
-                                                std::to_string(at) + " absorbed tokens [" + std::to_string(cov_old - C) +
-                                                ", " + std::to_string(cov_old) +
-                                                ") into the memory slots and cannot be undone (spec 4.5)",
+      return invalid_argument("truncate n",
+                              "at most " + std::to_string(n_old - at) + ": the state update at token " +
+                                  std::to_string(at) + " absorbed tokens [" + std::to_string(cov_old - C) + ", " +
+                                  std::to_string(cov_old) + ") into the memory slots and cannot be undone (spec 4.5)",
                               n);
     }
     // Window: every position a later token or update reads must still be held ([bswa_begin(n_old), n_old)).
     const std::int64_t reads_from = std::min(geo.bswa_begin(n_new + 1), n_new >= C ? cov_new : n_new);
     if (reads_from < geo.bswa_begin(n_old))
-      return invalid_argument("truncate n", "a count whose shorter sequence reads only window positions >= " +
-                                                std::to_string(geo.bswa_begin(n_old)) +
-                                                " (the positions the window still holds)",
-                              std::to_string(n) + " (the shorter sequence reads from position " +
-                                  std::to_string(reads_from) + ")");
+      return invalid_argument(
+          "truncate n",
+          "a count whose shorter sequence reads only window positions >= " + std::to_string(geo.bswa_begin(n_old)) +
+              " (the positions the window still holds)",
+          std::to_string(n) + " (the shorter sequence reads from position " + std::to_string(reads_from) + ")");
     return Status::ok();
   }
 };

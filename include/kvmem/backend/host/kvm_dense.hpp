@@ -23,7 +23,6 @@
 #include "kvmem/core/tensor.hpp"
 #include "kvmem/kernel/attend.hpp"
 
-
 namespace kvmem::host {
 
 #if KVMEM_HOST_EIGEN
@@ -69,7 +68,8 @@ void causal_eigen(const Executor& exec, TensorView<const S, 4> q, TensorView<con
         eigen::attend_tile(args, soft.data(), acc.data(), kp + a * D, D, vp + a * Dv, Dv, scratch);
       }
       for (std::int64_t r = 0; r < rows; ++r)
-        kernel::attend_finish(soft[std::size_t(r)], acc.data() + r * Dv, Dv, &out(b, t0 + r / rep, g * rep + r % rep, 0));
+        kernel::attend_finish(soft[std::size_t(r)], acc.data() + r * Dv, Dv,
+                              &out(b, t0 + r / rep, g * rep + r % rep, 0));
     }
   });
 }
@@ -79,11 +79,10 @@ void causal_eigen(const Executor& exec, TensorView<const S, 4> q, TensorView<con
 
 // out[b,t,h] = softmax_s<=t(scale * q[b,h,t] . k[b,g(h),s]) v[b,g(h),s].
 template <class S, class A = float>
-void dense_causal_attention(const Executor& exec,
-                            TensorView<const S, 4> q,  // [B,Hq,T,D]
-                            TensorView<const S, 4> k,  // [B,Hk,T,D]
-                            TensorView<const S, 4> v,  // [B,Hk,T,Dv]
-                            TensorView<A, 4> out,      // [B,T,Hq,Dv]
+void dense_causal_attention(const Executor& exec, TensorView<const S, 4> q,  // [B,Hq,T,D]
+                            TensorView<const S, 4> k,                        // [B,Hk,T,D]
+                            TensorView<const S, 4> v,                        // [B,Hk,T,Dv]
+                            TensorView<A, 4> out,                            // [B,T,Hq,Dv]
                             A scale, std::int64_t block = 64) {
   const std::int64_t B = q.extent(0), Hq = q.extent(1), T = q.extent(2), D = q.extent(3);
   const std::int64_t Hk = k.extent(1), Dv = v.extent(3), rep = Hq / Hk;
@@ -116,8 +115,8 @@ void dense_causal_attention(const Executor& exec,
         for (std::int64_t r = 0; r < rows; ++r) {
           const std::int64_t n = std::min(e, t0 + r / rep + 1) - a;
           if (n <= 0) continue;
-          kernel::attend_accumulate(soft[std::size_t(r)], acc.data() + r * Dv, qb.data() + r * D, D, scale,
-                                    kp + a * D, D, vp + a * Dv, Dv, Dv, n);
+          kernel::attend_accumulate(soft[std::size_t(r)], acc.data() + r * Dv, qb.data() + r * D, D, scale, kp + a * D,
+                                    D, vp + a * Dv, Dv, Dv, n);
         }
       }
       for (std::int64_t r = 0; r < rows; ++r)

@@ -41,6 +41,8 @@ struct DeviceView {
 
 // x - x is 0 for finite x and NaN for +-inf and NaN: a finiteness test without std::isfinite, which
 // is host-only in some device toolchains and moved namespaces between Kokkos 3 and 4.
-KOKKOS_INLINE_FUNCTION bool finite(double x) { return x - x == 0.0; }
+KOKKOS_INLINE_FUNCTION bool finite(double x) {
+  return x - x == 0.0;
+}
 
 }  // namespace kvmem::kokkos::detail

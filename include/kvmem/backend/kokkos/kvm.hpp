@@ -61,8 +61,7 @@ struct KvmState {
 
 // Allocates State::bytes_required in MemSpace and places a State there. MemSpace must be accessible
 // from Space (the kernels) and from the host (State::place zeroes the counters on the host).
-template <class S = float, class A = float, class Space,
-          class MemSpace = typename Executor<Space>::memory_space>
+template <class S = float, class A = float, class Space, class MemSpace = typename Executor<Space>::memory_space>
 Status create_state(const Executor<Space>& /*exec*/, const kvm::Params& params, const kvm::Shape& shape,
                     KvmState<S, A, MemSpace>& out) {
   static_assert(Kokkos::SpaceAccessibility<Space, MemSpace>::accessible,
@@ -75,7 +74,7 @@ Status create_state(const Executor<Space>& /*exec*/, const kvm::Params& params, 
   constexpr std::size_t kAlign = kvm::State<S, A>::kAlign;
   KvmState<S, A, MemSpace> st;
   st.memory = Kokkos::View<unsigned char*, MemSpace>(Kokkos::view_alloc(Kokkos::WithoutInitializing, "kvmem kvm state"),
-                                                      bytes + kAlign);
+                                                     bytes + kAlign);
   const auto address = reinterpret_cast<std::uintptr_t>(st.memory.data());
   void* aligned = st.memory.data() + (kAlign - address % kAlign) % kAlign;
   KVMEM_RETURN_IF_ERROR((kvm::State<S, A>::place(aligned, bytes, params, shape, st.state)));
@@ -147,9 +146,12 @@ struct ItemTable {
 KOKKOS_INLINE_FUNCTION std::int64_t budget_slots(const budget::Any& b, std::int64_t tokens, std::int64_t avail,
                                                  std::int64_t current) {
   switch (b.kind) {
-    case budget::Any::Kind::kPower: return b.power.slots(tokens, avail, current);
-    case budget::Any::Kind::kSaturating: return b.saturating.slots(tokens, avail, current);
-    case budget::Any::Kind::kFixed: break;
+    case budget::Any::Kind::kPower:
+      return b.power.slots(tokens, avail, current);
+    case budget::Any::Kind::kSaturating:
+      return b.saturating.slots(tokens, avail, current);
+    case budget::Any::Kind::kFixed:
+      break;
   }
   return b.fixed.slots(tokens, avail, current);
 }
@@ -160,14 +162,14 @@ inline constexpr std::int64_t kRouteHeader = 3;
 template <class S, class A, class In, class Out>
 struct KvmCall {
   ItemTable<S, A> items;
-  std::int64_t* n_seq;    // [B]
-  std::int64_t* cov_seq;  // [B]
-  std::int64_t* slots_seq;  // [B]
-  std::int64_t* result;   // [B*Hk, 2]
-  const A* ln_w;          // [D]
-  const A* ln_b;          // [D]
-  const A* tau_s;         // [Hq]
-  const A* tau_w;         // [Hq]
+  std::int64_t* n_seq;           // [B]
+  std::int64_t* cov_seq;         // [B]
+  std::int64_t* slots_seq;       // [B]
+  std::int64_t* result;          // [B*Hk, 2]
+  const A* ln_w;                 // [D]
+  const A* ln_b;                 // [D]
+  const A* tau_s;                // [Hq]
+  const A* tau_w;                // [Hq]
   DeviceView<const In, 4> q;     // [B,Hq,T,D]
   DeviceView<const In, 4> k;     // [B,Hk,T,D]
   DeviceView<const In, 4> v;     // [B,Hk,T,Dv]
@@ -285,9 +287,8 @@ struct KvmCall {
 
   // One query row r of the segment [t0, t1) of item (b, g): the state (if w > 0) and the causal
   // window [w, t], in the host backend's tile order (bitwise equal results).
-  KOKKOS_INLINE_FUNCTION void attend_row(const kvm::ItemView<S, A>& it, std::int64_t b, std::int64_t g,
-                                         std::int64_t n0, std::int64_t t0, std::int64_t w, std::int64_t S_cur,
-                                         std::int64_t r) const {
+  KOKKOS_INLINE_FUNCTION void attend_row(const kvm::ItemView<S, A>& it, std::int64_t b, std::int64_t g, std::int64_t n0,
+                                         std::int64_t t0, std::int64_t w, std::int64_t S_cur, std::int64_t r) const {
     const std::int64_t t = t0 + r / rep, h = g * rep + r % rep, w_len = W();
     A* qr = it.qblock + r * D;
     A* acc = it.acc + r * Dv;
@@ -412,14 +413,42 @@ struct Backend<kokkos::Executor<Space>> {
     KVMEM_RETURN_IF_ERROR(check_shape(weights.tau_state, {sh.Hq}, "tau_state"));
     KVMEM_RETURN_IF_ERROR(check_shape(weights.tau_bswa, {sh.Hq}, "tau_bswa"));
 
-    KvmCall<S, A, In, Out> call{ItemTable<S, A>(state), state.n_data(), state.cov_data(), state.slots_data(),
-                               state.item_result(), state.ln_w(), state.ln_b(), state.tau_s(), state.tau_w(),
-                               DeviceView<const In, 4>(q), DeviceView<const In, 4>(k), DeviceView<const In, 4>(v),
-                               DeviceView<const In, 3>(gate), DeviceView<Out, 4>(out), lengths, T, sh.Hk, sh.rep(),
-                               sh.D, sh.Dv, sh.n_ctx, pr.chunk, pr.window_chunks, pr.sink, pr.rope_dims, pr.budget,
-                               pr.merge_gate_keys, pr.merge_gate_values, pr.head_temps, pr.value_radius,
-                               pr.gate_appends, pr.gate_initial, static_cast<A>(pr.ln_eps),
-                               static_cast<A>(pr.scale > 0 ? pr.scale : 1.0 / std::sqrt(double(sh.D))), nullptr, 0};
+    KvmCall<S, A, In, Out> call{ItemTable<S, A>(state),
+                                state.n_data(),
+                                state.cov_data(),
+                                state.slots_data(),
+                                state.item_result(),
+                                state.ln_w(),
+                                state.ln_b(),
+                                state.tau_s(),
+                                state.tau_w(),
+                                DeviceView<const In, 4>(q),
+                                DeviceView<const In, 4>(k),
+                                DeviceView<const In, 4>(v),
+                                DeviceView<const In, 3>(gate),
+                                DeviceView<Out, 4>(out),
+                                lengths,
+                                T,
+                                sh.Hk,
+                                sh.rep(),
+                                sh.D,
+                                sh.Dv,
+                                sh.n_ctx,
+                                pr.chunk,
+                                pr.window_chunks,
+                                pr.sink,
+                                pr.rope_dims,
+                                pr.budget,
+                                pr.merge_gate_keys,
+                                pr.merge_gate_values,
+                                pr.head_temps,
+                                pr.value_radius,
+                                pr.gate_appends,
+                                pr.gate_initial,
+                                static_cast<A>(pr.ln_eps),
+                                static_cast<A>(pr.scale > 0 ? pr.scale : 1.0 / std::sqrt(double(sh.D))),
+                                nullptr,
+                                0};
     const DeviceView<const float, 1> lw(weights.ln_weight), lb(weights.ln_bias), ts(weights.tau_state),
         tw(weights.tau_bswa);
 
@@ -467,12 +496,18 @@ struct Backend<kokkos::Executor<Space>> {
             return invalid_argument("lengths[" + std::to_string(b) + "]", "0 <= length <= T = " + std::to_string(T),
                                     "a value outside (read on the device)");
           case KvmCheck::kContext:
-            return {StatusCode::kOutOfRange, seq + ": tokens seen + length exceed the state's n_ctx = " + std::to_string(sh.n_ctx)};
-          case KvmCheck::kQ: return invalid_argument("q", "finite values", "NaN or Inf in " + seq);
-          case KvmCheck::kK: return invalid_argument("k", "finite values", "NaN or Inf in " + seq);
-          case KvmCheck::kV: return invalid_argument("v", "finite values", "NaN or Inf in " + seq);
-          case KvmCheck::kGate: return invalid_argument("gate", "finite values > 0 (g = 1 + ELU > 0)", "a violation in " + seq);
-          case KvmCheck::kWeights: return invalid_argument("weights", "finite values", "NaN or Inf");
+            return {StatusCode::kOutOfRange,
+                    seq + ": tokens seen + length exceed the state's n_ctx = " + std::to_string(sh.n_ctx)};
+          case KvmCheck::kQ:
+            return invalid_argument("q", "finite values", "NaN or Inf in " + seq);
+          case KvmCheck::kK:
+            return invalid_argument("k", "finite values", "NaN or Inf in " + seq);
+          case KvmCheck::kV:
+            return invalid_argument("v", "finite values", "NaN or Inf in " + seq);
+          case KvmCheck::kGate:
+            return invalid_argument("gate", "finite values > 0 (g = 1 + ELU > 0)", "a violation in " + seq);
+          case KvmCheck::kWeights:
+            return invalid_argument("weights", "finite values", "NaN or Inf");
         }
       }
     }
@@ -505,7 +540,8 @@ struct Backend<kokkos::Executor<Space>> {
     }
     Kokkos::parallel_for("kvmem::kokkos::kvm::items", team_policy(exec, B * sh.Hk), call);
     Kokkos::parallel_for(
-        "kvmem::kokkos::kvm::counters", Kokkos::RangePolicy<Space>(exec.space, 0, B), KOKKOS_LAMBDA(const std::int64_t b) {
+        "kvmem::kokkos::kvm::counters", Kokkos::RangePolicy<Space>(exec.space, 0, B),
+        KOKKOS_LAMBDA(const std::int64_t b) {
           if (!call.runnable(b)) return;
           call.n_seq[b] += call.length(b);
           call.cov_seq[b] = call.result[2 * (b * call.Hk)];
@@ -543,8 +579,7 @@ Status forward(const kokkos::Executor<Space>& exec, const Params& params, const 
                TensorView<const In, 3> gate,  // [B,Hk,T]
                TensorView<Out, 4> out,        // [B,T,Hq,Dv]
                const std::int64_t* lengths = nullptr) {
-  const Shape shape{q.extent(0), q.extent(1), k.extent(1), q.extent(3), v.extent(3),
-                    q.extent(2) > 0 ? q.extent(2) : 1};
+  const Shape shape{q.extent(0), q.extent(1), k.extent(1), q.extent(3), v.extent(3), q.extent(2) > 0 ? q.extent(2) : 1};
   kokkos::KvmState<S, A, typename Space::memory_space> state;
   KVMEM_RETURN_IF_ERROR((kokkos::create_state<S, A>(exec, params, shape, state)));
   KVMEM_RETURN_IF_ERROR(prefill(exec, state.state, weights, q, k, v, gate, out, lengths));

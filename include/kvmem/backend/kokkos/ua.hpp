@@ -50,12 +50,12 @@ struct UaCache {
   using storage_type = Storage;
   using memory_space = MemSpace;
 
-  ua::CacheShape shape{0, 1, 1, 0, 0, 16};  // empty until create_cache: no slots, a group size of 1
-  Kokkos::View<Storage*, MemSpace> keys, values;             // [B, G, capacity, D]
-  Kokkos::View<float*, MemSpace> lambda, key_logit;           // [B, G, capacity]
-  Kokkos::View<std::int64_t*, MemSpace> pos;                  // [B, G, capacity]
-  Kokkos::View<std::int64_t*, MemSpace> length, peak;         // [B, G]
-  Kokkos::View<std::int64_t*, MemSpace> counter;              // [B] next absolute position
+  ua::CacheShape shape{0, 1, 1, 0, 0, 16};             // empty until create_cache: no slots, a group size of 1
+  Kokkos::View<Storage*, MemSpace> keys, values;       // [B, G, capacity, D]
+  Kokkos::View<float*, MemSpace> lambda, key_logit;    // [B, G, capacity]
+  Kokkos::View<std::int64_t*, MemSpace> pos;           // [B, G, capacity]
+  Kokkos::View<std::int64_t*, MemSpace> length, peak;  // [B, G]
+  Kokkos::View<std::int64_t*, MemSpace> counter;       // [B] next absolute position
 
   UaCache() = default;
   // A copy shares the Views (Kokkos semantics). A move leaves `o` empty (DESIGN.md 3): its shape says
@@ -169,8 +169,7 @@ struct UaViews {
   DeviceView<const float, 4> z_o;  // [B,T,H,D] (data == nullptr: no output gate)
   DeviceView<float, 4> out;        // [B,T,H,D]
 
-  UaViews(const ua::Inputs& in, TensorView<float, 4> o)
-      : q(in.q), k(in.k), v(in.v), z_k(in.z_k), z_q(in.z_q), out(o) {
+  UaViews(const ua::Inputs& in, TensorView<float, 4> o) : q(in.q), k(in.k), v(in.v), z_k(in.z_k), z_q(in.z_q), out(o) {
     if (!in.z_o.empty()) z_o = DeviceView<const float, 4>(in.z_o);
   }
 
@@ -215,13 +214,13 @@ struct UaItem {
 template <class Set, class Storage, class MemSpace>
 struct UaCacheCall {
   UaViews in;
-  Storage* keys;       // [B*G*capacity, D]
-  Storage* values;     // [B*G*capacity, D]
-  float* lambda;       // [B*G*capacity]
-  float* key_logit;    // [B*G*capacity]
-  std::int64_t* pos;   // [B*G*capacity]
-  std::int64_t* length;  // [B*G]
-  std::int64_t* peak;    // [B*G]
+  Storage* keys;          // [B*G*capacity, D]
+  Storage* values;        // [B*G*capacity, D]
+  float* lambda;          // [B*G*capacity]
+  float* key_logit;       // [B*G*capacity]
+  std::int64_t* pos;      // [B*G*capacity]
+  std::int64_t* length;   // [B*G]
+  std::int64_t* peak;     // [B*G]
   std::int64_t* counter;  // [B]
   std::int64_t G, r, D, T, capacity, chunk, ws_elems;
   double log_p;
@@ -305,8 +304,10 @@ struct UaCacheCall {
     if (length[i] + T > capacity) return;
     float* workspace = static_cast<float*>(team.team_scratch(ws_level()).get_shmem(scratch_bytes()));
     Kokkos::single(Kokkos::PerTeam(team), [&]() {
-      if (decode) decode_item(i, workspace);
-      else prefill_item(i, workspace);
+      if (decode)
+        decode_item(i, workspace);
+      else
+        prefill_item(i, workspace);
     });
   }
 
@@ -347,15 +348,16 @@ Status ua_check(const Executor<Space>& exec, const UaViews& in, std::int64_t B, 
       Kokkos::Max<std::int64_t>(found));
   if (found <= 0) return Status::ok();  // the identity of Max is the lowest int64: nothing failed
   if (found == 7)
-    return {StatusCode::kOutOfRange, kvmem::detail::concat("cache capacity: expected room for ", T,
-                                                           " more rows per (sequence, kv head), got capacity ", capacity)};
+    return {StatusCode::kOutOfRange,
+            kvmem::detail::concat("cache capacity: expected room for ", T,
+                                  " more rows per (sequence, kv head), got capacity ", capacity)};
   static const char* const kNames[] = {"", "q", "k", "v", "z_k", "z_q", "z_o"};
   return invalid_argument(kNames[found], "finite values", "NaN or Inf");
 }
 
 // Shapes and strides of one call, on the host (no data read): the same checks as the host backend.
-inline Status ua_shapes(const ua::Inputs& in, TensorView<float, 4> out, std::int64_t B, std::int64_t H,
-                        std::int64_t G, std::int64_t D) {
+inline Status ua_shapes(const ua::Inputs& in, TensorView<float, 4> out, std::int64_t B, std::int64_t H, std::int64_t G,
+                        std::int64_t D) {
   return ua::detail::check_call_shapes(in, out, B, H, G, D);
 }
 
@@ -373,18 +375,30 @@ Status ua_cache_call(const Executor<Space>& exec, UaCache<Storage, MemSpace>& ca
             kvmem::detail::concat("cache capacity: expected room for ", T, " new tokens, got capacity ", s.capacity)};
   const UaViews views(in, out);
   if (exec.checked)
-    KVMEM_RETURN_IF_ERROR(ua_check(exec, views, s.batch, s.kv_heads, s.query_heads, T, s.head_dim,
-                                   cache.length.data(), s.capacity));
+    KVMEM_RETURN_IF_ERROR(
+        ua_check(exec, views, s.batch, s.kv_heads, s.query_heads, T, s.head_dim, cache.length.data(), s.capacity));
   const std::int64_t r = s.query_heads / s.kv_heads;
-  const UaCacheCall<Set, Storage, MemSpace> call{views, cache.keys.data(), cache.values.data(), cache.lambda.data(),
-                                                 cache.key_logit.data(), cache.pos.data(), cache.length.data(),
-                                                 cache.peak.data(), cache.counter.data(), s.kv_heads, r, s.head_dim,
-                                                 T, s.capacity, opt.prefill_chunk,
-                                                 kernel::ua::block_workspace_elems(r, s.head_dim),
-                                                 ua::detail::log_threshold(opt.p),
-                                                 ua::detail::log_threshold(opt.p) > -std::numeric_limits<double>::infinity(),
-                                                 decode,
-                                                 opt.evict_before_attention};
+  const UaCacheCall<Set, Storage, MemSpace> call{
+      views,
+      cache.keys.data(),
+      cache.values.data(),
+      cache.lambda.data(),
+      cache.key_logit.data(),
+      cache.pos.data(),
+      cache.length.data(),
+      cache.peak.data(),
+      cache.counter.data(),
+      s.kv_heads,
+      r,
+      s.head_dim,
+      T,
+      s.capacity,
+      opt.prefill_chunk,
+      kernel::ua::block_workspace_elems(r, s.head_dim),
+      ua::detail::log_threshold(opt.p),
+      ua::detail::log_threshold(opt.p) > -std::numeric_limits<double>::infinity(),
+      decode,
+      opt.evict_before_attention};
   auto policy = team_policy(exec, s.batch * s.kv_heads);
   policy.set_scratch_size(call.ws_level(), Kokkos::PerTeam(call.scratch_bytes()));
   Kokkos::parallel_for(decode ? "kvmem::kokkos::ua::decode" : "kvmem::kokkos::ua::prefill", policy, call);
@@ -492,7 +506,16 @@ Status forward(const kokkos::Executor<Space>& exec, const Inputs& in, TensorView
   Kokkos::View<float*, Mem> lambda(Kokkos::view_alloc(exec.space, "kvmem ua forward lambda"), items * n);
   Kokkos::View<float*, Mem> key_logit(Kokkos::view_alloc(exec.space, "kvmem ua forward key logit"), items * n);
   Kokkos::View<std::int64_t*, Mem> pos(Kokkos::view_alloc(exec.space, "kvmem ua forward positions"), items * n);
-  kokkos::detail::UaForwardCall<Set> call{views, {}, {}, lambda.data(), key_logit.data(), pos.data(), G, H / G, D, T,
+  kokkos::detail::UaForwardCall<Set> call{views,
+                                          {},
+                                          {},
+                                          lambda.data(),
+                                          key_logit.data(),
+                                          pos.data(),
+                                          G,
+                                          H / G,
+                                          D,
+                                          T,
                                           kernel::ua::block_workspace_elems(H / G, D)};
   if (!lse.empty()) call.lse = kokkos::detail::DeviceView<float, 3>(lse);
   if (!lambda_last.empty()) call.lambda_last = kokkos::detail::DeviceView<float, 3>(lambda_last);
