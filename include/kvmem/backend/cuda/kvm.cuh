@@ -9,8 +9,10 @@
 // Views point to device memory; shapes as spec KVM.md 2. All sequences of a state advance together
 // (one shared token count), so every host decision -- which chunk boundary runs an update, how many
 // slots it appends (spec 3.1, closed form) -- depends only on counts known before the call: a prefill
-// or decode is one stream of launches with no host synchronisation and no allocation, and can be
-// captured in a CUDA graph. Values (NaN, g <= 0) are the caller's precondition here: checking them
+// or decode is one stream of launches with no host synchronisation and no allocation (KvmState::create
+// allocates and synchronises once). Because the token count lives on the host, a CUDA graph captured
+// from a call replays that call's position: it repeats the same step, it does not advance the state.
+// Values (NaN, g <= 0) are the caller's precondition here: checking them
 // would need a device-to-host round trip per call; shapes and parameters are validated.
 
 #include <cuda_runtime.h>

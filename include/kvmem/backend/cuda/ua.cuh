@@ -17,8 +17,10 @@
 // A prefill with p = 0 (nothing is evicted) in bf16 with D in {64, 80, 128} and r in {4, 8} runs every row
 // of the call in one pipelined tensor-core launch (ua_dense_tc.cuh); every other prefill runs chunk by
 // chunk (ua_kernels.cuh, ua_attend_tc.cuh).
-// Every length and position lives on the device, so a decode step is a fixed sequence of launches an
-// engine can capture in a CUDA graph and replay. Results are deterministic: partials of the entry
+// Lengths and positions live on the device, so a decode step is a fixed sequence of launches an
+// engine can capture in a CUDA graph; the host also keeps a conservative length bound and the position
+// counter for its checks, which a replayed graph does not advance (UaCache::create and ua_forward
+// allocate and synchronise). Results are deterministic: partials of the entry
 // splits are merged in split order, never with float atomics (an integer ticket only picks which block
 // of a decode step does the merge).
 //
