@@ -20,6 +20,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "kvmem/core/numeric.hpp"
 #include "kvmem/core/status.hpp"
 #include "kvmem/core/tensor.hpp"
 
@@ -143,6 +144,20 @@ constexpr Kind kind_of() {
   else {
     static_assert(std::is_same_v<T, float>, "slot_record: fields are int64, double or float arrays");
     return Kind::kF32;
+  }
+}
+
+// The storage type of keys and values as a record field ("storage"): 0 float, 1 bf16, 2 fp16. Both
+// mechanisms write it and refuse a record whose code differs from the importing state's.
+template <class S>
+constexpr std::int64_t storage_code() {
+  if constexpr (std::is_same_v<S, float>)
+    return 0;
+  else if constexpr (std::is_same_v<S, bf16>)
+    return 1;
+  else {
+    static_assert(std::is_same_v<S, fp16>, "slot_record: storage is float, kvmem::bf16 or kvmem::fp16");
+    return 2;
   }
 }
 

@@ -27,18 +27,6 @@ namespace record_detail {
 
 inline constexpr std::uint32_t kFields = 29;
 
-template <class S>
-constexpr std::int64_t storage_code() {
-  if constexpr (std::is_same_v<S, float>)
-    return 0;
-  else if constexpr (std::is_same_v<S, bf16>)
-    return 1;
-  else {
-    static_assert(std::is_same_v<S, fp16>, "kvm slot record: storage is float, bf16 or fp16");
-    return 2;
-  }
-}
-
 inline std::int64_t flags_of(const Params& p) {
   return std::int64_t(p.merge_gate_keys) | std::int64_t(p.merge_gate_values) << 1 | std::int64_t(p.head_temps) << 2 |
          std::int64_t(p.value_radius) << 3 | std::int64_t(p.gate_appends) << 4 | std::int64_t(p.gate_initial) << 5;
@@ -93,7 +81,7 @@ void write(const State<S, A>& state, std::int64_t b, std::int64_t n, std::int64_
   w.scalar("Hk", Hk);
   w.scalar("D", D);
   w.scalar("Dv", Dv);
-  w.scalar("storage", storage_code<S>());
+  w.scalar("storage", slot_record::storage_code<S>());
   w.scalar("n", n);
   w.scalar("cov", cov);
   w.scalar("slots", slots);
@@ -159,7 +147,7 @@ Status read(const State<S, A>& state, std::span<const std::byte> bytes, Parsed<A
   KVMEM_RETURN_IF_ERROR(r.expect("Hk", sh.Hk));
   KVMEM_RETURN_IF_ERROR(r.expect("D", sh.D));
   KVMEM_RETURN_IF_ERROR(r.expect("Dv", sh.Dv));
-  KVMEM_RETURN_IF_ERROR(r.expect("storage", storage_code<S>()));
+  KVMEM_RETURN_IF_ERROR(r.expect("storage", slot_record::storage_code<S>()));
   KVMEM_RETURN_IF_ERROR(r.scalar("n", out.n));
   KVMEM_RETURN_IF_ERROR(r.scalar("cov", out.cov));
   KVMEM_RETURN_IF_ERROR(r.scalar("slots", out.slots));

@@ -47,17 +47,6 @@ inline Status check_list_view(TensorView<const std::int32_t, 1> list, const char
   return Status::ok();
 }
 
-// The storage type's code in a slot record.
-template <class Storage>
-constexpr std::int64_t storage_code() {
-  if constexpr (std::is_same_v<Storage, float>)
-    return 0;
-  else if constexpr (std::is_same_v<Storage, bf16>)
-    return 1;
-  else
-    return 2;  // fp16
-}
-
 inline constexpr std::uint32_t kUaRecordFields = 11;
 
 }  // namespace detail
@@ -154,7 +143,7 @@ std::size_t write_record(const PrunedCache<Storage>& cache, std::int64_t slot, s
   w.scalar<std::int64_t>("query_heads", s.query_heads);
   w.scalar<std::int64_t>("kv_heads", G);
   w.scalar<std::int64_t>("head_dim", D);
-  w.scalar<std::int64_t>("storage", storage_code<Storage>());
+  w.scalar<std::int64_t>("storage", slot_record::storage_code<Storage>());
   w.scalar<std::int64_t>("position", cache.position(slot));
   w.array("length", length.data(), G);
   w.array("pos", pos.data(), L);
@@ -203,7 +192,7 @@ Status import_slot(const Exec& /*exec*/, PrunedCache<Storage>& cache, std::int32
   KVMEM_RETURN_IF_ERROR(rd.expect<std::int64_t>("query_heads", s.query_heads));
   KVMEM_RETURN_IF_ERROR(rd.expect<std::int64_t>("kv_heads", G));
   KVMEM_RETURN_IF_ERROR(rd.expect<std::int64_t>("head_dim", D));
-  KVMEM_RETURN_IF_ERROR(rd.expect<std::int64_t>("storage", detail::storage_code<Storage>()));
+  KVMEM_RETURN_IF_ERROR(rd.expect<std::int64_t>("storage", slot_record::storage_code<Storage>()));
   std::int64_t position = 0;
   KVMEM_RETURN_IF_ERROR(rd.scalar("position", position));
   if (position < 0) return invalid_argument("slot record field 'position'", ">= 0", position);
