@@ -571,4 +571,241 @@ TEST_CASE("cuda kvm step: one graph of a padded decode step replays 600 steps li
   }
 }
 
+// ---- export / import across backends -----------------------------------------------------------------
+
+// Runs a Batch on a host state (exact path).
+template <class S>
+Status host_run(kvm::State<S, float>& st, const kvm::Weights& w, Batch& b, const Dims& d) {
+  const std::int64_t T = b.tokens();
+  b.out.assign(std::size_t(T * d.Hq * d.Dv), -7.f);
+  b.lse.assign(std::size_t(T * d.Hq), -7.f);
+  const Rows rows{I32View(b.slot.data(), {std::int64_t(b.slot.size())}),
+                  I32View(b.start.data(), {std::int64_t(b.start.size())})};
+  return kvm::step(exact_exec(2), st, w, rows, TensorView<const float, 3>(b.q.data(), {T, d.Hq, d.D}),
+                   TensorView<const float, 3>(b.k.data(), {T, d.Hk, d.D}),
+                   TensorView<const float, 3>(b.v.data(), {T, d.Hk, d.Dv}),
+                   TensorView<const float, 2>(b.g.data(), {T, d.Hk}),
+                   TensorView<float, 3>(b.out.data(), {T, d.Hq, d.Dv}), TensorView<float, 2>(b.lse.data(), {T, d.Hq}));
+}
+
+// Feeds tokens [from, to) of one sequence in chunks of 37 beside a padding row, on CUDA slot cs and host
+// slot hs (either may be -1: not run), and checks that the two agree (out, lse within fp32 rounding).
+template <class S>
+void feed_both(kvmem::cuda::KvmState<S>* cst, std::int32_t cs, kvm::State<S, float>* hst, std::int32_t hs,
+               const RandomWeights& rw, const Dims& d, const std::vector<Tok>& toks, std::int64_t from,
+               std::int64_t to) {
+  for (std::int64_t t0 = from; t0 < to;) {
+    const std::int64_t t1 = std::min(to, t0 + 37);
+    std::vector<Tok> pad(1, toks[0]);
+    Batch bc, bh;
+    bc.add(-1, pad, 0, 1);
+    bc.add(cs, toks, t0, t1);
+    bh.add(hs, toks, t0, t1);
+    if (cst != nullptr) {
+      const Status s = bc.run(*cst, rw, d);
+      INFO(s.to_string());
+      REQUIRE(s.is_ok());
+    }
+    if (hst != nullptr) REQUIRE(host_run(*hst, rw.host(), bh, d).is_ok());
+    if (cst != nullptr && hst != nullptr) {
+      const std::size_t Q = std::size_t(d.Hq * d.Dv);
+      CHECK(scaled_error(bc.out.data() + Q, bh.out.data(), bh.out.size()) <= kTol);
+      CHECK(scaled_error(bc.lse.data() + d.Hq, bh.lse.data(), bh.lse.size()) <= kTol);
+    }
+    t0 = t1;
+  }
+}
+
+template <class S>
+void export_import_across(std::uint64_t seed) {
+  const Dims d;
+  const std::int64_t C = 16, n_ctx = 900;
+  const kvm::Params p = make_params(C, kSqrt);
+  const RandomWeights rw(d, seed);
+  const kvmem::cuda::Executor exec{};
+  std::mt19937_64 rng(seed);
+  std::vector<Tok> toks;
+  for (int t = 0; t < 400; ++t) toks.push_back(random_tok<S>(d, rng));
+  kvmem::cuda::KvmState<S> cst;
+  kvm::State<S, float> hst;
+  REQUIRE(kvmem::cuda::KvmState<S>::create(p, {4, d.Hq, d.Hk, d.D, d.Dv, n_ctx}, cst).is_ok());
+  REQUIRE(kvm::State<S, float>::create(p, {2, d.Hq, d.Hk, d.D, d.Dv, n_ctx}, hst).is_ok());
+  REQUIRE(kvm::export_bytes(cst) == kvm::export_bytes(hst));
+  SECTION("CUDA -> host") {
+    feed_both<S>(&cst, 3, nullptr, -1, rw, d, toks, 0, 300);
+    std::vector<std::byte> bytes(kvm::export_bytes(cst, 3));
+    REQUIRE(bytes.size() <= kvm::export_bytes(cst));
+    REQUIRE(kvm::export_slot(exec, cst, 3, std::span<std::byte>(bytes)).is_ok());
+    const Status imported = kvm::import_slot(exact_exec(1), hst, rw.host(), 1, std::span<const std::byte>(bytes));
+    INFO(imported.to_string());
+    REQUIRE(imported.is_ok());
+    REQUIRE(hst.tokens(1) == 300);
+    REQUIRE(host_export_of(hst, 1) == bytes);
+    feed_both<S>(&cst, 3, &hst, 1, rw, d, toks, 300, 400);  // both continue alike
+    REQUIRE(export_of(cst, 3) == host_export_of(hst, 1));
+  }
+  SECTION("host -> CUDA") {
+    feed_both<S>(nullptr, -1, &hst, 0, rw, d, toks, 0, 300);
+    const auto bytes = host_export_of(hst, 0);
+    const Status imported = kvm::import_slot(exec, cst, rw.device(), 2, std::span<const std::byte>(bytes));
+    INFO(imported.to_string());
+    REQUIRE(imported.is_ok());
+    REQUIRE(tokens_of(cst, 2) == 300);
+    REQUIRE(export_of(cst, 2) == bytes);
+    feed_both<S>(&cst, 2, &hst, 0, rw, d, toks, 300, 400);
+    REQUIRE(export_of(cst, 2) == host_export_of(hst, 0));
+  }
+}
+
+TEST_CASE("cuda kvm slots: a slot exported on one backend imports on the other and continues alike", "[slots][gpu]") {
+  if (no_device()) return;
+  SECTION("fp32") {
+    export_import_across<float>(31);
+  }
+  SECTION("bf16") {
+    export_import_across<kvmem::bf16>(32);
+  }
+}
+
+// ---- refusals: never-created, moved-from, bad slot indices, bad rows ----------------------------------
+
+// Every operation on an empty state returns a Status (export_bytes: 0).
+void require_refuses_everything(kvmem::cuda::KvmState<float>& st, const RandomWeights& rw, const Dims& d) {
+  const kvmem::cuda::Executor exec{};
+  Dev<std::int32_t> dslot(std::vector<std::int32_t>{0}), dstart(std::vector<std::int32_t>{0, 1});
+  Dev<float> q(std::size_t(d.Hq * d.D)), k(std::size_t(d.Hk * d.D)), v(std::size_t(d.Hk * d.Dv)), g(std::size_t(d.Hk)),
+      out(std::size_t(d.Hq * d.Dv));
+  const Rows rows{I32View(dslot.ptr, {1}), I32View(dstart.ptr, {2})};
+  CHECK(!kvm::step(exec, st, rw.device(), rows, TensorView<const float, 3>(q.ptr, {1, d.Hq, d.D}),
+                   TensorView<const float, 3>(k.ptr, {1, d.Hk, d.D}),
+                   TensorView<const float, 3>(v.ptr, {1, d.Hk, d.Dv}), TensorView<const float, 2>(g.ptr, {1, d.Hk}),
+                   TensorView<float, 3>(out.ptr, {1, d.Hq, d.Dv}))
+             .is_ok());
+  const std::int32_t zero = 0, one = 1;
+  CHECK(!kvm::reset_slots(exec, st, I32View(&zero, {1})).is_ok());
+  CHECK(!kvm::copy_slots(exec, st, I32View(&zero, {1}), I32View(&one, {1})).is_ok());
+  CHECK(kvm::export_bytes(st) == 0);
+  CHECK(kvm::export_bytes(st, 0) == 0);
+  std::vector<std::byte> bytes(4096);
+  CHECK(!kvm::export_slot(exec, st, 0, std::span<std::byte>(bytes)).is_ok());
+  CHECK(!kvm::import_slot(exec, st, rw.device(), 0, std::span<const std::byte>(bytes)).is_ok());
+  CHECK(!kvm::truncate(exec, st, 0, 1).is_ok());
+  CHECK(!st.step_status(exec).is_ok());
+  std::int64_t n = 0, cov = 0, used = 0;
+  CHECK(!st.slot_counters(exec, 0, n, cov, used).is_ok());
+}
+
+TEST_CASE("cuda kvm slots: never-created and moved-from states refuse every operation", "[slots][gpu]") {
+  if (no_device()) return;
+  const Dims d;
+  const RandomWeights rw(d, 41);
+  const kvm::Params p = make_params(16, kFixed);
+  kvmem::cuda::KvmState<float> never;
+  REQUIRE(!never.valid());
+  require_refuses_everything(never, rw, d);
+  kvmem::cuda::KvmState<float> st;
+  REQUIRE(kvmem::cuda::KvmState<float>::create(p, {2, d.Hq, d.Hk, d.D, d.Dv, 256}, st).is_ok());
+  kvmem::cuda::KvmState<float> owner(std::move(st));
+  REQUIRE(!st.valid());
+  REQUIRE(owner.valid());
+  require_refuses_everything(st, rw, d);
+  std::mt19937_64 rng(41);
+  std::vector<Tok> toks;
+  for (int t = 0; t < 40; ++t) toks.push_back(random_tok<float>(d, rng));
+  feed_both<float>(&owner, 1, nullptr, -1, rw, d, toks, 0, 40);  // the new owner works
+  REQUIRE(tokens_of(owner, 1) == 40);
+}
+
+TEST_CASE("cuda kvm slots: bad slot indices and bad rows are refused and leave the state untouched", "[slots][gpu]") {
+  if (no_device()) return;
+  const Dims d;
+  const RandomWeights rw(d, 51);
+  const kvm::Params p = make_params(16, kSqrt);
+  const kvmem::cuda::Executor exec{};
+  kvmem::cuda::KvmState<float> st;
+  const std::int64_t n_ctx = 200;
+  REQUIRE(kvmem::cuda::KvmState<float>::create(p, {4, d.Hq, d.Hk, d.D, d.Dv, n_ctx}, st).is_ok());
+  std::mt19937_64 rng(51);
+  std::vector<Tok> toks;
+  for (int t = 0; t < 150; ++t) toks.push_back(random_tok<float>(d, rng));
+  feed_both<float>(&st, 0, nullptr, -1, rw, d, toks, 0, 150);
+  feed_both<float>(&st, 2, nullptr, -1, rw, d, toks, 0, 20);
+  const auto snapshot = [&] {
+    std::vector<std::vector<std::byte>> r;
+    for (std::int32_t s = 0; s < 4; ++s) r.push_back(export_of(st, s));
+    return r;
+  };
+  const auto before = snapshot();
+  const auto code = [](const Status& s) { return s.code(); };
+  SECTION("slot operations") {
+    const std::int32_t four = 4, minus = -1, two = 2;
+    const std::vector<std::int32_t> src{0, 1}, dst{1, 2}, dup{1, 1}, one{1};
+    CHECK(code(kvm::reset_slots(exec, st, I32View(&four, {1}))) == StatusCode::kOutOfRange);
+    CHECK(code(kvm::reset_slots(exec, st, I32View(&minus, {1}))) == StatusCode::kOutOfRange);
+    CHECK(code(kvm::copy_slots(exec, st, I32View(src.data(), {1}), I32View(dst.data(), {2}))) ==
+          StatusCode::kInvalidArgument);  // lengths differ
+    CHECK(code(kvm::copy_slots(exec, st, I32View(src.data(), {2}), I32View(dup.data(), {2}))) ==
+          StatusCode::kInvalidArgument);  // a destination twice
+    CHECK(code(kvm::copy_slots(exec, st, I32View(src.data(), {2}), I32View(dst.data(), {2}))) ==
+          StatusCode::kInvalidArgument);  // destination 1 is a source
+    CHECK(code(kvm::copy_slots(exec, st, I32View(&four, {1}), I32View(one.data(), {1}))) == StatusCode::kOutOfRange);
+    std::vector<std::byte> bytes(kvm::export_bytes(st));
+    CHECK(code(kvm::export_slot(exec, st, 4, std::span<std::byte>(bytes))) == StatusCode::kOutOfRange);
+    std::vector<std::byte> small(16);
+    CHECK(code(kvm::export_slot(exec, st, 0, std::span<std::byte>(small))) == StatusCode::kInvalidArgument);
+    CHECK(code(kvm::import_slot(exec, st, rw.device(), -1, std::span<const std::byte>(before[0]))) ==
+          StatusCode::kOutOfRange);
+    CHECK(code(kvm::import_slot(exec, st, rw.device(), 1, std::span<const std::byte>(small))) ==
+          StatusCode::kInvalidArgument);
+    // a record of another chunk is refused naming the field
+    kvmem::cuda::KvmState<float> other;
+    REQUIRE(
+        kvmem::cuda::KvmState<float>::create(make_params(8, kSqrt), {4, d.Hq, d.Hk, d.D, d.Dv, n_ctx}, other).is_ok());
+    const Status wrong = kvm::import_slot(exec, st, rw.device(), 1, std::span<const std::byte>(export_of(other, 0)));
+    CHECK(wrong.code() == StatusCode::kInvalidArgument);
+    CHECK(wrong.message().find("chunk") != std::string::npos);
+    CHECK(code(kvm::truncate(exec, st, 7, 1)) == StatusCode::kOutOfRange);
+    CHECK(code(kvm::truncate(exec, st, 2, 21)) == StatusCode::kOutOfRange);        // more than the slot holds
+    CHECK(code(kvm::truncate(exec, st, 0, 100)) == StatusCode::kInvalidArgument);  // undoes an update
+    (void)two;
+  }
+  SECTION("rows refused on the device") {
+    // each bad batch: the call enqueues and returns ok (its rows are on the device), step_status says why
+    const auto bad_step = [&](std::vector<std::int32_t> slot, std::vector<std::int32_t> start, std::int64_t T) {
+      Dev<std::int32_t> ds(slot), dst(start);
+      Dev<float> q(std::size_t(T * d.Hq * d.D)), k(std::size_t(T * d.Hk * d.D)), v(std::size_t(T * d.Hk * d.Dv)),
+          g(std::vector<float>(std::size_t(T * d.Hk), 1.f)), out(std::size_t(T * d.Hq * d.Dv));
+      const Rows rows{I32View(ds.ptr, {std::int64_t(slot.size())}), I32View(dst.ptr, {std::int64_t(start.size())})};
+      REQUIRE(kvm::step(exec, st, rw.device(), rows, TensorView<const float, 3>(q.ptr, {T, d.Hq, d.D}),
+                        TensorView<const float, 3>(k.ptr, {T, d.Hk, d.D}),
+                        TensorView<const float, 3>(v.ptr, {T, d.Hk, d.Dv}),
+                        TensorView<const float, 2>(g.ptr, {T, d.Hk}), TensorView<float, 3>(out.ptr, {T, d.Hq, d.Dv}))
+                  .is_ok());
+      return st.step_status(exec);
+    };
+    const Status twice = bad_step({1, 3, 1}, {0, 1, 2, 3}, 3);
+    INFO(twice.to_string());
+    CHECK(twice.code() == StatusCode::kInvalidArgument);                            // slot 1 twice
+    CHECK(bad_step({1, 4}, {0, 1, 2}, 2).code() == StatusCode::kOutOfRange);        // slot 4 of 4
+    CHECK(bad_step({1, -1}, {0, 2, 1}, 1).code() == StatusCode::kInvalidArgument);  // a start decreases
+    CHECK(bad_step({1, 3}, {0, 1, 2}, 3).code() == StatusCode::kInvalidArgument);   // query_start[rows] != tokens
+    CHECK(bad_step({0}, {0, 60}, 60).code() == StatusCode::kOutOfRange);            // 150 + 60 > n_ctx
+    CHECK(st.step_status(exec).is_ok());                                            // read and cleared
+  }
+  SECTION("the fixed-batch calls refuse a state with per-slot counters") {
+    Dev<float> q(std::size_t(4 * d.Hq * d.D)), k(std::size_t(4 * d.Hk * d.D)), v(std::size_t(4 * d.Hk * d.Dv)),
+        g(std::size_t(4 * d.Hk)), out(std::size_t(4 * d.Hq * d.Dv));
+    CHECK(!kvmem::cuda::kvm_decode(exec, st, rw.device(), TensorView<const float, 4>(q.ptr, {4, d.Hq, 1, d.D}),
+                                   TensorView<const float, 4>(k.ptr, {4, d.Hk, 1, d.D}),
+                                   TensorView<const float, 4>(v.ptr, {4, d.Hk, 1, d.Dv}),
+                                   TensorView<const float, 3>(g.ptr, {4, d.Hk, 1}),
+                                   TensorView<float, 4>(out.ptr, {4, 1, d.Hq, d.Dv}))
+               .is_ok());
+  }
+  REQUIRE(snapshot() == before);
+  // after every refusal a good step still runs
+  feed_both<float>(&st, 2, nullptr, -1, rw, d, toks, 20, 30);
+  REQUIRE(tokens_of(st, 2) == 30);
+}
+
 }  // namespace
