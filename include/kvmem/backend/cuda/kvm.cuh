@@ -6,14 +6,26 @@
 //                                      slot_capacity(budget, geometry, n_ctx) like kvm::State;
 //   kvmem::cuda::kvm_prefill(exec, state, weights, q, k, v, gate, out [, log])
 //   kvmem::cuda::kvm_decode (exec, state, weights, q1, k1, v1, gate1, out1)
-// Views point to device memory; shapes as spec KVM.md 2. All sequences of a state advance together
-// (one shared token count), so every host decision -- which chunk boundary runs an update, how many
-// slots it appends (spec 3.1, closed form) -- depends only on counts known before the call: a prefill
-// or decode is one stream of launches with no host synchronisation and no allocation (KvmState::create
-// allocates and synchronises once). Because the token count lives on the host, a CUDA graph captured
-// from a call replays that call's position: it repeats the same step, it does not advance the state.
-// Values (NaN, g <= 0) are the caller's precondition here: checking them
-// would need a device-to-host round trip per call; shapes and parameters are validated.
+//   kvmem::kvm::step(exec, state, weights, rows, q, k, v, gate, out [, lse])   sequence slots
+//   kvmem::kvm::reset_slots / copy_slots / export_bytes / export_slot / import_slot / truncate
+// Views point to device memory; shapes as spec KVM.md 2.
+//
+// Two ways to drive a state. The fixed-batch calls (kvm_prefill, kvm_decode: the tuned tensor-core
+// kernels) advance all sequences together with one token count kept on the host, so every host
+// decision -- which chunk boundary runs an update, how many slots it appends (spec 3.1, closed form)
+// -- depends only on counts known before the call: a call is one stream of launches with no host
+// synchronisation and no allocation, but a CUDA graph captured from one replays that call's position
+// (it repeats the same step, it does not advance the state).
+// kvm::step (docs/slots.md; kernels in kvm_slots.cuh) keeps per-slot counters in device memory and
+// takes every per-row decision (update, ring write, slot founding) inside its kernels, with launch
+// shapes from the row count, the packed token count and the state's shape only: one CUDA graph
+// captured from a step of a padded batch replays correctly step after step, each replay advancing
+// every slot from its own position. Once a state has run a step or a slot operation its counters are
+// per slot and the fixed-batch calls refuse it (the first such call after fixed-batch calls gives
+// every slot the shared count). KvmState::create allocates and synchronises once; export_slot,
+// import_slot, truncate and the counter reads synchronise (they read counters or host bytes).
+// Values (NaN, g <= 0) are the caller's precondition here: checking them would need a
+// device-to-host round trip per call; shapes and parameters are validated.
 
 #include <cuda_runtime.h>
 
