@@ -282,9 +282,10 @@ __device__ inline void stage_ln_rows(const DeviceState<S, float>& st, std::int64
 }
 
 // The update of the host's exact path (backend/host/kvm.hpp, Call::update) on the block's item: token
-// c is thread c (blockDim >= C). grid R * Hk, block slot_update_threads(C), smem slot_update_shared_bytes.
+// c is thread c (blockDim >= C; chunks up to 1024, the backend's limit). grid R * Hk, block slot_update_threads(C),
+// smem slot_update_shared_bytes.
 template <class S>
-__global__ void slot_update_kernel(DeviceState<S, float> st, SlotCounters sc, SlotRows rows) {
+__global__ void __launch_bounds__(1024) slot_update_kernel(DeviceState<S, float> st, SlotCounters sc, SlotRows rows) {
   const std::int64_t r = blockIdx.x / st.Hk, g = blockIdx.x % st.Hk;
   if (sc.status[0] != kStepOk) return;
   const std::int32_t b = rows.slot[r];
