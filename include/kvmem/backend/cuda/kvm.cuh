@@ -1042,6 +1042,19 @@ Status kvm_decode(const Executor& exec, KvmState<S, A>& state, const KvmWeights&
 
 namespace kvm_detail {
 
+// The readout kernel of a launch shape (slot_readout_shape: kRep heads of 1, 2, 4, 8; 4 or 8 registers).
+template <class S, class In, class Out>
+auto slot_readout_kernel_for(const SlotReadoutShape& shape) {
+  if (shape.regs == 4)
+    return shape.rep == 8   ? slot_readout_kernel<S, In, Out, 8, 4>
+           : shape.rep == 4 ? slot_readout_kernel<S, In, Out, 4, 4>
+           : shape.rep == 2 ? slot_readout_kernel<S, In, Out, 2, 4>
+                            : slot_readout_kernel<S, In, Out, 1, 4>;
+  return shape.rep == 4   ? slot_readout_kernel<S, In, Out, 4, 8>
+         : shape.rep == 2 ? slot_readout_kernel<S, In, Out, 2, 8>
+                          : slot_readout_kernel<S, In, Out, 1, 8>;
+}
+
 // The host side of kvm::step and the slot operations on a KvmState (docs/slots.md).
 struct SlotAccess {
   template <class S, class A>
@@ -1107,8 +1120,8 @@ struct SlotAccess {
     if (R == 0) return tokens == 0 ? Status::ok() : invalid_argument("tokens", "0 for an empty batch", tokens);
     if (!w.ln_weight || !w.ln_bias || !w.tau_state || !w.tau_bswa)
       return invalid_argument("weights", "device pointers for ln_weight, ln_bias, tau_state, tau_bswa", "nullptr");
-    if (sh.Dv > 32 * kSlotReadoutRegs)
-      return {StatusCode::kUnsupported, "cuda kvm::step: Dv must be <= " + std::to_string(32 * kSlotReadoutRegs) +
+    if (sh.Dv > 32 * kSlotReadoutMaxRegs)
+      return {StatusCode::kUnsupported, "cuda kvm::step: Dv must be <= " + std::to_string(32 * kSlotReadoutMaxRegs) +
                                             ", got " + std::to_string(sh.Dv)};
     KVMEM_RETURN_IF_ERROR(enter_slot_mode(exec, st));
     bind_weights(st, w);
@@ -1118,9 +1131,11 @@ struct SlotAccess {
     // phases: a row of L tokens spans at most min(L, (L - 1) / C + 2) chunk segments, and L <= tokens
     const std::int64_t phases = tokens == 0 ? 1 : std::min(tokens, (tokens - 1) / C + 2);
     const std::size_t update_bytes = slot_update_shared_bytes(C, sh.D);
-    const std::size_t readout_bytes = slot_readout_shared_bytes(sh.D, sh.Dv);
+    const SlotReadoutShape shape = slot_readout_shape(sh.Hq, sh.Hk, sh.Dv);
+    const std::size_t readout_bytes = shape.shared_bytes(sh.D, sh.Dv);
+    const auto readout = slot_readout_kernel_for<S, In, Out>(shape);
     KVMEM_RETURN_IF_ERROR(allow_shared(slot_update_kernel<S>, update_bytes));
-    KVMEM_RETURN_IF_ERROR(allow_shared(slot_readout_kernel<S, In, Out>, readout_bytes));
+    KVMEM_RETURN_IF_ERROR(allow_shared(readout, readout_bytes));
     for (std::int64_t ph = 0; ph < phases; ++ph) {
       slot_plan_kernel<<<1, kPlanThreads, 0, exec.stream>>>(st.sc_, sr, tokens, C, p.window(), int(ph));
       KVMEM_CUDA_RETURN_IF_LAUNCH_FAILED("kvm slot_plan_kernel");
@@ -1131,8 +1146,8 @@ struct SlotAccess {
       slot_ingest_kernel<S, In><<<static_cast<unsigned>(tokens), kSlotIngestThreads, 0, exec.stream>>>(
           d, st.sc_, sr, k.data(), v.data(), gate.data());
       KVMEM_CUDA_RETURN_IF_LAUNCH_FAILED("kvm slot_ingest_kernel");
-      const dim3 grid(static_cast<unsigned>(tokens), static_cast<unsigned>(sh.Hq));
-      slot_readout_kernel<S, In, Out><<<grid, 32 * kSlotReadoutWarps, readout_bytes, exec.stream>>>(
+      const dim3 grid(static_cast<unsigned>(tokens), static_cast<unsigned>(sh.Hq / shape.rep));
+      readout<<<grid, 32 * kSlotReadoutWarps, readout_bytes, exec.stream>>>(
           d, st.sc_, sr, q.data(), out.data(), lse.empty() ? nullptr : lse.data(), ph == 0);
       KVMEM_CUDA_RETURN_IF_LAUNCH_FAILED("kvm slot_readout_kernel");
     }

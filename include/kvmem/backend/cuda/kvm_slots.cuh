@@ -441,14 +441,10 @@ __global__ void __launch_bounds__(kSlotIngestThreads)
   }
 }
 
-// ---- readout (spec 4.4): one block per (token, query head) -----------------------------------------
+// ---- readout (spec 4.4): one block per (token, group of query heads) ---------------------------------
 
 inline constexpr int kSlotReadoutWarps = 4;
-inline constexpr int kSlotReadoutRegs = 8;  // value channels per lane: Dv <= 32 * kSlotReadoutRegs
-
-inline std::size_t slot_readout_shared_bytes(std::int64_t D, std::int64_t Dv) {
-  return (std::size_t(D) + kSlotReadoutWarps * (std::size_t(Dv) + 2)) * sizeof(float);
-}
+inline constexpr int kSlotReadoutMaxRegs = 8;  // value channels per lane: Dv <= 32 * kSlotReadoutMaxRegs
 
 template <class A>
 __device__ inline A slot_warp_max(A x) {
@@ -462,24 +458,45 @@ __device__ inline A slot_warp_sum(A x) {
   return x;
 }
 
-// Row (token, h) over the slots (when wb > 0) and the causal window [wb, t] in the ring, one online
-// softmax: warp w takes keys [32 (w + 4 i), ...), lane l the key's logit and value channels l + 32 e;
-// the four warps merge in a fixed order (deterministic). A padding row's out and lse are zeroed
-// (zero_padding: the first phase). grid (tokens, Hq), block 32 * kSlotReadoutWarps, smem
-// slot_readout_shared_bytes. q [tokens,Hq,D], out [tokens,Hq,Dv], lse [tokens,Hq] or nullptr.
-template <class S, class In, class Out>
+// The readout's launch shape, from the state's shape alone: kRep query heads of one KV head per block
+// (every key row is read once for all of them), kRegs value channels per lane.
+struct SlotReadoutShape {
+  int rep, regs;
+  [[nodiscard]] std::size_t shared_bytes(std::int64_t D, std::int64_t Dv) const {
+    return (std::size_t(rep) * std::size_t(D) + kSlotReadoutWarps * std::size_t(rep) * (std::size_t(Dv) + 2)) *
+           sizeof(float);
+  }
+};
+
+// The largest power of two kRep <= 8 that divides the GQA ratio with kRep * kRegs <= 32 registers of
+// accumulators a lane.
+inline SlotReadoutShape slot_readout_shape(std::int64_t Hq, std::int64_t Hk, std::int64_t Dv) {
+  const int regs = Dv <= 128 ? 4 : 8;
+  int rep = 1;
+  while (rep < 8 && (Hq / Hk) % (2 * rep) == 0 && 2 * rep * regs <= 32) rep *= 2;
+  return {rep, regs};
+}
+
+// Rows (token, h) for the kRep query heads h of block (token, group) over the slots (when wb > 0) and the
+// causal window [wb, t] in the ring, one online softmax per head: warp w takes keys [32 (w + 4 i), ...),
+// lane l a key's logits and value channels l + 32 e; the four warps merge in a fixed order
+// (deterministic). A padding row's out and lse are zeroed (zero_padding: the first phase).
+// grid (tokens, Hq / kRep), block 32 * kSlotReadoutWarps, smem SlotReadoutShape::shared_bytes.
+// q [tokens,Hq,D], out [tokens,Hq,Dv], lse [tokens,Hq] or nullptr.
+template <class S, class In, class Out, int kRep, int kRegs>
 __global__ void __launch_bounds__(32 * kSlotReadoutWarps)
     slot_readout_kernel(DeviceState<S, float> st, SlotCounters sc, SlotRows rows, const In* q, Out* out, float* lse,
                         bool zero_padding) {
   if (sc.status[0] != kStepOk) return;
-  const std::int64_t token = blockIdx.x, h = blockIdx.y, Hq = st.Hq, D = st.D, Dv = st.Dv, W = st.W;
+  const std::int64_t token = blockIdx.x, h0 = std::int64_t(blockIdx.y) * kRep, Hq = st.Hq, D = st.D, Dv = st.Dv,
+                     W = st.W;
   const std::int64_t r = slot_row_of(rows, token);
   const std::int32_t b = rows.slot[r];
-  Out* o = out + (token * Hq + h) * Dv;
   if (b < 0) {
     if (zero_padding) {
-      for (std::int64_t d = threadIdx.x; d < Dv; d += blockDim.x) o[d] = store_as<Out>(0.0f);
-      if (lse != nullptr && threadIdx.x == 0) lse[token * Hq + h] = 0.0f;
+      for (std::int64_t i = threadIdx.x; i < kRep * Dv; i += blockDim.x)
+        out[(token * Hq + h0) * Dv + i] = store_as<Out>(0.0f);
+      if (lse != nullptr && threadIdx.x < kRep) lse[token * Hq + h0 + threadIdx.x] = 0.0f;
     }
     return;
   }
@@ -487,72 +504,103 @@ __global__ void __launch_bounds__(32 * kSlotReadoutWarps)
   const std::int64_t t = pl.n0 + token - rows.start[r];
   if (t < pl.t0 || t >= pl.t1) return;
   extern __shared__ float slot_smem[];
-  float* qs = slot_smem;
-  float* part = qs + D;  // per warp: m, l, acc[Dv]
-  for (std::int64_t d = threadIdx.x; d < D; d += blockDim.x) qs[d] = rn_load(q[(token * Hq + h) * D + d]);
+  float* qs = slot_smem;        // [kRep, D]
+  float* part = qs + kRep * D;  // per warp and head: m, l, acc[Dv]
+  for (std::int64_t i = threadIdx.x; i < kRep * D; i += blockDim.x) qs[i] = rn_load(q[(token * Hq + h0) * D + i]);
   __syncthreads();
-  const std::int64_t item = std::int64_t(b) * st.Hk + h / st.rep();
-  const float ls_s = st.scale * (st.head_temps ? st.tau_s[h] : 1.0f);
-  const float ls_w = st.scale * (st.head_temps ? st.tau_w[h] : 1.0f);
+  const std::int64_t item = std::int64_t(b) * st.Hk + h0 / st.rep();
+  float ls_s[kRep], ls_w[kRep];
+#pragma unroll
+  for (int h = 0; h < kRep; ++h) {
+    ls_s[h] = st.scale * (st.head_temps ? st.tau_s[h0 + h] : 1.0f);
+    ls_w[h] = st.scale * (st.head_temps ? st.tau_w[h0 + h] : 1.0f);
+  }
   const std::int64_t n_s = pl.wb > 0 ? pl.s_read : 0, n_keys = n_s + (t - pl.wb + 1);
   const S* khat = st.khat + item * st.cap * D;
   const S* vhat = st.vhat + item * st.cap * Dv;
   const S* wk = st.wk + item * W * D;
   const S* wv = st.wv + item * W * Dv;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  float m = -INFINITY, l = 0, acc[kSlotReadoutRegs] = {};
+  float m[kRep], l[kRep], acc[kRep][kRegs];
+#pragma unroll
+  for (int h = 0; h < kRep; ++h) {
+    m[h] = -INFINITY;
+    l[h] = 0;
+#pragma unroll
+    for (int e = 0; e < kRegs; ++e) acc[h][e] = 0;
+  }
   for (std::int64_t base = std::int64_t(warp) * 32; base < n_keys; base += 32 * kSlotReadoutWarps) {
     const std::int64_t key = base + lane;
-    float logit = -INFINITY;
+    float p[kRep];
+#pragma unroll
+    for (int h = 0; h < kRep; ++h) p[h] = -INFINITY;
     if (key < n_keys) {
       const bool slot = key < n_s;
       const S* kr = slot ? khat + key * D : wk + ((pl.wb + key - n_s) % W) * D;
-      float s = 0;
-      for (std::int64_t d = 0; d < D; ++d) s = fmaf(qs[d], rn_load(kr[d]), s);
-      logit = (slot ? ls_s : ls_w) * s;
-    }
-    const float m_new = fmaxf(m, slot_warp_max(logit));
-    const float keep = m == -INFINITY ? 0.0f : expf(m - m_new);
-    const float p = key < n_keys ? expf(logit - m_new) : 0.0f;
-    l = l * keep + slot_warp_sum(p);
+      float dot[kRep] = {};
+      for (std::int64_t d = 0; d < D; ++d) {
+        const float x = rn_load(kr[d]);
 #pragma unroll
-    for (int e = 0; e < kSlotReadoutRegs; ++e) acc[e] *= keep;
+        for (int h = 0; h < kRep; ++h) dot[h] = fmaf(qs[h * D + d], x, dot[h]);
+      }
+#pragma unroll
+      for (int h = 0; h < kRep; ++h) p[h] = (slot ? ls_s[h] : ls_w[h]) * dot[h];  // the logit, for now
+    }
+#pragma unroll
+    for (int h = 0; h < kRep; ++h) {
+      const float m_new = fmaxf(m[h], slot_warp_max(p[h]));
+      const float keep = m[h] == -INFINITY ? 0.0f : expf(m[h] - m_new);
+      p[h] = key < n_keys ? expf(p[h] - m_new) : 0.0f;
+      l[h] = l[h] * keep + slot_warp_sum(p[h]);
+#pragma unroll
+      for (int e = 0; e < kRegs; ++e) acc[h][e] *= keep;
+      m[h] = m_new;
+    }
     const std::int64_t count = imin(32, n_keys - base);
     for (std::int64_t i = 0; i < count; ++i) {
-      const float pi = __shfl_sync(0xffffffffu, p, static_cast<int>(i));
       const std::int64_t kk = base + i;
       const S* vr = kk < n_s ? vhat + kk * Dv : wv + ((pl.wb + kk - n_s) % W) * Dv;
+      float x[kRegs];
 #pragma unroll
-      for (int e = 0; e < kSlotReadoutRegs; ++e)
-        if (lane + 32 * e < Dv) acc[e] = fmaf(pi, rn_load(vr[lane + 32 * e]), acc[e]);
+      for (int e = 0; e < kRegs; ++e) x[e] = lane + 32 * e < Dv ? rn_load(vr[lane + 32 * e]) : 0.0f;
+#pragma unroll
+      for (int h = 0; h < kRep; ++h) {
+        const float pi = __shfl_sync(0xffffffffu, p[h], static_cast<int>(i));
+#pragma unroll
+        for (int e = 0; e < kRegs; ++e) acc[h][e] = fmaf(pi, x[e], acc[h][e]);
+      }
     }
-    m = m_new;
-  }
-  float* mine = part + warp * (Dv + 2);
-  if (lane == 0) {
-    mine[0] = m;
-    mine[1] = l;
   }
 #pragma unroll
-  for (int e = 0; e < kSlotReadoutRegs; ++e)
-    if (lane + 32 * e < Dv) mine[2 + lane + 32 * e] = acc[e];
+  for (int h = 0; h < kRep; ++h) {
+    float* mine = part + (warp * kRep + h) * (Dv + 2);
+    if (lane == 0) {
+      mine[0] = m[h];
+      mine[1] = l[h];
+    }
+#pragma unroll
+    for (int e = 0; e < kRegs; ++e)
+      if (lane + 32 * e < Dv) mine[2 + lane + 32 * e] = acc[h][e];
+  }
   __syncthreads();
-  float M = -INFINITY;
-  for (int w = 0; w < kSlotReadoutWarps; ++w) M = fmaxf(M, part[w * (Dv + 2)]);
-  float L = 0;
-  for (int w = 0; w < kSlotReadoutWarps; ++w) {
-    const float mw = part[w * (Dv + 2)];
-    if (mw != -INFINITY) L += part[w * (Dv + 2) + 1] * expf(mw - M);
-  }
-  for (std::int64_t d = threadIdx.x; d < Dv; d += blockDim.x) {
-    float x = 0;
+  for (int h = 0; h < kRep; ++h) {
+    float M = -INFINITY, L = 0;
+    for (int w = 0; w < kSlotReadoutWarps; ++w) M = fmaxf(M, part[(w * kRep + h) * (Dv + 2)]);
     for (int w = 0; w < kSlotReadoutWarps; ++w) {
-      const float mw = part[w * (Dv + 2)];
-      if (mw != -INFINITY) x += part[w * (Dv + 2) + 2 + d] * expf(mw - M);
+      const float mw = part[(w * kRep + h) * (Dv + 2)];
+      if (mw != -INFINITY) L += part[(w * kRep + h) * (Dv + 2) + 1] * expf(mw - M);
     }
-    o[d] = store_as<Out>(x / L);
+    Out* o = out + (token * Hq + h0 + h) * Dv;
+    for (std::int64_t d = threadIdx.x; d < Dv; d += blockDim.x) {
+      float x = 0;
+      for (int w = 0; w < kSlotReadoutWarps; ++w) {
+        const float mw = part[(w * kRep + h) * (Dv + 2)];
+        if (mw != -INFINITY) x += part[(w * kRep + h) * (Dv + 2) + 2 + d] * expf(mw - M);
+      }
+      o[d] = store_as<Out>(x / L);
+    }
+    if (lse != nullptr && threadIdx.x == 0) lse[token * Hq + h0 + h] = M + logf(L);
   }
-  if (lse != nullptr && threadIdx.x == 0) lse[token * Hq + h] = M + logf(L);
 }
 
 // ---- slot operations -----------------------------------------------------------------------------
