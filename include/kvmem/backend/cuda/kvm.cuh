@@ -371,6 +371,8 @@ class KvmState {
   [[nodiscard]] std::int64_t slots() const { return slots_; }  // |S|
   [[nodiscard]] std::size_t allocated_bytes() const { return memory_.bytes(); }
   [[nodiscard]] const kvm_detail::DeviceState<S, A>& device() const { return dev_; }
+  // Forgets every sequence of the fixed-batch calls (their shared count). A state driven by kvm::step
+  // forgets sequences with kvm::reset_slots instead.
   void reset() { n_ = cov_ = slots_ = 0; }
   // bf16 storage with head dim 64 or 128 routes on the tensor cores. By default each novelty and
   // routing dot is computed from hi/lo bf16 splits of both operands (three products, about fp32
