@@ -158,9 +158,9 @@ void run(const std::string& name, kvmem::budget::Any budget, const Options& o, s
   if (json != nullptr)
     std::fprintf(json,
                  "{\"bench\":\"kvm_slots_cuda_decode\",\"budget\":\"%s\",\"sequences\":%lld,\"heads\":%lld,"
-                 "\"kv_heads\":%lld,\"min\":%lld,\"max\":%lld,\"longest\":%lld,\"mean_len\":%.1f,\"steps\":%lld,\"step_"
-                 "ms\":%.6f,"
-                 "\"graph_step_ms\":%.6f,\"tokens_per_s\":%.1f,\"graph_tokens_per_s\":%.1f}\n",
+                 "\"kv_heads\":%lld,\"min\":%lld,\"max\":%lld,\"longest\":%lld,\"mean_len\":%.1f,"
+                 "\"steps\":%lld,\"step_ms\":%.6f,\"graph_step_ms\":%.6f,\"tokens_per_s\":%.1f,"
+                 "\"graph_tokens_per_s\":%.1f}\n",
                  name.c_str(), (long long)R, (long long)H, (long long)Hk, (long long)o.min_len, (long long)o.max_len,
                  (long long)*std::max_element(lengths.begin(), lengths.end()), mean, (long long)o.steps, plain, replay,
                  double(R) / plain * 1e3, double(R) / replay * 1e3);
