@@ -208,7 +208,10 @@ def test_export_import_moves_a_sequence_between_states():
     b = kvmem.ua_create(1, HQ, HK, D, 40)
     kvmem.import_slot(b, None, 0, kvmem.export_slot(a, 0))
     assert b.tokens(0) == 24
-    assert torch.equal(feed_ua(b, 0, y, 24, 28), feed_ua(a, 0, y, 24, 28))
+    moved = torch.cat([feed_ua(b, 0, y, t, t + 1) for t in range(24, 28)])
+    stayed = torch.cat([feed_ua(a, 0, y, t, t + 1) for t in range(24, 28)])
+    assert torch.equal(moved, stayed)
+    assert torch.equal(moved, oracle(y, mechanism="ua", prefill=24, p=0.15, prefill_chunk=8)[24:])
 
 
 def test_truncate_is_exact_or_refused():
