@@ -6,8 +6,9 @@
 // kvmem's Status message (ValueError for invalid arguments, IndexError for indices out of range,
 // RuntimeError otherwise) and leaves the state unchanged.
 //
-// Meta kernels give the output shapes without touching the state, so fake-tensor tracing
-// (torch._subclasses.FakeTensorMode, torch.compile on torch 2.x) runs through the steps.
+// Meta kernels give the output shapes without touching the state, so meta tensors and fake-tensor
+// tracing (torch._subclasses.FakeTensorMode) run through the steps. The state is a custom-class object,
+// not a tensor, which graph tracers of torch 2.x before 2.4 cannot fake; state held in tensors lifts that.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
