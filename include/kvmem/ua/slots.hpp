@@ -5,7 +5,9 @@
 // order as KVM's (kvmem::kvm), so an engine drives both mechanisms alike. Every operation validates
 // all of its arguments before it changes anything; a refused call leaves the cache bit-identical.
 // These are the host cache's operations (ua::PrunedCache); they run on the calling thread, and the
-// executor is taken for the common shape of the API.
+// executor is taken for the common shape of the API. The record's writer and reader (write_record,
+// read_record over UaSlotFields) are shared with the other backends, so a slot exported by one imports
+// on any other.
 
 #include <cmath>
 #include <cstddef>

@@ -2,7 +2,8 @@
 #pragma once
 // Universal Attention on Kokkos: a pruned cache in the space's memory (UaCache) and the ua/
 // operations for kokkos::Executor<Space> (prefill with pruning + compaction, decode with pruning,
-// dense forward), running the shared bodies of kernel/ua_*.hpp.
+// dense forward, and the sequence-slot step and slot operations of docs/slots-ua.md), running the
+// shared bodies of kernel/ua_*.hpp.
 //
 // ua::PrunedCache keeps its rows in std::vector (host memory), so the Kokkos backend has its own cache
 // with the same layout and semantics (rows [B, G, capacity, D], λ / key-gate logit / position per row,
