@@ -2,27 +2,41 @@
 #pragma once
 // Universal Attention on the CUDA backend (spec UA.md).
 //
-//   kvmem::cuda::UaCache<S>          the pruned cache in device memory (owning, allocated once): per
-//                                    (sequence, kv head) a variable-length list of (key, value, λ,
-//                                    z_k, position) rows in ascending position, a length and an
-//                                    absolute position counter on the device;
-//   kvmem::cuda::ua_prefill<Set>(exec, cache, in, opt, out)   chunked prefill with pruning (4.5)
-//   kvmem::cuda::ua_decode<Set>(exec, cache, in1, opt, out1)  one self-pruning decode step (4.4, 4.5)
+//   kvmem::cuda::UaCache<S>          the pruned cache in device memory (owning, allocated once):
+//                                    max_slots() = CacheShape::batch sequence slots; per (slot, kv head)
+//                                    a variable-length list of (key, value, λ, z_k, position) rows in
+//                                    ascending position, a length and an absolute position counter, and
+//                                    per slot an overflow flag, all on the device;
+//   kvmem::ua::step<Set>(exec, cache, rows, in, opt, out, lse)  a ragged batch of slots (DESIGN.md 3):
+//                                    the host ua::step's arguments, packed token-major, in device memory
+//   kvmem::ua::reset_slots / copy_slots / export_bytes / export_slot / import_slot / truncate
+//                                    the host's slot operations (ua/slots.hpp) for this cache
+//   kvmem::cuda::ua_prefill<Set>(exec, cache, in, opt, out)   every slot: chunked prefill with pruning (4.5)
+//   kvmem::cuda::ua_decode<Set>(exec, cache, in1, opt, out1)  every slot: one self-pruning decode step
 //   kvmem::cuda::ua_forward<Set>(exec, in, out, lse, lambda_last)  dense UA without a cache
 // Inputs live in device memory: q, k, v (and the optional output-gate logits z_o) in the storage type S
 // (float, bf16 or fp16), the gate logits z_k, z_q in fp32; outputs are fp32. λ and the decay sums are
-// fp32 throughout. Work is enqueued on exec.stream with no allocation and no host synchronisation,
-// except one documented case: when the host's conservative bound on the cache length says a call
-// might not fit (longest + T > capacity), the call first reads the true lengths back (one sync).
+// fp32 throughout. Results are deterministic: partials of the entry splits are merged in split order,
+// never with float atomics (an integer ticket only picks which block of a decode step does the merge).
+//
+// ua::step takes every per-row decision on the device from the device counters (the rows' check, the
+// room check that flags a full slot and skips its row while the others step on, λ update, append,
+// eviction, compaction), and its launches and grids depend only on the row count, the token count and
+// the cache: no allocation, no host synchronisation and no host state, so one CUDA graph captured for a
+// padded batch replays step after step. The slot operations check their device slot lists on the host
+// (one synchronisation each) so that a bad index returns a Status before anything changes; records are
+// the host's UA record, so a slot moves between backends.
+//
+// The fixed-batch calls (ua_prefill, ua_decode) advance every slot by the call's T. They keep a host
+// bound on the cache length: when it says a call might not fit (longest + T > capacity), the call first
+// reads the true lengths back (one synchronisation) and refuses the call if one item lacks room. A step
+// leaves the bound unknown, so the next fixed-batch call reads the lengths back; a captured ua_decode
+// replays without advancing the bound, so engines capture ua::step instead. UaCache::create and
+// ua_forward allocate and synchronise; the accessors position, positions, lengths, download, overflowed
+// and step_status read the device.
 // A prefill with p = 0 (nothing is evicted) in bf16 with D in {64, 80, 128} and r in {4, 8} runs every row
-// of the call in one pipelined tensor-core launch (ua_dense_tc.cuh); every other prefill runs chunk by
-// chunk (ua_kernels.cuh, ua_attend_tc.cuh).
-// Lengths and positions live on the device, so a decode step is a fixed sequence of launches an
-// engine can capture in a CUDA graph; the host also keeps a conservative length bound and the position
-// counter for its checks, which a replayed graph does not advance (UaCache::create and ua_forward
-// allocate and synchronise). Results are deterministic: partials of the entry
-// splits are merged in split order, never with float atomics (an integer ticket only picks which block
-// of a decode step does the merge).
+// of the call in one pipelined tensor-core launch (ua_dense_tc.cuh); every other prefill, and every
+// prefill row of a step, runs chunk by chunk (ua_kernels.cuh, ua_attend_tc.cuh).
 //
 // Shapes and options are validated (messages name the argument); values (NaN/Inf) are the caller's
 // precondition here, as on the CUDA KVM path: checking them would cost a device-to-host round trip.
