@@ -291,11 +291,15 @@ std::size_t differing_bits(const std::vector<T>& a, const std::vector<T>& b) {
   return n;
 }
 
-// Runs a list of slots through a device copy (slot operations take device lists).
+// A list of slots in device memory (slot operations take device lists). The kernels that read it may
+// still be queued on a stream when it goes: it waits for the device before its memory is freed.
 struct DevList {
   Dev<std::int32_t> d;
   std::int64_t n;
   explicit DevList(const Slots& s) : d(s), n(std::int64_t(s.size())) {}
+  DevList(const DevList&) = delete;
+  DevList& operator=(const DevList&) = delete;
+  ~DevList() { (void)cudaDeviceSynchronize(); }
   TensorView<const std::int32_t, 1> view() const { return {d.ptr, {n}}; }
 };
 
@@ -550,8 +554,11 @@ TEST_CASE("ua cuda step: without pruning, long slots take the split decode path"
 namespace {
 // Slots 0..5 prefilled to 40 .. 590 tokens (one step, both caches alike), then 600 decode steps of a
 // padded batch of 8 rows: replays of one graph captured on `graphed`, and the same steps run uncaptured
-// on `plain`. Outputs, lse and the caches must agree bit for bit (the kernels are deterministic: no
-// float atomics), and the positions advance by 600 although the host enqueued nothing but replays.
+// on `plain`. The batch changes between replays as an engine's does, through the buffers' contents and
+// slot operations only: at step 200 padding row 2 becomes a new sequence in the empty slot 6, at step
+// 400 slot 5 is reset and starts over. Outputs, lse and the caches must agree bit for bit (the kernels
+// are deterministic: no float atomics), and every slot's position advances by its decode steps although
+// the host enqueued nothing but replays.
 void graph_replay(const kua::Options& opt, const char* label) {
   const Dims dm;
   const std::int64_t cap = 2048;
@@ -579,7 +586,7 @@ void graph_replay(const kua::Options& opt, const char* label) {
     pre.run(plain, h, opt, stream);
   }
   // the decode batch: 8 rows, padding at rows 2 and 6, slots in a shuffled order
-  const Slots slots{3, 0, -1, 5, 1, 4, -1, 2};
+  Slots slots{3, 0, -1, 5, 1, 4, -1, 2};
   const std::int64_t R = 8, N = 8;
   DevStep<float> a(dm, N, R), b(dm, N, R);
   const auto step_input = [&](std::mt19937_64& g) {
@@ -606,6 +613,12 @@ void graph_replay(const kua::Options& opt, const char* label) {
   std::size_t differing = 0;
   std::mt19937_64 inputs_rng(99);
   for (int t = 0; t < 600; ++t) {
+    if (t == 200) slots[2] = 6;
+    if (t == 400) {
+      DevList five(Slots{5});
+      REQUIRE(kua::reset_slots(exec, graphed, five.view()).is_ok());
+      REQUIRE(kua::reset_slots(exec, plain, five.view()).is_ok());
+    }
     const HostStep h = step_input(inputs_rng);
     a.upload(h, stream);
     b.upload(h, stream);
@@ -616,8 +629,9 @@ void graph_replay(const kua::Options& opt, const char* label) {
     const auto oa = a.out.get(), ob = b.out.get(), la = a.lse.get(), lb = b.lse.get();
     differing += std::size_t(std::memcmp(oa.data(), ob.data(), oa.size() * sizeof(float)) != 0) +
                  std::size_t(std::memcmp(la.data(), lb.data(), la.size() * sizeof(float)) != 0);
-    for (std::int64_t row : {2, 6})
-      for (std::int64_t x = row * dm.H * dm.D; x < (row + 1) * dm.H * dm.D; ++x) REQUIRE(oa[std::size_t(x)] == 0.0f);
+    for (std::int64_t row = 0; row < R; ++row)
+      if (slots[std::size_t(row)] < 0)
+        for (std::int64_t x = row * dm.H * dm.D; x < (row + 1) * dm.H * dm.D; ++x) REQUIRE(oa[std::size_t(x)] == 0.0f);
   }
   CHECK(differing == 0);
   REQUIRE(graphed.step_status(stream).is_ok());
@@ -627,8 +641,10 @@ void graph_replay(const kua::Options& opt, const char* label) {
   REQUIRE(plain.positions(pp, stream).is_ok());
   CHECK(pg == pp);
   std::int64_t shortest = cap, longest = 0;
-  for (std::int32_t s = 0; s < kSlots; ++s) {
-    CHECK(pg[std::size_t(s)] == start[std::size_t(s)] + 600);
+  start.push_back(0);  // slot 6 starts empty at step 200
+  for (std::int32_t s = 0; s <= kSlots; ++s) {
+    const std::int64_t expected = s == 5 ? 200 : s == 6 ? 400 : start[std::size_t(s)] + 600;
+    CHECK(pg[std::size_t(s)] == expected);
     for (std::int64_t g = 0; g < dm.G; ++g) {
       std::vector<std::int64_t> pos1, pos2;
       std::vector<float> lam1, lam2, k1, k2, v1, v2;
