@@ -149,7 +149,8 @@ class UaCache {
                       o_go = arena.take(std::size_t(s.batch) * sizeof(int)),
                       o_first = arena.take(std::size_t(s.batch) * sizeof(int)),
                       o_overflow = arena.take(std::size_t(s.batch) * sizeof(int)),
-                      o_error = arena.take(4 * sizeof(int));
+                      o_error = arena.take(4 * sizeof(int)),
+                      o_prefill = arena.take(std::size_t(s.batch + 1) * sizeof(int));
     KVMEM_RETURN_IF_ERROR(DeviceBuffer::allocate(arena.total(), c.memory_));
     auto* base = static_cast<unsigned char*>(c.memory_.get());
     auto& d = c.dev_;
@@ -174,6 +175,7 @@ class UaCache {
     c.slot_first_ = reinterpret_cast<int*>(base + o_first);
     c.overflow_ = reinterpret_cast<int*>(base + o_overflow);
     c.step_error_ = reinterpret_cast<int*>(base + o_error);
+    c.prefill_rows_ = reinterpret_cast<int*>(base + o_prefill);
     // lengths and counters start at 0 (the rows are written before they are read)
     KVMEM_RETURN_IF_ERROR(to_status(cudaMemset(d.length, 0, I * sizeof(std::int64_t)), "cudaMemset lengths"));
     KVMEM_RETURN_IF_ERROR(to_status(cudaMemset(d.counter, 0, I * sizeof(std::int64_t)), "cudaMemset counters"));
@@ -324,6 +326,7 @@ class UaCache {
     std::swap(slot_first_, o.slot_first_);
     std::swap(overflow_, o.overflow_);
     std::swap(step_error_, o.step_error_);
+    std::swap(prefill_rows_, o.prefill_rows_);
     std::swap(bound_, o.bound_);
   }
 
@@ -339,13 +342,14 @@ class UaCache {
   float* part_ml_ = nullptr;
   float* part_acc_ = nullptr;
   float* lambda_new_ = nullptr;
-  int* dense_sync_ = nullptr;  // ticket + λ hand-off of the dense tensor-core prefill (dense_sync_bytes)
-  int sm_count_ = 1;           // multiprocessors: sizes the dense prefill's item groups
-  int* slot_go_ = nullptr;     // [B] per step: the slot's row runs (step_begin_kernel)
-  int* slot_first_ = nullptr;  // [B] per step: scratch of the rows' check
-  int* overflow_ = nullptr;    // [B] sticky: a step found no room for the slot's row
-  int* step_error_ = nullptr;  // [4] the last step's rows' check (ua_detail::StepRows::error)
-  std::int64_t bound_ = 0;     // >= every item's length, as far as the host knows (fixed-batch calls)
+  int* dense_sync_ = nullptr;    // ticket + λ hand-off of the dense tensor-core prefill (dense_sync_bytes)
+  int sm_count_ = 1;             // multiprocessors: sizes the dense prefill's item groups
+  int* slot_go_ = nullptr;       // [B] per step: the slot's row runs (step_begin_kernel)
+  int* slot_first_ = nullptr;    // [B] per step: scratch of the rows' check
+  int* overflow_ = nullptr;      // [B] sticky: a step found no room for the slot's row
+  int* step_error_ = nullptr;    // [4] the last step's rows' check (ua_detail::StepRows::error)
+  int* prefill_rows_ = nullptr;  // [B + 1] per step: its prefill rows, then their count
+  std::int64_t bound_ = 0;       // >= every item's length, as far as the host knows (fixed-batch calls)
 };
 
 namespace ua_detail {
@@ -585,6 +589,8 @@ Status ua_forward(const Executor& exec, const UaInputs<S>& in, TensorView<float,
 
 namespace ua_detail {
 
+inline constexpr int kStepMergeBlocks = 32;  // a step's merge blocks per (prefill row, kv head) and chunk
+
 // The cache's private parts the slot functions below use.
 struct SlotAccess {
   template <class S>
@@ -603,6 +609,8 @@ struct SlotAccess {
     sr.first = c.slot_first_;
     sr.overflow = c.overflow_;
     sr.error = c.step_error_;
+    sr.prefill_rows = c.prefill_rows_;
+    sr.prefill_count = c.prefill_rows_ + c.shape_.batch;
     return sr;
   }
   template <class S>
@@ -612,6 +620,8 @@ struct SlotAccess {
     a.lambda_new = c.lambda_new_;
     a.slot_go = c.slot_go_;
     a.step_error = c.step_error_;
+    a.prefill_rows = c.prefill_rows_;
+    a.prefill_count = c.prefill_rows_ + c.shape_.batch;
   }
   template <class S>
   static int* overflow(const UaCache<S>& c) {
@@ -845,9 +855,14 @@ Status step(const cuda::Executor& exec, cuda::UaCache<S>& cache, const Rows& row
   if ((R > 1 && rows.slot.stride(0) != 1) || rows.query_start.stride(0) != 1)
     return invalid_argument("slot, query_start stride", 1,
                             R > 1 && rows.slot.stride(0) != 1 ? rows.slot.stride(0) : rows.query_start.stride(0));
-  if (R * G > 65535)
+  // Prefill rows (>= 2 tokens each, each slot at most once): at most min(max_slots, rows, tokens / 2) of
+  // them, listed by step_begin_kernel; none is longer than the call. They run along grid y.
+  const std::int64_t prefills = std::min({s.batch, R, N / 2});
+  if (prefills * G > 65535)
     return {StatusCode::kUnsupported,
-            kvmem::detail::concat("cuda UA step: rows * kv_heads must be <= 65535 (a grid dimension), got ", R * G)};
+            kvmem::detail::concat("cuda UA step: min(max_slots, rows, tokens / 2) * kv_heads must be <= 65535 (a "
+                                  "grid dimension), got ",
+                                  prefills * G)};
 
   const DeviceCache<S>& dev = SlotAccess::dev(cache);
   DeviceCall<S> a = make_step_call(in, rows, out, lse);
@@ -871,16 +886,18 @@ Status step(const cuda::Executor& exec, cuda::UaCache<S>& cache, const Rows& row
     kernel<<<dim3(unsigned(R * G), unsigned(d.splits)), kDecodeThreads, bytes, stream>>>(dev, d);
     KVMEM_CUDA_RETURN_IF_LAUNCH_FAILED("ua step decode_attend_kernel");
   }
-  if (N >= 2) {  // prefill rows: no row is longer than the call
+  // The prefill rows' rounds of chunks. A merge block takes every kStepMergeBlocks-th row of a chunk, so
+  // the rounds of a decode-only step, which find no prefill row, launch few blocks.
+  if (prefills > 0) {
     a.P = cache.limits().max_prefill_chunk;
     a.splits = cache.limits().max_splits;
     const std::size_t fbytes = finish_smem_bytes<S>(D);
     const ChunkKernel<S> chunk = step_chunk_kernel_for<Set, S>(in, D, r);
     KVMEM_RETURN_IF_ERROR(cuda::allow_shared(finish_kernel<S>, fbytes));
     KVMEM_RETURN_IF_ERROR(cuda::allow_shared(chunk.kernel, chunk.shared_bytes));
-    const unsigned items = unsigned(R * G);
+    const unsigned items = unsigned(prefills * G);
     for (std::int64_t t0 = 0; t0 < N; t0 += opt.prefill_chunk) {
-      const std::int64_t most = std::min(opt.prefill_chunk, N - t0);
+      const std::int64_t most = std::min({opt.prefill_chunk, N - t0, std::int64_t(kStepMergeBlocks)});
       chunk.kernel<<<dim3(unsigned(a.splits), items), unsigned(chunk.threads), chunk.shared_bytes, stream>>>(
           dev, a, t0, opt.prefill_chunk);
       KVMEM_CUDA_RETURN_IF_LAUNCH_FAILED("ua step chunk_attend_kernel");

@@ -88,6 +88,8 @@ struct DeviceCall {
   const std::int32_t* row_start = nullptr;  // [rows + 1] query_start
   const int* slot_go = nullptr;             // [max_slots] 1: the slot's row runs this step (step_begin_kernel)
   const int* step_error = nullptr;          // nonzero: the step's rows were refused, no kernel touches anything
+  const int* prefill_rows = nullptr;        // [max_slots] the step's running rows of >= 2 tokens, any order
+  const int* prefill_count = nullptr;       // how many prefill_rows hold
 };
 
 // What one block of a chunk launch works on: cache item, input base b (see DeviceCall), the chunk's
@@ -96,9 +98,10 @@ struct ChunkWork {
   std::int64_t item, b, t0, rows;
 };
 // Fixed batch: grid item gi is cache item gi, sequence gi / G, every item has the call's rows. Slot
-// step: grid item gi is (row gi / G, kv head gi % G); only rows of at least 2 tokens (a prefill chunk:
-// a 1-token row is a decode step, run by decode_attend_kernel) whose slot runs this step and that still
-// have tokens at t0 work, on at most `rows` of them. Every block of a (row, kv head) decides alike.
+// step: grid item gi is (prefill_rows[gi / G], kv head gi % G): the rows of at least 2 tokens whose slot
+// runs this step (a 1-token row is a decode step, run by decode_attend_kernel), listed by
+// step_begin_kernel; a row works while it has tokens at t0, on at most `rows` of them. Every block of a
+// (row, kv head) decides alike.
 template <class S>
 __device__ inline bool chunk_work(const DeviceCache<S>& c, const DeviceCall<S>& a, std::int64_t gi, std::int64_t t0,
                                   std::int64_t rows, ChunkWork& w) {
@@ -106,12 +109,11 @@ __device__ inline bool chunk_work(const DeviceCache<S>& c, const DeviceCall<S>& 
     w = {gi, gi / c.G, t0, rows};
     return true;
   }
-  if (*a.step_error != 0) return false;
-  const std::int64_t row = gi / c.G, g = gi % c.G;
+  if (*a.step_error != 0 || gi / c.G >= *a.prefill_count) return false;
+  const std::int64_t row = a.prefill_rows[gi / c.G], g = gi % c.G;
   const int s = a.row_slot[row];
-  if (s < 0 || a.slot_go[s] == 0) return false;
   const std::int64_t x0 = a.row_start[row], n = a.row_start[row + 1] - x0;
-  if (n < 2 || t0 >= n) return false;
+  if (t0 >= n) return false;
   w = {s * c.G + g, x0, t0, n - t0 < rows ? n - t0 : rows};
   return true;
 }
@@ -433,13 +435,14 @@ __device__ inline void merge_row(const DeviceCache<S>& c, const DeviceCall<S>& a
 }
 
 inline constexpr int kMergeThreads = 128;
-// grid (rows, I), block kMergeThreads.
+// grid (x, I), block kMergeThreads: rows blockIdx.x, blockIdx.x + x, ... (x = rows for a fixed batch).
 template <class S>
 __global__ void __launch_bounds__(kMergeThreads)
     merge_kernel(DeviceCache<S> c, DeviceCall<S> a, std::int64_t t0, std::int64_t rows, std::int64_t min_piece) {
   ChunkWork w;
-  if (!chunk_work(c, a, blockIdx.y, t0, rows, w) || std::int64_t(blockIdx.x) >= w.rows) return;
-  merge_row(c, a, w.item, w.b, w.t0, blockIdx.x, active_splits(c.length[w.item] + w.rows, a.splits, min_piece));
+  if (!chunk_work(c, a, blockIdx.y, t0, rows, w)) return;
+  const int used = active_splits(c.length[w.item] + w.rows, a.splits, min_piece);
+  for (std::int64_t i = blockIdx.x; i < w.rows; i += gridDim.x) merge_row(c, a, w.item, w.b, w.t0, i, used);
 }
 
 // ---- finish: evict + compact, append, advance ---------------------------------------------------
@@ -1186,17 +1189,23 @@ struct StepRows {
   const std::int32_t* slot = nullptr;   // [rows]
   const std::int32_t* start = nullptr;  // [rows + 1]
   std::int64_t rows = 0, tokens = 0, max_slots = 0;
-  int* go = nullptr;        // [max_slots] out: 1 = the slot's row runs this step
-  int* first = nullptr;     // [max_slots] scratch: first row naming the slot
-  int* overflow = nullptr;  // [max_slots] sticky: the slot ran out of rows
-  int* error = nullptr;     // [4] out: check (StepCheck), row, two values it saw
+  int* go = nullptr;             // [max_slots] out: 1 = the slot's row runs this step
+  int* first = nullptr;          // [max_slots] scratch: first row naming the slot
+  int* overflow = nullptr;       // [max_slots] sticky: the slot ran out of rows
+  int* error = nullptr;          // [4] out: check (StepCheck), row, two values it saw
+  int* prefill_rows = nullptr;   // [max_slots] out: running rows of >= 2 tokens (DeviceCall::prefill_rows)
+  int* prefill_count = nullptr;  // out
 };
 inline constexpr int kStepBeginThreads = 512;
 template <class S>
 __global__ void __launch_bounds__(kStepBeginThreads) step_begin_kernel(DeviceCache<S> c, StepRows sr) {
   __shared__ long long worst;  // (row + 1) * 8 + check of the first refused row; LLONG_MAX: none
+  __shared__ int prefills;
   const int tid = int(threadIdx.x), threads = int(blockDim.x);
-  if (tid == 0) worst = LLONG_MAX;
+  if (tid == 0) {
+    worst = LLONG_MAX;
+    prefills = 0;
+  }
   for (std::int64_t s = tid; s < sr.max_slots; s += threads) {
     sr.go[s] = 0;
     sr.first[s] = INT_MAX;
@@ -1234,6 +1243,7 @@ __global__ void __launch_bounds__(kStepBeginThreads) step_begin_kernel(DeviceCac
                                                : sr.slot[row];
       sr.error[3] = check == kStepDecreasing ? sr.start[row + 1] : 0;
     }
+    if (tid == 0) *sr.prefill_count = 0;
     return;  // every go flag is 0, and every kernel of the step reads the error first
   }
   if (tid == 0) sr.error[0] = kStepOk;
@@ -1245,7 +1255,10 @@ __global__ void __launch_bounds__(kStepBeginThreads) step_begin_kernel(DeviceCac
     for (std::int64_t g = 0; room && g < c.G; ++g) room = c.length[s * c.G + g] + n <= c.cap;
     if (!room) sr.overflow[s] = 1;
     sr.go[s] = room ? 1 : 0;
+    if (room && n >= 2) sr.prefill_rows[atomicAdd(&prefills, 1)] = int(row);
   }
+  __syncthreads();
+  if (tid == 0) *sr.prefill_count = prefills;
 }
 
 // Slot operations on lists the host has checked (core/slots.hpp check_slot_list, check_copy_pairs).
