@@ -343,7 +343,7 @@ void run_schedule(const Schedule& sc, const Dims& dm, const kua::Options& opt, c
   cudaStream_t stream = nullptr;
   KVMEM_CUDA_REQUIRE(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
   const kvmem::cuda::Executor exec{stream};
-  DevStep<S> dev(dm, sc.step_tokens, sc.slots + 4);
+  DevStep<S> dev(dm, sc.step_tokens, 2 * sc.slots + 1);  // a row per slot, each may bring a padding row
   std::vector<std::int32_t> free_slots;
   for (std::int32_t s = sc.slots - 1; s >= 0; --s) free_slots.push_back(s);
   std::size_t next = 0;
@@ -400,7 +400,6 @@ void run_schedule(const Schedule& sc, const Dims& dm, const kua::Options& opt, c
     std::shuffle(active.begin(), active.end(), rng);
     HostStep h;
     std::vector<std::pair<std::size_t, std::int64_t>> fed;  // (sequence, tokens) per row of a slot
-    std::vector<std::int64_t> row_of_seq;
     for (std::size_t i : active) {
       Seq<S>& s = seqs[i];
       if (uniform(0, 19) == 0) continue;  // sits this step out
