@@ -21,6 +21,10 @@
 // integer ticket) runs the merge and the finish of that item.
 // No L x L matrix exists anywhere: λ is one float per entry, the decay lives in a tile of shared
 // memory for the duration of one (entry tile, row tile) step.
+// A slot step (ua::step, DeviceCall::row_slot set) runs the same kernels over rows instead of
+// sequences: step_begin_kernel checks the rows and decides which run; decode_attend_kernel over
+// (row, kv head) runs the 1-token rows and zeroes the output of rows that do not run; the chunk, merge
+// and finish kernels run the listed prefill rows, each on its own slot's cache item and tokens.
 
 #include <cuda_runtime.h>
 
