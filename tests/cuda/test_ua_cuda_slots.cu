@@ -247,7 +247,7 @@ struct DevStep {
         kua::step(kvmem::cuda::Executor{stream}, cache, rows(R), inputs(N), opt, out_view(N), lse_view(N));
     INFO(st.to_string());
     REQUIRE(st.is_ok());
-    const Status checked = cache.step_status(stream);
+    const Status checked = cache.step_status(kvmem::cuda::Executor{stream});
     INFO(checked.to_string());
     REQUIRE(checked.is_ok());
     std::vector<float> o(std::size_t(N * dm.H * dm.D)), l(std::size_t(N * dm.H));
@@ -453,10 +453,10 @@ void run_schedule(const Schedule& sc, const Dims& dm, const kua::Options& opt, c
     }
   }
   std::vector<std::int32_t> flags;
-  REQUIRE(cache.overflowed(flags, stream).is_ok());
+  REQUIRE(cache.overflowed(exec, flags).is_ok());
   for (auto fl : flags) CHECK(fl == 0);
   std::vector<std::int64_t> positions;
-  REQUIRE(cache.positions(positions, stream).is_ok());
+  REQUIRE(cache.positions(exec, positions).is_ok());
   for (auto p : positions) CHECK(p == 0);  // every slot was reset when its sequence left
   KVMEM_CUDA_REQUIRE(cudaStreamDestroy(stream));
   std::printf(
@@ -633,11 +633,11 @@ void graph_replay(const kua::Options& opt, const char* label) {
         for (std::int64_t x = row * dm.H * dm.D; x < (row + 1) * dm.H * dm.D; ++x) REQUIRE(oa[std::size_t(x)] == 0.0f);
   }
   CHECK(differing == 0);
-  REQUIRE(graphed.step_status(stream).is_ok());
+  REQUIRE(graphed.step_status(exec).is_ok());
   // the caches: the same positions, kept rows, λ, keys and values bit for bit
   std::vector<std::int64_t> pg, pp;
-  REQUIRE(graphed.positions(pg, stream).is_ok());
-  REQUIRE(plain.positions(pp, stream).is_ok());
+  REQUIRE(graphed.positions(exec, pg).is_ok());
+  REQUIRE(plain.positions(exec, pp).is_ok());
   CHECK(pg == pp);
   std::int64_t shortest = cap, longest = 0;
   start.push_back(0);  // slot 6 starts empty at step 200
@@ -864,11 +864,11 @@ TEST_CASE("ua cuda step: a slot that runs out of rows is flagged and skipped whi
     for (std::int64_t x = H; x < (1 + nb) * H; ++x) REQUIRE(l[std::size_t(x)] == 0.0f);
     ++ta, ++tc;
     std::vector<std::int32_t> flags;
-    REQUIRE(cache.overflowed(flags, nullptr).is_ok());
+    REQUIRE(cache.overflowed(exec, flags).is_ok());
     CHECK(flags == std::vector<std::int32_t>{0, 1, 0});
   }
   std::vector<std::int64_t> pos;
-  REQUIRE(cache.positions(pos, nullptr).is_ok());
+  REQUIRE(cache.positions(exec, pos).is_ok());
   CHECK(pos == std::vector<std::int64_t>{ta, tb, tc});
   std::vector<std::int64_t> rows_a{20}, rows_c{10};
   rows_a.resize(12, 1);
@@ -886,7 +886,7 @@ TEST_CASE("ua cuda step: a slot that runs out of rows is flagged and skipped whi
   DevList one(Slots{1});
   REQUIRE(kua::reset_slots(exec, cache, one.view()).is_ok());
   std::vector<std::int32_t> flags;
-  REQUIRE(cache.overflowed(flags, nullptr).is_ok());
+  REQUIRE(cache.overflowed(exec, flags).is_ok());
   CHECK(flags == std::vector<std::int32_t>{0, 0, 0});
   HostStep h;
   h.add(1, &b.f, 0, 30, dm, rng);
@@ -925,9 +925,9 @@ void check_refuses_everything(kvmem::cuda::UaCache<float>& empty, DevStep<float>
   CHECK(!kua::truncate(exec, empty, 0, 0).is_ok());
   std::vector<std::int64_t> pos;
   std::vector<std::int32_t> flags;
-  CHECK(!empty.positions(pos, nullptr).is_ok());
-  CHECK(!empty.overflowed(flags, nullptr).is_ok());
-  CHECK(!empty.step_status(nullptr).is_ok());
+  CHECK(!empty.positions(exec, pos).is_ok());
+  CHECK(!empty.overflowed(exec, flags).is_ok());
+  CHECK(!empty.step_status(exec).is_ok());
   CHECK(!empty.reset_sequence(0, nullptr).is_ok());
   CHECK(empty.position(0) == 0);
 }
@@ -1007,7 +1007,7 @@ TEST_CASE("ua cuda slots: empty caches, bad slots and bad rows are refused and l
     dev.upload(h, nullptr);
     const std::int64_t R = std::int64_t(slots.size());
     REQUIRE(kua::step(exec, cache, dev.rows(R), dev.inputs(N), opt, dev.out_view(N), dev.lse_view(N)).is_ok());
-    const Status st = cache.step_status(nullptr);
+    const Status st = cache.step_status(exec);
     INFO(st.to_string());
     CHECK(st.code() == want);
     CHECK(st.to_string().find(field) != std::string::npos);
@@ -1018,6 +1018,22 @@ TEST_CASE("ua cuda slots: empty caches, bad slots and bad rows are refused and l
   refused({0, 1}, {0, 2, 1}, 2, "query_start[1]", StatusCode::kInvalidArgument);
   refused({0, 1}, {1, 1, 2}, 2, "query_start[0]", StatusCode::kInvalidArgument);
   refused({0, 1}, {0, 1, 3}, 2, "query_start[2]", StatusCode::kInvalidArgument);  // the last is not N
+  {  // a refusal is sticky: the next (good) step is refused too, until step_status reads and clears it
+    HostStep bad;
+    bad.add(0, nullptr, 0, 2, dm, rng);
+    bad.slot = {0, 0};
+    bad.qs = {0, 1, 2};
+    dev.upload(bad, nullptr);
+    REQUIRE(kua::step(exec, cache, dev.rows(2), dev.inputs(2), opt, dev.out_view(2), dev.lse_view(2)).is_ok());
+    HostStep good;
+    good.add(1, &s.f, 1, 1, dm, rng);
+    dev.upload(good, nullptr);
+    REQUIRE(kua::step(exec, cache, dev.rows(1), dev.inputs(1), opt, dev.out_view(1), dev.lse_view(1)).is_ok());
+    const Status st = cache.step_status(exec);
+    INFO(st.to_string());
+    CHECK(st.to_string().find("slot[1]") != std::string::npos);
+    CHECK(cache.step_status(exec).is_ok());  // read once, cleared
+  }
   CHECK(snapshot(cache) == before);
   // a good step after the refused ones runs, and a whole-slot truncate resets
   {

@@ -209,8 +209,9 @@ class UaCache {
       return 0;
     return n;
   }
-  // Every slot's position ([max_slots]), after the work enqueued on `stream` (synchronises it).
-  Status positions(std::vector<std::int64_t>& out, cudaStream_t stream) const {
+  // Every slot's position ([max_slots]), after the work enqueued on exec.stream (synchronises it).
+  Status positions(const Executor& exec, std::vector<std::int64_t>& out) const {
+    const cudaStream_t stream = exec.stream;
     KVMEM_RETURN_IF_ERROR(check_valid());
     std::vector<std::int64_t> items(std::size_t(shape_.batch * shape_.kv_heads));
     KVMEM_RETURN_IF_ERROR(to_status(cudaMemcpyAsync(items.data(), dev_.counter, items.size() * sizeof(std::int64_t),
@@ -223,8 +224,9 @@ class UaCache {
   }
   // Every slot's overflow flag ([max_slots], 1 = a step found no room for the slot's row and skipped it;
   // the slot steps no more until reset_slots, copy_slots or import_slot replaces it), after the work
-  // enqueued on `stream` (synchronises it).
-  Status overflowed(std::vector<std::int32_t>& out, cudaStream_t stream) const {
+  // enqueued on exec.stream (synchronises it).
+  Status overflowed(const Executor& exec, std::vector<std::int32_t>& out) const {
+    const cudaStream_t stream = exec.stream;
     KVMEM_RETURN_IF_ERROR(check_valid());
     out.resize(std::size_t(shape_.batch));
     KVMEM_RETURN_IF_ERROR(
@@ -232,10 +234,11 @@ class UaCache {
                   "UaCache overflow flags copy"));
     return to_status(cudaStreamSynchronize(stream), "UaCache overflow flags sync");
   }
-  // The result of the rows' check of the last ua::step on this cache (the device checks them, see
-  // ua::step), after the work enqueued on `stream` (synchronises it): ok, or the Status the host step
-  // would have returned for the first refused row. A refused step changed nothing.
-  Status step_status(cudaStream_t stream) const;
+  // ua::step checks its rows on the device (they live there) and refuses a bad step without changing
+  // the cache; the reason stays in the cache, and refuses every later step, until this call reads it
+  // (as KvmState::step_status does): ok, or the Status the host step would have returned for the first
+  // refused row of the first refused step since the last call. Clears it. Synchronises exec.stream.
+  Status step_status(const Executor& exec);
   // A bound the host keeps without reading the device: no item holds more entries than this.
   [[nodiscard]] std::int64_t length_bound() const { return bound_; }
   [[nodiscard]] const ua_detail::DeviceCache<S>& device() const { return dev_; }
@@ -767,12 +770,17 @@ Status download_slot(const UaCache<S>& cache, std::int64_t slot, ua::PrunedCache
 }  // namespace ua_detail
 
 template <class S>
-Status UaCache<S>::step_status(cudaStream_t stream) const {
+Status UaCache<S>::step_status(const Executor& exec) {
   KVMEM_RETURN_IF_ERROR(check_valid());
+  const cudaStream_t stream = exec.stream;
   int e[4] = {};
   KVMEM_RETURN_IF_ERROR(
       to_status(cudaMemcpyAsync(e, step_error_, sizeof e, cudaMemcpyDeviceToHost, stream), "step status copy"));
   KVMEM_RETURN_IF_ERROR(to_status(cudaStreamSynchronize(stream), "step status sync"));
+  if (e[0] != ua_detail::kStepOk) {
+    KVMEM_RETURN_IF_ERROR(to_status(cudaMemsetAsync(step_error_, 0, sizeof e, stream), "clear step status"));
+    KVMEM_RETURN_IF_ERROR(to_status(cudaStreamSynchronize(stream), "step status sync"));
+  }
   const std::string at = kvmem::detail::indexed("", e[1]);
   switch (e[0]) {
     case ua_detail::kStepOk:
@@ -809,7 +817,8 @@ namespace kvmem::ua {
 // (no allocation, no host synchronisation, no host state read), so one CUDA graph captured for a
 // padded batch replays step after step:
 //  - step_begin_kernel checks the rows as core/slots.hpp validate_rows does. A refused step changes
-//    nothing and writes no output; UaCache::step_status reads the Status it would have returned.
+//    nothing and writes no output; the reason stays in the cache and refuses the later steps too,
+//    until UaCache::step_status reads (and clears) the Status the host would have returned.
 //  - A row whose slot has no room for kept + tokens rows in some kv head is skipped (out / lse rows
 //    zeroed) and its slot flagged as overflowed (UaCache::overflowed), while the other rows step on;
 //    a flagged slot is skipped by later steps until reset_slots, copy_slots or import_slot.

@@ -1177,10 +1177,11 @@ __global__ void __launch_bounds__(kDecodeThreads) decode_attend_kernel(DeviceCac
 // One block: it zeroes the per-step scratch, checks every row as core/slots.hpp validate_rows does
 // (query_start[0] = 0, non-decreasing, the last = tokens; slots in [-1, max_slots), each at most once)
 // and records the first refused row (lowest row, then lowest check) in `error`. A refused step runs
-// nothing. Otherwise each row of a slot with tokens decides whether it runs: its slot is not flagged
-// as overflowed and every kv head of it has room for kept + tokens rows (eviction is data-dependent:
-// the host backend's bound); a row without room flags its slot (sticky until the slot is reset,
-// copied over or imported) and is skipped, while the other rows run.
+// nothing, and the error is sticky: every later step is refused too until UaCache::step_status reads
+// and clears it, so an engine replaying a graph cannot miss a refused step. Otherwise each row of a slot with tokens
+// decides whether it runs: its slot is not flagged as overflowed and every kv head of it has room for kept + tokens
+// rows (eviction is data-dependent: the host backend's bound); a row without room flags its slot (sticky until the slot
+// is reset, copied over or imported) and is skipped, while the other rows run.
 enum StepCheck : int {
   kStepOk = 0,
   kStepFirstStart = 1,  // query_start[0] != 0
@@ -1213,6 +1214,10 @@ __global__ void __launch_bounds__(kStepBeginThreads) step_begin_kernel(DeviceCac
   for (std::int64_t s = tid; s < sr.max_slots; s += threads) {
     sr.go[s] = 0;
     sr.first[s] = INT_MAX;
+  }
+  if (sr.error[0] != kStepOk) {  // an earlier refusal not yet read: refuse this step too
+    if (tid == 0) *sr.prefill_count = 0;
+    return;
   }
   __syncthreads();
   const auto refuse = [&](std::int64_t row, int check) { atomicMin(&worst, (long long)((row + 1) * 8 + check)); };
