@@ -924,7 +924,8 @@ Status step(const cuda::Executor& exec, cuda::UaCache<S>& cache, const Rows& row
 // Slot operations of the CUDA cache: the host's names, arguments and checks (ua/slots.hpp). Slot lists
 // (slots, src, dst) are in device memory; each operation reads its list back to check it (one stream
 // synchronisation) and refuses a bad one with the host's Status before anything changes. The work is
-// enqueued on exec.stream. Records are the host's UA record, written and read by the host code: a slot
+// enqueued on exec.stream and reads the device list too, so the list stays valid until that work has
+// run (stream order). Records are the host's UA record, written and read by the host code: a slot
 // exported here imports on the host backend and the other way round.
 
 // Empties the listed slots, restarts their positions and clears their overflow flags.
