@@ -695,21 +695,6 @@ ChunkKernel<S> step_chunk_kernel_for(const ua::PackedInputsOf<S>& in, std::int64
   return {chunk_attend_kernel<Set, S, 64>, bytes, kChunkThreads};
 }
 
-// A slot list in device memory, read back for the host's checks (slot operations only: they return a
-// Status for a bad index before anything changes, so they wait for their list).
-inline Status read_list(TensorView<const std::int32_t, 1> list, const char* name, std::vector<std::int32_t>& out,
-                        cudaStream_t stream) {
-  if (list.extent(0) > 1 && list.stride(0) != 1)
-    return invalid_argument(std::string(name) + " stride", 1, list.stride(0));
-  out.resize(std::size_t(list.extent(0)));
-  if (out.empty()) return Status::ok();
-  if (list.data() == nullptr) return invalid_argument(name, "a non-null device pointer", "nullptr");
-  KVMEM_RETURN_IF_ERROR(to_status(
-      cudaMemcpyAsync(out.data(), list.data(), out.size() * sizeof(std::int32_t), cudaMemcpyDeviceToHost, stream),
-      "slot list copy"));
-  return to_status(cudaStreamSynchronize(stream), "slot list sync");
-}
-
 template <class S>
 Status check_cache(const UaCache<S>& cache) {
   if (!cache.valid()) return invalid_argument("cache", "a cache made by UaCache::create", "an empty cache");
@@ -934,7 +919,7 @@ Status reset_slots(const cuda::Executor& exec, cuda::UaCache<S>& cache, TensorVi
   using namespace cuda::ua_detail;
   KVMEM_RETURN_IF_ERROR(check_cache(cache));
   std::vector<std::int32_t> list;
-  KVMEM_RETURN_IF_ERROR(read_list(slots, "slots", list, exec.stream));
+  KVMEM_RETURN_IF_ERROR(read_slot_list(slots, "slots", list, exec.stream));
   KVMEM_RETURN_IF_ERROR(check_slot_list(list.data(), std::int64_t(list.size()), cache.max_slots(), "slots", false));
   if (list.empty()) return Status::ok();
   const DeviceCache<S>& d = SlotAccess::dev(cache);
@@ -953,8 +938,8 @@ Status copy_slots(const cuda::Executor& exec, cuda::UaCache<S>& cache, TensorVie
   KVMEM_RETURN_IF_ERROR(check_cache(cache));
   if (src.extent(0) != dst.extent(0)) return invalid_argument("dst count", src.extent(0), dst.extent(0));
   std::vector<std::int32_t> from, to;
-  KVMEM_RETURN_IF_ERROR(read_list(src, "src", from, exec.stream));
-  KVMEM_RETURN_IF_ERROR(read_list(dst, "dst", to, exec.stream));
+  KVMEM_RETURN_IF_ERROR(read_slot_list(src, "src", from, exec.stream));
+  KVMEM_RETURN_IF_ERROR(read_slot_list(dst, "dst", to, exec.stream));
   KVMEM_RETURN_IF_ERROR(check_copy_pairs(from.data(), to.data(), std::int64_t(from.size()), cache.max_slots()));
   if (from.empty()) return Status::ok();
   const DeviceCache<S>& d = SlotAccess::dev(cache);
