@@ -919,7 +919,7 @@ Status reset_slots(const cuda::Executor& exec, cuda::UaCache<S>& cache, TensorVi
   using namespace cuda::ua_detail;
   KVMEM_RETURN_IF_ERROR(check_cache(cache));
   std::vector<std::int32_t> list;
-  KVMEM_RETURN_IF_ERROR(read_slot_list(slots, "slots", list, exec.stream));
+  KVMEM_RETURN_IF_ERROR(cuda::read_slot_list(slots, "slots", list, exec.stream));
   KVMEM_RETURN_IF_ERROR(check_slot_list(list.data(), std::int64_t(list.size()), cache.max_slots(), "slots", false));
   if (list.empty()) return Status::ok();
   const DeviceCache<S>& d = SlotAccess::dev(cache);
@@ -938,8 +938,8 @@ Status copy_slots(const cuda::Executor& exec, cuda::UaCache<S>& cache, TensorVie
   KVMEM_RETURN_IF_ERROR(check_cache(cache));
   if (src.extent(0) != dst.extent(0)) return invalid_argument("dst count", src.extent(0), dst.extent(0));
   std::vector<std::int32_t> from, to;
-  KVMEM_RETURN_IF_ERROR(read_slot_list(src, "src", from, exec.stream));
-  KVMEM_RETURN_IF_ERROR(read_slot_list(dst, "dst", to, exec.stream));
+  KVMEM_RETURN_IF_ERROR(cuda::read_slot_list(src, "src", from, exec.stream));
+  KVMEM_RETURN_IF_ERROR(cuda::read_slot_list(dst, "dst", to, exec.stream));
   KVMEM_RETURN_IF_ERROR(check_copy_pairs(from.data(), to.data(), std::int64_t(from.size()), cache.max_slots()));
   if (from.empty()) return Status::ok();
   const DeviceCache<S>& d = SlotAccess::dev(cache);
