@@ -11,10 +11,13 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <memory>
+#include <span>
 #include <string>
 #include <vector>
 
 #include "replay_core.hpp"
+#include "trace.hpp"
 
 #include "kvmem/core/numeric.hpp"
 #include "kvmem/core/tensor.hpp"
@@ -500,6 +503,135 @@ inline Results run_kokkos(const Spec& s, const Inputs& in, const Options& opt, P
   return kokkos_detail::run<float>(s, in, progress);
 }
 #endif
+
+// ---- trace mode (sequence slots, trace.hpp) ---------------------------------------------------------
+
+// The trace's config: the keys of a golden case's config (Hq, Hk, D, Dv, budget, chunk, ...) without B
+// and T; the slot count is the trace's max_slots and `n_ctx` the longest sequence a slot may hold.
+inline Spec parse_trace_config(const trace::Trace& t) {
+  const ConfigReader cfg(t.config, t.path + ": config");
+  for (const char* key : {"B", "T", "decode_split", "round_value_readout_bf16"})
+    if (cfg.has(key))
+      throw BadInput(t.path + ": config: '" + key +
+                     "' does not apply to a trace (slots come from max_slots, capacity from n_ctx)");
+  const std::int64_t n_ctx = cfg.integer("n_ctx", 1, kMaxExtent);
+  Json patched = t.config;
+  patched.erase("n_ctx");
+  patched["B"] = t.max_slots;
+  patched["T"] = n_ctx;
+  try {
+    return parse_config(patched);
+  } catch (const BadInput& e) {
+    throw BadInput(t.path + ": " + e.what());
+  }
+}
+
+// The packed inputs of every step, token-major, float: q [N,Hq,D], k [N,Hk,D], v [N,Hk,Dv], gate [N,Hk],
+// and the learned weights ln_weight, ln_bias [D], tau_state, tau_bswa [Hq].
+struct TraceInputs {
+  std::vector<float> q, k, v, gate, ln_w, ln_b, tau_s, tau_w;
+  [[nodiscard]] kvm::Weights weights() const {
+    return {{ln_w.data(), {std::int64_t(ln_w.size())}},
+            {ln_b.data(), {std::int64_t(ln_b.size())}},
+            {tau_s.data(), {std::int64_t(tau_s.size())}},
+            {tau_w.data(), {std::int64_t(tau_w.size())}}};
+  }
+};
+
+inline TraceInputs load_trace_inputs(const Case& c, const Spec& s, std::int64_t N) {
+  const auto f = [](std::vector<double> x) { return std::vector<float>(x.begin(), x.end()); };
+  const std::string n = "N=" + std::to_string(N) + " packed tokens of the trace";
+  TraceInputs in;
+  in.q = f(input_f64(c, "q", {N, s.Hq, s.D}, n + ", Hq, D"));
+  in.k = f(input_f64(c, "k", {N, s.Hk, s.D}, n + ", Hk, D"));
+  in.v = f(input_f64(c, "v", {N, s.Hk, s.Dv}, n + ", Hk, Dv"));
+  in.gate = f(input_f64(c, "gate", {N, s.Hk}, n + ", Hk"));
+  in.ln_w = f(input_f64(c, "ln_weight", {s.D}, "D=" + std::to_string(s.D)));
+  in.ln_b = f(input_f64(c, "ln_bias", {s.D}, "D=" + std::to_string(s.D)));
+  in.tau_s = f(input_f64(c, "tau_state", {s.Hq}, "Hq=" + std::to_string(s.Hq)));
+  in.tau_w = f(input_f64(c, "tau_bswa", {s.Hq}, "Hq=" + std::to_string(s.Hq)));
+  return in;
+}
+
+#if KVMEM_REPLAY_WITH_HOST_KVM
+// The host slot API on host memory. The exact executor keeps the property the check tests: a row
+// equals its sequence run alone, bit for bit (docs/slots.md).
+template <class S>
+class HostSlotRunner final : public trace::SlotRunner {
+ public:
+  HostSlotRunner(std::shared_ptr<const TraceInputs> in, const Spec& s, std::int64_t max_slots, int threads)
+      : in_(std::move(in)), s_(s), exec_{.threads = threads, .exact = true} {
+    const Status status = kvm::State<S, float>::create(host_detail::params_of(s),
+                                                       kvm::Shape{max_slots, s.Hq, s.Hk, s.D, s.Dv, s.T}, state_);
+    if (!status.is_ok()) throw BadInput("host kvm rejects the trace's config: " + status.message());
+  }
+  Status step(std::span<const std::int32_t> slot, std::span<const std::int32_t> query_start, std::int64_t first,
+              std::span<float> out, std::span<float> lse) override {
+    const std::int64_t n = query_start.back();
+    const Rows rows{view(slot), view(query_start)};
+    const TraceInputs& in = *in_;
+    return kvm::step(exec_, state_, in.weights(), rows,
+                     TensorView<const float, 3>(in.q.data() + first * s_.Hq * s_.D, {n, s_.Hq, s_.D}),
+                     TensorView<const float, 3>(in.k.data() + first * s_.Hk * s_.D, {n, s_.Hk, s_.D}),
+                     TensorView<const float, 3>(in.v.data() + first * s_.Hk * s_.Dv, {n, s_.Hk, s_.Dv}),
+                     TensorView<const float, 2>(in.gate.data() + first * s_.Hk, {n, s_.Hk}),
+                     TensorView<float, 3>(out.data(), {n, s_.Hq, s_.Dv}), TensorView<float, 2>(lse.data(), {n, s_.Hq}));
+  }
+  Status reset_slots(std::span<const std::int32_t> slots) override {
+    return kvm::reset_slots(exec_, state_, view(slots));
+  }
+  Status copy_slots(std::span<const std::int32_t> src, std::span<const std::int32_t> dst) override {
+    return kvm::copy_slots(exec_, state_, view(src), view(dst));
+  }
+  Status export_slot(std::int32_t slot, std::vector<std::byte>& record) override {
+    record.resize(kvm::export_bytes(state_, slot));
+    return kvm::export_slot(exec_, state_, slot, std::span<std::byte>(record));
+  }
+  Status import_slot(std::int32_t slot, std::span<const std::byte> record) override {
+    return kvm::import_slot(exec_, state_, in_->weights(), slot, record);
+  }
+  Status truncate(std::int32_t slot, std::int64_t tokens) override {
+    return kvm::truncate(exec_, state_, slot, tokens);
+  }
+
+ private:
+  static TensorView<const std::int32_t, 1> view(std::span<const std::int32_t> x) {
+    return {x.data(), {std::int64_t(x.size())}};
+  }
+  std::shared_ptr<const TraceInputs> in_;
+  Spec s_;
+  host::Executor exec_;
+  kvm::State<S, float> state_;
+};
+#endif
+
+// The trace player's view of KVM on the chosen backend. A backend with a slot API gets a runner
+// (trace::SlotRunner) and a case below; the others answer "not built".
+inline trace::Mechanism trace_mechanism(const Options& opt, const Case& c, const trace::Trace& t) {
+  const Spec s = parse_trace_config(t);
+  auto in = std::make_shared<const TraceInputs>(load_trace_inputs(c, s, t.tokens));
+  trace::Mechanism m;
+  m.label = std::string("kvm/") + to_string(opt.backend);
+  m.out_width = s.Hq * s.Dv;
+  m.lse_width = s.Hq;
+  m.out_shape_tail = {s.Hq, s.Dv};
+  m.lse_shape_tail = {s.Hq};
+  if (opt.backend == Backend::kHost) {
+#if KVMEM_REPLAY_WITH_HOST_KVM
+    const int threads = opt.threads;
+    if (opt.precision == Precision::kBf16)
+      m.make_runner = [in, s, threads](std::int64_t slots) -> std::unique_ptr<trace::SlotRunner> {
+        return std::make_unique<HostSlotRunner<bf16>>(in, s, slots, threads);
+      };
+    else
+      m.make_runner = [in, s, threads](std::int64_t slots) -> std::unique_ptr<trace::SlotRunner> {
+        return std::make_unique<HostSlotRunner<float>>(in, s, slots, threads);
+      };
+    return m;
+#endif
+  }
+  throw BadInput(trace::trace_unavailable(opt.backend, "kvm", KVMEM_REPLAY_WITH_HOST_KVM != 0));
+}
 
 inline std::string skip_reason(const std::string& name, const Case& /*c*/, Backend backend) {
   if (name == "route_margin_min" || name == "append_margin_min") return "diagnostic of the generator, not recomputed";
