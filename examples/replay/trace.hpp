@@ -503,7 +503,8 @@ inline CheckResult check(const Trace& t, const Mechanism& m, const Played& p, Pr
       }
       c.mismatches.push_back(diff);
       std::string line = "sequence " + std::to_string(i) + ": slot " + std::to_string(l.slot) + ", " +
-                         std::to_string(l.tokens()) + " tokens in " + std::to_string(l.rows.size()) + " rows";
+                         std::to_string(l.tokens()) + " tokens in " + std::to_string(l.rows.size()) +
+                         (l.rows.size() == 1 ? " row" : " rows");
       if (diff == 0) {
         line += m.check_tolerance == 0.0 ? ": bitwise equal to its run alone  PASS"
                                          : ": within " + fmt_e(m.check_tolerance) + " of its run alone  PASS";

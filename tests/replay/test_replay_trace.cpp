@@ -490,20 +490,16 @@ void ua_trace_case(std::uint64_t seed, double p, std::int64_t chunk, bool evict_
 
 // ---- malformed traces ------------------------------------------------------------------------------------
 
-// A small valid KVM trace of 2 slots over 12 packed tokens, and its inputs.
+// The example trace of examples/replay/README.md (KVM, 2 slots, 12 packed tokens): the base of the
+// small-trace and malformed-trace cases, so the documented example is one that runs.
 Json small_trace() {
-  return {{"kvmem_trace", 1},
-          {"mechanism", "kvm"},
-          {"max_slots", 2},
-          {"config", kvm_config(64, {{"kind", "fixed"}, {"count", 4}})},
-          {"steps",
-           {{{"op", "step"}, {"rows", {{0, 5}, {-1, 2}, {1, 3}}}},
-            {{"op", "copy"}, {"src", {0}}, {"dst", {1}}},
-            {{"op", "export"}, {"slot", 1}, {"record", "r"}},
-            {{"op", "step"}, {"rows", {{1, 1}, {0, 1}}}},
-            {{"op", "truncate"}, {"slot", 0}, {"tokens", 1}, {"expect", "exact"}},
-            {{"op", "import"}, {"slot", 0}, {"record", "r"}},
-            {{"op", "reset"}, {"slots", {1}}}}}};
+  const std::string text = kvmem::test::slurp(KVMEM_REPLAY_README);
+  const std::string mark = "<!-- trace-example -->\n```json\n";
+  const auto begin = text.find(mark);
+  REQUIRE(begin != std::string::npos);
+  const auto end = text.find("\n```", begin + mark.size());
+  REQUIRE(end != std::string::npos);
+  return Json::parse(text.substr(begin + mark.size(), end - begin - mark.size()));
 }
 constexpr std::int64_t kSmallTokens = 12;
 
@@ -544,7 +540,7 @@ TEST_CASE("replay --trace: outputs, records and truncate outcomes of a small tra
   REQUIRE(file.find("out") != nullptr);
   CHECK(file.find("out")->shape == std::vector<std::int64_t>{kSmallTokens, kHq, kDv});
   CHECK(file.find("lse")->shape == std::vector<std::int64_t>{kSmallTokens, kHq});
-  REQUIRE(file.find("record.r") != nullptr);
+  REQUIRE(file.find("record.fork") != nullptr);
   std::vector<std::int64_t> ok, mismatches, record;
   REQUIRE(file.read("truncate_exact", ok).is_ok());
   CHECK(ok == std::vector<std::int64_t>{1});
@@ -553,7 +549,7 @@ TEST_CASE("replay --trace: outputs, records and truncate outcomes of a small tra
   // (ended by the import), the fork in slot 1 (ended by the reset), the import in slot 0 (live at the end)
   CHECK(mismatches == std::vector<std::int64_t>(5, 0));
   // the record is the library's export of slot 1 after the fork: slot 0's 5 tokens
-  REQUIRE(file.read("record.r", record).is_ok());
+  REQUIRE(file.read("record.fork", record).is_ok());
   kvm::State<float, float> st;
   const kvm::Params params = kvm_params(kvmem::budget::Fixed{4, kvmem::budget::kPaperMaxSlots});
   REQUIRE(kvm::State<float, float>::create(params, {1, kHq, kHk, kD, kDv, 64}, st).is_ok());
@@ -635,7 +631,7 @@ TEST_CASE("replay --trace: malformed traces are refused, naming the step and the
        {"steps[2] (import)", "'record'"}},
       {"record name twice",
        [](Json& t) {
-         t["steps"][5] = {{"op", "export"}, {"slot", 0}, {"record", "r"}};
+         t["steps"][5] = {{"op", "export"}, {"slot", 0}, {"record", "fork"}};
        },
        {"steps[5] (export)", "'record' names a record an earlier export wrote"}},
       {"export without slot",
