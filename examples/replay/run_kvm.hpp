@@ -11,6 +11,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstdio>
 #include <memory>
 #include <span>
 #include <string>
@@ -33,6 +34,9 @@
 #endif
 #ifndef KVMEM_REPLAY_WITH_KOKKOS_KVM
 #define KVMEM_REPLAY_WITH_KOKKOS_KVM 0
+#endif
+#ifndef KVMEM_REPLAY_WITH_KOKKOS_SLOTS_KVM
+#define KVMEM_REPLAY_WITH_KOKKOS_SLOTS_KVM 0
 #endif
 
 #if KVMEM_REPLAY_WITH_REFERENCE_KVM
@@ -605,6 +609,103 @@ class HostSlotRunner final : public trace::SlotRunner {
 };
 #endif
 
+#if KVMEM_REPLAY_WITH_KOKKOS_KVM && KVMEM_REPLAY_WITH_KOKKOS_SLOTS_KVM
+// Host buffers in and out of Kokkos memory, for the per-call rows, slot lists and outputs.
+namespace kokkos_trace {
+using HostFloats = Kokkos::View<float*, Kokkos::HostSpace, Kokkos::MemoryTraits<Kokkos::Unmanaged>>;
+using HostInts = Kokkos::View<const std::int32_t*, Kokkos::HostSpace, Kokkos::MemoryTraits<Kokkos::Unmanaged>>;
+inline Kokkos::View<std::int32_t*, kokkos_detail::MemSpace> list(std::span<const std::int32_t> x) {
+  Kokkos::View<std::int32_t*, kokkos_detail::MemSpace> d(Kokkos::view_alloc(Kokkos::WithoutInitializing, "list"),
+                                                         x.size());
+  Kokkos::deep_copy(d, HostInts(x.data(), x.size()));
+  return d;
+}
+inline TensorView<const std::int32_t, 1> view(const Kokkos::View<std::int32_t*, kokkos_detail::MemSpace>& d) {
+  return {d.data(), {std::int64_t(d.extent(0))}};
+}
+}  // namespace kokkos_trace
+
+// The trace's inputs copied into the memory of Kokkos' default execution space, once.
+struct KokkosTraceInputs {
+  Kokkos::View<float*, kokkos_detail::MemSpace> q, k, v, gate, ln_w, ln_b, tau_s, tau_w;
+  explicit KokkosTraceInputs(const TraceInputs& in)
+      : q(kokkos_detail::to_device(in.q)),
+        k(kokkos_detail::to_device(in.k)),
+        v(kokkos_detail::to_device(in.v)),
+        gate(kokkos_detail::to_device(in.gate)),
+        ln_w(kokkos_detail::to_device(in.ln_w)),
+        ln_b(kokkos_detail::to_device(in.ln_b)),
+        tau_s(kokkos_detail::to_device(in.tau_s)),
+        tau_w(kokkos_detail::to_device(in.tau_w)) {}
+  [[nodiscard]] kvm::Weights weights() const {
+    return {{ln_w.data(), {std::int64_t(ln_w.extent(0))}},
+            {ln_b.data(), {std::int64_t(ln_b.extent(0))}},
+            {tau_s.data(), {std::int64_t(tau_s.extent(0))}},
+            {tau_w.data(), {std::int64_t(tau_w.extent(0))}}};
+  }
+};
+
+// The Kokkos slot API (the host's names and arguments) on Kokkos' default execution space. Rows, slot
+// lists and outputs travel per call; every call is fenced, so the host buffers are ready on return.
+template <class S>
+class KokkosSlotRunner final : public trace::SlotRunner {
+ public:
+  KokkosSlotRunner(std::shared_ptr<const KokkosTraceInputs> in, const Spec& s, std::int64_t max_slots)
+      : in_(std::move(in)), s_(s) {
+    const Status status = kokkos::create_state<S, float>(exec_, host_detail::params_of(s),
+                                                         kvm::Shape{max_slots, s.Hq, s.Hk, s.D, s.Dv, s.T}, state_);
+    if (!status.is_ok()) throw BadInput("kokkos kvm rejects the trace's config: " + status.message());
+  }
+  Status step(std::span<const std::int32_t> slot, std::span<const std::int32_t> query_start, std::int64_t first,
+              std::span<float> out, std::span<float> lse) override {
+    using kokkos_trace::view;
+    const std::int64_t n = query_start.back();
+    const auto d_slot = kokkos_trace::list(slot), d_start = kokkos_trace::list(query_start);
+    Kokkos::View<float*, kokkos_detail::MemSpace> d_out("out", out.size()), d_lse("lse", lse.size());
+    const KokkosTraceInputs& in = *in_;
+    const Status status = kvm::step(exec_, state_.state, in.weights(), Rows{view(d_slot), view(d_start)},
+                                    TensorView<const float, 3>(in.q.data() + first * s_.Hq * s_.D, {n, s_.Hq, s_.D}),
+                                    TensorView<const float, 3>(in.k.data() + first * s_.Hk * s_.D, {n, s_.Hk, s_.D}),
+                                    TensorView<const float, 3>(in.v.data() + first * s_.Hk * s_.Dv, {n, s_.Hk, s_.Dv}),
+                                    TensorView<const float, 2>(in.gate.data() + first * s_.Hk, {n, s_.Hk}),
+                                    TensorView<float, 3>(d_out.data(), {n, s_.Hq, s_.Dv}),
+                                    TensorView<float, 2>(d_lse.data(), {n, s_.Hq}));
+    exec_.space.fence();
+    Kokkos::deep_copy(kokkos_trace::HostFloats(out.data(), out.size()), d_out);
+    Kokkos::deep_copy(kokkos_trace::HostFloats(lse.data(), lse.size()), d_lse);
+    return status;
+  }
+  Status reset_slots(std::span<const std::int32_t> slots) override {
+    const auto d = kokkos_trace::list(slots);
+    return fenced(kvm::reset_slots(exec_, state_.state, kokkos_trace::view(d)));
+  }
+  Status copy_slots(std::span<const std::int32_t> src, std::span<const std::int32_t> dst) override {
+    const auto a = kokkos_trace::list(src), b = kokkos_trace::list(dst);
+    return fenced(kvm::copy_slots(exec_, state_.state, kokkos_trace::view(a), kokkos_trace::view(b)));
+  }
+  Status export_slot(std::int32_t slot, std::vector<std::byte>& record) override {
+    record.resize(kvm::export_bytes(state_.state, slot));
+    return fenced(kvm::export_slot(exec_, state_.state, slot, std::span<std::byte>(record)));
+  }
+  Status import_slot(std::int32_t slot, std::span<const std::byte> record) override {
+    return fenced(kvm::import_slot(exec_, state_.state, in_->weights(), slot, record));
+  }
+  Status truncate(std::int32_t slot, std::int64_t tokens) override {
+    return fenced(kvm::truncate(exec_, state_.state, slot, tokens));
+  }
+
+ private:
+  Status fenced(Status status) const {
+    exec_.space.fence();
+    return status;
+  }
+  std::shared_ptr<const KokkosTraceInputs> in_;
+  Spec s_;
+  kokkos_detail::Exec exec_{};
+  kokkos::KvmState<S, float, kokkos_detail::MemSpace> state_;
+};
+#endif
+
 // The trace player's view of KVM on the chosen backend. A backend with a slot API gets a runner
 // (trace::SlotRunner) and a case below; the others answer "not built".
 inline trace::Mechanism trace_mechanism(const Options& opt, const Case& c, const trace::Trace& t) {
@@ -630,6 +731,23 @@ inline trace::Mechanism trace_mechanism(const Options& opt, const Case& c, const
     return m;
 #endif
   }
+#if KVMEM_REPLAY_WITH_KOKKOS_KVM && KVMEM_REPLAY_WITH_KOKKOS_SLOTS_KVM
+  if (opt.backend == Backend::kKokkos) {
+    if (opt.threads > 0)
+      std::fprintf(stderr, "kvmem-replay: --threads does not apply to the kokkos backend (see KOKKOS_NUM_THREADS)\n");
+    m.keep_alive = std::make_shared<Kokkos::ScopeGuard>();  // Kokkos lives as long as the runners
+    auto dev = std::make_shared<const KokkosTraceInputs>(*in);
+    if (opt.precision == Precision::kBf16)
+      m.make_runner = [dev, s](std::int64_t slots) -> std::unique_ptr<trace::SlotRunner> {
+        return std::make_unique<KokkosSlotRunner<bf16>>(dev, s, slots);
+      };
+    else
+      m.make_runner = [dev, s](std::int64_t slots) -> std::unique_ptr<trace::SlotRunner> {
+        return std::make_unique<KokkosSlotRunner<float>>(dev, s, slots);
+      };
+    return m;
+  }
+#endif
   throw BadInput(trace::trace_unavailable(opt.backend, "kvm", KVMEM_REPLAY_WITH_HOST_KVM != 0));
 }
 

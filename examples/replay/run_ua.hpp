@@ -32,6 +32,9 @@
 #ifndef KVMEM_REPLAY_WITH_KOKKOS_UA
 #define KVMEM_REPLAY_WITH_KOKKOS_UA 0
 #endif
+#ifndef KVMEM_REPLAY_WITH_KOKKOS_SLOTS_UA
+#define KVMEM_REPLAY_WITH_KOKKOS_SLOTS_UA 0
+#endif
 
 #if KVMEM_REPLAY_WITH_REFERENCE_UA
 #include "kvmem/reference/ua.hpp"
@@ -593,6 +596,94 @@ class HostSlotRunner final : public trace::SlotRunner {
 };
 #endif
 
+#if KVMEM_REPLAY_WITH_KOKKOS_UA && KVMEM_REPLAY_WITH_KOKKOS_SLOTS_UA
+// The trace's inputs copied into the memory of Kokkos' default execution space, once.
+struct KokkosTraceInputs {
+  kokkos_detail::DeviceVector q, k, v, z_k, z_q, z_o;
+  explicit KokkosTraceInputs(const TraceInputs& in)
+      : q(kokkos_detail::to_device(in.q, "kvmem-replay q")),
+        k(kokkos_detail::to_device(in.k, "kvmem-replay k")),
+        v(kokkos_detail::to_device(in.v, "kvmem-replay v")),
+        z_k(kokkos_detail::to_device(in.z_k, "kvmem-replay z_k")),
+        z_q(kokkos_detail::to_device(in.z_q, "kvmem-replay z_q")) {
+    if (!in.z_o.empty()) z_o = kokkos_detail::to_device(in.z_o, "kvmem-replay z_o");
+  }
+};
+
+// The Kokkos slot API (the host's names and arguments) on Kokkos' default execution space. Rows, slot
+// lists and outputs travel per call; every call is fenced, so the host buffers are ready on return.
+template <class S>
+class KokkosSlotRunner final : public trace::SlotRunner {
+  using IntView = Kokkos::View<std::int32_t*, kokkos_detail::MemSpace>;
+  using HostFloats = Kokkos::View<float*, Kokkos::HostSpace, Kokkos::MemoryTraits<Kokkos::Unmanaged>>;
+
+ public:
+  KokkosSlotRunner(std::shared_ptr<const KokkosTraceInputs> in, const TraceSpec& s, std::int64_t max_slots)
+      : in_(std::move(in)), s_(s) {
+    const Status status = kokkos::create_cache<S>(exec_, {max_slots, s.H, s.G, s.D, s.capacity, 16}, cache_);
+    if (!status.is_ok()) throw BadInput("kokkos ua rejects the trace's config: " + status.message());
+  }
+  Status step(std::span<const std::int32_t> slot, std::span<const std::int32_t> query_start, std::int64_t first,
+              std::span<float> out, std::span<float> lse) override {
+    const std::int64_t n = query_start.back(), H = s_.H, G = s_.G, D = s_.D;
+    const KokkosTraceInputs& in = *in_;
+    ua::PackedInputs x;
+    x.q = {in.q.data() + first * H * D, {n, H, D}};
+    x.k = {in.k.data() + first * G * D, {n, G, D}};
+    x.v = {in.v.data() + first * G * D, {n, G, D}};
+    x.z_k = {in.z_k.data() + first * G, {n, G}};
+    x.z_q = {in.z_q.data() + first * G, {n, G}};
+    if (in.z_o.extent(0) > 0) x.z_o = {in.z_o.data() + first * H * D, {n, H, D}};
+    const auto d_slot = list(slot), d_start = list(query_start);
+    kokkos_detail::DeviceVector d_out("out", out.size()), d_lse("lse", lse.size());
+    const Status status =
+        ua::step(exec_, cache_, Rows{view(d_slot), view(d_start)}, x,
+                 ua::Options{s_.p, s_.prefill_chunk, s_.evict_before_attention},
+                 TensorView<float, 3>(d_out.data(), {n, H, D}), TensorView<float, 2>(d_lse.data(), {n, H}));
+    exec_.space.fence();
+    Kokkos::deep_copy(HostFloats(out.data(), out.size()), d_out);
+    Kokkos::deep_copy(HostFloats(lse.data(), lse.size()), d_lse);
+    return status;
+  }
+  Status reset_slots(std::span<const std::int32_t> slots) override {
+    const auto d = list(slots);
+    return fenced(ua::reset_slots(exec_, cache_, view(d)));
+  }
+  Status copy_slots(std::span<const std::int32_t> src, std::span<const std::int32_t> dst) override {
+    const auto a = list(src), b = list(dst);
+    return fenced(ua::copy_slots(exec_, cache_, view(a), view(b)));
+  }
+  Status export_slot(std::int32_t slot, std::vector<std::byte>& record) override {
+    exec_.space.fence();
+    record.resize(ua::export_bytes(cache_, slot));
+    return fenced(ua::export_slot(exec_, cache_, slot, std::span<std::byte>(record)));
+  }
+  Status import_slot(std::int32_t slot, std::span<const std::byte> record) override {
+    return fenced(ua::import_slot(exec_, cache_, slot, record));
+  }
+  Status truncate(std::int32_t slot, std::int64_t tokens) override {
+    return fenced(ua::truncate(exec_, cache_, slot, tokens));
+  }
+
+ private:
+  Status fenced(Status status) const {
+    exec_.space.fence();
+    return status;
+  }
+  static IntView list(std::span<const std::int32_t> x) {
+    IntView d(Kokkos::view_alloc(Kokkos::WithoutInitializing, "list"), x.size());
+    Kokkos::deep_copy(d, Kokkos::View<const std::int32_t*, Kokkos::HostSpace, Kokkos::MemoryTraits<Kokkos::Unmanaged>>(
+                             x.data(), x.size()));
+    return d;
+  }
+  static TensorView<const std::int32_t, 1> view(const IntView& d) { return {d.data(), {std::int64_t(d.extent(0))}}; }
+  std::shared_ptr<const KokkosTraceInputs> in_;
+  TraceSpec s_;
+  kokkos_detail::Exec exec_{};
+  kokkos::UaCache<S, kokkos_detail::MemSpace> cache_;
+};
+#endif
+
 // The trace player's view of UA on the chosen backend (see kvm_adapter::trace_mechanism).
 inline trace::Mechanism trace_mechanism(const Options& opt, const Case& c, const trace::Trace& t) {
   const TraceSpec s = parse_trace_config(t);
@@ -617,6 +708,23 @@ inline trace::Mechanism trace_mechanism(const Options& opt, const Case& c, const
     return m;
 #endif
   }
+#if KVMEM_REPLAY_WITH_KOKKOS_UA && KVMEM_REPLAY_WITH_KOKKOS_SLOTS_UA
+  if (opt.backend == Backend::kKokkos) {
+    if (opt.threads > 0)
+      std::fprintf(stderr, "kvmem-replay: --threads does not apply to the kokkos backend (see KOKKOS_NUM_THREADS)\n");
+    m.keep_alive = std::make_shared<Kokkos::ScopeGuard>();  // Kokkos lives as long as the runners
+    auto dev = std::make_shared<const KokkosTraceInputs>(*in);
+    if (opt.precision == Precision::kBf16)
+      m.make_runner = [dev, s](std::int64_t slots) -> std::unique_ptr<trace::SlotRunner> {
+        return std::make_unique<KokkosSlotRunner<bf16>>(dev, s, slots);
+      };
+    else
+      m.make_runner = [dev, s](std::int64_t slots) -> std::unique_ptr<trace::SlotRunner> {
+        return std::make_unique<KokkosSlotRunner<float>>(dev, s, slots);
+      };
+    return m;
+  }
+#endif
   throw BadInput(trace::trace_unavailable(opt.backend, "ua", KVMEM_REPLAY_WITH_HOST_UA != 0));
 }
 

@@ -281,6 +281,9 @@ class SlotRunner {
 // What a mechanism adapter hands the player: output widths per token and a way to make runners
 // (the schedule's, with the trace's slot count, and one-slot runners for the check).
 struct Mechanism {
+  // What runners and inputs need alive while they exist (Kokkos' initialisation); first, so that it
+  // is destroyed last.
+  std::shared_ptr<void> keep_alive;
   std::string label;           // "kvm/host", for messages and progress
   std::int64_t out_width = 0;  // floats of out per token (heads x value dim)
   std::int64_t lse_width = 0;  // floats of lse per token (query heads)
@@ -290,7 +293,8 @@ struct Mechanism {
 };
 
 // Why `backend` cannot play a trace of `mechanism` in this build. Only backends with a SlotRunner in
-// run_kvm.hpp / run_ua.hpp play traces; the reference has no sequence slots at all.
+// run_kvm.hpp / run_ua.hpp play traces (Kokkos once its headers have the slot API, CMake checks); the
+// reference has no sequence slots at all.
 inline std::string trace_unavailable(Backend b, const std::string& mechanism, bool host_built) {
   switch (b) {
     case Backend::kReference:
@@ -299,7 +303,7 @@ inline std::string trace_unavailable(Backend b, const std::string& mechanism, bo
       return host_built ? "" : not_built(b, "include/kvmem/backend/host/" + mechanism + ".hpp was not present");
     case Backend::kKokkos:
 #if defined(KVMEM_REPLAY_WITH_KOKKOS)
-      return not_built(b, "kvmem-replay has no Kokkos " + mechanism + " slot runner for --trace yet");
+      return not_built(b, "the Kokkos backend of this kvmem has no " + mechanism + " sequence slots");
 #else
       return not_built(b, "configure kvmem with -DKVMEM_KOKKOS=ON");
 #endif

@@ -331,7 +331,8 @@ void kvm_alone(const KvmInputs& in, const kvm::Params& p, std::int64_t n_ctx, co
 }
 
 template <class S>
-void kvm_trace_case(std::uint64_t seed, kvmem::budget::Any budget, const Json& budget_json, const char* precision) {
+void kvm_trace_case(std::uint64_t seed, kvmem::budget::Any budget, const Json& budget_json, const char* precision,
+                    const char* backend = "host") {
   constexpr std::int64_t kMaxLen = 700, kNctx = kMaxLen + 64;
   constexpr std::int32_t kSlots = 8;
   const Schedule sch = make_schedule(seed, 20, kMaxLen, kSlots, true);
@@ -357,7 +358,7 @@ void kvm_trace_case(std::uint64_t seed, kvmem::budget::Any budget, const Json& b
   in.write(dir.file("in.safetensors"), sch.tokens);
   const auto r =
       run_tool({"--trace", dir.file("trace.json"), dir.file("in.safetensors"), "-o", dir.file("out.safetensors"),
-                "--check", "--quiet", "--threads", "2", "--precision", precision},
+                "--check", "--quiet", "--precision", precision, "--backend", backend},
                dir.path());
   INFO(r.out.substr(r.out.size() > 2000 ? r.out.size() - 2000 : 0) << r.err);
   REQUIRE(r.rc == 0);
@@ -447,7 +448,8 @@ void ua_alone(const UaInputs& in, const kua::Options& opt, std::int64_t capacity
 }
 
 template <class S>
-void ua_trace_case(std::uint64_t seed, double p, std::int64_t chunk, bool evict_before, const char* precision) {
+void ua_trace_case(std::uint64_t seed, double p, std::int64_t chunk, bool evict_before, const char* precision,
+                   const char* backend = "host") {
   constexpr std::int64_t kMaxLen = 700;
   constexpr std::int32_t kSlots = 8;
   const Schedule sch = make_schedule(seed, 20, kMaxLen, kSlots, false);
@@ -471,9 +473,10 @@ void ua_trace_case(std::uint64_t seed, double p, std::int64_t chunk, bool evict_
   kvmem::test::write_text(dir.file("trace.json"), trace.dump());
   const UaInputs in(sch.tokens, seed + 200);
   in.write(dir.file("in.safetensors"), sch.tokens);
-  const auto r = run_tool({"--trace", dir.file("trace.json"), dir.file("in.safetensors"), "-o",
-                           dir.file("out.safetensors"), "--check", "--quiet", "--precision", precision},
-                          dir.path());
+  const auto r =
+      run_tool({"--trace", dir.file("trace.json"), dir.file("in.safetensors"), "-o", dir.file("out.safetensors"),
+                "--check", "--quiet", "--precision", precision, "--backend", backend},
+               dir.path());
   INFO(r.out.substr(r.out.size() > 2000 ? r.out.size() - 2000 : 0) << r.err);
   REQUIRE(r.rc == 0);
   CHECK(r.out.find("FAIL") == std::string::npos);
@@ -524,6 +527,20 @@ TEST_CASE("replay --trace: a UA schedule equals each sequence alone (pruning p =
     ua_trace_case<kvmem::bf16>(4, 0.05, 32, false, "bf16");
   }
 }
+
+// Kokkos plays the same schedules through its slot API (hidden tag: registered with label kokkos by
+// tests/replay/CMakeLists.txt); its rows equal the host's sequence alone, bitwise.
+#if KVMEM_REPLAY_HAVE_KOKKOS_TRACE_KVM
+TEST_CASE("replay --trace on kokkos: a KVM schedule equals each sequence alone", "[replay][trace][.kokkos]") {
+  kvm_trace_case<float>(1, kvmem::budget::Fixed{16, 16}, {{"kind", "fixed"}, {"count", 16}, {"max_slots", 16}}, "fp32",
+                        "kokkos");
+}
+#endif
+#if KVMEM_REPLAY_HAVE_KOKKOS_TRACE_UA
+TEST_CASE("replay --trace on kokkos: a UA schedule equals each sequence alone", "[replay][trace][.kokkos]") {
+  ua_trace_case<float>(3, 0.05, 64, true, "fp32", "kokkos");
+}
+#endif
 
 TEST_CASE("replay --trace: outputs, records and truncate outcomes of a small trace", "[replay][trace]") {
   const TempDir dir("trace_small");
