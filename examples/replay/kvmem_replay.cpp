@@ -8,12 +8,14 @@
 #include <cstdio>
 #include <exception>
 #include <new>
+#include <optional>
 #include <string>
 #include <vector>
 
 #include "replay_core.hpp"
 #include "run_kvm.hpp"
 #include "run_ua.hpp"
+#include "trace.hpp"
 
 namespace {
 
@@ -24,10 +26,14 @@ struct Mechanism {
   const char* name;
   void (*run)(const kvmem::replay::Options&, const kvmem::replay::Case&, kvmem::replay::Outputs&);
   kvmem::replay::SkipReason skip_reason;
+  kvmem::replay::trace::Mechanism (*trace)(const kvmem::replay::Options&, const kvmem::replay::Case&,
+                                           const kvmem::replay::trace::Trace&);
 };
 constexpr Mechanism kMechanisms[] = {
-    {"kvm", kvmem::replay::kvm_adapter::run, kvmem::replay::kvm_adapter::skip_reason},
-    {"ua", kvmem::replay::ua_adapter::run, kvmem::replay::ua_adapter::skip_reason},
+    {"kvm", kvmem::replay::kvm_adapter::run, kvmem::replay::kvm_adapter::skip_reason,
+     kvmem::replay::kvm_adapter::trace_mechanism},
+    {"ua", kvmem::replay::ua_adapter::run, kvmem::replay::ua_adapter::skip_reason,
+     kvmem::replay::ua_adapter::trace_mechanism},
 };
 
 int error(const std::string& message) {
@@ -39,12 +45,40 @@ int error(const std::string& message) {
   return 2;
 }
 
+// --trace: the trace is parsed and checked first, then the inputs file is loaded (it needs no kvmem
+// metadata), the schedule played, the outputs written, and with --check every sequence compared.
+int replay_trace(const kvmem::replay::Options& opt) {
+  namespace trace = kvmem::replay::trace;
+  const trace::Trace t = trace::load_trace(opt.trace_path);
+  kvmem::replay::Case inputs;
+  inputs.path = opt.input;
+  const kvmem::Status status = kvmem::io::SafetensorsFile::load(opt.input, inputs.file);
+  if (!status.is_ok()) throw BadInput(status.message());
+  inputs.mechanism = t.mechanism;
+  inputs.config = t.config;
+  const Mechanism* mechanism = nullptr;
+  for (const auto& m : kMechanisms)
+    if (t.mechanism == m.name) mechanism = &m;
+  const trace::Mechanism m = mechanism->trace(opt, inputs, t);
+  kvmem::replay::Progress progress(!opt.quiet, m.label);
+  const trace::Played played = trace::play(t, m, progress, stdout);
+  std::optional<trace::CheckResult> checked;
+  if (opt.check) checked = trace::check(t, m, played, progress, stdout, to_string(opt.precision));
+  trace::write(opt, t, m, played, checked ? &*checked : nullptr);
+  if (!opt.quiet)
+    std::fprintf(stderr, "kvmem-replay: [%s] %zu steps, %lld tokens, %zu sequences; wrote %s\n", m.label.c_str(),
+                 t.steps.size(), static_cast<long long>(t.tokens), played.sequences.size(), opt.output.c_str());
+  std::fflush(stdout);
+  return (checked && checked->failed > 0) || played.expectation_failures > 0 ? 1 : 0;
+}
+
 int replay(const std::vector<std::string>& args) {
   const kvmem::replay::Options opt = kvmem::replay::parse_args(args);
   if (opt.help) {
     std::fputs(kvmem::replay::usage_text().c_str(), stdout);
     return 0;
   }
+  if (!opt.trace_path.empty()) return replay_trace(opt);
   const kvmem::replay::Case c = kvmem::replay::load_case(opt);
   const Mechanism* mechanism = nullptr;
   for (const auto& m : kMechanisms)

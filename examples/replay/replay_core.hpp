@@ -82,6 +82,8 @@ struct Options {
   std::string input;
   std::string output;
   std::string config_path;
+  std::string trace_path;  // --trace: play a serving schedule (trace.hpp); input is then its inputs file
+  bool check = false;      // --check (trace mode): run each sequence alone and compare
   Backend backend = Backend::kHost;
   Precision precision = Precision::kFp32;
   bool precision_given = false;
@@ -99,6 +101,8 @@ inline constexpr double kTolBf16 = 3e-2;
 inline std::string usage_text() {
   return "usage: kvmem-replay CASE.safetensors -o OUT.safetensors [--backend reference|host|kokkos|cuda]\n"
          "                    [--precision fp32|bf16] [--threads N] [--config FILE.json] [--quiet]\n"
+         "       kvmem-replay --trace TRACE.json INPUTS.safetensors -o OUT.safetensors [--check]\n"
+         "                    [--backend host|kokkos] [--precision fp32|bf16] [--threads N] [--quiet]\n"
          "\n"
          "Runs the KVM or UA operation that CASE's metadata names (`mechanism`, `config`; layout of\n"
          "tests/data/golden/README.md) on CASE's input tensors and writes every result, float64 (int64 for\n"
@@ -116,6 +120,13 @@ inline std::string usage_text() {
          "                      nested objects such as `budget` merge key by key, null deletes a key);\n"
          "                      a top-level \"mechanism\" key replaces the metadata mechanism\n"
          "  --quiet             no progress lines on stderr\n"
+         "  --trace TRACE.json  play a serving schedule (steps of ragged rows, reset, copy, export, import,\n"
+         "                      truncate; format in the tool's README) through the backend's sequence-slot\n"
+         "                      API over the packed inputs of INPUTS; writes out, lse, record.NAME per\n"
+         "                      export and truncate_exact. Runs on host, and on kokkos where the Kokkos\n"
+         "                      backend has sequence slots (cuda: no slot runner yet).\n"
+         "  --check             with --trace: run every sequence the schedule built alone (its rows, on a\n"
+         "                      state of one slot) and compare, bitwise on host; exit 1 on a difference\n"
          "\n"
          "KVM runs prefill (out, state_k, state_v, state_rho, slots_after_update, route_append_u{u},\n"
          "route_merge_u{u}) and, when config has decode_split, prefill then token-by-token decode\n"
@@ -193,6 +204,11 @@ inline Options parse_args(const std::vector<std::string>& args) {
     } else if (arg == "--threads") {
       const std::string v = value();
       if (!parse_positive_int(v, opt.threads)) throw BadInput("--threads: expected an integer >= 1, got '" + v + "'");
+    } else if (arg == "--trace") {
+      opt.trace_path = value();
+      if (opt.trace_path.empty()) throw BadInput("option --trace needs a file name");
+    } else if (arg == "--check") {
+      opt.check = true;
     } else if (arg == "--config") {
       opt.config_path = value();
       if (opt.config_path.empty()) throw BadInput("option --config needs a file name");
@@ -204,8 +220,14 @@ inline Options parse_args(const std::vector<std::string>& args) {
     }
   }
   if (opt.help) return opt;
+  if (opt.input.empty() && !opt.trace_path.empty())
+    throw BadInput("no inputs file (usage: kvmem-replay --trace TRACE.json INPUTS.safetensors -o OUT.safetensors)");
   if (opt.input.empty()) throw BadInput("no input file (usage: kvmem-replay CASE.safetensors -o OUT.safetensors ...)");
   if (opt.output.empty()) throw BadInput("no output file: pass -o OUT.safetensors");
+  if (opt.check && opt.trace_path.empty())
+    throw BadInput("--check compares a trace's sequences with their runs alone; it needs --trace TRACE.json");
+  if (!opt.trace_path.empty() && !opt.config_path.empty())
+    throw BadInput("--config does not apply to --trace: the trace holds its config");
   if (opt.backend == Backend::kReference && opt.precision_given)
     throw BadInput(
         "--precision applies to the host, kokkos and cuda backends; the reference backend computes in float64");

@@ -11,10 +11,14 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstdio>
+#include <memory>
+#include <span>
 #include <string>
 #include <vector>
 
 #include "replay_core.hpp"
+#include "trace.hpp"
 
 #include "kvmem/core/numeric.hpp"
 #include "kvmem/core/tensor.hpp"
@@ -30,6 +34,9 @@
 #endif
 #ifndef KVMEM_REPLAY_WITH_KOKKOS_KVM
 #define KVMEM_REPLAY_WITH_KOKKOS_KVM 0
+#endif
+#ifndef KVMEM_REPLAY_WITH_KOKKOS_SLOTS_KVM
+#define KVMEM_REPLAY_WITH_KOKKOS_SLOTS_KVM 0
 #endif
 
 #if KVMEM_REPLAY_WITH_REFERENCE_KVM
@@ -500,6 +507,249 @@ inline Results run_kokkos(const Spec& s, const Inputs& in, const Options& opt, P
   return kokkos_detail::run<float>(s, in, progress);
 }
 #endif
+
+// ---- trace mode (sequence slots, trace.hpp) ---------------------------------------------------------
+
+// The trace's config: the keys of a golden case's config (Hq, Hk, D, Dv, budget, chunk, ...) without B
+// and T; the slot count is the trace's max_slots and `n_ctx` the longest sequence a slot may hold.
+inline Spec parse_trace_config(const trace::Trace& t) {
+  const ConfigReader cfg(t.config, t.path + ": config");
+  for (const char* key : {"B", "T", "decode_split", "round_value_readout_bf16"})
+    if (cfg.has(key))
+      throw BadInput(t.path + ": config: '" + key +
+                     "' does not apply to a trace (slots come from max_slots, capacity from n_ctx)");
+  const std::int64_t n_ctx = cfg.integer("n_ctx", 1, kMaxExtent);
+  Json patched = t.config;
+  patched.erase("n_ctx");
+  patched["B"] = t.max_slots;
+  patched["T"] = n_ctx;
+  try {
+    return parse_config(patched);
+  } catch (const BadInput& e) {
+    throw BadInput(t.path + ": " + e.what());
+  }
+}
+
+// The packed inputs of every step, token-major, float: q [N,Hq,D], k [N,Hk,D], v [N,Hk,Dv], gate [N,Hk],
+// and the learned weights ln_weight, ln_bias [D], tau_state, tau_bswa [Hq].
+struct TraceInputs {
+  std::vector<float> q, k, v, gate, ln_w, ln_b, tau_s, tau_w;
+  [[nodiscard]] kvm::Weights weights() const {
+    return {{ln_w.data(), {std::int64_t(ln_w.size())}},
+            {ln_b.data(), {std::int64_t(ln_b.size())}},
+            {tau_s.data(), {std::int64_t(tau_s.size())}},
+            {tau_w.data(), {std::int64_t(tau_w.size())}}};
+  }
+};
+
+inline TraceInputs load_trace_inputs(const Case& c, const Spec& s, std::int64_t N) {
+  const auto f = [](std::vector<double> x) { return std::vector<float>(x.begin(), x.end()); };
+  const std::string n = "N=" + std::to_string(N) + " packed tokens of the trace";
+  TraceInputs in;
+  in.q = f(input_f64(c, "q", {N, s.Hq, s.D}, n + ", Hq, D"));
+  in.k = f(input_f64(c, "k", {N, s.Hk, s.D}, n + ", Hk, D"));
+  in.v = f(input_f64(c, "v", {N, s.Hk, s.Dv}, n + ", Hk, Dv"));
+  in.gate = f(input_f64(c, "gate", {N, s.Hk}, n + ", Hk"));
+  in.ln_w = f(input_f64(c, "ln_weight", {s.D}, "D=" + std::to_string(s.D)));
+  in.ln_b = f(input_f64(c, "ln_bias", {s.D}, "D=" + std::to_string(s.D)));
+  in.tau_s = f(input_f64(c, "tau_state", {s.Hq}, "Hq=" + std::to_string(s.Hq)));
+  in.tau_w = f(input_f64(c, "tau_bswa", {s.Hq}, "Hq=" + std::to_string(s.Hq)));
+  return in;
+}
+
+#if KVMEM_REPLAY_WITH_HOST_KVM
+// The host slot API on host memory. The exact executor keeps the property the check tests: a row
+// equals its sequence run alone, bit for bit (docs/slots.md).
+template <class S>
+class HostSlotRunner final : public trace::SlotRunner {
+ public:
+  HostSlotRunner(std::shared_ptr<const TraceInputs> in, const Spec& s, std::int64_t max_slots, int threads)
+      : in_(std::move(in)), s_(s), exec_{.threads = threads, .exact = true} {
+    const Status status = kvm::State<S, float>::create(host_detail::params_of(s),
+                                                       kvm::Shape{max_slots, s.Hq, s.Hk, s.D, s.Dv, s.T}, state_);
+    if (!status.is_ok()) throw BadInput("host kvm rejects the trace's config: " + status.message());
+  }
+  Status step(std::span<const std::int32_t> slot, std::span<const std::int32_t> query_start, std::int64_t first,
+              std::span<float> out, std::span<float> lse) override {
+    const std::int64_t n = query_start.back();
+    const Rows rows{view(slot), view(query_start)};
+    const TraceInputs& in = *in_;
+    return kvm::step(exec_, state_, in.weights(), rows,
+                     TensorView<const float, 3>(in.q.data() + first * s_.Hq * s_.D, {n, s_.Hq, s_.D}),
+                     TensorView<const float, 3>(in.k.data() + first * s_.Hk * s_.D, {n, s_.Hk, s_.D}),
+                     TensorView<const float, 3>(in.v.data() + first * s_.Hk * s_.Dv, {n, s_.Hk, s_.Dv}),
+                     TensorView<const float, 2>(in.gate.data() + first * s_.Hk, {n, s_.Hk}),
+                     TensorView<float, 3>(out.data(), {n, s_.Hq, s_.Dv}), TensorView<float, 2>(lse.data(), {n, s_.Hq}));
+  }
+  Status reset_slots(std::span<const std::int32_t> slots) override {
+    return kvm::reset_slots(exec_, state_, view(slots));
+  }
+  Status copy_slots(std::span<const std::int32_t> src, std::span<const std::int32_t> dst) override {
+    return kvm::copy_slots(exec_, state_, view(src), view(dst));
+  }
+  Status export_slot(std::int32_t slot, std::vector<std::byte>& record) override {
+    record.resize(kvm::export_bytes(state_, slot));
+    return kvm::export_slot(exec_, state_, slot, std::span<std::byte>(record));
+  }
+  Status import_slot(std::int32_t slot, std::span<const std::byte> record) override {
+    return kvm::import_slot(exec_, state_, in_->weights(), slot, record);
+  }
+  Status truncate(std::int32_t slot, std::int64_t tokens) override {
+    return kvm::truncate(exec_, state_, slot, tokens);
+  }
+
+ private:
+  static TensorView<const std::int32_t, 1> view(std::span<const std::int32_t> x) {
+    return {x.data(), {std::int64_t(x.size())}};
+  }
+  std::shared_ptr<const TraceInputs> in_;
+  Spec s_;
+  host::Executor exec_;
+  kvm::State<S, float> state_;
+};
+#endif
+
+#if KVMEM_REPLAY_WITH_KOKKOS_KVM && KVMEM_REPLAY_WITH_KOKKOS_SLOTS_KVM
+// Host buffers in and out of Kokkos memory, for the per-call rows, slot lists and outputs.
+namespace kokkos_trace {
+using HostFloats = Kokkos::View<float*, Kokkos::HostSpace, Kokkos::MemoryTraits<Kokkos::Unmanaged>>;
+using HostInts = Kokkos::View<const std::int32_t*, Kokkos::HostSpace, Kokkos::MemoryTraits<Kokkos::Unmanaged>>;
+inline Kokkos::View<std::int32_t*, kokkos_detail::MemSpace> list(std::span<const std::int32_t> x) {
+  Kokkos::View<std::int32_t*, kokkos_detail::MemSpace> d(Kokkos::view_alloc(Kokkos::WithoutInitializing, "list"),
+                                                         x.size());
+  Kokkos::deep_copy(d, HostInts(x.data(), x.size()));
+  return d;
+}
+inline TensorView<const std::int32_t, 1> view(const Kokkos::View<std::int32_t*, kokkos_detail::MemSpace>& d) {
+  return {d.data(), {std::int64_t(d.extent(0))}};
+}
+}  // namespace kokkos_trace
+
+// The trace's inputs copied into the memory of Kokkos' default execution space, once.
+struct KokkosTraceInputs {
+  Kokkos::View<float*, kokkos_detail::MemSpace> q, k, v, gate, ln_w, ln_b, tau_s, tau_w;
+  explicit KokkosTraceInputs(const TraceInputs& in)
+      : q(kokkos_detail::to_device(in.q)),
+        k(kokkos_detail::to_device(in.k)),
+        v(kokkos_detail::to_device(in.v)),
+        gate(kokkos_detail::to_device(in.gate)),
+        ln_w(kokkos_detail::to_device(in.ln_w)),
+        ln_b(kokkos_detail::to_device(in.ln_b)),
+        tau_s(kokkos_detail::to_device(in.tau_s)),
+        tau_w(kokkos_detail::to_device(in.tau_w)) {}
+  [[nodiscard]] kvm::Weights weights() const {
+    return {{ln_w.data(), {std::int64_t(ln_w.extent(0))}},
+            {ln_b.data(), {std::int64_t(ln_b.extent(0))}},
+            {tau_s.data(), {std::int64_t(tau_s.extent(0))}},
+            {tau_w.data(), {std::int64_t(tau_w.extent(0))}}};
+  }
+};
+
+// The Kokkos slot API (the host's names and arguments) on Kokkos' default execution space. Rows, slot
+// lists and outputs travel per call; every call is fenced, so the host buffers are ready on return.
+template <class S>
+class KokkosSlotRunner final : public trace::SlotRunner {
+ public:
+  KokkosSlotRunner(std::shared_ptr<const KokkosTraceInputs> in, const Spec& s, std::int64_t max_slots)
+      : in_(std::move(in)), s_(s) {
+    const Status status = kokkos::create_state<S, float>(exec_, host_detail::params_of(s),
+                                                         kvm::Shape{max_slots, s.Hq, s.Hk, s.D, s.Dv, s.T}, state_);
+    if (!status.is_ok()) throw BadInput("kokkos kvm rejects the trace's config: " + status.message());
+  }
+  Status step(std::span<const std::int32_t> slot, std::span<const std::int32_t> query_start, std::int64_t first,
+              std::span<float> out, std::span<float> lse) override {
+    using kokkos_trace::view;
+    const std::int64_t n = query_start.back();
+    const auto d_slot = kokkos_trace::list(slot), d_start = kokkos_trace::list(query_start);
+    Kokkos::View<float*, kokkos_detail::MemSpace> d_out("out", out.size()), d_lse("lse", lse.size());
+    const KokkosTraceInputs& in = *in_;
+    const Status status = kvm::step(exec_, state_.state, in.weights(), Rows{view(d_slot), view(d_start)},
+                                    TensorView<const float, 3>(in.q.data() + first * s_.Hq * s_.D, {n, s_.Hq, s_.D}),
+                                    TensorView<const float, 3>(in.k.data() + first * s_.Hk * s_.D, {n, s_.Hk, s_.D}),
+                                    TensorView<const float, 3>(in.v.data() + first * s_.Hk * s_.Dv, {n, s_.Hk, s_.Dv}),
+                                    TensorView<const float, 2>(in.gate.data() + first * s_.Hk, {n, s_.Hk}),
+                                    TensorView<float, 3>(d_out.data(), {n, s_.Hq, s_.Dv}),
+                                    TensorView<float, 2>(d_lse.data(), {n, s_.Hq}));
+    exec_.space.fence();
+    Kokkos::deep_copy(kokkos_trace::HostFloats(out.data(), out.size()), d_out);
+    Kokkos::deep_copy(kokkos_trace::HostFloats(lse.data(), lse.size()), d_lse);
+    return status;
+  }
+  Status reset_slots(std::span<const std::int32_t> slots) override {
+    const auto d = kokkos_trace::list(slots);
+    return fenced(kvm::reset_slots(exec_, state_.state, kokkos_trace::view(d)));
+  }
+  Status copy_slots(std::span<const std::int32_t> src, std::span<const std::int32_t> dst) override {
+    const auto a = kokkos_trace::list(src), b = kokkos_trace::list(dst);
+    return fenced(kvm::copy_slots(exec_, state_.state, kokkos_trace::view(a), kokkos_trace::view(b)));
+  }
+  Status export_slot(std::int32_t slot, std::vector<std::byte>& record) override {
+    record.resize(kvm::export_bytes(state_.state, slot));
+    return fenced(kvm::export_slot(exec_, state_.state, slot, std::span<std::byte>(record)));
+  }
+  Status import_slot(std::int32_t slot, std::span<const std::byte> record) override {
+    return fenced(kvm::import_slot(exec_, state_.state, in_->weights(), slot, record));
+  }
+  Status truncate(std::int32_t slot, std::int64_t tokens) override {
+    return fenced(kvm::truncate(exec_, state_.state, slot, tokens));
+  }
+
+ private:
+  Status fenced(Status status) const {
+    exec_.space.fence();
+    return status;
+  }
+  std::shared_ptr<const KokkosTraceInputs> in_;
+  Spec s_;
+  kokkos_detail::Exec exec_{};
+  kokkos::KvmState<S, float, kokkos_detail::MemSpace> state_;
+};
+#endif
+
+// The trace player's view of KVM on the chosen backend. A backend with a slot API gets a runner
+// (trace::SlotRunner) and a case below; the others answer "not built".
+inline trace::Mechanism trace_mechanism(const Options& opt, const Case& c, const trace::Trace& t) {
+  const Spec s = parse_trace_config(t);
+  auto in = std::make_shared<const TraceInputs>(load_trace_inputs(c, s, t.tokens));
+  trace::Mechanism m;
+  m.label = std::string("kvm/") + to_string(opt.backend);
+  m.out_width = s.Hq * s.Dv;
+  m.lse_width = s.Hq;
+  m.out_shape_tail = {s.Hq, s.Dv};
+  m.lse_shape_tail = {s.Hq};
+  if (opt.backend == Backend::kHost) {
+#if KVMEM_REPLAY_WITH_HOST_KVM
+    const int threads = opt.threads;
+    if (opt.precision == Precision::kBf16)
+      m.make_runner = [in, s, threads](std::int64_t slots) -> std::unique_ptr<trace::SlotRunner> {
+        return std::make_unique<HostSlotRunner<bf16>>(in, s, slots, threads);
+      };
+    else
+      m.make_runner = [in, s, threads](std::int64_t slots) -> std::unique_ptr<trace::SlotRunner> {
+        return std::make_unique<HostSlotRunner<float>>(in, s, slots, threads);
+      };
+    return m;
+#endif
+  }
+#if KVMEM_REPLAY_WITH_KOKKOS_KVM && KVMEM_REPLAY_WITH_KOKKOS_SLOTS_KVM
+  if (opt.backend == Backend::kKokkos) {
+    if (opt.threads > 0)
+      std::fprintf(stderr, "kvmem-replay: --threads does not apply to the kokkos backend (see KOKKOS_NUM_THREADS)\n");
+    m.keep_alive = std::make_shared<Kokkos::ScopeGuard>();  // Kokkos lives as long as the runners
+    auto dev = std::make_shared<const KokkosTraceInputs>(*in);
+    if (opt.precision == Precision::kBf16)
+      m.make_runner = [dev, s](std::int64_t slots) -> std::unique_ptr<trace::SlotRunner> {
+        return std::make_unique<KokkosSlotRunner<bf16>>(dev, s, slots);
+      };
+    else
+      m.make_runner = [dev, s](std::int64_t slots) -> std::unique_ptr<trace::SlotRunner> {
+        return std::make_unique<KokkosSlotRunner<float>>(dev, s, slots);
+      };
+    return m;
+  }
+#endif
+  throw BadInput(trace::trace_unavailable(opt.backend, "kvm", KVMEM_REPLAY_WITH_HOST_KVM != 0));
+}
 
 inline std::string skip_reason(const std::string& name, const Case& /*c*/, Backend backend) {
   if (name == "route_margin_min" || name == "append_margin_min") return "diagnostic of the generator, not recomputed";

@@ -9,11 +9,14 @@
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
+#include <memory>
 #include <set>
+#include <span>
 #include <string>
 #include <vector>
 
 #include "replay_core.hpp"
+#include "trace.hpp"
 
 #include "kvmem/core/numeric.hpp"
 #include "kvmem/core/tensor.hpp"
@@ -28,6 +31,9 @@
 #endif
 #ifndef KVMEM_REPLAY_WITH_KOKKOS_UA
 #define KVMEM_REPLAY_WITH_KOKKOS_UA 0
+#endif
+#ifndef KVMEM_REPLAY_WITH_KOKKOS_SLOTS_UA
+#define KVMEM_REPLAY_WITH_KOKKOS_SLOTS_UA 0
 #endif
 
 #if KVMEM_REPLAY_WITH_REFERENCE_UA
@@ -485,6 +491,242 @@ inline Results run_kokkos(const Spec& s, const Inputs& in, const Options& opt, P
   return kokkos_detail::run<float>(s, in, progress);
 }
 #endif
+
+// ---- trace mode (sequence slots, trace.hpp) ---------------------------------------------------------
+
+// The trace's config: H, G, D, `capacity` (kept rows per slot and KV head), and the options of every
+// step: `p` (eviction threshold, 0 = dense), `prefill_chunk`, `evict_before_attention`.
+struct TraceSpec {
+  std::int64_t H = 0, G = 0, D = 0, capacity = 0;
+  double p = 0.0;
+  std::int64_t prefill_chunk = 128;
+  bool evict_before_attention = true;
+};
+
+inline TraceSpec parse_trace_config(const trace::Trace& t) {
+  const ConfigReader cfg(t.config, t.path + ": config");
+  for (auto it = t.config.begin(); it != t.config.end(); ++it) {
+    static const std::set<std::string> kKeys{"H", "G", "D", "capacity", "p", "prefill_chunk", "evict_before_attention"};
+    if (kKeys.count(it.key()) == 0)
+      throw BadInput(t.path + ": config: unknown key '" + it.key() +
+                     "' (a UA trace has H, G, D, capacity, p, prefill_chunk, evict_before_attention)");
+  }
+  TraceSpec s;
+  s.H = cfg.integer("H", 1, kMaxExtent);
+  s.G = cfg.integer("G", 1, kMaxExtent);
+  s.D = cfg.integer("D", 1, kMaxExtent);
+  if (s.H % s.G != 0)
+    throw BadInput(t.path + ": config: 'H' (" + std::to_string(s.H) + ") must be a multiple of 'G' (" +
+                   std::to_string(s.G) + ")");
+  s.capacity = cfg.integer("capacity", 1, kMaxExtent);
+  s.p = cfg.real_or("p", 0.0, 0.0, 1.0);
+  if (s.p >= 1.0) throw BadInput(t.path + ": config: 'p' must lie in [0, 1) (0 = dense), got 1");
+  s.prefill_chunk = cfg.integer_or("prefill_chunk", s.prefill_chunk, 1, kMaxExtent);
+  s.evict_before_attention = cfg.boolean_or("evict_before_attention", s.evict_before_attention);
+  return s;
+}
+
+// The packed inputs of every step, token-major, float: q [N,H,D], k, v [N,G,D], z_k, z_q [N,G] and,
+// when the file has it, z_o [N,H,D].
+struct TraceInputs {
+  std::vector<float> q, k, v, z_k, z_q, z_o;
+};
+
+inline TraceInputs load_trace_inputs(const Case& c, const TraceSpec& s, std::int64_t N) {
+  const auto f = [](std::vector<double> x) { return std::vector<float>(x.begin(), x.end()); };
+  const std::string n = "N=" + std::to_string(N) + " packed tokens of the trace";
+  TraceInputs in;
+  in.q = f(input_f64(c, "q", {N, s.H, s.D}, n + ", H, D"));
+  in.k = f(input_f64(c, "k", {N, s.G, s.D}, n + ", G, D"));
+  in.v = f(input_f64(c, "v", {N, s.G, s.D}, n + ", G, D"));
+  in.z_k = f(input_f64(c, "z_k", {N, s.G}, n + ", G"));
+  in.z_q = f(input_f64(c, "z_q", {N, s.G}, n + ", G"));
+  if (c.file.has("z_o")) in.z_o = f(input_f64(c, "z_o", {N, s.H, s.D}, n + ", H, D"));
+  return in;
+}
+
+#if KVMEM_REPLAY_WITH_HOST_UA
+// The host slot API on host memory (a row equals its sequence run alone, bit for bit: docs/slots-ua.md).
+template <class S>
+class HostSlotRunner final : public trace::SlotRunner {
+ public:
+  HostSlotRunner(std::shared_ptr<const TraceInputs> in, const TraceSpec& s, std::int64_t max_slots, int threads)
+      : in_(std::move(in)), s_(s), exec_{.threads = threads, .exact = true} {
+    const Status status = ua::PrunedCache<S>::create({max_slots, s.H, s.G, s.D, s.capacity, 16}, cache_);
+    if (!status.is_ok()) throw BadInput("host ua rejects the trace's config: " + status.message());
+  }
+  Status step(std::span<const std::int32_t> slot, std::span<const std::int32_t> query_start, std::int64_t first,
+              std::span<float> out, std::span<float> lse) override {
+    const std::int64_t n = query_start.back(), H = s_.H, G = s_.G, D = s_.D;
+    const TraceInputs& in = *in_;
+    ua::PackedInputs x;
+    x.q = {in.q.data() + first * H * D, {n, H, D}};
+    x.k = {in.k.data() + first * G * D, {n, G, D}};
+    x.v = {in.v.data() + first * G * D, {n, G, D}};
+    x.z_k = {in.z_k.data() + first * G, {n, G}};
+    x.z_q = {in.z_q.data() + first * G, {n, G}};
+    if (!in.z_o.empty()) x.z_o = {in.z_o.data() + first * H * D, {n, H, D}};
+    return ua::step(exec_, cache_, Rows{view(slot), view(query_start)}, x,
+                    ua::Options{s_.p, s_.prefill_chunk, s_.evict_before_attention},
+                    TensorView<float, 3>(out.data(), {n, H, D}), TensorView<float, 2>(lse.data(), {n, H}));
+  }
+  Status reset_slots(std::span<const std::int32_t> slots) override {
+    return ua::reset_slots(exec_, cache_, view(slots));
+  }
+  Status copy_slots(std::span<const std::int32_t> src, std::span<const std::int32_t> dst) override {
+    return ua::copy_slots(exec_, cache_, view(src), view(dst));
+  }
+  Status export_slot(std::int32_t slot, std::vector<std::byte>& record) override {
+    record.resize(ua::export_bytes(cache_, slot));
+    return ua::export_slot(exec_, cache_, slot, std::span<std::byte>(record));
+  }
+  Status import_slot(std::int32_t slot, std::span<const std::byte> record) override {
+    return ua::import_slot(exec_, cache_, slot, record);
+  }
+  Status truncate(std::int32_t slot, std::int64_t tokens) override { return ua::truncate(exec_, cache_, slot, tokens); }
+
+ private:
+  static TensorView<const std::int32_t, 1> view(std::span<const std::int32_t> x) {
+    return {x.data(), {std::int64_t(x.size())}};
+  }
+  std::shared_ptr<const TraceInputs> in_;
+  TraceSpec s_;
+  host::Executor exec_;
+  ua::PrunedCache<S> cache_;
+};
+#endif
+
+#if KVMEM_REPLAY_WITH_KOKKOS_UA && KVMEM_REPLAY_WITH_KOKKOS_SLOTS_UA
+// The trace's inputs copied into the memory of Kokkos' default execution space, once.
+struct KokkosTraceInputs {
+  kokkos_detail::DeviceVector q, k, v, z_k, z_q, z_o;
+  explicit KokkosTraceInputs(const TraceInputs& in)
+      : q(kokkos_detail::to_device(in.q, "kvmem-replay q")),
+        k(kokkos_detail::to_device(in.k, "kvmem-replay k")),
+        v(kokkos_detail::to_device(in.v, "kvmem-replay v")),
+        z_k(kokkos_detail::to_device(in.z_k, "kvmem-replay z_k")),
+        z_q(kokkos_detail::to_device(in.z_q, "kvmem-replay z_q")) {
+    if (!in.z_o.empty()) z_o = kokkos_detail::to_device(in.z_o, "kvmem-replay z_o");
+  }
+};
+
+// The Kokkos slot API (the host's names and arguments) on Kokkos' default execution space. Rows, slot
+// lists and outputs travel per call; every call is fenced, so the host buffers are ready on return.
+template <class S>
+class KokkosSlotRunner final : public trace::SlotRunner {
+  using IntView = Kokkos::View<std::int32_t*, kokkos_detail::MemSpace>;
+  using HostFloats = Kokkos::View<float*, Kokkos::HostSpace, Kokkos::MemoryTraits<Kokkos::Unmanaged>>;
+
+ public:
+  KokkosSlotRunner(std::shared_ptr<const KokkosTraceInputs> in, const TraceSpec& s, std::int64_t max_slots)
+      : in_(std::move(in)), s_(s) {
+    const Status status = kokkos::create_cache<S>(exec_, {max_slots, s.H, s.G, s.D, s.capacity, 16}, cache_);
+    if (!status.is_ok()) throw BadInput("kokkos ua rejects the trace's config: " + status.message());
+  }
+  Status step(std::span<const std::int32_t> slot, std::span<const std::int32_t> query_start, std::int64_t first,
+              std::span<float> out, std::span<float> lse) override {
+    const std::int64_t n = query_start.back(), H = s_.H, G = s_.G, D = s_.D;
+    const KokkosTraceInputs& in = *in_;
+    ua::PackedInputs x;
+    x.q = {in.q.data() + first * H * D, {n, H, D}};
+    x.k = {in.k.data() + first * G * D, {n, G, D}};
+    x.v = {in.v.data() + first * G * D, {n, G, D}};
+    x.z_k = {in.z_k.data() + first * G, {n, G}};
+    x.z_q = {in.z_q.data() + first * G, {n, G}};
+    if (in.z_o.extent(0) > 0) x.z_o = {in.z_o.data() + first * H * D, {n, H, D}};
+    const auto d_slot = list(slot), d_start = list(query_start);
+    kokkos_detail::DeviceVector d_out("out", out.size()), d_lse("lse", lse.size());
+    const Status status =
+        ua::step(exec_, cache_, Rows{view(d_slot), view(d_start)}, x,
+                 ua::Options{s_.p, s_.prefill_chunk, s_.evict_before_attention},
+                 TensorView<float, 3>(d_out.data(), {n, H, D}), TensorView<float, 2>(d_lse.data(), {n, H}));
+    exec_.space.fence();
+    Kokkos::deep_copy(HostFloats(out.data(), out.size()), d_out);
+    Kokkos::deep_copy(HostFloats(lse.data(), lse.size()), d_lse);
+    return status;
+  }
+  Status reset_slots(std::span<const std::int32_t> slots) override {
+    const auto d = list(slots);
+    return fenced(ua::reset_slots(exec_, cache_, view(d)));
+  }
+  Status copy_slots(std::span<const std::int32_t> src, std::span<const std::int32_t> dst) override {
+    const auto a = list(src), b = list(dst);
+    return fenced(ua::copy_slots(exec_, cache_, view(a), view(b)));
+  }
+  Status export_slot(std::int32_t slot, std::vector<std::byte>& record) override {
+    exec_.space.fence();
+    record.resize(ua::export_bytes(cache_, slot));
+    return fenced(ua::export_slot(exec_, cache_, slot, std::span<std::byte>(record)));
+  }
+  Status import_slot(std::int32_t slot, std::span<const std::byte> record) override {
+    return fenced(ua::import_slot(exec_, cache_, slot, record));
+  }
+  Status truncate(std::int32_t slot, std::int64_t tokens) override {
+    return fenced(ua::truncate(exec_, cache_, slot, tokens));
+  }
+
+ private:
+  Status fenced(Status status) const {
+    exec_.space.fence();
+    return status;
+  }
+  static IntView list(std::span<const std::int32_t> x) {
+    IntView d(Kokkos::view_alloc(Kokkos::WithoutInitializing, "list"), x.size());
+    Kokkos::deep_copy(d, Kokkos::View<const std::int32_t*, Kokkos::HostSpace, Kokkos::MemoryTraits<Kokkos::Unmanaged>>(
+                             x.data(), x.size()));
+    return d;
+  }
+  static TensorView<const std::int32_t, 1> view(const IntView& d) { return {d.data(), {std::int64_t(d.extent(0))}}; }
+  std::shared_ptr<const KokkosTraceInputs> in_;
+  TraceSpec s_;
+  kokkos_detail::Exec exec_{};
+  kokkos::UaCache<S, kokkos_detail::MemSpace> cache_;
+};
+#endif
+
+// The trace player's view of UA on the chosen backend (see kvm_adapter::trace_mechanism).
+inline trace::Mechanism trace_mechanism(const Options& opt, const Case& c, const trace::Trace& t) {
+  const TraceSpec s = parse_trace_config(t);
+  auto in = std::make_shared<const TraceInputs>(load_trace_inputs(c, s, t.tokens));
+  trace::Mechanism m;
+  m.label = std::string("ua/") + to_string(opt.backend);
+  m.out_width = s.H * s.D;
+  m.lse_width = s.H;
+  m.out_shape_tail = {s.H, s.D};
+  m.lse_shape_tail = {s.H};
+  if (opt.backend == Backend::kHost) {
+#if KVMEM_REPLAY_WITH_HOST_UA
+    const int threads = opt.threads;
+    if (opt.precision == Precision::kBf16)
+      m.make_runner = [in, s, threads](std::int64_t slots) -> std::unique_ptr<trace::SlotRunner> {
+        return std::make_unique<HostSlotRunner<bf16>>(in, s, slots, threads);
+      };
+    else
+      m.make_runner = [in, s, threads](std::int64_t slots) -> std::unique_ptr<trace::SlotRunner> {
+        return std::make_unique<HostSlotRunner<float>>(in, s, slots, threads);
+      };
+    return m;
+#endif
+  }
+#if KVMEM_REPLAY_WITH_KOKKOS_UA && KVMEM_REPLAY_WITH_KOKKOS_SLOTS_UA
+  if (opt.backend == Backend::kKokkos) {
+    if (opt.threads > 0)
+      std::fprintf(stderr, "kvmem-replay: --threads does not apply to the kokkos backend (see KOKKOS_NUM_THREADS)\n");
+    m.keep_alive = std::make_shared<Kokkos::ScopeGuard>();  // Kokkos lives as long as the runners
+    auto dev = std::make_shared<const KokkosTraceInputs>(*in);
+    if (opt.precision == Precision::kBf16)
+      m.make_runner = [dev, s](std::int64_t slots) -> std::unique_ptr<trace::SlotRunner> {
+        return std::make_unique<KokkosSlotRunner<bf16>>(dev, s, slots);
+      };
+    else
+      m.make_runner = [dev, s](std::int64_t slots) -> std::unique_ptr<trace::SlotRunner> {
+        return std::make_unique<KokkosSlotRunner<float>>(dev, s, slots);
+      };
+    return m;
+  }
+#endif
+  throw BadInput(trace::trace_unavailable(opt.backend, "ua", KVMEM_REPLAY_WITH_HOST_UA != 0));
+}
 
 inline std::string skip_reason(const std::string& name, const Case& /*c*/, Backend backend) {
   if (name.rfind("d_", 0) == 0)
