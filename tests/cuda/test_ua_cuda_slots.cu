@@ -894,6 +894,17 @@ TEST_CASE("ua cuda step: a slot that runs out of rows is flagged and skipped whi
   const Alone again = run_alone<float>(b.f, {30}, opt, cap);
   CHECK(relative_frobenius(o, again.out) <= 1e-4);
   CHECK(cache.position(1) == 30);
+  // A row that fills its slot exactly (kept + tokens == capacity) still runs: c holds 21 rows, takes 43
+  HostStep to_capacity;
+  to_capacity.add(2, &c.f, tc, 43, dm, rng);
+  const std::vector<float> o_full = dev.run(cache, to_capacity, opt, nullptr).first;
+  REQUIRE(cache.overflowed(exec, flags).is_ok());
+  CHECK(flags == std::vector<std::int32_t>{0, 0, 0});
+  rows_c.push_back(43);
+  const Alone alone_full = run_alone<float>(c.f, rows_c, opt, cap);
+  const std::vector<float> last(alone_full.out.end() - 43 * H * D, alone_full.out.end());
+  CHECK(relative_frobenius(o_full, last) <= 1e-4);
+  CHECK(cache.position(2) == tc + 43);
 }
 
 // ---- (e) refusals ---------------------------------------------------------------------------------------
