@@ -289,9 +289,9 @@ class State {
     if (ws_ == nullptr)
       return invalid_argument("workspace", "a workspace (State::create, or attach_workspace after place)", "none");
     if (rows > ws_rows_)
-      return {StatusCode::kOutOfRange, "workspace: a call of " + std::to_string(rows) +
-                                           " rows, the attached workspace holds limits.max_rows = " +
-                                           std::to_string(ws_rows_)};
+      return {StatusCode::kOutOfRange,
+              "workspace: a call of " + std::to_string(rows) +
+                  " rows, the attached workspace holds limits.max_rows = " + std::to_string(ws_rows_)};
     return Status::ok();
   }
 
@@ -370,9 +370,7 @@ class State {
   std::int64_t* slots_data() const { return slots_; }
   // Per-work-item results of one call (cov, |S|), written by the item that owns them and folded into
   // the per-sequence counters after every item has joined (workspace). [work items, 2]
-  std::int64_t* item_result() const {
-    return ws_ ? reinterpret_cast<std::int64_t*>(ws_ + wl_.result) : nullptr;
-  }
+  std::int64_t* item_result() const { return ws_ ? reinterpret_cast<std::int64_t*>(ws_ + wl_.result) : nullptr; }
   // The rows of a step that name a slot, in order (workspace). [workspace_rows()]
   std::int64_t* row_list() const { return ws_ ? reinterpret_cast<std::int64_t*>(ws_ + wl_.row_list) : nullptr; }
 

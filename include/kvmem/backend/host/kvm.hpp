@@ -408,6 +408,10 @@ struct Call {
     const Geometry geo = pr.geometry();
     const std::int64_t C = pr.chunk, W = pr.window();
     const ItemView<S, A> it = st.item(b, g, w);
+#if KVMEM_HOST_EIGEN
+    if constexpr (std::is_same_v<A, float>)
+      if (!exact) host::eigen::thread_range_scratch().reserve(st.shape().rep() * C, D(), Dv());
+#endif
     const std::int64_t n0 = st.tokens(b);
     std::int64_t cov = st.covered(b), S_cur = st.slots(b);
     std::vector<UpdateRoute>* routes = log ? &log->items[std::size_t(b * st.shape().Hk + g)] : nullptr;
