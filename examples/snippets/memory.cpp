@@ -73,8 +73,9 @@ kvmem::Status ua_pool(std::vector<float>& out) {
   const std::int64_t H = 4, G = 2, D = 32, tokens = 300;
   // [snippet:ua-pool]
   // One layer: 16 slots, each (slot, KV head) up to 8192 rows, sharing a pool of 512 pages of 16 rows.
-  const kvmem::ua::CacheShape shape{/*slots*/ 16,      H, G, D, /*capacity*/ 8192, /*page_rows*/ 16,
-                                    /*pool_pages*/ 512};
+  kvmem::ua::CacheShape shape{/*slots*/ 16, H, G, D, /*capacity*/ 8192};
+  shape.page_rows = 16;
+  shape.pool_pages = 512;
   const std::size_t cache_bytes = kvmem::ua::cache_layout<kvmem::bf16>(shape).bytes;
   const std::size_t work_bytes = kvmem::ua::workspace_bytes<kvmem::bf16>(shape, {/*max_rows*/ 4});
   Buffer cache_memory(cache_bytes), workspace(work_bytes);
