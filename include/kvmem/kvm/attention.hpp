@@ -15,6 +15,8 @@
 //           slots (core/slots.hpp): row r advances slot[r] by its tokens, padding rows are skipped.
 //   reset_slots, copy_slots, export_bytes, export_slot, import_slot, truncate: the slot operations
 //           (docs/slots.md).
+//   can_run(exec, problem)  whether the backend runs a problem, or why not; the sizes an engine
+//           allocates come from kvm/state.hpp (state_layout, state_bytes, workspace_bytes; docs/memory.md).
 //
 // Shapes (spec 2): q [B,Hq,T,D], k [B,Hk,T,D], v [B,Hk,T,Dv], gate [B,Hk,T], out [B,T,Hq,Dv];
 // a step's inputs are packed token-major: q [tokens,Hq,D], k [tokens,Hk,D], v [tokens,Hk,Dv],

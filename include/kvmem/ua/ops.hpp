@@ -5,8 +5,9 @@
 // rows, DESIGN.md 3), and forward (dense, no cache: output + lse + lambda_last for training-style use).
 // The slot operations (reset_slots, copy_slots, export/import, truncate) are in ua/slots.hpp. Every
 // operation takes the executor first, validates everything (shapes, NaN/Inf, threshold, chunk,
-// capacity) before it touches the cache, and runs one (sequence, kv head) item per worker through the
-// backend's Launcher (backend/host/ua.hpp for kvmem::host::Executor).
+// capacity, workspace) before it touches the cache, and runs one (sequence, kv head) item per worker
+// through the backend's Launcher (backend/host/ua.hpp for kvmem::host::Executor). Item w of a call uses
+// work item w of the cache's workspace; rows take pages from the cache's pool (ua/cache.hpp).
 //
 // Runtime configuration: Options{p, prefill_chunk, evict_before_attention}; p = 0 is dense UA
 // (prune::None) with the same API. Compile-time composition: ua::Attention<DecaySet, Prune, Precision>.
@@ -614,10 +615,12 @@ Status validate_step(const PrunedCache<Storage>& cache, const Rows& rows, const 
 //    outputs as one prefill call of the whole prompt.
 //  - 0 tokens: the slot is not touched. A padding row (slot -1) is skipped.
 // Output rows of padding rows are zeroed (lse too); every other output row is written.
+// Page pool (ua/cache.hpp): a row whose slot found the pool dry in this step, or in an earlier one and
+// was not reset since, gets zero outputs (and lse) and does not advance; the other rows are unaffected.
 // Validation first: shapes, finiteness, options, the rows (core/slots.hpp: slots in range, each at most
-// once), and capacity per row (kept + tokens <= capacity for each kv head of the row's slot); on any
-// error nothing changes. Slots named by no row are untouched, so a full slot refuses only calls that
-// advance it.
+// once), capacity per row (kept + tokens <= capacity for each kv head of the row's slot) and the
+// workspace (at most its max_rows rows that run); on any error nothing changes. Slots named by no row
+// are untouched, so a full slot refuses only calls that advance it. No allocation.
 // out: [tokens,H,D]; lse: [tokens,H] natural log-sum-exp of each softmax row, or empty (not wanted).
 template <DecaySet Set = decay::Universal, class Exec, class Storage>
 Status step(const Exec& exec, PrunedCache<Storage>& cache, const Rows& rows, const PackedInputs& in, const Options& opt,

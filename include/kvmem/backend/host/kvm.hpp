@@ -12,6 +12,10 @@
 // attends. Prefill and decode therefore run the same operations in the same order and agree
 // exactly (spec 6.1), and a prefill equals the chunked driver of spec 4.6.
 //
+// Memory: each work item (a batch row's or a step row's KV head) takes its scratch from the State's
+// workspace (kvm/state.hpp: work item w = active row * Hk + g), so a step needs workspace for its rows
+// that name a slot, checked before anything changes, and allocates nothing.
+//
 // kvm::step runs the same driver per (row, KV head) item over packed token-major inputs (SeqIo
 // gives each item its tokens' addresses in either layout), so a row of a ragged step equals its
 // sequence run alone with prefill, bit for bit on the exact path. The slot operations (reset, copy, export/import,
