@@ -65,6 +65,13 @@ struct InputsOf {
 // Host and Kokkos inputs: float views of caller memory.
 using Inputs = InputsOf<float>;
 
+// Whether the host backend runs a cache of this shape: ok, or a Status with the reason. Sizes come from
+// ua::cache_layout and ua::workspace_bytes (ua/cache.hpp, docs/memory.md).
+template <class Exec>
+Status can_run(const Exec& /*exec*/, const CacheShape& shape) {
+  return PrunedCache<float>::validate_shape(shape);
+}
+
 // Customisation point: a backend specialises Launcher<Executor> with
 //   template <class Body> static void for_each(const Executor&, std::int64_t items, std::int64_t work, Body&& body);
 // running body(item) once for every (sequence, kv head) item; `work` is a rough multiply-add count of
