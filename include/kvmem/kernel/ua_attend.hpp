@@ -117,17 +117,21 @@ KVMEM_HOST_DEVICE inline void attend_block(const BlockArgs<KS, QS, OS, Acc>& a) 
                                nr - skip, D, decay + s * kQueryTile, kQueryTile, query_part);
           s += len;
         }
-      for (std::int64_t e = 0; e < ne; ++e) {
-        const std::int64_t x = a.map(e0 + e);
-        const std::int64_t p = a.pos[x];
-        Acc lam = a.lambda[x];
-        for (std::int64_t i = 0; i < skip && i < nr; ++i)
-          bias[i * kKeyTile + e] = (m0 + i < p) ? negative_infinity<Acc>() : lam;
-        if (nr > skip) {
-          lam = cumulative_decay(lam, p, m0 + skip, decay + e * kQueryTile, nr - skip, bias + skip * kKeyTile + e,
-                                 kKeyTile);
-          if (p <= m_last) a.lambda[x] = lam;  // Λ_{m_last, p}
+      // Entry loops walk runs of physically consecutive rows (one run unless paged), entries in order.
+      for (std::int64_t s = 0; s < ne;) {
+        const std::int64_t len = a.map.run(e0 + s, e0 + ne), x0 = a.map(e0 + s);
+        for (std::int64_t e = s, x = x0; e < s + len; ++e, ++x) {
+          const std::int64_t p = a.pos[x];
+          Acc lam = a.lambda[x];
+          for (std::int64_t i = 0; i < skip && i < nr; ++i)
+            bias[i * kKeyTile + e] = (m0 + i < p) ? negative_infinity<Acc>() : lam;
+          if (nr > skip) {
+            lam = cumulative_decay(lam, p, m0 + skip, decay + e * kQueryTile, nr - skip, bias + skip * kKeyTile + e,
+                                   kKeyTile);
+            if (p <= m_last) a.lambda[x] = lam;  // Λ_{m_last, p}
+          }
         }
+        s += len;
       }
 
       // Online softmax of every (head, row) over this key tile; the r heads share the bias tile.
@@ -136,11 +140,15 @@ KVMEM_HOST_DEVICE inline void attend_block(const BlockArgs<KS, QS, OS, Acc>& a) 
           const QS* qrow = a.q + h * a.q_head_stride + (r0 + i) * a.q_row_stride;
           const Acc* brow = bias + i * kKeyTile;
           Acc block_max = negative_infinity<Acc>();
-          for (std::int64_t e = 0; e < ne; ++e) {
-            logits[e] = brow[e] == negative_infinity<Acc>()
-                            ? negative_infinity<Acc>()
-                            : dot8<Acc>(qrow, a.keys + a.map(e0 + e) * a.key_stride, D) + brow[e];  // scale 1
-            if (logits[e] > block_max) block_max = logits[e];
+          for (std::int64_t s = 0; s < ne;) {
+            const std::int64_t len = a.map.run(e0 + s, e0 + ne);
+            const KS* krow = a.keys + a.map(e0 + s) * a.key_stride;
+            for (std::int64_t e = s; e < s + len; ++e, krow += a.key_stride) {
+              logits[e] = brow[e] == negative_infinity<Acc>() ? negative_infinity<Acc>()
+                                                              : dot8<Acc>(qrow, krow, D) + brow[e];  // scale 1
+              if (logits[e] > block_max) block_max = logits[e];
+            }
+            s += len;
           }
           if (block_max == negative_infinity<Acc>()) continue;
           OnlineSoftmax<Acc> sm;
@@ -150,11 +158,15 @@ KVMEM_HOST_DEVICE inline void attend_block(const BlockArgs<KS, QS, OS, Acc>& a) 
           const Acc rescale = sm.raise_max(block_max);
           if (rescale != Acc(1))
             for (std::int64_t d = 0; d < D; ++d) arow[d] *= rescale;
-          for (std::int64_t e = 0; e < ne; ++e) {
-            const Acc w = sm.accumulate(logits[e]);
-            if (w == Acc(0)) continue;
-            const KS* vrow = a.values + a.map(e0 + e) * a.value_stride;
-            for (std::int64_t d = 0; d < D; ++d) arow[d] += w * load_as<Acc>(vrow[d]);
+          for (std::int64_t s = 0; s < ne;) {
+            const std::int64_t len = a.map.run(e0 + s, e0 + ne);
+            const KS* vrow = a.values + a.map(e0 + s) * a.value_stride;
+            for (std::int64_t e = s; e < s + len; ++e, vrow += a.value_stride) {
+              const Acc w = sm.accumulate(logits[e]);
+              if (w == Acc(0)) continue;
+              for (std::int64_t d = 0; d < D; ++d) arow[d] += w * load_as<Acc>(vrow[d]);
+            }
+            s += len;
           }
           row_max[h * kQueryTile + i] = sm.max;
           row_sum[h * kQueryTile + i] = sm.sum;
