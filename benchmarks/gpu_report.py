@@ -12,6 +12,9 @@ CUDA graph (as kvmem's graph column), and the decode ratios use the faster of th
 
     python3 benchmarks/gpu_report.py --kvm kvm.jsonl [--batch 8] [--heads 32] [--tokens 4096,...]
     python3 benchmarks/gpu_report.py --ua ua.jsonl [--ua-tokens 4096,8192,16384]   (B8 H16 G4 GQA anchors)
+    python3 benchmarks/gpu_report.py --ragged ragged.jsonl   (kvmem_bench_kvm_slots_cuda and
+        kvmem_bench_ua_slots_cuda: one decode step of sequences at their own lengths, against SDPA decode over
+        the same sequences padded to the longest)
 
 --record-dir DIR also writes the JSON of record, DIR/kvm_cuda.json and DIR/ua_cuda.json (schema in
 benchmarks/plot_results.py, which plots them; --command names the command recorded in them).
@@ -92,6 +95,45 @@ def ua_table(path, anchors_by_t, copy_tbs):
             else:
                 line += "| | | | | |"
             print(line)
+
+
+def ragged_table(path):
+    """kvmem's ragged decode step (kvmem_bench_kvm_slots_cuda, kvmem_bench_ua_slots_cuda: one token for each
+    of N sequences at its own length) beside SDPA decode of the same N queries over keys and values padded to the longest sequence:
+    what a dense engine without a ragged kernel reads. Tokens/s = N / step time; the SDPA rows take the
+    faster of plain call and graph replay."""
+    with open(path) as f:
+        runs = [json.loads(line) for line in f if line.strip()]
+    if not runs:
+        return
+    print()
+    print("| variant | sequences | lengths | step ms (plain) | step ms (graph) | tokens/s | x cuDNN padded |")
+    print("|---|---|---|---|---|---|---|")
+    shape_of = lambda r: (r["sequences"], r["heads"], r["kv_heads"], r["longest"])
+    for n, heads, kv_heads, longest in sorted({shape_of(r) for r in runs}):
+        q1 = torch.randn(n, heads, 1, 128, device="cuda", dtype=torch.bfloat16)
+        k, v = (torch.randn(n, kv_heads, longest, 128, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+        anchor_ms = {}
+        for name, backend in (("cudnn", SDPBackend.CUDNN_ATTENTION), ("flash", SDPBackend.FLASH_ATTENTION)):
+            try:
+                dec = timed(lambda: sdpa(backend, q1, k, v, False, kv_heads != heads), reps=20)
+                dec_graph = timed_graph(lambda: sdpa(backend, q1, k, v, False, kv_heads != heads))
+            except RuntimeError as e:  # a backend may refuse the shape or the capture
+                print(f"# {name} padded N={n} T={longest}: {str(e).splitlines()[0]}")
+                dec = dec_graph = float("nan")
+            anchor_ms[name] = (dec, dec_graph)
+        best_cudnn = min((t for t in anchor_ms["cudnn"] if t == t), default=float("nan"))
+        for name, (dec, dec_graph) in anchor_ms.items():
+            best = min((t for t in (dec, dec_graph) if t == t), default=float("nan"))
+            print(f"| SDPA {name} dense, padded | {n} | {longest} each | {dec:.4f} | {dec_graph:.4f} | "
+                  f"{n / (best * 1e-3):.0f} | {best_cudnn / best:.2f} |")
+        for r in (x for x in runs if shape_of(x) == (n, heads, kv_heads, longest)):
+            best = min(r["step_ms"], r["graph_step_ms"])
+            variant = f"KVM {r['budget']}" if "budget" in r else f"UA p={r['p']:g}"  # kvmem_bench_ua_slots_cuda
+            print(f"| kvmem {variant} ragged | {n} | {r['min']}..{r['max']} (longest {longest}) | "
+                  f"{r['step_ms']:.4f} | {r['graph_step_ms']:.4f} | {n / (best * 1e-3):.0f} | {best_cudnn / best:.2f} |")
+        del q1, k, v
+        torch.cuda.empty_cache()
 
 
 RECORDED_ANCHORS = []  # every anchor row measured, for the JSON of record
@@ -196,6 +238,7 @@ def main():
     ap.add_argument("--tokens", default="4096,8192,16384,32768")
     ap.add_argument("--ua", help="JSON lines written by kvmem_bench_ua_cuda --json")
     ap.add_argument("--ua-tokens", default="4096,8192,16384")
+    ap.add_argument("--ragged", help="JSON lines written by kvmem_bench_kvm_slots_cuda --json")
     ap.add_argument("--record-dir", help="write the JSON of record (kvm_cuda.json, ua_cuda.json) here")
     ap.add_argument("--command", default="", help="the command recorded in the JSON of record")
     args = ap.parse_args()
@@ -214,6 +257,8 @@ def main():
             write_record(os.path.join(args.record_dir, "ua_cuda.json"), "ua",
                          dict(heads=16, kv_heads=4, head_dim=128, storage="bf16"), machine, args.command,
                          RECORDED_ANCHORS + ua_record_rows(ua))
+    if args.ragged:
+        ragged_table(args.ragged)
     if not args.kvm:
         return
     RECORDED_ANCHORS.clear()

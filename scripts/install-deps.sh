@@ -2,8 +2,11 @@
 # Installs what kvmem's build, tests and tools need from Debian 12's packages (idempotent: packages
 # already present are not touched). Runs apt-get directly as root, through sudo otherwise.
 # pkgconf: the pkg-config consumer test; dpkg (always on Debian) and cpack (in cmake): the .deb test.
+# python3-torch, libtorch-dev, python3-pytest: the PyTorch ops (python/) and their pytest suites; the
+# build skips them, saying why, where torch is missing.
 set -euo pipefail
-packages=(g++ cmake make catch2 nlohmann-json3-dev libeigen3-dev libtrilinos-kokkos-dev pkgconf clang-format)
+packages=(g++ cmake make catch2 nlohmann-json3-dev libeigen3-dev libtrilinos-kokkos-dev pkgconf clang-format
+          python3-torch libtorch-dev python3-pytest)
 missing=()
 for p in "${packages[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

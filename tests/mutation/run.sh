@@ -4,7 +4,11 @@
 # of the tree, rebuilds the tests the mutant names, runs them, and reports which mutants survive (no
 # test failed). See tests/mutation/README.md.
 #
-#   tests/mutation/run.sh [--only REGEX] [--builds host,kokkos,cuda] [--list FILE] [--keep]
+#   tests/mutation/run.sh [--only REGEX] [--builds host,kokkos,cuda] [--list FILE] [--keep] [--check-list]
+#
+# --check-list only checks that every selected mutant still applies (its file exists and holds the old
+# text at least `occurrence` times) and builds nothing: a fast test of the suite runs it, so a change
+# that removes a mutant's text fails there and the list is updated with the code.
 #
 # Environment: JOBS (build parallelism, default 2), TEST_TIMEOUT (seconds per test executable, default
 # 1200; a timeout counts as caught), MUTATION_SCRATCH (scratch folder, default a new mktemp folder),
@@ -19,13 +23,15 @@ list="$here/mutants.txt"
 only=""
 builds="host,kokkos,cuda"
 keep=0
+check_list=0
 while [[ $# -gt 0 ]]; do
   case "$1" in
     --only) only="$2"; shift 2 ;;
     --builds) builds="$2"; shift 2 ;;
     --list) list="$2"; shift 2 ;;
     --keep) keep=1; shift ;;
-    -h|--help) sed -n '2,15p' "$0"; exit 0 ;;
+    --check-list) check_list=1; shift ;;
+    -h|--help) sed -n '2,19p' "$0"; exit 0 ;;
     *) echo "run.sh: unknown argument $1" >&2; exit 2 ;;
   esac
 done
@@ -46,6 +52,27 @@ EOF
   ids+=("$id"); kinds+=("$kind"); files+=("$file"); occs+=("$occ"); olds+=("$old"); news+=("$new"); tests+=("$tst")
 done < "$list"
 if [[ ${#ids[@]} -eq 0 ]]; then echo "run.sh: no mutant selected" >&2; exit 2; fi
+
+# ---- --check-list: does every mutant still apply? ---------------------------------------------------
+if [[ $check_list -eq 1 ]]; then
+  stale=0
+  for i in "${!ids[@]}"; do
+    if python3 - "$repo/${files[$i]}" "${occs[$i]}" "${olds[$i]}" <<'EOF'
+import os, sys
+path, occ, old = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+found = open(path).read().count(old) if os.path.isfile(path) else -1
+sys.exit(0 if found >= max(occ, 1) else 1)
+EOF
+    then
+      echo "applies   ${ids[$i]}"
+    else
+      echo "STALE     ${ids[$i]}: ${files[$i]} does not hold the old text ${occs[$i]} time(s): update mutants.txt"
+      stale=$((stale + 1))
+    fi
+  done
+  echo "mutation: ${#ids[@]} mutants checked, $stale stale"
+  [[ $stale -eq 0 ]] && exit 0 || exit 1
+fi
 
 # ---- CUDA mutants need a GPU ------------------------------------------------------------------------
 have_gpu=0

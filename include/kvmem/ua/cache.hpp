@@ -13,8 +13,10 @@
 // table[e / page_rows] at row e % page_rows (kernel/ua_rows.hpp). A step takes a page from the free
 // list when an append crosses into a new page, and eviction, which compacts the survivors to the
 // front, returns every page past the survivors at once, so the pool holds exactly
-// Σ ceil(length / page_rows) pages between operations. `pool_pages` sizes the pool (0: every (slot,
-// kv head) can hold `capacity` rows, so it never runs dry). When the pool is dry, the (slot, kv head)
+// Σ ceil(length / page_rows) pages between operations. `pool_pages` sizes the pool. With 0, every
+// (slot, kv head) owns the ceil(capacity / page_rows) consecutive pages it can fill, so its rows are
+// contiguous (the kernels' plain path), nothing is shared and nothing runs dry; the page counts and
+// freed_pages are kept all the same. When a shared pool is dry, the (slot, kv head)
 // that asks for a page sets its slot's overflow flag: that slot's outputs are zeroed, its pages go
 // back to the pool, and later rows naming it are skipped (outputs zeroed) until ua::reset_slots; every
 // other slot goes on working. Which slot overflows when several ask at once depends on the order their
@@ -356,6 +358,12 @@ class PrunedCache {
     float* ws = (ws_ != nullptr && w >= 0 && w < wl_.count)
                     ? reinterpret_cast<float*>(ws_ + wl_.items + std::size_t(w) * wl_.item_bytes)
                     : nullptr;
+    if (static_) {  // the item's own pages, consecutive: contiguous rows from its first page
+      const std::int64_t r0 = it * shape_.pages_per_item() * shape_.page_rows, D = shape_.head_dim;
+      return {keys_ + r0 * D,  values_ + r0 * D, lambda_ + r0,
+              key_logit_ + r0, pos_ + r0,        kernel::ua::RowMap{},
+              &length_[it],    &peak_[it],       ws};
+    }
     return {keys_, values_, lambda_, key_logit_, pos_, map_of(it), &length_[it], &peak_[it], ws};
   }
   ItemView item_view(std::int64_t b, std::int64_t g) { return item_view(b, g, item(b, g)); }
@@ -370,6 +378,12 @@ class PrunedCache {
     std::int64_t& held = held_[it];
     if (held >= need) return true;
     const Lock lock(free_lock_);
+    if (static_) {  // the item's own pages: only the counts move
+      stats_[0] -= need - held;
+      stats_[1] += need - held;
+      held = need;
+      return true;
+    }
     std::int32_t* table = table_ + it * shape_.pages_per_item();
     while (held < need) {
       if (stats_[0] == 0) return false;
@@ -384,6 +398,12 @@ class PrunedCache {
     std::int64_t& held = held_[it];
     if (held <= keep) return;
     const Lock lock(free_lock_);
+    if (static_) {
+      stats_[0] += held - keep;
+      stats_[2] += held - keep;
+      held = keep;
+      return;
+    }
     const std::int32_t* table = table_ + it * shape_.pages_per_item();
     while (held > keep) {
       free_list_[stats_[0]++] = table[--held];
@@ -423,6 +443,7 @@ class PrunedCache {
     std::swap(ws_total_, o.ws_total_);
     std::swap(ws_rows_, o.ws_rows_);
     std::swap(shift_, o.shift_);
+    std::swap(static_, o.static_);
     std::swap(keys_, o.keys_);
     std::swap(values_, o.values_);
     std::swap(lambda_, o.lambda_);
@@ -472,6 +493,7 @@ class PrunedCache {
   template <class T>
   const T* rows_of(T* field, std::int64_t width, std::int64_t b, std::int64_t g, std::vector<T>& buf) const {
     const std::int64_t it = item(b, g), n = length_[it], pr = shape_.page_rows;
+    if (static_) return field + it * shape_.pages_per_item() * pr * width;
     const std::int32_t* table = table_ + it * shape_.pages_per_item();
     bool consecutive = true;
     for (std::int64_t p = 1; p < (n + pr - 1) / pr && consecutive; ++p) consecutive = table[p] == table[0] + p;
@@ -488,6 +510,7 @@ class PrunedCache {
     off_ = cache_detail::offsets<Storage>(s);
     cache_total_ = off_.total;
     shift_ = cache_detail::log2_exact(s.page_rows);
+    static_ = s.pool_pages == 0;
     keys_ = reinterpret_cast<Storage*>(base + off_.keys);
     values_ = reinterpret_cast<Storage*>(base + off_.values);
     lambda_ = reinterpret_cast<float*>(base + off_.lambda);
@@ -514,6 +537,8 @@ class PrunedCache {
     for (std::int64_t i = 0; i < items; ++i) held_[i] = length_[i] = peak_[i] = 0;
     for (std::int64_t b = 0; b < shape_.batch; ++b) counter_[b] = overflow_[b] = 0;
     for (std::int64_t p = 0; p < P; ++p) free_list_[p] = std::int32_t(P - 1 - p);
+    if (static_)  // item i owns pages [i * pages_per_item, (i + 1) * pages_per_item)
+      for (std::int64_t p = 0; p < P; ++p) table_[p] = std::int32_t(p);
     stats_[0] = P;
     stats_[1] = stats_[2] = 0;
   }
@@ -540,6 +565,7 @@ class PrunedCache {
   std::size_t cache_total_ = 0, ws_total_ = 0;
   std::int64_t ws_rows_ = 0;
   int shift_ = 0;
+  bool static_ = false;                // pool_pages == 0: every item owns its pages (contiguous rows, no free list)
   Storage* keys_ = nullptr;            // pool [pages * page_rows, D]
   Storage* values_ = nullptr;          // pool [pages * page_rows, D]
   float* lambda_ = nullptr;            // pool [pages * page_rows]

@@ -6,21 +6,35 @@
 //                                      slot_capacity(budget, geometry, n_ctx) like kvm::State;
 //   kvmem::cuda::kvm_prefill(exec, state, weights, q, k, v, gate, out [, log])
 //   kvmem::cuda::kvm_decode (exec, state, weights, q1, k1, v1, gate1, out1)
-// Views point to device memory; shapes as spec KVM.md 2. All sequences of a state advance together
-// (one shared token count), so every host decision -- which chunk boundary runs an update, how many
-// slots it appends (spec 3.1, closed form) -- depends only on counts known before the call: a prefill
-// or decode is one stream of launches with no host synchronisation and no allocation (KvmState::create
-// allocates and synchronises once). Because the token count lives on the host, a CUDA graph captured
-// from a call replays that call's position: it repeats the same step, it does not advance the state.
-// Values (NaN, g <= 0) are the caller's precondition here: checking them
-// would need a device-to-host round trip per call; shapes and parameters are validated.
+//   kvmem::kvm::step(exec, state, weights, rows, q, k, v, gate, out [, lse])   sequence slots
+//   kvmem::kvm::reset_slots / copy_slots / export_bytes / export_slot / import_slot / truncate
+// Views point to device memory; shapes as spec KVM.md 2.
+//
+// Two ways to drive a state. The fixed-batch calls (kvm_prefill, kvm_decode: the tuned tensor-core
+// kernels) advance all sequences together with one token count kept on the host, so every host
+// decision -- which chunk boundary runs an update, how many slots it appends (spec 3.1, closed form)
+// -- depends only on counts known before the call: a call is one stream of launches with no host
+// synchronisation and no allocation, but a CUDA graph captured from one replays that call's position
+// (it repeats the same step, it does not advance the state).
+// kvm::step (docs/slots.md; kernels in kvm_slots.cuh) keeps per-slot counters in device memory and
+// takes every per-row decision (update, ring write, slot founding) inside its kernels, with launch
+// shapes from the row count, the packed token count and the state's shape only: one CUDA graph
+// captured from a step of a padded batch replays correctly step after step, each replay advancing
+// every slot from its own position. Once a state has run a step or a slot operation its counters are
+// per slot and the fixed-batch calls refuse it (the first such call after fixed-batch calls gives
+// every slot the shared count). KvmState::create allocates and synchronises once; export_slot,
+// import_slot, truncate and the counter reads synchronise (they read counters or host bytes).
+// Values (NaN, g <= 0) are the caller's precondition here: checking them would need a
+// device-to-host round trip per call; shapes and parameters are validated.
 
 #include <cuda_runtime.h>
 
 #include <algorithm>
 #include <array>
 #include <cmath>
+#include <cstddef>
 #include <cstdint>
+#include <span>
 #include <string>
 #include <type_traits>
 #include <utility>
@@ -30,12 +44,16 @@
 #include "kvmem/backend/cuda/kvm_attend_tc.cuh"
 #include "kvmem/backend/cuda/kvm_kernels.cuh"
 #include "kvmem/backend/cuda/kvm_route_tc.cuh"
+#include "kvmem/backend/cuda/kvm_slots.cuh"
 #include "kvmem/core/arena.hpp"
+#include "kvmem/core/slots.hpp"
 #include "kvmem/core/status.hpp"
 #include "kvmem/core/tensor.hpp"
 #include "kvmem/kvm/attention.hpp"
 #include "kvmem/kvm/params.hpp"
+#include "kvmem/kvm/record.hpp"
 #include "kvmem/kvm/schedule.hpp"
+#include "kvmem/kvm/state.hpp"
 
 namespace kvmem::cuda {
 
@@ -181,6 +199,8 @@ struct ReadoutPipeline {
   }
 };
 
+struct SlotAccess;
+
 }  // namespace kvm_detail
 
 template <class S = float, class A = float>
@@ -214,7 +234,7 @@ class KvmState {
     ArenaLayout arena(256);
     struct Offsets {
       std::size_t sk, sv, rho, cnt, khat32, khat, khat_lo, vhat, wk, wv, wg, k0, k0t, kgt, vg, kg, score, rbest, target,
-          partial, counter;
+          partial, counter, slot_n, slot_cov, slot_s, plan, seen, status, update_target;
     } o{};
     constexpr bool kBf16 = std::is_same_v<S, bf16>;
     o.sk = arena.take(I * cap * D * sizeof(A));
@@ -238,6 +258,16 @@ class KvmState {
     o.target = arena.take(I * C * sizeof(int));
     o.partial = arena.take(std::size_t(s.B * s.Hq) * kMaxDecodeSplits * (Dv + 1) * sizeof(A));
     o.counter = arena.take(std::size_t(s.B * s.Hq) * sizeof(int));
+    // sequence slots (kvm::step): per-slot counters, the step plan, the status word, and the budget's
+    // target per update u (first token u C) along the one |S| trajectory every sequence follows
+    const std::int64_t updates = s.n_ctx / p.chunk + 2;
+    o.slot_n = arena.take(std::size_t(s.B) * sizeof(std::int64_t));
+    o.slot_cov = arena.take(std::size_t(s.B) * sizeof(std::int64_t));
+    o.slot_s = arena.take(std::size_t(s.B) * sizeof(std::int64_t));
+    o.plan = arena.take(std::size_t(s.B) * sizeof(kvm_detail::SlotPlan));
+    o.seen = arena.take(std::size_t(s.B) * sizeof(int));
+    o.status = arena.take(4 * sizeof(int));
+    o.update_target = arena.take(std::size_t(updates) * sizeof(std::int64_t));
     // readouts beside the update chain where the readout runs on the tensor cores and the state is no
     // larger than the window (kvm_detail::ReadoutPipeline says why); they need more readout copies
     const bool beside = kBf16 && s.D == s.Dv && (s.D == 64 || s.D == 128) && st.cap_ <= p.window();
@@ -268,6 +298,30 @@ class KvmState {
     d.partial = reinterpret_cast<A*>(base + o.partial);
     d.counter = reinterpret_cast<int*>(base + o.counter);
     d.khat_lo = kBf16 ? reinterpret_cast<bf16*>(base + o.khat_lo) : nullptr;
+    auto& sc = st.sc_;
+    sc.n = reinterpret_cast<std::int64_t*>(base + o.slot_n);
+    sc.cov = reinterpret_cast<std::int64_t*>(base + o.slot_cov);
+    sc.slots = reinterpret_cast<std::int64_t*>(base + o.slot_s);
+    sc.plan = reinterpret_cast<kvm_detail::SlotPlan*>(base + o.plan);
+    sc.seen = reinterpret_cast<int*>(base + o.seen);
+    sc.status = reinterpret_cast<int*>(base + o.status);
+    sc.update_target = reinterpret_cast<const std::int64_t*>(base + o.update_target);
+    sc.B = s.B;
+    sc.n_ctx = s.n_ctx;
+    {
+      std::vector<std::int64_t> target(std::size_t(updates), 0);
+      std::int64_t current = p.chunk;  // |S| at the first update: the C initial slots
+      for (std::int64_t u = 1; u < updates; ++u) {
+        target[std::size_t(u)] = p.budget.slots(p.window() + u * p.chunk, (u + 1) * p.chunk, current);
+        current += std::max<std::int64_t>(0, std::min(target[std::size_t(u)] - current, p.chunk));
+      }
+      KVMEM_RETURN_IF_ERROR(to_status(cudaMemcpy(base + o.update_target, target.data(),
+                                                 target.size() * sizeof(std::int64_t), cudaMemcpyHostToDevice),
+                                      "upload the budget's update targets"));
+      KVMEM_RETURN_IF_ERROR(to_status(cudaMemset(base + o.slot_n, 0, o.plan - o.slot_n), "cudaMemset slot counters"));
+      KVMEM_RETURN_IF_ERROR(to_status(cudaMemset(base + o.seen, 0, std::size_t(s.B) * sizeof(int)), "cudaMemset seen"));
+      KVMEM_RETURN_IF_ERROR(to_status(cudaMemset(base + o.status, 0, 4 * sizeof(int)), "cudaMemset status"));
+    }
     st.khat_copy_[0] = d.khat;
     st.vhat_copy_[0] = d.vhat;
     for (int r = 1; r < kvm_detail::kReadoutCopies && beside; ++r) {
@@ -310,11 +364,15 @@ class KvmState {
   [[nodiscard]] const kvm::Params& params() const { return params_; }
   [[nodiscard]] const kvm::Shape& shape() const { return shape_; }
   [[nodiscard]] std::int64_t capacity() const { return cap_; }
+  // The shared counters of the fixed-batch calls (kvm_prefill / kvm_decode). Once a state is driven by
+  // kvm::step or a slot operation its counters are per slot, on the device: slot_counters reads them.
   [[nodiscard]] std::int64_t tokens() const { return n_; }     // n, shared by every sequence
   [[nodiscard]] std::int64_t covered() const { return cov_; }  // cov
   [[nodiscard]] std::int64_t slots() const { return slots_; }  // |S|
   [[nodiscard]] std::size_t allocated_bytes() const { return memory_.bytes(); }
   [[nodiscard]] const kvm_detail::DeviceState<S, A>& device() const { return dev_; }
+  // Forgets every sequence of the fixed-batch calls (their shared count). A state driven by kvm::step
+  // forgets sequences with kvm::reset_slots instead.
   void reset() { n_ = cov_ = slots_ = 0; }
   // bf16 storage with head dim 64 or 128 routes on the tensor cores. By default each novelty and
   // routing dot is computed from hi/lo bf16 splits of both operands (three products, about fp32
@@ -327,6 +385,66 @@ class KvmState {
   // beside the update chain (kvm_detail::ReadoutPipeline): bf16 storage, head dims 64 or 128, a state
   // no larger than the window.
   [[nodiscard]] bool readouts_beside_updates() const { return pipe_.aux != nullptr; }
+  // True once kvm::step or a slot operation ran: the counters are per slot on the device, and the
+  // fixed-batch kvm_prefill / kvm_decode (one host count for every sequence) refuse the state.
+  [[nodiscard]] bool slot_mode() const { return slot_mode_; }
+
+  // Counters of sequence slot `slot` (n, cov, |S|), read from the device: synchronises the stream.
+  Status slot_counters(const Executor& exec, std::int32_t slot, std::int64_t& n, std::int64_t& cov,
+                       std::int64_t& slots) const {
+    if (!valid()) return invalid_argument("state", "a KvmState made by KvmState::create", "an empty KvmState");
+    if (slot < 0 || slot >= shape_.B)
+      return {StatusCode::kOutOfRange,
+              "slot: expected 0 <= slot < max_slots = " + std::to_string(shape_.B) + ", got " + std::to_string(slot)};
+    if (!slot_mode_) {
+      n = n_, cov = cov_, slots = slots_;
+      return Status::ok();
+    }
+    std::int64_t v[3] = {};
+    KVMEM_RETURN_IF_ERROR(to_status(
+        cudaMemcpyAsync(&v[0], sc_.n + slot, sizeof(std::int64_t), cudaMemcpyDeviceToHost, exec.stream), "read n"));
+    KVMEM_RETURN_IF_ERROR(to_status(
+        cudaMemcpyAsync(&v[1], sc_.cov + slot, sizeof(std::int64_t), cudaMemcpyDeviceToHost, exec.stream), "read cov"));
+    KVMEM_RETURN_IF_ERROR(
+        to_status(cudaMemcpyAsync(&v[2], sc_.slots + slot, sizeof(std::int64_t), cudaMemcpyDeviceToHost, exec.stream),
+                  "read |S|"));
+    KVMEM_RETURN_IF_ERROR(to_status(cudaStreamSynchronize(exec.stream), "slot counters sync"));
+    n = v[0], cov = v[1], slots = v[2];
+    return Status::ok();
+  }
+
+  // kvm::step checks its rows on the device (they live there) and refuses a bad step without
+  // changing the state; the reason stays in the state (and refuses every later step) until this
+  // call reads it: ok, or why the first refused step since the last call was refused. Clears it.
+  // Synchronises the stream.
+  Status step_status(const Executor& exec) {
+    if (!valid()) return invalid_argument("state", "a KvmState made by KvmState::create", "an empty KvmState");
+    int v[3] = {};
+    KVMEM_RETURN_IF_ERROR(
+        to_status(cudaMemcpyAsync(v, sc_.status, sizeof v, cudaMemcpyDeviceToHost, exec.stream), "read step status"));
+    KVMEM_RETURN_IF_ERROR(to_status(cudaStreamSynchronize(exec.stream), "step status sync"));
+    if (v[0] == kvm_detail::kStepOk) return Status::ok();
+    KVMEM_RETURN_IF_ERROR(to_status(cudaMemsetAsync(sc_.status, 0, sizeof v, exec.stream), "clear step status"));
+    KVMEM_RETURN_IF_ERROR(to_status(cudaStreamSynchronize(exec.stream), "step status sync"));
+    const std::string row = "row " + std::to_string(v[1]);
+    switch (v[0]) {
+      case kvm_detail::kStepBadStart:
+        return invalid_argument("query_start", "query_start[0] = 0 and non-decreasing starts",
+                                "query_start[" + std::to_string(v[1]) + "] = " + std::to_string(v[2]));
+      case kvm_detail::kStepBadSlot:
+        return {StatusCode::kOutOfRange, "slot[" + std::to_string(v[1]) +
+                                             "]: expected -1 (padding) or 0 <= slot < max_slots = " +
+                                             std::to_string(shape_.B) + ", got " + std::to_string(v[2])};
+      case kvm_detail::kStepDuplicate:
+        return invalid_argument("slot[" + std::to_string(v[1]) + "]", "a slot used by no other row of the step", v[2]);
+      case kvm_detail::kStepTooLong:
+        return {StatusCode::kOutOfRange,
+                row + " (slot " + std::to_string(v[2]) +
+                    "): its tokens exceed the state's n_ctx = " + std::to_string(shape_.n_ctx)};
+      default:
+        return invalid_argument("query_start[" + std::to_string(v[1]) + "]", "the packed token count", v[2]);
+    }
+  }
 
   // Copies the state of item (b, g) to the host: Sk [S,D], Sv [S,Dv], rho [S] (tests, replay).
   Status download(std::int64_t b, std::int64_t g, std::vector<A>& sk, std::vector<A>& sv, std::vector<A>& rho,
@@ -360,7 +478,11 @@ class KvmState {
                         TensorView<const In, 4>, TensorView<const In, 4>, TensorView<const In, 3>, TensorView<Out, 4>,
                         kvm::RouteLog*);
 
+  friend struct kvm_detail::SlotAccess;
+
   void take(KvmState& o) noexcept {
+    sc_ = std::exchange(o.sc_, kvm_detail::SlotCounters{});
+    slot_mode_ = std::exchange(o.slot_mode_, false);
     params_ = std::exchange(o.params_, kvm::Params{});
     shape_ = std::exchange(o.shape_, kvm::Shape{});
     cap_ = std::exchange(o.cap_, 0);
@@ -393,6 +515,8 @@ class KvmState {
   int live_copy_ = 0;
   DeviceBuffer memory_;
   kvm_detail::DeviceState<S, A> dev_{};
+  kvm_detail::SlotCounters sc_{};  // per-slot counters in device memory (kvm::step, slot operations)
+  bool slot_mode_ = false;         // set by the first step or slot operation (slot_mode())
 };
 
 namespace kvm_detail {
@@ -689,6 +813,9 @@ Status kvm_run(const Executor& exec, KvmState<S, A>& state, const KvmWeights& w,
   if (!state.valid())
     return invalid_argument("state", "a KvmState made by KvmState::create",
                             "an empty (never created or moved-from) KvmState");
+  if (state.slot_mode_)
+    return invalid_argument("state", "a state of the fixed-batch calls (one token count for every sequence)",
+                            "a state driven by kvm::step or slot operations (per-slot counters): use kvm::step");
   const kvm::Shape& sh = state.shape_;
   const kvm::Params& p = state.params_;
   const std::int64_t B = sh.B, T = q.extent(2);
@@ -915,4 +1042,432 @@ Status kvm_decode(const Executor& exec, KvmState<S, A>& state, const KvmWeights&
   return kvm_run(exec, state, w, q, k, v, gate, out, log);
 }
 
+namespace kvm_detail {
+
+// The readout kernel of a launch shape (slot_readout_shape: kRep heads of 1, 2, 4, 8; 4 or 8 registers).
+template <class S, class In, class Out>
+auto slot_readout_kernel_for(const SlotReadoutShape& shape) {
+  if (shape.regs == 4)
+    return shape.rep == 8   ? slot_readout_kernel<S, In, Out, 8, 4>
+           : shape.rep == 4 ? slot_readout_kernel<S, In, Out, 4, 4>
+           : shape.rep == 2 ? slot_readout_kernel<S, In, Out, 2, 4>
+                            : slot_readout_kernel<S, In, Out, 1, 4>;
+  return shape.rep == 4   ? slot_readout_kernel<S, In, Out, 4, 8>
+         : shape.rep == 2 ? slot_readout_kernel<S, In, Out, 2, 8>
+                          : slot_readout_kernel<S, In, Out, 1, 8>;
+}
+
+// The host side of kvm::step and the slot operations on a KvmState (docs/slots.md).
+struct SlotAccess {
+  template <class S, class A>
+  static Status check_state(const KvmState<S, A>& st) {
+    if (!st.valid())
+      return invalid_argument("state", "a KvmState made by KvmState::create",
+                              "an empty (never created or moved-from) KvmState");
+    return Status::ok();
+  }
+
+  static Status check_slot(std::int64_t slot, std::int64_t max_slots) {
+    if (slot < 0 || slot >= max_slots)
+      return {StatusCode::kOutOfRange,
+              "slot: expected 0 <= slot < max_slots = " + std::to_string(max_slots) + ", got " + std::to_string(slot)};
+    return Status::ok();
+  }
+
+  // The first step or slot operation after fixed-batch calls gives every slot their shared counters.
+  template <class S, class A>
+  static Status enter_slot_mode(const Executor& exec, KvmState<S, A>& st) {
+    if (st.slot_mode_) return Status::ok();
+    if (st.n_ > 0) {
+      slot_set_counters_kernel<<<1, 256, 0, exec.stream>>>(st.sc_, 0, st.shape_.B, st.n_, st.cov_, st.slots_);
+      KVMEM_CUDA_RETURN_IF_LAUNCH_FAILED("kvm slot_set_counters_kernel");
+    }
+    st.slot_mode_ = true;
+    return Status::ok();
+  }
+
+  template <class S, class A>
+  static void bind_weights(KvmState<S, A>& st, const KvmWeights& w) {
+    st.dev_.ln_w = w.ln_weight;
+    st.dev_.ln_b = w.ln_bias;
+    st.dev_.tau_s = w.tau_state;
+    st.dev_.tau_w = w.tau_bswa;
+  }
+
+  template <class S, class A, class In, class Out>
+  static Status step(const Executor& exec, KvmState<S, A>& st, const KvmWeights& w, const Rows& rows,
+                     TensorView<const In, 3> q, TensorView<const In, 3> k, TensorView<const In, 3> v,
+                     TensorView<const In, 2> gate, TensorView<Out, 3> out, TensorView<float, 2> lse) {
+    static_assert(std::is_same_v<A, float>, "cuda kvm::step: the accumulate type is float");
+    KVMEM_RETURN_IF_ERROR(check_state(st));
+    const kvm::Shape& sh = st.shape_;
+    const kvm::Params& p = st.params_;
+    const std::int64_t tokens = q.extent(0), R = rows.count();
+    KVMEM_RETURN_IF_ERROR(check_shape(q, {tokens, sh.Hq, sh.D}, "q [tokens,Hq,D]"));
+    KVMEM_RETURN_IF_ERROR(check_shape(k, {tokens, sh.Hk, sh.D}, "k [tokens,Hk,D]"));
+    KVMEM_RETURN_IF_ERROR(check_shape(v, {tokens, sh.Hk, sh.Dv}, "v [tokens,Hk,Dv]"));
+    KVMEM_RETURN_IF_ERROR(check_shape(gate, {tokens, sh.Hk}, "gate [tokens,Hk]"));
+    KVMEM_RETURN_IF_ERROR(check_shape(out, {tokens, sh.Hq, sh.Dv}, "out [tokens,Hq,Dv]"));
+    if (!lse.empty()) KVMEM_RETURN_IF_ERROR(check_shape(lse, {tokens, sh.Hq}, "lse [tokens,Hq]"));
+    if (!q.is_contiguous() || !k.is_contiguous() || !v.is_contiguous() || !gate.is_contiguous() ||
+        !out.is_contiguous() || (!lse.empty() && !lse.is_contiguous()))
+      return invalid_argument("q, k, v, gate, out, lse", "contiguous row-major views", "a strided view");
+    if (rows.query_start.extent(0) != R + 1)
+      return invalid_argument("query_start shape", "[rows + 1] = [" + std::to_string(R + 1) + "]",
+                              shape_string(rows.query_start.extents()));
+    if (!rows.slot.is_contiguous() || !rows.query_start.is_contiguous())
+      return invalid_argument("rows", "contiguous slot and query_start views", "a strided view");
+    if (R > 0 && (rows.slot.data() == nullptr || rows.query_start.data() == nullptr))
+      return invalid_argument("rows", "device pointers for slot and query_start", "nullptr");
+    if (R == 0) return tokens == 0 ? Status::ok() : invalid_argument("tokens", "0 for an empty batch", tokens);
+    if (!w.ln_weight || !w.ln_bias || !w.tau_state || !w.tau_bswa)
+      return invalid_argument("weights", "device pointers for ln_weight, ln_bias, tau_state, tau_bswa", "nullptr");
+    if (sh.Dv > 32 * kSlotReadoutMaxRegs)
+      return {StatusCode::kUnsupported, "cuda kvm::step: Dv must be <= " + std::to_string(32 * kSlotReadoutMaxRegs) +
+                                            ", got " + std::to_string(sh.Dv)};
+    KVMEM_RETURN_IF_ERROR(enter_slot_mode(exec, st));
+    bind_weights(st, w);
+    const DeviceState<S, A>& d = st.dev_;
+    const SlotRows sr{rows.slot.data(), rows.query_start.data(), R};
+    const std::int64_t C = p.chunk;
+    // phases: a row of L tokens spans at most min(L, (L - 1) / C + 2) chunk segments, and L <= tokens
+    const std::int64_t phases = tokens == 0 ? 1 : std::min(tokens, (tokens - 1) / C + 2);
+    const std::size_t update_bytes = slot_update_shared_bytes(C, sh.D);
+    const SlotReadoutShape shape = slot_readout_shape(sh.Hq, sh.Hk, sh.Dv);
+    const std::size_t readout_bytes = shape.shared_bytes(sh.D, sh.Dv);
+    const auto readout = slot_readout_kernel_for<S, In, Out>(shape);
+    KVMEM_RETURN_IF_ERROR(allow_shared(slot_update_kernel<S>, update_bytes));
+    KVMEM_RETURN_IF_ERROR(allow_shared(readout, readout_bytes));
+    for (std::int64_t ph = 0; ph < phases; ++ph) {
+      slot_plan_kernel<<<1, kPlanThreads, 0, exec.stream>>>(st.sc_, sr, tokens, C, p.window(), int(ph));
+      KVMEM_CUDA_RETURN_IF_LAUNCH_FAILED("kvm slot_plan_kernel");
+      slot_update_kernel<S>
+          <<<static_cast<unsigned>(R * sh.Hk), slot_update_threads(C), update_bytes, exec.stream>>>(d, st.sc_, sr);
+      KVMEM_CUDA_RETURN_IF_LAUNCH_FAILED("kvm slot_update_kernel");
+      if (tokens == 0) continue;
+      slot_ingest_kernel<S, In><<<static_cast<unsigned>(tokens), kSlotIngestThreads, 0, exec.stream>>>(
+          d, st.sc_, sr, k.data(), v.data(), gate.data());
+      KVMEM_CUDA_RETURN_IF_LAUNCH_FAILED("kvm slot_ingest_kernel");
+      const dim3 grid(static_cast<unsigned>(tokens), static_cast<unsigned>(sh.Hq / shape.rep));
+      readout<<<grid, 32 * kSlotReadoutWarps, readout_bytes, exec.stream>>>(
+          d, st.sc_, sr, q.data(), out.data(), lse.empty() ? nullptr : lse.data(), ph == 0);
+      KVMEM_CUDA_RETURN_IF_LAUNCH_FAILED("kvm slot_readout_kernel");
+    }
+    return Status::ok();
+  }
+
+  template <class S, class A>
+  static Status reset_slots(const Executor& exec, KvmState<S, A>& st, TensorView<const std::int32_t, 1> slots) {
+    KVMEM_RETURN_IF_ERROR(check_state(st));
+    std::vector<std::int32_t> list;
+    KVMEM_RETURN_IF_ERROR(read_slot_list(slots, "slots", list, exec.stream));
+    const std::int64_t n = std::int64_t(list.size());
+    KVMEM_RETURN_IF_ERROR(check_slot_list(list.data(), n, st.shape_.B, "slots", false));
+    KVMEM_RETURN_IF_ERROR(enter_slot_mode(exec, st));
+    for (std::int64_t i0 = 0; i0 < n; i0 += kSlotListMax) {
+      SlotList part{};
+      part.count = static_cast<int>(std::min<std::int64_t>(kSlotListMax, n - i0));
+      for (int i = 0; i < part.count; ++i) part.a[i] = list[std::size_t(i0 + i)];
+      slot_reset_kernel<<<1, kSlotListMax, 0, exec.stream>>>(st.sc_, part);
+      KVMEM_CUDA_RETURN_IF_LAUNCH_FAILED("kvm slot_reset_kernel");
+    }
+    return Status::ok();
+  }
+
+  template <class T>
+  static Status copy_rows(T* base, std::int64_t per_slot, std::int64_t from, std::int64_t to, cudaStream_t stream) {
+    return to_status(cudaMemcpyAsync(base + to * per_slot, base + from * per_slot, std::size_t(per_slot) * sizeof(T),
+                                     cudaMemcpyDeviceToDevice, stream),
+                     "copy_slots cudaMemcpyAsync");
+  }
+
+  template <class S, class A>
+  static Status copy_slots(const Executor& exec, KvmState<S, A>& st, TensorView<const std::int32_t, 1> src,
+                           TensorView<const std::int32_t, 1> dst) {
+    KVMEM_RETURN_IF_ERROR(check_state(st));
+    if (src.extent(0) != dst.extent(0)) return invalid_argument("dst length", src.extent(0), dst.extent(0));
+    std::vector<std::int32_t> from, to;
+    KVMEM_RETURN_IF_ERROR(read_slot_list(src, "src", from, exec.stream));
+    KVMEM_RETURN_IF_ERROR(read_slot_list(dst, "dst", to, exec.stream));
+    const kvm::Shape& sh = st.shape_;
+    const std::int64_t n = std::int64_t(from.size());
+    KVMEM_RETURN_IF_ERROR(check_copy_pairs(from.data(), to.data(), n, sh.B));
+    KVMEM_RETURN_IF_ERROR(enter_slot_mode(exec, st));
+    const DeviceState<S, A>& d = st.dev_;
+    const std::int64_t cap = st.cap_, W = st.params_.window(), Hk = sh.Hk;
+    // whole slot regions (every KV head's item is contiguous per slot): capacity rows, not only the
+    // |S| in use, since |S| lives on the device
+    for (std::int64_t i = 0; i < n; ++i) {
+      const std::int64_t a = from[std::size_t(i)], b = to[std::size_t(i)];
+      if (a == b) continue;
+      KVMEM_RETURN_IF_ERROR(copy_rows(d.sk, Hk * cap * sh.D, a, b, exec.stream));
+      KVMEM_RETURN_IF_ERROR(copy_rows(d.sv, Hk * cap * sh.Dv, a, b, exec.stream));
+      KVMEM_RETURN_IF_ERROR(copy_rows(d.rho, Hk * cap, a, b, exec.stream));
+      KVMEM_RETURN_IF_ERROR(copy_rows(d.cnt, Hk * cap, a, b, exec.stream));
+      KVMEM_RETURN_IF_ERROR(copy_rows(d.khat, Hk * cap * sh.D, a, b, exec.stream));
+      KVMEM_RETURN_IF_ERROR(copy_rows(d.vhat, Hk * cap * sh.Dv, a, b, exec.stream));
+      KVMEM_RETURN_IF_ERROR(copy_rows(d.wk, Hk * W * sh.D, a, b, exec.stream));
+      KVMEM_RETURN_IF_ERROR(copy_rows(d.wv, Hk * W * sh.Dv, a, b, exec.stream));
+      KVMEM_RETURN_IF_ERROR(copy_rows(d.wg, Hk * W, a, b, exec.stream));
+    }
+    for (std::int64_t i0 = 0; i0 < n; i0 += kSlotListMax) {
+      SlotList part{};
+      part.count = static_cast<int>(std::min<std::int64_t>(kSlotListMax, n - i0));
+      for (int i = 0; i < part.count; ++i) {
+        part.a[i] = from[std::size_t(i0 + i)];
+        part.b[i] = to[std::size_t(i0 + i)];
+      }
+      slot_copy_counters_kernel<<<1, kSlotListMax, 0, exec.stream>>>(st.sc_, part);
+      KVMEM_CUDA_RETURN_IF_LAUNCH_FAILED("kvm slot_copy_counters_kernel");
+    }
+    return Status::ok();
+  }
+
+  // A one-slot host State with this state's parameters and shape: the slot record's codec
+  // (kvm/record.hpp) reads and writes host States, so a CUDA slot is staged through one.
+  template <class S, class A>
+  static Status host_twin(const KvmState<S, A>& st, kvm::State<S, A>& twin) {
+    kvm::Shape one = st.shape_;
+    one.B = 1;
+    return kvm::State<S, A>::create(st.params_, one, twin);
+  }
+
+  template <class S, class A>
+  static Status counters(const Executor& exec, const KvmState<S, A>& st, std::int32_t slot, std::int64_t& n,
+                         std::int64_t& cov, std::int64_t& slots) {
+    return st.slot_counters(exec, slot, n, cov, slots);
+  }
+
+  template <class S, class A>
+  static std::size_t record_bytes(const kvm::State<S, A>& twin, std::int64_t n, std::int64_t cov, std::int64_t slots) {
+    slot_record::Writer w({}, slot_record::Mechanism::kKvm, kvm::record_detail::kFields);
+    kvm::record_detail::write(twin, 0, n, cov, slots, w, true);
+    return w.size();
+  }
+
+  template <class S, class A>
+  static Status export_slot(const Executor& exec, const KvmState<S, A>& st, std::int32_t slot,
+                            std::span<std::byte> bytes) {
+    KVMEM_RETURN_IF_ERROR(check_state(st));
+    KVMEM_RETURN_IF_ERROR(check_slot(slot, st.shape_.B));
+    std::int64_t n = 0, cov = 0, used = 0;
+    KVMEM_RETURN_IF_ERROR(counters(exec, st, slot, n, cov, used));
+    kvm::State<S, A> twin;
+    KVMEM_RETURN_IF_ERROR(host_twin(st, twin));
+    const std::size_t need = record_bytes(twin, n, cov, used);
+    if (bytes.size() < need)
+      return invalid_argument("bytes", ">= export_bytes(state, slot) = " + std::to_string(need), bytes.size());
+    const kvm::Shape& sh = st.shape_;
+    const DeviceState<S, A>& d = st.dev_;
+    const std::int64_t cap = st.cap_, W = st.params_.window();
+    const auto get = [&](auto* to, const auto* from, std::int64_t count) {
+      return to_status(cudaMemcpyAsync(to, from, std::size_t(count) * sizeof(*to), cudaMemcpyDeviceToHost, exec.stream),
+                       "export_slot cudaMemcpyAsync");
+    };
+    for (std::int64_t g = 0; g < sh.Hk; ++g) {
+      const std::int64_t i = std::int64_t(slot) * sh.Hk + g;
+      const auto it = twin.item(0, g);
+      KVMEM_RETURN_IF_ERROR(get(it.sk, d.sk + i * cap * sh.D, used * sh.D));
+      KVMEM_RETURN_IF_ERROR(get(it.sv, d.sv + i * cap * sh.Dv, used * sh.Dv));
+      KVMEM_RETURN_IF_ERROR(get(it.rho, d.rho + i * cap, used));
+      KVMEM_RETURN_IF_ERROR(get(it.cnt, d.cnt + i * cap, used));
+      KVMEM_RETURN_IF_ERROR(get(it.wk, d.wk + i * W * sh.D, W * sh.D));
+      KVMEM_RETURN_IF_ERROR(get(it.wv, d.wv + i * W * sh.Dv, W * sh.Dv));
+      KVMEM_RETURN_IF_ERROR(get(it.wg, d.wg + i * W, W));
+    }
+    KVMEM_RETURN_IF_ERROR(to_status(cudaStreamSynchronize(exec.stream), "export_slot sync"));
+    slot_record::Writer w(bytes.first(need), slot_record::Mechanism::kKvm, kvm::record_detail::kFields);
+    kvm::record_detail::write(twin, 0, n, cov, used, w, false);
+    return Status::ok();
+  }
+
+  template <class S, class A>
+  static Status import_slot(const Executor& exec, KvmState<S, A>& st, const KvmWeights& weights, std::int32_t slot,
+                            std::span<const std::byte> bytes) {
+    KVMEM_RETURN_IF_ERROR(check_state(st));
+    KVMEM_RETURN_IF_ERROR(check_slot(slot, st.shape_.B));
+    if (!weights.ln_weight || !weights.ln_bias || !weights.tau_state || !weights.tau_bswa)
+      return invalid_argument("weights", "device pointers for ln_weight, ln_bias, tau_state, tau_bswa", "nullptr");
+    kvm::State<S, A> twin;
+    KVMEM_RETURN_IF_ERROR(host_twin(st, twin));
+    kvm::record_detail::Parsed<A> rec;
+    KVMEM_RETURN_IF_ERROR(kvm::record_detail::read(twin, bytes, rec));
+    // ---- every check passed: write the slot ----
+    KVMEM_RETURN_IF_ERROR(enter_slot_mode(exec, st));
+    bind_weights(st, weights);
+    const kvm::Shape& sh = st.shape_;
+    const DeviceState<S, A>& d = st.dev_;
+    const std::int64_t cap = st.cap_, W = st.params_.window(), D = sh.D, Dv = sh.Dv, used = rec.slots;
+    const std::int64_t w0 = st.params_.geometry().bswa_begin(rec.n), held = rec.n - w0;
+    std::vector<S> wk(std::size_t(sh.Hk * W * D), store_as<S>(0.0f)),
+        wv(std::size_t(sh.Hk * W * Dv), store_as<S>(0.0f));
+    std::vector<A> wg(std::size_t(sh.Hk * W), A(0));
+    for (std::int64_t g = 0; g < sh.Hk; ++g)
+      for (std::int64_t i = 0; i < held; ++i) {
+        const std::int64_t ring = (w0 + i) % W, at = g * held + i;
+        for (std::int64_t c = 0; c < D; ++c)
+          wk[std::size_t((g * W + ring) * D + c)] = store_as<S>(rec.wk[std::size_t(at * D + c)]);
+        for (std::int64_t c = 0; c < Dv; ++c)
+          wv[std::size_t((g * W + ring) * Dv + c)] = store_as<S>(rec.wv[std::size_t(at * Dv + c)]);
+        wg[std::size_t(g * W + ring)] = rec.wg[std::size_t(at)];
+      }
+    const auto put = [&](auto* to, const auto* from, std::int64_t count) {
+      return to_status(cudaMemcpyAsync(to, from, std::size_t(count) * sizeof(*to), cudaMemcpyHostToDevice, exec.stream),
+                       "import_slot cudaMemcpyAsync");
+    };
+    for (std::int64_t g = 0; g < sh.Hk; ++g) {
+      const std::int64_t i = std::int64_t(slot) * sh.Hk + g;
+      KVMEM_RETURN_IF_ERROR(put(d.sk + i * cap * D, rec.sk.data() + g * used * D, used * D));
+      KVMEM_RETURN_IF_ERROR(put(d.sv + i * cap * Dv, rec.sv.data() + g * used * Dv, used * Dv));
+      KVMEM_RETURN_IF_ERROR(put(d.rho + i * cap, rec.rho.data() + g * used, used));
+      KVMEM_RETURN_IF_ERROR(put(d.cnt + i * cap, rec.cnt.data() + g * used, used));
+    }
+    const std::int64_t s = slot;
+    KVMEM_RETURN_IF_ERROR(put(d.wk + s * sh.Hk * W * D, wk.data(), sh.Hk * W * D));
+    KVMEM_RETURN_IF_ERROR(put(d.wv + s * sh.Hk * W * Dv, wv.data(), sh.Hk * W * Dv));
+    KVMEM_RETURN_IF_ERROR(put(d.wg + s * sh.Hk * W, wg.data(), sh.Hk * W));
+    if (used > 0) {  // the readout copies K^, V^ (spec 4.4), rebuilt as the exporter computed them
+      slot_refresh_kernel<S><<<static_cast<unsigned>(sh.Hk), 128, 0, exec.stream>>>(d, s, used);
+      KVMEM_CUDA_RETURN_IF_LAUNCH_FAILED("kvm slot_refresh_kernel");
+    }
+    slot_set_counters_kernel<<<1, 32, 0, exec.stream>>>(st.sc_, s, 1, rec.n, rec.cov, rec.slots);
+    KVMEM_CUDA_RETURN_IF_LAUNCH_FAILED("kvm slot_set_counters_kernel");
+    return to_status(cudaStreamSynchronize(exec.stream), "import_slot sync");  // the host staging dies here
+  }
+
+  // Whether dropping the last n tokens of a slot of n_old tokens, cov_old covered, is exact: the rule
+  // of the host backend's truncate (no update absorbed a dropped token; the window still holds every
+  // position the shorter sequence reads).
+  static Status truncate_check(const kvm::Geometry& geo, std::int64_t slot, std::int64_t n_old, std::int64_t cov_old,
+                               std::int64_t n) {
+    if (n < 0 || n > n_old)
+      return {StatusCode::kOutOfRange, "truncate n: expected 0 <= n <= tokens of slot " + std::to_string(slot) + " = " +
+                                           std::to_string(n_old) + ", got " + std::to_string(n)};
+    const std::int64_t n_new = n_old - n;
+    if (n == 0 || n_new == 0) return Status::ok();
+    const std::int64_t C = geo.chunk, cov_new = geo.covered(n_new);
+    if (cov_old != cov_new && cov_old > C) {
+      const std::int64_t at = cov_old + geo.window() - C + 1;  // tokens seen when that update ran (spec 4.7)
+      return invalid_argument("truncate n",
+                              "at most " + std::to_string(n_old - at) + ": the state update at token " +
+                                  std::to_string(at) + " absorbed tokens [" + std::to_string(cov_old - C) + ", " +
+                                  std::to_string(cov_old) + ") into the memory slots and cannot be undone (spec 4.5)",
+                              n);
+    }
+    const std::int64_t reads_from = std::min(geo.bswa_begin(n_new + 1), n_new >= C ? cov_new : n_new);
+    if (reads_from < geo.bswa_begin(n_old))
+      return invalid_argument(
+          "truncate n",
+          "a count whose shorter sequence reads only window positions >= " + std::to_string(geo.bswa_begin(n_old)) +
+              " (the positions the window still holds)",
+          std::to_string(n) + " (the shorter sequence reads from position " + std::to_string(reads_from) + ")");
+    return Status::ok();
+  }
+
+  template <class S, class A>
+  static Status truncate(const Executor& exec, KvmState<S, A>& st, std::int32_t slot, std::int64_t n) {
+    KVMEM_RETURN_IF_ERROR(check_state(st));
+    KVMEM_RETURN_IF_ERROR(check_slot(slot, st.shape_.B));
+    std::int64_t n_old = 0, cov_old = 0, used = 0;
+    KVMEM_RETURN_IF_ERROR(counters(exec, st, slot, n_old, cov_old, used));
+    const kvm::Geometry geo = st.params_.geometry();
+    KVMEM_RETURN_IF_ERROR(truncate_check(geo, slot, n_old, cov_old, n));
+    KVMEM_RETURN_IF_ERROR(enter_slot_mode(exec, st));
+    const std::int64_t n_new = n_old - n, cov = geo.covered(n_new);
+    if (cov_old != cov) used = cov;  // initial slots only: one per token (spec 4.3)
+    slot_set_counters_kernel<<<1, 32, 0, exec.stream>>>(st.sc_, slot, 1, n_new, cov, used);
+    KVMEM_CUDA_RETURN_IF_LAUNCH_FAILED("kvm slot_set_counters_kernel");
+    return Status::ok();
+  }
+
+  template <class S, class A>
+  static std::size_t export_bytes(const KvmState<S, A>& st) {
+    kvm::State<S, A> twin;
+    if (!st.valid() || !host_twin(st, twin).is_ok()) return 0;
+    return kvm::export_bytes(twin);
+  }
+
+  template <class S, class A>
+  static std::size_t export_bytes(const KvmState<S, A>& st, std::int32_t slot) {
+    std::int64_t n = 0, cov = 0, used = 0;
+    kvm::State<S, A> twin;
+    if (!st.valid() || !check_slot(slot, st.shape_.B).is_ok() ||
+        !counters(Executor{}, st, slot, n, cov, used).is_ok() || !host_twin(st, twin).is_ok())
+      return 0;
+    return record_bytes(twin, n, cov, used);
+  }
+};
+
+}  // namespace kvm_detail
+
 }  // namespace kvmem::cuda
+
+// ---- kvm::step and the slot operations on the CUDA backend (docs/slots.md) -------------------------
+// The names and argument order of the host backend's (kvm/attention.hpp), for a cuda::KvmState with
+// its weights in device memory (cuda::KvmWeights). Everything a step reads is in device memory: the
+// rows (slot, query_start) and the packed token-major tensors. A step enqueues a fixed sequence of
+// launches that depends only on the row count, the packed token count and the state's shape, and
+// neither allocates nor synchronises: one CUDA graph captured for a padded batch replays step after
+// step, each replay advancing every slot from its own device counters. Rows are checked on the device;
+// a refused step changes nothing and KvmState::step_status says why.
+// The slot lists of reset_slots and copy_slots are in device memory, as on CUDA Universal Attention:
+// each operation reads its lists back once (a synchronisation of exec.stream) so that a bad index
+// returns a Status before anything changes; they are for sequences joining and leaving, not for the
+// inside of a captured step. export_slot, import_slot, truncate and export_bytes(state, slot) read
+// counters or host bytes and synchronise.
+namespace kvmem::kvm {
+
+template <class S, class A, class In, class Out>
+Status step(const cuda::Executor& exec, cuda::KvmState<S, A>& state, const cuda::KvmWeights& weights,
+            const Rows& rows,                 // slot [rows], query_start [rows + 1]  device
+            TensorView<const In, 3> q,        // [tokens,Hq,D]   device
+            TensorView<const In, 3> k,        // [tokens,Hk,D]   device
+            TensorView<const In, 3> v,        // [tokens,Hk,Dv]  device
+            TensorView<const In, 2> gate,     // [tokens,Hk]     device
+            TensorView<Out, 3> out,           // [tokens,Hq,Dv]  device
+            TensorView<float, 2> lse = {}) {  // [tokens,Hq]    device, or empty
+  return cuda::kvm_detail::SlotAccess::step(exec, state, weights, rows, q, k, v, gate, out, lse);
+}
+
+template <class S, class A>
+Status reset_slots(const cuda::Executor& exec, cuda::KvmState<S, A>& state,
+                   TensorView<const std::int32_t, 1> slots) {  // [n] device
+  return cuda::kvm_detail::SlotAccess::reset_slots(exec, state, slots);
+}
+
+template <class S, class A>
+Status copy_slots(const cuda::Executor& exec, cuda::KvmState<S, A>& state,
+                  TensorView<const std::int32_t, 1> src,    // [n] device
+                  TensorView<const std::int32_t, 1> dst) {  // [n] device
+  return cuda::kvm_detail::SlotAccess::copy_slots(exec, state, src, dst);
+}
+
+template <class S, class A>
+std::size_t export_bytes(const cuda::KvmState<S, A>& state) {
+  return cuda::kvm_detail::SlotAccess::export_bytes(state);
+}
+
+// Synchronises the default stream (reads the slot's counters).
+template <class S, class A>
+std::size_t export_bytes(const cuda::KvmState<S, A>& state, std::int32_t slot) {
+  return cuda::kvm_detail::SlotAccess::export_bytes(state, slot);
+}
+
+template <class S, class A>
+Status export_slot(const cuda::Executor& exec, const cuda::KvmState<S, A>& state, std::int32_t slot,
+                   std::span<std::byte> bytes) {  // host
+  return cuda::kvm_detail::SlotAccess::export_slot(exec, state, slot, bytes);
+}
+
+template <class S, class A>
+Status import_slot(const cuda::Executor& exec, cuda::KvmState<S, A>& state, const cuda::KvmWeights& weights,
+                   std::int32_t slot, std::span<const std::byte> bytes) {  // host
+  return cuda::kvm_detail::SlotAccess::import_slot(exec, state, weights, slot, bytes);
+}
+
+template <class S, class A>
+Status truncate(const cuda::Executor& exec, cuda::KvmState<S, A>& state, std::int32_t slot, std::int64_t n) {
+  return cuda::kvm_detail::SlotAccess::truncate(exec, state, slot, n);
+}
+
+}  // namespace kvmem::kvm

@@ -1,0 +1,212 @@
+// SPDX-License-Identifier: Apache-2.0
+// KV Means sequence slots on the CUDA backend: a ragged decode step (kvm::step, one token for each of
+// --sequences slots, each at its own position; lengths drawn uniformly from [--min, --max], seeded) at
+// H32 D128 bf16, run plainly and replayed from one captured CUDA graph, for --steps consecutive steps
+// (the state updates of the sequences that cross a chunk boundary included). Prints ms per step and
+// tokens/s, and writes a JSON line per budget (--json FILE).
+//
+//   kvmem_bench_kvm_slots_cuda [--sequences 64] [--heads 32] [--kv-heads 32] [--min 1024] [--max 32768]
+//                              [--steps 256] [--seed 1] [--budget fixed-256|16sqrtN] [--json out.jsonl]
+//
+// The slots are filled by importing synthetic records (counters of a sequence of that length, its
+// memory and window zero): a decode step's cost depends on how many slots and window keys it reads,
+// not on their values.
+
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstddef>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <random>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "cuda_bench_support.cuh"
+#include "kvmem/backend/cuda.hpp"
+#include "kvmem/kvmem.hpp"
+
+namespace {
+
+using kvmem::bf16;
+using kvmem::TensorView;
+using kvmem::bench::Buffer;
+using kvmem::bench::fill;
+
+__global__ void gate_kernel(bf16* x, std::int64_t n) {  // g = 1 + elu(z) > 0
+  for (std::int64_t i = blockIdx.x * std::int64_t(blockDim.x) + threadIdx.x; i < n;
+       i += std::int64_t(gridDim.x) * blockDim.x) {
+    const float z = float(x[i]);
+    x[i] = bf16(z > 0 ? 1 + z : expf(z));
+  }
+}
+
+struct Options {
+  std::int64_t sequences = 64, heads = 32, kv_heads = 32, min_len = 1024, max_len = 32768, steps = 256;
+  std::uint64_t seed = 1;
+  std::string budget;
+  const char* json = nullptr;
+};
+
+void run(const std::string& name, kvmem::budget::Any budget, const Options& o, std::FILE* json) {
+  const std::int64_t R = o.sequences, H = o.heads, Hk = o.kv_heads, D = 128;
+  kvmem::kvm::Params p;  // paper defaults: C = 256, nb = 2, S = 1, r = 64
+  p.budget = budget;
+  const kvmem::kvm::Shape shape{R, H, Hk, D, D, o.max_len + 2 * o.steps + 8};
+  kvmem::cuda::KvmState<bf16> state;
+  CHECK_STATUS(kvmem::cuda::KvmState<bf16>::create(p, shape, state));
+  std::vector<float> ones(std::size_t(std::max(D, H)), 1.0f), zeros(std::size_t(D), 0.0f);
+  Buffer<float> w{std::size_t(D)}, bias{std::size_t(D)}, ts{std::size_t(H)}, tw{std::size_t(H)};
+  CHECK_CUDA(cudaMemcpy(w.ptr, ones.data(), D * 4, cudaMemcpyHostToDevice));
+  CHECK_CUDA(cudaMemcpy(bias.ptr, zeros.data(), D * 4, cudaMemcpyHostToDevice));
+  CHECK_CUDA(cudaMemcpy(ts.ptr, ones.data(), H * 4, cudaMemcpyHostToDevice));
+  CHECK_CUDA(cudaMemcpy(tw.ptr, ones.data(), H * 4, cudaMemcpyHostToDevice));
+  const kvmem::cuda::KvmWeights weights{w.ptr, bias.ptr, ts.ptr, tw.ptr};
+  const kvmem::cuda::Executor exec{};
+  // lengths and synthetic records: a host one-slot state with the counters of a sequence of length L
+  std::mt19937_64 rng(o.seed);
+  std::vector<std::int64_t> lengths;
+  double mean = 0;
+  {
+    kvmem::kvm::Shape one = shape;
+    one.B = 1;
+    kvmem::kvm::State<bf16, float> twin;
+    CHECK_STATUS((kvmem::kvm::State<bf16, float>::create(p, one, twin)));
+    const kvmem::kvm::Geometry geo = p.geometry();
+    for (std::int64_t s = 0; s < R; ++s) {
+      const std::int64_t L = std::uniform_int_distribution<std::int64_t>(o.min_len, o.max_len)(rng);
+      lengths.push_back(L);
+      mean += double(L) / double(R);
+      twin.n_data()[0] = L;
+      twin.cov_data()[0] = geo.covered(L);
+      twin.slots_data()[0] = kvmem::kvm::slots_after(p.budget, geo, L);
+      for (std::int64_t g = 0; g < Hk; ++g) {  // zero memory and window (exact in bf16, finite LN)
+        const auto it = twin.item(0, g);
+        std::fill(it.sk, it.sk + state.capacity() * D, 0.0f);
+        std::fill(it.sv, it.sv + state.capacity() * D, 0.0f);
+        std::fill(it.rho, it.rho + state.capacity(), 0.0f);
+        std::fill(it.cnt, it.cnt + state.capacity(), 1.0f);
+        std::fill(it.wk, it.wk + p.window() * D, bf16(0.0f));
+        std::fill(it.wv, it.wv + p.window() * D, bf16(0.0f));
+        std::fill(it.wg, it.wg + p.window(), 1.0f);
+      }
+      std::vector<std::byte> bytes(kvmem::kvm::export_bytes(twin, 0));
+      CHECK_STATUS(kvmem::kvm::export_slot(kvmem::host::Executor{}, twin, 0, std::span<std::byte>(bytes)));
+      CHECK_STATUS(kvmem::kvm::import_slot(exec, state, weights, std::int32_t(s), std::span<const std::byte>(bytes)));
+    }
+  }
+  // the decode batch: row r = slot r, one token each
+  std::vector<std::int32_t> slot(static_cast<std::size_t>(R)), start(static_cast<std::size_t>(R + 1));
+  for (std::int64_t r = 0; r <= R; ++r) {
+    if (r < R) slot[std::size_t(r)] = std::int32_t(r);
+    start[std::size_t(r)] = std::int32_t(r);
+  }
+  Buffer<std::int32_t> dslot{std::size_t(R)}, dstart{std::size_t(R + 1)};
+  CHECK_CUDA(cudaMemcpy(dslot.ptr, slot.data(), slot.size() * 4, cudaMemcpyHostToDevice));
+  CHECK_CUDA(cudaMemcpy(dstart.ptr, start.data(), start.size() * 4, cudaMemcpyHostToDevice));
+  Buffer<bf16> q{std::size_t(R * H * D)}, k{std::size_t(R * Hk * D)}, v{std::size_t(R * Hk * D)},
+      g{std::size_t(R * Hk)};
+  Buffer<float> out{std::size_t(R * H * D)}, lse{std::size_t(R * H)};
+  fill(q.ptr, R * H * D, 1);
+  fill(k.ptr, R * Hk * D, 2);
+  fill(v.ptr, R * Hk * D, 3);
+  fill(g.ptr, R * Hk, 4);
+  gate_kernel<<<64, 256>>>(g.ptr, R * Hk);
+  CHECK_CUDA(cudaGetLastError());
+  cudaStream_t stream;
+  CHECK_CUDA(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  const kvmem::cuda::Executor on{stream};
+  const kvmem::Rows rows{TensorView<const std::int32_t, 1>(dslot.ptr, {R}),
+                         TensorView<const std::int32_t, 1>(dstart.ptr, {R + 1})};
+  const auto step = [&] {
+    return kvmem::kvm::step(on, state, weights, rows, TensorView<const bf16, 3>(q.ptr, {R, H, D}),
+                            TensorView<const bf16, 3>(k.ptr, {R, Hk, D}), TensorView<const bf16, 3>(v.ptr, {R, Hk, D}),
+                            TensorView<const bf16, 2>(g.ptr, {R, Hk}), TensorView<float, 3>(out.ptr, {R, H, D}),
+                            TensorView<float, 2>(lse.ptr, {R, H}));
+  };
+  cudaEvent_t e0, e1;
+  CHECK_CUDA(cudaEventCreate(&e0));
+  CHECK_CUDA(cudaEventCreate(&e1));
+  for (int i = 0; i < 4; ++i) CHECK_STATUS(step());
+  const std::int64_t plain_steps = o.steps - 4;
+  CHECK_CUDA(cudaEventRecord(e0, stream));
+  for (std::int64_t i = 0; i < plain_steps; ++i) CHECK_STATUS(step());
+  CHECK_CUDA(cudaEventRecord(e1, stream));
+  CHECK_CUDA(cudaEventSynchronize(e1));
+  float plain_ms = 0;
+  CHECK_CUDA(cudaEventElapsedTime(&plain_ms, e0, e1));
+  cudaGraph_t graph;
+  cudaGraphExec_t instance;
+  CHECK_CUDA(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
+  CHECK_STATUS(step());
+  CHECK_CUDA(cudaStreamEndCapture(stream, &graph));
+  CHECK_CUDA(cudaGraphInstantiate(&instance, graph, 0));
+  CHECK_CUDA(cudaEventRecord(e0, stream));
+  for (std::int64_t i = 0; i < o.steps; ++i) CHECK_CUDA(cudaGraphLaunch(instance, stream));
+  CHECK_CUDA(cudaEventRecord(e1, stream));
+  CHECK_CUDA(cudaEventSynchronize(e1));
+  float graph_ms = 0;
+  CHECK_CUDA(cudaEventElapsedTime(&graph_ms, e0, e1));
+  CHECK_STATUS(state.step_status(on));
+  const double plain = plain_ms / double(plain_steps), replay = graph_ms / double(o.steps);
+  std::printf("%-10s %4lld seqs H%lld/%lld mean len %7.0f  step %8.4f ms (%9.0f tok/s)  graph %8.4f ms (%9.0f tok/s)\n",
+              name.c_str(), (long long)R, (long long)H, (long long)Hk, mean, plain, double(R) / plain * 1e3, replay,
+              double(R) / replay * 1e3);
+  if (json != nullptr)
+    std::fprintf(json,
+                 "{\"bench\":\"kvm_slots_cuda_decode\",\"budget\":\"%s\",\"sequences\":%lld,\"heads\":%lld,"
+                 "\"kv_heads\":%lld,\"min\":%lld,\"max\":%lld,\"longest\":%lld,\"mean_len\":%.1f,"
+                 "\"steps\":%lld,\"step_ms\":%.6f,\"graph_step_ms\":%.6f,\"tokens_per_s\":%.1f,"
+                 "\"graph_tokens_per_s\":%.1f}\n",
+                 name.c_str(), (long long)R, (long long)H, (long long)Hk, (long long)o.min_len, (long long)o.max_len,
+                 (long long)*std::max_element(lengths.begin(), lengths.end()), mean, (long long)o.steps, plain, replay,
+                 double(R) / plain * 1e3, double(R) / replay * 1e3);
+  CHECK_CUDA(cudaGraphExecDestroy(instance));
+  CHECK_CUDA(cudaGraphDestroy(graph));
+  CHECK_CUDA(cudaEventDestroy(e0));
+  CHECK_CUDA(cudaEventDestroy(e1));
+  CHECK_CUDA(cudaStreamDestroy(stream));
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  Options o;
+  for (int i = 1; i + 1 < argc; i += 2) {
+    const std::string a = argv[i];
+    if (a == "--sequences")
+      o.sequences = std::atoll(argv[i + 1]);
+    else if (a == "--heads")
+      o.heads = std::atoll(argv[i + 1]);
+    else if (a == "--kv-heads")
+      o.kv_heads = std::atoll(argv[i + 1]);
+    else if (a == "--min")
+      o.min_len = std::atoll(argv[i + 1]);
+    else if (a == "--max")
+      o.max_len = std::atoll(argv[i + 1]);
+    else if (a == "--steps")
+      o.steps = std::max<std::int64_t>(8, std::atoll(argv[i + 1]));
+    else if (a == "--seed")
+      o.seed = std::strtoull(argv[i + 1], nullptr, 10);
+    else if (a == "--budget")
+      o.budget = argv[i + 1];
+    else if (a == "--json")
+      o.json = argv[i + 1];
+    else {
+      std::fprintf(stderr, "unknown option %s\n", a.c_str());
+      return 2;
+    }
+  }
+  if (kvmem::cuda::device_count() == 0) {
+    std::printf("SKIPPED: no CUDA device visible\n");
+    return 0;
+  }
+  std::FILE* json = o.json ? std::fopen(o.json, "a") : nullptr;
+  if (o.budget.empty() || o.budget == "fixed-256") run("fixed-256", kvmem::budget::Fixed{}, o, json);
+  if (o.budget.empty() || o.budget == "16sqrtN") run("16sqrtN", kvmem::budget::Power{}, o, json);
+  if (json != nullptr) std::fclose(json);
+  return 0;
+}

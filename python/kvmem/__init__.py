@@ -1,0 +1,213 @@
+# SPDX-License-Identifier: Apache-2.0
+"""kvmem for PyTorch: KV Means and Universal Attention caches as custom ops.
+
+Importing the package loads the op library (``torch.ops.kvmem``); the functions below are typed
+wrappers around those ops. CPU tensors run on kvmem's host backend.
+
+Layouts (docs/integration.md): inputs of a step are packed token-major, the rows of a ragged batch
+given by ``slot`` (int32 ``[rows]``, -1 = padding row) and ``query_start`` (int32 ``[rows + 1]``):
+
+========  =====================  ==========================================================
+tensor    shape                  meaning
+========  =====================  ==========================================================
+q         [tokens, Hq, D]        post-RoPE queries
+k         [tokens, Hk, D]        post-RoPE keys (UA: unit-norm before RoPE)
+v         [tokens, Hk, Dv]       values (UA: Dv = D)
+gate      [tokens, Hk]           KVM merge gate, > 0
+z_k, z_q  [tokens, Hk]           UA key-gate and query-side gate logits
+out       [tokens, Hq, Dv]       per-head attention output
+lse       [tokens, Hq]           natural log-sum-exp of each softmax row
+========  =====================  ==========================================================
+
+A state (``kvm_create`` / ``ua_create``) holds ``max_slots`` sequence slots of one layer. Every op
+validates its arguments before it changes anything; a refused call raises ``ValueError``
+(invalid argument), ``IndexError`` (index out of range) or ``RuntimeError`` with kvmem's message and
+leaves the state unchanged.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import List, NamedTuple, Optional, Sequence, Tuple, Union
+
+import torch
+
+__all__ = [
+    "Fixed", "Power", "Saturating", "KvmWeights", "State",
+    "kvm_create", "kvm_state_bytes", "ua_create", "kvm_step", "ua_step",
+    "reset_slots", "copy_slots", "export_slot", "import_slot", "truncate", "library_path",
+]
+
+
+def library_path() -> str:
+    """Path of the op library: $KVMEM_TORCH_LIBRARY, else libkvmem_torch.so beside this file."""
+    env = os.environ.get("KVMEM_TORCH_LIBRARY")
+    if env:
+        return env
+    return os.path.join(os.path.dirname(os.path.abspath(__file__)), "libkvmem_torch.so")
+
+
+torch.ops.load_library(library_path())
+_ops = torch.ops.kvmem
+
+#: A layer's state: ``torch.classes.kvmem.State``. Methods: ``mechanism()`` ("kvm" or "ua"),
+#: ``max_slots()``, ``tokens(slot)`` (tokens the slot's sequence has seen), ``allocated_bytes()``,
+#: ``export_bytes(slot)`` (size of that slot's record now).
+State = torch.ScriptObject
+
+
+# ---- KV Means budgets (docs/slots.md, spec KVM.md 3.1) ------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class Fixed:
+    """A fixed number of memory slots per sequence and KV head ("KVM-256")."""
+    count: int = 256
+    maximum: int = 2_560_000
+
+    def _spec(self) -> Tuple[str, List[float]]:
+        return "fixed", [float(self.count), float(self.maximum)]
+
+
+@dataclasses.dataclass(frozen=True)
+class Power:
+    """``max(factor * N**exponent, minimum)`` memory slots after N tokens ("16·√N")."""
+    factor: float = 16.0
+    exponent: float = 0.5
+    minimum: int = 256
+    round_down: int = 1
+    maximum: int = 2_560_000
+
+    def _spec(self) -> Tuple[str, List[float]]:
+        return "power", [self.factor, self.exponent, float(self.minimum), float(self.round_down),
+                         float(self.maximum)]
+
+
+@dataclasses.dataclass(frozen=True)
+class Saturating:
+    """``max(saturation * N / (saturation + N), minimum)`` memory slots after N tokens."""
+    saturation: float = 1024.0
+    minimum: int = 1
+    maximum: int = 2_560_000
+    round_down: int = 1
+
+    def _spec(self) -> Tuple[str, List[float]]:
+        return "saturating", [self.saturation, float(self.minimum), float(self.maximum),
+                              float(self.round_down)]
+
+
+Budget = Union[Fixed, Power, Saturating]
+
+
+class KvmWeights(NamedTuple):
+    """KV Means' learned parameters (float32, CPU): ``ln_weight``, ``ln_bias`` [D] (the LN_s affine),
+    ``tau_state``, ``tau_bswa`` [Hq] (temperatures of memory-slot and window logits)."""
+    ln_weight: torch.Tensor
+    ln_bias: torch.Tensor
+    tau_state: torch.Tensor
+    tau_bswa: torch.Tensor
+
+    @staticmethod
+    def identity(head_dim: int, q_heads: int) -> "KvmWeights":
+        """LN_s weight 1, bias 0 and unit temperatures."""
+        return KvmWeights(torch.ones(head_dim), torch.zeros(head_dim), torch.ones(q_heads),
+                          torch.ones(q_heads))
+
+
+# ---- create --------------------------------------------------------------------------------------
+
+def kvm_create(max_slots: int, q_heads: int, kv_heads: int, head_dim: int, value_dim: int, n_ctx: int, *,
+               chunk: int = 256, window_chunks: int = 2, sink: int = 1, rope_dims: int = 64,
+               budget: Budget = Fixed(), scale: float = 0.0) -> State:
+    """A KV Means state of ``max_slots`` sequence slots, each holding up to ``n_ctx`` tokens.
+
+    ``chunk`` (C) and ``window_chunks`` (nb): the window keeps the last nb·C exact keys; ``sink``: memory
+    slots never merged into; ``rope_dims``: leading key channels zeroed before LN_s; ``budget``: how
+    many memory slots exist after N tokens; ``scale``: the logit scale (0 = 1/sqrt(head_dim)).
+    Storage is float32. The state owns its memory (``state.allocated_bytes()``)."""
+    kind, args = budget._spec()
+    return _ops.kvm_create(max_slots, q_heads, kv_heads, head_dim, value_dim, n_ctx, chunk, window_chunks, sink,
+                           rope_dims, kind, args, scale)
+
+
+def kvm_state_bytes(max_slots: int, q_heads: int, kv_heads: int, head_dim: int, value_dim: int, n_ctx: int, *,
+                    chunk: int = 256, window_chunks: int = 2, sink: int = 1, rope_dims: int = 64,
+                    budget: Budget = Fixed(), scale: float = 0.0) -> int:
+    """Bytes ``kvm_create`` with the same arguments allocates (0 if they are invalid): size memory
+    for the worst case before the first token."""
+    kind, args = budget._spec()
+    return _ops.kvm_state_bytes(max_slots, q_heads, kv_heads, head_dim, value_dim, n_ctx, chunk, window_chunks,
+                                sink, rope_dims, kind, args, scale)
+
+
+def ua_create(max_slots: int, q_heads: int, kv_heads: int, head_dim: int, capacity: int) -> State:
+    """A Universal Attention cache of ``max_slots`` sequence slots, each keeping up to ``capacity``
+    entries per KV head (a row that could exceed it is refused: kept + new tokens <= capacity)."""
+    return _ops.ua_create(max_slots, q_heads, kv_heads, head_dim, capacity)
+
+
+# ---- steps ---------------------------------------------------------------------------------------
+
+def kvm_step(state: State, weights: KvmWeights, slot: torch.Tensor, query_start: torch.Tensor,
+             q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gate: torch.Tensor, *,
+             exact: bool = False) -> Tuple[torch.Tensor, torch.Tensor]:
+    """One KV Means step over a ragged batch of sequence slots; returns ``(out, lse)``.
+
+    Row r runs the tokens ``query_start[r]:query_start[r+1]`` of the sequence in ``slot[r]`` and
+    advances that slot; a padding row (-1) is skipped and its outputs are zero. A row computes what a
+    prefill of its tokens on that sequence alone computes. ``exact=True`` takes the scalar paths that
+    make this bitwise (the default allows faster tile products, equal within float32 rounding)."""
+    return _ops.kvm_step(state, list(weights), slot, query_start, q, k, v, gate, exact)
+
+
+def ua_step(state: State, slot: torch.Tensor, query_start: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+            v: torch.Tensor, z_k: torch.Tensor, z_q: torch.Tensor, z_o: Optional[torch.Tensor] = None, *,
+            p: float = 0.0, prefill_chunk: int = 128,
+            evict_before_attention: bool = True) -> Tuple[torch.Tensor, torch.Tensor]:
+    """One Universal Attention step over a ragged batch of sequence slots; returns ``(out, lse)``.
+
+    A one-token row is a decode step, a longer row a chunked prefill (chunks of ``prefill_chunk``
+    counted from the row's first token) that continues the slot. ``p`` is the pruning threshold: keys
+    whose accumulated decay falls below ln p are evicted for good (0 = dense UA). ``z_o``
+    [tokens, Hq, D] is an optional output gate. Token i of row r sits at position
+    ``state.tokens(slot[r]) + i``, which the caller uses for RoPE."""
+    return _ops.ua_step(state, slot, query_start, q, k, v, z_k, z_q, z_o, p, prefill_chunk,
+                        evict_before_attention)
+
+
+# ---- slot operations (the same names and argument order for both mechanisms) -----------------------
+
+def _slots(x: Union[torch.Tensor, Sequence[int]]) -> torch.Tensor:
+    return x if isinstance(x, torch.Tensor) else torch.tensor(list(x), dtype=torch.int32)
+
+
+def reset_slots(state: State, slots: Union[torch.Tensor, Sequence[int]]) -> None:
+    """Forgets the sequences in ``slots`` (int32 tensor or a list of ints); they restart at 0 tokens."""
+    _ops.reset_slots(state, _slots(slots))
+
+
+def copy_slots(state: State, src: Union[torch.Tensor, Sequence[int]],
+               dst: Union[torch.Tensor, Sequence[int]]) -> None:
+    """Fork: slot ``dst[i]`` becomes a copy of ``src[i]`` and continues bit for bit like it (beam
+    search, n > 1 sampling, a shared prefix). Destinations are distinct and none is another pair's
+    source."""
+    _ops.copy_slots(state, _slots(src), _slots(dst))
+
+
+def export_slot(state: State, slot: int) -> torch.Tensor:
+    """The sequence in ``slot`` as a versioned byte record (uint8 tensor, magic ``KVMEMSLT``) that
+    ``import_slot`` of any backend reads back."""
+    return _ops.export_slot(state, slot)
+
+
+def import_slot(state: State, weights: Optional[KvmWeights], slot: int, record: torch.Tensor) -> None:
+    """Replaces ``slot`` with an exported record. KV Means needs its ``weights`` (the readout copies
+    are rebuilt with them); pass ``None`` for a Universal Attention cache. A record whose version,
+    mechanism, parameters or shapes differ from this state's is refused, naming the field."""
+    _ops.import_slot(state, [] if weights is None else list(weights), slot, record)
+
+
+def truncate(state: State, slot: int, n: int) -> None:
+    """Drops the last ``n`` tokens of ``slot`` when that is exact, and refuses otherwise with the
+    reason (KVM: tokens a state update absorbed; UA: anything but 0 or all tokens)."""
+    _ops.truncate(state, slot, n)
