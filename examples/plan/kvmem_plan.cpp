@@ -1,10 +1,12 @@
 // SPDX-License-Identifier: Apache-2.0
-// kvmem-plan: how much KV-cache memory a model needs at a context length, for a full cache and for
-// each KV Means budget (fixed 256, 16 sqrt N, saturating 1024). The state sizes come from the same
-// closed-form schedule the library allocates with.
+// kvmem-plan: how much KV-cache memory a model needs at a context length, for a full cache, for each
+// KV Means budget (fixed 256, 16 sqrt N, saturating 1024) and for a Universal Attention page pool that
+// evicts nothing. Every allocated size comes from the functions the library allocates with
+// (kvm::state_layout, kvm::workspace_bytes, ua::cache_layout; plan.hpp), and a test checks that states
+// created for these rows hold exactly these bytes.
 //
-//   kvmem-plan [--layers 32] [--kv-heads 8] [--head-dim 128] [--value-dim D] [--dtype bf16]
-//              [--context 32768] [--batch 1] [--chunk 256] [--window-chunks 2]
+//   kvmem-plan [--layers 32] [--q-heads 32] [--kv-heads 8] [--head-dim 128] [--value-dim D]
+//              [--dtype bf16] [--context 32768] [--batch 1] [--chunk 256] [--window-chunks 2]
 
 #include <cstdint>
 #include <cstdio>
@@ -12,23 +14,18 @@
 #include <cstring>
 #include <string>
 
-#include "kvmem/kvm/schedule.hpp"
-#include "kvmem/policy/budget.hpp"
+#include "plan.hpp"
 
 namespace {
 
-struct Options {
-  std::int64_t layers = 32, kv_heads = 8, head_dim = 128, value_dim = -1, context = 32768, batch = 1;
-  std::int64_t chunk = 256, window_chunks = 2;
-  std::string dtype = "bf16";
-};
+using Options = kvmem::plan::Config;
 
 int usage(const char* problem) {
   if (problem) std::fprintf(stderr, "kvmem-plan: %s\n", problem);
   std::fprintf(
       stderr,
-      "usage: kvmem-plan [--layers L] [--kv-heads H] [--head-dim D] [--value-dim Dv] [--dtype bf16|fp16|fp32]\n"
-      "                  [--context N] [--batch B] [--chunk C] [--window-chunks nb]\n");
+      "usage: kvmem-plan [--layers L] [--q-heads Hq] [--kv-heads H] [--head-dim D] [--value-dim Dv]\n"
+      "                  [--dtype bf16|fp16|fp32] [--context N] [--batch B] [--chunk C] [--window-chunks nb]\n");
   return 2;
 }
 
@@ -64,6 +61,8 @@ int main(int argc, char** argv) {
     std::int64_t* target = nullptr;
     if (arg == "--layers")
       target = &opt.layers;
+    else if (arg == "--q-heads")
+      target = &opt.q_heads;
     else if (arg == "--kv-heads")
       target = &opt.kv_heads;
     else if (arg == "--head-dim")
@@ -86,49 +85,35 @@ int main(int argc, char** argv) {
     }
     if (!parse_int(value, *target)) return usage((arg + " needs a positive integer, got '" + value + "'").c_str());
   }
-  double elem = 0;
-  if (opt.dtype == "bf16" || opt.dtype == "fp16")
-    elem = 2;
-  else if (opt.dtype == "fp32")
-    elem = 4;
-  else
+  if (opt.dtype != "bf16" && opt.dtype != "fp16" && opt.dtype != "fp32")
     return usage(("--dtype must be bf16, fp16 or fp32, got '" + opt.dtype + "'").c_str());
   if (opt.value_dim < 0) opt.value_dim = opt.head_dim;
+  if (opt.q_heads % opt.kv_heads != 0) return usage("--q-heads must be a multiple of --kv-heads");
+  const std::vector<kvmem::plan::Row> rows = kvmem::plan::rows(opt);
+  if (rows.empty()) return usage("these parameters make no valid KV Means state (is --chunk <= 256?)");
 
-  const double heads = static_cast<double>(opt.batch * opt.layers * opt.kv_heads);
-  const double row = static_cast<double>(opt.head_dim + opt.value_dim) * elem;  // one key + value
-  const double full = heads * static_cast<double>(opt.context) * row;
-  const kvmem::kvm::Geometry geo{opt.chunk, opt.window_chunks};
-  // Per (sequence, layer, KV head): slot rows (summed key + value, storage dtype) with an fp32 radius,
-  // and the window ring of exact keys/values with an fp32 merge gate per token.
-  const double window_tokens = static_cast<double>(std::min(opt.context, geo.window()));
-  const double window_bytes = window_tokens * (row + 4.0);
-
-  std::printf("kvmem-plan: %lld layers x %lld KV heads, head dim %lld (values %lld), %s, batch %lld, context %lld\n",
-              static_cast<long long>(opt.layers), static_cast<long long>(opt.kv_heads),
-              static_cast<long long>(opt.head_dim), static_cast<long long>(opt.value_dim), opt.dtype.c_str(),
-              static_cast<long long>(opt.batch), static_cast<long long>(opt.context));
+  std::printf(
+      "kvmem-plan: %lld layers x %lld KV heads (%lld query heads), head dim %lld (values %lld), %s, batch %lld, "
+      "context %lld\n",
+      static_cast<long long>(opt.layers), static_cast<long long>(opt.kv_heads), static_cast<long long>(opt.q_heads),
+      static_cast<long long>(opt.head_dim), static_cast<long long>(opt.value_dim), opt.dtype.c_str(),
+      static_cast<long long>(opt.batch), static_cast<long long>(opt.context));
   std::printf("KV Means geometry: chunk %lld, window %lld chunks (%lld exact keys)\n\n",
               static_cast<long long>(opt.chunk), static_cast<long long>(opt.window_chunks),
-              static_cast<long long>(geo.window()));
-  std::printf("%-26s %10s %14s %10s\n", "cache", "slots", "memory", "vs full");
-  std::printf("%-26s %10lld %14s %9.2fx\n", "full KV cache", static_cast<long long>(opt.context), human(full).c_str(),
-              1.0);
-
-  struct Named {
-    const char* name;
-    kvmem::budget::Any budget;
-  };
-  const Named budgets[] = {{"KVM fixed 256", kvmem::budget::Fixed{256}},
-                           {"KVM power 16*sqrt(N)", kvmem::budget::Power{16.0, 0.5, 256}},
-                           {"KVM saturating 1024", kvmem::budget::Saturating{1024.0, 1}}};
-  for (const auto& b : budgets) {
-    const std::int64_t slots = kvmem::kvm::slots_after(b.budget, geo, opt.context);
-    const double bytes = heads * (static_cast<double>(slots) * (row + 4.0) + window_bytes);
-    std::printf("%-26s %10lld %14s %9.2fx\n", b.name, static_cast<long long>(slots), human(bytes).c_str(),
-                full / bytes);
-  }
+              static_cast<long long>(opt.chunk * opt.window_chunks));
+  std::printf("%-24s %9s %12s %12s %12s %14s %9s\n", "cache", "rows", "kept", "allocated", "workspace",
+              "per (seq, KVh)", "vs full");
+  const double full = rows.front().state_bytes;
+  for (const auto& r : rows)
+    std::printf("%-24s %9lld %12s %12s %12s %14s %8.2fx\n", r.name.c_str(), static_cast<long long>(r.rows),
+                human(r.kept_bytes).c_str(), human(r.state_bytes).c_str(), human(r.workspace_bytes).c_str(),
+                human(r.per_item_bytes).c_str(), full / r.state_bytes);
   std::printf(
-      "\n'vs full' = full-cache bytes / KVM bytes (slots + window, per-slot radius and per-token gate included).\n");
+      "\nkept = bytes of what the cache holds at the context length (KVM: slot sums, radius, count in fp32,\n"
+      "readout copies and window in the dtype; UA: keys, values and 16 bytes of lambda, gate logit, position\n"
+      "per row). allocated = the persistent bytes every layer allocates (kvm::state_bytes, ua::cache_layout).\n"
+      "workspace = one per-step workspace for --batch rows, shared by the layers. per (seq, KVh) = allocated\n"
+      "bytes per (sequence, KV head) of one layer. vs full = full KV cache bytes / allocated. A UA pool sized\n"
+      "for the kept rows holds ceil(kept / 16) pages per (sequence, KV head); see docs/memory.md.\n");
   return 0;
 }

@@ -9,6 +9,7 @@
 #include "kvmem/backend/host/ua.hpp"
 #include "kvmem/core/config.hpp"
 #include "kvmem/core/math.hpp"
+#include "kvmem/core/memory.hpp"
 #include "kvmem/core/numeric.hpp"
 #include "kvmem/core/softmax.hpp"
 #include "kvmem/core/status.hpp"

@@ -55,22 +55,33 @@ inline Status validate_rows(const std::int32_t* slot, const std::int32_t* query_
     return invalid_argument("slot, query_start", "non-null pointers for " + std::to_string(rows) + " rows", "nullptr");
   if (rows == 0) return tokens == 0 ? Status::ok() : invalid_argument("tokens", "0 for an empty batch", tokens);
   if (query_start[0] != 0) return invalid_argument("query_start[0]", 0, query_start[0]);
-  std::vector<bool> seen(static_cast<std::size_t>(max_slots), false);
+  // Steps do not allocate (DESIGN.md 3): slots seen so far in a bit set on the stack when max_slots
+  // fits it, else by comparing with the earlier rows; messages are built only on failure.
+  constexpr std::int64_t kBitSlots = 8192;
+  std::uint64_t seen[kBitSlots / 64] = {};
   for (std::int64_t r = 0; r < rows; ++r) {
-    const std::string at = detail::indexed("", r);
     if (query_start[r + 1] < query_start[r])
       return invalid_argument(
-          "query_start" + at,
+          "query_start" + detail::indexed("", r),
           "<= query_start[" + std::to_string(r + 1) + "] = " + std::to_string(query_start[r + 1]) + " (non-decreasing)",
           query_start[r]);
     const std::int32_t s = slot[r];
     if (s == -1) continue;
     if (s < -1 || s >= max_slots)
-      return {StatusCode::kOutOfRange, "slot" + at + ": expected -1 (padding) or 0 <= slot < max_slots = " +
+      return {StatusCode::kOutOfRange, "slot" + detail::indexed("", r) +
+                                           ": expected -1 (padding) or 0 <= slot < max_slots = " +
                                            std::to_string(max_slots) + ", got " + std::to_string(s)};
-    if (seen[static_cast<std::size_t>(s)])
-      return invalid_argument("slot" + at, "a slot used by no earlier row of this step", s);
-    seen[static_cast<std::size_t>(s)] = true;
+    bool repeated = false;
+    if (max_slots <= kBitSlots) {
+      std::uint64_t& word = seen[s / 64];
+      const std::uint64_t bit = std::uint64_t(1) << (s % 64);
+      repeated = (word & bit) != 0;
+      word |= bit;
+    } else {
+      for (std::int64_t e = 0; e < r && !repeated; ++e) repeated = slot[e] == s;
+    }
+    if (repeated)
+      return invalid_argument("slot" + detail::indexed("", r), "a slot used by no earlier row of this step", s);
   }
   if (query_start[rows] != tokens)
     return invalid_argument("query_start[" + std::to_string(rows) + "]",

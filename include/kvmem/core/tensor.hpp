@@ -9,6 +9,7 @@
 #include <cstdint>
 #include <sstream>
 #include <string>
+#include <string_view>
 #include <type_traits>
 
 #include "kvmem/core/config.hpp"
@@ -114,10 +115,12 @@ class TensorView {
 
 // Checks that `view` has exactly `expected` extents; the message names the argument and both shapes.
 template <class T, std::size_t Rank>
-Status check_shape(const TensorView<T, Rank>& view, const Extents<Rank>& expected, const std::string& name) {
+// The name is a view, so a check that passes builds no string (steps do not allocate, DESIGN.md 3).
+Status check_shape(const TensorView<T, Rank>& view, const Extents<Rank>& expected, std::string_view name) {
   if (view.extents() != expected)
-    return invalid_argument(name + " shape", shape_string(expected), shape_string(view.extents()));
-  if (view.size() > 0 && view.data() == nullptr) return invalid_argument(name, "a non-null pointer", "nullptr");
+    return invalid_argument(std::string(name) + " shape", shape_string(expected), shape_string(view.extents()));
+  if (view.size() > 0 && view.data() == nullptr)
+    return invalid_argument(std::string(name), "a non-null pointer", "nullptr");
   return Status::ok();
 }
 

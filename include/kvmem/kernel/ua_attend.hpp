@@ -21,6 +21,7 @@
 #include "kvmem/core/numeric.hpp"
 #include "kvmem/core/softmax.hpp"
 #include "kvmem/kernel/ua_decay.hpp"
+#include "kvmem/kernel/ua_rows.hpp"
 
 namespace kvmem::kernel::ua {
 
@@ -52,6 +53,9 @@ struct BlockArgs {
   const Acc* key_logit = nullptr;     // [n], z_k of each entry
   const std::int64_t* pos = nullptr;  // [n], absolute positions, ascending
   std::int64_t n = 0;
+  // Entry e sits at row map(e) of keys, values, lambda, key_logit and pos (kernel/ua_rows.hpp); the
+  // default is contiguous rows.
+  RowMap map{};
   std::int64_t through = -1;  // λ already includes the decay of every position <= through
   // The block's query positions.
   std::int64_t first = 0, rows = 0;
@@ -97,26 +101,37 @@ KVMEM_HOST_DEVICE inline void attend_block(const BlockArgs<KS, QS, OS, Acc>& a) 
       row_sum[x] = Acc(0);
     }
 
-    for (std::int64_t e0 = 0; e0 < a.n && a.pos[e0] <= m_last; e0 += kKeyTile) {
+    for (std::int64_t e0 = 0; e0 < a.n && a.pos[a.map(e0)] <= m_last; e0 += kKeyTile) {
       std::int64_t ne = (a.n - e0) < kKeyTile ? (a.n - e0) : kKeyTile;
-      while (ne > 0 && a.pos[e0 + ne - 1] > m_last) --ne;  // entries beyond the tile are all masked
+      while (ne > 0 && a.pos[a.map(e0 + ne - 1)] > m_last) --ne;  // entries beyond the tile are all masked
 
-      // Bias tile: Λ_{m, pos_e} for the tile's rows (spec UA.md 4.2), then λ moves to row m_last.
+      // Bias tile: Λ_{m, pos_e} for the tile's rows (spec UA.md 4.2), then λ moves to row m_last. The
+      // decay rows are computed run by run of physically consecutive entries (one run unless paged);
+      // each entry's row depends on that entry only, so the runs do not change a bit.
       if (nr > skip)
-        decay_tile<Set, Acc>(a.keys + e0 * a.key_stride, a.key_stride, a.key_logit + e0, a.pos + e0, ne,
-                             a.new_keys + (r0 + skip) * a.new_key_stride, a.new_key_stride,
-                             a.query_logit + (r0 + skip) * a.query_logit_stride, a.query_logit_stride, m0 + skip,
-                             nr - skip, D, decay, kQueryTile, query_part);
-      for (std::int64_t e = 0; e < ne; ++e) {
-        const std::int64_t p = a.pos[e0 + e];
-        Acc lam = a.lambda[e0 + e];
-        for (std::int64_t i = 0; i < skip && i < nr; ++i)
-          bias[i * kKeyTile + e] = (m0 + i < p) ? negative_infinity<Acc>() : lam;
-        if (nr > skip) {
-          lam = cumulative_decay(lam, p, m0 + skip, decay + e * kQueryTile, nr - skip, bias + skip * kKeyTile + e,
-                                 kKeyTile);
-          if (p <= m_last) a.lambda[e0 + e] = lam;  // Λ_{m_last, p}
+        for (std::int64_t s = 0; s < ne;) {
+          const std::int64_t len = a.map.run(e0 + s, e0 + ne), x = a.map(e0 + s);
+          decay_tile<Set, Acc>(a.keys + x * a.key_stride, a.key_stride, a.key_logit + x, a.pos + x, len,
+                               a.new_keys + (r0 + skip) * a.new_key_stride, a.new_key_stride,
+                               a.query_logit + (r0 + skip) * a.query_logit_stride, a.query_logit_stride, m0 + skip,
+                               nr - skip, D, decay + s * kQueryTile, kQueryTile, query_part);
+          s += len;
         }
+      // Entry loops walk runs of physically consecutive rows (one run unless paged), entries in order.
+      for (std::int64_t s = 0; s < ne;) {
+        const std::int64_t len = a.map.run(e0 + s, e0 + ne), x0 = a.map(e0 + s);
+        for (std::int64_t e = s, x = x0; e < s + len; ++e, ++x) {
+          const std::int64_t p = a.pos[x];
+          Acc lam = a.lambda[x];
+          for (std::int64_t i = 0; i < skip && i < nr; ++i)
+            bias[i * kKeyTile + e] = (m0 + i < p) ? negative_infinity<Acc>() : lam;
+          if (nr > skip) {
+            lam = cumulative_decay(lam, p, m0 + skip, decay + e * kQueryTile, nr - skip, bias + skip * kKeyTile + e,
+                                   kKeyTile);
+            if (p <= m_last) a.lambda[x] = lam;  // Λ_{m_last, p}
+          }
+        }
+        s += len;
       }
 
       // Online softmax of every (head, row) over this key tile; the r heads share the bias tile.
@@ -125,11 +140,15 @@ KVMEM_HOST_DEVICE inline void attend_block(const BlockArgs<KS, QS, OS, Acc>& a) 
           const QS* qrow = a.q + h * a.q_head_stride + (r0 + i) * a.q_row_stride;
           const Acc* brow = bias + i * kKeyTile;
           Acc block_max = negative_infinity<Acc>();
-          for (std::int64_t e = 0; e < ne; ++e) {
-            logits[e] = brow[e] == negative_infinity<Acc>()
-                            ? negative_infinity<Acc>()
-                            : dot8<Acc>(qrow, a.keys + (e0 + e) * a.key_stride, D) + brow[e];  // scale 1
-            if (logits[e] > block_max) block_max = logits[e];
+          for (std::int64_t s = 0; s < ne;) {
+            const std::int64_t len = a.map.run(e0 + s, e0 + ne);
+            const KS* krow = a.keys + a.map(e0 + s) * a.key_stride;
+            for (std::int64_t e = s; e < s + len; ++e, krow += a.key_stride) {
+              logits[e] = brow[e] == negative_infinity<Acc>() ? negative_infinity<Acc>()
+                                                              : dot8<Acc>(qrow, krow, D) + brow[e];  // scale 1
+              if (logits[e] > block_max) block_max = logits[e];
+            }
+            s += len;
           }
           if (block_max == negative_infinity<Acc>()) continue;
           OnlineSoftmax<Acc> sm;
@@ -139,11 +158,15 @@ KVMEM_HOST_DEVICE inline void attend_block(const BlockArgs<KS, QS, OS, Acc>& a) 
           const Acc rescale = sm.raise_max(block_max);
           if (rescale != Acc(1))
             for (std::int64_t d = 0; d < D; ++d) arow[d] *= rescale;
-          for (std::int64_t e = 0; e < ne; ++e) {
-            const Acc w = sm.accumulate(logits[e]);
-            if (w == Acc(0)) continue;
-            const KS* vrow = a.values + (e0 + e) * a.value_stride;
-            for (std::int64_t d = 0; d < D; ++d) arow[d] += w * load_as<Acc>(vrow[d]);
+          for (std::int64_t s = 0; s < ne;) {
+            const std::int64_t len = a.map.run(e0 + s, e0 + ne);
+            const KS* vrow = a.values + a.map(e0 + s) * a.value_stride;
+            for (std::int64_t e = s; e < s + len; ++e, vrow += a.value_stride) {
+              const Acc w = sm.accumulate(logits[e]);
+              if (w == Acc(0)) continue;
+              for (std::int64_t d = 0; d < D; ++d) arow[d] += w * load_as<Acc>(vrow[d]);
+            }
+            s += len;
           }
           row_max[h * kQueryTile + i] = sm.max;
           row_sum[h * kQueryTile + i] = sm.sum;

@@ -12,6 +12,7 @@
 
 #include "kvmem/core/config.hpp"
 #include "kvmem/core/numeric.hpp"
+#include "kvmem/kernel/ua_rows.hpp"
 
 namespace kvmem::kernel::ua {
 
@@ -56,6 +57,33 @@ KVMEM_HOST_DEVICE inline std::int64_t evict_and_compact(KS* keys, KS* values, st
       lambda[kept] = lambda[e];
       key_logit[kept] = key_logit[e];
       pos[kept] = pos[e];
+    }
+    ++kept;
+  }
+  return kept;
+}
+
+// The same over entries at rows map(e) (kernel/ua_rows.hpp, a paged cache): survivors move down to
+// the lowest logical rows in order, exactly as above. Returns the number of survivors.
+// keys, values: rows row_stride apart; lambda, key_logit, pos: indexed by row
+template <class KS, class Acc>
+KVMEM_HOST_DEVICE inline std::int64_t evict_and_compact(const RowMap& map, KS* keys, KS* values,
+                                                        std::int64_t row_stride, Acc* lambda, Acc* key_logit,
+                                                        std::int64_t* pos, std::int64_t n, std::int64_t D,
+                                                        double log_p) {
+  std::int64_t kept = 0;
+  for (std::int64_t e = 0; e < n; ++e) {
+    const std::int64_t x = map(e);
+    if (evicts(lambda[x], log_p)) continue;  // evicted for good (λ never increases)
+    if (kept != e) {
+      const std::int64_t y = map(kept);
+      for (std::int64_t d = 0; d < D; ++d) {
+        keys[y * row_stride + d] = keys[x * row_stride + d];
+        values[y * row_stride + d] = values[x * row_stride + d];
+      }
+      lambda[y] = lambda[x];
+      key_logit[y] = key_logit[x];
+      pos[y] = pos[x];
     }
     ++kept;
   }

@@ -15,6 +15,8 @@
 //           slots (core/slots.hpp): row r advances slot[r] by its tokens, padding rows are skipped.
 //   reset_slots, copy_slots, export_bytes, export_slot, import_slot, truncate: the slot operations
 //           (docs/slots.md).
+//   can_run(exec, problem)  whether the backend runs a problem, or why not; the sizes an engine
+//           allocates come from kvm/state.hpp (state_layout, state_bytes, workspace_bytes; docs/memory.md).
 //
 // Shapes (spec 2): q [B,Hq,T,D], k [B,Hk,T,D], v [B,Hk,T,Dv], gate [B,Hk,T], out [B,T,Hq,Dv];
 // a step's inputs are packed token-major: q [tokens,Hq,D], k [tokens,Hk,D], v [tokens,Hk,Dv],
@@ -71,6 +73,18 @@ Status check_call_shapes(const Shape& sh, const TensorView<const In, 4>& q,  // 
 // Customisation point: backends specialise Backend<Executor> with static prefill().
 template <class Executor>
 struct Backend;
+
+// Whether `exec`'s backend runs `problem`: ok, or a Status with the reason (invalid parameters or
+// shape first, then what the backend itself cannot do, when it says so through a static
+// Backend<Executor>::can_run(problem)). Sizes come from state_layout / workspace_bytes (kvm/state.hpp).
+template <class Executor>
+Status can_run(const Executor& /*exec*/, const Problem& problem) {
+  KVMEM_RETURN_IF_ERROR(validate(problem.params, problem.shape));
+  if constexpr (requires { Backend<Executor>::can_run(problem); })
+    return Backend<Executor>::can_run(problem);
+  else
+    return Status::ok();
+}
 
 template <class Executor, class S, class A, class In, class Out>
 Status prefill(const Executor& exec, State<S, A>& state, const Weights& weights,
@@ -208,7 +222,13 @@ struct Attention {
   [[nodiscard]] Status make_state(const Shape& shape, state_type& out) const {
     return state_type::create(params, shape, out);
   }
-  [[nodiscard]] std::size_t state_bytes(const Shape& shape) const { return state_type::bytes_required(params, shape); }
+  // Persistent bytes of a state for `shape` (kvm::state_bytes), and the per-step workspace (kvm::workspace_bytes).
+  [[nodiscard]] std::size_t state_bytes(const Shape& shape) const {
+    return kvm::state_bytes<storage_type, accumulate_type>({params, shape});
+  }
+  [[nodiscard]] std::size_t workspace_bytes(const Shape& shape, const Limits& limits = {}) const {
+    return kvm::workspace_bytes<storage_type, accumulate_type>({params, shape}, limits);
+  }
 
   template <class Executor, class In, class Out>
   Status prefill(const Executor& exec, state_type& state, const Weights& w, TensorView<const In, 4> q,

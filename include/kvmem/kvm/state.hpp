@@ -1,17 +1,24 @@
 // SPDX-License-Identifier: Apache-2.0
 #pragma once
-// KVM cache state (spec KVM.md 2, 4.3, 4.7). Per sequence and KV head it keeps
+// KVM cache state (spec KVM.md 2, 4.3, 4.7), in two parts (DESIGN.md 3, caller-owned memory).
+// Persistent, per sequence slot and KV head (one contiguous block per (slot, KV head) item):
 //   - the raw summed slot keys Sk [cap,D] and values Sv [cap,Dv], radius rho and merge count cnt
 //     [cap], in the accumulate type (they are sums: rounding them to bf16 every merge would drift);
 //   - the readout copies K^ = LN_s(Sk) [cap,D] and V^ [cap,Dv] in the storage type (what every query
 //     reads; refreshed only when a slot changes, once per chunk);
 //   - the window ring: raw post-RoPE k [W,D], v [W,Dv] in storage type and g [W], W = nb*C,
 //     position p at p mod W;
-//   - a workspace for one update and one query block, so prefill/decode never allocate;
-// and per sequence the tokens seen n, the tokens summarised cov and |S|.
+// and per slot the tokens seen n, the tokens summarised cov and |S|.
+// Workspace, per step: the learned weights in Acc, and per work item of the step (a row's KV head) the
+// scratch of one update and one query block (k0, kg, vg, scores, targets, LN rows, q block,
+// accumulators, softmax states) plus the item's result counters. Nothing of it outlives a call, so an
+// engine sizes it for its largest step (workspace_bytes) and may share it between layers that never run
+// at the same time.
 //
 // Capacity comes from slot_capacity(budget, geometry, n_ctx) (spec 3.1), so an engine allocates once.
-// The state is either owning (create) or placed over caller memory (place, bytes_required).
+// The sizes are closed-form (state_layout, state_bytes, workspace_bytes); the state is owning (create:
+// state and a workspace for max_slots rows in one allocation) or placed over caller memory (place, then
+// attach_workspace), and no operation allocates.
 
 #include <algorithm>
 #include <cstddef>
@@ -22,6 +29,7 @@
 #include <string>
 
 #include "kvmem/core/arena.hpp"
+#include "kvmem/core/memory.hpp"
 #include "kvmem/core/numeric.hpp"
 #include "kvmem/core/softmax.hpp"
 #include "kvmem/core/status.hpp"
@@ -30,7 +38,15 @@
 
 namespace kvmem::kvm {
 
-// Pointers of one (sequence, KV head); all rows contiguous.
+// One layer's cache problem: parameters and shape (Shape::B = max_slots, Shape::n_ctx the longest
+// context a slot holds).
+struct Problem {
+  Params params{};
+  Shape shape{};
+};
+
+// Pointers of one (sequence, KV head); all rows contiguous. The workspace fields belong to the work
+// item the pointers were taken for (nullptr when the state has no workspace for it).
 template <class Storage, class Acc>
 struct ItemView {
   Acc* sk;        // [cap, D]
@@ -55,13 +71,130 @@ struct ItemView {
   OnlineSoftmax<Acc>* soft;  // [rep*C]
 };
 
+// Persistent bytes of a state (DESIGN.md 3): per (slot, KV head) item one block of item_bytes; per
+// slot its KV heads' items and three int64 counters. bytes is what state_bytes returns and what place
+// needs: max_slots * Hk * item_bytes plus the counter arrays, each array aligned to `alignment`.
+struct StateLayout {
+  std::size_t item_bytes = 0;  // one (slot, KV head): slots, readout copies, window ring
+  std::size_t slot_bytes = 0;  // Hk * item_bytes + the slot's counters (n, cov, |S|)
+  std::size_t bytes = 0;       // the whole state
+  std::size_t alignment = kMemoryAlign;
+};
+
+namespace state_detail {
+
+// Offsets inside one item block of the persistent part.
+struct ItemOffsets {
+  std::size_t sk, sv, rho, cnt, khat, vhat, wk, wv, wg, bytes;
+};
+// Offsets inside one work item of the workspace.
+struct WorkOffsets {
+  std::size_t k0, kg, vg, score, best, target, row, qblock, acc, soft, bytes;
+};
+
+inline constexpr std::int64_t kRowBlock = 8;  // >= kernel::kRouteRows (kvm/ does not include kernel/)
+
+template <class Storage, class Acc>
+ItemOffsets item_offsets(const Params& p, const Shape& s) {
+  const auto cap = std::size_t(slot_capacity(p.budget, p.geometry(), s.n_ctx));
+  const auto W = std::size_t(p.window()), D = std::size_t(s.D), Dv = std::size_t(s.Dv);
+  ArenaLayout a(kMemoryAlign);
+  ItemOffsets o{};
+  o.sk = a.take(cap * D * sizeof(Acc));
+  o.sv = a.take(cap * Dv * sizeof(Acc));
+  o.rho = a.take(cap * sizeof(Acc));
+  o.cnt = a.take(cap * sizeof(Acc));
+  o.khat = a.take(cap * D * sizeof(Storage));
+  o.vhat = a.take(cap * Dv * sizeof(Storage));
+  o.wk = a.take(W * D * sizeof(Storage));
+  o.wv = a.take(W * Dv * sizeof(Storage));
+  o.wg = a.take(W * sizeof(Acc));
+  o.bytes = a.total();
+  return o;
+}
+
+template <class Acc>
+WorkOffsets work_offsets(const Params& p, const Shape& s) {
+  const auto C = std::size_t(p.chunk), D = std::size_t(s.D), Dv = std::size_t(s.Dv);
+  const auto R = std::size_t(s.rep()) * C;
+  ArenaLayout a(kMemoryAlign);
+  WorkOffsets o{};
+  o.k0 = a.take(C * D * sizeof(Acc));
+  o.kg = a.take(C * D * sizeof(Acc));
+  o.vg = a.take(C * Dv * sizeof(Acc));
+  o.score = a.take(C * sizeof(Acc));
+  o.best = a.take(C * sizeof(Acc));
+  o.target = a.take(C * sizeof(std::int64_t));
+  o.row = a.take(std::size_t(kRowBlock) * D * sizeof(Acc));
+  o.qblock = a.take(R * D * sizeof(Acc));
+  o.acc = a.take(R * Dv * sizeof(Acc));
+  o.soft = a.take(R * sizeof(OnlineSoftmax<Acc>));
+  o.bytes = a.total();
+  return o;
+}
+
+// Workspace: weights in Acc, the step's row list [rows], the items' result counters [items, 2], then
+// the work items.
+struct WorkLayout {
+  std::size_t wts, row_list, result, items, item_bytes, total;
+  std::int64_t count;  // work items
+};
+template <class Acc>
+WorkLayout work_layout(const Params& p, const Shape& s, std::int64_t rows) {
+  const auto items = std::size_t(rows * s.Hk);
+  ArenaLayout a(kMemoryAlign);
+  WorkLayout l{};
+  l.wts = a.take((2 * std::size_t(s.D) + 2 * std::size_t(s.Hq)) * sizeof(Acc));
+  l.row_list = a.take(std::size_t(rows) * sizeof(std::int64_t));
+  l.result = a.take(items * 2 * sizeof(std::int64_t));
+  l.item_bytes = work_offsets<Acc>(p, s).bytes;
+  l.items = a.take(items * l.item_bytes);
+  l.total = a.total();
+  l.count = std::int64_t(items);
+  return l;
+}
+
+inline std::int64_t rows_of(const Limits& limits, const Shape& s) {
+  return limits.max_rows > 0 ? limits.max_rows : s.B;
+}
+
+}  // namespace state_detail
+
+// Persistent layout of a State<Storage, Acc> for `problem` (all zero when it is invalid, see can_run).
+template <class Storage = float, class Acc = float>
+StateLayout state_layout(const Problem& problem) {
+  const Params& p = problem.params;
+  const Shape& s = problem.shape;
+  if (!validate(p, s).is_ok()) return {};
+  StateLayout l;
+  l.item_bytes = state_detail::item_offsets<Storage, Acc>(p, s).bytes;
+  l.slot_bytes = std::size_t(s.Hk) * l.item_bytes + 3 * sizeof(std::int64_t);
+  l.bytes = std::size_t(s.B * s.Hk) * l.item_bytes + 3 * align_up(std::size_t(s.B) * sizeof(std::int64_t));
+  return l;
+}
+// Persistent bytes of a State<Storage, Acc> for `problem` (0 when it is invalid).
+template <class Storage = float, class Acc = float>
+std::size_t state_bytes(const Problem& problem) {
+  return state_layout<Storage, Acc>(problem).bytes;
+}
+// Workspace bytes of one step of at most limits.max_rows rows that name a slot (0 = max_slots; padding
+// rows need none) on the host backend
+// (0 when the problem is invalid or max_rows < 0). A step's scratch does not grow with its token count:
+// the driver works one chunk segment at a time.
+template <class Storage = float, class Acc = float>
+std::size_t workspace_bytes(const Problem& problem, const Limits& limits = {}) {
+  if (!validate(problem.params, problem.shape).is_ok() || limits.max_rows < 0) return 0;
+  return state_detail::work_layout<Acc>(problem.params, problem.shape, state_detail::rows_of(limits, problem.shape))
+      .total;
+}
+
 template <class Storage = float, class Acc = float>
 class State {
  public:
   using storage_type = Storage;
   using accumulate_type = Acc;
-  static constexpr std::size_t kAlign = 64;
-  static constexpr std::int64_t kRowBlock = 8;  // >= kernel::kRouteRows (kvm/ does not include kernel/)
+  static constexpr std::size_t kAlign = kMemoryAlign;
+  static constexpr std::int64_t kRowBlock = state_detail::kRowBlock;
 
   State() = default;
   // Moves leave the source empty (valid() false, every operation on it refused with a Status): a
@@ -78,34 +211,56 @@ class State {
   State& operator=(const State&) = delete;
   ~State() = default;
 
-  // Bytes a placed state needs for (params, shape); 0 when they are invalid.
+  // Bytes of a state with its workspace for max_slots rows in one block (what create allocates and the
+  // five-argument place takes); 0 when (params, shape) are invalid.
   static std::size_t bytes_required(const Params& p, const Shape& s) {
     if (!validate(p, s).is_ok()) return 0;
-    return layout(p, s).total;
+    return kvm::state_bytes<Storage, Acc>({p, s}) + kvm::workspace_bytes<Storage, Acc>({p, s});
   }
 
-  // Owning state: allocates bytes_required once.
+  // Owning state: allocates bytes_required once (state, then a workspace for max_slots rows).
   static Status create(const Params& p, const Shape& s, State& out) {
     KVMEM_RETURN_IF_ERROR(validate(p, s));
-    const Layout l = layout(p, s);
+    const std::size_t sb = kvm::state_bytes<Storage, Acc>({p, s}), wb = kvm::workspace_bytes<Storage, Acc>({p, s});
     State st;
-    st.owned_.reset(new (std::align_val_t(kAlign)) std::byte[l.total]);
-    st.bind(st.owned_.get(), p, s, l);
+    st.owned_.reset(new (std::align_val_t(kAlign)) std::byte[sb + wb]);
+    st.bind(st.owned_.get(), p, s);
+    st.bind_workspace(st.owned_.get() + sb, s.B);
     out = std::move(st);
     return Status::ok();
   }
 
-  // Placement over caller memory (at least bytes_required, aligned to 64 bytes). Not owned.
+  // Persistent state over caller memory: at least state_bytes(problem) bytes, 64-byte aligned, not
+  // owned. Only the slot counters are written (to zero); steps need a workspace (attach_workspace).
+  static Status place(void* memory, std::size_t bytes, const Problem& problem, State& out) {
+    KVMEM_RETURN_IF_ERROR(validate(problem.params, problem.shape));
+    KVMEM_RETURN_IF_ERROR(check_placement(memory, bytes, kvm::state_bytes<Storage, Acc>(problem), "state memory"));
+    State st;
+    st.bind(static_cast<std::byte*>(memory), problem.params, problem.shape);
+    out = std::move(st);
+    return Status::ok();
+  }
+  // State and a workspace for max_slots rows in one caller block of at least bytes_required bytes.
   static Status place(void* memory, std::size_t bytes, const Params& p, const Shape& s, State& out) {
     KVMEM_RETURN_IF_ERROR(validate(p, s));
-    const Layout l = layout(p, s);
-    if (memory == nullptr) return invalid_argument("memory", "a non-null pointer", "nullptr");
-    if (reinterpret_cast<std::uintptr_t>(memory) % kAlign != 0)
-      return invalid_argument("memory", "64-byte alignment", "misaligned pointer");
-    if (bytes < l.total) return invalid_argument("memory bytes", ">= " + std::to_string(l.total), bytes);
+    KVMEM_RETURN_IF_ERROR(check_placement(memory, bytes, bytes_required(p, s), "memory"));
     State st;
-    st.bind(static_cast<std::byte*>(memory), p, s, l);
+    st.bind(static_cast<std::byte*>(memory), p, s);
+    st.bind_workspace(static_cast<std::byte*>(memory) + kvm::state_bytes<Storage, Acc>({p, s}), s.B);
     out = std::move(st);
+    return Status::ok();
+  }
+
+  // Uses `memory` (at least workspace_bytes(problem, limits), 64-byte aligned, not owned) as the
+  // scratch of every later call with at most limits.max_rows rows; replaces a workspace attached or
+  // owned before (the owned one stays allocated until the State goes). Nothing is written here. The
+  // same workspace may serve several states that are never stepped at the same time.
+  Status attach_workspace(void* memory, std::size_t bytes, const Limits& limits = {}) {
+    if (!valid()) return invalid_argument("state", "a created or placed State", "an empty State");
+    if (limits.max_rows < 0) return invalid_argument("limits max_rows", ">= 0", limits.max_rows);
+    const std::size_t need = kvm::workspace_bytes<Storage, Acc>({params_, shape_}, limits);
+    KVMEM_RETURN_IF_ERROR(check_placement(memory, bytes, need, "workspace memory"));
+    bind_workspace(static_cast<std::byte*>(memory), state_detail::rows_of(limits, shape_));
     return Status::ok();
   }
 
@@ -129,6 +284,16 @@ class State {
                                            std::to_string(shape_.B) + ", got " + std::to_string(b)};
     return Status::ok();
   }
+  // Ok when a call of `rows` rows has workspace; else the reason (DESIGN.md 3: checked before any change).
+  [[nodiscard]] Status check_workspace(std::int64_t rows) const {
+    if (ws_ == nullptr)
+      return invalid_argument("workspace", "a workspace (State::create, or attach_workspace after place)", "none");
+    if (rows > ws_rows_)
+      return {StatusCode::kOutOfRange,
+              "workspace: a call of " + std::to_string(rows) +
+                  " rows, the attached workspace holds limits.max_rows = " + std::to_string(ws_rows_)};
+    return Status::ok();
+  }
 
   [[nodiscard]] bool valid() const { return base_ != nullptr; }
   [[nodiscard]] const Params& params() const { return params_; }
@@ -138,12 +303,14 @@ class State {
   [[nodiscard]] std::int64_t max_slots() const { return valid() ? shape_.B : 0; }
   [[nodiscard]] std::int64_t capacity() const { return cap_; }  // memory slots per (sequence slot, KV head)
   [[nodiscard]] std::int64_t window_capacity() const { return params_.window(); }
+  // Rows the workspace serves (0 without one).
+  [[nodiscard]] std::int64_t workspace_rows() const { return ws_ ? ws_rows_ : 0; }
   // Counters of sequence slot b; 0 for an empty State or an index outside [0, max_slots).
   [[nodiscard]] std::int64_t tokens(std::int64_t b) const { return in_range(b) ? n_[b] : 0; }     // n
   [[nodiscard]] std::int64_t covered(std::int64_t b) const { return in_range(b) ? cov_[b] : 0; }  // cov
   [[nodiscard]] std::int64_t slots(std::int64_t b) const { return in_range(b) ? slots_[b] : 0; }  // |S|
   // Bytes a cache of this layout keeps for sequence b right now: slots (sums, radius, count and the
-  // readout copies) plus the window's k, v, g, over all KV heads.
+  // readout copies) plus the window's k, v, g, over all KV heads. The memory held is state_bytes().
   [[nodiscard]] std::size_t cache_bytes(std::int64_t b) const {
     if (!in_range(b)) return 0;
     const auto S = std::size_t(slots_[b]);
@@ -153,107 +320,95 @@ class State {
                                  win * ((D + Dv) * sizeof(Storage) + sizeof(Acc));
     return per_head * std::size_t(shape_.Hk);
   }
-  [[nodiscard]] std::size_t allocated_bytes() const { return total_; }
+  // Persistent bytes (state_bytes of this problem), the workspace in use, and their sum.
+  [[nodiscard]] std::size_t state_bytes() const { return valid() ? state_total_ : 0; }
+  [[nodiscard]] std::size_t workspace_bytes() const { return ws_ ? ws_total_ : 0; }
+  [[nodiscard]] std::size_t allocated_bytes() const { return state_bytes() + workspace_bytes(); }
 
+  // Item (b, g) with the workspace of work item b*Hk + g (the prefill/decode numbering; nullptr
+  // workspace fields when the workspace has fewer items).
   [[nodiscard]] ItemView<Storage, Acc> item(std::int64_t b, std::int64_t g) const {
-    const std::int64_t i = b * shape_.Hk + g;
-    const std::int64_t C = params_.chunk, W = params_.window(), D = shape_.D, Dv = shape_.Dv;
-    const std::int64_t R = shape_.rep() * C;
+    return item(b, g, b * shape_.Hk + g);
+  }
+  // Item (b, g) with the workspace of work item w (a step numbers its items row * Hk + g).
+  [[nodiscard]] ItemView<Storage, Acc> item(std::int64_t b, std::int64_t g, std::int64_t w) const {
+    std::byte* p = base_ + std::size_t(b * shape_.Hk + g) * io_.bytes;
     ItemView<Storage, Acc> v{};
-    v.sk = at<Acc>(lay_.sk) + i * cap_ * D;
-    v.sv = at<Acc>(lay_.sv) + i * cap_ * Dv;
-    v.rho = at<Acc>(lay_.rho) + i * cap_;
-    v.cnt = at<Acc>(lay_.cnt) + i * cap_;
-    v.khat = at<Storage>(lay_.khat) + i * cap_ * D;
-    v.vhat = at<Storage>(lay_.vhat) + i * cap_ * Dv;
-    v.wk = at<Storage>(lay_.wk) + i * W * D;
-    v.wv = at<Storage>(lay_.wv) + i * W * Dv;
-    v.wg = at<Acc>(lay_.wg) + i * W;
-    v.k0 = at<Acc>(lay_.k0) + i * C * D;
-    v.kg = at<Acc>(lay_.kg) + i * C * D;
-    v.vg = at<Acc>(lay_.vg) + i * C * Dv;
-    v.score = at<Acc>(lay_.score) + i * C;
-    v.best = at<Acc>(lay_.best) + i * C;
-    v.target = at<std::int64_t>(lay_.target) + i * C;
-    v.row = at<Acc>(lay_.row) + i * kRowBlock * D;
-    v.qblock = at<Acc>(lay_.qblock) + i * R * D;
-    v.acc = at<Acc>(lay_.acc) + i * R * Dv;
-    v.soft = at<OnlineSoftmax<Acc>>(lay_.soft) + i * R;
+    v.sk = reinterpret_cast<Acc*>(p + io_.sk);
+    v.sv = reinterpret_cast<Acc*>(p + io_.sv);
+    v.rho = reinterpret_cast<Acc*>(p + io_.rho);
+    v.cnt = reinterpret_cast<Acc*>(p + io_.cnt);
+    v.khat = reinterpret_cast<Storage*>(p + io_.khat);
+    v.vhat = reinterpret_cast<Storage*>(p + io_.vhat);
+    v.wk = reinterpret_cast<Storage*>(p + io_.wk);
+    v.wv = reinterpret_cast<Storage*>(p + io_.wv);
+    v.wg = reinterpret_cast<Acc*>(p + io_.wg);
+    if (ws_ == nullptr || w < 0 || w >= wl_.count) return v;
+    std::byte* q = ws_ + wl_.items + std::size_t(w) * wo_.bytes;
+    v.k0 = reinterpret_cast<Acc*>(q + wo_.k0);
+    v.kg = reinterpret_cast<Acc*>(q + wo_.kg);
+    v.vg = reinterpret_cast<Acc*>(q + wo_.vg);
+    v.score = reinterpret_cast<Acc*>(q + wo_.score);
+    v.best = reinterpret_cast<Acc*>(q + wo_.best);
+    v.target = reinterpret_cast<std::int64_t*>(q + wo_.target);
+    v.row = reinterpret_cast<Acc*>(q + wo_.row);
+    v.qblock = reinterpret_cast<Acc*>(q + wo_.qblock);
+    v.acc = reinterpret_cast<Acc*>(q + wo_.acc);
+    v.soft = reinterpret_cast<OnlineSoftmax<Acc>*>(q + wo_.soft);
     return v;
   }
-  // Learned parameters converted to Acc once per call: ln_w [D], ln_b [D], tau_s [Hq], tau_w [Hq].
-  [[nodiscard]] Acc* ln_w() const { return at<Acc>(lay_.wts); }
-  [[nodiscard]] Acc* ln_b() const { return ln_w() + shape_.D; }
-  [[nodiscard]] Acc* tau_s() const { return ln_b() + shape_.D; }
-  [[nodiscard]] Acc* tau_w() const { return tau_s() + shape_.Hq; }
+  // Learned parameters converted to Acc once per call (workspace): ln_w [D], ln_b [D], tau_s [Hq],
+  // tau_w [Hq]; nullptr without a workspace.
+  [[nodiscard]] Acc* ln_w() const { return ws_ ? reinterpret_cast<Acc*>(ws_ + wl_.wts) : nullptr; }
+  [[nodiscard]] Acc* ln_b() const { return ws_ ? ln_w() + shape_.D : nullptr; }
+  [[nodiscard]] Acc* tau_s() const { return ws_ ? ln_b() + shape_.D : nullptr; }
+  [[nodiscard]] Acc* tau_w() const { return ws_ ? tau_s() + shape_.Hq : nullptr; }
 
   // Mutable per-sequence counters, for the backends.
   std::int64_t* n_data() const { return n_; }
   std::int64_t* cov_data() const { return cov_; }
   std::int64_t* slots_data() const { return slots_; }
-  // Per-(sequence, KV head) results of one call (cov, |S|), written by the item that owns them and
-  // folded into the per-sequence counters after every item has joined. [B*Hk, 2]
-  std::int64_t* item_result() const { return at<std::int64_t>(lay_.item_result); }
+  // Per-work-item results of one call (cov, |S|), written by the item that owns them and folded into
+  // the per-sequence counters after every item has joined (workspace). [work items, 2]
+  std::int64_t* item_result() const { return ws_ ? reinterpret_cast<std::int64_t*>(ws_ + wl_.result) : nullptr; }
+  // The rows of a step that name a slot, in order (workspace). [workspace_rows()]
+  std::int64_t* row_list() const { return ws_ ? reinterpret_cast<std::int64_t*>(ws_ + wl_.row_list) : nullptr; }
 
  private:
-  struct Layout {
-    std::size_t sk, sv, rho, cnt, khat, vhat, wk, wv, wg, k0, kg, vg, score, best, target, row, qblock, acc, soft, wts,
-        n, cov, slots, item_result, total;
-  };
-  static Layout layout(const Params& p, const Shape& s) {
-    const auto I = std::size_t(s.B * s.Hk);
-    const auto cap = std::size_t(slot_capacity(p.budget, p.geometry(), s.n_ctx));
-    const auto C = std::size_t(p.chunk), W = std::size_t(p.window()), D = std::size_t(s.D), Dv = std::size_t(s.Dv);
-    const auto R = std::size_t(s.rep()) * C;
-    Layout l{};
-    ArenaLayout arena(kAlign);
-    l.sk = arena.take(I * cap * D * sizeof(Acc));
-    l.sv = arena.take(I * cap * Dv * sizeof(Acc));
-    l.rho = arena.take(I * cap * sizeof(Acc));
-    l.cnt = arena.take(I * cap * sizeof(Acc));
-    l.khat = arena.take(I * cap * D * sizeof(Storage));
-    l.vhat = arena.take(I * cap * Dv * sizeof(Storage));
-    l.wk = arena.take(I * W * D * sizeof(Storage));
-    l.wv = arena.take(I * W * Dv * sizeof(Storage));
-    l.wg = arena.take(I * W * sizeof(Acc));
-    l.k0 = arena.take(I * C * D * sizeof(Acc));
-    l.kg = arena.take(I * C * D * sizeof(Acc));
-    l.vg = arena.take(I * C * Dv * sizeof(Acc));
-    l.score = arena.take(I * C * sizeof(Acc));
-    l.best = arena.take(I * C * sizeof(Acc));
-    l.target = arena.take(I * C * sizeof(std::int64_t));
-    l.row = arena.take(I * kRowBlock * D * sizeof(Acc));
-    l.qblock = arena.take(I * R * D * sizeof(Acc));
-    l.acc = arena.take(I * R * Dv * sizeof(Acc));
-    l.soft = arena.take(I * R * sizeof(OnlineSoftmax<Acc>));
-    l.wts = arena.take((2 * D + 2 * std::size_t(s.Hq)) * sizeof(Acc));
-    l.n = arena.take(std::size_t(s.B) * sizeof(std::int64_t));
-    l.cov = arena.take(std::size_t(s.B) * sizeof(std::int64_t));
-    l.slots = arena.take(std::size_t(s.B) * sizeof(std::int64_t));
-    l.item_result = arena.take(I * 2 * sizeof(std::int64_t));
-    l.total = arena.total();
-    return l;
-  }
-  void bind(std::byte* base, const Params& p, const Shape& s, const Layout& l) {
+  void bind(std::byte* base, const Params& p, const Shape& s) {
     base_ = base;
     params_ = p;
     shape_ = s;
-    lay_ = l;
-    total_ = l.total;
+    io_ = state_detail::item_offsets<Storage, Acc>(p, s);
+    state_total_ = state_layout<Storage, Acc>({p, s}).bytes;
     cap_ = slot_capacity(p.budget, p.geometry(), s.n_ctx);
-    n_ = at<std::int64_t>(l.n);
-    cov_ = at<std::int64_t>(l.cov);
-    slots_ = at<std::int64_t>(l.slots);
+    const std::size_t counters = std::size_t(s.B * s.Hk) * io_.bytes;
+    const std::size_t stride = align_up(std::size_t(s.B) * sizeof(std::int64_t));
+    n_ = reinterpret_cast<std::int64_t*>(base + counters);
+    cov_ = reinterpret_cast<std::int64_t*>(base + counters + stride);
+    slots_ = reinterpret_cast<std::int64_t*>(base + counters + 2 * stride);
     reset();
+  }
+  void bind_workspace(std::byte* ws, std::int64_t rows) {
+    ws_ = ws;
+    ws_rows_ = rows;
+    wl_ = state_detail::work_layout<Acc>(params_, shape_, rows);
+    wo_ = state_detail::work_offsets<Acc>(params_, shape_);
+    ws_total_ = wl_.total;
   }
   [[nodiscard]] bool in_range(std::int64_t b) const { return valid() && b >= 0 && b < shape_.B; }
   void take(State& o) noexcept {
     owned_ = std::move(o.owned_);
     base_ = o.base_;
+    ws_ = o.ws_;
     params_ = o.params_;
     shape_ = o.shape_;
-    lay_ = o.lay_;
-    total_ = o.total_;
+    io_ = o.io_;
+    wo_ = o.wo_;
+    wl_ = o.wl_;
+    state_total_ = o.state_total_;
+    ws_total_ = o.ws_total_;
+    ws_rows_ = o.ws_rows_;
     cap_ = o.cap_;
     n_ = o.n_;
     cov_ = o.cov_;
@@ -262,28 +417,31 @@ class State {
   }
   void release() noexcept {
     owned_.reset();
-    base_ = nullptr;
+    base_ = ws_ = nullptr;
     params_ = Params{};
     shape_ = Shape{};
-    lay_ = Layout{};
-    total_ = 0;
+    io_ = {};
+    wo_ = {};
+    wl_ = {};
+    state_total_ = ws_total_ = 0;
+    ws_rows_ = 0;
     cap_ = 0;
     n_ = cov_ = slots_ = nullptr;
-  }
-  template <class T>
-  T* at(std::size_t offset) const {
-    return reinterpret_cast<T*>(base_ + offset);
   }
 
   struct AlignedDelete {
     void operator()(std::byte* p) const { ::operator delete[](p, std::align_val_t(kAlign)); }
   };
   std::unique_ptr<std::byte[], AlignedDelete> owned_;
-  std::byte* base_ = nullptr;
+  std::byte* base_ = nullptr;  // persistent part
+  std::byte* ws_ = nullptr;    // workspace
   Params params_{};
   Shape shape_{};
-  Layout lay_{};
-  std::size_t total_ = 0;
+  state_detail::ItemOffsets io_{};
+  state_detail::WorkOffsets wo_{};
+  state_detail::WorkLayout wl_{};
+  std::size_t state_total_ = 0, ws_total_ = 0;
+  std::int64_t ws_rows_ = 0;
   std::int64_t cap_ = 0;
   std::int64_t* n_ = nullptr;
   std::int64_t* cov_ = nullptr;

@@ -5,8 +5,9 @@
 // rows, DESIGN.md 3), and forward (dense, no cache: output + lse + lambda_last for training-style use).
 // The slot operations (reset_slots, copy_slots, export/import, truncate) are in ua/slots.hpp. Every
 // operation takes the executor first, validates everything (shapes, NaN/Inf, threshold, chunk,
-// capacity) before it touches the cache, and runs one (sequence, kv head) item per worker through the
-// backend's Launcher (backend/host/ua.hpp for kvmem::host::Executor).
+// capacity, workspace) before it touches the cache, and runs one (sequence, kv head) item per worker
+// through the backend's Launcher (backend/host/ua.hpp for kvmem::host::Executor). Item w of a call uses
+// work item w of the cache's workspace; rows take pages from the cache's pool (ua/cache.hpp).
 //
 // Runtime configuration: Options{p, prefill_chunk, evict_before_attention}; p = 0 is dense UA
 // (prune::None) with the same API. Compile-time composition: ua::Attention<DecaySet, Prune, Precision>.
@@ -63,6 +64,13 @@ struct InputsOf {
 };
 // Host and Kokkos inputs: float views of caller memory.
 using Inputs = InputsOf<float>;
+
+// Whether the host backend runs a cache of this shape: ok, or a Status with the reason. Sizes come from
+// ua::cache_layout and ua::workspace_bytes (ua/cache.hpp, docs/memory.md).
+template <class Exec>
+Status can_run(const Exec& /*exec*/, const CacheShape& shape) {
+  return PrunedCache<float>::validate_shape(shape);
+}
 
 // Customisation point: a backend specialises Launcher<Executor> with
 //   template <class Body> static void for_each(const Executor&, std::int64_t items, std::int64_t work, Body&& body);
@@ -198,11 +206,33 @@ inline ItemIO item_io(const Inputs& in, TensorView<float, 4> out, std::int64_t b
   return io;
 }
 
+// Appends token t of the item's call as logical entry `row` (its page is taken already).
 template <class Storage>
 void append_row(typename PrunedCache<Storage>::ItemView& v, std::int64_t row, const ItemIO& io, std::int64_t t,
                 std::int64_t pos, std::int64_t D) {
-  kernel::ua::append_entry(v.keys, v.values, v.lambda, v.key_logit, v.pos, row, io.k + t * io.k_row_stride,
+  kernel::ua::append_entry(v.keys, v.values, v.lambda, v.key_logit, v.pos, v.map(row), io.k + t * io.k_row_stride,
                            io.v + t * io.v_row_stride, io.z_k[t * io.z_k_stride], pos, D);
+}
+
+// Zeroes the outputs (and lse) of an item's T tokens and r heads: a slot that overflowed the pool.
+inline void zero_outputs(const ItemIO& io, std::int64_t r, std::int64_t D) {
+  for (std::int64_t t = 0; t < io.T; ++t)
+    for (std::int64_t h = 0; h < r; ++h) {
+      float* o = io.out + t * io.out_row_stride + h * io.out_head_stride;
+      for (std::int64_t d = 0; d < D; ++d) o[d] = 0.0f;
+      if (io.lse != nullptr) io.lse[h * io.lse_head_stride + t * io.lse_row_stride] = 0.0f;
+    }
+}
+
+// The pool had no page for item (b, g): flag the slot, return the item's pages at once, zero its
+// outputs. The slot's other items are cleared after the operation (finish_overflowed).
+template <class Storage>
+bool overflow_item(PrunedCache<Storage>& cache, std::int64_t b, std::int64_t g, const ItemIO& io) {
+  cache.set_overflow(b);
+  cache.release_rows(b, g, 0);
+  cache.set_length(b, g, 0, 0);
+  zero_outputs(io, cache.group_size(), cache.shape().head_dim);
+  return false;
 }
 
 // BlockArgs for query tokens [t0, t1) of one item's call.
@@ -246,6 +276,7 @@ kernel::ua::BlockArgs<Storage, float, float, float> with_cache(kernel::ua::Block
   a.lambda = v.lambda;
   a.key_logit = v.key_logit;
   a.pos = v.pos;
+  a.map = v.map;
   a.n = n;
   a.workspace = v.workspace;
   return a;
@@ -254,16 +285,20 @@ kernel::ua::BlockArgs<Storage, float, float, float> with_cache(kernel::ua::Block
 // Chunked prefill of one (b, g) item (spec UA.md 4.5): per chunk, append the chunk's keys, attend
 // (survivors + chunk keys t0..i with exact Λ), move λ to the chunk end, evict λ < ln p. Chunks are
 // counted from the call's first token, and the survivors of earlier calls take part like the
-// survivors of an earlier chunk, so a call continues a non-empty cache.
+// survivors of an earlier chunk, so a call continues a non-empty cache. Pages: a chunk's rows are taken
+// before it is appended, and eviction returns the pages past the survivors. False: the pool ran dry.
+// w: the work item whose workspace the item uses.
 template <class Set, class Storage>
-void prefill_item(PrunedCache<Storage>& cache, std::int64_t b, std::int64_t g, const ItemIO& io, const Options& opt) {
-  auto v = cache.item_view(b, g);
+bool prefill_item(PrunedCache<Storage>& cache, std::int64_t b, std::int64_t g, std::int64_t w, const ItemIO& io,
+                  const Options& opt) {
+  auto v = cache.item_view(b, g, w);
   const std::int64_t D = cache.shape().head_dim, T = io.T, r = cache.group_size();
   const std::int64_t first = cache.position(b);
   const double log_p = log_threshold(opt.p);
   std::int64_t n = *v.length, peak = n;
   for (std::int64_t t0 = 0; t0 < T; t0 += opt.prefill_chunk) {
     const std::int64_t t1 = t0 + opt.prefill_chunk < T ? t0 + opt.prefill_chunk : T;
+    if (!cache.reserve_rows(b, g, n + (t1 - t0))) return overflow_item(cache, b, g, io);
     for (std::int64_t t = t0; t < t1; ++t) append_row<Storage>(v, n + (t - t0), io, t, first + t, D);
     n += t1 - t0;
     peak = n > peak ? n : peak;
@@ -271,39 +306,65 @@ void prefill_item(PrunedCache<Storage>& cache, std::int64_t b, std::int64_t g, c
     a.through = first + t0 - 1;  // survivors hold Λ_{first+t0-1}; the chunk keys hold 0
     a.first = first + t0;
     kernel::ua::attend_block<Set>(a);
-    if (log_p > -std::numeric_limits<double>::infinity())
-      n = kernel::ua::evict_and_compact(v.keys, v.values, D, v.lambda, v.key_logit, v.pos, n, D, log_p);
+    if (log_p > -std::numeric_limits<double>::infinity()) {
+      n = kernel::ua::evict_and_compact(v.map, v.keys, v.values, D, v.lambda, v.key_logit, v.pos, n, D, log_p);
+      cache.release_rows(b, g, n);
+    }
   }
   *v.length = n;
   *v.peak = peak;
+  return true;
 }
 
-// One decode step of one (b, g) item (spec UA.md 4.4, 4.5).
+// One decode step of one (b, g) item (spec UA.md 4.4, 4.5). The new row's page is taken before anything
+// changes; eviction returns the pages past the survivors. False: the pool ran dry.
 template <class Set, class Storage>
-void decode_item(PrunedCache<Storage>& cache, std::int64_t b, std::int64_t g, const ItemIO& io, const Options& opt) {
-  auto v = cache.item_view(b, g);
+bool decode_item(PrunedCache<Storage>& cache, std::int64_t b, std::int64_t g, std::int64_t w, const ItemIO& io,
+                 const Options& opt) {
+  auto v = cache.item_view(b, g, w);
   const std::int64_t D = cache.shape().head_dim, r = cache.group_size();
   const std::int64_t t = cache.position(b);
   const double log_p = log_threshold(opt.p);
   const bool prunes = log_p > -std::numeric_limits<double>::infinity();
   std::int64_t n = *v.length;
-  // 1. λ_j += A_jt for every cached entry
-  kernel::ua::lambda_update<Set, float>(v.keys, D, v.key_logit, v.pos, v.lambda, n, io.k, io.z_q[0], t, D);
+  if (!cache.reserve_rows(b, g, n + 1)) return overflow_item(cache, b, g, io);
+  // 1. λ_j += A_jt for every cached entry, run by run of consecutive rows (each entry on its own)
+  for (std::int64_t e = 0; e < n;) {
+    const std::int64_t len = v.map.run(e, n), x = v.map(e);
+    kernel::ua::lambda_update<Set, float>(v.keys + x * D, D, v.key_logit + x, v.pos + x, v.lambda + x, len, io.k,
+                                          io.z_q[0], t, D);
+    e += len;
+  }
   // 2. append t with λ = 0
   append_row<Storage>(v, n, io, 0, t, D);
   ++n;
   const std::int64_t peak = n;
   // 3. evict (default order), 4. attend with bias λ, or evict afterwards
-  if (prunes && opt.evict_before_attention)
-    n = kernel::ua::evict_and_compact(v.keys, v.values, D, v.lambda, v.key_logit, v.pos, n, D, log_p);
+  if (prunes && opt.evict_before_attention) {
+    n = kernel::ua::evict_and_compact(v.map, v.keys, v.values, D, v.lambda, v.key_logit, v.pos, n, D, log_p);
+    cache.release_rows(b, g, n);
+  }
   auto a = with_cache<Storage>(block_args<Storage>(io, D, r, 0, 1), v, n);
   a.through = t;  // λ already includes A_{., t}
   a.first = t;
   kernel::ua::attend_block<Set>(a);
-  if (prunes && !opt.evict_before_attention)
-    n = kernel::ua::evict_and_compact(v.keys, v.values, D, v.lambda, v.key_logit, v.pos, n, D, log_p);
+  if (prunes && !opt.evict_before_attention) {
+    n = kernel::ua::evict_and_compact(v.map, v.keys, v.values, D, v.lambda, v.key_logit, v.pos, n, D, log_p);
+    cache.release_rows(b, g, n);
+  }
   *v.length = n;
   *v.peak = peak;
+  return true;
+}
+
+// After an operation: every slot flagged by overflow_item has all of its items emptied and its pages
+// back in the pool (an item that ran before the pool went dry may still hold some).
+template <class Storage>
+void finish_overflowed(PrunedCache<Storage>& cache, std::int64_t b) {
+  for (std::int64_t g = 0; g < cache.shape().kv_heads; ++g) {
+    cache.release_rows(b, g, 0);
+    cache.set_length(b, g, 0, 0);
+  }
 }
 
 template <class Storage>
@@ -315,6 +376,7 @@ Status validate_cache_call(const PrunedCache<Storage>& cache, const Inputs& in, 
   KVMEM_RETURN_IF_ERROR(validate_inputs(in, out, s.batch, s.query_heads, s.kv_heads, s.head_dim));
   const std::int64_t T = in.q.extent(2);
   if (decode && T != 1) return invalid_argument("decode tokens (q dim 2)", 1, T);
+  KVMEM_RETURN_IF_ERROR(cache.check_workspace(s.batch));
   // Prefill needs room for everything it may append before evicting; a conservative bound that does
   // not depend on the data (feed long prompts chunk by chunk to keep the cache small).
   const std::int64_t need = cache.max_length() + T;
@@ -323,6 +385,22 @@ Status validate_cache_call(const PrunedCache<Storage>& cache, const Inputs& in, 
             kvmem::detail::concat("cache capacity: expected room for ", need, " rows per (sequence, kv head) (longest ",
                                   cache.max_length(), " + ", T, " new tokens), got capacity ", s.capacity)};
   return Status::ok();
+}
+
+// After a batch-major call: sequences advance, except those whose slot overflowed the pool, which are
+// emptied and whose outputs are zeroed for every head.
+template <class Storage>
+void finish_batch(PrunedCache<Storage>& cache, const Inputs& in, TensorView<float, 4> out) {
+  const CacheShape& s = cache.shape();
+  for (std::int64_t b = 0; b < s.batch; ++b) {
+    if (!cache.overflowed(b)) {
+      cache.advance(b, in.q.extent(2));
+      continue;
+    }
+    finish_overflowed(cache, b);
+    for (std::int64_t g = 0; g < s.kv_heads; ++g)
+      zero_outputs(item_io(in, out, b, g, cache.group_size()), cache.group_size(), s.head_dim);
+  }
 }
 
 }  // namespace detail
@@ -341,9 +419,13 @@ Status prefill(const Exec& exec, PrunedCache<Storage>& cache, const Inputs& in, 
   const std::int64_t work = s.batch * s.query_heads * s.head_dim * T * (cache.max_length() + T);
   Launcher<Exec>::for_each(exec, s.batch * s.kv_heads, work, [&](std::int64_t it) {
     const std::int64_t b = it / s.kv_heads, g = it % s.kv_heads;
-    detail::prefill_item<Set>(cache, b, g, detail::item_io(in, out, b, g, cache.group_size()), opt);
+    const detail::ItemIO io = detail::item_io(in, out, b, g, cache.group_size());
+    if (cache.overflowed(b))
+      detail::zero_outputs(io, cache.group_size(), s.head_dim);
+    else
+      detail::prefill_item<Set>(cache, b, g, it, io, opt);
   });
-  for (std::int64_t b = 0; b < s.batch; ++b) cache.advance(b, in.q.extent(2));
+  detail::finish_batch(cache, in, out);
   return Status::ok();
 }
 
@@ -360,9 +442,13 @@ Status decode(const Exec& exec, PrunedCache<Storage>& cache, const Inputs& in, c
   const std::int64_t work = entries * s.head_dim * (cache.group_size() + 1);
   Launcher<Exec>::for_each(exec, s.batch * s.kv_heads, work, [&](std::int64_t it) {
     const std::int64_t b = it / s.kv_heads, g = it % s.kv_heads;
-    detail::decode_item<Set>(cache, b, g, detail::item_io(in, out, b, g, cache.group_size()), opt);
+    const detail::ItemIO io = detail::item_io(in, out, b, g, cache.group_size());
+    if (cache.overflowed(b))
+      detail::zero_outputs(io, cache.group_size(), s.head_dim);
+    else
+      detail::decode_item<Set>(cache, b, g, it, io, opt);
   });
-  for (std::int64_t b = 0; b < s.batch; ++b) cache.advance(b, 1);
+  detail::finish_batch(cache, in, out);
   return Status::ok();
 }
 
@@ -506,10 +592,12 @@ Status validate_step(const PrunedCache<Storage>& cache, const Rows& rows, const 
   // of prefill, length + tokens, since eviction is data-dependent). The whole call is refused before
   // any change, and the message names the row and the slot, so the engine can drop or reset that
   // slot and step the others in its next call.
+  std::int64_t active = 0;  // rows that run: each takes G work items of the workspace
   for (std::int64_t r = 0; r < rows.count(); ++r) {
     const std::int32_t slot = rows.slot(r);
-    if (slot < 0) continue;
+    if (slot < 0 || cache.overflowed(slot)) continue;  // padding, or a slot skipped until reset_slots
     const std::int64_t n = rows.query_start(r + 1) - rows.query_start(r);
+    active += n > 0 ? 1 : 0;
     for (std::int64_t g = 0; g < G; ++g)
       if (cache.length(slot, g) + n > s.capacity)
         return {StatusCode::kOutOfRange,
@@ -517,7 +605,7 @@ Status validate_step(const PrunedCache<Storage>& cache, const Rows& rows, const 
                                       cache.length(slot, g) + n, " rows (", cache.length(slot, g), " kept + ", n,
                                       " new tokens), got capacity ", s.capacity)};
   }
-  return Status::ok();
+  return cache.check_workspace(active);
 }
 
 }  // namespace detail
@@ -534,10 +622,12 @@ Status validate_step(const PrunedCache<Storage>& cache, const Rows& rows, const 
 //    outputs as one prefill call of the whole prompt.
 //  - 0 tokens: the slot is not touched. A padding row (slot -1) is skipped.
 // Output rows of padding rows are zeroed (lse too); every other output row is written.
+// Page pool (ua/cache.hpp): a row whose slot found the pool dry in this step, or in an earlier one and
+// was not reset since, gets zero outputs (and lse) and does not advance; the other rows are unaffected.
 // Validation first: shapes, finiteness, options, the rows (core/slots.hpp: slots in range, each at most
-// once), and capacity per row (kept + tokens <= capacity for each kv head of the row's slot); on any
-// error nothing changes. Slots named by no row are untouched, so a full slot refuses only calls that
-// advance it.
+// once), capacity per row (kept + tokens <= capacity for each kv head of the row's slot) and the
+// workspace (at most its max_rows rows that run); on any error nothing changes. Slots named by no row
+// are untouched, so a full slot refuses only calls that advance it. No allocation.
 // out: [tokens,H,D]; lse: [tokens,H] natural log-sum-exp of each softmax row, or empty (not wanted).
 template <DecaySet Set = decay::Universal, class Exec, class Storage>
 Status step(const Exec& exec, PrunedCache<Storage>& cache, const Rows& rows, const PackedInputs& in, const Options& opt,
@@ -545,11 +635,11 @@ Status step(const Exec& exec, PrunedCache<Storage>& cache, const Rows& rows, con
   KVMEM_RETURN_IF_ERROR(detail::validate_step(cache, rows, in, opt, out, lse));
   const CacheShape& s = cache.shape();
   const std::int64_t G = s.kv_heads, H = s.query_heads, D = s.head_dim, r = cache.group_size();
-  std::vector<std::int64_t> active;  // rows with a slot and at least one token
-  std::int64_t work = 0;
+  std::int64_t* active = cache.row_list();  // rows that run, in order (workspace: steps do not allocate)
+  std::int64_t n_active = 0, work = 0;
   for (std::int64_t row = 0; row < rows.count(); ++row) {
     const std::int64_t x0 = rows.query_start(row), x1 = rows.query_start(row + 1);
-    if (rows.slot(row) < 0) {
+    if (rows.slot(row) < 0 || cache.overflowed(rows.slot(row))) {  // padding, or a slot skipped until reset
       for (std::int64_t x = x0; x < x1; ++x)
         for (std::int64_t h = 0; h < H; ++h) {
           for (std::int64_t d = 0; d < D; ++d) out(x, h, d) = 0.0f;
@@ -558,23 +648,30 @@ Status step(const Exec& exec, PrunedCache<Storage>& cache, const Rows& rows, con
       continue;
     }
     if (x1 == x0) continue;
-    active.push_back(row);
+    active[n_active++] = row;
     std::int64_t kept = 0;
     for (std::int64_t g = 0; g < G; ++g) kept += cache.length(rows.slot(row), g);
     work += H * D * (x1 - x0) * (kept / G + x1 - x0);
   }
-  const auto items = static_cast<std::int64_t>(active.size()) * G;
-  Launcher<Exec>::for_each(exec, items, work, [&](std::int64_t it) {
-    const std::int64_t row = active[static_cast<std::size_t>(it / G)], g = it % G;
+  Launcher<Exec>::for_each(exec, n_active * G, work, [&](std::int64_t it) {
+    const std::int64_t row = active[it / G], g = it % G;
     const std::int64_t slot = rows.slot(row), x0 = rows.query_start(row), T = rows.query_start(row + 1) - x0;
     const detail::ItemIO io = detail::item_io(in, out, lse, x0, T, g, r);
     if (T == 1)
-      detail::decode_item<Set>(cache, slot, g, io, opt);
+      detail::decode_item<Set>(cache, slot, g, it, io, opt);
     else
-      detail::prefill_item<Set>(cache, slot, g, io, opt);
+      detail::prefill_item<Set>(cache, slot, g, it, io, opt);
   });
-  for (const std::int64_t row : active)
-    cache.advance(rows.slot(row), rows.query_start(row + 1) - rows.query_start(row));
+  for (std::int64_t a = 0; a < n_active; ++a) {
+    const std::int64_t row = active[a], slot = rows.slot(row), x0 = rows.query_start(row);
+    const std::int64_t T = rows.query_start(row + 1) - x0;
+    if (!cache.overflowed(slot)) {
+      cache.advance(slot, T);
+      continue;
+    }
+    detail::finish_overflowed(cache, slot);  // every head's outputs zero, every page back
+    for (std::int64_t g = 0; g < G; ++g) detail::zero_outputs(detail::item_io(in, out, lse, x0, T, g, r), r, D);
+  }
   return Status::ok();
 }
 

@@ -51,10 +51,39 @@ inline Status check_list_view(TensorView<const std::int32_t, 1> list, const char
 
 inline constexpr std::uint32_t kUaRecordFields = 11;
 
+// Ok when the pool can give `need` pages once the listed items' `freed` pages are back; else the reason.
+template <class Storage>
+Status check_pool(const PrunedCache<Storage>& cache, std::int64_t need, std::int64_t freed, const char* what) {
+  if (need <= cache.free_pages() + freed) return Status::ok();
+  return {StatusCode::kOutOfRange,
+          kvmem::detail::concat(what, ": needs ", need, " pages of ", cache.shape().page_rows, " rows, the pool has ",
+                                cache.free_pages(), " free (+ ", freed, " the replaced rows return)")};
+}
+
+// Copies `n` rows of item (a, ga) to item (b, gb), whose pages are reserved already.
+template <class Storage>
+void copy_rows(PrunedCache<Storage>& cache, std::int64_t a, std::int64_t ga, std::int64_t b, std::int64_t gb,
+               std::int64_t n) {
+  const std::int64_t D = cache.shape().head_dim;
+  auto from = cache.item_view(a, ga, -1);
+  auto to = cache.item_view(b, gb, -1);
+  for (std::int64_t e = 0; e < n; ++e) {
+    const std::int64_t x = from.map(e), y = to.map(e);
+    for (std::int64_t d = 0; d < D; ++d) {
+      to.keys[y * D + d] = from.keys[x * D + d];
+      to.values[y * D + d] = from.values[x * D + d];
+    }
+    to.lambda[y] = from.lambda[x];
+    to.key_logit[y] = from.key_logit[x];
+    to.pos[y] = from.pos[x];
+  }
+}
+
 }  // namespace detail
 
-// Empties the listed slots (every kv head) and restarts their position counters. A slot may be listed
-// more than once. slots: [n] slot indices.
+// Empties the listed slots (every kv head; their pages go back to the pool, an overflow flag is
+// cleared) and restarts their position counters. A slot may be listed more than once. slots: [n] slot
+// indices.
 template <class Exec, class Storage>
 Status reset_slots(const Exec& /*exec*/, PrunedCache<Storage>& cache, TensorView<const std::int32_t, 1> slots) {
   KVMEM_RETURN_IF_ERROR(detail::check_cache(cache));
@@ -67,7 +96,8 @@ Status reset_slots(const Exec& /*exec*/, PrunedCache<Storage>& cache, TensorView
 // Copies slot src[i] into slot dst[i] for every pair (fork: beam search, n > 1 sampling, a shared
 // prefix): entries, λ, key-gate logits, positions and the position counter, so the copy continues bit
 // for bit like its source. Pairs are checked by check_copy_pairs (destinations distinct and no source
-// of another pair). src, dst: [n] slot indices.
+// of another pair). Each destination's pages go back to the pool and it takes pages for the copied rows;
+// a pool that cannot give them refuses the call before anything changes. src, dst: [n] slot indices.
 template <class Exec, class Storage>
 Status copy_slots(const Exec& /*exec*/, PrunedCache<Storage>& cache, TensorView<const std::int32_t, 1> src,
                   TensorView<const std::int32_t, 1> dst) {
@@ -76,28 +106,28 @@ Status copy_slots(const Exec& /*exec*/, PrunedCache<Storage>& cache, TensorView<
   KVMEM_RETURN_IF_ERROR(detail::check_list_view(src, "src"));
   KVMEM_RETURN_IF_ERROR(detail::check_list_view(dst, "dst"));
   KVMEM_RETURN_IF_ERROR(check_copy_pairs(src.data(), dst.data(), src.extent(0), cache.max_slots()));
-  const std::int64_t D = cache.shape().head_dim;
+  const std::int64_t G = cache.shape().kv_heads, pr = cache.shape().page_rows;
+  std::int64_t need = 0, freed = 0;
+  for (std::int64_t i = 0; i < src.extent(0); ++i)
+    if (src(i) != dst(i))
+      for (std::int64_t g = 0; g < G; ++g) {
+        need += (cache.length(src(i), g) + pr - 1) / pr;
+        freed += cache.pages(dst(i), g);
+      }
+  KVMEM_RETURN_IF_ERROR(detail::check_pool(cache, need, freed, "copy_slots"));
   for (std::int64_t i = 0; i < src.extent(0); ++i) {
     const std::int64_t a = src(i), b = dst(i);
     if (a == b) continue;
-    for (std::int64_t g = 0; g < cache.shape().kv_heads; ++g) {
-      auto from = cache.item_view(a, g);
-      auto to = cache.item_view(b, g);
-      const std::int64_t n = *from.length;
-      for (std::int64_t e = 0; e < n * D; ++e) {
-        to.keys[e] = from.keys[e];
-        to.values[e] = from.values[e];
-      }
-      for (std::int64_t e = 0; e < n; ++e) {
-        to.lambda[e] = from.lambda[e];
-        to.key_logit[e] = from.key_logit[e];
-        to.pos[e] = from.pos[e];
-      }
+    for (std::int64_t g = 0; g < G; ++g) {
+      const std::int64_t n = cache.length(a, g), old = cache.length(b, g);
+      cache.release_rows(b, g, 0);
+      (void)cache.reserve_rows(b, g, n);  // checked above
+      detail::copy_rows(cache, a, g, b, g, n);
       // rows of the destination's old list beyond the copy are free now (freed_pages)
-      *to.peak = *to.length > n ? *to.length : n;
-      *to.length = n;
+      cache.set_length(b, g, n, old > n ? old : n);
     }
     cache.set_position(b, cache.position(a));
+    cache.set_overflowed(b, cache.overflowed(a));
   }
   return Status::ok();
 }
@@ -234,13 +264,17 @@ UaSlotFields gather(const PrunedCache<Storage>& cache, std::int64_t slot, bool r
     const std::int64_t n = cache.length(slot, g);
     f.length.push_back(n);
     if (!rows) continue;
-    f.pos.insert(f.pos.end(), cache.positions(slot, g), cache.positions(slot, g) + n);
-    f.lambda.insert(f.lambda.end(), cache.lambda(slot, g), cache.lambda(slot, g) + n);
-    f.key_logit.insert(f.key_logit.end(), cache.key_logits(slot, g), cache.key_logits(slot, g) + n);
-    for (std::int64_t e = 0; e < n * D; ++e) {
-      f.key.push_back(load_as<float>(cache.keys(slot, g)[e]));
-      f.value.push_back(load_as<float>(cache.values(slot, g)[e]));
-    }
+    // each accessor once: a paged list's rows are gathered per call (ua/cache.hpp)
+    const std::int64_t* p = cache.positions(slot, g);
+    f.pos.insert(f.pos.end(), p, p + n);
+    const float* l = cache.lambda(slot, g);
+    f.lambda.insert(f.lambda.end(), l, l + n);
+    const float* z = cache.key_logits(slot, g);
+    f.key_logit.insert(f.key_logit.end(), z, z + n);
+    const Storage* k = cache.keys(slot, g);
+    for (std::int64_t e = 0; e < n * D; ++e) f.key.push_back(load_as<float>(k[e]));
+    const Storage* v = cache.values(slot, g);
+    for (std::int64_t e = 0; e < n * D; ++e) f.value.push_back(load_as<float>(v[e]));
   }
   return f;
 }
@@ -281,25 +315,36 @@ Status import_slot(const Exec& /*exec*/, PrunedCache<Storage>& cache, std::int32
   detail::UaSlotFields f;
   KVMEM_RETURN_IF_ERROR(detail::read_record<Storage>(s, in, f));
   const std::vector<std::int64_t>& length = f.length;
+  {  // the pool must give the record's rows their pages once the slot's own pages are back
+    std::int64_t need = 0, freed = 0;
+    for (std::int64_t g = 0; g < G; ++g) {
+      need += (length[static_cast<std::size_t>(g)] + s.page_rows - 1) / s.page_rows;
+      freed += cache.pages(slot, g);
+    }
+    KVMEM_RETURN_IF_ERROR(detail::check_pool(cache, need, freed, "import_slot"));
+  }
   // Commit.
   for (std::int64_t g = 0, e0 = 0; g < G; e0 += length[static_cast<std::size_t>(g)], ++g) {
-    auto v = cache.item_view(slot, g);
-    const std::int64_t n = length[static_cast<std::size_t>(g)];
+    const std::int64_t n = length[static_cast<std::size_t>(g)], old = cache.length(slot, g);
+    cache.release_rows(slot, g, 0);
+    (void)cache.reserve_rows(slot, g, n);  // checked above
+    auto v = cache.item_view(slot, g, -1);
     for (std::int64_t e = 0; e < n; ++e) {
       const auto src = static_cast<std::size_t>(e0 + e);
-      v.pos[e] = f.pos[src];
-      v.lambda[e] = f.lambda[src];
-      v.key_logit[e] = f.key_logit[src];
+      const std::int64_t y = v.map(e);
+      v.pos[y] = f.pos[src];
+      v.lambda[y] = f.lambda[src];
+      v.key_logit[y] = f.key_logit[src];
       for (std::int64_t d = 0; d < D; ++d) {
-        v.keys[e * D + d] = store_as<Storage>(f.key[src * static_cast<std::size_t>(D) + static_cast<std::size_t>(d)]);
-        v.values[e * D + d] =
+        v.keys[y * D + d] = store_as<Storage>(f.key[src * static_cast<std::size_t>(D) + static_cast<std::size_t>(d)]);
+        v.values[y * D + d] =
             store_as<Storage>(f.value[src * static_cast<std::size_t>(D) + static_cast<std::size_t>(d)]);
       }
     }
-    *v.peak = *v.length > n ? *v.length : n;
-    *v.length = n;
+    cache.set_length(slot, g, n, old > n ? old : n);
   }
   cache.set_position(slot, f.position);
+  cache.set_overflowed(slot, false);
   return Status::ok();
 }
 

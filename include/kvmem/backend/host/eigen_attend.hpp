@@ -125,7 +125,7 @@ inline void cross_logits(const float* x, std::int64_t n, std::int64_t D, const f
 }
 
 // Per-thread scratch of a row block's key-range sweep: the tile scratch, a logit scale and the last
-// visible key position per row. Grows on first use to the largest block seen, then is reused.
+// visible key position per row. Sized by reserve() on a thread's first call of a problem, then reused.
 struct RangeScratch {
   TileScratch tile;
   RowMatrix ln_rows;  // [kTile, D]: layer-normed slot keys of one routing block
@@ -137,6 +137,17 @@ struct RangeScratch {
       last.resize(std::size_t(rows));
       visible.resize(std::size_t(rows));
     }
+  }
+  // Sizes everything for query blocks and routing blocks of up to `rows` rows at widths D, Dv, so later
+  // calls of that problem never grow it: a thread allocates on its first call only (DESIGN.md 3).
+  void reserve(std::int64_t rows, std::int64_t D, std::int64_t Dv) {
+    using Eigen::Index;
+    reserve_rows(rows);
+    tile.reserve_logits(Index(std::max(rows, kTile)));
+    if (tile.keys.rows() < Index(kTile) || tile.keys.cols() != Index(D)) tile.keys.resize(Index(kTile), Index(D));
+    if (tile.values.rows() < Index(kTile) || tile.values.cols() != Index(Dv))
+      tile.values.resize(Index(kTile), Index(Dv));
+    if (ln_rows.rows() < Index(kTile) || ln_rows.cols() != Index(D)) ln_rows.resize(Index(kTile), Index(D));
   }
 };
 

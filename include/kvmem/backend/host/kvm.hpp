@@ -12,6 +12,10 @@
 // attends. Prefill and decode therefore run the same operations in the same order and agree
 // exactly (spec 6.1), and a prefill equals the chunked driver of spec 4.6.
 //
+// Memory: each work item (a batch row's or a step row's KV head) takes its scratch from the State's
+// workspace (kvm/state.hpp: work item w = active row * Hk + g), so a step needs workspace for its rows
+// that name a slot, checked before anything changes, and allocates nothing.
+//
 // kvm::step runs the same driver per (row, KV head) item over packed token-major inputs (SeqIo
 // gives each item its tokens' addresses in either layout), so a row of a ragged step equals its
 // sequence run alone with prefill, bit for bit on the exact path. The slot operations (reset, copy, export/import,
@@ -402,11 +406,16 @@ struct Call {
 #endif
 
   // The whole token range (len tokens of io) of one (sequence slot b, KV head g).
-  void run_item(const SeqIo<In, Out>& io, std::int64_t b, std::int64_t g, std::int64_t len) const {
+  // w: the work item whose workspace the item uses and whose result counters it writes.
+  void run_item(const SeqIo<In, Out>& io, std::int64_t b, std::int64_t g, std::int64_t w, std::int64_t len) const {
     const Params& pr = p();
     const Geometry geo = pr.geometry();
     const std::int64_t C = pr.chunk, W = pr.window();
-    const ItemView<S, A> it = st.item(b, g);
+    const ItemView<S, A> it = st.item(b, g, w);
+#if KVMEM_HOST_EIGEN
+    if constexpr (std::is_same_v<A, float>)
+      if (!exact) host::eigen::thread_range_scratch().reserve(st.shape().rep() * C, D(), Dv());
+#endif
     const std::int64_t n0 = st.tokens(b);
     std::int64_t cov = st.covered(b), S_cur = st.slots(b);
     std::vector<UpdateRoute>* routes = log ? &log->items[std::size_t(b * st.shape().Hk + g)] : nullptr;
@@ -432,7 +441,7 @@ struct Call {
       attend_segment(it, io, g, n0, t0, t1, w, S_cur);
       t0 = t1;
     }
-    std::int64_t* res = st.item_result() + 2 * (b * st.shape().Hk + g);
+    std::int64_t* res = st.item_result() + 2 * w;
     res[0] = cov;
     res[1] = S_cur;
   }
@@ -500,6 +509,9 @@ inline Status check_list(const TensorView<const std::int32_t, 1>& v, const char*
 
 template <>
 struct Backend<host::Executor> {
+  // The host runs every valid problem (kvm::can_run checked the parameters and shape already).
+  static Status can_run(const Problem& /*problem*/) { return Status::ok(); }
+
   template <class S, class A, class In, class Out>
   static Status prefill(const host::Executor& exec, State<S, A>& state, const Weights& weights,
                         TensorView<const In, 4> q,     // [B,Hq,T,D]
@@ -513,6 +525,7 @@ struct Backend<host::Executor> {
     const Shape& sh = state.shape();
     const std::int64_t B = sh.B, T = q.extent(2);
     KVMEM_RETURN_IF_ERROR(check_call_shapes(sh, q, k, v, gate, out));
+    KVMEM_RETURN_IF_ERROR(state.check_workspace(B));
     if (!q.is_contiguous() || !k.is_contiguous() || !v.is_contiguous() || !gate.is_contiguous() || !out.is_contiguous())
       return invalid_argument("q, k, v, gate, out", "contiguous row-major views", "a strided view");
     KVMEM_RETURN_IF_ERROR(validate(weights, sh));
@@ -538,7 +551,7 @@ struct Backend<host::Executor> {
     host::parallel_for(exec, B * sh.Hk, [&](std::int64_t i) {
       const std::int64_t b = i / sh.Hk, g = i % sh.Hk, len = lengths ? lengths[b] : T;
       const auto io = host_detail::SeqIo<In, Out>::batch_row(q, k, v, gate, out, b);
-      call.run_item(io, b, g, len);
+      call.run_item(io, b, g, i, len);
       call.zero_rows(io, g, len, T);  // rows past this sequence's length
     });
     for (std::int64_t b = 0; b < B; ++b) {
@@ -581,6 +594,9 @@ struct Backend<host::Executor> {
     const std::int32_t* slot = rows.slot.data();
     const std::int32_t* start = rows.query_start.data();
     const std::int64_t R = rows.count();
+    std::int64_t active = 0;  // rows that name a slot: each takes Hk work items of the workspace
+    for (std::int64_t r = 0; r < R; ++r) active += slot[r] >= 0 ? 1 : 0;
+    KVMEM_RETURN_IF_ERROR(state.check_workspace(active));
     for (std::int64_t r = 0; r < R; ++r) {
       if (slot[r] < 0) continue;
       const std::int64_t len = start[r + 1] - start[r], b = slot[r];
@@ -597,18 +613,23 @@ struct Backend<host::Executor> {
     host_detail::load_weights(state, weights);
     if (log != nullptr) log->items.resize(std::size_t(sh.B * sh.Hk));
     const host_detail::Call<S, A, In, Out> call{state, log, exec.exact};
-    host::parallel_for(exec, R * sh.Hk, [&](std::int64_t i) {
-      const std::int64_t r = i / sh.Hk, g = i % sh.Hk, len = start[r + 1] - start[r];
+    std::int64_t* row_list = state.row_list();
+    for (std::int64_t r = 0, a = 0; r < R; ++r) {
+      if (slot[r] >= 0) {
+        row_list[a++] = r;
+        continue;
+      }
       const auto io = host_detail::SeqIo<In, Out>::packed(q, k, v, gate, out, lse, start[r]);
-      if (slot[r] < 0)
-        call.zero_rows(io, g, 0, len);  // padding row
-      else
-        call.run_item(io, slot[r], g, len);
+      for (std::int64_t g = 0; g < sh.Hk; ++g) call.zero_rows(io, g, 0, start[r + 1] - start[r]);  // padding row
+    }
+    host::parallel_for(exec, active * sh.Hk, [&](std::int64_t i) {
+      const std::int64_t r = row_list[i / sh.Hk], g = i % sh.Hk, len = start[r + 1] - start[r];
+      const auto io = host_detail::SeqIo<In, Out>::packed(q, k, v, gate, out, lse, start[r]);
+      call.run_item(io, slot[r], g, i, len);
     });
-    for (std::int64_t r = 0; r < R; ++r) {
-      if (slot[r] < 0) continue;
-      const std::int64_t b = slot[r];
-      const std::int64_t* res = state.item_result() + 2 * (b * sh.Hk);
+    for (std::int64_t a = 0; a < active; ++a) {
+      const std::int64_t r = row_list[a], b = slot[r];
+      const std::int64_t* res = state.item_result() + 2 * (a * sh.Hk);
       state.n_data()[b] += start[r + 1] - start[r];
       state.cov_data()[b] = res[0];
       state.slots_data()[b] = res[1];
@@ -676,6 +697,7 @@ struct Backend<host::Executor> {
   static Status import_slot(const host::Executor& /*exec*/, State<S, A>& state, const Weights& weights,
                             std::int32_t slot, std::span<const std::byte> bytes) {
     KVMEM_RETURN_IF_ERROR(state.check_slot(slot, "slot"));
+    KVMEM_RETURN_IF_ERROR(state.check_workspace(1));  // the readout rebuild uses work item 0
     const Shape& sh = state.shape();
     KVMEM_RETURN_IF_ERROR(validate(weights, sh));
     record_detail::Parsed<A> rec;
@@ -686,7 +708,7 @@ struct Backend<host::Executor> {
     const std::int64_t w0 = state.params().geometry().bswa_begin(rec.n), held = rec.n - w0;
     const host_detail::Call<S, A, float, float> call{state, nullptr};
     for (std::int64_t g = 0; g < sh.Hk; ++g) {
-      const auto it = state.item(slot, g);
+      const auto it = state.item(slot, g, 0);
       std::copy_n(rec.sk.begin() + g * S_ * D, S_ * D, it.sk);
       std::copy_n(rec.sv.begin() + g * S_ * Dv, S_ * Dv, it.sv);
       std::copy_n(rec.rho.begin() + g * S_, S_, it.rho);

@@ -9,6 +9,9 @@
 //   kvmem::ua::prefill(kvmem::host::Executor{}, cache, inputs, {.p = 0.05}, out);   // out [B,T,H,D]
 //   kvmem::ua::decode(kvmem::host::Executor{}, cache, step, {.p = 0.05}, out1);     // out1 [B,1,H,D]
 //   kvmem::ua::step(kvmem::host::Executor{}, cache, rows, packed, {.p = 0.05}, out, lse);  // slots, [tokens,H,D]
+//
+// Caller-owned memory (docs/memory.md): PrunedCache::place over ua::cache_layout(shape).bytes, then
+// attach_workspace over ua::workspace_bytes(shape, limits).
 
 #include <cstdint>
 #include <utility>
