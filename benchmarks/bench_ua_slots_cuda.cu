@@ -49,7 +49,8 @@ constexpr std::int64_t kPrunedKept = 160;
 void run(double p, const Options& o, std::FILE* json) {
   const std::int64_t R = o.sequences, H = o.heads, G = o.kv_heads, D = 128;
   const bool dense = p == 0.0;
-  const std::int64_t capacity = (dense ? o.max_len : kPrunedKept) + o.steps + 8;
+  // every slot takes one row per step: 4 warm-up steps, steps - 4 plain ones, then steps graph replays
+  const std::int64_t capacity = (dense ? o.max_len : kPrunedKept) + 2 * o.steps + 8;
   kvmem::cuda::UaCache<bf16> cache;
   CHECK_STATUS(kvmem::cuda::UaCache<bf16>::create({R, H, G, D, capacity, 16}, cache));
   const kvmem::cuda::Executor exec{};
