@@ -448,17 +448,17 @@ class State {
   std::int64_t* slots_ = nullptr;
 };
 
-// Whether dropping the last n tokens of `slot` is exact (kvm::truncate); ok or the reason why not.
-template <class S, class A>
-Status truncate_check(const State<S, A>& state, std::int64_t slot, std::int64_t n) {
-  const std::int64_t n_old = state.tokens(slot);
+// Whether dropping the last n tokens of a slot of n_old tokens, cov_old of them covered, is exact
+// (kvm::truncate on every backend): ok, or the reason why not. The rule needs only the counters, so a
+// backend that keeps them on a device passes copies.
+inline Status truncate_check(const Geometry& geo, std::int64_t slot, std::int64_t n_old, std::int64_t cov_old,
+                             std::int64_t n) {
   if (n < 0 || n > n_old)
     return {StatusCode::kOutOfRange, "truncate n: expected 0 <= n <= tokens of slot " + std::to_string(slot) + " = " +
                                          std::to_string(n_old) + ", got " + std::to_string(n)};
   const std::int64_t n_new = n_old - n;
   if (n == 0 || n_new == 0) return Status::ok();
-  const Geometry geo = state.params().geometry();
-  const std::int64_t C = geo.chunk, cov_old = state.covered(slot), cov_new = geo.covered(n_new);
+  const std::int64_t C = geo.chunk, cov_new = geo.covered(n_new);
   // Memory slots: unchanged when no update ran for the dropped tokens; below the first update
   // (cov <= C) the state is the initial slots, one founded by each token, and the dropped ones go.
   if (cov_old != cov_new && cov_old > C) {
@@ -478,6 +478,12 @@ Status truncate_check(const State<S, A>& state, std::int64_t slot, std::int64_t 
             " (the positions the window still holds)",
         std::to_string(n) + " (the shorter sequence reads from position " + std::to_string(reads_from) + ")");
   return Status::ok();
+}
+
+// The same for `slot` of a state whose counters the host reads.
+template <class S, class A>
+Status truncate_check(const State<S, A>& state, std::int64_t slot, std::int64_t n) {
+  return truncate_check(state.params().geometry(), slot, state.tokens(slot), state.covered(slot), n);
 }
 
 }  // namespace kvmem::kvm

@@ -1335,35 +1335,6 @@ struct SlotAccess {
     return to_status(cudaStreamSynchronize(exec.stream), "import_slot sync");  // the host staging dies here
   }
 
-  // Whether dropping the last n tokens of a slot of n_old tokens, cov_old covered, is exact: the rule
-  // of the host backend's truncate (no update absorbed a dropped token; the window still holds every
-  // position the shorter sequence reads).
-  static Status truncate_check(const kvm::Geometry& geo, std::int64_t slot, std::int64_t n_old, std::int64_t cov_old,
-                               std::int64_t n) {
-    if (n < 0 || n > n_old)
-      return {StatusCode::kOutOfRange, "truncate n: expected 0 <= n <= tokens of slot " + std::to_string(slot) + " = " +
-                                           std::to_string(n_old) + ", got " + std::to_string(n)};
-    const std::int64_t n_new = n_old - n;
-    if (n == 0 || n_new == 0) return Status::ok();
-    const std::int64_t C = geo.chunk, cov_new = geo.covered(n_new);
-    if (cov_old != cov_new && cov_old > C) {
-      const std::int64_t at = cov_old + geo.window() - C + 1;  // tokens seen when that update ran (spec 4.7)
-      return invalid_argument("truncate n",
-                              "at most " + std::to_string(n_old - at) + ": the state update at token " +
-                                  std::to_string(at) + " absorbed tokens [" + std::to_string(cov_old - C) + ", " +
-                                  std::to_string(cov_old) + ") into the memory slots and cannot be undone (spec 4.5)",
-                              n);
-    }
-    const std::int64_t reads_from = std::min(geo.bswa_begin(n_new + 1), n_new >= C ? cov_new : n_new);
-    if (reads_from < geo.bswa_begin(n_old))
-      return invalid_argument(
-          "truncate n",
-          "a count whose shorter sequence reads only window positions >= " + std::to_string(geo.bswa_begin(n_old)) +
-              " (the positions the window still holds)",
-          std::to_string(n) + " (the shorter sequence reads from position " + std::to_string(reads_from) + ")");
-    return Status::ok();
-  }
-
   template <class S, class A>
   static Status truncate(const Executor& exec, KvmState<S, A>& st, std::int32_t slot, std::int64_t n) {
     KVMEM_RETURN_IF_ERROR(check_state(st));
@@ -1371,7 +1342,7 @@ struct SlotAccess {
     std::int64_t n_old = 0, cov_old = 0, used = 0;
     KVMEM_RETURN_IF_ERROR(counters(exec, st, slot, n_old, cov_old, used));
     const kvm::Geometry geo = st.params_.geometry();
-    KVMEM_RETURN_IF_ERROR(truncate_check(geo, slot, n_old, cov_old, n));
+    KVMEM_RETURN_IF_ERROR(kvm::truncate_check(geo, slot, n_old, cov_old, n));
     KVMEM_RETURN_IF_ERROR(enter_slot_mode(exec, st));
     const std::int64_t n_new = n_old - n, cov = geo.covered(n_new);
     if (cov_old != cov) used = cov;  // initial slots only: one per token (spec 4.3)
