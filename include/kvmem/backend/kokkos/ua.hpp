@@ -218,6 +218,24 @@ struct UaItem {
   float* lambda;
   float* key_logit;
   std::int64_t* pos;
+
+  // The block arguments `a` of the kernel bodies, pointed at this item's n kept entries (rows of D).
+  KOKKOS_INLINE_FUNCTION kernel::ua::BlockArgs<Storage, float, float, float> block(
+      kernel::ua::BlockArgs<Storage, float, float, float> a, std::int64_t n, std::int64_t D, float* workspace) const {
+    a.keys = keys;
+    a.values = values;
+    a.key_stride = a.value_stride = D;
+    a.lambda = lambda;
+    a.key_logit = key_logit;
+    a.pos = pos;
+    a.n = n;
+    a.workspace = workspace;
+    return a;
+  }
+  // Evicts the entries with λ < log p (spec UA.md 4.4) and compacts the rest; returns the kept count.
+  KOKKOS_INLINE_FUNCTION std::int64_t evict(std::int64_t n, std::int64_t D, double log_p) const {
+    return kernel::ua::evict_and_compact(keys, values, D, lambda, key_logit, pos, n, D, log_p);
+  }
 };
 
 template <class Set, class Storage, class MemSpace>
@@ -247,22 +265,6 @@ struct UaCacheCall {
     kernel::ua::append_entry(it.keys, it.values, it.lambda, it.key_logit, it.pos, row, &in.k(b, g, t, 0),
                              &in.v(b, g, t, 0), in.z_k(b, g, t), position, D);
   }
-  KOKKOS_INLINE_FUNCTION kernel::ua::BlockArgs<Storage, float, float, float> with_cache(
-      kernel::ua::BlockArgs<Storage, float, float, float> a, const UaItem<Storage>& it, std::int64_t n,
-      float* workspace) const {
-    a.keys = it.keys;
-    a.values = it.values;
-    a.key_stride = a.value_stride = D;
-    a.lambda = it.lambda;
-    a.key_logit = it.key_logit;
-    a.pos = it.pos;
-    a.n = n;
-    a.workspace = workspace;
-    return a;
-  }
-  KOKKOS_INLINE_FUNCTION std::int64_t evict(const UaItem<Storage>& it, std::int64_t n) const {
-    return kernel::ua::evict_and_compact(it.keys, it.values, D, it.lambda, it.key_logit, it.pos, n, D, log_p);
-  }
 
   // Chunked prefill of one item (spec UA.md 4.5), as ua::detail::prefill_item.
   KOKKOS_INLINE_FUNCTION void prefill_item(std::int64_t i, float* workspace) const {
@@ -275,11 +277,11 @@ struct UaCacheCall {
       for (std::int64_t t = t0; t < t1; ++t) append_row(it, n + (t - t0), b, g, t, first + t);
       n += t1 - t0;
       top = n > top ? n : top;
-      auto a = with_cache(in.block<Storage>(b, g, r, t0, t1), it, n, workspace);
+      auto a = it.block(in.block<Storage>(b, g, r, t0, t1), n, D, workspace);
       a.through = first + t0 - 1;  // survivors hold Λ_{first+t0-1}; the chunk keys hold 0
       a.first = first + t0;
       kernel::ua::attend_block<Set>(a);
-      if (prunes()) n = evict(it, n);
+      if (prunes()) n = it.evict(n, D, log_p);
     }
     length[i] = n;
     peak[i] = top;
@@ -296,12 +298,12 @@ struct UaCacheCall {
     append_row(it, n, b, g, 0, t);                                 // 2. append t with λ = 0
     ++n;
     const std::int64_t top = n;
-    if (prunes() && evict_before_attention) n = evict(it, n);  // 3. evict, 4. attend (or evict last)
-    auto a = with_cache(in.block<Storage>(b, g, r, 0, 1), it, n, workspace);
+    if (prunes() && evict_before_attention) n = it.evict(n, D, log_p);  // 3. evict, 4. attend (or evict last)
+    auto a = it.block(in.block<Storage>(b, g, r, 0, 1), n, D, workspace);
     a.through = t;  // λ already includes A_{., t}
     a.first = t;
     kernel::ua::attend_block<Set>(a);
-    if (prunes() && !evict_before_attention) n = evict(it, n);
+    if (prunes() && !evict_before_attention) n = it.evict(n, D, log_p);
     length[i] = n;
     peak[i] = top;
   }
@@ -577,22 +579,6 @@ struct UaStepCall {
     kernel::ua::append_entry(it.keys, it.values, it.lambda, it.key_logit, it.pos, at, &in.k(w.x0 + t, g, 0),
                              &in.v(w.x0 + t, g, 0), in.z_k(w.x0 + t, g), position, D);
   }
-  KOKKOS_INLINE_FUNCTION kernel::ua::BlockArgs<Storage, float, float, float> with_cache(
-      kernel::ua::BlockArgs<Storage, float, float, float> a, const UaItem<Storage>& it, std::int64_t n,
-      float* workspace) const {
-    a.keys = it.keys;
-    a.values = it.values;
-    a.key_stride = a.value_stride = D;
-    a.lambda = it.lambda;
-    a.key_logit = it.key_logit;
-    a.pos = it.pos;
-    a.n = n;
-    a.workspace = workspace;
-    return a;
-  }
-  KOKKOS_INLINE_FUNCTION std::int64_t evict(const UaItem<Storage>& it, std::int64_t n) const {
-    return kernel::ua::evict_and_compact(it.keys, it.values, D, it.lambda, it.key_logit, it.pos, n, D, log_p);
-  }
 
   // A row of more than one token: chunked prefill continuing the slot (as ua::detail::prefill_item).
   KOKKOS_INLINE_FUNCTION void prefill_item(const UaRow& w, std::int64_t g, float* workspace) const {
@@ -605,11 +591,11 @@ struct UaStepCall {
       for (std::int64_t t = t0; t < t1; ++t) append_row(it, n + (t - t0), w, g, t, first + t);
       n += t1 - t0;
       top = n > top ? n : top;
-      auto a = with_cache(in.block<Storage>(w.x0, g, r, t0, t1), it, n, workspace);
+      auto a = it.block(in.block<Storage>(w.x0, g, r, t0, t1), n, D, workspace);
       a.through = first + t0 - 1;  // survivors hold Λ_{first+t0-1}; the chunk keys hold 0
       a.first = first + t0;
       kernel::ua::attend_block<Set>(a);
-      if (prune) n = evict(it, n);
+      if (prune) n = it.evict(n, D, log_p);
     }
     length[i] = n;
     peak[i] = top;
@@ -626,12 +612,12 @@ struct UaStepCall {
     append_row(it, n, w, g, 0, t);                                 // 2. append t with λ = 0
     ++n;
     const std::int64_t top = n;
-    if (prune && evict_before_attention) n = evict(it, n);  // 3. evict, 4. attend (or evict last)
-    auto a = with_cache(in.block<Storage>(w.x0, g, r, 0, 1), it, n, workspace);
+    if (prune && evict_before_attention) n = it.evict(n, D, log_p);  // 3. evict, 4. attend (or evict last)
+    auto a = it.block(in.block<Storage>(w.x0, g, r, 0, 1), n, D, workspace);
     a.through = t;  // λ already includes A_{., t}
     a.first = t;
     kernel::ua::attend_block<Set>(a);
-    if (prune && !evict_before_attention) n = evict(it, n);
+    if (prune && !evict_before_attention) n = it.evict(n, D, log_p);
     length[i] = n;
     peak[i] = top;
   }
