@@ -559,13 +559,11 @@ inline ItemIO item_io(const PackedInputs& in, TensorView<float, 3> out, TensorVi
   return io;
 }
 
-// Everything step checks before it changes anything (DESIGN.md 3: validation first).
-template <class Storage>
-Status validate_step(const PrunedCache<Storage>& cache, const Rows& rows, const PackedInputs& in, const Options& opt,
-                     TensorView<float, 3> out, TensorView<float, 2> lse) {
-  if (!cache.valid()) return invalid_argument("cache", "a cache made by PrunedCache::create", "an empty cache");
-  KVMEM_RETURN_IF_ERROR(validate_options(opt));
-  const CacheShape& s = cache.shape();
+// The shapes and row layouts of a slot step's packed inputs and outputs against a cache of shape s
+// (every backend's ua::step checks these on the host before anything runs).
+template <class S>
+Status check_packed_step(const CacheShape& s, const PackedInputsOf<S>& in, TensorView<float, 3> out,
+                         TensorView<float, 2> lse) {
   const std::int64_t N = in.tokens(), H = s.query_heads, G = s.kv_heads, D = s.head_dim;
   KVMEM_RETURN_IF_ERROR(check_shape(in.q, {N, H, D}, "q [tokens,H,D]"));
   KVMEM_RETURN_IF_ERROR(check_shape(in.k, {N, G, D}, "k [tokens,G,D]"));
@@ -581,6 +579,18 @@ Status validate_step(const PrunedCache<Storage>& cache, const Rows& rows, const 
   KVMEM_RETURN_IF_ERROR(check_rows(in.v, "v"));
   KVMEM_RETURN_IF_ERROR(check_rows(in.z_o, "z_o"));
   KVMEM_RETURN_IF_ERROR(check_rows(out, "out"));
+  return Status::ok();
+}
+
+// Everything step checks before it changes anything (DESIGN.md 3: validation first).
+template <class Storage>
+Status validate_step(const PrunedCache<Storage>& cache, const Rows& rows, const PackedInputs& in, const Options& opt,
+                     TensorView<float, 3> out, TensorView<float, 2> lse) {
+  if (!cache.valid()) return invalid_argument("cache", "a cache made by PrunedCache::create", "an empty cache");
+  KVMEM_RETURN_IF_ERROR(validate_options(opt));
+  const CacheShape& s = cache.shape();
+  const std::int64_t N = in.tokens(), G = s.kv_heads;
+  KVMEM_RETURN_IF_ERROR(check_packed_step(s, in, out, lse));
   KVMEM_RETURN_IF_ERROR(check_finite(in.q, "q"));
   KVMEM_RETURN_IF_ERROR(check_finite(in.k, "k"));
   KVMEM_RETURN_IF_ERROR(check_finite(in.v, "v"));

@@ -856,20 +856,7 @@ Status step(const kokkos::Executor<Space>& exec, kokkos::UaCache<Storage, MemSpa
   KVMEM_RETURN_IF_ERROR(detail::validate_options(opt));
   const CacheShape& s = cache.shape;
   const std::int64_t N = in.tokens(), H = s.query_heads, G = s.kv_heads, D = s.head_dim, R = rows.count();
-  KVMEM_RETURN_IF_ERROR(check_shape(in.q, {N, H, D}, "q [tokens,H,D]"));
-  KVMEM_RETURN_IF_ERROR(check_shape(in.k, {N, G, D}, "k [tokens,G,D]"));
-  KVMEM_RETURN_IF_ERROR(check_shape(in.v, {N, G, D}, "v [tokens,G,D]"));
-  KVMEM_RETURN_IF_ERROR(check_shape(in.z_k, {N, G}, "z_k [tokens,G]"));
-  KVMEM_RETURN_IF_ERROR(check_shape(in.z_q, {N, G}, "z_q [tokens,G]"));
-  if (!in.z_o.empty()) KVMEM_RETURN_IF_ERROR(check_shape(in.z_o, {N, H, D}, "z_o [tokens,H,D]"));
-  KVMEM_RETURN_IF_ERROR(check_shape(TensorView<const float, 3>(out), {N, H, D}, "out [tokens,H,D]"));
-  if (lse.data() != nullptr || !lse.empty())
-    KVMEM_RETURN_IF_ERROR(check_shape(TensorView<const float, 2>(lse), {N, H}, "lse [tokens,H]"));
-  KVMEM_RETURN_IF_ERROR(detail::check_rows(in.q, "q"));
-  KVMEM_RETURN_IF_ERROR(detail::check_rows(in.k, "k"));
-  KVMEM_RETURN_IF_ERROR(detail::check_rows(in.v, "v"));
-  KVMEM_RETURN_IF_ERROR(detail::check_rows(in.z_o, "z_o"));
-  KVMEM_RETURN_IF_ERROR(detail::check_rows(out, "out"));
+  KVMEM_RETURN_IF_ERROR(detail::check_packed_step(s, in, out, lse));
   if (rows.query_start.extent(0) != R + 1)
     return invalid_argument("query_start shape", kvmem::detail::concat("[rows + 1] = [", R + 1, "]"),
                             shape_string(rows.query_start.extents()));
