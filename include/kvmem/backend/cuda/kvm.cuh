@@ -362,19 +362,15 @@ class KvmState {
   KvmState& operator=(const KvmState&) = delete;
   ~KvmState() = default;
 
-  // Whether the CUDA backend runs `problem`: ok, or why not (invalid parameters or shape, a chunk over
-  // 1024 (one thread per token of an update), a value head dim over kvm::step's readout registers).
+  // Whether the CUDA backend runs every operation on `problem`: ok, or why not (invalid parameters or
+  // shape, a chunk over 1024 (one thread per token of an update), a value head dim over kvm::step's
+  // readout registers). create and place refuse only the first two: the fixed-batch calls take any Dv.
   static Status can_run(const KvmProblem& problem) {
-    const kvm::Params& p = problem.params;
-    const kvm::Shape& s = problem.shape;
-    KVMEM_RETURN_IF_ERROR(kvm::validate(p, s));
-    if (p.chunk > 1024)
-      return {StatusCode::kUnsupported,
-              "cuda KVM: chunk must be <= 1024 (one thread per token of an update), got " + std::to_string(p.chunk)};
-    if (s.Dv > 32 * kvm_detail::kSlotReadoutMaxRegs)
-      return {StatusCode::kUnsupported,
-              "cuda kvm::step: Dv must be <= " + std::to_string(32 * kvm_detail::kSlotReadoutMaxRegs) + ", got " +
-                  std::to_string(s.Dv)};
+    KVMEM_RETURN_IF_ERROR(check_creatable(problem.params, problem.shape));
+    if (problem.shape.Dv > 32 * kvm_detail::kSlotReadoutMaxRegs)
+      return {StatusCode::kUnsupported, "cuda kvm::step: Dv must be <= " +
+                                            std::to_string(32 * kvm_detail::kSlotReadoutMaxRegs) + ", got " +
+                                            std::to_string(problem.shape.Dv)};
     return Status::ok();
   }
 
@@ -417,7 +413,7 @@ class KvmState {
 
   // Owning state: one device allocation of bytes_required (state, then a workspace for max_slots rows).
   static Status create(const kvm::Params& p, const kvm::Shape& s, KvmState& out) {
-    KVMEM_RETURN_IF_ERROR(can_run({p, s}));
+    KVMEM_RETURN_IF_ERROR(check_creatable(p, s));
     KvmState st;
     const std::size_t sb = state_bytes({p, s});
     KVMEM_RETURN_IF_ERROR(DeviceBuffer::allocate(bytes_required(p, s), st.owned_));
@@ -432,7 +428,7 @@ class KvmState {
   // not owned, not in use by pending work. Writes only the counters, the status word and the update
   // targets (nothing outside [memory, memory + state_bytes)); steps need a workspace (attach_workspace).
   static Status place(void* memory, std::size_t bytes, const KvmProblem& problem, KvmState& out) {
-    KVMEM_RETURN_IF_ERROR(can_run(problem));
+    KVMEM_RETURN_IF_ERROR(check_creatable(problem.params, problem.shape));
     KVMEM_RETURN_IF_ERROR(kvm_detail::check_device_placement(memory, bytes, state_bytes(problem), "state memory"));
     KvmState st;
     KVMEM_RETURN_IF_ERROR(st.bind(static_cast<unsigned char*>(memory), problem.params, problem.shape));
@@ -441,7 +437,7 @@ class KvmState {
   }
   // State and a workspace for max_slots rows in one caller block of at least bytes_required bytes.
   static Status place(void* memory, std::size_t bytes, const kvm::Params& p, const kvm::Shape& s, KvmState& out) {
-    KVMEM_RETURN_IF_ERROR(can_run({p, s}));
+    KVMEM_RETURN_IF_ERROR(check_creatable(p, s));
     KVMEM_RETURN_IF_ERROR(kvm_detail::check_device_placement(memory, bytes, bytes_required(p, s), "memory"));
     KvmState st;
     auto* base = static_cast<unsigned char*>(memory);
@@ -593,6 +589,14 @@ class KvmState {
   }
 
  private:
+  static Status check_creatable(const kvm::Params& p, const kvm::Shape& s) {
+    KVMEM_RETURN_IF_ERROR(kvm::validate(p, s));
+    if (p.chunk > 1024)
+      return {StatusCode::kUnsupported,
+              "cuda KVM: chunk must be <= 1024 (one thread per token of an update), got " + std::to_string(p.chunk)};
+    return Status::ok();
+  }
+
   template <class S2, class A2, class In, class Out>
   friend Status kvm_run(const Executor&, KvmState<S2, A2>&, const KvmWeights&, TensorView<const In, 4>,
                         TensorView<const In, 4>, TensorView<const In, 4>, TensorView<const In, 3>, TensorView<Out, 4>,
