@@ -26,6 +26,23 @@
 #include "cuda/cuda_test_support.hpp"
 #include "kvmem/backend/cuda.hpp"
 
+// A kernel outside the anonymous namespace below: nvcc's host stub of a kernel there collides with
+// the anonymous namespaces Catch's TEST_CASE opens.
+namespace kvmem_memory_test {
+// Spins until *flag is set from the host, or about `cycles` clock cycles have passed; *released says
+// which (1: the flag, 0: the timeout).
+__global__ void spin_kernel(const volatile int* flag, int* released, long long cycles) {
+  const long long t0 = clock64();
+  while (*flag == 0) {
+    if (clock64() - t0 > cycles) {
+      *released = 0;
+      return;
+    }
+  }
+  *released = 1;
+}
+}  // namespace kvmem_memory_test
+
 namespace {
 
 using kvmem::bf16;
@@ -276,8 +293,8 @@ TEST_CASE("cuda kvm memory: a placed state writes only its bytes and equals an o
 
 TEST_CASE("cuda kvm memory: state and workspace sizes are closed form", "[memory][gpu]") {
   // no device needed: pure arithmetic
-  for (const kvmem::budget::Any budget : {kFixed, kSqrt}) {
-    for (const Dims d : {Dims{4, 2, 32, 32}, Dims{8, 1, 64, 64}, Dims{4, 4, 128, 128}}) {
+  for (const kvmem::budget::Any& budget : {kFixed, kSqrt}) {
+    for (const Dims& d : {Dims{4, 2, 32, 32}, Dims{8, 1, 64, 64}, Dims{4, 4, 128, 128}}) {
       for (const std::int64_t n_ctx : {256, 4096}) {
         const KvmProblem problem{make_params(16, budget), {3, d.Hq, d.Hk, d.D, d.Dv, n_ctx}};
         const auto check = [&](auto tag) {
@@ -358,19 +375,6 @@ TEST_CASE("cuda kvm memory: the device's free memory is unchanged across 1,000 s
   CHECK(free1 == free0);
 }
 
-// Spins until *flag is set from the host, or about `cycles` clock cycles have passed; *released says
-// which (1: the flag, 0: the timeout).
-__global__ void spin_kernel(const volatile int* flag, int* released, long long cycles) {
-  const long long t0 = clock64();
-  while (*flag == 0) {
-    if (clock64() - t0 > cycles) {
-      *released = 0;
-      return;
-    }
-  }
-  *released = 1;
-}
-
 TEST_CASE("cuda kvm memory: create and place return while another stream's kernel still runs", "[memory][gpu]") {
   if (no_device()) return;
   using S = bf16;
@@ -386,7 +390,7 @@ TEST_CASE("cuda kvm memory: create and place return while another stream's kerne
   // a blocking stream: any work create or place put on the legacy default stream would wait for it
   cudaStream_t busy = nullptr;
   KVMEM_CUDA_REQUIRE(cudaStreamCreate(&busy));
-  spin_kernel<<<1, 1, 0, busy>>>(flag_dev, released.ptr, 20'000'000'000LL);  // about 10 s at 2 GHz
+  kvmem_memory_test::spin_kernel<<<1, 1, 0, busy>>>(flag_dev, released.ptr, 20'000'000'000LL);  // about 10 s at 2 GHz
   KVMEM_CUDA_REQUIRE(cudaGetLastError());
   KvmState<S> placed, owning;
   const Status ps = KvmState<S>::place(state_mem.ptr, state_mem.n, problem, placed);

@@ -368,9 +368,9 @@ class KvmState {
   static Status can_run(const KvmProblem& problem) {
     KVMEM_RETURN_IF_ERROR(check_creatable(problem.params, problem.shape));
     if (problem.shape.Dv > 32 * kvm_detail::kSlotReadoutMaxRegs)
-      return {StatusCode::kUnsupported, "cuda kvm::step: Dv must be <= " +
-                                            std::to_string(32 * kvm_detail::kSlotReadoutMaxRegs) + ", got " +
-                                            std::to_string(problem.shape.Dv)};
+      return {StatusCode::kUnsupported,
+              "cuda kvm::step: Dv must be <= " + std::to_string(32 * kvm_detail::kSlotReadoutMaxRegs) + ", got " +
+                  std::to_string(problem.shape.Dv)};
     return Status::ok();
   }
 
