@@ -12,8 +12,9 @@ CUDA graph (as kvmem's graph column), and the decode ratios use the faster of th
 
     python3 benchmarks/gpu_report.py --kvm kvm.jsonl [--batch 8] [--heads 32] [--tokens 4096,...]
     python3 benchmarks/gpu_report.py --ua ua.jsonl [--ua-tokens 4096,8192,16384]   (B8 H16 G4 GQA anchors)
-    python3 benchmarks/gpu_report.py --ragged ragged.jsonl   (kvmem_bench_kvm_slots_cuda: one decode step of
-        sequences at their own lengths, against SDPA decode over the same sequences padded to the longest)
+    python3 benchmarks/gpu_report.py --ragged ragged.jsonl   (kvmem_bench_kvm_slots_cuda and
+        kvmem_bench_ua_slots_cuda: one decode step of sequences at their own lengths, against SDPA decode over
+        the same sequences padded to the longest)
 
 --record-dir DIR also writes the JSON of record, DIR/kvm_cuda.json and DIR/ua_cuda.json (schema in
 benchmarks/plot_results.py, which plots them; --command names the command recorded in them).
@@ -97,8 +98,8 @@ def ua_table(path, anchors_by_t, copy_tbs):
 
 
 def ragged_table(path):
-    """kvmem's ragged decode step (kvmem_bench_kvm_slots_cuda: one token for each of N sequences at its own
-    length) beside SDPA decode of the same N queries over keys and values padded to the longest sequence:
+    """kvmem's ragged decode step (kvmem_bench_kvm_slots_cuda, kvmem_bench_ua_slots_cuda: one token for each
+    of N sequences at its own length) beside SDPA decode of the same N queries over keys and values padded to the longest sequence:
     what a dense engine without a ragged kernel reads. Tokens/s = N / step time; the SDPA rows take the
     faster of plain call and graph replay."""
     with open(path) as f:
@@ -128,7 +129,8 @@ def ragged_table(path):
                   f"{n / (best * 1e-3):.0f} | {best_cudnn / best:.2f} |")
         for r in (x for x in runs if shape_of(x) == (n, heads, kv_heads, longest)):
             best = min(r["step_ms"], r["graph_step_ms"])
-            print(f"| kvmem KVM {r['budget']} ragged | {n} | {r['min']}..{r['max']} (longest {longest}) | "
+            variant = f"KVM {r['budget']}" if "budget" in r else f"UA p={r['p']:g}"  # kvmem_bench_ua_slots_cuda
+            print(f"| kvmem {variant} ragged | {n} | {r['min']}..{r['max']} (longest {longest}) | "
                   f"{r['step_ms']:.4f} | {r['graph_step_ms']:.4f} | {n / (best * 1e-3):.0f} | {best_cudnn / best:.2f} |")
         del q1, k, v
         torch.cuda.empty_cache()

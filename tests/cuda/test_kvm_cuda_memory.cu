@@ -209,15 +209,17 @@ void placed_equals_owning(kvmem::budget::Any budget, std::uint64_t seed) {
     // slot operations, the same on both states
     if (uni(0, 9) == 0) {
       const std::int32_t s = std::int32_t(uni(0, B - 1));
-      REQUIRE(kvm::reset_slots(kvmem::cuda::Executor{}, placed, I32View(&s, {1})).is_ok());
-      REQUIRE(kvm::reset_slots(kvmem::cuda::Executor{}, owning, I32View(&s, {1})).is_ok());
+      const Dev<std::int32_t> list(std::vector<std::int32_t>{s});  // slot lists live in device memory
+      REQUIRE(kvm::reset_slots(kvmem::cuda::Executor{}, placed, I32View(list.ptr, {1})).is_ok());
+      REQUIRE(kvm::reset_slots(kvmem::cuda::Executor{}, owning, I32View(list.ptr, {1})).is_ok());
       n[std::size_t(s)] = 0;
       ++resets;
     }
     if (uni(0, 11) == 0) {
       const std::int32_t a = std::int32_t(uni(0, B - 1)), b = std::int32_t((a + 1 + uni(0, B - 2)) % B);
-      REQUIRE(kvm::copy_slots(kvmem::cuda::Executor{}, placed, I32View(&a, {1}), I32View(&b, {1})).is_ok());
-      REQUIRE(kvm::copy_slots(kvmem::cuda::Executor{}, owning, I32View(&a, {1}), I32View(&b, {1})).is_ok());
+      const Dev<std::int32_t> src(std::vector<std::int32_t>{a}), dst(std::vector<std::int32_t>{b});
+      REQUIRE(kvm::copy_slots(kvmem::cuda::Executor{}, placed, I32View(src.ptr, {1}), I32View(dst.ptr, {1})).is_ok());
+      REQUIRE(kvm::copy_slots(kvmem::cuda::Executor{}, owning, I32View(src.ptr, {1}), I32View(dst.ptr, {1})).is_ok());
       n[std::size_t(b)] = n[std::size_t(a)];
       ++forks;
     }
@@ -352,11 +354,12 @@ TEST_CASE("cuda kvm memory: the device's free memory is unchanged across 1,000 s
   const StepData<S> decode(d, {0, 1, -1, 3}, {0, 1, 2, 2, 3}, rng);
   const StepData<S> prefill(d, {2, 0}, {0, 24, 25}, rng);
   Dev<float> out(std::size_t(25 * d.Hq * d.Dv)), lse(std::size_t(25 * d.Hq));
-  const std::int32_t reset_slot = 2, from = 0, to = 2;
+  const Dev<std::int32_t> reset_slot(std::vector<std::int32_t>{2}), from(std::vector<std::int32_t>{0}),
+      to(std::vector<std::int32_t>{2});  // slot lists in device memory, made once
   const auto round = [&](int i) {
     if (i % 100 == 99) {
-      REQUIRE(kvm::reset_slots(kvmem::cuda::Executor{}, st, I32View(&reset_slot, {1})).is_ok());
-      REQUIRE(kvm::copy_slots(kvmem::cuda::Executor{}, st, I32View(&from, {1}), I32View(&to, {1})).is_ok());
+      REQUIRE(kvm::reset_slots(kvmem::cuda::Executor{}, st, I32View(reset_slot.ptr, {1})).is_ok());
+      REQUIRE(kvm::copy_slots(kvmem::cuda::Executor{}, st, I32View(from.ptr, {1}), I32View(to.ptr, {1})).is_ok());
     }
     const StepData<S>& s = i % 50 == 0 ? prefill : decode;
     REQUIRE(s.run(st, w, d, out.ptr, lse.ptr).is_ok());

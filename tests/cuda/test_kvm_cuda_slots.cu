@@ -34,6 +34,15 @@ namespace kvm = kvmem::kvm;
 using namespace kvmem::test::cuda;
 using I32View = TensorView<const std::int32_t, 1>;
 
+// A slot list in device memory, as reset_slots and copy_slots take it on CUDA; view(n) is its first n.
+struct DeviceList {
+  Dev<std::int32_t> d;
+  std::int64_t n;
+  explicit DeviceList(const std::vector<std::int32_t>& host) : d(host), n(std::int64_t(host.size())) {}
+  I32View view() const { return view(n); }
+  I32View view(std::int64_t count) const { return I32View(d.ptr, {count}); }
+};
+
 kvmem::host::Executor exact_exec(int threads) {
   return {.threads = threads, .exact = true};
 }
@@ -374,7 +383,8 @@ void continuous_batching(kvmem::budget::Any budget, std::uint64_t seed, Schedule
         const auto free = std::find(owner.begin(), owner.end(), -1);
         if (free != owner.end()) {
           const std::int32_t dst = std::int32_t(free - owner.begin());
-          REQUIRE(kvm::copy_slots(kvmem::cuda::Executor{}, st, I32View(&sl, {1}), I32View(&dst, {1})).is_ok());
+          const DeviceList from({sl}), to({dst});
+          REQUIRE(kvm::copy_slots(kvmem::cuda::Executor{}, st, from.view(), to.view()).is_ok());
           Seq child;
           child.toks = s.toks;
           child.target = std::min(max_len, n + uni(1, 400));
@@ -410,8 +420,8 @@ void continuous_batching(kvmem::budget::Any budget, std::uint64_t seed, Schedule
     }
     for (std::int32_t sl : leaving) finish(owner[std::size_t(sl)]);
     if (!leaving.empty()) {
-      REQUIRE(kvm::reset_slots(kvmem::cuda::Executor{}, st, I32View(leaving.data(), {std::int64_t(leaving.size())}))
-                  .is_ok());
+      const DeviceList lv(leaving);
+      REQUIRE(kvm::reset_slots(kvmem::cuda::Executor{}, st, lv.view()).is_ok());
       for (std::int32_t sl : leaving) REQUIRE(tokens_of(st, sl) == 0);
       ++resets;
     }
@@ -681,9 +691,9 @@ void require_refuses_everything(kvmem::cuda::KvmState<float>& st, const RandomWe
                    TensorView<const float, 3>(v.ptr, {1, d.Hk, d.Dv}), TensorView<const float, 2>(g.ptr, {1, d.Hk}),
                    TensorView<float, 3>(out.ptr, {1, d.Hq, d.Dv}))
              .is_ok());
-  const std::int32_t zero = 0, one = 1;
-  CHECK(!kvm::reset_slots(exec, st, I32View(&zero, {1})).is_ok());
-  CHECK(!kvm::copy_slots(exec, st, I32View(&zero, {1}), I32View(&one, {1})).is_ok());
+  const DeviceList zero({0}), one({1});
+  CHECK(!kvm::reset_slots(exec, st, zero.view()).is_ok());
+  CHECK(!kvm::copy_slots(exec, st, zero.view(), one.view()).is_ok());
   CHECK(kvm::export_bytes(st) == 0);
   CHECK(kvm::export_bytes(st, 0) == 0);
   std::vector<std::byte> bytes(4096);
@@ -738,17 +748,15 @@ TEST_CASE("cuda kvm slots: bad slot indices and bad rows are refused and leave t
   const auto before = snapshot();
   const auto code = [](const Status& s) { return s.code(); };
   SECTION("slot operations") {
-    const std::int32_t four = 4, minus = -1, two = 2;
-    const std::vector<std::int32_t> src{0, 1}, dst{1, 2}, dup{1, 1}, one{1};
-    CHECK(code(kvm::reset_slots(exec, st, I32View(&four, {1}))) == StatusCode::kOutOfRange);
-    CHECK(code(kvm::reset_slots(exec, st, I32View(&minus, {1}))) == StatusCode::kOutOfRange);
-    CHECK(code(kvm::copy_slots(exec, st, I32View(src.data(), {1}), I32View(dst.data(), {2}))) ==
-          StatusCode::kInvalidArgument);  // lengths differ
-    CHECK(code(kvm::copy_slots(exec, st, I32View(src.data(), {2}), I32View(dup.data(), {2}))) ==
+    const DeviceList four({4}), minus({-1}), src({0, 1}), dst({1, 2}), dup({1, 1}), one({1});
+    CHECK(code(kvm::reset_slots(exec, st, four.view())) == StatusCode::kOutOfRange);
+    CHECK(code(kvm::reset_slots(exec, st, minus.view())) == StatusCode::kOutOfRange);
+    CHECK(code(kvm::copy_slots(exec, st, src.view(1), dst.view())) == StatusCode::kInvalidArgument);  // lengths differ
+    CHECK(code(kvm::copy_slots(exec, st, src.view(), dup.view())) ==
           StatusCode::kInvalidArgument);  // a destination twice
-    CHECK(code(kvm::copy_slots(exec, st, I32View(src.data(), {2}), I32View(dst.data(), {2}))) ==
+    CHECK(code(kvm::copy_slots(exec, st, src.view(), dst.view())) ==
           StatusCode::kInvalidArgument);  // destination 1 is a source
-    CHECK(code(kvm::copy_slots(exec, st, I32View(&four, {1}), I32View(one.data(), {1}))) == StatusCode::kOutOfRange);
+    CHECK(code(kvm::copy_slots(exec, st, four.view(), one.view())) == StatusCode::kOutOfRange);
     std::vector<std::byte> bytes(kvm::export_bytes(st));
     CHECK(code(kvm::export_slot(exec, st, 4, std::span<std::byte>(bytes))) == StatusCode::kOutOfRange);
     std::vector<std::byte> small(16);
@@ -767,7 +775,6 @@ TEST_CASE("cuda kvm slots: bad slot indices and bad rows are refused and leave t
     CHECK(code(kvm::truncate(exec, st, 7, 1)) == StatusCode::kOutOfRange);
     CHECK(code(kvm::truncate(exec, st, 2, 21)) == StatusCode::kOutOfRange);        // more than the slot holds
     CHECK(code(kvm::truncate(exec, st, 0, 100)) == StatusCode::kInvalidArgument);  // undoes an update
-    (void)two;
   }
   SECTION("rows refused on the device") {
     // each bad batch: the call enqueues and returns ok (its rows are on the device), step_status says why

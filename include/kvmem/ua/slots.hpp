@@ -5,7 +5,9 @@
 // order as KVM's (kvmem::kvm), so an engine drives both mechanisms alike. Every operation validates
 // all of its arguments before it changes anything; a refused call leaves the cache bit-identical.
 // These are the host cache's operations (ua::PrunedCache); they run on the calling thread, and the
-// executor is taken for the common shape of the API.
+// executor is taken for the common shape of the API. The record's writer and reader (write_record,
+// read_record over UaSlotFields) are shared with the other backends, so a slot exported by one imports
+// on any other.
 
 #include <cmath>
 #include <cstddef>
@@ -121,82 +123,56 @@ Status copy_slots(const Exec& /*exec*/, PrunedCache<Storage>& cache, TensorView<
 
 namespace detail {
 
+// The canonical fields of one UA slot as host arrays: what a record holds, whichever backend's cache
+// they were gathered from or go to. Entries run kv head by kv head (L = Σ length).
+struct UaSlotFields {
+  std::int64_t position = 0;
+  std::vector<std::int64_t> length;      // [G]
+  std::vector<std::int64_t> pos;         // [L]
+  std::vector<float> key, value;         // [L*D]
+  std::vector<float> lambda, key_logit;  // [L]
+};
+
+// Writes the record of `f` for a cache of shape `s` and storage type Storage into `out`; with an empty
+// `out` it only counts the bytes (then only f.length is read). Returns the record's size.
 template <class Storage>
-std::size_t write_record(const PrunedCache<Storage>& cache, std::int64_t slot, std::span<std::byte> out) {
-  const CacheShape& s = cache.shape();
+std::size_t write_record(const CacheShape& s, const UaSlotFields& f, std::span<std::byte> out) {
   const std::int64_t G = s.kv_heads, D = s.head_dim;
-  std::vector<std::int64_t> length(static_cast<std::size_t>(G)), pos;
-  std::vector<float> key, value, lambda, key_logit;
-  for (std::int64_t g = 0; g < G; ++g) {
-    const std::int64_t n = cache.length(slot, g);
-    length[static_cast<std::size_t>(g)] = n;
-    pos.insert(pos.end(), cache.positions(slot, g), cache.positions(slot, g) + n);
-    lambda.insert(lambda.end(), cache.lambda(slot, g), cache.lambda(slot, g) + n);
-    key_logit.insert(key_logit.end(), cache.key_logits(slot, g), cache.key_logits(slot, g) + n);
-    for (std::int64_t e = 0; e < n * D; ++e) {
-      key.push_back(load_as<float>(cache.keys(slot, g)[e]));
-      value.push_back(load_as<float>(cache.values(slot, g)[e]));
-    }
-  }
-  const auto L = static_cast<std::int64_t>(pos.size());
+  std::int64_t L = 0;
+  for (const std::int64_t n : f.length) L += n;
   slot_record::Writer w(out, slot_record::Mechanism::kUa, kUaRecordFields);
   w.scalar<std::int64_t>("query_heads", s.query_heads);
   w.scalar<std::int64_t>("kv_heads", G);
   w.scalar<std::int64_t>("head_dim", D);
   w.scalar<std::int64_t>("storage", slot_record::storage_code<Storage>());
-  w.scalar<std::int64_t>("position", cache.position(slot));
-  w.array("length", length.data(), G);
-  w.array("pos", pos.data(), L);
-  w.array("key", key.data(), L * D);
-  w.array("value", value.data(), L * D);
-  w.array("lambda", lambda.data(), L);
-  w.array("key_logit", key_logit.data(), L);
+  w.scalar<std::int64_t>("position", f.position);
+  w.array("length", f.length.data(), G);
+  w.array("pos", f.pos.data(), L);
+  w.array("key", f.key.data(), L * D);
+  w.array("value", f.value.data(), L * D);
+  w.array("lambda", f.lambda.data(), L);
+  w.array("key_logit", f.key_logit.data(), L);
   return w.size();
 }
 
-}  // namespace detail
-
-// Bytes of the record of `slot` (0 for an empty cache or a slot outside it: export_slot refuses those).
+// Reads a record into `f` and checks it whole against a cache of shape `s` and storage type Storage:
+// version, mechanism, shape (H, G, D, storage type), every length against the capacity, positions
+// ascending and below the position counter, λ finite and <= 0, keys and values finite and
+// representable in the storage type. A mismatch is a Status naming the field.
 template <class Storage>
-std::size_t export_bytes(const PrunedCache<Storage>& cache, std::int32_t slot) {
-  if (!detail::check_slot(cache, slot).is_ok()) return 0;
-  return detail::write_record(cache, slot, {});
-}
-
-// Writes the record of `slot` (fields above) into the first export_bytes(cache, slot) bytes of `out`.
-template <class Exec, class Storage>
-Status export_slot(const Exec& /*exec*/, const PrunedCache<Storage>& cache, std::int32_t slot,
-                   std::span<std::byte> out) {
-  KVMEM_RETURN_IF_ERROR(detail::check_slot(cache, slot));
-  const std::size_t bytes = export_bytes(cache, slot);
-  if (out.size() < bytes)
-    return {StatusCode::kOutOfRange,
-            kvmem::detail::concat("export_slot out: expected at least ", bytes, " bytes, got ", out.size())};
-  (void)detail::write_record(cache, slot, out.first(bytes));
-  return Status::ok();
-}
-
-// Replaces the contents of `slot` with a record made by export_slot (any backend's). The record is read
-// and checked whole before the slot changes: version, mechanism, shape (H, G, D, storage type), every
-// length against this cache's capacity, positions ascending and below the position counter, λ finite
-// and <= 0, keys and values finite and representable in the storage type. A mismatch is refused with a
-// Status naming the field.
-template <class Exec, class Storage>
-Status import_slot(const Exec& /*exec*/, PrunedCache<Storage>& cache, std::int32_t slot,
-                   std::span<const std::byte> in) {
-  KVMEM_RETURN_IF_ERROR(detail::check_slot(cache, slot));
-  const CacheShape& s = cache.shape();
+Status read_record(const CacheShape& s, std::span<const std::byte> in, UaSlotFields& f) {
   const std::int64_t G = s.kv_heads, D = s.head_dim;
-  slot_record::Reader rd(in, slot_record::Mechanism::kUa, detail::kUaRecordFields);
+  slot_record::Reader rd(in, slot_record::Mechanism::kUa, kUaRecordFields);
   KVMEM_RETURN_IF_ERROR(rd.status());
   KVMEM_RETURN_IF_ERROR(rd.expect<std::int64_t>("query_heads", s.query_heads));
   KVMEM_RETURN_IF_ERROR(rd.expect<std::int64_t>("kv_heads", G));
   KVMEM_RETURN_IF_ERROR(rd.expect<std::int64_t>("head_dim", D));
   KVMEM_RETURN_IF_ERROR(rd.expect<std::int64_t>("storage", slot_record::storage_code<Storage>()));
-  std::int64_t position = 0;
+  std::int64_t& position = f.position;
   KVMEM_RETURN_IF_ERROR(rd.scalar("position", position));
   if (position < 0) return invalid_argument("slot record field 'position'", ">= 0", position);
-  std::vector<std::int64_t> length(static_cast<std::size_t>(G));
+  std::vector<std::int64_t>& length = f.length;
+  length.assign(static_cast<std::size_t>(G), 0);
   KVMEM_RETURN_IF_ERROR(rd.array("length", length.data(), G));
   std::int64_t L = 0;
   for (std::int64_t g = 0; g < G; ++g) {
@@ -208,8 +184,13 @@ Status import_slot(const Exec& /*exec*/, PrunedCache<Storage>& cache, std::int32
               kvmem::detail::concat(field, ": expected <= the importing cache's capacity ", s.capacity, ", got ", n)};
     L += n;
   }
-  std::vector<std::int64_t> pos(static_cast<std::size_t>(L));
-  std::vector<float> key(static_cast<std::size_t>(L * D)), value(key.size()), lambda(pos.size()), key_logit(pos.size());
+  std::vector<std::int64_t>& pos = f.pos;
+  std::vector<float>&key = f.key, &value = f.value, &lambda = f.lambda, &key_logit = f.key_logit;
+  pos.assign(static_cast<std::size_t>(L), 0);
+  key.assign(static_cast<std::size_t>(L * D), 0.0f);
+  value.assign(key.size(), 0.0f);
+  lambda.assign(pos.size(), 0.0f);
+  key_logit.assign(pos.size(), 0.0f);
   KVMEM_RETURN_IF_ERROR(rd.array("pos", pos.data(), L));
   KVMEM_RETURN_IF_ERROR(rd.array("key", key.data(), L * D));
   KVMEM_RETURN_IF_ERROR(rd.array("value", value.data(), L * D));
@@ -234,30 +215,91 @@ Status import_slot(const Exec& /*exec*/, PrunedCache<Storage>& cache, std::int32
   }
   for (std::size_t x = 0; x < key.size(); ++x)
     for (const auto* field : {&key, &value}) {
-      const float f = (*field)[x];
-      if (!std::isfinite(f) || load_as<float>(store_as<Storage>(f)) != f)
+      const float v = (*field)[x];
+      if (!std::isfinite(v) || load_as<float>(store_as<Storage>(v)) != v)
         return invalid_argument(
             std::string("slot record field '") + (field == &key ? "key" : "value") + "'[" + std::to_string(x) + "]",
-            "a finite value representable in the cache's storage type", f);
+            "a finite value representable in the cache's storage type", v);
     }
+  return Status::ok();
+}
+
+// The fields of a host cache's slot (with `rows` false, only the position and lengths).
+template <class Storage>
+UaSlotFields gather(const PrunedCache<Storage>& cache, std::int64_t slot, bool rows) {
+  const std::int64_t G = cache.shape().kv_heads, D = cache.shape().head_dim;
+  UaSlotFields f;
+  f.position = cache.position(slot);
+  for (std::int64_t g = 0; g < G; ++g) {
+    const std::int64_t n = cache.length(slot, g);
+    f.length.push_back(n);
+    if (!rows) continue;
+    f.pos.insert(f.pos.end(), cache.positions(slot, g), cache.positions(slot, g) + n);
+    f.lambda.insert(f.lambda.end(), cache.lambda(slot, g), cache.lambda(slot, g) + n);
+    f.key_logit.insert(f.key_logit.end(), cache.key_logits(slot, g), cache.key_logits(slot, g) + n);
+    for (std::int64_t e = 0; e < n * D; ++e) {
+      f.key.push_back(load_as<float>(cache.keys(slot, g)[e]));
+      f.value.push_back(load_as<float>(cache.values(slot, g)[e]));
+    }
+  }
+  return f;
+}
+
+}  // namespace detail
+
+// Bytes of the record of `slot` (0 for an empty cache or a slot outside it: export_slot refuses those).
+template <class Storage>
+std::size_t export_bytes(const PrunedCache<Storage>& cache, std::int32_t slot) {
+  if (!detail::check_slot(cache, slot).is_ok()) return 0;
+  return detail::write_record<Storage>(cache.shape(), detail::gather(cache, slot, false), {});
+}
+
+// Writes the record of `slot` (fields above) into the first export_bytes(cache, slot) bytes of `out`.
+template <class Exec, class Storage>
+Status export_slot(const Exec& /*exec*/, const PrunedCache<Storage>& cache, std::int32_t slot,
+                   std::span<std::byte> out) {
+  KVMEM_RETURN_IF_ERROR(detail::check_slot(cache, slot));
+  const std::size_t bytes = export_bytes(cache, slot);
+  if (out.size() < bytes)
+    return {StatusCode::kOutOfRange,
+            kvmem::detail::concat("export_slot out: expected at least ", bytes, " bytes, got ", out.size())};
+  (void)detail::write_record<Storage>(cache.shape(), detail::gather(cache, slot, true), out.first(bytes));
+  return Status::ok();
+}
+
+// Replaces the contents of `slot` with a record made by export_slot (any backend's). The record is read
+// and checked whole before the slot changes: version, mechanism, shape (H, G, D, storage type), every
+// length against this cache's capacity, positions ascending and below the position counter, λ finite
+// and <= 0, keys and values finite and representable in the storage type. A mismatch is refused with a
+// Status naming the field.
+template <class Exec, class Storage>
+Status import_slot(const Exec& /*exec*/, PrunedCache<Storage>& cache, std::int32_t slot,
+                   std::span<const std::byte> in) {
+  KVMEM_RETURN_IF_ERROR(detail::check_slot(cache, slot));
+  const CacheShape& s = cache.shape();
+  const std::int64_t G = s.kv_heads, D = s.head_dim;
+  detail::UaSlotFields f;
+  KVMEM_RETURN_IF_ERROR(detail::read_record<Storage>(s, in, f));
+  const std::vector<std::int64_t>& length = f.length;
   // Commit.
   for (std::int64_t g = 0, e0 = 0; g < G; e0 += length[static_cast<std::size_t>(g)], ++g) {
     auto v = cache.item_view(slot, g);
     const std::int64_t n = length[static_cast<std::size_t>(g)];
     for (std::int64_t e = 0; e < n; ++e) {
       const auto src = static_cast<std::size_t>(e0 + e);
-      v.pos[e] = pos[src];
-      v.lambda[e] = lambda[src];
-      v.key_logit[e] = key_logit[src];
+      v.pos[e] = f.pos[src];
+      v.lambda[e] = f.lambda[src];
+      v.key_logit[e] = f.key_logit[src];
       for (std::int64_t d = 0; d < D; ++d) {
-        v.keys[e * D + d] = store_as<Storage>(key[src * static_cast<std::size_t>(D) + static_cast<std::size_t>(d)]);
-        v.values[e * D + d] = store_as<Storage>(value[src * static_cast<std::size_t>(D) + static_cast<std::size_t>(d)]);
+        v.keys[e * D + d] = store_as<Storage>(f.key[src * static_cast<std::size_t>(D) + static_cast<std::size_t>(d)]);
+        v.values[e * D + d] =
+            store_as<Storage>(f.value[src * static_cast<std::size_t>(D) + static_cast<std::size_t>(d)]);
       }
     }
     *v.peak = *v.length > n ? *v.length : n;
     *v.length = n;
   }
-  cache.set_position(slot, position);
+  cache.set_position(slot, f.position);
   return Status::ok();
 }
 

@@ -1397,22 +1397,19 @@ struct SlotAccess {
     return Status::ok();
   }
 
-  static Status check_list(const TensorView<const std::int32_t, 1>& v, const char* name) {
-    if (!v.is_contiguous()) return invalid_argument(name, "a contiguous view", "a strided view");
-    return Status::ok();
-  }
-
   template <class S, class A>
   static Status reset_slots(const Executor& exec, KvmState<S, A>& st, TensorView<const std::int32_t, 1> slots) {
     KVMEM_RETURN_IF_ERROR(check_state(st));
-    KVMEM_RETURN_IF_ERROR(check_list(slots, "slots"));
-    KVMEM_RETURN_IF_ERROR(check_slot_list(slots.data(), slots.extent(0), st.shape_.B, "slots", false));
+    std::vector<std::int32_t> list;
+    KVMEM_RETURN_IF_ERROR(read_slot_list(slots, "slots", list, exec.stream));
+    const std::int64_t n = std::int64_t(list.size());
+    KVMEM_RETURN_IF_ERROR(check_slot_list(list.data(), n, st.shape_.B, "slots", false));
     KVMEM_RETURN_IF_ERROR(enter_slot_mode(exec, st));
-    for (std::int64_t i0 = 0; i0 < slots.extent(0); i0 += kSlotListMax) {
-      SlotList list{};
-      list.count = static_cast<int>(std::min<std::int64_t>(kSlotListMax, slots.extent(0) - i0));
-      for (int i = 0; i < list.count; ++i) list.a[i] = slots.data()[i0 + i];
-      slot_reset_kernel<<<1, kSlotListMax, 0, exec.stream>>>(st.sc_, list);
+    for (std::int64_t i0 = 0; i0 < n; i0 += kSlotListMax) {
+      SlotList part{};
+      part.count = static_cast<int>(std::min<std::int64_t>(kSlotListMax, n - i0));
+      for (int i = 0; i < part.count; ++i) part.a[i] = list[std::size_t(i0 + i)];
+      slot_reset_kernel<<<1, kSlotListMax, 0, exec.stream>>>(st.sc_, part);
       KVMEM_CUDA_RETURN_IF_LAUNCH_FAILED("kvm slot_reset_kernel");
     }
     return Status::ok();
@@ -1429,18 +1426,20 @@ struct SlotAccess {
   static Status copy_slots(const Executor& exec, KvmState<S, A>& st, TensorView<const std::int32_t, 1> src,
                            TensorView<const std::int32_t, 1> dst) {
     KVMEM_RETURN_IF_ERROR(check_state(st));
-    KVMEM_RETURN_IF_ERROR(check_list(src, "src"));
-    KVMEM_RETURN_IF_ERROR(check_list(dst, "dst"));
     if (src.extent(0) != dst.extent(0)) return invalid_argument("dst length", src.extent(0), dst.extent(0));
+    std::vector<std::int32_t> from, to;
+    KVMEM_RETURN_IF_ERROR(read_slot_list(src, "src", from, exec.stream));
+    KVMEM_RETURN_IF_ERROR(read_slot_list(dst, "dst", to, exec.stream));
     const kvm::Shape& sh = st.shape_;
-    KVMEM_RETURN_IF_ERROR(check_copy_pairs(src.data(), dst.data(), src.extent(0), sh.B));
+    const std::int64_t n = std::int64_t(from.size());
+    KVMEM_RETURN_IF_ERROR(check_copy_pairs(from.data(), to.data(), n, sh.B));
     KVMEM_RETURN_IF_ERROR(enter_slot_mode(exec, st));
     const DeviceState<S, A>& d = st.dev_;
     const std::int64_t cap = st.cap_, W = st.params_.window(), Hk = sh.Hk;
     // whole slot regions (every KV head's item is contiguous per slot): capacity rows, not only the
     // |S| in use, since |S| lives on the device
-    for (std::int64_t i = 0; i < src.extent(0); ++i) {
-      const std::int64_t a = src.data()[i], b = dst.data()[i];
+    for (std::int64_t i = 0; i < n; ++i) {
+      const std::int64_t a = from[std::size_t(i)], b = to[std::size_t(i)];
       if (a == b) continue;
       KVMEM_RETURN_IF_ERROR(copy_rows(d.sk, Hk * cap * sh.D, a, b, exec.stream));
       KVMEM_RETURN_IF_ERROR(copy_rows(d.sv, Hk * cap * sh.Dv, a, b, exec.stream));
@@ -1452,14 +1451,14 @@ struct SlotAccess {
       KVMEM_RETURN_IF_ERROR(copy_rows(d.wv, Hk * W * sh.Dv, a, b, exec.stream));
       KVMEM_RETURN_IF_ERROR(copy_rows(d.wg, Hk * W, a, b, exec.stream));
     }
-    for (std::int64_t i0 = 0; i0 < src.extent(0); i0 += kSlotListMax) {
-      SlotList list{};
-      list.count = static_cast<int>(std::min<std::int64_t>(kSlotListMax, src.extent(0) - i0));
-      for (int i = 0; i < list.count; ++i) {
-        list.a[i] = src.data()[i0 + i];
-        list.b[i] = dst.data()[i0 + i];
+    for (std::int64_t i0 = 0; i0 < n; i0 += kSlotListMax) {
+      SlotList part{};
+      part.count = static_cast<int>(std::min<std::int64_t>(kSlotListMax, n - i0));
+      for (int i = 0; i < part.count; ++i) {
+        part.a[i] = from[std::size_t(i0 + i)];
+        part.b[i] = to[std::size_t(i0 + i)];
       }
-      slot_copy_counters_kernel<<<1, kSlotListMax, 0, exec.stream>>>(st.sc_, list);
+      slot_copy_counters_kernel<<<1, kSlotListMax, 0, exec.stream>>>(st.sc_, part);
       KVMEM_CUDA_RETURN_IF_LAUNCH_FAILED("kvm slot_copy_counters_kernel");
     }
     return Status::ok();
@@ -1652,9 +1651,11 @@ struct SlotAccess {
 // neither allocates nor synchronises: one CUDA graph captured for a padded batch replays step after
 // step, each replay advancing every slot from its own device counters. Rows are checked on the device;
 // a refused step changes nothing and KvmState::step_status says why.
-// The slot lists of reset_slots and copy_slots are in host memory (checked before anything is
-// enqueued, then passed by value: a captured reset or copy replays the same slots). export_slot,
-// import_slot, truncate and export_bytes(state, slot) read counters or host bytes and synchronise.
+// The slot lists of reset_slots and copy_slots are in device memory, as on CUDA Universal Attention:
+// each operation reads its lists back once (a synchronisation of exec.stream) so that a bad index
+// returns a Status before anything changes; they are for sequences joining and leaving, not for the
+// inside of a captured step. export_slot, import_slot, truncate and export_bytes(state, slot) read
+// counters or host bytes and synchronise.
 namespace kvmem::kvm {
 
 template <class S, class A, class In, class Out>
@@ -1671,14 +1672,14 @@ Status step(const cuda::Executor& exec, cuda::KvmState<S, A>& state, const cuda:
 
 template <class S, class A>
 Status reset_slots(const cuda::Executor& exec, cuda::KvmState<S, A>& state,
-                   TensorView<const std::int32_t, 1> slots) {  // [n] host
+                   TensorView<const std::int32_t, 1> slots) {  // [n] device
   return cuda::kvm_detail::SlotAccess::reset_slots(exec, state, slots);
 }
 
 template <class S, class A>
 Status copy_slots(const cuda::Executor& exec, cuda::KvmState<S, A>& state,
-                  TensorView<const std::int32_t, 1> src,    // [n] host
-                  TensorView<const std::int32_t, 1> dst) {  // [n] host
+                  TensorView<const std::int32_t, 1> src,    // [n] device
+                  TensorView<const std::int32_t, 1> dst) {  // [n] device
   return cuda::kvm_detail::SlotAccess::copy_slots(exec, state, src, dst);
 }
 

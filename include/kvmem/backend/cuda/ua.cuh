@@ -2,27 +2,41 @@
 #pragma once
 // Universal Attention on the CUDA backend (spec UA.md).
 //
-//   kvmem::cuda::UaCache<S>          the pruned cache in device memory (owning, allocated once): per
-//                                    (sequence, kv head) a variable-length list of (key, value, λ,
-//                                    z_k, position) rows in ascending position, a length and an
-//                                    absolute position counter on the device;
-//   kvmem::cuda::ua_prefill<Set>(exec, cache, in, opt, out)   chunked prefill with pruning (4.5)
-//   kvmem::cuda::ua_decode<Set>(exec, cache, in1, opt, out1)  one self-pruning decode step (4.4, 4.5)
+//   kvmem::cuda::UaCache<S>          the pruned cache in device memory (owning, allocated once):
+//                                    max_slots() = CacheShape::batch sequence slots; per (slot, kv head)
+//                                    a variable-length list of (key, value, λ, z_k, position) rows in
+//                                    ascending position, a length and an absolute position counter, and
+//                                    per slot an overflow flag, all on the device;
+//   kvmem::ua::step<Set>(exec, cache, rows, in, opt, out, lse)  a ragged batch of slots (DESIGN.md 3):
+//                                    the host ua::step's arguments, packed token-major, in device memory
+//   kvmem::ua::reset_slots / copy_slots / export_bytes / export_slot / import_slot / truncate
+//                                    the host's slot operations (ua/slots.hpp) for this cache
+//   kvmem::cuda::ua_prefill<Set>(exec, cache, in, opt, out)   every slot: chunked prefill with pruning (4.5)
+//   kvmem::cuda::ua_decode<Set>(exec, cache, in1, opt, out1)  every slot: one self-pruning decode step
 //   kvmem::cuda::ua_forward<Set>(exec, in, out, lse, lambda_last)  dense UA without a cache
 // Inputs live in device memory: q, k, v (and the optional output-gate logits z_o) in the storage type S
 // (float, bf16 or fp16), the gate logits z_k, z_q in fp32; outputs are fp32. λ and the decay sums are
-// fp32 throughout. Work is enqueued on exec.stream with no allocation and no host synchronisation,
-// except one documented case: when the host's conservative bound on the cache length says a call
-// might not fit (longest + T > capacity), the call first reads the true lengths back (one sync).
+// fp32 throughout. Results are deterministic: partials of the entry splits are merged in split order,
+// never with float atomics (an integer ticket only picks which block of a decode step does the merge).
+//
+// ua::step takes every per-row decision on the device from the device counters (the rows' check, the
+// room check that flags a full slot and skips its row while the others step on, λ update, append,
+// eviction, compaction), and its launches and grids depend only on the row count, the token count and
+// the cache: no allocation, no host synchronisation and no host state, so one CUDA graph captured for a
+// padded batch replays step after step. The slot operations check their device slot lists on the host
+// (one synchronisation each) so that a bad index returns a Status before anything changes; records are
+// the host's UA record, so a slot moves between backends.
+//
+// The fixed-batch calls (ua_prefill, ua_decode) advance every slot by the call's T. They keep a host
+// bound on the cache length: when it says a call might not fit (longest + T > capacity), the call first
+// reads the true lengths back (one synchronisation) and refuses the call if one item lacks room. A step
+// leaves the bound unknown, so the next fixed-batch call reads the lengths back; a captured ua_decode
+// replays without advancing the bound, so engines capture ua::step instead. UaCache::create and
+// ua_forward allocate and synchronise; the accessors position, positions, lengths, download, overflowed
+// and step_status read the device.
 // A prefill with p = 0 (nothing is evicted) in bf16 with D in {64, 80, 128} and r in {4, 8} runs every row
-// of the call in one pipelined tensor-core launch (ua_dense_tc.cuh); every other prefill runs chunk by
-// chunk (ua_kernels.cuh, ua_attend_tc.cuh).
-// Lengths and positions live on the device, so a decode step is a fixed sequence of launches an
-// engine can capture in a CUDA graph; the host also keeps a conservative length bound and the position
-// counter for its checks, which a replayed graph does not advance (UaCache::create and ua_forward
-// allocate and synchronise). Results are deterministic: partials of the entry
-// splits are merged in split order, never with float atomics (an integer ticket only picks which block
-// of a decode step does the merge).
+// of the call in one pipelined tensor-core launch (ua_dense_tc.cuh); every other prefill, and every
+// prefill row of a step, runs chunk by chunk (ua_kernels.cuh, ua_attend_tc.cuh).
 //
 // Shapes and options are validated (messages name the argument); values (NaN/Inf) are the caller's
 // precondition here, as on the CUDA KVM path: checking them would cost a device-to-host round trip.
@@ -33,6 +47,7 @@
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <span>
 #include <string>
 #include <utility>
 #include <vector>
@@ -75,6 +90,10 @@ struct UaCacheLimits {
   // of each item in flight on this device (dense_item_group_for). Results are the same bits for every group.
   int dense_item_group = 0;
 };
+
+namespace ua_detail {
+struct SlotAccess;
+}  // namespace ua_detail
 
 template <class S = float>
 class UaCache {
@@ -126,7 +145,12 @@ class UaCache {
                       o_ml = arena.take(I * splits * r * P * 2 * sizeof(float)),
                       o_acc = arena.take(I * splits * r * P * D * sizeof(float)),
                       o_new = arena.take(I * P * sizeof(float)),
-                      o_sync = arena.take(std::size_t(ua_detail::dense_sync_bytes(std::int64_t(I), s.capacity)));
+                      o_sync = arena.take(std::size_t(ua_detail::dense_sync_bytes(std::int64_t(I), s.capacity))),
+                      o_go = arena.take(std::size_t(s.batch) * sizeof(int)),
+                      o_first = arena.take(std::size_t(s.batch) * sizeof(int)),
+                      o_overflow = arena.take(std::size_t(s.batch) * sizeof(int)),
+                      o_error = arena.take(4 * sizeof(int)),
+                      o_prefill = arena.take(std::size_t(s.batch + 1) * sizeof(int));
     KVMEM_RETURN_IF_ERROR(DeviceBuffer::allocate(arena.total(), c.memory_));
     auto* base = static_cast<unsigned char*>(c.memory_.get());
     auto& d = c.dev_;
@@ -147,13 +171,20 @@ class UaCache {
     c.part_acc_ = reinterpret_cast<float*>(base + o_acc);
     c.lambda_new_ = reinterpret_cast<float*>(base + o_new);
     c.dense_sync_ = reinterpret_cast<int*>(base + o_sync);
+    c.slot_go_ = reinterpret_cast<int*>(base + o_go);
+    c.slot_first_ = reinterpret_cast<int*>(base + o_first);
+    c.overflow_ = reinterpret_cast<int*>(base + o_overflow);
+    c.step_error_ = reinterpret_cast<int*>(base + o_error);
+    c.prefill_rows_ = reinterpret_cast<int*>(base + o_prefill);
     // lengths and counters start at 0 (the rows are written before they are read)
     KVMEM_RETURN_IF_ERROR(to_status(cudaMemset(d.length, 0, I * sizeof(std::int64_t)), "cudaMemset lengths"));
     KVMEM_RETURN_IF_ERROR(to_status(cudaMemset(d.counter, 0, I * sizeof(std::int64_t)), "cudaMemset counters"));
     KVMEM_RETURN_IF_ERROR(to_status(cudaMemset(d.done, 0, I * sizeof(int)), "cudaMemset decode tickets"));
+    KVMEM_RETURN_IF_ERROR(
+        to_status(cudaMemset(c.overflow_, 0, std::size_t(s.batch) * sizeof(int)), "cudaMemset overflow flags"));
+    KVMEM_RETURN_IF_ERROR(to_status(cudaMemset(c.step_error_, 0, 4 * sizeof(int)), "cudaMemset step status"));
     KVMEM_RETURN_IF_ERROR(to_status(cudaDeviceSynchronize(), "UaCache::create"));
     KVMEM_RETURN_IF_ERROR(current_sm_count(c.sm_count_));
-    c.position_.assign(std::size_t(s.batch), 0);
     out = std::move(c);
     return Status::ok();
   }
@@ -166,11 +197,48 @@ class UaCache {
   [[nodiscard]] const UaCacheLimits& limits() const { return limits_; }
   [[nodiscard]] std::int64_t group_size() const { return shape_.query_heads / shape_.kv_heads; }
   [[nodiscard]] std::size_t allocated_bytes() const { return memory_.bytes(); }
-  // Next absolute position of sequence b (tokens seen since creation or reset_sequence; host mirror).
-  // 0 for a slot outside the cache.
+  // Next absolute position of slot b (tokens seen since creation or the slot's last reset), read from
+  // the device counter: waits for all work on the device (cudaDeviceSynchronize), so it is for tests and
+  // inspection, never inside a captured graph; `positions` reads every slot after one stream's work.
+  // 0 for a slot outside the cache or a failed read.
   [[nodiscard]] std::int64_t position(std::int64_t b) const {
-    return b >= 0 && b < max_slots() ? position_[std::size_t(b)] : 0;
+    if (b < 0 || b >= max_slots()) return 0;
+    std::int64_t n = 0;
+    if (cudaDeviceSynchronize() != cudaSuccess ||
+        cudaMemcpy(&n, dev_.counter + b * shape_.kv_heads, sizeof(n), cudaMemcpyDeviceToHost) != cudaSuccess)
+      return 0;
+    return n;
   }
+  // Every slot's position ([max_slots]), after the work enqueued on exec.stream (synchronises it).
+  Status positions(const Executor& exec, std::vector<std::int64_t>& out) const {
+    const cudaStream_t stream = exec.stream;
+    KVMEM_RETURN_IF_ERROR(check_valid());
+    std::vector<std::int64_t> items(std::size_t(shape_.batch * shape_.kv_heads));
+    KVMEM_RETURN_IF_ERROR(to_status(cudaMemcpyAsync(items.data(), dev_.counter, items.size() * sizeof(std::int64_t),
+                                                    cudaMemcpyDeviceToHost, stream),
+                                    "UaCache positions copy"));
+    KVMEM_RETURN_IF_ERROR(to_status(cudaStreamSynchronize(stream), "UaCache positions sync"));
+    out.resize(std::size_t(shape_.batch));
+    for (std::int64_t b = 0; b < shape_.batch; ++b) out[std::size_t(b)] = items[std::size_t(b * shape_.kv_heads)];
+    return Status::ok();
+  }
+  // Every slot's overflow flag ([max_slots], 1 = a step found no room for the slot's row and skipped it;
+  // the slot steps no more until reset_slots, copy_slots or import_slot replaces it), after the work
+  // enqueued on exec.stream (synchronises it).
+  Status overflowed(const Executor& exec, std::vector<std::int32_t>& out) const {
+    const cudaStream_t stream = exec.stream;
+    KVMEM_RETURN_IF_ERROR(check_valid());
+    out.resize(std::size_t(shape_.batch));
+    KVMEM_RETURN_IF_ERROR(
+        to_status(cudaMemcpyAsync(out.data(), overflow_, out.size() * sizeof(int), cudaMemcpyDeviceToHost, stream),
+                  "UaCache overflow flags copy"));
+    return to_status(cudaStreamSynchronize(stream), "UaCache overflow flags sync");
+  }
+  // ua::step checks its rows on the device (they live there) and refuses a bad step without changing
+  // the cache; the reason stays in the cache, and refuses every later step, until this call reads it
+  // (as KvmState::step_status does): ok, or the Status the host step would have returned for the first
+  // refused row of the first refused step since the last call. Clears it. Synchronises exec.stream.
+  Status step_status(const Executor& exec);
   // A bound the host keeps without reading the device: no item holds more entries than this.
   [[nodiscard]] std::int64_t length_bound() const { return bound_; }
   [[nodiscard]] const ua_detail::DeviceCache<S>& device() const { return dev_; }
@@ -232,8 +300,7 @@ class UaCache {
         to_status(cudaMemsetAsync(dev_.length + b * shape_.kv_heads, 0, bytes, stream), "reset lengths"));
     KVMEM_RETURN_IF_ERROR(
         to_status(cudaMemsetAsync(dev_.counter + b * shape_.kv_heads, 0, bytes, stream), "reset counters"));
-    position_[std::size_t(b)] = 0;
-    return Status::ok();
+    return to_status(cudaMemsetAsync(overflow_ + b, 0, sizeof(int), stream), "reset overflow flag");
   }
 
  private:
@@ -258,13 +325,18 @@ class UaCache {
     std::swap(lambda_new_, o.lambda_new_);
     std::swap(dense_sync_, o.dense_sync_);
     std::swap(sm_count_, o.sm_count_);
-    position_.swap(o.position_);
+    std::swap(slot_go_, o.slot_go_);
+    std::swap(slot_first_, o.slot_first_);
+    std::swap(overflow_, o.overflow_);
+    std::swap(step_error_, o.step_error_);
+    std::swap(prefill_rows_, o.prefill_rows_);
     std::swap(bound_, o.bound_);
   }
 
   template <class Set, class S2>
   friend Status ua_run(const Executor&, UaCache<S2>&, const UaInputs<S2>&, const ua::Options&, TensorView<float, 4>,
                        TensorView<float, 3>, bool);
+  friend struct ua_detail::SlotAccess;
 
   ua::CacheShape shape_{0, 1, 1, 0, 0, 16};  // empty: no slots, a group size of 1
   UaCacheLimits limits_{};
@@ -273,10 +345,14 @@ class UaCache {
   float* part_ml_ = nullptr;
   float* part_acc_ = nullptr;
   float* lambda_new_ = nullptr;
-  int* dense_sync_ = nullptr;           // ticket + λ hand-off of the dense tensor-core prefill (dense_sync_bytes)
-  int sm_count_ = 1;                    // multiprocessors: sizes the dense prefill's item groups
-  std::vector<std::int64_t> position_;  // [B] host mirror of the device counters
-  std::int64_t bound_ = 0;              // >= every item's length
+  int* dense_sync_ = nullptr;    // ticket + λ hand-off of the dense tensor-core prefill (dense_sync_bytes)
+  int sm_count_ = 1;             // multiprocessors: sizes the dense prefill's item groups
+  int* slot_go_ = nullptr;       // [B] per step: the slot's row runs (step_begin_kernel)
+  int* slot_first_ = nullptr;    // [B] per step: scratch of the rows' check
+  int* overflow_ = nullptr;      // [B] sticky: a step found no room for the slot's row
+  int* step_error_ = nullptr;    // [4] the last step's rows' check (ua_detail::StepRows::error)
+  int* prefill_rows_ = nullptr;  // [B + 1] per step: its prefill rows, then their count
+  std::int64_t bound_ = 0;       // >= every item's length, as far as the host knows (fixed-batch calls)
 };
 
 namespace ua_detail {
@@ -469,7 +545,6 @@ Status ua_run(const Executor& exec, UaCache<S>& cache, const UaInputs<S>& in, co
     }
   }
   cache.bound_ += T;
-  for (auto& p : cache.position_) p += T;
   return Status::ok();
 }
 
@@ -513,4 +588,463 @@ Status ua_forward(const Executor& exec, const UaInputs<S>& in, TensorView<float,
   return to_status(cudaStreamSynchronize(exec.stream), "ua_forward sync");
 }
 
+// ---- sequence slots (DESIGN.md 3, core/slots.hpp, docs/slots-ua.md) ------------------------------
+
+namespace ua_detail {
+
+inline constexpr int kStepMergeBlocks = 32;  // a step's merge blocks per (prefill row, kv head) and chunk
+
+// The cache's private parts the slot functions below use.
+struct SlotAccess {
+  template <class S>
+  static const DeviceCache<S>& dev(const UaCache<S>& c) {
+    return c.dev_;
+  }
+  template <class S>
+  static StepRows step_rows(const UaCache<S>& c, const Rows& rows, std::int64_t tokens) {
+    StepRows sr;
+    sr.slot = rows.slot.data();
+    sr.start = rows.query_start.data();
+    sr.rows = rows.count();
+    sr.tokens = tokens;
+    sr.max_slots = c.shape_.batch;
+    sr.go = c.slot_go_;
+    sr.first = c.slot_first_;
+    sr.overflow = c.overflow_;
+    sr.error = c.step_error_;
+    sr.prefill_rows = c.prefill_rows_;
+    sr.prefill_count = c.prefill_rows_ + c.shape_.batch;
+    return sr;
+  }
+  template <class S>
+  static void scratch(const UaCache<S>& c, DeviceCall<S>& a) {
+    a.part_ml = c.part_ml_;
+    a.part_acc = c.part_acc_;
+    a.lambda_new = c.lambda_new_;
+    a.slot_go = c.slot_go_;
+    a.step_error = c.step_error_;
+    a.prefill_rows = c.prefill_rows_;
+    a.prefill_count = c.prefill_rows_ + c.shape_.batch;
+  }
+  template <class S>
+  static int* overflow(const UaCache<S>& c) {
+    return c.overflow_;
+  }
+  template <class S>
+  static const int* step_error(const UaCache<S>& c) {
+    return c.step_error_;
+  }
+  // The host's length bound is unknown after a step (the device decided every row): the next
+  // fixed-batch call reads the lengths back before it trusts it.
+  template <class S>
+  static void forget_bound(UaCache<S>& c) {
+    c.bound_ = c.shape_.capacity;
+  }
+  template <class S>
+  static int sm_count(const UaCache<S>& c) {
+    return c.sm_count_;
+  }
+};
+
+// A packed step's device arguments: b is the row's first token and each *_b stride is the token stride
+// (DeviceCall), so the kernels' b * x_b + t * x_t addresses token b + t.
+template <class S>
+DeviceCall<S> make_step_call(const ua::PackedInputsOf<S>& in, const Rows& rows, TensorView<float, 3> out,
+                             TensorView<float, 2> lse) {
+  DeviceCall<S> a;
+  a.q = in.q.data();
+  a.q_b = a.q_t = in.q.stride(0), a.q_h = in.q.stride(1);
+  a.k = in.k.data();
+  a.k_b = a.k_t = in.k.stride(0), a.k_g = in.k.stride(1);
+  a.v = in.v.data();
+  a.v_b = a.v_t = in.v.stride(0), a.v_g = in.v.stride(1);
+  a.kv_rows16 = rows_16byte_aligned(in.k) && rows_16byte_aligned(in.v);
+  a.z_k = in.z_k.data();
+  a.zk_b = a.zk_t = in.z_k.stride(0), a.zk_g = in.z_k.stride(1);
+  a.z_q = in.z_q.data();
+  a.zq_b = a.zq_t = in.z_q.stride(0), a.zq_g = in.z_q.stride(1);
+  if (!in.z_o.empty()) {
+    a.z_o = in.z_o.data();
+    a.zo_b = a.zo_t = in.z_o.stride(0), a.zo_h = in.z_o.stride(1);
+  }
+  a.out = out.data();
+  a.o_b = a.o_t = out.stride(0), a.o_h = out.stride(1);
+  if (!lse.empty()) {
+    a.lse = lse.data();
+    a.l_b = a.l_t = lse.stride(0), a.l_h = lse.stride(1);
+  }
+  a.row_slot = rows.slot.data();
+  a.row_start = rows.query_start.data();
+  return a;
+}
+
+// The chunk kernel of a step: chunk_kernel_for's choice, made from the packed views' alignment.
+template <class Set, class S>
+ChunkKernel<S> step_chunk_kernel_for(const ua::PackedInputsOf<S>& in, std::int64_t D, std::int64_t r) {
+  if constexpr (std::is_same_v<S, bf16>) {
+    if (tc_group_ok(r) && rows_16byte_aligned(in.q) && rows_16byte_aligned(in.k) && rows_16byte_aligned(in.v)) {
+      if (D == 64) return {chunk_attend_tc_kernel<Set, 64>, UaTcLayout<64>::kBytes, 32 * kTcWarps};
+      if (D == 80) return {chunk_attend_tc_kernel<Set, 80>, UaTcLayout<80>::kBytes, 32 * kTcWarps};
+      if (D == 128) return {chunk_attend_tc_kernel<Set, 128>, UaTcLayout<128>::kBytes, 32 * kTcWarps};
+    }
+  }
+  const std::size_t bytes = chunk_smem_bytes(D, r);
+  if (D <= 32) return {chunk_attend_kernel<Set, S, 8>, bytes, kChunkThreads};
+  if (D <= 64) return {chunk_attend_kernel<Set, S, 16>, bytes, kChunkThreads};
+  if (D <= 128) return {chunk_attend_kernel<Set, S, 32>, bytes, kChunkThreads};
+  return {chunk_attend_kernel<Set, S, 64>, bytes, kChunkThreads};
+}
+
+template <class S>
+Status check_cache(const UaCache<S>& cache) {
+  if (!cache.valid()) return invalid_argument("cache", "a cache made by UaCache::create", "an empty cache");
+  return Status::ok();
+}
+template <class S>
+Status check_slot(const UaCache<S>& cache, std::int64_t slot) {
+  KVMEM_RETURN_IF_ERROR(check_cache(cache));
+  if (slot < 0 || slot >= cache.max_slots())
+    return {StatusCode::kOutOfRange,
+            kvmem::detail::concat("slot: expected 0 <= slot < max_slots = ", cache.max_slots(), ", got ", slot)};
+  return Status::ok();
+}
+
+// Slot `slot` of the device cache as slot 0 of a host cache of `capacity` rows (the host record code
+// then writes it: one record format for every backend). Synchronises `stream`.
+template <class S>
+Status download_slot(const UaCache<S>& cache, std::int64_t slot, ua::PrunedCache<S>& host, cudaStream_t stream) {
+  const ua::CacheShape& s = cache.shape();
+  const DeviceCache<S>& d = SlotAccess::dev(cache);
+  const std::int64_t G = s.kv_heads, D = s.head_dim;
+  std::vector<std::int64_t> length(static_cast<std::size_t>(G)), counter(static_cast<std::size_t>(G));
+  KVMEM_RETURN_IF_ERROR(to_status(cudaMemcpyAsync(length.data(), d.length + slot * G,
+                                                  length.size() * sizeof(std::int64_t), cudaMemcpyDeviceToHost, stream),
+                                  "export lengths"));
+  KVMEM_RETURN_IF_ERROR(
+      to_status(cudaMemcpyAsync(counter.data(), d.counter + slot * G, counter.size() * sizeof(std::int64_t),
+                                cudaMemcpyDeviceToHost, stream),
+                "export position"));
+  KVMEM_RETURN_IF_ERROR(to_status(cudaStreamSynchronize(stream), "export sync"));
+  const std::int64_t longest = *std::max_element(length.begin(), length.end());
+  KVMEM_RETURN_IF_ERROR(
+      ua::PrunedCache<S>::create({1, s.query_heads, G, D, std::max<std::int64_t>(longest, 1), s.page_rows}, host));
+  for (std::int64_t g = 0; g < G; ++g) {
+    auto v = host.item_view(0, g);
+    const std::int64_t n = length[std::size_t(g)], row0 = (slot * G + g) * s.capacity;
+    KVMEM_RETURN_IF_ERROR(to_status(
+        cudaMemcpyAsync(v.keys, d.keys + row0 * D, std::size_t(n * D) * sizeof(S), cudaMemcpyDeviceToHost, stream),
+        "export keys"));
+    KVMEM_RETURN_IF_ERROR(to_status(
+        cudaMemcpyAsync(v.values, d.values + row0 * D, std::size_t(n * D) * sizeof(S), cudaMemcpyDeviceToHost, stream),
+        "export values"));
+    KVMEM_RETURN_IF_ERROR(to_status(
+        cudaMemcpyAsync(v.lambda, d.lambda + row0, std::size_t(n) * sizeof(float), cudaMemcpyDeviceToHost, stream),
+        "export lambda"));
+    KVMEM_RETURN_IF_ERROR(to_status(cudaMemcpyAsync(v.key_logit, d.key_logit + row0, std::size_t(n) * sizeof(float),
+                                                    cudaMemcpyDeviceToHost, stream),
+                                    "export key logits"));
+    KVMEM_RETURN_IF_ERROR(to_status(
+        cudaMemcpyAsync(v.pos, d.pos + row0, std::size_t(n) * sizeof(std::int64_t), cudaMemcpyDeviceToHost, stream),
+        "export positions"));
+    *v.length = n;
+  }
+  host.set_position(0, counter[0]);
+  return to_status(cudaStreamSynchronize(stream), "export sync");
+}
+
+}  // namespace ua_detail
+
+template <class S>
+Status UaCache<S>::step_status(const Executor& exec) {
+  KVMEM_RETURN_IF_ERROR(check_valid());
+  const cudaStream_t stream = exec.stream;
+  int e[4] = {};
+  KVMEM_RETURN_IF_ERROR(
+      to_status(cudaMemcpyAsync(e, step_error_, sizeof e, cudaMemcpyDeviceToHost, stream), "step status copy"));
+  KVMEM_RETURN_IF_ERROR(to_status(cudaStreamSynchronize(stream), "step status sync"));
+  if (e[0] != ua_detail::kStepOk) {
+    KVMEM_RETURN_IF_ERROR(to_status(cudaMemsetAsync(step_error_, 0, sizeof e, stream), "clear step status"));
+    KVMEM_RETURN_IF_ERROR(to_status(cudaStreamSynchronize(stream), "step status sync"));
+  }
+  const std::string at = kvmem::detail::indexed("", e[1]);
+  switch (e[0]) {
+    case ua_detail::kStepOk:
+      return Status::ok();
+    case ua_detail::kStepFirstStart:
+      return invalid_argument("query_start[0]", 0, e[2]);
+    case ua_detail::kStepDecreasing:
+      return invalid_argument(
+          "query_start" + at,
+          "<= query_start[" + std::to_string(e[1] + 1) + "] = " + std::to_string(e[3]) + " (non-decreasing)", e[2]);
+    case ua_detail::kStepLastStart:
+      return invalid_argument("query_start" + at, "the packed token count", e[2]);
+    case ua_detail::kStepSlotRange:
+      return {StatusCode::kOutOfRange, "slot" + at + ": expected -1 (padding) or 0 <= slot < max_slots = " +
+                                           std::to_string(shape_.batch) + ", got " + std::to_string(e[2])};
+    default:
+      return invalid_argument("slot" + at, "a slot used by no earlier row of this step", e[2]);
+  }
+}
+
 }  // namespace kvmem::cuda
+
+namespace kvmem::ua {
+
+// One step of a ragged batch of sequence slots on the CUDA backend: the host ua::step's arguments, in
+// device memory (rows.slot, rows.query_start, the packed inputs, out, lse). Row r runs the tokens
+// [query_start[r], query_start[r+1]) for slot[r]: 1 token is a decode step (spec UA.md 4.4, 4.5), more
+// tokens a chunked prefill that continues the slot (4.5; chunks counted from the row's first token);
+// padding rows (-1) are skipped and their out / lse rows zeroed; 0 tokens leave the slot untouched.
+// out: [tokens,H,D] fp32; lse: [tokens,H] fp32 or empty.
+//
+// Every per-row decision is taken on the device from the device counters, and the host enqueues a
+// fixed sequence of launches whose grids depend only on the row count, the token count and the cache
+// (no allocation, no host synchronisation, no host state read), so one CUDA graph captured for a
+// padded batch replays step after step:
+//  - step_begin_kernel checks the rows as core/slots.hpp validate_rows does. A refused step changes
+//    nothing and writes no output; the reason stays in the cache and refuses the later steps too,
+//    until UaCache::step_status reads (and clears) the Status the host would have returned.
+//  - A row whose slot has no room for kept + tokens rows in some kv head is skipped (out / lse rows
+//    zeroed) and its slot flagged as overflowed (UaCache::overflowed), while the other rows step on;
+//    a flagged slot is skipped by later steps until reset_slots, copy_slots or import_slot.
+//  - decode_attend_kernel over (row, kv head) runs the 1-token rows; then ceil(tokens / prefill_chunk)
+//    rounds of chunk, merge and finish launches run the prefill rows chunk by chunk (a round finds
+//    nothing to do for rows that are shorter, and returns at once).
+// Shapes and options are checked on the host; values (NaN / Inf) are the caller's precondition, as for
+// ua_prefill / ua_decode.
+template <DecaySet Set = decay::Universal, class S>
+Status step(const cuda::Executor& exec, cuda::UaCache<S>& cache, const Rows& rows, const PackedInputsOf<S>& in,
+            const Options& opt, TensorView<float, 3> out, TensorView<float, 2> lse = {}) {
+  using namespace cuda::ua_detail;
+  KVMEM_RETURN_IF_ERROR(check_cache(cache));
+  KVMEM_RETURN_IF_ERROR(detail::validate_options(opt));
+  const CacheShape& s = cache.shape();
+  const std::int64_t N = in.tokens(), H = s.query_heads, G = s.kv_heads, D = s.head_dim, R = rows.count();
+  const std::int64_t r = cache.group_size();
+  if (opt.prefill_chunk > cache.limits().max_prefill_chunk)
+    return invalid_argument(
+        "Options prefill_chunk",
+        kvmem::detail::concat("<= UaCacheLimits max_prefill_chunk = ", cache.limits().max_prefill_chunk),
+        opt.prefill_chunk);
+  KVMEM_RETURN_IF_ERROR(check_shape(in.q, {N, H, D}, "q [tokens,H,D]"));
+  KVMEM_RETURN_IF_ERROR(check_shape(in.k, {N, G, D}, "k [tokens,G,D]"));
+  KVMEM_RETURN_IF_ERROR(check_shape(in.v, {N, G, D}, "v [tokens,G,D]"));
+  KVMEM_RETURN_IF_ERROR(check_shape(in.z_k, {N, G}, "z_k [tokens,G]"));
+  KVMEM_RETURN_IF_ERROR(check_shape(in.z_q, {N, G}, "z_q [tokens,G]"));
+  if (!in.z_o.empty()) KVMEM_RETURN_IF_ERROR(check_shape(in.z_o, {N, H, D}, "z_o [tokens,H,D]"));
+  KVMEM_RETURN_IF_ERROR(check_shape(TensorView<const float, 3>(out), {N, H, D}, "out [tokens,H,D]"));
+  if (lse.data() != nullptr || !lse.empty())
+    KVMEM_RETURN_IF_ERROR(check_shape(TensorView<const float, 2>(lse), {N, H}, "lse [tokens,H]"));
+  KVMEM_RETURN_IF_ERROR(detail::check_rows(in.q, "q"));
+  KVMEM_RETURN_IF_ERROR(detail::check_rows(in.k, "k"));
+  KVMEM_RETURN_IF_ERROR(detail::check_rows(in.v, "v"));
+  KVMEM_RETURN_IF_ERROR(detail::check_rows(in.z_o, "z_o"));
+  KVMEM_RETURN_IF_ERROR(detail::check_rows(out, "out"));
+  if (rows.query_start.extent(0) != R + 1)
+    return invalid_argument("query_start shape", "[rows + 1] = [" + std::to_string(R + 1) + "]",
+                            shape_string(rows.query_start.extents()));
+  if (R == 0) return N == 0 ? Status::ok() : invalid_argument("tokens", "0 for an empty batch", N);
+  if (rows.slot.data() == nullptr || rows.query_start.data() == nullptr)
+    return invalid_argument("slot, query_start", "device pointers", "nullptr");
+  if ((R > 1 && rows.slot.stride(0) != 1) || rows.query_start.stride(0) != 1)
+    return invalid_argument("slot, query_start stride", 1,
+                            R > 1 && rows.slot.stride(0) != 1 ? rows.slot.stride(0) : rows.query_start.stride(0));
+  // Prefill rows (>= 2 tokens each, each slot at most once): at most min(max_slots, rows, tokens / 2) of
+  // them, listed by step_begin_kernel; none is longer than the call. They run along grid y.
+  const std::int64_t prefills = std::min({s.batch, R, N / 2});
+  if (prefills * G > 65535)
+    return {StatusCode::kUnsupported,
+            kvmem::detail::concat("cuda UA step: min(max_slots, rows, tokens / 2) * kv_heads must be <= 65535 (a "
+                                  "grid dimension), got ",
+                                  prefills * G)};
+
+  const DeviceCache<S>& dev = SlotAccess::dev(cache);
+  DeviceCall<S> a = make_step_call(in, rows, out, lse);
+  SlotAccess::scratch(cache, a);
+  a.log_p = detail::log_threshold(opt.p);
+  a.evict_before_attention = opt.evict_before_attention;
+  const cudaStream_t stream = exec.stream;
+
+  step_begin_kernel<S><<<1, kStepBeginThreads, 0, stream>>>(dev, SlotAccess::step_rows(cache, rows, N));
+  KVMEM_CUDA_RETURN_IF_LAUNCH_FAILED("ua step_begin_kernel");
+  {  // the 1-token rows (and the zeroed output of rows that do not run)
+    DeviceCall<S> d = a;
+    d.P = 1;
+    d.lambda_new = nullptr;
+    d.splits = cache.limits().max_splits;
+    const std::size_t bytes = decode_kernel_smem_bytes<S>(D, r);
+    void (*const kernel)(DeviceCache<S>, DeviceCall<S>) = D <= 64    ? decode_attend_kernel<Set, S, 8>
+                                                          : D <= 128 ? decode_attend_kernel<Set, S, 16>
+                                                                     : decode_attend_kernel<Set, S, 32>;
+    KVMEM_RETURN_IF_ERROR(cuda::allow_shared(kernel, bytes));
+    kernel<<<dim3(unsigned(R * G), unsigned(d.splits)), kDecodeThreads, bytes, stream>>>(dev, d);
+    KVMEM_CUDA_RETURN_IF_LAUNCH_FAILED("ua step decode_attend_kernel");
+  }
+  // The prefill rows' rounds of chunks. A merge block takes every kStepMergeBlocks-th row of a chunk, so
+  // the rounds of a decode-only step, which find no prefill row, launch few blocks.
+  if (prefills > 0) {
+    a.P = cache.limits().max_prefill_chunk;
+    a.splits = cache.limits().max_splits;
+    const std::size_t fbytes = finish_smem_bytes<S>(D);
+    const ChunkKernel<S> chunk = step_chunk_kernel_for<Set, S>(in, D, r);
+    KVMEM_RETURN_IF_ERROR(cuda::allow_shared(finish_kernel<S>, fbytes));
+    KVMEM_RETURN_IF_ERROR(cuda::allow_shared(chunk.kernel, chunk.shared_bytes));
+    const unsigned items = unsigned(prefills * G);
+    for (std::int64_t t0 = 0; t0 < N; t0 += opt.prefill_chunk) {
+      const std::int64_t most = std::min({opt.prefill_chunk, N - t0, std::int64_t(kStepMergeBlocks)});
+      chunk.kernel<<<dim3(unsigned(a.splits), items), unsigned(chunk.threads), chunk.shared_bytes, stream>>>(
+          dev, a, t0, opt.prefill_chunk);
+      KVMEM_CUDA_RETURN_IF_LAUNCH_FAILED("ua step chunk_attend_kernel");
+      merge_kernel<S>
+          <<<dim3(unsigned(most), items), kMergeThreads, 0, stream>>>(dev, a, t0, opt.prefill_chunk, kEntryTile);
+      KVMEM_CUDA_RETURN_IF_LAUNCH_FAILED("ua step merge_kernel");
+      finish_kernel<S><<<items, kFinishThreads, fbytes, stream>>>(dev, a, t0, opt.prefill_chunk);
+      KVMEM_CUDA_RETURN_IF_LAUNCH_FAILED("ua step finish_kernel");
+    }
+  }
+  SlotAccess::forget_bound(cache);
+  return Status::ok();
+}
+
+// Slot operations of the CUDA cache: the host's names, arguments and checks (ua/slots.hpp). Slot lists
+// (slots, src, dst) are in device memory; each operation reads its list back to check it (one stream
+// synchronisation) and refuses a bad one with the host's Status before anything changes. The work is
+// enqueued on exec.stream and reads the device list too, so the list stays valid until that work has
+// run (stream order). Records are the host's UA record, written and read by the host code: a slot
+// exported here imports on the host backend and the other way round.
+
+// Empties the listed slots, restarts their positions and clears their overflow flags.
+template <class S>
+Status reset_slots(const cuda::Executor& exec, cuda::UaCache<S>& cache, TensorView<const std::int32_t, 1> slots) {
+  using namespace cuda::ua_detail;
+  KVMEM_RETURN_IF_ERROR(check_cache(cache));
+  std::vector<std::int32_t> list;
+  KVMEM_RETURN_IF_ERROR(cuda::read_slot_list(slots, "slots", list, exec.stream));
+  KVMEM_RETURN_IF_ERROR(check_slot_list(list.data(), std::int64_t(list.size()), cache.max_slots(), "slots", false));
+  if (list.empty()) return Status::ok();
+  const DeviceCache<S>& d = SlotAccess::dev(cache);
+  reset_slots_kernel<<<unsigned(list.size()), 32, 0, exec.stream>>>(d.length, d.counter, SlotAccess::overflow(cache),
+                                                                    d.G, slots.data());
+  KVMEM_CUDA_RETURN_IF_LAUNCH_FAILED("ua reset_slots_kernel");
+  return Status::ok();
+}
+
+// Slot dst[i] becomes a copy of slot src[i] (fork): kept rows, λ, key-gate logits, positions, the
+// position counter and the overflow flag, so the copy continues bit for bit like its source.
+template <class S>
+Status copy_slots(const cuda::Executor& exec, cuda::UaCache<S>& cache, TensorView<const std::int32_t, 1> src,
+                  TensorView<const std::int32_t, 1> dst) {
+  using namespace cuda::ua_detail;
+  KVMEM_RETURN_IF_ERROR(check_cache(cache));
+  if (src.extent(0) != dst.extent(0)) return invalid_argument("dst count", src.extent(0), dst.extent(0));
+  std::vector<std::int32_t> from, to;
+  KVMEM_RETURN_IF_ERROR(cuda::read_slot_list(src, "src", from, exec.stream));
+  KVMEM_RETURN_IF_ERROR(cuda::read_slot_list(dst, "dst", to, exec.stream));
+  KVMEM_RETURN_IF_ERROR(check_copy_pairs(from.data(), to.data(), std::int64_t(from.size()), cache.max_slots()));
+  if (from.empty()) return Status::ok();
+  const DeviceCache<S>& d = SlotAccess::dev(cache);
+  copy_slots_kernel<S><<<dim3(unsigned(from.size()), unsigned(d.G)), 256, 0, exec.stream>>>(
+      d, SlotAccess::overflow(cache), src.data(), dst.data());
+  KVMEM_CUDA_RETURN_IF_LAUNCH_FAILED("ua copy_slots_kernel");
+  return Status::ok();
+}
+
+// Bytes of the record of `slot` (0 for an empty cache, a slot outside it, or a failed read). Reads the
+// slot's lengths after all work on the device (cudaDeviceSynchronize).
+template <class S>
+std::size_t export_bytes(const cuda::UaCache<S>& cache, std::int32_t slot) {
+  using namespace cuda::ua_detail;
+  if (!check_slot(cache, slot).is_ok() || cudaDeviceSynchronize() != cudaSuccess) return 0;
+  PrunedCache<S> host;
+  if (!download_slot(cache, slot, host, cudaStream_t{}).is_ok()) return 0;
+  return export_bytes(host, 0);
+}
+
+// Writes the record of `slot` (ua/slots.hpp) into the first export_bytes(cache, slot) bytes of `out`
+// (host memory), after the work enqueued on exec.stream (synchronises it).
+template <class S>
+Status export_slot(const cuda::Executor& exec, const cuda::UaCache<S>& cache, std::int32_t slot,
+                   std::span<std::byte> out) {
+  using namespace cuda::ua_detail;
+  KVMEM_RETURN_IF_ERROR(check_slot(cache, slot));
+  PrunedCache<S> host;
+  KVMEM_RETURN_IF_ERROR(download_slot(cache, slot, host, exec.stream));
+  return export_slot(exec, host, 0, out);
+}
+
+// Replaces `slot` with a record (any backend's export): checked whole by the host's import (version,
+// shape, storage, lengths against this cache's capacity, positions, λ, values) before the slot changes;
+// then the rows are copied in on exec.stream (synchronised before return) and the overflow flag cleared.
+template <class S>
+Status import_slot(const cuda::Executor& exec, cuda::UaCache<S>& cache, std::int32_t slot,
+                   std::span<const std::byte> in) {
+  using namespace cuda::ua_detail;
+  KVMEM_RETURN_IF_ERROR(check_slot(cache, slot));
+  const CacheShape& s = cache.shape();
+  const std::int64_t G = s.kv_heads, D = s.head_dim;
+  PrunedCache<S> host;
+  KVMEM_RETURN_IF_ERROR(PrunedCache<S>::create({1, s.query_heads, G, D, s.capacity, s.page_rows}, host));
+  KVMEM_RETURN_IF_ERROR(import_slot(exec, host, 0, in));
+  const DeviceCache<S>& d = SlotAccess::dev(cache);
+  std::vector<std::int64_t> length(static_cast<std::size_t>(G)), counter(static_cast<std::size_t>(G), host.position(0));
+  for (std::int64_t g = 0; g < G; ++g) {
+    const std::int64_t n = host.length(0, g), row0 = (slot * G + g) * s.capacity;
+    length[std::size_t(g)] = n;
+    KVMEM_RETURN_IF_ERROR(
+        cuda::to_status(cudaMemcpyAsync(d.keys + row0 * D, host.keys(0, g), std::size_t(n * D) * sizeof(S),
+                                        cudaMemcpyHostToDevice, exec.stream),
+                        "import keys"));
+    KVMEM_RETURN_IF_ERROR(
+        cuda::to_status(cudaMemcpyAsync(d.values + row0 * D, host.values(0, g), std::size_t(n * D) * sizeof(S),
+                                        cudaMemcpyHostToDevice, exec.stream),
+                        "import values"));
+    KVMEM_RETURN_IF_ERROR(
+        cuda::to_status(cudaMemcpyAsync(d.lambda + row0, host.lambda(0, g), std::size_t(n) * sizeof(float),
+                                        cudaMemcpyHostToDevice, exec.stream),
+                        "import lambda"));
+    KVMEM_RETURN_IF_ERROR(
+        cuda::to_status(cudaMemcpyAsync(d.key_logit + row0, host.key_logits(0, g), std::size_t(n) * sizeof(float),
+                                        cudaMemcpyHostToDevice, exec.stream),
+                        "import key logits"));
+    KVMEM_RETURN_IF_ERROR(
+        cuda::to_status(cudaMemcpyAsync(d.pos + row0, host.positions(0, g), std::size_t(n) * sizeof(std::int64_t),
+                                        cudaMemcpyHostToDevice, exec.stream),
+                        "import positions"));
+  }
+  KVMEM_RETURN_IF_ERROR(
+      cuda::to_status(cudaMemcpyAsync(d.length + slot * G, length.data(), length.size() * sizeof(std::int64_t),
+                                      cudaMemcpyHostToDevice, exec.stream),
+                      "import lengths"));
+  KVMEM_RETURN_IF_ERROR(
+      cuda::to_status(cudaMemcpyAsync(d.counter + slot * G, counter.data(), counter.size() * sizeof(std::int64_t),
+                                      cudaMemcpyHostToDevice, exec.stream),
+                      "import position"));
+  KVMEM_RETURN_IF_ERROR(cuda::to_status(
+      cudaMemsetAsync(SlotAccess::overflow(cache) + slot, 0, sizeof(int), exec.stream), "import overflow flag"));
+  // the host copies are freed on return
+  return cuda::to_status(cudaStreamSynchronize(exec.stream), "import sync");
+}
+
+// Drops the last n tokens of `slot` exactly as the host does (ua/slots.hpp truncate): n = 0 changes
+// nothing, n = the slot's tokens resets it, any other n is refused with the host's Status. Reads the
+// slot's position after the work enqueued on exec.stream (synchronises it).
+template <class S>
+Status truncate(const cuda::Executor& exec, cuda::UaCache<S>& cache, std::int32_t slot, std::int64_t n) {
+  using namespace cuda::ua_detail;
+  KVMEM_RETURN_IF_ERROR(check_slot(cache, slot));
+  const CacheShape& s = cache.shape();
+  std::int64_t tokens = 0;
+  KVMEM_RETURN_IF_ERROR(cuda::to_status(cudaMemcpyAsync(&tokens, SlotAccess::dev(cache).counter + slot * s.kv_heads,
+                                                        sizeof(tokens), cudaMemcpyDeviceToHost, exec.stream),
+                                        "truncate position"));
+  KVMEM_RETURN_IF_ERROR(cuda::to_status(cudaStreamSynchronize(exec.stream), "truncate sync"));
+  // the host's rules and messages, on a one-slot host cache at the same position
+  PrunedCache<S> host;
+  KVMEM_RETURN_IF_ERROR(PrunedCache<S>::create({1, s.query_heads, s.kv_heads, s.head_dim, 1, s.page_rows}, host));
+  host.set_position(0, tokens);
+  KVMEM_RETURN_IF_ERROR(truncate(exec, host, 0, n));
+  if (n == 0) return Status::ok();
+  return cache.reset_sequence(slot, exec.stream);
+}
+
+}  // namespace kvmem::ua

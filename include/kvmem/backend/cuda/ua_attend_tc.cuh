@@ -78,7 +78,7 @@ __device__ inline void tile_abt(const __nv_bfloat16* a, int lda, const __nv_bflo
 // outputs as chunk_attend_kernel; S is bf16, rows of q/k/v 16-byte aligned (checked by the launcher).
 template <class Set, int kD>
 __global__ void __launch_bounds__(32 * kTcWarps)
-    chunk_attend_tc_kernel(DeviceCache<bf16> c, DeviceCall<bf16> a, std::int64_t t0, std::int64_t rows) {
+    chunk_attend_tc_kernel(DeviceCache<bf16> c, DeviceCall<bf16> a, std::int64_t call_t0, std::int64_t call_rows) {
   namespace wmma = nvcuda::wmma;
   using L = UaTcLayout<kD>;
   using nv_bf16 = __nv_bfloat16;
@@ -98,7 +98,9 @@ __global__ void __launch_bounds__(32 * kTcWarps)
   float* r_logit = reinterpret_cast<float*>(e_pos + kTcEntries);
   float* r_part = r_logit + L::kRows;
 
-  const std::int64_t D = kD, r = c.r, item = blockIdx.y, b = item / c.G, g = item % c.G;
+  ChunkWork w;
+  if (!chunk_work(c, a, blockIdx.y, call_t0, call_rows, w)) return;
+  const std::int64_t D = kD, r = c.r, item = w.item, b = w.b, g = item % c.G, t0 = w.t0, rows = w.rows;
   const int rt = int(kTcQueryRows / r);  // chunk rows per row tile (32 or 16)
   const std::int64_t n = c.length[item], total = n + rows;
   const std::int64_t piece = split_piece(total, a.splits, kTcEntries);
@@ -151,7 +153,7 @@ __global__ void __launch_bounds__(32 * kTcWarps)
         ptx::cp_async16(vs + e * L::kKPitch + cv * 8, vp + cv * 8, e < ne ? 16 : 0);
       }
       ptx::cp_async_commit();
-      load_entry_meta(c, a, item, n, t0, first, e0, ne, e_logit, e_part, e_pos);
+      load_entry_meta(c, a, item, b, n, t0, first, e0, ne, e_logit, e_part, e_pos);
       ptx::cp_async_wait<0>();  // this tile's rows (and the row tile's queries and keys) have landed
       __syncthreads();
       // similarity tile K NK^T [entries x rows] on the tensor cores (one 16 x 16 tile per warp)

@@ -21,9 +21,14 @@
 // integer ticket) runs the merge and the finish of that item.
 // No L x L matrix exists anywhere: λ is one float per entry, the decay lives in a tile of shared
 // memory for the duration of one (entry tile, row tile) step.
+// A slot step (ua::step, DeviceCall::row_slot set) runs the same kernels over rows instead of
+// sequences: step_begin_kernel checks the rows and decides which run; decode_attend_kernel over
+// (row, kv head) runs the 1-token rows and zeroes the output of rows that do not run; the chunk, merge
+// and finish kernels run the listed prefill rows, each on its own slot's cache item and tokens.
 
 #include <cuda_runtime.h>
 
+#include <climits>
 #include <cstdint>
 
 #include "kvmem/backend/cuda/ptx.cuh"
@@ -78,7 +83,44 @@ struct DeviceCall {
   int splits = 1;               // grid.x of the attend kernel
   double log_p = 0.0;           // ln p; -inf = never evict
   bool evict_before_attention = true;
+  // A slot step (ragged rows over packed token-major inputs, DESIGN.md 3): row_slot != nullptr. The
+  // grid then runs over (row, kv head) pairs instead of (sequence, kv head) items; the cache item of a
+  // row is slot * G + g, and the inputs and outputs are addressed with b = the row's first token and
+  // every *_b stride equal to the token stride (so b * x_b + t * x_t is token b + t). Scratch indexed by
+  // cache item (partials, lambda_new, tickets) stays valid: a slot appears in at most one row.
+  const std::int32_t* row_slot = nullptr;   // [rows] slot of each row, -1 = padding
+  const std::int32_t* row_start = nullptr;  // [rows + 1] query_start
+  const int* slot_go = nullptr;             // [max_slots] 1: the slot's row runs this step (step_begin_kernel)
+  const int* step_error = nullptr;          // nonzero: the step's rows were refused, no kernel touches anything
+  const int* prefill_rows = nullptr;        // [max_slots] the step's running rows of >= 2 tokens, any order
+  const int* prefill_count = nullptr;       // how many prefill_rows hold
 };
+
+// What one block of a chunk launch works on: cache item, input base b (see DeviceCall), the chunk's
+// first input row t0 within the row, and its row count.
+struct ChunkWork {
+  std::int64_t item, b, t0, rows;
+};
+// Fixed batch: grid item gi is cache item gi, sequence gi / G, every item has the call's rows. Slot
+// step: grid item gi is (prefill_rows[gi / G], kv head gi % G): the rows of at least 2 tokens whose slot
+// runs this step (a 1-token row is a decode step, run by decode_attend_kernel), listed by
+// step_begin_kernel; a row works while it has tokens at t0, on at most `rows` of them. Every block of a
+// (row, kv head) decides alike.
+template <class S>
+__device__ inline bool chunk_work(const DeviceCache<S>& c, const DeviceCall<S>& a, std::int64_t gi, std::int64_t t0,
+                                  std::int64_t rows, ChunkWork& w) {
+  if (a.row_slot == nullptr) {
+    w = {gi, gi / c.G, t0, rows};
+    return true;
+  }
+  if (*a.step_error != 0 || gi / c.G >= *a.prefill_count) return false;
+  const std::int64_t row = a.prefill_rows[gi / c.G], g = gi % c.G;
+  const int s = a.row_slot[row];
+  const std::int64_t x0 = a.row_start[row], n = a.row_start[row + 1] - x0;
+  if (t0 >= n) return false;
+  w = {s * c.G + g, x0, t0, n - t0 < rows ? n - t0 : rows};
+  return true;
+}
 
 inline constexpr int kEntryTile = 64;  // entries staged per step of the chunk kernel
 inline constexpr int kChunkThreads = 256;
@@ -126,9 +168,10 @@ __device__ inline void load_row_gates(const DeviceCall<S>& a, std::int64_t b, st
 // below n, then the call's own keys (input row t0 + idx - n, position first + idx - n).
 template <class S>
 __device__ inline void load_entry_meta(const DeviceCache<S>& c, const DeviceCall<S>& a, std::int64_t item,
-                                       std::int64_t n, std::int64_t t0, std::int64_t first, std::int64_t e0,
-                                       std::int64_t ne, float* e_logit, float* e_part, std::int64_t* e_pos) {
-  const std::int64_t b = item / c.G, g = item % c.G, row0 = item * c.cap;
+                                       std::int64_t b, std::int64_t n, std::int64_t t0, std::int64_t first,
+                                       std::int64_t e0, std::int64_t ne, float* e_logit, float* e_part,
+                                       std::int64_t* e_pos) {
+  const std::int64_t g = item % c.G, row0 = item * c.cap;
   for (std::int64_t e = threadIdx.x; e < ne; e += blockDim.x) {
     const std::int64_t idx = e0 + e;
     e_logit[e] = idx < n ? c.key_logit[row0 + idx] : a.z_k[b * a.zk_b + g * a.zk_g + (t0 + idx - n) * a.zk_t];
@@ -179,9 +222,11 @@ __host__ __device__ inline std::size_t chunk_smem_bytes(std::int64_t D, std::int
 
 template <class Set, class S, int kDpt>
 __global__ void __launch_bounds__(kChunkThreads)
-    chunk_attend_kernel(DeviceCache<S> c, DeviceCall<S> a, std::int64_t t0, std::int64_t rows) {
+    chunk_attend_kernel(DeviceCache<S> c, DeviceCall<S> a, std::int64_t call_t0, std::int64_t call_rows) {
   extern __shared__ __align__(128) unsigned char smem_raw[];  // one symbol in ua_detail: as ua_attend_tc.cuh
-  const std::int64_t D = c.D, r = c.r, item = blockIdx.y, b = item / c.G, g = item % c.G;
+  ChunkWork w;
+  if (!chunk_work(c, a, blockIdx.y, call_t0, call_rows, w)) return;
+  const std::int64_t D = c.D, r = c.r, item = w.item, b = w.b, g = item % c.G, t0 = w.t0, rows = w.rows;
   const int rt = chunk_row_tile(r);
   const std::int64_t pitch = D + 1;  // odd pitch: entry rows read by different lanes fall in different banks
   float* ks = reinterpret_cast<float*>(smem_raw);
@@ -238,7 +283,7 @@ __global__ void __launch_bounds__(kChunkThreads)
         ks[e * pitch + d] = ld(kp + d);
         vs[e * pitch + d] = ld(vp + d);
       }
-      load_entry_meta(c, a, item, n, t0, first, e0, ne, e_logit, e_part, e_pos);
+      load_entry_meta(c, a, item, b, n, t0, first, e0, ne, e_logit, e_part, e_pos);
       __syncthreads();
       // decay tile A(e, m) for the tile's rows m (spec 4.1); 0 where m <= pos_e
       for (std::int64_t x = tid; x < ne * nr; x += blockDim.x) {
@@ -344,9 +389,9 @@ __device__ inline float group_sum(float x) {
 // few splits: one batch) instead of two dependent loads per split.
 inline constexpr int kMergeBatch = 4;
 template <class S>
-__device__ inline void merge_row(const DeviceCache<S>& c, const DeviceCall<S>& a, std::int64_t item, std::int64_t t0,
-                                 std::int64_t i, int used) {
-  const std::int64_t D = c.D, r = c.r, b = item / c.G, g = item % c.G;
+__device__ inline void merge_row(const DeviceCache<S>& c, const DeviceCall<S>& a, std::int64_t item, std::int64_t b,
+                                 std::int64_t t0, std::int64_t i, int used) {
+  const std::int64_t D = c.D, r = c.r, g = item % c.G;
   const int dim = int(D);
   for (int x = int(threadIdx.x); x < int(r) * dim; x += int(blockDim.x)) {
     const int h = x / dim, d = x % dim;
@@ -394,12 +439,14 @@ __device__ inline void merge_row(const DeviceCache<S>& c, const DeviceCall<S>& a
 }
 
 inline constexpr int kMergeThreads = 128;
-// grid (rows, I), block kMergeThreads.
+// grid (x, I), block kMergeThreads: rows blockIdx.x, blockIdx.x + x, ... (x = rows for a fixed batch).
 template <class S>
 __global__ void __launch_bounds__(kMergeThreads)
     merge_kernel(DeviceCache<S> c, DeviceCall<S> a, std::int64_t t0, std::int64_t rows, std::int64_t min_piece) {
-  const std::int64_t item = blockIdx.y;
-  merge_row(c, a, item, t0, blockIdx.x, active_splits(c.length[item] + rows, a.splits, min_piece));
+  ChunkWork w;
+  if (!chunk_work(c, a, blockIdx.y, t0, rows, w)) return;
+  const int used = active_splits(c.length[w.item] + w.rows, a.splits, min_piece);
+  for (std::int64_t i = blockIdx.x; i < w.rows; i += gridDim.x) merge_row(c, a, w.item, w.b, w.t0, i, used);
 }
 
 // ---- finish: evict + compact, append, advance ---------------------------------------------------
@@ -452,9 +499,9 @@ __device__ inline void copy_rows(std::int64_t rows, std::int64_t D, bool vec16, 
   }
 }
 template <class S>
-__device__ inline void finish_item(const DeviceCache<S>& c, const DeviceCall<S>& a, std::int64_t item, std::int64_t t0,
-                                   std::int64_t rows, unsigned char* fsm) {
-  const std::int64_t D = c.D, b = item / c.G, g = item % c.G;
+__device__ inline void finish_item(const DeviceCache<S>& c, const DeviceCall<S>& a, std::int64_t item, std::int64_t b,
+                                   std::int64_t t0, std::int64_t rows, unsigned char* fsm) {
+  const std::int64_t D = c.D, g = item % c.G;
   const std::int64_t n = c.length[item], row0 = item * c.cap;
   const std::int64_t first = c.counter[item];  // absolute position of the call's row t0
   const int tid = threadIdx.x, lane = tid % 32;
@@ -568,7 +615,9 @@ template <class S>
 __global__ void __launch_bounds__(kFinishThreads)
     finish_kernel(DeviceCache<S> c, DeviceCall<S> a, std::int64_t t0, std::int64_t rows) {
   extern __shared__ __align__(16) unsigned char fsm[];
-  finish_item(c, a, blockIdx.x, t0, rows, fsm);
+  ChunkWork w;
+  if (!chunk_work(c, a, blockIdx.x, t0, rows, w)) return;
+  finish_item(c, a, w.item, w.b, w.t0, w.rows, fsm);
 }
 
 // ---- decode, short caches: the whole step of one item in one block -------------------------------
@@ -616,8 +665,8 @@ struct OneBlockLayout {
 // after the step (survivors + the new token) in every thread.
 template <class Set, class S, int kDpl>
 __device__ inline std::int64_t decode_one_block(const DeviceCache<S>& c, const DeviceCall<S>& a, std::int64_t item,
-                                                std::int64_t n, unsigned char* smem) {
-  const std::int64_t D = c.D, r = c.r, b = item / c.G, g = item % c.G, row0 = item * c.cap;
+                                                std::int64_t b, std::int64_t n, unsigned char* smem) {
+  const std::int64_t D = c.D, r = c.r, g = item % c.G, row0 = item * c.cap;
   const std::int64_t t = c.counter[item];
   const OneBlockLayout L(D, r, sizeof(S));
   const int pitch = int(L.pitch);
@@ -898,9 +947,9 @@ __device__ inline std::int64_t decode_one_block(const DeviceCache<S>& c, const D
 // one thread per dim for all r heads. The new token is entry n (λ = 0). Leaves this split's partial
 // (nothing when the split has no entries).
 template <class Set, class S, int kDpl>
-__device__ inline void decode_split(const DeviceCache<S>& c, const DeviceCall<S>& a, std::int64_t item, std::int64_t n,
-                                    int split, float* dsm) {
-  const std::int64_t D = c.D, r = c.r, b = item / c.G, g = item % c.G;
+__device__ inline void decode_split(const DeviceCache<S>& c, const DeviceCall<S>& a, std::int64_t item, std::int64_t b,
+                                    std::int64_t n, int split, float* dsm) {
+  const std::int64_t D = c.D, r = c.r, g = item % c.G;
   float* qs = dsm;                            // [r][D]
   float* nk = qs + r * D;                     // [D]
   float* acc = nk + D;                        // [r][D]
@@ -1033,6 +1082,34 @@ __device__ inline void decode_split(const DeviceCache<S>& c, const DeviceCall<S>
   }
 }
 
+// Slot step: grid item gi is (row gi / G, kv head gi % G). A 1-token row whose slot runs this step is
+// decoded: item = slot * G + g, b = its token. Split 0 of a row that does not run (padding, or a slot
+// that step_begin_kernel held back: overflowed) zeroes the row's output rows and lse for the kv head's
+// query heads, as the host step does for padding; a prefill row is the chunk launches' work.
+template <class S>
+__device__ inline bool decode_row(const DeviceCache<S>& c, const DeviceCall<S>& a, std::int64_t gi, std::int64_t& item,
+                                  std::int64_t& b) {
+  if (*a.step_error != 0) return false;
+  const std::int64_t row = gi / c.G, g = gi % c.G;
+  const int s = a.row_slot[row];
+  const std::int64_t x0 = a.row_start[row], n = a.row_start[row + 1] - x0;
+  const bool runs = s >= 0 && a.slot_go[s] != 0;
+  if (runs && n == 1) {
+    item = s * c.G + g;
+    b = x0;
+    return true;
+  }
+  if (!runs && blockIdx.y == 0) {
+    const std::int64_t r = c.r, D = c.D;
+    for (std::int64_t x = threadIdx.x; x < n * r * D; x += blockDim.x) {
+      const std::int64_t t = x / (r * D), h = g * r + (x / D) % r, d = x % D;
+      a.out[(x0 + t) * a.o_t + h * a.o_h + d] = 0.0f;
+      if (a.lse && d == 0) a.lse[(x0 + t) * a.l_t + h * a.l_h] = 0.0f;
+    }
+  }
+  return false;
+}
+
 // grid (I, splits), block kDecodeThreads, dynamic smem decode_kernel_smem_bytes<S>(D, r).
 template <class S>
 __host__ __device__ inline std::size_t decode_kernel_smem_bytes(std::int64_t D, std::int64_t r) {
@@ -1059,18 +1136,21 @@ __host__ __device__ inline std::size_t decode_kernel_smem_bytes(std::int64_t D, 
 template <class Set, class S, int kDpl>
 __global__ void __launch_bounds__(kDecodeThreads) decode_attend_kernel(DeviceCache<S> c, DeviceCall<S> a) {
   extern __shared__ __align__(16) float dsm[];
-  const std::int64_t item = blockIdx.x, n = ptx::load_acquire(c.length + item);
+  std::int64_t item = blockIdx.x, b = item / c.G;
+  if (a.row_slot != nullptr && !decode_row(c, a, blockIdx.x, item, b)) return;
+  const std::int64_t n = ptx::load_acquire(c.length + item);
   const int split = int(blockIdx.y);
   const bool one_block = n <= kOneBlockMaxKept;
   bool wrote = true;
   if (one_block) {
     wrote = split == 0;
     if (wrote) {
-      const std::int64_t length = decode_one_block<Set, S, kDpl>(c, a, item, n, reinterpret_cast<unsigned char*>(dsm));
+      const std::int64_t length =
+          decode_one_block<Set, S, kDpl>(c, a, item, b, n, reinterpret_cast<unsigned char*>(dsm));
       if (threadIdx.x == 0) c.next_length[item] = length;
     }
   } else {
-    decode_split<Set, S, kDpl>(c, a, item, n, split, dsm);
+    decode_split<Set, S, kDpl>(c, a, item, b, n, split, dsm);
   }
   __shared__ int last;
   if (wrote) ptx::fence_acq_rel_gpu();  // this block's rows, λ, partial and next length before its ticket
@@ -1085,10 +1165,144 @@ __global__ void __launch_bounds__(kDecodeThreads) decode_attend_kernel(DeviceCac
       c.counter[item] += 1;
     }
   } else {
-    merge_row(c, a, item, 0, 0, active_splits(n + 1, a.splits, 32));
-    finish_item(c, a, item, 0, 1, reinterpret_cast<unsigned char*>(dsm));  // the attention buffers are free now
+    merge_row(c, a, item, b, 0, 0, active_splits(n + 1, a.splits, 32));
+    finish_item(c, a, item, b, 0, 1, reinterpret_cast<unsigned char*>(dsm));  // the attention buffers are free now
   }
   if (threadIdx.x == 0) c.done[item] = 0;
+}
+
+// ---- slot step: the rows' check and the per-row decisions, on the device ------------------------
+// The rows of a step live in device memory, so they are checked here, before any kernel of the step
+// changes the cache (DESIGN.md 3: validation first; no host round trip, so a captured graph replays).
+// One block: it zeroes the per-step scratch, checks every row as core/slots.hpp validate_rows does
+// (query_start[0] = 0, non-decreasing, the last = tokens; slots in [-1, max_slots), each at most once)
+// and records the first refused row (lowest row, then lowest check) in `error`. A refused step runs
+// nothing, and the error is sticky: every later step is refused too until UaCache::step_status reads
+// and clears it, so an engine replaying a graph cannot miss a refused step. Otherwise each row of a slot with tokens
+// decides whether it runs: its slot is not flagged as overflowed and every kv head of it has room for kept + tokens
+// rows (eviction is data-dependent: the host backend's bound); a row without room flags its slot (sticky until the slot
+// is reset, copied over or imported) and is skipped, while the other rows run.
+enum StepCheck : int {
+  kStepOk = 0,
+  kStepFirstStart = 1,  // query_start[0] != 0
+  kStepDecreasing = 2,  // query_start[r + 1] < query_start[r]
+  kStepLastStart = 3,   // query_start[rows] != tokens
+  kStepSlotRange = 4,   // slot[r] outside [-1, max_slots)
+  kStepSlotTwice = 5,   // slot[r] used by an earlier row
+};
+struct StepRows {
+  const std::int32_t* slot = nullptr;   // [rows]
+  const std::int32_t* start = nullptr;  // [rows + 1]
+  std::int64_t rows = 0, tokens = 0, max_slots = 0;
+  int* go = nullptr;             // [max_slots] out: 1 = the slot's row runs this step
+  int* first = nullptr;          // [max_slots] scratch: first row naming the slot
+  int* overflow = nullptr;       // [max_slots] sticky: the slot ran out of rows
+  int* error = nullptr;          // [4] out: check (StepCheck), row, two values it saw
+  int* prefill_rows = nullptr;   // [max_slots] out: running rows of >= 2 tokens (DeviceCall::prefill_rows)
+  int* prefill_count = nullptr;  // out
+};
+inline constexpr int kStepBeginThreads = 512;
+template <class S>
+__global__ void __launch_bounds__(kStepBeginThreads) step_begin_kernel(DeviceCache<S> c, StepRows sr) {
+  __shared__ long long worst;  // (row + 1) * 8 + check of the first refused row; LLONG_MAX: none
+  __shared__ int prefills;
+  const int tid = int(threadIdx.x), threads = int(blockDim.x);
+  if (tid == 0) {
+    worst = LLONG_MAX;
+    prefills = 0;
+  }
+  for (std::int64_t s = tid; s < sr.max_slots; s += threads) {
+    sr.go[s] = 0;
+    sr.first[s] = INT_MAX;
+  }
+  if (sr.error[0] != kStepOk) {  // an earlier refusal not yet read: refuse this step too
+    if (tid == 0) *sr.prefill_count = 0;
+    return;
+  }
+  __syncthreads();
+  const auto refuse = [&](std::int64_t row, int check) { atomicMin(&worst, (long long)((row + 1) * 8 + check)); };
+  if (tid == 0) {
+    if (sr.start[0] != 0) refuse(-1, kStepFirstStart);
+    if (sr.start[sr.rows] != sr.tokens) refuse(sr.rows, kStepLastStart);
+  }
+  for (std::int64_t row = tid; row < sr.rows; row += threads) {
+    const int s = sr.slot[row];
+    if (sr.start[row + 1] < sr.start[row])
+      refuse(row, kStepDecreasing);
+    else if (s < -1 || s >= sr.max_slots)
+      refuse(row, kStepSlotRange);
+    else if (s >= 0)
+      atomicMin(sr.first + s, int(row));
+  }
+  __syncthreads();
+  for (std::int64_t row = tid; row < sr.rows; row += threads) {
+    const int s = sr.slot[row];
+    if (s >= 0 && s < sr.max_slots && sr.first[s] != int(row)) refuse(row, kStepSlotTwice);
+  }
+  __syncthreads();
+  if (worst != LLONG_MAX) {
+    if (tid == 0) {
+      const int check = int(worst % 8);
+      const std::int64_t row = worst / 8 - 1;
+      sr.error[0] = check;
+      sr.error[1] = int(row);
+      sr.error[2] = check == kStepFirstStart   ? sr.start[0]
+                    : check == kStepLastStart  ? sr.start[sr.rows]
+                    : check == kStepDecreasing ? sr.start[row]
+                                               : sr.slot[row];
+      sr.error[3] = check == kStepDecreasing ? sr.start[row + 1] : 0;
+    }
+    if (tid == 0) *sr.prefill_count = 0;
+    return;  // every go flag is 0, and every kernel of the step reads the error first
+  }
+  if (tid == 0) sr.error[0] = kStepOk;
+  for (std::int64_t row = tid; row < sr.rows; row += threads) {
+    const int s = sr.slot[row];
+    const std::int64_t n = sr.start[row + 1] - sr.start[row];
+    if (s < 0 || n == 0) continue;
+    bool room = sr.overflow[s] == 0;
+    for (std::int64_t g = 0; room && g < c.G; ++g) room = c.length[s * c.G + g] + n <= c.cap;
+    if (!room) sr.overflow[s] = 1;
+    sr.go[s] = room ? 1 : 0;
+    if (room && n >= 2) sr.prefill_rows[atomicAdd(&prefills, 1)] = int(row);
+  }
+  __syncthreads();
+  if (tid == 0) *sr.prefill_count = prefills;
+}
+
+// Slot operations on lists the host has checked (core/slots.hpp check_slot_list, check_copy_pairs).
+// reset: grid (n), one thread per kv head: empty the slot, restart its positions, clear its flag.
+__global__ void reset_slots_kernel(std::int64_t* length, std::int64_t* counter, int* overflow, std::int64_t G,
+                                   const std::int32_t* slots) {
+  const std::int64_t s = slots[blockIdx.x];
+  for (std::int64_t g = threadIdx.x; g < G; g += blockDim.x) {
+    length[s * G + g] = 0;
+    counter[s * G + g] = 0;
+  }
+  if (threadIdx.x == 0) overflow[s] = 0;
+}
+// copy: grid (n, G): item (src, g) into (dst, g), every kept row, the counters and the overflow flag. No
+// destination is a source of another pair, so the blocks never read what another block writes.
+template <class S>
+__global__ void copy_slots_kernel(DeviceCache<S> c, int* overflow, const std::int32_t* src, const std::int32_t* dst) {
+  const std::int64_t from_slot = src[blockIdx.x], to_slot = dst[blockIdx.x], g = blockIdx.y;
+  if (from_slot == to_slot) return;
+  const std::int64_t from = from_slot * c.G + g, to = to_slot * c.G + g, n = c.length[from];
+  const std::int64_t f0 = from * c.cap, t0 = to * c.cap;
+  for (std::int64_t x = threadIdx.x; x < n * c.D; x += blockDim.x) {
+    c.keys[t0 * c.D + x] = c.keys[f0 * c.D + x];
+    c.values[t0 * c.D + x] = c.values[f0 * c.D + x];
+  }
+  for (std::int64_t e = threadIdx.x; e < n; e += blockDim.x) {
+    c.lambda[t0 + e] = c.lambda[f0 + e];
+    c.key_logit[t0 + e] = c.key_logit[f0 + e];
+    c.pos[t0 + e] = c.pos[f0 + e];
+  }
+  if (threadIdx.x == 0) {
+    c.length[to] = n;
+    c.counter[to] = c.counter[from];
+    if (g == 0) overflow[to_slot] = overflow[from_slot];
+  }
 }
 
 }  // namespace kvmem::cuda::ua_detail

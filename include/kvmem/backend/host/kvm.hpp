@@ -716,38 +716,6 @@ struct Backend<host::Executor> {
     state.n_data()[slot] = n_new;
     return Status::ok();
   }
-
-  // Whether dropping the last n tokens of `slot` is exact (kvm::truncate); ok or the reason why not.
-  template <class S, class A>
-  static Status truncate_check(const State<S, A>& state, std::int64_t slot, std::int64_t n) {
-    const std::int64_t n_old = state.tokens(slot);
-    if (n < 0 || n > n_old)
-      return {StatusCode::kOutOfRange, "truncate n: expected 0 <= n <= tokens of slot " + std::to_string(slot) + " = " +
-                                           std::to_string(n_old) + ", got " + std::to_string(n)};
-    const std::int64_t n_new = n_old - n;
-    if (n == 0 || n_new == 0) return Status::ok();
-    const Geometry geo = state.params().geometry();
-    const std::int64_t C = geo.chunk, cov_old = state.covered(slot), cov_new = geo.covered(n_new);
-    // Memory slots: unchanged when no update ran for the dropped tokens; below the first update
-    // (cov <= C) the state is the initial slots, one founded by each token, and the dropped ones go.
-    if (cov_old != cov_new && cov_old > C) {
-      const std::int64_t at = cov_old + geo.window() - C + 1;  // tokens seen when that update ran (spec 4.7)
-      return invalid_argument("truncate n",
-                              "at most " + std::to_string(n_old - at) + ": the state update at token " +
-                                  std::to_string(at) + " absorbed tokens [" + std::to_string(cov_old - C) + ", " +
-                                  std::to_string(cov_old) + ") into the memory slots and cannot be undone (spec 4.5)",
-                              n);
-    }
-    // Window: every position a later token or update reads must still be held ([bswa_begin(n_old), n_old)).
-    const std::int64_t reads_from = std::min(geo.bswa_begin(n_new + 1), n_new >= C ? cov_new : n_new);
-    if (reads_from < geo.bswa_begin(n_old))
-      return invalid_argument(
-          "truncate n",
-          "a count whose shorter sequence reads only window positions >= " + std::to_string(geo.bswa_begin(n_old)) +
-              " (the positions the window still holds)",
-          std::to_string(n) + " (the shorter sequence reads from position " + std::to_string(reads_from) + ")");
-    return Status::ok();
-  }
 };
 
 }  // namespace kvmem::kvm

@@ -1,7 +1,8 @@
 // SPDX-License-Identifier: Apache-2.0
 #pragma once
-// KVM on Kokkos: kvm::Backend<kokkos::Executor<Space>>, so kvm::prefill / kvm::decode / kvm::forward
-// run on any execution space with the shared kernel bodies (kernel/attend.hpp, kernel/kvm_state.hpp).
+// KVM on Kokkos: kvm::Backend<kokkos::Executor<Space>>, so kvm::prefill / decode / step / forward and
+// the slot operations run on any execution space with the shared kernel bodies (kernel/attend.hpp,
+// kernel/kvm_state.hpp).
 //
 // One team per (sequence, KV head) item runs the item's whole token range, exactly like the host
 // driver (backend/host/kvm.hpp) and in the same order: per chunk segment, the pending state update
@@ -11,26 +12,38 @@
 // host backend's and decode == prefill holds exactly). |S| after an update is data independent
 // (spec 3.1) and every thread computes it from the budget, so no broadcast is needed.
 //
+// kvm::step (sequence slots, docs/slots.md) runs the same driver with one team per (row, KV head):
+// each team reads its row's slot and query_start and the slot's counters inside the kernel, so every
+// per-row decision (chunk-boundary update, ring write, slot founding) is taken on the device. The
+// slot operations reset_slots and copy_slots are kernels on exec.space as well; export_slot,
+// import_slot and truncate fence exec.space and read or write the slot on the host (the record and the
+// exactness rule are host code shared with the host backend: kvm/record.hpp, kvm::truncate_check).
+//
 // Team scratch is not used here: each row's q copy, accumulator and softmax state come from the State's
 // per-item workspace (already in the space's memory), and staging a kAttendTile-row K/V tile would take
 // 64 (D + Dv) sizeof(S) = 64 KB for D = Dv = 128 fp32, over the ~40 KB level-0 cap on CUDA (DESIGN.md 4).
 //
-// Launch sequence of one call, all on exec.space (in order, no host round trip in between):
-//   [checked] one reduction over sequences (lengths, n_ctx, finite inputs, gate > 0) read back;
-//   weights -> state (ln_w, ln_b, tau_s, tau_w in Acc); the item teams; the per-sequence counter fold.
-// The per-sequence counters (n, cov, |S|) and lengths are read inside the kernels only.
+// Launch sequence of one prefill / decode / step call, all on exec.space (in order, no host round trip
+// in between): [checked] one reduction over sequences or rows (rows, lengths, n_ctx, finite inputs,
+// gate > 0) read back; weights -> state (ln_w, ln_b, tau_s, tau_w in Acc); the item teams; the
+// per-sequence counter fold. The per-sequence counters (n, cov, |S|), lengths and rows are read
+// inside the kernels only.
 //
 // State memory: the State must be placed over memory the space can access AND the host can write,
-// because State::place/reset (kvm/state.hpp) zero the counters from the host. create_state() below
-// allocates a Kokkos::View in such a memory space (the space's own when it is host-accessible, e.g.
-// Serial/OpenMP/Threads; pass a host-accessible device space such as CudaUVMSpace for Cuda).
-// The route log (test hook) is the only path that copies back to the host and allocates.
+// because State::place/reset (kvm/state.hpp) zero the counters from the host and the record code
+// reads and writes a slot there. create_state() below allocates a Kokkos::View in such a memory space
+// (the space's own when it is host-accessible, e.g. Serial/OpenMP/Threads; pass a host-accessible
+// device space such as CudaUVMSpace for Cuda). The accessors State::tokens/covered/slots and
+// kvm::export_bytes(state, slot) read the counters on the host: fence exec.space first.
+// The route log (test hook) is the only path of a step that copies back to the host and allocates.
 
+#include <algorithm>
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
 #include <limits>
 #include <new>
+#include <span>
 #include <string>
 #include <type_traits>
 #include <utility>
@@ -39,7 +52,9 @@
 
 #include "kvmem/backend/kokkos/device_view.hpp"
 #include "kvmem/backend/kokkos/executor.hpp"
+#include "kvmem/backend/kokkos/slot_lists.hpp"
 #include "kvmem/core/numeric.hpp"
+#include "kvmem/core/slots.hpp"
 #include "kvmem/core/softmax.hpp"
 #include "kvmem/core/status.hpp"
 #include "kvmem/core/tensor.hpp"
@@ -47,6 +62,7 @@
 #include "kvmem/kernel/kvm_state.hpp"
 #include "kvmem/kvm/attention.hpp"
 #include "kvmem/kvm/params.hpp"
+#include "kvmem/kvm/record.hpp"
 #include "kvmem/kvm/state.hpp"
 #include "kvmem/policy/budget.hpp"
 
@@ -159,24 +175,116 @@ KOKKOS_INLINE_FUNCTION std::int64_t budget_slots(const budget::Any& b, std::int6
 // Route log record of one update: first token, |S| before, |S| after, then C targets.
 inline constexpr std::int64_t kRouteHeader = 3;
 
-template <class S, class A, class In, class Out>
+// One sequence's share of a call, resolved inside the kernels from the call's lengths or rows and
+// the state's counters: state slot b (-1 for a padding row), token count, first packed token x0.
+struct SeqRef {
+  std::int64_t b = -1, len = 0, x0 = 0;
+  bool ok = false;  // b names a slot and its sizes fit (what the checked reduction guarantees)
+};
+
+// prefill / decode: sequence b is batch row b of q [B,Hq,T,D], k [B,Hk,T,D], v [B,Hk,T,Dv],
+// gate [B,Hk,T], out [B,T,Hq,Dv]; lengths [B] (or nullptr: all T).
+template <class In, class Out>
+struct BatchIo {
+  DeviceView<const In, 4> q, k, v;
+  DeviceView<const In, 3> gate;
+  DeviceView<Out, 4> out;
+  const std::int64_t* lengths;
+  std::int64_t T;
+
+  KOKKOS_INLINE_FUNCTION std::int64_t count() const { return q.extent[0]; }
+  KOKKOS_INLINE_FUNCTION SeqRef seq(std::int64_t b, const std::int64_t* n_seq, std::int64_t n_ctx) const {
+    SeqRef s;
+    s.b = b;
+    s.len = lengths ? lengths[b] : T;
+    s.ok = s.len >= 0 && s.len <= T && n_seq[b] + s.len <= n_ctx;
+    return s;
+  }
+  KOKKOS_INLINE_FUNCTION const In& q_at(const SeqRef& s, std::int64_t h, std::int64_t i, std::int64_t d) const {
+    return q(s.b, h, i, d);
+  }
+  KOKKOS_INLINE_FUNCTION const In& k_at(const SeqRef& s, std::int64_t g, std::int64_t i, std::int64_t d) const {
+    return k(s.b, g, i, d);
+  }
+  KOKKOS_INLINE_FUNCTION const In& v_at(const SeqRef& s, std::int64_t g, std::int64_t i, std::int64_t d) const {
+    return v(s.b, g, i, d);
+  }
+  KOKKOS_INLINE_FUNCTION const In& gate_at(const SeqRef& s, std::int64_t g, std::int64_t i) const {
+    return gate(s.b, g, i);
+  }
+  KOKKOS_INLINE_FUNCTION Out& out_at(const SeqRef& s, std::int64_t i, std::int64_t h, std::int64_t d) const {
+    return out(s.b, i, h, d);
+  }
+  KOKKOS_INLINE_FUNCTION float* lse_at(const SeqRef&, std::int64_t, std::int64_t) const { return nullptr; }
+  // Output rows of the batch past the sequence's length (zeroed).
+  KOKKOS_INLINE_FUNCTION std::int64_t tail(const SeqRef& s) const { return out.extent[1] - s.len; }
+};
+
+// kvm::step: row r runs packed tokens [query_start[r], query_start[r+1]) of q [tokens,Hq,D],
+// k [tokens,Hk,D], v [tokens,Hk,Dv], gate [tokens,Hk] for slot[r]; out [tokens,Hq,Dv], lse
+// [tokens,Hq] (data nullptr: not written).
+template <class In, class Out>
+struct PackedIo {
+  DeviceView<const std::int32_t, 1> slot;         // [rows]
+  DeviceView<const std::int32_t, 1> query_start;  // [rows + 1]
+  DeviceView<const In, 3> q, k, v;
+  DeviceView<const In, 2> gate;
+  DeviceView<Out, 3> out;
+  DeviceView<float, 2> lse;
+  std::int64_t B;  // max_slots
+
+  KOKKOS_INLINE_FUNCTION std::int64_t count() const { return slot.extent[0]; }
+  // Unchecked calls (Executor::checked = false) read rows nobody validated: a row whose slot is out
+  // of range, whose slot an earlier row already names (two rows would race on one slot), whose starts
+  // decrease or whose tokens overflow n_ctx is not ok and is skipped with its slot untouched.
+  KOKKOS_INLINE_FUNCTION SeqRef seq(std::int64_t r, const std::int64_t* n_seq, std::int64_t n_ctx) const {
+    SeqRef s;
+    s.b = slot(r);
+    s.x0 = query_start(r);
+    s.len = query_start(r + 1) - s.x0;
+    if (s.b < 0) {  // padding: only its output rows are written (zeroed)
+      s.ok = s.b == -1 && s.len >= 0 && s.x0 >= 0 && s.x0 + s.len <= q.extent[0];
+      return s;
+    }
+    s.ok = s.b < B && s.len >= 0 && s.x0 >= 0 && s.x0 + s.len <= q.extent[0] && n_seq[s.b] + s.len <= n_ctx;
+    for (std::int64_t e = 0; e < r && s.ok; ++e)
+      if (slot(e) == s.b) s.ok = false;
+    return s;
+  }
+  KOKKOS_INLINE_FUNCTION const In& q_at(const SeqRef& s, std::int64_t h, std::int64_t i, std::int64_t d) const {
+    return q(s.x0 + i, h, d);
+  }
+  KOKKOS_INLINE_FUNCTION const In& k_at(const SeqRef& s, std::int64_t g, std::int64_t i, std::int64_t d) const {
+    return k(s.x0 + i, g, d);
+  }
+  KOKKOS_INLINE_FUNCTION const In& v_at(const SeqRef& s, std::int64_t g, std::int64_t i, std::int64_t d) const {
+    return v(s.x0 + i, g, d);
+  }
+  KOKKOS_INLINE_FUNCTION const In& gate_at(const SeqRef& s, std::int64_t g, std::int64_t i) const {
+    return gate(s.x0 + i, g);
+  }
+  KOKKOS_INLINE_FUNCTION Out& out_at(const SeqRef& s, std::int64_t i, std::int64_t h, std::int64_t d) const {
+    return out(s.x0 + i, h, d);
+  }
+  KOKKOS_INLINE_FUNCTION float* lse_at(const SeqRef& s, std::int64_t i, std::int64_t h) const {
+    return lse.data != nullptr ? &lse(s.x0 + i, h) : nullptr;
+  }
+  KOKKOS_INLINE_FUNCTION std::int64_t tail(const SeqRef&) const { return 0; }
+};
+
+template <class S, class A, class In, class Out, class Io>
 struct KvmCall {
   ItemTable<S, A> items;
-  std::int64_t* n_seq;           // [B]
-  std::int64_t* cov_seq;         // [B]
-  std::int64_t* slots_seq;       // [B]
-  std::int64_t* result;          // [B*Hk, 2]
-  const A* ln_w;                 // [D]
-  const A* ln_b;                 // [D]
-  const A* tau_s;                // [Hq]
-  const A* tau_w;                // [Hq]
-  DeviceView<const In, 4> q;     // [B,Hq,T,D]
-  DeviceView<const In, 4> k;     // [B,Hk,T,D]
-  DeviceView<const In, 4> v;     // [B,Hk,T,Dv]
-  DeviceView<const In, 3> gate;  // [B,Hk,T]
-  DeviceView<Out, 4> out;        // [B,T,Hq,Dv]
-  const std::int64_t* lengths;   // [B] or nullptr
-  std::int64_t T, Hk, rep, D, Dv, n_ctx;
+  std::int64_t* n_seq;      // [B]
+  std::int64_t* cov_seq;    // [B]
+  std::int64_t* slots_seq;  // [B]
+  std::int64_t* result;     // [B*Hk, 2]
+  const A* ln_w;            // [D]
+  const A* ln_b;            // [D]
+  const A* tau_s;           // [Hq]
+  const A* tau_w;           // [Hq]
+  Io io;                    // the call's inputs and outputs (BatchIo or PackedIo)
+  std::int64_t Hk, rep, D, Dv, n_ctx;
   std::int64_t C, nb, sink, rope_dims;
   budget::Any budget;
   bool merge_gate_keys, merge_gate_values, head_temps, value_radius, gate_appends, gate_initial;
@@ -190,12 +298,8 @@ struct KvmCall {
     const std::int64_t begin = (tokens + C - 1) / C * C - W();
     return begin > 0 ? begin : 0;
   }
-  KOKKOS_INLINE_FUNCTION std::int64_t length(std::int64_t b) const { return lengths ? lengths[b] : T; }
-  // The sizes of sequence b fit (also what the checked reduction rejects): otherwise the item is skipped.
-  KOKKOS_INLINE_FUNCTION bool runnable(std::int64_t b) const {
-    const std::int64_t len = length(b);
-    return len >= 0 && len <= T && n_seq[b] + len <= n_ctx;
-  }
+  // Sequence (or row) x of the call; unless ok, its items and counters are skipped.
+  KOKKOS_INLINE_FUNCTION SeqRef seq(std::int64_t x) const { return io.seq(x, n_seq, n_ctx); }
   // |S| after the update absorbing [a, a + C) from `current` (spec 3.1; data independent).
   KOKKOS_INLINE_FUNCTION std::int64_t appends(std::int64_t a, std::int64_t current) const {
     const std::int64_t target = budget_slots(budget, W() + a, a + C, current);
@@ -287,12 +391,13 @@ struct KvmCall {
 
   // One query row r of the segment [t0, t1) of item (b, g): the state (if w > 0) and the causal
   // window [w, t], in the host backend's tile order (bitwise equal results).
-  KOKKOS_INLINE_FUNCTION void attend_row(const kvm::ItemView<S, A>& it, std::int64_t b, std::int64_t g, std::int64_t n0,
-                                         std::int64_t t0, std::int64_t w, std::int64_t S_cur, std::int64_t r) const {
+  KOKKOS_INLINE_FUNCTION void attend_row(const kvm::ItemView<S, A>& it, const SeqRef& sq, std::int64_t g,
+                                         std::int64_t n0, std::int64_t t0, std::int64_t w, std::int64_t S_cur,
+                                         std::int64_t r) const {
     const std::int64_t t = t0 + r / rep, h = g * rep + r % rep, w_len = W();
     A* qr = it.qblock + r * D;
     A* acc = it.acc + r * Dv;
-    for (std::int64_t d = 0; d < D; ++d) qr[d] = load_as<A>(q(b, h, t - n0, d));
+    for (std::int64_t d = 0; d < D; ++d) qr[d] = load_as<A>(io.q_at(sq, h, t - n0, d));
     for (std::int64_t d = 0; d < Dv; ++d) acc[d] = A(0);
     OnlineSoftmax<A>* sm = new (it.soft + r) OnlineSoftmax<A>();
     const std::int64_t tile = kernel::kAttendTile;
@@ -315,15 +420,34 @@ struct KvmCall {
       a = e;
     }
     const A inv = sm->normaliser();
-    for (std::int64_t d = 0; d < Dv; ++d) out(b, t - n0, h, d) = static_cast<Out>(acc[d] * inv);
+    for (std::int64_t d = 0; d < Dv; ++d) io.out_at(sq, t - n0, h, d) = static_cast<Out>(acc[d] * inv);
+    if (float* l = io.lse_at(sq, t - n0, h)) *l = static_cast<float>(sm->lse());
+  }
+
+  // Zeroes the out (and lse) rows of local tokens [i0, i1) for the query heads of KV group g.
+  template <class Member>
+  KOKKOS_INLINE_FUNCTION void zero_rows(const Member& team, const SeqRef& sq, std::int64_t g, std::int64_t i0,
+                                        std::int64_t i1) const {
+    const std::int64_t n = i1 > i0 ? (i1 - i0) * rep * Dv : 0;
+    Kokkos::parallel_for(Kokkos::TeamThreadRange(team, n), [&](const std::int64_t x) {
+      const std::int64_t t = i0 + x / (rep * Dv), h = g * rep + (x / Dv) % rep, d = x % Dv;
+      io.out_at(sq, t, h, d) = Out(0);
+      if (d == 0)
+        if (float* l = io.lse_at(sq, t, h)) *l = 0.0f;
+    });
   }
 
   template <class Member>
   KOKKOS_INLINE_FUNCTION void operator()(const Member& team) const {
-    const std::int64_t i = team.league_rank();
-    const std::int64_t b = i / Hk, g = i % Hk;
-    if (!runnable(b)) return;  // rejected sizes (checked = false): the item and its counters stay untouched
-    const std::int64_t len = length(b), n0 = n_seq[b], w_len = W();
+    const std::int64_t g = team.league_rank() % Hk;
+    const SeqRef sq = seq(team.league_rank() / Hk);
+    if (sq.b < 0) {  // padding row: inputs unread, outputs zeroed
+      if (sq.ok) zero_rows(team, sq, g, 0, sq.len);
+      return;
+    }
+    if (!sq.ok) return;  // rejected sizes (checked = false): the item and its counters stay untouched
+    const std::int64_t b = sq.b, i = b * Hk + g;  // the state's item of (slot b, KV head g)
+    const std::int64_t len = sq.len, n0 = n_seq[b], w_len = W();
     const kvm::ItemView<S, A> it = items.at(i);
     std::int64_t cov = cov_seq[b], S_cur = slots_seq[b];
     std::int64_t* item_log = log ? log + i * log_stride : nullptr;
@@ -343,9 +467,10 @@ struct KvmCall {
         std::int64_t c = updating ? a + C : a, s = updating ? S_before + appends(a, S_before) : S_before;
         for (std::int64_t t = t0; t < t1; ++t) {  // window ring; initial slots below position C (spec 4.3)
           const std::int64_t ring = t % w_len;
-          for (std::int64_t d = 0; d < D; ++d) it.wk[ring * D + d] = store_as<S>(load_as<A>(k(b, g, t - n0, d)));
-          for (std::int64_t d = 0; d < Dv; ++d) it.wv[ring * Dv + d] = store_as<S>(load_as<A>(v(b, g, t - n0, d)));
-          it.wg[ring] = load_as<A>(gate(b, g, t - n0));
+          for (std::int64_t d = 0; d < D; ++d) it.wk[ring * D + d] = store_as<S>(load_as<A>(io.k_at(sq, g, t - n0, d)));
+          for (std::int64_t d = 0; d < Dv; ++d)
+            it.wv[ring * Dv + d] = store_as<S>(load_as<A>(io.v_at(sq, g, t - n0, d)));
+          it.wg[ring] = load_as<A>(io.gate_at(sq, g, t - n0));
           if (t < C && t >= c) {
             init_slot(it, ring, s++);
             c = t + 1;
@@ -366,15 +491,11 @@ struct KvmCall {
       const std::int64_t rows = (t1 - t0) * rep;
       const std::int64_t S_now = S_cur;
       Kokkos::parallel_for(Kokkos::TeamThreadRange(team, rows),
-                           [&](const std::int64_t r) { attend_row(it, b, g, n0, t0, w, S_now, r); });
+                           [&](const std::int64_t r) { attend_row(it, sq, g, n0, t0, w, S_now, r); });
       team.team_barrier();  // rows finish reading before the next segment changes the ring or state
       t0 = t1;
     }
-    const std::int64_t tail = (out.extent[1] - len) * rep * Dv;  // rows past this sequence's length: zeros
-    Kokkos::parallel_for(Kokkos::TeamThreadRange(team, tail > 0 ? tail : 0), [&](const std::int64_t x) {
-      const std::int64_t t = len + x / (rep * Dv), h = g * rep + (x / Dv) % rep, d = x % Dv;
-      out(b, t, h, d) = Out(0);
-    });
+    zero_rows(team, sq, g, len, len + io.tail(sq));  // batch rows past this sequence's length
     Kokkos::single(Kokkos::PerTeam(team), [&]() {
       result[2 * i] = cov;
       result[2 * i + 1] = S_cur;
@@ -382,8 +503,128 @@ struct KvmCall {
   }
 };
 
-// The checked reduction: the smallest failure code * B + b over sequences, or `none`.
-enum class KvmCheck : std::int64_t { kLength = 1, kContext, kQ, kK, kV, kGate, kWeights };
+// The checked reductions: the smallest failure code * count + index over sequences (or rows), or none.
+enum class KvmCheck : std::int64_t { kStart = 1, kSlot, kDuplicate, kLength, kContext, kQ, kK, kV, kGate, kWeights };
+// A KvmCall over the state and the call's inputs `io`, with the parameters of spec 2 in kernel form.
+template <class S, class A, class In, class Out, class Io>
+KvmCall<S, A, In, Out, Io> make_call(const kvm::State<S, A>& state, const Io& io) {
+  const kvm::Shape& sh = state.shape();
+  const kvm::Params& pr = state.params();
+  return {ItemTable<S, A>(state),
+          state.n_data(),
+          state.cov_data(),
+          state.slots_data(),
+          state.item_result(),
+          state.ln_w(),
+          state.ln_b(),
+          state.tau_s(),
+          state.tau_w(),
+          io,
+          sh.Hk,
+          sh.rep(),
+          sh.D,
+          sh.Dv,
+          sh.n_ctx,
+          pr.chunk,
+          pr.window_chunks,
+          pr.sink,
+          pr.rope_dims,
+          pr.budget,
+          pr.merge_gate_keys,
+          pr.merge_gate_values,
+          pr.head_temps,
+          pr.value_radius,
+          pr.gate_appends,
+          pr.gate_initial,
+          static_cast<A>(pr.ln_eps),
+          static_cast<A>(pr.scale > 0 ? pr.scale : 1.0 / std::sqrt(double(sh.D))),
+          nullptr,
+          0};
+}
+
+// The learned parameters as kernel views; shapes are checked on the host (no data read).
+struct KvmWeights {
+  DeviceView<const float, 1> lw, lb, ts, tw;  // ln_weight [D], ln_bias [D], tau_state [Hq], tau_bswa [Hq]
+  explicit KvmWeights(const kvm::Weights& w) : lw(w.ln_weight), lb(w.ln_bias), ts(w.tau_state), tw(w.tau_bswa) {}
+  static Status check_shapes(const kvm::Weights& w, const kvm::Shape& sh) {
+    KVMEM_RETURN_IF_ERROR(check_shape(w.ln_weight, {sh.D}, "ln_weight"));
+    KVMEM_RETURN_IF_ERROR(check_shape(w.ln_bias, {sh.D}, "ln_bias"));
+    KVMEM_RETURN_IF_ERROR(check_shape(w.tau_state, {sh.Hq}, "tau_state"));
+    return check_shape(w.tau_bswa, {sh.Hq}, "tau_bswa");
+  }
+  KOKKOS_INLINE_FUNCTION bool finite_values(std::int64_t D, std::int64_t Hq) const {
+    for (std::int64_t d = 0; d < D; ++d)
+      if (!finite(lw(d)) || !finite(lb(d))) return false;
+    for (std::int64_t h = 0; h < Hq; ++h)
+      if (!finite(ts(h)) || !finite(tw(h))) return false;
+    return true;
+  }
+};
+
+// weights -> state (ln_w, ln_b, tau_s, tau_w in Acc), on exec.space.
+template <class Space, class S, class A>
+void load_weights(const Executor<Space>& exec, const kvm::State<S, A>& state, const KvmWeights& w) {
+  A* w_ln = state.ln_w();
+  A* b_ln = state.ln_b();
+  A* t_s = state.tau_s();
+  A* t_w = state.tau_w();
+  const std::int64_t D = state.shape().D, Hq = state.shape().Hq;
+  Kokkos::parallel_for(
+      "kvmem::kokkos::kvm::weights", Kokkos::RangePolicy<Space>(exec.space, 0, D > Hq ? D : Hq),
+      KOKKOS_LAMBDA(const std::int64_t x) {
+        if (x < D) {
+          w_ln[x] = static_cast<A>(w.lw(x));
+          b_ln[x] = static_cast<A>(w.lb(x));
+        }
+        if (x < Hq) {
+          t_s[x] = static_cast<A>(w.ts(x));
+          t_w[x] = static_cast<A>(w.tw(x));
+        }
+      });
+}
+
+// The run of one prefill / decode / step call, all on exec.space in order with no host round trip:
+// weights -> state; the item teams (one per sequence or row, times Hk); the per-sequence counter fold.
+// `max_tokens` bounds the tokens of one item (sizes the route log, a test hook that reads back).
+template <class Space, class S, class A, class In, class Out, class Io>
+void run_call(const Executor<Space>& exec, const kvm::State<S, A>& state, const KvmWeights& w,
+              KvmCall<S, A, In, Out, Io> call, std::int64_t max_tokens, kvm::RouteLog* log) {
+  const kvm::Shape& sh = state.shape();
+  const std::int64_t C = state.params().chunk, items = call.io.count() * sh.Hk;
+  Kokkos::View<std::int64_t**, Kokkos::LayoutRight, typename Space::memory_space> route_buffer;
+  if (log != nullptr) {  // at most ceil(tokens/C) + 1 updates per item in this call
+    call.log_stride = 1 + (max_tokens / C + 2) * (kRouteHeader + C);
+    route_buffer = decltype(route_buffer)("kvmem kvm routes", sh.B * sh.Hk, call.log_stride);
+    call.log = route_buffer.data();
+  }
+  load_weights(exec, state, w);
+  Kokkos::parallel_for("kvmem::kokkos::kvm::items", team_policy(exec, items), call);
+  Kokkos::parallel_for(
+      "kvmem::kokkos::kvm::counters", Kokkos::RangePolicy<Space>(exec.space, 0, call.io.count()),
+      KOKKOS_LAMBDA(const std::int64_t x) {
+        const SeqRef sq = call.seq(x);
+        if (sq.b < 0 || !sq.ok) return;
+        call.n_seq[sq.b] += sq.len;
+        call.cov_seq[sq.b] = call.result[2 * (sq.b * call.Hk)];
+        call.slots_seq[sq.b] = call.result[2 * (sq.b * call.Hk) + 1];
+      });
+  if (log != nullptr) {  // copy the records back and rebuild the host RouteLog (items[slot * Hk + g])
+    auto host = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), route_buffer);
+    log->items.resize(std::size_t(sh.B * sh.Hk));
+    for (std::int64_t i = 0; i < sh.B * sh.Hk; ++i)
+      for (std::int64_t u = 0; u < host(i, 0); ++u) {
+        const std::int64_t* rec = &host(i, 1 + u * (kRouteHeader + C));
+        kvm::UpdateRoute r;
+        r.first_token = rec[0];
+        r.slots_before = rec[1];
+        r.slots_after = rec[2];
+        r.target.assign(rec + kRouteHeader, rec + kRouteHeader + C);
+        for (std::int64_t x = 0; x < C; ++x)
+          if (r.target[std::size_t(x)] == -1) r.appended.push_back(rec[0] + x);
+        log->items[std::size_t(i)].push_back(std::move(r));
+      }
+  }
+}
 
 }  // namespace detail
 }  // namespace kvmem::kokkos
@@ -405,57 +646,22 @@ struct Backend<kokkos::Executor<Space>> {
     // ---- validation of sizes on the host; nothing changes before every check passed ----
     if (!state.valid()) return invalid_argument("state", "a created or placed State", "an empty State");
     const Shape& sh = state.shape();
-    const Params& pr = state.params();
     const std::int64_t B = sh.B, T = q.extent(2);
     KVMEM_RETURN_IF_ERROR(check_call_shapes(sh, q, k, v, gate, out));
-    KVMEM_RETURN_IF_ERROR(check_shape(weights.ln_weight, {sh.D}, "ln_weight"));
-    KVMEM_RETURN_IF_ERROR(check_shape(weights.ln_bias, {sh.D}, "ln_bias"));
-    KVMEM_RETURN_IF_ERROR(check_shape(weights.tau_state, {sh.Hq}, "tau_state"));
-    KVMEM_RETURN_IF_ERROR(check_shape(weights.tau_bswa, {sh.Hq}, "tau_bswa"));
-
-    KvmCall<S, A, In, Out> call{ItemTable<S, A>(state),
-                                state.n_data(),
-                                state.cov_data(),
-                                state.slots_data(),
-                                state.item_result(),
-                                state.ln_w(),
-                                state.ln_b(),
-                                state.tau_s(),
-                                state.tau_w(),
-                                DeviceView<const In, 4>(q),
-                                DeviceView<const In, 4>(k),
-                                DeviceView<const In, 4>(v),
-                                DeviceView<const In, 3>(gate),
-                                DeviceView<Out, 4>(out),
-                                lengths,
-                                T,
-                                sh.Hk,
-                                sh.rep(),
-                                sh.D,
-                                sh.Dv,
-                                sh.n_ctx,
-                                pr.chunk,
-                                pr.window_chunks,
-                                pr.sink,
-                                pr.rope_dims,
-                                pr.budget,
-                                pr.merge_gate_keys,
-                                pr.merge_gate_values,
-                                pr.head_temps,
-                                pr.value_radius,
-                                pr.gate_appends,
-                                pr.gate_initial,
-                                static_cast<A>(pr.ln_eps),
-                                static_cast<A>(pr.scale > 0 ? pr.scale : 1.0 / std::sqrt(double(sh.D))),
-                                nullptr,
-                                0};
-    const DeviceView<const float, 1> lw(weights.ln_weight), lb(weights.ln_bias), ts(weights.tau_state),
-        tw(weights.tau_bswa);
+    KVMEM_RETURN_IF_ERROR(KvmWeights::check_shapes(weights, sh));
+    const BatchIo<In, Out> io{DeviceView<const In, 4>(q),
+                              DeviceView<const In, 4>(k),
+                              DeviceView<const In, 4>(v),
+                              DeviceView<const In, 3>(gate),
+                              DeviceView<Out, 4>(out),
+                              lengths,
+                              T};
+    const auto call = make_call<S, A, In, Out>(state, io);
+    const KvmWeights w(weights);
 
     // ---- data-dependent checks on the device: one value read back ----
     if (exec.checked) {
-      constexpr std::int64_t kNone = std::numeric_limits<std::int64_t>::max();
-      std::int64_t found = kNone;
+      std::int64_t found = kNoFailure;
       const std::int64_t Hq = sh.Hq, Hk = sh.Hk, D = sh.D, Dv = sh.Dv;
       Kokkos::parallel_reduce(
           "kvmem::kokkos::kvm::check", Kokkos::RangePolicy<Space>(exec.space, 0, B),
@@ -464,31 +670,26 @@ struct Backend<kokkos::Executor<Space>> {
               const std::int64_t c = static_cast<std::int64_t>(code) * B + b;
               if (c < first) first = c;
             };
-            const std::int64_t len = call.length(b);
-            if (len < 0 || len > T) return fail(KvmCheck::kLength);
-            if (call.n_seq[b] + len > call.n_ctx) return fail(KvmCheck::kContext);
-            for (std::int64_t t = 0; t < len; ++t) {
+            const SeqRef sq = call.seq(b);
+            if (sq.len < 0 || sq.len > T) return fail(KvmCheck::kLength);
+            if (call.n_seq[b] + sq.len > call.n_ctx) return fail(KvmCheck::kContext);
+            for (std::int64_t t = 0; t < sq.len; ++t) {
               for (std::int64_t h = 0; h < Hq; ++h)
                 for (std::int64_t d = 0; d < D; ++d)
-                  if (!finite(load_as<double>(call.q(b, h, t, d)))) return fail(KvmCheck::kQ);
+                  if (!finite(load_as<double>(io.q(b, h, t, d)))) return fail(KvmCheck::kQ);
               for (std::int64_t h = 0; h < Hk; ++h) {
                 for (std::int64_t d = 0; d < D; ++d)
-                  if (!finite(load_as<double>(call.k(b, h, t, d)))) return fail(KvmCheck::kK);
+                  if (!finite(load_as<double>(io.k(b, h, t, d)))) return fail(KvmCheck::kK);
                 for (std::int64_t d = 0; d < Dv; ++d)
-                  if (!finite(load_as<double>(call.v(b, h, t, d)))) return fail(KvmCheck::kV);
-                const double gv = load_as<double>(call.gate(b, h, t));
+                  if (!finite(load_as<double>(io.v(b, h, t, d)))) return fail(KvmCheck::kV);
+                const double gv = load_as<double>(io.gate(b, h, t));
                 if (!finite(gv) || !(gv > 0)) return fail(KvmCheck::kGate);
               }
             }
-            if (b == 0) {
-              for (std::int64_t d = 0; d < D; ++d)
-                if (!finite(lw(d)) || !finite(lb(d))) return fail(KvmCheck::kWeights);
-              for (std::int64_t h = 0; h < Hq; ++h)
-                if (!finite(ts(h)) || !finite(tw(h))) return fail(KvmCheck::kWeights);
-            }
+            if (b == 0 && !w.finite_values(D, Hq)) return fail(KvmCheck::kWeights);
           },
           Kokkos::Min<std::int64_t>(found));
-      if (found != kNone) {
+      if (found != kNoFailure) {
         const std::int64_t b = found % B;
         const std::string seq = "sequence " + std::to_string(b);
         switch (static_cast<KvmCheck>(found / B)) {
@@ -498,73 +699,289 @@ struct Backend<kokkos::Executor<Space>> {
           case KvmCheck::kContext:
             return {StatusCode::kOutOfRange,
                     seq + ": tokens seen + length exceed the state's n_ctx = " + std::to_string(sh.n_ctx)};
-          case KvmCheck::kQ:
-            return invalid_argument("q", "finite values", "NaN or Inf in " + seq);
-          case KvmCheck::kK:
-            return invalid_argument("k", "finite values", "NaN or Inf in " + seq);
-          case KvmCheck::kV:
-            return invalid_argument("v", "finite values", "NaN or Inf in " + seq);
-          case KvmCheck::kGate:
-            return invalid_argument("gate", "finite values > 0 (g = 1 + ELU > 0)", "a violation in " + seq);
-          case KvmCheck::kWeights:
-            return invalid_argument("weights", "finite values", "NaN or Inf");
+          default:
+            return value_status(static_cast<KvmCheck>(found / B), seq);
         }
       }
     }
-
-    // ---- run: weights, items, counters; in order on exec.space ----
-    Kokkos::View<std::int64_t**, Kokkos::LayoutRight, typename Space::memory_space> route_buffer;
-    if (log != nullptr) {  // test hook: at most ceil(T/C) + 1 updates per item in this call
-      call.log_stride = 1 + (T / pr.chunk + 2) * (kRouteHeader + pr.chunk);
-      route_buffer = decltype(route_buffer)("kvmem kvm routes", B * sh.Hk, call.log_stride);
-      call.log = route_buffer.data();
-    }
-    {
-      A* w_ln = state.ln_w();
-      A* b_ln = state.ln_b();
-      A* t_s = state.tau_s();
-      A* t_w = state.tau_w();
-      const std::int64_t D = sh.D, Hq = sh.Hq;
-      Kokkos::parallel_for(
-          "kvmem::kokkos::kvm::weights", Kokkos::RangePolicy<Space>(exec.space, 0, D > Hq ? D : Hq),
-          KOKKOS_LAMBDA(const std::int64_t x) {
-            if (x < D) {
-              w_ln[x] = static_cast<A>(lw(x));
-              b_ln[x] = static_cast<A>(lb(x));
-            }
-            if (x < Hq) {
-              t_s[x] = static_cast<A>(ts(x));
-              t_w[x] = static_cast<A>(tw(x));
-            }
-          });
-    }
-    Kokkos::parallel_for("kvmem::kokkos::kvm::items", team_policy(exec, B * sh.Hk), call);
-    Kokkos::parallel_for(
-        "kvmem::kokkos::kvm::counters", Kokkos::RangePolicy<Space>(exec.space, 0, B),
-        KOKKOS_LAMBDA(const std::int64_t b) {
-          if (!call.runnable(b)) return;
-          call.n_seq[b] += call.length(b);
-          call.cov_seq[b] = call.result[2 * (b * call.Hk)];
-          call.slots_seq[b] = call.result[2 * (b * call.Hk) + 1];
-        });
-
-    if (log != nullptr) {  // copy the records back and rebuild the host RouteLog
-      auto host = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), route_buffer);
-      log->items.resize(std::size_t(B * sh.Hk));
-      for (std::int64_t i = 0; i < B * sh.Hk; ++i)
-        for (std::int64_t u = 0; u < host(i, 0); ++u) {
-          const std::int64_t* rec = &host(i, 1 + u * (kRouteHeader + pr.chunk));
-          UpdateRoute r;
-          r.first_token = rec[0];
-          r.slots_before = rec[1];
-          r.slots_after = rec[2];
-          r.target.assign(rec + kRouteHeader, rec + kRouteHeader + pr.chunk);
-          for (std::int64_t x = 0; x < pr.chunk; ++x)
-            if (r.target[std::size_t(x)] == -1) r.appended.push_back(rec[0] + x);
-          log->items[std::size_t(i)].push_back(std::move(r));
-        }
-    }
+    run_call(exec, state, w, call, T, log);
     return Status::ok();
+  }
+
+  // kvm::step: one team per (row, KV head); a row runs its slot's tokens with the prefill driver above,
+  // so it equals its sequence run alone, bitwise. Rows, n_ctx and values are checked by one reduction
+  // over rows (exec.checked); the kernels read slot, query_start and the counters themselves.
+  template <class S, class A, class In, class Out>
+  static Status step(const kokkos::Executor<Space>& exec, State<S, A>& state, const Weights& weights, const Rows& rows,
+                     TensorView<const In, 3> q,     // [tokens,Hq,D]
+                     TensorView<const In, 3> k,     // [tokens,Hk,D]
+                     TensorView<const In, 3> v,     // [tokens,Hk,Dv]
+                     TensorView<const In, 2> gate,  // [tokens,Hk]
+                     TensorView<Out, 3> out,        // [tokens,Hq,Dv]
+                     TensorView<float, 2> lse,      // [tokens,Hq] or empty
+                     RouteLog* log) {
+    using namespace kokkos::detail;
+    if (!state.valid()) return invalid_argument("state", "a created or placed State", "an empty State");
+    const Shape& sh = state.shape();
+    const std::int64_t tokens = q.extent(0), R = rows.count();
+    KVMEM_RETURN_IF_ERROR(check_shape(q, {tokens, sh.Hq, sh.D}, "q [tokens,Hq,D]"));
+    KVMEM_RETURN_IF_ERROR(check_shape(k, {tokens, sh.Hk, sh.D}, "k [tokens,Hk,D]"));
+    KVMEM_RETURN_IF_ERROR(check_shape(v, {tokens, sh.Hk, sh.Dv}, "v [tokens,Hk,Dv]"));
+    KVMEM_RETURN_IF_ERROR(check_shape(gate, {tokens, sh.Hk}, "gate [tokens,Hk]"));
+    KVMEM_RETURN_IF_ERROR(check_shape(out, {tokens, sh.Hq, sh.Dv}, "out [tokens,Hq,Dv]"));
+    if (!lse.empty()) KVMEM_RETURN_IF_ERROR(check_shape(lse, {tokens, sh.Hq}, "lse [tokens,Hq]"));
+    if (rows.query_start.extent(0) != R + 1)
+      return invalid_argument("query_start shape", "[rows + 1] = [" + std::to_string(R + 1) + "]",
+                              shape_string(rows.query_start.extents()));
+    if (R == 0 && tokens != 0) return invalid_argument("tokens", "0 for an empty batch", tokens);
+    KVMEM_RETURN_IF_ERROR(KvmWeights::check_shapes(weights, sh));
+    PackedIo<In, Out> io{DeviceView<const std::int32_t, 1>(rows.slot),
+                         DeviceView<const std::int32_t, 1>(rows.query_start),
+                         DeviceView<const In, 3>(q),
+                         DeviceView<const In, 3>(k),
+                         DeviceView<const In, 3>(v),
+                         DeviceView<const In, 2>(gate),
+                         DeviceView<Out, 3>(out),
+                         {},
+                         sh.B};
+    if (!lse.empty()) io.lse = DeviceView<float, 2>(lse);
+    const auto call = make_call<S, A, In, Out>(state, io);
+    const KvmWeights w(weights);
+
+    if (exec.checked && R > 0) {
+      std::int64_t found = kNoFailure;
+      const std::int64_t Hq = sh.Hq, Hk = sh.Hk, D = sh.D, Dv = sh.Dv, B = sh.B;
+      Kokkos::parallel_reduce(
+          "kvmem::kokkos::kvm::step_check", Kokkos::RangePolicy<Space>(exec.space, 0, R),
+          KOKKOS_LAMBDA(const std::int64_t r, std::int64_t& first) {
+            auto fail = [&](KvmCheck code) {
+              const std::int64_t c = static_cast<std::int64_t>(code) * R + r;
+              if (c < first) first = c;
+            };
+            const std::int64_t x0 = io.query_start(r), x1 = io.query_start(r + 1), b = io.slot(r);
+            if ((r == 0 && x0 != 0) || x1 < x0 || (r == R - 1 && x1 != tokens)) return fail(KvmCheck::kStart);
+            if (r == 0 && !w.finite_values(D, Hq)) fail(KvmCheck::kWeights);
+            if (b == -1) return;  // padding: its inputs are not read
+            if (b < -1 || b >= B) return fail(KvmCheck::kSlot);
+            for (std::int64_t e = 0; e < r; ++e)
+              if (io.slot(e) == b) return fail(KvmCheck::kDuplicate);
+            if (call.n_seq[b] + (x1 - x0) > call.n_ctx) return fail(KvmCheck::kContext);
+            if (x0 < 0 || x1 > tokens) return;  // some start is wrong: reported by its own row
+            for (std::int64_t x = x0; x < x1; ++x) {
+              for (std::int64_t h = 0; h < Hq; ++h)
+                for (std::int64_t d = 0; d < D; ++d)
+                  if (!finite(load_as<double>(io.q(x, h, d)))) return fail(KvmCheck::kQ);
+              for (std::int64_t h = 0; h < Hk; ++h) {
+                for (std::int64_t d = 0; d < D; ++d)
+                  if (!finite(load_as<double>(io.k(x, h, d)))) return fail(KvmCheck::kK);
+                for (std::int64_t d = 0; d < Dv; ++d)
+                  if (!finite(load_as<double>(io.v(x, h, d)))) return fail(KvmCheck::kV);
+                const double gv = load_as<double>(io.gate(x, h));
+                if (!finite(gv) || !(gv > 0)) return fail(KvmCheck::kGate);
+              }
+            }
+          },
+          Kokkos::Min<std::int64_t>(found));
+      if (found != kNoFailure) {
+        const std::int64_t r = found % R;
+        const std::string row = "row " + std::to_string(r);
+        switch (static_cast<KvmCheck>(found / R)) {
+          case KvmCheck::kStart:
+            return invalid_argument(
+                "query_start[" + std::to_string(r) + "], query_start[" + std::to_string(r + 1) + "]",
+                "query_start[0] = 0, non-decreasing starts, query_start[rows] = tokens = " + std::to_string(tokens),
+                "a violation at " + row + " (read on the device)");
+          case KvmCheck::kSlot:
+            return {StatusCode::kOutOfRange, "slot[" + std::to_string(r) +
+                                                 "]: expected -1 (padding) or 0 <= slot < max_slots = " +
+                                                 std::to_string(sh.B) + ", got a value outside"};
+          case KvmCheck::kDuplicate:
+            return invalid_argument("slot[" + std::to_string(r) + "]", "a slot used by no earlier row of this step",
+                                    "a slot an earlier row names");
+          case KvmCheck::kContext:
+            return {
+                StatusCode::kOutOfRange,
+                row + ": the slot's tokens + the row's tokens exceed the state's n_ctx = " + std::to_string(sh.n_ctx)};
+          default:
+            return value_status(static_cast<KvmCheck>(found / R), row);
+        }
+      }
+    }
+    run_call(exec, state, w, call, tokens, log);
+    return Status::ok();
+  }
+
+  template <class S, class A>
+  static Status reset_slots(const kokkos::Executor<Space>& exec, State<S, A>& state,
+                            TensorView<const std::int32_t, 1> slots) {
+    using namespace kokkos::detail;
+    if (!state.valid()) return invalid_argument("state", "a created or placed State", "an empty State");
+    const SlotLists lists{DeviceView<const std::int32_t, 1>(slots), {}, state.max_slots()};
+    const std::int64_t n = slots.extent(0);
+    if (exec.checked && n > 0) KVMEM_RETURN_IF_ERROR(slot_list_status(first_failure(exec, lists), n, lists.B, "slots"));
+    std::int64_t* n_seq = state.n_data();
+    std::int64_t* cov = state.cov_data();
+    std::int64_t* used = state.slots_data();
+    Kokkos::parallel_for(
+        "kvmem::kokkos::kvm::reset_slots", Kokkos::RangePolicy<Space>(exec.space, 0, n),
+        KOKKOS_LAMBDA(const std::int64_t i) {
+          if (lists.failure(i) != 0) return;
+          const std::int64_t b = lists.src(i);
+          n_seq[b] = cov[b] = used[b] = 0;
+        });
+    return Status::ok();
+  }
+
+  template <class S, class A>
+  static Status copy_slots(const kokkos::Executor<Space>& exec, State<S, A>& state,
+                           TensorView<const std::int32_t, 1> src, TensorView<const std::int32_t, 1> dst) {
+    using namespace kokkos::detail;
+    if (!state.valid()) return invalid_argument("state", "a created or placed State", "an empty State");
+    if (src.extent(0) != dst.extent(0)) return invalid_argument("dst length", src.extent(0), dst.extent(0));
+    const SlotLists lists{DeviceView<const std::int32_t, 1>(src), DeviceView<const std::int32_t, 1>(dst),
+                          state.max_slots()};
+    const std::int64_t n = src.extent(0);
+    if (exec.checked && n > 0) KVMEM_RETURN_IF_ERROR(slot_list_status(first_failure(exec, lists), n, lists.B, "src"));
+    const ItemTable<S, A> items(state);
+    const Shape& sh = state.shape();
+    const std::int64_t Hk = sh.Hk, D = sh.D, Dv = sh.Dv, W = state.window_capacity();
+    std::int64_t* n_seq = state.n_data();
+    std::int64_t* cov = state.cov_data();
+    std::int64_t* used = state.slots_data();
+    // Every source is read before its counters could change: no destination is a source.
+    Kokkos::parallel_for(
+        "kvmem::kokkos::kvm::copy_slots", Kokkos::RangePolicy<Space>(exec.space, 0, n * Hk),
+        KOKKOS_LAMBDA(const std::int64_t x) {
+          const std::int64_t i = x / Hk, g = x % Hk;
+          if (lists.failure(i) != 0) return;
+          const std::int64_t s = lists.src(i), d = lists.dst(i);
+          if (s == d) return;
+          const kvm::ItemView<S, A> a = items.at(s * Hk + g), b = items.at(d * Hk + g);
+          const std::int64_t m = used[s];
+          for (std::int64_t e = 0; e < m * D; ++e) {
+            b.sk[e] = a.sk[e];
+            b.khat[e] = a.khat[e];
+          }
+          for (std::int64_t e = 0; e < m * Dv; ++e) {
+            b.sv[e] = a.sv[e];
+            b.vhat[e] = a.vhat[e];
+          }
+          for (std::int64_t e = 0; e < m; ++e) {
+            b.rho[e] = a.rho[e];
+            b.cnt[e] = a.cnt[e];
+          }
+          for (std::int64_t e = 0; e < W * D; ++e) b.wk[e] = a.wk[e];
+          for (std::int64_t e = 0; e < W * Dv; ++e) b.wv[e] = a.wv[e];
+          for (std::int64_t e = 0; e < W; ++e) b.wg[e] = a.wg[e];
+        });
+    Kokkos::parallel_for(
+        "kvmem::kokkos::kvm::copy_counters", Kokkos::RangePolicy<Space>(exec.space, 0, n),
+        KOKKOS_LAMBDA(const std::int64_t i) {
+          if (lists.failure(i) != 0) return;
+          const std::int64_t s = lists.src(i), d = lists.dst(i);
+          n_seq[d] = n_seq[s];
+          cov[d] = cov[s];
+          used[d] = used[s];
+        });
+    return Status::ok();
+  }
+
+  // The record is written on the host from the state's host-accessible memory (create_state), after
+  // the work queued on exec.space has finished; kvm/record.hpp is the one writer of every backend.
+  template <class S, class A>
+  static Status export_slot(const kokkos::Executor<Space>& exec, const State<S, A>& state, std::int32_t slot,
+                            std::span<std::byte> bytes) {
+    KVMEM_RETURN_IF_ERROR(state.check_slot(slot, "slot"));
+    exec.space.fence();
+    const std::size_t need = kvm::export_bytes(state, slot);
+    if (bytes.size() < need)
+      return invalid_argument("bytes", ">= export_bytes(state, slot) = " + std::to_string(need), bytes.size());
+    slot_record::Writer wr(bytes.first(need), slot_record::Mechanism::kKvm, record_detail::kFields);
+    record_detail::write(state, slot, state.tokens(slot), state.covered(slot), state.slots(slot), wr, false);
+    return Status::ok();
+  }
+
+  // The record is read and checked on the host (kvm/record.hpp) before anything changes; the slot's
+  // canonical fields are then written into the host-accessible state and the readout copies K^, V^
+  // rebuilt on exec.space with the same kernel bodies as a step (so they equal the source's bits).
+  template <class S, class A>
+  static Status import_slot(const kokkos::Executor<Space>& exec, State<S, A>& state, const Weights& weights,
+                            std::int32_t slot, std::span<const std::byte> bytes) {
+    using namespace kokkos::detail;
+    KVMEM_RETURN_IF_ERROR(state.check_slot(slot, "slot"));
+    const Shape& sh = state.shape();
+    KVMEM_RETURN_IF_ERROR(KvmWeights::check_shapes(weights, sh));
+    const KvmWeights w(weights);
+    if (exec.checked) {
+      std::int64_t bad = 0;
+      const std::int64_t D = sh.D, Hq = sh.Hq;
+      Kokkos::parallel_reduce(
+          "kvmem::kokkos::kvm::import_check", Kokkos::RangePolicy<Space>(exec.space, 0, 1),
+          KOKKOS_LAMBDA(const std::int64_t, std::int64_t& b) { b = w.finite_values(D, Hq) ? 0 : 1; },
+          Kokkos::Max<std::int64_t>(bad));
+      if (bad > 0) return invalid_argument("weights", "finite values", "NaN or Inf");
+    }
+    record_detail::Parsed<A> rec;
+    KVMEM_RETURN_IF_ERROR(record_detail::read(state, bytes, rec));
+    exec.space.fence();  // no queued kernel still reads or writes the slot
+    const std::int64_t D = sh.D, Dv = sh.Dv, W = state.window_capacity(), S_ = rec.slots, Hk = sh.Hk;
+    const std::int64_t w0 = state.params().geometry().bswa_begin(rec.n), held = rec.n - w0;
+    for (std::int64_t g = 0; g < Hk; ++g) {
+      const auto it = state.item(slot, g);
+      std::copy_n(rec.sk.begin() + g * S_ * D, S_ * D, it.sk);
+      std::copy_n(rec.sv.begin() + g * S_ * Dv, S_ * Dv, it.sv);
+      std::copy_n(rec.rho.begin() + g * S_, S_, it.rho);
+      std::copy_n(rec.cnt.begin() + g * S_, S_, it.cnt);
+      for (std::int64_t i = 0; i < held; ++i) {
+        const std::int64_t ring = (w0 + i) % W, at = g * held + i;
+        for (std::int64_t d = 0; d < D; ++d) it.wk[ring * D + d] = store_as<S>(rec.wk[std::size_t(at * D + d)]);
+        for (std::int64_t d = 0; d < Dv; ++d) it.wv[ring * Dv + d] = store_as<S>(rec.wv[std::size_t(at * Dv + d)]);
+        it.wg[ring] = rec.wg[std::size_t(at)];
+      }
+    }
+    state.n_data()[slot] = rec.n;
+    state.cov_data()[slot] = rec.cov;
+    state.slots_data()[slot] = rec.slots;
+    load_weights(exec, state, w);
+    const auto call = make_call<S, A, float, float>(state, BatchIo<float, float>{});
+    const std::int64_t first = std::int64_t(slot) * Hk;
+    Kokkos::parallel_for(
+        "kvmem::kokkos::kvm::import_readout", Kokkos::RangePolicy<Space>(exec.space, 0, Hk),
+        KOKKOS_LAMBDA(const std::int64_t g) { call.refresh(call.items.at(first + g), 0, S_); });
+    exec.space.fence();  // the record's staging memory is the caller's; the state is complete on return
+    return Status::ok();
+  }
+
+  // Reads the slot's counters on the host (after the queued work finished) to decide exactness
+  // (kvm::truncate_check), then rewrites them.
+  template <class S, class A>
+  static Status truncate(const kokkos::Executor<Space>& exec, State<S, A>& state, std::int32_t slot, std::int64_t n) {
+    KVMEM_RETURN_IF_ERROR(state.check_slot(slot, "slot"));
+    exec.space.fence();
+    KVMEM_RETURN_IF_ERROR(truncate_check(state, slot, n));
+    const std::int64_t n_new = state.tokens(slot) - n;
+    const std::int64_t cov = state.params().geometry().covered(n_new);
+    if (state.covered(slot) != cov) state.slots_data()[slot] = cov;  // initial slots only: one per token (spec 4.3)
+    state.cov_data()[slot] = cov;
+    state.n_data()[slot] = n_new;
+    return Status::ok();
+  }
+
+ private:
+  static Status value_status(kokkos::detail::KvmCheck code, const std::string& where) {
+    using kokkos::detail::KvmCheck;
+    switch (code) {
+      case KvmCheck::kQ:
+        return invalid_argument("q", "finite values", "NaN or Inf in " + where);
+      case KvmCheck::kK:
+        return invalid_argument("k", "finite values", "NaN or Inf in " + where);
+      case KvmCheck::kV:
+        return invalid_argument("v", "finite values", "NaN or Inf in " + where);
+      case KvmCheck::kGate:
+        return invalid_argument("gate", "finite values > 0 (g = 1 + ELU > 0)", "a violation in " + where);
+      default:
+        return invalid_argument("weights", "finite values", "NaN or Inf");
+    }
   }
 };
 

@@ -2,7 +2,8 @@
 #pragma once
 // Universal Attention on Kokkos: a pruned cache in the space's memory (UaCache) and the ua/
 // operations for kokkos::Executor<Space> (prefill with pruning + compaction, decode with pruning,
-// dense forward), running the shared bodies of kernel/ua_*.hpp.
+// dense forward, and the sequence-slot step and slot operations of docs/slots-ua.md), running the
+// shared bodies of kernel/ua_*.hpp.
 //
 // ua::PrunedCache keeps its rows in std::vector (host memory), so the Kokkos backend has its own cache
 // with the same layout and semantics (rows [B, G, capacity, D], λ / key-gate logit / position per row,
@@ -25,14 +26,18 @@
 #include <cstddef>
 #include <cstdint>
 #include <limits>
+#include <span>
 #include <string>
 #include <utility>
+#include <vector>
 
 #include <Kokkos_Core.hpp>
 
 #include "kvmem/backend/kokkos/device_view.hpp"
 #include "kvmem/backend/kokkos/executor.hpp"
+#include "kvmem/backend/kokkos/slot_lists.hpp"
 #include "kvmem/core/numeric.hpp"
+#include "kvmem/core/slots.hpp"
 #include "kvmem/core/status.hpp"
 #include "kvmem/core/tensor.hpp"
 #include "kvmem/kernel/ua_attend.hpp"
@@ -41,6 +46,7 @@
 #include "kvmem/policy/decay.hpp"
 #include "kvmem/ua/cache.hpp"
 #include "kvmem/ua/ops.hpp"
+#include "kvmem/ua/slots.hpp"
 
 namespace kvmem::kokkos {
 
@@ -56,6 +62,7 @@ struct UaCache {
   Kokkos::View<std::int64_t*, MemSpace> pos;           // [B, G, capacity]
   Kokkos::View<std::int64_t*, MemSpace> length, peak;  // [B, G]
   Kokkos::View<std::int64_t*, MemSpace> counter;       // [B] next absolute position
+  Kokkos::View<std::int64_t*, MemSpace> admit;         // [B] step workspace: 1 when a row may advance the slot
 
   UaCache() = default;
   // A copy shares the Views (Kokkos semantics). A move leaves `o` empty (DESIGN.md 3): its shape says
@@ -82,6 +89,7 @@ struct UaCache {
     std::swap(length, o.length);
     std::swap(peak, o.peak);
     std::swap(counter, o.counter);
+    std::swap(admit, o.admit);
   }
 
   [[nodiscard]] bool valid() const { return shape.capacity > 0 && counter.extent(0) == std::size_t(shape.batch); }
@@ -108,6 +116,7 @@ Status create_cache(const Executor<Space>& /*exec*/, const ua::CacheShape& s, Ua
   c.length = decltype(c.length)("kvmem ua length", items);
   c.peak = decltype(c.peak)("kvmem ua peak", items);
   c.counter = decltype(c.counter)("kvmem ua counter", static_cast<std::size_t>(s.batch));
+  c.admit = decltype(c.admit)("kvmem ua step admit", static_cast<std::size_t>(s.batch));
   out = std::move(c);
   return Status::ok();
 }
@@ -467,6 +476,324 @@ struct UaForwardCall {
   }
 };
 
+// ---- the slot step (ua::step on a UaCache) ----------------------------------------------------------
+
+// Packed inputs of one step as kernel views: q [tokens,H,D], k, v [tokens,G,D], z_k, z_q [tokens,G],
+// z_o [tokens,H,D] (data nullptr: no output gate), out [tokens,H,D], lse [tokens,H] (data nullptr: not
+// written), and the rows slot [rows], query_start [rows + 1].
+struct UaPackedViews {
+  DeviceView<const std::int32_t, 1> slot, query_start;
+  DeviceView<const float, 3> q, k, v, z_o;
+  DeviceView<const float, 2> z_k, z_q;
+  DeviceView<float, 3> out;
+  DeviceView<float, 2> lse;
+
+  // BlockArgs for tokens [t0, t1) of the row starting at packed token x0, kv head g (as the host's
+  // ua::detail::item_io + block_args of a packed call: same pointers, same strides).
+  template <class KS>
+  KOKKOS_INLINE_FUNCTION kernel::ua::BlockArgs<KS, float, float, float> block(std::int64_t x0, std::int64_t g,
+                                                                              std::int64_t r, std::int64_t t0,
+                                                                              std::int64_t t1) const {
+    kernel::ua::BlockArgs<KS, float, float, float> a;
+    a.D = q.extent[2];
+    a.heads = r;
+    a.rows = t1 - t0;
+    a.new_keys = &k(x0 + t0, g, 0);
+    a.new_key_stride = k.stride[0];
+    a.query_logit = &z_q(x0 + t0, g);
+    a.query_logit_stride = z_q.stride[0];
+    a.q = &q(x0 + t0, g * r, 0);
+    a.q_head_stride = q.stride[1];
+    a.q_row_stride = q.stride[0];
+    if (z_o.data != nullptr) {
+      a.z_o = &z_o(x0 + t0, g * r, 0);
+      a.z_o_row_stride = z_o.stride[0];
+      a.z_o_head_stride = z_o.stride[1];
+    }
+    a.out = &out(x0 + t0, g * r, 0);
+    a.out_row_stride = out.stride[0];
+    a.out_head_stride = out.stride[1];
+    if (lse.data != nullptr) {
+      a.lse = &lse(x0 + t0, g * r);
+      a.lse_head_stride = lse.stride[1];
+      a.lse_row_stride = lse.stride[0];
+    }
+    return a;
+  }
+};
+
+// One row of a step as the kernels see it: its slot (-1 padding), first packed token and token count.
+struct UaRow {
+  std::int64_t slot = -1, x0 = 0, T = 0;
+  bool first = false;  // no earlier row names this slot (a later one is skipped: two rows would race)
+  bool fits = false;   // sizes in range: starts within the tokens, slot within the cache
+};
+
+template <class Set, class Storage>
+struct UaStepCall {
+  UaPackedViews in;
+  Storage* keys;          // [B*G*capacity, D]
+  Storage* values;        // [B*G*capacity, D]
+  float* lambda;          // [B*G*capacity]
+  float* key_logit;       // [B*G*capacity]
+  std::int64_t* pos;      // [B*G*capacity]
+  std::int64_t* length;   // [B*G]
+  std::int64_t* peak;     // [B*G]
+  std::int64_t* counter;  // [B]
+  std::int64_t* admit;    // [B]
+  std::int64_t B, G, r, D, capacity, chunk, ws_elems;
+  double log_p;
+  bool prune;  // log_p > -inf, decided on the host
+  bool evict_before_attention;
+
+  KOKKOS_INLINE_FUNCTION UaRow row(std::int64_t x) const {
+    UaRow w;
+    w.slot = in.slot(x);
+    w.x0 = in.query_start(x);
+    w.T = in.query_start(x + 1) - w.x0;
+    w.fits = w.slot >= -1 && w.slot < B && w.T >= 0 && w.x0 >= 0 && w.x0 + w.T <= in.q.extent[0];
+    w.first = true;
+    for (std::int64_t e = 0; e < x && w.slot >= 0; ++e)
+      if (in.slot(e) == w.slot) w.first = false;
+    return w;
+  }
+  // Whether row w may advance its slot: decided by the admit kernel before any item runs, from the
+  // slot's lengths (room for T rows in every kv head, the conservative bound of ua::step).
+  KOKKOS_INLINE_FUNCTION bool room(const UaRow& w) const {
+    for (std::int64_t g = 0; g < G; ++g)
+      if (length[w.slot * G + g] + w.T > capacity) return false;
+    return true;
+  }
+  KOKKOS_INLINE_FUNCTION bool runs(const UaRow& w) const {
+    return w.slot >= 0 && w.fits && w.first && w.T > 0 && admit[w.slot] != 0;
+  }
+
+  KOKKOS_INLINE_FUNCTION UaItem<Storage> item(std::int64_t i) const {
+    const std::int64_t row0 = i * capacity;
+    return {keys + row0 * D, values + row0 * D, lambda + row0, key_logit + row0, pos + row0};
+  }
+  KOKKOS_INLINE_FUNCTION void append_row(const UaItem<Storage>& it, std::int64_t at, const UaRow& w, std::int64_t g,
+                                         std::int64_t t, std::int64_t position) const {
+    kernel::ua::append_entry(it.keys, it.values, it.lambda, it.key_logit, it.pos, at, &in.k(w.x0 + t, g, 0),
+                             &in.v(w.x0 + t, g, 0), in.z_k(w.x0 + t, g), position, D);
+  }
+  KOKKOS_INLINE_FUNCTION kernel::ua::BlockArgs<Storage, float, float, float> with_cache(
+      kernel::ua::BlockArgs<Storage, float, float, float> a, const UaItem<Storage>& it, std::int64_t n,
+      float* workspace) const {
+    a.keys = it.keys;
+    a.values = it.values;
+    a.key_stride = a.value_stride = D;
+    a.lambda = it.lambda;
+    a.key_logit = it.key_logit;
+    a.pos = it.pos;
+    a.n = n;
+    a.workspace = workspace;
+    return a;
+  }
+  KOKKOS_INLINE_FUNCTION std::int64_t evict(const UaItem<Storage>& it, std::int64_t n) const {
+    return kernel::ua::evict_and_compact(it.keys, it.values, D, it.lambda, it.key_logit, it.pos, n, D, log_p);
+  }
+
+  // A row of more than one token: chunked prefill continuing the slot (as ua::detail::prefill_item).
+  KOKKOS_INLINE_FUNCTION void prefill_item(const UaRow& w, std::int64_t g, float* workspace) const {
+    const std::int64_t i = w.slot * G + g;
+    const UaItem<Storage> it = item(i);
+    const std::int64_t first = counter[w.slot];
+    std::int64_t n = length[i], top = n;
+    for (std::int64_t t0 = 0; t0 < w.T; t0 += chunk) {
+      const std::int64_t t1 = t0 + chunk < w.T ? t0 + chunk : w.T;
+      for (std::int64_t t = t0; t < t1; ++t) append_row(it, n + (t - t0), w, g, t, first + t);
+      n += t1 - t0;
+      top = n > top ? n : top;
+      auto a = with_cache(in.block<Storage>(w.x0, g, r, t0, t1), it, n, workspace);
+      a.through = first + t0 - 1;  // survivors hold Λ_{first+t0-1}; the chunk keys hold 0
+      a.first = first + t0;
+      kernel::ua::attend_block<Set>(a);
+      if (prune) n = evict(it, n);
+    }
+    length[i] = n;
+    peak[i] = top;
+  }
+
+  // A one-token row: one decode step (as ua::detail::decode_item, spec UA.md 4.4, 4.5).
+  KOKKOS_INLINE_FUNCTION void decode_item(const UaRow& w, std::int64_t g, float* workspace) const {
+    const std::int64_t i = w.slot * G + g;
+    const UaItem<Storage> it = item(i);
+    const std::int64_t t = counter[w.slot];
+    std::int64_t n = length[i];
+    kernel::ua::lambda_update<Set, float>(it.keys, D, it.key_logit, it.pos, it.lambda, n, &in.k(w.x0, g, 0),
+                                          in.z_q(w.x0, g), t, D);  // 1. λ_j += A_jt
+    append_row(it, n, w, g, 0, t);                                 // 2. append t with λ = 0
+    ++n;
+    const std::int64_t top = n;
+    if (prune && evict_before_attention) n = evict(it, n);  // 3. evict, 4. attend (or evict last)
+    auto a = with_cache(in.block<Storage>(w.x0, g, r, 0, 1), it, n, workspace);
+    a.through = t;  // λ already includes A_{., t}
+    a.first = t;
+    kernel::ua::attend_block<Set>(a);
+    if (prune && !evict_before_attention) n = evict(it, n);
+    length[i] = n;
+    peak[i] = top;
+  }
+
+  template <class Member>
+  KOKKOS_INLINE_FUNCTION void operator()(const Member& team) const {
+    const std::int64_t g = team.league_rank() % G;
+    const UaRow w = row(team.league_rank() / G);
+    if (w.slot == -1) {  // padding: inputs unread, this kv group's output (and lse) rows zeroed
+      if (!w.fits) return;
+      Kokkos::parallel_for(Kokkos::TeamThreadRange(team, w.T * r * D), [&](const std::int64_t x) {
+        const std::int64_t t = w.x0 + x / (r * D), h = g * r + (x / D) % r, d = x % D;
+        in.out(t, h, d) = 0.0f;
+        if (d == 0 && in.lse.data != nullptr) in.lse(t, h) = 0.0f;
+      });
+      return;
+    }
+    if (!runs(w)) return;
+    float* workspace = static_cast<float*>(team.team_scratch(ws_level()).get_shmem(scratch_bytes()));
+    Kokkos::single(Kokkos::PerTeam(team), [&]() {
+      if (w.T == 1)
+        decode_item(w, g, workspace);
+      else
+        prefill_item(w, g, workspace);
+    });
+  }
+
+  std::size_t scratch_bytes() const { return static_cast<std::size_t>(ws_elems) * sizeof(float); }
+  KOKKOS_INLINE_FUNCTION int ws_level() const {
+    return static_cast<std::size_t>(ws_elems) * sizeof(float) <= kScratch0Bytes ? 0 : 1;
+  }
+};
+
+// The checked reduction of a step over rows: the smallest code * rows + row, or kNoFailure.
+enum class UaStepCheck : std::int64_t { kStart = 1, kSlot, kDuplicate, kCapacity, kQ, kK, kV, kZk, kZq, kZo };
+
+template <class Space, class Set, class Storage>
+Status ua_step_check(const Executor<Space>& exec, const UaStepCall<Set, Storage>& call, std::int64_t R,
+                     std::int64_t tokens, std::int64_t H) {
+  std::int64_t found = kNoFailure;
+  const bool has_z_o = call.in.z_o.data != nullptr;
+  Kokkos::parallel_reduce(
+      "kvmem::kokkos::ua::step_check", Kokkos::RangePolicy<Space>(exec.space, 0, R),
+      KOKKOS_LAMBDA(const std::int64_t x, std::int64_t& first) {
+        auto fail = [&](UaStepCheck code) {
+          const std::int64_t c = static_cast<std::int64_t>(code) * R + x;
+          if (c < first) first = c;
+        };
+        const UaRow w = call.row(x);
+        const std::int64_t x1 = w.x0 + w.T;
+        if ((x == 0 && w.x0 != 0) || w.T < 0 || (x == R - 1 && x1 != tokens)) return fail(UaStepCheck::kStart);
+        if (w.slot < -1 || w.slot >= call.B) return fail(UaStepCheck::kSlot);
+        if (!w.first) return fail(UaStepCheck::kDuplicate);
+        if (w.x0 < 0 || x1 > tokens) return;  // another row's start is wrong and reported there
+        if (w.slot >= 0 && !call.room(w)) fail(UaStepCheck::kCapacity);
+        const std::int64_t D = call.D, G = call.G;
+        for (std::int64_t t = w.x0; t < x1; ++t) {  // every token, padding included (as the host step)
+          for (std::int64_t h = 0; h < H; ++h)
+            for (std::int64_t d = 0; d < D; ++d) {
+              if (!finite(call.in.q(t, h, d))) fail(UaStepCheck::kQ);
+              if (has_z_o && !finite(call.in.z_o(t, h, d))) fail(UaStepCheck::kZo);
+            }
+          for (std::int64_t g = 0; g < G; ++g) {
+            for (std::int64_t d = 0; d < D; ++d) {
+              if (!finite(call.in.k(t, g, d))) fail(UaStepCheck::kK);
+              if (!finite(call.in.v(t, g, d))) fail(UaStepCheck::kV);
+            }
+            if (!finite(call.in.z_k(t, g))) fail(UaStepCheck::kZk);
+            if (!finite(call.in.z_q(t, g))) fail(UaStepCheck::kZq);
+          }
+        }
+      },
+      Kokkos::Min<std::int64_t>(found));
+  if (found == kNoFailure) return Status::ok();
+  const std::int64_t x = found % R;
+  switch (static_cast<UaStepCheck>(found / R)) {
+    case UaStepCheck::kStart:
+      return invalid_argument(
+          kvmem::detail::concat("query_start[", x, "], query_start[", x + 1, "]"),
+          kvmem::detail::concat("query_start[0] = 0, non-decreasing starts, query_start[rows] = tokens = ", tokens),
+          kvmem::detail::concat("a violation at row ", x, " (read on the device)"));
+    case UaStepCheck::kSlot:
+      return {StatusCode::kOutOfRange, kvmem::detail::concat("slot[", x, "]: expected -1 (padding) or 0 <= slot < ",
+                                                             "max_slots = ", call.B, ", got a value outside")};
+    case UaStepCheck::kDuplicate:
+      return invalid_argument(kvmem::detail::indexed("slot", x), "a slot used by no earlier row of this step",
+                              "a slot an earlier row names");
+    case UaStepCheck::kCapacity:
+      return {StatusCode::kOutOfRange,
+              kvmem::detail::concat("cache capacity: row ", x, " needs room for its tokens in every kv head of its ",
+                                    "slot (kept + new tokens), over capacity ", call.capacity)};
+    default:
+      break;
+  }
+  static const char* const kNames[] = {"q", "k", "v", "z_k", "z_q", "z_o"};
+  return invalid_argument(kNames[found / R - static_cast<std::int64_t>(UaStepCheck::kQ)], "finite values",
+                          kvmem::detail::concat("NaN or Inf in row ", x));
+}
+
+template <class Storage, class MemSpace>
+Status check_cache(const UaCache<Storage, MemSpace>& cache) {
+  if (!cache.valid()) return invalid_argument("cache", "a cache made by kokkos::create_cache", "an empty cache");
+  return Status::ok();
+}
+
+template <class Storage, class MemSpace>
+Status check_slot(const UaCache<Storage, MemSpace>& cache, std::int64_t slot) {
+  KVMEM_RETURN_IF_ERROR(check_cache(cache));
+  if (slot < 0 || slot >= cache.max_slots())
+    return {StatusCode::kOutOfRange,
+            kvmem::detail::concat("slot: expected 0 <= slot < max_slots = ", cache.max_slots(), ", got ", slot)};
+  return Status::ok();
+}
+
+// A host copy of elements [first, first + n) of a View (one device-to-host copy).
+template <class View>
+std::vector<typename View::non_const_value_type> host_range(const View& view, std::int64_t first, std::int64_t n) {
+  const auto part = Kokkos::subview(view, Kokkos::make_pair(std::size_t(first), std::size_t(first + n)));
+  auto host = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), part);
+  std::vector<typename View::non_const_value_type> out(static_cast<std::size_t>(n));
+  for (std::int64_t e = 0; e < n; ++e) out[std::size_t(e)] = host(e);
+  return out;
+}
+
+// The record fields of slot b (with `rows` false, only the position and lengths), copied back.
+template <class Storage, class MemSpace>
+ua::detail::UaSlotFields gather(const UaCache<Storage, MemSpace>& cache, std::int64_t b, bool rows) {
+  const std::int64_t G = cache.shape.kv_heads, D = cache.shape.head_dim, cap = cache.shape.capacity;
+  ua::detail::UaSlotFields f;
+  f.position = host_range(cache.counter, b, 1)[0];
+  f.length = host_range(cache.length, b * G, G);
+  if (!rows) return f;
+  const auto keys = host_range(cache.keys, b * G * cap * D, G * cap * D);
+  const auto values = host_range(cache.values, b * G * cap * D, G * cap * D);
+  const auto lambda = host_range(cache.lambda, b * G * cap, G * cap);
+  const auto key_logit = host_range(cache.key_logit, b * G * cap, G * cap);
+  const auto pos = host_range(cache.pos, b * G * cap, G * cap);
+  for (std::int64_t g = 0; g < G; ++g) {
+    const std::int64_t n = f.length[std::size_t(g)], row0 = g * cap;
+    for (std::int64_t e = row0; e < row0 + n; ++e) {
+      f.pos.push_back(pos[std::size_t(e)]);
+      f.lambda.push_back(lambda[std::size_t(e)]);
+      f.key_logit.push_back(key_logit[std::size_t(e)]);
+      for (std::int64_t d = 0; d < D; ++d) {
+        f.key.push_back(load_as<float>(keys[std::size_t(e * D + d)]));
+        f.value.push_back(load_as<float>(values[std::size_t(e * D + d)]));
+      }
+    }
+  }
+  return f;
+}
+
+// A host vector in a new View of MemSpace (staging for import_slot).
+template <class MemSpace, class T>
+Kokkos::View<T*, MemSpace> staged(const std::vector<T>& host, const char* label) {
+  Kokkos::View<T*, MemSpace> view(std::string(label), host.size());
+  auto mirror = Kokkos::create_mirror_view(view);
+  for (std::size_t e = 0; e < host.size(); ++e) mirror(e) = host[e];
+  Kokkos::deep_copy(view, mirror);
+  return view;
+}
+
 }  // namespace detail
 }  // namespace kvmem::kokkos
 
@@ -524,6 +851,272 @@ Status forward(const kokkos::Executor<Space>& exec, const Inputs& in, TensorView
   Kokkos::parallel_for("kvmem::kokkos::ua::forward", policy, call);
   exec.space.fence();  // the per-call buffers are released on return
   return Status::ok();
+}
+
+// ---- sequence slots on a Kokkos cache (docs/slots-ua.md): the host operations' names, argument order
+// and semantics, with the cache in the space's memory ---------------------------------------------------
+
+// ua::step on a Kokkos cache: one team per (row, kv head). Launches, in order on exec.space: [checked]
+// one reduction over rows (rows, capacity, finite inputs) read back; the admit kernel (per row, from
+// the slot's lengths: may it advance?); the item teams, each reading its row's slot, query_start,
+// position counter and lengths itself; the counter advance. A row equals ua::step of the host on the
+// same sequence alone, bitwise (the same kernel bodies in the same order).
+template <DecaySet Set = decay::Universal, class Space, class Storage, class MemSpace>
+Status step(const kokkos::Executor<Space>& exec, kokkos::UaCache<Storage, MemSpace>& cache, const Rows& rows,
+            const PackedInputs& in, const Options& opt, TensorView<float, 3> out,  // [tokens,H,D]
+            TensorView<float, 2> lse = {}) {                                       // [tokens,H] or empty
+  using namespace kokkos::detail;
+  KVMEM_RETURN_IF_ERROR(check_cache(cache));
+  KVMEM_RETURN_IF_ERROR(detail::validate_options(opt));
+  const CacheShape& s = cache.shape;
+  const std::int64_t N = in.tokens(), H = s.query_heads, G = s.kv_heads, D = s.head_dim, R = rows.count();
+  KVMEM_RETURN_IF_ERROR(check_shape(in.q, {N, H, D}, "q [tokens,H,D]"));
+  KVMEM_RETURN_IF_ERROR(check_shape(in.k, {N, G, D}, "k [tokens,G,D]"));
+  KVMEM_RETURN_IF_ERROR(check_shape(in.v, {N, G, D}, "v [tokens,G,D]"));
+  KVMEM_RETURN_IF_ERROR(check_shape(in.z_k, {N, G}, "z_k [tokens,G]"));
+  KVMEM_RETURN_IF_ERROR(check_shape(in.z_q, {N, G}, "z_q [tokens,G]"));
+  if (!in.z_o.empty()) KVMEM_RETURN_IF_ERROR(check_shape(in.z_o, {N, H, D}, "z_o [tokens,H,D]"));
+  KVMEM_RETURN_IF_ERROR(check_shape(TensorView<const float, 3>(out), {N, H, D}, "out [tokens,H,D]"));
+  if (lse.data() != nullptr || !lse.empty())
+    KVMEM_RETURN_IF_ERROR(check_shape(TensorView<const float, 2>(lse), {N, H}, "lse [tokens,H]"));
+  KVMEM_RETURN_IF_ERROR(detail::check_rows(in.q, "q"));
+  KVMEM_RETURN_IF_ERROR(detail::check_rows(in.k, "k"));
+  KVMEM_RETURN_IF_ERROR(detail::check_rows(in.v, "v"));
+  KVMEM_RETURN_IF_ERROR(detail::check_rows(in.z_o, "z_o"));
+  KVMEM_RETURN_IF_ERROR(detail::check_rows(out, "out"));
+  if (rows.query_start.extent(0) != R + 1)
+    return invalid_argument("query_start shape", kvmem::detail::concat("[rows + 1] = [", R + 1, "]"),
+                            shape_string(rows.query_start.extents()));
+  if (R == 0) return N == 0 ? Status::ok() : invalid_argument("tokens", "0 for an empty batch", N);
+  UaPackedViews views{DeviceView<const std::int32_t, 1>(rows.slot),
+                      DeviceView<const std::int32_t, 1>(rows.query_start),
+                      DeviceView<const float, 3>(in.q),
+                      DeviceView<const float, 3>(in.k),
+                      DeviceView<const float, 3>(in.v),
+                      {},
+                      DeviceView<const float, 2>(in.z_k),
+                      DeviceView<const float, 2>(in.z_q),
+                      DeviceView<float, 3>(out),
+                      {}};
+  if (!in.z_o.empty()) views.z_o = DeviceView<const float, 3>(in.z_o);
+  if (!lse.empty()) views.lse = DeviceView<float, 2>(lse);
+  const double log_p = detail::log_threshold(opt.p);
+  const UaStepCall<Set, Storage> call{views,
+                                      cache.keys.data(),
+                                      cache.values.data(),
+                                      cache.lambda.data(),
+                                      cache.key_logit.data(),
+                                      cache.pos.data(),
+                                      cache.length.data(),
+                                      cache.peak.data(),
+                                      cache.counter.data(),
+                                      cache.admit.data(),
+                                      s.batch,
+                                      G,
+                                      H / G,
+                                      D,
+                                      s.capacity,
+                                      opt.prefill_chunk,
+                                      kernel::ua::block_workspace_elems(H / G, D),
+                                      log_p,
+                                      log_p > -std::numeric_limits<double>::infinity(),
+                                      opt.evict_before_attention};
+  if (exec.checked) KVMEM_RETURN_IF_ERROR(ua_step_check(exec, call, R, N, H));
+  Kokkos::parallel_for(
+      "kvmem::kokkos::ua::step_admit", Kokkos::RangePolicy<Space>(exec.space, 0, R),
+      KOKKOS_LAMBDA(const std::int64_t x) {
+        const UaRow w = call.row(x);
+        if (w.slot >= 0 && w.fits && w.first) call.admit[w.slot] = call.room(w) ? 1 : 0;
+      });
+  auto policy = team_policy(exec, R * G);
+  policy.set_scratch_size(call.ws_level(), Kokkos::PerTeam(call.scratch_bytes()));
+  Kokkos::parallel_for("kvmem::kokkos::ua::step", policy, call);
+  Kokkos::parallel_for(
+      "kvmem::kokkos::ua::step_advance", Kokkos::RangePolicy<Space>(exec.space, 0, R),
+      KOKKOS_LAMBDA(const std::int64_t x) {
+        const UaRow w = call.row(x);
+        if (call.runs(w)) call.counter[w.slot] += w.T;
+      });
+  return Status::ok();
+}
+
+// Empties the listed slots (every kv head) and restarts their position counters; a slot may be listed
+// more than once. slots: [n] in memory Space can read.
+template <class Space, class Storage, class MemSpace>
+Status reset_slots(const kokkos::Executor<Space>& exec, kokkos::UaCache<Storage, MemSpace>& cache,
+                   TensorView<const std::int32_t, 1> slots) {
+  using namespace kokkos::detail;
+  KVMEM_RETURN_IF_ERROR(check_cache(cache));
+  const SlotLists lists{DeviceView<const std::int32_t, 1>(slots), {}, cache.max_slots()};
+  const std::int64_t n = slots.extent(0), G = cache.shape.kv_heads;
+  if (exec.checked && n > 0) KVMEM_RETURN_IF_ERROR(slot_list_status(first_failure(exec, lists), n, lists.B, "slots"));
+  std::int64_t* length = cache.length.data();
+  std::int64_t* peak = cache.peak.data();
+  std::int64_t* counter = cache.counter.data();
+  Kokkos::parallel_for(
+      "kvmem::kokkos::ua::reset_slots", Kokkos::RangePolicy<Space>(exec.space, 0, n),
+      KOKKOS_LAMBDA(const std::int64_t i) {
+        if (lists.failure(i) != 0) return;
+        const std::int64_t b = lists.src(i);
+        for (std::int64_t g = 0; g < G; ++g) length[b * G + g] = peak[b * G + g] = 0;
+        counter[b] = 0;
+      });
+  return Status::ok();
+}
+
+// Slot dst[i] becomes a copy of slot src[i] (entries, λ, key-gate logits, positions, position
+// counter), so it continues bit for bit like its source. src, dst: [n] (core/slots.hpp check_copy_pairs).
+template <class Space, class Storage, class MemSpace>
+Status copy_slots(const kokkos::Executor<Space>& exec, kokkos::UaCache<Storage, MemSpace>& cache,
+                  TensorView<const std::int32_t, 1> src, TensorView<const std::int32_t, 1> dst) {
+  using namespace kokkos::detail;
+  KVMEM_RETURN_IF_ERROR(check_cache(cache));
+  if (src.extent(0) != dst.extent(0)) return invalid_argument("dst count", src.extent(0), dst.extent(0));
+  const SlotLists lists{DeviceView<const std::int32_t, 1>(src), DeviceView<const std::int32_t, 1>(dst),
+                        cache.max_slots()};
+  const std::int64_t n = src.extent(0), G = cache.shape.kv_heads, D = cache.shape.head_dim, cap = cache.shape.capacity;
+  if (exec.checked && n > 0) KVMEM_RETURN_IF_ERROR(slot_list_status(first_failure(exec, lists), n, lists.B, "src"));
+  Storage* keys = cache.keys.data();
+  Storage* values = cache.values.data();
+  float* lambda = cache.lambda.data();
+  float* key_logit = cache.key_logit.data();
+  std::int64_t* pos = cache.pos.data();
+  std::int64_t* length = cache.length.data();
+  std::int64_t* peak = cache.peak.data();
+  std::int64_t* counter = cache.counter.data();
+  Kokkos::parallel_for(
+      "kvmem::kokkos::ua::copy_slots", Kokkos::RangePolicy<Space>(exec.space, 0, n * G),
+      KOKKOS_LAMBDA(const std::int64_t x) {
+        const std::int64_t i = x / G, g = x % G;
+        if (lists.failure(i) != 0) return;
+        const std::int64_t a = lists.src(i) * G + g, b = lists.dst(i) * G + g;
+        if (a == b) return;
+        const std::int64_t m = length[a];
+        for (std::int64_t e = 0; e < m * D; ++e) {
+          keys[b * cap * D + e] = keys[a * cap * D + e];
+          values[b * cap * D + e] = values[a * cap * D + e];
+        }
+        for (std::int64_t e = 0; e < m; ++e) {
+          lambda[b * cap + e] = lambda[a * cap + e];
+          key_logit[b * cap + e] = key_logit[a * cap + e];
+          pos[b * cap + e] = pos[a * cap + e];
+        }
+        peak[b] = length[b] > m ? length[b] : m;  // the destination's old rows beyond the copy are free
+        length[b] = m;
+      });
+  Kokkos::parallel_for(
+      "kvmem::kokkos::ua::copy_counters", Kokkos::RangePolicy<Space>(exec.space, 0, n),
+      KOKKOS_LAMBDA(const std::int64_t i) {
+        if (lists.failure(i) == 0) counter[lists.dst(i)] = counter[lists.src(i)];
+      });
+  return Status::ok();
+}
+
+// Bytes of the record of `slot` (0 for an empty cache or a slot outside it). Reads the slot's lengths
+// back from the space's memory (a blocking copy).
+template <class Storage, class MemSpace>
+std::size_t export_bytes(const kokkos::UaCache<Storage, MemSpace>& cache, std::int32_t slot) {
+  if (!kokkos::detail::check_slot(cache, slot).is_ok()) return 0;
+  return detail::write_record<Storage>(cache.shape, kokkos::detail::gather(cache, slot, false), {});
+}
+
+// Writes the record of `slot` (ua/slots.hpp's format and writer) into the first export_bytes(cache,
+// slot) bytes of `out`, after the work queued on exec.space has finished.
+template <class Space, class Storage, class MemSpace>
+Status export_slot(const kokkos::Executor<Space>& exec, const kokkos::UaCache<Storage, MemSpace>& cache,
+                   std::int32_t slot, std::span<std::byte> out) {
+  KVMEM_RETURN_IF_ERROR(kokkos::detail::check_slot(cache, slot));
+  exec.space.fence();
+  const detail::UaSlotFields f = kokkos::detail::gather(cache, slot, true);
+  const std::size_t bytes = detail::write_record<Storage>(cache.shape, f, {});
+  if (out.size() < bytes)
+    return {StatusCode::kOutOfRange,
+            kvmem::detail::concat("export_slot out: expected at least ", bytes, " bytes, got ", out.size())};
+  (void)detail::write_record<Storage>(cache.shape, f, out.first(bytes));
+  return Status::ok();
+}
+
+// Replaces `slot` with a record (any backend's): read and checked whole on the host (ua/slots.hpp)
+// before anything changes, then staged into the space's memory and written by a kernel on exec.space.
+template <class Space, class Storage, class MemSpace>
+Status import_slot(const kokkos::Executor<Space>& exec, kokkos::UaCache<Storage, MemSpace>& cache, std::int32_t slot,
+                   std::span<const std::byte> in) {
+  KVMEM_RETURN_IF_ERROR(kokkos::detail::check_slot(cache, slot));
+  detail::UaSlotFields f;
+  KVMEM_RETURN_IF_ERROR(detail::read_record<Storage>(cache.shape, in, f));
+  const std::int64_t G = cache.shape.kv_heads, D = cache.shape.head_dim, cap = cache.shape.capacity;
+  const auto length_v = kokkos::detail::staged<MemSpace>(f.length, "kvmem ua import length");
+  const auto pos_v = kokkos::detail::staged<MemSpace>(f.pos, "kvmem ua import pos");
+  const auto key_v = kokkos::detail::staged<MemSpace>(f.key, "kvmem ua import key");
+  const auto value_v = kokkos::detail::staged<MemSpace>(f.value, "kvmem ua import value");
+  const auto lambda_v = kokkos::detail::staged<MemSpace>(f.lambda, "kvmem ua import lambda");
+  const auto logit_v = kokkos::detail::staged<MemSpace>(f.key_logit, "kvmem ua import key logit");
+  const std::int64_t* n_in = length_v.data();
+  const std::int64_t* p_in = pos_v.data();
+  const float* k_in = key_v.data();
+  const float* v_in = value_v.data();
+  const float* l_in = lambda_v.data();
+  const float* z_in = logit_v.data();
+  Storage* keys = cache.keys.data();
+  Storage* values = cache.values.data();
+  float* lambda = cache.lambda.data();
+  float* key_logit = cache.key_logit.data();
+  std::int64_t* pos = cache.pos.data();
+  std::int64_t* length = cache.length.data();
+  std::int64_t* peak = cache.peak.data();
+  std::int64_t* counter = cache.counter.data();
+  const std::int64_t b0 = std::int64_t(slot) * G, position = f.position;
+  Kokkos::parallel_for(
+      "kvmem::kokkos::ua::import_slot", Kokkos::RangePolicy<Space>(exec.space, 0, G),
+      KOKKOS_LAMBDA(const std::int64_t g) {
+        std::int64_t e0 = 0;
+        for (std::int64_t h = 0; h < g; ++h) e0 += n_in[h];
+        const std::int64_t i = b0 + g, n = n_in[g];
+        for (std::int64_t e = 0; e < n; ++e) {
+          pos[i * cap + e] = p_in[e0 + e];
+          lambda[i * cap + e] = l_in[e0 + e];
+          key_logit[i * cap + e] = z_in[e0 + e];
+          for (std::int64_t d = 0; d < D; ++d) {
+            keys[(i * cap + e) * D + d] = store_as<Storage>(k_in[(e0 + e) * D + d]);
+            values[(i * cap + e) * D + d] = store_as<Storage>(v_in[(e0 + e) * D + d]);
+          }
+        }
+        peak[i] = length[i] > n ? length[i] : n;
+        length[i] = n;
+        if (g == 0) counter[b0 / G] = position;
+      });
+  exec.space.fence();  // the staging Views are released on return
+  return Status::ok();
+}
+
+// Drops the last n tokens of `slot` where that is exact (n = 0, or n = all: a reset), as the host's
+// ua::truncate; every other n is refused with kUnsupported (docs/slots-ua.md says why). Reads the
+// slot's position counter back after the queued work has finished.
+template <class Space, class Storage, class MemSpace>
+Status truncate(const kokkos::Executor<Space>& exec, kokkos::UaCache<Storage, MemSpace>& cache, std::int32_t slot,
+                std::int64_t n) {
+  KVMEM_RETURN_IF_ERROR(kokkos::detail::check_slot(cache, slot));
+  exec.space.fence();
+  const std::int64_t tokens = kokkos::detail::host_range(cache.counter, slot, 1)[0];
+  if (n < 0 || n > tokens)
+    return {StatusCode::kOutOfRange,
+            kvmem::detail::concat("truncate n: expected 0 <= n <= the slot's tokens = ", tokens, ", got ", n)};
+  if (n == 0) return Status::ok();
+  if (n == tokens) {
+    const std::int32_t* one = nullptr;
+    Kokkos::View<std::int32_t*, MemSpace> list("kvmem ua truncate slot", 1);
+    Kokkos::deep_copy(list, slot);
+    one = list.data();
+    KVMEM_RETURN_IF_ERROR(reset_slots(exec, cache, TensorView<const std::int32_t, 1>(one, {1})));
+    exec.space.fence();
+    return Status::ok();
+  }
+  return {StatusCode::kUnsupported,
+          kvmem::detail::concat("truncate n: UA drops tokens exactly only for n = 0 or n = all ", tokens,
+                                " tokens of the slot, got ", n,
+                                ": every kept key's λ holds one fp32 decay term per later token (spec UA.md 4.2), "
+                                "which cannot be taken out bit-exactly, and keys evicted by the dropped tokens' steps "
+                                "are gone; copy the slot before tokens that may be rolled back")};
 }
 
 }  // namespace kvmem::ua
