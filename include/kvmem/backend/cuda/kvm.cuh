@@ -2,8 +2,10 @@
 #pragma once
 // KV Means on the CUDA backend.
 //
-//   kvmem::cuda::KvmState<S>           the cache in device memory (owning), sized once from
-//                                      slot_capacity(budget, geometry, n_ctx) like kvm::State;
+//   kvmem::cuda::KvmState<S>           the cache in device memory, sized once from
+//                                      slot_capacity(budget, geometry, n_ctx) like kvm::State: owning
+//                                      (create) or placed over caller memory (state_bytes, place,
+//                                      workspace_bytes, attach_workspace; see KvmState);
 //   kvmem::cuda::kvm_prefill(exec, state, weights, q, k, v, gate, out [, log])
 //   kvmem::cuda::kvm_decode (exec, state, weights, q1, k1, v1, gate1, out1)
 //   kvmem::kvm::step(exec, state, weights, rows, q, k, v, gate, out [, lse])   sequence slots
@@ -22,8 +24,9 @@
 // captured from a step of a padded batch replays correctly step after step, each replay advancing
 // every slot from its own position. Once a state has run a step or a slot operation its counters are
 // per slot and the fixed-batch calls refuse it (the first such call after fixed-batch calls gives
-// every slot the shared count). KvmState::create allocates and synchronises once; export_slot,
-// import_slot, truncate and the counter reads synchronise (they read counters or host bytes).
+// every slot the shared count). Only KvmState::create allocates; create and place wait for their own
+// initialisation on the state's side stream, never for the device; export_slot, import_slot, truncate
+// and the counter reads synchronise (they read counters or host bytes).
 // Values (NaN, g <= 0) are the caller's precondition here: checking them would need a
 // device-to-host round trip per call; shapes and parameters are validated.
 
@@ -203,10 +206,149 @@ struct SlotAccess;
 
 }  // namespace kvm_detail
 
+// One layer's cache problem (DESIGN.md 3): parameters and shape; Shape::B is max_slots, Shape::n_ctx
+// the longest context a slot holds. The field names of kvm::Problem.
+struct KvmProblem {
+  kvm::Params params{};
+  kvm::Shape shape{};
+};
+
+// The largest step an engine will run, which sizes a workspace. The field names of kvmem::Limits.
+struct KvmLimits {
+  std::int64_t max_rows = 0;    // rows of one step, padding rows included; 0 = max_slots
+  std::int64_t max_tokens = 0;  // tokens of one step; the CUDA state needs no per-token scratch
+};
+
+// Persistent device bytes of a KvmState (DESIGN.md 3). The CUDA state keeps each field as one array
+// over all (slot, KV head) items, so a slot's bytes are spread over the arrays: item_bytes is one
+// (slot, KV head)'s share of them, slot_bytes a slot's (its KV heads and its counters), fixed_bytes
+// what the state keeps once (the budget's update targets, the step status) and bytes the whole
+// state with each array aligned to `alignment`.
+struct KvmStateLayout {
+  std::size_t item_bytes = 0;
+  std::size_t slot_bytes = 0;
+  std::size_t fixed_bytes = 0;
+  std::size_t bytes = 0;
+  std::size_t alignment = 0;
+};
+
+namespace kvm_detail {
+
+// Alignment of a placed state or workspace and of every array carved from one: cudaMalloc's, which
+// the vector loads and cp.async copies of the kernels (16-byte rows) need at most.
+inline constexpr std::size_t kKvmAlign = 256;
+
+// Offsets of the persistent arrays inside a state's memory.
+struct KvmStateOffsets {
+  std::size_t sk, sv, rho, cnt, khat32, khat, khat_lo, vhat, wk, wv, wg;
+  std::size_t copies[kReadoutCopies];  // readout copies 1.. (copy 0 is khat, vhat); 0 bytes without the pipeline
+  std::size_t counter, slot_n, slot_cov, slot_s, seen, status, update_target, bytes;
+  std::int64_t updates;  // entries of update_target
+  bool beside;           // readouts beside the update chain (ReadoutPipeline)
+};
+
+// Offsets of the per-step arrays inside a workspace of `rows` rows.
+struct KvmWorkOffsets {
+  std::size_t plan, k0, k0t, kgt, vg, kg, score, rbest, target, partial, bytes;
+};
+
+// Readouts beside the update chain where the readout runs on the tensor cores and the state is no
+// larger than the window (ReadoutPipeline says why); such a state keeps more readout copies.
+template <class S>
+bool readouts_beside(const kvm::Params& p, const kvm::Shape& s, std::int64_t cap) {
+  return std::is_same_v<S, bf16> && s.D == s.Dv && (s.D == 64 || s.D == 128) && cap <= p.window();
+}
+
+// Persistent: per (slot, KV head) item the sums (Sk, Sv, rho, cnt), the readout rows (khat32, khat,
+// khat_lo, vhat and their copies) and the window ring; per (slot, query head) the decode split
+// counter (zero between calls: the last split of a step resets it); per slot the counters n, cov,
+// |S| and the duplicate-check stamp; once, the status word and the budget's |S| target per update.
+template <class S, class A>
+KvmStateOffsets state_offsets(const kvm::Params& p, const kvm::Shape& s) {
+  constexpr bool kBf16 = std::is_same_v<S, bf16>;
+  const std::int64_t capacity = kvm::slot_capacity(p.budget, p.geometry(), s.n_ctx);
+  const auto I = std::size_t(s.B * s.Hk), cap = std::size_t(capacity), W = std::size_t(p.window()),
+             D = std::size_t(s.D), Dv = std::size_t(s.Dv);
+  ArenaLayout arena(kKvmAlign);
+  KvmStateOffsets o{};
+  o.beside = readouts_beside<S>(p, s, capacity);
+  o.sk = arena.take(I * cap * D * sizeof(A));
+  o.sv = arena.take(I * cap * Dv * sizeof(A));
+  o.rho = arena.take(I * cap * sizeof(A));
+  o.cnt = arena.take(I * cap * sizeof(A));
+  o.khat32 = arena.take(I * cap * D * sizeof(A));
+  o.khat = arena.take(I * cap * D * sizeof(S));
+  o.khat_lo = arena.take(kBf16 ? I * cap * D * sizeof(bf16) : 0);
+  o.vhat = arena.take(I * cap * Dv * sizeof(S));
+  o.wk = arena.take(I * W * D * sizeof(S));
+  o.wv = arena.take(I * W * Dv * sizeof(S));
+  o.wg = arena.take(I * W * sizeof(A));
+  for (int r = 1; r < kReadoutCopies; ++r) o.copies[r] = arena.take(o.beside ? I * cap * (D + Dv) * sizeof(S) : 0);
+  o.counter = arena.take(std::size_t(s.B * s.Hq) * sizeof(int));
+  o.slot_n = arena.take(std::size_t(s.B) * sizeof(std::int64_t));
+  o.slot_cov = arena.take(std::size_t(s.B) * sizeof(std::int64_t));
+  o.slot_s = arena.take(std::size_t(s.B) * sizeof(std::int64_t));
+  o.seen = arena.take(std::size_t(s.B) * sizeof(int));
+  o.status = arena.take(4 * sizeof(int));
+  o.updates = s.n_ctx / p.chunk + 2;
+  o.update_target = arena.take(std::size_t(o.updates) * sizeof(std::int64_t));
+  o.bytes = arena.total();
+  return o;
+}
+
+// Per step, for `rows` rows (work items rows * Hk, decode rows rows * Hq): the step plan per slot
+// (indexed by slot, so max_slots entries), the update scratch of each work item and the fixed-batch
+// decode's split-K partials. Nothing of it outlives a call.
+template <class S, class A>
+KvmWorkOffsets work_offsets(const kvm::Params& p, const kvm::Shape& s, std::int64_t rows) {
+  constexpr bool kBf16 = std::is_same_v<S, bf16>;
+  const auto I = std::size_t(rows * s.Hk), C = std::size_t(p.chunk), D = std::size_t(s.D), Dv = std::size_t(s.Dv);
+  ArenaLayout arena(kKvmAlign);
+  KvmWorkOffsets o{};
+  o.plan = arena.take(std::size_t(s.B) * sizeof(SlotPlan));
+  o.k0 = arena.take(I * C * D * sizeof(A));
+  o.k0t = arena.take(I * C * D * sizeof(A));
+  o.kgt = arena.take(I * C * D * sizeof(A));
+  o.vg = arena.take(I * C * Dv * sizeof(A));
+  o.kg = arena.take(I * C * D * sizeof(A));
+  o.score = arena.take(I * C * sizeof(A));
+  o.rbest = arena.take(kBf16 ? I * C * sizeof(A) : 0);
+  o.target = arena.take(I * C * sizeof(int));
+  o.partial = arena.take(std::size_t(rows * s.Hq) * std::size_t(kMaxSplitsPerRow) * (Dv + 1) * sizeof(A));
+  o.bytes = arena.total();
+  return o;
+}
+
+// Rows a workspace serves for `limits` (max_rows, or max_slots when 0).
+inline std::int64_t workspace_rows(const KvmLimits& limits, const kvm::Shape& s) {
+  return limits.max_rows > 0 ? limits.max_rows : s.B;
+}
+
+// Ok when `memory` can hold `need` bytes at kKvmAlign; else a Status naming `what`.
+inline Status check_device_placement(const void* memory, std::size_t bytes, std::size_t need, const char* what) {
+  if (memory == nullptr) return invalid_argument(what, "a non-null device pointer", "nullptr");
+  if (reinterpret_cast<std::uintptr_t>(memory) % kKvmAlign != 0)
+    return invalid_argument(what, std::to_string(kKvmAlign) + "-byte alignment", "a misaligned pointer");
+  if (bytes < need) return invalid_argument(std::string(what) + " bytes", ">= " + std::to_string(need), bytes);
+  return Status::ok();
+}
+
+}  // namespace kvm_detail
+
+// The KV Means cache in device memory (DESIGN.md 3, caller-owned memory), in two parts: persistent
+// state (state_layout, state_bytes) and per-step workspace (workspace_bytes), both closed-form. A
+// state is owning (create: one cudaMalloc holding the state and a workspace for max_slots rows) or
+// placed over caller device memory (place, then attach_workspace). create and place also create the
+// state's side stream and events (the fixed-batch prefill's, ReadoutPipeline) and initialise the
+// counters and the budget's update targets on that side stream, waiting for that work only: neither
+// synchronises the device nor waits for work on any other stream. No operation allocates, creates
+// streams or events, or waits for the device, except those documented to synchronise (export_slot,
+// import_slot, truncate, slot_counters, step_status, download).
 template <class S = float, class A = float>
 class KvmState {
  public:
   static constexpr std::int64_t kMaxDecodeSplits = kvm_detail::kMaxSplitsPerRow;
+  static constexpr std::size_t kAlign = kvm_detail::kKvmAlign;
 
   KvmState() = default;
   // Moves leave the source empty (valid() false, every operation refused with a Status): its device
@@ -220,147 +362,115 @@ class KvmState {
   KvmState& operator=(const KvmState&) = delete;
   ~KvmState() = default;
 
-  static Status create(const kvm::Params& p, const kvm::Shape& s, KvmState& out) {
-    KVMEM_RETURN_IF_ERROR(kvm::validate(p, s));
-    if (p.chunk > 1024)
+  // Whether the CUDA backend runs every operation on `problem`: ok, or why not (invalid parameters or
+  // shape, a chunk over 1024 (one thread per token of an update), a value head dim over kvm::step's
+  // readout registers). create and place refuse only the first two: the fixed-batch calls take any Dv.
+  static Status can_run(const KvmProblem& problem) {
+    KVMEM_RETURN_IF_ERROR(check_creatable(problem.params, problem.shape));
+    if (problem.shape.Dv > 32 * kvm_detail::kSlotReadoutMaxRegs)
       return {StatusCode::kUnsupported,
-              "cuda KVM: chunk must be <= 1024 (one thread per token of an update), got " + std::to_string(p.chunk)};
+              "cuda kvm::step: Dv must be <= " + std::to_string(32 * kvm_detail::kSlotReadoutMaxRegs) + ", got " +
+                  std::to_string(problem.shape.Dv)};
+    return Status::ok();
+  }
+
+  // Persistent layout for `problem` (all zero when it is invalid, see can_run).
+  static KvmStateLayout state_layout(const KvmProblem& problem) {
+    const kvm::Params& p = problem.params;
+    const kvm::Shape& s = problem.shape;
+    if (!kvm::validate(p, s).is_ok()) return {};
+    const std::int64_t capacity = kvm::slot_capacity(p.budget, p.geometry(), s.n_ctx);
+    const auto cap = std::size_t(capacity), W = std::size_t(p.window()), D = std::size_t(s.D), Dv = std::size_t(s.Dv);
+    const std::size_t copies = kvm_detail::readouts_beside<S>(p, s, capacity) ? kvm_detail::kReadoutCopies - 1 : 0;
+    KvmStateLayout l;
+    l.item_bytes = cap * ((D + Dv + 2) * sizeof(A) + D * sizeof(A) + (D + Dv) * sizeof(S) +
+                          (std::is_same_v<S, bf16> ? D * sizeof(bf16) : 0) + copies * (D + Dv) * sizeof(S)) +
+                   W * ((D + Dv) * sizeof(S) + sizeof(A));
+    l.slot_bytes =
+        std::size_t(s.Hk) * l.item_bytes + std::size_t(s.Hq) * sizeof(int) + 3 * sizeof(std::int64_t) + sizeof(int);
+    l.fixed_bytes = 4 * sizeof(int) + std::size_t(s.n_ctx / p.chunk + 2) * sizeof(std::int64_t);
+    l.bytes = kvm_detail::state_offsets<S, A>(p, s).bytes;
+    l.alignment = kAlign;
+    return l;
+  }
+  // Persistent device bytes for `problem` (0 when it is invalid).
+  static std::size_t state_bytes(const KvmProblem& problem) { return state_layout(problem).bytes; }
+  // Workspace device bytes of steps of at most limits.max_rows rows (padding rows count: the kernels
+  // take a work item per row; 0 = max_slots). The fixed-batch calls (kvm_prefill, kvm_decode) need a
+  // workspace of max_slots rows. 0 when the problem is invalid or max_rows < 0.
+  static std::size_t workspace_bytes(const KvmProblem& problem, const KvmLimits& limits = {}) {
+    if (!kvm::validate(problem.params, problem.shape).is_ok() || limits.max_rows < 0) return 0;
+    return kvm_detail::work_offsets<S, A>(problem.params, problem.shape,
+                                          kvm_detail::workspace_rows(limits, problem.shape))
+        .bytes;
+  }
+  // Bytes of a state with its workspace for max_slots rows in one block (what create allocates and the
+  // five-argument place takes); 0 when (params, shape) are invalid.
+  static std::size_t bytes_required(const kvm::Params& p, const kvm::Shape& s) {
+    if (!kvm::validate(p, s).is_ok()) return 0;
+    return state_bytes({p, s}) + workspace_bytes({p, s});
+  }
+
+  // Owning state: one device allocation of bytes_required (state, then a workspace for max_slots rows).
+  static Status create(const kvm::Params& p, const kvm::Shape& s, KvmState& out) {
+    KVMEM_RETURN_IF_ERROR(check_creatable(p, s));
     KvmState st;
-    st.params_ = p;
-    st.shape_ = s;
-    st.cap_ = kvm::slot_capacity(p.budget, p.geometry(), s.n_ctx);
-    const auto I = std::size_t(s.B * s.Hk), cap = std::size_t(st.cap_), C = std::size_t(p.chunk),
-               W = std::size_t(p.window()), D = std::size_t(s.D), Dv = std::size_t(s.Dv);
-    ArenaLayout arena(256);
-    struct Offsets {
-      std::size_t sk, sv, rho, cnt, khat32, khat, khat_lo, vhat, wk, wv, wg, k0, k0t, kgt, vg, kg, score, rbest, target,
-          partial, counter, slot_n, slot_cov, slot_s, plan, seen, status, update_target;
-    } o{};
-    constexpr bool kBf16 = std::is_same_v<S, bf16>;
-    o.sk = arena.take(I * cap * D * sizeof(A));
-    o.sv = arena.take(I * cap * Dv * sizeof(A));
-    o.rho = arena.take(I * cap * sizeof(A));
-    o.cnt = arena.take(I * cap * sizeof(A));
-    o.khat32 = arena.take(I * cap * D * sizeof(A));
-    o.khat = arena.take(I * cap * D * sizeof(S));
-    o.khat_lo = arena.take(kBf16 ? I * cap * D * sizeof(bf16) : 0);
-    o.vhat = arena.take(I * cap * Dv * sizeof(S));
-    o.wk = arena.take(I * W * D * sizeof(S));
-    o.wv = arena.take(I * W * Dv * sizeof(S));
-    o.wg = arena.take(I * W * sizeof(A));
-    o.k0 = arena.take(I * C * D * sizeof(A));
-    o.k0t = arena.take(I * C * D * sizeof(A));
-    o.kgt = arena.take(I * C * D * sizeof(A));
-    o.vg = arena.take(I * C * Dv * sizeof(A));
-    o.kg = arena.take(I * C * D * sizeof(A));
-    o.score = arena.take(I * C * sizeof(A));
-    o.rbest = arena.take(kBf16 ? I * C * sizeof(A) : 0);
-    o.target = arena.take(I * C * sizeof(int));
-    o.partial = arena.take(std::size_t(s.B * s.Hq) * kMaxDecodeSplits * (Dv + 1) * sizeof(A));
-    o.counter = arena.take(std::size_t(s.B * s.Hq) * sizeof(int));
-    // sequence slots (kvm::step): per-slot counters, the step plan, the status word, and the budget's
-    // target per update u (first token u C) along the one |S| trajectory every sequence follows
-    const std::int64_t updates = s.n_ctx / p.chunk + 2;
-    o.slot_n = arena.take(std::size_t(s.B) * sizeof(std::int64_t));
-    o.slot_cov = arena.take(std::size_t(s.B) * sizeof(std::int64_t));
-    o.slot_s = arena.take(std::size_t(s.B) * sizeof(std::int64_t));
-    o.plan = arena.take(std::size_t(s.B) * sizeof(kvm_detail::SlotPlan));
-    o.seen = arena.take(std::size_t(s.B) * sizeof(int));
-    o.status = arena.take(4 * sizeof(int));
-    o.update_target = arena.take(std::size_t(updates) * sizeof(std::int64_t));
-    // readouts beside the update chain where the readout runs on the tensor cores and the state is no
-    // larger than the window (kvm_detail::ReadoutPipeline says why); they need more readout copies
-    const bool beside = kBf16 && s.D == s.Dv && (s.D == 64 || s.D == 128) && st.cap_ <= p.window();
-    std::size_t copies[kvm_detail::kReadoutCopies] = {};  // copy 0 is o.khat, o.vhat
-    for (int r = 1; r < kvm_detail::kReadoutCopies; ++r)
-      copies[r] = arena.take(beside ? I * cap * (D + Dv) * sizeof(S) : 0);
-    KVMEM_RETURN_IF_ERROR(DeviceBuffer::allocate(arena.total(), st.memory_));
-    auto* base = static_cast<unsigned char*>(st.memory_.get());
-    auto& d = st.dev_;
-    d.sk = reinterpret_cast<A*>(base + o.sk);
-    d.sv = reinterpret_cast<A*>(base + o.sv);
-    d.rho = reinterpret_cast<A*>(base + o.rho);
-    d.cnt = reinterpret_cast<A*>(base + o.cnt);
-    d.khat32 = reinterpret_cast<A*>(base + o.khat32);
-    d.khat = reinterpret_cast<S*>(base + o.khat);
-    d.vhat = reinterpret_cast<S*>(base + o.vhat);
-    d.wk = reinterpret_cast<S*>(base + o.wk);
-    d.wv = reinterpret_cast<S*>(base + o.wv);
-    d.wg = reinterpret_cast<A*>(base + o.wg);
-    d.k0 = reinterpret_cast<A*>(base + o.k0);
-    d.k0t = reinterpret_cast<A*>(base + o.k0t);
-    d.kgt = reinterpret_cast<A*>(base + o.kgt);
-    d.vg = reinterpret_cast<A*>(base + o.vg);
-    d.kg = reinterpret_cast<A*>(base + o.kg);
-    d.score = reinterpret_cast<A*>(base + o.score);
-    d.rbest = kBf16 ? reinterpret_cast<A*>(base + o.rbest) : nullptr;
-    d.target = reinterpret_cast<int*>(base + o.target);
-    d.partial = reinterpret_cast<A*>(base + o.partial);
-    d.counter = reinterpret_cast<int*>(base + o.counter);
-    d.khat_lo = kBf16 ? reinterpret_cast<bf16*>(base + o.khat_lo) : nullptr;
-    auto& sc = st.sc_;
-    sc.n = reinterpret_cast<std::int64_t*>(base + o.slot_n);
-    sc.cov = reinterpret_cast<std::int64_t*>(base + o.slot_cov);
-    sc.slots = reinterpret_cast<std::int64_t*>(base + o.slot_s);
-    sc.plan = reinterpret_cast<kvm_detail::SlotPlan*>(base + o.plan);
-    sc.seen = reinterpret_cast<int*>(base + o.seen);
-    sc.status = reinterpret_cast<int*>(base + o.status);
-    sc.update_target = reinterpret_cast<const std::int64_t*>(base + o.update_target);
-    sc.B = s.B;
-    sc.n_ctx = s.n_ctx;
-    {
-      std::vector<std::int64_t> target(std::size_t(updates), 0);
-      std::int64_t current = p.chunk;  // |S| at the first update: the C initial slots
-      for (std::int64_t u = 1; u < updates; ++u) {
-        target[std::size_t(u)] = p.budget.slots(p.window() + u * p.chunk, (u + 1) * p.chunk, current);
-        current += std::max<std::int64_t>(0, std::min(target[std::size_t(u)] - current, p.chunk));
-      }
-      KVMEM_RETURN_IF_ERROR(to_status(cudaMemcpy(base + o.update_target, target.data(),
-                                                 target.size() * sizeof(std::int64_t), cudaMemcpyHostToDevice),
-                                      "upload the budget's update targets"));
-      KVMEM_RETURN_IF_ERROR(to_status(cudaMemset(base + o.slot_n, 0, o.plan - o.slot_n), "cudaMemset slot counters"));
-      KVMEM_RETURN_IF_ERROR(to_status(cudaMemset(base + o.seen, 0, std::size_t(s.B) * sizeof(int)), "cudaMemset seen"));
-      KVMEM_RETURN_IF_ERROR(to_status(cudaMemset(base + o.status, 0, 4 * sizeof(int)), "cudaMemset status"));
-    }
-    st.khat_copy_[0] = d.khat;
-    st.vhat_copy_[0] = d.vhat;
-    for (int r = 1; r < kvm_detail::kReadoutCopies && beside; ++r) {
-      st.khat_copy_[r] = reinterpret_cast<S*>(base + copies[r]);
-      st.vhat_copy_[r] = st.khat_copy_[r] + I * cap * D;  // [I, cap, D] keys, then [I, cap, Dv] values
-    }
-    d.tc_route = kBf16 && (s.D == 64 || s.D == 128) && p.chunk % 16 == 0;
-    d.route_terms = 3;
-    // the decode counters start at 0 (the last split of each step resets its own)
-    KVMEM_RETURN_IF_ERROR(
-        to_status(cudaMemset(d.counter, 0, std::size_t(s.B * s.Hq) * sizeof(int)), "cudaMemset decode counters"));
-    KVMEM_RETURN_IF_ERROR(to_status(cudaDeviceSynchronize(), "sync after state creation"));
-    KVMEM_RETURN_IF_ERROR(kvm_detail::SideStream::create(st.side_));
-    if (beside) KVMEM_RETURN_IF_ERROR(kvm_detail::ReadoutPipeline::create(st.pipe_));
-    KVMEM_RETURN_IF_ERROR(current_sm_count(st.sm_count_));
-    d.cap = st.cap_;
-    d.C = p.chunk;
-    d.W = p.window();
-    d.D = s.D;
-    d.Dv = s.Dv;
-    d.Hq = s.Hq;
-    d.Hk = s.Hk;
-    d.sink = p.sink;
-    d.rope_dims = p.rope_dims;
-    d.max_splits = kMaxDecodeSplits;
-    d.eps = static_cast<A>(p.ln_eps);
-    d.scale = static_cast<A>(p.scale > 0 ? p.scale : 1.0 / std::sqrt(double(s.D)));
-    d.merge_gate_keys = p.merge_gate_keys;
-    d.merge_gate_values = p.merge_gate_values;
-    d.head_temps = p.head_temps;
-    d.value_radius = p.value_radius;
-    d.gate_appends = p.gate_appends;
-    d.gate_initial = p.gate_initial;
+    const std::size_t sb = state_bytes({p, s});
+    KVMEM_RETURN_IF_ERROR(DeviceBuffer::allocate(bytes_required(p, s), st.owned_));
+    auto* base = static_cast<unsigned char*>(st.owned_.get());
+    KVMEM_RETURN_IF_ERROR(st.bind(base, p, s));
+    st.bind_workspace(base + sb, s.B);
     out = std::move(st);
     return Status::ok();
   }
 
+  // Persistent state over caller device memory: at least state_bytes(problem) bytes, kAlign-aligned,
+  // not owned, not in use by pending work. Writes only the counters, the status word and the update
+  // targets (nothing outside [memory, memory + state_bytes)); steps need a workspace (attach_workspace).
+  static Status place(void* memory, std::size_t bytes, const KvmProblem& problem, KvmState& out) {
+    KVMEM_RETURN_IF_ERROR(check_creatable(problem.params, problem.shape));
+    KVMEM_RETURN_IF_ERROR(kvm_detail::check_device_placement(memory, bytes, state_bytes(problem), "state memory"));
+    KvmState st;
+    KVMEM_RETURN_IF_ERROR(st.bind(static_cast<unsigned char*>(memory), problem.params, problem.shape));
+    out = std::move(st);
+    return Status::ok();
+  }
+  // State and a workspace for max_slots rows in one caller block of at least bytes_required bytes.
+  static Status place(void* memory, std::size_t bytes, const kvm::Params& p, const kvm::Shape& s, KvmState& out) {
+    KVMEM_RETURN_IF_ERROR(check_creatable(p, s));
+    KVMEM_RETURN_IF_ERROR(kvm_detail::check_device_placement(memory, bytes, bytes_required(p, s), "memory"));
+    KvmState st;
+    auto* base = static_cast<unsigned char*>(memory);
+    KVMEM_RETURN_IF_ERROR(st.bind(base, p, s));
+    st.bind_workspace(base + state_bytes({p, s}), s.B);
+    out = std::move(st);
+    return Status::ok();
+  }
+
+  // Uses caller device memory (at least workspace_bytes(problem, limits), kAlign-aligned, not owned) as
+  // the scratch of every later call of at most limits.max_rows rows; replaces a workspace attached or
+  // owned before (the owned one stays allocated until the state goes). Nothing is written here. One
+  // workspace may serve several states whose calls never run at the same time (one stream, say).
+  Status attach_workspace(void* memory, std::size_t bytes, const KvmLimits& limits = {}) {
+    if (!valid()) return invalid_argument("state", "a created or placed KvmState", "an empty KvmState");
+    if (limits.max_rows < 0) return invalid_argument("limits max_rows", ">= 0", limits.max_rows);
+    KVMEM_RETURN_IF_ERROR(kvm_detail::check_device_placement(memory, bytes, workspace_bytes({params_, shape_}, limits),
+                                                             "workspace memory"));
+    bind_workspace(static_cast<unsigned char*>(memory), kvm_detail::workspace_rows(limits, shape_));
+    return Status::ok();
+  }
+  // Ok when a call of `rows` rows has workspace; else the reason (checked before anything is enqueued).
+  [[nodiscard]] Status check_workspace(std::int64_t rows) const {
+    if (ws_rows_ == 0)
+      return invalid_argument("workspace", "a workspace (KvmState::create, or attach_workspace after place)", "none");
+    if (rows > ws_rows_)
+      return {StatusCode::kOutOfRange,
+              "workspace: a call of " + std::to_string(rows) +
+                  " rows, the attached workspace holds limits.max_rows = " + std::to_string(ws_rows_)};
+    return Status::ok();
+  }
   // False for a state never created and for a moved-from one: every operation on it is refused.
-  [[nodiscard]] bool valid() const { return memory_.get() != nullptr; }
+  [[nodiscard]] bool valid() const { return base_ != nullptr; }
   [[nodiscard]] const kvm::Params& params() const { return params_; }
   [[nodiscard]] const kvm::Shape& shape() const { return shape_; }
   [[nodiscard]] std::int64_t capacity() const { return cap_; }
@@ -369,7 +479,13 @@ class KvmState {
   [[nodiscard]] std::int64_t tokens() const { return n_; }     // n, shared by every sequence
   [[nodiscard]] std::int64_t covered() const { return cov_; }  // cov
   [[nodiscard]] std::int64_t slots() const { return slots_; }  // |S|
-  [[nodiscard]] std::size_t allocated_bytes() const { return memory_.bytes(); }
+  [[nodiscard]] std::int64_t max_slots() const { return valid() ? shape_.B : 0; }
+  // Rows the workspace serves (0 without one).
+  [[nodiscard]] std::int64_t workspace_rows() const { return ws_rows_; }
+  // Persistent bytes (state_bytes of this problem), the workspace in use, and their sum.
+  [[nodiscard]] std::size_t state_bytes() const { return valid() ? state_total_ : 0; }
+  [[nodiscard]] std::size_t workspace_bytes() const { return ws_rows_ > 0 ? ws_total_ : 0; }
+  [[nodiscard]] std::size_t allocated_bytes() const { return state_bytes() + workspace_bytes(); }
   [[nodiscard]] const kvm_detail::DeviceState<S, A>& device() const { return dev_; }
   // Forgets every sequence of the fixed-batch calls (their shared count). A state driven by kvm::step
   // forgets sequences with kvm::reset_slots instead.
@@ -392,7 +508,7 @@ class KvmState {
   // Counters of sequence slot `slot` (n, cov, |S|), read from the device: synchronises the stream.
   Status slot_counters(const Executor& exec, std::int32_t slot, std::int64_t& n, std::int64_t& cov,
                        std::int64_t& slots) const {
-    if (!valid()) return invalid_argument("state", "a KvmState made by KvmState::create", "an empty KvmState");
+    if (!valid()) return invalid_argument("state", "a KvmState made by KvmState::create or place", "an empty KvmState");
     if (slot < 0 || slot >= shape_.B)
       return {StatusCode::kOutOfRange,
               "slot: expected 0 <= slot < max_slots = " + std::to_string(shape_.B) + ", got " + std::to_string(slot)};
@@ -418,7 +534,7 @@ class KvmState {
   // call reads it: ok, or why the first refused step since the last call was refused. Clears it.
   // Synchronises the stream.
   Status step_status(const Executor& exec) {
-    if (!valid()) return invalid_argument("state", "a KvmState made by KvmState::create", "an empty KvmState");
+    if (!valid()) return invalid_argument("state", "a KvmState made by KvmState::create or place", "an empty KvmState");
     int v[3] = {};
     KVMEM_RETURN_IF_ERROR(
         to_status(cudaMemcpyAsync(v, sc_.status, sizeof v, cudaMemcpyDeviceToHost, exec.stream), "read step status"));
@@ -449,7 +565,7 @@ class KvmState {
   // Copies the state of item (b, g) to the host: Sk [S,D], Sv [S,Dv], rho [S] (tests, replay).
   Status download(std::int64_t b, std::int64_t g, std::vector<A>& sk, std::vector<A>& sv, std::vector<A>& rho,
                   cudaStream_t stream) const {
-    if (!valid()) return invalid_argument("state", "a KvmState made by KvmState::create", "an empty KvmState");
+    if (!valid()) return invalid_argument("state", "a KvmState made by KvmState::create or place", "an empty KvmState");
     if (b < 0 || b >= shape_.B)
       return {StatusCode::kOutOfRange,
               "download b: expected 0 <= b < B = " + std::to_string(shape_.B) + ", got " + std::to_string(b)};
@@ -473,6 +589,14 @@ class KvmState {
   }
 
  private:
+  static Status check_creatable(const kvm::Params& p, const kvm::Shape& s) {
+    KVMEM_RETURN_IF_ERROR(kvm::validate(p, s));
+    if (p.chunk > 1024)
+      return {StatusCode::kUnsupported,
+              "cuda KVM: chunk must be <= 1024 (one thread per token of an update), got " + std::to_string(p.chunk)};
+    return Status::ok();
+  }
+
   template <class S2, class A2, class In, class Out>
   friend Status kvm_run(const Executor&, KvmState<S2, A2>&, const KvmWeights&, TensorView<const In, 4>,
                         TensorView<const In, 4>, TensorView<const In, 4>, TensorView<const In, 3>, TensorView<Out, 4>,
@@ -497,8 +621,119 @@ class KvmState {
       vhat_copy_[r] = std::exchange(o.vhat_copy_[r], nullptr);
     }
     live_copy_ = std::exchange(o.live_copy_, 0);
-    memory_ = std::move(o.memory_);
+    owned_ = std::move(o.owned_);
+    base_ = std::exchange(o.base_, nullptr);
+    state_total_ = std::exchange(o.state_total_, 0);
+    ws_total_ = std::exchange(o.ws_total_, 0);
+    ws_rows_ = std::exchange(o.ws_rows_, 0);
     dev_ = std::exchange(o.dev_, kvm_detail::DeviceState<S, A>{});
+  }
+
+  // Points the persistent arrays into `base` (state_offsets), creates the side stream and events, and
+  // initialises the counters, the status word and the budget's update targets on the side stream,
+  // waiting for that work only (the caller's later work on any stream sees an initialised state).
+  Status bind(unsigned char* base, const kvm::Params& p, const kvm::Shape& s) {
+    constexpr bool kBf16 = std::is_same_v<S, bf16>;
+    const kvm_detail::KvmStateOffsets o = kvm_detail::state_offsets<S, A>(p, s);
+    params_ = p;
+    shape_ = s;
+    cap_ = kvm::slot_capacity(p.budget, p.geometry(), s.n_ctx);
+    base_ = base;
+    state_total_ = o.bytes;
+    const auto I = std::size_t(s.B * s.Hk), cap = std::size_t(cap_), D = std::size_t(s.D);
+    auto& d = dev_;
+    d.sk = reinterpret_cast<A*>(base + o.sk);
+    d.sv = reinterpret_cast<A*>(base + o.sv);
+    d.rho = reinterpret_cast<A*>(base + o.rho);
+    d.cnt = reinterpret_cast<A*>(base + o.cnt);
+    d.khat32 = reinterpret_cast<A*>(base + o.khat32);
+    d.khat = reinterpret_cast<S*>(base + o.khat);
+    d.vhat = reinterpret_cast<S*>(base + o.vhat);
+    d.wk = reinterpret_cast<S*>(base + o.wk);
+    d.wv = reinterpret_cast<S*>(base + o.wv);
+    d.wg = reinterpret_cast<A*>(base + o.wg);
+    d.counter = reinterpret_cast<int*>(base + o.counter);
+    d.khat_lo = kBf16 ? reinterpret_cast<bf16*>(base + o.khat_lo) : nullptr;
+    auto& sc = sc_;
+    sc.n = reinterpret_cast<std::int64_t*>(base + o.slot_n);
+    sc.cov = reinterpret_cast<std::int64_t*>(base + o.slot_cov);
+    sc.slots = reinterpret_cast<std::int64_t*>(base + o.slot_s);
+    sc.seen = reinterpret_cast<int*>(base + o.seen);
+    sc.status = reinterpret_cast<int*>(base + o.status);
+    sc.update_target = reinterpret_cast<const std::int64_t*>(base + o.update_target);
+    sc.B = s.B;
+    sc.n_ctx = s.n_ctx;
+    khat_copy_[0] = d.khat;
+    vhat_copy_[0] = d.vhat;
+    for (int r = 1; r < kvm_detail::kReadoutCopies && o.beside; ++r) {
+      khat_copy_[r] = reinterpret_cast<S*>(base + o.copies[r]);
+      vhat_copy_[r] = khat_copy_[r] + I * cap * D;  // [I, cap, D] keys, then [I, cap, Dv] values
+    }
+    d.tc_route = kBf16 && (s.D == 64 || s.D == 128) && p.chunk % 16 == 0;
+    d.route_terms = 3;
+    d.cap = cap_;
+    d.C = p.chunk;
+    d.W = p.window();
+    d.D = s.D;
+    d.Dv = s.Dv;
+    d.Hq = s.Hq;
+    d.Hk = s.Hk;
+    d.sink = p.sink;
+    d.rope_dims = p.rope_dims;
+    d.max_splits = kMaxDecodeSplits;
+    d.eps = static_cast<A>(p.ln_eps);
+    d.scale = static_cast<A>(p.scale > 0 ? p.scale : 1.0 / std::sqrt(double(s.D)));
+    d.merge_gate_keys = p.merge_gate_keys;
+    d.merge_gate_values = p.merge_gate_values;
+    d.head_temps = p.head_temps;
+    d.value_radius = p.value_radius;
+    d.gate_appends = p.gate_appends;
+    d.gate_initial = p.gate_initial;
+    KVMEM_RETURN_IF_ERROR(kvm_detail::SideStream::create(side_));
+    if (o.beside) KVMEM_RETURN_IF_ERROR(kvm_detail::ReadoutPipeline::create(pipe_));
+    KVMEM_RETURN_IF_ERROR(current_sm_count(sm_count_));
+    // the budget's target |S| per update u (first token u C) along the one trajectory every sequence
+    // follows (spec 3.1), read by the step kernels
+    std::vector<std::int64_t> target(std::size_t(o.updates), 0);
+    std::int64_t current = p.chunk;  // |S| at the first update: the C initial slots
+    for (std::int64_t u = 1; u < o.updates; ++u) {
+      target[std::size_t(u)] = p.budget.slots(p.window() + u * p.chunk, (u + 1) * p.chunk, current);
+      current += std::max<std::int64_t>(0, std::min(target[std::size_t(u)] - current, p.chunk));
+    }
+    const cudaStream_t on = side_.stream;
+    KVMEM_RETURN_IF_ERROR(to_status(cudaMemcpyAsync(base + o.update_target, target.data(),
+                                                    target.size() * sizeof(std::int64_t), cudaMemcpyHostToDevice, on),
+                                    "upload the budget's update targets"));
+    // the decode split counters start at 0 (the last split of each step resets its own)
+    KVMEM_RETURN_IF_ERROR(to_status(cudaMemsetAsync(d.counter, 0, std::size_t(s.B * s.Hq) * sizeof(int), on),
+                                    "cudaMemsetAsync decode counters"));
+    for (const std::size_t at : {o.slot_n, o.slot_cov, o.slot_s})
+      KVMEM_RETURN_IF_ERROR(to_status(cudaMemsetAsync(base + at, 0, std::size_t(s.B) * sizeof(std::int64_t), on),
+                                      "cudaMemsetAsync slot counters"));
+    KVMEM_RETURN_IF_ERROR(
+        to_status(cudaMemsetAsync(sc.seen, 0, std::size_t(s.B) * sizeof(int), on), "cudaMemsetAsync seen"));
+    KVMEM_RETURN_IF_ERROR(to_status(cudaMemsetAsync(sc.status, 0, 4 * sizeof(int), on), "cudaMemsetAsync status"));
+    // the host table dies here; this waits for the state's own side stream, nothing else
+    return to_status(cudaStreamSynchronize(on), "state initialisation");
+  }
+
+  // Points the per-step arrays into `ws` (work_offsets for `rows` rows).
+  void bind_workspace(unsigned char* ws, std::int64_t rows) {
+    constexpr bool kBf16 = std::is_same_v<S, bf16>;
+    const kvm_detail::KvmWorkOffsets o = kvm_detail::work_offsets<S, A>(params_, shape_, rows);
+    auto& d = dev_;
+    sc_.plan = reinterpret_cast<kvm_detail::SlotPlan*>(ws + o.plan);
+    d.k0 = reinterpret_cast<A*>(ws + o.k0);
+    d.k0t = reinterpret_cast<A*>(ws + o.k0t);
+    d.kgt = reinterpret_cast<A*>(ws + o.kgt);
+    d.vg = reinterpret_cast<A*>(ws + o.vg);
+    d.kg = reinterpret_cast<A*>(ws + o.kg);
+    d.score = reinterpret_cast<A*>(ws + o.score);
+    d.rbest = kBf16 ? reinterpret_cast<A*>(ws + o.rbest) : nullptr;
+    d.target = reinterpret_cast<int*>(ws + o.target);
+    d.partial = reinterpret_cast<A*>(ws + o.partial);
+    ws_rows_ = rows;
+    ws_total_ = o.bytes;
   }
 
   kvm::Params params_{};
@@ -513,7 +748,11 @@ class KvmState {
   S* khat_copy_[kvm_detail::kReadoutCopies] = {};
   S* vhat_copy_[kvm_detail::kReadoutCopies] = {};
   int live_copy_ = 0;
-  DeviceBuffer memory_;
+  DeviceBuffer owned_;             // create's allocation (empty for a placed state)
+  unsigned char* base_ = nullptr;  // the persistent arrays (state_offsets)
+  std::size_t state_total_ = 0;    // state_bytes of the problem
+  std::size_t ws_total_ = 0;       // workspace bytes in use
+  std::int64_t ws_rows_ = 0;       // rows the workspace serves (0: none)
   kvm_detail::DeviceState<S, A> dev_{};
   kvm_detail::SlotCounters sc_{};  // per-slot counters in device memory (kvm::step, slot operations)
   bool slot_mode_ = false;         // set by the first step or slot operation (slot_mode())
@@ -811,7 +1050,7 @@ Status kvm_run(const Executor& exec, KvmState<S, A>& state, const KvmWeights& w,
                kvm::RouteLog* log = nullptr) {
   using namespace kvm_detail;
   if (!state.valid())
-    return invalid_argument("state", "a KvmState made by KvmState::create",
+    return invalid_argument("state", "a KvmState made by KvmState::create or place",
                             "an empty (never created or moved-from) KvmState");
   if (state.slot_mode_)
     return invalid_argument("state", "a state of the fixed-batch calls (one token count for every sequence)",
@@ -819,6 +1058,7 @@ Status kvm_run(const Executor& exec, KvmState<S, A>& state, const KvmWeights& w,
   const kvm::Shape& sh = state.shape_;
   const kvm::Params& p = state.params_;
   const std::int64_t B = sh.B, T = q.extent(2);
+  KVMEM_RETURN_IF_ERROR(state.check_workspace(B));  // one work item per (slot, KV head)
   KVMEM_RETURN_IF_ERROR(kvm::check_call_shapes(sh, q, k, v, gate, out));
   if (!q.is_contiguous() || !k.is_contiguous() || !v.is_contiguous() || !gate.is_contiguous() || !out.is_contiguous())
     return invalid_argument("q, k, v, gate, out", "contiguous row-major views", "a strided view");
@@ -1062,7 +1302,7 @@ struct SlotAccess {
   template <class S, class A>
   static Status check_state(const KvmState<S, A>& st) {
     if (!st.valid())
-      return invalid_argument("state", "a KvmState made by KvmState::create",
+      return invalid_argument("state", "a KvmState made by KvmState::create or place",
                               "an empty (never created or moved-from) KvmState");
     return Status::ok();
   }
@@ -1120,6 +1360,7 @@ struct SlotAccess {
     if (R > 0 && (rows.slot.data() == nullptr || rows.query_start.data() == nullptr))
       return invalid_argument("rows", "device pointers for slot and query_start", "nullptr");
     if (R == 0) return tokens == 0 ? Status::ok() : invalid_argument("tokens", "0 for an empty batch", tokens);
+    KVMEM_RETURN_IF_ERROR(st.check_workspace(R));  // one work item per (row, KV head), padding rows too
     if (!w.ln_weight || !w.ln_bias || !w.tau_state || !w.tau_bswa)
       return invalid_argument("weights", "device pointers for ln_weight, ln_bias, tau_state, tau_bswa", "nullptr");
     if (sh.Dv > 32 * kSlotReadoutMaxRegs)

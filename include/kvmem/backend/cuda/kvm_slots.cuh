@@ -58,7 +58,7 @@ struct SlotCounters {
   std::int64_t* n;                    // [B] tokens seen
   std::int64_t* cov;                  // [B] tokens summarised
   std::int64_t* slots;                // [B] |S|
-  SlotPlan* plan;                     // [B]
+  SlotPlan* plan;                     // [B] (workspace: rewritten by every phase of a step)
   int* seen;                          // [B] stamp of the last step whose rows named the slot (duplicate check)
   int* status;                        // [4] error code, row, value, step stamp
   const std::int64_t* update_target;  // [updates]: budget target of update u (first token u C), spec 3.1
@@ -294,14 +294,17 @@ __global__ void __launch_bounds__(1024) slot_update_kernel(DeviceState<S, float>
   if (pl.t0 >= pl.t1 || pl.a < 0) return;
   extern __shared__ float slot_smem[];
   const std::int64_t C = st.C, D = st.D, Dv = st.Dv, W = st.W, cap = st.cap, item = std::int64_t(b) * st.Hk + g;
+  // the update scratch (k0, kg, vg) belongs to the work item (row r, head g), not to the slot: a step's
+  // workspace holds as many items as the step has rows
+  const std::int64_t work = std::int64_t(blockIdx.x);
   float* score = slot_smem;
   int* target = reinterpret_cast<int*>(score + C);
   float* ln_rows = reinterpret_cast<float*>(target + C);
   const std::int64_t c = threadIdx.x;
   const bool mine = c < C;
-  float* k0 = st.k0 + (item * C + c) * D;
-  float* kg = st.kg + (item * C + c) * D;
-  float* vg = st.vg + (item * C + c) * Dv;
+  float* k0 = st.k0 + (work * C + c) * D;
+  float* kg = st.kg + (work * C + c) * D;
+  float* vg = st.vg + (work * C + c) * Dv;
   const std::int64_t ring = (pl.a + c) % W;
   const S* kr = st.wk + (item * W + ring) * D;
   const S* vr = st.wv + (item * W + ring) * Dv;
@@ -378,8 +381,8 @@ __global__ void __launch_bounds__(1024) slot_update_kernel(DeviceState<S, float>
       float cnt = st.cnt[item * cap + j];
       for (std::int64_t i = 0; i < C; ++i) {
         if (target[i] != j) continue;
-        const float* kgi = st.kg + (item * C + i) * D;
-        const float* vgi = st.vg + (item * C + i) * Dv;
+        const float* kgi = st.kg + (work * C + i) * D;
+        const float* vgi = st.vg + (work * C + i) * Dv;
         for (std::int64_t d = 0; d < D; ++d) sk[d] = __fadd_rn(sk[d], kgi[d]);
         for (std::int64_t d = 0; d < Dv; ++d) sv[d] = __fadd_rn(sv[d], vgi[d]);
         cnt = __fadd_rn(cnt, 1.0f);
