@@ -50,8 +50,6 @@ using kvmem::Rows;
 using kvmem::Status;
 using kvmem::StatusCode;
 using kvmem::TensorView;
-using kvmem::cuda::KvmLimits;
-using kvmem::cuda::KvmProblem;
 using kvmem::cuda::KvmState;
 namespace kvm = kvmem::kvm;
 using namespace kvmem::test::cuda;
@@ -161,8 +159,8 @@ void placed_equals_owning(kvmem::budget::Any budget, std::uint64_t seed) {
   const Dims d;
   const std::int64_t B = 4, max_rows = 3, n_ctx = 400, C = 16;
   const kvm::Params p = make_params(C, budget);
-  const KvmProblem problem{p, {B, d.Hq, d.Hk, d.D, d.Dv, n_ctx}};
-  const KvmLimits limits{.max_rows = max_rows};
+  const kvmem::kvm::Problem problem{p, {B, d.Hq, d.Hk, d.D, d.Dv, n_ctx}};
+  const kvmem::Limits limits{.max_rows = max_rows};
   REQUIRE(KvmState<S>::can_run(problem).is_ok());
   const std::size_t sb = KvmState<S>::state_bytes(problem), wb = KvmState<S>::workspace_bytes(problem, limits);
   REQUIRE(sb > 0);
@@ -298,7 +296,7 @@ TEST_CASE("cuda kvm memory: state and workspace sizes are closed form", "[memory
   for (const kvmem::budget::Any& budget : {kFixed, kSqrt}) {
     for (const Dims& d : {Dims{4, 2, 32, 32}, Dims{8, 1, 64, 64}, Dims{4, 4, 128, 128}}) {
       for (const std::int64_t n_ctx : {256, 4096}) {
-        const KvmProblem problem{make_params(16, budget), {3, d.Hq, d.Hk, d.D, d.Dv, n_ctx}};
+        const kvmem::kvm::Problem problem{make_params(16, budget), {3, d.Hq, d.Hk, d.D, d.Dv, n_ctx}};
         const auto check = [&](auto tag) {
           using S = decltype(tag);
           const kvmem::cuda::KvmStateLayout l = KvmState<S>::state_layout(problem);
@@ -326,12 +324,12 @@ TEST_CASE("cuda kvm memory: state and workspace sizes are closed form", "[memory
       }
     }
   }
-  KvmProblem bad{make_params(16, kFixed), {3, 4, 2, 32, 32, 256}};
+  kvmem::kvm::Problem bad{make_params(16, kFixed), {3, 4, 2, 32, 32, 256}};
   bad.params.chunk = 0;
   CHECK(KvmState<float>::state_bytes(bad) == 0);
   CHECK(KvmState<float>::workspace_bytes(bad) == 0);
   CHECK_FALSE(KvmState<float>::can_run(bad).is_ok());
-  const KvmProblem wide{make_params(16, kFixed), {1, 4, 2, 32, 512, 256}};  // Dv over kvm::step's registers
+  const kvmem::kvm::Problem wide{make_params(16, kFixed), {1, 4, 2, 32, 512, 256}};  // Dv over kvm::step's registers
   CHECK(kvm::validate(wide.params, wide.shape).is_ok());
   CHECK(KvmState<float>::can_run(wide).code() == StatusCode::kUnsupported);
 }
@@ -341,8 +339,8 @@ TEST_CASE("cuda kvm memory: the device's free memory is unchanged across 1,000 s
   using S = bf16;
   const Dims d;
   const std::int64_t B = 4, n_ctx = 8192;
-  const KvmProblem problem{make_params(16, kSqrt), {B, d.Hq, d.Hk, d.D, d.Dv, n_ctx}};
-  const KvmLimits limits{.max_rows = B};
+  const kvmem::kvm::Problem problem{make_params(16, kSqrt), {B, d.Hq, d.Hk, d.D, d.Dv, n_ctx}};
+  const kvmem::Limits limits{.max_rows = B};
   Dev<unsigned char> state_mem(KvmState<S>::state_bytes(problem)),
       ws_mem(KvmState<S>::workspace_bytes(problem, limits));
   KvmState<S> st;
@@ -382,7 +380,7 @@ TEST_CASE("cuda kvm memory: create and place return while another stream's kerne
   if (no_device()) return;
   using S = bf16;
   const Dims d;
-  const KvmProblem problem{make_params(16, kSqrt), {4, d.Hq, d.Hk, d.D, d.Dv, 1024}};
+  const kvmem::kvm::Problem problem{make_params(16, kSqrt), {4, d.Hq, d.Hk, d.D, d.Dv, 1024}};
   Dev<unsigned char> state_mem(KvmState<S>::state_bytes(problem)), ws_mem(KvmState<S>::workspace_bytes(problem));
   int* flag = nullptr;
   KVMEM_CUDA_REQUIRE(cudaHostAlloc(&flag, sizeof(int), cudaHostAllocMapped));
@@ -441,7 +439,7 @@ TEST_CASE("cuda kvm memory: fixed-batch prefill and decode on a placed state equ
   using S = bf16;
   const Dims d{4, 2, 64, 64};
   const std::int64_t B = 2, T = 100, steps = 240, n_ctx = T + steps;
-  const KvmProblem problem{make_params(16, kvmem::budget::Fixed{24, 24}), {B, d.Hq, d.Hk, d.D, d.Dv, n_ctx}};
+  const kvmem::kvm::Problem problem{make_params(16, kvmem::budget::Fixed{24, 24}), {B, d.Hq, d.Hk, d.D, d.Dv, n_ctx}};
   const std::size_t total = KvmState<S>::bytes_required(problem.params, problem.shape);
   Guarded mem(total);
   KvmState<S> placed, owning;

@@ -206,19 +206,6 @@ struct SlotAccess;
 
 }  // namespace kvm_detail
 
-// One layer's cache problem (DESIGN.md 3): parameters and shape; Shape::B is max_slots, Shape::n_ctx
-// the longest context a slot holds. The field names of kvm::Problem.
-struct KvmProblem {
-  kvm::Params params{};
-  kvm::Shape shape{};
-};
-
-// The largest step an engine will run, which sizes a workspace. The field names of kvmem::Limits.
-struct KvmLimits {
-  std::int64_t max_rows = 0;    // rows of one step, padding rows included; 0 = max_slots
-  std::int64_t max_tokens = 0;  // tokens of one step; the CUDA state needs no per-token scratch
-};
-
 // Persistent device bytes of a KvmState (DESIGN.md 3). The CUDA state keeps each field as one array
 // over all (slot, KV head) items, so a slot's bytes are spread over the arrays: item_bytes is one
 // (slot, KV head)'s share of them, slot_bytes a slot's (its KV heads and its counters), fixed_bytes
@@ -320,7 +307,7 @@ KvmWorkOffsets work_offsets(const kvm::Params& p, const kvm::Shape& s, std::int6
 }
 
 // Rows a workspace serves for `limits` (max_rows, or max_slots when 0).
-inline std::int64_t workspace_rows(const KvmLimits& limits, const kvm::Shape& s) {
+inline std::int64_t workspace_rows(const Limits& limits, const kvm::Shape& s) {
   return limits.max_rows > 0 ? limits.max_rows : s.B;
 }
 
@@ -365,7 +352,7 @@ class KvmState {
   // Whether the CUDA backend runs every operation on `problem`: ok, or why not (invalid parameters or
   // shape, a chunk over 1024 (one thread per token of an update), a value head dim over kvm::step's
   // readout registers). create and place refuse only the first two: the fixed-batch calls take any Dv.
-  static Status can_run(const KvmProblem& problem) {
+  static Status can_run(const kvm::Problem& problem) {
     KVMEM_RETURN_IF_ERROR(check_creatable(problem.params, problem.shape));
     if (problem.shape.Dv > 32 * kvm_detail::kSlotReadoutMaxRegs)
       return {StatusCode::kUnsupported,
@@ -375,7 +362,7 @@ class KvmState {
   }
 
   // Persistent layout for `problem` (all zero when it is invalid, see can_run).
-  static KvmStateLayout state_layout(const KvmProblem& problem) {
+  static KvmStateLayout state_layout(const kvm::Problem& problem) {
     const kvm::Params& p = problem.params;
     const kvm::Shape& s = problem.shape;
     if (!kvm::validate(p, s).is_ok()) return {};
@@ -394,11 +381,11 @@ class KvmState {
     return l;
   }
   // Persistent device bytes for `problem` (0 when it is invalid).
-  static std::size_t state_bytes(const KvmProblem& problem) { return state_layout(problem).bytes; }
+  static std::size_t state_bytes(const kvm::Problem& problem) { return state_layout(problem).bytes; }
   // Workspace device bytes of steps of at most limits.max_rows rows (padding rows count: the kernels
   // take a work item per row; 0 = max_slots). The fixed-batch calls (kvm_prefill, kvm_decode) need a
   // workspace of max_slots rows. 0 when the problem is invalid or max_rows < 0.
-  static std::size_t workspace_bytes(const KvmProblem& problem, const KvmLimits& limits = {}) {
+  static std::size_t workspace_bytes(const kvm::Problem& problem, const Limits& limits = {}) {
     if (!kvm::validate(problem.params, problem.shape).is_ok() || limits.max_rows < 0) return 0;
     return kvm_detail::work_offsets<S, A>(problem.params, problem.shape,
                                           kvm_detail::workspace_rows(limits, problem.shape))
@@ -427,7 +414,7 @@ class KvmState {
   // Persistent state over caller device memory: at least state_bytes(problem) bytes, kAlign-aligned,
   // not owned, not in use by pending work. Writes only the counters, the status word and the update
   // targets (nothing outside [memory, memory + state_bytes)); steps need a workspace (attach_workspace).
-  static Status place(void* memory, std::size_t bytes, const KvmProblem& problem, KvmState& out) {
+  static Status place(void* memory, std::size_t bytes, const kvm::Problem& problem, KvmState& out) {
     KVMEM_RETURN_IF_ERROR(check_creatable(problem.params, problem.shape));
     KVMEM_RETURN_IF_ERROR(kvm_detail::check_device_placement(memory, bytes, state_bytes(problem), "state memory"));
     KvmState st;
@@ -451,7 +438,7 @@ class KvmState {
   // the scratch of every later call of at most limits.max_rows rows; replaces a workspace attached or
   // owned before (the owned one stays allocated until the state goes). Nothing is written here. One
   // workspace may serve several states whose calls never run at the same time (one stream, say).
-  Status attach_workspace(void* memory, std::size_t bytes, const KvmLimits& limits = {}) {
+  Status attach_workspace(void* memory, std::size_t bytes, const Limits& limits = {}) {
     if (!valid()) return invalid_argument("state", "a created or placed KvmState", "an empty KvmState");
     if (limits.max_rows < 0) return invalid_argument("limits max_rows", ">= 0", limits.max_rows);
     KVMEM_RETURN_IF_ERROR(kvm_detail::check_device_placement(memory, bytes, workspace_bytes({params_, shape_}, limits),
