@@ -2,18 +2,21 @@
 #pragma once
 // Universal Attention on the CUDA backend (spec UA.md).
 //
-//   kvmem::cuda::UaCache<S>          the pruned cache in device memory (owning, allocated once):
-//                                    max_slots() = CacheShape::batch sequence slots; per (slot, kv head)
-//                                    a variable-length list of (key, value, λ, z_k, position) rows in
-//                                    ascending position, a length and an absolute position counter, and
-//                                    per slot an overflow flag, all on the device;
+//   kvmem::cuda::UaCache<S>          the pruned cache in device memory, owning (create) or placed over
+//                                    caller memory (place, attach_workspace): max_slots() =
+//                                    CacheShape::batch sequence slots; per (slot, kv head) a
+//                                    variable-length list of (key, value, λ, z_k, position) rows in
+//                                    ascending position, kept in pages of the host's page layout (one
+//                                    pool, a page table per (slot, kv head), a free list), a length and
+//                                    an absolute position counter, and per slot an overflow flag, all on
+//                                    the device;
 //   kvmem::ua::step<Set>(exec, cache, rows, in, opt, out, lse)  a ragged batch of slots (DESIGN.md 3):
 //                                    the host ua::step's arguments, packed token-major, in device memory
 //   kvmem::ua::reset_slots / copy_slots / export_bytes / export_slot / import_slot / truncate
 //                                    the host's slot operations (ua/slots.hpp) for this cache
 //   kvmem::cuda::ua_prefill<Set>(exec, cache, in, opt, out)   every slot: chunked prefill with pruning (4.5)
 //   kvmem::cuda::ua_decode<Set>(exec, cache, in1, opt, out1)  every slot: one self-pruning decode step
-//   kvmem::cuda::ua_forward<Set>(exec, in, out, lse, lambda_last)  dense UA without a cache
+//   kvmem::cuda::ua_forward<Set>(exec, [scratch,] in, out, lse, lambda_last)  dense UA (p = 0)
 // Inputs live in device memory: q, k, v (and the optional output-gate logits z_o) in the storage type S
 // (float, bf16 or fp16), the gate logits z_k, z_q in fp32; outputs are fp32. λ and the decay sums are
 // fp32 throughout. Results are deterministic: partials of the entry splits are merged in split order,
@@ -23,19 +26,29 @@
 // room check that flags a full slot and skips its row while the others step on, λ update, append,
 // eviction, compaction), and its launches and grids depend only on the row count, the token count and
 // the cache: no allocation, no host synchronisation and no host state, so one CUDA graph captured for a
-// padded batch replays step after step. The slot operations check their device slot lists on the host
-// (one synchronisation each) so that a bad index returns a Status before anything changes; records are
-// the host's UA record, so a slot moves between backends.
+// padded batch replays step after step. Pages (docs/memory.md): step_begin_kernel takes, for every row
+// that runs, the pages of its slot's kept + tokens rows per kv head before any other kernel of the step
+// (a decode row: at most one page, as the host takes it; a prefill row: its worst case before eviction,
+// where the host takes them chunk by chunk); a dry pool flags that slot, returns its pages and skips its
+// row while the others run; the end of each row's work returns the pages past its survivors. The slot
+// operations check their device slot lists on the host (one synchronisation each) so that a bad index
+// returns a Status before anything changes, and copy_slots reads the pool's answer back the same way;
+// records are the host's UA record, so a slot moves between backends.
 //
 // The fixed-batch calls (ua_prefill, ua_decode) advance every slot by the call's T. They keep a host
 // bound on the cache length: when it says a call might not fit (longest + T > capacity), the call first
 // reads the true lengths back (one synchronisation) and refuses the call if one item lacks room. A step
 // leaves the bound unknown, so the next fixed-batch call reads the lengths back; a captured ua_decode
-// replays without advancing the bound, so engines capture ua::step instead. UaCache::create and
-// ua_forward allocate and synchronise; the accessors position, positions, lengths, download, overflowed
-// and step_status read the device.
-// A prefill with p = 0 (nothing is evicted) in bf16 with D in {64, 80, 128} and r in {4, 8} runs every row
-// of the call in one pipelined tensor-core launch (ua_dense_tc.cuh); every other prefill, and every
+// replays without advancing the bound, so engines capture ua::step instead. They take their pages like
+// a step (batch_reserve_kernel): a sequence whose slot finds the pool dry is skipped, its outputs zeroed.
+// UaCache::create and place allocate the cache's mapped counter block and wait for their initialisation
+// (their own stream, not the device); ua_forward without a scratch cache allocates one and synchronises;
+// the accessors position, positions, lengths, pages, download, overflowed and step_status read the
+// device and synchronise. The occupancy accessors (free_pages, pages_in_use, pages_taken,
+// pages_returned) read the mapped block and never synchronise.
+// A prefill with p = 0 (nothing is evicted) in bf16 with D in {64, 80, 128} and r in {4, 8} on a cache with
+// pool_pages = 0 (contiguous items) runs every row of the call in one pipelined tensor-core launch
+// (ua_dense_tc.cuh); every other prefill, and every
 // prefill row of a step, runs chunk by chunk (ua_kernels.cuh, ua_attend_tc.cuh).
 //
 // Shapes and options are validated (messages name the argument); values (NaN/Inf) are the caller's
@@ -69,10 +82,10 @@ namespace kvmem::cuda {
 template <class S>
 using UaInputs = ua::InputsOf<S>;
 
-// Sizes of the per-call scratch a cache owns next to its rows: B*G*max_splits*r*max_prefill_chunk*(D+2)
+// Sizes of the per-step workspace (UaCache::workspace_bytes): B*G*max_splits*r*max_prefill_chunk*(D+2)
 // floats of split partials (134 MB at B8 G4 r4 D128 with the defaults) and B*G*max_prefill_chunk λ,
-// plus 8 bytes per cache row (B*G*capacity) for the dense tensor-core prefill's λ hand-off; and from
-// which call length the dense prefill takes its kernel with the skip past the decay's reach.
+// plus, with pool_pages = 0, 8 bytes per cache row for the dense tensor-core prefill's λ hand-off; and
+// from which call length the dense prefill takes its kernel with the skip past the decay's reach.
 struct UaCacheLimits {
   std::int64_t max_prefill_chunk = 128;  // largest Options::prefill_chunk a prefill may use (<= 1024)
   int max_splits = 16;                   // entry splits per (sequence, kv head): parallelism of a call
