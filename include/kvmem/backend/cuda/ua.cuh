@@ -116,7 +116,7 @@ inline constexpr std::size_t kUaAlign = 256;
 // counters), then the device's own bookkeeping.
 struct UaCacheOffsets {
   ua::cache_detail::Offsets host;
-  std::size_t counter, done, next_length, go, first, overflow, error, prefill, lock, report, bytes;
+  std::size_t counter, done, next_length, go, first, overflow, error, prefill, report, bytes;
 };
 template <class S>
 UaCacheOffsets cache_offsets(const ua::CacheShape& s) {
@@ -133,7 +133,6 @@ UaCacheOffsets cache_offsets(const ua::CacheShape& s) {
   o.overflow = a.take(B * sizeof(int));              // [B] sticky overflow flags
   o.error = a.take(4 * sizeof(int));                 // the last refused step's check
   o.prefill = a.take((B + 1) * sizeof(int));         // [B + 1] a step's prefill rows and their count
-  o.lock = a.take(sizeof(int));                      // the free list's lock
   o.report = a.take(4 * sizeof(std::int64_t));       // copy / import page checks
   o.bytes = a.total();
   return o;
@@ -171,8 +170,8 @@ inline Status check_device_memory(const void* memory, std::size_t bytes, std::si
   return Status::ok();
 }
 
-// A small pinned host block mapped into the device's address space (cudaHostAllocMapped): the kernels
-// store the pool counters there, the host reads them without a synchronisation. Owned; freed on
+// A small pinned host block mapped into the device's address space (cudaHostAllocMapped): publish_kernel
+// stores the pool counters there, the host reads them without a synchronisation. Owned; freed on
 // destruction.
 class MappedCounters {
  public:
@@ -217,6 +216,12 @@ class MappedCounters {
   std::int64_t* host_ = nullptr;
   std::int64_t* device_ = nullptr;
 };
+// The pool counters into the cache's mapped block after an operation's kernels (occupancy reads).
+template <class S>
+Status publish(const DeviceCache<S>& d, cudaStream_t stream) {
+  publish_kernel<<<1, 1, 0, stream>>>(d.pool);
+  return to_status(cudaGetLastError(), "ua publish_kernel");
+}
 }  // namespace ua_detail
 
 // The UA cache on the device (DESIGN.md 3, docs/memory.md): the host PrunedCache's page layout for the
@@ -347,9 +352,9 @@ class UaCache {
   [[nodiscard]] std::size_t page_bytes() const { return valid() ? ua::cache_layout<S>(shape_).page_bytes : 0; }
 
   // ---- occupancy (DESIGN.md 3: an engine's admission control) ----
-  // Read from the cache's mapped counter block, which the kernels update whenever pages move: no
-  // synchronisation, no device call. The values are those of the last completed step once the work
-  // enqueued before the read has run (while a step runs they may show part of it); pages_taken -
+  // Read from the cache's mapped counter block, which the last kernel of every operation fills from
+  // the device counters: no synchronisation, no device call. The values are those of the last
+  // completed operation (a read while a step runs shows the one before it); pages_taken -
   // pages_returned == pages_in_use.
   [[nodiscard]] std::int64_t pool_pages() const { return valid() ? shape_.pages() : 0; }
   [[nodiscard]] std::int64_t free_pages() const { return valid() ? mirror_.read(0) : 0; }
@@ -502,7 +507,7 @@ class UaCache {
     KVMEM_RETURN_IF_ERROR(check_slot(b, "reset_sequence b"));
     ua_detail::reset_slots_kernel<S><<<1, 32, 0, stream>>>(dev_, overflow_, nullptr, std::int32_t(b));
     KVMEM_CUDA_RETURN_IF_LAUNCH_FAILED("ua reset_slots_kernel");
-    return Status::ok();
+    return ua_detail::publish(dev_, stream);
   }
 
  private:
@@ -541,7 +546,6 @@ class UaCache {
     d.pool.held = reinterpret_cast<std::int64_t*>(base + o.host.held);
     d.pool.free_list = reinterpret_cast<std::int32_t*>(base + o.host.free_list);
     d.pool.stats = reinterpret_cast<std::int64_t*>(base + o.host.stats);
-    d.pool.lock = reinterpret_cast<int*>(base + o.lock);
     d.pool.mirror = mirror_.device();
     d.pool.pages_per_item = s.pages_per_item();
     d.pool.shift = ua::cache_detail::log2_exact(s.page_rows);
@@ -766,7 +770,7 @@ Status ua_run(const Executor& exec, UaCache<S>& cache, const UaInputs<S>& in, co
   const std::int64_t r = cache.group_size();
   // every sequence's pages for kept + T rows, before anything runs; a sequence whose slot is flagged or
   // finds the pool dry is skipped (outputs zeroed, slot flagged, its pages back in the pool)
-  batch_reserve_kernel<S><<<unsigned(B), 256, 0, exec.stream>>>(dev, a, cache.slot_go_, cache.overflow_, T);
+  batch_reserve_kernel<S><<<1, 256, 0, exec.stream>>>(dev, a, cache.slot_go_, cache.overflow_, B, T);
   KVMEM_CUDA_RETURN_IF_LAUNCH_FAILED("ua batch_reserve_kernel");
   if (decode) {
     a.P = 1;
@@ -827,7 +831,7 @@ Status ua_run(const Executor& exec, UaCache<S>& cache, const UaInputs<S>& in, co
     }
   }
   cache.bound_ += T;
-  return Status::ok();
+  return publish(dev, exec.stream);
 }
 
 // Prefill T tokens of every sequence (spec UA.md 4.5): the caller rotates token t of sequence b at
@@ -1209,7 +1213,7 @@ Status step(const cuda::Executor& exec, cuda::UaCache<S>& cache, const Rows& row
     }
   }
   SlotAccess::forget_bound(cache);
-  return Status::ok();
+  return publish(dev, stream);
 }
 
 // Slot operations of the CUDA cache: the host's names, arguments and checks (ua/slots.hpp). Slot lists
@@ -1232,7 +1236,7 @@ Status reset_slots(const cuda::Executor& exec, cuda::UaCache<S>& cache, TensorVi
   reset_slots_kernel<S>
       <<<unsigned(list.size()), 32, 0, exec.stream>>>(d, SlotAccess::overflow(cache), slots.data(), std::int32_t(0));
   KVMEM_CUDA_RETURN_IF_LAUNCH_FAILED("ua reset_slots_kernel");
-  return Status::ok();
+  return publish(d, exec.stream);
 }
 
 // Slot dst[i] becomes a copy of slot src[i] (fork): kept rows, λ, key-gate logits, positions, the
@@ -1255,6 +1259,7 @@ Status copy_slots(const cuda::Executor& exec, cuda::UaCache<S>& cache, TensorVie
   copy_slots_kernel<S><<<dim3(unsigned(from.size()), unsigned(d.G)), 256, 0, exec.stream>>>(
       d, SlotAccess::overflow(cache), src.data(), dst.data(), report);
   KVMEM_CUDA_RETURN_IF_LAUNCH_FAILED("ua copy_slots_kernel");
+  KVMEM_RETURN_IF_ERROR(publish(d, exec.stream));
   // the pool's answer (the host's refusal, with its message), read back as the lists were
   std::int64_t r[4] = {};
   KVMEM_RETURN_IF_ERROR(
@@ -1311,6 +1316,7 @@ Status import_slot(const cuda::Executor& exec, cuda::UaCache<S>& cache, std::int
                       "import lengths"));
   import_pages_kernel<S><<<1, 1, 0, exec.stream>>>(d, slot, d.next_length + slot * G, report);
   KVMEM_CUDA_RETURN_IF_LAUNCH_FAILED("ua import_pages_kernel");
+  KVMEM_RETURN_IF_ERROR(publish(d, exec.stream));
   std::int64_t r[4] = {};
   KVMEM_RETURN_IF_ERROR(
       cuda::to_status(cudaMemcpyAsync(r, report, sizeof r, cudaMemcpyDeviceToHost, exec.stream), "import report"));

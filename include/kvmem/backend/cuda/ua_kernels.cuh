@@ -40,21 +40,91 @@
 
 namespace kvmem::cuda::ua_detail {
 
-// The page pool's bookkeeping in device memory (ua/cache.hpp's layout, DESIGN.md 3). Pages are taken
-// and returned by one thread of the operation that owns the item at that moment, under a spin lock
-// (the host's SpinLock around the same free list): a few loads and stores per page, at most one page
-// request per (slot, kv head) and step, so the lock is never contended for long. The pool counters
-// are mirrored into a small host-mapped block after every change (UaCache's occupancy reads).
+// The page pool's bookkeeping in device memory (ua/cache.hpp's layout, DESIGN.md 3). The free list is
+// a stack of page numbers below a free count; kernels take pages (pop) and return them (push) with
+// atomics on that count, never both in the same phase of the same launch: the first kernel of a step
+// takes every page the step needs (and, after a barrier, returns the pages of slots that found the pool
+// dry), the later kernels only return pages. A pop takes a whole range [free - k, free) with one
+// compare-and-swap, all or nothing, so a failed request changes nothing; a push claims its range
+// [free, free + k) with one atomic add and then writes the page numbers, which only a later launch
+// reads. The counters (free, taken, returned) are copied into a small host-mapped block at the end of
+// every operation (publish_kernel: UaCache's occupancy reads).
 struct DevicePool {
   std::int32_t* table = nullptr;      // [I, pages_per_item] logical page -> pool page; nullptr: own pages
   std::int64_t* held = nullptr;       // [I] pages each item holds
   std::int32_t* free_list = nullptr;  // [pages] a stack: free pages at [0, free count)
   std::int64_t* stats = nullptr;      // free count, pages taken, pages returned
-  int* lock = nullptr;                // 0 free, 1 held
   std::int64_t* mirror = nullptr;     // host-mapped copy of stats (device pointer), or nullptr
   std::int64_t pages_per_item = 0;
   int shift = 0;  // log2(page_rows)
+
+  __device__ std::int64_t pages_for(std::int64_t rows) const {
+    return (rows + (std::int64_t(1) << shift) - 1) >> shift;
+  }
 };
+
+__device__ inline unsigned long long* pool_word(const DevicePool& p, int i) {
+  return reinterpret_cast<unsigned long long*>(p.stats + i);
+}
+// Takes k free pages, all or none: true with the range [first, first + k) of the free list, false (the
+// pool unchanged) when fewer than k are free.
+__device__ inline bool pop_pages(const DevicePool& p, std::int64_t k, std::int64_t& first) {
+  if (k <= 0) {
+    first = 0;
+    return true;
+  }
+  unsigned long long* count = pool_word(p, 0);
+  unsigned long long old = *static_cast<volatile unsigned long long*>(count);
+  for (;;) {
+    if (old < static_cast<unsigned long long>(k)) return false;
+    const unsigned long long seen = atomicCAS(count, old, old - static_cast<unsigned long long>(k));
+    if (seen == old) break;
+    old = seen;
+  }
+  atomicAdd(pool_word(p, 1), static_cast<unsigned long long>(k));
+  first = std::int64_t(old) - k;
+  return true;
+}
+// Gives `item` the logical pages [held, need) from a popped range, taking its entries from the top
+// (`next` counts down from first + k, the host's order). Counts only when items own their pages.
+__device__ inline void assign_pages(const DevicePool& p, std::int64_t item, std::int64_t need, std::int64_t& next) {
+  std::int64_t held = p.held[item];
+  if (held >= need) return;
+  if (p.table != nullptr)
+    for (std::int64_t j = held; j < need; ++j) p.table[item * p.pages_per_item + j] = p.free_list[--next];
+  p.held[item] = need;
+}
+// Returns the pages of `item` past its first `rows` rows to the free list (eviction, reset, overflow).
+// Only in a phase that takes no pages (see DevicePool).
+__device__ inline void return_pages(const DevicePool& p, std::int64_t item, std::int64_t rows) {
+  const std::int64_t keep = p.pages_for(rows), held = p.held[item];
+  if (held <= keep) return;
+  const std::int64_t k = held - keep;
+  const std::int64_t at = std::int64_t(atomicAdd(pool_word(p, 0), static_cast<unsigned long long>(k)));
+  if (p.table != nullptr)
+    for (std::int64_t j = 0; j < k; ++j) p.free_list[at + j] = p.table[item * p.pages_per_item + held - 1 - j];
+  atomicAdd(pool_word(p, 2), static_cast<unsigned long long>(k));
+  p.held[item] = keep;
+}
+// One thread: the pages of `rows` rows for `item` (pops and assigns); false (nothing taken) when dry.
+__device__ inline bool take_pages(const DevicePool& p, std::int64_t item, std::int64_t rows) {
+  const std::int64_t need = p.pages_for(rows), held = p.held[item];
+  std::int64_t first = 0;
+  if (held >= need) return true;
+  if (!pop_pages(p, need - held, first)) return false;
+  std::int64_t next = first + (need - held);
+  assign_pages(p, item, need, next);
+  return true;
+}
+// grid 1, after an operation's kernels: the pool counters into the host-mapped block.
+__global__ void publish_kernel(DevicePool p) {
+  if (p.mirror == nullptr) return;
+  volatile std::int64_t* m = p.mirror;
+  const volatile std::int64_t* st = p.stats;
+  m[0] = st[0];
+  m[1] = st[1];
+  m[2] = st[2];
+}
 
 // The cache in device memory (one item = one (sequence, kv head); rows ascending in position). Rows
 // live in the pool: with a shared pool (pool_pages > 0) logical row e of an item sits in pool page
@@ -83,82 +153,6 @@ struct DeviceCache {
     return (page << pool.shift) | (e & ((std::int64_t(1) << pool.shift) - 1));
   }
 };
-
-// ---- the free list (one thread at a time, under the pool lock) ----------------------------------
-// The lock is taken with an atomic and the fence after it (acquire), released with a fence before the
-// atomic exchange (release); the pool words are read and written volatile so that no thread works on
-// a stale L1 copy of another multiprocessor's update.
-__device__ inline void pool_lock(const DevicePool& p) {
-  while (atomicCAS(p.lock, 0, 1) != 0) {
-  }
-  __threadfence();
-}
-__device__ inline void pool_unlock(const DevicePool& p) {
-  volatile std::int64_t* st = p.stats;
-  if (p.mirror != nullptr) {
-    volatile std::int64_t* m = p.mirror;
-    m[0] = st[0];
-    m[1] = st[1];
-    m[2] = st[2];
-  }
-  __threadfence_system();  // the mirror is host memory
-  atomicExch(p.lock, 0);
-}
-// Makes `item` hold pages for `rows` rows, taking pages from the free list; false (the pages taken so
-// far kept) when the pool runs dry. Called by one thread that owns the item.
-__device__ inline bool take_pages(const DevicePool& p, std::int64_t item, std::int64_t rows) {
-  const std::int64_t need = (rows + (std::int64_t(1) << p.shift) - 1) >> p.shift;
-  std::int64_t held = p.held[item];
-  if (held >= need) return true;
-  pool_lock(p);
-  volatile std::int64_t* st = p.stats;
-  bool ok = true;
-  if (p.table == nullptr) {  // the item's own pages: only the counts move
-    st[0] = st[0] - (need - held);
-    st[1] = st[1] + (need - held);
-    held = need;
-  } else {
-    volatile std::int32_t* free_list = p.free_list;
-    volatile std::int32_t* table = p.table + item * p.pages_per_item;
-    while (held < need) {
-      const std::int64_t free = st[0];
-      if (free == 0) {
-        ok = false;
-        break;
-      }
-      table[held++] = free_list[free - 1];
-      st[0] = free - 1;
-      st[1] = st[1] + 1;
-    }
-  }
-  p.held[item] = held;
-  pool_unlock(p);
-  return ok;
-}
-// Returns the pages of `item` past its first `rows` rows to the free list (eviction, reset, overflow).
-__device__ inline void return_pages(const DevicePool& p, std::int64_t item, std::int64_t rows) {
-  const std::int64_t keep = (rows + (std::int64_t(1) << p.shift) - 1) >> p.shift;
-  std::int64_t held = p.held[item];
-  if (held <= keep) return;
-  pool_lock(p);
-  volatile std::int64_t* st = p.stats;
-  if (p.table == nullptr) {
-    st[0] = st[0] + (held - keep);
-    st[2] = st[2] + (held - keep);
-    held = keep;
-  } else {
-    volatile std::int32_t* free_list = p.free_list;
-    const volatile std::int32_t* table = p.table + item * p.pages_per_item;
-    while (held > keep) {
-      const std::int64_t free = st[0];
-      free_list[free] = table[--held];
-      st[0] = free + 1;
-      st[2] = st[2] + 1;
-    }
-  }
-  p.held[item] = held;
-  pool_unlock(p);
-}
 
 // One call's inputs (device memory, innermost stride 1) and the scratch of its partials.
 template <class S>
@@ -1294,9 +1288,9 @@ __global__ void __launch_bounds__(kDecodeThreads) decode_attend_kernel(DeviceCac
 // and records the first refused row (lowest row, then lowest check) in `error`. A refused step runs
 // nothing, and the error is sticky: every later step is refused too until UaCache::step_status reads
 // and clears it, so an engine replaying a graph cannot miss a refused step. Otherwise each row of a slot with tokens
-// decides whether it runs: its slot is not flagged as overflowed and every kv head of it has room for kept + tokens
-// rows (eviction is data-dependent: the host backend's bound); a row without room flags its slot (sticky until the slot
-// is reset, copied over or imported) and is skipped, while the other rows run.
+// decides whether it runs: its slot is not flagged as overflowed, every kv head of it has room for kept + tokens
+// rows and the pool gives their pages (see the kernel); a row that does not run flags its slot and is skipped, while
+// the other rows run.
 enum StepCheck : int {
   kStepOk = 0,
   kStepFirstStart = 1,  // query_start[0] != 0
@@ -1371,26 +1365,44 @@ __global__ void __launch_bounds__(kStepBeginThreads) step_begin_kernel(DeviceCac
     return;  // every go flag is 0, and every kernel of the step reads the error first
   }
   if (tid == 0) sr.error[0] = kStepOk;
+  // Room and pages (DevicePool): a row runs when its slot is not flagged, has room for kept + tokens rows
+  // in every kv head (eviction is data-dependent: the host backend's bound) and gets the pages of those
+  // rows, all of them or none (a decode row: at most one page per kv head, as the host takes it); a row
+  // that does not run flags its slot (sticky until the slot is reset, copied over or imported) and is
+  // skipped while the other rows run. After a barrier, a slot that found the pool dry returns its pages.
   for (std::int64_t row = tid; row < sr.rows; row += threads) {
     const int s = sr.slot[row];
     const std::int64_t n = sr.start[row + 1] - sr.start[row];
     if (s < 0 || n == 0) continue;
     if (sr.overflow[s] != 0) continue;  // flagged by an earlier step: skipped until reset
     bool room = true;
-    for (std::int64_t g = 0; room && g < c.G; ++g) room = c.length[s * c.G + g] + n <= c.capacity;
-    // the pages of kept + tokens rows of every kv head, before anything runs (a decode row: one page
-    // at most, as the host takes it); a dry pool flags the slot and returns its pages at once
-    for (std::int64_t g = 0; room && g < c.G; ++g) room = take_pages(c.pool, s * c.G + g, c.length[s * c.G + g] + n);
-    if (!room) {
-      for (std::int64_t g = 0; g < c.G; ++g) {
-        return_pages(c.pool, s * c.G + g, 0);
-        c.length[s * c.G + g] = 0;
-      }
-      sr.overflow[s] = 1;
-      continue;
+    std::int64_t k = 0;
+    for (std::int64_t g = 0; room && g < c.G; ++g) {
+      const std::int64_t it = s * c.G + g, need = c.pool.pages_for(c.length[it] + n);
+      room = c.length[it] + n <= c.capacity;
+      k += need > c.pool.held[it] ? need - c.pool.held[it] : 0;
     }
-    sr.go[s] = 1;
-    if (room && n >= 2) sr.prefill_rows[atomicAdd(&prefills, 1)] = int(row);
+    std::int64_t first = 0;
+    if (room && pop_pages(c.pool, k, first)) {
+      std::int64_t next = first + k;
+      for (std::int64_t g = 0; g < c.G; ++g)
+        assign_pages(c.pool, s * c.G + g, c.pool.pages_for(c.length[s * c.G + g] + n), next);
+      sr.go[s] = 1;
+      if (n >= 2) sr.prefill_rows[atomicAdd(&prefills, 1)] = int(row);
+    } else {
+      sr.overflow[s] = 1;
+      // a slot without room keeps its rows (the step skips its row); one that found the pool dry is
+      // emptied, its pages going back below (the host's overflow)
+      if (room) sr.first[s] = -1;
+    }
+  }
+  __syncthreads();
+  for (std::int64_t s = tid; s < sr.max_slots; s += threads) {
+    if (sr.first[s] != -1) continue;
+    for (std::int64_t g = 0; g < c.G; ++g) {
+      return_pages(c.pool, s * c.G + g, 0);
+      c.length[s * c.G + g] = 0;
+    }
   }
   __syncthreads();
   if (tid == 0) *sr.prefill_count = prefills;
@@ -1425,9 +1437,7 @@ __global__ void copy_pages_kernel(DeviceCache<S> c, const std::int32_t* src, con
       back += c.pool.held[dst[i] * c.G + g];
     }
   }
-  pool_lock(c.pool);
   const std::int64_t free = *static_cast<volatile std::int64_t*>(c.pool.stats);
-  pool_unlock(c.pool);
   // report: refused (0/1), pages needed, free pages, pages the destinations return (check_pool's message)
   report[0] = free + back < need ? 1 : 0;
   report[1] = need;
@@ -1455,9 +1465,7 @@ __global__ void import_pages_kernel(DeviceCache<S> c, std::int64_t slot, const s
     need += (lengths[g] + rows_per_page - 1) / rows_per_page;
     back += c.pool.held[slot * c.G + g];
   }
-  pool_lock(c.pool);
   const std::int64_t free = *static_cast<volatile std::int64_t*>(c.pool.stats);
-  pool_unlock(c.pool);
   report[0] = free + back < need ? 1 : 0;
   report[1] = need;
   report[2] = free;
@@ -1493,34 +1501,44 @@ __global__ void copy_slots_kernel(DeviceCache<S> c, int* overflow, const std::in
   }
 }
 
-// A fixed-batch call (ua_prefill, ua_decode): grid (B), before the call's kernels. Sequence b runs
-// (go[b] = 1) when its slot is not flagged and every kv head got the pages of kept + T rows; otherwise
-// the slot is flagged, its pages go back, and its output rows (and lse) are zeroed, as the host's
-// finish_batch does.
+// A fixed-batch call (ua_prefill, ua_decode): one block, before the call's kernels. Sequence b runs
+// (go[b] = 1) when its slot is not flagged and every kv head got the pages of kept + T rows (all or
+// none, as a step takes them); otherwise the slot is flagged, after a barrier its pages go back, and its
+// output rows (and lse) are zeroed, as the host's finish_batch does.
 template <class S>
-__global__ void batch_reserve_kernel(DeviceCache<S> c, DeviceCall<S> a, int* go, int* overflow, std::int64_t T) {
-  const std::int64_t s = blockIdx.x;
-  __shared__ int runs;
-  if (threadIdx.x == 0) {
+__global__ void batch_reserve_kernel(DeviceCache<S> c, DeviceCall<S> a, int* go, int* overflow, std::int64_t B,
+                                     std::int64_t T) {
+  for (std::int64_t s = threadIdx.x; s < B; s += blockDim.x) {
     bool ok = overflow[s] == 0;
-    for (std::int64_t g = 0; ok && g < c.G; ++g) ok = take_pages(c.pool, s * c.G + g, c.length[s * c.G + g] + T);
-    if (!ok) {
+    std::int64_t k = 0, first = 0;
+    for (std::int64_t g = 0; ok && g < c.G; ++g) {
+      const std::int64_t it = s * c.G + g, need = c.pool.pages_for(c.length[it] + T);
+      k += need > c.pool.held[it] ? need - c.pool.held[it] : 0;
+    }
+    ok = ok && pop_pages(c.pool, k, first);
+    if (ok) {
+      std::int64_t next = first + k;
+      for (std::int64_t g = 0; g < c.G; ++g)
+        assign_pages(c.pool, s * c.G + g, c.pool.pages_for(c.length[s * c.G + g] + T), next);
+    }
+    go[s] = ok ? 1 : 0;
+  }
+  __syncthreads();
+  const std::int64_t H = c.G * c.r, D = c.D;
+  for (std::int64_t s = 0; s < B; ++s) {
+    if (go[s] != 0) continue;
+    if (threadIdx.x == 0) {
       for (std::int64_t g = 0; g < c.G; ++g) {
         return_pages(c.pool, s * c.G + g, 0);
         c.length[s * c.G + g] = 0;
       }
       overflow[s] = 1;
     }
-    go[s] = ok ? 1 : 0;
-    runs = ok ? 1 : 0;
-  }
-  __syncthreads();
-  if (runs) return;
-  const std::int64_t H = c.G * c.r, D = c.D;
-  for (std::int64_t x = threadIdx.x; x < T * H * D; x += blockDim.x) {
-    const std::int64_t t = x / (H * D), h = (x / D) % H, d = x % D;
-    a.out[s * a.o_b + t * a.o_t + h * a.o_h + d] = 0.0f;
-    if (a.lse && d == 0) a.lse[s * a.l_b + h * a.l_h + t * a.l_t] = 0.0f;
+    for (std::int64_t x = threadIdx.x; x < T * H * D; x += blockDim.x) {
+      const std::int64_t t = x / (H * D), h = (x / D) % H, d = x % D;
+      a.out[s * a.o_b + t * a.o_t + h * a.o_h + d] = 0.0f;
+      if (a.lse && d == 0) a.lse[s * a.l_b + h * a.l_h + t * a.l_t] = 0.0f;
+    }
   }
 }
 
@@ -1545,7 +1563,6 @@ __global__ void init_cache_kernel(DeviceCache<S> c, std::int64_t items, std::int
     for (int k = 0; k < 4; ++k) step_error[k] = 0;
     c.pool.stats[0] = pages;
     c.pool.stats[1] = c.pool.stats[2] = 0;
-    *c.pool.lock = 0;
     if (c.pool.mirror != nullptr) {
       c.pool.mirror[0] = pages;
       c.pool.mirror[1] = c.pool.mirror[2] = 0;
