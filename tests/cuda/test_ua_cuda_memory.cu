@@ -23,6 +23,7 @@
 
 #include "cuda/cuda_test_support.hpp"
 #include "kvmem/backend/cuda/ua.cuh"
+#include "ua/ua_host_support.hpp"
 #include "ua/ua_step_support.hpp"
 
 namespace {
@@ -299,6 +300,62 @@ TEST_CASE("cuda UA page pool equals the host page-pool cache: outputs, kept sets
   }
   CHECK(near_ties == 0);
   CHECK(host.pages_returned() > 0);
+}
+
+TEST_CASE("cuda UA fixed-batch prefill and decode over a shared pool equal the host's", "[cuda][ua][memory][gpu]") {
+  if (no_device()) return;
+  using kvmem::test::ua::FloatCase;
+  // 3 sequences of a 70-token prompt in chunks of 32 (the last chunk returns the spare pages), then 40
+  // decode steps, at p = 0.05 over a pool of 3 * 2 * 8 pages
+  const std::int64_t B = 3, T = 110, prompt = 70;
+  const FloatCase f(kvmem::test::ua::random_case(B, T, kDims.H, kDims.G, kDims.D, 41));
+  const kua::CacheShape s{B, kDims.H, kDims.G, kDims.D, 256, 16, B * kDims.G * 8};
+  const kua::Options opt{0.05, 32, true};
+  kua::PrunedCache<float> host(s);
+  UaCache<float> dev;
+  REQUIRE(UaCache<float>::create(s, dev).is_ok());
+  Dev<float> q(f.q), k(f.k), v(f.v), zk(f.z_k), zq(f.z_q), out(std::size_t(B * T * kDims.H * kDims.D));
+  const auto slice = [&](std::int64_t t0, std::int64_t t1) {
+    const std::int64_t H = kDims.H, G = kDims.G, D = kDims.D;
+    kvmem::cuda::UaInputs<float> in;
+    in.q = {q.ptr + t0 * D, {B, H, t1 - t0, D}, {H * T * D, T * D, D, 1}};
+    in.k = {k.ptr + t0 * D, {B, G, t1 - t0, D}, {G * T * D, T * D, D, 1}};
+    in.v = {v.ptr + t0 * D, {B, G, t1 - t0, D}, {G * T * D, T * D, D, 1}};
+    in.z_k = {zk.ptr + t0, {B, G, t1 - t0}, {G * T, T, 1}};
+    in.z_q = {zq.ptr + t0, {B, G, t1 - t0}, {G * T, T, 1}};
+    return in;
+  };
+  const auto out_at = [&](std::int64_t t0, std::int64_t t1) {
+    const std::int64_t H = kDims.H, D = kDims.D;
+    return TensorView<float, 4>(out.ptr + t0 * H * D, {B, t1 - t0, H, D}, {T * H * D, H * D, D, 1});
+  };
+  std::vector<float> host_out = f.make_out();
+  const kvmem::cuda::Executor exec{};
+  REQUIRE(
+      kua::prefill(kvmem::host::Executor{.threads = 1}, host, f.slice(0, prompt), opt, f.out_slice(host_out, 0, prompt))
+          .is_ok());
+  REQUIRE(kvmem::cuda::ua_prefill(exec, dev, slice(0, prompt), opt, out_at(0, prompt)).is_ok());
+  for (std::int64_t t = prompt; t < T; ++t) {
+    REQUIRE(
+        kua::decode(kvmem::host::Executor{.threads = 1}, host, f.slice(t, t + 1), opt, f.out_slice(host_out, t, t + 1))
+            .is_ok());
+    REQUIRE(kvmem::cuda::ua_decode(exec, dev, slice(t, t + 1), opt, out_at(t, t + 1)).is_ok());
+  }
+  const auto len = lengths_of(dev);
+  bool same = true;
+  for (std::int64_t b = 0; b < B; ++b)
+    for (std::int64_t g = 0; g < kDims.G; ++g) same = same && len[std::size_t(b * kDims.G + g)] == host.length(b, g);
+  if (!same) WARN("kept lengths differ (a near-tie of λ and ln p): outputs not compared");
+  if (same) {
+    CHECK(rel_diff(host_out, out.get()) <= 1e-4);
+    CHECK(dev.free_pages() == host.free_pages());
+  }
+  CHECK(dev.pages_in_use() == pages_for(len));
+  CHECK(dev.pages_taken() - dev.pages_returned() == dev.pages_in_use());
+  CHECK(dev.pages_returned() > 0);
+  std::vector<std::int32_t> flags;
+  REQUIRE(dev.overflowed(exec, flags).is_ok());
+  CHECK(flags == std::vector<std::int32_t>(3, 0));
 }
 
 TEST_CASE("cuda UA pool exhaustion flags only the asking slot; reset_slots brings it back", "[cuda][ua][memory][gpu]") {
