@@ -431,6 +431,68 @@ TEST_CASE("cuda UA pool exhaustion flags only the asking slot; reset_slots bring
   CHECK(lengths_of(with)[6] == 35);
 }
 
+TEST_CASE("cuda UA copy_slots and records over a shared pool: pages for the copy, refusals change nothing",
+          "[cuda][ua][memory][gpu]") {
+  if (no_device()) return;
+  // slot 0 holds 40 rows per kv head (3 pages each); the pool has 4 pages left
+  const kua::CacheShape s = pooled(3, 256, 2 * 3 + 4);
+  UaCache<float> c;
+  REQUIRE(UaCache<float>::create(s, c).is_ok());
+  kua::PrunedCache<float> host(s);
+  std::mt19937_64 rng(17);
+  Step first(kDims, 3, 64);
+  first.add(kDims, 0, 40, rng);
+  DevStep d(64, 3);
+  (void)d.run(c, first, kDense);
+  REQUIRE(first.run(kvmem::host::Executor{.threads = 1}, host, kDense, kDims).is_ok());
+  CHECK(c.pages_in_use() == 6);
+  const kvmem::cuda::Executor exec{};
+  // a copy needs 6 pages, 4 are free: refused with the host's message, nothing changed
+  const DevList src({0}), dst({1});
+  const Status refused = kua::copy_slots(exec, c, src.view(), dst.view());
+  const std::vector<std::int32_t> host_src{0}, host_dst{1};
+  const Status host_refused =
+      kua::copy_slots(kvmem::host::Executor{}, host, I32View(host_src.data(), {1}), I32View(host_dst.data(), {1}));
+  CHECK(refused.code() == StatusCode::kOutOfRange);
+  CHECK(refused.to_string() == host_refused.to_string());
+  CHECK(c.pages_in_use() == 6);
+  CHECK(lengths_of(c) == std::vector<std::int64_t>{40, 40, 0, 0, 0, 0});
+  // slot 0's record (its rows gathered through the page table) has the host record's size and imports
+  // into a host cache with the same lengths and positions
+  std::vector<std::byte> rec(kua::export_bytes(c, 0));
+  REQUIRE(kua::export_slot(exec, c, 0, std::span<std::byte>(rec)).is_ok());
+  CHECK(rec.size() == kua::export_bytes(host, 0));
+  kua::PrunedCache<float> back(pooled(1, 256, 0));
+  REQUIRE(kua::import_slot(kvmem::host::Executor{}, back, 0, std::span<const std::byte>(rec)).is_ok());
+  for (std::int64_t g = 0; g < kDims.G; ++g) {
+    REQUIRE(back.length(0, g) == host.length(0, g));
+    CHECK(std::equal(back.positions(0, g), back.positions(0, g) + back.length(0, g), host.positions(0, g)));
+  }
+  // importing it into slot 2 needs 6 pages: refused, nothing changed
+  CHECK(kua::import_slot(exec, c, 2, std::span<const std::byte>(rec)).code() == StatusCode::kOutOfRange);
+  CHECK(c.pages_in_use() == 6);
+  // a shorter slot copies: slot 1 gets 20 rows (2 pages per kv head), then continues like its source
+  const DevList zero({0});
+  REQUIRE(kua::reset_slots(exec, c, zero.view()).is_ok());
+  CHECK(c.pages_in_use() == 0);
+  Step again(kDims, 3, 64);
+  again.add(kDims, 0, 20, rng);
+  (void)d.run(c, again, kDense);
+  REQUIRE(kua::copy_slots(exec, c, src.view(), dst.view()).is_ok());
+  CHECK(c.pages_in_use() == 8);
+  CHECK(lengths_of(c) == std::vector<std::int64_t>{20, 20, 20, 20, 0, 0});
+  Step both(kDims, 3, 8);
+  std::mt19937_64 r2 = rng;
+  both.add(kDims, 0, 1, rng);
+  Step one(kDims, 1, 1);
+  one.add(kDims, 1, 1, r2);  // the same token for the copy
+  const auto a = d.run(c, both, kDense);
+  const auto b = d.run(c, one, kDense);
+  CHECK(a.first == b.first);
+  CHECK(a.second == b.second);
+  CHECK(c.pages_taken() - c.pages_returned() == c.pages_in_use());
+}
+
 TEST_CASE("cuda UA pages taken and returned equal the pages the lengths account for", "[cuda][ua][memory][gpu]") {
   if (no_device()) return;
   const kua::CacheShape s = pooled(4, 512, 4 * 2 * 33);
