@@ -219,7 +219,7 @@ class MappedCounters {
 // The pool counters into the cache's mapped block after an operation's kernels (occupancy reads).
 template <class S>
 Status publish(const DeviceCache<S>& d, cudaStream_t stream) {
-  publish_kernel<<<1, 1, 0, stream>>>(d.pool);
+  publish_kernel<><<<1, 1, 0, stream>>>(d.pool);
   return to_status(cudaGetLastError(), "ua publish_kernel");
 }
 }  // namespace ua_detail

@@ -116,7 +116,9 @@ __device__ inline bool take_pages(const DevicePool& p, std::int64_t item, std::i
   assign_pages(p, item, need, next);
   return true;
 }
-// grid 1, after an operation's kernels: the pool counters into the host-mapped block.
+// grid 1, after an operation's kernels: the pool counters into the host-mapped block. (A template, so
+// that translation units that all include this header link.)
+template <class = void>
 __global__ void publish_kernel(DevicePool p) {
   if (p.mirror == nullptr) return;
   volatile std::int64_t* m = p.mirror;
