@@ -406,7 +406,7 @@ TEST_CASE("cuda UA fixed-batch calls over own pages keep the page counts and pub
   CHECK(dense.pages_in_use() == B * kDims.G * ((prompt + 15) / 16));
 }
 
-TEST_CASE("cuda UA pool exhaustion flags only the asking slot; reset_slots brings it back", "[cuda][ua][memory][gpu]") {
+TEST_CASE("cuda UA pool exhaustion flags only the asking slot, reset_slots brings it back", "[cuda][ua][memory][gpu]") {
   if (no_device()) return;
   // slots 0..2 hold 20 rows per kv head (2 pages each, room to 32 rows); slot 3 asks for 200 rows
   // (13 pages per kv head) from the 10 pages left: it overflows, whichever order the rows run in
