@@ -1616,57 +1616,86 @@ struct SlotAccess {
 // counters or host bytes and synchronise.
 namespace kvmem::kvm {
 
-template <class S, class A, class In, class Out>
-Status step(const cuda::Executor& exec, cuda::KvmState<S, A>& state, const cuda::KvmWeights& weights,
-            const Rows& rows,                 // slot [rows], query_start [rows + 1]  device
-            TensorView<const In, 3> q,        // [tokens,Hq,D]   device
-            TensorView<const In, 3> k,        // [tokens,Hk,D]   device
-            TensorView<const In, 3> v,        // [tokens,Hk,Dv]  device
-            TensorView<const In, 2> gate,     // [tokens,Hk]     device
-            TensorView<Out, 3> out,           // [tokens,Hq,Dv]  device
-            TensorView<float, 2> lse = {}) {  // [tokens,Hq]    device, or empty
-  return cuda::kvm_detail::SlotAccess::step(exec, state, weights, rows, q, k, v, gate, out, lse);
-}
+// The CUDA backend behind kvm::prefill / decode / step / reset_slots / copy_slots / export_slot /
+// import_slot / truncate / forward / can_run (kvm/attention.hpp): states are cuda::KvmState, weights
+// cuda::KvmWeights, and every view points to device memory except the byte records of
+// export_slot / import_slot (host). What this backend does not do is refused with kUnsupported: a
+// RouteLog on step (the fixed-batch calls keep one) and per-sequence lengths / active masks of the
+// fixed-batch calls (ragged and partial batches go through step).
+template <>
+struct Backend<cuda::Executor> {
+  template <class S, class A>
+  using state_type = cuda::KvmState<S, A>;
+  using weights_type = cuda::KvmWeights;
 
-template <class S, class A>
-Status reset_slots(const cuda::Executor& exec, cuda::KvmState<S, A>& state,
-                   TensorView<const std::int32_t, 1> slots) {  // [n] device
-  return cuda::kvm_detail::SlotAccess::reset_slots(exec, state, slots);
-}
+  static Status can_run(const Problem& problem) { return cuda::KvmState<>::can_run(problem); }
 
-template <class S, class A>
-Status copy_slots(const cuda::Executor& exec, cuda::KvmState<S, A>& state,
-                  TensorView<const std::int32_t, 1> src,    // [n] device
-                  TensorView<const std::int32_t, 1> dst) {  // [n] device
-  return cuda::kvm_detail::SlotAccess::copy_slots(exec, state, src, dst);
-}
+  template <class S, class A, class In, class Out>
+  static Status prefill(const cuda::Executor& exec, cuda::KvmState<S, A>& state, const cuda::KvmWeights& weights,
+                        TensorView<const In, 4> q, TensorView<const In, 4> k, TensorView<const In, 4> v,
+                        TensorView<const In, 3> gate, TensorView<Out, 4> out, const std::int64_t* lengths,
+                        RouteLog* log) {
+    if (lengths != nullptr)
+      return {StatusCode::kUnsupported,
+              "lengths / active: the CUDA fixed-batch prefill and decode advance every sequence together "
+              "(pass nullptr); ragged and partial batches go through kvm::step"};
+    return cuda::kvm_run(exec, state, weights, q, k, v, gate, out, log);
+  }
 
+  template <class S, class A, class In, class Out>
+  static Status step(const cuda::Executor& exec, cuda::KvmState<S, A>& state, const cuda::KvmWeights& weights,
+                     const Rows& rows, TensorView<const In, 3> q, TensorView<const In, 3> k, TensorView<const In, 3> v,
+                     TensorView<const In, 2> gate, TensorView<Out, 3> out, TensorView<float, 2> lse, RouteLog* log) {
+    if (log != nullptr) return no_route_log();
+    return cuda::kvm_detail::SlotAccess::step(exec, state, weights, rows, q, k, v, gate, out, lse);
+  }
+
+  template <class S, class A>
+  static Status reset_slots(const cuda::Executor& exec, cuda::KvmState<S, A>& state,
+                            TensorView<const std::int32_t, 1> slots) {
+    return cuda::kvm_detail::SlotAccess::reset_slots(exec, state, slots);
+  }
+
+  template <class S, class A>
+  static Status copy_slots(const cuda::Executor& exec, cuda::KvmState<S, A>& state,
+                           TensorView<const std::int32_t, 1> src, TensorView<const std::int32_t, 1> dst) {
+    return cuda::kvm_detail::SlotAccess::copy_slots(exec, state, src, dst);
+  }
+
+  template <class S, class A>
+  static Status export_slot(const cuda::Executor& exec, const cuda::KvmState<S, A>& state, std::int32_t slot,
+                            std::span<std::byte> bytes) {
+    return cuda::kvm_detail::SlotAccess::export_slot(exec, state, slot, bytes);
+  }
+
+  template <class S, class A>
+  static Status import_slot(const cuda::Executor& exec, cuda::KvmState<S, A>& state, const cuda::KvmWeights& weights,
+                            std::int32_t slot, std::span<const std::byte> bytes) {
+    return cuda::kvm_detail::SlotAccess::import_slot(exec, state, weights, slot, bytes);
+  }
+
+  template <class S, class A>
+  static Status truncate(const cuda::Executor& exec, cuda::KvmState<S, A>& state, std::int32_t slot, std::int64_t n) {
+    return cuda::kvm_detail::SlotAccess::truncate(exec, state, slot, n);
+  }
+
+ private:
+  static Status no_route_log() {
+    return {StatusCode::kUnsupported,
+            "log: the CUDA kvm::step keeps no RouteLog (pass nullptr; the fixed-batch prefill and decode keep one)"};
+  }
+};
+
+// Bytes of export_slot's record: of the state's largest possible slot, and of `slot` as it is now
+// (synchronises the default stream: reads the slot's counters).
 template <class S, class A>
 std::size_t export_bytes(const cuda::KvmState<S, A>& state) {
   return cuda::kvm_detail::SlotAccess::export_bytes(state);
 }
 
-// Synchronises the default stream (reads the slot's counters).
 template <class S, class A>
 std::size_t export_bytes(const cuda::KvmState<S, A>& state, std::int32_t slot) {
   return cuda::kvm_detail::SlotAccess::export_bytes(state, slot);
-}
-
-template <class S, class A>
-Status export_slot(const cuda::Executor& exec, const cuda::KvmState<S, A>& state, std::int32_t slot,
-                   std::span<std::byte> bytes) {  // host
-  return cuda::kvm_detail::SlotAccess::export_slot(exec, state, slot, bytes);
-}
-
-template <class S, class A>
-Status import_slot(const cuda::Executor& exec, cuda::KvmState<S, A>& state, const cuda::KvmWeights& weights,
-                   std::int32_t slot, std::span<const std::byte> bytes) {  // host
-  return cuda::kvm_detail::SlotAccess::import_slot(exec, state, weights, slot, bytes);
-}
-
-template <class S, class A>
-Status truncate(const cuda::Executor& exec, cuda::KvmState<S, A>& state, std::int32_t slot, std::int64_t n) {
-  return cuda::kvm_detail::SlotAccess::truncate(exec, state, slot, n);
 }
 
 }  // namespace kvmem::kvm
