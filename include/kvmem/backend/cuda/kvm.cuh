@@ -448,13 +448,7 @@ class KvmState {
   }
   // Ok when a call of `rows` rows has workspace; else the reason (checked before anything is enqueued).
   [[nodiscard]] Status check_workspace(std::int64_t rows) const {
-    if (ws_rows_ == 0)
-      return invalid_argument("workspace", "a workspace (KvmState::create, or attach_workspace after place)", "none");
-    if (rows > ws_rows_)
-      return {StatusCode::kOutOfRange,
-              "workspace: a call of " + std::to_string(rows) +
-                  " rows, the attached workspace holds limits.max_rows = " + std::to_string(ws_rows_)};
-    return Status::ok();
+    return check_workspace_rows(ws_rows_ > 0, rows, ws_rows_, "KvmState");
   }
   // False for a state never created and for a moved-from one: every operation on it is refused.
   [[nodiscard]] bool valid() const { return base_ != nullptr; }
