@@ -275,9 +275,9 @@ __global__ void __launch_bounds__(kPlanThreads)
 //
 // An update compares each of the C tokens of an item (row, KV head) with every slot twice: novelty
 // against the S0 pre-update slots, routing against the S1 slots after the appends, C * S dots of D
-// channels a pass (about 94 M multiply-adds at 16 sqrt N and 32K tokens). A decode step updates about
-// one row in C, so one block per item would leave nearly all of the GPU idle behind one long serial
-// chain. The update of a phase therefore runs as five launches:
+// channels a pass (about 94 M multiply-adds at 16 sqrt N and 32K tokens). A decoding row updates once
+// in C steps, so a step has few updating items, and one block per item would leave nearly all of the
+// GPU idle behind one long serial chain. The update of a phase therefore runs as five launches:
 //
 //   prep     a block per updating item, a thread per token: k0, kg, vg (step 1)
 //   novelty  a fixed grid over (item, range of slots): each token's best k0 . LN_s(Sk_j)  (step 2)
@@ -671,6 +671,41 @@ __device__ inline A slot_warp_sum(A x) {
   return x;
 }
 
+// Element i of a vector of storage values loaded as 32-bit words (little-endian: a word holds two 16-bit
+// values, low half first).
+template <class S>
+__device__ inline float slot_word_element(const unsigned* w, int i) {
+  if constexpr (sizeof(S) == 4)
+    return __uint_as_float(w[i]);
+  else
+    return rn_load(S::from_bits(static_cast<std::uint16_t>(w[i / 2] >> (16 * (i % 2)))));
+}
+
+// N consecutive storage values at p as floats, in 16-byte (or, for 8 bytes in all, 8-byte) loads; p
+// aligned to the load. A lane that reads a whole row this way moves it in a few transactions instead of
+// one per element.
+template <int N, class S>
+__device__ inline void slot_load_vec(const S* p, float (&x)[N]) {
+  static_assert(sizeof(S) == 2 || sizeof(S) == 4, "slot_load_vec: 16- or 32-bit storage");
+  constexpr int kBytes = N * int(sizeof(S));
+  static_assert(kBytes % 16 == 0 || kBytes == 8, "slot_load_vec: 8 bytes or whole 16-byte vectors");
+  if constexpr (kBytes == 8) {
+    const uint2 raw = *reinterpret_cast<const uint2*>(p);
+    const unsigned w[2] = {raw.x, raw.y};
+#pragma unroll
+    for (int i = 0; i < N; ++i) x[i] = slot_word_element<S>(w, i);
+  } else {
+    constexpr int kPer = 16 / int(sizeof(S));
+#pragma unroll
+    for (int v = 0; v < N / kPer; ++v) {
+      const uint4 raw = reinterpret_cast<const uint4*>(p)[v];
+      const unsigned w[4] = {raw.x, raw.y, raw.z, raw.w};
+#pragma unroll
+      for (int i = 0; i < kPer; ++i) x[v * kPer + i] = slot_word_element<S>(w, i);
+    }
+  }
+}
+
 // The readout's launch shape, from the state's shape alone: kRep query heads of one KV head per block
 // (every key row is read once for all of them), kRegs value channels per lane.
 struct SlotReadoutShape {
@@ -692,10 +727,10 @@ inline SlotReadoutShape slot_readout_shape(std::int64_t Hq, std::int64_t Hk, std
 
 // Rows (token, h) for the kRep query heads h of block (token, group) over the slots (when wb > 0) and the
 // causal window [wb, t] in the ring, one online softmax per head: warp w takes keys [32 (w + 4 i), ...),
-// lane l a key's logits and value channels l + 32 e; the four warps merge in a fixed order
-// (deterministic). A padding row's out and lse are zeroed (zero_padding: the first phase).
-// grid (tokens, Hq / kRep), block 32 * kSlotReadoutWarps, smem SlotReadoutShape::shared_bytes.
-// q [tokens,Hq,D], out [tokens,Hq,Dv], lse [tokens,Hq] or nullptr.
+// lane l a key's logits (its key row read in 16-byte vectors) and value channels l kRegs + e (or l + 32 e
+// when Dv is not a multiple of kRegs); the four warps merge in a fixed order (deterministic). A padding row's out and
+// lse are zeroed (zero_padding: the first phase). grid (tokens, Hq / kRep), block 32 * kSlotReadoutWarps, smem
+// SlotReadoutShape::shared_bytes. q [tokens,Hq,D], out [tokens,Hq,Dv], lse [tokens,Hq] or nullptr.
 template <class S, class In, class Out, int kRep, int kRegs>
 __global__ void __launch_bounds__(32 * kSlotReadoutWarps)
     slot_readout_kernel(DeviceState<S, float> st, SlotCounters sc, SlotRows rows, const In* q, Out* out, float* lse,
@@ -734,6 +769,9 @@ __global__ void __launch_bounds__(32 * kSlotReadoutWarps)
   const S* wk = st.wk + item * W * D;
   const S* wv = st.wv + item * W * Dv;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  // lane l holds value channels l kRegs .. l kRegs + kRegs - 1 (one vector load a key) when they split
+  // evenly, else channels l + 32 e
+  const bool vec_v = Dv % kRegs == 0;
   float m[kRep], l[kRep], acc[kRep][kRegs];
 #pragma unroll
   for (int h = 0; h < kRep; ++h) {
@@ -751,10 +789,22 @@ __global__ void __launch_bounds__(32 * kSlotReadoutWarps)
       const bool slot = key < n_s;
       const S* kr = slot ? khat + key * D : wk + ((pl.wb + key - n_s) % W) * D;
       float dot[kRep] = {};
-      for (std::int64_t d = 0; d < D; ++d) {
-        const float x = rn_load(kr[d]);
+      if (D % 8 == 0) {  // the same products in the same order, the row read in vectors of 8 channels
+#pragma unroll 4
+        for (std::int64_t d = 0; d < D; d += 8) {
+          float x[8];
+          slot_load_vec<8>(kr + d, x);
 #pragma unroll
-        for (int h = 0; h < kRep; ++h) dot[h] = fmaf(qs[h * D + d], x, dot[h]);
+          for (int c = 0; c < 8; ++c)
+#pragma unroll
+            for (int h = 0; h < kRep; ++h) dot[h] = fmaf(qs[h * D + d + c], x[c], dot[h]);
+        }
+      } else {
+        for (std::int64_t d = 0; d < D; ++d) {
+          const float x = rn_load(kr[d]);
+#pragma unroll
+          for (int h = 0; h < kRep; ++h) dot[h] = fmaf(qs[h * D + d], x, dot[h]);
+        }
       }
 #pragma unroll
       for (int h = 0; h < kRep; ++h) p[h] = (slot ? ls_s[h] : ls_w[h]) * dot[h];  // the logit, for now
@@ -769,18 +819,36 @@ __global__ void __launch_bounds__(32 * kSlotReadoutWarps)
       for (int e = 0; e < kRegs; ++e) acc[h][e] *= keep;
       m[h] = m_new;
     }
+    // the values of the round's keys, kBatch rows loaded before they are used (loads in flight), each
+    // channel still accumulated in increasing key order
+    constexpr int kBatch = 32 / kRegs;
     const std::int64_t count = imin(32, n_keys - base);
-    for (std::int64_t i = 0; i < count; ++i) {
-      const std::int64_t kk = base + i;
-      const S* vr = kk < n_s ? vhat + kk * Dv : wv + ((pl.wb + kk - n_s) % W) * Dv;
-      float x[kRegs];
+    for (std::int64_t i0 = 0; i0 < count; i0 += kBatch) {
+      float x[kBatch][kRegs];
 #pragma unroll
-      for (int e = 0; e < kRegs; ++e) x[e] = lane + 32 * e < Dv ? rn_load(vr[lane + 32 * e]) : 0.0f;
+      for (int u = 0; u < kBatch; ++u) {
+        const std::int64_t kk = base + i0 + u;
 #pragma unroll
-      for (int h = 0; h < kRep; ++h) {
-        const float pi = __shfl_sync(0xffffffffu, p[h], static_cast<int>(i));
+        for (int e = 0; e < kRegs; ++e) x[u][e] = 0.0f;
+        if (i0 + u >= count) continue;
+        const S* vr = kk < n_s ? vhat + kk * Dv : wv + ((pl.wb + kk - n_s) % W) * Dv;
+        if (vec_v) {
+          if (lane * kRegs < Dv) slot_load_vec<kRegs>(vr + lane * kRegs, x[u]);
+        } else {
 #pragma unroll
-        for (int e = 0; e < kRegs; ++e) acc[h][e] = fmaf(pi, x[e], acc[h][e]);
+          for (int e = 0; e < kRegs; ++e)
+            if (lane + 32 * e < Dv) x[u][e] = rn_load(vr[lane + 32 * e]);
+        }
+      }
+#pragma unroll
+      for (int u = 0; u < kBatch; ++u) {
+        if (i0 + u >= count) break;  // the same for every lane
+#pragma unroll
+        for (int h = 0; h < kRep; ++h) {
+          const float pi = __shfl_sync(0xffffffffu, p[h], static_cast<int>(i0 + u));
+#pragma unroll
+          for (int e = 0; e < kRegs; ++e) acc[h][e] = fmaf(pi, x[u][e], acc[h][e]);
+        }
       }
     }
   }
@@ -792,8 +860,10 @@ __global__ void __launch_bounds__(32 * kSlotReadoutWarps)
       mine[1] = l[h];
     }
 #pragma unroll
-    for (int e = 0; e < kRegs; ++e)
-      if (lane + 32 * e < Dv) mine[2 + lane + 32 * e] = acc[h][e];
+    for (int e = 0; e < kRegs; ++e) {
+      const std::int64_t ch = vec_v ? lane * kRegs + e : lane + 32 * e;
+      if (ch < Dv) mine[2 + ch] = acc[h][e];
+    }
   }
   __syncthreads();
   for (int h = 0; h < kRep; ++h) {
