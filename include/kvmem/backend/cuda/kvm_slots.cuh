@@ -561,46 +561,85 @@ __global__ void __launch_bounds__(1024)
   }
 }
 
-// Step 4's scatter where some token merges (kernel::scatter_into_slot: the tokens routed to slot j, in
-// increasing token order; a token's route is decoded from its merged key), then K^, V^ of every slot
-// from the sink on (rn_refresh). Unit u is the
-// range u % ranges of blockDim slots of item u / ranges; ranges covers the capacity (state shape).
+// kernel::scatter_into_slot for slot j with one warp: the tokens routed to j (target[i] == j), in
+// increasing token order, added to Sk_j and Sv_j, lanes over the channels (each channel's sum keeps
+// the token order), cnt_j counted in the same order. The warp finds the tokens 32 targets a ballot.
+inline constexpr int kSlotScatterRegs = 8;  // channels a lane sums per sweep over the tokens
+
+template <class S>
+__device__ __forceinline__ void slot_scatter_warp(const DeviceState<S, float>& st, std::int64_t item, std::int64_t work,
+                                                  const int* target, std::int64_t j, int lane) {
+  const std::int64_t C = st.C, D = st.D, Dv = st.Dv, cap = st.cap;
+  float* sk = st.sk + (item * cap + j) * D;
+  float* sv = st.sv + (item * cap + j) * Dv;
+  float cnt = st.cnt[item * cap + j];
+  // channels [0, D) are Sk's, [D, D + Dv) Sv's
+  for (std::int64_t c0 = 0; c0 < D + Dv; c0 += 32 * kSlotScatterRegs) {
+    float acc[kSlotScatterRegs];
+#pragma unroll
+    for (int e = 0; e < kSlotScatterRegs; ++e) {
+      const std::int64_t ch = c0 + lane + 32 * e;
+      acc[e] = ch < D ? sk[ch] : ch < D + Dv ? sv[ch - D] : 0.0f;
+    }
+    for (std::int64_t i0 = 0; i0 < C; i0 += 32) {
+      unsigned hits = __ballot_sync(0xffffffffu, i0 + lane < C && target[i0 + lane] == j);
+      while (hits != 0) {  // in increasing token order
+        const std::int64_t i = i0 + __ffs(static_cast<int>(hits)) - 1;
+        hits &= hits - 1;
+        const float* kgi = st.kg + (work * C + i) * D;
+        const float* vgi = st.vg + (work * C + i) * Dv;
+#pragma unroll
+        for (int e = 0; e < kSlotScatterRegs; ++e) {
+          const std::int64_t ch = c0 + lane + 32 * e;
+          if (ch < D)
+            acc[e] = __fadd_rn(acc[e], kgi[ch]);
+          else if (ch < D + Dv)
+            acc[e] = __fadd_rn(acc[e], vgi[ch - D]);
+        }
+        if (c0 == 0) cnt = __fadd_rn(cnt, 1.0f);
+      }
+    }
+#pragma unroll
+    for (int e = 0; e < kSlotScatterRegs; ++e) {
+      const std::int64_t ch = c0 + lane + 32 * e;
+      if (ch < D)
+        sk[ch] = acc[e];
+      else if (ch < D + Dv)
+        sv[ch - D] = acc[e];
+    }
+  }
+  if (lane == 0) st.cnt[item * cap + j] = cnt;
+}
+
+// Step 4's scatter where some token merges (a token's route decoded from its merged key; a warp a
+// slot), then K^, V^ of every slot from the sink on (rn_refresh, a thread a slot). Unit u is the range
+// u % ranges of blockDim slots of item u / ranges; ranges covers the capacity (state shape).
 // grid kSlotBlocksPerSm * SMs, block kSlotPassThreads, smem slot_finish_shared_bytes.
 template <class S>
 __global__ void __launch_bounds__(kSlotPassThreads)
     slot_update_finish_kernel(DeviceState<S, float> st, SlotCounters sc, SlotRows rows, std::int64_t ranges) {
-  const std::int64_t items = slot_update_items(sc, st.Hk), C = st.C, D = st.D, Dv = st.Dv, cap = st.cap;
+  const std::int64_t items = slot_update_items(sc, st.Hk), C = st.C;
   extern __shared__ int slot_finish_smem[];
   int* target = slot_finish_smem;  // [C]
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, warps = blockDim.x / 32;
   for (std::int64_t u = blockIdx.x; u < items * ranges; u += gridDim.x) {
     const SlotUpdateItem it = slot_update_item(st, sc, rows, u / ranges);
     const std::int64_t S1 = it.pl.s_after, first = st.sink + (u % ranges) * blockDim.x;
     if (first >= S1) continue;  // the same for every thread of the block
-    const bool scatter = it.pl.n_app < C;
-    __syncthreads();  // the previous unit's reads of target are done
-    if (scatter)      // the route of each token not appended, from its merged key (none: no candidate slot)
+    const std::int64_t last = imin(S1, first + blockDim.x);
+    if (it.pl.n_app < C) {
+      __syncthreads();  // the previous unit's reads of target are done
+      // the route of each token not appended, from its merged key (none: no candidate slot)
       for (std::int64_t i = threadIdx.x; i < C; i += blockDim.x) {
         const unsigned long long key = sc.key[it.work * C + i];
         target[i] = st.target[it.work * C + i] == -1 ? -1 : key == 0 ? 0 : slot_route_target(key);
       }
-    __syncthreads();
-    const std::int64_t j = first + threadIdx.x;
-    if (j >= S1) continue;
-    if (scatter) {
-      float* sk = st.sk + (it.item * cap + j) * D;
-      float* sv = st.sv + (it.item * cap + j) * Dv;
-      float cnt = st.cnt[it.item * cap + j];
-      for (std::int64_t i = 0; i < C; ++i) {
-        if (target[i] != j) continue;
-        const float* kgi = st.kg + (it.work * C + i) * D;
-        const float* vgi = st.vg + (it.work * C + i) * Dv;
-        for (std::int64_t d = 0; d < D; ++d) sk[d] = __fadd_rn(sk[d], kgi[d]);
-        for (std::int64_t d = 0; d < Dv; ++d) sv[d] = __fadd_rn(sv[d], vgi[d]);
-        cnt = __fadd_rn(cnt, 1.0f);
-      }
-      st.cnt[it.item * cap + j] = cnt;
+      __syncthreads();
+      for (std::int64_t j = first + warp; j < last; j += warps)
+        slot_scatter_warp(st, it.item, it.work, target, j, lane);
+      __syncthreads();  // the range's sums are final
     }
-    rn_refresh(st, it.item, j);
+    if (first + threadIdx.x < last) rn_refresh(st, it.item, first + threadIdx.x);
   }
 }
 
