@@ -251,6 +251,11 @@ void continuous_batching(kvmem::budget::Any budget, std::uint64_t seed, Schedule
   const Status created_state = kvmem::cuda::KvmState<S>::create(p, {kSlots, d.Hq, d.Hk, d.D, d.Dv, n_ctx}, st);
   INFO(created_state.to_string());
   REQUIRE(created_state.is_ok());
+  // A step has up to kSlots rows naming slots plus two padding rows; the workspace of an owning state
+  // holds max_slots rows (padding rows take work items too), so the test attaches one for its largest step.
+  const kvmem::Limits limits{.max_rows = kSlots + 2};
+  Dev<unsigned char> workspace(kvmem::cuda::KvmState<S>::workspace_bytes({p, st.shape()}, limits));
+  REQUIRE(st.attach_workspace(workspace.ptr, workspace.n, limits).is_ok());
   std::mt19937_64 rng(seed);
   const auto uni = [&](std::int64_t a, std::int64_t b) {
     return std::uniform_int_distribution<std::int64_t>(a, b)(rng);
