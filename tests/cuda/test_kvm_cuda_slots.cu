@@ -587,6 +587,61 @@ TEST_CASE("cuda kvm step: one graph of a padded decode step replays 600 steps li
   }
 }
 
+// ---- the update's merged keys (host-side: no device needed) -----------------------------------------
+
+// The update's passes cut a token's candidate slots into ranges, reduce each range to a key and merge
+// the keys with atomicMax in whatever order blocks finish. Whatever the cut and the order, the merged
+// key must give what the serial loops give (kernel::novelty_update_logits: the largest dot, NaN never
+// taken; kernel::merge_route_update_logits: the first j of the largest dot from the sink on, the sink
+// taken first even with a NaN dot), on dots with ties, -0 and +0, infinities, NaN and subnormals.
+TEST_CASE("cuda kvm step: the update's merged keys give the serial loops' novelty and routes", "[slots]") {
+  namespace kd = kvmem::cuda::kvm_detail;
+  const float special[] = {0.0f, -0.0f, 1.0f, -1.0f, 2.5f, -2.5f, INFINITY, -INFINITY, NAN, 1e-40f, -1e-40f, 3.0f};
+  std::mt19937_64 rng(9);
+  const auto below = [&](std::uint64_t n) { return static_cast<std::int64_t>(rng() % n); };
+  int routes = 0, sink_nan = 0, ties = 0;
+  for (int trial = 0; trial < 20000; ++trial) {
+    const std::int64_t S = 1 + below(40), sink = below(3);
+    std::vector<float> dot(static_cast<std::size_t>(S));
+    for (float& x : dot) x = below(3) == 0 ? special[below(12)] : float(below(7) - 3);  // small integers tie
+    // the serial loops of the exact path
+    float score = -INFINITY;
+    kvmem::kernel::novelty_update_logits(dot.data(), S, 1, S, &score);
+    float best = 0;
+    std::int64_t route = 0;
+    if (S > sink)
+      kvmem::kernel::merge_route_update_logits(dot.data() + sink, S, 1, sink, S - sink, &best, &route, true);
+    // ranges cut at random, merged in a random order
+    std::vector<std::int64_t> cuts{0, S};
+    for (std::int64_t i = below(6); i > 0; --i) cuts.push_back(below(std::uint64_t(S) + 1));
+    std::sort(cuts.begin(), cuts.end());
+    std::vector<std::size_t> order(cuts.size() - 1);
+    for (std::size_t i = 0; i < order.size(); ++i) order[i] = i;
+    std::shuffle(order.begin(), order.end(), rng);
+    unsigned long long novelty = 0, routed = 0;
+    for (const std::size_t q : order) {
+      unsigned long long n = 0, r = 0;
+      for (std::int64_t j = cuts[q]; j < cuts[q + 1]; ++j) {
+        n = std::max(n, kd::slot_novelty_key(dot[std::size_t(j)]));
+        if (j >= sink) r = std::max(r, kd::slot_route_key(dot[std::size_t(j)], j, j == sink));
+      }
+      novelty = std::max(novelty, n);
+      routed = std::max(routed, r);
+    }
+    INFO("trial " << trial << ", S " << S << ", sink " << sink);
+    REQUIRE(kd::slot_novelty_score(novelty) == score);  // -0 == +0: the append ranks compare with < and ==
+    if (S > sink) {
+      REQUIRE(kd::slot_route_target(routed) == route);
+      ++routes;
+      sink_nan += std::isnan(dot[std::size_t(sink)]) ? 1 : 0;
+      ties += std::count(dot.begin() + sink, dot.end(), best) > 1 ? 1 : 0;
+    }
+  }
+  CHECK(routes > 10000);  // the cases the rules are about occurred
+  CHECK(sink_nan > 100);
+  CHECK(ties > 1000);
+}
+
 // ---- the first step after fixed-batch calls -----------------------------------------------------------
 
 // A state prefilled by the fixed-batch kvm_prefill, then driven by kvm::step, continues like a twin whose

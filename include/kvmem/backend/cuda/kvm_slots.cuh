@@ -25,6 +25,7 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstddef>
 #include <cstdint>
 
@@ -321,32 +322,33 @@ inline std::size_t slot_finish_shared_bytes(std::int64_t C) {
 }
 
 // Order-preserving code of a float that is not NaN: x < y iff code(x) < code(y); -0 and +0 share a code
-// (they compare equal). Every code is > 0 (-inf's is 0x007fffff), so 0 can mean "no dot yet".
-__device__ inline unsigned slot_order_code(float x) {
-  const unsigned u = __float_as_uint(x == 0.0f ? 0.0f : x);
+// (they compare equal). Every code is > 0 (-inf's is 0x007fffff), so 0 can mean "no dot yet". The key
+// functions are host-callable too, so a test checks the merge rules without a device.
+KVMEM_HOST_DEVICE inline std::uint32_t slot_order_code(float x) {
+  const std::uint32_t u = ::kvmem::detail::float_bits(x == 0.0f ? 0.0f : x);
   return (u & 0x80000000u) != 0 ? ~u : (u | 0x80000000u);
 }
-__device__ inline float slot_order_value(unsigned code) {
-  return __uint_as_float((code & 0x80000000u) != 0 ? (code & 0x7fffffffu) : ~code);
+KVMEM_HOST_DEVICE inline float slot_order_value(std::uint32_t code) {
+  return ::kvmem::detail::bits_float((code & 0x80000000u) != 0 ? (code & 0x7fffffffu) : ~code);
 }
 
 // Novelty key of a dot: its code (a NaN is never > the running best: no key).
-__device__ inline unsigned long long slot_novelty_key(float s) {
+KVMEM_HOST_DEVICE inline unsigned long long slot_novelty_key(float s) {
   return s != s ? 0ull : static_cast<unsigned long long>(slot_order_code(s)) << 32;
 }
 // The novelty score of a merged key: -inf when no slot gave one (the serial loop's start).
-__device__ inline float slot_novelty_score(unsigned long long key) {
-  return key == 0 ? -INFINITY : slot_order_value(static_cast<unsigned>(key >> 32));
+KVMEM_HOST_DEVICE inline float slot_novelty_score(unsigned long long key) {
+  return key == 0 ? -INFINITY : slot_order_value(static_cast<std::uint32_t>(key >> 32));
 }
 
 // Route key of dot l with slot j: larger dots first, then smaller j. The first candidate is taken
 // whatever its dot, so its NaN outranks every dot; any other slot's NaN never wins.
-__device__ inline unsigned long long slot_route_key(float l, std::int64_t j, bool first) {
+KVMEM_HOST_DEVICE inline unsigned long long slot_route_key(float l, std::int64_t j, bool first) {
   const unsigned long long low = 0xffffffffull - static_cast<unsigned long long>(j);
   if (l != l) return first ? (0xffffffffull << 32) | low : 0ull;
   return (static_cast<unsigned long long>(slot_order_code(l)) << 32) | low;
 }
-__device__ inline int slot_route_target(unsigned long long key) {
+KVMEM_HOST_DEVICE inline int slot_route_target(unsigned long long key) {
   return static_cast<int>(0xffffffffull - (key & 0xffffffffull));
 }
 
