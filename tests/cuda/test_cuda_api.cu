@@ -71,16 +71,17 @@ TEST_CASE("cuda kvm::forward and kvm::prefill run the CUDA fixed-batch kernels",
   const auto view = [](const Dev<float>& o) { return TensorView<float, 4>(o.ptr, {B, T, Hq, Dv}); };
 
   // forward: a fresh state of the backend's type, one prefill
-  Status s = kvm::forward<float>(exec, params(), in.weights(), in.qv(), in.kv(), in.vv(), in.gv(), view(out_forward));
+  const Status s =
+      kvm::forward<float>(exec, params(), in.weights(), in.qv(), in.kv(), in.vv(), in.gv(), view(out_forward));
   INFO(s.to_string());
   REQUIRE(s.is_ok());
 
   kvm::state_t<kcuda::Executor, float> a, b;
   REQUIRE(kcuda::KvmState<float>::create(params(), {B, Hq, Hk, D, Dv, T}, a).is_ok());
   REQUIRE(kcuda::KvmState<float>::create(params(), {B, Hq, Hk, D, Dv, T}, b).is_ok());
-  s = kvm::prefill(exec, a, in.weights(), in.qv(), in.kv(), in.vv(), in.gv(), view(out_prefill));
-  INFO(s.to_string());
-  REQUIRE(s.is_ok());
+  const Status p = kvm::prefill(exec, a, in.weights(), in.qv(), in.kv(), in.vv(), in.gv(), view(out_prefill));
+  INFO(p.to_string());
+  REQUIRE(p.is_ok());
   REQUIRE(kcuda::kvm_prefill(exec, b, in.weights(), in.qv(), in.kv(), in.vv(), in.gv(), view(out_direct)).is_ok());
   KVMEM_CUDA_REQUIRE(cudaDeviceSynchronize());
   const std::vector<float> direct = out_direct.get();
