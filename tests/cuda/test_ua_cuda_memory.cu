@@ -359,6 +359,54 @@ TEST_CASE("cuda UA fixed-batch prefill and decode over a shared pool equal the h
   CHECK(flags == std::vector<std::int32_t>(3, 0));
 }
 
+TEST_CASE("cuda UA fixed-batch calls over own pages keep the page counts and publish them", "[cuda][ua][memory][gpu]") {
+  if (no_device()) return;
+  // pool_pages = 0: every (slot, kv head) owns ceil(256 / 16) pages; the kernels count what they use
+  const std::int64_t B = 2, T = 90, prompt = 50;
+  const kvmem::test::ua::FloatCase f(kvmem::test::ua::random_case(B, T, kDims.H, kDims.G, kDims.D, 43));
+  const kua::CacheShape s{B, kDims.H, kDims.G, kDims.D, 256, 16, 0};
+  UaCache<float> dev;
+  REQUIRE(UaCache<float>::create(s, dev).is_ok());
+  CHECK(dev.pool_pages() == B * kDims.G * 16);
+  CHECK(dev.free_pages() == dev.pool_pages());
+  Dev<float> q(f.q), k(f.k), v(f.v), zk(f.z_k), zq(f.z_q), out(std::size_t(B * T * kDims.H * kDims.D));
+  const auto slice = [&](std::int64_t t0, std::int64_t t1) {
+    const std::int64_t H = kDims.H, G = kDims.G, D = kDims.D;
+    kvmem::cuda::UaInputs<float> in;
+    in.q = {q.ptr + t0 * D, {B, H, t1 - t0, D}, {H * T * D, T * D, D, 1}};
+    in.k = {k.ptr + t0 * D, {B, G, t1 - t0, D}, {G * T * D, T * D, D, 1}};
+    in.v = {v.ptr + t0 * D, {B, G, t1 - t0, D}, {G * T * D, T * D, D, 1}};
+    in.z_k = {zk.ptr + t0, {B, G, t1 - t0}, {G * T, T, 1}};
+    in.z_q = {zq.ptr + t0, {B, G, t1 - t0}, {G * T, T, 1}};
+    return in;
+  };
+  const auto out_at = [&](std::int64_t t0, std::int64_t t1) {
+    const std::int64_t H = kDims.H, D = kDims.D;
+    return TensorView<float, 4>(out.ptr + t0 * H * D, {B, t1 - t0, H, D}, {T * H * D, H * D, D, 1});
+  };
+  const kvmem::cuda::Executor exec{};
+  const kua::Options opt{0.05, 32, true};
+  REQUIRE(kvmem::cuda::ua_prefill(exec, dev, slice(0, prompt), opt, out_at(0, prompt)).is_ok());
+  KVMEM_CUDA_REQUIRE(cudaDeviceSynchronize());
+  auto len = lengths_of(dev);
+  CHECK(dev.pages_in_use() == pages_for(len));
+  for (std::int64_t t = prompt; t < T; ++t) {
+    REQUIRE(kvmem::cuda::ua_decode(exec, dev, slice(t, t + 1), opt, out_at(t, t + 1)).is_ok());
+    KVMEM_CUDA_REQUIRE(cudaDeviceSynchronize());
+    len = lengths_of(dev);
+    INFO("decode token " << t);
+    REQUIRE(dev.pages_in_use() == pages_for(len));  // published by the decode's last item
+    REQUIRE(dev.pages_taken() - dev.pages_returned() == dev.pages_in_use());
+  }
+  CHECK(dev.pages_returned() > 0);
+  // a dense prefill (p = 0) appends every row
+  UaCache<float> dense;
+  REQUIRE(UaCache<float>::create(s, dense).is_ok());
+  REQUIRE(kvmem::cuda::ua_prefill(exec, dense, slice(0, prompt), kDense, out_at(0, prompt)).is_ok());
+  KVMEM_CUDA_REQUIRE(cudaDeviceSynchronize());
+  CHECK(dense.pages_in_use() == B * kDims.G * ((prompt + 15) / 16));
+}
+
 TEST_CASE("cuda UA pool exhaustion flags only the asking slot; reset_slots brings it back", "[cuda][ua][memory][gpu]") {
   if (no_device()) return;
   // slots 0..2 hold 20 rows per kv head (2 pages each, room to 32 rows); slot 3 asks for 200 rows

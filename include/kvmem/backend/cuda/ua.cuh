@@ -39,8 +39,10 @@
 // bound on the cache length: when it says a call might not fit (longest + T > capacity), the call first
 // reads the true lengths back (one synchronisation) and refuses the call if one item lacks room. A step
 // leaves the bound unknown, so the next fixed-batch call reads the lengths back; a captured ua_decode
-// replays without advancing the bound, so engines capture ua::step instead. They take their pages like
-// a step (batch_reserve_kernel): a sequence whose slot finds the pool dry is skipped, its outputs zeroed.
+// replays without advancing the bound, so engines capture ua::step instead. With a shared pool they take
+// their pages like a step (batch_reserve_kernel): a sequence whose slot finds the pool dry is skipped, its
+// outputs zeroed; over items that own their pages (pool_pages = 0) every sequence runs and the kernels
+// count the pages themselves.
 // UaCache::create and place allocate the cache's mapped counter block and wait for their initialisation
 // (their own stream, not the device); ua_forward without a scratch cache allocates one and synchronises;
 // the accessors position, positions, lengths, pages, download, overflowed and step_status read the
@@ -116,7 +118,7 @@ inline constexpr std::size_t kUaAlign = 256;
 // counters), then the device's own bookkeeping.
 struct UaCacheOffsets {
   ua::cache_detail::Offsets host;
-  std::size_t counter, done, next_length, go, first, overflow, error, prefill, report, bytes;
+  std::size_t counter, done, next_length, batch_done, go, first, overflow, error, prefill, report, bytes;
 };
 template <class S>
 UaCacheOffsets cache_offsets(const ua::CacheShape& s) {
@@ -128,6 +130,7 @@ UaCacheOffsets cache_offsets(const ua::CacheShape& s) {
   o.counter = a.take(I * sizeof(std::int64_t));      // [I] positions (every kv head of a slot alike)
   o.done = a.take(I * sizeof(int));                  // [I] decode tickets
   o.next_length = a.take(I * sizeof(std::int64_t));  // [I]
+  o.batch_done = a.take(sizeof(int));                // a fixed-batch decode's finished items
   o.go = a.take(B * sizeof(int));                    // [B] per step: the slot's row runs
   o.first = a.take(B * sizeof(int));                 // [B] per step: the rows' check
   o.overflow = a.take(B * sizeof(int));              // [B] sticky overflow flags
@@ -219,7 +222,7 @@ class MappedCounters {
 // The pool counters into the cache's mapped block after an operation's kernels (occupancy reads).
 template <class S>
 Status publish(const DeviceCache<S>& d, cudaStream_t stream) {
-  publish_kernel<<<1, 1, 0, stream>>>(d.pool);
+  publish_kernel<><<<1, 1, 0, stream>>>(d.pool);
   return to_status(cudaGetLastError(), "ua publish_kernel");
 }
 }  // namespace ua_detail
@@ -542,6 +545,7 @@ class UaCache {
     d.counter = reinterpret_cast<std::int64_t*>(base + o.counter);
     d.done = reinterpret_cast<int*>(base + o.done);
     d.next_length = reinterpret_cast<std::int64_t*>(base + o.next_length);
+    d.batch_done = reinterpret_cast<int*>(base + o.batch_done);
     d.pool.table = s.pool_pages > 0 ? reinterpret_cast<std::int32_t*>(base + o.host.table) : nullptr;
     d.pool.held = reinterpret_cast<std::int64_t*>(base + o.host.held);
     d.pool.free_list = reinterpret_cast<std::int32_t*>(base + o.host.free_list);
@@ -765,13 +769,19 @@ Status ua_run(const Executor& exec, UaCache<S>& cache, const UaInputs<S>& in, co
   a.log_p = ua::detail::log_threshold(opt.p);
   a.evict_before_attention = opt.evict_before_attention;
   a.tokens = T;
-  a.slot_go = cache.slot_go_;
   const auto& dev = cache.dev_;
   const std::int64_t r = cache.group_size();
-  // every sequence's pages for kept + T rows, before anything runs; a sequence whose slot is flagged or
-  // finds the pool dry is skipped (outputs zeroed, slot flagged, its pages back in the pool)
-  batch_reserve_kernel<S><<<1, 256, 0, exec.stream>>>(dev, a, cache.slot_go_, cache.overflow_, B, T);
-  KVMEM_CUDA_RETURN_IF_LAUNCH_FAILED("ua batch_reserve_kernel");
+  // With a shared pool, every sequence's pages for kept + T rows before anything runs; a sequence whose
+  // slot is flagged or finds the pool dry is skipped (outputs zeroed, slot flagged, its pages back in
+  // the pool). Items that own their pages cannot run dry: every sequence runs (as before pages) and the
+  // kernels count the pages themselves (DeviceCall::count_pages).
+  const bool own_pages = s.pool_pages == 0;
+  a.count_pages = own_pages;
+  a.slot_go = own_pages ? nullptr : cache.slot_go_;
+  if (!own_pages) {
+    batch_reserve_kernel<S><<<1, 256, 0, exec.stream>>>(dev, a, cache.slot_go_, cache.overflow_, B, T);
+    KVMEM_CUDA_RETURN_IF_LAUNCH_FAILED("ua batch_reserve_kernel");
+  }
   if (decode) {
     a.P = 1;
     a.lambda_new = nullptr;
@@ -804,7 +814,7 @@ Status ua_run(const Executor& exec, UaCache<S>& cache, const UaInputs<S>& in, co
     dense.kernel<<<unsigned(tiles * I), kDnThreads, dense.shared_bytes, exec.stream>>>(dev, a, T, I, tiles, group,
                                                                                        cache.dense_sync_);
     KVMEM_CUDA_RETURN_IF_LAUNCH_FAILED("ua dense_prefill_tc_kernel");
-    dense_advance_kernel<S><<<1, 128, 0, exec.stream>>>(dev, I, T, cache.slot_go_);
+    dense_advance_kernel<S><<<1, 128, 0, exec.stream>>>(dev, I, T, a.slot_go);
     KVMEM_CUDA_RETURN_IF_LAUNCH_FAILED("ua dense_advance_kernel");
   } else {
     a.P = cache.limits_.max_prefill_chunk;
@@ -831,6 +841,7 @@ Status ua_run(const Executor& exec, UaCache<S>& cache, const UaInputs<S>& in, co
     }
   }
   cache.bound_ += T;
+  if (own_pages && decode) return Status::ok();  // the decode kernel's last item published the counters
   return publish(dev, exec.stream);
 }
 

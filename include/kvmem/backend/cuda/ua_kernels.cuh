@@ -116,14 +116,20 @@ __device__ inline bool take_pages(const DevicePool& p, std::int64_t item, std::i
   assign_pages(p, item, need, next);
   return true;
 }
-// grid 1, after an operation's kernels: the pool counters into the host-mapped block.
-__global__ void publish_kernel(DevicePool p) {
+// The pool counters into the host-mapped block (one thread, after every page move of the operation).
+__device__ inline void publish_counts(const DevicePool& p) {
   if (p.mirror == nullptr) return;
   volatile std::int64_t* m = p.mirror;
   const volatile std::int64_t* st = p.stats;
   m[0] = st[0];
   m[1] = st[1];
   m[2] = st[2];
+}
+// grid 1, after an operation's kernels. (A template, so that translation units that all include this
+// header link.)
+template <class = void>
+__global__ void publish_kernel(DevicePool p) {
+  publish_counts(p);
 }
 
 // The cache in device memory (one item = one (sequence, kv head); rows ascending in position). Rows
@@ -141,6 +147,7 @@ struct DeviceCache {
   std::int64_t* counter = nullptr;      // [I] next absolute position (tokens seen by the sequence)
   int* done = nullptr;                  // [I] decode blocks finished this step (the last one resets it to 0)
   std::int64_t* next_length = nullptr;  // [I] a one-block decode step's new length, published by the last block
+  int* batch_done = nullptr;            // [1] a fixed-batch decode's finished items (the last one publishes)
   DevicePool pool;
   std::int64_t stride = 0;    // rows between consecutive items' first rows when the pool is not shared
   std::int64_t capacity = 0;  // most rows one item may hold (CacheShape::capacity)
@@ -181,7 +188,11 @@ struct DeviceCall {
   std::int64_t P = 0;           // rows per chunk the scratch is laid out for
   int splits = 1;               // grid.x of the attend kernel
   std::int64_t tokens = 0;      // fixed batch: the call's tokens per sequence (its last chunk returns spare pages)
-  double log_p = 0.0;           // ln p; -inf = never evict
+  // A fixed batch over items that own their pages (pool_pages = 0: nothing can run dry): no reservation
+  // launch; the kernels that append take the page counts themselves, and a decode publishes the
+  // counters from its last item (no publish launch: a decode step is bound by its launches).
+  bool count_pages = false;
+  double log_p = 0.0;  // ln p; -inf = never evict
   bool evict_before_attention = true;
   // A slot step (ragged rows over packed token-major inputs, DESIGN.md 3): row_slot != nullptr. The
   // grid then runs over (row, kv head) pairs instead of (sequence, kv head) items; the cache item of a
@@ -605,6 +616,7 @@ __device__ inline void finish_item(const DeviceCache<S>& c, const DeviceCall<S>&
   const std::int64_t D = c.D, g = item % c.G;
   const std::int64_t n = c.length[item];
   const std::int64_t first = c.counter[item];  // absolute position of the call's row t0
+  if (a.count_pages && threadIdx.x == 0) (void)take_pages(c.pool, item, n + rows);  // counts only
   const int tid = threadIdx.x, lane = tid % 32;
   // rows of the cache and of the staging buffer start 16 bytes apart when D * sizeof(S) is a multiple of 16
   // (UaCache's arena and the dynamic shared memory are 16-byte aligned)
@@ -1268,6 +1280,7 @@ __global__ void __launch_bounds__(kDecodeThreads) decode_attend_kernel(DeviceCac
   if (one_block) {
     if (threadIdx.x == 0) {
       const std::int64_t length = __ldcg(c.next_length + item);
+      if (a.count_pages) (void)take_pages(c.pool, item, n + 1);  // counts only
       c.length[item] = length;
       c.counter[item] += 1;
       return_pages(c.pool, item, length);
@@ -1278,6 +1291,14 @@ __global__ void __launch_bounds__(kDecodeThreads) decode_attend_kernel(DeviceCac
                 reinterpret_cast<unsigned char*>(dsm));  // the attention buffers are free now
   }
   if (threadIdx.x == 0) c.done[item] = 0;
+  if (a.count_pages && threadIdx.x == 0) {  // fixed batch: the last item to finish publishes the counters
+    __threadfence();
+    if (atomicAdd(c.batch_done, 1) == int(gridDim.x) - 1) {
+      __threadfence();
+      publish_counts(c.pool);
+      *c.batch_done = 0;
+    }
+  }
 }
 
 // ---- slot step: the rows' check and the per-row decisions, on the device ------------------------
@@ -1556,6 +1577,7 @@ __global__ void init_cache_kernel(DeviceCache<S> c, std::int64_t items, std::int
     c.counter[i] = 0;
     c.done[i] = 0;
     c.next_length[i] = 0;
+    if (i == 0) *c.batch_done = 0;
     c.pool.held[i] = 0;
   }
   for (std::int64_t i = blockIdx.x * std::int64_t(blockDim.x) + threadIdx.x; i < slots; i += stride) overflow[i] = 0;
