@@ -13,6 +13,7 @@
 #include "kvmem/core/config.hpp"
 #include "kvmem/core/numeric.hpp"
 #include "kvmem/kernel/ua_rows.hpp"
+#include "kvmem/policy/prune.hpp"
 
 namespace kvmem::kernel::ua {
 
@@ -38,6 +39,54 @@ KVMEM_HOST_DEVICE inline void append_entry(KS* keys, KS* values, float* lambda, 
 template <class Lambda>
 KVMEM_HOST_DEVICE inline bool evicts(Lambda lambda, double log_p) {
   return static_cast<double>(lambda) < log_p;
+}
+
+// A prune rule's cut (policy/prune.hpp): λ < cut.log_p goes, compared in double like the threshold
+// rule above; a ranked cut also evicts entries ordering below (cut.lambda, cut.pos), λ first, then
+// position. A threshold cut decides exactly as evicts(lambda, log_p).
+template <class Lambda>
+KVMEM_HOST_DEVICE inline bool evicts(Lambda lambda, std::int64_t pos, const prune::Cut& cut) {
+  const double l = static_cast<double>(lambda);
+  if (l < cut.log_p) return true;
+  return cut.ranked && (l < cut.lambda || (l == cut.lambda && pos < cut.pos));
+}
+
+// The entries of one item as a prune evictor reads them (entry e at row map(e)).
+template <class Acc>
+struct EntryList {
+  RowMap map;
+  const Acc* lambda_rows;
+  const std::int64_t* pos_rows;
+  std::int64_t n;
+  KVMEM_HOST_DEVICE std::int64_t size() const { return n; }
+  KVMEM_HOST_DEVICE double lambda(std::int64_t e) const { return static_cast<double>(lambda_rows[map(e)]); }
+  KVMEM_HOST_DEVICE std::int64_t pos(std::int64_t e) const { return pos_rows[map(e)]; }
+};
+
+// Evicts with a prune evictor (policy/prune.hpp): its cut over the item's entries, then the stable
+// compaction below. Returns the number of survivors.
+template <class Evictor, class KS, class Acc>
+KVMEM_HOST_DEVICE inline std::int64_t evict_by(const Evictor& evictor, const RowMap& map, KS* keys, KS* values,
+                                               std::int64_t row_stride, Acc* lambda, Acc* key_logit, std::int64_t* pos,
+                                               std::int64_t n, std::int64_t D) {
+  const prune::Cut cut = evictor.cut(EntryList<Acc>{map, lambda, pos, n});
+  std::int64_t kept = 0;
+  for (std::int64_t e = 0; e < n; ++e) {
+    const std::int64_t x = map(e);
+    if (evicts(lambda[x], pos[x], cut)) continue;  // evicted for good
+    if (kept != e) {
+      const std::int64_t y = map(kept);
+      for (std::int64_t d = 0; d < D; ++d) {
+        keys[y * row_stride + d] = keys[x * row_stride + d];
+        values[y * row_stride + d] = values[x * row_stride + d];
+      }
+      lambda[y] = lambda[x];
+      key_logit[y] = key_logit[x];
+      pos[y] = pos[x];
+    }
+    ++kept;
+  }
+  return kept;
 }
 
 // Returns the number of survivors (evicts decides each entry).
