@@ -92,9 +92,9 @@ TEST_CASE("a slot record of a user budget imports only into a state with the sam
 }
 
 TEST_CASE("the built-in budgets keep their closed form and need no update-target table", "[kvm][unit][compose]") {
-  for (const kvmem::budget::Any& b : {kvmem::budget::Any(kvmem::budget::Fixed{16, 16}),
-                                     kvmem::budget::Any(kvmem::budget::Power{16.0, 0.5, 8}),
-                                     kvmem::budget::Any(kvmem::budget::Saturating{64.0, 8})}) {
+  for (const kvmem::budget::Any& b :
+       {kvmem::budget::Any(kvmem::budget::Fixed{16, 16}), kvmem::budget::Any(kvmem::budget::Power{16.0, 0.5, 8}),
+        kvmem::budget::Any(kvmem::budget::Saturating{64.0, 8})}) {
     auto c = small_config(1, 64, 2, 1, 8, 8, b);
     kvm::State<float, float> st;
     REQUIRE(kvm::State<float, float>::create(to_params(c), to_shape(c, c.T), st).is_ok());

@@ -109,11 +109,11 @@ TEST_CASE("ua Attention with a keep-top-k prune policy matches the fp64 referenc
     REQUIRE(ref.rank_margin > kRankBand);
     Run run;
     if (p == 0.0)
-      run = run_variant<kua::Attention<kvmem::decay::Universal, prune::KeepTop{24, 0.0}>>(f, 100,
-                                                                                         kua::Options{0.0, 32});
+      run =
+          run_variant<kua::Attention<kvmem::decay::Universal, prune::KeepTop{24, 0.0}>>(f, 100, kua::Options{0.0, 32});
     else
-      run = run_variant<kua::Attention<kvmem::decay::Universal, prune::KeepTop{24, 0.05}>>(f, 100,
-                                                                                          kua::Options{0.0, 32});
+      run =
+          run_variant<kua::Attention<kvmem::decay::Universal, prune::KeepTop{24, 0.05}>>(f, 100, kua::Options{0.0, 32});
     KVMEM_CHECK_CLOSE(run.out, ref.out, kFp32Tol);
     CHECK(run.kept == ref.kept);
     CHECK(run.longest == 24);  // the rule binds: every item is at its limit

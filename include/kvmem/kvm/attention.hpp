@@ -151,10 +151,10 @@ Status copy_slots(const Executor& exec, State<S, A>& state, TensorView<const std
 // Exports the sequence in `slot` as a slot record (core/slots.hpp format, mechanism KVM). Fields,
 // in order (i64 unless noted; arrays over KV heads g = 0..Hk-1, rows in slot / position order):
 //   parameters checked on import: chunk, window_chunks, sink, rope_dims, budget_kind (0 fixed,
-//     1 power, 2 saturating, 3 user: budget_minimum then holds budget::Any::fingerprint()), budget_minimum, budget_maximum, budget_round_down, budget_factor (f64),
-//     budget_exponent (f64), budget_saturation (f64) (values a budget kind lacks are 0), flags (bit 0
-//     merge_gate_keys, 1 merge_gate_values, 2 head_temps, 3 value_radius, 4 gate_appends,
-//     5 gate_initial), ln_eps (f64), scale (f64), Hq, Hk, D, Dv, storage (0 fp32, 1 bf16, 2 fp16);
+//     1 power, 2 saturating, 3 user: budget_minimum then holds budget::Any::fingerprint()), budget_minimum,
+//     budget_maximum, budget_round_down, budget_factor (f64), budget_exponent (f64), budget_saturation (f64) (values a
+//     budget kind lacks are 0), flags (bit 0 merge_gate_keys, 1 merge_gate_values, 2 head_temps, 3 value_radius, 4
+//     gate_appends, 5 gate_initial), ln_eps (f64), scale (f64), Hq, Hk, D, Dv, storage (0 fp32, 1 bf16, 2 fp16);
 //   counters: n (tokens seen), cov (tokens summarised), slots (|S|);
 //   state (accumulate type, f32 or f64): sk [Hk,|S|,D], sv [Hk,|S|,Dv], rho [Hk,|S|], cnt [Hk,|S|];
 //   window, positions [bswa_begin(n), n) (spec 4.1; f32, exact for bf16/fp16 storage):

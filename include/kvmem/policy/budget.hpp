@@ -196,13 +196,13 @@ struct Any {
   constexpr Any(Saturating b) : kind(Kind::kSaturating), saturating(b) {}
   // Any other budget policy (concept BudgetPolicy below): a small trivially copyable value type.
   template <class B>
-    requires(!std::is_same_v<std::remove_cvref_t<B>, Any> && !std::is_same_v<B, Fixed> &&
-             !std::is_same_v<B, Power> && !std::is_same_v<B, Saturating> &&
-             requires(const B& b, std::int64_t n) {
-               { b.slots(n, n, n) } -> std::same_as<std::int64_t>;
-               { b.max_slots(n) } -> std::same_as<std::int64_t>;
-             })
-  Any(const B& b) : kind(Kind::kUser), user_ops(&detail::kUserOps<B>) {
+  requires(!std::is_same_v<std::remove_cvref_t<B>, Any> && !std::is_same_v<B, Fixed> && !std::is_same_v<B, Power> &&
+           !std::is_same_v<B, Saturating> &&
+           requires(const B& b, std::int64_t n) {
+             { b.slots(n, n, n) } -> std::same_as<std::int64_t>;
+             { b.max_slots(n) } -> std::same_as<std::int64_t>;
+           }) Any(const B& b)
+      : kind(Kind::kUser), user_ops(&detail::kUserOps<B>) {
     static_assert(std::is_trivially_copyable_v<B>,
                   "kvmem budget::Any: a user budget policy must be trivially copyable (plain fields, no pointers "
                   "to owned memory): Any copies its bytes into kernels and slot records");

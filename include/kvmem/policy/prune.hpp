@@ -179,7 +179,7 @@ concept PrunePolicy = requires(const P& policy, std::int64_t layer) {
   { P::kEnabled } -> std::convertible_to<bool>;
   { policy.validate() } -> std::same_as<Status>;
   { policy.invalid_reason() } -> std::convertible_to<const char*>;
-  { policy.evictor(layer) };
+  {policy.evictor(layer)};
   requires std::is_trivially_copyable_v<decltype(policy.evictor(layer))>;
 };
 

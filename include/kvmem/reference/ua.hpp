@@ -230,8 +230,7 @@ inline void evict(RefCache& cache, double p, std::int64_t keep = -1, double* mar
       return kept.pos[a] > kept.pos[b];
     });
     const auto k = static_cast<std::size_t>(keep);
-    if (margin != nullptr && k > 0)
-      *margin = std::min(*margin, kept.lambda[order[k - 1]] - kept.lambda[order[k]]);
+    if (margin != nullptr && k > 0) *margin = std::min(*margin, kept.lambda[order[k - 1]] - kept.lambda[order[k]]);
     std::vector<bool> stays(order.size(), false);
     for (std::size_t i = 0; i < k; ++i) stays[order[i]] = true;
     RefCache top;

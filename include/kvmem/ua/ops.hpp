@@ -18,6 +18,7 @@
 #include <numeric>
 #include <string>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "kvmem/core/math.hpp"
@@ -762,6 +763,68 @@ Status step(const Exec& exec, PrunedCache<Storage>& cache, const Rows& rows, con
   return detail::step_with<Set>(exec, cache, rows, in, opt, detail::evictor_of(rule, opt), out, lse);
 }
 
+namespace detail {
+// The threshold p a threshold-shaped prune policy applies at `layer` (None: 0, Threshold: p, PerLayer:
+// p[layer]): what a backend whose eviction kernels take only Options::p can run.
+constexpr double threshold_p(const prune::None&, std::int64_t) {
+  return 0.0;
+}
+constexpr double threshold_p(const prune::Threshold& rule, std::int64_t) {
+  return rule.p;
+}
+template <std::size_t L>
+constexpr double threshold_p(const prune::PerLayer<L>& rule, std::int64_t layer) {
+  return layer >= 0 && layer < std::int64_t(L) ? rule.p[layer] : 0.0;
+}
+template <class Rule>
+concept ThresholdRule = requires(const Rule& rule) {
+  threshold_p(rule, 0);
+};
+
+// A composed variant's call: the backend's overload that takes the prune policy when it has one (host,
+// Kokkos); otherwise (the CUDA eviction kernels take ln p only) the policy's threshold as Options::p.
+// The calls are unqualified, so argument-dependent lookup where ua::Attention is instantiated also
+// finds the overloads a backend header included after this one declares.
+template <class Rule>
+Status threshold_options(const Rule& rule, Options& opt) {
+  static_assert(ThresholdRule<Rule>,
+                "kvmem::ua::Attention: this backend's UA eviction kernels take only a threshold (prune::None, "
+                "prune::Threshold{p}, prune::PerLayer); prune::KeepTop and user prune rules run on the host and "
+                "Kokkos backends");
+  KVMEM_RETURN_IF_ERROR(validate_rule(rule, opt));
+  opt.p = threshold_p(rule, opt.layer);
+  return Status::ok();
+}
+template <class Set, class Exec, class C, class In, class Rule, class Out>
+Status attention_prefill(const Exec& exec, C& cache, const In& in, Options opt, const Rule& rule, Out out) {
+  if constexpr (requires { prefill<Set>(exec, cache, in, opt, rule, out); }) {
+    return prefill<Set>(exec, cache, in, opt, rule, out);
+  } else {
+    KVMEM_RETURN_IF_ERROR(threshold_options(rule, opt));
+    return prefill<Set>(exec, cache, in, opt, out);
+  }
+}
+template <class Set, class Exec, class C, class In, class Rule, class Out>
+Status attention_decode(const Exec& exec, C& cache, const In& in, Options opt, const Rule& rule, Out out) {
+  if constexpr (requires { decode<Set>(exec, cache, in, opt, rule, out); }) {
+    return decode<Set>(exec, cache, in, opt, rule, out);
+  } else {
+    KVMEM_RETURN_IF_ERROR(threshold_options(rule, opt));
+    return decode<Set>(exec, cache, in, opt, out);
+  }
+}
+template <class Set, class Exec, class C, class In, class Rule, class Out, class Lse>
+Status attention_step(const Exec& exec, C& cache, const Rows& rows, const In& in, Options opt, const Rule& rule,
+                      Out out, Lse lse) {
+  if constexpr (requires { step<Set>(exec, cache, rows, in, opt, rule, out, lse); }) {
+    return step<Set>(exec, cache, rows, in, opt, rule, out, lse);
+  } else {
+    KVMEM_RETURN_IF_ERROR(threshold_options(rule, opt));
+    return step<Set>(exec, cache, rows, in, opt, out, lse);
+  }
+}
+}  // namespace detail
+
 // Compile-time composition (DESIGN.md 2): a decay set, a prune policy value and a precision policy.
 //   using Ua = kvmem::ua::Attention<kvmem::decay::Universal, kvmem::prune::Threshold{0.05}>;
 //   Ua::Cache cache({B, H, G, D, capacity});
@@ -788,13 +851,12 @@ struct Attention {
     else
       return 0.0;
   }
-  static Options options(std::int64_t prefill_chunk = 128, bool evict_before_attention = true,
-                         std::int64_t layer = 0) {
+  static Options options(std::int64_t prefill_chunk = 128, bool evict_before_attention = true, std::int64_t layer = 0) {
     return Options{0.0, prefill_chunk, evict_before_attention, layer};
   }
   template <class Exec, class C>
   static Status prefill(const Exec& exec, C& cache, const Inputs& in, TensorView<float, 4> out, const Options& opt) {
-    return ua::prefill<Set>(exec, cache, in, opt, kPrune, out);
+    return detail::attention_prefill<Set>(exec, cache, in, opt, kPrune, out);
   }
   template <class Exec, class C>
   static Status prefill(const Exec& exec, C& cache, const Inputs& in, TensorView<float, 4> out,
@@ -803,7 +865,7 @@ struct Attention {
   }
   template <class Exec, class C>
   static Status decode(const Exec& exec, C& cache, const Inputs& in, TensorView<float, 4> out, const Options& opt) {
-    return ua::decode<Set>(exec, cache, in, opt, kPrune, out);
+    return detail::attention_decode<Set>(exec, cache, in, opt, kPrune, out);
   }
   template <class Exec, class C>
   static Status decode(const Exec& exec, C& cache, const Inputs& in, TensorView<float, 4> out,
@@ -813,7 +875,7 @@ struct Attention {
   template <class Exec, class C>
   static Status step(const Exec& exec, C& cache, const Rows& rows, const PackedInputs& in, TensorView<float, 3> out,
                      TensorView<float, 2> lse, const Options& opt) {
-    return ua::step<Set>(exec, cache, rows, in, opt, kPrune, out, lse);
+    return detail::attention_step<Set>(exec, cache, rows, in, opt, kPrune, out, lse);
   }
   template <class Exec, class C>
   static Status step(const Exec& exec, C& cache, const Rows& rows, const PackedInputs& in, TensorView<float, 3> out,
