@@ -33,8 +33,9 @@ namespace kvmem::prune {
 
 // What the evictor of one item decided: entries (λ, pos) with λ < log_p go; when ranked, so do
 // entries ordering below (lambda, pos).
+// (-HUGE_VAL rather than numeric_limits: the cut is built inside device code.)
 struct Cut {
-  double log_p = -std::numeric_limits<double>::infinity();
+  double log_p = -HUGE_VAL;
   bool ranked = false;
   double lambda = 0.0;
   std::int64_t pos = 0;
@@ -123,7 +124,7 @@ PerLayer(P...) -> PerLayer<sizeof...(P)>;
 // holds more than k entries.
 struct TopCut {
   std::int64_t k = 0;
-  double log_p = -std::numeric_limits<double>::infinity();
+  double log_p = -HUGE_VAL;
   template <class Entries>
   KVMEM_HOST_DEVICE Cut cut(const Entries& e) const {
     Cut c;
