@@ -102,3 +102,17 @@ TEST_CASE("the built-in budgets keep their closed form and need no update-target
     CHECK(b.fingerprint() == 0);
   }
 }
+
+TEST_CASE("a variant with fixed head dims refuses a state of other dims", "[kvm][unit][compose]") {
+  using Kvm = kvm::Attention<kLog, kvmem::precision::Fp32Storage, 16, 12>;
+  static_assert(Kvm::kHeadDim == 16 && Kvm::kValueDim == 12);
+  const Kvm attn(to_params(small_config(1, 64, 2, 1, 16, 12, kvmem::budget::Any(kLog))));
+  Kvm::state_type st;
+  const auto ok = attn.make_state({1, 2, 1, 16, 12, 64}, st);
+  INFO(ok.to_string());
+  CHECK(ok.is_ok());
+  const auto wrong_d = attn.make_state({1, 2, 1, 32, 12, 64}, st);
+  CHECK_THAT(wrong_d.message(), Catch::Matchers::Contains("head dim 16"));
+  const auto wrong_dv = attn.make_state({1, 2, 1, 16, 16, 64}, st);
+  CHECK_THAT(wrong_dv.message(), Catch::Matchers::Contains("value head dim 12"));
+}

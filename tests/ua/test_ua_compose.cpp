@@ -192,3 +192,16 @@ TEST_CASE("a prune policy and Options::p are not combined", "[ua][compose]") {
                                 prune::KeepTop{0}, f.out_slice(out, 0, 10));
   CHECK_THAT(bad.message(), Catch::Matchers::Contains("KeepTop k"));
 }
+
+TEST_CASE("a UA variant with a fixed head dim refuses a cache of another", "[ua][compose]") {
+  const Case c = compose_case();  // D = 32
+  const FloatCase f(c);
+  using Ua64 = kua::Attention<kvmem::decay::Universal, prune::None{}, kvmem::precision::Fp32Storage, 64>;
+  using Ua32 = kua::Attention<kvmem::decay::Universal, prune::None{}, kvmem::precision::Fp32Storage, 32>;
+  kua::PrunedCache<float> cache(f.cache_shape());
+  std::vector<float> out = f.make_out();
+  const auto s = Ua64::prefill(kvmem::host::Executor{1}, cache, f.slice(0, 10), f.out_slice(out, 0, 10));
+  CHECK_THAT(s.message(), Catch::Matchers::Contains("head dim 64"));
+  CHECK(cache.length(0, 0) == 0);
+  CHECK(Ua32::prefill(kvmem::host::Executor{1}, cache, f.slice(0, 10), f.out_slice(out, 0, 10)).is_ok());
+}

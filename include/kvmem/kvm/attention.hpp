@@ -26,10 +26,14 @@
 #include <cstddef>
 #include <cstdint>
 #include <span>
+#include <string>
+#include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "kvmem/core/slots.hpp"
 #include "kvmem/core/status.hpp"
+#include "kvmem/core/support.hpp"
 #include "kvmem/core/tensor.hpp"
 #include "kvmem/kvm/params.hpp"
 #include "kvmem/kvm/record.hpp"
@@ -203,12 +207,29 @@ Status forward(const Executor& exec, const Params& params, const Weights& weight
   return prefill(exec, state, weights, q, k, v, gate, out, lengths);
 }
 
+namespace detail {
+// Unqualified, so argument-dependent lookup where kvm::Attention is instantiated also finds the
+// overloads of a backend header included after this one (cuda::KvmState in backend/cuda/kvm.cuh).
+template <class... Args>
+Status attention_step(Args&&... args) {
+  return step(std::forward<Args>(args)...);
+}
+}  // namespace detail
+
 // Compile-time composition (DESIGN.md 2): kvm::Attention<budget::Power{16.0, 0.5, 256},
-// precision::Bf16Storage>. The budget is checked at compile time; the rest of Params (chunk,
-// window, flags) stays a runtime value with the spec's defaults.
-template <auto Budget, PrecisionPolicy Precision = precision::Fp32Storage>
+// precision::Bf16Storage>. The budget is any BudgetPolicy (the built-in three or a user type, checked
+// at compile time; it sizes the state through its max_slots and drives every update through its
+// slots()); the rest of Params (chunk, window, flags) stays a runtime value with the spec's defaults.
+// HeadDim / ValueDim (default kAnyDim: chosen at run time) fix the head dims: make_state refuses other
+// shapes, and a call on a backend whose kernels cannot take them does not compile (core/support.hpp).
+template <auto Budget, PrecisionPolicy Precision = precision::Fp32Storage, std::int64_t HeadDim = kAnyDim,
+          std::int64_t ValueDim = HeadDim>
 struct Attention {
   static constexpr auto kBudget = budget::checked<Budget>();
+  static constexpr std::int64_t kHeadDim = HeadDim;
+  static constexpr std::int64_t kValueDim = ValueDim;
+  static_assert(HeadDim >= 0 && ValueDim >= 0, "kvmem::kvm::Attention: head dims are > 0 (or kAnyDim)");
+  using budget_type = std::remove_cvref_t<decltype(kBudget)>;
   using precision_type = Precision;
   using storage_type = typename Precision::storage_type;
   using accumulate_type = typename Precision::accumulate_type;
@@ -219,8 +240,20 @@ struct Attention {
   Attention() { params.budget = budget::Any(kBudget); }
   explicit Attention(Params p) : params(p) { params.budget = budget::Any(kBudget); }
 
-  [[nodiscard]] Status make_state(const Shape& shape, state_type& out) const {
-    return state_type::create(params, shape, out);
+  // Ok when `shape` has the variant's fixed head dims (any, for kAnyDim).
+  [[nodiscard]] static Status check_dims(const Shape& shape) {
+    if (HeadDim != kAnyDim && shape.D != HeadDim)
+      return invalid_argument("D", "the variant's head dim " + std::to_string(HeadDim), shape.D);
+    if (ValueDim != kAnyDim && shape.Dv != ValueDim)
+      return invalid_argument("Dv", "the variant's value head dim " + std::to_string(ValueDim), shape.Dv);
+    return Status::ok();
+  }
+  // A state of this variant for `shape`: the host's State (state_type), or any backend's state type
+  // with a static create(params, shape, out) (cuda::KvmState<storage_type, accumulate_type>).
+  template <class St = state_type>
+  [[nodiscard]] Status make_state(const Shape& shape, St& out) const {
+    KVMEM_RETURN_IF_ERROR(check_dims(shape));
+    return St::create(params, shape, out);
   }
   // Persistent bytes of a state for `shape` (kvm::state_bytes), and the per-step workspace (kvm::workspace_bytes).
   [[nodiscard]] std::size_t state_bytes(const Shape& shape) const {
@@ -234,13 +267,23 @@ struct Attention {
   Status prefill(const Executor& exec, state_type& state, const Weights& w, TensorView<const In, 4> q,
                  TensorView<const In, 4> k, TensorView<const In, 4> v, TensorView<const In, 3> gate,
                  TensorView<Out, 4> out, const std::int64_t* lengths = nullptr) const {
+    static_assert(check_kvm_support<Executor, accumulate_type, HeadDim, ValueDim>());
     return kvm::prefill(exec, state, w, q, k, v, gate, out, lengths);
   }
   template <class Executor, class In, class Out>
   Status decode(const Executor& exec, state_type& state, const Weights& w, TensorView<const In, 4> q,
                 TensorView<const In, 4> k, TensorView<const In, 4> v, TensorView<const In, 3> gate,
                 TensorView<Out, 4> out, const std::int64_t* active = nullptr) const {
+    static_assert(check_kvm_support<Executor, accumulate_type, HeadDim, ValueDim>());
     return kvm::decode(exec, state, w, q, k, v, gate, out, active);
+  }
+  // One step over sequence slots (kvm::step) on any backend: the state and weights of the executor's
+  // backend (host: state_type and Weights; CUDA: cuda::KvmState and cuda::KvmWeights), then rows, q,
+  // k, v, gate, out [, lse] as kvm::step takes them.
+  template <class Executor, class St, class W, class... Args>
+  Status step(const Executor& exec, St& state, const W& weights, const Rows& rows, Args&&... args) const {
+    static_assert(check_kvm_support<Executor, accumulate_type, HeadDim, ValueDim>());
+    return detail::attention_step(exec, state, weights, rows, std::forward<Args>(args)...);
   }
 };
 

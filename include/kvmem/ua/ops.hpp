@@ -24,6 +24,7 @@
 #include "kvmem/core/math.hpp"
 #include "kvmem/core/slots.hpp"
 #include "kvmem/core/status.hpp"
+#include "kvmem/core/support.hpp"
 #include "kvmem/core/tensor.hpp"
 #include "kvmem/kernel/ua_attend.hpp"
 #include "kvmem/kernel/ua_decay.hpp"
@@ -833,10 +834,14 @@ Status attention_step(const Exec& exec, C& cache, const Rows& rows, const In& in
 // prune::None compiles the eviction away. The functions take any cache the executor's backend runs
 // (ua::PrunedCache on the host, kokkos::UaCache on Kokkos); the Options overloads pass the layer
 // (Options::layer, for prune::PerLayer), the prefill chunk and the decode order (their p stays 0).
+// HeadDim (default kAnyDim: chosen at run time) fixes the head dim: a cache of another head dim is
+// refused, and a call on a backend whose kernels cannot take it does not compile (core/support.hpp).
 template <DecaySet Set = decay::Universal, auto Prune = prune::None{},
-          PrecisionPolicy Precision = precision::Fp32Storage>
+          PrecisionPolicy Precision = precision::Fp32Storage, std::int64_t HeadDim = kAnyDim>
 struct Attention {
   static constexpr auto kPrune = prune::checked<Prune>();
+  static constexpr std::int64_t kHeadDim = HeadDim;
+  static_assert(HeadDim >= 0, "kvmem::ua::Attention: the head dim is > 0 (or kAnyDim)");
   using prune_type = std::remove_cvref_t<decltype(kPrune)>;
   using decay_set = Set;
   using storage_type = typename Precision::storage_type;
@@ -854,8 +859,23 @@ struct Attention {
   static Options options(std::int64_t prefill_chunk = 128, bool evict_before_attention = true, std::int64_t layer = 0) {
     return Options{0.0, prefill_chunk, evict_before_attention, layer};
   }
+  // Ok when `shape` has the variant's fixed head dim (any, for kAnyDim).
+  static Status check_dims(const CacheShape& shape) {
+    if (HeadDim != kAnyDim && shape.head_dim != HeadDim)
+      return invalid_argument("head_dim", "the variant's head dim " + std::to_string(HeadDim), shape.head_dim);
+    return Status::ok();
+  }
+  template <class Exec, class C>
+  static Status check_call(const C& cache) {
+    static_assert(check_ua_support<Exec, HeadDim>());
+    if constexpr (requires { cache.shape().head_dim; })
+      return check_dims(cache.shape());
+    else
+      return check_dims(cache.shape);
+  }
   template <class Exec, class C>
   static Status prefill(const Exec& exec, C& cache, const Inputs& in, TensorView<float, 4> out, const Options& opt) {
+    KVMEM_RETURN_IF_ERROR(check_call<Exec>(cache));
     return detail::attention_prefill<Set>(exec, cache, in, opt, kPrune, out);
   }
   template <class Exec, class C>
@@ -865,6 +885,7 @@ struct Attention {
   }
   template <class Exec, class C>
   static Status decode(const Exec& exec, C& cache, const Inputs& in, TensorView<float, 4> out, const Options& opt) {
+    KVMEM_RETURN_IF_ERROR(check_call<Exec>(cache));
     return detail::attention_decode<Set>(exec, cache, in, opt, kPrune, out);
   }
   template <class Exec, class C>
@@ -875,6 +896,7 @@ struct Attention {
   template <class Exec, class C>
   static Status step(const Exec& exec, C& cache, const Rows& rows, const PackedInputs& in, TensorView<float, 3> out,
                      TensorView<float, 2> lse, const Options& opt) {
+    KVMEM_RETURN_IF_ERROR(check_call<Exec>(cache));
     return detail::attention_step<Set>(exec, cache, rows, in, opt, kPrune, out, lse);
   }
   template <class Exec, class C>
@@ -886,6 +908,10 @@ struct Attention {
   template <class Exec>
   static Status forward(const Exec& exec, const Inputs& in, TensorView<float, 4> out, TensorView<float, 3> lse = {},
                         TensorView<float, 3> lambda_last = {}) {
+    static_assert(check_ua_support<Exec, HeadDim>());
+    if (HeadDim != kAnyDim && in.q.extent(3) != HeadDim)
+      return invalid_argument("q head dim (dim 3)", "the variant's head dim " + std::to_string(HeadDim),
+                              in.q.extent(3));
     return ua::forward<Set>(exec, in, out, lse, lambda_last);
   }
 };
