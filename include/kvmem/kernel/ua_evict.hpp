@@ -1,10 +1,11 @@
 // SPDX-License-Identifier: Apache-2.0
 #pragma once
 // Universal Attention entry bodies shared by the host and Kokkos backends (spec UA.md 4.4, 4.5): append
-// a new entry, and evict every entry of one (sequence, kv head) whose λ lies strictly below ln p,
-// compacting the survivors stably, so they stay in ascending position order (this fixes the summation
-// order the goldens assume). Rows [kept, n) are free afterwards; the caller reports them for
-// reclamation. (The CUDA backend runs the same rules block-parallel, backend/cuda/ua_kernels.cuh.)
+// a new entry, and evict the entries of one (sequence, kv head) that the prune policy's cut removes
+// (policy/prune.hpp; the paper's rule: λ strictly below ln p), compacting the survivors stably, so they
+// stay in ascending position order (this fixes the summation order the goldens assume). Rows [kept, n)
+// are free afterwards; the caller reports them for reclamation. (The CUDA backend runs the threshold
+// rule block-parallel, backend/cuda/ua_kernels.cuh.)
 //
 // Backend-neutral: KVMEM_HOST_DEVICE, no allocation, no containers, no exceptions.
 
@@ -63,8 +64,8 @@ struct EntryList {
   KVMEM_HOST_DEVICE std::int64_t pos(std::int64_t e) const { return pos_rows[map(e)]; }
 };
 
-// Evicts with a prune evictor (policy/prune.hpp): its cut over the item's entries, then the stable
-// compaction below. Returns the number of survivors.
+// Evicts with a prune evictor (policy/prune.hpp): its cut over the item's entries, then a stable
+// compaction (the survivors move down to the lowest logical rows, in order). Returns the survivors.
 template <class Evictor, class KS, class Acc>
 KVMEM_HOST_DEVICE inline std::int64_t evict_by(const Evictor& evictor, const RowMap& map, KS* keys, KS* values,
                                                std::int64_t row_stride, Acc* lambda, Acc* key_logit, std::int64_t* pos,
@@ -74,56 +75,6 @@ KVMEM_HOST_DEVICE inline std::int64_t evict_by(const Evictor& evictor, const Row
   for (std::int64_t e = 0; e < n; ++e) {
     const std::int64_t x = map(e);
     if (evicts(lambda[x], pos[x], cut)) continue;  // evicted for good
-    if (kept != e) {
-      const std::int64_t y = map(kept);
-      for (std::int64_t d = 0; d < D; ++d) {
-        keys[y * row_stride + d] = keys[x * row_stride + d];
-        values[y * row_stride + d] = values[x * row_stride + d];
-      }
-      lambda[y] = lambda[x];
-      key_logit[y] = key_logit[x];
-      pos[y] = pos[x];
-    }
-    ++kept;
-  }
-  return kept;
-}
-
-// Returns the number of survivors (evicts decides each entry).
-// keys, values: [n, D] rows row_stride apart; lambda, key_logit, pos: [n]
-template <class KS, class Acc>
-KVMEM_HOST_DEVICE inline std::int64_t evict_and_compact(KS* keys, KS* values, std::int64_t row_stride, Acc* lambda,
-                                                        Acc* key_logit, std::int64_t* pos, std::int64_t n,
-                                                        std::int64_t D, double log_p) {
-  std::int64_t kept = 0;
-  for (std::int64_t e = 0; e < n; ++e) {
-    if (evicts(lambda[e], log_p)) continue;  // evicted for good (λ never increases)
-    if (kept != e) {
-      for (std::int64_t d = 0; d < D; ++d) {
-        keys[kept * row_stride + d] = keys[e * row_stride + d];
-        values[kept * row_stride + d] = values[e * row_stride + d];
-      }
-      lambda[kept] = lambda[e];
-      key_logit[kept] = key_logit[e];
-      pos[kept] = pos[e];
-    }
-    ++kept;
-  }
-  return kept;
-}
-
-// The same over entries at rows map(e) (kernel/ua_rows.hpp, a paged cache): survivors move down to
-// the lowest logical rows in order, exactly as above. Returns the number of survivors.
-// keys, values: rows row_stride apart; lambda, key_logit, pos: indexed by row
-template <class KS, class Acc>
-KVMEM_HOST_DEVICE inline std::int64_t evict_and_compact(const RowMap& map, KS* keys, KS* values,
-                                                        std::int64_t row_stride, Acc* lambda, Acc* key_logit,
-                                                        std::int64_t* pos, std::int64_t n, std::int64_t D,
-                                                        double log_p) {
-  std::int64_t kept = 0;
-  for (std::int64_t e = 0; e < n; ++e) {
-    const std::int64_t x = map(e);
-    if (evicts(lambda[x], log_p)) continue;  // evicted for good (λ never increases)
     if (kept != e) {
       const std::int64_t y = map(kept);
       for (std::int64_t d = 0; d < D; ++d) {

@@ -320,7 +320,8 @@ std::int64_t evict_item(const Ev& ev, PrunedCache<Storage>& cache, std::int64_t 
 }
 
 // Chunked prefill of one (b, g) item (spec UA.md 4.5): per chunk, append the chunk's keys, attend
-// (survivors + chunk keys t0..i with exact Λ), move λ to the chunk end, evict λ < ln p. Chunks are
+// (survivors + chunk keys t0..i with exact Λ), move λ to the chunk end, evict (the prune policy's
+// evictor `ev`; NoEvictor: none). Chunks are
 // counted from the call's first token, and the survivors of earlier calls take part like the
 // survivors of an earlier chunk, so a call continues a non-empty cache. Pages: a chunk's rows are taken
 // before it is appended, and eviction returns the pages past the survivors. False: the pool ran dry.
