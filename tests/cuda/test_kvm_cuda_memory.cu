@@ -72,18 +72,6 @@ kvm::Params make_params(std::int64_t chunk, kvmem::budget::Any budget) {
   return p;
 }
 
-std::vector<float> normal(std::size_t n, std::mt19937_64& rng, float mean = 0.f, float spread = 1.f) {
-  std::normal_distribution<float> n01(0.f, 1.f);
-  std::vector<float> x(n);
-  for (float& e : x) e = mean + spread * n01(rng);
-  return x;
-}
-std::vector<float> gates(std::size_t n, std::mt19937_64& rng) {
-  std::vector<float> g = normal(n, rng);
-  for (float& e : g) e = e > 0 ? 1.f + e : std::exp(e);  // 1 + elu: positive
-  return g;
-}
-
 struct Weights {
   Dev<float> w, b, ts, tw;
   Weights(const Dims& d, std::mt19937_64& rng)

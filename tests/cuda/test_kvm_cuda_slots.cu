@@ -16,6 +16,7 @@
 #include <random>
 #include <span>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include <catch2/catch.hpp>
@@ -578,6 +579,95 @@ TEST_CASE("cuda kvm step: one graph of a padded decode step replays 600 steps li
   }
   SECTION("fp32") {
     graph_replay<float>(8);
+  }
+}
+
+// ---- the first step after fixed-batch calls -----------------------------------------------------------
+
+// A state prefilled by the fixed-batch kvm_prefill, then driven by kvm::step, continues like a twin whose
+// slots were imported from its records after the prefill. The step's update reads LN_s of the slots'
+// sums, which the fixed-batch kernels keep rounded their own way (or not at all with tensor-core
+// routing: bf16, head dim 64, chunk 16), so the first step must rebuild it: memory slots, routes and
+// counters then equal the twin's byte for byte. Outputs agree to the storage precision only: the
+// switched state's readout rows are the prefill's until an update refreshes them, the twin's were
+// rebuilt on import.
+template <class S>
+void after_fixed_batch(std::uint64_t seed) {
+  const Dims d{4, 2, 64, 64};
+  const std::int64_t B = 2, T = 90, total = 200, C = 16, n_ctx = 400;
+  const kvm::Params p = make_params(C, kSqrt);
+  const RandomWeights rw(d, seed);
+  const kvmem::cuda::Executor exec{};
+  std::mt19937_64 rng(seed);
+  std::vector<std::vector<Tok>> toks(static_cast<std::size_t>(B));
+  for (auto& seq : toks)
+    for (std::int64_t t = 0; t < total; ++t) seq.push_back(random_tok<S>(d, rng));
+  kvmem::cuda::KvmState<S> fixed, twin;
+  REQUIRE(kvmem::cuda::KvmState<S>::create(p, {B, d.Hq, d.Hk, d.D, d.Dv, n_ctx}, fixed).is_ok());
+  REQUIRE(kvmem::cuda::KvmState<S>::create(p, {B, d.Hq, d.Hk, d.D, d.Dv, n_ctx}, twin).is_ok());
+  // the fixed-batch prefill's head-major inputs: q [B,Hq,T,D], k [B,Hk,T,D], v [B,Hk,T,Dv], g [B,Hk,T]
+  std::vector<float> q(std::size_t(B * d.Hq * T * d.D)), k(std::size_t(B * d.Hk * T * d.D)),
+      v(std::size_t(B * d.Hk * T * d.Dv)), g(std::size_t(B * d.Hk * T));
+  for (std::int64_t b = 0; b < B; ++b)
+    for (std::int64_t t = 0; t < T; ++t) {
+      const Tok& x = toks[std::size_t(b)][std::size_t(t)];
+      for (std::int64_t h = 0; h < d.Hq; ++h)
+        for (std::int64_t c = 0; c < d.D; ++c)
+          q[std::size_t(((b * d.Hq + h) * T + t) * d.D + c)] = x.q[std::size_t(h * d.D + c)];
+      for (std::int64_t h = 0; h < d.Hk; ++h) {
+        for (std::int64_t c = 0; c < d.D; ++c)
+          k[std::size_t(((b * d.Hk + h) * T + t) * d.D + c)] = x.k[std::size_t(h * d.D + c)];
+        for (std::int64_t c = 0; c < d.Dv; ++c)
+          v[std::size_t(((b * d.Hk + h) * T + t) * d.Dv + c)] = x.v[std::size_t(h * d.Dv + c)];
+        g[std::size_t((b * d.Hk + h) * T + t)] = x.g[std::size_t(h)];
+      }
+    }
+  {
+    Dev<S> dq(as_storage<S>(q)), dk(as_storage<S>(k)), dv(as_storage<S>(v)), dg(as_storage<S>(g));
+    Dev<float> dout(std::size_t(B * T * d.Hq * d.Dv));
+    const Status s = kvmem::cuda::kvm_prefill(
+        exec, fixed, rw.device(), TensorView<const S, 4>(dq.ptr, {B, d.Hq, T, d.D}),
+        TensorView<const S, 4>(dk.ptr, {B, d.Hk, T, d.D}), TensorView<const S, 4>(dv.ptr, {B, d.Hk, T, d.Dv}),
+        TensorView<const S, 3>(dg.ptr, {B, d.Hk, T}), TensorView<float, 4>(dout.ptr, {B, T, d.Hq, d.Dv}));
+    INFO(s.to_string());
+    REQUIRE(s.is_ok());
+  }
+  for (std::int32_t b = 0; b < B; ++b) {
+    const std::vector<std::byte> bytes = export_of(fixed, b);
+    REQUIRE(kvm::import_slot(exec, twin, rw.device(), b, std::span<const std::byte>(bytes)).is_ok());
+  }
+  REQUIRE(!fixed.slot_mode());  // exports leave the fixed-batch counters; the first step switches
+  const double tol = std::is_same_v<S, float> ? kTol : 1e-2;
+  int steps = 0;
+  for (std::int64_t t0 = T; t0 < total; ++steps) {  // decode tokens and chunks of 13, across updates
+    const std::int64_t t1 = std::min(total, t0 + (steps % 3 == 0 ? 13 : 1));
+    Batch bf, bt;
+    for (std::int32_t b = 0; b < B; ++b) {
+      bf.add(b, toks[std::size_t(b)], t0, t1);
+      bt.add(b, toks[std::size_t(b)], t0, t1);
+    }
+    REQUIRE(bf.run(fixed, rw, d).is_ok());
+    REQUIRE(bt.run(twin, rw, d).is_ok());
+    INFO("tokens [" << t0 << ", " << t1 << ")");
+    CHECK(scaled_error(bf.out.data(), bt.out.data(), bt.out.size()) <= tol);
+    CHECK(scaled_error(bf.lse.data(), bt.lse.data(), bt.lse.size()) <= tol);
+    t0 = t1;
+  }
+  REQUIRE(fixed.slot_mode());
+  for (std::int32_t b = 0; b < B; ++b) {
+    INFO("slot " << b);
+    CHECK(export_of(fixed, b) == export_of(twin, b));
+  }
+}
+
+TEST_CASE("cuda kvm step: the first step after fixed-batch calls continues like the same slots imported",
+          "[slots][gpu]") {
+  if (no_device()) return;
+  SECTION("fp32") {
+    after_fixed_batch<float>(41);
+  }
+  SECTION("bf16 (tensor-core routing in the prefill)") {
+    after_fixed_batch<kvmem::bf16>(42);
   }
 }
 
