@@ -287,11 +287,11 @@ namespace budget {
 // parameters fail with a message that names the problem.
 template <auto Budget>
 consteval auto checked() {
-  static_assert(BudgetPolicy<decltype(Budget)>,
+  static_assert(BudgetPolicy<std::remove_cvref_t<decltype(Budget)>>,
                 "kvmem budget: the type is not a budget policy (it needs slots(N, avail, current), "
                 "max_slots(n_ctx), validate() and invalid_reason()); use budget::Fixed, Power or Saturating, or "
                 "give your type those members (docs/compose.md)");
-  if constexpr (BudgetPolicy<decltype(Budget)>)
+  if constexpr (BudgetPolicy<std::remove_cvref_t<decltype(Budget)>>)
     static_assert(Budget.invalid_reason() == nullptr,
                   "kvmem budget: invalid parameters (factor/saturation > 0, exponent >= 0, minimum >= 0, "
                   "round_down >= 1, maximum >= 1)");

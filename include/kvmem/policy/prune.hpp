@@ -188,10 +188,11 @@ namespace prune {
 // Compile-time check used by ua::Attention<Set, Prune>.
 template <auto Policy>
 consteval auto checked() {
-  static_assert(PrunePolicy<decltype(Policy)>,
+  // remove_cvref: some front ends (nvcc) name a class-type template parameter object by reference.
+  static_assert(PrunePolicy<std::remove_cvref_t<decltype(Policy)>>,
                 "kvmem prune: the type is not a prune policy (it needs kEnabled, validate(), invalid_reason() and "
                 "evictor(layer)); use prune::None, Threshold{p}, PerLayer{p0, ...} or KeepTop{k, p}");
-  if constexpr (PrunePolicy<decltype(Policy)>)
+  if constexpr (PrunePolicy<std::remove_cvref_t<decltype(Policy)>>)
     static_assert(Policy.invalid_reason() == nullptr,
                   "kvmem prune: invalid parameters (a threshold p must lie in [0, 1], KeepTop k >= 1)");
   return Policy;
