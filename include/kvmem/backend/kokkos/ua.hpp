@@ -882,7 +882,7 @@ Status kokkos_step(const kokkos::Executor<Space>& exec, kokkos::UaCache<Storage,
                    const PackedInputs& in, const Options& opt, const Ev& ev, TensorView<float, 3> out,
                    TensorView<float, 2> lse) {
   using namespace kokkos::detail;
-  KVMEM_RETURN_IF_ERROR(check_cache(cache));
+  KVMEM_RETURN_IF_ERROR(kokkos::detail::check_cache(cache));
   KVMEM_RETURN_IF_ERROR(detail::validate_options(opt));
   const CacheShape& s = cache.shape;
   const std::int64_t N = in.tokens(), H = s.query_heads, G = s.kv_heads, D = s.head_dim, R = rows.count();
