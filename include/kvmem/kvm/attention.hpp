@@ -26,10 +26,14 @@
 #include <cstddef>
 #include <cstdint>
 #include <span>
+#include <string>
+#include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "kvmem/core/slots.hpp"
 #include "kvmem/core/status.hpp"
+#include "kvmem/core/support.hpp"
 #include "kvmem/core/tensor.hpp"
 #include "kvmem/kvm/params.hpp"
 #include "kvmem/kvm/record.hpp"
@@ -164,10 +168,11 @@ Status copy_slots(const Executor& exec, St& state, TensorView<const std::int32_t
 // Exports the sequence in `slot` as a slot record (core/slots.hpp format, mechanism KVM). Fields,
 // in order (i64 unless noted; arrays over KV heads g = 0..Hk-1, rows in slot / position order):
 //   parameters checked on import: chunk, window_chunks, sink, rope_dims, budget_kind (0 fixed,
-//     1 power, 2 saturating), budget_minimum, budget_maximum, budget_round_down, budget_factor (f64),
-//     budget_exponent (f64), budget_saturation (f64) (values a budget kind lacks are 0), flags (bit 0
-//     merge_gate_keys, 1 merge_gate_values, 2 head_temps, 3 value_radius, 4 gate_appends,
-//     5 gate_initial), ln_eps (f64), scale (f64), Hq, Hk, D, Dv, storage (0 fp32, 1 bf16, 2 fp16);
+//     1 power, 2 saturating, 3 user: budget_minimum then holds budget::Any::fingerprint()),
+//     budget_minimum, budget_maximum, budget_round_down, budget_factor (f64), budget_exponent (f64),
+//     budget_saturation (f64) (values a budget kind lacks are 0), flags (bit 0 merge_gate_keys,
+//     1 merge_gate_values, 2 head_temps, 3 value_radius, 4 gate_appends, 5 gate_initial), ln_eps (f64),
+//     scale (f64), Hq, Hk, D, Dv, storage (0 fp32, 1 bf16, 2 fp16);
 //   counters: n (tokens seen), cov (tokens summarised), slots (|S|);
 //   state (accumulate type, f32 or f64): sk [Hk,|S|,D], sv [Hk,|S|,Dv], rho [Hk,|S|], cnt [Hk,|S|];
 //   window, positions [bswa_begin(n), n) (spec 4.1; f32, exact for bf16/fp16 storage):
@@ -217,11 +222,19 @@ Status forward(const Executor& exec, const Params& params, const weights_t<Execu
 }
 
 // Compile-time composition (DESIGN.md 2): kvm::Attention<budget::Power{16.0, 0.5, 256},
-// precision::Bf16Storage>. The budget is checked at compile time; the rest of Params (chunk,
-// window, flags) stays a runtime value with the spec's defaults.
-template <auto Budget, PrecisionPolicy Precision = precision::Fp32Storage>
+// precision::Bf16Storage>. The budget is any BudgetPolicy (the built-in three or a user type, checked
+// at compile time; it sizes the state through its max_slots and drives every update through its
+// slots()); the rest of Params (chunk, window, flags) stays a runtime value with the spec's defaults.
+// HeadDim / ValueDim (default kAnyDim: chosen at run time) fix the head dims: make_state refuses other
+// shapes, and a call on a backend whose kernels cannot take them does not compile (core/support.hpp).
+template <auto Budget, PrecisionPolicy Precision = precision::Fp32Storage, std::int64_t HeadDim = kAnyDim,
+          std::int64_t ValueDim = HeadDim>
 struct Attention {
   static constexpr auto kBudget = budget::checked<Budget>();
+  static constexpr std::int64_t kHeadDim = HeadDim;
+  static constexpr std::int64_t kValueDim = ValueDim;
+  static_assert(HeadDim >= 0 && ValueDim >= 0, "kvmem::kvm::Attention: head dims are > 0 (or kAnyDim)");
+  using budget_type = std::remove_cvref_t<decltype(kBudget)>;
   using precision_type = Precision;
   using storage_type = typename Precision::storage_type;
   using accumulate_type = typename Precision::accumulate_type;
@@ -232,8 +245,20 @@ struct Attention {
   Attention() { params.budget = budget::Any(kBudget); }
   explicit Attention(Params p) : params(p) { params.budget = budget::Any(kBudget); }
 
-  [[nodiscard]] Status make_state(const Shape& shape, state_type& out) const {
-    return state_type::create(params, shape, out);
+  // Ok when `shape` has the variant's fixed head dims (any, for kAnyDim).
+  [[nodiscard]] static Status check_dims(const Shape& shape) {
+    if (HeadDim != kAnyDim && shape.D != HeadDim)
+      return invalid_argument("D", "the variant's head dim " + std::to_string(HeadDim), shape.D);
+    if (ValueDim != kAnyDim && shape.Dv != ValueDim)
+      return invalid_argument("Dv", "the variant's value head dim " + std::to_string(ValueDim), shape.Dv);
+    return Status::ok();
+  }
+  // A state of this variant for `shape`: the host's State (state_type), or another backend's state
+  // with a static create(params, shape, out) (state_t<cuda::Executor, storage_type, accumulate_type>).
+  template <class St = state_type>
+  [[nodiscard]] Status make_state(const Shape& shape, St& out) const {
+    KVMEM_RETURN_IF_ERROR(check_dims(shape));
+    return St::create(params, shape, out);
   }
   // Persistent bytes of a state for `shape` (kvm::state_bytes), and the per-step workspace (kvm::workspace_bytes).
   [[nodiscard]] std::size_t state_bytes(const Shape& shape) const {
@@ -243,17 +268,32 @@ struct Attention {
     return kvm::workspace_bytes<storage_type, accumulate_type>({params, shape}, limits);
   }
 
+  // The operations on any backend (kvm::prefill, decode, step): the state and weights of the executor's
+  // backend (state_t / weights_t: host and Kokkos kvm::State and Weights, CUDA cuda::KvmState and
+  // cuda::KvmWeights). A call on a backend whose kernels cannot take the variant does not compile.
   template <class Executor, class In, class Out>
-  Status prefill(const Executor& exec, state_type& state, const Weights& w, TensorView<const In, 4> q,
-                 TensorView<const In, 4> k, TensorView<const In, 4> v, TensorView<const In, 3> gate,
-                 TensorView<Out, 4> out, const std::int64_t* lengths = nullptr) const {
+  Status prefill(const Executor& exec, state_t<Executor, storage_type, accumulate_type>& state,
+                 const weights_t<Executor>& w, TensorView<const In, 4> q, TensorView<const In, 4> k,
+                 TensorView<const In, 4> v, TensorView<const In, 3> gate, TensorView<Out, 4> out,
+                 const std::int64_t* lengths = nullptr) const {
+    static_assert(check_kvm_support<Executor, accumulate_type, HeadDim, ValueDim>());
     return kvm::prefill(exec, state, w, q, k, v, gate, out, lengths);
   }
   template <class Executor, class In, class Out>
-  Status decode(const Executor& exec, state_type& state, const Weights& w, TensorView<const In, 4> q,
-                TensorView<const In, 4> k, TensorView<const In, 4> v, TensorView<const In, 3> gate,
-                TensorView<Out, 4> out, const std::int64_t* active = nullptr) const {
+  Status decode(const Executor& exec, state_t<Executor, storage_type, accumulate_type>& state,
+                const weights_t<Executor>& w, TensorView<const In, 4> q, TensorView<const In, 4> k,
+                TensorView<const In, 4> v, TensorView<const In, 3> gate, TensorView<Out, 4> out,
+                const std::int64_t* active = nullptr) const {
+    static_assert(check_kvm_support<Executor, accumulate_type, HeadDim, ValueDim>());
     return kvm::decode(exec, state, w, q, k, v, gate, out, active);
+  }
+  template <class Executor, class In, class Out>
+  Status step(const Executor& exec, state_t<Executor, storage_type, accumulate_type>& state,
+              const weights_t<Executor>& w, const Rows& rows, TensorView<const In, 3> q, TensorView<const In, 3> k,
+              TensorView<const In, 3> v, TensorView<const In, 2> gate, TensorView<Out, 3> out,
+              TensorView<float, 2> lse = {}) const {
+    static_assert(check_kvm_support<Executor, accumulate_type, HeadDim, ValueDim>());
+    return kvm::step(exec, state, w, rows, q, k, v, gate, out, lse);
   }
 };
 
