@@ -222,6 +222,7 @@ TEST_CASE("cuda UA cache placed over a guarded buffer writes nothing outside and
   const std::size_t cb_up = (cb + 255) / 256 * 256, total = guard + cb_up + guard + ws + guard;
   Dev<unsigned char> mem(total);
   KVMEM_CUDA_REQUIRE(cudaMemset(mem.ptr, 0x5a, total));
+  KVMEM_CUDA_REQUIRE(cudaDeviceSynchronize());  // placed memory must not be in use by pending work
   UaCache<float> placed, owning;
   REQUIRE(UaCache<float>::place(mem.ptr + guard, cb, s, placed).is_ok());
   REQUIRE(placed.attach_workspace(mem.ptr + guard + cb_up + guard, ws, {4}).is_ok());
