@@ -39,7 +39,7 @@ using Mem = KokkosSpace::memory_space;
 using Slots = std::vector<std::int32_t>;
 using I32View = TensorView<const std::int32_t, 1>;
 
-const KokkosExec kexec{};
+const KokkosExec kexec{KokkosSpace(), true};                     // checked: the refusals below come back as a Status
 const kvmem::host::Executor hexec{.threads = 1, .exact = true};  // the host's bitwise path
 
 bool same_bits(const std::vector<float>& a, const std::vector<float>& b) {
@@ -121,7 +121,7 @@ Tok random_tok(const Dims& d, std::mt19937_64& rng) {
 }
 
 template <class S>
-using KState = kvmem::kokkos::KvmState<S, float, Mem>;
+using KState = kvmem::kokkos::KvmState<S, float, kvmem::kokkos::state_memory_space<KokkosSpace>>;
 
 template <class S>
 KState<S> make_kstate(const kvm::Params& p, const Dims& d, std::int64_t slots, std::int64_t n_ctx) {
