@@ -99,7 +99,7 @@ TEST_CASE("kokkos two execution-space instances take interleaved KVM and UA work
 
 TEST_CASE("kokkos two host threads launch KVM on the Serial instance at the same time", "[kokkos][unit]") {
 #if !defined(KOKKOS_ENABLE_DEFAULT_DEVICE_TYPE_SERIAL)
-  WARN("skipped: the default execution space is " << KokkosSpace::name()
+  WARN("SKIPPED: the default execution space is " << KokkosSpace::name()
                                                   << ", not Serial (this test launches on Kokkos::Serial())");
 #else
   const KvmProblem p1(small_config(2, 64, 4, 2, 16, 8, Power{3.0, 0.5, 8, 1, 8000}), 51);

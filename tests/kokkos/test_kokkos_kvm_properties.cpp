@@ -52,7 +52,7 @@ TEST_CASE("kokkos kvm matches the reference and the host backend on random shape
 TEST_CASE("kokkos kvm gives the same bits with one thread and with several threads per team", "[kokkos][kvm][unit]") {
   const int wide = wide_team_size();
   if (wide < 2) {
-    WARN("skipped: " << KokkosSpace::name() << " runs one thread per team here (concurrency "
+    WARN("SKIPPED: " << KokkosSpace::name() << " runs one thread per team here (concurrency "
                      << KokkosSpace().concurrency() << ")");
     return;
   }

@@ -65,7 +65,7 @@ TEST_CASE("kokkos ua matches the reference and the host backend on random cases"
 TEST_CASE("kokkos ua gives the same bits with one thread and with several threads per team", "[kokkos][ua][unit]") {
   const int wide = kvmem::test::wide_team_size();
   if (wide < 2) {
-    WARN("skipped: " << kvmem::test::KokkosSpace::name() << " runs one thread per team here");
+    WARN("SKIPPED: " << kvmem::test::KokkosSpace::name() << " runs one thread per team here");
     return;
   }
   const KokkosExec one{kvmem::test::KokkosSpace(), false, 1}, many{kvmem::test::KokkosSpace(), false, wide};
