@@ -1,10 +1,11 @@
 // SPDX-License-Identifier: Apache-2.0
 #pragma once
 // Universal Attention entry bodies shared by the host and Kokkos backends (spec UA.md 4.4, 4.5): append
-// a new entry, and evict every entry of one (sequence, kv head) whose λ lies strictly below ln p,
-// compacting the survivors stably, so they stay in ascending position order (this fixes the summation
-// order the goldens assume). Rows [kept, n) are free afterwards; the caller reports them for
-// reclamation. (The CUDA backend runs the same rules block-parallel, backend/cuda/ua_kernels.cuh.)
+// a new entry, and evict the entries of one (sequence, kv head) that the prune policy's cut removes
+// (policy/prune.hpp; the paper's rule: λ strictly below ln p), compacting the survivors stably, so they
+// stay in ascending position order (this fixes the summation order the goldens assume). Rows [kept, n)
+// are free afterwards; the caller reports them for reclamation. (The CUDA backend runs the threshold
+// rule block-parallel, backend/cuda/ua_kernels.cuh.)
 //
 // Backend-neutral: KVMEM_HOST_DEVICE, no allocation, no containers, no exceptions.
 
@@ -13,6 +14,7 @@
 #include "kvmem/core/config.hpp"
 #include "kvmem/core/numeric.hpp"
 #include "kvmem/kernel/ua_rows.hpp"
+#include "kvmem/policy/prune.hpp"
 
 namespace kvmem::kernel::ua {
 
@@ -40,41 +42,39 @@ KVMEM_HOST_DEVICE inline bool evicts(Lambda lambda, double log_p) {
   return static_cast<double>(lambda) < log_p;
 }
 
-// Returns the number of survivors (evicts decides each entry).
-// keys, values: [n, D] rows row_stride apart; lambda, key_logit, pos: [n]
-template <class KS, class Acc>
-KVMEM_HOST_DEVICE inline std::int64_t evict_and_compact(KS* keys, KS* values, std::int64_t row_stride, Acc* lambda,
-                                                        Acc* key_logit, std::int64_t* pos, std::int64_t n,
-                                                        std::int64_t D, double log_p) {
-  std::int64_t kept = 0;
-  for (std::int64_t e = 0; e < n; ++e) {
-    if (evicts(lambda[e], log_p)) continue;  // evicted for good (λ never increases)
-    if (kept != e) {
-      for (std::int64_t d = 0; d < D; ++d) {
-        keys[kept * row_stride + d] = keys[e * row_stride + d];
-        values[kept * row_stride + d] = values[e * row_stride + d];
-      }
-      lambda[kept] = lambda[e];
-      key_logit[kept] = key_logit[e];
-      pos[kept] = pos[e];
-    }
-    ++kept;
-  }
-  return kept;
+// A prune rule's cut (policy/prune.hpp): λ < cut.log_p goes, compared in double like the threshold
+// rule above; a ranked cut also evicts entries ordering below (cut.lambda, cut.pos), λ first, then
+// position. A threshold cut decides exactly as evicts(lambda, log_p).
+template <class Lambda>
+KVMEM_HOST_DEVICE inline bool evicts(Lambda lambda, std::int64_t pos, const prune::Cut& cut) {
+  const double l = static_cast<double>(lambda);
+  if (l < cut.log_p) return true;
+  return cut.ranked && (l < cut.lambda || (l == cut.lambda && pos < cut.pos));
 }
 
-// The same over entries at rows map(e) (kernel/ua_rows.hpp, a paged cache): survivors move down to
-// the lowest logical rows in order, exactly as above. Returns the number of survivors.
-// keys, values: rows row_stride apart; lambda, key_logit, pos: indexed by row
-template <class KS, class Acc>
-KVMEM_HOST_DEVICE inline std::int64_t evict_and_compact(const RowMap& map, KS* keys, KS* values,
-                                                        std::int64_t row_stride, Acc* lambda, Acc* key_logit,
-                                                        std::int64_t* pos, std::int64_t n, std::int64_t D,
-                                                        double log_p) {
+// The entries of one item as a prune evictor reads them (entry e at row map(e)).
+template <class Acc>
+struct EntryList {
+  RowMap map;
+  const Acc* lambda_rows;
+  const std::int64_t* pos_rows;
+  std::int64_t n;
+  KVMEM_HOST_DEVICE std::int64_t size() const { return n; }
+  KVMEM_HOST_DEVICE double lambda(std::int64_t e) const { return static_cast<double>(lambda_rows[map(e)]); }
+  KVMEM_HOST_DEVICE std::int64_t pos(std::int64_t e) const { return pos_rows[map(e)]; }
+};
+
+// Evicts with a prune evictor (policy/prune.hpp): its cut over the item's entries, then a stable
+// compaction (the survivors move down to the lowest logical rows, in order). Returns the survivors.
+template <class Evictor, class KS, class Acc>
+KVMEM_HOST_DEVICE inline std::int64_t evict_by(const Evictor& evictor, const RowMap& map, KS* keys, KS* values,
+                                               std::int64_t row_stride, Acc* lambda, Acc* key_logit, std::int64_t* pos,
+                                               std::int64_t n, std::int64_t D) {
+  const prune::Cut cut = evictor.cut(EntryList<Acc>{map, lambda, pos, n});
   std::int64_t kept = 0;
   for (std::int64_t e = 0; e < n; ++e) {
     const std::int64_t x = map(e);
-    if (evicts(lambda[x], log_p)) continue;  // evicted for good (λ never increases)
+    if (evicts(lambda[x], pos[x], cut)) continue;  // evicted for good
     if (kept != e) {
       const std::int64_t y = map(kept);
       for (std::int64_t d = 0; d < D; ++d) {

@@ -26,10 +26,14 @@
 #include <cstddef>
 #include <cstdint>
 #include <span>
+#include <string>
+#include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "kvmem/core/slots.hpp"
 #include "kvmem/core/status.hpp"
+#include "kvmem/core/support.hpp"
 #include "kvmem/core/tensor.hpp"
 #include "kvmem/kvm/params.hpp"
 #include "kvmem/kvm/record.hpp"
@@ -70,9 +74,22 @@ Status check_call_shapes(const Shape& sh, const TensorView<const In, 4>& q,  // 
   return check_shape(out, {B, T, sh.Hq, sh.Dv}, "out");
 }
 
-// Customisation point: backends specialise Backend<Executor> with static prefill().
+// Customisation point (DESIGN.md 3): each backend specialises Backend<Executor> with
+//   template <class S, class A> using state_type;  the state of that backend's memory (host and Kokkos:
+//                                                  kvm::State; CUDA: cuda::KvmState)
+//   using weights_type;                             its learned parameters (kvm::Weights; cuda::KvmWeights)
+// and static prefill, step, reset_slots, copy_slots, export_slot, import_slot, truncate (optionally
+// can_run). The functions below are the one public signature; a backend never changes it, it only
+// refuses with a Status what it cannot do (for example a RouteLog on a backend that keeps none).
 template <class Executor>
 struct Backend;
+
+// The state and weights types of `Executor`'s backend, so engine code written once names them:
+// kvm::state_t<cuda::Executor, bf16> is cuda::KvmState<bf16, float>.
+template <class Executor, class S, class A = float>
+using state_t = typename Backend<Executor>::template state_type<S, A>;
+template <class Executor>
+using weights_t = typename Backend<Executor>::weights_type;
 
 // Whether `exec`'s backend runs `problem`: ok, or a Status with the reason (invalid parameters or
 // shape first, then what the backend itself cannot do, when it says so through a static
@@ -86,8 +103,8 @@ Status can_run(const Executor& /*exec*/, const Problem& problem) {
     return Status::ok();
 }
 
-template <class Executor, class S, class A, class In, class Out>
-Status prefill(const Executor& exec, State<S, A>& state, const Weights& weights,
+template <class Executor, class St, class In, class Out>
+Status prefill(const Executor& exec, St& state, const weights_t<Executor>& weights,
                TensorView<const In, 4> q,              // [B,Hq,T,D]
                TensorView<const In, 4> k,              // [B,Hk,T,D]
                TensorView<const In, 4> v,              // [B,Hk,T,Dv]
@@ -99,8 +116,8 @@ Status prefill(const Executor& exec, State<S, A>& state, const Weights& weights,
 }
 
 // One token per sequence. `active` [B] (0/1, nullptr: all) lets an engine step a subset.
-template <class Executor, class S, class A, class In, class Out>
-Status decode(const Executor& exec, State<S, A>& state, const Weights& weights,
+template <class Executor, class St, class In, class Out>
+Status decode(const Executor& exec, St& state, const weights_t<Executor>& weights,
               TensorView<const In, 4> q,     // [B,Hq,1,D]
               TensorView<const In, 4> k,     // [B,Hk,1,D]
               TensorView<const In, 4> v,     // [B,Hk,1,Dv]
@@ -119,8 +136,8 @@ Status decode(const Executor& exec, State<S, A>& state, const Weights& weights,
 // logits over state and window, so partial results merge exactly (core/softmax.hpp). Validation
 // (rows, shapes, n_ctx of every slot, finite inputs, gate > 0) runs first; on error nothing changed.
 // A RouteLog gets one entry per (slot, KV head): log->items[slot * Hk + g].
-template <class Executor, class S, class A, class In, class Out>
-Status step(const Executor& exec, State<S, A>& state, const Weights& weights, const Rows& rows,
+template <class Executor, class St, class In, class Out>
+Status step(const Executor& exec, St& state, const weights_t<Executor>& weights, const Rows& rows,
             TensorView<const In, 3> q,      // [tokens,Hq,D]
             TensorView<const In, 3> k,      // [tokens,Hk,D]
             TensorView<const In, 3> v,      // [tokens,Hk,Dv]
@@ -134,16 +151,16 @@ Status step(const Executor& exec, State<S, A>& state, const Weights& weights, co
 // ---- slot operations (docs/slots.md); every slot index is checked, a refused call changes nothing ----
 
 // Forgets the sequences in `slots` (n = cov = |S| = 0). slots: [n], each in [0, max_slots).
-template <class Executor, class S, class A>
-Status reset_slots(const Executor& exec, State<S, A>& state, TensorView<const std::int32_t, 1> slots) {
+template <class Executor, class St>
+Status reset_slots(const Executor& exec, St& state, TensorView<const std::int32_t, 1> slots) {
   return Backend<Executor>::reset_slots(exec, state, slots);
 }
 
 // Fork: slot dst[i] becomes a copy of slot src[i] (counters, memory slots, window), so it continues
 // bit for bit like its source. src, dst: [n]; destinations distinct and none of them another pair's
 // source (core/slots.hpp check_copy_pairs).
-template <class Executor, class S, class A>
-Status copy_slots(const Executor& exec, State<S, A>& state, TensorView<const std::int32_t, 1> src,
+template <class Executor, class St>
+Status copy_slots(const Executor& exec, St& state, TensorView<const std::int32_t, 1> src,
                   TensorView<const std::int32_t, 1> dst) {
   return Backend<Executor>::copy_slots(exec, state, src, dst);
 }
@@ -151,18 +168,19 @@ Status copy_slots(const Executor& exec, State<S, A>& state, TensorView<const std
 // Exports the sequence in `slot` as a slot record (core/slots.hpp format, mechanism KVM). Fields,
 // in order (i64 unless noted; arrays over KV heads g = 0..Hk-1, rows in slot / position order):
 //   parameters checked on import: chunk, window_chunks, sink, rope_dims, budget_kind (0 fixed,
-//     1 power, 2 saturating), budget_minimum, budget_maximum, budget_round_down, budget_factor (f64),
-//     budget_exponent (f64), budget_saturation (f64) (values a budget kind lacks are 0), flags (bit 0
-//     merge_gate_keys, 1 merge_gate_values, 2 head_temps, 3 value_radius, 4 gate_appends,
-//     5 gate_initial), ln_eps (f64), scale (f64), Hq, Hk, D, Dv, storage (0 fp32, 1 bf16, 2 fp16);
+//     1 power, 2 saturating, 3 user: budget_minimum then holds budget::Any::fingerprint()),
+//     budget_minimum, budget_maximum, budget_round_down, budget_factor (f64), budget_exponent (f64),
+//     budget_saturation (f64) (values a budget kind lacks are 0), flags (bit 0 merge_gate_keys,
+//     1 merge_gate_values, 2 head_temps, 3 value_radius, 4 gate_appends, 5 gate_initial), ln_eps (f64),
+//     scale (f64), Hq, Hk, D, Dv, storage (0 fp32, 1 bf16, 2 fp16);
 //   counters: n (tokens seen), cov (tokens summarised), slots (|S|);
 //   state (accumulate type, f32 or f64): sk [Hk,|S|,D], sv [Hk,|S|,Dv], rho [Hk,|S|], cnt [Hk,|S|];
 //   window, positions [bswa_begin(n), n) (spec 4.1; f32, exact for bf16/fp16 storage):
 //     window_k [Hk,w,D], window_v [Hk,w,Dv], window_g [Hk,w] (accumulate type).
 // The readout copies K^ = LN_s(Sk), V^ are derived and not exported; import_slot rebuilds them.
 // `bytes` must hold at least export_bytes(state, slot); exactly that many bytes are written at its front.
-template <class Executor, class S, class A>
-Status export_slot(const Executor& exec, const State<S, A>& state, std::int32_t slot, std::span<std::byte> bytes) {
+template <class Executor, class St>
+Status export_slot(const Executor& exec, const St& state, std::int32_t slot, std::span<std::byte> bytes) {
   return Backend<Executor>::export_slot(exec, state, slot, bytes);
 }
 
@@ -171,8 +189,8 @@ Status export_slot(const Executor& exec, const State<S, A>& state, std::int32_t 
 // (else a Status naming the field), and the state's n_ctx must hold its n tokens. The readout copies
 // are rebuilt from Sk, Sv with `weights` (the LN_s affine the sequence is read with). `bytes` is the
 // record, exactly export_bytes(source, slot) long.
-template <class Executor, class S, class A>
-Status import_slot(const Executor& exec, State<S, A>& state, const Weights& weights, std::int32_t slot,
+template <class Executor, class St>
+Status import_slot(const Executor& exec, St& state, const weights_t<Executor>& weights, std::int32_t slot,
                    std::span<const std::byte> bytes) {
   return Backend<Executor>::import_slot(exec, state, weights, slot, bytes);
 }
@@ -182,14 +200,14 @@ Status import_slot(const Executor& exec, State<S, A>& state, const Weights& weig
 // of its own (spec 4.3), and the window keeps every position a later token reads; otherwise
 // (a state update absorbed part of them, spec 4.5, or the window no longer holds what the shorter
 // sequence reads) the call is refused with a Status that says which, and nothing changes.
-template <class Executor, class S, class A>
-Status truncate(const Executor& exec, State<S, A>& state, std::int32_t slot, std::int64_t n) {
+template <class Executor, class St>
+Status truncate(const Executor& exec, St& state, std::int32_t slot, std::int64_t n) {
   return Backend<Executor>::truncate(exec, state, slot, n);
 }
 
 // Whole sequences from an empty cache, storage type S (training-style forward).
 template <class S = float, class A = float, class Executor, class In, class Out>
-Status forward(const Executor& exec, const Params& params, const Weights& weights,
+Status forward(const Executor& exec, const Params& params, const weights_t<Executor>& weights,
                TensorView<const In, 4> q,     // [B,Hq,T,D]
                TensorView<const In, 4> k,     // [B,Hk,T,D]
                TensorView<const In, 4> v,     // [B,Hk,T,Dv]
@@ -197,18 +215,26 @@ Status forward(const Executor& exec, const Params& params, const Weights& weight
                TensorView<Out, 4> out,        // [B,T,Hq,Dv]
                const std::int64_t* lengths = nullptr) {
   const Shape shape{q.extent(0), q.extent(1), k.extent(1), q.extent(3), v.extent(3), q.extent(2) > 0 ? q.extent(2) : 1};
-  using StateType = State<S, A>;
+  using StateType = state_t<Executor, S, A>;
   StateType state;
   KVMEM_RETURN_IF_ERROR(StateType::create(params, shape, state));
   return prefill(exec, state, weights, q, k, v, gate, out, lengths);
 }
 
 // Compile-time composition (DESIGN.md 2): kvm::Attention<budget::Power{16.0, 0.5, 256},
-// precision::Bf16Storage>. The budget is checked at compile time; the rest of Params (chunk,
-// window, flags) stays a runtime value with the spec's defaults.
-template <auto Budget, PrecisionPolicy Precision = precision::Fp32Storage>
+// precision::Bf16Storage>. The budget is any BudgetPolicy (the built-in three or a user type, checked
+// at compile time; it sizes the state through its max_slots and drives every update through its
+// slots()); the rest of Params (chunk, window, flags) stays a runtime value with the spec's defaults.
+// HeadDim / ValueDim (default kAnyDim: chosen at run time) fix the head dims: make_state refuses other
+// shapes, and a call on a backend whose kernels cannot take them does not compile (core/support.hpp).
+template <auto Budget, PrecisionPolicy Precision = precision::Fp32Storage, std::int64_t HeadDim = kAnyDim,
+          std::int64_t ValueDim = HeadDim>
 struct Attention {
   static constexpr auto kBudget = budget::checked<Budget>();
+  static constexpr std::int64_t kHeadDim = HeadDim;
+  static constexpr std::int64_t kValueDim = ValueDim;
+  static_assert(HeadDim >= 0 && ValueDim >= 0, "kvmem::kvm::Attention: head dims are > 0 (or kAnyDim)");
+  using budget_type = std::remove_cvref_t<decltype(kBudget)>;
   using precision_type = Precision;
   using storage_type = typename Precision::storage_type;
   using accumulate_type = typename Precision::accumulate_type;
@@ -219,8 +245,20 @@ struct Attention {
   Attention() { params.budget = budget::Any(kBudget); }
   explicit Attention(Params p) : params(p) { params.budget = budget::Any(kBudget); }
 
-  [[nodiscard]] Status make_state(const Shape& shape, state_type& out) const {
-    return state_type::create(params, shape, out);
+  // Ok when `shape` has the variant's fixed head dims (any, for kAnyDim).
+  [[nodiscard]] static Status check_dims(const Shape& shape) {
+    if (HeadDim != kAnyDim && shape.D != HeadDim)
+      return invalid_argument("D", "the variant's head dim " + std::to_string(HeadDim), shape.D);
+    if (ValueDim != kAnyDim && shape.Dv != ValueDim)
+      return invalid_argument("Dv", "the variant's value head dim " + std::to_string(ValueDim), shape.Dv);
+    return Status::ok();
+  }
+  // A state of this variant for `shape`: the host's State (state_type), or another backend's state
+  // with a static create(params, shape, out) (state_t<cuda::Executor, storage_type, accumulate_type>).
+  template <class St = state_type>
+  [[nodiscard]] Status make_state(const Shape& shape, St& out) const {
+    KVMEM_RETURN_IF_ERROR(check_dims(shape));
+    return St::create(params, shape, out);
   }
   // Persistent bytes of a state for `shape` (kvm::state_bytes), and the per-step workspace (kvm::workspace_bytes).
   [[nodiscard]] std::size_t state_bytes(const Shape& shape) const {
@@ -230,17 +268,32 @@ struct Attention {
     return kvm::workspace_bytes<storage_type, accumulate_type>({params, shape}, limits);
   }
 
+  // The operations on any backend (kvm::prefill, decode, step): the state and weights of the executor's
+  // backend (state_t / weights_t: host and Kokkos kvm::State and Weights, CUDA cuda::KvmState and
+  // cuda::KvmWeights). A call on a backend whose kernels cannot take the variant does not compile.
   template <class Executor, class In, class Out>
-  Status prefill(const Executor& exec, state_type& state, const Weights& w, TensorView<const In, 4> q,
-                 TensorView<const In, 4> k, TensorView<const In, 4> v, TensorView<const In, 3> gate,
-                 TensorView<Out, 4> out, const std::int64_t* lengths = nullptr) const {
+  Status prefill(const Executor& exec, state_t<Executor, storage_type, accumulate_type>& state,
+                 const weights_t<Executor>& w, TensorView<const In, 4> q, TensorView<const In, 4> k,
+                 TensorView<const In, 4> v, TensorView<const In, 3> gate, TensorView<Out, 4> out,
+                 const std::int64_t* lengths = nullptr) const {
+    static_assert(check_kvm_support<Executor, accumulate_type, HeadDim, ValueDim>());
     return kvm::prefill(exec, state, w, q, k, v, gate, out, lengths);
   }
   template <class Executor, class In, class Out>
-  Status decode(const Executor& exec, state_type& state, const Weights& w, TensorView<const In, 4> q,
-                TensorView<const In, 4> k, TensorView<const In, 4> v, TensorView<const In, 3> gate,
-                TensorView<Out, 4> out, const std::int64_t* active = nullptr) const {
+  Status decode(const Executor& exec, state_t<Executor, storage_type, accumulate_type>& state,
+                const weights_t<Executor>& w, TensorView<const In, 4> q, TensorView<const In, 4> k,
+                TensorView<const In, 4> v, TensorView<const In, 3> gate, TensorView<Out, 4> out,
+                const std::int64_t* active = nullptr) const {
+    static_assert(check_kvm_support<Executor, accumulate_type, HeadDim, ValueDim>());
     return kvm::decode(exec, state, w, q, k, v, gate, out, active);
+  }
+  template <class Executor, class In, class Out>
+  Status step(const Executor& exec, state_t<Executor, storage_type, accumulate_type>& state,
+              const weights_t<Executor>& w, const Rows& rows, TensorView<const In, 3> q, TensorView<const In, 3> k,
+              TensorView<const In, 3> v, TensorView<const In, 2> gate, TensorView<Out, 3> out,
+              TensorView<float, 2> lse = {}) const {
+    static_assert(check_kvm_support<Executor, accumulate_type, HeadDim, ValueDim>());
+    return kvm::step(exec, state, w, rows, q, k, v, gate, out, lse);
   }
 };
 

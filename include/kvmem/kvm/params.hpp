@@ -57,7 +57,7 @@ inline Status validate(const Params& p, const Shape& s) {
   if (p.rope_dims < 0 || p.rope_dims > s.D)
     return invalid_argument("rope_dims", "0 <= rope_dims <= D = " + std::to_string(s.D), p.rope_dims);
   KVMEM_RETURN_IF_ERROR(p.budget.validate());
-  const std::int64_t maximum = p.budget.visit([](const auto& b) { return b.maximum; });
+  const std::int64_t maximum = p.budget.maximum();
   if (maximum < p.chunk)
     return invalid_argument("budget maximum",
                             ">= chunk = " + std::to_string(p.chunk) + " (the first chunk founds chunk slots)", maximum);

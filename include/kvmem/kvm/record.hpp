@@ -32,7 +32,8 @@ inline std::int64_t flags_of(const Params& p) {
          std::int64_t(p.value_radius) << 3 | std::int64_t(p.gate_appends) << 4 | std::int64_t(p.gate_initial) << 5;
 }
 
-// The budget as the record's seven fields (0 where a kind has no such value).
+// The budget as the record's seven fields (0 where a kind has no such value; a user policy, kind 3,
+// keeps its fingerprint in budget_minimum).
 struct BudgetFields {
   std::int64_t kind = 0, minimum = 0, maximum = 0, round_down = 0;
   double factor = 0, exponent = 0, saturation = 0;
@@ -48,6 +49,9 @@ inline BudgetFields budget_fields(const budget::Any& b) {
       break;
     case budget::Any::Kind::kSaturating:
       f = {2, b.saturating.minimum, b.saturating.maximum, b.saturating.round_down, 0, 0, b.saturating.saturation};
+      break;
+    case budget::Any::Kind::kUser:  // a user policy: its fingerprint (name and bytes) stands for its values
+      f = {3, b.fingerprint(), 0, 0, 0, 0, 0};
       break;
   }
   return f;

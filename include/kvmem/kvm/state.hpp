@@ -154,6 +154,14 @@ WorkLayout work_layout(const Params& p, const Shape& s, std::int64_t rows) {
   return l;
 }
 
+// Entries of the update-target table a state keeps for a user budget (none for the built-ins, whose
+// targets every backend evaluates from their fields): target |S| of update u = 1..updates(n_ctx) along
+// the one slot trajectory every sequence follows (spec 3.1: |S| after an update is data independent),
+// so device code reads a user policy's slots() without calling host code. Entry 0 is unused.
+inline std::int64_t target_count(const Params& p, const Shape& s) {
+  return p.budget.is_user() ? p.geometry().updates(s.n_ctx) + 1 : 0;
+}
+
 inline std::int64_t rows_of(const Limits& limits, const Shape& s) {
   return limits.max_rows > 0 ? limits.max_rows : s.B;
 }
@@ -169,7 +177,8 @@ StateLayout state_layout(const Problem& problem) {
   StateLayout l;
   l.item_bytes = state_detail::item_offsets<Storage, Acc>(p, s).bytes;
   l.slot_bytes = std::size_t(s.Hk) * l.item_bytes + 3 * sizeof(std::int64_t);
-  l.bytes = std::size_t(s.B * s.Hk) * l.item_bytes + 3 * align_up(std::size_t(s.B) * sizeof(std::int64_t));
+  l.bytes = std::size_t(s.B * s.Hk) * l.item_bytes + 3 * align_up(std::size_t(s.B) * sizeof(std::int64_t)) +
+            align_up(std::size_t(state_detail::target_count(p, s)) * sizeof(std::int64_t));
   return l;
 }
 // Persistent bytes of a State<Storage, Acc> for `problem` (0 when it is invalid).
@@ -286,13 +295,7 @@ class State {
   }
   // Ok when a call of `rows` rows has workspace; else the reason (DESIGN.md 3: checked before any change).
   [[nodiscard]] Status check_workspace(std::int64_t rows) const {
-    if (ws_ == nullptr)
-      return invalid_argument("workspace", "a workspace (State::create, or attach_workspace after place)", "none");
-    if (rows > ws_rows_)
-      return {StatusCode::kOutOfRange,
-              "workspace: a call of " + std::to_string(rows) +
-                  " rows, the attached workspace holds limits.max_rows = " + std::to_string(ws_rows_)};
-    return Status::ok();
+    return check_workspace_rows(ws_ != nullptr, rows, ws_rows_, "State");
   }
 
   [[nodiscard]] bool valid() const { return base_ != nullptr; }
@@ -368,6 +371,9 @@ class State {
   std::int64_t* n_data() const { return n_; }
   std::int64_t* cov_data() const { return cov_; }
   std::int64_t* slots_data() const { return slots_; }
+  // A user budget's target |S| per update u (entry u, 1 <= u <= updates(n_ctx)); nullptr for the
+  // built-in budgets. Written once when the state is created or placed.
+  [[nodiscard]] const std::int64_t* update_targets() const { return targets_; }
   // Per-work-item results of one call (cov, |S|), written by the item that owns them and folded into
   // the per-sequence counters after every item has joined (workspace). [work items, 2]
   std::int64_t* item_result() const { return ws_ ? reinterpret_cast<std::int64_t*>(ws_ + wl_.result) : nullptr; }
@@ -387,6 +393,18 @@ class State {
     n_ = reinterpret_cast<std::int64_t*>(base + counters);
     cov_ = reinterpret_cast<std::int64_t*>(base + counters + stride);
     slots_ = reinterpret_cast<std::int64_t*>(base + counters + 2 * stride);
+    targets_ = nullptr;
+    if (const std::int64_t count = state_detail::target_count(p, s); count > 0) {
+      auto* t = reinterpret_cast<std::int64_t*>(base + counters + 3 * stride);
+      const Geometry geo = p.geometry();
+      std::int64_t current = std::min(s.n_ctx, geo.chunk);
+      t[0] = 0;
+      for (std::int64_t u = 1; u < count; ++u) {
+        t[u] = p.budget.slots((geo.window_chunks + u) * geo.chunk, (u + 1) * geo.chunk, current);
+        current = slots_after_update(p.budget, geo, u, current);
+      }
+      targets_ = t;
+    }
     reset();
   }
   void bind_workspace(std::byte* ws, std::int64_t rows) {
@@ -413,6 +431,7 @@ class State {
     n_ = o.n_;
     cov_ = o.cov_;
     slots_ = o.slots_;
+    targets_ = o.targets_;
     o.release();
   }
   void release() noexcept {
@@ -427,6 +446,7 @@ class State {
     ws_rows_ = 0;
     cap_ = 0;
     n_ = cov_ = slots_ = nullptr;
+    targets_ = nullptr;
   }
 
   struct AlignedDelete {
@@ -446,6 +466,7 @@ class State {
   std::int64_t* n_ = nullptr;
   std::int64_t* cov_ = nullptr;
   std::int64_t* slots_ = nullptr;
+  std::int64_t* targets_ = nullptr;
 };
 
 // Whether dropping the last n tokens of a slot of n_old tokens, cov_old of them covered, is exact

@@ -309,7 +309,7 @@ inline Status validate(const Config& c, const Inputs& in) {
   if (c.rope_dims < 0 || c.rope_dims > c.D)
     return invalid_argument("rope_dims", "0 <= rope_dims <= D = " + std::to_string(c.D), c.rope_dims);
   KVMEM_RETURN_IF_ERROR(c.budget.validate());
-  const std::int64_t max_slots = c.budget.visit([](const auto& b) { return b.maximum; });
+  const std::int64_t max_slots = c.budget.maximum();
   if (max_slots < c.chunk)
     return invalid_argument("budget maximum", ">= chunk = " + std::to_string(c.chunk), max_slots);
   if (!(c.ln_eps > 0) || !std::isfinite(c.ln_eps)) return invalid_argument("ln_eps", "finite and > 0", c.ln_eps);

@@ -45,6 +45,9 @@ struct DenseResult {
 struct PrunedResult {
   std::vector<double> out;         // [B,T,H,D]
   std::vector<std::int64_t> kept;  // [B,G,T], 1 = in the cache after the last token
+  // With a keep limit: the smallest gap, over every eviction that dropped entries by rank, between the
+  // λ of the last entry kept and the first entry dropped (a near-tie below rounding may flip in fp32).
+  double rank_margin = std::numeric_limits<double>::infinity();
 };
 
 namespace detail {
@@ -209,30 +212,52 @@ struct RefCache {
   std::vector<double> lambda;
 };
 
-// Evicts every entry with λ < ln p (strict), keeping the survivors in ascending position order.
-inline void evict(RefCache& cache, double p) {
+// Evicts every entry with λ < ln p (strict), keeping the survivors in ascending position order. With
+// keep >= 0, then only the `keep` survivors with the largest λ stay (of equal λ the later position);
+// `margin` takes the λ gap at that cut.
+inline void evict(RefCache& cache, double p, std::int64_t keep = -1, double* margin = nullptr) {
   RefCache kept;
   for (std::size_t e = 0; e < cache.pos.size(); ++e)
     if (!prune::Threshold{p}.evicts(cache.lambda[e])) {
       kept.pos.push_back(cache.pos[e]);
       kept.lambda.push_back(cache.lambda[e]);
     }
+  if (keep >= 0 && std::int64_t(kept.pos.size()) > keep) {
+    std::vector<std::size_t> order(kept.pos.size());
+    for (std::size_t e = 0; e < order.size(); ++e) order[e] = e;
+    std::sort(order.begin(), order.end(), [&](std::size_t a, std::size_t b) {
+      if (kept.lambda[a] != kept.lambda[b]) return kept.lambda[a] > kept.lambda[b];
+      return kept.pos[a] > kept.pos[b];
+    });
+    const auto k = static_cast<std::size_t>(keep);
+    if (margin != nullptr && k > 0) *margin = std::min(*margin, kept.lambda[order[k - 1]] - kept.lambda[order[k]]);
+    std::vector<bool> stays(order.size(), false);
+    for (std::size_t i = 0; i < k; ++i) stays[order[i]] = true;
+    RefCache top;
+    for (std::size_t e = 0; e < stays.size(); ++e)
+      if (stays[e]) {
+        top.pos.push_back(kept.pos[e]);
+        top.lambda.push_back(kept.lambda[e]);
+      }
+    kept = top;
+  }
   cache = kept;
 }
 
 // Spec UA.md 4.4/4.5: one decode step of token t for (b, g) and its r query heads.
 template <DecaySet S>
 void decode_step(const Config& c, const Inputs& in, std::int64_t b, std::int64_t g, std::int64_t t, double p,
-                 bool evict_before_attention, RefCache& cache, std::vector<double>& out) {
+                 bool evict_before_attention, RefCache& cache, std::vector<double>& out, std::int64_t keep = -1,
+                 double* margin = nullptr) {
   for (std::size_t e = 0; e < cache.pos.size(); ++e)  // 1. λ_j += A_jt
     cache.lambda[e] += step_decay<S>(c, in, b, g, cache.pos[e], t);
   cache.pos.push_back(t);  // 2. append with λ_t = 0
   cache.lambda.push_back(0.0);
-  if (evict_before_attention) evict(cache, p);  // 3. evict λ < ln p
+  if (evict_before_attention) evict(cache, p, keep, margin);  // 3. evict λ < ln p
   const std::int64_t group = c.H / c.G;
   for (std::int64_t hh = 0; hh < group; ++hh)  // 4. attend
     attend_row(c, in, b, g * group + hh, t, cache.pos, cache.lambda, out_row(c, out, b, t, g * group + hh));
-  if (!evict_before_attention) evict(cache, p);
+  if (!evict_before_attention) evict(cache, p, keep, margin);
 }
 }  // namespace detail
 
@@ -251,9 +276,11 @@ std::vector<double> decode_dense(const Config& c, const Inputs& in) {
 
 // The pruned run of tests/data/golden/README.md (spec UA.md 4.5): chunked prefill of [0, prefill_split)
 // with chunk prefill_chunk, evicting at every chunk end (chunk keys included), then decode of the
-// remaining tokens with the configured step order. p = 0 never evicts.
+// remaining tokens with the configured step order. p = 0 never evicts. keep >= 0: after the threshold,
+// at most `keep` entries per (sequence, kv head) stay at every eviction, those with the largest λ
+// (of equal λ the later position): the rule of prune::KeepTop{keep, p}.
 template <DecaySet S = decay::Universal>
-PrunedResult pruned(const Config& c, const Inputs& in, double p) {
+PrunedResult pruned(const Config& c, const Inputs& in, double p, std::int64_t keep = -1) {
   throw_if_error(validate(c, in));
   throw_if_error(prune::Threshold{p}.validate());
   PrunedResult r;
@@ -282,10 +309,10 @@ PrunedResult pruned(const Config& c, const Inputs& in, double p) {
                                detail::out_row(c, r.out, b, i, g * group + hh));
           }
         for (std::size_t e = 0; e < cache.pos.size(); ++e) cache.lambda[e] = lam[(t1 - 1) * c.T + cache.pos[e]];
-        detail::evict(cache, p);  // 2. λ = Λ_{e,j} at the chunk end, evict λ < ln p
+        detail::evict(cache, p, keep, &r.rank_margin);  // 2. λ = Λ_{e,j} at the chunk end, evict
       }
       for (std::int64_t t = split; t < c.T; ++t)
-        detail::decode_step<S>(c, in, b, g, t, p, c.evict_before_attention, cache, r.out);
+        detail::decode_step<S>(c, in, b, g, t, p, c.evict_before_attention, cache, r.out, keep, &r.rank_margin);
       for (std::int64_t j : cache.pos) r.kept[(b * c.G + g) * c.T + j] = 1;
     }
   return r;

@@ -18,11 +18,13 @@
 #include <numeric>
 #include <string>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "kvmem/core/math.hpp"
 #include "kvmem/core/slots.hpp"
 #include "kvmem/core/status.hpp"
+#include "kvmem/core/support.hpp"
 #include "kvmem/core/tensor.hpp"
 #include "kvmem/kernel/ua_attend.hpp"
 #include "kvmem/kernel/ua_decay.hpp"
@@ -40,6 +42,7 @@ struct Options {
   double p = 0.0;                      // eviction threshold, evict iff λ < ln p; 0 = never (dense)
   std::int64_t prefill_chunk = 128;    // P: prefill evicts at the end of each chunk
   bool evict_before_attention = true;  // decode order: λ update, append, evict, attend (false: evict last)
+  std::int64_t layer = 0;              // the layer this cache belongs to (a prune policy may use it)
 
   // From a prune policy value chosen at run time (prune::Threshold{p}) or prune::None (dense).
   static Options with(const prune::Threshold& policy, std::int64_t chunk = 128, bool evict_before = true) {
@@ -156,6 +159,29 @@ inline Status validate_options(const Options& opt) {
 
 inline double log_threshold(double p) {
   return prune::Threshold{p}.log_threshold();
+}
+
+// A call that passes a prune policy: Options::p stays 0 (the policy decides), the policy's values
+// and the call's layer are valid for it.
+template <PrunePolicy Rule>
+Status validate_rule(const Rule& rule, const Options& opt) {
+  if (opt.p != 0.0)
+    return invalid_argument("Options p", "0 when a prune policy is passed (the policy decides eviction)", opt.p);
+  KVMEM_RETURN_IF_ERROR(rule.validate());
+  return prune::validate_layer(rule, opt.layer);
+}
+
+// The evictor of a call: the policy's, at the call's layer; NoEvictor for a disabled policy
+// (prune::None), which removes the eviction from the item bodies at compile time.
+struct NoEvictor {};
+template <class Ev>
+inline constexpr bool kEvicts = !std::is_same_v<Ev, NoEvictor>;
+template <PrunePolicy Rule>
+auto evictor_of(const Rule& rule, const Options& opt) {
+  if constexpr (Rule::kEnabled)
+    return rule.evictor(opt.layer);
+  else
+    return NoEvictor{};
 }
 
 // The inputs and outputs of one (sequence, kv head) item over the T tokens of its call: pointers to
@@ -282,19 +308,32 @@ kernel::ua::BlockArgs<Storage, float, float, float> with_cache(kernel::ua::Block
   return a;
 }
 
+// Evicts what the evictor's cut removes from item (b, g) of n entries and returns the pages past the
+// survivors to the pool. Returns the survivors.
+template <class Ev, class Storage, class View>
+std::int64_t evict_item(const Ev& ev, PrunedCache<Storage>& cache, std::int64_t b, std::int64_t g, const View& v,
+                        std::int64_t n) {
+  const std::int64_t D = cache.shape().head_dim;
+  n = kernel::ua::evict_by(ev, v.map, v.keys, v.values, D, v.lambda, v.key_logit, v.pos, n, D);
+  cache.release_rows(b, g, n);
+  return n;
+}
+
 // Chunked prefill of one (b, g) item (spec UA.md 4.5): per chunk, append the chunk's keys, attend
-// (survivors + chunk keys t0..i with exact Λ), move λ to the chunk end, evict λ < ln p. Chunks are
+// (survivors + chunk keys t0..i with exact Λ), move λ to the chunk end, evict (the prune policy's
+// evictor `ev`; NoEvictor: none). Chunks are
 // counted from the call's first token, and the survivors of earlier calls take part like the
 // survivors of an earlier chunk, so a call continues a non-empty cache. Pages: a chunk's rows are taken
 // before it is appended, and eviction returns the pages past the survivors. False: the pool ran dry.
 // w: the work item whose workspace the item uses.
-template <class Set, class Storage>
+template <class Set, class Storage, class Ev>
 bool prefill_item(PrunedCache<Storage>& cache, std::int64_t b, std::int64_t g, std::int64_t w, const ItemIO& io,
-                  const Options& opt) {
+                  const Options& opt, const Ev& ev) {
   auto v = cache.item_view(b, g, w);
   const std::int64_t D = cache.shape().head_dim, T = io.T, r = cache.group_size();
   const std::int64_t first = cache.position(b);
-  const double log_p = log_threshold(opt.p);
+  bool prunes = false;
+  if constexpr (kEvicts<Ev>) prunes = prune::active(ev);
   std::int64_t n = *v.length, peak = n;
   for (std::int64_t t0 = 0; t0 < T; t0 += opt.prefill_chunk) {
     const std::int64_t t1 = t0 + opt.prefill_chunk < T ? t0 + opt.prefill_chunk : T;
@@ -306,10 +345,8 @@ bool prefill_item(PrunedCache<Storage>& cache, std::int64_t b, std::int64_t g, s
     a.through = first + t0 - 1;  // survivors hold Λ_{first+t0-1}; the chunk keys hold 0
     a.first = first + t0;
     kernel::ua::attend_block<Set>(a);
-    if (log_p > -std::numeric_limits<double>::infinity()) {
-      n = kernel::ua::evict_and_compact(v.map, v.keys, v.values, D, v.lambda, v.key_logit, v.pos, n, D, log_p);
-      cache.release_rows(b, g, n);
-    }
+    if constexpr (kEvicts<Ev>)
+      if (prunes) n = evict_item(ev, cache, b, g, v, n);
   }
   *v.length = n;
   *v.peak = peak;
@@ -318,14 +355,14 @@ bool prefill_item(PrunedCache<Storage>& cache, std::int64_t b, std::int64_t g, s
 
 // One decode step of one (b, g) item (spec UA.md 4.4, 4.5). The new row's page is taken before anything
 // changes; eviction returns the pages past the survivors. False: the pool ran dry.
-template <class Set, class Storage>
+template <class Set, class Storage, class Ev>
 bool decode_item(PrunedCache<Storage>& cache, std::int64_t b, std::int64_t g, std::int64_t w, const ItemIO& io,
-                 const Options& opt) {
+                 const Options& opt, const Ev& ev) {
   auto v = cache.item_view(b, g, w);
   const std::int64_t D = cache.shape().head_dim, r = cache.group_size();
   const std::int64_t t = cache.position(b);
-  const double log_p = log_threshold(opt.p);
-  const bool prunes = log_p > -std::numeric_limits<double>::infinity();
+  bool prunes = false;
+  if constexpr (kEvicts<Ev>) prunes = prune::active(ev);
   std::int64_t n = *v.length;
   if (!cache.reserve_rows(b, g, n + 1)) return overflow_item(cache, b, g, io);
   // 1. λ_j += A_jt for every cached entry, run by run of consecutive rows (each entry on its own)
@@ -340,18 +377,14 @@ bool decode_item(PrunedCache<Storage>& cache, std::int64_t b, std::int64_t g, st
   ++n;
   const std::int64_t peak = n;
   // 3. evict (default order), 4. attend with bias λ, or evict afterwards
-  if (prunes && opt.evict_before_attention) {
-    n = kernel::ua::evict_and_compact(v.map, v.keys, v.values, D, v.lambda, v.key_logit, v.pos, n, D, log_p);
-    cache.release_rows(b, g, n);
-  }
+  if constexpr (kEvicts<Ev>)
+    if (prunes && opt.evict_before_attention) n = evict_item(ev, cache, b, g, v, n);
   auto a = with_cache<Storage>(block_args<Storage>(io, D, r, 0, 1), v, n);
   a.through = t;  // λ already includes A_{., t}
   a.first = t;
   kernel::ua::attend_block<Set>(a);
-  if (prunes && !opt.evict_before_attention) {
-    n = kernel::ua::evict_and_compact(v.map, v.keys, v.values, D, v.lambda, v.key_logit, v.pos, n, D, log_p);
-    cache.release_rows(b, g, n);
-  }
+  if constexpr (kEvicts<Ev>)
+    if (prunes && !opt.evict_before_attention) n = evict_item(ev, cache, b, g, v, n);
   *v.length = n;
   *v.peak = peak;
   return true;
@@ -405,14 +438,10 @@ void finish_batch(PrunedCache<Storage>& cache, const Inputs& in, TensorView<floa
 
 }  // namespace detail
 
-// Prefill T tokens of every sequence into the cache (spec UA.md 4.5) and write their outputs.
-// The caller rotates token t of sequence b at position cache.position(b) + t. Needs
-// longest cache + T <= capacity (checked up front; eviction is data-dependent): to keep the cache
-// small, feed a long prompt in calls of prefill_chunk tokens, which gives the same result as one call.
-// out: [B,T,H,D]
-template <DecaySet Set = decay::Universal, class Exec, class Storage>
-Status prefill(const Exec& exec, PrunedCache<Storage>& cache, const Inputs& in, const Options& opt,
-               TensorView<float, 4> out) {
+namespace detail {
+template <DecaySet Set, class Exec, class Storage, class Ev>
+Status prefill_with(const Exec& exec, PrunedCache<Storage>& cache, const Inputs& in, const Options& opt, const Ev& ev,
+                    TensorView<float, 4> out) {
   KVMEM_RETURN_IF_ERROR(detail::validate_cache_call(cache, in, opt, out, false));
   const CacheShape& s = cache.shape();
   const std::int64_t T = in.q.extent(2);
@@ -423,17 +452,36 @@ Status prefill(const Exec& exec, PrunedCache<Storage>& cache, const Inputs& in, 
     if (cache.overflowed(b))
       detail::zero_outputs(io, cache.group_size(), s.head_dim);
     else
-      detail::prefill_item<Set>(cache, b, g, it, io, opt);
+      detail::prefill_item<Set>(cache, b, g, it, io, opt, ev);
   });
   detail::finish_batch(cache, in, out);
   return Status::ok();
 }
+}  // namespace detail
 
-// Decode one token per sequence (T = 1) at position cache.position(b) (spec UA.md 4.4, 4.5).
-// out: [B,1,H,D]
+// Prefill T tokens of every sequence into the cache (spec UA.md 4.5) and write their outputs.
+// The caller rotates token t of sequence b at position cache.position(b) + t. Needs
+// longest cache + T <= capacity (checked up front; eviction is data-dependent): to keep the cache
+// small, feed a long prompt in calls of prefill_chunk tokens, which gives the same result as one call.
+// out: [B,T,H,D]
+// With a prune policy `rule` (policy/prune.hpp) in place of Options::p, which must then be 0.
+template <DecaySet Set = decay::Universal, PrunePolicy Rule, class Exec, class Storage>
+Status prefill(const Exec& exec, PrunedCache<Storage>& cache, const Inputs& in, const Options& opt, const Rule& rule,
+               TensorView<float, 4> out) {
+  KVMEM_RETURN_IF_ERROR(detail::validate_rule(rule, opt));
+  return detail::prefill_with<Set>(exec, cache, in, opt, detail::evictor_of(rule, opt), out);
+}
 template <DecaySet Set = decay::Universal, class Exec, class Storage>
-Status decode(const Exec& exec, PrunedCache<Storage>& cache, const Inputs& in, const Options& opt,
-              TensorView<float, 4> out) {
+Status prefill(const Exec& exec, PrunedCache<Storage>& cache, const Inputs& in, const Options& opt,
+               TensorView<float, 4> out) {
+  KVMEM_RETURN_IF_ERROR(detail::validate_options(opt));
+  return detail::prefill_with<Set>(exec, cache, in, opt, prune::Threshold{opt.p}.evictor(opt.layer), out);
+}
+
+namespace detail {
+template <DecaySet Set, class Exec, class Storage, class Ev>
+Status decode_with(const Exec& exec, PrunedCache<Storage>& cache, const Inputs& in, const Options& opt, const Ev& ev,
+                   TensorView<float, 4> out) {
   KVMEM_RETURN_IF_ERROR(detail::validate_cache_call(cache, in, opt, out, true));
   const CacheShape& s = cache.shape();
   std::int64_t entries = 0;
@@ -446,10 +494,26 @@ Status decode(const Exec& exec, PrunedCache<Storage>& cache, const Inputs& in, c
     if (cache.overflowed(b))
       detail::zero_outputs(io, cache.group_size(), s.head_dim);
     else
-      detail::decode_item<Set>(cache, b, g, it, io, opt);
+      detail::decode_item<Set>(cache, b, g, it, io, opt, ev);
   });
   detail::finish_batch(cache, in, out);
   return Status::ok();
+}
+}  // namespace detail
+
+// Decode one token per sequence (T = 1) at position cache.position(b) (spec UA.md 4.4, 4.5).
+// out: [B,1,H,D]
+template <DecaySet Set = decay::Universal, PrunePolicy Rule, class Exec, class Storage>
+Status decode(const Exec& exec, PrunedCache<Storage>& cache, const Inputs& in, const Options& opt, const Rule& rule,
+              TensorView<float, 4> out) {
+  KVMEM_RETURN_IF_ERROR(detail::validate_rule(rule, opt));
+  return detail::decode_with<Set>(exec, cache, in, opt, detail::evictor_of(rule, opt), out);
+}
+template <DecaySet Set = decay::Universal, class Exec, class Storage>
+Status decode(const Exec& exec, PrunedCache<Storage>& cache, const Inputs& in, const Options& opt,
+              TensorView<float, 4> out) {
+  KVMEM_RETURN_IF_ERROR(detail::validate_options(opt));
+  return detail::decode_with<Set>(exec, cache, in, opt, prune::Threshold{opt.p}.evictor(opt.layer), out);
 }
 
 // Dense UA over T tokens without a cache (training-style use, spec UA.md 2): out, and optionally
@@ -620,28 +684,10 @@ Status validate_step(const PrunedCache<Storage>& cache, const Rows& rows, const 
 
 }  // namespace detail
 
-// One step of a ragged batch of sequence slots (DESIGN.md 3, core/slots.hpp). Row r runs the tokens
-// [query_start[r], query_start[r+1]) of the packed inputs for the sequence in slot[r], which advances by
-// that many tokens; the caller rotates the row's token i at position cache.position(slot[r]) + i.
-//  - 1 token: one decode step (spec UA.md 4.4, 4.5; Options::evict_before_attention applies), bitwise
-//    equal to ua::decode of that sequence alone.
-//  - more tokens: a chunked prefill that continues the slot's cache (spec UA.md 4.5), bitwise equal to
-//    ua::prefill of that sequence alone: chunks of Options::prefill_chunk are counted from the row's
-//    first token, the slot's kept entries take part like the survivors of an earlier chunk, and the
-//    row ends with an eviction. A prompt fed in rows of whole chunks therefore gives the same cache and
-//    outputs as one prefill call of the whole prompt.
-//  - 0 tokens: the slot is not touched. A padding row (slot -1) is skipped.
-// Output rows of padding rows are zeroed (lse too); every other output row is written.
-// Page pool (ua/cache.hpp): a row whose slot found the pool dry in this step, or in an earlier one and
-// was not reset since, gets zero outputs (and lse) and does not advance; the other rows are unaffected.
-// Validation first: shapes, finiteness, options, the rows (core/slots.hpp: slots in range, each at most
-// once), capacity per row (kept + tokens <= capacity for each kv head of the row's slot) and the
-// workspace (at most its max_rows rows that run); on any error nothing changes. Slots named by no row
-// are untouched, so a full slot refuses only calls that advance it. No allocation.
-// out: [tokens,H,D]; lse: [tokens,H] natural log-sum-exp of each softmax row, or empty (not wanted).
-template <DecaySet Set = decay::Universal, class Exec, class Storage>
-Status step(const Exec& exec, PrunedCache<Storage>& cache, const Rows& rows, const PackedInputs& in, const Options& opt,
-            TensorView<float, 3> out, TensorView<float, 2> lse = {}) {
+namespace detail {
+template <DecaySet Set, class Exec, class Storage, class Ev>
+Status step_with(const Exec& exec, PrunedCache<Storage>& cache, const Rows& rows, const PackedInputs& in,
+                 const Options& opt, const Ev& ev, TensorView<float, 3> out, TensorView<float, 2> lse) {
   KVMEM_RETURN_IF_ERROR(detail::validate_step(cache, rows, in, opt, out, lse));
   const CacheShape& s = cache.shape();
   const std::int64_t G = s.kv_heads, H = s.query_heads, D = s.head_dim, r = cache.group_size();
@@ -668,9 +714,9 @@ Status step(const Exec& exec, PrunedCache<Storage>& cache, const Rows& rows, con
     const std::int64_t slot = rows.slot(row), x0 = rows.query_start(row), T = rows.query_start(row + 1) - x0;
     const detail::ItemIO io = detail::item_io(in, out, lse, x0, T, g, r);
     if (T == 1)
-      detail::decode_item<Set>(cache, slot, g, it, io, opt);
+      detail::decode_item<Set>(cache, slot, g, it, io, opt, ev);
     else
-      detail::prefill_item<Set>(cache, slot, g, it, io, opt);
+      detail::prefill_item<Set>(cache, slot, g, it, io, opt, ev);
   });
   for (std::int64_t a = 0; a < n_active; ++a) {
     const std::int64_t row = active[a], slot = rows.slot(row), x0 = rows.query_start(row);
@@ -684,49 +730,189 @@ Status step(const Exec& exec, PrunedCache<Storage>& cache, const Rows& rows, con
   }
   return Status::ok();
 }
+}  // namespace detail
+
+// One step of a ragged batch of sequence slots (DESIGN.md 3, core/slots.hpp). Row r runs the tokens
+// [query_start[r], query_start[r+1]) of the packed inputs for the sequence in slot[r], which advances by
+// that many tokens; the caller rotates the row's token i at position cache.position(slot[r]) + i.
+//  - 1 token: one decode step (spec UA.md 4.4, 4.5; Options::evict_before_attention applies), bitwise
+//    equal to ua::decode of that sequence alone.
+//  - more tokens: a chunked prefill that continues the slot's cache (spec UA.md 4.5), bitwise equal to
+//    ua::prefill of that sequence alone: chunks of Options::prefill_chunk are counted from the row's
+//    first token, the slot's kept entries take part like the survivors of an earlier chunk, and the
+//    row ends with an eviction. A prompt fed in rows of whole chunks therefore gives the same cache and
+//    outputs as one prefill call of the whole prompt.
+//  - 0 tokens: the slot is not touched. A padding row (slot -1) is skipped.
+// Output rows of padding rows are zeroed (lse too); every other output row is written.
+// Page pool (ua/cache.hpp): a row whose slot found the pool dry in this step, or in an earlier one and
+// was not reset since, gets zero outputs (and lse) and does not advance; the other rows are unaffected.
+// Validation first: shapes, finiteness, options, the rows (core/slots.hpp: slots in range, each at most
+// once), capacity per row (kept + tokens <= capacity for each kv head of the row's slot) and the
+// workspace (at most its max_rows rows that run); on any error nothing changes. Slots named by no row
+// are untouched, so a full slot refuses only calls that advance it. No allocation.
+// out: [tokens,H,D]; lse: [tokens,H] natural log-sum-exp of each softmax row, or empty (not wanted).
+template <DecaySet Set = decay::Universal, class Exec, class Storage>
+Status step(const Exec& exec, PrunedCache<Storage>& cache, const Rows& rows, const PackedInputs& in, const Options& opt,
+            TensorView<float, 3> out, TensorView<float, 2> lse = {}) {
+  KVMEM_RETURN_IF_ERROR(detail::validate_options(opt));
+  return detail::step_with<Set>(exec, cache, rows, in, opt, prune::Threshold{opt.p}.evictor(opt.layer), out, lse);
+}
+// With a prune policy `rule` (policy/prune.hpp) in place of Options::p, which must then be 0.
+template <DecaySet Set = decay::Universal, PrunePolicy Rule, class Exec, class Storage>
+Status step(const Exec& exec, PrunedCache<Storage>& cache, const Rows& rows, const PackedInputs& in, const Options& opt,
+            const Rule& rule, TensorView<float, 3> out, TensorView<float, 2> lse = {}) {
+  KVMEM_RETURN_IF_ERROR(detail::validate_rule(rule, opt));
+  return detail::step_with<Set>(exec, cache, rows, in, opt, detail::evictor_of(rule, opt), out, lse);
+}
+
+namespace detail {
+// The threshold p a threshold-shaped prune policy applies at `layer` (None: 0, Threshold: p, PerLayer:
+// p[layer]): what a backend whose eviction kernels take only Options::p can run.
+constexpr double threshold_p(const prune::None&, std::int64_t) {
+  return 0.0;
+}
+constexpr double threshold_p(const prune::Threshold& rule, std::int64_t) {
+  return rule.p;
+}
+template <std::size_t L>
+constexpr double threshold_p(const prune::PerLayer<L>& rule, std::int64_t layer) {
+  return layer >= 0 && layer < std::int64_t(L) ? rule.p[layer] : 0.0;
+}
+template <class Rule>
+concept ThresholdRule = requires(const Rule& rule) {
+  threshold_p(rule, 0);
+};
+
+// A composed variant's call: the backend's overload that takes the prune policy when it has one (host,
+// Kokkos); otherwise (the CUDA eviction kernels take ln p only) the policy's threshold as Options::p.
+// The calls are unqualified, so argument-dependent lookup where ua::Attention is instantiated also
+// finds the overloads a backend header included after this one declares.
+template <class Rule>
+Status threshold_options(const Rule& rule, Options& opt) {
+  static_assert(ThresholdRule<Rule>,
+                "kvmem::ua::Attention: this backend's UA eviction kernels take only a threshold (prune::None, "
+                "prune::Threshold{p}, prune::PerLayer); prune::KeepTop and user prune rules run on the host and "
+                "Kokkos backends");
+  KVMEM_RETURN_IF_ERROR(validate_rule(rule, opt));
+  opt.p = threshold_p(rule, opt.layer);
+  return Status::ok();
+}
+template <class Set, class Exec, class C, class In, class Rule, class Out>
+Status attention_prefill(const Exec& exec, C& cache, const In& in, Options opt, const Rule& rule, Out out) {
+  if constexpr (requires { prefill<Set>(exec, cache, in, opt, rule, out); }) {
+    return prefill<Set>(exec, cache, in, opt, rule, out);
+  } else {
+    KVMEM_RETURN_IF_ERROR(threshold_options(rule, opt));
+    return prefill<Set>(exec, cache, in, opt, out);
+  }
+}
+template <class Set, class Exec, class C, class In, class Rule, class Out>
+Status attention_decode(const Exec& exec, C& cache, const In& in, Options opt, const Rule& rule, Out out) {
+  if constexpr (requires { decode<Set>(exec, cache, in, opt, rule, out); }) {
+    return decode<Set>(exec, cache, in, opt, rule, out);
+  } else {
+    KVMEM_RETURN_IF_ERROR(threshold_options(rule, opt));
+    return decode<Set>(exec, cache, in, opt, out);
+  }
+}
+template <class Set, class Exec, class C, class In, class Rule, class Out, class Lse>
+Status attention_step(const Exec& exec, C& cache, const Rows& rows, const In& in, Options opt, const Rule& rule,
+                      Out out, Lse lse) {
+  if constexpr (requires { step<Set>(exec, cache, rows, in, opt, rule, out, lse); }) {
+    return step<Set>(exec, cache, rows, in, opt, rule, out, lse);
+  } else {
+    KVMEM_RETURN_IF_ERROR(threshold_options(rule, opt));
+    return step<Set>(exec, cache, rows, in, opt, out, lse);
+  }
+}
+}  // namespace detail
 
 // Compile-time composition (DESIGN.md 2): a decay set, a prune policy value and a precision policy.
 //   using Ua = kvmem::ua::Attention<kvmem::decay::Universal, kvmem::prune::Threshold{0.05}>;
 //   Ua::Cache cache({B, H, G, D, capacity});
 //   Ua::prefill(exec, cache, inputs, out);  Ua::decode(exec, cache, step_inputs, out1);
+// The prune policy reaches the eviction of every item as a type (its evictor, policy/prune.hpp);
+// prune::None compiles the eviction away. The functions take any cache the executor's backend runs
+// (ua::PrunedCache on the host, kokkos::UaCache on Kokkos); the Options overloads pass the layer
+// (Options::layer, for prune::PerLayer), the prefill chunk and the decode order (their p stays 0).
+// HeadDim (default kAnyDim: chosen at run time) fixes the head dim: a cache of another head dim is
+// refused, and a call on a backend whose kernels cannot take it does not compile (core/support.hpp).
 template <DecaySet Set = decay::Universal, auto Prune = prune::None{},
-          PrecisionPolicy Precision = precision::Fp32Storage>
+          PrecisionPolicy Precision = precision::Fp32Storage, std::int64_t HeadDim = kAnyDim>
 struct Attention {
   static constexpr auto kPrune = prune::checked<Prune>();
+  static constexpr std::int64_t kHeadDim = HeadDim;
+  static_assert(HeadDim >= 0, "kvmem::ua::Attention: the head dim is > 0 (or kAnyDim)");
+  using prune_type = std::remove_cvref_t<decltype(kPrune)>;
   using decay_set = Set;
   using storage_type = typename Precision::storage_type;
   using Cache = PrunedCache<storage_type>;
   static_assert(std::is_same_v<typename Precision::accumulate_type, float>,
                 "kvmem::ua::Attention: the host UA path accumulates in fp32 (use the reference for fp64)");
 
+  // The threshold p of a prune::Threshold variant (0 for every other policy).
   static constexpr double threshold() {
-    if constexpr (std::remove_cvref_t<decltype(kPrune)>::kEnabled)
+    if constexpr (std::is_same_v<prune_type, prune::Threshold>)
       return kPrune.p;
     else
       return 0.0;
   }
-  static Options options(std::int64_t prefill_chunk = 128, bool evict_before_attention = true) {
-    return Options{threshold(), prefill_chunk, evict_before_attention};
+  static Options options(std::int64_t prefill_chunk = 128, bool evict_before_attention = true, std::int64_t layer = 0) {
+    return Options{0.0, prefill_chunk, evict_before_attention, layer};
   }
-  template <class Exec>
-  static Status prefill(const Exec& exec, Cache& cache, const Inputs& in, TensorView<float, 4> out,
+  // Ok when `shape` has the variant's fixed head dim (any, for kAnyDim).
+  static Status check_dims(const CacheShape& shape) {
+    if (HeadDim != kAnyDim && shape.head_dim != HeadDim)
+      return invalid_argument("head_dim", "the variant's head dim " + std::to_string(HeadDim), shape.head_dim);
+    return Status::ok();
+  }
+  template <class Exec, class C>
+  static Status check_call(const C& cache) {
+    static_assert(check_ua_support<Exec, HeadDim>());
+    if constexpr (requires { cache.shape().head_dim; })
+      return check_dims(cache.shape());
+    else
+      return check_dims(cache.shape);
+  }
+  template <class Exec, class C>
+  static Status prefill(const Exec& exec, C& cache, const Inputs& in, TensorView<float, 4> out, const Options& opt) {
+    KVMEM_RETURN_IF_ERROR(check_call<Exec>(cache));
+    return detail::attention_prefill<Set>(exec, cache, in, opt, kPrune, out);
+  }
+  template <class Exec, class C>
+  static Status prefill(const Exec& exec, C& cache, const Inputs& in, TensorView<float, 4> out,
                         std::int64_t prefill_chunk = 128, bool evict_before_attention = true) {
-    return ua::prefill<Set>(exec, cache, in, options(prefill_chunk, evict_before_attention), out);
+    return prefill(exec, cache, in, out, options(prefill_chunk, evict_before_attention));
   }
-  template <class Exec>
-  static Status decode(const Exec& exec, Cache& cache, const Inputs& in, TensorView<float, 4> out,
+  template <class Exec, class C>
+  static Status decode(const Exec& exec, C& cache, const Inputs& in, TensorView<float, 4> out, const Options& opt) {
+    KVMEM_RETURN_IF_ERROR(check_call<Exec>(cache));
+    return detail::attention_decode<Set>(exec, cache, in, opt, kPrune, out);
+  }
+  template <class Exec, class C>
+  static Status decode(const Exec& exec, C& cache, const Inputs& in, TensorView<float, 4> out,
                        bool evict_before_attention = true) {
-    return ua::decode<Set>(exec, cache, in, options(128, evict_before_attention), out);
+    return decode(exec, cache, in, out, options(128, evict_before_attention));
   }
-  template <class Exec>
-  static Status step(const Exec& exec, Cache& cache, const Rows& rows, const PackedInputs& in, TensorView<float, 3> out,
+  template <class Exec, class C>
+  static Status step(const Exec& exec, C& cache, const Rows& rows, const PackedInputs& in, TensorView<float, 3> out,
+                     TensorView<float, 2> lse, const Options& opt) {
+    KVMEM_RETURN_IF_ERROR(check_call<Exec>(cache));
+    return detail::attention_step<Set>(exec, cache, rows, in, opt, kPrune, out, lse);
+  }
+  template <class Exec, class C>
+  static Status step(const Exec& exec, C& cache, const Rows& rows, const PackedInputs& in, TensorView<float, 3> out,
                      TensorView<float, 2> lse = {}, std::int64_t prefill_chunk = 128,
                      bool evict_before_attention = true) {
-    return ua::step<Set>(exec, cache, rows, in, options(prefill_chunk, evict_before_attention), out, lse);
+    return step(exec, cache, rows, in, out, lse, options(prefill_chunk, evict_before_attention));
   }
   template <class Exec>
   static Status forward(const Exec& exec, const Inputs& in, TensorView<float, 4> out, TensorView<float, 3> lse = {},
                         TensorView<float, 3> lambda_last = {}) {
+    static_assert(check_ua_support<Exec, HeadDim>());
+    if (HeadDim != kAnyDim && in.q.extent(3) != HeadDim)
+      return invalid_argument("q head dim (dim 3)", "the variant's head dim " + std::to_string(HeadDim),
+                              in.q.extent(3));
     return ua::forward<Set>(exec, in, out, lse, lambda_last);
   }
 };

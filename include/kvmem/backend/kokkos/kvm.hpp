@@ -186,6 +186,7 @@ KOKKOS_INLINE_FUNCTION std::int64_t budget_slots(const budget::Any& b, std::int6
     case budget::Any::Kind::kSaturating:
       return b.saturating.slots(tokens, avail, current);
     case budget::Any::Kind::kFixed:
+    case budget::Any::Kind::kUser:  // never reached: a user budget's targets come from the state's table
       break;
   }
   return b.fixed.slots(tokens, avail, current);
@@ -306,6 +307,7 @@ struct KvmCall {
   std::int64_t Hk, rep, D, Dv, n_ctx;
   std::int64_t C, nb, sink, rope_dims;
   budget::Any budget;
+  const std::int64_t* targets;  // a user budget's target per update (State::update_targets), else nullptr
   bool merge_gate_keys, merge_gate_values, head_temps, value_radius, gate_appends, gate_initial;
   A eps, scale;
   std::int64_t* log;  // [B*Hk, log_stride] or nullptr
@@ -321,7 +323,8 @@ struct KvmCall {
   KOKKOS_INLINE_FUNCTION SeqRef seq(std::int64_t x) const { return io.seq(x, n_seq, n_ctx); }
   // |S| after the update absorbing [a, a + C) from `current` (spec 3.1; data independent).
   KOKKOS_INLINE_FUNCTION std::int64_t appends(std::int64_t a, std::int64_t current) const {
-    const std::int64_t target = budget_slots(budget, W() + a, a + C, current);
+    // a = u C for update u; a user budget's targets were evaluated on the host (kvm/state.hpp).
+    const std::int64_t target = targets != nullptr ? targets[a / C] : budget_slots(budget, W() + a, a + C, current);
     const std::int64_t n_app = target - current;
     return n_app < C ? n_app : C;
   }
@@ -583,6 +586,7 @@ KvmCall<S, A, In, Out, Io> make_call(const kvm::State<S, A>& state, const Io& io
           pr.sink,
           pr.rope_dims,
           pr.budget,
+          state.update_targets(),
           pr.merge_gate_keys,
           pr.merge_gate_values,
           pr.head_temps,
@@ -686,6 +690,10 @@ namespace kvmem::kvm {
 
 template <class Space>
 struct Backend<kokkos::Executor<Space>> {
+  template <class S, class A>
+  using state_type = State<S, A>;
+  using weights_type = Weights;
+
   template <class S, class A, class In, class Out>
   static Status prefill(const kokkos::Executor<Space>& exec, State<S, A>& state, const Weights& weights,
                         TensorView<const In, 4> q,     // [B,Hq,T,D]

@@ -357,19 +357,11 @@ struct UaItem {
     a.workspace = workspace;
     return a;
   }
-  // Evicts the entries with λ < log p (spec UA.md 4.4) and compacts the rest; returns the kept count.
-  KOKKOS_INLINE_FUNCTION std::int64_t evict(std::int64_t n, std::int64_t D, double log_p) const {
-    return kernel::ua::evict_and_compact(keys, values, D, lambda, key_logit, pos, n, D, log_p);
-  }
-  // evict() on one thread of the team (compaction is an in-order scan), the kept count on every thread.
-  template <class Member>
-  KOKKOS_INLINE_FUNCTION std::int64_t team_evict(const Member& team, std::int64_t n, std::int64_t D,
-                                                 double log_p) const {
-    std::int64_t kept = n;
-    Kokkos::single(
-        Kokkos::PerTeam(team), [&](std::int64_t& k) { k = evict(n, D, log_p); }, kept);
-    team.team_barrier();  // the compacted rows are visible to every thread
-    return kept;
+  // Evicts the entries the prune evictor's cut removes (spec UA.md 4.5; policy/prune.hpp) and compacts
+  // the rest; returns the kept count.
+  template <class Ev>
+  KOKKOS_INLINE_FUNCTION std::int64_t evict(std::int64_t n, std::int64_t D, const Ev& ev) const {
+    return kernel::ua::evict_by(ev, kernel::ua::RowMap{}, keys, values, D, lambda, key_logit, pos, n, D);
   }
   // Decode step 1 (spec UA.md 4.4): λ_e += A(e, t) of kernel::ua::lambda_update, entries over the team.
   template <class Set, class Member, class In>
@@ -383,7 +375,9 @@ struct UaItem {
   }
 };
 
-template <class Set, class Storage, class MemSpace>
+// Ev: the prune policy's evictor (policy/prune.hpp), or ua::detail::NoEvictor (prune::None: no eviction
+// is compiled).
+template <class Set, class Storage, class MemSpace, class Ev>
 struct UaCacheCall {
   UaViews in;
   Storage* keys;          // [B*G*capacity, D]
@@ -395,15 +389,30 @@ struct UaCacheCall {
   std::int64_t* peak;     // [B*G]
   std::int64_t* counter;  // [B]
   std::int64_t G, r, D, T, capacity, chunk, ws_elems;
-  double log_p;
-  bool prune;  // log_p > -inf, decided on the host (std::numeric_limits is not device code)
+  Ev ev;
+  bool prune;  // whether the evictor can evict (prune::active, decided on the host)
   bool decode, evict_before_attention;
 
   KOKKOS_INLINE_FUNCTION UaItem<Storage> item(std::int64_t i) const {
     const std::int64_t row0 = i * capacity;
     return {keys + row0 * D, values + row0 * D, lambda + row0, key_logit + row0, pos + row0};
   }
-  KOKKOS_INLINE_FUNCTION bool prunes() const { return prune; }
+  KOKKOS_INLINE_FUNCTION std::int64_t evict(const UaItem<Storage>& it, std::int64_t n) const {
+    if constexpr (ua::detail::kEvicts<Ev>)
+      return prune ? it.evict(n, D, ev) : n;
+    else
+      return n;
+  }
+  // evict() on one thread of the team (the cut and the compaction are in-order scans), the kept count
+  // on every thread.
+  template <class Member>
+  KOKKOS_INLINE_FUNCTION std::int64_t team_evict(const Member& team, const UaItem<Storage>& it, std::int64_t n) const {
+    std::int64_t kept = n;
+    Kokkos::single(
+        Kokkos::PerTeam(team), [&](std::int64_t& k) { k = evict(it, n); }, kept);
+    team.team_barrier();  // the compacted rows are visible to every thread
+    return kept;
+  }
 
   KOKKOS_INLINE_FUNCTION void append_row(const UaItem<Storage>& it, std::int64_t row, std::int64_t b, std::int64_t g,
                                          std::int64_t t, std::int64_t position) const {
@@ -430,7 +439,7 @@ struct UaCacheCall {
       a.through = first + t0 - 1;  // survivors hold Λ_{first+t0-1}; the chunk keys hold 0
       a.first = first + t0;
       team_attend_block<Set>(team, a);
-      if (prunes()) n = it.team_evict(team, n, D, log_p);
+      n = team_evict(team, it, n);
     }
     Kokkos::single(Kokkos::PerTeam(team), [&]() {
       length[i] = n;
@@ -450,12 +459,12 @@ struct UaCacheCall {
     team.team_barrier();
     ++n;
     const std::int64_t top = n;
-    if (prunes() && evict_before_attention) n = it.team_evict(team, n, D, log_p);  // 3. evict, 4. attend
+    if (evict_before_attention) n = team_evict(team, it, n);  // 3. evict, 4. attend
     auto a = it.block(in.block<Storage>(b, g, r, 0, 1), n, D, workspace);
     a.through = t;  // λ already includes A_{., t}
     a.first = t;
     team_attend_block<Set>(team, a);
-    if (prunes() && !evict_before_attention) n = it.team_evict(team, n, D, log_p);  // (or evict last)
+    if (!evict_before_attention) n = team_evict(team, it, n);  // (or evict last)
     Kokkos::single(Kokkos::PerTeam(team), [&]() {
       length[i] = n;
       peak[i] = top;
@@ -526,9 +535,9 @@ inline Status ua_shapes(const ua::Inputs& in, TensorView<float, 4> out, std::int
   return ua::detail::check_call_shapes(in, out, B, H, G, D);
 }
 
-template <class Set, class Space, class Storage, class MemSpace>
+template <class Set, class Space, class Storage, class MemSpace, class Ev>
 Status ua_cache_call(const Executor<Space>& exec, UaCache<Storage, MemSpace>& cache, const ua::Inputs& in,
-                     const ua::Options& opt, TensorView<float, 4> out, bool decode) {
+                     const ua::Options& opt, const Ev& ev, TensorView<float, 4> out, bool decode) {
   const ua::CacheShape& s = cache.shape;
   if (!cache.valid()) return invalid_argument("cache", "a cache made by kokkos::create_cache", "an empty cache");
   KVMEM_RETURN_IF_ERROR(ua::detail::validate_options(opt));
@@ -543,27 +552,28 @@ Status ua_cache_call(const Executor<Space>& exec, UaCache<Storage, MemSpace>& ca
     KVMEM_RETURN_IF_ERROR(
         ua_check(exec, views, s.batch, s.kv_heads, s.query_heads, T, s.head_dim, cache.length.data(), s.capacity));
   const std::int64_t r = s.query_heads / s.kv_heads;
-  const UaCacheCall<Set, Storage, MemSpace> call{
-      views,
-      cache.keys.data(),
-      cache.values.data(),
-      cache.lambda.data(),
-      cache.key_logit.data(),
-      cache.pos.data(),
-      cache.length.data(),
-      cache.peak.data(),
-      cache.counter.data(),
-      s.kv_heads,
-      r,
-      s.head_dim,
-      T,
-      s.capacity,
-      opt.prefill_chunk,
-      kernel::ua::block_workspace_elems(r, s.head_dim),
-      ua::detail::log_threshold(opt.p),
-      ua::detail::log_threshold(opt.p) > -std::numeric_limits<double>::infinity(),
-      decode,
-      opt.evict_before_attention};
+  bool can_evict = false;
+  if constexpr (ua::detail::kEvicts<Ev>) can_evict = prune::active(ev);
+  const UaCacheCall<Set, Storage, MemSpace, Ev> call{views,
+                                                     cache.keys.data(),
+                                                     cache.values.data(),
+                                                     cache.lambda.data(),
+                                                     cache.key_logit.data(),
+                                                     cache.pos.data(),
+                                                     cache.length.data(),
+                                                     cache.peak.data(),
+                                                     cache.counter.data(),
+                                                     s.kv_heads,
+                                                     r,
+                                                     s.head_dim,
+                                                     T,
+                                                     s.capacity,
+                                                     opt.prefill_chunk,
+                                                     kernel::ua::block_workspace_elems(r, s.head_dim),
+                                                     ev,
+                                                     can_evict,
+                                                     decode,
+                                                     opt.evict_before_attention};
   auto policy = team_policy(exec, s.batch * s.kv_heads);
   policy.set_scratch_size(call.ws_level(), Kokkos::PerTeam(call.scratch_bytes()));
   Kokkos::parallel_for(decode ? "kvmem::kokkos::ua::decode" : "kvmem::kokkos::ua::prefill", policy, call);
@@ -686,7 +696,7 @@ struct UaRow {
   bool fits = false;   // sizes in range: starts within the tokens, slot within the cache
 };
 
-template <class Set, class Storage>
+template <class Set, class Storage, class Ev>
 struct UaStepCall {
   UaPackedViews in;
   Storage* keys;          // [B*G*capacity, D]
@@ -699,9 +709,26 @@ struct UaStepCall {
   std::int64_t* counter;  // [B]
   std::int64_t* admit;    // [B]
   std::int64_t B, G, r, D, capacity, chunk, ws_elems;
-  double log_p;
-  bool prune;  // log_p > -inf, decided on the host
+  Ev ev;       // the prune evictor, or ua::detail::NoEvictor
+  bool prune;  // whether the evictor can evict, decided on the host
   bool evict_before_attention;
+
+  KOKKOS_INLINE_FUNCTION std::int64_t evict(const UaItem<Storage>& it, std::int64_t n) const {
+    if constexpr (ua::detail::kEvicts<Ev>)
+      return prune ? it.evict(n, D, ev) : n;
+    else
+      return n;
+  }
+  // evict() on one thread of the team (the cut and the compaction are in-order scans), the kept count
+  // on every thread.
+  template <class Member>
+  KOKKOS_INLINE_FUNCTION std::int64_t team_evict(const Member& team, const UaItem<Storage>& it, std::int64_t n) const {
+    std::int64_t kept = n;
+    Kokkos::single(
+        Kokkos::PerTeam(team), [&](std::int64_t& k) { k = evict(it, n); }, kept);
+    team.team_barrier();  // the compacted rows are visible to every thread
+    return kept;
+  }
 
   KOKKOS_INLINE_FUNCTION UaRow row(std::int64_t x) const {
     UaRow w;
@@ -753,7 +780,7 @@ struct UaStepCall {
       a.through = first + t0 - 1;  // survivors hold Λ_{first+t0-1}; the chunk keys hold 0
       a.first = first + t0;
       team_attend_block<Set>(team, a);
-      if (prune) n = it.team_evict(team, n, D, log_p);
+      n = team_evict(team, it, n);
     }
     Kokkos::single(Kokkos::PerTeam(team), [&]() {
       length[i] = n;
@@ -772,12 +799,12 @@ struct UaStepCall {
     team.team_barrier();
     ++n;
     const std::int64_t top = n;
-    if (prune && evict_before_attention) n = it.team_evict(team, n, D, log_p);  // 3. evict, 4. attend
+    if (evict_before_attention) n = team_evict(team, it, n);  // 3. evict, 4. attend
     auto a = it.block(in.block<Storage>(w.x0, g, r, 0, 1), n, D, workspace);
     a.through = t;  // λ already includes A_{., t}
     a.first = t;
     team_attend_block<Set>(team, a);
-    if (prune && !evict_before_attention) n = it.team_evict(team, n, D, log_p);  // (or evict last)
+    if (!evict_before_attention) n = team_evict(team, it, n);  // (or evict last)
     Kokkos::single(Kokkos::PerTeam(team), [&]() {
       length[i] = n;
       peak[i] = top;
@@ -816,8 +843,8 @@ struct UaStepCall {
 // The checked reduction of a step over rows: the smallest code * rows + row, or kNoFailure.
 enum class UaStepCheck : std::int64_t { kStart = 1, kSlot, kDuplicate, kCapacity, kQ, kK, kV, kZk, kZq, kZo };
 
-template <class Space, class Set, class Storage>
-Status ua_step_check(const Executor<Space>& exec, const UaStepCall<Set, Storage>& call, std::int64_t R,
+template <class Space, class Set, class Storage, class Ev>
+Status ua_step_check(const Executor<Space>& exec, const UaStepCall<Set, Storage, Ev>& call, std::int64_t R,
                      std::int64_t tokens, std::int64_t H) {
   std::int64_t found = kNoFailure;
   const bool has_z_o = call.in.z_o.data != nullptr;
@@ -951,14 +978,31 @@ namespace kvmem::ua {
 template <DecaySet Set = decay::Universal, class Space, class Storage, class MemSpace>
 Status prefill(const kokkos::Executor<Space>& exec, kokkos::UaCache<Storage, MemSpace>& cache, const Inputs& in,
                const Options& opt, TensorView<float, 4> out) {
-  return kokkos::detail::ua_cache_call<Set>(exec, cache, in, opt, out, false);
+  KVMEM_RETURN_IF_ERROR(detail::validate_options(opt));
+  return kokkos::detail::ua_cache_call<Set>(exec, cache, in, opt, prune::Threshold{opt.p}.evictor(opt.layer), out,
+                                            false);
+}
+// With a prune policy in place of Options::p (which must then be 0), as on the host (ua/ops.hpp).
+template <DecaySet Set = decay::Universal, PrunePolicy Rule, class Space, class Storage, class MemSpace>
+Status prefill(const kokkos::Executor<Space>& exec, kokkos::UaCache<Storage, MemSpace>& cache, const Inputs& in,
+               const Options& opt, const Rule& rule, TensorView<float, 4> out) {
+  KVMEM_RETURN_IF_ERROR(detail::validate_rule(rule, opt));
+  return kokkos::detail::ua_cache_call<Set>(exec, cache, in, opt, detail::evictor_of(rule, opt), out, false);
 }
 
 // ua::decode on a Kokkos cache (spec UA.md 4.4, 4.5). out: [B,1,H,D]
 template <DecaySet Set = decay::Universal, class Space, class Storage, class MemSpace>
 Status decode(const kokkos::Executor<Space>& exec, kokkos::UaCache<Storage, MemSpace>& cache, const Inputs& in,
               const Options& opt, TensorView<float, 4> out) {
-  return kokkos::detail::ua_cache_call<Set>(exec, cache, in, opt, out, true);
+  KVMEM_RETURN_IF_ERROR(detail::validate_options(opt));
+  return kokkos::detail::ua_cache_call<Set>(exec, cache, in, opt, prune::Threshold{opt.p}.evictor(opt.layer), out,
+                                            true);
+}
+template <DecaySet Set = decay::Universal, PrunePolicy Rule, class Space, class Storage, class MemSpace>
+Status decode(const kokkos::Executor<Space>& exec, kokkos::UaCache<Storage, MemSpace>& cache, const Inputs& in,
+              const Options& opt, const Rule& rule, TensorView<float, 4> out) {
+  KVMEM_RETURN_IF_ERROR(detail::validate_rule(rule, opt));
+  return kokkos::detail::ua_cache_call<Set>(exec, cache, in, opt, detail::evictor_of(rule, opt), out, true);
 }
 
 // ua::forward on Kokkos (dense, no cache). out: [B,T,H,D]; lse: [B,H,T] or empty; lambda_last: [B,G,T] or empty
@@ -1004,17 +1048,13 @@ Status forward(const kokkos::Executor<Space>& exec, const Inputs& in, TensorView
 // ---- sequence slots on a Kokkos cache (docs/slots-ua.md): the host operations' names, argument order
 // and semantics, with the cache in the space's memory ---------------------------------------------------
 
-// ua::step on a Kokkos cache: one team per (row, kv head). Launches, in order on exec.space: [checked]
-// one reduction over rows (rows, capacity, finite inputs) read back; the admit kernel (per row, from
-// the slot's lengths: may it advance?); the item teams, each reading its row's slot, query_start,
-// position counter and lengths itself; the counter advance. A row equals ua::step of the host on the
-// same sequence alone, bitwise (the same kernel bodies in the same order).
-template <DecaySet Set = decay::Universal, class Space, class Storage, class MemSpace>
-Status step(const kokkos::Executor<Space>& exec, kokkos::UaCache<Storage, MemSpace>& cache, const Rows& rows,
-            const PackedInputs& in, const Options& opt, TensorView<float, 3> out,  // [tokens,H,D]
-            TensorView<float, 2> lse = {}) {                                       // [tokens,H] or empty
+namespace detail {
+template <DecaySet Set, class Space, class Storage, class MemSpace, class Ev>
+Status kokkos_step(const kokkos::Executor<Space>& exec, kokkos::UaCache<Storage, MemSpace>& cache, const Rows& rows,
+                   const PackedInputs& in, const Options& opt, const Ev& ev, TensorView<float, 3> out,
+                   TensorView<float, 2> lse) {
   using namespace kokkos::detail;
-  KVMEM_RETURN_IF_ERROR(check_cache(cache));
+  KVMEM_RETURN_IF_ERROR(kokkos::detail::check_cache(cache));
   KVMEM_RETURN_IF_ERROR(detail::validate_options(opt));
   const CacheShape& s = cache.shape;
   const std::int64_t N = in.tokens(), H = s.query_heads, G = s.kv_heads, D = s.head_dim, R = rows.count();
@@ -1035,27 +1075,28 @@ Status step(const kokkos::Executor<Space>& exec, kokkos::UaCache<Storage, MemSpa
                       {}};
   if (!in.z_o.empty()) views.z_o = DeviceView<const float, 3>(in.z_o);
   if (!lse.empty()) views.lse = DeviceView<float, 2>(lse);
-  const double log_p = detail::log_threshold(opt.p);
-  const UaStepCall<Set, Storage> call{views,
-                                      cache.keys.data(),
-                                      cache.values.data(),
-                                      cache.lambda.data(),
-                                      cache.key_logit.data(),
-                                      cache.pos.data(),
-                                      cache.length.data(),
-                                      cache.peak.data(),
-                                      cache.counter.data(),
-                                      cache.admit.data(),
-                                      s.batch,
-                                      G,
-                                      H / G,
-                                      D,
-                                      s.capacity,
-                                      opt.prefill_chunk,
-                                      kernel::ua::block_workspace_elems(H / G, D),
-                                      log_p,
-                                      log_p > -std::numeric_limits<double>::infinity(),
-                                      opt.evict_before_attention};
+  bool can_evict = false;
+  if constexpr (detail::kEvicts<Ev>) can_evict = prune::active(ev);
+  const UaStepCall<Set, Storage, Ev> call{views,
+                                          cache.keys.data(),
+                                          cache.values.data(),
+                                          cache.lambda.data(),
+                                          cache.key_logit.data(),
+                                          cache.pos.data(),
+                                          cache.length.data(),
+                                          cache.peak.data(),
+                                          cache.counter.data(),
+                                          cache.admit.data(),
+                                          s.batch,
+                                          G,
+                                          H / G,
+                                          D,
+                                          s.capacity,
+                                          opt.prefill_chunk,
+                                          kernel::ua::block_workspace_elems(H / G, D),
+                                          ev,
+                                          can_evict,
+                                          opt.evict_before_attention};
   if (exec.checked) KVMEM_RETURN_IF_ERROR(ua_step_check(exec, call, R, N, H));
   Kokkos::parallel_for(
       "kvmem::kokkos::ua::step_admit", Kokkos::RangePolicy<Space>(exec.space, 0, R),
@@ -1073,6 +1114,28 @@ Status step(const kokkos::Executor<Space>& exec, kokkos::UaCache<Storage, MemSpa
         if (call.runs(w)) call.counter[w.slot] += w.T;
       });
   return Status::ok();
+}
+}  // namespace detail
+
+// ua::step on a Kokkos cache: one team per (row, kv head). Launches, in order on exec.space: [checked]
+// one reduction over rows (rows, capacity, finite inputs) read back; the admit kernel (per row, from
+// the slot's lengths: may it advance?); the item teams, each reading its row's slot, query_start,
+// position counter and lengths itself; the counter advance. A row equals ua::step of the host on the
+// same sequence alone, bitwise (the same kernel bodies in the same order).
+template <DecaySet Set = decay::Universal, class Space, class Storage, class MemSpace>
+Status step(const kokkos::Executor<Space>& exec, kokkos::UaCache<Storage, MemSpace>& cache, const Rows& rows,
+            const PackedInputs& in, const Options& opt, TensorView<float, 3> out,  // [tokens,H,D]
+            TensorView<float, 2> lse = {}) {                                       // [tokens,H] or empty
+  KVMEM_RETURN_IF_ERROR(detail::validate_options(opt));
+  return detail::kokkos_step<Set>(exec, cache, rows, in, opt, prune::Threshold{opt.p}.evictor(opt.layer), out, lse);
+}
+// With a prune policy in place of Options::p (which must then be 0), as on the host (ua/ops.hpp).
+template <DecaySet Set = decay::Universal, PrunePolicy Rule, class Space, class Storage, class MemSpace>
+Status step(const kokkos::Executor<Space>& exec, kokkos::UaCache<Storage, MemSpace>& cache, const Rows& rows,
+            const PackedInputs& in, const Options& opt, const Rule& rule, TensorView<float, 3> out,
+            TensorView<float, 2> lse = {}) {
+  KVMEM_RETURN_IF_ERROR(detail::validate_rule(rule, opt));
+  return detail::kokkos_step<Set>(exec, cache, rows, in, opt, detail::evictor_of(rule, opt), out, lse);
 }
 
 // Empties the listed slots (every kv head) and restarts their position counters; a slot may be listed

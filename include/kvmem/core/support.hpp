@@ -1,0 +1,60 @@
+// SPDX-License-Identifier: Apache-2.0
+#pragma once
+// What each backend's kernels take, known at compile time, so a composed variant with a fixed head
+// dimension (kvm::Attention<.., HeadDim>, ua::Attention<.., HeadDim>) that a backend cannot run fails
+// to compile where it is used with that backend's executor, with a message naming the limit. The list
+// of supported combinations is docs/compose.md ("Supported combinations"); run-time shapes go
+// through can_run, which gives the same answers as a Status.
+//
+// The primary template describes the host and Kokkos backends (any head dimension, storage fp32 /
+// bf16 / fp16, accumulation fp32 or, for KVM, fp64); a backend with narrower kernels specialises
+// BackendLimits for its executor type in its own folder (backend/cuda/limits.hpp).
+
+#include <cstdint>
+
+namespace kvmem {
+
+// A head dimension chosen at run time (the default of the Attention templates).
+inline constexpr std::int64_t kAnyDim = 0;
+
+template <class Executor>
+struct BackendLimits {
+  static constexpr const char* kName = "host/kokkos";
+  static constexpr std::int64_t kMaxKvmKeyDim = 0;    // 0: no limit
+  static constexpr std::int64_t kMaxKvmValueDim = 0;  // 0: no limit
+  static constexpr std::int64_t kMaxUaHeadDim = 0;    // 0: no limit
+  static constexpr bool kKvmFp64Accumulate = true;    // State<S, double> runs
+};
+
+namespace detail {
+consteval bool dim_fits(std::int64_t dim, std::int64_t limit) {
+  return dim == kAnyDim || limit == 0 || dim <= limit;
+}
+}  // namespace detail
+
+// The compile-time checks of a composed variant against the executor it runs on.
+template <class Executor, class Accumulate, std::int64_t KeyDim, std::int64_t ValueDim>
+consteval bool check_kvm_support() {
+  using L = BackendLimits<Executor>;
+  static_assert(detail::dim_fits(KeyDim, L::kMaxKvmKeyDim),
+                "kvmem::kvm::Attention: this backend's KVM kernels do not take the variant's key head dim "
+                "(BackendLimits<Executor>::kMaxKvmKeyDim; docs/compose.md, Supported combinations)");
+  static_assert(detail::dim_fits(ValueDim, L::kMaxKvmValueDim),
+                "kvmem::kvm::Attention: this backend's KVM kernels do not take the variant's value head dim "
+                "(BackendLimits<Executor>::kMaxKvmValueDim; docs/compose.md, Supported combinations)");
+  static_assert(L::kKvmFp64Accumulate || sizeof(Accumulate) == 4,
+                "kvmem::kvm::Attention: this backend's KVM kernels accumulate in fp32 only; use a precision policy "
+                "with Accumulate = float (docs/compose.md, Supported combinations)");
+  return true;
+}
+
+template <class Executor, std::int64_t HeadDim>
+consteval bool check_ua_support() {
+  using L = BackendLimits<Executor>;
+  static_assert(detail::dim_fits(HeadDim, L::kMaxUaHeadDim),
+                "kvmem::ua::Attention: this backend's UA kernels do not take the variant's head dim "
+                "(BackendLimits<Executor>::kMaxUaHeadDim; docs/compose.md, Supported combinations)");
+  return true;
+}
+
+}  // namespace kvmem
