@@ -467,7 +467,7 @@ kokkos::KvmState<S, float, MemSpace> make_state(const Exec& exec, const Spec& s)
 
 template <class S>
 Results run(const Spec& s, const Inputs& in, Progress& progress) {
-  const Exec exec{};
+  const Exec exec{Space(), /*checked*/ true};  // a replay reports bad input in its files as a Status
   const host_detail::FloatInputs f(in);
   Results r;
   r.out.assign(static_cast<std::size_t>(s.B * s.T * s.Hq * s.Dv), 0.0);
@@ -701,7 +701,7 @@ class KokkosSlotRunner final : public trace::SlotRunner {
   }
   std::shared_ptr<const KokkosTraceInputs> in_;
   Spec s_;
-  kokkos_detail::Exec exec_{};
+  kokkos_detail::Exec exec_{kokkos_detail::Space(), /*checked*/ true};  // bad input comes back as a Status
   kokkos::KvmState<S, float, kokkos_detail::MemSpace> state_;
 };
 #endif

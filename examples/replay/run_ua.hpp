@@ -432,7 +432,7 @@ kokkos::UaCache<S, MemSpace> make_cache(const Exec& exec, const Spec& s) {
 
 template <class S>
 Results run(const Spec& s, const Inputs& in, Progress& progress) {
-  const Exec exec{};
+  const Exec exec{Space(), /*checked*/ true};  // a replay reports bad input in its files as a Status
   const host_detail::FloatInputs f(s, in);
   const DeviceInputs d(f);
   Results r;
@@ -679,7 +679,7 @@ class KokkosSlotRunner final : public trace::SlotRunner {
   static TensorView<const std::int32_t, 1> view(const IntView& d) { return {d.data(), {std::int64_t(d.extent(0))}}; }
   std::shared_ptr<const KokkosTraceInputs> in_;
   TraceSpec s_;
-  kokkos_detail::Exec exec_{};
+  kokkos_detail::Exec exec_{kokkos_detail::Space(), /*checked*/ true};  // bad input comes back as a Status
   kokkos::UaCache<S, kokkos_detail::MemSpace> cache_;
 };
 #endif

@@ -15,7 +15,8 @@
 
 // One KV Means layer and one Universal Attention layer over a prompt on `space`. Every View lives in
 // the space's memory; the KVM state's memory must also be host-accessible (its counters are zeroed
-// from the host), which the space's own memory is for Serial, OpenMP and Threads.
+// from the host): kokkos::state_memory_space<Space> is the space's own memory for Serial, OpenMP and
+// Threads and unified memory (CudaUVMSpace) for Cuda.
 template <class Space>
 kvmem::Status run_on_kokkos(const Space& space, std::int64_t& kvm_slots, kvmem::kokkos::UaCacheSnapshot& ua) {
   using Mem = typename Space::memory_space;
@@ -24,7 +25,7 @@ kvmem::Status run_on_kokkos(const Space& space, std::int64_t& kvm_slots, kvmem::
   using kvmem::TensorView;
   using kvmem::kokkos::to_tensor_view;
   const std::int64_t B = 1, Hq = 4, Hk = 2, D = 64, T = 600;
-  const kvmem::kokkos::Executor<Space> exec{space};  // checked (default): bad values come back as a Status
+  const kvmem::kokkos::Executor<Space> exec{space, /*checked*/ true};  // bad values come back as a Status
 
   // Inputs (synthetic here): q [B,Hq,T,D], unit-norm keys k and values v [B,Hk,T,D], gates [B,Hk,T].
   View4 q("q", B, Hq, T, D), k("k", B, Hk, T, D), v("v", B, Hk, T, D), out("out", B, T, Hq, D);
@@ -50,7 +51,7 @@ kvmem::Status run_on_kokkos(const Space& space, std::int64_t& kvm_slots, kvmem::
   // KV Means: the state is placed over a Kokkos allocation; kvm::prefill / decode take the executor first.
   kvmem::kvm::Params params;
   params.rope_dims = 32;
-  kvmem::kokkos::KvmState<float, float, Mem> kvm;
+  kvmem::kokkos::KvmState<float, float, kvmem::kokkos::state_memory_space<Space>> kvm;
   KVMEM_RETURN_IF_ERROR(kvmem::kokkos::create_state(exec, params, {B, Hq, Hk, D, D, /*n_ctx*/ T}, kvm));
   const kvmem::kvm::Weights weights{
       TensorView<const float, 1>(to_tensor_view(ln_w)), TensorView<const float, 1>(to_tensor_view(ln_b)),

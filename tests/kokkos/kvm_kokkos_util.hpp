@@ -19,7 +19,14 @@ namespace kvmem::test {
 using KokkosSpace = Kokkos::DefaultExecutionSpace;
 using KokkosExec = kvmem::kokkos::Executor<KokkosSpace>;
 template <class S>
-using KokkosKvmState = kvmem::kokkos::KvmState<S, float, KokkosSpace::memory_space>;
+using KokkosKvmState = kvmem::kokkos::KvmState<S, float, kvmem::kokkos::state_memory_space<KokkosSpace>>;
+
+// A team size above 1 that the default execution space runs, so one item's work is shared by several
+// threads (OpenMP: up to the pool's threads; Cuda: two warps), or 1 where teams have one thread (Serial).
+inline int wide_team_size() {
+  const int threads = KokkosSpace().concurrency();
+  return threads >= 64 ? 64 : threads;
+}
 
 template <class T, std::size_t N>
 struct AddPointers {

@@ -49,6 +49,35 @@ TEST_CASE("kokkos kvm matches the reference and the host backend on random shape
   }
 }
 
+TEST_CASE("kokkos kvm gives the same bits with one thread and with several threads per team", "[kokkos][kvm][unit]") {
+  const int wide = wide_team_size();
+  if (wide < 2) {
+    WARN("SKIPPED: " << KokkosSpace::name() << " runs one thread per team here (concurrency "
+                     << KokkosSpace().concurrency() << ")");
+    return;
+  }
+  std::uint64_t seed = 300;
+  for (auto c : {small_config(2, 75, 4, 2, 16, 12, Power{3.0, 0.5, 8, 1, 8000}),  // appends and merges
+                 small_config(1, 90, 3, 1, 12, 16, Fixed{12, 12})}) {             // merges only, past the cap
+    c.chunk = 8;
+    const auto in = random_inputs(c, seed++);
+    INFO("team size " << wide << " T" << c.T << " budget " << c.budget.name());
+    const auto one = kokkos_prefill<float>(c, in, KokkosExec{KokkosSpace(), false, 1});
+    const auto many = kokkos_prefill<float>(c, in, KokkosExec{KokkosSpace(), false, wide});
+    CHECK(many.out == one.out);
+    CHECK(many.state_k == one.state_k);
+    CHECK(many.state_v == one.state_v);
+    CHECK(many.route_append == one.route_append);
+    CHECK(many.route_merge == one.route_merge);
+    const auto host = host_prefill<float>(c, in);
+    CHECK(many.out == host.out);
+    CHECK(many.state_k == host.state_k);
+    const auto decoded =
+        kokkos_prefill_then_decode<float>(c, in, c.T / 2, nullptr, KokkosExec{KokkosSpace(), false, wide});
+    CHECK(decoded == one.out);
+  }
+}
+
 TEST_CASE("kokkos kvm one-token calls equal one prefill at every split", "[kokkos][kvm][unit]") {
   auto c = small_config(2, 45, 4, 2, 8, 6, Power{3.0, 0.5, 8, 1, 8000});
   c.chunk = 4;
@@ -200,7 +229,7 @@ TEST_CASE("kokkos kvm rejects bad input before any state change", "[kokkos][kvm]
   auto c = small_config(2, 20, 2, 2, 8, 8, Fixed{8, 8});
   auto in = random_inputs(c, 3);
   const FloatWeights w(in);
-  const KokkosExec exec{};
+  const KokkosExec exec{KokkosSpace(), true};  // checked: bad input comes back as a Status
   auto st = make_kokkos_state<float>(exec, c);
   std::vector<float> out;
   REQUIRE(kokkos_feed(exec, st.state, c, in, w, 0, 10, out).is_ok());
@@ -234,7 +263,7 @@ TEST_CASE("kokkos kvm moved-from and never-created states refuse every call; slo
   auto c = small_config(2, 20, 2, 2, 8, 8, Fixed{8, 8});
   const auto in = random_inputs(c, 3);
   const FloatWeights w(in);
-  const KokkosExec exec{};
+  const KokkosExec exec{KokkosSpace(), true};  // checked: bad input comes back as a Status
   auto a = make_kokkos_state<float>(exec, c);
   auto twin = make_kokkos_state<float>(exec, c);
   std::vector<float> out_a, out_twin;

@@ -39,7 +39,11 @@ using Mem = KokkosSpace::memory_space;
 using Slots = std::vector<std::int32_t>;
 using I32View = TensorView<const std::int32_t, 1>;
 
-const KokkosExec kexec{};
+// Checked, so the refusals below come back as a Status. A function, not a global: an execution space
+// instance may only be made after Kokkos::initialize (OpenMP and Cuda instances need the runtime).
+KokkosExec kexec() {
+  return {KokkosSpace(), true};
+}
 const kvmem::host::Executor hexec{.threads = 1, .exact = true};  // the host's bitwise path
 
 bool same_bits(const std::vector<float>& a, const std::vector<float>& b) {
@@ -121,12 +125,12 @@ Tok random_tok(const Dims& d, std::mt19937_64& rng) {
 }
 
 template <class S>
-using KState = kvmem::kokkos::KvmState<S, float, Mem>;
+using KState = kvmem::kokkos::KvmState<S, float, kvmem::kokkos::state_memory_space<KokkosSpace>>;
 
 template <class S>
 KState<S> make_kstate(const kvm::Params& p, const Dims& d, std::int64_t slots, std::int64_t n_ctx) {
   KState<S> st;
-  const Status s = kvmem::kokkos::create_state<S, float>(kexec, p, {slots, d.Hq, d.Hk, d.D, d.Dv, n_ctx}, st);
+  const Status s = kvmem::kokkos::create_state<S, float>(kexec(), p, {slots, d.Hq, d.Hk, d.D, d.Dv, n_ctx}, st);
   INFO(s.to_string());
   REQUIRE(s.is_ok());
   return st;
@@ -163,11 +167,11 @@ struct Batch {
     const DevList ds(slot), dst(start);
     const Rows rows{ds.tv(), {dst.view.data(), {R + 1}}};
     const Status s = kvm::step(
-        kexec, st.state, w.device(), rows, TensorView<const float, 3>(dq.data(), {T, d.Hq, d.D}),
+        kexec(), st.state, w.device(), rows, TensorView<const float, 3>(dq.data(), {T, d.Hq, d.D}),
         TensorView<const float, 3>(dk.data(), {T, d.Hk, d.D}), TensorView<const float, 3>(dv.data(), {T, d.Hk, d.Dv}),
         TensorView<const float, 2>(dg.data(), {T, d.Hk}), TensorView<float, 3>(dout.data(), {T, d.Hq, d.Dv}),
         TensorView<float, 2>(dlse.data(), {T, d.Hq}));
-    kexec.space.fence();
+    kexec().space.fence();
     out = to_host(dout);
     lse = to_host(dlse);
     out.resize(std::size_t(T * d.Hq * d.Dv));
@@ -214,12 +218,12 @@ std::vector<float> alone_prefill(const kvm::Params& p, const Dims& d, std::int64
   const auto dg = to_device(g, 1, d.Hk, T);
   const auto dout = to_device(std::vector<float>(std::size_t(T * d.Hq * d.Dv), -7.f), 1, T, d.Hq, d.Dv);
   const Status s =
-      kvm::prefill(kexec, st.state, w.device(), TensorView<const float, 4>(to_tensor_view(dq)),
+      kvm::prefill(kexec(), st.state, w.device(), TensorView<const float, 4>(to_tensor_view(dq)),
                    TensorView<const float, 4>(to_tensor_view(dk)), TensorView<const float, 4>(to_tensor_view(dv)),
                    TensorView<const float, 3>(to_tensor_view(dg)), to_tensor_view(dout));
   INFO(s.to_string());
   REQUIRE(s.is_ok());
-  kexec.space.fence();
+  kexec().space.fence();
   return to_host(dout);
 }
 
@@ -238,9 +242,9 @@ std::vector<float> alone_lse(const kvm::Params& p, const Dims& d, std::int64_t n
 
 template <class S>
 std::vector<std::byte> kvm_record(const kvm::State<S, float>& st, std::int32_t slot, bool on_kokkos = true) {
-  if (on_kokkos) kexec.space.fence();  // export_bytes reads the counters on the host
+  if (on_kokkos) kexec().space.fence();  // export_bytes reads the counters on the host
   std::vector<std::byte> bytes(kvm::export_bytes(st, slot));
-  const Status s = on_kokkos ? kvm::export_slot(kexec, st, slot, std::span<std::byte>(bytes))
+  const Status s = on_kokkos ? kvm::export_slot(kexec(), st, slot, std::span<std::byte>(bytes))
                              : kvm::export_slot(hexec, st, slot, std::span<std::byte>(bytes));
   INFO(s.to_string());
   REQUIRE(s.is_ok());
@@ -251,7 +255,7 @@ std::vector<std::byte> kvm_record(const kvm::State<S, float>& st, std::int32_t s
 template <class S>
 std::vector<std::vector<std::byte>> kvm_state_of(const kvm::State<S, float>& st) {
   std::vector<std::vector<std::byte>> all;
-  kexec.space.fence();
+  kexec().space.fence();
   for (std::int32_t s = 0; s < st.max_slots(); ++s) all.push_back(kvm_record(st, s));
   return all;
 }
@@ -345,7 +349,7 @@ void kvm_schedule(kvmem::budget::Any budget, std::uint64_t seed, int sequences, 
         s.target = created == 0 ? max_len : created == 1 ? 1 : new_len();
         s.prompt = s.target - uni(0, std::min<std::int64_t>(s.target, 80));
         s.slot = sl;
-        kexec.space.fence();
+        kexec().space.fence();
         REQUIRE(st.state.tokens(sl) == 0);
         owner[std::size_t(sl)] = std::int32_t(seqs.size());
         min_len = std::min(min_len, s.target);
@@ -419,7 +423,7 @@ void kvm_schedule(kvmem::budget::Any budget, std::uint64_t seed, int sequences, 
       if (n > 0 && forks < 12 && uni(0, 30) == 0 && free != owner.end()) {  // fork into a free slot
         const std::int32_t dst = std::int32_t(free - owner.begin());
         const DevList ls({sl}), ld({dst});
-        REQUIRE(kvm::copy_slots(kexec, st.state, ls.tv(), ld.tv()).is_ok());
+        REQUIRE(kvm::copy_slots(kexec(), st.state, ls.tv(), ld.tv()).is_ok());
         KvmSeq child;
         child.toks = seqs[std::size_t(si)].toks;
         child.target = std::min(max_len, n + uni(1, 300));
@@ -434,10 +438,10 @@ void kvm_schedule(kvmem::budget::Any budget, std::uint64_t seed, int sequences, 
       } else if (n > 0 && uni(0, 40) == 0 && free != owner.end()) {  // migrate: export, import elsewhere, reset
         const std::int32_t to = std::int32_t(free - owner.begin());
         const auto rec = kvm_record(st.state, sl);
-        REQUIRE(kvm::import_slot(kexec, st.state, w.device(), to, rec).is_ok());
+        REQUIRE(kvm::import_slot(kexec(), st.state, w.device(), to, rec).is_ok());
         REQUIRE(kvm_record(st.state, to) == rec);
         const DevList old({sl});
-        REQUIRE(kvm::reset_slots(kexec, st.state, old.tv()).is_ok());
+        REQUIRE(kvm::reset_slots(kexec(), st.state, old.tv()).is_ok());
         owner[std::size_t(to)] = si;
         owner[std::size_t(sl)] = -1;
         seqs[std::size_t(si)].slot = to;
@@ -448,7 +452,7 @@ void kvm_schedule(kvmem::budget::Any budget, std::uint64_t seed, int sequences, 
         KvmSeq& t = seqs[std::size_t(owner[std::size_t(sl)])];
         const std::int64_t cut = uni(1, std::min<std::int64_t>(n, 2 * C));
         const auto before = kvm_record(st.state, sl);
-        const Status ts = kvm::truncate(kexec, st.state, sl, cut);
+        const Status ts = kvm::truncate(kexec(), st.state, sl, cut);
         INFO("truncate " << cut << " of " << n << ": " << ts.to_string());
         REQUIRE(ts.is_ok() == truncate_exact(C, kWindowChunks, n, cut));
         if (ts.is_ok()) {
@@ -467,8 +471,8 @@ void kvm_schedule(kvmem::budget::Any budget, std::uint64_t seed, int sequences, 
     for (std::int32_t sl : leaving) finish(owner[std::size_t(sl)]);
     if (!leaving.empty()) {
       const DevList l(leaving);
-      REQUIRE(kvm::reset_slots(kexec, st.state, l.tv()).is_ok());
-      kexec.space.fence();
+      REQUIRE(kvm::reset_slots(kexec(), st.state, l.tv()).is_ok());
+      kexec().space.fence();
       for (std::int32_t sl : leaving) REQUIRE(st.state.tokens(sl) == 0);
       ++resets;
     }
@@ -526,7 +530,7 @@ TEST_CASE("kokkos kvm slots: records travel host -> Kokkos and Kokkos -> host an
       REQUIRE((host_first ? b.run_host(hs, w, d) : b.run(ks, w, d)).is_ok());
     }
     const auto rec = host_first ? kvm_record(hs, 1, false) : kvm_record(ks.state, 1);
-    const Status s = host_first ? kvm::import_slot(kexec, ks.state, w.device(), 2, rec)
+    const Status s = host_first ? kvm::import_slot(kexec(), ks.state, w.device(), 2, rec)
                                 : kvm::import_slot(hexec, hs, w.host(), 2, rec);
     INFO(s.to_string());
     REQUIRE(s.is_ok());
@@ -566,37 +570,37 @@ TEST_CASE("kokkos kvm slots: bad slots, bad rows and refused records leave the s
     CHECK(kvm_state_of(a.state) == kvm_state_of(twin.state));
   };
   SECTION("slot lists") {
-    expect_untouched(kvm::reset_slots(kexec, a.state, DevList({1, 4}).tv()), StatusCode::kOutOfRange);
-    expect_untouched(kvm::reset_slots(kexec, a.state, DevList({-1}).tv()), StatusCode::kOutOfRange);
-    expect_untouched(kvm::copy_slots(kexec, a.state, DevList({0}).tv(), DevList({7}).tv()), StatusCode::kOutOfRange);
-    expect_untouched(kvm::copy_slots(kexec, a.state, DevList({9}).tv(), DevList({1}).tv()), StatusCode::kOutOfRange);
-    expect_untouched(kvm::copy_slots(kexec, a.state, DevList({0, 2}).tv(), DevList({1, 1}).tv()),
+    expect_untouched(kvm::reset_slots(kexec(), a.state, DevList({1, 4}).tv()), StatusCode::kOutOfRange);
+    expect_untouched(kvm::reset_slots(kexec(), a.state, DevList({-1}).tv()), StatusCode::kOutOfRange);
+    expect_untouched(kvm::copy_slots(kexec(), a.state, DevList({0}).tv(), DevList({7}).tv()), StatusCode::kOutOfRange);
+    expect_untouched(kvm::copy_slots(kexec(), a.state, DevList({9}).tv(), DevList({1}).tv()), StatusCode::kOutOfRange);
+    expect_untouched(kvm::copy_slots(kexec(), a.state, DevList({0, 2}).tv(), DevList({1, 1}).tv()),
                      StatusCode::kInvalidArgument);
-    expect_untouched(kvm::copy_slots(kexec, a.state, DevList({0, 2}).tv(), DevList({2, 3}).tv()),
+    expect_untouched(kvm::copy_slots(kexec(), a.state, DevList({0, 2}).tv(), DevList({2, 3}).tv()),
                      StatusCode::kInvalidArgument);  // a destination that is another pair's source
-    expect_untouched(kvm::copy_slots(kexec, a.state, DevList({0}).tv(), DevList({1, 3}).tv()),
+    expect_untouched(kvm::copy_slots(kexec(), a.state, DevList({0}).tv(), DevList({1, 3}).tv()),
                      StatusCode::kInvalidArgument);
   }
   SECTION("single-slot operations") {
     std::vector<std::byte> buf(kvm::export_bytes(a.state));
-    expect_untouched(kvm::export_slot(kexec, a.state, 4, std::span<std::byte>(buf)), StatusCode::kOutOfRange);
-    expect_untouched(kvm::truncate(kexec, a.state, -1, 0), StatusCode::kOutOfRange);
-    expect_untouched(kvm::truncate(kexec, a.state, 0, 71), StatusCode::kOutOfRange);
-    expect_untouched(kvm::truncate(kexec, a.state, 2, 30), StatusCode::kInvalidArgument);  // an update absorbed them
+    expect_untouched(kvm::export_slot(kexec(), a.state, 4, std::span<std::byte>(buf)), StatusCode::kOutOfRange);
+    expect_untouched(kvm::truncate(kexec(), a.state, -1, 0), StatusCode::kOutOfRange);
+    expect_untouched(kvm::truncate(kexec(), a.state, 0, 71), StatusCode::kOutOfRange);
+    expect_untouched(kvm::truncate(kexec(), a.state, 2, 30), StatusCode::kInvalidArgument);  // an update absorbed them
     auto rec = kvm_record(a.state, 0);
-    expect_untouched(kvm::import_slot(kexec, a.state, w.device(), 4, rec), StatusCode::kOutOfRange);
+    expect_untouched(kvm::import_slot(kexec(), a.state, w.device(), 4, rec), StatusCode::kOutOfRange);
     auto bad = rec;
     bad[8] = std::byte{9};  // the format version
-    expect_untouched(kvm::import_slot(kexec, a.state, w.device(), 1, bad), StatusCode::kInvalidArgument);
+    expect_untouched(kvm::import_slot(kexec(), a.state, w.device(), 1, bad), StatusCode::kInvalidArgument);
     bad = rec;
     bad.pop_back();
-    expect_untouched(kvm::import_slot(kexec, a.state, w.device(), 1, bad), StatusCode::kInvalidArgument);
+    expect_untouched(kvm::import_slot(kexec(), a.state, w.device(), 1, bad), StatusCode::kInvalidArgument);
     const kvm::Params other = make_params(kvmem::budget::Fixed{24, 24});
     auto o = make_kstate<float>(other, d, 1, 256);
     Batch ob;
     ob.add(0, toks, 0, 10);
     REQUIRE(ob.run(o, w, d).is_ok());
-    const Status s = kvm::import_slot(kexec, a.state, w.device(), 1, kvm_record(o.state, 0));
+    const Status s = kvm::import_slot(kexec(), a.state, w.device(), 1, kvm_record(o.state, 0));
     CHECK(s.to_string().find("budget_minimum") != std::string::npos);
     expect_untouched(s, StatusCode::kInvalidArgument);
   }
@@ -640,12 +644,12 @@ TEST_CASE("kokkos kvm slots: moved-from and never-created states refuse every op
     CHECK(kvm::export_bytes(e->state) == 0);
     CHECK(kvm::export_bytes(e->state, 0) == 0);
     CHECK_FALSE(b.run(*e, w, d).is_ok());
-    CHECK_FALSE(kvm::reset_slots(kexec, e->state, DevList({0}).tv()).is_ok());
-    CHECK_FALSE(kvm::copy_slots(kexec, e->state, DevList({0}).tv(), DevList({1}).tv()).is_ok());
+    CHECK_FALSE(kvm::reset_slots(kexec(), e->state, DevList({0}).tv()).is_ok());
+    CHECK_FALSE(kvm::copy_slots(kexec(), e->state, DevList({0}).tv(), DevList({1}).tv()).is_ok());
     std::vector<std::byte> buf(4096);
-    CHECK_FALSE(kvm::export_slot(kexec, e->state, 0, std::span<std::byte>(buf)).is_ok());
-    CHECK_FALSE(kvm::import_slot(kexec, e->state, w.device(), 0, kvm_record(owner.state, 0)).is_ok());
-    CHECK_FALSE(kvm::truncate(kexec, e->state, 0, 0).is_ok());
+    CHECK_FALSE(kvm::export_slot(kexec(), e->state, 0, std::span<std::byte>(buf)).is_ok());
+    CHECK_FALSE(kvm::import_slot(kexec(), e->state, w.device(), 0, kvm_record(owner.state, 0)).is_ok());
+    CHECK_FALSE(kvm::truncate(kexec(), e->state, 0, 0).is_ok());
   }
   CHECK(kvm_state_of(owner.state) == owner_state);  // the new owner saw none of it
 }
@@ -665,7 +669,7 @@ KCache<Storage> make_kcache(std::int64_t slots, std::int64_t capacity) {
   const UaShape sh;
   KCache<Storage> c;
   REQUIRE(
-      kvmem::kokkos::create_cache<Storage>(kexec, kua::CacheShape{slots, sh.H, sh.G, sh.D, capacity, 16}, c).is_ok());
+      kvmem::kokkos::create_cache<Storage>(kexec(), kua::CacheShape{slots, sh.H, sh.G, sh.D, capacity, 16}, c).is_ok());
   return c;
 }
 
@@ -731,9 +735,9 @@ struct UaPacked {
     in.z_k = {dzk.data(), {N, sh.G}};
     in.z_q = {dzq.data(), {N, sh.G}};
     const Rows rows{ds.tv(), {dst.view.data(), {std::int64_t(query_start.size())}}};
-    const Status s = kua::step(kexec, cache, rows, in, opt, TensorView<float, 3>(dout.data(), {N, sh.H, sh.D}),
+    const Status s = kua::step(kexec(), cache, rows, in, opt, TensorView<float, 3>(dout.data(), {N, sh.H, sh.D}),
                                TensorView<float, 2>(dlse.data(), {N, sh.H}));
-    kexec.space.fence();
+    kexec().space.fence();
     out = to_host(dout);
     lse = to_host(dlse);
     out.resize(std::size_t(N * sh.H * sh.D));
@@ -793,11 +797,11 @@ std::vector<float> ua_alone(const UaSeq& s, const std::vector<std::int64_t>& row
     in.v = TensorView<const float, 4>(to_tensor_view(dv));
     in.z_k = TensorView<const float, 3>(to_tensor_view(dzk));
     in.z_q = TensorView<const float, 3>(to_tensor_view(dzq));
-    const Status st = T == 1 ? kua::decode(kexec, cache, in, opt, to_tensor_view(dout))
-                             : kua::prefill(kexec, cache, in, opt, to_tensor_view(dout));
+    const Status st = T == 1 ? kua::decode(kexec(), cache, in, opt, to_tensor_view(dout))
+                             : kua::prefill(kexec(), cache, in, opt, to_tensor_view(dout));
     INFO(st.to_string());
     REQUIRE(st.is_ok());
-    kexec.space.fence();
+    kexec().space.fence();
     const auto o = to_host(dout);
     out.insert(out.end(), o.begin(), o.end());
     t0 += T;
@@ -807,9 +811,9 @@ std::vector<float> ua_alone(const UaSeq& s, const std::vector<std::int64_t>& row
 
 template <class Storage>
 std::vector<std::byte> ua_record(const KCache<Storage>& c, std::int32_t slot) {
-  kexec.space.fence();
+  kexec().space.fence();
   std::vector<std::byte> rec(kua::export_bytes(c, slot));
-  const Status s = kua::export_slot(kexec, c, slot, std::span<std::byte>(rec));
+  const Status s = kua::export_slot(kexec(), c, slot, std::span<std::byte>(rec));
   INFO(s.to_string());
   REQUIRE(s.is_ok());
   return rec;
@@ -872,7 +876,7 @@ void ua_schedule(std::uint64_t seed, const kua::Options& opt, int sequences, std
   while (created < sequences || !active().empty()) {
     for (std::int32_t sl = 0; sl < kSlots && created < sequences; ++sl)
       if (owner[std::size_t(sl)] < 0 && uni(0, 2) > 0) {
-        REQUIRE(kua::reset_slots(kexec, cache, DevList({sl}).tv()).is_ok());
+        REQUIRE(kua::reset_slots(kexec(), cache, DevList({sl}).tv()).is_ok());
         UaLive x;
         x.target = new_len();
         x.prompt = x.target - uni(0, std::min<std::int64_t>(x.target, 40));
@@ -889,7 +893,7 @@ void ua_schedule(std::uint64_t seed, const kua::Options& opt, int sequences, std
       const UaLive& parent = all[std::size_t(owner[std::size_t(from)])];
       if (parent.done > 0) {
         const std::int32_t to = std::int32_t(free - owner.begin());
-        REQUIRE(kua::copy_slots(kexec, cache, DevList({from}).tv(), DevList({to}).tv()).is_ok());
+        REQUIRE(kua::copy_slots(kexec(), cache, DevList({from}).tv(), DevList({to}).tv()).is_ok());
         UaLive x;
         x.data = parent.data;
         x.data.L = parent.done;
@@ -914,9 +918,9 @@ void ua_schedule(std::uint64_t seed, const kua::Options& opt, int sequences, std
       const std::int32_t from = act[std::size_t(uni(0, std::int64_t(act.size()) - 1))];
       const std::int32_t to = std::int32_t(std::find(owner.begin(), owner.end(), -1) - owner.begin());
       const auto rec = ua_record(cache, from);
-      REQUIRE(kua::import_slot(kexec, cache, to, rec).is_ok());
+      REQUIRE(kua::import_slot(kexec(), cache, to, rec).is_ok());
       CHECK(ua_record(cache, to) == rec);
-      REQUIRE(kua::reset_slots(kexec, cache, DevList({from}).tv()).is_ok());
+      REQUIRE(kua::reset_slots(kexec(), cache, DevList({from}).tv()).is_ok());
       owner[std::size_t(to)] = owner[std::size_t(from)];
       owner[std::size_t(from)] = -1;
       all[std::size_t(owner[std::size_t(to)])].slot = to;
@@ -928,10 +932,10 @@ void ua_schedule(std::uint64_t seed, const kua::Options& opt, int sequences, std
         const UaLive& x = all[std::size_t(owner[std::size_t(sl)])];
         const auto before = ua_state_of(cache);
         if (x.done >= 2) {
-          CHECK(kua::truncate(kexec, cache, sl, uni(1, x.done - 1)).code() == StatusCode::kUnsupported);
+          CHECK(kua::truncate(kexec(), cache, sl, uni(1, x.done - 1)).code() == StatusCode::kUnsupported);
           ++refused;
         } else {
-          CHECK(kua::truncate(kexec, cache, sl, 0).is_ok());
+          CHECK(kua::truncate(kexec(), cache, sl, 0).is_ok());
           ++exact_truncations;
         }
         CHECK(ua_state_of(cache) == before);
@@ -993,7 +997,7 @@ void ua_schedule(std::uint64_t seed, const kua::Options& opt, int sequences, std
       const bool longest = owner[std::size_t(sl)] == 0;  // the first sequence runs to max_len
       if (x.done >= x.target || (!longest && x.done > 0 && uni(0, 60) == 0)) {
         if (uni(0, 1) == 0) {
-          REQUIRE(kua::truncate(kexec, cache, sl, x.done).is_ok());
+          REQUIRE(kua::truncate(kexec(), cache, sl, x.done).is_ok());
           const auto after = kvmem::kokkos::snapshot(cache);
           CHECK(after.counter[std::size_t(sl)] == 0);
           for (std::int64_t g = 0; g < sh.G; ++g) CHECK(after.length_of(sl, g) == 0);
@@ -1057,7 +1061,7 @@ TEST_CASE("kokkos ua slots: records travel host -> Kokkos and Kokkos -> host and
     }
     const auto rec = host_first ? ua_record(hc, 1) : ua_record(kc, 1);
     const Status st =
-        host_first ? kua::import_slot(kexec, kc, 2, rec) : kua::import_slot(kvmem::host::Executor{}, hc, 2, rec);
+        host_first ? kua::import_slot(kexec(), kc, 2, rec) : kua::import_slot(kvmem::host::Executor{}, hc, 2, rec);
     INFO(st.to_string());
     REQUIRE(st.is_ok());
     REQUIRE((host_first ? ua_record(kc, 2) : ua_record(hc, 2)) == rec);
@@ -1094,23 +1098,25 @@ TEST_CASE("kokkos ua slots: bad slots, rows, records and moved-from caches are r
     CHECK(st.code() == code);
     CHECK(ua_state_of(a) == ua_state_of(twin));
   };
-  expect_untouched(kua::reset_slots(kexec, a, DevList({1, 4}).tv()), StatusCode::kOutOfRange);
-  expect_untouched(kua::copy_slots(kexec, a, DevList({0}).tv(), DevList({5}).tv()), StatusCode::kOutOfRange);
-  expect_untouched(kua::copy_slots(kexec, a, DevList({0, 2}).tv(), DevList({1, 1}).tv()), StatusCode::kInvalidArgument);
-  expect_untouched(kua::copy_slots(kexec, a, DevList({0, 2}).tv(), DevList({2, 3}).tv()), StatusCode::kInvalidArgument);
+  expect_untouched(kua::reset_slots(kexec(), a, DevList({1, 4}).tv()), StatusCode::kOutOfRange);
+  expect_untouched(kua::copy_slots(kexec(), a, DevList({0}).tv(), DevList({5}).tv()), StatusCode::kOutOfRange);
+  expect_untouched(kua::copy_slots(kexec(), a, DevList({0, 2}).tv(), DevList({1, 1}).tv()),
+                   StatusCode::kInvalidArgument);
+  expect_untouched(kua::copy_slots(kexec(), a, DevList({0, 2}).tv(), DevList({2, 3}).tv()),
+                   StatusCode::kInvalidArgument);
   std::vector<std::byte> buf(1 << 16);
-  expect_untouched(kua::export_slot(kexec, a, 4, std::span<std::byte>(buf)), StatusCode::kOutOfRange);
-  expect_untouched(kua::truncate(kexec, a, 4, 0), StatusCode::kOutOfRange);
-  expect_untouched(kua::truncate(kexec, a, 0, 71), StatusCode::kOutOfRange);
-  expect_untouched(kua::truncate(kexec, a, 0, 10), StatusCode::kUnsupported);
+  expect_untouched(kua::export_slot(kexec(), a, 4, std::span<std::byte>(buf)), StatusCode::kOutOfRange);
+  expect_untouched(kua::truncate(kexec(), a, 4, 0), StatusCode::kOutOfRange);
+  expect_untouched(kua::truncate(kexec(), a, 0, 71), StatusCode::kOutOfRange);
+  expect_untouched(kua::truncate(kexec(), a, 0, 10), StatusCode::kUnsupported);
   const auto rec = ua_record(a, 0);
-  expect_untouched(kua::import_slot(kexec, a, -1, rec), StatusCode::kOutOfRange);
+  expect_untouched(kua::import_slot(kexec(), a, -1, rec), StatusCode::kOutOfRange);
   auto bad = rec;
   bad[8] = std::byte{7};  // the format version
-  expect_untouched(kua::import_slot(kexec, a, 1, bad), StatusCode::kInvalidArgument);
+  expect_untouched(kua::import_slot(kexec(), a, 1, bad), StatusCode::kInvalidArgument);
   {
     auto small = make_kcache<float>(1, 16);  // a record longer than this capacity is refused there
-    const Status st = kua::import_slot(kexec, small, 0, rec);
+    const Status st = kua::import_slot(kexec(), small, 0, rec);
     CHECK(st.code() == StatusCode::kOutOfRange);
     CHECK(st.to_string().find("length") != std::string::npos);
   }
@@ -1137,11 +1143,11 @@ TEST_CASE("kokkos ua slots: bad slots, rows, records and moved-from caches are r
     UaPacked p;
     p.add(0, &s, 0, 3, rng);
     CHECK_FALSE(p.run(*e, opt).is_ok());
-    CHECK_FALSE(kua::reset_slots(kexec, *e, DevList({0}).tv()).is_ok());
-    CHECK_FALSE(kua::copy_slots(kexec, *e, DevList({0}).tv(), DevList({1}).tv()).is_ok());
-    CHECK_FALSE(kua::export_slot(kexec, *e, 0, std::span<std::byte>(buf)).is_ok());
-    CHECK_FALSE(kua::import_slot(kexec, *e, 0, rec).is_ok());
-    CHECK_FALSE(kua::truncate(kexec, *e, 0, 0).is_ok());
+    CHECK_FALSE(kua::reset_slots(kexec(), *e, DevList({0}).tv()).is_ok());
+    CHECK_FALSE(kua::copy_slots(kexec(), *e, DevList({0}).tv(), DevList({1}).tv()).is_ok());
+    CHECK_FALSE(kua::export_slot(kexec(), *e, 0, std::span<std::byte>(buf)).is_ok());
+    CHECK_FALSE(kua::import_slot(kexec(), *e, 0, rec).is_ok());
+    CHECK_FALSE(kua::truncate(kexec(), *e, 0, 0).is_ok());
   }
   CHECK(ua_state_of(owner) == ua_state_of(twin));  // the new owner holds the state the twin has
 }

@@ -62,6 +62,35 @@ TEST_CASE("kokkos ua matches the reference and the host backend on random cases"
   }
 }
 
+TEST_CASE("kokkos ua gives the same bits with one thread and with several threads per team", "[kokkos][ua][unit]") {
+  const int wide = kvmem::test::wide_team_size();
+  if (wide < 2) {
+    WARN("SKIPPED: " << kvmem::test::KokkosSpace::name() << " runs one thread per team here");
+    return;
+  }
+  const KokkosExec one{kvmem::test::KokkosSpace(), false, 1}, many{kvmem::test::KokkosSpace(), false, wide};
+  Case c = random_case(2, 80, 4, 2, 16, 61, 1.0, true);  // 80 rows: query tiles of 32 and key tiles of 64
+  c.config.prefill_chunk = 24;
+  const FloatCase f(c);
+  INFO("team size " << wide);
+  const auto dense_one = kokkos_forward(f, one), dense_many = kokkos_forward(f, many);
+  CHECK(dense_many.out == dense_one.out);
+  CHECK(dense_many.lse == dense_one.lse);
+  CHECK(dense_many.lambda_last == dense_one.lambda_last);
+  CHECK(dense_many.out == host_forward(f).out);
+  for (const double p : {0.0, 0.1}) {
+    INFO("p " << p);
+    const kvmem::ua::Options opt{p, c.config.prefill_chunk, true};
+    auto cache_one = make_kokkos_cache(one, f), cache_many = make_kokkos_cache(many, f);
+    const auto out_one = kokkos_prefill_decode(f, 50, opt, cache_one, one);
+    const auto out_many = kokkos_prefill_decode(f, 50, opt, cache_many, many);
+    CHECK(out_many == out_one);
+    CHECK(kokkos_kept_mask(cache_many, c.config.T) == kokkos_kept_mask(cache_one, c.config.T));
+    kvmem::ua::PrunedCache<float> host_cache(f.cache_shape());
+    CHECK(out_many == host_prefill_decode(f, 50, opt, host_cache));
+  }
+}
+
 TEST_CASE("kokkos ua decode equals prefill at every split", "[kokkos][ua][unit]") {
   const Case c = random_case(1, 24, 2, 1, 8, 7, 1.0, false);
   const FloatCase f(c);
@@ -83,25 +112,28 @@ TEST_CASE("kokkos ua rejects bad input before any change", "[kokkos][ua][unit]")
   const KokkosCase kc(f);
   const auto out = kc.make_out();
   const kvmem::ua::Options opt{0.05, 4, true};
-  REQUIRE(kvmem::ua::prefill(KokkosExec{}, cache, kc.slice(0, 8), opt, kc.out_slice(out, 0, 8)).is_ok());
+  REQUIRE(kvmem::ua::prefill(KokkosExec{kvmem::test::KokkosSpace(), true}, cache, kc.slice(0, 8), opt,
+                             kc.out_slice(out, 0, 8))
+              .is_ok());
   const auto before = kvmem::kokkos::snapshot(cache);
   SECTION("capacity") {
-    const auto s =
-        kvmem::ua::prefill(KokkosExec{}, cache, kc.slice(8, 12), kvmem::ua::Options{}, kc.out_slice(out, 8, 12));
+    const auto s = kvmem::ua::prefill(KokkosExec{kvmem::test::KokkosSpace(), true}, cache, kc.slice(8, 12),
+                                      kvmem::ua::Options{}, kc.out_slice(out, 8, 12));
     CHECK(s.code() == kvmem::StatusCode::kOutOfRange);
   }
   SECTION("NaN in z_q") {
     f.z_q[std::size_t(1 * 12 + 9)] = std::numeric_limits<float>::quiet_NaN();
     const KokkosCase bad(f);
-    const auto s = kvmem::ua::decode(KokkosExec{}, cache, bad.slice(9, 10), opt, bad.out_slice(out, 9, 10));
+    const auto s = kvmem::ua::decode(KokkosExec{kvmem::test::KokkosSpace(), true}, cache, bad.slice(9, 10), opt,
+                                     bad.out_slice(out, 9, 10));
     CHECK(s.code() == kvmem::StatusCode::kInvalidArgument);
     CHECK(s.to_string().find("z_q") != std::string::npos);
   }
   SECTION("innermost stride != 1 (a LayoutLeft view)") {
     auto in = kc.slice(8, 9);
     in.q = kvmem::TensorView<const float, 4>(in.q.data(), in.q.extents(), {1, 2, 4, 8});
-    CHECK(kvmem::ua::decode(KokkosExec{}, cache, in, opt, kc.out_slice(out, 8, 9)).code() ==
-          kvmem::StatusCode::kInvalidArgument);
+    CHECK(kvmem::ua::decode(KokkosExec{kvmem::test::KokkosSpace(), true}, cache, in, opt, kc.out_slice(out, 8, 9))
+              .code() == kvmem::StatusCode::kInvalidArgument);
   }
   const auto after = kvmem::kokkos::snapshot(cache);
   CHECK(after.length == before.length);
@@ -117,7 +149,9 @@ TEST_CASE("kokkos ua: an empty or moved-from cache refuses every operation and r
   const auto out = kc.make_out();
   const kvmem::ua::Options opt{0.05, 4, true};
   auto cache = make_kokkos_cache({}, f, 12);
-  REQUIRE(kvmem::ua::prefill(KokkosExec{}, cache, kc.slice(0, 6), opt, kc.out_slice(out, 0, 6)).is_ok());
+  REQUIRE(kvmem::ua::prefill(KokkosExec{kvmem::test::KokkosSpace(), true}, cache, kc.slice(0, 6), opt,
+                             kc.out_slice(out, 0, 6))
+              .is_ok());
   const auto before = kvmem::kokkos::snapshot(cache);
   KokkosUaCache owner(std::move(cache));
   KokkosUaCache never;
@@ -125,8 +159,9 @@ TEST_CASE("kokkos ua: an empty or moved-from cache refuses every operation and r
     CHECK(!empty->valid());
     CHECK(empty->max_slots() == 0);
     CHECK(empty->keys.data() == nullptr);
-    CHECK(kvmem::ua::decode(KokkosExec{}, *empty, kc.slice(6, 7), opt, kc.out_slice(out, 6, 7)).code() ==
-          kvmem::StatusCode::kInvalidArgument);
+    CHECK(kvmem::ua::decode(KokkosExec{kvmem::test::KokkosSpace(), true}, *empty, kc.slice(6, 7), opt,
+                            kc.out_slice(out, 6, 7))
+              .code() == kvmem::StatusCode::kInvalidArgument);
     const auto snap = kvmem::kokkos::snapshot(*empty);
     CHECK(snap.length_of(0, 0) == 0);
     CHECK(snap.positions(0, 0) == nullptr);
@@ -137,7 +172,9 @@ TEST_CASE("kokkos ua: an empty or moved-from cache refuses every operation and r
   CHECK(moved.length == before.length);
   CHECK(moved.counter == before.counter);
   CHECK(moved.lambda == before.lambda);
-  CHECK(kvmem::ua::decode(KokkosExec{}, owner, kc.slice(6, 7), opt, kc.out_slice(out, 6, 7)).is_ok());
+  CHECK(kvmem::ua::decode(KokkosExec{kvmem::test::KokkosSpace(), true}, owner, kc.slice(6, 7), opt,
+                          kc.out_slice(out, 6, 7))
+            .is_ok());
   KokkosUaCache assigned;
   assigned = std::move(owner);
   CHECK(!owner.valid());

@@ -112,16 +112,21 @@ KVMEM_HOST_DEVICE inline void novelty_update_logits(const Acc* logits, std::int6
 
 // Append selection by rank: token i is appended iff fewer than n_app tokens precede it in the
 // order (score asc, index asc) (spec 4.5 step 2; stable ties by lower index, spec 7.4). O(n^2)
-// comparisons, no sort, so a GPU thread per token computes its own rank.
-// score: [n], target: [n] (set to -1 for appended tokens, 0 otherwise)
+// comparisons, no sort, so a GPU thread per token computes its own rank (append_target).
+// score: [n]; returns token i's target: -1 appended, 0 otherwise
+template <class Acc>
+KVMEM_HOST_DEVICE inline std::int64_t append_target(const Acc* score, std::int64_t n, std::int64_t n_app,
+                                                    std::int64_t i) {
+  std::int64_t rank = 0;
+  for (std::int64_t j = 0; j < n; ++j) rank += (score[j] < score[i] || (score[j] == score[i] && j < i)) ? 1 : 0;
+  return rank < n_app ? -1 : 0;
+}
+
+// append_target for every token. score: [n], target: [n]
 template <class Acc>
 KVMEM_HOST_DEVICE inline void select_appends(const Acc* score, std::int64_t n, std::int64_t n_app,
                                              std::int64_t* target) {
-  for (std::int64_t i = 0; i < n; ++i) {
-    std::int64_t rank = 0;
-    for (std::int64_t j = 0; j < n; ++j) rank += (score[j] < score[i] || (score[j] == score[i] && j < i)) ? 1 : 0;
-    target[i] = rank < n_app ? -1 : 0;
-  }
+  for (std::int64_t i = 0; i < n; ++i) target[i] = append_target(score, n, n_app, i);
 }
 
 // Merge routing, one candidate slot j at a time in increasing j (j >= sink): token i (target != -1)
@@ -192,6 +197,83 @@ KVMEM_HOST_DEVICE inline void scatter_into_slot(const Acc* kg, const Acc* vg, co
     for (std::int64_t d = 0; d < Dv; ++d) sv[d] += vg[i * Dv + d];
     *cnt += Acc(1);
   }
+}
+
+// ---- the state steps of one item, one token or one slot per call (spec 4.3-4.5) ---------------------
+// Host and Kokkos drivers run these same bodies: the host in loops on one thread per item, Kokkos with
+// a team's threads over tokens or slots. Per token / per slot they do exactly the same arithmetic, so
+// the drivers' results are bitwise equal however the calls are spread.
+
+// What the state steps read from the parameters and learned weights (spec 2), in kernel form.
+template <class Acc>
+struct KvmStepParams {
+  std::int64_t D = 0, Dv = 0, rope_dims = 0;
+  const Acc* ln_w = nullptr;  // [D]
+  const Acc* ln_b = nullptr;  // [D]
+  Acc eps = Acc(0);
+  bool merge_gate_keys = false, merge_gate_values = false, gate_appends = false, gate_initial = false,
+       value_radius = false;
+};
+
+// Spec 4.4 steps 1-2: K^_j = LN_s(Sk_j) (through the Acc row `ln`) and V^_j of one slot.
+// sk: [D], sv: [Dv], ln: [D] scratch, khat: [D], vhat: [Dv]
+template <class Acc, class S>
+KVMEM_HOST_DEVICE inline void refresh_slot(const KvmStepParams<Acc>& p, const Acc* sk, const Acc* sv, Acc rho, Acc cnt,
+                                           Acc* ln, S* khat, S* vhat) {
+  layer_norm(sk, p.D, p.ln_w, p.ln_b, p.eps, ln);
+  for (std::int64_t d = 0; d < p.D; ++d) khat[d] = store_as<S>(ln[d]);
+  value_readout(sv, p.Dv, rho, cnt, p.value_radius, vhat);
+}
+
+// Spec 4.3: a window token (key wk, value wv, gate g) founds a slot: Sk = k0, Sv = v, rho = ||v||,
+// cnt = 1, each gated when gate_initial and its merge gate flag are on (spec 4.2). K^/V^ not refreshed.
+// wk: [D], wv: [Dv], sk: [D], sv: [Dv]
+template <class Acc, class S>
+KVMEM_HOST_DEVICE inline void found_slot(const KvmStepParams<Acc>& p, const S* wk, const S* wv, Acc g, Acc* sk, Acc* sv,
+                                         Acc* rho, Acc* cnt) {
+  preprocess_key(wk, p.D, p.rope_dims, p.ln_w, p.ln_b, p.eps, sk);
+  for (std::int64_t d = 0; d < p.Dv; ++d) sv[d] = load_as<Acc>(wv[d]);
+  *rho = norm2<Acc>(sv, p.Dv);
+  *cnt = Acc(1);
+  if (p.gate_initial) {
+    if (p.merge_gate_keys)
+      for (std::int64_t d = 0; d < p.D; ++d) sk[d] *= g;
+    if (p.merge_gate_values)
+      for (std::int64_t d = 0; d < p.Dv; ++d) sv[d] *= g;
+  }
+}
+
+// Spec 4.5 step 1 for one token of the chunk: k0 = LN_s(masked k), kg = g k0 and vg = g v where the
+// merge gate flags say so. wk: [D], wv: [Dv], k0: [D], kg: [D], vg: [Dv]
+template <class Acc, class S>
+KVMEM_HOST_DEVICE inline void prepare_token(const KvmStepParams<Acc>& p, const S* wk, const S* wv, Acc g, Acc* k0,
+                                            Acc* kg, Acc* vg) {
+  preprocess_key(wk, p.D, p.rope_dims, p.ln_w, p.ln_b, p.eps, k0);
+  for (std::int64_t d = 0; d < p.D; ++d) kg[d] = p.merge_gate_keys ? g * k0[d] : k0[d];
+  for (std::int64_t d = 0; d < p.Dv; ++d) {
+    const Acc x = load_as<Acc>(wv[d]);
+    vg[d] = p.merge_gate_values ? g * x : x;
+  }
+}
+
+// Spec 4.5 step 3: an appended token becomes slot j: Sk = kg or k0 and Sv = vg or the raw v
+// (gate_appends), rho = ||Sv||, cnt = 1. k0, kg: [D], vg, wv: [Dv], sk: [D], sv: [Dv]
+template <class Acc, class S>
+KVMEM_HOST_DEVICE inline void append_slot(const KvmStepParams<Acc>& p, const Acc* k0, const Acc* kg, const Acc* vg,
+                                          const S* wv, Acc* sk, Acc* sv, Acc* rho, Acc* cnt) {
+  for (std::int64_t d = 0; d < p.D; ++d) sk[d] = p.gate_appends ? kg[d] : k0[d];
+  for (std::int64_t d = 0; d < p.Dv; ++d) sv[d] = p.gate_appends ? vg[d] : load_as<Acc>(wv[d]);
+  *rho = norm2<Acc>(sv, p.Dv);
+  *cnt = Acc(1);
+}
+
+// The slot an appended token takes: |S| before the update plus the appended tokens before it
+// (appends keep increasing token order, spec 4.5 step 3). target: [n] (-1 = appended)
+KVMEM_HOST_DEVICE inline std::int64_t append_slot_index(const std::int64_t* target, std::int64_t i,
+                                                        std::int64_t slots_before) {
+  std::int64_t j = slots_before;
+  for (std::int64_t e = 0; e < i; ++e) j += target[e] == -1 ? 1 : 0;
+  return j;
 }
 
 }  // namespace kvmem::kernel

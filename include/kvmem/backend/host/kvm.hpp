@@ -127,34 +127,34 @@ struct Call {
   std::int64_t D() const { return st.shape().D; }
   std::int64_t Dv() const { return st.shape().Dv; }
 
+  // The parameters the shared state-step bodies read (kernel/kvm_state.hpp).
+  kernel::KvmStepParams<A> step_params() const {
+    const Params& pr = p();
+    return {.D = D(),
+            .Dv = Dv(),
+            .rope_dims = pr.rope_dims,
+            .ln_w = st.ln_w(),
+            .ln_b = st.ln_b(),
+            .eps = static_cast<A>(pr.ln_eps),
+            .merge_gate_keys = pr.merge_gate_keys,
+            .merge_gate_values = pr.merge_gate_values,
+            .gate_appends = pr.gate_appends,
+            .gate_initial = pr.gate_initial,
+            .value_radius = pr.value_radius};
+  }
+
   // K^_j = LN_s(Sk_j) and V^_j for slots [j0, j1) (spec 4.4 steps 1-2), into the readout copies.
   void refresh(const ItemView<S, A>& it, std::int64_t j0, std::int64_t j1) const {
-    const A eps = static_cast<A>(p().ln_eps);
-    for (std::int64_t j = j0; j < j1; ++j) {
-      kernel::layer_norm(it.sk + j * D(), D(), st.ln_w(), st.ln_b(), eps, it.row);
-      for (std::int64_t d = 0; d < D(); ++d) it.khat[j * D() + d] = store_as<S>(it.row[d]);
-      kernel::value_readout(it.sv + j * Dv(), Dv(), it.rho[j], it.cnt[j], p().value_radius, it.vhat + j * Dv());
-    }
+    const kernel::KvmStepParams<A> kp = step_params();
+    for (std::int64_t j = j0; j < j1; ++j)
+      kernel::refresh_slot(kp, it.sk + j * D(), it.sv + j * Dv(), it.rho[j], it.cnt[j], it.row, it.khat + j * D(),
+                           it.vhat + j * Dv());
   }
 
   // Spec 4.3: the token at ring slot `ring` founds slot j (init rule; rho from the raw v).
   void init_slot(const ItemView<S, A>& it, std::int64_t ring, std::int64_t j) const {
-    const A eps = static_cast<A>(p().ln_eps);
-    A* sk = it.sk + j * D();
-    A* sv = it.sv + j * Dv();
-    const S* kr = it.wk + ring * D();
-    const S* vr = it.wv + ring * Dv();
-    kernel::preprocess_key(kr, D(), p().rope_dims, st.ln_w(), st.ln_b(), eps, sk);
-    for (std::int64_t d = 0; d < Dv(); ++d) sv[d] = load_as<A>(vr[d]);
-    it.rho[j] = kernel::norm2<A>(sv, Dv());
-    it.cnt[j] = A(1);
-    if (p().gate_initial) {  // Sk = kg, Sv = vg: each gated only when its merge gate flag is on (spec 4.2)
-      const A g = it.wg[ring];
-      if (p().merge_gate_keys)
-        for (std::int64_t d = 0; d < D(); ++d) sk[d] *= g;
-      if (p().merge_gate_values)
-        for (std::int64_t d = 0; d < Dv(); ++d) sv[d] *= g;
-    }
+    kernel::found_slot(step_params(), it.wk + ring * D(), it.wv + ring * Dv(), it.wg[ring], it.sk + j * D(),
+                       it.sv + j * Dv(), it.rho + j, it.cnt + j);
     refresh(it, j, j + 1);
   }
 
@@ -164,17 +164,11 @@ struct Call {
     const Params& pr = p();
     const std::int64_t C = pr.chunk, W = pr.window();
     const A eps = static_cast<A>(pr.ln_eps);
-    // step 1: k0, kg, vg
-    for (std::int64_t i = 0; i < C; ++i) {
+    const kernel::KvmStepParams<A> kp = step_params();
+    for (std::int64_t i = 0; i < C; ++i) {  // step 1: k0, kg, vg
       const std::int64_t ring = (a + i) % W;
-      const A g = it.wg[ring];
-      kernel::preprocess_key(it.wk + ring * D(), D(), pr.rope_dims, st.ln_w(), st.ln_b(), eps, it.k0 + i * D());
-      for (std::int64_t d = 0; d < D(); ++d)
-        it.kg[i * D() + d] = pr.merge_gate_keys ? g * it.k0[i * D() + d] : it.k0[i * D() + d];
-      for (std::int64_t d = 0; d < Dv(); ++d) {
-        const A x = load_as<A>(it.wv[ring * Dv() + d]);
-        it.vg[i * Dv() + d] = pr.merge_gate_values ? g * x : x;
-      }
+      kernel::prepare_token(kp, it.wk + ring * D(), it.wv + ring * Dv(), it.wg[ring], it.k0 + i * D(), it.kg + i * D(),
+                            it.vg + i * Dv());
     }
     double append_gap = 1e300;
     // spec 3.1: target and appends
@@ -210,14 +204,8 @@ struct Call {
     for (std::int64_t i = 0; i < C; ++i) {
       if (it.target[i] != -1) continue;
       const std::int64_t j = S_new++;
-      const std::int64_t ring = (a + i) % W;
-      A* sk = it.sk + j * D();
-      A* sv = it.sv + j * Dv();
-      for (std::int64_t d = 0; d < D(); ++d) sk[d] = pr.gate_appends ? it.kg[i * D() + d] : it.k0[i * D() + d];
-      for (std::int64_t d = 0; d < Dv(); ++d)
-        sv[d] = pr.gate_appends ? it.vg[i * Dv() + d] : load_as<A>(it.wv[ring * Dv() + d]);
-      it.rho[j] = kernel::norm2<A>(sv, Dv());
-      it.cnt[j] = A(1);
+      kernel::append_slot(kp, it.k0 + i * D(), it.kg + i * D(), it.vg + i * Dv(), it.wv + (a + i) % W * Dv(),
+                          it.sk + j * D(), it.sv + j * Dv(), it.rho + j, it.cnt + j);
       if (route != nullptr) route->appended.push_back(a + i);
     }
     // step 4: route against K^+ of the expanded state, then one scatter

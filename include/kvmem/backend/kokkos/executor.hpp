@@ -31,13 +31,14 @@ struct Executor {
   using memory_space = typename ExecSpace::memory_space;
 
   ExecSpace space{};
+  // false (default): an operation reads nothing back to the host (no synchronisation, graph-safe,
+  // DESIGN.md 3); kernels skip every item whose sizes would overflow the state or cache and leave it
+  // untouched (KVM: the sequence's counters too; UA: the sequence's position still advances, since the
+  // per-item skip is not visible to the counter kernel), and non-finite inputs propagate.
   // true: before anything changes, one reduction checks the data-dependent preconditions (finite
-  // inputs, lengths, capacity) and its result is read back on the host, so bad input returns a Status.
-  // false: no device-to-host read at all (for graph capture); kernels then skip every item whose
-  // sizes would overflow the state or cache and leave it untouched (KVM: the sequence's counters too;
-  // UA: the sequence's position still advances, since the per-item skip is not visible to the
-  // counter kernel), and non-finite inputs propagate.
-  bool checked = true;
+  // inputs, lengths, capacity) and its result is read back on the host, so bad input returns a Status
+  // (a synchronisation per call: for debugging and validation runs).
+  bool checked = false;
   // Threads per team; 0 lets Kokkos choose (Kokkos::AUTO). Serial always runs one.
   int team_size = 0;
 };

@@ -4,13 +4,15 @@
 // the slot operations run on any execution space with the shared kernel bodies (kernel/attend.hpp,
 // kernel/kvm_state.hpp).
 //
-// One team per (sequence, KV head) item runs the item's whole token range, exactly like the host
-// driver (backend/host/kvm.hpp) and in the same order: per chunk segment, the pending state update
-// (one thread: routing is a sequential scan over slots, spec 4.5), then the window ring and initial
-// slots (one thread), then the segment's query rows spread over the team's threads (a row owns its
-// online softmax and visits the same key tiles as on the host, so results are bitwise equal to the
-// host backend's and decode == prefill holds exactly). |S| after an update is data independent
-// (spec 3.1) and every thread computes it from the budget, so no broadcast is needed.
+// One team per (sequence, KV head) item runs the item's whole token range in the host driver's order
+// (backend/host/kvm.hpp) with the same per-token and per-slot bodies (kernel/kvm_state.hpp): per chunk
+// segment, the pending state update with the team's threads over the chunk's tokens (preprocessing,
+// novelty, rank selection, routing) and over slots (scatter, K^/V^ refresh), each token visiting the
+// slots in increasing order as on the host; then the window ring and initial slots (one thread); then the
+// segment's query rows over the team's threads (a row owns its online softmax and visits the same key
+// tiles as on the host). So results are bitwise equal to the host backend's and decode == prefill holds
+// exactly. |S| after an update is data independent (spec 3.1) and every thread computes it from the
+// budget, so no broadcast is needed.
 //
 // kvm::step (sequence slots, docs/slots.md) runs the same driver with one team per (row, KV head):
 // each team reads its row's slot and query_start and the slot's counters inside the kernel, so every
@@ -68,6 +70,23 @@
 
 namespace kvmem::kokkos {
 
+// Where a KVM State for Space lives by default: memory Space's kernels and the host can both reach,
+// because State::place zeroes the counters and the slot record code reads and writes them on the host.
+// Space's own memory where the host reaches it (Serial, OpenMP, Threads); unified memory on Cuda.
+template <class Space, class Mem = typename Space::memory_space,
+          bool kHostReaches = Kokkos::SpaceAccessibility<Kokkos::HostSpace, Mem>::accessible>
+struct StateMemory {
+  using type = Mem;
+};
+#if defined(KOKKOS_ENABLE_CUDA)
+template <class Mem>
+struct StateMemory<Kokkos::Cuda, Mem, false> {
+  using type = Kokkos::CudaUVMSpace;
+};
+#endif
+template <class Space>
+using state_memory_space = typename StateMemory<Space>::type;
+
 // A KVM State placed over a Kokkos allocation in MemSpace (owned by `memory`).
 template <class S, class A, class MemSpace>
 struct KvmState {
@@ -77,7 +96,7 @@ struct KvmState {
 
 // Allocates State::bytes_required in MemSpace and places a State there. MemSpace must be accessible
 // from Space (the kernels) and from the host (State::place zeroes the counters on the host).
-template <class S = float, class A = float, class Space, class MemSpace = typename Executor<Space>::memory_space>
+template <class S = float, class A = float, class Space, class MemSpace = state_memory_space<Space>>
 Status create_state(const Executor<Space>& /*exec*/, const kvm::Params& params, const kvm::Shape& shape,
                     KvmState<S, A, MemSpace>& out) {
   static_assert(Kokkos::SpaceAccessibility<Space, MemSpace>::accessible,
@@ -310,85 +329,116 @@ struct KvmCall {
     return n_app < C ? n_app : C;
   }
 
-  // K^_j = LN_s(Sk_j) and V^_j for slots [j0, j1) (spec 4.4 steps 1-2).
-  KOKKOS_INLINE_FUNCTION void refresh(const kvm::ItemView<S, A>& it, std::int64_t j0, std::int64_t j1) const {
-    for (std::int64_t j = j0; j < j1; ++j) {
-      kernel::layer_norm(it.sk + j * D, D, ln_w, ln_b, eps, it.row);
-      for (std::int64_t d = 0; d < D; ++d) it.khat[j * D + d] = store_as<S>(it.row[d]);
-      kernel::value_readout(it.sv + j * Dv, Dv, it.rho[j], it.cnt[j], value_radius, it.vhat + j * Dv);
-    }
+  // The parameters the shared state-step bodies read (kernel/kvm_state.hpp).
+  KOKKOS_INLINE_FUNCTION kernel::KvmStepParams<A> step_params() const {
+    kernel::KvmStepParams<A> p;
+    p.D = D;
+    p.Dv = Dv;
+    p.rope_dims = rope_dims;
+    p.ln_w = ln_w;
+    p.ln_b = ln_b;
+    p.eps = eps;
+    p.merge_gate_keys = merge_gate_keys;
+    p.merge_gate_values = merge_gate_values;
+    p.gate_appends = gate_appends;
+    p.gate_initial = gate_initial;
+    p.value_radius = value_radius;
+    return p;
   }
 
-  // Spec 4.3: the token at ring slot `ring` founds slot j (rho from the raw v).
+  // K^_j = LN_s(Sk_j) and V^_j for slots [j0, j1) (spec 4.4 steps 1-2), on the calling thread.
+  KOKKOS_INLINE_FUNCTION void refresh(const kvm::ItemView<S, A>& it, std::int64_t j0, std::int64_t j1) const {
+    const kernel::KvmStepParams<A> kp = step_params();
+    for (std::int64_t j = j0; j < j1; ++j)
+      kernel::refresh_slot(kp, it.sk + j * D, it.sv + j * Dv, it.rho[j], it.cnt[j], it.row, it.khat + j * D,
+                           it.vhat + j * Dv);
+  }
+
+  // Spec 4.3: the token at ring slot `ring` founds slot j (rho from the raw v). One thread.
   KOKKOS_INLINE_FUNCTION void init_slot(const kvm::ItemView<S, A>& it, std::int64_t ring, std::int64_t j) const {
-    A* sk = it.sk + j * D;
-    A* sv = it.sv + j * Dv;
-    kernel::preprocess_key(it.wk + ring * D, D, rope_dims, ln_w, ln_b, eps, sk);
-    for (std::int64_t d = 0; d < Dv; ++d) sv[d] = load_as<A>(it.wv[ring * Dv + d]);
-    it.rho[j] = kernel::norm2<A>(sv, Dv);
-    it.cnt[j] = A(1);
-    if (gate_initial) {  // each gated only when its merge gate flag is on (spec 4.2)
-      const A g = it.wg[ring];
-      if (merge_gate_keys)
-        for (std::int64_t d = 0; d < D; ++d) sk[d] *= g;
-      if (merge_gate_values)
-        for (std::int64_t d = 0; d < Dv; ++d) sv[d] *= g;
-    }
+    kernel::found_slot(step_params(), it.wk + ring * D, it.wv + ring * Dv, it.wg[ring], it.sk + j * D, it.sv + j * Dv,
+                       it.rho + j, it.cnt + j);
     refresh(it, j, j + 1);
   }
 
-  // Spec 4.5: U(tokens [a, a + C) read from the ring). One thread. Returns the new |S|.
-  KOKKOS_INLINE_FUNCTION std::int64_t update(const kvm::ItemView<S, A>& it, std::int64_t a, std::int64_t S_cur,
-                                             std::int64_t* route) const {
+  // The item's LN rows of slots [j0, j0 + rows), rows <= kRowBlock, one slot per thread.
+  template <class Member>
+  KOKKOS_INLINE_FUNCTION void ln_rows(const Member& team, const kvm::ItemView<S, A>& it, std::int64_t j0,
+                                      std::int64_t rows) const {
+    Kokkos::parallel_for(Kokkos::TeamThreadRange(team, rows), [&](const std::int64_t r) {
+      kernel::layer_norm(it.sk + (j0 + r) * D, D, ln_w, ln_b, eps, it.row + r * D);
+    });
+    team.team_barrier();
+  }
+
+  // Spec 4.5: U(tokens [a, a + C) read from the ring) by the whole team: tokens spread over the
+  // threads for preprocessing, novelty, append selection and routing; slots for the scatter and the
+  // K^/V^ refresh. Slots are visited in blocks of kRowBlock in increasing order (LN rows shared by the
+  // team), and every token compares them in that order, so each token's score, rank and route equal
+  // the one-thread order of the host driver exactly. Every thread returns the new |S|.
+  template <class Member>
+  KOKKOS_INLINE_FUNCTION std::int64_t update(const Member& team, const kvm::ItemView<S, A>& it, std::int64_t a,
+                                             std::int64_t S_cur) const {
+    constexpr std::int64_t kRows = kvm::State<S, A>::kRowBlock;
+    const kernel::KvmStepParams<A> kp = step_params();
     const std::int64_t w = W();
-    for (std::int64_t i = 0; i < C; ++i) {  // step 1: k0, kg, vg
+    Kokkos::parallel_for(Kokkos::TeamThreadRange(team, C), [&](const std::int64_t i) {  // step 1: k0, kg, vg
       const std::int64_t ring = (a + i) % w;
-      const A g = it.wg[ring];
-      kernel::preprocess_key(it.wk + ring * D, D, rope_dims, ln_w, ln_b, eps, it.k0 + i * D);
-      for (std::int64_t d = 0; d < D; ++d) it.kg[i * D + d] = merge_gate_keys ? g * it.k0[i * D + d] : it.k0[i * D + d];
-      for (std::int64_t d = 0; d < Dv; ++d) {
-        const A x = load_as<A>(it.wv[ring * Dv + d]);
-        it.vg[i * Dv + d] = merge_gate_values ? g * x : x;
-      }
-    }
+      kernel::prepare_token(kp, it.wk + ring * D, it.wv + ring * Dv, it.wg[ring], it.k0 + i * D, it.kg + i * D,
+                            it.vg + i * Dv);
+      it.score[i] = negative_infinity<A>();
+    });
+    team.team_barrier();
     const std::int64_t n_app = appends(a, S_cur);
     if (n_app > 0) {  // step 2: novelty against the pre-update state, ungated k0, sink included
-      for (std::int64_t i = 0; i < C; ++i) it.score[i] = negative_infinity<A>();
-      for (std::int64_t j = 0; j < S_cur; ++j) {
-        kernel::layer_norm(it.sk + j * D, D, ln_w, ln_b, eps, it.row);
-        kernel::novelty_update(it.k0, C, D, it.row, it.score);
+      for (std::int64_t j0 = 0; j0 < S_cur; j0 += kRows) {
+        const std::int64_t rows = S_cur - j0 < kRows ? S_cur - j0 : kRows;
+        ln_rows(team, it, j0, rows);
+        Kokkos::parallel_for(Kokkos::TeamThreadRange(team, C), [&](const std::int64_t i) {
+          kernel::novelty_update_rows(it.k0 + i * D, 1, D, it.row, rows, it.score + i);
+        });
+        team.team_barrier();
       }
-      kernel::select_appends(it.score, C, n_app, it.target);
-    } else {
-      for (std::int64_t i = 0; i < C; ++i) it.target[i] = 0;
     }
-    std::int64_t S_new = S_cur;  // step 3: appends in increasing token order
-    for (std::int64_t i = 0; i < C; ++i) {
-      if (it.target[i] != -1) continue;
-      const std::int64_t j = S_new++;
-      const std::int64_t ring = (a + i) % w;
-      A* sk = it.sk + j * D;
-      A* sv = it.sv + j * Dv;
-      for (std::int64_t d = 0; d < D; ++d) sk[d] = gate_appends ? it.kg[i * D + d] : it.k0[i * D + d];
-      for (std::int64_t d = 0; d < Dv; ++d) sv[d] = gate_appends ? it.vg[i * Dv + d] : load_as<A>(it.wv[ring * Dv + d]);
-      it.rho[j] = kernel::norm2<A>(sv, Dv);
-      it.cnt[j] = A(1);
-    }
+    Kokkos::parallel_for(Kokkos::TeamThreadRange(team, C), [&](const std::int64_t i) {
+      it.target[i] = n_app > 0 ? kernel::append_target(it.score, C, n_app, i) : 0;
+    });
+    team.team_barrier();
+    // Ranks are distinct, so exactly n_app tokens (n_app <= C) are appended.
+    const std::int64_t S_new = S_cur + (n_app > 0 ? n_app : 0);
+    Kokkos::parallel_for(Kokkos::TeamThreadRange(team, C), [&](const std::int64_t i) {  // step 3: appends
+      if (it.target[i] != -1) return;
+      const std::int64_t j = kernel::append_slot_index(it.target, i, S_cur);
+      kernel::append_slot(kp, it.k0 + i * D, it.kg + i * D, it.vg + i * Dv, it.wv + (a + i) % w * Dv, it.sk + j * D,
+                          it.sv + j * Dv, it.rho + j, it.cnt + j);
+    });
+    team.team_barrier();
     if (n_app < C) {  // step 4: route against K^+ of the expanded state, then one scatter
-      for (std::int64_t j = sink; j < S_new; ++j) {
-        kernel::layer_norm(it.sk + j * D, D, ln_w, ln_b, eps, it.row);
-        kernel::merge_route_update(it.kg, C, D, it.row, j, it.best, it.target, j == sink);
+      for (std::int64_t j0 = sink; j0 < S_new; j0 += kRows) {
+        const std::int64_t rows = S_new - j0 < kRows ? S_new - j0 : kRows;
+        ln_rows(team, it, j0, rows);
+        Kokkos::parallel_for(Kokkos::TeamThreadRange(team, C), [&](const std::int64_t i) {
+          kernel::merge_route_update_rows(it.kg + i * D, 1, D, it.row, j0, rows, it.best + i, it.target + i,
+                                          j0 == sink);
+        });
+        team.team_barrier();
       }
-      for (std::int64_t j = sink; j < S_new; ++j)
+      const std::int64_t merged = S_new > sink ? S_new - sink : 0;
+      Kokkos::parallel_for(Kokkos::TeamThreadRange(team, merged), [&](const std::int64_t x) {
+        const std::int64_t j = sink + x;
         kernel::scatter_into_slot(it.kg, it.vg, it.target, C, D, Dv, j, it.sk + j * D, it.sv + j * Dv, it.cnt + j);
+      });
+      team.team_barrier();
     }
-    if (route != nullptr) {
-      route[0] = a;
-      route[1] = S_cur;
-      route[2] = S_new;
-      for (std::int64_t i = 0; i < C; ++i) route[kRouteHeader + i] = it.target[i];
+    for (std::int64_t j0 = sink; j0 < S_new; j0 += kRows) {  // K^/V^ of every non-sink slot
+      const std::int64_t rows = S_new - j0 < kRows ? S_new - j0 : kRows;
+      Kokkos::parallel_for(Kokkos::TeamThreadRange(team, rows), [&](const std::int64_t r) {
+        const std::int64_t j = j0 + r;
+        kernel::refresh_slot(kp, it.sk + j * D, it.sv + j * Dv, it.rho[j], it.cnt[j], it.row + r * D, it.khat + j * D,
+                             it.vhat + j * Dv);
+      });
+      team.team_barrier();
     }
-    refresh(it, sink, S_new);
     return S_new;
   }
 
@@ -461,13 +511,16 @@ struct KvmCall {
       const bool updating = cov < w;  // spec 4.7 step 4: first token of a new chunk, before attention
       const std::int64_t a = cov;
       const std::int64_t S_before = S_cur;
+      const std::int64_t S_after = updating ? update(team, it, a, S_before) : S_before;
       Kokkos::single(Kokkos::PerTeam(team), [&]() {
-        if (updating) {
-          std::int64_t* route = nullptr;
-          if (item_log != nullptr) route = item_log + 1 + item_log[0]++ * (kRouteHeader + C);
-          update(it, a, S_before, route);
+        if (updating && item_log != nullptr) {  // test hook: the update's route record
+          std::int64_t* route = item_log + 1 + item_log[0]++ * (kRouteHeader + C);
+          route[0] = a;
+          route[1] = S_before;
+          route[2] = S_after;
+          for (std::int64_t x = 0; x < C; ++x) route[kRouteHeader + x] = it.target[x];
         }
-        std::int64_t c = updating ? a + C : a, s = updating ? S_before + appends(a, S_before) : S_before;
+        std::int64_t c = updating ? a + C : a, s = S_after;
         for (std::int64_t t = t0; t < t1; ++t) {  // window ring; initial slots below position C (spec 4.3)
           const std::int64_t ring = t % w_len;
           for (std::int64_t d = 0; d < D; ++d) it.wk[ring * D + d] = store_as<S>(load_as<A>(io.k_at(sq, g, t - n0, d)));
@@ -1005,7 +1058,7 @@ Status forward(const kokkos::Executor<Space>& exec, const Params& params, const 
                TensorView<Out, 4> out,        // [B,T,Hq,Dv]
                const std::int64_t* lengths = nullptr) {
   const Shape shape{q.extent(0), q.extent(1), k.extent(1), q.extent(3), v.extent(3), q.extent(2) > 0 ? q.extent(2) : 1};
-  kokkos::KvmState<S, A, typename Space::memory_space> state;
+  kokkos::KvmState<S, A, kokkos::state_memory_space<Space>> state;
   KVMEM_RETURN_IF_ERROR((kokkos::create_state<S, A>(exec, params, shape, state)));
   KVMEM_RETURN_IF_ERROR(prefill(exec, state.state, weights, q, k, v, gate, out, lengths));
   exec.space.fence();  // the state's memory is released on return

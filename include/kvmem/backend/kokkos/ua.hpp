@@ -16,11 +16,15 @@
 //   kvmem::ua::decode(exec, cache, step, {.p = 0.05}, out1);     // out1 [B,1,H,D]
 //
 // One team per (sequence, kv head) item runs the item's chunks, evictions and compaction in order
-// (spec UA.md 4.5: every chunk's eviction depends on the previous one), so the work inside an item is
-// done by one thread of the team; the block workspace (accumulators, running max/sum, decay and bias
-// tiles) lives in team scratch: level 0 when it fits the ~40 KB CUDA cap (DESIGN.md 4), else level 1.
-// Lengths, positions and counters are read inside the kernels. With exec.checked, one reduction checks
-// finiteness and capacity first and its result is read back (validation before any change, DESIGN.md 3).
+// (spec UA.md 4.5: every chunk's eviction depends on the previous one). Inside an item the team's
+// threads share the work: the chunk's rows are appended one per thread, each block is attended by
+// team_attend_block (entries over the threads for the decay and bias tiles and λ, (head, row) pairs for
+// the online softmax, with the shared bodies of kernel/ua_*.hpp, bitwise equal to the host), decode's λ
+// update runs one entry per thread, and the in-order eviction scan runs on one thread. The block
+// workspace (accumulators, running max/sum, decay and bias tiles) lives in team scratch: level 0 when it
+// fits the ~40 KB CUDA cap (DESIGN.md 4), else level 1. Lengths, positions and counters are read inside
+// the kernels. Only with exec.checked does one reduction check finiteness and capacity first and its
+// result is read back (validation before any change, DESIGN.md 3).
 
 #include <cmath>
 #include <cstddef>
@@ -210,6 +214,127 @@ struct UaViews {
   }
 };
 
+// kernel::ua::attend_block run by a whole team: per query tile, the tile's (head, row) accumulators are
+// reset over the threads; per key tile, the entries are spread over the threads (decay row, bias column
+// and the entry's λ move to the tile's last row: each entry's values depend on that entry only), then
+// the (head, row) pairs (each its own online softmax over the tile, logits in thread-local memory);
+// finally the (head, row) pairs are normalised and written. Every value is computed by the same
+// expressions in the same order as the one-thread body (kernel/ua_attend.hpp, kernel/ua_decay.hpp), so
+// results are bitwise equal to it. Workspace layout as block_workspace_elems (the logits row unused).
+template <class Set, class Member, class KS, class QS, class OS>
+KOKKOS_INLINE_FUNCTION void team_attend_block(const Member& team, const kernel::ua::BlockArgs<KS, QS, OS, float>& a) {
+  using Acc = float;
+  using kernel::ua::kKeyTile;
+  using kernel::ua::kQueryTile;
+  const std::int64_t D = a.D, H = a.heads;
+  Acc* acc = a.workspace;                                     // [heads, kQueryTile, D]
+  Acc* row_max = acc + H * kQueryTile * D;                    // [heads, kQueryTile]
+  Acc* row_sum = row_max + H * kQueryTile;                    // [heads, kQueryTile]
+  Acc* decay = row_sum + H * kQueryTile;                      // [kKeyTile, kQueryTile]
+  Acc* bias = decay + kKeyTile * kQueryTile;                  // [kQueryTile, kKeyTile]
+  Acc* query_part = bias + kKeyTile * kQueryTile + kKeyTile;  // [kQueryTile] (after the unused logits row)
+
+  for (std::int64_t r0 = 0; r0 < a.rows; r0 += kQueryTile) {
+    const std::int64_t nr = (a.rows - r0) < kQueryTile ? (a.rows - r0) : kQueryTile;
+    const std::int64_t m0 = a.first + r0, m_last = m0 + nr - 1;
+    const std::int64_t through = a.through > m0 - 1 ? a.through : m0 - 1;  // λ holds Λ_{through, .}
+    const std::int64_t skip = through + 1 > m0 ? through + 1 - m0 : 0;     // rows already in λ (decode)
+    const std::int64_t fresh = nr > skip ? nr - skip : 0;                  // rows whose decay is new
+    const QS* new_keys = a.new_keys + (r0 + skip) * a.new_key_stride;
+    const QS* query_logit = a.query_logit + (r0 + skip) * a.query_logit_stride;
+    Kokkos::parallel_for(Kokkos::TeamThreadRange(team, H * kQueryTile), [&](const std::int64_t x) {
+      const std::int64_t i = x % kQueryTile;
+      if (i < nr)
+        for (std::int64_t d = 0; d < D; ++d) acc[x * D + d] = Acc(0);
+      row_max[x] = negative_infinity<Acc>();
+      row_sum[x] = Acc(0);
+      if (x < fresh) query_part[x] = kernel::ua::query_gate_part(load_as<Acc>(query_logit[x * a.query_logit_stride]));
+    });
+    team.team_barrier();
+
+    for (std::int64_t e0 = 0; e0 < a.n && a.pos[a.map(e0)] <= m_last; e0 += kKeyTile) {
+      std::int64_t ne = (a.n - e0) < kKeyTile ? (a.n - e0) : kKeyTile;
+      while (ne > 0 && a.pos[a.map(e0 + ne - 1)] > m_last) --ne;  // entries beyond the tile are all masked
+
+      // Entry e: its decay row A_{e, m} (kernel::ua::decay_tile), its bias column Λ_{m, pos_e} and λ_e.
+      Kokkos::parallel_for(Kokkos::TeamThreadRange(team, ne), [&](const std::int64_t e) {
+        const std::int64_t x = a.map(e0 + e), p = a.pos[x];
+        Acc* row = decay + e * kQueryTile;
+        if (fresh > 0) {
+          const KS* key = a.keys + x * a.key_stride;
+          const Acc key_part = kernel::ua::key_gate_part(a.key_logit[x]);
+          for (std::int64_t i = 0; i < fresh; ++i) {
+            const std::int64_t m = m0 + skip + i;
+            row[i] = m > p ? kernel::ua::pair_decay<Set, Acc>(
+                                 key, a.key_logit[x], key_part, p, new_keys + i * a.new_key_stride,
+                                 load_as<Acc>(query_logit[i * a.query_logit_stride]), query_part[i], m, D)
+                           : Acc(0);
+          }
+        }
+        Acc lam = a.lambda[x];
+        for (std::int64_t i = 0; i < skip && i < nr; ++i)
+          bias[i * kKeyTile + e] = (m0 + i < p) ? negative_infinity<Acc>() : lam;
+        if (fresh > 0) {
+          lam = kernel::ua::cumulative_decay(lam, p, m0 + skip, row, fresh, bias + skip * kKeyTile + e, kKeyTile);
+          if (p <= m_last) a.lambda[x] = lam;  // Λ_{m_last, p}
+        }
+      });
+      team.team_barrier();
+
+      // (head h, row i): online softmax over this key tile; the r heads share the bias tile.
+      Kokkos::parallel_for(Kokkos::TeamThreadRange(team, H * nr), [&](const std::int64_t hx) {
+        const std::int64_t h = hx / nr, i = hx % nr;
+        Acc logits[kKeyTile];
+        const QS* qrow = a.q + h * a.q_head_stride + (r0 + i) * a.q_row_stride;
+        const Acc* brow = bias + i * kKeyTile;
+        Acc block_max = negative_infinity<Acc>();
+        for (std::int64_t e = 0; e < ne; ++e) {
+          const KS* krow = a.keys + a.map(e0 + e) * a.key_stride;
+          logits[e] = brow[e] == negative_infinity<Acc>() ? negative_infinity<Acc>()
+                                                          : kernel::ua::dot8<Acc>(qrow, krow, D) + brow[e];  // scale 1
+          if (logits[e] > block_max) block_max = logits[e];
+        }
+        if (block_max == negative_infinity<Acc>()) return;
+        OnlineSoftmax<Acc> sm;
+        sm.max = row_max[h * kQueryTile + i];
+        sm.sum = row_sum[h * kQueryTile + i];
+        Acc* arow = acc + (h * kQueryTile + i) * D;
+        const Acc rescale = sm.raise_max(block_max);
+        if (rescale != Acc(1))
+          for (std::int64_t d = 0; d < D; ++d) arow[d] *= rescale;
+        for (std::int64_t e = 0; e < ne; ++e) {
+          const Acc w = sm.accumulate(logits[e]);
+          if (w == Acc(0)) continue;
+          const KS* vrow = a.values + a.map(e0 + e) * a.value_stride;
+          for (std::int64_t d = 0; d < D; ++d) arow[d] += w * load_as<Acc>(vrow[d]);
+        }
+        row_max[h * kQueryTile + i] = sm.max;
+        row_sum[h * kQueryTile + i] = sm.sum;
+      });
+      team.team_barrier();
+    }
+
+    // Normalise, apply the optional output gate y = o * sigmoid(z_o) (spec UA.md 7), write lse.
+    Kokkos::parallel_for(Kokkos::TeamThreadRange(team, H * nr), [&](const std::int64_t hx) {
+      const std::int64_t h = hx / nr, i = hx % nr;
+      OnlineSoftmax<Acc> sm;
+      sm.max = row_max[h * kQueryTile + i];
+      sm.sum = row_sum[h * kQueryTile + i];
+      const Acc inv = sm.normaliser();
+      const Acc* arow = acc + (h * kQueryTile + i) * D;
+      OS* orow = a.out + (r0 + i) * a.out_row_stride + h * a.out_head_stride;
+      const QS* zrow = a.z_o ? a.z_o + (r0 + i) * a.z_o_row_stride + h * a.z_o_head_stride : nullptr;
+      for (std::int64_t d = 0; d < D; ++d) {
+        Acc y = arow[d] * inv;
+        if (zrow) y *= sigmoid(load_as<Acc>(zrow[d]));
+        orow[d] = store_as<OS>(y);
+      }
+      if (a.lse) a.lse[h * a.lse_head_stride + (r0 + i) * a.lse_row_stride] = sm.lse();
+    });
+    team.team_barrier();
+  }
+}
+
 // Row pointers of one (sequence, kv head) item of a UaCache.
 template <class Storage>
 struct UaItem {
@@ -237,6 +362,16 @@ struct UaItem {
   template <class Ev>
   KOKKOS_INLINE_FUNCTION std::int64_t evict(std::int64_t n, std::int64_t D, const Ev& ev) const {
     return kernel::ua::evict_by(ev, kernel::ua::RowMap{}, keys, values, D, lambda, key_logit, pos, n, D);
+  }
+  // Decode step 1 (spec UA.md 4.4): λ_e += A(e, t) of kernel::ua::lambda_update, entries over the team.
+  template <class Set, class Member, class In>
+  KOKKOS_INLINE_FUNCTION void team_lambda_update(const Member& team, std::int64_t n, std::int64_t D, const In* new_key,
+                                                 float query_logit, std::int64_t t) const {
+    Kokkos::parallel_for(Kokkos::TeamThreadRange(team, n), [&](const std::int64_t e) {
+      kernel::ua::lambda_update<Set, float>(keys + e * D, D, key_logit + e, pos + e, lambda + e, 1, new_key,
+                                            query_logit, t, D);
+    });
+    team.team_barrier();
   }
 };
 
@@ -268,6 +403,16 @@ struct UaCacheCall {
     else
       return n;
   }
+  // evict() on one thread of the team (the cut and the compaction are in-order scans), the kept count
+  // on every thread.
+  template <class Member>
+  KOKKOS_INLINE_FUNCTION std::int64_t team_evict(const Member& team, const UaItem<Storage>& it, std::int64_t n) const {
+    std::int64_t kept = n;
+    Kokkos::single(
+        Kokkos::PerTeam(team), [&](std::int64_t& k) { k = evict(it, n); }, kept);
+    team.team_barrier();  // the compacted rows are visible to every thread
+    return kept;
+  }
 
   KOKKOS_INLINE_FUNCTION void append_row(const UaItem<Storage>& it, std::int64_t row, std::int64_t b, std::int64_t g,
                                          std::int64_t t, std::int64_t position) const {
@@ -275,46 +420,55 @@ struct UaCacheCall {
                              &in.v(b, g, t, 0), in.z_k(b, g, t), position, D);
   }
 
-  // Chunked prefill of one item (spec UA.md 4.5), as ua::detail::prefill_item.
-  KOKKOS_INLINE_FUNCTION void prefill_item(std::int64_t i, float* workspace) const {
+  // Chunked prefill of one item (spec UA.md 4.5), as ua::detail::prefill_item, by the team: the chunk's
+  // rows appended over the threads, the block attended by team_attend_block, eviction on one thread.
+  template <class Member>
+  KOKKOS_INLINE_FUNCTION void prefill_item(const Member& team, std::int64_t i, float* workspace) const {
     const std::int64_t b = i / G, g = i % G;
     const UaItem<Storage> it = item(i);
     const std::int64_t first = counter[b];
     std::int64_t n = length[i], top = n;
     for (std::int64_t t0 = 0; t0 < T; t0 += chunk) {
       const std::int64_t t1 = t0 + chunk < T ? t0 + chunk : T;
-      for (std::int64_t t = t0; t < t1; ++t) append_row(it, n + (t - t0), b, g, t, first + t);
+      Kokkos::parallel_for(Kokkos::TeamThreadRange(team, t1 - t0),
+                           [&](const std::int64_t x) { append_row(it, n + x, b, g, t0 + x, first + t0 + x); });
+      team.team_barrier();
       n += t1 - t0;
       top = n > top ? n : top;
       auto a = it.block(in.block<Storage>(b, g, r, t0, t1), n, D, workspace);
       a.through = first + t0 - 1;  // survivors hold Λ_{first+t0-1}; the chunk keys hold 0
       a.first = first + t0;
-      kernel::ua::attend_block<Set>(a);
-      n = evict(it, n);
+      team_attend_block<Set>(team, a);
+      n = team_evict(team, it, n);
     }
-    length[i] = n;
-    peak[i] = top;
+    Kokkos::single(Kokkos::PerTeam(team), [&]() {
+      length[i] = n;
+      peak[i] = top;
+    });
   }
 
-  // One decode step of one item (spec UA.md 4.4, 4.5), as ua::detail::decode_item.
-  KOKKOS_INLINE_FUNCTION void decode_item(std::int64_t i, float* workspace) const {
+  // One decode step of one item (spec UA.md 4.4, 4.5), as ua::detail::decode_item, by the team.
+  template <class Member>
+  KOKKOS_INLINE_FUNCTION void decode_item(const Member& team, std::int64_t i, float* workspace) const {
     const std::int64_t b = i / G, g = i % G;
     const UaItem<Storage> it = item(i);
     const std::int64_t t = counter[b];
     std::int64_t n = length[i];
-    kernel::ua::lambda_update<Set, float>(it.keys, D, it.key_logit, it.pos, it.lambda, n, &in.k(b, g, 0, 0),
-                                          in.z_q(b, g, 0), t, D);  // 1. λ_j += A_jt
-    append_row(it, n, b, g, 0, t);                                 // 2. append t with λ = 0
+    it.template team_lambda_update<Set>(team, n, D, &in.k(b, g, 0, 0), in.z_q(b, g, 0), t);  // 1. λ_j += A_jt
+    Kokkos::single(Kokkos::PerTeam(team), [&]() { append_row(it, n, b, g, 0, t); });         // 2. append t, λ = 0
+    team.team_barrier();
     ++n;
     const std::int64_t top = n;
-    if (evict_before_attention) n = evict(it, n);  // 3. evict, 4. attend (or evict last)
+    if (evict_before_attention) n = team_evict(team, it, n);  // 3. evict, 4. attend
     auto a = it.block(in.block<Storage>(b, g, r, 0, 1), n, D, workspace);
     a.through = t;  // λ already includes A_{., t}
     a.first = t;
-    kernel::ua::attend_block<Set>(a);
-    if (!evict_before_attention) n = evict(it, n);
-    length[i] = n;
-    peak[i] = top;
+    team_attend_block<Set>(team, a);
+    if (!evict_before_attention) n = team_evict(team, it, n);  // (or evict last)
+    Kokkos::single(Kokkos::PerTeam(team), [&]() {
+      length[i] = n;
+      peak[i] = top;
+    });
   }
 
   template <class Member>
@@ -323,15 +477,15 @@ struct UaCacheCall {
     // Unchecked calls skip an item without room for T more rows (it stays as it was).
     if (length[i] + T > capacity) return;
     float* workspace = static_cast<float*>(team.team_scratch(ws_level()).get_shmem(scratch_bytes()));
-    Kokkos::single(Kokkos::PerTeam(team), [&]() {
-      if (decode)
-        decode_item(i, workspace);
-      else
-        prefill_item(i, workspace);
-    });
+    if (decode)
+      decode_item(team, i, workspace);
+    else
+      prefill_item(team, i, workspace);
   }
 
-  std::size_t scratch_bytes() const { return static_cast<std::size_t>(ws_elems) * sizeof(float); }
+  KOKKOS_INLINE_FUNCTION std::size_t scratch_bytes() const {
+    return static_cast<std::size_t>(ws_elems) * sizeof(float);
+  }
   KOKKOS_INLINE_FUNCTION int ws_level() const {
     return static_cast<std::size_t>(ws_elems) * sizeof(float) <= kScratch0Bytes ? 0 : 1;
   }
@@ -442,7 +596,9 @@ struct UaForwardCall {
   std::int64_t* pos;                 // [B*G, T]
   std::int64_t G, r, D, T, ws_elems;
 
-  std::size_t scratch_bytes() const { return static_cast<std::size_t>(ws_elems) * sizeof(float); }
+  KOKKOS_INLINE_FUNCTION std::size_t scratch_bytes() const {
+    return static_cast<std::size_t>(ws_elems) * sizeof(float);
+  }
   KOKKOS_INLINE_FUNCTION int ws_level() const {
     return static_cast<std::size_t>(ws_elems) * sizeof(float) <= kScratch0Bytes ? 0 : 1;
   }
@@ -461,7 +617,7 @@ struct UaForwardCall {
       p[t] = t;
     });
     team.team_barrier();
-    Kokkos::single(Kokkos::PerTeam(team), [&]() {
+    {
       auto a = in.block<float>(b, g, r, 0, T);
       a.keys = &in.k(b, g, 0, 0);
       a.values = &in.v(b, g, 0, 0);
@@ -479,9 +635,8 @@ struct UaForwardCall {
         a.lse_head_stride = lse.stride[1];
         a.lse_row_stride = lse.stride[2];
       }
-      kernel::ua::attend_block<Set>(a);
-    });
-    team.team_barrier();
+      team_attend_block<Set>(team, a);
+    }
     if (lambda_last.data != nullptr)
       Kokkos::parallel_for(Kokkos::TeamThreadRange(team, T),
                            [&](const std::int64_t t) { lambda_last(b, g, t) = lam[t]; });  // Λ_{T-1, t}
@@ -564,6 +719,16 @@ struct UaStepCall {
     else
       return n;
   }
+  // evict() on one thread of the team (the cut and the compaction are in-order scans), the kept count
+  // on every thread.
+  template <class Member>
+  KOKKOS_INLINE_FUNCTION std::int64_t team_evict(const Member& team, const UaItem<Storage>& it, std::int64_t n) const {
+    std::int64_t kept = n;
+    Kokkos::single(
+        Kokkos::PerTeam(team), [&](std::int64_t& k) { k = evict(it, n); }, kept);
+    team.team_barrier();  // the compacted rows are visible to every thread
+    return kept;
+  }
 
   KOKKOS_INLINE_FUNCTION UaRow row(std::int64_t x) const {
     UaRow w;
@@ -598,45 +763,52 @@ struct UaStepCall {
   }
 
   // A row of more than one token: chunked prefill continuing the slot (as ua::detail::prefill_item).
-  KOKKOS_INLINE_FUNCTION void prefill_item(const UaRow& w, std::int64_t g, float* workspace) const {
+  template <class Member>
+  KOKKOS_INLINE_FUNCTION void prefill_item(const Member& team, const UaRow& w, std::int64_t g, float* workspace) const {
     const std::int64_t i = w.slot * G + g;
     const UaItem<Storage> it = item(i);
     const std::int64_t first = counter[w.slot];
     std::int64_t n = length[i], top = n;
     for (std::int64_t t0 = 0; t0 < w.T; t0 += chunk) {
       const std::int64_t t1 = t0 + chunk < w.T ? t0 + chunk : w.T;
-      for (std::int64_t t = t0; t < t1; ++t) append_row(it, n + (t - t0), w, g, t, first + t);
+      Kokkos::parallel_for(Kokkos::TeamThreadRange(team, t1 - t0),
+                           [&](const std::int64_t x) { append_row(it, n + x, w, g, t0 + x, first + t0 + x); });
+      team.team_barrier();
       n += t1 - t0;
       top = n > top ? n : top;
       auto a = it.block(in.block<Storage>(w.x0, g, r, t0, t1), n, D, workspace);
       a.through = first + t0 - 1;  // survivors hold Λ_{first+t0-1}; the chunk keys hold 0
       a.first = first + t0;
-      kernel::ua::attend_block<Set>(a);
-      n = evict(it, n);
+      team_attend_block<Set>(team, a);
+      n = team_evict(team, it, n);
     }
-    length[i] = n;
-    peak[i] = top;
+    Kokkos::single(Kokkos::PerTeam(team), [&]() {
+      length[i] = n;
+      peak[i] = top;
+    });
   }
-
   // A one-token row: one decode step (as ua::detail::decode_item, spec UA.md 4.4, 4.5).
-  KOKKOS_INLINE_FUNCTION void decode_item(const UaRow& w, std::int64_t g, float* workspace) const {
+  template <class Member>
+  KOKKOS_INLINE_FUNCTION void decode_item(const Member& team, const UaRow& w, std::int64_t g, float* workspace) const {
     const std::int64_t i = w.slot * G + g;
     const UaItem<Storage> it = item(i);
     const std::int64_t t = counter[w.slot];
     std::int64_t n = length[i];
-    kernel::ua::lambda_update<Set, float>(it.keys, D, it.key_logit, it.pos, it.lambda, n, &in.k(w.x0, g, 0),
-                                          in.z_q(w.x0, g), t, D);  // 1. λ_j += A_jt
-    append_row(it, n, w, g, 0, t);                                 // 2. append t with λ = 0
+    it.template team_lambda_update<Set>(team, n, D, &in.k(w.x0, g, 0), in.z_q(w.x0, g), t);  // 1. λ_j += A_jt
+    Kokkos::single(Kokkos::PerTeam(team), [&]() { append_row(it, n, w, g, 0, t); });         // 2. append t, λ = 0
+    team.team_barrier();
     ++n;
     const std::int64_t top = n;
-    if (evict_before_attention) n = evict(it, n);  // 3. evict, 4. attend (or evict last)
+    if (evict_before_attention) n = team_evict(team, it, n);  // 3. evict, 4. attend
     auto a = it.block(in.block<Storage>(w.x0, g, r, 0, 1), n, D, workspace);
     a.through = t;  // λ already includes A_{., t}
     a.first = t;
-    kernel::ua::attend_block<Set>(a);
-    if (!evict_before_attention) n = evict(it, n);
-    length[i] = n;
-    peak[i] = top;
+    team_attend_block<Set>(team, a);
+    if (!evict_before_attention) n = team_evict(team, it, n);  // (or evict last)
+    Kokkos::single(Kokkos::PerTeam(team), [&]() {
+      length[i] = n;
+      peak[i] = top;
+    });
   }
 
   template <class Member>
@@ -654,15 +826,15 @@ struct UaStepCall {
     }
     if (!runs(w)) return;
     float* workspace = static_cast<float*>(team.team_scratch(ws_level()).get_shmem(scratch_bytes()));
-    Kokkos::single(Kokkos::PerTeam(team), [&]() {
-      if (w.T == 1)
-        decode_item(w, g, workspace);
-      else
-        prefill_item(w, g, workspace);
-    });
+    if (w.T == 1)
+      decode_item(team, w, g, workspace);
+    else
+      prefill_item(team, w, g, workspace);
   }
 
-  std::size_t scratch_bytes() const { return static_cast<std::size_t>(ws_elems) * sizeof(float); }
+  KOKKOS_INLINE_FUNCTION std::size_t scratch_bytes() const {
+    return static_cast<std::size_t>(ws_elems) * sizeof(float);
+  }
   KOKKOS_INLINE_FUNCTION int ws_level() const {
     return static_cast<std::size_t>(ws_elems) * sizeof(float) <= kScratch0Bytes ? 0 : 1;
   }
