@@ -11,7 +11,7 @@
 // update_ms is the one decode step of the 256 that runs the state update (update + attention);
 // --fast-routing 1 routes on single bf16 products (KvmState::set_fast_routing), rows say "+fast".
 
-#include <cuda_runtime.h>
+#include "kvmem/backend/cuda/vendor.cuh"
 
 #include <algorithm>
 #include <cstdint>

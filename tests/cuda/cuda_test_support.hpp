@@ -2,7 +2,7 @@
 #pragma once
 // Shared helpers of the CUDA suites: skipping without a device (saying so), CUDA calls checked as test
 // requirements, an owning device array with host round trips, and host copies in a storage type.
-#include <cuda_runtime.h>
+#include "kvmem/backend/cuda/vendor.cuh"
 
 #include <algorithm>
 #include <cstddef>

@@ -4,7 +4,7 @@
 // plus decode == prefill. Tags: [boundary] exact routing ties, [options] the option grid and the refused
 // chunk, [nearties] bf16 runs whose every route is accounted as a near-tie (tests/support/near_ties.hpp).
 // Skips, saying so, when no CUDA device is visible.
-#include <cuda_runtime.h>
+#include "kvmem/backend/cuda/vendor.cuh"
 
 #include <cstdint>
 #include <cstdio>

@@ -7,7 +7,7 @@
 // step allocates (the device's free memory is unchanged across 1,000 steps), and create/place do not
 // wait for the device (they return while a kernel on another stream is still running). Skips, saying
 // so, when no CUDA device is visible.
-#include <cuda_runtime.h>
+#include "kvmem/backend/cuda/vendor.cuh"
 
 #include <algorithm>
 #include <cmath>

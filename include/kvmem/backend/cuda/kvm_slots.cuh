@@ -21,7 +21,7 @@
 // stays in the state's status word (sticky: later steps are refused too) until KvmState::step_status
 // reads and clears it.
 
-#include <cuda_runtime.h>
+#include "kvmem/backend/cuda/vendor.cuh"
 
 #include <algorithm>
 #include <cstddef>
@@ -269,7 +269,7 @@ inline std::size_t slot_update_shared_bytes(std::int64_t C, std::int64_t D) {
 }
 
 inline unsigned slot_update_threads(std::int64_t C) {
-  return static_cast<unsigned>(std::max<std::int64_t>(64, (C + 31) / 32 * 32));
+  return static_cast<unsigned>(std::max<std::int64_t>(64, (C + kWarpSize - 1) / kWarpSize * kWarpSize));
 }
 
 // Stages LN_s(Sk_j) of slots [j0, j0 + n) into rows (one thread a slot); the caller syncs around it.
@@ -412,18 +412,18 @@ __global__ void __launch_bounds__(kSlotIngestThreads)
   const std::int64_t t = pl.n0 + token - rows.start[r];
   if (t < pl.t0 || t >= pl.t1) return;
   const std::int64_t D = st.D, Dv = st.Dv, W = st.W, Hk = st.Hk, ring = t % W;
-  const int lane = threadIdx.x % 32;
-  for (std::int64_t g = threadIdx.x / 32; g < Hk; g += kSlotIngestThreads / 32) {
+  const int lane = threadIdx.x % kWarpSize;
+  for (std::int64_t g = threadIdx.x / kWarpSize; g < Hk; g += kSlotIngestThreads / kWarpSize) {
     const std::int64_t item = std::int64_t(b) * Hk + g;
     S* wk = st.wk + (item * W + ring) * D;
     S* wv = st.wv + (item * W + ring) * Dv;
     const In* kr = k + (token * Hk + g) * D;
     const In* vr = v + (token * Hk + g) * Dv;
-    for (std::int64_t d = lane; d < D; d += 32) wk[d] = store_as<S>(rn_load(kr[d]));
-    for (std::int64_t d = lane; d < Dv; d += 32) wv[d] = store_as<S>(rn_load(vr[d]));
+    for (std::int64_t d = lane; d < D; d += kWarpSize) wk[d] = store_as<S>(rn_load(kr[d]));
+    for (std::int64_t d = lane; d < Dv; d += kWarpSize) wv[d] = store_as<S>(rn_load(vr[d]));
     const float gt = rn_load(gate[token * Hk + g]);
     if (lane == 0) st.wg[item * W + ring] = gt;
-    __syncwarp();
+    warp_sync();
     if (lane == 0 && t >= pl.found_from && t < pl.found_to) {  // spec 4.3 init rule: slot j = t
       const std::int64_t j = t, cap = st.cap;
       float* sk = st.sk + (item * cap + j) * D;
@@ -447,17 +447,17 @@ __global__ void __launch_bounds__(kSlotIngestThreads)
 // ---- readout (spec 4.4): one block per (token, group of query heads) ---------------------------------
 
 inline constexpr int kSlotReadoutWarps = 4;
-inline constexpr int kSlotReadoutMaxRegs = 8;  // value channels per lane: Dv <= 32 * kSlotReadoutMaxRegs
+inline constexpr int kSlotReadoutMaxRegs = 8;  // value channels per lane: Dv <= kWarpSize * kSlotReadoutMaxRegs
 
 template <class A>
 __device__ inline A slot_warp_max(A x) {
-  for (int o = 16; o > 0; o >>= 1) x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, o));
+  for (int o = kWarpSize / 2; o > 0; o >>= 1) x = fmaxf(x, warp_shfl_xor(x, o));
   return x;
 }
 
 template <class A>
 __device__ inline A slot_warp_sum(A x) {
-  for (int o = 16; o > 0; o >>= 1) x += __shfl_xor_sync(0xffffffffu, x, o);
+  for (int o = kWarpSize / 2; o > 0; o >>= 1) x += warp_shfl_xor(x, o);
   return x;
 }
 
@@ -481,13 +481,13 @@ inline SlotReadoutShape slot_readout_shape(std::int64_t Hq, std::int64_t Hk, std
 }
 
 // Rows (token, h) for the kRep query heads h of block (token, group) over the slots (when wb > 0) and the
-// causal window [wb, t] in the ring, one online softmax per head: warp w takes keys [32 (w + 4 i), ...),
-// lane l a key's logits and value channels l + 32 e; the four warps merge in a fixed order
+// causal window [wb, t] in the ring, one online softmax per head: warp w takes keys [kWarpSize (w + 4 i), ...),
+// lane l a key's logits and value channels l + kWarpSize e; the four warps merge in a fixed order
 // (deterministic). A padding row's out and lse are zeroed (zero_padding: the first phase).
-// grid (tokens, Hq / kRep), block 32 * kSlotReadoutWarps, smem SlotReadoutShape::shared_bytes.
+// grid (tokens, Hq / kRep), block kWarpSize * kSlotReadoutWarps, smem SlotReadoutShape::shared_bytes.
 // q [tokens,Hq,D], out [tokens,Hq,Dv], lse [tokens,Hq] or nullptr.
 template <class S, class In, class Out, int kRep, int kRegs>
-__global__ void __launch_bounds__(32 * kSlotReadoutWarps)
+__global__ void __launch_bounds__(kWarpSize* kSlotReadoutWarps)
     slot_readout_kernel(DeviceState<S, float> st, SlotCounters sc, SlotRows rows, const In* q, Out* out, float* lse,
                         bool zero_padding) {
   if (sc.status[0] != kStepOk) return;
@@ -523,7 +523,7 @@ __global__ void __launch_bounds__(32 * kSlotReadoutWarps)
   const S* vhat = st.vhat + item * st.cap * Dv;
   const S* wk = st.wk + item * W * D;
   const S* wv = st.wv + item * W * Dv;
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int warp = threadIdx.x / kWarpSize, lane = threadIdx.x % kWarpSize;
   float m[kRep], l[kRep], acc[kRep][kRegs];
 #pragma unroll
   for (int h = 0; h < kRep; ++h) {
@@ -532,7 +532,7 @@ __global__ void __launch_bounds__(32 * kSlotReadoutWarps)
 #pragma unroll
     for (int e = 0; e < kRegs; ++e) acc[h][e] = 0;
   }
-  for (std::int64_t base = std::int64_t(warp) * 32; base < n_keys; base += 32 * kSlotReadoutWarps) {
+  for (std::int64_t base = std::int64_t(warp) * kWarpSize; base < n_keys; base += kWarpSize * kSlotReadoutWarps) {
     const std::int64_t key = base + lane;
     float p[kRep];
 #pragma unroll
@@ -559,16 +559,16 @@ __global__ void __launch_bounds__(32 * kSlotReadoutWarps)
       for (int e = 0; e < kRegs; ++e) acc[h][e] *= keep;
       m[h] = m_new;
     }
-    const std::int64_t count = imin(32, n_keys - base);
+    const std::int64_t count = imin(kWarpSize, n_keys - base);
     for (std::int64_t i = 0; i < count; ++i) {
       const std::int64_t kk = base + i;
       const S* vr = kk < n_s ? vhat + kk * Dv : wv + ((pl.wb + kk - n_s) % W) * Dv;
       float x[kRegs];
 #pragma unroll
-      for (int e = 0; e < kRegs; ++e) x[e] = lane + 32 * e < Dv ? rn_load(vr[lane + 32 * e]) : 0.0f;
+      for (int e = 0; e < kRegs; ++e) x[e] = lane + kWarpSize * e < Dv ? rn_load(vr[lane + kWarpSize * e]) : 0.0f;
 #pragma unroll
       for (int h = 0; h < kRep; ++h) {
-        const float pi = __shfl_sync(0xffffffffu, p[h], static_cast<int>(i));
+        const float pi = warp_shfl(p[h], static_cast<int>(i));
 #pragma unroll
         for (int e = 0; e < kRegs; ++e) acc[h][e] = fmaf(pi, x[e], acc[h][e]);
       }
@@ -583,7 +583,7 @@ __global__ void __launch_bounds__(32 * kSlotReadoutWarps)
     }
 #pragma unroll
     for (int e = 0; e < kRegs; ++e)
-      if (lane + 32 * e < Dv) mine[2 + lane + 32 * e] = acc[h][e];
+      if (lane + kWarpSize * e < Dv) mine[2 + lane + kWarpSize * e] = acc[h][e];
   }
   __syncthreads();
   for (int h = 0; h < kRep; ++h) {
