@@ -37,7 +37,7 @@ struct Dev {
   }
   Dev(const Dev&) = delete;
   Dev& operator=(const Dev&) = delete;
-  ~Dev() { cudaFree(ptr); }
+  ~Dev() { (void)cudaFree(ptr); }
   std::vector<T> get() const {
     std::vector<T> h(n);
     KVMEM_CUDA_REQUIRE(cudaMemcpy(h.data(), ptr, n * sizeof(T), cudaMemcpyDeviceToHost));

@@ -386,7 +386,7 @@ TEST_CASE("cuda kvm memory: create and place return while another stream's kerne
   KVMEM_CUDA_REQUIRE(cudaHostAlloc(&flag, sizeof(int), cudaHostAllocMapped));
   *flag = 0;
   int* flag_dev = nullptr;
-  KVMEM_CUDA_REQUIRE(cudaHostGetDevicePointer(&flag_dev, flag, 0));
+  KVMEM_CUDA_REQUIRE(cudaHostGetDevicePointer(reinterpret_cast<void**>(&flag_dev), flag, 0));
   Dev<int> released(std::vector<int>{-1});
   // a blocking stream: any work create or place put on the legacy default stream would wait for it
   cudaStream_t busy = nullptr;

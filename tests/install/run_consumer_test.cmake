@@ -4,7 +4,8 @@
 # Modes:
 #   find_package  `cmake --install --component dev` into a prefix, then find_package(kvmem)
 #   kokkos, cuda  the same with COMPONENTS kokkos / cuda (the cuda consumer is compiled by nvcc)
-#   hip           find_package(kvmem COMPONENTS hip REQUIRED) must fail, naming the missing component
+#   hip           find_package(kvmem COMPONENTS hip REQUIRED) with a C++ compiler other than hipcc must
+#                 fail, saying that the component needs hipcc
 #   pkgconfig     the compiler driven by `pkg-config --cflags --libs kvmem` against the prefix
 #   deb           `cpack -G DEB` (component dev), the .deb installed by dpkg into a private root
 #                 (own admin dir, no system change), then find_package against <root>/usr
@@ -84,11 +85,11 @@ elseif(MODE STREQUAL "hip")
   execute_process(COMMAND ${CMAKE_COMMAND} -S "${_here}/consumer_hip" -B "${WORK_DIR}/build" -G "${GENERATOR}"
                           -DCMAKE_CXX_COMPILER=${CXX_COMPILER} -DCMAKE_PREFIX_PATH=${prefix}
                   RESULT_VARIABLE rc OUTPUT_VARIABLE out ERROR_VARIABLE err)
-  if(rc EQUAL 0 OR NOT "${out}${err}" MATCHES "no 'hip' component")
-    message(FATAL_ERROR "find_package(kvmem COMPONENTS hip REQUIRED) must fail naming the component "
-                        "(exit ${rc}):\n${out}\n${err}")
+  if(rc EQUAL 0 OR NOT "${out}${err}" MATCHES "component hip needs hipcc as the C\\+\\+ compiler")
+    message(FATAL_ERROR "find_package(kvmem COMPONENTS hip REQUIRED) without hipcc must fail naming what it "
+                        "needs (exit ${rc}):\n${out}\n${err}")
   endif()
-  message(STATUS "find_package(kvmem COMPONENTS hip REQUIRED) failed as expected")
+  message(STATUS "find_package(kvmem COMPONENTS hip REQUIRED) without hipcc failed as expected")
 
 elseif(MODE STREQUAL "pkgconfig")
   install_dev("${prefix}")

@@ -1194,7 +1194,7 @@ Status kvm_run(const Executor& exec, KvmState<S, A>& state, const KvmWeights& w,
     const std::int64_t readout_slots = slots + (founds ? std::min(t1, C) - std::max(t0, cov) : 0);
     const bool reads_inputs = window_in_inputs && wb >= n0;
     const bool detached_readout = detach && reads_inputs;
-    const bool reads_slots = detached_readout && wb > 0 && readout_slots > 0;
+    [[maybe_unused]] const bool reads_slots = detached_readout && wb > 0 && readout_slots > 0;
     const Executor ingest_on = detach ? Executor{pipe.aux} : chain;
     if (detach) {  // after this chunk's update: aux ingests, the readout may read the slots
       KVMEM_RETURN_IF_ERROR(record(pipe.chained, side.stream));

@@ -139,7 +139,7 @@ inline constexpr int kLaneRegs = 4;  // channels per lane held in registers: hea
 template <class A>
 __device__ inline A divide_by_count(A x, std::int64_t n) {
   if constexpr (std::is_same_v<A, float>) {
-    if (n > 0 && (n & (n - 1)) == 0) return x * __int_as_float((127 - (__ffsll(n) - 1)) << 23);
+    if (n > 0 && (n & (n - 1)) == 0) return x * __int_as_float((127 - (__ffsll(static_cast<long long>(n)) - 1)) << 23);
   }
   return x / static_cast<A>(n);
 }
