@@ -22,7 +22,9 @@ endfunction()
 # files as HIP and links the HIP runtime; every GPU architecture in `archs` (a list such as
 # gfx90a;gfx940) is compiled and linked for (--offload-arch, also at the link so that hipcc does not
 # probe the machine for a GPU).
+# -xhip: CMake compiles a .cu source given LANGUAGE CXX with `-x c++` first; the later -xhip makes it HIP.
 function(kvmem_hip_usage target archs)
+  target_compile_options(${target} INTERFACE $<$<COMPILE_LANGUAGE:CXX>:-xhip>)
   foreach(_arch IN LISTS archs)
     target_compile_options(${target} INTERFACE $<$<COMPILE_LANGUAGE:CXX>:--offload-arch=${_arch}>)
     target_link_options(${target} INTERFACE --offload-arch=${_arch})
