@@ -327,7 +327,9 @@ __device__ void warp_refresh_slot(const DeviceState<S, A>& st, std::int64_t i, s
   for (std::int64_t d = lane; d < st.Dv; d += kWarpSize) st.vhat[sj * st.Dv + d] = store_as<S>(sv[d] * f);
 }
 
-inline constexpr int kWarpsPerBlock = 8;  // update kernels that give each token or slot a warp
+// Warps of the update kernels that give each token or slot a warp: blocks of 256 threads, 8 NVIDIA warps
+// or 4 CDNA wavefronts (which keeps the scatter's shared-memory stages within the 64 KiB of an AMD GPU).
+inline constexpr int kWarpsPerBlock = 256 / kWarpSize;
 
 // Tokens [t0, t1) enter the window ring, one warp per token; tokens below C that the state has not
 // covered found their slot j = t (spec 4.3; before the first update |S| equals the position).

@@ -455,8 +455,12 @@ __global__ void __launch_bounds__(kMergeThreads)
 // (it changes both): finish_kernel after a prefill chunk, the last split of a decode step. λ is read
 // with ld.global.cg: other blocks of the step updated it, and this block's L1 may hold old lines.
 inline constexpr int kFinishThreads = 256;
-inline constexpr int kCompactRows = kWarpSize;  // rows staged per compaction step (one warp's ballot)
-inline constexpr int kMaxCallRows = 1024;       // rows of one chunk (UaCacheLimits::max_prefill_chunk <= 1024)
+// Rows staged per compaction step, turned into destinations by one ballot of warp 0's first kCompactRows
+// lanes (a whole warp on NVIDIA; lanes past it sit the ballot out on a 64-lane wavefront, so the stage
+// keeps the same shared memory on both vendors).
+inline constexpr int kCompactRows = 32;
+static_assert(kCompactRows <= kWarpSize, "one ballot turns a compaction step's keep flags into destinations");
+inline constexpr int kMaxCallRows = 1024;  // rows of one chunk (UaCacheLimits::max_prefill_chunk <= 1024)
 template <class S>
 __host__ __device__ inline std::size_t finish_smem_bytes(std::int64_t D) {
   return std::size_t(kCompactRows) * std::size_t(2 * D) * sizeof(S) +
@@ -510,7 +514,7 @@ __device__ inline void finish_item(const DeviceCache<S>& c, const DeviceCall<S>&
   const bool vec_cache = (D * std::int64_t(sizeof(S))) % 16 == 0;
 
   // 1. evict λ < ln p and compact stably in place (survivors keep ascending positions). Warp 0 turns
-  //    a warp of keep flags into destinations with a ballot; the group's rows are staged in shared memory, so
+  //    kCompactRows keep flags into destinations with a ballot; the group's rows are staged in shared memory, so
   //    no row is overwritten before it is read.
   S* kst = reinterpret_cast<S*>(fsm);
   S* vst = kst + kCompactRows * D;
@@ -526,7 +530,7 @@ __device__ inline void finish_item(const DeviceCache<S>& c, const DeviceCall<S>&
     for (std::int64_t e0 = 0; e0 < n; e0 += kCompactRows) {
       const std::int64_t ne = n - e0 < kCompactRows ? n - e0 : kCompactRows;
       __syncthreads();  // the previous group is written
-      if (tid < kWarpSize) {
+      if (tid < kCompactRows) {
         const bool keep = lane < ne && !kernel::ua::evicts(load_cg(c.lambda + row0 + e0 + lane), a.log_p);
         const LaneMask mask = warp_ballot(keep);
         dst[lane] = keep ? int(kept + mask_popc(mask & lanes_below(lane))) : -1;
