@@ -2,8 +2,10 @@
 // KV Means sequence slots on the CUDA backend: a ragged decode step (kvm::step, one token for each of
 // --sequences slots, each at its own position; lengths drawn uniformly from [--min, --max], seeded) at
 // H32 D128 bf16, run plainly and replayed from one captured CUDA graph, for --steps consecutive steps
-// (the state updates of the sequences that cross a chunk boundary included). Prints ms per step and
-// tokens/s, and writes a JSON line per budget (--json FILE).
+// (the state updates of the sequences that cross a chunk boundary included: a sequence updates at
+// every position that is a multiple of the chunk, so about sequences / C rows a step). Prints ms per
+// step, tokens/s and the state updates per replayed step, and writes a JSON line per budget (--json
+// FILE).
 //
 //   kvmem_bench_kvm_slots_cuda [--sequences 64] [--heads 32] [--kv-heads 32] [--min 1024] [--max 32768]
 //                              [--steps 256] [--seed 1] [--budget fixed-256|16sqrtN] [--json out.jsonl]
@@ -152,18 +154,26 @@ void run(const std::string& name, kvmem::budget::Any budget, const Options& o, s
   CHECK_CUDA(cudaEventElapsedTime(&graph_ms, e0, e1));
   CHECK_STATUS(state.step_status(on));
   const double plain = plain_ms / double(plain_steps), replay = graph_ms / double(o.steps);
-  std::printf("%-10s %4lld seqs H%lld/%lld mean len %7.0f  step %8.4f ms (%9.0f tok/s)  graph %8.4f ms (%9.0f tok/s)\n",
-              name.c_str(), (long long)R, (long long)H, (long long)Hk, mean, plain, double(R) / plain * 1e3, replay,
-              double(R) / replay * 1e3);
+  // the replays run positions L + steps .. L + 2 steps - 1 of each sequence (after the plain steps);
+  // the step at position n updates the sequence when n is a multiple of C (spec 4.7)
+  std::int64_t updates = 0;
+  for (const std::int64_t L : lengths)
+    for (std::int64_t i = o.steps; i < 2 * o.steps; ++i) updates += (L + i) % p.chunk == 0 ? 1 : 0;
+  const double per_step = double(updates) / double(o.steps);
+  std::printf(
+      "%-10s %4lld seqs H%lld/%lld mean len %7.0f  step %8.4f ms (%9.0f tok/s)  graph %8.4f ms (%9.0f tok/s)  "
+      "%.3f updates/step\n",
+      name.c_str(), (long long)R, (long long)H, (long long)Hk, mean, plain, double(R) / plain * 1e3, replay,
+      double(R) / replay * 1e3, per_step);
   if (json != nullptr)
     std::fprintf(json,
                  "{\"bench\":\"kvm_slots_cuda_decode\",\"budget\":\"%s\",\"sequences\":%lld,\"heads\":%lld,"
                  "\"kv_heads\":%lld,\"min\":%lld,\"max\":%lld,\"longest\":%lld,\"mean_len\":%.1f,"
                  "\"steps\":%lld,\"step_ms\":%.6f,\"graph_step_ms\":%.6f,\"tokens_per_s\":%.1f,"
-                 "\"graph_tokens_per_s\":%.1f}\n",
+                 "\"graph_tokens_per_s\":%.1f,\"updates_per_step\":%.4f}\n",
                  name.c_str(), (long long)R, (long long)H, (long long)Hk, (long long)o.min_len, (long long)o.max_len,
                  (long long)*std::max_element(lengths.begin(), lengths.end()), mean, (long long)o.steps, plain, replay,
-                 double(R) / plain * 1e3, double(R) / replay * 1e3);
+                 double(R) / plain * 1e3, double(R) / replay * 1e3, per_step);
   CHECK_CUDA(cudaGraphExecDestroy(instance));
   CHECK_CUDA(cudaGraphDestroy(graph));
   CHECK_CUDA(cudaEventDestroy(e0));

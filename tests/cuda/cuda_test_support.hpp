@@ -5,7 +5,9 @@
 #include "kvmem/backend/cuda/vendor.cuh"
 
 #include <algorithm>
+#include <cmath>
 #include <cstddef>
+#include <random>
 #include <vector>
 
 #include <catch2/catch.hpp>
@@ -51,6 +53,21 @@ std::vector<S> as_storage(const std::vector<float>& x) {
   std::vector<S> y(x.size());
   for (std::size_t i = 0; i < x.size(); ++i) y[i] = kvmem::store_as<S>(x[i]);
   return y;
+}
+
+// n values mean + spread * N(0, 1) from rng.
+inline std::vector<float> normal(std::size_t n, std::mt19937_64& rng, float mean = 0.f, float spread = 1.f) {
+  std::normal_distribution<float> n01(0.f, 1.f);
+  std::vector<float> x(n);
+  for (float& e : x) e = mean + spread * n01(rng);
+  return x;
+}
+
+// n positive gate values 1 + elu(N(0, 1)) (spec KVM.md: g > 0).
+inline std::vector<float> gates(std::size_t n, std::mt19937_64& rng) {
+  std::vector<float> g = normal(n, rng);
+  for (float& e : g) e = e > 0 ? 1.f + e : std::exp(e);
+  return g;
 }
 
 }  // namespace kvmem::test::cuda

@@ -16,6 +16,7 @@
 #include <random>
 #include <span>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include <catch2/catch.hpp>
@@ -250,6 +251,11 @@ void continuous_batching(kvmem::budget::Any budget, std::uint64_t seed, Schedule
   const Status created_state = kvmem::cuda::KvmState<S>::create(p, {kSlots, d.Hq, d.Hk, d.D, d.Dv, n_ctx}, st);
   INFO(created_state.to_string());
   REQUIRE(created_state.is_ok());
+  // A step has up to kSlots rows naming slots plus two padding rows; the workspace of an owning state
+  // holds max_slots rows (padding rows take work items too), so the test attaches one for its largest step.
+  const kvmem::Limits limits{.max_rows = kSlots + 2};
+  Dev<unsigned char> workspace(kvmem::cuda::KvmState<S>::workspace_bytes({p, st.shape()}, limits));
+  REQUIRE(st.attach_workspace(workspace.ptr, workspace.n, limits).is_ok());
   std::mt19937_64 rng(seed);
   const auto uni = [&](std::int64_t a, std::int64_t b) {
     return std::uniform_int_distribution<std::int64_t>(a, b)(rng);
@@ -578,6 +584,150 @@ TEST_CASE("cuda kvm step: one graph of a padded decode step replays 600 steps li
   }
   SECTION("fp32") {
     graph_replay<float>(8);
+  }
+}
+
+// ---- the update's merged keys (host-side: no device needed) -----------------------------------------
+
+// The update's passes cut a token's candidate slots into ranges, reduce each range to a key and merge
+// the keys with atomicMax in whatever order blocks finish. Whatever the cut and the order, the merged
+// key must give what the serial loops give (kernel::novelty_update_logits: the largest dot, NaN never
+// taken; kernel::merge_route_update_logits: the first j of the largest dot from the sink on, the sink
+// taken first even with a NaN dot), on dots with ties, -0 and +0, infinities, NaN and subnormals.
+TEST_CASE("cuda kvm step: the update's merged keys give the serial loops' novelty and routes", "[slots]") {
+  namespace kd = kvmem::cuda::kvm_detail;
+  const float special[] = {0.0f, -0.0f, 1.0f, -1.0f, 2.5f, -2.5f, INFINITY, -INFINITY, NAN, 1e-40f, -1e-40f, 3.0f};
+  std::mt19937_64 rng(9);
+  const auto below = [&](std::uint64_t n) { return static_cast<std::int64_t>(rng() % n); };
+  int routes = 0, sink_nan = 0, ties = 0;
+  for (int trial = 0; trial < 20000; ++trial) {
+    const std::int64_t S = 1 + below(40), sink = below(3);
+    std::vector<float> dot(static_cast<std::size_t>(S));
+    for (float& x : dot) x = below(3) == 0 ? special[below(12)] : float(below(7) - 3);  // small integers tie
+    // the serial loops of the exact path
+    float score = -INFINITY;
+    kvmem::kernel::novelty_update_logits(dot.data(), S, 1, S, &score);
+    float best = 0;
+    std::int64_t route = 0;
+    if (S > sink)
+      kvmem::kernel::merge_route_update_logits(dot.data() + sink, S, 1, sink, S - sink, &best, &route, true);
+    // ranges cut at random, merged in a random order
+    std::vector<std::int64_t> cuts{0, S};
+    for (std::int64_t i = below(6); i > 0; --i) cuts.push_back(below(std::uint64_t(S) + 1));
+    std::sort(cuts.begin(), cuts.end());
+    std::vector<std::size_t> order(cuts.size() - 1);
+    for (std::size_t i = 0; i < order.size(); ++i) order[i] = i;
+    std::shuffle(order.begin(), order.end(), rng);
+    unsigned long long novelty = 0, routed = 0;
+    for (const std::size_t q : order) {
+      unsigned long long n = 0, r = 0;
+      for (std::int64_t j = cuts[q]; j < cuts[q + 1]; ++j) {
+        n = std::max(n, kd::slot_novelty_key(dot[std::size_t(j)]));
+        if (j >= sink) r = std::max(r, kd::slot_route_key(dot[std::size_t(j)], j, j == sink));
+      }
+      novelty = std::max(novelty, n);
+      routed = std::max(routed, r);
+    }
+    INFO("trial " << trial << ", S " << S << ", sink " << sink);
+    REQUIRE(kd::slot_novelty_score(novelty) == score);  // -0 == +0: the append ranks compare with < and ==
+    if (S > sink) {
+      REQUIRE(kd::slot_route_target(routed) == route);
+      ++routes;
+      sink_nan += std::isnan(dot[std::size_t(sink)]) ? 1 : 0;
+      ties += std::count(dot.begin() + sink, dot.end(), best) > 1 ? 1 : 0;
+    }
+  }
+  CHECK(routes > 10000);  // the cases the rules are about occurred
+  CHECK(sink_nan > 100);
+  CHECK(ties > 1000);
+}
+
+// ---- the first step after fixed-batch calls -----------------------------------------------------------
+
+// A state prefilled by the fixed-batch kvm_prefill, then driven by kvm::step, continues like a twin whose
+// slots were imported from its records after the prefill. The step's update reads LN_s of the slots'
+// sums, which the fixed-batch kernels keep rounded their own way (or not at all with tensor-core
+// routing: bf16, head dim 64, chunk 16), so the first step must rebuild it: memory slots, routes and
+// counters then equal the twin's byte for byte. Outputs agree to the storage precision only: the
+// switched state's readout rows are the prefill's until an update refreshes them, the twin's were
+// rebuilt on import.
+template <class S>
+void after_fixed_batch(std::uint64_t seed) {
+  const Dims d{4, 2, 64, 64};
+  const std::int64_t B = 2, T = 90, total = 200, C = 16, n_ctx = 400;
+  const kvm::Params p = make_params(C, kSqrt);
+  const RandomWeights rw(d, seed);
+  const kvmem::cuda::Executor exec{};
+  std::mt19937_64 rng(seed);
+  std::vector<std::vector<Tok>> toks(static_cast<std::size_t>(B));
+  for (auto& seq : toks)
+    for (std::int64_t t = 0; t < total; ++t) seq.push_back(random_tok<S>(d, rng));
+  kvmem::cuda::KvmState<S> fixed, twin;
+  REQUIRE(kvmem::cuda::KvmState<S>::create(p, {B, d.Hq, d.Hk, d.D, d.Dv, n_ctx}, fixed).is_ok());
+  REQUIRE(kvmem::cuda::KvmState<S>::create(p, {B, d.Hq, d.Hk, d.D, d.Dv, n_ctx}, twin).is_ok());
+  // the fixed-batch prefill's head-major inputs: q [B,Hq,T,D], k [B,Hk,T,D], v [B,Hk,T,Dv], g [B,Hk,T]
+  std::vector<float> q(std::size_t(B * d.Hq * T * d.D)), k(std::size_t(B * d.Hk * T * d.D)),
+      v(std::size_t(B * d.Hk * T * d.Dv)), g(std::size_t(B * d.Hk * T));
+  for (std::int64_t b = 0; b < B; ++b)
+    for (std::int64_t t = 0; t < T; ++t) {
+      const Tok& x = toks[std::size_t(b)][std::size_t(t)];
+      for (std::int64_t h = 0; h < d.Hq; ++h)
+        for (std::int64_t c = 0; c < d.D; ++c)
+          q[std::size_t(((b * d.Hq + h) * T + t) * d.D + c)] = x.q[std::size_t(h * d.D + c)];
+      for (std::int64_t h = 0; h < d.Hk; ++h) {
+        for (std::int64_t c = 0; c < d.D; ++c)
+          k[std::size_t(((b * d.Hk + h) * T + t) * d.D + c)] = x.k[std::size_t(h * d.D + c)];
+        for (std::int64_t c = 0; c < d.Dv; ++c)
+          v[std::size_t(((b * d.Hk + h) * T + t) * d.Dv + c)] = x.v[std::size_t(h * d.Dv + c)];
+        g[std::size_t((b * d.Hk + h) * T + t)] = x.g[std::size_t(h)];
+      }
+    }
+  {
+    Dev<S> dq(as_storage<S>(q)), dk(as_storage<S>(k)), dv(as_storage<S>(v)), dg(as_storage<S>(g));
+    Dev<float> dout(std::size_t(B * T * d.Hq * d.Dv));
+    const Status s = kvmem::cuda::kvm_prefill(
+        exec, fixed, rw.device(), TensorView<const S, 4>(dq.ptr, {B, d.Hq, T, d.D}),
+        TensorView<const S, 4>(dk.ptr, {B, d.Hk, T, d.D}), TensorView<const S, 4>(dv.ptr, {B, d.Hk, T, d.Dv}),
+        TensorView<const S, 3>(dg.ptr, {B, d.Hk, T}), TensorView<float, 4>(dout.ptr, {B, T, d.Hq, d.Dv}));
+    INFO(s.to_string());
+    REQUIRE(s.is_ok());
+  }
+  for (std::int32_t b = 0; b < B; ++b) {
+    const std::vector<std::byte> bytes = export_of(fixed, b);
+    REQUIRE(kvm::import_slot(exec, twin, rw.device(), b, std::span<const std::byte>(bytes)).is_ok());
+  }
+  REQUIRE(!fixed.slot_mode());  // exports leave the fixed-batch counters; the first step switches
+  const double tol = std::is_same_v<S, float> ? kTol : 1e-2;
+  int steps = 0;
+  for (std::int64_t t0 = T; t0 < total; ++steps) {  // decode tokens and chunks of 13, across updates
+    const std::int64_t t1 = std::min(total, t0 + (steps % 3 == 0 ? 13 : 1));
+    Batch bf, bt;
+    for (std::int32_t b = 0; b < B; ++b) {
+      bf.add(b, toks[std::size_t(b)], t0, t1);
+      bt.add(b, toks[std::size_t(b)], t0, t1);
+    }
+    REQUIRE(bf.run(fixed, rw, d).is_ok());
+    REQUIRE(bt.run(twin, rw, d).is_ok());
+    INFO("tokens [" << t0 << ", " << t1 << ")");
+    CHECK(scaled_error(bf.out.data(), bt.out.data(), bt.out.size()) <= tol);
+    CHECK(scaled_error(bf.lse.data(), bt.lse.data(), bt.lse.size()) <= tol);
+    t0 = t1;
+  }
+  REQUIRE(fixed.slot_mode());
+  for (std::int32_t b = 0; b < B; ++b) {
+    INFO("slot " << b);
+    CHECK(export_of(fixed, b) == export_of(twin, b));
+  }
+}
+
+TEST_CASE("cuda kvm step: the first step after fixed-batch calls continues like the same slots imported",
+          "[slots][gpu]") {
+  if (no_device()) return;
+  SECTION("fp32") {
+    after_fixed_batch<float>(41);
+  }
+  SECTION("bf16 (tensor-core routing in the prefill)") {
+    after_fixed_batch<kvmem::bf16>(42);
   }
 }
 

@@ -7,6 +7,7 @@
 #include <cstring>
 #include <limits>
 #include <new>
+#include <type_traits>
 #include <vector>
 
 #include <catch2/catch.hpp>
@@ -85,6 +86,14 @@ kvmem::Status run(kvm::State<S, float>& st, const kvm::Weights& w, const rkvm::C
                       TensorView<const float, 3>(x.g.data(), {c.B, c.Hk, n}),
                       TensorView<float, 4>(x.out.data(), {c.B, n, c.Hq, c.Dv}), lengths);
 }
+
+// The customisation point names each backend's types (kvm/attention.hpp), so engine code is written
+// once over the executor type; the CUDA suite checks the same for cuda::Executor.
+static_assert(
+    std::is_same_v<kvmem::kvm::state_t<kvmem::host::Executor, kvmem::bf16>, kvmem::kvm::State<kvmem::bf16, float>>);
+static_assert(
+    std::is_same_v<kvmem::kvm::state_t<kvmem::host::Executor, float, double>, kvmem::kvm::State<float, double>>);
+static_assert(std::is_same_v<kvmem::kvm::weights_t<kvmem::host::Executor>, kvmem::kvm::Weights>);
 
 TEST_CASE("kvm invalid parameters are rejected with a message naming the argument", "[kvm][unit]") {
   kvm::Shape shape{1, 2, 2, 16, 16, 64};

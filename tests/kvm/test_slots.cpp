@@ -17,6 +17,7 @@
 #include <catch2/catch.hpp>
 
 #include "kvm_host_util.hpp"
+#include "kvm_step_support.hpp"
 
 namespace {
 // A ragged row equals its sequence run alone bit for bit on the exact path; the fast path's tile
@@ -36,36 +37,10 @@ using kvmem::TensorView;
 namespace kvm = kvmem::kvm;
 using I32View = TensorView<const std::int32_t, 1>;
 
-struct Dims {
-  std::int64_t Hq = 4, Hk = 2, D = 8, Dv = 8;
-};
-
-kvm::Params make_params(std::int64_t chunk, kvmem::budget::Any budget) {
-  kvm::Params p;
-  p.chunk = chunk;
-  p.window_chunks = 2;
-  p.sink = 1;
-  p.rope_dims = 4;
-  p.budget = budget;
-  return p;
-}
-
-struct RandomWeights {
-  std::vector<float> w, b, ts, tw;
-  RandomWeights(const Dims& d, std::uint64_t seed) {
-    std::mt19937_64 rng(seed);
-    std::normal_distribution<float> n01(0.f, 1.f);
-    std::uniform_real_distribution<float> u(0.5f, 1.5f);
-    for (std::int64_t i = 0; i < d.D; ++i) w.push_back(1.f + 0.2f * n01(rng)), b.push_back(0.2f * n01(rng));
-    for (std::int64_t i = 0; i < d.Hq; ++i) ts.push_back(u(rng)), tw.push_back(u(rng));
-  }
-  kvm::Weights view() const {
-    return {{w.data(), {std::int64_t(w.size())}},
-            {b.data(), {std::int64_t(b.size())}},
-            {ts.data(), {std::int64_t(ts.size())}},
-            {tw.data(), {std::int64_t(tw.size())}}};
-  }
-};
+// Dims (GQA 4 over 2, D 8), make_params and the seeded weights are the memory tests' (kvm_step_support.hpp).
+using kvmem::test::kvm_mem::Dims;
+using kvmem::test::kvm_mem::make_params;
+using RandomWeights = kvmem::test::kvm_mem::Weights;
 
 // One token of a sequence, token-major: q [Hq,D], k [Hk,D], v [Hk,Dv], g [Hk].
 struct Tok {

@@ -32,6 +32,20 @@ inline Status check_placement(const void* memory, std::size_t bytes, std::size_t
   return Status::ok();
 }
 
+// Ok when a call of `rows` rows fits the attached workspace of `held` rows (`attached`: one is
+// attached); else the reason, naming `owner` (the type whose create or attach_workspace gives one).
+// Checked before anything changes (DESIGN.md 3).
+inline Status check_workspace_rows(bool attached, std::int64_t rows, std::int64_t held, const char* owner) {
+  if (!attached)
+    return invalid_argument(
+        "workspace", std::string("a workspace (") + owner + "::create, or attach_workspace after place)", "none");
+  if (rows > held)
+    return {StatusCode::kOutOfRange,
+            "workspace: a call of " + std::to_string(rows) +
+                " rows, the attached workspace holds limits.max_rows = " + std::to_string(held)};
+  return Status::ok();
+}
+
 inline constexpr std::size_t align_up(std::size_t bytes, std::size_t alignment = kMemoryAlign) {
   return (bytes + alignment - 1) / alignment * alignment;
 }

@@ -70,9 +70,22 @@ Status check_call_shapes(const Shape& sh, const TensorView<const In, 4>& q,  // 
   return check_shape(out, {B, T, sh.Hq, sh.Dv}, "out");
 }
 
-// Customisation point: backends specialise Backend<Executor> with static prefill().
+// Customisation point (DESIGN.md 3): each backend specialises Backend<Executor> with
+//   template <class S, class A> using state_type;  the state of that backend's memory (host and Kokkos:
+//                                                  kvm::State; CUDA: cuda::KvmState)
+//   using weights_type;                             its learned parameters (kvm::Weights; cuda::KvmWeights)
+// and static prefill, step, reset_slots, copy_slots, export_slot, import_slot, truncate (optionally
+// can_run). The functions below are the one public signature; a backend never changes it, it only
+// refuses with a Status what it cannot do (for example a RouteLog on a backend that keeps none).
 template <class Executor>
 struct Backend;
+
+// The state and weights types of `Executor`'s backend, so engine code written once names them:
+// kvm::state_t<cuda::Executor, bf16> is cuda::KvmState<bf16, float>.
+template <class Executor, class S, class A = float>
+using state_t = typename Backend<Executor>::template state_type<S, A>;
+template <class Executor>
+using weights_t = typename Backend<Executor>::weights_type;
 
 // Whether `exec`'s backend runs `problem`: ok, or a Status with the reason (invalid parameters or
 // shape first, then what the backend itself cannot do, when it says so through a static
@@ -86,8 +99,8 @@ Status can_run(const Executor& /*exec*/, const Problem& problem) {
     return Status::ok();
 }
 
-template <class Executor, class S, class A, class In, class Out>
-Status prefill(const Executor& exec, State<S, A>& state, const Weights& weights,
+template <class Executor, class St, class In, class Out>
+Status prefill(const Executor& exec, St& state, const weights_t<Executor>& weights,
                TensorView<const In, 4> q,              // [B,Hq,T,D]
                TensorView<const In, 4> k,              // [B,Hk,T,D]
                TensorView<const In, 4> v,              // [B,Hk,T,Dv]
@@ -99,8 +112,8 @@ Status prefill(const Executor& exec, State<S, A>& state, const Weights& weights,
 }
 
 // One token per sequence. `active` [B] (0/1, nullptr: all) lets an engine step a subset.
-template <class Executor, class S, class A, class In, class Out>
-Status decode(const Executor& exec, State<S, A>& state, const Weights& weights,
+template <class Executor, class St, class In, class Out>
+Status decode(const Executor& exec, St& state, const weights_t<Executor>& weights,
               TensorView<const In, 4> q,     // [B,Hq,1,D]
               TensorView<const In, 4> k,     // [B,Hk,1,D]
               TensorView<const In, 4> v,     // [B,Hk,1,Dv]
@@ -119,8 +132,8 @@ Status decode(const Executor& exec, State<S, A>& state, const Weights& weights,
 // logits over state and window, so partial results merge exactly (core/softmax.hpp). Validation
 // (rows, shapes, n_ctx of every slot, finite inputs, gate > 0) runs first; on error nothing changed.
 // A RouteLog gets one entry per (slot, KV head): log->items[slot * Hk + g].
-template <class Executor, class S, class A, class In, class Out>
-Status step(const Executor& exec, State<S, A>& state, const Weights& weights, const Rows& rows,
+template <class Executor, class St, class In, class Out>
+Status step(const Executor& exec, St& state, const weights_t<Executor>& weights, const Rows& rows,
             TensorView<const In, 3> q,      // [tokens,Hq,D]
             TensorView<const In, 3> k,      // [tokens,Hk,D]
             TensorView<const In, 3> v,      // [tokens,Hk,Dv]
@@ -134,16 +147,16 @@ Status step(const Executor& exec, State<S, A>& state, const Weights& weights, co
 // ---- slot operations (docs/slots.md); every slot index is checked, a refused call changes nothing ----
 
 // Forgets the sequences in `slots` (n = cov = |S| = 0). slots: [n], each in [0, max_slots).
-template <class Executor, class S, class A>
-Status reset_slots(const Executor& exec, State<S, A>& state, TensorView<const std::int32_t, 1> slots) {
+template <class Executor, class St>
+Status reset_slots(const Executor& exec, St& state, TensorView<const std::int32_t, 1> slots) {
   return Backend<Executor>::reset_slots(exec, state, slots);
 }
 
 // Fork: slot dst[i] becomes a copy of slot src[i] (counters, memory slots, window), so it continues
 // bit for bit like its source. src, dst: [n]; destinations distinct and none of them another pair's
 // source (core/slots.hpp check_copy_pairs).
-template <class Executor, class S, class A>
-Status copy_slots(const Executor& exec, State<S, A>& state, TensorView<const std::int32_t, 1> src,
+template <class Executor, class St>
+Status copy_slots(const Executor& exec, St& state, TensorView<const std::int32_t, 1> src,
                   TensorView<const std::int32_t, 1> dst) {
   return Backend<Executor>::copy_slots(exec, state, src, dst);
 }
@@ -161,8 +174,8 @@ Status copy_slots(const Executor& exec, State<S, A>& state, TensorView<const std
 //     window_k [Hk,w,D], window_v [Hk,w,Dv], window_g [Hk,w] (accumulate type).
 // The readout copies K^ = LN_s(Sk), V^ are derived and not exported; import_slot rebuilds them.
 // `bytes` must hold at least export_bytes(state, slot); exactly that many bytes are written at its front.
-template <class Executor, class S, class A>
-Status export_slot(const Executor& exec, const State<S, A>& state, std::int32_t slot, std::span<std::byte> bytes) {
+template <class Executor, class St>
+Status export_slot(const Executor& exec, const St& state, std::int32_t slot, std::span<std::byte> bytes) {
   return Backend<Executor>::export_slot(exec, state, slot, bytes);
 }
 
@@ -171,8 +184,8 @@ Status export_slot(const Executor& exec, const State<S, A>& state, std::int32_t 
 // (else a Status naming the field), and the state's n_ctx must hold its n tokens. The readout copies
 // are rebuilt from Sk, Sv with `weights` (the LN_s affine the sequence is read with). `bytes` is the
 // record, exactly export_bytes(source, slot) long.
-template <class Executor, class S, class A>
-Status import_slot(const Executor& exec, State<S, A>& state, const Weights& weights, std::int32_t slot,
+template <class Executor, class St>
+Status import_slot(const Executor& exec, St& state, const weights_t<Executor>& weights, std::int32_t slot,
                    std::span<const std::byte> bytes) {
   return Backend<Executor>::import_slot(exec, state, weights, slot, bytes);
 }
@@ -182,14 +195,14 @@ Status import_slot(const Executor& exec, State<S, A>& state, const Weights& weig
 // of its own (spec 4.3), and the window keeps every position a later token reads; otherwise
 // (a state update absorbed part of them, spec 4.5, or the window no longer holds what the shorter
 // sequence reads) the call is refused with a Status that says which, and nothing changes.
-template <class Executor, class S, class A>
-Status truncate(const Executor& exec, State<S, A>& state, std::int32_t slot, std::int64_t n) {
+template <class Executor, class St>
+Status truncate(const Executor& exec, St& state, std::int32_t slot, std::int64_t n) {
   return Backend<Executor>::truncate(exec, state, slot, n);
 }
 
 // Whole sequences from an empty cache, storage type S (training-style forward).
 template <class S = float, class A = float, class Executor, class In, class Out>
-Status forward(const Executor& exec, const Params& params, const Weights& weights,
+Status forward(const Executor& exec, const Params& params, const weights_t<Executor>& weights,
                TensorView<const In, 4> q,     // [B,Hq,T,D]
                TensorView<const In, 4> k,     // [B,Hk,T,D]
                TensorView<const In, 4> v,     // [B,Hk,T,Dv]
@@ -197,7 +210,7 @@ Status forward(const Executor& exec, const Params& params, const Weights& weight
                TensorView<Out, 4> out,        // [B,T,Hq,Dv]
                const std::int64_t* lengths = nullptr) {
   const Shape shape{q.extent(0), q.extent(1), k.extent(1), q.extent(3), v.extent(3), q.extent(2) > 0 ? q.extent(2) : 1};
-  using StateType = State<S, A>;
+  using StateType = state_t<Executor, S, A>;
   StateType state;
   KVMEM_RETURN_IF_ERROR(StateType::create(params, shape, state));
   return prefill(exec, state, weights, q, k, v, gate, out, lengths);

@@ -286,13 +286,7 @@ class State {
   }
   // Ok when a call of `rows` rows has workspace; else the reason (DESIGN.md 3: checked before any change).
   [[nodiscard]] Status check_workspace(std::int64_t rows) const {
-    if (ws_ == nullptr)
-      return invalid_argument("workspace", "a workspace (State::create, or attach_workspace after place)", "none");
-    if (rows > ws_rows_)
-      return {StatusCode::kOutOfRange,
-              "workspace: a call of " + std::to_string(rows) +
-                  " rows, the attached workspace holds limits.max_rows = " + std::to_string(ws_rows_)};
-    return Status::ok();
+    return check_workspace_rows(ws_ != nullptr, rows, ws_rows_, "State");
   }
 
   [[nodiscard]] bool valid() const { return base_ != nullptr; }

@@ -240,14 +240,7 @@ class PrunedCache {
   }
   // Ok when a call of `rows` rows that name a slot has workspace; else the reason.
   [[nodiscard]] Status check_workspace(std::int64_t rows) const {
-    if (ws_ == nullptr)
-      return invalid_argument("workspace", "a workspace (PrunedCache::create, or attach_workspace after place)",
-                              "none");
-    if (rows > ws_rows_)
-      return {StatusCode::kOutOfRange,
-              kvmem::detail::concat("workspace: a call of ", rows,
-                                    " rows, the attached workspace holds limits.max_rows = ", ws_rows_)};
-    return Status::ok();
+    return check_workspace_rows(ws_ != nullptr, rows, ws_rows_, "PrunedCache");
   }
 
   [[nodiscard]] const CacheShape& shape() const { return shape_; }

@@ -238,7 +238,7 @@ struct KvmStateOffsets {
 
 // Offsets of the per-step arrays inside a workspace of `rows` rows.
 struct KvmWorkOffsets {
-  std::size_t plan, k0, k0t, kgt, vg, kg, score, rbest, target, partial, bytes;
+  std::size_t plan, update_rows, k0, k0t, kgt, vg, kg, score, rbest, target, key, partial, bytes;
 };
 
 // Readouts beside the update chain where the readout runs on the tensor cores and the state is no
@@ -286,7 +286,8 @@ KvmStateOffsets state_offsets(const kvm::Params& p, const kvm::Shape& s) {
 }
 
 // Per step, for `rows` rows (work items rows * Hk, decode rows rows * Hq): the step plan per slot
-// (indexed by slot, so max_slots entries), the update scratch of each work item and the fixed-batch
+// (indexed by slot, so max_slots entries), the list of rows updating in a phase, the update scratch of
+// each work item (with kvm::step's merged novelty and route key per token) and the fixed-batch
 // decode's split-K partials. Nothing of it outlives a call.
 template <class S, class A>
 KvmWorkOffsets work_offsets(const kvm::Params& p, const kvm::Shape& s, std::int64_t rows) {
@@ -295,6 +296,7 @@ KvmWorkOffsets work_offsets(const kvm::Params& p, const kvm::Shape& s, std::int6
   ArenaLayout arena(kKvmAlign);
   KvmWorkOffsets o{};
   o.plan = arena.take(std::size_t(s.B) * sizeof(SlotPlan));
+  o.update_rows = arena.take(std::size_t(rows + 1) * sizeof(int));
   o.k0 = arena.take(I * C * D * sizeof(A));
   o.k0t = arena.take(I * C * D * sizeof(A));
   o.kgt = arena.take(I * C * D * sizeof(A));
@@ -303,6 +305,7 @@ KvmWorkOffsets work_offsets(const kvm::Params& p, const kvm::Shape& s, std::int6
   o.score = arena.take(I * C * sizeof(A));
   o.rbest = arena.take(kBf16 ? I * C * sizeof(A) : 0);
   o.target = arena.take(I * C * sizeof(int));
+  o.key = arena.take(I * C * sizeof(unsigned long long));
   o.partial = arena.take(std::size_t(rows * s.Hq) * std::size_t(kMaxSplitsPerRow) * (Dv + 1) * sizeof(A));
   o.bytes = arena.total();
   return o;
@@ -450,13 +453,7 @@ class KvmState {
   }
   // Ok when a call of `rows` rows has workspace; else the reason (checked before anything is enqueued).
   [[nodiscard]] Status check_workspace(std::int64_t rows) const {
-    if (ws_rows_ == 0)
-      return invalid_argument("workspace", "a workspace (KvmState::create, or attach_workspace after place)", "none");
-    if (rows > ws_rows_)
-      return {StatusCode::kOutOfRange,
-              "workspace: a call of " + std::to_string(rows) +
-                  " rows, the attached workspace holds limits.max_rows = " + std::to_string(ws_rows_)};
-    return Status::ok();
+    return check_workspace_rows(ws_rows_ > 0, rows, ws_rows_, "KvmState");
   }
   // False for a state never created and for a moved-from one: every operation on it is refused.
   [[nodiscard]] bool valid() const { return base_ != nullptr; }
@@ -596,6 +593,7 @@ class KvmState {
   void take(KvmState& o) noexcept {
     sc_ = std::exchange(o.sc_, kvm_detail::SlotCounters{});
     slot_mode_ = std::exchange(o.slot_mode_, false);
+    khat32_rows_ = std::exchange(o.khat32_rows_, 0);
     params_ = std::exchange(o.params_, kvm::Params{});
     shape_ = std::exchange(o.shape_, kvm::Shape{});
     cap_ = std::exchange(o.cap_, 0);
@@ -712,6 +710,8 @@ class KvmState {
     const kvm_detail::KvmWorkOffsets o = kvm_detail::work_offsets<S, A>(params_, shape_, rows);
     auto& d = dev_;
     sc_.plan = reinterpret_cast<kvm_detail::SlotPlan*>(ws + o.plan);
+    sc_.update_rows = reinterpret_cast<int*>(ws + o.update_rows);
+    sc_.key = reinterpret_cast<unsigned long long*>(ws + o.key);
     d.k0 = reinterpret_cast<A*>(ws + o.k0);
     d.k0t = reinterpret_cast<A*>(ws + o.k0t);
     d.kgt = reinterpret_cast<A*>(ws + o.kgt);
@@ -745,6 +745,7 @@ class KvmState {
   kvm_detail::DeviceState<S, A> dev_{};
   kvm_detail::SlotCounters sc_{};  // per-slot counters in device memory (kvm::step, slot operations)
   bool slot_mode_ = false;         // set by the first step or slot operation (slot_mode())
+  std::int64_t khat32_rows_ = 0;   // slots whose khat32 the next step rebuilds (after fixed-batch calls)
 };
 
 namespace kvm_detail {
@@ -1329,13 +1330,16 @@ struct SlotAccess {
     return Status::ok();
   }
 
-  // The first step or slot operation after fixed-batch calls gives every slot their shared counters.
+  // The first step or slot operation after fixed-batch calls gives every slot their shared counters,
+  // and the next step rebuilds khat32 (LN_s of the sums, which the step's update passes read) for
+  // those slots: the fixed-batch kernels round it their own way, or skip it (tensor-core routing).
   template <class S, class A>
   static Status enter_slot_mode(const Executor& exec, KvmState<S, A>& st) {
     if (st.slot_mode_) return Status::ok();
     if (st.n_ > 0) {
       slot_set_counters_kernel<<<1, 256, 0, exec.stream>>>(st.sc_, 0, st.shape_.B, st.n_, st.cov_, st.slots_);
       KVMEM_CUDA_RETURN_IF_LAUNCH_FAILED("kvm slot_set_counters_kernel");
+      st.khat32_rows_ = st.slots_;
     }
     st.slot_mode_ = true;
     return Status::ok();
@@ -1388,18 +1392,43 @@ struct SlotAccess {
     const std::int64_t C = p.chunk;
     // phases: a row of L tokens spans at most min(L, (L - 1) / C + 2) chunk segments, and L <= tokens
     const std::int64_t phases = tokens == 0 ? 1 : std::min(tokens, (tokens - 1) / C + 2);
-    const std::size_t update_bytes = slot_update_shared_bytes(C, sh.D);
     const SlotReadoutShape shape = slot_readout_shape(sh.Hq, sh.Hk, sh.Dv);
     const std::size_t readout_bytes = shape.shared_bytes(sh.D, sh.Dv);
     const auto readout = slot_readout_kernel_for<S, In, Out>(shape);
-    KVMEM_RETURN_IF_ERROR(allow_shared(slot_update_kernel<S>, update_bytes));
+    // the update's launches (kvm_slots.cuh): a block per item for prep and select, at most one per
+    // item of the step; a fixed grid of kSlotBlocksPerSm blocks per multiprocessor for the passes and
+    // the finish, whose blocks spread the updating items over themselves
+    const std::size_t select_bytes = slot_select_shared_bytes(C), pass_bytes = slot_pass_shared_bytes(C, sh.D),
+                      finish_bytes = slot_finish_shared_bytes(C);
+    const unsigned token_threads = slot_update_threads(C);
+    const auto item_grid = static_cast<unsigned>(std::min<std::int64_t>(R * sh.Hk, 4 * std::int64_t(st.sm_count_)));
+    const auto pass_grid = static_cast<unsigned>(kSlotBlocksPerSm * std::max(1, st.sm_count_));
+    const std::int64_t finish_ranges =
+        std::max<std::int64_t>(1, (st.cap_ - p.sink + kSlotPassThreads - 1) / kSlotPassThreads);
+    KVMEM_RETURN_IF_ERROR(allow_shared(slot_update_select_kernel<S>, select_bytes));
+    KVMEM_RETURN_IF_ERROR(allow_shared(slot_update_pass_kernel<S, false>, pass_bytes));
+    KVMEM_RETURN_IF_ERROR(allow_shared(slot_update_pass_kernel<S, true>, pass_bytes));
+    KVMEM_RETURN_IF_ERROR(allow_shared(slot_update_finish_kernel<S>, finish_bytes));
     KVMEM_RETURN_IF_ERROR(allow_shared(readout, readout_bytes));
+    if (st.khat32_rows_ > 0) {  // once, after fixed-batch calls (enter_slot_mode)
+      slot_khat32_kernel<S><<<static_cast<unsigned>(sh.B * sh.Hk), 128, 0, exec.stream>>>(d, st.khat32_rows_);
+      KVMEM_CUDA_RETURN_IF_LAUNCH_FAILED("kvm slot_khat32_kernel");
+      st.khat32_rows_ = 0;
+    }
     for (std::int64_t ph = 0; ph < phases; ++ph) {
       slot_plan_kernel<<<1, kPlanThreads, 0, exec.stream>>>(st.sc_, sr, tokens, C, p.window(), int(ph));
       KVMEM_CUDA_RETURN_IF_LAUNCH_FAILED("kvm slot_plan_kernel");
-      slot_update_kernel<S>
-          <<<static_cast<unsigned>(R * sh.Hk), slot_update_threads(C), update_bytes, exec.stream>>>(d, st.sc_, sr);
-      KVMEM_CUDA_RETURN_IF_LAUNCH_FAILED("kvm slot_update_kernel");
+      slot_update_prep_kernel<S><<<item_grid, token_threads, 0, exec.stream>>>(d, st.sc_, sr);
+      KVMEM_CUDA_RETURN_IF_LAUNCH_FAILED("kvm slot_update_prep_kernel");
+      slot_update_pass_kernel<S, false><<<pass_grid, kSlotPassThreads, pass_bytes, exec.stream>>>(d, st.sc_, sr);
+      KVMEM_CUDA_RETURN_IF_LAUNCH_FAILED("kvm slot_update_pass_kernel (novelty)");
+      slot_update_select_kernel<S><<<item_grid, token_threads, select_bytes, exec.stream>>>(d, st.sc_, sr);
+      KVMEM_CUDA_RETURN_IF_LAUNCH_FAILED("kvm slot_update_select_kernel");
+      slot_update_pass_kernel<S, true><<<pass_grid, kSlotPassThreads, pass_bytes, exec.stream>>>(d, st.sc_, sr);
+      KVMEM_CUDA_RETURN_IF_LAUNCH_FAILED("kvm slot_update_pass_kernel (routes)");
+      slot_update_finish_kernel<S>
+          <<<pass_grid, kSlotPassThreads, finish_bytes, exec.stream>>>(d, st.sc_, sr, finish_ranges);
+      KVMEM_CUDA_RETURN_IF_LAUNCH_FAILED("kvm slot_update_finish_kernel");
       if (tokens == 0) continue;
       slot_ingest_kernel<S, In><<<static_cast<unsigned>(tokens), kSlotIngestThreads, 0, exec.stream>>>(
           d, st.sc_, sr, k.data(), v.data(), gate.data());
@@ -1460,6 +1489,7 @@ struct SlotAccess {
       KVMEM_RETURN_IF_ERROR(copy_rows(d.sv, Hk * cap * sh.Dv, a, b, exec.stream));
       KVMEM_RETURN_IF_ERROR(copy_rows(d.rho, Hk * cap, a, b, exec.stream));
       KVMEM_RETURN_IF_ERROR(copy_rows(d.cnt, Hk * cap, a, b, exec.stream));
+      KVMEM_RETURN_IF_ERROR(copy_rows(d.khat32, Hk * cap * sh.D, a, b, exec.stream));
       KVMEM_RETURN_IF_ERROR(copy_rows(d.khat, Hk * cap * sh.D, a, b, exec.stream));
       KVMEM_RETURN_IF_ERROR(copy_rows(d.vhat, Hk * cap * sh.Dv, a, b, exec.stream));
       KVMEM_RETURN_IF_ERROR(copy_rows(d.wk, Hk * W * sh.D, a, b, exec.stream));
@@ -1644,57 +1674,86 @@ struct SlotAccess {
 // counters or host bytes and synchronise.
 namespace kvmem::kvm {
 
-template <class S, class A, class In, class Out>
-Status step(const cuda::Executor& exec, cuda::KvmState<S, A>& state, const cuda::KvmWeights& weights,
-            const Rows& rows,                 // slot [rows], query_start [rows + 1]  device
-            TensorView<const In, 3> q,        // [tokens,Hq,D]   device
-            TensorView<const In, 3> k,        // [tokens,Hk,D]   device
-            TensorView<const In, 3> v,        // [tokens,Hk,Dv]  device
-            TensorView<const In, 2> gate,     // [tokens,Hk]     device
-            TensorView<Out, 3> out,           // [tokens,Hq,Dv]  device
-            TensorView<float, 2> lse = {}) {  // [tokens,Hq]    device, or empty
-  return cuda::kvm_detail::SlotAccess::step(exec, state, weights, rows, q, k, v, gate, out, lse);
-}
+// The CUDA backend behind kvm::prefill / decode / step / reset_slots / copy_slots / export_slot /
+// import_slot / truncate / forward / can_run (kvm/attention.hpp): states are cuda::KvmState, weights
+// cuda::KvmWeights, and every view points to device memory except the byte records of
+// export_slot / import_slot (host). What this backend does not do is refused with kUnsupported: a
+// RouteLog on step (the fixed-batch calls keep one) and per-sequence lengths / active masks of the
+// fixed-batch calls (ragged and partial batches go through step).
+template <>
+struct Backend<cuda::Executor> {
+  template <class S, class A>
+  using state_type = cuda::KvmState<S, A>;
+  using weights_type = cuda::KvmWeights;
 
-template <class S, class A>
-Status reset_slots(const cuda::Executor& exec, cuda::KvmState<S, A>& state,
-                   TensorView<const std::int32_t, 1> slots) {  // [n] device
-  return cuda::kvm_detail::SlotAccess::reset_slots(exec, state, slots);
-}
+  static Status can_run(const Problem& problem) { return cuda::KvmState<>::can_run(problem); }
 
-template <class S, class A>
-Status copy_slots(const cuda::Executor& exec, cuda::KvmState<S, A>& state,
-                  TensorView<const std::int32_t, 1> src,    // [n] device
-                  TensorView<const std::int32_t, 1> dst) {  // [n] device
-  return cuda::kvm_detail::SlotAccess::copy_slots(exec, state, src, dst);
-}
+  template <class S, class A, class In, class Out>
+  static Status prefill(const cuda::Executor& exec, cuda::KvmState<S, A>& state, const cuda::KvmWeights& weights,
+                        TensorView<const In, 4> q, TensorView<const In, 4> k, TensorView<const In, 4> v,
+                        TensorView<const In, 3> gate, TensorView<Out, 4> out, const std::int64_t* lengths,
+                        RouteLog* log) {
+    if (lengths != nullptr)
+      return {StatusCode::kUnsupported,
+              "lengths / active: the CUDA fixed-batch prefill and decode advance every sequence together "
+              "(pass nullptr); ragged and partial batches go through kvm::step"};
+    return cuda::kvm_run(exec, state, weights, q, k, v, gate, out, log);
+  }
 
+  template <class S, class A, class In, class Out>
+  static Status step(const cuda::Executor& exec, cuda::KvmState<S, A>& state, const cuda::KvmWeights& weights,
+                     const Rows& rows, TensorView<const In, 3> q, TensorView<const In, 3> k, TensorView<const In, 3> v,
+                     TensorView<const In, 2> gate, TensorView<Out, 3> out, TensorView<float, 2> lse, RouteLog* log) {
+    if (log != nullptr) return no_route_log();
+    return cuda::kvm_detail::SlotAccess::step(exec, state, weights, rows, q, k, v, gate, out, lse);
+  }
+
+  template <class S, class A>
+  static Status reset_slots(const cuda::Executor& exec, cuda::KvmState<S, A>& state,
+                            TensorView<const std::int32_t, 1> slots) {
+    return cuda::kvm_detail::SlotAccess::reset_slots(exec, state, slots);
+  }
+
+  template <class S, class A>
+  static Status copy_slots(const cuda::Executor& exec, cuda::KvmState<S, A>& state,
+                           TensorView<const std::int32_t, 1> src, TensorView<const std::int32_t, 1> dst) {
+    return cuda::kvm_detail::SlotAccess::copy_slots(exec, state, src, dst);
+  }
+
+  template <class S, class A>
+  static Status export_slot(const cuda::Executor& exec, const cuda::KvmState<S, A>& state, std::int32_t slot,
+                            std::span<std::byte> bytes) {
+    return cuda::kvm_detail::SlotAccess::export_slot(exec, state, slot, bytes);
+  }
+
+  template <class S, class A>
+  static Status import_slot(const cuda::Executor& exec, cuda::KvmState<S, A>& state, const cuda::KvmWeights& weights,
+                            std::int32_t slot, std::span<const std::byte> bytes) {
+    return cuda::kvm_detail::SlotAccess::import_slot(exec, state, weights, slot, bytes);
+  }
+
+  template <class S, class A>
+  static Status truncate(const cuda::Executor& exec, cuda::KvmState<S, A>& state, std::int32_t slot, std::int64_t n) {
+    return cuda::kvm_detail::SlotAccess::truncate(exec, state, slot, n);
+  }
+
+ private:
+  static Status no_route_log() {
+    return {StatusCode::kUnsupported,
+            "log: the CUDA kvm::step keeps no RouteLog (pass nullptr; the fixed-batch prefill and decode keep one)"};
+  }
+};
+
+// Bytes of export_slot's record: of the state's largest possible slot, and of `slot` as it is now
+// (synchronises the default stream: reads the slot's counters).
 template <class S, class A>
 std::size_t export_bytes(const cuda::KvmState<S, A>& state) {
   return cuda::kvm_detail::SlotAccess::export_bytes(state);
 }
 
-// Synchronises the default stream (reads the slot's counters).
 template <class S, class A>
 std::size_t export_bytes(const cuda::KvmState<S, A>& state, std::int32_t slot) {
   return cuda::kvm_detail::SlotAccess::export_bytes(state, slot);
-}
-
-template <class S, class A>
-Status export_slot(const cuda::Executor& exec, const cuda::KvmState<S, A>& state, std::int32_t slot,
-                   std::span<std::byte> bytes) {  // host
-  return cuda::kvm_detail::SlotAccess::export_slot(exec, state, slot, bytes);
-}
-
-template <class S, class A>
-Status import_slot(const cuda::Executor& exec, cuda::KvmState<S, A>& state, const cuda::KvmWeights& weights,
-                   std::int32_t slot, std::span<const std::byte> bytes) {  // host
-  return cuda::kvm_detail::SlotAccess::import_slot(exec, state, weights, slot, bytes);
-}
-
-template <class S, class A>
-Status truncate(const cuda::Executor& exec, cuda::KvmState<S, A>& state, std::int32_t slot, std::int64_t n) {
-  return cuda::kvm_detail::SlotAccess::truncate(exec, state, slot, n);
 }
 
 }  // namespace kvmem::kvm

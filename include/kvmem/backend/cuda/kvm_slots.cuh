@@ -9,7 +9,8 @@
 //
 // where phase p runs the p-th chunk segment of every row (spec 4.7: at the first token of a new chunk
 // the pending update runs, then the segment enters the window ring, founding initial slots below
-// position C, then it attends). P bounds the segments of the longest possible row, from the packed
+// position C, then it attends), and the update is five launches spread over the whole GPU (see its
+// section below). P bounds the segments of the longest possible row, from the packed
 // token count alone; a row with fewer segments idles in the later phases.
 //
 // The state update mirrors the host backend's exact path operation by operation (kernel/kvm_state.hpp
@@ -24,6 +25,7 @@
 #include "kvmem/backend/cuda/vendor.cuh"
 
 #include <algorithm>
+#include <cmath>
 #include <cstddef>
 #include <cstdint>
 
@@ -62,6 +64,8 @@ struct SlotCounters {
   int* seen;                          // [B] stamp of the last step whose rows named the slot (duplicate check)
   int* status;                        // [4] error code, row, value, step stamp
   const std::int64_t* update_target;  // [updates]: budget target of update u (first token u C), spec 3.1
+  int* update_rows;                   // [rows + 1] (workspace): count, then the rows updating this phase
+  unsigned long long* key;            // [rows * Hk, C] (workspace): the update passes' merged keys
   std::int64_t B, n_ctx;
 };
 
@@ -117,13 +121,17 @@ __device__ inline float rn_norm2(const X* x, std::int64_t n) {
   return __fsqrt_rn(s);
 }
 
-// K^_j = LN_s(Sk_j) and V^_j of slot j of an item (spec 4.4 steps 1-2), one thread.
+// K^_j = LN_s(Sk_j) and V^_j of slot j of an item (spec 4.4 steps 1-2), one thread. K^_j is kept in
+// fp32 too (khat32: the update passes read it) and in the storage type (khat: the readout reads it).
 template <class S>
 __device__ inline void rn_refresh(const DeviceState<S, float>& st, std::int64_t item, std::int64_t j) {
   const std::int64_t D = st.D, Dv = st.Dv;
   const float* sk = st.sk + (item * st.cap + j) * D;
   const float* sv = st.sv + (item * st.cap + j) * Dv;
-  rn_layer_norm(sk, D, st.ln_w, st.ln_b, st.eps, st.khat + (item * st.cap + j) * D);
+  float* k32 = st.khat32 + (item * st.cap + j) * D;
+  rn_layer_norm(sk, D, st.ln_w, st.ln_b, st.eps, k32);
+  S* khat = st.khat + (item * st.cap + j) * D;
+  for (std::int64_t d = 0; d < D; ++d) khat[d] = store_as<S>(k32[d]);
   float f;
   if (st.value_radius) {
     float nrm = rn_norm2(sv, Dv);
@@ -171,8 +179,9 @@ inline constexpr int kPlanThreads = 256;
 __global__ void __launch_bounds__(kPlanThreads)
     slot_plan_kernel(SlotCounters sc, SlotRows rows, std::int64_t tokens, std::int64_t C, std::int64_t W, int phase) {
   __shared__ unsigned long long first_error;
-  __shared__ int refused;
+  __shared__ int refused, updating;
   const int tid = threadIdx.x;
+  if (tid == 0) updating = 0;
   if (phase == 0) {
     if (tid == 0) {
       first_error = ~0ull;
@@ -240,6 +249,7 @@ __global__ void __launch_bounds__(kPlanThreads)
     pl.wb = slot_bswa_begin(t0 + 1, C, W);
     std::int64_t cov = sc.cov[b], S = sc.slots[b];
     if (cov < pl.wb) {  // spec 4.5 with N = W + a, avail = a + C; the budget's target precomputed per update
+      sc.update_rows[1 + atomicAdd(&updating, 1)] = static_cast<int>(r);  // in any order: see the update
       pl.a = cov;
       pl.s_before = S;
       pl.n_app = imin(sc.update_target[cov / C] - S, C);
@@ -258,140 +268,381 @@ __global__ void __launch_bounds__(kPlanThreads)
     sc.cov[b] = cov;
     sc.slots[b] = S;
   }
+  __syncthreads();
+  if (tid == 0) sc.update_rows[0] = updating;
 }
 
-// ---- update (spec 4.5), one block per (row, KV head) -----------------------------------------------
+// ---- update (spec 4.5), spread over the GPU ------------------------------------------------------------
+//
+// An update compares each of the C tokens of an item (row, KV head) with every slot twice: novelty
+// against the S0 pre-update slots, routing against the S1 slots after the appends, C * S dots of D
+// channels a pass (about 94 M multiply-adds at 16 sqrt N and 32K tokens). A decoding row updates once
+// in C steps, so a step has few updating items, and one block per item would leave nearly all of the
+// GPU idle behind one long serial chain. The update of a phase therefore runs as five launches:
+//
+//   prep     a block per updating item, a thread per token: k0, kg, vg (step 1)
+//   novelty  a fixed grid over (item, range of slots): each token's best k0 . LN_s(Sk_j)  (step 2)
+//   select   a block per updating item: the appends by rank, in token order (steps 2-3)
+//   route    the fixed grid over (item, range of slots): each token's argmax kg . LN_s(Sk_j) (step 4)
+//   finish   the fixed grid over (item, range of slots): the scatter, then K^, V^ (steps 4, 4.4)
+//
+// Grid sizes depend only on the device's multiprocessor count, the row count and the state's shape (one
+// captured graph replays step after step); the plan lists the rows that update in this phase, and the
+// blocks spread that list's items over themselves, the passes cutting each item's slots into as many
+// ranges as keep every block busy.
+//
+// The passes read LN_s(Sk_j) from khat32 (fp32, written by rn_refresh and the appends with
+// rn_layer_norm) and compute every dot as rn_dot does, so each (token, slot) dot has the bits of the
+// host's exact path. Ranges meet through one 64-bit key per (item, token), merged with atomicMax: the
+// high half an order-preserving code of the dot, the low half ~j. A maximum does not depend on the
+// order in which blocks arrive (deterministic), and the keys keep the serial loops' rules exactly: the
+// novelty score is the largest dot (a NaN never wins), the route the smallest j of the largest dot (the
+// strict > of the serial loop keeps ties at the smaller j), and the first candidate, the sink slot, is
+// kept when its own dot is NaN (nothing compares greater than the serial loop's NaN best).
 
-inline constexpr int kSlotLnRows = 32;  // slots whose LN_s rows a block stages per tile
-
-inline std::size_t slot_update_shared_bytes(std::int64_t C, std::int64_t D) {
-  return std::size_t(C) * (sizeof(float) + sizeof(int)) + std::size_t(kSlotLnRows * D) * sizeof(float);
-}
+inline constexpr int kSlotPassThreads = 256;  // threads of a pass or finish block
+inline constexpr int kSlotPassTile = 32;      // slot rows of khat32 a pass block stages at a time
+inline constexpr int kSlotGroup = 8;          // slots a thread dots one token against at once (64 sums)
+inline constexpr int kSlotBlocksPerSm = 2;    // pass blocks a multiprocessor holds (registers: 64 sums)
 
 inline unsigned slot_update_threads(std::int64_t C) {
   return static_cast<unsigned>(std::max<std::int64_t>(64, (C + kWarpSize - 1) / kWarpSize * kWarpSize));
 }
 
-// Stages LN_s(Sk_j) of slots [j0, j0 + n) into rows (one thread a slot); the caller syncs around it.
-template <class S>
-__device__ inline void stage_ln_rows(const DeviceState<S, float>& st, std::int64_t item, std::int64_t j0,
-                                     std::int64_t n, float* rows) {
-  if (threadIdx.x < n)
-    rn_layer_norm(st.sk + (item * st.cap + j0 + threadIdx.x) * st.D, st.D, st.ln_w, st.ln_b, st.eps,
-                  rows + threadIdx.x * st.D);
+// Dynamic shared memory of the launches: select (score and target per token), a pass (a tile of
+// LN_s rows, a key and a skip flag per token), finish (target per token).
+inline std::size_t slot_select_shared_bytes(std::int64_t C) {
+  return std::size_t(C) * (sizeof(float) + sizeof(int));
+}
+inline std::size_t slot_pass_shared_bytes(std::int64_t C, std::int64_t D) {
+  return std::size_t(kSlotPassTile * D) * sizeof(float) + std::size_t(C) * (sizeof(unsigned long long) + sizeof(int));
+}
+inline std::size_t slot_finish_shared_bytes(std::int64_t C) {
+  return std::size_t(C) * sizeof(int);
 }
 
-// The update of the host's exact path (backend/host/kvm.hpp, Call::update) on the block's item: token
-// c is thread c (blockDim >= C; chunks up to 1024, the backend's limit). grid R * Hk, block slot_update_threads(C),
-// smem slot_update_shared_bytes.
+// Order-preserving code of a float that is not NaN: x < y iff code(x) < code(y); -0 and +0 share a code
+// (they compare equal). Every code is > 0 (-inf's is 0x007fffff), so 0 can mean "no dot yet". The key
+// functions are host-callable too, so a test checks the merge rules without a device.
+KVMEM_HOST_DEVICE inline std::uint32_t slot_order_code(float x) {
+  const std::uint32_t u = ::kvmem::detail::float_bits(x == 0.0f ? 0.0f : x);
+  return (u & 0x80000000u) != 0 ? ~u : (u | 0x80000000u);
+}
+KVMEM_HOST_DEVICE inline float slot_order_value(std::uint32_t code) {
+  return ::kvmem::detail::bits_float((code & 0x80000000u) != 0 ? (code & 0x7fffffffu) : ~code);
+}
+
+// Novelty key of a dot: its code (a NaN is never > the running best: no key).
+KVMEM_HOST_DEVICE inline unsigned long long slot_novelty_key(float s) {
+  return s != s ? 0ull : static_cast<unsigned long long>(slot_order_code(s)) << 32;
+}
+// The novelty score of a merged key: -inf when no slot gave one (the serial loop's start).
+KVMEM_HOST_DEVICE inline float slot_novelty_score(unsigned long long key) {
+  return key == 0 ? -INFINITY : slot_order_value(static_cast<std::uint32_t>(key >> 32));
+}
+
+// Route key of dot l with slot j: larger dots first, then smaller j. The first candidate is taken
+// whatever its dot, so its NaN outranks every dot; any other slot's NaN never wins.
+KVMEM_HOST_DEVICE inline unsigned long long slot_route_key(float l, std::int64_t j, bool first) {
+  const unsigned long long low = 0xffffffffull - static_cast<unsigned long long>(j);
+  if (l != l) return first ? (0xffffffffull << 32) | low : 0ull;
+  return (static_cast<unsigned long long>(slot_order_code(l)) << 32) | low;
+}
+KVMEM_HOST_DEVICE inline int slot_route_target(unsigned long long key) {
+  return static_cast<int>(0xffffffffull - (key & 0xffffffffull));
+}
+
+// One updating item of the phase: entry e of the plan's list of updating rows, KV head g.
+struct SlotUpdateItem {
+  std::int64_t item, work;  // (slot, head) of the state; (row, head) of the workspace
+  SlotPlan pl;
+};
+
 template <class S>
-__global__ void __launch_bounds__(1024) slot_update_kernel(DeviceState<S, float> st, SlotCounters sc, SlotRows rows) {
-  const std::int64_t r = blockIdx.x / st.Hk, g = blockIdx.x % st.Hk;
-  if (sc.status[0] != kStepOk) return;
-  const std::int32_t b = rows.slot[r];
-  if (b < 0) return;
-  const SlotPlan pl = sc.plan[b];
-  if (pl.t0 >= pl.t1 || pl.a < 0) return;
-  extern __shared__ float slot_smem[];
-  const std::int64_t C = st.C, D = st.D, Dv = st.Dv, W = st.W, cap = st.cap, item = std::int64_t(b) * st.Hk + g;
-  // the update scratch (k0, kg, vg) belongs to the work item (row r, head g), not to the slot: a step's
-  // workspace holds as many items as the step has rows
-  const std::int64_t work = std::int64_t(blockIdx.x);
-  float* score = slot_smem;
-  int* target = reinterpret_cast<int*>(score + C);
-  float* ln_rows = reinterpret_cast<float*>(target + C);
+__device__ inline SlotUpdateItem slot_update_item(const DeviceState<S, float>& st, const SlotCounters& sc,
+                                                  const SlotRows& rows, std::int64_t u) {
+  const std::int64_t e = u / st.Hk, g = u % st.Hk, r = sc.update_rows[1 + e], b = rows.slot[r];
+  return {b * st.Hk + g, r * st.Hk + g, sc.plan[b]};
+}
+
+// Items that update in this phase (0 when the step was refused).
+__device__ inline std::int64_t slot_update_items(const SlotCounters& sc, std::int64_t Hk) {
+  return sc.status[0] != kStepOk ? 0 : std::int64_t(sc.update_rows[0]) * Hk;
+}
+
+// Step 1 of the host's exact path (backend/host/kvm.hpp, Call::update): thread c computes k0, kg, vg of
+// token c, row-major for the appends and the scatter and transposed ([D, C]: the passes read a channel
+// of 32 tokens in one transaction), and clears its novelty key. grid min(R * Hk, ...), block
+// slot_update_threads(C).
+template <class S>
+__global__ void __launch_bounds__(1024)
+    slot_update_prep_kernel(DeviceState<S, float> st, SlotCounters sc, SlotRows rows) {
+  const std::int64_t items = slot_update_items(sc, st.Hk), C = st.C, D = st.D, Dv = st.Dv, W = st.W;
   const std::int64_t c = threadIdx.x;
-  const bool mine = c < C;
-  float* k0 = st.k0 + (work * C + c) * D;
-  float* kg = st.kg + (work * C + c) * D;
-  float* vg = st.vg + (work * C + c) * Dv;
-  const std::int64_t ring = (pl.a + c) % W;
-  const S* kr = st.wk + (item * W + ring) * D;
-  const S* vr = st.wv + (item * W + ring) * Dv;
-  // step 1: k0, kg, vg of token c
-  if (mine) {
-    const float gate = st.wg[item * W + ring];
+  if (c >= C) return;  // no barrier below
+  for (std::int64_t u = blockIdx.x; u < items; u += gridDim.x) {
+    const SlotUpdateItem it = slot_update_item(st, sc, rows, u);
+    float* k0 = st.k0 + (it.work * C + c) * D;
+    float* kg = st.kg + (it.work * C + c) * D;
+    float* vg = st.vg + (it.work * C + c) * Dv;
+    float* k0t = st.k0t + it.work * D * C + c;
+    float* kgt = st.kgt + it.work * D * C + c;
+    const std::int64_t ring = (it.pl.a + c) % W;
+    const S* kr = st.wk + (it.item * W + ring) * D;
+    const S* vr = st.wv + (it.item * W + ring) * Dv;
+    const float gate = st.wg[it.item * W + ring];
     for (std::int64_t d = 0; d < D; ++d) k0[d] = d < st.rope_dims ? 0.0f : rn_load(kr[d]);
     rn_layer_norm(k0, D, st.ln_w, st.ln_b, st.eps, k0);
-    for (std::int64_t d = 0; d < D; ++d) kg[d] = st.merge_gate_keys ? __fmul_rn(gate, k0[d]) : k0[d];
+    for (std::int64_t d = 0; d < D; ++d) {
+      const float x = k0[d], y = st.merge_gate_keys ? __fmul_rn(gate, x) : x;
+      kg[d] = y;
+      k0t[d * C] = x;
+      kgt[d * C] = y;
+    }
     for (std::int64_t d = 0; d < Dv; ++d)
       vg[d] = st.merge_gate_values ? __fmul_rn(gate, rn_load(vr[d])) : rn_load(vr[d]);
+    sc.key[it.work * C + c] = 0;
   }
-  const std::int64_t S0 = pl.s_before, S1 = pl.s_after, n_app = pl.n_app;
-  // step 2: novelty against the pre-update slots (sink included), appends by rank
-  if (n_app > 0) {
-    float best = -INFINITY;
-    for (std::int64_t j0 = 0; j0 < S0; j0 += kSlotLnRows) {
-      const std::int64_t n = imin(kSlotLnRows, S0 - j0);
-      __syncthreads();
-      stage_ln_rows(st, item, j0, n, ln_rows);
-      __syncthreads();
-      if (mine)
-        for (std::int64_t i = 0; i < n; ++i) {
-          const float s = rn_dot(ln_rows + i * D, k0, D);
-          if (s > best) best = s;
-        }
+}
+
+// The kSlotGroup dots of one token (channel d at x[d * ld]) with staged slot rows (rows[s * D + d]),
+// each rounded exactly as rn_dot(rows + s * D, x, D): eight partial sums, their pairwise tree, the tail.
+template <bool kVec>
+__device__ inline void slot_dot_group(const float* rows, std::int64_t D, const float* x, std::int64_t ld,
+                                      float (&out)[kSlotGroup]) {
+  float part[kSlotGroup][8];
+#pragma unroll
+  for (int s = 0; s < kSlotGroup; ++s)
+#pragma unroll
+    for (int l = 0; l < 8; ++l) part[s][l] = 0.0f;
+  std::int64_t i = 0;
+  for (; i + 8 <= D; i += 8) {
+    float xv[8];
+#pragma unroll
+    for (int l = 0; l < 8; ++l) xv[l] = __ldg(x + (i + l) * ld);
+#pragma unroll
+    for (int s = 0; s < kSlotGroup; ++s) {
+      const float* a = rows + s * D + i;
+      float av[8];
+      if constexpr (kVec) {  // 16-byte aligned: D % 4 == 0 and i % 8 == 0
+        const float4 lo = *reinterpret_cast<const float4*>(a), hi = *reinterpret_cast<const float4*>(a + 4);
+        av[0] = lo.x, av[1] = lo.y, av[2] = lo.z, av[3] = lo.w, av[4] = hi.x, av[5] = hi.y, av[6] = hi.z, av[7] = hi.w;
+      } else {
+#pragma unroll
+        for (int l = 0; l < 8; ++l) av[l] = a[l];
+      }
+#pragma unroll
+      for (int l = 0; l < 8; ++l) part[s][l] = __fadd_rn(part[s][l], __fmul_rn(av[l], xv[l]));
     }
-    if (mine) score[c] = best;
+  }
+#pragma unroll
+  for (int s = 0; s < kSlotGroup; ++s)
+    out[s] = __fadd_rn(__fadd_rn(__fadd_rn(part[s][0], part[s][1]), __fadd_rn(part[s][2], part[s][3])),
+                       __fadd_rn(__fadd_rn(part[s][4], part[s][5]), __fadd_rn(part[s][6], part[s][7])));
+  for (; i < D; ++i) {
+    const float xi = __ldg(x + i * ld);
+#pragma unroll
+    for (int s = 0; s < kSlotGroup; ++s) out[s] = __fadd_rn(out[s], __fmul_rn(rows[s * D + i], xi));
+  }
+}
+
+// The novelty pass (kRoute false: every token against slots [0, S0), where the item appends) or the
+// routing pass (kRoute true: tokens not appended against slots [sink, S1), where some token merges).
+// Unit u of the grid-stride loop is range u % ranges of item u / ranges; a range is whole tiles. Each
+// block merges its keys per token in shared memory, then into sc.key with one atomicMax per token.
+// grid kSlotBlocksPerSm * SMs, block kSlotPassThreads, smem slot_pass_shared_bytes.
+template <class S, bool kRoute>
+__global__ void __launch_bounds__(kSlotPassThreads, kSlotBlocksPerSm)
+    slot_update_pass_kernel(DeviceState<S, float> st, SlotCounters sc, SlotRows rows) {
+  const std::int64_t items = slot_update_items(sc, st.Hk);
+  if (items == 0) return;
+  extern __shared__ __align__(16) float slot_pass_smem[];
+  const std::int64_t C = st.C, D = st.D, ranges = imax(1, std::int64_t(gridDim.x) / items);
+  float* tile = slot_pass_smem;                                                  // [kSlotPassTile, D]
+  auto* best = reinterpret_cast<unsigned long long*>(tile + kSlotPassTile * D);  // [C]
+  int* skip = reinterpret_cast<int*>(best + C);                                  // [C]: appended tokens
+  for (std::int64_t u = blockIdx.x; u < items * ranges; u += gridDim.x) {
+    const SlotUpdateItem it = slot_update_item(st, sc, rows, u / ranges);
+    const bool runs = kRoute ? it.pl.n_app < C : it.pl.n_app > 0;
+    const std::int64_t jb = kRoute ? st.sink : 0, je = kRoute ? it.pl.s_after : it.pl.s_before;
+    const std::int64_t tiles = je > jb ? (je - jb + kSlotPassTile - 1) / kSlotPassTile : 0;
+    const std::int64_t per = (tiles + ranges - 1) / ranges * kSlotPassTile;
+    const std::int64_t lo = jb + (u % ranges) * per, hi = imin(je, lo + per);
+    if (!runs || lo >= hi) continue;  // the same for every thread of the block
+    __syncthreads();                  // the previous unit's last reads of best are done
+    for (std::int64_t c = threadIdx.x; c < C; c += blockDim.x) {
+      best[c] = 0;
+      skip[c] = kRoute && st.target[it.work * C + c] == -1;
+    }
+    const float* xt = (kRoute ? st.kgt : st.k0t) + it.work * D * C;
+    const float* k32 = st.khat32 + it.item * st.cap * D;
+    for (std::int64_t j0 = lo; j0 < hi; j0 += kSlotPassTile) {
+      const std::int64_t n = imin(kSlotPassTile, hi - j0), groups = (n + kSlotGroup - 1) / kSlotGroup;
+      __syncthreads();
+      if (D % 4 == 0) {  // rows j0 .. j0 + n are contiguous: 16-byte copies
+        const float4* from = reinterpret_cast<const float4*>(k32 + j0 * D);
+        for (std::int64_t e = threadIdx.x; e < n * D / 4; e += blockDim.x) reinterpret_cast<float4*>(tile)[e] = from[e];
+      } else {
+        for (std::int64_t e = threadIdx.x; e < n * D; e += blockDim.x) tile[e] = k32[j0 * D + e];
+      }
+      __syncthreads();
+      // a warp takes consecutive tokens of one group: the group's rows are read as broadcasts, the
+      // tokens' channels as one transaction each
+      for (std::int64_t p = threadIdx.x; p < C * groups; p += blockDim.x) {
+        const std::int64_t c = p % C, g0 = p / C * kSlotGroup;
+        if (kRoute && skip[c]) continue;
+        float dots[kSlotGroup];
+        if (D % 4 == 0)
+          slot_dot_group<true>(tile + g0 * D, D, xt + c, C, dots);
+        else
+          slot_dot_group<false>(tile + g0 * D, D, xt + c, C, dots);
+        unsigned long long key = 0;
+#pragma unroll
+        for (int s = 0; s < kSlotGroup; ++s) {
+          if (g0 + s >= n) break;
+          const std::int64_t j = j0 + g0 + s;
+          const unsigned long long k = kRoute ? slot_route_key(dots[s], j, j == st.sink) : slot_novelty_key(dots[s]);
+          if (k > key) key = k;
+        }
+        if (key != 0) atomicMax(&best[c], key);
+      }
+    }
     __syncthreads();
-    if (mine) {  // kernel::select_appends: rank in (score asc, index asc)
+    for (std::int64_t c = threadIdx.x; c < C; c += blockDim.x)
+      if (best[c] != 0) atomicMax(&sc.key[it.work * C + c], best[c]);
+  }
+}
+
+// Steps 2-3 from the merged novelty keys: thread c takes token c's score and rank (kernel::
+// select_appends: score asc, index asc; appended when rank < n_app), then the appends in increasing
+// token order, each with its LN_s row in khat32 for the routing pass; writes every token's target
+// (-1 appended, else 0) and clears its key for the routing pass. grid min(R * Hk, ...), block
+// slot_update_threads(C), smem slot_select_shared_bytes.
+template <class S>
+__global__ void __launch_bounds__(1024)
+    slot_update_select_kernel(DeviceState<S, float> st, SlotCounters sc, SlotRows rows) {
+  const std::int64_t items = slot_update_items(sc, st.Hk), C = st.C, D = st.D, Dv = st.Dv, W = st.W, cap = st.cap;
+  extern __shared__ float slot_smem[];
+  float* score = slot_smem;
+  int* target = reinterpret_cast<int*>(score + C);
+  const std::int64_t c = threadIdx.x;
+  const bool mine = c < C;
+  for (std::int64_t u = blockIdx.x; u < items; u += gridDim.x) {
+    const SlotUpdateItem it = slot_update_item(st, sc, rows, u);
+    const std::int64_t S0 = it.pl.s_before, n_app = it.pl.n_app;
+    __syncthreads();  // the previous item's reads of score and target are done
+    const float mine_score = mine && n_app > 0 ? slot_novelty_score(sc.key[it.work * C + c]) : 0.0f;
+    if (mine) score[c] = mine_score;
+    __syncthreads();
+    if (mine) {
       std::int64_t rank = 0;
-      for (std::int64_t j = 0; j < C; ++j) rank += (score[j] < best || (score[j] == best && j < c)) ? 1 : 0;
-      target[c] = rank < n_app ? -1 : 0;
-    }
-  } else if (mine) {
-    target[c] = 0;
-  }
-  __syncthreads();
-  // step 3: appends in increasing token order
-  if (mine && target[c] == -1) {
-    std::int64_t j = S0;
-    for (std::int64_t i = 0; i < c; ++i) j += target[i] == -1 ? 1 : 0;
-    float* sk = st.sk + (item * cap + j) * D;
-    float* sv = st.sv + (item * cap + j) * Dv;
-    for (std::int64_t d = 0; d < D; ++d) sk[d] = st.gate_appends ? kg[d] : k0[d];
-    for (std::int64_t d = 0; d < Dv; ++d) sv[d] = st.gate_appends ? vg[d] : rn_load(vr[d]);
-    st.rho[item * cap + j] = rn_norm2(sv, Dv);
-    st.cnt[item * cap + j] = 1.0f;
-  }
-  // step 4: routes against K^+ of the expanded state (ties keep the smaller j), then the scatter
-  if (n_app < C) {
-    float best = -INFINITY;
-    int to = mine ? target[c] : -1;
-    for (std::int64_t j0 = st.sink; j0 < S1; j0 += kSlotLnRows) {
-      const std::int64_t n = imin(kSlotLnRows, S1 - j0);
-      __syncthreads();
-      stage_ln_rows(st, item, j0, n, ln_rows);
-      __syncthreads();
-      if (mine && to != -1)
-        for (std::int64_t i = 0; i < n; ++i) {
-          const float l = rn_dot(ln_rows + i * D, kg, D);
-          if ((j0 == st.sink && i == 0) || l > best) {
-            best = l;
-            to = static_cast<int>(j0 + i);
-          }
-        }
+      if (n_app > 0)
+        for (std::int64_t j = 0; j < C; ++j)
+          rank += (score[j] < mine_score || (score[j] == mine_score && j < c)) ? 1 : 0;
+      target[c] = n_app > 0 && rank < n_app ? -1 : 0;
     }
     __syncthreads();
-    if (mine) target[c] = to;
-    __syncthreads();
-    for (std::int64_t j = st.sink + threadIdx.x; j < S1; j += blockDim.x) {  // kernel::scatter_into_slot
-      float* sk = st.sk + (item * cap + j) * D;
-      float* sv = st.sv + (item * cap + j) * Dv;
-      float cnt = st.cnt[item * cap + j];
-      for (std::int64_t i = 0; i < C; ++i) {
-        if (target[i] != j) continue;
+    if (!mine) continue;
+    if (target[c] == -1) {
+      std::int64_t j = S0;
+      for (std::int64_t i = 0; i < c; ++i) j += target[i] == -1 ? 1 : 0;
+      const float* k0 = st.k0 + (it.work * C + c) * D;
+      const float* kg = st.kg + (it.work * C + c) * D;
+      const float* vg = st.vg + (it.work * C + c) * Dv;
+      const S* vr = st.wv + (it.item * W + (it.pl.a + c) % W) * Dv;
+      float* sk = st.sk + (it.item * cap + j) * D;
+      float* sv = st.sv + (it.item * cap + j) * Dv;
+      for (std::int64_t d = 0; d < D; ++d) sk[d] = st.gate_appends ? kg[d] : k0[d];
+      for (std::int64_t d = 0; d < Dv; ++d) sv[d] = st.gate_appends ? vg[d] : rn_load(vr[d]);
+      st.rho[it.item * cap + j] = rn_norm2(sv, Dv);
+      st.cnt[it.item * cap + j] = 1.0f;
+      rn_layer_norm(sk, D, st.ln_w, st.ln_b, st.eps, st.khat32 + (it.item * cap + j) * D);
+    }
+    st.target[it.work * C + c] = target[c];
+    sc.key[it.work * C + c] = 0;
+  }
+}
+
+// kernel::scatter_into_slot for slot j with one warp: the tokens routed to j (target[i] == j), in
+// increasing token order, added to Sk_j and Sv_j, lanes over the channels (each channel's sum keeps
+// the token order), cnt_j counted in the same order. The warp finds the tokens a warp of targets a ballot.
+inline constexpr int kSlotScatterRegs = 8;  // channels a lane sums per sweep over the tokens
+
+template <class S>
+__device__ __forceinline__ void slot_scatter_warp(const DeviceState<S, float>& st, std::int64_t item, std::int64_t work,
+                                                  const int* target, std::int64_t j, int lane) {
+  const std::int64_t C = st.C, D = st.D, Dv = st.Dv, cap = st.cap;
+  float* sk = st.sk + (item * cap + j) * D;
+  float* sv = st.sv + (item * cap + j) * Dv;
+  float cnt = st.cnt[item * cap + j];
+  // channels [0, D) are Sk's, [D, D + Dv) Sv's
+  for (std::int64_t c0 = 0; c0 < D + Dv; c0 += kWarpSize * kSlotScatterRegs) {
+    float acc[kSlotScatterRegs];
+#pragma unroll
+    for (int e = 0; e < kSlotScatterRegs; ++e) {
+      const std::int64_t ch = c0 + lane + kWarpSize * e;
+      acc[e] = ch < D ? sk[ch] : ch < D + Dv ? sv[ch - D] : 0.0f;
+    }
+    for (std::int64_t i0 = 0; i0 < C; i0 += kWarpSize) {
+      LaneMask hits = warp_ballot(i0 + lane < C && target[i0 + lane] == j);
+      while (hits != 0) {  // in increasing token order
+        const std::int64_t i = i0 + mask_ffs(hits) - 1;
+        hits &= hits - 1;
         const float* kgi = st.kg + (work * C + i) * D;
         const float* vgi = st.vg + (work * C + i) * Dv;
-        for (std::int64_t d = 0; d < D; ++d) sk[d] = __fadd_rn(sk[d], kgi[d]);
-        for (std::int64_t d = 0; d < Dv; ++d) sv[d] = __fadd_rn(sv[d], vgi[d]);
-        cnt = __fadd_rn(cnt, 1.0f);
+#pragma unroll
+        for (int e = 0; e < kSlotScatterRegs; ++e) {
+          const std::int64_t ch = c0 + lane + kWarpSize * e;
+          if (ch < D)
+            acc[e] = __fadd_rn(acc[e], kgi[ch]);
+          else if (ch < D + Dv)
+            acc[e] = __fadd_rn(acc[e], vgi[ch - D]);
+        }
+        if (c0 == 0) cnt = __fadd_rn(cnt, 1.0f);
       }
-      st.cnt[item * cap + j] = cnt;
+    }
+#pragma unroll
+    for (int e = 0; e < kSlotScatterRegs; ++e) {
+      const std::int64_t ch = c0 + lane + kWarpSize * e;
+      if (ch < D)
+        sk[ch] = acc[e];
+      else if (ch < D + Dv)
+        sv[ch - D] = acc[e];
     }
   }
-  __syncthreads();
-  for (std::int64_t j = st.sink + threadIdx.x; j < S1; j += blockDim.x) rn_refresh(st, item, j);
+  if (lane == 0) st.cnt[item * cap + j] = cnt;
+}
+
+// Step 4's scatter where some token merges (a token's route decoded from its merged key; a warp a
+// slot), then K^, V^ of every slot from the sink on (rn_refresh, a thread a slot). Unit u is the range
+// u % ranges of blockDim slots of item u / ranges; ranges covers the capacity (state shape).
+// grid kSlotBlocksPerSm * SMs, block kSlotPassThreads, smem slot_finish_shared_bytes.
+template <class S>
+__global__ void __launch_bounds__(kSlotPassThreads)
+    slot_update_finish_kernel(DeviceState<S, float> st, SlotCounters sc, SlotRows rows, std::int64_t ranges) {
+  const std::int64_t items = slot_update_items(sc, st.Hk), C = st.C;
+  extern __shared__ int slot_finish_smem[];
+  int* target = slot_finish_smem;  // [C]
+  const int warp = threadIdx.x / kWarpSize, lane = threadIdx.x % kWarpSize, warps = blockDim.x / kWarpSize;
+  for (std::int64_t u = blockIdx.x; u < items * ranges; u += gridDim.x) {
+    const SlotUpdateItem it = slot_update_item(st, sc, rows, u / ranges);
+    const std::int64_t S1 = it.pl.s_after, first = st.sink + (u % ranges) * blockDim.x;
+    if (first >= S1) continue;  // the same for every thread of the block
+    const std::int64_t last = imin(S1, first + blockDim.x);
+    if (it.pl.n_app < C) {
+      __syncthreads();  // the previous unit's reads of target are done
+      // the route of each token not appended, from its merged key (none: no candidate slot)
+      for (std::int64_t i = threadIdx.x; i < C; i += blockDim.x) {
+        const unsigned long long key = sc.key[it.work * C + i];
+        target[i] = st.target[it.work * C + i] == -1 ? -1 : key == 0 ? 0 : slot_route_target(key);
+      }
+      __syncthreads();
+      for (std::int64_t j = first + warp; j < last; j += warps)
+        slot_scatter_warp(st, it.item, it.work, target, j, lane);
+      __syncthreads();  // the range's sums are final
+    }
+    if (first + threadIdx.x < last) rn_refresh(st, it.item, first + threadIdx.x);
+  }
 }
 
 // ---- ingest: the segment's tokens enter the ring; tokens below C found their slot ------------------
@@ -461,6 +712,41 @@ __device__ inline A slot_warp_sum(A x) {
   return x;
 }
 
+// Element i of a vector of storage values loaded as 32-bit words (little-endian: a word holds two 16-bit
+// values, low half first).
+template <class S>
+__device__ inline float slot_word_element(const unsigned* w, int i) {
+  if constexpr (sizeof(S) == 4)
+    return __uint_as_float(w[i]);
+  else
+    return rn_load(S::from_bits(static_cast<std::uint16_t>(w[i / 2] >> (16 * (i % 2)))));
+}
+
+// N consecutive storage values at p as floats, in 16-byte (or, for 8 bytes in all, 8-byte) loads; p
+// aligned to the load. A lane that reads a whole row this way moves it in a few transactions instead of
+// one per element.
+template <int N, class S>
+__device__ inline void slot_load_vec(const S* p, float (&x)[N]) {
+  static_assert(sizeof(S) == 2 || sizeof(S) == 4, "slot_load_vec: 16- or 32-bit storage");
+  constexpr int kBytes = N * int(sizeof(S));
+  static_assert(kBytes % 16 == 0 || kBytes == 8, "slot_load_vec: 8 bytes or whole 16-byte vectors");
+  if constexpr (kBytes == 8) {
+    const uint2 raw = *reinterpret_cast<const uint2*>(p);
+    const unsigned w[2] = {raw.x, raw.y};
+#pragma unroll
+    for (int i = 0; i < N; ++i) x[i] = slot_word_element<S>(w, i);
+  } else {
+    constexpr int kPer = 16 / int(sizeof(S));
+#pragma unroll
+    for (int v = 0; v < N / kPer; ++v) {
+      const uint4 raw = reinterpret_cast<const uint4*>(p)[v];
+      const unsigned w[4] = {raw.x, raw.y, raw.z, raw.w};
+#pragma unroll
+      for (int i = 0; i < kPer; ++i) x[v * kPer + i] = slot_word_element<S>(w, i);
+    }
+  }
+}
+
 // The readout's launch shape, from the state's shape alone: kRep query heads of one KV head per block
 // (every key row is read once for all of them), kRegs value channels per lane.
 struct SlotReadoutShape {
@@ -482,10 +768,10 @@ inline SlotReadoutShape slot_readout_shape(std::int64_t Hq, std::int64_t Hk, std
 
 // Rows (token, h) for the kRep query heads h of block (token, group) over the slots (when wb > 0) and the
 // causal window [wb, t] in the ring, one online softmax per head: warp w takes keys [kWarpSize (w + 4 i), ...),
-// lane l a key's logits and value channels l + kWarpSize e; the four warps merge in a fixed order
-// (deterministic). A padding row's out and lse are zeroed (zero_padding: the first phase).
-// grid (tokens, Hq / kRep), block kWarpSize * kSlotReadoutWarps, smem SlotReadoutShape::shared_bytes.
-// q [tokens,Hq,D], out [tokens,Hq,Dv], lse [tokens,Hq] or nullptr.
+// lane l a key's logits (its key row read in 16-byte vectors) and value channels l kRegs + e (or l + kWarpSize e
+// when Dv is not a multiple of kRegs); the four warps merge in a fixed order (deterministic). A padding row's out and
+// lse are zeroed (zero_padding: the first phase). grid (tokens, Hq / kRep), block kWarpSize * kSlotReadoutWarps, smem
+// SlotReadoutShape::shared_bytes. q [tokens,Hq,D], out [tokens,Hq,Dv], lse [tokens,Hq] or nullptr.
 template <class S, class In, class Out, int kRep, int kRegs>
 __global__ void __launch_bounds__(kWarpSize* kSlotReadoutWarps)
     slot_readout_kernel(DeviceState<S, float> st, SlotCounters sc, SlotRows rows, const In* q, Out* out, float* lse,
@@ -524,6 +810,9 @@ __global__ void __launch_bounds__(kWarpSize* kSlotReadoutWarps)
   const S* wk = st.wk + item * W * D;
   const S* wv = st.wv + item * W * Dv;
   const int warp = threadIdx.x / kWarpSize, lane = threadIdx.x % kWarpSize;
+  // lane l holds value channels l kRegs .. l kRegs + kRegs - 1 (one vector load a key) when they split
+  // evenly, else channels l + kWarpSize e
+  const bool vec_v = Dv % kRegs == 0;
   float m[kRep], l[kRep], acc[kRep][kRegs];
 #pragma unroll
   for (int h = 0; h < kRep; ++h) {
@@ -541,10 +830,22 @@ __global__ void __launch_bounds__(kWarpSize* kSlotReadoutWarps)
       const bool slot = key < n_s;
       const S* kr = slot ? khat + key * D : wk + ((pl.wb + key - n_s) % W) * D;
       float dot[kRep] = {};
-      for (std::int64_t d = 0; d < D; ++d) {
-        const float x = rn_load(kr[d]);
+      if (D % 8 == 0) {  // the same products in the same order, the row read in vectors of 8 channels
+#pragma unroll 4
+        for (std::int64_t d = 0; d < D; d += 8) {
+          float x[8];
+          slot_load_vec<8>(kr + d, x);
 #pragma unroll
-        for (int h = 0; h < kRep; ++h) dot[h] = fmaf(qs[h * D + d], x, dot[h]);
+          for (int c = 0; c < 8; ++c)
+#pragma unroll
+            for (int h = 0; h < kRep; ++h) dot[h] = fmaf(qs[h * D + d + c], x[c], dot[h]);
+        }
+      } else {
+        for (std::int64_t d = 0; d < D; ++d) {
+          const float x = rn_load(kr[d]);
+#pragma unroll
+          for (int h = 0; h < kRep; ++h) dot[h] = fmaf(qs[h * D + d], x, dot[h]);
+        }
       }
 #pragma unroll
       for (int h = 0; h < kRep; ++h) p[h] = (slot ? ls_s[h] : ls_w[h]) * dot[h];  // the logit, for now
@@ -559,18 +860,36 @@ __global__ void __launch_bounds__(kWarpSize* kSlotReadoutWarps)
       for (int e = 0; e < kRegs; ++e) acc[h][e] *= keep;
       m[h] = m_new;
     }
+    // the values of the round's keys, kBatch rows loaded before they are used (loads in flight), each
+    // channel still accumulated in increasing key order
+    constexpr int kBatch = 32 / kRegs;  // value rows in registers: 32 floats a lane
     const std::int64_t count = imin(kWarpSize, n_keys - base);
-    for (std::int64_t i = 0; i < count; ++i) {
-      const std::int64_t kk = base + i;
-      const S* vr = kk < n_s ? vhat + kk * Dv : wv + ((pl.wb + kk - n_s) % W) * Dv;
-      float x[kRegs];
+    for (std::int64_t i0 = 0; i0 < count; i0 += kBatch) {
+      float x[kBatch][kRegs];
 #pragma unroll
-      for (int e = 0; e < kRegs; ++e) x[e] = lane + kWarpSize * e < Dv ? rn_load(vr[lane + kWarpSize * e]) : 0.0f;
+      for (int u = 0; u < kBatch; ++u) {
+        const std::int64_t kk = base + i0 + u;
 #pragma unroll
-      for (int h = 0; h < kRep; ++h) {
-        const float pi = warp_shfl(p[h], static_cast<int>(i));
+        for (int e = 0; e < kRegs; ++e) x[u][e] = 0.0f;
+        if (i0 + u >= count) continue;
+        const S* vr = kk < n_s ? vhat + kk * Dv : wv + ((pl.wb + kk - n_s) % W) * Dv;
+        if (vec_v) {
+          if (lane * kRegs < Dv) slot_load_vec<kRegs>(vr + lane * kRegs, x[u]);
+        } else {
 #pragma unroll
-        for (int e = 0; e < kRegs; ++e) acc[h][e] = fmaf(pi, x[e], acc[h][e]);
+          for (int e = 0; e < kRegs; ++e)
+            if (lane + kWarpSize * e < Dv) x[u][e] = rn_load(vr[lane + kWarpSize * e]);
+        }
+      }
+#pragma unroll
+      for (int u = 0; u < kBatch; ++u) {
+        if (i0 + u >= count) break;  // the same for every lane
+#pragma unroll
+        for (int h = 0; h < kRep; ++h) {
+          const float pi = warp_shfl(p[h], static_cast<int>(i0 + u));
+#pragma unroll
+          for (int e = 0; e < kRegs; ++e) acc[h][e] = fmaf(pi, x[u][e], acc[h][e]);
+        }
       }
     }
   }
@@ -582,8 +901,10 @@ __global__ void __launch_bounds__(kWarpSize* kSlotReadoutWarps)
       mine[1] = l[h];
     }
 #pragma unroll
-    for (int e = 0; e < kRegs; ++e)
-      if (lane + kWarpSize * e < Dv) mine[2 + lane + kWarpSize * e] = acc[h][e];
+    for (int e = 0; e < kRegs; ++e) {
+      const std::int64_t ch = vec_v ? lane * kRegs + e : lane + kWarpSize * e;
+      if (ch < Dv) mine[2 + ch] = acc[h][e];
+    }
   }
   __syncthreads();
   for (int h = 0; h < kRep; ++h) {
@@ -639,6 +960,16 @@ __global__ void slot_set_counters_kernel(SlotCounters sc, std::int64_t first, st
     sc.cov[first + i] = cov;
     sc.slots[first + i] = slots;
   }
+}
+
+// LN_s(Sk_j) into khat32 for slots [0, count) of every item (the first step after fixed-batch calls,
+// whose kernels keep khat32 in their own rounding or not at all). grid items, block 128.
+template <class S>
+__global__ void slot_khat32_kernel(DeviceState<S, float> st, std::int64_t count) {
+  const std::int64_t item = blockIdx.x;
+  for (std::int64_t j = threadIdx.x; j < count; j += blockDim.x)
+    rn_layer_norm(st.sk + (item * st.cap + j) * st.D, st.D, st.ln_w, st.ln_b, st.eps,
+                  st.khat32 + (item * st.cap + j) * st.D);
 }
 
 // K^, V^ of slots [0, count) of slot b's items (import_slot). grid Hk, block 128.

@@ -2,18 +2,21 @@
 #pragma once
 // Universal Attention on the CUDA backend (spec UA.md).
 //
-//   kvmem::cuda::UaCache<S>          the pruned cache in device memory (owning, allocated once):
-//                                    max_slots() = CacheShape::batch sequence slots; per (slot, kv head)
-//                                    a variable-length list of (key, value, λ, z_k, position) rows in
-//                                    ascending position, a length and an absolute position counter, and
-//                                    per slot an overflow flag, all on the device;
+//   kvmem::cuda::UaCache<S>          the pruned cache in device memory, owning (create) or placed over
+//                                    caller memory (place, attach_workspace): max_slots() =
+//                                    CacheShape::batch sequence slots; per (slot, kv head) a
+//                                    variable-length list of (key, value, λ, z_k, position) rows in
+//                                    ascending position, kept in pages of the host's page layout (one
+//                                    pool, a page table per (slot, kv head), a free list), a length and
+//                                    an absolute position counter, and per slot an overflow flag, all on
+//                                    the device;
 //   kvmem::ua::step<Set>(exec, cache, rows, in, opt, out, lse)  a ragged batch of slots (DESIGN.md 3):
 //                                    the host ua::step's arguments, packed token-major, in device memory
 //   kvmem::ua::reset_slots / copy_slots / export_bytes / export_slot / import_slot / truncate
 //                                    the host's slot operations (ua/slots.hpp) for this cache
 //   kvmem::cuda::ua_prefill<Set>(exec, cache, in, opt, out)   every slot: chunked prefill with pruning (4.5)
 //   kvmem::cuda::ua_decode<Set>(exec, cache, in1, opt, out1)  every slot: one self-pruning decode step
-//   kvmem::cuda::ua_forward<Set>(exec, in, out, lse, lambda_last)  dense UA without a cache
+//   kvmem::cuda::ua_forward<Set>(exec, [scratch,] in, out, lse, lambda_last)  dense UA (p = 0)
 // Inputs live in device memory: q, k, v (and the optional output-gate logits z_o) in the storage type S
 // (float, bf16 or fp16), the gate logits z_k, z_q in fp32; outputs are fp32. λ and the decay sums are
 // fp32 throughout. Results are deterministic: partials of the entry splits are merged in split order,
@@ -23,19 +26,31 @@
 // room check that flags a full slot and skips its row while the others step on, λ update, append,
 // eviction, compaction), and its launches and grids depend only on the row count, the token count and
 // the cache: no allocation, no host synchronisation and no host state, so one CUDA graph captured for a
-// padded batch replays step after step. The slot operations check their device slot lists on the host
-// (one synchronisation each) so that a bad index returns a Status before anything changes; records are
-// the host's UA record, so a slot moves between backends.
+// padded batch replays step after step. Pages (docs/memory.md): step_begin_kernel takes, for every row
+// that runs, the pages of its slot's kept + tokens rows per kv head before any other kernel of the step
+// (a decode row: at most one page, as the host takes it; a prefill row: its worst case before eviction,
+// where the host takes them chunk by chunk); a dry pool flags that slot, returns its pages and skips its
+// row while the others run; the end of each row's work returns the pages past its survivors. The slot
+// operations check their device slot lists on the host (one synchronisation each) so that a bad index
+// returns a Status before anything changes, and copy_slots reads the pool's answer back the same way;
+// records are the host's UA record, so a slot moves between backends.
 //
 // The fixed-batch calls (ua_prefill, ua_decode) advance every slot by the call's T. They keep a host
 // bound on the cache length: when it says a call might not fit (longest + T > capacity), the call first
 // reads the true lengths back (one synchronisation) and refuses the call if one item lacks room. A step
 // leaves the bound unknown, so the next fixed-batch call reads the lengths back; a captured ua_decode
-// replays without advancing the bound, so engines capture ua::step instead. UaCache::create and
-// ua_forward allocate and synchronise; the accessors position, positions, lengths, download, overflowed
-// and step_status read the device.
-// A prefill with p = 0 (nothing is evicted) in bf16 with D in {64, 80, 128} and r in {4, 8} runs every row
-// of the call in one pipelined tensor-core launch (ua_dense_tc.cuh); every other prefill, and every
+// replays without advancing the bound, so engines capture ua::step instead. With a shared pool they take
+// their pages like a step (batch_reserve_kernel): a sequence whose slot finds the pool dry is skipped, its
+// outputs zeroed; over items that own their pages (pool_pages = 0) every sequence runs and the kernels
+// count the pages themselves.
+// UaCache::create and place allocate the cache's mapped counter block and wait for their initialisation
+// (their own stream, not the device); ua_forward without a scratch cache allocates one and synchronises;
+// the accessors position, positions, lengths, pages, download, overflowed and step_status read the
+// device and synchronise. The occupancy accessors (free_pages, pages_in_use, pages_taken,
+// pages_returned) read the mapped block and never synchronise.
+// A prefill with p = 0 (nothing is evicted) in bf16 with D in {64, 80, 128} and r in {4, 8} on a cache with
+// pool_pages = 0 (contiguous items) runs every row of the call in one pipelined tensor-core launch
+// (ua_dense_tc.cuh); every other prefill, and every
 // prefill row of a step, runs chunk by chunk (ua_kernels.cuh, ua_attend_tc.cuh).
 //
 // Shapes and options are validated (messages name the argument); values (NaN/Inf) are the caller's
@@ -71,10 +86,10 @@ namespace kvmem::cuda {
 template <class S>
 using UaInputs = ua::InputsOf<S>;
 
-// Sizes of the per-call scratch a cache owns next to its rows: B*G*max_splits*r*max_prefill_chunk*(D+2)
+// Sizes of the per-step workspace (UaCache::workspace_bytes): B*G*max_splits*r*max_prefill_chunk*(D+2)
 // floats of split partials (134 MB at B8 G4 r4 D128 with the defaults) and B*G*max_prefill_chunk λ,
-// plus 8 bytes per cache row (B*G*capacity) for the dense tensor-core prefill's λ hand-off; and from
-// which call length the dense prefill takes its kernel with the skip past the decay's reach.
+// plus, with pool_pages = 0, 8 bytes per cache row for the dense tensor-core prefill's λ hand-off; and
+// from which call length the dense prefill takes its kernel with the skip past the decay's reach.
 struct UaCacheLimits {
   std::int64_t max_prefill_chunk = 128;  // largest Options::prefill_chunk a prefill may use (<= 1024)
   int max_splits = 16;                   // entry splits per (sequence, kv head): parallelism of a call
@@ -95,8 +110,132 @@ struct UaCacheLimits {
 
 namespace ua_detail {
 struct SlotAccess;
+
+// Alignment of placed cache and workspace memory and of every array carved from them: cudaMalloc's.
+inline constexpr std::size_t kUaAlign = 256;
+
+// Where the arrays of a cache live in its memory: first the host's layout of the same CacheShape
+// (ua::cache_detail::offsets: the pool's keys, values, λ, key-gate logits and positions, the page
+// tables, the pages held and the length of every (slot, kv head), the free list and the pool
+// counters), then the device's own bookkeeping.
+struct UaCacheOffsets {
+  ua::cache_detail::Offsets host;
+  std::size_t counter, done, next_length, batch_done, go, first, overflow, error, prefill, report, bytes;
+};
+template <class S>
+UaCacheOffsets cache_offsets(const ua::CacheShape& s) {
+  const auto I = std::size_t(s.batch * s.kv_heads), B = std::size_t(s.batch);
+  UaCacheOffsets o{};
+  o.host = ua::cache_detail::offsets<S>(s);
+  ArenaLayout a(kUaAlign);
+  a.take(o.host.total);
+  o.counter = a.take(I * sizeof(std::int64_t));      // [I] positions (every kv head of a slot alike)
+  o.done = a.take(I * sizeof(int));                  // [I] decode tickets
+  o.next_length = a.take(I * sizeof(std::int64_t));  // [I]
+  o.batch_done = a.take(sizeof(int));                // a fixed-batch decode's finished items
+  o.go = a.take(B * sizeof(int));                    // [B] per step: the slot's row runs
+  o.first = a.take(B * sizeof(int));                 // [B] per step: the rows' check
+  o.overflow = a.take(B * sizeof(int));              // [B] sticky overflow flags
+  o.error = a.take(4 * sizeof(int));                 // the last refused step's check
+  o.prefill = a.take((B + 1) * sizeof(int));         // [B + 1] a step's prefill rows and their count
+  o.report = a.take(4 * sizeof(std::int64_t));       // copy / import page checks
+  o.bytes = a.total();
+  return o;
+}
+
+// The per-step workspace: split partials and the new keys' λ of a prefill chunk for every (slot, kv
+// head) (the kernels index them by cache item), and with pool_pages = 0 the dense prefill's λ
+// hand-off words (8 bytes per cache row).
+struct UaWorkOffsets {
+  std::size_t part_ml, part_acc, lambda_new, dense_sync, bytes;
+};
+inline std::int64_t item_stride(const ua::CacheShape& s) {
+  return s.pages_per_item() * s.page_rows;
+}
+inline UaWorkOffsets work_offsets(const ua::CacheShape& s, const UaCacheLimits& limits) {
+  const auto I = std::size_t(s.batch * s.kv_heads), D = std::size_t(s.head_dim);
+  const auto r = std::size_t(s.query_heads / s.kv_heads), P = std::size_t(limits.max_prefill_chunk),
+             splits = std::size_t(limits.max_splits);
+  ArenaLayout a(kUaAlign);
+  UaWorkOffsets o{};
+  o.part_ml = a.take(I * splits * r * P * 2 * sizeof(float));
+  o.part_acc = a.take(I * splits * r * P * D * sizeof(float));
+  o.lambda_new = a.take(I * P * sizeof(float));
+  o.dense_sync =
+      a.take(s.pool_pages == 0 ? std::size_t(dense_sync_bytes(std::int64_t(I), item_stride(s))) : std::size_t(0));
+  o.bytes = a.total();
+  return o;
+}
+
+inline Status check_device_memory(const void* memory, std::size_t bytes, std::size_t need, const char* what) {
+  if (memory == nullptr) return invalid_argument(what, "a non-null device pointer", "nullptr");
+  if (reinterpret_cast<std::uintptr_t>(memory) % kUaAlign != 0)
+    return invalid_argument(what, std::to_string(kUaAlign) + "-byte alignment", "a misaligned pointer");
+  if (bytes < need) return invalid_argument(std::string(what) + " bytes", ">= " + std::to_string(need), bytes);
+  return Status::ok();
+}
+
+// A small pinned host block mapped into the device's address space (cudaHostAllocMapped): publish_kernel
+// stores the pool counters there, the host reads them without a synchronisation. Owned; freed on
+// destruction.
+class MappedCounters {
+ public:
+  MappedCounters() = default;
+  MappedCounters(const MappedCounters&) = delete;
+  MappedCounters& operator=(const MappedCounters&) = delete;
+  MappedCounters(MappedCounters&& o) noexcept
+      : host_(std::exchange(o.host_, nullptr)), device_(std::exchange(o.device_, nullptr)) {}
+  MappedCounters& operator=(MappedCounters&& o) noexcept {
+    if (this != &o) {
+      release();
+      host_ = std::exchange(o.host_, nullptr);
+      device_ = std::exchange(o.device_, nullptr);
+    }
+    return *this;
+  }
+  ~MappedCounters() { release(); }
+  static Status allocate(MappedCounters& out) {
+    MappedCounters m;
+    void* h = nullptr;
+    KVMEM_RETURN_IF_ERROR(
+        to_status(cudaHostAlloc(&h, 4 * sizeof(std::int64_t), cudaHostAllocMapped), "cudaHostAlloc (pool counters)"));
+    m.host_ = static_cast<std::int64_t*>(h);
+    void* d = nullptr;
+    KVMEM_RETURN_IF_ERROR(to_status(cudaHostGetDevicePointer(&d, h, 0), "cudaHostGetDevicePointer (pool counters)"));
+    m.device_ = static_cast<std::int64_t*>(d);
+    out = std::move(m);
+    return Status::ok();
+  }
+  // The value the kernels stored last (a plain load of host memory the device writes).
+  [[nodiscard]] std::int64_t read(int i) const {
+    return host_ != nullptr ? static_cast<const volatile std::int64_t*>(host_)[i] : 0;
+  }
+  [[nodiscard]] std::int64_t* device() const { return device_; }
+
+ private:
+  void release() {
+    if (host_ != nullptr) (void)cudaFreeHost(host_);
+    host_ = nullptr;
+    device_ = nullptr;
+  }
+  std::int64_t* host_ = nullptr;
+  std::int64_t* device_ = nullptr;
+};
+// The pool counters into the cache's mapped block after an operation's kernels (occupancy reads).
+template <class S>
+Status publish(const DeviceCache<S>& d, cudaStream_t stream) {
+  publish_kernel<><<<1, 1, 0, stream>>>(d.pool);
+  return to_status(cudaGetLastError(), "ua publish_kernel");
+}
 }  // namespace ua_detail
 
+// The UA cache on the device (DESIGN.md 3, docs/memory.md): the host PrunedCache's page layout for the
+// same CacheShape, in device memory, followed by the device's bookkeeping (cache_layout, cache_bytes),
+// and a per-step workspace (workspace_bytes). Owning (create: one cudaMalloc holding both) or placed
+// over caller device memory (place, then attach_workspace). create and place allocate the cache's
+// mapped counter block and initialise the cache on a stream of their own, waiting for that work only
+// (no device synchronisation). No operation allocates or creates streams or events; the steps and the
+// fixed-batch calls do not synchronise with the host.
 template <class S = float>
 class UaCache {
   static_assert(std::is_same_v<S, float> || std::is_same_v<S, bf16> || std::is_same_v<S, fp16>,
@@ -104,6 +243,7 @@ class UaCache {
 
  public:
   using storage_type = S;
+  static constexpr std::size_t kAlign = ua_detail::kUaAlign;
 
   UaCache() = default;
   UaCache(const UaCache&) = delete;
@@ -120,7 +260,8 @@ class UaCache {
     return *this;
   }
 
-  static Status create(const ua::CacheShape& s, UaCache& out, UaCacheLimits limits = {}) {
+  // Whether the CUDA backend runs a cache of this shape with these limits: ok, or why not.
+  static Status can_run(const ua::CacheShape& s, const UaCacheLimits& limits = {}) {
     KVMEM_RETURN_IF_ERROR(ua::PrunedCache<float>::validate_shape(s));
     if (limits.max_prefill_chunk <= 0 || limits.max_prefill_chunk > 1024)
       return invalid_argument("UaCacheLimits max_prefill_chunk", "1..1024", limits.max_prefill_chunk);
@@ -132,73 +273,110 @@ class UaCache {
       return invalid_argument("UaCacheLimits dense_item_group", ">= 0", limits.dense_item_group);
     if (s.head_dim > 256)
       return {StatusCode::kUnsupported, "cuda UA: head_dim must be <= 256, got " + std::to_string(s.head_dim)};
+    return Status::ok();
+  }
+  // Persistent bytes of a cache of shape s (ua::cache_layout's fields; `bytes` adds the device's
+  // bookkeeping to the host layout, `alignment` is kAlign). All zero when s is invalid.
+  static ua::CacheLayout cache_layout(const ua::CacheShape& s) {
+    ua::CacheLayout l = ua::cache_layout<S>(s);
+    if (l.bytes == 0) return {};
+    l.item_bytes += 2 * sizeof(std::int64_t) + sizeof(int);  // position, next length, decode ticket
+    l.slot_bytes += 3 * sizeof(int);                         // go, first, overflow flag
+    l.bytes = ua_detail::cache_offsets<S>(s).bytes;
+    l.alignment = kAlign;
+    return l;
+  }
+  static std::size_t cache_bytes(const ua::CacheShape& s) { return cache_layout(s).bytes; }
+  // Workspace bytes of the steps and fixed-batch calls. The kernels index their scratch by cache item,
+  // so a workspace serves every slot: limits.max_rows and max_tokens do not change it (the common shape
+  // of the API). 0 when s or the limits are invalid.
+  static std::size_t workspace_bytes(const ua::CacheShape& s, const Limits& limits = {},
+                                     const UaCacheLimits& tuning = {}) {
+    if (!can_run(s, tuning).is_ok() || limits.max_rows < 0) return 0;
+    return ua_detail::work_offsets(s, tuning).bytes;
+  }
+  // What create allocates: the cache, then its workspace.
+  static std::size_t bytes_required(const ua::CacheShape& s, const UaCacheLimits& tuning = {}) {
+    if (!can_run(s, tuning).is_ok()) return 0;
+    return cache_bytes(s) + workspace_bytes(s, {}, tuning);
+  }
+
+  // Owning cache: one device allocation of bytes_required (cache, then workspace).
+  static Status create(const ua::CacheShape& s, UaCache& out, UaCacheLimits limits = {}) {
+    KVMEM_RETURN_IF_ERROR(can_run(s, limits));
     UaCache c;
-    c.shape_ = s;
-    c.limits_ = limits;
-    const auto I = std::size_t(s.batch * s.kv_heads), cap = std::size_t(s.capacity), D = std::size_t(s.head_dim);
-    const auto r = std::size_t(s.query_heads / s.kv_heads), P = std::size_t(limits.max_prefill_chunk),
-               splits = std::size_t(limits.max_splits);
-    ArenaLayout arena(256);
-    const std::size_t o_keys = arena.take(I * cap * D * sizeof(S)), o_values = arena.take(I * cap * D * sizeof(S)),
-                      o_lambda = arena.take(I * cap * sizeof(float)), o_logit = arena.take(I * cap * sizeof(float)),
-                      o_pos = arena.take(I * cap * sizeof(std::int64_t)), o_len = arena.take(I * sizeof(std::int64_t)),
-                      o_counter = arena.take(I * sizeof(std::int64_t)), o_done = arena.take(I * sizeof(int)),
-                      o_next = arena.take(I * sizeof(std::int64_t)),
-                      o_ml = arena.take(I * splits * r * P * 2 * sizeof(float)),
-                      o_acc = arena.take(I * splits * r * P * D * sizeof(float)),
-                      o_new = arena.take(I * P * sizeof(float)),
-                      o_sync = arena.take(std::size_t(ua_detail::dense_sync_bytes(std::int64_t(I), s.capacity))),
-                      o_go = arena.take(std::size_t(s.batch) * sizeof(int)),
-                      o_first = arena.take(std::size_t(s.batch) * sizeof(int)),
-                      o_overflow = arena.take(std::size_t(s.batch) * sizeof(int)),
-                      o_error = arena.take(4 * sizeof(int)),
-                      o_prefill = arena.take(std::size_t(s.batch + 1) * sizeof(int));
-    KVMEM_RETURN_IF_ERROR(DeviceBuffer::allocate(arena.total(), c.memory_));
+    KVMEM_RETURN_IF_ERROR(DeviceBuffer::allocate(bytes_required(s, limits), c.memory_));
     auto* base = static_cast<unsigned char*>(c.memory_.get());
-    auto& d = c.dev_;
-    d.keys = reinterpret_cast<S*>(base + o_keys);
-    d.values = reinterpret_cast<S*>(base + o_values);
-    d.lambda = reinterpret_cast<float*>(base + o_lambda);
-    d.key_logit = reinterpret_cast<float*>(base + o_logit);
-    d.pos = reinterpret_cast<std::int64_t*>(base + o_pos);
-    d.length = reinterpret_cast<std::int64_t*>(base + o_len);
-    d.counter = reinterpret_cast<std::int64_t*>(base + o_counter);
-    d.done = reinterpret_cast<int*>(base + o_done);
-    d.next_length = reinterpret_cast<std::int64_t*>(base + o_next);
-    d.cap = s.capacity;
-    d.D = s.head_dim;
-    d.G = s.kv_heads;
-    d.r = s.query_heads / s.kv_heads;
-    c.part_ml_ = reinterpret_cast<float*>(base + o_ml);
-    c.part_acc_ = reinterpret_cast<float*>(base + o_acc);
-    c.lambda_new_ = reinterpret_cast<float*>(base + o_new);
-    c.dense_sync_ = reinterpret_cast<int*>(base + o_sync);
-    c.slot_go_ = reinterpret_cast<int*>(base + o_go);
-    c.slot_first_ = reinterpret_cast<int*>(base + o_first);
-    c.overflow_ = reinterpret_cast<int*>(base + o_overflow);
-    c.step_error_ = reinterpret_cast<int*>(base + o_error);
-    c.prefill_rows_ = reinterpret_cast<int*>(base + o_prefill);
-    // lengths and counters start at 0 (the rows are written before they are read)
-    KVMEM_RETURN_IF_ERROR(to_status(cudaMemset(d.length, 0, I * sizeof(std::int64_t)), "cudaMemset lengths"));
-    KVMEM_RETURN_IF_ERROR(to_status(cudaMemset(d.counter, 0, I * sizeof(std::int64_t)), "cudaMemset counters"));
-    KVMEM_RETURN_IF_ERROR(to_status(cudaMemset(d.done, 0, I * sizeof(int)), "cudaMemset decode tickets"));
-    KVMEM_RETURN_IF_ERROR(
-        to_status(cudaMemset(c.overflow_, 0, std::size_t(s.batch) * sizeof(int)), "cudaMemset overflow flags"));
-    KVMEM_RETURN_IF_ERROR(to_status(cudaMemset(c.step_error_, 0, 4 * sizeof(int)), "cudaMemset step status"));
-    KVMEM_RETURN_IF_ERROR(to_status(cudaDeviceSynchronize(), "UaCache::create"));
-    KVMEM_RETURN_IF_ERROR(current_sm_count(c.sm_count_));
+    KVMEM_RETURN_IF_ERROR(c.bind(base, s, limits));
+    c.bind_workspace(base + cache_bytes(s), workspace_bytes(s, {}, limits));
     out = std::move(c);
+    return Status::ok();
+  }
+  // A cache over caller device memory (at least cache_bytes(s), kAlign-aligned, not owned, not in use
+  // by pending work): every slot empty, every page free. Writes nothing outside [memory, memory +
+  // cache_bytes(s)). Steps need a workspace (attach_workspace).
+  static Status place(void* memory, std::size_t bytes, const ua::CacheShape& s, UaCache& out,
+                      UaCacheLimits limits = {}) {
+    KVMEM_RETURN_IF_ERROR(can_run(s, limits));
+    KVMEM_RETURN_IF_ERROR(ua_detail::check_device_memory(memory, bytes, cache_bytes(s), "cache memory"));
+    UaCache c;
+    KVMEM_RETURN_IF_ERROR(c.bind(static_cast<unsigned char*>(memory), s, limits));
+    out = std::move(c);
+    return Status::ok();
+  }
+  // Uses caller device memory (at least workspace_bytes(shape, limits), kAlign-aligned, not owned) as
+  // the scratch of every later call; replaces the workspace used before. Nothing is written here; caches
+  // whose calls never run at the same time (one stream) may share one workspace.
+  Status attach_workspace(void* memory, std::size_t bytes, const Limits& limits = {}) {
+    KVMEM_RETURN_IF_ERROR(check_valid());
+    if (limits.max_rows < 0) return invalid_argument("limits max_rows", ">= 0", limits.max_rows);
+    const std::size_t need = workspace_bytes(shape_, limits, limits_);
+    KVMEM_RETURN_IF_ERROR(ua_detail::check_device_memory(memory, bytes, need, "workspace memory"));
+    bind_workspace(static_cast<unsigned char*>(memory), need);
+    return Status::ok();
+  }
+  // Ok when the cache has a workspace; else the reason (checked before anything is enqueued).
+  [[nodiscard]] Status check_workspace() const {
+    if (ws_ == nullptr)
+      return invalid_argument("workspace", "a workspace (UaCache::create, or attach_workspace after place)", "none");
     return Status::ok();
   }
 
   [[nodiscard]] const ua::CacheShape& shape() const { return shape_; }
-  // False for a cache never created or moved from: every operation refuses it.
-  [[nodiscard]] bool valid() const { return memory_.get() != nullptr; }
+  // False for a cache never created or placed, and for a moved-from one: every operation refuses it.
+  [[nodiscard]] bool valid() const { return base_ != nullptr; }
   // Sequence slots (CacheShape::batch); 0 for an empty cache.
   [[nodiscard]] std::int64_t max_slots() const { return valid() ? shape_.batch : 0; }
   [[nodiscard]] const UaCacheLimits& limits() const { return limits_; }
   [[nodiscard]] std::int64_t group_size() const { return shape_.query_heads / shape_.kv_heads; }
+  // Bytes of the cache proper (cache_bytes(shape())), of its workspace, and of the device memory this
+  // object allocated (create: both; place: 0).
+  [[nodiscard]] std::size_t cache_bytes() const { return valid() ? cache_total_ : 0; }
+  [[nodiscard]] std::size_t workspace_bytes() const { return ws_ != nullptr ? ws_total_ : 0; }
   [[nodiscard]] std::size_t allocated_bytes() const { return memory_.bytes(); }
+  [[nodiscard]] std::size_t page_bytes() const { return valid() ? ua::cache_layout<S>(shape_).page_bytes : 0; }
+
+  // ---- occupancy (DESIGN.md 3: an engine's admission control) ----
+  // Read from the cache's mapped counter block, which the last kernel of every operation fills from
+  // the device counters: no synchronisation, no device call. The values are those of the last
+  // completed operation (a read while a step runs shows the one before it); pages_taken -
+  // pages_returned == pages_in_use.
+  [[nodiscard]] std::int64_t pool_pages() const { return valid() ? shape_.pages() : 0; }
+  [[nodiscard]] std::int64_t free_pages() const { return valid() ? mirror_.read(0) : 0; }
+  [[nodiscard]] std::int64_t pages_in_use() const { return pool_pages() - free_pages(); }
+  [[nodiscard]] std::int64_t pages_taken() const { return valid() ? mirror_.read(1) : 0; }
+  [[nodiscard]] std::int64_t pages_returned() const { return valid() ? mirror_.read(2) : 0; }
+  // Pages every (slot, kv head) holds ([max_slots * kv_heads], item b * G + g), after the work enqueued
+  // on exec.stream (synchronises it; for tests and inspection).
+  Status pages(const Executor& exec, std::vector<std::int64_t>& out) const {
+    KVMEM_RETURN_IF_ERROR(check_valid());
+    out.resize(std::size_t(shape_.batch * shape_.kv_heads));
+    KVMEM_RETURN_IF_ERROR(to_status(cudaMemcpyAsync(out.data(), dev_.pool.held, out.size() * sizeof(std::int64_t),
+                                                    cudaMemcpyDeviceToHost, exec.stream),
+                                    "UaCache pages copy"));
+    return to_status(cudaStreamSynchronize(exec.stream), "UaCache pages sync");
+  }
+
   // Next absolute position of slot b (tokens seen since creation or the slot's last reset), read from
   // the device counter: waits for all work on the device (cudaDeviceSynchronize), so it is for tests and
   // inspection, never inside a captured graph; `positions` reads every slot after one stream's work.
@@ -224,9 +402,9 @@ class UaCache {
     for (std::int64_t b = 0; b < shape_.batch; ++b) out[std::size_t(b)] = items[std::size_t(b * shape_.kv_heads)];
     return Status::ok();
   }
-  // Every slot's overflow flag ([max_slots], 1 = a step found no room for the slot's row and skipped it;
-  // the slot steps no more until reset_slots, copy_slots or import_slot replaces it), after the work
-  // enqueued on exec.stream (synchronises it).
+  // Every slot's overflow flag ([max_slots], 1 = a step found no room or no pool pages for the slot's
+  // row and skipped it; the slot steps no more until reset_slots, copy_slots or import_slot replaces
+  // it), after the work enqueued on exec.stream (synchronises it).
   Status overflowed(const Executor& exec, std::vector<std::int32_t>& out) const {
     const cudaStream_t stream = exec.stream;
     KVMEM_RETURN_IF_ERROR(check_valid());
@@ -258,6 +436,46 @@ class UaCache {
     return Status::ok();
   }
 
+  // The pool row of each logical page of item `item` that holds its first n rows ([ceil(n / page_rows)]):
+  // the item's own pages, or its page table read back (synchronises `stream`).
+  Status page_rows_of(std::int64_t item, std::int64_t n, std::vector<std::int64_t>& out, cudaStream_t stream) const {
+    const std::int64_t pr = shape_.page_rows, count = (n + pr - 1) / pr;
+    out.resize(std::size_t(count));
+    if (dev_.pool.table == nullptr) {
+      for (std::int64_t p = 0; p < count; ++p) out[std::size_t(p)] = item * dev_.stride + p * pr;
+      return Status::ok();
+    }
+    std::vector<std::int32_t> table(static_cast<std::size_t>(count));
+    if (count > 0)
+      KVMEM_RETURN_IF_ERROR(
+          to_status(cudaMemcpyAsync(table.data(), dev_.pool.table + item * shape_.pages_per_item(),
+                                    table.size() * sizeof(std::int32_t), cudaMemcpyDeviceToHost, stream),
+                    "UaCache page table copy"));
+    KVMEM_RETURN_IF_ERROR(to_status(cudaStreamSynchronize(stream), "UaCache page table sync"));
+    for (std::int64_t p = 0; p < count; ++p) out[std::size_t(p)] = std::int64_t(table[std::size_t(p)]) * pr;
+    return Status::ok();
+  }
+  // Copies the first n rows of one field (width elements a row) of an item between the device pool and
+  // contiguous host rows, page run by page run, on `stream` (to_host: pool -> host).
+  template <class T>
+  Status copy_item_rows(T* pool_field, T* host_rows, std::int64_t width, std::int64_t n,
+                        const std::vector<std::int64_t>& page_rows, bool to_host, cudaStream_t stream) const {
+    const std::int64_t pr = shape_.page_rows;
+    for (std::int64_t p = 0; p * pr < n;) {
+      std::int64_t q = p + 1;  // pages p..q-1 are consecutive in the pool
+      while (q * pr < n && page_rows[std::size_t(q)] == page_rows[std::size_t(p)] + (q - p) * pr) ++q;
+      const std::int64_t e0 = p * pr, rows = std::min(q * pr, n) - e0;
+      T* dev = pool_field + page_rows[std::size_t(p)] * width;
+      T* host = host_rows + e0 * width;
+      const std::size_t bytes = std::size_t(rows * width) * sizeof(T);
+      KVMEM_RETURN_IF_ERROR(to_status(to_host ? cudaMemcpyAsync(host, dev, bytes, cudaMemcpyDeviceToHost, stream)
+                                              : cudaMemcpyAsync(dev, host, bytes, cudaMemcpyHostToDevice, stream),
+                                      "UaCache rows copy"));
+      p = q;
+    }
+    return Status::ok();
+  }
+
   // Copies the entries of item (b, g) to the host: positions and λ [n]; keys and values [n, D] when
   // the pointers are given (tests, replay, inspection; synchronises `stream`).
   Status download(std::int64_t b, std::int64_t g, std::vector<std::int64_t>& pos, std::vector<float>& lambda,
@@ -266,48 +484,40 @@ class UaCache {
     if (g < 0 || g >= shape_.kv_heads)
       return {StatusCode::kOutOfRange,
               kvmem::detail::concat("download g: expected 0 <= g < kv_heads = ", shape_.kv_heads, ", got ", g)};
-    const std::int64_t item = b * shape_.kv_heads + g, row0 = item * shape_.capacity, D = shape_.head_dim;
+    const std::int64_t item = b * shape_.kv_heads + g, D = shape_.head_dim;
     std::int64_t n = 0;
     KVMEM_RETURN_IF_ERROR(to_status(cudaMemcpyAsync(&n, dev_.length + item, sizeof(n), cudaMemcpyDeviceToHost, stream),
                                     "download length"));
     KVMEM_RETURN_IF_ERROR(to_status(cudaStreamSynchronize(stream), "download sync"));
+    std::vector<std::int64_t> rows;
+    KVMEM_RETURN_IF_ERROR(page_rows_of(item, n, rows, stream));
     pos.resize(std::size_t(n));
     lambda.resize(std::size_t(n));
-    KVMEM_RETURN_IF_ERROR(to_status(
-        cudaMemcpyAsync(pos.data(), dev_.pos + row0, pos.size() * sizeof(std::int64_t), cudaMemcpyDeviceToHost, stream),
-        "download positions"));
-    KVMEM_RETURN_IF_ERROR(to_status(cudaMemcpyAsync(lambda.data(), dev_.lambda + row0, lambda.size() * sizeof(float),
-                                                    cudaMemcpyDeviceToHost, stream),
-                                    "download lambda"));
+    KVMEM_RETURN_IF_ERROR(copy_item_rows(dev_.pos, pos.data(), 1, n, rows, true, stream));
+    KVMEM_RETURN_IF_ERROR(copy_item_rows(dev_.lambda, lambda.data(), 1, n, rows, true, stream));
     if (keys) {
       keys->resize(std::size_t(n * D));
-      KVMEM_RETURN_IF_ERROR(to_status(
-          cudaMemcpyAsync(keys->data(), dev_.keys + row0 * D, keys->size() * sizeof(S), cudaMemcpyDeviceToHost, stream),
-          "download keys"));
+      KVMEM_RETURN_IF_ERROR(copy_item_rows(dev_.keys, keys->data(), D, n, rows, true, stream));
     }
     if (values) {
       values->resize(std::size_t(n * D));
-      KVMEM_RETURN_IF_ERROR(to_status(cudaMemcpyAsync(values->data(), dev_.values + row0 * D,
-                                                      values->size() * sizeof(S), cudaMemcpyDeviceToHost, stream),
-                                      "download values"));
+      KVMEM_RETURN_IF_ERROR(copy_item_rows(dev_.values, values->data(), D, n, rows, true, stream));
     }
     return to_status(cudaStreamSynchronize(stream), "download sync");
   }
 
-  // Empties sequence b (all its kv heads) and restarts its position counter, on `stream`.
+  // Empties sequence b (all its kv heads, its pages back to the pool), restarts its position counter
+  // and clears its overflow flag, on `stream`.
   Status reset_sequence(std::int64_t b, cudaStream_t stream) {
     KVMEM_RETURN_IF_ERROR(check_slot(b, "reset_sequence b"));
-    const std::size_t bytes = std::size_t(shape_.kv_heads) * sizeof(std::int64_t);
-    KVMEM_RETURN_IF_ERROR(
-        to_status(cudaMemsetAsync(dev_.length + b * shape_.kv_heads, 0, bytes, stream), "reset lengths"));
-    KVMEM_RETURN_IF_ERROR(
-        to_status(cudaMemsetAsync(dev_.counter + b * shape_.kv_heads, 0, bytes, stream), "reset counters"));
-    return to_status(cudaMemsetAsync(overflow_ + b, 0, sizeof(int), stream), "reset overflow flag");
+    ua_detail::reset_slots_kernel<S><<<1, 32, 0, stream>>>(dev_, overflow_, nullptr, std::int32_t(b));
+    KVMEM_CUDA_RETURN_IF_LAUNCH_FAILED("ua reset_slots_kernel");
+    return ua_detail::publish(dev_, stream);
   }
 
  private:
   Status check_valid() const {
-    if (!valid()) return invalid_argument("cache", "a cache made by UaCache::create", "an empty cache");
+    if (!valid()) return invalid_argument("cache", "a cache made by UaCache::create or place", "an empty cache");
     return Status::ok();
   }
   Status check_slot(std::int64_t b, const char* name) const {
@@ -317,10 +527,75 @@ class UaCache {
               kvmem::detail::concat(name, ": expected 0 <= b < max_slots = ", shape_.batch, ", got ", b)};
     return Status::ok();
   }
+  // Carves the cache's arrays from `base` and initialises them (every slot empty, every page free) on a
+  // stream of its own, waiting for that stream only.
+  Status bind(unsigned char* base, const ua::CacheShape& s, const UaCacheLimits& limits) {
+    using namespace ua_detail;
+    const UaCacheOffsets o = cache_offsets<S>(s);
+    shape_ = s;
+    limits_ = limits;
+    base_ = base;
+    cache_total_ = o.bytes;
+    KVMEM_RETURN_IF_ERROR(MappedCounters::allocate(mirror_));
+    auto& d = dev_;
+    d.keys = reinterpret_cast<S*>(base + o.host.keys);
+    d.values = reinterpret_cast<S*>(base + o.host.values);
+    d.lambda = reinterpret_cast<float*>(base + o.host.lambda);
+    d.key_logit = reinterpret_cast<float*>(base + o.host.key_logit);
+    d.pos = reinterpret_cast<std::int64_t*>(base + o.host.pos);
+    d.length = reinterpret_cast<std::int64_t*>(base + o.host.length);
+    d.counter = reinterpret_cast<std::int64_t*>(base + o.counter);
+    d.done = reinterpret_cast<int*>(base + o.done);
+    d.next_length = reinterpret_cast<std::int64_t*>(base + o.next_length);
+    d.batch_done = reinterpret_cast<int*>(base + o.batch_done);
+    d.pool.table = s.pool_pages > 0 ? reinterpret_cast<std::int32_t*>(base + o.host.table) : nullptr;
+    d.pool.held = reinterpret_cast<std::int64_t*>(base + o.host.held);
+    d.pool.free_list = reinterpret_cast<std::int32_t*>(base + o.host.free_list);
+    d.pool.stats = reinterpret_cast<std::int64_t*>(base + o.host.stats);
+    d.pool.mirror = mirror_.device();
+    d.pool.pages_per_item = s.pages_per_item();
+    d.pool.shift = ua::cache_detail::log2_exact(s.page_rows);
+    d.stride = ua_detail::item_stride(s);
+    d.capacity = s.capacity;
+    d.D = s.head_dim;
+    d.G = s.kv_heads;
+    d.r = s.query_heads / s.kv_heads;
+    slot_go_ = reinterpret_cast<int*>(base + o.go);
+    slot_first_ = reinterpret_cast<int*>(base + o.first);
+    overflow_ = reinterpret_cast<int*>(base + o.overflow);
+    step_error_ = reinterpret_cast<int*>(base + o.error);
+    prefill_rows_ = reinterpret_cast<int*>(base + o.prefill);
+    report_ = reinterpret_cast<std::int64_t*>(base + o.report);
+    KVMEM_RETURN_IF_ERROR(current_sm_count(sm_count_));
+    cudaStream_t init = nullptr;
+    KVMEM_RETURN_IF_ERROR(to_status(cudaStreamCreateWithFlags(&init, cudaStreamNonBlocking), "UaCache init stream"));
+    const std::int64_t items = s.batch * s.kv_heads, most = std::max({s.pages(), items, s.batch});
+    init_cache_kernel<S><<<unsigned(std::min<std::int64_t>((most + 255) / 256, 1024)), 256, 0, init>>>(
+        d, items, s.batch, s.pages(), overflow_, step_error_);
+    const Status launched = to_status(cudaGetLastError(), "ua init_cache_kernel");
+    const Status synced = to_status(cudaStreamSynchronize(init), "UaCache init sync");
+    (void)cudaStreamDestroy(init);
+    KVMEM_RETURN_IF_ERROR(launched);
+    return synced;
+  }
+  void bind_workspace(unsigned char* ws, std::size_t bytes) {
+    const ua_detail::UaWorkOffsets o = ua_detail::work_offsets(shape_, limits_);
+    ws_ = ws;
+    ws_total_ = bytes;
+    part_ml_ = reinterpret_cast<float*>(ws + o.part_ml);
+    part_acc_ = reinterpret_cast<float*>(ws + o.part_acc);
+    lambda_new_ = reinterpret_cast<float*>(ws + o.lambda_new);
+    dense_sync_ = shape_.pool_pages == 0 ? reinterpret_cast<int*>(ws + o.dense_sync) : nullptr;
+  }
   void swap(UaCache& o) noexcept {
     std::swap(shape_, o.shape_);
     std::swap(limits_, o.limits_);
     std::swap(memory_, o.memory_);
+    std::swap(mirror_, o.mirror_);
+    std::swap(base_, o.base_);
+    std::swap(ws_, o.ws_);
+    std::swap(cache_total_, o.cache_total_);
+    std::swap(ws_total_, o.ws_total_);
     std::swap(dev_, o.dev_);
     std::swap(part_ml_, o.part_ml_);
     std::swap(part_acc_, o.part_acc_);
@@ -332,6 +607,7 @@ class UaCache {
     std::swap(overflow_, o.overflow_);
     std::swap(step_error_, o.step_error_);
     std::swap(prefill_rows_, o.prefill_rows_);
+    std::swap(report_, o.report_);
     std::swap(bound_, o.bound_);
   }
 
@@ -342,19 +618,24 @@ class UaCache {
 
   ua::CacheShape shape_{0, 1, 1, 0, 0, 16};  // empty: no slots, a group size of 1
   UaCacheLimits limits_{};
-  DeviceBuffer memory_;
+  DeviceBuffer memory_;               // create's allocation (cache, then workspace); empty when placed
+  ua_detail::MappedCounters mirror_;  // pool counters the kernels store for the host (occupancy reads)
+  unsigned char* base_ = nullptr;     // the cache's memory
+  unsigned char* ws_ = nullptr;       // the workspace's memory
+  std::size_t cache_total_ = 0, ws_total_ = 0;
   ua_detail::DeviceCache<S> dev_{};
   float* part_ml_ = nullptr;
   float* part_acc_ = nullptr;
   float* lambda_new_ = nullptr;
-  int* dense_sync_ = nullptr;    // ticket + λ hand-off of the dense tensor-core prefill (dense_sync_bytes)
-  int sm_count_ = 1;             // multiprocessors: sizes the dense prefill's item groups
-  int* slot_go_ = nullptr;       // [B] per step: the slot's row runs (step_begin_kernel)
-  int* slot_first_ = nullptr;    // [B] per step: scratch of the rows' check
-  int* overflow_ = nullptr;      // [B] sticky: a step found no room for the slot's row
-  int* step_error_ = nullptr;    // [4] the last step's rows' check (ua_detail::StepRows::error)
-  int* prefill_rows_ = nullptr;  // [B + 1] per step: its prefill rows, then their count
-  std::int64_t bound_ = 0;       // >= every item's length, as far as the host knows (fixed-batch calls)
+  int* dense_sync_ = nullptr;       // ticket + λ hand-off of the dense tensor-core prefill (pool_pages = 0)
+  int sm_count_ = 1;                // multiprocessors: sizes the dense prefill's item groups
+  int* slot_go_ = nullptr;          // [B] per step: the slot's row runs (step_begin_kernel, batch_reserve_kernel)
+  int* slot_first_ = nullptr;       // [B] per step: scratch of the rows' check
+  int* overflow_ = nullptr;         // [B] sticky: a step found no room or no pages for the slot's row
+  int* step_error_ = nullptr;       // [4] the last step's rows' check (ua_detail::StepRows::error)
+  int* prefill_rows_ = nullptr;     // [B + 1] per step: its prefill rows, then their count
+  std::int64_t* report_ = nullptr;  // [4] copy_slots / import_slot page checks
+  std::int64_t bound_ = 0;          // >= every item's length, as far as the host knows (fixed-batch calls)
 };
 
 namespace ua_detail {
@@ -469,7 +750,8 @@ Status ua_run(const Executor& exec, UaCache<S>& cache, const UaInputs<S>& in, co
               TensorView<float, 4> out, TensorView<float, 3> lse, bool decode) {
   using namespace ua_detail;
   const ua::CacheShape& s = cache.shape_;
-  if (!cache.memory_.get()) return invalid_argument("cache", "a cache made by UaCache::create", "an empty cache");
+  KVMEM_RETURN_IF_ERROR(cache.check_valid());
+  KVMEM_RETURN_IF_ERROR(cache.check_workspace());
   KVMEM_RETURN_IF_ERROR(ua::detail::validate_options(opt));
   KVMEM_RETURN_IF_ERROR(ua::detail::check_call_shapes(in, out, s.batch, s.query_heads, s.kv_heads, s.head_dim));
   const std::int64_t T = in.q.extent(2), B = s.batch, G = s.kv_heads, I = B * G, D = s.head_dim;
@@ -496,8 +778,20 @@ Status ua_run(const Executor& exec, UaCache<S>& cache, const UaInputs<S>& in, co
   a.part_acc = cache.part_acc_;
   a.log_p = ua::detail::log_threshold(opt.p);
   a.evict_before_attention = opt.evict_before_attention;
+  a.tokens = T;
   const auto& dev = cache.dev_;
   const std::int64_t r = cache.group_size();
+  // With a shared pool, every sequence's pages for kept + T rows before anything runs; a sequence whose
+  // slot is flagged or finds the pool dry is skipped (outputs zeroed, slot flagged, its pages back in
+  // the pool). Items that own their pages cannot run dry: every sequence runs (as before pages) and the
+  // kernels count the pages themselves (DeviceCall::count_pages).
+  const bool own_pages = s.pool_pages == 0;
+  a.count_pages = own_pages;
+  a.slot_go = own_pages ? nullptr : cache.slot_go_;
+  if (!own_pages) {
+    batch_reserve_kernel<S><<<1, 256, 0, exec.stream>>>(dev, a, cache.slot_go_, cache.overflow_, B, T);
+    KVMEM_CUDA_RETURN_IF_LAUNCH_FAILED("ua batch_reserve_kernel");
+  }
   if (decode) {
     a.P = 1;
     a.lambda_new = nullptr;
@@ -514,13 +808,15 @@ Status ua_run(const Executor& exec, UaCache<S>& cache, const UaInputs<S>& in, co
     KVMEM_RETURN_IF_ERROR(allow_shared(kernel, bytes));
     kernel<<<dim3(unsigned(I), unsigned(a.splits)), kDecodeThreads, bytes, exec.stream>>>(dev, a);
     KVMEM_CUDA_RETURN_IF_LAUNCH_FAILED("ua decode_attend_kernel");
-  } else if (const DenseKernel<S> dense = dense_kernel_for<Set, S>(in, D, r, a.log_p, dense_skips_past(cache, T));
-             dense.kernel) {
+  } else if (const DenseKernel<S> dense = s.pool_pages == 0
+                                              ? dense_kernel_for<Set, S>(in, D, r, a.log_p, dense_skips_past(cache, T))
+                                              : DenseKernel<S>{};
+             dense.kernel) {                           // contiguous items only: the dense prefill walks rows by address
     const std::int64_t tiles = dense_row_tiles(T, r);  // T >= 1 (check_call_shapes)
     // the ticket, and the λ hand-off words of the rows this call walks (the cache's rows, then the call's)
     KVMEM_RETURN_IF_ERROR(
         to_status(cudaMemsetAsync(cache.dense_sync_, 0, 8, exec.stream), "cudaMemsetAsync dense prefill ticket"));
-    KVMEM_RETURN_IF_ERROR(to_status(cudaMemset2DAsync(cache.dense_sync_ + 2, std::size_t(s.capacity) * 8, 0,
+    KVMEM_RETURN_IF_ERROR(to_status(cudaMemset2DAsync(cache.dense_sync_ + 2, std::size_t(dev.stride) * 8, 0,
                                                       std::size_t(cache.bound_ + T) * 8, std::size_t(I), exec.stream),
                                     "cudaMemsetAsync dense prefill hand-off"));
     KVMEM_RETURN_IF_ERROR(allow_shared(dense.kernel, dense.shared_bytes));
@@ -528,7 +824,7 @@ Status ua_run(const Executor& exec, UaCache<S>& cache, const UaInputs<S>& in, co
     dense.kernel<<<unsigned(tiles * I), kDnThreads, dense.shared_bytes, exec.stream>>>(dev, a, T, I, tiles, group,
                                                                                        cache.dense_sync_);
     KVMEM_CUDA_RETURN_IF_LAUNCH_FAILED("ua dense_prefill_tc_kernel");
-    dense_advance_kernel<S><<<1, 128, 0, exec.stream>>>(dev, I, T);
+    dense_advance_kernel<S><<<1, 128, 0, exec.stream>>>(dev, I, T, a.slot_go);
     KVMEM_CUDA_RETURN_IF_LAUNCH_FAILED("ua dense_advance_kernel");
   } else {
     a.P = cache.limits_.max_prefill_chunk;
@@ -555,7 +851,8 @@ Status ua_run(const Executor& exec, UaCache<S>& cache, const UaInputs<S>& in, co
     }
   }
   cache.bound_ += T;
-  return Status::ok();
+  if (own_pages && decode) return Status::ok();  // the decode kernel's last item published the counters
+  return publish(dev, exec.stream);
 }
 
 // Prefill T tokens of every sequence (spec UA.md 4.5): the caller rotates token t of sequence b at
@@ -571,31 +868,6 @@ template <DecaySet Set = decay::Universal, class S>
 Status ua_decode(const Executor& exec, UaCache<S>& cache, const UaInputs<S>& in, const ua::Options& opt,
                  TensorView<float, 4> out) {
   return ua_run<Set>(exec, cache, in, opt, out, {}, true);
-}
-
-// Dense UA over T tokens without a cache (spec UA.md 2): out [B,T,H,D], optional lse [B,H,T] and
-// lambda_last [B,G,T] (contiguous). Runs as a chunked prefill with p = 0 into a scratch cache it
-// allocates for the call (memory O(B*G*T*D), never L x L); engines that call it repeatedly keep a
-// UaCache and call ua_prefill with p = 0 instead.
-template <DecaySet Set = decay::Universal, class S>
-Status ua_forward(const Executor& exec, const UaInputs<S>& in, TensorView<float, 4> out, TensorView<float, 3> lse = {},
-                  TensorView<float, 3> lambda_last = {}) {
-  const std::int64_t B = in.q.extent(0), H = in.q.extent(1), T = in.q.extent(2), D = in.q.extent(3), G = in.k.extent(1);
-  if (G <= 0 || H % G != 0) return invalid_argument("H % G (q dim 1, k dim 1)", 0, G > 0 ? H % G : G);
-  if (!lambda_last.empty()) {
-    KVMEM_RETURN_IF_ERROR(check_shape(TensorView<const float, 3>(lambda_last), {B, G, T}, "lambda_last [B,G,T]"));
-    if (!lambda_last.is_contiguous()) return invalid_argument("lambda_last", "a contiguous view", "a strided view");
-  }
-  UaCache<S> scratch;
-  KVMEM_RETURN_IF_ERROR(UaCache<S>::create({B, H, G, D, std::max<std::int64_t>(T, 1), 16}, scratch));
-  KVMEM_RETURN_IF_ERROR(ua_prefill<Set>(exec, scratch, in, ua::Options{}, out, lse));
-  if (!lambda_last.empty())  // no eviction: row j of every item is position j, λ_j = Λ_{T-1, j}
-    KVMEM_RETURN_IF_ERROR(
-        to_status(cudaMemcpyAsync(lambda_last.data(), scratch.device().lambda, std::size_t(B * G * T) * sizeof(float),
-                                  cudaMemcpyDeviceToDevice, exec.stream),
-                  "lambda_last copy"));
-  // the scratch cache is freed on return: wait for the work that reads it
-  return to_status(cudaStreamSynchronize(exec.stream), "ua_forward sync");
 }
 
 // ---- sequence slots (DESIGN.md 3, core/slots.hpp, docs/slots-ua.md) ------------------------------
@@ -650,6 +922,15 @@ struct SlotAccess {
   static void forget_bound(UaCache<S>& c) {
     c.bound_ = c.shape_.capacity;
   }
+  template <class S>
+  static void set_bound(UaCache<S>& c, std::int64_t bound) {
+    c.bound_ = bound;
+  }
+  template <class S>
+  static std::int64_t* report(const UaCache<S>& c) {
+    return c.report_;
+  }
+
   template <class S>
   static int sm_count(const UaCache<S>& c) {
     return c.sm_count_;
@@ -723,6 +1004,16 @@ Status check_slot(const UaCache<S>& cache, std::int64_t slot) {
   return Status::ok();
 }
 
+// The host's check_pool message for a copy or import the pool could not hold (report as
+// copy_pages_kernel writes it); ok when it could.
+template <class S>
+Status pool_refusal(const UaCache<S>& cache, const std::int64_t* r, const char* what) {
+  if (r[0] == 0) return Status::ok();
+  return {StatusCode::kOutOfRange,
+          kvmem::detail::concat(what, ": needs ", r[1], " pages of ", cache.shape().page_rows, " rows, the pool has ",
+                                r[2], " free (+ ", r[3], " the replaced rows return)")};
+}
+
 // Slot `slot` of the device cache as slot 0 of a host cache of `capacity` rows (the host record code
 // then writes it: one record format for every backend). Synchronises `stream`.
 template <class S>
@@ -743,23 +1034,15 @@ Status download_slot(const UaCache<S>& cache, std::int64_t slot, ua::PrunedCache
   KVMEM_RETURN_IF_ERROR(
       ua::PrunedCache<S>::create({1, s.query_heads, G, D, std::max<std::int64_t>(longest, 1), s.page_rows}, host));
   for (std::int64_t g = 0; g < G; ++g) {
-    auto v = host.item_view(0, g);
-    const std::int64_t n = length[std::size_t(g)], row0 = (slot * G + g) * s.capacity;
-    KVMEM_RETURN_IF_ERROR(to_status(
-        cudaMemcpyAsync(v.keys, d.keys + row0 * D, std::size_t(n * D) * sizeof(S), cudaMemcpyDeviceToHost, stream),
-        "export keys"));
-    KVMEM_RETURN_IF_ERROR(to_status(
-        cudaMemcpyAsync(v.values, d.values + row0 * D, std::size_t(n * D) * sizeof(S), cudaMemcpyDeviceToHost, stream),
-        "export values"));
-    KVMEM_RETURN_IF_ERROR(to_status(
-        cudaMemcpyAsync(v.lambda, d.lambda + row0, std::size_t(n) * sizeof(float), cudaMemcpyDeviceToHost, stream),
-        "export lambda"));
-    KVMEM_RETURN_IF_ERROR(to_status(cudaMemcpyAsync(v.key_logit, d.key_logit + row0, std::size_t(n) * sizeof(float),
-                                                    cudaMemcpyDeviceToHost, stream),
-                                    "export key logits"));
-    KVMEM_RETURN_IF_ERROR(to_status(
-        cudaMemcpyAsync(v.pos, d.pos + row0, std::size_t(n) * sizeof(std::int64_t), cudaMemcpyDeviceToHost, stream),
-        "export positions"));
+    auto v = host.item_view(0, g);  // the host cache's own pages: contiguous rows
+    const std::int64_t n = length[std::size_t(g)];
+    std::vector<std::int64_t> rows;
+    KVMEM_RETURN_IF_ERROR(cache.page_rows_of(slot * G + g, n, rows, stream));
+    KVMEM_RETURN_IF_ERROR(cache.copy_item_rows(d.keys, v.keys, D, n, rows, true, stream));
+    KVMEM_RETURN_IF_ERROR(cache.copy_item_rows(d.values, v.values, D, n, rows, true, stream));
+    KVMEM_RETURN_IF_ERROR(cache.copy_item_rows(d.lambda, v.lambda, 1, n, rows, true, stream));
+    KVMEM_RETURN_IF_ERROR(cache.copy_item_rows(d.key_logit, v.key_logit, 1, n, rows, true, stream));
+    KVMEM_RETURN_IF_ERROR(cache.copy_item_rows(d.pos, v.pos, 1, n, rows, true, stream));
     *v.length = n;
   }
   host.set_position(0, counter[0]);
@@ -767,6 +1050,56 @@ Status download_slot(const UaCache<S>& cache, std::int64_t slot, ua::PrunedCache
 }
 
 }  // namespace ua_detail
+
+// Dense UA over T tokens (spec UA.md 2) in a scratch cache the caller made once: out [B,T,H,D],
+// optional lse [B,H,T] and lambda_last [B,G,T] (contiguous). `scratch` has the inputs' B, H, G, D, a
+// capacity >= T and pool_pages = 0; it is emptied on exec.stream (every slot reset) and the call runs as
+// a chunked prefill with p = 0 into it (memory O(B*G*T*D), never L x L). Nothing is allocated and
+// nothing waits for the device: the scratch cache holds the rows until the next call.
+template <DecaySet Set = decay::Universal, class S>
+Status ua_forward(const Executor& exec, UaCache<S>& scratch, const UaInputs<S>& in, TensorView<float, 4> out,
+                  TensorView<float, 3> lse = {}, TensorView<float, 3> lambda_last = {}) {
+  const std::int64_t B = in.q.extent(0), H = in.q.extent(1), T = in.q.extent(2), D = in.q.extent(3), G = in.k.extent(1);
+  if (G <= 0 || H % G != 0) return invalid_argument("H % G (q dim 1, k dim 1)", 0, G > 0 ? H % G : G);
+  KVMEM_RETURN_IF_ERROR(ua_detail::check_cache(scratch));
+  const ua::CacheShape& s = scratch.shape();
+  if (s.batch != B || s.query_heads != H || s.kv_heads != G || s.head_dim != D || s.capacity < T || s.pool_pages != 0)
+    return invalid_argument(
+        "scratch cache shape",
+        kvmem::detail::concat("{", B, ", ", H, ", ", G, ", ", D, ", capacity >= ", T, ", pool_pages 0}"),
+        kvmem::detail::concat("{", s.batch, ", ", s.query_heads, ", ", s.kv_heads, ", ", s.head_dim, ", ", s.capacity,
+                              ", pool_pages ", s.pool_pages, "}"));
+  if (!lambda_last.empty()) {
+    KVMEM_RETURN_IF_ERROR(check_shape(TensorView<const float, 3>(lambda_last), {B, G, T}, "lambda_last [B,G,T]"));
+    if (!lambda_last.is_contiguous()) return invalid_argument("lambda_last", "a contiguous view", "a strided view");
+  }
+  ua_detail::reset_slots_kernel<S>
+      <<<unsigned(B), 32, 0, exec.stream>>>(scratch.device(), ua_detail::SlotAccess::overflow(scratch), nullptr, -1);
+  KVMEM_CUDA_RETURN_IF_LAUNCH_FAILED("ua reset_slots_kernel (ua_forward)");
+  ua_detail::SlotAccess::set_bound(scratch, 0);
+  KVMEM_RETURN_IF_ERROR(ua_prefill<Set>(exec, scratch, in, ua::Options{}, out, lse));
+  if (!lambda_last.empty() && T > 0) {  // no eviction: row j of every item is position j, λ_j = Λ_{T-1, j}
+    const std::size_t row = std::size_t(T) * sizeof(float),
+                      pitch = std::size_t(scratch.device().stride) * sizeof(float);
+    KVMEM_RETURN_IF_ERROR(to_status(cudaMemcpy2DAsync(lambda_last.data(), row, scratch.device().lambda, pitch, row,
+                                                      std::size_t(B * G), cudaMemcpyDeviceToDevice, exec.stream),
+                                    "lambda_last copy"));
+  }
+  return Status::ok();
+}
+
+// The same without a scratch cache: makes one for the call (an allocation) and waits for the work that
+// reads it before freeing it (a stream synchronisation). Engines keep a cache and call the form above.
+template <DecaySet Set = decay::Universal, class S>
+Status ua_forward(const Executor& exec, const UaInputs<S>& in, TensorView<float, 4> out, TensorView<float, 3> lse = {},
+                  TensorView<float, 3> lambda_last = {}) {
+  const std::int64_t B = in.q.extent(0), H = in.q.extent(1), T = in.q.extent(2), D = in.q.extent(3), G = in.k.extent(1);
+  if (G <= 0 || H % G != 0) return invalid_argument("H % G (q dim 1, k dim 1)", 0, G > 0 ? H % G : G);
+  UaCache<S> scratch;
+  KVMEM_RETURN_IF_ERROR(UaCache<S>::create({B, H, G, D, std::max<std::int64_t>(T, 1), 16}, scratch));
+  KVMEM_RETURN_IF_ERROR(ua_forward<Set>(exec, scratch, in, out, lse, lambda_last));
+  return to_status(cudaStreamSynchronize(exec.stream), "ua_forward sync");
+}
 
 template <class S>
 Status UaCache<S>::step_status(const Executor& exec) {
@@ -831,6 +1164,7 @@ Status step(const cuda::Executor& exec, cuda::UaCache<S>& cache, const Rows& row
             const Options& opt, TensorView<float, 3> out, TensorView<float, 2> lse = {}) {
   using namespace cuda::ua_detail;
   KVMEM_RETURN_IF_ERROR(check_cache(cache));
+  KVMEM_RETURN_IF_ERROR(cache.check_workspace());
   KVMEM_RETURN_IF_ERROR(detail::validate_options(opt));
   const CacheShape& s = cache.shape();
   const std::int64_t N = in.tokens(), G = s.kv_heads, D = s.head_dim, R = rows.count();
@@ -904,7 +1238,7 @@ Status step(const cuda::Executor& exec, cuda::UaCache<S>& cache, const Rows& row
     }
   }
   SlotAccess::forget_bound(cache);
-  return Status::ok();
+  return publish(dev, stream);
 }
 
 // Slot operations of the CUDA cache: the host's names, arguments and checks (ua/slots.hpp). Slot lists
@@ -924,10 +1258,10 @@ Status reset_slots(const cuda::Executor& exec, cuda::UaCache<S>& cache, TensorVi
   KVMEM_RETURN_IF_ERROR(check_slot_list(list.data(), std::int64_t(list.size()), cache.max_slots(), "slots", false));
   if (list.empty()) return Status::ok();
   const DeviceCache<S>& d = SlotAccess::dev(cache);
-  reset_slots_kernel<<<unsigned(list.size()), 32, 0, exec.stream>>>(d.length, d.counter, SlotAccess::overflow(cache),
-                                                                    d.G, slots.data());
+  reset_slots_kernel<S>
+      <<<unsigned(list.size()), 32, 0, exec.stream>>>(d, SlotAccess::overflow(cache), slots.data(), std::int32_t(0));
   KVMEM_CUDA_RETURN_IF_LAUNCH_FAILED("ua reset_slots_kernel");
-  return Status::ok();
+  return publish(d, exec.stream);
 }
 
 // Slot dst[i] becomes a copy of slot src[i] (fork): kept rows, λ, key-gate logits, positions, the
@@ -944,10 +1278,19 @@ Status copy_slots(const cuda::Executor& exec, cuda::UaCache<S>& cache, TensorVie
   KVMEM_RETURN_IF_ERROR(check_copy_pairs(from.data(), to.data(), std::int64_t(from.size()), cache.max_slots()));
   if (from.empty()) return Status::ok();
   const DeviceCache<S>& d = SlotAccess::dev(cache);
+  std::int64_t* report = SlotAccess::report(cache);
+  copy_pages_kernel<S><<<1, 1, 0, exec.stream>>>(d, src.data(), dst.data(), std::int64_t(from.size()), report);
+  KVMEM_CUDA_RETURN_IF_LAUNCH_FAILED("ua copy_pages_kernel");
   copy_slots_kernel<S><<<dim3(unsigned(from.size()), unsigned(d.G)), 256, 0, exec.stream>>>(
-      d, SlotAccess::overflow(cache), src.data(), dst.data());
+      d, SlotAccess::overflow(cache), src.data(), dst.data(), report);
   KVMEM_CUDA_RETURN_IF_LAUNCH_FAILED("ua copy_slots_kernel");
-  return Status::ok();
+  KVMEM_RETURN_IF_ERROR(publish(d, exec.stream));
+  // the pool's answer (the host's refusal, with its message), read back as the lists were
+  std::int64_t r[4] = {};
+  KVMEM_RETURN_IF_ERROR(
+      cuda::to_status(cudaMemcpyAsync(r, report, sizeof r, cudaMemcpyDeviceToHost, exec.stream), "copy_slots report"));
+  KVMEM_RETURN_IF_ERROR(cuda::to_status(cudaStreamSynchronize(exec.stream), "copy_slots sync"));
+  return pool_refusal(cache, r, "copy_slots");
 }
 
 // Bytes of the record of `slot` (0 for an empty cache, a slot outside it, or a failed read). Reads the
@@ -988,29 +1331,32 @@ Status import_slot(const cuda::Executor& exec, cuda::UaCache<S>& cache, std::int
   KVMEM_RETURN_IF_ERROR(import_slot(exec, host, 0, in));
   const DeviceCache<S>& d = SlotAccess::dev(cache);
   std::vector<std::int64_t> length(static_cast<std::size_t>(G)), counter(static_cast<std::size_t>(G), host.position(0));
+  for (std::int64_t g = 0; g < G; ++g) length[std::size_t(g)] = host.length(0, g);
+  // the slot's pages for the record's rows (its old pages return first), or the host's refusal with
+  // nothing changed; the lengths travel through the slot's next_length words (decode scratch)
+  std::int64_t* report = SlotAccess::report(cache);
+  KVMEM_RETURN_IF_ERROR(
+      cuda::to_status(cudaMemcpyAsync(d.next_length + slot * G, length.data(), length.size() * sizeof(std::int64_t),
+                                      cudaMemcpyHostToDevice, exec.stream),
+                      "import lengths"));
+  import_pages_kernel<S><<<1, 1, 0, exec.stream>>>(d, slot, d.next_length + slot * G, report);
+  KVMEM_CUDA_RETURN_IF_LAUNCH_FAILED("ua import_pages_kernel");
+  KVMEM_RETURN_IF_ERROR(publish(d, exec.stream));
+  std::int64_t r[4] = {};
+  KVMEM_RETURN_IF_ERROR(
+      cuda::to_status(cudaMemcpyAsync(r, report, sizeof r, cudaMemcpyDeviceToHost, exec.stream), "import report"));
+  KVMEM_RETURN_IF_ERROR(cuda::to_status(cudaStreamSynchronize(exec.stream), "import sync"));
+  KVMEM_RETURN_IF_ERROR(pool_refusal(cache, r, "import_slot"));
   for (std::int64_t g = 0; g < G; ++g) {
-    const std::int64_t n = host.length(0, g), row0 = (slot * G + g) * s.capacity;
-    length[std::size_t(g)] = n;
-    KVMEM_RETURN_IF_ERROR(
-        cuda::to_status(cudaMemcpyAsync(d.keys + row0 * D, host.keys(0, g), std::size_t(n * D) * sizeof(S),
-                                        cudaMemcpyHostToDevice, exec.stream),
-                        "import keys"));
-    KVMEM_RETURN_IF_ERROR(
-        cuda::to_status(cudaMemcpyAsync(d.values + row0 * D, host.values(0, g), std::size_t(n * D) * sizeof(S),
-                                        cudaMemcpyHostToDevice, exec.stream),
-                        "import values"));
-    KVMEM_RETURN_IF_ERROR(
-        cuda::to_status(cudaMemcpyAsync(d.lambda + row0, host.lambda(0, g), std::size_t(n) * sizeof(float),
-                                        cudaMemcpyHostToDevice, exec.stream),
-                        "import lambda"));
-    KVMEM_RETURN_IF_ERROR(
-        cuda::to_status(cudaMemcpyAsync(d.key_logit + row0, host.key_logits(0, g), std::size_t(n) * sizeof(float),
-                                        cudaMemcpyHostToDevice, exec.stream),
-                        "import key logits"));
-    KVMEM_RETURN_IF_ERROR(
-        cuda::to_status(cudaMemcpyAsync(d.pos + row0, host.positions(0, g), std::size_t(n) * sizeof(std::int64_t),
-                                        cudaMemcpyHostToDevice, exec.stream),
-                        "import positions"));
+    const std::int64_t n = length[std::size_t(g)];
+    std::vector<std::int64_t> rows;
+    KVMEM_RETURN_IF_ERROR(cache.page_rows_of(slot * G + g, n, rows, exec.stream));
+    auto v = host.item_view(0, g);  // the one-slot host cache's own pages: contiguous rows
+    KVMEM_RETURN_IF_ERROR(cache.copy_item_rows(d.keys, v.keys, D, n, rows, false, exec.stream));
+    KVMEM_RETURN_IF_ERROR(cache.copy_item_rows(d.values, v.values, D, n, rows, false, exec.stream));
+    KVMEM_RETURN_IF_ERROR(cache.copy_item_rows(d.lambda, v.lambda, 1, n, rows, false, exec.stream));
+    KVMEM_RETURN_IF_ERROR(cache.copy_item_rows(d.key_logit, v.key_logit, 1, n, rows, false, exec.stream));
+    KVMEM_RETURN_IF_ERROR(cache.copy_item_rows(d.pos, v.pos, 1, n, rows, false, exec.stream));
   }
   KVMEM_RETURN_IF_ERROR(
       cuda::to_status(cudaMemcpyAsync(d.length + slot * G, length.data(), length.size() * sizeof(std::int64_t),

@@ -107,7 +107,7 @@ __global__ void __launch_bounds__(32 * kTcWarps)
   const std::int64_t e_begin = blockIdx.x * piece;
   if (e_begin >= total) return;
   const std::int64_t e_end = e_begin + piece < total ? e_begin + piece : total;
-  const std::int64_t first = c.counter[item], cache_row0 = item * c.cap;
+  const std::int64_t first = c.counter[item];
   // this warp's 16 (head, row) pairs: one head, rows [row_base, row_base + 16) of the row tile
   const int head = (warp * 16) / rt, row_base = (warp * 16) % rt;
   // softmax bookkeeping: lane -> pair row lr = lane / 2, columns [half * 32, half * 32 + 32)
@@ -145,10 +145,9 @@ __global__ void __launch_bounds__(32 * kTcWarps)
       for (int x = tid; x < kTcEntries * kVec; x += blockDim.x) {
         const int e = x / kVec, cv = x % kVec;
         const std::int64_t idx = e0 + (e < ne ? e : 0);  // rows past the tile: zero-filled from row e0
-        const bf16* kp =
-            idx < n ? c.keys + (cache_row0 + idx) * D : a.k + b * a.k_b + g * a.k_g + (t0 + idx - n) * a.k_t;
+        const bf16* kp = idx < n ? c.keys + c.row(item, idx) * D : a.k + b * a.k_b + g * a.k_g + (t0 + idx - n) * a.k_t;
         const bf16* vp =
-            idx < n ? c.values + (cache_row0 + idx) * D : a.v + b * a.v_b + g * a.v_g + (t0 + idx - n) * a.v_t;
+            idx < n ? c.values + c.row(item, idx) * D : a.v + b * a.v_b + g * a.v_g + (t0 + idx - n) * a.v_t;
         ptx::cp_async16(ks + e * L::kKPitch + cv * 8, kp + cv * 8, e < ne ? 16 : 0);
         ptx::cp_async16(vs + e * L::kKPitch + cv * 8, vp + cv * 8, e < ne ? 16 : 0);
       }

@@ -297,7 +297,8 @@ __device__ __forceinline__ void dense_prefill_row_tile(const DeviceCache<bf16>& 
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, qr = lane / 4, t4 = lane % 4;
   const std::int64_t k = *s_ticket / items, item = *s_ticket % items;
   const std::int64_t r = c.r, b = item / c.G, g = item % c.G, D = kD;
-  const std::int64_t n = c.length[item], first = c.counter[item], row0 = item * c.cap;
+  // the dense prefill runs on caches whose items own their pages (pool_pages = 0: contiguous rows)
+  const std::int64_t n = c.length[item], first = c.counter[item], row0 = item * c.stride;
   const std::int64_t r0 = k * rt;
   const int nr = T - r0 < rt ? int(T - r0) : rt;  // rows of this tile
   const std::int64_t row_pos0 = first + r0;       // position of the tile's first row
@@ -1009,6 +1010,8 @@ __global__ void __launch_bounds__(kDnThreads, kDnBlocksPerSM)
     s_ticket = t.k * items + t.item;
   }
   __syncthreads();
+  // a sequence that found its slot flagged (batch_reserve_kernel) runs no row tile: nothing waits on it
+  if (a.slot_go != nullptr && a.slot_go[(s_ticket % items) / c.G] == 0) return;
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   constexpr bool kSkip = kSkipPast && kD % 64 == 0;  // the wgmma body (kWg of dense_prefill_row_tile)
 #else
@@ -1021,10 +1024,13 @@ __global__ void __launch_bounds__(kDnThreads, kDnBlocksPerSM)
 }
 #endif  // KVMEM_GPU_VENDOR_PATHS
 
-// grid 1, after dense_prefill_tc_kernel: every item holds its T new rows, its counter advances by T.
+// grid 1, after dense_prefill_tc_kernel: every item that ran (go) holds its T new rows, its counter
+// advances by T.
 template <class S>
-__global__ void dense_advance_kernel(DeviceCache<S> c, std::int64_t items, std::int64_t T) {
+__global__ void dense_advance_kernel(DeviceCache<S> c, std::int64_t items, std::int64_t T, const int* go) {
   for (std::int64_t i = threadIdx.x; i < items; i += blockDim.x) {
+    if (go != nullptr && go[i / c.G] == 0) continue;
+    (void)take_pages(c.pool, i, c.length[i] + T);  // own pages: counts only (no-op after a reservation)
     c.length[i] += T;
     c.counter[i] += T;
   }

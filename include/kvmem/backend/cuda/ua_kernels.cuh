@@ -40,19 +40,125 @@
 
 namespace kvmem::cuda::ua_detail {
 
-// The cache in device memory (one item = one (sequence, kv head); rows ascending in position).
+// The page pool's bookkeeping in device memory (ua/cache.hpp's layout, DESIGN.md 3). The free list is
+// a stack of page numbers below a free count; kernels take pages (pop) and return them (push) with
+// atomics on that count, never both in the same phase of the same launch: the first kernel of a step
+// takes every page the step needs (and, after a barrier, returns the pages of slots that found the pool
+// dry), the later kernels only return pages. A pop takes a whole range [free - k, free) with one
+// compare-and-swap, all or nothing, so a failed request changes nothing; a push claims its range
+// [free, free + k) with one atomic add and then writes the page numbers, which only a later launch
+// reads. The counters (free, taken, returned) are copied into a small host-mapped block at the end of
+// every operation (publish_kernel: UaCache's occupancy reads).
+struct DevicePool {
+  std::int32_t* table = nullptr;      // [I, pages_per_item] logical page -> pool page; nullptr: own pages
+  std::int64_t* held = nullptr;       // [I] pages each item holds
+  std::int32_t* free_list = nullptr;  // [pages] a stack: free pages at [0, free count)
+  std::int64_t* stats = nullptr;      // free count, pages taken, pages returned
+  std::int64_t* mirror = nullptr;     // host-mapped copy of stats (device pointer), or nullptr
+  std::int64_t pages_per_item = 0;
+  int shift = 0;  // log2(page_rows)
+
+  __device__ std::int64_t pages_for(std::int64_t rows) const {
+    return (rows + (std::int64_t(1) << shift) - 1) >> shift;
+  }
+};
+
+__device__ inline unsigned long long* pool_word(const DevicePool& p, int i) {
+  return reinterpret_cast<unsigned long long*>(p.stats + i);
+}
+// Takes k free pages, all or none: true with the range [first, first + k) of the free list, false (the
+// pool unchanged) when fewer than k are free.
+__device__ inline bool pop_pages(const DevicePool& p, std::int64_t k, std::int64_t& first) {
+  if (k <= 0) {
+    first = 0;
+    return true;
+  }
+  unsigned long long* count = pool_word(p, 0);
+  unsigned long long old = *static_cast<volatile unsigned long long*>(count);
+  for (;;) {
+    if (old < static_cast<unsigned long long>(k)) return false;
+    const unsigned long long seen = atomicCAS(count, old, old - static_cast<unsigned long long>(k));
+    if (seen == old) break;
+    old = seen;
+  }
+  atomicAdd(pool_word(p, 1), static_cast<unsigned long long>(k));
+  first = std::int64_t(old) - k;
+  return true;
+}
+// Gives `item` the logical pages [held, need) from a popped range, taking its entries from the top
+// (`next` counts down from first + k, the host's order). Counts only when items own their pages.
+__device__ inline void assign_pages(const DevicePool& p, std::int64_t item, std::int64_t need, std::int64_t& next) {
+  std::int64_t held = p.held[item];
+  if (held >= need) return;
+  if (p.table != nullptr)
+    for (std::int64_t j = held; j < need; ++j) p.table[item * p.pages_per_item + j] = p.free_list[--next];
+  p.held[item] = need;
+}
+// Returns the pages of `item` past its first `rows` rows to the free list (eviction, reset, overflow).
+// Only in a phase that takes no pages (see DevicePool).
+__device__ inline void return_pages(const DevicePool& p, std::int64_t item, std::int64_t rows) {
+  const std::int64_t keep = p.pages_for(rows), held = p.held[item];
+  if (held <= keep) return;
+  const std::int64_t k = held - keep;
+  const std::int64_t at = std::int64_t(atomicAdd(pool_word(p, 0), static_cast<unsigned long long>(k)));
+  if (p.table != nullptr)
+    for (std::int64_t j = 0; j < k; ++j) p.free_list[at + j] = p.table[item * p.pages_per_item + held - 1 - j];
+  atomicAdd(pool_word(p, 2), static_cast<unsigned long long>(k));
+  p.held[item] = keep;
+}
+// One thread: the pages of `rows` rows for `item` (pops and assigns); false (nothing taken) when dry.
+__device__ inline bool take_pages(const DevicePool& p, std::int64_t item, std::int64_t rows) {
+  const std::int64_t need = p.pages_for(rows), held = p.held[item];
+  std::int64_t first = 0;
+  if (held >= need) return true;
+  if (!pop_pages(p, need - held, first)) return false;
+  std::int64_t next = first + (need - held);
+  assign_pages(p, item, need, next);
+  return true;
+}
+// The pool counters into the host-mapped block (one thread, after every page move of the operation).
+__device__ inline void publish_counts(const DevicePool& p) {
+  if (p.mirror == nullptr) return;
+  volatile std::int64_t* m = p.mirror;
+  const volatile std::int64_t* st = p.stats;
+  m[0] = st[0];
+  m[1] = st[1];
+  m[2] = st[2];
+}
+// grid 1, after an operation's kernels. (A template, so that translation units that all include this
+// header link.)
+template <class = void>
+__global__ void publish_kernel(DevicePool p) {
+  publish_counts(p);
+}
+
+// The cache in device memory (one item = one (sequence, kv head); rows ascending in position). Rows
+// live in the pool: with a shared pool (pool_pages > 0) logical row e of an item sits in pool page
+// table[item][e / page_rows] at row e % page_rows (kernel/ua_rows.hpp's map); with pool_pages = 0 item
+// i owns the consecutive pages from i * pages_per_item, so its rows are contiguous from i * stride.
 template <class S>
 struct DeviceCache {
-  S* keys = nullptr;                    // [I, cap, D]
-  S* values = nullptr;                  // [I, cap, D]
-  float* lambda = nullptr;              // [I, cap] λ_e = Λ_{n-1, pos_e} (log space)
-  float* key_logit = nullptr;           // [I, cap] z_k of each entry
-  std::int64_t* pos = nullptr;          // [I, cap] absolute positions
+  S* keys = nullptr;                    // pool rows [pages * page_rows, D]
+  S* values = nullptr;                  // pool rows [pages * page_rows, D]
+  float* lambda = nullptr;              // pool rows: λ_e = Λ_{n-1, pos_e} (log space)
+  float* key_logit = nullptr;           // pool rows: z_k of each entry
+  std::int64_t* pos = nullptr;          // pool rows: absolute positions
   std::int64_t* length = nullptr;       // [I] entries in use
   std::int64_t* counter = nullptr;      // [I] next absolute position (tokens seen by the sequence)
   int* done = nullptr;                  // [I] decode blocks finished this step (the last one resets it to 0)
   std::int64_t* next_length = nullptr;  // [I] a one-block decode step's new length, published by the last block
-  std::int64_t cap = 0, D = 0, G = 0, r = 0;
+  int* batch_done = nullptr;            // [1] a fixed-batch decode's finished items (the last one publishes)
+  DevicePool pool;
+  std::int64_t stride = 0;    // rows between consecutive items' first rows when the pool is not shared
+  std::int64_t capacity = 0;  // most rows one item may hold (CacheShape::capacity)
+  std::int64_t D = 0, G = 0, r = 0;
+
+  // Pool row of logical entry e of `item`.
+  __device__ std::int64_t row(std::int64_t item, std::int64_t e) const {
+    if (pool.table == nullptr) return item * stride + e;
+    const std::int64_t page = pool.table[item * pool.pages_per_item + (e >> pool.shift)];
+    return (page << pool.shift) | (e & ((std::int64_t(1) << pool.shift) - 1));
+  }
 };
 
 // One call's inputs (device memory, innermost stride 1) and the scratch of its partials.
@@ -81,7 +187,12 @@ struct DeviceCall {
   float* lambda_new = nullptr;  // [I, P] λ of the call's own keys at the end of the chunk
   std::int64_t P = 0;           // rows per chunk the scratch is laid out for
   int splits = 1;               // grid.x of the attend kernel
-  double log_p = 0.0;           // ln p; -inf = never evict
+  std::int64_t tokens = 0;      // fixed batch: the call's tokens per sequence (its last chunk returns spare pages)
+  // A fixed batch over items that own their pages (pool_pages = 0: nothing can run dry): no reservation
+  // launch; the kernels that append take the page counts themselves, and a decode publishes the
+  // counters from its last item (no publish launch: a decode step is bound by its launches).
+  bool count_pages = false;
+  double log_p = 0.0;  // ln p; -inf = never evict
   bool evict_before_attention = true;
   // A slot step (ragged rows over packed token-major inputs, DESIGN.md 3): row_slot != nullptr. The
   // grid then runs over (row, kv head) pairs instead of (sequence, kv head) items; the cache item of a
@@ -90,7 +201,8 @@ struct DeviceCall {
   // cache item (partials, lambda_new, tickets) stays valid: a slot appears in at most one row.
   const std::int32_t* row_slot = nullptr;   // [rows] slot of each row, -1 = padding
   const std::int32_t* row_start = nullptr;  // [rows + 1] query_start
-  const int* slot_go = nullptr;             // [max_slots] 1: the slot's row runs this step (step_begin_kernel)
+  const int* slot_go = nullptr;             // [max_slots] 1: the slot's row runs this step (step_begin_kernel,
+                                            // batch_reserve_kernel for a fixed batch)
   const int* step_error = nullptr;          // nonzero: the step's rows were refused, no kernel touches anything
   const int* prefill_rows = nullptr;        // [max_slots] the step's running rows of >= 2 tokens, any order
   const int* prefill_count = nullptr;       // how many prefill_rows hold
@@ -100,6 +212,7 @@ struct DeviceCall {
 // first input row t0 within the row, and its row count.
 struct ChunkWork {
   std::int64_t item, b, t0, rows;
+  bool last;  // the chunk ends the row (or the fixed-batch call): the item's spare pages go back after it
 };
 // Fixed batch: grid item gi is cache item gi, sequence gi / G, every item has the call's rows. Slot
 // step: grid item gi is (prefill_rows[gi / G], kv head gi % G): the rows of at least 2 tokens whose slot
@@ -110,7 +223,8 @@ template <class S>
 __device__ inline bool chunk_work(const DeviceCache<S>& c, const DeviceCall<S>& a, std::int64_t gi, std::int64_t t0,
                                   std::int64_t rows, ChunkWork& w) {
   if (a.row_slot == nullptr) {
-    w = {gi, gi / c.G, t0, rows};
+    if (a.slot_go != nullptr && a.slot_go[gi / c.G] == 0) return false;  // its slot found the pool dry
+    w = {gi, gi / c.G, t0, rows, t0 + rows >= a.tokens};
     return true;
   }
   if (*a.step_error != 0 || gi / c.G >= *a.prefill_count) return false;
@@ -118,7 +232,7 @@ __device__ inline bool chunk_work(const DeviceCache<S>& c, const DeviceCall<S>& 
   const int s = a.row_slot[row];
   const std::int64_t x0 = a.row_start[row], n = a.row_start[row + 1] - x0;
   if (t0 >= n) return false;
-  w = {s * c.G + g, x0, t0, n - t0 < rows ? n - t0 : rows};
+  w = {s * c.G + g, x0, t0, n - t0 < rows ? n - t0 : rows, t0 + rows >= n};
   return true;
 }
 
@@ -171,12 +285,12 @@ __device__ inline void load_entry_meta(const DeviceCache<S>& c, const DeviceCall
                                        std::int64_t b, std::int64_t n, std::int64_t t0, std::int64_t first,
                                        std::int64_t e0, std::int64_t ne, float* e_logit, float* e_part,
                                        std::int64_t* e_pos) {
-  const std::int64_t g = item % c.G, row0 = item * c.cap;
+  const std::int64_t g = item % c.G;
   for (std::int64_t e = threadIdx.x; e < ne; e += blockDim.x) {
     const std::int64_t idx = e0 + e;
-    e_logit[e] = idx < n ? c.key_logit[row0 + idx] : a.z_k[b * a.zk_b + g * a.zk_g + (t0 + idx - n) * a.zk_t];
+    e_logit[e] = idx < n ? c.key_logit[c.row(item, idx)] : a.z_k[b * a.zk_b + g * a.zk_g + (t0 + idx - n) * a.zk_t];
     e_part[e] = kernel::ua::key_gate_part(e_logit[e]);
-    e_pos[e] = idx < n ? c.pos[row0 + idx] : first + (idx - n);
+    e_pos[e] = idx < n ? c.pos[c.row(item, idx)] : first + (idx - n);
   }
 }
 
@@ -190,7 +304,7 @@ __device__ inline void carry_lambda(const DeviceCache<S>& c, const DeviceCall<S>
                                     std::int64_t ne, const std::int64_t* e_pos, float* tile, std::int64_t pitch) {
   for (std::int64_t e = threadIdx.x; e < ne; e += blockDim.x) {
     const std::int64_t idx = e0 + e, p = e_pos[e];
-    float* lam_at = idx < n ? c.lambda + item * c.cap + idx : a.lambda_new + item * a.P + (idx - n);
+    float* lam_at = idx < n ? c.lambda + c.row(item, idx) : a.lambda_new + item * a.P + (idx - n);
     // a call key at or after this row tile's first row has no decay yet (Λ_pp = 0); its entry tile
     // may have been skipped entirely by earlier row tiles, so its slot is not read
     float lam = (idx >= n && idx - n >= r0) ? 0.0f : *lam_at;
@@ -246,7 +360,6 @@ __global__ void __launch_bounds__(kChunkThreads)
   if (e_begin >= total) return;
   const std::int64_t e_end = e_begin + piece < total ? e_begin + piece : total;
   const std::int64_t first = c.counter[item];  // absolute position of the chunk's row 0 (input row t0)
-  const std::int64_t cache_row0 = item * c.cap;
 
   const int tid = threadIdx.x, pair = tid / kLanesPerPair, lane = tid % kLanesPerPair;
   const int head = pair / rt, prow = pair % rt;
@@ -277,9 +390,8 @@ __global__ void __launch_bounds__(kChunkThreads)
       __syncthreads();  // the previous step's readers of ks/vs/tile are done (and nk is written)
       for (std::int64_t x = tid; x < ne * D; x += blockDim.x) {
         const std::int64_t e = x / D, d = x % D, idx = e0 + e;
-        const S* kp = idx < n ? c.keys + (cache_row0 + idx) * D : a.k + b * a.k_b + g * a.k_g + (t0 + idx - n) * a.k_t;
-        const S* vp =
-            idx < n ? c.values + (cache_row0 + idx) * D : a.v + b * a.v_b + g * a.v_g + (t0 + idx - n) * a.v_t;
+        const S* kp = idx < n ? c.keys + c.row(item, idx) * D : a.k + b * a.k_b + g * a.k_g + (t0 + idx - n) * a.k_t;
+        const S* vp = idx < n ? c.values + c.row(item, idx) * D : a.v + b * a.v_b + g * a.v_g + (t0 + idx - n) * a.v_t;
         ks[e * pitch + d] = ld(kp + d);
         vs[e * pitch + d] = ld(vp + d);
       }
@@ -504,10 +616,11 @@ __device__ inline void copy_rows(std::int64_t rows, std::int64_t D, bool vec16, 
 }
 template <class S>
 __device__ inline void finish_item(const DeviceCache<S>& c, const DeviceCall<S>& a, std::int64_t item, std::int64_t b,
-                                   std::int64_t t0, std::int64_t rows, unsigned char* fsm) {
+                                   std::int64_t t0, std::int64_t rows, bool last, unsigned char* fsm) {
   const std::int64_t D = c.D, g = item % c.G;
-  const std::int64_t n = c.length[item], row0 = item * c.cap;
+  const std::int64_t n = c.length[item];
   const std::int64_t first = c.counter[item];  // absolute position of the call's row t0
+  if (a.count_pages && threadIdx.x == 0) (void)take_pages(c.pool, item, n + rows);  // counts only
   const int tid = threadIdx.x, lane = tid % kWarpSize;
   // rows of the cache and of the staging buffer start 16 bytes apart when D * sizeof(S) is a multiple of 16
   // (UaCache's arena and the dynamic shared memory are 16-byte aligned)
@@ -531,7 +644,7 @@ __device__ inline void finish_item(const DeviceCache<S>& c, const DeviceCall<S>&
       const std::int64_t ne = n - e0 < kCompactRows ? n - e0 : kCompactRows;
       __syncthreads();  // the previous group is written
       if (tid < kCompactRows) {
-        const bool keep = lane < ne && !kernel::ua::evicts(load_cg(c.lambda + row0 + e0 + lane), a.log_p);
+        const bool keep = lane < ne && !kernel::ua::evicts(load_cg(c.lambda + c.row(item, e0 + lane)), a.log_p);
         const LaneMask mask = warp_ballot(keep);
         dst[lane] = keep ? int(kept + mask_popc(mask & lanes_below(lane))) : -1;
         if (lane == 0) group_kept = mask_popc(mask);
@@ -539,28 +652,28 @@ __device__ inline void finish_item(const DeviceCache<S>& c, const DeviceCall<S>&
       __syncthreads();
       if (kept + group_kept < e0 + ne) {  // an eviction so far: survivors may move down (a copy in place is harmless)
         copy_rows<S>(
-            ne, D, vec_cache, [&](std::int64_t e) { return c.keys + (row0 + e0 + e) * D; },
+            ne, D, vec_cache, [&](std::int64_t e) { return c.keys + c.row(item, e0 + e) * D; },
             [&](std::int64_t e) { return kst + e * D; });
         copy_rows<S>(
-            ne, D, vec_cache, [&](std::int64_t e) { return c.values + (row0 + e0 + e) * D; },
+            ne, D, vec_cache, [&](std::int64_t e) { return c.values + c.row(item, e0 + e) * D; },
             [&](std::int64_t e) { return vst + e * D; });
         for (std::int64_t e = tid; e < ne; e += blockDim.x) {
-          lst[e] = load_cg(c.lambda + row0 + e0 + e);
-          zst[e] = c.key_logit[row0 + e0 + e];
-          pst[e] = c.pos[row0 + e0 + e];
+          lst[e] = load_cg(c.lambda + c.row(item, e0 + e));
+          zst[e] = c.key_logit[c.row(item, e0 + e)];
+          pst[e] = c.pos[c.row(item, e0 + e)];
         }
         __syncthreads();
         copy_rows<S>(
             ne, D, vec_cache, [&](std::int64_t e) { return kst + e * D; },
-            [&](std::int64_t e) { return dst[e] < 0 ? nullptr : c.keys + (row0 + dst[e]) * D; });
+            [&](std::int64_t e) { return dst[e] < 0 ? nullptr : c.keys + c.row(item, dst[e]) * D; });
         copy_rows<S>(
             ne, D, vec_cache, [&](std::int64_t e) { return vst + e * D; },
-            [&](std::int64_t e) { return dst[e] < 0 ? nullptr : c.values + (row0 + dst[e]) * D; });
+            [&](std::int64_t e) { return dst[e] < 0 ? nullptr : c.values + c.row(item, dst[e]) * D; });
         for (std::int64_t e = tid; e < ne; e += blockDim.x) {
           if (dst[e] < 0) continue;
-          c.lambda[row0 + dst[e]] = lst[e];
-          c.key_logit[row0 + dst[e]] = zst[e];
-          c.pos[row0 + dst[e]] = pst[e];
+          c.lambda[c.row(item, dst[e])] = lst[e];
+          c.key_logit[c.row(item, dst[e])] = zst[e];
+          c.pos[c.row(item, dst[e])] = pst[e];
         }
       }
       kept += group_kept;
@@ -597,20 +710,23 @@ __device__ inline void finish_item(const DeviceCache<S>& c, const DeviceCall<S>&
   const bool vec_in = vec_cache && a.kv_rows16;
   copy_rows<S>(
       rows, D, vec_in, [&](std::int64_t j) { return k_in + j * a.k_t; },
-      [&](std::int64_t j) { return new_dst[j] < 0 ? nullptr : c.keys + (row0 + new_dst[j]) * D; });
+      [&](std::int64_t j) { return new_dst[j] < 0 ? nullptr : c.keys + c.row(item, new_dst[j]) * D; });
   copy_rows<S>(
       rows, D, vec_in, [&](std::int64_t j) { return v_in + j * a.v_t; },
-      [&](std::int64_t j) { return new_dst[j] < 0 ? nullptr : c.values + (row0 + new_dst[j]) * D; });
+      [&](std::int64_t j) { return new_dst[j] < 0 ? nullptr : c.values + c.row(item, new_dst[j]) * D; });
   for (std::int64_t j = tid; j < rows; j += blockDim.x) {
     if (new_dst[j] < 0) continue;
-    c.lambda[row0 + new_dst[j]] = a.lambda_new ? a.lambda_new[item * a.P + j] : 0.0f;
-    c.key_logit[row0 + new_dst[j]] = a.z_k[b * a.zk_b + g * a.zk_g + (t0 + j) * a.zk_t];
-    c.pos[row0 + new_dst[j]] = first + j;
+    c.lambda[c.row(item, new_dst[j])] = a.lambda_new ? a.lambda_new[item * a.P + j] : 0.0f;
+    c.key_logit[c.row(item, new_dst[j])] = a.z_k[b * a.zk_b + g * a.zk_g + (t0 + j) * a.zk_t];
+    c.pos[c.row(item, new_dst[j])] = first + j;
   }
   __syncthreads();  // every thread has read length / counter (first) above
   if (tid == 0) {
     c.length[item] = kept;
     c.counter[item] += rows;
+    // the pages past the survivors go back once the row's (or call's) last chunk is in: the step took
+    // its pages for kept + tokens rows before it ran
+    if (last) return_pages(c.pool, item, kept);
   }
 }
 
@@ -621,7 +737,7 @@ __global__ void __launch_bounds__(kFinishThreads)
   extern __shared__ __align__(16) unsigned char fsm[];
   ChunkWork w;
   if (!chunk_work(c, a, blockIdx.x, t0, rows, w)) return;
-  finish_item(c, a, w.item, w.b, w.t0, w.rows, fsm);
+  finish_item(c, a, w.item, w.b, w.t0, w.rows, w.last, fsm);
 }
 
 // ---- decode, short caches: the whole step of one item in one block -------------------------------
@@ -671,7 +787,7 @@ struct OneBlockLayout {
 template <class Set, class S, int kDpl>
 __device__ inline std::int64_t decode_one_block(const DeviceCache<S>& c, const DeviceCall<S>& a, std::int64_t item,
                                                 std::int64_t b, std::int64_t n, unsigned char* smem) {
-  const std::int64_t D = c.D, r = c.r, g = item % c.G, row0 = item * c.cap;
+  const std::int64_t D = c.D, r = c.r, g = item % c.G;
   const std::int64_t t = c.counter[item];
   const OneBlockLayout L(D, r, sizeof(S));
   const int pitch = int(L.pitch);
@@ -719,21 +835,22 @@ __device__ inline std::int64_t decode_one_block(const DeviceCache<S>& c, const D
     const int cached = int(n - e0 < ne ? n - e0 : ne);  // entries of the tile that are cache rows
     __syncthreads();  // the previous tile's readers of the staging buffers are done (setup written)
     // 1. stage the tile: rows with cp.async (no registers, every load in flight at once)
-    const S* tile_keys = c.keys + (row0 + e0) * D;
-    const S* tile_values = c.values + (row0 + e0) * D;
+    // (rows through the page map: a tile may span pages)
     if (vec) {
       const int per_row = dim * int(sizeof(S)) / 16, per = 16 / int(sizeof(S));
       for (int x = tid; x < cached * per_row; x += int(blockDim.x)) {
         const int e = x / per_row, w = x % per_row;
-        ptx::cp_async16(kst + e * pitch + w * per, tile_keys + e * dim + w * per, 16);
-        ptx::cp_async16(vst + e * pitch + w * per, tile_values + e * dim + w * per, 16);
+        const std::int64_t at = c.row(item, e0 + e) * D + w * per;
+        ptx::cp_async16(kst + e * pitch + w * per, c.keys + at, 16);
+        ptx::cp_async16(vst + e * pitch + w * per, c.values + at, 16);
       }
       ptx::cp_async_commit();
     } else {
       for (int x = tid; x < cached * dim; x += int(blockDim.x)) {
         const int e = x / dim, d = x % dim;
-        kst[e * pitch + d] = tile_keys[e * dim + d];
-        vst[e * pitch + d] = tile_values[e * dim + d];
+        const std::int64_t at = c.row(item, e0 + e) * D + d;
+        kst[e * pitch + d] = c.keys[at];
+        vst[e * pitch + d] = c.values[at];
       }
     }
     if (cached < ne)  // the new token is the tile's last entry
@@ -743,9 +860,9 @@ __device__ inline std::int64_t decode_one_block(const DeviceCache<S>& c, const D
       }
     for (int e = tid; e < ne; e += int(blockDim.x)) {
       const bool in_cache = e < cached;
-      lam_t[e] = in_cache ? c.lambda[row0 + e0 + e] : 0.0f;
-      zk_t[e] = in_cache ? c.key_logit[row0 + e0 + e] : a.z_k[b * a.zk_b + g * a.zk_g];
-      pos_t[e] = in_cache ? c.pos[row0 + e0 + e] : t;
+      lam_t[e] = in_cache ? c.lambda[c.row(item, e0 + e)] : 0.0f;
+      zk_t[e] = in_cache ? c.key_logit[c.row(item, e0 + e)] : a.z_k[b * a.zk_b + g * a.zk_g];
+      pos_t[e] = in_cache ? c.pos[c.row(item, e0 + e)] : t;
     }
     ptx::cp_async_wait<0>();
     __syncthreads();
@@ -904,20 +1021,20 @@ __device__ inline std::int64_t decode_one_block(const DeviceCache<S>& c, const D
     auto moved = [&](std::int64_t e) { return dst_t[e] >= 0 && dst_t[e] != e0 + e; };
     copy_rows<S>(
         ne, D, vec, [&](std::int64_t e) { return kst + e * pitch; },
-        [&](std::int64_t e) { return moved(e) ? c.keys + (row0 + dst_t[e]) * D : nullptr; });
+        [&](std::int64_t e) { return moved(e) ? c.keys + c.row(item, dst_t[e]) * D : nullptr; });
     copy_rows<S>(
         ne, D, vec, [&](std::int64_t e) { return vst + e * pitch; },
-        [&](std::int64_t e) { return moved(e) ? c.values + (row0 + dst_t[e]) * D : nullptr; });
+        [&](std::int64_t e) { return moved(e) ? c.values + c.row(item, dst_t[e]) * D : nullptr; });
     for (int e = tid; e < ne; e += int(blockDim.x)) {
       if (dst_t[e] < 0) continue;
-      c.lambda[row0 + dst_t[e]] = lam_t[e];
+      c.lambda[c.row(item, dst_t[e])] = lam_t[e];
       if (moved(e)) {
-        c.key_logit[row0 + dst_t[e]] = zk_t[e];
-        c.pos[row0 + dst_t[e]] = pos_t[e];
+        c.key_logit[c.row(item, dst_t[e])] = zk_t[e];
+        c.pos[c.row(item, dst_t[e])] = pos_t[e];
       }
     }
     if (cached < ne) {  // 6. append the new token after the survivors (λ = 0 >= ln p: always kept)
-      const std::int64_t slot = row0 + *kept_s;
+      const std::int64_t slot = c.row(item, *kept_s);
       copy_rows<S>(
           1, D, vec, [&](std::int64_t) { return kst + cached * pitch; },
           [&](std::int64_t) { return c.keys + slot * D; });
@@ -968,7 +1085,7 @@ __device__ inline void decode_split(const DeviceCache<S>& c, const DeviceCall<S>
   const std::int64_t e_begin = split * piece;
   if (e_begin >= total) return;
   const std::int64_t e_end = e_begin + piece < total ? e_begin + piece : total;
-  const std::int64_t t = c.counter[item], row0 = item * c.cap;
+  const std::int64_t t = c.counter[item];
   const int tid = threadIdx.x, warp = tid / kWarpSize, lane = tid % kWarpSize, warps = kDecodeThreads / kWarpSize;
   const int grp = lane / kDecodeGroup, sub = lane % kDecodeGroup;
   const S* new_key = a.k + b * a.k_b + g * a.k_g;
@@ -996,7 +1113,7 @@ __device__ inline void decode_split(const DeviceCache<S>& c, const DeviceCall<S>
     for (std::int64_t eb = warp * kGroupsPerWarp; eb < ne; eb += warps * kGroupsPerWarp) {  // warp-uniform bound
       const std::int64_t e = eb + grp, idx = e0 + e;
       const bool valid = e < ne, cached = valid && idx < n;
-      const S* krow = cached ? c.keys + (row0 + idx) * D : new_key;
+      const S* krow = cached ? c.keys + c.row(item, idx) * D : new_key;
       float key[kDpl];
 #pragma unroll
       for (int x = 0; x < kDpl; ++x) {
@@ -1013,13 +1130,13 @@ __device__ inline void decode_split(const DeviceCache<S>& c, const DeviceCall<S>
       float lam = 0.0f;
       bool masked = !valid;
       if (cached) {
-        const float zk = c.key_logit[row0 + idx];
-        const std::int64_t p = c.pos[row0 + idx];
-        lam = c.lambda[row0 + idx];
+        const float zk = c.key_logit[c.row(item, idx)];
+        const std::int64_t p = c.pos[c.row(item, idx)];
+        lam = c.lambda[c.row(item, idx)];
         if (t > p)
           lam +=
               kernel::ua::decay_from_similarity<Set, float>(sim, zk, kernel::ua::key_gate_part(zk), p, zq, q_part, t);
-        if (sub == 0) c.lambda[row0 + idx] = lam;
+        if (sub == 0) c.lambda[c.row(item, idx)] = lam;
         masked = a.evict_before_attention && kernel::ua::evicts(lam, a.log_p);
       }
       for (std::int64_t h = 0; h < r; ++h) {
@@ -1063,7 +1180,7 @@ __device__ inline void decode_split(const DeviceCache<S>& c, const DeviceCall<S>
 #pragma unroll
         for (int u = 0; u < 4; ++u) {
           const std::int64_t id = e0 + e + u;
-          val[u] = ld(id < n ? c.values + (row0 + id) * D + d : a.v + b * a.v_b + g * a.v_g + d);
+          val[u] = ld(id < n ? c.values + c.row(item, id) * D + d : a.v + b * a.v_b + g * a.v_g + d);
         }
         for (std::int64_t h = 0; h < r; ++h)
 #pragma unroll
@@ -1071,7 +1188,7 @@ __device__ inline void decode_split(const DeviceCache<S>& c, const DeviceCall<S>
       }
       for (; e < ne; ++e) {
         const std::int64_t id = e0 + e;
-        const float val = ld(id < n ? c.values + (row0 + id) * D + d : a.v + b * a.v_b + g * a.v_g + d);
+        const float val = ld(id < n ? c.values + c.row(item, id) * D + d : a.v + b * a.v_b + g * a.v_g + d);
         for (std::int64_t h = 0; h < r; ++h) acc[h * D + d] += wts[h * kDecodeThreads + e] * val;
       }
     }
@@ -1143,6 +1260,7 @@ __global__ void __launch_bounds__(kDecodeThreads) decode_attend_kernel(DeviceCac
   extern __shared__ __align__(16) float dsm[];
   std::int64_t item = blockIdx.x, b = item / c.G;
   if (a.row_slot != nullptr && !decode_row(c, a, blockIdx.x, item, b)) return;
+  if (a.row_slot == nullptr && a.slot_go != nullptr && a.slot_go[b] == 0) return;  // found the pool dry
   const std::int64_t n = ptx::load_acquire(c.length + item);
   const int split = int(blockIdx.y);
   const bool one_block = n <= kOneBlockMaxKept;
@@ -1166,14 +1284,26 @@ __global__ void __launch_bounds__(kDecodeThreads) decode_attend_kernel(DeviceCac
   ptx::fence_acq_rel_gpu();
   if (one_block) {
     if (threadIdx.x == 0) {
-      c.length[item] = load_cg(c.next_length + item);
+      const std::int64_t length = load_cg(c.next_length + item);
+      if (a.count_pages) (void)take_pages(c.pool, item, n + 1);  // counts only
+      c.length[item] = length;
       c.counter[item] += 1;
+      return_pages(c.pool, item, length);
     }
   } else {
     merge_row(c, a, item, b, 0, 0, active_splits(n + 1, a.splits, 32));
-    finish_item(c, a, item, b, 0, 1, reinterpret_cast<unsigned char*>(dsm));  // the attention buffers are free now
+    finish_item(c, a, item, b, 0, 1, true,
+                reinterpret_cast<unsigned char*>(dsm));  // the attention buffers are free now
   }
   if (threadIdx.x == 0) c.done[item] = 0;
+  if (a.count_pages && threadIdx.x == 0) {  // fixed batch: the last item to finish publishes the counters
+    __threadfence();
+    if (atomicAdd(c.batch_done, 1) == int(gridDim.x) - 1) {
+      __threadfence();
+      publish_counts(c.pool);
+      *c.batch_done = 0;
+    }
+  }
 }
 
 // ---- slot step: the rows' check and the per-row decisions, on the device ------------------------
@@ -1184,9 +1314,9 @@ __global__ void __launch_bounds__(kDecodeThreads) decode_attend_kernel(DeviceCac
 // and records the first refused row (lowest row, then lowest check) in `error`. A refused step runs
 // nothing, and the error is sticky: every later step is refused too until UaCache::step_status reads
 // and clears it, so an engine replaying a graph cannot miss a refused step. Otherwise each row of a slot with tokens
-// decides whether it runs: its slot is not flagged as overflowed and every kv head of it has room for kept + tokens
-// rows (eviction is data-dependent: the host backend's bound); a row without room flags its slot (sticky until the slot
-// is reset, copied over or imported) and is skipped, while the other rows run.
+// decides whether it runs: its slot is not flagged as overflowed, every kv head of it has room for kept + tokens
+// rows and the pool gives their pages (see the kernel); a row that does not run flags its slot and is skipped, while
+// the other rows run.
 enum StepCheck : int {
   kStepOk = 0,
   kStepFirstStart = 1,  // query_start[0] != 0
@@ -1261,52 +1391,209 @@ __global__ void __launch_bounds__(kStepBeginThreads) step_begin_kernel(DeviceCac
     return;  // every go flag is 0, and every kernel of the step reads the error first
   }
   if (tid == 0) sr.error[0] = kStepOk;
+  // Room and pages (DevicePool): a row runs when its slot is not flagged, has room for kept + tokens rows
+  // in every kv head (eviction is data-dependent: the host backend's bound) and gets the pages of those
+  // rows, all of them or none (a decode row: at most one page per kv head, as the host takes it); a row
+  // that does not run flags its slot (sticky until the slot is reset, copied over or imported) and is
+  // skipped while the other rows run. After a barrier, a slot that found the pool dry returns its pages.
   for (std::int64_t row = tid; row < sr.rows; row += threads) {
     const int s = sr.slot[row];
     const std::int64_t n = sr.start[row + 1] - sr.start[row];
     if (s < 0 || n == 0) continue;
-    bool room = sr.overflow[s] == 0;
-    for (std::int64_t g = 0; room && g < c.G; ++g) room = c.length[s * c.G + g] + n <= c.cap;
-    if (!room) sr.overflow[s] = 1;
-    sr.go[s] = room ? 1 : 0;
-    if (room && n >= 2) sr.prefill_rows[atomicAdd(&prefills, 1)] = int(row);
+    if (sr.overflow[s] != 0) continue;  // flagged by an earlier step: skipped until reset
+    bool room = true;
+    std::int64_t k = 0;
+    for (std::int64_t g = 0; room && g < c.G; ++g) {
+      const std::int64_t it = s * c.G + g, need = c.pool.pages_for(c.length[it] + n);
+      room = c.length[it] + n <= c.capacity;
+      k += need > c.pool.held[it] ? need - c.pool.held[it] : 0;
+    }
+    std::int64_t first = 0;
+    if (room && pop_pages(c.pool, k, first)) {
+      std::int64_t next = first + k;
+      for (std::int64_t g = 0; g < c.G; ++g)
+        assign_pages(c.pool, s * c.G + g, c.pool.pages_for(c.length[s * c.G + g] + n), next);
+      sr.go[s] = 1;
+      if (n >= 2) sr.prefill_rows[atomicAdd(&prefills, 1)] = int(row);
+    } else {
+      sr.overflow[s] = 1;
+      // a slot without room keeps its rows (the step skips its row); one that found the pool dry is
+      // emptied, its pages going back below (the host's overflow)
+      if (room) sr.first[s] = -1;
+    }
+  }
+  __syncthreads();
+  for (std::int64_t s = tid; s < sr.max_slots; s += threads) {
+    if (sr.first[s] != -1) continue;
+    for (std::int64_t g = 0; g < c.G; ++g) {
+      return_pages(c.pool, s * c.G + g, 0);
+      c.length[s * c.G + g] = 0;
+    }
   }
   __syncthreads();
   if (tid == 0) *sr.prefill_count = prefills;
 }
 
 // Slot operations on lists the host has checked (core/slots.hpp check_slot_list, check_copy_pairs).
-// reset: grid (n), one thread per kv head: empty the slot, restart its positions, clear its flag.
-__global__ void reset_slots_kernel(std::int64_t* length, std::int64_t* counter, int* overflow, std::int64_t G,
-                                   const std::int32_t* slots) {
-  const std::int64_t s = slots[blockIdx.x];
-  for (std::int64_t g = threadIdx.x; g < G; g += blockDim.x) {
-    length[s * G + g] = 0;
-    counter[s * G + g] = 0;
+// reset: grid (n), one thread per kv head (slots == nullptr: the one slot `one`, or with one < 0 slot
+// blockIdx.x): empty the slot (its pages back to the pool), restart its
+// positions, clear its flag.
+template <class S>
+__global__ void reset_slots_kernel(DeviceCache<S> c, int* overflow, const std::int32_t* slots, std::int32_t one) {
+  const std::int64_t s = slots != nullptr ? slots[blockIdx.x] : one >= 0 ? one : std::int64_t(blockIdx.x);
+  for (std::int64_t g = threadIdx.x; g < c.G; g += blockDim.x) {
+    return_pages(c.pool, s * c.G + g, 0);
+    c.length[s * c.G + g] = 0;
+    c.counter[s * c.G + g] = 0;
   }
   if (threadIdx.x == 0) overflow[s] = 0;
 }
-// copy: grid (n, G): item (src, g) into (dst, g), every kept row, the counters and the overflow flag. No
-// destination is a source of another pair, so the blocks never read what another block writes.
+// copy, first launch (one thread): the destinations' pages. Every destination item returns its pages
+// and takes those of its source's rows, when the pool can give them all; otherwise nothing changes and
+// report[0] is set (the host's rule: a copy the pool cannot hold is refused whole).
 template <class S>
-__global__ void copy_slots_kernel(DeviceCache<S> c, int* overflow, const std::int32_t* src, const std::int32_t* dst) {
+__global__ void copy_pages_kernel(DeviceCache<S> c, const std::int32_t* src, const std::int32_t* dst, std::int64_t n,
+                                  std::int64_t* report) {
+  const std::int64_t rows_per_page = std::int64_t(1) << c.pool.shift;
+  std::int64_t need = 0, back = 0;
+  for (std::int64_t i = 0; i < n; ++i) {
+    if (src[i] == dst[i]) continue;
+    for (std::int64_t g = 0; g < c.G; ++g) {
+      need += (c.length[src[i] * c.G + g] + rows_per_page - 1) / rows_per_page;
+      back += c.pool.held[dst[i] * c.G + g];
+    }
+  }
+  const std::int64_t free = *static_cast<volatile std::int64_t*>(c.pool.stats);
+  // report: refused (0/1), pages needed, free pages, pages the destinations return (check_pool's message)
+  report[0] = free + back < need ? 1 : 0;
+  report[1] = need;
+  report[2] = free;
+  report[3] = back;
+  if (report[0] != 0) return;
+  for (std::int64_t i = 0; i < n; ++i) {
+    if (src[i] == dst[i]) continue;
+    for (std::int64_t g = 0; g < c.G; ++g) return_pages(c.pool, dst[i] * c.G + g, 0);
+  }
+  for (std::int64_t i = 0; i < n; ++i) {
+    if (src[i] == dst[i]) continue;
+    for (std::int64_t g = 0; g < c.G; ++g) (void)take_pages(c.pool, dst[i] * c.G + g, c.length[src[i] * c.G + g]);
+  }
+}
+// import, before the rows are copied in (one thread): slot `slot` returns its pages and takes those of
+// the record's lengths [G] (device memory), when the pool can give them; else nothing changes and
+// report[0] is set (report as copy_pages_kernel's).
+template <class S>
+__global__ void import_pages_kernel(DeviceCache<S> c, std::int64_t slot, const std::int64_t* lengths,
+                                    std::int64_t* report) {
+  const std::int64_t rows_per_page = std::int64_t(1) << c.pool.shift;
+  std::int64_t need = 0, back = 0;
+  for (std::int64_t g = 0; g < c.G; ++g) {
+    need += (lengths[g] + rows_per_page - 1) / rows_per_page;
+    back += c.pool.held[slot * c.G + g];
+  }
+  const std::int64_t free = *static_cast<volatile std::int64_t*>(c.pool.stats);
+  report[0] = free + back < need ? 1 : 0;
+  report[1] = need;
+  report[2] = free;
+  report[3] = back;
+  if (report[0] != 0) return;
+  for (std::int64_t g = 0; g < c.G; ++g) return_pages(c.pool, slot * c.G + g, 0);
+  for (std::int64_t g = 0; g < c.G; ++g) (void)take_pages(c.pool, slot * c.G + g, lengths[g]);
+}
+// copy, second launch: grid (n, G): item (src, g) into (dst, g), every kept row through both page maps,
+// the counters and the overflow flag. No destination is a source of another pair, so the blocks never
+// read what another block writes.
+template <class S>
+__global__ void copy_slots_kernel(DeviceCache<S> c, int* overflow, const std::int32_t* src, const std::int32_t* dst,
+                                  const std::int64_t* report) {
   const std::int64_t from_slot = src[blockIdx.x], to_slot = dst[blockIdx.x], g = blockIdx.y;
-  if (from_slot == to_slot) return;
+  if (from_slot == to_slot || report[0] != 0) return;
   const std::int64_t from = from_slot * c.G + g, to = to_slot * c.G + g, n = c.length[from];
-  const std::int64_t f0 = from * c.cap, t0 = to * c.cap;
   for (std::int64_t x = threadIdx.x; x < n * c.D; x += blockDim.x) {
-    c.keys[t0 * c.D + x] = c.keys[f0 * c.D + x];
-    c.values[t0 * c.D + x] = c.values[f0 * c.D + x];
+    const std::int64_t e = x / c.D, d = x % c.D, f = c.row(from, e) * c.D + d, t = c.row(to, e) * c.D + d;
+    c.keys[t] = c.keys[f];
+    c.values[t] = c.values[f];
   }
   for (std::int64_t e = threadIdx.x; e < n; e += blockDim.x) {
-    c.lambda[t0 + e] = c.lambda[f0 + e];
-    c.key_logit[t0 + e] = c.key_logit[f0 + e];
-    c.pos[t0 + e] = c.pos[f0 + e];
+    const std::int64_t f = c.row(from, e), t = c.row(to, e);
+    c.lambda[t] = c.lambda[f];
+    c.key_logit[t] = c.key_logit[f];
+    c.pos[t] = c.pos[f];
   }
   if (threadIdx.x == 0) {
     c.length[to] = n;
     c.counter[to] = c.counter[from];
     if (g == 0) overflow[to_slot] = overflow[from_slot];
+  }
+}
+
+// A fixed-batch call (ua_prefill, ua_decode): one block, before the call's kernels. Sequence b runs
+// (go[b] = 1) when its slot is not flagged and every kv head got the pages of kept + T rows (all or
+// none, as a step takes them); otherwise the slot is flagged, after a barrier its pages go back, and its
+// output rows (and lse) are zeroed, as the host's finish_batch does.
+template <class S>
+__global__ void batch_reserve_kernel(DeviceCache<S> c, DeviceCall<S> a, int* go, int* overflow, std::int64_t B,
+                                     std::int64_t T) {
+  for (std::int64_t s = threadIdx.x; s < B; s += blockDim.x) {
+    bool ok = overflow[s] == 0;
+    std::int64_t k = 0, first = 0;
+    for (std::int64_t g = 0; ok && g < c.G; ++g) {
+      const std::int64_t it = s * c.G + g, need = c.pool.pages_for(c.length[it] + T);
+      k += need > c.pool.held[it] ? need - c.pool.held[it] : 0;
+    }
+    ok = ok && pop_pages(c.pool, k, first);
+    if (ok) {
+      std::int64_t next = first + k;
+      for (std::int64_t g = 0; g < c.G; ++g)
+        assign_pages(c.pool, s * c.G + g, c.pool.pages_for(c.length[s * c.G + g] + T), next);
+    }
+    go[s] = ok ? 1 : 0;
+  }
+  __syncthreads();
+  const std::int64_t H = c.G * c.r, D = c.D;
+  for (std::int64_t s = 0; s < B; ++s) {
+    if (go[s] != 0) continue;
+    if (threadIdx.x == 0) {
+      for (std::int64_t g = 0; g < c.G; ++g) {
+        return_pages(c.pool, s * c.G + g, 0);
+        c.length[s * c.G + g] = 0;
+      }
+      overflow[s] = 1;
+    }
+    for (std::int64_t x = threadIdx.x; x < T * H * D; x += blockDim.x) {
+      const std::int64_t t = x / (H * D), h = (x / D) % H, d = x % D;
+      a.out[s * a.o_b + t * a.o_t + h * a.o_h + d] = 0.0f;
+      if (a.lse && d == 0) a.lse[s * a.l_b + h * a.l_h + t * a.l_t] = 0.0f;
+    }
+  }
+}
+
+// Every slot empty, every page free (page p is the (P-1-p)-th popped, the host's order), the device
+// bookkeeping zeroed. grid-stride over the largest array.
+template <class S>
+__global__ void init_cache_kernel(DeviceCache<S> c, std::int64_t items, std::int64_t slots, std::int64_t pages,
+                                  int* overflow, int* step_error) {
+  const std::int64_t stride = std::int64_t(gridDim.x) * blockDim.x;
+  for (std::int64_t i = blockIdx.x * std::int64_t(blockDim.x) + threadIdx.x; i < pages; i += stride) {
+    c.pool.free_list[i] = std::int32_t(pages - 1 - i);
+  }
+  for (std::int64_t i = blockIdx.x * std::int64_t(blockDim.x) + threadIdx.x; i < items; i += stride) {
+    c.length[i] = 0;
+    c.counter[i] = 0;
+    c.done[i] = 0;
+    c.next_length[i] = 0;
+    if (i == 0) *c.batch_done = 0;
+    c.pool.held[i] = 0;
+  }
+  for (std::int64_t i = blockIdx.x * std::int64_t(blockDim.x) + threadIdx.x; i < slots; i += stride) overflow[i] = 0;
+  if (blockIdx.x == 0 && threadIdx.x == 0) {
+    for (int k = 0; k < 4; ++k) step_error[k] = 0;
+    c.pool.stats[0] = pages;
+    c.pool.stats[1] = c.pool.stats[2] = 0;
+    if (c.pool.mirror != nullptr) {
+      c.pool.mirror[0] = pages;
+      c.pool.mirror[1] = c.pool.mirror[2] = 0;
+    }
   }
 }
 

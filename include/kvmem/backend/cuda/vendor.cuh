@@ -64,6 +64,7 @@
 #define cudaMemset hipMemset
 #define cudaMemsetAsync hipMemsetAsync
 #define cudaMemset2DAsync hipMemset2DAsync
+#define cudaMemcpy2DAsync hipMemcpy2DAsync
 #define cudaStream_t hipStream_t
 #define cudaStreamCreate hipStreamCreate
 #define cudaStreamCreateWithFlags hipStreamCreateWithFlags

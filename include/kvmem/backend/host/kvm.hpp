@@ -509,6 +509,10 @@ inline Status check_list(const TensorView<const std::int32_t, 1>& v, const char*
 
 template <>
 struct Backend<host::Executor> {
+  template <class S, class A>
+  using state_type = State<S, A>;
+  using weights_type = Weights;
+
   // The host runs every valid problem (kvm::can_run checked the parameters and shape already).
   static Status can_run(const Problem& /*problem*/) { return Status::ok(); }
 

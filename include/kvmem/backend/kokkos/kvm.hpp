@@ -633,6 +633,10 @@ namespace kvmem::kvm {
 
 template <class Space>
 struct Backend<kokkos::Executor<Space>> {
+  template <class S, class A>
+  using state_type = State<S, A>;
+  using weights_type = Weights;
+
   template <class S, class A, class In, class Out>
   static Status prefill(const kokkos::Executor<Space>& exec, State<S, A>& state, const Weights& weights,
                         TensorView<const In, 4> q,     // [B,Hq,T,D]
