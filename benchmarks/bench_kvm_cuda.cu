@@ -11,7 +11,7 @@
 // update_ms is the one decode step of the 256 that runs the state update (update + attention);
 // --fast-routing 1 routes on single bf16 products (KvmState::set_fast_routing), rows say "+fast".
 
-#include <cuda_runtime.h>
+#include "kvmem/backend/cuda/vendor.cuh"
 
 #include <algorithm>
 #include <cstdint>
@@ -41,7 +41,7 @@ __global__ void gate_kernel(bf16* x, std::int64_t n) {  // g = 1 + elu(z) > 0
 struct Buffer {
   void* ptr = nullptr;
   explicit Buffer(std::size_t bytes) { CHECK_CUDA(cudaMalloc(&ptr, std::max<std::size_t>(bytes, 16))); }
-  ~Buffer() { cudaFree(ptr); }
+  ~Buffer() { (void)cudaFree(ptr); }
   template <class T>
   T* as() const {
     return static_cast<T*>(ptr);

@@ -14,7 +14,7 @@
 // memory and window zero): a decode step's cost depends on how many slots and window keys it reads,
 // not on their values.
 
-#include <cuda_runtime.h>
+#include "kvmem/backend/cuda/vendor.cuh"
 
 #include <algorithm>
 #include <cstddef>

@@ -18,7 +18,7 @@
 //   together; 0: automatic, from the SM count), to measure its L2 reuse.
 // --pruned-only 1: skip the dense (p = 0) rows of --tokens.
 
-#include <cuda_runtime.h>
+#include "kvmem/backend/cuda/vendor.cuh"
 
 #include <algorithm>
 #include <cstdint>
@@ -41,13 +41,16 @@ using kvmem::bench::fill;
 
 // k / (||k|| + 1e-6), one warp per row (spec UA.md 2: normalised keys)
 __global__ void normalise_kernel(bf16* k, std::int64_t rows, std::int64_t D) {
-  const std::int64_t row = blockIdx.x * std::int64_t(blockDim.x / 32) + threadIdx.x / 32;
+  using kvmem::cuda::kWarpSize;
+  const std::int64_t row = blockIdx.x * std::int64_t(blockDim.x / kWarpSize) + threadIdx.x / kWarpSize;
   if (row >= rows) return;
   float ss = 0;
-  for (std::int64_t d = threadIdx.x % 32; d < D; d += 32) ss += float(k[row * D + d]) * float(k[row * D + d]);
-  for (int o = 16; o > 0; o /= 2) ss += __shfl_xor_sync(0xffffffffu, ss, o);
+  for (std::int64_t d = threadIdx.x % kWarpSize; d < D; d += kWarpSize)
+    ss += float(k[row * D + d]) * float(k[row * D + d]);
+  for (int o = kWarpSize / 2; o > 0; o /= 2) ss += kvmem::cuda::warp_shfl_xor(ss, o);
   const float inv = 1.0f / (sqrtf(ss) + 1e-6f);
-  for (std::int64_t d = threadIdx.x % 32; d < D; d += 32) k[row * D + d] = bf16(float(k[row * D + d]) * inv);
+  for (std::int64_t d = threadIdx.x % kWarpSize; d < D; d += kWarpSize)
+    k[row * D + d] = bf16(float(k[row * D + d]) * inv);
 }
 
 struct Inputs {  // [B,H,T,D] q, [B,G,T,D] k v, [B,G,T] gates; out [B,T,H,D]
@@ -68,7 +71,8 @@ struct Inputs {  // [B,H,T,D] q, [B,G,T,D] k v, [B,G,T] gates; out [B,T,H,D]
         out(std::size_t(b * t * h * d)) {
     fill(q.ptr, B * H * T * D, seed + 1, 0.0f, 2.0f);
     fill(k.ptr, B * G * T * D, seed + 2, 0.0f, 1.0f);
-    normalise_kernel<<<unsigned((B * G * T + 7) / 8), 256>>>(k.ptr, B * G * T, D);
+    constexpr std::int64_t kRowsPerBlock = 256 / kvmem::cuda::kWarpSize;  // a warp per row
+    normalise_kernel<<<unsigned((B * G * T + kRowsPerBlock - 1) / kRowsPerBlock), 256>>>(k.ptr, B * G * T, D);
     CHECK_CUDA(cudaGetLastError());
     fill(v.ptr, B * G * T * D, seed + 3, 0.0f, 1.0f);
     fill(zk.ptr, B * G * T, seed + 4, 1.0f, 1.5f);
@@ -97,8 +101,8 @@ struct Timer {
     CHECK_CUDA(cudaEventCreate(&b));
   }
   ~Timer() {
-    cudaEventDestroy(a);
-    cudaEventDestroy(b);
+    (void)cudaEventDestroy(a);
+    (void)cudaEventDestroy(b);
   }
   void start(cudaStream_t s = nullptr) {
     stream = s;

@@ -13,7 +13,7 @@
 // kept rows it reads, not on their values; λ starts at 0, so nothing is evicted during the run at p = 0
 // and little at p = 0.05.
 
-#include <cuda_runtime.h>
+#include "kvmem/backend/cuda/vendor.cuh"
 
 #include <algorithm>
 #include <cmath>

@@ -2,7 +2,7 @@
 #pragma once
 // Shared pieces of the CUDA benchmarks: fail-fast checks (a benchmark has no caller to return a Status
 // to), deterministic pseudo-random fills on the device (no cuRAND dependency), and a typed device buffer.
-#include <cuda_runtime.h>
+#include "kvmem/backend/cuda/vendor.cuh"
 
 #include <algorithm>
 #include <cstdint>
@@ -63,7 +63,7 @@ struct Buffer {
   explicit Buffer(std::size_t n) { CHECK_CUDA(cudaMalloc(&ptr, std::max<std::size_t>(n, 1) * sizeof(T))); }
   Buffer(const Buffer&) = delete;
   Buffer& operator=(const Buffer&) = delete;
-  ~Buffer() { cudaFree(ptr); }
+  ~Buffer() { (void)cudaFree(ptr); }
 };
 
 }  // namespace kvmem::bench

@@ -4,9 +4,10 @@
 # pkgconf: the pkg-config consumer test; dpkg (always on Debian) and cpack (in cmake): the .deb test.
 # python3-torch, libtorch-dev, python3-pytest: the PyTorch ops (python/) and their pytest suites; the
 # build skips them, saying why, where torch is missing.
+# hipcc, libamdhip64-dev: the HIP build of the GPU tests and benchmarks (compile only, ROCm 5.2).
 set -euo pipefail
 packages=(g++ cmake make catch2 nlohmann-json3-dev libeigen3-dev libtrilinos-kokkos-dev pkgconf clang-format
-          python3-torch libtorch-dev python3-pytest)
+          python3-torch libtorch-dev python3-pytest hipcc libamdhip64-dev)
 missing=()
 for p in "${packages[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

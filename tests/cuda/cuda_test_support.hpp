@@ -2,7 +2,7 @@
 #pragma once
 // Shared helpers of the CUDA suites: skipping without a device (saying so), CUDA calls checked as test
 // requirements, an owning device array with host round trips, and host copies in a storage type.
-#include <cuda_runtime.h>
+#include "kvmem/backend/cuda/vendor.cuh"
 
 #include <algorithm>
 #include <cmath>
@@ -39,7 +39,7 @@ struct Dev {
   }
   Dev(const Dev&) = delete;
   Dev& operator=(const Dev&) = delete;
-  ~Dev() { cudaFree(ptr); }
+  ~Dev() { (void)cudaFree(ptr); }
   std::vector<T> get() const {
     std::vector<T> h(n);
     KVMEM_CUDA_REQUIRE(cudaMemcpy(h.data(), ptr, n * sizeof(T), cudaMemcpyDeviceToHost));

@@ -3,7 +3,7 @@
 // step and can_run reach it through Backend<cuda::Executor> with the host's signatures; the state and
 // weights types come from kvm::state_t / kvm::weights_t. What the backend does not do is refused with
 // kUnsupported before anything changes. Skips, saying so, when no CUDA device is visible.
-#include <cuda_runtime.h>
+#include "kvmem/backend/cuda/vendor.cuh"
 
 #include <cmath>
 #include <cstdint>

@@ -4,7 +4,7 @@
 // plus decode == prefill. Tags: [boundary] exact routing ties, [options] the option grid and the refused
 // chunk, [nearties] bf16 runs whose every route is accounted as a near-tie (tests/support/near_ties.hpp).
 // Skips, saying so, when no CUDA device is visible.
-#include <cuda_runtime.h>
+#include "kvmem/backend/cuda/vendor.cuh"
 
 #include <cstdint>
 #include <cstdio>
@@ -177,9 +177,9 @@ struct CapturedCall {
   CapturedCall(const CapturedCall&) = delete;
   CapturedCall& operator=(const CapturedCall&) = delete;
   ~CapturedCall() {
-    if (exec) cudaGraphExecDestroy(exec);
-    if (graph) cudaGraphDestroy(graph);
-    if (stream) cudaStreamDestroy(stream);
+    if (exec) (void)cudaGraphExecDestroy(exec);
+    if (graph) (void)cudaGraphDestroy(graph);
+    if (stream) (void)cudaStreamDestroy(stream);
   }
   std::vector<float> replay() {
     KVMEM_CUDA_REQUIRE(cudaGraphLaunch(exec, stream));
@@ -590,7 +590,8 @@ HostResult bf16_prefill_calls(const rkvm::Config& c, const rkvm::Inputs& in, con
                               bool beside_updates) {
   kvmem::cuda::KvmState<kvmem::bf16> st;
   REQUIRE(kvmem::cuda::KvmState<kvmem::bf16>::create(to_params(c), to_shape(c, c.T), st).is_ok());
-  REQUIRE(st.readouts_beside_updates() == beside_updates);  // with storage-type inputs (float: on the chain)
+  // with storage-type inputs (float: on the chain); the portable path has no tensor-core readout to detach
+  REQUIRE(st.readouts_beside_updates() == (beside_updates && kvmem::cuda::kVendorPaths));
   const DevWeights w(FloatWeights{in});
   HostResult r;
   kvmem::kvm::RouteLog log;
@@ -726,7 +727,7 @@ TEST_CASE("kvm cuda bf16 prefill with detached readouts replays from a captured 
   kvmem::cuda::KvmState<kvmem::bf16> plain, captured;
   REQUIRE(kvmem::cuda::KvmState<kvmem::bf16>::create(to_params(c), to_shape(c, c.T), plain).is_ok());
   REQUIRE(kvmem::cuda::KvmState<kvmem::bf16>::create(to_params(c), to_shape(c, c.T), captured).is_ok());
-  REQUIRE(captured.readouts_beside_updates());
+  REQUIRE(captured.readouts_beside_updates() == kvmem::cuda::kVendorPaths);  // portable: readouts on the chain
   std::vector<float> out_plain, out_captured;
   REQUIRE(cuda_feed(plain, c, in, w, 0, split, out_plain, nullptr).is_ok());
   CapturedCall<kvmem::bf16> prefill(captured, c, in, w, 0, split);

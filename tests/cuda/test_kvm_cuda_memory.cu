@@ -7,7 +7,7 @@
 // step allocates (the device's free memory is unchanged across 1,000 steps), and create/place do not
 // wait for the device (they return while a kernel on another stream is still running). Skips, saying
 // so, when no CUDA device is visible.
-#include <cuda_runtime.h>
+#include "kvmem/backend/cuda/vendor.cuh"
 
 #include <algorithm>
 #include <cmath>
@@ -380,7 +380,7 @@ TEST_CASE("cuda kvm memory: create and place return while another stream's kerne
   KVMEM_CUDA_REQUIRE(cudaHostAlloc(&flag, sizeof(int), cudaHostAllocMapped));
   *flag = 0;
   int* flag_dev = nullptr;
-  KVMEM_CUDA_REQUIRE(cudaHostGetDevicePointer(&flag_dev, flag, 0));
+  KVMEM_CUDA_REQUIRE(cudaHostGetDevicePointer(reinterpret_cast<void**>(&flag_dev), flag, 0));
   Dev<int> released(std::vector<int>{-1});
   // a blocking stream: any work create or place put on the legacy default stream would wait for it
   cudaStream_t busy = nullptr;

@@ -6,7 +6,7 @@
 // (the CUDA update rounds every operation as the host does, so routes and state are identical). A
 // CUDA graph of one padded decode step replays bitwise like the same steps run uncaptured. Skips,
 // saying so, when no CUDA device is visible.
-#include <cuda_runtime.h>
+#include "kvmem/backend/cuda/vendor.cuh"
 
 #include <algorithm>
 #include <cmath>

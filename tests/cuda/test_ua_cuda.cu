@@ -5,7 +5,7 @@
 // output gate, and validation. Tags: [boundary] the eviction boundary (p = 1, λ exactly at ln p, p just
 // above 0), [nearties] reduced-precision runs whose every kept-set difference is accounted as a near-tie
 // (tests/support/near_ties.hpp). Skips, saying so, when no CUDA device is visible.
-#include <cuda_runtime.h>
+#include "kvmem/backend/cuda/vendor.cuh"
 
 #include <algorithm>
 #include <cmath>

@@ -6,7 +6,7 @@
 // the other slots' outputs equal a run without it, reset_slots brings the slot back), pages taken and
 // returned counted from the lengths the steps leave, no device allocation across 1,000 steps, and a long
 // decode soak within the page bound (label slow). Skips, saying so, when no CUDA device is visible.
-#include <cuda_runtime.h>
+#include "kvmem/backend/cuda/vendor.cuh"
 
 #include <algorithm>
 #include <cmath>

@@ -7,7 +7,7 @@
 // itself. Kept-set differences are accepted only as near-ties (tests/support/near_ties.hpp), counted and
 // printed, and a sequence with a near-tie is named and its outputs are not compared (a different kept
 // set changes later outputs legitimately). Skips, saying so, when no CUDA device is visible.
-#include <cuda_runtime.h>
+#include "kvmem/backend/cuda/vendor.cuh"
 
 #include <algorithm>
 #include <cmath>

@@ -1,10 +1,12 @@
 # Builds and runs one consumer of kvmem the way a user would get it (ctest label install).
 #   cmake -DMODE=<mode> -DKVMEM_SOURCE_DIR=.. -DKVMEM_BINARY_DIR=.. -DWORK_DIR=.. -DCXX_COMPILER=..
-#         -DGENERATOR=.. [-DCUDA_COMPILER=..] [-DPKG_CONFIG=..] [-DCPACK=..] [-DDPKG=..] -P this file
+#         -DGENERATOR=.. [-DCUDA_COMPILER=..] [-DHIP_COMPILER=..] [-DPKG_CONFIG=..] [-DCPACK=..] [-DDPKG=..] -P this file
 # Modes:
 #   find_package  `cmake --install --component dev` into a prefix, then find_package(kvmem)
 #   kokkos, cuda  the same with COMPONENTS kokkos / cuda (the cuda consumer is compiled by nvcc)
-#   hip           find_package(kvmem COMPONENTS hip REQUIRED) must fail, naming the missing component
+#   hip           find_package(kvmem COMPONENTS hip REQUIRED) with a C++ compiler other than hipcc must
+#                 fail, saying that the component needs hipcc
+#   hip_build     the same with hipcc (HIP_COMPILER) as the C++ compiler: builds and runs (no GPU needed)
 #   pkgconfig     the compiler driven by `pkg-config --cflags --libs kvmem` against the prefix
 #   deb           `cpack -G DEB` (component dev), the .deb installed by dpkg into a private root
 #                 (own admin dir, no system change), then find_package against <root>/usr
@@ -84,11 +86,18 @@ elseif(MODE STREQUAL "hip")
   execute_process(COMMAND ${CMAKE_COMMAND} -S "${_here}/consumer_hip" -B "${WORK_DIR}/build" -G "${GENERATOR}"
                           -DCMAKE_CXX_COMPILER=${CXX_COMPILER} -DCMAKE_PREFIX_PATH=${prefix}
                   RESULT_VARIABLE rc OUTPUT_VARIABLE out ERROR_VARIABLE err)
-  if(rc EQUAL 0 OR NOT "${out}${err}" MATCHES "no 'hip' component")
-    message(FATAL_ERROR "find_package(kvmem COMPONENTS hip REQUIRED) must fail naming the component "
-                        "(exit ${rc}):\n${out}\n${err}")
+  if(rc EQUAL 0 OR NOT "${out}${err}" MATCHES "component hip needs hipcc as the C\\+\\+ compiler")
+    message(FATAL_ERROR "find_package(kvmem COMPONENTS hip REQUIRED) without hipcc must fail naming what it "
+                        "needs (exit ${rc}):\n${out}\n${err}")
   endif()
-  message(STATUS "find_package(kvmem COMPONENTS hip REQUIRED) failed as expected")
+  message(STATUS "find_package(kvmem COMPONENTS hip REQUIRED) without hipcc failed as expected")
+
+elseif(MODE STREQUAL "hip_build")
+  install_dev("${prefix}")
+  set(CXX_COMPILER "${HIP_COMPILER}")
+  configure_build_run("${_here}/consumer_hip_build" kvmem_hip_consumer "kvmem hip consumer ok \\(warp 64"
+                      -DCMAKE_PREFIX_PATH=${prefix} -DKVMEM_HIP_ARCHITECTURES=gfx90a)
+  expect_found_in("${prefix}")
 
 elseif(MODE STREQUAL "pkgconfig")
   install_dev("${prefix}")

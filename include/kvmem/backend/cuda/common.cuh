@@ -2,9 +2,10 @@
 #pragma once
 // Shared CUDA infrastructure: the executor (a stream), CUDA errors turned into kvmem::Status, an
 // owning device buffer, and device discovery for tests that must skip cleanly without a GPU.
-// Compiled by nvcc only (the .cuh headers are not part of the dependency-free umbrella header).
+// Compiled by nvcc or hipcc (vendor.cuh); the .cuh headers are not part of the dependency-free umbrella
+// header.
 
-#include <cuda_runtime.h>
+#include "kvmem/backend/cuda/vendor.cuh"
 
 #include <cstddef>
 #include <cstdint>

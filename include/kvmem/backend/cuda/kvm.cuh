@@ -30,7 +30,7 @@
 // Values (NaN, g <= 0) are the caller's precondition here: checking them would need a
 // device-to-host round trip per call; shapes and parameters are validated.
 
-#include <cuda_runtime.h>
+#include "kvmem/backend/cuda/vendor.cuh"
 
 #include <algorithm>
 #include <array>
@@ -44,9 +44,11 @@
 #include <vector>
 
 #include "kvmem/backend/cuda/common.cuh"
-#include "kvmem/backend/cuda/kvm_attend_tc.cuh"
 #include "kvmem/backend/cuda/kvm_kernels.cuh"
+#if KVMEM_GPU_VENDOR_PATHS
+#include "kvmem/backend/cuda/kvm_attend_tc.cuh"
 #include "kvmem/backend/cuda/kvm_route_tc.cuh"
+#endif
 #include "kvmem/backend/cuda/kvm_slots.cuh"
 #include "kvmem/core/arena.hpp"
 #include "kvmem/core/slots.hpp"
@@ -243,7 +245,7 @@ struct KvmWorkOffsets {
 // larger than the window (ReadoutPipeline says why); such a state keeps more readout copies.
 template <class S>
 bool readouts_beside(const kvm::Params& p, const kvm::Shape& s, std::int64_t cap) {
-  return std::is_same_v<S, bf16> && s.D == s.Dv && (s.D == 64 || s.D == 128) && cap <= p.window();
+  return kVendorPaths && std::is_same_v<S, bf16> && s.D == s.Dv && (s.D == 64 || s.D == 128) && cap <= p.window();
 }
 
 // Persistent: per (slot, KV head) item the sums (Sk, Sv, rho, cnt), the readout rows (khat32, khat,
@@ -654,7 +656,7 @@ class KvmState {
       khat_copy_[r] = reinterpret_cast<S*>(base + o.copies[r]);
       vhat_copy_[r] = khat_copy_[r] + I * cap * D;  // [I, cap, D] keys, then [I, cap, Dv] values
     }
-    d.tc_route = kBf16 && (s.D == 64 || s.D == 128) && p.chunk % 16 == 0;
+    d.tc_route = kVendorPaths && kBf16 && (s.D == 64 || s.D == 128) && p.chunk % 16 == 0;
     d.route_terms = 3;
     d.cap = cap_;
     d.C = p.chunk;
@@ -748,6 +750,7 @@ class KvmState {
 
 namespace kvm_detail {
 
+#if KVMEM_GPU_VENDOR_PATHS
 // One pass of update_tc_scores_kernel (kMode: RtMode) for the update of tokens [a, a + C) over slots
 // [j0, j1) on the tensor cores; bf16 storage with d.tc_route only.
 template <int kD, int kTerms, int kMode>
@@ -771,6 +774,7 @@ Status launch_tc_scores(const Executor& exec, const DeviceState<bf16, float>& d,
   return d.route_terms == 1 ? launch_tc_scores_as<64, 1, kMode>(exec, d, items, a, j0, j1)
                             : launch_tc_scores_as<64, 3, kMode>(exec, d, items, a, j0, j1);
 }
+#endif  // KVMEM_GPU_VENDOR_PATHS
 
 // Spec 4.5 on every item at once: U(tokens [a, a+C), N, avail) from `slots` slots. Returns the new |S|.
 // Host-known shape of one update: U(tokens [a, a+C)) from `slots` slots to `after` (spec 3.1).
@@ -798,7 +802,7 @@ Status update_select(const Executor& exec, const DeviceState<S, A>& d, const kvm
   // of values wider than 128 (memory form, reads vg rows), still take it.
   if (!tc || !scatter_in_registers(d)) {
     const dim3 pgrid(grid, static_cast<unsigned>((C + kWarpsPerBlock - 1) / kWarpsPerBlock));
-    update_prepare_kernel<S, A><<<pgrid, 32 * kWarpsPerBlock, 0, exec.stream>>>(d, a, n_app > 0);
+    update_prepare_kernel<S, A><<<pgrid, kWarpSize * kWarpsPerBlock, 0, exec.stream>>>(d, a, n_app > 0);
     KVMEM_CUDA_RETURN_IF_LAUNCH_FAILED("kvm update_prepare_kernel");
   }
   const std::size_t tile_bytes = std::size_t(kSlotTile) * std::size_t(d.D) * sizeof(A);
@@ -806,8 +810,10 @@ Status update_select(const Executor& exec, const DeviceState<S, A>& d, const kvm
   const unsigned tblock = token_block(C);
   if (n_app > 0) {
     if (tc) {
+#if KVMEM_GPU_VENDOR_PATHS
       if constexpr (std::is_same_v<S, bf16>)
         KVMEM_RETURN_IF_ERROR(launch_tc_scores<kRtNovelty>(exec, d, items, a, 0, slots));
+#endif
       update_append_kernel<S, A, true><<<grid, tblock, select_bytes, exec.stream>>>(d, a, slots, n_app);
     } else {
       const std::size_t bytes = tile_bytes + select_bytes;
@@ -819,12 +825,14 @@ Status update_select(const Executor& exec, const DeviceState<S, A>& d, const kvm
   if (n_app < C) {
     if (tc) {
       // after appends only the new slots remain to be scanned (the novelty pass took the old ones)
+#if KVMEM_GPU_VENDOR_PATHS
       if constexpr (std::is_same_v<S, bf16>) {
         if (n_app > 0)
           KVMEM_RETURN_IF_ERROR(launch_tc_scores<kRtRouteNew>(exec, d, items, a, slots, after));
         else
           KVMEM_RETURN_IF_ERROR(launch_tc_scores<kRtRoute>(exec, d, items, a, p.sink, after));
       }
+#endif
     } else {
       KVMEM_RETURN_IF_ERROR(allow_shared(update_route_kernel<S, A>, tile_bytes));
       update_route_kernel<S, A><<<grid, tblock, tile_bytes, exec.stream>>>(d, after);
@@ -873,7 +881,8 @@ Status update_finish(const Executor& exec, const DeviceState<S, A>& d, const kvm
       const bool async_rows = scatter_rows_async(d);
       const auto launch = [&](auto kernel) -> Status {
         KVMEM_RETURN_IF_ERROR(allow_shared(kernel, bytes));
-        kernel<<<sgrid, 32 * kWarpsPerBlock, bytes, exec.stream>>>(d, a, after, per_block, every_slot, async_rows);
+        kernel<<<sgrid, kWarpSize * kWarpsPerBlock, bytes, exec.stream>>>(d, a, after, per_block, every_slot,
+                                                                          async_rows);
         return Status::ok();
       };
       if (scatter_in_registers(d))
@@ -918,7 +927,7 @@ Status launch_copy_unrefreshed(const Executor& exec, const DeviceState<S, A>& d,
   const dim3 grid(static_cast<unsigned>(items),
                   static_cast<unsigned>((end + kCopySlotsPerBlock - 1) / kCopySlotsPerBlock));
   copy_unrefreshed_rows_kernel<S, A>
-      <<<grid, 32 * kWarpsPerBlock, 0, exec.stream>>>(d, khat_from, vhat_from, khat_to, vhat_to, end);
+      <<<grid, kWarpSize * kWarpsPerBlock, 0, exec.stream>>>(d, khat_from, vhat_from, khat_to, vhat_to, end);
   KVMEM_CUDA_RETURN_IF_LAUNCH_FAILED("kvm copy_unrefreshed_rows_kernel");
   return Status::ok();
 }
@@ -931,8 +940,12 @@ template <class S, class A, class In, class Out>
 struct ReadoutKernels {
   using Rows = void (*)(DeviceState<S, A>, const In*, Out*, std::int64_t, std::int64_t, std::int64_t, std::int64_t,
                         std::int64_t, std::int64_t);
+#if KVMEM_GPU_VENDOR_PATHS
   using Tc = void (*)(DeviceState<bf16, float>, TcSources, const In*, Out*, std::int64_t, std::int64_t, std::int64_t,
                       std::int64_t, std::int64_t, std::int64_t);
+#else
+  using Tc = const void*;  // the portable path has no tensor-core readout: always nullptr
+#endif
   Rows rows = attend_rows_kernel<S, A, In, Out, 0, 0>;
   std::size_t rows_bytes = 0;
   Tc tc = nullptr;
@@ -946,6 +959,7 @@ struct ReadoutKernels {
       rows = attend_rows_kernel<S, A, In, Out, 64, 64>;
       rows_bytes = attend_shared_bytes<64, 64>(sh.D, sh.Dv, sizeof(A));
     }
+#if KVMEM_GPU_VENDOR_PATHS
     if constexpr (std::is_same_v<S, bf16>) {
       if (sh.D == 128 && sh.Dv == 128) {
         tc = attend_tc_kernel<In, Out, 128, 128>;
@@ -955,6 +969,7 @@ struct ReadoutKernels {
         tc_bytes = TcLayout<64, 64>::kBytes;
       }
     }
+#endif
   }
 
   // Opts the kernels into their dynamic shared memory (a driver call each).
@@ -974,6 +989,8 @@ Status launch_decode_step(const Executor& exec, const DeviceState<S, A>& d, cons
                           std::int64_t wb, std::int64_t slots) {
   const std::int64_t keys = (wb > 0 ? slots : 0) + (t0 - wb + 1);
   const std::int64_t rows = sh.B * sh.Hq;
+  bool vectorised = false;
+#if KVMEM_GPU_VENDOR_PATHS
   // programmatic dependent launch: the step's blocks may be scheduled while the previous kernel
   // finishes (they wait for it before touching memory), which hides a launch latency per token
   cudaLaunchAttribute attrs[2]{};
@@ -983,7 +1000,6 @@ Status launch_decode_step(const Executor& exec, const DeviceState<S, A>& d, cons
   cfg.stream = exec.stream;
   cfg.attrs = attrs;
   cfg.numAttrs = 1;
-  bool vectorised = false;
   if constexpr (std::is_same_v<S, bf16> && std::is_same_v<A, float>) {
     if (sh.D == kDecodeDim && sh.Dv == kDecodeDim) {
       // the whole grid resident at once (kDecodeBlocksPerSm per SM), at least a round of warp units per
@@ -1012,15 +1028,25 @@ Status launch_decode_step(const Executor& exec, const DeviceState<S, A>& d, cons
       vectorised = true;
     }
   }
+#endif
   if (!vectorised) {
     // enough blocks to fill the device (16 blocks of 128 threads per SM), at least 32 keys a split
     const DecodeSplits sp = decode_splits(rows, keys, 16 * std::int64_t(sm_count), kMaxSplitsPerRow, 32);
-    cfg.gridDim = dim3(static_cast<unsigned>(rows), static_cast<unsigned>(sp.splits));
+    const dim3 grid(static_cast<unsigned>(rows), static_cast<unsigned>(sp.splits));
+    const std::size_t bytes = (std::size_t(sh.D) + 4 * std::size_t(sh.Dv) + 4) * sizeof(A);
+#if KVMEM_GPU_VENDOR_PATHS
+    cfg.gridDim = grid;
     cfg.blockDim = dim3(128);
-    cfg.dynamicSmemBytes = (std::size_t(sh.D) + 4 * std::size_t(sh.Dv) + 4) * sizeof(A);
+    cfg.dynamicSmemBytes = bytes;
     KVMEM_RETURN_IF_ERROR(to_status(cudaLaunchKernelEx(&cfg, decode_fused_kernel<S, A, In, Out>, d, qd, kd, vd, gd, od,
                                                        t0, wb, slots, sp.per, static_cast<int>(sp.splits)),
                                     "kvm decode_fused_kernel"));
+#else
+    // the portable path launches without programmatic dependence (the kernel's wait is a no-op)
+    decode_fused_kernel<S, A, In, Out>
+        <<<grid, 128, bytes, exec.stream>>>(d, qd, kd, vd, gd, od, t0, wb, slots, sp.per, static_cast<int>(sp.splits));
+    KVMEM_CUDA_RETURN_IF_LAUNCH_FAILED("kvm decode_fused_kernel");
+#endif
   }
   return Status::ok();
 }
@@ -1169,7 +1195,7 @@ Status kvm_run(const Executor& exec, KvmState<S, A>& state, const KvmWeights& w,
     const std::int64_t readout_slots = slots + (founds ? std::min(t1, C) - std::max(t0, cov) : 0);
     const bool reads_inputs = window_in_inputs && wb >= n0;
     const bool detached_readout = detach && reads_inputs;
-    const bool reads_slots = detached_readout && wb > 0 && readout_slots > 0;
+    [[maybe_unused]] const bool reads_slots = detached_readout && wb > 0 && readout_slots > 0;
     const Executor ingest_on = detach ? Executor{pipe.aux} : chain;
     if (detach) {  // after this chunk's update: aux ingests, the readout may read the slots
       KVMEM_RETURN_IF_ERROR(record(pipe.chained, side.stream));
@@ -1180,8 +1206,8 @@ Status kvm_run(const Executor& exec, KvmState<S, A>& state, const KvmWeights& w,
     if (ingest) {
       const dim3 igrid(static_cast<unsigned>(items),
                        static_cast<unsigned>((t1 - t0 + kWarpsPerBlock - 1) / kWarpsPerBlock));
-      ingest_kernel<S, A, In><<<igrid, 32 * kWarpsPerBlock, 0, ingest_on.stream>>>(d, k.data(), v.data(), gate.data(),
-                                                                                   T, n0, t0, t1, cov, copy16);
+      ingest_kernel<S, A, In><<<igrid, kWarpSize * kWarpsPerBlock, 0, ingest_on.stream>>>(
+          d, k.data(), v.data(), gate.data(), T, n0, t0, t1, cov, copy16);
       KVMEM_CUDA_RETURN_IF_LAUNCH_FAILED("kvm ingest_kernel");
     }
     if (detach) {
@@ -1208,6 +1234,7 @@ Status kvm_run(const Executor& exec, KvmState<S, A>& state, const KvmWeights& w,
         selected = true;
       }
       bool on_tensor_cores = false;
+#if KVMEM_GPU_VENDOR_PATHS
       if constexpr (std::is_same_v<S, bf16>) {
         if (readout.tc != nullptr) {
           const std::int64_t grid = B * sh.Hq * ((t1 - t0 + kTcRows - 1) / kTcRows);
@@ -1232,6 +1259,7 @@ Status kvm_run(const Executor& exec, KvmState<S, A>& state, const KvmWeights& w,
           on_tensor_cores = true;
         }
       }
+#endif
       if (!on_tensor_cores) {
         const dim3 agrid(static_cast<unsigned>(B * sh.Hq),
                          static_cast<unsigned>((t1 - t0 + kRowsPerBlock - 1) / kRowsPerBlock));
@@ -1406,7 +1434,7 @@ struct SlotAccess {
           d, st.sc_, sr, k.data(), v.data(), gate.data());
       KVMEM_CUDA_RETURN_IF_LAUNCH_FAILED("kvm slot_ingest_kernel");
       const dim3 grid(static_cast<unsigned>(tokens), static_cast<unsigned>(sh.Hq / shape.rep));
-      readout<<<grid, 32 * kSlotReadoutWarps, readout_bytes, exec.stream>>>(
+      readout<<<grid, kWarpSize * kSlotReadoutWarps, readout_bytes, exec.stream>>>(
           d, st.sc_, sr, q.data(), out.data(), lse.empty() ? nullptr : lse.data(), ph == 0);
       KVMEM_CUDA_RETURN_IF_LAUNCH_FAILED("kvm slot_readout_kernel");
     }

@@ -10,13 +10,13 @@
 // The update's novelty and routing passes are in kvm_route_tc.cuh.
 
 #include <cuda_bf16.h>
-#include <cuda_runtime.h>
 
 #include <cstdint>
 #include <type_traits>
 
 #include "kvmem/backend/cuda/kvm_kernels.cuh"
 #include "kvmem/backend/cuda/ptx.cuh"
+#include "kvmem/backend/cuda/vendor.cuh"
 #include "kvmem/core/numeric.hpp"
 #include "kvmem/core/softmax.hpp"
 
@@ -259,8 +259,8 @@ __device__ void tile_softmax(float (&s)[kTcKeys / 8][4], TcSoftmax (&sm)[2], flo
   }
 #pragma unroll
   for (int e = 0; e < 2; ++e) {
-    mx[e] = fmaxf(mx[e], __shfl_xor_sync(0xffffffffu, mx[e], 1));
-    mx[e] = fmaxf(mx[e], __shfl_xor_sync(0xffffffffu, mx[e], 2));
+    mx[e] = fmaxf(mx[e], warp_shfl_xor(mx[e], 1));
+    mx[e] = fmaxf(mx[e], warp_shfl_xor(mx[e], 2));
     resc[e] = sm[e].raise_max(mx[e]);
   }
 }
@@ -312,7 +312,7 @@ __global__ void __launch_bounds__(kTcThreads, kTcMinBlocks)
   using L = TcPaddedLayout<kD, kDv>;
 #endif
   extern __shared__ __align__(128) unsigned char smem_raw[];
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, quad = lane % 4, r = lane / 4;
+  const int warp = threadIdx.x / kWarpSize, lane = threadIdx.x % kWarpSize, quad = lane % 4, r = lane / 4;
   const std::int64_t row_blocks = (t1 - t0 + kTcRows - 1) / kTcRows;
   const std::int64_t bh = blockIdx.x / row_blocks, rb = blockIdx.x % row_blocks;
   const std::int64_t Hq = st.Hq, b = bh / Hq, h = bh % Hq, item = b * st.Hk + h / st.rep();
@@ -467,8 +467,8 @@ __global__ void __launch_bounds__(kTcThreads, kTcMinBlocks)
 #pragma unroll
   for (int e = 0; e < 2; ++e) {
     float sum = sm[e].sum;
-    sum += __shfl_xor_sync(0xffffffffu, sum, 1);
-    sum += __shfl_xor_sync(0xffffffffu, sum, 2);
+    sum += warp_shfl_xor(sum, 1);
+    sum += warp_shfl_xor(sum, 2);
     inv[e] = sum > 0.0f ? 1.0f / sum : 0.0f;
   }
   // bf16 / fp16 outputs leave through shared memory. Stored from the registers, each warp store wrote
@@ -489,7 +489,7 @@ __global__ void __launch_bounds__(kTcThreads, kTcMinBlocks)
                                      std::uint32_t(store_as<Out>(o[nd][2 * e + 1] * inv[e]).bits) << 16;
           *reinterpret_cast<std::uint32_t*>(smem + L::q_offset(warp * 16 + e * 8 + r, nd) + 4 * quad) = pair;
         }
-      __syncwarp();
+      warp_sync();
       constexpr int kVecs = kDv / 8;
 #pragma unroll
       for (int i = 0; i < 16 * kVecs / 32; ++i) {

@@ -5,7 +5,7 @@
 // one block per (sequence, KV head) item for the state update, tiles of slots/keys in shared
 // memory, and a split-K decode. Deterministic: no float atomics, every reduction has a fixed order.
 
-#include <cuda_runtime.h>
+#include "kvmem/backend/cuda/vendor.cuh"
 
 #include <algorithm>
 #include <cstddef>
@@ -105,32 +105,32 @@ __device__ void refresh_slot(const DeviceState<S, A>& st, std::int64_t i, std::i
   kernel::value_readout(st.sv + sj * st.Dv, st.Dv, st.rho[sj], st.cnt[sj], st.value_radius, st.vhat + sj * st.Dv);
 }
 
-// Sum over the 32 lanes of a warp with xor shuffles: a fixed order, every lane gets the same value.
+// Sum over the kWarpSize lanes of a warp with xor shuffles: a fixed order, every lane gets the same value.
 template <class A>
 __device__ A warp_sum(A x) {
 #pragma unroll
-  for (int off = 16; off > 0; off >>= 1) x += __shfl_xor_sync(0xffffffffu, x, off);
+  for (int off = kWarpSize / 2; off > 0; off >>= 1) x += warp_shfl_xor(x, off);
   return x;
 }
 
 // LN_s (spec 4.2 step 2) with the D channels split over the lanes of a warp: the same formula as
-// kernel::layer_norm, reduced in parallel. Lane l reads and writes only channels l, l+32, ..., so
+// kernel::layer_norm, reduced in parallel. Lane l reads and writes only channels l, l + kWarpSize, ..., so
 // y may alias x.
 template <class A, class X>
 __device__ void warp_layer_norm(const X* x, std::int64_t D, const A* w, const A* b, A eps, A* y, int lane) {
   A sum = A(0);
-  for (std::int64_t d = lane; d < D; d += 32) sum += load_as<A>(x[d]);
+  for (std::int64_t d = lane; d < D; d += kWarpSize) sum += load_as<A>(x[d]);
   const A mean = warp_sum(sum) / static_cast<A>(D);
   A var = A(0);
-  for (std::int64_t d = lane; d < D; d += 32) {
+  for (std::int64_t d = lane; d < D; d += kWarpSize) {
     const A c = load_as<A>(x[d]) - mean;
     var += c * c;
   }
   const A inv = A(1) / sqrt(warp_sum(var) / static_cast<A>(D) + eps);
-  for (std::int64_t d = lane; d < D; d += 32) y[d] = w[d] * ((load_as<A>(x[d]) - mean) * inv) + b[d];
+  for (std::int64_t d = lane; d < D; d += kWarpSize) y[d] = w[d] * ((load_as<A>(x[d]) - mean) * inv) + b[d];
 }
 
-inline constexpr int kLaneRegs = 4;  // channels per lane held in registers: head dims up to 32 * kLaneRegs
+inline constexpr int kLaneRegs = 4;  // channels per lane held in registers: head dims up to kWarpSize * kLaneRegs
 
 // x / n for a count n >= 1. A power of two n (every head dim the register forms see in practice) gives
 // the product with its reciprocal 2^-k, built from the exponent bits: x / 2^k and x * 2^-k are both the
@@ -139,25 +139,25 @@ inline constexpr int kLaneRegs = 4;  // channels per lane held in registers: hea
 template <class A>
 __device__ inline A divide_by_count(A x, std::int64_t n) {
   if constexpr (std::is_same_v<A, float>) {
-    if (n > 0 && (n & (n - 1)) == 0) return x * __int_as_float((127 - (__ffsll(n) - 1)) << 23);
+    if (n > 0 && (n & (n - 1)) == 0) return x * __int_as_float((127 - (__ffsll(static_cast<long long>(n)) - 1)) << 23);
   }
   return x / static_cast<A>(n);
 }
 
-// warp_layer_norm on a row held in registers (lane l holds channels l + 32 e, e < kLaneRegs; slots
+// warp_layer_norm on a row held in registers (lane l holds channels l + kWarpSize e, e < kLaneRegs; slots
 // past D are ignored): the same operations in the same order, so both forms give bitwise the same
-// row. D <= 32 * kLaneRegs. This part: the mean and 1 / sqrt(var + eps).
+// row. D <= kWarpSize * kLaneRegs. This part: the mean and 1 / sqrt(var + eps).
 template <class A>
 __device__ void warp_layer_norm_stats(const A (&x)[kLaneRegs], std::int64_t D, A eps, int lane, A& mean, A& inv) {
   A sum = A(0);
 #pragma unroll
   for (int e = 0; e < kLaneRegs; ++e)
-    if (lane + 32 * e < D) sum += x[e];
+    if (lane + kWarpSize * e < D) sum += x[e];
   mean = divide_by_count(warp_sum(sum), D);
   A var = A(0);
 #pragma unroll
   for (int e = 0; e < kLaneRegs; ++e) {
-    if (lane + 32 * e < D) {
+    if (lane + kWarpSize * e < D) {
       const A c = x[e] - mean;
       var += c * c;
     }
@@ -186,14 +186,14 @@ __device__ StateLnWeights<A> state_ln(const DeviceState<S, A>& st) {
   return {st.ln_w, st.ln_b};
 }
 
-// LN_s of a row held in registers (lane l holds channels l + 32 e). ln: StateLnWeights or a shared copy.
+// LN_s of a row held in registers (lane l holds channels l + kWarpSize e). ln: StateLnWeights or a shared copy.
 template <class A, class Ln>
 __device__ void warp_layer_norm_regs(A (&x)[kLaneRegs], std::int64_t D, const Ln& ln, A eps, int lane) {
   A mean, inv;
   warp_layer_norm_stats(x, D, eps, lane, mean, inv);
 #pragma unroll
   for (int e = 0; e < kLaneRegs; ++e) {
-    const int d = lane + 32 * e;
+    const int d = lane + kWarpSize * e;
     if (d < D) {
       const LnWeight<A> p = ln[d];
       x[e] = p.w * ((x[e] - mean) * inv) + p.b;
@@ -235,20 +235,20 @@ __device__ inline void store_row_regs(S* row, bf16* lo, const A (&x)[kLaneRegs],
   if constexpr (std::is_same_v<S, bf16> && std::is_same_v<A, float> && kLaneRegs % 2 == 0) {
 #pragma unroll
     for (int e = 0; e < kLaneRegs; e += 2) {
-      const int d = lane + 32 * e;
+      const int d = lane + kWarpSize * e;
       const std::uint32_t hi = bf16_pair_bits(x[e], x[e + 1]);
       if (d < n) row[d] = bf16::from_bits(static_cast<std::uint16_t>(hi));
-      if (d + 32 < n) row[d + 32] = bf16::from_bits(static_cast<std::uint16_t>(hi >> 16));
+      if (d + kWarpSize < n) row[d + kWarpSize] = bf16::from_bits(static_cast<std::uint16_t>(hi >> 16));
       if (lo == nullptr) continue;
       const std::uint32_t rem =
           bf16_pair_bits(x[e] - __uint_as_float(hi << 16), x[e + 1] - __uint_as_float(hi & 0xffff0000u));
       if (d < n) lo[d] = bf16::from_bits(static_cast<std::uint16_t>(rem));
-      if (d + 32 < n) lo[d + 32] = bf16::from_bits(static_cast<std::uint16_t>(rem >> 16));
+      if (d + kWarpSize < n) lo[d + kWarpSize] = bf16::from_bits(static_cast<std::uint16_t>(rem >> 16));
     }
   } else {
 #pragma unroll
     for (int e = 0; e < kLaneRegs; ++e) {
-      const int d = lane + 32 * e;
+      const int d = lane + kWarpSize * e;
       if (d >= n) continue;
       const S h = store_as<S>(x[e]);
       row[d] = h;
@@ -258,7 +258,7 @@ __device__ inline void store_row_regs(S* row, bf16* lo, const A (&x)[kLaneRegs],
 }
 
 // K^_j, V^_j of slot sj (spec 4.4 steps 1-2) from its sums Sk (k) and Sv (v) in registers (layout
-// of warp_layer_norm_regs), its rho and cnt: no round trip through memory. D, Dv <= 32 * kLaneRegs.
+// of warp_layer_norm_regs), its rho and cnt: no round trip through memory. D, Dv <= kWarpSize * kLaneRegs.
 // The stores are those of store_readout_key and refresh_slot, channel for channel.
 // ln: the LN_s weights, state_ln(st) or a block's copy in shared memory (const LnWeight<A>*).
 template <class S, class A, class Ln>
@@ -273,7 +273,7 @@ __device__ void warp_refresh_regs(const DeviceState<S, A>& st, std::int64_t sj, 
     A* k32 = st.khat32 + sj * st.D;
 #pragma unroll
     for (int e = 0; e < kLaneRegs; ++e)
-      if (lane + 32 * e < D) k32[lane + 32 * e] = kh[e];
+      if (lane + kWarpSize * e < D) k32[lane + kWarpSize * e] = kh[e];
   }
   store_row_regs(st.khat + sj * st.D, st.khat_lo != nullptr ? st.khat_lo + sj * st.D : nullptr, kh, D, lane);
   A f;
@@ -281,7 +281,7 @@ __device__ void warp_refresh_regs(const DeviceState<S, A>& st, std::int64_t sj, 
     A sq = A(0);
 #pragma unroll
     for (int e = 0; e < kLaneRegs; ++e)
-      if (lane + 32 * e < Dv) sq += v[e] * v[e];
+      if (lane + kWarpSize * e < Dv) sq += v[e] * v[e];
     A n = sqrt(warp_sum(sq));
     if (n < A(1e-12)) n = A(1e-12);
     f = rho / n;
@@ -295,15 +295,15 @@ __device__ void warp_refresh_regs(const DeviceState<S, A>& st, std::int64_t sj, 
 }
 
 // refresh_slot with a warp: K^_j = LN_s(Sk_j) into khat32/khat, V^_j (spec 4.4 steps 1-2). Head dims
-// up to 128 go through registers (warp_refresh_regs: bitwise the same as the memory form below).
+// up to kWarpSize * kLaneRegs go through registers (warp_refresh_regs: bitwise the same as the memory form below).
 template <class S, class A>
 __device__ void warp_refresh_slot(const DeviceState<S, A>& st, std::int64_t i, std::int64_t j, int lane) {
   const std::int64_t sj = i * st.cap + j;
-  if (st.D <= 32 * kLaneRegs && st.Dv <= 32 * kLaneRegs) {
+  if (st.D <= kWarpSize * kLaneRegs && st.Dv <= kWarpSize * kLaneRegs) {
     A k[kLaneRegs], v[kLaneRegs];
 #pragma unroll
     for (int e = 0; e < kLaneRegs; ++e) {
-      const int d = lane + 32 * e;
+      const int d = lane + kWarpSize * e;
       k[e] = d < st.D ? st.sk[sj * st.D + d] : A(0);
       v[e] = d < st.Dv ? st.sv[sj * st.Dv + d] : A(0);
     }
@@ -312,32 +312,34 @@ __device__ void warp_refresh_slot(const DeviceState<S, A>& st, std::int64_t i, s
   }
   A* k32 = st.khat32 + sj * st.D;
   warp_layer_norm(st.sk + sj * st.D, st.D, st.ln_w, st.ln_b, st.eps, k32, lane);
-  for (std::int64_t d = lane; d < st.D; d += 32) store_readout_key(st, sj, d, k32[d]);
+  for (std::int64_t d = lane; d < st.D; d += kWarpSize) store_readout_key(st, sj, d, k32[d]);
   const A* sv = st.sv + sj * st.Dv;
   A f;
   if (st.value_radius) {
     A sq = A(0);
-    for (std::int64_t d = lane; d < st.Dv; d += 32) sq += sv[d] * sv[d];
+    for (std::int64_t d = lane; d < st.Dv; d += kWarpSize) sq += sv[d] * sv[d];
     A n = sqrt(warp_sum(sq));
     if (n < A(1e-12)) n = A(1e-12);
     f = st.rho[sj] / n;
   } else {
     f = A(1) / st.cnt[sj];
   }
-  for (std::int64_t d = lane; d < st.Dv; d += 32) st.vhat[sj * st.Dv + d] = store_as<S>(sv[d] * f);
+  for (std::int64_t d = lane; d < st.Dv; d += kWarpSize) st.vhat[sj * st.Dv + d] = store_as<S>(sv[d] * f);
 }
 
-inline constexpr int kWarpsPerBlock = 8;  // update kernels that give each token or slot a warp
+// Warps of the update kernels that give each token or slot a warp: blocks of 256 threads, 8 NVIDIA warps
+// or 4 CDNA wavefronts (which keeps the scatter's shared-memory stages within the 64 KiB of an AMD GPU).
+inline constexpr int kWarpsPerBlock = 256 / kWarpSize;
 
 // Tokens [t0, t1) enter the window ring, one warp per token; tokens below C that the state has not
 // covered found their slot j = t (spec 4.3; before the first update |S| equals the position).
-// grid (I, ceil((t1 - t0) / kWarpsPerBlock)), block 32 * kWarpsPerBlock.
+// grid (I, ceil((t1 - t0) / kWarpsPerBlock)), block kWarpSize * kWarpsPerBlock.
 // k: [B,Hk,T,D], v: [B,Hk,T,Dv], gate: [B,Hk,T] (local token index t - n0)
 template <class S, class A, class In>
 __global__ void ingest_kernel(DeviceState<S, A> st, const In* k, const In* v, const In* gate, std::int64_t T,
                               std::int64_t n0, std::int64_t t0, std::int64_t t1, std::int64_t cov, bool copy16) {
-  const int lane = threadIdx.x % 32;
-  const std::int64_t i = blockIdx.x, t = t0 + std::int64_t(blockIdx.y) * kWarpsPerBlock + threadIdx.x / 32;
+  const int lane = threadIdx.x % kWarpSize;
+  const std::int64_t i = blockIdx.x, t = t0 + std::int64_t(blockIdx.y) * kWarpsPerBlock + threadIdx.x / kWarpSize;
   if (t >= t1) return;  // warp-uniform
   const std::int64_t ring = t % st.W, local = (i * T + (t - n0));
   S* wk = st.wk + (i * st.W + ring) * st.D;
@@ -345,27 +347,27 @@ __global__ void ingest_kernel(DeviceState<S, A> st, const In* k, const In* v, co
   if constexpr (std::is_same_v<In, S>) {
     if (copy16) {  // rows of whole 16-byte vectors, stored as given (In == S): plain copies
       const std::int64_t kv = st.D * std::int64_t(sizeof(S)) / 16, vv = st.Dv * std::int64_t(sizeof(S)) / 16;
-      for (std::int64_t e = lane; e < kv; e += 32)
+      for (std::int64_t e = lane; e < kv; e += kWarpSize)
         reinterpret_cast<uint4*>(wk)[e] = reinterpret_cast<const uint4*>(k + local * st.D)[e];
-      for (std::int64_t e = lane; e < vv; e += 32)
+      for (std::int64_t e = lane; e < vv; e += kWarpSize)
         reinterpret_cast<uint4*>(wv)[e] = reinterpret_cast<const uint4*>(v + local * st.Dv)[e];
     }
   }
   if (!copy16) {
-    for (std::int64_t d = lane; d < st.D; d += 32) wk[d] = store_as<S>(load_as<A>(k[local * st.D + d]));
-    for (std::int64_t d = lane; d < st.Dv; d += 32) wv[d] = store_as<S>(load_as<A>(v[local * st.Dv + d]));
+    for (std::int64_t d = lane; d < st.D; d += kWarpSize) wk[d] = store_as<S>(load_as<A>(k[local * st.D + d]));
+    for (std::int64_t d = lane; d < st.Dv; d += kWarpSize) wv[d] = store_as<S>(load_as<A>(v[local * st.Dv + d]));
   }
   if (lane == 0) st.wg[i * st.W + ring] = load_as<A>(gate[local]);
-  __syncwarp();                      // the founding below reads the row back from the ring
+  warp_sync();                       // the founding below reads the row back from the ring
   if (t >= st.C || t < cov) return;  // warp-uniform
   // init rule (spec 4.3), read back from the ring so every backend founds slots from the stored k, v
   const std::int64_t sj = i * st.cap + t;
-  if (st.D <= 32 * kLaneRegs && st.Dv <= 32 * kLaneRegs) {
+  if (st.D <= kWarpSize * kLaneRegs && st.Dv <= kWarpSize * kLaneRegs) {
     // the whole warp: LN_s in registers, rho summed in kernel::norm2's sequential order (the host's)
     A kr[kLaneRegs], vr[kLaneRegs];
 #pragma unroll
     for (int e = 0; e < kLaneRegs; ++e) {
-      const int d = lane + 32 * e;
+      const int d = lane + kWarpSize * e;
       kr[e] = d < st.D && d >= st.rope_dims ? load_as<A>(wk[d]) : A(0);  // spec 4.2 step 1
       vr[e] = d < st.Dv ? load_as<A>(wv[d]) : A(0);
     }
@@ -373,9 +375,9 @@ __global__ void ingest_kernel(DeviceState<S, A> st, const In* k, const In* v, co
     A sq = A(0);
 #pragma unroll
     for (int e = 0; e < kLaneRegs; ++e) {
-      for (int l = 0; l < 32; ++l) {
-        const A x = __shfl_sync(0xffffffffu, vr[e], l);
-        if (l + 32 * e < st.Dv) sq += x * x;
+      for (int l = 0; l < kWarpSize; ++l) {
+        const A x = warp_shfl(vr[e], l);
+        if (l + kWarpSize * e < st.Dv) sq += x * x;
       }
     }
     const A rho = sqrt(sq);
@@ -389,7 +391,7 @@ __global__ void ingest_kernel(DeviceState<S, A> st, const In* k, const In* v, co
     }
 #pragma unroll
     for (int e = 0; e < kLaneRegs; ++e) {
-      const int d = lane + 32 * e;
+      const int d = lane + kWarpSize * e;
       if (d < st.D) st.sk[sj * st.D + d] = kr[e];
       if (d < st.Dv) st.sv[sj * st.Dv + d] = vr[e];
     }
@@ -417,12 +419,12 @@ __global__ void ingest_kernel(DeviceState<S, A> st, const In* k, const In* v, co
   refresh_slot(st, i, t);
 }
 
-// Head dims up to 128: the scatter keeps a slot's sums in registers and reads the merged tokens' values
-// from the ring (vg = g v, the same product as update_prepare_kernel's), so vg is written only for
-// the appends and for wider heads.
+// Head dims up to kWarpSize * kLaneRegs: the scatter keeps a slot's sums in registers and reads the merged tokens'
+// values from the ring (vg = g v, the same product as update_prepare_kernel's), so vg is written only for the appends
+// and for wider heads.
 template <class S, class A>
 __host__ __device__ inline bool scatter_in_registers(const DeviceState<S, A>& st) {
-  return st.D <= 32 * kLaneRegs && st.Dv <= 32 * kLaneRegs;
+  return st.D <= kWarpSize * kLaneRegs && st.Dv <= kWarpSize * kLaneRegs;
 }
 
 // Update step 1 (spec 4.5) of the fp32 sweeps: kg, vg (and, when the update appends, k0 for the
@@ -430,29 +432,29 @@ __host__ __device__ inline bool scatter_in_registers(const DeviceState<S, A>& st
 // one warp per token. Tensor-core routing runs it only for values wider than 128 (the memory-form
 // scatter reads vg): its novelty and routing passes build the tokens' operands from the keys and
 // write the kg (k0) rows themselves (update_tc_scores_kernel).
-// grid (I, ceil(C / kWarpsPerBlock)), block 32 * kWarpsPerBlock.
+// grid (I, ceil(C / kWarpsPerBlock)), block kWarpSize * kWarpsPerBlock.
 template <class S, class A>
 __global__ void update_prepare_kernel(DeviceState<S, A> st, std::int64_t a, bool novelty) {
-  const int lane = threadIdx.x % 32;
-  const std::int64_t i = blockIdx.x, c = std::int64_t(blockIdx.y) * kWarpsPerBlock + threadIdx.x / 32;
+  const int lane = threadIdx.x % kWarpSize;
+  const std::int64_t i = blockIdx.x, c = std::int64_t(blockIdx.y) * kWarpsPerBlock + threadIdx.x / kWarpSize;
   const std::int64_t C = st.C, D = st.D, Dv = st.Dv;
   if (c >= C) return;
   const S* kr = token_key(st, i, a + c);
   A* k0 = st.k0 + (i * C + c) * D;
   const A g = token_gate(st, i, a + c);
-  // this token's k0 row: lane l holds channels l + 32 e (in registers for head dims up to 128, else
-  // normalised in place in st.k0)
+  // this token's k0 row: lane l holds channels l + kWarpSize e (in registers for head dims up to kWarpSize * kLaneRegs,
+  // else normalised in place in st.k0)
   A x[kLaneRegs];
-  const bool in_regs = D <= 32 * kLaneRegs;
+  const bool in_regs = D <= kWarpSize * kLaneRegs;
   if (in_regs) {
 #pragma unroll
     for (int e = 0; e < kLaneRegs; ++e) {
-      const int d = lane + 32 * e;
+      const int d = lane + kWarpSize * e;
       x[e] = d < D && d >= st.rope_dims ? load_as<A>(kr[d]) : A(0);  // spec 4.2 step 1
     }
     warp_layer_norm_regs(x, D, state_ln(st), st.eps, lane);
   } else {
-    for (std::int64_t d = lane; d < D; d += 32) k0[d] = d < st.rope_dims ? A(0) : load_as<A>(kr[d]);
+    for (std::int64_t d = lane; d < D; d += kWarpSize) k0[d] = d < st.rope_dims ? A(0) : load_as<A>(kr[d]);
     warp_layer_norm(k0, D, st.ln_w, st.ln_b, st.eps, k0, lane);
   }
   const auto emit = [&](std::int64_t d, A k0v) {
@@ -465,13 +467,13 @@ __global__ void update_prepare_kernel(DeviceState<S, A> st, std::int64_t a, bool
   if (in_regs) {
 #pragma unroll
     for (int e = 0; e < kLaneRegs; ++e)
-      if (lane + 32 * e < D) emit(lane + 32 * e, x[e]);
+      if (lane + kWarpSize * e < D) emit(lane + kWarpSize * e, x[e]);
   } else {
-    for (std::int64_t d = lane; d < D; d += 32) emit(d, k0[d]);
+    for (std::int64_t d = lane; d < D; d += kWarpSize) emit(d, k0[d]);
   }
   if (novelty || !scatter_in_registers(st)) {  // else the scatter gates the ring's values itself
     const S* vr = token_value(st, i, a + c);
-    for (std::int64_t d = lane; d < Dv; d += 32) {
+    for (std::int64_t d = lane; d < Dv; d += kWarpSize) {
       const A y = load_as<A>(vr[d]);
       st.vg[(i * C + c) * Dv + d] = gated_value(st.merge_gate_values, g, y);
     }
@@ -511,7 +513,7 @@ __device__ void sweep_slots(const DeviceState<S, A>& st, std::int64_t i, const A
 // Threads per block of the kernels that give each token of an update a thread: C rounded up to
 // whole warps (the warp-wide shuffles of the appends need full warps).
 inline unsigned token_block(std::int64_t C) {
-  return static_cast<unsigned>((C + 31) / 32 * 32);
+  return static_cast<unsigned>((C + kWarpSize - 1) / kWarpSize * kWarpSize);
 }
 
 // Update steps 2-3 (spec 4.5): novelty score_c = max_j k0_c . LN_s(Sk_j) over all current slots
@@ -556,41 +558,41 @@ __global__ void update_append_kernel(DeviceState<S, A> st, std::int64_t a, std::
     st.target[i * C + c] = -1;
   }
   __syncthreads();
-  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, warps = blockDim.x / 32;
+  const int lane = threadIdx.x % kWarpSize, warp = threadIdx.x / kWarpSize, warps = blockDim.x / kWarpSize;
   for (std::int64_t p = warp; p < n_app; p += warps) {
     const std::int64_t t = order[p], j = slots_before + p, sj = i * st.cap + j;
     A* sk = st.sk + sj * D;
     A* sv = st.sv + sj * Dv;
     const A* ksrc = (st.gate_appends ? st.kg : st.k0) + (i * C + t) * D;
-    for (std::int64_t d = lane; d < D; d += 32) sk[d] = ksrc[d];
+    for (std::int64_t d = lane; d < D; d += kWarpSize) sk[d] = ksrc[d];
     A rho = A(0);
     if (st.gate_appends && kScoresReady) {
       // tensor-core routing has no prepare pass: vg = g v from the token (update_prepare_kernel's
       // product), then rho over the row the warp wrote
       const S* vrow = token_value(st, i, a + t);
       const A g = token_gate(st, i, a + t);
-      for (std::int64_t d = lane; d < Dv; d += 32) {
+      for (std::int64_t d = lane; d < Dv; d += kWarpSize) {
         const A y = load_as<A>(vrow[d]);
         sv[d] = gated_value(st.merge_gate_values, g, y);
       }
-      __syncwarp();
+      warp_sync();
       if (lane == 0) rho = kernel::norm2<A>(sv, Dv);  // the sequential sum of the host backend
     } else if (st.gate_appends) {
       const A* vsrc = st.vg + (i * C + t) * Dv;
-      for (std::int64_t d = lane; d < Dv; d += 32) sv[d] = vsrc[d];
+      for (std::int64_t d = lane; d < Dv; d += kWarpSize) sv[d] = vsrc[d];
       if (lane == 0) rho = kernel::norm2<A>(vsrc, Dv);  // the sequential sum of the host backend
     } else {
       const S* vsrc = token_value(st, i, a + t);
-      for (std::int64_t d = lane; d < Dv; d += 32) sv[d] = load_as<A>(vsrc[d]);
+      for (std::int64_t d = lane; d < Dv; d += kWarpSize) sv[d] = load_as<A>(vsrc[d]);
       if (lane == 0) rho = kernel::norm2<A>(vsrc, Dv);
     }
     if (lane == 0) {
       st.rho[sj] = rho;
       st.cnt[sj] = A(1);
     }
-    __syncwarp();
+    warp_sync();
     warp_refresh_slot(st, i, j, lane);
-    __syncwarp();
+    warp_sync();
   }
 }
 
@@ -619,23 +621,23 @@ __device__ void scatter_into_slot(const DeviceState<S, A>& st, std::int64_t i, s
                                   std::int64_t c_first, int lane) {
   const std::int64_t C = st.C, D = st.D, Dv = st.Dv, sj = i * st.cap + j;
   A added = A(0);
-  for (std::int64_t cb = c_first - c_first % 32; cb < C; cb += 32) {
+  for (std::int64_t cb = c_first - c_first % kWarpSize; cb < C; cb += kWarpSize) {
     const std::int64_t cc = cb + lane;
-    unsigned m = __ballot_sync(0xffffffffu, cc >= c_first && cc < C && target[cc] == j);
+    LaneMask m = warp_ballot(cc >= c_first && cc < C && target[cc] == j);
     while (m != 0u) {
-      const std::int64_t c = cb + (__ffs(m) - 1);
+      const std::int64_t c = cb + (mask_ffs(m) - 1);
       m &= m - 1u;
-      for (std::int64_t d = lane; d < D; d += 32) st.sk[sj * D + d] += st.kg[(i * C + c) * D + d];
-      for (std::int64_t d = lane; d < Dv; d += 32) st.sv[sj * Dv + d] += st.vg[(i * C + c) * Dv + d];
+      for (std::int64_t d = lane; d < D; d += kWarpSize) st.sk[sj * D + d] += st.kg[(i * C + c) * D + d];
+      for (std::int64_t d = lane; d < Dv; d += kWarpSize) st.sv[sj * Dv + d] += st.vg[(i * C + c) * Dv + d];
       added += A(1);
     }
   }
   if (lane == 0) st.cnt[sj] += added;
-  __syncwarp();
+  warp_sync();
   warp_refresh_slot(st, i, j, lane);
 }
 
-// The register-form scatter (head dims up to 128) runs a warp's slots as one stream of rows: for each
+// The register-form scatter (head dims up to kWarpSize * kLaneRegs) runs a warp's slots as one stream of rows: for each
 // slot its sums (Sk, Sv, rho and count), then the rows of the tokens routed to it (gated key, value) in
 // token order. The warp keeps the next kScatterDepth rows of its stream in flight, copied into
 // shared memory with cp.async (no registers held for them), so the loads of the next slots and tokens
@@ -646,11 +648,11 @@ __device__ void scatter_into_slot(const DeviceState<S, A>& st, std::int64_t i, s
 inline constexpr int kScatterDepth = 4;
 static_assert((kScatterDepth & (kScatterDepth - 1)) == 0, "the stage of stream row e is e % kScatterDepth");
 
-// Bytes of one stage: the larger of a slot's sums (Sk, Sv up to 32 * kLaneRegs channels each, then rho
+// Bytes of one stage: the larger of a slot's sums (Sk, Sv up to kWarpSize * kLaneRegs channels each, then rho
 // and count) and a token's rows (kg in the first half, the value row in storage type in the second).
 template <class A>
 constexpr std::size_t scatter_stage_bytes() {
-  return 2 * 32 * kLaneRegs * sizeof(A) + 16;
+  return 2 * kWarpSize * kLaneRegs * sizeof(A) + 16;
 }
 
 // The chunk's tokens as the scatter sees them, in shared memory: merge target, value row
@@ -670,20 +672,20 @@ __device__ inline const A* routed_key_row(const DeviceState<S, A>& st, std::int6
   return st.kg + (i * st.C + c) * st.D;
 }
 
-// Copies row src (n elements) into dst, a stage row of 32 * kLaneRegs elements in shared memory, over
+// Copies row src (n elements) into dst, a stage row of kWarpSize * kLaneRegs elements in shared memory, over
 // the lanes of a warp, with zeros past n (so the adds need no bounds checks): with `async`, one 16-byte
 // cp.async piece per lane (n * sizeof(T) a multiple of 16, both rows 16-byte aligned; a piece past n
 // copies 0 bytes, which fills it with zeros; complete after the caller's wait), else plain loads and
 // stores (shapes without that alignment).
 template <class T>
 __device__ inline void stage_row(T* dst, const T* src, int n, bool async, int lane) {
-  constexpr int kRow = 32 * kLaneRegs, kPiece = 16 / int(sizeof(T));
-  static_assert(kRow <= 32 * kPiece, "one 16-byte piece per lane covers a stage row");
+  constexpr int kRow = kWarpSize * kLaneRegs, kPiece = 16 / int(sizeof(T));
+  static_assert(kRow <= kWarpSize * kPiece, "one 16-byte piece per lane covers a stage row");
   if (async) {
     const int q = lane * kPiece;
     if (q < kRow) ptx::cp_async16(dst + q, src + (q < n ? q : 0), q < n ? 16 : 0);
   } else {
-    for (int d = lane; d < kRow; d += 32) dst[d] = d < n ? src[d] : T{};
+    for (int d = lane; d < kRow; d += kWarpSize) dst[d] = d < n ? src[d] : T{};
   }
 }
 template <class T>
@@ -698,14 +700,14 @@ __device__ inline void stage_value(T* dst, const T* src, bool async) {
 // list, scanning the chunk's targets from c_first until all n are found.
 __device__ inline void list_routed_tokens(const int* targets, int C, int c_first, int n, int target, int* list,
                                           int lane) {
-  for (int cb = c_first - c_first % 32, found = 0; found < n; cb += 32) {
+  for (int cb = c_first - c_first % kWarpSize, found = 0; found < n; cb += kWarpSize) {
     const int c = cb + lane;
     const bool hit = c < C && targets[c] == target;
-    const unsigned m = __ballot_sync(0xffffffffu, hit);
-    if (hit) list[found + __popc(m & ((1u << lane) - 1u))] = c;
-    found += __popc(m);
+    const LaneMask m = warp_ballot(hit);
+    if (hit) list[found + mask_popc(m & lanes_below(lane))] = c;
+    found += mask_popc(m);
   }
-  __syncwarp();  // the list is read by every lane
+  warp_sync();  // the list is read by every lane
 }
 
 // One warp's share of a scatter block: its slots are the block's p-th for p = warp + kWarpsPerBlock k
@@ -718,7 +720,7 @@ __device__ void scatter_warp_stream(const DeviceState<S, A>& st, std::int64_t i,
                                     const Slot& slot, int n_slots, bool async_rows, unsigned char* stages, int* list,
                                     int warp, int lane) {
   const int C = static_cast<int>(st.C), D = static_cast<int>(st.D), Dv = static_cast<int>(st.Dv);
-  constexpr std::size_t kHalf = 32 * kLaneRegs * sizeof(A);  // the second row of a stage starts here
+  constexpr std::size_t kHalf = kWarpSize * kLaneRegs * sizeof(A);  // the second row of a stage starts here
   const auto stage = [&](int e) { return stages + (e & (kScatterDepth - 1)) * scatter_stage_bytes<A>(); };
   const auto has_slot = [&](int k) { return warp + kWarpsPerBlock * k < n_slots; };
   const auto slot_rel = [&](int k) { return slot(warp + kWarpsPerBlock * k); };  // j - lo of the warp's k-th slot
@@ -756,7 +758,7 @@ __device__ void scatter_warp_stream(const DeviceState<S, A>& st, std::int64_t i,
   for (int e = 0; e < kScatterDepth; ++e) issue(e);
   for (int e = 0; take_left > 0 || has_slot(take_slot); ++e) {
     ptx::cp_async_wait<kScatterDepth - 1>();
-    __syncwarp();  // row e, copied by every lane, is visible to all
+    warp_sync();  // row e, copied by every lane, is visible to all
     const unsigned char* s = stage(e);
     if (take_left > 0) {  // a token of the current slot: add its rows
       const int c = list[take_pos++];
@@ -766,8 +768,8 @@ __device__ void scatter_warp_stream(const DeviceState<S, A>& st, std::int64_t i,
       const A g = tokens.gate[c];
 #pragma unroll
       for (int e2 = 0; e2 < kLaneRegs; ++e2) {  // channels past D, Dv: zeros in the stage
-        k[e2] += kg[lane + 32 * e2];
-        v[e2] += gated_value(st.merge_gate_values, g, load_as<A>(vr[lane + 32 * e2]));
+        k[e2] += kg[lane + kWarpSize * e2];
+        v[e2] += gated_value(st.merge_gate_values, g, load_as<A>(vr[lane + kWarpSize * e2]));
       }
     } else {  // the next slot: its sums
       const int rel = slot_rel(take_slot++);
@@ -777,20 +779,20 @@ __device__ void scatter_warp_stream(const DeviceState<S, A>& st, std::int64_t i,
       const A* sv = reinterpret_cast<const A*>(s + kHalf);
 #pragma unroll
       for (int e2 = 0; e2 < kLaneRegs; ++e2) {  // channels past D, Dv: zeros in the stage
-        k[e2] = sk[lane + 32 * e2];
-        v[e2] = sv[lane + 32 * e2];
+        k[e2] = sk[lane + kWarpSize * e2];
+        v[e2] = sv[lane + kWarpSize * e2];
       }
-      rho = sv[32 * kLaneRegs];
-      cnt = sv[32 * kLaneRegs + 1];
+      rho = sv[kWarpSize * kLaneRegs];
+      cnt = sv[kWarpSize * kLaneRegs + 1];
     }
-    __syncwarp();  // every lane is done with stage e: refill it
+    warp_sync();  // every lane is done with stage e: refill it
     issue(e + kScatterDepth);
     if (take_left > 0) continue;
     // the slot's last row is in: store its sums and count, refresh its readout
     cnt += A(n_routed);  // the same as adding 1 per token: counts are exact
 #pragma unroll
     for (int e2 = 0; e2 < kLaneRegs; ++e2) {
-      const int d = lane + 32 * e2;
+      const int d = lane + kWarpSize * e2;
       if (d < D) st.sk[sj * D + d] = k[e2];
       if (d < Dv) st.sv[sj * Dv + d] = v[e2];
     }
@@ -809,11 +811,11 @@ __device__ void scatter_warp_stream(const DeviceState<S, A>& st, std::int64_t i,
 // scatter refreshes every non-sink slot. Sinks are never merge targets (routes start at st.sink).
 // Block (i, y) covers slots [y * kCopySlotsPerBlock, ...) of item i, one warp a slot, 16-byte pieces:
 // only bf16 rows of 64 or 128 channels (whole pieces, 16-byte aligned) take this path.
-// grid (I, ceil(end / kCopySlotsPerBlock)), block 32 * kWarpsPerBlock.
+// grid (I, ceil(end / kCopySlotsPerBlock)), block kWarpSize * kWarpsPerBlock.
 inline constexpr int kCopySlotsPerBlock = 64;
 
 template <class S, class A>
-__global__ void __launch_bounds__(32 * kWarpsPerBlock)
+__global__ void __launch_bounds__(kWarpSize* kWarpsPerBlock)
     copy_unrefreshed_rows_kernel(DeviceState<S, A> st, const S* __restrict__ khat_from, const S* __restrict__ vhat_from,
                                  S* __restrict__ khat_to, S* __restrict__ vhat_to, std::int64_t end) {
   __shared__ int routed[kCopySlotsPerBlock];  // nonzero: the scatter refreshes slot lo + s
@@ -826,7 +828,7 @@ __global__ void __launch_bounds__(32 * kWarpsPerBlock)
     if (t >= lo && t < hi) atomicOr(routed + (t - lo), 1);  // an atomic: many tokens may mark one slot
   }
   __syncthreads();
-  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  const int lane = threadIdx.x % kWarpSize, warp = threadIdx.x / kWarpSize;
   const int k_pieces = static_cast<int>(st.D * std::int64_t(sizeof(S)) / 16);
   const int pieces = k_pieces + static_cast<int>(st.Dv * std::int64_t(sizeof(S)) / 16);
   for (std::int64_t j = lo + warp; j < hi; j += kWarpsPerBlock) {
@@ -836,7 +838,7 @@ __global__ void __launch_bounds__(32 * kWarpsPerBlock)
     const uint4* vs = reinterpret_cast<const uint4*>(vhat_from + sj * st.Dv);
     uint4* kd = reinterpret_cast<uint4*>(khat_to + sj * st.D);
     uint4* vd = reinterpret_cast<uint4*>(vhat_to + sj * st.Dv);
-    for (int e = lane; e < pieces; e += 32) {
+    for (int e = lane; e < pieces; e += kWarpSize) {
       if (e < k_pieces)
         kd[e] = ks[e];
       else
@@ -847,7 +849,7 @@ __global__ void __launch_bounds__(32 * kWarpsPerBlock)
 
 // Update step 4 scatter. Block y covers the non-sink slots [lo, lo + per_block): it finds the first
 // token routed to each (an integer atomicMin: the same result in any order) and deals its slots to its
-// warps, as a stream of rows per warp in the register form (kInRegisters: head dims up to 128,
+// warps, as a stream of rows per warp in the register form (kInRegisters: head dims up to kWarpSize * kLaneRegs,
 // scatter_warp_stream; async_rows: its rows are copied with 16-byte cp.async, scatter_rows_async), one
 // at a time in the memory form (scatter_into_slot).
 // Later updates take only the touched slots (those some token was routed to; at most C, listed in any
@@ -855,10 +857,10 @@ __global__ void __launch_bounds__(32 * kWarpsPerBlock)
 // refreshed unchanged. The first update (every_slot) takes every slot: its slots may have been founded
 // with the one-thread refresh (head dims above 128), and after it every non-sink slot carries the warp
 // refresh, so later updates may skip untouched slots bit-exactly.
-// grid (I, ceil((slots_after - sink) / per_block)), block 32 * kWarpsPerBlock, smem
+// grid (I, ceil((slots_after - sink) / per_block)), block kWarpSize * kWarpsPerBlock, smem
 // scatter_shared_bytes(st, per_block).
 template <class S, class A, bool kInRegisters>
-__global__ void __launch_bounds__(32 * kWarpsPerBlock, 4)
+__global__ void __launch_bounds__(kWarpSize* kWarpsPerBlock, 4)
     update_scatter_kernel(DeviceState<S, A> st, std::int64_t a, std::int64_t slots_after, std::int64_t per_block,
                           bool every_slot, bool async_rows) {
   extern __shared__ __align__(128) unsigned char smem_raw[];
@@ -900,7 +902,7 @@ __global__ void __launch_bounds__(32 * kWarpsPerBlock, 4)
       touched[atomicAdd(n_touched, 1)] = static_cast<int>(t - lo);
   }
   __syncthreads();
-  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, n = *n_touched;
+  const int lane = threadIdx.x % kWarpSize, warp = threadIdx.x / kWarpSize, n = *n_touched;
   const auto slot = [&](int p) { return every_slot ? p : touched[p]; };  // j - lo of the block's p-th slot
   if constexpr (!kInRegisters) {
     for (int p = warp; p < n; p += kWarpsPerBlock) scatter_into_slot(st, i, lo + slot(p), target, first[slot(p)], lane);
@@ -1022,8 +1024,8 @@ __global__ void attend_rows_kernel(DeviceState<S, A> st, const In* q, Out* out, 
         } else {
           for (std::int64_t d = lane; d < D; d += kLanesPerRow) part += qs[row * (D + kRowPad) + d] * ks[s * D + d];
         }
-        part += __shfl_xor_sync(0xffffffffu, part, 1);
-        part += __shfl_xor_sync(0xffffffffu, part, 2);
+        part += warp_shfl_xor(part, 1);
+        part += warp_shfl_xor(part, 2);
         const bool visible = s < n && active && (phase == 0 || base + s <= t);
         logit[s] = visible ? ls * part : negative_infinity<A>();
         if (logit[s] > tile_max) tile_max = logit[s];
@@ -1073,10 +1075,10 @@ __device__ A warp_merge_partials(A* po, const A* pl, int parts, std::int64_t Dv,
     if (top == negative_infinity<A>()) continue;
     const A wa = lse == negative_infinity<A>() ? A(0) : exp(lse - top);
     const A wb = lse_b == negative_infinity<A>() ? A(0) : exp(lse_b - top);
-    for (std::int64_t d = lane; d < Dv; d += 32) po[d] = (wa * po[d] + wb * po[p * Dv + d]) / (wa + wb);
+    for (std::int64_t d = lane; d < Dv; d += kWarpSize) po[d] = (wa * po[d] + wb * po[p * Dv + d]) / (wa + wb);
     lse = top + log(wa + wb);
   }
-  __syncwarp();
+  warp_sync();
   return lse;
 }
 
@@ -1089,8 +1091,8 @@ template <class A>
 __device__ A warp_split_weight(A l, A* total) {
   A top = l;
 #pragma unroll
-  for (int off = 16; off > 0; off >>= 1) {
-    const A o = __shfl_xor_sync(0xffffffffu, top, off);
+  for (int off = kWarpSize / 2; off > 0; off >>= 1) {
+    const A o = warp_shfl_xor(top, off);
     top = top > o ? top : o;
   }
   const A w = l == negative_infinity<A>() ? A(0) : exp(l - top);
@@ -1108,33 +1110,33 @@ __device__ void finish_decode_split(const DeviceState<S, A>& st, const A* po, A 
                                     int splits, int lane) {
   const std::int64_t Dv = st.Dv;
   if (splits == 1) {
-    for (std::int64_t d = lane; d < Dv; d += 32) out[bh * Dv + d] = store_as<Out>(po[d]);
+    for (std::int64_t d = lane; d < Dv; d += kWarpSize) out[bh * Dv + d] = store_as<Out>(po[d]);
     return;
   }
   A* base = st.partial + bh * st.max_splits * (Dv + 1);
   A* mine = base + std::int64_t(blockIdx.y) * (Dv + 1);
-  for (std::int64_t d = lane; d < Dv; d += 32) mine[d] = po[d];
+  for (std::int64_t d = lane; d < Dv; d += kWarpSize) mine[d] = po[d];
   if (lane == 0) mine[Dv] = lse;
   __threadfence();  // the partial is visible device-wide before the count says so
-  __syncwarp();
+  warp_sync();
   int last = 0;
   if (lane == 0) last = atomicAdd(st.counter + bh, 1) == splits - 1 ? 1 : 0;
-  last = __shfl_sync(0xffffffffu, last, 0);
+  last = warp_shfl(last, 0);
   if (!last) return;
   __threadfence();
   // the exact merge of every split (L2 reads: other blocks wrote them during this kernel). Lane s
   // holds split s's log-sum-exp; its weight goes to shared memory, and each output channel then
   // reads every split's value with independent loads (no chain of dependent round trips).
   __shared__ A weight[kMaxSplitsPerRow];
-  const A l = lane < splits ? __ldcg(base + std::int64_t(lane) * (Dv + 1) + Dv) : negative_infinity<A>();
+  const A l = lane < splits ? load_cg(base + std::int64_t(lane) * (Dv + 1) + Dv) : negative_infinity<A>();
   A total;
   const A wl = warp_split_weight(l, &total);
   weight[lane] = wl;
-  __syncwarp();
-  for (std::int64_t d = lane; d < Dv; d += 32) {
+  warp_sync();
+  for (std::int64_t d = lane; d < Dv; d += kWarpSize) {
     A o = A(0);
 #pragma unroll 8
-    for (int s = 0; s < splits; ++s) o += weight[s] * __ldcg(base + s * (Dv + 1) + d);
+    for (int s = 0; s < splits; ++s) o += weight[s] * load_cg(base + s * (Dv + 1) + d);
     out[bh * Dv + d] = store_as<Out>(o / total);
   }
   if (lane == 0) st.counter[bh] = 0;
@@ -1177,8 +1179,8 @@ __global__ void decode_fused_kernel(DeviceState<S, A> st, const In* q, const In*
   const std::int64_t bh = blockIdx.x, b = bh / Hq, h = bh % Hq, item = b * st.Hk + h / st.rep();
   if (blockIdx.y == 0 && h % st.rep() == 0) ingest_decode_token(st, k1, v1, g1, item, pos);
   for (std::int64_t d = threadIdx.x; d < D; d += blockDim.x) qs[d] = load_as<A>(q[bh * D + d]);
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  for (std::int64_t d = lane; d < Dv; d += 32) po[warp * Dv + d] = A(0);
+  const int warp = threadIdx.x / kWarpSize, lane = threadIdx.x % kWarpSize;
+  for (std::int64_t d = lane; d < Dv; d += kWarpSize) po[warp * Dv + d] = A(0);
   __syncthreads();
   const std::int64_t n_state = w > 0 ? slots : 0;
   const std::int64_t total = n_state + (pos - w + 1);
@@ -1196,20 +1198,20 @@ __global__ void decode_fused_kernel(DeviceState<S, A> st, const In* q, const In*
     const S* vr = in_state ? st.vhat + (item * st.cap + x) * Dv : st.wv + (item * st.W + (w + x - n_state) % st.W) * Dv;
     A part = A(0);
     if (is_new) {
-      for (std::int64_t d = lane; d < D; d += 32) part += qs[d] * load_as<A>(store_as<S>(load_as<A>(knew[d])));
+      for (std::int64_t d = lane; d < D; d += kWarpSize) part += qs[d] * load_as<A>(store_as<S>(load_as<A>(knew[d])));
     } else {
-      for (std::int64_t d = lane; d < D; d += 32) part += qs[d] * load_as<A>(kr[d]);
+      for (std::int64_t d = lane; d < D; d += kWarpSize) part += qs[d] * load_as<A>(kr[d]);
     }
 #pragma unroll
-    for (int off = 16; off > 0; off >>= 1) part += __shfl_xor_sync(0xffffffffu, part, off);
+    for (int off = kWarpSize / 2; off > 0; off >>= 1) part += warp_shfl_xor(part, off);
     const typename OnlineSoftmax<A>::Step step = sm.push((in_state ? ls_state : ls_window) * part);
-    for (std::int64_t d = lane; d < Dv; d += 32) {
+    for (std::int64_t d = lane; d < Dv; d += kWarpSize) {
       const A val = is_new ? load_as<A>(store_as<S>(load_as<A>(vnew[d]))) : load_as<A>(vr[d]);
       po[warp * Dv + d] = po[warp * Dv + d] * step.rescale + step.weight * val;
     }
   }
   if (lane == 0) pl[warp] = sm.lse();
-  for (std::int64_t d = lane; d < Dv; d += 32) po[warp * Dv + d] *= sm.normaliser();
+  for (std::int64_t d = lane; d < Dv; d += kWarpSize) po[warp * Dv + d] *= sm.normaliser();
   __syncthreads();
   if (warp != 0) return;
   const A lse = warp_merge_partials(po, pl, kWarps, Dv, lane);
@@ -1243,13 +1245,14 @@ inline constexpr int kDecodeWarpStages = 3;  // units per warp ring: 2 in flight
 inline constexpr int kDecodeMaxCluster = 8;  // the portable cluster size bounds the splits of a row
 inline constexpr int kDecodeDim = 128;
 // a split's keys come in whole rounds of one unit per warp
-inline constexpr int kDecodeSplitGranule = kDecodeWarpKeys * (kDecodeThreads / 32);
+inline constexpr int kDecodeSplitGranule = kDecodeWarpKeys * (kDecodeThreads / kWarpSize);
 // K and V rows of every warp's ring; 48 KB, the most a kernel may use without opting in per device.
 inline constexpr std::size_t kDecodeSmemBytes =
-    std::size_t(kDecodeThreads / 32) * kDecodeWarpStages * kDecodeWarpKeys * 2 * kDecodeDim * 2;
+    std::size_t(kDecodeThreads / kWarpSize) * kDecodeWarpStages * kDecodeWarpKeys * 2 * kDecodeDim * 2;
 inline constexpr int kDecodeBlocksPerSm = 4;  // __launch_bounds__ below; 4 x 48 KB of shared memory fit an SM
 // the merge of 4 heads (partials, log-sum-exps, results, split weights) reuses the rings
-static_assert((4 * (2 * kDecodeThreads / 32) * (kDecodeDim + 1) + 4 * (kDecodeDim + 1) + 4 * (kDecodeMaxCluster + 1)) *
+static_assert((4 * (2 * kDecodeThreads / kWarpSize) * (kDecodeDim + 1) + 4 * (kDecodeDim + 1) +
+               4 * (kDecodeMaxCluster + 1)) *
                       sizeof(float) <=
                   kDecodeSmemBytes,
               "the decode merge fits the rings' shared memory");
@@ -1279,12 +1282,13 @@ inline int decode_heads_per_block(std::int64_t rows, std::int64_t rep, std::int6
   return rep % 4 == 0 ? 4 : rep % 2 == 0 ? 2 : 1;
 }
 
+#if KVMEM_GPU_VENDOR_PATHS  // cp.async rings and a cluster merge: NVIDIA sm_90 only
 template <class In, class Out, int kHeads>
 __global__ void __launch_bounds__(kDecodeThreads, kDecodeBlocksPerSm)
     decode_fused_bf16_kernel(DeviceState<bf16, float> st, const In* q, const In* k1, const In* v1, const In* g1,
                              Out* out, std::int64_t pos, std::int64_t w, std::int64_t slots, std::int64_t per_split,
                              int splits) {
-  constexpr int kDim = kDecodeDim, kWarps = kDecodeThreads / 32, kHalves = 2 * kWarps, kPer = 8, kRow = 2 * kDim;
+  constexpr int kDim = kDecodeDim, kWarps = kDecodeThreads / kWarpSize, kHalves = 2 * kWarps, kPer = 8, kRow = 2 * kDim;
   constexpr int kUnit = kDecodeWarpKeys, kKeysPerHalf = kUnit / 2, kStages = kDecodeWarpStages;
   static_assert(kDecodeThreads >= kDim, "the merge gives every output channel its own thread");
   static_assert(kHeads <= kWarps, "the cluster merge gives every head a warp");
@@ -1300,7 +1304,7 @@ __global__ void __launch_bounds__(kDecodeThreads, kDecodeBlocksPerSm)
   const std::int64_t total = n_state + (pos - w + 1);
   const std::int64_t k_begin = std::int64_t(blockIdx.y) * per_split;
   const int n_keys = static_cast<int>((k_begin + per_split < total ? k_begin + per_split : total) - k_begin);
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int warp = threadIdx.x / kWarpSize, lane = threadIdx.x % kWarpSize;
   const int n_units = (n_keys + kUnit - 1) / kUnit;
   const int my_units = n_units > warp ? (n_units - warp + kWarps - 1) / kWarps : 0;
   // this warp's ring: [kStages][kUnit keys][K row | V row]
@@ -1364,7 +1368,7 @@ __global__ void __launch_bounds__(kDecodeThreads, kDecodeBlocksPerSm)
   }
   for (int j = 0; j < my_units; ++j) {
     ptx::cp_async_wait<kStages - 2>();  // this lane's pieces of unit j have landed
-    __syncwarp();                       // every lane's have, and unit j - 1's buffer is free
+    warp_sync();                        // every lane's have, and unit j - 1's buffer is free
     if (j + kStages - 1 < my_units)
       issue(j + kStages - 1);
     else
@@ -1390,7 +1394,7 @@ __global__ void __launch_bounds__(kDecodeThreads, kDecodeBlocksPerSm)
 #pragma unroll
         for (int e = 0; e < kPer; ++e) part += qr[hh][e] * kf[e];
 #pragma unroll
-        for (int off = 8; off > 0; off >>= 1) part += __shfl_xor_sync(0xffffffffu, part, off);  // within the half
+        for (int off = 8; off > 0; off >>= 1) part += warp_shfl_xor(part, off);  // within the half
         logit[hh][u] = live ? (in_state ? ls_state[hh] : ls_window[hh]) * part : kNegInf;
         group_max[hh] = logit[hh][u] > group_max[hh] ? logit[hh][u] : group_max[hh];
       }
@@ -1483,5 +1487,6 @@ __global__ void __launch_bounds__(kDecodeThreads, kDecodeBlocksPerSm)
   }
   ptx::cluster_sync();  // no block leaves while the first one may still read its shared memory
 }
+#endif  // KVMEM_GPU_VENDOR_PATHS
 
 }  // namespace kvmem::cuda::kvm_detail

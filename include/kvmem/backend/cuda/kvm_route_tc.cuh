@@ -6,13 +6,13 @@
 // the update chain can change apart; both use the fragment layouts described there.
 
 #include <cuda_bf16.h>
-#include <cuda_runtime.h>
 
 #include <cstddef>
 #include <cstdint>
 
 #include "kvmem/backend/cuda/kvm_kernels.cuh"
 #include "kvmem/backend/cuda/ptx.cuh"
+#include "kvmem/backend/cuda/vendor.cuh"
 #include "kvmem/core/numeric.hpp"
 
 namespace kvmem::cuda::kvm_detail {
@@ -103,7 +103,7 @@ __global__ void __launch_bounds__(32 * kRtWarps, 2)
 #endif
   const std::int64_t C = st.C, tb = (C + kRtTokens - 1) / kRtTokens;
   const std::int64_t i = blockIdx.x / tb;
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, quad = lane % 4, r = lane / 4;
+  const int warp = threadIdx.x / kWarpSize, lane = threadIdx.x % kWarpSize, quad = lane % 4, r = lane / 4;
   const std::int64_t c0 = (std::int64_t(blockIdx.x) % tb) * kRtTokens + warp * 16;  // the warp's first token
   const bool active = c0 < C;                                                       // warp-uniform (C % 16 == 0)
   // Tile k's copies: thread t moves 16-byte vector t % kVecs of rows t / kVecs + kPass m; the item's
@@ -174,8 +174,8 @@ __global__ void __launch_bounds__(32 * kRtWarps, 2)
           x[kk][2 * m + 1] = d + 1 >= st.rope_dims ? __uint_as_float(w & 0xffff0000u) : 0.0f;
           sum += x[kk][2 * m] + x[kk][2 * m + 1];
         }
-      sum += __shfl_xor_sync(0xffffffffu, sum, 1);
-      sum += __shfl_xor_sync(0xffffffffu, sum, 2);
+      sum += warp_shfl_xor(sum, 1);
+      sum += warp_shfl_xor(sum, 2);
       const float mean = sum / static_cast<float>(kD);
       float var = 0.0f;
 #pragma unroll
@@ -185,8 +185,8 @@ __global__ void __launch_bounds__(32 * kRtWarps, 2)
           const float dv = x[kk][e] - mean;
           var += dv * dv;
         }
-      var += __shfl_xor_sync(0xffffffffu, var, 1);
-      var += __shfl_xor_sync(0xffffffffu, var, 2);
+      var += warp_shfl_xor(var, 1);
+      var += warp_shfl_xor(var, 2);
       const float inv = 1.0f / sqrtf(var / static_cast<float>(kD) + st.eps);
       const float g = token_gate(st, i, p);
       float* kg_row = st.kg + (i * C + c) * kD;
@@ -380,8 +380,8 @@ __global__ void __launch_bounds__(32 * kRtWarps, 2)
   // the four lanes of a quad hold interleaved slots of the same tokens: larger value, ties to the
   // smaller slot
   const auto merge = [](float& b, int& g, int off) {
-    const float ob = __shfl_xor_sync(0xffffffffu, b, off);
-    const int og = __shfl_xor_sync(0xffffffffu, g, off);
+    const float ob = warp_shfl_xor(b, off);
+    const int og = warp_shfl_xor(g, off);
     if (og >= 0 && (g < 0 || ob > b || (ob == b && og < g))) {
       b = ob;
       g = og;
@@ -395,8 +395,8 @@ __global__ void __launch_bounds__(32 * kRtWarps, 2)
     } else {
       // the score: every visited value went to best (tested groups) or cbest (plain groups)
       float score = cbest[h] > best[h] ? cbest[h] : best[h];
-      score = fmaxf(score, __shfl_xor_sync(0xffffffffu, score, 1));
-      best[h] = fmaxf(score, __shfl_xor_sync(0xffffffffu, score, 2));
+      score = fmaxf(score, warp_shfl_xor(score, 1));
+      best[h] = fmaxf(score, warp_shfl_xor(score, 2));
       merge(cbest[h], carg[h], 1);
       merge(cbest[h], carg[h], 2);
     }

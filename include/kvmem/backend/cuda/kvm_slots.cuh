@@ -22,7 +22,7 @@
 // stays in the state's status word (sticky: later steps are refused too) until KvmState::step_status
 // reads and clears it.
 
-#include <cuda_runtime.h>
+#include "kvmem/backend/cuda/vendor.cuh"
 
 #include <algorithm>
 #include <cmath>
@@ -306,7 +306,7 @@ inline constexpr int kSlotGroup = 8;          // slots a thread dots one token a
 inline constexpr int kSlotBlocksPerSm = 2;    // pass blocks a multiprocessor holds (registers: 64 sums)
 
 inline unsigned slot_update_threads(std::int64_t C) {
-  return static_cast<unsigned>(std::max<std::int64_t>(64, (C + 31) / 32 * 32));
+  return static_cast<unsigned>(std::max<std::int64_t>(64, (C + kWarpSize - 1) / kWarpSize * kWarpSize));
 }
 
 // Dynamic shared memory of the launches: select (score and target per token), a pass (a tile of
@@ -565,7 +565,7 @@ __global__ void __launch_bounds__(1024)
 
 // kernel::scatter_into_slot for slot j with one warp: the tokens routed to j (target[i] == j), in
 // increasing token order, added to Sk_j and Sv_j, lanes over the channels (each channel's sum keeps
-// the token order), cnt_j counted in the same order. The warp finds the tokens 32 targets a ballot.
+// the token order), cnt_j counted in the same order. The warp finds the tokens a warp of targets a ballot.
 inline constexpr int kSlotScatterRegs = 8;  // channels a lane sums per sweep over the tokens
 
 template <class S>
@@ -576,23 +576,23 @@ __device__ __forceinline__ void slot_scatter_warp(const DeviceState<S, float>& s
   float* sv = st.sv + (item * cap + j) * Dv;
   float cnt = st.cnt[item * cap + j];
   // channels [0, D) are Sk's, [D, D + Dv) Sv's
-  for (std::int64_t c0 = 0; c0 < D + Dv; c0 += 32 * kSlotScatterRegs) {
+  for (std::int64_t c0 = 0; c0 < D + Dv; c0 += kWarpSize * kSlotScatterRegs) {
     float acc[kSlotScatterRegs];
 #pragma unroll
     for (int e = 0; e < kSlotScatterRegs; ++e) {
-      const std::int64_t ch = c0 + lane + 32 * e;
+      const std::int64_t ch = c0 + lane + kWarpSize * e;
       acc[e] = ch < D ? sk[ch] : ch < D + Dv ? sv[ch - D] : 0.0f;
     }
-    for (std::int64_t i0 = 0; i0 < C; i0 += 32) {
-      unsigned hits = __ballot_sync(0xffffffffu, i0 + lane < C && target[i0 + lane] == j);
+    for (std::int64_t i0 = 0; i0 < C; i0 += kWarpSize) {
+      LaneMask hits = warp_ballot(i0 + lane < C && target[i0 + lane] == j);
       while (hits != 0) {  // in increasing token order
-        const std::int64_t i = i0 + __ffs(static_cast<int>(hits)) - 1;
+        const std::int64_t i = i0 + mask_ffs(hits) - 1;
         hits &= hits - 1;
         const float* kgi = st.kg + (work * C + i) * D;
         const float* vgi = st.vg + (work * C + i) * Dv;
 #pragma unroll
         for (int e = 0; e < kSlotScatterRegs; ++e) {
-          const std::int64_t ch = c0 + lane + 32 * e;
+          const std::int64_t ch = c0 + lane + kWarpSize * e;
           if (ch < D)
             acc[e] = __fadd_rn(acc[e], kgi[ch]);
           else if (ch < D + Dv)
@@ -603,7 +603,7 @@ __device__ __forceinline__ void slot_scatter_warp(const DeviceState<S, float>& s
     }
 #pragma unroll
     for (int e = 0; e < kSlotScatterRegs; ++e) {
-      const std::int64_t ch = c0 + lane + 32 * e;
+      const std::int64_t ch = c0 + lane + kWarpSize * e;
       if (ch < D)
         sk[ch] = acc[e];
       else if (ch < D + Dv)
@@ -623,7 +623,7 @@ __global__ void __launch_bounds__(kSlotPassThreads)
   const std::int64_t items = slot_update_items(sc, st.Hk), C = st.C;
   extern __shared__ int slot_finish_smem[];
   int* target = slot_finish_smem;  // [C]
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, warps = blockDim.x / 32;
+  const int warp = threadIdx.x / kWarpSize, lane = threadIdx.x % kWarpSize, warps = blockDim.x / kWarpSize;
   for (std::int64_t u = blockIdx.x; u < items * ranges; u += gridDim.x) {
     const SlotUpdateItem it = slot_update_item(st, sc, rows, u / ranges);
     const std::int64_t S1 = it.pl.s_after, first = st.sink + (u % ranges) * blockDim.x;
@@ -663,18 +663,18 @@ __global__ void __launch_bounds__(kSlotIngestThreads)
   const std::int64_t t = pl.n0 + token - rows.start[r];
   if (t < pl.t0 || t >= pl.t1) return;
   const std::int64_t D = st.D, Dv = st.Dv, W = st.W, Hk = st.Hk, ring = t % W;
-  const int lane = threadIdx.x % 32;
-  for (std::int64_t g = threadIdx.x / 32; g < Hk; g += kSlotIngestThreads / 32) {
+  const int lane = threadIdx.x % kWarpSize;
+  for (std::int64_t g = threadIdx.x / kWarpSize; g < Hk; g += kSlotIngestThreads / kWarpSize) {
     const std::int64_t item = std::int64_t(b) * Hk + g;
     S* wk = st.wk + (item * W + ring) * D;
     S* wv = st.wv + (item * W + ring) * Dv;
     const In* kr = k + (token * Hk + g) * D;
     const In* vr = v + (token * Hk + g) * Dv;
-    for (std::int64_t d = lane; d < D; d += 32) wk[d] = store_as<S>(rn_load(kr[d]));
-    for (std::int64_t d = lane; d < Dv; d += 32) wv[d] = store_as<S>(rn_load(vr[d]));
+    for (std::int64_t d = lane; d < D; d += kWarpSize) wk[d] = store_as<S>(rn_load(kr[d]));
+    for (std::int64_t d = lane; d < Dv; d += kWarpSize) wv[d] = store_as<S>(rn_load(vr[d]));
     const float gt = rn_load(gate[token * Hk + g]);
     if (lane == 0) st.wg[item * W + ring] = gt;
-    __syncwarp();
+    warp_sync();
     if (lane == 0 && t >= pl.found_from && t < pl.found_to) {  // spec 4.3 init rule: slot j = t
       const std::int64_t j = t, cap = st.cap;
       float* sk = st.sk + (item * cap + j) * D;
@@ -698,17 +698,17 @@ __global__ void __launch_bounds__(kSlotIngestThreads)
 // ---- readout (spec 4.4): one block per (token, group of query heads) ---------------------------------
 
 inline constexpr int kSlotReadoutWarps = 4;
-inline constexpr int kSlotReadoutMaxRegs = 8;  // value channels per lane: Dv <= 32 * kSlotReadoutMaxRegs
+inline constexpr int kSlotReadoutMaxRegs = 8;  // value channels per lane: Dv <= kWarpSize * kSlotReadoutMaxRegs
 
 template <class A>
 __device__ inline A slot_warp_max(A x) {
-  for (int o = 16; o > 0; o >>= 1) x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, o));
+  for (int o = kWarpSize / 2; o > 0; o >>= 1) x = fmaxf(x, warp_shfl_xor(x, o));
   return x;
 }
 
 template <class A>
 __device__ inline A slot_warp_sum(A x) {
-  for (int o = 16; o > 0; o >>= 1) x += __shfl_xor_sync(0xffffffffu, x, o);
+  for (int o = kWarpSize / 2; o > 0; o >>= 1) x += warp_shfl_xor(x, o);
   return x;
 }
 
@@ -767,13 +767,13 @@ inline SlotReadoutShape slot_readout_shape(std::int64_t Hq, std::int64_t Hk, std
 }
 
 // Rows (token, h) for the kRep query heads h of block (token, group) over the slots (when wb > 0) and the
-// causal window [wb, t] in the ring, one online softmax per head: warp w takes keys [32 (w + 4 i), ...),
-// lane l a key's logits (its key row read in 16-byte vectors) and value channels l kRegs + e (or l + 32 e
+// causal window [wb, t] in the ring, one online softmax per head: warp w takes keys [kWarpSize (w + 4 i), ...),
+// lane l a key's logits (its key row read in 16-byte vectors) and value channels l kRegs + e (or l + kWarpSize e
 // when Dv is not a multiple of kRegs); the four warps merge in a fixed order (deterministic). A padding row's out and
-// lse are zeroed (zero_padding: the first phase). grid (tokens, Hq / kRep), block 32 * kSlotReadoutWarps, smem
+// lse are zeroed (zero_padding: the first phase). grid (tokens, Hq / kRep), block kWarpSize * kSlotReadoutWarps, smem
 // SlotReadoutShape::shared_bytes. q [tokens,Hq,D], out [tokens,Hq,Dv], lse [tokens,Hq] or nullptr.
 template <class S, class In, class Out, int kRep, int kRegs>
-__global__ void __launch_bounds__(32 * kSlotReadoutWarps)
+__global__ void __launch_bounds__(kWarpSize* kSlotReadoutWarps)
     slot_readout_kernel(DeviceState<S, float> st, SlotCounters sc, SlotRows rows, const In* q, Out* out, float* lse,
                         bool zero_padding) {
   if (sc.status[0] != kStepOk) return;
@@ -809,9 +809,9 @@ __global__ void __launch_bounds__(32 * kSlotReadoutWarps)
   const S* vhat = st.vhat + item * st.cap * Dv;
   const S* wk = st.wk + item * W * D;
   const S* wv = st.wv + item * W * Dv;
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int warp = threadIdx.x / kWarpSize, lane = threadIdx.x % kWarpSize;
   // lane l holds value channels l kRegs .. l kRegs + kRegs - 1 (one vector load a key) when they split
-  // evenly, else channels l + 32 e
+  // evenly, else channels l + kWarpSize e
   const bool vec_v = Dv % kRegs == 0;
   float m[kRep], l[kRep], acc[kRep][kRegs];
 #pragma unroll
@@ -821,7 +821,7 @@ __global__ void __launch_bounds__(32 * kSlotReadoutWarps)
 #pragma unroll
     for (int e = 0; e < kRegs; ++e) acc[h][e] = 0;
   }
-  for (std::int64_t base = std::int64_t(warp) * 32; base < n_keys; base += 32 * kSlotReadoutWarps) {
+  for (std::int64_t base = std::int64_t(warp) * kWarpSize; base < n_keys; base += kWarpSize * kSlotReadoutWarps) {
     const std::int64_t key = base + lane;
     float p[kRep];
 #pragma unroll
@@ -862,8 +862,8 @@ __global__ void __launch_bounds__(32 * kSlotReadoutWarps)
     }
     // the values of the round's keys, kBatch rows loaded before they are used (loads in flight), each
     // channel still accumulated in increasing key order
-    constexpr int kBatch = 32 / kRegs;
-    const std::int64_t count = imin(32, n_keys - base);
+    constexpr int kBatch = 32 / kRegs;  // value rows in registers: 32 floats a lane
+    const std::int64_t count = imin(kWarpSize, n_keys - base);
     for (std::int64_t i0 = 0; i0 < count; i0 += kBatch) {
       float x[kBatch][kRegs];
 #pragma unroll
@@ -878,7 +878,7 @@ __global__ void __launch_bounds__(32 * kSlotReadoutWarps)
         } else {
 #pragma unroll
           for (int e = 0; e < kRegs; ++e)
-            if (lane + 32 * e < Dv) x[u][e] = rn_load(vr[lane + 32 * e]);
+            if (lane + kWarpSize * e < Dv) x[u][e] = rn_load(vr[lane + kWarpSize * e]);
         }
       }
 #pragma unroll
@@ -886,7 +886,7 @@ __global__ void __launch_bounds__(32 * kSlotReadoutWarps)
         if (i0 + u >= count) break;  // the same for every lane
 #pragma unroll
         for (int h = 0; h < kRep; ++h) {
-          const float pi = __shfl_sync(0xffffffffu, p[h], static_cast<int>(i0 + u));
+          const float pi = warp_shfl(p[h], static_cast<int>(i0 + u));
 #pragma unroll
           for (int e = 0; e < kRegs; ++e) acc[h][e] = fmaf(pi, x[u][e], acc[h][e]);
         }
@@ -902,7 +902,7 @@ __global__ void __launch_bounds__(32 * kSlotReadoutWarps)
     }
 #pragma unroll
     for (int e = 0; e < kRegs; ++e) {
-      const std::int64_t ch = vec_v ? lane * kRegs + e : lane + 32 * e;
+      const std::int64_t ch = vec_v ? lane * kRegs + e : lane + kWarpSize * e;
       if (ch < Dv) mine[2 + ch] = acc[h][e];
     }
   }

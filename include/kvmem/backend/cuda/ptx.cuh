@@ -1,22 +1,34 @@
 // SPDX-License-Identifier: Apache-2.0
 #pragma once
-// The inline-PTX pieces the kernels of both mechanisms build on (sm_80+: mma.sync m16n8k16 with bf16
-// operands, ldmatrix, cp.async; sm_70+: ld.acquire, fence.acq_rel, the approximate math instructions;
-// sm_90: griddepcontrol; sm_90a: wgmma). One copy, so a fix to an operand constraint or a clobber
-// reaches every kernel.
+// The low-level pieces the kernels of both mechanisms build on. One copy, so a fix to an operand
+// constraint or a clobber reaches every kernel.
+//
+// NVIDIA-only instructions (KVMEM_GPU_VENDOR_PATHS, vendor.cuh): sm_80+ mma.sync m16n8k16 with bf16
+// operands, ldmatrix, cp.async; sm_90 griddepcontrol and thread-block clusters; sm_90a wgmma. Only the
+// tensor-core kernels (*_tc.cuh) and the cluster decode call the matrix, ldmatrix and cluster pieces,
+// and those exist only on the vendor path. The asynchronous copies and the launch-overlap hooks have a
+// portable form that every kernel may call: a plain copy that lands before the call returns (so the
+// waits have nothing left to wait for) and no-op hooks (the portable path launches without overlap).
+// The memory-order loads, fences and approximate math exist on both vendors.
 //
 // Shared-memory reads and writes issued by these wrappers carry a "memory" clobber: the compiler must
 // not move ordinary shared-memory accesses across an asynchronous copy, its wait, or an ldmatrix.
 // mma.sync reads and writes registers only, so it is left non-volatile for the scheduler.
 
+#include "kvmem/backend/cuda/vendor.cuh"
+
+#if KVMEM_GPU_VENDOR_PATHS
 #include <cuda_bf16.h>
-#include <cuda_runtime.h>
+#endif
 
 #include <cstddef>
 #include <cstdint>
 
+#include "kvmem/core/numeric.hpp"
+
 namespace kvmem::cuda::ptx {
 
+#if KVMEM_GPU_VENDOR_PATHS
 // 32-bit shared-window address of a generic pointer into shared memory.
 __device__ inline unsigned shared_address(const void* p) {
   return static_cast<unsigned>(__cvta_generic_to_shared(p));
@@ -95,14 +107,41 @@ __device__ inline void mma_bf16_16816(float (&d)[4], const std::uint32_t (&a)[4]
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
-// Warpgroup MMA (sm_90a only: wgmma is an arch-specific feature, so these exist where the compiler
-// defines __CUDA_ARCH_FEAT_SM90_ALL; callers guard on the same macro). The four warps of a warpgroup
-// issue one m64nNk16 product together; it runs asynchronously on the tensor cores, reading its B
-// operand (and A, for the _ss forms) from shared memory through a matrix descriptor, and its
-// accumulators are the registers' D fragments: warp w of the warpgroup holds rows 16 w + lane / 4 and
-// + 8, columns 8 i + 2 (lane % 4) + {0, 1} in d[i][0..1] and d[i][2..3] (the mma.sync m16n8 layout
-// repeated over the N / 8 column tiles). A from registers has the m16n8k16 A fragment layout.
-// The 128-byte swizzle layout those descriptors read, as the kernels store it (plain arithmetic, so it
+#else   // portable: the copies land at once, so commits and waits have nothing to do
+// 16 bytes global -> shared; only the first `bytes` are read, the rest of the 16 are zeros.
+__device__ inline void cp_async16(void* smem, const void* gmem, int bytes) {
+  if (bytes == 16) {
+    *static_cast<uint4*>(smem) = *static_cast<const uint4*>(gmem);
+    return;
+  }
+  auto* d = static_cast<unsigned char*>(smem);
+  const auto* g = static_cast<const unsigned char*>(gmem);
+  for (int i = 0; i < 16; ++i) d[i] = i < bytes ? g[i] : 0;
+}
+template <int kBytes>
+__device__ inline void cp_async_ca(void* smem, const void* gmem) {
+  static_assert(kBytes == 4 || kBytes == 8 || kBytes == 16, "cp_async_ca copies 4, 8 or 16 bytes");
+  if constexpr (kBytes == 4) *static_cast<std::uint32_t*>(smem) = *static_cast<const std::uint32_t*>(gmem);
+  if constexpr (kBytes == 8) *static_cast<std::uint64_t*>(smem) = *static_cast<const std::uint64_t*>(gmem);
+  if constexpr (kBytes == 16) *static_cast<uint4*>(smem) = *static_cast<const uint4*>(gmem);
+}
+__device__ inline void cp_async_commit() {}
+template <int kPending>
+__device__ inline void cp_async_wait() {}
+template <class Issue>
+__device__ inline void issue_next_and_wait(std::int64_t k, std::int64_t tiles, Issue&& issue) {
+  if (k + 1 < tiles) issue(k + 1);
+}
+#endif  // KVMEM_GPU_VENDOR_PATHS
+
+// The dynamic shared memory a launch gives a kernel with a wgmma path and an mma.sync path whose layouts
+// differ: the larger of the two, because the host cannot know which path the device runs (the sm_90a
+// machine code, or the compute_90 PTX JIT-compiled for another GPU).
+__host__ __device__ constexpr std::size_t shared_bytes_of_either_path(std::size_t wgmma_path,
+                                                                      std::size_t mma_sync_path) {
+  return wgmma_path > mma_sync_path ? wgmma_path : mma_sync_path;
+}
+// The 128-byte swizzle layout the wgmma descriptors read, as the kernels store it (plain arithmetic, so it
 // is defined for every build): a K-major matrix of `rows` rows is kept as column blocks of [rows][64
 // bf16], block after block, and 16-byte vector j of row r of a block sits at j ^ (r % 8).
 // Byte offset of vector `vec` (8 bf16) of row `row`:
@@ -114,17 +153,18 @@ __device__ inline unsigned sw128_offset(int rows, int row, int vec) {
 __device__ inline unsigned sw128_k16_offset(int rows, int kk) {
   return static_cast<unsigned>((kk / 4) * rows * 128 + (kk % 4) * 32);
 }
+#if KVMEM_GPU_VENDOR_PATHS
+// Warpgroup MMA (sm_90a only: wgmma is an arch-specific feature, so these exist where the compiler
+// defines __CUDA_ARCH_FEAT_SM90_ALL; callers guard on the same macro). The four warps of a warpgroup
+// issue one m64nNk16 product together; it runs asynchronously on the tensor cores, reading its B
+// operand (and A, for the _ss forms) from shared memory through a matrix descriptor, and its
+// accumulators are the registers' D fragments: warp w of the warpgroup holds rows 16 w + lane / 4 and
+// + 8, columns 8 i + 2 (lane % 4) + {0, 1} in d[i][0..1] and d[i][2..3] (the mma.sync m16n8 layout
+// repeated over the N / 8 column tiles). A from registers has the m16n8k16 A fragment layout.
 // The first 1024-byte boundary at or after p in shared memory: swizzled tiles start on one (the
 // pattern follows address bits), so their dynamic shared memory has 1024 spare bytes.
 __device__ inline unsigned char* align_shared_1024(unsigned char* p) {
   return p + (1024u - shared_address(p) % 1024u) % 1024u;
-}
-// The dynamic shared memory a launch gives a kernel with a wgmma path and an mma.sync path whose layouts
-// differ: the larger of the two, because the host cannot know which path the device runs (the sm_90a
-// machine code, or the compute_90 PTX JIT-compiled for another GPU).
-__host__ __device__ constexpr std::size_t shared_bytes_of_either_path(std::size_t wgmma_path,
-                                                                      std::size_t mma_sync_path) {
-  return wgmma_path > mma_sync_path ? wgmma_path : mma_sync_path;
 }
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
 // Descriptor of an operand in the 128-byte swizzle layout: 8-row atoms of 128-byte rows (64 bf16), the
@@ -236,13 +276,40 @@ __device__ inline void wgmma_m64n64k16_rs(float (&d)[8][4], const std::uint32_t 
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b_desc), "r"(accumulate));
 }
 #endif  // __CUDA_ARCH_FEAT_SM90_ALL
+#endif  // KVMEM_GPU_VENDOR_PATHS
 
 // Two floats -> one register of two bf16 (lo at the lower address), round to nearest even.
 __device__ inline std::uint32_t pack_bf16(float lo, float hi) {
+#if KVMEM_GPU_VENDOR_PATHS
   const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
   return *reinterpret_cast<const std::uint32_t*>(&v);
+#else
+  return std::uint32_t(bf16::from_float(lo)) | (std::uint32_t(bf16::from_float(hi)) << 16);
+#endif
 }
 
+#if KVMEM_GPU_HIP
+// Load with acquire semantics at GPU scope: writes released by another block before it published
+// the value are visible after this returns.
+__device__ inline int load_acquire(const int* p) {
+  return __hip_atomic_load(p, __ATOMIC_ACQUIRE, __HIP_MEMORY_SCOPE_AGENT);
+}
+__device__ inline std::int64_t load_acquire(const std::int64_t* p) {
+  return __hip_atomic_load(p, __ATOMIC_ACQUIRE, __HIP_MEMORY_SCOPE_AGENT);
+}
+// A relaxed 64-bit load / store at GPU (agent) scope: single-copy atomic, no ordering with other accesses.
+__device__ inline std::uint64_t load_relaxed_gpu(const std::uint64_t* p) {
+  return __hip_atomic_load(p, __ATOMIC_RELAXED, __HIP_MEMORY_SCOPE_AGENT);
+}
+__device__ inline void store_relaxed_gpu(std::uint64_t* p, std::uint64_t v) {
+  __hip_atomic_store(p, v, __ATOMIC_RELAXED, __HIP_MEMORY_SCOPE_AGENT);
+}
+// Acquire-release fence at GPU (agent) scope.
+__device__ inline void fence_acq_rel_gpu() {
+  __builtin_amdgcn_fence(__ATOMIC_ACQ_REL, "agent");
+}
+
+#else
 // Load with acquire semantics at GPU scope: writes released by another block before it published
 // the value are visible after this returns.
 __device__ inline int load_acquire(const int* p) {
@@ -273,22 +340,26 @@ __device__ inline void fence_acq_rel_gpu() {
   asm volatile("fence.acq_rel.gpu;\n" ::: "memory");
 }
 
+#endif  // KVMEM_GPU_HIP
+
 // Programmatic dependent launch (sm_90; the launch sets cudaLaunchAttributeProgrammaticStreamSerialization):
 // a kernel may be scheduled while the kernel before it on the stream is still running. It waits for that
 // kernel to complete (and its writes to be visible) before touching memory, so the order of effects is
-// the plain stream order. No-ops where the instruction does not exist.
+// the plain stream order. No-ops where the instruction does not exist and on the portable path, whose
+// launches do not overlap.
 __device__ inline void wait_for_previous_grid() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+#if KVMEM_GPU_VENDOR_PATHS && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.wait;\n" ::: "memory");
 #endif
 }
 // Lets the next kernel on the stream be scheduled (it still waits for this one to complete).
 __device__ inline void allow_next_grid() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+#if KVMEM_GPU_VENDOR_PATHS && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
 #endif
 }
 
+#if KVMEM_GPU_VENDOR_PATHS
 // Thread-block clusters (sm_90; the launch sets cudaLaunchAttributeClusterDimension). cluster_sync is a
 // barrier over every thread of every block of the cluster, with release / acquire semantics: shared
 // memory written before it is visible to the cluster's other blocks after it, and a block that has
@@ -315,7 +386,25 @@ __device__ inline float load_cluster(unsigned addr) {
 #endif
   return v;
 }
+#endif  // KVMEM_GPU_VENDOR_PATHS
 
+#if KVMEM_GPU_HIP
+// Approximate math for callers that have bounded their error: the hardware's transcendental
+// instructions on CDNA (v_rcp_f32, v_log_f32, v_exp_f32), through the device library's native forms.
+__device__ inline float rcp_approx_ftz(float d) {
+  return __builtin_amdgcn_rcpf(d);
+}
+__device__ inline float lg2_approx(float x) {
+  return __log2f(x);
+}
+__device__ inline float lg2_approx_ftz(float x) {
+  return __log2f(x);
+}
+__device__ inline float ex2_approx_ftz(float x) {
+  return exp2f(x);
+}
+
+#else
 // Approximate math instructions (MUFU), for callers that have bounded their error. rcp: about 1 ulp for
 // normal d; lg2: absolute error about 2^-22.6; ex2 with ftz: results below 2^-126 flush to 0.
 __device__ inline float rcp_approx_ftz(float d) {
@@ -340,5 +429,7 @@ __device__ inline float ex2_approx_ftz(float x) {
   asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(x));
   return r;
 }
+
+#endif  // KVMEM_GPU_HIP
 
 }  // namespace kvmem::cuda::ptx

@@ -56,7 +56,7 @@
 // Shapes and options are validated (messages name the argument); values (NaN/Inf) are the caller's
 // precondition here, as on the CUDA KVM path: checking them would cost a device-to-host round trip.
 
-#include <cuda_runtime.h>
+#include "kvmem/backend/cuda/vendor.cuh"
 
 #include <algorithm>
 #include <cmath>
@@ -68,7 +68,9 @@
 #include <vector>
 
 #include "kvmem/backend/cuda/common.cuh"
+#if KVMEM_GPU_VENDOR_PATHS
 #include "kvmem/backend/cuda/ua_attend_tc.cuh"
+#endif
 #include "kvmem/backend/cuda/ua_dense_tc.cuh"
 #include "kvmem/backend/cuda/ua_kernels.cuh"
 #include "kvmem/core/arena.hpp"
@@ -684,6 +686,7 @@ struct ChunkKernel {
 // call has the same inputs, head dim and group size.
 template <class Set, class S>
 ChunkKernel<S> chunk_kernel_for(const UaInputs<S>& in, std::int64_t D, std::int64_t r) {
+#if KVMEM_GPU_VENDOR_PATHS
   if constexpr (std::is_same_v<S, bf16>) {
     if (tc_group_ok(r) && tc_aligned(in)) {
       if (D == 64) return {chunk_attend_tc_kernel<Set, 64>, UaTcLayout<64>::kBytes, 32 * kTcWarps};
@@ -691,6 +694,9 @@ ChunkKernel<S> chunk_kernel_for(const UaInputs<S>& in, std::int64_t D, std::int6
       if (D == 128) return {chunk_attend_tc_kernel<Set, 128>, UaTcLayout<128>::kBytes, 32 * kTcWarps};
     }
   }
+#else
+  (void)in;  // the portable path has no tensor-core kernel, whose rows must be 16-byte aligned
+#endif
   const std::size_t bytes = chunk_smem_bytes(D, r);
   if (D <= 32) return {chunk_attend_kernel<Set, S, 8>, bytes, kChunkThreads};
   if (D <= 64) return {chunk_attend_kernel<Set, S, 16>, bytes, kChunkThreads};
@@ -718,6 +724,9 @@ bool dense_skips_past(const UaCache<S>& cache, std::int64_t T) {
 // skip_past: the kernel that skips the steps past the decay's reach (D 64 and 128; D 80 has no wgmma path).
 template <class Set, class S>
 DenseKernel<S> dense_kernel_for(const UaInputs<S>& in, std::int64_t D, std::int64_t r, double log_p, bool skip_past) {
+#if !KVMEM_GPU_VENDOR_PATHS
+  (void)in, (void)D, (void)r, (void)log_p, (void)skip_past;  // portable: every prefill takes the chunked path
+#else
   if constexpr (std::is_same_v<S, bf16>) {
     if (log_p == -std::numeric_limits<double>::infinity() && tc_group_ok(r) && tc_aligned(in)) {
       if (D == 64)
@@ -729,6 +738,7 @@ DenseKernel<S> dense_kernel_for(const UaInputs<S>& in, std::int64_t D, std::int6
                 dense_shared_bytes<128>()};
     }
   }
+#endif
   return {};
 }
 
@@ -962,6 +972,7 @@ DeviceCall<S> make_step_call(const ua::PackedInputsOf<S>& in, const Rows& rows, 
 // The chunk kernel of a step: chunk_kernel_for's choice, made from the packed views' alignment.
 template <class Set, class S>
 ChunkKernel<S> step_chunk_kernel_for(const ua::PackedInputsOf<S>& in, std::int64_t D, std::int64_t r) {
+#if KVMEM_GPU_VENDOR_PATHS
   if constexpr (std::is_same_v<S, bf16>) {
     if (tc_group_ok(r) && rows_16byte_aligned(in.q) && rows_16byte_aligned(in.k) && rows_16byte_aligned(in.v)) {
       if (D == 64) return {chunk_attend_tc_kernel<Set, 64>, UaTcLayout<64>::kBytes, 32 * kTcWarps};
@@ -969,6 +980,9 @@ ChunkKernel<S> step_chunk_kernel_for(const ua::PackedInputsOf<S>& in, std::int64
       if (D == 128) return {chunk_attend_tc_kernel<Set, 128>, UaTcLayout<128>::kBytes, 32 * kTcWarps};
     }
   }
+#else
+  (void)in;  // the portable path has no tensor-core kernel, whose rows must be 16-byte aligned
+#endif
   const std::size_t bytes = chunk_smem_bytes(D, r);
   if (D <= 32) return {chunk_attend_kernel<Set, S, 8>, bytes, kChunkThreads};
   if (D <= 64) return {chunk_attend_kernel<Set, S, 16>, bytes, kChunkThreads};

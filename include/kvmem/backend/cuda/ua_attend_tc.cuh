@@ -11,13 +11,13 @@
 // warp owns 16 of them (one head); entries arrive in tiles of kTcEntries staged in shared memory.
 
 #include <cuda_bf16.h>
-#include <cuda_runtime.h>
 #include <mma.h>
 
 #include <cstdint>
 
 #include "kvmem/backend/cuda/ptx.cuh"
 #include "kvmem/backend/cuda/ua_kernels.cuh"
+#include "kvmem/backend/cuda/vendor.cuh"
 #include "kvmem/core/numeric.hpp"
 #include "kvmem/core/softmax.hpp"
 #include "kvmem/kernel/ua_decay.hpp"
@@ -88,7 +88,7 @@ __global__ void __launch_bounds__(32 * kTcWarps)
   nv_bf16* vs = reinterpret_cast<nv_bf16*>(smem_raw + L::kV);
   nv_bf16* nk = reinterpret_cast<nv_bf16*>(smem_raw + L::kNK);
   float* at = reinterpret_cast<float*>(smem_raw + L::kA);  // [entry][row]: similarity -> A -> Λ
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, tid = threadIdx.x;
+  const int warp = threadIdx.x / kWarpSize, lane = threadIdx.x % kWarpSize, tid = threadIdx.x;
   float* ss = reinterpret_cast<float*>(smem_raw + L::kS) + warp * 16 * L::kSPitch;
   nv_bf16* ps = reinterpret_cast<nv_bf16*>(smem_raw + L::kP) + warp * 16 * L::kPPitch;
   float* os = reinterpret_cast<float*>(smem_raw + L::kO) + warp * 16 * L::kOPitch;
@@ -135,7 +135,7 @@ __global__ void __launch_bounds__(32 * kTcWarps)
     }
     ptx::cp_async_commit();
     load_row_gates(a, b, g, t0 + r0, nr, r_logit, r_part);
-    for (int x = lane; x < 16 * kD; x += 32) os[(x / kD) * L::kOPitch + x % kD] = 0.0f;
+    for (int x = lane; x < 16 * kD; x += kWarpSize) os[(x / kD) * L::kOPitch + x % kD] = 0.0f;
     OnlineSoftmax<float> sm;  // this lane's half of pair row lr
 
     for (std::int64_t e0 = e_begin; e0 < e_end; e0 += kTcEntries) {
@@ -185,7 +185,7 @@ __global__ void __launch_bounds__(32 * kTcWarps)
       for (int nb = 0; nb < kTcEntries / 16; ++nb)
         tile_abt<kD>(qs + (warp * 16) * L::kQPitch, L::kQPitch, ks + (nb * 16) * L::kKPitch, L::kKPitch, ss + nb * 16,
                      L::kSPitch);
-      __syncwarp();
+      warp_sync();
       // logits = q.k + Λ (scale 1), online softmax on the lane's 32 columns
       const int row_in_tile = row_base + lr;
       const bool row_live = row_in_tile < nr;
@@ -198,13 +198,13 @@ __global__ void __launch_bounds__(32 * kTcWarps)
         logit[x] = bias == negative_infinity<float>() ? bias : ss[lr * L::kSPitch + col] + bias;
         tile_max = fmaxf(tile_max, logit[x]);
       }
-      tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, 1));
+      tile_max = fmaxf(tile_max, warp_shfl_xor(tile_max, 1));
       const float rescale = sm.raise_max(tile_max);
 #pragma unroll
       for (int x = 0; x < 32; ++x) ps[lr * L::kPPitch + half * 32 + x] = __float2bfloat16_rn(sm.accumulate(logit[x]));
       if (rescale != 1.0f)
         for (int d = half; d < kD; d += 2) os[lr * L::kOPitch + d] *= rescale;
-      __syncwarp();
+      warp_sync();
       // O += P V
 #pragma unroll
       for (int db = 0; db < kD / 16; ++db) {
@@ -220,11 +220,11 @@ __global__ void __launch_bounds__(32 * kTcWarps)
         }
         wmma::store_matrix_sync(os + db * 16, acc, L::kOPitch, wmma::mem_row_major);
       }
-      __syncwarp();
+      warp_sync();
     }
     ptx::cp_async_wait<0>();  // a row tile without entry tiles: its staging lands before qs / nk are reused
     // this split's partial of every live pair row: max, sum (both halves), unnormalised accumulator
-    const float total_sum = sm.sum + __shfl_xor_sync(0xffffffffu, sm.sum, 1);
+    const float total_sum = sm.sum + warp_shfl_xor(sm.sum, 1);
     const int row_in_tile = row_base + lr;
     if (row_in_tile < nr) {
       const std::int64_t slot = ((item * a.splits + blockIdx.x) * r + head) * a.P + (r0 + row_in_tile);

@@ -49,8 +49,10 @@
 // multiply-add per pair instead of a division by |set|, and no branches, so the compiler interleaves the
 // pairs. Any other set goes through the shared fold (kernel/ua_decay.hpp) pair by pair.
 
+#if KVMEM_GPU_VENDOR_PATHS
 #include <cuda_bf16.h>
-#include <cuda_runtime.h>
+#endif
+#include "kvmem/backend/cuda/vendor.cuh"
 
 #include <cstdint>
 #include <type_traits>
@@ -254,6 +256,7 @@ inline std::int64_t dense_item_group_for(int limit, int sm_count, std::int64_t i
   return group < 1 ? 1 : group > items ? items : group;
 }
 
+#if KVMEM_GPU_VENDOR_PATHS  // mma.sync / wgmma tiles: NVIDIA only
 // The work of one block of dense_prefill_tc_kernel (below): row tile *s_ticket / items of item
 // *s_ticket % items, kRows = dense_row_tile(r) rows, a compile-time constant so that the decay tile's
 // shape, the pair -> (head, row) map and the λ carry unroll. kSkipPast (sm_90a, wgmma path only): the body
@@ -484,18 +487,18 @@ __device__ __forceinline__ void dense_prefill_row_tile(const DeviceCache<bf16>& 
       mx_lo = fmaxf(mx_lo, fmaxf(s[j][0], s[j][1]));
       mx_hi = fmaxf(mx_hi, fmaxf(s[j][2], s[j][3]));
     }
-    mx_lo = fmaxf(mx_lo, __shfl_xor_sync(0xffffffffu, mx_lo, 1));
-    mx_lo = fmaxf(mx_lo, __shfl_xor_sync(0xffffffffu, mx_lo, 2));
-    mx_hi = fmaxf(mx_hi, __shfl_xor_sync(0xffffffffu, mx_hi, 1));
-    mx_hi = fmaxf(mx_hi, __shfl_xor_sync(0xffffffffu, mx_hi, 2));
+    mx_lo = fmaxf(mx_lo, warp_shfl_xor(mx_lo, 1));
+    mx_lo = fmaxf(mx_lo, warp_shfl_xor(mx_lo, 2));
+    mx_hi = fmaxf(mx_hi, warp_shfl_xor(mx_hi, 1));
+    mx_hi = fmaxf(mx_hi, warp_shfl_xor(mx_hi, 2));
     const float new_lo = fmaxf(m_lo, mx_lo), new_hi = fmaxf(m_hi, mx_hi);
     // a row with every logit masked so far keeps max -inf: subtract 0 instead (every weight is 0)
     const float base_lo = new_lo == negative_infinity<float>() ? 0.0f : new_lo * kLog2eFloat;
     const float base_hi = new_hi == negative_infinity<float>() ? 0.0f : new_hi * kLog2eFloat;
-    if (!__any_sync(0xffffffffu, fmaf(mx_lo, kLog2eFloat, -base_lo) >= kDnUnderflowLog2 ||
-                                     fmaf(mx_hi, kLog2eFloat, -base_hi) >= kDnUnderflowLog2))
+    if (!warp_any(fmaf(mx_lo, kLog2eFloat, -base_lo) >= kDnUnderflowLog2 ||
+                  fmaf(mx_hi, kLog2eFloat, -base_hi) >= kDnUnderflowLog2))
       return false;
-    if (__any_sync(0xffffffffu, new_lo != m_lo || new_hi != m_hi)) {
+    if (warp_any(new_lo != m_lo || new_hi != m_hi)) {
       const float scale_lo = ptx::ex2_approx_ftz(fmaf(m_lo, kLog2eFloat, -base_lo));
       const float scale_hi = ptx::ex2_approx_ftz(fmaf(m_hi, kLog2eFloat, -base_hi));
       l_lo *= scale_lo;
@@ -779,7 +782,7 @@ __device__ __forceinline__ void dense_prefill_row_tile(const DeviceCache<bf16>& 
         }
       }
     }
-    __syncwarp();  // the warp's columns of the A tile are complete
+    warp_sync();  // the warp's columns of the A tile are complete
 
     // 2. carry λ down the rows (spec 4.2: increasing m, one rounding per step): lane l < 16 of the warp
     //    that folded the column, entry eb + l, so no block barrier stands between the fold and the carry.
@@ -924,7 +927,7 @@ __device__ __forceinline__ void dense_prefill_row_tile(const DeviceCache<bf16>& 
           const float2 part = kstep_sums(s, kk);
           l_lo += part.x;
           l_hi += part.y;
-          if (!__any_sync(0xffffffffu, part.x + part.y > 0.0f)) continue;
+          if (!warp_any(part.x + part.y > 0.0f)) continue;
           std::uint32_t pa[4];
           kstep_fragment(s, kk, pa);
 #pragma unroll
@@ -954,10 +957,10 @@ __device__ __forceinline__ void dense_prefill_row_tile(const DeviceCache<bf16>& 
   // 4. normalise, output gate, write y and lse (the quad's partial sums in a fixed order). The row's
   //    indices come again from the ticket in shared memory (a volatile load, so the compiler does not
   //    hold them in registers through the loop, where O leaves few to spare)
-  l_lo += __shfl_xor_sync(0xffffffffu, l_lo, 1);
-  l_lo += __shfl_xor_sync(0xffffffffu, l_lo, 2);
-  l_hi += __shfl_xor_sync(0xffffffffu, l_hi, 1);
-  l_hi += __shfl_xor_sync(0xffffffffu, l_hi, 2);
+  l_lo += warp_shfl_xor(l_lo, 1);
+  l_lo += warp_shfl_xor(l_lo, 2);
+  l_hi += warp_shfl_xor(l_hi, 1);
+  l_hi += warp_shfl_xor(l_hi, 2);
   const std::int64_t ticket = *static_cast<const volatile long long*>(s_ticket);
   const std::int64_t out_item = ticket % items, out_r0 = ticket / items * rt;
   const std::int64_t out_b = out_item / c.G, out_g = out_item % c.G;
@@ -1019,6 +1022,7 @@ __global__ void __launch_bounds__(kDnThreads, kDnBlocksPerSM)
   else  // r == 8 (tc_group_ok)
     dense_prefill_row_tile<Set, kD, dense_row_tile(8), kSkip>(c, a, T, items, tiles, sync, &s_ticket, dense_smem);
 }
+#endif  // KVMEM_GPU_VENDOR_PATHS
 
 // grid 1, after dense_prefill_tc_kernel: every item that ran (go) holds its T new rows, its counter
 // advances by T.

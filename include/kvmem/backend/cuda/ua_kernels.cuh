@@ -26,7 +26,7 @@
 // (row, kv head) runs the 1-token rows and zeroes the output of rows that do not run; the chunk, merge
 // and finish kernels run the listed prefill rows, each on its own slot's cache item and tokens.
 
-#include <cuda_runtime.h>
+#include "kvmem/backend/cuda/vendor.cuh"
 
 #include <climits>
 #include <cstdint>
@@ -421,14 +421,14 @@ __global__ void __launch_bounds__(kChunkThreads)
           const std::int64_t d = lane + std::int64_t(x) * kLanesPerPair;
           if (d < D) part += q[x] * ks[e * pitch + d];
         }
-        part += __shfl_xor_sync(0xffffffffu, part, 1);
-        part += __shfl_xor_sync(0xffffffffu, part, 2);
+        part += warp_shfl_xor(part, 1);
+        part += warp_shfl_xor(part, 2);
         const float bias = row_live ? tile[e * rt + prow] : negative_infinity<float>();
         const float logit = bias == negative_infinity<float>() ? bias : part + bias;  // scale 1
         if (lane == 0) logits[pair * kEntryTile + e] = logit;
         tile_max = logit > tile_max ? logit : tile_max;
       }
-      __syncwarp();
+      warp_sync();
       if (row_live && tile_max != negative_infinity<float>()) {
         const float rescale = sm.raise_max(tile_max);
         if (rescale != 1.0f)
@@ -468,28 +468,28 @@ __host__ __device__ inline std::size_t decode_smem_bytes(std::int64_t D, std::in
 }
 
 __device__ inline float block_reduce_max(float x, float* scratch) {
-  for (int o = 16; o > 0; o /= 2) x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, o));
+  for (int o = kWarpSize / 2; o > 0; o /= 2) x = fmaxf(x, warp_shfl_xor(x, o));
   __syncthreads();
-  if (threadIdx.x % 32 == 0) scratch[threadIdx.x / 32] = x;
+  if (threadIdx.x % kWarpSize == 0) scratch[threadIdx.x / kWarpSize] = x;
   __syncthreads();
   float m = scratch[0];
-  for (int w = 1; w < int(blockDim.x / 32); ++w) m = fmaxf(m, scratch[w]);
+  for (int w = 1; w < int(blockDim.x / kWarpSize); ++w) m = fmaxf(m, scratch[w]);
   return m;
 }
 __device__ inline float block_reduce_sum(float x, float* scratch) {
-  for (int o = 16; o > 0; o /= 2) x += __shfl_xor_sync(0xffffffffu, x, o);
+  for (int o = kWarpSize / 2; o > 0; o /= 2) x += warp_shfl_xor(x, o);
   __syncthreads();
-  if (threadIdx.x % 32 == 0) scratch[threadIdx.x / 32] = x;
+  if (threadIdx.x % kWarpSize == 0) scratch[threadIdx.x / kWarpSize] = x;
   __syncthreads();
   float s = scratch[0];
-  for (int w = 1; w < int(blockDim.x / 32); ++w) s += scratch[w];  // fixed order: deterministic
+  for (int w = 1; w < int(blockDim.x / kWarpSize); ++w) s += scratch[w];  // fixed order: deterministic
   return s;
 }
 // Sum over the kDecodeGroup lanes of a group (xor offsets below the group size stay inside it).
 inline constexpr int kDecodeGroup = 8;
-inline constexpr int kGroupsPerWarp = 32 / kDecodeGroup;
+inline constexpr int kGroupsPerWarp = kWarpSize / kDecodeGroup;
 __device__ inline float group_sum(float x) {
-  for (int o = kDecodeGroup / 2; o > 0; o /= 2) x += __shfl_xor_sync(0xffffffffu, x, o);
+  for (int o = kDecodeGroup / 2; o > 0; o /= 2) x += warp_shfl_xor(x, o);
   return x;
 }
 
@@ -516,9 +516,9 @@ __device__ inline void merge_row(const DeviceCache<S>& c, const DeviceCall<S>& a
         l[u] = v[u] = 0.0f;
         if (s < used) {
           const std::int64_t slot = ((item * a.splits + s) * r + h) * a.P + i;
-          m[u] = __ldcg(a.part_ml + slot * 2);
-          l[u] = __ldcg(a.part_ml + slot * 2 + 1);
-          v[u] = __ldcg(a.part_acc + slot * D + d);
+          m[u] = load_cg(a.part_ml + slot * 2);
+          l[u] = load_cg(a.part_ml + slot * 2 + 1);
+          v[u] = load_cg(a.part_acc + slot * D + d);
         }
       }
     };
@@ -562,12 +562,16 @@ __global__ void __launch_bounds__(kMergeThreads)
 }
 
 // ---- finish: evict + compact, append, advance ---------------------------------------------------
-// One item on the calling block's threads (any multiple of 32), with finish_smem_bytes<S>(D) bytes of
+// One item on the calling block's threads (any whole number of warps), with finish_smem_bytes<S>(D) bytes of
 // shared memory at `fsm`. Runs after everything of the step that reads the item's rows or its length
 // (it changes both): finish_kernel after a prefill chunk, the last split of a decode step. λ is read
 // with ld.global.cg: other blocks of the step updated it, and this block's L1 may hold old lines.
 inline constexpr int kFinishThreads = 256;
-inline constexpr int kCompactRows = 32;    // rows staged per compaction step (one warp's ballot)
+// Rows staged per compaction step, turned into destinations by one ballot of warp 0's first kCompactRows
+// lanes (a whole warp on NVIDIA; lanes past it sit the ballot out on a 64-lane wavefront, so the stage
+// keeps the same shared memory on both vendors).
+inline constexpr int kCompactRows = 32;
+static_assert(kCompactRows <= kWarpSize, "one ballot turns a compaction step's keep flags into destinations");
 inline constexpr int kMaxCallRows = 1024;  // rows of one chunk (UaCacheLimits::max_prefill_chunk <= 1024)
 template <class S>
 __host__ __device__ inline std::size_t finish_smem_bytes(std::int64_t D) {
@@ -617,13 +621,13 @@ __device__ inline void finish_item(const DeviceCache<S>& c, const DeviceCall<S>&
   const std::int64_t n = c.length[item];
   const std::int64_t first = c.counter[item];  // absolute position of the call's row t0
   if (a.count_pages && threadIdx.x == 0) (void)take_pages(c.pool, item, n + rows);  // counts only
-  const int tid = threadIdx.x, lane = tid % 32;
+  const int tid = threadIdx.x, lane = tid % kWarpSize;
   // rows of the cache and of the staging buffer start 16 bytes apart when D * sizeof(S) is a multiple of 16
   // (UaCache's arena and the dynamic shared memory are 16-byte aligned)
   const bool vec_cache = (D * std::int64_t(sizeof(S))) % 16 == 0;
 
   // 1. evict λ < ln p and compact stably in place (survivors keep ascending positions). Warp 0 turns
-  //    32 keep flags into destinations with a ballot; the group's rows are staged in shared memory, so
+  //    kCompactRows keep flags into destinations with a ballot; the group's rows are staged in shared memory, so
   //    no row is overwritten before it is read.
   S* kst = reinterpret_cast<S*>(fsm);
   S* vst = kst + kCompactRows * D;
@@ -639,11 +643,11 @@ __device__ inline void finish_item(const DeviceCache<S>& c, const DeviceCall<S>&
     for (std::int64_t e0 = 0; e0 < n; e0 += kCompactRows) {
       const std::int64_t ne = n - e0 < kCompactRows ? n - e0 : kCompactRows;
       __syncthreads();  // the previous group is written
-      if (tid < 32) {
-        const bool keep = lane < ne && !kernel::ua::evicts(__ldcg(c.lambda + c.row(item, e0 + lane)), a.log_p);
-        const unsigned mask = __ballot_sync(0xffffffffu, keep);
-        dst[lane] = keep ? int(kept + __popc(mask & ((1u << lane) - 1u))) : -1;
-        if (lane == 0) group_kept = __popc(mask);
+      if (tid < kCompactRows) {
+        const bool keep = lane < ne && !kernel::ua::evicts(load_cg(c.lambda + c.row(item, e0 + lane)), a.log_p);
+        const LaneMask mask = warp_ballot(keep);
+        dst[lane] = keep ? int(kept + mask_popc(mask & lanes_below(lane))) : -1;
+        if (lane == 0) group_kept = mask_popc(mask);
       }
       __syncthreads();
       if (kept + group_kept < e0 + ne) {  // an eviction so far: survivors may move down (a copy in place is harmless)
@@ -654,7 +658,7 @@ __device__ inline void finish_item(const DeviceCache<S>& c, const DeviceCall<S>&
             ne, D, vec_cache, [&](std::int64_t e) { return c.values + c.row(item, e0 + e) * D; },
             [&](std::int64_t e) { return vst + e * D; });
         for (std::int64_t e = tid; e < ne; e += blockDim.x) {
-          lst[e] = __ldcg(c.lambda + c.row(item, e0 + e));
+          lst[e] = load_cg(c.lambda + c.row(item, e0 + e));
           zst[e] = c.key_logit[c.row(item, e0 + e)];
           pst[e] = c.pos[c.row(item, e0 + e)];
         }
@@ -676,25 +680,25 @@ __device__ inline void finish_item(const DeviceCache<S>& c, const DeviceCall<S>&
     }
   }
   // 2. append the call's keys that survive (a decode step's new token has λ = 0 >= ln p: always kept):
-  //    warp 0 turns the keep flags into destinations 32 rows per ballot, then every thread copies
+  //    warp 0 turns the keep flags into destinations a warp of rows per ballot, then every thread copies
   __shared__ int new_dst[kMaxCallRows];
   __syncthreads();
-  if (tid < 32) {
-    constexpr int kBallots = 4;  // λ of 4 x 32 rows loaded before their ballots: one round trip
-    for (std::int64_t j0 = 0; j0 < rows; j0 += 32 * kBallots) {
+  if (tid < kWarpSize) {
+    constexpr int kBallots = 4;  // λ of 4 warps of rows loaded before their ballots: one round trip
+    for (std::int64_t j0 = 0; j0 < rows; j0 += kWarpSize * kBallots) {
       float lam[kBallots];
 #pragma unroll
       for (int u = 0; u < kBallots; ++u) {
-        const std::int64_t j = j0 + 32 * u + lane;
+        const std::int64_t j = j0 + kWarpSize * u + lane;
         lam[u] = (j < rows && a.lambda_new) ? a.lambda_new[item * a.P + j] : 0.0f;
       }
 #pragma unroll
       for (int u = 0; u < kBallots; ++u) {
-        const std::int64_t j = j0 + 32 * u + lane;
+        const std::int64_t j = j0 + kWarpSize * u + lane;
         const bool keep = j < rows && !(prunes && kernel::ua::evicts(lam[u], a.log_p));
-        const unsigned mask = __ballot_sync(0xffffffffu, keep);
-        if (j < rows) new_dst[j] = keep ? int(kept + __popc(mask & ((1u << lane) - 1u))) : -1;
-        kept += __popc(mask);
+        const LaneMask mask = warp_ballot(keep);
+        if (j < rows) new_dst[j] = keep ? int(kept + mask_popc(mask & lanes_below(lane))) : -1;
+        kept += mask_popc(mask);
       }
     }
     if (lane == 0) group_kept = int(kept);
@@ -745,7 +749,8 @@ __global__ void __launch_bounds__(kFinishThreads)
 // token and writes the output. No partials and no merge: one block, one chain of dependent loads per
 // tile. Compaction in place is safe tile by tile: a row's destination is never above its source, so
 // writes land on rows this tile or an earlier one has already staged.
-inline constexpr int kOneBlockTile = 64;  // a multiple of 32: one ballot per 32 entries
+inline constexpr int kOneBlockTile = 64;  // a multiple of kWarpSize: one ballot per warp of entries
+static_assert(kOneBlockTile % kWarpSize == 0, "the one-block decode compacts a tile in whole-warp ballots");
 inline constexpr std::int64_t kOneBlockMaxKept = 256;
 
 // Byte offsets of the one-block path's shared memory. Staged rows are D + 16 bytes apart: the four
@@ -802,7 +807,7 @@ __device__ inline std::int64_t decode_one_block(const DeviceCache<S>& c, const D
   float* rescale = reinterpret_cast<float*>(smem + L.rescale);
   int* kept_s = reinterpret_cast<int*>(smem + L.kept);  // survivors so far (the last warp keeps it)
 
-  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, warps = int(blockDim.x / 32);
+  const int tid = threadIdx.x, warp = tid / kWarpSize, lane = tid % kWarpSize, warps = int(blockDim.x / kWarpSize);
   const int grp = lane / kDecodeGroup, sub = lane % kDecodeGroup;
   const S* new_key = a.k + b * a.k_b + g * a.k_g;
   const S* new_value = a.v + b * a.v_b + g * a.v_g;
@@ -929,37 +934,37 @@ __device__ inline std::int64_t decode_one_block(const DeviceCache<S>& c, const D
         if (sub == 0 && valid)
           wts[h * kOneBlockTile + e] = attend ? part + lam : negative_infinity<float>();  // scale 1
       }
-      __syncwarp();  // the group's lanes have read lam_t[e]
+      warp_sync();  // the group's lanes have read lam_t[e]
       if (sub == 0 && valid) {
         lam_t[e] = lam;
         keep_t[e] = keep ? 1 : 0;  // the new token is appended after the survivors, never moved
       }
     }
     __syncthreads();
-    // 3. the last warp: survivors' destinations, 32 entries per ballot. Warp w: the online-softmax step
+    // 3. the last warp: survivors' destinations, a warp of entries per ballot. Warp w: the online-softmax step
     //    of heads w, w + warps, ... over the tile (warp reductions in a fixed order: deterministic)
     if (warp == warps - 1) {
       int kept = *kept_s;
-      for (int e = lane; e < kOneBlockTile; e += 32) {  // warp-uniform bound
+      for (int e = lane; e < kOneBlockTile; e += kWarpSize) {  // warp-uniform bound
         const bool keep = e < ne && keep_t[e] != 0;
-        const unsigned mask = __ballot_sync(0xffffffffu, keep);
-        dst_t[e] = keep ? kept + __popc(mask & ((1u << lane) - 1u)) : -1;
-        kept += __popc(mask);
+        const LaneMask mask = warp_ballot(keep);
+        dst_t[e] = keep ? kept + mask_popc(mask & lanes_below(lane)) : -1;
+        kept += mask_popc(mask);
       }
-      __syncwarp();
+      warp_sync();
       if (lane == 0) *kept_s = kept;
     }
-    constexpr int kPerLane = kOneBlockTile / 32;
+    constexpr int kPerLane = kOneBlockTile / kWarpSize;
     for (std::int64_t h = warp; h < r; h += warps) {
       float l[kPerLane], w[kPerLane];
       float tile_max = negative_infinity<float>();
 #pragma unroll
       for (int u = 0; u < kPerLane; ++u) {
-        const int e = lane + 32 * u;
+        const int e = lane + kWarpSize * u;
         l[u] = e < ne ? wts[h * kOneBlockTile + e] : negative_infinity<float>();
         tile_max = fmaxf(tile_max, l[u]);
       }
-      for (int o = 16; o > 0; o /= 2) tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, o));
+      for (int o = kWarpSize / 2; o > 0; o /= 2) tile_max = fmaxf(tile_max, warp_shfl_xor(tile_max, o));
       const float old_max = run_max[h];
       const float new_max = tile_max > old_max ? tile_max : old_max;
       float tile_sum = 0.0f;
@@ -968,14 +973,14 @@ __device__ inline std::int64_t decode_one_block(const DeviceCache<S>& c, const D
         w[u] = l[u] == negative_infinity<float>() ? 0.0f : expf(l[u] - new_max);
         tile_sum += w[u];
       }
-      for (int o = 16; o > 0; o /= 2) tile_sum += __shfl_xor_sync(0xffffffffu, tile_sum, o);
+      for (int o = kWarpSize / 2; o > 0; o /= 2) tile_sum += warp_shfl_xor(tile_sum, o);
       const float scale = (old_max == negative_infinity<float>() || new_max == negative_infinity<float>())
                               ? 0.0f
                               : expf(old_max - new_max);
 #pragma unroll
       for (int u = 0; u < kPerLane; ++u)
-        if (lane + 32 * u < ne) wts[h * kOneBlockTile + lane + 32 * u] = w[u];
-      __syncwarp();
+        if (lane + kWarpSize * u < ne) wts[h * kOneBlockTile + lane + kWarpSize * u] = w[u];
+      warp_sync();
       if (lane == 0) {
         run_max[h] = new_max;
         run_sum[h] = run_sum[h] * scale + tile_sum;
@@ -1073,7 +1078,7 @@ __device__ inline void decode_split(const DeviceCache<S>& c, const DeviceCall<S>
   float* wts = acc + r * D;                   // [r][kDecodeThreads]
   float* run_max = wts + r * kDecodeThreads;  // [r]
   float* run_sum = run_max + r;               // [r]
-  float* scratch = run_sum + r;               // [32]
+  float* scratch = run_sum + r;               // [32] (one per warp)
 
   const std::int64_t total = n + 1;
   const std::int64_t piece = split_piece(total, a.splits, 32);
@@ -1081,7 +1086,7 @@ __device__ inline void decode_split(const DeviceCache<S>& c, const DeviceCall<S>
   if (e_begin >= total) return;
   const std::int64_t e_end = e_begin + piece < total ? e_begin + piece : total;
   const std::int64_t t = c.counter[item];
-  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, warps = kDecodeThreads / 32;
+  const int tid = threadIdx.x, warp = tid / kWarpSize, lane = tid % kWarpSize, warps = kDecodeThreads / kWarpSize;
   const int grp = lane / kDecodeGroup, sub = lane % kDecodeGroup;
   const S* new_key = a.k + b * a.k_b + g * a.k_g;
   for (std::int64_t x = tid; x < r * D; x += blockDim.x) {
@@ -1279,7 +1284,7 @@ __global__ void __launch_bounds__(kDecodeThreads) decode_attend_kernel(DeviceCac
   ptx::fence_acq_rel_gpu();
   if (one_block) {
     if (threadIdx.x == 0) {
-      const std::int64_t length = __ldcg(c.next_length + item);
+      const std::int64_t length = load_cg(c.next_length + item);
       if (a.count_pages) (void)take_pages(c.pool, item, n + 1);  // counts only
       c.length[item] = length;
       c.counter[item] += 1;

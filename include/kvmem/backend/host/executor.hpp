@@ -14,11 +14,11 @@
 #include <condition_variable>
 #include <cstdint>
 #include <exception>
-#include <map>
 #include <memory>
 #include <mutex>
 #include <thread>
 #include <type_traits>
+#include <unordered_map>
 #include <utility>
 #include <vector>
 
@@ -154,10 +154,12 @@ struct Executor {
   }
 };
 
-// The process-wide pool of `threads` threads, created on first use and kept until exit.
+// The process-wide pool of `threads` threads, created on first use and kept until exit. An unordered_map:
+// clang 15 in HIP mode with libstdc++ 12 and C++20 crashes on a std::map of move-only values, and this
+// header reaches hipcc through the umbrella header.
 inline ThreadPool& shared_pool(int threads) {
   static std::mutex mutex;
-  static std::map<int, std::unique_ptr<ThreadPool>> pools;
+  static std::unordered_map<int, std::unique_ptr<ThreadPool>> pools;
   const std::lock_guard<std::mutex> lock(mutex);
   auto& p = pools[threads];
   if (!p) p = std::make_unique<ThreadPool>(threads);
