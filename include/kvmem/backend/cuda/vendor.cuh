@@ -169,7 +169,7 @@ __device__ inline int mask_popc(LaneMask m) {
 #if KVMEM_GPU_HIP
   return __popcll(m);
 #else
-  return mask_popc(m);
+  return __popc(m);
 #endif
 }
 __device__ inline int mask_ffs(LaneMask m) {
