@@ -363,6 +363,25 @@ struct UaItem {
   KOKKOS_INLINE_FUNCTION std::int64_t evict(std::int64_t n, std::int64_t D, const Ev& ev) const {
     return kernel::ua::evict_by(ev, kernel::ua::RowMap{}, keys, values, D, lambda, key_logit, pos, n, D);
   }
+  // evict() on one thread of the team (the cut and the compaction are in-order scans) when `prune` (the
+  // evictor can evict, decided on the host); the kept count on every thread after a team barrier.
+  // ua::detail::NoEvictor (prune::None) compiles no eviction.
+  template <class Member, class Ev>
+  KOKKOS_INLINE_FUNCTION std::int64_t team_evict(const Member& team, std::int64_t n, std::int64_t D, const Ev& ev,
+                                                 bool prune) const {
+    std::int64_t kept = n;
+    Kokkos::single(
+        Kokkos::PerTeam(team),
+        [&](std::int64_t& k) {
+          if constexpr (ua::detail::kEvicts<Ev>)
+            k = prune ? evict(n, D, ev) : n;
+          else
+            k = n;
+        },
+        kept);
+    team.team_barrier();  // the compacted rows are visible to every thread
+    return kept;
+  }
   // Decode step 1 (spec UA.md 4.4): λ_e += A(e, t) of kernel::ua::lambda_update, entries over the team.
   template <class Set, class Member, class In>
   KOKKOS_INLINE_FUNCTION void team_lambda_update(const Member& team, std::int64_t n, std::int64_t D, const In* new_key,
@@ -397,22 +416,6 @@ struct UaCacheCall {
     const std::int64_t row0 = i * capacity;
     return {keys + row0 * D, values + row0 * D, lambda + row0, key_logit + row0, pos + row0};
   }
-  KOKKOS_INLINE_FUNCTION std::int64_t evict(const UaItem<Storage>& it, std::int64_t n) const {
-    if constexpr (ua::detail::kEvicts<Ev>)
-      return prune ? it.evict(n, D, ev) : n;
-    else
-      return n;
-  }
-  // evict() on one thread of the team (the cut and the compaction are in-order scans), the kept count
-  // on every thread.
-  template <class Member>
-  KOKKOS_INLINE_FUNCTION std::int64_t team_evict(const Member& team, const UaItem<Storage>& it, std::int64_t n) const {
-    std::int64_t kept = n;
-    Kokkos::single(
-        Kokkos::PerTeam(team), [&](std::int64_t& k) { k = evict(it, n); }, kept);
-    team.team_barrier();  // the compacted rows are visible to every thread
-    return kept;
-  }
 
   KOKKOS_INLINE_FUNCTION void append_row(const UaItem<Storage>& it, std::int64_t row, std::int64_t b, std::int64_t g,
                                          std::int64_t t, std::int64_t position) const {
@@ -439,7 +442,7 @@ struct UaCacheCall {
       a.through = first + t0 - 1;  // survivors hold Λ_{first+t0-1}; the chunk keys hold 0
       a.first = first + t0;
       team_attend_block<Set>(team, a);
-      n = team_evict(team, it, n);
+      n = it.team_evict(team, n, D, ev, prune);
     }
     Kokkos::single(Kokkos::PerTeam(team), [&]() {
       length[i] = n;
@@ -459,12 +462,12 @@ struct UaCacheCall {
     team.team_barrier();
     ++n;
     const std::int64_t top = n;
-    if (evict_before_attention) n = team_evict(team, it, n);  // 3. evict, 4. attend
+    if (evict_before_attention) n = it.team_evict(team, n, D, ev, prune);  // 3. evict, 4. attend
     auto a = it.block(in.block<Storage>(b, g, r, 0, 1), n, D, workspace);
     a.through = t;  // λ already includes A_{., t}
     a.first = t;
     team_attend_block<Set>(team, a);
-    if (!evict_before_attention) n = team_evict(team, it, n);  // (or evict last)
+    if (!evict_before_attention) n = it.team_evict(team, n, D, ev, prune);  // (or evict last)
     Kokkos::single(Kokkos::PerTeam(team), [&]() {
       length[i] = n;
       peak[i] = top;
@@ -713,23 +716,6 @@ struct UaStepCall {
   bool prune;  // whether the evictor can evict, decided on the host
   bool evict_before_attention;
 
-  KOKKOS_INLINE_FUNCTION std::int64_t evict(const UaItem<Storage>& it, std::int64_t n) const {
-    if constexpr (ua::detail::kEvicts<Ev>)
-      return prune ? it.evict(n, D, ev) : n;
-    else
-      return n;
-  }
-  // evict() on one thread of the team (the cut and the compaction are in-order scans), the kept count
-  // on every thread.
-  template <class Member>
-  KOKKOS_INLINE_FUNCTION std::int64_t team_evict(const Member& team, const UaItem<Storage>& it, std::int64_t n) const {
-    std::int64_t kept = n;
-    Kokkos::single(
-        Kokkos::PerTeam(team), [&](std::int64_t& k) { k = evict(it, n); }, kept);
-    team.team_barrier();  // the compacted rows are visible to every thread
-    return kept;
-  }
-
   KOKKOS_INLINE_FUNCTION UaRow row(std::int64_t x) const {
     UaRow w;
     w.slot = in.slot(x);
@@ -780,7 +766,7 @@ struct UaStepCall {
       a.through = first + t0 - 1;  // survivors hold Λ_{first+t0-1}; the chunk keys hold 0
       a.first = first + t0;
       team_attend_block<Set>(team, a);
-      n = team_evict(team, it, n);
+      n = it.team_evict(team, n, D, ev, prune);
     }
     Kokkos::single(Kokkos::PerTeam(team), [&]() {
       length[i] = n;
@@ -799,12 +785,12 @@ struct UaStepCall {
     team.team_barrier();
     ++n;
     const std::int64_t top = n;
-    if (evict_before_attention) n = team_evict(team, it, n);  // 3. evict, 4. attend
+    if (evict_before_attention) n = it.team_evict(team, n, D, ev, prune);  // 3. evict, 4. attend
     auto a = it.block(in.block<Storage>(w.x0, g, r, 0, 1), n, D, workspace);
     a.through = t;  // λ already includes A_{., t}
     a.first = t;
     team_attend_block<Set>(team, a);
-    if (!evict_before_attention) n = team_evict(team, it, n);  // (or evict last)
+    if (!evict_before_attention) n = it.team_evict(team, n, D, ev, prune);  // (or evict last)
     Kokkos::single(Kokkos::PerTeam(team), [&]() {
       length[i] = n;
       peak[i] = top;
