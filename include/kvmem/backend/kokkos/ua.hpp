@@ -394,6 +394,55 @@ struct UaItem {
   }
 };
 
+// The team's chunked prefill of one item (spec UA.md 4.5, as ua::detail::prefill_item): `tokens` tokens
+// from position `first`; each chunk's rows appended over the threads by append(at, t, position), its
+// block (block_of(t0, t1): the block arguments of those tokens' queries) attended by team_attend_block,
+// then eviction on one thread. n: the item's kept count, in and out; returns the peak count.
+template <class Set, class Member, class Storage, class Ev, class Append, class BlockOf>
+KOKKOS_INLINE_FUNCTION std::int64_t team_prefill(const Member& team, const UaItem<Storage>& it, std::int64_t& n,
+                                                 std::int64_t first, std::int64_t tokens, std::int64_t chunk,
+                                                 std::int64_t D, const Ev& ev, bool prune, float* workspace,
+                                                 const Append& append, const BlockOf& block_of) {
+  std::int64_t top = n;
+  for (std::int64_t t0 = 0; t0 < tokens; t0 += chunk) {
+    const std::int64_t t1 = t0 + chunk < tokens ? t0 + chunk : tokens;
+    Kokkos::parallel_for(Kokkos::TeamThreadRange(team, t1 - t0),
+                         [&](const std::int64_t x) { append(n + x, t0 + x, first + t0 + x); });
+    team.team_barrier();
+    n += t1 - t0;
+    top = n > top ? n : top;
+    auto a = it.block(block_of(t0, t1), n, D, workspace);
+    a.through = first + t0 - 1;  // survivors hold Λ_{first+t0-1}; the chunk keys hold 0
+    a.first = first + t0;
+    team_attend_block<Set>(team, a);
+    n = it.team_evict(team, n, D, ev, prune);
+  }
+  return top;
+}
+
+// The team's decode step of one item at position t (spec UA.md 4.4, 4.5, as ua::detail::decode_item):
+// λ_j += A_jt from the new key and query logit, the token appended by append(at, 0, t) with λ = 0,
+// eviction before or after attending `block` (the token's query). n: the kept count, in and out;
+// returns the peak count.
+template <class Set, class Member, class Storage, class Ev, class In, class Append, class Block>
+KOKKOS_INLINE_FUNCTION std::int64_t team_decode(const Member& team, const UaItem<Storage>& it, std::int64_t& n,
+                                                std::int64_t t, std::int64_t D, const Ev& ev, bool prune,
+                                                bool evict_before_attention, float* workspace, const In* new_key,
+                                                float query_logit, const Append& append, const Block& block) {
+  it.template team_lambda_update<Set>(team, n, D, new_key, query_logit, t);  // 1. λ_j += A_jt
+  Kokkos::single(Kokkos::PerTeam(team), [&]() { append(n, 0, t); });         // 2. append t, λ = 0
+  team.team_barrier();
+  ++n;
+  const std::int64_t top = n;
+  if (evict_before_attention) n = it.team_evict(team, n, D, ev, prune);  // 3. evict, 4. attend
+  auto a = it.block(block, n, D, workspace);
+  a.through = t;  // λ already includes A_{., t}
+  a.first = t;
+  team_attend_block<Set>(team, a);
+  if (!evict_before_attention) n = it.team_evict(team, n, D, ev, prune);  // (or evict last)
+  return top;
+}
+
 // Ev: the prune policy's evictor (policy/prune.hpp), or ua::detail::NoEvictor (prune::None: no eviction
 // is compiled).
 template <class Set, class Storage, class MemSpace, class Ev>
@@ -429,21 +478,11 @@ struct UaCacheCall {
   KOKKOS_INLINE_FUNCTION void prefill_item(const Member& team, std::int64_t i, float* workspace) const {
     const std::int64_t b = i / G, g = i % G;
     const UaItem<Storage> it = item(i);
-    const std::int64_t first = counter[b];
-    std::int64_t n = length[i], top = n;
-    for (std::int64_t t0 = 0; t0 < T; t0 += chunk) {
-      const std::int64_t t1 = t0 + chunk < T ? t0 + chunk : T;
-      Kokkos::parallel_for(Kokkos::TeamThreadRange(team, t1 - t0),
-                           [&](const std::int64_t x) { append_row(it, n + x, b, g, t0 + x, first + t0 + x); });
-      team.team_barrier();
-      n += t1 - t0;
-      top = n > top ? n : top;
-      auto a = it.block(in.block<Storage>(b, g, r, t0, t1), n, D, workspace);
-      a.through = first + t0 - 1;  // survivors hold Λ_{first+t0-1}; the chunk keys hold 0
-      a.first = first + t0;
-      team_attend_block<Set>(team, a);
-      n = it.team_evict(team, n, D, ev, prune);
-    }
+    std::int64_t n = length[i];
+    const std::int64_t top = team_prefill<Set>(
+        team, it, n, counter[b], T, chunk, D, ev, prune, workspace,
+        [&](std::int64_t at, std::int64_t t, std::int64_t position) { append_row(it, at, b, g, t, position); },
+        [&](std::int64_t t0, std::int64_t t1) { return in.block<Storage>(b, g, r, t0, t1); });
     Kokkos::single(Kokkos::PerTeam(team), [&]() {
       length[i] = n;
       peak[i] = top;
@@ -455,19 +494,11 @@ struct UaCacheCall {
   KOKKOS_INLINE_FUNCTION void decode_item(const Member& team, std::int64_t i, float* workspace) const {
     const std::int64_t b = i / G, g = i % G;
     const UaItem<Storage> it = item(i);
-    const std::int64_t t = counter[b];
     std::int64_t n = length[i];
-    it.template team_lambda_update<Set>(team, n, D, &in.k(b, g, 0, 0), in.z_q(b, g, 0), t);  // 1. λ_j += A_jt
-    Kokkos::single(Kokkos::PerTeam(team), [&]() { append_row(it, n, b, g, 0, t); });         // 2. append t, λ = 0
-    team.team_barrier();
-    ++n;
-    const std::int64_t top = n;
-    if (evict_before_attention) n = it.team_evict(team, n, D, ev, prune);  // 3. evict, 4. attend
-    auto a = it.block(in.block<Storage>(b, g, r, 0, 1), n, D, workspace);
-    a.through = t;  // λ already includes A_{., t}
-    a.first = t;
-    team_attend_block<Set>(team, a);
-    if (!evict_before_attention) n = it.team_evict(team, n, D, ev, prune);  // (or evict last)
+    const std::int64_t top = team_decode<Set>(
+        team, it, n, counter[b], D, ev, prune, evict_before_attention, workspace, &in.k(b, g, 0, 0), in.z_q(b, g, 0),
+        [&](std::int64_t at, std::int64_t t, std::int64_t position) { append_row(it, at, b, g, t, position); },
+        in.block<Storage>(b, g, r, 0, 1));
     Kokkos::single(Kokkos::PerTeam(team), [&]() {
       length[i] = n;
       peak[i] = top;
@@ -753,21 +784,11 @@ struct UaStepCall {
   KOKKOS_INLINE_FUNCTION void prefill_item(const Member& team, const UaRow& w, std::int64_t g, float* workspace) const {
     const std::int64_t i = w.slot * G + g;
     const UaItem<Storage> it = item(i);
-    const std::int64_t first = counter[w.slot];
-    std::int64_t n = length[i], top = n;
-    for (std::int64_t t0 = 0; t0 < w.T; t0 += chunk) {
-      const std::int64_t t1 = t0 + chunk < w.T ? t0 + chunk : w.T;
-      Kokkos::parallel_for(Kokkos::TeamThreadRange(team, t1 - t0),
-                           [&](const std::int64_t x) { append_row(it, n + x, w, g, t0 + x, first + t0 + x); });
-      team.team_barrier();
-      n += t1 - t0;
-      top = n > top ? n : top;
-      auto a = it.block(in.block<Storage>(w.x0, g, r, t0, t1), n, D, workspace);
-      a.through = first + t0 - 1;  // survivors hold Λ_{first+t0-1}; the chunk keys hold 0
-      a.first = first + t0;
-      team_attend_block<Set>(team, a);
-      n = it.team_evict(team, n, D, ev, prune);
-    }
+    std::int64_t n = length[i];
+    const std::int64_t top = team_prefill<Set>(
+        team, it, n, counter[w.slot], w.T, chunk, D, ev, prune, workspace,
+        [&](std::int64_t at, std::int64_t t, std::int64_t position) { append_row(it, at, w, g, t, position); },
+        [&](std::int64_t t0, std::int64_t t1) { return in.block<Storage>(w.x0, g, r, t0, t1); });
     Kokkos::single(Kokkos::PerTeam(team), [&]() {
       length[i] = n;
       peak[i] = top;
@@ -778,19 +799,12 @@ struct UaStepCall {
   KOKKOS_INLINE_FUNCTION void decode_item(const Member& team, const UaRow& w, std::int64_t g, float* workspace) const {
     const std::int64_t i = w.slot * G + g;
     const UaItem<Storage> it = item(i);
-    const std::int64_t t = counter[w.slot];
     std::int64_t n = length[i];
-    it.template team_lambda_update<Set>(team, n, D, &in.k(w.x0, g, 0), in.z_q(w.x0, g), t);  // 1. λ_j += A_jt
-    Kokkos::single(Kokkos::PerTeam(team), [&]() { append_row(it, n, w, g, 0, t); });         // 2. append t, λ = 0
-    team.team_barrier();
-    ++n;
-    const std::int64_t top = n;
-    if (evict_before_attention) n = it.team_evict(team, n, D, ev, prune);  // 3. evict, 4. attend
-    auto a = it.block(in.block<Storage>(w.x0, g, r, 0, 1), n, D, workspace);
-    a.through = t;  // λ already includes A_{., t}
-    a.first = t;
-    team_attend_block<Set>(team, a);
-    if (!evict_before_attention) n = it.team_evict(team, n, D, ev, prune);  // (or evict last)
+    const std::int64_t top = team_decode<Set>(
+        team, it, n, counter[w.slot], D, ev, prune, evict_before_attention, workspace, &in.k(w.x0, g, 0),
+        in.z_q(w.x0, g),
+        [&](std::int64_t at, std::int64_t t, std::int64_t position) { append_row(it, at, w, g, t, position); },
+        in.block<Storage>(w.x0, g, r, 0, 1));
     Kokkos::single(Kokkos::PerTeam(team), [&]() {
       length[i] = n;
       peak[i] = top;
