@@ -10,9 +10,12 @@
 // machine shared with other work says how much of the wall time the benchmark actually ran.
 //
 //   kvmem_bench_kvm_cpu [--min-T 4096] [--max-T 32768] [--threads 0] [--decode-steps 256]
-//                       [--budget fixed|sqrt|both|none] [--bf16] [--no-dense] [--exact] [--repeat 1] [--flush]
-// --flush evicts the caches before every KVM decode step (outside the timed region), as an engine
-// sees it when other layers ran in between.
+//                       [--budget fixed|sqrt|both|none] [--bf16] [--no-dense] [--exact] [--repeat 1]
+//                       [--flush | --flush-dirty]
+// --flush evicts the caches before every KVM decode step (outside the timed region) by reading a buffer
+// larger than the last-level cache, as an engine sees it when other layers (their weights and states,
+// read, not written) ran in between. --flush-dirty writes that buffer instead, so every line the step
+// reads first forces a write-back of a dirty line: the worst case, about twice the memory traffic.
 #include <sys/resource.h>
 #include <time.h>
 
@@ -105,7 +108,8 @@ struct Options {
   std::int64_t min_t = 4096, max_t = 32768, decode_steps = 256;  // 256 = one chunk: includes its one update
   int threads = 0;
   std::string budget = "both";
-  bool bf16 = false, dense = true, exact = false, flush = false;
+  bool bf16 = false, dense = true, exact = false;
+  int flush = 0;  // 0: warm caches, 1: evicted by reads, 2: evicted by writes (dirty)
   int repeat = 1;
 };
 
@@ -137,13 +141,15 @@ Options parse(int argc, char** argv) {
     else if (a == "--exact")
       o.exact = true;
     else if (a == "--flush")
-      o.flush = true;
+      o.flush = 1;
+    else if (a == "--flush-dirty")
+      o.flush = 2;
     else if (a == "--repeat")
       o.repeat = std::max(1, std::stoi(next()));
     else {
       std::fprintf(stderr,
                    "usage: %s [--min-T N] [--max-T N] [--threads N] [--decode-steps N] [--budget fixed|sqrt|both|none] "
-                   "[--bf16] [--no-dense] [--exact] [--repeat N] [--flush]\n",
+                   "[--bf16] [--no-dense] [--exact] [--repeat N] [--flush | --flush-dirty]\n",
                    argv[0]);
       std::exit(a == "--help" ? 0 : 2);
     }
@@ -191,8 +197,10 @@ struct KvmTiming {
   std::int64_t slots = 0;
 };
 
+volatile char flush_sink = 0;  // a volatile store keeps the cache flush's reads
+
 template <class S>
-KvmTiming run_kvm(const Problem& p, kvmem::budget::Any budget, int threads, bool flush) {
+KvmTiming run_kvm(const Problem& p, kvmem::budget::Any budget, int threads, int flush) {
   kvm::Params params;
   params.chunk = 256;
   params.window_chunks = 2;
@@ -226,11 +234,25 @@ KvmTiming run_kvm(const Problem& p, kvmem::budget::Any budget, int threads, bool
     dg.push_back(p.rows(p.g, 1, p.T + s, 1));
   }
   std::vector<float> o1(std::size_t(p.B * p.H * p.Dv));
-  std::vector<char> evict(flush ? std::size_t(256) << 20 : 0);  // larger than any last-level cache
+  std::vector<char> evict(flush ? std::size_t(256) << 20 : 0, 1);  // larger than any last-level cache
   double timed = 0;
   for (std::int64_t s = 0; s < p.steps; ++s) {
-    if (flush) {  // untimed: write a buffer larger than the caches so the step reads its state from memory
-      for (std::size_t i = 0; i < evict.size(); i += 64) evict[i] = char(evict[i] + 1);
+    // Untimed: touch a buffer larger than the caches so the step reads its state from memory. The
+    // executor's threads do it, as the other layers' work of an engine would run on them.
+    if (flush != 0) {
+      const std::int64_t parts = exec.resolved_threads();
+      kvmem::host::parallel_for(exec, parts, [&](std::int64_t i) {
+        const std::size_t lo = evict.size() * std::size_t(i) / std::size_t(parts),
+                          hi = evict.size() * std::size_t(i + 1) / std::size_t(parts);
+        char x = 0;
+        for (std::size_t at = lo; at < hi; at += 64) {
+          if (flush == 1)
+            x = char(x ^ evict[at]);
+          else
+            evict[at] = char(evict[at] + 1);
+        }
+        flush_sink = x;
+      });
     }
     t0 = Clock::now();
     kvmem::throw_if_error(kvm::decode(exec, st, p.weights(),
@@ -307,7 +329,10 @@ int main(int argc, char** argv) {
       "fp32 inputs, decode = mean of %lld steps after the prefill (256 = one chunk, so one state update is amortised "
       "as in steady state)\n",
       threads, static_cast<long long>(o.decode_steps));
-  std::printf("KVM decode: caches %s before each step\n", o.flush ? "evicted" : "warm (not evicted)");
+  std::printf("KVM decode: caches %s before each step\n",
+              o.flush == 1   ? "evicted by reading 256 MiB (clean)"
+              : o.flush == 2 ? "evicted by writing 256 MiB (dirty: each line read forces a write-back)"
+                             : "warm (not evicted)");
   std::printf("dense prefill path: %s; times: min of %d runs\n",
               o.exact ? "exact (scalar rows)" : "fast (Eigen tiles if built with Eigen)", o.repeat);
   std::printf("measured peaks on these %d threads: FMA loop %.1f GFLOP/s, stream copy %.1f GB/s\n\n", threads,

@@ -106,3 +106,31 @@ TEST_CASE("host parallel_for: nested and concurrent loops finish with every item
   CHECK(a == b);
   CHECK(a[499] == item_value(499));
 }
+
+TEST_CASE("host ThreadPool: loops right after each other, after the spin ran out, and a pool destroyed while spinning",
+          "[host][unit]") {
+  using std::chrono::microseconds;
+  std::vector<std::uint64_t> expected(300);
+  for (std::int64_t i = 0; i < 300; ++i) expected[std::size_t(i)] = item_value(i);
+  for (const microseconds spin : {microseconds(0), microseconds(200), ThreadPool::kDefaultSpin}) {
+    INFO("spin " << spin.count() << " us");
+    auto pool = std::make_shared<ThreadPool>(3, spin);
+    {
+      const Executor exec{0, pool};
+      for (int call = 0; call < 200; ++call) {  // back to back: workers still polling take the next loop
+        const auto out = run_items(exec, 300);
+        REQUIRE(std::equal(out.begin(), out.end(), expected.begin()));
+      }
+      for (int call = 0; call < 3; ++call) {  // idle longer than the spin: workers sleep and are woken
+        std::this_thread::sleep_for(spin + microseconds(2000));
+        const auto out = run_items(exec, 300);
+        REQUIRE(std::equal(out.begin(), out.end(), expected.begin()));
+      }
+      run_items(exec, 300);
+    }
+    REQUIRE(pool.use_count() == 1);
+    const auto t0 = std::chrono::steady_clock::now();
+    pool.reset();  // the workers are polling: the destructor must stop them, not wait out a sleep
+    CHECK(std::chrono::steady_clock::now() - t0 < std::chrono::seconds(2));
+  }
+}

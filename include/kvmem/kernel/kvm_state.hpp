@@ -199,6 +199,24 @@ KVMEM_HOST_DEVICE inline void scatter_into_slot(const Acc* kg, const Acc* vg, co
   }
 }
 
+// The same scatter for every slot j in [j_begin, j_end) at once, in one pass over the tokens: each
+// slot still receives its tokens in increasing token order, so the sums are bitwise those of
+// scatter_into_slot called for each j, in O(n) instead of O(n x slots) (the serial drivers' form).
+// sk: [slots, D], sv: [slots, Dv], cnt: [slots], indexed by absolute slot.
+template <class Acc>
+KVMEM_HOST_DEVICE inline void scatter_into_slots(const Acc* kg, const Acc* vg, const std::int64_t* target,
+                                                 std::int64_t n, std::int64_t D, std::int64_t Dv,
+                                                 std::int64_t j_begin, std::int64_t j_end, Acc* sk, Acc* sv,
+                                                 Acc* cnt) {
+  for (std::int64_t i = 0; i < n; ++i) {
+    const std::int64_t j = target[i];
+    if (j < j_begin || j >= j_end) continue;
+    for (std::int64_t d = 0; d < D; ++d) sk[j * D + d] += kg[i * D + d];
+    for (std::int64_t d = 0; d < Dv; ++d) sv[j * Dv + d] += vg[i * Dv + d];
+    cnt[j] += Acc(1);
+  }
+}
+
 // ---- the state steps of one item, one token or one slot per call (spec 4.3-4.5) ---------------------
 // Host and Kokkos drivers run these same bodies: the host in loops on one thread per item, Kokkos with
 // a team's threads over tokens or slots. Per token / per slot they do exactly the same arithmetic, so

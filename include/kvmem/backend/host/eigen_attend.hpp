@@ -9,6 +9,7 @@
 // agree with it and with the fp64 reference within fp32 rounding (DESIGN.md section 5), not bitwise.
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <type_traits>
 #include <vector>
@@ -30,7 +31,7 @@ using RowMap = Eigen::Map<RowMatrix, Eigen::Unaligned, Eigen::OuterStride<>>;
 // stay in L2. It is also the fixed row stride of the logits scratch, a multiple of 16 floats, so
 // every logits row starts 64-byte aligned: Eigen's vectorised exp and sums then split each row into
 // the same packets whatever the scratch's history, and results depend only on the inputs.
-inline constexpr std::int64_t kTile = 128;
+inline constexpr std::int64_t kTile = 256;
 
 // Per-thread scratch of one tile: the logits / probabilities ([rows, kTile]) and, for bf16 and fp16
 // storage, the key and value tile converted to fp32 once. Grows on first use; reuse one per thread.
@@ -54,46 +55,49 @@ struct TileArgs {
                                           // row r (causal masks), or null = all n
 };
 
-// Accumulates keys [0, n) of a tile into every row of a block: l = scale_r * (q_r . k_j),
-// p over everything pushed into soft[r] so far (spec KVM.md 4.4 step 3, in tile form).
-// soft: [rows]; acc: [rows, Dv] unnormalised; keys: [n, ldk] (first D used); vals: [n, ldv]
-// (first Dv used); n <= kTile. A row that sees no key of the tile is left unchanged.
-template <class K, class V>
-void attend_tile(const TileArgs& a, OnlineSoftmax<float>* soft, float* acc, const K* keys, std::int64_t ldk,
-                 const V* vals, std::int64_t ldv, TileScratch& scratch) {
+// Query blocks of at most this many rows (a decode step: one token's query heads of a KV group) with
+// bf16 or fp16 keys or values take the streaming path: the tile is converted to fp32 and multiplied in
+// sub-blocks of kStreamKeys rows that stay in L1, instead of being converted whole (64 KiB at D = 128,
+// more than L1) and read back. A product of so few rows is bound by the bytes of the keys and values.
+inline constexpr std::int64_t kStreamRows = 4;
+inline constexpr std::int64_t kStreamKeys = 32;
+
+// Hardware prefetchers stop at 4 KiB page boundaries, so a tile read from memory (a decode step after
+// other work evicted the state) would wait a full miss at the start of every page. The streaming path
+// asks for rows kPrefetchRows ahead of the one it converts, at a steady distance.
+inline constexpr std::int64_t kPrefetchRows = 16;
+
+template <class T>
+inline void prefetch_row(const T* row, std::int64_t width) {
+#if defined(__GNUC__) || defined(__clang__)
+  const char* p = reinterpret_cast<const char*>(row);
+  for (std::int64_t b = 0; b < width * std::int64_t(sizeof(T)); b += 64) __builtin_prefetch(p + b, 0, 3);
+#else
+  (void)row, (void)width;
+#endif
+}
+
+// Rows [j0, j1) of src ([*, ld], first `width` used) as fp32 into dst ([j1 - j0, width]), asking for row
+// j + kPrefetchRows of src (below `end`) and row j of `also` (its row stride ld_also, width w_also;
+// null = none) while converting row j.
+template <class T, class U>
+inline void convert_rows(const T* src, std::int64_t j0, std::int64_t j1, std::int64_t end, std::int64_t ld,
+                         std::int64_t width, float* dst, const U* also, std::int64_t ld_also, std::int64_t w_also) {
+  for (std::int64_t j = j0; j < j1; ++j) {
+    if (j + kPrefetchRows < end) prefetch_row(src + (j + kPrefetchRows) * ld, width);
+    if (also != nullptr) prefetch_row(also + j * ld_also, w_also);
+    for (std::int64_t d = 0; d < width; ++d) dst[(j - j0) * width + d] = load_as<float>(src[j * ld + d]);
+  }
+}
+
+// The online-softmax step of every row on its logits row of P ([rows, n], row stride kTile): scale,
+// raise the running max (rescaling the row's accumulator once), p = exp(l - max) into P, keys the row
+// does not see (visible[r] and later) set to 0.
+template <class Logits>
+void softmax_rows(const TileArgs& a, Logits& P, OnlineSoftmax<float>* soft, float* acc) {
   using Eigen::Index;
-  const Index rows = Index(a.rows), n = Index(a.n), D = Index(a.D), Dv = Index(a.Dv);
-  if (rows == 0 || n == 0) return;
-  const float* kp = nullptr;
-  const float* vp = nullptr;
-  Index kld = Index(ldk), vld = Index(ldv);
-  if constexpr (std::is_same_v<K, float>) {
-    kp = keys;
-  } else {  // bf16 / fp16 storage: convert the tile once, not once per query row
-    if (scratch.keys.rows() < n || scratch.keys.cols() != D) scratch.keys.resize(std::max(n, scratch.keys.rows()), D);
-    for (Index j = 0; j < n; ++j)
-      for (Index d = 0; d < D; ++d) scratch.keys(j, d) = load_as<float>(keys[j * ldk + d]);
-    kp = scratch.keys.data();
-    kld = scratch.keys.cols();
-  }
-  if constexpr (std::is_same_v<V, float>) {
-    vp = vals;
-  } else {
-    if (scratch.values.rows() < n || scratch.values.cols() != Dv)
-      scratch.values.resize(std::max(n, scratch.values.rows()), Dv);
-    for (Index j = 0; j < n; ++j)
-      for (Index d = 0; d < Dv; ++d) scratch.values(j, d) = load_as<float>(vals[j * ldv + d]);
-    vp = scratch.values.data();
-    vld = scratch.values.cols();
-  }
-  const ConstRowMap Q(a.q, rows, D, Eigen::OuterStride<>(D));
-  const ConstRowMap Kt(kp, n, D, Eigen::OuterStride<>(kld));
-  const ConstRowMap Vt(vp, n, Dv, Eigen::OuterStride<>(vld));
-  RowMap O(acc, rows, Dv, Eigen::OuterStride<>(Dv));
-  scratch.reserve_logits(rows);
-  auto P = scratch.logits.topLeftCorner(rows, n);
-  P.noalias() = Q * Kt.transpose();
-  for (Index r = 0; r < rows; ++r) {
+  const Index n = Index(a.n), Dv = Index(a.Dv);
+  for (Index r = 0; r < Index(a.rows); ++r) {
     const Index seen = a.visible ? std::min<Index>(n, Index(a.visible[r])) : n;
     auto row = P.row(r);
     if (seen <= 0) {
@@ -104,11 +108,72 @@ void attend_tile(const TileArgs& a, OnlineSoftmax<float>* soft, float* acc, cons
     auto live = row.head(seen).array();
     live *= ls;
     const float rescale = soft[r].raise_max(live.maxCoeff());
-    if (rescale != 1.0f) O.row(r) *= rescale;
+    if (rescale != 1.0f)
+      for (Index d = 0; d < Dv; ++d) acc[r * Dv + d] *= rescale;
     live = (live - soft[r].max).exp();
     soft[r].accumulate_sum(live.sum());
     row.tail(n - seen).setZero();
   }
+}
+
+// Accumulates keys [0, n) of a tile into every row of a block: l = scale_r * (q_r . k_j),
+// p over everything pushed into soft[r] so far (spec KVM.md 4.4 step 3, in tile form).
+// soft: [rows]; acc: [rows, Dv] unnormalised; keys: [n, ldk] (first D used); vals: [n, ldv]
+// (first Dv used); n <= kTile. A row that sees no key of the tile is left unchanged.
+template <class K, class V>
+void attend_tile(const TileArgs& a, OnlineSoftmax<float>* soft, float* acc, const K* keys, std::int64_t ldk,
+                 const V* vals, std::int64_t ldv, TileScratch& scratch) {
+  using Eigen::Index;
+  const Index rows = Index(a.rows), n = Index(a.n), D = Index(a.D), Dv = Index(a.Dv);
+  if (rows == 0 || n == 0) return;
+  scratch.reserve_logits(rows);
+  auto P = scratch.logits.topLeftCorner(rows, n);
+  const ConstRowMap Q(a.q, rows, D, Eigen::OuterStride<>(D));
+  RowMap O(acc, rows, Dv, Eigen::OuterStride<>(Dv));
+  if constexpr (!std::is_same_v<K, float> || !std::is_same_v<V, float>) {
+    if (rows <= Index(kStreamRows)) {
+      const Index sub = Index(kStreamKeys);
+      if (scratch.keys.rows() < sub || scratch.keys.cols() != D) scratch.keys.resize(std::max(sub, scratch.keys.rows()), D);
+      if (scratch.values.rows() < sub || scratch.values.cols() != Dv)
+        scratch.values.resize(std::max(sub, scratch.values.rows()), Dv);
+      for (Index j = 0; j < n; j += sub) {
+        const Index m = std::min(sub, n - j);
+        convert_rows(keys, j, j + m, n, ldk, D, scratch.keys.data(), vals, ldv, Dv);
+        P.middleCols(j, m).noalias() = Q * scratch.keys.topRows(m).transpose();
+      }
+      softmax_rows(a, P, soft, acc);
+      for (Index j = 0; j < n; j += sub) {
+        const Index m = std::min(sub, n - j);
+        convert_rows(vals, j, j + m, n, ldv, Dv, scratch.values.data(), static_cast<const V*>(nullptr), 0, 0);
+        O.noalias() += P.middleCols(j, m) * scratch.values.topRows(m);
+      }
+      return;
+    }
+  }
+  const float* kp = nullptr;
+  const float* vp = nullptr;
+  Index kld = Index(ldk), vld = Index(ldv);
+  if constexpr (std::is_same_v<K, float>) {
+    kp = keys;
+  } else {  // bf16 / fp16 storage: convert the tile once, not once per query row
+    if (scratch.keys.rows() < n || scratch.keys.cols() != D) scratch.keys.resize(std::max(n, scratch.keys.rows()), D);
+    convert_rows(keys, 0, n, 0, ldk, D, scratch.keys.data(), static_cast<const K*>(nullptr), 0, 0);
+    kp = scratch.keys.data();
+    kld = scratch.keys.cols();
+  }
+  if constexpr (std::is_same_v<V, float>) {
+    vp = vals;
+  } else {
+    if (scratch.values.rows() < n || scratch.values.cols() != Dv)
+      scratch.values.resize(std::max(n, scratch.values.rows()), Dv);
+    convert_rows(vals, 0, n, 0, ldv, Dv, scratch.values.data(), static_cast<const V*>(nullptr), 0, 0);
+    vp = scratch.values.data();
+    vld = scratch.values.cols();
+  }
+  const ConstRowMap Kt(kp, n, D, Eigen::OuterStride<>(kld));
+  const ConstRowMap Vt(vp, n, Dv, Eigen::OuterStride<>(vld));
+  P.noalias() = Q * Kt.transpose();
+  softmax_rows(a, P, soft, acc);
   O.noalias() += P * Vt;
 }
 
@@ -122,6 +187,29 @@ inline void cross_logits(const float* x, std::int64_t n, std::int64_t D, const f
   const ConstRowMap X(x, Index(n), Index(D), Eigen::OuterStride<>(Index(D)));
   const ConstRowMap Y(y, Index(rows), Index(D), Eigen::OuterStride<>(Index(D)));
   logits.topLeftCorner(Index(n), Index(rows)).noalias() = X * Y.transpose();
+}
+
+// y = LN(x) * w + b over D channels (spec KVM.md 2, as kernel::layer_norm) with the mean and the
+// variance summed in 16 fixed lanes, added pairwise at the end: vectorised, where kernel::layer_norm's
+// single running sums are one long dependency chain each. The order does not depend on the data or
+// the address, so every call on the same row gives the same bits; it differs from kernel::layer_norm's
+// in the last bits (the fast path's tolerance, DESIGN.md section 5).
+inline void layer_norm_lanes(const float* x, std::int64_t D, const float* w, const float* b, float eps, float* y) {
+  constexpr std::int64_t L = 16;
+  auto lane_sum = [&](auto&& term) {
+    float lane[L] = {};
+    std::int64_t d = 0;
+    for (; d + L <= D; d += L)
+      for (std::int64_t l = 0; l < L; ++l) lane[l] += term(d + l);
+    for (std::int64_t l = 0; d + l < D; ++l) lane[l] += term(d + l);
+    for (std::int64_t h = L / 2; h > 0; h /= 2)
+      for (std::int64_t l = 0; l < h; ++l) lane[l] += lane[l + h];
+    return lane[0];
+  };
+  const float mean = lane_sum([&](std::int64_t d) { return x[d]; }) / static_cast<float>(D);
+  const float var = lane_sum([&](std::int64_t d) { return (x[d] - mean) * (x[d] - mean); }) / static_cast<float>(D);
+  const float inv = 1.0f / std::sqrt(var + eps);
+  for (std::int64_t d = 0; d < D; ++d) y[d] = w[d] * ((x[d] - mean) * inv) + b[d];
 }
 
 // Per-thread scratch of a row block's key-range sweep: the tile scratch, a logit scale and the last

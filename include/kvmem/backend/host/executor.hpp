@@ -11,6 +11,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <condition_variable>
 #include <cstdint>
 #include <exception>
@@ -27,9 +28,17 @@ namespace kvmem::host {
 // A fixed set of worker threads that runs one parallel loop at a time; the calling thread takes
 // part, so a pool of `threads` runs loops on `threads` threads with `threads - 1` workers parked.
 // run() from inside a running loop's body (nested parallelism) runs the inner loop inline.
+//
+// After a loop a worker polls for the next one for `spin` before it sleeps on a condition variable,
+// and the caller polls for the workers' end the same way: a decode step of a few tens of
+// microseconds would otherwise pay a sleeping thread's wake-up (tens of microseconds on a virtual
+// machine) on every call. Spinning costs CPU time while no loop comes; zero spins not at all.
 class ThreadPool {
  public:
-  explicit ThreadPool(int threads) : size_(threads < 1 ? 1 : threads) {
+  static constexpr std::chrono::microseconds kDefaultSpin{1000};
+
+  explicit ThreadPool(int threads, std::chrono::microseconds spin = kDefaultSpin)
+      : size_(threads < 1 ? 1 : threads), spin_(spin) {
     workers_.reserve(std::size_t(size_ - 1));
     for (int w = 1; w < size_; ++w) workers_.emplace_back([this] { work(); });
   }
@@ -39,6 +48,7 @@ class ThreadPool {
     {
       const std::lock_guard<std::mutex> lock(mutex_);
       stop_ = true;
+      stop_flag_.store(true, std::memory_order_release);
     }
     wake_.notify_all();
     for (auto& t : workers_) t.join();
@@ -66,14 +76,19 @@ class ThreadPool {
       const std::lock_guard<std::mutex> lock(mutex_);
       job_ = &job;
       seats_ = width - 1;  // workers that may join this loop
-      ++generation_;
+      generation_.fetch_add(1, std::memory_order_release);
     }
     wake_.notify_all();
     execute(job);
     {
       std::unique_lock<std::mutex> lock(mutex_);
       seats_ = 0;  // late workers skip this loop
-      done_.wait(lock, [&] { return job.active == 0; });
+      if (job.active.load() != 0) {
+        lock.unlock();
+        poll([&] { return job.active.load(std::memory_order_acquire) == 0; });
+        lock.lock();
+      }
+      done_.wait(lock, [&] { return job.active.load() == 0; });
       job_ = nullptr;
     }
     if (job.failure) std::rethrow_exception(job.failure);
@@ -87,7 +102,7 @@ class ThreadPool {
     std::atomic<std::int64_t> next{0};
     std::atomic<bool> failed{false};
     std::exception_ptr failure;
-    int active = 0;  // workers inside execute(); guarded by mutex_
+    std::atomic<int> active{0};  // workers inside execute(); changed under mutex_, polled without it
   };
 
   static ThreadPool*& current() {
@@ -107,13 +122,31 @@ class ThreadPool {
     current() = outer;
   }
 
+  // Polls `ready` until it holds or spin_ has passed; true when it held.
+  template <class Ready>
+  bool poll(Ready&& ready) const {
+    if (spin_.count() <= 0) return ready();
+    const auto end = std::chrono::steady_clock::now() + spin_;
+    for (unsigned i = 1;; ++i) {
+      if (ready()) return true;
+      if (i % 64 == 0 && std::chrono::steady_clock::now() >= end) return false;
+#if defined(__x86_64__) || defined(__i386__)
+      __builtin_ia32_pause();
+#endif
+    }
+  }
   void work() {
     std::uint64_t seen = 0;
     std::unique_lock<std::mutex> lock(mutex_);
     for (;;) {
-      wake_.wait(lock, [&] { return stop_ || generation_ != seen; });
+      if (!stop_ && generation_.load() == seen) {
+        lock.unlock();
+        poll([&] { return stop_flag_.load(std::memory_order_acquire) || generation_.load(std::memory_order_acquire) != seen; });
+        lock.lock();
+      }
+      wake_.wait(lock, [&] { return stop_ || generation_.load() != seen; });
       if (stop_) return;
-      seen = generation_;
+      seen = generation_.load();
       if (seats_ == 0 || job_ == nullptr) continue;
       --seats_;
       Job& job = *job_;
@@ -128,12 +161,14 @@ class ThreadPool {
   int size_;
   std::vector<std::thread> workers_;
   std::mutex turn_;   // one loop at a time
-  std::mutex mutex_;  // guards job_, seats_, generation_, stop_, Job::active
+  std::chrono::microseconds spin_;
+  std::mutex mutex_;  // guards job_, seats_, stop_ and the changes of generation_ and Job::active
   std::condition_variable wake_, done_;
   Job* job_ = nullptr;
   int seats_ = 0;
-  std::uint64_t generation_ = 0;
+  std::atomic<std::uint64_t> generation_{0};  // polled without mutex_ by spinning workers
   bool stop_ = false;
+  std::atomic<bool> stop_flag_{false};  // stop_, for polling
 };
 
 struct Executor {

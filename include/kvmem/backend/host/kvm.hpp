@@ -146,6 +146,18 @@ struct Call {
   // K^_j = LN_s(Sk_j) and V^_j for slots [j0, j1) (spec 4.4 steps 1-2), into the readout copies.
   void refresh(const ItemView<S, A>& it, std::int64_t j0, std::int64_t j1) const {
     const kernel::KvmStepParams<A> kp = step_params();
+#if KVMEM_HOST_EIGEN
+    if constexpr (std::is_same_v<A, float>) {
+      if (!exact) {  // refresh_slot with the vectorised layer norm
+        for (std::int64_t j = j0; j < j1; ++j) {
+          host::eigen::layer_norm_lanes(it.sk + j * D(), D(), kp.ln_w, kp.ln_b, kp.eps, it.row);
+          for (std::int64_t d = 0; d < D(); ++d) it.khat[j * D() + d] = store_as<S>(it.row[d]);
+          kernel::value_readout(it.sv + j * Dv(), Dv(), it.rho[j], it.cnt[j], kp.value_radius, it.vhat + j * Dv());
+        }
+        return;
+      }
+    }
+#endif
     for (std::int64_t j = j0; j < j1; ++j)
       kernel::refresh_slot(kp, it.sk + j * D(), it.sv + j * Dv(), it.rho[j], it.cnt[j], it.row, it.khat + j * D(),
                            it.vhat + j * Dv());
@@ -218,9 +230,7 @@ struct Call {
           kernel::merge_route_update_rows(it.kg, C, D(), it.row, j0, rows, it.best, it.target, j0 == pr.sink);
         }
       if (route != nullptr) route->merge_margin = merge_margin(it, S_new);
-      for (std::int64_t j = pr.sink; j < S_new; ++j)
-        kernel::scatter_into_slot(it.kg, it.vg, it.target, C, D(), Dv(), j, it.sk + j * D(), it.sv + j * Dv(),
-                                  it.cnt + j);
+      kernel::scatter_into_slots(it.kg, it.vg, it.target, C, D(), Dv(), pr.sink, S_new, it.sk, it.sv, it.cnt);
     }
     if (route != nullptr) {
       route->append_margin = append_gap;
@@ -246,7 +256,8 @@ struct Call {
       for (std::int64_t j0 = j_begin; j0 < j_end; j0 += tile) {
         const std::int64_t rows = std::min(tile, j_end - j0);
         for (std::int64_t r = 0; r < rows; ++r)
-          kernel::layer_norm(it.sk + (j0 + r) * D(), D(), st.ln_w(), st.ln_b(), eps, ws.ln_rows.data() + r * D());
+          host::eigen::layer_norm_lanes(it.sk + (j0 + r) * D(), D(), st.ln_w(), st.ln_b(), eps,
+                                        ws.ln_rows.data() + r * D());
         host::eigen::cross_logits(novelty ? it.k0 : it.kg, C, D(), ws.ln_rows.data(), rows, ws.tile);
         const A* logits = ws.tile.logits.data();
         const std::int64_t ld = ws.tile.logits.cols();
