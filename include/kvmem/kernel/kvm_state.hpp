@@ -205,9 +205,8 @@ KVMEM_HOST_DEVICE inline void scatter_into_slot(const Acc* kg, const Acc* vg, co
 // sk: [slots, D], sv: [slots, Dv], cnt: [slots], indexed by absolute slot.
 template <class Acc>
 KVMEM_HOST_DEVICE inline void scatter_into_slots(const Acc* kg, const Acc* vg, const std::int64_t* target,
-                                                 std::int64_t n, std::int64_t D, std::int64_t Dv,
-                                                 std::int64_t j_begin, std::int64_t j_end, Acc* sk, Acc* sv,
-                                                 Acc* cnt) {
+                                                 std::int64_t n, std::int64_t D, std::int64_t Dv, std::int64_t j_begin,
+                                                 std::int64_t j_end, Acc* sk, Acc* sv, Acc* cnt) {
   for (std::int64_t i = 0; i < n; ++i) {
     const std::int64_t j = target[i];
     if (j < j_begin || j >= j_end) continue;

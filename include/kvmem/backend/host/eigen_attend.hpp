@@ -133,7 +133,8 @@ void attend_tile(const TileArgs& a, OnlineSoftmax<float>* soft, float* acc, cons
   if constexpr (!std::is_same_v<K, float> || !std::is_same_v<V, float>) {
     if (rows <= Index(kStreamRows)) {
       const Index sub = Index(kStreamKeys);
-      if (scratch.keys.rows() < sub || scratch.keys.cols() != D) scratch.keys.resize(std::max(sub, scratch.keys.rows()), D);
+      if (scratch.keys.rows() < sub || scratch.keys.cols() != D)
+        scratch.keys.resize(std::max(sub, scratch.keys.rows()), D);
       if (scratch.values.rows() < sub || scratch.values.cols() != Dv)
         scratch.values.resize(std::max(sub, scratch.values.rows()), Dv);
       for (Index j = 0; j < n; j += sub) {

@@ -141,7 +141,9 @@ class ThreadPool {
     for (;;) {
       if (!stop_ && generation_.load() == seen) {
         lock.unlock();
-        poll([&] { return stop_flag_.load(std::memory_order_acquire) || generation_.load(std::memory_order_acquire) != seen; });
+        poll([&] {
+          return stop_flag_.load(std::memory_order_acquire) || generation_.load(std::memory_order_acquire) != seen;
+        });
         lock.lock();
       }
       wake_.wait(lock, [&] { return stop_ || generation_.load() != seen; });
@@ -160,7 +162,7 @@ class ThreadPool {
 
   int size_;
   std::vector<std::thread> workers_;
-  std::mutex turn_;   // one loop at a time
+  std::mutex turn_;  // one loop at a time
   std::chrono::microseconds spin_;
   std::mutex mutex_;  // guards job_, seats_, stop_ and the changes of generation_ and Job::active
   std::condition_variable wake_, done_;
