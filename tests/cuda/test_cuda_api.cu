@@ -17,6 +17,7 @@
 
 #include "cuda/cuda_test_support.hpp"
 #include "kvmem/backend/cuda.hpp"
+#include "kvmem/backend/host/ua.hpp"
 
 namespace {
 
@@ -140,3 +141,91 @@ TEST_CASE("cuda kvm::can_run answers through the backend", "[cuda][api]") {
 }
 
 }  // namespace
+
+// ---- Universal Attention through the same names (ua/ops.hpp, ua::Backend) -----------------------------
+
+static_assert(std::is_same_v<kvmem::ua::cache_t<kcuda::Executor, bf16>, kcuda::UaCache<bf16>>);
+static_assert(std::is_same_v<kvmem::ua::cache_t<kcuda::Executor, float>, kcuda::UaCache<float>>);
+
+// Prefill [0, split) and decode the rest with ua::prefill / ua::decode on any executor; the cache type
+// and its creation come from the executor. Inputs are the token-major arrays q [B,Hu,Tu,D] etc. at `base`
+// pointers of the backend's memory; returns the output [B,Tu,Hu,D] through `read`.
+namespace ua_api {
+constexpr std::int64_t Bu = 2, Hu = 4, Gu = 2, Du = 32, Tu = 48, split = 29;
+
+struct Ptrs {
+  const float *q, *k, *v, *zk, *zq;
+  float* out;
+};
+kvmem::ua::Inputs slice(const Ptrs& p, std::int64_t t0, std::int64_t t1) {
+  const std::int64_t n = t1 - t0;
+  kvmem::ua::Inputs in;
+  in.q = {p.q + t0 * Du, {Bu, Hu, n, Du}, {Hu * Tu * Du, Tu * Du, Du, 1}};
+  in.k = {p.k + t0 * Du, {Bu, Gu, n, Du}, {Gu * Tu * Du, Tu * Du, Du, 1}};
+  in.v = {p.v + t0 * Du, {Bu, Gu, n, Du}, {Gu * Tu * Du, Tu * Du, Du, 1}};
+  in.z_k = {p.zk + t0, {Bu, Gu, n}, {Gu * Tu, Tu, 1}};
+  in.z_q = {p.zq + t0, {Bu, Gu, n}, {Gu * Tu, Tu, 1}};
+  return in;
+}
+TensorView<float, 4> out_slice(const Ptrs& p, std::int64_t t0, std::int64_t t1) {
+  return {p.out + t0 * Hu * Du, {Bu, t1 - t0, Hu, Du}, {Tu * Hu * Du, Hu * Du, Du, 1}};
+}
+template <class Exec>
+std::size_t run(const Exec& exec, const Ptrs& p, const kvmem::ua::Options& opt) {
+  using Cache = kvmem::ua::cache_t<Exec, float>;
+  Cache cache;
+  REQUIRE(Cache::create({Bu, Hu, Gu, Du, Tu, 16}, cache).is_ok());
+  Status s = kvmem::ua::prefill(exec, cache, slice(p, 0, split), opt, out_slice(p, 0, split));
+  INFO(s.to_string());
+  REQUIRE(s.is_ok());
+  for (std::int64_t t = split; t < Tu; ++t) {
+    s = kvmem::ua::decode(exec, cache, slice(p, t, t + 1), opt, out_slice(p, t, t + 1));
+    INFO(s.to_string());
+    REQUIRE(s.is_ok());
+  }
+  return kvmem::ua::export_bytes(cache, 0) + kvmem::ua::export_bytes(cache, 1);  // grows with the kept rows
+}
+// Relative Frobenius error of got against want.
+double rel_error(const std::vector<float>& got, const std::vector<float>& want) {
+  double num = 0, den = 0;
+  for (std::size_t i = 0; i < got.size(); ++i) {
+    num += double(got[i] - want[i]) * double(got[i] - want[i]);
+    den += double(want[i]) * double(want[i]);
+  }
+  return std::sqrt(num / den);
+}
+}  // namespace ua_api
+
+TEST_CASE("cuda ua::prefill, ua::decode and ua::forward: the host's calls on the CUDA cache type", "[cuda][api]") {
+  if (no_device()) return;
+  using namespace ua_api;
+  std::mt19937_64 rng{11};
+  const auto q = normal(std::size_t(Bu * Hu * Tu * Du), rng), k = normal(std::size_t(Bu * Gu * Tu * Du), rng),
+             v = normal(std::size_t(Bu * Gu * Tu * Du), rng), zk = normal(std::size_t(Bu * Gu * Tu), rng, 1.f, 1.5f),
+             zq = normal(std::size_t(Bu * Gu * Tu), rng, 1.f, 1.5f);
+  std::vector<float> host_out(std::size_t(Bu * Tu * Hu * Du), 0.f);
+  const Dev<float> dq(q), dk(k), dv(v), dzk(zk), dzq(zq);
+  Dev<float> dout(host_out.size());
+  const Ptrs hp{q.data(), k.data(), v.data(), zk.data(), zq.data(), host_out.data()};
+  const Ptrs dp{dq.ptr, dk.ptr, dv.ptr, dzk.ptr, dzq.ptr, dout.ptr};
+  for (const double p : {0.0, 0.1}) {
+    INFO("p " << p);
+    const kvmem::ua::Options opt{p, 16, true};
+    const std::size_t host_kept = run(kvmem::host::Executor{1}, hp, opt);
+    const kcuda::Executor exec{};
+    const std::size_t cuda_kept = run(exec, dp, opt);
+    KVMEM_CUDA_REQUIRE(cudaStreamSynchronize(exec.stream));
+    CHECK(cuda_kept == host_kept);
+    CHECK(rel_error(dout.get(), host_out) < 1e-5);  // DESIGN.md 5: fp32 paths
+  }
+  // Dense forward through ua::forward on both backends.
+  std::vector<float> host_fwd(host_out.size());
+  Dev<float> dfwd(host_fwd.size());
+  REQUIRE(kvmem::ua::forward(kvmem::host::Executor{1}, slice(hp, 0, Tu),
+                             TensorView<float, 4>(host_fwd.data(), {Bu, Tu, Hu, Du}))
+              .is_ok());
+  const kcuda::Executor exec{};
+  REQUIRE(kvmem::ua::forward(exec, slice(dp, 0, Tu), TensorView<float, 4>(dfwd.ptr, {Bu, Tu, Hu, Du})).is_ok());
+  KVMEM_CUDA_REQUIRE(cudaStreamSynchronize(exec.stream));
+  CHECK(rel_error(dfwd.get(), host_fwd) < 1e-5);
+}

@@ -5,6 +5,7 @@
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 #include <catch2/catch.hpp>
@@ -183,3 +184,57 @@ TEST_CASE("kokkos ua: an empty or moved-from cache refuses every operation and r
 }
 
 }  // namespace
+
+namespace {
+// Engine code written once over the executor type, as an engine embeds kvmem: the cache type comes from
+// the executor (ua::cache_t), is created through its static create, and every call has one signature on
+// every backend. in(t0, t1) and out(t0, t1) give views of tokens [t0, t1) in the backend's memory.
+// Prefills [0, split), decodes the rest, and returns slot 0's record.
+template <class Exec, class In, class Out>
+std::vector<std::byte> engine_run(const Exec& exec, const kvmem::ua::CacheShape& shape, std::int64_t split,
+                                  std::int64_t T, const kvmem::ua::Options& opt, In&& in, Out&& out) {
+  using Cache = kvmem::ua::cache_t<Exec, float>;
+  Cache cache;
+  REQUIRE(Cache::create(shape, cache).is_ok());
+  REQUIRE(cache.max_slots() == shape.batch);
+  const kvmem::Status s = kvmem::ua::prefill(exec, cache, in(0, split), opt, out(0, split));
+  INFO(s.to_string());
+  REQUIRE(s.is_ok());
+  for (std::int64_t t = split; t < T; ++t)
+    REQUIRE(kvmem::ua::decode(exec, cache, in(t, t + 1), opt, out(t, t + 1)).is_ok());
+  std::vector<std::byte> record(kvmem::ua::export_bytes(cache, 0));
+  REQUIRE(!record.empty());
+  REQUIRE(kvmem::ua::export_slot(exec, cache, 0, record).is_ok());
+  Cache moved = std::move(cache);  // a moved-from cache is empty on every backend
+  CHECK(cache.max_slots() == 0);
+  CHECK(moved.max_slots() == shape.batch);
+  return record;
+}
+}  // namespace
+
+TEST_CASE("kokkos ua: engine code written once over the executor type runs on host and Kokkos, same bits",
+          "[kokkos][ua][unit]") {
+  static_assert(std::is_same_v<kvmem::ua::cache_t<kvmem::host::Executor, float>, kvmem::ua::PrunedCache<float>>);
+  static_assert(std::is_same_v<kvmem::ua::cache_t<KokkosExec, float>, KokkosUaCache>);
+  Case c = random_case(2, 40, 4, 2, 16, 77, 1.0, true);
+  const std::int64_t split = 23, T = 40;
+  c.config.prefill_chunk = 16;
+  c.config.prefill_split = split;
+  const FloatCase f(c);
+  const KokkosCase kc(f);
+  const kvmem::ua::Options opt{0.05, c.config.prefill_chunk, true};
+  std::vector<float> host_out = f.make_out();
+  const auto host_record = engine_run(
+      kvmem::host::Executor{2}, f.cache_shape(), split, T, opt,
+      [&](std::int64_t a, std::int64_t b) { return f.slice(a, b); },
+      [&](std::int64_t a, std::int64_t b) { return f.out_slice(host_out, a, b); });
+  const auto kokkos_out = kc.make_out();
+  const auto kokkos_record = engine_run(
+      KokkosExec{}, f.cache_shape(), split, T, opt, [&](std::int64_t a, std::int64_t b) { return kc.slice(a, b); },
+      [&](std::int64_t a, std::int64_t b) { return kc.out_slice(kokkos_out, a, b); });
+  KokkosExec{}.space.fence();
+  CHECK(kvmem::test::to_host(kokkos_out) == host_out);
+  CHECK(kokkos_record == host_record);
+  const auto ref = ref::pruned(c.config, c.inputs, 0.05);
+  KVMEM_CHECK_CLOSE(host_out, ref.out, kTolFp32);
+}

@@ -87,6 +87,17 @@ struct Launcher {
       "kvmem::ua: no UA backend for this executor; include kvmem/backend/host/ua.hpp for kvmem::host::Executor");
 };
 
+// The cache type of an executor's backend (DESIGN.md 3), so engine code written once names it, as
+// kvm::state_t does for KVM: each backend specialises Backend<Executor> with
+//   template <class S> using cache_type;
+// (host: PrunedCache<S>; Kokkos: kokkos::UaCache<S, memory space>; CUDA: cuda::UaCache<S>). Every cache
+// type has static create(const CacheShape&, cache&), valid() and max_slots(), and prefill, decode, step,
+// forward and the slot operations take it in the same argument order on every backend.
+template <class Executor>
+struct Backend;
+template <class Executor, class S = float>
+using cache_t = typename Backend<Executor>::template cache_type<S>;
+
 namespace detail {
 
 template <std::size_t Rank>

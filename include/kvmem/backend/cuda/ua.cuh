@@ -14,9 +14,13 @@
 //                                    the host ua::step's arguments, packed token-major, in device memory
 //   kvmem::ua::reset_slots / copy_slots / export_bytes / export_slot / import_slot / truncate
 //                                    the host's slot operations (ua/slots.hpp) for this cache
-//   kvmem::cuda::ua_prefill<Set>(exec, cache, in, opt, out)   every slot: chunked prefill with pruning (4.5)
-//   kvmem::cuda::ua_decode<Set>(exec, cache, in1, opt, out1)  every slot: one self-pruning decode step
-//   kvmem::cuda::ua_forward<Set>(exec, [scratch,] in, out, lse, lambda_last)  dense UA (p = 0)
+//   kvmem::ua::prefill<Set>(exec, cache, in, opt, out)   every slot: chunked prefill with pruning (4.5)
+//   kvmem::ua::decode<Set>(exec, cache, in1, opt, out1)  every slot: one self-pruning decode step
+//   kvmem::ua::forward<Set>(exec, in, out, lse, lambda_last)  dense UA (p = 0)
+//                                    the host's calls and argument order (ua/ops.hpp); the same as
+//                                    kvmem::cuda::ua_prefill / ua_decode / ua_forward, whose forward also
+//                                    takes a scratch cache (no allocation, no synchronisation)
+//   kvmem::ua::cache_t<cuda::Executor, S>  is cuda::UaCache<S> (ua::Backend), as on every backend
 // Inputs live in device memory: q, k, v (and the optional output-gate logits z_o) in the storage type S
 // (float, bf16 or fp16), the gate logits z_k, z_q in fp32; outputs are fp32. λ and the decay sums are
 // fp32 throughout. Results are deterministic: partials of the entry splits are merged in split order,
@@ -1136,6 +1140,43 @@ Status UaCache<S>::step_status(const Executor& exec) {
 }  // namespace kvmem::cuda
 
 namespace kvmem::ua {
+
+template <>
+struct Backend<cuda::Executor> {
+  template <class S>
+  using cache_type = cuda::UaCache<S>;
+};
+
+// ua::prefill, decode and forward with the host's signatures (ua/ops.hpp), over device memory: the
+// same calls as cuda::ua_prefill, ua_decode and ua_forward. The eviction runs Options::p's threshold
+// rule (the prune-policy overloads of the host and Kokkos are not on this backend).
+template <DecaySet Set = decay::Universal, class S>
+Status prefill(const cuda::Executor& exec, cuda::UaCache<S>& cache, const InputsOf<S>& in, const Options& opt,
+               TensorView<float, 4> out) {
+  return cuda::ua_prefill<Set>(exec, cache, in, opt, out);
+}
+template <DecaySet Set = decay::Universal, class S>
+Status decode(const cuda::Executor& exec, cuda::UaCache<S>& cache, const InputsOf<S>& in, const Options& opt,
+              TensorView<float, 4> out) {
+  return cuda::ua_decode<Set>(exec, cache, in, opt, out);
+}
+// One overload per input type, so the host's forward (any executor, float inputs) is the less
+// specialised match for a cuda::Executor.
+template <DecaySet Set = decay::Universal>
+Status forward(const cuda::Executor& exec, const InputsOf<float>& in, TensorView<float, 4> out,
+               TensorView<float, 3> lse = {}, TensorView<float, 3> lambda_last = {}) {
+  return cuda::ua_forward<Set>(exec, in, out, lse, lambda_last);
+}
+template <DecaySet Set = decay::Universal>
+Status forward(const cuda::Executor& exec, const InputsOf<bf16>& in, TensorView<float, 4> out,
+               TensorView<float, 3> lse = {}, TensorView<float, 3> lambda_last = {}) {
+  return cuda::ua_forward<Set>(exec, in, out, lse, lambda_last);
+}
+template <DecaySet Set = decay::Universal>
+Status forward(const cuda::Executor& exec, const InputsOf<fp16>& in, TensorView<float, 4> out,
+               TensorView<float, 3> lse = {}, TensorView<float, 3> lambda_last = {}) {
+  return cuda::ua_forward<Set>(exec, in, out, lse, lambda_last);
+}
 
 // One step of a ragged batch of sequence slots on the CUDA backend: the host ua::step's arguments, in
 // device memory (rows.slot, rows.query_start, the packed inputs, out, lse). Row r runs the tokens

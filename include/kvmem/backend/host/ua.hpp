@@ -23,6 +23,12 @@
 namespace kvmem::ua {
 
 template <>
+struct Backend<host::Executor> {
+  template <class S>
+  using cache_type = PrunedCache<S>;
+};
+
+template <>
 struct Launcher<host::Executor> {
   // Below about this many multiply-adds a call runs on the calling thread: waking the pool's threads
   // costs more than the work (a decode step over a pruned cache is a few microseconds).

@@ -96,18 +96,19 @@ struct UaCache {
     std::swap(admit, o.admit);
   }
 
+  // Allocates every View for shape s (as create_cache, which names the executor).
+  static Status create(const ua::CacheShape& s, UaCache& out);
+
   [[nodiscard]] bool valid() const { return shape.capacity > 0 && counter.extent(0) == std::size_t(shape.batch); }
   // Sequence slots (CacheShape::batch); 0 for an empty cache.
   [[nodiscard]] std::int64_t max_slots() const { return valid() ? shape.batch : 0; }
   [[nodiscard]] std::int64_t group_size() const { return shape.query_heads / shape.kv_heads; }
 };
 
-template <class Storage = float, class Space, class MemSpace = typename Executor<Space>::memory_space>
-Status create_cache(const Executor<Space>& /*exec*/, const ua::CacheShape& s, UaCache<Storage, MemSpace>& out) {
-  static_assert(Kokkos::SpaceAccessibility<Space, MemSpace>::accessible,
-                "kvmem::kokkos::create_cache: the execution space cannot access MemSpace");
+template <class Storage, class MemSpace>
+Status UaCache<Storage, MemSpace>::create(const ua::CacheShape& s, UaCache& out) {
   KVMEM_RETURN_IF_ERROR(ua::PrunedCache<Storage>::validate_shape(s));
-  UaCache<Storage, MemSpace> c;
+  UaCache c;
   c.shape = s;
   const auto items = static_cast<std::size_t>(s.batch * s.kv_heads);
   const auto rows = items * static_cast<std::size_t>(s.capacity);
@@ -123,6 +124,13 @@ Status create_cache(const Executor<Space>& /*exec*/, const ua::CacheShape& s, Ua
   c.admit = decltype(c.admit)("kvmem ua step admit", static_cast<std::size_t>(s.batch));
   out = std::move(c);
   return Status::ok();
+}
+
+template <class Storage = float, class Space, class MemSpace = typename Executor<Space>::memory_space>
+Status create_cache(const Executor<Space>& /*exec*/, const ua::CacheShape& s, UaCache<Storage, MemSpace>& out) {
+  static_assert(Kokkos::SpaceAccessibility<Space, MemSpace>::accessible,
+                "kvmem::kokkos::create_cache: the execution space cannot access MemSpace");
+  return UaCache<Storage, MemSpace>::create(s, out);
 }
 
 // Host copy of a UA cache's bookkeeping and rows (reports, tests, page reclamation): one device-to-host
@@ -973,6 +981,12 @@ Kokkos::View<T*, MemSpace> staged(const std::vector<T>& host, const char* label)
 }  // namespace kvmem::kokkos
 
 namespace kvmem::ua {
+
+template <class Space>
+struct Backend<kokkos::Executor<Space>> {
+  template <class S>
+  using cache_type = kokkos::UaCache<S, typename kokkos::Executor<Space>::memory_space>;
+};
 
 // ua::prefill on a Kokkos cache (spec UA.md 4.5). out: [B,T,H,D]
 template <DecaySet Set = decay::Universal, class Space, class Storage, class MemSpace>
