@@ -175,13 +175,13 @@ std::size_t run(const Exec& exec, const Ptrs& p, const kvmem::ua::Options& opt) 
   using Cache = kvmem::ua::cache_t<Exec, float>;
   Cache cache;
   REQUIRE(Cache::create({Bu, Hu, Gu, Du, Tu, 16}, cache).is_ok());
-  Status s = kvmem::ua::prefill(exec, cache, slice(p, 0, split), opt, out_slice(p, 0, split));
+  const Status s = kvmem::ua::prefill(exec, cache, slice(p, 0, split), opt, out_slice(p, 0, split));
   INFO(s.to_string());
   REQUIRE(s.is_ok());
   for (std::int64_t t = split; t < Tu; ++t) {
-    s = kvmem::ua::decode(exec, cache, slice(p, t, t + 1), opt, out_slice(p, t, t + 1));
-    INFO(s.to_string());
-    REQUIRE(s.is_ok());
+    const Status d = kvmem::ua::decode(exec, cache, slice(p, t, t + 1), opt, out_slice(p, t, t + 1));
+    INFO(d.to_string());
+    REQUIRE(d.is_ok());
   }
   return kvmem::ua::export_bytes(cache, 0) + kvmem::ua::export_bytes(cache, 1);  // grows with the kept rows
 }

@@ -1160,11 +1160,12 @@ Status decode(const cuda::Executor& exec, cuda::UaCache<S>& cache, const InputsO
               TensorView<float, 4> out) {
   return cuda::ua_decode<Set>(exec, cache, in, opt, out);
 }
-// One overload per input type, so the host's forward (any executor, float inputs) is the less
-// specialised match for a cuda::Executor.
-template <DecaySet Set = decay::Universal>
-Status forward(const cuda::Executor& exec, const InputsOf<float>& in, TensorView<float, 4> out,
-               TensorView<float, 3> lse = {}, TensorView<float, 3> lambda_last = {}) {
+// float inputs: the host's forward template (any executor) with one more constraint, so it is the more
+// constrained match for a cuda::Executor; bf16 and fp16 inputs only this backend takes.
+template <DecaySet Set = decay::Universal, class Exec>
+requires std::is_same_v<Exec, cuda::Executor> Status forward(const Exec& exec, const Inputs& in,
+                                                             TensorView<float, 4> out, TensorView<float, 3> lse = {},
+                                                             TensorView<float, 3> lambda_last = {}) {
   return cuda::ua_forward<Set>(exec, in, out, lse, lambda_last);
 }
 template <DecaySet Set = decay::Universal>
