@@ -80,7 +80,41 @@ kvmem::Status universal_attention_on_host(kvmem::ua::PrunedCache<float>& cache, 
 }
 // [snippet-end]
 
+// [snippet:ua-any-backend]
+template <class Exec>
+kvmem::Status layer_prefill(const Exec& exec, kvmem::ua::cache_t<Exec, float>& cache, const kvmem::ua::Inputs& in,
+                            kvmem::TensorView<float, 4> out) {
+  return kvmem::ua::prefill(exec, cache, in, {.p = 0.05}, out);  // host, Kokkos or CUDA
+}
+// [snippet-end]
+
+// layer_prefill on the host: the cache type comes from the executor, and the call gives the bits of the
+// direct ua::prefill with the same options.
+void check_layer_prefill() {
+  using kvmem::TensorView;
+  const std::int64_t B = 1, H = 2, G = 1, D = 16, T = 40;
+  std::vector<float> q(B * H * T * D), k(B * G * T * D), v(B * G * T * D), z(B * G * T, 1.0f);
+  for (std::size_t i = 0; i < q.size(); ++i) q[i] = std::sin(0.1f * float(i));
+  for (std::size_t i = 0; i < k.size(); ++i) k[i] = std::cos(0.07f * float(i)) / 4.0f;  // |k| = 1 per row
+  for (std::size_t i = 0; i < v.size(); ++i) v[i] = std::sin(0.3f * float(i));
+  const kvmem::ua::Inputs in{
+      TensorView<const float, 4>(q.data(), {B, H, T, D}), TensorView<const float, 4>(k.data(), {B, G, T, D}),
+      TensorView<const float, 4>(v.data(), {B, G, T, D}), TensorView<const float, 3>(z.data(), {B, G, T}),
+      TensorView<const float, 3>(z.data(), {B, G, T}),    {}};
+  const kvmem::host::Executor exec{};
+  kvmem::ua::cache_t<kvmem::host::Executor, float> a, b;
+  SNIPPET_CHECK_OK(decltype(a)::create({B, H, G, D, T}, a));
+  SNIPPET_CHECK_OK(decltype(b)::create({B, H, G, D, T}, b));
+  std::vector<float> out_a(B * T * H * D), out_b(B * T * H * D);
+  SNIPPET_CHECK_OK(layer_prefill(exec, a, in, TensorView<float, 4>(out_a.data(), {B, T, H, D})));
+  SNIPPET_CHECK_OK(
+      kvmem::ua::prefill(exec, b, in, kvmem::ua::Options{0.05}, TensorView<float, 4>(out_b.data(), {B, T, H, D})));
+  SNIPPET_CHECK(out_a == out_b);
+  SNIPPET_CHECK(a.length(0, 0) == b.length(0, 0) && a.length(0, 0) < T);  // both pruned, the same rows
+}
+
 int main() {
+  check_layer_prefill();
   kvmem::ua::PrunedCache<float> cache;
   std::vector<float> out1;
   SNIPPET_CHECK_OK(universal_attention_on_host(cache, out1));
