@@ -146,6 +146,43 @@ def ua_create(max_slots: int, q_heads: int, kv_heads: int, head_dim: int, capaci
     return _ops.ua_create(max_slots, q_heads, kv_heads, head_dim, capacity)
 
 
+# ---- placed over tensors the caller allocates (docs/memory.md) -------------------------------------
+
+def kvm_layout(max_slots: int, q_heads: int, kv_heads: int, head_dim: int, value_dim: int, n_ctx: int, *,
+               chunk: int = 256, window_chunks: int = 2, sink: int = 1, rope_dims: int = 64,
+               budget: Budget = Fixed(), scale: float = 0.0) -> Tuple[int, int]:
+    """``(state_bytes, workspace_bytes)`` of a KV Means state placed by ``kvm_place``: the sizes of the two
+    uint8 tensors an engine allocates before the first request ((0, 0) for an invalid configuration).
+    The state tensor holds every slot's sequence; one workspace may serve several layers' states that
+    never step at the same time."""
+    kind, args = budget._spec()
+    return tuple(_ops.kvm_layout(max_slots, q_heads, kv_heads, head_dim, value_dim, n_ctx, chunk, window_chunks,
+                                 sink, rope_dims, kind, args, scale))
+
+
+def kvm_place(memory: torch.Tensor, workspace: torch.Tensor, max_slots: int, q_heads: int, kv_heads: int,
+              head_dim: int, value_dim: int, n_ctx: int, *, chunk: int = 256, window_chunks: int = 2,
+              sink: int = 1, rope_dims: int = 64, budget: Budget = Fixed(), scale: float = 0.0) -> State:
+    """A KV Means state like ``kvm_create``'s, living in ``memory`` and using ``workspace`` as scratch:
+    contiguous uint8 CPU tensors of at least ``kvm_layout(...)`` bytes, 64-byte aligned (a fresh
+    ``torch.empty`` is). Every slot starts empty; the state keeps both tensors alive. Too small,
+    misaligned or of the wrong dtype raises ``ValueError`` with kvmem's message."""
+    kind, args = budget._spec()
+    return _ops.kvm_place(memory, workspace, max_slots, q_heads, kv_heads, head_dim, value_dim, n_ctx, chunk,
+                          window_chunks, sink, rope_dims, kind, args, scale)
+
+
+def ua_layout(max_slots: int, q_heads: int, kv_heads: int, head_dim: int, capacity: int) -> Tuple[int, int]:
+    """``(cache_bytes, workspace_bytes)`` of a Universal Attention cache placed by ``ua_place``."""
+    return tuple(_ops.ua_layout(max_slots, q_heads, kv_heads, head_dim, capacity))
+
+
+def ua_place(memory: torch.Tensor, workspace: torch.Tensor, max_slots: int, q_heads: int, kv_heads: int,
+             head_dim: int, capacity: int) -> State:
+    """A Universal Attention cache like ``ua_create``'s over caller tensors (as ``kvm_place``)."""
+    return _ops.ua_place(memory, workspace, max_slots, q_heads, kv_heads, head_dim, capacity)
+
+
 # ---- steps ---------------------------------------------------------------------------------------
 
 def kvm_step(state: State, weights: KvmWeights, slot: torch.Tensor, query_start: torch.Tensor,

@@ -121,10 +121,8 @@ budget::Any parse_budget(const std::string& kind, const std::vector<double>& a) 
   TORCH_CHECK_VALUE(false, "kvm_create: budget: expected 'fixed', 'power' or 'saturating', got '", kind, "'");
 }
 
-Holder kvm_create(std::int64_t max_slots, std::int64_t q_heads, std::int64_t kv_heads, std::int64_t head_dim,
-                  std::int64_t value_dim, std::int64_t n_ctx, std::int64_t chunk, std::int64_t window_chunks,
-                  std::int64_t sink, std::int64_t rope_dims, std::string budget, std::vector<double> budget_args,
-                  double scale) {
+kvm::Params make_params(std::int64_t chunk, std::int64_t window_chunks, std::int64_t sink, std::int64_t rope_dims,
+                        const std::string& budget, const std::vector<double>& budget_args, double scale) {
   kvm::Params p;
   p.chunk = chunk;
   p.window_chunks = window_chunks;
@@ -132,8 +130,16 @@ Holder kvm_create(std::int64_t max_slots, std::int64_t q_heads, std::int64_t kv_
   p.rope_dims = rope_dims;
   p.budget = parse_budget(budget, budget_args);
   p.scale = scale;
+  return p;
+}
+
+Holder kvm_create(std::int64_t max_slots, std::int64_t q_heads, std::int64_t kv_heads, std::int64_t head_dim,
+                  std::int64_t value_dim, std::int64_t n_ctx, std::int64_t chunk, std::int64_t window_chunks,
+                  std::int64_t sink, std::int64_t rope_dims, std::string budget, std::vector<double> budget_args,
+                  double scale) {
   KvmState s;
-  check(KvmState::create(p, {max_slots, q_heads, kv_heads, head_dim, value_dim, n_ctx}, s));
+  check(KvmState::create(make_params(chunk, window_chunks, sink, rope_dims, budget, budget_args, scale),
+                         {max_slots, q_heads, kv_heads, head_dim, value_dim, n_ctx}, s));
   return c10::make_intrusive<StateHolder>(std::move(s));
 }
 
@@ -142,6 +148,66 @@ Holder ua_create(std::int64_t max_slots, std::int64_t q_heads, std::int64_t kv_h
   UaCache c;
   check(UaCache::create({max_slots, q_heads, kv_heads, head_dim, capacity}, c));
   return c10::make_intrusive<StateHolder>(std::move(c));
+}
+
+// ---- placed over caller tensors (docs/memory.md) ---------------------------------------------------
+
+// A uint8 CPU tensor whose storage a state or workspace is placed over: one dimension, contiguous. Its
+// size and 64-byte alignment are kvmem's checks (State::place, attach_workspace).
+void check_memory(const at::Tensor& t, const char* op, const char* name) {
+  check_tensor(t, op, name, at::kByte, 1);
+  TORCH_CHECK_VALUE(t.is_contiguous(), op, ": ", name, ": expected a contiguous tensor");
+}
+
+// (state bytes, workspace bytes) of a KVM state placed by kvm_place: the tensors an engine allocates,
+// each 64-byte aligned (torch's CPU allocations are). (0, 0) when the configuration is invalid.
+std::tuple<std::int64_t, std::int64_t> kvm_layout(std::int64_t max_slots, std::int64_t q_heads,
+                                                  std::int64_t kv_heads, std::int64_t head_dim,
+                                                  std::int64_t value_dim, std::int64_t n_ctx, std::int64_t chunk,
+                                                  std::int64_t window_chunks, std::int64_t sink,
+                                                  std::int64_t rope_dims, std::string budget,
+                                                  std::vector<double> budget_args, double scale) {
+  const kvm::Problem pr{make_params(chunk, window_chunks, sink, rope_dims, budget, budget_args, scale),
+                        {max_slots, q_heads, kv_heads, head_dim, value_dim, n_ctx}};
+  if (!kvm::validate(pr.params, pr.shape).is_ok()) return {0, 0};
+  return {static_cast<std::int64_t>(kvm::state_bytes<float, float>(pr)),
+          static_cast<std::int64_t>(kvm::workspace_bytes<float, float>(pr))};
+}
+
+Holder kvm_place(const at::Tensor& memory, const at::Tensor& workspace, std::int64_t max_slots, std::int64_t q_heads,
+                 std::int64_t kv_heads, std::int64_t head_dim, std::int64_t value_dim, std::int64_t n_ctx,
+                 std::int64_t chunk, std::int64_t window_chunks, std::int64_t sink, std::int64_t rope_dims,
+                 std::string budget, std::vector<double> budget_args, double scale) {
+  constexpr const char* op = "kvm_place";
+  check_memory(memory, op, "memory");
+  check_memory(workspace, op, "workspace");
+  const kvm::Problem pr{make_params(chunk, window_chunks, sink, rope_dims, budget, budget_args, scale),
+                        {max_slots, q_heads, kv_heads, head_dim, value_dim, n_ctx}};
+  KvmState s;
+  check(KvmState::place(memory.data_ptr(), static_cast<std::size_t>(memory.numel()), pr, s));
+  check(s.attach_workspace(workspace.data_ptr(), static_cast<std::size_t>(workspace.numel())));
+  return c10::make_intrusive<StateHolder>(std::move(s), memory, workspace);
+}
+
+// (cache bytes, workspace bytes) of a UA cache placed by ua_place; (0, 0) for an invalid shape.
+std::tuple<std::int64_t, std::int64_t> ua_layout(std::int64_t max_slots, std::int64_t q_heads, std::int64_t kv_heads,
+                                                 std::int64_t head_dim, std::int64_t capacity) {
+  const ua::CacheShape shape{max_slots, q_heads, kv_heads, head_dim, capacity};
+  if (!UaCache::validate_shape(shape).is_ok()) return {0, 0};
+  return {static_cast<std::int64_t>(ua::cache_layout<float>(shape).bytes),
+          static_cast<std::int64_t>(ua::workspace_bytes<float>(shape))};
+}
+
+Holder ua_place(const at::Tensor& memory, const at::Tensor& workspace, std::int64_t max_slots, std::int64_t q_heads,
+                std::int64_t kv_heads, std::int64_t head_dim, std::int64_t capacity) {
+  constexpr const char* op = "ua_place";
+  check_memory(memory, op, "memory");
+  check_memory(workspace, op, "workspace");
+  UaCache c;
+  check(UaCache::place(memory.data_ptr(), static_cast<std::size_t>(memory.numel()),
+                       {max_slots, q_heads, kv_heads, head_dim, capacity}, c));
+  check(c.attach_workspace(workspace.data_ptr(), static_cast<std::size_t>(workspace.numel())));
+  return c10::make_intrusive<StateHolder>(std::move(c), memory, workspace);
 }
 
 // ---- steps -----------------------------------------------------------------------------------------
@@ -299,15 +365,9 @@ std::int64_t kvm_state_bytes(std::int64_t max_slots, std::int64_t q_heads, std::
                              std::int64_t value_dim, std::int64_t n_ctx, std::int64_t chunk, std::int64_t window_chunks,
                              std::int64_t sink, std::int64_t rope_dims, std::string budget,
                              std::vector<double> budget_args, double scale) {
-  kvm::Params p;
-  p.chunk = chunk;
-  p.window_chunks = window_chunks;
-  p.sink = sink;
-  p.rope_dims = rope_dims;
-  p.budget = parse_budget(budget, budget_args);
-  p.scale = scale;
   return static_cast<std::int64_t>(
-      KvmState::bytes_required(p, {max_slots, q_heads, kv_heads, head_dim, value_dim, n_ctx}));
+      KvmState::bytes_required(make_params(chunk, window_chunks, sink, rope_dims, budget, budget_args, scale),
+                               {max_slots, q_heads, kv_heads, head_dim, value_dim, n_ctx}));
 }
 
 std::int64_t allocated_bytes(const Holder& h) {
@@ -345,6 +405,13 @@ TORCH_LIBRARY(kvmem, m) {
       "ua_create(int max_slots, int q_heads, int kv_heads, int head_dim, int capacity) -> "
       "__torch__.torch.classes.kvmem.State",
       &ops::ua_create);
+  m.def(
+      "kvm_layout(int max_slots, int q_heads, int kv_heads, int head_dim, int value_dim, int n_ctx, "
+      "int chunk=256, int window_chunks=2, int sink=1, int rope_dims=64, str budget=\"fixed\", "
+      "float[] budget_args=[], float scale=0.) -> (int, int)",
+      &ops::kvm_layout);
+  m.def("ua_layout(int max_slots, int q_heads, int kv_heads, int head_dim, int capacity) -> (int, int)",
+        &ops::ua_layout);
   m.def("export_slot(__torch__.torch.classes.kvmem.State state, int slot) -> Tensor", &ops::export_slot);
   m.def("truncate(__torch__.torch.classes.kvmem.State state, int slot, int n) -> ()", &ops::truncate);
 
@@ -359,6 +426,13 @@ TORCH_LIBRARY(kvmem, m) {
   m.def("reset_slots(__torch__.torch.classes.kvmem.State state, Tensor slots) -> ()");
   m.def("copy_slots(__torch__.torch.classes.kvmem.State state, Tensor src, Tensor dst) -> ()");
   m.def("import_slot(__torch__.torch.classes.kvmem.State state, Tensor[] weights, int slot, Tensor bytes) -> ()");
+  m.def(
+      "kvm_place(Tensor memory, Tensor workspace, int max_slots, int q_heads, int kv_heads, int head_dim, "
+      "int value_dim, int n_ctx, int chunk=256, int window_chunks=2, int sink=1, int rope_dims=64, "
+      "str budget=\"fixed\", float[] budget_args=[], float scale=0.) -> __torch__.torch.classes.kvmem.State");
+  m.def(
+      "ua_place(Tensor memory, Tensor workspace, int max_slots, int q_heads, int kv_heads, int head_dim, "
+      "int capacity) -> __torch__.torch.classes.kvmem.State");
 }
 
 TORCH_LIBRARY_IMPL(kvmem, CPU, m) {
@@ -367,6 +441,8 @@ TORCH_LIBRARY_IMPL(kvmem, CPU, m) {
   m.impl("reset_slots", &ops::reset_slots);
   m.impl("copy_slots", &ops::copy_slots);
   m.impl("import_slot", &ops::import_slot);
+  m.impl("kvm_place", &ops::kvm_place);
+  m.impl("ua_place", &ops::ua_place);
 }
 
 TORCH_LIBRARY_IMPL(kvmem, Meta, m) {

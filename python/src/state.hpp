@@ -3,11 +3,10 @@
 // Where the PyTorch ops keep a layer's kvmem state. This is the one place that decides it: every op
 // reaches the state through kvm_state() / ua_cache() below and never sees how it is held.
 //
-// Today the state is a torch custom class (torch.classes.kvmem.State) that owns a host kvm::State or
-// ua::PrunedCache, made by the kvm_create / ua_create ops; Python holds it like any object and passes
-// it to every op. When the host backend publishes a caller-owned layout (state bytes per slot and their
-// alignment), the holder becomes a view placed over tensors the caller allocated (kvm::State::place),
-// and only this file and the create ops change.
+// The state is a torch custom class (torch.classes.kvmem.State) holding a host kvm::State or
+// ua::PrunedCache; Python holds it like any object and passes it to every op. The kvm_create / ua_create
+// ops make one that owns its memory; kvm_place / ua_place make one placed over uint8 tensors the caller
+// allocated from the published layout (kvm_layout / ua_layout), which the holder keeps alive.
 
 #include <torch/custom_class.h>
 
@@ -27,8 +26,16 @@ using UaCache = ua::PrunedCache<float>;
 struct StateHolder : torch::CustomClassHolder {
   std::variant<KvmState, UaCache> state;
 
+  // The caller's tensors a placed state lives in (undefined for an owning state): held so that the
+  // memory outlives the state whatever Python does with its own references.
+  at::Tensor memory, workspace;
+
   explicit StateHolder(KvmState s) : state(std::move(s)) {}
   explicit StateHolder(UaCache c) : state(std::move(c)) {}
+  StateHolder(KvmState s, at::Tensor mem, at::Tensor ws)
+      : state(std::move(s)), memory(std::move(mem)), workspace(std::move(ws)) {}
+  StateHolder(UaCache c, at::Tensor mem, at::Tensor ws)
+      : state(std::move(c)), memory(std::move(mem)), workspace(std::move(ws)) {}
 
   [[nodiscard]] std::string mechanism() const { return std::holds_alternative<KvmState>(state) ? "kvm" : "ua"; }
   [[nodiscard]] std::int64_t max_slots() const {

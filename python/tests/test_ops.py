@@ -261,6 +261,66 @@ def test_state_bytes_and_accessors():
     assert cache.allocated_bytes() == 2 * HK * 50 * (2 * D * 4 + 16)
 
 
+# ---- states placed over tensors the caller allocates ---------------------------------------------------
+
+KVM_CFG = dict(chunk=C, window_chunks=NB, rope_dims=D // 2, budget=kvmem.Fixed(12))
+
+
+def test_placed_states_live_in_caller_tensors_and_step_like_owning_ones():
+    state_bytes, work_bytes = kvmem.kvm_layout(2, HQ, HK, D, D, 64, **KVM_CFG)
+    assert state_bytes > 0 and work_bytes > 0
+    assert state_bytes + work_bytes == kvmem.kvm_state_bytes(2, HQ, HK, D, D, 64, **KVM_CFG)
+    assert kvmem.kvm_layout(2, HQ, HK, D, D, 64, chunk=0) == (0, 0)
+    # Two layers' states in caller tensors sharing one workspace, stepped in turn, against owning states.
+    memory = [torch.empty(state_bytes, dtype=torch.uint8) for _ in range(2)]
+    shared = torch.empty(work_bytes, dtype=torch.uint8)
+    placed = [kvmem.kvm_place(m, shared, 2, HQ, HK, D, D, 64, **KVM_CFG) for m in memory]
+    owning = [kvm_state(max_slots=2, budget=kvmem.Fixed(12)) for _ in range(2)]
+    del memory, shared  # the states keep their tensors alive
+    w = random_weights(40)
+    x = kvm_inputs(40, 41)
+    for lo, hi in [(0, 23), (23, 24), (24, 40)]:
+        for layer in range(2):
+            a = feed_kvm(placed[layer], w, layer, x, lo, hi)
+            b = feed_kvm(owning[layer], w, layer, x, lo, hi)
+            assert torch.equal(a, b)
+    assert placed[0].tokens(0) == 40 and placed[0].tokens(1) == 0 and placed[1].tokens(1) == 40
+    assert torch.equal(kvmem.export_slot(placed[1], 1), kvmem.export_slot(owning[1], 1))
+    assert placed[0].allocated_bytes() == state_bytes + work_bytes
+
+    cache_bytes, ua_work = kvmem.ua_layout(2, HQ, HK, D, 48)
+    cache = kvmem.ua_place(torch.empty(cache_bytes, dtype=torch.uint8), torch.empty(ua_work, dtype=torch.uint8), 2,
+                           HQ, HK, D, 48)
+    ref = kvmem.ua_create(2, HQ, HK, D, 48)
+    u = ua_inputs(40, 42)
+    assert torch.equal(feed_ua(cache, 1, u, 0, 40), feed_ua(ref, 1, u, 0, 40))
+    assert torch.equal(kvmem.export_slot(cache, 1), kvmem.export_slot(ref, 1))
+
+
+def test_placement_refuses_tensors_it_cannot_use():
+    state_bytes, work_bytes = kvmem.kvm_layout(2, HQ, HK, D, D, 64, **KVM_CFG)
+    work = torch.empty(work_bytes, dtype=torch.uint8)
+
+    def place(memory, workspace=work):
+        return kvmem.kvm_place(memory, workspace, 2, HQ, HK, D, D, 64, **KVM_CFG)
+
+    with pytest.raises(ValueError, match=f"state memory bytes: expected >= {state_bytes}, got {state_bytes - 1}"):
+        place(torch.empty(state_bytes - 1, dtype=torch.uint8))
+    with pytest.raises(ValueError, match="state memory: expected 64-byte alignment"):
+        place(torch.empty(state_bytes + 64, dtype=torch.uint8)[1:])
+    with pytest.raises(ValueError, match="memory: expected dtype Byte, got Float"):
+        place(torch.empty(state_bytes, dtype=torch.float32))
+    with pytest.raises(ValueError, match="memory: expected a contiguous tensor"):
+        place(torch.empty(2 * state_bytes, dtype=torch.uint8)[::2])
+    with pytest.raises(ValueError, match=f"workspace memory bytes: expected >= {work_bytes}"):
+        place(torch.empty(state_bytes, dtype=torch.uint8), torch.empty(work_bytes - 1, dtype=torch.uint8))
+    cache_bytes, ua_work = kvmem.ua_layout(1, HQ, HK, D, 16)
+    assert kvmem.ua_layout(1, 3, 2, D, 16) == (0, 0)
+    with pytest.raises(ValueError, match=f"cache memory bytes: expected >= {cache_bytes}"):
+        kvmem.ua_place(torch.empty(cache_bytes - 1, dtype=torch.uint8), torch.empty(ua_work, dtype=torch.uint8), 1,
+                       HQ, HK, D, 16)
+
+
 # ---- bad inputs raise with kvmem's message and change nothing ------------------------------------------------
 
 def test_bad_inputs_raise_with_kvmems_message():
