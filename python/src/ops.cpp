@@ -161,10 +161,9 @@ void check_memory(const at::Tensor& t, const char* op, const char* name) {
 
 // (state bytes, workspace bytes) of a KVM state placed by kvm_place: the tensors an engine allocates,
 // each 64-byte aligned (torch's CPU allocations are). (0, 0) when the configuration is invalid.
-std::tuple<std::int64_t, std::int64_t> kvm_layout(std::int64_t max_slots, std::int64_t q_heads,
-                                                  std::int64_t kv_heads, std::int64_t head_dim,
-                                                  std::int64_t value_dim, std::int64_t n_ctx, std::int64_t chunk,
-                                                  std::int64_t window_chunks, std::int64_t sink,
+std::tuple<std::int64_t, std::int64_t> kvm_layout(std::int64_t max_slots, std::int64_t q_heads, std::int64_t kv_heads,
+                                                  std::int64_t head_dim, std::int64_t value_dim, std::int64_t n_ctx,
+                                                  std::int64_t chunk, std::int64_t window_chunks, std::int64_t sink,
                                                   std::int64_t rope_dims, std::string budget,
                                                   std::vector<double> budget_args, double scale) {
   const kvm::Problem pr{make_params(chunk, window_chunks, sink, rope_dims, budget, budget_args, scale),
