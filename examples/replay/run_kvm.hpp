@@ -12,6 +12,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
+#include <functional>
 #include <memory>
 #include <span>
 #include <string>
@@ -19,6 +20,7 @@
 
 #include "replay_core.hpp"
 #include "trace.hpp"
+#include "transport.hpp"
 
 #include "kvmem/core/numeric.hpp"
 #include "kvmem/core/tensor.hpp"
@@ -49,6 +51,7 @@
 #include <Kokkos_Core.hpp>
 
 #include "kvmem/backend/kokkos.hpp"
+#include "transport_kokkos.hpp"
 #endif
 
 namespace kvmem::replay::kvm_adapter {
@@ -557,74 +560,7 @@ inline TraceInputs load_trace_inputs(const Case& c, const Spec& s, std::int64_t 
   return in;
 }
 
-#if KVMEM_REPLAY_WITH_HOST_KVM
-// The host slot API on host memory. The exact executor keeps the property the check tests: a row
-// equals its sequence run alone, bit for bit (docs/slots.md).
-template <class S>
-class HostSlotRunner final : public trace::SlotRunner {
- public:
-  HostSlotRunner(std::shared_ptr<const TraceInputs> in, const Spec& s, std::int64_t max_slots, int threads)
-      : in_(std::move(in)), s_(s), exec_{.threads = threads, .exact = true} {
-    const Status status = kvm::State<S, float>::create(host_detail::params_of(s),
-                                                       kvm::Shape{max_slots, s.Hq, s.Hk, s.D, s.Dv, s.T}, state_);
-    if (!status.is_ok()) throw BadInput("host kvm rejects the trace's config: " + status.message());
-  }
-  Status step(std::span<const std::int32_t> slot, std::span<const std::int32_t> query_start, std::int64_t first,
-              std::span<float> out, std::span<float> lse) override {
-    const std::int64_t n = query_start.back();
-    const Rows rows{view(slot), view(query_start)};
-    const TraceInputs& in = *in_;
-    return kvm::step(exec_, state_, in.weights(), rows,
-                     TensorView<const float, 3>(in.q.data() + first * s_.Hq * s_.D, {n, s_.Hq, s_.D}),
-                     TensorView<const float, 3>(in.k.data() + first * s_.Hk * s_.D, {n, s_.Hk, s_.D}),
-                     TensorView<const float, 3>(in.v.data() + first * s_.Hk * s_.Dv, {n, s_.Hk, s_.Dv}),
-                     TensorView<const float, 2>(in.gate.data() + first * s_.Hk, {n, s_.Hk}),
-                     TensorView<float, 3>(out.data(), {n, s_.Hq, s_.Dv}), TensorView<float, 2>(lse.data(), {n, s_.Hq}));
-  }
-  Status reset_slots(std::span<const std::int32_t> slots) override {
-    return kvm::reset_slots(exec_, state_, view(slots));
-  }
-  Status copy_slots(std::span<const std::int32_t> src, std::span<const std::int32_t> dst) override {
-    return kvm::copy_slots(exec_, state_, view(src), view(dst));
-  }
-  Status export_slot(std::int32_t slot, std::vector<std::byte>& record) override {
-    record.resize(kvm::export_bytes(state_, slot));
-    return kvm::export_slot(exec_, state_, slot, std::span<std::byte>(record));
-  }
-  Status import_slot(std::int32_t slot, std::span<const std::byte> record) override {
-    return kvm::import_slot(exec_, state_, in_->weights(), slot, record);
-  }
-  Status truncate(std::int32_t slot, std::int64_t tokens) override {
-    return kvm::truncate(exec_, state_, slot, tokens);
-  }
-
- private:
-  static TensorView<const std::int32_t, 1> view(std::span<const std::int32_t> x) {
-    return {x.data(), {std::int64_t(x.size())}};
-  }
-  std::shared_ptr<const TraceInputs> in_;
-  Spec s_;
-  host::Executor exec_;
-  kvm::State<S, float> state_;
-};
-#endif
-
 #if KVMEM_REPLAY_WITH_KOKKOS_KVM && KVMEM_REPLAY_WITH_KOKKOS_SLOTS_KVM
-// Host buffers in and out of Kokkos memory, for the per-call rows, slot lists and outputs.
-namespace kokkos_trace {
-using HostFloats = Kokkos::View<float*, Kokkos::HostSpace, Kokkos::MemoryTraits<Kokkos::Unmanaged>>;
-using HostInts = Kokkos::View<const std::int32_t*, Kokkos::HostSpace, Kokkos::MemoryTraits<Kokkos::Unmanaged>>;
-inline Kokkos::View<std::int32_t*, kokkos_detail::MemSpace> list(std::span<const std::int32_t> x) {
-  Kokkos::View<std::int32_t*, kokkos_detail::MemSpace> d(Kokkos::view_alloc(Kokkos::WithoutInitializing, "list"),
-                                                         x.size());
-  Kokkos::deep_copy(d, HostInts(x.data(), x.size()));
-  return d;
-}
-inline TensorView<const std::int32_t, 1> view(const Kokkos::View<std::int32_t*, kokkos_detail::MemSpace>& d) {
-  return {d.data(), {std::int64_t(d.extent(0))}};
-}
-}  // namespace kokkos_trace
-
 // The trace's inputs copied into the memory of Kokkos' default execution space, once.
 struct KokkosTraceInputs {
   Kokkos::View<float*, kokkos_detail::MemSpace> q, k, v, gate, ln_w, ln_b, tau_s, tau_w;
@@ -645,65 +581,126 @@ struct KokkosTraceInputs {
   }
 };
 
-// The Kokkos slot API (the host's names and arguments) on Kokkos' default execution space. Rows, slot
-// lists and outputs travel per call; every call is fenced, so the host buffers are ready on return.
+// A Kokkos state: kvm::State placed in the space's memory (kokkos::create_state).
 template <class S>
-class KokkosSlotRunner final : public trace::SlotRunner {
+Status create_trace_state(const kokkos_detail::Exec& exec, const kvm::Params& p, const kvm::Shape& shape,
+                          kokkos::KvmState<S, float, kokkos_detail::MemSpace>& out) {
+  return kokkos::create_state<S, float>(exec, p, shape, out);
+}
+template <class S>
+kvm::State<S, float>& state_of(kokkos::KvmState<S, float, kokkos_detail::MemSpace>& st) {
+  return st.state;
+}
+template <class S>
+const kvm::State<S, float>& state_of(const kokkos::KvmState<S, float, kokkos_detail::MemSpace>& st) {
+  return st.state;
+}
+#endif
+
+#if KVMEM_REPLAY_WITH_HOST_KVM
+// A host state owns its memory.
+template <class S>
+Status create_trace_state(const host::Executor& /*exec*/, const kvm::Params& p, const kvm::Shape& shape,
+                          kvm::State<S, float>& out) {
+  return kvm::State<S, float>::create(p, shape, out);
+}
+template <class S>
+kvm::State<S, float>& state_of(kvm::State<S, float>& st) {
+  return st;
+}
+template <class S>
+const kvm::State<S, float>& state_of(const kvm::State<S, float>& st) {
+  return st;
+}
+#endif
+
+#if KVMEM_REPLAY_WITH_HOST_KVM || (KVMEM_REPLAY_WITH_KOKKOS_KVM && KVMEM_REPLAY_WITH_KOKKOS_SLOTS_KVM)
+// One trace runner for every backend with KVM's slot API (docs/slots.md): Holder is the backend's
+// state (made by create_trace_state, reached through state_of), In the trace's inputs in its memory
+// (q, k, v, gate and weights()), Transport (transport.hpp) how a call's index lists and outputs move.
+// The host runs the exact executor, which keeps the property the check tests: a row equals its
+// sequence run alone, bit for bit.
+template <class Exec, class Holder, class In, class Transport>
+class KvmSlotRunner final : public trace::SlotRunner {
  public:
-  KokkosSlotRunner(std::shared_ptr<const KokkosTraceInputs> in, const Spec& s, std::int64_t max_slots)
-      : in_(std::move(in)), s_(s) {
-    const Status status = kokkos::create_state<S, float>(exec_, host_detail::params_of(s),
-                                                         kvm::Shape{max_slots, s.Hq, s.Hk, s.D, s.Dv, s.T}, state_);
-    if (!status.is_ok()) throw BadInput("kokkos kvm rejects the trace's config: " + status.message());
+  KvmSlotRunner(std::shared_ptr<const In> in, const Spec& s, std::int64_t max_slots, Exec exec, const char* backend)
+      : in_(std::move(in)), s_(s), exec_(std::move(exec)) {
+    const Status status =
+        create_trace_state(exec_, host_detail::params_of(s), kvm::Shape{max_slots, s.Hq, s.Hk, s.D, s.Dv, s.T}, state_);
+    if (!status.is_ok()) throw BadInput(std::string(backend) + " kvm rejects the trace's config: " + status.message());
   }
   Status step(std::span<const std::int32_t> slot, std::span<const std::int32_t> query_start, std::int64_t first,
               std::span<float> out, std::span<float> lse) override {
-    using kokkos_trace::view;
     const std::int64_t n = query_start.back();
-    const auto d_slot = kokkos_trace::list(slot), d_start = kokkos_trace::list(query_start);
-    Kokkos::View<float*, kokkos_detail::MemSpace> d_out("out", out.size()), d_lse("lse", lse.size());
-    const KokkosTraceInputs& in = *in_;
-    const Status status = kvm::step(exec_, state_.state, in.weights(), Rows{view(d_slot), view(d_start)},
-                                    TensorView<const float, 3>(in.q.data() + first * s_.Hq * s_.D, {n, s_.Hq, s_.D}),
-                                    TensorView<const float, 3>(in.k.data() + first * s_.Hk * s_.D, {n, s_.Hk, s_.D}),
-                                    TensorView<const float, 3>(in.v.data() + first * s_.Hk * s_.Dv, {n, s_.Hk, s_.Dv}),
-                                    TensorView<const float, 2>(in.gate.data() + first * s_.Hk, {n, s_.Hk}),
-                                    TensorView<float, 3>(d_out.data(), {n, s_.Hq, s_.Dv}),
-                                    TensorView<float, 2>(d_lse.data(), {n, s_.Hq}));
-    exec_.space.fence();
-    Kokkos::deep_copy(kokkos_trace::HostFloats(out.data(), out.size()), d_out);
-    Kokkos::deep_copy(kokkos_trace::HostFloats(lse.data(), lse.size()), d_lse);
+    const auto d_slot = Transport::list(slot), d_start = Transport::list(query_start);
+    auto d_out = Transport::output(out), d_lse = Transport::output(lse);
+    const In& in = *in_;
+    const Status status =
+        kvm::step(exec_, state_of(state_), in.weights(), Rows{Transport::view(d_slot), Transport::view(d_start)},
+                  TensorView<const float, 3>(in.q.data() + first * s_.Hq * s_.D, {n, s_.Hq, s_.D}),
+                  TensorView<const float, 3>(in.k.data() + first * s_.Hk * s_.D, {n, s_.Hk, s_.D}),
+                  TensorView<const float, 3>(in.v.data() + first * s_.Hk * s_.Dv, {n, s_.Hk, s_.Dv}),
+                  TensorView<const float, 2>(in.gate.data() + first * s_.Hk, {n, s_.Hk}),
+                  TensorView<float, 3>(Transport::data(d_out), {n, s_.Hq, s_.Dv}),
+                  TensorView<float, 2>(Transport::data(d_lse), {n, s_.Hq}));
+    Transport::fence(exec_);
+    Transport::read_back(d_out, out);
+    Transport::read_back(d_lse, lse);
     return status;
   }
   Status reset_slots(std::span<const std::int32_t> slots) override {
-    const auto d = kokkos_trace::list(slots);
-    return fenced(kvm::reset_slots(exec_, state_.state, kokkos_trace::view(d)));
+    const auto d = Transport::list(slots);
+    return fenced(kvm::reset_slots(exec_, state_of(state_), Transport::view(d)));
   }
   Status copy_slots(std::span<const std::int32_t> src, std::span<const std::int32_t> dst) override {
-    const auto a = kokkos_trace::list(src), b = kokkos_trace::list(dst);
-    return fenced(kvm::copy_slots(exec_, state_.state, kokkos_trace::view(a), kokkos_trace::view(b)));
+    const auto a = Transport::list(src), b = Transport::list(dst);
+    return fenced(kvm::copy_slots(exec_, state_of(state_), Transport::view(a), Transport::view(b)));
   }
   Status export_slot(std::int32_t slot, std::vector<std::byte>& record) override {
-    record.resize(kvm::export_bytes(state_.state, slot));
-    return fenced(kvm::export_slot(exec_, state_.state, slot, std::span<std::byte>(record)));
+    Transport::fence(exec_);
+    record.resize(kvm::export_bytes(state_of(state_), slot));
+    return fenced(kvm::export_slot(exec_, state_of(state_), slot, std::span<std::byte>(record)));
   }
   Status import_slot(std::int32_t slot, std::span<const std::byte> record) override {
-    return fenced(kvm::import_slot(exec_, state_.state, in_->weights(), slot, record));
+    return fenced(kvm::import_slot(exec_, state_of(state_), in_->weights(), slot, record));
   }
   Status truncate(std::int32_t slot, std::int64_t tokens) override {
-    return fenced(kvm::truncate(exec_, state_.state, slot, tokens));
+    return fenced(kvm::truncate(exec_, state_of(state_), slot, tokens));
   }
 
  private:
   Status fenced(Status status) const {
-    exec_.space.fence();
+    Transport::fence(exec_);
     return status;
   }
-  std::shared_ptr<const KokkosTraceInputs> in_;
+  std::shared_ptr<const In> in_;
   Spec s_;
-  kokkos_detail::Exec exec_{kokkos_detail::Space(), /*checked*/ true};  // bad input comes back as a Status
-  kokkos::KvmState<S, float, kokkos_detail::MemSpace> state_;
+  Exec exec_;
+  Holder state_;
 };
+
+// The factory of the runner for the run's storage precision; Holder<S> is the backend's state type.
+template <class Exec, template <class> class Holder, class Transport, class In>
+std::function<std::unique_ptr<trace::SlotRunner>(std::int64_t)> make_runner(Precision precision,
+                                                                            std::shared_ptr<const In> in, const Spec& s,
+                                                                            Exec exec, const char* backend) {
+  if (precision == Precision::kBf16)
+    return [=](std::int64_t slots) -> std::unique_ptr<trace::SlotRunner> {
+      return std::make_unique<KvmSlotRunner<Exec, Holder<bf16>, In, Transport>>(in, s, slots, exec, backend);
+    };
+  return [=](std::int64_t slots) -> std::unique_ptr<trace::SlotRunner> {
+    return std::make_unique<KvmSlotRunner<Exec, Holder<float>, In, Transport>>(in, s, slots, exec, backend);
+  };
+}
+#endif
+
+#if KVMEM_REPLAY_WITH_HOST_KVM
+template <class S>
+using HostState = kvm::State<S, float>;
+#endif
+#if KVMEM_REPLAY_WITH_KOKKOS_KVM && KVMEM_REPLAY_WITH_KOKKOS_SLOTS_KVM
+template <class S>
+using KokkosState = kokkos::KvmState<S, float, kokkos_detail::MemSpace>;
 #endif
 
 // The trace player's view of KVM on the chosen backend. A backend with a slot API gets a runner
@@ -719,15 +716,8 @@ inline trace::Mechanism trace_mechanism(const Options& opt, const Case& c, const
   m.lse_shape_tail = {s.Hq};
   if (opt.backend == Backend::kHost) {
 #if KVMEM_REPLAY_WITH_HOST_KVM
-    const int threads = opt.threads;
-    if (opt.precision == Precision::kBf16)
-      m.make_runner = [in, s, threads](std::int64_t slots) -> std::unique_ptr<trace::SlotRunner> {
-        return std::make_unique<HostSlotRunner<bf16>>(in, s, slots, threads);
-      };
-    else
-      m.make_runner = [in, s, threads](std::int64_t slots) -> std::unique_ptr<trace::SlotRunner> {
-        return std::make_unique<HostSlotRunner<float>>(in, s, slots, threads);
-      };
+    const host::Executor exec{.threads = opt.threads, .exact = true};
+    m.make_runner = make_runner<host::Executor, HostState, HostTransport>(opt.precision, in, s, exec, "host");
     return m;
 #endif
   }
@@ -737,14 +727,9 @@ inline trace::Mechanism trace_mechanism(const Options& opt, const Case& c, const
       std::fprintf(stderr, "kvmem-replay: --threads does not apply to the kokkos backend (see KOKKOS_NUM_THREADS)\n");
     m.keep_alive = std::make_shared<Kokkos::ScopeGuard>();  // Kokkos lives as long as the runners
     auto dev = std::make_shared<const KokkosTraceInputs>(*in);
-    if (opt.precision == Precision::kBf16)
-      m.make_runner = [dev, s](std::int64_t slots) -> std::unique_ptr<trace::SlotRunner> {
-        return std::make_unique<KokkosSlotRunner<bf16>>(dev, s, slots);
-      };
-    else
-      m.make_runner = [dev, s](std::int64_t slots) -> std::unique_ptr<trace::SlotRunner> {
-        return std::make_unique<KokkosSlotRunner<float>>(dev, s, slots);
-      };
+    const kokkos_detail::Exec exec{kokkos_detail::Space(), /*checked*/ true};  // bad input comes back as a Status
+    m.make_runner =
+        make_runner<kokkos_detail::Exec, KokkosState, KokkosTransport>(opt.precision, dev, s, exec, "kokkos");
     return m;
   }
 #endif

@@ -18,6 +18,7 @@
 
 #include "replay_core.hpp"
 #include "trace.hpp"
+#include "transport.hpp"
 
 #include "kvmem/core/numeric.hpp"
 #include "kvmem/core/tensor.hpp"
@@ -47,6 +48,7 @@
 #include <Kokkos_Core.hpp>
 
 #include "kvmem/backend/kokkos.hpp"
+#include "transport_kokkos.hpp"
 #endif
 
 namespace kvmem::replay::ua_adapter {
@@ -531,6 +533,7 @@ inline TraceSpec parse_trace_config(const trace::Trace& t) {
 // when the file has it, z_o [N,H,D].
 struct TraceInputs {
   std::vector<float> q, k, v, z_k, z_q, z_o;
+  [[nodiscard]] const float* output_gate() const { return z_o.empty() ? nullptr : z_o.data(); }
 };
 
 inline TraceInputs load_trace_inputs(const Case& c, const TraceSpec& s, std::int64_t N) {
@@ -546,99 +549,6 @@ inline TraceInputs load_trace_inputs(const Case& c, const TraceSpec& s, std::int
   return in;
 }
 
-#if KVMEM_REPLAY_WITH_HOST_UA || (KVMEM_REPLAY_WITH_KOKKOS_UA && KVMEM_REPLAY_WITH_KOKKOS_SLOTS_UA)
-// The trace's packed inputs in a runner's memory; z_o is null when the file has none.
-struct TracePointers {
-  const float *q = nullptr, *k = nullptr, *v = nullptr, *z_k = nullptr, *z_q = nullptr, *z_o = nullptr;
-};
-
-// One trace runner for every backend with UA's slot API: the cache type comes from the executor
-// (ua::cache_t) and every call has the host's signature (docs/slots-ua.md). The Transport gives the
-// trace's inputs in the backend's memory, moves a call's index lists and outputs there and back
-// (nothing to do on the host) and waits for the work the backend queued, so host buffers are ready
-// when a call returns.
-template <class Exec, class S, class Transport>
-class UaSlotRunner final : public trace::SlotRunner {
- public:
-  UaSlotRunner(Transport transport, const TraceSpec& s, std::int64_t max_slots, Exec exec, const char* backend)
-      : t_(std::move(transport)), s_(s), exec_(std::move(exec)) {
-    const Status status = ua::cache_t<Exec, S>::create({max_slots, s.H, s.G, s.D, s.capacity, 16}, cache_);
-    if (!status.is_ok()) throw BadInput(std::string(backend) + " ua rejects the trace's config: " + status.message());
-  }
-  Status step(std::span<const std::int32_t> slot, std::span<const std::int32_t> query_start, std::int64_t first,
-              std::span<float> out, std::span<float> lse) override {
-    const std::int64_t n = query_start.back(), H = s_.H, G = s_.G, D = s_.D;
-    const TracePointers in = t_.inputs();
-    ua::PackedInputs x;
-    x.q = {in.q + first * H * D, {n, H, D}};
-    x.k = {in.k + first * G * D, {n, G, D}};
-    x.v = {in.v + first * G * D, {n, G, D}};
-    x.z_k = {in.z_k + first * G, {n, G}};
-    x.z_q = {in.z_q + first * G, {n, G}};
-    if (in.z_o != nullptr) x.z_o = {in.z_o + first * H * D, {n, H, D}};
-    const auto d_slot = t_.list(slot), d_start = t_.list(query_start);
-    auto d_out = t_.output(out), d_lse = t_.output(lse);
-    const Status status =
-        ua::step(exec_, cache_, Rows{t_.view(d_slot), t_.view(d_start)}, x,
-                 ua::Options{s_.p, s_.prefill_chunk, s_.evict_before_attention},
-                 TensorView<float, 3>(t_.data(d_out), {n, H, D}), TensorView<float, 2>(t_.data(d_lse), {n, H}));
-    t_.fence(exec_);
-    t_.read_back(d_out, out);
-    t_.read_back(d_lse, lse);
-    return status;
-  }
-  Status reset_slots(std::span<const std::int32_t> slots) override {
-    const auto d = t_.list(slots);
-    return fenced(ua::reset_slots(exec_, cache_, t_.view(d)));
-  }
-  Status copy_slots(std::span<const std::int32_t> src, std::span<const std::int32_t> dst) override {
-    const auto a = t_.list(src), b = t_.list(dst);
-    return fenced(ua::copy_slots(exec_, cache_, t_.view(a), t_.view(b)));
-  }
-  Status export_slot(std::int32_t slot, std::vector<std::byte>& record) override {
-    t_.fence(exec_);
-    record.resize(ua::export_bytes(cache_, slot));
-    return fenced(ua::export_slot(exec_, cache_, slot, std::span<std::byte>(record)));
-  }
-  Status import_slot(std::int32_t slot, std::span<const std::byte> record) override {
-    return fenced(ua::import_slot(exec_, cache_, slot, record));
-  }
-  Status truncate(std::int32_t slot, std::int64_t tokens) override {
-    return fenced(ua::truncate(exec_, cache_, slot, tokens));
-  }
-
- private:
-  Status fenced(Status status) const {
-    t_.fence(exec_);
-    return status;
-  }
-  Transport t_;
-  TraceSpec s_;
-  Exec exec_;
-  ua::cache_t<Exec, S> cache_;
-};
-#endif
-
-#if KVMEM_REPLAY_WITH_HOST_UA
-// Host memory: the trace's vectors and the caller's buffers are used as they are (a row equals its
-// sequence run alone, bit for bit: docs/slots-ua.md).
-struct HostTransport {
-  std::shared_ptr<const TraceInputs> in;
-  [[nodiscard]] TracePointers inputs() const {
-    return {in->q.data(),   in->k.data(),   in->v.data(),
-            in->z_k.data(), in->z_q.data(), in->z_o.empty() ? nullptr : in->z_o.data()};
-  }
-  static std::span<const std::int32_t> list(std::span<const std::int32_t> x) { return x; }
-  static TensorView<const std::int32_t, 1> view(std::span<const std::int32_t> x) {
-    return {x.data(), {std::int64_t(x.size())}};
-  }
-  static std::span<float> output(std::span<float> x) { return x; }
-  static float* data(std::span<float> x) { return x.data(); }
-  static void read_back(std::span<float> /*from*/, std::span<float> /*to*/) {}
-  static void fence(const host::Executor& /*exec*/) {}
-};
-#endif
-
 #if KVMEM_REPLAY_WITH_KOKKOS_UA && KVMEM_REPLAY_WITH_KOKKOS_SLOTS_UA
 // The trace's inputs copied into the memory of Kokkos' default execution space, once.
 struct KokkosTraceInputs {
@@ -651,46 +561,90 @@ struct KokkosTraceInputs {
         z_q(kokkos_detail::to_device(in.z_q, "kvmem-replay z_q")) {
     if (!in.z_o.empty()) z_o = kokkos_detail::to_device(in.z_o, "kvmem-replay z_o");
   }
-};
-
-// Memory of Kokkos' default execution space: index lists and outputs travel per call, and every call is
-// fenced.
-struct KokkosTransport {
-  using IntView = Kokkos::View<std::int32_t*, kokkos_detail::MemSpace>;
-  using HostFloats = Kokkos::View<float*, Kokkos::HostSpace, Kokkos::MemoryTraits<Kokkos::Unmanaged>>;
-  std::shared_ptr<const KokkosTraceInputs> in;
-  [[nodiscard]] TracePointers inputs() const {
-    return {in->q.data(),   in->k.data(),   in->v.data(),
-            in->z_k.data(), in->z_q.data(), in->z_o.extent(0) > 0 ? in->z_o.data() : nullptr};
-  }
-  static IntView list(std::span<const std::int32_t> x) {
-    IntView d(Kokkos::view_alloc(Kokkos::WithoutInitializing, "list"), x.size());
-    Kokkos::deep_copy(d, Kokkos::View<const std::int32_t*, Kokkos::HostSpace, Kokkos::MemoryTraits<Kokkos::Unmanaged>>(
-                             x.data(), x.size()));
-    return d;
-  }
-  static TensorView<const std::int32_t, 1> view(const IntView& d) { return {d.data(), {std::int64_t(d.extent(0))}}; }
-  static kokkos_detail::DeviceVector output(std::span<float> x) { return kokkos_detail::DeviceVector("out", x.size()); }
-  static float* data(const kokkos_detail::DeviceVector& d) { return d.data(); }
-  static void read_back(const kokkos_detail::DeviceVector& from, std::span<float> to) {
-    Kokkos::deep_copy(HostFloats(to.data(), to.size()), from);
-  }
-  static void fence(const kokkos_detail::Exec& exec) { exec.space.fence(); }
+  [[nodiscard]] const float* output_gate() const { return z_o.extent(0) > 0 ? z_o.data() : nullptr; }
 };
 #endif
 
 #if KVMEM_REPLAY_WITH_HOST_UA || (KVMEM_REPLAY_WITH_KOKKOS_UA && KVMEM_REPLAY_WITH_KOKKOS_SLOTS_UA)
-// The factory of UaSlotRunner<Exec, S, Transport> for the run's storage precision.
-template <class Exec, class Transport>
-std::function<std::unique_ptr<trace::SlotRunner>(std::int64_t)> make_runner(Precision precision, Transport transport,
+// One trace runner for every backend with UA's slot API: the cache type comes from the executor
+// (ua::cache_t) and every call has the host's signature (docs/slots-ua.md). In holds the trace's
+// inputs in the backend's memory (q, k, v, z_k, z_q and output_gate(), null without one); the
+// Transport (transport.hpp) moves a call's index lists and outputs.
+template <class Exec, class S, class In, class Transport>
+class UaSlotRunner final : public trace::SlotRunner {
+ public:
+  UaSlotRunner(std::shared_ptr<const In> in, const TraceSpec& s, std::int64_t max_slots, Exec exec, const char* backend)
+      : in_(std::move(in)), s_(s), exec_(std::move(exec)) {
+    const Status status = ua::cache_t<Exec, S>::create({max_slots, s.H, s.G, s.D, s.capacity, 16}, cache_);
+    if (!status.is_ok()) throw BadInput(std::string(backend) + " ua rejects the trace's config: " + status.message());
+  }
+  Status step(std::span<const std::int32_t> slot, std::span<const std::int32_t> query_start, std::int64_t first,
+              std::span<float> out, std::span<float> lse) override {
+    const std::int64_t n = query_start.back(), H = s_.H, G = s_.G, D = s_.D;
+    const In& in = *in_;
+    ua::PackedInputs x;
+    x.q = {in.q.data() + first * H * D, {n, H, D}};
+    x.k = {in.k.data() + first * G * D, {n, G, D}};
+    x.v = {in.v.data() + first * G * D, {n, G, D}};
+    x.z_k = {in.z_k.data() + first * G, {n, G}};
+    x.z_q = {in.z_q.data() + first * G, {n, G}};
+    if (in.output_gate() != nullptr) x.z_o = {in.output_gate() + first * H * D, {n, H, D}};
+    const auto d_slot = Transport::list(slot), d_start = Transport::list(query_start);
+    auto d_out = Transport::output(out), d_lse = Transport::output(lse);
+    const Status status = ua::step(exec_, cache_, Rows{Transport::view(d_slot), Transport::view(d_start)}, x,
+                                   ua::Options{s_.p, s_.prefill_chunk, s_.evict_before_attention},
+                                   TensorView<float, 3>(Transport::data(d_out), {n, H, D}),
+                                   TensorView<float, 2>(Transport::data(d_lse), {n, H}));
+    Transport::fence(exec_);
+    Transport::read_back(d_out, out);
+    Transport::read_back(d_lse, lse);
+    return status;
+  }
+  Status reset_slots(std::span<const std::int32_t> slots) override {
+    const auto d = Transport::list(slots);
+    return fenced(ua::reset_slots(exec_, cache_, Transport::view(d)));
+  }
+  Status copy_slots(std::span<const std::int32_t> src, std::span<const std::int32_t> dst) override {
+    const auto a = Transport::list(src), b = Transport::list(dst);
+    return fenced(ua::copy_slots(exec_, cache_, Transport::view(a), Transport::view(b)));
+  }
+  Status export_slot(std::int32_t slot, std::vector<std::byte>& record) override {
+    Transport::fence(exec_);
+    record.resize(ua::export_bytes(cache_, slot));
+    return fenced(ua::export_slot(exec_, cache_, slot, std::span<std::byte>(record)));
+  }
+  Status import_slot(std::int32_t slot, std::span<const std::byte> record) override {
+    return fenced(ua::import_slot(exec_, cache_, slot, record));
+  }
+  Status truncate(std::int32_t slot, std::int64_t tokens) override {
+    return fenced(ua::truncate(exec_, cache_, slot, tokens));
+  }
+
+ private:
+  Status fenced(Status status) const {
+    Transport::fence(exec_);
+    return status;
+  }
+  std::shared_ptr<const In> in_;
+  TraceSpec s_;
+  Exec exec_;
+  ua::cache_t<Exec, S> cache_;
+};
+#endif
+
+#if KVMEM_REPLAY_WITH_HOST_UA || (KVMEM_REPLAY_WITH_KOKKOS_UA && KVMEM_REPLAY_WITH_KOKKOS_SLOTS_UA)
+// The factory of UaSlotRunner<Exec, S, In, Transport> for the run's storage precision.
+template <class Exec, class Transport, class In>
+std::function<std::unique_ptr<trace::SlotRunner>(std::int64_t)> make_runner(Precision precision,
+                                                                            std::shared_ptr<const In> in,
                                                                             const TraceSpec& s, Exec exec,
                                                                             const char* backend) {
   if (precision == Precision::kBf16)
     return [=](std::int64_t slots) -> std::unique_ptr<trace::SlotRunner> {
-      return std::make_unique<UaSlotRunner<Exec, bf16, Transport>>(transport, s, slots, exec, backend);
+      return std::make_unique<UaSlotRunner<Exec, bf16, In, Transport>>(in, s, slots, exec, backend);
     };
   return [=](std::int64_t slots) -> std::unique_ptr<trace::SlotRunner> {
-    return std::make_unique<UaSlotRunner<Exec, float, Transport>>(transport, s, slots, exec, backend);
+    return std::make_unique<UaSlotRunner<Exec, float, In, Transport>>(in, s, slots, exec, backend);
   };
 }
 #endif
@@ -708,7 +662,7 @@ inline trace::Mechanism trace_mechanism(const Options& opt, const Case& c, const
   if (opt.backend == Backend::kHost) {
 #if KVMEM_REPLAY_WITH_HOST_UA
     const host::Executor exec{.threads = opt.threads, .exact = true};
-    m.make_runner = make_runner<host::Executor>(opt.precision, HostTransport{in}, s, exec, "host");
+    m.make_runner = make_runner<host::Executor, HostTransport>(opt.precision, in, s, exec, "host");
     return m;
 #endif
   }
@@ -717,9 +671,9 @@ inline trace::Mechanism trace_mechanism(const Options& opt, const Case& c, const
     if (opt.threads > 0)
       std::fprintf(stderr, "kvmem-replay: --threads does not apply to the kokkos backend (see KOKKOS_NUM_THREADS)\n");
     m.keep_alive = std::make_shared<Kokkos::ScopeGuard>();  // Kokkos lives as long as the runners
-    const KokkosTransport transport{std::make_shared<const KokkosTraceInputs>(*in)};
+    auto dev = std::make_shared<const KokkosTraceInputs>(*in);
     const kokkos_detail::Exec exec{kokkos_detail::Space(), /*checked*/ true};  // bad input comes back as a Status
-    m.make_runner = make_runner<kokkos_detail::Exec>(opt.precision, transport, s, exec, "kokkos");
+    m.make_runner = make_runner<kokkos_detail::Exec, KokkosTransport>(opt.precision, dev, s, exec, "kokkos");
     return m;
   }
 #endif
