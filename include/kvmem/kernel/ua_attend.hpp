@@ -74,6 +74,28 @@ struct BlockArgs {
   Acc* workspace = nullptr;  // [block_workspace_elems(heads, D)]
 };
 
+// The end of query tile r0 for (head h, row i): normalise the accumulator, apply the optional output
+// gate y = o * sigmoid(z_o) (spec UA.md 7), write the output row and lse. acc, row_max, row_sum: the
+// tile's workspace as attend_block lays it out.
+template <class KS, class QS, class OS, class Acc>
+KVMEM_HOST_DEVICE inline void finish_row(const BlockArgs<KS, QS, OS, Acc>& a, const Acc* acc, const Acc* row_max,
+                                         const Acc* row_sum, std::int64_t r0, std::int64_t h, std::int64_t i) {
+  const std::int64_t D = a.D;
+  OnlineSoftmax<Acc> sm;
+  sm.max = row_max[h * kQueryTile + i];
+  sm.sum = row_sum[h * kQueryTile + i];
+  const Acc inv = sm.normaliser();
+  const Acc* arow = acc + (h * kQueryTile + i) * D;
+  OS* orow = a.out + (r0 + i) * a.out_row_stride + h * a.out_head_stride;
+  const QS* zrow = a.z_o ? a.z_o + (r0 + i) * a.z_o_row_stride + h * a.z_o_head_stride : nullptr;
+  for (std::int64_t d = 0; d < D; ++d) {
+    Acc y = arow[d] * inv;
+    if (zrow) y *= sigmoid(load_as<Acc>(zrow[d]));
+    orow[d] = store_as<OS>(y);
+  }
+  if (a.lse) a.lse[h * a.lse_head_stride + (r0 + i) * a.lse_row_stride] = sm.lse();
+}
+
 template <class Set, class KS, class QS, class OS, class Acc>
 KVMEM_HOST_DEVICE inline void attend_block(const BlockArgs<KS, QS, OS, Acc>& a) {
   const std::int64_t D = a.D;
@@ -173,23 +195,8 @@ KVMEM_HOST_DEVICE inline void attend_block(const BlockArgs<KS, QS, OS, Acc>& a) 
         }
     }
 
-    // Normalise, apply the optional output gate y = o * sigmoid(z_o) (spec UA.md 7), write lse.
     for (std::int64_t h = 0; h < a.heads; ++h)
-      for (std::int64_t i = 0; i < nr; ++i) {
-        OnlineSoftmax<Acc> sm;
-        sm.max = row_max[h * kQueryTile + i];
-        sm.sum = row_sum[h * kQueryTile + i];
-        const Acc inv = sm.normaliser();
-        const Acc* arow = acc + (h * kQueryTile + i) * D;
-        OS* orow = a.out + (r0 + i) * a.out_row_stride + h * a.out_head_stride;
-        const QS* zrow = a.z_o ? a.z_o + (r0 + i) * a.z_o_row_stride + h * a.z_o_head_stride : nullptr;
-        for (std::int64_t d = 0; d < D; ++d) {
-          Acc y = arow[d] * inv;
-          if (zrow) y *= sigmoid(load_as<Acc>(zrow[d]));
-          orow[d] = store_as<OS>(y);
-        }
-        if (a.lse) a.lse[h * a.lse_head_stride + (r0 + i) * a.lse_row_stride] = sm.lse();
-      }
+      for (std::int64_t i = 0; i < nr; ++i) finish_row(a, acc, row_max, row_sum, r0, h, i);
   }
 }
 

@@ -322,22 +322,9 @@ KOKKOS_INLINE_FUNCTION void team_attend_block(const Member& team, const kernel::
       team.team_barrier();
     }
 
-    // Normalise, apply the optional output gate y = o * sigmoid(z_o) (spec UA.md 7), write lse.
+    // Normalise, apply the optional output gate, write out and lse: one (head, row) per thread.
     Kokkos::parallel_for(Kokkos::TeamThreadRange(team, H * nr), [&](const std::int64_t hx) {
-      const std::int64_t h = hx / nr, i = hx % nr;
-      OnlineSoftmax<Acc> sm;
-      sm.max = row_max[h * kQueryTile + i];
-      sm.sum = row_sum[h * kQueryTile + i];
-      const Acc inv = sm.normaliser();
-      const Acc* arow = acc + (h * kQueryTile + i) * D;
-      OS* orow = a.out + (r0 + i) * a.out_row_stride + h * a.out_head_stride;
-      const QS* zrow = a.z_o ? a.z_o + (r0 + i) * a.z_o_row_stride + h * a.z_o_head_stride : nullptr;
-      for (std::int64_t d = 0; d < D; ++d) {
-        Acc y = arow[d] * inv;
-        if (zrow) y *= sigmoid(load_as<Acc>(zrow[d]));
-        orow[d] = store_as<OS>(y);
-      }
-      if (a.lse) a.lse[h * a.lse_head_stride + (r0 + i) * a.lse_row_stride] = sm.lse();
+      kernel::ua::finish_row(a, acc, row_max, row_sum, r0, hx / nr, hx % nr);
     });
     team.team_barrier();
   }
