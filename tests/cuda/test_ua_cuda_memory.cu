@@ -523,11 +523,13 @@ TEST_CASE("cuda UA copy_slots and records over a shared pool: pages for the copy
   // a shorter slot copies: slot 1 gets 20 rows (2 pages per kv head), then continues like its source
   const DevList zero({0});
   REQUIRE(kua::reset_slots(exec, c, zero.view()).is_ok());
+  KVMEM_CUDA_REQUIRE(cudaDeviceSynchronize());  // occupancy shows the last completed operation
   CHECK(c.pages_in_use() == 0);
   Step again(kDims, 3, 64);
   again.add(kDims, 0, 20, rng);
   (void)d.run(c, again, kDense);
   REQUIRE(kua::copy_slots(exec, c, src.view(), dst.view()).is_ok());
+  KVMEM_CUDA_REQUIRE(cudaDeviceSynchronize());
   CHECK(c.pages_in_use() == 8);
   CHECK(lengths_of(c) == std::vector<std::int64_t>{20, 20, 20, 20, 0, 0});
   Step both(kDims, 3, 8);
