@@ -4,8 +4,10 @@
 // backend (exact path, a one-slot state): outputs and lse within fp32 rounding (the readouts sum in
 // another order), and the exported slot records -- counters, memory slots, window -- byte for byte
 // (the CUDA update rounds every operation as the host does, so routes and state are identical). A
-// CUDA graph of one padded decode step replays bitwise like the same steps run uncaptured. Skips,
-// saying so, when no CUDA device is visible.
+// CUDA graph of one padded decode step replays bitwise like the same steps run uncaptured, and so does
+// one of copy_slots, reset_slots and a step. Slot lists are checked on the device: a refused list
+// changes nothing and step_status returns the host backend's Status for it. Skips, saying so, when no
+// CUDA device is visible.
 #include "kvmem/backend/cuda/vendor.cuh"
 
 #include <algorithm>
@@ -17,6 +19,7 @@
 #include <span>
 #include <string>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #include <catch2/catch.hpp>
@@ -898,15 +901,49 @@ TEST_CASE("cuda kvm slots: bad slot indices and bad rows are refused and leave t
   const auto before = snapshot();
   const auto code = [](const Status& s) { return s.code(); };
   SECTION("slot operations") {
-    const DeviceList four({4}), minus({-1}), src({0, 1}), dst({1, 2}), dup({1, 1}), one({1});
-    CHECK(code(kvm::reset_slots(exec, st, four.view())) == StatusCode::kOutOfRange);
-    CHECK(code(kvm::reset_slots(exec, st, minus.view())) == StatusCode::kOutOfRange);
+    // what the host sees without reading the lists is refused by the call
+    const DeviceList src({0, 1}), dst({1, 2}), one({1});
     CHECK(code(kvm::copy_slots(exec, st, src.view(1), dst.view())) == StatusCode::kInvalidArgument);  // lengths differ
-    CHECK(code(kvm::copy_slots(exec, st, src.view(), dup.view())) ==
-          StatusCode::kInvalidArgument);  // a destination twice
-    CHECK(code(kvm::copy_slots(exec, st, src.view(), dst.view())) ==
-          StatusCode::kInvalidArgument);  // destination 1 is a source
-    CHECK(code(kvm::copy_slots(exec, st, four.view(), one.view())) == StatusCode::kOutOfRange);
+    CHECK(code(kvm::reset_slots(exec, st, I32View(src.d.ptr, {2}, {2}))) == StatusCode::kInvalidArgument);  // stride
+    CHECK(code(kvm::reset_slots(exec, st, I32View(nullptr, {1}))) == StatusCode::kInvalidArgument);
+    CHECK(code(kvm::copy_slots(exec, st, one.view(), I32View(nullptr, {1}))) == StatusCode::kInvalidArgument);
+    // bad indices are refused on the device: the call returns ok and step_status returns the Status the
+    // host backend returns for the same lists (the first failure in the host's order), once
+    kvm::State<float, float> host;
+    REQUIRE(kvm::State<float, float>::create(p, {4, d.Hq, d.Hk, d.D, d.Dv, n_ctx}, host).is_ok());
+    const auto host_list = [](const std::vector<std::int32_t>& l) {
+      return I32View(l.data(), {std::int64_t(l.size())});
+    };
+    const auto refused_reset = [&](const std::vector<std::int32_t>& slots, StatusCode want, const char* field) {
+      const DeviceList l(slots);
+      REQUIRE(kvm::reset_slots(exec, st, l.view()).is_ok());
+      const Status got = st.step_status(exec);
+      INFO(got.to_string());
+      CHECK(got.code() == want);
+      CHECK(got.message().find(field) != std::string::npos);
+      CHECK(got.to_string() == kvm::reset_slots(exact_exec(1), host, host_list(slots)).to_string());
+      CHECK(st.step_status(exec).is_ok());  // read once, cleared
+    };
+    const auto refused_copy = [&](const std::vector<std::int32_t>& from, const std::vector<std::int32_t>& to,
+                                  StatusCode want, const char* field) {
+      const DeviceList a(from), b(to);
+      REQUIRE(kvm::copy_slots(exec, st, a.view(), b.view()).is_ok());
+      const Status got = st.step_status(exec);
+      INFO(got.to_string());
+      CHECK(got.code() == want);
+      CHECK(got.message().find(field) != std::string::npos);
+      CHECK(got.to_string() == kvm::copy_slots(exact_exec(1), host, host_list(from), host_list(to)).to_string());
+      CHECK(st.step_status(exec).is_ok());
+    };
+    refused_reset({4}, StatusCode::kOutOfRange, "slots[0]");
+    refused_reset({-1}, StatusCode::kOutOfRange, "slots[0]");
+    refused_reset({0, 2, 2, 7}, StatusCode::kOutOfRange, "slots[3]");  // listed twice is fine, 7 is not
+    refused_copy({4}, {1}, StatusCode::kOutOfRange, "src[0]");
+    refused_copy({0}, {9}, StatusCode::kOutOfRange, "dst[0]");
+    refused_copy({0, 9}, {5, 1}, StatusCode::kOutOfRange, "src[1]");       // every source before any destination
+    refused_copy({0, 1}, {1, 1}, StatusCode::kInvalidArgument, "dst[1]");  // a destination twice
+    refused_copy({0, 1}, {1, 2}, StatusCode::kInvalidArgument, "dst[0]");  // destination 1 is a source
+    refused_copy({2, 0, 0}, {3, 1, 2}, StatusCode::kInvalidArgument, "dst[2]");
     std::vector<std::byte> bytes(kvm::export_bytes(st));
     CHECK(code(kvm::export_slot(exec, st, 4, std::span<std::byte>(bytes))) == StatusCode::kOutOfRange);
     std::vector<std::byte> small(16);
@@ -963,6 +1000,186 @@ TEST_CASE("cuda kvm slots: bad slot indices and bad rows are refused and leave t
   // after every refusal a good step still runs
   feed_both<float>(&st, 2, nullptr, -1, rw, d, toks, 20, 30);
   REQUIRE(tokens_of(st, 2) == 30);
+}
+
+TEST_CASE("cuda kvm slots: a refused slot list refuses later calls until step_status reads it, then calls run",
+          "[slots][gpu]") {
+  if (no_device()) return;
+  const Dims d;
+  const RandomWeights rw(d, 61);
+  const kvm::Params p = make_params(16, kSqrt);
+  const kvmem::cuda::Executor exec{};
+  kvmem::cuda::KvmState<float> st;
+  REQUIRE(kvmem::cuda::KvmState<float>::create(p, {4, d.Hq, d.Hk, d.D, d.Dv, 400}, st).is_ok());
+  std::mt19937_64 rng(61);
+  std::vector<Tok> toks;
+  for (int t = 0; t < 120; ++t) toks.push_back(random_tok<float>(d, rng));
+  feed_both<float>(&st, 0, nullptr, -1, rw, d, toks, 0, 100);
+  feed_both<float>(&st, 2, nullptr, -1, rw, d, toks, 0, 20);
+  const auto snapshot = [&] {
+    std::vector<std::vector<std::byte>> r;
+    for (std::int32_t s = 0; s < 4; ++s) r.push_back(export_of(st, s));
+    return r;
+  };
+  const auto before = snapshot();
+  // a copy whose destination is named twice: refused on the device
+  const DeviceList src({0, 2}), twice({1, 1}), two({2}), three({3}), zero({0});
+  REQUIRE(kvm::copy_slots(exec, st, src.view(), twice.view()).is_ok());
+  // every later call is refused too while the refusal is unread: a good reset, a good copy, a good step
+  REQUIRE(kvm::reset_slots(exec, st, two.view()).is_ok());
+  REQUIRE(kvm::copy_slots(exec, st, two.view(), three.view()).is_ok());
+  {
+    Batch b;
+    b.add(2, toks, 20, 21);
+    REQUIRE(b.run(st, rw, d).is_ok());
+  }
+  REQUIRE(snapshot() == before);  // bitwise: every slot's counters, memory slots and window
+  const Status first = st.step_status(exec);
+  INFO(first.to_string());
+  CHECK(first.code() == StatusCode::kInvalidArgument);
+  CHECK(first.message().find("dst[1]") != std::string::npos);  // the first refusal, not a later one
+  REQUIRE(st.step_status(exec).is_ok());
+  // once read, calls run: slot 3 becomes a copy of slot 2, slot 0 is reset, slot 2 steps on
+  REQUIRE(kvm::copy_slots(exec, st, two.view(), three.view()).is_ok());
+  REQUIRE(st.step_status(exec).is_ok());
+  CHECK(export_of(st, 3) == before[2]);
+  REQUIRE(kvm::reset_slots(exec, st, zero.view()).is_ok());
+  REQUIRE(st.step_status(exec).is_ok());
+  CHECK(tokens_of(st, 0) == 0);
+  feed_both<float>(&st, 2, nullptr, -1, rw, d, toks, 20, 30);
+  REQUIRE(st.step_status(exec).is_ok());
+  CHECK(tokens_of(st, 2) == 30);
+  CHECK(tokens_of(st, 3) == 20);
+}
+
+// ---- slot operations and a step in one CUDA graph ------------------------------------------------------
+
+// Two twin states: one replays a graph captured from copy_slots (fork slot 0 into slot 5), reset_slots
+// (slot 6 starts over) and a padded decode step of slots 0, 1, 5 and 6; the other runs the same three
+// calls uncaptured. The lists and rows stay in their device buffers, whose contents the replays read:
+// at one replay the copy's destination is made invalid, and the whole replay is refused (the copy by
+// its list, the reset and the step by the sticky refusal), changing nothing, until step_status reads it.
+template <class S>
+void slot_ops_graph(std::uint64_t seed) {
+  const Dims d;
+  const std::int64_t C = 16, kSlots = 8, replays = 48, bad_replay = 20, n_ctx = 600;
+  const kvm::Params p = make_params(C, kSqrt);
+  const RandomWeights rw(d, seed);
+  kvmem::cuda::KvmState<S> a, b;
+  REQUIRE(kvmem::cuda::KvmState<S>::create(p, {kSlots, d.Hq, d.Hk, d.D, d.Dv, n_ctx}, a).is_ok());
+  REQUIRE(kvmem::cuda::KvmState<S>::create(p, {kSlots, d.Hq, d.Hk, d.D, d.Dv, n_ctx}, b).is_ok());
+  std::mt19937_64 rng(seed);
+  {  // slots 0, 1, 6 hold 70, 33 and 9 tokens
+    Batch pre;
+    for (const auto& [s, n] : {std::pair<std::int32_t, std::int64_t>{0, 70}, {1, 33}, {6, 9}}) {
+      std::vector<Tok> mine;
+      for (std::int64_t t = 0; t < n; ++t) mine.push_back(random_tok<S>(d, rng));
+      pre.add(s, mine, 0, n);
+    }
+    Batch twin = pre;
+    REQUIRE(pre.run(a, rw, d).is_ok());
+    REQUIRE(twin.run(b, rw, d).is_ok());
+    REQUIRE(pre.out == twin.out);
+  }
+  const std::vector<std::int32_t> row_slot{5, 0, -1, 6, 1}, start{0, 1, 2, 3, 4, 5};
+  const std::int64_t T = 5;
+  Dev<std::int32_t> dslot(row_slot), dstart(start), src(std::vector<std::int32_t>{0}),
+      dst(std::vector<std::int32_t>{5}), reset(std::vector<std::int32_t>{6});
+  Dev<S> q(std::size_t(T * d.Hq * d.D)), k(std::size_t(T * d.Hk * d.D)), v(std::size_t(T * d.Hk * d.Dv)),
+      g(std::size_t(T * d.Hk));
+  Dev<float> out_a(std::size_t(T * d.Hq * d.Dv)), lse_a(std::size_t(T * d.Hq)), out_b(std::size_t(T * d.Hq * d.Dv)),
+      lse_b(std::size_t(T * d.Hq));
+  const Rows rows{I32View(dslot.ptr, {T}), I32View(dstart.ptr, {T + 1})};
+  cudaStream_t stream = nullptr;
+  KVMEM_CUDA_REQUIRE(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  const kvmem::cuda::Executor exec{stream};
+  const auto calls = [&](kvmem::cuda::KvmState<S>& st, Dev<float>& out, Dev<float>& lse) {
+    KVMEM_RETURN_IF_ERROR(kvm::copy_slots(exec, st, I32View(src.ptr, {1}), I32View(dst.ptr, {1})));
+    KVMEM_RETURN_IF_ERROR(kvm::reset_slots(exec, st, I32View(reset.ptr, {1})));
+    return kvm::step(exec, st, rw.device(), rows, TensorView<const S, 3>(q.ptr, {T, d.Hq, d.D}),
+                     TensorView<const S, 3>(k.ptr, {T, d.Hk, d.D}), TensorView<const S, 3>(v.ptr, {T, d.Hk, d.Dv}),
+                     TensorView<const S, 2>(g.ptr, {T, d.Hk}), TensorView<float, 3>(out.ptr, {T, d.Hq, d.Dv}),
+                     TensorView<float, 2>(lse.ptr, {T, d.Hq}));
+  };
+  cudaGraph_t graph = nullptr;
+  cudaGraphExec_t instance = nullptr;
+  KVMEM_CUDA_REQUIRE(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
+  const Status captured = calls(a, out_a, lse_a);
+  KVMEM_CUDA_REQUIRE(cudaStreamEndCapture(stream, &graph));
+  INFO(captured.to_string());
+  REQUIRE(captured.is_ok());
+  KVMEM_CUDA_REQUIRE(cudaGraphInstantiate(&instance, graph, 0));
+  const auto put = [&](std::int32_t* at, std::int32_t value) {
+    KVMEM_CUDA_REQUIRE(cudaMemcpyAsync(at, &value, sizeof value, cudaMemcpyHostToDevice, stream));
+    KVMEM_CUDA_REQUIRE(cudaStreamSynchronize(stream));  // `value` is a local
+  };
+  std::int64_t mismatches = 0;
+  for (std::int64_t r = 0; r < replays; ++r) {
+    std::vector<Tok> toks;
+    for (std::int64_t t = 0; t < T; ++t) toks.push_back(random_tok<S>(d, rng));
+    Batch in;
+    in.add(0, toks, 0, T);
+    const auto qs = as_storage<S>(in.q), ks = as_storage<S>(in.k), vs = as_storage<S>(in.v), gs = as_storage<S>(in.g);
+    KVMEM_CUDA_REQUIRE(cudaMemcpyAsync(q.ptr, qs.data(), qs.size() * sizeof(S), cudaMemcpyHostToDevice, stream));
+    KVMEM_CUDA_REQUIRE(cudaMemcpyAsync(k.ptr, ks.data(), ks.size() * sizeof(S), cudaMemcpyHostToDevice, stream));
+    KVMEM_CUDA_REQUIRE(cudaMemcpyAsync(v.ptr, vs.data(), vs.size() * sizeof(S), cudaMemcpyHostToDevice, stream));
+    KVMEM_CUDA_REQUIRE(cudaMemcpyAsync(g.ptr, gs.data(), gs.size() * sizeof(S), cudaMemcpyHostToDevice, stream));
+    if (r == bad_replay) {
+      const auto before = [&] {
+        std::vector<std::vector<std::byte>> recs;
+        KVMEM_CUDA_REQUIRE(cudaStreamSynchronize(stream));
+        for (std::int32_t s = 0; s < kSlots; ++s) recs.push_back(export_of(a, s));
+        return recs;
+      };
+      const auto kept = before();
+      put(dst.ptr, std::int32_t(kSlots));  // a destination outside the state
+      KVMEM_CUDA_REQUIRE(cudaGraphLaunch(instance, stream));
+      KVMEM_CUDA_REQUIRE(cudaStreamSynchronize(stream));
+      CHECK(before() == kept);
+      const Status refused = a.step_status(exec);
+      INFO(refused.to_string());
+      CHECK(refused.code() == StatusCode::kOutOfRange);
+      CHECK(refused.message().find("dst[0]") != std::string::npos);
+      REQUIRE(a.step_status(exec).is_ok());
+      put(dst.ptr, 5);
+      continue;  // the twin skips this replay
+    }
+    KVMEM_CUDA_REQUIRE(cudaGraphLaunch(instance, stream));
+    REQUIRE(calls(b, out_b, lse_b).is_ok());
+    KVMEM_CUDA_REQUIRE(cudaStreamSynchronize(stream));
+    const auto oa = out_a.get(), ob = out_b.get(), la = lse_a.get(), lb = lse_b.get();
+    const bool same = std::memcmp(oa.data(), ob.data(), oa.size() * sizeof(float)) == 0 &&
+                      std::memcmp(la.data(), lb.data(), la.size() * sizeof(float)) == 0;
+    if (!same && mismatches++ == 0) FAIL_CHECK("replay " << r << ": the graph differs from the uncaptured calls");
+    for (std::int64_t i = 2 * d.Hq * d.Dv; i < 3 * d.Hq * d.Dv; ++i) REQUIRE(oa[std::size_t(i)] == 0.f);  // padding
+  }
+  CHECK(mismatches == 0);
+  REQUIRE(a.step_status(exec).is_ok());
+  REQUIRE(b.step_status(exec).is_ok());
+  for (std::int32_t s = 0; s < kSlots; ++s) {
+    INFO("slot " << s);
+    REQUIRE(export_of(a, s) == export_of(b, s));
+  }
+  // each good replay forked slot 0 (before its token) into 5, restarted 6 and stepped all four
+  CHECK(tokens_of(a, 0) == 70 + replays - 1);
+  CHECK(tokens_of(a, 5) == tokens_of(a, 0));
+  CHECK(tokens_of(a, 1) == 33 + replays - 1);
+  CHECK(tokens_of(a, 6) == 1);
+  CHECK(tokens_of(a, 2) == 0);
+  KVMEM_CUDA_REQUIRE(cudaGraphExecDestroy(instance));
+  KVMEM_CUDA_REQUIRE(cudaGraphDestroy(graph));
+  KVMEM_CUDA_REQUIRE(cudaStreamDestroy(stream));
+}
+
+TEST_CASE("cuda kvm slots: copy_slots, reset_slots and a decode step in one graph replay like uncaptured calls",
+          "[slots][gpu][graph]") {
+  if (no_device()) return;
+  SECTION("fp32") {
+    slot_ops_graph<float>(71);
+  }
+  SECTION("bf16") {
+    slot_ops_graph<kvmem::bf16>(72);
+  }
 }
 
 }  // namespace

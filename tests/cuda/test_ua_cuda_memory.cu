@@ -496,14 +496,17 @@ TEST_CASE("cuda UA copy_slots and records over a shared pool: pages for the copy
   REQUIRE(first.run(kvmem::host::Executor{.threads = 1}, host, kDense, kDims).is_ok());
   CHECK(c.pages_in_use() == 6);
   const kvmem::cuda::Executor exec{};
-  // a copy needs 6 pages, 4 are free: refused with the host's message, nothing changed
+  // a copy needs 6 pages, 4 are free: refused on the device, nothing changed, and step_status returns the
+  // host's message
   const DevList src({0}), dst({1});
-  const Status refused = kua::copy_slots(exec, c, src.view(), dst.view());
+  REQUIRE(kua::copy_slots(exec, c, src.view(), dst.view()).is_ok());
+  const Status refused = c.step_status(exec);
   const std::vector<std::int32_t> host_src{0}, host_dst{1};
   const Status host_refused =
       kua::copy_slots(kvmem::host::Executor{}, host, I32View(host_src.data(), {1}), I32View(host_dst.data(), {1}));
   CHECK(refused.code() == StatusCode::kOutOfRange);
   CHECK(refused.to_string() == host_refused.to_string());
+  CHECK(c.step_status(exec).is_ok());  // read once, cleared
   CHECK(c.pages_in_use() == 6);
   CHECK(lengths_of(c) == std::vector<std::int64_t>{40, 40, 0, 0, 0, 0});
   // slot 0's record (its rows gathered through the page table) has the host record's size and imports
@@ -523,13 +526,13 @@ TEST_CASE("cuda UA copy_slots and records over a shared pool: pages for the copy
   // a shorter slot copies: slot 1 gets 20 rows (2 pages per kv head), then continues like its source
   const DevList zero({0});
   REQUIRE(kua::reset_slots(exec, c, zero.view()).is_ok());
-  KVMEM_CUDA_REQUIRE(cudaDeviceSynchronize());  // occupancy shows the last completed operation
+  REQUIRE(c.step_status(exec).is_ok());  // the slot operations never wait: this waits for the reset
   CHECK(c.pages_in_use() == 0);
   Step again(kDims, 3, 64);
   again.add(kDims, 0, 20, rng);
   (void)d.run(c, again, kDense);
   REQUIRE(kua::copy_slots(exec, c, src.view(), dst.view()).is_ok());
-  KVMEM_CUDA_REQUIRE(cudaDeviceSynchronize());
+  REQUIRE(c.step_status(exec).is_ok());
   CHECK(c.pages_in_use() == 8);
   CHECK(lengths_of(c) == std::vector<std::int64_t>{20, 20, 20, 20, 0, 0});
   Step both(kDims, 3, 8);

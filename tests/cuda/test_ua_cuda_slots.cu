@@ -976,17 +976,61 @@ TEST_CASE("ua cuda slots: empty caches, bad slots and bad rows are refused and l
 
   const auto before = snapshot(cache);
   const auto code = [](const Status& st) { return st.code(); };
-  {
-    DevList bad(Slots{0, 4}), neg(Slots{-1});
-    CHECK(code(kua::reset_slots(exec, cache, bad.view())) == StatusCode::kOutOfRange);
-    CHECK(code(kua::reset_slots(exec, cache, neg.view())) == StatusCode::kOutOfRange);
+  {  // what the host sees without reading a list is refused by the call
+    DevList s0(Slots{0}), d12(Slots{1, 2});
+    CHECK(code(kua::copy_slots(exec, cache, s0.view(), d12.view())) == StatusCode::kInvalidArgument);  // counts differ
+    CHECK(code(kua::reset_slots(exec, cache, TensorView<const std::int32_t, 1>(d12.d.ptr, {2}, {2}))) ==
+          StatusCode::kInvalidArgument);  // stride 2
+    CHECK(code(kua::reset_slots(exec, cache, TensorView<const std::int32_t, 1>(nullptr, {1}))) ==
+          StatusCode::kInvalidArgument);
+    CHECK(code(kua::copy_slots(exec, cache, TensorView<const std::int32_t, 1>(nullptr, {2}), d12.view())) ==
+          StatusCode::kInvalidArgument);
   }
-  {
-    DevList s0(Slots{0}), d4(Slots{4}), s01(Slots{0, 1}), d22(Slots{2, 2}), d12(Slots{1, 2});
-    CHECK(code(kua::copy_slots(exec, cache, s0.view(), d4.view())) == StatusCode::kOutOfRange);
-    CHECK(!kua::copy_slots(exec, cache, s01.view(), d22.view()).is_ok());  // a destination twice
-    CHECK(!kua::copy_slots(exec, cache, s01.view(), d12.view()).is_ok());  // a destination that is a source
-    CHECK(!kua::copy_slots(exec, cache, s0.view(), d12.view()).is_ok());   // counts differ
+  {  // bad indices are refused on the device: the call returns ok and step_status returns, once, the Status
+     // the host returns for the same lists (the first failure in the host's order)
+    kua::PrunedCache<float> host(kua::CacheShape{4, dm.H, dm.G, dm.D, 256, 16});
+    const auto host_view = [](const Slots& l) {
+      return TensorView<const std::int32_t, 1>(l.data(), {std::int64_t(l.size())});
+    };
+    const auto refused_reset = [&](const Slots& slots, StatusCode want, const char* field) {
+      DevList l(slots);
+      REQUIRE(kua::reset_slots(exec, cache, l.view()).is_ok());
+      const Status got = cache.step_status(exec);
+      INFO(got.to_string());
+      CHECK(got.code() == want);
+      CHECK(got.message().find(field) != std::string::npos);
+      CHECK(got.to_string() == kua::reset_slots(kvmem::host::Executor{}, host, host_view(slots)).to_string());
+      CHECK(cache.step_status(exec).is_ok());  // read once, cleared
+    };
+    const auto refused_copy = [&](const Slots& from, const Slots& to, StatusCode want, const char* field) {
+      DevList a(from), b(to);
+      REQUIRE(kua::copy_slots(exec, cache, a.view(), b.view()).is_ok());
+      const Status got = cache.step_status(exec);
+      INFO(got.to_string());
+      CHECK(got.code() == want);
+      CHECK(got.message().find(field) != std::string::npos);
+      CHECK(got.to_string() ==
+            kua::copy_slots(kvmem::host::Executor{}, host, host_view(from), host_view(to)).to_string());
+      CHECK(cache.step_status(exec).is_ok());
+    };
+    refused_reset({0, 4}, StatusCode::kOutOfRange, "slots[1]");
+    refused_reset({-1}, StatusCode::kOutOfRange, "slots[0]");
+    refused_copy({0}, {4}, StatusCode::kOutOfRange, "dst[0]");
+    refused_copy({0, -3}, {2, 9}, StatusCode::kOutOfRange, "src[1]");      // every source before any destination
+    refused_copy({0, 1}, {2, 2}, StatusCode::kInvalidArgument, "dst[1]");  // a destination twice
+    refused_copy({0, 1}, {1, 2}, StatusCode::kInvalidArgument, "dst[0]");  // a destination that is a source
+    refused_copy({1, 0, 0}, {3, 2, 1}, StatusCode::kInvalidArgument, "dst[2]");
+  }
+  {  // a refused list is sticky: later good calls are refused too, until step_status reads the first refusal
+    DevList s01(Slots{0, 1}), d22(Slots{2, 2}), one(Slots{1}), s0(Slots{0}), d3(Slots{3});
+    REQUIRE(kua::copy_slots(exec, cache, s01.view(), d22.view()).is_ok());
+    REQUIRE(kua::reset_slots(exec, cache, one.view()).is_ok());
+    REQUIRE(kua::copy_slots(exec, cache, s0.view(), d3.view()).is_ok());
+    CHECK(snapshot(cache) == before);
+    const Status st = cache.step_status(exec);
+    INFO(st.to_string());
+    CHECK(st.to_string().find("dst[1]") != std::string::npos);
+    CHECK(cache.step_status(exec).is_ok());
   }
   std::vector<std::byte> buf(before[0].size());
   CHECK(kua::export_bytes(cache, 4) == 0);
@@ -1053,7 +1097,147 @@ TEST_CASE("ua cuda slots: empty caches, bad slots and bad rows are refused and l
     dev.run(cache, h, opt, nullptr);
   }
   CHECK(cache.position(1) == 2);
+  {  // and slot operations run again: slot 3 becomes a copy of slot 0, then a list naming slot 3 twice
+     // resets it once (its pages go back once)
+    REQUIRE(cache.step_status(exec).is_ok());
+    const std::int64_t in_use = cache.pages_in_use();
+    DevList s0(Slots{0}), d3(Slots{3}), twice(Slots{3, 3});
+    REQUIRE(kua::copy_slots(exec, cache, s0.view(), d3.view()).is_ok());
+    REQUIRE(cache.step_status(exec).is_ok());
+    CHECK(cache.position(3) == 30);
+    CHECK(snapshot(cache)[3] == before[0]);
+    CHECK(cache.pages_in_use() > in_use);
+    REQUIRE(kua::reset_slots(exec, cache, twice.view()).is_ok());
+    REQUIRE(cache.step_status(exec).is_ok());
+    CHECK(cache.position(3) == 0);
+    CHECK(cache.pages_in_use() == in_use);
+    CHECK(cache.pages_taken() - cache.pages_returned() == cache.pages_in_use());
+  }
   CHECK(kua::truncate(exec, cache, 0, 30).is_ok());
   CHECK(cache.position(0) == 0);
   CHECK(kua::export_bytes(cache, 0) < before[0].size());
+}
+
+// ---- (f) slot operations and a step in one CUDA graph -------------------------------------------------
+namespace {
+// Two caches: one replays a graph captured from copy_slots (fork slot 0 into slot 5), reset_slots (slot 6
+// starts over) and a padded decode step of slots 5, 0, 6 and 1; the other runs the same three calls
+// uncaptured, and every replay's outputs must equal the uncaptured calls' bit for bit. The lists and
+// rows stay in their device buffers, whose contents the replays read: at one replay the copy's
+// destination is made invalid, and the whole replay is refused (the copy by its list, the reset and the
+// step by the sticky refusal) and changes nothing, until step_status reads it. Over a shared pool the
+// fork and the reset move pages on every replay.
+void slot_ops_graph(const kua::CacheShape& shape, const kua::Options& opt, const char* label) {
+  const Dims dm;
+  const std::int64_t replays = 48, bad_replay = 17, R = 5, N = 5;
+  kvmem::cuda::UaCache<float> graphed, plain;
+  REQUIRE(kvmem::cuda::UaCache<float>::create(shape, graphed).is_ok());
+  REQUIRE(kvmem::cuda::UaCache<float>::create(shape, plain).is_ok());
+  cudaStream_t stream = nullptr;
+  KVMEM_CUDA_REQUIRE(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  const kvmem::cuda::Executor exec{stream};
+  std::mt19937_64 rng(91);
+  {  // slots 0, 1 and 6 hold 150, 40 and 9 tokens (one prefill row each, both caches alike)
+    DevStep<float> pre(dm, 256, 3);
+    HostStep h;
+    for (const auto& [s, T] : {std::pair<std::int32_t, std::int64_t>{0, 150}, {1, 40}, {6, 9}}) {
+      const Case c = random_case(1, T, dm.H, dm.G, dm.D, 900 + std::uint32_t(s));
+      const FloatCase f(c);
+      h.add(s, &f, 0, T, dm, rng);
+    }
+    pre.run(graphed, h, opt, stream);
+    pre.run(plain, h, opt, stream);
+  }
+  const Slots rows_slots{5, 0, -1, 6, 1};
+  DevStep<float> a(dm, N, R), b(dm, N, R);
+  DevList src(Slots{0}), dst(Slots{5}), reset(Slots{6});
+  const auto step_input = [&](std::mt19937_64& g) {
+    HostStep h;
+    for (auto s : rows_slots) h.add(s, nullptr, 0, 1, dm, g);  // random tokens (unit-norm keys below)
+    for (std::int64_t x = 0; x < N * dm.G; ++x) {
+      double norm = 0;
+      for (std::int64_t d = 0; d < dm.D; ++d) norm += double(h.k[x * dm.D + d]) * h.k[x * dm.D + d];
+      for (std::int64_t d = 0; d < dm.D; ++d) h.k[x * dm.D + d] = float(h.k[x * dm.D + d] / std::sqrt(norm));
+    }
+    return h;
+  };
+  const auto calls = [&](kvmem::cuda::UaCache<float>& cache, DevStep<float>& io) {
+    KVMEM_RETURN_IF_ERROR(kua::copy_slots(exec, cache, src.view(), dst.view()));
+    KVMEM_RETURN_IF_ERROR(kua::reset_slots(exec, cache, reset.view()));
+    return kua::step(exec, cache, io.rows(R), io.inputs(N), opt, io.out_view(N), io.lse_view(N));
+  };
+  const auto put_dst = [&](std::int32_t value) {
+    KVMEM_CUDA_REQUIRE(cudaMemcpyAsync(dst.d.ptr, &value, sizeof value, cudaMemcpyHostToDevice, stream));
+    KVMEM_CUDA_REQUIRE(cudaStreamSynchronize(stream));  // `value` is a local
+  };
+  a.upload(step_input(rng), stream);
+  cudaGraph_t graph = nullptr;
+  cudaGraphExec_t graph_exec = nullptr;
+  KVMEM_CUDA_REQUIRE(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
+  const Status captured = calls(graphed, a);
+  KVMEM_CUDA_REQUIRE(cudaStreamEndCapture(stream, &graph));
+  INFO(captured.to_string());
+  REQUIRE(captured.is_ok());
+  KVMEM_CUDA_REQUIRE(cudaGraphInstantiate(&graph_exec, graph, 0));
+  std::size_t differing = 0;
+  for (std::int64_t r = 0; r < replays; ++r) {
+    const HostStep h = step_input(rng);
+    a.upload(h, stream);  // waits for the stream: the caches are at rest
+    b.upload(h, stream);
+    if (r == bad_replay) {
+      const auto kept = snapshot(graphed);
+      put_dst(std::int32_t(shape.batch));  // a destination outside the cache
+      KVMEM_CUDA_REQUIRE(cudaGraphLaunch(graph_exec, stream));
+      KVMEM_CUDA_REQUIRE(cudaStreamSynchronize(stream));
+      CHECK(snapshot(graphed) == kept);
+      const Status refused = graphed.step_status(exec);
+      INFO(refused.to_string());
+      CHECK(refused.code() == StatusCode::kOutOfRange);
+      CHECK(refused.to_string().find("dst[0]") != std::string::npos);
+      REQUIRE(graphed.step_status(exec).is_ok());
+      put_dst(5);
+      continue;  // the uncaptured cache skips this replay
+    }
+    KVMEM_CUDA_REQUIRE(cudaGraphLaunch(graph_exec, stream));
+    REQUIRE(calls(plain, b).is_ok());
+    KVMEM_CUDA_REQUIRE(cudaStreamSynchronize(stream));
+    const auto oa = a.out.get(), ob = b.out.get(), la = a.lse.get(), lb = b.lse.get();
+    differing += std::size_t(std::memcmp(oa.data(), ob.data(), oa.size() * sizeof(float)) != 0) +
+                 std::size_t(std::memcmp(la.data(), lb.data(), la.size() * sizeof(float)) != 0);
+    for (std::int64_t x = 2 * dm.H * dm.D; x < 3 * dm.H * dm.D; ++x) REQUIRE(oa[std::size_t(x)] == 0.0f);  // padding
+  }
+  CHECK(differing == 0);
+  REQUIRE(graphed.step_status(exec).is_ok());
+  REQUIRE(plain.step_status(exec).is_ok());
+  std::vector<std::int64_t> pg, pp;
+  REQUIRE(graphed.positions(exec, pg).is_ok());
+  REQUIRE(plain.positions(exec, pp).is_ok());
+  CHECK(pg == pp);
+  // each good replay forked slot 0 (before its token) into 5, restarted 6 and stepped the four slots
+  CHECK(pg[0] == 150 + replays - 1);
+  CHECK(pg[5] == pg[0]);
+  CHECK(pg[1] == 40 + replays - 1);
+  CHECK(pg[6] == 1);
+  CHECK(pg[2] == 0);
+  CHECK(snapshot(graphed) == snapshot(plain));  // kept rows, λ, keys, values and positions of every slot
+  CHECK(graphed.pages_in_use() == plain.pages_in_use());
+  CHECK(graphed.pages_taken() - graphed.pages_returned() == graphed.pages_in_use());
+  std::printf("ua cuda slot operations in a graph %s: %lld replays (one refused), %lld pages in use\n", label,
+              (long long)replays, (long long)graphed.pages_in_use());
+  KVMEM_CUDA_REQUIRE(cudaGraphExecDestroy(graph_exec));
+  KVMEM_CUDA_REQUIRE(cudaGraphDestroy(graph));
+  KVMEM_CUDA_REQUIRE(cudaStreamDestroy(stream));
+}
+}  // namespace
+
+TEST_CASE("ua cuda slots: copy_slots, reset_slots and a decode step in one graph replay like uncaptured calls",
+          "[ua][cuda][slots][graph]") {
+  if (no_device()) return;
+  const Dims dm;
+  SECTION("own pages, p = 0.05") {
+    slot_ops_graph({8, dm.H, dm.G, dm.D, 512, 16}, kua::Options{0.05, 128, true}, "own pages, p=0.05");
+  }
+  SECTION("shared pool, p = 0") {
+    slot_ops_graph({8, dm.H, dm.G, dm.D, 512, 16, 96}, kua::Options{0.0, 128, true}, "shared pool, p=0");
+  }
 }

@@ -11,7 +11,6 @@
 #include <cstdint>
 #include <string>
 #include <utility>
-#include <vector>
 
 #include "kvmem/core/status.hpp"
 #include "kvmem/core/tensor.hpp"
@@ -104,22 +103,6 @@ bool rows_16byte_aligned(const TensorView<T, Rank>& view) {
   for (std::size_t i = 0; i + 1 < Rank; ++i)
     if ((view.stride(i) * std::int64_t(sizeof(T))) % 16 != 0) return false;
   return true;
-}
-
-// A slot list of a slot operation (reset_slots, copy_slots) in device memory, like the rows of a step,
-// read back for the host's checks: the operation returns a Status for a bad index before anything
-// changes, so it waits for its list (one synchronisation of `stream`).
-inline Status read_slot_list(TensorView<const std::int32_t, 1> list, const char* name, std::vector<std::int32_t>& out,
-                             cudaStream_t stream) {
-  if (list.extent(0) > 1 && list.stride(0) != 1)
-    return invalid_argument(std::string(name) + " stride", 1, list.stride(0));
-  out.resize(std::size_t(list.extent(0)));
-  if (out.empty()) return Status::ok();
-  if (list.data() == nullptr) return invalid_argument(name, "a non-null device pointer", "nullptr");
-  KVMEM_RETURN_IF_ERROR(to_status(
-      cudaMemcpyAsync(out.data(), list.data(), out.size() * sizeof(std::int32_t), cudaMemcpyDeviceToHost, stream),
-      "slot list copy"));
-  return to_status(cudaStreamSynchronize(stream), "slot list sync");
 }
 
 }  // namespace kvmem::cuda

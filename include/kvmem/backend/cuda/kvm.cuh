@@ -24,9 +24,10 @@
 // captured from a step of a padded batch replays correctly step after step, each replay advancing
 // every slot from its own position. Once a state has run a step or a slot operation its counters are
 // per slot and the fixed-batch calls refuse it (the first such call after fixed-batch calls gives
-// every slot the shared count). Only KvmState::create allocates; create and place wait for their own
-// initialisation on the state's side stream, never for the device; export_slot, import_slot, truncate
-// and the counter reads synchronise (they read counters or host bytes).
+// every slot the shared count). reset_slots and copy_slots check their device slot lists on the device
+// too (slot_lists.cuh) and are captured like a step. Only KvmState::create allocates; create and place
+// wait for their own initialisation on the state's side stream, never for the device; export_slot,
+// import_slot, truncate and the counter reads synchronise (they read counters or host bytes).
 // Values (NaN, g <= 0) are the caller's precondition here: checking them would need a
 // device-to-host round trip per call; shapes and parameters are validated.
 
@@ -231,7 +232,7 @@ inline constexpr std::size_t kKvmAlign = 256;
 struct KvmStateOffsets {
   std::size_t sk, sv, rho, cnt, khat32, khat, khat_lo, vhat, wk, wv, wg;
   std::size_t copies[kReadoutCopies];  // readout copies 1.. (copy 0 is khat, vhat); 0 bytes without the pipeline
-  std::size_t counter, slot_n, slot_cov, slot_s, seen, status, update_target, bytes;
+  std::size_t counter, slot_n, slot_cov, slot_s, seen, mark, status, update_target, bytes;
   std::int64_t updates;  // entries of update_target
   bool beside;           // readouts beside the update chain (ReadoutPipeline)
 };
@@ -251,7 +252,8 @@ bool readouts_beside(const kvm::Params& p, const kvm::Shape& s, std::int64_t cap
 // Persistent: per (slot, KV head) item the sums (Sk, Sv, rho, cnt), the readout rows (khat32, khat,
 // khat_lo, vhat and their copies) and the window ring; per (slot, query head) the decode split
 // counter (zero between calls: the last split of a step resets it); per slot the counters n, cov,
-// |S| and the duplicate-check stamp; once, the status word and the budget's |S| target per update.
+// |S|, the duplicate-check stamp and the slot operations' list-check word (slot_lists.cuh); once, the
+// status word and the budget's |S| target per update.
 template <class S, class A>
 KvmStateOffsets state_offsets(const kvm::Params& p, const kvm::Shape& s) {
   constexpr bool kBf16 = std::is_same_v<S, bf16>;
@@ -278,6 +280,7 @@ KvmStateOffsets state_offsets(const kvm::Params& p, const kvm::Shape& s) {
   o.slot_cov = arena.take(std::size_t(s.B) * sizeof(std::int64_t));
   o.slot_s = arena.take(std::size_t(s.B) * sizeof(std::int64_t));
   o.seen = arena.take(std::size_t(s.B) * sizeof(int));
+  o.mark = arena.take(std::size_t(s.B) * sizeof(int));
   o.status = arena.take(4 * sizeof(int));
   o.updates = s.n_ctx / p.chunk + 2;
   o.update_target = arena.take(std::size_t(o.updates) * sizeof(std::int64_t));
@@ -335,7 +338,8 @@ inline Status check_device_placement(const void* memory, std::size_t bytes, std:
 // counters and the budget's update targets on that side stream, waiting for that work only: neither
 // synchronises the device nor waits for work on any other stream. No operation allocates, creates
 // streams or events, or waits for the device, except those documented to synchronise (export_slot,
-// import_slot, truncate, slot_counters, step_status, download).
+// import_slot, truncate, slot_counters, step_status, download); kvm::step, reset_slots and
+// copy_slots never do.
 template <class S = float, class A = float>
 class KvmState {
  public:
@@ -379,7 +383,7 @@ class KvmState {
                           (std::is_same_v<S, bf16> ? D * sizeof(bf16) : 0) + copies * (D + Dv) * sizeof(S)) +
                    W * ((D + Dv) * sizeof(S) + sizeof(A));
     l.slot_bytes =
-        std::size_t(s.Hk) * l.item_bytes + std::size_t(s.Hq) * sizeof(int) + 3 * sizeof(std::int64_t) + sizeof(int);
+        std::size_t(s.Hk) * l.item_bytes + std::size_t(s.Hq) * sizeof(int) + 3 * sizeof(std::int64_t) + 2 * sizeof(int);
     l.fixed_bytes = 4 * sizeof(int) + std::size_t(s.n_ctx / p.chunk + 2) * sizeof(std::int64_t);
     l.bytes = kvm_detail::state_offsets<S, A>(p, s).bytes;
     l.alignment = kAlign;
@@ -516,9 +520,10 @@ class KvmState {
   }
 
   // kvm::step checks its rows on the device (they live there) and refuses a bad step without
-  // changing the state; the reason stays in the state (and refuses every later step) until this
-  // call reads it: ok, or why the first refused step since the last call was refused. Clears it.
-  // Synchronises the stream.
+  // changing the state, and reset_slots / copy_slots check their device slot lists the same way; the
+  // reason stays in the state (and refuses every later step and slot operation) until this call
+  // reads it: ok, or the Status the host backend would have returned for the first refused call
+  // since the last read. Clears it. Synchronises the stream.
   Status step_status(const Executor& exec) {
     if (!valid()) return invalid_argument("state", "a KvmState made by KvmState::create or place", "an empty KvmState");
     int v[3] = {};
@@ -528,6 +533,7 @@ class KvmState {
     if (v[0] == kvm_detail::kStepOk) return Status::ok();
     KVMEM_RETURN_IF_ERROR(to_status(cudaMemsetAsync(sc_.status, 0, sizeof v, exec.stream), "clear step status"));
     KVMEM_RETURN_IF_ERROR(to_status(cudaStreamSynchronize(exec.stream), "step status sync"));
+    if (v[0] >= slot_lists::kFirstCode) return slot_lists::slot_list_status(v[0], v[1], v[2], shape_.B);
     const std::string row = "row " + std::to_string(v[1]);
     switch (v[0]) {
       case kvm_detail::kStepBadStart:
@@ -646,6 +652,7 @@ class KvmState {
     sc.cov = reinterpret_cast<std::int64_t*>(base + o.slot_cov);
     sc.slots = reinterpret_cast<std::int64_t*>(base + o.slot_s);
     sc.seen = reinterpret_cast<int*>(base + o.seen);
+    sc.mark = reinterpret_cast<int*>(base + o.mark);
     sc.status = reinterpret_cast<int*>(base + o.status);
     sc.update_target = reinterpret_cast<const std::int64_t*>(base + o.update_target);
     sc.B = s.B;
@@ -1441,29 +1448,67 @@ struct SlotAccess {
     return Status::ok();
   }
 
+  // The list check of a slot operation (slot_lists.cuh), enqueued first: it writes a refusal into the
+  // status word, which every later launch of the operation reads.
   template <class S, class A>
-  static Status reset_slots(const Executor& exec, KvmState<S, A>& st, TensorView<const std::int32_t, 1> slots) {
-    KVMEM_RETURN_IF_ERROR(check_state(st));
-    std::vector<std::int32_t> list;
-    KVMEM_RETURN_IF_ERROR(read_slot_list(slots, "slots", list, exec.stream));
-    const std::int64_t n = std::int64_t(list.size());
-    KVMEM_RETURN_IF_ERROR(check_slot_list(list.data(), n, st.shape_.B, "slots", false));
-    KVMEM_RETURN_IF_ERROR(enter_slot_mode(exec, st));
-    for (std::int64_t i0 = 0; i0 < n; i0 += kSlotListMax) {
-      SlotList part{};
-      part.count = static_cast<int>(std::min<std::int64_t>(kSlotListMax, n - i0));
-      for (int i = 0; i < part.count; ++i) part.a[i] = list[std::size_t(i0 + i)];
-      slot_reset_kernel<<<1, kSlotListMax, 0, exec.stream>>>(st.sc_, part);
-      KVMEM_CUDA_RETURN_IF_LAUNCH_FAILED("kvm slot_reset_kernel");
-    }
+  static Status check_list(const Executor& exec, KvmState<S, A>& st, const std::int32_t* src, const std::int32_t* dst,
+                           std::int64_t n) {
+    slot_lists::Args a;
+    a.src = src;
+    a.dst = dst;
+    a.n = n;
+    a.max_slots = st.shape_.B;
+    a.mark = st.sc_.mark;
+    a.status = st.sc_.status;
+    slot_lists::slot_list_check_kernel<><<<1, slot_lists::kCheckThreads, 0, exec.stream>>>(a);
+    KVMEM_CUDA_RETURN_IF_LAUNCH_FAILED("kvm slot_list_check_kernel");
     return Status::ok();
   }
 
-  template <class T>
-  static Status copy_rows(T* base, std::int64_t per_slot, std::int64_t from, std::int64_t to, cudaStream_t stream) {
-    return to_status(cudaMemcpyAsync(base + to * per_slot, base + from * per_slot, std::size_t(per_slot) * sizeof(T),
-                                     cudaMemcpyDeviceToDevice, stream),
-                     "copy_slots cudaMemcpyAsync");
+  template <class S, class A>
+  static Status reset_slots(const Executor& exec, KvmState<S, A>& st, TensorView<const std::int32_t, 1> slots) {
+    KVMEM_RETURN_IF_ERROR(check_state(st));
+    KVMEM_RETURN_IF_ERROR(slot_lists::check_device_slot_list(slots, "slots"));
+    const std::int64_t n = slots.extent(0);
+    // the switch to per-slot counters runs even if the device refuses the list: it gives every slot the
+    // count it already has, so the slots' contents (their records) do not change
+    KVMEM_RETURN_IF_ERROR(enter_slot_mode(exec, st));
+    if (n == 0) return Status::ok();
+    KVMEM_RETURN_IF_ERROR(check_list(exec, st, slots.data(), nullptr, n));
+    slot_reset_kernel<><<<1, 256, 0, exec.stream>>>(st.sc_, slots.data(), n);
+    KVMEM_CUDA_RETURN_IF_LAUNCH_FAILED("kvm slot_reset_kernel");
+    return Status::ok();
+  }
+
+  // The per-slot regions copy_slots copies: whole slot regions of the sums, the readout rows and the
+  // window (every KV head's item is contiguous per slot), capacity rows rather than the |S| in use,
+  // since |S| lives on the device.
+  template <class S, class A>
+  static SlotRegions copy_regions(const KvmState<S, A>& st) {
+    const DeviceState<S, A>& d = st.dev_;
+    const kvm::Shape& sh = st.shape_;
+    const auto Hk = std::size_t(sh.Hk), cap = std::size_t(st.cap_), W = std::size_t(st.params_.window()),
+               D = std::size_t(sh.D), Dv = std::size_t(sh.Dv);
+    SlotRegions r{};
+    const auto add = [&](auto* base, std::size_t elements) {
+      const std::size_t bytes = elements * sizeof(*base);
+      const std::size_t both = bytes | std::size_t(reinterpret_cast<std::uintptr_t>(base));  // size and alignment
+      r.base[r.count] = reinterpret_cast<unsigned char*>(base);
+      r.bytes[r.count] = bytes;
+      r.unit[r.count] = both % 16 == 0 ? 16 : both % 4 == 0 ? 4 : both % 2 == 0 ? 2 : 1;
+      ++r.count;
+    };
+    add(d.sk, Hk * cap * D);
+    add(d.sv, Hk * cap * Dv);
+    add(d.rho, Hk * cap);
+    add(d.cnt, Hk * cap);
+    add(d.khat32, Hk * cap * D);
+    add(d.khat, Hk * cap * D);
+    add(d.vhat, Hk * cap * Dv);
+    add(d.wk, Hk * W * D);
+    add(d.wv, Hk * W * Dv);
+    add(d.wg, Hk * W);
+    return r;
   }
 
   template <class S, class A>
@@ -1471,41 +1516,20 @@ struct SlotAccess {
                            TensorView<const std::int32_t, 1> dst) {
     KVMEM_RETURN_IF_ERROR(check_state(st));
     if (src.extent(0) != dst.extent(0)) return invalid_argument("dst length", src.extent(0), dst.extent(0));
-    std::vector<std::int32_t> from, to;
-    KVMEM_RETURN_IF_ERROR(read_slot_list(src, "src", from, exec.stream));
-    KVMEM_RETURN_IF_ERROR(read_slot_list(dst, "dst", to, exec.stream));
-    const kvm::Shape& sh = st.shape_;
-    const std::int64_t n = std::int64_t(from.size());
-    KVMEM_RETURN_IF_ERROR(check_copy_pairs(from.data(), to.data(), n, sh.B));
-    KVMEM_RETURN_IF_ERROR(enter_slot_mode(exec, st));
-    const DeviceState<S, A>& d = st.dev_;
-    const std::int64_t cap = st.cap_, W = st.params_.window(), Hk = sh.Hk;
-    // whole slot regions (every KV head's item is contiguous per slot): capacity rows, not only the
-    // |S| in use, since |S| lives on the device
-    for (std::int64_t i = 0; i < n; ++i) {
-      const std::int64_t a = from[std::size_t(i)], b = to[std::size_t(i)];
-      if (a == b) continue;
-      KVMEM_RETURN_IF_ERROR(copy_rows(d.sk, Hk * cap * sh.D, a, b, exec.stream));
-      KVMEM_RETURN_IF_ERROR(copy_rows(d.sv, Hk * cap * sh.Dv, a, b, exec.stream));
-      KVMEM_RETURN_IF_ERROR(copy_rows(d.rho, Hk * cap, a, b, exec.stream));
-      KVMEM_RETURN_IF_ERROR(copy_rows(d.cnt, Hk * cap, a, b, exec.stream));
-      KVMEM_RETURN_IF_ERROR(copy_rows(d.khat32, Hk * cap * sh.D, a, b, exec.stream));
-      KVMEM_RETURN_IF_ERROR(copy_rows(d.khat, Hk * cap * sh.D, a, b, exec.stream));
-      KVMEM_RETURN_IF_ERROR(copy_rows(d.vhat, Hk * cap * sh.Dv, a, b, exec.stream));
-      KVMEM_RETURN_IF_ERROR(copy_rows(d.wk, Hk * W * sh.D, a, b, exec.stream));
-      KVMEM_RETURN_IF_ERROR(copy_rows(d.wv, Hk * W * sh.Dv, a, b, exec.stream));
-      KVMEM_RETURN_IF_ERROR(copy_rows(d.wg, Hk * W, a, b, exec.stream));
-    }
-    for (std::int64_t i0 = 0; i0 < n; i0 += kSlotListMax) {
-      SlotList part{};
-      part.count = static_cast<int>(std::min<std::int64_t>(kSlotListMax, n - i0));
-      for (int i = 0; i < part.count; ++i) {
-        part.a[i] = from[std::size_t(i0 + i)];
-        part.b[i] = to[std::size_t(i0 + i)];
-      }
-      slot_copy_counters_kernel<<<1, kSlotListMax, 0, exec.stream>>>(st.sc_, part);
-      KVMEM_CUDA_RETURN_IF_LAUNCH_FAILED("kvm slot_copy_counters_kernel");
-    }
+    KVMEM_RETURN_IF_ERROR(slot_lists::check_device_slot_list(src, "src"));
+    KVMEM_RETURN_IF_ERROR(slot_lists::check_device_slot_list(dst, "dst"));
+    const std::int64_t n = src.extent(0);
+    KVMEM_RETURN_IF_ERROR(enter_slot_mode(exec, st));  // as in reset_slots: changes no slot's contents
+    if (n == 0) return Status::ok();
+    KVMEM_RETURN_IF_ERROR(check_list(exec, st, src.data(), dst.data(), n));
+    const SlotRegions regions = copy_regions(st);
+    std::size_t words = 0;  // of the largest region: the grid's x covers it with one word per thread
+    for (int k = 0; k < regions.count; ++k) words = std::max(words, regions.bytes[k] / std::size_t(regions.unit[k]));
+    const auto blocks = static_cast<unsigned>(std::clamp<std::size_t>((words + kSlotCopyThreads - 1) / kSlotCopyThreads,
+                                                                      1, 4 * std::size_t(std::max(1, st.sm_count_))));
+    const dim3 grid(blocks, static_cast<unsigned>(std::min<std::int64_t>(n, 65535)));
+    slot_copy_kernel<><<<grid, kSlotCopyThreads, 0, exec.stream>>>(st.sc_, regions, src.data(), dst.data(), n);
+    KVMEM_CUDA_RETURN_IF_LAUNCH_FAILED("kvm slot_copy_kernel");
     return Status::ok();
   }
 
@@ -1667,11 +1691,14 @@ struct SlotAccess {
 // neither allocates nor synchronises: one CUDA graph captured for a padded batch replays step after
 // step, each replay advancing every slot from its own device counters. Rows are checked on the device;
 // a refused step changes nothing and KvmState::step_status says why.
-// The slot lists of reset_slots and copy_slots are in device memory, as on CUDA Universal Attention:
-// each operation reads its lists back once (a synchronisation of exec.stream) so that a bad index
-// returns a Status before anything changes; they are for sequences joining and leaving, not for the
-// inside of a captured step. export_slot, import_slot, truncate and export_bytes(state, slot) read
-// counters or host bytes and synchronise.
+// The slot lists of reset_slots and copy_slots are in device memory, as on CUDA Universal Attention,
+// and are checked there (slot_lists.cuh): the host checks only lengths, strides and pointers, and the
+// operation's launches depend only on the list length and the state's shape, so it neither allocates
+// nor synchronises and captures in a CUDA graph beside the steps. A list the device refuses (an index
+// out of range; for copy_slots a destination twice, or one that is another pair's source) changes
+// nothing, the call having returned ok; KvmState::step_status returns the host's Status for it, and
+// until then every later step and slot operation is refused too. export_slot, import_slot, truncate
+// and export_bytes(state, slot) read counters or host bytes and synchronise.
 namespace kvmem::kvm {
 
 // The CUDA backend behind kvm::prefill / decode / step / reset_slots / copy_slots / export_slot /

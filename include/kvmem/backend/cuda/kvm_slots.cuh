@@ -19,8 +19,9 @@
 // online softmax over [slots | window] whose sum order differs from the host's (fp32 rounding).
 //
 // A step's rows are checked on the device (plan, phase 0). A refused step changes nothing; the reason
-// stays in the state's status word (sticky: later steps are refused too) until KvmState::step_status
-// reads and clears it.
+// stays in the state's status word (sticky: later steps and slot operations are refused too) until
+// KvmState::step_status reads and clears it. The slot operations (reset_slots, copy_slots) check their
+// device lists the same way (slot_lists.cuh) and report through the same word.
 
 #include "kvmem/backend/cuda/vendor.cuh"
 
@@ -30,6 +31,7 @@
 #include <cstdint>
 
 #include "kvmem/backend/cuda/kvm_kernels.cuh"
+#include "kvmem/backend/cuda/slot_lists.cuh"
 #include "kvmem/core/numeric.hpp"
 
 namespace kvmem::cuda::kvm_detail {
@@ -45,7 +47,8 @@ struct SlotPlan {
   std::int64_t s_read;                // |S| the segment's readout sees
 };
 
-// Why a step was refused (the status word's first element).
+// Why a step was refused (the status word's first element; a slot operation's refusals are the
+// slot_lists::Code values above these).
 enum SlotStepError : int {
   kStepOk = 0,
   kStepBadStart = 1,    // query_start[0] != 0 or a start decreases
@@ -63,6 +66,7 @@ struct SlotCounters {
   SlotPlan* plan;                     // [B] (workspace: rewritten by every phase of a step)
   int* seen;                          // [B] stamp of the last step whose rows named the slot (duplicate check)
   int* status;                        // [4] error code, row, value, step stamp
+  int* mark;                          // [B] scratch of a slot operation's list check (slot_lists.cuh)
   const std::int64_t* update_target;  // [updates]: budget target of update u (first token u C), spec 3.1
   int* update_rows;                   // [rows + 1] (workspace): count, then the rows updating this phase
   unsigned long long* key;            // [rows * Hk, C] (workspace): the update passes' merged keys
@@ -929,25 +933,73 @@ __global__ void __launch_bounds__(kWarpSize* kSlotReadoutWarps)
 
 // ---- slot operations -----------------------------------------------------------------------------
 
-// A list of slots passed by value (a captured operation replays the same list).
-inline constexpr int kSlotListMax = 64;
-struct SlotList {
-  int count;
-  std::int32_t a[kSlotListMax], b[kSlotListMax];
-};
+// The lists of reset_slots and copy_slots are in device memory and checked by
+// slot_lists::slot_list_check_kernel, the operation's first launch; each launch below does nothing when
+// the status word holds a refusal (that list's, or one not yet read), so a refused list changes nothing.
 
-// reset_slots: n = cov = |S| = 0 for slots a[0, count).
-__global__ void slot_reset_kernel(SlotCounters sc, SlotList list) {
-  for (int i = threadIdx.x; i < list.count; i += blockDim.x)
-    sc.n[list.a[i]] = sc.cov[list.a[i]] = sc.slots[list.a[i]] = 0;
+// reset_slots: n = cov = |S| = 0 for slots[0, n) (a slot listed twice is zeroed twice).
+template <class = void>
+__global__ void slot_reset_kernel(SlotCounters sc, const std::int32_t* slots, std::int64_t n) {
+  if (slot_lists::refused(sc.status)) return;
+  for (std::int64_t i = blockIdx.x * std::int64_t(blockDim.x) + threadIdx.x; i < n;
+       i += std::int64_t(gridDim.x) * blockDim.x)
+    sc.n[slots[i]] = sc.cov[slots[i]] = sc.slots[slots[i]] = 0;
 }
 
-// copy_slots: the counters of b[i] become those of a[i] (the memory is copied beside it).
-__global__ void slot_copy_counters_kernel(SlotCounters sc, SlotList list) {
-  for (int i = threadIdx.x; i < list.count; i += blockDim.x) {
-    sc.n[list.b[i]] = sc.n[list.a[i]];
-    sc.cov[list.b[i]] = sc.cov[list.a[i]];
-    sc.slots[list.b[i]] = sc.slots[list.a[i]];
+// The per-slot parts of the state's arrays that copy_slots copies: region r holds bytes[r] bytes per
+// slot at base[r] + slot * bytes[r] (every array keeps a slot's KV heads together), moved in words of
+// unit[r] bytes (16, 4, 2 or 1: a divisor of bytes[r] and of base[r]'s alignment, so every slot's region
+// is aligned to its words).
+inline constexpr int kSlotRegionsMax = 10;
+struct SlotRegions {
+  unsigned char* base[kSlotRegionsMax];
+  std::size_t bytes[kSlotRegionsMax];
+  int unit[kSlotRegionsMax];
+  int count;
+};
+inline constexpr int kSlotCopyThreads = 256;
+
+template <class Word>
+__device__ inline void slot_copy_words(unsigned char* base, std::size_t bytes, std::int64_t from, std::int64_t to,
+                                       std::size_t first, std::size_t step) {
+  const Word* a = reinterpret_cast<const Word*>(base + std::size_t(from) * bytes);
+  Word* b = reinterpret_cast<Word*>(base + std::size_t(to) * bytes);
+  for (std::size_t w = first; w < bytes / sizeof(Word); w += step) b[w] = a[w];
+}
+
+// copy_slots: grid (x, pairs): the blocks of grid row y copy pairs y, y + gridDim.y, ...: every region
+// of slot src[p] into slot dst[p], and block 0 of the row the counters. No destination is the source of
+// another pair (the check), so no block reads what another writes; a pair whose slots are equal is
+// left alone.
+template <class = void>
+__global__ void __launch_bounds__(kSlotCopyThreads)
+    slot_copy_kernel(SlotCounters sc, SlotRegions r, const std::int32_t* src, const std::int32_t* dst, std::int64_t n) {
+  if (slot_lists::refused(sc.status)) return;
+  const std::size_t first = std::size_t(blockIdx.x) * blockDim.x + threadIdx.x,
+                    step = std::size_t(gridDim.x) * blockDim.x;
+  for (std::int64_t p = blockIdx.y; p < n; p += gridDim.y) {
+    const std::int64_t a = src[p], b = dst[p];
+    if (a == b) continue;
+    for (int k = 0; k < r.count; ++k) {
+      switch (r.unit[k]) {
+        case 16:
+          slot_copy_words<uint4>(r.base[k], r.bytes[k], a, b, first, step);
+          break;
+        case 4:
+          slot_copy_words<unsigned>(r.base[k], r.bytes[k], a, b, first, step);
+          break;
+        case 2:
+          slot_copy_words<unsigned short>(r.base[k], r.bytes[k], a, b, first, step);
+          break;
+        default:
+          slot_copy_words<unsigned char>(r.base[k], r.bytes[k], a, b, first, step);
+      }
+    }
+    if (first == 0) {
+      sc.n[b] = sc.n[a];
+      sc.cov[b] = sc.cov[a];
+      sc.slots[b] = sc.slots[a];
+    }
   }
 }
 

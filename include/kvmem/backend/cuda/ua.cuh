@@ -35,9 +35,10 @@
 // (a decode row: at most one page, as the host takes it; a prefill row: its worst case before eviction,
 // where the host takes them chunk by chunk); a dry pool flags that slot, returns its pages and skips its
 // row while the others run; the end of each row's work returns the pages past its survivors. The slot
-// operations check their device slot lists on the host (one synchronisation each) so that a bad index
-// returns a Status before anything changes, and copy_slots reads the pool's answer back the same way;
-// records are the host's UA record, so a slot moves between backends.
+// operations reset_slots and copy_slots check their device slot lists on the device too
+// (slot_lists.cuh), and copy_slots asks the pool for its pages there: a refusal changes nothing and is
+// reported through step_status like a refused step's, so they never synchronise and capture like a
+// step. Records are the host's UA record, so a slot moves between backends.
 //
 // The fixed-batch calls (ua_prefill, ua_decode) advance every slot by the call's T. They keep a host
 // bound on the cache length: when it says a call might not fit (longest + T > capacity), the call first
@@ -138,11 +139,11 @@ UaCacheOffsets cache_offsets(const ua::CacheShape& s) {
   o.next_length = a.take(I * sizeof(std::int64_t));  // [I]
   o.batch_done = a.take(sizeof(int));                // a fixed-batch decode's finished items
   o.go = a.take(B * sizeof(int));                    // [B] per step: the slot's row runs
-  o.first = a.take(B * sizeof(int));                 // [B] per step: the rows' check
+  o.first = a.take(B * sizeof(int));                 // [B] scratch: a step's rows' check, a slot list's
   o.overflow = a.take(B * sizeof(int));              // [B] sticky overflow flags
-  o.error = a.take(4 * sizeof(int));                 // the last refused step's check
+  o.error = a.take(4 * sizeof(int));                 // the first unread refusal (step or slot list)
   o.prefill = a.take((B + 1) * sizeof(int));         // [B + 1] a step's prefill rows and their count
-  o.report = a.take(4 * sizeof(std::int64_t));       // copy / import page checks
+  o.report = a.take(4 * sizeof(std::int64_t));       // import page check
   o.bytes = a.total();
   return o;
 }
@@ -238,8 +239,8 @@ Status publish(const DeviceCache<S>& d, cudaStream_t stream) {
 // and a per-step workspace (workspace_bytes). Owning (create: one cudaMalloc holding both) or placed
 // over caller device memory (place, then attach_workspace). create and place allocate the cache's
 // mapped counter block and initialise the cache on a stream of their own, waiting for that work only
-// (no device synchronisation). No operation allocates or creates streams or events; the steps and the
-// fixed-batch calls do not synchronise with the host.
+// (no device synchronisation). No operation allocates or creates streams or events; the steps, the
+// fixed-batch calls, reset_slots and copy_slots do not synchronise with the host.
 template <class S = float>
 class UaCache {
   static_assert(std::is_same_v<S, float> || std::is_same_v<S, bf16> || std::is_same_v<S, fp16>,
@@ -419,9 +420,11 @@ class UaCache {
     return to_status(cudaStreamSynchronize(stream), "UaCache overflow flags sync");
   }
   // ua::step checks its rows on the device (they live there) and refuses a bad step without changing
-  // the cache; the reason stays in the cache, and refuses every later step, until this call reads it
-  // (as KvmState::step_status does): ok, or the Status the host step would have returned for the first
-  // refused row of the first refused step since the last call. Clears it. Synchronises exec.stream.
+  // the cache, and reset_slots / copy_slots check their device slot lists (and copy_slots the pool's
+  // pages) the same way; the reason stays in the cache, and refuses every later step and slot
+  // operation, until this call reads it (as KvmState::step_status does): ok, or the Status the host
+  // would have returned for the first refused call since the last read (for a step, its first refused
+  // row). Clears it. Synchronises exec.stream.
   Status step_status(const Executor& exec);
   // A bound the host keeps without reading the device: no item holds more entries than this.
   [[nodiscard]] std::int64_t length_bound() const { return bound_; }
@@ -514,7 +517,7 @@ class UaCache {
   // and clears its overflow flag, on `stream`.
   Status reset_sequence(std::int64_t b, cudaStream_t stream) {
     KVMEM_RETURN_IF_ERROR(check_slot(b, "reset_sequence b"));
-    ua_detail::reset_slots_kernel<S><<<1, 32, 0, stream>>>(dev_, overflow_, nullptr, std::int32_t(b));
+    ua_detail::reset_slots_kernel<S><<<1, 32, 0, stream>>>(dev_, overflow_, nullptr, std::int32_t(b), nullptr, nullptr);
     KVMEM_CUDA_RETURN_IF_LAUNCH_FAILED("ua reset_slots_kernel");
     return ua_detail::publish(dev_, stream);
   }
@@ -634,11 +637,11 @@ class UaCache {
   int* dense_sync_ = nullptr;       // ticket + λ hand-off of the dense tensor-core prefill (pool_pages = 0)
   int sm_count_ = 1;                // multiprocessors: sizes the dense prefill's item groups
   int* slot_go_ = nullptr;          // [B] per step: the slot's row runs (step_begin_kernel, batch_reserve_kernel)
-  int* slot_first_ = nullptr;       // [B] per step: scratch of the rows' check
+  int* slot_first_ = nullptr;       // [B] scratch of a step's rows' check and of a slot list's check
   int* overflow_ = nullptr;         // [B] sticky: a step found no room or no pages for the slot's row
-  int* step_error_ = nullptr;       // [4] the last step's rows' check (ua_detail::StepRows::error)
+  int* step_error_ = nullptr;       // [4] the first unread refusal of a step or slot operation
   int* prefill_rows_ = nullptr;     // [B + 1] per step: its prefill rows, then their count
-  std::int64_t* report_ = nullptr;  // [4] copy_slots / import_slot page checks
+  std::int64_t* report_ = nullptr;  // [4] import_slot's page check (read back by import_slot)
   std::int64_t bound_ = 0;          // >= every item's length, as far as the host knows (fixed-batch calls)
 };
 
@@ -934,6 +937,20 @@ struct SlotAccess {
   static std::int64_t* report(const UaCache<S>& c) {
     return c.report_;
   }
+  // The list check of a slot operation (slot_lists.cuh): the step status word and the rows' check
+  // scratch, which no step uses between steps.
+  template <class S>
+  static slot_lists::Args slot_list(const UaCache<S>& c, const std::int32_t* src, const std::int32_t* dst,
+                                    std::int64_t n) {
+    slot_lists::Args a;
+    a.src = src;
+    a.dst = dst;
+    a.n = n;
+    a.max_slots = c.shape_.batch;
+    a.mark = c.slot_first_;
+    a.status = c.step_error_;
+    return a;
+  }
 
   template <class S>
   static int sm_count(const UaCache<S>& c) {
@@ -1077,8 +1094,8 @@ Status ua_forward(const Executor& exec, UaCache<S>& scratch, const UaInputs<S>& 
     KVMEM_RETURN_IF_ERROR(check_shape(TensorView<const float, 3>(lambda_last), {B, G, T}, "lambda_last [B,G,T]"));
     if (!lambda_last.is_contiguous()) return invalid_argument("lambda_last", "a contiguous view", "a strided view");
   }
-  ua_detail::reset_slots_kernel<S>
-      <<<unsigned(B), 32, 0, exec.stream>>>(scratch.device(), ua_detail::SlotAccess::overflow(scratch), nullptr, -1);
+  ua_detail::reset_slots_kernel<S><<<unsigned(B), 32, 0, exec.stream>>>(
+      scratch.device(), ua_detail::SlotAccess::overflow(scratch), nullptr, -1, nullptr, nullptr);
   KVMEM_CUDA_RETURN_IF_LAUNCH_FAILED("ua reset_slots_kernel (ua_forward)");
   ua_detail::SlotAccess::set_bound(scratch, 0);
   KVMEM_RETURN_IF_ERROR(ua_prefill<Set>(exec, scratch, in, ua::Options{}, out, lse));
@@ -1117,6 +1134,11 @@ Status UaCache<S>::step_status(const Executor& exec) {
     KVMEM_RETURN_IF_ERROR(to_status(cudaMemsetAsync(step_error_, 0, sizeof e, stream), "clear step status"));
     KVMEM_RETURN_IF_ERROR(to_status(cudaStreamSynchronize(stream), "step status sync"));
   }
+  if (e[0] == slot_lists::kCopyPoolDry) {
+    const std::int64_t r[4] = {1, e[1], e[2], e[3]};
+    return ua_detail::pool_refusal(*this, r, "copy_slots");
+  }
+  if (e[0] >= slot_lists::kFirstCode) return slot_lists::slot_list_status(e[0], e[1], e[2], shape_.batch);
   const std::string at = kvmem::detail::indexed("", e[1]);
   switch (e[0]) {
     case ua_detail::kStepOk:
@@ -1284,55 +1306,58 @@ Status step(const cuda::Executor& exec, cuda::UaCache<S>& cache, const Rows& row
 }
 
 // Slot operations of the CUDA cache: the host's names, arguments and checks (ua/slots.hpp). Slot lists
-// (slots, src, dst) are in device memory; each operation reads its list back to check it (one stream
-// synchronisation) and refuses a bad one with the host's Status before anything changes. The work is
-// enqueued on exec.stream and reads the device list too, so the list stays valid until that work has
-// run (stream order). Records are the host's UA record, written and read by the host code: a slot
-// exported here imports on the host backend and the other way round.
+// (slots, src, dst) are in device memory and checked there (slot_lists.cuh): the host checks lengths,
+// strides and pointers and returns a Status for those at once; slot_list_check_kernel then checks the
+// indices before anything changes. reset_slots and copy_slots enqueue launches whose grids depend only
+// on the list length and the cache, allocate nothing and never synchronise, so they capture in a CUDA
+// graph beside the steps. A list the device refuses (or, for copy_slots, a copy the pool cannot hold)
+// changes nothing, the call having returned ok: UaCache::step_status returns the host's Status for it,
+// and until then every later step and slot operation is refused too. The work reads the device lists,
+// so they stay valid until it has run (stream order). Records are the host's UA record, written and
+// read by the host code: a slot exported here imports on the host backend and the other way round.
 
-// Empties the listed slots, restarts their positions and clears their overflow flags.
+// Empties the listed slots, restarts their positions and clears their overflow flags (a slot listed
+// twice is reset once).
 template <class S>
 Status reset_slots(const cuda::Executor& exec, cuda::UaCache<S>& cache, TensorView<const std::int32_t, 1> slots) {
   using namespace cuda::ua_detail;
   KVMEM_RETURN_IF_ERROR(check_cache(cache));
-  std::vector<std::int32_t> list;
-  KVMEM_RETURN_IF_ERROR(cuda::read_slot_list(slots, "slots", list, exec.stream));
-  KVMEM_RETURN_IF_ERROR(check_slot_list(list.data(), std::int64_t(list.size()), cache.max_slots(), "slots", false));
-  if (list.empty()) return Status::ok();
+  KVMEM_RETURN_IF_ERROR(cuda::slot_lists::check_device_slot_list(slots, "slots"));
+  const std::int64_t n = slots.extent(0);
+  if (n == 0) return Status::ok();
   const DeviceCache<S>& d = SlotAccess::dev(cache);
-  reset_slots_kernel<S>
-      <<<unsigned(list.size()), 32, 0, exec.stream>>>(d, SlotAccess::overflow(cache), slots.data(), std::int32_t(0));
+  const cuda::slot_lists::Args check = SlotAccess::slot_list(cache, slots.data(), nullptr, n);
+  cuda::slot_lists::slot_list_check_kernel<><<<1, cuda::slot_lists::kCheckThreads, 0, exec.stream>>>(check);
+  KVMEM_CUDA_RETURN_IF_LAUNCH_FAILED("ua slot_list_check_kernel");
+  reset_slots_kernel<S><<<unsigned(n), 32, 0, exec.stream>>>(d, SlotAccess::overflow(cache), slots.data(),
+                                                             std::int32_t(0), check.status, check.mark);
   KVMEM_CUDA_RETURN_IF_LAUNCH_FAILED("ua reset_slots_kernel");
   return publish(d, exec.stream);
 }
 
 // Slot dst[i] becomes a copy of slot src[i] (fork): kept rows, λ, key-gate logits, positions, the
-// position counter and the overflow flag, so the copy continues bit for bit like its source.
+// position counter and the overflow flag, so the copy continues bit for bit like its source. A copy
+// whose rows the page pool cannot hold is refused whole, as on the host (through step_status here).
 template <class S>
 Status copy_slots(const cuda::Executor& exec, cuda::UaCache<S>& cache, TensorView<const std::int32_t, 1> src,
                   TensorView<const std::int32_t, 1> dst) {
   using namespace cuda::ua_detail;
   KVMEM_RETURN_IF_ERROR(check_cache(cache));
   if (src.extent(0) != dst.extent(0)) return invalid_argument("dst count", src.extent(0), dst.extent(0));
-  std::vector<std::int32_t> from, to;
-  KVMEM_RETURN_IF_ERROR(cuda::read_slot_list(src, "src", from, exec.stream));
-  KVMEM_RETURN_IF_ERROR(cuda::read_slot_list(dst, "dst", to, exec.stream));
-  KVMEM_RETURN_IF_ERROR(check_copy_pairs(from.data(), to.data(), std::int64_t(from.size()), cache.max_slots()));
-  if (from.empty()) return Status::ok();
+  KVMEM_RETURN_IF_ERROR(cuda::slot_lists::check_device_slot_list(src, "src"));
+  KVMEM_RETURN_IF_ERROR(cuda::slot_lists::check_device_slot_list(dst, "dst"));
+  const std::int64_t n = src.extent(0);
+  if (n == 0) return Status::ok();
   const DeviceCache<S>& d = SlotAccess::dev(cache);
-  std::int64_t* report = SlotAccess::report(cache);
-  copy_pages_kernel<S><<<1, 1, 0, exec.stream>>>(d, src.data(), dst.data(), std::int64_t(from.size()), report);
+  const cuda::slot_lists::Args check = SlotAccess::slot_list(cache, src.data(), dst.data(), n);
+  cuda::slot_lists::slot_list_check_kernel<><<<1, cuda::slot_lists::kCheckThreads, 0, exec.stream>>>(check);
+  KVMEM_CUDA_RETURN_IF_LAUNCH_FAILED("ua slot_list_check_kernel");
+  copy_pages_kernel<S><<<1, 1, 0, exec.stream>>>(d, src.data(), dst.data(), n, check.status);
   KVMEM_CUDA_RETURN_IF_LAUNCH_FAILED("ua copy_pages_kernel");
-  copy_slots_kernel<S><<<dim3(unsigned(from.size()), unsigned(d.G)), 256, 0, exec.stream>>>(
-      d, SlotAccess::overflow(cache), src.data(), dst.data(), report);
+  copy_slots_kernel<S><<<dim3(unsigned(n), unsigned(d.G)), 256, 0, exec.stream>>>(d, SlotAccess::overflow(cache),
+                                                                                  src.data(), dst.data(), check.status);
   KVMEM_CUDA_RETURN_IF_LAUNCH_FAILED("ua copy_slots_kernel");
-  KVMEM_RETURN_IF_ERROR(publish(d, exec.stream));
-  // the pool's answer (the host's refusal, with its message), read back as the lists were
-  std::int64_t r[4] = {};
-  KVMEM_RETURN_IF_ERROR(
-      cuda::to_status(cudaMemcpyAsync(r, report, sizeof r, cudaMemcpyDeviceToHost, exec.stream), "copy_slots report"));
-  KVMEM_RETURN_IF_ERROR(cuda::to_status(cudaStreamSynchronize(exec.stream), "copy_slots sync"));
-  return pool_refusal(cache, r, "copy_slots");
+  return publish(d, exec.stream);
 }
 
 // Bytes of the record of `slot` (0 for an empty cache, a slot outside it, or a failed read). Reads the

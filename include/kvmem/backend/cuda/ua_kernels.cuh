@@ -32,6 +32,7 @@
 #include <cstdint>
 
 #include "kvmem/backend/cuda/ptx.cuh"
+#include "kvmem/backend/cuda/slot_lists.cuh"
 #include "kvmem/core/math.hpp"
 #include "kvmem/core/numeric.hpp"
 #include "kvmem/core/softmax.hpp"
@@ -1313,7 +1314,8 @@ __global__ void __launch_bounds__(kDecodeThreads) decode_attend_kernel(DeviceCac
 // (query_start[0] = 0, non-decreasing, the last = tokens; slots in [-1, max_slots), each at most once)
 // and records the first refused row (lowest row, then lowest check) in `error`. A refused step runs
 // nothing, and the error is sticky: every later step is refused too until UaCache::step_status reads
-// and clears it, so an engine replaying a graph cannot miss a refused step. Otherwise each row of a slot with tokens
+// and clears it, so an engine replaying a graph cannot miss a refused step (a slot operation whose list
+// the device refused, slot_lists.cuh, refuses the later steps the same way). Otherwise each row of a slot with tokens
 // decides whether it runs: its slot is not flagged as overflowed, every kv head of it has room for kept + tokens
 // rows and the pool gives their pages (see the kernel); a row that does not run flags its slot and is skipped, while
 // the other rows run.
@@ -1434,13 +1436,24 @@ __global__ void __launch_bounds__(kStepBeginThreads) step_begin_kernel(DeviceCac
   if (tid == 0) *sr.prefill_count = prefills;
 }
 
-// Slot operations on lists the host has checked (core/slots.hpp check_slot_list, check_copy_pairs).
-// reset: grid (n), one thread per kv head (slots == nullptr: the one slot `one`, or with one < 0 slot
-// blockIdx.x): empty the slot (its pages back to the pool), restart its
-// positions, clear its flag.
+// Slot operations. The lists of reset_slots and copy_slots are in device memory and checked by
+// slot_lists::slot_list_check_kernel, their first launch, which writes a refusal into the step status
+// word (`error`); each launch below reads that word first and does nothing while it holds a refusal
+// (that list's, or one not yet read), so a refused list changes nothing.
+//
+// reset: grid (n), one thread per kv head: empty the slot (its pages back to the pool), restart its
+// positions, clear its flag. slots != nullptr: block i takes slots[i] when the check's scratch word of
+// the slot (`first`) names entry i, so a slot listed twice is reset once (its pages return once);
+// slots == nullptr (no list, no check): the one slot `one`, or with one < 0 slot blockIdx.x.
 template <class S>
-__global__ void reset_slots_kernel(DeviceCache<S> c, int* overflow, const std::int32_t* slots, std::int32_t one) {
-  const std::int64_t s = slots != nullptr ? slots[blockIdx.x] : one >= 0 ? one : std::int64_t(blockIdx.x);
+__global__ void reset_slots_kernel(DeviceCache<S> c, int* overflow, const std::int32_t* slots, std::int32_t one,
+                                   const int* error, const int* first) {
+  std::int64_t s = one >= 0 ? one : std::int64_t(blockIdx.x);
+  if (slots != nullptr) {
+    if (slot_lists::refused(error)) return;
+    s = slots[blockIdx.x];
+    if ((first[s] & slot_lists::kIndexMask) != int(blockIdx.x)) return;
+  }
   for (std::int64_t g = threadIdx.x; g < c.G; g += blockDim.x) {
     return_pages(c.pool, s * c.G + g, 0);
     c.length[s * c.G + g] = 0;
@@ -1448,12 +1461,19 @@ __global__ void reset_slots_kernel(DeviceCache<S> c, int* overflow, const std::i
   }
   if (threadIdx.x == 0) overflow[s] = 0;
 }
-// copy, first launch (one thread): the destinations' pages. Every destination item returns its pages
-// and takes those of its source's rows, when the pool can give them all; otherwise nothing changes and
-// report[0] is set (the host's rule: a copy the pool cannot hold is refused whole).
+// Page counts in a status word (int): larger counts show as INT_MAX.
+__device__ inline int status_count(std::int64_t x) {
+  return x > INT_MAX ? INT_MAX : int(x);
+}
+// copy, first launch after the check (one thread): the destinations' pages. Every destination item
+// returns its pages and takes those of its source's rows, when the pool can give them all; otherwise
+// nothing changes and the copy is refused whole (the host's rule) through the status word: code
+// slot_lists::kCopyPoolDry, then the pages needed, the free pages and the pages the destinations
+// would return (the host's check_pool message).
 template <class S>
 __global__ void copy_pages_kernel(DeviceCache<S> c, const std::int32_t* src, const std::int32_t* dst, std::int64_t n,
-                                  std::int64_t* report) {
+                                  int* error) {
+  if (slot_lists::refused(error)) return;
   const std::int64_t rows_per_page = std::int64_t(1) << c.pool.shift;
   std::int64_t need = 0, back = 0;
   for (std::int64_t i = 0; i < n; ++i) {
@@ -1464,12 +1484,13 @@ __global__ void copy_pages_kernel(DeviceCache<S> c, const std::int32_t* src, con
     }
   }
   const std::int64_t free = *static_cast<volatile std::int64_t*>(c.pool.stats);
-  // report: refused (0/1), pages needed, free pages, pages the destinations return (check_pool's message)
-  report[0] = free + back < need ? 1 : 0;
-  report[1] = need;
-  report[2] = free;
-  report[3] = back;
-  if (report[0] != 0) return;
+  if (free + back < need) {
+    error[1] = status_count(need);
+    error[2] = status_count(free);
+    error[3] = status_count(back);
+    error[0] = slot_lists::kCopyPoolDry;
+    return;
+  }
   for (std::int64_t i = 0; i < n; ++i) {
     if (src[i] == dst[i]) continue;
     for (std::int64_t g = 0; g < c.G; ++g) return_pages(c.pool, dst[i] * c.G + g, 0);
@@ -1481,7 +1502,8 @@ __global__ void copy_pages_kernel(DeviceCache<S> c, const std::int32_t* src, con
 }
 // import, before the rows are copied in (one thread): slot `slot` returns its pages and takes those of
 // the record's lengths [G] (device memory), when the pool can give them; else nothing changes and
-// report[0] is set (report as copy_pages_kernel's).
+// report[0] is set (report: refused (0/1), pages needed, free pages, pages the slot returns; import_slot
+// reads it back).
 template <class S>
 __global__ void import_pages_kernel(DeviceCache<S> c, std::int64_t slot, const std::int64_t* lengths,
                                     std::int64_t* report) {
@@ -1500,14 +1522,15 @@ __global__ void import_pages_kernel(DeviceCache<S> c, std::int64_t slot, const s
   for (std::int64_t g = 0; g < c.G; ++g) return_pages(c.pool, slot * c.G + g, 0);
   for (std::int64_t g = 0; g < c.G; ++g) (void)take_pages(c.pool, slot * c.G + g, lengths[g]);
 }
-// copy, second launch: grid (n, G): item (src, g) into (dst, g), every kept row through both page maps,
+// copy, last launch: grid (n, G): item (src, g) into (dst, g), every kept row through both page maps,
 // the counters and the overflow flag. No destination is a source of another pair, so the blocks never
 // read what another block writes.
 template <class S>
 __global__ void copy_slots_kernel(DeviceCache<S> c, int* overflow, const std::int32_t* src, const std::int32_t* dst,
-                                  const std::int64_t* report) {
+                                  const int* error) {
+  if (slot_lists::refused(error)) return;
   const std::int64_t from_slot = src[blockIdx.x], to_slot = dst[blockIdx.x], g = blockIdx.y;
-  if (from_slot == to_slot || report[0] != 0) return;
+  if (from_slot == to_slot) return;
   const std::int64_t from = from_slot * c.G + g, to = to_slot * c.G + g, n = c.length[from];
   for (std::int64_t x = threadIdx.x; x < n * c.D; x += blockDim.x) {
     const std::int64_t e = x / c.D, d = x % c.D, f = c.row(from, e) * c.D + d, t = c.row(to, e) * c.D + d;
