@@ -39,12 +39,12 @@ DEV = re.escape(str(CUDA))  # "cuda:0" as the ops print it
 
 # KV Means: the CUDA slot tests' shape (two query heads per KV head); UA: theirs too (four per KV head).
 HQ, HK, D = 4, 2, 32
-C, NB = 8, 2  # the window holds 16 keys
+C, NB = 16, 2  # the window holds 32 keys; state updates run at 49, 65, 81, ... tokens
 UH, UG, UD = 8, 2, 64
-KVM_CFG = dict(chunk=C, window_chunks=NB, rope_dims=8, budget=kvmem.Fixed(12))
+KVM_CFG = dict(chunk=C, window_chunks=NB, rope_dims=8, budget=kvmem.Fixed(24))
 
 
-def kvm_state(device, max_slots=4, n_ctx=96, **kw):
+def kvm_state(device, max_slots=4, n_ctx=160, **kw):
     return kvmem.kvm_create(max_slots, HQ, HK, D, D, n_ctx, **dict(KVM_CFG, **kw), device=device)
 
 
@@ -138,8 +138,8 @@ def graph_capture(graph):
 # Ragged schedules: prefill chunks of different sizes, padding rows, decode tokens, slots joining late.
 # At most max_slots rows a step: on CUDA a padding row takes a work item of the workspace too.
 SCHEDULE_KVM = [
-    [(0, 13), (1, 20)],
-    [(1, 17), (-1, 2), (0, 24)],
+    [(0, 29), (1, 40)],
+    [(1, 37), (-1, 2), (0, 44)],
     [(0, 1), (1, 1), (-1, 1)],
     [(1, 1), (0, 1)],
     [(0, 3), (-1, 0), (1, 1)],
@@ -156,8 +156,8 @@ SCHEDULE_UA = [
 # ---- steps: CUDA equals the CPU op ----------------------------------------------------------------------
 
 def test_kvm_step_on_cuda_equals_the_cpu_op():
-    # 42 tokens with a 16-token window and 12 memory slots: state updates append and merge.
-    seqs = {0: kvm_inputs(42, 4), 1: kvm_inputs(40, 5)}
+    # 78 and 80 tokens with a 32-token window and 24 memory slots: state updates append and merge.
+    seqs = {0: kvm_inputs(78, 4), 1: kvm_inputs(80, 5)}
     w = random_weights(6)
     cpu, gpu = kvm_state("cpu"), kvm_state("cuda")
     out_c, lse_c, pad_c = serve(lambda s, qs, **x: kvm_step_on(cpu, w, s, qs, **x), seqs, SCHEDULE_KVM)
@@ -201,15 +201,15 @@ def feed_ua(state, slot, x, lo, hi, p=0.05):
 
 
 def test_copy_slots_fork_on_cuda_continues_like_its_source():
-    x = kvm_inputs(34, 12)
+    x = kvm_inputs(64, 12)
     w = random_weights(13)
     cpu, gpu = kvm_state("cpu"), kvm_state("cuda")
     for state in (cpu, gpu):
-        feed_kvm(state, w, 1, x, 0, 30)
+        feed_kvm(state, w, 1, x, 0, 60)
         kvmem.copy_slots(state, [1], [3])  # a list becomes an int32 tensor on the state's device
-        assert state.tokens(3) == 30
+        assert state.tokens(3) == 60
     s, qs = rows([1, 3], [4, 4])
-    tail = {n: torch.cat([t[30:], t[30:]]) for n, t in x.items()}
+    tail = {n: torch.cat([t[60:], t[60:]]) for n, t in x.items()}
     both_g = kvm_step_on(gpu, w, s, qs, **tail)[0]
     both_c = kvm_step_on(cpu, w, s, qs, **tail)[0]
     assert torch.equal(both_g[:4], both_g[4:])  # the fork computes what its source computes
@@ -228,11 +228,11 @@ def test_copy_slots_fork_on_cuda_continues_like_its_source():
 
 
 def test_records_move_between_cuda_and_cpu():
-    x = kvm_inputs(36, 15)
+    x = kvm_inputs(66, 15)
     w = random_weights(16)
     gpu, ref = kvm_state("cuda"), kvm_state("cpu")
-    feed_kvm(gpu, w, 2, x, 0, 31)
-    feed_kvm(ref, w, 2, x, 0, 31)
+    feed_kvm(gpu, w, 2, x, 0, 61)
+    feed_kvm(ref, w, 2, x, 0, 61)
     record = kvmem.export_slot(gpu, 2)
     assert record.device.type == "cpu" and record.dtype == torch.uint8
     assert record.numel() == gpu.export_bytes(2)
@@ -240,14 +240,14 @@ def test_records_move_between_cuda_and_cpu():
     # CUDA -> CPU: the CPU state continues like the CUDA one
     cpu = kvm_state("cpu", max_slots=2)
     kvmem.import_slot(cpu, w, 1, record)
-    assert cpu.tokens(1) == 31
-    tail_c, tail_g = feed_kvm(cpu, w, 1, x, 31, 36), feed_kvm(gpu, w, 2, x, 31, 36)
+    assert cpu.tokens(1) == 61
+    tail_c, tail_g = feed_kvm(cpu, w, 1, x, 61, 66), feed_kvm(gpu, w, 2, x, 61, 66)
     assert scaled_error(tail_g, tail_c) <= 2e-5
     assert torch.equal(kvmem.export_slot(cpu, 1), kvmem.export_slot(gpu, 2))
     # CPU -> CUDA, the record given as a CUDA tensor this time
     back = kvm_state("cuda", max_slots=2)
     kvmem.import_slot(back, w.to(CUDA), 0, kvmem.export_slot(cpu, 1).to(CUDA))
-    assert back.tokens(0) == 36 and torch.equal(kvmem.export_slot(back, 0), kvmem.export_slot(cpu, 1))
+    assert back.tokens(0) == 66 and torch.equal(kvmem.export_slot(back, 0), kvmem.export_slot(cpu, 1))
 
     y = ua_inputs(28, 17)
     a = kvmem.ua_create(3, UH, UG, UD, 64, device="cuda")
@@ -274,11 +274,11 @@ def test_truncate_and_reset_on_cuda_match_the_cpu_op():
         kvmem.truncate(state, 0, 3)
         assert state.tokens(0) == 7
         outs.append(feed_kvm(state, w, 0, y, 0, 5))
-        z = kvm_inputs(40, 21)
-        feed_kvm(state, w, 1, z, 0, 40)  # updates absorbed tokens into memory slots
+        z = kvm_inputs(70, 21)
+        feed_kvm(state, w, 1, z, 0, 70)  # updates absorbed tokens into memory slots
         with pytest.raises(ValueError, match="cannot be undone"):
-            kvmem.truncate(state, 1, 20)
-        assert state.tokens(1) == 40
+            kvmem.truncate(state, 1, 30)
+        assert state.tokens(1) == 70
         kvmem.reset_slots(state, [1])
         assert state.tokens(1) == 0
         outs.append(feed_kvm(state, w, 1, y, 0, 5))
@@ -326,25 +326,25 @@ def test_meta_kernels_serve_cuda_states():
 # ---- placed over CUDA tensors the caller allocates -------------------------------------------------------
 
 def test_placed_states_on_cuda_step_like_owning_ones():
-    state_bytes, work_bytes = kvmem.kvm_layout(2, HQ, HK, D, D, 64, **KVM_CFG, device="cuda")
+    state_bytes, work_bytes = kvmem.kvm_layout(2, HQ, HK, D, D, 96, **KVM_CFG, device="cuda")
     assert state_bytes > 0 and work_bytes > 0
     memory = torch.empty(state_bytes, dtype=torch.uint8, device=CUDA)
     work = torch.empty(work_bytes, dtype=torch.uint8, device=CUDA)
-    placed = kvmem.kvm_place(memory, work, 2, HQ, HK, D, D, 64, **KVM_CFG)
+    placed = kvmem.kvm_place(memory, work, 2, HQ, HK, D, D, 96, **KVM_CFG)
     del memory, work  # the state keeps its tensors alive
-    owning = kvm_state("cuda", max_slots=2, n_ctx=64)
+    owning = kvm_state("cuda", max_slots=2, n_ctx=96)
     assert kvmem.state_device(placed) == CUDA and placed.allocated_bytes() == state_bytes + work_bytes
     w = random_weights(40)
-    x = kvm_inputs(40, 41)
-    for lo, hi in [(0, 23), (23, 24), (24, 40)]:
+    x = kvm_inputs(80, 41)
+    for lo, hi in [(0, 23), (23, 24), (24, 80)]:
         assert torch.equal(feed_kvm(placed, w, 1, x, lo, hi), feed_kvm(owning, w, 1, x, lo, hi))
     assert torch.equal(kvmem.export_slot(placed, 1), kvmem.export_slot(owning, 1))
     with pytest.raises(ValueError, match="state memory: expected 256-byte alignment"):
         kvmem.kvm_place(torch.empty(state_bytes + 256, dtype=torch.uint8, device=CUDA)[1:],
-                        torch.empty(work_bytes, dtype=torch.uint8, device=CUDA), 2, HQ, HK, D, D, 64, **KVM_CFG)
+                        torch.empty(work_bytes, dtype=torch.uint8, device=CUDA), 2, HQ, HK, D, D, 96, **KVM_CFG)
     with pytest.raises(ValueError, match=f"state memory bytes: expected >= {state_bytes}"):
         kvmem.kvm_place(torch.empty(state_bytes - 1, dtype=torch.uint8, device=CUDA),
-                        torch.empty(work_bytes, dtype=torch.uint8, device=CUDA), 2, HQ, HK, D, D, 64, **KVM_CFG)
+                        torch.empty(work_bytes, dtype=torch.uint8, device=CUDA), 2, HQ, HK, D, D, 96, **KVM_CFG)
 
     cache_bytes, ua_work = kvmem.ua_layout(2, UH, UG, UD, 48, device="cuda")
     cache = kvmem.ua_place(torch.empty(cache_bytes, dtype=torch.uint8, device=CUDA),
@@ -458,11 +458,11 @@ def test_a_state_and_tensors_on_different_devices_raise():
 # ---- CUDA graphs ---------------------------------------------------------------------------------------------
 
 def test_a_cuda_graph_of_a_kvm_decode_step_replays_like_eager_steps():
-    """One graph of a padded decode batch, replayed 40 times (five chunk boundaries: the replays run
-    state updates), against the same steps run eagerly on a twin state: bitwise equal."""
+    """One graph of a padded decode batch, replayed 40 times (the replays cross state updates at 49, 65
+    and 81 tokens), against the same steps run eagerly on a twin state: bitwise equal."""
     w = random_weights(34).to(CUDA)
     graphed, eager = kvm_state("cuda"), kvm_state("cuda")
-    prompts = {0: kvm_inputs(11, 35), 1: kvm_inputs(20, 36), 3: kvm_inputs(5, 37)}
+    prompts = {0: kvm_inputs(30, 35), 1: kvm_inputs(45, 36), 3: kvm_inputs(5, 37)}
     for state in (graphed, eager):
         for slot, x in prompts.items():
             feed_kvm(state, w, slot, x, 0, x["q"].shape[0])
@@ -472,7 +472,7 @@ def test_a_cuda_graph_of_a_kvm_decode_step_replays_like_eager_steps():
     graph = torch.cuda.CUDAGraph()
     with graph_capture(graph):
         out_g, lse_g = kvmem.kvm_step(graphed, w, slot, qs, **static)  # recorded, not run
-    assert graphed.tokens(0) == 11
+    assert graphed.tokens(0) == 30
     for i in range(40):
         for name, t in kvm_inputs(4, 100 + i).items():
             static[name].copy_(t)
