@@ -2,7 +2,12 @@
 """kvmem for PyTorch: KV Means and Universal Attention caches as custom ops.
 
 Importing the package loads the op library (``torch.ops.kvmem``); the functions below are typed
-wrappers around those ops. CPU tensors run on kvmem's host backend.
+wrappers around those ops. A state lives on one device: the CPU (kvmem's host backend) or, when the
+library was built with kvmem's CUDA backend, a CUDA device (``device="cuda"`` on the create and size
+functions, or placement over CUDA tensors). Every tensor passed with a state must be on the state's
+device; a state on one device with tensors on another raises ``ValueError``. CUDA ops run on the
+current stream of the state's device (docs/integration.md, "PyTorch ops on CUDA": what waits for the
+device, and CUDA graph capture).
 
 Layouts (docs/integration.md): inputs of a step are packed token-major, the rows of a ragged batch
 given by ``slot`` (int32 ``[rows]``, -1 = padding row) and ``query_start`` (int32 ``[rows + 1]``):
@@ -22,7 +27,8 @@ lse       [tokens, Hq]           natural log-sum-exp of each softmax row
 A state (``kvm_create`` / ``ua_create``) holds ``max_slots`` sequence slots of one layer. Every op
 validates its arguments before it changes anything; a refused call raises ``ValueError``
 (invalid argument), ``IndexError`` (index out of range) or ``RuntimeError`` with kvmem's message and
-leaves the state unchanged.
+leaves the state unchanged. On CUDA, input values (NaN, Inf, ``gate <= 0``) are not checked, and a
+step captured in a CUDA graph reports its refusals through ``step_status``.
 """
 
 from __future__ import annotations
@@ -35,7 +41,8 @@ import torch
 
 __all__ = [
     "Fixed", "Power", "Saturating", "KvmWeights", "State",
-    "kvm_create", "kvm_state_bytes", "ua_create", "kvm_step", "ua_step",
+    "kvm_create", "kvm_state_bytes", "ua_create", "kvm_layout", "kvm_place", "ua_layout", "ua_place",
+    "kvm_step", "ua_step", "step_status", "state_device",
     "reset_slots", "copy_slots", "export_slot", "import_slot", "truncate", "library_path",
 ]
 
@@ -52,9 +59,21 @@ torch.ops.load_library(library_path())
 _ops = torch.ops.kvmem
 
 #: A layer's state: ``torch.classes.kvmem.State``. Methods: ``mechanism()`` ("kvm" or "ua"),
-#: ``max_slots()``, ``tokens(slot)`` (tokens the slot's sequence has seen), ``allocated_bytes()``,
-#: ``export_bytes(slot)`` (size of that slot's record now).
+#: ``device()`` ("cpu" or "cuda:<index>"), ``max_slots()``, ``tokens(slot)`` (tokens the slot's sequence
+#: has seen), ``allocated_bytes()``, ``export_bytes(slot)`` (size of that slot's record now). On CUDA,
+#: ``tokens`` and ``export_bytes`` read the device and wait for the current stream.
 State = torch.ScriptObject
+
+Device = Union[torch.device, str, None]
+
+
+def _device(device: Device) -> Optional[torch.device]:
+    return None if device is None else torch.device(device)
+
+
+def state_device(state: State) -> torch.device:
+    """The device a state lives on (where its tensors must be)."""
+    return torch.device(state.device())
 
 
 # ---- KV Means budgets (docs/slots.md, spec KVM.md 3.1) ------------------------------------------------
@@ -100,81 +119,94 @@ Budget = Union[Fixed, Power, Saturating]
 
 
 class KvmWeights(NamedTuple):
-    """KV Means' learned parameters (float32, CPU): ``ln_weight``, ``ln_bias`` [D] (the LN_s affine),
-    ``tau_state``, ``tau_bswa`` [Hq] (temperatures of memory-slot and window logits)."""
+    """KV Means' learned parameters (float32, on the state's device): ``ln_weight``, ``ln_bias`` [D]
+    (the LN_s affine), ``tau_state``, ``tau_bswa`` [Hq] (temperatures of memory-slot and window
+    logits)."""
     ln_weight: torch.Tensor
     ln_bias: torch.Tensor
     tau_state: torch.Tensor
     tau_bswa: torch.Tensor
 
     @staticmethod
-    def identity(head_dim: int, q_heads: int) -> "KvmWeights":
+    def identity(head_dim: int, q_heads: int, device: Device = None) -> "KvmWeights":
         """LN_s weight 1, bias 0 and unit temperatures."""
-        return KvmWeights(torch.ones(head_dim), torch.zeros(head_dim), torch.ones(q_heads),
-                          torch.ones(q_heads))
+        return KvmWeights(torch.ones(head_dim, device=device), torch.zeros(head_dim, device=device),
+                          torch.ones(q_heads, device=device), torch.ones(q_heads, device=device))
+
+    def to(self, device: Device) -> "KvmWeights":
+        """The same weights on ``device``."""
+        return KvmWeights(*(t.to(device) for t in self))
 
 
 # ---- create --------------------------------------------------------------------------------------
 
 def kvm_create(max_slots: int, q_heads: int, kv_heads: int, head_dim: int, value_dim: int, n_ctx: int, *,
                chunk: int = 256, window_chunks: int = 2, sink: int = 1, rope_dims: int = 64,
-               budget: Budget = Fixed(), scale: float = 0.0) -> State:
+               budget: Budget = Fixed(), scale: float = 0.0, device: Device = None) -> State:
     """A KV Means state of ``max_slots`` sequence slots, each holding up to ``n_ctx`` tokens.
 
     ``chunk`` (C) and ``window_chunks`` (nb): the window keeps the last nb·C exact keys; ``sink``: memory
     slots never merged into; ``rope_dims``: leading key channels zeroed before LN_s; ``budget``: how
-    many memory slots exist after N tokens; ``scale``: the logit scale (0 = 1/sqrt(head_dim)).
-    Storage is float32. The state owns its memory (``state.allocated_bytes()``)."""
+    many memory slots exist after N tokens; ``scale``: the logit scale (0 = 1/sqrt(head_dim));
+    ``device``: the CPU (None) or a CUDA device ("cuda" is the current one). Storage is float32. The
+    state owns its memory (``state.allocated_bytes()``)."""
     kind, args = budget._spec()
     return _ops.kvm_create(max_slots, q_heads, kv_heads, head_dim, value_dim, n_ctx, chunk, window_chunks, sink,
-                           rope_dims, kind, args, scale)
+                           rope_dims, kind, args, scale, _device(device))
 
 
 def kvm_state_bytes(max_slots: int, q_heads: int, kv_heads: int, head_dim: int, value_dim: int, n_ctx: int, *,
                     chunk: int = 256, window_chunks: int = 2, sink: int = 1, rope_dims: int = 64,
-                    budget: Budget = Fixed(), scale: float = 0.0) -> int:
-    """Bytes ``kvm_create`` with the same arguments allocates (0 if they are invalid): size memory
-    for the worst case before the first token."""
+                    budget: Budget = Fixed(), scale: float = 0.0, device: Device = None) -> int:
+    """Bytes ``kvm_create`` with the same arguments allocates on ``device`` (0 if they are invalid):
+    size memory for the worst case before the first token."""
     kind, args = budget._spec()
     return _ops.kvm_state_bytes(max_slots, q_heads, kv_heads, head_dim, value_dim, n_ctx, chunk, window_chunks,
-                                sink, rope_dims, kind, args, scale)
+                                sink, rope_dims, kind, args, scale, _device(device))
 
 
-def ua_create(max_slots: int, q_heads: int, kv_heads: int, head_dim: int, capacity: int) -> State:
+def ua_create(max_slots: int, q_heads: int, kv_heads: int, head_dim: int, capacity: int, *,
+              device: Device = None) -> State:
     """A Universal Attention cache of ``max_slots`` sequence slots, each keeping up to ``capacity``
-    entries per KV head (a row that could exceed it is refused: kept + new tokens <= capacity)."""
-    return _ops.ua_create(max_slots, q_heads, kv_heads, head_dim, capacity)
+    entries per KV head (a row that could exceed it is refused: kept + new tokens <= capacity), on the
+    CPU (``device=None``) or a CUDA device."""
+    return _ops.ua_create(max_slots, q_heads, kv_heads, head_dim, capacity, _device(device))
 
 
 # ---- placed over tensors the caller allocates (docs/memory.md) -------------------------------------
 
 def kvm_layout(max_slots: int, q_heads: int, kv_heads: int, head_dim: int, value_dim: int, n_ctx: int, *,
                chunk: int = 256, window_chunks: int = 2, sink: int = 1, rope_dims: int = 64,
-               budget: Budget = Fixed(), scale: float = 0.0) -> Tuple[int, int]:
+               budget: Budget = Fixed(), scale: float = 0.0, device: Device = None) -> Tuple[int, int]:
     """``(state_bytes, workspace_bytes)`` of a KV Means state placed by ``kvm_place``: the sizes of the two
     uint8 tensors an engine allocates before the first request ((0, 0) for an invalid configuration).
     The state tensor holds every slot's sequence; one workspace may serve several layers' states that
-    never step at the same time."""
+    never step at the same time. The layout depends on the backend: pass the ``device`` the tensors
+    will be on."""
     kind, args = budget._spec()
     return tuple(_ops.kvm_layout(max_slots, q_heads, kv_heads, head_dim, value_dim, n_ctx, chunk, window_chunks,
-                                 sink, rope_dims, kind, args, scale))
+                                 sink, rope_dims, kind, args, scale, _device(device)))
 
 
 def kvm_place(memory: torch.Tensor, workspace: torch.Tensor, max_slots: int, q_heads: int, kv_heads: int,
               head_dim: int, value_dim: int, n_ctx: int, *, chunk: int = 256, window_chunks: int = 2,
               sink: int = 1, rope_dims: int = 64, budget: Budget = Fixed(), scale: float = 0.0) -> State:
     """A KV Means state like ``kvm_create``'s, living in ``memory`` and using ``workspace`` as scratch:
-    contiguous uint8 CPU tensors of at least ``kvm_layout(...)`` bytes, 64-byte aligned (a fresh
+    contiguous uint8 tensors on one device (the state's: CPU or CUDA) of at least
+    ``kvm_layout(..., device=memory.device)`` bytes, aligned (64 bytes on the CPU, 256 on CUDA; a fresh
     ``torch.empty`` is). Every slot starts empty; the state keeps both tensors alive. Too small,
-    misaligned or of the wrong dtype raises ``ValueError`` with kvmem's message."""
+    misaligned, of the wrong dtype or on different devices raises ``ValueError`` with kvmem's message.
+    On CUDA, placing waits once for the current stream."""
     kind, args = budget._spec()
     return _ops.kvm_place(memory, workspace, max_slots, q_heads, kv_heads, head_dim, value_dim, n_ctx, chunk,
                           window_chunks, sink, rope_dims, kind, args, scale)
 
 
-def ua_layout(max_slots: int, q_heads: int, kv_heads: int, head_dim: int, capacity: int) -> Tuple[int, int]:
-    """``(cache_bytes, workspace_bytes)`` of a Universal Attention cache placed by ``ua_place``."""
-    return tuple(_ops.ua_layout(max_slots, q_heads, kv_heads, head_dim, capacity))
+def ua_layout(max_slots: int, q_heads: int, kv_heads: int, head_dim: int, capacity: int, *,
+              device: Device = None) -> Tuple[int, int]:
+    """``(cache_bytes, workspace_bytes)`` of a Universal Attention cache placed by ``ua_place`` on
+    ``device``."""
+    return tuple(_ops.ua_layout(max_slots, q_heads, kv_heads, head_dim, capacity, _device(device)))
 
 
 def ua_place(memory: torch.Tensor, workspace: torch.Tensor, max_slots: int, q_heads: int, kv_heads: int,
@@ -193,7 +225,12 @@ def kvm_step(state: State, weights: KvmWeights, slot: torch.Tensor, query_start:
     Row r runs the tokens ``query_start[r]:query_start[r+1]`` of the sequence in ``slot[r]`` and
     advances that slot; a padding row (-1) is skipped and its outputs are zero. A row computes what a
     prefill of its tokens on that sequence alone computes. ``exact=True`` takes the scalar paths that
-    make this bitwise (the default allows faster tile products, equal within float32 rounding)."""
+    make this bitwise (the default allows faster tile products, equal within float32 rounding).
+
+    On CUDA every tensor is on the state's device and ``exact`` has no effect (the update rounds like
+    the host's exact path; outputs equal it within float32 rounding). The device checks the rows; the
+    op then reads the verdict back, which waits for the current stream, and raises like the CPU op.
+    Inside a CUDA graph capture it does not wait: call ``step_status`` after replays."""
     return _ops.kvm_step(state, list(weights), slot, query_start, q, k, v, gate, exact)
 
 
@@ -207,39 +244,59 @@ def ua_step(state: State, slot: torch.Tensor, query_start: torch.Tensor, q: torc
     counted from the row's first token) that continues the slot. ``p`` is the pruning threshold: keys
     whose accumulated decay falls below ln p are evicted for good (0 = dense UA). ``z_o``
     [tokens, Hq, D] is an optional output gate. Token i of row r sits at position
-    ``state.tokens(slot[r]) + i``, which the caller uses for RoPE."""
+    ``state.tokens(slot[r]) + i``, which the caller uses for RoPE.
+
+    On CUDA every tensor is on the state's device, ``prefill_chunk`` is at most 128, and the op checks
+    the rows and each slot's room on the host before it enqueues the step (reading the slots' lengths
+    waits for the current stream); inside a CUDA graph capture it checks nothing on the host: a row
+    without room is skipped (outputs zero) and its slot flagged, which ``step_status`` reports."""
     return _ops.ua_step(state, slot, query_start, q, k, v, z_k, z_q, z_o, p, prefill_chunk,
                         evict_before_attention)
 
 
+def step_status(state: State) -> None:
+    """Raises what the device refused since the last check, as the step would have raised: a CUDA
+    step captured in a graph does not wait for its rows' check, so a refused replay (which changes
+    nothing) is reported here, and, for Universal Attention, the slots that had no room for a
+    captured row (skipped, flagged until ``reset_slots``, ``copy_slots`` or ``import_slot``). Waits
+    for the current stream; call it outside a capture, after replays. A CPU state refuses a step
+    when it is made, so this returns at once for it."""
+    _ops.step_status(state)
+
+
 # ---- slot operations (the same names and argument order for both mechanisms) -----------------------
 
-def _slots(x: Union[torch.Tensor, Sequence[int]]) -> torch.Tensor:
-    return x if isinstance(x, torch.Tensor) else torch.tensor(list(x), dtype=torch.int32)
+def _slots(x: Union[torch.Tensor, Sequence[int]], state: State) -> torch.Tensor:
+    """A slot list as an int32 tensor: a list becomes one on the state's device."""
+    if isinstance(x, torch.Tensor):
+        return x
+    return torch.tensor(list(x), dtype=torch.int32, device=state_device(state))
 
 
 def reset_slots(state: State, slots: Union[torch.Tensor, Sequence[int]]) -> None:
-    """Forgets the sequences in ``slots`` (int32 tensor or a list of ints); they restart at 0 tokens."""
-    _ops.reset_slots(state, _slots(slots))
+    """Forgets the sequences in ``slots`` (int32 tensor on the state's device, or a list of ints);
+    they restart at 0 tokens. On CUDA the list is read back first (a wait for the current stream)."""
+    _ops.reset_slots(state, _slots(slots, state))
 
 
 def copy_slots(state: State, src: Union[torch.Tensor, Sequence[int]],
                dst: Union[torch.Tensor, Sequence[int]]) -> None:
     """Fork: slot ``dst[i]`` becomes a copy of ``src[i]`` and continues bit for bit like it (beam
     search, n > 1 sampling, a shared prefix). Destinations are distinct and none is another pair's
-    source."""
-    _ops.copy_slots(state, _slots(src), _slots(dst))
+    source. On CUDA the lists are read back first (a wait for the current stream)."""
+    _ops.copy_slots(state, _slots(src, state), _slots(dst, state))
 
 
 def export_slot(state: State, slot: int) -> torch.Tensor:
-    """The sequence in ``slot`` as a versioned byte record (uint8 tensor, magic ``KVMEMSLT``) that
-    ``import_slot`` of any backend reads back."""
+    """The sequence in ``slot`` as a versioned byte record (uint8 CPU tensor, magic ``KVMEMSLT``,
+    whatever the state's device) that ``import_slot`` of any backend reads back."""
     return _ops.export_slot(state, slot)
 
 
 def import_slot(state: State, weights: Optional[KvmWeights], slot: int, record: torch.Tensor) -> None:
-    """Replaces ``slot`` with an exported record. KV Means needs its ``weights`` (the readout copies
-    are rebuilt with them); pass ``None`` for a Universal Attention cache. A record whose version,
+    """Replaces ``slot`` with an exported record (a uint8 tensor on the CPU or on the state's device;
+    records are the same on every backend). KV Means needs its ``weights`` (the readout copies are
+    rebuilt with them); pass ``None`` for a Universal Attention cache. A record whose version,
     mechanism, parameters or shapes differ from this state's is refused, naming the field."""
     _ops.import_slot(state, [] if weights is None else list(weights), slot, record)
 

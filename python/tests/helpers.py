@@ -1,7 +1,8 @@
 # SPDX-License-Identifier: Apache-2.0
 """Independent references for the op tests: plain PyTorch dense causal attention and dense Universal
 Attention (float64, formula by formula from the specs), and the host backend's C++ results through
-kvmem-torch-oracle (one sequence through the batch-major C++ API)."""
+kvmem-torch-oracle (one sequence through the batch-major C++ API); and the schedule runner the tests
+share."""
 
 import json
 import math
@@ -21,6 +22,34 @@ def rows(slots: Sequence[int], counts: Sequence[int]) -> Tuple[torch.Tensor, tor
     for c in counts:
         qs.append(qs[-1] + c)
     return torch.tensor(list(slots), dtype=torch.int32), torch.tensor(qs, dtype=torch.int32)
+
+
+def serve(step, seqs, schedule):
+    """Runs `schedule`, a list of steps, each a list of (slot, tokens) rows (slot -1: padding), where
+    seqs[slot] holds the packed inputs of that slot's whole sequence. Returns every slot's outputs
+    [T, Hq, D] and lse [T, Hq], assembled in token order, and the padding rows' outputs."""
+    fed = {s: 0 for s in seqs}
+    outs = {s: [] for s in seqs}
+    lses = {s: [] for s in seqs}
+    padding = []
+    for rows_of_step in schedule:
+        parts = {name: [] for name in next(iter(seqs.values()))}
+        for slot, n in rows_of_step:
+            src = seqs[slot] if slot >= 0 else next(iter(seqs.values()))
+            lo = fed[slot] if slot >= 0 else 0
+            for name, t in src.items():
+                parts[name].append(t[lo:lo + n] + (0 if slot >= 0 else 7.0))
+        slot_t, qs = rows([s for s, _ in rows_of_step], [n for _, n in rows_of_step])
+        out, lse = step(slot_t, qs, **{name: torch.cat(p) for name, p in parts.items()})
+        for r, (slot, n) in enumerate(rows_of_step):
+            a, b = int(qs[r]), int(qs[r + 1])
+            if slot < 0:
+                padding.append((out[a:b], lse[a:b]))
+                continue
+            outs[slot].append(out[a:b])
+            lses[slot].append(lse[a:b])
+            fed[slot] += n
+    return {s: torch.cat(o) for s, o in outs.items()}, {s: torch.cat(l) for s, l in lses.items()}, padding
 
 
 def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float = 0.0):

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import kvmem
-from helpers import dense_attention, dense_ua, oracle, rows
+from helpers import dense_attention, dense_ua, oracle, rows, serve
 
 HQ, HK, D = 4, 2, 16
 C, NB = 8, 2  # KVM chunk and window chunks: the window holds 16 keys
@@ -37,34 +37,6 @@ def random_weights(seed):
     g = torch.Generator().manual_seed(seed)
     return kvmem.KvmWeights(1 + 0.2 * torch.randn(D, generator=g), 0.1 * torch.randn(D, generator=g),
                             1 + 0.3 * torch.rand(HQ, generator=g), 0.8 + 0.3 * torch.rand(HQ, generator=g))
-
-
-def serve(step, seqs, schedule):
-    """Runs `schedule`, a list of steps, each a list of (slot, tokens) rows (slot -1: padding), where
-    seqs[slot] holds the packed inputs of that slot's whole sequence. Returns every slot's outputs
-    [T, Hq, D] and lse [T, Hq], assembled in token order, and the padding rows' outputs."""
-    fed = {s: 0 for s in seqs}
-    outs = {s: [] for s in seqs}
-    lses = {s: [] for s in seqs}
-    padding = []
-    for rows_of_step in schedule:
-        parts = {name: [] for name in next(iter(seqs.values()))}
-        for slot, n in rows_of_step:
-            src = seqs[slot] if slot >= 0 else next(iter(seqs.values()))
-            lo = fed[slot] if slot >= 0 else 0
-            for name, t in src.items():
-                parts[name].append(t[lo:lo + n] + (0 if slot >= 0 else 7.0))
-        slot_t, qs = rows([s for s, _ in rows_of_step], [n for _, n in rows_of_step])
-        out, lse = step(slot_t, qs, **{name: torch.cat(p) for name, p in parts.items()})
-        for r, (slot, n) in enumerate(rows_of_step):
-            a, b = int(qs[r]), int(qs[r + 1])
-            if slot < 0:
-                padding.append((out[a:b], lse[a:b]))
-                continue
-            outs[slot].append(out[a:b])
-            lses[slot].append(lse[a:b])
-            fed[slot] += n
-    return {s: torch.cat(o) for s, o in outs.items()}, {s: torch.cat(l) for s, l in lses.items()}, padding
 
 
 # A ragged schedule: prefill chunks of different sizes, a padding row, decode tokens, slots joining late.

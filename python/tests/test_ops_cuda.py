@@ -1,0 +1,532 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The PyTorch ops on CUDA tensors (kvmem's CUDA backend) against the same ops on CPU tensors (the host
+backend) with the same inputs. Tolerances are the CUDA backend's own tests' (tests/cuda): KV Means
+outputs within fp32 rounding of the host's exact path (max |x - ref| <= 2e-5 max(1, max |ref|)) and the
+slot records byte for byte (the CUDA update rounds like the host's exact path); Universal Attention
+outputs within a relative Frobenius error of 1e-4 and the records' kept rows and positions exactly.
+Also: forks, records moving between backends, refusals, device mismatches, and a CUDA graph of a
+decode step replayed like eager steps. Skipped, saying why, without a CUDA device or without the CUDA
+kernels in the op library."""
+
+import re
+
+import pytest
+import torch
+
+import kvmem
+from helpers import rows, serve
+
+
+def _skip_reason():
+    if not torch.cuda.is_available():
+        return "no CUDA device: torch.cuda.is_available() is False"
+    try:
+        kvmem.ua_create(1, 2, 1, 16, 16, device="cuda")
+    except RuntimeError as e:
+        if "no CUDA backend" not in str(e):
+            raise
+        return "the op library has no CUDA kernels (built without KVMEM_CUDA or against a torch without CUDA)"
+    return None
+
+
+_REASON = _skip_reason()
+if _REASON:
+    print(f"test_ops_cuda: skipped: {_REASON}")
+    pytest.skip(_REASON, allow_module_level=True)
+
+CUDA = torch.device("cuda", torch.cuda.current_device())
+DEV = re.escape(str(CUDA))  # "cuda:0" as the ops print it
+
+# KV Means: the CUDA slot tests' shape (two query heads per KV head); UA: theirs too (four per KV head).
+HQ, HK, D = 4, 2, 32
+C, NB = 16, 2  # the window holds 32 keys; state updates run at 49, 65, 81, ... tokens
+UH, UG, UD = 8, 2, 64
+KVM_CFG = dict(chunk=C, window_chunks=NB, rope_dims=8, budget=kvmem.Fixed(24))
+
+
+def kvm_state(device, max_slots=4, n_ctx=160, **kw):
+    return kvmem.kvm_create(max_slots, HQ, HK, D, D, n_ctx, **dict(KVM_CFG, **kw), device=device)
+
+
+def kvm_inputs(T, seed):
+    g = torch.Generator().manual_seed(seed)
+    return dict(q=torch.randn(T, HQ, D, generator=g), k=torch.randn(T, HK, D, generator=g),
+                v=torch.randn(T, HK, D, generator=g), gate=torch.rand(T, HK, generator=g) + 0.5)
+
+
+def ua_inputs(T, seed):
+    g = torch.Generator().manual_seed(seed)
+    k = torch.randn(T, UG, UD, generator=g)
+    k = k / (k.norm(dim=-1, keepdim=True) + 1e-6)
+    return dict(q=2 * torch.randn(T, UH, UD, generator=g), k=k, v=torch.randn(T, UG, UD, generator=g),
+                z_k=torch.randn(T, UG, generator=g) + 1.0, z_q=torch.randn(T, UG, generator=g) + 1.0)
+
+
+def random_weights(seed):
+    g = torch.Generator().manual_seed(seed)
+    return kvmem.KvmWeights(1 + 0.2 * torch.randn(D, generator=g), 0.1 * torch.randn(D, generator=g),
+                            1 + 0.3 * torch.rand(HQ, generator=g), 0.8 + 0.3 * torch.rand(HQ, generator=g))
+
+
+def on(device, x):
+    return {n: t.to(device) for n, t in x.items()}
+
+
+def kvm_step_on(state, w, slot, qs, exact=True, **x):
+    """kvm_step with every tensor moved to the state's device; results on the CPU."""
+    dev = kvmem.state_device(state)
+    out, lse = kvmem.kvm_step(state, w.to(dev), slot.to(dev), qs.to(dev), **on(dev, x), exact=exact)
+    return out.cpu(), lse.cpu()
+
+
+def ua_step_on(state, slot, qs, p, prefill_chunk=8, **x):
+    dev = kvmem.state_device(state)
+    out, lse = kvmem.ua_step(state, slot.to(dev), qs.to(dev), **on(dev, x), p=p, prefill_chunk=prefill_chunk)
+    return out.cpu(), lse.cpu()
+
+
+def scaled_error(x, ref):
+    """max |x - ref| / max(1, max |ref|): the rule of tests/cuda for KV Means."""
+    x, ref = x.double().cpu(), ref.double().cpu()
+    return ((x - ref).abs().max() / max(1.0, ref.abs().max().item())).item()
+
+
+def relative_frobenius(x, ref):
+    x, ref = x.double().cpu(), ref.double().cpu()
+    return ((x - ref).norm() / max(ref.norm().item(), 1e-30)).item()
+
+
+def decode_record(record):
+    """The fields of a slot record (core/slots.hpp: magic, u32 version, mechanism, field count, then per
+    field u16 name length, name, u8 kind (1 i64, 2 f64, 3 f32), u64 count, data) as tensors."""
+    b = bytes(record.cpu().tolist())
+    assert b[:8] == b"KVMEMSLT"
+    count = int.from_bytes(b[16:20], "little")
+    at, fields = 20, {}
+    for _ in range(count):
+        n = int.from_bytes(b[at:at + 2], "little")
+        name = b[at + 2:at + 2 + n].decode()
+        kind = b[at + 2 + n]
+        elems = int.from_bytes(b[at + 3 + n:at + 11 + n], "little")
+        at += 11 + n
+        dtype, size = {1: (torch.int64, 8), 2: (torch.float64, 8), 3: (torch.float32, 4)}[kind]
+        fields[name] = torch.frombuffer(bytearray(b[at:at + elems * size]), dtype=dtype) if elems else \
+            torch.empty(0, dtype=dtype)
+        at += elems * size
+    assert at == len(b)
+    return fields
+
+
+def assert_ua_records_match(cuda_record, cpu_record):
+    """Kept rows, positions, keys, values and gate logits exactly; λ within fp32 accumulation order."""
+    a, b = decode_record(cuda_record), decode_record(cpu_record)
+    assert a.keys() == b.keys()
+    for name in ("query_heads", "kv_heads", "head_dim", "storage", "position", "length", "pos", "key", "value",
+                 "key_logit"):
+        assert torch.equal(a[name], b[name]), name
+    torch.testing.assert_close(a["lambda"], b["lambda"], rtol=1e-4, atol=1e-5)
+
+
+def graph_capture(graph):
+    """torch.cuda.graph, capturing only this thread's work where torch lets us say so."""
+    try:
+        return torch.cuda.graph(graph, capture_error_mode="thread_local")
+    except TypeError:
+        return torch.cuda.graph(graph)
+
+
+# Ragged schedules: prefill chunks of different sizes, padding rows, decode tokens, slots joining late.
+# At most max_slots rows a step: on CUDA a padding row takes a work item of the workspace too.
+SCHEDULE_KVM = [
+    [(0, 29), (1, 40)],
+    [(1, 37), (-1, 2), (0, 44)],
+    [(0, 1), (1, 1), (-1, 1)],
+    [(1, 1), (0, 1)],
+    [(0, 3), (-1, 0), (1, 1)],
+]
+SCHEDULE_UA = [
+    [(2, 5), (-1, 3), (0, 12)],
+    [(2, 2), (3, 1), (0, 1)],
+    [(0, 1), (3, 6), (2, 1)],
+    [(3, 1), (2, 1), (-1, 0)],
+    [(0, 16), (2, 8), (3, 1)],
+] + [[(0, 1), (2, 1), (3, 1), (-1, 1)]] * 6
+
+
+# ---- steps: CUDA equals the CPU op ----------------------------------------------------------------------
+
+def test_kvm_step_on_cuda_equals_the_cpu_op():
+    # 78 and 80 tokens with a 32-token window and 24 memory slots: state updates append and merge.
+    seqs = {0: kvm_inputs(78, 4), 1: kvm_inputs(80, 5)}
+    w = random_weights(6)
+    cpu, gpu = kvm_state("cpu"), kvm_state("cuda")
+    out_c, lse_c, pad_c = serve(lambda s, qs, **x: kvm_step_on(cpu, w, s, qs, **x), seqs, SCHEDULE_KVM)
+    out_g, lse_g, pad_g = serve(lambda s, qs, **x: kvm_step_on(gpu, w, s, qs, **x), seqs, SCHEDULE_KVM)
+    for slot in seqs:
+        assert scaled_error(out_g[slot], out_c[slot]) <= 2e-5, slot
+        assert scaled_error(lse_g[slot], lse_c[slot]) <= 2e-5, slot
+        assert gpu.tokens(slot) == cpu.tokens(slot) == seqs[slot]["q"].shape[0]
+        # counters, memory slots (so every route) and window, byte for byte
+        assert torch.equal(kvmem.export_slot(gpu, slot), kvmem.export_slot(cpu, slot)), slot
+    for o, l in pad_g:
+        assert torch.count_nonzero(o) == 0 and torch.count_nonzero(l) == 0
+    assert gpu.tokens(2) == 0
+
+
+@pytest.mark.parametrize("p", [0.0, 0.05])
+def test_ua_step_on_cuda_equals_the_cpu_op(p):
+    seqs = {0: ua_inputs(36, 7), 2: ua_inputs(23, 8), 3: ua_inputs(15, 9)}
+    cpu, gpu = (kvmem.ua_create(4, UH, UG, UD, 64, device=d) for d in ("cpu", "cuda"))
+    out_c, lse_c, _ = serve(lambda s, qs, **x: ua_step_on(cpu, s, qs, p, **x), seqs, SCHEDULE_UA)
+    out_g, lse_g, pad_g = serve(lambda s, qs, **x: ua_step_on(gpu, s, qs, p, **x), seqs, SCHEDULE_UA)
+    for slot in seqs:
+        assert relative_frobenius(out_g[slot], out_c[slot]) <= 1e-4, slot
+        assert relative_frobenius(lse_g[slot], lse_c[slot]) <= 1e-4, slot
+        assert gpu.tokens(slot) == cpu.tokens(slot)
+        assert_ua_records_match(kvmem.export_slot(gpu, slot), kvmem.export_slot(cpu, slot))
+    for o, l in pad_g:
+        assert torch.count_nonzero(o) == 0 and torch.count_nonzero(l) == 0
+
+
+# ---- slot operations ---------------------------------------------------------------------------------------
+
+def feed_kvm(state, w, slot, x, lo, hi):
+    s, qs = rows([slot], [hi - lo])
+    return kvm_step_on(state, w, s, qs, **{n: t[lo:hi] for n, t in x.items()})[0]
+
+
+def feed_ua(state, slot, x, lo, hi, p=0.05):
+    s, qs = rows([slot], [hi - lo])
+    return ua_step_on(state, s, qs, p, **{n: t[lo:hi] for n, t in x.items()})[0]
+
+
+def test_copy_slots_fork_on_cuda_continues_like_its_source():
+    x = kvm_inputs(64, 12)
+    w = random_weights(13)
+    cpu, gpu = kvm_state("cpu"), kvm_state("cuda")
+    for state in (cpu, gpu):
+        feed_kvm(state, w, 1, x, 0, 60)
+        kvmem.copy_slots(state, [1], [3])  # a list becomes an int32 tensor on the state's device
+        assert state.tokens(3) == 60
+    s, qs = rows([1, 3], [4, 4])
+    tail = {n: torch.cat([t[60:], t[60:]]) for n, t in x.items()}
+    both_g = kvm_step_on(gpu, w, s, qs, **tail)[0]
+    both_c = kvm_step_on(cpu, w, s, qs, **tail)[0]
+    assert torch.equal(both_g[:4], both_g[4:])  # the fork computes what its source computes
+    assert scaled_error(both_g, both_c) <= 2e-5
+    assert torch.equal(kvmem.export_slot(gpu, 3), kvmem.export_slot(gpu, 1))
+    assert torch.equal(kvmem.export_slot(gpu, 3), kvmem.export_slot(cpu, 3))
+
+    y = ua_inputs(30, 14)
+    cache = kvmem.ua_create(4, UH, UG, UD, 64, device="cuda")
+    feed_ua(cache, 0, y, 0, 24)
+    kvmem.copy_slots(cache, torch.tensor([0], dtype=torch.int32, device=CUDA),
+                     torch.tensor([2], dtype=torch.int32, device=CUDA))
+    a, b = feed_ua(cache, 0, y, 24, 25), feed_ua(cache, 2, y, 24, 25)
+    assert torch.equal(a, b)
+    assert torch.equal(kvmem.export_slot(cache, 0), kvmem.export_slot(cache, 2))
+
+
+def test_records_move_between_cuda_and_cpu():
+    x = kvm_inputs(66, 15)
+    w = random_weights(16)
+    gpu, ref = kvm_state("cuda"), kvm_state("cpu")
+    feed_kvm(gpu, w, 2, x, 0, 61)
+    feed_kvm(ref, w, 2, x, 0, 61)
+    record = kvmem.export_slot(gpu, 2)
+    assert record.device.type == "cpu" and record.dtype == torch.uint8
+    assert record.numel() == gpu.export_bytes(2)
+    assert torch.equal(record, kvmem.export_slot(ref, 2))
+    # CUDA -> CPU: the CPU state continues like the CUDA one
+    cpu = kvm_state("cpu", max_slots=2)
+    kvmem.import_slot(cpu, w, 1, record)
+    assert cpu.tokens(1) == 61
+    tail_c, tail_g = feed_kvm(cpu, w, 1, x, 61, 66), feed_kvm(gpu, w, 2, x, 61, 66)
+    assert scaled_error(tail_g, tail_c) <= 2e-5
+    assert torch.equal(kvmem.export_slot(cpu, 1), kvmem.export_slot(gpu, 2))
+    # CPU -> CUDA, the record given as a CUDA tensor this time
+    back = kvm_state("cuda", max_slots=2)
+    kvmem.import_slot(back, w.to(CUDA), 0, kvmem.export_slot(cpu, 1).to(CUDA))
+    assert back.tokens(0) == 66 and torch.equal(kvmem.export_slot(back, 0), kvmem.export_slot(cpu, 1))
+
+    y = ua_inputs(28, 17)
+    a = kvmem.ua_create(3, UH, UG, UD, 64, device="cuda")
+    feed_ua(a, 0, y, 0, 24)
+    rec = kvmem.export_slot(a, 0)
+    b = kvmem.ua_create(1, UH, UG, UD, 40)
+    kvmem.import_slot(b, None, 0, rec)
+    assert b.tokens(0) == 24 and torch.equal(kvmem.export_slot(b, 0), rec)
+    moved = torch.cat([feed_ua(b, 0, y, t, t + 1) for t in range(24, 28)])
+    stayed = torch.cat([feed_ua(a, 0, y, t, t + 1) for t in range(24, 28)])
+    assert relative_frobenius(stayed, moved) <= 1e-4
+    c = kvmem.ua_create(2, UH, UG, UD, 64, device="cuda")
+    kvmem.import_slot(c, None, 1, kvmem.export_slot(b, 0))
+    assert c.tokens(1) == 28 and torch.equal(kvmem.export_slot(c, 1), kvmem.export_slot(b, 0))
+
+
+def test_truncate_and_reset_on_cuda_match_the_cpu_op():
+    x, y = kvm_inputs(10, 18), kvm_inputs(5, 19)
+    w = random_weights(20)
+    outs = []
+    for device in ("cpu", "cuda"):
+        state = kvm_state(device)
+        feed_kvm(state, w, 0, x, 0, 10)
+        kvmem.truncate(state, 0, 3)
+        assert state.tokens(0) == 7
+        outs.append(feed_kvm(state, w, 0, y, 0, 5))
+        z = kvm_inputs(70, 21)
+        feed_kvm(state, w, 1, z, 0, 70)  # updates absorbed tokens into memory slots
+        with pytest.raises(ValueError, match="cannot be undone"):
+            kvmem.truncate(state, 1, 30)
+        assert state.tokens(1) == 70
+        kvmem.reset_slots(state, [1])
+        assert state.tokens(1) == 0
+        outs.append(feed_kvm(state, w, 1, y, 0, 5))
+    assert scaled_error(outs[2], outs[0]) <= 2e-5 and scaled_error(outs[3], outs[1]) <= 2e-5
+
+    cache = kvmem.ua_create(2, UH, UG, UD, 64, device="cuda")
+    feed_ua(cache, 1, ua_inputs(12, 22), 0, 12)
+    with pytest.raises(RuntimeError, match="unsupported"):
+        kvmem.truncate(cache, 1, 2)
+    assert cache.tokens(1) == 12
+    kvmem.truncate(cache, 1, 12)  # all of it: a reset
+    assert cache.tokens(1) == 0
+
+
+def test_state_methods_and_sizes_on_cuda():
+    state = kvm_state("cuda", max_slots=3, n_ctx=100)
+    assert state.mechanism() == "kvm" and state.max_slots() == 3 and kvmem.state_device(state) == CUDA
+    assert state.allocated_bytes() == kvmem.kvm_state_bytes(3, HQ, HK, D, D, 100, **KVM_CFG, device="cuda")
+    assert kvmem.kvm_state_bytes(3, HQ, HK, D, D, 100, chunk=0, device="cuda") == 0
+    cache = kvmem.ua_create(2, UH, UG, UD, 50, device=CUDA)
+    assert cache.mechanism() == "ua" and cache.max_slots() == 2 and cache.device() == str(CUDA)
+    assert cache.allocated_bytes() == sum(kvmem.ua_layout(2, UH, UG, UD, 50, device="cuda"))
+    assert kvmem.ua_layout(2, 3, 2, UD, 50, device="cuda") == (0, 0)
+    w = random_weights(23)
+    feed_kvm(state, w, 1, kvm_inputs(5, 24), 0, 5)
+    assert state.tokens(1) == 5 and state.tokens(7) == 0
+    assert state.export_bytes(1) == kvmem.export_slot(state, 1).numel()
+    kvmem.step_status(state)  # nothing refused
+
+
+def test_meta_kernels_serve_cuda_states():
+    state = kvm_state("cuda")
+    s, qs = rows([2, 0], [3, 4])
+    meta = {n: t.to("meta") for n, t in kvm_inputs(7, 25).items()}
+    w = kvmem.KvmWeights.identity(D, HQ, device="meta")
+    out, lse = kvmem.kvm_step(state, w, s.to("meta"), qs.to("meta"), **meta)
+    assert out.device.type == "meta" and out.shape == (7, HQ, D) and lse.shape == (7, HQ)
+    cache = kvmem.ua_create(2, UH, UG, UD, 16, device="cuda")
+    u = {n: t.to("meta") for n, t in ua_inputs(7, 26).items()}
+    out, lse = kvmem.ua_step(cache, s.to("meta"), qs.to("meta"), **u, p=0.05)
+    assert out.shape == (7, UH, UD) and lse.shape == (7, UH)
+    assert state.tokens(2) == 0 and cache.tokens(0) == 0
+
+
+# ---- placed over CUDA tensors the caller allocates -------------------------------------------------------
+
+def test_placed_states_on_cuda_step_like_owning_ones():
+    state_bytes, work_bytes = kvmem.kvm_layout(2, HQ, HK, D, D, 96, **KVM_CFG, device="cuda")
+    assert state_bytes > 0 and work_bytes > 0
+    memory = torch.empty(state_bytes, dtype=torch.uint8, device=CUDA)
+    work = torch.empty(work_bytes, dtype=torch.uint8, device=CUDA)
+    placed = kvmem.kvm_place(memory, work, 2, HQ, HK, D, D, 96, **KVM_CFG)
+    del memory, work  # the state keeps its tensors alive
+    owning = kvm_state("cuda", max_slots=2, n_ctx=96)
+    assert kvmem.state_device(placed) == CUDA and placed.allocated_bytes() == state_bytes + work_bytes
+    w = random_weights(40)
+    x = kvm_inputs(80, 41)
+    for lo, hi in [(0, 23), (23, 24), (24, 80)]:
+        assert torch.equal(feed_kvm(placed, w, 1, x, lo, hi), feed_kvm(owning, w, 1, x, lo, hi))
+    assert torch.equal(kvmem.export_slot(placed, 1), kvmem.export_slot(owning, 1))
+    with pytest.raises(ValueError, match="state memory: expected 256-byte alignment"):
+        kvmem.kvm_place(torch.empty(state_bytes + 256, dtype=torch.uint8, device=CUDA)[1:],
+                        torch.empty(work_bytes, dtype=torch.uint8, device=CUDA), 2, HQ, HK, D, D, 96, **KVM_CFG)
+    with pytest.raises(ValueError, match=f"state memory bytes: expected >= {state_bytes}"):
+        kvmem.kvm_place(torch.empty(state_bytes - 1, dtype=torch.uint8, device=CUDA),
+                        torch.empty(work_bytes, dtype=torch.uint8, device=CUDA), 2, HQ, HK, D, D, 96, **KVM_CFG)
+
+    cache_bytes, ua_work = kvmem.ua_layout(2, UH, UG, UD, 48, device="cuda")
+    cache = kvmem.ua_place(torch.empty(cache_bytes, dtype=torch.uint8, device=CUDA),
+                           torch.empty(ua_work, dtype=torch.uint8, device=CUDA), 2, UH, UG, UD, 48)
+    ref = kvmem.ua_create(2, UH, UG, UD, 48, device="cuda")
+    u = ua_inputs(40, 42)
+    assert torch.equal(feed_ua(cache, 1, u, 0, 40), feed_ua(ref, 1, u, 0, 40))
+    assert torch.equal(kvmem.export_slot(cache, 1), kvmem.export_slot(ref, 1))
+
+
+# ---- refusals ------------------------------------------------------------------------------------------------
+
+def test_bad_inputs_on_cuda_raise_with_kvmems_message_and_change_nothing():
+    state = kvm_state("cuda", n_ctx=64)
+    w = random_weights(26).to(CUDA)
+    x = on(CUDA, kvm_inputs(6, 27))
+    feed_kvm(state, w, 0, kvm_inputs(3, 28), 0, 3)
+    before = kvmem.export_slot(state, 0)
+
+    def step(slot, counts, **over):
+        s, qs = rows(slot, counts)
+        args = dict(x, **over)
+        return kvmem.kvm_step(state, w, s.to(CUDA), qs.to(CUDA), args["q"], args["k"], args["v"], args["gate"])
+
+    # the rows are checked on the device; the op reads the verdict back and raises
+    with pytest.raises(IndexError, match=r"slot\[1\]: expected -1 \(padding\) or 0 <= slot < max_slots = 4, got 9"):
+        step([0, 9], [3, 3])
+    with pytest.raises(ValueError, match=r"slot\[\d\]: expected a slot used by no"):
+        step([0, 0], [3, 3])
+    with pytest.raises(ValueError, match=r"query_start\[3\]: expected the packed token count"):
+        kvmem.kvm_step(state, w, torch.tensor([0, 1, 2], dtype=torch.int32, device=CUDA),
+                       torch.tensor([0, 2, 4, 5], dtype=torch.int32, device=CUDA), x["q"], x["k"], x["v"], x["gate"])
+    with pytest.raises(IndexError, match="exceed the state's n_ctx = 64"):
+        step([0], [62], **{n: t.repeat(11, 1, 1)[:62] if t.dim() == 3 else t.repeat(11, 1)[:62]
+                           for n, t in x.items()})
+    # the rest on the host, before anything is enqueued
+    with pytest.raises(ValueError, match=r"q \[tokens,Hq,D\]"):
+        step([0], [6], q=torch.randn(6, HQ + 1, D, device=CUDA))
+    with pytest.raises(ValueError, match="q: expected dtype Float, got Double"):
+        step([0], [6], q=x["q"].double())
+    with pytest.raises(ValueError, match=rf"ln_weight shape: expected \[{D}\], got \[{D + 1}\]"):
+        s, qs = rows([0], [6])
+        kvmem.kvm_step(state, kvmem.KvmWeights(torch.ones(D + 1, device=CUDA), *w[1:]), s.to(CUDA), qs.to(CUDA),
+                       **x)
+    with pytest.raises(ValueError, match="expected a KV Means state"):
+        s, qs = rows([0], [6])
+        kvmem.kvm_step(kvmem.ua_create(1, HQ, HK, D, 8, device="cuda"), w, s.to(CUDA), qs.to(CUDA), **x)
+    with pytest.raises(ValueError, match="dst"):
+        kvmem.copy_slots(state, [0, 1], [2, 2])
+    with pytest.raises(IndexError, match="slots"):
+        kvmem.reset_slots(state, [4])
+    with pytest.raises(ValueError, match="slot record: expected bytes that start with \"KVMEMSLT\""):
+        kvmem.import_slot(state, w, 1, torch.zeros(64, dtype=torch.uint8))
+    kvmem.step_status(state)  # every refusal was read: nothing is pending
+    assert state.tokens(0) == 3 and torch.equal(kvmem.export_slot(state, 0), before)
+    feed_kvm(state, w, 0, kvm_inputs(2, 29), 0, 2)  # and the state steps on
+    assert state.tokens(0) == 5
+
+
+def test_a_ua_row_without_room_is_refused_on_cuda_as_on_the_cpu():
+    errors = []
+    for device in ("cpu", "cuda"):
+        cache = kvmem.ua_create(2, UH, UG, UD, 16, device=device)
+        y = ua_inputs(20, 30)
+        feed_ua(cache, 1, y, 0, 10, p=0.0)  # nothing evicted: 10 rows kept
+        before = kvmem.export_slot(cache, 1)
+        with pytest.raises(IndexError, match=r"cache capacity: row 1 \(slot 1, kv head 0\) needs room for 20") as e:
+            s, qs = rows([0, 1], [2, 10])
+            ua_step_on(cache, s, qs, 0.0, **{n: torch.cat([t[:2], t[10:20]]) for n, t in y.items()})
+        errors.append(str(e.value))
+        assert cache.tokens(0) == 0 and torch.equal(kvmem.export_slot(cache, 1), before)
+    assert errors[0] == errors[1]
+
+
+def test_a_state_and_tensors_on_different_devices_raise():
+    gpu, cpu = kvm_state("cuda"), kvm_state("cpu")
+    w = random_weights(31)
+    x = kvm_inputs(3, 32)
+    s, qs = rows([0], [3])
+    with pytest.raises(ValueError, match=f"kvm_step: the state is on {DEV} but the tensors are on cpu"):
+        kvmem.kvm_step(gpu, w, s, qs, **x)
+    with pytest.raises(ValueError, match="kvm_step: the state is on cpu but the tensors are on cuda"):
+        kvmem.kvm_step(cpu, w.to(CUDA), s.to(CUDA), qs.to(CUDA), **on(CUDA, x))
+    with pytest.raises(ValueError, match=rf"gate: expected a tensor on {DEV} \(the state's device\), got device cpu"):
+        kvmem.kvm_step(gpu, w.to(CUDA), s.to(CUDA), qs.to(CUDA), x["q"].to(CUDA), x["k"].to(CUDA),
+                       x["v"].to(CUDA), x["gate"])
+    with pytest.raises(ValueError, match=rf"ln_weight: expected a tensor on {DEV}"):
+        kvmem.kvm_step(gpu, w, s.to(CUDA), qs.to(CUDA), **on(CUDA, x))
+    with pytest.raises(ValueError, match=f"reset_slots: the state is on {DEV} but the tensors are on cpu"):
+        kvmem.reset_slots(gpu, torch.tensor([0], dtype=torch.int32))
+    with pytest.raises(ValueError, match="copy_slots: the state is on cpu but the tensors are on cuda"):
+        kvmem.copy_slots(cpu, torch.tensor([0], dtype=torch.int32, device=CUDA),
+                         torch.tensor([1], dtype=torch.int32, device=CUDA))
+    with pytest.raises(ValueError, match=rf"import_slot: ln_weight: expected a tensor on {DEV}"):
+        kvmem.import_slot(gpu, w, 0, kvmem.export_slot(cpu, 0))
+    with pytest.raises(ValueError, match="import_slot: the state is on cpu but the tensors are on cuda"):
+        kvmem.import_slot(cpu, w.to(CUDA), 0, kvmem.export_slot(cpu, 0))
+    ua = kvmem.ua_create(2, UH, UG, UD, 16, device="cuda")
+    u = ua_inputs(2, 33)
+    s, qs = rows([0], [2])
+    with pytest.raises(ValueError, match=f"ua_step: the state is on {DEV} but the tensors are on cpu"):
+        kvmem.ua_step(ua, s, qs, **u)
+    state_bytes, work_bytes = kvmem.kvm_layout(2, HQ, HK, D, D, 64, **KVM_CFG, device="cuda")
+    with pytest.raises(ValueError, match=f"kvm_place: workspace: expected a CPU tensor, got device {DEV}"):
+        kvmem.kvm_place(torch.empty(state_bytes, dtype=torch.uint8), torch.empty(work_bytes, dtype=torch.uint8,
+                                                                                 device=CUDA),
+                        2, HQ, HK, D, D, 64, **KVM_CFG)
+    assert gpu.tokens(0) == 0 and cpu.tokens(0) == 0
+
+
+# ---- CUDA graphs ---------------------------------------------------------------------------------------------
+
+def test_a_cuda_graph_of_a_kvm_decode_step_replays_like_eager_steps():
+    """One graph of a padded decode batch, replayed 40 times (the replays cross state updates at 49, 65
+    and 81 tokens), against the same steps run eagerly on a twin state: bitwise equal."""
+    w = random_weights(34).to(CUDA)
+    graphed, eager = kvm_state("cuda"), kvm_state("cuda")
+    prompts = {0: kvm_inputs(30, 35), 1: kvm_inputs(45, 36), 3: kvm_inputs(5, 37)}
+    for state in (graphed, eager):
+        for slot, x in prompts.items():
+            feed_kvm(state, w, slot, x, 0, x["q"].shape[0])
+    slot = torch.tensor([0, -1, 1, 3], dtype=torch.int32, device=CUDA)
+    qs = torch.arange(5, dtype=torch.int32, device=CUDA)
+    static = on(CUDA, kvm_inputs(4, 38))
+    graph = torch.cuda.CUDAGraph()
+    with graph_capture(graph):
+        out_g, lse_g = kvmem.kvm_step(graphed, w, slot, qs, **static)  # recorded, not run
+    assert graphed.tokens(0) == 30
+    for i in range(40):
+        for name, t in kvm_inputs(4, 100 + i).items():
+            static[name].copy_(t)
+        graph.replay()
+        out_e, lse_e = kvmem.kvm_step(eager, w, slot, qs, **static)
+        assert torch.equal(out_g, out_e) and torch.equal(lse_g, lse_e), i
+        assert torch.count_nonzero(out_g[1]) == 0
+    kvmem.step_status(graphed)
+    for s, x in prompts.items():
+        assert graphed.tokens(s) == x["q"].shape[0] + 40
+        assert torch.equal(kvmem.export_slot(graphed, s), kvmem.export_slot(eager, s))
+    assert graphed.tokens(2) == 0
+
+
+def test_a_refused_replay_is_reported_by_step_status():
+    w = random_weights(39).to(CUDA)
+    state = kvm_state("cuda")
+    slot = torch.tensor([0, 1], dtype=torch.int32, device=CUDA)
+    qs = torch.arange(3, dtype=torch.int32, device=CUDA)
+    static = on(CUDA, kvm_inputs(2, 40))
+    kvmem.kvm_step(state, w, torch.full_like(slot, -1), qs, **static)  # warm-up: padding rows change nothing
+    assert state.tokens(0) == 0
+    graph = torch.cuda.CUDAGraph()
+    with graph_capture(graph):
+        kvmem.kvm_step(state, w, slot, qs, **static)
+    graph.replay()
+    kvmem.step_status(state)
+    slot.copy_(torch.tensor([1, 1], dtype=torch.int32))  # two rows of one slot: refused on the device
+    graph.replay()
+    with pytest.raises(ValueError, match=r"a step was refused on the device: .*slot\[\d\]: expected a slot used by"):
+        kvmem.step_status(state)
+    kvmem.step_status(state)  # read and cleared
+    assert state.tokens(0) == 1 and state.tokens(1) == 1
+
+
+def test_a_cuda_graph_of_a_ua_decode_step_replays_like_eager_steps():
+    graphed, eager = (kvmem.ua_create(4, UH, UG, UD, 64, device="cuda") for _ in range(2))
+    prompts = {0: ua_inputs(16, 41), 2: ua_inputs(9, 42)}
+    for cache in (graphed, eager):
+        for s, y in prompts.items():
+            feed_ua(cache, s, y, 0, y["q"].shape[0])
+    slot = torch.tensor([2, -1, 0], dtype=torch.int32, device=CUDA)
+    qs = torch.arange(4, dtype=torch.int32, device=CUDA)
+    static = on(CUDA, ua_inputs(3, 43))
+    graph = torch.cuda.CUDAGraph()
+    with graph_capture(graph):
+        out_g, lse_g = kvmem.ua_step(graphed, slot, qs, **static, p=0.05, prefill_chunk=8)
+    for i in range(20):
+        for name, t in ua_inputs(3, 200 + i).items():
+            static[name].copy_(t)
+        graph.replay()
+        out_e, lse_e = kvmem.ua_step(eager, slot, qs, **static, p=0.05, prefill_chunk=8)
+        assert torch.equal(out_g, out_e) and torch.equal(lse_g, lse_e), i
+    kvmem.step_status(graphed)
+    for s, y in prompts.items():
+        assert graphed.tokens(s) == y["q"].shape[0] + 20
+        assert torch.equal(kvmem.export_slot(graphed, s), kvmem.export_slot(eager, s))
