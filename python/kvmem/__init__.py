@@ -275,7 +275,9 @@ def _slots(x: Union[torch.Tensor, Sequence[int]], state: State) -> torch.Tensor:
 
 def reset_slots(state: State, slots: Union[torch.Tensor, Sequence[int]]) -> None:
     """Forgets the sequences in ``slots`` (int32 tensor on the state's device, or a list of ints);
-    they restart at 0 tokens. On CUDA the list is read back first (a wait for the current stream)."""
+    they restart at 0 tokens. On CUDA the device checks the list; the op then reads its verdict back (a
+    wait for the current stream) and raises like the CPU op. Inside a CUDA graph capture it does not
+    wait: call ``step_status`` after replays."""
     _ops.reset_slots(state, _slots(slots, state))
 
 
@@ -283,7 +285,9 @@ def copy_slots(state: State, src: Union[torch.Tensor, Sequence[int]],
                dst: Union[torch.Tensor, Sequence[int]]) -> None:
     """Fork: slot ``dst[i]`` becomes a copy of ``src[i]`` and continues bit for bit like it (beam
     search, n > 1 sampling, a shared prefix). Destinations are distinct and none is another pair's
-    source. On CUDA the lists are read back first (a wait for the current stream)."""
+    source. On CUDA the device checks the lists; the op then reads its verdict back (a wait for the
+    current stream) and raises like the CPU op. Inside a CUDA graph capture it does not wait: call
+    ``step_status`` after replays."""
     _ops.copy_slots(state, _slots(src, state), _slots(dst, state))
 
 

@@ -324,6 +324,16 @@ std::tuple<at::Tensor, at::Tensor> ua_step(const Holder& h, const at::Tensor& sl
 
 // ---- slot operations -------------------------------------------------------------------------------
 
+// Runs a slot operation and keeps the CPU op's contract: the device checks the list and refuses it as a
+// whole (changing nothing) after the call has returned, so the verdict is read back from the state's
+// status word (one wait on the current stream) and a refusal raises. Under capture nothing is read: a
+// refused replay stays in the state and step_status(state) raises it.
+template <class State, class Op>
+void slot_op_done(const cuda::Executor& exec, State& state, Op&& run) {
+  check(run(state));
+  if (!capturing(exec.stream)) check(state.step_status(exec));
+}
+
 void reset_slots(const Holder& h, const at::Tensor& slots) {
   constexpr const char* op = "reset_slots";
   TORCH_CHECK_VALUE(h, op, ": state is None");
@@ -332,10 +342,13 @@ void reset_slots(const Holder& h, const at::Tensor& slots) {
   const c10::cuda::CUDAGuard guard(dev);
   const at::Tensor s = slot_list(slots, op, "slots", dev);
   const auto list = view<const std::int32_t, 1>(s);
+  const cuda::Executor exec = executor(dev);
   if (h->is_kvm())
-    check(kvm::reset_slots(executor(dev), cuda_state<KvmOnCuda>(h, op, true).get(), list));
+    slot_op_done(exec, cuda_state<KvmOnCuda>(h, op, true).get(),
+                 [&](auto& st) { return kvm::reset_slots(exec, st, list); });
   else
-    check(ua::reset_slots(executor(dev), cuda_state<UaOnCuda>(h, op, false).get(), list));
+    slot_op_done(exec, cuda_state<UaOnCuda>(h, op, false).get(),
+                 [&](auto& c) { return ua::reset_slots(exec, c, list); });
 }
 
 void copy_slots(const Holder& h, const at::Tensor& src, const at::Tensor& dst) {
@@ -346,10 +359,13 @@ void copy_slots(const Holder& h, const at::Tensor& src, const at::Tensor& dst) {
   const c10::cuda::CUDAGuard guard(dev);
   const at::Tensor s = slot_list(src, op, "src", dev), d = slot_list(dst, op, "dst", dev);
   const auto a = view<const std::int32_t, 1>(s), b = view<const std::int32_t, 1>(d);
+  const cuda::Executor exec = executor(dev);
   if (h->is_kvm())
-    check(kvm::copy_slots(executor(dev), cuda_state<KvmOnCuda>(h, op, true).get(), a, b));
+    slot_op_done(exec, cuda_state<KvmOnCuda>(h, op, true).get(),
+                 [&](auto& st) { return kvm::copy_slots(exec, st, a, b); });
   else
-    check(ua::copy_slots(executor(dev), cuda_state<UaOnCuda>(h, op, false).get(), a, b));
+    slot_op_done(exec, cuda_state<UaOnCuda>(h, op, false).get(),
+                 [&](auto& c) { return ua::copy_slots(exec, c, a, b); });
 }
 
 // Reached when the record or a weight is a CUDA tensor; the state's backend checks the rest.
