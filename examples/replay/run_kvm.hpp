@@ -16,6 +16,8 @@
 #include <memory>
 #include <span>
 #include <string>
+#include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "replay_core.hpp"
@@ -40,6 +42,12 @@
 #ifndef KVMEM_REPLAY_WITH_KOKKOS_SLOTS_KVM
 #define KVMEM_REPLAY_WITH_KOKKOS_SLOTS_KVM 0
 #endif
+#ifndef KVMEM_REPLAY_WITH_CUDA_KVM
+#define KVMEM_REPLAY_WITH_CUDA_KVM 0
+#endif
+#if KVMEM_REPLAY_WITH_CUDA_KVM && !KVMEM_REPLAY_WITH_HOST_KVM
+#error "the CUDA KVM adapter reuses the host adapter's parameter mapping: build it with KVMEM_REPLAY_WITH_HOST_KVM"
+#endif
 
 #if KVMEM_REPLAY_WITH_REFERENCE_KVM
 #include "kvmem/reference/kvm.hpp"
@@ -52,6 +60,10 @@
 
 #include "kvmem/backend/kokkos.hpp"
 #include "transport_kokkos.hpp"
+#endif
+#if KVMEM_REPLAY_WITH_CUDA_KVM
+#include "kvmem/backend/cuda/kvm.cuh"
+#include "transport_cuda.hpp"
 #endif
 
 namespace kvmem::replay::kvm_adapter {
@@ -614,14 +626,91 @@ const kvm::State<S, float>& state_of(const kvm::State<S, float>& st) {
 }
 #endif
 
-#if KVMEM_REPLAY_WITH_HOST_KVM || (KVMEM_REPLAY_WITH_KOKKOS_KVM && KVMEM_REPLAY_WITH_KOKKOS_SLOTS_KVM)
+#if KVMEM_REPLAY_WITH_CUDA_KVM
+// The trace's inputs in device memory, copied once: q, k, v and gate in the storage type S (the element
+// type the CUDA step reads, as an engine hands it), the learned weights in fp32 (cuda::KvmWeights).
+template <class S>
+struct CudaTraceInputs {
+  DeviceArray<S> q, k, v, gate;
+  DeviceArray<float> ln_w, ln_b, tau_s, tau_w;
+  explicit CudaTraceInputs(const TraceInputs& in)
+      : q(to_device_as<S>(in.q)),
+        k(to_device_as<S>(in.k)),
+        v(to_device_as<S>(in.v)),
+        gate(to_device_as<S>(in.gate)),
+        ln_w(to_device_as<float>(in.ln_w)),
+        ln_b(to_device_as<float>(in.ln_b)),
+        tau_s(to_device_as<float>(in.tau_s)),
+        tau_w(to_device_as<float>(in.tau_w)) {}
+  [[nodiscard]] cuda::KvmWeights weights() const { return {ln_w.data(), ln_b.data(), tau_s.data(), tau_w.data()}; }
+};
+
+// A CUDA state (cuda::KvmState, owning its device memory) and the larger workspace that a step with
+// more rows than slots needs: the CUDA step gives every row a work item, padding rows too, and a
+// created state's own workspace serves max_slots rows.
+template <class S>
+struct CudaState {
+  cuda::KvmState<S, float> state;
+  cuda::DeviceBuffer workspace;
+};
+template <class S>
+Status create_trace_state(const cuda::Executor& /*exec*/, const kvm::Params& p, const kvm::Shape& shape,
+                          CudaState<S>& out) {
+  return cuda::KvmState<S, float>::create(p, shape, out.state);
+}
+template <class S>
+cuda::KvmState<S, float>& state_of(CudaState<S>& st) {
+  return st.state;
+}
+template <class S>
+const cuda::KvmState<S, float>& state_of(const CudaState<S>& st) {
+  return st.state;
+}
+// Gives the state a workspace for `rows` rows when its own serves fewer. Runs between fenced calls, so
+// no work still uses the workspace it replaces.
+template <class S>
+Status reserve_rows(CudaState<S>& st, std::int64_t rows) {
+  if (rows <= st.state.workspace_rows()) return Status::ok();
+  const Limits limits{.max_rows = rows};
+  const std::size_t bytes = cuda::KvmState<S, float>::workspace_bytes({st.state.params(), st.state.shape()}, limits);
+  cuda::DeviceBuffer memory;
+  KVMEM_RETURN_IF_ERROR(cuda::DeviceBuffer::allocate(bytes, memory));
+  KVMEM_RETURN_IF_ERROR(st.state.attach_workspace(memory.get(), bytes, limits));
+  st.workspace = std::move(memory);
+  return Status::ok();
+}
+// The CUDA step checks its rows on the device: a refused step returns ok, changes nothing and leaves
+// its reason in the state until step_status reads (and clears) it. Read after every step, so a
+// refusal reaches the player as the call's Status, as the host's would.
+template <class S>
+Status step_outcome(const cuda::Executor& exec, CudaState<S>& st) {
+  return st.state.step_status(exec);
+}
+#endif
+
+#if KVMEM_REPLAY_WITH_HOST_KVM || (KVMEM_REPLAY_WITH_KOKKOS_KVM && KVMEM_REPLAY_WITH_KOKKOS_SLOTS_KVM) || \
+    KVMEM_REPLAY_WITH_CUDA_KVM
+// What a backend needs around a step beyond the call: room for the step's rows (reserve_rows) and the
+// step's refusal when the backend reports it after the call (step_outcome). Host and Kokkos check rows
+// on the host and need neither; the CUDA overloads above are the more specialised match for its state.
+template <class Holder>
+Status reserve_rows(Holder& /*state*/, std::int64_t /*rows*/) {
+  return Status::ok();
+}
+template <class Exec, class Holder>
+Status step_outcome(const Exec& /*exec*/, Holder& /*state*/) {
+  return Status::ok();
+}
+
 // One trace runner for every backend with KVM's slot API (docs/slots.md): Holder is the backend's
 // state (made by create_trace_state, reached through state_of), In the trace's inputs in its memory
-// (q, k, v, gate and weights()), Transport (transport.hpp) how a call's index lists and outputs move.
-// The host runs the exact executor, which keeps the property the check tests: a row equals its
-// sequence run alone, bit for bit.
+// (q, k, v, gate in the element type the backend's step reads, and weights()), Transport (transport.hpp)
+// how a call's index lists and outputs move. The host runs the exact executor, which keeps the property
+// the check tests: a row equals its sequence run alone, bit for bit.
 template <class Exec, class Holder, class In, class Transport>
 class KvmSlotRunner final : public trace::SlotRunner {
+  using Elem = std::remove_cvref_t<decltype(*std::declval<const In&>().q.data())>;
+
  public:
   KvmSlotRunner(std::shared_ptr<const In> in, const Spec& s, std::int64_t max_slots, Exec exec, const char* backend)
       : in_(std::move(in)), s_(s), exec_(std::move(exec)) {
@@ -632,18 +721,20 @@ class KvmSlotRunner final : public trace::SlotRunner {
   Status step(std::span<const std::int32_t> slot, std::span<const std::int32_t> query_start, std::int64_t first,
               std::span<float> out, std::span<float> lse) override {
     const std::int64_t n = query_start.back();
+    KVMEM_RETURN_IF_ERROR(reserve_rows(state_, std::int64_t(slot.size())));
     const auto d_slot = Transport::list(slot), d_start = Transport::list(query_start);
     auto d_out = Transport::output(out), d_lse = Transport::output(lse);
     const In& in = *in_;
-    const Status status =
+    const Status called =
         kvm::step(exec_, state_of(state_), in.weights(), Rows{Transport::view(d_slot), Transport::view(d_start)},
-                  TensorView<const float, 3>(in.q.data() + first * s_.Hq * s_.D, {n, s_.Hq, s_.D}),
-                  TensorView<const float, 3>(in.k.data() + first * s_.Hk * s_.D, {n, s_.Hk, s_.D}),
-                  TensorView<const float, 3>(in.v.data() + first * s_.Hk * s_.Dv, {n, s_.Hk, s_.Dv}),
-                  TensorView<const float, 2>(in.gate.data() + first * s_.Hk, {n, s_.Hk}),
+                  TensorView<const Elem, 3>(in.q.data() + first * s_.Hq * s_.D, {n, s_.Hq, s_.D}),
+                  TensorView<const Elem, 3>(in.k.data() + first * s_.Hk * s_.D, {n, s_.Hk, s_.D}),
+                  TensorView<const Elem, 3>(in.v.data() + first * s_.Hk * s_.Dv, {n, s_.Hk, s_.Dv}),
+                  TensorView<const Elem, 2>(in.gate.data() + first * s_.Hk, {n, s_.Hk}),
                   TensorView<float, 3>(Transport::data(d_out), {n, s_.Hq, s_.Dv}),
                   TensorView<float, 2>(Transport::data(d_lse), {n, s_.Hq}));
     Transport::fence(exec_);
+    const Status status = called.is_ok() ? step_outcome(exec_, state_) : called;
     Transport::read_back(d_out, out);
     Transport::read_back(d_lse, lse);
     return status;
@@ -703,6 +794,20 @@ template <class S>
 using KokkosState = kokkos::KvmState<S, float, kokkos_detail::MemSpace>;
 #endif
 
+#if KVMEM_REPLAY_WITH_CUDA_KVM
+// The CUDA runner's factory for storage type S: the inputs go to the device once, in S.
+template <class S>
+std::function<std::unique_ptr<trace::SlotRunner>(std::int64_t)> make_cuda_runner(const TraceInputs& in, const Spec& s) {
+  using Runner = KvmSlotRunner<cuda::Executor, CudaState<S>, CudaTraceInputs<S>, CudaTransport>;
+  auto dev = std::make_shared<const CudaTraceInputs<S>>(in);
+  // The legacy default stream: CudaTransport's blocking copies are ordered with its work.
+  const cuda::Executor exec{};
+  return [=](std::int64_t slots) -> std::unique_ptr<trace::SlotRunner> {
+    return std::make_unique<Runner>(dev, s, slots, exec, "cuda");
+  };
+}
+#endif
+
 // The trace player's view of KVM on the chosen backend. A backend with a slot API gets a runner
 // (trace::SlotRunner) and a case below; the others answer "not built".
 inline trace::Mechanism trace_mechanism(const Options& opt, const Case& c, const trace::Trace& t) {
@@ -730,6 +835,16 @@ inline trace::Mechanism trace_mechanism(const Options& opt, const Case& c, const
     const kokkos_detail::Exec exec{kokkos_detail::Space(), /*checked*/ true};  // bad input comes back as a Status
     m.make_runner =
         make_runner<kokkos_detail::Exec, KokkosState, KokkosTransport>(opt.precision, dev, s, exec, "kokkos");
+    return m;
+  }
+#endif
+#if KVMEM_REPLAY_WITH_CUDA_KVM
+  if (opt.backend == Backend::kCuda) {
+    if (opt.threads > 0) std::fprintf(stderr, "kvmem-replay: --threads does not apply to the cuda backend\n");
+    require_cuda_device();
+    m.check_tolerance = trace::kCudaCheckTolerance;
+    m.make_runner =
+        opt.precision == Precision::kBf16 ? make_cuda_runner<bf16>(*in, s) : make_cuda_runner<float>(*in, s);
     return m;
   }
 #endif

@@ -6,6 +6,7 @@
 //   pruned, per config threshold p -> out_pruned_p{digits}, kept_p{digits}  (0.05 -> p005)
 // The optional output gate z_o [B,T,H,D] is passed on when the input has it.
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
@@ -14,6 +15,8 @@
 #include <set>
 #include <span>
 #include <string>
+#include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "replay_core.hpp"
@@ -37,6 +40,9 @@
 #ifndef KVMEM_REPLAY_WITH_KOKKOS_SLOTS_UA
 #define KVMEM_REPLAY_WITH_KOKKOS_SLOTS_UA 0
 #endif
+#ifndef KVMEM_REPLAY_WITH_CUDA_UA
+#define KVMEM_REPLAY_WITH_CUDA_UA 0
+#endif
 
 #if KVMEM_REPLAY_WITH_REFERENCE_UA
 #include "kvmem/reference/ua.hpp"
@@ -49,6 +55,10 @@
 
 #include "kvmem/backend/kokkos.hpp"
 #include "transport_kokkos.hpp"
+#endif
+#if KVMEM_REPLAY_WITH_CUDA_UA
+#include "kvmem/backend/cuda/ua.cuh"
+#include "transport_cuda.hpp"
 #endif
 
 namespace kvmem::replay::ua_adapter {
@@ -565,24 +575,88 @@ struct KokkosTraceInputs {
 };
 #endif
 
-#if KVMEM_REPLAY_WITH_HOST_UA || (KVMEM_REPLAY_WITH_KOKKOS_UA && KVMEM_REPLAY_WITH_KOKKOS_SLOTS_UA)
+#if KVMEM_REPLAY_WITH_CUDA_UA
+// The trace's inputs in device memory, copied once: q, k, v and z_o in the storage type S (what the
+// CUDA step reads), the gate logits z_k, z_q in fp32.
+template <class S>
+struct CudaTraceInputs {
+  DeviceArray<S> q, k, v, z_o;
+  DeviceArray<float> z_k, z_q;
+  explicit CudaTraceInputs(const TraceInputs& in)
+      : q(to_device_as<S>(in.q)),
+        k(to_device_as<S>(in.k)),
+        v(to_device_as<S>(in.v)),
+        z_o(to_device_as<S>(in.z_o)),
+        z_k(to_device_as<float>(in.z_k)),
+        z_q(to_device_as<float>(in.z_q)) {}
+  [[nodiscard]] const S* output_gate() const { return z_o.empty() ? nullptr : z_o.data(); }
+};
+
+// A CUDA cache whose step takes prefill chunks of the trace's length: UaCacheLimits sizes the step's
+// workspace for max_prefill_chunk (128 unless the trace asks for more).
+template <class S>
+Status create_trace_cache(const cuda::Executor& /*exec*/, const ua::CacheShape& shape, const TraceSpec& s,
+                          cuda::UaCache<S>& out) {
+  cuda::UaCacheLimits limits;
+  limits.max_prefill_chunk = std::max(limits.max_prefill_chunk, s.prefill_chunk);
+  return cuda::UaCache<S>::create(shape, out, limits);
+}
+
+// The CUDA step checks its rows on the device and leaves a refusal in the cache until step_status
+// reads it; a row whose slot lacks room is skipped while the others step on, and its slot flagged
+// (UaCache::overflowed). Both are read after every step and returned as the call's Status -- the
+// capacity refusal with the host's code, kOutOfRange -- so the player stops where the host would.
+template <class S>
+Status step_outcome(const cuda::Executor& exec, cuda::UaCache<S>& cache, std::span<const std::int32_t> slot,
+                    std::int64_t capacity) {
+  KVMEM_RETURN_IF_ERROR(cache.step_status(exec));
+  std::vector<std::int32_t> overflowed;
+  KVMEM_RETURN_IF_ERROR(cache.overflowed(exec, overflowed));
+  for (std::size_t r = 0; r < slot.size(); ++r)
+    if (slot[r] >= 0 && overflowed[std::size_t(slot[r])] != 0)
+      return {StatusCode::kOutOfRange, "cache capacity: row " + std::to_string(r) + " (slot " +
+                                           std::to_string(slot[r]) + ") has no room for its tokens in some kv head " +
+                                           "(capacity " + std::to_string(capacity) +
+                                           "); the CUDA step skipped the row and flagged the slot"};
+  return Status::ok();
+}
+#endif
+
+#if KVMEM_REPLAY_WITH_HOST_UA || (KVMEM_REPLAY_WITH_KOKKOS_UA && KVMEM_REPLAY_WITH_KOKKOS_SLOTS_UA) || \
+    KVMEM_REPLAY_WITH_CUDA_UA
+// How a backend's cache is made for the trace (create_trace_cache) and whether a step was refused after
+// the call returned (step_outcome). Host and Kokkos: the cache's own create, and the call's Status says
+// it all; the CUDA overloads above are the more specialised match for its cache.
+template <class Exec, class Cache>
+Status create_trace_cache(const Exec& /*exec*/, const ua::CacheShape& shape, const TraceSpec& /*s*/, Cache& out) {
+  return Cache::create(shape, out);
+}
+template <class Exec, class Cache>
+Status step_outcome(const Exec& /*exec*/, Cache& /*cache*/, std::span<const std::int32_t> /*slot*/,
+                    std::int64_t /*capacity*/) {
+  return Status::ok();
+}
+
 // One trace runner for every backend with UA's slot API: the cache type comes from the executor
 // (ua::cache_t) and every call has the host's signature (docs/slots-ua.md). In holds the trace's
-// inputs in the backend's memory (q, k, v, z_k, z_q and output_gate(), null without one); the
-// Transport (transport.hpp) moves a call's index lists and outputs.
+// inputs in the backend's memory (q, k, v, z_k, z_q and output_gate(), null without one; q, k, v and
+// z_o in the element type the backend's step reads); the Transport (transport.hpp) moves a call's
+// index lists and outputs.
 template <class Exec, class S, class In, class Transport>
 class UaSlotRunner final : public trace::SlotRunner {
+  using Elem = std::remove_cvref_t<decltype(*std::declval<const In&>().q.data())>;
+
  public:
   UaSlotRunner(std::shared_ptr<const In> in, const TraceSpec& s, std::int64_t max_slots, Exec exec, const char* backend)
       : in_(std::move(in)), s_(s), exec_(std::move(exec)) {
-    const Status status = ua::cache_t<Exec, S>::create({max_slots, s.H, s.G, s.D, s.capacity, 16}, cache_);
+    const Status status = create_trace_cache(exec_, {max_slots, s.H, s.G, s.D, s.capacity, 16}, s, cache_);
     if (!status.is_ok()) throw BadInput(std::string(backend) + " ua rejects the trace's config: " + status.message());
   }
   Status step(std::span<const std::int32_t> slot, std::span<const std::int32_t> query_start, std::int64_t first,
               std::span<float> out, std::span<float> lse) override {
     const std::int64_t n = query_start.back(), H = s_.H, G = s_.G, D = s_.D;
     const In& in = *in_;
-    ua::PackedInputs x;
+    ua::PackedInputsOf<Elem> x;
     x.q = {in.q.data() + first * H * D, {n, H, D}};
     x.k = {in.k.data() + first * G * D, {n, G, D}};
     x.v = {in.v.data() + first * G * D, {n, G, D}};
@@ -591,11 +665,12 @@ class UaSlotRunner final : public trace::SlotRunner {
     if (in.output_gate() != nullptr) x.z_o = {in.output_gate() + first * H * D, {n, H, D}};
     const auto d_slot = Transport::list(slot), d_start = Transport::list(query_start);
     auto d_out = Transport::output(out), d_lse = Transport::output(lse);
-    const Status status = ua::step(exec_, cache_, Rows{Transport::view(d_slot), Transport::view(d_start)}, x,
+    const Status called = ua::step(exec_, cache_, Rows{Transport::view(d_slot), Transport::view(d_start)}, x,
                                    ua::Options{s_.p, s_.prefill_chunk, s_.evict_before_attention},
                                    TensorView<float, 3>(Transport::data(d_out), {n, H, D}),
                                    TensorView<float, 2>(Transport::data(d_lse), {n, H}));
     Transport::fence(exec_);
+    const Status status = called.is_ok() ? step_outcome(exec_, cache_, slot, s_.capacity) : called;
     Transport::read_back(d_out, out);
     Transport::read_back(d_lse, lse);
     return status;
@@ -649,6 +724,21 @@ std::function<std::unique_ptr<trace::SlotRunner>(std::int64_t)> make_runner(Prec
 }
 #endif
 
+#if KVMEM_REPLAY_WITH_CUDA_UA
+// The CUDA runner's factory for storage type S: the inputs go to the device once, q, k, v, z_o in S.
+template <class S>
+std::function<std::unique_ptr<trace::SlotRunner>(std::int64_t)> make_cuda_runner(const TraceInputs& in,
+                                                                                 const TraceSpec& s) {
+  using Runner = UaSlotRunner<cuda::Executor, S, CudaTraceInputs<S>, CudaTransport>;
+  auto dev = std::make_shared<const CudaTraceInputs<S>>(in);
+  // The legacy default stream: CudaTransport's blocking copies are ordered with its work.
+  const cuda::Executor exec{};
+  return [=](std::int64_t slots) -> std::unique_ptr<trace::SlotRunner> {
+    return std::make_unique<Runner>(dev, s, slots, exec, "cuda");
+  };
+}
+#endif
+
 // The trace player's view of UA on the chosen backend (see kvm_adapter::trace_mechanism).
 inline trace::Mechanism trace_mechanism(const Options& opt, const Case& c, const trace::Trace& t) {
   const TraceSpec s = parse_trace_config(t);
@@ -674,6 +764,16 @@ inline trace::Mechanism trace_mechanism(const Options& opt, const Case& c, const
     auto dev = std::make_shared<const KokkosTraceInputs>(*in);
     const kokkos_detail::Exec exec{kokkos_detail::Space(), /*checked*/ true};  // bad input comes back as a Status
     m.make_runner = make_runner<kokkos_detail::Exec, KokkosTransport>(opt.precision, dev, s, exec, "kokkos");
+    return m;
+  }
+#endif
+#if KVMEM_REPLAY_WITH_CUDA_UA
+  if (opt.backend == Backend::kCuda) {
+    if (opt.threads > 0) std::fprintf(stderr, "kvmem-replay: --threads does not apply to the cuda backend\n");
+    require_cuda_device();
+    m.check_tolerance = trace::kCudaCheckTolerance;
+    m.make_runner =
+        opt.precision == Precision::kBf16 ? make_cuda_runner<bf16>(*in, s) : make_cuda_runner<float>(*in, s);
     return m;
   }
 #endif
