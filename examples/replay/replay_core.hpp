@@ -112,7 +112,7 @@ inline std::string usage_text() {
          "  -o, --output FILE   where to write the results (required)\n"
          "  --backend B         reference (float64 oracle) | host (default) | kokkos | cuda\n"
          "                      (kokkos: KVM and UA when built with -DKVMEM_KOKKOS=ON, Kokkos' default\n"
-         "                      execution space; cuda: --trace only, in kvmem-replay-cuda, the same tool\n"
+         "                      execution space; cuda: KVM and UA in kvmem-replay-cuda, the same tool\n"
          "                      built beside this one by -DKVMEM_CUDA=ON. An absent backend exits 2.)\n"
          "  --precision P       storage precision of host/kokkos/cuda: fp32 (default) | bf16;\n"
          "                      not accepted with --backend reference (always float64)\n"
@@ -660,8 +660,7 @@ inline constexpr const char* kKokkosInHostTool =
     "kvmem-replay-cuda leaves Kokkos out; the Kokkos backend is in kvmem-replay";
 
 // Why a GPU backend is absent: not configured, in the other tool, or configured but without a replay
-// adapter for the mechanism (Kokkos has adapters for KVM and UA, run_kvm.hpp / run_ua.hpp; CUDA only
-// plays traces, trace.hpp).
+// adapter for the mechanism (adapters for KVM and UA are in run_kvm.hpp / run_ua.hpp).
 inline std::string gpu_backend_reason(Backend b, [[maybe_unused]] const std::string& mechanism) {
   if (b == Backend::kKokkos) {
 #if defined(KVMEM_REPLAY_CUDA_TOOL)
@@ -673,7 +672,7 @@ inline std::string gpu_backend_reason(Backend b, [[maybe_unused]] const std::str
 #endif
   }
 #if defined(KVMEM_REPLAY_CUDA_TOOL)
-  return "kvmem-replay-cuda runs --trace on cuda; it has no CUDA " + mechanism + " adapter for a golden case";
+  return "include/kvmem/backend/cuda/" + mechanism + ".cuh was not present when it was built";
 #elif defined(KVMEM_REPLAY_WITH_CUDA)
   return kCudaInCudaTool;
 #else
@@ -684,7 +683,7 @@ inline std::string gpu_backend_reason(Backend b, [[maybe_unused]] const std::str
 // The adapters one mechanism's file (run_kvm.hpp, run_ua.hpp) was built with: its KVMEM_REPLAY_WITH_*
 // flags, and the headers whose absence leaves the reference and host adapters out.
 struct BuiltAdapters {
-  bool reference, host, kokkos;
+  bool reference, host, kokkos, cuda;
   const char* reference_header;
   const char* host_header;
 };
@@ -700,7 +699,7 @@ inline std::string unavailable_reason(Backend b, const std::string& mechanism, c
     case Backend::kKokkos:
       return built.kokkos ? "" : not_built(b, gpu_backend_reason(b, mechanism));
     case Backend::kCuda:
-      return not_built(b, gpu_backend_reason(b, mechanism));
+      return built.cuda ? "" : not_built(b, gpu_backend_reason(b, mechanism));
   }
   return "";
 }

@@ -365,6 +365,22 @@ kvm::State<S, float> make_state(const Spec& s) {
   return st;
 }
 
+// The route log of a prefill in the goldens' layout: per update, the routes concatenated over the
+// (b, kv head) items, and |S| after it.
+inline void collect_routes(const kvm::RouteLog& log, Results& r) {
+  const std::size_t U = log.items.empty() ? 0 : log.items[0].size();
+  r.route_append.assign(U, {});
+  r.route_merge.assign(U, {});
+  r.slots_after_update.assign(U, 0);
+  for (std::size_t u = 0; u < U; ++u)
+    for (const auto& item : log.items) {
+      if (item.size() != U) throw std::logic_error("internal: the backend logged different update counts per item");
+      r.route_append[u].insert(r.route_append[u].end(), item[u].appended.begin(), item[u].appended.end());
+      r.route_merge[u].insert(r.route_merge[u].end(), item[u].target.begin(), item[u].target.end());
+      r.slots_after_update[u] = item[u].slots_after;
+    }
+}
+
 // The final state and the route log of a prefill, in the goldens' layout: state [B,Hk,S,*], routes
 // per update concatenated over the (b, kv head) items.
 template <class S>
@@ -377,17 +393,7 @@ void collect(const kvm::State<S, float>& st, const Spec& s, const kvm::RouteLog&
       r.state_v.insert(r.state_v.end(), it.sv, it.sv + r.slots * s.Dv);
       r.state_rho.insert(r.state_rho.end(), it.rho, it.rho + r.slots);
     }
-  const std::size_t U = log.items.empty() ? 0 : log.items[0].size();
-  r.route_append.assign(U, {});
-  r.route_merge.assign(U, {});
-  r.slots_after_update.assign(U, 0);
-  for (std::size_t u = 0; u < U; ++u)
-    for (const auto& item : log.items) {
-      if (item.size() != U) throw std::logic_error("internal: the backend logged different update counts per item");
-      r.route_append[u].insert(r.route_append[u].end(), item[u].appended.begin(), item[u].appended.end());
-      r.route_merge[u].insert(r.route_merge[u].end(), item[u].target.begin(), item[u].target.end());
-      r.slots_after_update[u] = item[u].slots_after;
-    }
+  collect_routes(log, r);
 }
 
 template <class S>
@@ -520,6 +526,114 @@ inline Results run_kokkos(const Spec& s, const Inputs& in, const Options& opt, P
   Kokkos::ScopeGuard guard;
   if (opt.precision == Precision::kBf16) return kokkos_detail::run<bf16>(s, in, progress);
   return kokkos_detail::run<float>(s, in, progress);
+}
+#endif
+
+#if KVMEM_REPLAY_WITH_CUDA_KVM
+namespace cuda_detail {
+
+// The learned weights in device memory, fp32 (cuda::KvmWeights).
+struct DeviceWeights {
+  DeviceArray<float> ln_w, ln_b, tau_s, tau_w;
+  explicit DeviceWeights(const host_detail::FloatInputs& f)
+      : ln_w(to_device_as<float>(f.ln_w)),
+        ln_b(to_device_as<float>(f.ln_b)),
+        tau_s(to_device_as<float>(f.tau_s)),
+        tau_w(to_device_as<float>(f.tau_w)) {}
+  [[nodiscard]] cuda::KvmWeights view() const { return {ln_w.data(), ln_b.data(), tau_s.data(), tau_w.data()}; }
+};
+
+// Feeds tokens [t0, t1) of every sequence through one fixed-batch call (kvm::prefill; one token is a
+// decode step on this backend too), inputs in the storage type S as the CUDA calls take them, and
+// scatters the rows into out [B,T,Hq,Dv].
+template <class S>
+void feed(const cuda::Executor& exec, cuda::KvmState<S, float>& st, const DeviceWeights& w, const Spec& s,
+          const host_detail::FloatInputs& f, std::int64_t t0, std::int64_t t1, std::vector<double>& out,
+          kvm::RouteLog* log) {
+  using host_detail::tokens;
+  const std::int64_t n = t1 - t0;
+  const auto q = to_device_as<S>(tokens(f.q, s.B * s.Hq, s.T, s.D, t0, t1));
+  const auto k = to_device_as<S>(tokens(f.k, s.B * s.Hk, s.T, s.D, t0, t1));
+  const auto v = to_device_as<S>(tokens(f.v, s.B * s.Hk, s.T, s.Dv, t0, t1));
+  const auto g = to_device_as<S>(tokens(f.gate, s.B * s.Hk, s.T, 1, t0, t1));
+  const DeviceArray<float> o(static_cast<std::size_t>(s.B * n * s.Hq * s.Dv));
+  const Status status = kvm::prefill(exec, st, w.view(), TensorView<const S, 4>(q.data(), {s.B, s.Hq, n, s.D}),
+                                     TensorView<const S, 4>(k.data(), {s.B, s.Hk, n, s.D}),
+                                     TensorView<const S, 4>(v.data(), {s.B, s.Hk, n, s.Dv}),
+                                     TensorView<const S, 3>(g.data(), {s.B, s.Hk, n}),
+                                     TensorView<float, 4>(o.data(), {s.B, n, s.Hq, s.Dv}), nullptr, log);
+  if (!status.is_ok()) throw BadInput("cuda kvm rejects the case: " + status.message());
+  CudaTransport::fence(exec);
+  std::vector<float> host(o.size());
+  CudaTransport::read_back(o, host);
+  const std::int64_t row = s.Hq * s.Dv;
+  for (std::int64_t b = 0; b < s.B; ++b)
+    std::copy(host.begin() + b * n * row, host.begin() + (b + 1) * n * row, out.begin() + (b * s.T + t0) * row);
+}
+
+template <class S>
+cuda::KvmState<S, float> make_state(const Spec& s) {
+  cuda::KvmState<S, float> st;
+  const Status status =
+      cuda::KvmState<S, float>::create(host_detail::params_of(s), kvm::Shape{s.B, s.Hq, s.Hk, s.D, s.Dv, s.T}, st);
+  if (!status.is_ok()) throw BadInput("cuda kvm rejects the configuration: " + status.message());
+  return st;
+}
+
+// The final state (read back item by item) and the route log of a prefill, in the goldens' layout.
+template <class S>
+void collect(const cuda::KvmState<S, float>& st, const Spec& s, const kvm::RouteLog& log, Results& r) {
+  r.slots = st.slots();
+  for (std::int64_t b = 0; b < s.B; ++b)
+    for (std::int64_t g = 0; g < s.Hk; ++g) {
+      std::vector<float> sk, sv, rho;
+      throw_if_error(st.download(b, g, sk, sv, rho, cudaStream_t{}));
+      r.state_k.insert(r.state_k.end(), sk.begin(), sk.end());
+      r.state_v.insert(r.state_v.end(), sv.begin(), sv.end());
+      r.state_rho.insert(r.state_rho.end(), rho.begin(), rho.end());
+    }
+  host_detail::collect_routes(log, r);
+}
+
+template <class S>
+Results run(const Spec& s, const Inputs& in, Progress& progress) {
+  const cuda::Executor exec{};  // the legacy default stream, with which CudaTransport's copies are ordered
+  const host_detail::FloatInputs f(in);
+  const DeviceWeights w(f);
+  Results r;
+  r.out.assign(static_cast<std::size_t>(s.B * s.T * s.Hq * s.Dv), 0.0);
+  {
+    auto st = make_state<S>(s);
+    kvm::RouteLog log;
+    progress.phase("prefill", s.T, [&] { feed(exec, st, w, s, f, 0, s.T, r.out, &log); });
+    collect(st, s, log, r);
+  }
+  if (in.has_q && s.decode_split >= 0) {
+    auto st = make_state<S>(s);
+    r.out_decode.assign(r.out.size(), 0.0);
+    progress.phase("prefill " + std::to_string(s.decode_split) + " + decode", s.T, [&] {
+      if (s.decode_split > 0) feed(exec, st, w, s, f, 0, s.decode_split, r.out_decode, nullptr);
+      progress.advance(s.decode_split);
+      for (std::int64_t t = s.decode_split; t < s.T; ++t) {
+        feed(exec, st, w, s, f, t, t + 1, r.out_decode, nullptr);
+        progress.advance(1);
+      }
+    });
+    r.has_decode = true;
+  }
+  return r;
+}
+
+}  // namespace cuda_detail
+
+// The CUDA backend's fixed-batch calls (kvm::prefill, one call per decode token) on the current device:
+// fp32 or bf16 storage, inputs in the storage type, sums and math in fp32.
+inline Results run_cuda(const Spec& s, const Inputs& in, const Options& opt, Progress& progress) {
+  if (s.round_value_readout_bf16)
+    throw BadInput("config: 'round_value_readout_bf16' is only implemented by the reference backend");
+  if (opt.threads > 0) progress.note("--threads does not apply to the cuda backend");
+  if (opt.precision == Precision::kBf16) return cuda_detail::run<bf16>(s, in, progress);
+  return cuda_detail::run<float>(s, in, progress);
 }
 #endif
 
@@ -866,8 +980,11 @@ inline void run(const Options& opt, const Case& c, Outputs& outputs) {
   const std::string unavailable = unavailable_reason(
       opt.backend, "kvm",
       {KVMEM_REPLAY_WITH_REFERENCE_KVM != 0, KVMEM_REPLAY_WITH_HOST_KVM != 0, KVMEM_REPLAY_WITH_KOKKOS_KVM != 0,
-       "include/kvmem/reference/kvm.hpp", "include/kvmem/backend/host/kvm.hpp"});
+       KVMEM_REPLAY_WITH_CUDA_KVM != 0, "include/kvmem/reference/kvm.hpp", "include/kvmem/backend/host/kvm.hpp"});
   if (!unavailable.empty()) throw BadInput(unavailable);
+#if KVMEM_REPLAY_WITH_CUDA_KVM
+  if (opt.backend == Backend::kCuda) require_cuda_device();  // before any note: one line without a GPU
+#endif
 
   Progress progress(!opt.quiet, std::string("kvm/") + to_string(opt.backend));
   if (!inputs.has_q)
@@ -888,6 +1005,10 @@ inline void run(const Options& opt, const Case& c, Outputs& outputs) {
   } else if (opt.backend == Backend::kKokkos) {
 #if KVMEM_REPLAY_WITH_KOKKOS_KVM
     results = run_kokkos(spec, inputs, opt, progress);
+#endif
+  } else if (opt.backend == Backend::kCuda) {
+#if KVMEM_REPLAY_WITH_CUDA_KVM
+    results = run_cuda(spec, inputs, opt, progress);
 #endif
   }
   emit(spec, inputs, std::move(results), outputs);

@@ -43,6 +43,9 @@
 #ifndef KVMEM_REPLAY_WITH_CUDA_UA
 #define KVMEM_REPLAY_WITH_CUDA_UA 0
 #endif
+#if KVMEM_REPLAY_WITH_CUDA_UA && !KVMEM_REPLAY_WITH_HOST_UA
+#error "the CUDA UA adapter reuses the host adapter's input views: build it with KVMEM_REPLAY_WITH_HOST_UA"
+#endif
 
 #if KVMEM_REPLAY_WITH_REFERENCE_UA
 #include "kvmem/reference/ua.hpp"
@@ -505,6 +508,154 @@ inline Results run_kokkos(const Spec& s, const Inputs& in, const Options& opt, P
 }
 #endif
 
+#if KVMEM_REPLAY_WITH_CUDA_UA
+namespace cuda_detail {
+
+using host_detail::check;
+
+// The float inputs copied once to the device, q, k, v and z_o in the element type E (the gate logits
+// stay fp32); token ranges are strided views of those copies with host_detail::FloatInputs' strides.
+template <class E>
+struct DeviceInputs {
+  const host_detail::FloatInputs& f;
+  DeviceArray<E> q, k, v, z_o;
+  DeviceArray<float> z_k, z_q;
+
+  explicit DeviceInputs(const host_detail::FloatInputs& fi)
+      : f(fi),
+        q(to_device_as<E>(fi.q)),
+        k(to_device_as<E>(fi.k)),
+        v(to_device_as<E>(fi.v)),
+        z_o(to_device_as<E>(fi.z_o)),
+        z_k(to_device_as<float>(fi.z_k)),
+        z_q(to_device_as<float>(fi.z_q)) {}
+
+  [[nodiscard]] ua::InputsOf<E> slice(std::int64_t t0, std::int64_t t1) const {
+    const ua::Inputs host = f.slice(t0, t1);
+    const auto rebase = [](const auto& view, const std::vector<float>& from, const auto& to) {
+      using T = std::remove_cvref_t<decltype(*to.data())>;
+      constexpr std::size_t kRank = std::remove_cvref_t<decltype(view)>::kRank;
+      return TensorView<const T, kRank>(to.data() + (view.data() - from.data()), view.extents(), view.strides());
+    };
+    ua::InputsOf<E> in;
+    in.q = rebase(host.q, f.q, q);
+    in.k = rebase(host.k, f.k, k);
+    in.v = rebase(host.v, f.v, v);
+    in.z_k = rebase(host.z_k, f.z_k, z_k);
+    in.z_q = rebase(host.z_q, f.z_q, z_q);
+    if (!f.z_o.empty()) in.z_o = rebase(host.z_o, f.z_o, z_o);
+    return in;
+  }
+  [[nodiscard]] DeviceArray<float> make_out() const {
+    return zeroed_device_floats(static_cast<std::size_t>(f.s.B * f.s.T * f.s.H * f.s.D));
+  }
+  [[nodiscard]] TensorView<float, 4> out_slice(const DeviceArray<float>& out, std::int64_t t0, std::int64_t t1) const {
+    const std::int64_t H = f.s.H, T = f.s.T, D = f.s.D;
+    return {out.data() + t0 * H * D, {f.s.B, t1 - t0, H, D}, {T * H * D, H * D, D, 1}};
+  }
+};
+
+inline std::vector<double> to_host(const DeviceArray<float>& x) {
+  std::vector<float> host(x.size());
+  CudaTransport::read_back(x, host);
+  return {host.begin(), host.end()};
+}
+
+// Chunked prefill of [0, split) with `opt`, then one decode call per later token.
+template <class S>
+std::vector<double> prefill_decode(const cuda::Executor& exec, const DeviceInputs<S>& d, std::int64_t split,
+                                   const ua::Options& opt, cuda::UaCache<S>& cache, Progress& progress) {
+  const std::int64_t T = d.f.s.T;
+  const DeviceArray<float> out = d.make_out();
+  if (split > 0) check(ua::prefill(exec, cache, d.slice(0, split), opt, d.out_slice(out, 0, split)), "prefill", "cuda");
+  progress.advance(split);
+  for (std::int64_t t = split; t < T; ++t) {
+    check(ua::decode(exec, cache, d.slice(t, t + 1), opt, d.out_slice(out, t, t + 1)), "decode", "cuda");
+    progress.advance(1);
+  }
+  CudaTransport::fence(exec);
+  return to_host(out);
+}
+
+// A cache for the whole case whose prefill takes the config's prefill_chunk (UaCacheLimits sizes the
+// workspace for max_prefill_chunk, 128 unless the case asks for more).
+template <class S>
+cuda::UaCache<S> make_cache(const Spec& s) {
+  cuda::UaCacheLimits limits;
+  limits.max_prefill_chunk = std::max(limits.max_prefill_chunk, s.prefill_chunk);
+  cuda::UaCache<S> cache;
+  check(cuda::UaCache<S>::create(host_detail::cache_shape(s), cache, limits), "cache", "cuda");
+  return cache;
+}
+
+template <class S>
+Results run(const Spec& s, const Inputs& in, Progress& progress) {
+  const cuda::Executor exec{};  // the legacy default stream, with which CudaTransport's copies are ordered
+  const host_detail::FloatInputs f(s, in);
+  const DeviceInputs<float> d32(f);  // the dense forward runs in fp32, as on host
+  const DeviceInputs<S> d(f);        // the caches' calls take their inputs in the storage type
+  Results r;
+  {
+    const DeviceArray<float> out = d32.make_out();
+    const DeviceArray<float> lse(static_cast<std::size_t>(s.B * s.H * s.T));
+    const DeviceArray<float> lambda(static_cast<std::size_t>(s.B * s.G * s.T));
+    progress.phase("dense", s.T, [&] {
+      check(cuda::ua_forward(exec, d32.slice(0, s.T), d32.out_slice(out, 0, s.T),
+                             TensorView<float, 3>(lse.data(), {s.B, s.H, s.T}),
+                             TensorView<float, 3>(lambda.data(), {s.B, s.G, s.T})),
+            "forward", "cuda");
+      CudaTransport::fence(exec);
+    });
+    r.out = to_host(out);
+    r.lse = to_host(lse);
+    r.lambda_last = to_host(lambda);
+  }
+  ua::Options dense_opt;
+  dense_opt.p = 0.0;
+  dense_opt.prefill_chunk = s.prefill_chunk;
+  dense_opt.evict_before_attention = s.evict_before_attention;
+  {
+    auto cache = make_cache<S>(s);
+    r.out_decode =
+        progress.phase("decode", s.T, [&] { return prefill_decode(exec, d, 0, dense_opt, cache, progress); });
+  }
+  const std::int64_t split = s.prefill_split < 0 ? s.T : s.prefill_split;
+  for (double p : s.thresholds) {
+    auto cache = make_cache<S>(s);
+    ua::Options opt = dense_opt;
+    opt.p = p;
+    Pruned pr;
+    pr.p = p;
+    pr.out = progress.phase("pruned " + threshold_suffix(p), s.T,
+                            [&] { return prefill_decode(exec, d, split, opt, cache, progress); });
+    std::vector<std::vector<std::int64_t>> positions(static_cast<std::size_t>(s.B * s.G));
+    for (std::int64_t b = 0; b < s.B; ++b)
+      for (std::int64_t g = 0; g < s.G; ++g) {
+        std::vector<float> lambda;
+        check(cache.download(b, g, positions[std::size_t(b * s.G + g)], lambda, nullptr, nullptr, cudaStream_t{}),
+              "kept positions", "cuda");
+      }
+    pr.kept = host_detail::kept_mask(
+        s, [&](std::int64_t b, std::int64_t g) { return positions[std::size_t(b * s.G + g)].data(); },
+        [&](std::int64_t b, std::int64_t g) { return std::int64_t(positions[std::size_t(b * s.G + g)].size()); },
+        "cuda");
+    r.pruned.push_back(std::move(pr));
+  }
+  return r;
+}
+
+}  // namespace cuda_detail
+
+// The CUDA backend on the current device, the same storage choice as the host adapter: fp32, or bf16
+// keys and values in the decode caches (cuda::UaCache<bf16>, which take q, k, v in bf16; λ and
+// accumulation stay fp32); the dense forward runs in fp32.
+inline Results run_cuda(const Spec& s, const Inputs& in, const Options& opt, Progress& progress) {
+  if (opt.threads > 0) progress.note("--threads does not apply to the cuda backend");
+  if (opt.precision == Precision::kBf16) return cuda_detail::run<bf16>(s, in, progress);
+  return cuda_detail::run<float>(s, in, progress);
+}
+#endif
+
 // ---- trace mode (sequence slots, trace.hpp) ---------------------------------------------------------
 
 // The trace's config: H, G, D, `capacity` (kept rows per slot and KV head), and the options of every
@@ -793,8 +944,11 @@ inline void run(const Options& opt, const Case& c, Outputs& outputs) {
   const std::string unavailable = unavailable_reason(
       opt.backend, "ua",
       {KVMEM_REPLAY_WITH_REFERENCE_UA != 0, KVMEM_REPLAY_WITH_HOST_UA != 0, KVMEM_REPLAY_WITH_KOKKOS_UA != 0,
-       "include/kvmem/reference/ua.hpp", "include/kvmem/backend/host/ua.hpp"});
+       KVMEM_REPLAY_WITH_CUDA_UA != 0, "include/kvmem/reference/ua.hpp", "include/kvmem/backend/host/ua.hpp"});
   if (!unavailable.empty()) throw BadInput(unavailable);
+#if KVMEM_REPLAY_WITH_CUDA_UA
+  if (opt.backend == Backend::kCuda) require_cuda_device();  // before any note: one line without a GPU
+#endif
 
   Progress progress(!opt.quiet, std::string("ua/") + to_string(opt.backend));
   if (c.file.has("dout"))
@@ -812,6 +966,10 @@ inline void run(const Options& opt, const Case& c, Outputs& outputs) {
   } else if (opt.backend == Backend::kKokkos) {
 #if KVMEM_REPLAY_WITH_KOKKOS_UA
     results = run_kokkos(spec, inputs, opt, progress);
+#endif
+  } else if (opt.backend == Backend::kCuda) {
+#if KVMEM_REPLAY_WITH_CUDA_UA
+    results = run_cuda(spec, inputs, opt, progress);
 #endif
   }
   emit(spec, std::move(results), outputs);

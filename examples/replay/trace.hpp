@@ -317,7 +317,7 @@ inline std::string trace_unavailable(Backend b, const std::string& mechanism, bo
 #endif
     case Backend::kCuda:
 #if defined(KVMEM_REPLAY_CUDA_TOOL)
-      return not_built(b, "include/kvmem/backend/cuda/" + mechanism + ".cuh was not present");
+      return not_built(b, "include/kvmem/backend/cuda/" + mechanism + ".cuh was not present when it was built");
 #elif defined(KVMEM_REPLAY_WITH_CUDA)
       return not_built(b, kCudaInCudaTool);
 #else

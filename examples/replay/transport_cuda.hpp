@@ -1,8 +1,9 @@
 // SPDX-License-Identifier: Apache-2.0
 #pragma once
 // The trace runners' transport (transport.hpp) for the CUDA backend: index lists and outputs are copied
-// into device memory per call, outputs are copied back, and fence waits for the executor's stream.
-// Compiled by nvcc (kvmem_replay_cuda.cu).
+// into device memory per call, outputs are copied back, and fence waits for the executor's stream; and
+// the device arrays the CUDA adapters of run_kvm.hpp and run_ua.hpp keep their inputs in. Compiled by
+// nvcc (kvmem_replay_cuda.cu).
 //
 // Every copy here is a blocking runtime call on the legacy default stream, which is the stream the
 // runners' executor (cuda::Executor{}) enqueues on: a list is on the device before the call that reads
@@ -105,6 +106,13 @@ DeviceArray<S> to_device_as(std::span<const float> x) {
   }
 }
 
+// n zeroed floats in device memory.
+inline DeviceArray<float> zeroed_device_floats(std::size_t n) {
+  DeviceArray<float> d(n);
+  cuda_check(cudaMemset(d.data(), 0, std::max<std::size_t>(1, n) * sizeof(float)), "kvmem-replay zeroed buffer");
+  return d;
+}
+
 struct CudaTransport {
   using IntArray = DeviceArray<std::int32_t>;
   using FloatArray = DeviceArray<float>;
@@ -112,11 +120,7 @@ struct CudaTransport {
   static IntArray list(std::span<const std::int32_t> x) { return IntArray(x); }
   static TensorView<const std::int32_t, 1> view(const IntArray& d) { return {d.data(), {std::int64_t(d.size())}}; }
   // Zeroed, as the host buffers are, so a value the backend does not write reads back as 0.
-  static FloatArray output(std::span<float> x) {
-    FloatArray d(x.size());
-    cuda_check(cudaMemset(d.data(), 0, std::max<std::size_t>(1, x.size()) * sizeof(float)), "kvmem-replay output");
-    return d;
-  }
+  static FloatArray output(std::span<float> x) { return zeroed_device_floats(x.size()); }
   static float* data(const FloatArray& d) { return d.data(); }
   static void read_back(const FloatArray& from, std::span<float> to) {
     if (!to.empty())
