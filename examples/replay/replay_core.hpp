@@ -102,7 +102,7 @@ inline std::string usage_text() {
   return "usage: kvmem-replay CASE.safetensors -o OUT.safetensors [--backend reference|host|kokkos|cuda]\n"
          "                    [--precision fp32|bf16] [--threads N] [--config FILE.json] [--quiet]\n"
          "       kvmem-replay --trace TRACE.json INPUTS.safetensors -o OUT.safetensors [--check]\n"
-         "                    [--backend host|kokkos] [--precision fp32|bf16] [--threads N] [--quiet]\n"
+         "                    [--backend host|kokkos|cuda] [--precision fp32|bf16] [--threads N] [--quiet]\n"
          "\n"
          "Runs the KVM or UA operation that CASE's metadata names (`mechanism`, `config`; layout of\n"
          "tests/data/golden/README.md) on CASE's input tensors and writes every result, float64 (int64 for\n"
@@ -112,7 +112,8 @@ inline std::string usage_text() {
          "  -o, --output FILE   where to write the results (required)\n"
          "  --backend B         reference (float64 oracle) | host (default) | kokkos | cuda\n"
          "                      (kokkos: KVM and UA when built with -DKVMEM_KOKKOS=ON, Kokkos' default\n"
-         "                      execution space; cuda: no adapter yet. An absent backend exits 2.)\n"
+         "                      execution space; cuda: KVM and UA in kvmem-replay-cuda, the same tool\n"
+         "                      built beside this one by -DKVMEM_CUDA=ON. An absent backend exits 2.)\n"
          "  --precision P       storage precision of host/kokkos/cuda: fp32 (default) | bf16;\n"
          "                      not accepted with --backend reference (always float64)\n"
          "  --threads N         host threads, N >= 1 (default: all hardware threads)\n"
@@ -123,10 +124,11 @@ inline std::string usage_text() {
          "  --trace TRACE.json  play a serving schedule (steps of ragged rows, reset, copy, export, import,\n"
          "                      truncate; format in the tool's README) through the backend's sequence-slot\n"
          "                      API over the packed inputs of INPUTS; writes out, lse, record.NAME per\n"
-         "                      export and truncate_exact. Runs on host, and on kokkos where the Kokkos\n"
-         "                      backend has sequence slots (cuda: no slot runner yet).\n"
+         "                      export and truncate_exact. Runs on host, on kokkos where the Kokkos\n"
+         "                      backend has sequence slots, and on cuda (kvmem-replay-cuda).\n"
          "  --check             with --trace: run every sequence the schedule built alone (its rows, on a\n"
-         "                      state of one slot) and compare, bitwise on host; exit 1 on a difference\n"
+         "                      state of one slot) and compare, bitwise on host and kokkos, within the\n"
+         "                      fp32 tolerance on cuda; exit 1 on a difference\n"
          "\n"
          "KVM runs prefill (out, state_k, state_v, state_rho, slots_after_update, route_append_u{u},\n"
          "route_merge_u{u}) and, when config has decode_split, prefill then token-by-token decode\n"
@@ -650,27 +652,38 @@ inline std::string not_built(Backend b, const std::string& why) {
   return std::string("backend ") + to_string(b) + " is not built into this kvmem-replay (" + why + ")";
 }
 
-// Why a GPU backend is absent: not configured, or configured but without a replay adapter for the
-// mechanism (Kokkos has adapters for KVM and UA, run_kvm.hpp / run_ua.hpp; CUDA has none yet).
+// Where the GPU backends live. kvmem-replay is compiled by the host compiler and carries Kokkos;
+// kvmem-replay-cuda (kvmem_replay_cuda.cu: this same tool compiled by nvcc, built beside it when kvmem is
+// configured with -DKVMEM_CUDA=ON, macro KVMEM_REPLAY_CUDA_TOOL) carries CUDA and leaves Kokkos out.
+inline constexpr const char* kCudaInCudaTool = "the CUDA backend is in kvmem-replay-cuda, built beside this tool";
+inline constexpr const char* kKokkosInHostTool =
+    "kvmem-replay-cuda leaves Kokkos out; the Kokkos backend is in kvmem-replay";
+
+// Why a GPU backend is absent: not configured, in the other tool, or configured but without a replay
+// adapter for the mechanism (adapters for KVM and UA are in run_kvm.hpp / run_ua.hpp).
 inline std::string gpu_backend_reason(Backend b, [[maybe_unused]] const std::string& mechanism) {
   if (b == Backend::kKokkos) {
-#if defined(KVMEM_REPLAY_WITH_KOKKOS)
+#if defined(KVMEM_REPLAY_CUDA_TOOL)
+    return kKokkosInHostTool;
+#elif defined(KVMEM_REPLAY_WITH_KOKKOS)
     return "kvmem-replay has no Kokkos " + mechanism + " adapter in this build";
 #else
     return "configure kvmem with -DKVMEM_KOKKOS=ON";
 #endif
   }
-#if defined(KVMEM_REPLAY_WITH_CUDA)
-  return "kvmem-replay has no CUDA " + mechanism + " adapter yet";
+#if defined(KVMEM_REPLAY_CUDA_TOOL)
+  return "include/kvmem/backend/cuda/" + mechanism + ".cuh was not present when it was built";
+#elif defined(KVMEM_REPLAY_WITH_CUDA)
+  return kCudaInCudaTool;
 #else
-  return "configure kvmem with -DKVMEM_CUDA=ON";
+  return "configure kvmem with -DKVMEM_CUDA=ON, then run kvmem-replay-cuda";
 #endif
 }
 
 // The adapters one mechanism's file (run_kvm.hpp, run_ua.hpp) was built with: its KVMEM_REPLAY_WITH_*
 // flags, and the headers whose absence leaves the reference and host adapters out.
 struct BuiltAdapters {
-  bool reference, host, kokkos;
+  bool reference, host, kokkos, cuda;
   const char* reference_header;
   const char* host_header;
 };
@@ -686,7 +699,7 @@ inline std::string unavailable_reason(Backend b, const std::string& mechanism, c
     case Backend::kKokkos:
       return built.kokkos ? "" : not_built(b, gpu_backend_reason(b, mechanism));
     case Backend::kCuda:
-      return not_built(b, gpu_backend_reason(b, mechanism));
+      return built.cuda ? "" : not_built(b, gpu_backend_reason(b, mechanism));
   }
   return "";
 }

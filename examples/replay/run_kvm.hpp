@@ -16,6 +16,8 @@
 #include <memory>
 #include <span>
 #include <string>
+#include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "replay_core.hpp"
@@ -40,6 +42,12 @@
 #ifndef KVMEM_REPLAY_WITH_KOKKOS_SLOTS_KVM
 #define KVMEM_REPLAY_WITH_KOKKOS_SLOTS_KVM 0
 #endif
+#ifndef KVMEM_REPLAY_WITH_CUDA_KVM
+#define KVMEM_REPLAY_WITH_CUDA_KVM 0
+#endif
+#if KVMEM_REPLAY_WITH_CUDA_KVM && !KVMEM_REPLAY_WITH_HOST_KVM
+#error "the CUDA KVM adapter reuses the host adapter's parameter mapping: build it with KVMEM_REPLAY_WITH_HOST_KVM"
+#endif
 
 #if KVMEM_REPLAY_WITH_REFERENCE_KVM
 #include "kvmem/reference/kvm.hpp"
@@ -52,6 +60,10 @@
 
 #include "kvmem/backend/kokkos.hpp"
 #include "transport_kokkos.hpp"
+#endif
+#if KVMEM_REPLAY_WITH_CUDA_KVM
+#include "kvmem/backend/cuda/kvm.cuh"
+#include "transport_cuda.hpp"
 #endif
 
 namespace kvmem::replay::kvm_adapter {
@@ -353,6 +365,22 @@ kvm::State<S, float> make_state(const Spec& s) {
   return st;
 }
 
+// The route log of a prefill in the goldens' layout: per update, the routes concatenated over the
+// (b, kv head) items, and |S| after it.
+inline void collect_routes(const kvm::RouteLog& log, Results& r) {
+  const std::size_t U = log.items.empty() ? 0 : log.items[0].size();
+  r.route_append.assign(U, {});
+  r.route_merge.assign(U, {});
+  r.slots_after_update.assign(U, 0);
+  for (std::size_t u = 0; u < U; ++u)
+    for (const auto& item : log.items) {
+      if (item.size() != U) throw std::logic_error("internal: the backend logged different update counts per item");
+      r.route_append[u].insert(r.route_append[u].end(), item[u].appended.begin(), item[u].appended.end());
+      r.route_merge[u].insert(r.route_merge[u].end(), item[u].target.begin(), item[u].target.end());
+      r.slots_after_update[u] = item[u].slots_after;
+    }
+}
+
 // The final state and the route log of a prefill, in the goldens' layout: state [B,Hk,S,*], routes
 // per update concatenated over the (b, kv head) items.
 template <class S>
@@ -365,17 +393,7 @@ void collect(const kvm::State<S, float>& st, const Spec& s, const kvm::RouteLog&
       r.state_v.insert(r.state_v.end(), it.sv, it.sv + r.slots * s.Dv);
       r.state_rho.insert(r.state_rho.end(), it.rho, it.rho + r.slots);
     }
-  const std::size_t U = log.items.empty() ? 0 : log.items[0].size();
-  r.route_append.assign(U, {});
-  r.route_merge.assign(U, {});
-  r.slots_after_update.assign(U, 0);
-  for (std::size_t u = 0; u < U; ++u)
-    for (const auto& item : log.items) {
-      if (item.size() != U) throw std::logic_error("internal: the backend logged different update counts per item");
-      r.route_append[u].insert(r.route_append[u].end(), item[u].appended.begin(), item[u].appended.end());
-      r.route_merge[u].insert(r.route_merge[u].end(), item[u].target.begin(), item[u].target.end());
-      r.slots_after_update[u] = item[u].slots_after;
-    }
+  collect_routes(log, r);
 }
 
 template <class S>
@@ -511,6 +529,114 @@ inline Results run_kokkos(const Spec& s, const Inputs& in, const Options& opt, P
 }
 #endif
 
+#if KVMEM_REPLAY_WITH_CUDA_KVM
+namespace cuda_detail {
+
+// The learned weights in device memory, fp32 (cuda::KvmWeights).
+struct DeviceWeights {
+  DeviceArray<float> ln_w, ln_b, tau_s, tau_w;
+  explicit DeviceWeights(const host_detail::FloatInputs& f)
+      : ln_w(to_device_as<float>(f.ln_w)),
+        ln_b(to_device_as<float>(f.ln_b)),
+        tau_s(to_device_as<float>(f.tau_s)),
+        tau_w(to_device_as<float>(f.tau_w)) {}
+  [[nodiscard]] cuda::KvmWeights view() const { return {ln_w.data(), ln_b.data(), tau_s.data(), tau_w.data()}; }
+};
+
+// Feeds tokens [t0, t1) of every sequence through one fixed-batch call (kvm::prefill; one token is a
+// decode step on this backend too), inputs in the storage type S as the CUDA calls take them, and
+// scatters the rows into out [B,T,Hq,Dv].
+template <class S>
+void feed(const cuda::Executor& exec, cuda::KvmState<S, float>& st, const DeviceWeights& w, const Spec& s,
+          const host_detail::FloatInputs& f, std::int64_t t0, std::int64_t t1, std::vector<double>& out,
+          kvm::RouteLog* log) {
+  using host_detail::tokens;
+  const std::int64_t n = t1 - t0;
+  const auto q = to_device_as<S>(tokens(f.q, s.B * s.Hq, s.T, s.D, t0, t1));
+  const auto k = to_device_as<S>(tokens(f.k, s.B * s.Hk, s.T, s.D, t0, t1));
+  const auto v = to_device_as<S>(tokens(f.v, s.B * s.Hk, s.T, s.Dv, t0, t1));
+  const auto g = to_device_as<S>(tokens(f.gate, s.B * s.Hk, s.T, 1, t0, t1));
+  const DeviceArray<float> o(static_cast<std::size_t>(s.B * n * s.Hq * s.Dv));
+  const Status status = kvm::prefill(exec, st, w.view(), TensorView<const S, 4>(q.data(), {s.B, s.Hq, n, s.D}),
+                                     TensorView<const S, 4>(k.data(), {s.B, s.Hk, n, s.D}),
+                                     TensorView<const S, 4>(v.data(), {s.B, s.Hk, n, s.Dv}),
+                                     TensorView<const S, 3>(g.data(), {s.B, s.Hk, n}),
+                                     TensorView<float, 4>(o.data(), {s.B, n, s.Hq, s.Dv}), nullptr, log);
+  if (!status.is_ok()) throw BadInput("cuda kvm rejects the case: " + status.message());
+  CudaTransport::fence(exec);
+  std::vector<float> host(o.size());
+  CudaTransport::read_back(o, host);
+  const std::int64_t row = s.Hq * s.Dv;
+  for (std::int64_t b = 0; b < s.B; ++b)
+    std::copy(host.begin() + b * n * row, host.begin() + (b + 1) * n * row, out.begin() + (b * s.T + t0) * row);
+}
+
+template <class S>
+cuda::KvmState<S, float> make_state(const Spec& s) {
+  cuda::KvmState<S, float> st;
+  const Status status =
+      cuda::KvmState<S, float>::create(host_detail::params_of(s), kvm::Shape{s.B, s.Hq, s.Hk, s.D, s.Dv, s.T}, st);
+  if (!status.is_ok()) throw BadInput("cuda kvm rejects the configuration: " + status.message());
+  return st;
+}
+
+// The final state (read back item by item) and the route log of a prefill, in the goldens' layout.
+template <class S>
+void collect(const cuda::KvmState<S, float>& st, const Spec& s, const kvm::RouteLog& log, Results& r) {
+  r.slots = st.slots();
+  for (std::int64_t b = 0; b < s.B; ++b)
+    for (std::int64_t g = 0; g < s.Hk; ++g) {
+      std::vector<float> sk, sv, rho;
+      throw_if_error(st.download(b, g, sk, sv, rho, cudaStream_t{}));
+      r.state_k.insert(r.state_k.end(), sk.begin(), sk.end());
+      r.state_v.insert(r.state_v.end(), sv.begin(), sv.end());
+      r.state_rho.insert(r.state_rho.end(), rho.begin(), rho.end());
+    }
+  host_detail::collect_routes(log, r);
+}
+
+template <class S>
+Results run(const Spec& s, const Inputs& in, Progress& progress) {
+  const cuda::Executor exec{};  // the legacy default stream, with which CudaTransport's copies are ordered
+  const host_detail::FloatInputs f(in);
+  const DeviceWeights w(f);
+  Results r;
+  r.out.assign(static_cast<std::size_t>(s.B * s.T * s.Hq * s.Dv), 0.0);
+  {
+    auto st = make_state<S>(s);
+    kvm::RouteLog log;
+    progress.phase("prefill", s.T, [&] { feed(exec, st, w, s, f, 0, s.T, r.out, &log); });
+    collect(st, s, log, r);
+  }
+  if (in.has_q && s.decode_split >= 0) {
+    auto st = make_state<S>(s);
+    r.out_decode.assign(r.out.size(), 0.0);
+    progress.phase("prefill " + std::to_string(s.decode_split) + " + decode", s.T, [&] {
+      if (s.decode_split > 0) feed(exec, st, w, s, f, 0, s.decode_split, r.out_decode, nullptr);
+      progress.advance(s.decode_split);
+      for (std::int64_t t = s.decode_split; t < s.T; ++t) {
+        feed(exec, st, w, s, f, t, t + 1, r.out_decode, nullptr);
+        progress.advance(1);
+      }
+    });
+    r.has_decode = true;
+  }
+  return r;
+}
+
+}  // namespace cuda_detail
+
+// The CUDA backend's fixed-batch calls (kvm::prefill, one call per decode token) on the current device:
+// fp32 or bf16 storage, inputs in the storage type, sums and math in fp32.
+inline Results run_cuda(const Spec& s, const Inputs& in, const Options& opt, Progress& progress) {
+  if (s.round_value_readout_bf16)
+    throw BadInput("config: 'round_value_readout_bf16' is only implemented by the reference backend");
+  if (opt.threads > 0) progress.note("--threads does not apply to the cuda backend");
+  if (opt.precision == Precision::kBf16) return cuda_detail::run<bf16>(s, in, progress);
+  return cuda_detail::run<float>(s, in, progress);
+}
+#endif
+
 // ---- trace mode (sequence slots, trace.hpp) ---------------------------------------------------------
 
 // The trace's config: the keys of a golden case's config (Hq, Hk, D, Dv, budget, chunk, ...) without B
@@ -614,14 +740,91 @@ const kvm::State<S, float>& state_of(const kvm::State<S, float>& st) {
 }
 #endif
 
-#if KVMEM_REPLAY_WITH_HOST_KVM || (KVMEM_REPLAY_WITH_KOKKOS_KVM && KVMEM_REPLAY_WITH_KOKKOS_SLOTS_KVM)
+#if KVMEM_REPLAY_WITH_CUDA_KVM
+// The trace's inputs in device memory, copied once: q, k, v and gate in the storage type S (the element
+// type the CUDA step reads, as an engine hands it), the learned weights in fp32 (cuda::KvmWeights).
+template <class S>
+struct CudaTraceInputs {
+  DeviceArray<S> q, k, v, gate;
+  DeviceArray<float> ln_w, ln_b, tau_s, tau_w;
+  explicit CudaTraceInputs(const TraceInputs& in)
+      : q(to_device_as<S>(in.q)),
+        k(to_device_as<S>(in.k)),
+        v(to_device_as<S>(in.v)),
+        gate(to_device_as<S>(in.gate)),
+        ln_w(to_device_as<float>(in.ln_w)),
+        ln_b(to_device_as<float>(in.ln_b)),
+        tau_s(to_device_as<float>(in.tau_s)),
+        tau_w(to_device_as<float>(in.tau_w)) {}
+  [[nodiscard]] cuda::KvmWeights weights() const { return {ln_w.data(), ln_b.data(), tau_s.data(), tau_w.data()}; }
+};
+
+// A CUDA state (cuda::KvmState, owning its device memory) and the larger workspace that a step with
+// more rows than slots needs: the CUDA step gives every row a work item, padding rows too, and a
+// created state's own workspace serves max_slots rows.
+template <class S>
+struct CudaState {
+  cuda::KvmState<S, float> state;
+  cuda::DeviceBuffer workspace;
+};
+template <class S>
+Status create_trace_state(const cuda::Executor& /*exec*/, const kvm::Params& p, const kvm::Shape& shape,
+                          CudaState<S>& out) {
+  return cuda::KvmState<S, float>::create(p, shape, out.state);
+}
+template <class S>
+cuda::KvmState<S, float>& state_of(CudaState<S>& st) {
+  return st.state;
+}
+template <class S>
+const cuda::KvmState<S, float>& state_of(const CudaState<S>& st) {
+  return st.state;
+}
+// Gives the state a workspace for `rows` rows when its own serves fewer. Runs between fenced calls, so
+// no work still uses the workspace it replaces.
+template <class S>
+Status reserve_rows(CudaState<S>& st, std::int64_t rows) {
+  if (rows <= st.state.workspace_rows()) return Status::ok();
+  const Limits limits{.max_rows = rows};
+  const std::size_t bytes = cuda::KvmState<S, float>::workspace_bytes({st.state.params(), st.state.shape()}, limits);
+  cuda::DeviceBuffer memory;
+  KVMEM_RETURN_IF_ERROR(cuda::DeviceBuffer::allocate(bytes, memory));
+  KVMEM_RETURN_IF_ERROR(st.state.attach_workspace(memory.get(), bytes, limits));
+  st.workspace = std::move(memory);
+  return Status::ok();
+}
+// The CUDA step checks its rows on the device: a refused step returns ok, changes nothing and leaves
+// its reason in the state until step_status reads (and clears) it. Read after every step, so a
+// refusal reaches the player as the call's Status, as the host's would.
+template <class S>
+Status step_outcome(const cuda::Executor& exec, CudaState<S>& st) {
+  return st.state.step_status(exec);
+}
+#endif
+
+#if KVMEM_REPLAY_WITH_HOST_KVM || (KVMEM_REPLAY_WITH_KOKKOS_KVM && KVMEM_REPLAY_WITH_KOKKOS_SLOTS_KVM) || \
+    KVMEM_REPLAY_WITH_CUDA_KVM
+// What a backend needs around a step beyond the call: room for the step's rows (reserve_rows) and the
+// step's refusal when the backend reports it after the call (step_outcome). Host and Kokkos check rows
+// on the host and need neither; the CUDA overloads above are the more specialised match for its state.
+template <class Holder>
+Status reserve_rows(Holder& /*state*/, std::int64_t /*rows*/) {
+  return Status::ok();
+}
+template <class Exec, class Holder>
+Status step_outcome(const Exec& /*exec*/, Holder& /*state*/) {
+  return Status::ok();
+}
+
 // One trace runner for every backend with KVM's slot API (docs/slots.md): Holder is the backend's
 // state (made by create_trace_state, reached through state_of), In the trace's inputs in its memory
-// (q, k, v, gate and weights()), Transport (transport.hpp) how a call's index lists and outputs move.
-// The host runs the exact executor, which keeps the property the check tests: a row equals its
-// sequence run alone, bit for bit.
+// (q, k, v, gate in the element type the backend's step reads, and weights()), Transport (transport.hpp)
+// how a call's index lists and outputs move. The host runs the exact executor, which keeps the property
+// the check tests: a row equals its sequence run alone, bit for bit.
 template <class Exec, class Holder, class In, class Transport>
 class KvmSlotRunner final : public trace::SlotRunner {
+  using Elem = std::remove_cvref_t<decltype(*std::declval<const In&>().q.data())>;
+
  public:
   KvmSlotRunner(std::shared_ptr<const In> in, const Spec& s, std::int64_t max_slots, Exec exec, const char* backend)
       : in_(std::move(in)), s_(s), exec_(std::move(exec)) {
@@ -632,18 +835,20 @@ class KvmSlotRunner final : public trace::SlotRunner {
   Status step(std::span<const std::int32_t> slot, std::span<const std::int32_t> query_start, std::int64_t first,
               std::span<float> out, std::span<float> lse) override {
     const std::int64_t n = query_start.back();
+    KVMEM_RETURN_IF_ERROR(reserve_rows(state_, std::int64_t(slot.size())));
     const auto d_slot = Transport::list(slot), d_start = Transport::list(query_start);
     auto d_out = Transport::output(out), d_lse = Transport::output(lse);
     const In& in = *in_;
-    const Status status =
+    const Status called =
         kvm::step(exec_, state_of(state_), in.weights(), Rows{Transport::view(d_slot), Transport::view(d_start)},
-                  TensorView<const float, 3>(in.q.data() + first * s_.Hq * s_.D, {n, s_.Hq, s_.D}),
-                  TensorView<const float, 3>(in.k.data() + first * s_.Hk * s_.D, {n, s_.Hk, s_.D}),
-                  TensorView<const float, 3>(in.v.data() + first * s_.Hk * s_.Dv, {n, s_.Hk, s_.Dv}),
-                  TensorView<const float, 2>(in.gate.data() + first * s_.Hk, {n, s_.Hk}),
+                  TensorView<const Elem, 3>(in.q.data() + first * s_.Hq * s_.D, {n, s_.Hq, s_.D}),
+                  TensorView<const Elem, 3>(in.k.data() + first * s_.Hk * s_.D, {n, s_.Hk, s_.D}),
+                  TensorView<const Elem, 3>(in.v.data() + first * s_.Hk * s_.Dv, {n, s_.Hk, s_.Dv}),
+                  TensorView<const Elem, 2>(in.gate.data() + first * s_.Hk, {n, s_.Hk}),
                   TensorView<float, 3>(Transport::data(d_out), {n, s_.Hq, s_.Dv}),
                   TensorView<float, 2>(Transport::data(d_lse), {n, s_.Hq}));
     Transport::fence(exec_);
+    const Status status = called.is_ok() ? step_outcome(exec_, state_) : called;
     Transport::read_back(d_out, out);
     Transport::read_back(d_lse, lse);
     return status;
@@ -703,6 +908,20 @@ template <class S>
 using KokkosState = kokkos::KvmState<S, float, kokkos_detail::MemSpace>;
 #endif
 
+#if KVMEM_REPLAY_WITH_CUDA_KVM
+// The CUDA runner's factory for storage type S: the inputs go to the device once, in S.
+template <class S>
+std::function<std::unique_ptr<trace::SlotRunner>(std::int64_t)> make_cuda_runner(const TraceInputs& in, const Spec& s) {
+  using Runner = KvmSlotRunner<cuda::Executor, CudaState<S>, CudaTraceInputs<S>, CudaTransport>;
+  auto dev = std::make_shared<const CudaTraceInputs<S>>(in);
+  // The legacy default stream: CudaTransport's blocking copies are ordered with its work.
+  const cuda::Executor exec{};
+  return [=](std::int64_t slots) -> std::unique_ptr<trace::SlotRunner> {
+    return std::make_unique<Runner>(dev, s, slots, exec, "cuda");
+  };
+}
+#endif
+
 // The trace player's view of KVM on the chosen backend. A backend with a slot API gets a runner
 // (trace::SlotRunner) and a case below; the others answer "not built".
 inline trace::Mechanism trace_mechanism(const Options& opt, const Case& c, const trace::Trace& t) {
@@ -733,6 +952,16 @@ inline trace::Mechanism trace_mechanism(const Options& opt, const Case& c, const
     return m;
   }
 #endif
+#if KVMEM_REPLAY_WITH_CUDA_KVM
+  if (opt.backend == Backend::kCuda) {
+    if (opt.threads > 0) std::fprintf(stderr, "kvmem-replay: --threads does not apply to the cuda backend\n");
+    require_cuda_device();
+    m.check_tolerance = trace::kCudaCheckTolerance;
+    m.make_runner =
+        opt.precision == Precision::kBf16 ? make_cuda_runner<bf16>(*in, s) : make_cuda_runner<float>(*in, s);
+    return m;
+  }
+#endif
   throw BadInput(trace::trace_unavailable(opt.backend, "kvm", KVMEM_REPLAY_WITH_HOST_KVM != 0));
 }
 
@@ -751,8 +980,11 @@ inline void run(const Options& opt, const Case& c, Outputs& outputs) {
   const std::string unavailable = unavailable_reason(
       opt.backend, "kvm",
       {KVMEM_REPLAY_WITH_REFERENCE_KVM != 0, KVMEM_REPLAY_WITH_HOST_KVM != 0, KVMEM_REPLAY_WITH_KOKKOS_KVM != 0,
-       "include/kvmem/reference/kvm.hpp", "include/kvmem/backend/host/kvm.hpp"});
+       KVMEM_REPLAY_WITH_CUDA_KVM != 0, "include/kvmem/reference/kvm.hpp", "include/kvmem/backend/host/kvm.hpp"});
   if (!unavailable.empty()) throw BadInput(unavailable);
+#if KVMEM_REPLAY_WITH_CUDA_KVM
+  if (opt.backend == Backend::kCuda) require_cuda_device();  // before any note: one line without a GPU
+#endif
 
   Progress progress(!opt.quiet, std::string("kvm/") + to_string(opt.backend));
   if (!inputs.has_q)
@@ -773,6 +1005,10 @@ inline void run(const Options& opt, const Case& c, Outputs& outputs) {
   } else if (opt.backend == Backend::kKokkos) {
 #if KVMEM_REPLAY_WITH_KOKKOS_KVM
     results = run_kokkos(spec, inputs, opt, progress);
+#endif
+  } else if (opt.backend == Backend::kCuda) {
+#if KVMEM_REPLAY_WITH_CUDA_KVM
+    results = run_cuda(spec, inputs, opt, progress);
 #endif
   }
   emit(spec, inputs, std::move(results), outputs);

@@ -6,6 +6,7 @@
 //   pruned, per config threshold p -> out_pruned_p{digits}, kept_p{digits}  (0.05 -> p005)
 // The optional output gate z_o [B,T,H,D] is passed on when the input has it.
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
@@ -14,6 +15,8 @@
 #include <set>
 #include <span>
 #include <string>
+#include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "replay_core.hpp"
@@ -37,6 +40,12 @@
 #ifndef KVMEM_REPLAY_WITH_KOKKOS_SLOTS_UA
 #define KVMEM_REPLAY_WITH_KOKKOS_SLOTS_UA 0
 #endif
+#ifndef KVMEM_REPLAY_WITH_CUDA_UA
+#define KVMEM_REPLAY_WITH_CUDA_UA 0
+#endif
+#if KVMEM_REPLAY_WITH_CUDA_UA && !KVMEM_REPLAY_WITH_HOST_UA
+#error "the CUDA UA adapter reuses the host adapter's input views: build it with KVMEM_REPLAY_WITH_HOST_UA"
+#endif
 
 #if KVMEM_REPLAY_WITH_REFERENCE_UA
 #include "kvmem/reference/ua.hpp"
@@ -49,6 +58,10 @@
 
 #include "kvmem/backend/kokkos.hpp"
 #include "transport_kokkos.hpp"
+#endif
+#if KVMEM_REPLAY_WITH_CUDA_UA
+#include "kvmem/backend/cuda/ua.cuh"
+#include "transport_cuda.hpp"
 #endif
 
 namespace kvmem::replay::ua_adapter {
@@ -495,6 +508,154 @@ inline Results run_kokkos(const Spec& s, const Inputs& in, const Options& opt, P
 }
 #endif
 
+#if KVMEM_REPLAY_WITH_CUDA_UA
+namespace cuda_detail {
+
+using host_detail::check;
+
+// The float inputs copied once to the device, q, k, v and z_o in the element type E (the gate logits
+// stay fp32); token ranges are strided views of those copies with host_detail::FloatInputs' strides.
+template <class E>
+struct DeviceInputs {
+  const host_detail::FloatInputs& f;
+  DeviceArray<E> q, k, v, z_o;
+  DeviceArray<float> z_k, z_q;
+
+  explicit DeviceInputs(const host_detail::FloatInputs& fi)
+      : f(fi),
+        q(to_device_as<E>(fi.q)),
+        k(to_device_as<E>(fi.k)),
+        v(to_device_as<E>(fi.v)),
+        z_o(to_device_as<E>(fi.z_o)),
+        z_k(to_device_as<float>(fi.z_k)),
+        z_q(to_device_as<float>(fi.z_q)) {}
+
+  [[nodiscard]] ua::InputsOf<E> slice(std::int64_t t0, std::int64_t t1) const {
+    const ua::Inputs host = f.slice(t0, t1);
+    const auto rebase = [](const auto& view, const std::vector<float>& from, const auto& to) {
+      using T = std::remove_cvref_t<decltype(*to.data())>;
+      constexpr std::size_t kRank = std::remove_cvref_t<decltype(view)>::kRank;
+      return TensorView<const T, kRank>(to.data() + (view.data() - from.data()), view.extents(), view.strides());
+    };
+    ua::InputsOf<E> in;
+    in.q = rebase(host.q, f.q, q);
+    in.k = rebase(host.k, f.k, k);
+    in.v = rebase(host.v, f.v, v);
+    in.z_k = rebase(host.z_k, f.z_k, z_k);
+    in.z_q = rebase(host.z_q, f.z_q, z_q);
+    if (!f.z_o.empty()) in.z_o = rebase(host.z_o, f.z_o, z_o);
+    return in;
+  }
+  [[nodiscard]] DeviceArray<float> make_out() const {
+    return zeroed_device_floats(static_cast<std::size_t>(f.s.B * f.s.T * f.s.H * f.s.D));
+  }
+  [[nodiscard]] TensorView<float, 4> out_slice(const DeviceArray<float>& out, std::int64_t t0, std::int64_t t1) const {
+    const std::int64_t H = f.s.H, T = f.s.T, D = f.s.D;
+    return {out.data() + t0 * H * D, {f.s.B, t1 - t0, H, D}, {T * H * D, H * D, D, 1}};
+  }
+};
+
+inline std::vector<double> to_host(const DeviceArray<float>& x) {
+  std::vector<float> host(x.size());
+  CudaTransport::read_back(x, host);
+  return {host.begin(), host.end()};
+}
+
+// Chunked prefill of [0, split) with `opt`, then one decode call per later token.
+template <class S>
+std::vector<double> prefill_decode(const cuda::Executor& exec, const DeviceInputs<S>& d, std::int64_t split,
+                                   const ua::Options& opt, cuda::UaCache<S>& cache, Progress& progress) {
+  const std::int64_t T = d.f.s.T;
+  const DeviceArray<float> out = d.make_out();
+  if (split > 0) check(ua::prefill(exec, cache, d.slice(0, split), opt, d.out_slice(out, 0, split)), "prefill", "cuda");
+  progress.advance(split);
+  for (std::int64_t t = split; t < T; ++t) {
+    check(ua::decode(exec, cache, d.slice(t, t + 1), opt, d.out_slice(out, t, t + 1)), "decode", "cuda");
+    progress.advance(1);
+  }
+  CudaTransport::fence(exec);
+  return to_host(out);
+}
+
+// A cache for the whole case whose prefill takes the config's prefill_chunk (UaCacheLimits sizes the
+// workspace for max_prefill_chunk, 128 unless the case asks for more).
+template <class S>
+cuda::UaCache<S> make_cache(const Spec& s) {
+  cuda::UaCacheLimits limits;
+  limits.max_prefill_chunk = std::max(limits.max_prefill_chunk, s.prefill_chunk);
+  cuda::UaCache<S> cache;
+  check(cuda::UaCache<S>::create(host_detail::cache_shape(s), cache, limits), "cache", "cuda");
+  return cache;
+}
+
+template <class S>
+Results run(const Spec& s, const Inputs& in, Progress& progress) {
+  const cuda::Executor exec{};  // the legacy default stream, with which CudaTransport's copies are ordered
+  const host_detail::FloatInputs f(s, in);
+  const DeviceInputs<float> d32(f);  // the dense forward runs in fp32, as on host
+  const DeviceInputs<S> d(f);        // the caches' calls take their inputs in the storage type
+  Results r;
+  {
+    const DeviceArray<float> out = d32.make_out();
+    const DeviceArray<float> lse(static_cast<std::size_t>(s.B * s.H * s.T));
+    const DeviceArray<float> lambda(static_cast<std::size_t>(s.B * s.G * s.T));
+    progress.phase("dense", s.T, [&] {
+      check(cuda::ua_forward(exec, d32.slice(0, s.T), d32.out_slice(out, 0, s.T),
+                             TensorView<float, 3>(lse.data(), {s.B, s.H, s.T}),
+                             TensorView<float, 3>(lambda.data(), {s.B, s.G, s.T})),
+            "forward", "cuda");
+      CudaTransport::fence(exec);
+    });
+    r.out = to_host(out);
+    r.lse = to_host(lse);
+    r.lambda_last = to_host(lambda);
+  }
+  ua::Options dense_opt;
+  dense_opt.p = 0.0;
+  dense_opt.prefill_chunk = s.prefill_chunk;
+  dense_opt.evict_before_attention = s.evict_before_attention;
+  {
+    auto cache = make_cache<S>(s);
+    r.out_decode =
+        progress.phase("decode", s.T, [&] { return prefill_decode(exec, d, 0, dense_opt, cache, progress); });
+  }
+  const std::int64_t split = s.prefill_split < 0 ? s.T : s.prefill_split;
+  for (double p : s.thresholds) {
+    auto cache = make_cache<S>(s);
+    ua::Options opt = dense_opt;
+    opt.p = p;
+    Pruned pr;
+    pr.p = p;
+    pr.out = progress.phase("pruned " + threshold_suffix(p), s.T,
+                            [&] { return prefill_decode(exec, d, split, opt, cache, progress); });
+    std::vector<std::vector<std::int64_t>> positions(static_cast<std::size_t>(s.B * s.G));
+    for (std::int64_t b = 0; b < s.B; ++b)
+      for (std::int64_t g = 0; g < s.G; ++g) {
+        std::vector<float> lambda;
+        check(cache.download(b, g, positions[std::size_t(b * s.G + g)], lambda, nullptr, nullptr, cudaStream_t{}),
+              "kept positions", "cuda");
+      }
+    pr.kept = host_detail::kept_mask(
+        s, [&](std::int64_t b, std::int64_t g) { return positions[std::size_t(b * s.G + g)].data(); },
+        [&](std::int64_t b, std::int64_t g) { return std::int64_t(positions[std::size_t(b * s.G + g)].size()); },
+        "cuda");
+    r.pruned.push_back(std::move(pr));
+  }
+  return r;
+}
+
+}  // namespace cuda_detail
+
+// The CUDA backend on the current device, the same storage choice as the host adapter: fp32, or bf16
+// keys and values in the decode caches (cuda::UaCache<bf16>, which take q, k, v in bf16; λ and
+// accumulation stay fp32); the dense forward runs in fp32.
+inline Results run_cuda(const Spec& s, const Inputs& in, const Options& opt, Progress& progress) {
+  if (opt.threads > 0) progress.note("--threads does not apply to the cuda backend");
+  if (opt.precision == Precision::kBf16) return cuda_detail::run<bf16>(s, in, progress);
+  return cuda_detail::run<float>(s, in, progress);
+}
+#endif
+
 // ---- trace mode (sequence slots, trace.hpp) ---------------------------------------------------------
 
 // The trace's config: H, G, D, `capacity` (kept rows per slot and KV head), and the options of every
@@ -565,24 +726,88 @@ struct KokkosTraceInputs {
 };
 #endif
 
-#if KVMEM_REPLAY_WITH_HOST_UA || (KVMEM_REPLAY_WITH_KOKKOS_UA && KVMEM_REPLAY_WITH_KOKKOS_SLOTS_UA)
+#if KVMEM_REPLAY_WITH_CUDA_UA
+// The trace's inputs in device memory, copied once: q, k, v and z_o in the storage type S (what the
+// CUDA step reads), the gate logits z_k, z_q in fp32.
+template <class S>
+struct CudaTraceInputs {
+  DeviceArray<S> q, k, v, z_o;
+  DeviceArray<float> z_k, z_q;
+  explicit CudaTraceInputs(const TraceInputs& in)
+      : q(to_device_as<S>(in.q)),
+        k(to_device_as<S>(in.k)),
+        v(to_device_as<S>(in.v)),
+        z_o(to_device_as<S>(in.z_o)),
+        z_k(to_device_as<float>(in.z_k)),
+        z_q(to_device_as<float>(in.z_q)) {}
+  [[nodiscard]] const S* output_gate() const { return z_o.empty() ? nullptr : z_o.data(); }
+};
+
+// A CUDA cache whose step takes prefill chunks of the trace's length: UaCacheLimits sizes the step's
+// workspace for max_prefill_chunk (128 unless the trace asks for more).
+template <class S>
+Status create_trace_cache(const cuda::Executor& /*exec*/, const ua::CacheShape& shape, const TraceSpec& s,
+                          cuda::UaCache<S>& out) {
+  cuda::UaCacheLimits limits;
+  limits.max_prefill_chunk = std::max(limits.max_prefill_chunk, s.prefill_chunk);
+  return cuda::UaCache<S>::create(shape, out, limits);
+}
+
+// The CUDA step checks its rows on the device and leaves a refusal in the cache until step_status
+// reads it; a row whose slot lacks room is skipped while the others step on, and its slot flagged
+// (UaCache::overflowed). Both are read after every step and returned as the call's Status -- the
+// capacity refusal with the host's code, kOutOfRange -- so the player stops where the host would.
+template <class S>
+Status step_outcome(const cuda::Executor& exec, cuda::UaCache<S>& cache, std::span<const std::int32_t> slot,
+                    std::int64_t capacity) {
+  KVMEM_RETURN_IF_ERROR(cache.step_status(exec));
+  std::vector<std::int32_t> overflowed;
+  KVMEM_RETURN_IF_ERROR(cache.overflowed(exec, overflowed));
+  for (std::size_t r = 0; r < slot.size(); ++r)
+    if (slot[r] >= 0 && overflowed[std::size_t(slot[r])] != 0)
+      return {StatusCode::kOutOfRange, "cache capacity: row " + std::to_string(r) + " (slot " +
+                                           std::to_string(slot[r]) + ") has no room for its tokens in some kv head " +
+                                           "(capacity " + std::to_string(capacity) +
+                                           "); the CUDA step skipped the row and flagged the slot"};
+  return Status::ok();
+}
+#endif
+
+#if KVMEM_REPLAY_WITH_HOST_UA || (KVMEM_REPLAY_WITH_KOKKOS_UA && KVMEM_REPLAY_WITH_KOKKOS_SLOTS_UA) || \
+    KVMEM_REPLAY_WITH_CUDA_UA
+// How a backend's cache is made for the trace (create_trace_cache) and whether a step was refused after
+// the call returned (step_outcome). Host and Kokkos: the cache's own create, and the call's Status says
+// it all; the CUDA overloads above are the more specialised match for its cache.
+template <class Exec, class Cache>
+Status create_trace_cache(const Exec& /*exec*/, const ua::CacheShape& shape, const TraceSpec& /*s*/, Cache& out) {
+  return Cache::create(shape, out);
+}
+template <class Exec, class Cache>
+Status step_outcome(const Exec& /*exec*/, Cache& /*cache*/, std::span<const std::int32_t> /*slot*/,
+                    std::int64_t /*capacity*/) {
+  return Status::ok();
+}
+
 // One trace runner for every backend with UA's slot API: the cache type comes from the executor
 // (ua::cache_t) and every call has the host's signature (docs/slots-ua.md). In holds the trace's
-// inputs in the backend's memory (q, k, v, z_k, z_q and output_gate(), null without one); the
-// Transport (transport.hpp) moves a call's index lists and outputs.
+// inputs in the backend's memory (q, k, v, z_k, z_q and output_gate(), null without one; q, k, v and
+// z_o in the element type the backend's step reads); the Transport (transport.hpp) moves a call's
+// index lists and outputs.
 template <class Exec, class S, class In, class Transport>
 class UaSlotRunner final : public trace::SlotRunner {
+  using Elem = std::remove_cvref_t<decltype(*std::declval<const In&>().q.data())>;
+
  public:
   UaSlotRunner(std::shared_ptr<const In> in, const TraceSpec& s, std::int64_t max_slots, Exec exec, const char* backend)
       : in_(std::move(in)), s_(s), exec_(std::move(exec)) {
-    const Status status = ua::cache_t<Exec, S>::create({max_slots, s.H, s.G, s.D, s.capacity, 16}, cache_);
+    const Status status = create_trace_cache(exec_, {max_slots, s.H, s.G, s.D, s.capacity, 16}, s, cache_);
     if (!status.is_ok()) throw BadInput(std::string(backend) + " ua rejects the trace's config: " + status.message());
   }
   Status step(std::span<const std::int32_t> slot, std::span<const std::int32_t> query_start, std::int64_t first,
               std::span<float> out, std::span<float> lse) override {
     const std::int64_t n = query_start.back(), H = s_.H, G = s_.G, D = s_.D;
     const In& in = *in_;
-    ua::PackedInputs x;
+    ua::PackedInputsOf<Elem> x;
     x.q = {in.q.data() + first * H * D, {n, H, D}};
     x.k = {in.k.data() + first * G * D, {n, G, D}};
     x.v = {in.v.data() + first * G * D, {n, G, D}};
@@ -591,11 +816,12 @@ class UaSlotRunner final : public trace::SlotRunner {
     if (in.output_gate() != nullptr) x.z_o = {in.output_gate() + first * H * D, {n, H, D}};
     const auto d_slot = Transport::list(slot), d_start = Transport::list(query_start);
     auto d_out = Transport::output(out), d_lse = Transport::output(lse);
-    const Status status = ua::step(exec_, cache_, Rows{Transport::view(d_slot), Transport::view(d_start)}, x,
+    const Status called = ua::step(exec_, cache_, Rows{Transport::view(d_slot), Transport::view(d_start)}, x,
                                    ua::Options{s_.p, s_.prefill_chunk, s_.evict_before_attention},
                                    TensorView<float, 3>(Transport::data(d_out), {n, H, D}),
                                    TensorView<float, 2>(Transport::data(d_lse), {n, H}));
     Transport::fence(exec_);
+    const Status status = called.is_ok() ? step_outcome(exec_, cache_, slot, s_.capacity) : called;
     Transport::read_back(d_out, out);
     Transport::read_back(d_lse, lse);
     return status;
@@ -649,6 +875,21 @@ std::function<std::unique_ptr<trace::SlotRunner>(std::int64_t)> make_runner(Prec
 }
 #endif
 
+#if KVMEM_REPLAY_WITH_CUDA_UA
+// The CUDA runner's factory for storage type S: the inputs go to the device once, q, k, v, z_o in S.
+template <class S>
+std::function<std::unique_ptr<trace::SlotRunner>(std::int64_t)> make_cuda_runner(const TraceInputs& in,
+                                                                                 const TraceSpec& s) {
+  using Runner = UaSlotRunner<cuda::Executor, S, CudaTraceInputs<S>, CudaTransport>;
+  auto dev = std::make_shared<const CudaTraceInputs<S>>(in);
+  // The legacy default stream: CudaTransport's blocking copies are ordered with its work.
+  const cuda::Executor exec{};
+  return [=](std::int64_t slots) -> std::unique_ptr<trace::SlotRunner> {
+    return std::make_unique<Runner>(dev, s, slots, exec, "cuda");
+  };
+}
+#endif
+
 // The trace player's view of UA on the chosen backend (see kvm_adapter::trace_mechanism).
 inline trace::Mechanism trace_mechanism(const Options& opt, const Case& c, const trace::Trace& t) {
   const TraceSpec s = parse_trace_config(t);
@@ -677,6 +918,16 @@ inline trace::Mechanism trace_mechanism(const Options& opt, const Case& c, const
     return m;
   }
 #endif
+#if KVMEM_REPLAY_WITH_CUDA_UA
+  if (opt.backend == Backend::kCuda) {
+    if (opt.threads > 0) std::fprintf(stderr, "kvmem-replay: --threads does not apply to the cuda backend\n");
+    require_cuda_device();
+    m.check_tolerance = trace::kCudaCheckTolerance;
+    m.make_runner =
+        opt.precision == Precision::kBf16 ? make_cuda_runner<bf16>(*in, s) : make_cuda_runner<float>(*in, s);
+    return m;
+  }
+#endif
   throw BadInput(trace::trace_unavailable(opt.backend, "ua", KVMEM_REPLAY_WITH_HOST_UA != 0));
 }
 
@@ -693,8 +944,11 @@ inline void run(const Options& opt, const Case& c, Outputs& outputs) {
   const std::string unavailable = unavailable_reason(
       opt.backend, "ua",
       {KVMEM_REPLAY_WITH_REFERENCE_UA != 0, KVMEM_REPLAY_WITH_HOST_UA != 0, KVMEM_REPLAY_WITH_KOKKOS_UA != 0,
-       "include/kvmem/reference/ua.hpp", "include/kvmem/backend/host/ua.hpp"});
+       KVMEM_REPLAY_WITH_CUDA_UA != 0, "include/kvmem/reference/ua.hpp", "include/kvmem/backend/host/ua.hpp"});
   if (!unavailable.empty()) throw BadInput(unavailable);
+#if KVMEM_REPLAY_WITH_CUDA_UA
+  if (opt.backend == Backend::kCuda) require_cuda_device();  // before any note: one line without a GPU
+#endif
 
   Progress progress(!opt.quiet, std::string("ua/") + to_string(opt.backend));
   if (c.file.has("dout"))
@@ -712,6 +966,10 @@ inline void run(const Options& opt, const Case& c, Outputs& outputs) {
   } else if (opt.backend == Backend::kKokkos) {
 #if KVMEM_REPLAY_WITH_KOKKOS_UA
     results = run_kokkos(spec, inputs, opt, progress);
+#endif
+  } else if (opt.backend == Backend::kCuda) {
+#if KVMEM_REPLAY_WITH_CUDA_UA
+    results = run_cuda(spec, inputs, opt, progress);
 #endif
   }
   emit(spec, std::move(results), outputs);

@@ -96,9 +96,11 @@ struct ToolRun {
   std::string err;  // stderr
 };
 
-// Runs kvmem-replay with `args`; stdout and stderr go to files in `dir` (not under test).
-inline ToolRun run_tool(const std::vector<std::string>& args, const fs::path& log_dir) {
-  std::string cmd = shell_quote(KVMEM_REPLAY_EXE);
+// Runs kvmem-replay (or the tool at `exe`: kvmem-replay-cuda) with `args`; stdout and stderr go to files
+// in `dir` (not under test).
+inline ToolRun run_tool(const std::vector<std::string>& args, const fs::path& log_dir,
+                        const std::string& exe = KVMEM_REPLAY_EXE) {
+  std::string cmd = shell_quote(exe);
   for (const auto& a : args) {
     cmd.push_back(' ');
     cmd.append(shell_quote(a));

@@ -5,6 +5,10 @@
 // sequence is compared with that sequence computed here alone, through the library's own calls
 // (KVM: one prefill of the whole sequence; UA: its rows as prefill/decode calls on a cache of one
 // sequence). Malformed traces are refused with exit 2 and a message naming the step and field.
+// kvmem-replay-cuda plays the same schedules on the CUDA backend (hidden tag [.cuda], label gpu), held
+// to its own --check (each sequence alone on CUDA) and, for KVM fp32, to the host's sequence alone
+// within the fp32 tolerance; without a visible GPU those cases check that the tool refuses in one line
+// and say SKIPPED.
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -14,6 +18,7 @@
 #include <random>
 #include <span>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include <catch2/catch.hpp>
@@ -23,6 +28,16 @@
 #include "kvmem/backend/host/ua.hpp"
 #include "kvmem/io/safetensors.hpp"
 #include "replay_test_util.hpp"
+
+#ifndef KVMEM_REPLAY_HAVE_CUDA_TRACE_KVM
+#define KVMEM_REPLAY_HAVE_CUDA_TRACE_KVM 0
+#endif
+#ifndef KVMEM_REPLAY_HAVE_CUDA_TRACE_UA
+#define KVMEM_REPLAY_HAVE_CUDA_TRACE_UA 0
+#endif
+#if KVMEM_REPLAY_HAVE_CUDA_TRACE_KVM || KVMEM_REPLAY_HAVE_CUDA_TRACE_UA
+#include <cuda_runtime_api.h>  // the runtime's C API: this file is compiled by the host compiler
+#endif
 
 namespace {
 
@@ -249,6 +264,37 @@ void require_rows_equal(const std::vector<float>& packed, const std::vector<floa
   }
 }
 
+// Expects the schedule's outputs of sequence q to lie within `tol` of `alone`, relative to
+// max(1, max |alone|) over the sequence (the golden comparisons' rule).
+void require_rows_close(const std::vector<float>& packed, const std::vector<float>& alone, std::int64_t width,
+                        const Seq& q, const char* what, std::size_t index, double tol) {
+  const std::vector<float> got = gather(packed, width, q);
+  REQUIRE(got.size() == alone.size());
+  double worst = 0.0, scale = 1.0;
+  std::size_t at = 0;
+  for (std::size_t i = 0; i < got.size(); ++i) {
+    const double d = std::abs(double(got[i]) - double(alone[i]));
+    if (!(d <= worst)) {
+      worst = std::isnan(d) ? INFINITY : d;
+      at = i;
+    }
+    scale = std::max(scale, std::abs(double(alone[i])));
+  }
+  if (worst > tol * scale)
+    FAIL(what << " of sequence " << index << " (" << q.tokens() << " tokens) differs at token " << at / width << ": "
+              << got[at] << " vs alone " << alone[at] << " (relative " << worst / scale << ", tolerance " << tol
+              << ")");
+}
+
+// The tool that plays a backend's traces: kvmem-replay, or kvmem-replay-cuda for cuda.
+std::string tool_for(const std::string& backend) {
+#ifdef KVMEM_REPLAY_CUDA_EXE
+  if (backend == "cuda") return KVMEM_REPLAY_CUDA_EXE;
+#endif
+  (void)backend;
+  return KVMEM_REPLAY_EXE;
+}
+
 // ---- KV Means ----------------------------------------------------------------------------------------
 
 constexpr std::int64_t kHq = 4, kHk = 2, kD = 8, kDv = 8, kC = 16;
@@ -359,7 +405,7 @@ void kvm_trace_case(std::uint64_t seed, kvmem::budget::Any budget, const Json& b
   const auto r =
       run_tool({"--trace", dir.file("trace.json"), dir.file("in.safetensors"), "-o", dir.file("out.safetensors"),
                 "--check", "--quiet", "--precision", precision, "--backend", backend},
-               dir.path());
+               dir.path(), tool_for(backend));
   INFO(r.out.substr(r.out.size() > 2000 ? r.out.size() - 2000 : 0) << r.err);
   REQUIRE(r.rc == 0);
   CHECK(r.out.find("FAIL") == std::string::npos);
@@ -367,11 +413,21 @@ void kvm_trace_case(std::uint64_t seed, kvmem::budget::Any budget, const Json& b
   const auto out = read_f32(dir.file("out.safetensors"), "out");
   const auto lse = read_f32(dir.file("out.safetensors"), "lse");
   REQUIRE(out.size() == std::size_t(sch.tokens * kHq * kDv));
+  // CUDA: its own check above (each sequence alone on CUDA); against the host's sequence alone, fp32
+  // within the fp32 tolerance (the CUDA step updates the state as the host does; the readouts sum in
+  // another order). bf16 is not compared with the host: CUDA takes its inputs in bf16, the host in fp32.
+  const bool cuda = std::string(backend) == "cuda";
+  if (cuda && !std::is_same_v<S, float>) return;
   for (std::size_t i = 0; i < sch.done.size(); ++i) {
     std::vector<float> a_out, a_lse;
     kvm_alone<S>(in, kvm_params(budget), kNctx, sch.done[i], a_out, a_lse);
-    require_rows_equal(out, a_out, kHq * kDv, sch.done[i], "out", i);
-    require_rows_equal(lse, a_lse, kHq, sch.done[i], "lse", i);
+    if (cuda) {
+      require_rows_close(out, a_out, kHq * kDv, sch.done[i], "out", i, 1e-5);
+      require_rows_close(lse, a_lse, kHq, sch.done[i], "lse", i, 1e-5);
+    } else {
+      require_rows_equal(out, a_out, kHq * kDv, sch.done[i], "out", i);
+      require_rows_equal(lse, a_lse, kHq, sch.done[i], "lse", i);
+    }
   }
 }
 
@@ -476,10 +532,14 @@ void ua_trace_case(std::uint64_t seed, double p, std::int64_t chunk, bool evict_
   const auto r =
       run_tool({"--trace", dir.file("trace.json"), dir.file("in.safetensors"), "-o", dir.file("out.safetensors"),
                 "--check", "--quiet", "--precision", precision, "--backend", backend},
-               dir.path());
+               dir.path(), tool_for(backend));
   INFO(r.out.substr(r.out.size() > 2000 ? r.out.size() - 2000 : 0) << r.err);
   REQUIRE(r.rc == 0);
   CHECK(r.out.find("FAIL") == std::string::npos);
+  CHECK(r.out.find("sequences equal their run alone") != std::string::npos);
+  // CUDA: its own check above only. Against the host, eviction at p > 0 may keep a different set where
+  // a key's λ lies within rounding of ln p (tests/cuda/test_ua_cuda_slots.cu accounts for those).
+  if (std::string(backend) == "cuda") return;
   const auto out = read_f32(dir.file("out.safetensors"), "out");
   const auto lse = read_f32(dir.file("out.safetensors"), "lse");
   const kua::Options opt{p, chunk, evict_before};
@@ -489,6 +549,30 @@ void ua_trace_case(std::uint64_t seed, double p, std::int64_t chunk, bool evict_
     require_rows_equal(out, a_out, kH * kUD, sch.done[i], "out", i);
     require_rows_equal(lse, a_lse, kH, sch.done[i], "lse", i);
   }
+}
+
+// A UA trace (2 slots, capacity 4, dense) whose second step asks slot 0 for a fifth row: every backend
+// refuses that step, naming the row and the slot, and plays the first. It packs 8 input tokens.
+Json ua_full_slot_trace() {
+  const Json config = {{"H", kH}, {"G", kG}, {"D", kUD}, {"capacity", 4}, {"p", 0.0}};
+  const Json steps = {{{"op", "step"}, {"rows", {{0, 3}, {1, 2}}}}, {{"op", "step"}, {"rows", {{1, 1}, {0, 2}}}}};
+  return {{"kvmem_trace", 1}, {"mechanism", "ua"}, {"max_slots", 2}, {"config", config}, {"steps", steps}};
+}
+constexpr std::int64_t kFullSlotTokens = 8;
+
+void ua_full_slot_case(const std::string& backend) {
+  const TempDir dir("trace_ua_full");
+  kvmem::test::write_text(dir.file("trace.json"), ua_full_slot_trace().dump());
+  const UaInputs in(kFullSlotTokens, 11);
+  in.write(dir.file("in.safetensors"), kFullSlotTokens);
+  const auto r = run_tool({"--trace", dir.file("trace.json"), dir.file("in.safetensors"), "-o",
+                           dir.file("out.safetensors"), "--quiet", "--backend", backend},
+                          dir.path(), tool_for(backend));
+  INFO(r.out << r.err);
+  CHECK(r.rc == 2);
+  CHECK(r.err.find("steps[1] (step): ua/" + backend + " refuses it: cache capacity: row 1 (slot 0") !=
+        std::string::npos);
+  CHECK(!std::filesystem::exists(dir.file("out.safetensors")));
 }
 
 // ---- malformed traces ------------------------------------------------------------------------------------
@@ -541,6 +625,116 @@ TEST_CASE("replay --trace on kokkos: a UA schedule equals each sequence alone", 
   ua_trace_case<float>(3, 0.05, 64, true, "fp32", "kokkos");
 }
 #endif
+
+// CUDA plays the same schedules in kvmem-replay-cuda (hidden tag: registered with label gpu by
+// tests/replay/CMakeLists.txt).
+#if KVMEM_REPLAY_HAVE_CUDA_TRACE_KVM || KVMEM_REPLAY_HAVE_CUDA_TRACE_UA
+namespace {
+// The rule of the gpu suite (tests/cuda/cuda_test_support.hpp, kvmem::cuda::device_count): no GPU when
+// cudaGetDeviceCount fails or finds none; a case without one says "SKIPPED:", which ctest reports as a
+// skip. Before that, kvmem-replay-cuda must refuse --backend cuda there in one line, exit 2, no output.
+bool cuda_skipped() {
+  int devices = 0;
+  if (cudaGetDeviceCount(&devices) != cudaSuccess) {
+    (void)cudaGetLastError();  // clear the sticky "no device" error
+    devices = 0;
+  }
+  if (devices > 0) return false;
+  const TempDir dir("trace_cuda_none");
+  kvmem::test::write_text(dir.file("trace.json"), small_trace().dump());
+  const KvmInputs in(kSmallTokens, 9);
+  in.write(dir.file("in.safetensors"), kSmallTokens);
+  const auto r = run_tool({"--trace", dir.file("trace.json"), dir.file("in.safetensors"), "-o",
+                           dir.file("out.safetensors"), "--backend", "cuda"},
+                          dir.path(), tool_for("cuda"));
+  INFO(r.err);
+  CHECK(r.rc == 2);
+  CHECK(r.err.rfind("kvmem-replay: error: backend cuda: no CUDA device is visible", 0) == 0);
+  CHECK(std::count(r.err.begin(), r.err.end(), '\n') == 1);
+  CHECK(!std::filesystem::exists(dir.file("out.safetensors")));
+  WARN("SKIPPED: no CUDA device visible; the gpu suite needs one (CI compiles it only)");
+  return true;
+}
+}  // namespace
+#endif
+#if KVMEM_REPLAY_HAVE_CUDA_TRACE_KVM
+TEST_CASE("replay --trace on cuda: a KVM schedule equals each sequence alone", "[replay][trace][.cuda]") {
+  if (cuda_skipped()) return;
+  SECTION("fixed budget, fp32") {
+    kvm_trace_case<float>(1, kvmem::budget::Fixed{16, 16}, {{"kind", "fixed"}, {"count", 16}, {"max_slots", 16}},
+                          "fp32", "cuda");
+  }
+  SECTION("power budget, bf16") {
+    kvm_trace_case<kvmem::bf16>(
+        2, kvmem::budget::Power{2.0, 0.5, 16, 1, 100000},
+        {{"kind", "power"}, {"factor", 2.0}, {"exponent", 0.5}, {"min", 16}, {"round_down", 1}, {"max_slots", 100000}},
+        "bf16", "cuda");
+  }
+}
+
+TEST_CASE("replay --trace on cuda: records, truncates and a full slot of a small KVM trace", "[replay][trace][.cuda]") {
+  if (cuda_skipped()) return;
+  const TempDir dir("trace_cuda_small");
+  kvmem::test::write_text(dir.file("trace.json"), small_trace().dump());
+  const KvmInputs in(kSmallTokens, 9);
+  in.write(dir.file("in.safetensors"), kSmallTokens);
+  const auto r = run_tool({"--trace", dir.file("trace.json"), dir.file("in.safetensors"), "-o",
+                           dir.file("out.safetensors"), "--check", "--backend", "cuda"},
+                          dir.path(), tool_for("cuda"));
+  INFO(r.out << r.err);
+  REQUIRE(r.rc == 0);
+  kvmem::io::SafetensorsFile file;
+  REQUIRE(kvmem::io::SafetensorsFile::load(dir.file("out.safetensors"), file).is_ok());
+  CHECK(file.metadata().at("backend") == "cuda");
+  std::vector<std::int64_t> ok, mismatches, record;
+  REQUIRE(file.read("truncate_exact", ok).is_ok());
+  CHECK(ok == std::vector<std::int64_t>{1});
+  REQUIRE(file.read("check_mismatches", mismatches).is_ok());
+  CHECK(mismatches == std::vector<std::int64_t>(5, 0));
+  // the CUDA record is the host's record format: it imports into a host state (slot 0's 5 tokens)
+  REQUIRE(file.read("record.fork", record).is_ok());
+  kvm::State<float, float> st;
+  const kvm::Params params = kvm_params(kvmem::budget::Fixed{4, kvmem::budget::kPaperMaxSlots});
+  REQUIRE(kvm::State<float, float>::create(params, {1, kHq, kHk, kD, kDv, 64}, st).is_ok());
+  std::vector<std::byte> bytes(record.size());
+  for (std::size_t i = 0; i < record.size(); ++i) bytes[i] = std::byte(record[i]);
+  REQUIRE(kvm::import_slot(kvmem::host::Executor{1}, st, in.weights(), 0, std::span<const std::byte>(bytes)).is_ok());
+  CHECK(st.tokens(0) == 5);
+  const auto out = read_f32(dir.file("out.safetensors"), "out");
+  CHECK(std::all_of(out.begin() + 5 * kHq * kDv, out.begin() + 7 * kHq * kDv, [](float x) { return x == 0.0f; }));
+  // a slot past n_ctx: the device refuses the step (step_status), and the tool stops there as on host
+  Json full = small_trace();
+  full["config"]["n_ctx"] = 5;
+  kvmem::test::write_text(dir.file("full.json"), full.dump());
+  const auto r2 = run_tool({"--trace", dir.file("full.json"), dir.file("in.safetensors"), "-o",
+                            dir.file("out2.safetensors"), "--quiet", "--backend", "cuda"},
+                           dir.path(), tool_for("cuda"));
+  INFO(r2.err);
+  CHECK(r2.rc == 2);
+  CHECK(r2.err.find("steps[3] (step): kvm/cuda refuses it") != std::string::npos);
+  CHECK(!std::filesystem::exists(dir.file("out2.safetensors")));
+}
+#endif
+#if KVMEM_REPLAY_HAVE_CUDA_TRACE_UA
+TEST_CASE("replay --trace on cuda: a UA schedule equals each sequence alone", "[replay][trace][.cuda]") {
+  if (cuda_skipped()) return;
+  SECTION("fp32") {
+    ua_trace_case<float>(3, 0.05, 64, true, "fp32", "cuda");
+  }
+  SECTION("bf16, evicting after attention") {
+    ua_trace_case<kvmem::bf16>(4, 0.05, 32, false, "bf16", "cuda");
+  }
+}
+
+TEST_CASE("replay --trace on cuda: a UA step past a slot's capacity is refused", "[replay][trace][.cuda]") {
+  if (cuda_skipped()) return;
+  ua_full_slot_case("cuda");
+}
+#endif
+
+TEST_CASE("replay --trace: a UA step past a slot's capacity is refused", "[replay][trace]") {
+  ua_full_slot_case("host");
+}
 
 TEST_CASE("replay --trace: outputs, records and truncate outcomes of a small trace", "[replay][trace]") {
   const TempDir dir("trace_small");
