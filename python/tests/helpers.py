@@ -52,6 +52,30 @@ def serve(step, seqs, schedule):
     return {s: torch.cat(o) for s, o in outs.items()}, {s: torch.cat(l) for s, l in lses.items()}, padding
 
 
+def kvm_inputs(T: int, seed: int, hq: int, hk: int, d: int) -> Dict[str, torch.Tensor]:
+    """Seeded packed KV Means inputs of T tokens: q [T, hq, d], k and v [T, hk, d], gate [T, hk] > 0."""
+    g = torch.Generator().manual_seed(seed)
+    return dict(q=torch.randn(T, hq, d, generator=g), k=torch.randn(T, hk, d, generator=g),
+                v=torch.randn(T, hk, d, generator=g), gate=torch.rand(T, hk, generator=g) + 0.5)
+
+
+def ua_inputs(T: int, seed: int, h: int, hk: int, d: int) -> Dict[str, torch.Tensor]:
+    """Seeded packed Universal Attention inputs of T tokens (unit keys, gate logits around +1)."""
+    g = torch.Generator().manual_seed(seed)
+    k = torch.randn(T, hk, d, generator=g)
+    k = k / (k.norm(dim=-1, keepdim=True) + 1e-6)
+    return dict(q=2 * torch.randn(T, h, d, generator=g), k=k, v=torch.randn(T, hk, d, generator=g),
+                z_k=torch.randn(T, hk, generator=g) + 1.0, z_q=torch.randn(T, hk, generator=g) + 1.0)
+
+
+def random_kvm_weights(seed: int, d: int, hq: int):
+    """Seeded KV Means weights near the identity LayerNorm and unit temperatures (kvmem.KvmWeights)."""
+    import kvmem
+    g = torch.Generator().manual_seed(seed)
+    return kvmem.KvmWeights(1 + 0.2 * torch.randn(d, generator=g), 0.1 * torch.randn(d, generator=g),
+                            1 + 0.3 * torch.rand(hq, generator=g), 0.8 + 0.3 * torch.rand(hq, generator=g))
+
+
 def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float = 0.0):
     """Causal softmax attention of one sequence: q [T,Hq,D], k [T,Hk,D], v [T,Hk,Dv] -> out [T,Hq,Dv],
     lse [T,Hq]; query head h reads KV head h // (Hq / Hk)."""

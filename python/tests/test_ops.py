@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import kvmem
+import helpers
 from helpers import dense_attention, dense_ua, oracle, rows, serve
 
 HQ, HK, D = 4, 2, 16
@@ -20,23 +21,15 @@ def kvm_state(max_slots=4, n_ctx=64, **kw):
 
 
 def kvm_inputs(T, seed):
-    g = torch.Generator().manual_seed(seed)
-    return dict(q=torch.randn(T, HQ, D, generator=g), k=torch.randn(T, HK, D, generator=g),
-                v=torch.randn(T, HK, D, generator=g), gate=torch.rand(T, HK, generator=g) + 0.5)
+    return helpers.kvm_inputs(T, seed, HQ, HK, D)
 
 
 def ua_inputs(T, seed):
-    g = torch.Generator().manual_seed(seed)
-    k = torch.randn(T, HK, D, generator=g)
-    k = k / (k.norm(dim=-1, keepdim=True) + 1e-6)
-    return dict(q=2 * torch.randn(T, HQ, D, generator=g), k=k, v=torch.randn(T, HK, D, generator=g),
-                z_k=torch.randn(T, HK, generator=g) + 1.0, z_q=torch.randn(T, HK, generator=g) + 1.0)
+    return helpers.ua_inputs(T, seed, HQ, HK, D)
 
 
 def random_weights(seed):
-    g = torch.Generator().manual_seed(seed)
-    return kvmem.KvmWeights(1 + 0.2 * torch.randn(D, generator=g), 0.1 * torch.randn(D, generator=g),
-                            1 + 0.3 * torch.rand(HQ, generator=g), 0.8 + 0.3 * torch.rand(HQ, generator=g))
+    return helpers.random_kvm_weights(seed, D, HQ)
 
 
 # A ragged schedule: prefill chunks of different sizes, a padding row, decode tokens, slots joining late.
