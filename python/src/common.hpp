@@ -23,6 +23,7 @@
 #include "kvmem/kvm/params.hpp"
 #include "kvmem/kvm/state.hpp"
 #include "kvmem/ua/cache.hpp"
+#include "kvmem/ua/ops.hpp"
 #include "state.hpp"
 
 namespace kvmem::torch_ops {
@@ -82,6 +83,49 @@ inline at::Tensor float_input(const at::Tensor& t, const char* op, const char* n
   check_tensor(t, op, name, at::kFloat, dim, device);
   return t.contiguous();
 }
+
+// The tensors of one kvm_step on `device`: its rows, q, k, v and gate checked and contiguous, and the
+// outputs out [tokens, Hq, Dv] and lse [tokens, Hq] allocated like q.
+struct KvmStepTensors {
+  RowTensors rows;
+  at::Tensor q, k, v, gate, out, lse;
+  KvmStepTensors(const at::Tensor& slot, const at::Tensor& query_start, const at::Tensor& q_, const at::Tensor& k_,
+                 const at::Tensor& v_, const at::Tensor& gate_, std::int64_t Hq, std::int64_t Dv, const char* op,
+                 const c10::Device& device)
+      : rows(slot, query_start, op, device),
+        q(float_input(q_, op, "q", 3, device)),
+        k(float_input(k_, op, "k", 3, device)),
+        v(float_input(v_, op, "v", 3, device)),
+        gate(float_input(gate_, op, "gate", 2, device)),
+        out(at::empty({q.size(0), Hq, Dv}, q.options())),
+        lse(at::empty({q.size(0), Hq}, q.options())) {}
+};
+
+// The tensors of one ua_step on `device`: its rows, q, k, v, z_k, z_q and the optional z_o checked and
+// contiguous, and the outputs out [tokens, H, D] and lse [tokens, H] allocated like q.
+struct UaStepTensors {
+  RowTensors rows;
+  at::Tensor q, k, v, z_k, z_q, z_o, out, lse;
+  UaStepTensors(const at::Tensor& slot, const at::Tensor& query_start, const at::Tensor& q_, const at::Tensor& k_,
+                const at::Tensor& v_, const at::Tensor& z_k_, const at::Tensor& z_q_,
+                const c10::optional<at::Tensor>& z_o_, const ua::CacheShape& s, const char* op,
+                const c10::Device& device)
+      : rows(slot, query_start, op, device),
+        q(float_input(q_, op, "q", 3, device)),
+        k(float_input(k_, op, "k", 3, device)),
+        v(float_input(v_, op, "v", 3, device)),
+        z_k(float_input(z_k_, op, "z_k", 2, device)),
+        z_q(float_input(z_q_, op, "z_q", 2, device)),
+        out(at::empty({q.size(0), s.query_heads, s.head_dim}, q.options())),
+        lse(at::empty({q.size(0), s.query_heads}, q.options())) {
+    if (z_o_.has_value() && z_o_->defined()) z_o = float_input(*z_o_, op, "z_o", 3, device);
+  }
+  [[nodiscard]] ua::PackedInputs inputs() const {
+    return {view<const float, 3>(q),   view<const float, 3>(k),
+            view<const float, 3>(v),   view<const float, 2>(z_k),
+            view<const float, 2>(z_q), z_o.defined() ? view<const float, 3>(z_o) : TensorView<const float, 3>{}};
+  }
+};
 
 // A slot list of a slot operation (int32 [n]), contiguous, on `device`.
 inline at::Tensor slot_list(const at::Tensor& t, const char* op, const char* name, const c10::Device& device) {

@@ -148,17 +148,12 @@ std::tuple<at::Tensor, at::Tensor> kvm_step(const Holder& h, const std::vector<a
   constexpr const char* op = "kvm_step";
   KvmState& state = kvm_state(h, op);
   const KvmWeightTensors w(weights, op, kCpu);
-  const RowTensors rows(slot, query_start, op, kCpu);
-  const at::Tensor qc = float_input(q, op, "q", 3, kCpu), kc = float_input(k, op, "k", 3, kCpu),
-                   vc = float_input(v, op, "v", 3, kCpu);
-  const at::Tensor gc = float_input(gate, op, "gate", 2, kCpu);
   const auto& sh = state.shape();
-  const std::int64_t tokens = qc.size(0);
-  at::Tensor out = at::empty({tokens, sh.Hq, sh.Dv}, qc.options());
-  at::Tensor lse = at::empty({tokens, sh.Hq}, qc.options());
-  check(kvm::step(executor(exact), state, w.get(), rows.rows(), view<const float, 3>(qc), view<const float, 3>(kc),
-                  view<const float, 3>(vc), view<const float, 2>(gc), view<float, 3>(out), view<float, 2>(lse)));
-  return {out, lse};
+  const KvmStepTensors t(slot, query_start, q, k, v, gate, sh.Hq, sh.Dv, op, kCpu);
+  check(kvm::step(executor(exact), state, w.get(), t.rows.rows(), view<const float, 3>(t.q), view<const float, 3>(t.k),
+                  view<const float, 3>(t.v), view<const float, 2>(t.gate), view<float, 3>(t.out),
+                  view<float, 2>(t.lse)));
+  return {t.out, t.lse};
 }
 
 std::tuple<at::Tensor, at::Tensor> kvm_step_meta(const Holder& h, const std::vector<at::Tensor>& /*weights*/,
@@ -176,23 +171,10 @@ std::tuple<at::Tensor, at::Tensor> ua_step(const Holder& h, const at::Tensor& sl
                                            bool evict_before_attention) {
   constexpr const char* op = "ua_step";
   UaCache& cache = ua_cache(h, op);
-  const RowTensors rows(slot, query_start, op, kCpu);
-  const at::Tensor qc = float_input(q, op, "q", 3, kCpu), kc = float_input(k, op, "k", 3, kCpu),
-                   vc = float_input(v, op, "v", 3, kCpu);
-  const at::Tensor zk = float_input(z_k, op, "z_k", 2, kCpu), zq = float_input(z_q, op, "z_q", 2, kCpu);
-  at::Tensor zo;
-  if (z_o.has_value() && z_o->defined()) zo = float_input(*z_o, op, "z_o", 3, kCpu);
-  const auto& s = cache.shape();
-  const std::int64_t tokens = qc.size(0);
-  at::Tensor out = at::empty({tokens, s.query_heads, s.head_dim}, qc.options());
-  at::Tensor lse = at::empty({tokens, s.query_heads}, qc.options());
-  const ua::PackedInputs in{
-      view<const float, 3>(qc), view<const float, 3>(kc),
-      view<const float, 3>(vc), view<const float, 2>(zk),
-      view<const float, 2>(zq), zo.defined() ? view<const float, 3>(zo) : TensorView<const float, 3>{}};
+  const UaStepTensors t(slot, query_start, q, k, v, z_k, z_q, z_o, cache.shape(), op, kCpu);
   const ua::Options opt{p, prefill_chunk, evict_before_attention};
-  check(ua::step(executor(), cache, rows.rows(), in, opt, view<float, 3>(out), view<float, 2>(lse)));
-  return {out, lse};
+  check(ua::step(executor(), cache, t.rows.rows(), t.inputs(), opt, view<float, 3>(t.out), view<float, 2>(t.lse)));
+  return {t.out, t.lse};
 }
 
 std::tuple<at::Tensor, at::Tensor> ua_step_meta(const Holder& h, const at::Tensor& /*slot*/,

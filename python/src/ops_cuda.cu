@@ -270,20 +270,14 @@ std::tuple<at::Tensor, at::Tensor> kvm_step(const Holder& h, const std::vector<a
   CudaKvm& state = st.get();
   const KvmWeightTensors w(weights, op, dev);
   w.check_shapes(state.shape());
-  const RowTensors rows(slot, query_start, op, dev);
-  const at::Tensor qc = float_input(q, op, "q", 3, dev), kc = float_input(k, op, "k", 3, dev),
-                   vc = float_input(v, op, "v", 3, dev);
-  const at::Tensor gc = float_input(gate, op, "gate", 2, dev);
   const auto& sh = state.shape();
-  const std::int64_t tokens = qc.size(0);
-  at::Tensor out = at::empty({tokens, sh.Hq, sh.Dv}, qc.options());
-  at::Tensor lse = at::empty({tokens, sh.Hq}, qc.options());
+  const KvmStepTensors t(slot, query_start, q, k, v, gate, sh.Hq, sh.Dv, op, dev);
   const cuda::Executor exec = executor(dev);
-  check(kvm::step(exec, state, KvmOnCuda::device_weights(w), rows.rows(), view<const float, 3>(qc),
-                  view<const float, 3>(kc), view<const float, 3>(vc), view<const float, 2>(gc), view<float, 3>(out),
-                  view<float, 2>(lse)));
+  check(kvm::step(exec, state, KvmOnCuda::device_weights(w), t.rows.rows(), view<const float, 3>(t.q),
+                  view<const float, 3>(t.k), view<const float, 3>(t.v), view<const float, 2>(t.gate),
+                  view<float, 3>(t.out), view<float, 2>(t.lse)));
   if (!capturing(exec.stream)) check(state.step_status(exec));
-  return {out, lse};
+  return {t.out, t.lse};
 }
 
 std::tuple<at::Tensor, at::Tensor> ua_step(const Holder& h, const at::Tensor& slot, const at::Tensor& query_start,
@@ -296,30 +290,18 @@ std::tuple<at::Tensor, at::Tensor> ua_step(const Holder& h, const at::Tensor& sl
   const c10::Device dev = st.device();
   const c10::cuda::CUDAGuard guard(dev);
   CudaUa& cache = st.get();
-  const RowTensors rows(slot, query_start, op, dev);
-  const at::Tensor qc = float_input(q, op, "q", 3, dev), kc = float_input(k, op, "k", 3, dev),
-                   vc = float_input(v, op, "v", 3, dev);
-  const at::Tensor zk = float_input(z_k, op, "z_k", 2, dev), zq = float_input(z_q, op, "z_q", 2, dev);
-  at::Tensor zo;
-  if (z_o.has_value() && z_o->defined()) zo = float_input(*z_o, op, "z_o", 3, dev);
-  const auto& s = cache.shape();
-  const std::int64_t tokens = qc.size(0);
-  at::Tensor out = at::empty({tokens, s.query_heads, s.head_dim}, qc.options());
-  at::Tensor lse = at::empty({tokens, s.query_heads}, qc.options());
-  const ua::PackedInputs in{
-      view<const float, 3>(qc), view<const float, 3>(kc),
-      view<const float, 3>(vc), view<const float, 2>(zk),
-      view<const float, 2>(zq), zo.defined() ? view<const float, 3>(zo) : TensorView<const float, 3>{}};
+  const UaStepTensors t(slot, query_start, q, k, v, z_k, z_q, z_o, cache.shape(), op, dev);
+  const ua::PackedInputs in = t.inputs();
   const ua::Options opt{p, prefill_chunk, evict_before_attention};
   const cuda::Executor exec = executor(dev);
   if (!capturing(exec.stream)) {
     // the host's order: options and shapes, then the rows and the room they need
     check(ua::detail::validate_options(opt));
-    check(ua::detail::check_packed_step(s, in, view<float, 3>(out), view<float, 2>(lse)));
-    st.check_before_step(rows, tokens, exec);
+    check(ua::detail::check_packed_step(cache.shape(), in, view<float, 3>(t.out), view<float, 2>(t.lse)));
+    st.check_before_step(t.rows, t.q.size(0), exec);
   }
-  check(ua::step(exec, cache, rows.rows(), in, opt, view<float, 3>(out), view<float, 2>(lse)));
-  return {out, lse};
+  check(ua::step(exec, cache, t.rows.rows(), in, opt, view<float, 3>(t.out), view<float, 2>(t.lse)));
+  return {t.out, t.lse};
 }
 
 // ---- slot operations -------------------------------------------------------------------------------
