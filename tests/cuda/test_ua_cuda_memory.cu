@@ -391,11 +391,15 @@ TEST_CASE("cuda UA fixed-batch calls over own pages keep the page counts and pub
   auto len = lengths_of(dev);
   CHECK(dev.pages_in_use() == pages_for(len));
   for (std::int64_t t = prompt; t < T; ++t) {
+    const std::int64_t before = dev.pages_in_use();
     REQUIRE(kvmem::cuda::ua_decode(exec, dev, slice(t, t + 1), opt, out_at(t, t + 1)).is_ok());
     KVMEM_CUDA_REQUIRE(cudaDeviceSynchronize());
-    len = lengths_of(dev);
     INFO("decode token " << t);
-    REQUIRE(dev.pages_in_use() == pages_for(len));  // published by the decode's last item
+    REQUIRE(dev.pages_in_use() == before);  // own pages: a decode publishes nothing
+    REQUIRE(dev.publish_occupancy(exec).is_ok());
+    KVMEM_CUDA_REQUIRE(cudaDeviceSynchronize());
+    len = lengths_of(dev);
+    REQUIRE(dev.pages_in_use() == pages_for(len));
     REQUIRE(dev.pages_taken() - dev.pages_returned() == dev.pages_in_use());
   }
   CHECK(dev.pages_returned() > 0);

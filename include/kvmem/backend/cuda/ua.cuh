@@ -52,7 +52,8 @@
 // (their own stream, not the device); ua_forward without a scratch cache allocates one and synchronises;
 // the accessors position, positions, lengths, pages, download, overflowed and step_status read the
 // device and synchronise. The occupancy accessors (free_pages, pages_in_use, pages_taken,
-// pages_returned) read the mapped block and never synchronise.
+// pages_returned) read the mapped block and never synchronise; a fixed-batch ua_decode over items that
+// own their pages leaves that block as it was (publish_occupancy brings it up to date).
 // A prefill with p = 0 (nothing is evicted) in bf16 with D in {64, 80, 128} and r in {4, 8} on a cache with
 // pool_pages = 0 (contiguous items) runs every row of the call in one pipelined tensor-core launch
 // (ua_dense_tc.cuh); every other prefill, and every
@@ -125,7 +126,7 @@ inline constexpr std::size_t kUaAlign = 256;
 // counters), then the device's own bookkeeping.
 struct UaCacheOffsets {
   ua::cache_detail::Offsets host;
-  std::size_t counter, done, next_length, batch_done, go, first, overflow, error, prefill, report, bytes;
+  std::size_t counter, done, next_length, go, first, overflow, error, prefill, report, bytes;
 };
 template <class S>
 UaCacheOffsets cache_offsets(const ua::CacheShape& s) {
@@ -137,7 +138,6 @@ UaCacheOffsets cache_offsets(const ua::CacheShape& s) {
   o.counter = a.take(I * sizeof(std::int64_t));      // [I] positions (every kv head of a slot alike)
   o.done = a.take(I * sizeof(int));                  // [I] decode tickets
   o.next_length = a.take(I * sizeof(std::int64_t));  // [I]
-  o.batch_done = a.take(sizeof(int));                // a fixed-batch decode's finished items
   o.go = a.take(B * sizeof(int));                    // [B] per step: the slot's row runs
   o.first = a.take(B * sizeof(int));                 // [B] scratch: a step's rows' check, a slot list's
   o.overflow = a.take(B * sizeof(int));              // [B] sticky overflow flags
@@ -371,6 +371,13 @@ class UaCache {
   [[nodiscard]] std::int64_t pages_in_use() const { return pool_pages() - free_pages(); }
   [[nodiscard]] std::int64_t pages_taken() const { return valid() ? mirror_.read(1) : 0; }
   [[nodiscard]] std::int64_t pages_returned() const { return valid() ? mirror_.read(2) : 0; }
+  // Enqueues the copy of the device's page counters into that block on exec.stream, as the end of every
+  // operation does except a fixed-batch ua_decode over items that own their pages (pool_pages = 0), which
+  // publishes nothing: call this where such a cache's occupancy must be current.
+  Status publish_occupancy(const Executor& exec) const {
+    KVMEM_RETURN_IF_ERROR(check_valid());
+    return ua_detail::publish(dev_, exec.stream);
+  }
   // Pages every (slot, kv head) holds ([max_slots * kv_heads], item b * G + g), after the work enqueued
   // on exec.stream (synchronises it; for tests and inspection).
   Status pages(const Executor& exec, std::vector<std::int64_t>& out) const {
@@ -554,7 +561,6 @@ class UaCache {
     d.counter = reinterpret_cast<std::int64_t*>(base + o.counter);
     d.done = reinterpret_cast<int*>(base + o.done);
     d.next_length = reinterpret_cast<std::int64_t*>(base + o.next_length);
-    d.batch_done = reinterpret_cast<int*>(base + o.batch_done);
     d.pool.table = s.pool_pages > 0 ? reinterpret_cast<std::int32_t*>(base + o.host.table) : nullptr;
     d.pool.held = reinterpret_cast<std::int64_t*>(base + o.host.held);
     d.pool.free_list = reinterpret_cast<std::int32_t*>(base + o.host.free_list);
@@ -858,7 +864,9 @@ Status ua_run(const Executor& exec, UaCache<S>& cache, const UaInputs<S>& in, co
     }
   }
   cache.bound_ += T;
-  if (own_pages && decode) return Status::ok();  // the decode kernel's last item published the counters
+  // A decode over items that own their pages keeps the device counters and publishes nothing (a step's
+  // worth of latency for counters of memory that cannot run dry): the next publishing operation does.
+  if (own_pages && decode) return Status::ok();
   return publish(dev, exec.stream);
 }
 

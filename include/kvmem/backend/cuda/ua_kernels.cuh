@@ -117,6 +117,24 @@ __device__ inline bool take_pages(const DevicePool& p, std::int64_t item, std::i
   assign_pages(p, item, need, next);
   return true;
 }
+// Items that own their pages (pool_pages = 0): nothing can run dry and no page number moves, so a
+// fixed-batch decode only keeps the counters: `item` now holds the pages of `rows` rows, and the
+// difference goes into the free, taken and returned counts with reductions (no compare-and-swap, no
+// value read back), the free count wrapping as the unsigned word it is.
+__device__ inline void count_own_pages(const DevicePool& p, std::int64_t item, std::int64_t rows) {
+  const std::int64_t need = p.pages_for(rows), held = p.held[item];
+  if (need == held) return;
+  p.held[item] = need;
+  if (need > held) {
+    const auto k = static_cast<unsigned long long>(need - held);
+    atomicAdd(pool_word(p, 0), ~k + 1ull);
+    atomicAdd(pool_word(p, 1), k);
+  } else {
+    const auto k = static_cast<unsigned long long>(held - need);
+    atomicAdd(pool_word(p, 0), k);
+    atomicAdd(pool_word(p, 2), k);
+  }
+}
 // The pool counters into the host-mapped block (one thread, after every page move of the operation).
 __device__ inline void publish_counts(const DevicePool& p) {
   if (p.mirror == nullptr) return;
@@ -148,7 +166,6 @@ struct DeviceCache {
   std::int64_t* counter = nullptr;      // [I] next absolute position (tokens seen by the sequence)
   int* done = nullptr;                  // [I] decode blocks finished this step (the last one resets it to 0)
   std::int64_t* next_length = nullptr;  // [I] a one-block decode step's new length, published by the last block
-  int* batch_done = nullptr;            // [1] a fixed-batch decode's finished items (the last one publishes)
   DevicePool pool;
   std::int64_t stride = 0;    // rows between consecutive items' first rows when the pool is not shared
   std::int64_t capacity = 0;  // most rows one item may hold (CacheShape::capacity)
@@ -1286,10 +1303,12 @@ __global__ void __launch_bounds__(kDecodeThreads) decode_attend_kernel(DeviceCac
   if (one_block) {
     if (threadIdx.x == 0) {
       const std::int64_t length = load_cg(c.next_length + item);
-      if (a.count_pages) (void)take_pages(c.pool, item, n + 1);  // counts only
       c.length[item] = length;
       c.counter[item] += 1;
-      return_pages(c.pool, item, length);
+      if (a.count_pages)
+        count_own_pages(c.pool, item, length);
+      else
+        return_pages(c.pool, item, length);
     }
   } else {
     merge_row(c, a, item, b, 0, 0, active_splits(n + 1, a.splits, 32));
@@ -1297,14 +1316,6 @@ __global__ void __launch_bounds__(kDecodeThreads) decode_attend_kernel(DeviceCac
                 reinterpret_cast<unsigned char*>(dsm));  // the attention buffers are free now
   }
   if (threadIdx.x == 0) c.done[item] = 0;
-  if (a.count_pages && threadIdx.x == 0) {  // fixed batch: the last item to finish publishes the counters
-    __threadfence();
-    if (atomicAdd(c.batch_done, 1) == int(gridDim.x) - 1) {
-      __threadfence();
-      publish_counts(c.pool);
-      *c.batch_done = 0;
-    }
-  }
 }
 
 // ---- slot step: the rows' check and the per-row decisions, on the device ------------------------
@@ -1605,7 +1616,6 @@ __global__ void init_cache_kernel(DeviceCache<S> c, std::int64_t items, std::int
     c.counter[i] = 0;
     c.done[i] = 0;
     c.next_length[i] = 0;
-    if (i == 0) *c.batch_done = 0;
     c.pool.held[i] = 0;
   }
   for (std::int64_t i = blockIdx.x * std::int64_t(blockDim.x) + threadIdx.x; i < slots; i += stride) overflow[i] = 0;
