@@ -588,6 +588,30 @@ Json small_trace() {
   REQUIRE(end != std::string::npos);
   return Json::parse(text.substr(begin + mark.size(), end - begin - mark.size()));
 }
+
+// What every backend's run of small_trace() must write: the truncate's outcome, no sequence that differs
+// from its run alone (slot 1's first, ended by the copy; slot 0 before the truncate; slot 0 cut by one
+// token, ended by the import; the fork in slot 1, ended by the reset; the import in slot 0, live at the
+// end), the record of slot 1 after the fork (slot 0's 5 tokens, importable into a host state), and
+// zeroed padding rows.
+void check_small_trace_outputs(const kvmem::io::SafetensorsFile& file, const std::string& out_path,
+                               const KvmInputs& in) {
+  std::vector<std::int64_t> ok, mismatches, record;
+  REQUIRE(file.read("truncate_exact", ok).is_ok());
+  CHECK(ok == std::vector<std::int64_t>{1});
+  REQUIRE(file.read("check_mismatches", mismatches).is_ok());
+  CHECK(mismatches == std::vector<std::int64_t>(5, 0));
+  REQUIRE(file.read("record.fork", record).is_ok());
+  kvm::State<float, float> st;
+  const kvm::Params params = kvm_params(kvmem::budget::Fixed{4, kvmem::budget::kPaperMaxSlots});
+  REQUIRE(kvm::State<float, float>::create(params, {1, kHq, kHk, kD, kDv, 64}, st).is_ok());
+  std::vector<std::byte> bytes(record.size());
+  for (std::size_t i = 0; i < record.size(); ++i) bytes[i] = std::byte(record[i]);
+  REQUIRE(kvm::import_slot(kvmem::host::Executor{1}, st, in.weights(), 0, std::span<const std::byte>(bytes)).is_ok());
+  CHECK(st.tokens(0) == 5);
+  const auto out = read_f32(out_path, "out");
+  CHECK(std::all_of(out.begin() + 5 * kHq * kDv, out.begin() + 7 * kHq * kDv, [](float x) { return x == 0.0f; }));
+}
 constexpr std::int64_t kSmallTokens = 12;
 
 }  // namespace
@@ -686,22 +710,8 @@ TEST_CASE("replay --trace on cuda: records, truncates and a full slot of a small
   kvmem::io::SafetensorsFile file;
   REQUIRE(kvmem::io::SafetensorsFile::load(dir.file("out.safetensors"), file).is_ok());
   CHECK(file.metadata().at("backend") == "cuda");
-  std::vector<std::int64_t> ok, mismatches, record;
-  REQUIRE(file.read("truncate_exact", ok).is_ok());
-  CHECK(ok == std::vector<std::int64_t>{1});
-  REQUIRE(file.read("check_mismatches", mismatches).is_ok());
-  CHECK(mismatches == std::vector<std::int64_t>(5, 0));
-  // the CUDA record is the host's record format: it imports into a host state (slot 0's 5 tokens)
-  REQUIRE(file.read("record.fork", record).is_ok());
-  kvm::State<float, float> st;
-  const kvm::Params params = kvm_params(kvmem::budget::Fixed{4, kvmem::budget::kPaperMaxSlots});
-  REQUIRE(kvm::State<float, float>::create(params, {1, kHq, kHk, kD, kDv, 64}, st).is_ok());
-  std::vector<std::byte> bytes(record.size());
-  for (std::size_t i = 0; i < record.size(); ++i) bytes[i] = std::byte(record[i]);
-  REQUIRE(kvm::import_slot(kvmem::host::Executor{1}, st, in.weights(), 0, std::span<const std::byte>(bytes)).is_ok());
-  CHECK(st.tokens(0) == 5);
-  const auto out = read_f32(dir.file("out.safetensors"), "out");
-  CHECK(std::all_of(out.begin() + 5 * kHq * kDv, out.begin() + 7 * kHq * kDv, [](float x) { return x == 0.0f; }));
+  // the CUDA record is the host's record format: it imports into a host state
+  check_small_trace_outputs(file, dir.file("out.safetensors"), in);
   // a slot past n_ctx: the device refuses the step (step_status), and the tool stops there as on host
   Json full = small_trace();
   full["config"]["n_ctx"] = 5;
@@ -752,25 +762,7 @@ TEST_CASE("replay --trace: outputs, records and truncate outcomes of a small tra
   CHECK(file.find("out")->shape == std::vector<std::int64_t>{kSmallTokens, kHq, kDv});
   CHECK(file.find("lse")->shape == std::vector<std::int64_t>{kSmallTokens, kHq});
   REQUIRE(file.find("record.fork") != nullptr);
-  std::vector<std::int64_t> ok, mismatches, record;
-  REQUIRE(file.read("truncate_exact", ok).is_ok());
-  CHECK(ok == std::vector<std::int64_t>{1});
-  REQUIRE(file.read("check_mismatches", mismatches).is_ok());
-  // sequences: slot 1's first (ended by the copy), slot 0 before the truncate, slot 0 cut by one token
-  // (ended by the import), the fork in slot 1 (ended by the reset), the import in slot 0 (live at the end)
-  CHECK(mismatches == std::vector<std::int64_t>(5, 0));
-  // the record is the library's export of slot 1 after the fork: slot 0's 5 tokens
-  REQUIRE(file.read("record.fork", record).is_ok());
-  kvm::State<float, float> st;
-  const kvm::Params params = kvm_params(kvmem::budget::Fixed{4, kvmem::budget::kPaperMaxSlots});
-  REQUIRE(kvm::State<float, float>::create(params, {1, kHq, kHk, kD, kDv, 64}, st).is_ok());
-  std::vector<std::byte> bytes(record.size());
-  for (std::size_t i = 0; i < record.size(); ++i) bytes[i] = std::byte(record[i]);
-  REQUIRE(kvm::import_slot(kvmem::host::Executor{1}, st, in.weights(), 0, std::span<const std::byte>(bytes)).is_ok());
-  CHECK(st.tokens(0) == 5);
-  // padding rows are zeroed
-  const auto out = read_f32(dir.file("out.safetensors"), "out");
-  CHECK(std::all_of(out.begin() + 5 * kHq * kDv, out.begin() + 7 * kHq * kDv, [](float x) { return x == 0.0f; }));
+  check_small_trace_outputs(file, dir.file("out.safetensors"), in);
   // a truncate whose expectation is wrong fails the run (exit 1), and the outputs are still written
   Json wrong = small_trace();
   wrong["steps"][4]["tokens"] = 7;  // more than slot 0 holds (6): an argument error, exit 2
