@@ -1454,15 +1454,7 @@ struct SlotAccess {
   static Status check_list(const Executor& exec, KvmState<S, A>& st, const std::int32_t* src, const std::int32_t* dst,
                            std::int64_t n) {
     slot_lists::Args a;
-    a.src = src;
-    a.dst = dst;
-    a.n = n;
-    a.max_slots = st.shape_.B;
-    a.mark = st.sc_.mark;
-    a.status = st.sc_.status;
-    slot_lists::slot_list_check_kernel<><<<1, slot_lists::kCheckThreads, 0, exec.stream>>>(a);
-    KVMEM_CUDA_RETURN_IF_LAUNCH_FAILED("kvm slot_list_check_kernel");
-    return Status::ok();
+    return slot_lists::launch_check(exec.stream, src, dst, n, st.shape_.B, st.sc_.mark, st.sc_.status, a);
   }
 
   template <class S, class A>

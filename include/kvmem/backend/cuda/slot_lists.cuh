@@ -18,6 +18,7 @@
 #include <cstdint>
 #include <string>
 
+#include "kvmem/backend/cuda/common.cuh"
 #include "kvmem/core/slots.hpp"
 #include "kvmem/core/status.hpp"
 #include "kvmem/core/tensor.hpp"
@@ -126,6 +127,16 @@ __global__ void __launch_bounds__(kCheckThreads) slot_list_check_kernel(Args a) 
   a.status[1] = int(i);
   a.status[2] = value;
   a.status[0] = code;
+}
+
+// Enqueues the check of a slot list on `stream` (the operation's first launch) over the state's scratch
+// words `mark` ([max_slots]) and its step status word; returns the Args the operation's work kernels read.
+// `dst` is nullptr for reset_slots.
+inline Status launch_check(cudaStream_t stream, const std::int32_t* src, const std::int32_t* dst, std::int64_t n,
+                           std::int64_t max_slots, int* mark, int* status, Args& out) {
+  out = Args{src, dst, n, max_slots, mark, status};
+  slot_list_check_kernel<><<<1, kCheckThreads, 0, stream>>>(out);
+  return to_status(cudaGetLastError(), "slot_list_check_kernel");
 }
 
 // Whether the operation's work must do nothing: its list was refused, or a refusal is still unread.

@@ -948,16 +948,9 @@ struct SlotAccess {
   // The list check of a slot operation (slot_lists.cuh): the step status word and the rows' check
   // scratch, which no step uses between steps.
   template <class S>
-  static slot_lists::Args slot_list(const UaCache<S>& c, const std::int32_t* src, const std::int32_t* dst,
-                                    std::int64_t n) {
-    slot_lists::Args a;
-    a.src = src;
-    a.dst = dst;
-    a.n = n;
-    a.max_slots = c.shape_.batch;
-    a.mark = c.slot_first_;
-    a.status = c.step_error_;
-    return a;
+  static Status check_slot_list(const cuda::Executor& exec, UaCache<S>& c, const std::int32_t* src,
+                                const std::int32_t* dst, std::int64_t n, slot_lists::Args& out) {
+    return slot_lists::launch_check(exec.stream, src, dst, n, c.shape_.batch, c.slot_first_, c.step_error_, out);
   }
 
   template <class S>
@@ -1334,9 +1327,8 @@ Status reset_slots(const cuda::Executor& exec, cuda::UaCache<S>& cache, TensorVi
   const std::int64_t n = slots.extent(0);
   if (n == 0) return Status::ok();
   const DeviceCache<S>& d = SlotAccess::dev(cache);
-  const cuda::slot_lists::Args check = SlotAccess::slot_list(cache, slots.data(), nullptr, n);
-  cuda::slot_lists::slot_list_check_kernel<><<<1, cuda::slot_lists::kCheckThreads, 0, exec.stream>>>(check);
-  KVMEM_CUDA_RETURN_IF_LAUNCH_FAILED("ua slot_list_check_kernel");
+  cuda::slot_lists::Args check;
+  KVMEM_RETURN_IF_ERROR(SlotAccess::check_slot_list(exec, cache, slots.data(), nullptr, n, check));
   reset_slots_kernel<S><<<unsigned(n), 32, 0, exec.stream>>>(d, SlotAccess::overflow(cache), slots.data(),
                                                              std::int32_t(0), check.status, check.mark);
   KVMEM_CUDA_RETURN_IF_LAUNCH_FAILED("ua reset_slots_kernel");
@@ -1357,9 +1349,8 @@ Status copy_slots(const cuda::Executor& exec, cuda::UaCache<S>& cache, TensorVie
   const std::int64_t n = src.extent(0);
   if (n == 0) return Status::ok();
   const DeviceCache<S>& d = SlotAccess::dev(cache);
-  const cuda::slot_lists::Args check = SlotAccess::slot_list(cache, src.data(), dst.data(), n);
-  cuda::slot_lists::slot_list_check_kernel<><<<1, cuda::slot_lists::kCheckThreads, 0, exec.stream>>>(check);
-  KVMEM_CUDA_RETURN_IF_LAUNCH_FAILED("ua slot_list_check_kernel");
+  cuda::slot_lists::Args check;
+  KVMEM_RETURN_IF_ERROR(SlotAccess::check_slot_list(exec, cache, src.data(), dst.data(), n, check));
   copy_pages_kernel<S><<<1, 1, 0, exec.stream>>>(d, src.data(), dst.data(), n, check.status);
   KVMEM_CUDA_RETURN_IF_LAUNCH_FAILED("ua copy_pages_kernel");
   copy_slots_kernel<S><<<dim3(unsigned(n), unsigned(d.G)), 256, 0, exec.stream>>>(d, SlotAccess::overflow(cache),
