@@ -145,10 +145,9 @@ class DenseCache:
 
 class SdpaCache:
     """The baseline on CUDA: a preallocated KV cache [max_slots, Hk, n_ctx, D] per layer, attended with
-    torch.nn.functional.scaled_dot_product_attention (FlashAttention or cuDNN where they apply). A
-    decode step whose rows are slots 0..n-1 at one length attends all of them in one call over a view
-    of the cache; other rows run one call each (a prefill chunk after earlier tokens with a causal
-    mask aligned to the bottom right)."""
+    torch.nn.functional.scaled_dot_product_attention (FlashAttention, cuDNN or memory-efficient kernels
+    where they apply). Rows of consecutive slots at one length with as many tokens each are attended in
+    one call over a view of the cache: a decode step of slots 0..n-1 is one call."""
 
     def __init__(self, max_slots: int, kv_heads: int, n_ctx: int, head_dim: int, device, dtype):
         shape = (max_slots, kv_heads, n_ctx, head_dim)
@@ -164,37 +163,40 @@ class SdpaCache:
         return 2 * self.k.numel() * self.k.element_size()
 
     @staticmethod
-    def _attend(q, K, V, causal_offset: Optional[int]):
-        """q [r, Hq, n, D] over K, V [r, Hk, L, D]; causal_offset None: every key (decode)."""
+    def _attend(q, K, V, past: int):
+        """q [r, Hq, n, D] of tokens after `past` cached ones, over K, V [r, Hk, past + n, D]."""
         F = torch.nn.functional
-        mask, causal = None, False
-        if causal_offset == 0:
-            causal = True
-        elif causal_offset is not None:
-            from torch.nn.attention.bias import causal_lower_right
-            mask = causal_lower_right(q.shape[2], K.shape[2])
-        return F.scaled_dot_product_attention(q, K, V, attn_mask=mask, is_causal=causal, enable_gqa=True)
+        r, hq, n, d = q.shape
+        hk = K.shape[1]
+        if n == 1:  # decode: the rep query heads of a KV head are rep queries over its keys, no mask
+            return F.scaled_dot_product_attention(q.reshape(r, hk, hq // hk, d), K, V).reshape(r, hq, 1, d)
+        K, V = K.repeat_interleave(hq // hk, 1), V.repeat_interleave(hq // hk, 1)
+        if past == 0:
+            return F.scaled_dot_product_attention(q, K, V, is_causal=True)
+        mask = torch.ones(n, past + n, dtype=torch.bool, device=q.device).tril(diagonal=past)
+        return F.scaled_dot_product_attention(q, K, V, attn_mask=mask)
 
     def step(self, rows: Sequence[Tuple[int, int, int]], q, k, v) -> torch.Tensor:
         out = torch.zeros_like(q)
         live = [(s, a, b) for s, a, b in rows if s >= 0 and b > a]
-        if live and all(b - a == 1 for _, a, b in live) and [s for s, _, _ in live] == list(range(len(live))) and \
-                len({self.length[s] for s, _, _ in live}) == 1 and live[-1][2] - live[0][1] == len(live):
-            n, L, a0 = len(live), self.length[0], live[0][1]
-            self.k[:n, :, L] = k[a0:a0 + n]
-            self.v[:n, :, L] = v[a0:a0 + n]
-            o = self._attend(q[a0:a0 + n, :, None, :], self.k[:n, :, :L + 1], self.v[:n, :, :L + 1], None)
-            out[a0:a0 + n] = o[:, :, 0, :]
-            for s, _, _ in live:
-                self.length[s] = L + 1
-            return out
+        groups: List[List[Tuple[int, int, int]]] = []
         for s, a, b in live:
-            L, n = self.length[s], b - a
-            self.k[s, :, L:L + n] = k[a:b].transpose(0, 1)
-            self.v[s, :, L:L + n] = v[a:b].transpose(0, 1)
-            o = self._attend(q[a:b].transpose(0, 1)[None], self.k[s:s + 1, :, :L + n], self.v[s:s + 1, :, :L + n], L)
-            out[a:b] = o[0].transpose(0, 1)
-            self.length[s] = L + n
+            g = groups[-1] if groups else None
+            if g and s == g[-1][0] + 1 and a == g[-1][2] and b - a == g[0][2] - g[0][1] and \
+                    self.length[s] == self.length[g[0][0]]:
+                g.append((s, a, b))
+            else:
+                groups.append([(s, a, b)])
+        for g in groups:
+            s0, a0, r, n = g[0][0], g[0][1], len(g), g[0][2] - g[0][1]
+            L = self.length[s0]
+            qg = q[a0:a0 + r * n].view(r, n, *q.shape[1:]).transpose(1, 2)
+            self.k[s0:s0 + r, :, L:L + n] = k[a0:a0 + r * n].view(r, n, *k.shape[1:]).transpose(1, 2)
+            self.v[s0:s0 + r, :, L:L + n] = v[a0:a0 + r * n].view(r, n, *v.shape[1:]).transpose(1, 2)
+            o = self._attend(qg, self.k[s0:s0 + r, :, :L + n], self.v[s0:s0 + r, :, :L + n], L)
+            out[a0:a0 + r * n] = o.transpose(1, 2).reshape(r * n, *q.shape[1:])
+            for s, _, _ in g:
+                self.length[s] = L + n
         return out
 
 
@@ -502,7 +504,7 @@ def bench(base: Config, sweep: Sequence[Tuple[int, int]], mechanisms: Sequence[s
                     continue
             model = Decoder(cfg, weights)
             if warmup:  # kernels, allocator, library heuristics: a short run at this batch shape
-                _bench_steps(model, n_seq, min(prompt, 2 * chunk), 2, chunk, step_tokens, seed=99)
+                _bench_steps(model, n_seq, min(prompt, chunk), 2, chunk, step_tokens, seed=99)
             pre, dec, rows, logits = _bench_steps(model, n_seq, prompt, decode_steps, chunk, step_tokens, seed=1)
             prefill_rate, decode_rate = n_seq * prompt / pre, n_seq * decode_steps / max(dec, 1e-12)
             if name == "dense":
@@ -596,7 +598,7 @@ def main(argv=None):
     b.add_argument("--mechanisms", default="dense,kvm-256,kvm-16sqrtN,ua-0.05")
     b.add_argument("--decode-steps", type=int, default=32)
     b.add_argument("--prefill-chunk", type=int, default=2048)
-    b.add_argument("--step-tokens", type=int, default=32768, help="most tokens of one prefill step")
+    b.add_argument("--step-tokens", type=int, default=16384, help="most tokens of one prefill step")
     b.add_argument("--ua-room", type=int, default=4096,
                    help="UA capacity beyond the prefill chunk: kept rows a slot may hold (0: n_ctx)")
     b.add_argument("--dense-max-gib", type=float, default=80.0, help="skip dense where its KV cache needs more")

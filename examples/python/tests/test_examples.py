@@ -131,3 +131,42 @@ def test_python_ops_against_the_cpp_engine_per_step():
         for who in ("cpp", "python"):
             assert all(t > 0 for t in times[who]), (mechanism, who, times)
     assert sum("Python / C++" in line for line in lines) == 2
+
+
+def _plain_sdpa(q, k, v, attn_mask=None, is_causal=False):
+    """softmax(q k^T / sqrt(D)) v with a boolean mask or a top-left causal one: what
+    torch.nn.functional.scaled_dot_product_attention computes (torch 1.13 has none)."""
+    logits = q.float() @ k.float().transpose(-1, -2) / math.sqrt(q.shape[-1])
+    if is_causal:
+        attn_mask = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool).tril()
+    if attn_mask is not None:
+        logits = logits.masked_fill(~attn_mask, float("-inf"))
+    return (logits.softmax(-1) @ v.float()).to(q.dtype)
+
+
+def test_the_sdpa_cache_attends_like_the_plain_dense_cache(monkeypatch):
+    # The CUDA baseline's grouping of rows, chunked prefill masks and grouped-query decode, run on the CPU
+    # against DenseCache; torch's SDPA where it has one, else a plain stand-in of it.
+    if not hasattr(torch.nn.functional, "scaled_dot_product_attention"):
+        monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", _plain_sdpa, raising=False)
+    hq, hk, d, slots = 4, 2, 8, 4
+    sdpa = decode_loop.SdpaCache(slots, hk, 64, d, "cpu", torch.float32)
+    plain = decode_loop.DenseCache(slots)
+    g = torch.Generator().manual_seed(3)
+    schedule = [[(0, 5), (1, 5), (2, 5), (-1, 0)],   # one group: first chunks of three slots
+                [(0, 3), (1, 3), (3, 7)],            # chunks after cached tokens (masked), a new slot
+                [(0, 1), (1, 1), (2, 1), (3, 1)],    # a decode group at mixed lengths
+                [(0, 1), (1, 1)],                    # a decode group of slots 0..1 at one length
+                [(2, 4), (0, 1)]]
+    for step in schedule:
+        slot, qs = [], [0]
+        for s, n in step:
+            slot.append(s)
+            qs.append(qs[-1] + n)
+        n = qs[-1]
+        q, k, v = (torch.randn(n, h, d, generator=g) for h in (hq, hk, hk))
+        rows = [(slot[r], qs[r], qs[r + 1]) for r in range(len(slot))]
+        got = sdpa.step(rows, q, k, v)
+        want = plain.step(torch.tensor(slot), torch.tensor(qs), q, k, v)
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    assert sdpa.length == [11, 10, 10, 8]
