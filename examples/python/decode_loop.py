@@ -476,7 +476,7 @@ def _bench_steps(model: Decoder, n_seq: int, prompt: int, decode_steps: int, chu
 
 
 def bench(base: Config, sweep: Sequence[Tuple[int, int]], mechanisms: Sequence[str], decode_steps: int,
-          chunk: int, step_tokens: int, dense_max_gib: float, ua_room: int = 4096, warmup: bool = True,
+          chunk: int, step_tokens: int, dense_max_gib: float, ua_room: int = 2048, warmup: bool = True,
           print_fn=print):
     """The benchmark of record (see the module docstring). A Universal Attention slot keeps at most
     chunk + ua_room rows per KV head (what survives pruning plus the prompt chunk in flight; 0: n_ctx).
@@ -599,7 +599,7 @@ def main(argv=None):
     b.add_argument("--decode-steps", type=int, default=32)
     b.add_argument("--prefill-chunk", type=int, default=2048)
     b.add_argument("--step-tokens", type=int, default=16384, help="most tokens of one prefill step")
-    b.add_argument("--ua-room", type=int, default=4096,
+    b.add_argument("--ua-room", type=int, default=2048,
                    help="UA capacity beyond the prefill chunk: kept rows a slot may hold (0: n_ctx)")
     b.add_argument("--dense-max-gib", type=float, default=80.0, help="skip dense where its KV cache needs more")
     b.add_argument("--no-warmup", action="store_true")

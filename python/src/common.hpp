@@ -180,8 +180,9 @@ struct UaStepTensors {
   // The inputs as S (q, k, v, z_o) and float (z_k, z_q): S is float after inputs_to_float().
   template <class S>
   [[nodiscard]] ua::PackedInputsOf<S> inputs() const {
-    return {view<const S, 3>(q),       view<const S, 3>(k),       view<const S, 3>(v),
-            view<const float, 2>(z_k), view<const float, 2>(z_q), z_o.defined() ? view<const S, 3>(z_o) : TensorView<const S, 3>{}};
+    return {view<const S, 3>(q),       view<const S, 3>(k),
+            view<const S, 3>(v),       view<const float, 2>(z_k),
+            view<const float, 2>(z_q), z_o.defined() ? view<const S, 3>(z_o) : TensorView<const S, 3>{}};
   }
   // out in the cache's dtype, lse float32.
   [[nodiscard]] std::tuple<at::Tensor, at::Tensor> result() const { return {out.to(dtype), lse}; }

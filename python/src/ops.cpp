@@ -351,8 +351,7 @@ std::int64_t allocated_bytes(const Holder& h) {
     } else {
       const auto& s = st.shape();
       // keys and values (storage type), λ and key-gate logit (fp32), position (int64) per row
-      return s.batch * s.kv_heads * s.capacity *
-             (2 * s.head_dim * std::int64_t(sizeof(typename T::storage_type)) + 16);
+      return s.batch * s.kv_heads * s.capacity * (2 * s.head_dim * std::int64_t(sizeof(typename T::storage_type)) + 16);
     }
   });
 }

@@ -93,7 +93,7 @@ struct StateHolder : torch::CustomClassHolder {
   std::variant<Host, std::unique_ptr<DeviceState>> state;
 
   template <class S>
-    requires std::is_constructible_v<Host, S&&>
+  requires std::is_constructible_v<Host, S&&>
   explicit StateHolder(S s, at::Tensor mem = {}, at::Tensor ws = {})
       : memory(std::move(mem)), workspace(std::move(ws)), state(Host(std::move(s))) {}
   explicit StateHolder(std::unique_ptr<DeviceState> d, at::Tensor mem = {}, at::Tensor ws = {})
