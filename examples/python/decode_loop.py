@@ -216,6 +216,7 @@ class Decoder:
         self.grows = slice(kv0, kv1)
         self.kvm_weights = kvmem.KvmWeights.identity(D, self.hq, device=cfg.device)
         self.states = [self._state() for _ in range(cfg.layers)]
+        self.attention_seconds = 0.0  # host time inside the attention calls (all of it on the CPU)
 
     def _kvm_args(self):
         c = self.cfg
@@ -280,6 +281,7 @@ class Decoder:
         q, k = rope(q, pos, c.rope_dims, c.rope_theta), rope(k, pos, c.rope_dims, c.rope_theta)
         q, k, v, zk, zq = (t.contiguous() for t in (q, k, v, zk, zq))
         state = self.states[l]
+        t0 = time.perf_counter()
         if c.mechanism == "kvm":
             o, _ = kvmem.kvm_step(state, self.kvm_weights, slot, query_start, q, k, v, torch.sigmoid(zk))
         elif c.mechanism == "ua":
@@ -289,6 +291,7 @@ class Decoder:
             o = state.step(rows, q, k, v)
         else:
             o = state.step(slot, query_start, q, k, v)
+        self.attention_seconds += time.perf_counter() - t0
         y = o.reshape(N, self.hq * D) @ w[f"{l}.wo"][:, self.qrows].T
         if self.group is not None:
             torch.distributed.all_reduce(y, group=self.group)
@@ -553,21 +556,29 @@ def compare_engine(engine: str, base: Config, mechanism: str, requests: int, pro
                               dtype=torch.float32)
     model = Decoder(cfg, make_weights(cfg))
     py = {"prefill": [], "decode": []}
+    attn = {"prefill": [], "decode": []}
     steps = []
-    serve(model, workload(requests, cfg.vocab, (prompt, prompt), (generate, generate), gap=0),
-          on_step=lambda st: steps.append(st))
+
+    def record(st):
+        steps.append(dict(st, attention=model.attention_seconds))
+        model.attention_seconds = 0.0
+
+    serve(model, workload(requests, cfg.vocab, (prompt, prompt), (generate, generate), gap=0), on_step=record)
     for st in steps:
-        py["prefill" if st["prefill"] > 0 else "decode"].append(1e3 * st["seconds"])
+        kind = "prefill" if st["prefill"] > 0 else "decode"
+        py[kind].append(1e3 * st["seconds"])
+        attn[kind].append(1e3 * st["attention"])
 
     def mean(xs):
         return sum(xs) / len(xs) if xs else float("nan")
 
-    out = {"cpp": (mean(cpp["prefill"]), mean(cpp["decode"])), "python": (mean(py["prefill"]), mean(py["decode"]))}
+    out = {"cpp": (mean(cpp["prefill"]), mean(cpp["decode"])), "python": (mean(py["prefill"]), mean(py["decode"])),
+           "python_attention": (mean(attn["prefill"]), mean(attn["decode"]))}
     print_fn(f"{mechanism}: {requests} requests of {prompt} prompt + {generate} generated tokens, {base.max_slots} "
              f"slots, {threads} threads; ms per step (prefill steps, decode steps)")
-    for who in ("cpp", "python"):
-        print_fn(f"  {'C++ engine' if who == 'cpp' else 'Python ops':<11} prefill {out[who][0]:9.3f}   "
-                 f"decode {out[who][1]:9.3f}")
+    for who, label in (("cpp", "C++ engine"), ("python", "Python ops"),
+                       ("python_attention", "  of which the attention calls")):
+        print_fn(f"  {label:<30} prefill {out[who][0]:9.3f}   decode {out[who][1]:9.3f}")
     print_fn(f"  Python / C++: prefill {out['python'][0] / out['cpp'][0]:.2f}x, "
              f"decode {out['python'][1] / out['cpp'][1]:.2f}x")
     return out
