@@ -9,19 +9,25 @@ device; a state on one device with tensors on another raises ``ValueError``. CUD
 current stream of the state's device (docs/integration.md, "PyTorch ops on CUDA": what waits for the
 device, and CUDA graph capture).
 
+A state stores its keys and values in one dtype, chosen when it is made (``dtype=``, float32 by
+default): KV Means in float32 or bfloat16, Universal Attention in float32, bfloat16 or float16, on the
+CPU and on CUDA alike; another dtype raises ``ValueError``. A step takes q, k, v and the gates in the
+state's dtype and returns ``out`` in it (``lse`` is float32); sums, softmax, decay and ``lse`` are
+float32 whatever the storage. KV Means weights are float32.
+
 Layouts (docs/integration.md): inputs of a step are packed token-major, the rows of a ragged batch
 given by ``slot`` (int32 ``[rows]``, -1 = padding row) and ``query_start`` (int32 ``[rows + 1]``):
 
 ========  =====================  ==========================================================
 tensor    shape                  meaning
 ========  =====================  ==========================================================
-q         [tokens, Hq, D]        post-RoPE queries
+q         [tokens, Hq, D]        post-RoPE queries (the state's dtype)
 k         [tokens, Hk, D]        post-RoPE keys (UA: unit-norm before RoPE)
 v         [tokens, Hk, Dv]       values (UA: Dv = D)
 gate      [tokens, Hk]           KVM merge gate, > 0
 z_k, z_q  [tokens, Hk]           UA key-gate and query-side gate logits
-out       [tokens, Hq, Dv]       per-head attention output
-lse       [tokens, Hq]           natural log-sum-exp of each softmax row
+out       [tokens, Hq, Dv]       per-head attention output (the state's dtype)
+lse       [tokens, Hq]           natural log-sum-exp of each softmax row (float32)
 ========  =====================  ==========================================================
 
 A state (``kvm_create`` / ``ua_create``) holds ``max_slots`` sequence slots of one layer. Every op
@@ -42,7 +48,7 @@ import torch
 __all__ = [
     "Fixed", "Power", "Saturating", "KvmWeights", "State",
     "kvm_create", "kvm_state_bytes", "ua_create", "kvm_layout", "kvm_place", "ua_layout", "ua_place",
-    "kvm_step", "ua_step", "step_status", "state_device",
+    "kvm_step", "ua_step", "step_status", "state_device", "state_dtype",
     "reset_slots", "copy_slots", "export_slot", "import_slot", "truncate", "library_path",
 ]
 
@@ -59,7 +65,7 @@ torch.ops.load_library(library_path())
 _ops = torch.ops.kvmem
 
 #: A layer's state: ``torch.classes.kvmem.State``. Methods: ``mechanism()`` ("kvm" or "ua"),
-#: ``device()`` ("cpu" or "cuda:<index>"), ``max_slots()``, ``tokens(slot)`` (tokens the slot's sequence
+#: ``device()`` ("cpu" or "cuda:<index>"), ``dtype()`` ("Float", "BFloat16" or "Half"), ``max_slots()``, ``tokens(slot)`` (tokens the slot's sequence
 #: has seen), ``allocated_bytes()``, ``export_bytes(slot)`` (size of that slot's record now). On CUDA,
 #: ``tokens`` and ``export_bytes`` read the device and wait for the current stream.
 State = torch.ScriptObject
@@ -74,6 +80,15 @@ def _device(device: Device) -> Optional[torch.device]:
 def state_device(state: State) -> torch.device:
     """The device a state lives on (where its tensors must be)."""
     return torch.device(state.device())
+
+
+_DTYPES = {"Float": torch.float32, "BFloat16": torch.bfloat16, "Half": torch.float16}
+
+
+def state_dtype(state: State) -> torch.dtype:
+    """The dtype a state stores its keys and values in: its steps take q, k, v and the gates in it and
+    return ``out`` in it."""
+    return _DTYPES[state.dtype()]
 
 
 # ---- KV Means budgets (docs/slots.md, spec KVM.md 3.1) ------------------------------------------------
@@ -142,77 +157,84 @@ class KvmWeights(NamedTuple):
 
 def kvm_create(max_slots: int, q_heads: int, kv_heads: int, head_dim: int, value_dim: int, n_ctx: int, *,
                chunk: int = 256, window_chunks: int = 2, sink: int = 1, rope_dims: int = 64,
-               budget: Budget = Fixed(), scale: float = 0.0, device: Device = None) -> State:
+               budget: Budget = Fixed(), scale: float = 0.0, device: Device = None,
+               dtype: Optional[torch.dtype] = None) -> State:
     """A KV Means state of ``max_slots`` sequence slots, each holding up to ``n_ctx`` tokens.
 
     ``chunk`` (C) and ``window_chunks`` (nb): the window keeps the last nb·C exact keys; ``sink``: memory
     slots never merged into; ``rope_dims``: leading key channels zeroed before LN_s; ``budget``: how
     many memory slots exist after N tokens; ``scale``: the logit scale (0 = 1/sqrt(head_dim));
-    ``device``: the CPU (None) or a CUDA device ("cuda" is the current one). Storage is float32. The
-    state owns its memory (``state.allocated_bytes()``)."""
+    ``device``: the CPU (None) or a CUDA device ("cuda" is the current one); ``dtype``: the storage of
+    the window and the memory slots' readout copies, ``torch.float32`` (None) or ``torch.bfloat16``
+    (the memory slots' sums stay float32); its steps take and return tensors of that dtype. The state
+    owns its memory (``state.allocated_bytes()``)."""
     kind, args = budget._spec()
     return _ops.kvm_create(max_slots, q_heads, kv_heads, head_dim, value_dim, n_ctx, chunk, window_chunks, sink,
-                           rope_dims, kind, args, scale, _device(device))
+                           rope_dims, kind, args, scale, _device(device), dtype)
 
 
 def kvm_state_bytes(max_slots: int, q_heads: int, kv_heads: int, head_dim: int, value_dim: int, n_ctx: int, *,
                     chunk: int = 256, window_chunks: int = 2, sink: int = 1, rope_dims: int = 64,
-                    budget: Budget = Fixed(), scale: float = 0.0, device: Device = None) -> int:
+                    budget: Budget = Fixed(), scale: float = 0.0, device: Device = None,
+                    dtype: Optional[torch.dtype] = None) -> int:
     """Bytes ``kvm_create`` with the same arguments allocates on ``device`` (0 if they are invalid):
     size memory for the worst case before the first token."""
     kind, args = budget._spec()
     return _ops.kvm_state_bytes(max_slots, q_heads, kv_heads, head_dim, value_dim, n_ctx, chunk, window_chunks,
-                                sink, rope_dims, kind, args, scale, _device(device))
+                                sink, rope_dims, kind, args, scale, _device(device), dtype)
 
 
 def ua_create(max_slots: int, q_heads: int, kv_heads: int, head_dim: int, capacity: int, *,
-              device: Device = None) -> State:
+              device: Device = None, dtype: Optional[torch.dtype] = None) -> State:
     """A Universal Attention cache of ``max_slots`` sequence slots, each keeping up to ``capacity``
     entries per KV head (a row that could exceed it is refused: kept + new tokens <= capacity), on the
-    CPU (``device=None``) or a CUDA device."""
-    return _ops.ua_create(max_slots, q_heads, kv_heads, head_dim, capacity, _device(device))
+    CPU (``device=None``) or a CUDA device, storing keys and values in ``dtype``: ``torch.float32``
+    (None), ``torch.bfloat16`` or ``torch.float16`` (λ and the gate logits stay float32)."""
+    return _ops.ua_create(max_slots, q_heads, kv_heads, head_dim, capacity, _device(device), dtype)
 
 
 # ---- placed over tensors the caller allocates (docs/memory.md) -------------------------------------
 
 def kvm_layout(max_slots: int, q_heads: int, kv_heads: int, head_dim: int, value_dim: int, n_ctx: int, *,
                chunk: int = 256, window_chunks: int = 2, sink: int = 1, rope_dims: int = 64,
-               budget: Budget = Fixed(), scale: float = 0.0, device: Device = None) -> Tuple[int, int]:
+               budget: Budget = Fixed(), scale: float = 0.0, device: Device = None,
+               dtype: Optional[torch.dtype] = None) -> Tuple[int, int]:
     """``(state_bytes, workspace_bytes)`` of a KV Means state placed by ``kvm_place``: the sizes of the two
     uint8 tensors an engine allocates before the first request ((0, 0) for an invalid configuration).
     The state tensor holds every slot's sequence; one workspace may serve several layers' states that
-    never step at the same time. The layout depends on the backend: pass the ``device`` the tensors
-    will be on."""
+    never step at the same time. The layout depends on the backend and the storage: pass the ``device``
+    the tensors will be on and the state's ``dtype``."""
     kind, args = budget._spec()
     return tuple(_ops.kvm_layout(max_slots, q_heads, kv_heads, head_dim, value_dim, n_ctx, chunk, window_chunks,
-                                 sink, rope_dims, kind, args, scale, _device(device)))
+                                 sink, rope_dims, kind, args, scale, _device(device), dtype))
 
 
 def kvm_place(memory: torch.Tensor, workspace: torch.Tensor, max_slots: int, q_heads: int, kv_heads: int,
               head_dim: int, value_dim: int, n_ctx: int, *, chunk: int = 256, window_chunks: int = 2,
-              sink: int = 1, rope_dims: int = 64, budget: Budget = Fixed(), scale: float = 0.0) -> State:
+              sink: int = 1, rope_dims: int = 64, budget: Budget = Fixed(), scale: float = 0.0,
+              dtype: Optional[torch.dtype] = None) -> State:
     """A KV Means state like ``kvm_create``'s, living in ``memory`` and using ``workspace`` as scratch:
     contiguous uint8 tensors on one device (the state's: CPU or CUDA) of at least
-    ``kvm_layout(..., device=memory.device)`` bytes, aligned (64 bytes on the CPU, 256 on CUDA; a fresh
+    ``kvm_layout(..., device=memory.device, dtype=dtype)`` bytes, aligned (64 bytes on the CPU, 256 on CUDA; a fresh
     ``torch.empty`` is). Every slot starts empty; the state keeps both tensors alive. Too small,
     misaligned, of the wrong dtype or on different devices raises ``ValueError`` with kvmem's message.
     On CUDA, placing waits once for the current stream."""
     kind, args = budget._spec()
     return _ops.kvm_place(memory, workspace, max_slots, q_heads, kv_heads, head_dim, value_dim, n_ctx, chunk,
-                          window_chunks, sink, rope_dims, kind, args, scale)
+                          window_chunks, sink, rope_dims, kind, args, scale, dtype)
 
 
 def ua_layout(max_slots: int, q_heads: int, kv_heads: int, head_dim: int, capacity: int, *,
-              device: Device = None) -> Tuple[int, int]:
-    """``(cache_bytes, workspace_bytes)`` of a Universal Attention cache placed by ``ua_place`` on
-    ``device``."""
-    return tuple(_ops.ua_layout(max_slots, q_heads, kv_heads, head_dim, capacity, _device(device)))
+              device: Device = None, dtype: Optional[torch.dtype] = None) -> Tuple[int, int]:
+    """``(cache_bytes, workspace_bytes)`` of a Universal Attention cache of storage ``dtype`` placed by
+    ``ua_place`` on ``device``."""
+    return tuple(_ops.ua_layout(max_slots, q_heads, kv_heads, head_dim, capacity, _device(device), dtype))
 
 
 def ua_place(memory: torch.Tensor, workspace: torch.Tensor, max_slots: int, q_heads: int, kv_heads: int,
-             head_dim: int, capacity: int) -> State:
+             head_dim: int, capacity: int, *, dtype: Optional[torch.dtype] = None) -> State:
     """A Universal Attention cache like ``ua_create``'s over caller tensors (as ``kvm_place``)."""
-    return _ops.ua_place(memory, workspace, max_slots, q_heads, kv_heads, head_dim, capacity)
+    return _ops.ua_place(memory, workspace, max_slots, q_heads, kv_heads, head_dim, capacity, dtype)
 
 
 # ---- steps ---------------------------------------------------------------------------------------
@@ -226,6 +248,9 @@ def kvm_step(state: State, weights: KvmWeights, slot: torch.Tensor, query_start:
     advances that slot; a padding row (-1) is skipped and its outputs are zero. A row computes what a
     prefill of its tokens on that sequence alone computes. ``exact=True`` takes the scalar paths that
     make this bitwise (the default allows faster tile products, equal within float32 rounding).
+    ``q``, ``k``, ``v`` and ``gate`` are of the state's dtype (``state_dtype(state)``), and so is
+    ``out``; ``lse`` is float32. On the CPU a bfloat16 state reads its inputs as float32 (exactly) and
+    rounds ``out`` to bfloat16 once.
 
     On CUDA every tensor is on the state's device and ``exact`` has no effect (the update rounds like
     the host's exact path; outputs equal it within float32 rounding). The device checks the rows; the
@@ -244,7 +269,9 @@ def ua_step(state: State, slot: torch.Tensor, query_start: torch.Tensor, q: torc
     counted from the row's first token) that continues the slot. ``p`` is the pruning threshold: keys
     whose accumulated decay falls below ln p are evicted for good (0 = dense UA). ``z_o``
     [tokens, Hq, D] is an optional output gate. Token i of row r sits at position
-    ``state.tokens(slot[r]) + i``, which the caller uses for RoPE.
+    ``state.tokens(slot[r]) + i``, which the caller uses for RoPE. ``q``, ``k``, ``v``, ``z_k``, ``z_q``
+    and ``z_o`` are of the cache's dtype, and so is ``out``; ``lse`` is float32. The gate logits are read
+    as float32 on every backend.
 
     On CUDA every tensor is on the state's device, ``prefill_chunk`` is at most 128, and the op checks
     the rows and each slot's room on the host before it enqueues the step (reading the slots' lengths

@@ -78,53 +78,114 @@ struct RowTensors {
   }
 };
 
+// A state's storage dtype from a create or size op's `dtype` argument (None = float32): one the
+// mechanism keeps on every backend (state.hpp), else a ValueError naming the combination.
+inline at::ScalarType check_storage(const c10::optional<at::ScalarType>& dtype, const char* op, bool kvm) {
+  const at::ScalarType t = dtype.value_or(at::kFloat);
+  if (kvm) {
+    TORCH_CHECK_VALUE(t == at::kFloat || t == at::kBFloat16, op, ": dtype: expected Float or BFloat16 (the storage ",
+                      "types of a KV Means state), got ", t);
+  } else {
+    TORCH_CHECK_VALUE(t == at::kFloat || t == at::kBFloat16 || t == at::kHalf, op,
+                      ": dtype: expected Float, BFloat16 or Half (the storage types of a Universal Attention cache), ",
+                      "got ", t);
+  }
+  return t;
+}
+
+// A step input in the state's dtype `dtype` (what the backends read), contiguous. `takes` names the
+// inputs that share that rule, for the message.
+inline at::Tensor step_input(const at::Tensor& t, const char* op, const char* name, std::int64_t dim,
+                             const c10::Device& device, at::ScalarType dtype, const char* takes) {
+  TORCH_CHECK_VALUE(t.defined(), op, ": ", name, " is undefined");
+  check_tensor(t, op, name, t.scalar_type(), dim, device);
+  TORCH_CHECK_VALUE(t.scalar_type() == dtype, op, ": ", name, ": expected dtype ", dtype, ", got ", t.scalar_type(),
+                    " (a state of dtype ", dtype, " takes ", takes, " of its dtype)");
+  return t.contiguous();
+}
+
 inline at::Tensor float_input(const at::Tensor& t, const char* op, const char* name, std::int64_t dim,
                               const c10::Device& device) {
   check_tensor(t, op, name, at::kFloat, dim, device);
   return t.contiguous();
 }
 
-// The tensors of one kvm_step on `device`: its rows, q, k, v and gate checked and contiguous, and the
-// outputs out [tokens, Hq, Dv] and lse [tokens, Hq] allocated like q.
+// The tensors of one kvm_step on `device` for a state of dtype `dtype`: its rows, and q, k, v and gate
+// of that dtype, checked and contiguous; the outputs out [tokens, Hq, Dv] (that dtype) and lse
+// [tokens, Hq] (float32) allocated on the device.
 struct KvmStepTensors {
+  static constexpr const char* kTakes = "q, k, v and gate";
   RowTensors rows;
+  at::ScalarType dtype;
   at::Tensor q, k, v, gate, out, lse;
   KvmStepTensors(const at::Tensor& slot, const at::Tensor& query_start, const at::Tensor& q_, const at::Tensor& k_,
                  const at::Tensor& v_, const at::Tensor& gate_, std::int64_t Hq, std::int64_t Dv, const char* op,
-                 const c10::Device& device)
+                 const c10::Device& device, at::ScalarType dtype_)
       : rows(slot, query_start, op, device),
-        q(float_input(q_, op, "q", 3, device)),
-        k(float_input(k_, op, "k", 3, device)),
-        v(float_input(v_, op, "v", 3, device)),
-        gate(float_input(gate_, op, "gate", 2, device)),
+        dtype(dtype_),
+        q(step_input(q_, op, "q", 3, device, dtype, kTakes)),
+        k(step_input(k_, op, "k", 3, device, dtype, kTakes)),
+        v(step_input(v_, op, "v", 3, device, dtype, kTakes)),
+        gate(step_input(gate_, op, "gate", 2, device, dtype, kTakes)),
         out(at::empty({q.size(0), Hq, Dv}, q.options())),
-        lse(at::empty({q.size(0), Hq}, q.options())) {}
+        lse(at::empty({q.size(0), Hq}, q.options().dtype(at::kFloat))) {}
+  // Inputs and out as float32: the host backend reads and writes float32 whatever its storage type (the
+  // conversion from bf16 is exact, the window rounds keys and values to the storage type, and out is
+  // rounded to the state's dtype once, as a bf16 output of the backend would be).
+  void to_float() {
+    for (at::Tensor* t : {&q, &k, &v, &gate}) *t = t->to(at::kFloat);
+    if (out.scalar_type() != at::kFloat) out = at::empty(out.sizes(), out.options().dtype(at::kFloat));
+  }
+  // Views of the inputs and out as S: the state's storage type, or float after to_float().
+  template <class S>
+  [[nodiscard]] std::tuple<TensorView<const S, 3>, TensorView<const S, 3>, TensorView<const S, 3>,
+                           TensorView<const S, 2>, TensorView<S, 3>>
+  views() const {
+    return {view<const S, 3>(q), view<const S, 3>(k), view<const S, 3>(v), view<const S, 2>(gate), view<S, 3>(out)};
+  }
+  // out in the state's dtype, lse float32.
+  [[nodiscard]] std::tuple<at::Tensor, at::Tensor> result() const { return {out.to(dtype), lse}; }
 };
 
-// The tensors of one ua_step on `device`: its rows, q, k, v, z_k, z_q and the optional z_o checked and
-// contiguous, and the outputs out [tokens, H, D] and lse [tokens, H] allocated like q.
+// The tensors of one ua_step on `device` for a cache of dtype `dtype`: its rows, q, k, v, z_k, z_q and
+// the optional z_o of that dtype, checked and contiguous; z_k and z_q as float32 (what every backend
+// reads); the outputs out [tokens, H, D] and lse [tokens, H] as float32 (what the backends write:
+// result() gives out in the cache's dtype).
 struct UaStepTensors {
+  static constexpr const char* kTakes = "q, k, v, z_k, z_q and z_o";
   RowTensors rows;
+  at::ScalarType dtype;
   at::Tensor q, k, v, z_k, z_q, z_o, out, lse;
   UaStepTensors(const at::Tensor& slot, const at::Tensor& query_start, const at::Tensor& q_, const at::Tensor& k_,
                 const at::Tensor& v_, const at::Tensor& z_k_, const at::Tensor& z_q_,
                 const c10::optional<at::Tensor>& z_o_, const ua::CacheShape& s, const char* op,
-                const c10::Device& device)
+                const c10::Device& device, at::ScalarType dtype_)
       : rows(slot, query_start, op, device),
-        q(float_input(q_, op, "q", 3, device)),
-        k(float_input(k_, op, "k", 3, device)),
-        v(float_input(v_, op, "v", 3, device)),
-        z_k(float_input(z_k_, op, "z_k", 2, device)),
-        z_q(float_input(z_q_, op, "z_q", 2, device)),
-        out(at::empty({q.size(0), s.query_heads, s.head_dim}, q.options())),
-        lse(at::empty({q.size(0), s.query_heads}, q.options())) {
-    if (z_o_.has_value() && z_o_->defined()) z_o = float_input(*z_o_, op, "z_o", 3, device);
+        dtype(dtype_),
+        q(step_input(q_, op, "q", 3, device, dtype, kTakes)),
+        k(step_input(k_, op, "k", 3, device, dtype, kTakes)),
+        v(step_input(v_, op, "v", 3, device, dtype, kTakes)),
+        z_k(step_input(z_k_, op, "z_k", 2, device, dtype, kTakes).to(at::kFloat)),
+        z_q(step_input(z_q_, op, "z_q", 2, device, dtype, kTakes).to(at::kFloat)),
+        out(at::empty({q.size(0), s.query_heads, s.head_dim}, q.options().dtype(at::kFloat))),
+        lse(at::empty({q.size(0), s.query_heads}, q.options().dtype(at::kFloat))) {
+    if (z_o_.has_value() && z_o_->defined()) z_o = step_input(*z_o_, op, "z_o", 3, device, dtype, kTakes);
   }
-  [[nodiscard]] ua::PackedInputs inputs() const {
-    return {view<const float, 3>(q),   view<const float, 3>(k),
-            view<const float, 3>(v),   view<const float, 2>(z_k),
-            view<const float, 2>(z_q), z_o.defined() ? view<const float, 3>(z_o) : TensorView<const float, 3>{}};
+  // q, k, v and z_o as float32: the host backend reads float32 inputs whatever its storage type (the
+  // conversion from bf16 or fp16 is exact, and the cache rounds keys and values to its storage type).
+  void inputs_to_float() {
+    for (at::Tensor* t : {&q, &k, &v, &z_o})
+      if (t->defined()) *t = t->to(at::kFloat);
   }
+  // The inputs as S (q, k, v, z_o) and float (z_k, z_q): S is float after inputs_to_float().
+  template <class S>
+  [[nodiscard]] ua::PackedInputsOf<S> inputs() const {
+    return {view<const S, 3>(q),       view<const S, 3>(k),
+            view<const S, 3>(v),       view<const float, 2>(z_k),
+            view<const float, 2>(z_q), z_o.defined() ? view<const S, 3>(z_o) : TensorView<const S, 3>{}};
+  }
+  // out in the cache's dtype, lse float32.
+  [[nodiscard]] std::tuple<at::Tensor, at::Tensor> result() const { return {out.to(dtype), lse}; }
 };
 
 // A slot list of a slot operation (int32 [n]), contiguous, on `device`.
@@ -207,14 +268,19 @@ inline kvm::Params make_params(std::int64_t chunk, std::int64_t window_chunks, s
 // device). The backend's translation unit sets its pointer below when the library loads.
 struct DeviceBackend {
   virtual ~DeviceBackend() = default;
-  // A state owning its device memory on `device` (an index, or none: the current device).
-  [[nodiscard]] virtual Holder kvm_create(const kvm::Problem& problem, c10::Device device) const = 0;
-  [[nodiscard]] virtual Holder ua_create(const ua::CacheShape& shape, c10::Device device) const = 0;
+  // A state of storage type `dtype` (checked by check_storage) owning its device memory on `device` (an
+  // index, or none: the current device).
+  [[nodiscard]] virtual Holder kvm_create(const kvm::Problem& problem, at::ScalarType dtype,
+                                          c10::Device device) const = 0;
+  [[nodiscard]] virtual Holder ua_create(const ua::CacheShape& shape, at::ScalarType dtype,
+                                         c10::Device device) const = 0;
   // Bytes kvm_create allocates (0 when the configuration is invalid).
-  [[nodiscard]] virtual std::int64_t kvm_state_bytes(const kvm::Problem& problem) const = 0;
+  [[nodiscard]] virtual std::int64_t kvm_state_bytes(const kvm::Problem& problem, at::ScalarType dtype) const = 0;
   // (state bytes, workspace bytes) of a placed state; (0, 0) when the configuration is invalid.
-  [[nodiscard]] virtual std::tuple<std::int64_t, std::int64_t> kvm_layout(const kvm::Problem& problem) const = 0;
-  [[nodiscard]] virtual std::tuple<std::int64_t, std::int64_t> ua_layout(const ua::CacheShape& shape) const = 0;
+  [[nodiscard]] virtual std::tuple<std::int64_t, std::int64_t> kvm_layout(const kvm::Problem& problem,
+                                                                          at::ScalarType dtype) const = 0;
+  [[nodiscard]] virtual std::tuple<std::int64_t, std::int64_t> ua_layout(const ua::CacheShape& shape,
+                                                                         at::ScalarType dtype) const = 0;
 };
 
 // The CUDA backend, when this library was built with it (ops_cuda.cu registers it); nullptr otherwise.

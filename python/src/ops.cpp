@@ -55,22 +55,28 @@ const DeviceBackend* device_backend(const c10::optional<c10::Device>& device, co
 Holder kvm_create(std::int64_t max_slots, std::int64_t q_heads, std::int64_t kv_heads, std::int64_t head_dim,
                   std::int64_t value_dim, std::int64_t n_ctx, std::int64_t chunk, std::int64_t window_chunks,
                   std::int64_t sink, std::int64_t rope_dims, std::string budget, std::vector<double> budget_args,
-                  double scale, c10::optional<c10::Device> device) {
+                  double scale, c10::optional<c10::Device> device, c10::optional<at::ScalarType> dtype) {
+  const at::ScalarType storage = check_storage(dtype, "kvm_create", true);
   const kvm::Problem pr{make_params(chunk, window_chunks, sink, rope_dims, budget, budget_args, scale),
                         {max_slots, q_heads, kv_heads, head_dim, value_dim, n_ctx}};
-  if (const DeviceBackend* b = device_backend(device, "kvm_create")) return b->kvm_create(pr, *device);
-  KvmState s;
-  check(KvmState::create(pr.params, pr.shape, s));
-  return c10::make_intrusive<StateHolder>(std::move(s));
+  if (const DeviceBackend* b = device_backend(device, "kvm_create")) return b->kvm_create(pr, storage, *device);
+  return with_storage<false>(storage, [&]<class S>() {
+    KvmStateOf<S> s;
+    check(KvmStateOf<S>::create(pr.params, pr.shape, s));
+    return c10::make_intrusive<StateHolder>(std::move(s));
+  });
 }
 
 Holder ua_create(std::int64_t max_slots, std::int64_t q_heads, std::int64_t kv_heads, std::int64_t head_dim,
-                 std::int64_t capacity, c10::optional<c10::Device> device) {
+                 std::int64_t capacity, c10::optional<c10::Device> device, c10::optional<at::ScalarType> dtype) {
+  const at::ScalarType storage = check_storage(dtype, "ua_create", false);
   const ua::CacheShape shape{max_slots, q_heads, kv_heads, head_dim, capacity};
-  if (const DeviceBackend* b = device_backend(device, "ua_create")) return b->ua_create(shape, *device);
-  UaCache c;
-  check(UaCache::create(shape, c));
-  return c10::make_intrusive<StateHolder>(std::move(c));
+  if (const DeviceBackend* b = device_backend(device, "ua_create")) return b->ua_create(shape, storage, *device);
+  return with_storage<true>(storage, [&]<class S>() {
+    UaCacheOf<S> c;
+    check(UaCacheOf<S>::create(shape, c));
+    return c10::make_intrusive<StateHolder>(std::move(c));
+  });
 }
 
 // ---- placed over caller tensors (docs/memory.md) ---------------------------------------------------
@@ -83,51 +89,67 @@ std::tuple<std::int64_t, std::int64_t> kvm_layout(std::int64_t max_slots, std::i
                                                   std::int64_t chunk, std::int64_t window_chunks, std::int64_t sink,
                                                   std::int64_t rope_dims, std::string budget,
                                                   std::vector<double> budget_args, double scale,
-                                                  c10::optional<c10::Device> device) {
+                                                  c10::optional<c10::Device> device,
+                                                  c10::optional<at::ScalarType> dtype) {
+  const at::ScalarType storage = check_storage(dtype, "kvm_layout", true);
   const kvm::Problem pr{make_params(chunk, window_chunks, sink, rope_dims, budget, budget_args, scale),
                         {max_slots, q_heads, kv_heads, head_dim, value_dim, n_ctx}};
-  if (const DeviceBackend* b = device_backend(device, "kvm_layout")) return b->kvm_layout(pr);
+  if (const DeviceBackend* b = device_backend(device, "kvm_layout")) return b->kvm_layout(pr, storage);
   if (!kvm::validate(pr.params, pr.shape).is_ok()) return {0, 0};
-  return {static_cast<std::int64_t>(kvm::state_bytes<float, float>(pr)),
-          static_cast<std::int64_t>(kvm::workspace_bytes<float, float>(pr))};
+  return with_storage<false>(storage, [&]<class S>() -> std::tuple<std::int64_t, std::int64_t> {
+    return {static_cast<std::int64_t>(kvm::state_bytes<S, float>(pr)),
+            static_cast<std::int64_t>(kvm::workspace_bytes<S, float>(pr))};
+  });
 }
 
 Holder kvm_place(const at::Tensor& memory, const at::Tensor& workspace, std::int64_t max_slots, std::int64_t q_heads,
                  std::int64_t kv_heads, std::int64_t head_dim, std::int64_t value_dim, std::int64_t n_ctx,
                  std::int64_t chunk, std::int64_t window_chunks, std::int64_t sink, std::int64_t rope_dims,
-                 std::string budget, std::vector<double> budget_args, double scale) {
+                 std::string budget, std::vector<double> budget_args, double scale,
+                 c10::optional<at::ScalarType> dtype) {
   constexpr const char* op = "kvm_place";
   check_memory(memory, op, "memory", kCpu);
   check_memory(workspace, op, "workspace", kCpu);
+  const at::ScalarType storage = check_storage(dtype, op, true);
   const kvm::Problem pr{make_params(chunk, window_chunks, sink, rope_dims, budget, budget_args, scale),
                         {max_slots, q_heads, kv_heads, head_dim, value_dim, n_ctx}};
-  KvmState s;
-  check(KvmState::place(memory.data_ptr(), static_cast<std::size_t>(memory.numel()), pr, s));
-  check(s.attach_workspace(workspace.data_ptr(), static_cast<std::size_t>(workspace.numel())));
-  return c10::make_intrusive<StateHolder>(std::move(s), memory, workspace);
+  return with_storage<false>(storage, [&]<class S>() {
+    KvmStateOf<S> s;
+    check(KvmStateOf<S>::place(memory.data_ptr(), static_cast<std::size_t>(memory.numel()), pr, s));
+    check(s.attach_workspace(workspace.data_ptr(), static_cast<std::size_t>(workspace.numel())));
+    return c10::make_intrusive<StateHolder>(std::move(s), memory, workspace);
+  });
 }
 
 // (cache bytes, workspace bytes) of a UA cache placed by ua_place; (0, 0) for an invalid shape.
 std::tuple<std::int64_t, std::int64_t> ua_layout(std::int64_t max_slots, std::int64_t q_heads, std::int64_t kv_heads,
                                                  std::int64_t head_dim, std::int64_t capacity,
-                                                 c10::optional<c10::Device> device) {
+                                                 c10::optional<c10::Device> device,
+                                                 c10::optional<at::ScalarType> dtype) {
+  const at::ScalarType storage = check_storage(dtype, "ua_layout", false);
   const ua::CacheShape shape{max_slots, q_heads, kv_heads, head_dim, capacity};
-  if (const DeviceBackend* b = device_backend(device, "ua_layout")) return b->ua_layout(shape);
-  if (!UaCache::validate_shape(shape).is_ok()) return {0, 0};
-  return {static_cast<std::int64_t>(ua::cache_layout<float>(shape).bytes),
-          static_cast<std::int64_t>(ua::workspace_bytes<float>(shape))};
+  if (const DeviceBackend* b = device_backend(device, "ua_layout")) return b->ua_layout(shape, storage);
+  return with_storage<true>(storage, [&]<class S>() -> std::tuple<std::int64_t, std::int64_t> {
+    if (!UaCacheOf<S>::validate_shape(shape).is_ok()) return {0, 0};
+    return {static_cast<std::int64_t>(ua::cache_layout<S>(shape).bytes),
+            static_cast<std::int64_t>(ua::workspace_bytes<S>(shape))};
+  });
 }
 
 Holder ua_place(const at::Tensor& memory, const at::Tensor& workspace, std::int64_t max_slots, std::int64_t q_heads,
-                std::int64_t kv_heads, std::int64_t head_dim, std::int64_t capacity) {
+                std::int64_t kv_heads, std::int64_t head_dim, std::int64_t capacity,
+                c10::optional<at::ScalarType> dtype) {
   constexpr const char* op = "ua_place";
   check_memory(memory, op, "memory", kCpu);
   check_memory(workspace, op, "workspace", kCpu);
-  UaCache c;
-  check(UaCache::place(memory.data_ptr(), static_cast<std::size_t>(memory.numel()),
-                       {max_slots, q_heads, kv_heads, head_dim, capacity}, c));
-  check(c.attach_workspace(workspace.data_ptr(), static_cast<std::size_t>(workspace.numel())));
-  return c10::make_intrusive<StateHolder>(std::move(c), memory, workspace);
+  const at::ScalarType storage = check_storage(dtype, op, false);
+  return with_storage<true>(storage, [&]<class S>() {
+    UaCacheOf<S> c;
+    check(UaCacheOf<S>::place(memory.data_ptr(), static_cast<std::size_t>(memory.numel()),
+                              {max_slots, q_heads, kv_heads, head_dim, capacity}, c));
+    check(c.attach_workspace(workspace.data_ptr(), static_cast<std::size_t>(workspace.numel())));
+    return c10::make_intrusive<StateHolder>(std::move(c), memory, workspace);
+  });
 }
 
 // ---- steps -----------------------------------------------------------------------------------------
@@ -146,14 +168,15 @@ std::tuple<at::Tensor, at::Tensor> kvm_step(const Holder& h, const std::vector<a
                                             const at::Tensor& k, const at::Tensor& v, const at::Tensor& gate,
                                             bool exact) {
   constexpr const char* op = "kvm_step";
-  KvmState& state = kvm_state(h, op);
-  const KvmWeightTensors w(weights, op, kCpu);
-  const auto& sh = state.shape();
-  const KvmStepTensors t(slot, query_start, q, k, v, gate, sh.Hq, sh.Dv, op, kCpu);
-  check(kvm::step(executor(exact), state, w.get(), t.rows.rows(), view<const float, 3>(t.q), view<const float, 3>(t.k),
-                  view<const float, 3>(t.v), view<const float, 2>(t.gate), view<float, 3>(t.out),
-                  view<float, 2>(t.lse)));
-  return {t.out, t.lse};
+  return with_kvm_state(h, op, [&]<class S>(KvmStateOf<S>& state) -> std::tuple<at::Tensor, at::Tensor> {
+    const KvmWeightTensors w(weights, op, kCpu);
+    const auto& sh = state.shape();
+    KvmStepTensors t(slot, query_start, q, k, v, gate, sh.Hq, sh.Dv, op, kCpu, dtype_of<S>());
+    t.to_float();
+    const auto [qv, kv, vv, gv, ov] = t.views<float>();
+    check(kvm::step(executor(exact), state, w.get(), t.rows.rows(), qv, kv, vv, gv, ov, view<float, 2>(t.lse)));
+    return t.result();
+  });
 }
 
 std::tuple<at::Tensor, at::Tensor> kvm_step_meta(const Holder& h, const std::vector<at::Tensor>& /*weights*/,
@@ -161,7 +184,8 @@ std::tuple<at::Tensor, at::Tensor> kvm_step_meta(const Holder& h, const std::vec
                                                  const at::Tensor& q, const at::Tensor& /*k*/, const at::Tensor& /*v*/,
                                                  const at::Tensor& /*gate*/, bool /*exact*/) {
   const auto [heads, dim] = meta_dims(h, "kvm_step", true);
-  return {at::empty({q.size(0), heads, dim}, q.options()), at::empty({q.size(0), heads}, q.options())};
+  return {at::empty({q.size(0), heads, dim}, q.options()),
+          at::empty({q.size(0), heads}, q.options().dtype(at::kFloat))};
 }
 
 std::tuple<at::Tensor, at::Tensor> ua_step(const Holder& h, const at::Tensor& slot, const at::Tensor& query_start,
@@ -170,11 +194,14 @@ std::tuple<at::Tensor, at::Tensor> ua_step(const Holder& h, const at::Tensor& sl
                                            const c10::optional<at::Tensor>& z_o, double p, std::int64_t prefill_chunk,
                                            bool evict_before_attention) {
   constexpr const char* op = "ua_step";
-  UaCache& cache = ua_cache(h, op);
-  const UaStepTensors t(slot, query_start, q, k, v, z_k, z_q, z_o, cache.shape(), op, kCpu);
-  const ua::Options opt{p, prefill_chunk, evict_before_attention};
-  check(ua::step(executor(), cache, t.rows.rows(), t.inputs(), opt, view<float, 3>(t.out), view<float, 2>(t.lse)));
-  return {t.out, t.lse};
+  return with_ua_cache(h, op, [&]<class S>(UaCacheOf<S>& cache) {
+    UaStepTensors t(slot, query_start, q, k, v, z_k, z_q, z_o, cache.shape(), op, kCpu, dtype_of<S>());
+    t.inputs_to_float();
+    const ua::Options opt{p, prefill_chunk, evict_before_attention};
+    check(ua::step(executor(), cache, t.rows.rows(), t.inputs<float>(), opt, view<float, 3>(t.out),
+                   view<float, 2>(t.lse)));
+    return t.result();
+  });
 }
 
 std::tuple<at::Tensor, at::Tensor> ua_step_meta(const Holder& h, const at::Tensor& /*slot*/,
@@ -184,7 +211,8 @@ std::tuple<at::Tensor, at::Tensor> ua_step_meta(const Holder& h, const at::Tenso
                                                 const c10::optional<at::Tensor>& /*z_o*/, double /*p*/,
                                                 std::int64_t /*prefill_chunk*/, bool /*evict_before_attention*/) {
   const auto [heads, dim] = meta_dims(h, "ua_step", false);
-  return {at::empty({q.size(0), heads, dim}, q.options()), at::empty({q.size(0), heads}, q.options())};
+  return {at::empty({q.size(0), heads, dim}, q.options()),
+          at::empty({q.size(0), heads}, q.options().dtype(at::kFloat))};
 }
 
 // ---- slot operations (the same names and argument order for both mechanisms) -----------------------
@@ -194,10 +222,12 @@ void reset_slots(const Holder& h, const at::Tensor& slots) {
   host_state(h, op);
   const at::Tensor s = slot_list(slots, op, "slots", kCpu);
   const auto list = view<const std::int32_t, 1>(s);
-  if (auto* k = std::get_if<KvmState>(&h->state))
-    check(kvm::reset_slots(executor(), *k, list));
-  else
-    check(ua::reset_slots(executor(), std::get<UaCache>(h->state), list));
+  h->visit_host([&](auto& st) {
+    if constexpr (is_kvm_state_v<std::decay_t<decltype(st)>>)
+      check(kvm::reset_slots(executor(), st, list));
+    else
+      check(ua::reset_slots(executor(), st, list));
+  });
 }
 
 void copy_slots(const Holder& h, const at::Tensor& src, const at::Tensor& dst) {
@@ -205,10 +235,12 @@ void copy_slots(const Holder& h, const at::Tensor& src, const at::Tensor& dst) {
   host_state(h, op);
   const at::Tensor s = slot_list(src, op, "src", kCpu), d = slot_list(dst, op, "dst", kCpu);
   const auto a = view<const std::int32_t, 1>(s), b = view<const std::int32_t, 1>(d);
-  if (auto* k = std::get_if<KvmState>(&h->state))
-    check(kvm::copy_slots(executor(), *k, a, b));
-  else
-    check(ua::copy_slots(executor(), std::get<UaCache>(h->state), a, b));
+  h->visit_host([&](auto& st) {
+    if constexpr (is_kvm_state_v<std::decay_t<decltype(st)>>)
+      check(kvm::copy_slots(executor(), st, a, b));
+    else
+      check(ua::copy_slots(executor(), st, a, b));
+  });
 }
 
 void slot_op_meta(const Holder& /*h*/, const at::Tensor& /*slots*/) {}
@@ -221,9 +253,12 @@ std::int64_t export_bytes(const Holder& h, std::int64_t slot) {
   TORCH_CHECK_VALUE(h, "export_bytes: state is None");
   if (slot < 0 || slot >= h->max_slots()) return 0;
   if (DeviceState* d = h->on_device()) return d->export_bytes(slot);
-  if (const auto* k = std::get_if<KvmState>(&h->state))
-    return static_cast<std::int64_t>(kvm::export_bytes(*k, static_cast<std::int32_t>(slot)));
-  return static_cast<std::int64_t>(ua::export_bytes(std::get<UaCache>(h->state), static_cast<std::int32_t>(slot)));
+  return h->visit_host([&](const auto& st) -> std::int64_t {
+    if constexpr (is_kvm_state_v<std::decay_t<decltype(st)>>)
+      return static_cast<std::int64_t>(kvm::export_bytes(st, static_cast<std::int32_t>(slot)));
+    else
+      return static_cast<std::int64_t>(ua::export_bytes(st, static_cast<std::int32_t>(slot)));
+  });
 }
 
 // The record of `slot` as a uint8 CPU tensor of export_bytes(state, slot) bytes (records are host bytes
@@ -235,10 +270,12 @@ at::Tensor export_slot(const Holder& h, std::int64_t slot) {
   if (DeviceState* d = h->on_device()) return d->export_slot(slot);
   at::Tensor bytes = at::empty({export_bytes(h, slot)}, at::TensorOptions().dtype(at::kByte));
   const std::span<std::byte> span(static_cast<std::byte*>(bytes.data_ptr()), static_cast<std::size_t>(bytes.numel()));
-  if (const auto* k = std::get_if<KvmState>(&h->state))
-    check(kvm::export_slot(executor(), *k, static_cast<std::int32_t>(slot), span));
-  else
-    check(ua::export_slot(executor(), std::get<UaCache>(h->state), static_cast<std::int32_t>(slot), span));
+  h->visit_host([&](const auto& st) {
+    if constexpr (is_kvm_state_v<std::decay_t<decltype(st)>>)
+      check(kvm::export_slot(executor(), st, static_cast<std::int32_t>(slot), span));
+    else
+      check(ua::export_slot(executor(), st, static_cast<std::int32_t>(slot), span));
+  });
   return bytes;
 }
 
@@ -255,14 +292,16 @@ void import_slot(const Holder& h, const std::vector<at::Tensor>& weights, std::i
                     "kvmem: import_slot slot: expected 0 <= slot < max_slots = ", h->max_slots(), ", got ", slot);
   const std::span<const std::byte> span(static_cast<const std::byte*>(b.data_ptr()),
                                         static_cast<std::size_t>(b.numel()));
-  if (auto* k = std::get_if<KvmState>(&h->state)) {
-    const KvmWeightTensors w(weights, op, kCpu);
-    check(kvm::import_slot(executor(), *k, w.get(), static_cast<std::int32_t>(slot), span));
-  } else {
-    TORCH_CHECK_VALUE(weights.empty(), op, ": weights: expected none for a Universal Attention cache, got ",
-                      weights.size(), " tensors");
-    check(ua::import_slot(executor(), std::get<UaCache>(h->state), static_cast<std::int32_t>(slot), span));
-  }
+  h->visit_host([&](auto& st) {
+    if constexpr (is_kvm_state_v<std::decay_t<decltype(st)>>) {
+      const KvmWeightTensors w(weights, op, kCpu);
+      check(kvm::import_slot(executor(), st, w.get(), static_cast<std::int32_t>(slot), span));
+    } else {
+      TORCH_CHECK_VALUE(weights.empty(), op, ": weights: expected none for a Universal Attention cache, got ",
+                        weights.size(), " tensors");
+      check(ua::import_slot(executor(), st, static_cast<std::int32_t>(slot), span));
+    }
+  });
 }
 
 void import_slot_meta(const Holder& /*h*/, const std::vector<at::Tensor>& /*weights*/, std::int64_t /*slot*/,
@@ -273,10 +312,12 @@ void truncate(const Holder& h, std::int64_t slot, std::int64_t n) {
   TORCH_CHECK_INDEX(slot >= 0 && slot < h->max_slots(),
                     "kvmem: truncate slot: expected 0 <= slot < max_slots = ", h->max_slots(), ", got ", slot);
   if (DeviceState* d = h->on_device()) return d->truncate(slot, n);
-  if (auto* k = std::get_if<KvmState>(&h->state))
-    check(kvm::truncate(executor(), *k, static_cast<std::int32_t>(slot), n));
-  else
-    check(ua::truncate(executor(), std::get<UaCache>(h->state), static_cast<std::int32_t>(slot), n));
+  h->visit_host([&](auto& st) {
+    if constexpr (is_kvm_state_v<std::decay_t<decltype(st)>>)
+      check(kvm::truncate(executor(), st, static_cast<std::int32_t>(slot), n));
+    else
+      check(ua::truncate(executor(), st, static_cast<std::int32_t>(slot), n));
+  });
 }
 
 // What a device refused since the last check: the host backend refuses a call when it is made, so a
@@ -290,19 +331,29 @@ void step_status(const Holder& h) {
 std::int64_t kvm_state_bytes(std::int64_t max_slots, std::int64_t q_heads, std::int64_t kv_heads, std::int64_t head_dim,
                              std::int64_t value_dim, std::int64_t n_ctx, std::int64_t chunk, std::int64_t window_chunks,
                              std::int64_t sink, std::int64_t rope_dims, std::string budget,
-                             std::vector<double> budget_args, double scale, c10::optional<c10::Device> device) {
+                             std::vector<double> budget_args, double scale, c10::optional<c10::Device> device,
+                             c10::optional<at::ScalarType> dtype) {
+  const at::ScalarType storage = check_storage(dtype, "kvm_state_bytes", true);
   const kvm::Problem pr{make_params(chunk, window_chunks, sink, rope_dims, budget, budget_args, scale),
                         {max_slots, q_heads, kv_heads, head_dim, value_dim, n_ctx}};
-  if (const DeviceBackend* b = device_backend(device, "kvm_state_bytes")) return b->kvm_state_bytes(pr);
-  return static_cast<std::int64_t>(KvmState::bytes_required(pr.params, pr.shape));
+  if (const DeviceBackend* b = device_backend(device, "kvm_state_bytes")) return b->kvm_state_bytes(pr, storage);
+  return with_storage<false>(storage, [&]<class S>() {
+    return static_cast<std::int64_t>(KvmStateOf<S>::bytes_required(pr.params, pr.shape));
+  });
 }
 
 std::int64_t allocated_bytes(const Holder& h) {
   if (const DeviceState* d = h->on_device()) return d->allocated_bytes();
-  if (const auto* k = std::get_if<KvmState>(&h->state)) return static_cast<std::int64_t>(k->allocated_bytes());
-  const auto& s = std::get<UaCache>(h->state).shape();
-  // keys and values, λ and key-gate logit (fp32), position (int64) per row
-  return s.batch * s.kv_heads * s.capacity * (2 * s.head_dim * std::int64_t(sizeof(float)) + 16);
+  return h->visit_host([](const auto& st) -> std::int64_t {
+    using T = std::decay_t<decltype(st)>;
+    if constexpr (is_kvm_state_v<T>) {
+      return static_cast<std::int64_t>(st.allocated_bytes());
+    } else {
+      const auto& s = st.shape();
+      // keys and values (storage type), λ and key-gate logit (fp32), position (int64) per row
+      return s.batch * s.kv_heads * s.capacity * (2 * s.head_dim * std::int64_t(sizeof(typename T::storage_type)) + 16);
+    }
+  });
 }
 
 }  // namespace
@@ -316,6 +367,7 @@ TORCH_LIBRARY(kvmem, m) {
       .def("max_slots", [](const ops::Holder& h) { return h->max_slots(); })
       .def("tokens", [](const ops::Holder& h, std::int64_t slot) { return h->tokens(slot); })
       .def("device", [](const ops::Holder& h) { return h->device().str(); })
+      .def("dtype", [](const ops::Holder& h) { return std::string(c10::toString(h->dtype())); })
       .def("allocated_bytes", [](const ops::Holder& h) { return ops::allocated_bytes(h); })
       .def("export_bytes", [](const ops::Holder& h, std::int64_t slot) { return ops::export_bytes(h, slot); });
 
@@ -324,25 +376,26 @@ TORCH_LIBRARY(kvmem, m) {
   m.def(
       "kvm_create(int max_slots, int q_heads, int kv_heads, int head_dim, int value_dim, int n_ctx, "
       "int chunk=256, int window_chunks=2, int sink=1, int rope_dims=64, str budget=\"fixed\", "
-      "float[] budget_args=[], float scale=0., Device? device=None) -> __torch__.torch.classes.kvmem.State",
+      "float[] budget_args=[], float scale=0., Device? device=None, ScalarType? dtype=None) -> "
+      "__torch__.torch.classes.kvmem.State",
       &ops::kvm_create);
   m.def(
       "kvm_state_bytes(int max_slots, int q_heads, int kv_heads, int head_dim, int value_dim, int n_ctx, "
       "int chunk=256, int window_chunks=2, int sink=1, int rope_dims=64, str budget=\"fixed\", "
-      "float[] budget_args=[], float scale=0., Device? device=None) -> int",
+      "float[] budget_args=[], float scale=0., Device? device=None, ScalarType? dtype=None) -> int",
       &ops::kvm_state_bytes);
   m.def(
-      "ua_create(int max_slots, int q_heads, int kv_heads, int head_dim, int capacity, Device? device=None) -> "
-      "__torch__.torch.classes.kvmem.State",
+      "ua_create(int max_slots, int q_heads, int kv_heads, int head_dim, int capacity, Device? device=None, "
+      "ScalarType? dtype=None) -> __torch__.torch.classes.kvmem.State",
       &ops::ua_create);
   m.def(
       "kvm_layout(int max_slots, int q_heads, int kv_heads, int head_dim, int value_dim, int n_ctx, "
       "int chunk=256, int window_chunks=2, int sink=1, int rope_dims=64, str budget=\"fixed\", "
-      "float[] budget_args=[], float scale=0., Device? device=None) -> (int, int)",
+      "float[] budget_args=[], float scale=0., Device? device=None, ScalarType? dtype=None) -> (int, int)",
       &ops::kvm_layout);
   m.def(
-      "ua_layout(int max_slots, int q_heads, int kv_heads, int head_dim, int capacity, Device? device=None) -> "
-      "(int, int)",
+      "ua_layout(int max_slots, int q_heads, int kv_heads, int head_dim, int capacity, Device? device=None, "
+      "ScalarType? dtype=None) -> (int, int)",
       &ops::ua_layout);
   m.def("export_slot(__torch__.torch.classes.kvmem.State state, int slot) -> Tensor", &ops::export_slot);
   m.def("truncate(__torch__.torch.classes.kvmem.State state, int slot, int n) -> ()", &ops::truncate);
@@ -363,10 +416,11 @@ TORCH_LIBRARY(kvmem, m) {
   m.def(
       "kvm_place(Tensor memory, Tensor workspace, int max_slots, int q_heads, int kv_heads, int head_dim, "
       "int value_dim, int n_ctx, int chunk=256, int window_chunks=2, int sink=1, int rope_dims=64, "
-      "str budget=\"fixed\", float[] budget_args=[], float scale=0.) -> __torch__.torch.classes.kvmem.State");
+      "str budget=\"fixed\", float[] budget_args=[], float scale=0., ScalarType? dtype=None) -> "
+      "__torch__.torch.classes.kvmem.State");
   m.def(
       "ua_place(Tensor memory, Tensor workspace, int max_slots, int q_heads, int kv_heads, int head_dim, "
-      "int capacity) -> __torch__.torch.classes.kvmem.State");
+      "int capacity, ScalarType? dtype=None) -> __torch__.torch.classes.kvmem.State");
 }
 
 TORCH_LIBRARY_IMPL(kvmem, CPU, m) {

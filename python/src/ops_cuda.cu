@@ -3,7 +3,7 @@
 // over CUDA tensors, on the state's device and that device's current stream, as torch's own kernels
 // run. A state is made for CUDA by kvm_create / ua_create with a CUDA `device` (the backend registered
 // below) or by kvm_place / ua_place over CUDA uint8 tensors; it holds a cuda::KvmState or
-// cuda::UaCache (float storage, like the CPU ops) on that device. Every tensor of an op must be on
+// cuda::UaCache of the state's storage type (dtype) on that device. Every tensor of an op must be on
 // the state's device: a CPU state with CUDA tensors, or the reverse, raises a ValueError naming both.
 //
 // What waits for the device (docs/integration.md, "PyTorch ops on CUDA"):
@@ -45,8 +45,10 @@
 namespace kvmem::torch_ops {
 namespace {
 
-using CudaKvm = cuda::KvmState<float, float>;
-using CudaUa = cuda::UaCache<float>;
+template <class S>
+using CudaKvm = cuda::KvmState<S, float>;
+template <class S>
+using CudaUa = cuda::UaCache<S>;
 
 // The device a state made for `device` lives on: "cuda" without an index is the current device.
 c10::Device resolve(const c10::Device& device) {
@@ -103,10 +105,17 @@ class OnCuda : public DeviceState {
   c10::Device device_;
 };
 
-class KvmOnCuda final : public OnCuda<CudaKvm> {
+template <class S>
+class KvmOnCuda final : public OnCuda<CudaKvm<S>> {
+  using OnCuda<CudaKvm<S>>::state_;
+  using OnCuda<CudaKvm<S>>::device_;
+
  public:
-  using OnCuda::OnCuda;
+  using OnCuda<CudaKvm<S>>::OnCuda;
+  using OnCuda<CudaKvm<S>>::max_slots;
+  static constexpr bool kKvm = true;
   [[nodiscard]] bool is_kvm() const override { return true; }
+  [[nodiscard]] at::ScalarType dtype() const override { return dtype_of<S>(); }
   [[nodiscard]] std::pair<std::int64_t, std::int64_t> out_dims() const override {
     return {state_->shape().Hq, state_->shape().Dv};
   }
@@ -157,10 +166,17 @@ class KvmOnCuda final : public OnCuda<CudaKvm> {
   }
 };
 
-class UaOnCuda final : public OnCuda<CudaUa> {
+template <class S>
+class UaOnCuda final : public OnCuda<CudaUa<S>> {
+  using OnCuda<CudaUa<S>>::state_;
+  using OnCuda<CudaUa<S>>::device_;
+
  public:
-  using OnCuda::OnCuda;
+  using OnCuda<CudaUa<S>>::OnCuda;
+  using OnCuda<CudaUa<S>>::max_slots;
+  static constexpr bool kKvm = false;
   [[nodiscard]] bool is_kvm() const override { return false; }
+  [[nodiscard]] at::ScalarType dtype() const override { return dtype_of<S>(); }
   [[nodiscard]] std::pair<std::int64_t, std::int64_t> out_dims() const override {
     return {state_->shape().query_heads, state_->shape().head_dim};
   }
@@ -245,16 +261,42 @@ class UaOnCuda final : public OnCuda<CudaUa> {
   }
 };
 
-template <class T>
-T& cuda_state(const Holder& h, const char* op, bool kvm) {
+// The device state held by `h`: a ValueError naming the op for a CPU state (whose op reached a CUDA
+// kernel because its tensors are CUDA tensors).
+DeviceState& cuda_device_state(const Holder& h, const char* op) {
   TORCH_CHECK_VALUE(h, op, ": state is None");
   DeviceState* d = h->on_device();
   if (d == nullptr) device_mismatch(op, c10::Device(c10::kCPU), c10::Device(c10::kCUDA));
-  auto* t = dynamic_cast<T*>(d);
-  TORCH_CHECK_VALUE(t != nullptr, op, ": expected a ",
-                    kvm ? "KV Means state (kvm_create)" : "Universal Attention cache (ua_create)", ", got a ",
-                    h->mechanism(), " state");
-  return *t;
+  return *d;
+}
+
+// f(state) for the CUDA KV Means state held by `h`, whatever its storage type (KvmOnCuda<S>&).
+template <class F>
+decltype(auto) with_cuda_kvm(const Holder& h, const char* op, F&& f) {
+  DeviceState& d = cuda_device_state(h, op);
+  TORCH_CHECK_VALUE(d.is_kvm(), op, ": expected a KV Means state (kvm_create), got a ", h->mechanism(), " state");
+  if (auto* s = dynamic_cast<KvmOnCuda<bf16>*>(&d)) return f(*s);
+  return f(dynamic_cast<KvmOnCuda<float>&>(d));
+}
+
+// f(cache) for the CUDA Universal Attention cache held by `h`, whatever its storage type (UaOnCuda<S>&).
+template <class F>
+decltype(auto) with_cuda_ua(const Holder& h, const char* op, F&& f) {
+  DeviceState& d = cuda_device_state(h, op);
+  TORCH_CHECK_VALUE(!d.is_kvm(), op, ": expected a Universal Attention cache (ua_create), got a ", h->mechanism(),
+                    " state");
+  if (auto* c = dynamic_cast<UaOnCuda<bf16>*>(&d)) return f(*c);
+  if (auto* c = dynamic_cast<UaOnCuda<fp16>*>(&d)) return f(*c);
+  return f(dynamic_cast<UaOnCuda<float>&>(d));
+}
+
+// f(state) for the CUDA state held by `h`, whatever its mechanism and storage type.
+template <class F>
+void with_cuda_state(const Holder& h, const char* op, F&& f) {
+  if (cuda_device_state(h, op).is_kvm())
+    with_cuda_kvm(h, op, f);
+  else
+    with_cuda_ua(h, op, f);
 }
 
 // ---- steps -----------------------------------------------------------------------------------------
@@ -264,20 +306,21 @@ std::tuple<at::Tensor, at::Tensor> kvm_step(const Holder& h, const std::vector<a
                                             const at::Tensor& k, const at::Tensor& v, const at::Tensor& gate,
                                             bool /*exact*/) {
   constexpr const char* op = "kvm_step";
-  KvmOnCuda& st = cuda_state<KvmOnCuda>(h, op, true);
-  const c10::Device dev = st.device();
-  const c10::cuda::CUDAGuard guard(dev);
-  CudaKvm& state = st.get();
-  const KvmWeightTensors w(weights, op, dev);
-  w.check_shapes(state.shape());
-  const auto& sh = state.shape();
-  const KvmStepTensors t(slot, query_start, q, k, v, gate, sh.Hq, sh.Dv, op, dev);
-  const cuda::Executor exec = executor(dev);
-  check(kvm::step(exec, state, KvmOnCuda::device_weights(w), t.rows.rows(), view<const float, 3>(t.q),
-                  view<const float, 3>(t.k), view<const float, 3>(t.v), view<const float, 2>(t.gate),
-                  view<float, 3>(t.out), view<float, 2>(t.lse)));
-  if (!capturing(exec.stream)) check(state.step_status(exec));
-  return {t.out, t.lse};
+  return with_cuda_kvm(h, op, [&]<class S>(KvmOnCuda<S>& st) -> std::tuple<at::Tensor, at::Tensor> {
+    const c10::Device dev = st.device();
+    const c10::cuda::CUDAGuard guard(dev);
+    CudaKvm<S>& state = st.get();
+    const KvmWeightTensors w(weights, op, dev);
+    w.check_shapes(state.shape());
+    const auto& sh = state.shape();
+    const KvmStepTensors t(slot, query_start, q, k, v, gate, sh.Hq, sh.Dv, op, dev, dtype_of<S>());
+    const cuda::Executor exec = executor(dev);
+    const auto [qv, kv, vv, gv, ov] = t.views<S>();
+    check(kvm::step(exec, state, KvmOnCuda<S>::device_weights(w), t.rows.rows(), qv, kv, vv, gv, ov,
+                    view<float, 2>(t.lse)));
+    if (!capturing(exec.stream)) check(state.step_status(exec));
+    return t.result();
+  });
 }
 
 std::tuple<at::Tensor, at::Tensor> ua_step(const Holder& h, const at::Tensor& slot, const at::Tensor& query_start,
@@ -286,22 +329,25 @@ std::tuple<at::Tensor, at::Tensor> ua_step(const Holder& h, const at::Tensor& sl
                                            const c10::optional<at::Tensor>& z_o, double p, std::int64_t prefill_chunk,
                                            bool evict_before_attention) {
   constexpr const char* op = "ua_step";
-  UaOnCuda& st = cuda_state<UaOnCuda>(h, op, false);
-  const c10::Device dev = st.device();
-  const c10::cuda::CUDAGuard guard(dev);
-  CudaUa& cache = st.get();
-  const UaStepTensors t(slot, query_start, q, k, v, z_k, z_q, z_o, cache.shape(), op, dev);
-  const ua::PackedInputs in = t.inputs();
-  const ua::Options opt{p, prefill_chunk, evict_before_attention};
-  const cuda::Executor exec = executor(dev);
-  if (!capturing(exec.stream)) {
-    // the host's order: options and shapes, then the rows and the room they need
-    check(ua::detail::validate_options(opt));
-    check(ua::detail::check_packed_step(cache.shape(), in, view<float, 3>(t.out), view<float, 2>(t.lse)));
-    st.check_before_step(t.rows, t.q.size(0), exec);
-  }
-  check(ua::step(exec, cache, t.rows.rows(), in, opt, view<float, 3>(t.out), view<float, 2>(t.lse)));
-  return {t.out, t.lse};
+  return with_cuda_ua(h, op, [&]<class S>(UaOnCuda<S>& st) {
+    const c10::Device dev = st.device();
+    const c10::cuda::CUDAGuard guard(dev);
+    CudaUa<S>& cache = st.get();
+    // q, k, v and z_o are read in the storage type, z_k and z_q as float; out is written as float and
+    // returned in the cache's dtype
+    const UaStepTensors t(slot, query_start, q, k, v, z_k, z_q, z_o, cache.shape(), op, dev, dtype_of<S>());
+    const ua::PackedInputsOf<S> in = t.inputs<S>();
+    const ua::Options opt{p, prefill_chunk, evict_before_attention};
+    const cuda::Executor exec = executor(dev);
+    if (!capturing(exec.stream)) {
+      // the host's order: options and shapes, then the rows and the room they need
+      check(ua::detail::validate_options(opt));
+      check(ua::detail::check_packed_step(cache.shape(), in, view<float, 3>(t.out), view<float, 2>(t.lse)));
+      st.check_before_step(t.rows, t.q.size(0), exec);
+    }
+    check(ua::step(exec, cache, t.rows.rows(), in, opt, view<float, 3>(t.out), view<float, 2>(t.lse)));
+    return t.result();
+  });
 }
 
 // ---- slot operations -------------------------------------------------------------------------------
@@ -318,45 +364,37 @@ void slot_op_done(const cuda::Executor& exec, State& state, Op&& run) {
 
 void reset_slots(const Holder& h, const at::Tensor& slots) {
   constexpr const char* op = "reset_slots";
-  TORCH_CHECK_VALUE(h, op, ": state is None");
-  if (h->on_device() == nullptr) device_mismatch(op, c10::Device(c10::kCPU), c10::Device(c10::kCUDA));
-  const c10::Device dev = h->device();
+  const c10::Device dev = cuda_device_state(h, op).device();
   const c10::cuda::CUDAGuard guard(dev);
   const at::Tensor s = slot_list(slots, op, "slots", dev);
   const auto list = view<const std::int32_t, 1>(s);
   const cuda::Executor exec = executor(dev);
-  if (h->is_kvm())
-    slot_op_done(exec, cuda_state<KvmOnCuda>(h, op, true).get(),
-                 [&](auto& st) { return kvm::reset_slots(exec, st, list); });
-  else
-    slot_op_done(exec, cuda_state<UaOnCuda>(h, op, false).get(),
-                 [&](auto& c) { return ua::reset_slots(exec, c, list); });
+  with_cuda_state(h, op, [&](auto& st) {
+    if constexpr (std::decay_t<decltype(st)>::kKvm)
+      slot_op_done(exec, st.get(), [&](auto& k) { return kvm::reset_slots(exec, k, list); });
+    else
+      slot_op_done(exec, st.get(), [&](auto& c) { return ua::reset_slots(exec, c, list); });
+  });
 }
 
 void copy_slots(const Holder& h, const at::Tensor& src, const at::Tensor& dst) {
   constexpr const char* op = "copy_slots";
-  TORCH_CHECK_VALUE(h, op, ": state is None");
-  if (h->on_device() == nullptr) device_mismatch(op, c10::Device(c10::kCPU), c10::Device(c10::kCUDA));
-  const c10::Device dev = h->device();
+  const c10::Device dev = cuda_device_state(h, op).device();
   const c10::cuda::CUDAGuard guard(dev);
   const at::Tensor s = slot_list(src, op, "src", dev), d = slot_list(dst, op, "dst", dev);
   const auto a = view<const std::int32_t, 1>(s), b = view<const std::int32_t, 1>(d);
   const cuda::Executor exec = executor(dev);
-  if (h->is_kvm())
-    slot_op_done(exec, cuda_state<KvmOnCuda>(h, op, true).get(),
-                 [&](auto& st) { return kvm::copy_slots(exec, st, a, b); });
-  else
-    slot_op_done(exec, cuda_state<UaOnCuda>(h, op, false).get(),
-                 [&](auto& c) { return ua::copy_slots(exec, c, a, b); });
+  with_cuda_state(h, op, [&](auto& st) {
+    if constexpr (std::decay_t<decltype(st)>::kKvm)
+      slot_op_done(exec, st.get(), [&](auto& k) { return kvm::copy_slots(exec, k, a, b); });
+    else
+      slot_op_done(exec, st.get(), [&](auto& c) { return ua::copy_slots(exec, c, a, b); });
+  });
 }
 
 // Reached when the record or a weight is a CUDA tensor; the state's backend checks the rest.
 void import_slot(const Holder& h, const std::vector<at::Tensor>& weights, std::int64_t slot, const at::Tensor& bytes) {
-  constexpr const char* op = "import_slot";
-  TORCH_CHECK_VALUE(h, op, ": state is None");
-  DeviceState* d = h->on_device();
-  if (d == nullptr) device_mismatch(op, c10::Device(c10::kCPU), c10::Device(c10::kCUDA));
-  d->import_slot(weights, slot, bytes);
+  cuda_device_state(h, "import_slot").import_slot(weights, slot, bytes);
 }
 
 // ---- placed over caller tensors (docs/memory.md) ---------------------------------------------------
@@ -376,59 +414,80 @@ c10::Device placement_device(const at::Tensor& memory, const at::Tensor& workspa
 Holder kvm_place(const at::Tensor& memory, const at::Tensor& workspace, std::int64_t max_slots, std::int64_t q_heads,
                  std::int64_t kv_heads, std::int64_t head_dim, std::int64_t value_dim, std::int64_t n_ctx,
                  std::int64_t chunk, std::int64_t window_chunks, std::int64_t sink, std::int64_t rope_dims,
-                 std::string budget, std::vector<double> budget_args, double scale) {
+                 std::string budget, std::vector<double> budget_args, double scale,
+                 c10::optional<at::ScalarType> dtype) {
   constexpr const char* op = "kvm_place";
   const kvm::Problem pr{make_params(chunk, window_chunks, sink, rope_dims, budget, budget_args, scale),
                         {max_slots, q_heads, kv_heads, head_dim, value_dim, n_ctx}};
   const c10::Device dev = placement_device(memory, workspace, op);
+  const at::ScalarType storage = check_storage(dtype, op, true);
   const c10::cuda::CUDAGuard guard(dev);
-  CudaKvm s;
-  check(CudaKvm::place(memory.data_ptr(), static_cast<std::size_t>(memory.numel()), pr, s));
-  check(s.attach_workspace(workspace.data_ptr(), static_cast<std::size_t>(workspace.numel())));
-  return c10::make_intrusive<StateHolder>(std::make_unique<KvmOnCuda>(std::move(s), dev), memory, workspace);
+  return with_storage<false>(storage, [&]<class S>() {
+    CudaKvm<S> s;
+    check(CudaKvm<S>::place(memory.data_ptr(), static_cast<std::size_t>(memory.numel()), pr, s));
+    check(s.attach_workspace(workspace.data_ptr(), static_cast<std::size_t>(workspace.numel())));
+    return c10::make_intrusive<StateHolder>(std::make_unique<KvmOnCuda<S>>(std::move(s), dev), memory, workspace);
+  });
 }
 
 Holder ua_place(const at::Tensor& memory, const at::Tensor& workspace, std::int64_t max_slots, std::int64_t q_heads,
-                std::int64_t kv_heads, std::int64_t head_dim, std::int64_t capacity) {
+                std::int64_t kv_heads, std::int64_t head_dim, std::int64_t capacity,
+                c10::optional<at::ScalarType> dtype) {
   constexpr const char* op = "ua_place";
   const c10::Device dev = placement_device(memory, workspace, op);
+  const at::ScalarType storage = check_storage(dtype, op, false);
   const c10::cuda::CUDAGuard guard(dev);
-  CudaUa c;
-  check(CudaUa::place(memory.data_ptr(), static_cast<std::size_t>(memory.numel()),
-                      {max_slots, q_heads, kv_heads, head_dim, capacity}, c));
-  check(c.attach_workspace(workspace.data_ptr(), static_cast<std::size_t>(workspace.numel())));
-  return c10::make_intrusive<StateHolder>(std::make_unique<UaOnCuda>(std::move(c), dev), memory, workspace);
+  return with_storage<true>(storage, [&]<class S>() {
+    CudaUa<S> c;
+    check(CudaUa<S>::place(memory.data_ptr(), static_cast<std::size_t>(memory.numel()),
+                           {max_slots, q_heads, kv_heads, head_dim, capacity}, c));
+    check(c.attach_workspace(workspace.data_ptr(), static_cast<std::size_t>(workspace.numel())));
+    return c10::make_intrusive<StateHolder>(std::make_unique<UaOnCuda<S>>(std::move(c), dev), memory, workspace);
+  });
 }
 
 // ---- the backend for the ops without tensor arguments ---------------------------------------------
 
 struct CudaBackend final : DeviceBackend {
-  [[nodiscard]] Holder kvm_create(const kvm::Problem& problem, c10::Device device) const override {
+  [[nodiscard]] Holder kvm_create(const kvm::Problem& problem, at::ScalarType dtype,
+                                  c10::Device device) const override {
     const c10::Device dev = resolve(device);
     const c10::cuda::CUDAGuard guard(dev);
-    CudaKvm s;
-    check(CudaKvm::create(problem.params, problem.shape, s));
-    return c10::make_intrusive<StateHolder>(std::make_unique<KvmOnCuda>(std::move(s), dev));
+    return with_storage<false>(dtype, [&]<class S>() {
+      CudaKvm<S> s;
+      check(CudaKvm<S>::create(problem.params, problem.shape, s));
+      return c10::make_intrusive<StateHolder>(std::make_unique<KvmOnCuda<S>>(std::move(s), dev));
+    });
   }
-  [[nodiscard]] Holder ua_create(const ua::CacheShape& shape, c10::Device device) const override {
+  [[nodiscard]] Holder ua_create(const ua::CacheShape& shape, at::ScalarType dtype, c10::Device device) const override {
     const c10::Device dev = resolve(device);
     const c10::cuda::CUDAGuard guard(dev);
-    CudaUa c;
-    check(CudaUa::create(shape, c));
-    return c10::make_intrusive<StateHolder>(std::make_unique<UaOnCuda>(std::move(c), dev));
+    return with_storage<true>(dtype, [&]<class S>() {
+      CudaUa<S> c;
+      check(CudaUa<S>::create(shape, c));
+      return c10::make_intrusive<StateHolder>(std::make_unique<UaOnCuda<S>>(std::move(c), dev));
+    });
   }
-  [[nodiscard]] std::int64_t kvm_state_bytes(const kvm::Problem& problem) const override {
-    return static_cast<std::int64_t>(CudaKvm::bytes_required(problem.params, problem.shape));
+  [[nodiscard]] std::int64_t kvm_state_bytes(const kvm::Problem& problem, at::ScalarType dtype) const override {
+    return with_storage<false>(dtype, [&]<class S>() {
+      return static_cast<std::int64_t>(CudaKvm<S>::bytes_required(problem.params, problem.shape));
+    });
   }
-  [[nodiscard]] std::tuple<std::int64_t, std::int64_t> kvm_layout(const kvm::Problem& problem) const override {
+  [[nodiscard]] std::tuple<std::int64_t, std::int64_t> kvm_layout(const kvm::Problem& problem,
+                                                                  at::ScalarType dtype) const override {
     if (!kvm::validate(problem.params, problem.shape).is_ok()) return {0, 0};
-    return {static_cast<std::int64_t>(CudaKvm::state_bytes(problem)),
-            static_cast<std::int64_t>(CudaKvm::workspace_bytes(problem))};
+    return with_storage<false>(dtype, [&]<class S>() -> std::tuple<std::int64_t, std::int64_t> {
+      return {static_cast<std::int64_t>(CudaKvm<S>::state_bytes(problem)),
+              static_cast<std::int64_t>(CudaKvm<S>::workspace_bytes(problem))};
+    });
   }
-  [[nodiscard]] std::tuple<std::int64_t, std::int64_t> ua_layout(const ua::CacheShape& shape) const override {
-    if (!CudaUa::can_run(shape).is_ok()) return {0, 0};
-    return {static_cast<std::int64_t>(CudaUa::cache_bytes(shape)),
-            static_cast<std::int64_t>(CudaUa::workspace_bytes(shape))};
+  [[nodiscard]] std::tuple<std::int64_t, std::int64_t> ua_layout(const ua::CacheShape& shape,
+                                                                 at::ScalarType dtype) const override {
+    return with_storage<true>(dtype, [&]<class S>() -> std::tuple<std::int64_t, std::int64_t> {
+      if (!CudaUa<S>::can_run(shape).is_ok()) return {0, 0};
+      return {static_cast<std::int64_t>(CudaUa<S>::cache_bytes(shape)),
+              static_cast<std::int64_t>(CudaUa<S>::workspace_bytes(shape))};
+    });
   }
 };
 
