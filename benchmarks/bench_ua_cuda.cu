@@ -5,18 +5,22 @@
 // captured CUDA graph of the same 256 steps; kept fraction, bytes of the kept cache read per token).
 // First it measures the launch floor: an empty kernel launched 256 times back to back, plain and from
 // a graph, at <<<1, 32>>> and at the decode launch's shape. Inputs: q ~ 2 N(0,1), unit-norm random
-// keys, v ~ N(0,1), gate logits ~ N(1, 1.5). Prints tables and writes JSON lines (--json FILE) that
-// benchmarks/gpu_report.py joins with the SDPA anchors.
+// keys, v ~ N(0,1), gate logits ~ N(m, 1.5) with m = --gate-mean (1 by default). Prints tables and writes
+// JSON lines (--json FILE) that benchmarks/gpu_report.py joins with the SDPA anchors.
 //
 //   kvmem_bench_ua_cuda [--batch 8] [--heads 16] [--kv-heads 4] [--tokens 4096,8192,16384]
 //                       [--dense-only 32768] [--pruned-only 1] [--skip-after-tiles N] [--item-group N]
-//                       [--json out.jsonl]
+//                       [--gate-mean 1] [--json out.jsonl]
 // --dense-only T...: extra lengths where only the dense prefill runs once (one call, B sequences).
 // --skip-after-tiles N: UaCacheLimits::dense_skip_past_after_tiles (from which call length the dense prefill
 //   takes its kernel with the skip past the decay's reach; 0: always), to measure where it starts to pay.
 // --item-group N: UaCacheLimits::dense_item_group (how many items' row tiles the dense prefill hands out
 //   together; 0: automatic, from the SM count), to measure its L2 reuse.
 // --pruned-only 1: skip the dense (p = 0) rows of --tokens.
+// --gate-mean m: the mean of the key- and query-gate logits. Lower gates decay more slowly, so more rows
+//   stay above the threshold: about +1 keeps 0.1-0.6 % of the rows at p = 0.05, -6 about 6 %, -10 about
+//   75 % (the kept fractions of trained models). The table prints the kept fraction and the kept bytes
+//   each decode step reads beside its time.
 
 #include "kvmem/backend/cuda/vendor.cuh"
 
@@ -57,7 +61,8 @@ struct Inputs {  // [B,H,T,D] q, [B,G,T,D] k v, [B,G,T] gates; out [B,T,H,D]
   std::int64_t B, H, G, T, D;
   Buffer<bf16> q, k, v;
   Buffer<float> zk, zq, out;
-  Inputs(std::int64_t b, std::int64_t h, std::int64_t g, std::int64_t t, std::int64_t d, std::uint64_t seed)
+  Inputs(std::int64_t b, std::int64_t h, std::int64_t g, std::int64_t t, std::int64_t d, std::uint64_t seed,
+         float gate_mean)
       : B(b),
         H(h),
         G(g),
@@ -75,8 +80,8 @@ struct Inputs {  // [B,H,T,D] q, [B,G,T,D] k v, [B,G,T] gates; out [B,T,H,D]
     normalise_kernel<<<unsigned((B * G * T + kRowsPerBlock - 1) / kRowsPerBlock), 256>>>(k.ptr, B * G * T, D);
     CHECK_CUDA(cudaGetLastError());
     fill(v.ptr, B * G * T * D, seed + 3, 0.0f, 1.0f);
-    fill(zk.ptr, B * G * T, seed + 4, 1.0f, 1.5f);
-    fill(zq.ptr, B * G * T, seed + 5, 1.0f, 1.5f);
+    fill(zk.ptr, B * G * T, seed + 4, gate_mean, 1.5f);
+    fill(zq.ptr, B * G * T, seed + 5, gate_mean, 1.5f);
   }
   kvmem::cuda::UaInputs<bf16> slice(std::int64_t t0, std::int64_t t1) const {
     const std::int64_t n = t1 - t0;
@@ -181,6 +186,7 @@ int main(int argc, char** argv) {
   std::vector<std::int64_t> tokens = {4096, 8192, 16384}, dense_only;
   const char* json = nullptr;
   bool pruned_only = false;
+  float gate_mean = 1.0f;
   kvmem::cuda::UaCacheLimits limits;
   for (int i = 1; i + 1 < argc; i += 2) {
     if (!std::strcmp(argv[i], "--batch"))
@@ -199,6 +205,8 @@ int main(int argc, char** argv) {
       limits.dense_skip_past_after_tiles = std::atoi(argv[i + 1]);
     else if (!std::strcmp(argv[i], "--item-group"))
       limits.dense_item_group = std::atoi(argv[i + 1]);
+    else if (!std::strcmp(argv[i], "--gate-mean"))
+      gate_mean = float(std::atof(argv[i + 1]));
     else if (!std::strcmp(argv[i], "--json"))
       json = argv[i + 1];
     else {
@@ -228,14 +236,14 @@ int main(int argc, char** argv) {
                 kvmem::cuda::ua_detail::kDecodeThreads, shaped.first, shaped.second);
   }
   std::printf(
-      "| variant | B | T | p | prefill ms | kept after prefill | decode ms/token | decode ms/token (graph) | kept "
-      "after decode | kept KV MB/token | GB/s (graph) |\n");
-  std::printf("|---|---|---|---|---|---|---|---|---|---|---|\n");
+      "| variant | B | T | p | gate mean | prefill ms | kept after prefill | decode ms/token | decode ms/token (graph) "
+      "| kept after decode | kept KV MB/token | GB/s (graph) |\n");
+  std::printf("|---|---|---|---|---|---|---|---|---|---|---|---|\n");
   std::vector<std::pair<std::int64_t, bool>> runs;
   for (auto T : tokens) runs.push_back({T, false});
   for (auto T : dense_only) runs.push_back({T, true});
   for (const auto& [T, only_dense] : runs) {
-    Inputs in(B, H, G, T + kDecodeSteps, D, 1234 + std::uint64_t(T));
+    Inputs in(B, H, G, T + kDecodeSteps, D, 1234 + std::uint64_t(T), gate_mean);
     kvmem::cuda::UaCache<bf16> cache;
     CHECK_STATUS(kvmem::cuda::UaCache<bf16>::create({B, H, G, D, T + kDecodeSteps, 16}, cache, limits));
     Timer timer;
@@ -291,9 +299,9 @@ int main(int argc, char** argv) {
           return 1;
         }
       }
-      std::printf("| kvmem UA %s | %lld | %lld | %.2f | %.3f | %.4f | %.4f | %.4f | %.4f | %.2f | %.0f |\n",
-                  p > 0 ? "pruned" : "dense", (long long)B, (long long)T, p, prefill_ms, kept_prefill, decode_ms,
-                  decode_graph_ms, kept_decode, bytes_per_token / 1e6,
+      std::printf("| kvmem UA %s | %lld | %lld | %.2f | %g | %.3f | %.4f | %.4f | %.4f | %.4f | %.2f | %.0f |\n",
+                  p > 0 ? "pruned" : "dense", (long long)B, (long long)T, p, double(gate_mean), prefill_ms,
+                  kept_prefill, decode_ms, decode_graph_ms, kept_decode, bytes_per_token / 1e6,
                   decode_graph_ms > 0 ? bytes_per_token / (decode_graph_ms * 1e6) : 0.0);
       std::fflush(stdout);
       if (js)
@@ -301,9 +309,9 @@ int main(int argc, char** argv) {
             js,
             "{\"B\": %lld, \"H\": %lld, \"G\": %lld, \"D\": %lld, \"T\": %lld, \"p\": %g, \"prefill_ms\": %.5f, "
             "\"kept_prefill\": %.6f, \"decode_ms\": %.6f, \"decode_graph_ms\": %.6f, \"kept_decode\": %.6f, "
-            "\"kept_bytes\": %.0f}\n",
+            "\"kept_bytes\": %.0f, \"gate_mean\": %g}\n",
             (long long)B, (long long)H, (long long)G, (long long)D, (long long)T, p, prefill_ms, kept_prefill,
-            decode_ms, decode_graph_ms, kept_decode, bytes_per_token);
+            decode_ms, decode_graph_ms, kept_decode, bytes_per_token, double(gate_mean));
     }
   }
   if (js) std::fclose(js);

@@ -86,6 +86,8 @@ def ua_table(path, anchors_by_t, copy_tbs):
         for r in (x for x in ua if x["T"] == T):
             pre, dec = anchors_by_t.get(("cudnn", T), (float("nan"), float("nan")))
             variant = "pruned" if r["p"] > 0 else "dense"
+            if r.get("gate_mean", 1.0) != 1.0:
+                variant += f", gate mean {r['gate_mean']:g}"
             line = (f"| kvmem UA {variant} | {r['B']} | {T} | {r['p']:.2f} | {r['prefill_ms']:.3f} | "
                     f"{r['prefill_ms'] / pre:.2f} | {r['kept_prefill']:.4f} | ")
             if r["p"] > 0:
@@ -176,7 +178,8 @@ def ua_record_rows(ua):
     rows = []
     for r in ua:
         row = dict(kind="kvmem", variant="UA pruned" if r["p"] > 0 else "UA dense", batch=r["B"], tokens=r["T"],
-                   p=r["p"], prefill_ms=r["prefill_ms"], kept_prefill=r["kept_prefill"])
+                   p=r["p"], prefill_ms=r["prefill_ms"], kept_prefill=r["kept_prefill"],
+                   gate_mean=r.get("gate_mean", 1.0))
         if r["p"] > 0:
             row.update(decode_ms=r["decode_ms"], decode_graph_ms=r.get("decode_graph_ms"),
                        kept_decode=r["kept_decode"], kept_kv_bytes=r["kept_bytes"])

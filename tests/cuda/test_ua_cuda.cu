@@ -98,11 +98,13 @@ struct CudaRun {
 
 // Chunked prefill of [0, split), then decode of [split, T), all with `opt` (the goldens' pruned run).
 // first_call > 0: the prefill is two calls, [0, first_call) and [first_call, split).
-// length_trace: when given, every item's length after each decode step is appended to it.
+// length_trace: when given, every item's kept length after each decode step is appended to it, and to
+// in_use_trace (when given) its rows in use (kept rows and dead rows awaiting compaction).
 template <class S, class Set = kvmem::decay::Universal>
 CudaRun cuda_prefill_decode(const FloatCase& f, std::int64_t split, const kvmem::ua::Options& opt,
                             kvmem::cuda::UaCacheLimits limits = {}, std::int64_t first_call = 0,
-                            std::vector<std::int64_t>* length_trace = nullptr) {
+                            std::vector<std::int64_t>* length_trace = nullptr,
+                            std::vector<std::int64_t>* in_use_trace = nullptr) {
   const auto& c = f.c;
   DevCase<S> d(f);
   kvmem::cuda::UaCache<S> cache;
@@ -125,6 +127,12 @@ CudaRun cuda_prefill_decode(const FloatCase& f, std::int64_t split, const kvmem:
       std::vector<std::int64_t> len;
       REQUIRE(cache.lengths(len, exec.stream).is_ok());
       length_trace->insert(length_trace->end(), len.begin(), len.end());
+    }
+    if (in_use_trace) {
+      std::vector<std::int64_t> rows(std::size_t(c.B * c.G));
+      KVMEM_CUDA_REQUIRE(
+          cudaMemcpy(rows.data(), cache.device().length, rows.size() * sizeof(std::int64_t), cudaMemcpyDeviceToHost));
+      in_use_trace->insert(in_use_trace->end(), rows.begin(), rows.end());
     }
   }
   KVMEM_CUDA_REQUIRE(cudaDeviceSynchronize());
@@ -742,7 +750,7 @@ std::vector<float> host_prefill_decode_set(const FloatCase& f, std::int64_t spli
 struct SetRun {
   double error = 0;
   std::int64_t mismatches = 0, near_ties = 0;
-  std::vector<std::int64_t> lengths;
+  std::vector<std::int64_t> lengths, in_use;
 };
 template <class Set>
 SetRun host_vs_cuda_set(const Case& c, std::int64_t split, const kvmem::ua::Options& opt) {
@@ -751,7 +759,7 @@ SetRun host_vs_cuda_set(const Case& c, std::int64_t split, const kvmem::ua::Opti
   kvmem::ua::PrunedCache<kvmem::bf16> hc(f.cache_shape());
   const auto host = host_prefill_decode_set<Set>(f, split, opt, hc);
   SetRun run;
-  const auto gpu = cuda_prefill_decode<kvmem::bf16, Set>(f, split, opt, {}, 0, &run.lengths);
+  const auto gpu = cuda_prefill_decode<kvmem::bf16, Set>(f, split, opt, {}, 0, &run.lengths, &run.in_use);
   run.error = relative_frobenius(gpu.out, host);
   const auto acc = check_kept_near_ties<Set>(c, f, gpu.kept, kept_mask(hc, c.config.T), opt.p, "bf16 lifetime set");
   run.mismatches = acc.beyond;
@@ -767,7 +775,9 @@ TEST_CASE("ua cuda one-block decode: evictions across several tiles (sanitizer c
   // one-block path, and from about step 100 on keys from the middle of the cache leave at most steps, so
   // survivors move down within and across tiles
   const Case c = random_case(1, 300, 8, 2, 64, 83);
-  const auto [e, bad, excluded, trace] = host_vs_cuda_set<LifetimeSet<-70>>(c, 60, kvmem::ua::Options{0.05, 64, true});
+  const auto [e, bad, excluded, trace, in_use] =
+      host_vs_cuda_set<LifetimeSet<-70>>(c, 60, kvmem::ua::Options{0.05, 64, true});
+  CHECK(in_use == trace);  // the one-block path compacts in its pass: no dead row is ever left
   const auto longest = *std::max_element(trace.begin(), trace.end());
   const std::int64_t items = c.config.B * c.config.G;
   std::int64_t evicting_steps = 0;  // steps after which an item is not one entry longer than before
@@ -785,10 +795,28 @@ TEST_CASE("ua cuda one-block decode: evictions across several tiles (sanitizer c
 TEST_CASE("ua cuda decode: items cross the one-block limit and come back (bf16, D 128, r 4)", "[ua][cuda][nearties]") {
   if (no_device()) return;
   // lifetimes of about 190-470 steps (c = -8.3): kept lengths wander around kOneBlockMaxKept, so items
-  // switch between the one-block path and the entry splits, in both directions, while evicting
+  // switch between the one-block path and the entry splits (the vector-row pass), in both directions,
+  // while evicting. Over own pages the splits mark evicted rows dead in place and an item is compacted
+  // once its dead rows are as many as its kept rows (and at least a page's worth): the kept sets stay the
+  // host's, and the dead rows never outnumber that bound.
   const Case c = random_case(1, 1000, 8, 2, 128, 87);
-  const auto [e, bad, excluded, trace] =
+  const auto [e, bad, excluded, trace, in_use] =
       host_vs_cuda_set<LifetimeSet<-83>>(c, 128, kvmem::ua::Options{0.05, 128, true});
+  REQUIRE(in_use.size() == trace.size());
+  std::int64_t marked_steps = 0, compactions = 0, over_bound = 0;
+  for (std::size_t i = 0; i < trace.size(); ++i) {
+    const std::int64_t dead = in_use[i] - trace[i];
+    marked_steps += dead > 0;
+    over_bound += dead < 0 || dead > std::max<std::int64_t>(trace[i], 16);
+    if (i >= std::size_t(c.config.B * c.config.G))
+      compactions += in_use[i] < in_use[i - std::size_t(c.config.B * c.config.G)] && dead == 0 &&
+                     in_use[i - std::size_t(c.config.B * c.config.G)] > kvmem::cuda::ua_detail::kOneBlockMaxKept;
+  }
+  INFO("steps with dead rows " << marked_steps << ", compactions of long items " << compactions
+                               << ", steps past the dead-row bound " << over_bound);
+  CHECK(marked_steps >= 1);
+  CHECK(compactions >= 1);
+  CHECK(over_bound == 0);
   const std::int64_t items = c.config.B * c.config.G, limit = kvmem::cuda::ua_detail::kOneBlockMaxKept;
   std::int64_t up = 0, down = 0;
   for (std::size_t i = std::size_t(items); i < trace.size(); ++i) {

@@ -362,7 +362,8 @@ TEST_CASE("cuda UA fixed-batch prefill and decode over a shared pool equal the h
 
 TEST_CASE("cuda UA fixed-batch calls over own pages keep the page counts and publish them", "[cuda][ua][memory][gpu]") {
   if (no_device()) return;
-  // pool_pages = 0: every (slot, kv head) owns ceil(256 / 16) pages; the kernels count what they use
+  // pool_pages = 0: every (slot, kv head) owns ceil(256 / 16) pages; no kernel counts them, publishing
+  // (publish_occupancy, or the end of a prefill) counts the pages of the kept rows
   const std::int64_t B = 2, T = 90, prompt = 50;
   const kvmem::test::ua::FloatCase f(kvmem::test::ua::random_case(B, T, kDims.H, kDims.G, kDims.D, 43));
   const kua::CacheShape s{B, kDims.H, kDims.G, kDims.D, 256, 16, 0};
@@ -396,7 +397,7 @@ TEST_CASE("cuda UA fixed-batch calls over own pages keep the page counts and pub
     REQUIRE(kvmem::cuda::ua_decode(exec, dev, slice(t, t + 1), opt, out_at(t, t + 1)).is_ok());
     KVMEM_CUDA_REQUIRE(cudaDeviceSynchronize());
     INFO("decode token " << t);
-    REQUIRE(dev.pages_in_use() == before);  // own pages: a decode publishes nothing
+    REQUIRE(dev.pages_in_use() == before);  // own pages: a decode does no page accounting, publishes nothing
     REQUIRE(dev.publish_occupancy(exec).is_ok());
     KVMEM_CUDA_REQUIRE(cudaDeviceSynchronize());
     len = lengths_of(dev);

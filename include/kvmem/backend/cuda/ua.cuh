@@ -46,14 +46,23 @@
 // leaves the bound unknown, so the next fixed-batch call reads the lengths back; a captured ua_decode
 // replays without advancing the bound, so engines capture ua::step instead. With a shared pool they take
 // their pages like a step (batch_reserve_kernel): a sequence whose slot finds the pool dry is skipped, its
-// outputs zeroed; over items that own their pages (pool_pages = 0) every sequence runs and the kernels
-// count the pages themselves.
+// outputs zeroed; over items that own their pages (pool_pages = 0) every sequence runs and no kernel
+// counts pages: publishing counts them from the kept rows (docs/memory.md).
 // UaCache::create and place allocate the cache's mapped counter block and wait for their initialisation
 // (their own stream, not the device); ua_forward without a scratch cache allocates one and synchronises;
 // the accessors position, positions, lengths, pages, download, overflowed and step_status read the
 // device and synchronise. The occupancy accessors (free_pages, pages_in_use, pages_taken,
-// pages_returned) read the mapped block and never synchronise; a fixed-batch ua_decode over items that
-// own their pages leaves that block as it was (publish_occupancy brings it up to date).
+// pages_returned) read the mapped block and never synchronise; a step fills it from the last block of its
+// last kernel (no launch of its own); a fixed-batch ua_decode over items that own their pages does no page
+// accounting and leaves that block as it was (publish_occupancy brings it up to date).
+// A decode step of an item longer than kOneBlockMaxKept rows reads every live row once, split over enough
+// blocks to give every multiprocessor two (decode_split_rows: 16-byte vector rows, the λ update, the
+// eviction and the attention in one pass). Over items that own their pages it never moves kept rows: it
+// marks evicted rows dead in place (λ = -inf) and compacts an item only when its dead rows are as many as
+// its kept rows (compacts_now), so the bytes a step reads and writes are those of the kept rows, and the
+// compaction moves at most one row per evicted row over time. lengths, download, export_slot, the room
+// checks and the occupancy counts see the kept rows only; a prefill drops the dead rows first. With a
+// shared pool a long item is still compacted at every step, so the pool's counts equal the host's.
 // A prefill with p = 0 (nothing is evicted) in bf16 with D in {64, 80, 128} and r in {4, 8} on a cache with
 // pool_pages = 0 (contiguous items) runs every row of the call in one pipelined tensor-core launch
 // (ua_dense_tc.cuh); every other prefill, and every
@@ -126,7 +135,7 @@ inline constexpr std::size_t kUaAlign = 256;
 // counters), then the device's own bookkeeping.
 struct UaCacheOffsets {
   ua::cache_detail::Offsets host;
-  std::size_t counter, done, next_length, go, first, overflow, error, prefill, report, bytes;
+  std::size_t counter, dead, done, next_length, go, first, overflow, error, prefill, report, ticket, bytes;
 };
 template <class S>
 UaCacheOffsets cache_offsets(const ua::CacheShape& s) {
@@ -136,6 +145,7 @@ UaCacheOffsets cache_offsets(const ua::CacheShape& s) {
   ArenaLayout a(kUaAlign);
   a.take(o.host.total);
   o.counter = a.take(I * sizeof(std::int64_t));      // [I] positions (every kv head of a slot alike)
+  o.dead = a.take(I * sizeof(std::int64_t));         // [I] dead rows awaiting compaction (own pages)
   o.done = a.take(I * sizeof(int));                  // [I] decode tickets
   o.next_length = a.take(I * sizeof(std::int64_t));  // [I]
   o.go = a.take(B * sizeof(int));                    // [B] per step: the slot's row runs
@@ -144,6 +154,7 @@ UaCacheOffsets cache_offsets(const ua::CacheShape& s) {
   o.error = a.take(4 * sizeof(int));                 // the first unread refusal (step or slot list)
   o.prefill = a.take((B + 1) * sizeof(int));         // [B + 1] a step's prefill rows and their count
   o.report = a.take(4 * sizeof(std::int64_t));       // import page check
+  o.ticket = a.take(sizeof(int));                    // publish_if_last_block's ticket
   o.bytes = a.total();
   return o;
 }
@@ -170,6 +181,16 @@ inline UaWorkOffsets work_offsets(const ua::CacheShape& s, const UaCacheLimits& 
       a.take(s.pool_pages == 0 ? std::size_t(dense_sync_bytes(std::int64_t(I), item_stride(s))) : std::size_t(0));
   o.bytes = a.total();
   return o;
+}
+
+// Splits of a decode launch over I items: UaCacheLimits::max_splits, raised until the launch has two blocks
+// per multiprocessor, within the partials the workspace holds for a 1-row call (max_splits *
+// max_prefill_chunk per item) and at most 4 * max_splits (the last block of an item merges them all).
+inline int decode_splits(const UaCacheLimits& limits, int sm_count, std::int64_t items) {
+  const std::int64_t want = (2 * std::int64_t(sm_count) + items - 1) / std::max<std::int64_t>(items, 1);
+  const std::int64_t most = std::min<std::int64_t>(4 * std::int64_t(limits.max_splits),
+                                                   std::int64_t(limits.max_splits) * limits.max_prefill_chunk);
+  return int(std::clamp<std::int64_t>(want, limits.max_splits, std::max<std::int64_t>(most, limits.max_splits)));
 }
 
 inline Status check_device_memory(const void* memory, std::size_t bytes, std::size_t need, const char* what) {
@@ -229,7 +250,7 @@ class MappedCounters {
 // The pool counters into the cache's mapped block after an operation's kernels (occupancy reads).
 template <class S>
 Status publish(const DeviceCache<S>& d, cudaStream_t stream) {
-  publish_kernel<><<<1, 1, 0, stream>>>(d.pool);
+  publish_kernel<><<<1, kPublishThreads, 0, stream>>>(d.pool);
   return to_status(cudaGetLastError(), "ua publish_kernel");
 }
 }  // namespace ua_detail
@@ -285,7 +306,7 @@ class UaCache {
   static ua::CacheLayout cache_layout(const ua::CacheShape& s) {
     ua::CacheLayout l = ua::cache_layout<S>(s);
     if (l.bytes == 0) return {};
-    l.item_bytes += 2 * sizeof(std::int64_t) + sizeof(int);  // position, next length, decode ticket
+    l.item_bytes += 3 * sizeof(std::int64_t) + sizeof(int);  // position, dead rows, next length, decode ticket
     l.slot_bytes += 3 * sizeof(int);                         // go, first, overflow flag
     l.bytes = ua_detail::cache_offsets<S>(s).bytes;
     l.alignment = kAlign;
@@ -437,15 +458,21 @@ class UaCache {
   [[nodiscard]] std::int64_t length_bound() const { return bound_; }
   [[nodiscard]] const ua_detail::DeviceCache<S>& device() const { return dev_; }
 
-  // Reads every item's entry count back ([B*G], item b*G+g) and tightens length_bound(). Synchronises
-  // `stream`, which must be the stream the cache's operations run on.
+  // Reads every item's kept count back ([B*G], item b*G+g: rows in use less the dead rows awaiting
+  // compaction) and tightens length_bound(). Synchronises `stream`, which must be the stream the cache's
+  // operations run on.
   Status lengths(std::vector<std::int64_t>& out, cudaStream_t stream) {
     KVMEM_RETURN_IF_ERROR(check_valid());
     out.resize(std::size_t(shape_.batch * shape_.kv_heads));
+    std::vector<std::int64_t> dead(out.size());
     KVMEM_RETURN_IF_ERROR(to_status(
         cudaMemcpyAsync(out.data(), dev_.length, out.size() * sizeof(std::int64_t), cudaMemcpyDeviceToHost, stream),
         "UaCache lengths copy"));
+    KVMEM_RETURN_IF_ERROR(to_status(
+        cudaMemcpyAsync(dead.data(), dev_.dead, dead.size() * sizeof(std::int64_t), cudaMemcpyDeviceToHost, stream),
+        "UaCache dead rows copy"));
     KVMEM_RETURN_IF_ERROR(to_status(cudaStreamSynchronize(stream), "UaCache lengths sync"));
+    for (std::size_t i = 0; i < out.size(); ++i) out[i] -= dead[i];
     bound_ = out.empty() ? 0 : *std::max_element(out.begin(), out.end());
     return Status::ok();
   }
@@ -490,8 +517,9 @@ class UaCache {
     return Status::ok();
   }
 
-  // Copies the entries of item (b, g) to the host: positions and λ [n]; keys and values [n, D] when
-  // the pointers are given (tests, replay, inspection; synchronises `stream`).
+  // Copies the kept entries of item (b, g) to the host in ascending position: positions and λ [kept];
+  // keys and values [kept, D] when the pointers are given (tests, replay, export, inspection;
+  // synchronises `stream`).
   Status download(std::int64_t b, std::int64_t g, std::vector<std::int64_t>& pos, std::vector<float>& lambda,
                   std::vector<S>* keys, std::vector<S>* values, cudaStream_t stream) const {
     KVMEM_RETURN_IF_ERROR(check_slot(b, "download b"));
@@ -517,7 +545,26 @@ class UaCache {
       values->resize(std::size_t(n * D));
       KVMEM_RETURN_IF_ERROR(copy_item_rows(dev_.values, values->data(), D, n, rows, true, stream));
     }
-    return to_status(cudaStreamSynchronize(stream), "download sync");
+    KVMEM_RETURN_IF_ERROR(to_status(cudaStreamSynchronize(stream), "download sync"));
+    // the kept rows only: rows a decode marked dead (λ = -inf) wait in place for the next compaction
+    std::size_t kept = 0;
+    for (std::size_t e = 0; e < std::size_t(n); ++e) {
+      if (lambda[e] == -std::numeric_limits<float>::infinity()) continue;
+      pos[kept] = pos[e];
+      lambda[kept] = lambda[e];
+      if (keys)
+        std::copy_n(keys->begin() + std::ptrdiff_t(e * std::size_t(D)), D,
+                    keys->begin() + std::ptrdiff_t(kept * std::size_t(D)));
+      if (values)
+        std::copy_n(values->begin() + std::ptrdiff_t(e * std::size_t(D)), D,
+                    values->begin() + std::ptrdiff_t(kept * std::size_t(D)));
+      ++kept;
+    }
+    pos.resize(kept);
+    lambda.resize(kept);
+    if (keys) keys->resize(kept * std::size_t(D));
+    if (values) values->resize(kept * std::size_t(D));
+    return Status::ok();
   }
 
   // Empties sequence b (all its kv heads, its pages back to the pool), restarts its position counter
@@ -558,6 +605,7 @@ class UaCache {
     d.key_logit = reinterpret_cast<float*>(base + o.host.key_logit);
     d.pos = reinterpret_cast<std::int64_t*>(base + o.host.pos);
     d.length = reinterpret_cast<std::int64_t*>(base + o.host.length);
+    d.dead = reinterpret_cast<std::int64_t*>(base + o.dead);
     d.counter = reinterpret_cast<std::int64_t*>(base + o.counter);
     d.done = reinterpret_cast<int*>(base + o.done);
     d.next_length = reinterpret_cast<std::int64_t*>(base + o.next_length);
@@ -566,6 +614,9 @@ class UaCache {
     d.pool.free_list = reinterpret_cast<std::int32_t*>(base + o.host.free_list);
     d.pool.stats = reinterpret_cast<std::int64_t*>(base + o.host.stats);
     d.pool.mirror = mirror_.device();
+    d.pool.length = d.length;
+    d.pool.dead = d.dead;
+    d.pool.items = s.batch * s.kv_heads;
     d.pool.pages_per_item = s.pages_per_item();
     d.pool.shift = ua::cache_detail::log2_exact(s.page_rows);
     d.stride = ua_detail::item_stride(s);
@@ -579,12 +630,13 @@ class UaCache {
     step_error_ = reinterpret_cast<int*>(base + o.error);
     prefill_rows_ = reinterpret_cast<int*>(base + o.prefill);
     report_ = reinterpret_cast<std::int64_t*>(base + o.report);
+    publish_ticket_ = reinterpret_cast<int*>(base + o.ticket);
     KVMEM_RETURN_IF_ERROR(current_sm_count(sm_count_));
     cudaStream_t init = nullptr;
     KVMEM_RETURN_IF_ERROR(to_status(cudaStreamCreateWithFlags(&init, cudaStreamNonBlocking), "UaCache init stream"));
     const std::int64_t items = s.batch * s.kv_heads, most = std::max({s.pages(), items, s.batch});
     init_cache_kernel<S><<<unsigned(std::min<std::int64_t>((most + 255) / 256, 1024)), 256, 0, init>>>(
-        d, items, s.batch, s.pages(), overflow_, step_error_);
+        d, items, s.batch, s.pages(), overflow_, step_error_, publish_ticket_);
     const Status launched = to_status(cudaGetLastError(), "ua init_cache_kernel");
     const Status synced = to_status(cudaStreamSynchronize(init), "UaCache init sync");
     (void)cudaStreamDestroy(init);
@@ -621,6 +673,7 @@ class UaCache {
     std::swap(step_error_, o.step_error_);
     std::swap(prefill_rows_, o.prefill_rows_);
     std::swap(report_, o.report_);
+    std::swap(publish_ticket_, o.publish_ticket_);
     std::swap(bound_, o.bound_);
   }
 
@@ -648,6 +701,7 @@ class UaCache {
   int* step_error_ = nullptr;       // [4] the first unread refusal of a step or slot operation
   int* prefill_rows_ = nullptr;     // [B + 1] per step: its prefill rows, then their count
   std::int64_t* report_ = nullptr;  // [4] import_slot's page check (read back by import_slot)
+  int* publish_ticket_ = nullptr;   // the ticket of a step's last kernel (publish_if_last_block)
   std::int64_t bound_ = 0;          // >= every item's length, as far as the host knows (fixed-batch calls)
 };
 
@@ -796,10 +850,9 @@ Status ua_run(const Executor& exec, UaCache<S>& cache, const UaInputs<S>& in, co
   const std::int64_t r = cache.group_size();
   // With a shared pool, every sequence's pages for kept + T rows before anything runs; a sequence whose
   // slot is flagged or finds the pool dry is skipped (outputs zeroed, slot flagged, its pages back in
-  // the pool). Items that own their pages cannot run dry: every sequence runs (as before pages) and the
-  // kernels count the pages themselves (DeviceCall::count_pages).
+  // the pool). Items that own their pages cannot run dry: every sequence runs, no kernel counts pages,
+  // and publishing counts them from the kept rows (publish_block).
   const bool own_pages = s.pool_pages == 0;
-  a.count_pages = own_pages;
   a.slot_go = own_pages ? nullptr : cache.slot_go_;
   if (!own_pages) {
     batch_reserve_kernel<S><<<1, 256, 0, exec.stream>>>(dev, a, cache.slot_go_, cache.overflow_, B, T);
@@ -808,11 +861,11 @@ Status ua_run(const Executor& exec, UaCache<S>& cache, const UaInputs<S>& in, co
   if (decode) {
     a.P = 1;
     a.lambda_new = nullptr;
-    // Every split the cache allows: the kernel reads the true length; an item of at most
-    // kOneBlockMaxKept entries is decoded by one block (the others take their ticket and return), a
-    // longer one is split in pieces of at least 32 entries; a decode step is latency-bound, and more
-    // blocks shorten each block's chain of dependent loads.
-    a.splits = cache.limits_.max_splits;
+    // Every split the cache allows, and more when the items are too few to give every multiprocessor two
+    // blocks (up to the partials the workspace holds for a 1-row call): the kernel reads the true length;
+    // an item of at most kOneBlockMaxKept rows in use is decoded by one block (the others take their
+    // ticket and return), a longer one is split in pieces of at least 32 rows.
+    a.splits = decode_splits(cache.limits_, cache.sm_count_, I);
     const std::size_t bytes = decode_kernel_smem_bytes<S>(D, r);
     // lanes of an 8-lane group hold ceil(D / 8) dims each
     void (*const kernel)(DeviceCache<S>, DeviceCall<S>) = D <= 64    ? decode_attend_kernel<Set, S, 8>
@@ -826,6 +879,12 @@ Status ua_run(const Executor& exec, UaCache<S>& cache, const UaInputs<S>& in, co
                                               : DenseKernel<S>{};
              dense.kernel) {                           // contiguous items only: the dense prefill walks rows by address
     const std::int64_t tiles = dense_row_tiles(T, r);  // T >= 1 (check_call_shapes)
+    // rows a decode marked dead go first: the kernel walks rows [0, length) by address and appends after
+    // them, and the hand-off words below cover the length bound (kept rows + T)
+    const std::size_t cbytes = finish_smem_bytes<S>(D);
+    KVMEM_RETURN_IF_ERROR(allow_shared(compact_kernel<S>, cbytes));
+    compact_kernel<S><<<unsigned(I), kFinishThreads, cbytes, exec.stream>>>(dev, a);
+    KVMEM_CUDA_RETURN_IF_LAUNCH_FAILED("ua compact_kernel");
     // the ticket, and the λ hand-off words of the rows this call walks (the cache's rows, then the call's)
     KVMEM_RETURN_IF_ERROR(
         to_status(cudaMemsetAsync(cache.dense_sync_, 0, 8, exec.stream), "cudaMemsetAsync dense prefill ticket"));
@@ -864,8 +923,9 @@ Status ua_run(const Executor& exec, UaCache<S>& cache, const UaInputs<S>& in, co
     }
   }
   cache.bound_ += T;
-  // A decode over items that own their pages keeps the device counters and publishes nothing (a step's
-  // worth of latency for counters of memory that cannot run dry): the next publishing operation does.
+  // A decode over items that own their pages does no page accounting at all and publishes nothing (a
+  // launch is a measurable part of a decode step, for counts of memory that cannot run dry): the next
+  // publishing operation (publish_occupancy, a prefill, a step, a slot operation) counts them.
   if (own_pages && decode) return Status::ok();
   return publish(dev, exec.stream);
 }
@@ -956,6 +1016,10 @@ struct SlotAccess {
   template <class S>
   static int sm_count(const UaCache<S>& c) {
     return c.sm_count_;
+  }
+  template <class S>
+  static int* publish_ticket(const UaCache<S>& c) {
+    return c.publish_ticket_;
   }
 };
 
@@ -1065,10 +1129,24 @@ Status download_slot(const UaCache<S>& cache, std::int64_t slot, ua::PrunedCache
     KVMEM_RETURN_IF_ERROR(cache.copy_item_rows(d.lambda, v.lambda, 1, n, rows, true, stream));
     KVMEM_RETURN_IF_ERROR(cache.copy_item_rows(d.key_logit, v.key_logit, 1, n, rows, true, stream));
     KVMEM_RETURN_IF_ERROR(cache.copy_item_rows(d.pos, v.pos, 1, n, rows, true, stream));
-    *v.length = n;
+    KVMEM_RETURN_IF_ERROR(to_status(cudaStreamSynchronize(stream), "export sync"));
+    // the kept rows only, in order: rows a decode marked dead (λ = -inf) wait for a compaction
+    std::int64_t kept = 0;
+    for (std::int64_t e = 0; e < n; ++e) {
+      if (v.lambda[e] == -std::numeric_limits<float>::infinity()) continue;
+      if (kept != e) {
+        std::copy_n(v.keys + e * D, D, v.keys + kept * D);
+        std::copy_n(v.values + e * D, D, v.values + kept * D);
+        v.lambda[kept] = v.lambda[e];
+        v.key_logit[kept] = v.key_logit[e];
+        v.pos[kept] = v.pos[e];
+      }
+      ++kept;
+    }
+    *v.length = kept;
   }
   host.set_position(0, counter[0]);
-  return to_status(cudaStreamSynchronize(stream), "export sync");
+  return Status::ok();
 }
 
 }  // namespace ua_detail
@@ -1271,7 +1349,9 @@ Status step(const cuda::Executor& exec, cuda::UaCache<S>& cache, const Rows& row
     DeviceCall<S> d = a;
     d.P = 1;
     d.lambda_new = nullptr;
-    d.splits = cache.limits().max_splits;
+    d.splits = decode_splits(cache.limits(), SlotAccess::sm_count(cache), R * G);
+    // no prefill rounds follow: this launch is the step's last, and its last block publishes
+    if (prefills == 0) d.publish_ticket = SlotAccess::publish_ticket(cache);
     const std::size_t bytes = decode_kernel_smem_bytes<S>(D, r);
     void (*const kernel)(DeviceCache<S>, DeviceCall<S>) = D <= 64    ? decode_attend_kernel<Set, S, 8>
                                                           : D <= 128 ? decode_attend_kernel<Set, S, 16>
@@ -1290,7 +1370,9 @@ Status step(const cuda::Executor& exec, cuda::UaCache<S>& cache, const Rows& row
     KVMEM_RETURN_IF_ERROR(cuda::allow_shared(finish_kernel<S>, fbytes));
     KVMEM_RETURN_IF_ERROR(cuda::allow_shared(chunk.kernel, chunk.shared_bytes));
     const unsigned items = unsigned(prefills * G);
+    DeviceCall<S> fin = a;  // the last finish launch publishes (its last block)
     for (std::int64_t t0 = 0; t0 < N; t0 += opt.prefill_chunk) {
+      fin.publish_ticket = t0 + opt.prefill_chunk >= N ? SlotAccess::publish_ticket(cache) : nullptr;
       const std::int64_t most = std::min({opt.prefill_chunk, N - t0, std::int64_t(kStepMergeBlocks)});
       chunk.kernel<<<dim3(unsigned(a.splits), items), unsigned(chunk.threads), chunk.shared_bytes, stream>>>(
           dev, a, t0, opt.prefill_chunk);
@@ -1298,12 +1380,12 @@ Status step(const cuda::Executor& exec, cuda::UaCache<S>& cache, const Rows& row
       merge_kernel<S>
           <<<dim3(unsigned(most), items), kMergeThreads, 0, stream>>>(dev, a, t0, opt.prefill_chunk, kEntryTile);
       KVMEM_CUDA_RETURN_IF_LAUNCH_FAILED("ua step merge_kernel");
-      finish_kernel<S><<<items, kFinishThreads, fbytes, stream>>>(dev, a, t0, opt.prefill_chunk);
+      finish_kernel<S><<<items, kFinishThreads, fbytes, stream>>>(dev, fin, t0, opt.prefill_chunk);
       KVMEM_CUDA_RETURN_IF_LAUNCH_FAILED("ua step finish_kernel");
     }
   }
   SlotAccess::forget_bound(cache);
-  return publish(dev, stream);
+  return Status::ok();  // published by the last block of the step's last launch
 }
 
 // Slot operations of the CUDA cache: the host's names, arguments and checks (ua/slots.hpp). Slot lists
@@ -1432,6 +1514,8 @@ Status import_slot(const cuda::Executor& exec, cuda::UaCache<S>& cache, std::int
       cuda::to_status(cudaMemcpyAsync(d.counter + slot * G, counter.data(), counter.size() * sizeof(std::int64_t),
                                       cudaMemcpyHostToDevice, exec.stream),
                       "import position"));
+  KVMEM_RETURN_IF_ERROR(cuda::to_status(
+      cudaMemsetAsync(d.dead + slot * G, 0, std::size_t(G) * sizeof(std::int64_t), exec.stream), "import dead rows"));
   KVMEM_RETURN_IF_ERROR(cuda::to_status(
       cudaMemsetAsync(SlotAccess::overflow(cache) + slot, 0, sizeof(int), exec.stream), "import overflow flag"));
   // the host copies are freed on return

@@ -1025,12 +1025,11 @@ __global__ void __launch_bounds__(kDnThreads, kDnBlocksPerSM)
 #endif  // KVMEM_GPU_VENDOR_PATHS
 
 // grid 1, after dense_prefill_tc_kernel: every item that ran (go) holds its T new rows, its counter
-// advances by T.
+// advances by T (own pages: publishing counts the pages).
 template <class S>
 __global__ void dense_advance_kernel(DeviceCache<S> c, std::int64_t items, std::int64_t T, const int* go) {
   for (std::int64_t i = threadIdx.x; i < items; i += blockDim.x) {
     if (go != nullptr && go[i / c.G] == 0) continue;
-    (void)take_pages(c.pool, i, c.length[i] + T);  // own pages: counts only (no-op after a reservation)
     c.length[i] += T;
     c.counter[i] += T;
   }

@@ -15,10 +15,11 @@
 //       no float atomics), applies the output gate, writes the output and lse;
 //   finish_kernel   grid (B*G): evicts every entry with λ < ln p and compacts the survivors stably in
 //       place, appends the surviving new keys, and advances the item's position counter.
-// A decode step is one launch. An item with at most kOneBlockMaxKept entries (the device reads the
+// A decode step is one launch. An item with at most kOneBlockMaxKept rows in use (the device reads the
 // true length) is decoded by one block that updates λ, evicts, compacts, appends and attends in one
-// pass; a longer one splits its entries over the blocks, and the last split of the item to finish (an
-// integer ticket) runs the merge and the finish of that item.
+// pass; a longer one splits its rows over the blocks (decode_split_rows), which mark the rows they evict
+// dead in place, and the last split of the item to finish (an integer ticket) merges the partials and
+// appends the new row, compacting the item first when compacts_now says so.
 // No L x L matrix exists anywhere: λ is one float per entry, the decay lives in a tile of shared
 // memory for the duration of one (entry tile, row tile) step.
 // A slot step (ua::step, DeviceCall::row_slot set) runs the same kernels over rows instead of
@@ -49,13 +50,17 @@ namespace kvmem::cuda::ua_detail {
 // compare-and-swap, all or nothing, so a failed request changes nothing; a push claims its range
 // [free, free + k) with one atomic add and then writes the page numbers, which only a later launch
 // reads. The counters (free, taken, returned) are copied into a small host-mapped block at the end of
-// every operation (publish_kernel: UaCache's occupancy reads).
+// every operation but a fixed-batch decode over items that own their pages (publish_kernel, or the last
+// block of a step's last kernel: UaCache's occupancy reads).
 struct DevicePool {
-  std::int32_t* table = nullptr;      // [I, pages_per_item] logical page -> pool page; nullptr: own pages
-  std::int64_t* held = nullptr;       // [I] pages each item holds
-  std::int32_t* free_list = nullptr;  // [pages] a stack: free pages at [0, free count)
-  std::int64_t* stats = nullptr;      // free count, pages taken, pages returned
-  std::int64_t* mirror = nullptr;     // host-mapped copy of stats (device pointer), or nullptr
+  std::int32_t* table = nullptr;         // [I, pages_per_item] logical page -> pool page; nullptr: own pages
+  std::int64_t* held = nullptr;          // [I] pages each item holds
+  std::int32_t* free_list = nullptr;     // [pages] a stack: free pages at [0, free count)
+  std::int64_t* stats = nullptr;         // free count, pages taken, pages returned
+  std::int64_t* mirror = nullptr;        // host-mapped copy of stats (device pointer), or nullptr
+  const std::int64_t* length = nullptr;  // [items] rows in use (DeviceCache::length): publishing of own pages
+  const std::int64_t* dead = nullptr;    // [items] dead rows among them (DeviceCache::dead)
+  std::int64_t items = 0;
   std::int64_t pages_per_item = 0;
   int shift = 0;  // log2(page_rows)
 
@@ -117,24 +122,6 @@ __device__ inline bool take_pages(const DevicePool& p, std::int64_t item, std::i
   assign_pages(p, item, need, next);
   return true;
 }
-// Items that own their pages (pool_pages = 0): nothing can run dry and no page number moves, so a
-// fixed-batch decode only keeps the counters: `item` now holds the pages of `rows` rows, and the
-// difference goes into the free, taken and returned counts with reductions (no compare-and-swap, no
-// value read back), the free count wrapping as the unsigned word it is.
-__device__ inline void count_own_pages(const DevicePool& p, std::int64_t item, std::int64_t rows) {
-  const std::int64_t need = p.pages_for(rows), held = p.held[item];
-  if (need == held) return;
-  p.held[item] = need;
-  if (need > held) {
-    const auto k = static_cast<unsigned long long>(need - held);
-    atomicAdd(pool_word(p, 0), ~k + 1ull);
-    atomicAdd(pool_word(p, 1), k);
-  } else {
-    const auto k = static_cast<unsigned long long>(held - need);
-    atomicAdd(pool_word(p, 0), k);
-    atomicAdd(pool_word(p, 2), k);
-  }
-}
 // The pool counters into the host-mapped block (one thread, after every page move of the operation).
 __device__ inline void publish_counts(const DevicePool& p) {
   if (p.mirror == nullptr) return;
@@ -144,11 +131,62 @@ __device__ inline void publish_counts(const DevicePool& p) {
   m[1] = st[1];
   m[2] = st[2];
 }
-// grid 1, after an operation's kernels. (A template, so that translation units that all include this
-// header link.)
+// Items that own their pages (pool_pages = 0) cannot run dry and no page number ever moves, so no kernel
+// of a fixed-batch call or a step keeps their page counts: publishing does, from the kept counts. Every
+// item's held count becomes the pages of its kept rows (length - dead), and the net growth and shrink
+// since the last publishing point go into the taken and returned counts (free = pages - Σ held stays
+// exact). Runs on the calling block's threads (whole warps), after every kernel of the operation that
+// changes a length; then thread 0 copies the counters into the host-mapped block. Shared pools only
+// copy.
+__device__ inline void publish_block(const DevicePool& p) {
+  __shared__ unsigned long long grew, shrank;
+  if (p.table == nullptr && p.length != nullptr) {
+    if (threadIdx.x == 0) grew = shrank = 0;
+    __syncthreads();
+    unsigned long long up = 0, down = 0;
+    for (std::int64_t i = threadIdx.x; i < p.items; i += blockDim.x) {
+      // ld.global.cg: other blocks of the launch may have written them (publish_if_last_block)
+      const std::int64_t kept = load_cg(p.length + i) - load_cg(p.dead + i), need = p.pages_for(kept);
+      const std::int64_t held = p.held[i];
+      if (need > held) up += static_cast<unsigned long long>(need - held);
+      if (need < held) down += static_cast<unsigned long long>(held - need);
+      p.held[i] = need;
+    }
+    if (up != 0) atomicAdd(&grew, up);
+    if (down != 0) atomicAdd(&shrank, down);
+    __syncthreads();
+    if (threadIdx.x == 0) {  // reductions at the L2, as every other page move (the free count wraps)
+      atomicAdd(pool_word(p, 0), shrank - grew);
+      atomicAdd(pool_word(p, 1), grew);
+      atomicAdd(pool_word(p, 2), shrank);
+      __threadfence();
+    }
+  }
+  if (threadIdx.x == 0) publish_counts(p);
+}
+inline constexpr int kPublishThreads = 256;
+// grid 1, block kPublishThreads, after an operation's kernels. (A template, so that translation units
+// that all include this header link.)
 template <class = void>
-__global__ void publish_kernel(DevicePool p) {
-  publish_counts(p);
+__global__ void __launch_bounds__(kPublishThreads) publish_kernel(DevicePool p) {
+  publish_block(p);
+}
+// The last block of a launch to get here (an integer ticket over the whole grid, reset for the next
+// launch) publishes: a step's last kernel does it instead of a launch of publish_kernel. Every block of
+// the launch must call this once, after its last page move; the ticket is release/acquire ordered.
+__device__ inline void publish_if_last_block(const DevicePool& p, int* ticket) {
+  __shared__ int last;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    __threadfence();
+    const unsigned blocks = gridDim.x * gridDim.y * gridDim.z;
+    last = atomicAdd(ticket, 1) == int(blocks) - 1 ? 1 : 0;
+    if (last) __threadfence();
+  }
+  __syncthreads();
+  if (!last) return;
+  publish_block(p);
+  if (threadIdx.x == 0) *ticket = 0;
 }
 
 // The cache in device memory (one item = one (sequence, kv head); rows ascending in position). Rows
@@ -162,7 +200,8 @@ struct DeviceCache {
   float* lambda = nullptr;              // pool rows: λ_e = Λ_{n-1, pos_e} (log space)
   float* key_logit = nullptr;           // pool rows: z_k of each entry
   std::int64_t* pos = nullptr;          // pool rows: absolute positions
-  std::int64_t* length = nullptr;       // [I] entries in use
+  std::int64_t* length = nullptr;       // [I] rows in use: kept rows, then dead ones awaiting compaction
+  std::int64_t* dead = nullptr;         // [I] rows among them marked dead (λ = -inf, see is_dead)
   std::int64_t* counter = nullptr;      // [I] next absolute position (tokens seen by the sequence)
   int* done = nullptr;                  // [I] decode blocks finished this step (the last one resets it to 0)
   std::int64_t* next_length = nullptr;  // [I] a one-block decode step's new length, published by the last block
@@ -178,6 +217,16 @@ struct DeviceCache {
     return (page << pool.shift) | (e & ((std::int64_t(1) << pool.shift) - 1));
   }
 };
+
+// A dead row: evicted by a decode step that left it in place (λ = -inf, a value no live λ takes: every
+// A is finite, spec 4.1), so later steps skip its key and value and every compaction drops it, at any p.
+__device__ inline bool is_dead(float lambda) {
+  return lambda == negative_infinity<float>();
+}
+// The row leaves the cache at the next compaction: dead, or λ < ln p (spec 4.5).
+__device__ inline bool gone(float lambda, double log_p) {
+  return is_dead(lambda) || kernel::ua::evicts(lambda, log_p);
+}
 
 // One call's inputs (device memory, innermost stride 1) and the scratch of its partials.
 template <class S>
@@ -200,17 +249,14 @@ struct DeviceCall {
   float* lse = nullptr;  // [B,H,T] or nullptr
   std::int64_t l_b = 0, l_h = 0, l_t = 0;
   // scratch
-  float* part_ml = nullptr;     // [I, splits, r, P, 2] running max and sum of each partial
-  float* part_acc = nullptr;    // [I, splits, r, P, D] unnormalised accumulators
-  float* lambda_new = nullptr;  // [I, P] λ of the call's own keys at the end of the chunk
-  std::int64_t P = 0;           // rows per chunk the scratch is laid out for
-  int splits = 1;               // grid.x of the attend kernel
-  std::int64_t tokens = 0;      // fixed batch: the call's tokens per sequence (its last chunk returns spare pages)
-  // A fixed batch over items that own their pages (pool_pages = 0: nothing can run dry): no reservation
-  // launch; the kernels that append take the page counts themselves, and a decode publishes the
-  // counters from its last item (no publish launch: a decode step is bound by its launches).
-  bool count_pages = false;
-  double log_p = 0.0;  // ln p; -inf = never evict
+  float* part_ml = nullptr;       // [I, splits, r, P, 2] running max and sum of each partial
+  float* part_acc = nullptr;      // [I, splits, r, P, D] unnormalised accumulators
+  float* lambda_new = nullptr;    // [I, P] λ of the call's own keys at the end of the chunk
+  std::int64_t P = 0;             // rows per chunk the scratch is laid out for
+  int splits = 1;                 // grid.x of the attend kernel
+  std::int64_t tokens = 0;        // fixed batch: the call's tokens per sequence (its last chunk returns spare pages)
+  int* publish_ticket = nullptr;  // set on a step's last kernel: its last block publishes (publish_if_last_block)
+  double log_p = 0.0;             // ln p; -inf = never evict
   bool evict_before_attention = true;
   // A slot step (ragged rows over packed token-major inputs, DESIGN.md 3): row_slot != nullptr. The
   // grid then runs over (row, kv head) pairs instead of (sequence, kv head) items; the cache item of a
@@ -637,8 +683,8 @@ __device__ inline void finish_item(const DeviceCache<S>& c, const DeviceCall<S>&
                                    std::int64_t t0, std::int64_t rows, bool last, unsigned char* fsm) {
   const std::int64_t D = c.D, g = item % c.G;
   const std::int64_t n = c.length[item];
-  const std::int64_t first = c.counter[item];  // absolute position of the call's row t0
-  if (a.count_pages && threadIdx.x == 0) (void)take_pages(c.pool, item, n + rows);  // counts only
+  const std::int64_t first = c.counter[item];        // absolute position of the call's row t0
+  const std::int64_t dead = load_cg(c.dead + item);  // marked by this step's decode blocks, or before
   const int tid = threadIdx.x, lane = tid % kWarpSize;
   // rows of the cache and of the staging buffer start 16 bytes apart when D * sizeof(S) is a multiple of 16
   // (UaCache's arena and the dynamic shared memory are 16-byte aligned)
@@ -654,7 +700,7 @@ __device__ inline void finish_item(const DeviceCache<S>& c, const DeviceCall<S>&
   std::int64_t* pst = reinterpret_cast<std::int64_t*>(zst + kCompactRows);
   __shared__ int dst[kCompactRows];  // destination row, -1 = evicted
   __shared__ int group_kept;
-  const bool prunes = a.log_p > -INFINITY;
+  const bool prunes = a.log_p > -INFINITY || dead > 0;  // dead rows go at any p
   std::int64_t kept = n;
   if (prunes) {
     kept = 0;
@@ -662,7 +708,7 @@ __device__ inline void finish_item(const DeviceCache<S>& c, const DeviceCall<S>&
       const std::int64_t ne = n - e0 < kCompactRows ? n - e0 : kCompactRows;
       __syncthreads();  // the previous group is written
       if (tid < kCompactRows) {
-        const bool keep = lane < ne && !kernel::ua::evicts(load_cg(c.lambda + c.row(item, e0 + lane)), a.log_p);
+        const bool keep = lane < ne && !gone(load_cg(c.lambda + c.row(item, e0 + lane)), a.log_p);
         const LaneMask mask = warp_ballot(keep);
         dst[lane] = keep ? int(kept + mask_popc(mask & lanes_below(lane))) : -1;
         if (lane == 0) group_kept = mask_popc(mask);
@@ -741,10 +787,11 @@ __device__ inline void finish_item(const DeviceCache<S>& c, const DeviceCall<S>&
   __syncthreads();  // every thread has read length / counter (first) above
   if (tid == 0) {
     c.length[item] = kept;
+    c.dead[item] = 0;
     c.counter[item] += rows;
     // the pages past the survivors go back once the row's (or call's) last chunk is in: the step took
-    // its pages for kept + tokens rows before it ran
-    if (last) return_pages(c.pool, item, kept);
+    // its pages for kept + tokens rows before it ran (own pages: publishing counts them)
+    if (last && c.pool.table != nullptr) return_pages(c.pool, item, kept);
   }
 }
 
@@ -754,8 +801,19 @@ __global__ void __launch_bounds__(kFinishThreads)
     finish_kernel(DeviceCache<S> c, DeviceCall<S> a, std::int64_t t0, std::int64_t rows) {
   extern __shared__ __align__(16) unsigned char fsm[];
   ChunkWork w;
-  if (!chunk_work(c, a, blockIdx.x, t0, rows, w)) return;
-  finish_item(c, a, w.item, w.b, w.t0, w.rows, w.last, fsm);
+  if (chunk_work(c, a, blockIdx.x, t0, rows, w)) finish_item(c, a, w.item, w.b, w.t0, w.rows, w.last, fsm);
+  if (a.publish_ticket != nullptr) publish_if_last_block(c.pool, a.publish_ticket);
+}
+
+// grid (I), block kFinishThreads, dynamic smem finish_smem_bytes<S>(D): drops the dead rows of every item
+// (a.log_p = -inf: nothing else goes), appending nothing. Before a call that walks rows by address (the
+// dense tensor-core prefill). An item without dead rows is left as it is.
+template <class S>
+__global__ void __launch_bounds__(kFinishThreads) compact_kernel(DeviceCache<S> c, DeviceCall<S> a) {
+  extern __shared__ __align__(16) unsigned char fsm[];
+  const std::int64_t item = blockIdx.x;
+  if (c.dead[item] == 0) return;
+  finish_item(c, a, item, item / c.G, 0, 0, false, fsm);
 }
 
 // ---- decode, short caches: the whole step of one item in one block -------------------------------
@@ -944,7 +1002,7 @@ __device__ inline std::int64_t decode_one_block(const DeviceCache<S>& c, const D
         if (t > p)
           lam +=
               kernel::ua::decay_from_similarity<Set, float>(sim, zk, kernel::ua::key_gate_part(zk), p, zq, q_part, t);
-        keep = !kernel::ua::evicts(lam, a.log_p);
+        keep = !gone(lam, a.log_p);
         attend = keep || !a.evict_before_attention;
       }
       for (int h = 0; h < int(r); ++h) {
@@ -1087,8 +1145,8 @@ __device__ inline std::int64_t decode_one_block(const DeviceCache<S>& c, const D
 // one thread per dim for all r heads. The new token is entry n (λ = 0). Leaves this split's partial
 // (nothing when the split has no entries).
 template <class Set, class S, int kDpl>
-__device__ inline void decode_split(const DeviceCache<S>& c, const DeviceCall<S>& a, std::int64_t item, std::int64_t b,
-                                    std::int64_t n, int split, float* dsm) {
+__device__ inline int decode_split(const DeviceCache<S>& c, const DeviceCall<S>& a, std::int64_t item, std::int64_t b,
+                                   std::int64_t n, int split, float* dsm) {
   const std::int64_t D = c.D, r = c.r, g = item % c.G;
   float* qs = dsm;                            // [r][D]
   float* nk = qs + r * D;                     // [D]
@@ -1101,10 +1159,12 @@ __device__ inline void decode_split(const DeviceCache<S>& c, const DeviceCall<S>
   const std::int64_t total = n + 1;
   const std::int64_t piece = split_piece(total, a.splits, 32);
   const std::int64_t e_begin = split * piece;
-  if (e_begin >= total) return;
+  if (e_begin >= total) return 0;
   const std::int64_t e_end = e_begin + piece < total ? e_begin + piece : total;
   const std::int64_t t = c.counter[item];
   const int tid = threadIdx.x, warp = tid / kWarpSize, lane = tid % kWarpSize, warps = kDecodeThreads / kWarpSize;
+  __shared__ int marked;
+  if (tid == 0) marked = 0;
   const int grp = lane / kDecodeGroup, sub = lane % kDecodeGroup;
   const S* new_key = a.k + b * a.k_b + g * a.k_g;
   for (std::int64_t x = tid; x < r * D; x += blockDim.x) {
@@ -1151,11 +1211,14 @@ __device__ inline void decode_split(const DeviceCache<S>& c, const DeviceCall<S>
         const float zk = c.key_logit[c.row(item, idx)];
         const std::int64_t p = c.pos[c.row(item, idx)];
         lam = c.lambda[c.row(item, idx)];
-        if (t > p)
+        const bool was_dead = is_dead(lam);  // marked by an earlier step: stays -inf
+        if (t > p && !was_dead)
           lam +=
               kernel::ua::decay_from_similarity<Set, float>(sim, zk, kernel::ua::key_gate_part(zk), p, zq, q_part, t);
-        if (sub == 0) c.lambda[c.row(item, idx)] = lam;
-        masked = a.evict_before_attention && kernel::ua::evicts(lam, a.log_p);
+        const bool evict = !was_dead && kernel::ua::evicts(lam, a.log_p);
+        if (sub == 0 && !was_dead) c.lambda[c.row(item, idx)] = evict ? negative_infinity<float>() : lam;
+        if (sub == 0 && evict) atomicAdd(&marked, 1);
+        masked = was_dead || (a.evict_before_attention && evict);
       }
       for (std::int64_t h = 0; h < r; ++h) {
         float part = 0.0f;
@@ -1220,6 +1283,272 @@ __device__ inline void decode_split(const DeviceCache<S>& c, const DeviceCall<S>
     }
     for (std::int64_t d = tid; d < D; d += blockDim.x) a.part_acc[slot * D + d] = acc[h * D + d];
   }
+  __syncthreads();
+  return marked;
+}
+
+// ---- decode, long caches: entry splits over 16-byte rows ----------------------------------------
+// The pass that reads each live row once (spec 4.4 and 4.5 in one sweep): kRowLanes lanes share a cache
+// row, each holding kVpl 16-byte vectors of its key and value (8 bf16 per load), so a row is two
+// coalesced vector reads. A row group takes kU consecutive rows per step with every load of the kU rows
+// in flight before any is used; per row it updates λ from the similarity to the new key, decides the
+// eviction, and scores the kR heads of the group; one online-softmax step per head then covers the kU
+// rows, the group's accumulators living in registers. Evicted rows are marked dead where they lie (λ =
+// -inf) instead of being moved: a later step reads only their λ, and the item is compacted only when
+// enough rows are dead (decode_attend_kernel). At the end the row groups' states merge in a fixed order
+// (within a warp by shuffles, then across warps in shared memory) into this split's partial, the
+// partial format of decode_split. Returns the rows this block marked dead.
+inline constexpr int kRowLanes = 16;  // lanes per cache row: 16 x 16 bytes = a D 128 bf16 row
+inline constexpr int kRowGroupsPerWarp = kWarpSize / kRowLanes;
+inline constexpr int kDecodeWarps = kDecodeThreads / kWarpSize;
+static_assert(kWarpSize % kRowLanes == 0, "a row group is part of one warp");
+__device__ inline float row_sum(float x) {  // over the kRowLanes lanes of a row group
+  for (int o = kRowLanes / 2; o > 0; o /= 2) x += warp_shfl_xor(x, o);
+  return x;
+}
+// Whether decode_split_rows serves a cache of this shape: 16-byte rows (vector loads) and a group size it
+// is built for; other shapes take decode_split.
+__host__ __device__ inline bool vector_decode_ok(std::int64_t D, std::int64_t r, std::size_t elem) {
+  return (D * std::int64_t(elem)) % 16 == 0 && (r == 4 || r == 8);
+}
+// Shared memory of decode_split_rows: the new token's key and value rows, then the warps' states.
+__host__ __device__ inline std::size_t split_rows_smem_bytes(std::int64_t D, std::int64_t r, std::size_t elem) {
+  return 2 * std::size_t(D) * elem + std::size_t(kDecodeWarps) * std::size_t(r) * std::size_t(D + 2) * sizeof(float);
+}
+template <class S>
+__device__ inline void unpack(const uint4& raw, float* out) {
+  const S* parts = reinterpret_cast<const S*>(&raw);
+#pragma unroll
+  for (int k = 0; k < int(16 / sizeof(S)); ++k) out[k] = load_as<float>(parts[k]);
+}
+template <class Set, class S, int kVpl, int kR, int kU>
+__device__ inline int decode_split_rows(const DeviceCache<S>& c, const DeviceCall<S>& a, std::int64_t item,
+                                        std::int64_t b, std::int64_t n, int split, unsigned char* smem) {
+  constexpr int kE = int(16 / sizeof(S)), kDims = kVpl * kE;
+  const std::int64_t D = c.D, g = item % c.G, total = n + 1;
+  const std::int64_t piece = split_piece(total, a.splits, 32), e_begin = split * piece;
+  if (e_begin >= total) return 0;
+  const std::int64_t e_end = e_begin + piece < total ? e_begin + piece : total;
+  const std::int64_t t = c.counter[item];
+  const int tid = int(threadIdx.x), lane = tid % kWarpSize, warp = tid / kWarpSize, sub = tid % kRowLanes;
+  const int grp = lane / kRowLanes;
+  S* new_k = reinterpret_cast<S*>(smem);  // the new token (entry n, λ = 0): 16-byte aligned rows
+  S* new_v = new_k + D;
+  float* red = reinterpret_cast<float*>(smem + 2 * std::size_t(D) * sizeof(S));  // [warps][kR][D + 2]
+  __shared__ int marked_block;
+  {
+    const S* in_k = a.k + b * a.k_b + g * a.k_g;
+    const S* in_v = a.v + b * a.v_b + g * a.v_g;
+    for (std::int64_t d = tid; d < D; d += blockDim.x) {
+      new_k[d] = in_k[d];
+      new_v[d] = in_v[d];
+    }
+    if (tid == 0) marked_block = 0;
+  }
+  __syncthreads();
+  // the lane's dims: vectors w = sub + kRowLanes * j, elements w * kE .. w * kE + kE - 1
+  float q[kR][kDims], nk[kDims], acc[kR][kDims], m[kR], l[kR];
+#pragma unroll
+  for (int j = 0; j < kVpl; ++j) {
+    const int w = sub + kRowLanes * j;
+    const bool ok = w * kE < D;
+    uint4 raw = make_uint4(0, 0, 0, 0);
+    if (ok) raw = *reinterpret_cast<const uint4*>(new_k + w * kE);
+    unpack<S>(raw, nk + j * kE);
+#pragma unroll
+    for (int h = 0; h < kR; ++h)
+#pragma unroll
+      for (int k = 0; k < kE; ++k)
+        q[h][j * kE + k] = ok ? ld(a.q + b * a.q_b + (g * kR + h) * a.q_h + w * kE + k) : 0.0f;
+  }
+#pragma unroll
+  for (int h = 0; h < kR; ++h) {
+    m[h] = negative_infinity<float>();
+    l[h] = 0.0f;
+#pragma unroll
+    for (int x = 0; x < kDims; ++x) acc[h][x] = 0.0f;
+  }
+  const float zq = a.z_q[b * a.zq_b + g * a.zq_g];
+  const float q_part = kernel::ua::query_gate_part(zq);
+  int marked = 0;
+  // warp-uniform loop: a warp's row groups take kU rows each, the warp kRowGroupsPerWarp * kU
+  constexpr int kWarpRows = kRowGroupsPerWarp * kU;
+  for (std::int64_t base_w = e_begin + std::int64_t(warp) * kWarpRows; base_w < e_end;
+       base_w += std::int64_t(kDecodeWarps) * kWarpRows) {
+    const std::int64_t base = base_w + std::int64_t(grp) * kU;
+    float lam[kU], zk[kU];
+    std::int64_t rowi[kU], pos[kU];
+    bool live[kU], cached[kU];
+    uint4 kr[kU][kVpl], vr[kU][kVpl];
+    // 1. λ of the rows (a dead row's key and value are never read), then every vector of the kU rows
+#pragma unroll
+    for (int u = 0; u < kU; ++u) {
+      const std::int64_t idx = base + u;
+      const bool valid = idx < e_end;
+      cached[u] = valid && idx < n;
+      rowi[u] = cached[u] ? c.row(item, idx) : 0;
+      lam[u] = cached[u] ? c.lambda[rowi[u]] : 0.0f;
+      live[u] = valid && !(cached[u] && is_dead(lam[u]));
+    }
+#pragma unroll
+    for (int u = 0; u < kU; ++u) {
+      const S* kp = cached[u] ? c.keys + rowi[u] * D : new_k;
+      const S* vp = cached[u] ? c.values + rowi[u] * D : new_v;
+#pragma unroll
+      for (int j = 0; j < kVpl; ++j) {
+        const int w = sub + kRowLanes * j;
+        const bool ok = live[u] && w * kE < D;
+        kr[u][j] = ok ? *reinterpret_cast<const uint4*>(kp + w * kE) : make_uint4(0, 0, 0, 0);
+        vr[u][j] = ok ? *reinterpret_cast<const uint4*>(vp + w * kE) : make_uint4(0, 0, 0, 0);
+      }
+      const bool meta = cached[u] && live[u];
+      zk[u] = meta ? c.key_logit[rowi[u]] : 0.0f;
+      pos[u] = meta ? c.pos[rowi[u]] : t;
+    }
+    // 2. λ update (spec 4.4 step 1), eviction (4.5), the kR logits (scale 1)
+    float s[kU][kR];
+#pragma unroll
+    for (int u = 0; u < kU; ++u) {
+      float kf[kDims];
+#pragma unroll
+      for (int j = 0; j < kVpl; ++j) unpack<S>(kr[u][j], kf + j * kE);
+      float sim = 0.0f;  // a set without the similarity gate never reads it
+      if constexpr (Set::kNeedsSimilarity) {
+#pragma unroll
+        for (int x = 0; x < kDims; ++x) sim += kf[x] * nk[x];
+        sim = row_sum(sim);
+      }
+      float lu = lam[u];
+      const bool updates = cached[u] && live[u];
+      if (updates && t > pos[u])
+        lu += kernel::ua::decay_from_similarity<Set, float>(sim, zk[u], kernel::ua::key_gate_part(zk[u]), pos[u], zq,
+                                                            q_part, t);
+      const bool evict = updates && kernel::ua::evicts(lu, a.log_p);
+      if (updates && sub == 0) {
+        c.lambda[rowi[u]] = evict ? negative_infinity<float>() : lu;
+        marked += evict ? 1 : 0;
+      }
+      const bool attend = live[u] && !(evict && a.evict_before_attention);
+#pragma unroll
+      for (int h = 0; h < kR; ++h) {
+        float part = 0.0f;
+#pragma unroll
+        for (int x = 0; x < kDims; ++x) part += kf[x] * q[h][x];
+        part = row_sum(part);
+        s[u][h] = attend ? part + lu : negative_infinity<float>();
+      }
+    }
+    // 3. one online-softmax step per head over the kU rows (the group's lanes hold equal m, l)
+#pragma unroll
+    for (int h = 0; h < kR; ++h) {
+      float mx = m[h];
+#pragma unroll
+      for (int u = 0; u < kU; ++u) mx = fmaxf(mx, s[u][h]);
+      if (mx == negative_infinity<float>()) {
+#pragma unroll
+        for (int u = 0; u < kU; ++u) s[u][h] = 0.0f;
+        continue;
+      }
+      const float scale = m[h] == negative_infinity<float>() ? 0.0f : expf(m[h] - mx);
+      float sum = 0.0f;
+#pragma unroll
+      for (int u = 0; u < kU; ++u) {
+        s[u][h] = s[u][h] == negative_infinity<float>() ? 0.0f : expf(s[u][h] - mx);
+        sum += s[u][h];
+      }
+      l[h] = l[h] * scale + sum;
+      m[h] = mx;
+#pragma unroll
+      for (int x = 0; x < kDims; ++x) acc[h][x] *= scale;
+    }
+    // 4. p.v: each value vector converted once for the kR heads
+#pragma unroll
+    for (int u = 0; u < kU; ++u) {
+      float vf[kDims];
+#pragma unroll
+      for (int j = 0; j < kVpl; ++j) unpack<S>(vr[u][j], vf + j * kE);
+#pragma unroll
+      for (int h = 0; h < kR; ++h)
+#pragma unroll
+        for (int x = 0; x < kDims; ++x) acc[h][x] += s[u][h] * vf[x];
+    }
+  }
+  // 5. merge the row groups: within the warp (the lowest group's lanes keep the result), then the warps
+  //    in order through shared memory, into this split's partial
+#pragma unroll
+  for (int h = 0; h < kR; ++h) {
+    for (int o = kRowLanes; o < kWarpSize; o *= 2) {
+      const float m_o = warp_shfl_xor(m[h], o), l_o = warp_shfl_xor(l[h], o);
+      const float mx = fmaxf(m[h], m_o);
+      const float a_self = m[h] == negative_infinity<float>() ? 0.0f : expf(m[h] - mx);
+      const float a_other = m_o == negative_infinity<float>() ? 0.0f : expf(m_o - mx);
+      l[h] = l[h] * a_self + l_o * a_other;
+#pragma unroll
+      for (int x = 0; x < kDims; ++x) acc[h][x] = acc[h][x] * a_self + warp_shfl_xor(acc[h][x], o) * a_other;
+      m[h] = mx;
+    }
+    if (lane < kRowLanes) {
+      float* w_row = red + (std::size_t(warp) * kR + h) * std::size_t(D + 2);
+#pragma unroll
+      for (int j = 0; j < kVpl; ++j) {
+        const int w = sub + kRowLanes * j;
+        if (w * kE < D)
+#pragma unroll
+          for (int k = 0; k < kE; ++k) w_row[2 + w * kE + k] = acc[h][j * kE + k];
+      }
+      if (lane == 0) {
+        w_row[0] = m[h];
+        w_row[1] = l[h];
+      }
+    }
+  }
+  if (marked != 0) atomicAdd(&marked_block, marked);
+  __syncthreads();
+  for (std::int64_t x = tid; x < kR * D; x += blockDim.x) {
+    const std::int64_t h = x / D, d = x % D;
+    float mx = negative_infinity<float>();
+    for (int w = 0; w < kDecodeWarps; ++w) mx = fmaxf(mx, red[(std::size_t(w) * kR + h) * std::size_t(D + 2)]);
+    float sum = 0.0f, y = 0.0f;
+    if (mx != negative_infinity<float>())
+      for (int w = 0; w < kDecodeWarps; ++w) {
+        const float* w_row = red + (std::size_t(w) * kR + h) * std::size_t(D + 2);
+        if (w_row[0] == negative_infinity<float>()) continue;
+        const float f = expf(w_row[0] - mx);
+        sum += f * w_row[1];
+        y += f * w_row[2 + d];
+      }
+    const std::int64_t slot = (item * a.splits + split) * kR + h;  // P = 1 row
+    if (d == 0) {
+      a.part_ml[slot * 2] = mx;
+      a.part_ml[slot * 2 + 1] = sum;
+    }
+    a.part_acc[slot * D + d] = y;
+  }
+  __syncthreads();
+  return marked_block;
+}
+
+// The new token after the rows in use, without a compaction (row n; λ = 0 >= ln p: always kept), and the
+// item's length and position; on the calling block's threads.
+template <class S>
+__device__ inline void append_new_row(const DeviceCache<S>& c, const DeviceCall<S>& a, std::int64_t item,
+                                      std::int64_t b, std::int64_t n) {
+  const std::int64_t D = c.D, g = item % c.G, t = c.counter[item], row = c.row(item, n);
+  const bool vec = (D * std::int64_t(sizeof(S))) % 16 == 0 && a.kv_rows16;
+  const S* in_k = a.k + b * a.k_b + g * a.k_g;
+  const S* in_v = a.v + b * a.v_b + g * a.v_g;
+  copy_rows<S>(
+      1, D, vec, [&](std::int64_t) { return in_k; }, [&](std::int64_t) { return c.keys + row * D; });
+  copy_rows<S>(
+      1, D, vec, [&](std::int64_t) { return in_v; }, [&](std::int64_t) { return c.values + row * D; });
+  __syncthreads();  // every thread has read the counter
+  if (threadIdx.x == 0) {
+    c.lambda[row] = 0.0f;
+    c.key_logit[row] = a.z_k[b * a.zk_b + g * a.zk_g];
+    c.pos[row] = t;
+    c.length[item] = n + 1;
+    c.counter[item] = t + 1;
+  }
 }
 
 // Slot step: grid item gi is (row gi / G, kv head gi % G). A 1-token row whose slot runs this step is
@@ -1255,8 +1584,10 @@ template <class S>
 __host__ __device__ inline std::size_t decode_kernel_smem_bytes(std::int64_t D, std::int64_t r) {
   const std::size_t attend = decode_smem_bytes(D, r), finish = finish_smem_bytes<S>(D),
                     one_block = OneBlockLayout(D, r, sizeof(S)).bytes;
-  const std::size_t split = attend > finish ? attend : finish;
-  return split > one_block ? split : one_block;
+  const std::size_t rows = split_rows_smem_bytes(D, r, sizeof(S));
+  std::size_t most = attend > finish ? attend : finish;
+  most = most > one_block ? most : one_block;
+  return most > rows ? most : rows;
 }
 // Memory ordering of the decode ticket (PTX memory model, GPU scope): the length every block reads
 // first is an acquire load, so nothing the block does afterwards (its ticket included) is ordered
@@ -1273,49 +1604,77 @@ __host__ __device__ inline std::size_t decode_kernel_smem_bytes(std::int64_t D, 
 // grid x, splits along y: the blocks are dispatched x first, so every item's split 0 starts in the
 // first wave even when the idle splits do not all fit at once.
 // kDpl: dims per lane of an 8-lane group (>= ceil(D / 8)).
+// Whether the last block of an item compacts it this step: always with a shared pool (its pages go back
+// at once, as the host returns them), and with own pages once the dead rows are as many as the kept ones
+// (and at least a page's worth: each compaction moves at most the kept rows, and follows at least as
+// many evictions, so the rows moved per evicted row stay below one) or the new row would not fit.
+template <class S>
+__device__ inline bool compacts_now(const DeviceCache<S>& c, std::int64_t n, std::int64_t dead) {
+  if (c.pool.table != nullptr || n + 1 > c.capacity) return true;
+  const std::int64_t page = std::int64_t(1) << c.pool.shift, kept = n - dead;
+  return dead >= (kept > page ? kept : page);
+}
+// This block's part of an item's step (one_block: split 0 does it all); returns the rows it marked dead.
 template <class Set, class S, int kDpl>
-__global__ void __launch_bounds__(kDecodeThreads) decode_attend_kernel(DeviceCache<S> c, DeviceCall<S> a) {
-  extern __shared__ __align__(16) float dsm[];
+__device__ inline int decode_part(const DeviceCache<S>& c, const DeviceCall<S>& a, std::int64_t item, std::int64_t b,
+                                  std::int64_t n, int split, bool one_block, float* dsm) {
+  if (one_block) {
+    if (split != 0) return 0;
+    const std::int64_t length = decode_one_block<Set, S, kDpl>(c, a, item, b, n, reinterpret_cast<unsigned char*>(dsm));
+    if (threadIdx.x == 0) c.next_length[item] = length;
+    return 0;
+  }
+  constexpr int kVpl = (kDpl * int(sizeof(S)) + 31) / 32;  // 16-byte vectors per lane of a D <= 8 kDpl row
+  if (vector_decode_ok(c.D, c.r, sizeof(S))) {
+    auto* smem = reinterpret_cast<unsigned char*>(dsm);
+    if (c.r == 4) return decode_split_rows<Set, S, kVpl, 4, 4>(c, a, item, b, n, split, smem);
+    return decode_split_rows<Set, S, kVpl, 8, 2>(c, a, item, b, n, split, smem);
+  }
+  return decode_split<Set, S, kDpl>(c, a, item, b, n, split, dsm);
+}
+template <class Set, class S, int kDpl>
+__device__ inline void decode_item(const DeviceCache<S>& c, const DeviceCall<S>& a, float* dsm) {
   std::int64_t item = blockIdx.x, b = item / c.G;
   if (a.row_slot != nullptr && !decode_row(c, a, blockIdx.x, item, b)) return;
   if (a.row_slot == nullptr && a.slot_go != nullptr && a.slot_go[b] == 0) return;  // found the pool dry
   const std::int64_t n = ptx::load_acquire(c.length + item);
   const int split = int(blockIdx.y);
   const bool one_block = n <= kOneBlockMaxKept;
-  bool wrote = true;
-  if (one_block) {
-    wrote = split == 0;
-    if (wrote) {
-      const std::int64_t length =
-          decode_one_block<Set, S, kDpl>(c, a, item, b, n, reinterpret_cast<unsigned char*>(dsm));
-      if (threadIdx.x == 0) c.next_length[item] = length;
-    }
-  } else {
-    decode_split<Set, S, kDpl>(c, a, item, b, n, split, dsm);
-  }
+  const int marked = decode_part<Set, S, kDpl>(c, a, item, b, n, split, one_block, dsm);
+  const bool wrote = !one_block || split == 0;
   __shared__ int last;
-  if (wrote) ptx::fence_acq_rel_gpu();  // this block's rows, λ, partial and next length before its ticket
+  if (threadIdx.x == 0 && marked != 0)
+    atomicAdd(reinterpret_cast<unsigned long long*>(c.dead + item), (unsigned long long)marked);
+  if (wrote) ptx::fence_acq_rel_gpu();  // this block's rows, λ, dead marks, partial and next length before its ticket
   __syncthreads();
   if (threadIdx.x == 0) last = atomicAdd(c.done + item, 1) == int(gridDim.y) - 1 ? 1 : 0;
   __syncthreads();
   if (!last) return;
   ptx::fence_acq_rel_gpu();
-  if (one_block) {
+  if (one_block) {  // compacted in the pass: no dead row is left
     if (threadIdx.x == 0) {
       const std::int64_t length = load_cg(c.next_length + item);
       c.length[item] = length;
+      c.dead[item] = 0;
       c.counter[item] += 1;
-      if (a.count_pages)
-        count_own_pages(c.pool, item, length);
-      else
-        return_pages(c.pool, item, length);
+      if (c.pool.table != nullptr) return_pages(c.pool, item, length);  // own pages: publishing counts them
     }
   } else {
     merge_row(c, a, item, b, 0, 0, active_splits(n + 1, a.splits, 32));
-    finish_item(c, a, item, b, 0, 1, true,
-                reinterpret_cast<unsigned char*>(dsm));  // the attention buffers are free now
+    if (compacts_now(c, n, load_cg(c.dead + item)))
+      finish_item(c, a, item, b, 0, 1, true,
+                  reinterpret_cast<unsigned char*>(dsm));  // the attention buffers are free now
+    else
+      append_new_row(c, a, item, b, n);
   }
   if (threadIdx.x == 0) c.done[item] = 0;
+}
+// grid (I or rows * G, splits), block kDecodeThreads, dynamic smem decode_kernel_smem_bytes<S>(D, r).
+template <class Set, class S, int kDpl>
+__global__ void __launch_bounds__(kDecodeThreads) decode_attend_kernel(DeviceCache<S> c, DeviceCall<S> a) {
+  extern __shared__ __align__(16) float dsm[];
+  decode_item<Set, S, kDpl>(c, a, dsm);
+  if (a.publish_ticket != nullptr) publish_if_last_block(c.pool, a.publish_ticket);
 }
 
 // ---- slot step: the rows' check and the per-row decisions, on the device ------------------------
@@ -1414,17 +1773,19 @@ __global__ void __launch_bounds__(kStepBeginThreads) step_begin_kernel(DeviceCac
     const std::int64_t n = sr.start[row + 1] - sr.start[row];
     if (s < 0 || n == 0) continue;
     if (sr.overflow[s] != 0) continue;  // flagged by an earlier step: skipped until reset
+    // room as the host counts it: kept rows (dead ones, own pages only, go at the row's compaction)
+    const bool own = c.pool.table == nullptr;  // own pages: publishing counts them, nothing to take
     bool room = true;
     std::int64_t k = 0;
     for (std::int64_t g = 0; room && g < c.G; ++g) {
       const std::int64_t it = s * c.G + g, need = c.pool.pages_for(c.length[it] + n);
-      room = c.length[it] + n <= c.capacity;
+      room = c.length[it] - c.dead[it] + n <= c.capacity;
       k += need > c.pool.held[it] ? need - c.pool.held[it] : 0;
     }
     std::int64_t first = 0;
-    if (room && pop_pages(c.pool, k, first)) {
+    if (room && (own || pop_pages(c.pool, k, first))) {
       std::int64_t next = first + k;
-      for (std::int64_t g = 0; g < c.G; ++g)
+      for (std::int64_t g = 0; !own && g < c.G; ++g)
         assign_pages(c.pool, s * c.G + g, c.pool.pages_for(c.length[s * c.G + g] + n), next);
       sr.go[s] = 1;
       if (n >= 2) sr.prefill_rows[atomicAdd(&prefills, 1)] = int(row);
@@ -1441,6 +1802,7 @@ __global__ void __launch_bounds__(kStepBeginThreads) step_begin_kernel(DeviceCac
     for (std::int64_t g = 0; g < c.G; ++g) {
       return_pages(c.pool, s * c.G + g, 0);
       c.length[s * c.G + g] = 0;
+      c.dead[s * c.G + g] = 0;
     }
   }
   __syncthreads();
@@ -1468,6 +1830,7 @@ __global__ void reset_slots_kernel(DeviceCache<S> c, int* overflow, const std::i
   for (std::int64_t g = threadIdx.x; g < c.G; g += blockDim.x) {
     return_pages(c.pool, s * c.G + g, 0);
     c.length[s * c.G + g] = 0;
+    c.dead[s * c.G + g] = 0;
     c.counter[s * c.G + g] = 0;
   }
   if (threadIdx.x == 0) overflow[s] = 0;
@@ -1556,6 +1919,7 @@ __global__ void copy_slots_kernel(DeviceCache<S> c, int* overflow, const std::in
   }
   if (threadIdx.x == 0) {
     c.length[to] = n;
+    c.dead[to] = c.dead[from];
     c.counter[to] = c.counter[from];
     if (g == 0) overflow[to_slot] = overflow[from_slot];
   }
@@ -1591,6 +1955,7 @@ __global__ void batch_reserve_kernel(DeviceCache<S> c, DeviceCall<S> a, int* go,
       for (std::int64_t g = 0; g < c.G; ++g) {
         return_pages(c.pool, s * c.G + g, 0);
         c.length[s * c.G + g] = 0;
+        c.dead[s * c.G + g] = 0;
       }
       overflow[s] = 1;
     }
@@ -1606,13 +1971,14 @@ __global__ void batch_reserve_kernel(DeviceCache<S> c, DeviceCall<S> a, int* go,
 // bookkeeping zeroed. grid-stride over the largest array.
 template <class S>
 __global__ void init_cache_kernel(DeviceCache<S> c, std::int64_t items, std::int64_t slots, std::int64_t pages,
-                                  int* overflow, int* step_error) {
+                                  int* overflow, int* step_error, int* publish_ticket) {
   const std::int64_t stride = std::int64_t(gridDim.x) * blockDim.x;
   for (std::int64_t i = blockIdx.x * std::int64_t(blockDim.x) + threadIdx.x; i < pages; i += stride) {
     c.pool.free_list[i] = std::int32_t(pages - 1 - i);
   }
   for (std::int64_t i = blockIdx.x * std::int64_t(blockDim.x) + threadIdx.x; i < items; i += stride) {
     c.length[i] = 0;
+    c.dead[i] = 0;
     c.counter[i] = 0;
     c.done[i] = 0;
     c.next_length[i] = 0;
@@ -1621,6 +1987,7 @@ __global__ void init_cache_kernel(DeviceCache<S> c, std::int64_t items, std::int
   for (std::int64_t i = blockIdx.x * std::int64_t(blockDim.x) + threadIdx.x; i < slots; i += stride) overflow[i] = 0;
   if (blockIdx.x == 0 && threadIdx.x == 0) {
     for (int k = 0; k < 4; ++k) step_error[k] = 0;
+    *publish_ticket = 0;
     c.pool.stats[0] = pages;
     c.pool.stats[1] = c.pool.stats[2] = 0;
     if (c.pool.mirror != nullptr) {
