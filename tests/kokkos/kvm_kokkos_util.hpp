@@ -9,6 +9,7 @@
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
+#include <cstdio>
 #include <cstring>
 #include <span>
 #include <stdexcept>
@@ -68,6 +69,12 @@ Deviation deviation_as_host(const std::vector<T>& a, const std::vector<T>& b) {
   return d;
 }
 
+// One line per device-space comparison with the host backend ("as-host: <what> relative <r> max-abs <m>"),
+// so a run shows how far the device's arithmetic moved the results, not only that they passed.
+inline void print_deviation(const std::string& what, const Deviation& d) {
+  std::printf("as-host: %s relative %.3g max-abs %.3g\n", what.c_str(), d.relative(), d.max_abs);
+}
+
 // A Kokkos result against the host backend's: the same bits on a host space, within `tol` of
 // deviation_as_host on a device space (DESIGN.md 5: 1e-5 for fp32 paths, 1e-2 where keys and values
 // are stored in bf16).
@@ -80,6 +87,7 @@ Deviation deviation_as_host(const std::vector<T>& a, const std::vector<T>& b) {
       CHECK(::kvmem::test::same_bits(kvmem_kokkos_, kvmem_host_));                                           \
     } else {                                                                                                 \
       const auto kvmem_dev_ = ::kvmem::test::deviation_as_host(kvmem_kokkos_, kvmem_host_);                  \
+      ::kvmem::test::print_deviation(#kokkos, kvmem_dev_);                                                   \
       INFO(#kokkos " vs " #host " (device arithmetic): max abs "                                             \
            << kvmem_dev_.max_abs << ", scale " << kvmem_dev_.scale << ", relative " << kvmem_dev_.relative() \
            << ", tol " << (tol));                                                                            \
@@ -153,6 +161,7 @@ inline void check_record_as_host(const std::vector<std::byte>& kokkos, const std
       REQUIRE(a[i].kind == b[i].kind);
       CHECK(a[i].ints == b[i].ints);
       const auto dev = deviation_as_host(a[i].reals, b[i].reals);
+      if (!a[i].reals.empty()) print_deviation("record field " + b[i].name, dev);
       INFO("max abs " << dev.max_abs << ", scale " << dev.scale << ", relative " << dev.relative() << ", tol " << tol);
       CHECK(dev.relative() <= tol);
     }

@@ -13,6 +13,7 @@
 #include <cstring>
 #include <random>
 #include <span>
+#include <stdexcept>
 #include <string>
 #include <utility>
 #include <vector>
@@ -708,6 +709,9 @@ struct UaPacked {
   std::int64_t N = 0;
   void add(std::int32_t s, const UaSeq* x, std::int64_t t0, std::int64_t T, std::mt19937_64& rng) {
     const UaShape sh;
+    if (x != nullptr && t0 + T > x->L)
+      throw std::out_of_range("UaPacked::add: tokens [" + std::to_string(t0) + ", " + std::to_string(t0 + T) +
+                              ") of a sequence of " + std::to_string(x->L));
     std::normal_distribution<float> n01(0.0f, 1.0f);
     const auto take = [&](std::vector<float>& to, const std::vector<float>* from, std::int64_t width) {
       for (std::int64_t e = t0 * width; e < (t0 + T) * width; ++e)
@@ -1050,7 +1054,7 @@ TEST_CASE("kokkos ua slots: records travel host -> Kokkos and Kokkos -> host and
   const kua::Options opt{0.05, 32, true};
   std::mt19937_64 rng(3);
   UaSeq s;
-  s.grow(260, rng);
+  s.grow(261, rng);  // the tokens both directions read: 201 before the record, 60 after it
   for (const bool host_first : {true, false}) {
     INFO((host_first ? "host -> Kokkos" : "Kokkos -> host"));
     const UaShape sh;
