@@ -1,8 +1,8 @@
 // SPDX-License-Identifier: Apache-2.0
 // The Kokkos backend on the default execution space (Cuda, OpenMP or Serial, as Kokkos was built):
 // KVM fixed-256 prefill (kvm::prefill) and per-token decode (kvm::decode), and dense UA prefill
-// (ua::prefill with p = 0 in chunks of 128 on a cache), fp32: the calls and shapes that the native
-// benchmarks time with fp32 storage, so one script puts the rows side by side:
+// (ua::prefill with p = 0 in chunks of 128 on a cache; also the cacheless ua::forward), fp32: the calls and shapes that
+// the native benchmarks time with fp32 storage, so one script puts the rows side by side:
 //   kvmem_bench_kvm_cuda --storage fp32 --batch 1 --heads 8 --tokens 32768 --budget fixed-256 --b1 0
 //   kvmem_bench_ua_cuda --storage fp32 --batch 1 --heads 16 --kv-heads 4 --tokens 8192 (the dense row)
 //   kvmem_bench_kvm_cpu --min-T 32768 --max-T 32768 --budget fixed --no-dense
@@ -243,6 +243,14 @@ bool run_ua(const Options& o, FILE* json) {
       return false;
     }
     report(json, "ua dense prefill (ms)", "ua", "dense_prefill", B, H, G, T, 1e3 * s);
+    // The cacheless dense call (ua::forward) at the same shape, for reference.
+    const double f = best_seconds(
+        1, o.repeat, [] {}, [&] { status = kvmem::ua::forward(exec, in, to_tensor_view(out)); });
+    if (!status.is_ok()) {
+      std::fprintf(stderr, "ua forward: %s\n", status.to_string().c_str());
+      return false;
+    }
+    report(json, "ua dense forward (ms)", "ua", "dense_forward", B, H, G, T, 1e3 * f);
   }
   return true;
 }
