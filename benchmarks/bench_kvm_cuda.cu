@@ -1,12 +1,14 @@
 // SPDX-License-Identifier: Apache-2.0
 // KV Means on the CUDA backend: prefill (ms) and decode (ms/token over 256 consecutive tokens, one
 // state update included) at B x H32 x D128 bf16 for fixed-256 and 16 sqrt N, plus B = 1 decode
-// plain and replayed from a captured CUDA graph. --kv-heads Hk < H measures grouped-query attention
-// (H query heads over Hk KV heads; the decode GB/s then count each KV head's rows once). Prints a table and writes JSON
-// lines (--json FILE) that benchmarks/gpu_report.py joins with the PyTorch SDPA anchor measured in the same run.
+// plain and replayed from a captured CUDA graph. --storage fp32 runs fp32 inputs, state and outputs
+// (the precision kvmem_bench_kokkos times, for a side-by-side comparison at the same shapes). --kv-heads Hk < H
+// measures grouped-query attention (H query heads over Hk KV heads; the decode GB/s then count each KV head's rows
+// once). Prints a table and writes JSON lines (--json FILE) that benchmarks/gpu_report.py joins with the PyTorch SDPA
+// anchor measured in the same run.
 //
 //   kvmem_bench_kvm_cuda [--batch 8] [--heads 32] [--kv-heads 32] [--tokens 4096,8192,16384,32768] [--json out.jsonl]
-//                        [--budget fixed-256|16sqrtN] [--b1 0|1] [--fast-routing 0|1]
+//                        [--budget fixed-256|16sqrtN] [--b1 0|1] [--fast-routing 0|1] [--storage bf16|fp32]
 //
 // update_ms is the one decode step of the 256 that runs the state update (update + attention);
 // --fast-routing 1 routes on single bf16 products (KvmState::set_fast_routing), rows say "+fast".
@@ -30,11 +32,12 @@ using kvmem::bf16;
 using kvmem::TensorView;
 using kvmem::bench::fill;
 
-__global__ void gate_kernel(bf16* x, std::int64_t n) {  // g = 1 + elu(z) > 0
+template <class S>
+__global__ void gate_kernel(S* x, std::int64_t n) {  // g = 1 + elu(z) > 0
   for (std::int64_t i = blockIdx.x * std::int64_t(blockDim.x) + threadIdx.x; i < n;
        i += std::int64_t(gridDim.x) * blockDim.x) {
     const float z = float(x[i]);
-    x[i] = bf16(z > 0 ? 1 + z : expf(z));
+    x[i] = S(z > 0 ? 1 + z : expf(z));
   }
 }
 
@@ -54,22 +57,24 @@ struct Row {
   double prefill_ms, decode_ms, decode_graph_ms, prefill_tflops, decode_gbps, update_ms;
 };
 
+template <class S>
 Row run(const std::string& name, kvmem::budget::Any budget, std::int64_t B, std::int64_t H, std::int64_t Hk,
         std::int64_t T, bool graph, bool fast_routing) {
+  constexpr std::int64_t kBytes = sizeof(S);
   const std::int64_t D = 128, decode_tokens = 256;
   kvmem::kvm::Params p;  // paper defaults: C = 256, nb = 2, S = 1, r = 64
   p.budget = budget;
   const kvmem::kvm::Shape shape{B, H, Hk, D, D, T + decode_tokens};
-  kvmem::cuda::KvmState<bf16> state;
-  CHECK_STATUS(kvmem::cuda::KvmState<bf16>::create(p, shape, state));
+  kvmem::cuda::KvmState<S> state;
+  CHECK_STATUS(kvmem::cuda::KvmState<S>::create(p, shape, state));
   state.set_fast_routing(fast_routing);
   const std::int64_t n_q = B * H * T * D, n_kv = B * Hk * T * D, n_g = B * Hk * T;
-  Buffer q(n_q * 2), k(n_kv * 2), v(n_kv * 2), g(n_g * 2), out(n_q * 2);
-  fill(q.as<bf16>(), n_q, 1);
-  fill(k.as<bf16>(), n_kv, 2);
-  fill(v.as<bf16>(), n_kv, 3);
-  fill(g.as<bf16>(), n_g, 4);
-  gate_kernel<<<1024, 256>>>(g.as<bf16>(), n_g);
+  Buffer q(n_q * kBytes), k(n_kv * kBytes), v(n_kv * kBytes), g(n_g * kBytes), out(n_q * kBytes);
+  fill(q.as<S>(), n_q, 1);
+  fill(k.as<S>(), n_kv, 2);
+  fill(v.as<S>(), n_kv, 3);
+  fill(g.as<S>(), n_g, 4);
+  gate_kernel<<<1024, 256>>>(g.as<S>(), n_g);
   std::vector<float> ones(std::size_t(std::max(D, H)), 1.0f), zeros(std::size_t(D), 0.0f);
   Buffer w(D * 4), bias(D * 4), ts(H * 4), tw(H * 4);
   CHECK_CUDA(cudaMemcpy(w.ptr, ones.data(), D * 4, cudaMemcpyHostToDevice));
@@ -83,9 +88,9 @@ Row run(const std::string& name, kvmem::budget::Any budget, std::int64_t B, std:
   const auto prefill = [&] {
     state.reset();
     CHECK_STATUS(kvmem::cuda::kvm_prefill(
-        exec, state, weights, TensorView<const bf16, 4>(q.as<bf16>(), {B, H, T, D}),
-        TensorView<const bf16, 4>(k.as<bf16>(), {B, Hk, T, D}), TensorView<const bf16, 4>(v.as<bf16>(), {B, Hk, T, D}),
-        TensorView<const bf16, 3>(g.as<bf16>(), {B, Hk, T}), TensorView<bf16, 4>(out.as<bf16>(), {B, T, H, D})));
+        exec, state, weights, TensorView<const S, 4>(q.as<S>(), {B, H, T, D}),
+        TensorView<const S, 4>(k.as<S>(), {B, Hk, T, D}), TensorView<const S, 4>(v.as<S>(), {B, Hk, T, D}),
+        TensorView<const S, 3>(g.as<S>(), {B, Hk, T}), TensorView<S, 4>(out.as<S>(), {B, T, H, D})));
   };
   cudaEvent_t e0, e1;
   CHECK_CUDA(cudaEventCreate(&e0));
@@ -115,17 +120,17 @@ Row run(const std::string& name, kvmem::budget::Any budget, std::int64_t B, std:
   row.prefill_tflops = 4.0 * D * keys * double(B * H) / (row.prefill_ms * 1e-3) / 1e12;
 
   // decode: 256 consecutive tokens after the prefill (the first one runs a state update)
-  Buffer q1(B * H * D * 2), k1(B * Hk * D * 2), v1(B * Hk * D * 2), g1(B * Hk * 2), o1(B * H * D * 2);
-  fill(q1.as<bf16>(), B * H * D, 11);
-  fill(k1.as<bf16>(), B * Hk * D, 12);
-  fill(v1.as<bf16>(), B * Hk * D, 13);
-  fill(g1.as<bf16>(), B * Hk, 14, 1.0f, 0.1f);
+  Buffer q1(B * H * D * kBytes), k1(B * Hk * D * kBytes), v1(B * Hk * D * kBytes), g1(B * Hk * kBytes),
+      o1(B * H * D * kBytes);
+  fill(q1.as<S>(), B * H * D, 11);
+  fill(k1.as<S>(), B * Hk * D, 12);
+  fill(v1.as<S>(), B * Hk * D, 13);
+  fill(g1.as<S>(), B * Hk, 14, 1.0f, 0.1f);
   const auto step = [&] {
-    CHECK_STATUS(kvmem::cuda::kvm_decode(exec, state, weights, TensorView<const bf16, 4>(q1.as<bf16>(), {B, H, 1, D}),
-                                         TensorView<const bf16, 4>(k1.as<bf16>(), {B, Hk, 1, D}),
-                                         TensorView<const bf16, 4>(v1.as<bf16>(), {B, Hk, 1, D}),
-                                         TensorView<const bf16, 3>(g1.as<bf16>(), {B, Hk, 1}),
-                                         TensorView<bf16, 4>(o1.as<bf16>(), {B, 1, H, D})));
+    CHECK_STATUS(kvmem::cuda::kvm_decode(
+        exec, state, weights, TensorView<const S, 4>(q1.as<S>(), {B, H, 1, D}),
+        TensorView<const S, 4>(k1.as<S>(), {B, Hk, 1, D}), TensorView<const S, 4>(v1.as<S>(), {B, Hk, 1, D}),
+        TensorView<const S, 3>(g1.as<S>(), {B, Hk, 1}), TensorView<S, 4>(o1.as<S>(), {B, 1, H, D})));
   };
   cudaEvent_t e_upd;
   CHECK_CUDA(cudaEventCreate(&e_upd));
@@ -143,9 +148,9 @@ Row run(const std::string& name, kvmem::budget::Any budget, std::int64_t B, std:
   row.decode_ms = ms / float(decode_tokens);
   row.update_ms = upd;
   CHECK_CUDA(cudaEventDestroy(e_upd));
-  // bytes read per token: every visible key and value row once per KV head (bf16)
+  // bytes read per token: every visible key and value row once per KV head (in the storage type)
   const double keys_per_token = double(state.slots() + p.window());
-  row.decode_gbps = keys_per_token * 2.0 * D * 2.0 * double(B * Hk) / (row.decode_ms * 1e-3) / 1e9;
+  row.decode_gbps = keys_per_token * 2.0 * D * double(kBytes) * double(B * Hk) / (row.decode_ms * 1e-3) / 1e9;
   if (graph) {
     // Replay one decode step (no update inside: the state stays mid-chunk) from a captured graph.
     prefill();
@@ -180,7 +185,7 @@ int main(int argc, char** argv) {
   std::vector<std::int64_t> tokens{4096, 8192, 16384, 32768};
   const char* json = nullptr;
   bool with_b1 = true, fast = false;
-  std::string only_budget;
+  std::string only_budget, storage = "bf16";
   for (int i = 1; i + 1 < argc; i += 2) {
     if (!std::strcmp(argv[i], "--batch"))
       B = std::atoll(argv[i + 1]);
@@ -196,6 +201,8 @@ int main(int argc, char** argv) {
       Hk = std::atoll(argv[i + 1]);
     else if (!std::strcmp(argv[i], "--json"))
       json = argv[i + 1];
+    else if (!std::strcmp(argv[i], "--storage"))
+      storage = argv[i + 1];
     else if (!std::strcmp(argv[i], "--tokens")) {
       tokens.clear();
       for (char* s = argv[i + 1]; *s;) {
@@ -210,6 +217,10 @@ int main(int argc, char** argv) {
       }
     }
   }
+  if (storage != "bf16" && storage != "fp32") {
+    std::fprintf(stderr, "kvmem_bench_kvm_cuda: --storage is bf16 or fp32, got '%s'\n", storage.c_str());
+    return 2;
+  }
   if (Hk == 0) Hk = H;
   if (Hk < 1 || H % Hk != 0) {
     std::fprintf(stderr, "kvmem_bench_kvm_cuda: --kv-heads must divide --heads (%lld), got %lld\n", (long long)H,
@@ -222,8 +233,9 @@ int main(int argc, char** argv) {
   }
   cudaDeviceProp prop;
   CHECK_CUDA(cudaGetDeviceProperties(&prop, 0));
-  std::printf("kvmem KVM CUDA benchmark on %s (%d SMs), bf16 storage, D=128, C=256, window 512\n", prop.name,
-              prop.multiProcessorCount);
+  std::printf("kvmem KVM CUDA benchmark on %s (%d SMs), %s storage, D=128, C=256, window 512\n", prop.name,
+              prop.multiProcessorCount, storage.c_str());
+  const auto run_one = storage == "fp32" ? run<float> : run<bf16>;
   std::FILE* out = json ? std::fopen(json, "a") : nullptr;
   std::printf("%-14s %3s %3s %3s %6s %6s %11s %11s %11s %9s %9s %9s\n", "budget", "B", "H", "Hk", "T", "slots",
               "prefill_ms", "decode_ms", "graph_ms", "TFLOP/s", "GB/s", "update_ms");
@@ -236,24 +248,24 @@ int main(int argc, char** argv) {
   for (const auto& nb : budgets)
     if (only_budget.empty() || only_budget == nb.name)
       for (auto T : tokens)
-        rows.push_back(run(std::string(nb.name) + (fast ? "+fast" : ""), nb.budget, B, H, Hk, T, false, fast));
+        rows.push_back(run_one(std::string(nb.name) + (fast ? "+fast" : ""), nb.budget, B, H, Hk, T, false, fast));
   for (const auto& nb : budgets)
     if (with_b1 && (only_budget.empty() || only_budget == nb.name))
       for (auto T : {tokens.front(), tokens.back()})
-        rows.push_back(run(std::string(nb.name) + (fast ? "+fast" : ""), nb.budget, 1, H, Hk, T, true, fast));
+        rows.push_back(run_one(std::string(nb.name) + (fast ? "+fast" : ""), nb.budget, 1, H, Hk, T, true, fast));
   for (const auto& r : rows) {
     std::printf("%-14s %3lld %3lld %3lld %6lld %6lld %11.3f %11.4f %11.4f %9.1f %9.0f %9.4f\n", r.budget.c_str(),
                 (long long)r.batch, (long long)r.heads, (long long)r.kv_heads, (long long)r.tokens, (long long)r.slots,
                 r.prefill_ms, r.decode_ms, r.decode_graph_ms, r.prefill_tflops, r.decode_gbps, r.update_ms);
     if (out)
-      std::fprintf(
-          out,
-          "{\"mechanism\":\"kvm\",\"budget\":\"%s\",\"B\":%lld,\"H\":%lld,\"Hk\":%lld,\"T\":%lld,\"slots\":%lld,"
-          "\"prefill_ms\":%.5f,\"decode_ms\":%.6f,\"decode_graph_ms\":%.6f,\"prefill_tflops\":%.3f,"
-          "\"decode_gbps\":%.1f,\"update_step_ms\":%.5f}\n",
-          r.budget.c_str(), (long long)r.batch, (long long)r.heads, (long long)r.kv_heads, (long long)r.tokens,
-          (long long)r.slots, r.prefill_ms, r.decode_ms, r.decode_graph_ms, r.prefill_tflops, r.decode_gbps,
-          r.update_ms);
+      std::fprintf(out,
+                   "{\"mechanism\":\"kvm\",\"storage\":\"%s\",\"budget\":\"%s\",\"B\":%lld,\"H\":%lld,\"Hk\":%lld,"
+                   "\"T\":%lld,\"slots\":%lld,"
+                   "\"prefill_ms\":%.5f,\"decode_ms\":%.6f,\"decode_graph_ms\":%.6f,\"prefill_tflops\":%.3f,"
+                   "\"decode_gbps\":%.1f,\"update_step_ms\":%.5f}\n",
+                   storage.c_str(), r.budget.c_str(), (long long)r.batch, (long long)r.heads, (long long)r.kv_heads,
+                   (long long)r.tokens, (long long)r.slots, r.prefill_ms, r.decode_ms, r.decode_graph_ms,
+                   r.prefill_tflops, r.decode_gbps, r.update_ms);
   }
   if (out) std::fclose(out);
   return 0;

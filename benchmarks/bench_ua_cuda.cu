@@ -10,7 +10,9 @@
 //
 //   kvmem_bench_ua_cuda [--batch 8] [--heads 16] [--kv-heads 4] [--tokens 4096,8192,16384]
 //                       [--dense-only 32768] [--pruned-only 1] [--skip-after-tiles N] [--item-group N]
-//                       [--gate-mean 1] [--json out.jsonl]
+//                       [--gate-mean 1] [--storage bf16|fp32] [--json out.jsonl]
+// --storage fp32: fp32 q, k, v and cache (the precision kvmem_bench_kokkos times, for a side-by-side
+//   comparison at the same shapes and call).
 // --dense-only T...: extra lengths where only the dense prefill runs once (one call, B sequences).
 // --skip-after-tiles N: UaCacheLimits::dense_skip_past_after_tiles (from which call length the dense prefill
 //   takes its kernel with the skip past the decay's reach; 0: always), to measure where it starts to pay.
@@ -44,7 +46,8 @@ using kvmem::bench::Buffer;
 using kvmem::bench::fill;
 
 // k / (||k|| + 1e-6), one warp per row (spec UA.md 2: normalised keys)
-__global__ void normalise_kernel(bf16* k, std::int64_t rows, std::int64_t D) {
+template <class S>
+__global__ void normalise_kernel(S* k, std::int64_t rows, std::int64_t D) {
   using kvmem::cuda::kWarpSize;
   const std::int64_t row = blockIdx.x * std::int64_t(blockDim.x / kWarpSize) + threadIdx.x / kWarpSize;
   if (row >= rows) return;
@@ -53,13 +56,13 @@ __global__ void normalise_kernel(bf16* k, std::int64_t rows, std::int64_t D) {
     ss += float(k[row * D + d]) * float(k[row * D + d]);
   for (int o = kWarpSize / 2; o > 0; o /= 2) ss += kvmem::cuda::warp_shfl_xor(ss, o);
   const float inv = 1.0f / (sqrtf(ss) + 1e-6f);
-  for (std::int64_t d = threadIdx.x % kWarpSize; d < D; d += kWarpSize)
-    k[row * D + d] = bf16(float(k[row * D + d]) * inv);
+  for (std::int64_t d = threadIdx.x % kWarpSize; d < D; d += kWarpSize) k[row * D + d] = S(float(k[row * D + d]) * inv);
 }
 
+template <class S>
 struct Inputs {  // [B,H,T,D] q, [B,G,T,D] k v, [B,G,T] gates; out [B,T,H,D]
   std::int64_t B, H, G, T, D;
-  Buffer<bf16> q, k, v;
+  Buffer<S> q, k, v;
   Buffer<float> zk, zq, out;
   Inputs(std::int64_t b, std::int64_t h, std::int64_t g, std::int64_t t, std::int64_t d, std::uint64_t seed,
          float gate_mean)
@@ -83,9 +86,9 @@ struct Inputs {  // [B,H,T,D] q, [B,G,T,D] k v, [B,G,T] gates; out [B,T,H,D]
     fill(zk.ptr, B * G * T, seed + 4, gate_mean, 1.5f);
     fill(zq.ptr, B * G * T, seed + 5, gate_mean, 1.5f);
   }
-  kvmem::cuda::UaInputs<bf16> slice(std::int64_t t0, std::int64_t t1) const {
+  kvmem::cuda::UaInputs<S> slice(std::int64_t t0, std::int64_t t1) const {
     const std::int64_t n = t1 - t0;
-    kvmem::cuda::UaInputs<bf16> in;
+    kvmem::cuda::UaInputs<S> in;
     in.q = {q.ptr + t0 * D, {B, H, n, D}, {H * T * D, T * D, D, 1}};
     in.k = {k.ptr + t0 * D, {B, G, n, D}, {G * T * D, T * D, D, 1}};
     in.v = {v.ptr + t0 * D, {B, G, n, D}, {G * T * D, T * D, D, 1}};
@@ -122,13 +125,15 @@ struct Timer {
   }
 };
 
-void reset_all(kvmem::cuda::UaCache<bf16>& cache, std::int64_t B) {
+template <class S>
+void reset_all(kvmem::cuda::UaCache<S>& cache, std::int64_t B) {
   for (std::int64_t b = 0; b < B; ++b) CHECK_STATUS(cache.reset_sequence(b, nullptr));
   std::vector<std::int64_t> len;
   CHECK_STATUS(cache.lengths(len, nullptr));  // tightens the host bound back to 0
 }
 
-double mean_length(kvmem::cuda::UaCache<bf16>& cache) {
+template <class S>
+double mean_length(kvmem::cuda::UaCache<S>& cache) {
   std::vector<std::int64_t> len;
   CHECK_STATUS(cache.lengths(len, nullptr));
   return double(std::accumulate(len.begin(), len.end(), std::int64_t(0))) / double(len.size());
@@ -179,6 +184,95 @@ std::vector<std::int64_t> parse_list(const char* s) {
   return v;
 }
 
+// The prefill / decode table of every length in `tokens` (and the dense-only lengths) in storage S.
+template <class S>
+bool run_all(std::int64_t B, std::int64_t H, std::int64_t G, std::int64_t D, const std::vector<std::int64_t>& tokens,
+             const std::vector<std::int64_t>& dense_only, bool pruned_only, const kvmem::cuda::UaCacheLimits& limits,
+             const kvmem::cuda::Executor& exec, const kvmem::cuda::Executor& graph_exec, cudaStream_t graph_stream,
+             FILE* js, std::int64_t decode_steps, float gate_mean) {
+  std::printf(
+      "| variant | B | T | p | gate mean | prefill ms | kept after prefill | decode ms/token | decode ms/token (graph) "
+      "| kept after decode | kept KV MB/token | GB/s (graph) |\n");
+  std::printf("|---|---|---|---|---|---|---|---|---|---|---|---|\n");
+  std::vector<std::pair<std::int64_t, bool>> runs;
+  for (auto T : tokens) runs.push_back({T, false});
+  for (auto T : dense_only) runs.push_back({T, true});
+  for (const auto& [T, only_dense] : runs) {
+    Inputs<S> in(B, H, G, T + decode_steps, D, 1234 + std::uint64_t(T), gate_mean);
+    kvmem::cuda::UaCache<S> cache;
+    CHECK_STATUS(kvmem::cuda::UaCache<S>::create({B, H, G, D, T + decode_steps, 16}, cache, limits));
+    Timer timer;
+    for (double p : {0.0, 0.05, 0.15}) {
+      if (only_dense && p > 0) break;
+      if (pruned_only && !only_dense && p == 0) continue;
+      const kvmem::ua::Options opt{p, 128, true};
+      const int reps = only_dense ? 1 : 3;
+      float prefill_ms = 1e30f;
+      for (int rep = 0; rep < reps + (only_dense ? 0 : 1); ++rep) {  // one warm-up unless dense-only
+        reset_all(cache, B);
+        timer.start();
+        CHECK_STATUS(kvmem::cuda::ua_prefill(exec, cache, in.slice(0, T), opt, in.out_slice(0, T)));
+        const float ms = timer.stop_ms();
+        if (rep > 0 || only_dense) prefill_ms = std::min(prefill_ms, ms);
+      }
+      const double kept_prefill = mean_length(cache) / double(T);
+      double decode_ms = 0, decode_graph_ms = 0, kept_decode = 0, bytes_per_token = 0;
+      if (p > 0) {
+        const double before = mean_length(cache);
+        timer.start();
+        for (std::int64_t t = T; t < T + decode_steps; ++t)
+          CHECK_STATUS(kvmem::cuda::ua_decode(exec, cache, in.slice(t, t + 1), opt, in.out_slice(t, t + 1)));
+        decode_ms = timer.stop_ms() / double(decode_steps);
+        std::vector<std::int64_t> plain_lengths;
+        CHECK_STATUS(cache.lengths(plain_lengths, nullptr));
+        const double after = mean_length(cache);
+        kept_decode = after / double(T + decode_steps);
+        // keys + values of the kept entries (storage type) of every (sequence, kv head), averaged over the steps
+        bytes_per_token = 0.5 * (before + after) * double(B * G) * 2.0 * double(D) * double(sizeof(S));
+        // the same 256 steps again from the same prefill, captured once and replayed as one graph
+        reset_all(cache, B);
+        CHECK_STATUS(kvmem::cuda::ua_prefill(exec, cache, in.slice(0, T), opt, in.out_slice(0, T)));
+        CHECK_CUDA(cudaDeviceSynchronize());
+        cudaGraph_t graph;
+        cudaGraphExec_t graph_run;
+        CHECK_CUDA(cudaStreamBeginCapture(graph_stream, cudaStreamCaptureModeThreadLocal));
+        for (std::int64_t t = T; t < T + decode_steps; ++t)
+          CHECK_STATUS(kvmem::cuda::ua_decode(graph_exec, cache, in.slice(t, t + 1), opt, in.out_slice(t, t + 1)));
+        CHECK_CUDA(cudaStreamEndCapture(graph_stream, &graph));
+        CHECK_CUDA(cudaGraphInstantiate(&graph_run, graph, 0));
+        CHECK_CUDA(cudaGraphUpload(graph_run, graph_stream));
+        CHECK_CUDA(cudaStreamSynchronize(graph_stream));
+        timer.start(graph_stream);
+        CHECK_CUDA(cudaGraphLaunch(graph_run, graph_stream));
+        decode_graph_ms = timer.stop_ms() / double(decode_steps);
+        CHECK_CUDA(cudaGraphExecDestroy(graph_run));
+        CHECK_CUDA(cudaGraphDestroy(graph));
+        std::vector<std::int64_t> graph_lengths;
+        CHECK_STATUS(cache.lengths(graph_lengths, graph_stream));
+        if (graph_lengths != plain_lengths) {
+          std::fprintf(stderr, "the graph replay kept other entries than the plain decode\n");
+          return false;
+        }
+      }
+      std::printf("| kvmem UA %s | %lld | %lld | %.2f | %g | %.3f | %.4f | %.4f | %.4f | %.4f | %.2f | %.0f |\n",
+                  p > 0 ? "pruned" : "dense", (long long)B, (long long)T, p, double(gate_mean), prefill_ms,
+                  kept_prefill, decode_ms, decode_graph_ms, kept_decode, bytes_per_token / 1e6,
+                  decode_graph_ms > 0 ? bytes_per_token / (decode_graph_ms * 1e6) : 0.0);
+      std::fflush(stdout);
+      if (js)
+        std::fprintf(js,
+                     "{\"storage\": \"%s\", \"B\": %lld, \"H\": %lld, \"G\": %lld, \"D\": %lld, \"T\": %lld, \"p\": "
+                     "%g, \"prefill_ms\": %.5f, "
+                     "\"kept_prefill\": %.6f, \"decode_ms\": %.6f, \"decode_graph_ms\": %.6f, \"kept_decode\": %.6f, "
+                     "\"kept_bytes\": %.0f, \"gate_mean\": %g}\n",
+                     sizeof(S) == 4 ? "fp32" : "bf16", (long long)B, (long long)H, (long long)G, (long long)D,
+                     (long long)T, p, prefill_ms, kept_prefill, decode_ms, decode_graph_ms, kept_decode,
+                     bytes_per_token, double(gate_mean));
+    }
+  }
+  return true;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -186,6 +280,7 @@ int main(int argc, char** argv) {
   std::vector<std::int64_t> tokens = {4096, 8192, 16384}, dense_only;
   const char* json = nullptr;
   bool pruned_only = false;
+  std::string storage = "bf16";
   float gate_mean = 1.0f;
   kvmem::cuda::UaCacheLimits limits;
   for (int i = 1; i + 1 < argc; i += 2) {
@@ -209,10 +304,16 @@ int main(int argc, char** argv) {
       gate_mean = float(std::atof(argv[i + 1]));
     else if (!std::strcmp(argv[i], "--json"))
       json = argv[i + 1];
+    else if (!std::strcmp(argv[i], "--storage"))
+      storage = argv[i + 1];
     else {
       std::fprintf(stderr, "unknown option %s\n", argv[i]);
       return 2;
     }
+  }
+  if (storage != "bf16" && storage != "fp32") {
+    std::fprintf(stderr, "kvmem_bench_ua_cuda: --storage is bf16 or fp32, got '%s'\n", storage.c_str());
+    return 2;
   }
   if (kvmem::cuda::device_count() == 0) {
     std::printf("SKIPPED: no CUDA device\n");
@@ -235,86 +336,11 @@ int main(int argc, char** argv) {
     std::printf("| <<<(%lld, %d), %d>>> (the decode launch's shape) | %.2f | %.2f |\n\n", (long long)(B * G), splits,
                 kvmem::cuda::ua_detail::kDecodeThreads, shaped.first, shaped.second);
   }
-  std::printf(
-      "| variant | B | T | p | gate mean | prefill ms | kept after prefill | decode ms/token | decode ms/token (graph) "
-      "| kept after decode | kept KV MB/token | GB/s (graph) |\n");
-  std::printf("|---|---|---|---|---|---|---|---|---|---|---|---|\n");
-  std::vector<std::pair<std::int64_t, bool>> runs;
-  for (auto T : tokens) runs.push_back({T, false});
-  for (auto T : dense_only) runs.push_back({T, true});
-  for (const auto& [T, only_dense] : runs) {
-    Inputs in(B, H, G, T + kDecodeSteps, D, 1234 + std::uint64_t(T), gate_mean);
-    kvmem::cuda::UaCache<bf16> cache;
-    CHECK_STATUS(kvmem::cuda::UaCache<bf16>::create({B, H, G, D, T + kDecodeSteps, 16}, cache, limits));
-    Timer timer;
-    for (double p : {0.0, 0.05, 0.15}) {
-      if (only_dense && p > 0) break;
-      if (pruned_only && !only_dense && p == 0) continue;
-      const kvmem::ua::Options opt{p, 128, true};
-      const int reps = only_dense ? 1 : 3;
-      float prefill_ms = 1e30f;
-      for (int rep = 0; rep < reps + (only_dense ? 0 : 1); ++rep) {  // one warm-up unless dense-only
-        reset_all(cache, B);
-        timer.start();
-        CHECK_STATUS(kvmem::cuda::ua_prefill(exec, cache, in.slice(0, T), opt, in.out_slice(0, T)));
-        const float ms = timer.stop_ms();
-        if (rep > 0 || only_dense) prefill_ms = std::min(prefill_ms, ms);
-      }
-      const double kept_prefill = mean_length(cache) / double(T);
-      double decode_ms = 0, decode_graph_ms = 0, kept_decode = 0, bytes_per_token = 0;
-      if (p > 0) {
-        const double before = mean_length(cache);
-        timer.start();
-        for (std::int64_t t = T; t < T + kDecodeSteps; ++t)
-          CHECK_STATUS(kvmem::cuda::ua_decode(exec, cache, in.slice(t, t + 1), opt, in.out_slice(t, t + 1)));
-        decode_ms = timer.stop_ms() / double(kDecodeSteps);
-        std::vector<std::int64_t> plain_lengths;
-        CHECK_STATUS(cache.lengths(plain_lengths, nullptr));
-        const double after = mean_length(cache);
-        kept_decode = after / double(T + kDecodeSteps);
-        // keys + values of the kept entries (bf16) of every (sequence, kv head), averaged over the steps
-        bytes_per_token = 0.5 * (before + after) * double(B * G) * 2.0 * double(D) * 2.0;
-        // the same 256 steps again from the same prefill, captured once and replayed as one graph
-        reset_all(cache, B);
-        CHECK_STATUS(kvmem::cuda::ua_prefill(exec, cache, in.slice(0, T), opt, in.out_slice(0, T)));
-        CHECK_CUDA(cudaDeviceSynchronize());
-        cudaGraph_t graph;
-        cudaGraphExec_t graph_run;
-        CHECK_CUDA(cudaStreamBeginCapture(graph_stream, cudaStreamCaptureModeThreadLocal));
-        for (std::int64_t t = T; t < T + kDecodeSteps; ++t)
-          CHECK_STATUS(kvmem::cuda::ua_decode(graph_exec, cache, in.slice(t, t + 1), opt, in.out_slice(t, t + 1)));
-        CHECK_CUDA(cudaStreamEndCapture(graph_stream, &graph));
-        CHECK_CUDA(cudaGraphInstantiate(&graph_run, graph, 0));
-        CHECK_CUDA(cudaGraphUpload(graph_run, graph_stream));
-        CHECK_CUDA(cudaStreamSynchronize(graph_stream));
-        timer.start(graph_stream);
-        CHECK_CUDA(cudaGraphLaunch(graph_run, graph_stream));
-        decode_graph_ms = timer.stop_ms() / double(kDecodeSteps);
-        CHECK_CUDA(cudaGraphExecDestroy(graph_run));
-        CHECK_CUDA(cudaGraphDestroy(graph));
-        std::vector<std::int64_t> graph_lengths;
-        CHECK_STATUS(cache.lengths(graph_lengths, graph_stream));
-        if (graph_lengths != plain_lengths) {
-          std::fprintf(stderr, "the graph replay kept other entries than the plain decode\n");
-          return 1;
-        }
-      }
-      std::printf("| kvmem UA %s | %lld | %lld | %.2f | %g | %.3f | %.4f | %.4f | %.4f | %.4f | %.2f | %.0f |\n",
-                  p > 0 ? "pruned" : "dense", (long long)B, (long long)T, p, double(gate_mean), prefill_ms,
-                  kept_prefill, decode_ms, decode_graph_ms, kept_decode, bytes_per_token / 1e6,
-                  decode_graph_ms > 0 ? bytes_per_token / (decode_graph_ms * 1e6) : 0.0);
-      std::fflush(stdout);
-      if (js)
-        std::fprintf(
-            js,
-            "{\"B\": %lld, \"H\": %lld, \"G\": %lld, \"D\": %lld, \"T\": %lld, \"p\": %g, \"prefill_ms\": %.5f, "
-            "\"kept_prefill\": %.6f, \"decode_ms\": %.6f, \"decode_graph_ms\": %.6f, \"kept_decode\": %.6f, "
-            "\"kept_bytes\": %.0f, \"gate_mean\": %g}\n",
-            (long long)B, (long long)H, (long long)G, (long long)D, (long long)T, p, prefill_ms, kept_prefill,
-            decode_ms, decode_graph_ms, kept_decode, bytes_per_token, double(gate_mean));
-    }
-  }
+  const bool ok = storage == "fp32" ? run_all<float>(B, H, G, D, tokens, dense_only, pruned_only, limits, exec,
+                                                     graph_exec, graph_stream, js, kDecodeSteps, gate_mean)
+                                    : run_all<bf16>(B, H, G, D, tokens, dense_only, pruned_only, limits, exec,
+                                                    graph_exec, graph_stream, js, kDecodeSteps, gate_mean);
   if (js) std::fclose(js);
   CHECK_CUDA(cudaStreamDestroy(graph_stream));
-  return 0;
+  return ok ? 0 : 1;
 }

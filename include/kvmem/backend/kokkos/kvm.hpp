@@ -10,9 +10,10 @@
 // novelty, rank selection, routing) and over slots (scatter, K^/V^ refresh), each token visiting the
 // slots in increasing order as on the host; then the window ring and initial slots (one thread); then the
 // segment's query rows over the team's threads (a row owns its online softmax and visits the same key
-// tiles as on the host). So results are bitwise equal to the host backend's and decode == prefill holds
-// exactly. |S| after an update is data independent (spec 3.1) and every thread computes it from the
-// budget, so no broadcast is needed.
+// tiles as on the host). So results are bitwise equal to the host backend's where the host compiler
+// builds the kernels (host spaces; a device compiler's FMA contraction and libm change the last bits,
+// docs/kokkos.md), and decode == prefill holds exactly on every space. |S| after an update is data independent
+// (spec 3.1) and every thread computes it from the budget, so no broadcast is needed.
 //
 // kvm::step (sequence slots, docs/slots.md) runs the same driver with one team per (row, KV head):
 // each team reads its row's slot and query_start and the slot's counters inside the kernel, so every
@@ -443,7 +444,7 @@ struct KvmCall {
   }
 
   // One query row r of the segment [t0, t1) of item (b, g): the state (if w > 0) and the causal
-  // window [w, t], in the host backend's tile order (bitwise equal results).
+  // window [w, t], in the host backend's tile order (bitwise equal results on host spaces).
   KOKKOS_INLINE_FUNCTION void attend_row(const kvm::ItemView<S, A>& it, const SeqRef& sq, std::int64_t g,
                                          std::int64_t n0, std::int64_t t0, std::int64_t w, std::int64_t S_cur,
                                          std::int64_t r) const {

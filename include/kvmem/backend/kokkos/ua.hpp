@@ -19,8 +19,9 @@
 // (spec UA.md 4.5: every chunk's eviction depends on the previous one). Inside an item the team's
 // threads share the work: the chunk's rows are appended one per thread, each block is attended by
 // team_attend_block (entries over the threads for the decay and bias tiles and λ, (head, row) pairs for
-// the online softmax, with the shared bodies of kernel/ua_*.hpp, bitwise equal to the host), decode's λ
-// update runs one entry per thread, and the in-order eviction scan runs on one thread. The block
+// the online softmax, with the shared bodies of kernel/ua_*.hpp, bitwise equal to the host on host
+// spaces, docs/kokkos.md), decode's λ update runs one entry per thread, and the in-order eviction scan
+// runs on one thread. The block
 // workspace (accumulators, running max/sum, decay and bias tiles) lives in team scratch: level 0 when it
 // fits the ~40 KB CUDA cap (DESIGN.md 4), else level 1. Lengths, positions and counters are read inside
 // the kernels. Only with exec.checked does one reduction check finiteness and capacity first and its
