@@ -1,8 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 """The PyTorch ops' refusals on CUDA tensors: every call here raises, with kvmem's message, the exception
-the CPU op raises, and changes nothing. Kept apart from test_ops_cuda.py (which shares its helpers and
-skips) so that a run can leave out the calls that raise where a torch build cannot raise from a custom op.
-Skipped, saying why, without a CUDA device or without the CUDA kernels in the op library."""
+the CPU op raises, and changes nothing. Uses the helpers and the skip of test_ops_cuda.py. Skipped,
+saying why, without a CUDA device or without the CUDA kernels in the op library."""
 
 import pytest
 import torch
