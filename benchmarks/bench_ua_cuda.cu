@@ -87,7 +87,7 @@ struct Inputs {  // [B,H,T,D] q, [B,G,T,D] k v, [B,G,T] gates; out [B,T,H,D]
     fill(zq.ptr, B * G * T, seed + 5, gate_mean, 1.5f);
   }
   kvmem::cuda::UaInputs<S> slice(std::int64_t t0, std::int64_t t1) const {
-    const std::int64_t n = t1 - t0;
+    [[maybe_unused]] const std::int64_t n = t1 - t0;  // used below; nvcc's front end misreports it (#177) here
     kvmem::cuda::UaInputs<S> in;
     in.q = {q.ptr + t0 * D, {B, H, n, D}, {H * T * D, T * D, D, 1}};
     in.k = {k.ptr + t0 * D, {B, G, n, D}, {G * T * D, T * D, D, 1}};
