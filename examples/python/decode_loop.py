@@ -30,6 +30,7 @@ same model with the heads sharded over ranks.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import math
 import subprocess
@@ -62,6 +63,8 @@ class Config:
     ua_p: float = 0.05
     ua_prefill_chunk: int = 16
     ua_capacity: int = 0  # kept rows per (slot, KV head); 0 = n_ctx
+    dense_backend: str = "flash"  # SDPA kernel of the dense cache on CUDA (SdpaCache.BACKENDS)
+    wait: bool = True  # kvmem steps wait for their verdict (False: the loop calls step_status itself)
     # scheduling
     prefill_chunk: int = 24
     row_bucket: int = 4
@@ -143,17 +146,48 @@ class DenseCache:
         return sum(t.numel() * t.element_size() for t in self.k + self.v if t is not None)
 
 
+def _sdpa_kernel(backend: str):
+    """A context-manager factory that restricts scaled_dot_product_attention to one backend (PyTorch 2.3
+    and later), or leaves PyTorch's choice for "auto"."""
+    if backend == "auto":
+        return contextlib.nullcontext
+    try:
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+    except ImportError as e:
+        raise ValueError(f"dense backend {backend}: choosing SDPA's kernel needs PyTorch 2.3 or later "
+                         f"(this is {torch.__version__}); use auto") from e
+    chosen = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION,
+              "efficient": SDPBackend.EFFICIENT_ATTENTION}[backend]
+    return lambda: sdpa_kernel(chosen)
+
+
 class SdpaCache:
     """The baseline on CUDA: a preallocated KV cache [max_slots, Hk, n_ctx, D] per layer, attended with
-    torch.nn.functional.scaled_dot_product_attention (FlashAttention, cuDNN or memory-efficient kernels
-    where they apply). Rows of consecutive slots at one length with as many tokens each are attended in
-    one call over a view of the cache: a decode step of slots 0..n-1 is one call."""
+    torch.nn.functional.scaled_dot_product_attention. Rows of consecutive slots at one length with as
+    many tokens each are attended in one call over a view of the cache: a decode step of slots 0..n-1 is
+    one call.
 
-    def __init__(self, max_slots: int, kv_heads: int, n_ctx: int, head_dim: int, device, dtype):
+    `backend` picks SDPA's kernel for decode steps and for causal prefills: "flash" (FlashAttention, the
+    default; it takes any key length without preparing anything per shape), "cudnn", "efficient", or
+    "auto" (PyTorch's own choice). PyTorch's cuDNN attention prepares an execution plan per distinct
+    shape, and a decode step has a new key length every step, so "auto" (which may pick cuDNN) pays a
+    plan build per layer and step: a cost a serving engine with a paged FlashAttention decode does not
+    pay. A chunk after cached tokens needs an explicit mask and takes PyTorch's choice."""
+
+    BACKENDS = ("flash", "cudnn", "efficient", "auto")
+
+    def __init__(self, max_slots: int, kv_heads: int, n_ctx: int, head_dim: int, device, dtype,
+                 backend: str = "flash"):
+        if backend not in self.BACKENDS:
+            raise ValueError(f"dense backend: expected one of {', '.join(self.BACKENDS)}, got {backend}")
         shape = (max_slots, kv_heads, n_ctx, head_dim)
-        self.k = torch.empty(shape, device=device, dtype=dtype)
-        self.v = torch.empty(shape, device=device, dtype=dtype)
+        # zeros, not empty: decode_at weighs the rows after pos[0] by exactly 0, which a NaN left in
+        # uninitialised memory would turn into NaN
+        self.k = torch.zeros(shape, device=device, dtype=dtype)
+        self.v = torch.zeros(shape, device=device, dtype=dtype)
         self.length = [0] * max_slots
+        self.kernel = _sdpa_kernel(backend)
+        self.masked_kernel = _sdpa_kernel("auto" if backend == "auto" else "efficient")
 
     def reset(self, slots: Sequence[int]) -> None:
         for s in slots:
@@ -162,19 +196,38 @@ class SdpaCache:
     def nbytes(self) -> int:
         return 2 * self.k.numel() * self.k.element_size()
 
-    @staticmethod
-    def _attend(q, K, V, past: int):
+    def _attend(self, q, K, V, past: int):
         """q [r, Hq, n, D] of tokens after `past` cached ones, over K, V [r, Hk, past + n, D]."""
         F = torch.nn.functional
         r, hq, n, d = q.shape
         hk = K.shape[1]
         if n == 1:  # decode: the rep query heads of a KV head are rep queries over its keys, no mask
-            return F.scaled_dot_product_attention(q.reshape(r, hk, hq // hk, d), K, V).reshape(r, hq, 1, d)
+            with self.kernel():
+                return F.scaled_dot_product_attention(q.reshape(r, hk, hq // hk, d), K, V).reshape(r, hq, 1, d)
         K, V = K.repeat_interleave(hq // hk, 1), V.repeat_interleave(hq // hk, 1)
         if past == 0:
-            return F.scaled_dot_product_attention(q, K, V, is_causal=True)
+            with self.kernel():
+                return F.scaled_dot_product_attention(q, K, V, is_causal=True)
         mask = torch.ones(n, past + n, dtype=torch.bool, device=q.device).tril(diagonal=past)
         return F.scaled_dot_product_attention(q, K, V, attn_mask=mask)
+
+    def decode_at(self, pos: torch.Tensor, q, k, v) -> torch.Tensor:
+        """One decode token of each slot 0..n-1, all at position pos[0], with no host-side state: the
+        rows are written at pos[0] and every slot attends over the whole n_ctx with the positions after
+        pos[0] masked (the memory-efficient kernel, which takes a mask), so a CUDA graph can capture it.
+        It reads n_ctx keys where `step` reads pos[0] + 1: the benchmark sizes n_ctx to the prompt plus
+        the decode steps, so the excess is at most the decode steps."""
+        F = torch.nn.functional
+        n, hq, d = q.shape
+        hk = k.shape[1]
+        at = pos[:1]
+        self.k[:n].index_copy_(2, at, k.view(n, hk, 1, d))
+        self.v[:n].index_copy_(2, at, v.view(n, hk, 1, d))
+        keys = torch.arange(self.k.shape[2], device=q.device)
+        mask = torch.zeros(self.k.shape[2], device=q.device, dtype=q.dtype).masked_fill(keys > at, float("-inf"))
+        with self.masked_kernel():
+            o = F.scaled_dot_product_attention(q.view(n, hk, hq // hk, d), self.k[:n], self.v[:n], attn_mask=mask)
+        return o.reshape(n, hq, d)
 
     def step(self, rows: Sequence[Tuple[int, int, int]], q, k, v) -> torch.Tensor:
         out = torch.zeros_like(q)
@@ -239,7 +292,7 @@ class Decoder:
             return kvmem.ua_create(*args, **kw)
         if c.mechanism == "dense":
             if torch.device(c.device).type == "cuda":
-                return SdpaCache(c.max_slots, self.hk, c.n_ctx, c.head_dim, c.device, c.dtype)
+                return SdpaCache(c.max_slots, self.hk, c.n_ctx, c.head_dim, c.device, c.dtype, c.dense_backend)
             return DenseCache(c.max_slots)
         raise ValueError(f"mechanism: expected kvm, ua or dense, got {c.mechanism}")
 
@@ -283,12 +336,13 @@ class Decoder:
         state = self.states[l]
         t0 = time.perf_counter()
         if c.mechanism == "kvm":
-            o, _ = kvmem.kvm_step(state, self.kvm_weights, slot, query_start, q, k, v, torch.sigmoid(zk))
+            o, _ = kvmem.kvm_step(state, self.kvm_weights, slot, query_start, q, k, v, torch.sigmoid(zk),
+                                  wait=c.wait)
         elif c.mechanism == "ua":
             o, _ = kvmem.ua_step(state, slot, query_start, q, k, v, zk, zq, p=c.ua_p,
-                                 prefill_chunk=c.ua_prefill_chunk)
+                                 prefill_chunk=c.ua_prefill_chunk, wait=c.wait)
         elif isinstance(state, SdpaCache):
-            o = state.step(rows, q, k, v)
+            o = state.step(rows, q, k, v) if rows is not None else state.decode_at(pos, q, k, v)
         else:
             o = state.step(slot, query_start, q, k, v)
         self.attention_seconds += time.perf_counter() - t0
@@ -297,9 +351,17 @@ class Decoder:
             torch.distributed.all_reduce(y, group=self.group)
         return y
 
+    def step_status(self) -> None:
+        """Raises what the device refused in steps that did not wait (kvmem.step_status per layer)."""
+        if not self.is_dense():
+            for s in self.states:
+                kvmem.step_status(s)
+
     def forward(self, tokens, pos, slot, query_start, last, rows=None) -> torch.Tensor:
         """Logits [len(last), vocab] of the tokens at indices `last` of the packed batch. `rows`: the
-        batch's (slot, first token, end token) on the host, for the dense cache on CUDA."""
+        batch's (slot, first token, end token) on the host, for the dense cache on CUDA; without them
+        the dense cache takes the batch as one decode token of each slot 0..n-1 at position pos[0]
+        (SdpaCache.decode_at, which a CUDA graph can capture)."""
         w = self.w
         x = w["embed"][tokens]
         for l in range(self.cfg.layers):
@@ -424,10 +486,13 @@ def _sync(device) -> None:
 
 
 def _bench_steps(model: Decoder, n_seq: int, prompt: int, decode_steps: int, chunk: int, step_tokens: int,
-                 seed: int):
+                 seed: int, graphs: bool = False):
     """All n_seq sequences admitted into slots 0..n_seq-1 at once, prefilled in chunks (at most
-    step_tokens tokens a step, whole chunks of as many sequences as fit), then decoded in lockstep.
-    Returns (prefill seconds, decode seconds, rows per prefill step, logits of the last decode step)."""
+    step_tokens tokens a step, whole chunks of as many sequences as fit), then decoded in lockstep:
+    decode_steps eager steps, or with `graphs` one eager step (untimed) and decode_steps replays of a
+    CUDA graph of the whole decode step (model, attention, next token), as an engine that captures its
+    decode per batch size runs it. Returns (prefill seconds, decode seconds, rows per prefill step,
+    logits of the last decode step)."""
     cfg, dev = model.cfg, model.cfg.device
     g = torch.Generator().manual_seed(seed)
     prompts = torch.randint(0, cfg.vocab, (n_seq, prompt), generator=g)
@@ -464,23 +529,41 @@ def _bench_steps(model: Decoder, n_seq: int, prompt: int, decode_steps: int, chu
             last_tok[done] = logits.argmax(-1)
     _sync(dev)
     t1 = time.perf_counter()
+    model.step_status()
     slot = torch.arange(n_seq, dtype=torch.int32, device=dev)
     qs = torch.arange(n_seq + 1, dtype=torch.int32, device=dev)
     rows = [(s, s, s + 1) for s in range(n_seq)]
     every = torch.arange(n_seq, dtype=torch.long, device=dev)
     logits = None
-    for i in range(decode_steps):
-        pos = torch.full((n_seq,), prompt + i, dtype=torch.long, device=dev)
-        logits = model.forward(last_tok, pos, slot, qs, every, rows=rows)
-        last_tok = logits.argmax(-1)
+    if graphs:
+        pos = torch.full((n_seq,), prompt, dtype=torch.long, device=dev)
+        logits = model.forward(last_tok, pos, slot, qs, every, rows=rows)  # warms every kernel up
+        tok, pos = logits.argmax(-1), pos + 1
+        model.step_status()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+            logits = model.forward(tok, pos, slot, qs, every)
+            tok.copy_(logits.argmax(-1))
+            pos.add_(1)
+        _sync(dev)
+        t2 = time.perf_counter()
+        for _ in range(decode_steps):
+            graph.replay()
+    else:
+        t2 = t1
+        for i in range(decode_steps):
+            pos = torch.full((n_seq,), prompt + i, dtype=torch.long, device=dev)
+            logits = model.forward(last_tok, pos, slot, qs, every, rows=rows)
+            last_tok = logits.argmax(-1)
     _sync(dev)
-    t2 = time.perf_counter()
-    return t1 - t0, t2 - t1, rows_per_step, None if logits is None else logits.float().cpu()
+    t3 = time.perf_counter()
+    model.step_status()
+    return t1 - t0, t3 - t2, rows_per_step, None if logits is None else logits.float().cpu()
 
 
 def bench(base: Config, sweep: Sequence[Tuple[int, int]], mechanisms: Sequence[str], decode_steps: int,
           chunk: int, step_tokens: int, dense_max_gib: float, ua_room: int = 2048, warmup: bool = True,
-          print_fn=print):
+          graphs: bool = False, print_fn=print):
     """The benchmark of record (see the module docstring). A Universal Attention slot keeps at most
     chunk + ua_room rows per KV head (what survives pruning plus the prompt chunk in flight; 0: n_ctx).
     Returns {(n_seq, prompt, mechanism): result}."""
@@ -488,14 +571,16 @@ def bench(base: Config, sweep: Sequence[Tuple[int, int]], mechanisms: Sequence[s
     results = {}
     print_fn(f"model: {base.layers} layers, d_model {base.d_model}, {base.q_heads} query / {base.kv_heads} KV heads "
              f"of {base.head_dim}, MLP {base.mlp}, vocab {base.vocab}; {base.device}, {str(base.dtype)[6:]}; "
-             f"prefill chunks of {chunk} tokens, at most {step_tokens} tokens a step; {decode_steps} decode steps")
+             f"prefill chunks of {chunk} tokens, at most {step_tokens} tokens a step; {decode_steps} decode steps"
+             f"{' replayed from a CUDA graph' if graphs else ' (eager)'}; "
+             f"dense: SDPA {'efficient, masked to n_ctx' if graphs else base.dense_backend}")
     print_fn(f"{'seqs':>5} {'prompt':>7} {'mechanism':<12} {'prefill tok/s':>14} {'decode tok/s':>13} "
              f"{'ms/step':>8} {'x dense':>8} {'cache MiB':>10} {'live/step (prefill, decode)':>28}")
     for n_seq, prompt in sweep:
         dense_rate = None
         for name in mechanisms:
-            cfg = dataclasses.replace(base, **BENCH_MECHANISMS[name], max_slots=n_seq, n_ctx=prompt + decode_steps,
-                                      prefill_chunk=chunk)
+            cfg = dataclasses.replace(base, **BENCH_MECHANISMS[name], max_slots=n_seq,
+                                      n_ctx=prompt + decode_steps + 1, prefill_chunk=chunk, wait=False)
             if cfg.mechanism == "ua" and ua_room > 0:
                 cfg.ua_capacity = min(cfg.n_ctx, chunk + ua_room)
             if cfg.mechanism == "dense":
@@ -511,8 +596,9 @@ def bench(base: Config, sweep: Sequence[Tuple[int, int]], mechanisms: Sequence[s
             # take with grouped queries); kvmem's states take the chunks an engine's token budget gives
             own_chunk = prompt if name == "dense" and torch.device(base.device).type == "cuda" else chunk
             if warmup:  # kernels, allocator, library heuristics: a short run at this batch shape
-                _bench_steps(model, n_seq, min(prompt, own_chunk), 2, own_chunk, step_tokens, seed=99)
-            pre, dec, rows, logits = _bench_steps(model, n_seq, prompt, decode_steps, own_chunk, step_tokens, seed=1)
+                _bench_steps(model, n_seq, min(prompt, own_chunk), 2, own_chunk, step_tokens, seed=99, graphs=graphs)
+            pre, dec, rows, logits = _bench_steps(model, n_seq, prompt, decode_steps, own_chunk, step_tokens, seed=1,
+                                                  graphs=graphs)
             prefill_rate, decode_rate = n_seq * prompt / pre, n_seq * decode_steps / max(dec, 1e-12)
             if name == "dense":
                 dense_rate = decode_rate
@@ -618,6 +704,10 @@ def main(argv=None):
                    help="UA capacity beyond the prefill chunk: kept rows a slot may hold (0: n_ctx)")
     b.add_argument("--dense-max-gib", type=float, default=80.0, help="skip dense where its KV cache needs more")
     b.add_argument("--no-warmup", action="store_true")
+    b.add_argument("--dense-backend", default="flash", choices=SdpaCache.BACKENDS,
+                   help="SDPA kernel of the dense cache's decode and causal prefill on CUDA")
+    b.add_argument("--graphs", action="store_true",
+                   help="decode from a CUDA graph of the whole step (CUDA), instead of eager steps")
     e = ap.add_argument_group("the Python path against the C++ engine (CPU)")
     e.add_argument("--compare-engine", metavar="PATH", help="kvmem-engine executable (examples/engine)")
     e.add_argument("--threads", type=int, default=2)
@@ -625,16 +715,19 @@ def main(argv=None):
     dtype = getattr(torch, a.dtype)
     shape = {k: v for k, v in dict(layers=a.layers, q_heads=a.heads, kv_heads=a.kv_heads, head_dim=a.head_dim,
                                    mlp=a.mlp, vocab=a.vocab, kvm_chunk=a.chunk).items() if v is not None}
+    if a.graphs and torch.device(a.device).type != "cuda":
+        ap.error("--graphs: CUDA graphs need --device cuda")
     if a.bench:
         # default: a Llama-style GQA attention (32 query heads over 8 KV heads of 128) in 2 layers with a
         # narrower MLP, so that the sweep's prefill of millions of tokens fits minutes on one GPU
         defaults = dict(layers=2, q_heads=32, kv_heads=8, head_dim=128, mlp=8192, vocab=32000, kvm_chunk=256,
                         ua_prefill_chunk=128)
         defaults.update(shape)
-        base = Config(**defaults, rope_dims=defaults["head_dim"] // 2, device=a.device, dtype=dtype)
+        base = Config(**defaults, rope_dims=defaults["head_dim"] // 2, device=a.device, dtype=dtype,
+                      dense_backend=a.dense_backend)
         sweep = [tuple(int(x) for x in item.split("x")) for item in a.sweep.split(",")]
         bench(base, sweep, a.mechanisms.split(","), a.decode_steps, a.prefill_chunk, a.step_tokens, a.dense_max_gib,
-              ua_room=a.ua_room, warmup=not a.no_warmup, print_fn=lambda *x: print(*x, flush=True))
+              ua_room=a.ua_room, warmup=not a.no_warmup, graphs=a.graphs, print_fn=lambda *x: print(*x, flush=True))
         return
     p, g = tuple(map(int, a.prompt.split(":"))), tuple(map(int, a.generate.split(":")))
     if a.compare_engine:

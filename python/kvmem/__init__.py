@@ -241,7 +241,7 @@ def ua_place(memory: torch.Tensor, workspace: torch.Tensor, max_slots: int, q_he
 
 def kvm_step(state: State, weights: KvmWeights, slot: torch.Tensor, query_start: torch.Tensor,
              q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gate: torch.Tensor, *,
-             exact: bool = False) -> Tuple[torch.Tensor, torch.Tensor]:
+             exact: bool = False, wait: bool = True) -> Tuple[torch.Tensor, torch.Tensor]:
     """One KV Means step over a ragged batch of sequence slots; returns ``(out, lse)``.
 
     Row r runs the tokens ``query_start[r]:query_start[r+1]`` of the sequence in ``slot[r]`` and
@@ -255,14 +255,17 @@ def kvm_step(state: State, weights: KvmWeights, slot: torch.Tensor, query_start:
     On CUDA every tensor is on the state's device and ``exact`` has no effect (the update rounds like
     the host's exact path; outputs equal it within float32 rounding). The device checks the rows; the
     op then reads the verdict back, which waits for the current stream, and raises like the CPU op.
-    Inside a CUDA graph capture it does not wait: call ``step_status`` after replays."""
-    return _ops.kvm_step(state, list(weights), slot, query_start, q, k, v, gate, exact)
+    With ``wait=False``, and inside a CUDA graph capture, it does not wait: a refused step changes
+    nothing and is raised by ``step_status`` or the next step that waits (a decode loop that keeps
+    the device busy calls ``step_status`` once per so many steps). On the CPU a step is checked
+    before it runs and raises at once, whatever ``wait`` says."""
+    return _ops.kvm_step(state, list(weights), slot, query_start, q, k, v, gate, exact, wait)
 
 
 def ua_step(state: State, slot: torch.Tensor, query_start: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
             v: torch.Tensor, z_k: torch.Tensor, z_q: torch.Tensor, z_o: Optional[torch.Tensor] = None, *,
             p: float = 0.0, prefill_chunk: int = 128,
-            evict_before_attention: bool = True) -> Tuple[torch.Tensor, torch.Tensor]:
+            evict_before_attention: bool = True, wait: bool = True) -> Tuple[torch.Tensor, torch.Tensor]:
     """One Universal Attention step over a ragged batch of sequence slots; returns ``(out, lse)``.
 
     A one-token row is a decode step, a longer row a chunked prefill (chunks of ``prefill_chunk``
@@ -275,10 +278,12 @@ def ua_step(state: State, slot: torch.Tensor, query_start: torch.Tensor, q: torc
 
     On CUDA every tensor is on the state's device, ``prefill_chunk`` is at most 128, and the op checks
     the rows and each slot's room on the host before it enqueues the step (reading the slots' lengths
-    waits for the current stream); inside a CUDA graph capture it checks nothing on the host: a row
-    without room is skipped (outputs zero) and its slot flagged, which ``step_status`` reports."""
+    waits for the current stream). With ``wait=False`` it checks shapes and options only, and inside a
+    CUDA graph capture nothing on the host: the device refuses bad rows (changing nothing), and a row
+    without room is skipped (outputs zero) and its slot flagged; ``step_status`` reports both. On the
+    CPU a step is checked before it runs and raises at once, whatever ``wait`` says."""
     return _ops.ua_step(state, slot, query_start, q, k, v, z_k, z_q, z_o, p, prefill_chunk,
-                        evict_before_attention)
+                        evict_before_attention, wait)
 
 
 def step_status(state: State) -> None:

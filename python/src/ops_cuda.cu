@@ -12,9 +12,10 @@
 //     current stream) and raises like the CPU op. ua_step checks on the host before it enqueues
 //     anything (rows, and room for every row, as the host backend does: this reads the slots' lengths,
 //     waiting for the current stream), then launches without waiting.
-//   - While the current stream is being captured into a CUDA graph, both steps skip those reads (they
-//     would break the capture): a captured step never waits. What the device refused during replays
-//     stays in the state; step_status(state) raises it, and so do the next eager steps.
+//   - While the current stream is being captured into a CUDA graph, or when called with wait=False, both
+//     steps skip those reads (they would break the capture, or stall a loop that keeps the device
+//     busy): such a step never waits. What the device refused stays in the state; step_status(state)
+//     raises it, and so do the next waiting steps.
 //   - The slot operations read their lists back (one wait each), as the C++ API does; export_slot,
 //     import_slot, truncate and the State methods tokens / export_bytes read the device and wait too.
 //   - kvm_place / ua_place wait for the current stream once: the state initialises its memory on a
@@ -215,7 +216,7 @@ class UaOnCuda final : public OnCuda<CudaUa<S>> {
     check(ua::truncate(executor(device_), *state_, static_cast<std::int32_t>(slot), n));
   }
   // The refusal the device kept since the last check, then the slots that ran out of room during
-  // captured steps (they stay flagged, and raise here, until reset_slots, copy_slots or import_slot).
+  // steps that did not wait (captured, or wait=False; they stay flagged, and raise here, until reset_slots, copy_slots or import_slot).
   void step_status() override {
     const c10::cuda::CUDAGuard guard(device_);
     const cuda::Executor exec = executor(device_);
@@ -226,7 +227,7 @@ class UaOnCuda final : public OnCuda<CudaUa<S>> {
     for (std::size_t b = 0; b < flags.size(); ++b)
       if (flags[b] != 0) slots += (slots.empty() ? "" : ", ") + std::to_string(b);
     TORCH_CHECK_INDEX(slots.empty(), "kvmem: out of range: cache capacity: slots [", slots,
-                      "] had no room for a row of a captured step: their rows were skipped (out and lse zero) and "
+                      "] had no room for a row of a step that did not wait: their rows were skipped (out and lse zero) and "
                       "they step no more until reset_slots, copy_slots or import_slot replaces them");
   }
 
@@ -304,7 +305,7 @@ void with_cuda_state(const Holder& h, const char* op, F&& f) {
 std::tuple<at::Tensor, at::Tensor> kvm_step(const Holder& h, const std::vector<at::Tensor>& weights,
                                             const at::Tensor& slot, const at::Tensor& query_start, const at::Tensor& q,
                                             const at::Tensor& k, const at::Tensor& v, const at::Tensor& gate,
-                                            bool /*exact*/) {
+                                            bool /*exact*/, bool wait) {
   constexpr const char* op = "kvm_step";
   return with_cuda_kvm(h, op, [&]<class S>(KvmOnCuda<S>& st) -> std::tuple<at::Tensor, at::Tensor> {
     const c10::Device dev = st.device();
@@ -318,7 +319,7 @@ std::tuple<at::Tensor, at::Tensor> kvm_step(const Holder& h, const std::vector<a
     const auto [qv, kv, vv, gv, ov] = t.views<S>();
     check(kvm::step(exec, state, KvmOnCuda<S>::device_weights(w), t.rows.rows(), qv, kv, vv, gv, ov,
                     view<float, 2>(t.lse)));
-    if (!capturing(exec.stream)) check(state.step_status(exec));
+    if (wait && !capturing(exec.stream)) check(state.step_status(exec));
     return t.result();
   });
 }
@@ -327,7 +328,7 @@ std::tuple<at::Tensor, at::Tensor> ua_step(const Holder& h, const at::Tensor& sl
                                            const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                            const at::Tensor& z_k, const at::Tensor& z_q,
                                            const c10::optional<at::Tensor>& z_o, double p, std::int64_t prefill_chunk,
-                                           bool evict_before_attention) {
+                                           bool evict_before_attention, bool wait) {
   constexpr const char* op = "ua_step";
   return with_cuda_ua(h, op, [&]<class S>(UaOnCuda<S>& st) {
     const c10::Device dev = st.device();
@@ -340,10 +341,10 @@ std::tuple<at::Tensor, at::Tensor> ua_step(const Holder& h, const at::Tensor& sl
     const ua::Options opt{p, prefill_chunk, evict_before_attention};
     const cuda::Executor exec = executor(dev);
     if (!capturing(exec.stream)) {
-      // the host's order: options and shapes, then the rows and the room they need
+      // the host's order: options and shapes, then the rows and the room they need (which waits)
       check(ua::detail::validate_options(opt));
       check(ua::detail::check_packed_step(cache.shape(), in, view<float, 3>(t.out), view<float, 2>(t.lse)));
-      st.check_before_step(t.rows, t.q.size(0), exec);
+      if (wait) st.check_before_step(t.rows, t.q.size(0), exec);
     }
     check(ua::step(exec, cache, t.rows.rows(), in, opt, view<float, 3>(t.out), view<float, 2>(t.lse)));
     return t.result();

@@ -304,6 +304,13 @@ def test_bad_inputs_raise_with_kvmems_message():
         step([0, 9], [3, 3])
     with pytest.raises(ValueError, match=r"slot\[1\]: expected a slot used by no earlier row"):
         step([0, 0], [3, 3])
+    with pytest.raises(ValueError, match=r"slot\[1\]: expected a slot used by no earlier row"):
+        s, qs = rows([0, 0], [3, 3])  # a CPU step is checked before it runs, whatever wait says
+        kvmem.kvm_step(state, w, s, qs, x["q"], x["k"], x["v"], x["gate"], wait=False)
+    with pytest.raises(IndexError, match=r"slot\[0\]: expected -1 \(padding\) or 0 <= slot < max_slots = 1"):
+        s, qs = rows([3], [2])
+        u = ua_inputs(2, 25)
+        kvmem.ua_step(kvmem.ua_create(1, HQ, HK, D, 8), s, qs, u["q"], u["k"], u["v"], u["z_k"], u["z_q"], wait=False)
     with pytest.raises(ValueError, match=r"q \[tokens,Hq,D\]"):
         step([0], [6], q=torch.randn(6, HQ + 1, D))
     with pytest.raises(ValueError, match="q: expected dtype Float, got Double"):

@@ -157,6 +157,30 @@ def test_a_refused_replay_is_reported_by_step_status():
     assert state.tokens(0) == 1 and state.tokens(1) == 1
 
 
+def test_a_step_that_does_not_wait_is_reported_by_step_status():
+    w = random_weights(41).to(CUDA)
+    state = kvm_state("cuda")
+    x = on(CUDA, kvm_inputs(2, 42))
+    slot = torch.tensor([1, 1], dtype=torch.int32, device=CUDA)  # two rows of one slot: refused on the device
+    qs = torch.arange(3, dtype=torch.int32, device=CUDA)
+    kvmem.kvm_step(state, w, slot, qs, **x, wait=False)  # returns without reading the verdict
+    with pytest.raises(ValueError, match=r"a step was refused on the device: .*slot\[\d\]: expected a slot used by"):
+        kvmem.step_status(state)
+    assert state.tokens(1) == 0
+    kvmem.kvm_step(state, w, slot[:1].contiguous(), qs[:2].contiguous(), x["q"][:1], x["k"][:1], x["v"][:1],
+                   x["gate"][:1], wait=False)
+    kvmem.step_status(state)  # a good step leaves nothing to report
+    assert state.tokens(1) == 1
+    # a UA row without room: skipped (outputs zero) and its slot flagged, reported by step_status
+    cache = kvmem.ua_create(2, UH, UG, UD, 4, device="cuda")
+    u = on(CUDA, ua_inputs(6, 43))
+    s, q6 = rows([0], [6])
+    out, _ = kvmem.ua_step(cache, s.to(CUDA), q6.to(CUDA), **u, wait=False)
+    with pytest.raises(IndexError, match=r"cache capacity: slots \[0\] had no room for a row of a step that did not wait"):
+        kvmem.step_status(cache)
+    assert cache.tokens(0) == 0 and bool((out == 0).all())
+
+
 def test_dtype_combinations_on_cuda_raise_like_on_the_cpu():
     with pytest.raises(ValueError, match="kvm_create: dtype: expected Float or BFloat16"):
         kvm_state("cuda", dtype=torch.float16)

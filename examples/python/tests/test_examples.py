@@ -139,8 +139,10 @@ def _plain_sdpa(q, k, v, attn_mask=None, is_causal=False):
     logits = q.float() @ k.float().transpose(-1, -2) / math.sqrt(q.shape[-1])
     if is_causal:
         attn_mask = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool).tril()
-    if attn_mask is not None:
+    if attn_mask is not None and attn_mask.dtype == torch.bool:
         logits = logits.masked_fill(~attn_mask, float("-inf"))
+    elif attn_mask is not None:
+        logits = logits + attn_mask.float()
     return (logits.softmax(-1) @ v.float()).to(q.dtype)
 
 
@@ -150,7 +152,7 @@ def test_the_sdpa_cache_attends_like_the_plain_dense_cache(monkeypatch):
     if not hasattr(torch.nn.functional, "scaled_dot_product_attention"):
         monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", _plain_sdpa, raising=False)
     hq, hk, d, slots = 4, 2, 8, 4
-    sdpa = decode_loop.SdpaCache(slots, hk, 64, d, "cpu", torch.float32)
+    sdpa = decode_loop.SdpaCache(slots, hk, 64, d, "cpu", torch.float32, backend="auto")
     plain = decode_loop.DenseCache(slots)
     g = torch.Generator().manual_seed(3)
     schedule = [[(0, 5), (1, 5), (2, 5), (-1, 0)],   # one group: first chunks of three slots
@@ -170,3 +172,21 @@ def test_the_sdpa_cache_attends_like_the_plain_dense_cache(monkeypatch):
         want = plain.step(torch.tensor(slot), torch.tensor(qs), q, k, v)
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
     assert sdpa.length == [11, 10, 10, 8]
+    # the graph-capturable decode: slots 0..3 at one length, no host-side lengths, masked to n_ctx
+    sdpa = decode_loop.SdpaCache(slots, hk, 16, d, "cpu", torch.float32, backend="auto")
+    plain = decode_loop.DenseCache(slots)
+    for n in (6, 1, 1):
+        q, k, v = (torch.randn(slots * n, h, d, generator=g) for h in (hq, hk, hk))
+        qs = [r * n for r in range(slots + 1)]
+        if n > 1:  # the prompts, through step()
+            sdpa.step([(s, qs[s], qs[s + 1]) for s in range(slots)], q, k, v)
+            got = None
+        else:
+            pos = torch.full((slots,), plain_len, dtype=torch.long)
+            got = sdpa.decode_at(pos, q, k, v)
+        want = plain.step(torch.arange(slots), torch.tensor(qs), q, k, v)
+        plain_len = 6 if n > 1 else plain_len + 1
+        if got is not None:
+            torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match="dense backend: expected one of flash, cudnn, efficient, auto, got x"):
+        decode_loop.SdpaCache(slots, hk, 16, d, "cpu", torch.float32, backend="x")
