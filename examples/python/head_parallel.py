@@ -10,7 +10,8 @@ MLP and samples the same tokens, so the scheduler needs no messages either.
 
     PYTHONPATH=build/release/python python3 examples/python/head_parallel.py --world 2
 
-gloo on CPUs; the same code runs NCCL where every rank has a GPU and the ops take CUDA tensors.
+``--device cpu`` (the default) runs gloo on CPUs; ``--device cuda`` runs NCCL with rank r on GPU r
+(the ops take CUDA tensors there), which needs ``--world`` GPUs.
 """
 
 from __future__ import annotations
@@ -29,9 +30,14 @@ import decode_loop  # noqa: E402
 
 
 def worker(rank: int, world: int, init_file: str, args, out_path: str) -> None:
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    device = "cpu"
+    if args.device == "cuda":
+        device = f"cuda:{rank}"
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if args.device == "cuda" else "gloo", init_method=f"file://{init_file}",
+                            rank=rank, world_size=world)
     torch.set_num_threads(1)
-    cfg = decode_loop.Config(mechanism=args.mechanism, max_slots=args.slots, n_ctx=args.n_ctx)
+    cfg = decode_loop.Config(mechanism=args.mechanism, max_slots=args.slots, n_ctx=args.n_ctx, device=device)
     if cfg.kv_heads % world:
         raise SystemExit(f"--world {world} must divide the {cfg.kv_heads} KV heads")
     per = cfg.kv_heads // world
@@ -60,8 +66,13 @@ def parse(argv=None):
     ap.add_argument("--prompt", default="8:60")
     ap.add_argument("--generate", default="4:16")
     ap.add_argument("--slots", type=int, default=4)
+    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
+                    help="cpu: gloo; cuda: NCCL, rank r on GPU r")
     ap.add_argument("--out", default=None, help="where rank 0 saves the results (torch.save)")
     a = ap.parse_args(argv)
+    if a.device == "cuda" and torch.cuda.device_count() < a.world:
+        ap.error(f"--device cuda --world {a.world}: needs {a.world} GPUs, this machine has "
+                 f"{torch.cuda.device_count()}")
     a.prompt, a.generate = tuple(map(int, a.prompt.split(":"))), tuple(map(int, a.generate.split(":")))
     a.n_ctx = a.prompt[1] + a.generate[1]
     return a

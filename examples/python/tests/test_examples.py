@@ -48,7 +48,8 @@ def test_decode_loop_serves_every_request_and_differs_from_dense_beyond_the_wind
 
 @pytest.mark.parametrize("mechanism", ["kvm", "ua"])
 def test_head_parallel_on_two_gloo_processes_equals_one_process(mechanism):
-    args = SimpleNamespace(mechanism=mechanism, slots=4, requests=5, prompt=(8, 60), generate=(4, 12), n_ctx=72)
+    args = SimpleNamespace(mechanism=mechanism, slots=4, requests=5, prompt=(8, 60), generate=(4, 12), n_ctx=72,
+                           device="cpu")
     single, _ = run_loop(mechanism, args.prompt, args.generate, requests=args.requests, max_slots=args.slots)
     with tempfile.TemporaryDirectory() as d:
         out = os.path.join(d, "results.pt")
