@@ -369,12 +369,14 @@ void check_route(int slots, std::uint32_t seed) {
   std::vector<float> ln_w(kD), ln_b(kD);
   for (float& x : ln_w) x = float(1.0 + 0.2 * nd(rng));
   for (float& x : ln_b) x = float(0.1 * nd(rng));
-  std::vector<float> khat32(std::size_t(slots) * kD);  // LN-like slot keys
+  // LN-like slot keys; the sink slot 0 four times longer: the largest dot of many tokens, which the
+  // novelty score takes and a route candidate may not
+  std::vector<float> khat32(std::size_t(slots) * kD);
   for (float& x : khat32) x = float(nd(rng));
+  for (int d = 0; d < kD; ++d) khat32[std::size_t(d)] *= 4.0f;
   std::vector<double> raw(std::size_t(kTokens) * kD), gate(kTokens);
   for (double& x : raw) x = round_bf16(2.0 * nd(rng));
   for (double& x : gate) x = double(float(ud(rng)));
-  // one token equal to a slot's direction, a clear winner
   std::vector<bf16> hi(std::size_t(slots) * kP, bf16(0.0f)), lo(std::size_t(slots) * kP, bf16(0.0f));
   for (int j = 0; j < slots; ++j)
     for (int d = 0; d < kD; ++d) {

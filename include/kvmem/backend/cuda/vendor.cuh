@@ -12,8 +12,8 @@
 // - The path switch: KVMEM_GPU_VENDOR_PATHS is 1 where the NVIDIA-only instruction paths are compiled
 //   (tensor cores: mma.sync, wgmma, ldmatrix; cp.async; thread-block clusters; programmatic dependent
 //   launch) and 0 on the portable path, which every kernel has: always under hipcc, and under nvcc with
-//   KVMEM_CUDA_PORTABLE defined to 1 (CMake option KVMEM_CUDA_PORTABLE), so the code hipcc compiles
-//   is the code an NVIDIA GPU can test.
+//   KVMEM_CUDA_PORTABLE defined to 1 (CMake option KVMEM_CUDA_PORTABLE), so the portable code hipcc
+//   compiles is the code an NVIDIA GPU can test.
 // - The AMD switch: KVMEM_GPU_MFMA_PATHS is 1 under hipcc, where the attention and routing tiles run on
 //   the matrix cores (MFMA, gfx90a and gfx94x: mfma_layout.hpp), unless KVMEM_HIP_PORTABLE is defined to
 //   1 (CMake option KVMEM_HIP_PORTABLE), which keeps every kernel on the portable path. Never 1 under nvcc.
