@@ -56,6 +56,15 @@ std::vector<bf16> bf16_rows(const std::vector<double>& x, int rows, int cols, in
   return out;
 }
 
+// The same values transposed, as AttendTile reads its value tile: out[c * pitch + r] = x[r][c], for
+// out_rows rows of `pitch` (zeros past the values).
+std::vector<bf16> bf16_transposed(const std::vector<double>& x, int rows, int cols, int pitch, int out_rows) {
+  std::vector<bf16> out(std::size_t(out_rows) * std::size_t(pitch), bf16(0.0f));
+  for (int r = 0; r < rows; ++r)
+    for (int c = 0; c < cols; ++c) out[std::size_t(c * pitch + r)] = bf16(float(x[std::size_t(r * cols + c)]));
+  return out;
+}
+
 }  // namespace
 
 // ---- the layout ---------------------------------------------------------------------------------------
@@ -148,7 +157,8 @@ namespace {
 // iff s < limit[c] (a window's causal mask; limit 0: no key), the output o / sum and lse against fp64.
 template <int kD, int kDv>
 void check_attend(int n, std::uint32_t seed) {
-  constexpr int kKP = kD + 4, kVP = kDv + 4;
+  using Tile = mfma::AttendTile<W, kD, kDv>;
+  constexpr int kKP = kD + 4, kVP = mfma::kTileKeys + 4;
   std::mt19937 rng(seed);
   std::normal_distribution<double> nd(0.0, 1.0);
   std::vector<double> q(32 * kD), k(std::size_t(n) * kD), v(std::size_t(n) * kDv);
@@ -160,14 +170,14 @@ void check_attend(int n, std::uint32_t seed) {
   const double scale = 1.3 / std::sqrt(double(kD));
   std::vector<bf16> qrows = bf16_rows(q, 32, kD, kD, 32);
 
-  mfma::AttendTile<W, kD, kDv> tile;
+  Tile tile;
   tile.begin([&](int c) -> const bf16* { return c == 7 ? nullptr : qrows.data() + c * kD; });
   for (int base = 0; base < n; base += mfma::kTileKeys) {
     const int cnt = std::min(mfma::kTileKeys, n - base);
     std::vector<double> kt(k.begin() + std::ptrdiff_t(base) * kD, k.begin() + std::ptrdiff_t(base + cnt) * kD);
     std::vector<double> vt(v.begin() + std::ptrdiff_t(base) * kDv, v.begin() + std::ptrdiff_t(base + cnt) * kDv);
     const std::vector<bf16> ks = bf16_rows(kt, cnt, kD, kKP, mfma::kTileKeys);
-    const std::vector<bf16> vs = bf16_rows(vt, cnt, kDv, kVP, mfma::kTileKeys);
+    const std::vector<bf16> vs = bf16_transposed(vt, cnt, kDv, kVP, Tile::kValueRows);
     tile.step(ks.data(), kKP, vs.data(), kVP, [&](int key, int col, float dot) {
       const bool visible = key < cnt && col != 7 && base + key < limit[std::size_t(col)];
       return visible ? float(scale) * dot : -std::numeric_limits<float>::infinity();
@@ -242,7 +252,7 @@ template <int kD>
 void check_ua_prefill(int r, int T, std::uint32_t seed) {
   using Set = kvmem::decay::Universal;
   namespace ref = kvmem::reference::ua;
-  constexpr int kKP = kD + 4, kAP = 32 + 4;
+  constexpr int kKP = kD + 4, kVP = mfma::kTileKeys + 4, kAP = 32 + 4;
   ref::Config cfg;
   cfg.B = 1;
   cfg.G = 1;
@@ -291,7 +301,7 @@ void check_ua_prefill(int r, int T, std::uint32_t seed) {
       std::vector<double> kv(in.k.begin() + std::ptrdiff_t(e0) * kD, in.k.begin() + std::ptrdiff_t(e0 + ne) * kD);
       std::vector<double> vv(in.v.begin() + std::ptrdiff_t(e0) * kD, in.v.begin() + std::ptrdiff_t(e0 + ne) * kD);
       const std::vector<bf16> ks = bf16_rows(kv, ne, kD, kKP, mfma::kTileKeys);
-      const std::vector<bf16> vs = bf16_rows(vv, ne, kD, kKP, mfma::kTileKeys);
+      const std::vector<bf16> vs = bf16_transposed(vv, ne, kD, kVP, mfma::AttendTile<W, kD, kD>::kValueRows);
       std::vector<float> at(std::size_t(mfma::kTileKeys * kAP), 0.0f);
       for (int blk = 0; blk < 2; ++blk)
         mfma::product_abt<W, kD>(ks.data() + blk * 32 * kKP, kKP, nk.data(), kKP, at.data() + blk * 32 * kAP, kAP);
@@ -313,7 +323,7 @@ void check_ua_prefill(int r, int T, std::uint32_t seed) {
             pos >= r0 ? 0.0f : lambda[std::size_t(pos)], pos, r0, col, nr, col, 1);
       }
       for (int w = 0; w < 4; ++w)
-        waves[std::size_t(w)].step(ks.data(), kKP, vs.data(), kKP, [&](int key, int c, float dot) {
+        waves[std::size_t(w)].step(ks.data(), kKP, vs.data(), kVP, [&](int key, int c, float dot) {
           const int i = (32 * w + c) % rt;
           const float bias = (i < nr && key < ne) ? at[std::size_t(key * kAP + i)] : -INFINITY;
           return bias == -INFINITY ? bias : dot + bias;

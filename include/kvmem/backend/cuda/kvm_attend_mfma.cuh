@@ -26,29 +26,19 @@ inline constexpr int kMfmaReadoutWaves = 4;
 inline constexpr int kMfmaReadoutThreads = mfma::kLanes * kMfmaReadoutWaves;
 inline constexpr int kMfmaReadoutRows = mfma::kN * kMfmaReadoutWaves;  // query rows per block
 
-// Shared memory: one key and one value tile, bf16 rows of kD + 8 (kDv + 8) elements: 16-byte rows for the
-// staging copies, 8-byte operands for the products. 34 KB at D = 128.
+// Shared memory: one key tile, bf16 rows of kD + 8 elements (16-byte rows for the staging copies, 8-byte
+// operands for the products), and one value tile transposed (AttendTile: [dim][key], rows past kDv
+// zero). 35 KB at D = 128.
 template <int kD, int kDv>
 struct MfmaReadoutLayout {
   static_assert(kD % 8 == 0 && kDv % 8 == 0, "the MFMA readout takes head dims that are multiples of 8");
-  static constexpr int kKPitch = kD + 8, kVPitch = kDv + 8;
+  static constexpr int kKPitch = kD + 8, kVPitch = mfma::kTileKeys + 4;
+  static constexpr int kVRows = mfma::AttendTile<mfma::DeviceWave, kD, kDv>::kValueRows;
   static constexpr std::size_t kK = 0;
   static constexpr std::size_t kV = std::size_t(mfma::kTileKeys) * kKPitch * 2;
-  static constexpr std::size_t kBytes = kV + std::size_t(mfma::kTileKeys) * kVPitch * 2;
+  static constexpr std::size_t kBytes = kV + std::size_t(kVRows) * kVPitch * 2;
   static_assert(kBytes <= 64 * 1024, "the MFMA readout's tiles fit a CDNA workgroup's shared memory");
 };
-
-// Rows [0, kTileKeys) of a tile: row s from row_of(s) (kDim bf16, 16-byte aligned) for s < n, zeros after.
-template <int kDim, class RowOf>
-__device__ inline void stage_readout_rows(bf16* dst, int pitch, int n, RowOf&& row_of) {
-  constexpr int kVec = kDim / 8;
-  for (int x = static_cast<int>(threadIdx.x); x < mfma::kTileKeys * kVec; x += kMfmaReadoutThreads) {
-    const int s = x / kVec, cv = x % kVec;
-    uint4 v = make_uint4(0u, 0u, 0u, 0u);
-    if (s < n) v = reinterpret_cast<const uint4*>(row_of(s))[cv];
-    *reinterpret_cast<uint4*>(dst + s * pitch + cv * 8) = v;
-  }
-}
 
 // Readout of rows [t0, t1) on the matrix cores: block rb of head bh = b*Hq + h holds rows t0 + rb *
 // kMfmaReadoutRows + [0, kMfmaReadoutRows); the row blocks of one head are adjacent in the grid (they read
@@ -74,6 +64,7 @@ __global__ void __launch_bounds__(kMfmaReadoutThreads)
   const std::int64_t wave_row0 = row0 + wave * mfma::kN;  // the row of query column 0 of this wavefront
   const float ls_state = st.scale * (st.head_temps ? st.tau_s[h] : 1.0f);
   const float ls_window = st.scale * (st.head_temps ? st.tau_w[h] : 1.0f);
+  mfma::zero_rows(vs, L::kVPitch, kDv, L::kVRows);  // never written again (published by the first barrier)
 
   mfma::AttendTile<W, kD, kDv> tile;
   tile.begin([&](int col) -> const In* {
@@ -92,11 +83,11 @@ __global__ void __launch_bounds__(kMfmaReadoutThreads)
     // window position p: ring row p mod W, or input row p - n0
     const auto window_row = [&](std::int64_t p) { return src.ring ? p % st.W : p - src.first; };
     __syncthreads();  // the previous tile is consumed
-    stage_readout_rows<kD>(ks, L::kKPitch, n, [&](int s) {
+    mfma::stage_rows<kD>(ks, L::kKPitch, mfma::kTileKeys, n, [&](int s) {
       return in_state ? src.khat + (item * st.cap + base + s) * kD
                       : src.wk + (item * src.rows + window_row(base + s)) * kD;
     });
-    stage_readout_rows<kDv>(vs, L::kVPitch, n, [&](int s) {
+    mfma::stage_transposed<kDv>(vs, L::kVPitch, mfma::kTileKeys, n, [&](int s) {
       return in_state ? src.vhat + (item * st.cap + base + s) * kDv
                       : src.wv + (item * src.rows + window_row(base + s)) * kDv;
     });

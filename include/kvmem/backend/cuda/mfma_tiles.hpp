@@ -13,14 +13,15 @@
 // registers and one exchange with the partner lane (xor32). Attention computes S^T = K Q^T (Q^T from
 // registers, loaded once), and O^T += V^T P^T, whose B operand P^T is the S^T accumulators themselves:
 // the accumulator registers 4 t .. 4 t + 3 of a lane are the keys 8 t + 4 q .. + 3 of its column, exactly
-// the elements k-step t of the B operand needs, so the weights never leave the lane.
+// the elements k-step t of the B operand needs, so the weights never leave the lane. Its A operand V^T is
+// read from a value tile stored transposed ([dim][key] rows), 4 consecutive keys a load.
 // Precision: bf16 operands, fp32 accumulation; the softmax weights are rounded to bf16 for P V (as the
 // NVIDIA tensor-core tiles and FlashAttention do), logits, the running max/sum and O stay fp32. The
 // online softmax is core/softmax.hpp's, the state the portable kernels carry.
 //
-// Memory: key, value and slot rows are read as bf16 rows `pitch` elements apart (shared memory on the
-// device); a row operand reads 4 consecutive elements, so rows start 8-byte aligned and the pitch is a
-// multiple of 4.
+// Memory: key, slot and transposed value rows are read as bf16 rows `pitch` elements apart (shared
+// memory on the device); a row operand reads 4 consecutive elements, so rows start 8-byte aligned and the
+// pitch is a multiple of 4.
 
 #include <cstdint>
 
@@ -37,19 +38,6 @@ namespace kvmem::cuda::mfma {
 KVMEM_HOST_DEVICE inline Operand row_operand(const bf16* rows, int pitch, int lane, int ks) {
   return operand_of(rows + lane_col(lane) * pitch + kK * ks + 4 * lane_half(lane));
 }
-// The A operand V^T of O^T += V^T P^T: A[i][k] = rows[k0 + k][c0 + i], the value rows read down a
-// column (lane: column c0 + lane_col, rows k0 + 4 q .. + 3); zero past column `cols` (a head dim that is
-// not a multiple of 32).
-KVMEM_HOST_DEVICE inline Operand column_operand(const bf16* rows, int pitch, int lane, int k0, int c0, int cols) {
-  Operand a{};
-  const int c = c0 + lane_col(lane);
-  if (c < cols) {
-    KVMEM_MFMA_UNROLL
-    for (int e = 0; e < kOperandElems; ++e) a[e] = static_cast<short>(rows[(k0 + operand_k(lane, e)) * pitch + c].bits);
-  }
-  return a;
-}
-
 // One 32 x 32 product of bf16 rows: out[i * out_pitch + j] = a_i . b_j over kD (fp32 accumulation) for
 // i, j < 32, where a_i and b_j are rows of `a` and `b`. The UA key/key similarity of an entry block and
 // the row tile's keys (spec UA.md 4.1 step 1).
@@ -84,6 +72,7 @@ struct AttendTile {
   static_assert(kD % kK == 0, "the MFMA attention tile takes key dims that are multiples of 8");
   static constexpr int kKSteps = kD / kK;
   static constexpr int kDvTiles = (kDv + 31) / 32;  // 32-row blocks of O^T, the last one partly used
+  static constexpr int kValueRows = kM * kDvTiles;  // rows of a transposed value tile (zeros past kDv)
   static constexpr int kKeyBlocks = kTileKeys / kM;
   template <class T>
   using Reg = typename W::template Reg<T>;
@@ -113,12 +102,13 @@ struct AttendTile {
     });
   }
 
-  // One key tile: keys [kTileKeys][k_pitch], values [kTileKeys][v_pitch] (bf16 rows; rows the walk does
-  // not use hold finite values, zeros in practice: a weight 0 times them must be 0).
+  // One key tile: keys [kTileKeys][k_pitch] and the values transposed, values_t [kValueRows][vt_pitch]
+  // (row d: dim d of keys 0 .. kTileKeys - 1; rows d >= kDv zero). bf16; the keys and values the walk does
+  // not use hold finite values, zeros in practice: a weight 0 times them must be 0.
   // logit(key, col, dot) -> the logit of key `key` (0 .. kTileKeys - 1) for column col from the raw q.k
   // dot, or -inf where the key is masked for that column.
   template <class Logit>
-  KVMEM_HOST_DEVICE void step(const bf16* keys, int k_pitch, const bf16* values, int v_pitch, Logit&& logit) {
+  KVMEM_HOST_DEVICE void step(const bf16* keys, int k_pitch, const bf16* values_t, int vt_pitch, Logit&& logit) {
     // S^T = K Q^T, two 32-key blocks
     Reg<Accum> s[kKeyBlocks];
     W::lanes([&](int l) {
@@ -182,7 +172,9 @@ struct AttendTile {
         KVMEM_MFMA_UNROLL
         for (int dt = 0; dt < kDvTiles; ++dt) {
           Reg<Operand> v;
-          W::lanes([&](int l) { W::at(v, l) = column_operand(values, v_pitch, l, kb * kM + kK * t, kM * dt, kDv); });
+          W::lanes([&](int l) {
+            W::at(v, l) = row_operand(values_t + kM * dt * vt_pitch, vt_pitch, l, kb * (kM / kK) + t);
+          });
           W::mma(o[dt], v, p);
         }
       }

@@ -16,7 +16,10 @@
 
 #include "kvmem/backend/cuda/vendor.cuh"
 
+#include <cstdint>
+
 #include "kvmem/backend/cuda/mfma_layout.hpp"
+#include "kvmem/core/numeric.hpp"
 
 #if KVMEM_GPU_MFMA_PATHS
 #if defined(__HIP_DEVICE_COMPILE__) && \
@@ -59,6 +62,41 @@ struct DeviceWave {
     return warp_shfl_xor(x, 32);
   }
 };
+
+// Staging of the tiles' shared-memory rows by a block's threads (16-byte vectors from global memory).
+// Rows [0, count) of dst (`pitch` elements apart): row s from src(s) (kDim bf16, 16-byte aligned) for
+// s < valid, zeros after.
+template <int kDim, class Src>
+__device__ inline void stage_rows(bf16* dst, int pitch, int count, int valid, Src&& src) {
+  constexpr int kVec = kDim / 8;
+  for (int x = static_cast<int>(threadIdx.x); x < count * kVec; x += static_cast<int>(blockDim.x)) {
+    const int s = x / kVec, cv = x % kVec;
+    uint4 v = make_uint4(0u, 0u, 0u, 0u);
+    if (s < valid) v = reinterpret_cast<const uint4*>(src(s))[cv];
+    *reinterpret_cast<uint4*>(dst + s * pitch + cv * 8) = v;
+  }
+}
+// The same rows transposed: element d of row s goes to dst[d * pitch + s] (AttendTile's value tile).
+template <int kDim, class Src>
+__device__ inline void stage_transposed(bf16* dst, int pitch, int count, int valid, Src&& src) {
+  constexpr int kVec = kDim / 8;
+  for (int x = static_cast<int>(threadIdx.x); x < count * kVec; x += static_cast<int>(blockDim.x)) {
+    const int s = x / kVec, cv = x % kVec;
+    uint4 v = make_uint4(0u, 0u, 0u, 0u);
+    if (s < valid) v = reinterpret_cast<const uint4*>(src(s))[cv];
+    const unsigned words[4] = {v.x, v.y, v.z, v.w};
+    KVMEM_MFMA_UNROLL
+    for (int j = 0; j < 4; ++j) {
+      dst[(cv * 8 + 2 * j) * pitch + s] = bf16::from_bits(static_cast<std::uint16_t>(words[j] & 0xffffu));
+      dst[(cv * 8 + 2 * j + 1) * pitch + s] = bf16::from_bits(static_cast<std::uint16_t>(words[j] >> 16));
+    }
+  }
+}
+// Rows [first, count) of dst set to zero (a transposed value tile's rows past the head dim).
+__device__ inline void zero_rows(bf16* dst, int pitch, int first, int count) {
+  for (int x = static_cast<int>(threadIdx.x); x < (count - first) * pitch; x += static_cast<int>(blockDim.x))
+    dst[first * pitch + x] = bf16::from_bits(0);
+}
 
 }  // namespace kvmem::cuda::mfma
 #endif  // KVMEM_GPU_MFMA_PATHS

@@ -39,37 +39,26 @@ __host__ __device__ inline bool mfma_group_ok(std::int64_t r) {
   return r == 4 || r == 8;
 }
 
-// Shared memory: key and value tiles, the row tile's keys (bf16 rows of kD + 8 elements: 16-byte rows for
-// the staging copies, 8-byte operands for the products), the decay tile [entry][row] (similarity -> A ->
-// Λ), and the gates and positions of the entries and rows. 52 KB at D = 128, inside the 64 KB of a CDNA
-// workgroup.
+// Shared memory: the key tile and the row tile's keys (bf16 rows of kD + 8 elements: 16-byte rows for the
+// staging copies, 8-byte operands for the products), the value tile transposed (AttendTile: [dim][entry],
+// rows past kD zero), the decay tile [entry][row] (similarity -> A -> Λ), and the gates and positions of
+// the entries and rows. 53 KB at D = 128, inside the 64 KB of a CDNA workgroup.
 template <int kD>
 struct UaMfmaLayout {
   static_assert(kD % 8 == 0, "the MFMA UA kernel takes head dims that are multiples of 8");
-  static constexpr int kKPitch = kD + 8;                                           // bf16
+  static constexpr int kKPitch = kD + 8;  // bf16
+  static constexpr int kVRows = mfma::AttendTile<mfma::DeviceWave, kD, kD>::kValueRows;
+  static constexpr int kVPitch = kEntryTile + 4;                                   // bf16
   static constexpr int kAPitch = kMfmaRows + 4;                                    // float
   static constexpr std::size_t kK = 0;                                             // [kEntryTile][kKPitch] keys
-  static constexpr std::size_t kV = kK + std::size_t(kEntryTile) * kKPitch * 2;    // values
-  static constexpr std::size_t kNK = kV + std::size_t(kEntryTile) * kKPitch * 2;   // [kMfmaRows][kKPitch]
+  static constexpr std::size_t kV = kK + std::size_t(kEntryTile) * kKPitch * 2;    // [kVRows][kVPitch] values
+  static constexpr std::size_t kNK = kV + std::size_t(kVRows) * kVPitch * 2;       // [kMfmaRows][kKPitch]
   static constexpr std::size_t kA = kNK + std::size_t(kMfmaRows) * kKPitch * 2;    // [kEntryTile][kAPitch]
   static constexpr std::size_t kPos = kA + std::size_t(kEntryTile) * kAPitch * 4;  // [kEntryTile] int64
   static constexpr std::size_t kMeta = kPos + std::size_t(kEntryTile) * 8;         // e_logit, e_part, r_logit, r_part
   static constexpr std::size_t kBytes = kMeta + std::size_t(2 * kEntryTile + 2 * kMfmaRows) * 4;
   static_assert(kBytes <= 64 * 1024, "the MFMA UA kernel's tiles fit a CDNA workgroup's shared memory");
 };
-
-// 16-byte rows [row0, row0 + count) of a tile: row i from src(i) (a bf16 row of kD elements, 16-byte
-// aligned) or zeros past `valid`, into rows of `pitch` elements.
-template <int kD, class Src>
-__device__ inline void stage_rows(bf16* dst, int pitch, int count, int valid, Src&& src) {
-  constexpr int kVec = kD / 8;
-  for (int x = static_cast<int>(threadIdx.x); x < count * kVec; x += static_cast<int>(blockDim.x)) {
-    const int i = x / kVec, cv = x % kVec;
-    uint4 v = make_uint4(0u, 0u, 0u, 0u);
-    if (i < valid) v = reinterpret_cast<const uint4*>(src(i))[cv];
-    *reinterpret_cast<uint4*>(dst + i * pitch + cv * 8) = v;
-  }
-}
 
 // grid (splits, I), block kMfmaThreads, dynamic smem UaMfmaLayout<kD>::kBytes. Same arguments and outputs
 // as chunk_attend_kernel; S is bf16, rows of q/k/v 16-byte aligned (checked by the launcher).
@@ -102,13 +91,14 @@ __global__ void __launch_bounds__(kMfmaThreads)
   const int wave = static_cast<int>(threadIdx.x) / mfma::kLanes;
   const bf16* in_k = a.k + b * a.k_b + g * a.k_g;
   const bf16* in_v = a.v + b * a.v_b + g * a.v_g;
+  mfma::zero_rows(vs, L::kVPitch, kD, L::kVRows);  // never written again (published by the first barrier)
 
   for (std::int64_t r0 = 0; r0 < rows; r0 += rt) {
     const int nr = static_cast<int>(rows - r0 < rt ? rows - r0 : rt);
     const std::int64_t m_last = first + r0 + nr - 1;
     __syncthreads();  // the previous row tile is fully consumed (nk, the row gates)
     // the row tile's keys (zeros past the chunk: their similarity rows are never read) and query-side gates
-    stage_rows<kD>(nk, L::kKPitch, kMfmaRows, nr, [&](int i) { return in_k + (t0 + r0 + i) * a.k_t; });
+    mfma::stage_rows<kD>(nk, L::kKPitch, kMfmaRows, nr, [&](int i) { return in_k + (t0 + r0 + i) * a.k_t; });
     load_row_gates(a, b, g, t0 + r0, nr, r_logit, r_part);
     // the wavefront's query columns: pair 32 wave + col
     mfma::AttendTile<W, kD, kD> tile;
@@ -130,8 +120,8 @@ __global__ void __launch_bounds__(kMfmaThreads)
         const std::int64_t idx = e0 + e;
         return idx < n ? c.values + c.row(item, idx) * D : in_v + (t0 + idx - n) * a.v_t;
       };
-      stage_rows<kD>(ks, L::kKPitch, kEntryTile, ne, key_row);
-      stage_rows<kD>(vs, L::kKPitch, kEntryTile, ne, value_row);
+      mfma::stage_rows<kD>(ks, L::kKPitch, kEntryTile, ne, key_row);
+      mfma::stage_transposed<kD>(vs, L::kVPitch, kEntryTile, ne, value_row);
       load_entry_meta(c, a, item, b, n, t0, first, e0, ne, e_logit, e_part, e_pos);
       __syncthreads();
       // similarity tile K NK^T [entries x rows] on the matrix cores: one 32-entry block per wavefront
@@ -157,7 +147,7 @@ __global__ void __launch_bounds__(kMfmaThreads)
       carry_lambda(c, a, item, n, first, r0, nr, e0, ne, e_pos, at, L::kAPitch);
       __syncthreads();
       // logits = q.k + Λ (scale 1), online softmax, O += P V
-      tile.step(ks, L::kKPitch, vs, L::kKPitch, [&](int key, int col, float dot) {
+      tile.step(ks, L::kKPitch, vs, L::kVPitch, [&](int key, int col, float dot) {
         const int i = (mfma::kN * wave + col) % rt;
         const float bias = (i < nr && key < ne) ? at[key * L::kAPitch + i] : negative_infinity<float>();
         return bias == negative_infinity<float>() ? bias : dot + bias;
