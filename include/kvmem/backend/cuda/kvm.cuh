@@ -796,7 +796,7 @@ Status launch_tc_scores(const Executor& exec, const DeviceState<bf16, float>& d,
   return d.route_terms == 1 ? launch_mfma_scores_as<64, 1, kMode>(exec, d, items, a, j0, j1)
                             : launch_mfma_scores_as<64, 3, kMode>(exec, d, items, a, j0, j1);
 }
-#endif  // KVMEM_GPU_VENDOR_PATHS
+#endif  // KVMEM_GPU_VENDOR_PATHS, KVMEM_GPU_MFMA_PATHS
 
 // Spec 4.5 on every item at once: U(tokens [a, a+C), N, avail) from `slots` slots. Returns the new |S|.
 // Host-known shape of one update: U(tokens [a, a+C)) from `slots` slots to `after` (spec 3.1).

@@ -61,7 +61,7 @@ struct DeviceState {
   std::int64_t cap, C, W, D, Dv, Hq, Hk, sink, rope_dims, max_splits;
   A eps, scale;
   bool merge_gate_keys, merge_gate_values, head_temps, value_radius, gate_appends, gate_initial;
-  bool tc_route;    // novelty and routing dots on the tensor cores (bf16 storage, D = 64 or 128, C % 16 == 0)
+  bool tc_route;    // novelty and routing dots on the tensor / matrix cores (bf16, D = 64 or 128, C % 16 == 0)
   int route_terms;  // 3: hi*hi + lo*hi + hi*lo (about fp32 accuracy); 1: hi*hi only (fast, flips near ties)
 
   __device__ std::int64_t rep() const { return Hq / Hk; }
