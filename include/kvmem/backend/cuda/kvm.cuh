@@ -50,6 +50,10 @@
 #include "kvmem/backend/cuda/kvm_attend_tc.cuh"
 #include "kvmem/backend/cuda/kvm_route_tc.cuh"
 #endif
+#if KVMEM_GPU_MFMA_PATHS
+#include "kvmem/backend/cuda/kvm_attend_mfma.cuh"
+#include "kvmem/backend/cuda/kvm_route_mfma.cuh"
+#endif
 #include "kvmem/backend/cuda/kvm_slots.cuh"
 #include "kvmem/core/arena.hpp"
 #include "kvmem/core/slots.hpp"
@@ -663,7 +667,7 @@ class KvmState {
       khat_copy_[r] = reinterpret_cast<S*>(base + o.copies[r]);
       vhat_copy_[r] = khat_copy_[r] + I * cap * D;  // [I, cap, D] keys, then [I, cap, Dv] values
     }
-    d.tc_route = kVendorPaths && kBf16 && (s.D == 64 || s.D == 128) && p.chunk % 16 == 0;
+    d.tc_route = kMatrixPaths && kBf16 && (s.D == 64 || s.D == 128) && p.chunk % 16 == 0;
     d.route_terms = 3;
     d.cap = cap_;
     d.C = p.chunk;
@@ -781,7 +785,18 @@ Status launch_tc_scores(const Executor& exec, const DeviceState<bf16, float>& d,
   return d.route_terms == 1 ? launch_tc_scores_as<64, 1, kMode>(exec, d, items, a, j0, j1)
                             : launch_tc_scores_as<64, 3, kMode>(exec, d, items, a, j0, j1);
 }
-#endif  // KVMEM_GPU_VENDOR_PATHS
+#elif KVMEM_GPU_MFMA_PATHS
+// The same pass on the AMD matrix cores (kvm_route_mfma.cuh).
+template <int kMode>
+Status launch_tc_scores(const Executor& exec, const DeviceState<bf16, float>& d, std::int64_t items, std::int64_t a,
+                        std::int64_t j0, std::int64_t j1) {
+  if (d.D == 128)
+    return d.route_terms == 1 ? launch_mfma_scores_as<128, 1, kMode>(exec, d, items, a, j0, j1)
+                              : launch_mfma_scores_as<128, 3, kMode>(exec, d, items, a, j0, j1);
+  return d.route_terms == 1 ? launch_mfma_scores_as<64, 1, kMode>(exec, d, items, a, j0, j1)
+                            : launch_mfma_scores_as<64, 3, kMode>(exec, d, items, a, j0, j1);
+}
+#endif  // KVMEM_GPU_VENDOR_PATHS, KVMEM_GPU_MFMA_PATHS
 
 // Spec 4.5 on every item at once: U(tokens [a, a+C), N, avail) from `slots` slots. Returns the new |S|.
 // Host-known shape of one update: U(tokens [a, a+C)) from `slots` slots to `after` (spec 3.1).
@@ -817,7 +832,7 @@ Status update_select(const Executor& exec, const DeviceState<S, A>& d, const kvm
   const unsigned tblock = token_block(C);
   if (n_app > 0) {
     if (tc) {
-#if KVMEM_GPU_VENDOR_PATHS
+#if KVMEM_GPU_VENDOR_PATHS || KVMEM_GPU_MFMA_PATHS
       if constexpr (std::is_same_v<S, bf16>)
         KVMEM_RETURN_IF_ERROR(launch_tc_scores<kRtNovelty>(exec, d, items, a, 0, slots));
 #endif
@@ -832,7 +847,7 @@ Status update_select(const Executor& exec, const DeviceState<S, A>& d, const kvm
   if (n_app < C) {
     if (tc) {
       // after appends only the new slots remain to be scanned (the novelty pass took the old ones)
-#if KVMEM_GPU_VENDOR_PATHS
+#if KVMEM_GPU_VENDOR_PATHS || KVMEM_GPU_MFMA_PATHS
       if constexpr (std::is_same_v<S, bf16>) {
         if (n_app > 0)
           KVMEM_RETURN_IF_ERROR(launch_tc_scores<kRtRouteNew>(exec, d, items, a, slots, after));
@@ -941,13 +956,14 @@ Status launch_copy_unrefreshed(const Executor& exec, const DeviceState<S, A>& d,
 
 // The prefill readout kernels of a call's shape: `rows`, the scalar kernel (head dims 64 and 128
 // keep each row's query and accumulator in registers, others use shared memory), and `tc`, the
-// tensor-core kernel for bf16 storage with head dims 128 or 64 (q.k and p.v on the tensor cores;
-// nullptr for other shapes), which a prefill takes when there is one.
+// tensor-core kernel for bf16 storage with head dims 128 or 64 (q.k and p.v on the tensor cores, or on
+// the matrix cores of an AMD GPU: kvm_attend_mfma.cuh; nullptr for other shapes), which a prefill takes
+// when there is one, with tc_threads threads and tc_rows query rows per block.
 template <class S, class A, class In, class Out>
 struct ReadoutKernels {
   using Rows = void (*)(DeviceState<S, A>, const In*, Out*, std::int64_t, std::int64_t, std::int64_t, std::int64_t,
                         std::int64_t, std::int64_t);
-#if KVMEM_GPU_VENDOR_PATHS
+#if KVMEM_GPU_VENDOR_PATHS || KVMEM_GPU_MFMA_PATHS
   using Tc = void (*)(DeviceState<bf16, float>, TcSources, const In*, Out*, std::int64_t, std::int64_t, std::int64_t,
                       std::int64_t, std::int64_t, std::int64_t);
 #else
@@ -957,6 +973,9 @@ struct ReadoutKernels {
   std::size_t rows_bytes = 0;
   Tc tc = nullptr;
   std::size_t tc_bytes = 0;
+  int tc_threads = 0;
+  std::int64_t tc_rows = 0;
+  const char* tc_name = "";
 
   explicit ReadoutKernels(const kvm::Shape& sh) : rows_bytes(attend_shared_bytes<0, 0>(sh.D, sh.Dv, sizeof(A))) {
     if (sh.D == 128 && sh.Dv == 128) {
@@ -975,6 +994,22 @@ struct ReadoutKernels {
         tc = attend_tc_kernel<In, Out, 64, 64>;
         tc_bytes = TcLayout<64, 64>::kBytes;
       }
+      tc_threads = kTcThreads;
+      tc_rows = kTcRows;
+      tc_name = "kvm attend_tc_kernel";
+    }
+#elif KVMEM_GPU_MFMA_PATHS
+    if constexpr (std::is_same_v<S, bf16>) {
+      if (sh.D == 128 && sh.Dv == 128) {
+        tc = attend_mfma_kernel<In, Out, 128, 128>;
+        tc_bytes = MfmaReadoutLayout<128, 128>::kBytes;
+      } else if (sh.D == 64 && sh.Dv == 64) {
+        tc = attend_mfma_kernel<In, Out, 64, 64>;
+        tc_bytes = MfmaReadoutLayout<64, 64>::kBytes;
+      }
+      tc_threads = kMfmaReadoutThreads;
+      tc_rows = kMfmaReadoutRows;
+      tc_name = "kvm attend_mfma_kernel";
     }
 #endif
   }
@@ -1241,10 +1276,10 @@ Status kvm_run(const Executor& exec, KvmState<S, A>& state, const KvmWeights& w,
         selected = true;
       }
       bool on_tensor_cores = false;
-#if KVMEM_GPU_VENDOR_PATHS
+#if KVMEM_GPU_VENDOR_PATHS || KVMEM_GPU_MFMA_PATHS
       if constexpr (std::is_same_v<S, bf16>) {
         if (readout.tc != nullptr) {
-          const std::int64_t grid = B * sh.Hq * ((t1 - t0 + kTcRows - 1) / kTcRows);
+          const std::int64_t grid = B * sh.Hq * ((t1 - t0 + readout.tc_rows - 1) / readout.tc_rows);
           TcSources src{d.khat, d.vhat, d.wk, d.wv, d.W, 0, true};
           cudaStream_t on = chain.stream;
           if constexpr (std::is_same_v<In, S>) {
@@ -1256,9 +1291,9 @@ Status kvm_run(const Executor& exec, KvmState<S, A>& state, const KvmWeights& w,
           } else if (detach) {  // a window that starts before this call: the ring, in chain order
             KVMEM_RETURN_IF_ERROR(chain_waits_aux(0));
           }
-          readout.tc<<<static_cast<unsigned>(grid), kTcThreads, readout.tc_bytes, on>>>(d, src, q.data(), out.data(), T,
-                                                                                        n0, t0, t1, wb, readout_slots);
-          KVMEM_CUDA_RETURN_IF_LAUNCH_FAILED("kvm attend_tc_kernel");
+          readout.tc<<<static_cast<unsigned>(grid), readout.tc_threads, readout.tc_bytes, on>>>(
+              d, src, q.data(), out.data(), T, n0, t0, t1, wb, readout_slots);
+          KVMEM_CUDA_RETURN_IF_LAUNCH_FAILED(readout.tc_name);
           if (reads_slots) {
             KVMEM_RETURN_IF_ERROR(record(pipe.read[state.live_copy_], exec.stream));
             copy_read[state.live_copy_] = true;

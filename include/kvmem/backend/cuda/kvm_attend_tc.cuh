@@ -106,18 +106,7 @@ struct TcSoftmax {
   }
 };
 
-// Where a readout finds its keys. The slots: the state's readout copies (khat, vhat). The window:
-// the ring (position p at row p mod W), or the call's own k/v inputs (position p at row p - n0),
-// which hold every window position of a chunk whose window starts inside the call.
-struct TcSources {
-  const bf16* khat;    // [I, cap, D]
-  const bf16* vhat;    // [I, cap, Dv]
-  const bf16* wk;      // ring [I, W, D] or inputs [I, T, D]
-  const bf16* wv;      // ring [I, W, Dv] or inputs [I, T, Dv]
-  std::int64_t rows;   // rows per item of wk, wv: W or T
-  std::int64_t first;  // inputs: the position of row 0 (n0)
-  bool ring;
-};
+// Where a readout finds its keys: TcSources (kvm_kernels.cuh).
 
 // The key tiles of a row block's walk, [state slots...][window...] in steps of kTcKeys, and their
 // copies into the tile buffers of layout L (starting at kv0) by all kTcThreads threads.

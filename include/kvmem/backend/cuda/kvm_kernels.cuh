@@ -61,7 +61,7 @@ struct DeviceState {
   std::int64_t cap, C, W, D, Dv, Hq, Hk, sink, rope_dims, max_splits;
   A eps, scale;
   bool merge_gate_keys, merge_gate_values, head_temps, value_radius, gate_appends, gate_initial;
-  bool tc_route;    // novelty and routing dots on the tensor cores (bf16 storage, D = 64 or 128, C % 16 == 0)
+  bool tc_route;    // novelty and routing dots on the tensor / matrix cores (bf16, D = 64 or 128, C % 16 == 0)
   int route_terms;  // 3: hi*hi + lo*hi + hi*lo (about fp32 accuracy); 1: hi*hi only (fast, flips near ties)
 
   __device__ std::int64_t rep() const { return Hq / Hk; }
@@ -1062,6 +1062,34 @@ __global__ void attend_rows_kernel(DeviceState<S, A> st, const In* q, Out* out, 
     for (std::int64_t d = lane; d < Dv; d += kLanesPerRow) orow[d] = store_as<Out>(as[row * (Dv + kRowPad) + d] * inv);
   }
 }
+
+// What a pass of the matrix-unit novelty and routing kernels (kvm_route_tc.cuh on NVIDIA,
+// kvm_route_mfma.cuh on AMD) computes (argmax: the first slot of the largest value, the host's
+// sequential scan). An update that appends scans the pre-update slots once: with g > 0, argmax_j kg .
+// K^+_j equals argmax_j k0 . K^+_j (spec 4.5), and merges change no slot before the routes are taken, so
+// the novelty pass also gives the best old slot of every token, and the routing pass then only scans the
+// appended slots (a handful per update once the state is large).
+enum RtMode : int {
+  kRtNovelty = 0,   // st.score[c] = max_{j in [j0, j1)} k0_c . K^_j (every slot, sink included), and the
+                    // route candidate st.rbest[c], st.target[c] = max, argmax_{j in [max(j0, sink), j1)}
+  kRtRoute = 1,     // no appends: for tokens with target != -1, st.target[c] = argmax_{j in [j0, j1)} kg_c . K^_j
+  kRtRouteNew = 2,  // after appends, slots [j0, j1) = the appended ones: for tokens with target != -1,
+                    // st.target[c] = that argmax of k0_c . K^+_j if its value exceeds st.rbest[c]
+};
+
+// Where a matrix-unit readout (kvm_attend_tc.cuh on NVIDIA, kvm_attend_mfma.cuh on AMD) finds its keys.
+// The slots: the state's readout copies (khat, vhat). The window: the ring (position p at row p mod W),
+// or the call's own k/v inputs (position p at row p - n0), which hold every window position of a chunk
+// whose window starts inside the call.
+struct TcSources {
+  const bf16* khat;    // [I, cap, D]
+  const bf16* vhat;    // [I, cap, Dv]
+  const bf16* wk;      // ring [I, W, D] or inputs [I, T, D]
+  const bf16* wv;      // ring [I, W, Dv] or inputs [I, T, Dv]
+  std::int64_t rows;   // rows per item of wk, wv: W or T
+  std::int64_t first;  // inputs: the position of row 0 (n0)
+  bool ring;
+};
 
 // One warp merges `parts` normalised partial results (po[p*Dv + d], log-sum-exp pl[p]) in order p =
 // 0, 1, ... into po[0, Dv) and returns the merged log-sum-exp: the exact merge of core/softmax.hpp

@@ -64,18 +64,7 @@ constexpr std::size_t rt_shared_bytes() {
   return ptx::shared_bytes_of_either_path(rt_swizzled_bytes<kD, kTerms>(), rt_padded_bytes<kD, kTerms>());
 }
 
-// What a pass computes (argmax: the first slot of the largest value, the host's sequential scan).
-// An update that appends scans the pre-update slots once: with g > 0, argmax_j kg . K^+_j equals
-// argmax_j k0 . K^+_j (spec 4.5), and merges change no slot before the routes are taken, so the
-// novelty pass also gives the best old slot of every token, and the routing pass then only scans
-// the appended slots (a handful per update once the state is large).
-enum RtMode : int {
-  kRtNovelty = 0,   // st.score[c] = max_{j in [j0, j1)} k0_c . K^_j (every slot, sink included), and the
-                    // route candidate st.rbest[c], st.target[c] = max, argmax_{j in [max(j0, sink), j1)}
-  kRtRoute = 1,     // no appends: for tokens with target != -1, st.target[c] = argmax_{j in [j0, j1)} kg_c . K^_j
-  kRtRouteNew = 2,  // after appends, slots [j0, j1) = the appended ones: for tokens with target != -1,
-                    // st.target[c] = that argmax of k0_c . K^+_j if its value exceeds st.rbest[c]
-};
+// What a pass computes: RtMode (kvm_kernels.cuh).
 
 // The token operands are built here, in the A fragment layout, from the keys of the update's tokens
 // [a, a + C): k0 = LN_s of the key, kg = g k0 (spec 4.2), no prepare pass and no hi/lo rows in memory.

@@ -66,7 +66,8 @@
 // A prefill with p = 0 (nothing is evicted) in bf16 with D in {64, 80, 128} and r in {4, 8} on a cache with
 // pool_pages = 0 (contiguous items) runs every row of the call in one pipelined tensor-core launch
 // (ua_dense_tc.cuh); every other prefill, and every
-// prefill row of a step, runs chunk by chunk (ua_kernels.cuh, ua_attend_tc.cuh).
+// prefill row of a step, runs chunk by chunk (ua_kernels.cuh, ua_attend_tc.cuh; on AMD GPUs every prefill,
+// whose bf16 chunks of those shapes take the matrix cores: ua_attend_mfma.cuh).
 //
 // Shapes and options are validated (messages name the argument); values (NaN/Inf) are the caller's
 // precondition here, as on the CUDA KVM path: checking them would cost a device-to-host round trip.
@@ -85,6 +86,9 @@
 #include "kvmem/backend/cuda/common.cuh"
 #if KVMEM_GPU_VENDOR_PATHS
 #include "kvmem/backend/cuda/ua_attend_tc.cuh"
+#endif
+#if KVMEM_GPU_MFMA_PATHS
+#include "kvmem/backend/cuda/ua_attend_mfma.cuh"
 #endif
 #include "kvmem/backend/cuda/ua_dense_tc.cuh"
 #include "kvmem/backend/cuda/ua_kernels.cuh"
@@ -748,9 +752,9 @@ struct ChunkKernel {
   int threads;
 };
 
-// Tensor cores for bf16 with D in {64, 80, 128} and r in {4, 8} (the paper's shapes), else the CUDA-core
-// kernel, whose lanes hold ceil(D / 4) dims each (four ranges). Chosen once per call: every chunk of a
-// call has the same inputs, head dim and group size.
+// Tensor cores (matrix cores on AMD) for bf16 with D in {64, 80, 128} and r in {4, 8} (the paper's shapes), else the
+// CUDA-core kernel, whose lanes hold ceil(D / 4) dims each (four ranges). Chosen once per call: every chunk of a call
+// has the same inputs, head dim and group size.
 template <class Set, class S>
 ChunkKernel<S> chunk_kernel_for(const UaInputs<S>& in, std::int64_t D, std::int64_t r) {
 #if KVMEM_GPU_VENDOR_PATHS
@@ -759,6 +763,14 @@ ChunkKernel<S> chunk_kernel_for(const UaInputs<S>& in, std::int64_t D, std::int6
       if (D == 64) return {chunk_attend_tc_kernel<Set, 64>, UaTcLayout<64>::kBytes, 32 * kTcWarps};
       if (D == 80) return {chunk_attend_tc_kernel<Set, 80>, UaTcLayout<80>::kBytes, 32 * kTcWarps};
       if (D == 128) return {chunk_attend_tc_kernel<Set, 128>, UaTcLayout<128>::kBytes, 32 * kTcWarps};
+    }
+  }
+#elif KVMEM_GPU_MFMA_PATHS
+  if constexpr (std::is_same_v<S, bf16>) {
+    if (mfma_group_ok(r) && tc_aligned(in)) {
+      if (D == 64) return {chunk_attend_mfma_kernel<Set, 64>, UaMfmaLayout<64>::kBytes, kMfmaThreads};
+      if (D == 80) return {chunk_attend_mfma_kernel<Set, 80>, UaMfmaLayout<80>::kBytes, kMfmaThreads};
+      if (D == 128) return {chunk_attend_mfma_kernel<Set, 128>, UaMfmaLayout<128>::kBytes, kMfmaThreads};
     }
   }
 #else
@@ -1064,6 +1076,14 @@ ChunkKernel<S> step_chunk_kernel_for(const ua::PackedInputsOf<S>& in, std::int64
       if (D == 64) return {chunk_attend_tc_kernel<Set, 64>, UaTcLayout<64>::kBytes, 32 * kTcWarps};
       if (D == 80) return {chunk_attend_tc_kernel<Set, 80>, UaTcLayout<80>::kBytes, 32 * kTcWarps};
       if (D == 128) return {chunk_attend_tc_kernel<Set, 128>, UaTcLayout<128>::kBytes, 32 * kTcWarps};
+    }
+  }
+#elif KVMEM_GPU_MFMA_PATHS
+  if constexpr (std::is_same_v<S, bf16>) {
+    if (mfma_group_ok(r) && rows_16byte_aligned(in.q) && rows_16byte_aligned(in.k) && rows_16byte_aligned(in.v)) {
+      if (D == 64) return {chunk_attend_mfma_kernel<Set, 64>, UaMfmaLayout<64>::kBytes, kMfmaThreads};
+      if (D == 80) return {chunk_attend_mfma_kernel<Set, 80>, UaMfmaLayout<80>::kBytes, kMfmaThreads};
+      if (D == 128) return {chunk_attend_mfma_kernel<Set, 128>, UaMfmaLayout<128>::kBytes, kMfmaThreads};
     }
   }
 #else

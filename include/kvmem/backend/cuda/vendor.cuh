@@ -12,8 +12,11 @@
 // - The path switch: KVMEM_GPU_VENDOR_PATHS is 1 where the NVIDIA-only instruction paths are compiled
 //   (tensor cores: mma.sync, wgmma, ldmatrix; cp.async; thread-block clusters; programmatic dependent
 //   launch) and 0 on the portable path, which every kernel has: always under hipcc, and under nvcc with
-//   KVMEM_CUDA_PORTABLE defined to 1 (CMake option KVMEM_CUDA_PORTABLE), so the code hipcc compiles
-//   is the code an NVIDIA GPU can test.
+//   KVMEM_CUDA_PORTABLE defined to 1 (CMake option KVMEM_CUDA_PORTABLE), so the portable code hipcc
+//   compiles is the code an NVIDIA GPU can test.
+// - The AMD switch: KVMEM_GPU_MFMA_PATHS is 1 under hipcc, where the attention and routing tiles run on
+//   the matrix cores (MFMA, gfx90a and gfx94x: mfma_layout.hpp), unless KVMEM_HIP_PORTABLE is defined to
+//   1 (CMake option KVMEM_HIP_PORTABLE), which keeps every kernel on the portable path. Never 1 under nvcc.
 
 #if defined(__HIPCC__) || defined(__HIP_PLATFORM_AMD__)
 #define KVMEM_GPU_HIP 1
@@ -27,6 +30,12 @@
 #define KVMEM_GPU_VENDOR_PATHS 0
 #else
 #define KVMEM_GPU_VENDOR_PATHS 1
+#endif
+
+#if KVMEM_GPU_HIP && !(defined(KVMEM_HIP_PORTABLE) && KVMEM_HIP_PORTABLE)
+#define KVMEM_GPU_MFMA_PATHS 1
+#else
+#define KVMEM_GPU_MFMA_PATHS 0
 #endif
 
 #include <cstdint>
@@ -115,6 +124,10 @@ static_assert(int(sizeof(LaneMask)) * 8 == kWarpSize, "one LaneMask bit per lane
 inline constexpr LaneMask kFullWarp = ~LaneMask(0);
 // Whether the NVIDIA-only instruction paths are compiled (KVMEM_GPU_VENDOR_PATHS), for host dispatch.
 inline constexpr bool kVendorPaths = KVMEM_GPU_VENDOR_PATHS != 0;
+// Whether the AMD matrix-core tiles are compiled (KVMEM_GPU_MFMA_PATHS), for host dispatch; the shapes
+// they take are those of the NVIDIA tensor-core kernels, so a dispatch tests kMatrixPaths for both.
+inline constexpr bool kMfmaPaths = KVMEM_GPU_MFMA_PATHS != 0;
+inline constexpr bool kMatrixPaths = kVendorPaths || kMfmaPaths;
 
 // Shuffles over every lane of a warp (all lanes must reach them); `width` splits the warp into
 // independent groups of that many lanes, as CUDA's and HIP's own shuffles do.
