@@ -215,8 +215,9 @@ class UaOnCuda final : public OnCuda<CudaUa<S>> {
     const c10::cuda::CUDAGuard guard(device_);
     check(ua::truncate(executor(device_), *state_, static_cast<std::int32_t>(slot), n));
   }
-  // The refusal the device kept since the last check, then the slots that ran out of room during
-  // steps that did not wait (captured, or wait=False; they stay flagged, and raise here, until reset_slots, copy_slots or import_slot).
+  // The refusal the device kept since the last check, then the slots that ran out of room during steps
+  // that did not wait (captured, or wait=False; they stay flagged, and raise here, until reset_slots,
+  // copy_slots or import_slot).
   void step_status() override {
     const c10::cuda::CUDAGuard guard(device_);
     const cuda::Executor exec = executor(device_);
@@ -226,9 +227,10 @@ class UaOnCuda final : public OnCuda<CudaUa<S>> {
     std::string slots;
     for (std::size_t b = 0; b < flags.size(); ++b)
       if (flags[b] != 0) slots += (slots.empty() ? "" : ", ") + std::to_string(b);
-    TORCH_CHECK_INDEX(slots.empty(), "kvmem: out of range: cache capacity: slots [", slots,
-                      "] had no room for a row of a step that did not wait: their rows were skipped (out and lse zero) and "
-                      "they step no more until reset_slots, copy_slots or import_slot replaces them");
+    TORCH_CHECK_INDEX(
+        slots.empty(), "kvmem: out of range: cache capacity: slots [", slots,
+        "] had no room for a row of a step that did not wait: their rows were skipped (out and lse zero) and "
+        "they step no more until reset_slots, copy_slots or import_slot replaces them");
   }
 
   // What the host backend checks before a step changes anything, for an uncaptured step: the rows,
