@@ -1455,9 +1455,21 @@ __host__ __device__ inline bool vector_decode_ok(std::int64_t D, std::int64_t r,
   return (D * std::int64_t(elem)) % 16 == 0 && (r == 4 || r == 8);
 }
 // Rows a row group of decode_split_rows takes per step: every load of them is in flight together. Two
-// keep the pass within the registers that let two blocks share a multiprocessor at r = 4
-// (decode_attend_kernel's launch bounds).
+// keep the pass within the registers that let two blocks share a multiprocessor at r = 4 with one vector
+// per lane (decode_min_blocks).
 inline constexpr int kRowsInFlight = 2;
+// 16-byte vectors a lane of decode_split_rows holds of a row of D <= 8 kDpl elements of S.
+template <class S, int kDpl>
+__host__ __device__ constexpr int vectors_per_lane() {
+  return (kDpl * int(sizeof(S)) + 31) / 32;
+}
+// Resident blocks decode_attend_kernel asks its registers to allow: two for the vector-row pass at r = 4
+// with one vector per lane (bf16 and fp16 rows up to D 128, fp32 up to D 64; a step of many items runs in
+// half the waves), one otherwise, where two would spill the pass's accumulators.
+template <class S, int kDpl, int kR>
+__host__ __device__ constexpr int decode_min_blocks() {
+  return kR == 4 && vectors_per_lane<S, kDpl>() == 1 ? 2 : 1;
+}
 // Shared memory of decode_split_rows: the new token's key and value rows, the group's queries (fp32), then
 // the warps' states.
 __host__ __device__ inline std::size_t split_rows_smem_bytes(std::int64_t D, std::int64_t r, std::size_t elem) {
@@ -1802,7 +1814,7 @@ template <class Set, class S, int kDpl, int kR>
 __device__ inline int decode_part(const DeviceCache<S>& c, const DeviceCall<S>& a, std::int64_t item, std::int64_t b,
                                   std::int64_t n, int split, Range range, const MovePlan* plan, unsigned char* smem) {
   if constexpr (kR != 0) {
-    constexpr int kVpl = (kDpl * int(sizeof(S)) + 31) / 32;  // 16-byte vectors per lane of a D <= 8 kDpl row
+    constexpr int kVpl = vectors_per_lane<S, kDpl>();
     return decode_split_rows<Set, S, kVpl, kR, kRowsInFlight>(c, a, item, b, n, split, range, plan, smem);
   } else {
     return decode_split<Set, S, kDpl>(c, a, item, b, n, split, range, plan, reinterpret_cast<float*>(smem));
@@ -1886,13 +1898,15 @@ __device__ inline bool decode_item(const DeviceCache<S>& c, const DeviceCall<S>&
   return true;
 }
 // grid (I or rows * G, splits), block kDecodeThreads, dynamic smem decode_kernel_smem_bytes<S>(D, r, kR != 0).
-// The vector-row pass at r = 4 fits two resident blocks per multiprocessor (kRowsInFlight), which also
-// doubles the one-block pass's residency in this kernel.
+// Two resident blocks per multiprocessor where the vector-row pass fits them (decode_min_blocks), which
+// also doubles the one-block pass's residency in this kernel.
 // A step whose last launch this is publishes from the last of the blocks that answer for a grid item
 // (every page move of the launch is one of theirs), not from every block: a ticket per grid item, not per
 // block.
+// (The bound is parenthesised: hipcc's __launch_bounds__ is a macro, which a template argument list's commas
+// would split.)
 template <class Set, class S, int kDpl, int kR>
-__global__ void __launch_bounds__(kDecodeThreads, kR == 4 ? 2 : 1)
+__global__ void __launch_bounds__(kDecodeThreads, (decode_min_blocks<S, kDpl, kR>()))
     decode_attend_kernel(DeviceCache<S> c, DeviceCall<S> a) {
   extern __shared__ __align__(16) unsigned char dsm[];
   const bool answers = decode_item<Set, S, kDpl, kR>(c, a, dsm);
