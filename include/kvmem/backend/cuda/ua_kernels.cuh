@@ -1470,10 +1470,10 @@ template <class S, int kDpl, int kR>
 __host__ __device__ constexpr int decode_min_blocks() {
   return kR == 4 && vectors_per_lane<S, kDpl>() == 1 ? 2 : 1;
 }
-// Shared memory of decode_split_rows: the new token's key and value rows, the group's queries (fp32), then
-// the warps' states.
+// Shared memory of decode_split_rows: the new token's key and value rows and the group's queries (in the
+// storage type), then the warps' states.
 __host__ __device__ inline std::size_t split_rows_smem_bytes(std::int64_t D, std::int64_t r, std::size_t elem) {
-  return 2 * std::size_t(D) * elem + std::size_t(r * D) * sizeof(float) +
+  return std::size_t(2 + r) * std::size_t(D) * elem +
          std::size_t(kDecodeWarps) * std::size_t(r) * std::size_t(D + 2) * sizeof(float);
 }
 template <class S>
@@ -1492,13 +1492,14 @@ __device__ inline int decode_split_rows(const DeviceCache<S>& c, const DeviceCal
   const std::int64_t t = c.counter[item];
   const int tid = int(threadIdx.x), lane = tid % kWarpSize, warp = tid / kWarpSize, sub = tid % kRowLanes;
   const int grp = lane / kRowLanes;
-  // The new token (entry n, λ = 0) and the group's queries stay in shared memory and are read where a
-  // dot product uses them: held in registers, they would take the registers of a second resident block.
-  // Rows are 16-byte aligned.
+  // The new token (entry n, λ = 0) and the group's queries stay in shared memory, in the storage type
+  // (exact), and are read where a dot product uses them: held in registers, the queries would take the
+  // registers of a second resident block. Their rows are 16-byte aligned, and a lane's 16-byte vectors
+  // lie 16 bytes apart from its neighbours', so the reads are free of bank conflicts.
   S* new_k = reinterpret_cast<S*>(smem);
   S* new_v = new_k + D;
-  float* qs = reinterpret_cast<float*>(smem + 2 * std::size_t(D) * sizeof(S));  // [kR][D]
-  float* red = qs + kR * D;                                                     // [warps][kR][D + 2]
+  S* qs = new_v + D;                                                                               // [kR][D]
+  float* red = reinterpret_cast<float*>(smem + std::size_t(2 + kR) * std::size_t(D) * sizeof(S));  // [warps][kR][D + 2]
   __shared__ int marked_block;
   {
     const S* in_k = a.k + b * a.k_b + g * a.k_g;
@@ -1507,26 +1508,20 @@ __device__ inline int decode_split_rows(const DeviceCache<S>& c, const DeviceCal
       new_k[d] = in_k[d];
       new_v[d] = in_v[d];
     }
-    for (std::int64_t x = tid; x < kR * D; x += blockDim.x)
-      qs[x] = ld(a.q + b * a.q_b + (g * kR + x / D) * a.q_h + x % D);
+    for (std::int64_t x = tid; x < kR * D; x += blockDim.x) qs[x] = a.q[b * a.q_b + (g * kR + x / D) * a.q_h + x % D];
     if (tid == 0) marked_block = 0;
   }
   __syncthreads();
   // the lane's dims: vectors w = sub + kRowLanes * j, elements w * kE .. w * kE + kE - 1
-  const auto dot_part = [&](const float* row, const float* other) {  // this lane's part of row . other
+  const auto dot_part = [&](const float* row, const S* other) {  // this lane's part of row . other
     float part = 0.0f;
 #pragma unroll
     for (int j = 0; j < kVpl; ++j) {
       const int w = sub + kRowLanes * j;
-      if (w * kE < D)
+      float o[kE];
+      unpack<S>(w * kE < D ? *reinterpret_cast<const uint4*>(other + w * kE) : make_uint4(0, 0, 0, 0), o);
 #pragma unroll
-        for (int k = 0; k < kE; k += 4) {
-          const float4 o = *reinterpret_cast<const float4*>(other + w * kE + k);
-          part += row[j * kE + k] * o.x;
-          part += row[j * kE + k + 1] * o.y;
-          part += row[j * kE + k + 2] * o.z;
-          part += row[j * kE + k + 3] * o.w;
-        }
+      for (int k = 0; k < kE; ++k) part += row[j * kE + k] * o[k];
     }
     return part;
   };
@@ -1584,17 +1579,7 @@ __device__ inline int decode_split_rows(const DeviceCache<S>& c, const DeviceCal
 #pragma unroll
       for (int j = 0; j < kVpl; ++j) unpack<S>(kr[u][j], kf + j * kE);
       float sim = 0.0f;  // a set without the similarity gate never reads it
-      if constexpr (Set::kNeedsSimilarity) {
-        float nk[kDims];  // the new key's dims of this lane, widened from shared memory
-#pragma unroll
-        for (int j = 0; j < kVpl; ++j) {
-          const int w = sub + kRowLanes * j;
-          unpack<S>(w * kE < D ? *reinterpret_cast<const uint4*>(new_k + w * kE) : make_uint4(0, 0, 0, 0), nk + j * kE);
-        }
-#pragma unroll
-        for (int x = 0; x < kDims; ++x) sim += kf[x] * nk[x];
-        sim = row_sum(sim);
-      }
+      if constexpr (Set::kNeedsSimilarity) sim = row_sum(dot_part(kf, new_k));
       float lu = lam[u];
       bool attend = live[u];
       if (cached[u] && live[u]) {
