@@ -2,10 +2,15 @@
 // Universal Attention sequence slots on the CUDA backend: a ragged decode step (ua::step, one token for
 // each of --sequences slots, each at its own position; lengths drawn uniformly from [--min, --max],
 // seeded) at H16 G4 D128 bf16, run plainly and replayed from one captured CUDA graph, for --steps
-// consecutive steps. Prints ms per step and tokens/s, and writes a JSON line per threshold (--json FILE).
+// consecutive steps. Prints ms per step and tokens/s, the kept rows per (slot, KV head) and the pool's pages
+// in use at the end, and writes a JSON line per threshold (--json FILE).
 //
 //   kvmem_bench_ua_slots_cuda [--sequences 64] [--heads 16] [--kv-heads 4] [--min 1024] [--max 32768]
-//                             [--steps 256] [--seed 1] [--p 0.05|0] [--json out.jsonl]
+//                             [--steps 256] [--seed 1] [--p 0.05|0] [--pool-pages N] [--json out.jsonl]
+//
+// --pool-pages N: the slots' rows live in one shared pool of N pages of 16 rows (an engine's layer
+// memory); 0 (the default): every (slot, KV head) owns the pages of its capacity. -1: a shared pool as
+// large as the owned pages would be.
 //
 // The slots are filled by importing synthetic records: a sequence of length L keeps its last
 // min(L, 160) keys at p = 0.05 (about what random inputs keep: the decay evicts older keys) and all L
@@ -40,7 +45,8 @@ using kvmem::bench::fill;
 struct Options {
   std::int64_t sequences = 64, heads = 16, kv_heads = 4, min_len = 1024, max_len = 32768, steps = 256;
   std::uint64_t seed = 1;
-  double p = -1;  // < 0: both 0.05 and 0
+  std::int64_t pool_pages = 0;  // 0: own pages; -1: a shared pool of the owned pages' size
+  double p = -1;                // < 0: both 0.05 and 0
   const char* json = nullptr;
 };
 
@@ -51,8 +57,9 @@ void run(double p, const Options& o, std::FILE* json) {
   const bool dense = p == 0.0;
   // every slot takes one row per step: 4 warm-up steps, steps - 4 plain ones, then steps graph replays
   const std::int64_t capacity = (dense ? o.max_len : kPrunedKept) + 2 * o.steps + 8;
+  const std::int64_t pool_pages = o.pool_pages < 0 ? R * G * ((capacity + 15) / 16) : o.pool_pages;
   kvmem::cuda::UaCache<bf16> cache;
-  CHECK_STATUS(kvmem::cuda::UaCache<bf16>::create({R, H, G, D, capacity, 16}, cache));
+  CHECK_STATUS(kvmem::cuda::UaCache<bf16>::create({R, H, G, D, capacity, 16, pool_pages}, cache));
   const kvmem::cuda::Executor exec{};
   std::mt19937_64 rng(o.seed);
   // keys and values from a table of random values (filling 32K-row records draw by draw is slow)
@@ -148,20 +155,32 @@ void run(double p, const Options& o, std::FILE* json) {
     std::exit(1);
   }
   const double plain = plain_ms / double(plain_steps), replay = graph_ms / double(o.steps);
+  // what the last steps read: kept rows per (slot, kv head) and the pages holding them
+  std::vector<std::int64_t> kept;
+  CHECK_STATUS(cache.lengths(kept, stream));
+  double kept_mean = 0;
+  for (auto k : kept) kept_mean += double(k) / double(kept.size());
+  const std::int64_t kept_min = *std::min_element(kept.begin(), kept.end()),
+                     kept_max = *std::max_element(kept.begin(), kept.end());
+  CHECK_STATUS(cache.publish_occupancy(on));
+  CHECK_CUDA(cudaStreamSynchronize(stream));
   const std::string name = dense ? "p=0" : "p=0.05";
+  const std::string pool = pool_pages > 0 ? "shared pool of " + std::to_string(pool_pages) + " pages" : "own pages";
   std::printf(
-      "UA %-7s %4lld seqs H%lld/%lld mean len %7.0f  step %8.4f ms (%9.0f tok/s)  graph %8.4f ms (%9.0f tok/s)\n",
+      "UA %-7s %4lld seqs H%lld/%lld mean len %7.0f  step %8.4f ms (%9.0f tok/s)  graph %8.4f ms (%9.0f tok/s)\n"
+      "         %s: kept rows per (slot, kv head) at the end %lld .. %lld (mean %.0f), pages in use %lld of %lld\n",
       name.c_str(), (long long)R, (long long)H, (long long)G, mean, plain, double(R) / plain * 1e3, replay,
-      double(R) / replay * 1e3);
+      double(R) / replay * 1e3, pool.c_str(), (long long)kept_min, (long long)kept_max, kept_mean,
+      (long long)cache.pages_in_use(), (long long)cache.pool_pages());
   if (json != nullptr)
     std::fprintf(json,
                  "{\"bench\":\"ua_slots_cuda_decode\",\"p\":%g,\"sequences\":%lld,\"heads\":%lld,"
                  "\"kv_heads\":%lld,\"min\":%lld,\"max\":%lld,\"longest\":%lld,\"mean_len\":%.1f,"
                  "\"steps\":%lld,\"step_ms\":%.6f,\"graph_step_ms\":%.6f,\"tokens_per_s\":%.1f,"
-                 "\"graph_tokens_per_s\":%.1f}\n",
+                 "\"graph_tokens_per_s\":%.1f,\"pool_pages\":%lld,\"kept_mean\":%.1f}\n",
                  p, (long long)R, (long long)H, (long long)G, (long long)o.min_len, (long long)o.max_len,
                  (long long)*std::max_element(lengths.begin(), lengths.end()), mean, (long long)o.steps, plain, replay,
-                 double(R) / plain * 1e3, double(R) / replay * 1e3);
+                 double(R) / plain * 1e3, double(R) / replay * 1e3, (long long)pool_pages, kept_mean);
   CHECK_CUDA(cudaGraphExecDestroy(instance));
   CHECK_CUDA(cudaGraphDestroy(graph));
   CHECK_CUDA(cudaEventDestroy(e0));
@@ -191,6 +210,8 @@ int main(int argc, char** argv) {
       o.seed = std::strtoull(argv[i + 1], nullptr, 10);
     else if (a == "--p")
       o.p = std::atof(argv[i + 1]);
+    else if (a == "--pool-pages")
+      o.pool_pages = std::atoll(argv[i + 1]);
     else if (a == "--json")
       o.json = argv[i + 1];
     else {

@@ -132,6 +132,10 @@ def ragged_table(path):
         for r in (x for x in runs if shape_of(x) == (n, heads, kv_heads, longest)):
             best = min(r["step_ms"], r["graph_step_ms"])
             variant = f"KVM {r['budget']}" if "budget" in r else f"UA p={r['p']:g}"  # kvmem_bench_ua_slots_cuda
+            if r.get("pool_pages", 0) > 0:  # --pool-pages: the slots share one pool of pages
+                variant += f", shared pool of {r['pool_pages']} pages"
+            if "kept_mean" in r:
+                variant += f", {r['kept_mean']:.0f} kept rows"
             print(f"| kvmem {variant} ragged | {n} | {r['min']}..{r['max']} (longest {longest}) | "
                   f"{r['step_ms']:.4f} | {r['graph_step_ms']:.4f} | {n / (best * 1e-3):.0f} | {best_cudnn / best:.2f} |")
         del q1, k, v

@@ -25,6 +25,7 @@
 #include "support/near_ties.hpp"
 #include "ua/ua_boundary_cases.hpp"
 #include "ua/ua_host_support.hpp"
+#include "ua/ua_lifetime_set.hpp"
 
 namespace {
 using kvmem::TensorView;
@@ -100,15 +101,19 @@ struct CudaRun {
 // first_call > 0: the prefill is two calls, [0, first_call) and [first_call, split).
 // length_trace: when given, every item's kept length after each decode step is appended to it, and to
 // in_use_trace (when given) its rows in use (kept rows and dead rows awaiting compaction).
+// pool_pages > 0: the cache's rows live in a shared pool of that many pages, and after every decode step
+// each item holds exactly the pages of its rows in use and the pool's counters balance.
 template <class S, class Set = kvmem::decay::Universal>
 CudaRun cuda_prefill_decode(const FloatCase& f, std::int64_t split, const kvmem::ua::Options& opt,
                             kvmem::cuda::UaCacheLimits limits = {}, std::int64_t first_call = 0,
                             std::vector<std::int64_t>* length_trace = nullptr,
-                            std::vector<std::int64_t>* in_use_trace = nullptr) {
+                            std::vector<std::int64_t>* in_use_trace = nullptr, std::int64_t pool_pages = 0) {
   const auto& c = f.c;
   DevCase<S> d(f);
   kvmem::cuda::UaCache<S> cache;
-  const auto created = kvmem::cuda::UaCache<S>::create(f.cache_shape(), cache, limits);
+  kvmem::ua::CacheShape shape = f.cache_shape();
+  shape.pool_pages = pool_pages;
+  const auto created = kvmem::cuda::UaCache<S>::create(shape, cache, limits);
   INFO(created.to_string());
   REQUIRE(created.is_ok());
   Dev<float> out(std::vector<float>(std::size_t(c.B * c.T * c.H * c.D), -7.0f));  // poisoned
@@ -128,11 +133,20 @@ CudaRun cuda_prefill_decode(const FloatCase& f, std::int64_t split, const kvmem:
       REQUIRE(cache.lengths(len, exec.stream).is_ok());
       length_trace->insert(length_trace->end(), len.begin(), len.end());
     }
-    if (in_use_trace) {
+    if (in_use_trace || pool_pages > 0) {
       std::vector<std::int64_t> rows(std::size_t(c.B * c.G));
       KVMEM_CUDA_REQUIRE(
           cudaMemcpy(rows.data(), cache.device().length, rows.size() * sizeof(std::int64_t), cudaMemcpyDeviceToHost));
-      in_use_trace->insert(in_use_trace->end(), rows.begin(), rows.end());
+      if (in_use_trace) in_use_trace->insert(in_use_trace->end(), rows.begin(), rows.end());
+      if (pool_pages > 0) {
+        std::vector<std::int64_t> held;
+        REQUIRE(cache.pages(exec, held).is_ok());
+        for (std::size_t i = 0; i < rows.size(); ++i) {
+          INFO("decode token " << t << ", item " << i << ", rows in use " << rows[i]);
+          CHECK(held[i] == (rows[i] + shape.page_rows - 1) / shape.page_rows);
+        }
+        CHECK(cache.pages_taken() - cache.pages_returned() == cache.pages_in_use());
+      }
     }
   }
   KVMEM_CUDA_REQUIRE(cudaDeviceSynchronize());
@@ -719,19 +733,6 @@ TEST_CASE("ua cuda bf16 dense prefill past the decay's reach (sanitizer case)", 
 }
 
 namespace {
-// A user gate with a constant factor: next to KeyGate it gives every key a lifetime set by its z_k
-// (spec UA.md 4.1: A = log(1 - sqrt(sigmoid(z_k) e^c)) per step), so a case can keep a chosen number of
-// entries, evict some of them at every step and vary the kept length slowly.
-template <int kTenthsOfLogFactor>
-struct ConstantGate {
-  template <class Real>
-  KVMEM_HOST_DEVICE static Real log_factor(const kvmem::decay::PairInputs<Real>&) {
-    return Real(kTenthsOfLogFactor) / Real(10);
-  }
-};
-template <int kTenths>
-using LifetimeSet = kvmem::decay::Set<kvmem::decay::KeyGate, ConstantGate<kTenths>>;
-
 // The host backend with a decay set: chunked prefill of [0, split), then decode of [split, T).
 template <class Set, class Storage>
 std::vector<float> host_prefill_decode_set(const FloatCase& f, std::int64_t split, const kvmem::ua::Options& opt,
@@ -753,13 +754,13 @@ struct SetRun {
   std::vector<std::int64_t> lengths, in_use;
 };
 template <class Set>
-SetRun host_vs_cuda_set(const Case& c, std::int64_t split, const kvmem::ua::Options& opt) {
+SetRun host_vs_cuda_set(const Case& c, std::int64_t split, const kvmem::ua::Options& opt, std::int64_t pool_pages = 0) {
   FloatCase f(c);
   round_inputs_to<kvmem::bf16>(f);  // host and device see the same bf16 inputs
   kvmem::ua::PrunedCache<kvmem::bf16> hc(f.cache_shape());
   const auto host = host_prefill_decode_set<Set>(f, split, opt, hc);
   SetRun run;
-  const auto gpu = cuda_prefill_decode<kvmem::bf16, Set>(f, split, opt, {}, 0, &run.lengths, &run.in_use);
+  const auto gpu = cuda_prefill_decode<kvmem::bf16, Set>(f, split, opt, {}, 0, &run.lengths, &run.in_use, pool_pages);
   run.error = relative_frobenius(gpu.out, host);
   const auto acc = check_kept_near_ties<Set>(c, f, gpu.kept, kept_mask(hc, c.config.T), opt.p, "bf16 lifetime set");
   run.mismatches = acc.beyond;
@@ -829,6 +830,46 @@ TEST_CASE("ua cuda decode: items cross the one-block limit and come back (bf16, 
   CHECK(bad == 0);
   CHECK(up >= 1);
   CHECK(down >= 1);
+}
+
+TEST_CASE("ua cuda decode over a shared pool: long items move their live rows into fresh pages",
+          "[ua][cuda][nearties]") {
+  if (no_device()) return;
+  // The lifetimes of the test above (c = -8.3) over a shared pool with room for every row twice: a long
+  // item (more than kOneBlockMaxKept rows in use) whose dead rows reach a page's worth moves its live
+  // rows into fresh pages during its next decode step and gives the old pages back, so its dead rows stay
+  // below a page plus one step's evictions. Kept sets are the host's, and after every step each item holds
+  // the pages of its rows in use (cuda_prefill_decode checks them). r = 4 runs the vector-row pass, r = 2
+  // the entry splits.
+  const std::int64_t page = 16, dead_bound = page - 1;
+  for (const std::int64_t H : {8, 4}) {
+    const Case c = random_case(1, 1000, H, 2, 128, 87);
+    const std::int64_t items = c.config.B * c.config.G, pool = 2 * items * ((c.config.T + page - 1) / page);
+    const auto [e, bad, excluded, trace, in_use] =
+        host_vs_cuda_set<LifetimeSet<-83>>(c, 128, kvmem::ua::Options{0.05, 128, true}, pool);
+    REQUIRE(in_use.size() == trace.size());
+    std::int64_t moves = 0, long_steps = 0, over_bound = 0, wrong_moves = 0;
+    for (std::size_t i = std::size_t(items); i < trace.size(); ++i) {
+      const std::int64_t was_in_use = in_use[i - std::size_t(items)], was_kept = trace[i - std::size_t(items)];
+      const std::int64_t was_dead = was_in_use - was_kept, dead = in_use[i] - trace[i];
+      const std::int64_t left = was_kept + 1 - trace[i];  // rows evicted by this step (the new one stays)
+      if (was_in_use <= kvmem::cuda::ua_detail::kOneBlockMaxKept) continue;
+      ++long_steps;
+      over_bound += dead > dead_bound + left;
+      if (was_dead >= page) {  // this step moved the live rows: only its own evictions are dead after it
+        ++moves;
+        wrong_moves += in_use[i] != was_kept + 1 || dead != left;
+      }
+    }
+    INFO("r = " << H / 2 << ": out relative Frobenius " << e << ", kept mismatches " << bad << " (+ " << excluded
+                << " near-ties), steps of long items " << long_steps << ", steps that moved " << moves);
+    CHECK(e <= 1e-2);
+    CHECK(bad == 0);
+    CHECK(long_steps >= 100);
+    CHECK(moves >= 1);
+    CHECK(wrong_moves == 0);
+    CHECK(over_bound == 0);
+  }
 }
 
 // ---- the eviction boundary (tests/ua/ua_boundary_cases.hpp) --------------------------------

@@ -29,6 +29,7 @@
 #include "support/golden.hpp"
 #include "support/near_ties.hpp"
 #include "ua/ua_host_support.hpp"
+#include "ua/ua_lifetime_set.hpp"
 
 namespace {
 namespace kua = kvmem::ua;
@@ -239,12 +240,13 @@ struct DevStep {
   TensorView<float, 3> out_view(std::int64_t N) const { return {out.ptr, {N, dm.H, dm.D}}; }
   TensorView<float, 2> lse_view(std::int64_t N) const { return {lse.ptr, {N, dm.H}}; }
   // Runs one step of `h` (uploaded) and returns out [N,H,D] and lse [N,H].
+  template <class Set = kvmem::decay::Universal>
   std::pair<std::vector<float>, std::vector<float>> run(kvmem::cuda::UaCache<S>& cache, const HostStep& h,
                                                         const kua::Options& opt, cudaStream_t stream) {
     upload(h, stream);
     const std::int64_t N = h.tokens(), R = std::int64_t(h.slot.size());
     const Status st =
-        kua::step(kvmem::cuda::Executor{stream}, cache, rows(R), inputs(N), opt, out_view(N), lse_view(N));
+        kua::step<Set>(kvmem::cuda::Executor{stream}, cache, rows(R), inputs(N), opt, out_view(N), lse_view(N));
     INFO(st.to_string());
     REQUIRE(st.is_ok());
     const Status checked = cache.step_status(kvmem::cuda::Executor{stream});
@@ -558,13 +560,21 @@ namespace {
 // 400 slot 5 is reset and starts over. Outputs, lse and the caches must agree bit for bit (the kernels
 // are deterministic: no float atomics), and every slot's position advances by its decode steps although
 // the host enqueued nothing but replays.
-void graph_replay(const kua::Options& opt, const char* label) {
+// pool_pages > 0: both caches share a pool of that many pages, and a third cache that owns its pages runs
+// the same steps uncaptured: a shared pool moves a long item's live rows into fresh pages where own pages
+// mark rows dead in place, which changes where the rows lie but not which rows are kept nor their λ (the
+// same bits) nor the outputs (beyond the order of the partials' sums); after every step each item of
+// `plain` holds the pages of its rows in use. Returns the steps that moved a long item.
+template <class Set = kvmem::decay::Universal>
+std::int64_t graph_replay(const kua::Options& opt, const char* label, std::int64_t pool_pages = 0) {
   const Dims dm;
   const std::int64_t cap = 2048;
   const std::int32_t kSlots = 6;
-  kvmem::cuda::UaCache<float> graphed, plain;
-  REQUIRE(kvmem::cuda::UaCache<float>::create({8, dm.H, dm.G, dm.D, cap, 16}, graphed).is_ok());
-  REQUIRE(kvmem::cuda::UaCache<float>::create({8, dm.H, dm.G, dm.D, cap, 16}, plain).is_ok());
+  kvmem::cuda::UaCache<float> graphed, plain, own;
+  REQUIRE(kvmem::cuda::UaCache<float>::create({8, dm.H, dm.G, dm.D, cap, 16, pool_pages}, graphed).is_ok());
+  REQUIRE(kvmem::cuda::UaCache<float>::create({8, dm.H, dm.G, dm.D, cap, 16, pool_pages}, plain).is_ok());
+  REQUIRE(kvmem::cuda::UaCache<float>::create({8, dm.H, dm.G, dm.D, cap, 16}, own).is_ok());
+  const bool shared = pool_pages > 0;
   cudaStream_t stream = nullptr;
   KVMEM_CUDA_REQUIRE(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
   const kvmem::cuda::Executor exec{stream};
@@ -581,13 +591,14 @@ void graph_replay(const kua::Options& opt, const char* label) {
       h.add(s, &f, 0, T, dm, rng);
       start.push_back(T);
     }
-    pre.run(graphed, h, opt, stream);
-    pre.run(plain, h, opt, stream);
+    pre.run<Set>(graphed, h, opt, stream);
+    pre.run<Set>(plain, h, opt, stream);
+    if (shared) pre.run<Set>(own, h, opt, stream);
   }
   // the decode batch: 8 rows, padding at rows 2 and 6, slots in a shuffled order
   Slots slots{3, 0, -1, 5, 1, 4, -1, 2};
   const std::int64_t R = 8, N = 8;
-  DevStep<float> a(dm, N, R), b(dm, N, R);
+  DevStep<float> a(dm, N, R), b(dm, N, R), o(dm, N, R);
   const auto step_input = [&](std::mt19937_64& g) {
     HostStep h;
     for (auto s : slots) h.add(s, nullptr, 0, 1, dm, g);  // random tokens (unit-norm keys below)
@@ -604,12 +615,15 @@ void graph_replay(const kua::Options& opt, const char* label) {
   cudaGraph_t graph = nullptr;
   cudaGraphExec_t graph_exec = nullptr;
   KVMEM_CUDA_REQUIRE(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
-  const Status captured = kua::step(exec, graphed, a.rows(R), a.inputs(N), opt, a.out_view(N), a.lse_view(N));
+  const Status captured = kua::step<Set>(exec, graphed, a.rows(R), a.inputs(N), opt, a.out_view(N), a.lse_view(N));
   KVMEM_CUDA_REQUIRE(cudaStreamEndCapture(stream, &graph));
   INFO(captured.to_string());
   REQUIRE(captured.is_ok());
   KVMEM_CUDA_REQUIRE(cudaGraphInstantiate(&graph_exec, graph, 0));
   std::size_t differing = 0;
+  std::int64_t moves = 0, page_mismatches = 0;
+  double worst_own = 0;
+  std::vector<std::int64_t> in_use_before(std::size_t(8 * dm.G), 0), kept_before(in_use_before.size(), 0);
   std::mt19937_64 inputs_rng(99);
   for (int t = 0; t < 600; ++t) {
     if (t == 200) slots[2] = 6;
@@ -617,13 +631,18 @@ void graph_replay(const kua::Options& opt, const char* label) {
       DevList five(Slots{5});
       REQUIRE(kua::reset_slots(exec, graphed, five.view()).is_ok());
       REQUIRE(kua::reset_slots(exec, plain, five.view()).is_ok());
+      if (shared) REQUIRE(kua::reset_slots(exec, own, five.view()).is_ok());
+      for (std::int64_t g = 0; g < dm.G; ++g)
+        in_use_before[std::size_t(5 * dm.G + g)] = kept_before[std::size_t(5 * dm.G + g)] = 0;
     }
     const HostStep h = step_input(inputs_rng);
     a.upload(h, stream);
     b.upload(h, stream);
+    if (shared) o.upload(h, stream);
     KVMEM_CUDA_REQUIRE(cudaGraphLaunch(graph_exec, stream));
-    const Status st = kua::step(exec, plain, b.rows(R), b.inputs(N), opt, b.out_view(N), b.lse_view(N));
+    const Status st = kua::step<Set>(exec, plain, b.rows(R), b.inputs(N), opt, b.out_view(N), b.lse_view(N));
     REQUIRE(st.is_ok());
+    if (shared) REQUIRE(kua::step<Set>(exec, own, o.rows(R), o.inputs(N), opt, o.out_view(N), o.lse_view(N)).is_ok());
     KVMEM_CUDA_REQUIRE(cudaStreamSynchronize(stream));
     const auto oa = a.out.get(), ob = b.out.get(), la = a.lse.get(), lb = b.lse.get();
     differing += std::size_t(std::memcmp(oa.data(), ob.data(), oa.size() * sizeof(float)) != 0) +
@@ -631,8 +650,33 @@ void graph_replay(const kua::Options& opt, const char* label) {
     for (std::int64_t row = 0; row < R; ++row)
       if (slots[std::size_t(row)] < 0)
         for (std::int64_t x = row * dm.H * dm.D; x < (row + 1) * dm.H * dm.D; ++x) REQUIRE(oa[std::size_t(x)] == 0.0f);
+    if (!shared) continue;
+    worst_own = std::max(worst_own, relative_frobenius(o.out.get(), ob));
+    // the pages of the rows in use, and the steps that moved a long item (the step found a page's worth
+    // of dead rows: after it, the item holds its live rows and the new one, and only this step's marks)
+    std::vector<std::int64_t> kept, in_use(in_use_before.size()), held;
+    REQUIRE(plain.lengths(kept, stream).is_ok());
+    KVMEM_CUDA_REQUIRE(
+        cudaMemcpy(in_use.data(), plain.device().length, in_use.size() * sizeof(std::int64_t), cudaMemcpyDeviceToHost));
+    REQUIRE(plain.pages(exec, held).is_ok());
+    for (std::size_t i = 0; i < in_use.size(); ++i) {
+      page_mismatches += held[i] != (in_use[i] + 15) / 16;
+      const std::int64_t was_dead = in_use_before[i] - kept_before[i];
+      if (in_use_before[i] > kvmem::cuda::ua_detail::kOneBlockMaxKept && was_dead >= 16) {
+        ++moves;
+        CHECK(in_use[i] == kept_before[i] + 1);
+      }
+    }
+    CHECK(plain.pages_taken() - plain.pages_returned() == plain.pages_in_use());
+    in_use_before = in_use;
+    kept_before = kept;
   }
   CHECK(differing == 0);
+  if (shared) {
+    INFO("worst relative Frobenius against own pages " << worst_own << ", steps that moved a long item " << moves);
+    CHECK(worst_own <= 1e-5);
+    CHECK(page_mismatches == 0);
+  }
   REQUIRE(graphed.step_status(exec).is_ok());
   // the caches: the same positions, kept rows, λ, keys and values bit for bit
   std::vector<std::int64_t> pg, pp;
@@ -653,6 +697,15 @@ void graph_replay(const kua::Options& opt, const char* label) {
       CHECK(differing_bits(lam1, lam2) == 0);
       CHECK(differing_bits(k1, k2) == 0);
       CHECK(differing_bits(v1, v2) == 0);
+      if (shared) {  // the same kept rows and λ where the rows own their pages
+        std::vector<std::int64_t> pos3;
+        std::vector<float> lam3, k3, v3;
+        REQUIRE(own.download(s, g, pos3, lam3, &k3, &v3, stream).is_ok());
+        CHECK(pos3 == pos2);
+        CHECK(differing_bits(lam3, lam2) == 0);
+        CHECK(differing_bits(k3, k2) == 0);
+        CHECK(differing_bits(v3, v2) == 0);
+      }
       shortest = std::min<std::int64_t>(shortest, std::int64_t(pos1.size()));
       longest = std::max<std::int64_t>(longest, std::int64_t(pos1.size()));
     }
@@ -662,6 +715,7 @@ void graph_replay(const kua::Options& opt, const char* label) {
   KVMEM_CUDA_REQUIRE(cudaGraphExecDestroy(graph_exec));
   KVMEM_CUDA_REQUIRE(cudaGraphDestroy(graph));
   KVMEM_CUDA_REQUIRE(cudaStreamDestroy(stream));
+  return moves;
 }
 }  // namespace
 
@@ -672,6 +726,12 @@ TEST_CASE("ua cuda step: a captured decode graph replays 600 steps bitwise like 
   // path during the replays; p = 0.05 prunes.
   graph_replay(kua::Options{0.0, 128, true}, "p=0");
   graph_replay(kua::Options{0.05, 128, true}, "p=0.05");
+  // keys with lifetimes of about 190-470 steps (tests/ua/ua_lifetime_set.hpp): long slots evict as they
+  // decode, so over a shared pool their dead rows reach a page's worth and the step moves their live
+  // rows into fresh pages (reserve_slot, decode_item)
+  const std::int64_t moves = graph_replay<LifetimeSet<-83>>(kua::Options{0.05, 128, true}, "shared pool, lifetimes",
+                                                            8 * Dims{}.G * 2 * (2048 / 16));
+  CHECK(moves >= 1);
 }
 
 // ---- (c) records across backends ---------------------------------------------------------------------

@@ -57,12 +57,15 @@
 // accounting and leaves that block as it was (publish_occupancy brings it up to date).
 // A decode step of an item longer than kOneBlockMaxKept rows reads every live row once, split over enough
 // blocks to give every multiprocessor two (decode_split_rows: 16-byte vector rows, the λ update, the
-// eviction and the attention in one pass). Over items that own their pages it never moves kept rows: it
-// marks evicted rows dead in place (λ = -inf) and compacts an item only when its dead rows are as many as
-// its kept rows (compacts_now), so the bytes a step reads and writes are those of the kept rows, and the
-// compaction moves at most one row per evicted row over time. lengths, download, export_slot, the room
-// checks and the occupancy counts see the kept rows only; a prefill drops the dead rows first. With a
-// shared pool a long item is still compacted at every step, so the pool's counts equal the host's.
+// eviction and the attention in one pass; decode_split for other shapes). It marks evicted rows dead in
+// place (λ = -inf) instead of moving kept rows. Over a shared pool, once an item's dead rows reach a page's
+// worth, its next decode step moves the live rows into fresh pages taken by the step's first kernel while
+// its blocks read them (reserve_slot, plan_moves, finish_move: no block waits for another) and returns the
+// old pages at its end; over own pages, or when the pool has no fresh pages, the item's last block compacts
+// it in place once its dead rows are as many as its kept rows (compacts_in_place), so compaction moves at
+// most one row per evicted row over time. lengths, download, export_slot and the room checks see the kept
+// rows only; a shared pool counts the pages of the rows in use, own pages publish those of the kept rows;
+// a prefill drops the dead rows first.
 // A prefill with p = 0 (nothing is evicted) in bf16 with D in {64, 80, 128} and r in {4, 8} on a cache with
 // pool_pages = 0 (contiguous items) runs every row of the call in one pipelined tensor-core launch
 // (ua_dense_tc.cuh); every other prefill, and every
@@ -139,7 +142,8 @@ inline constexpr std::size_t kUaAlign = 256;
 // counters), then the device's own bookkeeping.
 struct UaCacheOffsets {
   ua::cache_detail::Offsets host;
-  std::size_t counter, dead, done, next_length, go, first, overflow, error, prefill, report, ticket, bytes;
+  std::size_t counter, dead, done, next_length, marks, fresh, spare, go, first, overflow, error, prefill, report,
+      ticket, bytes;
 };
 template <class S>
 UaCacheOffsets cache_offsets(const ua::CacheShape& s) {
@@ -152,13 +156,17 @@ UaCacheOffsets cache_offsets(const ua::CacheShape& s) {
   o.dead = a.take(I * sizeof(std::int64_t));         // [I] dead rows awaiting compaction (own pages)
   o.done = a.take(I * sizeof(int));                  // [I] decode tickets
   o.next_length = a.take(I * sizeof(std::int64_t));  // [I]
-  o.go = a.take(B * sizeof(int));                    // [B] per step: the slot's row runs
-  o.first = a.take(B * sizeof(int));                 // [B] scratch: a step's rows' check, a slot list's
-  o.overflow = a.take(B * sizeof(int));              // [B] sticky overflow flags
-  o.error = a.take(4 * sizeof(int));                 // the first unread refusal (step or slot list)
-  o.prefill = a.take((B + 1) * sizeof(int));         // [B + 1] a step's prefill rows and their count
-  o.report = a.take(4 * sizeof(std::int64_t));       // import page check
-  o.ticket = a.take(sizeof(int));                    // publish_if_last_block's ticket
+  o.marks = a.take(I * sizeof(std::int64_t));        // [I] a decode step's dead marks
+  o.fresh = a.take(I * sizeof(std::int64_t));        // [I] pages a decode step moves the rows into
+  // [I, pages per item] their page numbers (a shared pool's items only: own pages never move)
+  o.spare = a.take(s.pool_pages > 0 ? I * std::size_t(s.pages_per_item()) * sizeof(std::int32_t) : 0);
+  o.go = a.take(B * sizeof(int));               // [B] per step: the slot's row runs
+  o.first = a.take(B * sizeof(int));            // [B] scratch: a step's rows' check, a slot list's
+  o.overflow = a.take(B * sizeof(int));         // [B] sticky overflow flags
+  o.error = a.take(4 * sizeof(int));            // the first unread refusal (step or slot list)
+  o.prefill = a.take((B + 1) * sizeof(int));    // [B + 1] a step's prefill rows and their count
+  o.report = a.take(4 * sizeof(std::int64_t));  // import page check
+  o.ticket = a.take(sizeof(int));               // publish_if_last's ticket
   o.bytes = a.total();
   return o;
 }
@@ -187,14 +195,17 @@ inline UaWorkOffsets work_offsets(const ua::CacheShape& s, const UaCacheLimits& 
   return o;
 }
 
-// Splits of a decode launch over I items: UaCacheLimits::max_splits, raised until the launch has two blocks
-// per multiprocessor, within the partials the workspace holds for a 1-row call (max_splits *
-// max_prefill_chunk per item) and at most 4 * max_splits (the last block of an item merges them all).
+// Splits of a decode launch over I items: as many as give the launch two blocks per multiprocessor, at
+// least one, within the partials the workspace holds for a 1-row call (max_splits * max_prefill_chunk per
+// item) and at most 4 * max_splits (the last block of an item merges them all). Few items split their
+// rows widely; many items take few splits each, so that a step of many short items does not launch blocks
+// that find no rows (every split of an item takes part in its ticket, rows or not) and a long item's
+// blocks walk more rows each, the bytes of a step being spread over the whole launch either way.
 inline int decode_splits(const UaCacheLimits& limits, int sm_count, std::int64_t items) {
   const std::int64_t want = (2 * std::int64_t(sm_count) + items - 1) / std::max<std::int64_t>(items, 1);
   const std::int64_t most = std::min<std::int64_t>(4 * std::int64_t(limits.max_splits),
                                                    std::int64_t(limits.max_splits) * limits.max_prefill_chunk);
-  return int(std::clamp<std::int64_t>(want, limits.max_splits, std::max<std::int64_t>(most, limits.max_splits)));
+  return int(std::clamp<std::int64_t>(want, 1, std::max<std::int64_t>(most, 1)));
 }
 
 inline Status check_device_memory(const void* memory, std::size_t bytes, std::size_t need, const char* what) {
@@ -310,8 +321,10 @@ class UaCache {
   static ua::CacheLayout cache_layout(const ua::CacheShape& s) {
     ua::CacheLayout l = ua::cache_layout<S>(s);
     if (l.bytes == 0) return {};
-    l.item_bytes += 3 * sizeof(std::int64_t) + sizeof(int);  // position, dead rows, next length, decode ticket
-    l.slot_bytes += 3 * sizeof(int);                         // go, first, overflow flag
+    // position, dead rows, next length, dead marks, fresh pages, decode ticket; a shared pool's spare table
+    l.item_bytes += 5 * sizeof(std::int64_t) + sizeof(int) +
+                    (s.pool_pages > 0 ? std::size_t(s.pages_per_item()) * sizeof(std::int32_t) : 0);
+    l.slot_bytes += 3 * sizeof(int);  // go, first, overflow flag
     l.bytes = ua_detail::cache_offsets<S>(s).bytes;
     l.alignment = kAlign;
     return l;
@@ -613,7 +626,10 @@ class UaCache {
     d.counter = reinterpret_cast<std::int64_t*>(base + o.counter);
     d.done = reinterpret_cast<int*>(base + o.done);
     d.next_length = reinterpret_cast<std::int64_t*>(base + o.next_length);
+    d.marks = reinterpret_cast<std::int64_t*>(base + o.marks);
     d.pool.table = s.pool_pages > 0 ? reinterpret_cast<std::int32_t*>(base + o.host.table) : nullptr;
+    d.pool.spare = s.pool_pages > 0 ? reinterpret_cast<std::int32_t*>(base + o.spare) : nullptr;
+    d.pool.fresh = s.pool_pages > 0 ? reinterpret_cast<std::int64_t*>(base + o.fresh) : nullptr;
     d.pool.held = reinterpret_cast<std::int64_t*>(base + o.host.held);
     d.pool.free_list = reinterpret_cast<std::int32_t*>(base + o.host.free_list);
     d.pool.stats = reinterpret_cast<std::int64_t*>(base + o.host.stats);
@@ -705,7 +721,7 @@ class UaCache {
   int* step_error_ = nullptr;       // [4] the first unread refusal of a step or slot operation
   int* prefill_rows_ = nullptr;     // [B + 1] per step: its prefill rows, then their count
   std::int64_t* report_ = nullptr;  // [4] import_slot's page check (read back by import_slot)
-  int* publish_ticket_ = nullptr;   // the ticket of a step's last kernel (publish_if_last_block)
+  int* publish_ticket_ = nullptr;   // the ticket of a step's last kernel (publish_if_last)
   std::int64_t bound_ = 0;          // >= every item's length, as far as the host knows (fixed-batch calls)
 };
 
@@ -821,6 +837,29 @@ DenseKernel<S> dense_kernel_for(const UaInputs<S>& in, std::int64_t D, std::int6
   return {};
 }
 
+// The decode kernel of a cache and its dynamic shared memory: the vector-row pass for groups of 4 or 8
+// query heads over 16-byte rows (vector_decode_ok), else the entry splits; the lanes of an 8-lane group
+// hold ceil(D / 8) dims each. Every variant has the same signature for a given S.
+template <class S>
+struct DecodeKernel {
+  void (*kernel)(DeviceCache<S>, DeviceCall<S>);
+  std::size_t shared_bytes;
+};
+template <class Set, class S, int kDpl>
+DecodeKernel<S> decode_kernel_dims(std::int64_t D, std::int64_t r) {
+  const bool vector = vector_decode_ok(D, r, sizeof(S));
+  const std::size_t bytes = decode_kernel_smem_bytes<S>(D, r, vector);
+  if (vector && r == 4) return {decode_attend_kernel<Set, S, kDpl, 4>, bytes};
+  if (vector && r == 8) return {decode_attend_kernel<Set, S, kDpl, 8>, bytes};
+  return {decode_attend_kernel<Set, S, kDpl, 0>, bytes};
+}
+template <class Set, class S>
+DecodeKernel<S> decode_kernel_for(std::int64_t D, std::int64_t r) {
+  if (D <= 64) return decode_kernel_dims<Set, S, 8>(D, r);
+  if (D <= 128) return decode_kernel_dims<Set, S, 16>(D, r);
+  return decode_kernel_dims<Set, S, 32>(D, r);
+}
+
 }  // namespace ua_detail
 
 // Prefill (decode == false: T tokens in chunks of opt.prefill_chunk) or one decode step (T = 1).
@@ -866,6 +905,11 @@ Status ua_run(const Executor& exec, UaCache<S>& cache, const UaInputs<S>& in, co
   // and publishing counts them from the kept rows (publish_block).
   const bool own_pages = s.pool_pages == 0;
   a.slot_go = own_pages ? nullptr : cache.slot_go_;
+  // Splits that give every multiprocessor two blocks (decode_splits): the decode kernel reads the true
+  // length; an item of at most kOneBlockMaxKept rows in use is decoded by one block (the others take their
+  // ticket and return), a longer one is split in pieces of at least kDecodePiece rows. The reservation
+  // below sizes a decode's page moves for these splits.
+  a.splits = decode ? decode_splits(cache.limits_, cache.sm_count_, I) : 0;  // a prefill sets its own per chunk
   if (!own_pages) {
     batch_reserve_kernel<S><<<1, 256, 0, exec.stream>>>(dev, a, cache.slot_go_, cache.overflow_, B, T);
     KVMEM_CUDA_RETURN_IF_LAUNCH_FAILED("ua batch_reserve_kernel");
@@ -873,18 +917,9 @@ Status ua_run(const Executor& exec, UaCache<S>& cache, const UaInputs<S>& in, co
   if (decode) {
     a.P = 1;
     a.lambda_new = nullptr;
-    // Every split the cache allows, and more when the items are too few to give every multiprocessor two
-    // blocks (up to the partials the workspace holds for a 1-row call): the kernel reads the true length;
-    // an item of at most kOneBlockMaxKept rows in use is decoded by one block (the others take their
-    // ticket and return), a longer one is split in pieces of at least 32 rows.
-    a.splits = decode_splits(cache.limits_, cache.sm_count_, I);
-    const std::size_t bytes = decode_kernel_smem_bytes<S>(D, r);
-    // lanes of an 8-lane group hold ceil(D / 8) dims each
-    void (*const kernel)(DeviceCache<S>, DeviceCall<S>) = D <= 64    ? decode_attend_kernel<Set, S, 8>
-                                                          : D <= 128 ? decode_attend_kernel<Set, S, 16>
-                                                                     : decode_attend_kernel<Set, S, 32>;
-    KVMEM_RETURN_IF_ERROR(allow_shared(kernel, bytes));
-    kernel<<<dim3(unsigned(I), unsigned(a.splits)), kDecodeThreads, bytes, exec.stream>>>(dev, a);
+    const DecodeKernel<S> k = decode_kernel_for<Set, S>(D, r);
+    KVMEM_RETURN_IF_ERROR(allow_shared(k.kernel, k.shared_bytes));
+    k.kernel<<<dim3(unsigned(I), unsigned(a.splits)), kDecodeThreads, k.shared_bytes, exec.stream>>>(dev, a);
     KVMEM_CUDA_RETURN_IF_LAUNCH_FAILED("ua decode_attend_kernel");
   } else if (const DenseKernel<S> dense = s.pool_pages == 0
                                               ? dense_kernel_for<Set, S>(in, D, r, a.log_p, dense_skips_past(cache, T))
@@ -970,8 +1005,9 @@ struct SlotAccess {
     return c.dev_;
   }
   template <class S>
-  static StepRows step_rows(const UaCache<S>& c, const Rows& rows, std::int64_t tokens) {
+  static StepRows step_rows(const UaCache<S>& c, const Rows& rows, std::int64_t tokens, int splits) {
     StepRows sr;
+    sr.splits = splits;
     sr.slot = rows.slot.data();
     sr.start = rows.query_start.data();
     sr.rows = rows.count();
@@ -1363,21 +1399,21 @@ Status step(const cuda::Executor& exec, cuda::UaCache<S>& cache, const Rows& row
   a.evict_before_attention = opt.evict_before_attention;
   const cudaStream_t stream = exec.stream;
 
-  step_begin_kernel<S><<<1, kStepBeginThreads, 0, stream>>>(dev, SlotAccess::step_rows(cache, rows, N));
+  // the decode launch's splits: step_begin_kernel sizes the page moves of the decode rows for them
+  const int decode_splits_now = decode_splits(cache.limits(), SlotAccess::sm_count(cache), R * G);
+  step_begin_kernel<S>
+      <<<1, kStepBeginThreads, 0, stream>>>(dev, SlotAccess::step_rows(cache, rows, N, decode_splits_now));
   KVMEM_CUDA_RETURN_IF_LAUNCH_FAILED("ua step_begin_kernel");
   {  // the 1-token rows (and the zeroed output of rows that do not run)
     DeviceCall<S> d = a;
     d.P = 1;
     d.lambda_new = nullptr;
-    d.splits = decode_splits(cache.limits(), SlotAccess::sm_count(cache), R * G);
+    d.splits = decode_splits_now;
     // no prefill rounds follow: this launch is the step's last, and its last block publishes
     if (prefills == 0) d.publish_ticket = SlotAccess::publish_ticket(cache);
-    const std::size_t bytes = decode_kernel_smem_bytes<S>(D, r);
-    void (*const kernel)(DeviceCache<S>, DeviceCall<S>) = D <= 64    ? decode_attend_kernel<Set, S, 8>
-                                                          : D <= 128 ? decode_attend_kernel<Set, S, 16>
-                                                                     : decode_attend_kernel<Set, S, 32>;
-    KVMEM_RETURN_IF_ERROR(cuda::allow_shared(kernel, bytes));
-    kernel<<<dim3(unsigned(R * G), unsigned(d.splits)), kDecodeThreads, bytes, stream>>>(dev, d);
+    const DecodeKernel<S> k = decode_kernel_for<Set, S>(D, r);
+    KVMEM_RETURN_IF_ERROR(cuda::allow_shared(k.kernel, k.shared_bytes));
+    k.kernel<<<dim3(unsigned(R * G), unsigned(d.splits)), kDecodeThreads, k.shared_bytes, stream>>>(dev, d);
     KVMEM_CUDA_RETURN_IF_LAUNCH_FAILED("ua step decode_attend_kernel");
   }
   // The prefill rows' rounds of chunks. A merge block takes every kStepMergeBlocks-th row of a chunk, so

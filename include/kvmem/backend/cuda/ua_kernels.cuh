@@ -17,9 +17,12 @@
 //       place, appends the surviving new keys, and advances the item's position counter.
 // A decode step is one launch. An item with at most kOneBlockMaxKept rows in use (the device reads the
 // true length) is decoded by one block that updates λ, evicts, compacts, appends and attends in one
-// pass; a longer one splits its rows over the blocks (decode_split_rows), which mark the rows they evict
-// dead in place, and the last split of the item to finish (an integer ticket) merges the partials and
-// appends the new row, compacting the item first when compacts_now says so.
+// pass; a longer one splits its rows over the blocks (decode_split_rows, decode_split), which mark the rows
+// they evict dead in place, or, when the step's first kernel gave the item fresh pages (a shared pool, a
+// page's worth of dead rows), write every live row to its place there; the last split of the item to
+// finish (an integer ticket) merges the partials and appends the new row, after swapping the pages
+// (finish_move) or compacting the item in place when compacts_in_place says so. All three decode paths
+// take a row's λ update and eviction from update_row.
 // No L x L matrix exists anywhere: λ is one float per entry, the decay lives in a tile of shared
 // memory for the duration of one (entry tile, row tile) step.
 // A slot step (ua::step, DeviceCall::row_slot set) runs the same kernels over rows instead of
@@ -45,8 +48,8 @@ namespace kvmem::cuda::ua_detail {
 // The page pool's bookkeeping in device memory (ua/cache.hpp's layout, DESIGN.md 3). The free list is
 // a stack of page numbers below a free count; kernels take pages (pop) and return them (push) with
 // atomics on that count, never both in the same phase of the same launch: the first kernel of a step
-// takes every page the step needs (and, after a barrier, returns the pages of slots that found the pool
-// dry), the later kernels only return pages. A pop takes a whole range [free - k, free) with one
+// takes every page the step needs (reserve_slot; after a barrier it returns the pages of slots that found
+// the pool dry), the later kernels only return pages. A pop takes a whole range [free - k, free) with one
 // compare-and-swap, all or nothing, so a failed request changes nothing; a push claims its range
 // [free, free + k) with one atomic add and then writes the page numbers, which only a later launch
 // reads. The counters (free, taken, returned) are copied into a small host-mapped block at the end of
@@ -60,6 +63,11 @@ struct DevicePool {
   std::int64_t* mirror = nullptr;        // host-mapped copy of stats (device pointer), or nullptr
   const std::int64_t* length = nullptr;  // [items] rows in use (DeviceCache::length): publishing of own pages
   const std::int64_t* dead = nullptr;    // [items] dead rows among them (DeviceCache::dead)
+  // Shared pools: the pages a decode step takes to move an item's live rows into (reserve_slot): their
+  // numbers, in logical order, in the item's spare table (shaped like `table`), and their count, which
+  // is nonzero only between the step's first kernel and the end of its decode (finish_move).
+  std::int32_t* spare = nullptr;  // [I, pages_per_item]
+  std::int64_t* fresh = nullptr;  // [I]
   std::int64_t items = 0;
   std::int64_t pages_per_item = 0;
   int shift = 0;  // log2(page_rows)
@@ -145,7 +153,7 @@ __device__ inline void publish_block(const DevicePool& p) {
     __syncthreads();
     unsigned long long up = 0, down = 0;
     for (std::int64_t i = threadIdx.x; i < p.items; i += blockDim.x) {
-      // ld.global.cg: other blocks of the launch may have written them (publish_if_last_block)
+      // ld.global.cg: other blocks of the launch may have written them (publish_if_last)
       const std::int64_t kept = load_cg(p.length + i) - load_cg(p.dead + i), need = p.pages_for(kept);
       const std::int64_t held = p.held[i];
       if (need > held) up += static_cast<unsigned long long>(need - held);
@@ -171,16 +179,16 @@ template <class = void>
 __global__ void __launch_bounds__(kPublishThreads) publish_kernel(DevicePool p) {
   publish_block(p);
 }
-// The last block of a launch to get here (an integer ticket over the whole grid, reset for the next
-// launch) publishes: a step's last kernel does it instead of a launch of publish_kernel. Every block of
-// the launch must call this once, after its last page move; the ticket is release/acquire ordered.
-__device__ inline void publish_if_last_block(const DevicePool& p, int* ticket) {
+// The last of `expected` callers of a launch (an integer ticket, reset for the next launch) publishes: a
+// step's last kernel does it instead of a launch of publish_kernel. Each caller is a whole block that
+// calls it once, after every page move it answers for (finish_kernel: every block; decode_attend_kernel:
+// one block per grid item); the ticket is release/acquire ordered.
+__device__ inline void publish_if_last(const DevicePool& p, int* ticket, unsigned expected) {
   __shared__ int last;
   __syncthreads();
   if (threadIdx.x == 0) {
     __threadfence();
-    const unsigned blocks = gridDim.x * gridDim.y * gridDim.z;
-    last = atomicAdd(ticket, 1) == int(blocks) - 1 ? 1 : 0;
+    last = atomicAdd(ticket, 1) == int(expected) - 1 ? 1 : 0;
     if (last) __threadfence();
   }
   __syncthreads();
@@ -205,6 +213,7 @@ struct DeviceCache {
   std::int64_t* counter = nullptr;      // [I] next absolute position (tokens seen by the sequence)
   int* done = nullptr;                  // [I] decode blocks finished this step (the last one resets it to 0)
   std::int64_t* next_length = nullptr;  // [I] a one-block decode step's new length, published by the last block
+  std::int64_t* marks = nullptr;        // [I] rows the decode blocks of this step marked dead (0 between steps)
   DevicePool pool;
   std::int64_t stride = 0;    // rows between consecutive items' first rows when the pool is not shared
   std::int64_t capacity = 0;  // most rows one item may hold (CacheShape::capacity)
@@ -255,7 +264,7 @@ struct DeviceCall {
   std::int64_t P = 0;             // rows per chunk the scratch is laid out for
   int splits = 1;                 // grid.x of the attend kernel
   std::int64_t tokens = 0;        // fixed batch: the call's tokens per sequence (its last chunk returns spare pages)
-  int* publish_ticket = nullptr;  // set on a step's last kernel: its last block publishes (publish_if_last_block)
+  int* publish_ticket = nullptr;  // set on a step's last kernel: its last block publishes (publish_if_last)
   double log_p = 0.0;             // ln p; -inf = never evict
   bool evict_before_attention = true;
   // A slot step (ragged rows over packed token-major inputs, DESIGN.md 3): row_slot != nullptr. The
@@ -627,9 +636,10 @@ __global__ void __launch_bounds__(kMergeThreads)
 
 // ---- finish: evict + compact, append, advance ---------------------------------------------------
 // One item on the calling block's threads (any whole number of warps), with finish_smem_bytes<S>(D) bytes of
-// shared memory at `fsm`. Runs after everything of the step that reads the item's rows or its length
-// (it changes both): finish_kernel after a prefill chunk, the last split of a decode step. λ is read
-// with ld.global.cg: other blocks of the step updated it, and this block's L1 may hold old lines.
+// shared memory at `fsm`; `dead` counts the rows marked dead among its rows in use (dead rows go at any p).
+// Runs after everything of the step that reads the item's rows or its length (it changes both):
+// finish_kernel after a prefill chunk, the last split of a decode step. λ is read with ld.global.cg: other
+// blocks of the step updated it, and this block's L1 may hold old lines.
 inline constexpr int kFinishThreads = 256;
 // Rows staged per compaction step, turned into destinations by one ballot of warp 0's first kCompactRows
 // lanes (a whole warp on NVIDIA; lanes past it sit the ballot out on a 64-lane wavefront, so the stage
@@ -680,11 +690,11 @@ __device__ inline void copy_rows(std::int64_t rows, std::int64_t D, bool vec16, 
 }
 template <class S>
 __device__ inline void finish_item(const DeviceCache<S>& c, const DeviceCall<S>& a, std::int64_t item, std::int64_t b,
-                                   std::int64_t t0, std::int64_t rows, bool last, unsigned char* fsm) {
+                                   std::int64_t t0, std::int64_t rows, bool last, std::int64_t dead,
+                                   unsigned char* fsm) {
   const std::int64_t D = c.D, g = item % c.G;
   const std::int64_t n = c.length[item];
-  const std::int64_t first = c.counter[item];        // absolute position of the call's row t0
-  const std::int64_t dead = load_cg(c.dead + item);  // marked by this step's decode blocks, or before
+  const std::int64_t first = c.counter[item];  // absolute position of the call's row t0
   const int tid = threadIdx.x, lane = tid % kWarpSize;
   // rows of the cache and of the staging buffer start 16 bytes apart when D * sizeof(S) is a multiple of 16
   // (UaCache's arena and the dynamic shared memory are 16-byte aligned)
@@ -801,8 +811,9 @@ __global__ void __launch_bounds__(kFinishThreads)
     finish_kernel(DeviceCache<S> c, DeviceCall<S> a, std::int64_t t0, std::int64_t rows) {
   extern __shared__ __align__(16) unsigned char fsm[];
   ChunkWork w;
-  if (chunk_work(c, a, blockIdx.x, t0, rows, w)) finish_item(c, a, w.item, w.b, w.t0, w.rows, w.last, fsm);
-  if (a.publish_ticket != nullptr) publish_if_last_block(c.pool, a.publish_ticket);
+  if (chunk_work(c, a, blockIdx.x, t0, rows, w))
+    finish_item(c, a, w.item, w.b, w.t0, w.rows, w.last, c.dead[w.item], fsm);
+  if (a.publish_ticket != nullptr) publish_if_last(c.pool, a.publish_ticket, gridDim.x);
 }
 
 // grid (I), block kFinishThreads, dynamic smem finish_smem_bytes<S>(D): drops the dead rows of every item
@@ -811,9 +822,151 @@ __global__ void __launch_bounds__(kFinishThreads)
 template <class S>
 __global__ void __launch_bounds__(kFinishThreads) compact_kernel(DeviceCache<S> c, DeviceCall<S> a) {
   extern __shared__ __align__(16) unsigned char fsm[];
-  const std::int64_t item = blockIdx.x;
-  if (c.dead[item] == 0) return;
-  finish_item(c, a, item, item / c.G, 0, 0, false, fsm);
+  const std::int64_t item = blockIdx.x, dead = c.dead[item];
+  if (dead == 0) return;
+  finish_item(c, a, item, item / c.G, 0, 0, false, dead, fsm);
+}
+
+// ---- decode: what every decode path shares -----------------------------------------------------
+// One cached row's decode step (spec 4.4 step 1, 4.5): λ gains the decay that the new token at position
+// t puts on it, and the row goes when λ < ln p. A row dead before the step (λ = -inf) stays dead and
+// takes no part. The one-block pass, the entry splits and the vector-row pass all take their rows' λ,
+// eviction and attention mask from here.
+struct RowUpdate {
+  float lambda;  // λ after the step (-inf for a row dead before it)
+  bool dead;     // dead before the step
+  bool evict;    // goes at this step
+  bool attend;   // scored by this step's attention (evict_before_attention masks a row that goes)
+  __device__ bool keeps() const { return !dead && !evict; }
+  // The λ a pass that leaves rows in place writes back: a row that goes is marked dead.
+  __device__ float stored() const { return evict ? negative_infinity<float>() : lambda; }
+};
+template <class Set, class S>
+__device__ inline RowUpdate update_row(const DeviceCall<S>& a, float lambda, float sim, float zk, std::int64_t pos,
+                                       float zq, float q_part, std::int64_t t) {
+  if (is_dead(lambda)) return {lambda, true, false, false};
+  if (t > pos)
+    lambda += kernel::ua::decay_from_similarity<Set, float>(sim, zk, kernel::ua::key_gate_part(zk), pos, zq, q_part, t);
+  const bool evict = kernel::ua::evicts(lambda, a.log_p);
+  return {lambda, false, evict, !(evict && a.evict_before_attention)};
+}
+
+// The entries of a long item's decode step are its n rows in use followed by the new token (entry n),
+// split over the blocks of the item in pieces of at least kDecodePiece (a whole number of move-plan
+// chunks); the last block's merge recomputes the same pieces to know how many partials exist.
+inline constexpr std::int64_t kDecodePiece = 64;
+__device__ inline Range decode_range(std::int64_t total, int splits, int split) {
+  const std::int64_t piece = split_piece(total, splits, kDecodePiece), begin = std::int64_t(split) * piece;
+  if (begin >= total) return {total, total};
+  return {begin, begin + piece < total ? begin + piece : total};
+}
+
+// ---- decode, moving a long item's live rows into fresh pages ------------------------------------
+// A decode step of a long item over a shared pool whose dead rows reach a page's worth moves the rows
+// live at its start into fresh pages as it reads them (reserve_slot takes the pages in the step's first
+// kernel): every block writes the live rows of its range to their stable-compaction places through the
+// item's spare table, and the last block returns the old pages and makes the spare table the item's page
+// table (finish_move). The old rows are read-only for the whole step (λ updates and dead marks go to the
+// new places), so the blocks never wait for one another: each counts, from λ as the step found it, the
+// live rows before its range and marks the live ones within it.
+inline constexpr int kPlanRows = 64;        // rows per chunk of a plan: one 64-bit mask
+inline constexpr int kMaxPlanChunks = 256;  // chunks one block's range may span (plan_fits)
+static_assert(kDecodePiece % kPlanRows == 0, "decode ranges start on plan chunk boundaries");
+struct MovePlan {
+  unsigned long long live[kMaxPlanChunks];  // bit i of chunk j: row (first + j) * kPlanRows + i is live
+  int before[kMaxPlanChunks];               // live rows before chunk j
+  std::int64_t first;                       // the range's first chunk
+  __device__ bool is_live(std::int64_t e) const {
+    return ((live[e / kPlanRows - first] >> (e % kPlanRows)) & 1ull) != 0;
+  }
+  // The logical row live row e moves to: the number of live rows before it.
+  __device__ std::int64_t dest(std::int64_t e) const {
+    const std::int64_t j = e / kPlanRows - first;
+    return before[j] + __popcll(live[j] & ((1ull << (e % kPlanRows)) - 1ull));
+  }
+};
+// Whether every block's range of a decode step over `rows` rows in use (and the new token) fits a plan.
+__host__ __device__ inline bool plan_fits(std::int64_t rows, int splits) {
+  return split_piece(rows + 1, splits, kDecodePiece) <= std::int64_t(kMaxPlanChunks) * kPlanRows;
+}
+// Pool row of logical row e of `item` in its fresh pages.
+template <class S>
+__device__ inline std::int64_t moved_row(const DeviceCache<S>& c, std::int64_t item, std::int64_t e) {
+  const std::int64_t page = c.pool.spare[item * c.pool.pages_per_item + (e >> c.pool.shift)];
+  return (page << c.pool.shift) | (e & ((std::int64_t(1) << c.pool.shift) - 1));
+}
+// The plan of the cached rows [begin, end) of `item` (begin a multiple of kPlanRows, end - begin at most
+// kMaxPlanChunks chunks), on the calling block's threads.
+template <class S>
+__device__ inline void plan_moves(const DeviceCache<S>& c, std::int64_t item, std::int64_t begin, std::int64_t end,
+                                  MovePlan& p) {
+  const int tid = int(threadIdx.x), lane = tid % kWarpSize, warp = tid / kWarpSize;
+  const int warps = int(blockDim.x) / kWarpSize;
+  const std::int64_t first = begin / kPlanRows, chunks = (end - begin + kPlanRows - 1) / kPlanRows;
+  __shared__ int live_before;
+  if (tid == 0) live_before = 0;
+  __syncthreads();
+  int mine = 0;  // live rows before the range: every thread a stride of them
+  for (std::int64_t e = tid; e < begin; e += blockDim.x) mine += is_dead(c.lambda[c.row(item, e)]) ? 0 : 1;
+  for (int o = kWarpSize / 2; o > 0; o /= 2) mine += warp_shfl_xor(mine, o);
+  if (lane == 0 && mine != 0) atomicAdd(&live_before, mine);
+  for (std::int64_t j = warp; j < chunks; j += warps) {  // a warp per chunk, a ballot per warp of its rows
+    unsigned long long bits = 0;
+#pragma unroll
+    for (int h = 0; h < kPlanRows; h += kWarpSize) {
+      const std::int64_t e = (first + j) * kPlanRows + h + lane;
+      const bool live = e < end && !is_dead(c.lambda[c.row(item, e)]);
+      bits |= static_cast<unsigned long long>(warp_ballot(live)) << h;
+    }
+    if (lane == 0) p.live[j] = bits;
+  }
+  __syncthreads();
+  if (warp == 0) {  // exclusive prefix of the chunks' live counts, a warp of chunks at a time
+    int carry = live_before;
+    for (std::int64_t j0 = 0; j0 < chunks; j0 += kWarpSize) {
+      const std::int64_t j = j0 + lane;
+      const int count = j < chunks ? __popcll(p.live[j]) : 0;
+      int inclusive = count;
+      for (int o = 1; o < kWarpSize; o *= 2) {
+        const int up = warp_shfl_up(inclusive, unsigned(o));
+        if (lane >= o) inclusive += up;
+      }
+      if (j < chunks) p.before[j] = carry + inclusive - count;
+      carry += warp_shfl(inclusive, kWarpSize - 1);
+    }
+    if (lane == 0) p.first = first;
+  }
+  __syncthreads();
+}
+// Copies the keys, values, key-gate logits and positions of the live rows among the cached rows [e0, e0 +
+// rows) of `item` to their places in its fresh pages (their λ is the λ update's), on the calling block's
+// threads.
+template <class S>
+__device__ inline void move_rows(const DeviceCache<S>& c, std::int64_t item, std::int64_t e0, std::int64_t rows,
+                                 const MovePlan& p) {
+  const std::int64_t D = c.D;
+  const bool vec = (D * std::int64_t(sizeof(S))) % 16 == 0;
+  const auto to = [&](std::int64_t e) {
+    return p.is_live(e0 + e) ? moved_row(c, item, p.dest(e0 + e)) : std::int64_t(-1);
+  };
+  copy_rows<S>(
+      rows, D, vec, [&](std::int64_t e) { return c.keys + c.row(item, e0 + e) * D; },
+      [&](std::int64_t e) {
+        const std::int64_t at = to(e);
+        return at < 0 ? nullptr : c.keys + at * D;
+      });
+  copy_rows<S>(
+      rows, D, vec, [&](std::int64_t e) { return c.values + c.row(item, e0 + e) * D; },
+      [&](std::int64_t e) {
+        const std::int64_t at = to(e);
+        return at < 0 ? nullptr : c.values + at * D;
+      });
+  for (std::int64_t e = threadIdx.x; e < rows; e += blockDim.x) {
+    const std::int64_t at = to(e);
+    if (at < 0) continue;
+    c.key_logit[at] = c.key_logit[c.row(item, e0 + e)];
+    c.pos[at] = c.pos[c.row(item, e0 + e)];
+  }
 }
 
 // ---- decode, short caches: the whole step of one item in one block -------------------------------
@@ -996,14 +1149,10 @@ __device__ inline std::int64_t decode_one_block(const DeviceCache<S>& c, const D
       float lam = 0.0f;
       bool keep = false, attend = valid;
       if (in_cache) {
-        const float zk = zk_t[e];
-        const std::int64_t p = pos_t[e];
-        lam = lam_t[e];
-        if (t > p)
-          lam +=
-              kernel::ua::decay_from_similarity<Set, float>(sim, zk, kernel::ua::key_gate_part(zk), p, zq, q_part, t);
-        keep = !gone(lam, a.log_p);
-        attend = keep || !a.evict_before_attention;
+        const RowUpdate up = update_row<Set>(a, lam_t[e], sim, zk_t[e], pos_t[e], zq, q_part, t);
+        lam = up.lambda;
+        keep = up.keeps();
+        attend = up.attend;
       }
       for (int h = 0; h < int(r); ++h) {
         const float part = group_sum(dot(qs + h * dim));
@@ -1142,11 +1291,12 @@ __device__ inline std::int64_t decode_one_block(const DeviceCache<S>& c, const D
 // ---- decode, long caches: entry splits ----------------------------------------------------------
 // A group of 8 lanes takes one entry at a time, its lanes over the dims: the entry's key is read once
 // for the λ update (spec 4.4 step 1) and the r logits. Then the block walks the tile's value rows with
-// one thread per dim for all r heads. The new token is entry n (λ = 0). Leaves this split's partial
-// (nothing when the split has no entries).
+// one thread per dim for all r heads. The new token is entry n (λ = 0). Rows that go are marked dead in
+// place, or, with a plan, every live row is written to its place in the item's fresh pages. Leaves the
+// partial of `split` over the entries of `range` (not empty) and returns the rows it marked dead.
 template <class Set, class S, int kDpl>
 __device__ inline int decode_split(const DeviceCache<S>& c, const DeviceCall<S>& a, std::int64_t item, std::int64_t b,
-                                   std::int64_t n, int split, float* dsm) {
+                                   std::int64_t n, int split, Range range, const MovePlan* plan, float* dsm) {
   const std::int64_t D = c.D, r = c.r, g = item % c.G;
   float* qs = dsm;                            // [r][D]
   float* nk = qs + r * D;                     // [D]
@@ -1156,11 +1306,7 @@ __device__ inline int decode_split(const DeviceCache<S>& c, const DeviceCall<S>&
   float* run_sum = run_max + r;               // [r]
   float* scratch = run_sum + r;               // [32] (one per warp)
 
-  const std::int64_t total = n + 1;
-  const std::int64_t piece = split_piece(total, a.splits, 32);
-  const std::int64_t e_begin = split * piece;
-  if (e_begin >= total) return 0;
-  const std::int64_t e_end = e_begin + piece < total ? e_begin + piece : total;
+  const std::int64_t e_begin = range.begin, e_end = range.end;
   const std::int64_t t = c.counter[item];
   const int tid = threadIdx.x, warp = tid / kWarpSize, lane = tid % kWarpSize, warps = kDecodeThreads / kWarpSize;
   __shared__ int marked;
@@ -1191,7 +1337,8 @@ __device__ inline int decode_split(const DeviceCache<S>& c, const DeviceCall<S>&
     for (std::int64_t eb = warp * kGroupsPerWarp; eb < ne; eb += warps * kGroupsPerWarp) {  // warp-uniform bound
       const std::int64_t e = eb + grp, idx = e0 + e;
       const bool valid = e < ne, cached = valid && idx < n;
-      const S* krow = cached ? c.keys + c.row(item, idx) * D : new_key;
+      const std::int64_t at = cached ? c.row(item, idx) : 0;
+      const S* krow = cached ? c.keys + at * D : new_key;
       float key[kDpl];
 #pragma unroll
       for (int x = 0; x < kDpl; ++x) {
@@ -1206,19 +1353,13 @@ __device__ inline int decode_split(const DeviceCache<S>& c, const DeviceCall<S>&
       }
       sim = group_sum(sim);
       float lam = 0.0f;
-      bool masked = !valid;
+      bool attend = valid;
       if (cached) {
-        const float zk = c.key_logit[c.row(item, idx)];
-        const std::int64_t p = c.pos[c.row(item, idx)];
-        lam = c.lambda[c.row(item, idx)];
-        const bool was_dead = is_dead(lam);  // marked by an earlier step: stays -inf
-        if (t > p && !was_dead)
-          lam +=
-              kernel::ua::decay_from_similarity<Set, float>(sim, zk, kernel::ua::key_gate_part(zk), p, zq, q_part, t);
-        const bool evict = !was_dead && kernel::ua::evicts(lam, a.log_p);
-        if (sub == 0 && !was_dead) c.lambda[c.row(item, idx)] = evict ? negative_infinity<float>() : lam;
-        if (sub == 0 && evict) atomicAdd(&marked, 1);
-        masked = was_dead || (a.evict_before_attention && evict);
+        const RowUpdate up = update_row<Set>(a, c.lambda[at], sim, c.key_logit[at], c.pos[at], zq, q_part, t);
+        lam = up.lambda;
+        attend = up.attend;
+        if (sub == 0 && !up.dead) c.lambda[plan != nullptr ? moved_row(c, item, plan->dest(idx)) : at] = up.stored();
+        if (sub == 0 && up.evict) atomicAdd(&marked, 1);
       }
       for (std::int64_t h = 0; h < r; ++h) {
         float part = 0.0f;
@@ -1229,9 +1370,10 @@ __device__ inline int decode_split(const DeviceCache<S>& c, const DeviceCall<S>&
         }
         part = group_sum(part);
         if (sub == 0 && valid)
-          wts[h * kDecodeThreads + e] = masked ? negative_infinity<float>() : part + lam;  // scale 1
+          wts[h * kDecodeThreads + e] = attend ? part + lam : negative_infinity<float>();  // scale 1
       }
     }
+    if (plan != nullptr && e0 < n) move_rows(c, item, e0, n - e0 < ne ? n - e0 : ne, *plan);
     __syncthreads();
     // 3. online softmax step per head over the tile (every thread computes the same max / sum)
     for (std::int64_t h = 0; h < r; ++h) {
@@ -1293,10 +1435,11 @@ __device__ inline int decode_split(const DeviceCache<S>& c, const DeviceCall<S>&
 // coalesced vector reads. A row group takes kU consecutive rows per step with every load of the kU rows
 // in flight before any is used; per row it updates λ from the similarity to the new key, decides the
 // eviction, and scores the kR heads of the group; one online-softmax step per head then covers the kU
-// rows, the group's accumulators living in registers. Evicted rows are marked dead where they lie (λ =
+// rows, the group's accumulators living in registers. Rows that go are marked dead where they lie (λ =
 // -inf) instead of being moved: a later step reads only their λ, and the item is compacted only when
-// enough rows are dead (decode_attend_kernel). At the end the row groups' states merge in a fixed order
-// (within a warp by shuffles, then across warps in shared memory) into this split's partial, the
+// enough rows are dead (decode_item); with a plan, every live row is written, from the registers that
+// hold it, to its place in the item's fresh pages. At the end the row groups' states merge in a fixed
+// order (within a warp by shuffles, then across warps in shared memory) into this split's partial, the
 // partial format of decode_split. Returns the rows this block marked dead.
 inline constexpr int kRowLanes = 16;  // lanes per cache row: 16 x 16 bytes = a D 128 bf16 row
 inline constexpr int kRowGroupsPerWarp = kWarpSize / kRowLanes;
@@ -1311,9 +1454,27 @@ __device__ inline float row_sum(float x) {  // over the kRowLanes lanes of a row
 __host__ __device__ inline bool vector_decode_ok(std::int64_t D, std::int64_t r, std::size_t elem) {
   return (D * std::int64_t(elem)) % 16 == 0 && (r == 4 || r == 8);
 }
-// Shared memory of decode_split_rows: the new token's key and value rows, then the warps' states.
+// Rows a row group of decode_split_rows takes per step: every load of them is in flight together. Two
+// keep the pass within the registers that let two blocks share a multiprocessor at r = 4 with one vector
+// per lane (decode_min_blocks).
+inline constexpr int kRowsInFlight = 2;
+// 16-byte vectors a lane of decode_split_rows holds of a row of D <= 8 kDpl elements of S.
+template <class S, int kDpl>
+__host__ __device__ constexpr int vectors_per_lane() {
+  return (kDpl * int(sizeof(S)) + 31) / 32;
+}
+// Resident blocks decode_attend_kernel asks its registers to allow: two for the vector-row pass at r = 4
+// with one vector per lane (bf16 and fp16 rows up to D 128, fp32 up to D 64; a step of many items runs in
+// half the waves), one otherwise, where two would spill the pass's accumulators.
+template <class S, int kDpl, int kR>
+__host__ __device__ constexpr int decode_min_blocks() {
+  return kR == 4 && vectors_per_lane<S, kDpl>() == 1 ? 2 : 1;
+}
+// Shared memory of decode_split_rows: the new token's key and value rows and the group's queries (in the
+// storage type), then the warps' states.
 __host__ __device__ inline std::size_t split_rows_smem_bytes(std::int64_t D, std::int64_t r, std::size_t elem) {
-  return 2 * std::size_t(D) * elem + std::size_t(kDecodeWarps) * std::size_t(r) * std::size_t(D + 2) * sizeof(float);
+  return std::size_t(2 + r) * std::size_t(D) * elem +
+         std::size_t(kDecodeWarps) * std::size_t(r) * std::size_t(D + 2) * sizeof(float);
 }
 template <class S>
 __device__ inline void unpack(const uint4& raw, float* out) {
@@ -1323,18 +1484,22 @@ __device__ inline void unpack(const uint4& raw, float* out) {
 }
 template <class Set, class S, int kVpl, int kR, int kU>
 __device__ inline int decode_split_rows(const DeviceCache<S>& c, const DeviceCall<S>& a, std::int64_t item,
-                                        std::int64_t b, std::int64_t n, int split, unsigned char* smem) {
+                                        std::int64_t b, std::int64_t n, int split, Range range, const MovePlan* plan,
+                                        unsigned char* smem) {
   constexpr int kE = int(16 / sizeof(S)), kDims = kVpl * kE;
-  const std::int64_t D = c.D, g = item % c.G, total = n + 1;
-  const std::int64_t piece = split_piece(total, a.splits, 32), e_begin = split * piece;
-  if (e_begin >= total) return 0;
-  const std::int64_t e_end = e_begin + piece < total ? e_begin + piece : total;
+  const std::int64_t D = c.D, g = item % c.G;
+  const std::int64_t e_begin = range.begin, e_end = range.end;
   const std::int64_t t = c.counter[item];
   const int tid = int(threadIdx.x), lane = tid % kWarpSize, warp = tid / kWarpSize, sub = tid % kRowLanes;
   const int grp = lane / kRowLanes;
-  S* new_k = reinterpret_cast<S*>(smem);  // the new token (entry n, λ = 0): 16-byte aligned rows
+  // The new token (entry n, λ = 0) and the group's queries stay in shared memory, in the storage type
+  // (exact), and are read where a dot product uses them: held in registers, the queries would take the
+  // registers of a second resident block. Their rows are 16-byte aligned, and a lane's 16-byte vectors
+  // lie 16 bytes apart from its neighbours', so the reads are free of bank conflicts.
+  S* new_k = reinterpret_cast<S*>(smem);
   S* new_v = new_k + D;
-  float* red = reinterpret_cast<float*>(smem + 2 * std::size_t(D) * sizeof(S));  // [warps][kR][D + 2]
+  S* qs = new_v + D;                                                                               // [kR][D]
+  float* red = reinterpret_cast<float*>(smem + std::size_t(2 + kR) * std::size_t(D) * sizeof(S));  // [warps][kR][D + 2]
   __shared__ int marked_block;
   {
     const S* in_k = a.k + b * a.k_b + g * a.k_g;
@@ -1343,24 +1508,24 @@ __device__ inline int decode_split_rows(const DeviceCache<S>& c, const DeviceCal
       new_k[d] = in_k[d];
       new_v[d] = in_v[d];
     }
+    for (std::int64_t x = tid; x < kR * D; x += blockDim.x) qs[x] = a.q[b * a.q_b + (g * kR + x / D) * a.q_h + x % D];
     if (tid == 0) marked_block = 0;
   }
   __syncthreads();
   // the lane's dims: vectors w = sub + kRowLanes * j, elements w * kE .. w * kE + kE - 1
-  float q[kR][kDims], nk[kDims], acc[kR][kDims], m[kR], l[kR];
+  const auto dot_part = [&](const float* row, const S* other) {  // this lane's part of row . other
+    float part = 0.0f;
 #pragma unroll
-  for (int j = 0; j < kVpl; ++j) {
-    const int w = sub + kRowLanes * j;
-    const bool ok = w * kE < D;
-    uint4 raw = make_uint4(0, 0, 0, 0);
-    if (ok) raw = *reinterpret_cast<const uint4*>(new_k + w * kE);
-    unpack<S>(raw, nk + j * kE);
+    for (int j = 0; j < kVpl; ++j) {
+      const int w = sub + kRowLanes * j;
+      float o[kE];
+      unpack<S>(w * kE < D ? *reinterpret_cast<const uint4*>(other + w * kE) : make_uint4(0, 0, 0, 0), o);
 #pragma unroll
-    for (int h = 0; h < kR; ++h)
-#pragma unroll
-      for (int k = 0; k < kE; ++k)
-        q[h][j * kE + k] = ok ? ld(a.q + b * a.q_b + (g * kR + h) * a.q_h + w * kE + k) : 0.0f;
-  }
+      for (int k = 0; k < kE; ++k) part += row[j * kE + k] * o[k];
+    }
+    return part;
+  };
+  float acc[kR][kDims], m[kR], l[kR];
 #pragma unroll
   for (int h = 0; h < kR; ++h) {
     m[h] = negative_infinity<float>();
@@ -1405,7 +1570,8 @@ __device__ inline int decode_split_rows(const DeviceCache<S>& c, const DeviceCal
       zk[u] = meta ? c.key_logit[rowi[u]] : 0.0f;
       pos[u] = meta ? c.pos[rowi[u]] : t;
     }
-    // 2. λ update (spec 4.4 step 1), eviction (4.5), the kR logits (scale 1)
+    // 2. λ update (spec 4.4 step 1), eviction (4.5), the kR logits (scale 1); with a plan, the live row to
+    //    its new place
     float s[kU][kR];
 #pragma unroll
     for (int u = 0; u < kU; ++u) {
@@ -1413,28 +1579,36 @@ __device__ inline int decode_split_rows(const DeviceCache<S>& c, const DeviceCal
 #pragma unroll
       for (int j = 0; j < kVpl; ++j) unpack<S>(kr[u][j], kf + j * kE);
       float sim = 0.0f;  // a set without the similarity gate never reads it
-      if constexpr (Set::kNeedsSimilarity) {
-#pragma unroll
-        for (int x = 0; x < kDims; ++x) sim += kf[x] * nk[x];
-        sim = row_sum(sim);
-      }
+      if constexpr (Set::kNeedsSimilarity) sim = row_sum(dot_part(kf, new_k));
       float lu = lam[u];
-      const bool updates = cached[u] && live[u];
-      if (updates && t > pos[u])
-        lu += kernel::ua::decay_from_similarity<Set, float>(sim, zk[u], kernel::ua::key_gate_part(zk[u]), pos[u], zq,
-                                                            q_part, t);
-      const bool evict = updates && kernel::ua::evicts(lu, a.log_p);
-      if (updates && sub == 0) {
-        c.lambda[rowi[u]] = evict ? negative_infinity<float>() : lu;
-        marked += evict ? 1 : 0;
+      bool attend = live[u];
+      if (cached[u] && live[u]) {
+        const RowUpdate up = update_row<Set>(a, lam[u], sim, zk[u], pos[u], zq, q_part, t);
+        lu = up.lambda;
+        attend = up.attend;
+        marked += (sub == 0 && up.evict) ? 1 : 0;
+        if (plan == nullptr) {
+          if (sub == 0) c.lambda[rowi[u]] = up.stored();
+        } else {
+          const std::int64_t to = moved_row(c, item, plan->dest(base + u));
+#pragma unroll
+          for (int j = 0; j < kVpl; ++j) {
+            const int w = sub + kRowLanes * j;
+            if (w * kE < D) {
+              *reinterpret_cast<uint4*>(c.keys + to * D + w * kE) = kr[u][j];
+              *reinterpret_cast<uint4*>(c.values + to * D + w * kE) = vr[u][j];
+            }
+          }
+          if (sub == 0) {
+            c.lambda[to] = up.stored();
+            c.key_logit[to] = zk[u];
+            c.pos[to] = pos[u];
+          }
+        }
       }
-      const bool attend = live[u] && !(evict && a.evict_before_attention);
 #pragma unroll
       for (int h = 0; h < kR; ++h) {
-        float part = 0.0f;
-#pragma unroll
-        for (int x = 0; x < kDims; ++x) part += kf[x] * q[h][x];
-        part = row_sum(part);
+        const float part = row_sum(dot_part(kf, qs + h * D));
         s[u][h] = attend ? part + lu : negative_infinity<float>();
       }
     }
@@ -1579,15 +1753,57 @@ __device__ inline bool decode_row(const DeviceCache<S>& c, const DeviceCall<S>& 
   return false;
 }
 
-// grid (I, splits), block kDecodeThreads, dynamic smem decode_kernel_smem_bytes<S>(D, r).
+// Dynamic shared memory of decode_attend_kernel: the largest of the paths it takes (vector: the vector-row
+// pass, else the entry splits), the one-block pass and the finish.
 template <class S>
-__host__ __device__ inline std::size_t decode_kernel_smem_bytes(std::int64_t D, std::int64_t r) {
-  const std::size_t attend = decode_smem_bytes(D, r), finish = finish_smem_bytes<S>(D),
-                    one_block = OneBlockLayout(D, r, sizeof(S)).bytes;
-  const std::size_t rows = split_rows_smem_bytes(D, r, sizeof(S));
-  std::size_t most = attend > finish ? attend : finish;
-  most = most > one_block ? most : one_block;
-  return most > rows ? most : rows;
+__host__ __device__ inline std::size_t decode_kernel_smem_bytes(std::int64_t D, std::int64_t r, bool vector) {
+  const std::size_t split = vector ? split_rows_smem_bytes(D, r, sizeof(S)) : decode_smem_bytes(D, r);
+  const std::size_t finish = finish_smem_bytes<S>(D), one_block = OneBlockLayout(D, r, sizeof(S)).bytes;
+  std::size_t most = split > finish ? split : finish;
+  return most > one_block ? most : one_block;
+}
+// Whether the last block of a long item compacts it in place at the end of a step that moved nothing:
+// once its dead rows are as many as its kept rows (and at least a page's worth: each compaction moves at
+// most the kept rows and follows at least as many evictions, so the rows moved per evicted row stay below
+// one), or when the new row would not fit. A shared pool moves its items earlier, into fresh pages
+// (reserve_slot), whenever the pool has them.
+template <class S>
+__device__ inline bool compacts_in_place(const DeviceCache<S>& c, std::int64_t n, std::int64_t dead) {
+  if (n + 1 > c.capacity) return true;
+  const std::int64_t page = std::int64_t(1) << c.pool.shift, kept = n - dead;
+  return dead >= (kept > page ? kept : page);
+}
+// The end of a step that moved the item's `kept` live rows into fresh pages, on the last block's threads:
+// the old pages go back to the pool (every row on them moved or was dead), the spare table becomes the
+// page table, the new token follows the moved rows, and the rows this step marked dead (`marks`, moved
+// with λ = -inf) are the item's dead rows.
+template <class S>
+__device__ inline void finish_move(const DeviceCache<S>& c, const DeviceCall<S>& a, std::int64_t item, std::int64_t b,
+                                   std::int64_t kept, std::int64_t marks) {
+  const DevicePool& p = c.pool;
+  const std::int64_t fresh = p.fresh[item], first = item * p.pages_per_item;
+  if (threadIdx.x == 0) return_pages(p, item, 0);
+  __syncthreads();  // the old page numbers are read before the table is overwritten
+  for (std::int64_t j = threadIdx.x; j < fresh; j += blockDim.x) p.table[first + j] = p.spare[first + j];
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    p.held[item] = fresh;
+    p.fresh[item] = 0;
+    c.dead[item] = marks;
+  }
+  append_new_row(c, a, item, b, kept);
+}
+// This block's part of a long item's step: the entries of `range` (not empty); returns the rows it marked
+// dead. kR != 0: the vector-row pass for groups of kR query heads, else the entry splits.
+template <class Set, class S, int kDpl, int kR>
+__device__ inline int decode_part(const DeviceCache<S>& c, const DeviceCall<S>& a, std::int64_t item, std::int64_t b,
+                                  std::int64_t n, int split, Range range, const MovePlan* plan, unsigned char* smem) {
+  if constexpr (kR != 0) {
+    constexpr int kVpl = vectors_per_lane<S, kDpl>();
+    return decode_split_rows<Set, S, kVpl, kR, kRowsInFlight>(c, a, item, b, n, split, range, plan, smem);
+  } else {
+    return decode_split<Set, S, kDpl>(c, a, item, b, n, split, range, plan, reinterpret_cast<float*>(smem));
+  }
 }
 // Memory ordering of the decode ticket (PTX memory model, GPU scope): the length every block reads
 // first is an acquire load, so nothing the block does afterwards (its ticket included) is ordered
@@ -1595,61 +1811,52 @@ __host__ __device__ inline std::size_t decode_kernel_smem_bytes(std::int64_t D, 
 // the last block fences after its ticket before reading the others' writes. (__threadfence is a
 // sequentially consistent fence: stronger than needed, and it is the costliest step of an idle block.)
 // One decode step of every item in one launch. The device reads each item's true length and picks the
-// path: up to kOneBlockMaxKept cached entries, split 0 does the whole step (decode_one_block) and the
-// other splits only take their ticket; longer items split their entries over the blocks, and the last
-// block merges the partials in split order and finishes the step (evict, compact, append).
+// path: up to kOneBlockMaxKept rows in use, split 0 does the whole step (decode_one_block) and the other
+// splits only take their ticket; longer items split their entries over the blocks, and the last block
+// merges the partials in split order and finishes the step: it appends the new row after the rows in use,
+// compacts the item in place first (compacts_in_place), or, when the step moved the item's live rows
+// into fresh pages, swaps the pages (finish_move).
 // Every block of an item takes one integer ticket after its part (which block arrives last does not
 // change the result); the last one publishes the new length and position. Until then no block of the
-// step can see a changed length, so every block of an item takes the same path. Items run along
-// grid x, splits along y: the blocks are dispatched x first, so every item's split 0 starts in the
-// first wave even when the idle splits do not all fit at once.
+// step can see a changed length, and the dead count and the fresh pages change only there too, so every
+// block of an item takes the same path. Items run along grid x, splits along y: the blocks are
+// dispatched x first, so every item's split 0 starts in the first wave even when the idle splits do not
+// all fit at once.
 // kDpl: dims per lane of an 8-lane group (>= ceil(D / 8)).
-// Whether the last block of an item compacts it this step: always with a shared pool (its pages go back
-// at once, as the host returns them), and with own pages once the dead rows are as many as the kept ones
-// (and at least a page's worth: each compaction moves at most the kept rows, and follows at least as
-// many evictions, so the rows moved per evicted row stay below one) or the new row would not fit.
-template <class S>
-__device__ inline bool compacts_now(const DeviceCache<S>& c, std::int64_t n, std::int64_t dead) {
-  if (c.pool.table != nullptr || n + 1 > c.capacity) return true;
-  const std::int64_t page = std::int64_t(1) << c.pool.shift, kept = n - dead;
-  return dead >= (kept > page ? kept : page);
-}
-// This block's part of an item's step (one_block: split 0 does it all); returns the rows it marked dead.
-template <class Set, class S, int kDpl>
-__device__ inline int decode_part(const DeviceCache<S>& c, const DeviceCall<S>& a, std::int64_t item, std::int64_t b,
-                                  std::int64_t n, int split, bool one_block, float* dsm) {
-  if (one_block) {
-    if (split != 0) return 0;
-    const std::int64_t length = decode_one_block<Set, S, kDpl>(c, a, item, b, n, reinterpret_cast<unsigned char*>(dsm));
-    if (threadIdx.x == 0) c.next_length[item] = length;
-    return 0;
-  }
-  constexpr int kVpl = (kDpl * int(sizeof(S)) + 31) / 32;  // 16-byte vectors per lane of a D <= 8 kDpl row
-  if (vector_decode_ok(c.D, c.r, sizeof(S))) {
-    auto* smem = reinterpret_cast<unsigned char*>(dsm);
-    if (c.r == 4) return decode_split_rows<Set, S, kVpl, 4, 4>(c, a, item, b, n, split, smem);
-    return decode_split_rows<Set, S, kVpl, 8, 2>(c, a, item, b, n, split, smem);
-  }
-  return decode_split<Set, S, kDpl>(c, a, item, b, n, split, dsm);
-}
-template <class Set, class S, int kDpl>
-__device__ inline void decode_item(const DeviceCache<S>& c, const DeviceCall<S>& a, float* dsm) {
+// Returns true in the one block that answers for grid item blockIdx.x: the last block of an item it
+// decodes, or split 0 of one it does not (a padding or prefill row, a slot that does not run).
+template <class Set, class S, int kDpl, int kR>
+__device__ inline bool decode_item(const DeviceCache<S>& c, const DeviceCall<S>& a, unsigned char* smem) {
   std::int64_t item = blockIdx.x, b = item / c.G;
-  if (a.row_slot != nullptr && !decode_row(c, a, blockIdx.x, item, b)) return;
-  if (a.row_slot == nullptr && a.slot_go != nullptr && a.slot_go[b] == 0) return;  // found the pool dry
+  if (a.row_slot != nullptr && !decode_row(c, a, blockIdx.x, item, b)) return blockIdx.y == 0;
+  if (a.row_slot == nullptr && a.slot_go != nullptr && a.slot_go[b] == 0) return blockIdx.y == 0;  // pool dry
   const std::int64_t n = ptx::load_acquire(c.length + item);
   const int split = int(blockIdx.y);
   const bool one_block = n <= kOneBlockMaxKept;
-  const int marked = decode_part<Set, S, kDpl>(c, a, item, b, n, split, one_block, dsm);
-  const bool wrote = !one_block || split == 0;
+  const bool moves = !one_block && c.pool.fresh != nullptr && c.pool.fresh[item] != 0;
+  __shared__ MovePlan plan;
+  int marked = 0;
+  bool wrote = false;
+  if (one_block) {
+    if (split == 0) {
+      const std::int64_t length = decode_one_block<Set, S, kDpl>(c, a, item, b, n, smem);
+      if (threadIdx.x == 0) c.next_length[item] = length;
+      wrote = true;
+    }
+  } else if (const Range range = decode_range(n + 1, a.splits, split); range.begin < range.end) {
+    const bool plans = moves && range.begin < n;  // a range of the new token alone moves nothing
+    if (plans) plan_moves(c, item, range.begin, range.end < n ? range.end : n, plan);
+    marked = decode_part<Set, S, kDpl, kR>(c, a, item, b, n, split, range, plans ? &plan : nullptr, smem);
+    wrote = true;
+  }
   __shared__ int last;
   if (threadIdx.x == 0 && marked != 0)
-    atomicAdd(reinterpret_cast<unsigned long long*>(c.dead + item), (unsigned long long)marked);
-  if (wrote) ptx::fence_acq_rel_gpu();  // this block's rows, λ, dead marks, partial and next length before its ticket
+    atomicAdd(reinterpret_cast<unsigned long long*>(c.marks + item), (unsigned long long)marked);
+  if (wrote) ptx::fence_acq_rel_gpu();  // this block's rows, λ, marks, partial and next length before its ticket
   __syncthreads();
   if (threadIdx.x == 0) last = atomicAdd(c.done + item, 1) == int(gridDim.y) - 1 ? 1 : 0;
   __syncthreads();
-  if (!last) return;
+  if (!last) return false;
   ptx::fence_acq_rel_gpu();
   if (one_block) {  // compacted in the pass: no dead row is left
     if (threadIdx.x == 0) {
@@ -1660,21 +1867,85 @@ __device__ inline void decode_item(const DeviceCache<S>& c, const DeviceCall<S>&
       if (c.pool.table != nullptr) return_pages(c.pool, item, length);  // own pages: publishing counts them
     }
   } else {
-    merge_row(c, a, item, b, 0, 0, active_splits(n + 1, a.splits, 32));
-    if (compacts_now(c, n, load_cg(c.dead + item)))
-      finish_item(c, a, item, b, 0, 1, true,
-                  reinterpret_cast<unsigned char*>(dsm));  // the attention buffers are free now
-    else
+    merge_row(c, a, item, b, 0, 0, active_splits(n + 1, a.splits, kDecodePiece));
+    const std::int64_t dead = c.dead[item], marks = load_cg(c.marks + item);
+    if (moves)
+      finish_move(c, a, item, b, n - dead, marks);
+    else if (compacts_in_place(c, n, dead + marks))
+      finish_item(c, a, item, b, 0, 1, true, dead + marks, smem);  // the attention buffers are free now
+    else {
       append_new_row(c, a, item, b, n);
+      if (threadIdx.x == 0) c.dead[item] = dead + marks;
+    }
+    if (threadIdx.x == 0) c.marks[item] = 0;
   }
   if (threadIdx.x == 0) c.done[item] = 0;
+  return true;
 }
-// grid (I or rows * G, splits), block kDecodeThreads, dynamic smem decode_kernel_smem_bytes<S>(D, r).
-template <class Set, class S, int kDpl>
-__global__ void __launch_bounds__(kDecodeThreads) decode_attend_kernel(DeviceCache<S> c, DeviceCall<S> a) {
-  extern __shared__ __align__(16) float dsm[];
-  decode_item<Set, S, kDpl>(c, a, dsm);
-  if (a.publish_ticket != nullptr) publish_if_last_block(c.pool, a.publish_ticket);
+// grid (I or rows * G, splits), block kDecodeThreads, dynamic smem decode_kernel_smem_bytes<S>(D, r, kR != 0).
+// Two resident blocks per multiprocessor where the vector-row pass fits them (decode_min_blocks), which
+// also doubles the one-block pass's residency in this kernel.
+// A step whose last launch this is publishes from the last of the blocks that answer for a grid item
+// (every page move of the launch is one of theirs), not from every block: a ticket per grid item, not per
+// block.
+// (The bound is parenthesised: hipcc's __launch_bounds__ is a macro, which a template argument list's commas
+// would split.)
+template <class Set, class S, int kDpl, int kR>
+__global__ void __launch_bounds__(kDecodeThreads, (decode_min_blocks<S, kDpl, kR>()))
+    decode_attend_kernel(DeviceCache<S> c, DeviceCall<S> a) {
+  extern __shared__ __align__(16) unsigned char dsm[];
+  const bool answers = decode_item<Set, S, kDpl, kR>(c, a, dsm);
+  if (a.publish_ticket != nullptr && answers) publish_if_last(c.pool, a.publish_ticket, gridDim.x);
+}
+
+// ---- the pages a call takes before it runs -------------------------------------------------------
+// The pages slot s takes from a shared pool before `tokens` of its tokens run (DevicePool: in the first
+// kernel of a step or fixed-batch call), all of them or none; false, the pool unchanged, when it cannot
+// give them. Each kv head's table grows to the pages of min(length + tokens, capacity) rows: the rows the
+// call can touch, as a compaction comes before any append past the capacity. A decode (tokens = 1, and
+// `splits` > 0: the splits of the decode launch that follows) of a long item whose dead rows reach a
+// page's worth asks instead for fresh pages for its live rows and the new one, and the decode moves its
+// rows there (decode_item; every range of that launch fits a plan); when the pool cannot give those, the
+// slot asks again without moving. A call that runs no decode launch passes splits = 0.
+template <class S>
+__device__ inline bool reserve_slot(const DeviceCache<S>& c, std::int64_t s, std::int64_t tokens, int splits) {
+  const DevicePool& p = c.pool;
+  const auto moves = [&](std::int64_t it) {
+    const std::int64_t n = c.length[it];
+    return tokens == 1 && splits > 0 && n > kOneBlockMaxKept && c.dead[it] >= (std::int64_t(1) << p.shift) &&
+           plan_fits(n, splits);
+  };
+  const auto grown = [&](std::int64_t it) {
+    return p.pages_for(c.length[it] + tokens < c.capacity ? c.length[it] + tokens : c.capacity);
+  };
+  bool any = false;
+  for (std::int64_t g = 0; g < c.G; ++g) any = any || moves(s * c.G + g);
+  for (int attempt = any ? 0 : 1; attempt < 2; ++attempt) {
+    const bool moving = attempt == 0;
+    std::int64_t k = 0;
+    for (std::int64_t g = 0; g < c.G; ++g) {
+      const std::int64_t it = s * c.G + g, held = p.held[it];
+      if (moving && moves(it))
+        k += p.pages_for(c.length[it] - c.dead[it] + 1);
+      else
+        k += grown(it) > held ? grown(it) - held : 0;
+    }
+    std::int64_t first = 0;
+    if (!pop_pages(p, k, first)) continue;
+    std::int64_t next = first + k;
+    for (std::int64_t g = 0; g < c.G; ++g) {
+      const std::int64_t it = s * c.G + g;
+      if (moving && moves(it)) {
+        const std::int64_t fresh = p.pages_for(c.length[it] - c.dead[it] + 1);
+        for (std::int64_t j = 0; j < fresh; ++j) p.spare[it * p.pages_per_item + j] = p.free_list[--next];
+        p.fresh[it] = fresh;
+      } else {
+        assign_pages(p, it, grown(it), next);
+      }
+    }
+    return true;
+  }
+  return false;
 }
 
 // ---- slot step: the rows' check and the per-row decisions, on the device ------------------------
@@ -1701,6 +1972,7 @@ struct StepRows {
   const std::int32_t* slot = nullptr;   // [rows]
   const std::int32_t* start = nullptr;  // [rows + 1]
   std::int64_t rows = 0, tokens = 0, max_slots = 0;
+  int splits = 1;                // the step's decode launch's splits (reserve_slot)
   int* go = nullptr;             // [max_slots] out: 1 = the slot's row runs this step
   int* first = nullptr;          // [max_slots] scratch: first row naming the slot
   int* overflow = nullptr;       // [max_slots] sticky: the slot ran out of rows
@@ -1764,8 +2036,9 @@ __global__ void __launch_bounds__(kStepBeginThreads) step_begin_kernel(DeviceCac
   }
   if (tid == 0) sr.error[0] = kStepOk;
   // Room and pages (DevicePool): a row runs when its slot is not flagged, has room for kept + tokens rows
-  // in every kv head (eviction is data-dependent: the host backend's bound) and gets the pages of those
-  // rows, all of them or none (a decode row: at most one page per kv head, as the host takes it); a row
+  // in every kv head (eviction is data-dependent: the host backend's bound) and gets its pages, all of
+  // them or none (reserve_slot; a decode row: at most one page per kv head, as the host takes it, or the
+  // fresh pages its live rows move into); a row
   // that does not run flags its slot (sticky until the slot is reset, copied over or imported) and is
   // skipped while the other rows run. After a barrier, a slot that found the pool dry returns its pages.
   for (std::int64_t row = tid; row < sr.rows; row += threads) {
@@ -1773,20 +2046,14 @@ __global__ void __launch_bounds__(kStepBeginThreads) step_begin_kernel(DeviceCac
     const std::int64_t n = sr.start[row + 1] - sr.start[row];
     if (s < 0 || n == 0) continue;
     if (sr.overflow[s] != 0) continue;  // flagged by an earlier step: skipped until reset
-    // room as the host counts it: kept rows (dead ones, own pages only, go at the row's compaction)
+    // room as the host counts it: kept rows (dead ones go at the item's next compaction)
     const bool own = c.pool.table == nullptr;  // own pages: publishing counts them, nothing to take
     bool room = true;
-    std::int64_t k = 0;
     for (std::int64_t g = 0; room && g < c.G; ++g) {
-      const std::int64_t it = s * c.G + g, need = c.pool.pages_for(c.length[it] + n);
+      const std::int64_t it = s * c.G + g;
       room = c.length[it] - c.dead[it] + n <= c.capacity;
-      k += need > c.pool.held[it] ? need - c.pool.held[it] : 0;
     }
-    std::int64_t first = 0;
-    if (room && (own || pop_pages(c.pool, k, first))) {
-      std::int64_t next = first + k;
-      for (std::int64_t g = 0; !own && g < c.G; ++g)
-        assign_pages(c.pool, s * c.G + g, c.pool.pages_for(c.length[s * c.G + g] + n), next);
+    if (room && (own || reserve_slot(c, s, n, sr.splits))) {
       sr.go[s] = 1;
       if (n >= 2) sr.prefill_rows[atomicAdd(&prefills, 1)] = int(row);
     } else {
@@ -1926,27 +2193,15 @@ __global__ void copy_slots_kernel(DeviceCache<S> c, int* overflow, const std::in
 }
 
 // A fixed-batch call (ua_prefill, ua_decode): one block, before the call's kernels. Sequence b runs
-// (go[b] = 1) when its slot is not flagged and every kv head got the pages of kept + T rows (all or
-// none, as a step takes them); otherwise the slot is flagged, after a barrier its pages go back, and its
-// output rows (and lse) are zeroed, as the host's finish_batch does.
+// (go[b] = 1) when its slot is not flagged and got the pages of its T rows (reserve_slot, all or none,
+// as a step takes them; a.splits is the decode launch's, 0 for a prefill); otherwise the slot is
+// flagged, after a barrier its pages go back, and its output rows (and lse) are zeroed, as the host's
+// finish_batch does.
 template <class S>
 __global__ void batch_reserve_kernel(DeviceCache<S> c, DeviceCall<S> a, int* go, int* overflow, std::int64_t B,
                                      std::int64_t T) {
-  for (std::int64_t s = threadIdx.x; s < B; s += blockDim.x) {
-    bool ok = overflow[s] == 0;
-    std::int64_t k = 0, first = 0;
-    for (std::int64_t g = 0; ok && g < c.G; ++g) {
-      const std::int64_t it = s * c.G + g, need = c.pool.pages_for(c.length[it] + T);
-      k += need > c.pool.held[it] ? need - c.pool.held[it] : 0;
-    }
-    ok = ok && pop_pages(c.pool, k, first);
-    if (ok) {
-      std::int64_t next = first + k;
-      for (std::int64_t g = 0; g < c.G; ++g)
-        assign_pages(c.pool, s * c.G + g, c.pool.pages_for(c.length[s * c.G + g] + T), next);
-    }
-    go[s] = ok ? 1 : 0;
-  }
+  for (std::int64_t s = threadIdx.x; s < B; s += blockDim.x)
+    go[s] = overflow[s] == 0 && reserve_slot(c, s, T, a.splits) ? 1 : 0;
   __syncthreads();
   const std::int64_t H = c.G * c.r, D = c.D;
   for (std::int64_t s = 0; s < B; ++s) {
@@ -1982,7 +2237,9 @@ __global__ void init_cache_kernel(DeviceCache<S> c, std::int64_t items, std::int
     c.counter[i] = 0;
     c.done[i] = 0;
     c.next_length[i] = 0;
+    c.marks[i] = 0;
     c.pool.held[i] = 0;
+    if (c.pool.fresh != nullptr) c.pool.fresh[i] = 0;
   }
   for (std::int64_t i = blockIdx.x * std::int64_t(blockDim.x) + threadIdx.x; i < slots; i += stride) overflow[i] = 0;
   if (blockIdx.x == 0 && threadIdx.x == 0) {

@@ -148,6 +148,14 @@ __device__ inline T warp_shfl_xor(T v, int lane_mask, int width = kWarpSize) {
 #endif
 }
 template <class T>
+__device__ inline T warp_shfl_up(T v, unsigned delta, int width = kWarpSize) {
+#if KVMEM_GPU_HIP
+  return __shfl_up(v, delta, width);
+#else
+  return __shfl_up_sync(kFullWarp, v, delta, width);
+#endif
+}
+template <class T>
 __device__ inline T warp_shfl_down(T v, unsigned delta, int width = kWarpSize) {
 #if KVMEM_GPU_HIP
   return __shfl_down(v, delta, width);
