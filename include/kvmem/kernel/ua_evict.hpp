@@ -4,8 +4,8 @@
 // a new entry, and evict the entries of one (sequence, kv head) that the prune policy's cut removes
 // (policy/prune.hpp; the paper's rule: λ strictly below ln p), compacting the survivors stably, so they
 // stay in ascending position order (this fixes the summation order the goldens assume). Rows [kept, n)
-// are free afterwards; the caller reports them for reclamation. (The CUDA backend runs the threshold
-// rule block-parallel, backend/cuda/ua_kernels.cuh.)
+// are free afterwards; the caller reports them for reclamation. (The CUDA backend evicts and compacts in
+// its own kernels, backend/cuda/ua_kernels.cuh and ua_prune.cuh, with the same eviction test.)
 //
 // Backend-neutral: KVMEM_HOST_DEVICE, no allocation, no containers, no exceptions.
 
@@ -42,13 +42,13 @@ KVMEM_HOST_DEVICE inline bool evicts(Lambda lambda, double log_p) {
   return static_cast<double>(lambda) < log_p;
 }
 
-// A prune rule's cut (policy/prune.hpp): λ < cut.log_p goes, compared in double like the threshold
-// rule above; a ranked cut also evicts entries ordering below (cut.lambda, cut.pos), λ first, then
-// position. A threshold cut decides exactly as evicts(lambda, log_p).
+// A prune rule's cut (policy/prune.hpp): what the threshold rule above evicts at cut.log_p goes; a
+// ranked cut also evicts entries ordering below (cut.lambda, cut.pos), λ first, then position. A
+// threshold cut decides exactly as evicts(lambda, log_p). Every backend's eviction test is this one.
 template <class Lambda>
 KVMEM_HOST_DEVICE inline bool evicts(Lambda lambda, std::int64_t pos, const prune::Cut& cut) {
+  if (evicts(lambda, cut.log_p)) return true;
   const double l = static_cast<double>(lambda);
-  if (l < cut.log_p) return true;
   return cut.ranked && (l < cut.lambda || (l == cut.lambda && pos < cut.pos));
 }
 

@@ -88,6 +88,7 @@
 #endif
 #include "kvmem/backend/cuda/ua_dense_tc.cuh"
 #include "kvmem/backend/cuda/ua_kernels.cuh"
+#include "kvmem/backend/cuda/ua_prune.cuh"
 #include "kvmem/core/arena.hpp"
 #include "kvmem/core/status.hpp"
 #include "kvmem/core/tensor.hpp"
@@ -159,11 +160,11 @@ UaCacheOffsets cache_offsets(const ua::CacheShape& s) {
   return o;
 }
 
-// The per-step workspace: split partials and the new keys' λ of a prefill chunk for every (slot, kv
-// head) (the kernels index them by cache item), and with pool_pages = 0 the dense prefill's λ
-// hand-off words (8 bytes per cache row).
+// The per-step workspace: split partials, the new keys' λ of a prefill chunk and a prune rule's cut
+// (ua_prune.cuh) for every (slot, kv head) (the kernels index them by cache item), and with
+// pool_pages = 0 the dense prefill's λ hand-off words (8 bytes per cache row).
 struct UaWorkOffsets {
-  std::size_t part_ml, part_acc, lambda_new, dense_sync, bytes;
+  std::size_t part_ml, part_acc, lambda_new, cuts, dense_sync, bytes;
 };
 inline std::int64_t item_stride(const ua::CacheShape& s) {
   return s.pages_per_item() * s.page_rows;
@@ -177,6 +178,7 @@ inline UaWorkOffsets work_offsets(const ua::CacheShape& s, const UaCacheLimits& 
   o.part_ml = a.take(I * splits * r * P * 2 * sizeof(float));
   o.part_acc = a.take(I * splits * r * P * D * sizeof(float));
   o.lambda_new = a.take(I * P * sizeof(float));
+  o.cuts = a.take(I * sizeof(prune::Cut));
   o.dense_sync =
       a.take(s.pool_pages == 0 ? std::size_t(dense_sync_bytes(std::int64_t(I), item_stride(s))) : std::size_t(0));
   o.bytes = a.total();
@@ -650,6 +652,7 @@ class UaCache {
     part_ml_ = reinterpret_cast<float*>(ws + o.part_ml);
     part_acc_ = reinterpret_cast<float*>(ws + o.part_acc);
     lambda_new_ = reinterpret_cast<float*>(ws + o.lambda_new);
+    cuts_ = reinterpret_cast<prune::Cut*>(ws + o.cuts);
     dense_sync_ = shape_.pool_pages == 0 ? reinterpret_cast<int*>(ws + o.dense_sync) : nullptr;
   }
   void swap(UaCache& o) noexcept {
@@ -665,6 +668,7 @@ class UaCache {
     std::swap(part_ml_, o.part_ml_);
     std::swap(part_acc_, o.part_acc_);
     std::swap(lambda_new_, o.lambda_new_);
+    std::swap(cuts_, o.cuts_);
     std::swap(dense_sync_, o.dense_sync_);
     std::swap(sm_count_, o.sm_count_);
     std::swap(slot_go_, o.slot_go_);
@@ -677,9 +681,9 @@ class UaCache {
     std::swap(bound_, o.bound_);
   }
 
-  template <class Set, class S2>
-  friend Status ua_run(const Executor&, UaCache<S2>&, const UaInputs<S2>&, const ua::Options&, TensorView<float, 4>,
-                       TensorView<float, 3>, bool);
+  template <class Set, class S2, class Ev>
+  friend Status ua_run(const Executor&, UaCache<S2>&, const UaInputs<S2>&, const ua::Options&, const Ev&,
+                       TensorView<float, 4>, TensorView<float, 3>, bool);
   friend struct ua_detail::SlotAccess;
 
   ua::CacheShape shape_{0, 1, 1, 0, 0, 16};  // empty: no slots, a group size of 1
@@ -693,6 +697,7 @@ class UaCache {
   float* part_ml_ = nullptr;
   float* part_acc_ = nullptr;
   float* lambda_new_ = nullptr;
+  prune::Cut* cuts_ = nullptr;      // [I] a prune rule's cut per item (ua_prune.cuh)
   int* dense_sync_ = nullptr;       // ticket + λ hand-off of the dense tensor-core prefill (pool_pages = 0)
   int sm_count_ = 1;                // multiprocessors: sizes the dense prefill's item groups
   int* slot_go_ = nullptr;          // [B] per step: the slot's row runs (step_begin_kernel, batch_reserve_kernel)
@@ -809,11 +814,51 @@ DenseKernel<S> dense_kernel_for(const UaInputs<S>& in, std::int64_t D, std::int6
   return {};
 }
 
+// How a call evicts (policy/prune.hpp): a threshold evictor's ln p (prune::LogThreshold) or nothing
+// (ua::detail::NoEvictor: prune::None) in DeviceCall::log_p, which the fused kernels test where they meet
+// each row; any other evictor through per-item cuts that the cut kernels of ua_prune.cuh compute first.
+template <class Ev>
+inline constexpr bool kCutsPerItem = ua::detail::kEvicts<Ev> && !std::is_same_v<Ev, prune::LogThreshold>;
+template <class Ev, class S>
+void set_eviction(DeviceCall<S>& a, const Ev& ev, prune::Cut* cuts) {
+  a.log_p = -std::numeric_limits<double>::infinity();
+  if constexpr (std::is_same_v<Ev, prune::LogThreshold>)
+    a.log_p = ev.log_p;
+  else if constexpr (kCutsPerItem<Ev>)
+    a.cuts = cuts;
+}
+
+// Before the first cut of a call (a cut reads every row in use as an entry): the rows decode steps marked
+// dead leave every item of the cache (compact_kernel; an item without dead rows is not touched, and the
+// kept rows, their order and λ do not change).
+template <class S>
+Status drop_dead_rows(const DeviceCache<S>& dev, DeviceCall<S> a, std::int64_t items, cudaStream_t stream) {
+  a.cuts = nullptr;
+  a.log_p = -std::numeric_limits<double>::infinity();
+  const std::size_t bytes = finish_smem_bytes<S>(dev.D);
+  KVMEM_RETURN_IF_ERROR(allow_shared(compact_kernel<S>, bytes));
+  compact_kernel<S><<<unsigned(items), kFinishThreads, bytes, stream>>>(dev, a);
+  KVMEM_CUDA_RETURN_IF_LAUNCH_FAILED("ua compact_kernel (before a prune rule's cuts)");
+  return Status::ok();
+}
+
+// A decode launch's λ update and cuts (decode_cut_kernel over the launch's `items`, the grid x of its
+// decode_attend_kernel), then that launch reads λ as it is and evicts by the cuts.
+template <class Set, class Ev, class S>
+Status decode_cuts(const DeviceCache<S>& dev, DeviceCall<S>& a, const Ev& ev, prune::Cut* cuts, std::int64_t items,
+                   cudaStream_t stream) {
+  decode_cut_kernel<Set, Ev, S><<<unsigned(items), kCutThreads, 0, stream>>>(dev, a, ev, cuts);
+  KVMEM_CUDA_RETURN_IF_LAUNCH_FAILED("ua decode_cut_kernel");
+  a.lambda_updated = true;
+  return Status::ok();
+}
+
 }  // namespace ua_detail
 
-// Prefill (decode == false: T tokens in chunks of opt.prefill_chunk) or one decode step (T = 1).
-template <class Set, class S>
-Status ua_run(const Executor& exec, UaCache<S>& cache, const UaInputs<S>& in, const ua::Options& opt,
+// Prefill (decode == false: T tokens in chunks of opt.prefill_chunk) or one decode step (T = 1). `ev`: the
+// evictor of the call's prune rule (policy/prune.hpp; Options::p's threshold for the calls without one).
+template <class Set, class S, class Ev>
+Status ua_run(const Executor& exec, UaCache<S>& cache, const UaInputs<S>& in, const ua::Options& opt, const Ev& ev,
               TensorView<float, 4> out, TensorView<float, 3> lse, bool decode) {
   using namespace ua_detail;
   const ua::CacheShape& s = cache.shape_;
@@ -843,7 +888,7 @@ Status ua_run(const Executor& exec, UaCache<S>& cache, const UaInputs<S>& in, co
   DeviceCall<S> a = make_call(in, out, lse);
   a.part_ml = cache.part_ml_;
   a.part_acc = cache.part_acc_;
-  a.log_p = ua::detail::log_threshold(opt.p);
+  set_eviction(a, ev, cache.cuts_);
   a.evict_before_attention = opt.evict_before_attention;
   a.tokens = T;
   const auto& dev = cache.dev_;
@@ -858,6 +903,7 @@ Status ua_run(const Executor& exec, UaCache<S>& cache, const UaInputs<S>& in, co
     batch_reserve_kernel<S><<<1, 256, 0, exec.stream>>>(dev, a, cache.slot_go_, cache.overflow_, B, T);
     KVMEM_CUDA_RETURN_IF_LAUNCH_FAILED("ua batch_reserve_kernel");
   }
+  if constexpr (kCutsPerItem<Ev>) KVMEM_RETURN_IF_ERROR(drop_dead_rows(dev, a, I, exec.stream));
   if (decode) {
     a.P = 1;
     a.lambda_new = nullptr;
@@ -872,9 +918,10 @@ Status ua_run(const Executor& exec, UaCache<S>& cache, const UaInputs<S>& in, co
                                                           : D <= 128 ? decode_attend_kernel<Set, S, 16>
                                                                      : decode_attend_kernel<Set, S, 32>;
     KVMEM_RETURN_IF_ERROR(allow_shared(kernel, bytes));
+    if constexpr (kCutsPerItem<Ev>) KVMEM_RETURN_IF_ERROR(decode_cuts<Set>(dev, a, ev, cache.cuts_, I, exec.stream));
     kernel<<<dim3(unsigned(I), unsigned(a.splits)), kDecodeThreads, bytes, exec.stream>>>(dev, a);
     KVMEM_CUDA_RETURN_IF_LAUNCH_FAILED("ua decode_attend_kernel");
-  } else if (const DenseKernel<S> dense = s.pool_pages == 0
+  } else if (const DenseKernel<S> dense = s.pool_pages == 0 && a.cuts == nullptr
                                               ? dense_kernel_for<Set, S>(in, D, r, a.log_p, dense_skips_past(cache, T))
                                               : DenseKernel<S>{};
              dense.kernel) {                           // contiguous items only: the dense prefill walks rows by address
@@ -917,6 +964,10 @@ Status ua_run(const Executor& exec, UaCache<S>& cache, const UaInputs<S>& in, co
       merge_kernel<S>
           <<<dim3(unsigned(rows), unsigned(I)), kMergeThreads, 0, exec.stream>>>(dev, a, t0, rows, kEntryTile);
       KVMEM_CUDA_RETURN_IF_LAUNCH_FAILED("ua merge_kernel");
+      if constexpr (kCutsPerItem<Ev>) {
+        prefill_cut_kernel<Ev, S><<<unsigned(I), kCutThreads, 0, exec.stream>>>(dev, a, ev, cache.cuts_, t0, rows);
+        KVMEM_CUDA_RETURN_IF_LAUNCH_FAILED("ua prefill_cut_kernel");
+      }
       finish_kernel<S><<<unsigned(I), kFinishThreads, fbytes, exec.stream>>>(dev, a, t0, rows);
       KVMEM_CUDA_RETURN_IF_LAUNCH_FAILED("ua finish_kernel (prefill)");
       bound += rows;
@@ -935,14 +986,14 @@ Status ua_run(const Executor& exec, UaCache<S>& cache, const UaInputs<S>& in, co
 template <DecaySet Set = decay::Universal, class S>
 Status ua_prefill(const Executor& exec, UaCache<S>& cache, const UaInputs<S>& in, const ua::Options& opt,
                   TensorView<float, 4> out, TensorView<float, 3> lse = {}) {
-  return ua_run<Set>(exec, cache, in, opt, out, lse, false);
+  return ua_run<Set>(exec, cache, in, opt, prune::Threshold{opt.p}.evictor(opt.layer), out, lse, false);
 }
 
 // One decode step (T = 1) of every sequence at position cache.position(b) (spec UA.md 4.4, 4.5).
 template <DecaySet Set = decay::Universal, class S>
 Status ua_decode(const Executor& exec, UaCache<S>& cache, const UaInputs<S>& in, const ua::Options& opt,
                  TensorView<float, 4> out) {
-  return ua_run<Set>(exec, cache, in, opt, out, {}, true);
+  return ua_run<Set>(exec, cache, in, opt, prune::Threshold{opt.p}.evictor(opt.layer), out, {}, true);
 }
 
 // ---- sequence slots (DESIGN.md 3, core/slots.hpp, docs/slots-ua.md) ------------------------------
@@ -986,6 +1037,10 @@ struct SlotAccess {
   template <class S>
   static int* overflow(const UaCache<S>& c) {
     return c.overflow_;
+  }
+  template <class S>
+  static prune::Cut* cuts(const UaCache<S>& c) {
+    return c.cuts_;
   }
   template <class S>
   static const int* step_error(const UaCache<S>& c) {
@@ -1249,17 +1304,30 @@ struct Backend<cuda::Executor> {
 };
 
 // ua::prefill, decode and forward with the host's signatures (ua/ops.hpp), over device memory: the
-// same calls as cuda::ua_prefill, ua_decode and ua_forward. The eviction runs Options::p's threshold
-// rule (the prune-policy overloads of the host and Kokkos are not on this backend).
+// same calls as cuda::ua_prefill, ua_decode and ua_forward. The eviction runs Options::p's threshold, or
+// with a prune policy `rule` in place of Options::p (which must then be 0) the policy's evictor at
+// Options::layer (ua_prune.cuh), as on the host.
 template <DecaySet Set = decay::Universal, class S>
 Status prefill(const cuda::Executor& exec, cuda::UaCache<S>& cache, const InputsOf<S>& in, const Options& opt,
                TensorView<float, 4> out) {
   return cuda::ua_prefill<Set>(exec, cache, in, opt, out);
 }
+template <DecaySet Set = decay::Universal, PrunePolicy Rule, class S>
+Status prefill(const cuda::Executor& exec, cuda::UaCache<S>& cache, const InputsOf<S>& in, const Options& opt,
+               const Rule& rule, TensorView<float, 4> out) {
+  KVMEM_RETURN_IF_ERROR(detail::validate_rule(rule, opt));
+  return cuda::ua_run<Set>(exec, cache, in, opt, detail::evictor_of(rule, opt), out, {}, false);
+}
 template <DecaySet Set = decay::Universal, class S>
 Status decode(const cuda::Executor& exec, cuda::UaCache<S>& cache, const InputsOf<S>& in, const Options& opt,
               TensorView<float, 4> out) {
   return cuda::ua_decode<Set>(exec, cache, in, opt, out);
+}
+template <DecaySet Set = decay::Universal, PrunePolicy Rule, class S>
+Status decode(const cuda::Executor& exec, cuda::UaCache<S>& cache, const InputsOf<S>& in, const Options& opt,
+              const Rule& rule, TensorView<float, 4> out) {
+  KVMEM_RETURN_IF_ERROR(detail::validate_rule(rule, opt));
+  return cuda::ua_run<Set>(exec, cache, in, opt, detail::evictor_of(rule, opt), out, {}, true);
 }
 // float inputs: the host's forward template (any executor) with one more constraint, so it is the more
 // constrained match for a cuda::Executor; bf16 and fp16 inputs only this backend takes.
@@ -1301,12 +1369,14 @@ Status forward(const cuda::Executor& exec, const InputsOf<fp16>& in, TensorView<
 //    rounds of chunk, merge and finish launches run the prefill rows chunk by chunk (a round finds
 //    nothing to do for rows that are shorter, and returns at once).
 // Shapes and options are checked on the host; values (NaN / Inf) are the caller's precondition, as for
-// ua_prefill / ua_decode.
-template <DecaySet Set = decay::Universal, class S>
-Status step(const cuda::Executor& exec, cuda::UaCache<S>& cache, const Rows& rows, const PackedInputsOf<S>& in,
-            const Options& opt, TensorView<float, 3> out, TensorView<float, 2> lse = {}) {
+// ua_prefill / ua_decode. With a prune policy `rule` in place of Options::p (which must then be 0), the
+// eviction runs the policy's evictor at Options::layer (ua_prune.cuh), as on the host.
+namespace detail {
+template <class Set, class S, class Ev>
+Status cuda_step(const cuda::Executor& exec, cuda::UaCache<S>& cache, const Rows& rows, const PackedInputsOf<S>& in,
+                 const Options& opt, const Ev& ev, TensorView<float, 3> out, TensorView<float, 2> lse) {
   using namespace cuda::ua_detail;
-  KVMEM_RETURN_IF_ERROR(check_cache(cache));
+  KVMEM_RETURN_IF_ERROR(cuda::ua_detail::check_cache(cache));
   KVMEM_RETURN_IF_ERROR(cache.check_workspace());
   KVMEM_RETURN_IF_ERROR(detail::validate_options(opt));
   const CacheShape& s = cache.shape();
@@ -1339,12 +1409,13 @@ Status step(const cuda::Executor& exec, cuda::UaCache<S>& cache, const Rows& row
   const DeviceCache<S>& dev = SlotAccess::dev(cache);
   DeviceCall<S> a = make_step_call(in, rows, out, lse);
   SlotAccess::scratch(cache, a);
-  a.log_p = detail::log_threshold(opt.p);
+  set_eviction(a, ev, SlotAccess::cuts(cache));
   a.evict_before_attention = opt.evict_before_attention;
   const cudaStream_t stream = exec.stream;
 
   step_begin_kernel<S><<<1, kStepBeginThreads, 0, stream>>>(dev, SlotAccess::step_rows(cache, rows, N));
   KVMEM_CUDA_RETURN_IF_LAUNCH_FAILED("ua step_begin_kernel");
+  if constexpr (kCutsPerItem<Ev>) KVMEM_RETURN_IF_ERROR(drop_dead_rows(dev, a, s.batch * G, stream));
   {  // the 1-token rows (and the zeroed output of rows that do not run)
     DeviceCall<S> d = a;
     d.P = 1;
@@ -1357,6 +1428,8 @@ Status step(const cuda::Executor& exec, cuda::UaCache<S>& cache, const Rows& row
                                                           : D <= 128 ? decode_attend_kernel<Set, S, 16>
                                                                      : decode_attend_kernel<Set, S, 32>;
     KVMEM_RETURN_IF_ERROR(cuda::allow_shared(kernel, bytes));
+    if constexpr (kCutsPerItem<Ev>)
+      KVMEM_RETURN_IF_ERROR(decode_cuts<Set>(dev, d, ev, SlotAccess::cuts(cache), R * G, stream));
     kernel<<<dim3(unsigned(R * G), unsigned(d.splits)), kDecodeThreads, bytes, stream>>>(dev, d);
     KVMEM_CUDA_RETURN_IF_LAUNCH_FAILED("ua step decode_attend_kernel");
   }
@@ -1380,12 +1453,30 @@ Status step(const cuda::Executor& exec, cuda::UaCache<S>& cache, const Rows& row
       merge_kernel<S>
           <<<dim3(unsigned(most), items), kMergeThreads, 0, stream>>>(dev, a, t0, opt.prefill_chunk, kEntryTile);
       KVMEM_CUDA_RETURN_IF_LAUNCH_FAILED("ua step merge_kernel");
+      if constexpr (kCutsPerItem<Ev>) {
+        prefill_cut_kernel<Ev, S>
+            <<<items, kCutThreads, 0, stream>>>(dev, a, ev, SlotAccess::cuts(cache), t0, opt.prefill_chunk);
+        KVMEM_CUDA_RETURN_IF_LAUNCH_FAILED("ua step prefill_cut_kernel");
+      }
       finish_kernel<S><<<items, kFinishThreads, fbytes, stream>>>(dev, fin, t0, opt.prefill_chunk);
       KVMEM_CUDA_RETURN_IF_LAUNCH_FAILED("ua step finish_kernel");
     }
   }
   SlotAccess::forget_bound(cache);
   return Status::ok();  // published by the last block of the step's last launch
+}
+}  // namespace detail
+
+template <DecaySet Set = decay::Universal, class S>
+Status step(const cuda::Executor& exec, cuda::UaCache<S>& cache, const Rows& rows, const PackedInputsOf<S>& in,
+            const Options& opt, TensorView<float, 3> out, TensorView<float, 2> lse = {}) {
+  return detail::cuda_step<Set>(exec, cache, rows, in, opt, prune::Threshold{opt.p}.evictor(opt.layer), out, lse);
+}
+template <DecaySet Set = decay::Universal, PrunePolicy Rule, class S>
+Status step(const cuda::Executor& exec, cuda::UaCache<S>& cache, const Rows& rows, const PackedInputsOf<S>& in,
+            const Options& opt, const Rule& rule, TensorView<float, 3> out, TensorView<float, 2> lse = {}) {
+  KVMEM_RETURN_IF_ERROR(detail::validate_rule(rule, opt));
+  return detail::cuda_step<Set>(exec, cache, rows, in, opt, detail::evictor_of(rule, opt), out, lse);
 }
 
 // Slot operations of the CUDA cache: the host's names, arguments and checks (ua/slots.hpp). Slot lists

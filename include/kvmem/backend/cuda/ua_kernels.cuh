@@ -13,8 +13,9 @@
 //       (query head, row) of its range;
 //   merge_kernel    grid (rows, B*G): merges the partials of the splits in split order (deterministic:
 //       no float atomics), applies the output gate, writes the output and lse;
-//   finish_kernel   grid (B*G): evicts every entry with λ < ln p and compacts the survivors stably in
-//       place, appends the surviving new keys, and advances the item's position counter.
+//   finish_kernel   grid (B*G): evicts every entry its item's cut removes (λ < ln p, or a prune rule's cut
+//       computed before it, ua_prune.cuh) and compacts the survivors stably in place, appends the
+//       surviving new keys, and advances the item's position counter.
 // A decode step is one launch. An item with at most kOneBlockMaxKept rows in use (the device reads the
 // true length) is decoded by one block that updates λ, evicts, compacts, appends and attends in one
 // pass; a longer one splits its rows over the blocks (decode_split_rows), which mark the rows they evict
@@ -223,9 +224,14 @@ struct DeviceCache {
 __device__ inline bool is_dead(float lambda) {
   return lambda == negative_infinity<float>();
 }
-// The row leaves the cache at the next compaction: dead, or λ < ln p (spec 4.5).
-__device__ inline bool gone(float lambda, double log_p) {
-  return is_dead(lambda) || kernel::ua::evicts(lambda, log_p);
+// The eviction test of every kernel below (spec 4.5, policy/prune.hpp): entry (λ, position) goes under the
+// step's cut of its item (item_cut: the threshold ln p, or the prune rule's cut of that item).
+__device__ inline bool evict_test(const prune::Cut& cut, float lambda, std::int64_t pos) {
+  return kernel::ua::evicts(lambda, pos, cut);
+}
+// The row leaves the cache at the next compaction: dead, or evicted by the cut.
+__device__ inline bool gone(float lambda, std::int64_t pos, const prune::Cut& cut) {
+  return is_dead(lambda) || evict_test(cut, lambda, pos);
 }
 
 // One call's inputs (device memory, innermost stride 1) and the scratch of its partials.
@@ -258,6 +264,10 @@ struct DeviceCall {
   int* publish_ticket = nullptr;  // set on a step's last kernel: its last block publishes (publish_if_last_block)
   double log_p = 0.0;             // ln p; -inf = never evict
   bool evict_before_attention = true;
+  // A prune rule whose cut depends on the item's entries (ua_prune.cuh): cuts[item] replaces log_p, and a
+  // decode step's λ already holds A(., t) (decode_cut_kernel added it), so the decode kernels only read it.
+  const prune::Cut* cuts = nullptr;  // [I] or nullptr: every item's cut is the threshold log_p
+  bool lambda_updated = false;
   // A slot step (ragged rows over packed token-major inputs, DESIGN.md 3): row_slot != nullptr. The
   // grid then runs over (row, kv head) pairs instead of (sequence, kv head) items; the cache item of a
   // row is slot * G + g, and the inputs and outputs are addressed with b = the row's first token and
@@ -271,6 +281,15 @@ struct DeviceCall {
   const int* prefill_rows = nullptr;        // [max_slots] the step's running rows of >= 2 tokens, any order
   const int* prefill_count = nullptr;       // how many prefill_rows hold
 };
+
+// The cut that evicts from `item` in this step (evict_test).
+template <class S>
+__device__ inline prune::Cut item_cut(const DeviceCall<S>& a, std::int64_t item) {
+  if (a.cuts != nullptr) return a.cuts[item];
+  prune::Cut cut;
+  cut.log_p = a.log_p;
+  return cut;
+}
 
 // What one block of a chunk launch works on: cache item, input base b (see DeviceCall), the chunk's
 // first input row t0 within the row, and its row count.
@@ -700,7 +719,8 @@ __device__ inline void finish_item(const DeviceCache<S>& c, const DeviceCall<S>&
   std::int64_t* pst = reinterpret_cast<std::int64_t*>(zst + kCompactRows);
   __shared__ int dst[kCompactRows];  // destination row, -1 = evicted
   __shared__ int group_kept;
-  const bool prunes = a.log_p > -INFINITY || dead > 0;  // dead rows go at any p
+  const prune::Cut cut = item_cut(a, item);
+  const bool prunes = cut.log_p > -INFINITY || cut.ranked || dead > 0;  // dead rows go at any p
   std::int64_t kept = n;
   if (prunes) {
     kept = 0;
@@ -708,7 +728,8 @@ __device__ inline void finish_item(const DeviceCache<S>& c, const DeviceCall<S>&
       const std::int64_t ne = n - e0 < kCompactRows ? n - e0 : kCompactRows;
       __syncthreads();  // the previous group is written
       if (tid < kCompactRows) {
-        const bool keep = lane < ne && !gone(load_cg(c.lambda + c.row(item, e0 + lane)), a.log_p);
+        const bool keep =
+            lane < ne && !gone(load_cg(c.lambda + c.row(item, e0 + lane)), c.pos[c.row(item, e0 + lane)], cut);
         const LaneMask mask = warp_ballot(keep);
         dst[lane] = keep ? int(kept + mask_popc(mask & lanes_below(lane))) : -1;
         if (lane == 0) group_kept = mask_popc(mask);
@@ -759,7 +780,7 @@ __device__ inline void finish_item(const DeviceCache<S>& c, const DeviceCall<S>&
 #pragma unroll
       for (int u = 0; u < kBallots; ++u) {
         const std::int64_t j = j0 + kWarpSize * u + lane;
-        const bool keep = j < rows && !(prunes && kernel::ua::evicts(lam[u], a.log_p));
+        const bool keep = j < rows && !(prunes && evict_test(cut, lam[u], first + j));
         const LaneMask mask = warp_ballot(keep);
         if (j < rows) new_dst[j] = keep ? int(kept + mask_popc(mask & lanes_below(lane))) : -1;
         kept += mask_popc(mask);
@@ -806,8 +827,9 @@ __global__ void __launch_bounds__(kFinishThreads)
 }
 
 // grid (I), block kFinishThreads, dynamic smem finish_smem_bytes<S>(D): drops the dead rows of every item
-// (a.log_p = -inf: nothing else goes), appending nothing. Before a call that walks rows by address (the
-// dense tensor-core prefill). An item without dead rows is left as it is.
+// (a.log_p = -inf and no cuts: nothing else goes), appending nothing. Before a call that walks rows by
+// address (the dense tensor-core prefill) and before a prune rule's cuts (ua_prune.cuh: they read every
+// row in use as an entry). An item without dead rows is left as it is.
 template <class S>
 __global__ void __launch_bounds__(kFinishThreads) compact_kernel(DeviceCache<S> c, DeviceCall<S> a) {
   extern __shared__ __align__(16) unsigned char fsm[];
@@ -865,6 +887,7 @@ __device__ inline std::int64_t decode_one_block(const DeviceCache<S>& c, const D
                                                 std::int64_t b, std::int64_t n, unsigned char* smem) {
   const std::int64_t D = c.D, r = c.r, g = item % c.G;
   const std::int64_t t = c.counter[item];
+  const prune::Cut cut = item_cut(a, item);
   const OneBlockLayout L(D, r, sizeof(S));
   const int pitch = int(L.pitch);
   S* kst = reinterpret_cast<S*>(smem + L.keys);
@@ -999,10 +1022,10 @@ __device__ inline std::int64_t decode_one_block(const DeviceCache<S>& c, const D
         const float zk = zk_t[e];
         const std::int64_t p = pos_t[e];
         lam = lam_t[e];
-        if (t > p)
+        if (t > p && !a.lambda_updated)
           lam +=
               kernel::ua::decay_from_similarity<Set, float>(sim, zk, kernel::ua::key_gate_part(zk), p, zq, q_part, t);
-        keep = !gone(lam, a.log_p);
+        keep = !gone(lam, p, cut);
         attend = keep || !a.evict_before_attention;
       }
       for (int h = 0; h < int(r); ++h) {
@@ -1162,6 +1185,7 @@ __device__ inline int decode_split(const DeviceCache<S>& c, const DeviceCall<S>&
   if (e_begin >= total) return 0;
   const std::int64_t e_end = e_begin + piece < total ? e_begin + piece : total;
   const std::int64_t t = c.counter[item];
+  const prune::Cut cut = item_cut(a, item);
   const int tid = threadIdx.x, warp = tid / kWarpSize, lane = tid % kWarpSize, warps = kDecodeThreads / kWarpSize;
   __shared__ int marked;
   if (tid == 0) marked = 0;
@@ -1212,10 +1236,10 @@ __device__ inline int decode_split(const DeviceCache<S>& c, const DeviceCall<S>&
         const std::int64_t p = c.pos[c.row(item, idx)];
         lam = c.lambda[c.row(item, idx)];
         const bool was_dead = is_dead(lam);  // marked by an earlier step: stays -inf
-        if (t > p && !was_dead)
+        if (t > p && !was_dead && !a.lambda_updated)
           lam +=
               kernel::ua::decay_from_similarity<Set, float>(sim, zk, kernel::ua::key_gate_part(zk), p, zq, q_part, t);
-        const bool evict = !was_dead && kernel::ua::evicts(lam, a.log_p);
+        const bool evict = !was_dead && evict_test(cut, lam, p);
         if (sub == 0 && !was_dead) c.lambda[c.row(item, idx)] = evict ? negative_infinity<float>() : lam;
         if (sub == 0 && evict) atomicAdd(&marked, 1);
         masked = was_dead || (a.evict_before_attention && evict);
@@ -1330,6 +1354,7 @@ __device__ inline int decode_split_rows(const DeviceCache<S>& c, const DeviceCal
   if (e_begin >= total) return 0;
   const std::int64_t e_end = e_begin + piece < total ? e_begin + piece : total;
   const std::int64_t t = c.counter[item];
+  const prune::Cut cut = item_cut(a, item);
   const int tid = int(threadIdx.x), lane = tid % kWarpSize, warp = tid / kWarpSize, sub = tid % kRowLanes;
   const int grp = lane / kRowLanes;
   S* new_k = reinterpret_cast<S*>(smem);  // the new token (entry n, λ = 0): 16-byte aligned rows
@@ -1420,10 +1445,10 @@ __device__ inline int decode_split_rows(const DeviceCache<S>& c, const DeviceCal
       }
       float lu = lam[u];
       const bool updates = cached[u] && live[u];
-      if (updates && t > pos[u])
+      if (updates && t > pos[u] && !a.lambda_updated)
         lu += kernel::ua::decay_from_similarity<Set, float>(sim, zk[u], kernel::ua::key_gate_part(zk[u]), pos[u], zq,
                                                             q_part, t);
-      const bool evict = updates && kernel::ua::evicts(lu, a.log_p);
+      const bool evict = updates && evict_test(cut, lu, pos[u]);
       if (updates && sub == 0) {
         c.lambda[rowi[u]] = evict ? negative_infinity<float>() : lu;
         marked += evict ? 1 : 0;
