@@ -248,7 +248,7 @@ template <class Storage>
 void append_row(typename PrunedCache<Storage>::ItemView& v, std::int64_t row, const ItemIO& io, std::int64_t t,
                 std::int64_t pos, std::int64_t D) {
   kernel::ua::append_entry(v.keys, v.values, v.lambda, v.key_logit, v.pos, v.map(row), io.k + t * io.k_row_stride,
-                           io.v + t * io.v_row_stride, io.z_k[t * io.z_k_stride], pos, D);
+                           io.v + t * io.v_row_stride, io.z_k[t * io.z_k_stride], pos, D, v.key_scale, v.value_scale);
 }
 
 // Zeroes the outputs (and lse) of an item's T tokens and r heads: a slot that overflowed the pool.
@@ -313,6 +313,8 @@ kernel::ua::BlockArgs<Storage, float, float, float> with_cache(kernel::ua::Block
   a.lambda = v.lambda;
   a.key_logit = v.key_logit;
   a.pos = v.pos;
+  a.key_scale = v.key_scale;
+  a.value_scale = v.value_scale;
   a.map = v.map;
   a.n = n;
   a.workspace = v.workspace;
@@ -325,7 +327,8 @@ template <class Ev, class Storage, class View>
 std::int64_t evict_item(const Ev& ev, PrunedCache<Storage>& cache, std::int64_t b, std::int64_t g, const View& v,
                         std::int64_t n) {
   const std::int64_t D = cache.shape().head_dim;
-  n = kernel::ua::evict_by(ev, v.map, v.keys, v.values, D, v.lambda, v.key_logit, v.pos, n, D);
+  n = kernel::ua::evict_by(ev, v.map, v.keys, v.values, D, v.lambda, v.key_logit, v.pos, n, D, v.key_scale,
+                           v.value_scale);
   cache.release_rows(b, g, n);
   return n;
 }
@@ -380,7 +383,7 @@ bool decode_item(PrunedCache<Storage>& cache, std::int64_t b, std::int64_t g, st
   for (std::int64_t e = 0; e < n;) {
     const std::int64_t len = v.map.run(e, n), x = v.map(e);
     kernel::ua::lambda_update<Set, float>(v.keys + x * D, D, v.key_logit + x, v.pos + x, v.lambda + x, len, io.k,
-                                          io.z_q[0], t, D);
+                                          io.z_q[0], t, D, v.key_scale ? v.key_scale + x : nullptr);
     e += len;
   }
   // 2. append t with λ = 0
