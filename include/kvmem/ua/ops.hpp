@@ -888,35 +888,39 @@ struct Attention {
     else
       return check_dims(cache.shape);
   }
-  template <class Exec, class C>
-  static Status prefill(const Exec& exec, C& cache, const Inputs& in, TensorView<float, 4> out, const Options& opt) {
+  // The inputs are float views on the host and Kokkos; a GPU cache takes its own input type (CUDA:
+  // InputsOf<S>, bf16 for an fp8 cache).
+  template <class Exec, class C, class In = float>
+  static Status prefill(const Exec& exec, C& cache, const InputsOf<In>& in, TensorView<float, 4> out,
+                        const Options& opt) {
     KVMEM_RETURN_IF_ERROR(check_call<Exec>(cache));
     return detail::attention_prefill<Set>(exec, cache, in, opt, kPrune, out);
   }
-  template <class Exec, class C>
-  static Status prefill(const Exec& exec, C& cache, const Inputs& in, TensorView<float, 4> out,
+  template <class Exec, class C, class In = float>
+  static Status prefill(const Exec& exec, C& cache, const InputsOf<In>& in, TensorView<float, 4> out,
                         std::int64_t prefill_chunk = 128, bool evict_before_attention = true) {
     return prefill(exec, cache, in, out, options(prefill_chunk, evict_before_attention));
   }
-  template <class Exec, class C>
-  static Status decode(const Exec& exec, C& cache, const Inputs& in, TensorView<float, 4> out, const Options& opt) {
+  template <class Exec, class C, class In = float>
+  static Status decode(const Exec& exec, C& cache, const InputsOf<In>& in, TensorView<float, 4> out,
+                       const Options& opt) {
     KVMEM_RETURN_IF_ERROR(check_call<Exec>(cache));
     return detail::attention_decode<Set>(exec, cache, in, opt, kPrune, out);
   }
-  template <class Exec, class C>
-  static Status decode(const Exec& exec, C& cache, const Inputs& in, TensorView<float, 4> out,
+  template <class Exec, class C, class In = float>
+  static Status decode(const Exec& exec, C& cache, const InputsOf<In>& in, TensorView<float, 4> out,
                        bool evict_before_attention = true) {
     return decode(exec, cache, in, out, options(128, evict_before_attention));
   }
-  template <class Exec, class C>
-  static Status step(const Exec& exec, C& cache, const Rows& rows, const PackedInputs& in, TensorView<float, 3> out,
-                     TensorView<float, 2> lse, const Options& opt) {
+  template <class Exec, class C, class In = float>
+  static Status step(const Exec& exec, C& cache, const Rows& rows, const PackedInputsOf<In>& in,
+                     TensorView<float, 3> out, TensorView<float, 2> lse, const Options& opt) {
     KVMEM_RETURN_IF_ERROR(check_call<Exec>(cache));
     return detail::attention_step<Set>(exec, cache, rows, in, opt, kPrune, out, lse);
   }
-  template <class Exec, class C>
-  static Status step(const Exec& exec, C& cache, const Rows& rows, const PackedInputs& in, TensorView<float, 3> out,
-                     TensorView<float, 2> lse = {}, std::int64_t prefill_chunk = 128,
+  template <class Exec, class C, class In = float>
+  static Status step(const Exec& exec, C& cache, const Rows& rows, const PackedInputsOf<In>& in,
+                     TensorView<float, 3> out, TensorView<float, 2> lse = {}, std::int64_t prefill_chunk = 128,
                      bool evict_before_attention = true) {
     return step(exec, cache, rows, in, out, lse, options(prefill_chunk, evict_before_attention));
   }

@@ -22,7 +22,8 @@
 //                                    takes a scratch cache (no allocation, no synchronisation)
 //   kvmem::ua::cache_t<cuda::Executor, S>  is cuda::UaCache<S> (ua::Backend), as on every backend
 // Inputs live in device memory: q, k, v (and the optional output-gate logits z_o) in the storage type S
-// (float, bf16 or fp16), the gate logits z_k, z_q in fp32; outputs are fp32. λ and the decay sums are
+// (float, bf16 or fp16), or bf16 for an fp8 cache (S = kvmem::e4m3: keys and values stored in e4m3 with
+// one scale per row, docs/compose.md), the gate logits z_k, z_q in fp32; outputs are fp32. λ and the decay sums are
 // fp32 throughout. Results are deterministic: partials of the entry splits are merged in split order,
 // never with float atomics (an integer ticket only picks which block of a decode step does the merge).
 //
@@ -98,9 +99,10 @@
 
 namespace kvmem::cuda {
 
-// One call's inputs in device memory (q, k, v, z_o in the storage type S; gate logits fp32).
+// One call's inputs in device memory (q, k, v, z_o in the storage type S, bf16 for an fp8 cache:
+// input_type_t; gate logits fp32).
 template <class S>
-using UaInputs = ua::InputsOf<S>;
+using UaInputs = ua::InputsOf<input_type_t<S>>;
 
 // Sizes of the per-step workspace (UaCache::workspace_bytes): B*G*max_splits*r*max_prefill_chunk*(D+2)
 // floats of split partials (134 MB at B8 G4 r4 D128 with the defaults) and B*G*max_prefill_chunk λ,
@@ -266,8 +268,10 @@ Status publish(const DeviceCache<S>& d, cudaStream_t stream) {
 // fixed-batch calls, reset_slots and copy_slots do not synchronise with the host.
 template <class S = float>
 class UaCache {
-  static_assert(std::is_same_v<S, float> || std::is_same_v<S, bf16> || std::is_same_v<S, fp16>,
-                "kvmem::cuda::UaCache: storage must be float, kvmem::bf16 or kvmem::fp16");
+  static_assert(std::is_same_v<S, float> || std::is_same_v<S, bf16> || std::is_same_v<S, fp16> ||
+                    std::is_same_v<S, e4m3>,
+                "kvmem::cuda::UaCache: storage must be float, kvmem::bf16, kvmem::fp16 or kvmem::e4m3 (fp8, bf16 "
+                "inputs)");
 
  public:
   using storage_type = S;
@@ -520,10 +524,11 @@ class UaCache {
   }
 
   // Copies the kept entries of item (b, g) to the host in ascending position: positions and λ [kept];
-  // keys and values [kept, D] when the pointers are given (tests, replay, export, inspection;
-  // synchronises `stream`).
+  // keys and values [kept, D] when the pointers are given, and for fp8 storage their row scales [kept]
+  // (a stored row reads as scale * row; tests, replay, export, inspection; synchronises `stream`).
   Status download(std::int64_t b, std::int64_t g, std::vector<std::int64_t>& pos, std::vector<float>& lambda,
-                  std::vector<S>* keys, std::vector<S>* values, cudaStream_t stream) const {
+                  std::vector<S>* keys, std::vector<S>* values, cudaStream_t stream,
+                  std::vector<float>* key_scales = nullptr, std::vector<float>* value_scales = nullptr) const {
     KVMEM_RETURN_IF_ERROR(check_slot(b, "download b"));
     if (g < 0 || g >= shape_.kv_heads)
       return {StatusCode::kOutOfRange,
@@ -547,6 +552,16 @@ class UaCache {
       values->resize(std::size_t(n * D));
       KVMEM_RETURN_IF_ERROR(copy_item_rows(dev_.values, values->data(), D, n, rows, true, stream));
     }
+    if constexpr (is_row_scaled_v<S>) {
+      if (key_scales) {
+        key_scales->resize(std::size_t(n));
+        KVMEM_RETURN_IF_ERROR(copy_item_rows(dev_.key_scale, key_scales->data(), 1, n, rows, true, stream));
+      }
+      if (value_scales) {
+        value_scales->resize(std::size_t(n));
+        KVMEM_RETURN_IF_ERROR(copy_item_rows(dev_.value_scale, value_scales->data(), 1, n, rows, true, stream));
+      }
+    }
     KVMEM_RETURN_IF_ERROR(to_status(cudaStreamSynchronize(stream), "download sync"));
     // the kept rows only: rows a decode marked dead (λ = -inf) wait in place for the next compaction
     std::size_t kept = 0;
@@ -560,12 +575,16 @@ class UaCache {
       if (values)
         std::copy_n(values->begin() + std::ptrdiff_t(e * std::size_t(D)), D,
                     values->begin() + std::ptrdiff_t(kept * std::size_t(D)));
+      if (key_scales && !key_scales->empty()) (*key_scales)[kept] = (*key_scales)[e];
+      if (value_scales && !value_scales->empty()) (*value_scales)[kept] = (*value_scales)[e];
       ++kept;
     }
     pos.resize(kept);
     lambda.resize(kept);
     if (keys) keys->resize(kept * std::size_t(D));
     if (values) values->resize(kept * std::size_t(D));
+    if (key_scales && !key_scales->empty()) key_scales->resize(kept);
+    if (value_scales && !value_scales->empty()) value_scales->resize(kept);
     return Status::ok();
   }
 
@@ -606,6 +625,8 @@ class UaCache {
     d.lambda = reinterpret_cast<float*>(base + o.host.lambda);
     d.key_logit = reinterpret_cast<float*>(base + o.host.key_logit);
     d.pos = reinterpret_cast<std::int64_t*>(base + o.host.pos);
+    d.key_scale = is_row_scaled_v<S> ? reinterpret_cast<float*>(base + o.host.key_scale) : nullptr;
+    d.value_scale = is_row_scaled_v<S> ? reinterpret_cast<float*>(base + o.host.value_scale) : nullptr;
     d.length = reinterpret_cast<std::int64_t*>(base + o.host.length);
     d.dead = reinterpret_cast<std::int64_t*>(base + o.dead);
     d.counter = reinterpret_cast<std::int64_t*>(base + o.counter);
@@ -740,8 +761,8 @@ DeviceCall<S> make_call(const UaInputs<S>& in, TensorView<float, 4> out, TensorV
 }
 
 // The tensor-core kernels read q, k, v rows as 16-byte vectors.
-template <class S>
-bool tc_aligned(const UaInputs<S>& in) {
+template <class In>
+bool tc_aligned(const ua::InputsOf<In>& in) {
   return rows_16byte_aligned(in.q) && rows_16byte_aligned(in.k) && rows_16byte_aligned(in.v);
 }
 
@@ -885,7 +906,7 @@ Status ua_run(const Executor& exec, UaCache<S>& cache, const UaInputs<S>& in, co
                                                              " rows per (sequence, kv head) (longest ", cache.bound_,
                                                              " + ", T, " new tokens), got capacity ", s.capacity)};
   }
-  DeviceCall<S> a = make_call(in, out, lse);
+  DeviceCall<S> a = make_call<S>(in, out, lse);
   a.part_ml = cache.part_ml_;
   a.part_acc = cache.part_acc_;
   set_eviction(a, ev, cache.cuts_);
@@ -1081,7 +1102,7 @@ struct SlotAccess {
 // A packed step's device arguments: b is the row's first token and each *_b stride is the token stride
 // (DeviceCall), so the kernels' b * x_b + t * x_t addresses token b + t.
 template <class S>
-DeviceCall<S> make_step_call(const ua::PackedInputsOf<S>& in, const Rows& rows, TensorView<float, 3> out,
+DeviceCall<S> make_step_call(const ua::PackedInputsOf<input_type_t<S>>& in, const Rows& rows, TensorView<float, 3> out,
                              TensorView<float, 2> lse) {
   DeviceCall<S> a;
   a.q = in.q.data();
@@ -1112,7 +1133,7 @@ DeviceCall<S> make_step_call(const ua::PackedInputsOf<S>& in, const Rows& rows, 
 
 // The chunk kernel of a step: chunk_kernel_for's choice, made from the packed views' alignment.
 template <class Set, class S>
-ChunkKernel<S> step_chunk_kernel_for(const ua::PackedInputsOf<S>& in, std::int64_t D, std::int64_t r) {
+ChunkKernel<S> step_chunk_kernel_for(const ua::PackedInputsOf<input_type_t<S>>& in, std::int64_t D, std::int64_t r) {
 #if KVMEM_GPU_VENDOR_PATHS
   if constexpr (std::is_same_v<S, bf16>) {
     if (tc_group_ok(r) && rows_16byte_aligned(in.q) && rows_16byte_aligned(in.k) && rows_16byte_aligned(in.v)) {
@@ -1184,6 +1205,10 @@ Status download_slot(const UaCache<S>& cache, std::int64_t slot, ua::PrunedCache
     KVMEM_RETURN_IF_ERROR(cache.copy_item_rows(d.lambda, v.lambda, 1, n, rows, true, stream));
     KVMEM_RETURN_IF_ERROR(cache.copy_item_rows(d.key_logit, v.key_logit, 1, n, rows, true, stream));
     KVMEM_RETURN_IF_ERROR(cache.copy_item_rows(d.pos, v.pos, 1, n, rows, true, stream));
+    if constexpr (is_row_scaled_v<S>) {
+      KVMEM_RETURN_IF_ERROR(cache.copy_item_rows(d.key_scale, v.key_scale, 1, n, rows, true, stream));
+      KVMEM_RETURN_IF_ERROR(cache.copy_item_rows(d.value_scale, v.value_scale, 1, n, rows, true, stream));
+    }
     KVMEM_RETURN_IF_ERROR(to_status(cudaStreamSynchronize(stream), "export sync"));
     // the kept rows only, in order: rows a decode marked dead (λ = -inf) wait for a compaction
     std::int64_t kept = 0;
@@ -1195,6 +1220,10 @@ Status download_slot(const UaCache<S>& cache, std::int64_t slot, ua::PrunedCache
         v.lambda[kept] = v.lambda[e];
         v.key_logit[kept] = v.key_logit[e];
         v.pos[kept] = v.pos[e];
+        if constexpr (is_row_scaled_v<S>) {
+          v.key_scale[kept] = v.key_scale[e];
+          v.value_scale[kept] = v.value_scale[e];
+        }
       }
       ++kept;
     }
@@ -1246,8 +1275,8 @@ Status ua_forward(const Executor& exec, UaCache<S>& scratch, const UaInputs<S>& 
 // The same without a scratch cache: makes one for the call (an allocation) and waits for the work that
 // reads it before freeing it (a stream synchronisation). Engines keep a cache and call the form above.
 template <DecaySet Set = decay::Universal, class S>
-Status ua_forward(const Executor& exec, const UaInputs<S>& in, TensorView<float, 4> out, TensorView<float, 3> lse = {},
-                  TensorView<float, 3> lambda_last = {}) {
+Status ua_forward(const Executor& exec, const ua::InputsOf<S>& in, TensorView<float, 4> out,
+                  TensorView<float, 3> lse = {}, TensorView<float, 3> lambda_last = {}) {
   const std::int64_t B = in.q.extent(0), H = in.q.extent(1), T = in.q.extent(2), D = in.q.extent(3), G = in.k.extent(1);
   if (G <= 0 || H % G != 0) return invalid_argument("H % G (q dim 1, k dim 1)", 0, G > 0 ? H % G : G);
   UaCache<S> scratch;
@@ -1308,24 +1337,24 @@ struct Backend<cuda::Executor> {
 // with a prune policy `rule` in place of Options::p (which must then be 0) the policy's evictor at
 // Options::layer (ua_prune.cuh), as on the host.
 template <DecaySet Set = decay::Universal, class S>
-Status prefill(const cuda::Executor& exec, cuda::UaCache<S>& cache, const InputsOf<S>& in, const Options& opt,
-               TensorView<float, 4> out) {
+Status prefill(const cuda::Executor& exec, cuda::UaCache<S>& cache, const InputsOf<input_type_t<S>>& in,
+               const Options& opt, TensorView<float, 4> out) {
   return cuda::ua_prefill<Set>(exec, cache, in, opt, out);
 }
 template <DecaySet Set = decay::Universal, PrunePolicy Rule, class S>
-Status prefill(const cuda::Executor& exec, cuda::UaCache<S>& cache, const InputsOf<S>& in, const Options& opt,
-               const Rule& rule, TensorView<float, 4> out) {
+Status prefill(const cuda::Executor& exec, cuda::UaCache<S>& cache, const InputsOf<input_type_t<S>>& in,
+               const Options& opt, const Rule& rule, TensorView<float, 4> out) {
   KVMEM_RETURN_IF_ERROR(detail::validate_rule(rule, opt));
   return cuda::ua_run<Set>(exec, cache, in, opt, detail::evictor_of(rule, opt), out, {}, false);
 }
 template <DecaySet Set = decay::Universal, class S>
-Status decode(const cuda::Executor& exec, cuda::UaCache<S>& cache, const InputsOf<S>& in, const Options& opt,
-              TensorView<float, 4> out) {
+Status decode(const cuda::Executor& exec, cuda::UaCache<S>& cache, const InputsOf<input_type_t<S>>& in,
+              const Options& opt, TensorView<float, 4> out) {
   return cuda::ua_decode<Set>(exec, cache, in, opt, out);
 }
 template <DecaySet Set = decay::Universal, PrunePolicy Rule, class S>
-Status decode(const cuda::Executor& exec, cuda::UaCache<S>& cache, const InputsOf<S>& in, const Options& opt,
-              const Rule& rule, TensorView<float, 4> out) {
+Status decode(const cuda::Executor& exec, cuda::UaCache<S>& cache, const InputsOf<input_type_t<S>>& in,
+              const Options& opt, const Rule& rule, TensorView<float, 4> out) {
   KVMEM_RETURN_IF_ERROR(detail::validate_rule(rule, opt));
   return cuda::ua_run<Set>(exec, cache, in, opt, detail::evictor_of(rule, opt), out, {}, true);
 }
@@ -1373,8 +1402,9 @@ Status forward(const cuda::Executor& exec, const InputsOf<fp16>& in, TensorView<
 // eviction runs the policy's evictor at Options::layer (ua_prune.cuh), as on the host.
 namespace detail {
 template <class Set, class S, class Ev>
-Status cuda_step(const cuda::Executor& exec, cuda::UaCache<S>& cache, const Rows& rows, const PackedInputsOf<S>& in,
-                 const Options& opt, const Ev& ev, TensorView<float, 3> out, TensorView<float, 2> lse) {
+Status cuda_step(const cuda::Executor& exec, cuda::UaCache<S>& cache, const Rows& rows,
+                 const PackedInputsOf<input_type_t<S>>& in, const Options& opt, const Ev& ev, TensorView<float, 3> out,
+                 TensorView<float, 2> lse) {
   using namespace cuda::ua_detail;
   KVMEM_RETURN_IF_ERROR(cuda::ua_detail::check_cache(cache));
   KVMEM_RETURN_IF_ERROR(cache.check_workspace());
@@ -1407,7 +1437,7 @@ Status cuda_step(const cuda::Executor& exec, cuda::UaCache<S>& cache, const Rows
                                   prefills * G)};
 
   const DeviceCache<S>& dev = SlotAccess::dev(cache);
-  DeviceCall<S> a = make_step_call(in, rows, out, lse);
+  DeviceCall<S> a = make_step_call<S>(in, rows, out, lse);
   SlotAccess::scratch(cache, a);
   set_eviction(a, ev, SlotAccess::cuts(cache));
   a.evict_before_attention = opt.evict_before_attention;
@@ -1468,13 +1498,15 @@ Status cuda_step(const cuda::Executor& exec, cuda::UaCache<S>& cache, const Rows
 }  // namespace detail
 
 template <DecaySet Set = decay::Universal, class S>
-Status step(const cuda::Executor& exec, cuda::UaCache<S>& cache, const Rows& rows, const PackedInputsOf<S>& in,
-            const Options& opt, TensorView<float, 3> out, TensorView<float, 2> lse = {}) {
+Status step(const cuda::Executor& exec, cuda::UaCache<S>& cache, const Rows& rows,
+            const PackedInputsOf<input_type_t<S>>& in, const Options& opt, TensorView<float, 3> out,
+            TensorView<float, 2> lse = {}) {
   return detail::cuda_step<Set>(exec, cache, rows, in, opt, prune::Threshold{opt.p}.evictor(opt.layer), out, lse);
 }
 template <DecaySet Set = decay::Universal, PrunePolicy Rule, class S>
-Status step(const cuda::Executor& exec, cuda::UaCache<S>& cache, const Rows& rows, const PackedInputsOf<S>& in,
-            const Options& opt, const Rule& rule, TensorView<float, 3> out, TensorView<float, 2> lse = {}) {
+Status step(const cuda::Executor& exec, cuda::UaCache<S>& cache, const Rows& rows,
+            const PackedInputsOf<input_type_t<S>>& in, const Options& opt, const Rule& rule, TensorView<float, 3> out,
+            TensorView<float, 2> lse = {}) {
   KVMEM_RETURN_IF_ERROR(detail::validate_rule(rule, opt));
   return detail::cuda_step<Set>(exec, cache, rows, in, opt, detail::evictor_of(rule, opt), out, lse);
 }
@@ -1596,6 +1628,10 @@ Status import_slot(const cuda::Executor& exec, cuda::UaCache<S>& cache, std::int
     KVMEM_RETURN_IF_ERROR(cache.copy_item_rows(d.lambda, v.lambda, 1, n, rows, false, exec.stream));
     KVMEM_RETURN_IF_ERROR(cache.copy_item_rows(d.key_logit, v.key_logit, 1, n, rows, false, exec.stream));
     KVMEM_RETURN_IF_ERROR(cache.copy_item_rows(d.pos, v.pos, 1, n, rows, false, exec.stream));
+    if constexpr (is_row_scaled_v<S>) {
+      KVMEM_RETURN_IF_ERROR(cache.copy_item_rows(d.key_scale, v.key_scale, 1, n, rows, false, exec.stream));
+      KVMEM_RETURN_IF_ERROR(cache.copy_item_rows(d.value_scale, v.value_scale, 1, n, rows, false, exec.stream));
+    }
   }
   KVMEM_RETURN_IF_ERROR(
       cuda::to_status(cudaMemcpyAsync(d.length + slot * G, length.data(), length.size() * sizeof(std::int64_t),

@@ -125,12 +125,12 @@ __global__ void __launch_bounds__(kCutThreads)
   if (a.row_slot != nullptr && !decode_row(c, a, blockIdx.x, item, b)) return;
   if (a.row_slot == nullptr && a.slot_go != nullptr && a.slot_go[b] == 0) return;  // found the pool dry
   const std::int64_t D = c.D, g = item % c.G, n = c.length[item], t = c.counter[item];
-  const S* new_key = a.k + b * a.k_b + g * a.k_g;
+  const auto* new_key = a.k + b * a.k_b + g * a.k_g;
   const float zq = a.z_q[b * a.zq_b + g * a.zq_g];
   for (std::int64_t e = threadIdx.x; e < n; e += blockDim.x) {  // each row on its own (spec 4.4)
     const std::int64_t x = c.row(item, e);
     kernel::ua::lambda_update<Set, float>(c.keys + x * D, D, c.key_logit + x, c.pos + x, c.lambda + x, 1, new_key, zq,
-                                          t, D);
+                                          t, D, c.key_scale != nullptr ? c.key_scale + x : nullptr);
   }
   __syncthreads();  // every λ of the item is final
   const DeviceEntries<S> entries{&c, item, n, 1, nullptr, t};
