@@ -308,3 +308,27 @@ TEST_CASE("ua cuda fp8: a step, copy_slots and a slot record keep the rows and t
   INFO("worst relative Frobenius of a decode row against the host's fp8 cache " << worst);
   CHECK(worst < 1e-4);
 }
+
+TEST_CASE("ua cuda fp8 through ua::Attention<Set, Prune, Fp8Storage> gives the plain calls' bits", "[ua][cuda][fp8]") {
+  if (no_device()) return;
+  const Case c = random_case(1, 160, 8, 2, 64, 7);
+  const FloatCase f(c);
+  using Ua = kua::Attention<kvmem::decay::Universal, kvmem::prune::Threshold{0.05}, kvmem::precision::Fp8Storage, 64>;
+  static_assert(std::is_same_v<Ua::storage_type, e4m3>);
+  DevCase d(f);
+  const kvmem::cuda::Executor exec{};
+  kvmem::cuda::UaCache<e4m3> composed, plain;
+  REQUIRE(kvmem::cuda::UaCache<e4m3>::create(f.cache_shape(), composed).is_ok());
+  REQUIRE(kvmem::cuda::UaCache<e4m3>::create(f.cache_shape(), plain).is_ok());
+  Dev<float> out_a(f.make_out().size()), out_b(f.make_out().size());
+  REQUIRE(Ua::prefill(exec, composed, d.slice(0, 100), d.out_slice(out_a.ptr, 0, 100), Ua::options(32)).is_ok());
+  REQUIRE(
+      kua::prefill(exec, plain, d.slice(0, 100), kua::Options{0.05, 32, true}, d.out_slice(out_b.ptr, 0, 100)).is_ok());
+  for (std::int64_t t = 100; t < c.config.T; ++t) {
+    REQUIRE(Ua::decode(exec, composed, d.slice(t, t + 1), d.out_slice(out_a.ptr, t, t + 1), Ua::options(32)).is_ok());
+    REQUIRE(kua::decode(exec, plain, d.slice(t, t + 1), kua::Options{0.05, 32, true}, d.out_slice(out_b.ptr, t, t + 1))
+                .is_ok());
+  }
+  const auto a = out_a.get(), b = out_b.get();
+  CHECK(std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0);
+}

@@ -882,7 +882,7 @@ struct Attention {
   }
   template <class Exec, class C>
   static Status check_call(const C& cache) {
-    static_assert(check_ua_support<Exec, HeadDim>());
+    static_assert(check_ua_support<Exec, storage_type, HeadDim>());
     if constexpr (requires { cache.shape().head_dim; })
       return check_dims(cache.shape());
     else

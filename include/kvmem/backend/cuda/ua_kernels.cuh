@@ -374,14 +374,6 @@ __device__ inline void unpack(const uint4& raw, float* out) {
 }
 
 // ---- row-scaled storage (fp8 e4m3, core/numeric.hpp): a stored row is scale * e4m3 row ----------
-// The scale of pool row `row` of a key or value field; 1 for storage without row scales.
-template <class S>
-__device__ inline float row_scale(const float* scales, std::int64_t row) {
-  if constexpr (is_row_scaled_v<S>)
-    return scales[row];
-  else
-    return 1.0f;
-}
 // Stores input row x [D] in S at `out` with the lanes of one warp (all of them call it) and returns the
 // row's scale in every lane: the row's largest |x| (a warp reduction), then quantize_row's rounding, so
 // a row stored here holds the bits the host's append_entry stores for the same input.
