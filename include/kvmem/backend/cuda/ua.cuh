@@ -790,7 +790,7 @@ ChunkKernel<S> chunk_kernel_for(const UaInputs<S>& in, std::int64_t D, std::int6
 #else
   (void)in;  // the portable path has no tensor-core kernel, whose rows must be 16-byte aligned
 #endif
-  const std::size_t bytes = chunk_smem_bytes(D, r);
+  const std::size_t bytes = chunk_smem_bytes(D, r, is_row_scaled_v<S>);
   if (D <= 32) return {chunk_attend_kernel<Set, S, 8>, bytes, kChunkThreads};
   if (D <= 64) return {chunk_attend_kernel<Set, S, 16>, bytes, kChunkThreads};
   if (D <= 128) return {chunk_attend_kernel<Set, S, 32>, bytes, kChunkThreads};
@@ -1145,7 +1145,7 @@ ChunkKernel<S> step_chunk_kernel_for(const ua::PackedInputsOf<input_type_t<S>>& 
 #else
   (void)in;  // the portable path has no tensor-core kernel, whose rows must be 16-byte aligned
 #endif
-  const std::size_t bytes = chunk_smem_bytes(D, r);
+  const std::size_t bytes = chunk_smem_bytes(D, r, is_row_scaled_v<S>);
   if (D <= 32) return {chunk_attend_kernel<Set, S, 8>, bytes, kChunkThreads};
   if (D <= 64) return {chunk_attend_kernel<Set, S, 16>, bytes, kChunkThreads};
   if (D <= 128) return {chunk_attend_kernel<Set, S, 32>, bytes, kChunkThreads};

@@ -457,9 +457,9 @@ __device__ inline void carry_lambda(const DeviceCache<S>& c, const DeviceCall<S>
 }
 
 // ---- prefill / forward: one chunk of `rows` query rows (calls positions counter + t0 ...) --------
-// grid (splits, I), block kChunkThreads, dynamic smem chunk_smem_bytes(D, r).
+// grid (splits, I), block kChunkThreads, dynamic smem chunk_smem_bytes(D, r, is_row_scaled_v<S>).
 // kDpt: dims per lane (>= ceil(D / kLanesPerPair)); lane l owns dims l, l + 4, l + 8, ...
-__host__ __device__ inline std::size_t chunk_smem_bytes(std::int64_t D, std::int64_t r) {
+__host__ __device__ inline std::size_t chunk_smem_bytes(std::int64_t D, std::int64_t r, bool row_scales = false) {
   const std::int64_t rt = chunk_row_tile(r);
   return sizeof(float) * std::size_t(2 * kEntryTile * (D + 1)    // keys, values of the entry tile
                                      + rt * (D + 1)              // the row tile's keys (decay similarity)
@@ -467,7 +467,7 @@ __host__ __device__ inline std::size_t chunk_smem_bytes(std::int64_t D, std::int
                                      + kPairs * kEntryTile       // logits of every (head, row)
                                      + 2 * kEntryTile + 2 * rt)  // entry key logits/parts, row gate logits/parts
          + sizeof(std::int64_t) * kEntryTile                     // entry positions
-         + sizeof(float) * 2 * kEntryTile;                       // entry key and value scales (fp8 storage)
+         + (row_scales ? sizeof(float) * 2 * kEntryTile : 0);    // entry key and value scales (fp8 storage)
 }
 
 // The entry tile of the chunk kernel for an fp8 cache, as float rows: a cached row's stored values (its
@@ -984,7 +984,7 @@ struct OneBlockLayout {
   std::size_t keys, values, pos, lambda, logit, keep, dst, qs, nk, acc, wts, run_max, run_sum, rescale, kept, key_scale,
       value_scale, bytes;
   __host__ __device__ static std::size_t up16(std::size_t x) { return (x + 15) / 16 * 16; }
-  __host__ __device__ OneBlockLayout(std::int64_t D, std::int64_t r, std::size_t elem) {
+  __host__ __device__ OneBlockLayout(std::int64_t D, std::int64_t r, std::size_t elem, bool row_scales = false) {
     pitch = D + std::int64_t(16 / elem);
     const std::size_t tile = std::size_t(kOneBlockTile), row_bytes = std::size_t(pitch) * elem;
     keys = 0;
@@ -1002,9 +1002,9 @@ struct OneBlockLayout {
     run_sum = run_max + std::size_t(r) * sizeof(float);
     rescale = run_sum + std::size_t(r) * sizeof(float);
     kept = up16(rescale + std::size_t(r) * sizeof(float));
-    key_scale = kept + 16;  // fp8 storage: the tile's row scales
-    value_scale = key_scale + tile * sizeof(float);
-    bytes = value_scale + tile * sizeof(float);
+    key_scale = kept + 16;  // fp8 storage: the tile's row scales (no bytes for other storage)
+    value_scale = key_scale + (row_scales ? tile * sizeof(float) : 0);
+    bytes = value_scale + (row_scales ? tile * sizeof(float) : 0);
   }
 };
 
@@ -1017,7 +1017,7 @@ __device__ inline std::int64_t decode_one_block(const DeviceCache<S>& c, const D
   const std::int64_t D = c.D, r = c.r, g = item % c.G;
   const std::int64_t t = c.counter[item];
   const prune::Cut cut = item_cut(a, item);
-  const OneBlockLayout L(D, r, sizeof(S));
+  const OneBlockLayout L(D, r, sizeof(S), is_row_scaled_v<S>);
   const int pitch = int(L.pitch);
   S* kst = reinterpret_cast<S*>(smem + L.keys);
   S* vst = reinterpret_cast<S*>(smem + L.values);
@@ -1820,7 +1820,7 @@ __device__ inline bool decode_row(const DeviceCache<S>& c, const DeviceCall<S>& 
 template <class S>
 __host__ __device__ inline std::size_t decode_kernel_smem_bytes(std::int64_t D, std::int64_t r) {
   const std::size_t attend = decode_smem_bytes(D, r), finish = finish_smem_bytes<S>(D),
-                    one_block = OneBlockLayout(D, r, sizeof(S)).bytes;
+                    one_block = OneBlockLayout(D, r, sizeof(S), is_row_scaled_v<S>).bytes;
   const std::size_t rows = split_rows_smem_bytes(D, r, sizeof(S));
   std::size_t most = attend > finish ? attend : finish;
   most = most > one_block ? most : one_block;
