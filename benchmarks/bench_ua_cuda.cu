@@ -10,9 +10,10 @@
 //
 //   kvmem_bench_ua_cuda [--batch 8] [--heads 16] [--kv-heads 4] [--tokens 4096,8192,16384]
 //                       [--dense-only 32768] [--pruned-only 1] [--skip-after-tiles N] [--item-group N]
-//                       [--gate-mean 1] [--storage bf16|fp32] [--json out.jsonl]
+//                       [--gate-mean 1] [--storage bf16|fp32|fp8[,...]] [--json out.jsonl]
 // --storage fp32: fp32 q, k, v and cache (the precision kvmem_bench_kokkos times, for a side-by-side
-//   comparison at the same shapes and call).
+//   comparison at the same shapes and call). fp8: bf16 q, k, v and an fp8 (e4m3) cache with a scale per
+//   row. A list (bf16,fp8) runs each storage in turn in the same call, on the same inputs.
 // --dense-only T...: extra lengths where only the dense prefill runs once (one call, B sequences).
 // --skip-after-tiles N: UaCacheLimits::dense_skip_past_after_tiles (from which call length the dense prefill
 //   takes its kernel with the skip past the decay's reach; 0: always), to measure where it starts to pay.
@@ -22,7 +23,9 @@
 // --gate-mean m: the mean of the key- and query-gate logits. Lower gates decay more slowly, so more rows
 //   stay above the threshold: about +1 keeps 0.1-0.6 % of the rows at p = 0.05, -6 about 6 %, -10 about
 //   75 % (the kept fractions of trained models). The table prints the kept fraction and the kept bytes
-//   each decode step reads beside its time.
+//   each decode step reads beside its time: "kept KV" counts the keys and values of the kept rows (and an
+//   fp8 row's two scales), "moved" every byte a step moves per kept row (key, value, scales, λ read and
+//   written, key-gate logit, position).
 
 #include "kvmem/backend/cuda/vendor.cuh"
 
@@ -59,8 +62,8 @@ __global__ void normalise_kernel(S* k, std::int64_t rows, std::int64_t D) {
   for (std::int64_t d = threadIdx.x % kWarpSize; d < D; d += kWarpSize) k[row * D + d] = S(float(k[row * D + d]) * inv);
 }
 
-template <class S>
-struct Inputs {  // [B,H,T,D] q, [B,G,T,D] k v, [B,G,T] gates; out [B,T,H,D]
+template <class S>  // S: the input type (an fp8 cache takes bf16)
+struct Inputs {     // [B,H,T,D] q, [B,G,T,D] k v, [B,G,T] gates; out [B,T,H,D]
   std::int64_t B, H, G, T, D;
   Buffer<S> q, k, v;
   Buffer<float> zk, zq, out;
@@ -86,9 +89,9 @@ struct Inputs {  // [B,H,T,D] q, [B,G,T,D] k v, [B,G,T] gates; out [B,T,H,D]
     fill(zk.ptr, B * G * T, seed + 4, gate_mean, 1.5f);
     fill(zq.ptr, B * G * T, seed + 5, gate_mean, 1.5f);
   }
-  kvmem::cuda::UaInputs<S> slice(std::int64_t t0, std::int64_t t1) const {
+  kvmem::ua::InputsOf<S> slice(std::int64_t t0, std::int64_t t1) const {
     [[maybe_unused]] const std::int64_t n = t1 - t0;  // used below; nvcc's front end misreports it (#177) here
-    kvmem::cuda::UaInputs<S> in;
+    kvmem::ua::InputsOf<S> in;
     in.q = {q.ptr + t0 * D, {B, H, n, D}, {H * T * D, T * D, D, 1}};
     in.k = {k.ptr + t0 * D, {B, G, n, D}, {G * T * D, T * D, D, 1}};
     in.v = {v.ptr + t0 * D, {B, G, n, D}, {G * T * D, T * D, D, 1}};
@@ -191,14 +194,19 @@ bool run_all(std::int64_t B, std::int64_t H, std::int64_t G, std::int64_t D, con
              const kvmem::cuda::Executor& exec, const kvmem::cuda::Executor& graph_exec, cudaStream_t graph_stream,
              FILE* js, std::int64_t decode_steps, float gate_mean) {
   std::printf(
-      "| variant | B | T | p | gate mean | prefill ms | kept after prefill | decode ms/token | decode ms/token (graph) "
-      "| kept after decode | kept KV MB/token | GB/s (graph) |\n");
-  std::printf("|---|---|---|---|---|---|---|---|---|---|---|---|\n");
+      "| variant | storage | B | T | p | gate mean | prefill ms | kept after prefill | decode ms/token | decode "
+      "ms/token "
+      "(graph) | kept after decode | kept KV MB/token | moved MB/token | GB/s moved (graph) |\n");
+  std::printf("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n");
   std::vector<std::pair<std::int64_t, bool>> runs;
   for (auto T : tokens) runs.push_back({T, false});
   for (auto T : dense_only) runs.push_back({T, true});
+  // bytes of one kept row: key and value in S (an fp8 row with its two fp32 scales), and what a decode
+  // step moves besides: λ read and written, the key-gate logit and the position
+  const double kv_row = 2.0 * double(D) * double(sizeof(S)) + (kvmem::is_row_scaled_v<S> ? 8.0 : 0.0);
+  const double moved_row = kv_row + 4.0 + 4.0 + 4.0 + 8.0;
   for (const auto& [T, only_dense] : runs) {
-    Inputs<S> in(B, H, G, T + decode_steps, D, 1234 + std::uint64_t(T), gate_mean);
+    Inputs<kvmem::input_type_t<S>> in(B, H, G, T + decode_steps, D, 1234 + std::uint64_t(T), gate_mean);
     kvmem::cuda::UaCache<S> cache;
     CHECK_STATUS(kvmem::cuda::UaCache<S>::create({B, H, G, D, T + decode_steps, 16}, cache, limits));
     Timer timer;
@@ -216,7 +224,7 @@ bool run_all(std::int64_t B, std::int64_t H, std::int64_t G, std::int64_t D, con
         if (rep > 0 || only_dense) prefill_ms = std::min(prefill_ms, ms);
       }
       const double kept_prefill = mean_length(cache) / double(T);
-      double decode_ms = 0, decode_graph_ms = 0, kept_decode = 0, bytes_per_token = 0;
+      double decode_ms = 0, decode_graph_ms = 0, kept_decode = 0, bytes_per_token = 0, moved_per_token = 0;
       if (p > 0) {
         const double before = mean_length(cache);
         timer.start();
@@ -227,8 +235,9 @@ bool run_all(std::int64_t B, std::int64_t H, std::int64_t G, std::int64_t D, con
         CHECK_STATUS(cache.lengths(plain_lengths, nullptr));
         const double after = mean_length(cache);
         kept_decode = after / double(T + decode_steps);
-        // keys + values of the kept entries (storage type) of every (sequence, kv head), averaged over the steps
-        bytes_per_token = 0.5 * (before + after) * double(B * G) * 2.0 * double(D) * double(sizeof(S));
+        // the kept entries of every (sequence, kv head), averaged over the steps
+        bytes_per_token = 0.5 * (before + after) * double(B * G) * kv_row;
+        moved_per_token = 0.5 * (before + after) * double(B * G) * moved_row;
         // the same 256 steps again from the same prefill, captured once and replayed as one graph
         reset_all(cache, B);
         CHECK_STATUS(kvmem::cuda::ua_prefill(exec, cache, in.slice(0, T), opt, in.out_slice(0, T)));
@@ -254,20 +263,21 @@ bool run_all(std::int64_t B, std::int64_t H, std::int64_t G, std::int64_t D, con
           return false;
         }
       }
-      std::printf("| kvmem UA %s | %lld | %lld | %.2f | %g | %.3f | %.4f | %.4f | %.4f | %.4f | %.2f | %.0f |\n",
-                  p > 0 ? "pruned" : "dense", (long long)B, (long long)T, p, double(gate_mean), prefill_ms,
-                  kept_prefill, decode_ms, decode_graph_ms, kept_decode, bytes_per_token / 1e6,
-                  decode_graph_ms > 0 ? bytes_per_token / (decode_graph_ms * 1e6) : 0.0);
+      std::printf(
+          "| kvmem UA %s | %s | %lld | %lld | %.2f | %g | %.3f | %.4f | %.4f | %.4f | %.4f | %.2f | %.2f | %.0f |\n",
+          p > 0 ? "pruned" : "dense", kvmem::type_name<S>(), (long long)B, (long long)T, p, double(gate_mean),
+          prefill_ms, kept_prefill, decode_ms, decode_graph_ms, kept_decode, bytes_per_token / 1e6,
+          moved_per_token / 1e6, decode_graph_ms > 0 ? moved_per_token / (decode_graph_ms * 1e6) : 0.0);
       std::fflush(stdout);
       if (js)
         std::fprintf(js,
                      "{\"storage\": \"%s\", \"B\": %lld, \"H\": %lld, \"G\": %lld, \"D\": %lld, \"T\": %lld, \"p\": "
                      "%g, \"prefill_ms\": %.5f, "
                      "\"kept_prefill\": %.6f, \"decode_ms\": %.6f, \"decode_graph_ms\": %.6f, \"kept_decode\": %.6f, "
-                     "\"kept_bytes\": %.0f, \"gate_mean\": %g}\n",
-                     sizeof(S) == 4 ? "fp32" : "bf16", (long long)B, (long long)H, (long long)G, (long long)D,
-                     (long long)T, p, prefill_ms, kept_prefill, decode_ms, decode_graph_ms, kept_decode,
-                     bytes_per_token, double(gate_mean));
+                     "\"kept_bytes\": %.0f, \"moved_bytes\": %.0f, \"gate_mean\": %g}\n",
+                     kvmem::type_name<S>(), (long long)B, (long long)H, (long long)G, (long long)D, (long long)T, p,
+                     prefill_ms, kept_prefill, decode_ms, decode_graph_ms, kept_decode, bytes_per_token,
+                     moved_per_token, double(gate_mean));
     }
   }
   return true;
@@ -311,10 +321,17 @@ int main(int argc, char** argv) {
       return 2;
     }
   }
-  if (storage != "bf16" && storage != "fp32") {
-    std::fprintf(stderr, "kvmem_bench_ua_cuda: --storage is bf16 or fp32, got '%s'\n", storage.c_str());
-    return 2;
+  std::vector<std::string> storages;
+  for (std::size_t at = 0; at <= storage.size();) {
+    const std::size_t end = std::min(storage.find(',', at), storage.size());
+    storages.push_back(storage.substr(at, end - at));
+    at = end + 1;
   }
+  for (const auto& s : storages)
+    if (s != "bf16" && s != "fp32" && s != "fp8") {
+      std::fprintf(stderr, "kvmem_bench_ua_cuda: --storage is a list of bf16, fp32 and fp8, got '%s'\n", s.c_str());
+      return 2;
+    }
   if (kvmem::cuda::device_count() == 0) {
     std::printf("SKIPPED: no CUDA device\n");
     return 0;
@@ -336,10 +353,19 @@ int main(int argc, char** argv) {
     std::printf("| <<<(%lld, %d), %d>>> (the decode launch's shape) | %.2f | %.2f |\n\n", (long long)(B * G), splits,
                 kvmem::cuda::ua_detail::kDecodeThreads, shaped.first, shaped.second);
   }
-  const bool ok = storage == "fp32" ? run_all<float>(B, H, G, D, tokens, dense_only, pruned_only, limits, exec,
-                                                     graph_exec, graph_stream, js, kDecodeSteps, gate_mean)
-                                    : run_all<bf16>(B, H, G, D, tokens, dense_only, pruned_only, limits, exec,
-                                                    graph_exec, graph_stream, js, kDecodeSteps, gate_mean);
+  bool ok = true;
+  for (const auto& s : storages) {
+    if (s == "fp32")
+      ok = ok && run_all<float>(B, H, G, D, tokens, dense_only, pruned_only, limits, exec, graph_exec, graph_stream, js,
+                                kDecodeSteps, gate_mean);
+    else if (s == "fp8")
+      ok = ok && run_all<kvmem::e4m3>(B, H, G, D, tokens, dense_only, pruned_only, limits, exec, graph_exec,
+                                      graph_stream, js, kDecodeSteps, gate_mean);
+    else
+      ok = ok && run_all<bf16>(B, H, G, D, tokens, dense_only, pruned_only, limits, exec, graph_exec, graph_stream, js,
+                               kDecodeSteps, gate_mean);
+    std::printf("\n");
+  }
   if (js) std::fclose(js);
   CHECK_CUDA(cudaStreamDestroy(graph_stream));
   return ok ? 0 : 1;

@@ -1,5 +1,5 @@
 // SPDX-License-Identifier: Apache-2.0
-// EXPECT: Storage must be float, double, kvmem::bf16 or kvmem::fp16
+// EXPECT: Storage must be float, double, kvmem::bf16, kvmem::fp16 or kvmem::e4m3
 #include "kvmem/policy/precision.hpp"
 #ifdef KVMEM_CONTROL
 using P = kvmem::precision::Policy<kvmem::bf16, float>;

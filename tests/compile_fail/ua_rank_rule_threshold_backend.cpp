@@ -1,7 +1,8 @@
 // SPDX-License-Identifier: Apache-2.0
 // EXPECT: eviction kernels take only a threshold
-// A backend whose UA calls take Options::p but no prune policy (the CUDA backend's shape) runs the
-// threshold-shaped policies through ua::Attention, and refuses a rank rule at compile time.
+// A backend whose UA calls take Options::p but no prune policy (every backend of kvmem takes policies;
+// a third-party backend may not) runs the threshold-shaped policies through ua::Attention, and refuses
+// a rank rule at compile time.
 #include "kvmem/ua/ops.hpp"
 namespace fake {
 struct Executor {};

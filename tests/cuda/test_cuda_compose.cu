@@ -4,8 +4,8 @@
 //    creates a cuda::KvmState through make_state; the CUDA backend evaluates the policy on the host into
 //    its per-update target table, and prefill / decode match the fp64 reference run with the same
 //    policy and the schedule computed from the policy's formula;
-//  - ua::Attention with a per-layer threshold steps a cuda::UaCache (the CUDA eviction takes the
-//    layer's p as Options::p) exactly like the host's ua::step with that p run alone;
+//  - ua::Attention with a per-layer threshold steps a cuda::UaCache (the policy's evictor at the
+//    layer: its p) exactly like the host's ua::step with that p run alone;
 //  - the CUDA backend's compile-time limits (backend/cuda/limits.hpp) hold for the real executor.
 
 #include <cuda_runtime.h>

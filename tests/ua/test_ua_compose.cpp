@@ -1,7 +1,8 @@
 // SPDX-License-Identifier: Apache-2.0
 // Prune rules as policies (policy/prune.hpp) through ua::Attention<Set, Prune> on the host: a rank rule
-// (keep at most k entries per (sequence, kv head) by λ), the same rule written as a user policy in this
-// file, a threshold per layer, and prune::None, against the fp64 reference (outputs and kept sets).
+// (keep at most k entries per (sequence, kv head) by λ), the same rule written as a user policy
+// (ua_compose_rules.hpp), a threshold per layer, and prune::None, against the fp64 reference (outputs
+// and kept sets).
 // Near-ties: a rank cut whose λ gap in the reference is below fp32 rounding could flip, so the
 // reference reports its smallest gap and the test requires it well above rounding on these seeds.
 
@@ -13,6 +14,7 @@
 
 #include "kvmem/reference/ua.hpp"
 #include "support/golden.hpp"
+#include "ua_compose_rules.hpp"
 #include "ua_host_support.hpp"
 
 namespace {
@@ -23,46 +25,6 @@ using kvmem::TensorView;
 
 constexpr double kFp32Tol = 1e-5;
 constexpr double kRankBand = 1e-4;  // λ gaps below this at a rank cut would be near-ties in fp32
-
-// A user rule: keep the k entries of largest λ (ties: the later position), found by k rounds of
-// "largest entry below the previous one" rather than by counting ranks as prune::KeepTop does.
-struct TopByLambda {
-  std::int64_t k = 16;
-
-  static constexpr bool kEnabled = true;
-  constexpr const char* invalid_reason() const { return k >= 1 ? nullptr : "k must be >= 1"; }
-  kvmem::Status validate() const {
-    return k >= 1 ? kvmem::Status::ok() : kvmem::invalid_argument("TopByLambda k", ">= 1", k);
-  }
-  struct Evictor {
-    std::int64_t k;
-    template <class Entries>
-    KVMEM_HOST_DEVICE prune::Cut cut(const Entries& e) const {
-      prune::Cut c;
-      if (e.size() <= k) return c;
-      double bound_l = std::numeric_limits<double>::infinity();
-      std::int64_t bound_p = std::numeric_limits<std::int64_t>::max();
-      for (std::int64_t round = 0; round < k; ++round) {  // the next entry below (bound_l, bound_p)
-        double best_l = -std::numeric_limits<double>::infinity();
-        std::int64_t best_p = -1;
-        for (std::int64_t i = 0; i < e.size(); ++i) {
-          const double l = e.lambda(i);
-          const std::int64_t p = e.pos(i);
-          const bool below = l < bound_l || (l == bound_l && p < bound_p);
-          const bool better = l > best_l || (l == best_l && p > best_p);
-          if (below && better) best_l = l, best_p = p;
-        }
-        bound_l = best_l, bound_p = best_p;
-      }
-      c.ranked = true;
-      c.lambda = bound_l;
-      c.pos = bound_p;
-      return c;
-    }
-  };
-  Evictor evictor(std::int64_t /*layer*/) const { return {k}; }
-};
-static_assert(kvmem::PrunePolicy<TopByLambda>);
 
 struct Run {
   std::vector<float> out;

@@ -85,3 +85,95 @@ TEST_CASE("fp16 rounding matches a double-precision reference on random floats",
     if (std::abs(f) < 65504.0f) REQUIRE(std::abs(static_cast<double>(back) - f) <= half_ulp);
   }
 }
+
+namespace {
+// The value of a non-negative e4m3 code from the format's definition (OCP FP8 E4M3: bias 7, subnormals
+// m * 2^-9), independent of e4m3::to_float.
+double e4m3_value(int code) {
+  const int e = (code >> 3) & 0xf, m = code & 7;
+  return e == 0 ? m * std::ldexp(1.0, -9) : (1.0 + m / 8.0) * std::ldexp(1.0, e - 7);
+}
+// Round to the nearest finite e4m3 value by search, ties to the even code; saturating at 448.
+int e4m3_nearest(double x) {
+  const double a = std::abs(x);
+  int best = 0;
+  for (int code = 1; code <= 0x7e; ++code) {
+    const double d = std::abs(e4m3_value(code) - a), db = std::abs(e4m3_value(best) - a);
+    if (d < db || (d == db && (code & 1) == 0)) best = code;
+  }
+  return (x < 0 ? 0x80 : 0) | best;
+}
+}  // namespace
+
+TEST_CASE("e4m3 rounds to nearest, ties to even, saturates at 448 and keeps subnormals", "[numeric]") {
+  using kvmem::e4m3;
+  CHECK(e4m3::from_float(1.0f) == 0x38);
+  CHECK(e4m3::from_float(-2.0f) == 0xc0);
+  CHECK(e4m3::from_float(448.0f) == 0x7e);  // largest finite
+  CHECK(e4m3::from_float(460.0f) == 0x7e);  // no code above 448: saturates (CUDA's satfinite)
+  CHECK(e4m3::from_float(std::numeric_limits<float>::infinity()) == 0x7e);
+  CHECK(e4m3::from_float(-1e10f) == 0xfe);
+  CHECK(std::isnan(e4m3::to_float(e4m3::from_float(std::numeric_limits<float>::quiet_NaN()))));
+  CHECK(std::isnan(e4m3::to_float(0x7f)));
+  // 1 + 2^-4 ties between 1 and 1.125: to even (1.0); 1 + 3 * 2^-4 ties up to 1.25
+  CHECK(e4m3::from_float(1.0625f) == 0x38);
+  CHECK(e4m3::from_float(1.1875f) == 0x3a);
+  // smallest subnormal 2^-9, half of it ties to zero, a bit more rounds up; 7.5 * 2^-9 ties to 2^-6
+  CHECK(e4m3::from_float(std::ldexp(1.0f, -9)) == 0x01);
+  CHECK(e4m3::from_float(std::ldexp(1.0f, -10)) == 0x00);
+  CHECK(e4m3::from_float(std::ldexp(1.0f, -10) * 1.01f) == 0x01);
+  CHECK(e4m3::from_float(7.5f * std::ldexp(1.0f, -9)) == 0x08);
+  CHECK(e4m3::from_float(-0.0f) == 0x80);
+  // every finite code: its value, and back to the same code
+  for (int code = 0; code < 256; ++code) {
+    if ((code & 0x7f) == 0x7f) continue;
+    const float f = e4m3::to_float(static_cast<std::uint8_t>(code));
+    CHECK(double(f) == ((code & 0x80) ? -e4m3_value(code & 0x7f) : e4m3_value(code & 0x7f)));
+    if (f != 0.0f) CHECK(e4m3::from_float(f) == code);
+  }
+  // random floats over the whole range against the search, and every midpoint between neighbours
+  std::uint64_t state = 12345;
+  for (int i = 0; i < 20000; ++i) {
+    state = state * 6364136223846793005ull + 1442695040888963407ull;
+    const float x = static_cast<float>(std::ldexp(double(state >> 11) / double(1ull << 53), int(state % 24) - 14)) *
+                    ((state >> 7) & 1 ? -1.0f : 1.0f);
+    INFO("x " << x);
+    CHECK(e4m3::from_float(x) == e4m3_nearest(x));
+  }
+  for (int code = 0; code < 0x7e; ++code) {
+    const double mid = 0.5 * (e4m3_value(code) + e4m3_value(code + 1));
+    INFO("midpoint after code " << code);
+    CHECK(e4m3::from_float(float(mid)) == e4m3_nearest(mid));
+  }
+}
+
+TEST_CASE("fp8 rows: a power-of-two scale, exact read-back, and storing the read-back is a fixed point", "[numeric]") {
+  for (const float amax : {1.0f, 448.0f, 449.0f, 224.0f, 0.3f, 1e-30f, 3e20f, 1.75f, 1.76f}) {
+    const float s = kvmem::fp8_row_scale(amax);
+    int e = 0;
+    CHECK(std::frexp(s, &e) == 0.5f);  // a power of two
+    CHECK(amax / s <= 448.0f);
+    if (amax > 1e-30f) CHECK(amax / s > 224.0f);  // the smallest such power of two
+    CHECK(s * kvmem::fp8_inverse_scale(s) == 1.0f);
+  }
+  CHECK(kvmem::fp8_row_scale(0.0f) == 1.0f);
+  std::uint64_t state = 99;
+  for (int row = 0; row < 200; ++row) {
+    float x[64], back[64], again[64];
+    const double magnitude = std::ldexp(1.0, row % 40 - 20);
+    for (float& v : x) {
+      state = state * 6364136223846793005ull + 1442695040888963407ull;
+      v = float(magnitude * (double(state >> 11) / double(1ull << 53) - 0.5));
+    }
+    kvmem::e4m3 q[64], q2[64];
+    const float s = kvmem::quantize_row(x, q, 64);
+    for (int i = 0; i < 64; ++i) {
+      back[i] = float(q[i]) * s;
+      // within half an e4m3 unit of the row's scale: 2^-4 relative for normals, s * 2^-10 absolute below
+      CHECK(std::abs(back[i] - x[i]) <= std::max(std::abs(x[i]) * 0.0625f, s * 0.0009765625f));
+    }
+    const float s2 = kvmem::quantize_row(back, q2, 64);
+    for (int i = 0; i < 64; ++i) again[i] = float(q2[i]) * s2;
+    for (int i = 0; i < 64; ++i) CHECK(again[i] == back[i]);
+  }
+}

@@ -158,17 +158,20 @@ constexpr Kind kind_of() {
   }
 }
 
-// The storage type of keys and values as a record field ("storage"): 0 float, 1 bf16, 2 fp16. Both
-// mechanisms write it and refuse a record whose code differs from the importing state's.
+// The storage type of keys and values as a record field ("storage"): 0 float, 1 bf16, 2 fp16, 3 fp8
+// e4m3 (rows with a scale each; a record holds their values as float). Both mechanisms write it and
+// refuse a record whose code differs from the importing state's.
 template <class S>
 constexpr std::int64_t storage_code() {
   if constexpr (std::is_same_v<S, float>)
     return 0;
   else if constexpr (std::is_same_v<S, bf16>)
     return 1;
-  else {
-    static_assert(std::is_same_v<S, fp16>, "slot_record: storage is float, kvmem::bf16 or kvmem::fp16");
+  else if constexpr (std::is_same_v<S, fp16>)
     return 2;
+  else {
+    static_assert(std::is_same_v<S, e4m3>, "slot_record: storage is float, kvmem::bf16, kvmem::fp16 or kvmem::e4m3");
+    return 3;
   }
 }
 

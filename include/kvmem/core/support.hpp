@@ -6,11 +6,14 @@
 // of supported combinations is docs/compose.md ("Supported combinations"); run-time shapes go
 // through can_run, which gives the same answers as a Status.
 //
-// The primary template describes the host and Kokkos backends (any head dimension, storage fp32 /
-// bf16 / fp16, accumulation fp32 or, for KVM, fp64); a backend with narrower kernels specialises
-// BackendLimits for its executor type in its own folder (backend/cuda/limits.hpp).
+// The primary template describes the host backend (any head dimension, storage fp32 / bf16 / fp16 and,
+// for UA caches, fp8 e4m3; accumulation fp32 or, for KVM, fp64); a backend with narrower kernels
+// specialises BackendLimits for its executor type in its own folder (backend/cuda/limits.hpp,
+// backend/kokkos/executor.hpp).
 
 #include <cstdint>
+
+#include "kvmem/core/numeric.hpp"
 
 namespace kvmem {
 
@@ -24,7 +27,13 @@ struct BackendLimits {
   static constexpr std::int64_t kMaxKvmValueDim = 0;  // 0: no limit
   static constexpr std::int64_t kMaxUaHeadDim = 0;    // 0: no limit
   static constexpr bool kKvmFp64Accumulate = true;    // State<S, double> runs
+  static constexpr bool kUaFp8 = true;                // UA cache rows in fp8 (precision::Fp8Storage)
 };
+
+// fp8 (e4m3) storage of KVM slots: no backend stores it (the slots' readout copies would need a scale
+// per row in every readout and update kernel); UA caches take it. kvm::Attention, kvm::State and the
+// CUDA KvmState refuse it at compile time with this reason.
+inline constexpr bool kKvmFp8Storage = false;
 
 namespace detail {
 consteval bool dim_fits(std::int64_t dim, std::int64_t limit) {
@@ -55,6 +64,14 @@ consteval bool check_ua_support() {
                 "kvmem::ua::Attention: this backend's UA kernels do not take the variant's head dim "
                 "(BackendLimits<Executor>::kMaxUaHeadDim; docs/compose.md, Supported combinations)");
   return true;
+}
+// The same with the variant's storage type: fp8 (e4m3) rows need kUaFp8.
+template <class Executor, class Storage, std::int64_t HeadDim>
+consteval bool check_ua_support() {
+  static_assert(!is_row_scaled_v<Storage> || BackendLimits<Executor>::kUaFp8,
+                "kvmem::ua::Attention: this backend's UA kernels do not store fp8 (kvmem::e4m3) rows "
+                "(BackendLimits<Executor>::kUaFp8; docs/compose.md, Supported combinations)");
+  return check_ua_support<Executor, HeadDim>();
 }
 
 }  // namespace kvmem

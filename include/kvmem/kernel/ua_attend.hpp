@@ -49,9 +49,13 @@ struct BlockArgs {
   const KS* keys = nullptr;    // [n, D], rows key_stride apart
   const KS* values = nullptr;  // [n, D], rows value_stride apart
   std::int64_t key_stride = 0, value_stride = 0;
-  Acc* lambda = nullptr;              // [n], log space
-  const Acc* key_logit = nullptr;     // [n], z_k of each entry
-  const std::int64_t* pos = nullptr;  // [n], absolute positions, ascending
+  Acc* lambda = nullptr;           // [n], log space
+  const Acc* key_logit = nullptr;  // [n], z_k of each entry
+  // Row-scaled storage (KS = e4m3, core/numeric.hpp): entry e's key is key_scale[e] * keys[e] and its
+  // value value_scale[e] * values[e]; unused for other storage types.
+  const float* key_scale = nullptr;    // [n]
+  const float* value_scale = nullptr;  // [n]
+  const std::int64_t* pos = nullptr;   // [n], absolute positions, ascending
   std::int64_t n = 0;
   // Entry e sits at row map(e) of keys, values, lambda, key_logit and pos (kernel/ua_rows.hpp); the
   // default is contiguous rows.
@@ -136,7 +140,8 @@ KVMEM_HOST_DEVICE inline void attend_block(const BlockArgs<KS, QS, OS, Acc>& a) 
           decay_tile<Set, Acc>(a.keys + x * a.key_stride, a.key_stride, a.key_logit + x, a.pos + x, len,
                                a.new_keys + (r0 + skip) * a.new_key_stride, a.new_key_stride,
                                a.query_logit + (r0 + skip) * a.query_logit_stride, a.query_logit_stride, m0 + skip,
-                               nr - skip, D, decay + s * kQueryTile, kQueryTile, query_part);
+                               nr - skip, D, decay + s * kQueryTile, kQueryTile, query_part,
+                               a.key_scale != nullptr ? a.key_scale + x : nullptr);
           s += len;
         }
       // Entry loops walk runs of physically consecutive rows (one run unless paged), entries in order.
@@ -163,11 +168,12 @@ KVMEM_HOST_DEVICE inline void attend_block(const BlockArgs<KS, QS, OS, Acc>& a) 
           const Acc* brow = bias + i * kKeyTile;
           Acc block_max = negative_infinity<Acc>();
           for (std::int64_t s = 0; s < ne;) {
-            const std::int64_t len = a.map.run(e0 + s, e0 + ne);
-            const KS* krow = a.keys + a.map(e0 + s) * a.key_stride;
+            const std::int64_t len = a.map.run(e0 + s, e0 + ne), x0 = a.map(e0 + s);
+            const KS* krow = a.keys + x0 * a.key_stride;
             for (std::int64_t e = s; e < s + len; ++e, krow += a.key_stride) {
-              logits[e] = brow[e] == negative_infinity<Acc>() ? negative_infinity<Acc>()
-                                                              : dot8<Acc>(qrow, krow, D) + brow[e];  // scale 1
+              Acc qk = dot8<Acc>(qrow, krow, D);
+              if constexpr (is_row_scaled_v<KS>) qk *= Acc(a.key_scale[x0 + (e - s)]);
+              logits[e] = brow[e] == negative_infinity<Acc>() ? negative_infinity<Acc>() : qk + brow[e];  // scale 1
               if (logits[e] > block_max) block_max = logits[e];
             }
             s += len;
@@ -181,11 +187,12 @@ KVMEM_HOST_DEVICE inline void attend_block(const BlockArgs<KS, QS, OS, Acc>& a) 
           if (rescale != Acc(1))
             for (std::int64_t d = 0; d < D; ++d) arow[d] *= rescale;
           for (std::int64_t s = 0; s < ne;) {
-            const std::int64_t len = a.map.run(e0 + s, e0 + ne);
-            const KS* vrow = a.values + a.map(e0 + s) * a.value_stride;
+            const std::int64_t len = a.map.run(e0 + s, e0 + ne), x0 = a.map(e0 + s);
+            const KS* vrow = a.values + x0 * a.value_stride;
             for (std::int64_t e = s; e < s + len; ++e, vrow += a.value_stride) {
-              const Acc w = sm.accumulate(logits[e]);
+              Acc w = sm.accumulate(logits[e]);
               if (w == Acc(0)) continue;
+              if constexpr (is_row_scaled_v<KS>) w *= Acc(a.value_scale[x0 + (e - s)]);
               for (std::int64_t d = 0; d < D; ++d) arow[d] += w * load_as<Acc>(vrow[d]);
             }
             s += len;

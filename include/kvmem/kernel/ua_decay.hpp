@@ -102,13 +102,18 @@ KVMEM_HOST_DEVICE inline Acc decay_from_similarity(Acc similarity, Acc key_logit
 }
 
 // Spec UA.md 4.1: A_jm for one pair j < m of one (sequence, kv head), given the precomputed gate parts
-// key_part = key_gate_part(z_k[j]) and query_part = query_gate_part(z_q[m]).
+// key_part = key_gate_part(z_k[j]) and query_part = query_gate_part(z_q[m]). A row-scaled cached key
+// (fp8, core/numeric.hpp) is scale_j * key_j: its similarity is the stored row's times the scale.
 // key_j: [D] (cached key, storage type), key_m: [D] (the later token's key)
 template <class Set, class Acc, class KJ, class KM>
 KVMEM_HOST_DEVICE inline Acc pair_decay(const KJ* key_j, Acc key_logit_j, Acc key_part, std::int64_t pos_j,
                                         const KM* key_m, Acc query_logit_m, Acc query_part, std::int64_t pos_m,
-                                        std::int64_t D) {
-  const Acc similarity = Set::kNeedsSimilarity ? dot8<Acc>(key_j, key_m, D) : Acc(0);
+                                        std::int64_t D, Acc scale_j = Acc(1)) {
+  Acc similarity = Acc(0);
+  if constexpr (Set::kNeedsSimilarity) {
+    similarity = dot8<Acc>(key_j, key_m, D);
+    if constexpr (is_row_scaled_v<KJ>) similarity *= scale_j;
+  }
   return decay_from_similarity<Set, Acc>(similarity, key_logit_j, key_part, pos_j, query_logit_m, query_part, pos_m);
 }
 
@@ -124,25 +129,28 @@ KVMEM_HOST_DEVICE inline Acc pair_decay(const KJ* key_j, Acc key_logit_j, std::i
 // positions m_i = first_pos + i, i in [0, n_pos); 0 where m_i <= pos_e (self term and the future).
 // keys: [n_keys, D] rows key_stride apart; key_logit, key_pos: [n_keys];
 // new_keys: [n_pos, D] rows new_key_stride apart; query_logit: [n_pos] query_logit_stride apart;
-// tile: [n_keys, ld]; query_part: [n_pos] scratch
+// tile: [n_keys, ld]; query_part: [n_pos] scratch; key_scale: [n_keys] for row-scaled keys, else unused
 template <class Set, class Acc, class KS, class QS>
 KVMEM_HOST_DEVICE inline void decay_tile(const KS* keys, std::int64_t key_stride, const Acc* key_logit,
                                          const std::int64_t* key_pos, std::int64_t n_keys, const QS* new_keys,
                                          std::int64_t new_key_stride, const QS* query_logit,
                                          std::int64_t query_logit_stride, std::int64_t first_pos, std::int64_t n_pos,
-                                         std::int64_t D, Acc* tile, std::int64_t ld, Acc* query_part) {
+                                         std::int64_t D, Acc* tile, std::int64_t ld, Acc* query_part,
+                                         const float* key_scale = nullptr) {
   // query_part: [n_pos] scratch for log g_q of each position (computed once per tile, not per pair)
   for (std::int64_t i = 0; i < n_pos; ++i)
     query_part[i] = query_gate_part(load_as<Acc>(query_logit[i * query_logit_stride]));
   for (std::int64_t e = 0; e < n_keys; ++e) {
     const Acc key_part = key_gate_part(key_logit[e]);
+    Acc scale = Acc(1);
+    if constexpr (is_row_scaled_v<KS>) scale = Acc(key_scale[e]);
     for (std::int64_t i = 0; i < n_pos; ++i) {
       const std::int64_t m = first_pos + i;
-      tile[e * ld + i] =
-          m > key_pos[e] ? pair_decay<Set, Acc>(keys + e * key_stride, key_logit[e], key_part, key_pos[e],
-                                                new_keys + i * new_key_stride,
-                                                load_as<Acc>(query_logit[i * query_logit_stride]), query_part[i], m, D)
-                         : Acc(0);
+      tile[e * ld + i] = m > key_pos[e] ? pair_decay<Set, Acc>(keys + e * key_stride, key_logit[e], key_part,
+                                                               key_pos[e], new_keys + i * new_key_stride,
+                                                               load_as<Acc>(query_logit[i * query_logit_stride]),
+                                                               query_part[i], m, D, scale)
+                                        : Acc(0);
     }
   }
 }
@@ -167,16 +175,21 @@ KVMEM_HOST_DEVICE inline Acc cumulative_decay(Acc lambda, std::int64_t pos_j, st
 }
 
 // Decode step 1 (spec UA.md 4.4): λ_e += A(e, t) for every cached entry of one (sequence, kv head).
-// keys: [n, D] rows key_stride apart; lambda, key_logit, key_pos: [n]; new_key: [D]
+// keys: [n, D] rows key_stride apart; lambda, key_logit, key_pos: [n]; new_key: [D];
+// key_scale: [n] for row-scaled keys, else unused
 template <class Set, class Acc, class KS, class QS>
 KVMEM_HOST_DEVICE inline void lambda_update(const KS* keys, std::int64_t key_stride, const Acc* key_logit,
                                             const std::int64_t* key_pos, Acc* lambda, std::int64_t n, const QS* new_key,
-                                            Acc query_logit, std::int64_t t, std::int64_t D) {
+                                            Acc query_logit, std::int64_t t, std::int64_t D,
+                                            const float* key_scale = nullptr) {
   const Acc query_part = query_gate_part(query_logit);
-  for (std::int64_t e = 0; e < n; ++e)
+  for (std::int64_t e = 0; e < n; ++e) {
+    Acc scale = Acc(1);
+    if constexpr (is_row_scaled_v<KS>) scale = Acc(key_scale[e]);
     if (t > key_pos[e])
       lambda[e] += pair_decay<Set, Acc>(keys + e * key_stride, key_logit[e], key_gate_part(key_logit[e]), key_pos[e],
-                                        new_key, query_logit, query_part, t, D);
+                                        new_key, query_logit, query_part, t, D, scale);
+  }
 }
 
 }  // namespace kvmem::kernel::ua

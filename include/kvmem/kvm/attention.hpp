@@ -234,6 +234,9 @@ struct Attention {
   static constexpr std::int64_t kHeadDim = HeadDim;
   static constexpr std::int64_t kValueDim = ValueDim;
   static_assert(HeadDim >= 0 && ValueDim >= 0, "kvmem::kvm::Attention: head dims are > 0 (or kAnyDim)");
+  static_assert(kKvmFp8Storage || !is_row_scaled_v<typename Precision::storage_type>,
+                "kvmem::kvm::Attention: fp8 (kvmem::e4m3) storage of KVM slots is not supported; "
+                "precision::Fp8Storage applies to UA caches (docs/compose.md, Supported combinations)");
   using budget_type = std::remove_cvref_t<decltype(kBudget)>;
   using precision_type = Precision;
   using storage_type = typename Precision::storage_type;

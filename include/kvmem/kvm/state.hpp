@@ -199,6 +199,10 @@ std::size_t workspace_bytes(const Problem& problem, const Limits& limits = {}) {
 
 template <class Storage = float, class Acc = float>
 class State {
+  static_assert(!is_row_scaled_v<Storage>,
+                "kvmem::kvm::State: fp8 (kvmem::e4m3) storage of KVM slots is not supported; precision::Fp8Storage "
+                "applies to UA caches (docs/compose.md, Supported combinations)");
+
  public:
   using storage_type = Storage;
   using accumulate_type = Acc;

@@ -7,8 +7,9 @@
 // the next token at position(b)).
 //
 // Memory (DESIGN.md 3). Entries live in fixed-size pages of `page_rows` rows (a power of two) taken
-// from one pool per cache (one layer): the pool holds keys and values in `Storage` (float, bf16 or
-// fp16) and λ, key-gate logit (fp32) and position (int64) per row, field by field. Each (slot, kv
+// from one pool per cache (one layer): the pool holds keys and values in `Storage` (float, bf16, fp16
+// or fp8 e4m3, whose key and value rows carry one fp32 scale each: core/numeric.hpp) and λ, key-gate
+// logit (fp32) and position (int64) per row, field by field. Each (slot, kv
 // head) has a page table of ceil(capacity / page_rows) entries; logical row e sits in page
 // table[e / page_rows] at row e % page_rows (kernel/ua_rows.hpp). A step takes a page from the free
 // list when an append crosses into a new page, and eviction, which compacts the survivors to the
@@ -81,9 +82,9 @@ struct PageRange {
 };
 
 // Bytes of a cache (DESIGN.md 3): page_bytes per pool page (keys and values in the storage type, λ and
-// key-gate logit fp32, position int64), item_bytes per (slot, kv head) (its page table, page count,
-// length and peak), slot_bytes per slot beyond its items (position counter, overflow flag), and bytes
-// for the whole cache (pool, tables, counters, free list), each array aligned to `alignment`.
+// key-gate logit fp32, position int64, fp8: two fp32 row scales), item_bytes per (slot, kv head) (its page table, page
+// count, length and peak), slot_bytes per slot beyond its items (position counter, overflow flag), and bytes for the
+// whole cache (pool, tables, counters, free list), each array aligned to `alignment`.
 struct CacheLayout {
   std::size_t page_bytes = 0;
   std::size_t item_bytes = 0;
@@ -96,9 +97,17 @@ struct CacheLayout {
 namespace cache_detail {
 
 struct Offsets {
-  std::size_t keys, values, lambda, key_logit, pos, table, held, length, peak, counter, overflow, free_list, stats,
-      total;
+  std::size_t keys, values, lambda, key_logit, pos, key_scale, value_scale, table, held, length, peak, counter,
+      overflow, free_list, stats, total;
 };
+
+// Bytes of one pool row: key and value in the storage type, λ and key-gate logit fp32, position int64,
+// and with row-scaled storage (fp8) the key's and the value's fp32 scale.
+template <class Storage>
+constexpr std::size_t row_bytes(std::int64_t D) {
+  return 2 * std::size_t(D) * sizeof(Storage) + 2 * sizeof(float) + sizeof(std::int64_t) +
+         (is_row_scaled_v<Storage> ? 2 * sizeof(float) : 0);
+}
 
 template <class Storage>
 Offsets offsets(const CacheShape& s) {
@@ -111,6 +120,8 @@ Offsets offsets(const CacheShape& s) {
   o.lambda = a.take(rows * sizeof(float));
   o.key_logit = a.take(rows * sizeof(float));
   o.pos = a.take(rows * sizeof(std::int64_t));
+  o.key_scale = a.take(is_row_scaled_v<Storage> ? rows * sizeof(float) : 0);
+  o.value_scale = a.take(is_row_scaled_v<Storage> ? rows * sizeof(float) : 0);
   o.table = a.take(items * std::size_t(s.pages_per_item()) * sizeof(std::int32_t));
   o.held = a.take(items * sizeof(std::int64_t));
   o.length = a.take(items * sizeof(std::int64_t));
@@ -151,7 +162,8 @@ inline int log2_exact(std::int64_t x) {
 template <class Storage = float>
 class PrunedCache {
   static_assert(is_storage_type_v<Storage> && !std::is_same_v<Storage, double>,
-                "kvmem::ua::PrunedCache: Storage must be float, kvmem::bf16 or kvmem::fp16 (fp32 accumulation)");
+                "kvmem::ua::PrunedCache: Storage must be float, kvmem::bf16, kvmem::fp16 or kvmem::e4m3 (fp32 "
+                "accumulation)");
 
  public:
   using storage_type = Storage;
@@ -285,9 +297,7 @@ class PrunedCache {
   [[nodiscard]] std::size_t cache_bytes() const { return valid() ? cache_total_ : 0; }
   [[nodiscard]] std::size_t workspace_bytes() const { return ws_ ? ws_total_ : 0; }
   [[nodiscard]] std::size_t page_bytes() const {
-    return valid() ? std::size_t(shape_.page_rows) *
-                         (2 * std::size_t(shape_.head_dim) * sizeof(Storage) + 2 * sizeof(float) + sizeof(std::int64_t))
-                   : 0;
+    return valid() ? std::size_t(shape_.page_rows) * cache_detail::row_bytes<Storage>(shape_.head_dim) : 0;
   }
 
   // Row views of one (b, g): positions, λ and key-gate logits [length], keys/values [length, D];
@@ -306,6 +316,14 @@ class PrunedCache {
   }
   [[nodiscard]] const Storage* values(std::int64_t b, std::int64_t g) const {
     return has(b, g) ? rows_of(values_, shape_.head_dim, b, g, gather_values_) : nullptr;
+  }
+  // The scales of the key and value rows [length] (row-scaled storage: a stored row reads as scale *
+  // row); nullptr for other storage types or an index outside the cache.
+  [[nodiscard]] const float* key_scales(std::int64_t b, std::int64_t g) const {
+    return has(b, g) && key_scale_ ? rows_of(key_scale_, 1, b, g, gather_key_scale_) : nullptr;
+  }
+  [[nodiscard]] const float* value_scales(std::int64_t b, std::int64_t g) const {
+    return has(b, g) && value_scale_ ? rows_of(value_scale_, 1, b, g, gather_value_scale_) : nullptr;
   }
 
   // Pages of (b, g) freed by the last operation on slot b: rows [length, peak) were in use during the
@@ -343,7 +361,9 @@ class PrunedCache {
     kernel::ua::RowMap map;
     std::int64_t* length;
     std::int64_t* peak;
-    float* workspace;  // [block_workspace_elems(r, D)], of the work item the view was taken for
+    float* workspace;    // [block_workspace_elems(r, D)], of the work item the view was taken for
+    float* key_scale;    // pool rows: row-scaled storage only (else nullptr)
+    float* value_scale;  // pool rows
   };
   // Item (b, g) with the workspace of work item w (prefill/decode use b * G + g, a step row * G + g).
   ItemView item_view(std::int64_t b, std::int64_t g, std::int64_t w) {
@@ -353,11 +373,20 @@ class PrunedCache {
                     : nullptr;
     if (static_) {  // the item's own pages, consecutive: contiguous rows from its first page
       const std::int64_t r0 = it * shape_.pages_per_item() * shape_.page_rows, D = shape_.head_dim;
-      return {keys_ + r0 * D,  values_ + r0 * D, lambda_ + r0,
-              key_logit_ + r0, pos_ + r0,        kernel::ua::RowMap{},
-              &length_[it],    &peak_[it],       ws};
+      return {keys_ + r0 * D,
+              values_ + r0 * D,
+              lambda_ + r0,
+              key_logit_ + r0,
+              pos_ + r0,
+              kernel::ua::RowMap{},
+              &length_[it],
+              &peak_[it],
+              ws,
+              key_scale_ ? key_scale_ + r0 : nullptr,
+              value_scale_ ? value_scale_ + r0 : nullptr};
     }
-    return {keys_, values_, lambda_, key_logit_, pos_, map_of(it), &length_[it], &peak_[it], ws};
+    return {keys_,        values_,    lambda_, key_logit_, pos_,        map_of(it),
+            &length_[it], &peak_[it], ws,      key_scale_, value_scale_};
   }
   ItemView item_view(std::int64_t b, std::int64_t g) { return item_view(b, g, item(b, g)); }
   // The step's row list in the workspace [workspace rows].
@@ -442,6 +471,8 @@ class PrunedCache {
     std::swap(lambda_, o.lambda_);
     std::swap(key_logit_, o.key_logit_);
     std::swap(pos_, o.pos_);
+    std::swap(key_scale_, o.key_scale_);
+    std::swap(value_scale_, o.value_scale_);
     std::swap(table_, o.table_);
     std::swap(held_, o.held_);
     std::swap(length_, o.length_);
@@ -455,6 +486,8 @@ class PrunedCache {
     gather_lambda_.swap(o.gather_lambda_);
     gather_key_logit_.swap(o.gather_key_logit_);
     gather_pos_.swap(o.gather_pos_);
+    gather_key_scale_.swap(o.gather_key_scale_);
+    gather_value_scale_.swap(o.gather_value_scale_);
   }
 
  private:
@@ -509,6 +542,8 @@ class PrunedCache {
     lambda_ = reinterpret_cast<float*>(base + off_.lambda);
     key_logit_ = reinterpret_cast<float*>(base + off_.key_logit);
     pos_ = reinterpret_cast<std::int64_t*>(base + off_.pos);
+    key_scale_ = is_row_scaled_v<Storage> ? reinterpret_cast<float*>(base + off_.key_scale) : nullptr;
+    value_scale_ = is_row_scaled_v<Storage> ? reinterpret_cast<float*>(base + off_.value_scale) : nullptr;
     table_ = reinterpret_cast<std::int32_t*>(base + off_.table);
     held_ = reinterpret_cast<std::int64_t*>(base + off_.held);
     length_ = reinterpret_cast<std::int64_t*>(base + off_.length);
@@ -564,6 +599,8 @@ class PrunedCache {
   float* lambda_ = nullptr;            // pool [pages * page_rows]
   float* key_logit_ = nullptr;         // pool [pages * page_rows]
   std::int64_t* pos_ = nullptr;        // pool [pages * page_rows]
+  float* key_scale_ = nullptr;         // pool [pages * page_rows], row-scaled storage only
+  float* value_scale_ = nullptr;       // pool [pages * page_rows], row-scaled storage only
   std::int32_t* table_ = nullptr;      // [B, G, pages_per_item]
   std::int64_t* held_ = nullptr;       // [B, G] pages held
   std::int64_t* length_ = nullptr;     // [B, G]
@@ -577,6 +614,7 @@ class PrunedCache {
   mutable std::vector<Storage> gather_keys_, gather_values_;
   mutable std::vector<float> gather_lambda_, gather_key_logit_;
   mutable std::vector<std::int64_t> gather_pos_;
+  mutable std::vector<float> gather_key_scale_, gather_value_scale_;
 };
 
 // Closed-form bytes of a PrunedCache<Storage> of shape s (all zero when s is invalid).
@@ -584,8 +622,7 @@ template <class Storage = float>
 CacheLayout cache_layout(const CacheShape& s) {
   if (!PrunedCache<Storage>::validate_shape(s).is_ok()) return {};
   CacheLayout l;
-  l.page_bytes = std::size_t(s.page_rows) *
-                 (2 * std::size_t(s.head_dim) * sizeof(Storage) + 2 * sizeof(float) + sizeof(std::int64_t));
+  l.page_bytes = std::size_t(s.page_rows) * cache_detail::row_bytes<Storage>(s.head_dim);
   l.item_bytes = std::size_t(s.pages_per_item()) * sizeof(std::int32_t) + 3 * sizeof(std::int64_t);
   l.slot_bytes = 2 * sizeof(std::int64_t);
   l.pages = s.pages();
@@ -612,7 +649,7 @@ struct CacheReportRow {
   std::int64_t layer = 0, batch = 0, kv_head = 0;
   std::int64_t kept = 0;      // entries in the cache
   std::int64_t dense = 0;     // entries a dense cache would hold (tokens seen, n_b)
-  std::int64_t kv_bytes = 0;  // kept * 2 * D * sizeof(storage)
+  std::int64_t kv_bytes = 0;  // kept * 2 * D * sizeof(storage), + 2 fp32 row scales per entry for fp8
   std::int64_t dense_kv_bytes = 0;
   std::int64_t scalar_bytes = 0;     // kept * (4 + 4 + 8)
   std::int64_t pages = 0;            // pool pages the item holds
@@ -632,7 +669,8 @@ std::vector<CacheReportRow> report(const PrunedCache<Storage>& cache, std::int64
       r.kv_head = g;
       r.kept = cache.length(b, g);
       r.dense = cache.position(b);
-      const auto per_row = static_cast<std::int64_t>(2 * s.head_dim * sizeof(Storage));
+      const auto per_row = static_cast<std::int64_t>(2 * s.head_dim * sizeof(Storage) +
+                                                     (is_row_scaled_v<Storage> ? 2 * sizeof(float) : 0));
       r.kv_bytes = r.kept * per_row;
       r.dense_kv_bytes = r.dense * per_row;
       r.scalar_bytes = r.kept * 16;

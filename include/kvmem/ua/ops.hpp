@@ -248,7 +248,7 @@ template <class Storage>
 void append_row(typename PrunedCache<Storage>::ItemView& v, std::int64_t row, const ItemIO& io, std::int64_t t,
                 std::int64_t pos, std::int64_t D) {
   kernel::ua::append_entry(v.keys, v.values, v.lambda, v.key_logit, v.pos, v.map(row), io.k + t * io.k_row_stride,
-                           io.v + t * io.v_row_stride, io.z_k[t * io.z_k_stride], pos, D);
+                           io.v + t * io.v_row_stride, io.z_k[t * io.z_k_stride], pos, D, v.key_scale, v.value_scale);
 }
 
 // Zeroes the outputs (and lse) of an item's T tokens and r heads: a slot that overflowed the pool.
@@ -313,6 +313,8 @@ kernel::ua::BlockArgs<Storage, float, float, float> with_cache(kernel::ua::Block
   a.lambda = v.lambda;
   a.key_logit = v.key_logit;
   a.pos = v.pos;
+  a.key_scale = v.key_scale;
+  a.value_scale = v.value_scale;
   a.map = v.map;
   a.n = n;
   a.workspace = v.workspace;
@@ -325,7 +327,8 @@ template <class Ev, class Storage, class View>
 std::int64_t evict_item(const Ev& ev, PrunedCache<Storage>& cache, std::int64_t b, std::int64_t g, const View& v,
                         std::int64_t n) {
   const std::int64_t D = cache.shape().head_dim;
-  n = kernel::ua::evict_by(ev, v.map, v.keys, v.values, D, v.lambda, v.key_logit, v.pos, n, D);
+  n = kernel::ua::evict_by(ev, v.map, v.keys, v.values, D, v.lambda, v.key_logit, v.pos, n, D, v.key_scale,
+                           v.value_scale);
   cache.release_rows(b, g, n);
   return n;
 }
@@ -380,7 +383,7 @@ bool decode_item(PrunedCache<Storage>& cache, std::int64_t b, std::int64_t g, st
   for (std::int64_t e = 0; e < n;) {
     const std::int64_t len = v.map.run(e, n), x = v.map(e);
     kernel::ua::lambda_update<Set, float>(v.keys + x * D, D, v.key_logit + x, v.pos + x, v.lambda + x, len, io.k,
-                                          io.z_q[0], t, D);
+                                          io.z_q[0], t, D, v.key_scale ? v.key_scale + x : nullptr);
     e += len;
   }
   // 2. append t with λ = 0
@@ -879,41 +882,45 @@ struct Attention {
   }
   template <class Exec, class C>
   static Status check_call(const C& cache) {
-    static_assert(check_ua_support<Exec, HeadDim>());
+    static_assert(check_ua_support<Exec, storage_type, HeadDim>());
     if constexpr (requires { cache.shape().head_dim; })
       return check_dims(cache.shape());
     else
       return check_dims(cache.shape);
   }
-  template <class Exec, class C>
-  static Status prefill(const Exec& exec, C& cache, const Inputs& in, TensorView<float, 4> out, const Options& opt) {
+  // The inputs are float views on the host and Kokkos; a GPU cache takes its own input type (CUDA:
+  // InputsOf<S>, bf16 for an fp8 cache).
+  template <class Exec, class C, class In = float>
+  static Status prefill(const Exec& exec, C& cache, const InputsOf<In>& in, TensorView<float, 4> out,
+                        const Options& opt) {
     KVMEM_RETURN_IF_ERROR(check_call<Exec>(cache));
     return detail::attention_prefill<Set>(exec, cache, in, opt, kPrune, out);
   }
-  template <class Exec, class C>
-  static Status prefill(const Exec& exec, C& cache, const Inputs& in, TensorView<float, 4> out,
+  template <class Exec, class C, class In = float>
+  static Status prefill(const Exec& exec, C& cache, const InputsOf<In>& in, TensorView<float, 4> out,
                         std::int64_t prefill_chunk = 128, bool evict_before_attention = true) {
     return prefill(exec, cache, in, out, options(prefill_chunk, evict_before_attention));
   }
-  template <class Exec, class C>
-  static Status decode(const Exec& exec, C& cache, const Inputs& in, TensorView<float, 4> out, const Options& opt) {
+  template <class Exec, class C, class In = float>
+  static Status decode(const Exec& exec, C& cache, const InputsOf<In>& in, TensorView<float, 4> out,
+                       const Options& opt) {
     KVMEM_RETURN_IF_ERROR(check_call<Exec>(cache));
     return detail::attention_decode<Set>(exec, cache, in, opt, kPrune, out);
   }
-  template <class Exec, class C>
-  static Status decode(const Exec& exec, C& cache, const Inputs& in, TensorView<float, 4> out,
+  template <class Exec, class C, class In = float>
+  static Status decode(const Exec& exec, C& cache, const InputsOf<In>& in, TensorView<float, 4> out,
                        bool evict_before_attention = true) {
     return decode(exec, cache, in, out, options(128, evict_before_attention));
   }
-  template <class Exec, class C>
-  static Status step(const Exec& exec, C& cache, const Rows& rows, const PackedInputs& in, TensorView<float, 3> out,
-                     TensorView<float, 2> lse, const Options& opt) {
+  template <class Exec, class C, class In = float>
+  static Status step(const Exec& exec, C& cache, const Rows& rows, const PackedInputsOf<In>& in,
+                     TensorView<float, 3> out, TensorView<float, 2> lse, const Options& opt) {
     KVMEM_RETURN_IF_ERROR(check_call<Exec>(cache));
     return detail::attention_step<Set>(exec, cache, rows, in, opt, kPrune, out, lse);
   }
-  template <class Exec, class C>
-  static Status step(const Exec& exec, C& cache, const Rows& rows, const PackedInputs& in, TensorView<float, 3> out,
-                     TensorView<float, 2> lse = {}, std::int64_t prefill_chunk = 128,
+  template <class Exec, class C, class In = float>
+  static Status step(const Exec& exec, C& cache, const Rows& rows, const PackedInputsOf<In>& in,
+                     TensorView<float, 3> out, TensorView<float, 2> lse = {}, std::int64_t prefill_chunk = 128,
                      bool evict_before_attention = true) {
     return step(exec, cache, rows, in, out, lse, options(prefill_chunk, evict_before_attention));
   }

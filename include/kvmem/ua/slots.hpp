@@ -76,7 +76,27 @@ void copy_rows(PrunedCache<Storage>& cache, std::int64_t a, std::int64_t ga, std
     to.lambda[y] = from.lambda[x];
     to.key_logit[y] = from.key_logit[x];
     to.pos[y] = from.pos[x];
+    if constexpr (is_row_scaled_v<Storage>) {
+      to.key_scale[y] = from.key_scale[x];
+      to.value_scale[y] = from.value_scale[x];
+    }
   }
+}
+
+// Whether the D values of row x read back unchanged from the cache's storage type (a row-scaled type
+// stores the row with one scale: the row's own, core/numeric.hpp quantize_row).
+template <class Storage>
+bool representable_row(const float* x, std::int64_t D, std::int64_t& bad) {
+  if constexpr (is_row_scaled_v<Storage>) {
+    std::vector<Storage> q(static_cast<std::size_t>(D));
+    const float scale = quantize_row(x, q.data(), D);
+    for (bad = 0; bad < D; ++bad)
+      if (load_as<float>(q[static_cast<std::size_t>(bad)]) * scale != x[bad]) return false;
+  } else {
+    for (bad = 0; bad < D; ++bad)
+      if (load_as<float>(store_as<Storage>(x[bad])) != x[bad]) return false;
+  }
+  return true;
 }
 
 }  // namespace detail
@@ -138,12 +158,13 @@ Status copy_slots(const Exec& /*exec*/, PrunedCache<Storage>& cache, TensorView<
 //   query_heads  i64      H   } the importing cache must have the same H, G, D and storage type
 //   kv_heads     i64      G   }
 //   head_dim     i64      D   }
-//   storage      i64      0 = float, 1 = bf16, 2 = fp16 (keys and values are stored in this type)
+//   storage      i64      0 = float, 1 = bf16, 2 = fp16, 3 = fp8 e4m3 with a scale per row (keys and
+//                         values are stored in this type)
 //   position     i64      the slot's position counter n (tokens seen, spec UA.md 4.5)
 //   length       i64[G]   kept entries per kv head (each <= the importing cache's capacity and <= n)
 //   pos          i64[L]   absolute positions of the entries, kv head by kv head (L = Σ length),
 //                         ascending within a kv head, each < n
-//   key          f32[L*D] keys, as float (exact for every storage type)
+//   key          f32[L*D] keys, as float (exact for every storage type; fp8: the row's scale applied)
 //   value        f32[L*D] values, as float
 //   lambda       f32[L]   λ_j = Λ_{n-1, pos_j} (spec UA.md 4.4), finite and <= 0
 //   key_logit    f32[L]   key-gate logit z_k of each entry
@@ -246,10 +267,20 @@ Status read_record(const CacheShape& s, std::span<const std::byte> in, UaSlotFie
   for (std::size_t x = 0; x < key.size(); ++x)
     for (const auto* field : {&key, &value}) {
       const float v = (*field)[x];
-      if (!std::isfinite(v) || load_as<float>(store_as<Storage>(v)) != v)
+      if (!std::isfinite(v))
         return invalid_argument(
             std::string("slot record field '") + (field == &key ? "key" : "value") + "'[" + std::to_string(x) + "]",
             "a finite value representable in the cache's storage type", v);
+    }
+  for (std::int64_t e = 0; e < L; ++e)
+    for (const auto* field : {&key, &value}) {
+      std::int64_t d = 0;
+      if (!representable_row<Storage>(field->data() + e * D, D, d)) {
+        const std::size_t x = static_cast<std::size_t>(e * D + d);
+        return invalid_argument(
+            std::string("slot record field '") + (field == &key ? "key" : "value") + "'[" + std::to_string(x) + "]",
+            "a finite value representable in the cache's storage type", (*field)[x]);
+      }
     }
   return Status::ok();
 }
@@ -272,9 +303,11 @@ UaSlotFields gather(const PrunedCache<Storage>& cache, std::int64_t slot, bool r
     const float* z = cache.key_logits(slot, g);
     f.key_logit.insert(f.key_logit.end(), z, z + n);
     const Storage* k = cache.keys(slot, g);
-    for (std::int64_t e = 0; e < n * D; ++e) f.key.push_back(load_as<float>(k[e]));
+    const float* ks = cache.key_scales(slot, g);
+    for (std::int64_t e = 0; e < n * D; ++e) f.key.push_back(load_as<float>(k[e]) * (ks ? ks[e / D] : 1.0f));
     const Storage* v = cache.values(slot, g);
-    for (std::int64_t e = 0; e < n * D; ++e) f.value.push_back(load_as<float>(v[e]));
+    const float* vs = cache.value_scales(slot, g);
+    for (std::int64_t e = 0; e < n * D; ++e) f.value.push_back(load_as<float>(v[e]) * (vs ? vs[e / D] : 1.0f));
   }
   return f;
 }
@@ -335,10 +368,16 @@ Status import_slot(const Exec& /*exec*/, PrunedCache<Storage>& cache, std::int32
       v.pos[y] = f.pos[src];
       v.lambda[y] = f.lambda[src];
       v.key_logit[y] = f.key_logit[src];
-      for (std::int64_t d = 0; d < D; ++d) {
-        v.keys[y * D + d] = store_as<Storage>(f.key[src * static_cast<std::size_t>(D) + static_cast<std::size_t>(d)]);
-        v.values[y * D + d] =
-            store_as<Storage>(f.value[src * static_cast<std::size_t>(D) + static_cast<std::size_t>(d)]);
+      const float* key = f.key.data() + src * static_cast<std::size_t>(D);
+      const float* value = f.value.data() + src * static_cast<std::size_t>(D);
+      if constexpr (is_row_scaled_v<Storage>) {
+        v.key_scale[y] = quantize_row(key, v.keys + y * D, D);
+        v.value_scale[y] = quantize_row(value, v.values + y * D, D);
+      } else {
+        for (std::int64_t d = 0; d < D; ++d) {
+          v.keys[y * D + d] = store_as<Storage>(key[d]);
+          v.values[y * D + d] = store_as<Storage>(value[d]);
+        }
       }
     }
     cache.set_length(slot, g, n, old > n ? old : n);

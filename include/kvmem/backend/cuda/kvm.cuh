@@ -346,6 +346,10 @@ inline Status check_device_placement(const void* memory, std::size_t bytes, std:
 // copy_slots never do.
 template <class S = float, class A = float>
 class KvmState {
+  static_assert(!is_row_scaled_v<S>,
+                "kvmem::cuda::KvmState: fp8 (kvmem::e4m3) storage of KVM slots is not supported; "
+                "precision::Fp8Storage applies to UA caches (docs/compose.md, Supported combinations)");
+
  public:
   static constexpr std::int64_t kMaxDecodeSplits = kvm_detail::kMaxSplitsPerRow;
   static constexpr std::size_t kAlign = kvm_detail::kKvmAlign;

@@ -19,6 +19,7 @@
 
 #if KVMEM_GPU_VENDOR_PATHS
 #include <cuda_bf16.h>
+#include <cuda_fp8.h>
 #endif
 
 #include <cstddef>
@@ -431,5 +432,38 @@ __device__ inline float ex2_approx_ftz(float x) {
 }
 
 #endif  // KVMEM_GPU_HIP
+
+// fp8 e4m3 conversions of the kernels, the values of core/numeric.hpp's e4m3 (round to nearest even,
+// saturating at 448). The vendor path takes cuda_fp8.h's conversions, which sm_89 and later run in
+// hardware (cvt with e4m3x2 operands; e4m3 values are exact in fp16); the portable path the software
+// rounding of kvmem::e4m3.
+__device__ inline e4m3 to_e4m3(float x) {
+#if KVMEM_GPU_VENDOR_PATHS
+  return e4m3::from_bits(static_cast<std::uint8_t>(__nv_cvt_float_to_fp8(x, __NV_SATFINITE, __NV_E4M3)));
+#else
+  return e4m3(x);
+#endif
+}
+// Four e4m3 codes of a 32-bit word, the lowest byte first, as floats.
+__device__ inline void e4m3x4_to_float(std::uint32_t w, float* out) {
+#if KVMEM_GPU_VENDOR_PATHS
+  const __half2_raw lo = __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(w & 0xffffu), __NV_E4M3);
+  const __half2_raw hi = __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(w >> 16), __NV_E4M3);
+  const float2 a = __half22float2(__half2(lo)), b = __half22float2(__half2(hi));
+  out[0] = a.x;
+  out[1] = a.y;
+  out[2] = b.x;
+  out[3] = b.y;
+#else
+  for (int k = 0; k < 4; ++k) out[k] = e4m3::to_float(static_cast<std::uint8_t>(w >> (8 * k)));
+#endif
+}
+__device__ inline float e4m3_to_float(e4m3 x) {
+#if KVMEM_GPU_VENDOR_PATHS
+  return __half2float(__half(__nv_cvt_fp8_to_halfraw(static_cast<__nv_fp8_storage_t>(x.bits), __NV_E4M3)));
+#else
+  return e4m3::to_float(x.bits);
+#endif
+}
 
 }  // namespace kvmem::cuda::ptx

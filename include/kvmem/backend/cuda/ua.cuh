@@ -22,7 +22,8 @@
 //                                    takes a scratch cache (no allocation, no synchronisation)
 //   kvmem::ua::cache_t<cuda::Executor, S>  is cuda::UaCache<S> (ua::Backend), as on every backend
 // Inputs live in device memory: q, k, v (and the optional output-gate logits z_o) in the storage type S
-// (float, bf16 or fp16), the gate logits z_k, z_q in fp32; outputs are fp32. λ and the decay sums are
+// (float, bf16 or fp16), or bf16 for an fp8 cache (S = kvmem::e4m3: keys and values stored in e4m3 with
+// one scale per row, docs/compose.md), the gate logits z_k, z_q in fp32; outputs are fp32. λ and the decay sums are
 // fp32 throughout. Results are deterministic: partials of the entry splits are merged in split order,
 // never with float atomics (an integer ticket only picks which block of a decode step does the merge).
 //
@@ -95,6 +96,7 @@
 #endif
 #include "kvmem/backend/cuda/ua_dense_tc.cuh"
 #include "kvmem/backend/cuda/ua_kernels.cuh"
+#include "kvmem/backend/cuda/ua_prune.cuh"
 #include "kvmem/core/arena.hpp"
 #include "kvmem/core/status.hpp"
 #include "kvmem/core/tensor.hpp"
@@ -104,9 +106,10 @@
 
 namespace kvmem::cuda {
 
-// One call's inputs in device memory (q, k, v, z_o in the storage type S; gate logits fp32).
+// One call's inputs in device memory (q, k, v, z_o in the storage type S, bf16 for an fp8 cache:
+// input_type_t; gate logits fp32).
 template <class S>
-using UaInputs = ua::InputsOf<S>;
+using UaInputs = ua::InputsOf<input_type_t<S>>;
 
 // Sizes of the per-step workspace (UaCache::workspace_bytes): B*G*max_splits*r*max_prefill_chunk*(D+2)
 // floats of split partials (134 MB at B8 G4 r4 D128 with the defaults) and B*G*max_prefill_chunk λ,
@@ -171,11 +174,11 @@ UaCacheOffsets cache_offsets(const ua::CacheShape& s) {
   return o;
 }
 
-// The per-step workspace: split partials and the new keys' λ of a prefill chunk for every (slot, kv
-// head) (the kernels index them by cache item), and with pool_pages = 0 the dense prefill's λ
-// hand-off words (8 bytes per cache row).
+// The per-step workspace: split partials, the new keys' λ of a prefill chunk and a prune rule's cut
+// (ua_prune.cuh) for every (slot, kv head) (the kernels index them by cache item), and with
+// pool_pages = 0 the dense prefill's λ hand-off words (8 bytes per cache row).
 struct UaWorkOffsets {
-  std::size_t part_ml, part_acc, lambda_new, dense_sync, bytes;
+  std::size_t part_ml, part_acc, lambda_new, cuts, dense_sync, bytes;
 };
 inline std::int64_t item_stride(const ua::CacheShape& s) {
   return s.pages_per_item() * s.page_rows;
@@ -189,6 +192,7 @@ inline UaWorkOffsets work_offsets(const ua::CacheShape& s, const UaCacheLimits& 
   o.part_ml = a.take(I * splits * r * P * 2 * sizeof(float));
   o.part_acc = a.take(I * splits * r * P * D * sizeof(float));
   o.lambda_new = a.take(I * P * sizeof(float));
+  o.cuts = a.take(I * sizeof(prune::Cut));
   o.dense_sync =
       a.take(s.pool_pages == 0 ? std::size_t(dense_sync_bytes(std::int64_t(I), item_stride(s))) : std::size_t(0));
   o.bytes = a.total();
@@ -279,8 +283,10 @@ Status publish(const DeviceCache<S>& d, cudaStream_t stream) {
 // fixed-batch calls, reset_slots and copy_slots do not synchronise with the host.
 template <class S = float>
 class UaCache {
-  static_assert(std::is_same_v<S, float> || std::is_same_v<S, bf16> || std::is_same_v<S, fp16>,
-                "kvmem::cuda::UaCache: storage must be float, kvmem::bf16 or kvmem::fp16");
+  static_assert(std::is_same_v<S, float> || std::is_same_v<S, bf16> || std::is_same_v<S, fp16> ||
+                    std::is_same_v<S, e4m3>,
+                "kvmem::cuda::UaCache: storage must be float, kvmem::bf16, kvmem::fp16 or kvmem::e4m3 (fp8, bf16 "
+                "inputs)");
 
  public:
   using storage_type = S;
@@ -535,10 +541,11 @@ class UaCache {
   }
 
   // Copies the kept entries of item (b, g) to the host in ascending position: positions and λ [kept];
-  // keys and values [kept, D] when the pointers are given (tests, replay, export, inspection;
-  // synchronises `stream`).
+  // keys and values [kept, D] when the pointers are given, and for fp8 storage their row scales [kept]
+  // (a stored row reads as scale * row; tests, replay, export, inspection; synchronises `stream`).
   Status download(std::int64_t b, std::int64_t g, std::vector<std::int64_t>& pos, std::vector<float>& lambda,
-                  std::vector<S>* keys, std::vector<S>* values, cudaStream_t stream) const {
+                  std::vector<S>* keys, std::vector<S>* values, cudaStream_t stream,
+                  std::vector<float>* key_scales = nullptr, std::vector<float>* value_scales = nullptr) const {
     KVMEM_RETURN_IF_ERROR(check_slot(b, "download b"));
     if (g < 0 || g >= shape_.kv_heads)
       return {StatusCode::kOutOfRange,
@@ -562,6 +569,16 @@ class UaCache {
       values->resize(std::size_t(n * D));
       KVMEM_RETURN_IF_ERROR(copy_item_rows(dev_.values, values->data(), D, n, rows, true, stream));
     }
+    if constexpr (is_row_scaled_v<S>) {
+      if (key_scales) {
+        key_scales->resize(std::size_t(n));
+        KVMEM_RETURN_IF_ERROR(copy_item_rows(dev_.key_scale, key_scales->data(), 1, n, rows, true, stream));
+      }
+      if (value_scales) {
+        value_scales->resize(std::size_t(n));
+        KVMEM_RETURN_IF_ERROR(copy_item_rows(dev_.value_scale, value_scales->data(), 1, n, rows, true, stream));
+      }
+    }
     KVMEM_RETURN_IF_ERROR(to_status(cudaStreamSynchronize(stream), "download sync"));
     // the kept rows only: rows a decode marked dead (λ = -inf) wait in place for the next compaction
     std::size_t kept = 0;
@@ -575,12 +592,16 @@ class UaCache {
       if (values)
         std::copy_n(values->begin() + std::ptrdiff_t(e * std::size_t(D)), D,
                     values->begin() + std::ptrdiff_t(kept * std::size_t(D)));
+      if (key_scales && !key_scales->empty()) (*key_scales)[kept] = (*key_scales)[e];
+      if (value_scales && !value_scales->empty()) (*value_scales)[kept] = (*value_scales)[e];
       ++kept;
     }
     pos.resize(kept);
     lambda.resize(kept);
     if (keys) keys->resize(kept * std::size_t(D));
     if (values) values->resize(kept * std::size_t(D));
+    if (key_scales && !key_scales->empty()) key_scales->resize(kept);
+    if (value_scales && !value_scales->empty()) value_scales->resize(kept);
     return Status::ok();
   }
 
@@ -621,6 +642,8 @@ class UaCache {
     d.lambda = reinterpret_cast<float*>(base + o.host.lambda);
     d.key_logit = reinterpret_cast<float*>(base + o.host.key_logit);
     d.pos = reinterpret_cast<std::int64_t*>(base + o.host.pos);
+    d.key_scale = is_row_scaled_v<S> ? reinterpret_cast<float*>(base + o.host.key_scale) : nullptr;
+    d.value_scale = is_row_scaled_v<S> ? reinterpret_cast<float*>(base + o.host.value_scale) : nullptr;
     d.length = reinterpret_cast<std::int64_t*>(base + o.host.length);
     d.dead = reinterpret_cast<std::int64_t*>(base + o.dead);
     d.counter = reinterpret_cast<std::int64_t*>(base + o.counter);
@@ -670,6 +693,7 @@ class UaCache {
     part_ml_ = reinterpret_cast<float*>(ws + o.part_ml);
     part_acc_ = reinterpret_cast<float*>(ws + o.part_acc);
     lambda_new_ = reinterpret_cast<float*>(ws + o.lambda_new);
+    cuts_ = reinterpret_cast<prune::Cut*>(ws + o.cuts);
     dense_sync_ = shape_.pool_pages == 0 ? reinterpret_cast<int*>(ws + o.dense_sync) : nullptr;
   }
   void swap(UaCache& o) noexcept {
@@ -685,6 +709,7 @@ class UaCache {
     std::swap(part_ml_, o.part_ml_);
     std::swap(part_acc_, o.part_acc_);
     std::swap(lambda_new_, o.lambda_new_);
+    std::swap(cuts_, o.cuts_);
     std::swap(dense_sync_, o.dense_sync_);
     std::swap(sm_count_, o.sm_count_);
     std::swap(slot_go_, o.slot_go_);
@@ -697,9 +722,9 @@ class UaCache {
     std::swap(bound_, o.bound_);
   }
 
-  template <class Set, class S2>
-  friend Status ua_run(const Executor&, UaCache<S2>&, const UaInputs<S2>&, const ua::Options&, TensorView<float, 4>,
-                       TensorView<float, 3>, bool);
+  template <class Set, class S2, class Ev>
+  friend Status ua_run(const Executor&, UaCache<S2>&, const UaInputs<S2>&, const ua::Options&, const Ev&,
+                       TensorView<float, 4>, TensorView<float, 3>, bool);
   friend struct ua_detail::SlotAccess;
 
   ua::CacheShape shape_{0, 1, 1, 0, 0, 16};  // empty: no slots, a group size of 1
@@ -713,6 +738,7 @@ class UaCache {
   float* part_ml_ = nullptr;
   float* part_acc_ = nullptr;
   float* lambda_new_ = nullptr;
+  prune::Cut* cuts_ = nullptr;      // [I] a prune rule's cut per item (ua_prune.cuh)
   int* dense_sync_ = nullptr;       // ticket + λ hand-off of the dense tensor-core prefill (pool_pages = 0)
   int sm_count_ = 1;                // multiprocessors: sizes the dense prefill's item groups
   int* slot_go_ = nullptr;          // [B] per step: the slot's row runs (step_begin_kernel, batch_reserve_kernel)
@@ -755,8 +781,8 @@ DeviceCall<S> make_call(const UaInputs<S>& in, TensorView<float, 4> out, TensorV
 }
 
 // The tensor-core kernels read q, k, v rows as 16-byte vectors.
-template <class S>
-bool tc_aligned(const UaInputs<S>& in) {
+template <class In>
+bool tc_aligned(const ua::InputsOf<In>& in) {
   return rows_16byte_aligned(in.q) && rows_16byte_aligned(in.k) && rows_16byte_aligned(in.v);
 }
 
@@ -792,7 +818,7 @@ ChunkKernel<S> chunk_kernel_for(const UaInputs<S>& in, std::int64_t D, std::int6
 #else
   (void)in;  // the portable path has no tensor-core kernel, whose rows must be 16-byte aligned
 #endif
-  const std::size_t bytes = chunk_smem_bytes(D, r);
+  const std::size_t bytes = chunk_smem_bytes(D, r, is_row_scaled_v<S>);
   if (D <= 32) return {chunk_attend_kernel<Set, S, 8>, bytes, kChunkThreads};
   if (D <= 64) return {chunk_attend_kernel<Set, S, 16>, bytes, kChunkThreads};
   if (D <= 128) return {chunk_attend_kernel<Set, S, 32>, bytes, kChunkThreads};
@@ -860,11 +886,51 @@ DecodeKernel<S> decode_kernel_for(std::int64_t D, std::int64_t r) {
   return decode_kernel_dims<Set, S, 32>(D, r);
 }
 
+// How a call evicts (policy/prune.hpp): a threshold evictor's ln p (prune::LogThreshold) or nothing
+// (ua::detail::NoEvictor: prune::None) in DeviceCall::log_p, which the fused kernels test where they meet
+// each row; any other evictor through per-item cuts that the cut kernels of ua_prune.cuh compute first.
+template <class Ev>
+inline constexpr bool kCutsPerItem = ua::detail::kEvicts<Ev> && !std::is_same_v<Ev, prune::LogThreshold>;
+template <class Ev, class S>
+void set_eviction(DeviceCall<S>& a, const Ev& ev, prune::Cut* cuts) {
+  a.log_p = -std::numeric_limits<double>::infinity();
+  if constexpr (std::is_same_v<Ev, prune::LogThreshold>)
+    a.log_p = ev.log_p;
+  else if constexpr (kCutsPerItem<Ev>)
+    a.cuts = cuts;
+}
+
+// Before the first cut of a call (a cut reads every row in use as an entry): the rows decode steps marked
+// dead leave every item of the cache (compact_kernel; an item without dead rows is not touched, and the
+// kept rows, their order and λ do not change).
+template <class S>
+Status drop_dead_rows(const DeviceCache<S>& dev, DeviceCall<S> a, std::int64_t items, cudaStream_t stream) {
+  a.cuts = nullptr;
+  a.log_p = -std::numeric_limits<double>::infinity();
+  const std::size_t bytes = finish_smem_bytes<S>(dev.D);
+  KVMEM_RETURN_IF_ERROR(allow_shared(compact_kernel<S>, bytes));
+  compact_kernel<S><<<unsigned(items), kFinishThreads, bytes, stream>>>(dev, a);
+  KVMEM_CUDA_RETURN_IF_LAUNCH_FAILED("ua compact_kernel (before a prune rule's cuts)");
+  return Status::ok();
+}
+
+// A decode launch's λ update and cuts (decode_cut_kernel over the launch's `items`, the grid x of its
+// decode_attend_kernel), then that launch reads λ as it is and evicts by the cuts.
+template <class Set, class Ev, class S>
+Status decode_cuts(const DeviceCache<S>& dev, DeviceCall<S>& a, const Ev& ev, prune::Cut* cuts, std::int64_t items,
+                   cudaStream_t stream) {
+  decode_cut_kernel<Set, Ev, S><<<unsigned(items), kCutThreads, 0, stream>>>(dev, a, ev, cuts);
+  KVMEM_CUDA_RETURN_IF_LAUNCH_FAILED("ua decode_cut_kernel");
+  a.lambda_updated = true;
+  return Status::ok();
+}
+
 }  // namespace ua_detail
 
-// Prefill (decode == false: T tokens in chunks of opt.prefill_chunk) or one decode step (T = 1).
-template <class Set, class S>
-Status ua_run(const Executor& exec, UaCache<S>& cache, const UaInputs<S>& in, const ua::Options& opt,
+// Prefill (decode == false: T tokens in chunks of opt.prefill_chunk) or one decode step (T = 1). `ev`: the
+// evictor of the call's prune rule (policy/prune.hpp; Options::p's threshold for the calls without one).
+template <class Set, class S, class Ev>
+Status ua_run(const Executor& exec, UaCache<S>& cache, const UaInputs<S>& in, const ua::Options& opt, const Ev& ev,
               TensorView<float, 4> out, TensorView<float, 3> lse, bool decode) {
   using namespace ua_detail;
   const ua::CacheShape& s = cache.shape_;
@@ -891,10 +957,10 @@ Status ua_run(const Executor& exec, UaCache<S>& cache, const UaInputs<S>& in, co
                                                              " rows per (sequence, kv head) (longest ", cache.bound_,
                                                              " + ", T, " new tokens), got capacity ", s.capacity)};
   }
-  DeviceCall<S> a = make_call(in, out, lse);
+  DeviceCall<S> a = make_call<S>(in, out, lse);
   a.part_ml = cache.part_ml_;
   a.part_acc = cache.part_acc_;
-  a.log_p = ua::detail::log_threshold(opt.p);
+  set_eviction(a, ev, cache.cuts_);
   a.evict_before_attention = opt.evict_before_attention;
   a.tokens = T;
   const auto& dev = cache.dev_;
@@ -911,17 +977,23 @@ Status ua_run(const Executor& exec, UaCache<S>& cache, const UaInputs<S>& in, co
   // below sizes a decode's page moves for these splits.
   a.splits = decode ? decode_splits(cache.limits_, cache.sm_count_, I) : 0;  // a prefill sets its own per chunk
   if (!own_pages) {
-    batch_reserve_kernel<S><<<1, 256, 0, exec.stream>>>(dev, a, cache.slot_go_, cache.overflow_, B, T);
+    // A prune rule's cuts compact every item first (drop_dead_rows), so its decode moves no rows: the
+    // reservation then asks for no fresh pages (splits = 0).
+    DeviceCall<S> reserve = a;
+    if constexpr (kCutsPerItem<Ev>) reserve.splits = 0;
+    batch_reserve_kernel<S><<<1, 256, 0, exec.stream>>>(dev, reserve, cache.slot_go_, cache.overflow_, B, T);
     KVMEM_CUDA_RETURN_IF_LAUNCH_FAILED("ua batch_reserve_kernel");
   }
+  if constexpr (kCutsPerItem<Ev>) KVMEM_RETURN_IF_ERROR(drop_dead_rows(dev, a, I, exec.stream));
   if (decode) {
     a.P = 1;
     a.lambda_new = nullptr;
     const DecodeKernel<S> k = decode_kernel_for<Set, S>(D, r);
     KVMEM_RETURN_IF_ERROR(allow_shared(k.kernel, k.shared_bytes));
+    if constexpr (kCutsPerItem<Ev>) KVMEM_RETURN_IF_ERROR(decode_cuts<Set>(dev, a, ev, cache.cuts_, I, exec.stream));
     k.kernel<<<dim3(unsigned(I), unsigned(a.splits)), kDecodeThreads, k.shared_bytes, exec.stream>>>(dev, a);
     KVMEM_CUDA_RETURN_IF_LAUNCH_FAILED("ua decode_attend_kernel");
-  } else if (const DenseKernel<S> dense = s.pool_pages == 0
+  } else if (const DenseKernel<S> dense = s.pool_pages == 0 && a.cuts == nullptr
                                               ? dense_kernel_for<Set, S>(in, D, r, a.log_p, dense_skips_past(cache, T))
                                               : DenseKernel<S>{};
              dense.kernel) {                           // contiguous items only: the dense prefill walks rows by address
@@ -964,6 +1036,10 @@ Status ua_run(const Executor& exec, UaCache<S>& cache, const UaInputs<S>& in, co
       merge_kernel<S>
           <<<dim3(unsigned(rows), unsigned(I)), kMergeThreads, 0, exec.stream>>>(dev, a, t0, rows, kEntryTile);
       KVMEM_CUDA_RETURN_IF_LAUNCH_FAILED("ua merge_kernel");
+      if constexpr (kCutsPerItem<Ev>) {
+        prefill_cut_kernel<Ev, S><<<unsigned(I), kCutThreads, 0, exec.stream>>>(dev, a, ev, cache.cuts_, t0, rows);
+        KVMEM_CUDA_RETURN_IF_LAUNCH_FAILED("ua prefill_cut_kernel");
+      }
       finish_kernel<S><<<unsigned(I), kFinishThreads, fbytes, exec.stream>>>(dev, a, t0, rows);
       KVMEM_CUDA_RETURN_IF_LAUNCH_FAILED("ua finish_kernel (prefill)");
       bound += rows;
@@ -982,14 +1058,14 @@ Status ua_run(const Executor& exec, UaCache<S>& cache, const UaInputs<S>& in, co
 template <DecaySet Set = decay::Universal, class S>
 Status ua_prefill(const Executor& exec, UaCache<S>& cache, const UaInputs<S>& in, const ua::Options& opt,
                   TensorView<float, 4> out, TensorView<float, 3> lse = {}) {
-  return ua_run<Set>(exec, cache, in, opt, out, lse, false);
+  return ua_run<Set>(exec, cache, in, opt, prune::Threshold{opt.p}.evictor(opt.layer), out, lse, false);
 }
 
 // One decode step (T = 1) of every sequence at position cache.position(b) (spec UA.md 4.4, 4.5).
 template <DecaySet Set = decay::Universal, class S>
 Status ua_decode(const Executor& exec, UaCache<S>& cache, const UaInputs<S>& in, const ua::Options& opt,
                  TensorView<float, 4> out) {
-  return ua_run<Set>(exec, cache, in, opt, out, {}, true);
+  return ua_run<Set>(exec, cache, in, opt, prune::Threshold{opt.p}.evictor(opt.layer), out, {}, true);
 }
 
 // ---- sequence slots (DESIGN.md 3, core/slots.hpp, docs/slots-ua.md) ------------------------------
@@ -1036,6 +1112,10 @@ struct SlotAccess {
     return c.overflow_;
   }
   template <class S>
+  static prune::Cut* cuts(const UaCache<S>& c) {
+    return c.cuts_;
+  }
+  template <class S>
   static const int* step_error(const UaCache<S>& c) {
     return c.step_error_;
   }
@@ -1074,7 +1154,7 @@ struct SlotAccess {
 // A packed step's device arguments: b is the row's first token and each *_b stride is the token stride
 // (DeviceCall), so the kernels' b * x_b + t * x_t addresses token b + t.
 template <class S>
-DeviceCall<S> make_step_call(const ua::PackedInputsOf<S>& in, const Rows& rows, TensorView<float, 3> out,
+DeviceCall<S> make_step_call(const ua::PackedInputsOf<input_type_t<S>>& in, const Rows& rows, TensorView<float, 3> out,
                              TensorView<float, 2> lse) {
   DeviceCall<S> a;
   a.q = in.q.data();
@@ -1105,7 +1185,7 @@ DeviceCall<S> make_step_call(const ua::PackedInputsOf<S>& in, const Rows& rows, 
 
 // The chunk kernel of a step: chunk_kernel_for's choice, made from the packed views' alignment.
 template <class Set, class S>
-ChunkKernel<S> step_chunk_kernel_for(const ua::PackedInputsOf<S>& in, std::int64_t D, std::int64_t r) {
+ChunkKernel<S> step_chunk_kernel_for(const ua::PackedInputsOf<input_type_t<S>>& in, std::int64_t D, std::int64_t r) {
 #if KVMEM_GPU_VENDOR_PATHS
   if constexpr (std::is_same_v<S, bf16>) {
     if (tc_group_ok(r) && rows_16byte_aligned(in.q) && rows_16byte_aligned(in.k) && rows_16byte_aligned(in.v)) {
@@ -1125,7 +1205,7 @@ ChunkKernel<S> step_chunk_kernel_for(const ua::PackedInputsOf<S>& in, std::int64
 #else
   (void)in;  // the portable path has no tensor-core kernel, whose rows must be 16-byte aligned
 #endif
-  const std::size_t bytes = chunk_smem_bytes(D, r);
+  const std::size_t bytes = chunk_smem_bytes(D, r, is_row_scaled_v<S>);
   if (D <= 32) return {chunk_attend_kernel<Set, S, 8>, bytes, kChunkThreads};
   if (D <= 64) return {chunk_attend_kernel<Set, S, 16>, bytes, kChunkThreads};
   if (D <= 128) return {chunk_attend_kernel<Set, S, 32>, bytes, kChunkThreads};
@@ -1185,6 +1265,10 @@ Status download_slot(const UaCache<S>& cache, std::int64_t slot, ua::PrunedCache
     KVMEM_RETURN_IF_ERROR(cache.copy_item_rows(d.lambda, v.lambda, 1, n, rows, true, stream));
     KVMEM_RETURN_IF_ERROR(cache.copy_item_rows(d.key_logit, v.key_logit, 1, n, rows, true, stream));
     KVMEM_RETURN_IF_ERROR(cache.copy_item_rows(d.pos, v.pos, 1, n, rows, true, stream));
+    if constexpr (is_row_scaled_v<S>) {
+      KVMEM_RETURN_IF_ERROR(cache.copy_item_rows(d.key_scale, v.key_scale, 1, n, rows, true, stream));
+      KVMEM_RETURN_IF_ERROR(cache.copy_item_rows(d.value_scale, v.value_scale, 1, n, rows, true, stream));
+    }
     KVMEM_RETURN_IF_ERROR(to_status(cudaStreamSynchronize(stream), "export sync"));
     // the kept rows only, in order: rows a decode marked dead (λ = -inf) wait for a compaction
     std::int64_t kept = 0;
@@ -1196,6 +1280,10 @@ Status download_slot(const UaCache<S>& cache, std::int64_t slot, ua::PrunedCache
         v.lambda[kept] = v.lambda[e];
         v.key_logit[kept] = v.key_logit[e];
         v.pos[kept] = v.pos[e];
+        if constexpr (is_row_scaled_v<S>) {
+          v.key_scale[kept] = v.key_scale[e];
+          v.value_scale[kept] = v.value_scale[e];
+        }
       }
       ++kept;
     }
@@ -1247,8 +1335,8 @@ Status ua_forward(const Executor& exec, UaCache<S>& scratch, const UaInputs<S>& 
 // The same without a scratch cache: makes one for the call (an allocation) and waits for the work that
 // reads it before freeing it (a stream synchronisation). Engines keep a cache and call the form above.
 template <DecaySet Set = decay::Universal, class S>
-Status ua_forward(const Executor& exec, const UaInputs<S>& in, TensorView<float, 4> out, TensorView<float, 3> lse = {},
-                  TensorView<float, 3> lambda_last = {}) {
+Status ua_forward(const Executor& exec, const ua::InputsOf<S>& in, TensorView<float, 4> out,
+                  TensorView<float, 3> lse = {}, TensorView<float, 3> lambda_last = {}) {
   const std::int64_t B = in.q.extent(0), H = in.q.extent(1), T = in.q.extent(2), D = in.q.extent(3), G = in.k.extent(1);
   if (G <= 0 || H % G != 0) return invalid_argument("H % G (q dim 1, k dim 1)", 0, G > 0 ? H % G : G);
   UaCache<S> scratch;
@@ -1305,17 +1393,30 @@ struct Backend<cuda::Executor> {
 };
 
 // ua::prefill, decode and forward with the host's signatures (ua/ops.hpp), over device memory: the
-// same calls as cuda::ua_prefill, ua_decode and ua_forward. The eviction runs Options::p's threshold
-// rule (the prune-policy overloads of the host and Kokkos are not on this backend).
+// same calls as cuda::ua_prefill, ua_decode and ua_forward. The eviction runs Options::p's threshold, or
+// with a prune policy `rule` in place of Options::p (which must then be 0) the policy's evictor at
+// Options::layer (ua_prune.cuh), as on the host.
 template <DecaySet Set = decay::Universal, class S>
-Status prefill(const cuda::Executor& exec, cuda::UaCache<S>& cache, const InputsOf<S>& in, const Options& opt,
-               TensorView<float, 4> out) {
+Status prefill(const cuda::Executor& exec, cuda::UaCache<S>& cache, const InputsOf<input_type_t<S>>& in,
+               const Options& opt, TensorView<float, 4> out) {
   return cuda::ua_prefill<Set>(exec, cache, in, opt, out);
 }
+template <DecaySet Set = decay::Universal, PrunePolicy Rule, class S>
+Status prefill(const cuda::Executor& exec, cuda::UaCache<S>& cache, const InputsOf<input_type_t<S>>& in,
+               const Options& opt, const Rule& rule, TensorView<float, 4> out) {
+  KVMEM_RETURN_IF_ERROR(detail::validate_rule(rule, opt));
+  return cuda::ua_run<Set>(exec, cache, in, opt, detail::evictor_of(rule, opt), out, {}, false);
+}
 template <DecaySet Set = decay::Universal, class S>
-Status decode(const cuda::Executor& exec, cuda::UaCache<S>& cache, const InputsOf<S>& in, const Options& opt,
-              TensorView<float, 4> out) {
+Status decode(const cuda::Executor& exec, cuda::UaCache<S>& cache, const InputsOf<input_type_t<S>>& in,
+              const Options& opt, TensorView<float, 4> out) {
   return cuda::ua_decode<Set>(exec, cache, in, opt, out);
+}
+template <DecaySet Set = decay::Universal, PrunePolicy Rule, class S>
+Status decode(const cuda::Executor& exec, cuda::UaCache<S>& cache, const InputsOf<input_type_t<S>>& in,
+              const Options& opt, const Rule& rule, TensorView<float, 4> out) {
+  KVMEM_RETURN_IF_ERROR(detail::validate_rule(rule, opt));
+  return cuda::ua_run<Set>(exec, cache, in, opt, detail::evictor_of(rule, opt), out, {}, true);
 }
 // float inputs: the host's forward template (any executor) with one more constraint, so it is the more
 // constrained match for a cuda::Executor; bf16 and fp16 inputs only this backend takes.
@@ -1357,12 +1458,15 @@ Status forward(const cuda::Executor& exec, const InputsOf<fp16>& in, TensorView<
 //    rounds of chunk, merge and finish launches run the prefill rows chunk by chunk (a round finds
 //    nothing to do for rows that are shorter, and returns at once).
 // Shapes and options are checked on the host; values (NaN / Inf) are the caller's precondition, as for
-// ua_prefill / ua_decode.
-template <DecaySet Set = decay::Universal, class S>
-Status step(const cuda::Executor& exec, cuda::UaCache<S>& cache, const Rows& rows, const PackedInputsOf<S>& in,
-            const Options& opt, TensorView<float, 3> out, TensorView<float, 2> lse = {}) {
+// ua_prefill / ua_decode. With a prune policy `rule` in place of Options::p (which must then be 0), the
+// eviction runs the policy's evictor at Options::layer (ua_prune.cuh), as on the host.
+namespace detail {
+template <class Set, class S, class Ev>
+Status cuda_step(const cuda::Executor& exec, cuda::UaCache<S>& cache, const Rows& rows,
+                 const PackedInputsOf<input_type_t<S>>& in, const Options& opt, const Ev& ev, TensorView<float, 3> out,
+                 TensorView<float, 2> lse) {
   using namespace cuda::ua_detail;
-  KVMEM_RETURN_IF_ERROR(check_cache(cache));
+  KVMEM_RETURN_IF_ERROR(cuda::ua_detail::check_cache(cache));
   KVMEM_RETURN_IF_ERROR(cache.check_workspace());
   KVMEM_RETURN_IF_ERROR(detail::validate_options(opt));
   const CacheShape& s = cache.shape();
@@ -1393,17 +1497,19 @@ Status step(const cuda::Executor& exec, cuda::UaCache<S>& cache, const Rows& row
                                   prefills * G)};
 
   const DeviceCache<S>& dev = SlotAccess::dev(cache);
-  DeviceCall<S> a = make_step_call(in, rows, out, lse);
+  DeviceCall<S> a = make_step_call<S>(in, rows, out, lse);
   SlotAccess::scratch(cache, a);
-  a.log_p = detail::log_threshold(opt.p);
+  set_eviction(a, ev, SlotAccess::cuts(cache));
   a.evict_before_attention = opt.evict_before_attention;
   const cudaStream_t stream = exec.stream;
 
   // the decode launch's splits: step_begin_kernel sizes the page moves of the decode rows for them
   const int decode_splits_now = decode_splits(cache.limits(), SlotAccess::sm_count(cache), R * G);
-  step_begin_kernel<S>
-      <<<1, kStepBeginThreads, 0, stream>>>(dev, SlotAccess::step_rows(cache, rows, N, decode_splits_now));
+  // (a prune rule's cuts compact every item first, drop_dead_rows, so its decode moves no rows: no fresh pages)
+  step_begin_kernel<S><<<1, kStepBeginThreads, 0, stream>>>(
+      dev, SlotAccess::step_rows(cache, rows, N, kCutsPerItem<Ev> ? 0 : decode_splits_now));
   KVMEM_CUDA_RETURN_IF_LAUNCH_FAILED("ua step_begin_kernel");
+  if constexpr (kCutsPerItem<Ev>) KVMEM_RETURN_IF_ERROR(drop_dead_rows(dev, a, s.batch * G, stream));
   {  // the 1-token rows (and the zeroed output of rows that do not run)
     DeviceCall<S> d = a;
     d.P = 1;
@@ -1413,6 +1519,8 @@ Status step(const cuda::Executor& exec, cuda::UaCache<S>& cache, const Rows& row
     if (prefills == 0) d.publish_ticket = SlotAccess::publish_ticket(cache);
     const DecodeKernel<S> k = decode_kernel_for<Set, S>(D, r);
     KVMEM_RETURN_IF_ERROR(cuda::allow_shared(k.kernel, k.shared_bytes));
+    if constexpr (kCutsPerItem<Ev>)
+      KVMEM_RETURN_IF_ERROR(decode_cuts<Set>(dev, d, ev, SlotAccess::cuts(cache), R * G, stream));
     k.kernel<<<dim3(unsigned(R * G), unsigned(d.splits)), kDecodeThreads, k.shared_bytes, stream>>>(dev, d);
     KVMEM_CUDA_RETURN_IF_LAUNCH_FAILED("ua step decode_attend_kernel");
   }
@@ -1436,12 +1544,32 @@ Status step(const cuda::Executor& exec, cuda::UaCache<S>& cache, const Rows& row
       merge_kernel<S>
           <<<dim3(unsigned(most), items), kMergeThreads, 0, stream>>>(dev, a, t0, opt.prefill_chunk, kEntryTile);
       KVMEM_CUDA_RETURN_IF_LAUNCH_FAILED("ua step merge_kernel");
+      if constexpr (kCutsPerItem<Ev>) {
+        prefill_cut_kernel<Ev, S>
+            <<<items, kCutThreads, 0, stream>>>(dev, a, ev, SlotAccess::cuts(cache), t0, opt.prefill_chunk);
+        KVMEM_CUDA_RETURN_IF_LAUNCH_FAILED("ua step prefill_cut_kernel");
+      }
       finish_kernel<S><<<items, kFinishThreads, fbytes, stream>>>(dev, fin, t0, opt.prefill_chunk);
       KVMEM_CUDA_RETURN_IF_LAUNCH_FAILED("ua step finish_kernel");
     }
   }
   SlotAccess::forget_bound(cache);
   return Status::ok();  // published by the last block of the step's last launch
+}
+}  // namespace detail
+
+template <DecaySet Set = decay::Universal, class S>
+Status step(const cuda::Executor& exec, cuda::UaCache<S>& cache, const Rows& rows,
+            const PackedInputsOf<input_type_t<S>>& in, const Options& opt, TensorView<float, 3> out,
+            TensorView<float, 2> lse = {}) {
+  return detail::cuda_step<Set>(exec, cache, rows, in, opt, prune::Threshold{opt.p}.evictor(opt.layer), out, lse);
+}
+template <DecaySet Set = decay::Universal, PrunePolicy Rule, class S>
+Status step(const cuda::Executor& exec, cuda::UaCache<S>& cache, const Rows& rows,
+            const PackedInputsOf<input_type_t<S>>& in, const Options& opt, const Rule& rule, TensorView<float, 3> out,
+            TensorView<float, 2> lse = {}) {
+  KVMEM_RETURN_IF_ERROR(detail::validate_rule(rule, opt));
+  return detail::cuda_step<Set>(exec, cache, rows, in, opt, detail::evictor_of(rule, opt), out, lse);
 }
 
 // Slot operations of the CUDA cache: the host's names, arguments and checks (ua/slots.hpp). Slot lists
@@ -1561,6 +1689,10 @@ Status import_slot(const cuda::Executor& exec, cuda::UaCache<S>& cache, std::int
     KVMEM_RETURN_IF_ERROR(cache.copy_item_rows(d.lambda, v.lambda, 1, n, rows, false, exec.stream));
     KVMEM_RETURN_IF_ERROR(cache.copy_item_rows(d.key_logit, v.key_logit, 1, n, rows, false, exec.stream));
     KVMEM_RETURN_IF_ERROR(cache.copy_item_rows(d.pos, v.pos, 1, n, rows, false, exec.stream));
+    if constexpr (is_row_scaled_v<S>) {
+      KVMEM_RETURN_IF_ERROR(cache.copy_item_rows(d.key_scale, v.key_scale, 1, n, rows, false, exec.stream));
+      KVMEM_RETURN_IF_ERROR(cache.copy_item_rows(d.value_scale, v.value_scale, 1, n, rows, false, exec.stream));
+    }
   }
   KVMEM_RETURN_IF_ERROR(
       cuda::to_status(cudaMemcpyAsync(d.length + slot * G, length.data(), length.size() * sizeof(std::int64_t),

@@ -13,8 +13,9 @@
 //       (query head, row) of its range;
 //   merge_kernel    grid (rows, B*G): merges the partials of the splits in split order (deterministic:
 //       no float atomics), applies the output gate, writes the output and lse;
-//   finish_kernel   grid (B*G): evicts every entry with λ < ln p and compacts the survivors stably in
-//       place, appends the surviving new keys, and advances the item's position counter.
+//   finish_kernel   grid (B*G): evicts every entry its item's cut removes (λ < ln p, or a prune rule's cut
+//       computed before it, ua_prune.cuh) and compacts the survivors stably in place, appends the
+//       surviving new keys, and advances the item's position counter.
 // A decode step is one launch. An item with at most kOneBlockMaxKept rows in use (the device reads the
 // true length) is decoded by one block that updates λ, evicts, compacts, appends and attends in one
 // pass; a longer one splits its rows over the blocks (decode_split_rows, decode_split), which mark the rows
@@ -34,6 +35,7 @@
 
 #include <climits>
 #include <cstdint>
+#include <type_traits>
 
 #include "kvmem/backend/cuda/ptx.cuh"
 #include "kvmem/backend/cuda/slot_lists.cuh"
@@ -208,6 +210,8 @@ struct DeviceCache {
   float* lambda = nullptr;              // pool rows: λ_e = Λ_{n-1, pos_e} (log space)
   float* key_logit = nullptr;           // pool rows: z_k of each entry
   std::int64_t* pos = nullptr;          // pool rows: absolute positions
+  float* key_scale = nullptr;           // pool rows: a key row's scale (fp8 storage: row = scale * e4m3 row)
+  float* value_scale = nullptr;         // pool rows: a value row's scale (fp8); nullptr for other storage
   std::int64_t* length = nullptr;       // [I] rows in use: kept rows, then dead ones awaiting compaction
   std::int64_t* dead = nullptr;         // [I] rows among them marked dead (λ = -inf, see is_dead)
   std::int64_t* counter = nullptr;      // [I] next absolute position (tokens seen by the sequence)
@@ -232,26 +236,33 @@ struct DeviceCache {
 __device__ inline bool is_dead(float lambda) {
   return lambda == negative_infinity<float>();
 }
-// The row leaves the cache at the next compaction: dead, or λ < ln p (spec 4.5).
-__device__ inline bool gone(float lambda, double log_p) {
-  return is_dead(lambda) || kernel::ua::evicts(lambda, log_p);
+// The eviction test of every kernel below (spec 4.5, policy/prune.hpp): entry (λ, position) goes under the
+// step's cut of its item (item_cut: the threshold ln p, or the prune rule's cut of that item).
+__device__ inline bool evict_test(const prune::Cut& cut, float lambda, std::int64_t pos) {
+  return kernel::ua::evicts(lambda, pos, cut);
+}
+// The row leaves the cache at the next compaction: dead, or evicted by the cut.
+__device__ inline bool gone(float lambda, std::int64_t pos, const prune::Cut& cut) {
+  return is_dead(lambda) || evict_test(cut, lambda, pos);
 }
 
-// One call's inputs (device memory, innermost stride 1) and the scratch of its partials.
+// One call's inputs (device memory, innermost stride 1) and the scratch of its partials. The inputs
+// are in the storage type S, or bf16 for an fp8 cache (input_type_t).
 template <class S>
 struct DeviceCall {
-  const S* q = nullptr;  // [B,H,T,D]
+  using In = input_type_t<S>;
+  const In* q = nullptr;  // [B,H,T,D]
   std::int64_t q_b = 0, q_h = 0, q_t = 0;
-  const S* k = nullptr;  // [B,G,T,D]
+  const In* k = nullptr;  // [B,G,T,D]
   std::int64_t k_b = 0, k_g = 0, k_t = 0;
-  const S* v = nullptr;  // [B,G,T,D]
+  const In* v = nullptr;  // [B,G,T,D]
   std::int64_t v_b = 0, v_g = 0, v_t = 0;
   bool kv_rows16 = false;      // every k and v row starts on a 16-byte boundary (rows_16byte_aligned)
   const float* z_k = nullptr;  // [B,G,T]
   std::int64_t zk_b = 0, zk_g = 0, zk_t = 0;
   const float* z_q = nullptr;  // [B,G,T]
   std::int64_t zq_b = 0, zq_g = 0, zq_t = 0;
-  const S* z_o = nullptr;  // [B,T,H,D] or nullptr (no output gate)
+  const In* z_o = nullptr;  // [B,T,H,D] or nullptr (no output gate)
   std::int64_t zo_b = 0, zo_t = 0, zo_h = 0;
   float* out = nullptr;  // [B,T,H,D]
   std::int64_t o_b = 0, o_t = 0, o_h = 0;
@@ -267,6 +278,10 @@ struct DeviceCall {
   int* publish_ticket = nullptr;  // set on a step's last kernel: its last block publishes (publish_if_last)
   double log_p = 0.0;             // ln p; -inf = never evict
   bool evict_before_attention = true;
+  // A prune rule whose cut depends on the item's entries (ua_prune.cuh): cuts[item] replaces log_p, and a
+  // decode step's λ already holds A(., t) (decode_cut_kernel added it), so the decode kernels only read it.
+  const prune::Cut* cuts = nullptr;  // [I] or nullptr: every item's cut is the threshold log_p
+  bool lambda_updated = false;
   // A slot step (ragged rows over packed token-major inputs, DESIGN.md 3): row_slot != nullptr. The
   // grid then runs over (row, kv head) pairs instead of (sequence, kv head) items; the cache item of a
   // row is slot * G + g, and the inputs and outputs are addressed with b = the row's first token and
@@ -280,6 +295,15 @@ struct DeviceCall {
   const int* prefill_rows = nullptr;        // [max_slots] the step's running rows of >= 2 tokens, any order
   const int* prefill_count = nullptr;       // how many prefill_rows hold
 };
+
+// The cut that evicts from `item` in this step (evict_test).
+template <class S>
+__device__ inline prune::Cut item_cut(const DeviceCall<S>& a, std::int64_t item) {
+  if (a.cuts != nullptr) return a.cuts[item];
+  prune::Cut cut;
+  cut.log_p = a.log_p;
+  return cut;
+}
 
 // What one block of a chunk launch works on: cache item, input base b (see DeviceCall), the chunk's
 // first input row t0 within the row, and its row count.
@@ -337,7 +361,54 @@ __host__ __device__ inline int chunk_row_tile(std::int64_t r) {
 
 template <class S>
 __device__ inline float ld(const S* p) {
-  return load_as<float>(*p);
+  if constexpr (std::is_same_v<S, e4m3>)
+    return ptx::e4m3_to_float(*p);
+  else
+    return load_as<float>(*p);
+}
+
+// The 16 / sizeof(S) elements of a 16-byte vector of S, as floats (fp8: the e4m3 values, unscaled).
+template <class S>
+__device__ inline void unpack(const uint4& raw, float* out) {
+  if constexpr (std::is_same_v<S, e4m3>) {
+    ptx::e4m3x4_to_float(raw.x, out);
+    ptx::e4m3x4_to_float(raw.y, out + 4);
+    ptx::e4m3x4_to_float(raw.z, out + 8);
+    ptx::e4m3x4_to_float(raw.w, out + 12);
+  } else {
+    const S* parts = reinterpret_cast<const S*>(&raw);
+#pragma unroll
+    for (int k = 0; k < int(16 / sizeof(S)); ++k) out[k] = load_as<float>(parts[k]);
+  }
+}
+
+// ---- row-scaled storage (fp8 e4m3, core/numeric.hpp): a stored row is scale * e4m3 row ----------
+// Stores input row x [D] in S at `out` with the lanes of one warp (all of them call it) and returns the
+// row's scale in every lane: the row's largest |x| (a warp reduction), then quantize_row's rounding, so
+// a row stored here holds the bits the host's append_entry stores for the same input.
+template <class S, class In>
+__device__ inline float store_row_warp(const In* x, S* out, std::int64_t D) {
+  static_assert(is_row_scaled_v<S>, "store_row_warp stores row-scaled (fp8) rows");
+  const int lane = int(threadIdx.x) % kWarpSize;
+  float amax = 0.0f;
+  for (std::int64_t d = lane; d < D; d += kWarpSize) amax = fmaxf(amax, fabsf(ld(x + d)));
+  for (int o = kWarpSize / 2; o > 0; o /= 2) amax = fmaxf(amax, warp_shfl_xor(amax, o));
+  const float scale = fp8_row_scale(amax), inverse = fp8_inverse_scale(scale);
+  for (std::int64_t d = lane; d < D; d += kWarpSize) out[d] = ptx::to_e4m3(ld(x + d) * inverse);
+  return scale;
+}
+// The scale store_row_warp gives input row x [D], in every lane of the calling warp.
+template <class S, class In>
+__device__ inline float row_scale_warp(const In* x, std::int64_t D) {
+  const int lane = int(threadIdx.x) % kWarpSize;
+  float amax = 0.0f;
+  for (std::int64_t d = lane; d < D; d += kWarpSize) amax = fmaxf(amax, fabsf(ld(x + d)));
+  for (int o = kWarpSize / 2; o > 0; o /= 2) amax = fmaxf(amax, warp_shfl_xor(amax, o));
+  return fp8_row_scale(amax);
+}
+// An input element as an fp8 row of scale `scale` stores it, in units of the scale (the e4m3 value).
+__device__ inline float fp8_stored_element(float x, float scale) {
+  return ptx::e4m3_to_float(ptx::to_e4m3(x * fp8_inverse_scale(scale)));
 }
 
 // ---- pieces both chunk kernels share (this one and chunk_attend_tc_kernel) ---------------------
@@ -395,16 +466,60 @@ __device__ inline void carry_lambda(const DeviceCache<S>& c, const DeviceCall<S>
 }
 
 // ---- prefill / forward: one chunk of `rows` query rows (calls positions counter + t0 ...) --------
-// grid (splits, I), block kChunkThreads, dynamic smem chunk_smem_bytes(D, r).
+// grid (splits, I), block kChunkThreads, dynamic smem chunk_smem_bytes(D, r, is_row_scaled_v<S>).
 // kDpt: dims per lane (>= ceil(D / kLanesPerPair)); lane l owns dims l, l + 4, l + 8, ...
-__host__ __device__ inline std::size_t chunk_smem_bytes(std::int64_t D, std::int64_t r) {
+__host__ __device__ inline std::size_t chunk_smem_bytes(std::int64_t D, std::int64_t r, bool row_scales = false) {
   const std::int64_t rt = chunk_row_tile(r);
   return sizeof(float) * std::size_t(2 * kEntryTile * (D + 1)    // keys, values of the entry tile
                                      + rt * (D + 1)              // the row tile's keys (decay similarity)
                                      + kEntryTile * rt           // decay, then bias tile
                                      + kPairs * kEntryTile       // logits of every (head, row)
                                      + 2 * kEntryTile + 2 * rt)  // entry key logits/parts, row gate logits/parts
-         + sizeof(std::int64_t) * kEntryTile;                    // entry positions
+         + sizeof(std::int64_t) * kEntryTile                     // entry positions
+         + (row_scales ? sizeof(float) * 2 * kEntryTile : 0);    // entry key and value scales (fp8 storage)
+}
+
+// The entry tile of the chunk kernel for an fp8 cache, as float rows: a cached row's stored values (its
+// e4m3 elements times its scale), and a call key's or value's as finish_item will store its row at the
+// chunk end, so the chunk attends to what the cache holds, as the host's chunk does (it appends the
+// chunk's rows before attending). scale: [2 * kEntryTile] (key scales, then value scales).
+template <class S>
+__device__ inline void stage_fp8_entries(const DeviceCache<S>& c, const DeviceCall<S>& a, std::int64_t item,
+                                         std::int64_t b, std::int64_t n, std::int64_t t0, std::int64_t e0,
+                                         std::int64_t ne, float* ks, float* vs, std::int64_t pitch, float* scale) {
+  const std::int64_t D = c.D, g = item % c.G;
+  const int lane = int(threadIdx.x) % kWarpSize, warps = int(blockDim.x) / kWarpSize;
+  for (std::int64_t e = threadIdx.x / kWarpSize; e < ne; e += warps) {  // a warp per entry
+    const std::int64_t idx = e0 + e;
+    float sk, sv;
+    if (idx < n) {
+      const std::int64_t row = c.row(item, idx);
+      sk = c.key_scale[row];
+      sv = c.value_scale[row];
+    } else {
+      sk = row_scale_warp<S>(a.k + b * a.k_b + g * a.k_g + (t0 + idx - n) * a.k_t, D);
+      sv = row_scale_warp<S>(a.v + b * a.v_b + g * a.v_g + (t0 + idx - n) * a.v_t, D);
+    }
+    if (lane == 0) {
+      scale[e] = sk;
+      scale[kEntryTile + e] = sv;
+    }
+  }
+  __syncthreads();
+  for (std::int64_t x = threadIdx.x; x < ne * D; x += blockDim.x) {
+    const std::int64_t e = x / D, d = x % D, idx = e0 + e;
+    const float sk = scale[e], sv = scale[kEntryTile + e];
+    if (idx < n) {
+      const std::int64_t row = c.row(item, idx);
+      ks[e * pitch + d] = ld(c.keys + row * D + d) * sk;
+      vs[e * pitch + d] = ld(c.values + row * D + d) * sv;
+    } else {
+      const float k = ld(a.k + b * a.k_b + g * a.k_g + (t0 + idx - n) * a.k_t + d);
+      const float v = ld(a.v + b * a.v_b + g * a.v_g + (t0 + idx - n) * a.v_t + d);
+      ks[e * pitch + d] = fp8_stored_element(k, sk) * sk;
+      vs[e * pitch + d] = fp8_stored_element(v, sv) * sv;
+    }
+  }
 }
 
 template <class Set, class S, int kDpt>
@@ -426,6 +541,7 @@ __global__ void __launch_bounds__(kChunkThreads)
   float* r_logit = e_part + kEntryTile;
   float* r_part = r_logit + rt;
   std::int64_t* e_pos = reinterpret_cast<std::int64_t*>(r_part + rt);
+  float* e_scale = reinterpret_cast<float*>(e_pos + kEntryTile);  // fp8 storage: the tile's row scales
 
   const std::int64_t n = c.length[item], total = n + rows;
   const std::int64_t piece = split_piece(total, a.splits, kEntryTile);
@@ -461,12 +577,17 @@ __global__ void __launch_bounds__(kChunkThreads)
       if (e0 >= n && first + (e0 - n) > m_last) break;  // the call's keys beyond this row tile: masked
       const std::int64_t ne = e_end - e0 < kEntryTile ? e_end - e0 : kEntryTile;
       __syncthreads();  // the previous step's readers of ks/vs/tile are done (and nk is written)
-      for (std::int64_t x = tid; x < ne * D; x += blockDim.x) {
-        const std::int64_t e = x / D, d = x % D, idx = e0 + e;
-        const S* kp = idx < n ? c.keys + c.row(item, idx) * D : a.k + b * a.k_b + g * a.k_g + (t0 + idx - n) * a.k_t;
-        const S* vp = idx < n ? c.values + c.row(item, idx) * D : a.v + b * a.v_b + g * a.v_g + (t0 + idx - n) * a.v_t;
-        ks[e * pitch + d] = ld(kp + d);
-        vs[e * pitch + d] = ld(vp + d);
+      if constexpr (is_row_scaled_v<S>) {
+        stage_fp8_entries(c, a, item, b, n, t0, e0, ne, ks, vs, pitch, e_scale);
+      } else {
+        for (std::int64_t x = tid; x < ne * D; x += blockDim.x) {
+          const std::int64_t e = x / D, d = x % D, idx = e0 + e;
+          const S* kp = idx < n ? c.keys + c.row(item, idx) * D : a.k + b * a.k_b + g * a.k_g + (t0 + idx - n) * a.k_t;
+          const S* vp =
+              idx < n ? c.values + c.row(item, idx) * D : a.v + b * a.v_b + g * a.v_g + (t0 + idx - n) * a.v_t;
+          ks[e * pitch + d] = ld(kp + d);
+          vs[e * pitch + d] = ld(vp + d);
+        }
       }
       load_entry_meta(c, a, item, b, n, t0, first, e0, ne, e_logit, e_part, e_pos);
       __syncthreads();
@@ -650,7 +771,8 @@ inline constexpr int kMaxCallRows = 1024;  // rows of one chunk (UaCacheLimits::
 template <class S>
 __host__ __device__ inline std::size_t finish_smem_bytes(std::int64_t D) {
   return std::size_t(kCompactRows) * std::size_t(2 * D) * sizeof(S) +
-         std::size_t(kCompactRows) * (2 * sizeof(float) + sizeof(std::int64_t)) + 64;
+         std::size_t(kCompactRows) * (2 * sizeof(float) + sizeof(std::int64_t)) +
+         (is_row_scaled_v<S> ? std::size_t(kCompactRows) * 2 * sizeof(float) : 0) + 64;
 }
 
 // Copies rows of D elements of S with the block's threads: row i from src(i) to dst(i) (nullptr: the row
@@ -708,9 +830,12 @@ __device__ inline void finish_item(const DeviceCache<S>& c, const DeviceCall<S>&
   float* lst = reinterpret_cast<float*>(vst + kCompactRows * D);
   float* zst = lst + kCompactRows;
   std::int64_t* pst = reinterpret_cast<std::int64_t*>(zst + kCompactRows);
+  float* kss = reinterpret_cast<float*>(pst + kCompactRows);  // fp8 storage: the group's row scales
+  float* vss = kss + kCompactRows;
   __shared__ int dst[kCompactRows];  // destination row, -1 = evicted
   __shared__ int group_kept;
-  const bool prunes = a.log_p > -INFINITY || dead > 0;  // dead rows go at any p
+  const prune::Cut cut = item_cut(a, item);
+  const bool prunes = cut.log_p > -INFINITY || cut.ranked || dead > 0;  // dead rows go at any p
   std::int64_t kept = n;
   if (prunes) {
     kept = 0;
@@ -718,7 +843,8 @@ __device__ inline void finish_item(const DeviceCache<S>& c, const DeviceCall<S>&
       const std::int64_t ne = n - e0 < kCompactRows ? n - e0 : kCompactRows;
       __syncthreads();  // the previous group is written
       if (tid < kCompactRows) {
-        const bool keep = lane < ne && !gone(load_cg(c.lambda + c.row(item, e0 + lane)), a.log_p);
+        const bool keep =
+            lane < ne && !gone(load_cg(c.lambda + c.row(item, e0 + lane)), c.pos[c.row(item, e0 + lane)], cut);
         const LaneMask mask = warp_ballot(keep);
         dst[lane] = keep ? int(kept + mask_popc(mask & lanes_below(lane))) : -1;
         if (lane == 0) group_kept = mask_popc(mask);
@@ -735,6 +861,10 @@ __device__ inline void finish_item(const DeviceCache<S>& c, const DeviceCall<S>&
           lst[e] = load_cg(c.lambda + c.row(item, e0 + e));
           zst[e] = c.key_logit[c.row(item, e0 + e)];
           pst[e] = c.pos[c.row(item, e0 + e)];
+          if constexpr (is_row_scaled_v<S>) {
+            kss[e] = c.key_scale[c.row(item, e0 + e)];
+            vss[e] = c.value_scale[c.row(item, e0 + e)];
+          }
         }
         __syncthreads();
         copy_rows<S>(
@@ -748,6 +878,10 @@ __device__ inline void finish_item(const DeviceCache<S>& c, const DeviceCall<S>&
           c.lambda[c.row(item, dst[e])] = lst[e];
           c.key_logit[c.row(item, dst[e])] = zst[e];
           c.pos[c.row(item, dst[e])] = pst[e];
+          if constexpr (is_row_scaled_v<S>) {
+            c.key_scale[c.row(item, dst[e])] = kss[e];
+            c.value_scale[c.row(item, dst[e])] = vss[e];
+          }
         }
       }
       kept += group_kept;
@@ -769,7 +903,7 @@ __device__ inline void finish_item(const DeviceCache<S>& c, const DeviceCall<S>&
 #pragma unroll
       for (int u = 0; u < kBallots; ++u) {
         const std::int64_t j = j0 + kWarpSize * u + lane;
-        const bool keep = j < rows && !(prunes && kernel::ua::evicts(lam[u], a.log_p));
+        const bool keep = j < rows && !(prunes && evict_test(cut, lam[u], first + j));
         const LaneMask mask = warp_ballot(keep);
         if (j < rows) new_dst[j] = keep ? int(kept + mask_popc(mask & lanes_below(lane))) : -1;
         kept += mask_popc(mask);
@@ -779,15 +913,28 @@ __device__ inline void finish_item(const DeviceCache<S>& c, const DeviceCall<S>&
   }
   __syncthreads();
   kept = group_kept;
-  const S* k_in = a.k + b * a.k_b + g * a.k_g + t0 * a.k_t;
-  const S* v_in = a.v + b * a.v_b + g * a.v_g + t0 * a.v_t;
-  const bool vec_in = vec_cache && a.kv_rows16;
-  copy_rows<S>(
-      rows, D, vec_in, [&](std::int64_t j) { return k_in + j * a.k_t; },
-      [&](std::int64_t j) { return new_dst[j] < 0 ? nullptr : c.keys + c.row(item, new_dst[j]) * D; });
-  copy_rows<S>(
-      rows, D, vec_in, [&](std::int64_t j) { return v_in + j * a.v_t; },
-      [&](std::int64_t j) { return new_dst[j] < 0 ? nullptr : c.values + c.row(item, new_dst[j]) * D; });
+  const auto* k_in = a.k + b * a.k_b + g * a.k_g + t0 * a.k_t;
+  const auto* v_in = a.v + b * a.v_b + g * a.v_g + t0 * a.v_t;
+  if constexpr (is_row_scaled_v<S>) {  // fp8: a warp stores each surviving row with its scale
+    for (std::int64_t j = tid / kWarpSize; j < rows; j += blockDim.x / kWarpSize) {
+      if (new_dst[j] < 0) continue;
+      const std::int64_t row = c.row(item, new_dst[j]);
+      const float sk = store_row_warp(k_in + j * a.k_t, c.keys + row * D, D);
+      const float sv = store_row_warp(v_in + j * a.v_t, c.values + row * D, D);
+      if (lane == 0) {
+        c.key_scale[row] = sk;
+        c.value_scale[row] = sv;
+      }
+    }
+  } else {
+    const bool vec_in = vec_cache && a.kv_rows16;
+    copy_rows<S>(
+        rows, D, vec_in, [&](std::int64_t j) { return k_in + j * a.k_t; },
+        [&](std::int64_t j) { return new_dst[j] < 0 ? nullptr : c.keys + c.row(item, new_dst[j]) * D; });
+    copy_rows<S>(
+        rows, D, vec_in, [&](std::int64_t j) { return v_in + j * a.v_t; },
+        [&](std::int64_t j) { return new_dst[j] < 0 ? nullptr : c.values + c.row(item, new_dst[j]) * D; });
+  }
   for (std::int64_t j = tid; j < rows; j += blockDim.x) {
     if (new_dst[j] < 0) continue;
     c.lambda[c.row(item, new_dst[j])] = a.lambda_new ? a.lambda_new[item * a.P + j] : 0.0f;
@@ -817,8 +964,9 @@ __global__ void __launch_bounds__(kFinishThreads)
 }
 
 // grid (I), block kFinishThreads, dynamic smem finish_smem_bytes<S>(D): drops the dead rows of every item
-// (a.log_p = -inf: nothing else goes), appending nothing. Before a call that walks rows by address (the
-// dense tensor-core prefill). An item without dead rows is left as it is.
+// (a.log_p = -inf and no cuts: nothing else goes), appending nothing. Before a call that walks rows by
+// address (the dense tensor-core prefill) and before a prune rule's cuts (ua_prune.cuh: they read every
+// row in use as an entry). An item without dead rows is left as it is.
 template <class S>
 __global__ void __launch_bounds__(kFinishThreads) compact_kernel(DeviceCache<S> c, DeviceCall<S> a) {
   extern __shared__ __align__(16) unsigned char fsm[];
@@ -829,8 +977,8 @@ __global__ void __launch_bounds__(kFinishThreads) compact_kernel(DeviceCache<S> 
 
 // ---- decode: what every decode path shares -----------------------------------------------------
 // One cached row's decode step (spec 4.4 step 1, 4.5): λ gains the decay that the new token at position
-// t puts on it, and the row goes when λ < ln p. A row dead before the step (λ = -inf) stays dead and
-// takes no part. The one-block pass, the entry splits and the vector-row pass all take their rows' λ,
+// t puts on it, and the row goes when its item's cut evicts it (evict_test). A row dead before the step
+// (λ = -inf) stays dead and takes no part. The one-block pass, the entry splits and the vector-row pass all take their rows' λ,
 // eviction and attention mask from here.
 struct RowUpdate {
   float lambda;  // λ after the step (-inf for a row dead before it)
@@ -842,12 +990,12 @@ struct RowUpdate {
   __device__ float stored() const { return evict ? negative_infinity<float>() : lambda; }
 };
 template <class Set, class S>
-__device__ inline RowUpdate update_row(const DeviceCall<S>& a, float lambda, float sim, float zk, std::int64_t pos,
-                                       float zq, float q_part, std::int64_t t) {
+__device__ inline RowUpdate update_row(const DeviceCall<S>& a, const prune::Cut& cut, float lambda, float sim, float zk,
+                                       std::int64_t pos, float zq, float q_part, std::int64_t t) {
   if (is_dead(lambda)) return {lambda, true, false, false};
-  if (t > pos)
+  if (t > pos && !a.lambda_updated)  // a prune rule's decode_cut_kernel added A(., t) already
     lambda += kernel::ua::decay_from_similarity<Set, float>(sim, zk, kernel::ua::key_gate_part(zk), pos, zq, q_part, t);
-  const bool evict = kernel::ua::evicts(lambda, a.log_p);
+  const bool evict = evict_test(cut, lambda, pos);
   return {lambda, false, evict, !(evict && a.evict_before_attention)};
 }
 
@@ -964,8 +1112,13 @@ __device__ inline void move_rows(const DeviceCache<S>& c, std::int64_t item, std
   for (std::int64_t e = threadIdx.x; e < rows; e += blockDim.x) {
     const std::int64_t at = to(e);
     if (at < 0) continue;
-    c.key_logit[at] = c.key_logit[c.row(item, e0 + e)];
-    c.pos[at] = c.pos[c.row(item, e0 + e)];
+    const std::int64_t from = c.row(item, e0 + e);
+    c.key_logit[at] = c.key_logit[from];
+    c.pos[at] = c.pos[from];
+    if constexpr (is_row_scaled_v<S>) {
+      c.key_scale[at] = c.key_scale[from];
+      c.value_scale[at] = c.value_scale[from];
+    }
   }
 }
 
@@ -986,9 +1139,10 @@ inline constexpr std::int64_t kOneBlockMaxKept = 256;
 // 8-lane groups of a warp read the same columns of four rows, which then fall in different banks.
 struct OneBlockLayout {
   std::int64_t pitch;  // elements of S per staged row
-  std::size_t keys, values, pos, lambda, logit, keep, dst, qs, nk, acc, wts, run_max, run_sum, rescale, kept, bytes;
+  std::size_t keys, values, pos, lambda, logit, keep, dst, qs, nk, acc, wts, run_max, run_sum, rescale, kept, key_scale,
+      value_scale, bytes;
   __host__ __device__ static std::size_t up16(std::size_t x) { return (x + 15) / 16 * 16; }
-  __host__ __device__ OneBlockLayout(std::int64_t D, std::int64_t r, std::size_t elem) {
+  __host__ __device__ OneBlockLayout(std::int64_t D, std::int64_t r, std::size_t elem, bool row_scales = false) {
     pitch = D + std::int64_t(16 / elem);
     const std::size_t tile = std::size_t(kOneBlockTile), row_bytes = std::size_t(pitch) * elem;
     keys = 0;
@@ -1006,7 +1160,9 @@ struct OneBlockLayout {
     run_sum = run_max + std::size_t(r) * sizeof(float);
     rescale = run_sum + std::size_t(r) * sizeof(float);
     kept = up16(rescale + std::size_t(r) * sizeof(float));
-    bytes = kept + 16;
+    key_scale = kept + 16;  // fp8 storage: the tile's row scales (no bytes for other storage)
+    value_scale = key_scale + (row_scales ? tile * sizeof(float) : 0);
+    bytes = value_scale + (row_scales ? tile * sizeof(float) : 0);
   }
 };
 
@@ -1018,7 +1174,8 @@ __device__ inline std::int64_t decode_one_block(const DeviceCache<S>& c, const D
                                                 std::int64_t b, std::int64_t n, unsigned char* smem) {
   const std::int64_t D = c.D, r = c.r, g = item % c.G;
   const std::int64_t t = c.counter[item];
-  const OneBlockLayout L(D, r, sizeof(S));
+  const prune::Cut cut = item_cut(a, item);
+  const OneBlockLayout L(D, r, sizeof(S), is_row_scaled_v<S>);
   const int pitch = int(L.pitch);
   S* kst = reinterpret_cast<S*>(smem + L.keys);
   S* vst = reinterpret_cast<S*>(smem + L.values);
@@ -1034,12 +1191,14 @@ __device__ inline std::int64_t decode_one_block(const DeviceCache<S>& c, const D
   float* run_max = reinterpret_cast<float*>(smem + L.run_max);
   float* run_sum = reinterpret_cast<float*>(smem + L.run_sum);
   float* rescale = reinterpret_cast<float*>(smem + L.rescale);
-  int* kept_s = reinterpret_cast<int*>(smem + L.kept);  // survivors so far (the last warp keeps it)
+  int* kept_s = reinterpret_cast<int*>(smem + L.kept);           // survivors so far (the last warp keeps it)
+  float* ks_t = reinterpret_cast<float*>(smem + L.key_scale);    // fp8 storage only
+  float* vs_t = reinterpret_cast<float*>(smem + L.value_scale);  // fp8 storage only
 
   const int tid = threadIdx.x, warp = tid / kWarpSize, lane = tid % kWarpSize, warps = int(blockDim.x / kWarpSize);
   const int grp = lane / kDecodeGroup, sub = lane % kDecodeGroup;
-  const S* new_key = a.k + b * a.k_b + g * a.k_g;
-  const S* new_value = a.v + b * a.v_b + g * a.v_g;
+  const auto* new_key = a.k + b * a.k_b + g * a.k_g;
+  const auto* new_value = a.v + b * a.v_b + g * a.v_g;
   const int dim = int(D);  // tile-local indices are 32-bit (D <= 256, kOneBlockTile rows)
   for (int x = tid; x < int(r) * dim; x += int(blockDim.x)) {
     qs[x] = ld(a.q + b * a.q_b + (g * r + x / dim) * a.q_h + x % dim);
@@ -1082,16 +1241,33 @@ __device__ inline std::int64_t decode_one_block(const DeviceCache<S>& c, const D
         vst[e * pitch + d] = c.values[at];
       }
     }
-    if (cached < ne)  // the new token is the tile's last entry
-      for (int d = tid; d < dim; d += int(blockDim.x)) {
-        kst[cached * pitch + d] = new_key[d];
-        vst[cached * pitch + d] = new_value[d];
+    if (cached < ne) {                     // the new token is the tile's last entry
+      if constexpr (is_row_scaled_v<S>) {  // stored as the cache will hold it, with its scales
+        if (warp == 0) {
+          const float sk = store_row_warp(new_key, kst + cached * pitch, D);
+          const float sv = store_row_warp(new_value, vst + cached * pitch, D);
+          if (lane == 0) {
+            ks_t[cached] = sk;
+            vs_t[cached] = sv;
+          }
+        }
+      } else {
+        for (int d = tid; d < dim; d += int(blockDim.x)) {
+          kst[cached * pitch + d] = new_key[d];
+          vst[cached * pitch + d] = new_value[d];
+        }
       }
+    }
     for (int e = tid; e < ne; e += int(blockDim.x)) {
       const bool in_cache = e < cached;
       lam_t[e] = in_cache ? c.lambda[c.row(item, e0 + e)] : 0.0f;
       zk_t[e] = in_cache ? c.key_logit[c.row(item, e0 + e)] : a.z_k[b * a.zk_b + g * a.zk_g];
       pos_t[e] = in_cache ? c.pos[c.row(item, e0 + e)] : t;
+      if constexpr (is_row_scaled_v<S>)
+        if (in_cache) {
+          ks_t[e] = c.key_scale[c.row(item, e0 + e)];
+          vs_t[e] = c.value_scale[c.row(item, e0 + e)];
+        }
     }
     ptx::cp_async_wait<0>();
     __syncthreads();
@@ -1102,17 +1278,16 @@ __device__ inline std::int64_t decode_one_block(const DeviceCache<S>& c, const D
       const bool valid = e < ne, in_cache = e < cached;
       // The lane's dims: with 16-byte rows, vectors sub, sub + 8, ... of the row (one shared-memory
       // load per vector of the key, per four floats of q and the new key); else dims sub, sub + 8, ...
-      constexpr int kPer = int(16 / sizeof(S)), kVecs = kDpl / kPer;
-      float key[kDpl];
+      // (fp8: 16 elements a vector, so a row of up to 128 dims is one vector per lane even where kDpl is 8)
+      constexpr int kPer = int(16 / sizeof(S)), kVecs = (kDpl + kPer - 1) / kPer;
+      float key[kVecs * kPer > kDpl ? kVecs * kPer : kDpl];
       if (vec) {
 #pragma unroll
         for (int j = 0; j < kVecs; ++j) {
           const int d0 = (sub + j * kDecodeGroup) * kPer;
           uint4 raw = make_uint4(0, 0, 0, 0);
           if (valid && d0 < dim) raw = *reinterpret_cast<const uint4*>(kst + e * pitch + d0);
-          const S* parts = reinterpret_cast<const S*>(&raw);
-#pragma unroll
-          for (int k = 0; k < kPer; ++k) key[j * kPer + k] = load_as<float>(parts[k]);
+          unpack<S>(raw, key + j * kPer);
         }
       } else {
 #pragma unroll
@@ -1144,18 +1319,20 @@ __device__ inline std::int64_t decode_one_block(const DeviceCache<S>& c, const D
         }
         return part;
       };
+      float kscale = 1.0f;  // fp8: the entry's key is kscale * its stored row
+      if constexpr (is_row_scaled_v<S>) kscale = valid ? ks_t[e] : 1.0f;
       float sim = 0.0f;  // a set without the similarity gate never reads it
-      if constexpr (Set::kNeedsSimilarity) sim = group_sum(dot(nk));  // every lane: shuffles
+      if constexpr (Set::kNeedsSimilarity) sim = group_sum(dot(nk)) * kscale;  // every lane: shuffles
       float lam = 0.0f;
       bool keep = false, attend = valid;
       if (in_cache) {
-        const RowUpdate up = update_row<Set>(a, lam_t[e], sim, zk_t[e], pos_t[e], zq, q_part, t);
+        const RowUpdate up = update_row<Set>(a, cut, lam_t[e], sim, zk_t[e], pos_t[e], zq, q_part, t);
         lam = up.lambda;
         keep = up.keeps();
         attend = up.attend;
       }
       for (int h = 0; h < int(r); ++h) {
-        const float part = group_sum(dot(qs + h * dim));
+        const float part = group_sum(dot(qs + h * dim)) * kscale;
         if (sub == 0 && valid)
           wts[h * kOneBlockTile + e] = attend ? part + lam : negative_infinity<float>();  // scale 1
       }
@@ -1204,7 +1381,11 @@ __device__ inline std::int64_t decode_one_block(const DeviceCache<S>& c, const D
                               : expf(old_max - new_max);
 #pragma unroll
       for (int u = 0; u < kPerLane; ++u)
-        if (lane + kWarpSize * u < ne) wts[h * kOneBlockTile + lane + kWarpSize * u] = w[u];
+        if (lane + kWarpSize * u < ne) {
+          float vscale = 1.0f;  // fp8: p.v reads the stored value rows, the weight takes their scale
+          if constexpr (is_row_scaled_v<S>) vscale = vs_t[lane + kWarpSize * u];
+          wts[h * kOneBlockTile + lane + kWarpSize * u] = w[u] * vscale;
+        }
       warp_sync();
       if (lane == 0) {
         run_max[h] = new_max;
@@ -1256,6 +1437,10 @@ __device__ inline std::int64_t decode_one_block(const DeviceCache<S>& c, const D
       if (moved(e)) {
         c.key_logit[c.row(item, dst_t[e])] = zk_t[e];
         c.pos[c.row(item, dst_t[e])] = pos_t[e];
+        if constexpr (is_row_scaled_v<S>) {
+          c.key_scale[c.row(item, dst_t[e])] = ks_t[e];
+          c.value_scale[c.row(item, dst_t[e])] = vs_t[e];
+        }
       }
     }
     if (cached < ne) {  // 6. append the new token after the survivors (λ = 0 >= ln p: always kept)
@@ -1270,6 +1455,10 @@ __device__ inline std::int64_t decode_one_block(const DeviceCache<S>& c, const D
         c.lambda[slot] = 0.0f;
         c.key_logit[slot] = zk_t[cached];
         c.pos[slot] = t;
+        if constexpr (is_row_scaled_v<S>) {
+          c.key_scale[slot] = ks_t[cached];
+          c.value_scale[slot] = vs_t[cached];
+        }
       }
     }
   }
@@ -1308,11 +1497,22 @@ __device__ inline int decode_split(const DeviceCache<S>& c, const DeviceCall<S>&
 
   const std::int64_t e_begin = range.begin, e_end = range.end;
   const std::int64_t t = c.counter[item];
+  const prune::Cut cut = item_cut(a, item);
   const int tid = threadIdx.x, warp = tid / kWarpSize, lane = tid % kWarpSize, warps = kDecodeThreads / kWarpSize;
   __shared__ int marked;
   if (tid == 0) marked = 0;
   const int grp = lane / kDecodeGroup, sub = lane % kDecodeGroup;
-  const S* new_key = a.k + b * a.k_b + g * a.k_g;
+  const auto* new_key = a.k + b * a.k_b + g * a.k_g;
+  const auto* new_value = a.v + b * a.v_b + g * a.v_g;
+  __shared__ float new_scale[2];  // fp8 storage: the scales the new token's rows are stored with
+  if constexpr (is_row_scaled_v<S>)
+    if (warp == 0) {
+      const float sk = row_scale_warp<S>(new_key, D), sv = row_scale_warp<S>(new_value, D);
+      if (lane == 0) {
+        new_scale[0] = sk;
+        new_scale[1] = sv;
+      }
+    }
   for (std::int64_t x = tid; x < r * D; x += blockDim.x) {
     const std::int64_t h = x / D, d = x % D;
     qs[x] = ld(a.q + b * a.q_b + (g * r + h) * a.q_h + d);
@@ -1338,12 +1538,24 @@ __device__ inline int decode_split(const DeviceCache<S>& c, const DeviceCall<S>&
       const std::int64_t e = eb + grp, idx = e0 + e;
       const bool valid = e < ne, cached = valid && idx < n;
       const std::int64_t at = cached ? c.row(item, idx) : 0;
-      const S* krow = cached ? c.keys + at * D : new_key;
       float key[kDpl];
+      float kscale = 1.0f;  // fp8: the entry's key is kscale * its stored row (the new token's as stored)
+      if constexpr (is_row_scaled_v<S>) {
+        kscale = cached ? c.key_scale[at] : new_scale[0];
 #pragma unroll
-      for (int x = 0; x < kDpl; ++x) {
-        const std::int64_t d = sub + std::int64_t(x) * kDecodeGroup;
-        key[x] = (valid && d < D) ? ld(krow + d) : 0.0f;
+        for (int x = 0; x < kDpl; ++x) {
+          const std::int64_t d = sub + std::int64_t(x) * kDecodeGroup;
+          key[x] = !(valid && d < D) ? 0.0f
+                   : cached          ? ld(c.keys + at * D + d)
+                                     : fp8_stored_element(ld(new_key + d), kscale);
+        }
+      } else {
+        const S* krow = cached ? c.keys + at * D : new_key;
+#pragma unroll
+        for (int x = 0; x < kDpl; ++x) {
+          const std::int64_t d = sub + std::int64_t(x) * kDecodeGroup;
+          key[x] = (valid && d < D) ? ld(krow + d) : 0.0f;
+        }
       }
       float sim = 0.0f;
 #pragma unroll
@@ -1351,11 +1563,11 @@ __device__ inline int decode_split(const DeviceCache<S>& c, const DeviceCall<S>&
         const std::int64_t d = sub + std::int64_t(x) * kDecodeGroup;
         if (d < D) sim += key[x] * nk[d];
       }
-      sim = group_sum(sim);
+      sim = group_sum(sim) * kscale;
       float lam = 0.0f;
       bool attend = valid;
       if (cached) {
-        const RowUpdate up = update_row<Set>(a, c.lambda[at], sim, c.key_logit[at], c.pos[at], zq, q_part, t);
+        const RowUpdate up = update_row<Set>(a, cut, c.lambda[at], sim, c.key_logit[at], c.pos[at], zq, q_part, t);
         lam = up.lambda;
         attend = up.attend;
         if (sub == 0 && !up.dead) c.lambda[plan != nullptr ? moved_row(c, item, plan->dest(idx)) : at] = up.stored();
@@ -1368,7 +1580,7 @@ __device__ inline int decode_split(const DeviceCache<S>& c, const DeviceCall<S>&
           const std::int64_t d = sub + std::int64_t(x) * kDecodeGroup;
           if (d < D) part += qs[h * D + d] * key[x];
         }
-        part = group_sum(part);
+        part = group_sum(part) * kscale;
         if (sub == 0 && valid)
           wts[h * kDecodeThreads + e] = attend ? part + lam : negative_infinity<float>();  // scale 1
       }
@@ -1396,22 +1608,26 @@ __device__ inline int decode_split(const DeviceCache<S>& c, const DeviceCall<S>&
     }
     __syncthreads();
     // 4. p.v: one thread per dim, every head, the tile's value rows in entry order
+    auto value_at = [&](std::int64_t id, std::int64_t d) {  // entry id's value (fp8: as stored, scaled)
+      if constexpr (is_row_scaled_v<S>) {
+        if (id < n) return ld(c.values + c.row(item, id) * D + d) * c.value_scale[c.row(item, id)];
+        return fp8_stored_element(ld(new_value + d), new_scale[1]) * new_scale[1];
+      } else {
+        return ld(id < n ? c.values + c.row(item, id) * D + d : new_value + d);
+      }
+    };
     for (std::int64_t d = tid; d < D; d += blockDim.x) {
       std::int64_t e = 0;
       for (; e + 4 <= ne; e += 4) {  // four independent loads in flight
         float val[4];
 #pragma unroll
-        for (int u = 0; u < 4; ++u) {
-          const std::int64_t id = e0 + e + u;
-          val[u] = ld(id < n ? c.values + c.row(item, id) * D + d : a.v + b * a.v_b + g * a.v_g + d);
-        }
+        for (int u = 0; u < 4; ++u) val[u] = value_at(e0 + e + u, d);
         for (std::int64_t h = 0; h < r; ++h)
 #pragma unroll
           for (int u = 0; u < 4; ++u) acc[h * D + d] += wts[h * kDecodeThreads + e + u] * val[u];
       }
       for (; e < ne; ++e) {
-        const std::int64_t id = e0 + e;
-        const float val = ld(id < n ? c.values + c.row(item, id) * D + d : a.v + b * a.v_b + g * a.v_g + d);
+        const float val = value_at(e0 + e, d);
         for (std::int64_t h = 0; h < r; ++h) acc[h * D + d] += wts[h * kDecodeThreads + e] * val;
       }
     }
@@ -1466,21 +1682,26 @@ __host__ __device__ constexpr int vectors_per_lane() {
 // Resident blocks decode_attend_kernel asks its registers to allow: two for the vector-row pass at r = 4
 // with one vector per lane (bf16 and fp16 rows up to D 128, fp32 up to D 64; a step of many items runs in
 // half the waves), one otherwise, where two would spill the pass's accumulators.
+// fp8 rows (16 elements per vector) double the accumulators, hence one block.
 template <class S, int kDpl, int kR>
 __host__ __device__ constexpr int decode_min_blocks() {
-  return kR == 4 && vectors_per_lane<S, kDpl>() == 1 ? 2 : 1;
+  return kR == 4 && vectors_per_lane<S, kDpl>() == 1 && !is_row_scaled_v<S> ? 2 : 1;
 }
-// Shared memory of decode_split_rows: the new token's key and value rows and the group's queries (in the
-// storage type), then the warps' states.
-__host__ __device__ inline std::size_t split_rows_smem_bytes(std::int64_t D, std::int64_t r, std::size_t elem) {
-  return std::size_t(2 + r) * std::size_t(D) * elem +
-         std::size_t(kDecodeWarps) * std::size_t(r) * std::size_t(D + 2) * sizeof(float);
+// The type decode_split_rows keeps the group's queries in, exactly: the storage type, or float for fp8
+// storage, whose inputs are bf16.
+template <class S>
+using split_rows_query_t = std::conditional_t<is_row_scaled_v<S>, float, S>;
+// Shared memory of decode_split_rows: the new token's key and value rows (stored), the group's queries,
+// for fp8 the new key as given (float: the λ update reads it, as the host does), then the warps' states.
+template <class S>
+__host__ __device__ inline std::size_t split_rows_head_bytes(std::int64_t D, std::int64_t r) {
+  return 2 * std::size_t(D) * sizeof(S) + std::size_t(r) * std::size_t(D) * sizeof(split_rows_query_t<S>) +
+         (is_row_scaled_v<S> ? std::size_t(D) * sizeof(float) : 0);
 }
 template <class S>
-__device__ inline void unpack(const uint4& raw, float* out) {
-  const S* parts = reinterpret_cast<const S*>(&raw);
-#pragma unroll
-  for (int k = 0; k < int(16 / sizeof(S)); ++k) out[k] = load_as<float>(parts[k]);
+__host__ __device__ inline std::size_t split_rows_smem_bytes(std::int64_t D, std::int64_t r) {
+  return split_rows_head_bytes<S>(D, r) +
+         std::size_t(kDecodeWarps) * std::size_t(r) * std::size_t(D + 2) * sizeof(float);
 }
 template <class Set, class S, int kVpl, int kR, int kU>
 __device__ inline int decode_split_rows(const DeviceCache<S>& c, const DeviceCall<S>& a, std::int64_t item,
@@ -1490,36 +1711,63 @@ __device__ inline int decode_split_rows(const DeviceCache<S>& c, const DeviceCal
   const std::int64_t D = c.D, g = item % c.G;
   const std::int64_t e_begin = range.begin, e_end = range.end;
   const std::int64_t t = c.counter[item];
+  const prune::Cut cut = item_cut(a, item);
   const int tid = int(threadIdx.x), lane = tid % kWarpSize, warp = tid / kWarpSize, sub = tid % kRowLanes;
   const int grp = lane / kRowLanes;
-  // The new token (entry n, λ = 0) and the group's queries stay in shared memory, in the storage type
-  // (exact), and are read where a dot product uses them: held in registers, the queries would take the
-  // registers of a second resident block. Their rows are 16-byte aligned, and a lane's 16-byte vectors
-  // lie 16 bytes apart from its neighbours', so the reads are free of bank conflicts.
+  // The new token (entry n, λ = 0) and the group's queries stay in shared memory, exactly (the storage
+  // type; float for fp8, whose inputs are bf16), and are read where a dot product uses them: held in
+  // registers, the queries would take the registers of a second resident block. Their rows are 16-byte
+  // aligned, and a lane's 16-byte vectors lie 16 bytes apart from its neighbours', so the reads are free of
+  // bank conflicts.
+  using Q = split_rows_query_t<S>;
   S* new_k = reinterpret_cast<S*>(smem);
   S* new_v = new_k + D;
-  S* qs = new_v + D;                                                                               // [kR][D]
-  float* red = reinterpret_cast<float*>(smem + std::size_t(2 + kR) * std::size_t(D) * sizeof(S));  // [warps][kR][D + 2]
+  Q* qs = reinterpret_cast<Q*>(new_v + D);                                              // [kR][D]
+  float* nk_given = reinterpret_cast<float*>(qs + kR * D);                              // [D], fp8 only
+  float* red = reinterpret_cast<float*>(smem + split_rows_head_bytes<S>(D, kR));  // [warps][kR][D + 2]
   __shared__ int marked_block;
-  {
-    const S* in_k = a.k + b * a.k_b + g * a.k_g;
-    const S* in_v = a.v + b * a.v_b + g * a.v_g;
+  __shared__ float new_scale[2];  // fp8 storage: the scales of the new token's stored rows
+  const auto* in_k = a.k + b * a.k_b + g * a.k_g;
+  const auto* in_v = a.v + b * a.v_b + g * a.v_g;
+  if constexpr (is_row_scaled_v<S>) {  // the new token as the cache will store it
+    if (warp == 0) {
+      const float sk = store_row_warp(in_k, new_k, D), sv = store_row_warp(in_v, new_v, D);
+      if (lane == 0) {
+        new_scale[0] = sk;
+        new_scale[1] = sv;
+      }
+    }
+  } else {
     for (std::int64_t d = tid; d < D; d += blockDim.x) {
       new_k[d] = in_k[d];
       new_v[d] = in_v[d];
     }
-    for (std::int64_t x = tid; x < kR * D; x += blockDim.x) qs[x] = a.q[b * a.q_b + (g * kR + x / D) * a.q_h + x % D];
-    if (tid == 0) marked_block = 0;
   }
+  for (std::int64_t x = tid; x < kR * D; x += blockDim.x) {
+    const auto* q = a.q + b * a.q_b + (g * kR + x / D) * a.q_h + x % D;
+    if constexpr (is_row_scaled_v<S>)
+      qs[x] = ld(q);
+    else
+      qs[x] = *q;
+  }
+  if constexpr (is_row_scaled_v<S>)
+    for (std::int64_t d = tid; d < D; d += blockDim.x) nk_given[d] = ld(in_k + d);
+  if (tid == 0) marked_block = 0;
   __syncthreads();
   // the lane's dims: vectors w = sub + kRowLanes * j, elements w * kE .. w * kE + kE - 1
-  const auto dot_part = [&](const float* row, const S* other) {  // this lane's part of row . other
+  const auto dot_part = [&](const float* row, const auto* other) {  // this lane's part of row . other
+    using O = std::remove_cv_t<std::remove_pointer_t<decltype(other)>>;
     float part = 0.0f;
 #pragma unroll
     for (int j = 0; j < kVpl; ++j) {
       const int w = sub + kRowLanes * j;
       float o[kE];
-      unpack<S>(w * kE < D ? *reinterpret_cast<const uint4*>(other + w * kE) : make_uint4(0, 0, 0, 0), o);
+      if constexpr (std::is_same_v<O, S>) {
+        unpack<S>(w * kE < D ? *reinterpret_cast<const uint4*>(other + w * kE) : make_uint4(0, 0, 0, 0), o);
+      } else {  // float rows (fp8 storage's queries and new key)
+#pragma unroll
+        for (int k = 0; k < kE; ++k) o[k] = w * kE < D ? other[w * kE + k] : 0.0f;
+      }
 #pragma unroll
       for (int k = 0; k < kE; ++k) part += row[j * kE + k] * o[k];
     }
@@ -1541,7 +1789,7 @@ __device__ inline int decode_split_rows(const DeviceCache<S>& c, const DeviceCal
   for (std::int64_t base_w = e_begin + std::int64_t(warp) * kWarpRows; base_w < e_end;
        base_w += std::int64_t(kDecodeWarps) * kWarpRows) {
     const std::int64_t base = base_w + std::int64_t(grp) * kU;
-    float lam[kU], zk[kU];
+    float lam[kU], zk[kU], ksc[kU], vsc[kU];  // ksc, vsc: fp8 row scales (1 for other storage)
     std::int64_t rowi[kU], pos[kU];
     bool live[kU], cached[kU];
     uint4 kr[kU][kVpl], vr[kU][kVpl];
@@ -1569,6 +1817,11 @@ __device__ inline int decode_split_rows(const DeviceCache<S>& c, const DeviceCal
       const bool meta = cached[u] && live[u];
       zk[u] = meta ? c.key_logit[rowi[u]] : 0.0f;
       pos[u] = meta ? c.pos[rowi[u]] : t;
+      ksc[u] = vsc[u] = 1.0f;
+      if constexpr (is_row_scaled_v<S>) {
+        ksc[u] = meta ? c.key_scale[rowi[u]] : new_scale[0];
+        vsc[u] = meta ? c.value_scale[rowi[u]] : new_scale[1];
+      }
     }
     // 2. λ update (spec 4.4 step 1), eviction (4.5), the kR logits (scale 1); with a plan, the live row to
     //    its new place
@@ -1579,11 +1832,16 @@ __device__ inline int decode_split_rows(const DeviceCache<S>& c, const DeviceCal
 #pragma unroll
       for (int j = 0; j < kVpl; ++j) unpack<S>(kr[u][j], kf + j * kE);
       float sim = 0.0f;  // a set without the similarity gate never reads it
-      if constexpr (Set::kNeedsSimilarity) sim = row_sum(dot_part(kf, new_k));
+      if constexpr (Set::kNeedsSimilarity) {
+        if constexpr (is_row_scaled_v<S>)
+          sim = row_sum(dot_part(kf, nk_given)) * ksc[u];  // the new key as given (the host's)
+        else
+          sim = row_sum(dot_part(kf, new_k));
+      }
       float lu = lam[u];
       bool attend = live[u];
       if (cached[u] && live[u]) {
-        const RowUpdate up = update_row<Set>(a, lam[u], sim, zk[u], pos[u], zq, q_part, t);
+        const RowUpdate up = update_row<Set>(a, cut, lam[u], sim, zk[u], pos[u], zq, q_part, t);
         lu = up.lambda;
         attend = up.attend;
         marked += (sub == 0 && up.evict) ? 1 : 0;
@@ -1603,12 +1861,16 @@ __device__ inline int decode_split_rows(const DeviceCache<S>& c, const DeviceCal
             c.lambda[to] = up.stored();
             c.key_logit[to] = zk[u];
             c.pos[to] = pos[u];
+            if constexpr (is_row_scaled_v<S>) {
+              c.key_scale[to] = ksc[u];
+              c.value_scale[to] = vsc[u];
+            }
           }
         }
       }
 #pragma unroll
       for (int h = 0; h < kR; ++h) {
-        const float part = row_sum(dot_part(kf, qs + h * D));
+        const float part = row_sum(dot_part(kf, qs + h * D)) * ksc[u];
         s[u][h] = attend ? part + lu : negative_infinity<float>();
       }
     }
@@ -1642,9 +1904,11 @@ __device__ inline int decode_split_rows(const DeviceCache<S>& c, const DeviceCal
 #pragma unroll
       for (int j = 0; j < kVpl; ++j) unpack<S>(vr[u][j], vf + j * kE);
 #pragma unroll
-      for (int h = 0; h < kR; ++h)
+      for (int h = 0; h < kR; ++h) {
+        const float w = s[u][h] * vsc[u];  // fp8: the row's value scale
 #pragma unroll
-        for (int x = 0; x < kDims; ++x) acc[h][x] += s[u][h] * vf[x];
+        for (int x = 0; x < kDims; ++x) acc[h][x] += w * vf[x];
+      }
     }
   }
   // 5. merge the row groups: within the warp (the lowest group's lanes keep the result), then the warps
@@ -1709,12 +1973,22 @@ __device__ inline void append_new_row(const DeviceCache<S>& c, const DeviceCall<
                                       std::int64_t b, std::int64_t n) {
   const std::int64_t D = c.D, g = item % c.G, t = c.counter[item], row = c.row(item, n);
   const bool vec = (D * std::int64_t(sizeof(S))) % 16 == 0 && a.kv_rows16;
-  const S* in_k = a.k + b * a.k_b + g * a.k_g;
-  const S* in_v = a.v + b * a.v_b + g * a.v_g;
-  copy_rows<S>(
-      1, D, vec, [&](std::int64_t) { return in_k; }, [&](std::int64_t) { return c.keys + row * D; });
-  copy_rows<S>(
-      1, D, vec, [&](std::int64_t) { return in_v; }, [&](std::int64_t) { return c.values + row * D; });
+  const auto* in_k = a.k + b * a.k_b + g * a.k_g;
+  const auto* in_v = a.v + b * a.v_b + g * a.v_g;
+  if constexpr (is_row_scaled_v<S>) {  // fp8: one warp stores the rows with their scales
+    if (threadIdx.x < kWarpSize) {
+      const float sk = store_row_warp(in_k, c.keys + row * D, D), sv = store_row_warp(in_v, c.values + row * D, D);
+      if (threadIdx.x == 0) {
+        c.key_scale[row] = sk;
+        c.value_scale[row] = sv;
+      }
+    }
+  } else {
+    copy_rows<S>(
+        1, D, vec, [&](std::int64_t) { return in_k; }, [&](std::int64_t) { return c.keys + row * D; });
+    copy_rows<S>(
+        1, D, vec, [&](std::int64_t) { return in_v; }, [&](std::int64_t) { return c.values + row * D; });
+  }
   __syncthreads();  // every thread has read the counter
   if (threadIdx.x == 0) {
     c.lambda[row] = 0.0f;
@@ -1757,8 +2031,9 @@ __device__ inline bool decode_row(const DeviceCache<S>& c, const DeviceCall<S>& 
 // pass, else the entry splits), the one-block pass and the finish.
 template <class S>
 __host__ __device__ inline std::size_t decode_kernel_smem_bytes(std::int64_t D, std::int64_t r, bool vector) {
-  const std::size_t split = vector ? split_rows_smem_bytes(D, r, sizeof(S)) : decode_smem_bytes(D, r);
-  const std::size_t finish = finish_smem_bytes<S>(D), one_block = OneBlockLayout(D, r, sizeof(S)).bytes;
+  const std::size_t split = vector ? split_rows_smem_bytes<S>(D, r) : decode_smem_bytes(D, r);
+  const std::size_t finish = finish_smem_bytes<S>(D),
+                    one_block = OneBlockLayout(D, r, sizeof(S), is_row_scaled_v<S>).bytes;
   std::size_t most = split > finish ? split : finish;
   return most > one_block ? most : one_block;
 }
@@ -2183,6 +2458,10 @@ __global__ void copy_slots_kernel(DeviceCache<S> c, int* overflow, const std::in
     c.lambda[t] = c.lambda[f];
     c.key_logit[t] = c.key_logit[f];
     c.pos[t] = c.pos[f];
+    if constexpr (is_row_scaled_v<S>) {
+      c.key_scale[t] = c.key_scale[f];
+      c.value_scale[t] = c.value_scale[f];
+    }
   }
   if (threadIdx.x == 0) {
     c.length[to] = n;

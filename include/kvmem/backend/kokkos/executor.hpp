@@ -21,6 +21,7 @@
 
 #include <Kokkos_Core.hpp>
 
+#include "kvmem/core/support.hpp"
 #include "kvmem/core/tensor.hpp"
 
 namespace kvmem::kokkos {
@@ -78,3 +79,13 @@ inline constexpr std::size_t kScratch0Bytes = 32 * 1024;
 }  // namespace detail
 
 }  // namespace kvmem::kokkos
+
+namespace kvmem {
+// The Kokkos backend runs the host's kernel bodies: the host's limits, except fp8 UA rows, which its
+// cache (kokkos::UaCache) does not store.
+template <class Space>
+struct BackendLimits<kokkos::Executor<Space>> : BackendLimits<void> {
+  static constexpr const char* kName = "kokkos";
+  static constexpr bool kUaFp8 = false;
+};
+}  // namespace kvmem

@@ -58,6 +58,9 @@ namespace kvmem::kokkos {
 // The UA pruned cache in MemSpace (spec UA.md 2, 4.4, 4.5). Allocated once by create_cache.
 template <class Storage, class MemSpace>
 struct UaCache {
+  static_assert(!is_row_scaled_v<Storage>,
+                "kvmem::kokkos::UaCache: fp8 (kvmem::e4m3) storage runs on the host and CUDA backends; the Kokkos "
+                "backend stores float, kvmem::bf16 or kvmem::fp16 (docs/compose.md, Supported combinations)");
   using storage_type = Storage;
   using memory_space = MemSpace;
 
