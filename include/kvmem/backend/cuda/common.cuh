@@ -84,11 +84,17 @@ class DeviceBuffer {
   std::size_t bytes_ = 0;
 };
 
-// Opts a kernel into more than the default 48 KB of dynamic shared memory (a driver call, so launchers
-// call it only for kernels that need it).
+// Opts a kernel into `bytes` of dynamic shared memory where its blocks would otherwise exceed the default
+// 48 KB a block may use without opting in, which counts the kernel's static shared memory too (a launch
+// past it fails with an invalid-value error).
 template <class Kernel>
 Status allow_shared(Kernel kernel, std::size_t bytes) {
-  if (bytes <= 48 * 1024) return Status::ok();
+  constexpr std::size_t kDefaultShared = 48 * 1024;
+  if (bytes == 0) return Status::ok();
+  cudaFuncAttributes attributes{};
+  KVMEM_RETURN_IF_ERROR(to_status(cudaFuncGetAttributes(&attributes, reinterpret_cast<const void*>(kernel)),
+                                  "cudaFuncGetAttributes"));
+  if (attributes.sharedSizeBytes + bytes <= kDefaultShared) return Status::ok();
   return to_status(cudaFuncSetAttribute(reinterpret_cast<const void*>(kernel),
                                         cudaFuncAttributeMaxDynamicSharedMemorySize, int(bytes)),
                    "cudaFuncSetAttribute(max dynamic shared memory)");

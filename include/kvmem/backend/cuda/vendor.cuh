@@ -57,6 +57,8 @@
 #define cudaDeviceSynchronize hipDeviceSynchronize
 #define cudaDeviceGetStreamPriorityRange hipDeviceGetStreamPriorityRange
 #define cudaFuncSetAttribute hipFuncSetAttribute
+#define cudaFuncGetAttributes hipFuncGetAttributes
+#define cudaFuncAttributes hipFuncAttributes
 #define cudaFuncAttributeMaxDynamicSharedMemorySize hipFuncAttributeMaxDynamicSharedMemorySize
 #define cudaMalloc hipMalloc
 #define cudaFree hipFree
