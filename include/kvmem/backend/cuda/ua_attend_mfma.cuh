@@ -132,17 +132,8 @@ __global__ void __launch_bounds__(kMfmaThreads)
         __syncthreads();
       }
       // A(e, m) from the similarity (spec 4.1), 0 where m <= pos_e
-      for (int x = static_cast<int>(threadIdx.x); x < ne * rt; x += static_cast<int>(blockDim.x)) {
-        const int e = x / rt, i = x % rt;
-        const std::int64_t m = first + r0 + i;
-        float a_em = 0.0f;
-        if (i < nr && m > e_pos[e]) {
-          const float sim = Set::kNeedsSimilarity ? at[e * L::kAPitch + i] : 0.0f;
-          a_em = kernel::ua::decay_from_similarity<Set, float>(sim, e_logit[e], e_part[e], e_pos[e], r_logit[i],
-                                                               r_part[i], m);
-        }
-        at[e * L::kAPitch + i] = a_em;
-      }
+      decay_tile<Set>(at, L::kAPitch, ne, rt, nr, first + r0, e_pos, e_logit, e_part, r_logit, r_part,
+                      [&](std::int64_t e, std::int64_t i) { return at[e * L::kAPitch + i]; });
       __syncthreads();
       carry_lambda(c, a, item, n, first, r0, nr, e0, ne, e_pos, at, L::kAPitch);
       __syncthreads();

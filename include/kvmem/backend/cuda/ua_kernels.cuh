@@ -438,6 +438,27 @@ __device__ inline void load_entry_meta(const DeviceCache<S>& c, const DeviceCall
   }
 }
 
+// A(e, m) of an entry tile for a row tile (spec 4.1), the block's threads over (entry, column): the decay
+// row m = m0 + i puts on entry e, 0 where m <= pos_e and in the columns i >= nr up to `cols`, written to
+// tile[e * pitch + i]. sim(e, i): the similarity of entry e and row i, read only by a set with the
+// similarity gate (a tensor-core kernel reads it from the same element, which this thread alone touches).
+template <class Set, class Sim>
+__device__ inline void decay_tile(float* tile, std::int64_t pitch, std::int64_t ne, std::int64_t cols, std::int64_t nr,
+                                  std::int64_t m0, const std::int64_t* e_pos, const float* e_logit, const float* e_part,
+                                  const float* r_logit, const float* r_part, Sim sim) {
+  for (std::int64_t x = threadIdx.x; x < ne * cols; x += blockDim.x) {
+    const std::int64_t e = x / cols, i = x % cols, m = m0 + i;
+    float a_em = 0.0f;
+    if (i < nr && m > e_pos[e]) {
+      float s = 0.0f;
+      if constexpr (Set::kNeedsSimilarity) s = sim(e, i);
+      a_em =
+          kernel::ua::decay_from_similarity<Set, float>(s, e_logit[e], e_part[e], e_pos[e], r_logit[i], r_part[i], m);
+    }
+    tile[e * pitch + i] = a_em;
+  }
+}
+
 // Λ along the rows in increasing m (spec 4.2), one thread per entry: tile[e * pitch + i] holds A(e, m_i)
 // on entry and Λ_{m_i, pos_e} (-inf before the entry's position) on exit, for rows m_i = first + r0 + i,
 // i < nr. λ persists in global memory between row tiles: the cache's λ for cached entries, the call's
@@ -592,18 +613,12 @@ __global__ void __launch_bounds__(kChunkThreads)
       load_entry_meta(c, a, item, b, n, t0, first, e0, ne, e_logit, e_part, e_pos);
       __syncthreads();
       // decay tile A(e, m) for the tile's rows m (spec 4.1); 0 where m <= pos_e
-      for (std::int64_t x = tid; x < ne * nr; x += blockDim.x) {
-        const std::int64_t e = x / nr, i = x % nr, m = first + r0 + i;
-        float a_em = 0.0f;
-        if (m > e_pos[e]) {
-          float sim = 0.0f;
-          if constexpr (Set::kNeedsSimilarity)
-            for (std::int64_t d = 0; d < D; ++d) sim += ks[e * pitch + d] * nk[i * pitch + d];
-          a_em = kernel::ua::decay_from_similarity<Set, float>(sim, e_logit[e], e_part[e], e_pos[e], r_logit[i],
-                                                               r_part[i], m);
-        }
-        tile[e * rt + i] = a_em;
-      }
+      decay_tile<Set>(tile, rt, ne, nr, nr, first + r0, e_pos, e_logit, e_part, r_logit, r_part,
+                      [&](std::int64_t e, std::int64_t i) {
+                        float sim = 0.0f;
+                        for (std::int64_t d = 0; d < D; ++d) sim += ks[e * pitch + d] * nk[i * pitch + d];
+                        return sim;
+                      });
       __syncthreads();
       carry_lambda(c, a, item, n, first, r0, nr, e0, ne, e_pos, tile, rt);
       __syncthreads();
@@ -978,8 +993,8 @@ __global__ void __launch_bounds__(kFinishThreads) compact_kernel(DeviceCache<S> 
 // ---- decode: what every decode path shares -----------------------------------------------------
 // One cached row's decode step (spec 4.4 step 1, 4.5): λ gains the decay that the new token at position
 // t puts on it, and the row goes when its item's cut evicts it (evict_test). A row dead before the step
-// (λ = -inf) stays dead and takes no part. The one-block pass, the entry splits and the vector-row pass all take their rows' λ,
-// eviction and attention mask from here.
+// (λ = -inf) stays dead and takes no part. The one-block pass, the entry splits and the vector-row pass all take their
+// rows' λ, eviction and attention mask from here.
 struct RowUpdate {
   float lambda;  // λ after the step (-inf for a row dead before it)
   bool dead;     // dead before the step
@@ -1722,8 +1737,8 @@ __device__ inline int decode_split_rows(const DeviceCache<S>& c, const DeviceCal
   using Q = split_rows_query_t<S>;
   S* new_k = reinterpret_cast<S*>(smem);
   S* new_v = new_k + D;
-  Q* qs = reinterpret_cast<Q*>(new_v + D);                                              // [kR][D]
-  float* nk_given = reinterpret_cast<float*>(qs + kR * D);                              // [D], fp8 only
+  Q* qs = reinterpret_cast<Q*>(new_v + D);                                        // [kR][D]
+  float* nk_given = reinterpret_cast<float*>(qs + kR * D);                        // [D], fp8 only
   float* red = reinterpret_cast<float*>(smem + split_rows_head_bytes<S>(D, kR));  // [warps][kR][D + 2]
   __shared__ int marked_block;
   __shared__ float new_scale[2];  // fp8 storage: the scales of the new token's stored rows
