@@ -978,8 +978,8 @@ __global__ void __launch_bounds__(kFinishThreads) compact_kernel(DeviceCache<S> 
 // ---- decode: what every decode path shares -----------------------------------------------------
 // One cached row's decode step (spec 4.4 step 1, 4.5): λ gains the decay that the new token at position
 // t puts on it, and the row goes when its item's cut evicts it (evict_test). A row dead before the step
-// (λ = -inf) stays dead and takes no part. The one-block pass, the entry splits and the vector-row pass all take their rows' λ,
-// eviction and attention mask from here.
+// (λ = -inf) stays dead and takes no part. The one-block pass, the entry splits and the vector-row pass all take their
+// rows' λ, eviction and attention mask from here.
 struct RowUpdate {
   float lambda;  // λ after the step (-inf for a row dead before it)
   bool dead;     // dead before the step
@@ -1722,8 +1722,8 @@ __device__ inline int decode_split_rows(const DeviceCache<S>& c, const DeviceCal
   using Q = split_rows_query_t<S>;
   S* new_k = reinterpret_cast<S*>(smem);
   S* new_v = new_k + D;
-  Q* qs = reinterpret_cast<Q*>(new_v + D);                                              // [kR][D]
-  float* nk_given = reinterpret_cast<float*>(qs + kR * D);                              // [D], fp8 only
+  Q* qs = reinterpret_cast<Q*>(new_v + D);                                        // [kR][D]
+  float* nk_given = reinterpret_cast<float*>(qs + kR * D);                        // [D], fp8 only
   float* red = reinterpret_cast<float*>(smem + split_rows_head_bytes<S>(D, kR));  // [warps][kR][D + 2]
   __shared__ int marked_block;
   __shared__ float new_scale[2];  // fp8 storage: the scales of the new token's stored rows
@@ -2227,7 +2227,8 @@ __device__ inline bool reserve_slot(const DeviceCache<S>& c, std::int64_t s, std
 // The rows of a step live in device memory, so they are checked here, before any kernel of the step
 // changes the cache (DESIGN.md 3: validation first; no host round trip, so a captured graph replays).
 // One block: it zeroes the per-step scratch, checks every row as core/slots.hpp validate_rows does
-// (query_start[0] = 0, non-decreasing, the last = tokens; slots in [-1, max_slots), each at most once)
+// (query_start[0] = 0, non-decreasing, the last = tokens; slots in [-1, max_slots), each at most once;
+// a row naming a slot within the rows' max_query_len, from which the host sized the prefill rounds)
 // and records the first refused row (lowest row, then lowest check) in `error`. A refused step runs
 // nothing, and the error is sticky: every later step is refused too until UaCache::step_status reads
 // and clears it, so an engine replaying a graph cannot miss a refused step (a slot operation whose list
@@ -2242,11 +2243,13 @@ enum StepCheck : int {
   kStepLastStart = 3,   // query_start[rows] != tokens
   kStepSlotRange = 4,   // slot[r] outside [-1, max_slots)
   kStepSlotTwice = 5,   // slot[r] used by an earlier row
+  kStepOverBound = 6,   // row r names a slot and holds more than max_query_len tokens
 };
 struct StepRows {
   const std::int32_t* slot = nullptr;   // [rows]
   const std::int32_t* start = nullptr;  // [rows + 1]
   std::int64_t rows = 0, tokens = 0, max_slots = 0;
+  std::int64_t max_len = 0;      // Rows::max_query_len (0: no bound)
   int splits = 1;                // the step's decode launch's splits (reserve_slot)
   int* go = nullptr;             // [max_slots] out: 1 = the slot's row runs this step
   int* first = nullptr;          // [max_slots] scratch: first row naming the slot
@@ -2292,6 +2295,7 @@ __global__ void __launch_bounds__(kStepBeginThreads) step_begin_kernel(DeviceCac
   for (std::int64_t row = tid; row < sr.rows; row += threads) {
     const int s = sr.slot[row];
     if (s >= 0 && s < sr.max_slots && sr.first[s] != int(row)) refuse(row, kStepSlotTwice);
+    if (s >= 0 && sr.max_len > 0 && sr.start[row + 1] - sr.start[row] > sr.max_len) refuse(row, kStepOverBound);
   }
   __syncthreads();
   if (worst != LLONG_MAX) {
@@ -2303,8 +2307,11 @@ __global__ void __launch_bounds__(kStepBeginThreads) step_begin_kernel(DeviceCac
       sr.error[2] = check == kStepFirstStart   ? sr.start[0]
                     : check == kStepLastStart  ? sr.start[sr.rows]
                     : check == kStepDecreasing ? sr.start[row]
+                    : check == kStepOverBound  ? sr.start[row + 1] - sr.start[row]
                                                : sr.slot[row];
-      sr.error[3] = check == kStepDecreasing ? sr.start[row + 1] : 0;
+      sr.error[3] = check == kStepDecreasing  ? sr.start[row + 1]
+                    : check == kStepOverBound ? int(sr.max_len < INT_MAX ? sr.max_len : INT_MAX)
+                                              : 0;
     }
     if (tid == 0) *sr.prefill_count = 0;
     return;  // every go flag is 0, and every kernel of the step reads the error first
