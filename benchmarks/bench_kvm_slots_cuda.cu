@@ -9,6 +9,13 @@
 //
 //   kvmem_bench_kvm_slots_cuda [--sequences 64] [--heads 32] [--kv-heads 32] [--min 1024] [--max 32768]
 //                              [--steps 256] [--seed 1] [--budget fixed-256|16sqrtN] [--json out.jsonl]
+//                              [--prefill-rows 0] [--prefill-len 2048] [--prefill-reps 8]
+//
+// --prefill-rows R > 0 times a prefill step instead: R rows of --prefill-len tokens each, every row
+// starting an empty slot (reset_slots before each step, timed with it), --prefill-reps times, once
+// without the rows' bound (Rows::max_query_len = 0: chunk phases and grids from the packed token count)
+// and once with it (max_query_len = --prefill-len, as vLLM's attention metadata gives it). Prints ms
+// per step and tokens/s of both and their ratio; JSON lines "kvm_slots_cuda_prefill".
 //
 // The slots are filled by importing synthetic records (counters of a sequence of that length, its
 // memory and window zero): a decode step's cost depends on how many slots and window keys it reads,
@@ -48,6 +55,7 @@ __global__ void gate_kernel(bf16* x, std::int64_t n) {  // g = 1 + elu(z) > 0
 
 struct Options {
   std::int64_t sequences = 64, heads = 32, kv_heads = 32, min_len = 1024, max_len = 32768, steps = 256;
+  std::int64_t prefill_rows = 0, prefill_len = 2048, prefill_reps = 8;
   std::uint64_t seed = 1;
   std::string budget;
   const char* json = nullptr;
@@ -181,6 +189,83 @@ void run(const std::string& name, kvmem::budget::Any budget, const Options& o, s
   CHECK_CUDA(cudaStreamDestroy(stream));
 }
 
+// R rows of L tokens each, every one starting an empty slot: the step's time without and with the rows'
+// bound (max_query_len), whose outputs are the same bits.
+void run_prefill(const std::string& name, kvmem::budget::Any budget, const Options& o, std::FILE* json) {
+  const std::int64_t R = o.prefill_rows, L = o.prefill_len, N = R * L, H = o.heads, Hk = o.kv_heads, D = 128;
+  kvmem::kvm::Params p;  // paper defaults: C = 256, nb = 2, S = 1, r = 64
+  p.budget = budget;
+  kvmem::cuda::KvmState<bf16> state;
+  CHECK_STATUS(kvmem::cuda::KvmState<bf16>::create(p, {R, H, Hk, D, D, L}, state));
+  std::vector<float> ones(std::size_t(std::max(D, H)), 1.0f), zeros(std::size_t(D), 0.0f);
+  Buffer<float> w{std::size_t(D)}, bias{std::size_t(D)}, ts{std::size_t(H)}, tw{std::size_t(H)};
+  CHECK_CUDA(cudaMemcpy(w.ptr, ones.data(), D * 4, cudaMemcpyHostToDevice));
+  CHECK_CUDA(cudaMemcpy(bias.ptr, zeros.data(), D * 4, cudaMemcpyHostToDevice));
+  CHECK_CUDA(cudaMemcpy(ts.ptr, ones.data(), H * 4, cudaMemcpyHostToDevice));
+  CHECK_CUDA(cudaMemcpy(tw.ptr, ones.data(), H * 4, cudaMemcpyHostToDevice));
+  const kvmem::cuda::KvmWeights weights{w.ptr, bias.ptr, ts.ptr, tw.ptr};
+  std::vector<std::int32_t> slot(static_cast<std::size_t>(R)), start(static_cast<std::size_t>(R + 1));
+  for (std::int64_t r = 0; r <= R; ++r) {
+    if (r < R) slot[std::size_t(r)] = std::int32_t(r);
+    start[std::size_t(r)] = std::int32_t(r * L);
+  }
+  Buffer<std::int32_t> dslot{std::size_t(R)}, dstart{std::size_t(R + 1)};
+  CHECK_CUDA(cudaMemcpy(dslot.ptr, slot.data(), slot.size() * 4, cudaMemcpyHostToDevice));
+  CHECK_CUDA(cudaMemcpy(dstart.ptr, start.data(), start.size() * 4, cudaMemcpyHostToDevice));
+  Buffer<bf16> q{std::size_t(N * H * D)}, k{std::size_t(N * Hk * D)}, v{std::size_t(N * Hk * D)},
+      g{std::size_t(N * Hk)};
+  Buffer<float> out{std::size_t(N * H * D)}, lse{std::size_t(N * H)};
+  fill(q.ptr, N * H * D, 1);
+  fill(k.ptr, N * Hk * D, 2);
+  fill(v.ptr, N * Hk * D, 3);
+  fill(g.ptr, N * Hk, 4);
+  gate_kernel<<<64, 256>>>(g.ptr, N * Hk);
+  CHECK_CUDA(cudaGetLastError());
+  cudaStream_t stream;
+  CHECK_CUDA(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  const kvmem::cuda::Executor on{stream};
+  const TensorView<const std::int32_t, 1> all(dslot.ptr, {R});
+  const auto step = [&](std::int64_t bound) {
+    CHECK_STATUS(kvmem::kvm::reset_slots(on, state, all));
+    const kvmem::Rows rows{all, TensorView<const std::int32_t, 1>(dstart.ptr, {R + 1}), bound};
+    CHECK_STATUS(kvmem::kvm::step(on, state, weights, rows, TensorView<const bf16, 3>(q.ptr, {N, H, D}),
+                                  TensorView<const bf16, 3>(k.ptr, {N, Hk, D}),
+                                  TensorView<const bf16, 3>(v.ptr, {N, Hk, D}),
+                                  TensorView<const bf16, 2>(g.ptr, {N, Hk}), TensorView<float, 3>(out.ptr, {N, H, D}),
+                                  TensorView<float, 2>(lse.ptr, {N, H})));
+  };
+  cudaEvent_t e0, e1;
+  CHECK_CUDA(cudaEventCreate(&e0));
+  CHECK_CUDA(cudaEventCreate(&e1));
+  const auto time_ms = [&](std::int64_t bound) {
+    step(bound);  // warm-up
+    CHECK_CUDA(cudaEventRecord(e0, stream));
+    for (std::int64_t i = 0; i < o.prefill_reps; ++i) step(bound);
+    CHECK_CUDA(cudaEventRecord(e1, stream));
+    CHECK_CUDA(cudaEventSynchronize(e1));
+    float ms = 0;
+    CHECK_CUDA(cudaEventElapsedTime(&ms, e0, e1));
+    CHECK_STATUS(state.step_status(on));
+    return double(ms) / double(o.prefill_reps);
+  };
+  const double unbounded = time_ms(0), bounded = time_ms(L);
+  std::printf(
+      "%-10s prefill %lld rows x %lld tokens H%lld/%lld  no bound %9.3f ms (%6.3f M tok/s)  max_query_len %9.3f ms "
+      "(%6.3f M tok/s)  x%.1f\n",
+      name.c_str(), (long long)R, (long long)L, (long long)H, (long long)Hk, unbounded, double(N) / unbounded * 1e-3,
+      bounded, double(N) / bounded * 1e-3, unbounded / bounded);
+  if (json != nullptr)
+    std::fprintf(json,
+                 "{\"bench\":\"kvm_slots_cuda_prefill\",\"budget\":\"%s\",\"rows\":%lld,\"row_tokens\":%lld,"
+                 "\"heads\":%lld,\"kv_heads\":%lld,\"reps\":%lld,\"step_ms\":%.6f,\"bounded_step_ms\":%.6f,"
+                 "\"tokens_per_s\":%.1f,\"bounded_tokens_per_s\":%.1f}\n",
+                 name.c_str(), (long long)R, (long long)L, (long long)H, (long long)Hk, (long long)o.prefill_reps,
+                 unbounded, bounded, double(N) / unbounded * 1e3, double(N) / bounded * 1e3);
+  CHECK_CUDA(cudaEventDestroy(e0));
+  CHECK_CUDA(cudaEventDestroy(e1));
+  CHECK_CUDA(cudaStreamDestroy(stream));
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -205,6 +290,12 @@ int main(int argc, char** argv) {
       o.budget = argv[i + 1];
     else if (a == "--json")
       o.json = argv[i + 1];
+    else if (a == "--prefill-rows")
+      o.prefill_rows = std::atoll(argv[i + 1]);
+    else if (a == "--prefill-len")
+      o.prefill_len = std::max<std::int64_t>(1, std::atoll(argv[i + 1]));
+    else if (a == "--prefill-reps")
+      o.prefill_reps = std::max<std::int64_t>(1, std::atoll(argv[i + 1]));
     else {
       std::fprintf(stderr, "unknown option %s\n", a.c_str());
       return 2;
@@ -215,8 +306,9 @@ int main(int argc, char** argv) {
     return 0;
   }
   std::FILE* json = o.json ? std::fopen(o.json, "a") : nullptr;
-  if (o.budget.empty() || o.budget == "fixed-256") run("fixed-256", kvmem::budget::Fixed{}, o, json);
-  if (o.budget.empty() || o.budget == "16sqrtN") run("16sqrtN", kvmem::budget::Power{}, o, json);
+  const auto bench = o.prefill_rows > 0 ? run_prefill : run;
+  if (o.budget.empty() || o.budget == "fixed-256") bench("fixed-256", kvmem::budget::Fixed{}, o, json);
+  if (o.budget.empty() || o.budget == "16sqrtN") bench("16sqrtN", kvmem::budget::Power{}, o, json);
   if (json != nullptr) std::fclose(json);
   return 0;
 }

@@ -323,7 +323,8 @@ class Decoder:
         args, kw = self._ua_args()
         return self.cfg.layers * sum(kvmem.ua_layout(*args, **kw))
 
-    def attention(self, l: int, h: torch.Tensor, pos, slot, query_start, rows=None) -> torch.Tensor:
+    def attention(self, l: int, h: torch.Tensor, pos, slot, query_start, rows=None,
+                  max_query_len: int = 0) -> torch.Tensor:
         c, w, N, D = self.cfg, self.w, h.shape[0], self.cfg.head_dim
         q = (h @ w[f"{l}.wq"][self.qrows].T).view(N, self.hq, D)
         k = (h @ w[f"{l}.wk"][self.krows].T).view(N, self.hk, D)
@@ -337,10 +338,10 @@ class Decoder:
         t0 = time.perf_counter()
         if c.mechanism == "kvm":
             o, _ = kvmem.kvm_step(state, self.kvm_weights, slot, query_start, q, k, v, torch.sigmoid(zk),
-                                  wait=c.wait)
+                                  wait=c.wait, max_query_len=max_query_len)
         elif c.mechanism == "ua":
             o, _ = kvmem.ua_step(state, slot, query_start, q, k, v, zk, zq, p=c.ua_p,
-                                 prefill_chunk=c.ua_prefill_chunk, wait=c.wait)
+                                 prefill_chunk=c.ua_prefill_chunk, wait=c.wait, max_query_len=max_query_len)
         elif isinstance(state, SdpaCache):
             o = state.step(rows, q, k, v) if rows is not None else state.decode_at(pos, q, k, v)
         else:
@@ -357,15 +358,17 @@ class Decoder:
             for s in self.states:
                 kvmem.step_status(s)
 
-    def forward(self, tokens, pos, slot, query_start, last, rows=None) -> torch.Tensor:
+    def forward(self, tokens, pos, slot, query_start, last, rows=None, max_query_len: int = 0) -> torch.Tensor:
         """Logits [len(last), vocab] of the tokens at indices `last` of the packed batch. `rows`: the
         batch's (slot, first token, end token) on the host, for the dense cache on CUDA; without them
         the dense cache takes the batch as one decode token of each slot 0..n-1 at position pos[0]
-        (SdpaCache.decode_at, which a CUDA graph can capture)."""
+        (SdpaCache.decode_at, which a CUDA graph can capture). `max_query_len`: the longest row's
+        tokens, known on the host as in vLLM's attention metadata (0: unknown); a CUDA step sizes its
+        launches from it instead of from the packed token count."""
         w = self.w
         x = w["embed"][tokens]
         for l in range(self.cfg.layers):
-            x = x + self.attention(l, rms_norm(x, w[f"{l}.attn_norm"]), pos, slot, query_start, rows)
+            x = x + self.attention(l, rms_norm(x, w[f"{l}.attn_norm"]), pos, slot, query_start, rows, max_query_len)
             h = rms_norm(x, w[f"{l}.mlp_norm"])
             x = x + (torch.nn.functional.silu(h @ w[f"{l}.w_gate"].T) * (h @ w[f"{l}.w_up"].T)) @ w[f"{l}.w_down"].T
         return rms_norm(x[last], w["final_norm"]) @ w["embed"].T
@@ -438,7 +441,8 @@ def serve(model: Decoder, requests: List[Request], verbose: bool = False, on_ste
                                    torch.tensor(slot, dtype=torch.int32, device=dev),
                                    torch.tensor(qs, dtype=torch.int32, device=dev),
                                    torch.tensor(last, dtype=torch.long, device=dev),
-                                   rows=[(slot[r], qs[r], qs[r + 1]) for r in range(len(slot))])
+                                   rows=[(slot[r], qs[r], qs[r + 1]) for r in range(len(slot))],
+                                   max_query_len=max(qs[r + 1] - qs[r] for r in range(live_rows)))
             logits = logits.float().cpu()
             chosen = logits.argmax(-1).tolist()
         i = 0
@@ -523,7 +527,8 @@ def _bench_steps(model: Decoder, n_seq: int, prompt: int, decode_steps: int, chu
         logits = model.forward(torch.cat(tok).to(dev), torch.cat(pos).to(dev),
                                torch.tensor(slot, dtype=torch.int32, device=dev),
                                torch.tensor(qs, dtype=torch.int32, device=dev),
-                               torch.tensor(ends, dtype=torch.long, device=dev), rows=rows)
+                               torch.tensor(ends, dtype=torch.long, device=dev), rows=rows,
+                               max_query_len=max(b - a for _, a, b in rows))
         done = [s for s, _, b in rows if s >= 0 and fed[s] == prompt]
         if done:
             last_tok[done] = logits.argmax(-1)
@@ -537,12 +542,12 @@ def _bench_steps(model: Decoder, n_seq: int, prompt: int, decode_steps: int, chu
     logits = None
     if graphs:
         pos = torch.full((n_seq,), prompt, dtype=torch.long, device=dev)
-        logits = model.forward(last_tok, pos, slot, qs, every, rows=rows)  # warms every kernel up
+        logits = model.forward(last_tok, pos, slot, qs, every, rows=rows, max_query_len=1)  # warms every kernel up
         tok, pos = logits.argmax(-1), pos + 1
         model.step_status()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, capture_error_mode="thread_local"):
-            logits = model.forward(tok, pos, slot, qs, every)
+            logits = model.forward(tok, pos, slot, qs, every, max_query_len=1)
             tok.copy_(logits.argmax(-1))
             pos.add_(1)
         _sync(dev)
@@ -553,7 +558,7 @@ def _bench_steps(model: Decoder, n_seq: int, prompt: int, decode_steps: int, chu
         t2 = t1
         for i in range(decode_steps):
             pos = torch.full((n_seq,), prompt + i, dtype=torch.long, device=dev)
-            logits = model.forward(last_tok, pos, slot, qs, every, rows=rows)
+            logits = model.forward(last_tok, pos, slot, qs, every, rows=rows, max_query_len=1)
             last_tok = logits.argmax(-1)
     _sync(dev)
     t3 = time.perf_counter()

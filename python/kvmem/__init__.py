@@ -241,7 +241,8 @@ def ua_place(memory: torch.Tensor, workspace: torch.Tensor, max_slots: int, q_he
 
 def kvm_step(state: State, weights: KvmWeights, slot: torch.Tensor, query_start: torch.Tensor,
              q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gate: torch.Tensor, *,
-             exact: bool = False, wait: bool = True) -> Tuple[torch.Tensor, torch.Tensor]:
+             exact: bool = False, wait: bool = True,
+             max_query_len: int = 0) -> Tuple[torch.Tensor, torch.Tensor]:
     """One KV Means step over a ragged batch of sequence slots; returns ``(out, lse)``.
 
     Row r runs the tokens ``query_start[r]:query_start[r+1]`` of the sequence in ``slot[r]`` and
@@ -258,14 +259,22 @@ def kvm_step(state: State, weights: KvmWeights, slot: torch.Tensor, query_start:
     With ``wait=False``, and inside a CUDA graph capture, it does not wait: a refused step changes
     nothing and is raised by ``step_status`` or the next step that waits (a decode loop that keeps
     the device busy calls ``step_status`` once per so many steps). On the CPU a step is checked
-    before it runs and raises at once, whatever ``wait`` says."""
-    return _ops.kvm_step(state, list(weights), slot, query_start, q, k, v, gate, exact, wait)
+    before it runs and raises at once, whatever ``wait`` says.
+
+    ``max_query_len`` bounds the tokens of every row that names a slot (vLLM's attention metadata
+    ``max_query_len``; 0, the default, means unknown). The rows live on the device, so the CUDA step
+    sizes its launches from this host-side bound: a prefill of a few long rows then runs in the chunk
+    phases its rows need instead of as many as the packed token count allows. A row that names a slot
+    and holds more tokens refuses the step (ValueError; nothing changes) on every backend. A padding
+    row is not bound by it. A graph captured with a bound keeps it for its replays."""
+    return _ops.kvm_step(state, list(weights), slot, query_start, q, k, v, gate, exact, wait, max_query_len)
 
 
 def ua_step(state: State, slot: torch.Tensor, query_start: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
             v: torch.Tensor, z_k: torch.Tensor, z_q: torch.Tensor, z_o: Optional[torch.Tensor] = None, *,
             p: float = 0.0, prefill_chunk: int = 128,
-            evict_before_attention: bool = True, wait: bool = True) -> Tuple[torch.Tensor, torch.Tensor]:
+            evict_before_attention: bool = True, wait: bool = True,
+            max_query_len: int = 0) -> Tuple[torch.Tensor, torch.Tensor]:
     """One Universal Attention step over a ragged batch of sequence slots; returns ``(out, lse)``.
 
     A one-token row is a decode step, a longer row a chunked prefill (chunks of ``prefill_chunk``
@@ -281,9 +290,14 @@ def ua_step(state: State, slot: torch.Tensor, query_start: torch.Tensor, q: torc
     waits for the current stream). With ``wait=False`` it checks shapes and options only, and inside a
     CUDA graph capture nothing on the host: the device refuses bad rows (changing nothing), and a row
     without room is skipped (outputs zero) and its slot flagged; ``step_status`` reports both. On the
-    CPU a step is checked before it runs and raises at once, whatever ``wait`` says."""
+    CPU a step is checked before it runs and raises at once, whatever ``wait`` says.
+
+    ``max_query_len`` bounds the tokens of every row that names a slot, as in ``kvm_step`` (0: unknown):
+    the CUDA step runs as many prefill rounds as that bound needs (none for a bound of 1) instead of as
+    many as the packed token count allows. A row that names a slot and holds more tokens refuses the
+    step (ValueError; nothing changes) on every backend; a padding row is not bound by it."""
     return _ops.ua_step(state, slot, query_start, q, k, v, z_k, z_q, z_o, p, prefill_chunk,
-                        evict_before_attention, wait)
+                        evict_before_attention, wait, max_query_len)
 
 
 def step_status(state: State) -> None:

@@ -64,7 +64,8 @@ TensorView<T, R> view(const at::Tensor& t) {
   return TensorView<T, R>(static_cast<T*>(t.data_ptr()), ext);
 }
 
-// The row batch of a step (int32 slot [rows], query_start [rows + 1]), contiguous, on `device`.
+// The row batch of a step (int32 slot [rows], query_start [rows + 1]), contiguous, on `device`; rows()
+// adds the caller's bound on a row's tokens (Rows::max_query_len, 0: none).
 struct RowTensors {
   at::Tensor slot, query_start;
   RowTensors(const at::Tensor& s, const at::Tensor& qs, const char* op, const c10::Device& device) {
@@ -73,8 +74,8 @@ struct RowTensors {
     slot = s.contiguous();
     query_start = qs.contiguous();
   }
-  [[nodiscard]] Rows rows() const {
-    return {view<const std::int32_t, 1>(slot), view<const std::int32_t, 1>(query_start)};
+  [[nodiscard]] Rows rows(std::int64_t max_query_len) const {
+    return {view<const std::int32_t, 1>(slot), view<const std::int32_t, 1>(query_start), max_query_len};
   }
 };
 

@@ -166,7 +166,7 @@ std::pair<std::int64_t, std::int64_t> meta_dims(const Holder& h, const char* op,
 std::tuple<at::Tensor, at::Tensor> kvm_step(const Holder& h, const std::vector<at::Tensor>& weights,
                                             const at::Tensor& slot, const at::Tensor& query_start, const at::Tensor& q,
                                             const at::Tensor& k, const at::Tensor& v, const at::Tensor& gate,
-                                            bool exact, bool /*wait*/) {
+                                            bool exact, bool /*wait*/, std::int64_t max_query_len) {
   constexpr const char* op = "kvm_step";
   return with_kvm_state(h, op, [&]<class S>(KvmStateOf<S>& state) -> std::tuple<at::Tensor, at::Tensor> {
     const KvmWeightTensors w(weights, op, kCpu);
@@ -174,7 +174,8 @@ std::tuple<at::Tensor, at::Tensor> kvm_step(const Holder& h, const std::vector<a
     KvmStepTensors t(slot, query_start, q, k, v, gate, sh.Hq, sh.Dv, op, kCpu, dtype_of<S>());
     t.to_float();
     const auto [qv, kv, vv, gv, ov] = t.views<float>();
-    check(kvm::step(executor(exact), state, w.get(), t.rows.rows(), qv, kv, vv, gv, ov, view<float, 2>(t.lse)));
+    check(kvm::step(executor(exact), state, w.get(), t.rows.rows(max_query_len), qv, kv, vv, gv, ov,
+                    view<float, 2>(t.lse)));
     return t.result();
   });
 }
@@ -182,7 +183,8 @@ std::tuple<at::Tensor, at::Tensor> kvm_step(const Holder& h, const std::vector<a
 std::tuple<at::Tensor, at::Tensor> kvm_step_meta(const Holder& h, const std::vector<at::Tensor>& /*weights*/,
                                                  const at::Tensor& /*slot*/, const at::Tensor& /*query_start*/,
                                                  const at::Tensor& q, const at::Tensor& /*k*/, const at::Tensor& /*v*/,
-                                                 const at::Tensor& /*gate*/, bool /*exact*/, bool /*wait*/) {
+                                                 const at::Tensor& /*gate*/, bool /*exact*/, bool /*wait*/,
+                                                 std::int64_t /*max_query_len*/) {
   const auto [heads, dim] = meta_dims(h, "kvm_step", true);
   return {at::empty({q.size(0), heads, dim}, q.options()),
           at::empty({q.size(0), heads}, q.options().dtype(at::kFloat))};
@@ -192,13 +194,13 @@ std::tuple<at::Tensor, at::Tensor> ua_step(const Holder& h, const at::Tensor& sl
                                            const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                            const at::Tensor& z_k, const at::Tensor& z_q,
                                            const c10::optional<at::Tensor>& z_o, double p, std::int64_t prefill_chunk,
-                                           bool evict_before_attention, bool /*wait*/) {
+                                           bool evict_before_attention, bool /*wait*/, std::int64_t max_query_len) {
   constexpr const char* op = "ua_step";
   return with_ua_cache(h, op, [&]<class S>(UaCacheOf<S>& cache) {
     UaStepTensors t(slot, query_start, q, k, v, z_k, z_q, z_o, cache.shape(), op, kCpu, dtype_of<S>());
     t.inputs_to_float();
     const ua::Options opt{p, prefill_chunk, evict_before_attention};
-    check(ua::step(executor(), cache, t.rows.rows(), t.inputs<float>(), opt, view<float, 3>(t.out),
+    check(ua::step(executor(), cache, t.rows.rows(max_query_len), t.inputs<float>(), opt, view<float, 3>(t.out),
                    view<float, 2>(t.lse)));
     return t.result();
   });
@@ -210,7 +212,7 @@ std::tuple<at::Tensor, at::Tensor> ua_step_meta(const Holder& h, const at::Tenso
                                                 const at::Tensor& /*z_k*/, const at::Tensor& /*z_q*/,
                                                 const c10::optional<at::Tensor>& /*z_o*/, double /*p*/,
                                                 std::int64_t /*prefill_chunk*/, bool /*evict_before_attention*/,
-                                                bool /*wait*/) {
+                                                bool /*wait*/, std::int64_t /*max_query_len*/) {
   const auto [heads, dim] = meta_dims(h, "ua_step", false);
   return {at::empty({q.size(0), heads, dim}, q.options()),
           at::empty({q.size(0), heads}, q.options().dtype(at::kFloat))};
@@ -406,11 +408,12 @@ TORCH_LIBRARY(kvmem, m) {
   // built with it, a CUDA kernel (ops_cuda.cu).
   m.def(
       "kvm_step(__torch__.torch.classes.kvmem.State state, Tensor[] weights, Tensor slot, Tensor query_start, "
-      "Tensor q, Tensor k, Tensor v, Tensor gate, bool exact=False, bool wait=True) -> (Tensor out, Tensor lse)");
+      "Tensor q, Tensor k, Tensor v, Tensor gate, bool exact=False, bool wait=True, int max_query_len=0) -> "
+      "(Tensor out, Tensor lse)");
   m.def(
       "ua_step(__torch__.torch.classes.kvmem.State state, Tensor slot, Tensor query_start, Tensor q, Tensor k, "
       "Tensor v, Tensor z_k, Tensor z_q, Tensor? z_o=None, float p=0., int prefill_chunk=128, "
-      "bool evict_before_attention=True, bool wait=True) -> (Tensor out, Tensor lse)");
+      "bool evict_before_attention=True, bool wait=True, int max_query_len=0) -> (Tensor out, Tensor lse)");
   m.def("reset_slots(__torch__.torch.classes.kvmem.State state, Tensor slots) -> ()");
   m.def("copy_slots(__torch__.torch.classes.kvmem.State state, Tensor src, Tensor dst) -> ()");
   m.def("import_slot(__torch__.torch.classes.kvmem.State state, Tensor[] weights, int slot, Tensor bytes) -> ()");

@@ -238,14 +238,15 @@ class UaOnCuda final : public OnCuda<CudaUa<S>> {
   // flagged by an earlier captured step is skipped, as the host skips a flagged slot). Without it the
   // device would skip a row that has no room and step the others, which a raise could not report
   // without losing their outputs. Also raises a refusal the device kept from a captured step.
-  void check_before_step(const RowTensors& rows, std::int64_t tokens, const cuda::Executor& exec) {
+  void check_before_step(const RowTensors& rows, std::int64_t max_query_len, std::int64_t tokens,
+                         const cuda::Executor& exec) {
     check(state_->step_status(exec), "a step enqueued earlier was refused on the device");
     std::vector<std::int32_t> flags;
     check(state_->overflowed(exec, flags));
     std::vector<std::int64_t> lengths;
     check(state_->lengths(lengths, exec.stream));
     const at::Tensor slot = rows.slot.to(c10::kCPU), start = rows.query_start.to(c10::kCPU);
-    const Rows host{view<const std::int32_t, 1>(slot), view<const std::int32_t, 1>(start)};
+    const Rows host{view<const std::int32_t, 1>(slot), view<const std::int32_t, 1>(start), max_query_len};
     check(validate_rows(host, max_slots(), tokens));
     const ua::CacheShape& s = state_->shape();
     for (std::int64_t r = 0; r < host.count(); ++r) {
@@ -307,7 +308,7 @@ void with_cuda_state(const Holder& h, const char* op, F&& f) {
 std::tuple<at::Tensor, at::Tensor> kvm_step(const Holder& h, const std::vector<at::Tensor>& weights,
                                             const at::Tensor& slot, const at::Tensor& query_start, const at::Tensor& q,
                                             const at::Tensor& k, const at::Tensor& v, const at::Tensor& gate,
-                                            bool /*exact*/, bool wait) {
+                                            bool /*exact*/, bool wait, std::int64_t max_query_len) {
   constexpr const char* op = "kvm_step";
   return with_cuda_kvm(h, op, [&]<class S>(KvmOnCuda<S>& st) -> std::tuple<at::Tensor, at::Tensor> {
     const c10::Device dev = st.device();
@@ -319,7 +320,7 @@ std::tuple<at::Tensor, at::Tensor> kvm_step(const Holder& h, const std::vector<a
     const KvmStepTensors t(slot, query_start, q, k, v, gate, sh.Hq, sh.Dv, op, dev, dtype_of<S>());
     const cuda::Executor exec = executor(dev);
     const auto [qv, kv, vv, gv, ov] = t.views<S>();
-    check(kvm::step(exec, state, KvmOnCuda<S>::device_weights(w), t.rows.rows(), qv, kv, vv, gv, ov,
+    check(kvm::step(exec, state, KvmOnCuda<S>::device_weights(w), t.rows.rows(max_query_len), qv, kv, vv, gv, ov,
                     view<float, 2>(t.lse)));
     if (wait && !capturing(exec.stream)) check(state.step_status(exec));
     return t.result();
@@ -330,7 +331,7 @@ std::tuple<at::Tensor, at::Tensor> ua_step(const Holder& h, const at::Tensor& sl
                                            const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                            const at::Tensor& z_k, const at::Tensor& z_q,
                                            const c10::optional<at::Tensor>& z_o, double p, std::int64_t prefill_chunk,
-                                           bool evict_before_attention, bool wait) {
+                                           bool evict_before_attention, bool wait, std::int64_t max_query_len) {
   constexpr const char* op = "ua_step";
   return with_cuda_ua(h, op, [&]<class S>(UaOnCuda<S>& st) {
     const c10::Device dev = st.device();
@@ -346,9 +347,9 @@ std::tuple<at::Tensor, at::Tensor> ua_step(const Holder& h, const at::Tensor& sl
       // the host's order: options and shapes, then the rows and the room they need (which waits)
       check(ua::detail::validate_options(opt));
       check(ua::detail::check_packed_step(cache.shape(), in, view<float, 3>(t.out), view<float, 2>(t.lse)));
-      if (wait) st.check_before_step(t.rows, t.q.size(0), exec);
+      if (wait) st.check_before_step(t.rows, max_query_len, t.q.size(0), exec);
     }
-    check(ua::step(exec, cache, t.rows.rows(), in, opt, view<float, 3>(t.out), view<float, 2>(t.lse)));
+    check(ua::step(exec, cache, t.rows.rows(max_query_len), in, opt, view<float, 3>(t.out), view<float, 2>(t.lse)));
     return t.result();
   });
 }

@@ -341,6 +341,45 @@ def test_bad_inputs_raise_with_kvmems_message():
     assert state.tokens(0) == 3 and torch.equal(kvmem.export_slot(state, 0), before)
 
 
+def test_max_query_len_bounds_the_rows_of_a_step():
+    """max_query_len (vLLM's max_query_len) bounds the tokens of every row that names a slot: a bound
+    that holds, padding rows longer than it included, gives what the unbounded step gives; a row over
+    it raises ValueError and changes nothing, on both mechanisms."""
+    w = random_weights(30)
+    x = kvm_inputs(14, 31)
+    bounded, unbounded = kvm_state(), kvm_state()
+    s, qs = rows([0, -1, 2], [5, 8, 1])  # 5 tokens, a padding row of 8, a decode token
+
+    def kvm(state, **kw):
+        return kvmem.kvm_step(state, w, s, qs, x["q"], x["k"], x["v"], x["gate"], exact=True, **kw)
+
+    with pytest.raises(ValueError, match=r"max_query_len: expected at least the tokens of every row that names a "
+                                         r"slot \(row 0: 5\), got 4"):
+        kvm(bounded, max_query_len=4)
+    with pytest.raises(ValueError, match=r"max_query_len: expected >= 0"):
+        kvm(bounded, max_query_len=-1)
+    assert bounded.tokens(0) == 0 and bounded.tokens(2) == 0
+    for a, b in zip(kvm(bounded, max_query_len=5), kvm(unbounded)):
+        assert torch.equal(a, b)
+    assert torch.equal(kvmem.export_slot(bounded, 0), kvmem.export_slot(unbounded, 0))
+    # positional, after wait: the op's schema appends it, so older positional calls still bind
+    out, _ = torch.ops.kvmem.kvm_step(bounded, list(w), s, qs, x["q"], x["k"], x["v"], x["gate"], True, True, 5)
+    assert bounded.tokens(0) == 10
+
+    u = ua_inputs(14, 32)
+    caches = kvmem.ua_create(4, HQ, HK, D, 32), kvmem.ua_create(4, HQ, HK, D, 32)
+
+    def ua(cache, **kw):
+        return kvmem.ua_step(cache, s, qs, u["q"], u["k"], u["v"], u["z_k"], u["z_q"], p=0.15, prefill_chunk=4, **kw)
+
+    with pytest.raises(ValueError, match=r"\(row 0: 5\), got 1"):
+        ua(caches[0], max_query_len=1)
+    assert caches[0].tokens(0) == 0
+    for a, b in zip(ua(caches[0], max_query_len=5), ua(caches[1])):
+        assert torch.equal(a, b)
+    assert torch.equal(kvmem.export_slot(caches[0], 0), kvmem.export_slot(caches[1], 0))
+
+
 # ---- meta and fake tensors: shapes without running the backend -----------------------------------------
 
 def test_meta_kernels_give_output_shapes_and_leave_the_state():
@@ -355,7 +394,7 @@ def test_meta_kernels_give_output_shapes_and_leave_the_state():
 
     cache = kvmem.ua_create(2, HQ, HK, D, 16)
     u = {n: t.to("meta") for n, t in ua_inputs(7, 26).items()}
-    out, lse = kvmem.ua_step(cache, s.to("meta"), qs.to("meta"), **u, p=0.05)
+    out, lse = kvmem.ua_step(cache, s.to("meta"), qs.to("meta"), **u, p=0.05, max_query_len=5)
     assert out.shape == (7, HQ, D) and lse.shape == (7, HQ)
     assert cache.tokens(0) == 0
 

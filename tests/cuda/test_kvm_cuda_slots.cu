@@ -116,6 +116,7 @@ Tok random_tok(const Dims& d, std::mt19937_64& rng) {
 struct Batch {
   std::vector<std::int32_t> slot, start{0};
   std::vector<float> q, k, v, g, out, lse;
+  std::int64_t max_query_len = 0;  // Rows::max_query_len
   void add(std::int32_t s, const std::vector<Tok>& toks, std::int64_t from, std::int64_t to) {
     slot.push_back(s);
     for (std::int64_t i = from; i < to; ++i) {
@@ -135,7 +136,8 @@ struct Batch {
     Dev<S> dq(as_storage<S>(q)), dk(as_storage<S>(k)), dv(as_storage<S>(v)), dg(as_storage<S>(g));
     Dev<float> dout(std::vector<float>(std::size_t(T * d.Hq * d.Dv), -7.f)),
         dlse(std::vector<float>(std::size_t(T * d.Hq), -7.f));
-    const Rows rows{I32View(ds.ptr, {std::int64_t(slot.size())}), I32View(dst.ptr, {std::int64_t(start.size())})};
+    const Rows rows{I32View(ds.ptr, {std::int64_t(slot.size())}), I32View(dst.ptr, {std::int64_t(start.size())}),
+                    max_query_len};
     const kvmem::cuda::Executor exec{};
     const Status s =
         kvm::step(exec, st, w.device(), rows, TensorView<const S, 3>(dq.ptr, {T, d.Hq, d.D}),
@@ -1000,6 +1002,112 @@ TEST_CASE("cuda kvm slots: bad slot indices and bad rows are refused and leave t
   // after every refusal a good step still runs
   feed_both<float>(&st, 2, nullptr, -1, rw, d, toks, 20, 30);
   REQUIRE(tokens_of(st, 2) == 30);
+}
+
+// Rows::max_query_len sizes a step's phases and its ingest and readout grids from the longest row instead
+// of the packed token count: a block per (row, position in its segment) once that grid is smaller than a
+// block per packed token. Only the mapping of blocks to tokens changes, so outputs, lse and every slot's
+// record equal those of the same steps without the bound, bit for bit. Step 1: a bound below the chunk
+// (2 phases instead of 6; the row grid, where the unbounded step takes the token grid) with a padding row
+// longer than the bound, zeroed by its blocks striding over it; step 2: rows of several chunks, with
+// updates (4 phases instead of 8, both on the row grid). A row over the bound refuses the step, and nothing changes.
+template <class S>
+void bounded_rows(std::uint64_t seed) {
+  const Dims d;
+  const RandomWeights rw(d, seed);
+  const kvm::Params p = make_params(64, kSqrt);
+  const kvmem::cuda::Executor exec{};
+  kvmem::cuda::KvmState<S> bounded, unbounded;
+  for (auto* st : {&bounded, &unbounded})
+    REQUIRE(kvmem::cuda::KvmState<S>::create(p, {5, d.Hq, d.Hk, d.D, d.Dv, 512}, *st).is_ok());
+  std::mt19937_64 rng(seed);
+  std::vector<std::vector<Tok>> seq(5);
+  for (auto& toks : seq)
+    for (int t = 0; t < 260; ++t) toks.push_back(random_tok<S>(d, rng));
+  std::vector<Tok> pad;
+  for (int t = 0; t < 100; ++t) pad.push_back(random_tok<S>(d, rng));
+  for (auto* st : {&bounded, &unbounded}) {  // slots 1 and 3 mid-chunk, so segments start anywhere
+    feed_both<S>(st, 1, nullptr, -1, rw, d, seq[1], 0, 23);
+    feed_both<S>(st, 3, nullptr, -1, rw, d, seq[3], 0, 50);
+  }
+  const auto same = [&](Batch& with, Batch& without) {
+    const Status a = with.run(bounded, rw, d), b = without.run(unbounded, rw, d);
+    INFO(a.to_string() << " / " << b.to_string());
+    REQUIRE(a.is_ok());
+    REQUIRE(b.is_ok());
+    REQUIRE(bounded.step_status(exec).is_ok());
+    REQUIRE(unbounded.step_status(exec).is_ok());
+    CHECK(std::memcmp(with.out.data(), without.out.data(), with.out.size() * sizeof(float)) == 0);
+    CHECK(std::memcmp(with.lse.data(), without.lse.data(), with.lse.size() * sizeof(float)) == 0);
+    for (std::int32_t s = 0; s < 5; ++s) {
+      INFO("slot " << s);
+      CHECK(export_of(bounded, s) == export_of(unbounded, s));
+    }
+  };
+  const auto step1 = [&](std::int64_t bound) {  // 40 + 100 (padding) + 40 + 40 + 40 tokens
+    Batch b;
+    b.add(0, seq[0], 0, 40);
+    b.add(-1, pad, 0, 100);
+    b.add(1, seq[1], 23, 63);
+    b.add(3, seq[3], 50, 90);  // crosses the chunk boundary at 64: two segments
+    b.add(-1, pad, 0, 0);
+    b.add(4, seq[4], 0, 40);
+    b.max_query_len = bound;
+    return b;
+  };
+  Batch with1 = step1(40), without1 = step1(0);
+  same(with1, without1);
+  for (std::size_t i = 40 * std::size_t(d.Hq * d.Dv); i < 140 * std::size_t(d.Hq * d.Dv); ++i)
+    REQUIRE(with1.out[i] == 0.0f);  // the padding row, every token of it
+  for (std::size_t i = 40 * std::size_t(d.Hq); i < 140 * std::size_t(d.Hq); ++i) REQUIRE(with1.lse[i] == 0.0f);
+  const auto step2 = [&](std::int64_t bound) {  // rows of up to 150 tokens, updates included
+    Batch b;
+    b.add(0, seq[0], 40, 190);
+    b.add(1, seq[1], 63, 200);
+    b.add(-1, pad, 0, 3);
+    b.add(3, seq[3], 90, 240);
+    b.max_query_len = bound;
+    return b;
+  };
+  Batch with2 = step2(150), without2 = step2(0);
+  same(with2, without2);
+
+  // a row naming a slot over the bound: refused on the device, reported by step_status, nothing changes
+  std::vector<std::vector<std::byte>> before;
+  for (std::int32_t s = 0; s < 5; ++s) before.push_back(export_of(bounded, s));
+  Batch over;
+  over.add(2, seq[2], 0, 30);
+  over.add(4, seq[4], 40, 50);
+  over.max_query_len = 20;
+  REQUIRE(over.run(bounded, rw, d).is_ok());  // the rows are on the device: the call enqueues
+  const Status refused = bounded.step_status(exec);
+  INFO(refused.to_string());
+  CHECK(refused.code() == StatusCode::kInvalidArgument);
+  CHECK(refused.message().find("max_query_len") != std::string::npos);
+  CHECK(refused.message().find("row 0: 30") != std::string::npos);
+  CHECK(bounded.step_status(exec).is_ok());  // read and cleared
+  for (std::int32_t s = 0; s < 5; ++s) CHECK(export_of(bounded, s) == before[std::size_t(s)]);
+  Batch negative;
+  negative.add(2, seq[2], 0, 1);
+  negative.max_query_len = -1;
+  CHECK(negative.run(bounded, rw, d).code() == StatusCode::kInvalidArgument);  // refused on the host
+  // and the state steps on with a bound that holds
+  Batch next = step1(40), next_without = step1(0);
+  next.slot[0] = next_without.slot[0] = 2;
+  same(next, next_without);
+}
+
+TEST_CASE(
+    "cuda kvm step: max_query_len gives the unbounded step's outputs and state bitwise; a row over it is "
+    "refused",
+    "[slots][gpu]") {
+  if (no_device()) return;
+  SECTION("float") {
+    bounded_rows<float>(81);
+  }
+  SECTION("bf16") {
+    bounded_rows<kvmem::bf16>(82);
+  }
 }
 
 TEST_CASE("cuda kvm slots: a refused slot list refuses later calls until step_status reads it, then calls run",

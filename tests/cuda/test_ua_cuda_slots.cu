@@ -223,8 +223,9 @@ struct DevStep {
     put(qs.ptr, h.qs);
     KVMEM_CUDA_REQUIRE(cudaStreamSynchronize(stream));
   }
-  Rows rows(std::int64_t R) const {
-    return {TensorView<const std::int32_t, 1>(slot.ptr, {R}), TensorView<const std::int32_t, 1>(qs.ptr, {R + 1})};
+  Rows rows(std::int64_t R, std::int64_t max_query_len = 0) const {
+    return {TensorView<const std::int32_t, 1>(slot.ptr, {R}), TensorView<const std::int32_t, 1>(qs.ptr, {R + 1}),
+            max_query_len};
   }
   // the shapes name dm's fields in place: nvcc (#177) reports a local used only as a bare element of a
   // braced shape as never referenced
@@ -242,11 +243,12 @@ struct DevStep {
   // Runs one step of `h` (uploaded) and returns out [N,H,D] and lse [N,H].
   template <class Set = kvmem::decay::Universal>
   std::pair<std::vector<float>, std::vector<float>> run(kvmem::cuda::UaCache<S>& cache, const HostStep& h,
-                                                        const kua::Options& opt, cudaStream_t stream) {
+                                                        const kua::Options& opt, cudaStream_t stream,
+                                                        std::int64_t max_query_len = 0) {
     upload(h, stream);
     const std::int64_t N = h.tokens(), R = std::int64_t(h.slot.size());
-    const Status st =
-        kua::step<Set>(kvmem::cuda::Executor{stream}, cache, rows(R), inputs(N), opt, out_view(N), lse_view(N));
+    const Status st = kua::step<Set>(kvmem::cuda::Executor{stream}, cache, rows(R, max_query_len), inputs(N), opt,
+                                     out_view(N), lse_view(N));
     INFO(st.to_string());
     REQUIRE(st.is_ok());
     const Status checked = cache.step_status(kvmem::cuda::Executor{stream});
@@ -1176,6 +1178,91 @@ TEST_CASE("ua cuda slots: empty caches, bad slots and bad rows are refused and l
   CHECK(kua::truncate(exec, cache, 0, 30).is_ok());
   CHECK(cache.position(0) == 0);
   CHECK(kua::export_bytes(cache, 0) < before[0].size());
+}
+
+// Rows::max_query_len bounds the prefill rounds of a step (ceil(bound / prefill_chunk) instead of
+// ceil(tokens / prefill_chunk); none for a bound of 1), which leaves out only rounds that had nothing to
+// do: outputs, lse and every slot's record equal those of the same steps without the bound, bit for bit.
+// The longest row holds 2 prefill chunks and 1 token, so a round short would leave its last token out.
+// A row naming a slot over the bound refuses the step with the host's Status, and nothing changes.
+TEST_CASE(
+    "ua cuda step: max_query_len gives the unbounded step's outputs and state bitwise; a row over it is "
+    "refused",
+    "[ua][cuda][slots]") {
+  if (no_device()) return;
+  const Dims dm;
+  const kua::Options opt{0.05, 32, true};
+  const kvmem::cuda::Executor exec{};
+  std::mt19937_64 rng(17);
+  DevStep<float> dev(dm, 160, 5);
+  kvmem::cuda::UaCache<float> bounded, unbounded;
+  for (auto* c : {&bounded, &unbounded})
+    REQUIRE(kvmem::cuda::UaCache<float>::create({4, dm.H, dm.G, dm.D, 256, 16}, *c).is_ok());
+  std::vector<Seq<float>> seq;
+  for (std::uint32_t i = 0; i < 4; ++i) seq.emplace_back(random_case(1, 120, dm.H, dm.G, dm.D, 40 + i));
+  const auto same = [&](const HostStep& h, std::int64_t bound) {
+    const auto with = dev.run(bounded, h, opt, nullptr, bound);
+    const auto without = dev.run(unbounded, h, opt, nullptr);
+    CHECK(differing_bits(with.first, without.first) == 0);
+    CHECK(differing_bits(with.second, without.second) == 0);
+    CHECK(snapshot(bounded) == snapshot(unbounded));
+    return with;
+  };
+  {  // 65 tokens (2 chunks + 1), a padding row of 40, 20 tokens, a decode row: 3 rounds instead of 4
+    HostStep h;
+    h.add(0, &seq[0].f, 0, 65, dm, rng);
+    h.add(-1, nullptr, 0, 40, dm, rng);
+    h.add(1, &seq[1].f, 0, 20, dm, rng);
+    h.add(2, &seq[2].f, 0, 1, dm, rng);
+    const auto with = same(h, 65);
+    for (std::size_t i = 65 * std::size_t(dm.H * dm.D); i < 105 * std::size_t(dm.H * dm.D); ++i)
+      REQUIRE(with.first[i] == 0.0f);  // the padding row
+  }
+  {  // a decode step: no prefill round at all with a bound of 1
+    HostStep h;
+    for (std::int32_t s = 0; s < 3; ++s) h.add(s, &seq[std::size_t(s)].f, s == 0 ? 65 : s == 1 ? 20 : 1, 1, dm, rng);
+    h.add(3, &seq[3].f, 0, 1, dm, rng);
+    same(h, 1);
+  }
+  {  // rows continuing mid-chunk, bounded by a value above the longest row
+    HostStep h;
+    h.add(3, &seq[3].f, 1, 50, dm, rng);
+    h.add(1, &seq[1].f, 21, 33, dm, rng);
+    same(h, 100);
+  }
+  // rows over the bound: refused on the device with the host's Status, nothing changes
+  const auto before = snapshot(bounded);
+  const auto refused = [&](const HostStep& h, std::int64_t bound) {
+    dev.upload(h, nullptr);
+    const std::int64_t N = h.tokens(), R = std::int64_t(h.slot.size());
+    REQUIRE(kua::step(exec, bounded, dev.rows(R, bound), dev.inputs(N), opt, dev.out_view(N), dev.lse_view(N)).is_ok());
+    const Status st = bounded.step_status(exec);
+    INFO(st.to_string());
+    CHECK(st.code() == StatusCode::kInvalidArgument);
+    const Rows host{TensorView<const std::int32_t, 1>(h.slot.data(), {R}),
+                    TensorView<const std::int32_t, 1>(h.qs.data(), {R + 1}), bound};
+    CHECK(st.to_string() == kvmem::validate_rows(host, 4, N).to_string());
+    CHECK(bounded.step_status(exec).is_ok());  // read once, cleared
+    CHECK(snapshot(bounded) == before);
+  };
+  {
+    HostStep h;
+    h.add(2, &seq[2].f, 2, 1, dm, rng);
+    h.add(-1, nullptr, 0, 9, dm, rng);  // a padding row may be longer
+    h.add(0, &seq[0].f, 66, 5, dm, rng);
+    refused(h, 4);  // row 2 holds 5
+    HostStep two;
+    two.add(1, &seq[1].f, 54, 2, dm, rng);
+    refused(two, 1);  // a 2-token row where the bound launches no prefill round
+  }
+  CHECK(kua::step(exec, bounded, dev.rows(1, -1), dev.inputs(1), opt, dev.out_view(1), dev.lse_view(1)).code() ==
+        StatusCode::kInvalidArgument);  // a negative bound, refused on the host
+  {                                     // the cache steps on
+    HostStep h;
+    h.add(0, &seq[0].f, 66, 5, dm, rng);
+    h.add(-1, nullptr, 0, 9, dm, rng);
+    same(h, 5);
+  }
 }
 
 // ---- (f) slot operations and a step in one CUDA graph -------------------------------------------------

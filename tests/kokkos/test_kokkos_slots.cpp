@@ -144,6 +144,7 @@ KState<S> make_kstate(const kvm::Params& p, const Dims& d, std::int64_t slots, s
 struct Batch {
   Slots slot, start{0};
   std::vector<float> q, k, v, g, out, lse;
+  std::int64_t max_query_len = 0;  // Rows::max_query_len
   void add(std::int32_t s, const std::vector<Tok>& toks, std::int64_t from, std::int64_t to) {
     slot.push_back(s);
     for (std::int64_t i = from; i < to; ++i) {
@@ -169,7 +170,7 @@ struct Batch {
     const auto dlse = to_device(std::vector<float>(std::size_t(std::max<std::int64_t>(1, T * d.Hq)), -7.f),
                                 std::max<std::int64_t>(1, T * d.Hq));
     const DevList ds(slot), dst(start);
-    const Rows rows{ds.tv(), {dst.view.data(), {R + 1}}};
+    const Rows rows{ds.tv(), {dst.view.data(), {R + 1}}, max_query_len};
     const Status s = kvm::step(
         kexec(), st.state, w.device(), rows, TensorView<const float, 3>(dq.data(), {T, d.Hq, d.D}),
         TensorView<const float, 3>(dk.data(), {T, d.Hk, d.D}), TensorView<const float, 3>(dv.data(), {T, d.Hk, d.Dv}),
@@ -626,6 +627,16 @@ TEST_CASE("kokkos kvm slots: bad slots, bad rows and refused records leave the s
     expect_untouched(step({1, 3}, {1, 2, 3}), StatusCode::kInvalidArgument);                 // query_start[0] != 0
     expect_untouched(step({1, 3}, {0, 2, 3}, std::nanf("")), StatusCode::kInvalidArgument);  // NaN key
     expect_untouched(step({2}, {0, 137}), StatusCode::kOutOfRange);                          // 120 + 137 > n_ctx
+    // a row naming a slot over Rows::max_query_len (a padding row may be longer)
+    Batch over;
+    over.add(1, toks, 70, 75);
+    over.add(-1, toks, 0, 9);
+    over.add(3, toks, 70, 76);
+    over.max_query_len = 5;
+    const Status s = over.run(a, w, d);
+    CHECK(s.message().find("max_query_len") != std::string::npos);
+    CHECK(s.message().find("row 2") != std::string::npos);
+    expect_untouched(s, StatusCode::kInvalidArgument);
   }
 }
 

@@ -63,6 +63,7 @@ Tok random_tok(const Dims& d, std::mt19937_64& rng) {
 struct Batch {
   std::vector<std::int32_t> slot, start{0};
   std::vector<float> q, k, v, g, out, lse;
+  std::int64_t max_query_len = 0;  // Rows::max_query_len
   void add(std::int32_t s, const std::vector<Tok>& toks, std::int64_t from, std::int64_t to) {
     slot.push_back(s);
     for (std::int64_t i = from; i < to; ++i) {
@@ -83,7 +84,7 @@ struct Batch {
     out.assign(std::size_t(T * d.Hq * d.Dv), -7.f);
     lse.assign(std::size_t(T * d.Hq), -7.f);
     const Rows rows{I32View(slot.data(), {std::int64_t(slot.size())}),
-                    I32View(start.data(), {std::int64_t(start.size())})};
+                    I32View(start.data(), {std::int64_t(start.size())}), max_query_len};
     return kvm::step(exact_exec(threads), st, w, rows, TensorView<const float, 3>(q.data(), {T, d.Hq, d.D}),
                      TensorView<const float, 3>(k.data(), {T, d.Hk, d.D}),
                      TensorView<const float, 3>(v.data(), {T, d.Hk, d.Dv}),
@@ -771,6 +772,52 @@ TEST_CASE("kvm slots: bad slot indices are refused and leave the state untouched
   feed(st, rw.view(), d, 1, toks, 11, 25, 6, &out_a);
   feed(twin, rw.view(), d, 1, toks, 11, 25, 6, &out_b);
   CHECK(out_a == out_b);
+}
+
+// Rows::max_query_len: a bound on the tokens of a row naming a slot. A bound at or above the longest
+// such row changes nothing (a padding row may be longer); a row over it refuses the step, naming the
+// row, and the state is untouched.
+TEST_CASE("kvm step: max_query_len bounds the rows; a row over it is refused, a correct bound changes nothing",
+          "[slots]") {
+  const Dims d;
+  const kvm::Params p = make_params(4, kvmem::budget::Fixed{4, 4});
+  const RandomWeights rw(d, 3);
+  std::mt19937_64 rng(5);
+  std::vector<Tok> toks;
+  for (int i = 0; i < 40; ++i) toks.push_back(random_tok(d, rng));
+  kvm::State<float, float> st, twin;
+  for (auto* s : {&st, &twin}) {
+    REQUIRE(kvm::State<float, float>::create(p, {3, d.Hq, d.Hk, d.D, d.Dv, 64}, *s).is_ok());
+    feed(*s, rw.view(), d, 1, toks, 0, 6, 3);
+  }
+  // a prefill row of 11 tokens (slot 0), a padding row of 13, a row of 5 continuing slot 1
+  const auto batch = [&](std::int64_t bound) {
+    Batch b;
+    b.add(0, toks, 0, 11);
+    b.add(-1, toks, 11, 24);
+    b.add(1, toks, 6, 11);
+    b.max_query_len = bound;
+    return b;
+  };
+  Batch over = batch(10);
+  const Status refused = over.run(st, rw.view(), d);
+  INFO(refused.to_string());
+  CHECK(refused.code() == StatusCode::kInvalidArgument);
+  CHECK(refused.message().find("max_query_len") != std::string::npos);
+  CHECK(refused.message().find("row 0: 11") != std::string::npos);
+  require_same_state(st, twin);
+  Batch negative = batch(-1);
+  CHECK(negative.run(st, rw.view(), d).code() == StatusCode::kInvalidArgument);
+  require_same_state(st, twin);
+
+  Batch unbounded = batch(0), bounded = batch(11);  // 11: the longest row naming a slot; padding holds 13
+  REQUIRE(unbounded.run(twin, rw.view(), d).is_ok());
+  const Status ran = bounded.run(st, rw.view(), d);
+  INFO(ran.to_string());
+  REQUIRE(ran.is_ok());
+  CHECK(std::memcmp(bounded.out.data(), unbounded.out.data(), bounded.out.size() * sizeof(float)) == 0);
+  CHECK(std::memcmp(bounded.lse.data(), unbounded.lse.data(), bounded.lse.size() * sizeof(float)) == 0);
+  require_same_state(st, twin);
 }
 
 TEST_CASE("kvm slots: moved-from and never-created states are empty and refuse every operation", "[slots]") {

@@ -109,6 +109,7 @@ struct Packed {
   std::vector<float> q, k, v, z_k, z_q, out, lse;
   Slots slot, query_start{0};
   std::int64_t N = 0;
+  std::int64_t max_query_len = 0;  // Rows::max_query_len
   // Appends a row of tokens [t0, t0+T) of s (or T garbage tokens for a padding row when s is null).
   void add(std::int32_t slot_index, const Seq* s, std::int64_t t0, std::int64_t T, const Shape& sh,
            std::mt19937_64& rng) {
@@ -138,7 +139,7 @@ struct Packed {
     in.z_q = {z_q.data(), {N, sh.G}};
     return in;
   }
-  Rows rows() const { return {list(slot), {query_start.data(), {std::int64_t(query_start.size())}}}; }
+  Rows rows() const { return {list(slot), {query_start.data(), {std::int64_t(query_start.size())}}, max_query_len}; }
   // Runs the step; out and lse are pre-filled with NaN so that an unwritten row shows.
   template <class Storage>
   Status run(kua::PrunedCache<Storage>& cache, const Shape& sh, const kua::Options& opt, int threads = 2) {
@@ -712,6 +713,35 @@ TEST_CASE("slots: bad rows, shapes and values are refused before any change", "[
   // an empty batch is a no-op
   Packed none;
   CHECK(none.run(cache, sh, opt).is_ok());
+  CHECK(state_of(cache) == state_of(twin));
+}
+
+TEST_CASE("slots: max_query_len refuses a row over it; a bound that holds changes nothing", "[ua][slots]") {
+  const Shape sh;
+  const Seq s = random_seq(40, 43);
+  kua::PrunedCache<float> cache(kua::CacheShape{3, sh.H, sh.G, sh.D, 64, 16});
+  kua::PrunedCache<float> twin = cache;
+  std::mt19937_64 rng(3);
+  const kua::Options opt{0.05, 8, true};
+  const auto batch = [&](std::int64_t bound) {  // 17 tokens, a padding row of 30, a decode token
+    Packed p;
+    p.add(0, &s, 0, 17, sh, rng);
+    p.add(-1, nullptr, 0, 30, sh, rng);
+    p.add(2, &s, 0, 1, sh, rng);
+    p.max_query_len = bound;
+    return p;
+  };
+  Packed over = batch(16);
+  const Status st = over.run(cache, sh, opt);
+  INFO(st.to_string());
+  CHECK(st.code() == StatusCode::kInvalidArgument);
+  CHECK(st.message().find("row 0: 17") != std::string::npos);
+  CHECK(state_of(cache) == state_of(twin));
+  Packed with = batch(17), without = batch(0);
+  REQUIRE(with.run(cache, sh, opt).is_ok());
+  REQUIRE(without.run(twin, sh, opt).is_ok());
+  CHECK(same_bits(with.out, without.out));
+  CHECK(same_bits(with.lse, without.lse));
   CHECK(state_of(cache) == state_of(twin));
 }
 

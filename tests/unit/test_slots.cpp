@@ -35,6 +35,23 @@ TEST_CASE("validate_rows accepts ragged rows with padding and refuses bad ones",
   CHECK(kvmem::validate_rows(neg.data(), s2.data(), 1, 4, 1).code() == StatusCode::kOutOfRange);
 }
 
+TEST_CASE("validate_rows: max_query_len bounds every row that names a slot", "[unit][slots]") {
+  const std::array<std::int32_t, 3> slot{3, -1, 0};
+  const std::array<std::int32_t, 4> start{0, 40, 140, 141};                       // 40 tokens, padding of 100, 1 token
+  CHECK(kvmem::validate_rows(slot.data(), start.data(), 3, 8, 141, 0).is_ok());   // 0: no bound
+  CHECK(kvmem::validate_rows(slot.data(), start.data(), 3, 8, 141, 40).is_ok());  // padding rows may be longer
+  const auto st = kvmem::validate_rows(slot.data(), start.data(), 3, 8, 141, 39);
+  CHECK(st.code() == StatusCode::kInvalidArgument);
+  CHECK(st.message().find("max_query_len") != std::string::npos);
+  CHECK(st.message().find("row 0: 40") != std::string::npos);
+  CHECK(kvmem::validate_rows(slot.data(), start.data(), 3, 8, 141, -1).code() == StatusCode::kInvalidArgument);
+  // the Rows overload passes its bound on
+  using I32 = kvmem::TensorView<const std::int32_t, 1>;
+  const kvmem::Rows rows{I32(slot.data(), {3}), I32(start.data(), {4}), 39};
+  CHECK(kvmem::validate_rows(rows, 8, 141).code() == StatusCode::kInvalidArgument);
+  CHECK(kvmem::validate_rows(kvmem::Rows{rows.slot, rows.query_start}, 8, 141).is_ok());
+}
+
 TEST_CASE("copy pairs: destinations distinct and never another pair's source", "[unit][slots]") {
   const std::array<std::int32_t, 2> src{0, 0}, dst{1, 2};
   CHECK(kvmem::check_copy_pairs(src.data(), dst.data(), 2, 4).is_ok());

@@ -39,18 +39,38 @@ inline std::string indexed(const char* name, std::int64_t i) {
 }  // namespace detail
 
 // The rows of one step, in the backend's memory space (device pointers on a GPU backend).
+//
+// max_query_len is a bound, known on the host, on the tokens of every row that names a slot (vLLM's
+// attention metadata carries it as `max_query_len`); 0 means unknown, and the packed token count bounds
+// the rows. A GPU backend cannot read the rows without a synchronisation, so it sizes a step's launches
+// (chunk phases, prefill rounds) from this bound: a prefill of a few long rows then costs what its rows
+// need rather than what the packed token count allows. A padding row is not bound by it (its tokens are
+// only zeroed). A step with a row that names a slot and holds more tokens is refused and changes
+// nothing, on every backend.
 struct Rows {
   TensorView<const std::int32_t, 1> slot;         // [rows]: slot index, or -1 for a padding row
   TensorView<const std::int32_t, 1> query_start;  // [rows + 1]: query_start[0] = 0, non-decreasing
+  std::int64_t max_query_len = 0;                 // >= the tokens of every row naming a slot; 0: unknown
   [[nodiscard]] std::int64_t count() const { return slot.extent(0); }
 };
 
+// The message of a row over its step's max_query_len, shared by the backends that know the bound when
+// they report it.
+inline Status row_over_bound(std::int64_t row, std::int64_t tokens, std::int64_t max_query_len) {
+  return invalid_argument("max_query_len",
+                          "at least the tokens of every row that names a slot (row " + std::to_string(row) + ": " +
+                              std::to_string(tokens) + ")",
+                          max_query_len);
+}
+
 // Validates rows held in host memory against a state of `max_slots` slots and packed inputs of
-// `tokens` tokens. A slot may appear in at most one row of a step: its counters advance once per
+// `tokens` tokens, and, when max_query_len > 0, the tokens of every row that names a slot against it
+// (Rows::max_query_len). A slot may appear in at most one row of a step: its counters advance once per
 // step, and two rows of one slot would race on its state.
 inline Status validate_rows(const std::int32_t* slot, const std::int32_t* query_start, std::int64_t rows,
-                            std::int64_t max_slots, std::int64_t tokens) {
+                            std::int64_t max_slots, std::int64_t tokens, std::int64_t max_query_len = 0) {
   if (rows < 0) return invalid_argument("rows", ">= 0", rows);
+  if (max_query_len < 0) return invalid_argument("max_query_len", ">= 0 (0: no bound)", max_query_len);
   if (rows > 0 && (slot == nullptr || query_start == nullptr))
     return invalid_argument("slot, query_start", "non-null pointers for " + std::to_string(rows) + " rows", "nullptr");
   if (rows == 0) return tokens == 0 ? Status::ok() : invalid_argument("tokens", "0 for an empty batch", tokens);
@@ -82,6 +102,8 @@ inline Status validate_rows(const std::int32_t* slot, const std::int32_t* query_
     }
     if (repeated)
       return invalid_argument("slot" + detail::indexed("", r), "a slot used by no earlier row of this step", s);
+    if (max_query_len > 0 && query_start[r + 1] - query_start[r] > max_query_len)
+      return row_over_bound(r, query_start[r + 1] - query_start[r], max_query_len);
   }
   if (query_start[rows] != tokens)
     return invalid_argument("query_start[" + std::to_string(rows) + "]",
@@ -93,7 +115,7 @@ inline Status validate_rows(const Rows& rows, std::int64_t max_slots, std::int64
   if (rows.query_start.extent(0) != rows.count() + 1)
     return invalid_argument("query_start shape", "[rows + 1] = [" + std::to_string(rows.count() + 1) + "]",
                             shape_string(rows.query_start.extents()));
-  return validate_rows(rows.slot.data(), rows.query_start.data(), rows.count(), max_slots, tokens);
+  return validate_rows(rows.slot.data(), rows.query_start.data(), rows.count(), max_slots, tokens, rows.max_query_len);
 }
 
 // Checks a list of slots for a slot operation (reset, copy): every index in [0, max_slots) and, when

@@ -20,14 +20,15 @@
 // (it repeats the same step, it does not advance the state).
 // kvm::step (docs/slots.md; kernels in kvm_slots.cuh) keeps per-slot counters in device memory and
 // takes every per-row decision (update, ring write, slot founding) inside its kernels, with launch
-// shapes from the row count, the packed token count and the state's shape only: one CUDA graph
-// captured from a step of a padded batch replays correctly step after step, each replay advancing
-// every slot from its own position. Once a state has run a step or a slot operation its counters are
-// per slot and the fixed-batch calls refuse it (the first such call after fixed-batch calls gives
-// every slot the shared count). reset_slots and copy_slots check their device slot lists on the device
-// too (slot_lists.cuh) and are captured like a step. Only KvmState::create allocates; create and place
-// wait for their own initialisation on the state's side stream, never for the device; export_slot,
-// import_slot, truncate and the counter reads synchronise (they read counters or host bytes).
+// shapes from the row count, the packed token count, the rows' max_query_len and the state's shape
+// only: one CUDA graph captured from a step of a padded batch replays correctly step after step, each
+// replay advancing every slot from its own position. Once a state has run a step or a slot operation
+// its counters are per slot and the fixed-batch calls refuse it (the first such call after fixed-batch
+// calls gives every slot the shared count). reset_slots and copy_slots check their device slot lists
+// on the device too (slot_lists.cuh) and are captured like a step. Only KvmState::create allocates;
+// create and place wait for their own initialisation on the state's side stream, never for the
+// device; export_slot, import_slot, truncate and the counter reads synchronise (they read counters or
+// host bytes).
 // Values (NaN, g <= 0) are the caller's precondition here: checking them would need a
 // device-to-host round trip per call; shapes and parameters are validated.
 
@@ -557,6 +558,11 @@ class KvmState {
         return {StatusCode::kOutOfRange,
                 row + " (slot " + std::to_string(v[2]) +
                     "): its tokens exceed the state's n_ctx = " + std::to_string(shape_.n_ctx)};
+      case kvm_detail::kStepOverBound:  // core/slots.hpp row_over_bound, less the bound (the word has no room)
+        return invalid_argument(
+            "max_query_len",
+            "at least the tokens of every row that names a slot (" + row + ": " + std::to_string(v[2]) + ")",
+            "a smaller bound");
       default:
         return invalid_argument("query_start[" + std::to_string(v[1]) + "]", "the packed token count", v[2]);
     }
@@ -1424,6 +1430,7 @@ struct SlotAccess {
       return invalid_argument("rows", "contiguous slot and query_start views", "a strided view");
     if (R > 0 && (rows.slot.data() == nullptr || rows.query_start.data() == nullptr))
       return invalid_argument("rows", "device pointers for slot and query_start", "nullptr");
+    if (rows.max_query_len < 0) return invalid_argument("max_query_len", ">= 0 (0: no bound)", rows.max_query_len);
     if (R == 0) return tokens == 0 ? Status::ok() : invalid_argument("tokens", "0 for an empty batch", tokens);
     KVMEM_RETURN_IF_ERROR(st.check_workspace(R));  // one work item per (row, KV head), padding rows too
     if (!w.ln_weight || !w.ln_bias || !w.tau_state || !w.tau_bswa)
@@ -1434,10 +1441,16 @@ struct SlotAccess {
     KVMEM_RETURN_IF_ERROR(enter_slot_mode(exec, st));
     bind_weights(st, w);
     const DeviceState<S, A>& d = st.dev_;
-    const SlotRows sr{rows.slot.data(), rows.query_start.data(), R};
+    const SlotRows sr{rows.slot.data(), rows.query_start.data(), R, rows.max_query_len};
     const std::int64_t C = p.chunk;
-    // phases: a row of L tokens spans at most min(L, (L - 1) / C + 2) chunk segments, and L <= tokens
-    const std::int64_t phases = tokens == 0 ? 1 : std::min(tokens, (tokens - 1) / C + 2);
+    // a row naming a slot holds L <= longest tokens (the plan refuses a step with a row over
+    // max_query_len) and spans at most min(L, (L - 1) / C + 2) chunk segments, one phase each
+    const std::int64_t longest = rows.max_query_len > 0 ? std::min(rows.max_query_len, tokens) : tokens;
+    const std::int64_t phases = longest == 0 ? 1 : std::min(longest, (longest - 1) / C + 2);
+    // a block per packed token, or per (row, position in a segment of at most min(C, longest) tokens)
+    const std::int64_t per_row = std::max<std::int64_t>(1, std::min(C, longest));
+    const SlotGrid token_grid{R * per_row < tokens ? per_row : 0};
+    const auto token_blocks = static_cast<unsigned>(token_grid.blocks(R, tokens));
     const SlotReadoutShape shape = slot_readout_shape(sh.Hq, sh.Hk, sh.Dv);
     const std::size_t readout_bytes = shape.shared_bytes(sh.D, sh.Dv);
     const auto readout = slot_readout_kernel_for<S, In, Out>(shape);
@@ -1476,12 +1489,12 @@ struct SlotAccess {
           <<<pass_grid, kSlotPassThreads, finish_bytes, exec.stream>>>(d, st.sc_, sr, finish_ranges);
       KVMEM_CUDA_RETURN_IF_LAUNCH_FAILED("kvm slot_update_finish_kernel");
       if (tokens == 0) continue;
-      slot_ingest_kernel<S, In><<<static_cast<unsigned>(tokens), kSlotIngestThreads, 0, exec.stream>>>(
-          d, st.sc_, sr, k.data(), v.data(), gate.data());
+      slot_ingest_kernel<S, In><<<token_blocks, kSlotIngestThreads, 0, exec.stream>>>(d, st.sc_, sr, token_grid,
+                                                                                      k.data(), v.data(), gate.data());
       KVMEM_CUDA_RETURN_IF_LAUNCH_FAILED("kvm slot_ingest_kernel");
-      const dim3 grid(static_cast<unsigned>(tokens), static_cast<unsigned>(sh.Hq / shape.rep));
+      const dim3 grid(token_blocks, static_cast<unsigned>(sh.Hq / shape.rep));
       readout<<<grid, kWarpSize * kSlotReadoutWarps, readout_bytes, exec.stream>>>(
-          d, st.sc_, sr, q.data(), out.data(), lse.empty() ? nullptr : lse.data(), ph == 0);
+          d, st.sc_, sr, token_grid, q.data(), out.data(), lse.empty() ? nullptr : lse.data(), ph == 0);
       KVMEM_CUDA_RETURN_IF_LAUNCH_FAILED("kvm slot_readout_kernel");
     }
     return Status::ok();
@@ -1718,8 +1731,9 @@ struct SlotAccess {
 // The names and argument order of the host backend's (kvm/attention.hpp), for a cuda::KvmState with
 // its weights in device memory (cuda::KvmWeights). Everything a step reads is in device memory: the
 // rows (slot, query_start) and the packed token-major tensors. A step enqueues a fixed sequence of
-// launches that depends only on the row count, the packed token count and the state's shape, and
-// neither allocates nor synchronises: one CUDA graph captured for a padded batch replays step after
+// launches that depends only on the row count, the packed token count, the rows' max_query_len (the
+// host's bound on a row's tokens, which sizes the chunk phases; a row over it refuses the step) and the
+// state's shape, and neither allocates nor synchronises: one CUDA graph captured for a padded batch replays step after
 // step, each replay advancing every slot from its own device counters. Rows are checked on the device;
 // a refused step changes nothing and KvmState::step_status says why.
 // The slot lists of reset_slots and copy_slots are in device memory, as on CUDA Universal Attention,

@@ -10,8 +10,10 @@
 // where phase p runs the p-th chunk segment of every row (spec 4.7: at the first token of a new chunk
 // the pending update runs, then the segment enters the window ring, founding initial slots below
 // position C, then it attends), and the update is five launches spread over the whole GPU (see its
-// section below). P bounds the segments of the longest possible row, from the packed
-// token count alone; a row with fewer segments idles in the later phases.
+// section below). P bounds the segments of the longest possible row, from the rows' max_query_len
+// when the caller gives it, else from the packed token count; a row with fewer segments idles in the
+// later phases. Ingest and readout run a block per token of the phase's segments: per packed token, or
+// per (row, position in its segment) when that grid is smaller (SlotGrid), the same per-token work.
 //
 // The state update mirrors the host backend's exact path operation by operation (kernel/kvm_state.hpp
 // bodies, written here with explicitly rounded products and sums so nvcc contracts nothing into an
@@ -56,6 +58,7 @@ enum SlotStepError : int {
   kStepDuplicate = 3,   // a slot named by two rows
   kStepTooLong = 4,     // n + tokens > n_ctx
   kStepTokenCount = 5,  // query_start[rows] != the packed token count
+  kStepOverBound = 6,   // a row naming a slot holds more tokens than the rows' max_query_len
 };
 
 // The per-slot counters and step bookkeeping in device memory, passed by value to the kernels.
@@ -73,11 +76,13 @@ struct SlotCounters {
   std::int64_t B, n_ctx;
 };
 
-// The rows of a step in device memory: slot [R], query_start [R + 1].
+// The rows of a step in device memory: slot [R], query_start [R + 1]; max_len the host's bound on the
+// tokens of a row naming a slot (Rows::max_query_len; 0: none), which the plan checks.
 struct SlotRows {
   const std::int32_t* slot;
   const std::int32_t* start;
   std::int64_t R;
+  std::int64_t max_len;
 };
 
 // ---- exactly rounded bodies (kernel/kvm_state.hpp, kernel/attend.hpp dot) ------------------------
@@ -173,12 +178,46 @@ __device__ inline std::int64_t slot_row_of(const SlotRows& rows, std::int64_t to
   return lo;
 }
 
+// The grid of a phase's ingest and readout (x): with per_row = 0, block x is packed token x; otherwise
+// block x is position x % per_row of the phase's segment of row x / per_row (per_row >= the longest
+// segment: min(C, the bound on a row's tokens)). The host takes whichever has fewer blocks: tokens, or
+// rows * per_row, which a step of a few long rows makes much smaller, and every token of a segment still
+// gets one block doing the same work.
+struct SlotGrid {
+  std::int64_t per_row;
+
+  [[nodiscard]] std::int64_t blocks(std::int64_t rows, std::int64_t tokens) const {
+    return per_row == 0 ? tokens : rows * per_row;
+  }
+  __device__ std::int64_t row(const SlotRows& rows, std::int64_t x) const {
+    return per_row == 0 ? slot_row_of(rows, x) : x / per_row;
+  }
+  // The packed token of block x in row r's segment [t0, t1) this phase (the plan of its slot), or -1.
+  __device__ std::int64_t token(const SlotRows& rows, std::int64_t r, const SlotPlan& pl, std::int64_t x) const {
+    if (per_row == 0) {
+      const std::int64_t t = pl.n0 + x - rows.start[r];
+      return t >= pl.t0 && t < pl.t1 ? x : -1;
+    }
+    const std::int64_t j = x % per_row;
+    return j < pl.t1 - pl.t0 ? rows.start[r] + (pl.t0 - pl.n0) + j : -1;
+  }
+  // The packed tokens [first, end) by `step` that block x zeroes in padding row r: its own token, or
+  // every per_row-th token of the row from its position (a padding row is not bound by max_query_len).
+  __device__ void padding(const SlotRows& rows, std::int64_t r, std::int64_t x, std::int64_t& first, std::int64_t& end,
+                          std::int64_t& step) const {
+    first = per_row == 0 ? x : rows.start[r] + x % per_row;
+    end = per_row == 0 ? x + 1 : rows.start[r + 1];
+    step = per_row == 0 ? 1 : per_row;
+  }
+};
+
 // ---- plan: validation (phase 0) and the per-slot segment of a phase ------------------------------
 
 inline constexpr int kPlanThreads = 256;
 
 // One block. Phase 0 first checks every row (refusing the whole step on the first bad one, before any
-// counter changes) and snapshots n; every phase then takes each row's p-th chunk segment: the update
+// counter changes; a row over max_len too, since the host sized the phases and grids from it) and
+// snapshots n; every phase then takes each row's p-th chunk segment: the update
 // before it (spec 4.7 step 4: cov < bswa_begin(t0 + 1)), its initial slots, and advances cov and |S|.
 __global__ void __launch_bounds__(kPlanThreads)
     slot_plan_kernel(SlotCounters sc, SlotRows rows, std::int64_t tokens, std::int64_t C, std::int64_t W, int phase) {
@@ -210,6 +249,7 @@ __global__ void __launch_bounds__(kPlanThreads)
       }
       if (atomicExch(&sc.seen[b], stamp) == stamp) fail(kStepDuplicate, r, b);
       if (sc.n[b] + (s1 - s0) > sc.n_ctx) fail(kStepTooLong, r, b);
+      if (rows.max_len > 0 && s1 - s0 > rows.max_len) fail(kStepOverBound, r, s1 - s0);
     }
     if (tid == 0 && rows.start[rows.R] != tokens) fail(kStepTokenCount, rows.R, rows.start[rows.R]);
     __syncthreads();
@@ -653,19 +693,20 @@ __global__ void __launch_bounds__(kSlotPassThreads)
 
 inline constexpr int kSlotIngestThreads = 128;
 
-// grid tokens, block kSlotIngestThreads (a warp per KV head). k [tokens,Hk,D], v [tokens,Hk,Dv],
+// grid SlotGrid::blocks, block kSlotIngestThreads (a warp per KV head). k [tokens,Hk,D], v [tokens,Hk,Dv],
 // gate [tokens,Hk].
 template <class S, class In>
 __global__ void __launch_bounds__(kSlotIngestThreads)
-    slot_ingest_kernel(DeviceState<S, float> st, SlotCounters sc, SlotRows rows, const In* k, const In* v,
-                       const In* gate) {
+    slot_ingest_kernel(DeviceState<S, float> st, SlotCounters sc, SlotRows rows, SlotGrid grid, const In* k,
+                       const In* v, const In* gate) {
   if (sc.status[0] != kStepOk) return;
-  const std::int64_t token = blockIdx.x, r = slot_row_of(rows, token);
+  const std::int64_t r = grid.row(rows, blockIdx.x);
   const std::int32_t b = rows.slot[r];
   if (b < 0) return;
   const SlotPlan pl = sc.plan[b];
+  const std::int64_t token = grid.token(rows, r, pl, blockIdx.x);
+  if (token < 0) return;
   const std::int64_t t = pl.n0 + token - rows.start[r];
-  if (t < pl.t0 || t >= pl.t1) return;
   const std::int64_t D = st.D, Dv = st.Dv, W = st.W, Hk = st.Hk, ring = t % W;
   const int lane = threadIdx.x % kWarpSize;
   for (std::int64_t g = threadIdx.x / kWarpSize; g < Hk; g += kSlotIngestThreads / kWarpSize) {
@@ -774,28 +815,33 @@ inline SlotReadoutShape slot_readout_shape(std::int64_t Hq, std::int64_t Hk, std
 // causal window [wb, t] in the ring, one online softmax per head: warp w takes keys [kWarpSize (w + 4 i), ...),
 // lane l a key's logits (its key row read in 16-byte vectors) and value channels l kRegs + e (or l + kWarpSize e
 // when Dv is not a multiple of kRegs); the four warps merge in a fixed order (deterministic). A padding row's out and
-// lse are zeroed (zero_padding: the first phase). grid (tokens, Hq / kRep), block kWarpSize * kSlotReadoutWarps, smem
-// SlotReadoutShape::shared_bytes. q [tokens,Hq,D], out [tokens,Hq,Dv], lse [tokens,Hq] or nullptr.
+// lse are zeroed (zero_padding: the first phase). grid (SlotGrid::blocks, Hq / kRep), block kWarpSize *
+// kSlotReadoutWarps, smem SlotReadoutShape::shared_bytes. q [tokens,Hq,D], out [tokens,Hq,Dv], lse [tokens,Hq] or
+// nullptr.
 template <class S, class In, class Out, int kRep, int kRegs>
 __global__ void __launch_bounds__(kWarpSize* kSlotReadoutWarps)
-    slot_readout_kernel(DeviceState<S, float> st, SlotCounters sc, SlotRows rows, const In* q, Out* out, float* lse,
-                        bool zero_padding) {
+    slot_readout_kernel(DeviceState<S, float> st, SlotCounters sc, SlotRows rows, SlotGrid grid, const In* q, Out* out,
+                        float* lse, bool zero_padding) {
   if (sc.status[0] != kStepOk) return;
-  const std::int64_t token = blockIdx.x, h0 = std::int64_t(blockIdx.y) * kRep, Hq = st.Hq, D = st.D, Dv = st.Dv,
-                     W = st.W;
-  const std::int64_t r = slot_row_of(rows, token);
+  const std::int64_t h0 = std::int64_t(blockIdx.y) * kRep, Hq = st.Hq, D = st.D, Dv = st.Dv, W = st.W;
+  const std::int64_t r = grid.row(rows, blockIdx.x);
   const std::int32_t b = rows.slot[r];
   if (b < 0) {
     if (zero_padding) {
-      for (std::int64_t i = threadIdx.x; i < kRep * Dv; i += blockDim.x)
-        out[(token * Hq + h0) * Dv + i] = store_as<Out>(0.0f);
-      if (lse != nullptr && threadIdx.x < kRep) lse[token * Hq + h0 + threadIdx.x] = 0.0f;
+      std::int64_t first, end, step;
+      grid.padding(rows, r, blockIdx.x, first, end, step);
+      for (std::int64_t token = first; token < end; token += step) {
+        for (std::int64_t i = threadIdx.x; i < kRep * Dv; i += blockDim.x)
+          out[(token * Hq + h0) * Dv + i] = store_as<Out>(0.0f);
+        if (lse != nullptr && threadIdx.x < kRep) lse[token * Hq + h0 + threadIdx.x] = 0.0f;
+      }
     }
     return;
   }
   const SlotPlan pl = sc.plan[b];
+  const std::int64_t token = grid.token(rows, r, pl, blockIdx.x);
+  if (token < 0) return;
   const std::int64_t t = pl.n0 + token - rows.start[r];
-  if (t < pl.t0 || t >= pl.t1) return;
   extern __shared__ float slot_smem[];
   float* qs = slot_smem;        // [kRep, D]
   float* part = qs + kRep * D;  // per warp and head: m, l, acc[Dv]

@@ -1088,6 +1088,7 @@ struct SlotAccess {
     sr.start = rows.query_start.data();
     sr.rows = rows.count();
     sr.tokens = tokens;
+    sr.max_len = rows.max_query_len;
     sr.max_slots = c.shape_.batch;
     sr.go = c.slot_go_;
     sr.first = c.slot_first_;
@@ -1377,6 +1378,8 @@ Status UaCache<S>::step_status(const Executor& exec) {
     case ua_detail::kStepSlotRange:
       return {StatusCode::kOutOfRange, "slot" + at + ": expected -1 (padding) or 0 <= slot < max_slots = " +
                                            std::to_string(shape_.batch) + ", got " + std::to_string(e[2])};
+    case ua_detail::kStepOverBound:
+      return row_over_bound(e[1], e[2], e[3]);
     default:
       return invalid_argument("slot" + at, "a slot used by no earlier row of this step", e[2]);
   }
@@ -1454,9 +1457,11 @@ Status forward(const cuda::Executor& exec, const InputsOf<fp16>& in, TensorView<
 //  - A row whose slot has no room for kept + tokens rows in some kv head is skipped (out / lse rows
 //    zeroed) and its slot flagged as overflowed (UaCache::overflowed), while the other rows step on;
 //    a flagged slot is skipped by later steps until reset_slots, copy_slots or import_slot.
-//  - decode_attend_kernel over (row, kv head) runs the 1-token rows; then ceil(tokens / prefill_chunk)
+//  - decode_attend_kernel over (row, kv head) runs the 1-token rows; then ceil(L / prefill_chunk)
 //    rounds of chunk, merge and finish launches run the prefill rows chunk by chunk (a round finds
-//    nothing to do for rows that are shorter, and returns at once).
+//    nothing to do for rows that are shorter, and returns at once), where L bounds a row's tokens:
+//    rows.max_query_len when given (step_begin_kernel refuses a step with a row naming a slot over it),
+//    else the packed token count. With max_query_len = 1 no prefill round is launched.
 // Shapes and options are checked on the host; values (NaN / Inf) are the caller's precondition, as for
 // ua_prefill / ua_decode. With a prune policy `rule` in place of Options::p (which must then be 0), the
 // eviction runs the policy's evictor at Options::layer (ua_prune.cuh), as on the host.
@@ -1481,6 +1486,7 @@ Status cuda_step(const cuda::Executor& exec, cuda::UaCache<S>& cache, const Rows
   if (rows.query_start.extent(0) != R + 1)
     return invalid_argument("query_start shape", "[rows + 1] = [" + std::to_string(R + 1) + "]",
                             shape_string(rows.query_start.extents()));
+  if (rows.max_query_len < 0) return invalid_argument("max_query_len", ">= 0 (0: no bound)", rows.max_query_len);
   if (R == 0) return N == 0 ? Status::ok() : invalid_argument("tokens", "0 for an empty batch", N);
   if (rows.slot.data() == nullptr || rows.query_start.data() == nullptr)
     return invalid_argument("slot, query_start", "device pointers", "nullptr");
@@ -1488,8 +1494,10 @@ Status cuda_step(const cuda::Executor& exec, cuda::UaCache<S>& cache, const Rows
     return invalid_argument("slot, query_start stride", 1,
                             R > 1 && rows.slot.stride(0) != 1 ? rows.slot.stride(0) : rows.query_start.stride(0));
   // Prefill rows (>= 2 tokens each, each slot at most once): at most min(max_slots, rows, tokens / 2) of
-  // them, listed by step_begin_kernel; none is longer than the call. They run along grid y.
-  const std::int64_t prefills = std::min({s.batch, R, N / 2});
+  // them, listed by step_begin_kernel, none when the bound on a row's tokens is 1; none is longer than
+  // that bound (`longest`), which sets the rounds. They run along grid y.
+  const std::int64_t longest = rows.max_query_len > 0 ? std::min(rows.max_query_len, N) : N;
+  const std::int64_t prefills = longest < 2 ? 0 : std::min({s.batch, R, N / 2});
   if (prefills * G > 65535)
     return {StatusCode::kUnsupported,
             kvmem::detail::concat("cuda UA step: min(max_slots, rows, tokens / 2) * kv_heads must be <= 65535 (a "
@@ -1535,9 +1543,9 @@ Status cuda_step(const cuda::Executor& exec, cuda::UaCache<S>& cache, const Rows
     KVMEM_RETURN_IF_ERROR(cuda::allow_shared(chunk.kernel, chunk.shared_bytes));
     const unsigned items = unsigned(prefills * G);
     DeviceCall<S> fin = a;  // the last finish launch publishes (its last block)
-    for (std::int64_t t0 = 0; t0 < N; t0 += opt.prefill_chunk) {
-      fin.publish_ticket = t0 + opt.prefill_chunk >= N ? SlotAccess::publish_ticket(cache) : nullptr;
-      const std::int64_t most = std::min({opt.prefill_chunk, N - t0, std::int64_t(kStepMergeBlocks)});
+    for (std::int64_t t0 = 0; t0 < longest; t0 += opt.prefill_chunk) {
+      fin.publish_ticket = t0 + opt.prefill_chunk >= longest ? SlotAccess::publish_ticket(cache) : nullptr;
+      const std::int64_t most = std::min({opt.prefill_chunk, longest - t0, std::int64_t(kStepMergeBlocks)});
       chunk.kernel<<<dim3(unsigned(a.splits), items), unsigned(chunk.threads), chunk.shared_bytes, stream>>>(
           dev, a, t0, opt.prefill_chunk);
       KVMEM_CUDA_RETURN_IF_LAUNCH_FAILED("ua step chunk_attend_kernel");

@@ -2242,7 +2242,8 @@ __device__ inline bool reserve_slot(const DeviceCache<S>& c, std::int64_t s, std
 // The rows of a step live in device memory, so they are checked here, before any kernel of the step
 // changes the cache (DESIGN.md 3: validation first; no host round trip, so a captured graph replays).
 // One block: it zeroes the per-step scratch, checks every row as core/slots.hpp validate_rows does
-// (query_start[0] = 0, non-decreasing, the last = tokens; slots in [-1, max_slots), each at most once)
+// (query_start[0] = 0, non-decreasing, the last = tokens; slots in [-1, max_slots), each at most once;
+// a row naming a slot within the rows' max_query_len, from which the host sized the prefill rounds)
 // and records the first refused row (lowest row, then lowest check) in `error`. A refused step runs
 // nothing, and the error is sticky: every later step is refused too until UaCache::step_status reads
 // and clears it, so an engine replaying a graph cannot miss a refused step (a slot operation whose list
@@ -2257,11 +2258,13 @@ enum StepCheck : int {
   kStepLastStart = 3,   // query_start[rows] != tokens
   kStepSlotRange = 4,   // slot[r] outside [-1, max_slots)
   kStepSlotTwice = 5,   // slot[r] used by an earlier row
+  kStepOverBound = 6,   // row r names a slot and holds more than max_query_len tokens
 };
 struct StepRows {
   const std::int32_t* slot = nullptr;   // [rows]
   const std::int32_t* start = nullptr;  // [rows + 1]
   std::int64_t rows = 0, tokens = 0, max_slots = 0;
+  std::int64_t max_len = 0;      // Rows::max_query_len (0: no bound)
   int splits = 1;                // the step's decode launch's splits (reserve_slot)
   int* go = nullptr;             // [max_slots] out: 1 = the slot's row runs this step
   int* first = nullptr;          // [max_slots] scratch: first row naming the slot
@@ -2307,6 +2310,7 @@ __global__ void __launch_bounds__(kStepBeginThreads) step_begin_kernel(DeviceCac
   for (std::int64_t row = tid; row < sr.rows; row += threads) {
     const int s = sr.slot[row];
     if (s >= 0 && s < sr.max_slots && sr.first[s] != int(row)) refuse(row, kStepSlotTwice);
+    if (s >= 0 && sr.max_len > 0 && sr.start[row + 1] - sr.start[row] > sr.max_len) refuse(row, kStepOverBound);
   }
   __syncthreads();
   if (worst != LLONG_MAX) {
@@ -2318,8 +2322,11 @@ __global__ void __launch_bounds__(kStepBeginThreads) step_begin_kernel(DeviceCac
       sr.error[2] = check == kStepFirstStart   ? sr.start[0]
                     : check == kStepLastStart  ? sr.start[sr.rows]
                     : check == kStepDecreasing ? sr.start[row]
+                    : check == kStepOverBound  ? sr.start[row + 1] - sr.start[row]
                                                : sr.slot[row];
-      sr.error[3] = check == kStepDecreasing ? sr.start[row + 1] : 0;
+      sr.error[3] = check == kStepDecreasing  ? sr.start[row + 1]
+                    : check == kStepOverBound ? int(sr.max_len < INT_MAX ? sr.max_len : INT_MAX)
+                                              : 0;
     }
     if (tid == 0) *sr.prefill_count = 0;
     return;  // every go flag is 0, and every kernel of the step reads the error first

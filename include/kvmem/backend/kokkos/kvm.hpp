@@ -252,12 +252,14 @@ struct PackedIo {
   DeviceView<const In, 2> gate;
   DeviceView<Out, 3> out;
   DeviceView<float, 2> lse;
-  std::int64_t B;  // max_slots
+  std::int64_t B;            // max_slots
+  std::int64_t max_len = 0;  // Rows::max_query_len (0: no bound)
 
   KOKKOS_INLINE_FUNCTION std::int64_t count() const { return slot.extent[0]; }
   // Unchecked calls (Executor::checked = false) read rows nobody validated: a row whose slot is out
   // of range, whose slot an earlier row already names (two rows would race on one slot), whose starts
-  // decrease or whose tokens overflow n_ctx is not ok and is skipped with its slot untouched.
+  // decrease, whose tokens overflow n_ctx or exceed max_len is not ok and is skipped with its slot
+  // untouched.
   KOKKOS_INLINE_FUNCTION SeqRef seq(std::int64_t r, const std::int64_t* n_seq, std::int64_t n_ctx) const {
     SeqRef s;
     s.b = slot(r);
@@ -267,7 +269,8 @@ struct PackedIo {
       s.ok = s.b == -1 && s.len >= 0 && s.x0 >= 0 && s.x0 + s.len <= q.extent[0];
       return s;
     }
-    s.ok = s.b < B && s.len >= 0 && s.x0 >= 0 && s.x0 + s.len <= q.extent[0] && n_seq[s.b] + s.len <= n_ctx;
+    s.ok = s.b < B && s.len >= 0 && s.x0 >= 0 && s.x0 + s.len <= q.extent[0] && n_seq[s.b] + s.len <= n_ctx &&
+           (max_len == 0 || s.len <= max_len);
     for (std::int64_t e = 0; e < r && s.ok; ++e)
       if (slot(e) == s.b) s.ok = false;
     return s;
@@ -561,7 +564,19 @@ struct KvmCall {
 };
 
 // The checked reductions: the smallest failure code * count + index over sequences (or rows), or none.
-enum class KvmCheck : std::int64_t { kStart = 1, kSlot, kDuplicate, kLength, kContext, kQ, kK, kV, kGate, kWeights };
+enum class KvmCheck : std::int64_t {
+  kStart = 1,
+  kSlot,
+  kDuplicate,
+  kBound,
+  kLength,
+  kContext,
+  kQ,
+  kK,
+  kV,
+  kGate,
+  kWeights
+};
 // A KvmCall over the state and the call's inputs `io`, with the parameters of spec 2 in kernel form.
 template <class S, class A, class In, class Out, class Io>
 KvmCall<S, A, In, Out, Io> make_call(const kvm::State<S, A>& state, const Io& io) {
@@ -796,6 +811,7 @@ struct Backend<kokkos::Executor<Space>> {
       return invalid_argument("query_start shape", "[rows + 1] = [" + std::to_string(R + 1) + "]",
                               shape_string(rows.query_start.extents()));
     if (R == 0 && tokens != 0) return invalid_argument("tokens", "0 for an empty batch", tokens);
+    if (rows.max_query_len < 0) return invalid_argument("max_query_len", ">= 0 (0: no bound)", rows.max_query_len);
     KVMEM_RETURN_IF_ERROR(KvmWeights::check_shapes(weights, sh));
     PackedIo<In, Out> io{DeviceView<const std::int32_t, 1>(rows.slot),
                          DeviceView<const std::int32_t, 1>(rows.query_start),
@@ -807,6 +823,7 @@ struct Backend<kokkos::Executor<Space>> {
                          {},
                          sh.B};
     if (!lse.empty()) io.lse = DeviceView<float, 2>(lse);
+    io.max_len = rows.max_query_len;
     const auto call = make_call<S, A, In, Out>(state, io);
     const KvmWeights w(weights);
 
@@ -827,6 +844,7 @@ struct Backend<kokkos::Executor<Space>> {
             if (b < -1 || b >= B) return fail(KvmCheck::kSlot);
             for (std::int64_t e = 0; e < r; ++e)
               if (io.slot(e) == b) return fail(KvmCheck::kDuplicate);
+            if (io.max_len > 0 && x1 - x0 > io.max_len) return fail(KvmCheck::kBound);
             if (call.n_seq[b] + (x1 - x0) > call.n_ctx) return fail(KvmCheck::kContext);
             if (x0 < 0 || x1 > tokens) return;  // some start is wrong: reported by its own row
             for (std::int64_t x = x0; x < x1; ++x) {
@@ -860,6 +878,11 @@ struct Backend<kokkos::Executor<Space>> {
           case KvmCheck::kDuplicate:
             return invalid_argument("slot[" + std::to_string(r) + "]", "a slot used by no earlier row of this step",
                                     "a slot an earlier row names");
+          case KvmCheck::kBound:
+            return invalid_argument(
+                "max_query_len",
+                "at least the tokens of every row that names a slot (" + row + ": more, read on the device)",
+                rows.max_query_len);
           case KvmCheck::kContext:
             return {
                 StatusCode::kOutOfRange,

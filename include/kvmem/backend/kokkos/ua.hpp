@@ -680,13 +680,15 @@ struct UaForwardCall {
 
 // Packed inputs of one step as kernel views: q [tokens,H,D], k, v [tokens,G,D], z_k, z_q [tokens,G],
 // z_o [tokens,H,D] (data nullptr: no output gate), out [tokens,H,D], lse [tokens,H] (data nullptr: not
-// written), and the rows slot [rows], query_start [rows + 1].
+// written), and the rows slot [rows], query_start [rows + 1] with their bound max_len on the tokens of a
+// row naming a slot (Rows::max_query_len; 0: none).
 struct UaPackedViews {
   DeviceView<const std::int32_t, 1> slot, query_start;
   DeviceView<const float, 3> q, k, v, z_o;
   DeviceView<const float, 2> z_k, z_q;
   DeviceView<float, 3> out;
   DeviceView<float, 2> lse;
+  std::int64_t max_len = 0;
 
   // BlockArgs for tokens [t0, t1) of the row starting at packed token x0, kv head g (as the host's
   // ua::detail::item_io + block_args of a packed call: same pointers, same strides).
@@ -726,7 +728,7 @@ struct UaPackedViews {
 struct UaRow {
   std::int64_t slot = -1, x0 = 0, T = 0;
   bool first = false;  // no earlier row names this slot (a later one is skipped: two rows would race)
-  bool fits = false;   // sizes in range: starts within the tokens, slot within the cache
+  bool fits = false;   // sizes in range: starts within the tokens, slot within the cache, tokens within max_len
 };
 
 template <class Set, class Storage, class Ev>
@@ -751,7 +753,8 @@ struct UaStepCall {
     w.slot = in.slot(x);
     w.x0 = in.query_start(x);
     w.T = in.query_start(x + 1) - w.x0;
-    w.fits = w.slot >= -1 && w.slot < B && w.T >= 0 && w.x0 >= 0 && w.x0 + w.T <= in.q.extent[0];
+    w.fits = w.slot >= -1 && w.slot < B && w.T >= 0 && w.x0 >= 0 && w.x0 + w.T <= in.q.extent[0] &&
+             (w.slot < 0 || in.max_len == 0 || w.T <= in.max_len);
     w.first = true;
     for (std::int64_t e = 0; e < x && w.slot >= 0; ++e)
       if (in.slot(e) == w.slot) w.first = false;
@@ -840,7 +843,7 @@ struct UaStepCall {
 };
 
 // The checked reduction of a step over rows: the smallest code * rows + row, or kNoFailure.
-enum class UaStepCheck : std::int64_t { kStart = 1, kSlot, kDuplicate, kCapacity, kQ, kK, kV, kZk, kZq, kZo };
+enum class UaStepCheck : std::int64_t { kStart = 1, kSlot, kDuplicate, kBound, kCapacity, kQ, kK, kV, kZk, kZq, kZo };
 
 template <class Space, class Set, class Storage, class Ev>
 Status ua_step_check(const Executor<Space>& exec, const UaStepCall<Set, Storage, Ev>& call, std::int64_t R,
@@ -859,6 +862,7 @@ Status ua_step_check(const Executor<Space>& exec, const UaStepCall<Set, Storage,
         if ((x == 0 && w.x0 != 0) || w.T < 0 || (x == R - 1 && x1 != tokens)) return fail(UaStepCheck::kStart);
         if (w.slot < -1 || w.slot >= call.B) return fail(UaStepCheck::kSlot);
         if (!w.first) return fail(UaStepCheck::kDuplicate);
+        if (w.slot >= 0 && call.in.max_len > 0 && w.T > call.in.max_len) return fail(UaStepCheck::kBound);
         if (w.x0 < 0 || x1 > tokens) return;  // another row's start is wrong and reported there
         if (w.slot >= 0 && !call.room(w)) fail(UaStepCheck::kCapacity);
         const std::int64_t D = call.D, G = call.G;
@@ -893,6 +897,11 @@ Status ua_step_check(const Executor<Space>& exec, const UaStepCall<Set, Storage,
     case UaStepCheck::kDuplicate:
       return invalid_argument(kvmem::detail::indexed("slot", x), "a slot used by no earlier row of this step",
                               "a slot an earlier row names");
+    case UaStepCheck::kBound:
+      return invalid_argument("max_query_len",
+                              kvmem::detail::concat("at least the tokens of every row that names a slot (row ", x,
+                                                    ": more, read on the device)"),
+                              call.in.max_len);
     case UaStepCheck::kCapacity:
       return {StatusCode::kOutOfRange,
               kvmem::detail::concat("cache capacity: row ", x, " needs room for its tokens in every kv head of its ",
@@ -1068,6 +1077,7 @@ Status kokkos_step(const kokkos::Executor<Space>& exec, kokkos::UaCache<Storage,
     return invalid_argument("query_start shape", kvmem::detail::concat("[rows + 1] = [", R + 1, "]"),
                             shape_string(rows.query_start.extents()));
   if (R == 0) return N == 0 ? Status::ok() : invalid_argument("tokens", "0 for an empty batch", N);
+  if (rows.max_query_len < 0) return invalid_argument("max_query_len", ">= 0 (0: no bound)", rows.max_query_len);
   UaPackedViews views{DeviceView<const std::int32_t, 1>(rows.slot),
                       DeviceView<const std::int32_t, 1>(rows.query_start),
                       DeviceView<const float, 3>(in.q),
@@ -1080,6 +1090,7 @@ Status kokkos_step(const kokkos::Executor<Space>& exec, kokkos::UaCache<Storage,
                       {}};
   if (!in.z_o.empty()) views.z_o = DeviceView<const float, 3>(in.z_o);
   if (!lse.empty()) views.lse = DeviceView<float, 2>(lse);
+  views.max_len = rows.max_query_len;
   bool can_evict = false;
   if constexpr (detail::kEvicts<Ev>) can_evict = prune::active(ev);
   const UaStepCall<Set, Storage, Ev> call{views,
