@@ -88,6 +88,14 @@ inline constexpr bool kHostOrder =
     Kokkos::SpaceAccessibility<Space, Kokkos::HostSpace>::accessible;
 #endif
 
+// Query rows per team in the host order (KVM and UA rows kernels, one row per thread): enough teams
+// for every core when a call has few items, few enough that a team's launch is amortised.
+inline constexpr std::int64_t kHostRows = 8;
+// Threads per team in the device order unless the executor fixes them: a KVM chunk's tokens (C = 256
+// by default) one per thread in the update, and a row's keys (KVM slots plus window, UA entries) a few
+// per thread.
+inline constexpr int kDeviceTeam = 256;
+
 // Level-0 team scratch on CUDA is capped near 40 KB (DESIGN.md 4: 48 KiB minus what Kokkos keeps);
 // larger per-team buffers go to level 1.
 inline constexpr std::size_t kScratch0Bytes = 32 * 1024;

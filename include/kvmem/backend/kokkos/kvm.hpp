@@ -825,13 +825,6 @@ void load_weights(const Executor<Space>& exec, const kvm::State<S, A>& state, co
       });
 }
 
-// (token, head) pairs per team of the rows kernel in the host order: enough teams for every core when
-// a call has few items, few enough that a team's launch is amortised.
-inline constexpr std::int64_t kHostRows = 8;
-// Threads per team in the device order unless the executor fixes them: a chunk's tokens (C = 256 by
-// default) one per thread in the update, and a row's keys (slots plus window) a few per thread.
-inline constexpr int kDeviceTeam = 256;
-
 // The run of one prefill / decode / step call, all on exec.space in order with no host round trip:
 // weights -> state; per chunk segment the state teams (one per sequence or row, times Hk) and the row
 // teams; the per-sequence counter fold.
