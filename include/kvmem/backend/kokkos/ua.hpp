@@ -369,6 +369,11 @@ struct UaStepIo {
   }
 };
 
+// Entries per decay team and per softmax piece, and query rows per block (the host body's key and query
+// tiles, kernel/ua_attend.hpp, so the host order visits the same tiles).
+inline constexpr std::int64_t kUaPiece = kernel::ua::kKeyTile;
+inline constexpr std::int64_t kUaBlock = kernel::ua::kQueryTile;
+
 // The kernels of one call (UaRun), each a tagged operator().
 struct UaBeginTag {};
 struct UaOpenTag {};
@@ -407,9 +412,6 @@ struct UaRun {
   bool before = false;
   bool host_order = true;
   std::int64_t block_rows = kernel::ua::kQueryTile, host_rows = kHostRows, move_rows = 16;
-
-  static constexpr std::int64_t kTile = kernel::ua::kKeyTile;  // entries per decay team and per softmax piece
-  static constexpr std::int64_t kRows = kernel::ua::kQueryTile;
 
   KOKKOS_INLINE_FUNCTION std::int64_t item_of(const UaItemRef& w) const { return w.slot * G + w.g; }
   KOKKOS_INLINE_FUNCTION std::int64_t row0(std::int64_t i) const { return i * capacity; }
@@ -469,46 +471,48 @@ struct UaRun {
   }
 
   // Query block s of chunk c of the prefill items (spec UA.md 4.2, 4.5 step 1): a team per (item, piece
-  // of kTile entries) computes the decay tile A_{e,m} of its entries and the block's positions (pairs
+  // of kUaPiece entries) computes the decay tile A_{e,m} of its entries and the block's positions (pairs
   // over the threads), then each entry's Λ_{m,e} over the block in increasing m on one thread
   // (kernel::ua::cumulative_decay), into the bias workspace, and moves λ_e to the block's last row. So
   // every λ and bias value is the host's, bit for bit, whatever the team size.
-  KOKKOS_INLINE_FUNCTION std::size_t decay_scratch_bytes() const { return sizeof(float) * (kTile * kRows + kRows); }
+  KOKKOS_INLINE_FUNCTION std::size_t decay_scratch_bytes() const {
+    return sizeof(float) * (kUaPiece * kUaBlock + kUaBlock);
+  }
 
   template <class Member>
   KOKKOS_INLINE_FUNCTION void operator()(UaDecayTag, const Member& team) const {
-    const std::int64_t pieces = (capacity + kTile - 1) / kTile;
+    const std::int64_t pieces = (capacity + kUaPiece - 1) / kUaPiece;
     const UaItemRef w = io.item(team.league_rank() / pieces, length, capacity);
     if (!active(w) || w.decode) return;
-    const std::int64_t t0 = chunk_begin(), t1 = chunk_end(w), b0 = t0 + s * kRows;
+    const std::int64_t t0 = chunk_begin(), t1 = chunk_end(w), b0 = t0 + s * kUaBlock;
     if (b0 >= t1) return;
-    const std::int64_t i = item_of(w), n = live[i] + (t1 - t0), e0 = (team.league_rank() % pieces) * kTile;
+    const std::int64_t i = item_of(w), n = live[i] + (t1 - t0), e0 = (team.league_rank() % pieces) * kUaPiece;
     if (e0 >= n) return;
-    const std::int64_t nr = t1 - b0 < kRows ? t1 - b0 : kRows, ne = n - e0 < kTile ? n - e0 : kTile;
+    const std::int64_t nr = t1 - b0 < kUaBlock ? t1 - b0 : kUaBlock, ne = n - e0 < kUaPiece ? n - e0 : kUaPiece;
     const std::int64_t m0 = counter[w.slot] + b0, m_last = m0 + nr - 1, o = row0(i);
     const Storage* K = keys + o * D;
     const float* zk = key_logit + o;
     const std::int64_t* ps = pos + o;
     if (ps[e0] > m_last) return;  // positions ascend: no entry of the piece is visible to the block
-    float* decay = static_cast<float*>(team.team_scratch(0).get_shmem(decay_scratch_bytes()));  // [kTile, kRows]
-    float* query_part = decay + kTile * kRows;                                                  // [kRows]
+    float* decay = static_cast<float*>(team.team_scratch(0).get_shmem(decay_scratch_bytes()));  // [kUaPiece, kUaBlock]
+    float* query_part = decay + kUaPiece * kUaBlock;                                            // [kUaBlock]
     Kokkos::parallel_for(Kokkos::TeamThreadRange(team, nr),
                          [&](const std::int64_t x) { query_part[x] = kernel::ua::query_gate_part(io.z_q(w, b0 + x)); });
     team.team_barrier();
     Kokkos::parallel_for(Kokkos::TeamThreadRange(team, ne * nr), [&](const std::int64_t x) {
       const std::int64_t e = e0 + x / nr, y = x % nr, p = ps[e], m = m0 + y;
       if (p > m_last) return;  // not visible to the block: its bias is never read
-      decay[(x / nr) * kRows + y] =
+      decay[(x / nr) * kUaBlock + y] =
           m > p ? kernel::ua::pair_decay<Set, float>(K + e * D, zk[e], kernel::ua::key_gate_part(zk[e]), p,
                                                      io.k(w, b0 + y), io.z_q(w, b0 + y), query_part[y], m, D)
                 : 0.0f;
     });
     team.team_barrier();
-    float* b = bias + i * kRows * capacity;
+    float* b = bias + i * kUaBlock * capacity;
     Kokkos::parallel_for(Kokkos::TeamThreadRange(team, ne), [&](const std::int64_t x) {
       const std::int64_t e = e0 + x, p = ps[e];
       if (p > m_last) return;
-      lambda[o + e] = kernel::ua::cumulative_decay(lambda[o + e], p, m0, decay + x * kRows, nr, b + e, capacity);
+      lambda[o + e] = kernel::ua::cumulative_decay(lambda[o + e], p, m0, decay + x * kUaBlock, nr, b + e, capacity);
     });
   }
 
@@ -535,16 +539,16 @@ struct UaRun {
       k.bias = lambda + row0(k.i);                         // λ includes A_{., t} (spec 4.4 step 4)
     } else {
       const std::int64_t t0 = chunk_begin();
-      k.t = t0 + s * kRows + y;
-      if (y >= kRows || k.t >= chunk_end(k.w)) return k;
+      k.t = t0 + s * kUaBlock + y;
+      if (y >= kUaBlock || k.t >= chunk_end(k.w)) return k;
       k.n = live[k.i] + (k.t - t0) + 1;  // the survivors and the chunk's keys up to t
-      k.bias = bias + (k.i * kRows + y) * capacity;
+      k.bias = bias + (k.i * kUaBlock + y) * capacity;
     }
     k.ok = true;
     return k;
   }
 
-  // A row in the host backend's order (kernel::ua::attend_block for one (head, row)): key tiles of kTile
+  // A row in the host backend's order (kernel::ua::attend_block for one (head, row)): key tiles of kUaPiece
   // entries from entry 0 through one online softmax, the same expressions in the same order, so the row
   // is bitwise the host's where the host compiler builds it. acc: [D] of the thread's scratch.
   KOKKOS_INLINE_FUNCTION void row_in_host_order(const RowTask& k, float* acc) const {
@@ -554,9 +558,9 @@ struct UaRun {
     const float* qrow = io.q(k.w, k.h, k.t);
     for (std::int64_t d = 0; d < D; ++d) acc[d] = 0.0f;
     OnlineSoftmax<float> sm;
-    float logits[kTile];
-    for (std::int64_t e0 = 0; e0 < k.n; e0 += kTile) {
-      const std::int64_t ne = k.n - e0 < kTile ? k.n - e0 : kTile;
+    float logits[kUaPiece];
+    for (std::int64_t e0 = 0; e0 < k.n; e0 += kUaPiece) {
+      const std::int64_t ne = k.n - e0 < kUaPiece ? k.n - e0 : kUaPiece;
       float block_max = negative_infinity<float>();
       for (std::int64_t e = 0; e < ne; ++e) {
         const float qk = kernel::ua::dot8<float>(qrow, K + (e0 + e) * D, D), b = k.bias[e0 + e];
@@ -579,7 +583,7 @@ struct UaRun {
 
   // The team scratch of a row in the device order: piece states [pieces + 1], logits (then weights)
   // [capacity], merge factors [pieces].
-  KOKKOS_INLINE_FUNCTION std::int64_t pieces_cap() const { return (capacity + kTile - 1) / kTile; }
+  KOKKOS_INLINE_FUNCTION std::int64_t pieces_cap() const { return (capacity + kUaPiece - 1) / kUaPiece; }
   KOKKOS_INLINE_FUNCTION std::size_t row_scratch_bytes() const {
     return sizeof(kernel::PieceSoftmax<float>) * static_cast<std::size_t>(pieces_cap() + 1) +
            sizeof(float) * static_cast<std::size_t>(capacity + pieces_cap());
@@ -587,7 +591,7 @@ struct UaRun {
   KOKKOS_INLINE_FUNCTION int row_scratch_level() const { return row_scratch_bytes() <= kScratch0Bytes ? 0 : 1; }
 
   // A row in the device order, by the whole team: logits one entry per thread (dot8 and the bias as in
-  // the host order), pieces of kTile entries reduced one per thread (kernel::piece_weights), merged in
+  // the host order), pieces of kUaPiece entries reduced one per thread (kernel::piece_weights), merged in
   // increasing order (kernel::merge_piece_factors), then each output element sums its pieces in order
   // (the KVM device order's readout). No sum's order depends on the team size or on other rows.
   template <class Member>
@@ -598,7 +602,7 @@ struct UaRun {
     float* logit = reinterpret_cast<float*>(piece + pieces_cap() + 1);           // [capacity]
     float* factor = logit + capacity;                                            // [pieces]
     PieceSoftmax<float>* whole = piece + pieces_cap();
-    const std::int64_t o = row0(k.i), n = k.n, pieces = (n + kTile - 1) / kTile;
+    const std::int64_t o = row0(k.i), n = k.n, pieces = (n + kUaPiece - 1) / kUaPiece;
     const Storage* K = keys + o * D;
     const Storage* V = values + o * D;
     const float* qrow = io.q(k.w, k.h, k.t);
@@ -608,8 +612,8 @@ struct UaRun {
     });
     team.team_barrier();
     Kokkos::parallel_for(Kokkos::TeamThreadRange(team, pieces), [&](const std::int64_t p) {
-      const std::int64_t j0 = p * kTile;
-      piece[p] = kernel::piece_weights(logit + j0, n - j0 < kTile ? n - j0 : kTile);
+      const std::int64_t j0 = p * kUaPiece;
+      piece[p] = kernel::piece_weights(logit + j0, n - j0 < kUaPiece ? n - j0 : kUaPiece);
     });
     team.team_barrier();
     Kokkos::single(Kokkos::PerTeam(team), [&]() { *whole = kernel::merge_piece_factors(piece, pieces, factor); });
@@ -623,9 +627,9 @@ struct UaRun {
     Kokkos::parallel_for(Kokkos::TeamThreadRange(team, D), [&](const std::int64_t d) {
       float acc = 0.0f;
       for (std::int64_t p = 0; p < pieces; ++p) {
-        const std::int64_t j1 = n < (p + 1) * kTile ? n : (p + 1) * kTile;
+        const std::int64_t j1 = n < (p + 1) * kUaPiece ? n : (p + 1) * kUaPiece;
         float part = 0.0f;
-        for (std::int64_t j = p * kTile; j < j1; ++j) part += logit[j] * load_as<float>(V[j * D + d]);
+        for (std::int64_t j = p * kUaPiece; j < j1; ++j) part += logit[j] * load_as<float>(V[j * D + d]);
         acc += factor[p] * part;
       }
       float y = acc * inv;
@@ -789,7 +793,6 @@ void run_ua(const Executor<Space>& exec, UaRun<Set, Storage, Ev, Io> call, std::
             bool any_decode) {
   const std::int64_t items = call.io.items();
   if (items <= 0 || max_tokens <= 0) return;
-  using Run = UaRun<Set, Storage, Ev, Io>;
   const std::int64_t P = call.chunk, Q = kernel::ua::kQueryTile;
   const std::int64_t chunks = any_prefill ? (max_tokens + P - 1) / P : 1;
   const std::int64_t span = max_tokens < P ? max_tokens : P;
@@ -798,7 +801,7 @@ void run_ua(const Executor<Space>& exec, UaRun<Set, Storage, Ev, Io> call, std::
   call.block_rows = any_prefill ? Q : 1;
   call.host_rows = kHostRows;
   call.move_rows = ua_move_rows<Storage>(call.D);
-  const std::int64_t decay_teams = items * ((call.capacity + Run::kTile - 1) / Run::kTile);
+  const std::int64_t decay_teams = items * ((call.capacity + kUaPiece - 1) / kUaPiece);
   const std::int64_t row_teams = items * call.row_teams_per_item();
 
   auto begin = team_policy<Space, UaBeginTag>(exec, items);
