@@ -59,6 +59,50 @@ KVMEM_HOST_DEVICE inline void attend_accumulate(OnlineSoftmax<Acc>& sm, Acc* acc
   }
 }
 
+// Split-key readout: a row's keys cut into pieces of kAttendTile consecutive keys, each piece reduced
+// on its own and the pieces merged in increasing order (core/softmax.hpp: partial results over
+// disjoint key ranges merge exactly). Every sum runs in one fixed order, so the result does not depend
+// on how many threads share the pieces; it differs from attend_accumulate's running softmax in the
+// last bits only (the rescales happen per piece instead of per tile).
+
+// A piece's logits [n] become their weights exp(l - m) in place; returns m (the piece's max) and
+// sum (the weights' sum, left to right).
+template <class Acc>
+struct PieceSoftmax {
+  Acc max;
+  Acc sum;
+};
+template <class Acc>
+KVMEM_HOST_DEVICE inline PieceSoftmax<Acc> piece_weights(Acc* logits, std::int64_t n) {
+  using std::exp;
+  PieceSoftmax<Acc> p{negative_infinity<Acc>(), Acc(0)};
+  for (std::int64_t j = 0; j < n; ++j)
+    if (logits[j] > p.max) p.max = logits[j];
+  for (std::int64_t j = 0; j < n; ++j) {
+    const Acc w = logits[j] == negative_infinity<Acc>() ? Acc(0) : exp(logits[j] - p.max);
+    logits[j] = w;
+    p.sum += w;
+  }
+  return p;
+}
+
+// The merge of `count` pieces: factor[p] = exp(max_p - M) (M the largest piece max), returns the row's
+// PieceSoftmax {M, sum_p sum_p factor[p]}; a row's output element is sum_p factor[p] acc_p[d] / sum.
+// pieces: [count], factor: [count]
+template <class Acc>
+KVMEM_HOST_DEVICE inline PieceSoftmax<Acc> merge_piece_factors(const PieceSoftmax<Acc>* pieces, std::int64_t count,
+                                                               Acc* factor) {
+  using std::exp;
+  PieceSoftmax<Acc> r{negative_infinity<Acc>(), Acc(0)};
+  for (std::int64_t p = 0; p < count; ++p)
+    if (pieces[p].max > r.max) r.max = pieces[p].max;
+  for (std::int64_t p = 0; p < count; ++p) {
+    factor[p] = pieces[p].max == negative_infinity<Acc>() ? Acc(0) : exp(pieces[p].max - r.max);
+    r.sum += pieces[p].sum * factor[p];
+  }
+  return r;
+}
+
 // out = acc / sum (an empty row gives zeros). acc: [Dv], out: [Dv]
 template <class Acc, class Out>
 KVMEM_HOST_DEVICE inline void attend_finish(const OnlineSoftmax<Acc>& sm, const Acc* acc, std::int64_t Dv, Out* out) {

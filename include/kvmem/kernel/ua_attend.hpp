@@ -78,26 +78,33 @@ struct BlockArgs {
   Acc* workspace = nullptr;  // [block_workspace_elems(heads, D)]
 };
 
-// The end of query tile r0 for (head h, row i): normalise the accumulator, apply the optional output
-// gate y = o * sigmoid(z_o) (spec UA.md 7), write the output row and lse. acc, row_max, row_sum: the
-// tile's workspace as attend_block lays it out.
+// One output row from its accumulator: y = acc / sum, times sigmoid(z_o) when the output gate is on
+// (spec UA.md 7), and the row's natural log-sum-exp.
+// acc: [D]; z_o: [D] or nullptr (no gate); out: [D]; lse: nullptr = not wanted
+template <class QS, class OS, class Acc>
+KVMEM_HOST_DEVICE inline void finish_output_row(const OnlineSoftmax<Acc>& sm, const Acc* acc, std::int64_t D,
+                                                const QS* z_o, OS* out, Acc* lse) {
+  const Acc inv = sm.normaliser();
+  for (std::int64_t d = 0; d < D; ++d) {
+    Acc y = acc[d] * inv;
+    if (z_o) y *= sigmoid(load_as<Acc>(z_o[d]));
+    out[d] = store_as<OS>(y);
+  }
+  if (lse) *lse = sm.lse();
+}
+
+// The end of query tile r0 for (head h, row i): finish_output_row of the tile's accumulator (the
+// output row and lse). acc, row_max, row_sum: the tile's workspace as attend_block lays it out.
 template <class KS, class QS, class OS, class Acc>
 KVMEM_HOST_DEVICE inline void finish_row(const BlockArgs<KS, QS, OS, Acc>& a, const Acc* acc, const Acc* row_max,
                                          const Acc* row_sum, std::int64_t r0, std::int64_t h, std::int64_t i) {
-  const std::int64_t D = a.D;
   OnlineSoftmax<Acc> sm;
   sm.max = row_max[h * kQueryTile + i];
   sm.sum = row_sum[h * kQueryTile + i];
-  const Acc inv = sm.normaliser();
-  const Acc* arow = acc + (h * kQueryTile + i) * D;
-  OS* orow = a.out + (r0 + i) * a.out_row_stride + h * a.out_head_stride;
-  const QS* zrow = a.z_o ? a.z_o + (r0 + i) * a.z_o_row_stride + h * a.z_o_head_stride : nullptr;
-  for (std::int64_t d = 0; d < D; ++d) {
-    Acc y = arow[d] * inv;
-    if (zrow) y *= sigmoid(load_as<Acc>(zrow[d]));
-    orow[d] = store_as<OS>(y);
-  }
-  if (a.lse) a.lse[h * a.lse_head_stride + (r0 + i) * a.lse_row_stride] = sm.lse();
+  finish_output_row(sm, acc + (h * kQueryTile + i) * a.D, a.D,
+                    a.z_o ? a.z_o + (r0 + i) * a.z_o_row_stride + h * a.z_o_head_stride : nullptr,
+                    a.out + (r0 + i) * a.out_row_stride + h * a.out_head_stride,
+                    a.lse ? a.lse + h * a.lse_head_stride + (r0 + i) * a.lse_row_stride : nullptr);
 }
 
 template <class Set, class KS, class QS, class OS, class Acc>

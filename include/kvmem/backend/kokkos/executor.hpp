@@ -65,12 +65,36 @@ auto to_tensor_view(const View& view) {
 
 namespace detail {
 
-// A team policy of `league` teams on exec's instance, team size from the executor.
-template <class Space>
-Kokkos::TeamPolicy<Space> team_policy(const Executor<Space>& exec, std::int64_t league) {
-  if (exec.team_size > 0) return Kokkos::TeamPolicy<Space>(exec.space, static_cast<int>(league), exec.team_size);
-  return Kokkos::TeamPolicy<Space>(exec.space, static_cast<int>(league), Kokkos::AUTO);
+// A team policy of `league` teams on exec's instance (Props: e.g. a work tag), team size from the
+// executor.
+template <class Space, class... Props>
+Kokkos::TeamPolicy<Space, Props...> team_policy(const Executor<Space>& exec, std::int64_t league) {
+  if (exec.team_size > 0)
+    return Kokkos::TeamPolicy<Space, Props...>(exec.space, static_cast<int>(league), exec.team_size);
+  return Kokkos::TeamPolicy<Space, Props...>(exec.space, static_cast<int>(league), Kokkos::AUTO);
 }
+
+// Whether the kernels keep the host backend's operation order (host execution spaces, where the host
+// compiler builds the same bodies, so results equal the host backend's bitwise, docs/kokkos.md) or
+// spread one row's keys over a team in pieces merged in a fixed order (device spaces: a row of the
+// host order is a chain of dependent tiles that leaves a GPU's team idle). Both orders give the same
+// bits for every team size. KVMEM_KOKKOS_DEVICE_ORDER selects the device order on every space, so a
+// machine without a GPU can test it (the tests then compare with the host within the tolerance).
+template <class Space>
+inline constexpr bool kHostOrder =
+#if defined(KVMEM_KOKKOS_DEVICE_ORDER)
+    false;
+#else
+    Kokkos::SpaceAccessibility<Space, Kokkos::HostSpace>::accessible;
+#endif
+
+// Query rows per team in the host order (KVM and UA rows kernels, one row per thread): enough teams
+// for every core when a call has few items, few enough that a team's launch is amortised.
+inline constexpr std::int64_t kHostRows = 8;
+// Threads per team in the device order unless the executor fixes them: a KVM chunk's tokens (C = 256
+// by default) one per thread in the update, and a row's keys (KVM slots plus window, UA entries) a few
+// per thread.
+inline constexpr int kDeviceTeam = 256;
 
 // Level-0 team scratch on CUDA is capped near 40 KB (DESIGN.md 4: 48 KiB minus what Kokkos keeps);
 // larger per-team buffers go to level 1.

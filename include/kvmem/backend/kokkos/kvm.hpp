@@ -4,33 +4,43 @@
 // the slot operations run on any execution space with the shared kernel bodies (kernel/attend.hpp,
 // kernel/kvm_state.hpp).
 //
-// One team per (sequence, KV head) item runs the item's whole token range in the host driver's order
-// (backend/host/kvm.hpp) with the same per-token and per-slot bodies (kernel/kvm_state.hpp): per chunk
-// segment, the pending state update with the team's threads over the chunk's tokens (preprocessing,
-// novelty, rank selection, routing) and over slots (scatter, K^/V^ refresh), each token visiting the
-// slots in increasing order as on the host; then the window ring and initial slots (one thread); then the
-// segment's query rows over the team's threads (a row owns its online softmax and visits the same key
-// tiles as on the host). So results are bitwise equal to the host backend's where the host compiler
-// builds the kernels (host spaces; a device compiler's FMA contraction and libm change the last bits,
-// docs/kokkos.md), and decode == prefill holds exactly on every space. |S| after an update is data independent
-// (spec 3.1) and every thread computes it from the budget, so no broadcast is needed.
+// A call runs chunk segment by chunk segment (an item's tokens cut at multiples of C; at most
+// ceil((T - 1) / C) + 1 of them for T tokens, so the launch count follows from the padded sizes), each
+// segment as two kernels in the host driver's order (backend/host/kvm.hpp) with the same per-token and
+// per-slot bodies (kernel/kvm_state.hpp):
+// - state side, one team per (sequence, KV head) item: the pending state update with the team's
+//   threads over the chunk's tokens (preprocessing, novelty, rank selection, routing) and over slots
+//   (scatter, K^/V^ refresh), each token visiting the slots in increasing order as on the host; the
+//   segment's tokens into the window ring over the threads; the initial slots (one thread).
+// - rows side, the segment's query rows (token, query head) of every item over many teams. On host
+//   spaces a team takes kHostRows rows, one per thread, each in the host's tile order through one
+//   online softmax, so results are bitwise equal to the host backend's. On device spaces a team takes
+//   one row and shares its keys: logits one key per thread, then pieces of kAttendTile keys reduced
+//   and merged in a fixed order (kernel::piece_weights, merge_piece_factors), so a row's bits depend
+//   on neither the team size nor the call's other rows (decode == prefill exactly on every space) and
+//   differ from the host order in the last bits only (docs/kokkos.md).
+// |S| after an update is data independent (spec 3.1) and every thread computes it from the budget, so
+// no broadcast is needed; an item's running (cov, |S|) passes between segments in its result counters.
 //
-// kvm::step (sequence slots, docs/slots.md) runs the same driver with one team per (row, KV head):
-// each team reads its row's slot and query_start and the slot's counters inside the kernel, so every
+// kvm::step (sequence slots, docs/slots.md) runs the same driver, state teams per (row, KV head) and
+// row teams per packed token: each team reads its row's slot and query_start (a row team finds its row
+// by bisection) and the slot's counters inside the kernel, so every
 // per-row decision (chunk-boundary update, ring write, slot founding) is taken on the device. The
 // slot operations reset_slots and copy_slots are kernels on exec.space as well; export_slot,
 // import_slot and truncate fence exec.space and read or write the slot on the host (the record and the
 // exactness rule are host code shared with the host backend: kvm/record.hpp, kvm::truncate_check).
 //
-// Team scratch is not used here: each row's q copy, accumulator and softmax state come from the State's
-// per-item workspace (already in the space's memory), and staging a kAttendTile-row K/V tile would take
-// 64 (D + Dv) sizeof(S) = 64 KB for D = Dv = 128 fp32, over the ~40 KB level-0 cap on CUDA (DESIGN.md 4).
+// Team scratch: the device order's row (q, logits or weights of every key, piece states, piece
+// accumulators [pieces, Dv]) is sized from the state's slot capacity plus the window: about 10 KB for
+// 256 slots and a 512-token window at D = Dv = 128 fp32, level 0 up to kScratch0Bytes (the ~40 KB CUDA
+// cap, DESIGN.md 4) and level 1 beyond. The host order keeps each row's q copy, accumulator and softmax
+// state in the State's per-item workspace; the update's rows (LN blocks, scores, targets) live there too.
 //
 // Launch sequence of one prefill / decode / step call, all on exec.space (in order, no host round trip
 // in between): [checked] one reduction over sequences or rows (rows, lengths, n_ctx, finite inputs,
-// gate > 0) read back; weights -> state (ln_w, ln_b, tau_s, tau_w in Acc); the item teams; the
-// per-sequence counter fold. The per-sequence counters (n, cov, |S|), lengths and rows are read
-// inside the kernels only.
+// gate > 0) read back; weights -> state (ln_w, ln_b, tau_s, tau_w in Acc); per segment the state
+// teams and the row teams; the per-sequence counter fold. The per-sequence counters (n, cov, |S|),
+// lengths and rows are read inside the kernels only.
 //
 // State memory: the State must be placed over memory the space can access AND the host can write,
 // because State::place/reset (kvm/state.hpp) zero the counters from the host and the record code
@@ -203,6 +213,17 @@ struct SeqRef {
   bool ok = false;  // b names a slot and its sizes fit (what the checked reduction guarantees)
 };
 
+// A query token of one segment of a call: its sequence (or row) and absolute position t.
+struct TokenRef {
+  SeqRef seq;
+  std::int64_t t = 0;
+  bool ok = false;  // the token exists, its sequence is ok and names a slot, and t is in the segment
+};
+
+// The two kernels of a segment (KvmCall): the state side (update, ring, initial slots) and the rows.
+struct StateTag {};
+struct RowsTag {};
+
 // prefill / decode: sequence b is batch row b of q [B,Hq,T,D], k [B,Hk,T,D], v [B,Hk,T,Dv],
 // gate [B,Hk,T], out [B,T,Hq,Dv]; lengths [B] (or nullptr: all T).
 template <class In, class Out>
@@ -239,6 +260,20 @@ struct BatchIo {
   KOKKOS_INLINE_FUNCTION float* lse_at(const SeqRef&, std::int64_t, std::int64_t) const { return nullptr; }
   // Output rows of the batch past the sequence's length (zeroed).
   KOKKOS_INLINE_FUNCTION std::int64_t tail(const SeqRef& s) const { return out.extent[1] - s.len; }
+  // The rows kernel's tokens: batch row x / span, x % span-th token of the segment (span = min(T, C)).
+  KOKKOS_INLINE_FUNCTION std::int64_t row_tokens(std::int64_t C) const { return count() * (T < C ? T : C); }
+  KOKKOS_INLINE_FUNCTION TokenRef locate(std::int64_t x, std::int64_t seg, std::int64_t C, const std::int64_t* n_seq,
+                                         std::int64_t n_ctx) const {
+    TokenRef r;
+    const std::int64_t span = T < C ? T : C;
+    if (span <= 0 || x / span >= count()) return r;
+    r.seq = seq(x / span, n_seq, n_ctx);
+    if (!r.seq.ok) return r;
+    const std::int64_t n0 = n_seq[r.seq.b], t0 = seg == 0 ? n0 : (n0 / C + seg) * C;
+    r.t = t0 + x % span;
+    r.ok = r.t < n0 + r.seq.len && r.t < (t0 / C + 1) * C;
+    return r;
+  }
 };
 
 // kvm::step: row r runs packed tokens [query_start[r], query_start[r+1]) of q [tokens,Hq,D],
@@ -294,6 +329,29 @@ struct PackedIo {
     return lse.data != nullptr ? &lse(s.x0 + i, h) : nullptr;
   }
   KOKKOS_INLINE_FUNCTION std::int64_t tail(const SeqRef&) const { return 0; }
+  // The rows kernel's tokens: packed token x, in the row whose [query_start[r], query_start[r+1])
+  // holds it (found by bisection over query_start; a call with decreasing starts is not ok anyway).
+  KOKKOS_INLINE_FUNCTION std::int64_t row_tokens(std::int64_t) const { return q.extent[0]; }
+  KOKKOS_INLINE_FUNCTION TokenRef locate(std::int64_t x, std::int64_t seg, std::int64_t C, const std::int64_t* n_seq,
+                                         std::int64_t n_ctx) const {
+    TokenRef r;
+    const std::int64_t R = count();
+    if (R == 0 || x >= q.extent[0]) return r;
+    std::int64_t lo = 0, hi = R;  // the last row whose start is <= x lies in [lo, hi)
+    while (hi - lo > 1) {
+      const std::int64_t mid = lo + (hi - lo) / 2;
+      if (query_start(mid) <= x)
+        lo = mid;
+      else
+        hi = mid;
+    }
+    r.seq = seq(lo, n_seq, n_ctx);
+    if (r.seq.b < 0 || !r.seq.ok || x < r.seq.x0 || x >= r.seq.x0 + r.seq.len) return r;
+    const std::int64_t n0 = n_seq[r.seq.b];
+    r.t = n0 + (x - r.seq.x0);
+    r.ok = r.t / C - n0 / C == seg;
+    return r;
+  }
 };
 
 template <class S, class A, class In, class Out, class Io>
@@ -316,6 +374,11 @@ struct KvmCall {
   A eps, scale;
   std::int64_t* log;  // [B*Hk, log_stride] or nullptr
   std::int64_t log_stride;
+  // Launch choices (run_call): the segment both kernels run, the row order (executor.hpp, kHostOrder),
+  // the (token, head) pairs of a host-order team, and the split order's key and piece capacity.
+  std::int64_t seg = 0;
+  bool host_order = true;
+  std::int64_t host_rows = 1, keys_cap = 0, pieces_cap = 0;
 
   KOKKOS_INLINE_FUNCTION std::int64_t W() const { return C * nb; }
   // spec 4.1: first window position when n tokens exist, max(0, ceil(n/C) C - nb C).
@@ -446,12 +509,20 @@ struct KvmCall {
     return S_new;
   }
 
-  // One query row r of the segment [t0, t1) of item (b, g): the state (if w > 0) and the causal
-  // window [w, t], in the host backend's tile order (bitwise equal results on host spaces).
-  KOKKOS_INLINE_FUNCTION void attend_row(const kvm::ItemView<S, A>& it, const SeqRef& sq, std::int64_t g,
-                                         std::int64_t n0, std::int64_t t0, std::int64_t w, std::int64_t S_cur,
+  // Segment seg of a sequence with n0 tokens before the call: the chunk-aligned token range
+  // [t0, t1) it covers (the first segment starts at n0; each later one at a multiple of C).
+  KOKKOS_INLINE_FUNCTION std::int64_t segment_begin(std::int64_t n0, std::int64_t s) const {
+    return s == 0 ? n0 : (n0 / C + s) * C;
+  }
+
+  // One query row (token t, query head h) of item (b, g) in the host driver's order: the state (if
+  // w > 0) and the causal window [w, t] as a chain of kAttendTile tiles through one online softmax
+  // (bitwise equal to the host backend where the host compiler builds it). `r` names the row's
+  // workspace in the item's state (q copy, accumulator, softmax state; r < rep C).
+  KOKKOS_INLINE_FUNCTION void attend_row(const kvm::ItemView<S, A>& it, const SeqRef& sq, std::int64_t n0,
+                                         std::int64_t t, std::int64_t h, std::int64_t w, std::int64_t S_cur,
                                          std::int64_t r) const {
-    const std::int64_t t = t0 + r / rep, h = g * rep + r % rep, w_len = W();
+    const std::int64_t w_len = W();
     A* qr = it.qblock + r * D;
     A* acc = it.acc + r * Dv;
     for (std::int64_t d = 0; d < D; ++d) qr[d] = load_as<A>(io.q_at(sq, h, t - n0, d));
@@ -481,6 +552,72 @@ struct KvmCall {
     if (float* l = io.lse_at(sq, t - n0, h)) *l = static_cast<float>(sm->lse());
   }
 
+  // The team scratch of one row in the split order: q [D], logits or weights [keys_cap], piece
+  // softmax states and merge factors [pieces_cap] each, piece accumulators [pieces_cap, Dv].
+  KOKKOS_INLINE_FUNCTION std::size_t row_scratch_bytes() const {
+    const std::size_t pieces = static_cast<std::size_t>(pieces_cap);
+    return sizeof(A) * static_cast<std::size_t>(D + keys_cap + pieces * (1 + Dv)) +
+           sizeof(kernel::PieceSoftmax<A>) * (pieces + 1);
+  }
+
+  // One query row (token t, query head h) by the whole team in the split order: the row's keys (the
+  // state's slots if w > 0, then the window [w, t]) get their logits from the threads at once (one key
+  // per thread, kernel::dot as on the host), pieces of kAttendTile keys are reduced one per thread
+  // (kernel::piece_weights) and accumulated over (piece, value element) pairs, and the pieces merge
+  // in increasing order. No sum's order depends on the team size. The slots and the window use the
+  // same logit formula as the host order; only the softmax's rescaling points differ.
+  template <class Member>
+  KOKKOS_INLINE_FUNCTION void attend_row_team(const Member& team, unsigned char* scratch, const kvm::ItemView<S, A>& it,
+                                              const SeqRef& sq, std::int64_t n0, std::int64_t t, std::int64_t h,
+                                              std::int64_t w, std::int64_t S_cur) const {
+    using kernel::PieceSoftmax;
+    const std::int64_t tile = kernel::kAttendTile;
+    const std::int64_t n_s = w > 0 ? S_cur : 0, n = n_s + (t - w + 1);
+    const std::int64_t pieces = (n + tile - 1) / tile;
+    PieceSoftmax<A>* piece = reinterpret_cast<PieceSoftmax<A>*>(scratch);
+    PieceSoftmax<A>* row = piece + pieces_cap;
+    A* qr = reinterpret_cast<A*>(row + 1);
+    A* logit = qr + D;
+    A* factor = logit + keys_cap;
+    A* part = factor + pieces_cap;
+    Kokkos::parallel_for(Kokkos::TeamThreadRange(team, D),
+                         [&](const std::int64_t d) { qr[d] = load_as<A>(io.q_at(sq, h, t - n0, d)); });
+    team.team_barrier();
+    const A ls = scale * (head_temps ? tau_s[h] : A(1)), lw = scale * (head_temps ? tau_w[h] : A(1));
+    Kokkos::parallel_for(Kokkos::TeamThreadRange(team, n), [&](const std::int64_t x) {
+      if (x < n_s)
+        logit[x] = ls * kernel::dot(qr, it.khat + x * D, D);
+      else
+        logit[x] = lw * kernel::dot(qr, it.wk + (w + x - n_s) % W() * D, D);
+    });
+    team.team_barrier();
+    Kokkos::parallel_for(Kokkos::TeamThreadRange(team, pieces), [&](const std::int64_t p) {
+      const std::int64_t j0 = p * tile, m = n - j0 < tile ? n - j0 : tile;
+      piece[p] = kernel::piece_weights(logit + j0, m);
+    });
+    team.team_barrier();
+    Kokkos::parallel_for(Kokkos::TeamThreadRange(team, pieces * Dv), [&](const std::int64_t x) {
+      const std::int64_t p = x / Dv, d = x % Dv, j0 = p * tile, j1 = n - j0 < tile ? n : j0 + tile;
+      A sum = A(0);
+      for (std::int64_t j = j0; j < j1; ++j)
+        sum += logit[j] * (j < n_s ? load_as<A>(it.vhat[j * Dv + d]) : load_as<A>(it.wv[(w + j - n_s) % W() * Dv + d]));
+      part[x] = sum;
+    });
+    Kokkos::single(Kokkos::PerTeam(team), [&]() { row[0] = kernel::merge_piece_factors(piece, pieces, factor); });
+    team.team_barrier();
+    const A inv = row[0].sum > A(0) ? A(1) / row[0].sum : A(0);
+    Kokkos::parallel_for(Kokkos::TeamThreadRange(team, Dv), [&](const std::int64_t d) {
+      A o = A(0);
+      for (std::int64_t p = 0; p < pieces; ++p) o += factor[p] * part[p * Dv + d];
+      io.out_at(sq, t - n0, h, d) = static_cast<Out>(o * inv);
+    });
+    Kokkos::single(Kokkos::PerTeam(team), [&]() {
+      using std::log;
+      if (float* l = io.lse_at(sq, t - n0, h))
+        *l = static_cast<float>(row[0].sum > A(0) ? row[0].max + log(row[0].sum) : negative_infinity<A>());
+    });
+  }
+
   // Zeroes the out (and lse) rows of local tokens [i0, i1) for the query heads of KV group g.
   template <class Member>
   KOKKOS_INLINE_FUNCTION void zero_rows(const Member& team, const SeqRef& sq, std::int64_t g, std::int64_t i0,
@@ -494,28 +631,34 @@ struct KvmCall {
     });
   }
 
+  // Segment `seg` of every item, state side: one team per (sequence or row, KV head) runs the pending
+  // state update (spec 4.7 step 4: first token of a new chunk, before attention), writes the segment's
+  // tokens into the window ring and founds the initial slots below position C (spec 4.3). The item's
+  // running (cov, |S|) pass from segment to segment in `result`; the rows kernel of the same segment
+  // reads |S| there. Segment 0 also zeroes padding rows and batch rows past a sequence's length.
   template <class Member>
-  KOKKOS_INLINE_FUNCTION void operator()(const Member& team) const {
+  KOKKOS_INLINE_FUNCTION void operator()(StateTag, const Member& team) const {
     const std::int64_t g = team.league_rank() % Hk;
     const SeqRef sq = seq(team.league_rank() / Hk);
     if (sq.b < 0) {  // padding row: inputs unread, outputs zeroed
-      if (sq.ok) zero_rows(team, sq, g, 0, sq.len);
+      if (sq.ok && seg == 0) zero_rows(team, sq, g, 0, sq.len);
       return;
     }
     if (!sq.ok) return;  // rejected sizes (checked = false): the item and its counters stay untouched
     const std::int64_t b = sq.b, i = b * Hk + g;  // the state's item of (slot b, KV head g)
     const std::int64_t len = sq.len, n0 = n_seq[b], w_len = W();
     const kvm::ItemView<S, A> it = items.at(i);
-    std::int64_t cov = cov_seq[b], S_cur = slots_seq[b];
-    std::int64_t* item_log = log ? log + i * log_stride : nullptr;
-    for (std::int64_t t0 = n0; t0 < n0 + len;) {
+    std::int64_t cov = seg == 0 ? cov_seq[b] : result[2 * i], S_cur = seg == 0 ? slots_seq[b] : result[2 * i + 1];
+    const std::int64_t t0 = segment_begin(n0, seg);
+    if (t0 < n0 + len) {
       const std::int64_t chunk_end = (t0 / C + 1) * C;
       const std::int64_t t1 = n0 + len < chunk_end ? n0 + len : chunk_end;
       const std::int64_t w = bswa_begin(t0 + 1);
-      const bool updating = cov < w;  // spec 4.7 step 4: first token of a new chunk, before attention
+      const bool updating = cov < w;
       const std::int64_t a = cov;
       const std::int64_t S_before = S_cur;
       const std::int64_t S_after = updating ? update(team, it, a, S_before) : S_before;
+      std::int64_t* item_log = log ? log + i * log_stride : nullptr;
       Kokkos::single(Kokkos::PerTeam(team), [&]() {
         if (updating && item_log != nullptr) {  // test hook: the update's route record
           std::int64_t* route = item_log + 1 + item_log[0]++ * (kRouteHeader + C);
@@ -524,19 +667,28 @@ struct KvmCall {
           route[2] = S_after;
           for (std::int64_t x = 0; x < C; ++x) route[kRouteHeader + x] = it.target[x];
         }
-        std::int64_t c = updating ? a + C : a, s = S_after;
-        for (std::int64_t t = t0; t < t1; ++t) {  // window ring; initial slots below position C (spec 4.3)
-          const std::int64_t ring = t % w_len;
-          for (std::int64_t d = 0; d < D; ++d) it.wk[ring * D + d] = store_as<S>(load_as<A>(io.k_at(sq, g, t - n0, d)));
-          for (std::int64_t d = 0; d < Dv; ++d)
-            it.wv[ring * Dv + d] = store_as<S>(load_as<A>(io.v_at(sq, g, t - n0, d)));
-          it.wg[ring] = load_as<A>(io.gate_at(sq, g, t - n0));
-          if (t < C && t >= c) {
-            init_slot(it, ring, s++);
-            c = t + 1;
-          }
-        }
       });
+      const std::int64_t D_all = D + Dv + 1;  // window ring: k [D], v [Dv], gate per token
+      Kokkos::parallel_for(Kokkos::TeamThreadRange(team, (t1 - t0) * D_all), [&](const std::int64_t x) {
+        const std::int64_t t = t0 + x / D_all, e = x % D_all, ring = t % w_len;
+        if (e < D)
+          it.wk[ring * D + e] = store_as<S>(load_as<A>(io.k_at(sq, g, t - n0, e)));
+        else if (e < D + Dv)
+          it.wv[ring * Dv + e - D] = store_as<S>(load_as<A>(io.v_at(sq, g, t - n0, e - D)));
+        else
+          it.wg[ring] = load_as<A>(io.gate_at(sq, g, t - n0));
+      });
+      team.team_barrier();
+      if (t0 < C) {
+        Kokkos::single(Kokkos::PerTeam(team), [&]() {  // initial slots below position C (spec 4.3), in order
+          std::int64_t c = updating ? a + C : a, s = S_after;
+          for (std::int64_t t = t0; t < t1; ++t)
+            if (t < C && t >= c) {
+              init_slot(it, t % w_len, s++);
+              c = t + 1;
+            }
+        });
+      }
       // Every thread tracks cov and |S| itself: both follow from sizes and the budget alone.
       if (updating) {
         S_cur += appends(a, S_cur);
@@ -547,19 +699,51 @@ struct KvmCall {
           ++S_cur;
           cov = t + 1;
         }
-      team.team_barrier();  // ring, slots and K^/V^ are complete before any row reads them
-      const std::int64_t rows = (t1 - t0) * rep;
-      const std::int64_t S_now = S_cur;
-      Kokkos::parallel_for(Kokkos::TeamThreadRange(team, rows),
-                           [&](const std::int64_t r) { attend_row(it, sq, g, n0, t0, w, S_now, r); });
-      team.team_barrier();  // rows finish reading before the next segment changes the ring or state
-      t0 = t1;
     }
-    zero_rows(team, sq, g, len, len + io.tail(sq));  // batch rows past this sequence's length
+    if (seg == 0) zero_rows(team, sq, g, len, len + io.tail(sq));  // batch rows past this sequence's length
+    team.team_barrier();                                           // every thread has read result before it changes
     Kokkos::single(Kokkos::PerTeam(team), [&]() {
       result[2 * i] = cov;
       result[2 * i + 1] = S_cur;
     });
+  }
+
+  // Segment `seg` of every item, rows side: the segment's query rows (token, query head) after its
+  // state side finished. Host order: a team takes host_rows consecutive (token, head) pairs of one KV
+  // head, one pair per thread. Split order: a team takes one pair and shares its keys.
+  template <class Member>
+  KOKKOS_INLINE_FUNCTION void operator()(RowsTag, const Member& team) const {
+    const std::int64_t g = team.league_rank() % Hk, block = team.league_rank() / Hk;
+    if (!host_order) {
+      row_pair(team, g, block,
+               static_cast<unsigned char*>(team.team_scratch(row_scratch_level()).get_shmem(row_scratch_bytes())));
+      return;
+    }
+    Kokkos::parallel_for(Kokkos::TeamThreadRange(team, host_rows),
+                         [&](const std::int64_t x) { row_pair(team, g, block * host_rows + x, nullptr); });
+  }
+
+  KOKKOS_INLINE_FUNCTION int row_scratch_level() const { return row_scratch_bytes() <= kScratch0Bytes ? 0 : 1; }
+
+  // Pair p of the segment's rows of KV head g: packed token or batch row p / rep, query head
+  // g rep + p % rep. Rows outside the segment return (every thread of a team takes the same branch
+  // in the split order, whose pair is the team's).
+  template <class Member>
+  KOKKOS_INLINE_FUNCTION void row_pair(const Member& team, std::int64_t g, std::int64_t p,
+                                       unsigned char* scratch) const {
+    const TokenRef tr = io.locate(p / rep, seg, C, n_seq, n_ctx);
+    if (!tr.ok) return;
+    const SeqRef& sq = tr.seq;
+    const std::int64_t n0 = n_seq[sq.b], t = tr.t, h = g * rep + p % rep;
+    const std::int64_t t0 = t / C * C > n0 ? t / C * C : n0;
+    const std::int64_t w = bswa_begin(t0 + 1);
+    const std::int64_t i = sq.b * Hk + g;
+    const std::int64_t S_now = result[2 * i + 1];
+    const kvm::ItemView<S, A> it = items.at(i);
+    if (scratch != nullptr)
+      attend_row_team(team, scratch, it, sq, n0, t, h, w, S_now);
+    else
+      attend_row(it, sq, n0, t, h, w, S_now, (t - t0) * rep + p % rep);
   }
 };
 
@@ -657,7 +841,8 @@ void load_weights(const Executor<Space>& exec, const kvm::State<S, A>& state, co
 }
 
 // The run of one prefill / decode / step call, all on exec.space in order with no host round trip:
-// weights -> state; the item teams (one per sequence or row, times Hk); the per-sequence counter fold.
+// weights -> state; per chunk segment the state teams (one per sequence or row, times Hk) and the row
+// teams; the per-sequence counter fold.
 // `max_tokens` bounds the tokens of one item (sizes the route log, a test hook that reads back).
 template <class Space, class S, class A, class In, class Out, class Io>
 void run_call(const Executor<Space>& exec, const kvm::State<S, A>& state, const KvmWeights& w,
@@ -671,7 +856,32 @@ void run_call(const Executor<Space>& exec, const kvm::State<S, A>& state, const 
     call.log = route_buffer.data();
   }
   load_weights(exec, state, w);
-  Kokkos::parallel_for("kvmem::kokkos::kvm::items", team_policy(exec, items), call);
+  // One item's tokens span at most ceil((max_tokens - 1) / C) + 1 chunk segments wherever it starts, so
+  // the launch count follows from the padded sizes alone (no counter is read back). Each segment runs
+  // its state side (a team per item) and then its rows, which need that state and ring.
+  const std::int64_t segments = max_tokens > 0 ? (max_tokens - 1 + C - 1) / C + 1 : 1;
+  const std::int64_t pairs = call.io.row_tokens(C) * sh.rep();
+  call.host_order = kHostOrder<Space>;
+  call.host_rows = kHostRows;
+  call.keys_cap = state.capacity() + state.window_capacity();
+  call.pieces_cap = (call.keys_cap + kernel::kAttendTile - 1) / kernel::kAttendTile;
+  const std::int64_t row_teams = call.host_order ? (pairs + kHostRows - 1) / kHostRows * sh.Hk : pairs * sh.Hk;
+  auto state_teams = team_policy<Space, StateTag>(exec, items);
+  auto rows = team_policy<Space, RowsTag>(exec, row_teams);
+  if (!call.host_order && exec.team_size == 0) {  // device order: teams as wide as a chunk, where they fit
+    const auto width = [&](const auto& policy) {
+      const int most = policy.team_size_max(call, Kokkos::ParallelForTag());
+      return most < kDeviceTeam ? most : kDeviceTeam;
+    };
+    state_teams = Kokkos::TeamPolicy<Space, StateTag>(exec.space, static_cast<int>(items), width(state_teams));
+    rows = Kokkos::TeamPolicy<Space, RowsTag>(exec.space, static_cast<int>(row_teams), width(rows));
+  }
+  if (!call.host_order) rows.set_scratch_size(call.row_scratch_level(), Kokkos::PerTeam(call.row_scratch_bytes()));
+  for (std::int64_t s = 0; s < segments; ++s) {
+    call.seg = s;
+    if (items > 0) Kokkos::parallel_for("kvmem::kokkos::kvm::segment_state", state_teams, call);
+    if (pairs > 0) Kokkos::parallel_for("kvmem::kokkos::kvm::segment_rows", rows, call);
+  }
   Kokkos::parallel_for(
       "kvmem::kokkos::kvm::counters", Kokkos::RangePolicy<Space>(exec.space, 0, call.io.count()),
       KOKKOS_LAMBDA(const std::int64_t x) {

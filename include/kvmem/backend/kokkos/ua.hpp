@@ -15,17 +15,34 @@
 //   kvmem::ua::prefill(exec, cache, inputs, {.p = 0.05}, out);   // out [B,T,H,D]
 //   kvmem::ua::decode(exec, cache, step, {.p = 0.05}, out1);     // out1 [B,1,H,D]
 //
-// One team per (sequence, kv head) item runs the item's chunks, evictions and compaction in order
-// (spec UA.md 4.5: every chunk's eviction depends on the previous one). Inside an item the team's
-// threads share the work: the chunk's rows are appended one per thread, each block is attended by
-// team_attend_block (entries over the threads for the decay and bias tiles and λ, (head, row) pairs for
-// the online softmax, with the shared bodies of kernel/ua_*.hpp, bitwise equal to the host on host
-// spaces, docs/kokkos.md), decode's λ update runs one entry per thread, and the in-order eviction scan
-// runs on one thread. The block
-// workspace (accumulators, running max/sum, decay and bias tiles) lives in team scratch: level 0 when it
-// fits the ~40 KB CUDA cap (DESIGN.md 4), else level 1. Lengths, positions and counters are read inside
-// the kernels. Only with exec.checked does one reduction check finiteness and capacity first and its
-// result is read back (validation before any change, DESIGN.md 3).
+// A call runs as a sequence of kernels on exec.space (run_ua), chunk by chunk (spec UA.md 4.5: every
+// chunk's eviction depends on the previous one; the launch count follows from the call's padded sizes
+// and the chunk size, nothing is read back):
+// - begin: each (sequence or row, kv head) item's running entry count and peak from the cache;
+// - per chunk, open: a prefill item appends the chunk's tokens (one row per thread); a decode step adds
+//   A_{j,t} to every cached λ_j (one entry per thread) and appends t;
+// - per query block of kQueryTile rows of the chunk: the decay kernel, a team per (item, piece of
+//   kKeyTile entries), computes its entries' decay tile over the threads and each entry's Λ over the
+//   block in increasing position on one thread (so every λ is exact and the host's), into the bias
+//   workspace; then the rows kernel spreads the block's (row, head) pairs of every item over many teams;
+// - close: the entry count grows by the chunk and the prune evictor's entries go, compacted stably by
+//   the item's team (decode: before the rows kernel when evict_before_attention, else after);
+// - finish: lengths and peaks.
+// The rows kernel runs in one of two orders (executor.hpp kHostOrder). Host spaces: a team takes
+// kHostRows pairs, one per thread, each through the host's key tiles and online softmax
+// (kernel::ua::attend_block's expressions in its order), so results are bitwise equal to the host
+// backend's. Device spaces: a team takes one pair and shares its entries (logits one entry per thread,
+// pieces of kKeyTile entries reduced by kernel::piece_weights and merged in a fixed order by
+// kernel::merge_piece_factors, as KVM's device order), so no bit depends on the team size or on the
+// call's other rows (decode == prefill exactly) and results differ from the host order in the last bits
+// only (docs/kokkos.md). λ, the bias and eviction are the same in both orders.
+//
+// Memory: the cache holds the operations' workspace (running counts, the bias of one query block for
+// every entry: kQueryTile floats per cached row), so prefill, decode and step allocate nothing. Team
+// scratch: the decay tile (8 KB), the device order's row (logits of every entry, piece states: level 0
+// up to kScratch0Bytes, level 1 beyond), the compaction's staged rows (about 16 KB). Lengths, positions
+// and counters are read inside the kernels. Only with exec.checked does one reduction check finiteness
+// and capacity first and its result is read back (validation before any change, DESIGN.md 3).
 
 #include <cmath>
 #include <cstddef>
@@ -33,6 +50,7 @@
 #include <limits>
 #include <span>
 #include <string>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -43,8 +61,10 @@
 #include "kvmem/backend/kokkos/slot_lists.hpp"
 #include "kvmem/core/numeric.hpp"
 #include "kvmem/core/slots.hpp"
+#include "kvmem/core/softmax.hpp"
 #include "kvmem/core/status.hpp"
 #include "kvmem/core/tensor.hpp"
+#include "kvmem/kernel/attend.hpp"
 #include "kvmem/kernel/ua_attend.hpp"
 #include "kvmem/kernel/ua_decay.hpp"
 #include "kvmem/kernel/ua_evict.hpp"
@@ -71,6 +91,11 @@ struct UaCache {
   Kokkos::View<std::int64_t*, MemSpace> length, peak;  // [B, G]
   Kokkos::View<std::int64_t*, MemSpace> counter;       // [B] next absolute position
   Kokkos::View<std::int64_t*, MemSpace> admit;         // [B] step workspace: 1 when a row may advance the slot
+  // Workspace of the operations, allocated here so that no operation allocates (DESIGN.md 3): each
+  // item's entry count and peak between the kernels of a call, and Λ of one block of kQueryTile query
+  // rows for every entry (the decay kernel writes it, the rows kernel reads it).
+  Kokkos::View<std::int64_t*, MemSpace> live, top;  // [B, G]
+  Kokkos::View<float*, MemSpace> bias;              // [B, G, kQueryTile, capacity]
 
   UaCache() = default;
   // A copy shares the Views (Kokkos semantics). A move leaves `o` empty (DESIGN.md 3): its shape says
@@ -98,6 +123,9 @@ struct UaCache {
     std::swap(peak, o.peak);
     std::swap(counter, o.counter);
     std::swap(admit, o.admit);
+    std::swap(live, o.live);
+    std::swap(top, o.top);
+    std::swap(bias, o.bias);
   }
 
   // Allocates every View for shape s (as create_cache, which names the executor).
@@ -126,6 +154,9 @@ Status UaCache<Storage, MemSpace>::create(const ua::CacheShape& s, UaCache& out)
   c.peak = decltype(c.peak)("kvmem ua peak", items);
   c.counter = decltype(c.counter)("kvmem ua counter", static_cast<std::size_t>(s.batch));
   c.admit = decltype(c.admit)("kvmem ua step admit", static_cast<std::size_t>(s.batch));
+  c.live = decltype(c.live)("kvmem ua live entries", items);
+  c.top = decltype(c.top)("kvmem ua call peak", items);
+  c.bias = decltype(c.bias)("kvmem ua block bias", rows * static_cast<std::size_t>(kernel::ua::kQueryTile));
   out = std::move(c);
   return Status::ok();
 }
@@ -184,7 +215,7 @@ UaCacheSnapshot snapshot(const UaCache<Storage, MemSpace>& cache) {
 
 namespace detail {
 
-// The inputs of one call as kernel-indexable views (ua::Inputs, float).
+// The inputs of one prefill / decode / forward call as kernel-indexable views (ua::Inputs, float).
 struct UaViews {
   DeviceView<const float, 4> q;    // [B,H,T,D]
   DeviceView<const float, 4> k;    // [B,G,T,D]
@@ -197,256 +228,171 @@ struct UaViews {
   UaViews(const ua::Inputs& in, TensorView<float, 4> o) : q(in.q), k(in.k), v(in.v), z_k(in.z_k), z_q(in.z_q), out(o) {
     if (!in.z_o.empty()) z_o = DeviceView<const float, 4>(in.z_o);
   }
-
-  // BlockArgs for query tokens [t0, t1) of item (b, g) (as ua::detail::block_args on the host).
-  template <class KS>
-  KOKKOS_INLINE_FUNCTION kernel::ua::BlockArgs<KS, float, float, float> block(std::int64_t b, std::int64_t g,
-                                                                              std::int64_t r, std::int64_t t0,
-                                                                              std::int64_t t1) const {
-    kernel::ua::BlockArgs<KS, float, float, float> a;
-    a.D = q.extent[3];
-    a.heads = r;
-    a.rows = t1 - t0;
-    a.new_keys = &k(b, g, t0, 0);
-    a.new_key_stride = k.stride[2];
-    a.query_logit = &z_q(b, g, t0);
-    a.query_logit_stride = z_q.stride[2];
-    a.q = &q(b, g * r, t0, 0);
-    a.q_head_stride = q.stride[1];
-    a.q_row_stride = q.stride[2];
-    if (z_o.data != nullptr) {
-      a.z_o = &z_o(b, t0, g * r, 0);
-      a.z_o_row_stride = z_o.stride[1];
-      a.z_o_head_stride = z_o.stride[2];
-    }
-    a.out = &out(b, t0, g * r, 0);
-    a.out_row_stride = out.stride[1];
-    a.out_head_stride = out.stride[2];
-    return a;
-  }
 };
 
-// kernel::ua::attend_block run by a whole team: per query tile, the tile's (head, row) accumulators are
-// reset over the threads; per key tile, the entries are spread over the threads (decay row, bias column
-// and the entry's λ move to the tile's last row: each entry's values depend on that entry only), then
-// the (head, row) pairs (each its own online softmax over the tile, logits in thread-local memory);
-// finally the (head, row) pairs are normalised and written. Every value is computed by the same
-// expressions in the same order as the one-thread body (kernel/ua_attend.hpp, kernel/ua_decay.hpp), so
-// results are bitwise equal to it. Workspace layout as block_workspace_elems (the logits row unused).
-template <class Set, class Member, class KS, class QS, class OS>
-KOKKOS_INLINE_FUNCTION void team_attend_block(const Member& team, const kernel::ua::BlockArgs<KS, QS, OS, float>& a) {
-  using Acc = float;
-  using kernel::ua::kKeyTile;
-  using kernel::ua::kQueryTile;
-  const std::int64_t D = a.D, H = a.heads;
-  Acc* acc = a.workspace;                                     // [heads, kQueryTile, D]
-  Acc* row_max = acc + H * kQueryTile * D;                    // [heads, kQueryTile]
-  Acc* row_sum = row_max + H * kQueryTile;                    // [heads, kQueryTile]
-  Acc* decay = row_sum + H * kQueryTile;                      // [kKeyTile, kQueryTile]
-  Acc* bias = decay + kKeyTile * kQueryTile;                  // [kQueryTile, kKeyTile]
-  Acc* query_part = bias + kKeyTile * kQueryTile + kKeyTile;  // [kQueryTile] (after the unused logits row)
-
-  for (std::int64_t r0 = 0; r0 < a.rows; r0 += kQueryTile) {
-    const std::int64_t nr = (a.rows - r0) < kQueryTile ? (a.rows - r0) : kQueryTile;
-    const std::int64_t m0 = a.first + r0, m_last = m0 + nr - 1;
-    const std::int64_t through = a.through > m0 - 1 ? a.through : m0 - 1;  // λ holds Λ_{through, .}
-    const std::int64_t skip = through + 1 > m0 ? through + 1 - m0 : 0;     // rows already in λ (decode)
-    const std::int64_t fresh = nr > skip ? nr - skip : 0;                  // rows whose decay is new
-    const QS* new_keys = a.new_keys + (r0 + skip) * a.new_key_stride;
-    const QS* query_logit = a.query_logit + (r0 + skip) * a.query_logit_stride;
-    Kokkos::parallel_for(Kokkos::TeamThreadRange(team, H * kQueryTile), [&](const std::int64_t x) {
-      const std::int64_t i = x % kQueryTile;
-      if (i < nr)
-        for (std::int64_t d = 0; d < D; ++d) acc[x * D + d] = Acc(0);
-      row_max[x] = negative_infinity<Acc>();
-      row_sum[x] = Acc(0);
-      if (x < fresh) query_part[x] = kernel::ua::query_gate_part(load_as<Acc>(query_logit[x * a.query_logit_stride]));
-    });
-    team.team_barrier();
-
-    for (std::int64_t e0 = 0; e0 < a.n && a.pos[a.map(e0)] <= m_last; e0 += kKeyTile) {
-      std::int64_t ne = (a.n - e0) < kKeyTile ? (a.n - e0) : kKeyTile;
-      while (ne > 0 && a.pos[a.map(e0 + ne - 1)] > m_last) --ne;  // entries beyond the tile are all masked
-
-      // Entry e: its decay row A_{e, m} (kernel::ua::decay_tile), its bias column Λ_{m, pos_e} and λ_e.
-      Kokkos::parallel_for(Kokkos::TeamThreadRange(team, ne), [&](const std::int64_t e) {
-        const std::int64_t x = a.map(e0 + e), p = a.pos[x];
-        Acc* row = decay + e * kQueryTile;
-        if (fresh > 0) {
-          const KS* key = a.keys + x * a.key_stride;
-          const Acc key_part = kernel::ua::key_gate_part(a.key_logit[x]);
-          for (std::int64_t i = 0; i < fresh; ++i) {
-            const std::int64_t m = m0 + skip + i;
-            row[i] = m > p ? kernel::ua::pair_decay<Set, Acc>(
-                                 key, a.key_logit[x], key_part, p, new_keys + i * a.new_key_stride,
-                                 load_as<Acc>(query_logit[i * a.query_logit_stride]), query_part[i], m, D)
-                           : Acc(0);
-          }
-        }
-        Acc lam = a.lambda[x];
-        for (std::int64_t i = 0; i < skip && i < nr; ++i)
-          bias[i * kKeyTile + e] = (m0 + i < p) ? negative_infinity<Acc>() : lam;
-        if (fresh > 0) {
-          lam = kernel::ua::cumulative_decay(lam, p, m0 + skip, row, fresh, bias + skip * kKeyTile + e, kKeyTile);
-          if (p <= m_last) a.lambda[x] = lam;  // Λ_{m_last, p}
-        }
-      });
-      team.team_barrier();
-
-      // (head h, row i): online softmax over this key tile; the r heads share the bias tile.
-      Kokkos::parallel_for(Kokkos::TeamThreadRange(team, H * nr), [&](const std::int64_t hx) {
-        const std::int64_t h = hx / nr, i = hx % nr;
-        Acc logits[kKeyTile];
-        const QS* qrow = a.q + h * a.q_head_stride + (r0 + i) * a.q_row_stride;
-        const Acc* brow = bias + i * kKeyTile;
-        Acc block_max = negative_infinity<Acc>();
-        for (std::int64_t e = 0; e < ne; ++e) {
-          const KS* krow = a.keys + a.map(e0 + e) * a.key_stride;
-          logits[e] = brow[e] == negative_infinity<Acc>() ? negative_infinity<Acc>()
-                                                          : kernel::ua::dot8<Acc>(qrow, krow, D) + brow[e];  // scale 1
-          if (logits[e] > block_max) block_max = logits[e];
-        }
-        if (block_max == negative_infinity<Acc>()) return;
-        OnlineSoftmax<Acc> sm;
-        sm.max = row_max[h * kQueryTile + i];
-        sm.sum = row_sum[h * kQueryTile + i];
-        Acc* arow = acc + (h * kQueryTile + i) * D;
-        const Acc rescale = sm.raise_max(block_max);
-        if (rescale != Acc(1))
-          for (std::int64_t d = 0; d < D; ++d) arow[d] *= rescale;
-        for (std::int64_t e = 0; e < ne; ++e) {
-          const Acc w = sm.accumulate(logits[e]);
-          if (w == Acc(0)) continue;
-          const KS* vrow = a.values + a.map(e0 + e) * a.value_stride;
-          for (std::int64_t d = 0; d < D; ++d) arow[d] += w * load_as<Acc>(vrow[d]);
-        }
-        row_max[h * kQueryTile + i] = sm.max;
-        row_sum[h * kQueryTile + i] = sm.sum;
-      });
-      team.team_barrier();
-    }
-
-    // Normalise, apply the optional output gate, write out and lse: one (head, row) per thread.
-    Kokkos::parallel_for(Kokkos::TeamThreadRange(team, H * nr), [&](const std::int64_t hx) {
-      kernel::ua::finish_row(a, acc, row_max, row_sum, r0, hx / nr, hx % nr);
-    });
-    team.team_barrier();
-  }
-}
-
-// Row pointers of one (sequence, kv head) item of a UaCache.
-template <class Storage>
-struct UaItem {
-  Storage* keys;
-  Storage* values;
-  float* lambda;
-  float* key_logit;
-  std::int64_t* pos;
-
-  // The block arguments `a` of the kernel bodies, pointed at this item's n kept entries (rows of D).
-  KOKKOS_INLINE_FUNCTION kernel::ua::BlockArgs<Storage, float, float, float> block(
-      kernel::ua::BlockArgs<Storage, float, float, float> a, std::int64_t n, std::int64_t D, float* workspace) const {
-    a.keys = keys;
-    a.values = values;
-    a.key_stride = a.value_stride = D;
-    a.lambda = lambda;
-    a.key_logit = key_logit;
-    a.pos = pos;
-    a.n = n;
-    a.workspace = workspace;
-    return a;
-  }
-  // Evicts the entries the prune evictor's cut removes (spec UA.md 4.5; policy/prune.hpp) and compacts
-  // the rest; returns the kept count.
-  template <class Ev>
-  KOKKOS_INLINE_FUNCTION std::int64_t evict(std::int64_t n, std::int64_t D, const Ev& ev) const {
-    return kernel::ua::evict_by(ev, kernel::ua::RowMap{}, keys, values, D, lambda, key_logit, pos, n, D);
-  }
-  // evict() on one thread of the team (the cut and the compaction are in-order scans) when `prune` (the
-  // evictor can evict, decided on the host); the kept count on every thread after a team barrier.
-  // ua::detail::NoEvictor (prune::None) compiles no eviction.
-  template <class Member, class Ev>
-  KOKKOS_INLINE_FUNCTION std::int64_t team_evict(const Member& team, std::int64_t n, std::int64_t D, const Ev& ev,
-                                                 bool prune) const {
-    std::int64_t kept = n;
-    Kokkos::single(
-        Kokkos::PerTeam(team),
-        [&](std::int64_t& k) {
-          if constexpr (ua::detail::kEvicts<Ev>)
-            k = prune ? evict(n, D, ev) : n;
-          else
-            k = n;
-        },
-        kept);
-    team.team_barrier();  // the compacted rows are visible to every thread
-    return kept;
-  }
-  // Decode step 1 (spec UA.md 4.4): λ_e += A(e, t) of kernel::ua::lambda_update, entries over the team.
-  template <class Set, class Member, class In>
-  KOKKOS_INLINE_FUNCTION void team_lambda_update(const Member& team, std::int64_t n, std::int64_t D, const In* new_key,
-                                                 float query_logit, std::int64_t t) const {
-    Kokkos::parallel_for(Kokkos::TeamThreadRange(team, n), [&](const std::int64_t e) {
-      kernel::ua::lambda_update<Set, float>(keys + e * D, D, key_logit + e, pos + e, lambda + e, 1, new_key,
-                                            query_logit, t, D);
-    });
-    team.team_barrier();
-  }
+// One work item of a call as every kernel sees it: a (sequence or row, kv head) pair, the cache slot it
+// runs on, its tokens and its kind. Each kernel derives it again from the call's inputs and the cache's
+// lengths (which change only in the last kernel), so no flag passes between launches.
+struct UaItemRef {
+  std::int64_t slot = -1;  // the cache's sequence slot
+  std::int64_t g = 0;      // kv head
+  std::int64_t T = 0;      // tokens of the item in this call
+  std::int64_t x0 = 0;     // first packed token (step) or 0
+  bool runs = false;       // the item runs (sizes in range, room in the cache)
+  bool decode = false;     // one decode step (spec UA.md 4.4) instead of chunked prefill (4.5)
 };
 
-// The team's chunked prefill of one item (spec UA.md 4.5, as ua::detail::prefill_item): `tokens` tokens
-// from position `first`; each chunk's rows appended over the threads by append(at, t, position), its
-// block (block_of(t0, t1): the block arguments of those tokens' queries) attended by team_attend_block,
-// then eviction on one thread. n: the item's kept count, in and out; returns the peak count.
-template <class Set, class Member, class Storage, class Ev, class Append, class BlockOf>
-KOKKOS_INLINE_FUNCTION std::int64_t team_prefill(const Member& team, const UaItem<Storage>& it, std::int64_t& n,
-                                                 std::int64_t first, std::int64_t tokens, std::int64_t chunk,
-                                                 std::int64_t D, const Ev& ev, bool prune, float* workspace,
-                                                 const Append& append, const BlockOf& block_of) {
-  std::int64_t top = n;
-  for (std::int64_t t0 = 0; t0 < tokens; t0 += chunk) {
-    const std::int64_t t1 = t0 + chunk < tokens ? t0 + chunk : tokens;
-    Kokkos::parallel_for(Kokkos::TeamThreadRange(team, t1 - t0),
-                         [&](const std::int64_t x) { append(n + x, t0 + x, first + t0 + x); });
-    team.team_barrier();
-    n += t1 - t0;
-    top = n > top ? n : top;
-    auto a = it.block(block_of(t0, t1), n, D, workspace);
-    a.through = first + t0 - 1;  // survivors hold Λ_{first+t0-1}; the chunk keys hold 0
-    a.first = first + t0;
-    team_attend_block<Set>(team, a);
-    n = it.team_evict(team, n, D, ev, prune);
-  }
-  return top;
-}
-
-// The team's decode step of one item at position t (spec UA.md 4.4, 4.5, as ua::detail::decode_item):
-// λ_j += A_jt from the new key and query logit, the token appended by append(at, 0, t) with λ = 0,
-// eviction before or after attending `block` (the token's query). n: the kept count, in and out;
-// returns the peak count.
-template <class Set, class Member, class Storage, class Ev, class In, class Append, class Block>
-KOKKOS_INLINE_FUNCTION std::int64_t team_decode(const Member& team, const UaItem<Storage>& it, std::int64_t& n,
-                                                std::int64_t t, std::int64_t D, const Ev& ev, bool prune,
-                                                bool evict_before_attention, float* workspace, const In* new_key,
-                                                float query_logit, const Append& append, const Block& block) {
-  it.template team_lambda_update<Set>(team, n, D, new_key, query_logit, t);  // 1. λ_j += A_jt
-  Kokkos::single(Kokkos::PerTeam(team), [&]() { append(n, 0, t); });         // 2. append t, λ = 0
-  team.team_barrier();
-  ++n;
-  const std::int64_t top = n;
-  if (evict_before_attention) n = it.team_evict(team, n, D, ev, prune);  // 3. evict, 4. attend
-  auto a = it.block(block, n, D, workspace);
-  a.through = t;  // λ already includes A_{., t}
-  a.first = t;
-  team_attend_block<Set>(team, a);
-  if (!evict_before_attention) n = it.team_evict(team, n, D, ev, prune);  // (or evict last)
-  return top;
-}
-
-// Ev: the prune policy's evictor (policy/prune.hpp), or ua::detail::NoEvictor (prune::None: no eviction
-// is compiled).
-template <class Set, class Storage, class MemSpace, class Ev>
-struct UaCacheCall {
+// prefill / decode / forward: sequence b is batch row b of q [B,H,T,D], k, v [B,G,T,D], z_k, z_q [B,G,T],
+// z_o and out [B,T,H,D]; lse [B,H,T] (forward; data nullptr: not written).
+struct UaBatchIo {
   UaViews in;
+  DeviceView<float, 3> lse;
+  std::int64_t B = 0, G = 1, r = 1, T = 0;
+  bool decode = false;
+
+  KOKKOS_INLINE_FUNCTION std::int64_t items() const { return B * G; }
+  // Unchecked calls skip an item without room for T more rows (it stays as it was).
+  KOKKOS_INLINE_FUNCTION UaItemRef item(std::int64_t x, const std::int64_t* length, std::int64_t capacity) const {
+    UaItemRef w;
+    w.slot = x / G;
+    w.g = x % G;
+    w.T = T;
+    w.decode = decode;
+    w.runs = T > 0 && length[x] + T <= capacity;
+    return w;
+  }
+  template <class Member>
+  KOKKOS_INLINE_FUNCTION void zero_padding(const Member&, std::int64_t) const {}
+  KOKKOS_INLINE_FUNCTION const float* q(const UaItemRef& w, std::int64_t h, std::int64_t t) const {
+    return &in.q(w.slot, w.g * r + h, t, 0);
+  }
+  KOKKOS_INLINE_FUNCTION const float* k(const UaItemRef& w, std::int64_t t) const { return &in.k(w.slot, w.g, t, 0); }
+  KOKKOS_INLINE_FUNCTION const float* v(const UaItemRef& w, std::int64_t t) const { return &in.v(w.slot, w.g, t, 0); }
+  KOKKOS_INLINE_FUNCTION float z_k(const UaItemRef& w, std::int64_t t) const { return in.z_k(w.slot, w.g, t); }
+  KOKKOS_INLINE_FUNCTION float z_q(const UaItemRef& w, std::int64_t t) const { return in.z_q(w.slot, w.g, t); }
+  KOKKOS_INLINE_FUNCTION const float* z_o(const UaItemRef& w, std::int64_t h, std::int64_t t) const {
+    return in.z_o.data != nullptr ? &in.z_o(w.slot, t, w.g * r + h, 0) : nullptr;
+  }
+  KOKKOS_INLINE_FUNCTION float* out(const UaItemRef& w, std::int64_t h, std::int64_t t) const {
+    return &in.out(w.slot, t, w.g * r + h, 0);
+  }
+  KOKKOS_INLINE_FUNCTION float* lse_at(const UaItemRef& w, std::int64_t h, std::int64_t t) const {
+    return lse.data != nullptr ? &lse(w.slot, w.g * r + h, t) : nullptr;
+  }
+};
+
+// Packed inputs of one step as kernel views: q [tokens,H,D], k, v [tokens,G,D], z_k, z_q [tokens,G],
+// z_o [tokens,H,D] (data nullptr: no output gate), out [tokens,H,D], lse [tokens,H] (data nullptr: not
+// written), and the rows slot [rows], query_start [rows + 1] with their bound max_len on the tokens of a
+// row naming a slot (Rows::max_query_len; 0: none).
+struct UaPackedViews {
+  DeviceView<const std::int32_t, 1> slot, query_start;
+  DeviceView<const float, 3> q, k, v, z_o;
+  DeviceView<const float, 2> z_k, z_q;
+  DeviceView<float, 3> out;
+  DeviceView<float, 2> lse;
+  std::int64_t max_len = 0;
+};
+
+// One row of a step as the kernels see it: its slot (-1 padding), first packed token and token count.
+struct UaRow {
+  std::int64_t slot = -1, x0 = 0, T = 0;
+  bool first = false;  // no earlier row names this slot (a later one is skipped: two rows would race)
+  bool fits = false;   // sizes in range: starts within the tokens, slot within the cache, tokens within max_len
+};
+
+// ua::step: row x of the packed batch, kv head g, is work item x G + g; a row of one token is a decode
+// step, a longer row a chunked prefill continuing its slot (as the host's ua::step).
+struct UaStepIo {
+  UaPackedViews in;
+  const std::int64_t* admit = nullptr;  // [B] set by the admit kernel: 1 when the slot's row may run
+  std::int64_t B = 0, G = 1, r = 1, R = 0;
+
+  KOKKOS_INLINE_FUNCTION std::int64_t items() const { return R * G; }
+  KOKKOS_INLINE_FUNCTION UaRow row(std::int64_t x) const {
+    UaRow w;
+    w.slot = in.slot(x);
+    w.x0 = in.query_start(x);
+    w.T = in.query_start(x + 1) - w.x0;
+    w.fits = w.slot >= -1 && w.slot < B && w.T >= 0 && w.x0 >= 0 && w.x0 + w.T <= in.q.extent[0] &&
+             (w.slot < 0 || in.max_len == 0 || w.T <= in.max_len);
+    w.first = true;
+    for (std::int64_t e = 0; e < x && w.slot >= 0; ++e)
+      if (in.slot(e) == w.slot) w.first = false;
+    return w;
+  }
+  // Whether row w may advance its slot: decided by the admit kernel before any item runs, from the
+  // slot's lengths (room for T rows in every kv head, the conservative bound of ua::step).
+  KOKKOS_INLINE_FUNCTION bool room(const UaRow& w, const std::int64_t* length, std::int64_t capacity) const {
+    for (std::int64_t g = 0; g < G; ++g)
+      if (length[w.slot * G + g] + w.T > capacity) return false;
+    return true;
+  }
+  KOKKOS_INLINE_FUNCTION bool runs(const UaRow& w) const {
+    return w.slot >= 0 && w.fits && w.first && w.T > 0 && admit[w.slot] != 0;
+  }
+  KOKKOS_INLINE_FUNCTION UaItemRef item(std::int64_t x, const std::int64_t*, std::int64_t) const {
+    const UaRow w = row(x / G);
+    UaItemRef it;
+    it.slot = w.slot;
+    it.g = x % G;
+    it.T = w.T;
+    it.x0 = w.x0;
+    it.runs = runs(w);
+    it.decode = w.T == 1;
+    return it;
+  }
+  // Padding rows: inputs unread, the kv group's output (and lse) rows zeroed.
+  template <class Member>
+  KOKKOS_INLINE_FUNCTION void zero_padding(const Member& team, std::int64_t x) const {
+    const UaRow w = row(x / G);
+    if (w.slot != -1 || !w.fits) return;
+    const std::int64_t g = x % G, D = in.q.extent[2];
+    Kokkos::parallel_for(Kokkos::TeamThreadRange(team, w.T * r * D), [&](const std::int64_t y) {
+      const std::int64_t t = w.x0 + y / (r * D), h = g * r + (y / D) % r, d = y % D;
+      in.out(t, h, d) = 0.0f;
+      if (d == 0 && in.lse.data != nullptr) in.lse(t, h) = 0.0f;
+    });
+  }
+  KOKKOS_INLINE_FUNCTION const float* q(const UaItemRef& w, std::int64_t h, std::int64_t t) const {
+    return &in.q(w.x0 + t, w.g * r + h, 0);
+  }
+  KOKKOS_INLINE_FUNCTION const float* k(const UaItemRef& w, std::int64_t t) const { return &in.k(w.x0 + t, w.g, 0); }
+  KOKKOS_INLINE_FUNCTION const float* v(const UaItemRef& w, std::int64_t t) const { return &in.v(w.x0 + t, w.g, 0); }
+  KOKKOS_INLINE_FUNCTION float z_k(const UaItemRef& w, std::int64_t t) const { return in.z_k(w.x0 + t, w.g); }
+  KOKKOS_INLINE_FUNCTION float z_q(const UaItemRef& w, std::int64_t t) const { return in.z_q(w.x0 + t, w.g); }
+  KOKKOS_INLINE_FUNCTION const float* z_o(const UaItemRef& w, std::int64_t h, std::int64_t t) const {
+    return in.z_o.data != nullptr ? &in.z_o(w.x0 + t, w.g * r + h, 0) : nullptr;
+  }
+  KOKKOS_INLINE_FUNCTION float* out(const UaItemRef& w, std::int64_t h, std::int64_t t) const {
+    return &in.out(w.x0 + t, w.g * r + h, 0);
+  }
+  KOKKOS_INLINE_FUNCTION float* lse_at(const UaItemRef& w, std::int64_t h, std::int64_t t) const {
+    return in.lse.data != nullptr ? &in.lse(w.x0 + t, w.g * r + h) : nullptr;
+  }
+};
+
+// Entries per decay team and per softmax piece, and query rows per block (the host body's key and query
+// tiles, kernel/ua_attend.hpp, so the host order visits the same tiles).
+inline constexpr std::int64_t kUaPiece = kernel::ua::kKeyTile;
+inline constexpr std::int64_t kUaBlock = kernel::ua::kQueryTile;
+
+// The kernels of one call (UaRun), each a tagged operator().
+struct UaBeginTag {};
+struct UaOpenTag {};
+struct UaDecayTag {};
+struct UaRowsTag {};
+struct UaCloseTag {};
+struct UaFinishTag {};
+
+// One prefill / decode / step call over a UaCache as a sequence of kernels on one execution space
+// instance (launched by run_ua, spec UA.md 4.4, 4.5). Ev: the prune policy's evictor
+// (policy/prune.hpp), or ua::detail::NoEvictor (prune::None: no eviction is compiled). Io: UaBatchIo or
+// UaStepIo. An item's running entry count and peak live in the cache's `live` and `top` between the
+// kernels; the bias workspace holds Λ of one query block (kQueryTile rows) for every entry.
+template <class Set, class Storage, class Ev, class Io>
+struct UaRun {
+  Io io;
   Storage* keys;          // [B*G*capacity, D]
   Storage* values;        // [B*G*capacity, D]
   float* lambda;          // [B*G*capacity]
@@ -455,74 +401,455 @@ struct UaCacheCall {
   std::int64_t* length;   // [B*G]
   std::int64_t* peak;     // [B*G]
   std::int64_t* counter;  // [B]
-  std::int64_t G, r, D, T, capacity, chunk, ws_elems;
+  std::int64_t* live;     // [B*G] the item's entries between kernels
+  std::int64_t* top;      // [B*G] the item's peak entries in this call
+  float* bias;            // [B*G, kQueryTile, capacity]
+  std::int64_t G = 1, r = 1, D = 0, capacity = 0, chunk = 1;
   Ev ev;
-  bool prune;  // whether the evictor can evict (prune::active, decided on the host)
-  bool decode, evict_before_attention;
+  bool prune = false;  // whether the evictor can evict (prune::active, decided on the host)
+  bool evict_before_attention = true;
+  // Launch choices (run_ua): the chunk c and query block s the kernels run, the close phase, the row
+  // order (executor.hpp kHostOrder), the query rows per item of a rows launch, the (row, head) pairs of a
+  // host-order team, the entries a compaction step moves.
+  std::int64_t c = 0, s = 0;
+  bool before = false;
+  bool host_order = true;
+  std::int64_t block_rows = kernel::ua::kQueryTile, host_rows = kHostRows, move_rows = 16;
 
-  KOKKOS_INLINE_FUNCTION UaItem<Storage> item(std::int64_t i) const {
-    const std::int64_t row0 = i * capacity;
-    return {keys + row0 * D, values + row0 * D, lambda + row0, key_logit + row0, pos + row0};
+  KOKKOS_INLINE_FUNCTION std::int64_t item_of(const UaItemRef& w) const { return w.slot * G + w.g; }
+  KOKKOS_INLINE_FUNCTION std::int64_t row0(std::int64_t i) const { return i * capacity; }
+  // Local tokens [t0, t1) of chunk c of item w (empty when the item has fewer tokens).
+  KOKKOS_INLINE_FUNCTION std::int64_t chunk_begin() const { return c * chunk; }
+  KOKKOS_INLINE_FUNCTION std::int64_t chunk_end(const UaItemRef& w) const {
+    return (c + 1) * chunk < w.T ? (c + 1) * chunk : w.T;
+  }
+  // Whether item w has work in chunk c (decode items only in chunk 0).
+  KOKKOS_INLINE_FUNCTION bool active(const UaItemRef& w) const {
+    return w.runs && (w.decode ? c == 0 : chunk_begin() < w.T);
+  }
+  // Entries the chunk adds: its tokens, or the decode step's one.
+  KOKKOS_INLINE_FUNCTION std::int64_t added(const UaItemRef& w) const {
+    return w.decode ? 1 : chunk_end(w) - chunk_begin();
   }
 
-  KOKKOS_INLINE_FUNCTION void append_row(const UaItem<Storage>& it, std::int64_t row, std::int64_t b, std::int64_t g,
-                                         std::int64_t t, std::int64_t position) const {
-    kernel::ua::append_entry(it.keys, it.values, it.lambda, it.key_logit, it.pos, row, &in.k(b, g, t, 0),
-                             &in.v(b, g, t, 0), in.z_k(b, g, t), position, D);
-  }
-
-  // Chunked prefill of one item (spec UA.md 4.5), as ua::detail::prefill_item, by the team: the chunk's
-  // rows appended over the threads, the block attended by team_attend_block, eviction on one thread.
+  // Start of the call: the running count and peak from the cache; padding rows zeroed.
   template <class Member>
-  KOKKOS_INLINE_FUNCTION void prefill_item(const Member& team, std::int64_t i, float* workspace) const {
-    const std::int64_t b = i / G, g = i % G;
-    const UaItem<Storage> it = item(i);
-    std::int64_t n = length[i];
-    const std::int64_t top = team_prefill<Set>(
-        team, it, n, counter[b], T, chunk, D, ev, prune, workspace,
-        [&](std::int64_t at, std::int64_t t, std::int64_t position) { append_row(it, at, b, g, t, position); },
-        [&](std::int64_t t0, std::int64_t t1) { return in.block<Storage>(b, g, r, t0, t1); });
-    Kokkos::single(Kokkos::PerTeam(team), [&]() {
-      length[i] = n;
-      peak[i] = top;
+  KOKKOS_INLINE_FUNCTION void operator()(UaBeginTag, const Member& team) const {
+    const std::int64_t x = team.league_rank();
+    io.zero_padding(team, x);
+    const UaItemRef w = io.item(x, length, capacity);
+    if (!w.runs) return;
+    const std::int64_t i = item_of(w);
+    Kokkos::single(Kokkos::PerTeam(team), [&]() { live[i] = top[i] = length[i]; });
+  }
+
+  // Chunk c opens: a prefill item appends the chunk's tokens (spec UA.md 4.5 step 1) with λ = 0, one row
+  // per thread; a decode item adds A_{j,t} to every cached λ_j (spec 4.4 step 1) and appends t (step 2).
+  template <class Member>
+  KOKKOS_INLINE_FUNCTION void operator()(UaOpenTag, const Member& team) const {
+    const UaItemRef w = io.item(team.league_rank(), length, capacity);
+    if (!active(w)) return;
+    const std::int64_t i = item_of(w), n = live[i], first = counter[w.slot], o = row0(i);
+    Storage* K = keys + o * D;
+    Storage* V = values + o * D;
+    float* lam = lambda + o;
+    float* zk = key_logit + o;
+    std::int64_t* ps = pos + o;
+    if (w.decode) {
+      const float* k_t = io.k(w, 0);
+      const float z_q = io.z_q(w, 0);
+      Kokkos::parallel_for(Kokkos::TeamThreadRange(team, n + 1), [&](const std::int64_t e) {
+        if (e < n)
+          kernel::ua::lambda_update<Set, float>(K + e * D, D, zk + e, ps + e, lam + e, 1, k_t, z_q, first, D);
+        else
+          kernel::ua::append_entry(K, V, lam, zk, ps, n, k_t, io.v(w, 0), io.z_k(w, 0), first, D);
+      });
+      return;
+    }
+    const std::int64_t t0 = chunk_begin();
+    Kokkos::parallel_for(Kokkos::TeamThreadRange(team, chunk_end(w) - t0), [&](const std::int64_t x) {
+      kernel::ua::append_entry(K, V, lam, zk, ps, n + x, io.k(w, t0 + x), io.v(w, t0 + x), io.z_k(w, t0 + x),
+                               first + t0 + x, D);
     });
   }
 
-  // One decode step of one item (spec UA.md 4.4, 4.5), as ua::detail::decode_item, by the team.
+  // Query block s of chunk c of the prefill items (spec UA.md 4.2, 4.5 step 1): a team per (item, piece
+  // of kUaPiece entries) computes the decay tile A_{e,m} of its entries and the block's positions (pairs
+  // over the threads), then each entry's Λ_{m,e} over the block in increasing m on one thread
+  // (kernel::ua::cumulative_decay), into the bias workspace, and moves λ_e to the block's last row. So
+  // every λ and bias value is the host's, bit for bit, whatever the team size.
+  KOKKOS_INLINE_FUNCTION std::size_t decay_scratch_bytes() const {
+    return sizeof(float) * (kUaPiece * kUaBlock + kUaBlock);
+  }
+
   template <class Member>
-  KOKKOS_INLINE_FUNCTION void decode_item(const Member& team, std::int64_t i, float* workspace) const {
-    const std::int64_t b = i / G, g = i % G;
-    const UaItem<Storage> it = item(i);
-    std::int64_t n = length[i];
-    const std::int64_t top = team_decode<Set>(
-        team, it, n, counter[b], D, ev, prune, evict_before_attention, workspace, &in.k(b, g, 0, 0), in.z_q(b, g, 0),
-        [&](std::int64_t at, std::int64_t t, std::int64_t position) { append_row(it, at, b, g, t, position); },
-        in.block<Storage>(b, g, r, 0, 1));
-    Kokkos::single(Kokkos::PerTeam(team), [&]() {
-      length[i] = n;
-      peak[i] = top;
+  KOKKOS_INLINE_FUNCTION void operator()(UaDecayTag, const Member& team) const {
+    const std::int64_t pieces = (capacity + kUaPiece - 1) / kUaPiece;
+    const UaItemRef w = io.item(team.league_rank() / pieces, length, capacity);
+    if (!active(w) || w.decode) return;
+    const std::int64_t t0 = chunk_begin(), t1 = chunk_end(w), b0 = t0 + s * kUaBlock;
+    if (b0 >= t1) return;
+    const std::int64_t i = item_of(w), n = live[i] + (t1 - t0), e0 = (team.league_rank() % pieces) * kUaPiece;
+    if (e0 >= n) return;
+    const std::int64_t nr = t1 - b0 < kUaBlock ? t1 - b0 : kUaBlock, ne = n - e0 < kUaPiece ? n - e0 : kUaPiece;
+    const std::int64_t m0 = counter[w.slot] + b0, m_last = m0 + nr - 1, o = row0(i);
+    const Storage* K = keys + o * D;
+    const float* zk = key_logit + o;
+    const std::int64_t* ps = pos + o;
+    if (ps[e0] > m_last) return;  // positions ascend: no entry of the piece is visible to the block
+    float* decay = static_cast<float*>(team.team_scratch(0).get_shmem(decay_scratch_bytes()));  // [kUaPiece, kUaBlock]
+    float* query_part = decay + kUaPiece * kUaBlock;                                            // [kUaBlock]
+    Kokkos::parallel_for(Kokkos::TeamThreadRange(team, nr),
+                         [&](const std::int64_t x) { query_part[x] = kernel::ua::query_gate_part(io.z_q(w, b0 + x)); });
+    team.team_barrier();
+    Kokkos::parallel_for(Kokkos::TeamThreadRange(team, ne * nr), [&](const std::int64_t x) {
+      const std::int64_t e = e0 + x / nr, y = x % nr, p = ps[e], m = m0 + y;
+      if (p > m_last) return;  // not visible to the block: its bias is never read
+      decay[(x / nr) * kUaBlock + y] =
+          m > p ? kernel::ua::pair_decay<Set, float>(K + e * D, zk[e], kernel::ua::key_gate_part(zk[e]), p,
+                                                     io.k(w, b0 + y), io.z_q(w, b0 + y), query_part[y], m, D)
+                : 0.0f;
+    });
+    team.team_barrier();
+    float* b = bias + i * kUaBlock * capacity;
+    Kokkos::parallel_for(Kokkos::TeamThreadRange(team, ne), [&](const std::int64_t x) {
+      const std::int64_t e = e0 + x, p = ps[e];
+      if (p > m_last) return;
+      lambda[o + e] = kernel::ua::cumulative_decay(lambda[o + e], p, m0, decay + x * kUaBlock, nr, b + e, capacity);
     });
   }
 
-  template <class Member>
-  KOKKOS_INLINE_FUNCTION void operator()(const Member& team) const {
-    const std::int64_t i = team.league_rank();
-    // Unchecked calls skip an item without room for T more rows (it stays as it was).
-    if (length[i] + T > capacity) return;
-    float* workspace = static_cast<float*>(team.team_scratch(ws_level()).get_shmem(scratch_bytes()));
-    if (decode)
-      decode_item(team, i, workspace);
-    else
-      prefill_item(team, i, workspace);
+  // The query row (local token t, head h) of item w: its entries [0, n) (ascending positions, every one
+  // visible to the row) and their bias Λ_{t,e} (the decay workspace's row, or λ for a decode step).
+  struct RowTask {
+    UaItemRef w;
+    std::int64_t i = 0, t = 0, h = 0, n = 0;
+    const float* bias = nullptr;
+    bool ok = false;
+  };
+  // Pair p of a rows launch for work item x: query row p / r of query block s of chunk c, head p % r.
+  KOKKOS_INLINE_FUNCTION RowTask row_task(std::int64_t x, std::int64_t p) const {
+    RowTask k;
+    k.w = io.item(x, length, capacity);
+    if (!active(k.w) || p >= r * block_rows) return k;
+    const std::int64_t y = p / r;
+    k.i = item_of(k.w);
+    k.h = p % r;
+    if (k.w.decode) {
+      if (s != 0 || y != 0) return k;
+      k.t = 0;
+      k.n = live[k.i] + (evict_before_attention ? 0 : 1);  // a closed step already counts its entry
+      k.bias = lambda + row0(k.i);                         // λ includes A_{., t} (spec 4.4 step 4)
+    } else {
+      const std::int64_t t0 = chunk_begin();
+      k.t = t0 + s * kUaBlock + y;
+      if (y >= kUaBlock || k.t >= chunk_end(k.w)) return k;
+      k.n = live[k.i] + (k.t - t0) + 1;  // the survivors and the chunk's keys up to t
+      k.bias = bias + (k.i * kUaBlock + y) * capacity;
+    }
+    k.ok = true;
+    return k;
   }
 
-  KOKKOS_INLINE_FUNCTION std::size_t scratch_bytes() const {
-    return static_cast<std::size_t>(ws_elems) * sizeof(float);
+  // A row in the host backend's order (kernel::ua::attend_block for one (head, row)): key tiles of kUaPiece
+  // entries from entry 0 through one online softmax, the same expressions in the same order, so the row
+  // is bitwise the host's where the host compiler builds it. acc: [D] of the thread's scratch.
+  KOKKOS_INLINE_FUNCTION void row_in_host_order(const RowTask& k, float* acc) const {
+    const std::int64_t o = row0(k.i);
+    const Storage* K = keys + o * D;
+    const Storage* V = values + o * D;
+    const float* qrow = io.q(k.w, k.h, k.t);
+    for (std::int64_t d = 0; d < D; ++d) acc[d] = 0.0f;
+    OnlineSoftmax<float> sm;
+    float logits[kUaPiece];
+    for (std::int64_t e0 = 0; e0 < k.n; e0 += kUaPiece) {
+      const std::int64_t ne = k.n - e0 < kUaPiece ? k.n - e0 : kUaPiece;
+      float block_max = negative_infinity<float>();
+      for (std::int64_t e = 0; e < ne; ++e) {
+        const float qk = kernel::ua::dot8<float>(qrow, K + (e0 + e) * D, D), b = k.bias[e0 + e];
+        logits[e] = b == negative_infinity<float>() ? negative_infinity<float>() : qk + b;  // scale 1
+        if (logits[e] > block_max) block_max = logits[e];
+      }
+      if (block_max == negative_infinity<float>()) continue;
+      const float rescale = sm.raise_max(block_max);
+      if (rescale != 1.0f)
+        for (std::int64_t d = 0; d < D; ++d) acc[d] *= rescale;
+      for (std::int64_t e = 0; e < ne; ++e) {
+        const float wgt = sm.accumulate(logits[e]);
+        if (wgt == 0.0f) continue;
+        const Storage* vrow = V + (e0 + e) * D;
+        for (std::int64_t d = 0; d < D; ++d) acc[d] += wgt * load_as<float>(vrow[d]);
+      }
+    }
+    kernel::ua::finish_output_row(sm, acc, D, io.z_o(k.w, k.h, k.t), io.out(k.w, k.h, k.t), io.lse_at(k.w, k.h, k.t));
   }
-  KOKKOS_INLINE_FUNCTION int ws_level() const {
-    return static_cast<std::size_t>(ws_elems) * sizeof(float) <= kScratch0Bytes ? 0 : 1;
+
+  // The team scratch of a row in the device order: piece states [pieces + 1], logits (then weights)
+  // [capacity], merge factors [pieces].
+  KOKKOS_INLINE_FUNCTION std::int64_t pieces_cap() const { return (capacity + kUaPiece - 1) / kUaPiece; }
+  KOKKOS_INLINE_FUNCTION std::size_t row_scratch_bytes() const {
+    return sizeof(kernel::PieceSoftmax<float>) * static_cast<std::size_t>(pieces_cap() + 1) +
+           sizeof(float) * static_cast<std::size_t>(capacity + pieces_cap());
+  }
+  KOKKOS_INLINE_FUNCTION int row_scratch_level() const { return row_scratch_bytes() <= kScratch0Bytes ? 0 : 1; }
+
+  // A row in the device order, by the whole team: logits one entry per thread (dot8 and the bias as in
+  // the host order), pieces of kUaPiece entries reduced one per thread (kernel::piece_weights), merged in
+  // increasing order (kernel::merge_piece_factors), then each output element sums its pieces in order
+  // (the KVM device order's readout). No sum's order depends on the team size or on other rows.
+  template <class Member>
+  KOKKOS_INLINE_FUNCTION void row_in_device_order(const Member& team, const RowTask& k) const {
+    using kernel::PieceSoftmax;
+    auto* piece = static_cast<PieceSoftmax<float>*>(
+        team.team_scratch(row_scratch_level()).get_shmem(row_scratch_bytes()));  // [pieces + 1]
+    float* logit = reinterpret_cast<float*>(piece + pieces_cap() + 1);           // [capacity]
+    float* factor = logit + capacity;                                            // [pieces]
+    PieceSoftmax<float>* whole = piece + pieces_cap();
+    const std::int64_t o = row0(k.i), n = k.n, pieces = (n + kUaPiece - 1) / kUaPiece;
+    const Storage* K = keys + o * D;
+    const Storage* V = values + o * D;
+    const float* qrow = io.q(k.w, k.h, k.t);
+    Kokkos::parallel_for(Kokkos::TeamThreadRange(team, n), [&](const std::int64_t e) {
+      const float qk = kernel::ua::dot8<float>(qrow, K + e * D, D), b = k.bias[e];
+      logit[e] = b == negative_infinity<float>() ? negative_infinity<float>() : qk + b;  // scale 1
+    });
+    team.team_barrier();
+    Kokkos::parallel_for(Kokkos::TeamThreadRange(team, pieces), [&](const std::int64_t p) {
+      const std::int64_t j0 = p * kUaPiece;
+      piece[p] = kernel::piece_weights(logit + j0, n - j0 < kUaPiece ? n - j0 : kUaPiece);
+    });
+    team.team_barrier();
+    Kokkos::single(Kokkos::PerTeam(team), [&]() { *whole = kernel::merge_piece_factors(piece, pieces, factor); });
+    team.team_barrier();
+    OnlineSoftmax<float> sm;
+    sm.max = whole->max;
+    sm.sum = whole->sum;
+    const float inv = sm.normaliser();
+    const float* zrow = io.z_o(k.w, k.h, k.t);
+    float* orow = io.out(k.w, k.h, k.t);
+    Kokkos::parallel_for(Kokkos::TeamThreadRange(team, D), [&](const std::int64_t d) {
+      float acc = 0.0f;
+      for (std::int64_t p = 0; p < pieces; ++p) {
+        const std::int64_t j1 = n < (p + 1) * kUaPiece ? n : (p + 1) * kUaPiece;
+        float part = 0.0f;
+        for (std::int64_t j = p * kUaPiece; j < j1; ++j) part += logit[j] * load_as<float>(V[j * D + d]);
+        acc += factor[p] * part;
+      }
+      float y = acc * inv;
+      if (zrow) y *= sigmoid(load_as<float>(zrow[d]));
+      orow[d] = y;
+    });
+    Kokkos::single(Kokkos::PerTeam(team), [&]() {
+      if (float* l = io.lse_at(k.w, k.h, k.t)) *l = sm.lse();
+    });
+  }
+
+  // Query block s of chunk c (or the decode step's row): host order, a team takes host_rows (row, head)
+  // pairs of one item, one per thread; device order, a team takes one pair.
+  KOKKOS_INLINE_FUNCTION std::int64_t row_teams_per_item() const {
+    return host_order ? (r * block_rows + host_rows - 1) / host_rows : r * block_rows;
+  }
+  KOKKOS_INLINE_FUNCTION std::size_t host_row_scratch_bytes() const {
+    return sizeof(float) * static_cast<std::size_t>(host_rows * D);
+  }
+
+  template <class Member>
+  KOKKOS_INLINE_FUNCTION void operator()(UaRowsTag, const Member& team) const {
+    const std::int64_t per = row_teams_per_item();
+    const std::int64_t x = team.league_rank() / per, block = team.league_rank() % per;
+    if (!host_order) {
+      const RowTask k = row_task(x, block);
+      if (k.ok) row_in_device_order(team, k);
+      return;
+    }
+    float* acc = static_cast<float*>(team.team_scratch(0).get_shmem(host_row_scratch_bytes()));  // [host_rows, D]
+    Kokkos::parallel_for(Kokkos::TeamThreadRange(team, host_rows), [&](const std::int64_t y) {
+      const RowTask k = row_task(x, block * host_rows + y);
+      if (k.ok) row_in_host_order(k, acc + y * D);
+    });
+  }
+
+  // The scratch of a compaction: the cut, destinations [move_rows], the kept count, and the staged rows
+  // (positions, λ, key logits [move_rows]; keys and values [move_rows, D]).
+  KOKKOS_INLINE_FUNCTION std::size_t close_scratch_bytes() const {
+    const auto m = static_cast<std::size_t>(move_rows);
+    return sizeof(prune::Cut) + sizeof(std::int64_t) * (2 * m + 1) + sizeof(float) * 2 * m +
+           sizeof(Storage) * 2 * m * static_cast<std::size_t>(D);
+  }
+  KOKKOS_INLINE_FUNCTION int close_scratch_level() const { return close_scratch_bytes() <= kScratch0Bytes ? 0 : 1; }
+
+  // Evicts what the evictor's cut removes from item i's n entries (spec UA.md 4.5; the test of
+  // kernel::ua::evicts) and compacts the survivors stably, as kernel::ua::evict_by: the cut on one
+  // thread, then blocks of move_rows entries in order, each block's destinations on one thread and its
+  // moving rows staged in scratch before they are written (a destination may be a row of the same block).
+  // Returns the survivors.
+  template <class Member>
+  KOKKOS_INLINE_FUNCTION std::int64_t compact(const Member& team, std::int64_t i, std::int64_t n) const {
+    const std::int64_t M = move_rows, o = row0(i);
+    auto* cut = static_cast<prune::Cut*>(team.team_scratch(close_scratch_level()).get_shmem(close_scratch_bytes()));
+    auto* dst = reinterpret_cast<std::int64_t*>(cut + 1);  // [M]
+    std::int64_t* kept = dst + M;                          // [1]
+    std::int64_t* spos = kept + 1;                         // [M]
+    auto* slam = reinterpret_cast<float*>(spos + M);       // [M]
+    float* slogit = slam + M;                              // [M]
+    auto* skey = reinterpret_cast<Storage*>(slogit + M);   // [M, D]
+    Storage* sval = skey + M * D;                          // [M, D]
+    Storage* K = keys + o * D;
+    Storage* V = values + o * D;
+    float* lam = lambda + o;
+    float* zk = key_logit + o;
+    std::int64_t* ps = pos + o;
+    Kokkos::single(Kokkos::PerTeam(team), [&]() {
+      *cut = ev.cut(kernel::ua::EntryList<float>{kernel::ua::RowMap{}, lam, ps, n});
+      *kept = 0;
+    });
+    team.team_barrier();
+    const std::int64_t width = 2 * D + 1;  // a row's key, value and scalars
+    for (std::int64_t b0 = 0; b0 < n; b0 += M) {
+      const std::int64_t nb = n - b0 < M ? n - b0 : M;
+      Kokkos::single(Kokkos::PerTeam(team), [&]() {
+        std::int64_t to = *kept;
+        for (std::int64_t e = 0; e < nb; ++e) dst[e] = kernel::ua::evicts(lam[b0 + e], ps[b0 + e], *cut) ? -1 : to++;
+        *kept = to;
+      });
+      team.team_barrier();
+      Kokkos::parallel_for(Kokkos::TeamThreadRange(team, nb * width), [&](const std::int64_t x) {
+        const std::int64_t e = x / width, col = x % width, from = b0 + e;
+        if (dst[e] < 0 || dst[e] == from) return;
+        if (col < D)
+          skey[e * D + col] = K[from * D + col];
+        else if (col < 2 * D)
+          sval[e * D + col - D] = V[from * D + col - D];
+        else {
+          spos[e] = ps[from];
+          slam[e] = lam[from];
+          slogit[e] = zk[from];
+        }
+      });
+      team.team_barrier();
+      Kokkos::parallel_for(Kokkos::TeamThreadRange(team, nb * width), [&](const std::int64_t x) {
+        const std::int64_t e = x / width, col = x % width, to = dst[e];
+        if (to < 0 || to == b0 + e) return;
+        if (col < D)
+          K[to * D + col] = skey[e * D + col];
+        else if (col < 2 * D)
+          V[to * D + col - D] = sval[e * D + col - D];
+        else {
+          ps[to] = spos[e];
+          lam[to] = slam[e];
+          zk[to] = slogit[e];
+        }
+      });
+      team.team_barrier();
+    }
+    return *kept;
+  }
+
+  // Chunk c closes (spec UA.md 4.5 step 2: λ is at the chunk end, evict, chunk keys included), or a
+  // decode step evicts (before attention in the `before` phase when evict_before_attention, else after):
+  // the entry count grows by the chunk's rows, the peak follows, and the prune evictor's entries go.
+  template <class Member>
+  KOKKOS_INLINE_FUNCTION void operator()(UaCloseTag, const Member& team) const {
+    const UaItemRef w = io.item(team.league_rank(), length, capacity);
+    if (!active(w)) return;
+    if (w.decode ? before != evict_before_attention : before) return;
+    const std::int64_t i = item_of(w), n = live[i] + added(w);
+    std::int64_t kept = n;
+    if constexpr (ua::detail::kEvicts<Ev>)
+      if (prune) kept = compact(team, i, n);
+    team.team_barrier();  // every thread has read live[i]
+    Kokkos::single(Kokkos::PerTeam(team), [&]() {
+      top[i] = top[i] > n ? top[i] : n;
+      live[i] = kept;
+    });
+  }
+
+  // End of the call: the item's length and peak (page accounting) from the running values.
+  template <class Member>
+  KOKKOS_INLINE_FUNCTION void operator()(UaFinishTag, const Member& team) const {
+    const UaItemRef w = io.item(team.league_rank(), length, capacity);
+    if (!w.runs) return;
+    const std::int64_t i = item_of(w);
+    team.team_barrier();  // every thread has read length[i] (io.item) before it changes
+    Kokkos::single(Kokkos::PerTeam(team), [&]() {
+      length[i] = live[i];
+      peak[i] = top[i];
+    });
   }
 };
+
+// Entries moved per compaction step: the staged rows (keys and values) fill about 16 KB of scratch.
+template <class Storage>
+std::int64_t ua_move_rows(std::int64_t D) {
+  const std::int64_t row = 2 * D * static_cast<std::int64_t>(sizeof(Storage)) + 24;
+  const std::int64_t m = 16384 / row;
+  return m < 1 ? 1 : (m > 64 ? 64 : m);
+}
+
+// The kernels of one call on exec.space, in order, with no host round trip: begin; per chunk of
+// `chunk` tokens: open (appends, decode's λ update), [decode: close before attention], per query block
+// of kQueryTile rows: the decay teams (prefill items) and the row teams, then close (eviction and
+// compaction, the entry count); finish (lengths and peaks). The launch count follows from max_tokens
+// (the most tokens an item can have: T, or a step's packed tokens) and the chunk size alone.
+template <class Space, class Set, class Storage, class Ev, class Io>
+void run_ua(const Executor<Space>& exec, UaRun<Set, Storage, Ev, Io> call, std::int64_t max_tokens, bool any_prefill,
+            bool any_decode) {
+  const std::int64_t items = call.io.items();
+  if (items <= 0 || max_tokens <= 0) return;
+  const std::int64_t P = call.chunk, Q = kernel::ua::kQueryTile;
+  const std::int64_t chunks = any_prefill ? (max_tokens + P - 1) / P : 1;
+  const std::int64_t span = max_tokens < P ? max_tokens : P;
+  const std::int64_t blocks = any_prefill ? (span + Q - 1) / Q : 1;
+  call.host_order = kHostOrder<Space>;
+  call.block_rows = any_prefill ? Q : 1;
+  call.host_rows = kHostRows;
+  call.move_rows = ua_move_rows<Storage>(call.D);
+  const std::int64_t decay_teams = items * ((call.capacity + kUaPiece - 1) / kUaPiece);
+  const std::int64_t row_teams = items * call.row_teams_per_item();
+
+  auto begin = team_policy<Space, UaBeginTag>(exec, items);
+  auto open = team_policy<Space, UaOpenTag>(exec, items);
+  auto decay = team_policy<Space, UaDecayTag>(exec, decay_teams);
+  auto rows = team_policy<Space, UaRowsTag>(exec, row_teams);
+  auto close = team_policy<Space, UaCloseTag>(exec, items);
+  auto finish = team_policy<Space, UaFinishTag>(exec, items);
+  if (!call.host_order && exec.team_size == 0) {  // device order: wide teams, where they fit
+    const auto widen = [&](auto& policy) {
+      using Policy = std::remove_reference_t<decltype(policy)>;
+      const int most = policy.team_size_max(call, Kokkos::ParallelForTag());
+      policy = Policy(exec.space, policy.league_size(), most < kDeviceTeam ? most : kDeviceTeam);
+    };
+    widen(open);
+    widen(decay);
+    widen(rows);
+    widen(close);
+  }
+  decay.set_scratch_size(0, Kokkos::PerTeam(call.decay_scratch_bytes()));
+  if (call.host_order)
+    rows.set_scratch_size(0, Kokkos::PerTeam(call.host_row_scratch_bytes()));
+  else
+    rows.set_scratch_size(call.row_scratch_level(), Kokkos::PerTeam(call.row_scratch_bytes()));
+  close.set_scratch_size(call.close_scratch_level(), Kokkos::PerTeam(call.close_scratch_bytes()));
+
+  Kokkos::parallel_for("kvmem::kokkos::ua::begin", begin, call);
+  for (std::int64_t c = 0; c < chunks; ++c) {
+    call.c = c;
+    call.s = 0;
+    Kokkos::parallel_for("kvmem::kokkos::ua::open", open, call);
+    if (any_decode && c == 0 && call.evict_before_attention) {
+      call.before = true;
+      Kokkos::parallel_for("kvmem::kokkos::ua::close", close, call);
+      call.before = false;
+    }
+    for (std::int64_t s = 0; s < blocks; ++s) {
+      call.s = s;
+      if (any_prefill) Kokkos::parallel_for("kvmem::kokkos::ua::decay", decay, call);
+      Kokkos::parallel_for("kvmem::kokkos::ua::rows", rows, call);
+    }
+    Kokkos::parallel_for("kvmem::kokkos::ua::close", close, call);
+  }
+  Kokkos::parallel_for("kvmem::kokkos::ua::finish", finish, call);
+}
 
 // Finiteness of one call's inputs and (for cache calls) room for T rows. The reduction keeps the
 // largest failure code (Kokkos::Max): 1 q, 2 k, 3 v, 4 z_k, 5 z_q, 6 z_o, 7 capacity.
@@ -568,6 +895,35 @@ inline Status ua_shapes(const ua::Inputs& in, TensorView<float, 4> out, std::int
   return ua::detail::check_call_shapes(in, out, B, H, G, D);
 }
 
+// The UaRun of a call over `cache`: its pointers and shape; the caller fills io, chunk and the prune
+// choices.
+template <class Set, class Storage, class MemSpace, class Ev, class Io>
+UaRun<Set, Storage, Ev, Io> ua_run(UaCache<Storage, MemSpace>& cache, const Io& io, std::int64_t chunk, const Ev& ev,
+                                   bool evict_before_attention) {
+  const ua::CacheShape& s = cache.shape;
+  UaRun<Set, Storage, Ev, Io> call{.io = io,
+                                   .keys = cache.keys.data(),
+                                   .values = cache.values.data(),
+                                   .lambda = cache.lambda.data(),
+                                   .key_logit = cache.key_logit.data(),
+                                   .pos = cache.pos.data(),
+                                   .length = cache.length.data(),
+                                   .peak = cache.peak.data(),
+                                   .counter = cache.counter.data(),
+                                   .live = cache.live.data(),
+                                   .top = cache.top.data(),
+                                   .bias = cache.bias.data(),
+                                   .G = s.kv_heads,
+                                   .r = s.query_heads / s.kv_heads,
+                                   .D = s.head_dim,
+                                   .capacity = s.capacity,
+                                   .chunk = chunk,
+                                   .ev = ev};
+  if constexpr (ua::detail::kEvicts<Ev>) call.prune = prune::active(ev);
+  call.evict_before_attention = evict_before_attention;
+  return call;
+}
+
 template <class Set, class Space, class Storage, class MemSpace, class Ev>
 Status ua_cache_call(const Executor<Space>& exec, UaCache<Storage, MemSpace>& cache, const ua::Inputs& in,
                      const ua::Options& opt, const Ev& ev, TensorView<float, 4> out, bool decode) {
@@ -584,32 +940,8 @@ Status ua_cache_call(const Executor<Space>& exec, UaCache<Storage, MemSpace>& ca
   if (exec.checked)
     KVMEM_RETURN_IF_ERROR(
         ua_check(exec, views, s.batch, s.kv_heads, s.query_heads, T, s.head_dim, cache.length.data(), s.capacity));
-  const std::int64_t r = s.query_heads / s.kv_heads;
-  bool can_evict = false;
-  if constexpr (ua::detail::kEvicts<Ev>) can_evict = prune::active(ev);
-  const UaCacheCall<Set, Storage, MemSpace, Ev> call{views,
-                                                     cache.keys.data(),
-                                                     cache.values.data(),
-                                                     cache.lambda.data(),
-                                                     cache.key_logit.data(),
-                                                     cache.pos.data(),
-                                                     cache.length.data(),
-                                                     cache.peak.data(),
-                                                     cache.counter.data(),
-                                                     s.kv_heads,
-                                                     r,
-                                                     s.head_dim,
-                                                     T,
-                                                     s.capacity,
-                                                     opt.prefill_chunk,
-                                                     kernel::ua::block_workspace_elems(r, s.head_dim),
-                                                     ev,
-                                                     can_evict,
-                                                     decode,
-                                                     opt.evict_before_attention};
-  auto policy = team_policy(exec, s.batch * s.kv_heads);
-  policy.set_scratch_size(call.ws_level(), Kokkos::PerTeam(call.scratch_bytes()));
-  Kokkos::parallel_for(decode ? "kvmem::kokkos::ua::decode" : "kvmem::kokkos::ua::prefill", policy, call);
+  UaBatchIo io{views, {}, s.batch, s.kv_heads, s.query_heads / s.kv_heads, T, decode};
+  run_ua(exec, ua_run<Set>(cache, io, opt.prefill_chunk, ev, opt.evict_before_attention), T, !decode, decode);
   std::int64_t* counter = cache.counter.data();
   Kokkos::parallel_for(
       "kvmem::kokkos::ua::advance", Kokkos::RangePolicy<Space>(exec.space, 0, s.batch),
@@ -617,239 +949,15 @@ Status ua_cache_call(const Executor<Space>& exec, UaCache<Storage, MemSpace>& ca
   return Status::ok();
 }
 
-// Dense UA over T tokens without a cache (ua::forward): one team per (sequence, kv head) runs one
-// block over every position; λ, key logits and positions are per-call buffers (not a hot path).
-template <class Set>
-struct UaForwardCall {
-  UaViews in;
-  DeviceView<float, 3> lse;          // [B,H,T] (data == nullptr: not wanted)
-  DeviceView<float, 3> lambda_last;  // [B,G,T] (data == nullptr: not wanted)
-  float* lambda;                     // [B*G, T]
-  float* key_logit;                  // [B*G, T]
-  std::int64_t* pos;                 // [B*G, T]
-  std::int64_t G, r, D, T, ws_elems;
-
-  KOKKOS_INLINE_FUNCTION std::size_t scratch_bytes() const {
-    return static_cast<std::size_t>(ws_elems) * sizeof(float);
-  }
-  KOKKOS_INLINE_FUNCTION int ws_level() const {
-    return static_cast<std::size_t>(ws_elems) * sizeof(float) <= kScratch0Bytes ? 0 : 1;
-  }
-
-  template <class Member>
-  KOKKOS_INLINE_FUNCTION void operator()(const Member& team) const {
-    const std::int64_t i = team.league_rank();
-    const std::int64_t b = i / G, g = i % G;
-    float* workspace = static_cast<float*>(team.team_scratch(ws_level()).get_shmem(scratch_bytes()));
-    float* lam = lambda + i * T;
-    float* zk = key_logit + i * T;
-    std::int64_t* p = pos + i * T;
-    Kokkos::parallel_for(Kokkos::TeamThreadRange(team, T), [&](const std::int64_t t) {
-      lam[t] = 0.0f;
-      zk[t] = in.z_k(b, g, t);
-      p[t] = t;
-    });
-    team.team_barrier();
-    {
-      auto a = in.block<float>(b, g, r, 0, T);
-      a.keys = &in.k(b, g, 0, 0);
-      a.values = &in.v(b, g, 0, 0);
-      a.key_stride = in.k.stride[2];
-      a.value_stride = in.v.stride[2];
-      a.lambda = lam;
-      a.key_logit = zk;
-      a.pos = p;
-      a.n = T;
-      a.through = -1;
-      a.first = 0;
-      a.workspace = workspace;
-      if (lse.data != nullptr) {  // [B,H,T]: the block's heads g*r.. write their rows in place
-        a.lse = &lse(b, g * r, 0);
-        a.lse_head_stride = lse.stride[1];
-        a.lse_row_stride = lse.stride[2];
-      }
-      team_attend_block<Set>(team, a);
-    }
-    if (lambda_last.data != nullptr)
-      Kokkos::parallel_for(Kokkos::TeamThreadRange(team, T),
-                           [&](const std::int64_t t) { lambda_last(b, g, t) = lam[t]; });  // Λ_{T-1, t}
-  }
-};
-
-// ---- the slot step (ua::step on a UaCache) ----------------------------------------------------------
-
-// Packed inputs of one step as kernel views: q [tokens,H,D], k, v [tokens,G,D], z_k, z_q [tokens,G],
-// z_o [tokens,H,D] (data nullptr: no output gate), out [tokens,H,D], lse [tokens,H] (data nullptr: not
-// written), and the rows slot [rows], query_start [rows + 1] with their bound max_len on the tokens of a
-// row naming a slot (Rows::max_query_len; 0: none).
-struct UaPackedViews {
-  DeviceView<const std::int32_t, 1> slot, query_start;
-  DeviceView<const float, 3> q, k, v, z_o;
-  DeviceView<const float, 2> z_k, z_q;
-  DeviceView<float, 3> out;
-  DeviceView<float, 2> lse;
-  std::int64_t max_len = 0;
-
-  // BlockArgs for tokens [t0, t1) of the row starting at packed token x0, kv head g (as the host's
-  // ua::detail::item_io + block_args of a packed call: same pointers, same strides).
-  template <class KS>
-  KOKKOS_INLINE_FUNCTION kernel::ua::BlockArgs<KS, float, float, float> block(std::int64_t x0, std::int64_t g,
-                                                                              std::int64_t r, std::int64_t t0,
-                                                                              std::int64_t t1) const {
-    kernel::ua::BlockArgs<KS, float, float, float> a;
-    a.D = q.extent[2];
-    a.heads = r;
-    a.rows = t1 - t0;
-    a.new_keys = &k(x0 + t0, g, 0);
-    a.new_key_stride = k.stride[0];
-    a.query_logit = &z_q(x0 + t0, g);
-    a.query_logit_stride = z_q.stride[0];
-    a.q = &q(x0 + t0, g * r, 0);
-    a.q_head_stride = q.stride[1];
-    a.q_row_stride = q.stride[0];
-    if (z_o.data != nullptr) {
-      a.z_o = &z_o(x0 + t0, g * r, 0);
-      a.z_o_row_stride = z_o.stride[0];
-      a.z_o_head_stride = z_o.stride[1];
-    }
-    a.out = &out(x0 + t0, g * r, 0);
-    a.out_row_stride = out.stride[0];
-    a.out_head_stride = out.stride[1];
-    if (lse.data != nullptr) {
-      a.lse = &lse(x0 + t0, g * r);
-      a.lse_head_stride = lse.stride[1];
-      a.lse_row_stride = lse.stride[0];
-    }
-    return a;
-  }
-};
-
-// One row of a step as the kernels see it: its slot (-1 padding), first packed token and token count.
-struct UaRow {
-  std::int64_t slot = -1, x0 = 0, T = 0;
-  bool first = false;  // no earlier row names this slot (a later one is skipped: two rows would race)
-  bool fits = false;   // sizes in range: starts within the tokens, slot within the cache, tokens within max_len
-};
-
-template <class Set, class Storage, class Ev>
-struct UaStepCall {
-  UaPackedViews in;
-  Storage* keys;          // [B*G*capacity, D]
-  Storage* values;        // [B*G*capacity, D]
-  float* lambda;          // [B*G*capacity]
-  float* key_logit;       // [B*G*capacity]
-  std::int64_t* pos;      // [B*G*capacity]
-  std::int64_t* length;   // [B*G]
-  std::int64_t* peak;     // [B*G]
-  std::int64_t* counter;  // [B]
-  std::int64_t* admit;    // [B]
-  std::int64_t B, G, r, D, capacity, chunk, ws_elems;
-  Ev ev;       // the prune evictor, or ua::detail::NoEvictor
-  bool prune;  // whether the evictor can evict, decided on the host
-  bool evict_before_attention;
-
-  KOKKOS_INLINE_FUNCTION UaRow row(std::int64_t x) const {
-    UaRow w;
-    w.slot = in.slot(x);
-    w.x0 = in.query_start(x);
-    w.T = in.query_start(x + 1) - w.x0;
-    w.fits = w.slot >= -1 && w.slot < B && w.T >= 0 && w.x0 >= 0 && w.x0 + w.T <= in.q.extent[0] &&
-             (w.slot < 0 || in.max_len == 0 || w.T <= in.max_len);
-    w.first = true;
-    for (std::int64_t e = 0; e < x && w.slot >= 0; ++e)
-      if (in.slot(e) == w.slot) w.first = false;
-    return w;
-  }
-  // Whether row w may advance its slot: decided by the admit kernel before any item runs, from the
-  // slot's lengths (room for T rows in every kv head, the conservative bound of ua::step).
-  KOKKOS_INLINE_FUNCTION bool room(const UaRow& w) const {
-    for (std::int64_t g = 0; g < G; ++g)
-      if (length[w.slot * G + g] + w.T > capacity) return false;
-    return true;
-  }
-  KOKKOS_INLINE_FUNCTION bool runs(const UaRow& w) const {
-    return w.slot >= 0 && w.fits && w.first && w.T > 0 && admit[w.slot] != 0;
-  }
-
-  KOKKOS_INLINE_FUNCTION UaItem<Storage> item(std::int64_t i) const {
-    const std::int64_t row0 = i * capacity;
-    return {keys + row0 * D, values + row0 * D, lambda + row0, key_logit + row0, pos + row0};
-  }
-  KOKKOS_INLINE_FUNCTION void append_row(const UaItem<Storage>& it, std::int64_t at, const UaRow& w, std::int64_t g,
-                                         std::int64_t t, std::int64_t position) const {
-    kernel::ua::append_entry(it.keys, it.values, it.lambda, it.key_logit, it.pos, at, &in.k(w.x0 + t, g, 0),
-                             &in.v(w.x0 + t, g, 0), in.z_k(w.x0 + t, g), position, D);
-  }
-
-  // A row of more than one token: chunked prefill continuing the slot (as ua::detail::prefill_item).
-  template <class Member>
-  KOKKOS_INLINE_FUNCTION void prefill_item(const Member& team, const UaRow& w, std::int64_t g, float* workspace) const {
-    const std::int64_t i = w.slot * G + g;
-    const UaItem<Storage> it = item(i);
-    std::int64_t n = length[i];
-    const std::int64_t top = team_prefill<Set>(
-        team, it, n, counter[w.slot], w.T, chunk, D, ev, prune, workspace,
-        [&](std::int64_t at, std::int64_t t, std::int64_t position) { append_row(it, at, w, g, t, position); },
-        [&](std::int64_t t0, std::int64_t t1) { return in.block<Storage>(w.x0, g, r, t0, t1); });
-    Kokkos::single(Kokkos::PerTeam(team), [&]() {
-      length[i] = n;
-      peak[i] = top;
-    });
-  }
-  // A one-token row: one decode step (as ua::detail::decode_item, spec UA.md 4.4, 4.5).
-  template <class Member>
-  KOKKOS_INLINE_FUNCTION void decode_item(const Member& team, const UaRow& w, std::int64_t g, float* workspace) const {
-    const std::int64_t i = w.slot * G + g;
-    const UaItem<Storage> it = item(i);
-    std::int64_t n = length[i];
-    const std::int64_t top = team_decode<Set>(
-        team, it, n, counter[w.slot], D, ev, prune, evict_before_attention, workspace, &in.k(w.x0, g, 0),
-        in.z_q(w.x0, g),
-        [&](std::int64_t at, std::int64_t t, std::int64_t position) { append_row(it, at, w, g, t, position); },
-        in.block<Storage>(w.x0, g, r, 0, 1));
-    Kokkos::single(Kokkos::PerTeam(team), [&]() {
-      length[i] = n;
-      peak[i] = top;
-    });
-  }
-
-  template <class Member>
-  KOKKOS_INLINE_FUNCTION void operator()(const Member& team) const {
-    const std::int64_t g = team.league_rank() % G;
-    const UaRow w = row(team.league_rank() / G);
-    if (w.slot == -1) {  // padding: inputs unread, this kv group's output (and lse) rows zeroed
-      if (!w.fits) return;
-      Kokkos::parallel_for(Kokkos::TeamThreadRange(team, w.T * r * D), [&](const std::int64_t x) {
-        const std::int64_t t = w.x0 + x / (r * D), h = g * r + (x / D) % r, d = x % D;
-        in.out(t, h, d) = 0.0f;
-        if (d == 0 && in.lse.data != nullptr) in.lse(t, h) = 0.0f;
-      });
-      return;
-    }
-    if (!runs(w)) return;
-    float* workspace = static_cast<float*>(team.team_scratch(ws_level()).get_shmem(scratch_bytes()));
-    if (w.T == 1)
-      decode_item(team, w, g, workspace);
-    else
-      prefill_item(team, w, g, workspace);
-  }
-
-  KOKKOS_INLINE_FUNCTION std::size_t scratch_bytes() const {
-    return static_cast<std::size_t>(ws_elems) * sizeof(float);
-  }
-  KOKKOS_INLINE_FUNCTION int ws_level() const {
-    return static_cast<std::size_t>(ws_elems) * sizeof(float) <= kScratch0Bytes ? 0 : 1;
-  }
-};
-
 // The checked reduction of a step over rows: the smallest code * rows + row, or kNoFailure.
 enum class UaStepCheck : std::int64_t { kStart = 1, kSlot, kDuplicate, kBound, kCapacity, kQ, kK, kV, kZk, kZq, kZo };
 
-template <class Space, class Set, class Storage, class Ev>
-Status ua_step_check(const Executor<Space>& exec, const UaStepCall<Set, Storage, Ev>& call, std::int64_t R,
-                     std::int64_t tokens, std::int64_t H) {
+template <class Space>
+Status ua_step_check(const Executor<Space>& exec, const UaStepIo& io, const std::int64_t* length, std::int64_t capacity,
+                     std::int64_t D, std::int64_t tokens, std::int64_t H) {
   std::int64_t found = kNoFailure;
-  const bool has_z_o = call.in.z_o.data != nullptr;
+  const bool has_z_o = io.in.z_o.data != nullptr;
+  const std::int64_t R = io.R;
   Kokkos::parallel_reduce(
       "kvmem::kokkos::ua::step_check", Kokkos::RangePolicy<Space>(exec.space, 0, R),
       KOKKOS_LAMBDA(const std::int64_t x, std::int64_t& first) {
@@ -857,28 +965,28 @@ Status ua_step_check(const Executor<Space>& exec, const UaStepCall<Set, Storage,
           const std::int64_t c = static_cast<std::int64_t>(code) * R + x;
           if (c < first) first = c;
         };
-        const UaRow w = call.row(x);
+        const UaRow w = io.row(x);
         const std::int64_t x1 = w.x0 + w.T;
         if ((x == 0 && w.x0 != 0) || w.T < 0 || (x == R - 1 && x1 != tokens)) return fail(UaStepCheck::kStart);
-        if (w.slot < -1 || w.slot >= call.B) return fail(UaStepCheck::kSlot);
+        if (w.slot < -1 || w.slot >= io.B) return fail(UaStepCheck::kSlot);
         if (!w.first) return fail(UaStepCheck::kDuplicate);
-        if (w.slot >= 0 && call.in.max_len > 0 && w.T > call.in.max_len) return fail(UaStepCheck::kBound);
+        if (w.slot >= 0 && io.in.max_len > 0 && w.T > io.in.max_len) return fail(UaStepCheck::kBound);
         if (w.x0 < 0 || x1 > tokens) return;  // another row's start is wrong and reported there
-        if (w.slot >= 0 && !call.room(w)) fail(UaStepCheck::kCapacity);
-        const std::int64_t D = call.D, G = call.G;
+        if (w.slot >= 0 && !io.room(w, length, capacity)) fail(UaStepCheck::kCapacity);
+        const std::int64_t G = io.G;
         for (std::int64_t t = w.x0; t < x1; ++t) {  // every token, padding included (as the host step)
           for (std::int64_t h = 0; h < H; ++h)
             for (std::int64_t d = 0; d < D; ++d) {
-              if (!finite(call.in.q(t, h, d))) fail(UaStepCheck::kQ);
-              if (has_z_o && !finite(call.in.z_o(t, h, d))) fail(UaStepCheck::kZo);
+              if (!finite(io.in.q(t, h, d))) fail(UaStepCheck::kQ);
+              if (has_z_o && !finite(io.in.z_o(t, h, d))) fail(UaStepCheck::kZo);
             }
           for (std::int64_t g = 0; g < G; ++g) {
             for (std::int64_t d = 0; d < D; ++d) {
-              if (!finite(call.in.k(t, g, d))) fail(UaStepCheck::kK);
-              if (!finite(call.in.v(t, g, d))) fail(UaStepCheck::kV);
+              if (!finite(io.in.k(t, g, d))) fail(UaStepCheck::kK);
+              if (!finite(io.in.v(t, g, d))) fail(UaStepCheck::kV);
             }
-            if (!finite(call.in.z_k(t, g))) fail(UaStepCheck::kZk);
-            if (!finite(call.in.z_q(t, g))) fail(UaStepCheck::kZq);
+            if (!finite(io.in.z_k(t, g))) fail(UaStepCheck::kZk);
+            if (!finite(io.in.z_q(t, g))) fail(UaStepCheck::kZq);
           }
         }
       },
@@ -893,7 +1001,7 @@ Status ua_step_check(const Executor<Space>& exec, const UaStepCall<Set, Storage,
           kvmem::detail::concat("a violation at row ", x, " (read on the device)"));
     case UaStepCheck::kSlot:
       return {StatusCode::kOutOfRange, kvmem::detail::concat("slot[", x, "]: expected -1 (padding) or 0 <= slot < ",
-                                                             "max_slots = ", call.B, ", got a value outside")};
+                                                             "max_slots = ", io.B, ", got a value outside")};
     case UaStepCheck::kDuplicate:
       return invalid_argument(kvmem::detail::indexed("slot", x), "a slot used by no earlier row of this step",
                               "a slot an earlier row names");
@@ -901,11 +1009,11 @@ Status ua_step_check(const Executor<Space>& exec, const UaStepCall<Set, Storage,
       return invalid_argument("max_query_len",
                               kvmem::detail::concat("at least the tokens of every row that names a slot (row ", x,
                                                     ": more, read on the device)"),
-                              call.in.max_len);
+                              io.in.max_len);
     case UaStepCheck::kCapacity:
       return {StatusCode::kOutOfRange,
               kvmem::detail::concat("cache capacity: row ", x, " needs room for its tokens in every kv head of its ",
-                                    "slot (kept + new tokens), over capacity ", call.capacity)};
+                                    "slot (kept + new tokens), over capacity ", capacity)};
     default:
       break;
   }
@@ -1034,28 +1142,25 @@ Status forward(const kokkos::Executor<Space>& exec, const Inputs& in, TensorView
     KVMEM_RETURN_IF_ERROR(check_shape(TensorView<const float, 3>(lambda_last), {B, G, T}, "lambda_last [B,G,T]"));
   const kokkos::detail::UaViews views(in, out);
   if (exec.checked) KVMEM_RETURN_IF_ERROR(kokkos::detail::ua_check(exec, views, B, G, H, T, D, nullptr, 0));
-  using Mem = typename Space::memory_space;
-  const auto items = static_cast<std::size_t>(B * G), n = static_cast<std::size_t>(T);
-  Kokkos::View<float*, Mem> lambda(Kokkos::view_alloc(exec.space, "kvmem ua forward lambda"), items * n);
-  Kokkos::View<float*, Mem> key_logit(Kokkos::view_alloc(exec.space, "kvmem ua forward key logit"), items * n);
-  Kokkos::View<std::int64_t*, Mem> pos(Kokkos::view_alloc(exec.space, "kvmem ua forward positions"), items * n);
-  kokkos::detail::UaForwardCall<Set> call{views,
-                                          {},
-                                          {},
-                                          lambda.data(),
-                                          key_logit.data(),
-                                          pos.data(),
-                                          G,
-                                          H / G,
-                                          D,
-                                          T,
-                                          kernel::ua::block_workspace_elems(H / G, D)};
-  if (!lse.empty()) call.lse = kokkos::detail::DeviceView<float, 3>(lse);
-  if (!lambda_last.empty()) call.lambda_last = kokkos::detail::DeviceView<float, 3>(lambda_last);
-  auto policy = kokkos::detail::team_policy(exec, B * G);
-  policy.set_scratch_size(call.ws_level(), Kokkos::PerTeam(call.scratch_bytes()));
-  Kokkos::parallel_for("kvmem::kokkos::ua::forward", policy, call);
-  exec.space.fence();  // the per-call buffers are released on return
+  if (T == 0) return Status::ok();
+  // A per-call cache of T rows per item runs the prefill kernels over one chunk of every token: the
+  // same decay, bias and rows as the host's single block (spec UA.md 4.2, 4.3).
+  kokkos::UaCache<float, typename Space::memory_space> cache;
+  KVMEM_RETURN_IF_ERROR(cache.create(CacheShape{B, H, G, D, T, 16}, cache));
+  kokkos::detail::UaBatchIo io{views, {}, B, G, H / G, T, false};
+  if (!lse.empty()) io.lse = kokkos::detail::DeviceView<float, 3>(lse);
+  kokkos::detail::run_ua(exec, kokkos::detail::ua_run<Set>(cache, io, T, detail::NoEvictor{}, true), T, true, false);
+  if (!lambda_last.empty()) {
+    const kokkos::detail::DeviceView<float, 3> last(lambda_last);
+    const float* lambda = cache.lambda.data();
+    Kokkos::parallel_for(
+        "kvmem::kokkos::ua::lambda_last", Kokkos::RangePolicy<Space>(exec.space, 0, B * G * T),
+        KOKKOS_LAMBDA(const std::int64_t x) {
+          const std::int64_t i = x / T;
+          last(i / G, i % G, x % T) = lambda[x];  // Λ_{T-1, t}: the entries stay in position order
+        });
+  }
+  exec.space.fence();  // the per-call cache is released on return
   return Status::ok();
 }
 
@@ -1091,43 +1196,25 @@ Status kokkos_step(const kokkos::Executor<Space>& exec, kokkos::UaCache<Storage,
   if (!in.z_o.empty()) views.z_o = DeviceView<const float, 3>(in.z_o);
   if (!lse.empty()) views.lse = DeviceView<float, 2>(lse);
   views.max_len = rows.max_query_len;
-  bool can_evict = false;
-  if constexpr (detail::kEvicts<Ev>) can_evict = prune::active(ev);
-  const UaStepCall<Set, Storage, Ev> call{views,
-                                          cache.keys.data(),
-                                          cache.values.data(),
-                                          cache.lambda.data(),
-                                          cache.key_logit.data(),
-                                          cache.pos.data(),
-                                          cache.length.data(),
-                                          cache.peak.data(),
-                                          cache.counter.data(),
-                                          cache.admit.data(),
-                                          s.batch,
-                                          G,
-                                          H / G,
-                                          D,
-                                          s.capacity,
-                                          opt.prefill_chunk,
-                                          kernel::ua::block_workspace_elems(H / G, D),
-                                          ev,
-                                          can_evict,
-                                          opt.evict_before_attention};
-  if (exec.checked) KVMEM_RETURN_IF_ERROR(ua_step_check(exec, call, R, N, H));
+  const UaStepIo io{views, cache.admit.data(), s.batch, G, H / G, R};
+  std::int64_t* length = cache.length.data();
+  std::int64_t* admit = cache.admit.data();
+  std::int64_t* counter = cache.counter.data();
+  const std::int64_t capacity = s.capacity;
+  if (exec.checked) KVMEM_RETURN_IF_ERROR(ua_step_check(exec, io, length, capacity, D, N, H));
   Kokkos::parallel_for(
       "kvmem::kokkos::ua::step_admit", Kokkos::RangePolicy<Space>(exec.space, 0, R),
       KOKKOS_LAMBDA(const std::int64_t x) {
-        const UaRow w = call.row(x);
-        if (w.slot >= 0 && w.fits && w.first) call.admit[w.slot] = call.room(w) ? 1 : 0;
+        const UaRow w = io.row(x);
+        if (w.slot >= 0 && w.fits && w.first) admit[w.slot] = io.room(w, length, capacity) ? 1 : 0;
       });
-  auto policy = team_policy(exec, R * G);
-  policy.set_scratch_size(call.ws_level(), Kokkos::PerTeam(call.scratch_bytes()));
-  Kokkos::parallel_for("kvmem::kokkos::ua::step", policy, call);
+  // A row of one token is a decode step; a row of more (any row when N >= 2) a chunked prefill.
+  run_ua(exec, ua_run<Set>(cache, io, opt.prefill_chunk, ev, opt.evict_before_attention), N, N >= 2, true);
   Kokkos::parallel_for(
       "kvmem::kokkos::ua::step_advance", Kokkos::RangePolicy<Space>(exec.space, 0, R),
       KOKKOS_LAMBDA(const std::int64_t x) {
-        const UaRow w = call.row(x);
-        if (call.runs(w)) call.counter[w.slot] += w.T;
+        const UaRow w = io.row(x);
+        if (io.runs(w)) counter[w.slot] += w.T;
       });
   return Status::ok();
 }
