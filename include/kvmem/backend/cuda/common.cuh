@@ -92,8 +92,8 @@ Status allow_shared(Kernel kernel, std::size_t bytes) {
   constexpr std::size_t kDefaultShared = 48 * 1024;
   if (bytes == 0) return Status::ok();
   cudaFuncAttributes attributes{};
-  KVMEM_RETURN_IF_ERROR(to_status(cudaFuncGetAttributes(&attributes, reinterpret_cast<const void*>(kernel)),
-                                  "cudaFuncGetAttributes"));
+  KVMEM_RETURN_IF_ERROR(
+      to_status(cudaFuncGetAttributes(&attributes, reinterpret_cast<const void*>(kernel)), "cudaFuncGetAttributes"));
   if (attributes.sharedSizeBytes + bytes <= kDefaultShared) return Status::ok();
   return to_status(cudaFuncSetAttribute(reinterpret_cast<const void*>(kernel),
                                         cudaFuncAttributeMaxDynamicSharedMemorySize, int(bytes)),
