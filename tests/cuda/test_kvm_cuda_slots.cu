@@ -1018,8 +1018,10 @@ void bounded_rows(std::uint64_t seed) {
   const kvm::Params p = make_params(64, kSqrt);
   const kvmem::cuda::Executor exec{};
   kvmem::cuda::KvmState<S> bounded, unbounded;
+  // 6 slots for the workspace's sake: a step's rows, padding rows included, are at most max_slots (the
+  // owning create sizes the workspace for that many), and step 1 has 6 rows over slots 0..4
   for (auto* st : {&bounded, &unbounded})
-    REQUIRE(kvmem::cuda::KvmState<S>::create(p, {5, d.Hq, d.Hk, d.D, d.Dv, 512}, *st).is_ok());
+    REQUIRE(kvmem::cuda::KvmState<S>::create(p, {6, d.Hq, d.Hk, d.D, d.Dv, 512}, *st).is_ok());
   std::mt19937_64 rng(seed);
   std::vector<std::vector<Tok>> seq(5);
   for (auto& toks : seq)
