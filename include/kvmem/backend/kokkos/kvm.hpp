@@ -598,9 +598,16 @@ struct KvmCall {
     team.team_barrier();
     Kokkos::parallel_for(Kokkos::TeamThreadRange(team, pieces * Dv), [&](const std::int64_t x) {
       const std::int64_t p = x / Dv, d = x % Dv, j0 = p * tile, j1 = n - j0 < tile ? n : j0 + tile;
+      const std::int64_t js = j1 < n_s ? j1 : n_s;  // slots [j0, js), then window keys [max(j0, n_s), j1)
       A sum = A(0);
-      for (std::int64_t j = j0; j < j1; ++j)
-        sum += logit[j] * (j < n_s ? load_as<A>(it.vhat[j * Dv + d]) : load_as<A>(it.wv[(w + j - n_s) % W() * Dv + d]));
+      for (std::int64_t j = j0; j < js; ++j) sum += logit[j] * load_as<A>(it.vhat[j * Dv + d]);
+      // the window's ring position advances with j and wraps at W: one division per piece, not per key
+      const std::int64_t jw = j0 > n_s ? j0 : n_s, w_len = W();
+      std::int64_t ring = (w + jw - n_s) % w_len;
+      for (std::int64_t j = jw; j < j1; ++j) {
+        sum += logit[j] * load_as<A>(it.wv[ring * Dv + d]);
+        if (++ring == w_len) ring = 0;
+      }
       part[x] = sum;
     });
     Kokkos::single(Kokkos::PerTeam(team), [&]() { row[0] = kernel::merge_piece_factors(piece, pieces, factor); });
