@@ -61,6 +61,64 @@ struct Options {
   const char* json = nullptr;
 };
 
+// Weights that leave the state's arithmetic plain: LayerNorm weight 1 and bias 0, every temperature 1.
+struct UnitWeights {
+  Buffer<float> w, bias, ts, tw;
+  UnitWeights(std::int64_t D, std::int64_t H)
+      : w{std::size_t(D)}, bias{std::size_t(D)}, ts{std::size_t(H)}, tw{std::size_t(H)} {
+    const std::vector<float> ones(std::size_t(std::max(D, H)), 1.0f), zeros(std::size_t(D), 0.0f);
+    CHECK_CUDA(cudaMemcpy(w.ptr, ones.data(), D * 4, cudaMemcpyHostToDevice));
+    CHECK_CUDA(cudaMemcpy(bias.ptr, zeros.data(), D * 4, cudaMemcpyHostToDevice));
+    CHECK_CUDA(cudaMemcpy(ts.ptr, ones.data(), H * 4, cudaMemcpyHostToDevice));
+    CHECK_CUDA(cudaMemcpy(tw.ptr, ones.data(), H * 4, cudaMemcpyHostToDevice));
+  }
+  kvmem::cuda::KvmWeights view() const { return {w.ptr, bias.ptr, ts.ptr, tw.ptr}; }
+};
+
+// One step's packed device inputs and outputs: row r is slot slot[r] with tokens [start[r], start[r + 1]),
+// N = start.back() tokens of seeded random q, k, v and positive gates.
+struct PackedBatch {
+  std::int64_t R, N, H, Hk, D;
+  Buffer<std::int32_t> slot, start;
+  Buffer<bf16> q, k, v, g;
+  Buffer<float> out, lse;
+  PackedBatch(const std::vector<std::int32_t>& slots, const std::vector<std::int32_t>& starts, std::int64_t heads,
+              std::int64_t kv_heads, std::int64_t head_dim)
+      : R(std::int64_t(slots.size())),
+        N(starts.back()),
+        H(heads),
+        Hk(kv_heads),
+        D(head_dim),
+        slot{slots.size()},
+        start{starts.size()},
+        q{std::size_t(N * H * D)},
+        k{std::size_t(N * Hk * D)},
+        v{std::size_t(N * Hk * D)},
+        g{std::size_t(N * Hk)},
+        out{std::size_t(N * H * D)},
+        lse{std::size_t(N * H)} {
+    CHECK_CUDA(cudaMemcpy(slot.ptr, slots.data(), slots.size() * 4, cudaMemcpyHostToDevice));
+    CHECK_CUDA(cudaMemcpy(start.ptr, starts.data(), starts.size() * 4, cudaMemcpyHostToDevice));
+    fill(q.ptr, N * H * D, 1);
+    fill(k.ptr, N * Hk * D, 2);
+    fill(v.ptr, N * Hk * D, 3);
+    fill(g.ptr, N * Hk, 4);
+    gate_kernel<<<64, 256>>>(g.ptr, N * Hk);
+    CHECK_CUDA(cudaGetLastError());
+  }
+  kvmem::Rows rows(std::int64_t max_query_len = 0) const {
+    return {TensorView<const std::int32_t, 1>(slot.ptr, {R}), TensorView<const std::int32_t, 1>(start.ptr, {R + 1}),
+            max_query_len};
+  }
+  kvmem::Status step(const kvmem::cuda::Executor& on, kvmem::cuda::KvmState<bf16>& state,
+                     const kvmem::cuda::KvmWeights& weights, const kvmem::Rows& r) const {
+    return kvmem::kvm::step(on, state, weights, r, TensorView<const bf16, 3>(q.ptr, {N, H, D}),
+                            TensorView<const bf16, 3>(k.ptr, {N, Hk, D}), TensorView<const bf16, 3>(v.ptr, {N, Hk, D}),
+                            TensorView<const bf16, 2>(g.ptr, {N, Hk}), TensorView<float, 3>(out.ptr, {N, H, D}),
+                            TensorView<float, 2>(lse.ptr, {N, H}));
+  }
+};
+
 void run(const std::string& name, kvmem::budget::Any budget, const Options& o, std::FILE* json) {
   const std::int64_t R = o.sequences, H = o.heads, Hk = o.kv_heads, D = 128;
   kvmem::kvm::Params p;  // paper defaults: C = 256, nb = 2, S = 1, r = 64
@@ -68,13 +126,8 @@ void run(const std::string& name, kvmem::budget::Any budget, const Options& o, s
   const kvmem::kvm::Shape shape{R, H, Hk, D, D, o.max_len + 2 * o.steps + 8};
   kvmem::cuda::KvmState<bf16> state;
   CHECK_STATUS(kvmem::cuda::KvmState<bf16>::create(p, shape, state));
-  std::vector<float> ones(std::size_t(std::max(D, H)), 1.0f), zeros(std::size_t(D), 0.0f);
-  Buffer<float> w{std::size_t(D)}, bias{std::size_t(D)}, ts{std::size_t(H)}, tw{std::size_t(H)};
-  CHECK_CUDA(cudaMemcpy(w.ptr, ones.data(), D * 4, cudaMemcpyHostToDevice));
-  CHECK_CUDA(cudaMemcpy(bias.ptr, zeros.data(), D * 4, cudaMemcpyHostToDevice));
-  CHECK_CUDA(cudaMemcpy(ts.ptr, ones.data(), H * 4, cudaMemcpyHostToDevice));
-  CHECK_CUDA(cudaMemcpy(tw.ptr, ones.data(), H * 4, cudaMemcpyHostToDevice));
-  const kvmem::cuda::KvmWeights weights{w.ptr, bias.ptr, ts.ptr, tw.ptr};
+  const UnitWeights unit(D, H);
+  const kvmem::cuda::KvmWeights weights = unit.view();
   const kvmem::cuda::Executor exec{};
   // lengths and synthetic records: a host one-slot state with the counters of a sequence of length L
   std::mt19937_64 rng(o.seed);
@@ -114,54 +167,15 @@ void run(const std::string& name, kvmem::budget::Any budget, const Options& o, s
     if (r < R) slot[std::size_t(r)] = std::int32_t(r);
     start[std::size_t(r)] = std::int32_t(r);
   }
-  Buffer<std::int32_t> dslot{std::size_t(R)}, dstart{std::size_t(R + 1)};
-  CHECK_CUDA(cudaMemcpy(dslot.ptr, slot.data(), slot.size() * 4, cudaMemcpyHostToDevice));
-  CHECK_CUDA(cudaMemcpy(dstart.ptr, start.data(), start.size() * 4, cudaMemcpyHostToDevice));
-  Buffer<bf16> q{std::size_t(R * H * D)}, k{std::size_t(R * Hk * D)}, v{std::size_t(R * Hk * D)},
-      g{std::size_t(R * Hk)};
-  Buffer<float> out{std::size_t(R * H * D)}, lse{std::size_t(R * H)};
-  fill(q.ptr, R * H * D, 1);
-  fill(k.ptr, R * Hk * D, 2);
-  fill(v.ptr, R * Hk * D, 3);
-  fill(g.ptr, R * Hk, 4);
-  gate_kernel<<<64, 256>>>(g.ptr, R * Hk);
-  CHECK_CUDA(cudaGetLastError());
+  const PackedBatch batch(slot, start, H, Hk, D);
   cudaStream_t stream;
   CHECK_CUDA(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
   const kvmem::cuda::Executor on{stream};
-  const kvmem::Rows rows{TensorView<const std::int32_t, 1>(dslot.ptr, {R}),
-                         TensorView<const std::int32_t, 1>(dstart.ptr, {R + 1})};
-  const auto step = [&] {
-    return kvmem::kvm::step(on, state, weights, rows, TensorView<const bf16, 3>(q.ptr, {R, H, D}),
-                            TensorView<const bf16, 3>(k.ptr, {R, Hk, D}), TensorView<const bf16, 3>(v.ptr, {R, Hk, D}),
-                            TensorView<const bf16, 2>(g.ptr, {R, Hk}), TensorView<float, 3>(out.ptr, {R, H, D}),
-                            TensorView<float, 2>(lse.ptr, {R, H}));
-  };
-  cudaEvent_t e0, e1;
-  CHECK_CUDA(cudaEventCreate(&e0));
-  CHECK_CUDA(cudaEventCreate(&e1));
-  for (int i = 0; i < 4; ++i) CHECK_STATUS(step());
-  const std::int64_t plain_steps = o.steps - 4;
-  CHECK_CUDA(cudaEventRecord(e0, stream));
-  for (std::int64_t i = 0; i < plain_steps; ++i) CHECK_STATUS(step());
-  CHECK_CUDA(cudaEventRecord(e1, stream));
-  CHECK_CUDA(cudaEventSynchronize(e1));
-  float plain_ms = 0;
-  CHECK_CUDA(cudaEventElapsedTime(&plain_ms, e0, e1));
-  cudaGraph_t graph;
-  cudaGraphExec_t instance;
-  CHECK_CUDA(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
-  CHECK_STATUS(step());
-  CHECK_CUDA(cudaStreamEndCapture(stream, &graph));
-  CHECK_CUDA(cudaGraphInstantiate(&instance, graph, 0));
-  CHECK_CUDA(cudaEventRecord(e0, stream));
-  for (std::int64_t i = 0; i < o.steps; ++i) CHECK_CUDA(cudaGraphLaunch(instance, stream));
-  CHECK_CUDA(cudaEventRecord(e1, stream));
-  CHECK_CUDA(cudaEventSynchronize(e1));
-  float graph_ms = 0;
-  CHECK_CUDA(cudaEventElapsedTime(&graph_ms, e0, e1));
+  const kvmem::Rows rows = batch.rows();
+  const auto step = [&] { return batch.step(on, state, weights, rows); };
+  const kvmem::bench::StepTimes times = kvmem::bench::time_plain_and_graph(stream, o.steps, step);
   CHECK_STATUS(state.step_status(on));
-  const double plain = plain_ms / double(plain_steps), replay = graph_ms / double(o.steps);
+  const double plain = times.plain_ms, replay = times.graph_ms;
   // the replays run positions L + steps .. L + 2 steps - 1 of each sequence (after the plain steps);
   // the step at position n updates the sequence when n is a multiple of C (spec 4.7)
   std::int64_t updates = 0;
@@ -182,10 +196,6 @@ void run(const std::string& name, kvmem::budget::Any budget, const Options& o, s
                  name.c_str(), (long long)R, (long long)H, (long long)Hk, (long long)o.min_len, (long long)o.max_len,
                  (long long)*std::max_element(lengths.begin(), lengths.end()), mean, (long long)o.steps, plain, replay,
                  double(R) / plain * 1e3, double(R) / replay * 1e3, per_step);
-  CHECK_CUDA(cudaGraphExecDestroy(instance));
-  CHECK_CUDA(cudaGraphDestroy(graph));
-  CHECK_CUDA(cudaEventDestroy(e0));
-  CHECK_CUDA(cudaEventDestroy(e1));
   CHECK_CUDA(cudaStreamDestroy(stream));
 }
 
@@ -197,42 +207,21 @@ void run_prefill(const std::string& name, kvmem::budget::Any budget, const Optio
   p.budget = budget;
   kvmem::cuda::KvmState<bf16> state;
   CHECK_STATUS(kvmem::cuda::KvmState<bf16>::create(p, {R, H, Hk, D, D, L}, state));
-  std::vector<float> ones(std::size_t(std::max(D, H)), 1.0f), zeros(std::size_t(D), 0.0f);
-  Buffer<float> w{std::size_t(D)}, bias{std::size_t(D)}, ts{std::size_t(H)}, tw{std::size_t(H)};
-  CHECK_CUDA(cudaMemcpy(w.ptr, ones.data(), D * 4, cudaMemcpyHostToDevice));
-  CHECK_CUDA(cudaMemcpy(bias.ptr, zeros.data(), D * 4, cudaMemcpyHostToDevice));
-  CHECK_CUDA(cudaMemcpy(ts.ptr, ones.data(), H * 4, cudaMemcpyHostToDevice));
-  CHECK_CUDA(cudaMemcpy(tw.ptr, ones.data(), H * 4, cudaMemcpyHostToDevice));
-  const kvmem::cuda::KvmWeights weights{w.ptr, bias.ptr, ts.ptr, tw.ptr};
+  const UnitWeights unit(D, H);
+  const kvmem::cuda::KvmWeights weights = unit.view();
   std::vector<std::int32_t> slot(static_cast<std::size_t>(R)), start(static_cast<std::size_t>(R + 1));
   for (std::int64_t r = 0; r <= R; ++r) {
     if (r < R) slot[std::size_t(r)] = std::int32_t(r);
     start[std::size_t(r)] = std::int32_t(r * L);
   }
-  Buffer<std::int32_t> dslot{std::size_t(R)}, dstart{std::size_t(R + 1)};
-  CHECK_CUDA(cudaMemcpy(dslot.ptr, slot.data(), slot.size() * 4, cudaMemcpyHostToDevice));
-  CHECK_CUDA(cudaMemcpy(dstart.ptr, start.data(), start.size() * 4, cudaMemcpyHostToDevice));
-  Buffer<bf16> q{std::size_t(N * H * D)}, k{std::size_t(N * Hk * D)}, v{std::size_t(N * Hk * D)},
-      g{std::size_t(N * Hk)};
-  Buffer<float> out{std::size_t(N * H * D)}, lse{std::size_t(N * H)};
-  fill(q.ptr, N * H * D, 1);
-  fill(k.ptr, N * Hk * D, 2);
-  fill(v.ptr, N * Hk * D, 3);
-  fill(g.ptr, N * Hk, 4);
-  gate_kernel<<<64, 256>>>(g.ptr, N * Hk);
-  CHECK_CUDA(cudaGetLastError());
+  const PackedBatch batch(slot, start, H, Hk, D);
   cudaStream_t stream;
   CHECK_CUDA(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
   const kvmem::cuda::Executor on{stream};
-  const TensorView<const std::int32_t, 1> all(dslot.ptr, {R});
   const auto step = [&](std::int64_t bound) {
-    CHECK_STATUS(kvmem::kvm::reset_slots(on, state, all));
-    const kvmem::Rows rows{all, TensorView<const std::int32_t, 1>(dstart.ptr, {R + 1}), bound};
-    CHECK_STATUS(kvmem::kvm::step(on, state, weights, rows, TensorView<const bf16, 3>(q.ptr, {N, H, D}),
-                                  TensorView<const bf16, 3>(k.ptr, {N, Hk, D}),
-                                  TensorView<const bf16, 3>(v.ptr, {N, Hk, D}),
-                                  TensorView<const bf16, 2>(g.ptr, {N, Hk}), TensorView<float, 3>(out.ptr, {N, H, D}),
-                                  TensorView<float, 2>(lse.ptr, {N, H})));
+    const kvmem::Rows rows = batch.rows(bound);
+    CHECK_STATUS(kvmem::kvm::reset_slots(on, state, rows.slot));
+    CHECK_STATUS(batch.step(on, state, weights, rows));
   };
   cudaEvent_t e0, e1;
   CHECK_CUDA(cudaEventCreate(&e0));

@@ -124,29 +124,7 @@ void run(double p, const Options& o, std::FILE* json) {
     return kvmem::ua::step(on, cache, rows, in, opt, TensorView<float, 3>(out.ptr, {R, H, D}),
                            TensorView<float, 2>(lse.ptr, {R, H}));
   };
-  cudaEvent_t e0, e1;
-  CHECK_CUDA(cudaEventCreate(&e0));
-  CHECK_CUDA(cudaEventCreate(&e1));
-  for (int i = 0; i < 4; ++i) CHECK_STATUS(step());
-  const std::int64_t plain_steps = o.steps - 4;
-  CHECK_CUDA(cudaEventRecord(e0, stream));
-  for (std::int64_t i = 0; i < plain_steps; ++i) CHECK_STATUS(step());
-  CHECK_CUDA(cudaEventRecord(e1, stream));
-  CHECK_CUDA(cudaEventSynchronize(e1));
-  float plain_ms = 0;
-  CHECK_CUDA(cudaEventElapsedTime(&plain_ms, e0, e1));
-  cudaGraph_t graph;
-  cudaGraphExec_t instance;
-  CHECK_CUDA(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
-  CHECK_STATUS(step());
-  CHECK_CUDA(cudaStreamEndCapture(stream, &graph));
-  CHECK_CUDA(cudaGraphInstantiate(&instance, graph, 0));
-  CHECK_CUDA(cudaEventRecord(e0, stream));
-  for (std::int64_t i = 0; i < o.steps; ++i) CHECK_CUDA(cudaGraphLaunch(instance, stream));
-  CHECK_CUDA(cudaEventRecord(e1, stream));
-  CHECK_CUDA(cudaEventSynchronize(e1));
-  float graph_ms = 0;
-  CHECK_CUDA(cudaEventElapsedTime(&graph_ms, e0, e1));
+  const kvmem::bench::StepTimes times = kvmem::bench::time_plain_and_graph(stream, o.steps, step);
   CHECK_STATUS(cache.step_status(on));
   std::vector<std::int32_t> flags;
   CHECK_STATUS(cache.overflowed(on, flags));
@@ -154,7 +132,7 @@ void run(double p, const Options& o, std::FILE* json) {
     std::fprintf(stderr, "a slot ran out of rows: the capacity is too small for --steps\n");
     std::exit(1);
   }
-  const double plain = plain_ms / double(plain_steps), replay = graph_ms / double(o.steps);
+  const double plain = times.plain_ms, replay = times.graph_ms;
   // what the last steps read: kept rows per (slot, kv head) and the pages holding them
   std::vector<std::int64_t> kept;
   CHECK_STATUS(cache.lengths(kept, stream));
@@ -181,10 +159,6 @@ void run(double p, const Options& o, std::FILE* json) {
                  p, (long long)R, (long long)H, (long long)G, (long long)o.min_len, (long long)o.max_len,
                  (long long)*std::max_element(lengths.begin(), lengths.end()), mean, (long long)o.steps, plain, replay,
                  double(R) / plain * 1e3, double(R) / replay * 1e3, (long long)pool_pages, kept_mean);
-  CHECK_CUDA(cudaGraphExecDestroy(instance));
-  CHECK_CUDA(cudaGraphDestroy(graph));
-  CHECK_CUDA(cudaEventDestroy(e0));
-  CHECK_CUDA(cudaEventDestroy(e1));
   CHECK_CUDA(cudaStreamDestroy(stream));
 }
 

@@ -66,4 +66,43 @@ struct Buffer {
   ~Buffer() { (void)cudaFree(ptr); }
 };
 
+// Milliseconds per call of a step (a callable returning a kvmem::Status, enqueued on `stream`): plain,
+// after 4 warm-up calls, over steps - 4 calls (steps >= 8); and replayed `steps` times from one CUDA graph
+// captured from a single call.
+struct StepTimes {
+  double plain_ms, graph_ms;
+};
+template <class Step>
+StepTimes time_plain_and_graph(cudaStream_t stream, std::int64_t steps, const Step& step) {
+  cudaEvent_t e0, e1;
+  CHECK_CUDA(cudaEventCreate(&e0));
+  CHECK_CUDA(cudaEventCreate(&e1));
+  const auto elapsed = [&] {
+    CHECK_CUDA(cudaEventRecord(e1, stream));
+    CHECK_CUDA(cudaEventSynchronize(e1));
+    float ms = 0;
+    CHECK_CUDA(cudaEventElapsedTime(&ms, e0, e1));
+    return double(ms);
+  };
+  for (int i = 0; i < 4; ++i) CHECK_STATUS(step());
+  const std::int64_t plain_steps = steps - 4;
+  CHECK_CUDA(cudaEventRecord(e0, stream));
+  for (std::int64_t i = 0; i < plain_steps; ++i) CHECK_STATUS(step());
+  const double plain = elapsed() / double(plain_steps);
+  cudaGraph_t graph;
+  cudaGraphExec_t instance;
+  CHECK_CUDA(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
+  CHECK_STATUS(step());
+  CHECK_CUDA(cudaStreamEndCapture(stream, &graph));
+  CHECK_CUDA(cudaGraphInstantiate(&instance, graph, 0));
+  CHECK_CUDA(cudaEventRecord(e0, stream));
+  for (std::int64_t i = 0; i < steps; ++i) CHECK_CUDA(cudaGraphLaunch(instance, stream));
+  const double replay = elapsed() / double(steps);
+  CHECK_CUDA(cudaGraphExecDestroy(instance));
+  CHECK_CUDA(cudaGraphDestroy(graph));
+  CHECK_CUDA(cudaEventDestroy(e0));
+  CHECK_CUDA(cudaEventDestroy(e1));
+  return {plain, replay};
+}
+
 }  // namespace kvmem::bench
