@@ -183,7 +183,9 @@ Status validate_rule(const Rule& rule, const Options& opt) {
 }
 
 // The evictor of a call: the policy's, at the call's layer; NoEvictor for a disabled policy
-// (prune::None), which removes the eviction from the item bodies at compile time.
+// (prune::None), which removes the eviction from the item bodies at compile time: the host and Kokkos
+// bodies test kEvicts with `if constexpr`, and the CUDA/HIP launches pick the decode and finish kernel
+// instances without an eviction test and no cut kernels (backend/cuda/ua.cuh).
 struct NoEvictor {};
 template <class Ev>
 inline constexpr bool kEvicts = !std::is_same_v<Ev, NoEvictor>;
@@ -779,6 +781,13 @@ Status step(const Exec& exec, PrunedCache<Storage>& cache, const Rows& rows, con
   return detail::step_with<Set>(exec, cache, rows, in, opt, detail::evictor_of(rule, opt), out, lse);
 }
 
+// Whether a call with prune policy Rule compiles an eviction (the λ test, the compaction of evicted
+// rows, a rule's cut kernels) on any backend: the type of the evictor that reaches the item bodies and
+// kernels decides it, and prune::None's (NoEvictor) removes the eviction at compile time.
+template <PrunePolicy Rule>
+inline constexpr bool evicts_v =
+    detail::kEvicts<decltype(detail::evictor_of(std::declval<const Rule&>(), std::declval<const Options&>()))>;
+
 namespace detail {
 // The threshold p a threshold-shaped prune policy applies at `layer` (None: 0, Threshold: p, PerLayer:
 // p[layer]): what a backend whose eviction kernels take only Options::p can run.
@@ -858,6 +867,8 @@ struct Attention {
   static constexpr std::int64_t kHeadDim = HeadDim;
   static_assert(HeadDim >= 0, "kvmem::ua::Attention: the head dim is > 0 (or kAnyDim)");
   using prune_type = std::remove_cvref_t<decltype(kPrune)>;
+  // Whether the variant's calls compile an eviction at all (evicts_v): false for prune::None.
+  static constexpr bool kEvicts = evicts_v<prune_type>;
   using decay_set = Set;
   using storage_type = typename Precision::storage_type;
   using Cache = PrunedCache<storage_type>;

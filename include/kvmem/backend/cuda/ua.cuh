@@ -865,30 +865,33 @@ DenseKernel<S> dense_kernel_for(const UaInputs<S>& in, std::int64_t D, std::int6
 
 // The decode kernel of a cache and its dynamic shared memory: the vector-row pass for groups of 4 or 8
 // query heads over 16-byte rows (vector_decode_ok), else the entry splits; the lanes of an 8-lane group
-// hold ceil(D / 8) dims each. Every variant has the same signature for a given S.
+// hold ceil(D / 8) dims each. Every variant has the same signature for a given S. kEvict: whether the
+// kernel compiles the eviction (kEvicts of the call's evictor; false for prune::None).
 template <class S>
 struct DecodeKernel {
   void (*kernel)(DeviceCache<S>, DeviceCall<S>);
   std::size_t shared_bytes;
 };
-template <class Set, class S, int kDpl>
+template <class Set, bool kEvict, class S, int kDpl>
 DecodeKernel<S> decode_kernel_dims(std::int64_t D, std::int64_t r) {
   const bool vector = vector_decode_ok(D, r, sizeof(S));
   const std::size_t bytes = decode_kernel_smem_bytes<S>(D, r, vector);
-  if (vector && r == 4) return {decode_attend_kernel<Set, S, kDpl, 4>, bytes};
-  if (vector && r == 8) return {decode_attend_kernel<Set, S, kDpl, 8>, bytes};
-  return {decode_attend_kernel<Set, S, kDpl, 0>, bytes};
+  if (vector && r == 4) return {decode_attend_kernel<Set, kEvict, S, kDpl, 4>, bytes};
+  if (vector && r == 8) return {decode_attend_kernel<Set, kEvict, S, kDpl, 8>, bytes};
+  return {decode_attend_kernel<Set, kEvict, S, kDpl, 0>, bytes};
 }
-template <class Set, class S>
+template <class Set, bool kEvict, class S>
 DecodeKernel<S> decode_kernel_for(std::int64_t D, std::int64_t r) {
-  if (D <= 64) return decode_kernel_dims<Set, S, 8>(D, r);
-  if (D <= 128) return decode_kernel_dims<Set, S, 16>(D, r);
-  return decode_kernel_dims<Set, S, 32>(D, r);
+  if (D <= 64) return decode_kernel_dims<Set, kEvict, S, 8>(D, r);
+  if (D <= 128) return decode_kernel_dims<Set, kEvict, S, 16>(D, r);
+  return decode_kernel_dims<Set, kEvict, S, 32>(D, r);
 }
 
-// How a call evicts (policy/prune.hpp): a threshold evictor's ln p (prune::LogThreshold) or nothing
-// (ua::detail::NoEvictor: prune::None) in DeviceCall::log_p, which the fused kernels test where they meet
-// each row; any other evictor through per-item cuts that the cut kernels of ua_prune.cuh compute first.
+// How a call evicts (policy/prune.hpp): a threshold evictor's ln p (prune::LogThreshold) in
+// DeviceCall::log_p, which the fused kernels test where they meet each row; any other evictor through
+// per-item cuts that the cut kernels of ua_prune.cuh compute first; nothing (ua::detail::NoEvictor:
+// prune::None), and then the decode and finish kernels are the instances without eviction (kEvict =
+// false: no threshold test, no cut read, no dead marks of their own).
 template <class Ev>
 inline constexpr bool kCutsPerItem = ua::detail::kEvicts<Ev> && !std::is_same_v<Ev, prune::LogThreshold>;
 template <class Ev, class S>
@@ -988,7 +991,7 @@ Status ua_run(const Executor& exec, UaCache<S>& cache, const UaInputs<S>& in, co
   if (decode) {
     a.P = 1;
     a.lambda_new = nullptr;
-    const DecodeKernel<S> k = decode_kernel_for<Set, S>(D, r);
+    const DecodeKernel<S> k = decode_kernel_for<Set, ua::detail::kEvicts<Ev>, S>(D, r);
     KVMEM_RETURN_IF_ERROR(allow_shared(k.kernel, k.shared_bytes));
     if constexpr (kCutsPerItem<Ev>) KVMEM_RETURN_IF_ERROR(decode_cuts<Set>(dev, a, ev, cache.cuts_, I, exec.stream));
     k.kernel<<<dim3(unsigned(I), unsigned(a.splits)), kDecodeThreads, k.shared_bytes, exec.stream>>>(dev, a);
@@ -1023,7 +1026,7 @@ Status ua_run(const Executor& exec, UaCache<S>& cache, const UaInputs<S>& in, co
     const std::size_t fbytes = finish_smem_bytes<S>(D);
     const ChunkKernel<S> chunk = chunk_kernel_for<Set, S>(in, D, r);
     // shared-memory opt-ins are driver calls: once per call, not once per chunk
-    KVMEM_RETURN_IF_ERROR(allow_shared(finish_kernel<S>, fbytes));
+    KVMEM_RETURN_IF_ERROR(allow_shared(finish_kernel<ua::detail::kEvicts<Ev>, S>, fbytes));
     KVMEM_RETURN_IF_ERROR(allow_shared(chunk.kernel, chunk.shared_bytes));
     std::int64_t bound = cache.bound_;
     for (std::int64_t t0 = 0; t0 < T; t0 += opt.prefill_chunk) {
@@ -1040,7 +1043,7 @@ Status ua_run(const Executor& exec, UaCache<S>& cache, const UaInputs<S>& in, co
         prefill_cut_kernel<Ev, S><<<unsigned(I), kCutThreads, 0, exec.stream>>>(dev, a, ev, cache.cuts_, t0, rows);
         KVMEM_CUDA_RETURN_IF_LAUNCH_FAILED("ua prefill_cut_kernel");
       }
-      finish_kernel<S><<<unsigned(I), kFinishThreads, fbytes, exec.stream>>>(dev, a, t0, rows);
+      finish_kernel<ua::detail::kEvicts<Ev>, S><<<unsigned(I), kFinishThreads, fbytes, exec.stream>>>(dev, a, t0, rows);
       KVMEM_CUDA_RETURN_IF_LAUNCH_FAILED("ua finish_kernel (prefill)");
       bound += rows;
     }
@@ -1525,7 +1528,7 @@ Status cuda_step(const cuda::Executor& exec, cuda::UaCache<S>& cache, const Rows
     d.splits = decode_splits_now;
     // no prefill rounds follow: this launch is the step's last, and its last block publishes
     if (prefills == 0) d.publish_ticket = SlotAccess::publish_ticket(cache);
-    const DecodeKernel<S> k = decode_kernel_for<Set, S>(D, r);
+    const DecodeKernel<S> k = decode_kernel_for<Set, ua::detail::kEvicts<Ev>, S>(D, r);
     KVMEM_RETURN_IF_ERROR(cuda::allow_shared(k.kernel, k.shared_bytes));
     if constexpr (kCutsPerItem<Ev>)
       KVMEM_RETURN_IF_ERROR(decode_cuts<Set>(dev, d, ev, SlotAccess::cuts(cache), R * G, stream));
@@ -1539,7 +1542,7 @@ Status cuda_step(const cuda::Executor& exec, cuda::UaCache<S>& cache, const Rows
     a.splits = cache.limits().max_splits;
     const std::size_t fbytes = finish_smem_bytes<S>(D);
     const ChunkKernel<S> chunk = step_chunk_kernel_for<Set, S>(in, D, r);
-    KVMEM_RETURN_IF_ERROR(cuda::allow_shared(finish_kernel<S>, fbytes));
+    KVMEM_RETURN_IF_ERROR(cuda::allow_shared(finish_kernel<ua::detail::kEvicts<Ev>, S>, fbytes));
     KVMEM_RETURN_IF_ERROR(cuda::allow_shared(chunk.kernel, chunk.shared_bytes));
     const unsigned items = unsigned(prefills * G);
     DeviceCall<S> fin = a;  // the last finish launch publishes (its last block)
@@ -1557,7 +1560,7 @@ Status cuda_step(const cuda::Executor& exec, cuda::UaCache<S>& cache, const Rows
             <<<items, kCutThreads, 0, stream>>>(dev, a, ev, SlotAccess::cuts(cache), t0, opt.prefill_chunk);
         KVMEM_CUDA_RETURN_IF_LAUNCH_FAILED("ua step prefill_cut_kernel");
       }
-      finish_kernel<S><<<items, kFinishThreads, fbytes, stream>>>(dev, fin, t0, opt.prefill_chunk);
+      finish_kernel<ua::detail::kEvicts<Ev>, S><<<items, kFinishThreads, fbytes, stream>>>(dev, fin, t0, opt.prefill_chunk);
       KVMEM_CUDA_RETURN_IF_LAUNCH_FAILED("ua step finish_kernel");
     }
   }
