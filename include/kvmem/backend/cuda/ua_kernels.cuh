@@ -2175,7 +2175,7 @@ __device__ inline bool decode_item(const DeviceCache<S>& c, const DeviceCall<S>&
     if (moves)
       finish_move(c, a, item, b, n - dead, marks);
     else if (compacts_in_place(c, n, dead + marks))
-      finish_item(c, a, item, b, 0, 1, true, dead + marks, smem);  // the attention buffers are free now
+      finish_item<kEvict>(c, a, item, b, 0, 1, true, dead + marks, smem);  // the attention buffers are free now
     else {
       append_new_row(c, a, item, b, n);
       if (threadIdx.x == 0) c.dead[item] = dead + marks;
