@@ -55,8 +55,7 @@ Run run_variant(const FloatCase& f, std::int64_t split, const kua::Options& opt)
     for (std::int64_t g = 0; g < f.c.G; ++g) {
       r.longest = std::max(r.longest, cache.length(b, g));
       for (std::int64_t e = 0; e < cache.length(b, g); ++e)
-        r.lambda[static_cast<std::size_t>((b * f.c.G + g) * f.c.T + cache.positions(b, g)[e])] =
-            cache.lambda(b, g)[e];
+        r.lambda[static_cast<std::size_t>((b * f.c.G + g) * f.c.T + cache.positions(b, g)[e])] = cache.lambda(b, g)[e];
     }
   return r;
 }

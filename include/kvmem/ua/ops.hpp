@@ -820,28 +820,39 @@ Status threshold_options(const Rule& rule, Options& opt) {
   opt.p = threshold_p(rule, opt.layer);
   return Status::ok();
 }
-template <class Set, class Exec, class C, class In, class Rule, class Out>
+//
+// A variant with a fixed head dim first tries the backend's overload that takes HeadDims<HeadDim> before
+// the executor (CUDA/HIP: only the kernels of that head dim are instantiated, core/support.hpp).
+template <class Set, std::int64_t HeadDim, class Exec, class C, class In, class Rule, class Out>
 Status attention_prefill(const Exec& exec, C& cache, const In& in, Options opt, const Rule& rule, Out out) {
-  if constexpr (requires { prefill<Set>(exec, cache, in, opt, rule, out); }) {
+  if constexpr (HeadDim != kAnyDim &&
+                requires { prefill<Set>(HeadDims<HeadDim>{}, exec, cache, in, opt, rule, out); }) {
+    return prefill<Set>(HeadDims<HeadDim>{}, exec, cache, in, opt, rule, out);
+  } else if constexpr (requires { prefill<Set>(exec, cache, in, opt, rule, out); }) {
     return prefill<Set>(exec, cache, in, opt, rule, out);
   } else {
     KVMEM_RETURN_IF_ERROR(threshold_options(rule, opt));
     return prefill<Set>(exec, cache, in, opt, out);
   }
 }
-template <class Set, class Exec, class C, class In, class Rule, class Out>
+template <class Set, std::int64_t HeadDim, class Exec, class C, class In, class Rule, class Out>
 Status attention_decode(const Exec& exec, C& cache, const In& in, Options opt, const Rule& rule, Out out) {
-  if constexpr (requires { decode<Set>(exec, cache, in, opt, rule, out); }) {
+  if constexpr (HeadDim != kAnyDim && requires { decode<Set>(HeadDims<HeadDim>{}, exec, cache, in, opt, rule, out); }) {
+    return decode<Set>(HeadDims<HeadDim>{}, exec, cache, in, opt, rule, out);
+  } else if constexpr (requires { decode<Set>(exec, cache, in, opt, rule, out); }) {
     return decode<Set>(exec, cache, in, opt, rule, out);
   } else {
     KVMEM_RETURN_IF_ERROR(threshold_options(rule, opt));
     return decode<Set>(exec, cache, in, opt, out);
   }
 }
-template <class Set, class Exec, class C, class In, class Rule, class Out, class Lse>
+template <class Set, std::int64_t HeadDim, class Exec, class C, class In, class Rule, class Out, class Lse>
 Status attention_step(const Exec& exec, C& cache, const Rows& rows, const In& in, Options opt, const Rule& rule,
                       Out out, Lse lse) {
-  if constexpr (requires { step<Set>(exec, cache, rows, in, opt, rule, out, lse); }) {
+  if constexpr (HeadDim != kAnyDim &&
+                requires { step<Set>(HeadDims<HeadDim>{}, exec, cache, rows, in, opt, rule, out, lse); }) {
+    return step<Set>(HeadDims<HeadDim>{}, exec, cache, rows, in, opt, rule, out, lse);
+  } else if constexpr (requires { step<Set>(exec, cache, rows, in, opt, rule, out, lse); }) {
     return step<Set>(exec, cache, rows, in, opt, rule, out, lse);
   } else {
     KVMEM_RETURN_IF_ERROR(threshold_options(rule, opt));
@@ -905,7 +916,7 @@ struct Attention {
   static Status prefill(const Exec& exec, C& cache, const InputsOf<In>& in, TensorView<float, 4> out,
                         const Options& opt) {
     KVMEM_RETURN_IF_ERROR(check_call<Exec>(cache));
-    return detail::attention_prefill<Set>(exec, cache, in, opt, kPrune, out);
+    return detail::attention_prefill<Set, HeadDim>(exec, cache, in, opt, kPrune, out);
   }
   template <class Exec, class C, class In = float>
   static Status prefill(const Exec& exec, C& cache, const InputsOf<In>& in, TensorView<float, 4> out,
@@ -916,7 +927,7 @@ struct Attention {
   static Status decode(const Exec& exec, C& cache, const InputsOf<In>& in, TensorView<float, 4> out,
                        const Options& opt) {
     KVMEM_RETURN_IF_ERROR(check_call<Exec>(cache));
-    return detail::attention_decode<Set>(exec, cache, in, opt, kPrune, out);
+    return detail::attention_decode<Set, HeadDim>(exec, cache, in, opt, kPrune, out);
   }
   template <class Exec, class C, class In = float>
   static Status decode(const Exec& exec, C& cache, const InputsOf<In>& in, TensorView<float, 4> out,
@@ -927,7 +938,7 @@ struct Attention {
   static Status step(const Exec& exec, C& cache, const Rows& rows, const PackedInputsOf<In>& in,
                      TensorView<float, 3> out, TensorView<float, 2> lse, const Options& opt) {
     KVMEM_RETURN_IF_ERROR(check_call<Exec>(cache));
-    return detail::attention_step<Set>(exec, cache, rows, in, opt, kPrune, out, lse);
+    return detail::attention_step<Set, HeadDim>(exec, cache, rows, in, opt, kPrune, out, lse);
   }
   template <class Exec, class C, class In = float>
   static Status step(const Exec& exec, C& cache, const Rows& rows, const PackedInputsOf<In>& in,

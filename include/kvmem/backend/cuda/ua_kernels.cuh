@@ -1595,7 +1595,8 @@ __device__ inline int decode_split(const DeviceCache<S>& c, const DeviceCall<S>&
       float lam = 0.0f;
       bool attend = valid;
       if (cached) {
-        const RowUpdate up = update_row<Set, kEvict>(a, cut, c.lambda[at], sim, c.key_logit[at], c.pos[at], zq, q_part, t);
+        const RowUpdate up =
+            update_row<Set, kEvict>(a, cut, c.lambda[at], sim, c.key_logit[at], c.pos[at], zq, q_part, t);
         lam = up.lambda;
         attend = up.attend;
         if (sub == 0 && !up.dead) c.lambda[plan != nullptr ? moved_row(c, item, plan->dest(idx)) : at] = up.stored();
