@@ -12,6 +12,7 @@
 #include "kvmem/backend/cuda/vendor.cuh"
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <utility>
@@ -64,6 +65,7 @@ struct DevCase {
 struct Run {
   std::vector<float> out;
   std::vector<std::int64_t> kept;  // [B,G,T] 1 = in the cache after the last token
+  std::vector<double> lambda;      // [B,G,T] λ of each kept position after the last token (0 where evicted)
   std::int64_t longest = 0;        // most entries an item holds at the end
 };
 
@@ -72,6 +74,7 @@ Run kept_of(const kvmem::cuda::UaCache<float>& cache, std::int64_t T) {
   const auto& s = cache.shape();
   Run r;
   r.kept.assign(std::size_t(s.batch * s.kv_heads * T), 0);
+  r.lambda.assign(r.kept.size(), 0.0);
   for (std::int64_t b = 0; b < s.batch; ++b)
     for (std::int64_t g = 0; g < s.kv_heads; ++g) {
       std::vector<std::int64_t> pos;
@@ -83,6 +86,7 @@ Run kept_of(const kvmem::cuda::UaCache<float>& cache, std::int64_t T) {
         REQUIRE(pos[e] >= 0);
         REQUIRE(pos[e] < T);
         r.kept[std::size_t((b * s.kv_heads + g) * T + pos[e])] = 1;
+        r.lambda[std::size_t((b * s.kv_heads + g) * T + pos[e])] = lam[e];
       }
     }
   return r;
@@ -304,15 +308,12 @@ struct Packed {
 };
 }  // namespace
 
-TEST_CASE("ua cuda step with a prune rule: prefill rows beside decode rows", "[ua][cuda][compose]") {
-  if (no_device()) return;
-  const Case c = compose_case(true);
-  const FloatCase f(c);
+namespace {
+// Steps of variant Ua on CUDA and on the host, sequence 0's prefill row beside nothing, then sequence 1's
+// prefill row beside sequence 0's decode rows, against the reference `ref` (outputs and kept sets).
+template <class Ua>
+void check_steps(const Case& c, const FloatCase& f, const kvmem::reference::ua::PrunedResult& ref) {
   const std::int64_t H = c.config.H, G = c.config.G, D = c.config.D, T = c.config.T, split = 100;
-  const auto ref = kvmem::reference::ua::pruned(c.config, c.inputs, 0.0, 24);
-  INFO("smallest λ gap at a rank cut " << ref.rank_margin);
-  REQUIRE(ref.rank_margin > kRankBand);
-  using Ua = kua::Attention<kvmem::decay::Universal, prune::KeepTop{24}>;
   const kua::Options opt = options_of(c);
   for (const bool pool : {false, true}) {
     INFO("shared pool " << pool);
@@ -375,6 +376,54 @@ TEST_CASE("ua cuda step with a prune rule: prefill rows beside decode rows", "[u
     const Run gpu = kept_of(dev, T);
     CHECK(gpu.kept == ref.kept);
     CHECK(gpu.kept == kept_mask(host, T));
+  }
+}
+}  // namespace
+
+TEST_CASE("ua cuda step with a prune rule: prefill rows beside decode rows", "[ua][cuda][compose]") {
+  if (no_device()) return;
+  const Case c = compose_case(true);
+  const FloatCase f(c);
+  const auto ref = kvmem::reference::ua::pruned(c.config, c.inputs, 0.0, 24);
+  INFO("smallest λ gap at a rank cut " << ref.rank_margin);
+  REQUIRE(ref.rank_margin > kRankBand);
+  check_steps<kua::Attention<kvmem::decay::Universal, prune::KeepTop{24}>>(c, f, ref);
+}
+
+// prune::None reaches the kernels as the instances without eviction (decode_attend_kernel and
+// finish_kernel with kEvict = false, no cut kernels): every row stays, however far its λ falls, on every
+// decode path (one block, and past 256 rows decode_split_rows at r = 4 and decode_split at r = 2), over own
+// pages and a shared pool, in fixed-batch calls and in steps.
+TEST_CASE("ua cuda prune::None keeps every row however far λ falls", "[ua][cuda][compose]") {
+  using Dense = kua::Attention<kvmem::decay::Universal, prune::None{}>;
+  static_assert(!Dense::kEvicts && !kua::evicts_v<prune::None>);
+  static_assert(kua::evicts_v<prune::Threshold> && kua::evicts_v<prune::KeepTop>);
+  if (no_device()) return;
+  struct Shape {
+    std::int64_t B, T, H;
+  };
+  for (const Shape sh : {Shape{2, 160, 4}, Shape{1, 420, 8}, Shape{1, 420, 4}}) {
+    INFO("B " << sh.B << ", T " << sh.T << ", H " << sh.H);
+    Case c = random_case(sh.B, sh.T, sh.H, 2, 32, 1234);
+    c.config.prefill_chunk = 32;
+    c.config.prefill_split = 100;
+    const FloatCase f(c);
+    // Many keys decay far below any threshold a rule would use: λ < ln 1e-6 at the last token.
+    const auto exact = kvmem::reference::ua::dense(c.config, c.inputs);
+    std::int64_t far = 0;
+    for (const double l : exact.lambda_last) far += l < std::log(1e-6) ? 1 : 0;
+    REQUIRE(far > 100);
+    const auto ref = kvmem::reference::ua::pruned(c.config, c.inputs, 0.0);
+    for (const bool pool : {false, true}) {
+      INFO("shared pool " << pool);
+      const kua::CacheShape shape = pool ? pooled(f.cache_shape()) : f.cache_shape();
+      const Run gpu = cuda_variant<Dense>(f, 100, shape, options_of(c));
+      KVMEM_CHECK_CLOSE(gpu.out, ref.out, kFp32Tol);
+      CHECK(gpu.kept == std::vector<std::int64_t>(gpu.kept.size(), 1));
+      CHECK(gpu.longest == sh.T);
+      KVMEM_CHECK_CLOSE(gpu.lambda, exact.lambda_last, kFp32Tol);  // every row kept, with its exact λ
+    }
+    if (sh.B == 2) check_steps<Dense>(c, f, ref);
   }
 }
 

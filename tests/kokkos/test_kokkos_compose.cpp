@@ -6,6 +6,7 @@
 // host. Against the host: bitwise on host spaces, within the fp32 tolerance on device spaces
 // (kvm_kokkos_util.hpp).
 
+#include <cmath>
 #include <cstdint>
 #include <vector>
 
@@ -97,4 +98,33 @@ TEST_CASE("kokkos ua Attention with prune policies matches the reference and the
     CHECK(ua::kokkos_kept_mask(cache, f.c.T) == ref.kept);
     KVMEM_KOKKOS_CHECK_AS_HOST(out, host_variant<Ua>(f, 100, at_layer), 1e-5);
   }
+}
+
+TEST_CASE("kokkos ua Attention with prune::None keeps every row however far λ falls", "[kokkos][ua][compose]") {
+  using Dense = kvmem::ua::Attention<kvmem::decay::Universal, kvmem::prune::None{}>;
+  static_assert(!Dense::kEvicts);  // the Kokkos close phase is compiled without its eviction
+  ua::Case c = ua::random_case(2, 160, 4, 2, 32, 1234);
+  c.config.prefill_chunk = 32;
+  c.config.prefill_split = 100;
+  const ua::FloatCase f(c);
+  // Many keys decay far below any threshold a rule would use: λ < ln 1e-6 at the last token.
+  const auto exact = kvmem::reference::ua::dense(c.config, c.inputs);
+  std::int64_t far = 0;
+  for (const double l : exact.lambda_last) far += l < std::log(1e-6) ? 1 : 0;
+  REQUIRE(far > 100);
+  const auto ref = kvmem::reference::ua::pruned(c.config, c.inputs, 0.0);
+  auto cache = ua::make_kokkos_cache(KokkosExec{}, f);
+  const auto out = kokkos_variant<Dense>(f, 100, {0.0, 32}, cache);
+  KVMEM_CHECK_CLOSE(out, ref.out, 1e-5);
+  const auto kept = ua::kokkos_kept_mask(cache, f.c.T);
+  CHECK(kept == std::vector<std::int64_t>(kept.size(), 1));
+  // Every row is still there with its exact λ, the far-decayed ones included.
+  const auto snap = kvmem::kokkos::snapshot(cache);
+  std::vector<double> lambda(kept.size(), 0.0);
+  for (std::int64_t b = 0; b < f.c.B; ++b)
+    for (std::int64_t g = 0; g < f.c.G; ++g)
+      for (std::int64_t e = 0; e < snap.length_of(b, g); ++e)
+        lambda[static_cast<std::size_t>((b * f.c.G + g) * f.c.T + snap.positions(b, g)[e])] =
+            snap.lambda[static_cast<std::size_t>(snap.item(b, g) * snap.shape.capacity + e)];
+  KVMEM_CHECK_CLOSE(lambda, exact.lambda_last, 1e-5);
 }

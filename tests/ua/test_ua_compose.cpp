@@ -6,6 +6,7 @@
 // Near-ties: a rank cut whose λ gap in the reference is below fp32 rounding could flip, so the
 // reference reports its smallest gap and the test requires it well above rounding on these seeds.
 
+#include <cmath>
 #include <cstdint>
 #include <limits>
 #include <vector>
@@ -29,7 +30,8 @@ constexpr double kRankBand = 1e-4;  // λ gaps below this at a rank cut would be
 struct Run {
   std::vector<float> out;
   std::vector<std::int64_t> kept;
-  std::int64_t longest = 0;  // most entries any item holds at the end
+  std::vector<double> lambda;  // [B,G,T] λ of each kept position at the end (0 where evicted)
+  std::int64_t longest = 0;    // most entries any item holds at the end
 };
 
 // Chunked prefill of [0, split) then decode of [split, T) through the composed variant Ua.
@@ -48,8 +50,13 @@ Run run_variant(const FloatCase& f, std::int64_t split, const kua::Options& opt)
     REQUIRE(s.is_ok());
   }
   r.kept = kept_mask(cache, f.c.T);
+  r.lambda.assign(r.kept.size(), 0.0);
   for (std::int64_t b = 0; b < f.c.B; ++b)
-    for (std::int64_t g = 0; g < f.c.G; ++g) r.longest = std::max(r.longest, cache.length(b, g));
+    for (std::int64_t g = 0; g < f.c.G; ++g) {
+      r.longest = std::max(r.longest, cache.length(b, g));
+      for (std::int64_t e = 0; e < cache.length(b, g); ++e)
+        r.lambda[static_cast<std::size_t>((b * f.c.G + g) * f.c.T + cache.positions(b, g)[e])] = cache.lambda(b, g)[e];
+    }
   return r;
 }
 
@@ -131,14 +138,31 @@ TEST_CASE("a per-layer threshold prunes each layer at its own p", "[ua][compose]
 }
 
 TEST_CASE("prune::None compiles the eviction away and keeps every key", "[ua][compose]") {
+  using Dense = kua::Attention<kvmem::decay::Universal, prune::None{}>;
+  using Tiny = kua::Attention<kvmem::decay::Universal, prune::Threshold{1e-6}>;
+  // The evictor that reaches the item bodies and kernels: none at all for prune::None.
+  static_assert(!Dense::kEvicts && !kua::evicts_v<prune::None>);
   static_assert(!kua::detail::kEvicts<decltype(kua::detail::evictor_of(prune::None{}, kua::Options{}))>);
+  static_assert(Tiny::kEvicts && kua::evicts_v<prune::KeepTop> && kua::evicts_v<prune::PerLayer<2>>);
   static_assert(kua::detail::kEvicts<decltype(kua::detail::evictor_of(prune::KeepTop{4}, kua::Options{}))>);
   const Case c = compose_case();
   const FloatCase f(c);
+  // Many keys decay far below any threshold a rule would use: λ < ln 1e-6 at the last token.
+  const auto exact = kvmem::reference::ua::dense(c.config, c.inputs);
+  std::int64_t far = 0;
+  for (const double l : exact.lambda_last) far += l < std::log(1e-6) ? 1 : 0;
+  REQUIRE(far > 100);
   const auto ref = kvmem::reference::ua::pruned(c.config, c.inputs, 0.0);
-  const auto run = run_variant<kua::Attention<kvmem::decay::Universal, prune::None{}>>(f, 100, {0.0, 32});
+  const auto run = run_variant<Dense>(f, 100, {0.0, 32});
   KVMEM_CHECK_CLOSE(run.out, ref.out, kFp32Tol);
   CHECK(run.longest == 160);
+  CHECK(run.kept == std::vector<std::int64_t>(run.kept.size(), 1));
+  KVMEM_CHECK_CLOSE(run.lambda, exact.lambda_last, kFp32Tol);  // every row kept, with its exact λ
+  // The same cache under a threshold as small as 1e-6 does evict those keys, as the reference does.
+  const auto tiny_ref = kvmem::reference::ua::pruned(c.config, c.inputs, 1e-6);
+  const auto tiny = run_variant<Tiny>(f, 100, {0.0, 32});
+  CHECK(tiny.kept == tiny_ref.kept);
+  CHECK(tiny.longest < 160);
 }
 
 TEST_CASE("a prune policy and Options::p are not combined", "[ua][compose]") {

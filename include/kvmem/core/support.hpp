@@ -30,6 +30,30 @@ struct BackendLimits {
   static constexpr bool kUaFp8 = true;                // UA cache rows in fp8 (precision::Fp8Storage)
 };
 
+// The head dims a call is compiled for. A composed variant with fixed dims (kvm::Attention<.., HeadDim,
+// ValueDim>, ua::Attention<.., HeadDim>) passes them to a backend that can use them as this tag, so that
+// the backend instantiates only the kernels of those dims (its run-time choice then has one branch);
+// HeadDims<> (kAnyDim) keeps the run-time choice over every kernel. The backend still checks that the
+// call's run-time dims are these (a Status), since a state or cache may come from elsewhere.
+template <std::int64_t KeyDim = kAnyDim, std::int64_t ValueDim = KeyDim>
+struct HeadDims {
+  static_assert(KeyDim >= 0 && ValueDim >= 0, "kvmem::HeadDims: a head dim is > 0, or kAnyDim (chosen at run time)");
+  static constexpr std::int64_t kKey = KeyDim;
+  static constexpr std::int64_t kValue = ValueDim;
+  static constexpr bool kFixed = KeyDim != kAnyDim;
+  // Whether a call of these dims may have key dim `d` / value dim `dv` (any, for kAnyDim): a backend's
+  // kernel choice compiles the branch of a dim only when this holds.
+  static constexpr bool key_may_be(std::int64_t d) { return KeyDim == kAnyDim || KeyDim == d; }
+  static constexpr bool value_may_be(std::int64_t dv) { return ValueDim == kAnyDim || ValueDim == dv; }
+  // The same for a range [lo, hi] of key dims (a kernel whose lanes hold up to hi / 4 dims).
+  static constexpr bool key_within(std::int64_t lo, std::int64_t hi) {
+    return KeyDim == kAnyDim || (KeyDim >= lo && KeyDim <= hi);
+  }
+  static constexpr bool value_within(std::int64_t lo, std::int64_t hi) {
+    return ValueDim == kAnyDim || (ValueDim >= lo && ValueDim <= hi);
+  }
+};
+
 // fp8 (e4m3) storage of KVM slots: no backend stores it (the slots' readout copies would need a scale
 // per row in every readout and update kernel); UA caches take it. kvm::Attention, kvm::State and the
 // CUDA KvmState refuse it at compile time with this reason.

@@ -221,6 +221,43 @@ Status forward(const Executor& exec, const Params& params, const weights_t<Execu
   return prefill(exec, state, weights, q, k, v, gate, out, lengths);
 }
 
+namespace detail {
+// A composed variant's calls: the backend's overload that takes the variant's fixed head dims
+// (HeadDims<D, Dv> before the executor) when it has one (CUDA/HIP: only the kernels of those dims are
+// instantiated, core/support.hpp), else the plain operation.
+template <std::int64_t D, std::int64_t Dv, class Executor, class St, class W, class In, class Out>
+Status prefill_dims(const Executor& exec, St& state, const W& w, TensorView<const In, 4> q, TensorView<const In, 4> k,
+                    TensorView<const In, 4> v, TensorView<const In, 3> gate, TensorView<Out, 4> out,
+                    const std::int64_t* lengths) {
+  RouteLog* const log = nullptr;
+  if constexpr (D != kAnyDim && requires {
+                  Backend<Executor>::prefill(HeadDims<D, Dv>{}, exec, state, w, q, k, v, gate, out, lengths, log);
+                })
+    return Backend<Executor>::prefill(HeadDims<D, Dv>{}, exec, state, w, q, k, v, gate, out, lengths, log);
+  else
+    return kvm::prefill(exec, state, w, q, k, v, gate, out, lengths, log);
+}
+template <std::int64_t D, std::int64_t Dv, class Executor, class St, class W, class In, class Out>
+Status decode_dims(const Executor& exec, St& state, const W& w, TensorView<const In, 4> q, TensorView<const In, 4> k,
+                   TensorView<const In, 4> v, TensorView<const In, 3> gate, TensorView<Out, 4> out,
+                   const std::int64_t* active) {
+  if (q.extent(2) != 1) return invalid_argument("decode q tokens", 1, q.extent(2));
+  return prefill_dims<D, Dv>(exec, state, w, q, k, v, gate, out, active);
+}
+template <std::int64_t D, std::int64_t Dv, class Executor, class St, class W, class In, class Out>
+Status step_dims(const Executor& exec, St& state, const W& w, const Rows& rows, TensorView<const In, 3> q,
+                 TensorView<const In, 3> k, TensorView<const In, 3> v, TensorView<const In, 2> gate,
+                 TensorView<Out, 3> out, TensorView<float, 2> lse) {
+  RouteLog* const log = nullptr;
+  if constexpr (D != kAnyDim && requires {
+                  Backend<Executor>::step(HeadDims<D, Dv>{}, exec, state, w, rows, q, k, v, gate, out, lse, log);
+                })
+    return Backend<Executor>::step(HeadDims<D, Dv>{}, exec, state, w, rows, q, k, v, gate, out, lse, log);
+  else
+    return kvm::step(exec, state, w, rows, q, k, v, gate, out, lse, log);
+}
+}  // namespace detail
+
 // Compile-time composition (DESIGN.md 2): kvm::Attention<budget::Power{16.0, 0.5, 256},
 // precision::Bf16Storage>. The budget is any BudgetPolicy (the built-in three or a user type, checked
 // at compile time; it sizes the state through its max_slots and drives every update through its
@@ -280,7 +317,7 @@ struct Attention {
                  TensorView<const In, 4> v, TensorView<const In, 3> gate, TensorView<Out, 4> out,
                  const std::int64_t* lengths = nullptr) const {
     static_assert(check_kvm_support<Executor, accumulate_type, HeadDim, ValueDim>());
-    return kvm::prefill(exec, state, w, q, k, v, gate, out, lengths);
+    return detail::prefill_dims<HeadDim, ValueDim>(exec, state, w, q, k, v, gate, out, lengths);
   }
   template <class Executor, class In, class Out>
   Status decode(const Executor& exec, state_t<Executor, storage_type, accumulate_type>& state,
@@ -288,7 +325,7 @@ struct Attention {
                 TensorView<const In, 4> v, TensorView<const In, 3> gate, TensorView<Out, 4> out,
                 const std::int64_t* active = nullptr) const {
     static_assert(check_kvm_support<Executor, accumulate_type, HeadDim, ValueDim>());
-    return kvm::decode(exec, state, w, q, k, v, gate, out, active);
+    return detail::decode_dims<HeadDim, ValueDim>(exec, state, w, q, k, v, gate, out, active);
   }
   template <class Executor, class In, class Out>
   Status step(const Executor& exec, state_t<Executor, storage_type, accumulate_type>& state,
@@ -296,7 +333,7 @@ struct Attention {
               TensorView<const In, 3> v, TensorView<const In, 2> gate, TensorView<Out, 3> out,
               TensorView<float, 2> lse = {}) const {
     static_assert(check_kvm_support<Executor, accumulate_type, HeadDim, ValueDim>());
-    return kvm::step(exec, state, w, rows, q, k, v, gate, out, lse);
+    return detail::step_dims<HeadDim, ValueDim>(exec, state, w, rows, q, k, v, gate, out, lse);
   }
 };
 

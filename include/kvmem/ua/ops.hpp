@@ -183,7 +183,9 @@ Status validate_rule(const Rule& rule, const Options& opt) {
 }
 
 // The evictor of a call: the policy's, at the call's layer; NoEvictor for a disabled policy
-// (prune::None), which removes the eviction from the item bodies at compile time.
+// (prune::None), which removes the eviction from the item bodies at compile time: the host and Kokkos
+// bodies test kEvicts with `if constexpr`, and the CUDA/HIP launches pick the decode and finish kernel
+// instances without an eviction test and no cut kernels (backend/cuda/ua.cuh).
 struct NoEvictor {};
 template <class Ev>
 inline constexpr bool kEvicts = !std::is_same_v<Ev, NoEvictor>;
@@ -779,6 +781,13 @@ Status step(const Exec& exec, PrunedCache<Storage>& cache, const Rows& rows, con
   return detail::step_with<Set>(exec, cache, rows, in, opt, detail::evictor_of(rule, opt), out, lse);
 }
 
+// Whether a call with prune policy Rule compiles an eviction (the λ test, the compaction of evicted
+// rows, a rule's cut kernels) on any backend: the type of the evictor that reaches the item bodies and
+// kernels decides it, and prune::None's (NoEvictor) removes the eviction at compile time.
+template <PrunePolicy Rule>
+inline constexpr bool evicts_v =
+    detail::kEvicts<decltype(detail::evictor_of(std::declval<const Rule&>(), std::declval<const Options&>()))>;
+
 namespace detail {
 // The threshold p a threshold-shaped prune policy applies at `layer` (None: 0, Threshold: p, PerLayer:
 // p[layer]): what a backend whose eviction kernels take only Options::p can run.
@@ -811,28 +820,39 @@ Status threshold_options(const Rule& rule, Options& opt) {
   opt.p = threshold_p(rule, opt.layer);
   return Status::ok();
 }
-template <class Set, class Exec, class C, class In, class Rule, class Out>
+//
+// A variant with a fixed head dim first tries the backend's overload that takes HeadDims<HeadDim> before
+// the executor (CUDA/HIP: only the kernels of that head dim are instantiated, core/support.hpp).
+template <class Set, std::int64_t HeadDim, class Exec, class C, class In, class Rule, class Out>
 Status attention_prefill(const Exec& exec, C& cache, const In& in, Options opt, const Rule& rule, Out out) {
-  if constexpr (requires { prefill<Set>(exec, cache, in, opt, rule, out); }) {
+  if constexpr (HeadDim != kAnyDim &&
+                requires { prefill<Set>(HeadDims<HeadDim>{}, exec, cache, in, opt, rule, out); }) {
+    return prefill<Set>(HeadDims<HeadDim>{}, exec, cache, in, opt, rule, out);
+  } else if constexpr (requires { prefill<Set>(exec, cache, in, opt, rule, out); }) {
     return prefill<Set>(exec, cache, in, opt, rule, out);
   } else {
     KVMEM_RETURN_IF_ERROR(threshold_options(rule, opt));
     return prefill<Set>(exec, cache, in, opt, out);
   }
 }
-template <class Set, class Exec, class C, class In, class Rule, class Out>
+template <class Set, std::int64_t HeadDim, class Exec, class C, class In, class Rule, class Out>
 Status attention_decode(const Exec& exec, C& cache, const In& in, Options opt, const Rule& rule, Out out) {
-  if constexpr (requires { decode<Set>(exec, cache, in, opt, rule, out); }) {
+  if constexpr (HeadDim != kAnyDim && requires { decode<Set>(HeadDims<HeadDim>{}, exec, cache, in, opt, rule, out); }) {
+    return decode<Set>(HeadDims<HeadDim>{}, exec, cache, in, opt, rule, out);
+  } else if constexpr (requires { decode<Set>(exec, cache, in, opt, rule, out); }) {
     return decode<Set>(exec, cache, in, opt, rule, out);
   } else {
     KVMEM_RETURN_IF_ERROR(threshold_options(rule, opt));
     return decode<Set>(exec, cache, in, opt, out);
   }
 }
-template <class Set, class Exec, class C, class In, class Rule, class Out, class Lse>
+template <class Set, std::int64_t HeadDim, class Exec, class C, class In, class Rule, class Out, class Lse>
 Status attention_step(const Exec& exec, C& cache, const Rows& rows, const In& in, Options opt, const Rule& rule,
                       Out out, Lse lse) {
-  if constexpr (requires { step<Set>(exec, cache, rows, in, opt, rule, out, lse); }) {
+  if constexpr (HeadDim != kAnyDim &&
+                requires { step<Set>(HeadDims<HeadDim>{}, exec, cache, rows, in, opt, rule, out, lse); }) {
+    return step<Set>(HeadDims<HeadDim>{}, exec, cache, rows, in, opt, rule, out, lse);
+  } else if constexpr (requires { step<Set>(exec, cache, rows, in, opt, rule, out, lse); }) {
     return step<Set>(exec, cache, rows, in, opt, rule, out, lse);
   } else {
     KVMEM_RETURN_IF_ERROR(threshold_options(rule, opt));
@@ -858,6 +878,8 @@ struct Attention {
   static constexpr std::int64_t kHeadDim = HeadDim;
   static_assert(HeadDim >= 0, "kvmem::ua::Attention: the head dim is > 0 (or kAnyDim)");
   using prune_type = std::remove_cvref_t<decltype(kPrune)>;
+  // Whether the variant's calls compile an eviction at all (evicts_v): false for prune::None.
+  static constexpr bool kEvicts = evicts_v<prune_type>;
   using decay_set = Set;
   using storage_type = typename Precision::storage_type;
   using Cache = PrunedCache<storage_type>;
@@ -894,7 +916,7 @@ struct Attention {
   static Status prefill(const Exec& exec, C& cache, const InputsOf<In>& in, TensorView<float, 4> out,
                         const Options& opt) {
     KVMEM_RETURN_IF_ERROR(check_call<Exec>(cache));
-    return detail::attention_prefill<Set>(exec, cache, in, opt, kPrune, out);
+    return detail::attention_prefill<Set, HeadDim>(exec, cache, in, opt, kPrune, out);
   }
   template <class Exec, class C, class In = float>
   static Status prefill(const Exec& exec, C& cache, const InputsOf<In>& in, TensorView<float, 4> out,
@@ -905,7 +927,7 @@ struct Attention {
   static Status decode(const Exec& exec, C& cache, const InputsOf<In>& in, TensorView<float, 4> out,
                        const Options& opt) {
     KVMEM_RETURN_IF_ERROR(check_call<Exec>(cache));
-    return detail::attention_decode<Set>(exec, cache, in, opt, kPrune, out);
+    return detail::attention_decode<Set, HeadDim>(exec, cache, in, opt, kPrune, out);
   }
   template <class Exec, class C, class In = float>
   static Status decode(const Exec& exec, C& cache, const InputsOf<In>& in, TensorView<float, 4> out,
@@ -916,7 +938,7 @@ struct Attention {
   static Status step(const Exec& exec, C& cache, const Rows& rows, const PackedInputsOf<In>& in,
                      TensorView<float, 3> out, TensorView<float, 2> lse, const Options& opt) {
     KVMEM_RETURN_IF_ERROR(check_call<Exec>(cache));
-    return detail::attention_step<Set>(exec, cache, rows, in, opt, kPrune, out, lse);
+    return detail::attention_step<Set, HeadDim>(exec, cache, rows, in, opt, kPrune, out, lse);
   }
   template <class Exec, class C, class In = float>
   static Status step(const Exec& exec, C& cache, const Rows& rows, const PackedInputsOf<In>& in,

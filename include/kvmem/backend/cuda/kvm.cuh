@@ -603,10 +603,10 @@ class KvmState {
     return Status::ok();
   }
 
-  template <class S2, class A2, class In, class Out>
-  friend Status kvm_run(const Executor&, KvmState<S2, A2>&, const KvmWeights&, TensorView<const In, 4>,
-                        TensorView<const In, 4>, TensorView<const In, 4>, TensorView<const In, 3>, TensorView<Out, 4>,
-                        kvm::RouteLog*);
+  template <class Dims, class S2, class A2, class In, class Out>
+  friend Status kvm_run_as(Dims, const Executor&, KvmState<S2, A2>&, const KvmWeights&, TensorView<const In, 4>,
+                           TensorView<const In, 4>, TensorView<const In, 4>, TensorView<const In, 3>,
+                           TensorView<Out, 4>, kvm::RouteLog*);
 
   friend struct kvm_detail::SlotAccess;
 
@@ -786,25 +786,32 @@ Status launch_tc_scores_as(const Executor& exec, const DeviceState<bf16, float>&
                                                            : "kvm update_tc_scores_kernel (routes)");
 }
 
-template <int kMode>
+// d.tc_route holds D in {64, 128}; Dims: a variant's fixed key dim instantiates only its own passes.
+template <int kMode, class Dims>
 Status launch_tc_scores(const Executor& exec, const DeviceState<bf16, float>& d, std::int64_t items, std::int64_t a,
                         std::int64_t j0, std::int64_t j1) {
-  if (d.D == 128)
-    return d.route_terms == 1 ? launch_tc_scores_as<128, 1, kMode>(exec, d, items, a, j0, j1)
-                              : launch_tc_scores_as<128, 3, kMode>(exec, d, items, a, j0, j1);
-  return d.route_terms == 1 ? launch_tc_scores_as<64, 1, kMode>(exec, d, items, a, j0, j1)
-                            : launch_tc_scores_as<64, 3, kMode>(exec, d, items, a, j0, j1);
+  if constexpr (Dims::key_may_be(128))
+    if (d.D == 128)
+      return d.route_terms == 1 ? launch_tc_scores_as<128, 1, kMode>(exec, d, items, a, j0, j1)
+                                : launch_tc_scores_as<128, 3, kMode>(exec, d, items, a, j0, j1);
+  if constexpr (Dims::key_may_be(64))
+    return d.route_terms == 1 ? launch_tc_scores_as<64, 1, kMode>(exec, d, items, a, j0, j1)
+                              : launch_tc_scores_as<64, 3, kMode>(exec, d, items, a, j0, j1);
+  return {StatusCode::kUnsupported, "kvm tensor-core routing: a key dim other than 64 or 128"};
 }
 #elif KVMEM_GPU_MFMA_PATHS
 // The same pass on the AMD matrix cores (kvm_route_mfma.cuh).
-template <int kMode>
+template <int kMode, class Dims>
 Status launch_tc_scores(const Executor& exec, const DeviceState<bf16, float>& d, std::int64_t items, std::int64_t a,
                         std::int64_t j0, std::int64_t j1) {
-  if (d.D == 128)
-    return d.route_terms == 1 ? launch_mfma_scores_as<128, 1, kMode>(exec, d, items, a, j0, j1)
-                              : launch_mfma_scores_as<128, 3, kMode>(exec, d, items, a, j0, j1);
-  return d.route_terms == 1 ? launch_mfma_scores_as<64, 1, kMode>(exec, d, items, a, j0, j1)
-                            : launch_mfma_scores_as<64, 3, kMode>(exec, d, items, a, j0, j1);
+  if constexpr (Dims::key_may_be(128))
+    if (d.D == 128)
+      return d.route_terms == 1 ? launch_mfma_scores_as<128, 1, kMode>(exec, d, items, a, j0, j1)
+                                : launch_mfma_scores_as<128, 3, kMode>(exec, d, items, a, j0, j1);
+  if constexpr (Dims::key_may_be(64))
+    return d.route_terms == 1 ? launch_mfma_scores_as<64, 1, kMode>(exec, d, items, a, j0, j1)
+                              : launch_mfma_scores_as<64, 3, kMode>(exec, d, items, a, j0, j1);
+  return {StatusCode::kUnsupported, "kvm matrix-core routing: a key dim other than 64 or 128"};
 }
 #endif  // KVMEM_GPU_VENDOR_PATHS, KVMEM_GPU_MFMA_PATHS
 
@@ -817,7 +824,8 @@ struct UpdatePlan {
 // Update steps 1-4 up to the routes (prepare, novelty, appends, merge targets). Reads the state and
 // writes only new slots (j >= plan.slots) and the update workspace, so it may run while a readout of
 // the current state is in flight; the scatter (update_finish) changes existing slots and may not.
-template <class S, class A>
+// Dims: a variant's fixed head dims (HeadDims; its key dim outside {64, 128} compiles no tensor-core pass).
+template <class Dims, class S, class A>
 Status update_select(const Executor& exec, const DeviceState<S, A>& d, const kvm::Params& p, std::int64_t items,
                      std::int64_t a, std::int64_t slots, UpdatePlan& plan) {
   const std::int64_t C = p.chunk, N = p.window() + a, avail = a + C;
@@ -827,7 +835,7 @@ Status update_select(const Executor& exec, const DeviceState<S, A>& d, const kvm
   plan = UpdatePlan{a, slots, n_app, after};
   const auto grid = static_cast<unsigned>(items);
   bool tc = false;
-  if constexpr (std::is_same_v<S, bf16>) tc = d.tc_route;
+  if constexpr (std::is_same_v<S, bf16> && (Dims::key_may_be(64) || Dims::key_may_be(128))) tc = d.tc_route;
   // Tensor-core routing needs no prepare pass: its first pass (novelty, or routing without appends)
   // builds the tokens' k0 / kg from their keys and writes the kg (k0) rows the appends and the scatter
   // add; the appends and a register scatter gate the values themselves. The fp32 sweeps, and a scatter
@@ -844,7 +852,7 @@ Status update_select(const Executor& exec, const DeviceState<S, A>& d, const kvm
     if (tc) {
 #if KVMEM_GPU_VENDOR_PATHS || KVMEM_GPU_MFMA_PATHS
       if constexpr (std::is_same_v<S, bf16>)
-        KVMEM_RETURN_IF_ERROR(launch_tc_scores<kRtNovelty>(exec, d, items, a, 0, slots));
+        KVMEM_RETURN_IF_ERROR((launch_tc_scores<kRtNovelty, Dims>)(exec, d, items, a, 0, slots));
 #endif
       update_append_kernel<S, A, true><<<grid, tblock, select_bytes, exec.stream>>>(d, a, slots, n_app);
     } else {
@@ -860,9 +868,9 @@ Status update_select(const Executor& exec, const DeviceState<S, A>& d, const kvm
 #if KVMEM_GPU_VENDOR_PATHS || KVMEM_GPU_MFMA_PATHS
       if constexpr (std::is_same_v<S, bf16>) {
         if (n_app > 0)
-          KVMEM_RETURN_IF_ERROR(launch_tc_scores<kRtRouteNew>(exec, d, items, a, slots, after));
+          KVMEM_RETURN_IF_ERROR((launch_tc_scores<kRtRouteNew, Dims>)(exec, d, items, a, slots, after));
         else
-          KVMEM_RETURN_IF_ERROR(launch_tc_scores<kRtRoute>(exec, d, items, a, p.sink, after));
+          KVMEM_RETURN_IF_ERROR((launch_tc_scores<kRtRoute, Dims>)(exec, d, items, a, p.sink, after));
       }
 #endif
     } else {
@@ -968,8 +976,10 @@ Status launch_copy_unrefreshed(const Executor& exec, const DeviceState<S, A>& d,
 // keep each row's query and accumulator in registers, others use shared memory), and `tc`, the
 // tensor-core kernel for bf16 storage with head dims 128 or 64 (q.k and p.v on the tensor cores, or on
 // the matrix cores of an AMD GPU: kvm_attend_mfma.cuh; nullptr for other shapes), which a prefill takes
-// when there is one, with tc_threads threads and tc_rows query rows per block.
-template <class S, class A, class In, class Out>
+// when there is one, with tc_threads threads and tc_rows query rows per block. Dims: a variant's fixed
+// head dims (HeadDims), whose kernels alone are instantiated (at 64/64 or 128/128 the generic scalar
+// kernel is not).
+template <class S, class A, class In, class Out, class Dims = HeadDims<>>
 struct ReadoutKernels {
   using Rows = void (*)(DeviceState<S, A>, const In*, Out*, std::int64_t, std::int64_t, std::int64_t, std::int64_t,
                         std::int64_t, std::int64_t);
@@ -979,7 +989,11 @@ struct ReadoutKernels {
 #else
   using Tc = const void*;  // the portable path has no tensor-core readout: always nullptr
 #endif
-  Rows rows = attend_rows_kernel<S, A, In, Out, 0, 0>;
+  // Whether the variant's dims are one of the register / tensor-core shapes (kDim, kDim) for sure.
+  static constexpr bool kSquare = Dims::kFixed && Dims::kKey == Dims::kValue;
+  static constexpr bool kOwnShape = kSquare && (Dims::kKey == 64 || Dims::kKey == 128);
+
+  Rows rows = nullptr;
   std::size_t rows_bytes = 0;
   Tc tc = nullptr;
   std::size_t tc_bytes = 0;
@@ -987,36 +1001,40 @@ struct ReadoutKernels {
   std::int64_t tc_rows = 0;
   const char* tc_name = "";
 
-  explicit ReadoutKernels(const kvm::Shape& sh) : rows_bytes(attend_shared_bytes<0, 0>(sh.D, sh.Dv, sizeof(A))) {
-    if (sh.D == 128 && sh.Dv == 128) {
-      rows = attend_rows_kernel<S, A, In, Out, 128, 128>;
-      rows_bytes = attend_shared_bytes<128, 128>(sh.D, sh.Dv, sizeof(A));
-    } else if (sh.D == 64 && sh.Dv == 64) {
-      rows = attend_rows_kernel<S, A, In, Out, 64, 64>;
-      rows_bytes = attend_shared_bytes<64, 64>(sh.D, sh.Dv, sizeof(A));
+  explicit ReadoutKernels(const kvm::Shape& sh) {
+    if constexpr (Dims::key_may_be(128) && Dims::value_may_be(128))
+      if (sh.D == 128 && sh.Dv == 128) {
+        take<128>(sh);
+        return;
+      }
+    if constexpr (Dims::key_may_be(64) && Dims::value_may_be(64))
+      if (sh.D == 64 && sh.Dv == 64) {
+        take<64>(sh);
+        return;
+      }
+    if constexpr (!kOwnShape) {
+      rows = attend_rows_kernel<S, A, In, Out, 0, 0>;
+      rows_bytes = attend_shared_bytes<0, 0>(sh.D, sh.Dv, sizeof(A));
     }
+  }
+  // The kernels of head dims D = Dv = kDim (64 or 128): the register-resident scalar kernel and, for bf16
+  // storage, the tensor-core (matrix-core) kernel.
+  template <int kDim>
+  void take(const kvm::Shape& sh) {
+    rows = attend_rows_kernel<S, A, In, Out, kDim, kDim>;
+    rows_bytes = attend_shared_bytes<kDim, kDim>(sh.D, sh.Dv, sizeof(A));
 #if KVMEM_GPU_VENDOR_PATHS
     if constexpr (std::is_same_v<S, bf16>) {
-      if (sh.D == 128 && sh.Dv == 128) {
-        tc = attend_tc_kernel<In, Out, 128, 128>;
-        tc_bytes = TcLayout<128, 128>::kBytes;
-      } else if (sh.D == 64 && sh.Dv == 64) {
-        tc = attend_tc_kernel<In, Out, 64, 64>;
-        tc_bytes = TcLayout<64, 64>::kBytes;
-      }
+      tc = attend_tc_kernel<In, Out, kDim, kDim>;
+      tc_bytes = TcLayout<kDim, kDim>::kBytes;
       tc_threads = kTcThreads;
       tc_rows = kTcRows;
       tc_name = "kvm attend_tc_kernel";
     }
 #elif KVMEM_GPU_MFMA_PATHS
     if constexpr (std::is_same_v<S, bf16>) {
-      if (sh.D == 128 && sh.Dv == 128) {
-        tc = attend_mfma_kernel<In, Out, 128, 128>;
-        tc_bytes = MfmaReadoutLayout<128, 128>::kBytes;
-      } else if (sh.D == 64 && sh.Dv == 64) {
-        tc = attend_mfma_kernel<In, Out, 64, 64>;
-        tc_bytes = MfmaReadoutLayout<64, 64>::kBytes;
-      }
+      tc = attend_mfma_kernel<In, Out, kDim, kDim>;
+      tc_bytes = MfmaReadoutLayout<kDim, kDim>::kBytes;
       tc_threads = kMfmaReadoutThreads;
       tc_rows = kMfmaReadoutRows;
       tc_name = "kvm attend_mfma_kernel";
@@ -1035,13 +1053,15 @@ struct ReadoutKernels {
 // One decode step (spec 4.7) of every row in one fused launch: ring append, split-K attention over
 // [slots | window [wb, t0]] and the merge of the splits. bf16 storage with head dims 128 takes the
 // vectorised kernel whose splits merge through a cluster's shared memory; other shapes the generic one.
-template <class S, class A, class In, class Out>
+// Dims: a variant's fixed head dims (HeadDims); at D = Dv = kDecodeDim with bf16 storage only the vectorised
+// kernel is instantiated, at other fixed dims only the generic one.
+template <class Dims, class S, class A, class In, class Out>
 Status launch_decode_step(const Executor& exec, const DeviceState<S, A>& d, const kvm::Shape& sh, int sm_count,
                           const In* qd, const In* kd, const In* vd, const In* gd, Out* od, std::int64_t t0,
                           std::int64_t wb, std::int64_t slots) {
   const std::int64_t keys = (wb > 0 ? slots : 0) + (t0 - wb + 1);
   const std::int64_t rows = sh.B * sh.Hq;
-  bool vectorised = false;
+  [[maybe_unused]] bool vectorised = false;
 #if KVMEM_GPU_VENDOR_PATHS
   // programmatic dependent launch: the step's blocks may be scheduled while the previous kernel
   // finishes (they wait for it before touching memory), which hides a launch latency per token
@@ -1052,7 +1072,8 @@ Status launch_decode_step(const Executor& exec, const DeviceState<S, A>& d, cons
   cfg.stream = exec.stream;
   cfg.attrs = attrs;
   cfg.numAttrs = 1;
-  if constexpr (std::is_same_v<S, bf16> && std::is_same_v<A, float>) {
+  if constexpr (std::is_same_v<S, bf16> && std::is_same_v<A, float> && Dims::key_may_be(kDecodeDim) &&
+                Dims::value_may_be(kDecodeDim)) {
     if (sh.D == kDecodeDim && sh.Dv == kDecodeDim) {
       // the whole grid resident at once (kDecodeBlocksPerSm per SM), at least a round of warp units per
       // split, and the splits of a row in one cluster
@@ -1080,44 +1101,55 @@ Status launch_decode_step(const Executor& exec, const DeviceState<S, A>& d, cons
       vectorised = true;
     }
   }
-#endif
-  if (!vectorised) {
-    // enough blocks to fill the device (16 blocks of 128 threads per SM), at least 32 keys a split
-    const DecodeSplits sp = decode_splits(rows, keys, 16 * std::int64_t(sm_count), kMaxSplitsPerRow, 32);
-    const dim3 grid(static_cast<unsigned>(rows), static_cast<unsigned>(sp.splits));
-    const std::size_t bytes = (std::size_t(sh.D) + 4 * std::size_t(sh.Dv) + 4) * sizeof(A);
-#if KVMEM_GPU_VENDOR_PATHS
-    cfg.gridDim = grid;
-    cfg.blockDim = dim3(128);
-    cfg.dynamicSmemBytes = bytes;
-    KVMEM_RETURN_IF_ERROR(to_status(cudaLaunchKernelEx(&cfg, decode_fused_kernel<S, A, In, Out>, d, qd, kd, vd, gd, od,
-                                                       t0, wb, slots, sp.per, static_cast<int>(sp.splits)),
-                                    "kvm decode_fused_kernel"));
+  // with bf16 storage at fixed D = Dv = kDecodeDim every call is vectorised: no generic kernel
+  constexpr bool kOnlyVectorised = std::is_same_v<S, bf16> && std::is_same_v<A, float> && Dims::kFixed &&
+                                   Dims::kKey == kDecodeDim && Dims::kValue == kDecodeDim;
 #else
-    // the portable path launches without programmatic dependence (the kernel's wait is a no-op)
-    decode_fused_kernel<S, A, In, Out>
-        <<<grid, 128, bytes, exec.stream>>>(d, qd, kd, vd, gd, od, t0, wb, slots, sp.per, static_cast<int>(sp.splits));
-    KVMEM_CUDA_RETURN_IF_LAUNCH_FAILED("kvm decode_fused_kernel");
+  constexpr bool kOnlyVectorised = false;
 #endif
-  }
+  if constexpr (!kOnlyVectorised)
+    if (!vectorised) {
+      // enough blocks to fill the device (16 blocks of 128 threads per SM), at least 32 keys a split
+      const DecodeSplits sp = decode_splits(rows, keys, 16 * std::int64_t(sm_count), kMaxSplitsPerRow, 32);
+      const dim3 grid(static_cast<unsigned>(rows), static_cast<unsigned>(sp.splits));
+      const std::size_t bytes = (std::size_t(sh.D) + 4 * std::size_t(sh.Dv) + 4) * sizeof(A);
+#if KVMEM_GPU_VENDOR_PATHS
+      cfg.gridDim = grid;
+      cfg.blockDim = dim3(128);
+      cfg.dynamicSmemBytes = bytes;
+      KVMEM_RETURN_IF_ERROR(to_status(cudaLaunchKernelEx(&cfg, decode_fused_kernel<S, A, In, Out>, d, qd, kd, vd, gd,
+                                                         od, t0, wb, slots, sp.per, static_cast<int>(sp.splits)),
+                                      "kvm decode_fused_kernel"));
+#else
+      // the portable path launches without programmatic dependence (the kernel's wait is a no-op)
+      decode_fused_kernel<S, A, In, Out><<<grid, 128, bytes, exec.stream>>>(d, qd, kd, vd, gd, od, t0, wb, slots,
+                                                                            sp.per, static_cast<int>(sp.splits));
+      KVMEM_CUDA_RETURN_IF_LAUNCH_FAILED("kvm decode_fused_kernel");
+#endif
+    }
   return Status::ok();
 }
 
 }  // namespace kvm_detail
 
-// One call of T tokens for every sequence (T = 1 is a decode step). See the header comment.
-template <class S, class A, class In, class Out>
-Status kvm_run(const Executor& exec, KvmState<S, A>& state, const KvmWeights& w,
-               TensorView<const In, 4> q,     // [B,Hq,T,D]   device
-               TensorView<const In, 4> k,     // [B,Hk,T,D]   device
-               TensorView<const In, 4> v,     // [B,Hk,T,Dv]  device
-               TensorView<const In, 3> gate,  // [B,Hk,T]     device
-               TensorView<Out, 4> out,        // [B,T,Hq,Dv]  device
-               kvm::RouteLog* log = nullptr) {
+// One call of T tokens for every sequence (T = 1 is a decode step). See the header comment. Dims: a
+// composed variant's fixed head dims (HeadDims<D, Dv>: only the kernels of those dims are instantiated, a
+// state of other dims is refused), or HeadDims<> (the run-time choice, kvm_run).
+template <class Dims, class S, class A, class In, class Out>
+Status kvm_run_as(Dims, const Executor& exec, KvmState<S, A>& state, const KvmWeights& w,
+                  TensorView<const In, 4> q,     // [B,Hq,T,D]   device
+                  TensorView<const In, 4> k,     // [B,Hk,T,D]   device
+                  TensorView<const In, 4> v,     // [B,Hk,T,Dv]  device
+                  TensorView<const In, 3> gate,  // [B,Hk,T]     device
+                  TensorView<Out, 4> out,        // [B,T,Hq,Dv]  device
+                  kvm::RouteLog* log) {
   using namespace kvm_detail;
   if (!state.valid())
     return invalid_argument("state", "a KvmState made by KvmState::create or place",
                             "an empty (never created or moved-from) KvmState");
+  if (!Dims::key_may_be(state.shape_.D) || !Dims::value_may_be(state.shape_.Dv))
+    return invalid_argument("D, Dv", kvmem::detail::concat("the variant's head dims ", Dims::kKey, ", ", Dims::kValue),
+                            kvmem::detail::concat(state.shape_.D, ", ", state.shape_.Dv));
   if (state.slot_mode_)
     return invalid_argument("state", "a state of the fixed-batch calls (one token count for every sequence)",
                             "a state driven by kvm::step or slot operations (per-slot counters): use kvm::step");
@@ -1143,7 +1175,7 @@ Status kvm_run(const Executor& exec, KvmState<S, A>& state, const KvmWeights& w,
   const kvm::Geometry geo = p.geometry();
   const std::int64_t C = p.chunk, items = B * sh.Hk, n0 = state.n_;
   std::int64_t cov = state.cov_, slots = state.slots_;
-  const ReadoutKernels<S, A, In, Out> readout(sh);
+  const ReadoutKernels<S, A, In, Out, Dims> readout(sh);
   // A decode call (T = 1) never launches the readout kernels: keep the driver calls off its hot path.
   if (T > 1) KVMEM_RETURN_IF_ERROR(readout.allow_shared_memory());
   // ingest copies whole 16-byte vectors when the inputs are in the storage type and every row is aligned
@@ -1199,7 +1231,7 @@ Status kvm_run(const Executor& exec, KvmState<S, A>& state, const KvmWeights& w,
         // The selection reads the tokens leaving the window (ingested nb chunks back) and the slots:
         // with nb >= 2 that is aux work two chunks back, so the latest ingest runs beside it.
         if (detach) KVMEM_RETURN_IF_ERROR(chain_waits_aux(p.window_chunks == 1 ? 0 : 1));
-        KVMEM_RETURN_IF_ERROR(update_select(chain, d, p, items, cov, slots, plan));
+        KVMEM_RETURN_IF_ERROR(update_select<Dims>(chain, d, p, items, cov, slots, plan));
       }
       // Beside the readouts the scatter writes the next readout copy once the readout that last read
       // it is done (ReadoutPipeline); it reads the ring rows ingested last. The rows it does not
@@ -1271,8 +1303,8 @@ Status kvm_run(const Executor& exec, KvmState<S, A>& state, const KvmWeights& w,
       cov = std::min(t1, C);
     }
     if (decode_step) {  // one fused launch: ring append + split-K attention + merge of the splits
-      KVMEM_RETURN_IF_ERROR(launch_decode_step(exec, d, sh, state.sm_count_, q.data(), k.data(), v.data(), gate.data(),
-                                               out.data(), t0, wb, slots));
+      KVMEM_RETURN_IF_ERROR(launch_decode_step<Dims>(exec, d, sh, state.sm_count_, q.data(), k.data(), v.data(),
+                                                     gate.data(), out.data(), t0, wb, slots));
     } else {
       // The update before the next chunk (if this call reaches it) selects from the state this chunk
       // reads and writes only new slots: run that part beside the readout (spec 4.6: the readout of
@@ -1281,7 +1313,7 @@ Status kvm_run(const Executor& exec, KvmState<S, A>& state, const KvmWeights& w,
       if (!detach && t1 < n0 + T && cov < geo.bswa_begin(t1 + 1)) {
         KVMEM_RETURN_IF_ERROR(to_status(cudaEventRecord(side.fork, exec.stream), "cudaEventRecord (fork)"));
         KVMEM_RETURN_IF_ERROR(to_status(cudaStreamWaitEvent(side.stream, side.fork, 0), "cudaStreamWaitEvent (fork)"));
-        KVMEM_RETURN_IF_ERROR(update_select(Executor{side.stream}, d, p, items, cov, slots, pending));
+        KVMEM_RETURN_IF_ERROR(update_select<Dims>(Executor{side.stream}, d, p, items, cov, slots, pending));
         KVMEM_RETURN_IF_ERROR(to_status(cudaEventRecord(side.join, side.stream), "cudaEventRecord (join)"));
         selected = true;
       }
@@ -1333,6 +1365,17 @@ Status kvm_run(const Executor& exec, KvmState<S, A>& state, const KvmWeights& w,
   return Status::ok();
 }
 
+template <class S, class A, class In, class Out>
+Status kvm_run(const Executor& exec, KvmState<S, A>& state, const KvmWeights& w,
+               TensorView<const In, 4> q,     // [B,Hq,T,D]   device
+               TensorView<const In, 4> k,     // [B,Hk,T,D]   device
+               TensorView<const In, 4> v,     // [B,Hk,T,Dv]  device
+               TensorView<const In, 3> gate,  // [B,Hk,T]     device
+               TensorView<Out, 4> out,        // [B,T,Hq,Dv]  device
+               kvm::RouteLog* log = nullptr) {
+  return kvm_run_as(HeadDims<>{}, exec, state, w, q, k, v, gate, out, log);
+}
+
 // Prefill T tokens of every sequence (chunked exactly like spec 4.6; a non-empty state continues).
 template <class S, class A, class In, class Out>
 Status kvm_prefill(const Executor& exec, KvmState<S, A>& state, const KvmWeights& w, TensorView<const In, 4> q,
@@ -1352,17 +1395,27 @@ Status kvm_decode(const Executor& exec, KvmState<S, A>& state, const KvmWeights&
 
 namespace kvm_detail {
 
-// The readout kernel of a launch shape (slot_readout_shape: kRep heads of 1, 2, 4, 8; 4 or 8 registers).
-template <class S, class In, class Out>
+// The readout kernel of a launch shape (slot_readout_shape: kRep heads of 1, 2, 4, 8; 4 registers for
+// Dv <= 128, else 8). Dims: a variant's fixed value dim instantiates only the kernels of its register count.
+template <class S, class In, class Out, int kRegs>
+auto slot_readout_kernel_regs(int rep) {
+  if constexpr (kRegs == 4)
+    return rep == 8   ? slot_readout_kernel<S, In, Out, 8, 4>
+           : rep == 4 ? slot_readout_kernel<S, In, Out, 4, 4>
+           : rep == 2 ? slot_readout_kernel<S, In, Out, 2, 4>
+                      : slot_readout_kernel<S, In, Out, 1, 4>;
+  else
+    return rep == 4   ? slot_readout_kernel<S, In, Out, 4, 8>
+           : rep == 2 ? slot_readout_kernel<S, In, Out, 2, 8>
+                      : slot_readout_kernel<S, In, Out, 1, 8>;
+}
+template <class S, class In, class Out, class Dims = HeadDims<>>
 auto slot_readout_kernel_for(const SlotReadoutShape& shape) {
-  if (shape.regs == 4)
-    return shape.rep == 8   ? slot_readout_kernel<S, In, Out, 8, 4>
-           : shape.rep == 4 ? slot_readout_kernel<S, In, Out, 4, 4>
-           : shape.rep == 2 ? slot_readout_kernel<S, In, Out, 2, 4>
-                            : slot_readout_kernel<S, In, Out, 1, 4>;
-  return shape.rep == 4   ? slot_readout_kernel<S, In, Out, 4, 8>
-         : shape.rep == 2 ? slot_readout_kernel<S, In, Out, 2, 8>
-                          : slot_readout_kernel<S, In, Out, 1, 8>;
+  if constexpr (Dims::kValue == kAnyDim)
+    return shape.regs == 4 ? slot_readout_kernel_regs<S, In, Out, 4>(shape.rep)
+                           : slot_readout_kernel_regs<S, In, Out, 8>(shape.rep);
+  else
+    return slot_readout_kernel_regs<S, In, Out, (Dims::kValue <= 128 ? 4 : 8)>(shape.rep);
 }
 
 // The host side of kvm::step and the slot operations on a KvmState (docs/slots.md).
@@ -1405,13 +1458,19 @@ struct SlotAccess {
     st.dev_.tau_w = w.tau_bswa;
   }
 
-  template <class S, class A, class In, class Out>
+  // Dims: a composed variant's fixed head dims (HeadDims; only their readout kernels are instantiated, a
+  // state of other dims is refused), or HeadDims<> (the run-time choice).
+  template <class S, class A, class In, class Out, class Dims = HeadDims<>>
   static Status step(const Executor& exec, KvmState<S, A>& st, const KvmWeights& w, const Rows& rows,
                      TensorView<const In, 3> q, TensorView<const In, 3> k, TensorView<const In, 3> v,
-                     TensorView<const In, 2> gate, TensorView<Out, 3> out, TensorView<float, 2> lse) {
+                     TensorView<const In, 2> gate, TensorView<Out, 3> out, TensorView<float, 2> lse, Dims = {}) {
     static_assert(std::is_same_v<A, float>, "cuda kvm::step: the accumulate type is float");
     KVMEM_RETURN_IF_ERROR(check_state(st));
     const kvm::Shape& sh = st.shape_;
+    if (!Dims::key_may_be(sh.D) || !Dims::value_may_be(sh.Dv))
+      return invalid_argument("D, Dv",
+                              kvmem::detail::concat("the variant's head dims ", Dims::kKey, ", ", Dims::kValue),
+                              kvmem::detail::concat(sh.D, ", ", sh.Dv));
     const kvm::Params& p = st.params_;
     const std::int64_t tokens = q.extent(0), R = rows.count();
     KVMEM_RETURN_IF_ERROR(check_shape(q, {tokens, sh.Hq, sh.D}, "q [tokens,Hq,D]"));
@@ -1453,7 +1512,7 @@ struct SlotAccess {
     const auto token_blocks = static_cast<unsigned>(token_grid.blocks(R, tokens));
     const SlotReadoutShape shape = slot_readout_shape(sh.Hq, sh.Hk, sh.Dv);
     const std::size_t readout_bytes = shape.shared_bytes(sh.D, sh.Dv);
-    const auto readout = slot_readout_kernel_for<S, In, Out>(shape);
+    const auto readout = slot_readout_kernel_for<S, In, Out, Dims>(shape);
     // the update's launches (kvm_slots.cuh): a block per item for prep and select, at most one per
     // item of the step; a fixed grid of kSlotBlocksPerSm blocks per multiprocessor for the passes and
     // the finish, whose blocks spread the updating items over themselves
@@ -1765,10 +1824,7 @@ struct Backend<cuda::Executor> {
                         TensorView<const In, 4> q, TensorView<const In, 4> k, TensorView<const In, 4> v,
                         TensorView<const In, 3> gate, TensorView<Out, 4> out, const std::int64_t* lengths,
                         RouteLog* log) {
-    if (lengths != nullptr)
-      return {StatusCode::kUnsupported,
-              "lengths / active: the CUDA fixed-batch prefill and decode advance every sequence together "
-              "(pass nullptr); ragged and partial batches go through kvm::step"};
+    if (lengths != nullptr) return fixed_batch_only();
     return cuda::kvm_run(exec, state, weights, q, k, v, gate, out, log);
   }
 
@@ -1778,6 +1834,25 @@ struct Backend<cuda::Executor> {
                      TensorView<const In, 2> gate, TensorView<Out, 3> out, TensorView<float, 2> lse, RouteLog* log) {
     if (log != nullptr) return no_route_log();
     return cuda::kvm_detail::SlotAccess::step(exec, state, weights, rows, q, k, v, gate, out, lse);
+  }
+
+  // The calls of a composed variant with fixed head dims (kvm::Attention<.., HeadDim, ValueDim> passes
+  // HeadDims<HeadDim, ValueDim>): the same as above, compiling only the kernels of those dims.
+  template <std::int64_t kD, std::int64_t kDv, class S, class A, class In, class Out>
+  static Status prefill(HeadDims<kD, kDv> dims, const cuda::Executor& exec, cuda::KvmState<S, A>& state,
+                        const cuda::KvmWeights& weights, TensorView<const In, 4> q, TensorView<const In, 4> k,
+                        TensorView<const In, 4> v, TensorView<const In, 3> gate, TensorView<Out, 4> out,
+                        const std::int64_t* lengths, RouteLog* log) {
+    if (lengths != nullptr) return fixed_batch_only();
+    return cuda::kvm_run_as(dims, exec, state, weights, q, k, v, gate, out, log);
+  }
+  template <std::int64_t kD, std::int64_t kDv, class S, class A, class In, class Out>
+  static Status step(HeadDims<kD, kDv> dims, const cuda::Executor& exec, cuda::KvmState<S, A>& state,
+                     const cuda::KvmWeights& weights, const Rows& rows, TensorView<const In, 3> q,
+                     TensorView<const In, 3> k, TensorView<const In, 3> v, TensorView<const In, 2> gate,
+                     TensorView<Out, 3> out, TensorView<float, 2> lse, RouteLog* log) {
+    if (log != nullptr) return no_route_log();
+    return cuda::kvm_detail::SlotAccess::step(exec, state, weights, rows, q, k, v, gate, out, lse, dims);
   }
 
   template <class S, class A>
@@ -1810,6 +1885,11 @@ struct Backend<cuda::Executor> {
   }
 
  private:
+  static Status fixed_batch_only() {
+    return {StatusCode::kUnsupported,
+            "lengths / active: the CUDA fixed-batch prefill and decode advance every sequence together "
+            "(pass nullptr); ragged and partial batches go through kvm::step"};
+  }
   static Status no_route_log() {
     return {StatusCode::kUnsupported,
             "log: the CUDA kvm::step keeps no RouteLog (pass nullptr; the fixed-batch prefill and decode keep one)"};

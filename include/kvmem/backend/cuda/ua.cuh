@@ -722,9 +722,9 @@ class UaCache {
     std::swap(bound_, o.bound_);
   }
 
-  template <class Set, class S2, class Ev>
+  template <class Set, class S2, class Ev, class Dims>
   friend Status ua_run(const Executor&, UaCache<S2>&, const UaInputs<S2>&, const ua::Options&, const Ev&,
-                       TensorView<float, 4>, TensorView<float, 3>, bool);
+                       TensorView<float, 4>, TensorView<float, 3>, bool, Dims);
   friend struct ua_detail::SlotAccess;
 
   ua::CacheShape shape_{0, 1, 1, 0, 0, 16};  // empty: no slots, a group size of 1
@@ -794,35 +794,62 @@ struct ChunkKernel {
   int threads;
 };
 
-// Tensor cores (matrix cores on AMD) for bf16 with D in {64, 80, 128} and r in {4, 8} (the paper's shapes), else the
-// CUDA-core kernel, whose lanes hold ceil(D / 4) dims each (four ranges). Chosen once per call: every chunk of a call
-// has the same inputs, head dim and group size.
-template <class Set, class S>
-ChunkKernel<S> chunk_kernel_for(const UaInputs<S>& in, std::int64_t D, std::int64_t r) {
+// Tensor cores (matrix cores on AMD) for bf16 with D in {64, 80, 128} and r in {4, 8} (the paper's shapes) when
+// the inputs' rows are 16-byte aligned (`aligned`), else the CUDA-core kernel, whose lanes hold ceil(D / 4) dims
+// each (four ranges). Chosen once per call: every chunk of a call has the same inputs, head dim and group size.
+// Dims: the head dim a composed variant fixed (HeadDims), whose kernels alone are instantiated.
+inline constexpr int chunk_dims_per_thread(std::int64_t D) {
+  return D <= 32 ? 8 : D <= 64 ? 16 : D <= 128 ? 32 : 64;
+}
+template <class Set, class S, int kDpt>
+ChunkKernel<S> chunk_kernel_dims(std::int64_t D, std::int64_t r) {
+  return {chunk_attend_kernel<Set, S, kDpt>, chunk_smem_bytes(D, r, is_row_scaled_v<S>), kChunkThreads};
+}
+template <class Set, class S, class Dims>
+ChunkKernel<S> chunk_kernel_of(bool aligned, std::int64_t D, std::int64_t r) {
 #if KVMEM_GPU_VENDOR_PATHS
   if constexpr (std::is_same_v<S, bf16>) {
-    if (tc_group_ok(r) && tc_aligned(in)) {
-      if (D == 64) return {chunk_attend_tc_kernel<Set, 64>, UaTcLayout<64>::kBytes, 32 * kTcWarps};
-      if (D == 80) return {chunk_attend_tc_kernel<Set, 80>, UaTcLayout<80>::kBytes, 32 * kTcWarps};
-      if (D == 128) return {chunk_attend_tc_kernel<Set, 128>, UaTcLayout<128>::kBytes, 32 * kTcWarps};
+    if (tc_group_ok(r) && aligned) {
+      if constexpr (Dims::key_may_be(64))
+        if (D == 64) return {chunk_attend_tc_kernel<Set, 64>, UaTcLayout<64>::kBytes, 32 * kTcWarps};
+      if constexpr (Dims::key_may_be(80))
+        if (D == 80) return {chunk_attend_tc_kernel<Set, 80>, UaTcLayout<80>::kBytes, 32 * kTcWarps};
+      if constexpr (Dims::key_may_be(128))
+        if (D == 128) return {chunk_attend_tc_kernel<Set, 128>, UaTcLayout<128>::kBytes, 32 * kTcWarps};
     }
   }
 #elif KVMEM_GPU_MFMA_PATHS
   if constexpr (std::is_same_v<S, bf16>) {
-    if (mfma_group_ok(r) && tc_aligned(in)) {
-      if (D == 64) return {chunk_attend_mfma_kernel<Set, 64>, UaMfmaLayout<64>::kBytes, kMfmaThreads};
-      if (D == 80) return {chunk_attend_mfma_kernel<Set, 80>, UaMfmaLayout<80>::kBytes, kMfmaThreads};
-      if (D == 128) return {chunk_attend_mfma_kernel<Set, 128>, UaMfmaLayout<128>::kBytes, kMfmaThreads};
+    if (mfma_group_ok(r) && aligned) {
+      if constexpr (Dims::key_may_be(64))
+        if (D == 64) return {chunk_attend_mfma_kernel<Set, 64>, UaMfmaLayout<64>::kBytes, kMfmaThreads};
+      if constexpr (Dims::key_may_be(80))
+        if (D == 80) return {chunk_attend_mfma_kernel<Set, 80>, UaMfmaLayout<80>::kBytes, kMfmaThreads};
+      if constexpr (Dims::key_may_be(128))
+        if (D == 128) return {chunk_attend_mfma_kernel<Set, 128>, UaMfmaLayout<128>::kBytes, kMfmaThreads};
     }
   }
 #else
-  (void)in;  // the portable path has no tensor-core kernel, whose rows must be 16-byte aligned
+  (void)aligned;  // the portable path has no tensor-core kernel, whose rows must be 16-byte aligned
 #endif
-  const std::size_t bytes = chunk_smem_bytes(D, r, is_row_scaled_v<S>);
-  if (D <= 32) return {chunk_attend_kernel<Set, S, 8>, bytes, kChunkThreads};
-  if (D <= 64) return {chunk_attend_kernel<Set, S, 16>, bytes, kChunkThreads};
-  if (D <= 128) return {chunk_attend_kernel<Set, S, 32>, bytes, kChunkThreads};
-  return {chunk_attend_kernel<Set, S, 64>, bytes, kChunkThreads};
+  if constexpr (Dims::kFixed) {
+    return chunk_kernel_dims<Set, S, chunk_dims_per_thread(Dims::kKey)>(D, r);
+  } else {
+    switch (chunk_dims_per_thread(D)) {
+      case 8:
+        return chunk_kernel_dims<Set, S, 8>(D, r);
+      case 16:
+        return chunk_kernel_dims<Set, S, 16>(D, r);
+      case 32:
+        return chunk_kernel_dims<Set, S, 32>(D, r);
+      default:
+        return chunk_kernel_dims<Set, S, 64>(D, r);
+    }
+  }
+}
+template <class Set, class S, class Dims = HeadDims<>>
+ChunkKernel<S> chunk_kernel_for(const UaInputs<S>& in, std::int64_t D, std::int64_t r) {
+  return chunk_kernel_of<Set, S, Dims>(tc_aligned(in), D, r);
 }
 
 // The dense tensor-core prefill (ua_dense_tc.cuh): bf16 with D in {64, 80, 128}, r in {4, 8}, and p = 0
@@ -843,20 +870,23 @@ bool dense_skips_past(const UaCache<S>& cache, std::int64_t T) {
 }
 
 // skip_past: the kernel that skips the steps past the decay's reach (D 64 and 128; D 80 has no wgmma path).
-template <class Set, class S>
+template <class Set, class S, class Dims = HeadDims<>>
 DenseKernel<S> dense_kernel_for(const UaInputs<S>& in, std::int64_t D, std::int64_t r, double log_p, bool skip_past) {
 #if !KVMEM_GPU_VENDOR_PATHS
   (void)in, (void)D, (void)r, (void)log_p, (void)skip_past;  // portable: every prefill takes the chunked path
 #else
   if constexpr (std::is_same_v<S, bf16>) {
     if (log_p == -std::numeric_limits<double>::infinity() && tc_group_ok(r) && tc_aligned(in)) {
-      if (D == 64)
-        return {skip_past ? dense_prefill_tc_kernel<Set, 64, true> : dense_prefill_tc_kernel<Set, 64, false>,
-                dense_shared_bytes<64>()};
-      if (D == 80) return {dense_prefill_tc_kernel<Set, 80, false>, dense_shared_bytes<80>()};
-      if (D == 128)
-        return {skip_past ? dense_prefill_tc_kernel<Set, 128, true> : dense_prefill_tc_kernel<Set, 128, false>,
-                dense_shared_bytes<128>()};
+      if constexpr (Dims::key_may_be(64))
+        if (D == 64)
+          return {skip_past ? dense_prefill_tc_kernel<Set, 64, true> : dense_prefill_tc_kernel<Set, 64, false>,
+                  dense_shared_bytes<64>()};
+      if constexpr (Dims::key_may_be(80))
+        if (D == 80) return {dense_prefill_tc_kernel<Set, 80, false>, dense_shared_bytes<80>()};
+      if constexpr (Dims::key_may_be(128))
+        if (D == 128)
+          return {skip_past ? dense_prefill_tc_kernel<Set, 128, true> : dense_prefill_tc_kernel<Set, 128, false>,
+                  dense_shared_bytes<128>()};
     }
   }
 #endif
@@ -865,30 +895,41 @@ DenseKernel<S> dense_kernel_for(const UaInputs<S>& in, std::int64_t D, std::int6
 
 // The decode kernel of a cache and its dynamic shared memory: the vector-row pass for groups of 4 or 8
 // query heads over 16-byte rows (vector_decode_ok), else the entry splits; the lanes of an 8-lane group
-// hold ceil(D / 8) dims each. Every variant has the same signature for a given S.
+// hold ceil(D / 8) dims each. Every variant has the same signature for a given S. kEvict: whether the
+// kernel compiles the eviction (kEvicts of the call's evictor; false for prune::None).
 template <class S>
 struct DecodeKernel {
   void (*kernel)(DeviceCache<S>, DeviceCall<S>);
   std::size_t shared_bytes;
 };
-template <class Set, class S, int kDpl>
+template <class Set, bool kEvict, class S, int kDpl>
 DecodeKernel<S> decode_kernel_dims(std::int64_t D, std::int64_t r) {
   const bool vector = vector_decode_ok(D, r, sizeof(S));
   const std::size_t bytes = decode_kernel_smem_bytes<S>(D, r, vector);
-  if (vector && r == 4) return {decode_attend_kernel<Set, S, kDpl, 4>, bytes};
-  if (vector && r == 8) return {decode_attend_kernel<Set, S, kDpl, 8>, bytes};
-  return {decode_attend_kernel<Set, S, kDpl, 0>, bytes};
+  if (vector && r == 4) return {decode_attend_kernel<Set, kEvict, S, kDpl, 4>, bytes};
+  if (vector && r == 8) return {decode_attend_kernel<Set, kEvict, S, kDpl, 8>, bytes};
+  return {decode_attend_kernel<Set, kEvict, S, kDpl, 0>, bytes};
 }
-template <class Set, class S>
+inline constexpr int decode_dims_per_lane(std::int64_t D) {
+  return D <= 64 ? 8 : D <= 128 ? 16 : 32;
+}
+// Dims: the head dim a composed variant fixed (HeadDims), whose kernels alone are instantiated.
+template <class Set, bool kEvict, class S, class Dims = HeadDims<>>
 DecodeKernel<S> decode_kernel_for(std::int64_t D, std::int64_t r) {
-  if (D <= 64) return decode_kernel_dims<Set, S, 8>(D, r);
-  if (D <= 128) return decode_kernel_dims<Set, S, 16>(D, r);
-  return decode_kernel_dims<Set, S, 32>(D, r);
+  if constexpr (Dims::kFixed) {
+    return decode_kernel_dims<Set, kEvict, S, decode_dims_per_lane(Dims::kKey)>(D, r);
+  } else {
+    if (D <= 64) return decode_kernel_dims<Set, kEvict, S, 8>(D, r);
+    if (D <= 128) return decode_kernel_dims<Set, kEvict, S, 16>(D, r);
+    return decode_kernel_dims<Set, kEvict, S, 32>(D, r);
+  }
 }
 
-// How a call evicts (policy/prune.hpp): a threshold evictor's ln p (prune::LogThreshold) or nothing
-// (ua::detail::NoEvictor: prune::None) in DeviceCall::log_p, which the fused kernels test where they meet
-// each row; any other evictor through per-item cuts that the cut kernels of ua_prune.cuh compute first.
+// How a call evicts (policy/prune.hpp): a threshold evictor's ln p (prune::LogThreshold) in
+// DeviceCall::log_p, which the fused kernels test where they meet each row; any other evictor through
+// per-item cuts that the cut kernels of ua_prune.cuh compute first; nothing (ua::detail::NoEvictor:
+// prune::None), and then the decode and finish kernels are the instances without eviction (kEvict =
+// false: no threshold test, no cut read, no dead marks of their own).
 template <class Ev>
 inline constexpr bool kCutsPerItem = ua::detail::kEvicts<Ev> && !std::is_same_v<Ev, prune::LogThreshold>;
 template <class Ev, class S>
@@ -929,12 +970,16 @@ Status decode_cuts(const DeviceCache<S>& dev, DeviceCall<S>& a, const Ev& ev, pr
 
 // Prefill (decode == false: T tokens in chunks of opt.prefill_chunk) or one decode step (T = 1). `ev`: the
 // evictor of the call's prune rule (policy/prune.hpp; Options::p's threshold for the calls without one).
-template <class Set, class S, class Ev>
+// Dims: a composed variant's fixed head dim (HeadDims<D>: only the kernels of D are instantiated, and a
+// cache of another head dim is refused), or HeadDims<> (the run-time choice).
+template <class Set, class S, class Ev, class Dims>
 Status ua_run(const Executor& exec, UaCache<S>& cache, const UaInputs<S>& in, const ua::Options& opt, const Ev& ev,
-              TensorView<float, 4> out, TensorView<float, 3> lse, bool decode) {
+              TensorView<float, 4> out, TensorView<float, 3> lse, bool decode, Dims) {
   using namespace ua_detail;
   const ua::CacheShape& s = cache.shape_;
   KVMEM_RETURN_IF_ERROR(cache.check_valid());
+  if (!Dims::key_may_be(s.head_dim))
+    return invalid_argument("head_dim", "the variant's head dim " + std::to_string(Dims::kKey), s.head_dim);
   KVMEM_RETURN_IF_ERROR(cache.check_workspace());
   KVMEM_RETURN_IF_ERROR(ua::detail::validate_options(opt));
   KVMEM_RETURN_IF_ERROR(ua::detail::check_call_shapes(in, out, s.batch, s.query_heads, s.kv_heads, s.head_dim));
@@ -988,14 +1033,15 @@ Status ua_run(const Executor& exec, UaCache<S>& cache, const UaInputs<S>& in, co
   if (decode) {
     a.P = 1;
     a.lambda_new = nullptr;
-    const DecodeKernel<S> k = decode_kernel_for<Set, S>(D, r);
+    const DecodeKernel<S> k = decode_kernel_for<Set, ua::detail::kEvicts<Ev>, S, Dims>(D, r);
     KVMEM_RETURN_IF_ERROR(allow_shared(k.kernel, k.shared_bytes));
     if constexpr (kCutsPerItem<Ev>) KVMEM_RETURN_IF_ERROR(decode_cuts<Set>(dev, a, ev, cache.cuts_, I, exec.stream));
     k.kernel<<<dim3(unsigned(I), unsigned(a.splits)), kDecodeThreads, k.shared_bytes, exec.stream>>>(dev, a);
     KVMEM_CUDA_RETURN_IF_LAUNCH_FAILED("ua decode_attend_kernel");
-  } else if (const DenseKernel<S> dense = s.pool_pages == 0 && a.cuts == nullptr
-                                              ? dense_kernel_for<Set, S>(in, D, r, a.log_p, dense_skips_past(cache, T))
-                                              : DenseKernel<S>{};
+  } else if (const DenseKernel<S> dense =
+                 s.pool_pages == 0 && a.cuts == nullptr
+                     ? dense_kernel_for<Set, S, Dims>(in, D, r, a.log_p, dense_skips_past(cache, T))
+                     : DenseKernel<S>{};
              dense.kernel) {                           // contiguous items only: the dense prefill walks rows by address
     const std::int64_t tiles = dense_row_tiles(T, r);  // T >= 1 (check_call_shapes)
     // rows a decode marked dead go first: the kernel walks rows [0, length) by address and appends after
@@ -1021,9 +1067,9 @@ Status ua_run(const Executor& exec, UaCache<S>& cache, const UaInputs<S>& in, co
     a.P = cache.limits_.max_prefill_chunk;
     a.lambda_new = cache.lambda_new_;
     const std::size_t fbytes = finish_smem_bytes<S>(D);
-    const ChunkKernel<S> chunk = chunk_kernel_for<Set, S>(in, D, r);
+    const ChunkKernel<S> chunk = chunk_kernel_for<Set, S, Dims>(in, D, r);
     // shared-memory opt-ins are driver calls: once per call, not once per chunk
-    KVMEM_RETURN_IF_ERROR(allow_shared(finish_kernel<S>, fbytes));
+    KVMEM_RETURN_IF_ERROR(allow_shared(finish_kernel<ua::detail::kEvicts<Ev>, S>, fbytes));
     KVMEM_RETURN_IF_ERROR(allow_shared(chunk.kernel, chunk.shared_bytes));
     std::int64_t bound = cache.bound_;
     for (std::int64_t t0 = 0; t0 < T; t0 += opt.prefill_chunk) {
@@ -1040,7 +1086,7 @@ Status ua_run(const Executor& exec, UaCache<S>& cache, const UaInputs<S>& in, co
         prefill_cut_kernel<Ev, S><<<unsigned(I), kCutThreads, 0, exec.stream>>>(dev, a, ev, cache.cuts_, t0, rows);
         KVMEM_CUDA_RETURN_IF_LAUNCH_FAILED("ua prefill_cut_kernel");
       }
-      finish_kernel<S><<<unsigned(I), kFinishThreads, fbytes, exec.stream>>>(dev, a, t0, rows);
+      finish_kernel<ua::detail::kEvicts<Ev>, S><<<unsigned(I), kFinishThreads, fbytes, exec.stream>>>(dev, a, t0, rows);
       KVMEM_CUDA_RETURN_IF_LAUNCH_FAILED("ua finish_kernel (prefill)");
       bound += rows;
     }
@@ -1058,14 +1104,14 @@ Status ua_run(const Executor& exec, UaCache<S>& cache, const UaInputs<S>& in, co
 template <DecaySet Set = decay::Universal, class S>
 Status ua_prefill(const Executor& exec, UaCache<S>& cache, const UaInputs<S>& in, const ua::Options& opt,
                   TensorView<float, 4> out, TensorView<float, 3> lse = {}) {
-  return ua_run<Set>(exec, cache, in, opt, prune::Threshold{opt.p}.evictor(opt.layer), out, lse, false);
+  return ua_run<Set>(exec, cache, in, opt, prune::Threshold{opt.p}.evictor(opt.layer), out, lse, false, HeadDims<>{});
 }
 
 // One decode step (T = 1) of every sequence at position cache.position(b) (spec UA.md 4.4, 4.5).
 template <DecaySet Set = decay::Universal, class S>
 Status ua_decode(const Executor& exec, UaCache<S>& cache, const UaInputs<S>& in, const ua::Options& opt,
                  TensorView<float, 4> out) {
-  return ua_run<Set>(exec, cache, in, opt, prune::Threshold{opt.p}.evictor(opt.layer), out, {}, true);
+  return ua_run<Set>(exec, cache, in, opt, prune::Threshold{opt.p}.evictor(opt.layer), out, {}, true, HeadDims<>{});
 }
 
 // ---- sequence slots (DESIGN.md 3, core/slots.hpp, docs/slots-ua.md) ------------------------------
@@ -1185,32 +1231,10 @@ DeviceCall<S> make_step_call(const ua::PackedInputsOf<input_type_t<S>>& in, cons
 }
 
 // The chunk kernel of a step: chunk_kernel_for's choice, made from the packed views' alignment.
-template <class Set, class S>
+template <class Set, class S, class Dims = HeadDims<>>
 ChunkKernel<S> step_chunk_kernel_for(const ua::PackedInputsOf<input_type_t<S>>& in, std::int64_t D, std::int64_t r) {
-#if KVMEM_GPU_VENDOR_PATHS
-  if constexpr (std::is_same_v<S, bf16>) {
-    if (tc_group_ok(r) && rows_16byte_aligned(in.q) && rows_16byte_aligned(in.k) && rows_16byte_aligned(in.v)) {
-      if (D == 64) return {chunk_attend_tc_kernel<Set, 64>, UaTcLayout<64>::kBytes, 32 * kTcWarps};
-      if (D == 80) return {chunk_attend_tc_kernel<Set, 80>, UaTcLayout<80>::kBytes, 32 * kTcWarps};
-      if (D == 128) return {chunk_attend_tc_kernel<Set, 128>, UaTcLayout<128>::kBytes, 32 * kTcWarps};
-    }
-  }
-#elif KVMEM_GPU_MFMA_PATHS
-  if constexpr (std::is_same_v<S, bf16>) {
-    if (mfma_group_ok(r) && rows_16byte_aligned(in.q) && rows_16byte_aligned(in.k) && rows_16byte_aligned(in.v)) {
-      if (D == 64) return {chunk_attend_mfma_kernel<Set, 64>, UaMfmaLayout<64>::kBytes, kMfmaThreads};
-      if (D == 80) return {chunk_attend_mfma_kernel<Set, 80>, UaMfmaLayout<80>::kBytes, kMfmaThreads};
-      if (D == 128) return {chunk_attend_mfma_kernel<Set, 128>, UaMfmaLayout<128>::kBytes, kMfmaThreads};
-    }
-  }
-#else
-  (void)in;  // the portable path has no tensor-core kernel, whose rows must be 16-byte aligned
-#endif
-  const std::size_t bytes = chunk_smem_bytes(D, r, is_row_scaled_v<S>);
-  if (D <= 32) return {chunk_attend_kernel<Set, S, 8>, bytes, kChunkThreads};
-  if (D <= 64) return {chunk_attend_kernel<Set, S, 16>, bytes, kChunkThreads};
-  if (D <= 128) return {chunk_attend_kernel<Set, S, 32>, bytes, kChunkThreads};
-  return {chunk_attend_kernel<Set, S, 64>, bytes, kChunkThreads};
+  return chunk_kernel_of<Set, S, Dims>(
+      rows_16byte_aligned(in.q) && rows_16byte_aligned(in.k) && rows_16byte_aligned(in.v), D, r);
 }
 
 template <class S>
@@ -1408,7 +1432,7 @@ template <DecaySet Set = decay::Universal, PrunePolicy Rule, class S>
 Status prefill(const cuda::Executor& exec, cuda::UaCache<S>& cache, const InputsOf<input_type_t<S>>& in,
                const Options& opt, const Rule& rule, TensorView<float, 4> out) {
   KVMEM_RETURN_IF_ERROR(detail::validate_rule(rule, opt));
-  return cuda::ua_run<Set>(exec, cache, in, opt, detail::evictor_of(rule, opt), out, {}, false);
+  return cuda::ua_run<Set>(exec, cache, in, opt, detail::evictor_of(rule, opt), out, {}, false, HeadDims<>{});
 }
 template <DecaySet Set = decay::Universal, class S>
 Status decode(const cuda::Executor& exec, cuda::UaCache<S>& cache, const InputsOf<input_type_t<S>>& in,
@@ -1419,7 +1443,22 @@ template <DecaySet Set = decay::Universal, PrunePolicy Rule, class S>
 Status decode(const cuda::Executor& exec, cuda::UaCache<S>& cache, const InputsOf<input_type_t<S>>& in,
               const Options& opt, const Rule& rule, TensorView<float, 4> out) {
   KVMEM_RETURN_IF_ERROR(detail::validate_rule(rule, opt));
-  return cuda::ua_run<Set>(exec, cache, in, opt, detail::evictor_of(rule, opt), out, {}, true);
+  return cuda::ua_run<Set>(exec, cache, in, opt, detail::evictor_of(rule, opt), out, {}, true, HeadDims<>{});
+}
+// The calls of a composed variant with a fixed head dim (ua::Attention<.., HeadDim>, which passes
+// HeadDims<HeadDim>): the policy overloads above, compiling only the kernels of that head dim (a cache of
+// another head dim is refused with a Status).
+template <DecaySet Set = decay::Universal, std::int64_t kD, PrunePolicy Rule, class S>
+Status prefill(HeadDims<kD> dims, const cuda::Executor& exec, cuda::UaCache<S>& cache,
+               const InputsOf<input_type_t<S>>& in, const Options& opt, const Rule& rule, TensorView<float, 4> out) {
+  KVMEM_RETURN_IF_ERROR(detail::validate_rule(rule, opt));
+  return cuda::ua_run<Set>(exec, cache, in, opt, detail::evictor_of(rule, opt), out, {}, false, dims);
+}
+template <DecaySet Set = decay::Universal, std::int64_t kD, PrunePolicy Rule, class S>
+Status decode(HeadDims<kD> dims, const cuda::Executor& exec, cuda::UaCache<S>& cache,
+              const InputsOf<input_type_t<S>>& in, const Options& opt, const Rule& rule, TensorView<float, 4> out) {
+  KVMEM_RETURN_IF_ERROR(detail::validate_rule(rule, opt));
+  return cuda::ua_run<Set>(exec, cache, in, opt, detail::evictor_of(rule, opt), out, {}, true, dims);
 }
 // float inputs: the host's forward template (any executor) with one more constraint, so it is the more
 // constrained match for a cuda::Executor; bf16 and fp16 inputs only this backend takes.
@@ -1466,12 +1505,14 @@ Status forward(const cuda::Executor& exec, const InputsOf<fp16>& in, TensorView<
 // ua_prefill / ua_decode. With a prune policy `rule` in place of Options::p (which must then be 0), the
 // eviction runs the policy's evictor at Options::layer (ua_prune.cuh), as on the host.
 namespace detail {
-template <class Set, class S, class Ev>
+template <class Set, class S, class Ev, class Dims = HeadDims<>>
 Status cuda_step(const cuda::Executor& exec, cuda::UaCache<S>& cache, const Rows& rows,
                  const PackedInputsOf<input_type_t<S>>& in, const Options& opt, const Ev& ev, TensorView<float, 3> out,
-                 TensorView<float, 2> lse) {
+                 TensorView<float, 2> lse, Dims = {}) {
   using namespace cuda::ua_detail;
   KVMEM_RETURN_IF_ERROR(cuda::ua_detail::check_cache(cache));
+  if (!Dims::key_may_be(cache.shape().head_dim))
+    return invalid_argument("head_dim", "the variant's head dim " + std::to_string(Dims::kKey), cache.shape().head_dim);
   KVMEM_RETURN_IF_ERROR(cache.check_workspace());
   KVMEM_RETURN_IF_ERROR(detail::validate_options(opt));
   const CacheShape& s = cache.shape();
@@ -1525,7 +1566,7 @@ Status cuda_step(const cuda::Executor& exec, cuda::UaCache<S>& cache, const Rows
     d.splits = decode_splits_now;
     // no prefill rounds follow: this launch is the step's last, and its last block publishes
     if (prefills == 0) d.publish_ticket = SlotAccess::publish_ticket(cache);
-    const DecodeKernel<S> k = decode_kernel_for<Set, S>(D, r);
+    const DecodeKernel<S> k = decode_kernel_for<Set, ua::detail::kEvicts<Ev>, S, Dims>(D, r);
     KVMEM_RETURN_IF_ERROR(cuda::allow_shared(k.kernel, k.shared_bytes));
     if constexpr (kCutsPerItem<Ev>)
       KVMEM_RETURN_IF_ERROR(decode_cuts<Set>(dev, d, ev, SlotAccess::cuts(cache), R * G, stream));
@@ -1538,8 +1579,8 @@ Status cuda_step(const cuda::Executor& exec, cuda::UaCache<S>& cache, const Rows
     a.P = cache.limits().max_prefill_chunk;
     a.splits = cache.limits().max_splits;
     const std::size_t fbytes = finish_smem_bytes<S>(D);
-    const ChunkKernel<S> chunk = step_chunk_kernel_for<Set, S>(in, D, r);
-    KVMEM_RETURN_IF_ERROR(cuda::allow_shared(finish_kernel<S>, fbytes));
+    const ChunkKernel<S> chunk = step_chunk_kernel_for<Set, S, Dims>(in, D, r);
+    KVMEM_RETURN_IF_ERROR(cuda::allow_shared(finish_kernel<ua::detail::kEvicts<Ev>, S>, fbytes));
     KVMEM_RETURN_IF_ERROR(cuda::allow_shared(chunk.kernel, chunk.shared_bytes));
     const unsigned items = unsigned(prefills * G);
     DeviceCall<S> fin = a;  // the last finish launch publishes (its last block)
@@ -1557,7 +1598,8 @@ Status cuda_step(const cuda::Executor& exec, cuda::UaCache<S>& cache, const Rows
             <<<items, kCutThreads, 0, stream>>>(dev, a, ev, SlotAccess::cuts(cache), t0, opt.prefill_chunk);
         KVMEM_CUDA_RETURN_IF_LAUNCH_FAILED("ua step prefill_cut_kernel");
       }
-      finish_kernel<S><<<items, kFinishThreads, fbytes, stream>>>(dev, fin, t0, opt.prefill_chunk);
+      finish_kernel<ua::detail::kEvicts<Ev>, S>
+          <<<items, kFinishThreads, fbytes, stream>>>(dev, fin, t0, opt.prefill_chunk);
       KVMEM_CUDA_RETURN_IF_LAUNCH_FAILED("ua step finish_kernel");
     }
   }
@@ -1578,6 +1620,14 @@ Status step(const cuda::Executor& exec, cuda::UaCache<S>& cache, const Rows& row
             TensorView<float, 2> lse = {}) {
   KVMEM_RETURN_IF_ERROR(detail::validate_rule(rule, opt));
   return detail::cuda_step<Set>(exec, cache, rows, in, opt, detail::evictor_of(rule, opt), out, lse);
+}
+// A composed variant's step with a fixed head dim (HeadDims<HeadDim>, as prefill and decode above).
+template <DecaySet Set = decay::Universal, std::int64_t kD, PrunePolicy Rule, class S>
+Status step(HeadDims<kD> dims, const cuda::Executor& exec, cuda::UaCache<S>& cache, const Rows& rows,
+            const PackedInputsOf<input_type_t<S>>& in, const Options& opt, const Rule& rule, TensorView<float, 3> out,
+            TensorView<float, 2> lse) {
+  KVMEM_RETURN_IF_ERROR(detail::validate_rule(rule, opt));
+  return detail::cuda_step<Set>(exec, cache, rows, in, opt, detail::evictor_of(rule, opt), out, lse, dims);
 }
 
 // Slot operations of the CUDA cache: the host's names, arguments and checks (ua/slots.hpp). Slot lists

@@ -238,12 +238,19 @@ __device__ inline bool is_dead(float lambda) {
 }
 // The eviction test of every kernel below (spec 4.5, policy/prune.hpp): entry (λ, position) goes under the
 // step's cut of its item (item_cut: the threshold ln p, or the prune rule's cut of that item).
+// kEvict is the launch's compile-time eviction switch: false for a call whose prune policy never evicts
+// (prune::None, ua::detail::NoEvictor), and then the test is not compiled into the kernel at all.
+template <bool kEvict>
 __device__ inline bool evict_test(const prune::Cut& cut, float lambda, std::int64_t pos) {
-  return kernel::ua::evicts(lambda, pos, cut);
+  if constexpr (kEvict)
+    return kernel::ua::evicts(lambda, pos, cut);
+  else
+    return (void)cut, (void)lambda, (void)pos, false;
 }
 // The row leaves the cache at the next compaction: dead, or evicted by the cut.
+template <bool kEvict>
 __device__ inline bool gone(float lambda, std::int64_t pos, const prune::Cut& cut) {
-  return is_dead(lambda) || evict_test(cut, lambda, pos);
+  return is_dead(lambda) || evict_test<kEvict>(cut, lambda, pos);
 }
 
 // One call's inputs (device memory, innermost stride 1) and the scratch of its partials. The inputs
@@ -296,12 +303,15 @@ struct DeviceCall {
   const int* prefill_count = nullptr;       // how many prefill_rows hold
 };
 
-// The cut that evicts from `item` in this step (evict_test).
-template <class S>
+// The cut that evicts from `item` in this step (evict_test); without eviction (kEvict = false) a cut that
+// evicts nothing, read from no memory.
+template <bool kEvict, class S>
 __device__ inline prune::Cut item_cut(const DeviceCall<S>& a, std::int64_t item) {
-  if (a.cuts != nullptr) return a.cuts[item];
   prune::Cut cut;
-  cut.log_p = a.log_p;
+  if constexpr (kEvict) {
+    if (a.cuts != nullptr) return a.cuts[item];
+    cut.log_p = a.log_p;
+  }
   return cut;
 }
 
@@ -825,7 +835,7 @@ __device__ inline void copy_rows(std::int64_t rows, std::int64_t D, bool vec16, 
     }
   }
 }
-template <class S>
+template <bool kEvict, class S>
 __device__ inline void finish_item(const DeviceCache<S>& c, const DeviceCall<S>& a, std::int64_t item, std::int64_t b,
                                    std::int64_t t0, std::int64_t rows, bool last, std::int64_t dead,
                                    unsigned char* fsm) {
@@ -849,8 +859,9 @@ __device__ inline void finish_item(const DeviceCache<S>& c, const DeviceCall<S>&
   float* vss = kss + kCompactRows;
   __shared__ int dst[kCompactRows];  // destination row, -1 = evicted
   __shared__ int group_kept;
-  const prune::Cut cut = item_cut(a, item);
-  const bool prunes = cut.log_p > -INFINITY || cut.ranked || dead > 0;  // dead rows go at any p
+  const prune::Cut cut = item_cut<kEvict>(a, item);
+  // dead rows go at any p; without eviction they are all that goes
+  const bool prunes = (kEvict && (cut.log_p > -INFINITY || cut.ranked)) || dead > 0;
   std::int64_t kept = n;
   if (prunes) {
     kept = 0;
@@ -859,7 +870,7 @@ __device__ inline void finish_item(const DeviceCache<S>& c, const DeviceCall<S>&
       __syncthreads();  // the previous group is written
       if (tid < kCompactRows) {
         const bool keep =
-            lane < ne && !gone(load_cg(c.lambda + c.row(item, e0 + lane)), c.pos[c.row(item, e0 + lane)], cut);
+            lane < ne && !gone<kEvict>(load_cg(c.lambda + c.row(item, e0 + lane)), c.pos[c.row(item, e0 + lane)], cut);
         const LaneMask mask = warp_ballot(keep);
         dst[lane] = keep ? int(kept + mask_popc(mask & lanes_below(lane))) : -1;
         if (lane == 0) group_kept = mask_popc(mask);
@@ -918,7 +929,7 @@ __device__ inline void finish_item(const DeviceCache<S>& c, const DeviceCall<S>&
 #pragma unroll
       for (int u = 0; u < kBallots; ++u) {
         const std::int64_t j = j0 + kWarpSize * u + lane;
-        const bool keep = j < rows && !(prunes && evict_test(cut, lam[u], first + j));
+        const bool keep = j < rows && !(prunes && evict_test<kEvict>(cut, lam[u], first + j));
         const LaneMask mask = warp_ballot(keep);
         if (j < rows) new_dst[j] = keep ? int(kept + mask_popc(mask & lanes_below(lane))) : -1;
         kept += mask_popc(mask);
@@ -967,19 +978,20 @@ __device__ inline void finish_item(const DeviceCache<S>& c, const DeviceCall<S>&
   }
 }
 
-// grid (I), block kFinishThreads, dynamic smem finish_smem_bytes<S>(D): after a prefill chunk.
-template <class S>
+// grid (I), block kFinishThreads, dynamic smem finish_smem_bytes<S>(D): after a prefill chunk. kEvict:
+// evict_test (false: only rows dead before the call leave).
+template <bool kEvict, class S>
 __global__ void __launch_bounds__(kFinishThreads)
     finish_kernel(DeviceCache<S> c, DeviceCall<S> a, std::int64_t t0, std::int64_t rows) {
   extern __shared__ __align__(16) unsigned char fsm[];
   ChunkWork w;
   if (chunk_work(c, a, blockIdx.x, t0, rows, w))
-    finish_item(c, a, w.item, w.b, w.t0, w.rows, w.last, c.dead[w.item], fsm);
+    finish_item<kEvict>(c, a, w.item, w.b, w.t0, w.rows, w.last, c.dead[w.item], fsm);
   if (a.publish_ticket != nullptr) publish_if_last(c.pool, a.publish_ticket, gridDim.x);
 }
 
 // grid (I), block kFinishThreads, dynamic smem finish_smem_bytes<S>(D): drops the dead rows of every item
-// (a.log_p = -inf and no cuts: nothing else goes), appending nothing. Before a call that walks rows by
+// (finish_item without eviction: nothing else goes), appending nothing. Before a call that walks rows by
 // address (the dense tensor-core prefill) and before a prune rule's cuts (ua_prune.cuh: they read every
 // row in use as an entry). An item without dead rows is left as it is.
 template <class S>
@@ -987,7 +999,7 @@ __global__ void __launch_bounds__(kFinishThreads) compact_kernel(DeviceCache<S> 
   extern __shared__ __align__(16) unsigned char fsm[];
   const std::int64_t item = blockIdx.x, dead = c.dead[item];
   if (dead == 0) return;
-  finish_item(c, a, item, item / c.G, 0, 0, false, dead, fsm);
+  finish_item<false>(c, a, item, item / c.G, 0, 0, false, dead, fsm);
 }
 
 // ---- decode: what every decode path shares -----------------------------------------------------
@@ -1004,13 +1016,14 @@ struct RowUpdate {
   // The λ a pass that leaves rows in place writes back: a row that goes is marked dead.
   __device__ float stored() const { return evict ? negative_infinity<float>() : lambda; }
 };
-template <class Set, class S>
+// kEvict = false (prune::None): no row goes, and the decode paths built on it compile no eviction.
+template <class Set, bool kEvict, class S>
 __device__ inline RowUpdate update_row(const DeviceCall<S>& a, const prune::Cut& cut, float lambda, float sim, float zk,
                                        std::int64_t pos, float zq, float q_part, std::int64_t t) {
   if (is_dead(lambda)) return {lambda, true, false, false};
   if (t > pos && !a.lambda_updated)  // a prune rule's decode_cut_kernel added A(., t) already
     lambda += kernel::ua::decay_from_similarity<Set, float>(sim, zk, kernel::ua::key_gate_part(zk), pos, zq, q_part, t);
-  const bool evict = evict_test(cut, lambda, pos);
+  const bool evict = evict_test<kEvict>(cut, lambda, pos);
   return {lambda, false, evict, !(evict && a.evict_before_attention)};
 }
 
@@ -1184,12 +1197,12 @@ struct OneBlockLayout {
 // Split 0 of an item with n <= kOneBlockMaxKept cached entries: the whole step except publishing the
 // new length (the last block of the item does that, see decode_attend_kernel). Returns the length
 // after the step (survivors + the new token) in every thread.
-template <class Set, class S, int kDpl>
+template <class Set, bool kEvict, class S, int kDpl>
 __device__ inline std::int64_t decode_one_block(const DeviceCache<S>& c, const DeviceCall<S>& a, std::int64_t item,
                                                 std::int64_t b, std::int64_t n, unsigned char* smem) {
   const std::int64_t D = c.D, r = c.r, g = item % c.G;
   const std::int64_t t = c.counter[item];
-  const prune::Cut cut = item_cut(a, item);
+  const prune::Cut cut = item_cut<kEvict>(a, item);
   const OneBlockLayout L(D, r, sizeof(S), is_row_scaled_v<S>);
   const int pitch = int(L.pitch);
   S* kst = reinterpret_cast<S*>(smem + L.keys);
@@ -1341,7 +1354,7 @@ __device__ inline std::int64_t decode_one_block(const DeviceCache<S>& c, const D
       float lam = 0.0f;
       bool keep = false, attend = valid;
       if (in_cache) {
-        const RowUpdate up = update_row<Set>(a, cut, lam_t[e], sim, zk_t[e], pos_t[e], zq, q_part, t);
+        const RowUpdate up = update_row<Set, kEvict>(a, cut, lam_t[e], sim, zk_t[e], pos_t[e], zq, q_part, t);
         lam = up.lambda;
         keep = up.keeps();
         attend = up.attend;
@@ -1498,7 +1511,7 @@ __device__ inline std::int64_t decode_one_block(const DeviceCache<S>& c, const D
 // one thread per dim for all r heads. The new token is entry n (λ = 0). Rows that go are marked dead in
 // place, or, with a plan, every live row is written to its place in the item's fresh pages. Leaves the
 // partial of `split` over the entries of `range` (not empty) and returns the rows it marked dead.
-template <class Set, class S, int kDpl>
+template <class Set, bool kEvict, class S, int kDpl>
 __device__ inline int decode_split(const DeviceCache<S>& c, const DeviceCall<S>& a, std::int64_t item, std::int64_t b,
                                    std::int64_t n, int split, Range range, const MovePlan* plan, float* dsm) {
   const std::int64_t D = c.D, r = c.r, g = item % c.G;
@@ -1512,7 +1525,7 @@ __device__ inline int decode_split(const DeviceCache<S>& c, const DeviceCall<S>&
 
   const std::int64_t e_begin = range.begin, e_end = range.end;
   const std::int64_t t = c.counter[item];
-  const prune::Cut cut = item_cut(a, item);
+  const prune::Cut cut = item_cut<kEvict>(a, item);
   const int tid = threadIdx.x, warp = tid / kWarpSize, lane = tid % kWarpSize, warps = kDecodeThreads / kWarpSize;
   __shared__ int marked;
   if (tid == 0) marked = 0;
@@ -1582,7 +1595,8 @@ __device__ inline int decode_split(const DeviceCache<S>& c, const DeviceCall<S>&
       float lam = 0.0f;
       bool attend = valid;
       if (cached) {
-        const RowUpdate up = update_row<Set>(a, cut, c.lambda[at], sim, c.key_logit[at], c.pos[at], zq, q_part, t);
+        const RowUpdate up =
+            update_row<Set, kEvict>(a, cut, c.lambda[at], sim, c.key_logit[at], c.pos[at], zq, q_part, t);
         lam = up.lambda;
         attend = up.attend;
         if (sub == 0 && !up.dead) c.lambda[plan != nullptr ? moved_row(c, item, plan->dest(idx)) : at] = up.stored();
@@ -1718,7 +1732,7 @@ __host__ __device__ inline std::size_t split_rows_smem_bytes(std::int64_t D, std
   return split_rows_head_bytes<S>(D, r) +
          std::size_t(kDecodeWarps) * std::size_t(r) * std::size_t(D + 2) * sizeof(float);
 }
-template <class Set, class S, int kVpl, int kR, int kU>
+template <class Set, bool kEvict, class S, int kVpl, int kR, int kU>
 __device__ inline int decode_split_rows(const DeviceCache<S>& c, const DeviceCall<S>& a, std::int64_t item,
                                         std::int64_t b, std::int64_t n, int split, Range range, const MovePlan* plan,
                                         unsigned char* smem) {
@@ -1726,7 +1740,7 @@ __device__ inline int decode_split_rows(const DeviceCache<S>& c, const DeviceCal
   const std::int64_t D = c.D, g = item % c.G;
   const std::int64_t e_begin = range.begin, e_end = range.end;
   const std::int64_t t = c.counter[item];
-  const prune::Cut cut = item_cut(a, item);
+  const prune::Cut cut = item_cut<kEvict>(a, item);
   const int tid = int(threadIdx.x), lane = tid % kWarpSize, warp = tid / kWarpSize, sub = tid % kRowLanes;
   const int grp = lane / kRowLanes;
   // The new token (entry n, λ = 0) and the group's queries stay in shared memory, exactly (the storage
@@ -1856,7 +1870,7 @@ __device__ inline int decode_split_rows(const DeviceCache<S>& c, const DeviceCal
       float lu = lam[u];
       bool attend = live[u];
       if (cached[u] && live[u]) {
-        const RowUpdate up = update_row<Set>(a, cut, lam[u], sim, zk[u], pos[u], zq, q_part, t);
+        const RowUpdate up = update_row<Set, kEvict>(a, cut, lam[u], sim, zk[u], pos[u], zq, q_part, t);
         lu = up.lambda;
         attend = up.attend;
         marked += (sub == 0 && up.evict) ? 1 : 0;
@@ -2085,14 +2099,14 @@ __device__ inline void finish_move(const DeviceCache<S>& c, const DeviceCall<S>&
 }
 // This block's part of a long item's step: the entries of `range` (not empty); returns the rows it marked
 // dead. kR != 0: the vector-row pass for groups of kR query heads, else the entry splits.
-template <class Set, class S, int kDpl, int kR>
+template <class Set, bool kEvict, class S, int kDpl, int kR>
 __device__ inline int decode_part(const DeviceCache<S>& c, const DeviceCall<S>& a, std::int64_t item, std::int64_t b,
                                   std::int64_t n, int split, Range range, const MovePlan* plan, unsigned char* smem) {
   if constexpr (kR != 0) {
     constexpr int kVpl = vectors_per_lane<S, kDpl>();
-    return decode_split_rows<Set, S, kVpl, kR, kRowsInFlight>(c, a, item, b, n, split, range, plan, smem);
+    return decode_split_rows<Set, kEvict, S, kVpl, kR, kRowsInFlight>(c, a, item, b, n, split, range, plan, smem);
   } else {
-    return decode_split<Set, S, kDpl>(c, a, item, b, n, split, range, plan, reinterpret_cast<float*>(smem));
+    return decode_split<Set, kEvict, S, kDpl>(c, a, item, b, n, split, range, plan, reinterpret_cast<float*>(smem));
   }
 }
 // Memory ordering of the decode ticket (PTX memory model, GPU scope): the length every block reads
@@ -2115,7 +2129,7 @@ __device__ inline int decode_part(const DeviceCache<S>& c, const DeviceCall<S>& 
 // kDpl: dims per lane of an 8-lane group (>= ceil(D / 8)).
 // Returns true in the one block that answers for grid item blockIdx.x: the last block of an item it
 // decodes, or split 0 of one it does not (a padding or prefill row, a slot that does not run).
-template <class Set, class S, int kDpl, int kR>
+template <class Set, bool kEvict, class S, int kDpl, int kR>
 __device__ inline bool decode_item(const DeviceCache<S>& c, const DeviceCall<S>& a, unsigned char* smem) {
   std::int64_t item = blockIdx.x, b = item / c.G;
   if (a.row_slot != nullptr && !decode_row(c, a, blockIdx.x, item, b)) return blockIdx.y == 0;
@@ -2129,14 +2143,14 @@ __device__ inline bool decode_item(const DeviceCache<S>& c, const DeviceCall<S>&
   bool wrote = false;
   if (one_block) {
     if (split == 0) {
-      const std::int64_t length = decode_one_block<Set, S, kDpl>(c, a, item, b, n, smem);
+      const std::int64_t length = decode_one_block<Set, kEvict, S, kDpl>(c, a, item, b, n, smem);
       if (threadIdx.x == 0) c.next_length[item] = length;
       wrote = true;
     }
   } else if (const Range range = decode_range(n + 1, a.splits, split); range.begin < range.end) {
     const bool plans = moves && range.begin < n;  // a range of the new token alone moves nothing
     if (plans) plan_moves(c, item, range.begin, range.end < n ? range.end : n, plan);
-    marked = decode_part<Set, S, kDpl, kR>(c, a, item, b, n, split, range, plans ? &plan : nullptr, smem);
+    marked = decode_part<Set, kEvict, S, kDpl, kR>(c, a, item, b, n, split, range, plans ? &plan : nullptr, smem);
     wrote = true;
   }
   __shared__ int last;
@@ -2162,7 +2176,7 @@ __device__ inline bool decode_item(const DeviceCache<S>& c, const DeviceCall<S>&
     if (moves)
       finish_move(c, a, item, b, n - dead, marks);
     else if (compacts_in_place(c, n, dead + marks))
-      finish_item(c, a, item, b, 0, 1, true, dead + marks, smem);  // the attention buffers are free now
+      finish_item<kEvict>(c, a, item, b, 0, 1, true, dead + marks, smem);  // the attention buffers are free now
     else {
       append_new_row(c, a, item, b, n);
       if (threadIdx.x == 0) c.dead[item] = dead + marks;
@@ -2180,11 +2194,11 @@ __device__ inline bool decode_item(const DeviceCache<S>& c, const DeviceCall<S>&
 // block.
 // (The bound is parenthesised: hipcc's __launch_bounds__ is a macro, which a template argument list's commas
 // would split.)
-template <class Set, class S, int kDpl, int kR>
+template <class Set, bool kEvict, class S, int kDpl, int kR>
 __global__ void __launch_bounds__(kDecodeThreads, (decode_min_blocks<S, kDpl, kR>()))
     decode_attend_kernel(DeviceCache<S> c, DeviceCall<S> a) {
   extern __shared__ __align__(16) unsigned char dsm[];
-  const bool answers = decode_item<Set, S, kDpl, kR>(c, a, dsm);
+  const bool answers = decode_item<Set, kEvict, S, kDpl, kR>(c, a, dsm);
   if (a.publish_ticket != nullptr && answers) publish_if_last(c.pool, a.publish_ticket, gridDim.x);
 }
 
