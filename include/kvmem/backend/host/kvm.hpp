@@ -155,10 +155,10 @@ struct Call {
             it.khat_scale[j] = quantize_row(it.row, it.khat + j * D(), D());
             it.vhat_scale[j] = kernel::value_readout_scaled(it.sv + j * Dv(), Dv(), it.rho[j], it.cnt[j],
                                                             kp.value_radius, it.vhat + j * Dv());
-            continue;
+          } else {
+            for (std::int64_t d = 0; d < D(); ++d) it.khat[j * D() + d] = store_as<S>(it.row[d]);
+            kernel::value_readout(it.sv + j * Dv(), Dv(), it.rho[j], it.cnt[j], kp.value_radius, it.vhat + j * Dv());
           }
-          for (std::int64_t d = 0; d < D(); ++d) it.khat[j * D() + d] = store_as<S>(it.row[d]);
-          kernel::value_readout(it.sv + j * Dv(), Dv(), it.rho[j], it.cnt[j], kp.value_radius, it.vhat + j * Dv());
         }
         return;
       }

@@ -98,13 +98,13 @@ struct StateMemory<Kokkos::Cuda, Mem, false> {
 template <class Space>
 using state_memory_space = typename StateMemory<Space>::type;
 
-// fp8 (e4m3) storage of KVM slots runs on the host backend: the Kokkos drivers' readout,
+// fp8 (e4m3) storage of KVM slots runs on the host and CUDA backends: the Kokkos drivers' readout,
 // refresh and copies keep no row scales (BackendLimits<kokkos::Executor>::kKvmFp8 = false).
 template <class S>
 consteval bool check_kvm_storage() {
   static_assert(!is_row_scaled_v<S>,
                 "kvmem::kokkos: fp8 (kvmem::e4m3) storage of KVM slots is not supported on the Kokkos backend "
-                "(the host backend takes it; docs/compose.md, Supported combinations)");
+                "(the host and CUDA backends take it; docs/compose.md, Supported combinations)");
   return true;
 }
 
