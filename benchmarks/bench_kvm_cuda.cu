@@ -2,13 +2,16 @@
 // KV Means on the CUDA backend: prefill (ms) and decode (ms/token over 256 consecutive tokens, one
 // state update included) at B x H32 x D128 bf16 for fixed-256 and 16 sqrt N, plus B = 1 decode
 // plain and replayed from a captured CUDA graph. --storage fp32 runs fp32 inputs, state and outputs
-// (the precision kvmem_bench_kokkos times, for a side-by-side comparison at the same shapes). --kv-heads Hk < H
+// (the precision kvmem_bench_kokkos times, for a side-by-side comparison at the same shapes); --storage fp8
+// keeps the memory slots' readout rows in e4m3 with a scale per row (bf16 window, inputs and outputs).
+// MB/token is what a decoded token reads of the cache: every visible slot row (K^ and V^, with their
+// scales for fp8) and window row once per KV head; GB/s is that over decode_ms. --kv-heads Hk < H
 // measures grouped-query attention (H query heads over Hk KV heads; the decode GB/s then count each KV head's rows
 // once). Prints a table and writes JSON lines (--json FILE) that benchmarks/gpu_report.py joins with the PyTorch SDPA
 // anchor measured in the same run.
 //
 //   kvmem_bench_kvm_cuda [--batch 8] [--heads 32] [--kv-heads 32] [--tokens 4096,8192,16384,32768] [--json out.jsonl]
-//                        [--budget fixed-256|16sqrtN] [--b1 0|1] [--fast-routing 0|1] [--storage bf16|fp32]
+//                        [--budget fixed-256|16sqrtN] [--b1 0|1] [--fast-routing 0|1] [--storage bf16|fp32|fp8]
 //
 // update_ms is the one decode step of the 256 that runs the state update (update + attention);
 // --fast-routing 1 routes on single bf16 products (KvmState::set_fast_routing), rows say "+fast".
@@ -54,13 +57,15 @@ struct Buffer {
 struct Row {
   std::string budget;
   std::int64_t batch, heads, kv_heads, tokens, slots;
-  double prefill_ms, decode_ms, decode_graph_ms, prefill_tflops, decode_gbps, update_ms;
+  double prefill_ms, decode_ms, decode_graph_ms, prefill_tflops, decode_gbps, update_ms, decode_bytes;
 };
 
+// S: the storage type; the inputs and outputs are in input_type_t<S> (bf16 for fp8 storage).
 template <class S>
 Row run(const std::string& name, kvmem::budget::Any budget, std::int64_t B, std::int64_t H, std::int64_t Hk,
         std::int64_t T, bool graph, bool fast_routing) {
-  constexpr std::int64_t kBytes = sizeof(S);
+  using In = kvmem::input_type_t<S>;
+  constexpr std::int64_t kBytes = sizeof(In);
   const std::int64_t D = 128, decode_tokens = 256;
   kvmem::kvm::Params p;  // paper defaults: C = 256, nb = 2, S = 1, r = 64
   p.budget = budget;
@@ -70,11 +75,11 @@ Row run(const std::string& name, kvmem::budget::Any budget, std::int64_t B, std:
   state.set_fast_routing(fast_routing);
   const std::int64_t n_q = B * H * T * D, n_kv = B * Hk * T * D, n_g = B * Hk * T;
   Buffer q(n_q * kBytes), k(n_kv * kBytes), v(n_kv * kBytes), g(n_g * kBytes), out(n_q * kBytes);
-  fill(q.as<S>(), n_q, 1);
-  fill(k.as<S>(), n_kv, 2);
-  fill(v.as<S>(), n_kv, 3);
-  fill(g.as<S>(), n_g, 4);
-  gate_kernel<<<1024, 256>>>(g.as<S>(), n_g);
+  fill(q.as<In>(), n_q, 1);
+  fill(k.as<In>(), n_kv, 2);
+  fill(v.as<In>(), n_kv, 3);
+  fill(g.as<In>(), n_g, 4);
+  gate_kernel<<<1024, 256>>>(g.as<In>(), n_g);
   std::vector<float> ones(std::size_t(std::max(D, H)), 1.0f), zeros(std::size_t(D), 0.0f);
   Buffer w(D * 4), bias(D * 4), ts(H * 4), tw(H * 4);
   CHECK_CUDA(cudaMemcpy(w.ptr, ones.data(), D * 4, cudaMemcpyHostToDevice));
@@ -88,9 +93,9 @@ Row run(const std::string& name, kvmem::budget::Any budget, std::int64_t B, std:
   const auto prefill = [&] {
     state.reset();
     CHECK_STATUS(kvmem::cuda::kvm_prefill(
-        exec, state, weights, TensorView<const S, 4>(q.as<S>(), {B, H, T, D}),
-        TensorView<const S, 4>(k.as<S>(), {B, Hk, T, D}), TensorView<const S, 4>(v.as<S>(), {B, Hk, T, D}),
-        TensorView<const S, 3>(g.as<S>(), {B, Hk, T}), TensorView<S, 4>(out.as<S>(), {B, T, H, D})));
+        exec, state, weights, TensorView<const In, 4>(q.as<In>(), {B, H, T, D}),
+        TensorView<const In, 4>(k.as<In>(), {B, Hk, T, D}), TensorView<const In, 4>(v.as<In>(), {B, Hk, T, D}),
+        TensorView<const In, 3>(g.as<In>(), {B, Hk, T}), TensorView<In, 4>(out.as<In>(), {B, T, H, D})));
   };
   cudaEvent_t e0, e1;
   CHECK_CUDA(cudaEventCreate(&e0));
@@ -108,7 +113,7 @@ Row run(const std::string& name, kvmem::budget::Any budget, std::int64_t B, std:
     times.push_back(ms);
   }
   std::sort(times.begin(), times.end());
-  Row row{name, B, H, Hk, T, state.slots(), times[1], 0, 0, 0, 0, 0};
+  Row row{name, B, H, Hk, T, state.slots(), times[1], 0, 0, 0, 0, 0, 0};
   // attention FLOP of the prefill: 4 D per (query, visible key) per head
   const kvmem::kvm::Geometry geo = p.geometry();
   double keys = 0;
@@ -122,15 +127,15 @@ Row run(const std::string& name, kvmem::budget::Any budget, std::int64_t B, std:
   // decode: 256 consecutive tokens after the prefill (the first one runs a state update)
   Buffer q1(B * H * D * kBytes), k1(B * Hk * D * kBytes), v1(B * Hk * D * kBytes), g1(B * Hk * kBytes),
       o1(B * H * D * kBytes);
-  fill(q1.as<S>(), B * H * D, 11);
-  fill(k1.as<S>(), B * Hk * D, 12);
-  fill(v1.as<S>(), B * Hk * D, 13);
-  fill(g1.as<S>(), B * Hk, 14, 1.0f, 0.1f);
+  fill(q1.as<In>(), B * H * D, 11);
+  fill(k1.as<In>(), B * Hk * D, 12);
+  fill(v1.as<In>(), B * Hk * D, 13);
+  fill(g1.as<In>(), B * Hk, 14, 1.0f, 0.1f);
   const auto step = [&] {
     CHECK_STATUS(kvmem::cuda::kvm_decode(
-        exec, state, weights, TensorView<const S, 4>(q1.as<S>(), {B, H, 1, D}),
-        TensorView<const S, 4>(k1.as<S>(), {B, Hk, 1, D}), TensorView<const S, 4>(v1.as<S>(), {B, Hk, 1, D}),
-        TensorView<const S, 3>(g1.as<S>(), {B, Hk, 1}), TensorView<S, 4>(o1.as<S>(), {B, 1, H, D})));
+        exec, state, weights, TensorView<const In, 4>(q1.as<In>(), {B, H, 1, D}),
+        TensorView<const In, 4>(k1.as<In>(), {B, Hk, 1, D}), TensorView<const In, 4>(v1.as<In>(), {B, Hk, 1, D}),
+        TensorView<const In, 3>(g1.as<In>(), {B, Hk, 1}), TensorView<In, 4>(o1.as<In>(), {B, 1, H, D})));
   };
   cudaEvent_t e_upd;
   CHECK_CUDA(cudaEventCreate(&e_upd));
@@ -148,9 +153,12 @@ Row run(const std::string& name, kvmem::budget::Any budget, std::int64_t B, std:
   row.decode_ms = ms / float(decode_tokens);
   row.update_ms = upd;
   CHECK_CUDA(cudaEventDestroy(e_upd));
-  // bytes read per token: every visible key and value row once per KV head (in the storage type)
-  const double keys_per_token = double(state.slots() + p.window());
-  row.decode_gbps = keys_per_token * 2.0 * D * double(kBytes) * double(B * Hk) / (row.decode_ms * 1e-3) / 1e9;
+  // bytes read per token: every visible slot row (K^, V^ in the storage type, with an fp32 scale each for
+  // fp8) and window row (the window type) once per KV head
+  const double slot_row = 2.0 * D * double(sizeof(S)) + (kvmem::is_row_scaled_v<S> ? 2.0 * sizeof(float) : 0.0);
+  const double window_row = 2.0 * D * double(sizeof(kvmem::kvm::window_t<S>));
+  row.decode_bytes = (double(state.slots()) * slot_row + double(p.window()) * window_row) * double(B * Hk);
+  row.decode_gbps = row.decode_bytes / (row.decode_ms * 1e-3) / 1e9;
   if (graph) {
     // Replay one decode step (no update inside: the state stays mid-chunk) from a captured graph.
     prefill();
@@ -217,8 +225,8 @@ int main(int argc, char** argv) {
       }
     }
   }
-  if (storage != "bf16" && storage != "fp32") {
-    std::fprintf(stderr, "kvmem_bench_kvm_cuda: --storage is bf16 or fp32, got '%s'\n", storage.c_str());
+  if (storage != "bf16" && storage != "fp32" && storage != "fp8") {
+    std::fprintf(stderr, "kvmem_bench_kvm_cuda: --storage is bf16, fp32 or fp8, got '%s'\n", storage.c_str());
     return 2;
   }
   if (Hk == 0) Hk = H;
@@ -235,10 +243,10 @@ int main(int argc, char** argv) {
   CHECK_CUDA(cudaGetDeviceProperties(&prop, 0));
   std::printf("kvmem KVM CUDA benchmark on %s (%d SMs), %s storage, D=128, C=256, window 512\n", prop.name,
               prop.multiProcessorCount, storage.c_str());
-  const auto run_one = storage == "fp32" ? run<float> : run<bf16>;
+  const auto run_one = storage == "fp32" ? run<float> : storage == "fp8" ? run<kvmem::e4m3> : run<bf16>;
   std::FILE* out = json ? std::fopen(json, "a") : nullptr;
-  std::printf("%-14s %3s %3s %3s %6s %6s %11s %11s %11s %9s %9s %9s\n", "budget", "B", "H", "Hk", "T", "slots",
-              "prefill_ms", "decode_ms", "graph_ms", "TFLOP/s", "GB/s", "update_ms");
+  std::printf("%-14s %3s %3s %3s %6s %6s %11s %11s %11s %9s %9s %9s %9s\n", "budget", "B", "H", "Hk", "T", "slots",
+              "prefill_ms", "decode_ms", "graph_ms", "TFLOP/s", "GB/s", "MB/token", "update_ms");
   struct Named {
     const char* name;
     kvmem::budget::Any budget;
@@ -254,18 +262,19 @@ int main(int argc, char** argv) {
       for (auto T : {tokens.front(), tokens.back()})
         rows.push_back(run_one(std::string(nb.name) + (fast ? "+fast" : ""), nb.budget, 1, H, Hk, T, true, fast));
   for (const auto& r : rows) {
-    std::printf("%-14s %3lld %3lld %3lld %6lld %6lld %11.3f %11.4f %11.4f %9.1f %9.0f %9.4f\n", r.budget.c_str(),
+    std::printf("%-14s %3lld %3lld %3lld %6lld %6lld %11.3f %11.4f %11.4f %9.1f %9.0f %9.3f %9.4f\n", r.budget.c_str(),
                 (long long)r.batch, (long long)r.heads, (long long)r.kv_heads, (long long)r.tokens, (long long)r.slots,
-                r.prefill_ms, r.decode_ms, r.decode_graph_ms, r.prefill_tflops, r.decode_gbps, r.update_ms);
+                r.prefill_ms, r.decode_ms, r.decode_graph_ms, r.prefill_tflops, r.decode_gbps, r.decode_bytes / 1e6,
+                r.update_ms);
     if (out)
       std::fprintf(out,
                    "{\"mechanism\":\"kvm\",\"storage\":\"%s\",\"budget\":\"%s\",\"B\":%lld,\"H\":%lld,\"Hk\":%lld,"
                    "\"T\":%lld,\"slots\":%lld,"
                    "\"prefill_ms\":%.5f,\"decode_ms\":%.6f,\"decode_graph_ms\":%.6f,\"prefill_tflops\":%.3f,"
-                   "\"decode_gbps\":%.1f,\"update_step_ms\":%.5f}\n",
+                   "\"decode_gbps\":%.1f,\"decode_bytes_per_token\":%.0f,\"update_step_ms\":%.5f}\n",
                    storage.c_str(), r.budget.c_str(), (long long)r.batch, (long long)r.heads, (long long)r.kv_heads,
                    (long long)r.tokens, (long long)r.slots, r.prefill_ms, r.decode_ms, r.decode_graph_ms,
-                   r.prefill_tflops, r.decode_gbps, r.update_ms);
+                   r.prefill_tflops, r.decode_gbps, r.decode_bytes, r.update_ms);
   }
   if (out) std::fclose(out);
   return 0;

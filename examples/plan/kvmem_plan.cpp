@@ -25,7 +25,7 @@ int usage(const char* problem) {
   std::fprintf(
       stderr,
       "usage: kvmem-plan [--layers L] [--q-heads Hq] [--kv-heads H] [--head-dim D] [--value-dim Dv]\n"
-      "                  [--dtype bf16|fp16|fp32] [--context N] [--batch B] [--chunk C] [--window-chunks nb]\n");
+      "                  [--dtype bf16|fp16|fp32|fp8] [--context N] [--batch B] [--chunk C] [--window-chunks nb]\n");
   return 2;
 }
 
@@ -85,8 +85,8 @@ int main(int argc, char** argv) {
     }
     if (!parse_int(value, *target)) return usage((arg + " needs a positive integer, got '" + value + "'").c_str());
   }
-  if (opt.dtype != "bf16" && opt.dtype != "fp16" && opt.dtype != "fp32")
-    return usage(("--dtype must be bf16, fp16 or fp32, got '" + opt.dtype + "'").c_str());
+  if (opt.dtype != "bf16" && opt.dtype != "fp16" && opt.dtype != "fp32" && opt.dtype != "fp8")
+    return usage(("--dtype must be bf16, fp16, fp32 or fp8, got '" + opt.dtype + "'").c_str());
   if (opt.value_dim < 0) opt.value_dim = opt.head_dim;
   if (opt.q_heads % opt.kv_heads != 0) return usage("--q-heads must be a multiple of --kv-heads");
   const std::vector<kvmem::plan::Row> rows = kvmem::plan::rows(opt);
@@ -111,7 +111,8 @@ int main(int argc, char** argv) {
   std::printf(
       "\nkept = bytes of what the cache holds at the context length (KVM: slot sums, radius, count in fp32,\n"
       "readout copies and window in the dtype; UA: keys, values and 16 bytes of lambda, gate logit, position\n"
-      "per row). allocated = the persistent bytes every layer allocates (kvm::state_bytes, ua::cache_layout).\n"
+      "per row; fp8: e4m3 readout copies and UA rows with an fp32 scale per row, the KVM window in bf16).\n"
+      "allocated = the persistent bytes every layer allocates (kvm::state_bytes, ua::cache_layout).\n"
       "workspace = one per-step workspace for --batch rows, shared by the layers. per (seq, KVh) = allocated\n"
       "bytes per (sequence, KV head) of one layer. vs full = full KV cache bytes / allocated. A UA pool sized\n"
       "for the kept rows holds ceil(kept / 16) pages per (sequence, KV head); see docs/memory.md.\n");

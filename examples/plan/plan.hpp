@@ -20,7 +20,7 @@ namespace kvmem::plan {
 struct Config {
   std::int64_t layers = 32, q_heads = 32, kv_heads = 8, head_dim = 128, value_dim = -1, context = 32768, batch = 1;
   std::int64_t chunk = 256, window_chunks = 2;
-  std::string dtype = "bf16";  // bf16, fp16 or fp32 (KVM readout copies and window; UA keys and values)
+  std::string dtype = "bf16";  // bf16, fp16, fp32 or fp8 (KVM readout copies and window; UA keys and values)
 };
 
 struct Budget {
@@ -56,17 +56,22 @@ struct Row {
   double per_item_bytes = 0;   // allocated bytes per (sequence, KV head) of one layer
 };
 
+// fp8 (e4m3) rows carry one fp32 scale each: a key row and a value row, 8 bytes per (key, value) pair.
+template <class S>
+inline constexpr double kRowScaleBytes = is_row_scaled_v<S> ? 2.0 * sizeof(float) : 0.0;
+
 template <class S>
 std::vector<Row> rows_for(const Config& c) {
   const kvm::Shape sh = shape(c);
   const double L = double(c.layers), items = double(c.batch * c.kv_heads);
   const double elem = double(sizeof(S)), D = double(sh.D), Dv = double(sh.Dv);
+  const double win_elem = double(sizeof(kvm::window_t<S>)), scales = kRowScaleBytes<S>;
   std::vector<Row> out;
-  Row full;
+  Row full;  // a dense cache in the same dtype (fp8: with the per-row scales of a UA fp8 row)
   full.name = "full KV cache";
   full.rows = c.context;
-  full.kept_bytes = full.state_bytes = L * items * double(c.context) * (D + Dv) * elem;
-  full.per_item_bytes = double(c.context) * (D + Dv) * elem;
+  full.kept_bytes = full.state_bytes = L * items * double(c.context) * ((D + Dv) * elem + scales);
+  full.per_item_bytes = double(c.context) * ((D + Dv) * elem + scales);
   out.push_back(full);
   for (const Budget& b : budgets()) {
     const kvm::Problem pr{params(c, b.budget), sh};
@@ -75,9 +80,12 @@ std::vector<Row> rows_for(const Config& c) {
     Row r;
     r.name = b.name;
     r.rows = kvm::slots_after(b.budget, geo, c.context);
-    // kept: slot sums (fp32 keys, values, radius, count) and readout copies, the window's k, v, g
+    // kept: slot sums (fp32 keys, values, radius, count) and readout copies (with their row scales for
+    // fp8), the window's k, v (bf16 for fp8 storage), g
     const double window = double(std::min(c.context, geo.window()));
-    r.kept_bytes = L * items * (double(r.rows) * ((D + Dv + 2) * 4 + (D + Dv) * elem) + window * ((D + Dv) * elem + 4));
+    r.kept_bytes =
+        L * items *
+        (double(r.rows) * ((D + Dv + 2) * 4 + (D + Dv) * elem + scales) + window * ((D + Dv) * win_elem + 4));
     r.state_bytes = L * double(layout.bytes);
     r.workspace_bytes = double(kvm::workspace_bytes<S, float>(pr, {c.batch, 0}));
     r.per_item_bytes = double(layout.item_bytes);
@@ -89,7 +97,7 @@ std::vector<Row> rows_for(const Config& c) {
   Row u;
   u.name = "UA pool, no eviction";
   u.rows = c.context;
-  u.kept_bytes = L * items * double(c.context) * (2 * D * elem + 16);
+  u.kept_bytes = L * items * double(c.context) * (2 * D * elem + 16 + scales);
   u.state_bytes = L * double(ul.bytes);
   u.workspace_bytes = double(ua::workspace_bytes<S>(us, {c.batch, 0}));
   u.per_item_bytes = double(us.pages_per_item()) * double(ul.page_bytes) + double(ul.item_bytes);
@@ -102,6 +110,7 @@ inline std::vector<Row> rows(const Config& c) {
   if (c.dtype == "bf16") return rows_for<bf16>(c);
   if (c.dtype == "fp16") return rows_for<fp16>(c);
   if (c.dtype == "fp32") return rows_for<float>(c);
+  if (c.dtype == "fp8") return rows_for<e4m3>(c);
   return {};
 }
 

@@ -3,9 +3,10 @@
 // operations on a cuda::KvmState. The oracle of every row is its sequence run alone on the host
 // backend (exact path, a one-slot state): outputs and lse within fp32 rounding (the readouts sum in
 // another order), and the exported slot records -- counters, memory slots, window -- byte for byte
-// (the CUDA update rounds every operation as the host does, so routes and state are identical). A
-// CUDA graph of one padded decode step replays bitwise like the same steps run uncaptured, and so does
-// one of copy_slots, reset_slots and a step. Slot lists are checked on the device: a refused list
+// (the CUDA update rounds every operation as the host does, so routes and state are identical; fp8
+// storage quantises the readout rows by the host's rule). A CUDA graph of one padded decode step
+// replays bitwise like the same steps run uncaptured, and so does one of copy_slots, reset_slots and a
+// step. Slot lists are checked on the device: a refused list
 // changes nothing and step_status returns the host backend's Status for it. Skips, saying so, when no
 // CUDA device is visible.
 #include "kvmem/backend/cuda/vendor.cuh"
@@ -93,14 +94,15 @@ struct RandomWeights {
 };
 
 // One token of a sequence, token-major: q [Hq,D], k [Hk,D], v [Hk,Dv], g [Hk]; values exact in the
-// storage type S, so the host (float inputs) and CUDA (inputs in S) runs store the same window.
+// input type of storage S (input_type_t: S, bf16 for fp8), so the host (float inputs) and CUDA (inputs
+// in that type) runs store the same window.
 struct Tok {
   std::vector<float> q, k, v, g;
 };
 template <class S>
 Tok random_tok(const Dims& d, std::mt19937_64& rng) {
   std::normal_distribution<float> n01(0.f, 1.f);
-  const auto r = [](float x) { return kvmem::load_as<float>(kvmem::store_as<S>(x)); };
+  const auto r = [](float x) { return kvmem::load_as<float>(kvmem::store_as<kvmem::input_type_t<S>>(x)); };
   Tok t;
   for (std::int64_t i = 0; i < d.Hq * d.D; ++i) t.q.push_back(r(n01(rng)));
   for (std::int64_t i = 0; i < d.Hk * d.D; ++i) t.k.push_back(r(n01(rng)));
@@ -112,7 +114,8 @@ Tok random_tok(const Dims& d, std::mt19937_64& rng) {
   return t;
 }
 
-// Packed inputs of one step (host copies), run on a CUDA state with inputs in S and float outputs.
+// Packed inputs of one step (host copies), run on a CUDA state with inputs in input_type_t<S> and float
+// outputs.
 struct Batch {
   std::vector<std::int32_t> slot, start{0};
   std::vector<float> q, k, v, g, out, lse;
@@ -131,18 +134,19 @@ struct Batch {
   std::int64_t tokens() const { return start.back(); }
   template <class S>
   Status run(kvmem::cuda::KvmState<S>& st, const RandomWeights& w, const Dims& d) {
+    using In = kvmem::input_type_t<S>;
     const std::int64_t T = tokens();
     Dev<std::int32_t> ds(slot), dst(start);
-    Dev<S> dq(as_storage<S>(q)), dk(as_storage<S>(k)), dv(as_storage<S>(v)), dg(as_storage<S>(g));
+    Dev<In> dq(as_storage<In>(q)), dk(as_storage<In>(k)), dv(as_storage<In>(v)), dg(as_storage<In>(g));
     Dev<float> dout(std::vector<float>(std::size_t(T * d.Hq * d.Dv), -7.f)),
         dlse(std::vector<float>(std::size_t(T * d.Hq), -7.f));
     const Rows rows{I32View(ds.ptr, {std::int64_t(slot.size())}), I32View(dst.ptr, {std::int64_t(start.size())}),
                     max_query_len};
     const kvmem::cuda::Executor exec{};
     const Status s =
-        kvm::step(exec, st, w.device(), rows, TensorView<const S, 3>(dq.ptr, {T, d.Hq, d.D}),
-                  TensorView<const S, 3>(dk.ptr, {T, d.Hk, d.D}), TensorView<const S, 3>(dv.ptr, {T, d.Hk, d.Dv}),
-                  TensorView<const S, 2>(dg.ptr, {T, d.Hk}), TensorView<float, 3>(dout.ptr, {T, d.Hq, d.Dv}),
+        kvm::step(exec, st, w.device(), rows, TensorView<const In, 3>(dq.ptr, {T, d.Hq, d.D}),
+                  TensorView<const In, 3>(dk.ptr, {T, d.Hk, d.D}), TensorView<const In, 3>(dv.ptr, {T, d.Hk, d.Dv}),
+                  TensorView<const In, 2>(dg.ptr, {T, d.Hk}), TensorView<float, 3>(dout.ptr, {T, d.Hq, d.Dv}),
                   TensorView<float, 2>(dlse.ptr, {T, d.Hq}));
     if (!s.is_ok()) return s;
     KVMEM_RETURN_IF_ERROR(kvmem::cuda::to_status(cudaDeviceSynchronize(), "sync after step"));
@@ -440,8 +444,8 @@ void continuous_batching(kvmem::budget::Any budget, std::uint64_t seed, Schedule
   std::printf(
       "kvm cuda slots %s %s: %d sequences (longest %lld), %d steps, %d forks, %d truncations (%d refused), "
       "%lld rows checked, worst out %.3g, lse %.3g\n",
-      std::is_same_v<S, float> ? "fp32" : "bf16", budget.name(), created, (long long)max_seen, steps, forks,
-      truncations, refused, (long long)checked_rows, worst_out, worst_lse);
+      kvmem::type_name<S>(), budget.name(), created, (long long)max_seen, steps, forks, truncations, refused,
+      (long long)checked_rows, worst_out, worst_lse);
   REQUIRE(!failed);
   CHECK(created >= size.sequences);
   CHECK(max_seen == max_len);  // the first sequence ran to max_len
@@ -467,6 +471,9 @@ TEST_CASE("cuda kvm step: a small continuous batch equals each sequence alone", 
   SECTION("bf16, 16 sqrt N") {
     continuous_batching<kvmem::bf16>(kSqrt, 102, {10, 300, 16});
   }
+  SECTION("fp8 (e4m3 readout rows, bf16 window and inputs), 16 sqrt N") {
+    continuous_batching<kvmem::e4m3>(kSqrt, 103, {10, 300, 16});
+  }
 }
 
 TEST_CASE("cuda kvm step: continuous batching equals each sequence alone", "[slots][gpu]") {
@@ -482,6 +489,12 @@ TEST_CASE("cuda kvm step: continuous batching equals each sequence alone", "[slo
   }
   SECTION("bf16, 16 sqrt N") {
     continuous_batching<kvmem::bf16>(kSqrt, 22, {34, 3000, 16});
+  }
+  SECTION("fp8, fixed") {
+    continuous_batching<kvmem::e4m3>(kFixed, 13, {34, 3000, 16});
+  }
+  SECTION("fp8, 16 sqrt N") {
+    continuous_batching<kvmem::e4m3>(kSqrt, 23, {34, 3000, 16});
   }
 }
 
@@ -829,6 +842,9 @@ TEST_CASE("cuda kvm slots: a slot exported on one backend imports on the other a
   }
   SECTION("bf16") {
     export_import_across<kvmem::bf16>(32);
+  }
+  SECTION("fp8") {
+    export_import_across<kvmem::e4m3>(33);
   }
 }
 

@@ -140,6 +140,18 @@ TEST_CASE("kvm steps do not allocate", "[kvm][memory][unit]") {
     (void)count_steps(exec, st, d, 1);
     CHECK(count_steps(exec, st, d, 120) == 0);
   }
+  SECTION("fp8 storage (e4m3 readout rows with their scales), exact and fast paths") {
+    std::vector<std::byte> state8(kvm::state_bytes<kvmem::e4m3, float>(pr) + 64),
+        work8(kvm::workspace_bytes<kvmem::e4m3, float>(pr, {2, 0}) + 64);
+    kvm::State<kvmem::e4m3, float> st8;
+    REQUIRE(kvm::State<kvmem::e4m3, float>::place(aligned(state8), state8.size() - 64, pr, st8).is_ok());
+    REQUIRE(st8.attach_workspace(aligned(work8), work8.size() - 64, {2, 0}).is_ok());
+    CHECK(count_steps(kvmem::host::Executor{.threads = 1, .exact = true}, st8, d, 120) == 0);
+    const kvmem::host::Executor fast{.threads = 1, .exact = false};
+    (void)count_steps(fast, st8, d, 1);
+    CHECK(count_steps(fast, st8, d, 120) == 0);
+    CHECK(st8.tokens(0) > 3 * 16);
+  }
   // the counter does count: a freshly made vector allocates
   const long probe_before = g_allocations.load();
   std::vector<float> probe(1000, 1.0f);

@@ -85,6 +85,36 @@ TEST_CASE("kvm state_layout and workspace_bytes follow the closed form", "[kvm][
       }
 }
 
+// fp8 storage: e4m3 readout copies with one fp32 scale per K^ row and per V^ row, the window in bf16
+// (kvm/state.hpp); the workspace is the bf16 state's (it holds only fp32 scratch).
+TEST_CASE("kvm state_layout of fp8 storage counts the row scales and the bf16 window", "[kvm][memory][unit]") {
+  const Dims d{8, 2, 16, 12};
+  for (const kvmem::budget::Any& budget : {kvmem::budget::Any(Fixed{32, 32}), kvmem::budget::Any(Power{2.0, 0.5, 16})})
+    for (const std::int64_t n_ctx : {40, 1000}) {
+      const std::int64_t B = 3;
+      const kvm::Problem pr{make_params(16, budget), {B, d.Hq, d.Hk, d.D, d.Dv, n_ctx}};
+      const auto cap = std::size_t(kvm::slot_capacity(budget, pr.params.geometry(), n_ctx));
+      const std::size_t W = 32, D = 16, Dv = 12;
+      const std::size_t item = up64(cap * D * 4) + up64(cap * Dv * 4) + 2 * up64(cap * 4) + up64(cap * D) +
+                               up64(cap * Dv) + 2 * up64(cap * 4) + up64(W * D * 2) + up64(W * Dv * 2) + up64(W * 4);
+      const auto layout = kvm::state_layout<kvmem::e4m3, float>(pr);
+      INFO("n_ctx " << n_ctx << " cap " << cap);
+      CHECK(layout.item_bytes == item);
+      CHECK(layout.slot_bytes == 2 * item + 24);
+      CHECK(layout.bytes == std::size_t(B) * 2 * item + 3 * up64(std::size_t(B) * 8));
+      CHECK(kvm::state_bytes<kvmem::e4m3, float>(pr) == layout.bytes);
+      CHECK(kvm::workspace_bytes<kvmem::e4m3, float>(pr) == kvm::workspace_bytes<kvmem::bf16, float>(pr));
+      kvm::State<kvmem::e4m3, float> st;
+      REQUIRE(kvm::State<kvmem::e4m3, float>::create(pr.params, pr.shape, st).is_ok());
+      CHECK(st.state_bytes() == layout.bytes);
+      // the item's arrays lie inside its block, the scales between the readout copies and the window
+      const auto it = st.item(1, 1), next = st.item(2, 0);
+      CHECK(reinterpret_cast<std::byte*>(it.khat_scale) >= reinterpret_cast<std::byte*>(it.vhat + cap * Dv));
+      CHECK(reinterpret_cast<std::byte*>(it.vhat_scale + cap) <= reinterpret_cast<std::byte*>(it.wk));
+      CHECK(reinterpret_cast<std::byte*>(it.wg + W) <= reinterpret_cast<std::byte*>(next.sk));
+    }
+}
+
 TEST_CASE("kvm state and workspace placed over caller buffers write nothing outside them", "[kvm][memory][unit]") {
   const Dims d;
   const std::int64_t B = 4, C = 8;

@@ -25,7 +25,8 @@ void check_allocations(const plan::Config& c) {
   REQUIRE(rows.size() == budgets.size() + 2);
   INFO(c.dtype << " Hq " << c.q_heads << " Hk " << c.kv_heads << " context " << c.context << " batch " << c.batch);
   const double L = double(c.layers);
-  const double full = L * double(c.batch * c.kv_heads * c.context * 2 * c.head_dim) * double(sizeof(S));
+  const double row_scales = kvmem::is_row_scaled_v<S> ? 8.0 : 0.0;  // fp8: a key and a value scale per token
+  const double full = L * double(c.batch * c.kv_heads * c.context) * (double(2 * c.head_dim * sizeof(S)) + row_scales);
   CHECK(rows[0].state_bytes == full);
   for (std::size_t i = 0; i < budgets.size(); ++i) {
     const plan::Row& r = rows[i + 1];
@@ -49,7 +50,7 @@ void check_allocations(const plan::Config& c) {
 
 TEST_CASE("kvmem-plan's allocated bytes are the library's, for every dtype, GQA shape and context",
           "[kvm][memory][unit]") {
-  for (const char* dtype : {"bf16", "fp16", "fp32"})
+  for (const char* dtype : {"bf16", "fp16", "fp32", "fp8"})
     for (const auto& [hq, hk] : {std::pair{32, 8}, std::pair{8, 8}, std::pair{64, 4}})
       for (const std::int64_t context : {4096, 32768, 131072})
         for (const std::int64_t batch : {1, 3}) {
@@ -63,23 +64,27 @@ TEST_CASE("kvmem-plan's allocated bytes are the library's, for every dtype, GQA 
             check_allocations<kvmem::bf16>(c);
           else if (c.dtype == "fp16")
             check_allocations<kvmem::fp16>(c);
+          else if (c.dtype == "fp8")
+            check_allocations<kvmem::e4m3>(c);
           else
             check_allocations<float>(c);
         }
 }
 
-TEST_CASE("kvmem-plan's kept bytes equal a state's after the context ran", "[kvm][memory][unit]") {
+namespace {
+template <class S>
+void check_kept_bytes(const char* dtype) {
   using namespace kvmem::test::kvm_mem;
   plan::Config c;
-  c.layers = 3, c.q_heads = 4, c.kv_heads = 2, c.head_dim = 8, c.context = 700, c.chunk = 16, c.dtype = "bf16";
+  c.layers = 3, c.q_heads = 4, c.kv_heads = 2, c.head_dim = 8, c.context = 700, c.chunk = 16, c.dtype = dtype;
   const std::vector<plan::Row> rows = plan::rows(c);
   const auto budgets = plan::budgets();
   const Dims d{4, 2, 8, 8};
   const Weights w(d, 1);
   for (std::size_t i = 0; i < budgets.size(); ++i) {
-    INFO(rows[i + 1].name);
-    kvm::State<kvmem::bf16, float> st;
-    REQUIRE(kvm::State<kvmem::bf16, float>::create(plan::params(c, budgets[i].budget), plan::shape(c), st).is_ok());
+    INFO(dtype << " " << rows[i + 1].name);
+    kvm::State<S, float> st;
+    REQUIRE(kvm::State<S, float>::create(plan::params(c, budgets[i].budget), plan::shape(c), st).is_ok());
     Step step(d, 1, 100);
     std::mt19937_64 rng(4);
     for (std::int64_t t = 0; t < c.context; t += 100) {
@@ -90,4 +95,10 @@ TEST_CASE("kvmem-plan's kept bytes equal a state's after the context ran", "[kvm
     CHECK(st.slots(0) == rows[i + 1].rows);
     CHECK(rows[i + 1].kept_bytes == double(c.layers) * double(st.cache_bytes(0)));
   }
+}
+}  // namespace
+
+TEST_CASE("kvmem-plan's kept bytes equal a state's after the context ran", "[kvm][memory][unit]") {
+  check_kept_bytes<kvmem::bf16>("bf16");
+  check_kept_bytes<kvmem::e4m3>("fp8");
 }

@@ -78,6 +78,7 @@ struct Batch {
   std::int64_t tokens() const { return start.back(); }
   Status run(kvm::State<kvmem::bf16, float>& st, const kvm::Weights& w, const Dims& d) { return run_any(st, w, d); }
   Status run(kvm::State<float, float>& st, const kvm::Weights& w, const Dims& d) { return run_any(st, w, d); }
+  Status run(kvm::State<kvmem::e4m3, float>& st, const kvm::Weights& w, const Dims& d) { return run_any(st, w, d); }
   template <class S>
   Status run_any(kvm::State<S, float>& st, const kvm::Weights& w, const Dims& d, int threads = 2) {
     const std::int64_t T = tokens();
@@ -408,6 +409,9 @@ TEST_CASE("kvm step: continuous batching equals each sequence alone (fixed budge
   SECTION("bf16") {
     continuous_batching<kvmem::bf16>(kvmem::budget::Fixed{16, 16}, 12, 34, 3000);
   }
+  SECTION("fp8") {  // e4m3 readout copies with row scales, bf16 window (kvm/state.hpp)
+    continuous_batching<kvmem::e4m3>(kvmem::budget::Fixed{16, 16}, 13, 34, 3000);
+  }
 }
 
 TEST_CASE("kvm step: continuous batching equals each sequence alone (power budget)", "[slots]") {
@@ -416,6 +420,9 @@ TEST_CASE("kvm step: continuous batching equals each sequence alone (power budge
   }
   SECTION("bf16") {
     continuous_batching<kvmem::bf16>(kvmem::budget::Power{2.0, 0.5, 16, 1, 100000}, 22, 34, 3000);
+  }
+  SECTION("fp8") {
+    continuous_batching<kvmem::e4m3>(kvmem::budget::Power{2.0, 0.5, 16, 1, 100000}, 23, 34, 3000);
   }
 }
 
@@ -528,6 +535,12 @@ TEST_CASE("kvm slots: export -> import continues bit for bit like the source", "
   SECTION("bf16 power") {
     round_trip<kvmem::bf16>(kvmem::budget::Power{3.0, 0.5, 8, 1, 100000});
   }
+  SECTION("fp8 power") {  // the import rebuilds the e4m3 readout copies and their scales bit for bit
+    round_trip<kvmem::e4m3>(kvmem::budget::Power{3.0, 0.5, 8, 1, 100000});
+  }
+  SECTION("fp8 fixed") {
+    round_trip<kvmem::e4m3>(kvmem::budget::Fixed{8, 8});
+  }
 }
 
 template <class S>
@@ -639,6 +652,37 @@ TEST_CASE("kvm slots: imports whose version, mechanism, parameters or shape diff
     longer.push_back(std::byte{0});
     CHECK(!try_import<float>(p, d, 300, longer).is_ok());
   }
+}
+
+// A record holds its storage type: an fp8 state refuses a bf16 or fp32 record, and a bf16 state an fp8
+// record, naming the field and both types; the refused state is unchanged (try_import checks).
+TEST_CASE("kvm slots: a record of another storage type is refused, naming both types", "[slots]") {
+  const Dims d;
+  const kvm::Params p = make_params(8, kvmem::budget::Power{3.0, 0.5, 8, 1, 100000});
+  const RandomWeights rw(d, 5);
+  std::mt19937_64 rng(14);
+  std::vector<Tok> toks;
+  for (int i = 0; i < 40; ++i) toks.push_back(random_tok(d, rng));
+  kvm::State<kvmem::bf16, float> b16;
+  kvm::State<kvmem::e4m3, float> f8;
+  REQUIRE(kvm::State<kvmem::bf16, float>::create(p, {1, d.Hq, d.Hk, d.D, d.Dv, 300}, b16).is_ok());
+  REQUIRE(kvm::State<kvmem::e4m3, float>::create(p, {1, d.Hq, d.Hk, d.D, d.Dv, 300}, f8).is_ok());
+  feed(b16, rw.view(), d, 0, toks, 0, 40, 11);
+  feed(f8, rw.view(), d, 0, toks, 0, 40, 11);
+  const auto rec16 = export_of(b16, 0), rec8 = export_of(f8, 0);
+  REQUIRE(try_import<kvmem::e4m3>(p, d, 300, rec8).is_ok());  // the control
+  REQUIRE(try_import<kvmem::bf16>(p, d, 300, rec16).is_ok());
+  const Status into8 = try_import<kvmem::e4m3>(p, d, 300, rec16);
+  INFO(into8.to_string());
+  CHECK(into8.code() == StatusCode::kInvalidArgument);
+  CHECK(into8.message().find("'storage'") != std::string::npos);
+  CHECK(into8.message().find("fp8 e4m3") != std::string::npos);
+  CHECK(into8.message().find("bf16") != std::string::npos);
+  const Status into16 = try_import<kvmem::bf16>(p, d, 300, rec8);
+  INFO(into16.to_string());
+  CHECK(into16.message().find("'storage'") != std::string::npos);
+  CHECK(into16.message().find("fp8 e4m3") != std::string::npos);
+  CHECK(!try_import<kvmem::e4m3>(p, d, 300, export_of(b16, 0)).is_ok());
 }
 
 // ---- truncate -------------------------------------------------------------------------------------

@@ -6,8 +6,8 @@
 // of supported combinations is docs/compose.md ("Supported combinations"); run-time shapes go
 // through can_run, which gives the same answers as a Status.
 //
-// The primary template describes the host backend (any head dimension, storage fp32 / bf16 / fp16 and,
-// for UA caches, fp8 e4m3; accumulation fp32 or, for KVM, fp64); a backend with narrower kernels
+// The primary template describes the host backend (any head dimension, storage fp32 / bf16 / fp16 / fp8
+// e4m3; accumulation fp32 or, for KVM, fp64); a backend with narrower kernels
 // specialises BackendLimits for its executor type in its own folder (backend/cuda/limits.hpp,
 // backend/kokkos/executor.hpp).
 
@@ -28,6 +28,7 @@ struct BackendLimits {
   static constexpr std::int64_t kMaxUaHeadDim = 0;    // 0: no limit
   static constexpr bool kKvmFp64Accumulate = true;    // State<S, double> runs
   static constexpr bool kUaFp8 = true;                // UA cache rows in fp8 (precision::Fp8Storage)
+  static constexpr bool kKvmFp8 = true;               // KVM readout copies in fp8 (precision::Fp8Storage)
 };
 
 // The head dims a call is compiled for. A composed variant with fixed dims (kvm::Attention<.., HeadDim,
@@ -54,11 +55,6 @@ struct HeadDims {
   }
 };
 
-// fp8 (e4m3) storage of KVM slots: no backend stores it (the slots' readout copies would need a scale
-// per row in every readout and update kernel); UA caches take it. kvm::Attention, kvm::State and the
-// CUDA KvmState refuse it at compile time with this reason.
-inline constexpr bool kKvmFp8Storage = false;
-
 namespace detail {
 consteval bool dim_fits(std::int64_t dim, std::int64_t limit) {
   return dim == kAnyDim || limit == 0 || dim <= limit;
@@ -79,6 +75,15 @@ consteval bool check_kvm_support() {
                 "kvmem::kvm::Attention: this backend's KVM kernels accumulate in fp32 only; use a precision policy "
                 "with Accumulate = float (docs/compose.md, Supported combinations)");
   return true;
+}
+
+// The same with the variant's storage type: fp8 (e4m3) readout copies need kKvmFp8.
+template <class Executor, class Storage, class Accumulate, std::int64_t KeyDim, std::int64_t ValueDim>
+consteval bool check_kvm_support() {
+  static_assert(!is_row_scaled_v<Storage> || BackendLimits<Executor>::kKvmFp8,
+                "kvmem::kvm::Attention: this backend's KVM kernels do not store fp8 (kvmem::e4m3) slots "
+                "(BackendLimits<Executor>::kKvmFp8; docs/compose.md, Supported combinations)");
+  return check_kvm_support<Executor, Accumulate, KeyDim, ValueDim>();
 }
 
 template <class Executor, std::int64_t HeadDim>

@@ -35,24 +35,31 @@ KVMEM_HOST_DEVICE inline Acc dot(const Acc* a, const B* b, std::int64_t n) {
 // Accumulates keys [0, count) into one row: l_j = logit_scale * (q . k_j), p over the union of
 // everything pushed into `sm` so far (spec KVM.md 4.4 step 3).
 // q: [D]; keys: [count, ldk] (first D used); vals: [count, ldv] (first Dv used); acc: [Dv]
+// Row-scaled (fp8) keys or values read as scale * row (core/numeric.hpp): key_scale, value_scale
+// [count] (read only for a row-scaled K / V). The dot and the value sum are taken on the stored
+// elements and multiplied by the row's scale once, as the UA readout does (kernel/ua_attend.hpp).
 template <class Acc, class K, class V>
 KVMEM_HOST_DEVICE inline void attend_accumulate(OnlineSoftmax<Acc>& sm, Acc* acc, const Acc* q, std::int64_t D,
                                                 Acc logit_scale, const K* keys, std::int64_t ldk, const V* vals,
-                                                std::int64_t ldv, std::int64_t Dv, std::int64_t count) {
+                                                std::int64_t ldv, std::int64_t Dv, std::int64_t count,
+                                                const float* key_scale = nullptr, const float* value_scale = nullptr) {
   using std::exp;
   Acc logits[kAttendTile];
   for (std::int64_t base = 0; base < count; base += kAttendTile) {
     const std::int64_t n = (count - base) < kAttendTile ? (count - base) : kAttendTile;
     Acc block_max = negative_infinity<Acc>();
     for (std::int64_t j = 0; j < n; ++j) {
-      logits[j] = logit_scale * dot(q, keys + (base + j) * ldk, D);
+      Acc qk = dot(q, keys + (base + j) * ldk, D);
+      if constexpr (is_row_scaled_v<K>) qk *= Acc(key_scale[base + j]);
+      logits[j] = logit_scale * qk;
       if (logits[j] > block_max) block_max = logits[j];
     }
     const Acc rescale = sm.raise_max(block_max);
     if (rescale != Acc(1))
       for (std::int64_t d = 0; d < Dv; ++d) acc[d] *= rescale;
     for (std::int64_t j = 0; j < n; ++j) {
-      const Acc w = sm.accumulate(logits[j]);
+      Acc w = sm.accumulate(logits[j]);
+      if constexpr (is_row_scaled_v<V>) w *= Acc(value_scale[base + j]);
       const V* row = vals + (base + j) * ldv;
       for (std::int64_t d = 0; d < Dv; ++d) acc[d] += w * load_as<Acc>(row[d]);
     }

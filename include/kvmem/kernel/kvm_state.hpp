@@ -57,17 +57,18 @@ KVMEM_HOST_DEVICE inline Acc norm2(const X* x, std::int64_t n) {
 
 // V^ = rho * Sv / max(||Sv||, 1e-12) (value radius) or Sv / cnt (count mode)  (spec 4.4 step 2).
 // sv: [Dv], out: [Dv]
+// The factor f of V^ = f * Sv: rho / max(||Sv||, 1e-12) or 1 / cnt. sv: [Dv]
+template <class Acc>
+KVMEM_HOST_DEVICE inline Acc value_readout_factor(const Acc* sv, std::int64_t Dv, Acc rho, Acc cnt, bool value_radius) {
+  if (!value_radius) return Acc(1) / cnt;
+  Acc n = norm2<Acc>(sv, Dv);
+  if (n < Acc(1e-12)) n = Acc(1e-12);
+  return rho / n;
+}
 template <class Acc, class Out>
 KVMEM_HOST_DEVICE inline void value_readout(const Acc* sv, std::int64_t Dv, Acc rho, Acc cnt, bool value_radius,
                                             Out* out) {
-  Acc f;
-  if (value_radius) {
-    Acc n = norm2<Acc>(sv, Dv);
-    if (n < Acc(1e-12)) n = Acc(1e-12);
-    f = rho / n;
-  } else {
-    f = Acc(1) / cnt;
-  }
+  const Acc f = value_readout_factor(sv, Dv, rho, cnt, value_radius);
   for (std::int64_t d = 0; d < Dv; ++d) out[d] = store_as<Out>(sv[d] * f);
 }
 
@@ -232,14 +233,40 @@ struct KvmStepParams {
        value_radius = false;
 };
 
-// Spec 4.4 steps 1-2: K^_j = LN_s(Sk_j) (through the Acc row `ln`) and V^_j of one slot.
+// value_readout into an fp8 row: V^ is formed in Acc exactly as above and stored with one scale
+// (quantize_row's rule, core/numeric.hpp: a power of two bringing the row's amax to <= 448), without
+// a scratch row: the factor is applied twice, once for the amax and once for the store. Returns the
+// scale. sv: [Dv], out: [Dv]
+template <class Acc>
+KVMEM_HOST_DEVICE inline float value_readout_scaled(const Acc* sv, std::int64_t Dv, Acc rho, Acc cnt, bool value_radius,
+                                                    e4m3* out) {
+  const Acc f = value_readout_factor(sv, Dv, rho, cnt, value_radius);
+  float amax = 0.0f;
+  for (std::int64_t d = 0; d < Dv; ++d) {
+    const float x = static_cast<float>(sv[d] * f), a = x < 0.0f ? -x : x;
+    amax = a > amax ? a : amax;
+  }
+  const float scale = fp8_row_scale(amax), inverse = fp8_inverse_scale(scale);
+  for (std::int64_t d = 0; d < Dv; ++d) out[d] = e4m3(static_cast<float>(sv[d] * f) * inverse);
+  return scale;
+}
+
+// Spec 4.4 steps 1-2: K^_j = LN_s(Sk_j) (through the Acc row `ln`) and V^_j of one slot. Row-scaled
+// storage (fp8) writes each row's scale to *khat_scale and *vhat_scale (unused otherwise).
 // sk: [D], sv: [Dv], ln: [D] scratch, khat: [D], vhat: [Dv]
 template <class Acc, class S>
 KVMEM_HOST_DEVICE inline void refresh_slot(const KvmStepParams<Acc>& p, const Acc* sk, const Acc* sv, Acc rho, Acc cnt,
-                                           Acc* ln, S* khat, S* vhat) {
+                                           Acc* ln, S* khat, S* vhat, float* khat_scale = nullptr,
+                                           float* vhat_scale = nullptr) {
   layer_norm(sk, p.D, p.ln_w, p.ln_b, p.eps, ln);
-  for (std::int64_t d = 0; d < p.D; ++d) khat[d] = store_as<S>(ln[d]);
-  value_readout(sv, p.Dv, rho, cnt, p.value_radius, vhat);
+  if constexpr (is_row_scaled_v<S>) {
+    *khat_scale = quantize_row(ln, khat, p.D);
+    *vhat_scale = value_readout_scaled(sv, p.Dv, rho, cnt, p.value_radius, vhat);
+  } else {
+    (void)khat_scale, (void)vhat_scale;
+    for (std::int64_t d = 0; d < p.D; ++d) khat[d] = store_as<S>(ln[d]);
+    value_readout(sv, p.Dv, rho, cnt, p.value_radius, vhat);
+  }
 }
 
 // Spec 4.3: a window token (key wk, value wv, gate g) founds a slot: Sk = k0, Sv = v, rho = ||v||,

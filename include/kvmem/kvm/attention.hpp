@@ -172,10 +172,11 @@ Status copy_slots(const Executor& exec, St& state, TensorView<const std::int32_t
 //     budget_minimum, budget_maximum, budget_round_down, budget_factor (f64), budget_exponent (f64),
 //     budget_saturation (f64) (values a budget kind lacks are 0), flags (bit 0 merge_gate_keys,
 //     1 merge_gate_values, 2 head_temps, 3 value_radius, 4 gate_appends, 5 gate_initial), ln_eps (f64),
-//     scale (f64), Hq, Hk, D, Dv, storage (0 fp32, 1 bf16, 2 fp16);
+//     scale (f64), Hq, Hk, D, Dv, storage (0 fp32, 1 bf16, 2 fp16, 3 fp8 e4m3; a record imports only
+//     into a state of its storage type);
 //   counters: n (tokens seen), cov (tokens summarised), slots (|S|);
 //   state (accumulate type, f32 or f64): sk [Hk,|S|,D], sv [Hk,|S|,Dv], rho [Hk,|S|], cnt [Hk,|S|];
-//   window, positions [bswa_begin(n), n) (spec 4.1; f32, exact for bf16/fp16 storage):
+//   window, positions [bswa_begin(n), n) (spec 4.1; f32, exact for the window's type: bf16 for fp8 storage):
 //     window_k [Hk,w,D], window_v [Hk,w,Dv], window_g [Hk,w] (accumulate type).
 // The readout copies K^ = LN_s(Sk), V^ are derived and not exported; import_slot rebuilds them.
 // `bytes` must hold at least export_bytes(state, slot); exactly that many bytes are written at its front.
@@ -271,9 +272,6 @@ struct Attention {
   static constexpr std::int64_t kHeadDim = HeadDim;
   static constexpr std::int64_t kValueDim = ValueDim;
   static_assert(HeadDim >= 0 && ValueDim >= 0, "kvmem::kvm::Attention: head dims are > 0 (or kAnyDim)");
-  static_assert(kKvmFp8Storage || !is_row_scaled_v<typename Precision::storage_type>,
-                "kvmem::kvm::Attention: fp8 (kvmem::e4m3) storage of KVM slots is not supported; "
-                "precision::Fp8Storage applies to UA caches (docs/compose.md, Supported combinations)");
   using budget_type = std::remove_cvref_t<decltype(kBudget)>;
   using precision_type = Precision;
   using storage_type = typename Precision::storage_type;
@@ -316,7 +314,7 @@ struct Attention {
                  const weights_t<Executor>& w, TensorView<const In, 4> q, TensorView<const In, 4> k,
                  TensorView<const In, 4> v, TensorView<const In, 3> gate, TensorView<Out, 4> out,
                  const std::int64_t* lengths = nullptr) const {
-    static_assert(check_kvm_support<Executor, accumulate_type, HeadDim, ValueDim>());
+    static_assert(check_kvm_support<Executor, storage_type, accumulate_type, HeadDim, ValueDim>());
     return detail::prefill_dims<HeadDim, ValueDim>(exec, state, w, q, k, v, gate, out, lengths);
   }
   template <class Executor, class In, class Out>
@@ -324,7 +322,7 @@ struct Attention {
                 const weights_t<Executor>& w, TensorView<const In, 4> q, TensorView<const In, 4> k,
                 TensorView<const In, 4> v, TensorView<const In, 3> gate, TensorView<Out, 4> out,
                 const std::int64_t* active = nullptr) const {
-    static_assert(check_kvm_support<Executor, accumulate_type, HeadDim, ValueDim>());
+    static_assert(check_kvm_support<Executor, storage_type, accumulate_type, HeadDim, ValueDim>());
     return detail::decode_dims<HeadDim, ValueDim>(exec, state, w, q, k, v, gate, out, active);
   }
   template <class Executor, class In, class Out>
@@ -332,7 +330,7 @@ struct Attention {
               const weights_t<Executor>& w, const Rows& rows, TensorView<const In, 3> q, TensorView<const In, 3> k,
               TensorView<const In, 3> v, TensorView<const In, 2> gate, TensorView<Out, 3> out,
               TensorView<float, 2> lse = {}) const {
-    static_assert(check_kvm_support<Executor, accumulate_type, HeadDim, ValueDim>());
+    static_assert(check_kvm_support<Executor, storage_type, accumulate_type, HeadDim, ValueDim>());
     return detail::step_dims<HeadDim, ValueDim>(exec, state, w, rows, q, k, v, gate, out, lse);
   }
 };

@@ -126,6 +126,38 @@ struct Parsed {
   std::vector<float> wk, wv;
 };
 
+// Name of a record's storage code (slot_record::storage_code), for messages.
+inline const char* storage_name(std::int64_t code) {
+  switch (code) {
+    case 0:
+      return "fp32";
+    case 1:
+      return "bf16";
+    case 2:
+      return "fp16";
+    case 3:
+      return "fp8 e4m3";
+    default:
+      return "an unknown storage type";
+  }
+}
+
+// The record's storage type must be the state's: an fp8 state's readout copies and window (bf16) differ
+// from a bf16 state's, and a record of one is not a record of the other.
+template <class S>
+Status check_storage(slot_record::Reader& r) {
+  std::int64_t code = -1;
+  KVMEM_RETURN_IF_ERROR(r.scalar("storage", code));
+  const std::int64_t want = slot_record::storage_code<S>();
+  if (code != want)
+    return invalid_argument("slot record field 'storage'",
+                            std::to_string(want) + " (" + storage_name(want) +
+                                ", the importing state's storage type; a record imports only into a state of its "
+                                "own storage type)",
+                            std::to_string(code) + " (" + storage_name(code) + ")");
+  return Status::ok();
+}
+
 template <class S, class A>
 Status read(const State<S, A>& state, std::span<const std::byte> bytes, Parsed<A>& out) {
   const Params& p = state.params();
@@ -151,7 +183,7 @@ Status read(const State<S, A>& state, std::span<const std::byte> bytes, Parsed<A
   KVMEM_RETURN_IF_ERROR(r.expect("Hk", sh.Hk));
   KVMEM_RETURN_IF_ERROR(r.expect("D", sh.D));
   KVMEM_RETURN_IF_ERROR(r.expect("Dv", sh.Dv));
-  KVMEM_RETURN_IF_ERROR(r.expect("storage", slot_record::storage_code<S>()));
+  KVMEM_RETURN_IF_ERROR(check_storage<S>(r));
   KVMEM_RETURN_IF_ERROR(r.scalar("n", out.n));
   KVMEM_RETURN_IF_ERROR(r.scalar("cov", out.cov));
   KVMEM_RETURN_IF_ERROR(r.scalar("slots", out.slots));
@@ -183,13 +215,15 @@ Status read(const State<S, A>& state, std::span<const std::byte> bytes, Parsed<A
   KVMEM_RETURN_IF_ERROR(r.array("window_v", out.wv.data(), Hk * held * Dv));
   KVMEM_RETURN_IF_ERROR(r.array("window_g", out.wg.data(), Hk * held));
   KVMEM_RETURN_IF_ERROR(r.finish());
-  // The window is stored in the storage type: a value it cannot hold exactly is not a record of this state.
+  // The window is stored in the window type (window_t<S>): a value it cannot hold exactly is not a record
+  // of this state.
+  using Win = window_t<S>;
   for (const float x : out.wk)
-    if (load_as<float>(store_as<S>(x)) != x)
-      return invalid_argument("slot record field 'window_k'", "values exact in the state's storage type", x);
+    if (load_as<float>(store_as<Win>(x)) != x)
+      return invalid_argument("slot record field 'window_k'", "values exact in the state's window type", x);
   for (const float x : out.wv)
-    if (load_as<float>(store_as<S>(x)) != x)
-      return invalid_argument("slot record field 'window_v'", "values exact in the state's storage type", x);
+    if (load_as<float>(store_as<Win>(x)) != x)
+      return invalid_argument("slot record field 'window_v'", "values exact in the state's window type", x);
   return Status::ok();
 }
 

@@ -5,9 +5,10 @@
 //   - the raw summed slot keys Sk [cap,D] and values Sv [cap,Dv], radius rho and merge count cnt
 //     [cap], in the accumulate type (they are sums: rounding them to bf16 every merge would drift);
 //   - the readout copies K^ = LN_s(Sk) [cap,D] and V^ [cap,Dv] in the storage type (what every query
-//     reads; refreshed only when a slot changes, once per chunk);
-//   - the window ring: raw post-RoPE k [W,D], v [W,Dv] in storage type and g [W], W = nb*C,
-//     position p at p mod W;
+//     reads; refreshed only when a slot changes, once per chunk); fp8 storage (e4m3) adds one fp32
+//     scale per K^ row and per V^ row [cap] (core/numeric.hpp quantize_row: a power of two, amax <= 448);
+//   - the window ring: raw post-RoPE k [W,D], v [W,Dv] in the window type (window_t: the storage type,
+//     bf16 for fp8 storage) and g [W], W = nb*C, position p at p mod W;
 // and per slot the tokens seen n, the tokens summarised cov and |S|.
 // Workspace, per step: the learned weights in Acc, and per work item of the step (a row's KV head) the
 // scratch of one update and one query block (k0, kg, vg, scores, targets, LN rows, q block,
@@ -27,6 +28,7 @@
 #include <memory>
 #include <new>
 #include <string>
+#include <type_traits>
 
 #include "kvmem/core/arena.hpp"
 #include "kvmem/core/memory.hpp"
@@ -45,19 +47,28 @@ struct Problem {
   Shape shape{};
 };
 
+// The element type of the window ring of a state of storage S: S itself, and bf16 for fp8 storage. The
+// window holds the recent tokens' exact keys and values, which every update re-reads (its k0, the merge
+// sums): fp8 applies to the memory slots' readout copies only, so routing and the fp32 sums of an fp8
+// state are those of a bf16 state given the same inputs.
+template <class S>
+using window_t = input_type_t<S>;
+
 // Pointers of one (sequence, KV head); all rows contiguous. The workspace fields belong to the work
 // item the pointers were taken for (nullptr when the state has no workspace for it).
 template <class Storage, class Acc>
 struct ItemView {
-  Acc* sk;        // [cap, D]
-  Acc* sv;        // [cap, Dv]
-  Acc* rho;       // [cap]
-  Acc* cnt;       // [cap]
-  Storage* khat;  // [cap, D]
-  Storage* vhat;  // [cap, Dv]
-  Storage* wk;    // [W, D]
-  Storage* wv;    // [W, Dv]
-  Acc* wg;        // [W]
+  Acc* sk;                // [cap, D]
+  Acc* sv;                // [cap, Dv]
+  Acc* rho;               // [cap]
+  Acc* cnt;               // [cap]
+  Storage* khat;          // [cap, D]
+  Storage* vhat;          // [cap, Dv]
+  float* khat_scale;      // [cap]: row scales of K^ (fp8 storage; nullptr otherwise)
+  float* vhat_scale;      // [cap]: row scales of V^ (fp8 storage; nullptr otherwise)
+  window_t<Storage>* wk;  // [W, D]
+  window_t<Storage>* wv;  // [W, Dv]
+  Acc* wg;                // [W]
   // workspace
   Acc* k0;                   // [C, D]
   Acc* kg;                   // [C, D]
@@ -85,7 +96,7 @@ namespace state_detail {
 
 // Offsets inside one item block of the persistent part.
 struct ItemOffsets {
-  std::size_t sk, sv, rho, cnt, khat, vhat, wk, wv, wg, bytes;
+  std::size_t sk, sv, rho, cnt, khat, vhat, khat_scale, vhat_scale, wk, wv, wg, bytes;
 };
 // Offsets inside one work item of the workspace.
 struct WorkOffsets {
@@ -106,8 +117,11 @@ ItemOffsets item_offsets(const Params& p, const Shape& s) {
   o.cnt = a.take(cap * sizeof(Acc));
   o.khat = a.take(cap * D * sizeof(Storage));
   o.vhat = a.take(cap * Dv * sizeof(Storage));
-  o.wk = a.take(W * D * sizeof(Storage));
-  o.wv = a.take(W * Dv * sizeof(Storage));
+  const std::size_t scales = is_row_scaled_v<Storage> ? cap * sizeof(float) : 0;  // none: no bytes taken
+  o.khat_scale = a.take(scales);
+  o.vhat_scale = a.take(scales);
+  o.wk = a.take(W * D * sizeof(window_t<Storage>));
+  o.wv = a.take(W * Dv * sizeof(window_t<Storage>));
   o.wg = a.take(W * sizeof(Acc));
   o.bytes = a.total();
   return o;
@@ -199,9 +213,8 @@ std::size_t workspace_bytes(const Problem& problem, const Limits& limits = {}) {
 
 template <class Storage = float, class Acc = float>
 class State {
-  static_assert(!is_row_scaled_v<Storage>,
-                "kvmem::kvm::State: fp8 (kvmem::e4m3) storage of KVM slots is not supported; precision::Fp8Storage "
-                "applies to UA caches (docs/compose.md, Supported combinations)");
+  static_assert(!is_row_scaled_v<Storage> || std::is_same_v<Acc, float>,
+                "kvmem::kvm::State: fp8 (kvmem::e4m3) storage accumulates in fp32 (Acc = float)");
 
  public:
   using storage_type = Storage;
@@ -316,15 +329,17 @@ class State {
   [[nodiscard]] std::int64_t tokens(std::int64_t b) const { return in_range(b) ? n_[b] : 0; }     // n
   [[nodiscard]] std::int64_t covered(std::int64_t b) const { return in_range(b) ? cov_[b] : 0; }  // cov
   [[nodiscard]] std::int64_t slots(std::int64_t b) const { return in_range(b) ? slots_[b] : 0; }  // |S|
-  // Bytes a cache of this layout keeps for sequence b right now: slots (sums, radius, count and the
-  // readout copies) plus the window's k, v, g, over all KV heads. The memory held is state_bytes().
+  // Bytes a cache of this layout keeps for sequence b right now: slots (sums, radius, count, the
+  // readout copies and their row scales) plus the window's k, v, g, over all KV heads. The memory held
+  // is state_bytes().
   [[nodiscard]] std::size_t cache_bytes(std::int64_t b) const {
     if (!in_range(b)) return 0;
     const auto S = std::size_t(slots_[b]);
     const auto win = std::size_t(std::min(n_[b], window_capacity()));
     const auto D = std::size_t(shape_.D), Dv = std::size_t(shape_.Dv);
-    const std::size_t per_head = S * ((D + Dv + 2) * sizeof(Acc) + (D + Dv) * sizeof(Storage)) +
-                                 win * ((D + Dv) * sizeof(Storage) + sizeof(Acc));
+    const std::size_t scales = is_row_scaled_v<Storage> ? 2 * sizeof(float) : 0;
+    const std::size_t per_head = S * ((D + Dv + 2) * sizeof(Acc) + (D + Dv) * sizeof(Storage) + scales) +
+                                 win * ((D + Dv) * sizeof(window_t<Storage>) + sizeof(Acc));
     return per_head * std::size_t(shape_.Hk);
   }
   // Persistent bytes (state_bytes of this problem), the workspace in use, and their sum.
@@ -347,8 +362,10 @@ class State {
     v.cnt = reinterpret_cast<Acc*>(p + io_.cnt);
     v.khat = reinterpret_cast<Storage*>(p + io_.khat);
     v.vhat = reinterpret_cast<Storage*>(p + io_.vhat);
-    v.wk = reinterpret_cast<Storage*>(p + io_.wk);
-    v.wv = reinterpret_cast<Storage*>(p + io_.wv);
+    v.khat_scale = is_row_scaled_v<Storage> ? reinterpret_cast<float*>(p + io_.khat_scale) : nullptr;
+    v.vhat_scale = is_row_scaled_v<Storage> ? reinterpret_cast<float*>(p + io_.vhat_scale) : nullptr;
+    v.wk = reinterpret_cast<window_t<Storage>*>(p + io_.wk);
+    v.wv = reinterpret_cast<window_t<Storage>*>(p + io_.wv);
     v.wg = reinterpret_cast<Acc*>(p + io_.wg);
     if (ws_ == nullptr || w < 0 || w >= wl_.count) return v;
     std::byte* q = ws_ + wl_.items + std::size_t(w) * wo_.bytes;

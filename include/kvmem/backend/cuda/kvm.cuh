@@ -235,7 +235,7 @@ inline constexpr std::size_t kKvmAlign = 256;
 
 // Offsets of the persistent arrays inside a state's memory.
 struct KvmStateOffsets {
-  std::size_t sk, sv, rho, cnt, khat32, khat, khat_lo, vhat, wk, wv, wg;
+  std::size_t sk, sv, rho, cnt, khat32, khat, khat_lo, vhat, khat_scale, vhat_scale, wk, wv, wg;
   std::size_t copies[kReadoutCopies];  // readout copies 1.. (copy 0 is khat, vhat); 0 bytes without the pipeline
   std::size_t counter, slot_n, slot_cov, slot_s, seen, mark, status, update_target, bytes;
   std::int64_t updates;  // entries of update_target
@@ -255,10 +255,10 @@ bool readouts_beside(const kvm::Params& p, const kvm::Shape& s, std::int64_t cap
 }
 
 // Persistent: per (slot, KV head) item the sums (Sk, Sv, rho, cnt), the readout rows (khat32, khat,
-// khat_lo, vhat and their copies) and the window ring; per (slot, query head) the decode split
-// counter (zero between calls: the last split of a step resets it); per slot the counters n, cov,
-// |S|, the duplicate-check stamp and the slot operations' list-check word (slot_lists.cuh); once, the
-// status word and the budget's |S| target per update.
+// khat_lo, vhat and their copies; for fp8 storage the rows' scales) and the window ring (window type); per (slot, query
+// head) the decode split counter (zero between calls: the last split of a step resets it); per slot the counters n,
+// cov, |S|, the duplicate-check stamp and the slot operations' list-check word (slot_lists.cuh); once, the status word
+// and the budget's |S| target per update.
 template <class S, class A>
 KvmStateOffsets state_offsets(const kvm::Params& p, const kvm::Shape& s) {
   constexpr bool kBf16 = std::is_same_v<S, bf16>;
@@ -276,8 +276,10 @@ KvmStateOffsets state_offsets(const kvm::Params& p, const kvm::Shape& s) {
   o.khat = arena.take(I * cap * D * sizeof(S));
   o.khat_lo = arena.take(kBf16 ? I * cap * D * sizeof(bf16) : 0);
   o.vhat = arena.take(I * cap * Dv * sizeof(S));
-  o.wk = arena.take(I * W * D * sizeof(S));
-  o.wv = arena.take(I * W * Dv * sizeof(S));
+  o.khat_scale = arena.take(is_row_scaled_v<S> ? I * cap * sizeof(float) : 0);  // fp8: a scale per readout row
+  o.vhat_scale = arena.take(is_row_scaled_v<S> ? I * cap * sizeof(float) : 0);
+  o.wk = arena.take(I * W * D * sizeof(Win<S>));
+  o.wv = arena.take(I * W * Dv * sizeof(Win<S>));
   o.wg = arena.take(I * W * sizeof(A));
   for (int r = 1; r < kReadoutCopies; ++r) o.copies[r] = arena.take(o.beside ? I * cap * (D + Dv) * sizeof(S) : 0);
   o.counter = arena.take(std::size_t(s.B * s.Hq) * sizeof(int));
@@ -347,9 +349,8 @@ inline Status check_device_placement(const void* memory, std::size_t bytes, std:
 // copy_slots never do.
 template <class S = float, class A = float>
 class KvmState {
-  static_assert(!is_row_scaled_v<S>,
-                "kvmem::cuda::KvmState: fp8 (kvmem::e4m3) storage of KVM slots is not supported; "
-                "precision::Fp8Storage applies to UA caches (docs/compose.md, Supported combinations)");
+  static_assert(!is_row_scaled_v<S> || std::is_same_v<A, float>,
+                "kvmem::cuda::KvmState: fp8 (kvmem::e4m3) storage accumulates in fp32 (A = float)");
 
  public:
   static constexpr std::int64_t kMaxDecodeSplits = kvm_detail::kMaxSplitsPerRow;
@@ -389,8 +390,9 @@ class KvmState {
     const std::size_t copies = kvm_detail::readouts_beside<S>(p, s, capacity) ? kvm_detail::kReadoutCopies - 1 : 0;
     KvmStateLayout l;
     l.item_bytes = cap * ((D + Dv + 2) * sizeof(A) + D * sizeof(A) + (D + Dv) * sizeof(S) +
-                          (std::is_same_v<S, bf16> ? D * sizeof(bf16) : 0) + copies * (D + Dv) * sizeof(S)) +
-                   W * ((D + Dv) * sizeof(S) + sizeof(A));
+                          (std::is_same_v<S, bf16> ? D * sizeof(bf16) : 0) + copies * (D + Dv) * sizeof(S) +
+                          (is_row_scaled_v<S> ? 2 * sizeof(float) : 0)) +
+                   W * ((D + Dv) * sizeof(kvm_detail::Win<S>) + sizeof(A));
     l.slot_bytes =
         std::size_t(s.Hk) * l.item_bytes + std::size_t(s.Hq) * sizeof(int) + 3 * sizeof(std::int64_t) + 2 * sizeof(int);
     l.fixed_bytes = 4 * sizeof(int) + std::size_t(s.n_ctx / p.chunk + 2) * sizeof(std::int64_t);
@@ -656,8 +658,10 @@ class KvmState {
     d.khat32 = reinterpret_cast<A*>(base + o.khat32);
     d.khat = reinterpret_cast<S*>(base + o.khat);
     d.vhat = reinterpret_cast<S*>(base + o.vhat);
-    d.wk = reinterpret_cast<S*>(base + o.wk);
-    d.wv = reinterpret_cast<S*>(base + o.wv);
+    d.khat_scale = is_row_scaled_v<S> ? reinterpret_cast<float*>(base + o.khat_scale) : nullptr;
+    d.vhat_scale = is_row_scaled_v<S> ? reinterpret_cast<float*>(base + o.vhat_scale) : nullptr;
+    d.wk = reinterpret_cast<kvm_detail::Win<S>*>(base + o.wk);
+    d.wv = reinterpret_cast<kvm_detail::Win<S>*>(base + o.wv);
     d.wg = reinterpret_cast<A*>(base + o.wg);
     d.counter = reinterpret_cast<int*>(base + o.counter);
     d.khat_lo = kBf16 ? reinterpret_cast<bf16*>(base + o.khat_lo) : nullptr;
@@ -1178,8 +1182,8 @@ Status kvm_run_as(Dims, const Executor& exec, KvmState<S, A>& state, const KvmWe
   const ReadoutKernels<S, A, In, Out, Dims> readout(sh);
   // A decode call (T = 1) never launches the readout kernels: keep the driver calls off its hot path.
   if (T > 1) KVMEM_RETURN_IF_ERROR(readout.allow_shared_memory());
-  // ingest copies whole 16-byte vectors when the inputs are in the storage type and every row is aligned
-  const bool copy16 = std::is_same_v<In, S> && rows_16byte_aligned(k) && rows_16byte_aligned(v);
+  // ingest copies whole 16-byte vectors when the inputs are in the window type and every row is aligned
+  const bool copy16 = std::is_same_v<In, Win<S>> && rows_16byte_aligned(k) && rows_16byte_aligned(v);
   const SideStream& side = state.side_;
   // A prefill on the tensor cores whose k/v inputs the readout can copy as they are (storage type,
   // 16-byte rows) reads each chunk's window from them when they hold all of it, and the updates read
@@ -1194,7 +1198,7 @@ Status kvm_run_as(Dims, const Executor& exec, KvmState<S, A>& state, const KvmWe
   d.in_k = d.in_v = d.in_g = nullptr;
   d.in_first = n0;
   d.in_count = T;
-  if constexpr (std::is_same_v<In, S>) {
+  if constexpr (std::is_same_v<In, Win<S>>) {
     if (window_in_inputs) {
       d.in_k = k.data();
       d.in_v = v.data();
@@ -1608,6 +1612,10 @@ struct SlotAccess {
     add(d.khat32, Hk * cap * D);
     add(d.khat, Hk * cap * D);
     add(d.vhat, Hk * cap * Dv);
+    if constexpr (is_row_scaled_v<S>) {
+      add(d.khat_scale, Hk * cap);
+      add(d.vhat_scale, Hk * cap);
+    }
     add(d.wk, Hk * W * D);
     add(d.wv, Hk * W * Dv);
     add(d.wg, Hk * W);
@@ -1712,16 +1720,17 @@ struct SlotAccess {
     const DeviceState<S, A>& d = st.dev_;
     const std::int64_t cap = st.cap_, W = st.params_.window(), D = sh.D, Dv = sh.Dv, used = rec.slots;
     const std::int64_t w0 = st.params_.geometry().bswa_begin(rec.n), held = rec.n - w0;
-    std::vector<S> wk(std::size_t(sh.Hk * W * D), store_as<S>(0.0f)),
-        wv(std::size_t(sh.Hk * W * Dv), store_as<S>(0.0f));
+    using Win = kvm_detail::Win<S>;
+    std::vector<Win> wk(std::size_t(sh.Hk * W * D), store_as<Win>(0.0f)),
+        wv(std::size_t(sh.Hk * W * Dv), store_as<Win>(0.0f));
     std::vector<A> wg(std::size_t(sh.Hk * W), A(0));
     for (std::int64_t g = 0; g < sh.Hk; ++g)
       for (std::int64_t i = 0; i < held; ++i) {
         const std::int64_t ring = (w0 + i) % W, at = g * held + i;
         for (std::int64_t c = 0; c < D; ++c)
-          wk[std::size_t((g * W + ring) * D + c)] = store_as<S>(rec.wk[std::size_t(at * D + c)]);
+          wk[std::size_t((g * W + ring) * D + c)] = store_as<Win>(rec.wk[std::size_t(at * D + c)]);
         for (std::int64_t c = 0; c < Dv; ++c)
-          wv[std::size_t((g * W + ring) * Dv + c)] = store_as<S>(rec.wv[std::size_t(at * Dv + c)]);
+          wv[std::size_t((g * W + ring) * Dv + c)] = store_as<Win>(rec.wv[std::size_t(at * Dv + c)]);
         wg[std::size_t(g * W + ring)] = rec.wg[std::size_t(at)];
       }
     const auto put = [&](auto* to, const auto* from, std::int64_t count) {

@@ -16,33 +16,41 @@
 #include "kvmem/core/numeric.hpp"
 #include "kvmem/core/softmax.hpp"
 #include "kvmem/kernel/kvm_state.hpp"
+#include "kvmem/kvm/state.hpp"
 
 namespace kvmem::cuda::kvm_detail {
+
+// The element type of the window ring (kvm::window_t): the storage type, bf16 for fp8 storage, whose
+// e4m3 applies to the slots' readout rows only (kvm/state.hpp).
+template <class S>
+using Win = kvm::window_t<S>;
 
 // Device pointers and sizes of a KvmState, passed by value to every kernel. Item i = b*Hk + g.
 template <class S, class A>
 struct DeviceState {
-  A* sk;         // [I, cap, D]  raw summed keys
-  A* sv;         // [I, cap, Dv] raw summed values
-  A* rho;        // [I, cap]
-  A* cnt;        // [I, cap]
-  A* khat32;     // [I, cap, D]  LN_s(Sk) in the accumulate type (routing reads it, as the host does;
-                 //              not kept up to date with tc_route, whose routing reads khat + khat_lo)
-  S* khat;       // [I, cap, D]  readout keys (storage type)
-  S* vhat;       // [I, cap, Dv] readout values (storage type)
-  S* wk;         // [I, W, D]    window ring, position p at p mod W
-  S* wv;         // [I, W, Dv]
-  A* wg;         // [I, W]
-  A* k0;         // [I, C, D]    update workspace
-  A* k0t;        // [I, D, C]    the same, transposed (coalesced reads across tokens)
-  A* kgt;        // [I, D, C]    gated keys, transposed
-  A* vg;         // [I, C, Dv]
-  A* kg;         // [I, C, D]
-  A* score;      // [I, C]
-  A* rbest;      // [I, C]  best k0 . K^ over the non-sink pre-update slots (route candidate, tensor-core path)
-  int* target;   // [I, C]  -1 appended, else merge slot
-  A* partial;    // [B*Hq, max_splits, Dv + 1] decode split results (o, lse)
-  int* counter;  // [B*Hq] decode splits finished this step; the last one merges and resets it to 0
+  A* sk;              // [I, cap, D]  raw summed keys
+  A* sv;              // [I, cap, Dv] raw summed values
+  A* rho;             // [I, cap]
+  A* cnt;             // [I, cap]
+  A* khat32;          // [I, cap, D]  LN_s(Sk) in the accumulate type (routing reads it, as the host does;
+                      //              not kept up to date with tc_route, whose routing reads khat + khat_lo)
+  S* khat;            // [I, cap, D]  readout keys (storage type)
+  S* vhat;            // [I, cap, Dv] readout values (storage type)
+  float* khat_scale;  // [I, cap] row scales of khat (fp8 storage; nullptr otherwise)
+  float* vhat_scale;  // [I, cap] row scales of vhat (fp8 storage; nullptr otherwise)
+  Win<S>* wk;         // [I, W, D]    window ring (window type), position p at p mod W
+  Win<S>* wv;         // [I, W, Dv]
+  A* wg;              // [I, W]
+  A* k0;              // [I, C, D]    update workspace
+  A* k0t;             // [I, D, C]    the same, transposed (coalesced reads across tokens)
+  A* kgt;             // [I, D, C]    gated keys, transposed
+  A* vg;              // [I, C, Dv]
+  A* kg;              // [I, C, D]
+  A* score;           // [I, C]
+  A* rbest;           // [I, C]  best k0 . K^ over the non-sink pre-update slots (route candidate, tensor-core path)
+  int* target;        // [I, C]  -1 appended, else merge slot
+  A* partial;         // [B*Hq, max_splits, Dv + 1] decode split results (o, lse)
+  int* counter;       // [B*Hq] decode splits finished this step; the last one merges and resets it to 0
   // Tensor-core routing (bf16 storage, tc_route): khat32 = khat + khat_lo to ~2^-16 (the routing
   // passes build the tokens' hi/lo operands themselves). khat_lo is nullptr without it.
   bf16* khat_lo;  // [I, cap, D]
@@ -50,9 +58,9 @@ struct DeviceState {
   // for prefills with readouts beside the chain: an update reads the tokens leaving the window
   // from them (token_key and friends) instead of the ring, so such a prefill ingests only the
   // chunks a later reader of the ring needs. nullptr: every token from the ring.
-  const S* in_k;  // [I, in_count, D]
-  const S* in_v;  // [I, in_count, Dv]
-  const S* in_g;  // [I, in_count]
+  const Win<S>* in_k;  // [I, in_count, D]
+  const Win<S>* in_v;  // [I, in_count, Dv]
+  const Win<S>* in_g;  // [I, in_count]
   std::int64_t in_first, in_count;
   const A* ln_w;   // [D]   caller's device weights, read in place (no per-call copy)
   const A* ln_b;   // [D]
@@ -71,12 +79,12 @@ struct DeviceState {
 // hold it (the same values the ring would: the ring stores storage-type inputs as they are), else
 // from the ring (row p mod W).
 template <class S, class A>
-__device__ inline const S* token_key(const DeviceState<S, A>& st, std::int64_t i, std::int64_t p) {
+__device__ inline const Win<S>* token_key(const DeviceState<S, A>& st, std::int64_t i, std::int64_t p) {
   if (st.in_k != nullptr && p >= st.in_first) return st.in_k + (i * st.in_count + (p - st.in_first)) * st.D;
   return st.wk + (i * st.W + p % st.W) * st.D;
 }
 template <class S, class A>
-__device__ inline const S* token_value(const DeviceState<S, A>& st, std::int64_t i, std::int64_t p) {
+__device__ inline const Win<S>* token_value(const DeviceState<S, A>& st, std::int64_t i, std::int64_t p) {
   if (st.in_v != nullptr && p >= st.in_first) return st.in_v + (i * st.in_count + (p - st.in_first)) * st.Dv;
   return st.wv + (i * st.W + p % st.W) * st.Dv;
 }
@@ -95,14 +103,49 @@ __device__ inline void store_readout_key(const DeviceState<S, A>& st, std::int64
   if (st.khat_lo != nullptr) st.khat_lo[sj * st.D + d] = store_as<bf16>(k32 - load_as<A>(hi));
 }
 
-// K^_j, V^_j of slot j of item i from its sums (spec 4.4 steps 1-2); one thread.
+// Element d of slot row sj's readout key / value in the accumulate type: the stored element, times the
+// row's scale for fp8 storage (exact: a power of two). The readout kernels that stage tiles dequantise
+// with these; kernel::attend_accumulate scales the products instead (fp32 rounding apart, the same).
+template <class S, class A>
+__device__ inline A readout_key(const DeviceState<S, A>& st, std::int64_t sj, std::int64_t d) {
+  if constexpr (is_row_scaled_v<S>)
+    return load_as<A>(st.khat[sj * st.D + d]) * A(st.khat_scale[sj]);
+  else
+    return load_as<A>(st.khat[sj * st.D + d]);
+}
+template <class S, class A>
+__device__ inline A readout_value(const DeviceState<S, A>& st, std::int64_t sj, std::int64_t d) {
+  if constexpr (is_row_scaled_v<S>)
+    return load_as<A>(st.vhat[sj * st.Dv + d]) * A(st.vhat_scale[sj]);
+  else
+    return load_as<A>(st.vhat[sj * st.Dv + d]);
+}
+
+// K^_j, V^_j of slot j of item i from its sums (spec 4.4 steps 1-2); one thread. fp8 storage quantises
+// each row with its scale (quantize_row, kernel::value_readout_scaled: the host's rule).
 template <class S, class A>
 __device__ void refresh_slot(const DeviceState<S, A>& st, std::int64_t i, std::int64_t j) {
   const std::int64_t sj = i * st.cap + j;
   A* k32 = st.khat32 + sj * st.D;
   kernel::layer_norm(st.sk + sj * st.D, st.D, st.ln_w, st.ln_b, st.eps, k32);
-  for (std::int64_t d = 0; d < st.D; ++d) store_readout_key(st, sj, d, k32[d]);
-  kernel::value_readout(st.sv + sj * st.Dv, st.Dv, st.rho[sj], st.cnt[sj], st.value_radius, st.vhat + sj * st.Dv);
+  if constexpr (is_row_scaled_v<S>) {
+    st.khat_scale[sj] = quantize_row(k32, st.khat + sj * st.D, st.D);
+    st.vhat_scale[sj] = kernel::value_readout_scaled(st.sv + sj * st.Dv, st.Dv, st.rho[sj], st.cnt[sj], st.value_radius,
+                                                     st.vhat + sj * st.Dv);
+  } else {
+    for (std::int64_t d = 0; d < st.D; ++d) store_readout_key(st, sj, d, k32[d]);
+    kernel::value_readout(st.sv + sj * st.Dv, st.Dv, st.rho[sj], st.cnt[sj], st.value_radius, st.vhat + sj * st.Dv);
+  }
+}
+
+// Largest value over the kWarpSize lanes of a warp (every lane gets it; max is exact in any order).
+__device__ inline float warp_max(float x) {
+#pragma unroll
+  for (int off = kWarpSize / 2; off > 0; off >>= 1) {
+    const float y = warp_shfl_xor(x, off);
+    x = y > x ? y : x;
+  }
+  return x;
 }
 
 // Sum over the kWarpSize lanes of a warp with xor shuffles: a fixed order, every lane gets the same value.
@@ -229,10 +272,25 @@ __device__ inline std::uint32_t bf16_pair_bits(float a, float b) {
 // The storage copy of a row held in registers (layout of warp_layer_norm_regs) to row[d], d < n:
 // store_as<S> per channel. For bf16, two channels per hardware conversion (bf16_pair_bits), and with
 // lo (tensor-core routing's khat_lo, nullptr without it) the bf16 remainder x - bf16(x) as well, as
-// store_readout_key gives it.
+// store_readout_key gives it. fp8 storage: the row's scale from its amax over the warp (quantize_row's
+// rule), written by lane 0 to *scale.
 template <class S, class A>
-__device__ inline void store_row_regs(S* row, bf16* lo, const A (&x)[kLaneRegs], int n, int lane) {
-  if constexpr (std::is_same_v<S, bf16> && std::is_same_v<A, float> && kLaneRegs % 2 == 0) {
+__device__ inline void store_row_regs(S* row, bf16* lo, const A (&x)[kLaneRegs], int n, int lane,
+                                      float* scale = nullptr) {
+  if constexpr (is_row_scaled_v<S>) {
+    float amax = 0.0f;
+#pragma unroll
+    for (int e = 0; e < kLaneRegs; ++e) {
+      const float a = lane + kWarpSize * e < n ? fabsf(static_cast<float>(x[e])) : 0.0f;
+      amax = a > amax ? a : amax;
+    }
+    const float s = fp8_row_scale(warp_max(amax)), inverse = fp8_inverse_scale(s);
+#pragma unroll
+    for (int e = 0; e < kLaneRegs; ++e)
+      if (lane + kWarpSize * e < n) row[lane + kWarpSize * e] = ptx::to_e4m3(static_cast<float>(x[e]) * inverse);
+    if (lane == 0) *scale = s;
+    (void)lo;
+  } else if constexpr (std::is_same_v<S, bf16> && std::is_same_v<A, float> && kLaneRegs % 2 == 0) {
 #pragma unroll
     for (int e = 0; e < kLaneRegs; e += 2) {
       const int d = lane + kWarpSize * e;
@@ -275,7 +333,8 @@ __device__ void warp_refresh_regs(const DeviceState<S, A>& st, std::int64_t sj, 
     for (int e = 0; e < kLaneRegs; ++e)
       if (lane + kWarpSize * e < D) k32[lane + kWarpSize * e] = kh[e];
   }
-  store_row_regs(st.khat + sj * st.D, st.khat_lo != nullptr ? st.khat_lo + sj * st.D : nullptr, kh, D, lane);
+  store_row_regs(st.khat + sj * st.D, st.khat_lo != nullptr ? st.khat_lo + sj * st.D : nullptr, kh, D, lane,
+                 st.khat_scale != nullptr ? st.khat_scale + sj : nullptr);
   A f;
   if (st.value_radius) {
     A sq = A(0);
@@ -291,7 +350,8 @@ __device__ void warp_refresh_regs(const DeviceState<S, A>& st, std::int64_t sj, 
   A vh[kLaneRegs];
 #pragma unroll
   for (int e = 0; e < kLaneRegs; ++e) vh[e] = v[e] * f;
-  store_row_regs(st.vhat + sj * st.Dv, static_cast<bf16*>(nullptr), vh, Dv, lane);
+  store_row_regs(st.vhat + sj * st.Dv, static_cast<bf16*>(nullptr), vh, Dv, lane,
+                 st.vhat_scale != nullptr ? st.vhat_scale + sj : nullptr);
 }
 
 // refresh_slot with a warp: K^_j = LN_s(Sk_j) into khat32/khat, V^_j (spec 4.4 steps 1-2). Head dims
@@ -312,19 +372,28 @@ __device__ void warp_refresh_slot(const DeviceState<S, A>& st, std::int64_t i, s
   }
   A* k32 = st.khat32 + sj * st.D;
   warp_layer_norm(st.sk + sj * st.D, st.D, st.ln_w, st.ln_b, st.eps, k32, lane);
-  for (std::int64_t d = lane; d < st.D; d += kWarpSize) store_readout_key(st, sj, d, k32[d]);
-  const A* sv = st.sv + sj * st.Dv;
-  A f;
-  if (st.value_radius) {
-    A sq = A(0);
-    for (std::int64_t d = lane; d < st.Dv; d += kWarpSize) sq += sv[d] * sv[d];
-    A n = sqrt(warp_sum(sq));
-    if (n < A(1e-12)) n = A(1e-12);
-    f = st.rho[sj] / n;
+  if constexpr (is_row_scaled_v<S>) {  // wide rows of fp8 storage: one lane quantises each row (rare shapes)
+    warp_sync();
+    if (lane == 0) {
+      st.khat_scale[sj] = quantize_row(k32, st.khat + sj * st.D, st.D);
+      st.vhat_scale[sj] = kernel::value_readout_scaled(st.sv + sj * st.Dv, st.Dv, st.rho[sj], st.cnt[sj],
+                                                       st.value_radius, st.vhat + sj * st.Dv);
+    }
   } else {
-    f = A(1) / st.cnt[sj];
+    for (std::int64_t d = lane; d < st.D; d += kWarpSize) store_readout_key(st, sj, d, k32[d]);
+    const A* sv = st.sv + sj * st.Dv;
+    A f;
+    if (st.value_radius) {
+      A sq = A(0);
+      for (std::int64_t d = lane; d < st.Dv; d += kWarpSize) sq += sv[d] * sv[d];
+      A n = sqrt(warp_sum(sq));
+      if (n < A(1e-12)) n = A(1e-12);
+      f = st.rho[sj] / n;
+    } else {
+      f = A(1) / st.cnt[sj];
+    }
+    for (std::int64_t d = lane; d < st.Dv; d += kWarpSize) st.vhat[sj * st.Dv + d] = store_as<S>(sv[d] * f);
   }
-  for (std::int64_t d = lane; d < st.Dv; d += kWarpSize) st.vhat[sj * st.Dv + d] = store_as<S>(sv[d] * f);
 }
 
 // Warps of the update kernels that give each token or slot a warp: blocks of 256 threads, 8 NVIDIA warps
@@ -342,11 +411,11 @@ __global__ void ingest_kernel(DeviceState<S, A> st, const In* k, const In* v, co
   const std::int64_t i = blockIdx.x, t = t0 + std::int64_t(blockIdx.y) * kWarpsPerBlock + threadIdx.x / kWarpSize;
   if (t >= t1) return;  // warp-uniform
   const std::int64_t ring = t % st.W, local = (i * T + (t - n0));
-  S* wk = st.wk + (i * st.W + ring) * st.D;
-  S* wv = st.wv + (i * st.W + ring) * st.Dv;
-  if constexpr (std::is_same_v<In, S>) {
-    if (copy16) {  // rows of whole 16-byte vectors, stored as given (In == S): plain copies
-      const std::int64_t kv = st.D * std::int64_t(sizeof(S)) / 16, vv = st.Dv * std::int64_t(sizeof(S)) / 16;
+  Win<S>* wk = st.wk + (i * st.W + ring) * st.D;
+  Win<S>* wv = st.wv + (i * st.W + ring) * st.Dv;
+  if constexpr (std::is_same_v<In, Win<S>>) {
+    if (copy16) {  // rows of whole 16-byte vectors, stored as given (In == the window type): plain copies
+      const std::int64_t kv = st.D * std::int64_t(sizeof(In)) / 16, vv = st.Dv * std::int64_t(sizeof(In)) / 16;
       for (std::int64_t e = lane; e < kv; e += kWarpSize)
         reinterpret_cast<uint4*>(wk)[e] = reinterpret_cast<const uint4*>(k + local * st.D)[e];
       for (std::int64_t e = lane; e < vv; e += kWarpSize)
@@ -354,8 +423,8 @@ __global__ void ingest_kernel(DeviceState<S, A> st, const In* k, const In* v, co
     }
   }
   if (!copy16) {
-    for (std::int64_t d = lane; d < st.D; d += kWarpSize) wk[d] = store_as<S>(load_as<A>(k[local * st.D + d]));
-    for (std::int64_t d = lane; d < st.Dv; d += kWarpSize) wv[d] = store_as<S>(load_as<A>(v[local * st.Dv + d]));
+    for (std::int64_t d = lane; d < st.D; d += kWarpSize) wk[d] = store_as<Win<S>>(load_as<A>(k[local * st.D + d]));
+    for (std::int64_t d = lane; d < st.Dv; d += kWarpSize) wv[d] = store_as<Win<S>>(load_as<A>(v[local * st.Dv + d]));
   }
   if (lane == 0) st.wg[i * st.W + ring] = load_as<A>(gate[local]);
   warp_sync();                       // the founding below reads the row back from the ring
@@ -439,7 +508,7 @@ __global__ void update_prepare_kernel(DeviceState<S, A> st, std::int64_t a, bool
   const std::int64_t i = blockIdx.x, c = std::int64_t(blockIdx.y) * kWarpsPerBlock + threadIdx.x / kWarpSize;
   const std::int64_t C = st.C, D = st.D, Dv = st.Dv;
   if (c >= C) return;
-  const S* kr = token_key(st, i, a + c);
+  const Win<S>* kr = token_key(st, i, a + c);
   A* k0 = st.k0 + (i * C + c) * D;
   const A g = token_gate(st, i, a + c);
   // this token's k0 row: lane l holds channels l + kWarpSize e (in registers for head dims up to kWarpSize * kLaneRegs,
@@ -472,7 +541,7 @@ __global__ void update_prepare_kernel(DeviceState<S, A> st, std::int64_t a, bool
     for (std::int64_t d = lane; d < D; d += kWarpSize) emit(d, k0[d]);
   }
   if (novelty || !scatter_in_registers(st)) {  // else the scatter gates the ring's values itself
-    const S* vr = token_value(st, i, a + c);
+    const Win<S>* vr = token_value(st, i, a + c);
     for (std::int64_t d = lane; d < Dv; d += kWarpSize) {
       const A y = load_as<A>(vr[d]);
       st.vg[(i * C + c) * Dv + d] = gated_value(st.merge_gate_values, g, y);
@@ -569,7 +638,7 @@ __global__ void update_append_kernel(DeviceState<S, A> st, std::int64_t a, std::
     if (st.gate_appends && kScoresReady) {
       // tensor-core routing has no prepare pass: vg = g v from the token (update_prepare_kernel's
       // product), then rho over the row the warp wrote
-      const S* vrow = token_value(st, i, a + t);
+      const Win<S>* vrow = token_value(st, i, a + t);
       const A g = token_gate(st, i, a + t);
       for (std::int64_t d = lane; d < Dv; d += kWarpSize) {
         const A y = load_as<A>(vrow[d]);
@@ -582,7 +651,7 @@ __global__ void update_append_kernel(DeviceState<S, A> st, std::int64_t a, std::
       for (std::int64_t d = lane; d < Dv; d += kWarpSize) sv[d] = vsrc[d];
       if (lane == 0) rho = kernel::norm2<A>(vsrc, Dv);  // the sequential sum of the host backend
     } else {
-      const S* vsrc = token_value(st, i, a + t);
+      const Win<S>* vsrc = token_value(st, i, a + t);
       for (std::int64_t d = lane; d < Dv; d += kWarpSize) sv[d] = load_as<A>(vsrc[d]);
       if (lane == 0) rho = kernel::norm2<A>(vsrc, Dv);
     }
@@ -660,7 +729,7 @@ constexpr std::size_t scatter_stage_bytes() {
 template <class S, class A>
 struct ScatterTokens {
   const int* target;
-  const S* const* vrow;
+  const Win<S>* const* vrow;
   const A* gate;
   const LnWeight<A>* ln;  // the LN_s weights, copied once per block
 };
@@ -734,7 +803,7 @@ __device__ void scatter_warp_stream(const DeviceState<S, A>& st, std::int64_t i,
       const int c = list[issue_pos++];
       --issue_left;
       stage_row(reinterpret_cast<A*>(s), routed_key_row(st, i, c), D, async_rows, lane);
-      stage_row(reinterpret_cast<S*>(s + kHalf), tokens.vrow[c], Dv, async_rows, lane);
+      stage_row(reinterpret_cast<Win<S>*>(s + kHalf), tokens.vrow[c], Dv, async_rows, lane);
     } else if (has_slot(issue_slot)) {  // the next slot: list its tokens, then copy its sums
       const int rel = slot_rel(issue_slot++);
       const std::int64_t sj = i * st.cap + lo + rel;
@@ -764,7 +833,7 @@ __device__ void scatter_warp_stream(const DeviceState<S, A>& st, std::int64_t i,
       const int c = list[take_pos++];
       --take_left;
       const A* kg = reinterpret_cast<const A*>(s);
-      const S* vr = reinterpret_cast<const S*>(s + kHalf);
+      const Win<S>* vr = reinterpret_cast<const Win<S>*>(s + kHalf);
       const A g = tokens.gate[c];
 #pragma unroll
       for (int e2 = 0; e2 < kLaneRegs; ++e2) {  // channels past D, Dv: zeros in the stage
@@ -868,7 +937,7 @@ __global__ void __launch_bounds__(kWarpSize* kWarpsPerBlock, 4)
   unsigned char* stages = smem_raw;  // register form: [kWarpsPerBlock][kScatterDepth] stages (16-byte aligned)
   LnWeight<A>* ln = reinterpret_cast<LnWeight<A>*>(
       stages + (kInRegisters ? kWarpsPerBlock * kScatterDepth * scatter_stage_bytes<A>() : 0));  // register form: [D]
-  const S** vrow = reinterpret_cast<const S**>(ln + (kInRegisters ? st.D : 0));                  // [C]
+  const Win<S>** vrow = reinterpret_cast<const Win<S>**>(ln + (kInRegisters ? st.D : 0));        // [C]
   A* gate = reinterpret_cast<A*>(vrow + C);                                                      // [C]
   int* target = reinterpret_cast<int*>(gate + C);                                                // [C]
   int* first = target + C;            // [per_block] first[j - lo]: the first token routed to slot j, C if none
@@ -918,7 +987,7 @@ __global__ void __launch_bounds__(kWarpSize* kWarpsPerBlock, 4)
 template <class S, class A>
 std::size_t scatter_shared_bytes(const DeviceState<S, A>& st, std::int64_t per_block) {
   const std::int64_t C = st.C, touched = per_block < C ? per_block : C;
-  std::size_t bytes = std::size_t(C) * (sizeof(const S*) + sizeof(A) + sizeof(int)) +
+  std::size_t bytes = std::size_t(C) * (sizeof(const Win<S>*) + sizeof(A) + sizeof(int)) +
                       std::size_t(2 * per_block + touched + 1) * sizeof(int);
   if (scatter_in_registers(st))
     bytes += std::size_t(kWarpsPerBlock) * (kScatterDepth * scatter_stage_bytes<A>() + std::size_t(C) * sizeof(int)) +
@@ -933,7 +1002,7 @@ template <class S, class A>
 bool scatter_rows_async(const DeviceState<S, A>& st) {
   const auto aligned = [](const void* p) { return reinterpret_cast<std::uintptr_t>(p) % 16 == 0; };
   const bool rows = st.D * std::int64_t(sizeof(A)) % 16 == 0 && st.Dv * std::int64_t(sizeof(A)) % 16 == 0 &&
-                    st.Dv * std::int64_t(sizeof(S)) % 16 == 0;
+                    st.Dv * std::int64_t(sizeof(Win<S>)) % 16 == 0;
   return rows && aligned(st.sk) && aligned(st.sv) && aligned(st.kg) && aligned(st.wv) &&
          (st.in_v == nullptr || aligned(st.in_v));
 }
@@ -1003,13 +1072,13 @@ __global__ void attend_rows_kernel(DeviceState<S, A> st, const In* q, Out* out, 
       for (std::int64_t e = threadIdx.x; e < kKeyTile * D; e += blockDim.x) {
         const std::int64_t s = e / D, d = e % D;
         ks[e] = s >= n       ? A(0)
-                : phase == 0 ? load_as<A>(st.khat[(item * st.cap + base + s) * D + d])
+                : phase == 0 ? readout_key(st, item * st.cap + base + s, d)
                              : load_as<A>(st.wk[(item * st.W + (base + s) % st.W) * D + d]);
       }
       for (std::int64_t e = threadIdx.x; e < kKeyTile * Dv; e += blockDim.x) {
         const std::int64_t s = e / Dv, d = e % Dv;
         vs[e] = s >= n       ? A(0)
-                : phase == 0 ? load_as<A>(st.vhat[(item * st.cap + base + s) * Dv + d])
+                : phase == 0 ? readout_value(st, item * st.cap + base + s, d)
                              : load_as<A>(st.wv[(item * st.W + (base + s) % st.W) * Dv + d]);
       }
       __syncthreads();
@@ -1179,9 +1248,9 @@ __device__ void ingest_decode_token(const DeviceState<S, A>& st, const In* k1, c
                                     std::int64_t item, std::int64_t pos) {
   const std::int64_t ring = pos % st.W;
   for (std::int64_t d = threadIdx.x; d < st.D; d += blockDim.x)
-    st.wk[(item * st.W + ring) * st.D + d] = store_as<S>(load_as<A>(k1[item * st.D + d]));
+    st.wk[(item * st.W + ring) * st.D + d] = store_as<Win<S>>(load_as<A>(k1[item * st.D + d]));
   for (std::int64_t d = threadIdx.x; d < st.Dv; d += blockDim.x)
-    st.wv[(item * st.W + ring) * st.Dv + d] = store_as<S>(load_as<A>(v1[item * st.Dv + d]));
+    st.wv[(item * st.W + ring) * st.Dv + d] = store_as<Win<S>>(load_as<A>(v1[item * st.Dv + d]));
   if (threadIdx.x == 0) st.wg[item * st.W + ring] = load_as<A>(g1[item]);
 }
 
@@ -1222,19 +1291,32 @@ __global__ void decode_fused_kernel(DeviceState<S, A> st, const In* q, const In*
   for (std::int64_t x = k_begin + warp; x < k_end; x += kWarps) {
     const bool in_state = x < n_state;
     const bool is_new = x == total - 1;  // the decode token: from the inputs, rounded as the ring stores it
-    const S* kr = in_state ? st.khat + (item * st.cap + x) * D : st.wk + (item * st.W + (w + x - n_state) % st.W) * D;
-    const S* vr = in_state ? st.vhat + (item * st.cap + x) * Dv : st.wv + (item * st.W + (w + x - n_state) % st.W) * Dv;
+    // a slot row (readout copy, with its scale for fp8) or a ring row (window type)
+    const std::int64_t sj = item * st.cap + (in_state ? x : 0), ring = in_state ? 0 : (w + x - n_state) % st.W;
+    const S* kr = st.khat + sj * D;
+    const S* vr = st.vhat + sj * Dv;
+    const Win<S>* wkr = st.wk + (item * st.W + ring) * D;
+    const Win<S>* wvr = st.wv + (item * st.W + ring) * Dv;
     A part = A(0);
     if (is_new) {
-      for (std::int64_t d = lane; d < D; d += kWarpSize) part += qs[d] * load_as<A>(store_as<S>(load_as<A>(knew[d])));
-    } else {
+      for (std::int64_t d = lane; d < D; d += kWarpSize)
+        part += qs[d] * load_as<A>(store_as<Win<S>>(load_as<A>(knew[d])));
+    } else if (in_state) {
       for (std::int64_t d = lane; d < D; d += kWarpSize) part += qs[d] * load_as<A>(kr[d]);
+    } else {
+      for (std::int64_t d = lane; d < D; d += kWarpSize) part += qs[d] * load_as<A>(wkr[d]);
     }
 #pragma unroll
     for (int off = kWarpSize / 2; off > 0; off >>= 1) part += warp_shfl_xor(part, off);
-    const typename OnlineSoftmax<A>::Step step = sm.push((in_state ? ls_state : ls_window) * part);
+    if constexpr (is_row_scaled_v<S>)
+      if (in_state) part *= A(st.khat_scale[sj]);
+    typename OnlineSoftmax<A>::Step step = sm.push((in_state ? ls_state : ls_window) * part);
+    if constexpr (is_row_scaled_v<S>)
+      if (in_state) step.weight *= A(st.vhat_scale[sj]);  // the rescale stays unscaled
     for (std::int64_t d = lane; d < Dv; d += kWarpSize) {
-      const A val = is_new ? load_as<A>(store_as<S>(load_as<A>(vnew[d]))) : load_as<A>(vr[d]);
+      const A val = is_new     ? load_as<A>(store_as<Win<S>>(load_as<A>(vnew[d])))
+                    : in_state ? load_as<A>(vr[d])
+                               : load_as<A>(wvr[d]);
       po[warp * Dv + d] = po[warp * Dv + d] * step.rescale + step.weight * val;
     }
   }

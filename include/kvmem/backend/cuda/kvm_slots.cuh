@@ -132,6 +132,7 @@ __device__ inline float rn_norm2(const X* x, std::int64_t n) {
 
 // K^_j = LN_s(Sk_j) and V^_j of slot j of an item (spec 4.4 steps 1-2), one thread. K^_j is kept in
 // fp32 too (khat32: the update passes read it) and in the storage type (khat: the readout reads it).
+// fp8 storage: each row with its scale (quantize_row's rule, the host's).
 template <class S>
 __device__ inline void rn_refresh(const DeviceState<S, float>& st, std::int64_t item, std::int64_t j) {
   const std::int64_t D = st.D, Dv = st.Dv;
@@ -140,7 +141,10 @@ __device__ inline void rn_refresh(const DeviceState<S, float>& st, std::int64_t 
   float* k32 = st.khat32 + (item * st.cap + j) * D;
   rn_layer_norm(sk, D, st.ln_w, st.ln_b, st.eps, k32);
   S* khat = st.khat + (item * st.cap + j) * D;
-  for (std::int64_t d = 0; d < D; ++d) khat[d] = store_as<S>(k32[d]);
+  if constexpr (is_row_scaled_v<S>)
+    st.khat_scale[item * st.cap + j] = quantize_row(k32, khat, D);
+  else
+    for (std::int64_t d = 0; d < D; ++d) khat[d] = store_as<S>(k32[d]);
   float f;
   if (st.value_radius) {
     float nrm = rn_norm2(sv, Dv);
@@ -150,7 +154,15 @@ __device__ inline void rn_refresh(const DeviceState<S, float>& st, std::int64_t 
     f = __fdiv_rn(1.0f, st.cnt[item * st.cap + j]);
   }
   S* vhat = st.vhat + (item * st.cap + j) * Dv;
-  for (std::int64_t d = 0; d < Dv; ++d) vhat[d] = store_as<S>(__fmul_rn(sv[d], f));
+  if constexpr (is_row_scaled_v<S>) {
+    float amax = 0.0f;
+    for (std::int64_t d = 0; d < Dv; ++d) amax = fmaxf(amax, fabsf(__fmul_rn(sv[d], f)));
+    const float scale = fp8_row_scale(amax), inverse = fp8_inverse_scale(scale);
+    for (std::int64_t d = 0; d < Dv; ++d) vhat[d] = ptx::to_e4m3(__fmul_rn(sv[d], f) * inverse);
+    st.vhat_scale[item * st.cap + j] = scale;
+  } else {
+    for (std::int64_t d = 0; d < Dv; ++d) vhat[d] = store_as<S>(__fmul_rn(sv[d], f));
+  }
 }
 
 __device__ inline std::int64_t imin(std::int64_t a, std::int64_t b) {
@@ -432,8 +444,8 @@ __global__ void __launch_bounds__(1024)
     float* k0t = st.k0t + it.work * D * C + c;
     float* kgt = st.kgt + it.work * D * C + c;
     const std::int64_t ring = (it.pl.a + c) % W;
-    const S* kr = st.wk + (it.item * W + ring) * D;
-    const S* vr = st.wv + (it.item * W + ring) * Dv;
+    const Win<S>* kr = st.wk + (it.item * W + ring) * D;
+    const Win<S>* vr = st.wv + (it.item * W + ring) * Dv;
     const float gate = st.wg[it.item * W + ring];
     for (std::int64_t d = 0; d < D; ++d) k0[d] = d < st.rope_dims ? 0.0f : rn_load(kr[d]);
     rn_layer_norm(k0, D, st.ln_w, st.ln_b, st.eps, k0);
@@ -593,7 +605,7 @@ __global__ void __launch_bounds__(1024)
       const float* k0 = st.k0 + (it.work * C + c) * D;
       const float* kg = st.kg + (it.work * C + c) * D;
       const float* vg = st.vg + (it.work * C + c) * Dv;
-      const S* vr = st.wv + (it.item * W + (it.pl.a + c) % W) * Dv;
+      const Win<S>* vr = st.wv + (it.item * W + (it.pl.a + c) % W) * Dv;
       float* sk = st.sk + (it.item * cap + j) * D;
       float* sv = st.sv + (it.item * cap + j) * Dv;
       for (std::int64_t d = 0; d < D; ++d) sk[d] = st.gate_appends ? kg[d] : k0[d];
@@ -711,12 +723,12 @@ __global__ void __launch_bounds__(kSlotIngestThreads)
   const int lane = threadIdx.x % kWarpSize;
   for (std::int64_t g = threadIdx.x / kWarpSize; g < Hk; g += kSlotIngestThreads / kWarpSize) {
     const std::int64_t item = std::int64_t(b) * Hk + g;
-    S* wk = st.wk + (item * W + ring) * D;
-    S* wv = st.wv + (item * W + ring) * Dv;
+    Win<S>* wk = st.wk + (item * W + ring) * D;
+    Win<S>* wv = st.wv + (item * W + ring) * Dv;
     const In* kr = k + (token * Hk + g) * D;
     const In* vr = v + (token * Hk + g) * Dv;
-    for (std::int64_t d = lane; d < D; d += kWarpSize) wk[d] = store_as<S>(rn_load(kr[d]));
-    for (std::int64_t d = lane; d < Dv; d += kWarpSize) wv[d] = store_as<S>(rn_load(vr[d]));
+    for (std::int64_t d = lane; d < D; d += kWarpSize) wk[d] = store_as<Win<S>>(rn_load(kr[d]));
+    for (std::int64_t d = lane; d < Dv; d += kWarpSize) wv[d] = store_as<Win<S>>(rn_load(vr[d]));
     const float gt = rn_load(gate[token * Hk + g]);
     if (lane == 0) st.wg[item * W + ring] = gt;
     warp_sync();
@@ -758,11 +770,14 @@ __device__ inline A slot_warp_sum(A x) {
 }
 
 // Element i of a vector of storage values loaded as 32-bit words (little-endian: a word holds two 16-bit
-// values, low half first).
+// values, low half first, or four 8-bit values, lowest byte first). An fp8 element is its stored value
+// (the row's scale is the caller's).
 template <class S>
 __device__ inline float slot_word_element(const unsigned* w, int i) {
   if constexpr (sizeof(S) == 4)
     return __uint_as_float(w[i]);
+  else if constexpr (sizeof(S) == 1)
+    return ptx::e4m3_to_float(e4m3::from_bits(static_cast<std::uint8_t>(w[i / 4] >> (8 * (i % 4)))));
   else
     return rn_load(S::from_bits(static_cast<std::uint16_t>(w[i / 2] >> (16 * (i % 2)))));
 }
@@ -772,10 +787,14 @@ __device__ inline float slot_word_element(const unsigned* w, int i) {
 // one per element.
 template <int N, class S>
 __device__ inline void slot_load_vec(const S* p, float (&x)[N]) {
-  static_assert(sizeof(S) == 2 || sizeof(S) == 4, "slot_load_vec: 16- or 32-bit storage");
+  static_assert(sizeof(S) == 1 || sizeof(S) == 2 || sizeof(S) == 4, "slot_load_vec: 8-, 16- or 32-bit storage");
   constexpr int kBytes = N * int(sizeof(S));
-  static_assert(kBytes % 16 == 0 || kBytes == 8, "slot_load_vec: 8 bytes or whole 16-byte vectors");
-  if constexpr (kBytes == 8) {
+  static_assert(kBytes % 16 == 0 || kBytes == 8 || kBytes == 4, "slot_load_vec: 4, 8 bytes or whole 16-byte vectors");
+  if constexpr (kBytes == 4) {
+    const unsigned w[1] = {*reinterpret_cast<const unsigned*>(p)};
+#pragma unroll
+    for (int i = 0; i < N; ++i) x[i] = slot_word_element<S>(w, i);
+  } else if constexpr (kBytes == 8) {
     const uint2 raw = *reinterpret_cast<const uint2*>(p);
     const unsigned w[2] = {raw.x, raw.y};
 #pragma unroll
@@ -789,6 +808,42 @@ __device__ inline void slot_load_vec(const S* p, float (&x)[N]) {
 #pragma unroll
       for (int i = 0; i < kPer; ++i) x[v * kPer + i] = slot_word_element<S>(w, i);
     }
+  }
+}
+
+// Dots of a key row kr (storage or window type) with kRep query rows qs [kRep, D], accumulated into dot in
+// increasing channel order; the row read in vectors of 8 channels when D allows.
+template <int kRep, class K>
+__device__ inline void slot_key_dots(const K* kr, const float* qs, std::int64_t D, float (&dot)[kRep]) {
+  if (D % 8 == 0) {  // the same products in the same order, the row read in vectors of 8 channels
+#pragma unroll 4
+    for (std::int64_t d = 0; d < D; d += 8) {
+      float x[8];
+      slot_load_vec<8>(kr + d, x);
+#pragma unroll
+      for (int c = 0; c < 8; ++c)
+#pragma unroll
+        for (int h = 0; h < kRep; ++h) dot[h] = fmaf(qs[h * D + d + c], x[c], dot[h]);
+    }
+  } else {
+    for (std::int64_t d = 0; d < D; ++d) {
+      const float x = rn_load(kr[d]);
+#pragma unroll
+      for (int h = 0; h < kRep; ++h) dot[h] = fmaf(qs[h * D + d], x, dot[h]);
+    }
+  }
+}
+
+// A lane's kRegs value channels of row vr (storage or window type) into x: channels lane kRegs + e in one
+// vector load when vec_v, else lane + kWarpSize e; channels past Dv stay as they are (the caller zeroes).
+template <int kRegs, class V>
+__device__ inline void slot_value_row(const V* vr, std::int64_t Dv, bool vec_v, int lane, float (&x)[kRegs]) {
+  if (vec_v) {
+    if (lane * kRegs < Dv) slot_load_vec<kRegs>(vr + lane * kRegs, x);
+  } else {
+#pragma unroll
+    for (int e = 0; e < kRegs; ++e)
+      if (lane + kWarpSize * e < Dv) x[e] = rn_load(vr[lane + kWarpSize * e]);
   }
 }
 
@@ -857,8 +912,8 @@ __global__ void __launch_bounds__(kWarpSize* kSlotReadoutWarps)
   const std::int64_t n_s = pl.wb > 0 ? pl.s_read : 0, n_keys = n_s + (t - pl.wb + 1);
   const S* khat = st.khat + item * st.cap * D;
   const S* vhat = st.vhat + item * st.cap * Dv;
-  const S* wk = st.wk + item * W * D;
-  const S* wv = st.wv + item * W * Dv;
+  const Win<S>* wk = st.wk + item * W * D;
+  const Win<S>* wv = st.wv + item * W * Dv;
   const int warp = threadIdx.x / kWarpSize, lane = threadIdx.x % kWarpSize;
   // lane l holds value channels l kRegs .. l kRegs + kRegs - 1 (one vector load a key) when they split
   // evenly, else channels l + kWarpSize e
@@ -878,27 +933,15 @@ __global__ void __launch_bounds__(kWarpSize* kSlotReadoutWarps)
     for (int h = 0; h < kRep; ++h) p[h] = -INFINITY;
     if (key < n_keys) {
       const bool slot = key < n_s;
-      const S* kr = slot ? khat + key * D : wk + ((pl.wb + key - n_s) % W) * D;
       float dot[kRep] = {};
-      if (D % 8 == 0) {  // the same products in the same order, the row read in vectors of 8 channels
-#pragma unroll 4
-        for (std::int64_t d = 0; d < D; d += 8) {
-          float x[8];
-          slot_load_vec<8>(kr + d, x);
+      if (slot)
+        slot_key_dots<kRep>(khat + key * D, qs, D, dot);
+      else
+        slot_key_dots<kRep>(wk + ((pl.wb + key - n_s) % W) * D, qs, D, dot);
+      // an fp8 slot row: the products were taken on its stored elements, its scale applies once
+      const float ks = is_row_scaled_v<S> && slot ? st.khat_scale[item * st.cap + key] : 1.0f;
 #pragma unroll
-          for (int c = 0; c < 8; ++c)
-#pragma unroll
-            for (int h = 0; h < kRep; ++h) dot[h] = fmaf(qs[h * D + d + c], x[c], dot[h]);
-        }
-      } else {
-        for (std::int64_t d = 0; d < D; ++d) {
-          const float x = rn_load(kr[d]);
-#pragma unroll
-          for (int h = 0; h < kRep; ++h) dot[h] = fmaf(qs[h * D + d], x, dot[h]);
-        }
-      }
-#pragma unroll
-      for (int h = 0; h < kRep; ++h) p[h] = (slot ? ls_s[h] : ls_w[h]) * dot[h];  // the logit, for now
+      for (int h = 0; h < kRep; ++h) p[h] = (slot ? ls_s[h] : ls_w[h]) * (dot[h] * ks);  // the logit, for now
     }
 #pragma unroll
     for (int h = 0; h < kRep; ++h) {
@@ -922,13 +965,15 @@ __global__ void __launch_bounds__(kWarpSize* kSlotReadoutWarps)
 #pragma unroll
         for (int e = 0; e < kRegs; ++e) x[u][e] = 0.0f;
         if (i0 + u >= count) continue;
-        const S* vr = kk < n_s ? vhat + kk * Dv : wv + ((pl.wb + kk - n_s) % W) * Dv;
-        if (vec_v) {
-          if (lane * kRegs < Dv) slot_load_vec<kRegs>(vr + lane * kRegs, x[u]);
-        } else {
+        if (kk < n_s) {
+          slot_value_row<kRegs>(vhat + kk * Dv, Dv, vec_v, lane, x[u]);
+          if constexpr (is_row_scaled_v<S>) {  // dequantised: scale x element is exact (a power of two)
+            const float vs = st.vhat_scale[item * st.cap + kk];
 #pragma unroll
-          for (int e = 0; e < kRegs; ++e)
-            if (lane + kWarpSize * e < Dv) x[u][e] = rn_load(vr[lane + kWarpSize * e]);
+            for (int e = 0; e < kRegs; ++e) x[u][e] *= vs;
+          }
+        } else {
+          slot_value_row<kRegs>(wv + ((pl.wb + kk - n_s) % W) * Dv, Dv, vec_v, lane, x[u]);
         }
       }
 #pragma unroll
@@ -996,7 +1041,7 @@ __global__ void slot_reset_kernel(SlotCounters sc, const std::int32_t* slots, st
 // slot at base[r] + slot * bytes[r] (every array keeps a slot's KV heads together), moved in words of
 // unit[r] bytes (16, 4, 2 or 1: a divisor of bytes[r] and of base[r]'s alignment, so every slot's region
 // is aligned to its words).
-inline constexpr int kSlotRegionsMax = 10;
+inline constexpr int kSlotRegionsMax = 12;  // fp8 storage adds the two row-scale arrays
 struct SlotRegions {
   unsigned char* base[kSlotRegionsMax];
   std::size_t bytes[kSlotRegionsMax];

@@ -23,7 +23,8 @@ struct BackendLimits<cuda::Executor> {
   static constexpr std::int64_t kMaxKvmValueDim = 256;
   static constexpr std::int64_t kMaxUaHeadDim = 256;
   static constexpr bool kKvmFp64Accumulate = false;
-  static constexpr bool kUaFp8 = true;  // e4m3 rows, bf16 inputs
+  static constexpr bool kUaFp8 = true;   // e4m3 rows, bf16 inputs
+  static constexpr bool kKvmFp8 = true;  // KvmState<e4m3>: e4m3 readout rows, bf16 window
 };
 
 }  // namespace kvmem

@@ -79,14 +79,22 @@ inline void prefetch_row(const T* row, std::int64_t width) {
 
 // Rows [j0, j1) of src ([*, ld], first `width` used) as fp32 into dst ([j1 - j0, width]), asking for row
 // j + kPrefetchRows of src (below `end`) and row j of `also` (its row stride ld_also, width w_also;
-// null = none) while converting row j.
+// null = none) while converting row j. Row-scaled (fp8) rows read as scale[j] * row (exact: a power of
+// two), so the products below equal the kernel body's product-then-scale but for fp32 rounding.
 template <class T, class U>
 inline void convert_rows(const T* src, std::int64_t j0, std::int64_t j1, std::int64_t end, std::int64_t ld,
-                         std::int64_t width, float* dst, const U* also, std::int64_t ld_also, std::int64_t w_also) {
+                         std::int64_t width, float* dst, const U* also, std::int64_t ld_also, std::int64_t w_also,
+                         const float* scale = nullptr) {
   for (std::int64_t j = j0; j < j1; ++j) {
     if (j + kPrefetchRows < end) prefetch_row(src + (j + kPrefetchRows) * ld, width);
     if (also != nullptr) prefetch_row(also + j * ld_also, w_also);
-    for (std::int64_t d = 0; d < width; ++d) dst[(j - j0) * width + d] = load_as<float>(src[j * ld + d]);
+    if constexpr (is_row_scaled_v<T>) {
+      const float s = scale[j];
+      for (std::int64_t d = 0; d < width; ++d) dst[(j - j0) * width + d] = s * load_as<float>(src[j * ld + d]);
+    } else {
+      (void)scale;
+      for (std::int64_t d = 0; d < width; ++d) dst[(j - j0) * width + d] = load_as<float>(src[j * ld + d]);
+    }
   }
 }
 
@@ -119,10 +127,12 @@ void softmax_rows(const TileArgs& a, Logits& P, OnlineSoftmax<float>* soft, floa
 // Accumulates keys [0, n) of a tile into every row of a block: l = scale_r * (q_r . k_j),
 // p over everything pushed into soft[r] so far (spec KVM.md 4.4 step 3, in tile form).
 // soft: [rows]; acc: [rows, Dv] unnormalised; keys: [n, ldk] (first D used); vals: [n, ldv]
-// (first Dv used); n <= kTile. A row that sees no key of the tile is left unchanged.
+// (first Dv used); n <= kTile. A row that sees no key of the tile is left unchanged. Row-scaled (fp8)
+// keys and values take their row scales key_scale, value_scale [n] (unused otherwise).
 template <class K, class V>
 void attend_tile(const TileArgs& a, OnlineSoftmax<float>* soft, float* acc, const K* keys, std::int64_t ldk,
-                 const V* vals, std::int64_t ldv, TileScratch& scratch) {
+                 const V* vals, std::int64_t ldv, TileScratch& scratch, const float* key_scale = nullptr,
+                 const float* value_scale = nullptr) {
   using Eigen::Index;
   const Index rows = Index(a.rows), n = Index(a.n), D = Index(a.D), Dv = Index(a.Dv);
   if (rows == 0 || n == 0) return;
@@ -139,13 +149,14 @@ void attend_tile(const TileArgs& a, OnlineSoftmax<float>* soft, float* acc, cons
         scratch.values.resize(std::max(sub, scratch.values.rows()), Dv);
       for (Index j = 0; j < n; j += sub) {
         const Index m = std::min(sub, n - j);
-        convert_rows(keys, j, j + m, n, ldk, D, scratch.keys.data(), vals, ldv, Dv);
+        convert_rows(keys, j, j + m, n, ldk, D, scratch.keys.data(), vals, ldv, Dv, key_scale);
         P.middleCols(j, m).noalias() = Q * scratch.keys.topRows(m).transpose();
       }
       softmax_rows(a, P, soft, acc);
       for (Index j = 0; j < n; j += sub) {
         const Index m = std::min(sub, n - j);
-        convert_rows(vals, j, j + m, n, ldv, Dv, scratch.values.data(), static_cast<const V*>(nullptr), 0, 0);
+        convert_rows(vals, j, j + m, n, ldv, Dv, scratch.values.data(), static_cast<const V*>(nullptr), 0, 0,
+                     value_scale);
         O.noalias() += P.middleCols(j, m) * scratch.values.topRows(m);
       }
       return;
@@ -158,7 +169,7 @@ void attend_tile(const TileArgs& a, OnlineSoftmax<float>* soft, float* acc, cons
     kp = keys;
   } else {  // bf16 / fp16 storage: convert the tile once, not once per query row
     if (scratch.keys.rows() < n || scratch.keys.cols() != D) scratch.keys.resize(std::max(n, scratch.keys.rows()), D);
-    convert_rows(keys, 0, n, 0, ldk, D, scratch.keys.data(), static_cast<const K*>(nullptr), 0, 0);
+    convert_rows(keys, 0, n, 0, ldk, D, scratch.keys.data(), static_cast<const K*>(nullptr), 0, 0, key_scale);
     kp = scratch.keys.data();
     kld = scratch.keys.cols();
   }
@@ -167,7 +178,7 @@ void attend_tile(const TileArgs& a, OnlineSoftmax<float>* soft, float* acc, cons
   } else {
     if (scratch.values.rows() < n || scratch.values.cols() != Dv)
       scratch.values.resize(std::max(n, scratch.values.rows()), Dv);
-    convert_rows(vals, 0, n, 0, ldv, Dv, scratch.values.data(), static_cast<const V*>(nullptr), 0, 0);
+    convert_rows(vals, 0, n, 0, ldv, Dv, scratch.values.data(), static_cast<const V*>(nullptr), 0, 0, value_scale);
     vp = scratch.values.data();
     vld = scratch.values.cols();
   }
@@ -257,9 +268,12 @@ struct RowBlock {
   float* acc = nullptr;                  // [rows, Dv] unnormalised
 };
 
+// Row-scaled (fp8) keys and values take their row scales key_scale, value_scale (indexed like the rows,
+// position a at 0; unused otherwise).
 template <class K, class V>
 void attend_range(const RowBlock& blk, const K* keys, std::int64_t ldk, const V* vals, std::int64_t ldv, std::int64_t a,
-                  std::int64_t e, const std::int64_t* last, RangeScratch& scratch) {
+                  std::int64_t e, const std::int64_t* last, RangeScratch& scratch, const float* key_scale = nullptr,
+                  const float* value_scale = nullptr) {
   TileArgs args;
   args.rows = blk.rows;
   args.D = blk.D;
@@ -280,7 +294,9 @@ void attend_range(const RowBlock& blk, const K* keys, std::int64_t ldk, const V*
       if (!any) break;  // positions only grow: no row sees a later tile either
       if (!all) args.visible = scratch.visible.data();
     }
-    attend_tile(args, blk.soft, blk.acc, keys + (t - a) * ldk, ldk, vals + (t - a) * ldv, ldv, scratch.tile);
+    attend_tile(args, blk.soft, blk.acc, keys + (t - a) * ldk, ldk, vals + (t - a) * ldv, ldv, scratch.tile,
+                key_scale != nullptr ? key_scale + (t - a) : nullptr,
+                value_scale != nullptr ? value_scale + (t - a) : nullptr);
   }
 }
 

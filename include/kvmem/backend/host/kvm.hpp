@@ -151,8 +151,14 @@ struct Call {
       if (!exact) {  // refresh_slot with the vectorised layer norm
         for (std::int64_t j = j0; j < j1; ++j) {
           host::eigen::layer_norm_lanes(it.sk + j * D(), D(), kp.ln_w, kp.ln_b, kp.eps, it.row);
-          for (std::int64_t d = 0; d < D(); ++d) it.khat[j * D() + d] = store_as<S>(it.row[d]);
-          kernel::value_readout(it.sv + j * Dv(), Dv(), it.rho[j], it.cnt[j], kp.value_radius, it.vhat + j * Dv());
+          if constexpr (is_row_scaled_v<S>) {
+            it.khat_scale[j] = quantize_row(it.row, it.khat + j * D(), D());
+            it.vhat_scale[j] = kernel::value_readout_scaled(it.sv + j * Dv(), Dv(), it.rho[j], it.cnt[j],
+                                                            kp.value_radius, it.vhat + j * Dv());
+          } else {
+            for (std::int64_t d = 0; d < D(); ++d) it.khat[j * D() + d] = store_as<S>(it.row[d]);
+            kernel::value_readout(it.sv + j * Dv(), Dv(), it.rho[j], it.cnt[j], kp.value_radius, it.vhat + j * Dv());
+          }
         }
         return;
       }
@@ -160,7 +166,12 @@ struct Call {
 #endif
     for (std::int64_t j = j0; j < j1; ++j)
       kernel::refresh_slot(kp, it.sk + j * D(), it.sv + j * Dv(), it.rho[j], it.cnt[j], it.row, it.khat + j * D(),
-                           it.vhat + j * Dv());
+                           it.vhat + j * Dv(), row_scale(it.khat_scale, j), row_scale(it.vhat_scale, j));
+  }
+
+  // Row j of a readout copy's scales (fp8 storage), or nullptr where the storage has none.
+  static float* row_scale(float* scales, std::int64_t j) {
+    return scales != nullptr ? scales + j : nullptr;
   }
 
   // Spec 4.3: the token at ring slot `ring` founds slot j (init rule; rho from the raw v).
@@ -331,7 +342,8 @@ struct Call {
           const std::int64_t h = g * rep + r % rep;
           const A ls = scale * (pr.head_temps ? st.tau_s()[h] : A(1));
           kernel::attend_accumulate(it.soft[r], it.acc + r * Dv(), it.qblock + r * D(), D(), ls, it.khat + j0 * D(),
-                                    D(), it.vhat + j0 * Dv(), Dv(), Dv(), n);
+                                    D(), it.vhat + j0 * Dv(), Dv(), Dv(), n, row_scale(it.khat_scale, j0),
+                                    row_scale(it.vhat_scale, j0));
         }
       }
     }
@@ -392,7 +404,7 @@ struct Call {
     if (w > 0) {
       for (std::int64_t r = 0; r < rows; ++r)
         ws.row_scale[std::size_t(r)] = scale * (pr.head_temps ? st.tau_s()[g * rep + r % rep] : A(1));
-      host::eigen::attend_range(blk, it.khat, D(), it.vhat, Dv(), 0, S_cur, nullptr, ws);
+      host::eigen::attend_range(blk, it.khat, D(), it.vhat, Dv(), 0, S_cur, nullptr, ws, it.khat_scale, it.vhat_scale);
     }
     for (std::int64_t r = 0; r < rows; ++r)
       ws.row_scale[std::size_t(r)] = scale * (pr.head_temps ? st.tau_w()[g * rep + r % rep] : A(1));
@@ -429,8 +441,8 @@ struct Call {
         const std::int64_t ring = t % W;
         const In* kr = io.k + (t - n0) * io.k_tok + g * io.k_head;
         const In* vr = io.v + (t - n0) * io.v_tok + g * io.v_head;
-        for (std::int64_t d = 0; d < D(); ++d) it.wk[ring * D() + d] = store_as<S>(static_cast<A>(kr[d]));
-        for (std::int64_t d = 0; d < Dv(); ++d) it.wv[ring * Dv() + d] = store_as<S>(static_cast<A>(vr[d]));
+        for (std::int64_t d = 0; d < D(); ++d) it.wk[ring * D() + d] = store_as<window_t<S>>(static_cast<A>(kr[d]));
+        for (std::int64_t d = 0; d < Dv(); ++d) it.wv[ring * Dv() + d] = store_as<window_t<S>>(static_cast<A>(vr[d]));
         it.wg[ring] = static_cast<A>(io.gate[(t - n0) * io.g_tok + g * io.g_head]);
         if (t < C && t >= cov) {
           init_slot(it, ring, S_cur++);
@@ -671,6 +683,10 @@ struct Backend<host::Executor> {
       std::copy(a.cnt, a.cnt + used, b.cnt);
       std::copy(a.khat, a.khat + used * D, b.khat);
       std::copy(a.vhat, a.vhat + used * Dv, b.vhat);
+      if constexpr (is_row_scaled_v<S>) {
+        std::copy(a.khat_scale, a.khat_scale + used, b.khat_scale);
+        std::copy(a.vhat_scale, a.vhat_scale + used, b.vhat_scale);
+      }
       std::copy(a.wk, a.wk + W * D, b.wk);
       std::copy(a.wv, a.wv + W * Dv, b.wv);
       std::copy(a.wg, a.wg + W, b.wg);
@@ -719,8 +735,10 @@ struct Backend<host::Executor> {
       call.refresh(it, 0, S_);  // the readout copies K^, V^ (spec 4.4), as the source computed them
       for (std::int64_t i = 0; i < held; ++i) {
         const std::int64_t ring = (w0 + i) % W, at = g * held + i;
-        for (std::int64_t d = 0; d < D; ++d) it.wk[ring * D + d] = store_as<S>(rec.wk[std::size_t(at * D + d)]);
-        for (std::int64_t d = 0; d < Dv; ++d) it.wv[ring * Dv + d] = store_as<S>(rec.wv[std::size_t(at * Dv + d)]);
+        for (std::int64_t d = 0; d < D; ++d)
+          it.wk[ring * D + d] = store_as<window_t<S>>(rec.wk[std::size_t(at * D + d)]);
+        for (std::int64_t d = 0; d < Dv; ++d)
+          it.wv[ring * Dv + d] = store_as<window_t<S>>(rec.wv[std::size_t(at * Dv + d)]);
         it.wg[ring] = rec.wg[std::size_t(at)];
       }
     }

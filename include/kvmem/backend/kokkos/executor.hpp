@@ -105,11 +105,12 @@ inline constexpr std::size_t kScratch0Bytes = 32 * 1024;
 }  // namespace kvmem::kokkos
 
 namespace kvmem {
-// The Kokkos backend runs the host's kernel bodies: the host's limits, except fp8 UA rows, which its
-// cache (kokkos::UaCache) does not store.
+// The Kokkos backend runs the host's kernel bodies: the host's limits, except fp8 storage, which neither
+// its UA cache (kokkos::UaCache) nor its KVM drivers (no row scales in their readout) take.
 template <class Space>
 struct BackendLimits<kokkos::Executor<Space>> : BackendLimits<void> {
   static constexpr const char* kName = "kokkos";
   static constexpr bool kUaFp8 = false;
+  static constexpr bool kKvmFp8 = false;
 };
 }  // namespace kvmem

@@ -98,9 +98,20 @@ struct StateMemory<Kokkos::Cuda, Mem, false> {
 template <class Space>
 using state_memory_space = typename StateMemory<Space>::type;
 
+// fp8 (e4m3) storage of KVM slots runs on the host and CUDA backends: the Kokkos drivers' readout,
+// refresh and copies keep no row scales (BackendLimits<kokkos::Executor>::kKvmFp8 = false).
+template <class S>
+consteval bool check_kvm_storage() {
+  static_assert(!is_row_scaled_v<S>,
+                "kvmem::kokkos: fp8 (kvmem::e4m3) storage of KVM slots is not supported on the Kokkos backend "
+                "(the host and CUDA backends take it; docs/compose.md, Supported combinations)");
+  return true;
+}
+
 // A KVM State placed over a Kokkos allocation in MemSpace (owned by `memory`).
 template <class S, class A, class MemSpace>
 struct KvmState {
+  static_assert(check_kvm_storage<S>());
   Kokkos::View<unsigned char*, MemSpace> memory;
   kvm::State<S, A> state;
 };
@@ -936,6 +947,7 @@ struct Backend<kokkos::Executor<Space>> {
                         TensorView<Out, 4> out,        // [B,T,Hq,Dv]
                         const std::int64_t* lengths,   // [B] in memory Space can read, or nullptr
                         RouteLog* log) {
+    static_assert(kokkos::check_kvm_storage<S>());
     using namespace kokkos::detail;
     // ---- validation of sizes on the host; nothing changes before every check passed ----
     if (!state.valid()) return invalid_argument("state", "a created or placed State", "an empty State");
@@ -1014,6 +1026,7 @@ struct Backend<kokkos::Executor<Space>> {
                      TensorView<Out, 3> out,        // [tokens,Hq,Dv]
                      TensorView<float, 2> lse,      // [tokens,Hq] or empty
                      RouteLog* log) {
+    static_assert(kokkos::check_kvm_storage<S>());
     using namespace kokkos::detail;
     if (!state.valid()) return invalid_argument("state", "a created or placed State", "an empty State");
     const Shape& sh = state.shape();
@@ -1137,6 +1150,7 @@ struct Backend<kokkos::Executor<Space>> {
   template <class S, class A>
   static Status copy_slots(const kokkos::Executor<Space>& exec, State<S, A>& state,
                            TensorView<const std::int32_t, 1> src, TensorView<const std::int32_t, 1> dst) {
+    static_assert(kokkos::check_kvm_storage<S>());
     using namespace kokkos::detail;
     if (!state.valid()) return invalid_argument("state", "a created or placed State", "an empty State");
     if (src.extent(0) != dst.extent(0)) return invalid_argument("dst length", src.extent(0), dst.extent(0));
@@ -1209,6 +1223,7 @@ struct Backend<kokkos::Executor<Space>> {
   template <class S, class A>
   static Status import_slot(const kokkos::Executor<Space>& exec, State<S, A>& state, const Weights& weights,
                             std::int32_t slot, std::span<const std::byte> bytes) {
+    static_assert(kokkos::check_kvm_storage<S>());
     using namespace kokkos::detail;
     KVMEM_RETURN_IF_ERROR(state.check_slot(slot, "slot"));
     const Shape& sh = state.shape();
