@@ -48,8 +48,8 @@
 // Launch sequence of one prefill / decode / step call, all on exec.space (in order, no host round trip
 // in between): [checked] one reduction over sequences or rows (rows, lengths, n_ctx, finite inputs,
 // gate > 0) read back; weights -> state (ln_w, ln_b, tau_s, tau_w in Acc); per segment [device order:
-// the four update launches] the state teams and the row teams; the per-sequence counter fold. The per-sequence counters (n, cov, |S|),
-// lengths and rows are read inside the kernels only.
+// the four update launches] the state teams and the row teams; the per-sequence counter fold. The
+// per-sequence counters (n, cov, |S|), lengths and rows are read inside the kernels only.
 //
 // State memory: the State must be placed over memory the space can access AND the host can write,
 // because State::place/reset (kvm/state.hpp) zero the counters from the host and the record code
