@@ -6,6 +6,7 @@
 // layout; validation before any change.
 #include <cstdint>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 #include <catch2/catch.hpp>
@@ -49,6 +50,44 @@ TEST_CASE("kokkos kvm matches the reference and the host backend on random shape
       KVMEM_KOKKOS_CHECK_AS_HOST(kk.state_k, host.state_k, kTolFp32);
       KVMEM_KOKKOS_CHECK_AS_HOST(kk.state_v, host.state_v, kTolFp32);
     }
+  }
+}
+
+TEST_CASE("kokkos kvm state updates equal the host backend's: routes exactly, the state bitwise on host spaces",
+          "[kokkos][kvm][unit]") {
+  // The update (spec 4.5) keeps the host's per-token and per-slot order in both orders of the Kokkos
+  // backend (the device order spreads it over token-block and slot-block teams), so its routes, |S|
+  // and slot sums equal the host backend's bitwise wherever the host compiler builds it, whichever
+  // order the readout runs in. C = 40 gives token blocks of 16, 16 and 8, and |S| >= 40 gives several
+  // 32-slot LN tiles and refresh blocks, so tile and block edges are crossed; six updates (the last
+  // chunk partial).
+  std::uint64_t seed = 500;
+  for (auto c : {small_config(2, 331, 4, 2, 16, 12, Power{8.0, 0.5, 8, 1, 8000}),  // all appended, then mixed
+                 small_config(1, 330, 2, 1, 12, 16, Fixed{40, 40}),                // merges only
+                 small_config(1, 321, 3, 1, 16, 8, Saturating{300.0, 1, 8000, 1})}) {
+    c.chunk = 40;
+    const auto in = random_inputs(c, seed++);
+    INFO("T" << c.T << " budget " << c.budget.name());
+    const auto kk = kokkos_prefill<float>(c, in);
+    const auto host = host_prefill<float>(c, in);
+    REQUIRE(host.route_merge.size() == 6);
+    CHECK(kk.slots_after_update == host.slots_after_update);
+    CHECK(kk.route_append == host.route_append);
+    CHECK(kk.route_merge == host.route_merge);
+    CHECK(kk.slots == host.slots);
+    if constexpr (std::is_same_v<KokkosSpace, Kokkos::DefaultHostExecutionSpace>) {
+      CHECK(same_bits(kk.state_k, host.state_k));
+      CHECK(same_bits(kk.state_v, host.state_v));
+      CHECK(same_bits(kk.state_rho, host.state_rho));
+    } else {
+      KVMEM_KOKKOS_CHECK_AS_HOST(kk.state_k, host.state_k, kTolFp32);
+      KVMEM_KOKKOS_CHECK_AS_HOST(kk.state_v, host.state_v, kTolFp32);
+    }
+    KVMEM_KOKKOS_CHECK_AS_HOST(kk.out, host.out, kTolFp32);
+    HostResult fin;  // decode from mid-sequence: its updates run one per one-token call
+    CHECK(kokkos_prefill_then_decode<float>(c, in, 150, &fin) == kk.out);
+    CHECK(same_bits(fin.state_k, kk.state_k));
+    CHECK(same_bits(fin.state_v, kk.state_v));
   }
 }
 

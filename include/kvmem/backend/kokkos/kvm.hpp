@@ -8,10 +8,17 @@
 // ceil((T - 1) / C) + 1 of them for T tokens, so the launch count follows from the padded sizes), each
 // segment as two kernels in the host driver's order (backend/host/kvm.hpp) with the same per-token and
 // per-slot bodies (kernel/kvm_state.hpp):
-// - state side, one team per (sequence, KV head) item: the pending state update with the team's
-//   threads over the chunk's tokens (preprocessing, novelty, rank selection, routing) and over slots
-//   (scatter, K^/V^ refresh), each token visiting the slots in increasing order as on the host; the
-//   segment's tokens into the window ring over the threads; the initial slots (one thread).
+// - state side, one team per (sequence, KV head) item: on host spaces the pending state update with
+//   the team's threads over the chunk's tokens (preprocessing, novelty, rank selection, routing) and
+//   over slots (scatter, K^/V^ refresh), each token visiting the slots in increasing order as on the
+//   host; the segment's tokens into the window ring over the threads; the initial slots (one thread).
+//   On device spaces the update runs before this kernel as four launches over many teams (PrepTag:
+//   preprocessing and novelty per (item, token block); AppendTag: selection and appends per item;
+//   RouteTag: routing per (item, token block); RefreshTag: scatter and K^/V^ per (item, slot block)),
+//   each token still visiting the slots in increasing order on one thread, so the update's results
+//   are the host order's (it must read the ring's tokens [cov, cov + C) before the state kernel
+//   writes the segment's tokens there). Every launch decides per item from the counters whether the
+//   item updates (item_segment), as the state kernel does.
 // - rows side, the segment's query rows (token, query head) of every item over many teams. On host
 //   spaces a team takes kHostRows rows, one per thread, each in the host's tile order through one
 //   online softmax, so results are bitwise equal to the host backend's. On device spaces a team takes
@@ -33,14 +40,16 @@
 // Team scratch: the device order's row (q, logits or weights of every key, piece states, piece
 // accumulators [pieces, Dv]) is sized from the state's slot capacity plus the window: about 10 KB for
 // 256 slots and a 512-token window at D = Dv = 128 fp32, level 0 up to kScratch0Bytes (the ~40 KB CUDA
-// cap, DESIGN.md 4) and level 1 beyond. The host order keeps each row's q copy, accumulator and softmax
-// state in the State's per-item workspace; the update's rows (LN blocks, scores, targets) live there too.
+// cap, DESIGN.md 4) and level 1 beyond. The device order's update tiles (token rows, LN rows of 32
+// slots, their logits: 26 KB at D = 128 fp32) are team scratch as well, level 0 or 1 by size. The host
+// order keeps each row's q copy, accumulator and softmax state in the State's per-item workspace; the
+// update's rows (k0, kg, vg, scores, targets; the host order's LN blocks) live there in both orders.
 //
 // Launch sequence of one prefill / decode / step call, all on exec.space (in order, no host round trip
 // in between): [checked] one reduction over sequences or rows (rows, lengths, n_ctx, finite inputs,
-// gate > 0) read back; weights -> state (ln_w, ln_b, tau_s, tau_w in Acc); per segment the state
-// teams and the row teams; the per-sequence counter fold. The per-sequence counters (n, cov, |S|),
-// lengths and rows are read inside the kernels only.
+// gate > 0) read back; weights -> state (ln_w, ln_b, tau_s, tau_w in Acc); per segment [device order:
+// the four update launches] the state teams and the row teams; the per-sequence counter fold. The
+// per-sequence counters (n, cov, |S|), lengths and rows are read inside the kernels only.
 //
 // State memory: the State must be placed over memory the space can access AND the host can write,
 // because State::place/reset (kvm/state.hpp) zero the counters from the host and the record code
@@ -234,6 +243,28 @@ struct TokenRef {
 // The two kernels of a segment (KvmCall): the state side (update, ring, initial slots) and the rows.
 struct StateTag {};
 struct RowsTag {};
+// The device order's state update U (spec 4.5), four launches before the segment's state kernel, each
+// over many teams: key preprocessing and novelty per (item, token block); append selection and appends
+// per item; merge routing per (item, token block); scatter and K^/V^ refresh per (item, slot block).
+struct PrepTag {};
+struct AppendTag {};
+struct RouteTag {};
+struct RefreshTag {};
+
+// Tokens per team of the update's token-block launches and slots per LN tile (and per refresh team):
+// a tile's LN rows, the block's token rows and their logits fit in level-0 scratch at D = 128 fp32
+// (26 KB, under kScratch0Bytes), and C = 256 gives 16 teams per item.
+inline constexpr std::int64_t kUpdateTokens = 16;
+inline constexpr std::int64_t kUpdateSlots = 32;
+
+// What the state side of one segment does for one item, decided from device data alone (the call's
+// lengths or rows and the counters): the same answer for the state kernel and every update launch.
+struct ItemSegment {
+  std::int64_t i = -1;          // the state's item (slot b, KV head g); -1: the item is skipped
+  std::int64_t cov = 0, S = 0;  // tokens covered and |S| entering the segment
+  std::int64_t t0 = 0, t1 = 0;  // the segment's tokens [t0, t1); empty when t0 == t1
+  bool updating = false;        // U(tokens [cov, cov + C)) runs before the segment (spec 4.7 step 4)
+};
 
 // prefill / decode: sequence b is batch row b of q [B,Hq,T,D], k [B,Hk,T,D], v [B,Hk,T,Dv],
 // gate [B,Hk,T], out [B,T,Hq,Dv]; lengths [B] (or nullptr: all T).
@@ -390,6 +421,9 @@ struct KvmCall {
   std::int64_t seg = 0;
   bool host_order = true;
   std::int64_t host_rows = 1, keys_cap = 0, pieces_cap = 0;
+  // Slot blocks of kUpdateSlots per item in the device order's refresh launch (the non-sink slots of
+  // the state's capacity).
+  std::int64_t slot_blocks = 1;
 
   KOKKOS_INLINE_FUNCTION std::int64_t W() const { return C * nb; }
   // spec 4.1: first window position when n tokens exist, max(0, ceil(n/C) C - nb C).
@@ -524,6 +558,181 @@ struct KvmCall {
   // [t0, t1) it covers (the first segment starts at n0; each later one at a multiple of C).
   KOKKOS_INLINE_FUNCTION std::int64_t segment_begin(std::int64_t n0, std::int64_t s) const {
     return s == 0 ? n0 : (n0 / C + s) * C;
+  }
+
+  // Segment seg of sequence (or row) sq's KV head g: its tokens, the running (cov, |S|) entering it
+  // (the counters in segment 0, the previous segment's result after) and whether the pending update
+  // runs first: cov < bswa_begin(t0 + 1) (spec 4.6, 4.7 step 4). Padding and rejected rows are skipped.
+  KOKKOS_INLINE_FUNCTION ItemSegment item_segment(const SeqRef& sq, std::int64_t g) const {
+    ItemSegment s;
+    if (sq.b < 0 || !sq.ok) return s;
+    s.i = sq.b * Hk + g;
+    const std::int64_t n0 = n_seq[sq.b], end = n0 + sq.len;
+    s.cov = seg == 0 ? cov_seq[sq.b] : result[2 * s.i];
+    s.S = seg == 0 ? slots_seq[sq.b] : result[2 * s.i + 1];
+    s.t0 = s.t1 = segment_begin(n0, seg);
+    if (s.t0 < end) {
+      const std::int64_t chunk_end = (s.t0 / C + 1) * C;
+      s.t1 = end < chunk_end ? end : chunk_end;
+      s.updating = s.cov < bswa_begin(s.t0 + 1);
+    }
+    return s;
+  }
+  // The same for item x of the call (sequence or row x / Hk, KV head x % Hk).
+  KOKKOS_INLINE_FUNCTION ItemSegment item_segment(std::int64_t x) const { return item_segment(seq(x / Hk), x % Hk); }
+  // Appended slots of the update from (a, |S|): n_app > 0 of spec 3.1, else none.
+  KOKKOS_INLINE_FUNCTION std::int64_t appended(std::int64_t a, std::int64_t current) const {
+    const std::int64_t n_app = appends(a, current);
+    return n_app > 0 ? n_app : 0;
+  }
+
+  // ---- the device order's update pipeline (spec 4.5 over many teams) ----------------------------------
+  // Each launch finds its item's segment itself (item_segment) and returns unless the item updates, so
+  // the pipeline needs no read-back. Every token's novelty score and route is taken over the slots in
+  // increasing order by one thread with the host's bodies (kernel::novelty_update_logits,
+  // merge_route_update_logits on dots computed as kernel::dot), and every slot's scatter adds its
+  // tokens in increasing order, so the update's results are those of the host order bitwise (where the
+  // same compiler builds them) and depend neither on the team size nor on the order teams run in.
+
+  KOKKOS_INLINE_FUNCTION std::int64_t token_blocks() const { return (C + kUpdateTokens - 1) / kUpdateTokens; }
+  // Team scratch of a token-block launch: the block's token rows [kUpdateTokens, D + 1] and a tile's LN
+  // rows [kUpdateSlots, D + 1] (one padding element per row, so threads reading different rows at the
+  // same d hit different banks), and the block's logits [kUpdateTokens, kUpdateSlots].
+  KOKKOS_INLINE_FUNCTION std::size_t block_scratch_bytes() const {
+    return sizeof(A) *
+           static_cast<std::size_t>((kUpdateTokens + kUpdateSlots) * (D + 1) + kUpdateTokens * kUpdateSlots);
+  }
+  // Team scratch of a refresh team: one LN row [D + 1] per slot of the block.
+  KOKKOS_INLINE_FUNCTION std::size_t refresh_scratch_bytes() const {
+    return sizeof(A) * static_cast<std::size_t>(kUpdateSlots * (D + 1));
+  }
+  KOKKOS_INLINE_FUNCTION static int scratch_level(std::size_t bytes) { return bytes <= kScratch0Bytes ? 0 : 1; }
+
+  // Tokens [i0, i0 + n) of the update against slots [j_begin, j_end), by the team, in tiles of
+  // kUpdateSlots slots in increasing order: the tile's LN rows (one slot per thread, kernel::layer_norm
+  // as on the host), the tokens x slots dots (one per thread, kernel::dot with the host's operands),
+  // then per token the tile's logits in increasing slot order through the host's update rule:
+  // novelty (spec 4.5 step 2: score = max over slots of k0 . LN_s(Sk_j), NaN never wins) or routing
+  // (step 4: argmax over slots of kg . K^+_j, strict improvement, so ties keep the smaller j; tokens
+  // already appended are skipped). Scores and routes start from it.score / it.best, it.target.
+  template <class Member>
+  KOKKOS_INLINE_FUNCTION void token_slot_tiles(const Member& team, A* scratch, const kvm::ItemView<S, A>& it,
+                                               std::int64_t i0, std::int64_t n, std::int64_t j_begin,
+                                               std::int64_t j_end, bool novelty) const {
+    const std::int64_t ld = D + 1;
+    A* tok = scratch;
+    A* ln = tok + kUpdateTokens * ld;
+    A* logit = ln + kUpdateSlots * ld;
+    const A* src = novelty ? it.k0 : it.kg;
+    Kokkos::parallel_for(Kokkos::TeamThreadRange(team, n * D),
+                         [&](const std::int64_t x) { tok[x / D * ld + x % D] = src[(i0 + x / D) * D + x % D]; });
+    for (std::int64_t j0 = j_begin; j0 < j_end; j0 += kUpdateSlots) {
+      const std::int64_t rows = j_end - j0 < kUpdateSlots ? j_end - j0 : kUpdateSlots;
+      Kokkos::parallel_for(Kokkos::TeamThreadRange(team, rows), [&](const std::int64_t r) {
+        kernel::layer_norm(it.sk + (j0 + r) * D, D, ln_w, ln_b, eps, ln + r * ld);
+      });
+      team.team_barrier();
+      Kokkos::parallel_for(Kokkos::TeamThreadRange(team, n * rows), [&](const std::int64_t x) {
+        const std::int64_t t = x / rows, r = x % rows;
+        if (novelty || it.target[i0 + t] != -1) logit[t * kUpdateSlots + r] = kernel::dot(ln + r * ld, tok + t * ld, D);
+      });
+      team.team_barrier();
+      Kokkos::parallel_for(Kokkos::TeamThreadRange(team, n), [&](const std::int64_t t) {
+        if (novelty)
+          kernel::novelty_update_logits(logit + t * kUpdateSlots, kUpdateSlots, 1, rows, it.score + i0 + t);
+        else
+          kernel::merge_route_update_logits(logit + t * kUpdateSlots, kUpdateSlots, 1, j0, rows, it.best + i0 + t,
+                                            it.target + i0 + t, j0 == j_begin);
+      });
+      team.team_barrier();
+    }
+  }
+
+  // Stage 1-2, a team per (item, block of kUpdateTokens tokens): k0, kg, vg of the block's tokens from
+  // the ring (spec 4.5 step 1), then, when the update appends, their novelty against every slot of the
+  // pre-update state, sink included, with the ungated k0 (step 2).
+  template <class Member>
+  KOKKOS_INLINE_FUNCTION void operator()(PrepTag, const Member& team) const {
+    const std::int64_t blocks = token_blocks();
+    const ItemSegment ps = item_segment(team.league_rank() / blocks);
+    if (!ps.updating) return;
+    const std::int64_t i0 = team.league_rank() % blocks * kUpdateTokens;
+    const std::int64_t n = C - i0 < kUpdateTokens ? C - i0 : kUpdateTokens, a = ps.cov, w = W();
+    const kvm::ItemView<S, A> it = items.at(ps.i);
+    const kernel::KvmStepParams<A> kp = step_params();
+    Kokkos::parallel_for(Kokkos::TeamThreadRange(team, n), [&](const std::int64_t t) {
+      const std::int64_t x = i0 + t, ring = (a + x) % w;
+      kernel::prepare_token(kp, it.wk + ring * D, it.wv + ring * Dv, it.wg[ring], it.k0 + x * D, it.kg + x * D,
+                            it.vg + x * Dv);
+      it.score[x] = negative_infinity<A>();
+    });
+    team.team_barrier();
+    if (appended(a, ps.S) == 0) return;
+    A* scratch =
+        static_cast<A*>(team.team_scratch(scratch_level(block_scratch_bytes())).get_shmem(block_scratch_bytes()));
+    token_slot_tiles(team, scratch, it, i0, n, 0, ps.S, /*novelty=*/true);
+  }
+
+  // Stage 3, a team per item: append selection by rank over the C scores (spec 4.5 step 2; targets 0
+  // when nothing is appended), then the appended tokens' slots in increasing token order (step 3).
+  template <class Member>
+  KOKKOS_INLINE_FUNCTION void operator()(AppendTag, const Member& team) const {
+    const ItemSegment ps = item_segment(team.league_rank());
+    if (!ps.updating) return;
+    const std::int64_t n_app = appended(ps.cov, ps.S), a = ps.cov, w = W();
+    const kvm::ItemView<S, A> it = items.at(ps.i);
+    const kernel::KvmStepParams<A> kp = step_params();
+    Kokkos::parallel_for(Kokkos::TeamThreadRange(team, C), [&](const std::int64_t i) {
+      it.target[i] = n_app > 0 ? kernel::append_target(it.score, C, n_app, i) : 0;
+    });
+    team.team_barrier();
+    Kokkos::parallel_for(Kokkos::TeamThreadRange(team, C), [&](const std::int64_t i) {
+      if (it.target[i] != -1) return;
+      const std::int64_t j = kernel::append_slot_index(it.target, i, ps.S);
+      kernel::append_slot(kp, it.k0 + i * D, it.kg + i * D, it.vg + i * Dv, it.wv + (a + i) % w * Dv, it.sk + j * D,
+                          it.sv + j * Dv, it.rho + j, it.cnt + j);
+    });
+  }
+
+  // Stage 4, a team per (item, token block): the block's merge tokens routed against K^+ of the
+  // expanded state, non-sink slots only (spec 4.5 step 4).
+  template <class Member>
+  KOKKOS_INLINE_FUNCTION void operator()(RouteTag, const Member& team) const {
+    const std::int64_t blocks = token_blocks();
+    const ItemSegment ps = item_segment(team.league_rank() / blocks);
+    if (!ps.updating) return;
+    const std::int64_t n_app = appended(ps.cov, ps.S);
+    if (n_app >= C) return;  // every token appended: nothing merges
+    const std::int64_t i0 = team.league_rank() % blocks * kUpdateTokens;
+    const std::int64_t n = C - i0 < kUpdateTokens ? C - i0 : kUpdateTokens;
+    A* scratch =
+        static_cast<A*>(team.team_scratch(scratch_level(block_scratch_bytes())).get_shmem(block_scratch_bytes()));
+    token_slot_tiles(team, scratch, items.at(ps.i), i0, n, sink, ps.S + n_app, /*novelty=*/false);
+  }
+
+  // Stage 5, a team per (item, block of kUpdateSlots non-sink slots), one slot per thread: the slot's
+  // routed tokens added in increasing token order (spec 4.5 step 4's scatter, after every route is
+  // final), then its K^/V^ (spec 4.4).
+  template <class Member>
+  KOKKOS_INLINE_FUNCTION void operator()(RefreshTag, const Member& team) const {
+    const ItemSegment ps = item_segment(team.league_rank() / slot_blocks);
+    if (!ps.updating) return;
+    const std::int64_t n_app = appended(ps.cov, ps.S), S_new = ps.S + n_app;
+    const std::int64_t j0 = sink + team.league_rank() % slot_blocks * kUpdateSlots;
+    const std::int64_t rows = S_new - j0 < kUpdateSlots ? S_new - j0 : kUpdateSlots;
+    if (rows <= 0) return;
+    const kvm::ItemView<S, A> it = items.at(ps.i);
+    const kernel::KvmStepParams<A> kp = step_params();
+    const std::int64_t ld = D + 1;
+    A* ln =
+        static_cast<A*>(team.team_scratch(scratch_level(refresh_scratch_bytes())).get_shmem(refresh_scratch_bytes()));
+    Kokkos::parallel_for(Kokkos::TeamThreadRange(team, rows), [&](const std::int64_t r) {
+      const std::int64_t j = j0 + r;
+      if (n_app < C)
+        kernel::scatter_into_slot(it.kg, it.vg, it.target, C, D, Dv, j, it.sk + j * D, it.sv + j * Dv, it.cnt + j);
+      kernel::refresh_slot(kp, it.sk + j * D, it.sv + j * Dv, it.rho[j], it.cnt[j], ln + r * ld, it.khat + j * D,
+                           it.vhat + j * Dv);
+    });
   }
 
   // One query row (token t, query head h) of item (b, g) in the host driver's order: the state (if
@@ -663,19 +872,21 @@ struct KvmCall {
       return;
     }
     if (!sq.ok) return;  // rejected sizes (checked = false): the item and its counters stay untouched
-    const std::int64_t b = sq.b, i = b * Hk + g;  // the state's item of (slot b, KV head g)
-    const std::int64_t len = sq.len, n0 = n_seq[b], w_len = W();
+    const ItemSegment ps = item_segment(sq, g);
+    const std::int64_t i = ps.i;  // the state's item of (slot b, KV head g)
+    const std::int64_t len = sq.len, n0 = n_seq[sq.b], w_len = W();
     const kvm::ItemView<S, A> it = items.at(i);
-    std::int64_t cov = seg == 0 ? cov_seq[b] : result[2 * i], S_cur = seg == 0 ? slots_seq[b] : result[2 * i + 1];
-    const std::int64_t t0 = segment_begin(n0, seg);
-    if (t0 < n0 + len) {
-      const std::int64_t chunk_end = (t0 / C + 1) * C;
-      const std::int64_t t1 = n0 + len < chunk_end ? n0 + len : chunk_end;
-      const std::int64_t w = bswa_begin(t0 + 1);
-      const bool updating = cov < w;
+    std::int64_t cov = ps.cov, S_cur = ps.S;
+    const std::int64_t t0 = ps.t0, t1 = ps.t1;
+    if (t0 < t1) {
+      const bool updating = ps.updating;
       const std::int64_t a = cov;
       const std::int64_t S_before = S_cur;
-      const std::int64_t S_after = updating ? update(team, it, a, S_before) : S_before;
+      // Host order: the update runs here, on this team. Device order: the update pipeline ran it before
+      // this kernel (PrepTag .. RefreshTag) and |S| after it follows from the budget alone (spec 3.1).
+      const std::int64_t S_after = !updating    ? S_before
+                                   : host_order ? update(team, it, a, S_before)
+                                                : S_before + appended(a, S_before);
       std::int64_t* item_log = log ? log + i * log_stride : nullptr;
       Kokkos::single(Kokkos::PerTeam(team), [&]() {
         if (updating && item_log != nullptr) {  // test hook: the update's route record
@@ -859,8 +1070,8 @@ void load_weights(const Executor<Space>& exec, const kvm::State<S, A>& state, co
 }
 
 // The run of one prefill / decode / step call, all on exec.space in order with no host round trip:
-// weights -> state; per chunk segment the state teams (one per sequence or row, times Hk) and the row
-// teams; the per-sequence counter fold.
+// weights -> state; per chunk segment [device order: the update pipeline's four launches] the state
+// teams (one per sequence or row, times Hk) and the row teams; the per-sequence counter fold.
 // `max_tokens` bounds the tokens of one item (sizes the route log, a test hook that reads back).
 template <class Space, class S, class A, class In, class Out, class Io>
 void run_call(const Executor<Space>& exec, const kvm::State<S, A>& state, const KvmWeights& w,
@@ -884,19 +1095,46 @@ void run_call(const Executor<Space>& exec, const kvm::State<S, A>& state, const 
   call.keys_cap = state.capacity() + state.window_capacity();
   call.pieces_cap = (call.keys_cap + kernel::kAttendTile - 1) / kernel::kAttendTile;
   const std::int64_t row_teams = call.host_order ? (pairs + kHostRows - 1) / kHostRows * sh.Hk : pairs * sh.Hk;
+  // The device order's update pipeline: token-block teams (stages 1-2 and 4), item teams (stage 3) and
+  // slot-block teams over the non-sink slots of the capacity (stage 5).
+  const std::int64_t token_teams = items * call.token_blocks();
+  const std::int64_t non_sink = state.capacity() - state.params().sink;
+  call.slot_blocks = non_sink > kUpdateSlots ? (non_sink + kUpdateSlots - 1) / kUpdateSlots : 1;
+  const std::int64_t refresh_teams = items * call.slot_blocks;
   auto state_teams = team_policy<Space, StateTag>(exec, items);
   auto rows = team_policy<Space, RowsTag>(exec, row_teams);
-  if (!call.host_order && exec.team_size == 0) {  // device order: teams as wide as a chunk, where they fit
-    const auto width = [&](const auto& policy) {
+  auto prep = team_policy<Space, PrepTag>(exec, token_teams);
+  auto append = team_policy<Space, AppendTag>(exec, items);
+  auto route = team_policy<Space, RouteTag>(exec, token_teams);
+  auto refresh = team_policy<Space, RefreshTag>(exec, refresh_teams);
+  if (!call.host_order && exec.team_size == 0) {  // device order: teams as wide as the work, where they fit
+    const auto widen = [&](auto& policy, std::int64_t league, int wanted) {
       const int most = policy.team_size_max(call, Kokkos::ParallelForTag());
-      return most < kDeviceTeam ? most : kDeviceTeam;
+      policy = std::remove_reference_t<decltype(policy)>(exec.space, static_cast<int>(league),
+                                                         most < wanted ? most : wanted);
     };
-    state_teams = Kokkos::TeamPolicy<Space, StateTag>(exec.space, static_cast<int>(items), width(state_teams));
-    rows = Kokkos::TeamPolicy<Space, RowsTag>(exec.space, static_cast<int>(row_teams), width(rows));
+    widen(state_teams, items, kDeviceTeam);  // a chunk's tokens
+    widen(rows, row_teams, kDeviceTeam);     // a row's keys
+    widen(prep, token_teams, kDeviceTeam);   // a block's token x slot dots
+    widen(append, items, kDeviceTeam);       // a chunk's tokens
+    widen(route, token_teams, kDeviceTeam);
+    widen(refresh, refresh_teams, static_cast<int>(kUpdateSlots));  // a block's slots
   }
-  if (!call.host_order) rows.set_scratch_size(call.row_scratch_level(), Kokkos::PerTeam(call.row_scratch_bytes()));
+  if (!call.host_order) {
+    rows.set_scratch_size(call.row_scratch_level(), Kokkos::PerTeam(call.row_scratch_bytes()));
+    const std::size_t block = call.block_scratch_bytes(), slots = call.refresh_scratch_bytes();
+    prep.set_scratch_size(call.scratch_level(block), Kokkos::PerTeam(block));
+    route.set_scratch_size(call.scratch_level(block), Kokkos::PerTeam(block));
+    refresh.set_scratch_size(call.scratch_level(slots), Kokkos::PerTeam(slots));
+  }
   for (std::int64_t s = 0; s < segments; ++s) {
     call.seg = s;
+    if (!call.host_order && items > 0) {  // the pending update, before the state kernel overwrites the ring
+      Kokkos::parallel_for("kvmem::kokkos::kvm::update_prepare", prep, call);
+      Kokkos::parallel_for("kvmem::kokkos::kvm::update_append", append, call);
+      Kokkos::parallel_for("kvmem::kokkos::kvm::update_route", route, call);
+      Kokkos::parallel_for("kvmem::kokkos::kvm::update_refresh", refresh, call);
+    }
     if (items > 0) Kokkos::parallel_for("kvmem::kokkos::kvm::segment_state", state_teams, call);
     if (pairs > 0) Kokkos::parallel_for("kvmem::kokkos::kvm::segment_rows", rows, call);
   }
