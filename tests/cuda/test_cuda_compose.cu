@@ -294,7 +294,10 @@ TEST_CASE("ua cuda Attention with a fixed head dim runs the kernels of that dim"
   {  // fp32, D 32: the CUDA-core chunk and decode kernels of 32 dims, pruning at p = 0.05
     const ua::Case c = ua::random_case(1, 160, 4, 2, 32, 77);
     const ua::FloatCase f(c);
-    const auto ref = kvmem::reference::ua::pruned(c.config, c.inputs, 0.05);
+    kvmem::reference::ua::Config rc = c.config;  // the runs' schedule: chunks of 32 over [0, 100), then decode
+    rc.prefill_chunk = 32;
+    rc.prefill_split = 100;
+    const auto ref = kvmem::reference::ua::pruned(rc, c.inputs, 0.05);
     const auto fixed =
         ua_variant_run<kua::Attention<Universal, kP, kvmem::precision::Fp32Storage, 32>>(f, 100, f.cache_shape());
     const auto any = ua_variant_run<kua::Attention<Universal, kP>>(f, 100, f.cache_shape());

@@ -12,13 +12,14 @@
 //   the team's threads over the chunk's tokens (preprocessing, novelty, rank selection, routing) and
 //   over slots (scatter, K^/V^ refresh), each token visiting the slots in increasing order as on the
 //   host; the segment's tokens into the window ring over the threads; the initial slots (one thread).
-//   On device spaces the update runs before this kernel as four launches over many teams (PrepTag:
-//   preprocessing and novelty per (item, token block); AppendTag: selection and appends per item;
-//   RouteTag: routing per (item, token block); RefreshTag: scatter and K^/V^ per (item, slot block)),
-//   each token still visiting the slots in increasing order on one thread, so the update's results
-//   are the host order's (it must read the ring's tokens [cov, cov + C) before the state kernel
-//   writes the segment's tokens there). Every launch decides per item from the counters whether the
-//   item updates (item_segment), as the state kernel does.
+//   On device spaces, in calls of more than one token per sequence (a decode call's rare update runs on the
+//   state team, as on host spaces), the update runs before this kernel as four launches over many teams
+//   (PrepTag: preprocessing and novelty per (item, token block); AppendTag: selection and appends per item;
+//   RouteTag: routing per (item, token block); RefreshTag: scatter and K^/V^ per (item, slot block)), each
+//   token still visiting the slots in increasing order on one thread, so the update's results are the host
+//   order's (it must read the ring's tokens [cov, cov + C) before the state kernel writes the segment's
+//   tokens there). Every launch decides per item from the counters whether the item updates (item_segment),
+//   as the state kernel does.
 // - rows side, the segment's query rows (token, query head) of every item over many teams. On host
 //   spaces a team takes kHostRows rows, one per thread, each in the host's tile order through one
 //   online softmax, so results are bitwise equal to the host backend's. On device spaces a team takes
@@ -420,6 +421,11 @@ struct KvmCall {
   // the (token, head) pairs of a host-order team, and the split order's key and piece capacity.
   std::int64_t seg = 0;
   bool host_order = true;
+  // Whether the state kernel runs a pending update itself on its team (the host order, and the device
+  // order's calls of one token per sequence, where an update is due once every C steps and four
+  // launches that return at once would cost every step more than the one-team update costs once):
+  // otherwise the device order's update launches (PrepTag .. RefreshTag) ran it before.
+  bool team_update = true;
   std::int64_t host_rows = 1, keys_cap = 0, pieces_cap = 0;
   // Slot blocks of kUpdateSlots per item in the device order's refresh launch (the non-sink slots of
   // the state's capacity).
@@ -882,11 +888,12 @@ struct KvmCall {
       const bool updating = ps.updating;
       const std::int64_t a = cov;
       const std::int64_t S_before = S_cur;
-      // Host order: the update runs here, on this team. Device order: the update pipeline ran it before
+      // team_update: the update runs here, on this team. Otherwise the update launches ran it before
       // this kernel (PrepTag .. RefreshTag) and |S| after it follows from the budget alone (spec 3.1).
-      const std::int64_t S_after = !updating    ? S_before
-                                   : host_order ? update(team, it, a, S_before)
-                                                : S_before + appended(a, S_before);
+      // Both give the host order's routes and sums.
+      const std::int64_t S_after = !updating     ? S_before
+                                   : team_update ? update(team, it, a, S_before)
+                                                 : S_before + appended(a, S_before);
       std::int64_t* item_log = log ? log + i * log_stride : nullptr;
       Kokkos::single(Kokkos::PerTeam(team), [&]() {
         if (updating && item_log != nullptr) {  // test hook: the update's route record
@@ -1091,6 +1098,7 @@ void run_call(const Executor<Space>& exec, const kvm::State<S, A>& state, const 
   const std::int64_t segments = max_tokens > 0 ? (max_tokens - 1 + C - 1) / C + 1 : 1;
   const std::int64_t pairs = call.io.row_tokens(C) * sh.rep();
   call.host_order = kHostOrder<Space>;
+  call.team_update = call.host_order || max_tokens <= 1;
   call.host_rows = kHostRows;
   call.keys_cap = state.capacity() + state.window_capacity();
   call.pieces_cap = (call.keys_cap + kernel::kAttendTile - 1) / kernel::kAttendTile;
@@ -1129,7 +1137,7 @@ void run_call(const Executor<Space>& exec, const kvm::State<S, A>& state, const 
   }
   for (std::int64_t s = 0; s < segments; ++s) {
     call.seg = s;
-    if (!call.host_order && items > 0) {  // the pending update, before the state kernel overwrites the ring
+    if (!call.team_update && items > 0) {  // the pending update, before the state kernel overwrites the ring
       Kokkos::parallel_for("kvmem::kokkos::kvm::update_prepare", prep, call);
       Kokkos::parallel_for("kvmem::kokkos::kvm::update_append", append, call);
       Kokkos::parallel_for("kvmem::kokkos::kvm::update_route", route, call);
