@@ -51,11 +51,7 @@ void cuda_feed(kvmem::cuda::KvmState<float>& st, const rkvm::Config& c, const rk
   REQUIRE(status.is_ok());
   KVMEM_CUDA_REQUIRE(cudaDeviceSynchronize());
   const auto o = out.get();
-  out_full.resize(std::size_t(c.B * c.T * c.Hq * c.Dv), 0.0f);
-  for (std::int64_t b = 0; b < c.B; ++b)
-    for (std::int64_t t = 0; t < n; ++t)
-      for (std::int64_t i = 0; i < c.Hq * c.Dv; ++i)
-        out_full[std::size_t(((b * c.T + t0 + t) * c.Hq) * c.Dv + i)] = o[std::size_t((b * n + t) * c.Hq * c.Dv + i)];
+  place_outputs(o, c, t0, n, out_full);
 }
 }  // namespace
 
@@ -207,10 +203,7 @@ std::vector<float> kvm_variant_run(const rkvm::Config& c, const rkvm::Inputs& in
     INFO("tokens [" << t0 << ", " << t1 << "): " << s.to_string());
     REQUIRE(s.is_ok());
     const auto o = out.get();
-    for (std::int64_t b = 0; b < c.B; ++b)
-      for (std::int64_t t = 0; t < n; ++t)
-        for (std::int64_t i = 0; i < c.Hq * c.Dv; ++i)
-          out_full[std::size_t(((b * c.T + t0 + t) * c.Hq) * c.Dv + i)] = o[std::size_t((b * n + t) * c.Hq * c.Dv + i)];
+    place_outputs(o, c, t0, n, out_full);
   }
   return out_full;
 }

@@ -59,11 +59,7 @@ kvmem::Status feed(Fp8State& st, const rkvm::Config& c, const rkvm::Inputs& in, 
       TensorView<float, 4>(out.ptr, {c.B, n, c.Hq, c.Dv}), log));
   KVMEM_RETURN_IF_ERROR(kvmem::cuda::to_status(cudaDeviceSynchronize(), "sync after prefill"));
   const auto o = out.get();
-  out_full.resize(std::size_t(c.B * c.T * c.Hq * c.Dv), 0.0f);
-  for (std::int64_t b = 0; b < c.B; ++b)
-    for (std::int64_t t = 0; t < n; ++t)
-      for (std::int64_t i = 0; i < c.Hq * c.Dv; ++i)
-        out_full[std::size_t(((b * c.T + t0 + t) * c.Hq) * c.Dv + i)] = o[std::size_t((b * n + t) * c.Hq * c.Dv + i)];
+  place_outputs(o, c, t0, n, out_full);
   return kvmem::Status::ok();
 }
 
@@ -83,15 +79,7 @@ HostResult cuda_run(const rkvm::Config& c, const rkvm::Inputs& in, std::int64_t 
     REQUIRE(s.is_ok());
     t0 = t1;
   }
-  r.slots = st.slots();
-  for (std::int64_t b = 0; b < c.B; ++b)
-    for (std::int64_t g = 0; g < c.Hk; ++g) {
-      std::vector<float> sk, sv, rho;
-      REQUIRE(st.download(b, g, sk, sv, rho, nullptr).is_ok());
-      r.state_k.insert(r.state_k.end(), sk.begin(), sk.end());
-      r.state_v.insert(r.state_v.end(), sv.begin(), sv.end());
-      r.state_rho.insert(r.state_rho.end(), rho.begin(), rho.end());
-    }
+  extract_device_state(st, c, r);
   extract_routes(log, c, r);
   return r;
 }

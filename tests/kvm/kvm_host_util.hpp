@@ -116,6 +116,37 @@ void extract_state(const kvmem::kvm::State<S, float>& st, const rkvm::Config& c,
     }
 }
 
+// The slot states of a device state (a backend state with download(b, g, sk, sv, rho, stream), e.g. the
+// CUDA KvmState), read back into r as extract_state reads a host state.
+template <class DeviceState>
+void extract_device_state(const DeviceState& st, const rkvm::Config& c, HostResult& r) {
+  r.slots = st.slots();
+  r.state_k.clear();
+  r.state_v.clear();
+  r.state_rho.clear();
+  for (std::int64_t b = 0; b < c.B; ++b)
+    for (std::int64_t g = 0; g < c.Hk; ++g) {
+      std::vector<float> sk, sv, rho;
+      REQUIRE(st.download(b, g, sk, sv, rho, nullptr).is_ok());
+      r.state_k.insert(r.state_k.end(), sk.begin(), sk.end());
+      r.state_v.insert(r.state_v.end(), sv.begin(), sv.end());
+      r.state_rho.insert(r.state_rho.end(), rho.begin(), rho.end());
+    }
+}
+
+// A call's outputs o [B, n, Hq, Dv] for tokens [t0, t0 + n) into out_full [B, T, Hq, Dv] (sized, zeroed,
+// on first use).
+template <class T>
+void place_outputs(const std::vector<T>& o, const rkvm::Config& c, std::int64_t t0, std::int64_t n,
+                   std::vector<float>& out_full) {
+  out_full.resize(std::size_t(c.B * c.T * c.Hq * c.Dv), 0.0f);
+  for (std::int64_t b = 0; b < c.B; ++b)
+    for (std::int64_t t = 0; t < n; ++t)
+      for (std::int64_t i = 0; i < c.Hq * c.Dv; ++i)
+        out_full[std::size_t(((b * c.T + t0 + t) * c.Hq) * c.Dv + i)] =
+            kvmem::load_as<float>(o[std::size_t((b * n + t) * c.Hq * c.Dv + i)]);
+}
+
 inline void extract_routes(const kvmem::kvm::RouteLog& log, const rkvm::Config& c, HostResult& r) {
   const std::size_t U = log.items.empty() ? 0 : log.items[0].size();
   r.route_append.assign(U, {});
