@@ -1815,23 +1815,32 @@ __device__ inline int decode_split_rows(const DeviceCache<S>& c, const DeviceCal
   int marked = 0;
   // warp-uniform loop: a warp's row groups take kU rows each, the warp kRowGroupsPerWarp * kU
   constexpr int kWarpRows = kRowGroupsPerWarp * kU;
-  for (std::int64_t base_w = e_begin + std::int64_t(warp) * kWarpRows; base_w < e_end;
-       base_w += std::int64_t(kDecodeWarps) * kWarpRows) {
-    const std::int64_t base = base_w + std::int64_t(grp) * kU;
-    float lam[kU], zk[kU], ksc[kU], vsc[kU];  // ksc, vsc: fp8 row scales (1 for other storage)
-    std::int64_t rowi[kU], pos[kU];
-    bool live[kU], cached[kU];
-    uint4 kr[kU][kVpl], vr[kU][kVpl];
-    // 1. λ of the rows (a dead row's key and value are never read), then every vector of the kU rows
+  // The rows' places (page table) and λ decide which keys and values are read (a dead row's never are), so
+  // each iteration fetches them for the next one while its own keys and values are in flight: one memory
+  // latency per iteration instead of three dependent ones (table, λ, row).
+  std::int64_t rowi[kU];
+  float lam[kU];
+  bool cached[kU];
+  const auto fetch_meta = [&](std::int64_t base) {
 #pragma unroll
     for (int u = 0; u < kU; ++u) {
       const std::int64_t idx = base + u;
-      const bool valid = idx < e_end;
-      cached[u] = valid && idx < n;
+      cached[u] = idx < e_end && idx < n;
       rowi[u] = cached[u] ? c.row(item, idx) : 0;
       lam[u] = cached[u] ? c.lambda[rowi[u]] : 0.0f;
-      live[u] = valid && !(cached[u] && is_dead(lam[u]));
     }
+  };
+  constexpr std::int64_t kStride = std::int64_t(kDecodeWarps) * kWarpRows;
+  fetch_meta(e_begin + std::int64_t(warp) * kWarpRows + std::int64_t(grp) * kU);
+  for (std::int64_t base_w = e_begin + std::int64_t(warp) * kWarpRows; base_w < e_end; base_w += kStride) {
+    const std::int64_t base = base_w + std::int64_t(grp) * kU;
+    float zk[kU], ksc[kU], vsc[kU];  // ksc, vsc: fp8 row scales (1 for other storage)
+    std::int64_t pos[kU];
+    bool live[kU];
+    uint4 kr[kU][kVpl], vr[kU][kVpl];
+    // 1. every vector of the kU live rows (their places and λ came with the previous iteration)
+#pragma unroll
+    for (int u = 0; u < kU; ++u) live[u] = base + u < e_end && !(cached[u] && is_dead(lam[u]));
 #pragma unroll
     for (int u = 0; u < kU; ++u) {
       const S* kp = cached[u] ? c.keys + rowi[u] * D : new_k;
@@ -1852,6 +1861,17 @@ __device__ inline int decode_split_rows(const DeviceCache<S>& c, const DeviceCal
         vsc[u] = meta ? c.value_scale[rowi[u]] : new_scale[1];
       }
     }
+    // this iteration's places and λ move to registers of their own; the next iteration's are fetched now
+    std::int64_t row_now[kU];
+    float lam_now[kU];
+    bool cached_now[kU];
+#pragma unroll
+    for (int u = 0; u < kU; ++u) {
+      row_now[u] = rowi[u];
+      lam_now[u] = lam[u];
+      cached_now[u] = cached[u];
+    }
+    fetch_meta(base + kStride);
     // 2. λ update (spec 4.4 step 1), eviction (4.5), the kR logits (scale 1); with a plan, the live row to
     //    its new place
     float s[kU][kR];
@@ -1867,15 +1887,15 @@ __device__ inline int decode_split_rows(const DeviceCache<S>& c, const DeviceCal
         else
           sim = row_sum(dot_part(kf, new_k));
       }
-      float lu = lam[u];
+      float lu = lam_now[u];
       bool attend = live[u];
-      if (cached[u] && live[u]) {
-        const RowUpdate up = update_row<Set, kEvict>(a, cut, lam[u], sim, zk[u], pos[u], zq, q_part, t);
+      if (cached_now[u] && live[u]) {
+        const RowUpdate up = update_row<Set, kEvict>(a, cut, lam_now[u], sim, zk[u], pos[u], zq, q_part, t);
         lu = up.lambda;
         attend = up.attend;
         marked += (sub == 0 && up.evict) ? 1 : 0;
         if (plan == nullptr) {
-          if (sub == 0) c.lambda[rowi[u]] = up.stored();
+          if (sub == 0) c.lambda[row_now[u]] = up.stored();
         } else {
           const std::int64_t to = moved_row(c, item, plan->dest(base + u));
 #pragma unroll
