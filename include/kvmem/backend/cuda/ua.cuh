@@ -886,7 +886,7 @@ std::int64_t dense_prune_rows(const UaCache<S>& cache, const UaInputs<S>& in, co
                               const ua::Options& opt, std::int64_t r) {
   const std::int64_t T = in.q.extent(2), P = opt.prefill_chunk, limit = cache.limits().dense_prune_rows;
   if (a.log_p == -std::numeric_limits<double>::infinity()) return T;
-  if (!tc_group_ok(r) || limit <= 0 || P <= 0 || P % dense_row_tile(r) != 0) return 0;
+  if ((r != 4 && r != 8) || limit <= 0 || P <= 0 || P % dense_row_tile(r) != 0) return 0;  // r: tc_group_ok
   return std::max(P, limit / P * P);
 }
 
