@@ -13,6 +13,7 @@
 #include <cstring>
 #include <iostream>
 #include <limits>
+#include <numeric>
 #include <string>
 #include <utility>
 #include <vector>
@@ -229,11 +230,13 @@ Case stored_case(const Case& c, const FloatCase& f) {
 // Kept sets of a reduced-precision device run and the host run on the same stored values may differ
 // only at keys whose fp32 λ interval contains ln p (tests/support/near_ties.hpp derives it); the
 // near-ties are counted and printed, any other difference fails. Returns the account.
+// fold_abs: lambda_interval's extra error per pair (the dense tensor-core prefill: kDnDecayAbsError).
 template <class Set = kvmem::decay::Universal>
 near_ties::KeptAccount check_kept_near_ties(const Case& c, const FloatCase& f, const std::vector<std::int64_t>& gpu,
-                                            const std::vector<std::int64_t>& host, double p, const std::string& label) {
+                                            const std::vector<std::int64_t>& host, double p, const std::string& label,
+                                            double fold_abs = 0.0) {
   const Case s = stored_case(c, f);
-  const auto acc = near_ties::account_kept<Set>(s.config, s.inputs, gpu, host, p);
+  const auto acc = near_ties::account_kept<Set>(s.config, s.inputs, gpu, host, p, fold_abs);
   std::printf("ua cuda %s: %s\n", label.c_str(), acc.summary().c_str());
   INFO(label << ": " << acc.summary() << "; first unexplained: " << acc.first_beyond);
   CHECK(acc.keys == c.config.B * c.config.G * c.config.T);
@@ -352,6 +355,8 @@ TEST_CASE("ua cuda bf16 storage agrees with the host backend at head dims 80 and
     std::int64_t dim, H, G;
     double tol;
   };
+  // At r = 4 the prefill takes the dense tensor-core kernel with its masks (default limits) or the chunk
+  // kernel (dense_prune_rows = 0); the dense fold's A is within kDnDecayAbsError of the spec's.
   for (const Shape& sh : {Shape{80, 16, 4, 1e-2}, Shape{128, 16, 4, 1e-2}, Shape{128, 8, 4, 1e-4}}) {
     const std::int64_t dim = sh.dim;
     Case c = random_case(2, 400, sh.H, sh.G, dim, 31 + std::uint32_t(dim));
@@ -361,13 +366,18 @@ TEST_CASE("ua cuda bf16 storage agrees with the host backend at head dims 80 and
       const kvmem::ua::Options opt{p, 128, true};
       kvmem::ua::PrunedCache<kvmem::bf16> hc(f.cache_shape());
       const auto host = host_prefill_decode(f, 300, opt, hc);
-      const auto gpu = cuda_prefill_decode<kvmem::bf16>(f, 300, opt);
-      const double e = relative_frobenius(gpu.out, host);
-      const std::string label =
-          "bf16 D=" + std::to_string(dim) + " r=" + std::to_string(sh.H / sh.G) + " p=" + std::to_string(p);
-      check_kept_near_ties(c, f, gpu.kept, kept_mask(hc, c.config.T), p, label);
-      INFO(label << ": out relative Frobenius " << e);
-      CHECK(e <= sh.tol);
+      for (const bool dense : {true, false}) {
+        kvmem::cuda::UaCacheLimits limits;
+        if (!dense) limits.dense_prune_rows = 0;
+        const auto gpu = cuda_prefill_decode<kvmem::bf16>(f, 300, opt, limits);
+        const double e = relative_frobenius(gpu.out, host);
+        const std::string label = "bf16 D=" + std::to_string(dim) + " r=" + std::to_string(sh.H / sh.G) +
+                                  " p=" + std::to_string(p) + (dense ? " dense" : " chunks");
+        check_kept_near_ties(c, f, gpu.kept, kept_mask(hc, c.config.T), p, label,
+                             dense ? kvmem::cuda::ua_detail::kDnDecayAbsError : 0.0);
+        INFO(label << ": out relative Frobenius " << e);
+        CHECK(e <= sh.tol);
+      }
     }
   }
 }
@@ -440,14 +450,17 @@ TEST_CASE("ua cuda capacity below the prompt: pruning keeps the cache small acro
 
 TEST_CASE("ua cuda bf16 tensor-core chunk kernel at a small shape (sanitizer case)", "[ua][cuda][sanitize][nearties]") {
   if (no_device()) return;
-  // r = 4, D = 64: the tensor-core chunk kernel, a ragged last chunk, entry splits, then decode
+  // r = 4, D = 64: the tensor-core chunk kernel (dense_prune_rows = 0: not the dense kernel), a ragged last
+  // chunk, entry splits, then decode
   Case c = random_case(1, 203, 8, 2, 64, 77);
   FloatCase f(c);
   round_inputs_to<kvmem::bf16>(f);  // host and device see the same bf16 inputs
   const kvmem::ua::Options opt{0.05, 64, true};
   kvmem::ua::PrunedCache<kvmem::bf16> hc(f.cache_shape());
   const auto host = host_prefill_decode(f, 170, opt, hc);
-  const auto gpu = cuda_prefill_decode<kvmem::bf16>(f, 170, opt);
+  kvmem::cuda::UaCacheLimits chunks;
+  chunks.dense_prune_rows = 0;
+  const auto gpu = cuda_prefill_decode<kvmem::bf16>(f, 170, opt, chunks);
   const double e = relative_frobenius(gpu.out, host);
   check_kept_near_ties(c, f, gpu.kept, kept_mask(hc, c.config.T), 0.05, "bf16 tensor-core chunk kernel, small");
   INFO("out relative Frobenius " << e);
@@ -496,11 +509,17 @@ TEST_CASE("ua cuda user decay gates: fp32 against the fp64 reference, bf16 tenso
       REQUIRE(kvmem::ua::decode<UniversalPlusDistance>(kvmem::host::Executor{2}, hc, f.slice(t, t + 1), opt,
                                                        f.out_slice(host, t, t + 1))
                   .is_ok());
-    const auto gpu = cuda_prefill_decode<kvmem::bf16, UniversalPlusDistance>(f, 200, opt);
-    const double e = relative_frobenius(gpu.out, host);
-    INFO("out relative Frobenius " << e);
-    CHECK(e <= 1e-2);
-    check_kept_near_ties<UniversalPlusDistance>(c, f, gpu.kept, kept_mask(hc, c.config.T), 0.05, "bf16 user gates");
+    for (const bool dense : {true, false}) {  // the dense tensor-core prefill's masks, or the chunk kernel
+      kvmem::cuda::UaCacheLimits limits;
+      if (!dense) limits.dense_prune_rows = 0;
+      const auto gpu = cuda_prefill_decode<kvmem::bf16, UniversalPlusDistance>(f, 200, opt, limits);
+      const double e = relative_frobenius(gpu.out, host);
+      INFO((dense ? "dense" : "chunks") << ": out relative Frobenius " << e);
+      CHECK(e <= 1e-2);
+      check_kept_near_ties<UniversalPlusDistance>(c, f, gpu.kept, kept_mask(hc, c.config.T), 0.05,
+                                                  dense ? "bf16 user gates, dense" : "bf16 user gates, chunks",
+                                                  dense ? kvmem::cuda::ua_detail::kDnDecayAbsError : 0.0);
+    }
   }
 }
 
@@ -560,6 +579,171 @@ TEST_CASE("ua cuda bf16 dense prefill (p = 0): the pipelined tensor-core kernel 
       CHECK(relative_frobenius(run.out, host.out) <= 1e-2);  // and not a shared wrong answer
     }
   }
+}
+
+namespace {
+// A case with the stored values of a bf16 run (q, k, v, gate logits as FloatCase holds them after
+// round_inputs_to): what the fp64 reference must see to be compared with it.
+Case rounded_case(const Case& c, const FloatCase& f) {
+  Case s = c;
+  s.inputs.q.assign(f.q.begin(), f.q.end());
+  s.inputs.k.assign(f.k.begin(), f.k.end());
+  s.inputs.v.assign(f.v.begin(), f.v.end());
+  s.inputs.z_k.assign(f.z_k.begin(), f.z_k.end());
+  s.inputs.z_q.assign(f.z_q.begin(), f.z_q.end());
+  s.inputs.z_o.assign(f.z_o.begin(), f.z_o.end());
+  return s;
+}
+
+// Prefill calls over [0, first_call) and [first_call, split) (one call when first_call is 0), then decode to
+// T, on the host with the same calls as cuda_prefill_decode (chunks count from each call's first row).
+std::vector<float> host_calls_decode(const FloatCase& f, std::int64_t first_call, std::int64_t split,
+                                     const kvmem::ua::Options& opt, kvmem::ua::PrunedCache<kvmem::bf16>& hc) {
+  std::vector<float> out = f.make_out();
+  const kvmem::host::Executor exec{2};
+  for (const auto& [t0, t1] : {std::pair{std::int64_t(0), first_call}, std::pair{first_call, split}})
+    if (t1 > t0) REQUIRE(kvmem::ua::prefill(exec, hc, f.slice(t0, t1), opt, f.out_slice(out, t0, t1)).is_ok());
+  for (std::int64_t t = split; t < f.c.T; ++t)
+    REQUIRE(kvmem::ua::decode(exec, hc, f.slice(t, t + 1), opt, f.out_slice(out, t, t + 1)).is_ok());
+  return out;
+}
+}  // namespace
+
+TEST_CASE("ua cuda bf16 pruned prefill on the dense tensor-core kernel: fp64 reference, host and chunk kernel",
+          "[ua][cuda][nearties]") {
+  if (no_device()) return;
+  // p > 0 with bf16, r in {4, 8}, own pages and chunks of whole row tiles takes dense_prefill_tc_kernel with
+  // the chunk-start masks, in launches of UaCacheLimits::dense_prune_rows rows, each followed by a compaction.
+  // T = 600 (not a multiple of 128): one prefill of 500 tokens, then decode. Against the fp64 reference on
+  // the same bf16 values: outputs (relative Frobenius <= 1e-2, DESIGN.md 5), kept sets (near-ties only:
+  // keys whose fp32 λ interval, widened by the dense fold's error per pair, contains ln p) and the λ of
+  // every key both keep (inside that interval). Launches of 128 (= P: a compaction after every chunk), 256
+  // (two launches and a ragged third) and 4096 rows (one) must all give that; the chunk kernel
+  // (dense_prune_rows = 0) and the host too. Two prefill calls ([0, 200), [200, 500): the second call's
+  // chunks start at 200) against the host's same two calls. D 128 r 4 and D 64 r 8 (wgmma), D 80 r 4
+  // (mma.sync); the output gate on one shape.
+  namespace ref = kvmem::reference::ua;
+  const double fold = kvmem::cuda::ua_detail::kDnDecayAbsError;
+  struct Shape {
+    std::int64_t dim, H, G;
+    bool gate;
+  };
+  constexpr std::int64_t kT = 600, kSplit = 500;
+  for (const Shape& sh : {Shape{128, 16, 4, false}, Shape{64, 16, 2, true}, Shape{80, 8, 2, false}}) {
+    Case c = random_case(2, kT, sh.H, sh.G, sh.dim, 211 + std::uint32_t(sh.dim), 1.0, sh.gate);
+    FloatCase f(c);
+    round_inputs_to<kvmem::bf16>(f);  // host, reference and device see the same bf16 inputs
+    Case stored = rounded_case(c, f);
+    stored.config.prefill_chunk = 128;
+    stored.config.prefill_split = kSplit;
+    const std::int64_t items = c.config.B * c.config.G;
+    for (const double p : {0.05, 0.15, 0.5}) {
+      const std::string label =
+          "dense pruned D=" + std::to_string(sh.dim) + " r=" + std::to_string(sh.H / sh.G) + " p=" + std::to_string(p);
+      INFO(label);
+      const kvmem::ua::Options opt{p, 128, true};
+      const auto reference = ref::pruned(stored.config, stored.inputs, p);
+      const std::int64_t kept_ref = std::accumulate(reference.kept.begin(), reference.kept.end(), std::int64_t(0));
+      INFO("reference keeps " << kept_ref << " of " << items * kT);
+      REQUIRE(kept_ref > items);       // the case keeps keys beyond the newest
+      REQUIRE(kept_ref < items * kT);  // and evicts
+      for (const std::int64_t prune_rows : {std::int64_t(128), std::int64_t(256), std::int64_t(4096)}) {
+        kvmem::cuda::UaCacheLimits limits;
+        limits.dense_prune_rows = prune_rows;
+        const auto gpu = cuda_prefill_decode<kvmem::bf16>(f, kSplit, opt, limits);
+        const double e = relative_frobenius(gpu.out, reference.out);
+        INFO("dense_prune_rows " << prune_rows << ": out relative Frobenius " << e);
+        CHECK(e <= 1e-2);
+        const auto acc = near_ties::account_kept(stored.config, stored.inputs, gpu.kept, reference.kept, p, fold);
+        std::printf("ua cuda %s rows %lld vs fp64: %s\n", label.c_str(), (long long)prune_rows, acc.summary().c_str());
+        INFO(acc.summary() << "; first unexplained: " << acc.first_beyond);
+        CHECK(acc.beyond == 0);
+        // every item's length is its kept count
+        for (std::int64_t i = 0; i < items; ++i)
+          CHECK(gpu.lengths[std::size_t(i)] ==
+                std::accumulate(gpu.kept.begin() + i * kT, gpu.kept.begin() + (i + 1) * kT, std::int64_t(0)));
+        if (prune_rows != 256) continue;
+        // λ of the kept keys: inside their fp32 interval around the fp64 λ at the last token
+        std::int64_t outside = 0, checked = 0;
+        std::string first_outside;
+        for (std::int64_t b = 0; b < c.config.B; ++b)
+          for (std::int64_t g = 0; g < c.config.G; ++g)
+            for (std::int64_t j = 0; j < kT; ++j) {
+              const std::size_t x = std::size_t((b * c.config.G + g) * kT + j);
+              if (!gpu.kept[x] || !reference.kept[x]) continue;
+              const auto [lo, hi] = near_ties::lambda_interval(stored.config, stored.inputs, b, g, j, fold);
+              ++checked;
+              if ((gpu.lambda[x] < lo || gpu.lambda[x] > hi) && outside++ == 0)
+                first_outside = "key " + std::to_string(x) + ": λ " + std::to_string(gpu.lambda[x]) + " outside [" +
+                                std::to_string(lo) + ", " + std::to_string(hi) + "]";
+            }
+        INFO("kept λ checked " << checked << "; first outside its interval: " << first_outside);
+        CHECK(checked > 0);
+        CHECK(outside == 0);
+      }
+      // the chunk kernel, and two prefill calls, against the host
+      kvmem::ua::PrunedCache<kvmem::bf16> hc(f.cache_shape());
+      const auto host = host_calls_decode(f, 0, kSplit, opt, hc);
+      kvmem::cuda::UaCacheLimits chunks;
+      chunks.dense_prune_rows = 0;
+      const auto chunked = cuda_prefill_decode<kvmem::bf16>(f, kSplit, opt, chunks);
+      CHECK(relative_frobenius(chunked.out, host) <= 1e-2);
+      check_kept_near_ties(c, f, chunked.kept, kept_mask(hc, kT), p, label + " chunk kernel vs host");
+      kvmem::ua::PrunedCache<kvmem::bf16> hc2(f.cache_shape());
+      const auto host2 = host_calls_decode(f, 200, kSplit, opt, hc2);
+      kvmem::cuda::UaCacheLimits two;
+      two.dense_prune_rows = 256;
+      const auto calls = cuda_prefill_decode<kvmem::bf16>(f, kSplit, opt, two, 200);
+      const double e2 = relative_frobenius(calls.out, host2);
+      INFO("two prefill calls: out relative Frobenius " << e2);
+      CHECK(e2 <= 1e-2);
+      check_kept_near_ties(c, f, calls.kept, kept_mask(hc2, kT), p, label + " two calls vs host", fold);
+      std::vector<std::int64_t> host_lengths;
+      for (std::int64_t b = 0; b < c.config.B; ++b)
+        for (std::int64_t g = 0; g < c.config.G; ++g) host_lengths.push_back(hc2.length(b, g));
+      INFO("two prefill calls: lengths equal the host's unless a near-tie differs");
+      if (calls.kept == kept_mask(hc2, kT)) CHECK(calls.lengths == host_lengths);
+    }
+  }
+}
+
+TEST_CASE("ua cuda bf16 pruned dense prefill: a capacity below the prompt, calls read the lengths back", "[ua][cuda]") {
+  if (no_device()) return;
+  // D 128, r 4, p = 0.5: calls of 100 tokens into a cache of capacity (longest kept before a call) + 100,
+  // far below the 700 tokens (the host's capacity rule: room for kept rows + the call). Each call is one
+  // dense launch and compaction; outputs equal the host's same calls, to bf16 precision.
+  constexpr std::int64_t kT = 700, kCall = 100;
+  Case c = random_case(1, kT, 16, 4, 128, 307);
+  FloatCase f(c);
+  round_inputs_to<kvmem::bf16>(f);
+  const kvmem::ua::Options opt{0.5, 128, true};
+  kvmem::ua::PrunedCache<kvmem::bf16> hc(f.cache_shape());
+  std::vector<float> host = f.make_out();
+  std::int64_t longest_before = 0;
+  for (std::int64_t t0 = 0; t0 < kT; t0 += kCall) {
+    longest_before = std::max(longest_before, hc.max_length());
+    REQUIRE(kvmem::ua::prefill(kvmem::host::Executor{2}, hc, f.slice(t0, t0 + kCall), opt,
+                               f.out_slice(host, t0, t0 + kCall))
+                .is_ok());
+  }
+  const std::int64_t capacity = longest_before + kCall;
+  INFO("capacity " << capacity);
+  REQUIRE(capacity < kT / 2);
+  DevCase<kvmem::bf16> d(f);
+  kvmem::cuda::UaCache<kvmem::bf16> cache;
+  REQUIRE(kvmem::cuda::UaCache<kvmem::bf16>::create(f.cache_shape(capacity), cache).is_ok());
+  Dev<float> out(std::vector<float>(std::size_t(kT * 16 * 128), -7.0f));
+  for (std::int64_t t0 = 0; t0 < kT; t0 += kCall) {
+    const auto s = kvmem::cuda::ua_prefill(kvmem::cuda::Executor{}, cache, d.slice(t0, t0 + kCall), opt,
+                                           d.out_slice(out.ptr, t0, t0 + kCall));
+    INFO("call at " << t0 << ": " << s.to_string());
+    REQUIRE(s.is_ok());
+  }
+  KVMEM_CUDA_REQUIRE(cudaDeviceSynchronize());
+  const double e = relative_frobenius(out.get(), host);
+  INFO("out relative Frobenius " << e);
+  CHECK(e <= 1e-2);
+  CHECK(cache.position(0) == kT);
 }
 
 TEST_CASE("ua cuda dense prefill: item groups hand out every row tile once, each after the one before it",
@@ -762,7 +946,9 @@ SetRun host_vs_cuda_set(const Case& c, std::int64_t split, const kvmem::ua::Opti
   SetRun run;
   const auto gpu = cuda_prefill_decode<kvmem::bf16, Set>(f, split, opt, {}, 0, &run.lengths, &run.in_use, pool_pages);
   run.error = relative_frobenius(gpu.out, host);
-  const auto acc = check_kept_near_ties<Set>(c, f, gpu.kept, kept_mask(hc, c.config.T), opt.p, "bf16 lifetime set");
+  // r 4 or 8: the prefill takes the dense tensor-core kernel (its fold's error per pair)
+  const auto acc = check_kept_near_ties<Set>(c, f, gpu.kept, kept_mask(hc, c.config.T), opt.p, "bf16 lifetime set",
+                                             kvmem::cuda::ua_detail::kDnDecayAbsError);
   run.mismatches = acc.beyond;
   run.near_ties = acc.near_ties;
   return run;
@@ -897,7 +1083,7 @@ TEST_CASE("ua cuda fp32: p just above 0 evicts only keys decayed below ln p = -7
   boundary::check_p_tiny(cuda_boundary_run);
 }
 
-TEST_CASE("ua cuda bf16 tensor-core chunk kernel: p = 1 keeps exactly the keys that never decayed",
+TEST_CASE("ua cuda bf16 tensor-core chunk and dense kernels: p = 1 keeps exactly the keys that never decayed",
           "[ua][cuda][boundary]") {
   if (no_device()) return;
   // r = 4, D = 64 (the tensor-core chunk kernel, as the sanitizer case): basis keys ±e_i are exact in
@@ -906,11 +1092,16 @@ TEST_CASE("ua cuda bf16 tensor-core chunk kernel: p = 1 keeps exactly the keys t
   const auto closed = boundary::p1_survivors(c);
   FloatCase f(c);
   round_inputs_to<kvmem::bf16>(f);
-  for (const std::int64_t split : {std::int64_t(203), std::int64_t(170)}) {
-    INFO("split " << split);
-    const auto gpu = cuda_prefill_decode<kvmem::bf16>(f, split, kvmem::ua::Options{1.0, 64, true});
-    CHECK(gpu.kept == closed);
-  }
+  // the same closed form on the dense tensor-core prefill's masks (default limits; its fold gives A = 0
+  // exactly where c <= 0 and A < 0 at these keys' x) and on the chunk kernel
+  for (const std::int64_t prune_rows : {std::int64_t(0), std::int64_t(128), std::int64_t(4096)})
+    for (const std::int64_t split : {std::int64_t(203), std::int64_t(170)}) {
+      INFO("split " << split << ", dense_prune_rows " << prune_rows);
+      kvmem::cuda::UaCacheLimits limits;
+      limits.dense_prune_rows = prune_rows;
+      const auto gpu = cuda_prefill_decode<kvmem::bf16>(f, split, kvmem::ua::Options{1.0, 64, true}, limits);
+      CHECK(gpu.kept == closed);
+    }
 }
 
 TEST_CASE("ua cuda: a never-created or moved-from cache refuses every operation; bad slots are refused",

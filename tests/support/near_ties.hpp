@@ -279,10 +279,12 @@ struct KeptAccount {
 // for the fp32 gate logs, exp (CUDA's fast exp: 2 + 1.2 |arg| ulp) and the division by |set| behind
 // x, A is evaluated with both the fp64 clamp 1 - 1e-6 and the fp32 one (1 - 1e-6 rounded to float:
 // fp32 backends saturate at A = -13.802, fp64 at -13.816), and log1p adds 8 u |A|. The fp32 running
-// sum adds T u sum|A| (each of the T additions rounds a partial sum bounded by sum|A|).
+// sum adds T u sum|A| (each of the T additions rounds a partial sum bounded by sum|A|). fold_abs: an
+// absolute error of one side's A beyond these (a fold on approximate hardware logarithms, e.g. the dense
+// tensor-core prefill's kDnDecayAbsError), added once per pair that can decay (x > 0 in the interval).
 template <class Set = kvmem::decay::Universal>
 std::pair<double, double> lambda_interval(const kvmem::reference::ua::Config& c, const kvmem::reference::ua::Inputs& in,
-                                          std::int64_t b, std::int64_t g, std::int64_t j) {
+                                          std::int64_t b, std::int64_t g, std::int64_t j, double fold_abs = 0.0) {
   const double u = kFp32Unit;
   const double cap64 = 1.0 - kvmem::decay::kClampEps, cap32 = double(1.0f - float(kvmem::decay::kClampEps));
   const auto A_at = [&](double x, double cap) { return std::log1p(-std::min(x, cap)); };
@@ -309,8 +311,8 @@ std::pair<double, double> lambda_interval(const kvmem::reference::ua::Config& c,
     const double x_hi = x_of(sim + dsim, 1.0), x_lo = x_of(sim - dsim, -1.0);
     const double a_lo = std::min(A_at(x_hi, cap64), A_at(x_hi, cap32)),
                  a_hi = std::max(A_at(x_lo, cap64), A_at(x_lo, cap32));
-    lo += a_lo * (1.0 + 8.0 * u);
-    hi += a_hi * (1.0 - 8.0 * u);
+    lo += a_lo * (1.0 + 8.0 * u) - (x_hi > 0.0 ? fold_abs : 0.0);
+    hi += a_hi * (1.0 - 8.0 * u) + (x_hi > 0.0 ? fold_abs : 0.0);
     mag += std::abs(a_lo);
   }
   const double sum_err = double(c.T) * u * mag;
@@ -318,10 +320,11 @@ std::pair<double, double> lambda_interval(const kvmem::reference::ua::Config& c,
 }
 
 // Kept sets a and b ([B,G,T] 0/1 after the last token, decode order: the last eviction at T - 1) may
-// differ only at keys whose λ interval contains ln p.
+// differ only at keys whose λ interval (fold_abs: lambda_interval) contains ln p.
 template <class Set = kvmem::decay::Universal>
 KeptAccount account_kept(const kvmem::reference::ua::Config& c, const kvmem::reference::ua::Inputs& in,
-                         const std::vector<std::int64_t>& a, const std::vector<std::int64_t>& b, double p) {
+                         const std::vector<std::int64_t>& a, const std::vector<std::int64_t>& b, double p,
+                         double fold_abs = 0.0) {
   KeptAccount acc;
   const double lnp = std::log(p);
   for (std::int64_t bb = 0; bb < c.B; ++bb)
@@ -330,7 +333,7 @@ KeptAccount account_kept(const kvmem::reference::ua::Config& c, const kvmem::ref
         const std::size_t e = std::size_t((bb * c.G + g) * c.T + j);
         ++acc.keys;
         if (a[e] == b[e]) continue;
-        const auto [lo, hi] = lambda_interval<Set>(c, in, bb, g, j);
+        const auto [lo, hi] = lambda_interval<Set>(c, in, bb, g, j, fold_abs);
         if (lo <= lnp && lnp <= hi) {
           ++acc.near_ties;
           acc.widest = std::max(acc.widest, hi - lo);

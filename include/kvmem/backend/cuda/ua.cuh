@@ -131,6 +131,13 @@ struct UaCacheLimits {
   // row tiles waiting for λ from the one before. 0 (default): about ua_detail::kDnRowTilesInFlight row tiles
   // of each item in flight on this device (dense_item_group_for). Results are the same bits for every group.
   int dense_item_group = 0;
+  // A pruned prefill (p > 0, a threshold evictor) takes the dense tensor-core prefill where a p = 0 call
+  // would (bf16, items that own their pages, Options::prefill_chunk a multiple of the row tile), as launches
+  // of this many rows (rounded down to whole chunks, at least one): each launch masks, at every chunk start,
+  // the entries whose λ fell below ln p (spec UA.md 4.5), and a compaction after it drops them, so the next
+  // launch walks the kept rows only. Fewer rows per launch walk fewer evicted rows; each launch adds its
+  // compaction and the fill of its λ pipeline. 0: every pruned prefill takes the chunked path.
+  std::int64_t dense_prune_rows = 4096;
 };
 
 namespace ua_detail {
@@ -853,9 +860,9 @@ ChunkKernel<S> chunk_kernel_for(const UaInputs<S>& in, std::int64_t D, std::int6
   return chunk_kernel_of<Set, S, Dims>(tc_aligned(in), D, r);
 }
 
-// The dense tensor-core prefill (ua_dense_tc.cuh): bf16 with D in {64, 80, 128}, r in {4, 8}, and p = 0
-// (log_p = -inf: nothing is evicted, so the whole call is one pipelined launch). kernel == nullptr: the
-// call takes the chunked path.
+// The dense tensor-core prefill (ua_dense_tc.cuh): bf16 with D in {64, 80, 128}, r in {4, 8}, and either p = 0
+// (nothing is evicted, so the whole call is one pipelined launch) or a threshold whose chunks are whole row
+// tiles (dense_prune_rows). kernel == nullptr: the call takes the chunked path.
 template <class S>
 struct DenseKernel {
   void (*kernel)(DeviceCache<S>, DeviceCall<S>, std::int64_t, std::int64_t, std::int64_t, std::int64_t, int*) = nullptr;
@@ -870,14 +877,44 @@ bool dense_skips_past(const UaCache<S>& cache, std::int64_t T) {
   return (cache.length_bound() + T + kDnEntries - 1) / kDnEntries > cache.limits().dense_skip_past_after_tiles;
 }
 
+// Rows per launch of a dense prefill of the call (`a`: its eviction, set_eviction): every row of it for p =
+// 0; for a threshold, UaCacheLimits::dense_prune_rows rounded down to whole chunks (at least one), provided
+// that a chunk (Options::prefill_chunk) is whole row tiles of the kernel (its chunk starts are row tile
+// starts) and that the limit is not 0. 0: the call takes the chunked path. Other conditions of the kernel:
+// dense_kernel_for.
+template <class S>
+std::int64_t dense_prune_rows(const UaCache<S>& cache, const UaInputs<S>& in, const DeviceCall<S>& a,
+                              const ua::Options& opt, std::int64_t r) {
+  const std::int64_t T = in.q.extent(2), P = opt.prefill_chunk, limit = cache.limits().dense_prune_rows;
+  if (a.log_p == -std::numeric_limits<double>::infinity()) return T;
+  if ((r != 4 && r != 8) || limit <= 0 || P <= 0 || P % dense_row_tile(r) != 0) return 0;  // r: tc_group_ok
+  return std::max(P, limit / P * P);
+}
+
+// The call `a` from its row t0 on: inputs, output gate, outputs and lse start t0 rows in (a launch of the
+// dense prefill over rows t0.. of the call, whose positions start at the counter the launches before it
+// advanced).
+template <class S>
+DeviceCall<S> dense_call_rows(DeviceCall<S> a, std::int64_t t0) {
+  a.q += t0 * a.q_t;
+  a.k += t0 * a.k_t;
+  a.v += t0 * a.v_t;
+  a.z_k += t0 * a.zk_t;
+  a.z_q += t0 * a.zq_t;
+  if (a.z_o != nullptr) a.z_o += t0 * a.zo_t;
+  a.out += t0 * a.o_t;
+  if (a.lse != nullptr) a.lse += t0 * a.l_t;
+  return a;
+}
+
 // skip_past: the kernel that skips the steps past the decay's reach (D 64 and 128; D 80 has no wgmma path).
 template <class Set, class S, class Dims = HeadDims<>>
-DenseKernel<S> dense_kernel_for(const UaInputs<S>& in, std::int64_t D, std::int64_t r, double log_p, bool skip_past) {
+DenseKernel<S> dense_kernel_for(const UaInputs<S>& in, std::int64_t D, std::int64_t r, bool skip_past) {
 #if !KVMEM_GPU_VENDOR_PATHS
-  (void)in, (void)D, (void)r, (void)log_p, (void)skip_past;  // portable: every prefill takes the chunked path
+  (void)in, (void)D, (void)r, (void)skip_past;  // portable: every prefill takes the chunked path
 #else
   if constexpr (std::is_same_v<S, bf16>) {
-    if (log_p == -std::numeric_limits<double>::infinity() && tc_group_ok(r) && tc_aligned(in)) {
+    if (tc_group_ok(r) && tc_aligned(in)) {
       if constexpr (Dims::key_may_be(64))
         if (D == 64)
           return {skip_past ? dense_prefill_tc_kernel<Set, 64, true> : dense_prefill_tc_kernel<Set, 64, false>,
@@ -1039,31 +1076,52 @@ Status ua_run(const Executor& exec, UaCache<S>& cache, const UaInputs<S>& in, co
     if constexpr (kCutsPerItem<Ev>) KVMEM_RETURN_IF_ERROR(decode_cuts<Set>(dev, a, ev, cache.cuts_, I, exec.stream));
     k.kernel<<<dim3(unsigned(I), unsigned(a.splits)), kDecodeThreads, k.shared_bytes, exec.stream>>>(dev, a);
     KVMEM_CUDA_RETURN_IF_LAUNCH_FAILED("ua decode_attend_kernel");
-  } else if (const DenseKernel<S> dense =
-                 s.pool_pages == 0 && a.cuts == nullptr
-                     ? dense_kernel_for<Set, S, Dims>(in, D, r, a.log_p, dense_skips_past(cache, T))
-                     : DenseKernel<S>{};
-             dense.kernel) {                           // contiguous items only: the dense prefill walks rows by address
-    const std::int64_t tiles = dense_row_tiles(T, r);  // T >= 1 (check_call_shapes)
-    // rows a decode marked dead go first: the kernel walks rows [0, length) by address and appends after
-    // them, and the hand-off words below cover the length bound (kept rows + T)
+  } else if (const std::int64_t super_rows = dense_prune_rows(cache, in, a, opt, r);
+             s.pool_pages == 0 && a.cuts == nullptr && super_rows > 0 &&
+             dense_kernel_for<Set, S, Dims>(in, D, r, false).kernel) {
+    // contiguous items only: the dense prefill walks rows by address. With p = 0 the whole call is one
+    // launch; with a threshold, launches of super_rows rows (whole chunks from the call's first row), each
+    // masking at its chunk starts and followed by a compaction of its evicted rows, so that the next one
+    // walks the kept rows only. Every launch starts at a chunk start: its first row tile takes the cache's
+    // λ, which the compaction before it left at or above ln p.
+    // Rows a decode marked dead go first: the kernel walks rows [0, length) by address and appends after
+    // them. Device lengths stay within the host bound plus the call's rows so far: the hand-off words below
+    // cover them, and the capacity check above keeps them in the items' rows.
     const std::size_t cbytes = finish_smem_bytes<S>(D);
     KVMEM_RETURN_IF_ERROR(allow_shared(compact_kernel<S>, cbytes));
     compact_kernel<S><<<unsigned(I), kFinishThreads, cbytes, exec.stream>>>(dev, a);
     KVMEM_CUDA_RETURN_IF_LAUNCH_FAILED("ua compact_kernel");
-    // the ticket, and the λ hand-off words of the rows this call walks (the cache's rows, then the call's)
-    KVMEM_RETURN_IF_ERROR(
-        to_status(cudaMemsetAsync(cache.dense_sync_, 0, 8, exec.stream), "cudaMemsetAsync dense prefill ticket"));
-    KVMEM_RETURN_IF_ERROR(to_status(cudaMemset2DAsync(cache.dense_sync_ + 2, std::size_t(dev.stride) * 8, 0,
-                                                      std::size_t(cache.bound_ + T) * 8, std::size_t(I), exec.stream),
-                                    "cudaMemsetAsync dense prefill hand-off"));
-    KVMEM_RETURN_IF_ERROR(allow_shared(dense.kernel, dense.shared_bytes));
+    const bool pruned = a.log_p > -std::numeric_limits<double>::infinity();
+    if (pruned) KVMEM_RETURN_IF_ERROR(allow_shared(prune_compact_kernel<S>, cbytes));
     const std::int64_t group = dense_item_group_for(cache.limits_.dense_item_group, cache.sm_count_, I);
-    dense.kernel<<<unsigned(tiles * I), kDnThreads, dense.shared_bytes, exec.stream>>>(dev, a, T, I, tiles, group,
-                                                                                       cache.dense_sync_);
-    KVMEM_CUDA_RETURN_IF_LAUNCH_FAILED("ua dense_prefill_tc_kernel");
-    dense_advance_kernel<S><<<1, 128, 0, exec.stream>>>(dev, I, T, a.slot_go);
-    KVMEM_CUDA_RETURN_IF_LAUNCH_FAILED("ua dense_advance_kernel");
+    for (std::int64_t t0 = 0; t0 < T; t0 += super_rows) {
+      const std::int64_t rows = std::min(super_rows, T - t0), tiles = dense_row_tiles(rows, r);  // rows >= 1
+      // a launch of one super-chunk of rows takes the skip past the decay's reach by its own rows: the
+      // kept rows before it are within the reach (λ >= ln p)
+      const DenseKernel<S> dense = dense_kernel_for<Set, S, Dims>(
+          in, D, r,
+          pruned ? (rows + kDnEntries - 1) / kDnEntries > cache.limits_.dense_skip_past_after_tiles
+                 : dense_skips_past(cache, T));
+      DeviceCall<S> sc = dense_call_rows(a, t0);
+      sc.prune_tiles = pruned ? int(opt.prefill_chunk / dense_row_tile(r)) : 0;
+      // the ticket, and the λ hand-off words of the rows this launch walks (the cache's rows, then its own)
+      KVMEM_RETURN_IF_ERROR(
+          to_status(cudaMemsetAsync(cache.dense_sync_, 0, 8, exec.stream), "cudaMemsetAsync dense prefill ticket"));
+      KVMEM_RETURN_IF_ERROR(
+          to_status(cudaMemset2DAsync(cache.dense_sync_ + 2, std::size_t(dev.stride) * 8, 0,
+                                      std::size_t(cache.bound_ + t0 + rows) * 8, std::size_t(I), exec.stream),
+                    "cudaMemsetAsync dense prefill hand-off"));
+      KVMEM_RETURN_IF_ERROR(allow_shared(dense.kernel, dense.shared_bytes));
+      dense.kernel<<<unsigned(tiles * I), kDnThreads, dense.shared_bytes, exec.stream>>>(dev, sc, rows, I, tiles, group,
+                                                                                         cache.dense_sync_);
+      KVMEM_CUDA_RETURN_IF_LAUNCH_FAILED("ua dense_prefill_tc_kernel");
+      dense_advance_kernel<S><<<1, 128, 0, exec.stream>>>(dev, I, rows, a.slot_go);
+      KVMEM_CUDA_RETURN_IF_LAUNCH_FAILED("ua dense_advance_kernel");
+      if (pruned) {
+        prune_compact_kernel<S><<<unsigned(I), kFinishThreads, cbytes, exec.stream>>>(dev, sc);
+        KVMEM_CUDA_RETURN_IF_LAUNCH_FAILED("ua prune_compact_kernel");
+      }
+    }
   } else {
     a.P = cache.limits_.max_prefill_chunk;
     a.lambda_new = cache.lambda_new_;

@@ -1,12 +1,17 @@
 // SPDX-License-Identifier: Apache-2.0
 #pragma once
-// Dense Universal Attention prefill on the tensor cores (bf16 storage, p = 0; spec UA.md 4.1-4.3): every
-// row of the call in one launch, with no split partials and no merge.
+// Dense Universal Attention prefill on the tensor cores (bf16 storage; spec UA.md 4.1-4.3): every row of
+// the call in one launch, with no split partials and no merge.
 //
 // Why a separate path: with p = 0 nothing is evicted, so the chunk boundaries of 4.5 do not change the
-// result and the prompt need not be walked chunk by chunk. Each block owns one row tile (kDnPairs
-// (head, row) pairs = r heads x kDnPairs / r rows) of one (sequence, kv head) item and walks *every* entry
-// up to its last row, so it finishes its own softmax and writes the output directly (FlashAttention's
+// result and the prompt need not be walked chunk by chunk. With p > 0 (a threshold), query i of the chunk
+// [t0, t0 + P) sees entry j iff j >= t0 or Λ_{t0-1, j} >= ln p, with the dense Λ_ij as its decay (every A
+// <= 0, so an entry below ln p at a chunk end stays below it): the dense prefill with a mask. Row tile k
+// receives Λ_{r0-1, j} of every earlier entry anyway (below); where r0 starts a chunk it sets those below
+// ln p to -inf (DeviceCall::prune_tiles), and a launch over whole chunks ends with the survivors' λ and -inf
+// for the rest, which a compaction drops (ua_run runs a long pruned prompt as several such launches). Each block owns
+// one row tile (kDnPairs (head, row) pairs = r heads x kDnPairs / r rows) of one (sequence, kv head) item and walks
+// *every* entry up to its last row, so it finishes its own softmax and writes the output directly (FlashAttention's
 // query-stationary order). The one dependency is λ: row tile k needs Λ_{r0-1, j} of every entry j
 // before its first row r0, which row tile k-1 hands over as it passes each entry tile. The row tiles of an
 // item therefore run as a pipeline: tile k carries λ of an entry after tile k-1 has handed it over (one
@@ -173,6 +178,7 @@ constexpr std::size_t dense_shared_bytes() {
 // 5 instructions a pair (three adds, lg2, one fused multiply-add, and the clamp) instead of 25 (the range
 // reduction and the atanh series of a relatively accurate log1p): the decay fold is the largest part of a
 // step's arithmetic.
+inline constexpr double kDnDecayAbsError = 1.4e-7;  // |dense_log1m(m) - log1p(-m)| at most (absolute)
 __device__ inline float dense_log1m(float m) {
   const float u = 1.0f - m;
   const float c = (1.0f - u) - m;
@@ -799,7 +805,15 @@ __device__ __forceinline__ void dense_prefill_row_tile(const DeviceCache<bf16>& 
           c_word = load_relaxed_gpu(handoff + idx);
         }
       }
-      const float c_lam = __uint_as_float(std::uint32_t(c_word));
+      float c_lam = __uint_as_float(std::uint32_t(c_word));
+      // a pruned prefill's chunk start (spec 4.5, DeviceCall::prune_tiles): an entry before the tile whose λ
+      // at the previous chunk's end is below ln p is evicted. Its Λ is -inf from here on (-inf plus any A
+      // stays -inf: weight 0, and every row still sees its own key, so no row's maximum is -inf once its
+      // walk is done); the last row tile stores -inf as its λ, a dead row, which the compaction after the
+      // launch drops. The test is the one of every backend (kernel::ua::evicts, in double).
+      if (has_prev && idx < e_prev && a.prune_tiles > 0 && int(k) % a.prune_tiles == 0 &&
+          kernel::ua::evicts(c_lam, a.log_p))
+        c_lam = negative_infinity<float>();
       const float4* col = reinterpret_cast<const float4*>(at + ce * L::kAPitch);
       float* lam_col = lt + ce;  // the entry's column of the Λ tile, rows kLPitch apart
       // rows i < masked get Λ = -inf (they precede the entry), the others the running λ
@@ -990,10 +1004,11 @@ __device__ __forceinline__ void dense_prefill_row_tile(const DeviceCache<bf16>& 
 // grid (row tiles * I), block kDnThreads, dynamic smem dense_shared_bytes<kD>(). T rows of the call (all
 // of them: input rows 0..T-1, positions counter + 0 ...). sync: dense_sync_bytes(I, cap), zero on entry in
 // the ticket and in the hand-off words of every item's rows below n + T; group: the item group
-// (dense_item_group_for). Appends the call's rows to the cache (rows n + t: p = 0 evicts nothing) and leaves
-// λ_j = Λ_{T-1, j} for every entry; the lengths and counters advance afterwards (dense_advance_kernel).
-// kSkipPast (sm_90a, D a multiple of 64; ignored elsewhere): every row tile runs the body with the skip past
-// the decay's reach. Both bodies give the same result bits. Chosen per launch, not per block: with both
+// (dense_item_group_for). Appends the call's rows to the cache (rows n + t) and leaves λ_j = Λ_{T-1, j} for
+// every entry (a pruned launch: -inf for the entries masked at its chunk starts, dead rows that the
+// compaction after it drops with those below ln p at its end); the lengths and counters advance afterwards
+// (dense_advance_kernel). kSkipPast (sm_90a, D a multiple of 64; ignored elsewhere): every row tile runs the body with
+// the skip past the decay's reach. Both bodies give the same result bits. Chosen per launch, not per block: with both
 // bodies in one kernel and each block picking one by its row tile's entry tiles, ptxas spills (D = 128; each
 // body alone does not); the row tiles of an item must share one
 // launch (the λ pipeline and the tickets).

@@ -284,6 +284,10 @@ struct DeviceCall {
   std::int64_t tokens = 0;        // fixed batch: the call's tokens per sequence (its last chunk returns spare pages)
   int* publish_ticket = nullptr;  // set on a step's last kernel: its last block publishes (publish_if_last)
   double log_p = 0.0;             // ln p; -inf = never evict
+  // The dense tensor-core prefill with a threshold (ua_dense_tc.cuh): row tiles per pruning chunk of the
+  // launch (spec 4.5); row tile k > 0 with k % prune_tiles == 0 starts a chunk and masks every entry whose
+  // λ it receives below ln p. 0: no masks (p = 0).
+  int prune_tiles = 0;
   bool evict_before_attention = true;
   // A prune rule whose cut depends on the item's entries (ua_prune.cuh): cuts[item] replaces log_p, and a
   // decode step's λ already holds A(., t) (decode_cut_kernel added it), so the decode kernels only read it.
@@ -877,13 +881,15 @@ __device__ inline void finish_item(const DeviceCache<S>& c, const DeviceCall<S>&
       }
       __syncthreads();
       if (kept + group_kept < e0 + ne) {  // an eviction so far: survivors may move down (a copy in place is harmless)
+        // only the survivors are staged (copy_rows reads no row whose destination is nullptr)
         copy_rows<S>(
             ne, D, vec_cache, [&](std::int64_t e) { return c.keys + c.row(item, e0 + e) * D; },
-            [&](std::int64_t e) { return kst + e * D; });
+            [&](std::int64_t e) { return dst[e] < 0 ? nullptr : kst + e * D; });
         copy_rows<S>(
             ne, D, vec_cache, [&](std::int64_t e) { return c.values + c.row(item, e0 + e) * D; },
-            [&](std::int64_t e) { return vst + e * D; });
+            [&](std::int64_t e) { return dst[e] < 0 ? nullptr : vst + e * D; });
         for (std::int64_t e = tid; e < ne; e += blockDim.x) {
+          if (dst[e] < 0) continue;
           lst[e] = load_cg(c.lambda + c.row(item, e0 + e));
           zst[e] = c.key_logit[c.row(item, e0 + e)];
           pst[e] = c.pos[c.row(item, e0 + e)];
@@ -1000,6 +1006,16 @@ __global__ void __launch_bounds__(kFinishThreads) compact_kernel(DeviceCache<S> 
   const std::int64_t item = blockIdx.x, dead = c.dead[item];
   if (dead == 0) return;
   finish_item<false>(c, a, item, item / c.G, 0, 0, false, dead, fsm);
+}
+
+// grid (I), block kFinishThreads, dynamic smem finish_smem_bytes<S>(D): after a launch of the dense prefill
+// with a threshold (a.log_p), which ends at a chunk end: every item drops its rows below ln p (spec 4.5,
+// the masked ones included: dead, λ = -inf) and keeps the others in position order, appending nothing.
+template <class S>
+__global__ void __launch_bounds__(kFinishThreads) prune_compact_kernel(DeviceCache<S> c, DeviceCall<S> a) {
+  extern __shared__ __align__(16) unsigned char fsm[];
+  const std::int64_t item = blockIdx.x;
+  finish_item<true>(c, a, item, item / c.G, 0, 0, false, c.dead[item], fsm);
 }
 
 // ---- decode: what every decode path shares -----------------------------------------------------
