@@ -207,12 +207,12 @@ inline UaWorkOffsets work_offsets(const ua::CacheShape& s, const UaCacheLimits& 
 }
 
 // Splits of a decode launch over I items: as many as fit the launch in one wave of two blocks per
-// multiprocessor (rounded down: one block more than the wave holds would run alone after it and double the
-// step's time), at least one, within the partials the workspace holds for a 1-row call (max_splits * max_prefill_chunk per
-// item) and at most 4 * max_splits (the last block of an item merges them all). Few items split their
-// rows widely; many items take few splits each, so that a step of many short items does not launch blocks
-// that find no rows (every split of an item takes part in its ticket, rows or not) and a long item's
-// blocks walk more rows each, the bytes of a step being spread over the whole launch either way.
+// multiprocessor (rounded down: one block more than the wave holds would run alone after it and double
+// the step's time), at least one, within the partials the workspace holds for a 1-row call (max_splits *
+// max_prefill_chunk per item) and at most 4 * max_splits (the last block of an item merges them all). Few
+// items split their rows widely; many items take few splits each, so that a step of many short items does
+// not launch blocks that find no rows (every split of an item takes part in its ticket, rows or not) and a
+// long item's blocks walk more rows each, the bytes of a step being spread over the whole launch either way.
 inline int decode_splits(const UaCacheLimits& limits, int sm_count, std::int64_t items) {
   const std::int64_t want = 2 * std::int64_t(sm_count) / std::max<std::int64_t>(items, 1);
   const std::int64_t most = std::min<std::int64_t>(4 * std::int64_t(limits.max_splits),
