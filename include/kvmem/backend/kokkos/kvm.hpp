@@ -646,11 +646,12 @@ struct KvmCall {
 
   // Tokens [i0, i0 + n) of the update against slots [j_begin, j_end), by the team, in tiles of
   // kUpdateSlots slots in increasing order: the tile's LN rows (K^ rows, kLnFromReadout; else one slot
-  // per thread, kernel::layer_norm as on the host), the tokens x slots dots (one per thread, kernel::dot with the
-  // host's operands), then per token the tile's logits in increasing slot order through the host's update rule: novelty
-  // (spec 4.5 step 2: score = max over slots of k0 . LN_s(Sk_j), NaN never wins) or routing (step 4: argmax over slots
-  // of kg . K^+_j, strict improvement, so ties keep the smaller j; tokens already appended are skipped). Scores and
-  // routes start from it.score / it.best, it.target.
+  // per thread, kernel::layer_norm as on the host), the tokens x slots dots (one per thread, kernel::dot
+  // with the host's operands), then per token the tile's logits in increasing slot order through the
+  // host's update rule: novelty (spec 4.5 step 2: score = max over slots of k0 . LN_s(Sk_j), NaN never
+  // wins) or routing (step 4: argmax over slots of kg . K^+_j, strict improvement, so ties keep the
+  // smaller j; tokens already appended are skipped). Scores and routes start from it.score / it.best,
+  // it.target.
   template <class Member>
   KOKKOS_INLINE_FUNCTION void token_slot_tiles(const Member& team, A* scratch, const kvm::ItemView<S, A>& it,
                                                std::int64_t i0, std::int64_t n, std::int64_t j_begin,
