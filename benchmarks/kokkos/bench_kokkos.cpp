@@ -25,6 +25,7 @@
 #include <cstring>
 #include <limits>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include <Kokkos_Core.hpp>
@@ -123,19 +124,26 @@ View filled(const char* label, std::uint64_t seed, float lo, float hi, Extent...
 }
 
 // The minimum over `repeat` timed calls of run() after `warm_up` untimed ones; setup() runs before each,
-// untimed.
+// untimed. Both return a kvmem::Status; the first failure ends the measurement and is returned. (Statuses
+// are initialised, never assigned: nvcc warns about the discarded Status& of an assignment, Status being
+// [[nodiscard]].)
+struct Timing {
+  double seconds;
+  kvmem::Status status;
+};
 template <class Setup, class F>
-double best_seconds(int warm_up, int repeat, Setup&& setup, F&& run) {
+Timing best_seconds(int warm_up, int repeat, Setup&& setup, F&& run) {
   double best = std::numeric_limits<double>::infinity();
   for (int r = 0; r < warm_up + repeat; ++r) {
-    setup();
+    if (kvmem::Status s = setup(); !s.is_ok()) return {best, std::move(s)};
     Kokkos::fence();
     const auto t0 = Clock::now();
-    run();
+    kvmem::Status s = run();
     Kokkos::fence();
+    if (!s.is_ok()) return {best, std::move(s)};
     if (r >= warm_up) best = std::min(best, std::chrono::duration<double>(Clock::now() - t0).count());
   }
-  return best;
+  return {best, kvmem::Status::ok()};
 }
 
 void report(FILE* json, const std::string& row, const char* mech, const char* op, std::int64_t B, std::int64_t H,
@@ -175,38 +183,44 @@ bool run_kvm(const Options& o, FILE* json) {
       std::fprintf(stderr, "create_state: %s\n", s.to_string().c_str());
       return false;
     }
-    kvmem::Status status;
-    const double prefill_s = best_seconds(
-        1, o.repeat, [&] { st.state.reset(); },
+    const Timing prefill = best_seconds(
+        1, o.repeat,
         [&] {
-          status = kvmem::kvm::prefill(exec, st.state, weights, TensorView<const float, 4>(to_tensor_view(q)),
-                                       TensorView<const float, 4>(to_tensor_view(k)),
-                                       TensorView<const float, 4>(to_tensor_view(v)),
-                                       TensorView<const float, 3>(to_tensor_view(g)), to_tensor_view(out));
+          st.state.reset();
+          return kvmem::Status::ok();
+        },
+        [&] {
+          return kvmem::kvm::prefill(exec, st.state, weights, TensorView<const float, 4>(to_tensor_view(q)),
+                                     TensorView<const float, 4>(to_tensor_view(k)),
+                                     TensorView<const float, 4>(to_tensor_view(v)),
+                                     TensorView<const float, 3>(to_tensor_view(g)), to_tensor_view(out));
         });
-    if (!status.is_ok()) {
-      std::fprintf(stderr, "kvm prefill: %s\n", status.to_string().c_str());
+    if (!prefill.status.is_ok()) {
+      std::fprintf(stderr, "kvm prefill: %s\n", prefill.status.to_string().c_str());
       return false;
     }
-    report(json, "kvm fixed-256 prefill (ms)", "kvm", "prefill", B, Hq, Hk, T, 1e3 * prefill_s);
+    report(json, "kvm fixed-256 prefill (ms)", "kvm", "prefill", B, Hq, Hk, T, 1e3 * prefill.seconds);
     if (o.decode_steps <= 0) continue;
     // Decode continues the prefilled state one token per call; the steps include one state update
     // every C tokens, as an engine's decode loop sees them.
-    const double decode_s = best_seconds(
-        0, 1, [] {},
+    const Timing decode = best_seconds(
+        0, 1, [] { return kvmem::Status::ok(); },
         [&] {
-          for (std::int64_t s = 0; s < o.decode_steps && status.is_ok(); ++s)
-            status = kvmem::kvm::decode(exec, st.state, weights, TensorView<const float, 4>(to_tensor_view(qd)),
-                                        TensorView<const float, 4>(to_tensor_view(kd)),
-                                        TensorView<const float, 4>(to_tensor_view(vd)),
-                                        TensorView<const float, 3>(to_tensor_view(gd)), to_tensor_view(out1));
+          for (std::int64_t s = 0; s < o.decode_steps; ++s)
+            if (kvmem::Status step = kvmem::kvm::decode(
+                    exec, st.state, weights, TensorView<const float, 4>(to_tensor_view(qd)),
+                    TensorView<const float, 4>(to_tensor_view(kd)), TensorView<const float, 4>(to_tensor_view(vd)),
+                    TensorView<const float, 3>(to_tensor_view(gd)), to_tensor_view(out1));
+                !step.is_ok())
+              return step;
+          return kvmem::Status::ok();
         });
-    if (!status.is_ok()) {
-      std::fprintf(stderr, "kvm decode: %s\n", status.to_string().c_str());
+    if (!decode.status.is_ok()) {
+      std::fprintf(stderr, "kvm decode: %s\n", decode.status.to_string().c_str());
       return false;
     }
     report(json, "kvm fixed-256 decode (ms/tok)", "kvm", "decode", B, Hq, Hk, T,
-           1e3 * decode_s / double(o.decode_steps));
+           1e3 * decode.seconds / double(o.decode_steps));
   }
   return true;
 }
@@ -228,29 +242,27 @@ bool run_ua(const Options& o, FILE* json) {
     in.v = TensorView<const float, 4>(to_tensor_view(v));
     in.z_k = TensorView<const float, 3>(to_tensor_view(z_k));
     in.z_q = TensorView<const float, 3>(to_tensor_view(z_q));
-    kvmem::Status status;
-    const double s = best_seconds(
+    const Timing prefill = best_seconds(
         1, o.repeat,
         [&] {
           cache = {};
-          status = kvmem::kokkos::create_cache<float>(exec, kvmem::ua::CacheShape{B, H, G, D, T, 16}, cache);
+          return kvmem::kokkos::create_cache<float>(exec, kvmem::ua::CacheShape{B, H, G, D, T, 16}, cache);
         },
-        [&] {
-          if (status.is_ok()) status = kvmem::ua::prefill(exec, cache, in, opt, to_tensor_view(out));
-        });
-    if (!status.is_ok()) {
-      std::fprintf(stderr, "ua prefill: %s\n", status.to_string().c_str());
+        [&] { return kvmem::ua::prefill(exec, cache, in, opt, to_tensor_view(out)); });
+    if (!prefill.status.is_ok()) {
+      std::fprintf(stderr, "ua prefill: %s\n", prefill.status.to_string().c_str());
       return false;
     }
-    report(json, "ua dense prefill (ms)", "ua", "dense_prefill", B, H, G, T, 1e3 * s);
+    report(json, "ua dense prefill (ms)", "ua", "dense_prefill", B, H, G, T, 1e3 * prefill.seconds);
     // The cacheless dense call (ua::forward) at the same shape, for reference.
-    const double f = best_seconds(
-        1, o.repeat, [] {}, [&] { status = kvmem::ua::forward(exec, in, to_tensor_view(out)); });
-    if (!status.is_ok()) {
-      std::fprintf(stderr, "ua forward: %s\n", status.to_string().c_str());
+    const Timing forward = best_seconds(
+        1, o.repeat, [] { return kvmem::Status::ok(); },
+        [&] { return kvmem::ua::forward(exec, in, to_tensor_view(out)); });
+    if (!forward.status.is_ok()) {
+      std::fprintf(stderr, "ua forward: %s\n", forward.status.to_string().c_str());
       return false;
     }
-    report(json, "ua dense forward (ms)", "ua", "dense_forward", B, H, G, T, 1e3 * f);
+    report(json, "ua dense forward (ms)", "ua", "dense_forward", B, H, G, T, 1e3 * forward.seconds);
   }
   return true;
 }

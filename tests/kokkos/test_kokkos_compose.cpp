@@ -52,9 +52,9 @@ std::vector<float> kokkos_variant(const ua::FloatCase& f, std::int64_t split, co
   INFO(s.to_string());
   REQUIRE(s.is_ok());
   for (std::int64_t t = split; t < f.c.T; ++t) {
-    s = Ua::decode(exec, cache, kc.slice(t, t + 1), kc.out_slice(out, t, t + 1), opt);
-    INFO(s.to_string());
-    REQUIRE(s.is_ok());
+    const auto step = Ua::decode(exec, cache, kc.slice(t, t + 1), kc.out_slice(out, t, t + 1), opt);
+    INFO(step.to_string());
+    REQUIRE(step.is_ok());
   }
   exec.space.fence();
   return to_host(out);

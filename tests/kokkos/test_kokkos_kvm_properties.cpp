@@ -158,6 +158,32 @@ TEST_CASE("kokkos kvm one-token calls equal one prefill at every split", "[kokko
   }
 }
 
+TEST_CASE("kokkos kvm decode rows split over several teams equal one prefill and the host backend",
+          "[kokkos][kvm][unit]") {
+  // A one-token call has few rows, so the device order splits each row's pieces of 64 keys over several
+  // teams that leave them in the workspace, and a second launch merges them (backend/kokkos/kvm.hpp,
+  // run_call); a prefill segment has enough rows to keep every row on one team. The split moves work
+  // between teams, never a sum's order: decode must equal prefill bitwise. C = 32, 96 slots and a
+  // 64-token window give rows of up to 160 keys (3 pieces, 3 splits): early rows have fewer pieces than
+  // splits, piece edges fall inside the slots and inside the window, the window wraps; D = 12 and
+  // Dv = 20 leave lanes past the last multiple of 8.
+  auto c = small_config(2, 300, 4, 2, 12, 20, Fixed{96, 96});
+  c.chunk = 32;
+  const auto in = random_inputs(c, 910);
+  const auto kk = kokkos_prefill<float>(c, in);
+  KVMEM_CHECK_CLOSE(kk.out, rkvm::prefill(c, in).out, kTolFp32);
+  const auto host = host_prefill<float>(c, in);
+  for (const std::int64_t split : {std::int64_t(0), std::int64_t(150)}) {
+    INFO("prefill of " << split << " tokens, then one-token calls");
+    HostResult fin;
+    const auto od = kokkos_prefill_then_decode<float>(c, in, split, &fin);
+    CHECK(same_bits(od, kk.out));
+    KVMEM_KOKKOS_CHECK_AS_HOST(od, host.out, kTolFp32);
+    CHECK(same_bits(fin.state_k, kk.state_k));
+    CHECK(same_bits(fin.state_v, kk.state_v));
+  }
+}
+
 TEST_CASE("kokkos kvm decode through kvm::decode and bf16 storage equal the host backend", "[kokkos][kvm][unit]") {
   auto c = small_config(2, 40, 4, 2, 16, 16, Power{3.0, 0.5, 8, 1, 8000});
   const auto in = random_inputs(c, 21);

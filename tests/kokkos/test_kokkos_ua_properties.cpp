@@ -1,8 +1,8 @@
 // SPDX-License-Identifier: Apache-2.0
-// UA on Kokkos: random cases (GQA, D = 80, output gate, batches) against the fp64 reference (1e-5
-// relative, kept sets exact) and against the host backend (bitwise on host spaces, within the fp32
-// tolerance on device spaces, kvm_kokkos_util.hpp); the same bits when a call repeats and for every
-// team size; decode == prefill; freed pages; validation before any change.
+// UA on Kokkos: random cases (GQA, D = 80, output gate, batches, rows of 600 entries) against the fp64
+// reference (1e-5 relative, kept sets exact) and against the host backend (bitwise on host spaces, within
+// the fp32 tolerance on device spaces, kvm_kokkos_util.hpp); the same bits when a call repeats and for
+// every team size; decode == prefill; freed pages; validation before any change.
 #include <cmath>
 #include <cstdint>
 #include <limits>
@@ -62,6 +62,24 @@ TEST_CASE("kokkos ua matches the reference and the host backend on random cases"
       }
     }
   }
+}
+
+TEST_CASE("kokkos ua rows longer than one group of pieces match the reference and the host backend",
+          "[kokkos][ua][unit]") {
+  // The device order sums a row's value elements kUaRowPieces = 8 pieces of 64 entries at a time
+  // (backend/kokkos/ua.hpp, row_in_device_order): 600 tokens give rows of up to 10 pieces, so a second,
+  // partial group runs after the first; D = 12 leaves lanes past the last multiple of 8.
+  Case c = random_case(1, 600, 2, 1, 12, 77, 1.0, true);
+  c.config.prefill_chunk = 64;
+  const FloatCase f(c);
+  const auto dense = kokkos_forward(f);
+  const auto ref = ref::dense(c.config, c.inputs);
+  KVMEM_CHECK_CLOSE(dense.out, ref.out, kTolFp32);
+  KVMEM_CHECK_CLOSE(dense.lse, ref.lse, kTolFp32);
+  KVMEM_KOKKOS_CHECK_AS_HOST(dense.out, host_forward(f).out, kTolFp32);
+  const kvmem::ua::Options opt{0.0, c.config.prefill_chunk, true};
+  auto cache = make_kokkos_cache({}, f);
+  KVMEM_CHECK_CLOSE(kokkos_prefill_decode(f, 560, opt, cache), ref.out, kTolFp32);
 }
 
 TEST_CASE("kokkos ua gives the same bits with one thread and with several threads per team", "[kokkos][ua][unit]") {

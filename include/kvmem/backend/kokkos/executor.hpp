@@ -21,6 +21,7 @@
 
 #include <Kokkos_Core.hpp>
 
+#include "kvmem/core/numeric.hpp"
 #include "kvmem/core/support.hpp"
 #include "kvmem/core/tensor.hpp"
 
@@ -65,13 +66,27 @@ auto to_tensor_view(const View& view) {
 
 namespace detail {
 
+// Every launch is marked light-weight: on Cuda a functor under the kernel-argument limit (4 KB) then
+// travels as a kernel argument. Without the hint Kokkos copies a functor above 512 bytes (the KVM and
+// UA call structs) into constant memory and first waits on the host until the previous such kernel has
+// finished, which turns every launch of a call into a host round trip.
+using LightWeight = Kokkos::Experimental::WorkItemProperty::HintLightWeight_t;
+
 // A team policy of `league` teams on exec's instance (Props: e.g. a work tag), team size from the
-// executor.
+// executor, `lanes` vector lanes per thread.
 template <class Space, class... Props>
-Kokkos::TeamPolicy<Space, Props...> team_policy(const Executor<Space>& exec, std::int64_t league) {
-  if (exec.team_size > 0)
-    return Kokkos::TeamPolicy<Space, Props...>(exec.space, static_cast<int>(league), exec.team_size);
-  return Kokkos::TeamPolicy<Space, Props...>(exec.space, static_cast<int>(league), Kokkos::AUTO);
+Kokkos::TeamPolicy<Space, Props..., LightWeight> team_policy(const Executor<Space>& exec, std::int64_t league,
+                                                             int lanes = 1) {
+  using Policy = Kokkos::TeamPolicy<Space, Props..., LightWeight>;
+  if (exec.team_size > 0) return Policy(exec.space, static_cast<int>(league), exec.team_size, lanes);
+  return Policy(exec.space, static_cast<int>(league), Kokkos::AUTO, lanes);
+}
+
+// A range policy over [begin, end) on exec's instance.
+template <class Space>
+Kokkos::RangePolicy<Space, LightWeight> range_policy(const Executor<Space>& exec, std::int64_t begin,
+                                                     std::int64_t end) {
+  return Kokkos::RangePolicy<Space, LightWeight>(exec.space, begin, end);
 }
 
 // Whether the kernels keep the host backend's operation order (host execution spaces, where the host
@@ -95,6 +110,34 @@ inline constexpr std::int64_t kHostRows = 8;
 // by default) one per thread in the update, and a row's keys (KVM slots plus window, UA entries) a few
 // per thread.
 inline constexpr int kDeviceTeam = 256;
+
+// Vector lanes per thread of the device order's row teams: a key's dot product over D is shared by
+// the lanes as kernel::dot's eight partial sums (lane l takes the elements l, l + 8, ...), so the
+// lanes read consecutive elements of a key and the sum keeps kernel::dot's order and bits.
+inline constexpr int kRowLanes = 8;
+
+// a . b over n elements by the calling thread's vector lanes in kernel::dot's and kernel::ua::dot8's
+// order: partial l is the sum of a[i] b[i] for i = l, l + 8, ... below the last multiple of 8, in
+// increasing i (one lane each), then one lane adds the partials as ((0+1)+(2+3))+((4+5)+(6+7)), then the
+// tail in order, and passes the sum to done(s). The sum has those kernels' bits whatever the number of
+// lanes the space runs. partial: [kRowLanes], the thread's own scratch.
+template <class Acc, class Member, class TA, class TB, class Done>
+KOKKOS_INLINE_FUNCTION void lane_dot(const Member& team, Acc* partial, const TA* a, const TB* b, std::int64_t n,
+                                     const Done& done) {
+  static_assert(kRowLanes == 8, "kvmem::kokkos::lane_dot: the lanes take the eight partial sums of kernel::dot");
+  const std::int64_t n8 = n / 8 * 8;
+  Kokkos::parallel_for(Kokkos::ThreadVectorRange(team, kRowLanes), [&](const int l) {
+    Acc s = Acc(0);
+    for (std::int64_t i = l; i < n8; i += 8) s += load_as<Acc>(a[i]) * load_as<Acc>(b[i]);
+    partial[l] = s;
+  });
+  Kokkos::single(Kokkos::PerThread(team), [&]() {
+    const Acc* p = partial;
+    Acc s = ((p[0] + p[1]) + (p[2] + p[3])) + ((p[4] + p[5]) + (p[6] + p[7]));
+    for (std::int64_t i = n8; i < n; ++i) s += load_as<Acc>(a[i]) * load_as<Acc>(b[i]);
+    done(s);
+  });
+}
 
 // Level-0 team scratch on CUDA is capped near 40 KB (DESIGN.md 4: 48 KiB minus what Kokkos keeps);
 // larger per-team buffers go to level 1.

@@ -23,10 +23,13 @@
 // - rows side, the segment's query rows (token, query head) of every item over many teams. On host
 //   spaces a team takes kHostRows rows, one per thread, each in the host's tile order through one
 //   online softmax, so results are bitwise equal to the host backend's. On device spaces a team takes
-//   one row and shares its keys: logits one key per thread, then pieces of kAttendTile keys reduced
-//   and merged in a fixed order (kernel::piece_weights, merge_piece_factors), so a row's bits depend
-//   on neither the team size nor the call's other rows (decode == prefill exactly on every space) and
-//   differ from the host order in the last bits only (docs/kokkos.md).
+//   one row and shares its keys: logits one key per thread (its dot over the thread's vector lanes in
+//   kernel::dot's order), then pieces of kAttendTile keys reduced and merged in a fixed order
+//   (kernel::piece_weights, merge_piece_factors), so a row's bits depend on neither the team size nor
+//   the call's other rows (decode == prefill exactly on every space) and differ from the host order in
+//   the last bits only (docs/kokkos.md). A segment of few rows (a decode call) splits each row's pieces
+//   over several teams, which leave them in the item's workspace, and a merge launch (MergeTag) adds
+//   them in the same fixed order, so a GPU is filled at batch 1 and the row's bits stay the same.
 // |S| after an update is data independent (spec 3.1) and every thread computes it from the budget, so
 // no broadcast is needed; an item's running (cov, |S|) passes between segments in its result counters.
 //
@@ -49,7 +52,9 @@
 // Launch sequence of one prefill / decode / step call, all on exec.space (in order, no host round trip
 // in between): [checked] one reduction over sequences or rows (rows, lengths, n_ctx, finite inputs,
 // gate > 0) read back; weights -> state (ln_w, ln_b, tau_s, tau_w in Acc); per segment [device order:
-// the four update launches] the state teams and the row teams; the per-sequence counter fold. The
+// the four update launches] the state teams and the row teams [device order, split rows: the merge
+// teams]; the per-sequence counter fold. Every launch is light-weight (executor.hpp, LightWeight), so
+// queuing one never waits for the previous kernel. The
 // per-sequence counters (n, cov, |S|), lengths and rows are read inside the kernels only.
 //
 // State memory: the State must be placed over memory the space can access AND the host can write,
@@ -244,6 +249,8 @@ struct TokenRef {
 // The two kernels of a segment (KvmCall): the state side (update, ring, initial slots) and the rows.
 struct StateTag {};
 struct RowsTag {};
+// The device order's merge of a row's pieces when its keys were split over several row teams.
+struct MergeTag {};
 // The device order's state update U (spec 4.5), four launches before the segment's state kernel, each
 // over many teams: key preprocessing and novelty per (item, token block); append selection and appends
 // per item; merge routing per (item, token block); scatter and K^/V^ refresh per (item, slot block).
@@ -257,6 +264,11 @@ struct RefreshTag {};
 // (26 KB, under kScratch0Bytes), and C = 256 gives 16 teams per item.
 inline constexpr std::int64_t kUpdateTokens = 16;
 inline constexpr std::int64_t kUpdateSlots = 32;
+
+// Row teams a device-order call should launch at least before it splits rows' keys over several teams:
+// about a GPU's multiprocessor count (132 on an H200), so a decode call of a few rows still fills the
+// device. A space whose concurrency asks for more teams (concurrency / kDeviceTeam) gets more.
+inline constexpr std::int64_t kFillTeams = 128;
 
 // What the state side of one segment does for one item, decided from device data alone (the call's
 // lengths or rows and the counters): the same answer for the state kernel and every update launch.
@@ -303,6 +315,8 @@ struct BatchIo {
   KOKKOS_INLINE_FUNCTION float* lse_at(const SeqRef&, std::int64_t, std::int64_t) const { return nullptr; }
   // Output rows of the batch past the sequence's length (zeroed).
   KOKKOS_INLINE_FUNCTION std::int64_t tail(const SeqRef& s) const { return out.extent[1] - s.len; }
+  // The most tokens one sequence brings to a call of `tokens` padded tokens.
+  std::int64_t token_bound(std::int64_t) const { return T; }
   // The rows kernel's tokens: batch row x / span, x % span-th token of the segment (span = min(T, C)).
   KOKKOS_INLINE_FUNCTION std::int64_t row_tokens(std::int64_t C) const { return count() * (T < C ? T : C); }
   KOKKOS_INLINE_FUNCTION TokenRef locate(std::int64_t x, std::int64_t seg, std::int64_t C, const std::int64_t* n_seq,
@@ -372,6 +386,8 @@ struct PackedIo {
     return lse.data != nullptr ? &lse(s.x0 + i, h) : nullptr;
   }
   KOKKOS_INLINE_FUNCTION std::int64_t tail(const SeqRef&) const { return 0; }
+  // The most tokens one row that is ok brings to a call of `tokens` packed tokens (max_len bounds it).
+  std::int64_t token_bound(std::int64_t tokens) const { return max_len > 0 && max_len < tokens ? max_len : tokens; }
   // The rows kernel's tokens: packed token x, in the row whose [query_start[r], query_start[r+1])
   // holds it (found by bisection over query_start; a call with decreasing starts is not ok anyway).
   KOKKOS_INLINE_FUNCTION std::int64_t row_tokens(std::int64_t) const { return q.extent[0]; }
@@ -427,6 +443,11 @@ struct KvmCall {
   // otherwise the device order's update launches (PrepTag .. RefreshTag) ran it before.
   bool team_update = true;
   std::int64_t host_rows = 1, keys_cap = 0, pieces_cap = 0;
+  // Device order: a row's pieces of kAttendTile keys go to `splits` teams, split_pieces consecutive
+  // pieces each (splits = 1: one team per row, split_pieces = pieces_cap). With several splits every
+  // team leaves its pieces' softmax states and accumulators in the item's workspace and MergeTag
+  // merges them; row_threads is the row teams' thread count (one lane-partial block each in scratch).
+  std::int64_t splits = 1, split_pieces = 0, row_threads = 1;
   // Slot blocks of kUpdateSlots per item in the device order's refresh launch (the non-sink slots of
   // the state's capacity).
   std::int64_t slot_blocks = 1;
@@ -614,13 +635,23 @@ struct KvmCall {
   }
   KOKKOS_INLINE_FUNCTION static int scratch_level(std::size_t bytes) { return bytes <= kScratch0Bytes ? 0 : 1; }
 
+  // Whether the update's LN rows LN_s(Sk_j) are the slots' readout keys K^_j: with Acc storage K^_j
+  // holds kernel::layer_norm's bits (kernel::refresh_slot), and every change of Sk_j is followed by a
+  // refresh before an update reads the slot (the refresh stage, slot founding, import; appended slots:
+  // AppendTag), so an update's tiles copy K^ instead of normalising each slot again in every token
+  // block. The copy equals the LN of the call's ln_w, ln_b where those are the weights the slots were
+  // refreshed with (a layer's weights do not change between its calls). Other storage rounds K^, so
+  // its tiles normalise Sk as the host does.
+  static constexpr bool kLnFromReadout = std::is_same_v<S, A>;
+
   // Tokens [i0, i0 + n) of the update against slots [j_begin, j_end), by the team, in tiles of
-  // kUpdateSlots slots in increasing order: the tile's LN rows (one slot per thread, kernel::layer_norm
-  // as on the host), the tokens x slots dots (one per thread, kernel::dot with the host's operands),
-  // then per token the tile's logits in increasing slot order through the host's update rule:
-  // novelty (spec 4.5 step 2: score = max over slots of k0 . LN_s(Sk_j), NaN never wins) or routing
-  // (step 4: argmax over slots of kg . K^+_j, strict improvement, so ties keep the smaller j; tokens
-  // already appended are skipped). Scores and routes start from it.score / it.best, it.target.
+  // kUpdateSlots slots in increasing order: the tile's LN rows (K^ rows, kLnFromReadout; else one slot
+  // per thread, kernel::layer_norm as on the host), the tokens x slots dots (one per thread, kernel::dot
+  // with the host's operands), then per token the tile's logits in increasing slot order through the
+  // host's update rule: novelty (spec 4.5 step 2: score = max over slots of k0 . LN_s(Sk_j), NaN never
+  // wins) or routing (step 4: argmax over slots of kg . K^+_j, strict improvement, so ties keep the
+  // smaller j; tokens already appended are skipped). Scores and routes start from it.score / it.best,
+  // it.target.
   template <class Member>
   KOKKOS_INLINE_FUNCTION void token_slot_tiles(const Member& team, A* scratch, const kvm::ItemView<S, A>& it,
                                                std::int64_t i0, std::int64_t n, std::int64_t j_begin,
@@ -634,9 +665,14 @@ struct KvmCall {
                          [&](const std::int64_t x) { tok[x / D * ld + x % D] = src[(i0 + x / D) * D + x % D]; });
     for (std::int64_t j0 = j_begin; j0 < j_end; j0 += kUpdateSlots) {
       const std::int64_t rows = j_end - j0 < kUpdateSlots ? j_end - j0 : kUpdateSlots;
-      Kokkos::parallel_for(Kokkos::TeamThreadRange(team, rows), [&](const std::int64_t r) {
-        kernel::layer_norm(it.sk + (j0 + r) * D, D, ln_w, ln_b, eps, ln + r * ld);
-      });
+      if constexpr (kLnFromReadout) {  // the tile's K^ rows, read coalesced
+        Kokkos::parallel_for(Kokkos::TeamThreadRange(team, rows * D),
+                             [&](const std::int64_t x) { ln[x / D * ld + x % D] = it.khat[(j0 + x / D) * D + x % D]; });
+      } else {
+        Kokkos::parallel_for(Kokkos::TeamThreadRange(team, rows), [&](const std::int64_t r) {
+          kernel::layer_norm(it.sk + (j0 + r) * D, D, ln_w, ln_b, eps, ln + r * ld);
+        });
+      }
       team.team_barrier();
       Kokkos::parallel_for(Kokkos::TeamThreadRange(team, n * rows), [&](const std::int64_t x) {
         const std::int64_t t = x / rows, r = x % rows;
@@ -697,6 +733,8 @@ struct KvmCall {
       const std::int64_t j = kernel::append_slot_index(it.target, i, ps.S);
       kernel::append_slot(kp, it.k0 + i * D, it.kg + i * D, it.vg + i * Dv, it.wv + (a + i) % w * Dv, it.sk + j * D,
                           it.sv + j * Dv, it.rho + j, it.cnt + j);
+      // the routing stage reads K^_j of the expanded state (kLnFromReadout); the refresh stage rewrites it
+      if constexpr (kLnFromReadout) kernel::layer_norm(it.sk + j * D, D, ln_w, ln_b, eps, it.khat + j * D);
     });
   }
 
@@ -778,77 +816,165 @@ struct KvmCall {
     if (float* l = io.lse_at(sq, t - n0, h)) *l = static_cast<float>(sm->lse());
   }
 
-  // The team scratch of one row in the split order: q [D], logits or weights [keys_cap], piece
-  // softmax states and merge factors [pieces_cap] each, piece accumulators [pieces_cap, Dv].
+  // The team scratch of one row team in the split order: piece softmax states and merge factors
+  // [split_pieces] each plus the row's state, q [D], logits or weights of the team's keys
+  // [min(keys_cap, split_pieces kAttendTile)], piece accumulators [split_pieces, Dv] (unused with
+  // several splits: the workspace holds them) and kRowLanes dot partials per thread.
   KOKKOS_INLINE_FUNCTION std::size_t row_scratch_bytes() const {
-    const std::size_t pieces = static_cast<std::size_t>(pieces_cap);
-    return sizeof(A) * static_cast<std::size_t>(D + keys_cap + pieces * (1 + Dv)) +
+    const std::size_t pieces = static_cast<std::size_t>(split_pieces);
+    const std::int64_t tile_keys = split_pieces * kernel::kAttendTile;
+    const std::int64_t keys = keys_cap < tile_keys ? keys_cap : tile_keys;
+    return sizeof(A) * static_cast<std::size_t>(D + keys + split_pieces * (1 + Dv) + row_threads * kRowLanes) +
            sizeof(kernel::PieceSoftmax<A>) * (pieces + 1);
   }
+  // The team scratch of a merge team: the row's state and merge factors [pieces_cap].
+  KOKKOS_INLINE_FUNCTION std::size_t merge_scratch_bytes() const {
+    return sizeof(kernel::PieceSoftmax<A>) + sizeof(A) * static_cast<std::size_t>(pieces_cap);
+  }
 
-  // One query row (token t, query head h) by the whole team in the split order: the row's keys (the
-  // state's slots if w > 0, then the window [w, t]) get their logits from the threads at once (one key
-  // per thread, kernel::dot as on the host), pieces of kAttendTile keys are reduced one per thread
-  // (kernel::piece_weights) and accumulated over (piece, value element) pairs, and the pieces merge
-  // in increasing order. No sum's order depends on the team size. The slots and the window use the
-  // same logit formula as the host order; only the softmax's rescaling points differ.
+  // A row's keys: the state's n_s slots (when w > 0), then the window [w, t]; n of them in all.
+  struct RowKeys {
+    std::int64_t n_s = 0, n = 0, pieces = 0;
+  };
+  KOKKOS_INLINE_FUNCTION static RowKeys row_keys(std::int64_t t, std::int64_t w, std::int64_t S_cur) {
+    RowKeys k;
+    k.n_s = w > 0 ? S_cur : 0;
+    k.n = k.n_s + (t - w + 1);
+    k.pieces = (k.n + kernel::kAttendTile - 1) / kernel::kAttendTile;
+    return k;
+  }
+
+  // Logit of key x of a row (q in qr [D]) into *logit, its dot on the thread's lanes with kernel::dot's
+  // bits (lane_dot). partial [kRowLanes] is the thread's own.
   template <class Member>
-  KOKKOS_INLINE_FUNCTION void attend_row_team(const Member& team, unsigned char* scratch, const kvm::ItemView<S, A>& it,
-                                              const SeqRef& sq, std::int64_t n0, std::int64_t t, std::int64_t h,
-                                              std::int64_t w, std::int64_t S_cur) const {
-    using kernel::PieceSoftmax;
-    const std::int64_t tile = kernel::kAttendTile;
-    const std::int64_t n_s = w > 0 ? S_cur : 0, n = n_s + (t - w + 1);
-    const std::int64_t pieces = (n + tile - 1) / tile;
-    PieceSoftmax<A>* piece = reinterpret_cast<PieceSoftmax<A>*>(scratch);
-    PieceSoftmax<A>* row = piece + pieces_cap;
-    A* qr = reinterpret_cast<A*>(row + 1);
-    A* logit = qr + D;
-    A* factor = logit + keys_cap;
-    A* part = factor + pieces_cap;
-    Kokkos::parallel_for(Kokkos::TeamThreadRange(team, D),
-                         [&](const std::int64_t d) { qr[d] = load_as<A>(io.q_at(sq, h, t - n0, d)); });
+  KOKKOS_INLINE_FUNCTION void key_logit(const Member& team, A* partial, const A* qr, const kvm::ItemView<S, A>& it,
+                                        std::int64_t w, std::int64_t n_s, std::int64_t x, A ls, A lw, A* logit) const {
+    const bool slot = x < n_s;
+    const S* key = slot ? it.khat + x * D : it.wk + (w + x - n_s) % W() * D;
+    lane_dot<A>(team, partial, qr, key, D, [&](const A s) { *logit = (slot ? ls : lw) * s; });
+  }
+
+  // Pieces [p0, p1) of one query row (token t, query head h) by the whole team in the split order: the
+  // pieces' logits (key_logit, keys over the threads), each piece's weights on one thread
+  // (kernel::piece_weights), then per (piece, value element) the weighted sum over the piece's keys in
+  // increasing order, on the threads' lanes. piece [p1 - p0] and part [p1 - p0, Dv] receive the pieces'
+  // softmax states and accumulators. Every sum runs in one order that depends neither on the team size
+  // nor on how the row's pieces are split over teams.
+  template <class Member>
+  KOKKOS_INLINE_FUNCTION void row_pieces(const Member& team, A* qr, A* logit, A* partial, const kvm::ItemView<S, A>& it,
+                                         const SeqRef& sq, std::int64_t n0, std::int64_t t, std::int64_t h,
+                                         std::int64_t w, const RowKeys& rk, std::int64_t p0, std::int64_t p1,
+                                         kernel::PieceSoftmax<A>* piece, A* part) const {
+    const std::int64_t tile = kernel::kAttendTile, n = rk.n, n_s = rk.n_s;
+    const std::int64_t j_begin = p0 * tile, j_end = n < p1 * tile ? n : p1 * tile;
+    const std::int64_t d_blocks = (D + kRowLanes - 1) / kRowLanes, v_blocks = (Dv + kRowLanes - 1) / kRowLanes;
+    Kokkos::parallel_for(Kokkos::TeamThreadRange(team, d_blocks), [&](const std::int64_t b) {
+      Kokkos::parallel_for(Kokkos::ThreadVectorRange(team, kRowLanes), [&](const int l) {
+        const std::int64_t d = b * kRowLanes + l;
+        if (d < D) qr[d] = load_as<A>(io.q_at(sq, h, t - n0, d));
+      });
+    });
     team.team_barrier();
     const A ls = scale * (head_temps ? tau_s[h] : A(1)), lw = scale * (head_temps ? tau_w[h] : A(1));
-    Kokkos::parallel_for(Kokkos::TeamThreadRange(team, n), [&](const std::int64_t x) {
-      if (x < n_s)
-        logit[x] = ls * kernel::dot(qr, it.khat + x * D, D);
-      else
-        logit[x] = lw * kernel::dot(qr, it.wk + (w + x - n_s) % W() * D, D);
+    Kokkos::parallel_for(Kokkos::TeamThreadRange(team, j_end - j_begin), [&](const std::int64_t x) {
+      key_logit(team, partial, qr, it, w, n_s, j_begin + x, ls, lw, logit + x);
     });
     team.team_barrier();
-    Kokkos::parallel_for(Kokkos::TeamThreadRange(team, pieces), [&](const std::int64_t p) {
-      const std::int64_t j0 = p * tile, m = n - j0 < tile ? n - j0 : tile;
-      piece[p] = kernel::piece_weights(logit + j0, m);
+    Kokkos::parallel_for(Kokkos::TeamThreadRange(team, p1 - p0), [&](const std::int64_t q) {
+      Kokkos::single(Kokkos::PerThread(team), [&]() {
+        const std::int64_t j0 = (p0 + q) * tile, m = n - j0 < tile ? n - j0 : tile;
+        piece[q] = kernel::piece_weights(logit + (j0 - j_begin), m);
+      });
     });
     team.team_barrier();
-    Kokkos::parallel_for(Kokkos::TeamThreadRange(team, pieces * Dv), [&](const std::int64_t x) {
-      const std::int64_t p = x / Dv, d = x % Dv, j0 = p * tile, j1 = n - j0 < tile ? n : j0 + tile;
-      const std::int64_t js = j1 < n_s ? j1 : n_s;  // slots [j0, js), then window keys [max(j0, n_s), j1)
-      A sum = A(0);
-      for (std::int64_t j = j0; j < js; ++j) sum += logit[j] * load_as<A>(it.vhat[j * Dv + d]);
-      // the window's ring position advances with j and wraps at W: one division per piece, not per key
-      const std::int64_t jw = j0 > n_s ? j0 : n_s, w_len = W();
-      std::int64_t ring = (w + jw - n_s) % w_len;
-      for (std::int64_t j = jw; j < j1; ++j) {
-        sum += logit[j] * load_as<A>(it.wv[ring * Dv + d]);
-        if (++ring == w_len) ring = 0;
-      }
-      part[x] = sum;
+    Kokkos::parallel_for(Kokkos::TeamThreadRange(team, (p1 - p0) * v_blocks), [&](const std::int64_t x) {
+      Kokkos::parallel_for(Kokkos::ThreadVectorRange(team, kRowLanes), [&](const int l) {
+        const std::int64_t q = x / v_blocks, d = x % v_blocks * kRowLanes + l;
+        if (d >= Dv) return;
+        const std::int64_t j0 = (p0 + q) * tile, j1 = n - j0 < tile ? n : j0 + tile;
+        const std::int64_t js = j1 < n_s ? j1 : n_s;  // slots [j0, js), then window keys [max(j0, n_s), j1)
+        const A* wt = logit - j_begin;
+        A sum = A(0);
+        for (std::int64_t j = j0; j < js; ++j) sum += wt[j] * load_as<A>(it.vhat[j * Dv + d]);
+        // the window's ring position advances with j and wraps at W: one division per piece, not per key
+        const std::int64_t jw = j0 > n_s ? j0 : n_s, w_len = W();
+        std::int64_t ring = (w + jw - n_s) % w_len;
+        for (std::int64_t j = jw; j < j1; ++j) {
+          sum += wt[j] * load_as<A>(it.wv[ring * Dv + d]);
+          if (++ring == w_len) ring = 0;
+        }
+        part[q * Dv + d] = sum;
+      });
     });
+  }
+
+  // The row's output from its `pieces` pieces' states piece [pieces] and accumulators part [pieces, Dv]:
+  // the pieces merge in increasing order (kernel::merge_piece_factors), then out[d] = sum_p factor[p]
+  // part[p, d] / sum. row [1] and factor [pieces] are team scratch.
+  template <class Member>
+  KOKKOS_INLINE_FUNCTION void row_finish(const Member& team, const kernel::PieceSoftmax<A>* piece, const A* part,
+                                         std::int64_t pieces, kernel::PieceSoftmax<A>* row, A* factor, const SeqRef& sq,
+                                         std::int64_t n0, std::int64_t t, std::int64_t h) const {
     Kokkos::single(Kokkos::PerTeam(team), [&]() { row[0] = kernel::merge_piece_factors(piece, pieces, factor); });
     team.team_barrier();
     const A inv = row[0].sum > A(0) ? A(1) / row[0].sum : A(0);
-    Kokkos::parallel_for(Kokkos::TeamThreadRange(team, Dv), [&](const std::int64_t d) {
-      A o = A(0);
-      for (std::int64_t p = 0; p < pieces; ++p) o += factor[p] * part[p * Dv + d];
-      io.out_at(sq, t - n0, h, d) = static_cast<Out>(o * inv);
+    const std::int64_t v_blocks = (Dv + kRowLanes - 1) / kRowLanes;
+    Kokkos::parallel_for(Kokkos::TeamThreadRange(team, v_blocks), [&](const std::int64_t b) {
+      Kokkos::parallel_for(Kokkos::ThreadVectorRange(team, kRowLanes), [&](const int l) {
+        const std::int64_t d = b * kRowLanes + l;
+        if (d >= Dv) return;
+        A o = A(0);
+        for (std::int64_t p = 0; p < pieces; ++p) o += factor[p] * part[p * Dv + d];
+        io.out_at(sq, t - n0, h, d) = static_cast<Out>(o * inv);
+      });
     });
     Kokkos::single(Kokkos::PerTeam(team), [&]() {
       using std::log;
       if (float* l = io.lse_at(sq, t - n0, h))
         *l = static_cast<float>(row[0].sum > A(0) ? row[0].max + log(row[0].sum) : negative_infinity<A>());
     });
+  }
+
+  // Where a split row keeps its pieces in the item's workspace: states over the q block, accumulators
+  // over the accumulator block, pieces_cap of each per row r of the item's segment rows (r < rep C).
+  // run_call splits only when a segment's rows of one item fit: (rows / rep) pieces_cap <= C.
+  KOKKOS_INLINE_FUNCTION kernel::PieceSoftmax<A>* split_states(const kvm::ItemView<S, A>& it, std::int64_t r) const {
+    return reinterpret_cast<kernel::PieceSoftmax<A>*>(it.qblock) + r * pieces_cap;
+  }
+  KOKKOS_INLINE_FUNCTION A* split_parts(const kvm::ItemView<S, A>& it, std::int64_t r) const {
+    return it.acc + r * pieces_cap * Dv;
+  }
+
+  // Split `split` of one query row (token t, query head h; row r of its item's segment rows) in the
+  // split order: the team takes the row's pieces [split split_pieces, + split_pieces) (none past the
+  // row's last piece). One split: the team merges and writes the row; several: its pieces go to the
+  // workspace for MergeTag. Either way the row's bits are those of one team taking every piece.
+  template <class Member>
+  KOKKOS_INLINE_FUNCTION void attend_row_team(const Member& team, unsigned char* scratch, const kvm::ItemView<S, A>& it,
+                                              const SeqRef& sq, std::int64_t n0, std::int64_t t, std::int64_t h,
+                                              std::int64_t w, std::int64_t S_cur, std::int64_t split,
+                                              std::int64_t r) const {
+    using kernel::PieceSoftmax;
+    const RowKeys rk = row_keys(t, w, S_cur);
+    const std::int64_t p0 = split * split_pieces;
+    if (p0 >= rk.pieces) return;
+    const std::int64_t p1 = rk.pieces < p0 + split_pieces ? rk.pieces : p0 + split_pieces;
+    const std::int64_t tile_keys = split_pieces * kernel::kAttendTile;
+    PieceSoftmax<A>* piece = reinterpret_cast<PieceSoftmax<A>*>(scratch);
+    PieceSoftmax<A>* row = piece + split_pieces;
+    A* qr = reinterpret_cast<A*>(row + 1);
+    A* logit = qr + D;
+    A* factor = logit + (keys_cap < tile_keys ? keys_cap : tile_keys);
+    A* part = factor + split_pieces;
+    A* partial = part + split_pieces * Dv + team.team_rank() * kRowLanes;
+    if (splits > 1) {
+      row_pieces(team, qr, logit, partial, it, sq, n0, t, h, w, rk, p0, p1, split_states(it, r) + p0,
+                 split_parts(it, r) + p0 * Dv);
+      return;
+    }
+    row_pieces(team, qr, logit, partial, it, sq, n0, t, h, w, rk, p0, p1, piece, part);
+    team.team_barrier();
+    row_finish(team, piece, part, rk.pieces, row, factor, sq, n0, t, h);
   }
 
   // Zeroes the out (and lse) rows of local tokens [i0, i1) for the query heads of KV group g.
@@ -946,40 +1072,66 @@ struct KvmCall {
 
   // Segment `seg` of every item, rows side: the segment's query rows (token, query head) after its
   // state side finished. Host order: a team takes host_rows consecutive (token, head) pairs of one KV
-  // head, one pair per thread. Split order: a team takes one pair and shares its keys.
+  // head, one pair per thread. Split order: a team takes one pair's pieces of one split and shares its
+  // keys (all of them with one split).
   template <class Member>
   KOKKOS_INLINE_FUNCTION void operator()(RowsTag, const Member& team) const {
-    const std::int64_t g = team.league_rank() % Hk, block = team.league_rank() / Hk;
-    if (!host_order) {
-      row_pair(team, g, block,
-               static_cast<unsigned char*>(team.team_scratch(row_scratch_level()).get_shmem(row_scratch_bytes())));
+    if (!host_order) {  // team (pair, split): the pair's rank over Hk and its split
+      const std::int64_t pair = team.league_rank() / splits, split = team.league_rank() % splits;
+      unsigned char* scratch =
+          static_cast<unsigned char*>(team.team_scratch(row_scratch_level()).get_shmem(row_scratch_bytes()));
+      const RowRef rr = row_ref(pair % Hk, pair / Hk);
+      if (rr.ok) attend_row_team(team, scratch, items.at(rr.i), rr.sq, rr.n0, rr.t, rr.h, rr.w, rr.slots, split, rr.r);
       return;
     }
-    Kokkos::parallel_for(Kokkos::TeamThreadRange(team, host_rows),
-                         [&](const std::int64_t x) { row_pair(team, g, block * host_rows + x, nullptr); });
+    const std::int64_t g = team.league_rank() % Hk, block = team.league_rank() / Hk;
+    Kokkos::parallel_for(Kokkos::TeamThreadRange(team, host_rows), [&](const std::int64_t x) {
+      const RowRef rr = row_ref(g, block * host_rows + x);
+      if (rr.ok) attend_row(items.at(rr.i), rr.sq, rr.n0, rr.t, rr.h, rr.w, rr.slots, rr.r);
+    });
+  }
+
+  // The device order's rows whose keys were split (splits > 1), a team per pair: the pieces left in
+  // the item's workspace by the pair's split teams merge in increasing order into the row's output.
+  template <class Member>
+  KOKKOS_INLINE_FUNCTION void operator()(MergeTag, const Member& team) const {
+    const RowRef rr = row_ref(team.league_rank() % Hk, team.league_rank() / Hk);
+    if (!rr.ok) return;
+    auto* row = static_cast<kernel::PieceSoftmax<A>*>(team.team_scratch(0).get_shmem(merge_scratch_bytes()));
+    A* factor = reinterpret_cast<A*>(row + 1);
+    const kvm::ItemView<S, A> it = items.at(rr.i);
+    row_finish(team, split_states(it, rr.r), split_parts(it, rr.r), row_keys(rr.t, rr.w, rr.slots).pieces, row, factor,
+               rr.sq, rr.n0, rr.t, rr.h);
   }
 
   KOKKOS_INLINE_FUNCTION int row_scratch_level() const { return row_scratch_bytes() <= kScratch0Bytes ? 0 : 1; }
 
+  // One query row of a segment: its sequence, token t (n0 tokens before the call), query head h, window
+  // start w, item i with |S| = slots after the segment's update, and r, the row's index among the item's
+  // rows of the segment (r < rep C: its workspace in the host order and for split pieces).
+  struct RowRef {
+    bool ok = false;
+    SeqRef sq;
+    std::int64_t n0 = 0, t = 0, h = 0, w = 0, i = 0, slots = 0, r = 0;
+  };
   // Pair p of the segment's rows of KV head g: packed token or batch row p / rep, query head
-  // g rep + p % rep. Rows outside the segment return (every thread of a team takes the same branch
+  // g rep + p % rep. Rows outside the segment are not ok (every thread of a team takes the same branch
   // in the split order, whose pair is the team's).
-  template <class Member>
-  KOKKOS_INLINE_FUNCTION void row_pair(const Member& team, std::int64_t g, std::int64_t p,
-                                       unsigned char* scratch) const {
+  KOKKOS_INLINE_FUNCTION RowRef row_ref(std::int64_t g, std::int64_t p) const {
+    RowRef rr;
     const TokenRef tr = io.locate(p / rep, seg, C, n_seq, n_ctx);
-    if (!tr.ok) return;
-    const SeqRef& sq = tr.seq;
-    const std::int64_t n0 = n_seq[sq.b], t = tr.t, h = g * rep + p % rep;
-    const std::int64_t t0 = t / C * C > n0 ? t / C * C : n0;
-    const std::int64_t w = bswa_begin(t0 + 1);
-    const std::int64_t i = sq.b * Hk + g;
-    const std::int64_t S_now = result[2 * i + 1];
-    const kvm::ItemView<S, A> it = items.at(i);
-    if (scratch != nullptr)
-      attend_row_team(team, scratch, it, sq, n0, t, h, w, S_now);
-    else
-      attend_row(it, sq, n0, t, h, w, S_now, (t - t0) * rep + p % rep);
+    if (!tr.ok) return rr;
+    rr.ok = true;
+    rr.sq = tr.seq;
+    rr.n0 = n_seq[rr.sq.b];
+    rr.t = tr.t;
+    rr.h = g * rep + p % rep;
+    const std::int64_t t0 = rr.t / C * C > rr.n0 ? rr.t / C * C : rr.n0;
+    rr.w = bswa_begin(t0 + 1);
+    rr.i = rr.sq.b * Hk + g;
+    rr.slots = result[2 * rr.i + 1];
+    rr.r = (rr.t - t0) * rep + p % rep;
+    return rr;
   }
 };
 
@@ -1063,7 +1215,7 @@ void load_weights(const Executor<Space>& exec, const kvm::State<S, A>& state, co
   A* t_w = state.tau_w();
   const std::int64_t D = state.shape().D, Hq = state.shape().Hq;
   Kokkos::parallel_for(
-      "kvmem::kokkos::kvm::weights", Kokkos::RangePolicy<Space>(exec.space, 0, D > Hq ? D : Hq),
+      "kvmem::kokkos::kvm::weights", ::kvmem::kokkos::detail::range_policy(exec, 0, D > Hq ? D : Hq),
       KOKKOS_LAMBDA(const std::int64_t x) {
         if (x < D) {
           w_ln[x] = static_cast<A>(w.lw(x));
@@ -1102,7 +1254,26 @@ void run_call(const Executor<Space>& exec, const kvm::State<S, A>& state, const 
   call.host_rows = kHostRows;
   call.keys_cap = state.capacity() + state.window_capacity();
   call.pieces_cap = (call.keys_cap + kernel::kAttendTile - 1) / kernel::kAttendTile;
-  const std::int64_t row_teams = call.host_order ? (pairs + kHostRows - 1) / kHostRows * sh.Hk : pairs * sh.Hk;
+  // Device order: a segment of few rows (a decode call) splits each row's pieces over several teams
+  // until the call has about kFillTeams teams or more (at most one piece a team). The split pieces go
+  // to the workspace's q and accumulator blocks of the row's item (split_states, split_parts), which
+  // hold them when one item's rows of a segment (at most min(tokens, C) tokens, rep heads each) take
+  // pieces_cap pieces each: min(tokens, C) pieces_cap <= C. The split changes which team computes a
+  // piece, never a piece's arithmetic or the merge order, so a row's bits are the same split or not.
+  const std::int64_t row_pairs = pairs * sh.Hk;
+  call.splits = 1;
+  call.split_pieces = call.pieces_cap;
+  if (!call.host_order && row_pairs > 0) {
+    const std::int64_t bound = call.io.token_bound(max_tokens), span = bound < C ? bound : C;
+    const std::int64_t fill = std::max<std::int64_t>(exec.space.concurrency() / kDeviceTeam, kFillTeams);
+    const std::int64_t want = std::min<std::int64_t>(call.pieces_cap, (fill + row_pairs - 1) / row_pairs);
+    if (want > 1 && span * call.pieces_cap <= C) {
+      call.split_pieces = (call.pieces_cap + want - 1) / want;
+      call.splits = (call.pieces_cap + call.split_pieces - 1) / call.split_pieces;
+    }
+  }
+  const std::int64_t row_teams =
+      call.host_order ? (pairs + kHostRows - 1) / kHostRows * sh.Hk : row_pairs * call.splits;
   // The device order's update pipeline: token-block teams (stages 1-2 and 4), item teams (stage 3) and
   // slot-block teams over the non-sink slots of the capacity (stage 5).
   const std::int64_t token_teams = items * call.token_blocks();
@@ -1110,26 +1281,39 @@ void run_call(const Executor<Space>& exec, const kvm::State<S, A>& state, const 
   call.slot_blocks = non_sink > kUpdateSlots ? (non_sink + kUpdateSlots - 1) / kUpdateSlots : 1;
   const std::int64_t refresh_teams = items * call.slot_blocks;
   auto state_teams = team_policy<Space, StateTag>(exec, items);
-  auto rows = team_policy<Space, RowsTag>(exec, row_teams);
+  auto rows = team_policy<Space, RowsTag>(exec, row_teams, call.host_order ? 1 : kRowLanes);
+  auto merge = team_policy<Space, MergeTag>(exec, row_pairs, call.host_order ? 1 : kRowLanes);
   auto prep = team_policy<Space, PrepTag>(exec, token_teams);
   auto append = team_policy<Space, AppendTag>(exec, items);
   auto route = team_policy<Space, RouteTag>(exec, token_teams);
   auto refresh = team_policy<Space, RefreshTag>(exec, refresh_teams);
   if (!call.host_order && exec.team_size == 0) {  // device order: teams as wide as the work, where they fit
-    const auto widen = [&](auto& policy, std::int64_t league, int wanted) {
+    const auto widen = [&](auto& policy, std::int64_t league, int wanted, int lanes = 1) {
       const int most = policy.team_size_max(call, Kokkos::ParallelForTag());
       policy = std::remove_reference_t<decltype(policy)>(exec.space, static_cast<int>(league),
-                                                         most < wanted ? most : wanted);
+                                                         most < wanted ? most : wanted, lanes);
     };
-    widen(state_teams, items, kDeviceTeam);  // a chunk's tokens
-    widen(rows, row_teams, kDeviceTeam);     // a row's keys
-    widen(prep, token_teams, kDeviceTeam);   // a block's token x slot dots
-    widen(append, items, kDeviceTeam);       // a chunk's tokens
+    widen(state_teams, items, kDeviceTeam);                           // a chunk's tokens
+    widen(rows, row_teams, kDeviceTeam / kRowLanes, kRowLanes);       // a row's keys, D or Dv on the lanes
+    widen(merge, row_pairs, kDeviceTeam / kRowLanes / 4, kRowLanes);  // Dv on the lanes
+    widen(prep, token_teams, kDeviceTeam);                            // a block's token x slot dots
+    widen(append, items, kDeviceTeam);                                // a chunk's tokens
     widen(route, token_teams, kDeviceTeam);
     widen(refresh, refresh_teams, static_cast<int>(kUpdateSlots));  // a block's slots
   }
   if (!call.host_order) {
+    if (exec.team_size > 0) {  // the executor's threads, each with kRowLanes lanes, where they fit
+      const auto fit = [&](auto& policy, std::int64_t league) {
+        const int most = policy.team_size_max(call, Kokkos::ParallelForTag());
+        policy = std::remove_reference_t<decltype(policy)>(exec.space, static_cast<int>(league),
+                                                           most < exec.team_size ? most : exec.team_size, kRowLanes);
+      };
+      fit(rows, row_teams);
+      fit(merge, row_pairs);
+    }
+    call.row_threads = rows.team_size();
     rows.set_scratch_size(call.row_scratch_level(), Kokkos::PerTeam(call.row_scratch_bytes()));
+    merge.set_scratch_size(0, Kokkos::PerTeam(call.merge_scratch_bytes()));
     const std::size_t block = call.block_scratch_bytes(), slots = call.refresh_scratch_bytes();
     prep.set_scratch_size(call.scratch_level(block), Kokkos::PerTeam(block));
     route.set_scratch_size(call.scratch_level(block), Kokkos::PerTeam(block));
@@ -1145,9 +1329,10 @@ void run_call(const Executor<Space>& exec, const kvm::State<S, A>& state, const 
     }
     if (items > 0) Kokkos::parallel_for("kvmem::kokkos::kvm::segment_state", state_teams, call);
     if (pairs > 0) Kokkos::parallel_for("kvmem::kokkos::kvm::segment_rows", rows, call);
+    if (pairs > 0 && call.splits > 1) Kokkos::parallel_for("kvmem::kokkos::kvm::segment_merge", merge, call);
   }
   Kokkos::parallel_for(
-      "kvmem::kokkos::kvm::counters", Kokkos::RangePolicy<Space>(exec.space, 0, call.io.count()),
+      "kvmem::kokkos::kvm::counters", ::kvmem::kokkos::detail::range_policy(exec, 0, call.io.count()),
       KOKKOS_LAMBDA(const std::int64_t x) {
         const SeqRef sq = call.seq(x);
         if (sq.b < 0 || !sq.ok) return;
@@ -1216,7 +1401,7 @@ struct Backend<kokkos::Executor<Space>> {
       std::int64_t found = kNoFailure;
       const std::int64_t Hq = sh.Hq, Hk = sh.Hk, D = sh.D, Dv = sh.Dv;
       Kokkos::parallel_reduce(
-          "kvmem::kokkos::kvm::check", Kokkos::RangePolicy<Space>(exec.space, 0, B),
+          "kvmem::kokkos::kvm::check", ::kvmem::kokkos::detail::range_policy(exec, 0, B),
           KOKKOS_LAMBDA(const std::int64_t b, std::int64_t& first) {
             auto fail = [&](KvmCheck code) {
               const std::int64_t c = static_cast<std::int64_t>(code) * B + b;
@@ -1307,7 +1492,7 @@ struct Backend<kokkos::Executor<Space>> {
       std::int64_t found = kNoFailure;
       const std::int64_t Hq = sh.Hq, Hk = sh.Hk, D = sh.D, Dv = sh.Dv, B = sh.B;
       Kokkos::parallel_reduce(
-          "kvmem::kokkos::kvm::step_check", Kokkos::RangePolicy<Space>(exec.space, 0, R),
+          "kvmem::kokkos::kvm::step_check", ::kvmem::kokkos::detail::range_policy(exec, 0, R),
           KOKKOS_LAMBDA(const std::int64_t r, std::int64_t& first) {
             auto fail = [&](KvmCheck code) {
               const std::int64_t c = static_cast<std::int64_t>(code) * R + r;
@@ -1384,7 +1569,7 @@ struct Backend<kokkos::Executor<Space>> {
     std::int64_t* cov = state.cov_data();
     std::int64_t* used = state.slots_data();
     Kokkos::parallel_for(
-        "kvmem::kokkos::kvm::reset_slots", Kokkos::RangePolicy<Space>(exec.space, 0, n),
+        "kvmem::kokkos::kvm::reset_slots", ::kvmem::kokkos::detail::range_policy(exec, 0, n),
         KOKKOS_LAMBDA(const std::int64_t i) {
           if (lists.failure(i) != 0) return;
           const std::int64_t b = lists.src(i);
@@ -1412,7 +1597,7 @@ struct Backend<kokkos::Executor<Space>> {
     std::int64_t* used = state.slots_data();
     // Every source is read before its counters could change: no destination is a source.
     Kokkos::parallel_for(
-        "kvmem::kokkos::kvm::copy_slots", Kokkos::RangePolicy<Space>(exec.space, 0, n * Hk),
+        "kvmem::kokkos::kvm::copy_slots", ::kvmem::kokkos::detail::range_policy(exec, 0, n * Hk),
         KOKKOS_LAMBDA(const std::int64_t x) {
           const std::int64_t i = x / Hk, g = x % Hk;
           if (lists.failure(i) != 0) return;
@@ -1437,7 +1622,7 @@ struct Backend<kokkos::Executor<Space>> {
           for (std::int64_t e = 0; e < W; ++e) b.wg[e] = a.wg[e];
         });
     Kokkos::parallel_for(
-        "kvmem::kokkos::kvm::copy_counters", Kokkos::RangePolicy<Space>(exec.space, 0, n),
+        "kvmem::kokkos::kvm::copy_counters", ::kvmem::kokkos::detail::range_policy(exec, 0, n),
         KOKKOS_LAMBDA(const std::int64_t i) {
           if (lists.failure(i) != 0) return;
           const std::int64_t s = lists.src(i), d = lists.dst(i);
@@ -1479,7 +1664,7 @@ struct Backend<kokkos::Executor<Space>> {
       std::int64_t bad = 0;
       const std::int64_t D = sh.D, Hq = sh.Hq;
       Kokkos::parallel_reduce(
-          "kvmem::kokkos::kvm::import_check", Kokkos::RangePolicy<Space>(exec.space, 0, 1),
+          "kvmem::kokkos::kvm::import_check", ::kvmem::kokkos::detail::range_policy(exec, 0, 1),
           KOKKOS_LAMBDA(const std::int64_t, std::int64_t& b) { b = w.finite_values(D, Hq) ? 0 : 1; },
           Kokkos::Max<std::int64_t>(bad));
       if (bad > 0) return invalid_argument("weights", "finite values", "NaN or Inf");
@@ -1509,7 +1694,7 @@ struct Backend<kokkos::Executor<Space>> {
     const auto call = make_call<S, A, float, float>(state, BatchIo<float, float>{});
     const std::int64_t first = std::int64_t(slot) * Hk;
     Kokkos::parallel_for(
-        "kvmem::kokkos::kvm::import_readout", Kokkos::RangePolicy<Space>(exec.space, 0, Hk),
+        "kvmem::kokkos::kvm::import_readout", ::kvmem::kokkos::detail::range_policy(exec, 0, Hk),
         KOKKOS_LAMBDA(const std::int64_t g) { call.refresh(call.items.at(first + g), 0, S_); });
     exec.space.fence();  // the record's staging memory is the caller's; the state is complete on return
     return Status::ok();

@@ -48,7 +48,7 @@ std::int64_t first_failure(const Executor<Space>& exec, const SlotLists& lists) 
   std::int64_t found = kNoFailure;
   const std::int64_t n = lists.src.extent[0];
   Kokkos::parallel_reduce(
-      "kvmem::kokkos::slots::check", Kokkos::RangePolicy<Space>(exec.space, 0, n),
+      "kvmem::kokkos::slots::check", range_policy(exec, 0, n),
       KOKKOS_LAMBDA(const std::int64_t i, std::int64_t& first) {
         const std::int64_t c = lists.failure(i);
         if (c != 0 && c * n + i < first) first = c * n + i;

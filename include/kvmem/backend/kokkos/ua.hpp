@@ -375,6 +375,9 @@ struct UaStepIo {
 // Entries per decay team and per softmax piece, and query rows per block (the host body's key and query
 // tiles, kernel/ua_attend.hpp, so the host order visits the same tiles).
 inline constexpr std::int64_t kUaPiece = kernel::ua::kKeyTile;
+// Pieces whose per-element sums a device-order row team keeps in scratch at once ([kUaRowPieces, D]:
+// 4 KB at D = 128 fp32), so the sums of many pieces run on the team's lanes at the same time.
+inline constexpr std::int64_t kUaRowPieces = 8;
 inline constexpr std::int64_t kUaBlock = kernel::ua::kQueryTile;
 
 // The kernels of one call (UaRun), each a tagged operator().
@@ -415,6 +418,8 @@ struct UaRun {
   bool before = false;
   bool host_order = true;
   std::int64_t block_rows = kernel::ua::kQueryTile, host_rows = kHostRows, move_rows = 16;
+  // Threads of a device-order row team (each with kRowLanes lanes and its own dot partials in scratch).
+  std::int64_t row_threads = 1;
 
   KOKKOS_INLINE_FUNCTION std::int64_t item_of(const UaItemRef& w) const { return w.slot * G + w.g; }
   KOKKOS_INLINE_FUNCTION std::int64_t row0(std::int64_t i) const { return i * capacity; }
@@ -585,18 +590,23 @@ struct UaRun {
   }
 
   // The team scratch of a row in the device order: piece states [pieces + 1], logits (then weights)
-  // [capacity], merge factors [pieces].
+  // [capacity], merge factors [pieces], the row's accumulator [D], one group's piece sums
+  // [kUaRowPieces, D] and kRowLanes dot partials per thread.
   KOKKOS_INLINE_FUNCTION std::int64_t pieces_cap() const { return (capacity + kUaPiece - 1) / kUaPiece; }
   KOKKOS_INLINE_FUNCTION std::size_t row_scratch_bytes() const {
     return sizeof(kernel::PieceSoftmax<float>) * static_cast<std::size_t>(pieces_cap() + 1) +
-           sizeof(float) * static_cast<std::size_t>(capacity + pieces_cap());
+           sizeof(float) *
+               static_cast<std::size_t>(capacity + pieces_cap() + (1 + kUaRowPieces) * D + row_threads * kRowLanes);
   }
   KOKKOS_INLINE_FUNCTION int row_scratch_level() const { return row_scratch_bytes() <= kScratch0Bytes ? 0 : 1; }
 
-  // A row in the device order, by the whole team: logits one entry per thread (dot8 and the bias as in
-  // the host order), pieces of kUaPiece entries reduced one per thread (kernel::piece_weights), merged in
-  // increasing order (kernel::merge_piece_factors), then each output element sums its pieces in order
-  // (the KVM device order's readout). No sum's order depends on the team size or on other rows.
+  // A row in the device order, by the whole team: logits one entry per thread, its dot8 on the thread's
+  // lanes in dot8's order (lane_dot) plus the bias as in the host order; pieces of kUaPiece entries
+  // reduced one per thread (kernel::piece_weights), merged in increasing order
+  // (kernel::merge_piece_factors); then groups of kUaRowPieces pieces: each (piece, element) sum over
+  // the piece's entries in increasing order on a lane, and each element adds its group's pieces in
+  // increasing order (the KVM device order's readout). No sum's order depends on the team size or on
+  // other rows.
   template <class Member>
   KOKKOS_INLINE_FUNCTION void row_in_device_order(const Member& team, const RowTask& k) const {
     using kernel::PieceSoftmax;
@@ -604,22 +614,59 @@ struct UaRun {
         team.team_scratch(row_scratch_level()).get_shmem(row_scratch_bytes()));  // [pieces + 1]
     float* logit = reinterpret_cast<float*>(piece + pieces_cap() + 1);           // [capacity]
     float* factor = logit + capacity;                                            // [pieces]
+    float* acc = factor + pieces_cap();                                          // [D]
+    float* group = acc + D;                                                      // [kUaRowPieces, D]
+    float* partial = group + kUaRowPieces * D + team.team_rank() * kRowLanes;    // [kRowLanes]
     PieceSoftmax<float>* whole = piece + pieces_cap();
     const std::int64_t o = row0(k.i), n = k.n, pieces = (n + kUaPiece - 1) / kUaPiece;
+    const std::int64_t blocks = (D + kRowLanes - 1) / kRowLanes;
     const Storage* K = keys + o * D;
     const Storage* V = values + o * D;
     const float* qrow = io.q(k.w, k.h, k.t);
     Kokkos::parallel_for(Kokkos::TeamThreadRange(team, n), [&](const std::int64_t e) {
-      const float qk = kernel::ua::dot8<float>(qrow, K + e * D, D), b = k.bias[e];
-      logit[e] = b == negative_infinity<float>() ? negative_infinity<float>() : qk + b;  // scale 1
+      lane_dot<float>(team, partial, qrow, K + e * D, D, [&](const float qk) {
+        const float b = k.bias[e];
+        logit[e] = b == negative_infinity<float>() ? negative_infinity<float>() : qk + b;  // scale 1
+      });
+    });
+    Kokkos::parallel_for(Kokkos::TeamThreadRange(team, blocks), [&](const std::int64_t x) {
+      Kokkos::parallel_for(Kokkos::ThreadVectorRange(team, kRowLanes), [&](const int l) {
+        if (x * kRowLanes + l < D) acc[x * kRowLanes + l] = 0.0f;
+      });
     });
     team.team_barrier();
     Kokkos::parallel_for(Kokkos::TeamThreadRange(team, pieces), [&](const std::int64_t p) {
-      const std::int64_t j0 = p * kUaPiece;
-      piece[p] = kernel::piece_weights(logit + j0, n - j0 < kUaPiece ? n - j0 : kUaPiece);
+      Kokkos::single(Kokkos::PerThread(team), [&]() {
+        const std::int64_t j0 = p * kUaPiece;
+        piece[p] = kernel::piece_weights(logit + j0, n - j0 < kUaPiece ? n - j0 : kUaPiece);
+      });
     });
     team.team_barrier();
     Kokkos::single(Kokkos::PerTeam(team), [&]() { *whole = kernel::merge_piece_factors(piece, pieces, factor); });
+    for (std::int64_t p0 = 0; p0 < pieces; p0 += kUaRowPieces) {
+      const std::int64_t g = pieces - p0 < kUaRowPieces ? pieces - p0 : kUaRowPieces;
+      Kokkos::parallel_for(Kokkos::TeamThreadRange(team, g * blocks), [&](const std::int64_t x) {
+        Kokkos::parallel_for(Kokkos::ThreadVectorRange(team, kRowLanes), [&](const int l) {
+          const std::int64_t q = x / blocks, d = x % blocks * kRowLanes + l, j0 = (p0 + q) * kUaPiece;
+          if (d >= D) return;
+          const std::int64_t j1 = n < j0 + kUaPiece ? n : j0 + kUaPiece;
+          float part = 0.0f;
+          for (std::int64_t j = j0; j < j1; ++j) part += logit[j] * load_as<float>(V[j * D + d]);
+          group[q * D + d] = part;
+        });
+      });
+      team.team_barrier();  // also orders the merge's factors before their first use
+      Kokkos::parallel_for(Kokkos::TeamThreadRange(team, blocks), [&](const std::int64_t x) {
+        Kokkos::parallel_for(Kokkos::ThreadVectorRange(team, kRowLanes), [&](const int l) {
+          const std::int64_t d = x * kRowLanes + l;
+          if (d >= D) return;
+          float a = acc[d];
+          for (std::int64_t q = 0; q < g; ++q) a += factor[p0 + q] * group[q * D + d];
+          acc[d] = a;
+        });
+      });
+      team.team_barrier();
+    }
     team.team_barrier();
     OnlineSoftmax<float> sm;
     sm.max = whole->max;
@@ -627,17 +674,14 @@ struct UaRun {
     const float inv = sm.normaliser();
     const float* zrow = io.z_o(k.w, k.h, k.t);
     float* orow = io.out(k.w, k.h, k.t);
-    Kokkos::parallel_for(Kokkos::TeamThreadRange(team, D), [&](const std::int64_t d) {
-      float acc = 0.0f;
-      for (std::int64_t p = 0; p < pieces; ++p) {
-        const std::int64_t j1 = n < (p + 1) * kUaPiece ? n : (p + 1) * kUaPiece;
-        float part = 0.0f;
-        for (std::int64_t j = p * kUaPiece; j < j1; ++j) part += logit[j] * load_as<float>(V[j * D + d]);
-        acc += factor[p] * part;
-      }
-      float y = acc * inv;
-      if (zrow) y *= sigmoid(load_as<float>(zrow[d]));
-      orow[d] = y;
+    Kokkos::parallel_for(Kokkos::TeamThreadRange(team, blocks), [&](const std::int64_t x) {
+      Kokkos::parallel_for(Kokkos::ThreadVectorRange(team, kRowLanes), [&](const int l) {
+        const std::int64_t d = x * kRowLanes + l;
+        if (d >= D) return;
+        float y = acc[d] * inv;
+        if (zrow) y *= sigmoid(load_as<float>(zrow[d]));
+        orow[d] = y;
+      });
     });
     Kokkos::single(Kokkos::PerTeam(team), [&]() {
       if (float* l = io.lse_at(k.w, k.h, k.t)) *l = sm.lse();
@@ -810,20 +854,25 @@ void run_ua(const Executor<Space>& exec, UaRun<Set, Storage, Ev, Io> call, std::
   auto begin = team_policy<Space, UaBeginTag>(exec, items);
   auto open = team_policy<Space, UaOpenTag>(exec, items);
   auto decay = team_policy<Space, UaDecayTag>(exec, decay_teams);
-  auto rows = team_policy<Space, UaRowsTag>(exec, row_teams);
+  auto rows = team_policy<Space, UaRowsTag>(exec, row_teams, call.host_order ? 1 : kRowLanes);
   auto close = team_policy<Space, UaCloseTag>(exec, items);
   auto finish = team_policy<Space, UaFinishTag>(exec, items);
   if (!call.host_order && exec.team_size == 0) {  // device order: wide teams, where they fit
-    const auto widen = [&](auto& policy) {
+    const auto widen = [&](auto& policy, int wanted = kDeviceTeam, int lanes = 1) {
       using Policy = std::remove_reference_t<decltype(policy)>;
       const int most = policy.team_size_max(call, Kokkos::ParallelForTag());
-      policy = Policy(exec.space, policy.league_size(), most < kDeviceTeam ? most : kDeviceTeam);
+      policy = Policy(exec.space, policy.league_size(), most < wanted ? most : wanted, lanes);
     };
     widen(open);
     widen(decay);
-    widen(rows);
+    widen(rows, kDeviceTeam / kRowLanes, kRowLanes);  // a row's entries, D on the lanes
     widen(close);
+  } else if (!call.host_order) {  // the executor's threads, each with kRowLanes lanes, where they fit
+    using Policy = decltype(rows);
+    const int most = rows.team_size_max(call, Kokkos::ParallelForTag());
+    rows = Policy(exec.space, rows.league_size(), most < exec.team_size ? most : exec.team_size, kRowLanes);
   }
+  call.row_threads = rows.team_size();
   decay.set_scratch_size(0, Kokkos::PerTeam(call.decay_scratch_bytes()));
   if (call.host_order)
     rows.set_scratch_size(0, Kokkos::PerTeam(call.host_row_scratch_bytes()));
@@ -859,7 +908,7 @@ Status ua_check(const Executor<Space>& exec, const UaViews& in, std::int64_t B, 
   std::int64_t found = 0;
   const bool has_z_o = in.z_o.data != nullptr;
   Kokkos::parallel_reduce(
-      "kvmem::kokkos::ua::check", Kokkos::RangePolicy<Space>(exec.space, 0, B * G),
+      "kvmem::kokkos::ua::check", ::kvmem::kokkos::detail::range_policy(exec, 0, B * G),
       KOKKOS_LAMBDA(const std::int64_t i, std::int64_t& code) {
         const std::int64_t b = i / G, g = i % G, r = H / G;
         auto fail = [&](std::int64_t c) {
@@ -944,7 +993,7 @@ Status ua_cache_call(const Executor<Space>& exec, UaCache<Storage, MemSpace>& ca
   run_ua(exec, ua_run<Set>(cache, io, opt.prefill_chunk, ev, opt.evict_before_attention), T, !decode, decode);
   std::int64_t* counter = cache.counter.data();
   Kokkos::parallel_for(
-      "kvmem::kokkos::ua::advance", Kokkos::RangePolicy<Space>(exec.space, 0, s.batch),
+      "kvmem::kokkos::ua::advance", ::kvmem::kokkos::detail::range_policy(exec, 0, s.batch),
       KOKKOS_LAMBDA(const std::int64_t b) { counter[b] += T; });
   return Status::ok();
 }
@@ -959,7 +1008,7 @@ Status ua_step_check(const Executor<Space>& exec, const UaStepIo& io, const std:
   const bool has_z_o = io.in.z_o.data != nullptr;
   const std::int64_t R = io.R;
   Kokkos::parallel_reduce(
-      "kvmem::kokkos::ua::step_check", Kokkos::RangePolicy<Space>(exec.space, 0, R),
+      "kvmem::kokkos::ua::step_check", ::kvmem::kokkos::detail::range_policy(exec, 0, R),
       KOKKOS_LAMBDA(const std::int64_t x, std::int64_t& first) {
         auto fail = [&](UaStepCheck code) {
           const std::int64_t c = static_cast<std::int64_t>(code) * R + x;
@@ -1154,7 +1203,7 @@ Status forward(const kokkos::Executor<Space>& exec, const Inputs& in, TensorView
     const kokkos::detail::DeviceView<float, 3> last(lambda_last);
     const float* lambda = cache.lambda.data();
     Kokkos::parallel_for(
-        "kvmem::kokkos::ua::lambda_last", Kokkos::RangePolicy<Space>(exec.space, 0, B * G * T),
+        "kvmem::kokkos::ua::lambda_last", ::kvmem::kokkos::detail::range_policy(exec, 0, B * G * T),
         KOKKOS_LAMBDA(const std::int64_t x) {
           const std::int64_t i = x / T;
           last(i / G, i % G, x % T) = lambda[x];  // Λ_{T-1, t}: the entries stay in position order
@@ -1203,7 +1252,7 @@ Status kokkos_step(const kokkos::Executor<Space>& exec, kokkos::UaCache<Storage,
   const std::int64_t capacity = s.capacity;
   if (exec.checked) KVMEM_RETURN_IF_ERROR(ua_step_check(exec, io, length, capacity, D, N, H));
   Kokkos::parallel_for(
-      "kvmem::kokkos::ua::step_admit", Kokkos::RangePolicy<Space>(exec.space, 0, R),
+      "kvmem::kokkos::ua::step_admit", ::kvmem::kokkos::detail::range_policy(exec, 0, R),
       KOKKOS_LAMBDA(const std::int64_t x) {
         const UaRow w = io.row(x);
         if (w.slot >= 0 && w.fits && w.first) admit[w.slot] = io.room(w, length, capacity) ? 1 : 0;
@@ -1211,7 +1260,7 @@ Status kokkos_step(const kokkos::Executor<Space>& exec, kokkos::UaCache<Storage,
   // A row of one token is a decode step; a row of more (any row when N >= 2) a chunked prefill.
   run_ua(exec, ua_run<Set>(cache, io, opt.prefill_chunk, ev, opt.evict_before_attention), N, N >= 2, true);
   Kokkos::parallel_for(
-      "kvmem::kokkos::ua::step_advance", Kokkos::RangePolicy<Space>(exec.space, 0, R),
+      "kvmem::kokkos::ua::step_advance", ::kvmem::kokkos::detail::range_policy(exec, 0, R),
       KOKKOS_LAMBDA(const std::int64_t x) {
         const UaRow w = io.row(x);
         if (io.runs(w)) counter[w.slot] += w.T;
@@ -1255,7 +1304,7 @@ Status reset_slots(const kokkos::Executor<Space>& exec, kokkos::UaCache<Storage,
   std::int64_t* peak = cache.peak.data();
   std::int64_t* counter = cache.counter.data();
   Kokkos::parallel_for(
-      "kvmem::kokkos::ua::reset_slots", Kokkos::RangePolicy<Space>(exec.space, 0, n),
+      "kvmem::kokkos::ua::reset_slots", ::kvmem::kokkos::detail::range_policy(exec, 0, n),
       KOKKOS_LAMBDA(const std::int64_t i) {
         if (lists.failure(i) != 0) return;
         const std::int64_t b = lists.src(i);
@@ -1286,7 +1335,7 @@ Status copy_slots(const kokkos::Executor<Space>& exec, kokkos::UaCache<Storage, 
   std::int64_t* peak = cache.peak.data();
   std::int64_t* counter = cache.counter.data();
   Kokkos::parallel_for(
-      "kvmem::kokkos::ua::copy_slots", Kokkos::RangePolicy<Space>(exec.space, 0, n * G),
+      "kvmem::kokkos::ua::copy_slots", ::kvmem::kokkos::detail::range_policy(exec, 0, n * G),
       KOKKOS_LAMBDA(const std::int64_t x) {
         const std::int64_t i = x / G, g = x % G;
         if (lists.failure(i) != 0) return;
@@ -1306,7 +1355,7 @@ Status copy_slots(const kokkos::Executor<Space>& exec, kokkos::UaCache<Storage, 
         length[b] = m;
       });
   Kokkos::parallel_for(
-      "kvmem::kokkos::ua::copy_counters", Kokkos::RangePolicy<Space>(exec.space, 0, n),
+      "kvmem::kokkos::ua::copy_counters", ::kvmem::kokkos::detail::range_policy(exec, 0, n),
       KOKKOS_LAMBDA(const std::int64_t i) {
         if (lists.failure(i) == 0) counter[lists.dst(i)] = counter[lists.src(i)];
       });
@@ -1368,7 +1417,7 @@ Status import_slot(const kokkos::Executor<Space>& exec, kokkos::UaCache<Storage,
   std::int64_t* counter = cache.counter.data();
   const std::int64_t b0 = std::int64_t(slot) * G, position = f.position;
   Kokkos::parallel_for(
-      "kvmem::kokkos::ua::import_slot", Kokkos::RangePolicy<Space>(exec.space, 0, G),
+      "kvmem::kokkos::ua::import_slot", ::kvmem::kokkos::detail::range_policy(exec, 0, G),
       KOKKOS_LAMBDA(const std::int64_t g) {
         std::int64_t e0 = 0;
         for (std::int64_t h = 0; h < g; ++h) e0 += n_in[h];
