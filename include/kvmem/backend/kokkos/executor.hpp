@@ -15,6 +15,7 @@
 //
 // Written against the Kokkos 3.4 API that is still valid in Kokkos 4 (DESIGN.md 4).
 
+#include <algorithm>
 #include <cstddef>
 #include <cstdint>
 #include <type_traits>
@@ -41,7 +42,8 @@ struct Executor {
   // inputs, lengths, capacity) and its result is read back on the host, so bad input returns a Status
   // (a synchronisation per call: for debugging and validation runs).
   bool checked = false;
-  // Threads per team; 0 lets Kokkos choose (Kokkos::AUTO). Serial always runs one.
+  // Threads per team; 0 lets Kokkos choose (Kokkos::AUTO). Serial always runs one. A kernel with vector
+  // lanes takes at most 1024 / lanes threads a team (a GPU block holds 1024 threads), fewer than asked.
   int team_size = 0;
 };
 
@@ -72,13 +74,17 @@ namespace detail {
 // finished, which turns every launch of a call into a host round trip.
 using LightWeight = Kokkos::Experimental::WorkItemProperty::HintLightWeight_t;
 
+// Threads of a team times its vector lanes at most: a CUDA or HIP block's limit.
+inline constexpr int kMaxTeamThreads = 1024;
+
 // A team policy of `league` teams on exec's instance (Props: e.g. a work tag), team size from the
 // executor, `lanes` vector lanes per thread.
 template <class Space, class... Props>
 Kokkos::TeamPolicy<Space, Props..., LightWeight> team_policy(const Executor<Space>& exec, std::int64_t league,
                                                              int lanes = 1) {
   using Policy = Kokkos::TeamPolicy<Space, Props..., LightWeight>;
-  if (exec.team_size > 0) return Policy(exec.space, static_cast<int>(league), exec.team_size, lanes);
+  if (exec.team_size > 0)
+    return Policy(exec.space, static_cast<int>(league), std::min(exec.team_size, kMaxTeamThreads / lanes), lanes);
   return Policy(exec.space, static_cast<int>(league), Kokkos::AUTO, lanes);
 }
 
