@@ -451,6 +451,13 @@ struct KvmCall {
   // Slot blocks of kUpdateSlots per item in the device order's refresh launch (the non-sink slots of
   // the state's capacity).
   std::int64_t slot_blocks = 1;
+  // Device order, the last segment of a call with split rows: the merge launch also folds the call's
+  // counters (count_seq), so a decode call needs no counter launch. The state kernel's first team zeroes
+  // `ticket` (a workspace word no Kokkos kernel uses otherwise: the state's row list), each merge team
+  // takes a number from it when it has finished reading the counters, and the team that draws the last
+  // number folds every sequence in increasing order.
+  bool fold_counters = false;
+  std::int64_t* ticket = nullptr;
 
   KOKKOS_INLINE_FUNCTION std::int64_t W() const { return C * nb; }
   // spec 4.1: first window position when n tokens exist, max(0, ceil(n/C) C - nb C).
@@ -466,6 +473,29 @@ struct KvmCall {
     const std::int64_t target = targets != nullptr ? targets[a / C] : budget_slots(budget, W() + a, a + C, current);
     const std::int64_t n_app = target - current;
     return n_app < C ? n_app : C;
+  }
+
+  // Sequence x's counters after the call: tokens seen, and (cov, |S|) of its first KV head's item (all
+  // heads of a sequence agree). Runs once every kernel that reads n_seq or writes `result` has finished.
+  KOKKOS_INLINE_FUNCTION void count_seq(std::int64_t x) const {
+    const SeqRef sq = seq(x);
+    if (sq.b < 0 || !sq.ok) return;
+    n_seq[sq.b] += sq.len;
+    cov_seq[sq.b] = result[2 * (sq.b * Hk)];
+    slots_seq[sq.b] = result[2 * (sq.b * Hk) + 1];
+  }
+  // fold_counters: after the calling team's last read of n_seq, the team that finishes last (atomic
+  // ticket; fences order every team's reads before its number and the counters after the last one)
+  // runs count_seq over the sequences in increasing order.
+  template <class Member>
+  KOKKOS_INLINE_FUNCTION void count_after_last_team(const Member& team) const {
+    team.team_barrier();
+    Kokkos::single(Kokkos::PerTeam(team), [&]() {
+      Kokkos::memory_fence();
+      if (Kokkos::atomic_fetch_add(ticket, std::int64_t(1)) != std::int64_t(team.league_size()) - 1) return;
+      Kokkos::memory_fence();
+      for (std::int64_t x = 0; x < io.count(); ++x) count_seq(x);
+    });
   }
 
   // The parameters the shared state-step bodies read (kernel/kvm_state.hpp).
@@ -997,6 +1027,7 @@ struct KvmCall {
   // reads |S| there. Segment 0 also zeroes padding rows and batch rows past a sequence's length.
   template <class Member>
   KOKKOS_INLINE_FUNCTION void operator()(StateTag, const Member& team) const {
+    if (fold_counters && team.league_rank() == 0) Kokkos::single(Kokkos::PerTeam(team), [&]() { *ticket = 0; });
     const std::int64_t g = team.league_rank() % Hk;
     const SeqRef sq = seq(team.league_rank() / Hk);
     if (sq.b < 0) {  // padding row: inputs unread, outputs zeroed
@@ -1096,12 +1127,14 @@ struct KvmCall {
   template <class Member>
   KOKKOS_INLINE_FUNCTION void operator()(MergeTag, const Member& team) const {
     const RowRef rr = row_ref(team.league_rank() % Hk, team.league_rank() / Hk);
-    if (!rr.ok) return;
-    auto* row = static_cast<kernel::PieceSoftmax<A>*>(team.team_scratch(0).get_shmem(merge_scratch_bytes()));
-    A* factor = reinterpret_cast<A*>(row + 1);
-    const kvm::ItemView<S, A> it = items.at(rr.i);
-    row_finish(team, split_states(it, rr.r), split_parts(it, rr.r), row_keys(rr.t, rr.w, rr.slots).pieces, row, factor,
-               rr.sq, rr.n0, rr.t, rr.h);
+    if (rr.ok) {
+      auto* row = static_cast<kernel::PieceSoftmax<A>*>(team.team_scratch(0).get_shmem(merge_scratch_bytes()));
+      A* factor = reinterpret_cast<A*>(row + 1);
+      const kvm::ItemView<S, A> it = items.at(rr.i);
+      row_finish(team, split_states(it, rr.r), split_parts(it, rr.r), row_keys(rr.t, rr.w, rr.slots).pieces, row,
+                 factor, rr.sq, rr.n0, rr.t, rr.h);
+    }
+    if (fold_counters) count_after_last_team(team);
   }
 
   KOKKOS_INLINE_FUNCTION int row_scratch_level() const { return row_scratch_bytes() <= kScratch0Bytes ? 0 : 1; }
@@ -1197,6 +1230,11 @@ struct KvmWeights {
     KVMEM_RETURN_IF_ERROR(check_shape(w.tau_state, {sh.Hq}, "tau_state"));
     return check_shape(w.tau_bswa, {sh.Hq}, "tau_bswa");
   }
+  // Every view dense (unit stride, or at most one element): fp32 kernels may then read them in place.
+  bool contiguous() const {
+    const auto dense = [](const DeviceView<const float, 1>& v) { return v.stride[0] == 1 || v.extent[0] <= 1; };
+    return dense(lw) && dense(lb) && dense(ts) && dense(tw);
+  }
   KOKKOS_INLINE_FUNCTION bool finite_values(std::int64_t D, std::int64_t Hq) const {
     for (std::int64_t d = 0; d < D; ++d)
       if (!finite(lw(d)) || !finite(lb(d))) return false;
@@ -1243,7 +1281,19 @@ void run_call(const Executor<Space>& exec, const kvm::State<S, A>& state, const 
     route_buffer = decltype(route_buffer)("kvmem kvm routes", sh.B * sh.Hk, call.log_stride);
     call.log = route_buffer.data();
   }
-  load_weights(exec, state, w);
+  // With an fp32 accumulator and dense weights the kernels read the caller's weights in place (the copy
+  // would convert float to float, the same bits) and the call saves the weights launch.
+  bool in_place = false;
+  if constexpr (std::is_same_v<A, float>) {
+    in_place = w.contiguous();
+    if (in_place) {
+      call.ln_w = w.lw.data;
+      call.ln_b = w.lb.data;
+      call.tau_s = w.ts.data;
+      call.tau_w = w.tw.data;
+    }
+  }
+  if (!in_place) load_weights(exec, state, w);
   // One item's tokens span at most ceil((max_tokens - 1) / C) + 1 chunk segments wherever it starts, so
   // the launch count follows from the padded sizes alone (no counter is read back). Each segment runs
   // its state side (a team per item) and then its rows, which need that state and ring.
@@ -1287,29 +1337,34 @@ void run_call(const Executor<Space>& exec, const kvm::State<S, A>& state, const 
   auto append = team_policy<Space, AppendTag>(exec, items);
   auto route = team_policy<Space, RouteTag>(exec, token_teams);
   auto refresh = team_policy<Space, RefreshTag>(exec, refresh_teams);
-  if (!call.host_order && exec.team_size == 0) {  // device order: teams as wide as the work, where they fit
-    const auto widen = [&](auto& policy, std::int64_t league, int wanted, int lanes = 1) {
-      const int most = policy.team_size_max(call, Kokkos::ParallelForTag());
-      policy = std::remove_reference_t<decltype(policy)>(exec.space, static_cast<int>(league),
-                                                         most < wanted ? most : wanted, lanes);
-    };
-    widen(state_teams, items, kDeviceTeam);                           // a chunk's tokens
-    widen(rows, row_teams, kDeviceTeam / kRowLanes, kRowLanes);       // a row's keys, D or Dv on the lanes
-    widen(merge, row_pairs, kDeviceTeam / kRowLanes / 4, kRowLanes);  // Dv on the lanes
-    widen(prep, token_teams, kDeviceTeam);                            // a block's token x slot dots
-    widen(append, items, kDeviceTeam);                                // a chunk's tokens
-    widen(route, token_teams, kDeviceTeam);
-    widen(refresh, refresh_teams, static_cast<int>(kUpdateSlots));  // a block's slots
-  }
   if (!call.host_order) {
-    if (exec.team_size > 0) {  // the executor's threads, each with kRowLanes lanes, where they fit
-      const auto fit = [&](auto& policy, std::int64_t league) {
-        const int most = policy.team_size_max(call, Kokkos::ParallelForTag());
-        policy = std::remove_reference_t<decltype(policy)>(exec.space, static_cast<int>(league),
-                                                           most < exec.team_size ? most : exec.team_size, kRowLanes);
-      };
-      fit(rows, row_teams);
-      fit(merge, row_pairs);
+    // The most threads a team of each kernel may have (Kokkos's occupancy query, before any scratch is
+    // set). It depends on the kernel and its vector lanes alone, fixed for an instantiation here, so it
+    // is asked once per process rather than for every call (decode pays it for every token otherwise).
+    struct Most {
+      int state, rows, merge, prep, append, route, refresh;
+    };
+    static const Most most = [&] {
+      const Kokkos::ParallelForTag tag;
+      return Most{state_teams.team_size_max(call, tag), rows.team_size_max(call, tag),   merge.team_size_max(call, tag),
+                  prep.team_size_max(call, tag),        append.team_size_max(call, tag), route.team_size_max(call, tag),
+                  refresh.team_size_max(call, tag)};
+    }();
+    const auto size = [&](auto& policy, std::int64_t league, int limit, int wanted, int lanes) {
+      policy = std::remove_reference_t<decltype(policy)>(exec.space, static_cast<int>(league),
+                                                         limit < wanted ? limit : wanted, lanes);
+    };
+    if (exec.team_size == 0) {                               // teams as wide as the work, where they fit
+      size(state_teams, items, most.state, kDeviceTeam, 1);  // a chunk's tokens
+      size(rows, row_teams, most.rows, kDeviceTeam / kRowLanes, kRowLanes);        // a row's keys, D or Dv on the lanes
+      size(merge, row_pairs, most.merge, kDeviceTeam / kRowLanes / 4, kRowLanes);  // Dv on the lanes
+      size(prep, token_teams, most.prep, kDeviceTeam, 1);                          // a block's token x slot dots
+      size(append, items, most.append, kDeviceTeam, 1);                            // a chunk's tokens
+      size(route, token_teams, most.route, kDeviceTeam, 1);
+      size(refresh, refresh_teams, most.refresh, static_cast<int>(kUpdateSlots), 1);  // a block's slots
+    } else {  // the executor's threads, each with kRowLanes lanes, where they fit
+      size(rows, row_teams, most.rows, exec.team_size, kRowLanes);
+      size(merge, row_pairs, most.merge, exec.team_size, kRowLanes);
     }
     call.row_threads = rows.team_size();
     rows.set_scratch_size(call.row_scratch_level(), Kokkos::PerTeam(call.row_scratch_bytes()));
@@ -1319,8 +1374,12 @@ void run_call(const Executor<Space>& exec, const kvm::State<S, A>& state, const 
     route.set_scratch_size(call.scratch_level(block), Kokkos::PerTeam(block));
     refresh.set_scratch_size(call.scratch_level(slots), Kokkos::PerTeam(slots));
   }
+  // The last segment's merge launch folds the counters when there is one (split rows, device order).
+  const bool fold = !call.host_order && pairs > 0 && call.splits > 1;
+  call.ticket = state.row_list();
   for (std::int64_t s = 0; s < segments; ++s) {
     call.seg = s;
+    call.fold_counters = fold && s == segments - 1;
     if (!call.team_update && items > 0) {  // the pending update, before the state kernel overwrites the ring
       Kokkos::parallel_for("kvmem::kokkos::kvm::update_prepare", prep, call);
       Kokkos::parallel_for("kvmem::kokkos::kvm::update_append", append, call);
@@ -1331,15 +1390,11 @@ void run_call(const Executor<Space>& exec, const kvm::State<S, A>& state, const 
     if (pairs > 0) Kokkos::parallel_for("kvmem::kokkos::kvm::segment_rows", rows, call);
     if (pairs > 0 && call.splits > 1) Kokkos::parallel_for("kvmem::kokkos::kvm::segment_merge", merge, call);
   }
-  Kokkos::parallel_for(
-      "kvmem::kokkos::kvm::counters", ::kvmem::kokkos::detail::range_policy(exec, 0, call.io.count()),
-      KOKKOS_LAMBDA(const std::int64_t x) {
-        const SeqRef sq = call.seq(x);
-        if (sq.b < 0 || !sq.ok) return;
-        call.n_seq[sq.b] += sq.len;
-        call.cov_seq[sq.b] = call.result[2 * (sq.b * call.Hk)];
-        call.slots_seq[sq.b] = call.result[2 * (sq.b * call.Hk) + 1];
-      });
+  if (!fold) {
+    Kokkos::parallel_for(
+        "kvmem::kokkos::kvm::counters", ::kvmem::kokkos::detail::range_policy(exec, 0, call.io.count()),
+        KOKKOS_LAMBDA(const std::int64_t x) { call.count_seq(x); });
+  }
   if (log != nullptr) {  // copy the records back and rebuild the host RouteLog (items[slot * Hk + g])
     auto host = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), route_buffer);
     log->items.resize(std::size_t(sh.B * sh.Hk));
