@@ -1094,6 +1094,7 @@ Status ua_run(const Executor& exec, UaCache<S>& cache, const UaInputs<S>& in, co
     const bool pruned = a.log_p > -std::numeric_limits<double>::infinity();
     if (pruned) KVMEM_RETURN_IF_ERROR(allow_shared(prune_compact_kernel<S>, cbytes));
     const std::int64_t group = dense_item_group_for(cache.limits_.dense_item_group, cache.sm_count_, I);
+    decltype(DenseKernel<S>::kernel) opted = nullptr;  // the kernel whose shared memory the call opted into
     for (std::int64_t t0 = 0; t0 < T; t0 += super_rows) {
       const std::int64_t rows = std::min(super_rows, T - t0), tiles = dense_row_tiles(rows, r);  // rows >= 1
       // a launch of one super-chunk of rows takes the skip past the decay's reach by its own rows: the
@@ -1111,7 +1112,10 @@ Status ua_run(const Executor& exec, UaCache<S>& cache, const UaInputs<S>& in, co
           to_status(cudaMemset2DAsync(cache.dense_sync_ + 2, std::size_t(dev.stride) * 8, 0,
                                       std::size_t(cache.bound_ + t0 + rows) * 8, std::size_t(I), exec.stream),
                     "cudaMemsetAsync dense prefill hand-off"));
-      KVMEM_RETURN_IF_ERROR(allow_shared(dense.kernel, dense.shared_bytes));
+      if (dense.kernel != opted) {  // the shared-memory opt-in is a driver call: once per kernel of the call
+        KVMEM_RETURN_IF_ERROR(allow_shared(dense.kernel, dense.shared_bytes));
+        opted = dense.kernel;
+      }
       dense.kernel<<<unsigned(tiles * I), kDnThreads, dense.shared_bytes, exec.stream>>>(dev, sc, rows, I, tiles, group,
                                                                                          cache.dense_sync_);
       KVMEM_CUDA_RETURN_IF_LAUNCH_FAILED("ua dense_prefill_tc_kernel");
