@@ -12,8 +12,7 @@
 //   the team's threads over the chunk's tokens (preprocessing, novelty, rank selection, routing) and
 //   over slots (scatter, K^/V^ refresh), each token visiting the slots in increasing order as on the
 //   host; the segment's tokens into the window ring over the threads; the initial slots (one thread).
-//   On device spaces, in calls of more than one token per sequence (a decode call's rare update runs on the
-//   state team, as on host spaces), the update runs before this kernel as four launches over many teams
+//   On device spaces, decode calls included, the update runs before this kernel as four launches over many teams
 //   (PrepTag: preprocessing and novelty per (item, token block); AppendTag: selection and appends per item;
 //   RouteTag: routing per (item, token block); RefreshTag: scatter and K^/V^ per (item, slot block)), each
 //   token still visiting the slots in increasing order on one thread, so the update's results are the host
@@ -437,10 +436,9 @@ struct KvmCall {
   // the (token, head) pairs of a host-order team, and the split order's key and piece capacity.
   std::int64_t seg = 0;
   bool host_order = true;
-  // Whether the state kernel runs a pending update itself on its team (the host order, and the device
-  // order's calls of one token per sequence, where an update is due once every C steps and four
-  // launches that return at once would cost every step more than the one-team update costs once):
-  // otherwise the device order's update launches (PrepTag .. RefreshTag) ran it before.
+  // Whether the state kernel runs a pending update itself on its team (the host order): otherwise the
+  // device order's update launches (PrepTag .. RefreshTag) ran it before, decode calls included (one
+  // team would take milliseconds over an update's C x |S| dots, a stall every C steps).
   bool team_update = true;
   std::int64_t host_rows = 1, keys_cap = 0, pieces_cap = 0;
   // Device order: a row's pieces of kAttendTile keys go to `splits` teams, split_pieces consecutive
@@ -1300,7 +1298,7 @@ void run_call(const Executor<Space>& exec, const kvm::State<S, A>& state, const 
   const std::int64_t segments = max_tokens > 0 ? (max_tokens - 1 + C - 1) / C + 1 : 1;
   const std::int64_t pairs = call.io.row_tokens(C) * sh.rep();
   call.host_order = kHostOrder<Space>;
-  call.team_update = call.host_order || max_tokens <= 1;
+  call.team_update = call.host_order;
   call.host_rows = kHostRows;
   call.keys_cap = state.capacity() + state.window_capacity();
   call.pieces_cap = (call.keys_cap + kernel::kAttendTile - 1) / kernel::kAttendTile;
