@@ -184,6 +184,53 @@ TEST_CASE("kokkos kvm decode rows split over several teams equal one prefill and
   }
 }
 
+TEST_CASE("kokkos kvm one-token calls across update boundaries equal the host backend's", "[kokkos][kvm][unit]") {
+  // A one-token call at a chunk boundary runs the pending update first (spec 4.7 step 4); on device
+  // spaces over the update's teams around the state kernel (the last routing team of an item scatters
+  // and refreshes, the last split team of a row merges it: backend/kokkos/kvm.hpp). Its routes, |S| and
+  // slot sums must be the host backend's (bitwise on host spaces, where both orders keep the host's
+  // update order), the outputs within the tolerance, and calls without the route log (an engine's) the
+  // same bits. C = 32 and a 64-token window: a prefill of 69 tokens (the first chunk founds slots, no
+  // update yet), then one-token calls through the updates at 96, 128, 160 and 192.
+  std::uint64_t seed = 930;
+  for (auto c : {small_config(2, 195, 4, 2, 16, 12, Power{8.0, 0.5, 8, 1, 8000}),  // appends, then mixed
+                 small_config(1, 195, 2, 1, 12, 16, Fixed{40, 40})}) {             // merges only
+    c.chunk = 32;
+    const std::int64_t split = 69;
+    const auto in = random_inputs(c, seed++);
+    INFO("B" << c.B << " budget " << c.budget.name());
+    HostResult kk_fin, host_fin;
+    const auto kk = kokkos_prefill_then_decode<float>(c, in, split, &kk_fin);
+    const auto host = host_prefill_then_decode<float>(c, in, split, &host_fin);
+    REQUIRE(host_fin.route_merge.size() == 4);
+    CHECK(kk_fin.slots_after_update == host_fin.slots_after_update);
+    CHECK(kk_fin.route_append == host_fin.route_append);
+    CHECK(kk_fin.route_merge == host_fin.route_merge);
+    CHECK(kk_fin.slots == host_fin.slots);
+    KVMEM_KOKKOS_CHECK_AS_HOST(kk, host, kTolFp32);
+    if constexpr (std::is_same_v<KokkosSpace, Kokkos::DefaultHostExecutionSpace>) {
+      CHECK(same_bits(kk_fin.state_k, host_fin.state_k));
+      CHECK(same_bits(kk_fin.state_v, host_fin.state_v));
+      CHECK(same_bits(kk_fin.state_rho, host_fin.state_rho));
+    } else {
+      KVMEM_KOKKOS_CHECK_AS_HOST(kk_fin.state_k, host_fin.state_k, kTolFp32);
+      KVMEM_KOKKOS_CHECK_AS_HOST(kk_fin.state_v, host_fin.state_v, kTolFp32);
+    }
+    const KokkosExec exec{};
+    auto st = make_kokkos_state<float>(exec, c);
+    const FloatWeights w(in);
+    std::vector<float> quiet;
+    REQUIRE(kokkos_feed(exec, st.state, c, in, w, 0, split, quiet).is_ok());
+    for (std::int64_t t = split; t < c.T; ++t) REQUIRE(kokkos_feed(exec, st.state, c, in, w, t, t + 1, quiet).is_ok());
+    HostResult quiet_fin;
+    extract_state(st.state, c, quiet_fin);
+    CHECK(same_bits(quiet, kk));
+    CHECK(same_bits(quiet_fin.state_k, kk_fin.state_k));
+    CHECK(same_bits(quiet_fin.state_v, kk_fin.state_v));
+    CHECK(quiet_fin.slots == kk_fin.slots);
+  }
+}
+
 TEST_CASE("kokkos kvm decode through kvm::decode and bf16 storage equal the host backend", "[kokkos][kvm][unit]") {
   auto c = small_config(2, 40, 4, 2, 16, 16, Power{3.0, 0.5, 8, 1, 8000});
   const auto in = random_inputs(c, 21);

@@ -12,14 +12,15 @@
 //   the team's threads over the chunk's tokens (preprocessing, novelty, rank selection, routing) and
 //   over slots (scatter, K^/V^ refresh), each token visiting the slots in increasing order as on the
 //   host; the segment's tokens into the window ring over the threads; the initial slots (one thread).
-//   On device spaces, in calls of more than one token per sequence (a decode call's rare update runs on the
-//   state team, as on host spaces), the update runs before this kernel as four launches over many teams
-//   (PrepTag: preprocessing and novelty per (item, token block); AppendTag: selection and appends per item;
-//   RouteTag: routing per (item, token block); RefreshTag: scatter and K^/V^ per (item, slot block)), each
-//   token still visiting the slots in increasing order on one thread, so the update's results are the host
-//   order's (it must read the ring's tokens [cov, cov + C) before the state kernel writes the segment's
-//   tokens there). Every launch decides per item from the counters whether the item updates (item_segment),
-//   as the state kernel does.
+//   On device spaces, decode calls included, the update spreads over many teams around this kernel:
+//   PrepTag before it (preprocessing and novelty per (item, token block); it must read the ring's
+//   tokens [cov, cov + C) before the state kernel writes the segment's tokens there), the state team
+//   itself (append selection and appends, before its ring write), RouteTag after it (routing per (item,
+//   token block); the item's last routing team to finish, found by an atomic ticket, scatters into the
+//   slots and refreshes K^/V^). Each token still visits the slots in increasing order on one thread
+//   and each slot adds its tokens in increasing order, so the update's results are the host order's.
+//   Every launch decides per item from the counters whether the item updates (item_segment), as the
+//   state kernel does, and returns at once where it does not.
 // - rows side, the segment's query rows (token, query head) of every item over many teams. On host
 //   spaces a team takes kHostRows rows, one per thread, each in the host's tile order through one
 //   online softmax, so results are bitwise equal to the host backend's. On device spaces a team takes
@@ -28,8 +29,9 @@
 //   (kernel::piece_weights, merge_piece_factors), so a row's bits depend on neither the team size nor
 //   the call's other rows (decode == prefill exactly on every space) and differ from the host order in
 //   the last bits only (docs/kokkos.md). A segment of few rows (a decode call) splits each row's pieces
-//   over several teams, which leave them in the item's workspace, and a merge launch (MergeTag) adds
-//   them in the same fixed order, so a GPU is filled at batch 1 and the row's bits stay the same.
+//   over several teams, which leave them in the item's workspace, and the row's last team to finish (an
+//   atomic ticket per row) adds them in the same fixed order, so a GPU is filled at batch 1 and the
+//   row's bits stay the same.
 // |S| after an update is data independent (spec 3.1) and every thread computes it from the budget, so
 // no broadcast is needed; an item's running (cov, |S|) passes between segments in its result counters.
 //
@@ -48,14 +50,18 @@
 // slots, their logits: 26 KB at D = 128 fp32) are team scratch as well, level 0 or 1 by size. The host
 // order keeps each row's q copy, accumulator and softmax state in the State's per-item workspace; the
 // update's rows (k0, kg, vg, scores, targets; the host order's LN blocks) live there in both orders.
+// The device order's tickets live in the workspace too: the counter fold's in the row list, a routing
+// ticket per item in its LN block, a ticket per split row behind the split pieces' states; the launch
+// before the one that draws them zeroes them (the state kernel).
 //
 // Launch sequence of one prefill / decode / step call, all on exec.space (in order, no host round trip
 // in between): [checked] one reduction over sequences or rows (rows, lengths, n_ctx, finite inputs,
-// gate > 0) read back; weights -> state (ln_w, ln_b, tau_s, tau_w in Acc); per segment [device order:
-// the four update launches] the state teams and the row teams [device order, split rows: the merge
-// teams]; the per-sequence counter fold. Every launch is light-weight (executor.hpp, LightWeight), so
-// queuing one never waits for the previous kernel. The
-// per-sequence counters (n, cov, |S|), lengths and rows are read inside the kernels only.
+// gate > 0) read back; [unless the weights are read in place] weights -> state (ln_w, ln_b, tau_s,
+// tau_w in Acc); per segment [device order: the update's prep teams] the state teams [device order:
+// the update's routing teams] and the row teams; [host order] the per-sequence counter fold (the
+// device order's last row team to finish folds them), so a device-order decode call runs four launches.
+// Every launch is light-weight (executor.hpp, LightWeight), so queuing one never waits for the previous
+// kernel. The per-sequence counters (n, cov, |S|), lengths and rows are read inside the kernels only.
 //
 // State memory: the State must be placed over memory the space can access AND the host can write,
 // because State::place/reset (kvm/state.hpp) zero the counters from the host and the record code
@@ -249,19 +255,16 @@ struct TokenRef {
 // The two kernels of a segment (KvmCall): the state side (update, ring, initial slots) and the rows.
 struct StateTag {};
 struct RowsTag {};
-// The device order's merge of a row's pieces when its keys were split over several row teams.
-struct MergeTag {};
-// The device order's state update U (spec 4.5), four launches before the segment's state kernel, each
-// over many teams: key preprocessing and novelty per (item, token block); append selection and appends
-// per item; merge routing per (item, token block); scatter and K^/V^ refresh per (item, slot block).
+// The device order's state update U (spec 4.5) over many teams, around the segment's state kernel:
+// key preprocessing and novelty per (item, token block) before it; the state kernel's team then selects
+// and appends; merge routing per (item, token block) after it, the last routing team of an item
+// scattering into the slots and refreshing K^/V^.
 struct PrepTag {};
-struct AppendTag {};
 struct RouteTag {};
-struct RefreshTag {};
 
-// Tokens per team of the update's token-block launches and slots per LN tile (and per refresh team):
-// a tile's LN rows, the block's token rows and their logits fit in level-0 scratch at D = 128 fp32
-// (26 KB, under kScratch0Bytes), and C = 256 gives 16 teams per item.
+// Tokens per team of the update's token-block launches and slots per LN tile: a tile's LN rows, the
+// block's token rows and their logits fit in level-0 scratch at D = 128 fp32 (26 KB, under
+// kScratch0Bytes), and C = 256 gives 16 teams per item.
 inline constexpr std::int64_t kUpdateTokens = 16;
 inline constexpr std::int64_t kUpdateSlots = 32;
 
@@ -437,25 +440,22 @@ struct KvmCall {
   // the (token, head) pairs of a host-order team, and the split order's key and piece capacity.
   std::int64_t seg = 0;
   bool host_order = true;
-  // Whether the state kernel runs a pending update itself on its team (the host order, and the device
-  // order's calls of one token per sequence, where an update is due once every C steps and four
-  // launches that return at once would cost every step more than the one-team update costs once):
-  // otherwise the device order's update launches (PrepTag .. RefreshTag) ran it before.
+  // Whether the state kernel runs a pending update itself on its team (the host order): otherwise the
+  // device order's update launches (PrepTag .. RefreshTag) ran it before, decode calls included (one
+  // team would take milliseconds over an update's C x |S| dots, a stall every C steps).
   bool team_update = true;
   std::int64_t host_rows = 1, keys_cap = 0, pieces_cap = 0;
   // Device order: a row's pieces of kAttendTile keys go to `splits` teams, split_pieces consecutive
   // pieces each (splits = 1: one team per row, split_pieces = pieces_cap). With several splits every
-  // team leaves its pieces' softmax states and accumulators in the item's workspace and MergeTag
-  // merges them; row_threads is the row teams' thread count (one lane-partial block each in scratch).
+  // team leaves its pieces' softmax states and accumulators in the item's workspace, and the team that
+  // finishes the row last (split_ticket) merges them; row_threads is the row teams' thread count (one
+  // lane-partial block each in scratch).
   std::int64_t splits = 1, split_pieces = 0, row_threads = 1;
-  // Slot blocks of kUpdateSlots per item in the device order's refresh launch (the non-sink slots of
-  // the state's capacity).
-  std::int64_t slot_blocks = 1;
-  // Device order, the last segment of a call with split rows: the merge launch also folds the call's
-  // counters (count_seq), so a decode call needs no counter launch. The state kernel's first team zeroes
-  // `ticket` (a workspace word no Kokkos kernel uses otherwise: the state's row list), each merge team
-  // takes a number from it when it has finished reading the counters, and the team that draws the last
-  // number folds every sequence in increasing order.
+  // Device order, the last segment of a call: the rows launch also folds the call's counters
+  // (count_seq), so a call needs no counter launch. The state kernel's first team zeroes `ticket` (a
+  // workspace word no Kokkos kernel uses otherwise: the state's row list), each row team takes a number
+  // from it when it has finished reading the counters, and the team that draws the last number folds
+  // every sequence in increasing order.
   bool fold_counters = false;
   std::int64_t* ticket = nullptr;
 
@@ -484,16 +484,31 @@ struct KvmCall {
     cov_seq[sq.b] = result[2 * (sq.b * Hk)];
     slots_seq[sq.b] = result[2 * (sq.b * Hk) + 1];
   }
-  // fold_counters: after the calling team's last read of n_seq, the team that finishes last (atomic
-  // ticket; fences order every team's reads before its number and the counters after the last one)
-  // runs count_seq over the sequences in increasing order.
+  // Whether the calling team is the last of `teams` teams to draw a number from *counter (zeroed by an
+  // earlier launch). Every thread fences its writes before the team draws and the last team fences
+  // after its draw, so it may then read what the other teams wrote, past the L1 cache (another
+  // multiprocessor's L1 may hold an older line: volatile loads). Every thread gets the answer.
+  template <class Member>
+  KOKKOS_INLINE_FUNCTION static bool last_team(const Member& team, std::int64_t* counter, std::int64_t teams) {
+    Kokkos::memory_fence();
+    team.team_barrier();
+    bool last = false;
+    Kokkos::single(
+        Kokkos::PerTeam(team),
+        [&](bool& is_last) {
+          Kokkos::memory_fence();
+          is_last = Kokkos::atomic_fetch_add(counter, std::int64_t(1)) == teams - 1;
+          if (is_last) Kokkos::memory_fence();
+        },
+        last);
+    return last;
+  }
+  // fold_counters: after the calling team's last read of n_seq, the team that finishes last runs
+  // count_seq over the sequences in increasing order (it reads `result`, written by earlier launches).
   template <class Member>
   KOKKOS_INLINE_FUNCTION void count_after_last_team(const Member& team) const {
-    team.team_barrier();
+    if (!last_team(team, ticket, team.league_size())) return;
     Kokkos::single(Kokkos::PerTeam(team), [&]() {
-      Kokkos::memory_fence();
-      if (Kokkos::atomic_fetch_add(ticket, std::int64_t(1)) != std::int64_t(team.league_size()) - 1) return;
-      Kokkos::memory_fence();
       for (std::int64_t x = 0; x < io.count(); ++x) count_seq(x);
     });
   }
@@ -644,8 +659,8 @@ struct KvmCall {
   }
 
   // ---- the device order's update pipeline (spec 4.5 over many teams) ----------------------------------
-  // Each launch finds its item's segment itself (item_segment) and returns unless the item updates, so
-  // the pipeline needs no read-back. Every token's novelty score and route is taken over the slots in
+  // Each launch finds its item's segment itself (item_segment) and returns at once unless the item
+  // updates, so the pipeline needs no read-back. Every token's novelty score and route is taken over the slots in
   // increasing order by one thread with the host's bodies (kernel::novelty_update_logits,
   // merge_route_update_logits on dots computed as kernel::dot), and every slot's scatter adds its
   // tokens in increasing order, so the update's results are those of the host order bitwise (where the
@@ -659,16 +674,17 @@ struct KvmCall {
     return sizeof(A) *
            static_cast<std::size_t>((kUpdateTokens + kUpdateSlots) * (D + 1) + kUpdateTokens * kUpdateSlots);
   }
-  // Team scratch of a refresh team: one LN row [D + 1] per slot of the block.
-  KOKKOS_INLINE_FUNCTION std::size_t refresh_scratch_bytes() const {
-    return sizeof(A) * static_cast<std::size_t>(kUpdateSlots * (D + 1));
+  // Team scratch of a routing team: a token block's, or the C targets the last team copies there.
+  KOKKOS_INLINE_FUNCTION std::size_t route_scratch_bytes() const {
+    const std::size_t targets = sizeof(std::int64_t) * static_cast<std::size_t>(C);
+    return block_scratch_bytes() > targets ? block_scratch_bytes() : targets;
   }
   KOKKOS_INLINE_FUNCTION static int scratch_level(std::size_t bytes) { return bytes <= kScratch0Bytes ? 0 : 1; }
 
   // Whether the update's LN rows LN_s(Sk_j) are the slots' readout keys K^_j: with Acc storage K^_j
   // holds kernel::layer_norm's bits (kernel::refresh_slot), and every change of Sk_j is followed by a
   // refresh before an update reads the slot (the refresh stage, slot founding, import; appended slots:
-  // AppendTag), so an update's tiles copy K^ instead of normalising each slot again in every token
+  // append_stage), so an update's tiles copy K^ instead of normalising each slot again in every token
   // block. The copy equals the LN of the call's ln_w, ln_b where those are the weights the slots were
   // refreshed with (a layer's weights do not change between its calls). Other storage rounds K^, so
   // its tiles normalise Sk as the host does.
@@ -745,14 +761,28 @@ struct KvmCall {
     token_slot_tiles(team, scratch, it, i0, n, 0, ps.S, /*novelty=*/true);
   }
 
-  // Stage 3, a team per item: append selection by rank over the C scores (spec 4.5 step 2; targets 0
-  // when nothing is appended), then the appended tokens' slots in increasing token order (step 3).
+  // (cov, |S|) of an item after the update absorbing [a, a + C) from |S| = current (the state kernel's
+  // running counters; no initial slot is founded in a segment that updates: its tokens lie past W >= C).
+  KOKKOS_INLINE_FUNCTION void after_update(std::int64_t a, std::int64_t current, std::int64_t& cov,
+                                           std::int64_t& slots) const {
+    cov = a + C;
+    slots = current + appends(a, current);
+  }
+  // The number the routing teams of an item draw (last_team) before the last one scatters and
+  // refreshes: the first word of the item's LN-row block, which only the host order's update, slot
+  // founding and import use; the state kernel of an updating item zeroes it.
+  KOKKOS_INLINE_FUNCTION static std::int64_t* route_ticket(const kvm::ItemView<S, A>& it) {
+    return reinterpret_cast<std::int64_t*>(it.row);
+  }
+
+  // Stage 3, on the state kernel's team of an updating item (after every token's score is final): append
+  // selection by rank over the C scores (spec 4.5 step 2; targets 0 when nothing is appended), then the
+  // appended tokens' slots in increasing token order (step 3), their raw values read from the ring
+  // before the team writes the segment's tokens there.
   template <class Member>
-  KOKKOS_INLINE_FUNCTION void operator()(AppendTag, const Member& team) const {
-    const ItemSegment ps = item_segment(team.league_rank());
-    if (!ps.updating) return;
-    const std::int64_t n_app = appended(ps.cov, ps.S), a = ps.cov, w = W();
-    const kvm::ItemView<S, A> it = items.at(ps.i);
+  KOKKOS_INLINE_FUNCTION void append_stage(const Member& team, const kvm::ItemView<S, A>& it, std::int64_t a,
+                                           std::int64_t S_cur) const {
+    const std::int64_t n_app = appended(a, S_cur), w = W();
     const kernel::KvmStepParams<A> kp = step_params();
     Kokkos::parallel_for(Kokkos::TeamThreadRange(team, C), [&](const std::int64_t i) {
       it.target[i] = n_app > 0 ? kernel::append_target(it.score, C, n_app, i) : 0;
@@ -760,52 +790,70 @@ struct KvmCall {
     team.team_barrier();
     Kokkos::parallel_for(Kokkos::TeamThreadRange(team, C), [&](const std::int64_t i) {
       if (it.target[i] != -1) return;
-      const std::int64_t j = kernel::append_slot_index(it.target, i, ps.S);
+      const std::int64_t j = kernel::append_slot_index(it.target, i, S_cur);
       kernel::append_slot(kp, it.k0 + i * D, it.kg + i * D, it.vg + i * Dv, it.wv + (a + i) % w * Dv, it.sk + j * D,
                           it.sv + j * Dv, it.rho + j, it.cnt + j);
       // the routing stage reads K^_j of the expanded state (kLnFromReadout); the refresh stage rewrites it
       if constexpr (kLnFromReadout) kernel::layer_norm(it.sk + j * D, D, ln_w, ln_b, eps, it.khat + j * D);
     });
+    team.team_barrier();
   }
 
-  // Stage 4, a team per (item, token block): the block's merge tokens routed against K^+ of the
-  // expanded state, non-sink slots only (spec 4.5 step 4).
+  // Stage 4, a team per (item, token block), after the state kernel: the block's merge tokens routed
+  // against K^+ of the expanded state, non-sink slots only (spec 4.5 step 4). The item's last team to
+  // finish runs stage 5 (refresh_stage), so the update needs no launch of its own for it.
   template <class Member>
   KOKKOS_INLINE_FUNCTION void operator()(RouteTag, const Member& team) const {
     const std::int64_t blocks = token_blocks();
     const ItemSegment ps = item_segment(team.league_rank() / blocks);
     if (!ps.updating) return;
     const std::int64_t n_app = appended(ps.cov, ps.S);
-    if (n_app >= C) return;  // every token appended: nothing merges
-    const std::int64_t i0 = team.league_rank() % blocks * kUpdateTokens;
-    const std::int64_t n = C - i0 < kUpdateTokens ? C - i0 : kUpdateTokens;
+    const kvm::ItemView<S, A> it = items.at(ps.i);
     A* scratch =
-        static_cast<A*>(team.team_scratch(scratch_level(block_scratch_bytes())).get_shmem(block_scratch_bytes()));
-    token_slot_tiles(team, scratch, items.at(ps.i), i0, n, sink, ps.S + n_app, /*novelty=*/false);
+        static_cast<A*>(team.team_scratch(scratch_level(route_scratch_bytes())).get_shmem(route_scratch_bytes()));
+    if (n_app < C) {  // some tokens merge
+      const std::int64_t i0 = team.league_rank() % blocks * kUpdateTokens;
+      const std::int64_t n = C - i0 < kUpdateTokens ? C - i0 : kUpdateTokens;
+      token_slot_tiles(team, scratch, it, i0, n, sink, ps.S + n_app, /*novelty=*/false);
+    }
+    if (last_team(team, route_ticket(it), blocks))
+      refresh_stage(team, reinterpret_cast<std::int64_t*>(scratch), it, ps, n_app);
   }
 
-  // Stage 5, a team per (item, block of kUpdateSlots non-sink slots), one slot per thread: the slot's
-  // routed tokens added in increasing token order (spec 4.5 step 4's scatter, after every route is
-  // final), then its K^/V^ (spec 4.4).
+  // Stage 5, on the item's last routing team (every route is final): each non-sink slot's routed tokens
+  // added in increasing token order (spec 4.5 step 4's scatter), then its K^/V^ (spec 4.4), one slot
+  // per thread, C slots at a time with their LN rows in the k0 block (free after the appends). The
+  // routes come through target [C] (team scratch), read past L1 (last_team). Then the route record
+  // (test hook) and the item's (cov, |S|) after the segment, which the state kernel left to this team.
   template <class Member>
-  KOKKOS_INLINE_FUNCTION void operator()(RefreshTag, const Member& team) const {
-    const ItemSegment ps = item_segment(team.league_rank() / slot_blocks);
-    if (!ps.updating) return;
-    const std::int64_t n_app = appended(ps.cov, ps.S), S_new = ps.S + n_app;
-    const std::int64_t j0 = sink + team.league_rank() % slot_blocks * kUpdateSlots;
-    const std::int64_t rows = S_new - j0 < kUpdateSlots ? S_new - j0 : kUpdateSlots;
-    if (rows <= 0) return;
-    const kvm::ItemView<S, A> it = items.at(ps.i);
+  KOKKOS_INLINE_FUNCTION void refresh_stage(const Member& team, std::int64_t* target, const kvm::ItemView<S, A>& it,
+                                            const ItemSegment& ps, std::int64_t n_app) const {
+    const volatile std::int64_t* routed = it.target;
+    Kokkos::parallel_for(Kokkos::TeamThreadRange(team, C), [&](const std::int64_t i) { target[i] = routed[i]; });
+    team.team_barrier();
     const kernel::KvmStepParams<A> kp = step_params();
-    const std::int64_t ld = D + 1;
-    A* ln =
-        static_cast<A*>(team.team_scratch(scratch_level(refresh_scratch_bytes())).get_shmem(refresh_scratch_bytes()));
-    Kokkos::parallel_for(Kokkos::TeamThreadRange(team, rows), [&](const std::int64_t r) {
-      const std::int64_t j = j0 + r;
-      if (n_app < C)
-        kernel::scatter_into_slot(it.kg, it.vg, it.target, C, D, Dv, j, it.sk + j * D, it.sv + j * Dv, it.cnt + j);
-      kernel::refresh_slot(kp, it.sk + j * D, it.sv + j * Dv, it.rho[j], it.cnt[j], ln + r * ld, it.khat + j * D,
-                           it.vhat + j * Dv);
+    const std::int64_t S_new = ps.S + n_app;
+    for (std::int64_t j0 = sink; j0 < S_new; j0 += C) {
+      const std::int64_t rows = S_new - j0 < C ? S_new - j0 : C;
+      Kokkos::parallel_for(Kokkos::TeamThreadRange(team, rows), [&](const std::int64_t r) {
+        const std::int64_t j = j0 + r;
+        if (n_app < C)
+          kernel::scatter_into_slot(it.kg, it.vg, target, C, D, Dv, j, it.sk + j * D, it.sv + j * Dv, it.cnt + j);
+        kernel::refresh_slot(kp, it.sk + j * D, it.sv + j * Dv, it.rho[j], it.cnt[j], it.k0 + r * D, it.khat + j * D,
+                             it.vhat + j * Dv);
+      });
+      team.team_barrier();
+    }
+    Kokkos::single(Kokkos::PerTeam(team), [&]() {
+      if (log != nullptr) {  // test hook: the update's route record
+        std::int64_t* item_log = log + ps.i * log_stride;
+        std::int64_t* route = item_log + 1 + item_log[0]++ * (kRouteHeader + C);
+        route[0] = ps.cov;
+        route[1] = ps.S;
+        route[2] = S_new;
+        for (std::int64_t x = 0; x < C; ++x) route[kRouteHeader + x] = target[x];
+      }
+      after_update(ps.cov, ps.S, result[2 * ps.i], result[2 * ps.i + 1]);
     });
   }
 
@@ -849,17 +897,19 @@ struct KvmCall {
   // The team scratch of one row team in the split order: piece softmax states and merge factors
   // [split_pieces] each plus the row's state, q [D], logits or weights of the team's keys
   // [min(keys_cap, split_pieces kAttendTile)], piece accumulators [split_pieces, Dv] (unused with
-  // several splits: the workspace holds them) and kRowLanes dot partials per thread.
+  // several splits: the workspace holds them) and kRowLanes dot partials per thread. With several
+  // splits the team that merges a row lays the same bytes out again (split_finish): every piece's state
+  // [pieces_cap], the row's state and merge factors [pieces_cap].
   KOKKOS_INLINE_FUNCTION std::size_t row_scratch_bytes() const {
     const std::size_t pieces = static_cast<std::size_t>(split_pieces);
     const std::int64_t tile_keys = split_pieces * kernel::kAttendTile;
     const std::int64_t keys = keys_cap < tile_keys ? keys_cap : tile_keys;
-    return sizeof(A) * static_cast<std::size_t>(D + keys + split_pieces * (1 + Dv) + row_threads * kRowLanes) +
-           sizeof(kernel::PieceSoftmax<A>) * (pieces + 1);
-  }
-  // The team scratch of a merge team: the row's state and merge factors [pieces_cap].
-  KOKKOS_INLINE_FUNCTION std::size_t merge_scratch_bytes() const {
-    return sizeof(kernel::PieceSoftmax<A>) + sizeof(A) * static_cast<std::size_t>(pieces_cap);
+    const std::size_t rows =
+        sizeof(A) * static_cast<std::size_t>(D + keys + split_pieces * (1 + Dv) + row_threads * kRowLanes) +
+        sizeof(kernel::PieceSoftmax<A>) * (pieces + 1);
+    const std::size_t merge = sizeof(kernel::PieceSoftmax<A>) * static_cast<std::size_t>(pieces_cap + 1) +
+                              sizeof(A) * static_cast<std::size_t>(pieces_cap);
+    return splits > 1 && merge > rows ? merge : rows;
   }
 
   // A row's keys: the state's n_s slots (when w > 0), then the window [w, t]; n of them in all.
@@ -940,9 +990,12 @@ struct KvmCall {
 
   // The row's output from its `pieces` pieces' states piece [pieces] and accumulators part [pieces, Dv]:
   // the pieces merge in increasing order (kernel::merge_piece_factors), then out[d] = sum_p factor[p]
-  // part[p, d] / sum. row [1] and factor [pieces] are team scratch.
-  template <class Member>
-  KOKKOS_INLINE_FUNCTION void row_finish(const Member& team, const kernel::PieceSoftmax<A>* piece, const A* part,
+  // part[p, d] / sum, the sum in increasing p. row [1] and factor [pieces] are team scratch; part is
+  // team scratch (Part = const A) or another team's workspace (const volatile A), read kFinishLoads
+  // pieces at a time so that the loads overlap.
+  static constexpr int kFinishLoads = 8;
+  template <class Member, class Part>
+  KOKKOS_INLINE_FUNCTION void row_finish(const Member& team, const kernel::PieceSoftmax<A>* piece, Part* part,
                                          std::int64_t pieces, kernel::PieceSoftmax<A>* row, A* factor, const SeqRef& sq,
                                          std::int64_t n0, std::int64_t t, std::int64_t h) const {
     Kokkos::single(Kokkos::PerTeam(team), [&]() { row[0] = kernel::merge_piece_factors(piece, pieces, factor); });
@@ -954,7 +1007,13 @@ struct KvmCall {
         const std::int64_t d = b * kRowLanes + l;
         if (d >= Dv) return;
         A o = A(0);
-        for (std::int64_t p = 0; p < pieces; ++p) o += factor[p] * part[p * Dv + d];
+        std::int64_t p = 0;
+        for (; p + kFinishLoads <= pieces; p += kFinishLoads) {
+          A x[kFinishLoads];
+          for (int k = 0; k < kFinishLoads; ++k) x[k] = part[(p + k) * Dv + d];
+          for (int k = 0; k < kFinishLoads; ++k) o += factor[p + k] * x[k];
+        }
+        for (; p < pieces; ++p) o += factor[p] * part[p * Dv + d];
         io.out_at(sq, t - n0, h, d) = static_cast<Out>(o * inv);
       });
     });
@@ -967,18 +1026,47 @@ struct KvmCall {
 
   // Where a split row keeps its pieces in the item's workspace: states over the q block, accumulators
   // over the accumulator block, pieces_cap of each per row r of the item's segment rows (r < rep C).
-  // run_call splits only when a segment's rows of one item fit: (rows / rep) pieces_cap <= C.
+  // run_call splits only when a segment's rows of one item fit: (rows / rep) pieces_cap <= C. Behind
+  // the states (rep C of them at most) lies each row's ticket, the number its split teams draw
+  // (last_team), zeroed by the state kernel; run_call splits only where the tickets fit in the q block.
   KOKKOS_INLINE_FUNCTION kernel::PieceSoftmax<A>* split_states(const kvm::ItemView<S, A>& it, std::int64_t r) const {
     return reinterpret_cast<kernel::PieceSoftmax<A>*>(it.qblock) + r * pieces_cap;
   }
   KOKKOS_INLINE_FUNCTION A* split_parts(const kvm::ItemView<S, A>& it, std::int64_t r) const {
     return it.acc + r * pieces_cap * Dv;
   }
+  KOKKOS_INLINE_FUNCTION std::int64_t* split_ticket(const kvm::ItemView<S, A>& it, std::int64_t r) const {
+    return reinterpret_cast<std::int64_t*>(reinterpret_cast<kernel::PieceSoftmax<A>*>(it.qblock) + rep * C) + r;
+  }
+
+  // The merge of a split row by the team that drew its last ticket: every split's piece states copied
+  // to scratch, then row_finish over the accumulators in the workspace, both read past L1 (last_team),
+  // in the order one team taking every piece merges them, so the row's bits do not depend on the split.
+  template <class Member>
+  KOKKOS_INLINE_FUNCTION void split_finish(const Member& team, unsigned char* scratch, const kvm::ItemView<S, A>& it,
+                                           std::int64_t pieces, const SeqRef& sq, std::int64_t n0, std::int64_t t,
+                                           std::int64_t h, std::int64_t r) const {
+    using kernel::PieceSoftmax;
+    PieceSoftmax<A>* piece = reinterpret_cast<PieceSoftmax<A>*>(scratch);
+    PieceSoftmax<A>* row = piece + pieces_cap;
+    A* factor = reinterpret_cast<A*>(row + 1);
+    const volatile A* states = reinterpret_cast<const volatile A*>(split_states(it, r));  // (max, sum) per piece
+    Kokkos::parallel_for(Kokkos::TeamThreadRange(team, pieces), [&](const std::int64_t q) {
+      Kokkos::single(Kokkos::PerThread(team), [&]() {
+        piece[q].max = states[2 * q];
+        piece[q].sum = states[2 * q + 1];
+      });
+    });
+    team.team_barrier();
+    const volatile A* parts = split_parts(it, r);
+    row_finish(team, piece, parts, pieces, row, factor, sq, n0, t, h);
+  }
 
   // Split `split` of one query row (token t, query head h; row r of its item's segment rows) in the
   // split order: the team takes the row's pieces [split split_pieces, + split_pieces) (none past the
   // row's last piece). One split: the team merges and writes the row; several: its pieces go to the
-  // workspace for MergeTag. Either way the row's bits are those of one team taking every piece.
+  // workspace and the row's last split team to finish merges them (split_finish). Either way the row's
+  // bits are those of one team taking every piece.
   template <class Member>
   KOKKOS_INLINE_FUNCTION void attend_row_team(const Member& team, unsigned char* scratch, const kvm::ItemView<S, A>& it,
                                               const SeqRef& sq, std::int64_t n0, std::int64_t t, std::int64_t h,
@@ -987,7 +1075,6 @@ struct KvmCall {
     using kernel::PieceSoftmax;
     const RowKeys rk = row_keys(t, w, S_cur);
     const std::int64_t p0 = split * split_pieces;
-    if (p0 >= rk.pieces) return;
     const std::int64_t p1 = rk.pieces < p0 + split_pieces ? rk.pieces : p0 + split_pieces;
     const std::int64_t tile_keys = split_pieces * kernel::kAttendTile;
     PieceSoftmax<A>* piece = reinterpret_cast<PieceSoftmax<A>*>(scratch);
@@ -997,9 +1084,11 @@ struct KvmCall {
     A* factor = logit + (keys_cap < tile_keys ? keys_cap : tile_keys);
     A* part = factor + split_pieces;
     A* partial = part + split_pieces * Dv + team.team_rank() * kRowLanes;
-    if (splits > 1) {
-      row_pieces(team, qr, logit, partial, it, sq, n0, t, h, w, rk, p0, p1, split_states(it, r) + p0,
-                 split_parts(it, r) + p0 * Dv);
+    if (splits > 1) {  // a team past the row's last piece only draws its ticket
+      if (p0 < rk.pieces)
+        row_pieces(team, qr, logit, partial, it, sq, n0, t, h, w, rk, p0, p1, split_states(it, r) + p0,
+                   split_parts(it, r) + p0 * Dv);
+      if (last_team(team, split_ticket(it, r), splits)) split_finish(team, scratch, it, rk.pieces, sq, n0, t, h, r);
       return;
     }
     row_pieces(team, qr, logit, partial, it, sq, n0, t, h, w, rk, p0, p1, piece, part);
@@ -1021,10 +1110,13 @@ struct KvmCall {
   }
 
   // Segment `seg` of every item, state side: one team per (sequence or row, KV head) runs the pending
-  // state update (spec 4.7 step 4: first token of a new chunk, before attention), writes the segment's
-  // tokens into the window ring and founds the initial slots below position C (spec 4.3). The item's
-  // running (cov, |S|) pass from segment to segment in `result`; the rows kernel of the same segment
-  // reads |S| there. Segment 0 also zeroes padding rows and batch rows past a sequence's length.
+  // state update (spec 4.7 step 4: first token of a new chunk, before attention; the device order: its
+  // append stage), writes the segment's tokens into the window ring and founds the initial slots below
+  // position C (spec 4.3). The item's running (cov, |S|) pass from segment to segment in `result` (the
+  // device order's last routing team writes them for an updating item); the rows kernel of the same
+  // segment reads |S| there. Segment 0 also zeroes padding rows and batch rows past a sequence's length.
+  // The device order's tickets of the launches after it start here: the routing teams' of an updating
+  // item, the split row teams' of the segment's rows and (last segment) the counter fold's.
   template <class Member>
   KOKKOS_INLINE_FUNCTION void operator()(StateTag, const Member& team) const {
     if (fold_counters && team.league_rank() == 0) Kokkos::single(Kokkos::PerTeam(team), [&]() { *ticket = 0; });
@@ -1045,15 +1137,21 @@ struct KvmCall {
       const bool updating = ps.updating;
       const std::int64_t a = cov;
       const std::int64_t S_before = S_cur;
-      // team_update: the update runs here, on this team. Otherwise the update launches ran it before
-      // this kernel (PrepTag .. RefreshTag) and |S| after it follows from the budget alone (spec 3.1).
-      // Both give the host order's routes and sums.
-      const std::int64_t S_after = !updating     ? S_before
-                                   : team_update ? update(team, it, a, S_before)
-                                                 : S_before + appended(a, S_before);
-      std::int64_t* item_log = log ? log + i * log_stride : nullptr;
+      // team_update: the update runs here, on this team. Otherwise the prep launch ran its stages 1-2
+      // before this kernel, this team appends, the routing launch after it routes, scatters and
+      // refreshes, and |S| after it follows from the budget alone (spec 3.1). Both give the host order's
+      // routes and sums.
+      std::int64_t S_after = S_before;
+      if (updating && team_update) {
+        S_after = update(team, it, a, S_before);
+      } else if (updating) {
+        append_stage(team, it, a, S_before);
+        S_after = S_before + appended(a, S_before);
+        Kokkos::single(Kokkos::PerTeam(team), [&]() { *route_ticket(it) = 0; });
+      }
+      std::int64_t* item_log = log && team_update ? log + i * log_stride : nullptr;
       Kokkos::single(Kokkos::PerTeam(team), [&]() {
-        if (updating && item_log != nullptr) {  // test hook: the update's route record
+        if (updating && item_log != nullptr) {  // test hook: the update's route record (device order: stage 5's)
           std::int64_t* route = item_log + 1 + item_log[0]++ * (kRouteHeader + C);
           route[0] = a;
           route[1] = S_before;
@@ -1083,18 +1181,19 @@ struct KvmCall {
         });
       }
       // Every thread tracks cov and |S| itself: both follow from sizes and the budget alone.
-      if (updating) {
-        S_cur += appends(a, S_cur);
-        cov += C;
-      }
+      if (updating) after_update(a, S_before, cov, S_cur);
       for (std::int64_t t = t0; t < t1; ++t)
         if (t < C && t >= cov) {
           ++S_cur;
           cov = t + 1;
         }
+      if (!host_order && splits > 1)  // the tickets of the segment's split rows of this item
+        Kokkos::parallel_for(Kokkos::TeamThreadRange(team, (t1 - t0) * rep),
+                             [&](const std::int64_t r) { *split_ticket(it, r) = 0; });
     }
     if (seg == 0) zero_rows(team, sq, g, len, len + io.tail(sq));  // batch rows past this sequence's length
-    team.team_barrier();                                           // every thread has read result before it changes
+    if (ps.updating && !team_update) return;  // stage 5 writes the item's result after every routing team read it
+    team.team_barrier();                      // every thread has read result before it changes
     Kokkos::single(Kokkos::PerTeam(team), [&]() {
       result[2 * i] = cov;
       result[2 * i + 1] = S_cur;
@@ -1113,6 +1212,7 @@ struct KvmCall {
           static_cast<unsigned char*>(team.team_scratch(row_scratch_level()).get_shmem(row_scratch_bytes()));
       const RowRef rr = row_ref(pair % Hk, pair / Hk);
       if (rr.ok) attend_row_team(team, scratch, items.at(rr.i), rr.sq, rr.n0, rr.t, rr.h, rr.w, rr.slots, split, rr.r);
+      if (fold_counters) count_after_last_team(team);
       return;
     }
     const std::int64_t g = team.league_rank() % Hk, block = team.league_rank() / Hk;
@@ -1120,21 +1220,6 @@ struct KvmCall {
       const RowRef rr = row_ref(g, block * host_rows + x);
       if (rr.ok) attend_row(items.at(rr.i), rr.sq, rr.n0, rr.t, rr.h, rr.w, rr.slots, rr.r);
     });
-  }
-
-  // The device order's rows whose keys were split (splits > 1), a team per pair: the pieces left in
-  // the item's workspace by the pair's split teams merge in increasing order into the row's output.
-  template <class Member>
-  KOKKOS_INLINE_FUNCTION void operator()(MergeTag, const Member& team) const {
-    const RowRef rr = row_ref(team.league_rank() % Hk, team.league_rank() / Hk);
-    if (rr.ok) {
-      auto* row = static_cast<kernel::PieceSoftmax<A>*>(team.team_scratch(0).get_shmem(merge_scratch_bytes()));
-      A* factor = reinterpret_cast<A*>(row + 1);
-      const kvm::ItemView<S, A> it = items.at(rr.i);
-      row_finish(team, split_states(it, rr.r), split_parts(it, rr.r), row_keys(rr.t, rr.w, rr.slots).pieces, row,
-                 factor, rr.sq, rr.n0, rr.t, rr.h);
-    }
-    if (fold_counters) count_after_last_team(team);
   }
 
   KOKKOS_INLINE_FUNCTION int row_scratch_level() const { return row_scratch_bytes() <= kScratch0Bytes ? 0 : 1; }
@@ -1300,7 +1385,7 @@ void run_call(const Executor<Space>& exec, const kvm::State<S, A>& state, const 
   const std::int64_t segments = max_tokens > 0 ? (max_tokens - 1 + C - 1) / C + 1 : 1;
   const std::int64_t pairs = call.io.row_tokens(C) * sh.rep();
   call.host_order = kHostOrder<Space>;
-  call.team_update = call.host_order || max_tokens <= 1;
+  call.team_update = call.host_order;
   call.host_rows = kHostRows;
   call.keys_cap = state.capacity() + state.window_capacity();
   call.pieces_cap = (call.keys_cap + kernel::kAttendTile - 1) / kernel::kAttendTile;
@@ -1308,8 +1393,9 @@ void run_call(const Executor<Space>& exec, const kvm::State<S, A>& state, const 
   // until the call has about kFillTeams teams or more (at most one piece a team). The split pieces go
   // to the workspace's q and accumulator blocks of the row's item (split_states, split_parts), which
   // hold them when one item's rows of a segment (at most min(tokens, C) tokens, rep heads each) take
-  // pieces_cap pieces each: min(tokens, C) pieces_cap <= C. The split changes which team computes a
-  // piece, never a piece's arithmetic or the merge order, so a row's bits are the same split or not.
+  // pieces_cap pieces each: min(tokens, C) pieces_cap <= C; the rows' tickets follow the states in the
+  // q block (split_ticket). The split changes which team computes a piece, never a piece's arithmetic or
+  // the merge order, so a row's bits are the same split or not.
   const std::int64_t row_pairs = pairs * sh.Hk;
   call.splits = 1;
   call.split_pieces = call.pieces_cap;
@@ -1317,38 +1403,34 @@ void run_call(const Executor<Space>& exec, const kvm::State<S, A>& state, const 
     const std::int64_t bound = call.io.token_bound(max_tokens), span = bound < C ? bound : C;
     const std::int64_t fill = std::max<std::int64_t>(exec.space.concurrency() / kDeviceTeam, kFillTeams);
     const std::int64_t want = std::min<std::int64_t>(call.pieces_cap, (fill + row_pairs - 1) / row_pairs);
-    if (want > 1 && span * call.pieces_cap <= C) {
+    const std::size_t q_block = sizeof(A) * static_cast<std::size_t>(sh.rep() * C * sh.D);
+    const std::size_t held = sizeof(kernel::PieceSoftmax<A>) * static_cast<std::size_t>(sh.rep() * C) +
+                             sizeof(std::int64_t) * static_cast<std::size_t>(sh.rep() * span);
+    if (want > 1 && span * call.pieces_cap <= C && held <= q_block) {
       call.split_pieces = (call.pieces_cap + want - 1) / want;
       call.splits = (call.pieces_cap + call.split_pieces - 1) / call.split_pieces;
     }
   }
   const std::int64_t row_teams =
       call.host_order ? (pairs + kHostRows - 1) / kHostRows * sh.Hk : row_pairs * call.splits;
-  // The device order's update pipeline: token-block teams (stages 1-2 and 4), item teams (stage 3) and
-  // slot-block teams over the non-sink slots of the capacity (stage 5).
+  // The device order's update pipeline: token-block teams before the state kernel (stages 1-2) and
+  // after it (stage 4, the last team of an item stage 5); stage 3 runs on the state kernel's teams.
   const std::int64_t token_teams = items * call.token_blocks();
-  const std::int64_t non_sink = state.capacity() - state.params().sink;
-  call.slot_blocks = non_sink > kUpdateSlots ? (non_sink + kUpdateSlots - 1) / kUpdateSlots : 1;
-  const std::int64_t refresh_teams = items * call.slot_blocks;
   auto state_teams = team_policy<Space, StateTag>(exec, items);
   auto rows = team_policy<Space, RowsTag>(exec, row_teams, call.host_order ? 1 : kRowLanes);
-  auto merge = team_policy<Space, MergeTag>(exec, row_pairs, call.host_order ? 1 : kRowLanes);
   auto prep = team_policy<Space, PrepTag>(exec, token_teams);
-  auto append = team_policy<Space, AppendTag>(exec, items);
   auto route = team_policy<Space, RouteTag>(exec, token_teams);
-  auto refresh = team_policy<Space, RefreshTag>(exec, refresh_teams);
   if (!call.host_order) {
     // The most threads a team of each kernel may have (Kokkos's occupancy query, before any scratch is
     // set). It depends on the kernel and its vector lanes alone, fixed for an instantiation here, so it
     // is asked once per process rather than for every call (decode pays it for every token otherwise).
     struct Most {
-      int state, rows, merge, prep, append, route, refresh;
+      int state, rows, prep, route;
     };
     static const Most most = [&] {
       const Kokkos::ParallelForTag tag;
-      return Most{state_teams.team_size_max(call, tag), rows.team_size_max(call, tag),   merge.team_size_max(call, tag),
-                  prep.team_size_max(call, tag),        append.team_size_max(call, tag), route.team_size_max(call, tag),
-                  refresh.team_size_max(call, tag)};
+      return Most{state_teams.team_size_max(call, tag), rows.team_size_max(call, tag), prep.team_size_max(call, tag),
+                  route.team_size_max(call, tag)};
     }();
     const auto size = [&](auto& policy, std::int64_t league, int limit, int wanted, int lanes) {
       policy = std::remove_reference_t<decltype(policy)>(exec.space, static_cast<int>(league),
@@ -1356,39 +1438,30 @@ void run_call(const Executor<Space>& exec, const kvm::State<S, A>& state, const 
     };
     if (exec.team_size == 0) {                               // teams as wide as the work, where they fit
       size(state_teams, items, most.state, kDeviceTeam, 1);  // a chunk's tokens
-      size(rows, row_teams, most.rows, kDeviceTeam / kRowLanes, kRowLanes);        // a row's keys, D or Dv on the lanes
-      size(merge, row_pairs, most.merge, kDeviceTeam / kRowLanes / 4, kRowLanes);  // Dv on the lanes
-      size(prep, token_teams, most.prep, kDeviceTeam, 1);                          // a block's token x slot dots
-      size(append, items, most.append, kDeviceTeam, 1);                            // a chunk's tokens
-      size(route, token_teams, most.route, kDeviceTeam, 1);
-      size(refresh, refresh_teams, most.refresh, static_cast<int>(kUpdateSlots), 1);  // a block's slots
+      size(rows, row_teams, most.rows, kDeviceTeam / kRowLanes, kRowLanes);  // a row's keys, D or Dv on the lanes
+      size(prep, token_teams, most.prep, kDeviceTeam, 1);                    // a block's token x slot dots
+      size(route, token_teams, most.route, kDeviceTeam, 1);                  // the same; stage 5: C slots
     } else {  // the executor's threads, each with kRowLanes lanes, where they fit
       size(rows, row_teams, most.rows, exec.team_size, kRowLanes);
-      size(merge, row_pairs, most.merge, exec.team_size, kRowLanes);
     }
     call.row_threads = rows.team_size();
     rows.set_scratch_size(call.row_scratch_level(), Kokkos::PerTeam(call.row_scratch_bytes()));
-    merge.set_scratch_size(0, Kokkos::PerTeam(call.merge_scratch_bytes()));
-    const std::size_t block = call.block_scratch_bytes(), slots = call.refresh_scratch_bytes();
+    const std::size_t block = call.block_scratch_bytes(), routing = call.route_scratch_bytes();
     prep.set_scratch_size(call.scratch_level(block), Kokkos::PerTeam(block));
-    route.set_scratch_size(call.scratch_level(block), Kokkos::PerTeam(block));
-    refresh.set_scratch_size(call.scratch_level(slots), Kokkos::PerTeam(slots));
+    route.set_scratch_size(call.scratch_level(routing), Kokkos::PerTeam(routing));
   }
-  // The last segment's merge launch folds the counters when there is one (split rows, device order).
-  const bool fold = !call.host_order && pairs > 0 && call.splits > 1;
+  // The device order's last rows launch folds the counters.
+  const bool fold = !call.host_order && pairs > 0;
   call.ticket = state.row_list();
   for (std::int64_t s = 0; s < segments; ++s) {
     call.seg = s;
     call.fold_counters = fold && s == segments - 1;
-    if (!call.team_update && items > 0) {  // the pending update, before the state kernel overwrites the ring
-      Kokkos::parallel_for("kvmem::kokkos::kvm::update_prepare", prep, call);
-      Kokkos::parallel_for("kvmem::kokkos::kvm::update_append", append, call);
-      Kokkos::parallel_for("kvmem::kokkos::kvm::update_route", route, call);
-      Kokkos::parallel_for("kvmem::kokkos::kvm::update_refresh", refresh, call);
-    }
+    // Device order: the update's stages 1-2 before the state kernel overwrites the ring, 4-5 after its
+    // appends; every launch returns at once for an item that does not update.
+    if (!call.team_update && items > 0) Kokkos::parallel_for("kvmem::kokkos::kvm::update_prepare", prep, call);
     if (items > 0) Kokkos::parallel_for("kvmem::kokkos::kvm::segment_state", state_teams, call);
+    if (!call.team_update && items > 0) Kokkos::parallel_for("kvmem::kokkos::kvm::update_route", route, call);
     if (pairs > 0) Kokkos::parallel_for("kvmem::kokkos::kvm::segment_rows", rows, call);
-    if (pairs > 0 && call.splits > 1) Kokkos::parallel_for("kvmem::kokkos::kvm::segment_merge", merge, call);
   }
   if (!fold) {
     Kokkos::parallel_for(
