@@ -212,13 +212,14 @@ inline UaWorkOffsets work_offsets(const ua::CacheShape& s, const UaCacheLimits& 
   return o;
 }
 
-// Splits of a decode launch over I items: as many as fit the launch in one wave of `blocks_per_sm` blocks
-// per multiprocessor (DecodeKernel: two, one for the tensor-core pass; rounded down: one block more than the wave holds would run alone after it and double
-// the step's time), at least one, within the partials the workspace holds for a 1-row call (max_splits *
-// max_prefill_chunk per item) and at most 4 * max_splits (the last block of an item merges them all). Few
-// items split their rows widely; many items take few splits each, so that a step of many short items does
-// not launch blocks that find no rows (every split of an item takes part in its ticket, rows or not) and a
-// long item's blocks walk more rows each, the bytes of a step being spread over the whole launch either way.
+// Splits of a decode launch over I items: as many as fit the launch in one wave of `blocks_per_sm`
+// blocks per multiprocessor (DecodeKernel: two, one for the tensor-core pass; rounded down: one block
+// more than the wave holds would run alone after it and double the step's time), at least one, within
+// the partials the workspace holds for a 1-row call (max_splits * max_prefill_chunk per item) and at
+// most 4 * max_splits (the last block of an item merges them all). Few items split their rows widely;
+// many items take few splits each, so that a step of many short items does not launch blocks that find
+// no rows (every split of an item takes part in its ticket, rows or not) and a long item's blocks walk
+// more rows each, the bytes of a step being spread over the whole launch either way.
 inline int decode_splits(const UaCacheLimits& limits, int sm_count, std::int64_t items, int blocks_per_sm = 2) {
   const std::int64_t want = std::int64_t(blocks_per_sm) * sm_count / std::max<std::int64_t>(items, 1);
   const std::int64_t most = std::min<std::int64_t>(4 * std::int64_t(limits.max_splits),
@@ -1078,7 +1079,7 @@ Status ua_run(const Executor& exec, UaCache<S>& cache, const UaInputs<S>& in, co
   DecodeKernel<S> dk{};
   if (decode)
     dk = decode_kernel_for<Set, ua::detail::kEvicts<Ev>, S, Dims>(D, r,
-                                                                 cache.limits_.decode_tensor_cores && a.kv_rows16);
+                                                                  cache.limits_.decode_tensor_cores && a.kv_rows16);
   a.splits = decode ? decode_splits(cache.limits_, cache.sm_count_, I, dk.blocks_per_sm)
                     : 0;  // a prefill sets its own per chunk
   if (!own_pages) {
@@ -1638,8 +1639,8 @@ Status cuda_step(const cuda::Executor& exec, cuda::UaCache<S>& cache, const Rows
   const cudaStream_t stream = exec.stream;
 
   // the decode launch's kernel and splits: step_begin_kernel sizes the page moves of the decode rows for them
-  const DecodeKernel<S> dk = decode_kernel_for<Set, ua::detail::kEvicts<Ev>, S, Dims>(
-      D, r, cache.limits().decode_tensor_cores && a.kv_rows16);
+  const DecodeKernel<S> dk =
+      decode_kernel_for<Set, ua::detail::kEvicts<Ev>, S, Dims>(D, r, cache.limits().decode_tensor_cores && a.kv_rows16);
   const int decode_splits_now = decode_splits(cache.limits(), SlotAccess::sm_count(cache), R * G, dk.blocks_per_sm);
   // (a prune rule's cuts compact every item first, drop_dead_rows, so its decode moves no rows: no fresh pages)
   step_begin_kernel<S><<<1, kStepBeginThreads, 0, stream>>>(

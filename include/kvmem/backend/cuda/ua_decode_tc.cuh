@@ -51,17 +51,17 @@ __device__ inline int decode_split_tc(const DeviceCache<bf16>& c, const DeviceCa
   static_assert(kR == 4 || kR == 8, "the heads of a group are rows 0-7 of S^T, the new key row 8");
   static_assert(kDmax % 16 == 0 && kDmax <= 128, "D / 16 k-steps of A and m-tiles of O^T in registers");
   static_assert(kWarpSize == 32, "mma.sync fragments are 32-lane layouts");
-  constexpr int kSteps = kDmax / 16;                              // k-steps of S^T, m-tiles of O^T (at most)
-  constexpr int kChunks = (kDtcRows * (kDmax / 8) + 31) / 32;     // 16-byte pieces of a tile's K per lane
-  constexpr int kCounts = kDtcPerThread * kDecodeWarps;           // (window slice, warp) live counts
+  constexpr int kSteps = kDmax / 16;                           // k-steps of S^T, m-tiles of O^T (at most)
+  constexpr int kChunks = (kDtcRows * (kDmax / 8) + 31) / 32;  // 16-byte pieces of a tile's K per lane
+  constexpr int kCounts = kDtcPerThread * kDecodeWarps;        // (window slice, warp) live counts
   constexpr float kNegInf = negative_infinity<float>();
-  const int D = int(c.D), steps = D / 16, per_row = D / 8;        // D <= kDmax, a multiple of 16
+  const int D = int(c.D), steps = D / 16, per_row = D / 8;  // D <= kDmax, a multiple of 16
   const DecodeTcLayout L(D, kR);
   const int pitch = int(L.pitch);
   const std::int64_t g = item % c.G, t = c.counter[item];
   const prune::Cut cut = item_cut<kEvict>(a, item);
   const int tid = int(threadIdx.x), lane = tid % kWarpSize, warp = tid / kWarpSize;
-  bf16* qs = reinterpret_cast<bf16*>(smem + L.qs);  // A: [16][pitch]
+  bf16* qs = reinterpret_cast<bf16*>(smem + L.qs);                              // A: [16][pitch]
   std::int64_t* list_row = reinterpret_cast<std::int64_t*>(smem + L.list_row);  // [kDtcWindow] page places
   float* list_lam = reinterpret_cast<float*>(smem + L.list_lam);                // [kDtcWindow] λ at the step's start
   int* counts = reinterpret_cast<int*>(smem + L.counts);                        // [kCounts + 1]
@@ -100,7 +100,7 @@ __device__ inline int decode_split_tc(const DeviceCache<bf16>& c, const DeviceCa
 #pragma unroll
   for (int mt = 0; mt < kSteps; ++mt) acc[mt][0] = acc[mt][1] = acc[mt][2] = acc[mt][3] = 0.0f;
   const int quad = lane % 4, head = lane / 4;  // S^T: lane holds row `head`, entries 2 quad + {0, 1} (+ 8)
-  float m_run = kNegInf, l_run = 0.0f;          // head `head`: running max (equal in the quad), this lane's sum
+  float m_run = kNegInf, l_run = 0.0f;         // head `head`: running max (equal in the quad), this lane's sum
   int marked = 0;
 
   // The stage of a warp's tile: K and V rows [16][pitch], then the entries' page places, positions, λ (at
@@ -203,8 +203,8 @@ __device__ inline int decode_split_tc(const DeviceCache<bf16>& c, const DeviceCa
     // P^T's B fragment: entries 2 quad + {0, 1} (b0) and 8 + 2 quad + {0, 1} (b1) of head `head`, in bf16;
     // the sum takes the rounded weights, the ones p.v applies
     const std::uint32_t p01 = ptx::pack_bf16(p[0], p[1]), p23 = ptx::pack_bf16(p[2], p[3]);
-    const float rounded = __uint_as_float(p01 << 16) + __uint_as_float(p01 & 0xffff0000u) +
-                          __uint_as_float(p23 << 16) + __uint_as_float(p23 & 0xffff0000u);
+    const float rounded = __uint_as_float(p01 << 16) + __uint_as_float(p01 & 0xffff0000u) + __uint_as_float(p23 << 16) +
+                          __uint_as_float(p23 & 0xffff0000u);
     l_run = l_run * scale + rounded;
     m_run = mx;
     // O^T's lane holds heads 2 quad and 2 quad + 1, whose scales lanes 8 quad and 8 quad + 4 computed

@@ -2251,8 +2251,7 @@ __device__ inline bool decode_item(const DeviceCache<S>& c, const DeviceCall<S>&
   } else if (const Range range = decode_range(n + 1, a.splits, split); range.begin < range.end) {
     const bool plans = moves && range.begin < n;  // a range of the new token alone moves nothing
     if (plans) plan_moves(c, item, range.begin, range.end < n ? range.end : n, plan);
-    marked =
-        decode_part<Set, kEvict, S, kDpl, kR, kTc>(c, a, item, b, n, split, range, plans ? &plan : nullptr, smem);
+    marked = decode_part<Set, kEvict, S, kDpl, kR, kTc>(c, a, item, b, n, split, range, plans ? &plan : nullptr, smem);
     wrote = true;
   }
   __shared__ int last;
