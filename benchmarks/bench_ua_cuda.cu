@@ -10,7 +10,8 @@
 //
 //   kvmem_bench_ua_cuda [--batch 8] [--heads 16] [--kv-heads 4] [--tokens 4096,8192,16384]
 //                       [--dense-only 32768] [--pruned-only 1] [--skip-after-tiles N] [--item-group N]
-//                       [--prune-rows 4096] [--gate-mean 1] [--storage bf16|fp32|fp8[,...]] [--json out.jsonl]
+//                       [--prune-rows 4096] [--gate-mean 1] [--storage bf16|fp32|fp8[,...]] [--decode-tc 1]
+//                       [--json out.jsonl]
 // --storage fp32: fp32 q, k, v and cache (the precision kvmem_bench_kokkos times, for a side-by-side
 //   comparison at the same shapes and call). fp8: bf16 q, k, v and an fp8 (e4m3) cache with a scale per
 //   row. A list (bf16,fp8) runs each storage in turn in the same call, on the same inputs.
@@ -22,6 +23,8 @@
 // --pruned-only 1: skip the dense (p = 0) rows of --tokens.
 // --prune-rows N: UaCacheLimits::dense_prune_rows (rows per launch of the pruned prefill on the dense
 //   tensor-core kernel, bf16; 0: the chunked path, as for the other storages), to measure its trade-off.
+// --decode-tc 0|1: UaCacheLimits::decode_tensor_cores (bf16 decode of long items on the tensor cores, the
+//   default, or on the CUDA cores), to time the two decode passes on the same inputs.
 // --gate-mean m: the mean of the key- and query-gate logits. Lower gates decay more slowly, so more rows
 //   stay above the threshold: about +1 keeps 0.1-0.6 % of the rows at p = 0.05, -6 about 6 %, -10 about
 //   75 % (the kept fractions of trained models). The table prints the kept fraction and the kept bytes
@@ -314,6 +317,8 @@ int main(int argc, char** argv) {
       limits.dense_item_group = std::atoi(argv[i + 1]);
     else if (!std::strcmp(argv[i], "--prune-rows"))
       limits.dense_prune_rows = std::atoll(argv[i + 1]);
+    else if (!std::strcmp(argv[i], "--decode-tc"))
+      limits.decode_tensor_cores = std::atoi(argv[i + 1]) != 0;
     else if (!std::strcmp(argv[i], "--gate-mean"))
       gate_mean = float(std::atof(argv[i + 1]));
     else if (!std::strcmp(argv[i], "--json"))

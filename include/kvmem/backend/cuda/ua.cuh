@@ -90,6 +90,7 @@
 #include "kvmem/backend/cuda/common.cuh"
 #if KVMEM_GPU_VENDOR_PATHS
 #include "kvmem/backend/cuda/ua_attend_tc.cuh"
+#include "kvmem/backend/cuda/ua_decode_tc.cuh"
 #endif
 #if KVMEM_GPU_MFMA_PATHS
 #include "kvmem/backend/cuda/ua_attend_mfma.cuh"
@@ -138,6 +139,11 @@ struct UaCacheLimits {
   // launch walks the kept rows only. Fewer rows per launch walk fewer evicted rows; each launch adds its
   // compaction and the fill of its λ pipeline. 0: every pruned prefill takes the chunked path.
   std::int64_t dense_prune_rows = 4096;
+  // A decode step of a bf16 cache whose items hold more than 256 rows runs its long items on the tensor
+  // cores (ua_decode_tc.cuh) where the shape allows (D a multiple of 16 up to 128, 4 or 8 query heads per kv
+  // head, the call's k and v rows 16-byte aligned); false: on the CUDA cores (the vector-row pass), as
+  // before. The kept sets agree up to near-ties, the outputs within DESIGN.md 5's bf16 tolerance.
+  bool decode_tensor_cores = true;
 };
 
 namespace ua_detail {
@@ -206,15 +212,16 @@ inline UaWorkOffsets work_offsets(const ua::CacheShape& s, const UaCacheLimits& 
   return o;
 }
 
-// Splits of a decode launch over I items: as many as fit the launch in one wave of two blocks per
-// multiprocessor (rounded down: one block more than the wave holds would run alone after it and double
-// the step's time), at least one, within the partials the workspace holds for a 1-row call (max_splits *
-// max_prefill_chunk per item) and at most 4 * max_splits (the last block of an item merges them all). Few
-// items split their rows widely; many items take few splits each, so that a step of many short items does
-// not launch blocks that find no rows (every split of an item takes part in its ticket, rows or not) and a
-// long item's blocks walk more rows each, the bytes of a step being spread over the whole launch either way.
-inline int decode_splits(const UaCacheLimits& limits, int sm_count, std::int64_t items) {
-  const std::int64_t want = 2 * std::int64_t(sm_count) / std::max<std::int64_t>(items, 1);
+// Splits of a decode launch over I items: as many as fit the launch in one wave of `blocks_per_sm`
+// blocks per multiprocessor (DecodeKernel: two, one for the tensor-core pass; rounded down: one block
+// more than the wave holds would run alone after it and double the step's time), at least one, within
+// the partials the workspace holds for a 1-row call (max_splits * max_prefill_chunk per item) and at
+// most 4 * max_splits (the last block of an item merges them all). Few items split their rows widely;
+// many items take few splits each, so that a step of many short items does not launch blocks that find
+// no rows (every split of an item takes part in its ticket, rows or not) and a long item's blocks walk
+// more rows each, the bytes of a step being spread over the whole launch either way.
+inline int decode_splits(const UaCacheLimits& limits, int sm_count, std::int64_t items, int blocks_per_sm = 2) {
+  const std::int64_t want = std::int64_t(blocks_per_sm) * sm_count / std::max<std::int64_t>(items, 1);
   const std::int64_t most = std::min<std::int64_t>(4 * std::int64_t(limits.max_splits),
                                                    std::int64_t(limits.max_splits) * limits.max_prefill_chunk);
   return int(std::clamp<std::int64_t>(want, 1, std::max<std::int64_t>(most, 1)));
@@ -931,17 +938,27 @@ DenseKernel<S> dense_kernel_for(const UaInputs<S>& in, std::int64_t D, std::int6
   return {};
 }
 
-// The decode kernel of a cache and its dynamic shared memory: the vector-row pass for groups of 4 or 8
-// query heads over 16-byte rows (vector_decode_ok), else the entry splits; the lanes of an 8-lane group
-// hold ceil(D / 8) dims each. Every variant has the same signature for a given S. kEvict: whether the
-// kernel compiles the eviction (kEvicts of the call's evictor; false for prune::None).
+// The decode kernel of a cache and its dynamic shared memory: with `tc` (the limits allow it and the call's
+// k and v rows are 16-byte aligned) the tensor-core pass for bf16 shapes it takes (decode_tc_shape_ok, NVIDIA
+// only), else the vector-row pass for groups of 4 or 8 query heads over 16-byte rows (vector_decode_ok),
+// else the entry splits; the lanes of an 8-lane group hold ceil(D / 8) dims each. Every variant has the same
+// signature for a given S. kEvict: whether the kernel compiles the eviction (kEvicts of the call's evictor;
+// false for prune::None). blocks_per_sm: the residency the launch's splits plan for (decode_splits).
 template <class S>
 struct DecodeKernel {
   void (*kernel)(DeviceCache<S>, DeviceCall<S>);
   std::size_t shared_bytes;
+  int blocks_per_sm = 2;
 };
 template <class Set, bool kEvict, class S, int kDpl>
-DecodeKernel<S> decode_kernel_dims(std::int64_t D, std::int64_t r) {
+DecodeKernel<S> decode_kernel_dims(std::int64_t D, std::int64_t r, bool tc) {
+  if constexpr (kVendorPaths && std::is_same_v<S, bf16> && kDpl <= 16) {
+    if (tc && decode_tc_shape_ok(D, r) && D <= 8 * kDpl) {
+      const std::size_t bytes = decode_kernel_smem_bytes<S>(D, r, true, true);
+      if (r == 4) return {decode_attend_kernel<Set, kEvict, S, kDpl, 4, true>, bytes, kDtcBlocksPerSm};
+      return {decode_attend_kernel<Set, kEvict, S, kDpl, 8, true>, bytes, kDtcBlocksPerSm};
+    }
+  }
   const bool vector = vector_decode_ok(D, r, sizeof(S));
   const std::size_t bytes = decode_kernel_smem_bytes<S>(D, r, vector);
   if (vector && r == 4) return {decode_attend_kernel<Set, kEvict, S, kDpl, 4>, bytes};
@@ -953,13 +970,13 @@ inline constexpr int decode_dims_per_lane(std::int64_t D) {
 }
 // Dims: the head dim a composed variant fixed (HeadDims), whose kernels alone are instantiated.
 template <class Set, bool kEvict, class S, class Dims = HeadDims<>>
-DecodeKernel<S> decode_kernel_for(std::int64_t D, std::int64_t r) {
+DecodeKernel<S> decode_kernel_for(std::int64_t D, std::int64_t r, bool tc) {
   if constexpr (Dims::kFixed) {
-    return decode_kernel_dims<Set, kEvict, S, decode_dims_per_lane(Dims::kKey)>(D, r);
+    return decode_kernel_dims<Set, kEvict, S, decode_dims_per_lane(Dims::kKey)>(D, r, tc);
   } else {
-    if (D <= 64) return decode_kernel_dims<Set, kEvict, S, 8>(D, r);
-    if (D <= 128) return decode_kernel_dims<Set, kEvict, S, 16>(D, r);
-    return decode_kernel_dims<Set, kEvict, S, 32>(D, r);
+    if (D <= 64) return decode_kernel_dims<Set, kEvict, S, 8>(D, r, tc);
+    if (D <= 128) return decode_kernel_dims<Set, kEvict, S, 16>(D, r, tc);
+    return decode_kernel_dims<Set, kEvict, S, 32>(D, r, tc);
   }
 }
 
@@ -1054,11 +1071,17 @@ Status ua_run(const Executor& exec, UaCache<S>& cache, const UaInputs<S>& in, co
   // and publishing counts them from the kept rows (publish_block).
   const bool own_pages = s.pool_pages == 0;
   a.slot_go = own_pages ? nullptr : cache.slot_go_;
-  // Splits that give every multiprocessor two blocks (decode_splits): the decode kernel reads the true
-  // length; an item of at most kOneBlockMaxKept rows in use is decoded by one block (the others take their
-  // ticket and return), a longer one is split in pieces of at least kDecodePiece rows. The reservation
-  // below sizes a decode's page moves for these splits.
-  a.splits = decode ? decode_splits(cache.limits_, cache.sm_count_, I) : 0;  // a prefill sets its own per chunk
+  // Splits that fill every multiprocessor with the blocks the decode kernel plans for (decode_splits,
+  // DecodeKernel::blocks_per_sm): the decode kernel reads the true length; an item of at most
+  // kOneBlockMaxKept rows in use is decoded by one block (the others take their ticket and return), a longer
+  // one is split in pieces of at least kDecodePiece rows. The reservation below sizes a decode's page moves
+  // for these splits.
+  DecodeKernel<S> dk{};
+  if (decode)
+    dk = decode_kernel_for<Set, ua::detail::kEvicts<Ev>, S, Dims>(D, r,
+                                                                  cache.limits_.decode_tensor_cores && a.kv_rows16);
+  a.splits = decode ? decode_splits(cache.limits_, cache.sm_count_, I, dk.blocks_per_sm)
+                    : 0;  // a prefill sets its own per chunk
   if (!own_pages) {
     // A prune rule's cuts compact every item first (drop_dead_rows), so its decode moves no rows: the
     // reservation then asks for no fresh pages (splits = 0).
@@ -1071,7 +1094,7 @@ Status ua_run(const Executor& exec, UaCache<S>& cache, const UaInputs<S>& in, co
   if (decode) {
     a.P = 1;
     a.lambda_new = nullptr;
-    const DecodeKernel<S> k = decode_kernel_for<Set, ua::detail::kEvicts<Ev>, S, Dims>(D, r);
+    const DecodeKernel<S>& k = dk;
     KVMEM_RETURN_IF_ERROR(allow_shared(k.kernel, k.shared_bytes));
     if constexpr (kCutsPerItem<Ev>) KVMEM_RETURN_IF_ERROR(decode_cuts<Set>(dev, a, ev, cache.cuts_, I, exec.stream));
     k.kernel<<<dim3(unsigned(I), unsigned(a.splits)), kDecodeThreads, k.shared_bytes, exec.stream>>>(dev, a);
@@ -1615,8 +1638,10 @@ Status cuda_step(const cuda::Executor& exec, cuda::UaCache<S>& cache, const Rows
   a.evict_before_attention = opt.evict_before_attention;
   const cudaStream_t stream = exec.stream;
 
-  // the decode launch's splits: step_begin_kernel sizes the page moves of the decode rows for them
-  const int decode_splits_now = decode_splits(cache.limits(), SlotAccess::sm_count(cache), R * G);
+  // the decode launch's kernel and splits: step_begin_kernel sizes the page moves of the decode rows for them
+  const DecodeKernel<S> dk =
+      decode_kernel_for<Set, ua::detail::kEvicts<Ev>, S, Dims>(D, r, cache.limits().decode_tensor_cores && a.kv_rows16);
+  const int decode_splits_now = decode_splits(cache.limits(), SlotAccess::sm_count(cache), R * G, dk.blocks_per_sm);
   // (a prune rule's cuts compact every item first, drop_dead_rows, so its decode moves no rows: no fresh pages)
   step_begin_kernel<S><<<1, kStepBeginThreads, 0, stream>>>(
       dev, SlotAccess::step_rows(cache, rows, N, kCutsPerItem<Ev> ? 0 : decode_splits_now));
@@ -1629,7 +1654,7 @@ Status cuda_step(const cuda::Executor& exec, cuda::UaCache<S>& cache, const Rows
     d.splits = decode_splits_now;
     // no prefill rounds follow: this launch is the step's last, and its last block publishes
     if (prefills == 0) d.publish_ticket = SlotAccess::publish_ticket(cache);
-    const DecodeKernel<S> k = decode_kernel_for<Set, ua::detail::kEvicts<Ev>, S, Dims>(D, r);
+    const DecodeKernel<S>& k = dk;
     KVMEM_RETURN_IF_ERROR(cuda::allow_shared(k.kernel, k.shared_bytes));
     if constexpr (kCutsPerItem<Ev>)
       KVMEM_RETURN_IF_ERROR(decode_cuts<Set>(dev, d, ev, SlotAccess::cuts(cache), R * G, stream));

@@ -2092,14 +2092,62 @@ __device__ inline bool decode_row(const DeviceCache<S>& c, const DeviceCall<S>& 
   return false;
 }
 
+// ---- decode, long caches on the tensor cores (ua_decode_tc.cuh, NVIDIA only) ----------------------
+// decode_split_tc lists a window of kDtcWindow entries' live rows at a time (every thread scans
+// kDtcPerThread of them) and attends them in tiles of kDtcRows, each warp through kDtcStages stages of its
+// own.
+inline constexpr int kDtcRows = 16;  // entries per tile: two n-tiles of S^T, the k of one O^T step
+inline constexpr int kDtcStages = 2;
+inline constexpr int kDtcWindow = 2048;
+inline constexpr int kDtcPerThread = kDtcWindow / kDecodeThreads;
+static_assert(kDtcWindow % kDecodeThreads == 0, "every thread scans the same number of a window's entries");
+// Resident blocks per multiprocessor the tensor-core pass plans for: its stages take most of the shared
+// memory (decode_splits sizes the launch to one wave of them).
+inline constexpr int kDtcBlocksPerSm = 1;
+// Whether decode_split_tc serves a cache of this shape (bf16 storage is the caller's test): D a multiple
+// of 16 (whole k-steps and m-tiles) up to 128 (its accumulators in registers), a group of 4 or 8 heads (rows
+// 0-7 of S^T; the new key is row 8).
+__host__ __device__ inline bool decode_tc_shape_ok(std::int64_t D, std::int64_t r) {
+  return D % 16 == 0 && D >= 16 && D <= 128 && (r == 4 || r == 8);
+}
+// Byte offsets of decode_split_tc's shared memory: A (the group's queries and the new key, 16 rows), the
+// window's list of live entries (page places, λ), the prefix sums of its counts, then every warp's stages.
+// Staged rows are pitch = D + 8 elements apart (16 bytes more than a row), so the 8 rows an ldmatrix reads
+// fall in different banks. A stage: K rows, V rows, then per entry its page place and position (int64), λ
+// and key-gate logit (float). After the windows the stages hold the warps' states for the merge.
+struct DecodeTcLayout {
+  std::int64_t pitch;
+  std::size_t qs, list_row, list_lam, counts, stages, meta, stage_bytes, bytes;
+  __host__ __device__ static std::size_t up128(std::size_t x) { return (x + 127) / 128 * 128; }
+  __host__ __device__ DecodeTcLayout(std::int64_t D, std::int64_t r) {
+    pitch = D + 8;
+    const std::size_t rows = std::size_t(kDtcRows) * std::size_t(pitch) * 2;  // one matrix of a stage, bf16
+    qs = 0;
+    list_row = up128(qs + rows);
+    list_lam = list_row + std::size_t(kDtcWindow) * sizeof(std::int64_t);
+    counts = up128(list_lam + std::size_t(kDtcWindow) * sizeof(float));
+    stages = up128(counts + std::size_t(kDtcPerThread * kDecodeWarps + 1) * sizeof(int));
+    meta = 2 * rows;
+    stage_bytes = up128(meta + std::size_t(kDtcRows) * (2 * sizeof(std::int64_t) + 2 * sizeof(float)));
+    const std::size_t states = std::size_t(kDecodeWarps) * std::size_t(r) * std::size_t(D + 2) * sizeof(float);
+    const std::size_t staged = std::size_t(kDecodeWarps) * kDtcStages * stage_bytes;
+    bytes = stages + (staged > states ? staged : states);
+  }
+};
+
 // Dynamic shared memory of decode_attend_kernel: the largest of the paths it takes (vector: the vector-row
-// pass, else the entry splits), the one-block pass and the finish.
+// pass, else the entry splits; tc: the tensor-core pass too), the one-block pass and the finish.
 template <class S>
-__host__ __device__ inline std::size_t decode_kernel_smem_bytes(std::int64_t D, std::int64_t r, bool vector) {
+__host__ __device__ inline std::size_t decode_kernel_smem_bytes(std::int64_t D, std::int64_t r, bool vector,
+                                                                bool tc = false) {
   const std::size_t split = vector ? split_rows_smem_bytes<S>(D, r) : decode_smem_bytes(D, r);
   const std::size_t finish = finish_smem_bytes<S>(D),
                     one_block = OneBlockLayout(D, r, sizeof(S), is_row_scaled_v<S>).bytes;
   std::size_t most = split > finish ? split : finish;
+  if (tc) {
+    const std::size_t tc_bytes = DecodeTcLayout(D, r).bytes;
+    most = most > tc_bytes ? most : tc_bytes;
+  }
   return most > one_block ? most : one_block;
 }
 // Whether the last block of a long item compacts it in place at the end of a step that moved nothing:
@@ -2133,11 +2181,28 @@ __device__ inline void finish_move(const DeviceCache<S>& c, const DeviceCall<S>&
   }
   append_new_row(c, a, item, b, kept);
 }
+#if KVMEM_GPU_VENDOR_PATHS
+// The tensor-core pass (ua_decode_tc.cuh, which backend/cuda/ua.cuh includes on the vendor path): D up to
+// kDmax, groups of kR heads.
+template <class Set, bool kEvict, int kDmax, int kR>
+__device__ inline int decode_split_tc(const DeviceCache<bf16>& c, const DeviceCall<bf16>& a, std::int64_t item,
+                                      std::int64_t b, std::int64_t n, int split, Range range, unsigned char* smem);
+#endif
 // This block's part of a long item's step: the entries of `range` (not empty); returns the rows it marked
-// dead. kR != 0: the vector-row pass for groups of kR query heads, else the entry splits.
-template <class Set, bool kEvict, class S, int kDpl, int kR>
+// dead. kTc: the tensor-core pass (bf16, a shape decode_tc_ok takes, 16-byte input rows: the host's choice)
+// unless the step moves the item's rows; else kR != 0: the vector-row pass for groups of kR query heads,
+// else the entry splits.
+template <class Set, bool kEvict, class S, int kDpl, int kR, bool kTc = false>
 __device__ inline int decode_part(const DeviceCache<S>& c, const DeviceCall<S>& a, std::int64_t item, std::int64_t b,
                                   std::int64_t n, int split, Range range, const MovePlan* plan, unsigned char* smem) {
+#if KVMEM_GPU_VENDOR_PATHS
+  if constexpr (kTc) {
+    static_assert(std::is_same_v<S, bf16> && (kR == 4 || kR == 8), "the tensor-core pass takes bf16 groups of 4 or 8");
+    if (plan == nullptr) return decode_split_tc<Set, kEvict, 8 * kDpl, kR>(c, a, item, b, n, split, range, smem);
+  }
+#else
+  static_assert(!kTc, "the tensor-core decode pass exists on the vendor path only");
+#endif
   if constexpr (kR != 0) {
     constexpr int kVpl = vectors_per_lane<S, kDpl>();
     return decode_split_rows<Set, kEvict, S, kVpl, kR, kRowsInFlight>(c, a, item, b, n, split, range, plan, smem);
@@ -2165,7 +2230,7 @@ __device__ inline int decode_part(const DeviceCache<S>& c, const DeviceCall<S>& 
 // kDpl: dims per lane of an 8-lane group (>= ceil(D / 8)).
 // Returns true in the one block that answers for grid item blockIdx.x: the last block of an item it
 // decodes, or split 0 of one it does not (a padding or prefill row, a slot that does not run).
-template <class Set, bool kEvict, class S, int kDpl, int kR>
+template <class Set, bool kEvict, class S, int kDpl, int kR, bool kTc>
 __device__ inline bool decode_item(const DeviceCache<S>& c, const DeviceCall<S>& a, unsigned char* smem) {
   std::int64_t item = blockIdx.x, b = item / c.G;
   if (a.row_slot != nullptr && !decode_row(c, a, blockIdx.x, item, b)) return blockIdx.y == 0;
@@ -2186,7 +2251,7 @@ __device__ inline bool decode_item(const DeviceCache<S>& c, const DeviceCall<S>&
   } else if (const Range range = decode_range(n + 1, a.splits, split); range.begin < range.end) {
     const bool plans = moves && range.begin < n;  // a range of the new token alone moves nothing
     if (plans) plan_moves(c, item, range.begin, range.end < n ? range.end : n, plan);
-    marked = decode_part<Set, kEvict, S, kDpl, kR>(c, a, item, b, n, split, range, plans ? &plan : nullptr, smem);
+    marked = decode_part<Set, kEvict, S, kDpl, kR, kTc>(c, a, item, b, n, split, range, plans ? &plan : nullptr, smem);
     wrote = true;
   }
   __shared__ int last;
@@ -2222,19 +2287,20 @@ __device__ inline bool decode_item(const DeviceCache<S>& c, const DeviceCall<S>&
   if (threadIdx.x == 0) c.done[item] = 0;
   return true;
 }
-// grid (I or rows * G, splits), block kDecodeThreads, dynamic smem decode_kernel_smem_bytes<S>(D, r, kR != 0).
-// Two resident blocks per multiprocessor where the vector-row pass fits them (decode_min_blocks), which
-// also doubles the one-block pass's residency in this kernel.
+// grid (I or rows * G, splits), block kDecodeThreads, dynamic smem decode_kernel_smem_bytes<S>(D, r, kR != 0,
+// kTc). Two resident blocks per multiprocessor where the vector-row pass fits them (decode_min_blocks), which
+// also doubles the one-block pass's residency in this kernel; one with the tensor-core pass (kTc), whose
+// stages take most of a multiprocessor's shared memory (kDtcBlocksPerSm): its registers are not capped.
 // A step whose last launch this is publishes from the last of the blocks that answer for a grid item
 // (every page move of the launch is one of theirs), not from every block: a ticket per grid item, not per
 // block.
 // (The bound is parenthesised: hipcc's __launch_bounds__ is a macro, which a template argument list's commas
 // would split.)
-template <class Set, bool kEvict, class S, int kDpl, int kR>
-__global__ void __launch_bounds__(kDecodeThreads, (decode_min_blocks<S, kDpl, kR>()))
+template <class Set, bool kEvict, class S, int kDpl, int kR, bool kTc = false>
+__global__ void __launch_bounds__(kDecodeThreads, (kTc ? kDtcBlocksPerSm : decode_min_blocks<S, kDpl, kR>()))
     decode_attend_kernel(DeviceCache<S> c, DeviceCall<S> a) {
   extern __shared__ __align__(16) unsigned char dsm[];
-  const bool answers = decode_item<Set, kEvict, S, kDpl, kR>(c, a, dsm);
+  const bool answers = decode_item<Set, kEvict, S, kDpl, kR, kTc>(c, a, dsm);
   if (a.publish_ticket != nullptr && answers) publish_if_last(c.pool, a.publish_ticket, gridDim.x);
 }
 
