@@ -6,11 +6,14 @@
 // in use at the end, and writes a JSON line per threshold (--json FILE).
 //
 //   kvmem_bench_ua_slots_cuda [--sequences 64] [--heads 16] [--kv-heads 4] [--min 1024] [--max 32768]
-//                             [--steps 256] [--seed 1] [--p 0.05|0] [--pool-pages N] [--json out.jsonl]
+//                             [--steps 256] [--seed 1] [--p 0.05|0] [--pool-pages N] [--decode-tc 1]
+//                             [--json out.jsonl]
 //
 // --pool-pages N: the slots' rows live in one shared pool of N pages of 16 rows (an engine's layer
 // memory); 0 (the default): every (slot, KV head) owns the pages of its capacity. -1: a shared pool as
 // large as the owned pages would be.
+// --decode-tc 0|1: UaCacheLimits::decode_tensor_cores (long items decoded on the tensor cores, the default,
+// or on the CUDA cores).
 //
 // The slots are filled by importing synthetic records: a sequence of length L keeps its last
 // min(L, 160) keys at p = 0.05 (about what random inputs keep: the decay evicts older keys) and all L
@@ -47,6 +50,7 @@ struct Options {
   std::uint64_t seed = 1;
   std::int64_t pool_pages = 0;  // 0: own pages; -1: a shared pool of the owned pages' size
   double p = -1;                // < 0: both 0.05 and 0
+  bool decode_tc = true;        // UaCacheLimits::decode_tensor_cores
   const char* json = nullptr;
 };
 
@@ -59,7 +63,9 @@ void run(double p, const Options& o, std::FILE* json) {
   const std::int64_t capacity = (dense ? o.max_len : kPrunedKept) + 2 * o.steps + 8;
   const std::int64_t pool_pages = o.pool_pages < 0 ? R * G * ((capacity + 15) / 16) : o.pool_pages;
   kvmem::cuda::UaCache<bf16> cache;
-  CHECK_STATUS(kvmem::cuda::UaCache<bf16>::create({R, H, G, D, capacity, 16, pool_pages}, cache));
+  kvmem::cuda::UaCacheLimits limits;
+  limits.decode_tensor_cores = o.decode_tc;
+  CHECK_STATUS(kvmem::cuda::UaCache<bf16>::create({R, H, G, D, capacity, 16, pool_pages}, cache, limits));
   const kvmem::cuda::Executor exec{};
   std::mt19937_64 rng(o.seed);
   // keys and values from a table of random values (filling 32K-row records draw by draw is slow)
@@ -186,6 +192,8 @@ int main(int argc, char** argv) {
       o.p = std::atof(argv[i + 1]);
     else if (a == "--pool-pages")
       o.pool_pages = std::atoll(argv[i + 1]);
+    else if (a == "--decode-tc")
+      o.decode_tc = std::atoi(argv[i + 1]) != 0;
     else if (a == "--json")
       o.json = argv[i + 1];
     else {
