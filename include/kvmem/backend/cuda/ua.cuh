@@ -213,7 +213,7 @@ inline UaWorkOffsets work_offsets(const ua::CacheShape& s, const UaCacheLimits& 
 }
 
 // Splits of a decode launch over I items: as many as fit the launch in one wave of `blocks_per_sm`
-// blocks per multiprocessor (DecodeKernel: two, one for the tensor-core pass; rounded down: one block
+// blocks per multiprocessor (DecodeKernel: two, kDtcBlocksPerSm for the tensor-core pass; rounded down: one block
 // more than the wave holds would run alone after it and double the step's time), at least one, within
 // the partials the workspace holds for a 1-row call (max_splits * max_prefill_chunk per item) and at
 // most 4 * max_splits (the last block of an item merges them all). Few items split their rows widely;

@@ -15,8 +15,10 @@
 // tensor-core tiles hold live rows only, whatever the kept fraction. Tile k (16 listed entries) belongs to
 // warp k % warps: the warp copies its keys and values with cp.async into a stage of its own (kDtcStages
 // per warp, no block barrier between tiles: a warp waits only for its own copies), together with the
-// entries' key-gate logits and positions, and while the next tile is in flight computes
-//   S^T = A K^T        A = [q_0 .. q_{r-1}, 0 .., k_new (row 8), 0 ..] (16 x D, registers, loaded once),
+// entries' key-gate logits and positions, and computes (with more than one stage, while the next tile is in
+// flight; with one, the other block's warps on the multiprocessor hide the copies)
+//   S^T = A K^T        A = [q_0 .. q_{r-1}, 0 .., k_new (row 8), 0 ..] (16 x D, shared memory, ldmatrix
+//                      per k-step: the pass stays within 128 registers, two blocks per multiprocessor),
 //                      two n-tiles of 8 entries, K from ldmatrix (the row-major rows are K^T col-major);
 //   the λ update and eviction of entry j on lane j (update_row, with row 8 of S^T: the similarity);
 //   one online-softmax step per head h (lanes 4h .. 4h + 3, quad shuffles);
@@ -84,14 +86,10 @@ __device__ inline int decode_split_tc(const DeviceCache<bf16>& c, const DeviceCa
   }
   if (tid == 0) marked_block = 0;
   __syncthreads();
-  // ldmatrix addresses: A row lane % 16, columns + 8 for lanes 16-31 (a0..a3 of m16n8k16); K and V: entry
+  // ldmatrix addresses: A row lane % 16, columns + 8 for lanes 16-31 (a0..a3 of m16n8k16), read per tile
+  // from shared memory (32 registers fewer than holding A: two blocks fit a multiprocessor); K and V: entry
   // lane % 8 (+ 8 for lanes 16-31), columns + 8 for lanes 8-15 and 24-31
-  std::uint32_t af[kSteps][4];
-#pragma unroll
-  for (int kk = 0; kk < kSteps; ++kk) {
-    af[kk][0] = af[kk][1] = af[kk][2] = af[kk][3] = 0u;
-    if (kk < steps) ptx::ldmatrix_x4(af[kk], qs + (lane % 16) * pitch + kk * 16 + (lane / 16) * 8);
-  }
+  const bf16* a_at = qs + (lane % 16) * pitch + (lane / 16) * 8;
   const int kv_row = lane % 8 + (lane / 16) * 8, kv_col = ((lane / 8) % 2) * 8;
   const float zq = a.z_q[b * a.zq_b + g * a.zq_g];
   const float q_part = kernel::ua::query_gate_part(zq);
@@ -101,7 +99,6 @@ __device__ inline int decode_split_tc(const DeviceCache<bf16>& c, const DeviceCa
   for (int mt = 0; mt < kSteps; ++mt) acc[mt][0] = acc[mt][1] = acc[mt][2] = acc[mt][3] = 0.0f;
   const int quad = lane % 4, head = lane / 4;  // S^T: lane holds row `head`, entries 2 quad + {0, 1} (+ 8)
   float m_run = kNegInf, l_run = 0.0f;         // head `head`: running max (equal in the quad), this lane's sum
-  int marked = 0;
 
   // The stage of a warp's tile: K and V rows [16][pitch], then the entries' page places, positions, λ (at
   // the step's start; then the logit bias: λ after the update, or -inf where not attended), key-gate logits.
@@ -130,8 +127,8 @@ __device__ inline int decode_split_tc(const DeviceCache<bf16>& c, const DeviceCa
         m_pos[lane] = t;
       }
     }
-#pragma unroll
-    for (int i = 0; i < kChunks; ++i) {
+#pragma unroll 1
+    for (int i = 0; i < kChunks; ++i) {  // asynchronous copies: no unrolling needed, fewer registers live
       const int x = lane + kWarpSize * i;
       if (x < kDtcRows * per_row) {
         const int e = x / per_row, w = (x % per_row) * 8;
@@ -155,13 +152,14 @@ __device__ inline int decode_split_tc(const DeviceCache<bf16>& c, const DeviceCa
     const float* m_zk = m_lam + kDtcRows;
     // S^T = A K^T: n-tile 0 entries 0-7, n-tile 1 entries 8-15
     float s0[4] = {0.0f, 0.0f, 0.0f, 0.0f}, s1[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-#pragma unroll
-    for (int kk = 0; kk < kSteps; ++kk)
+#pragma unroll 2
+    for (int kk = 0; kk < kSteps; ++kk)  // two k-steps' fragments live at a time: within 128 registers
       if (kk < steps) {
-        std::uint32_t bk[4];
+        std::uint32_t af[4], bk[4];
+        ptx::ldmatrix_x4(af, a_at + kk * 16);
         ptx::ldmatrix_x4(bk, ks + kv_row * pitch + kk * 16 + kv_col);
-        ptx::mma_bf16_16816(s0, af[kk], bk[0], bk[1]);
-        ptx::mma_bf16_16816(s1, af[kk], bk[2], bk[3]);
+        ptx::mma_bf16_16816(s0, af, bk[0], bk[1]);
+        ptx::mma_bf16_16816(s1, af, bk[2], bk[3]);
       }
     // row 8 (the similarity to the new key) lies in [2], [3] of lanes 0-3: entry e at lane (e % 8) / 2,
     // element 2 + e % 2 of n-tile e / 8; lane e < 16 takes entry e's
@@ -175,7 +173,7 @@ __device__ inline int decode_split_tc(const DeviceCache<bf16>& c, const DeviceCa
       if (row >= 0) {        // a live cached row: λ update (spec 4.4 step 1), eviction (4.5), λ written back
         const RowUpdate up = update_row<Set, kEvict>(a, cut, m_lam[lane], sim, m_zk[lane], m_pos[lane], zq, q_part, t);
         c.lambda[row] = up.stored();
-        marked += up.evict ? 1 : 0;
+        if (up.evict) atomicAdd(&marked_block, 1);  // a shared counter: no register held over the windows
         bias = up.attend ? up.lambda : kNegInf;
       } else if (row == kDtcNewToken) {
         bias = 0.0f;  // the new token: λ = 0, attended, never evicted (appended by the last block)
@@ -278,21 +276,32 @@ __device__ inline int decode_split_tc(const DeviceCache<bf16>& c, const DeviceCa
     if (w0 + kDtcWindow < range.end) scan(w0 + kDtcWindow);  // in flight while this window is attended
     const int tiles = (count + kDtcRows - 1) / kDtcRows;
     const int mine = tiles > warp ? (tiles - warp + kDecodeWarps - 1) / kDecodeWarps : 0;
-#pragma unroll
-    for (int j = 0; j < kDtcStages - 1; ++j) {
-      if (j < mine)
+    if constexpr (kDtcStages == 1) {
+      // one stage per warp: the other warps of the multiprocessor (two blocks) hide a tile's copies
+      for (int j = 0; j < mine; ++j) {
         issue(j);
-      else
-        ptx::cp_async_commit();  // empty group: every wait below counts the same groups
-    }
-    for (int j = 0; j < mine; ++j) {
-      ptx::cp_async_wait<kDtcStages - 2>();  // this lane's copies of tile j have landed
-      warp_sync();                           // every lane's have, and tile j - 1's stage is free
-      if (j + kDtcStages - 1 < mine)
-        issue(j + kDtcStages - 1);
-      else
-        ptx::cp_async_commit();
-      attend(j);
+        ptx::cp_async_wait<0>();  // this lane's copies of tile j have landed
+        warp_sync();              // every lane's have
+        attend(j);
+        warp_sync();  // every lane is done with the stage before the next tile's copies
+      }
+    } else {
+#pragma unroll
+      for (int j = 0; j < kDtcStages - 1; ++j) {
+        if (j < mine)
+          issue(j);
+        else
+          ptx::cp_async_commit();  // empty group: every wait below counts the same groups
+      }
+      for (int j = 0; j < mine; ++j) {
+        ptx::cp_async_wait<(kDtcStages > 1 ? kDtcStages - 2 : 0)>();  // this lane's copies of tile j have landed
+        warp_sync();  // every lane's have, and tile j - 1's stage is free
+        if (j + kDtcStages - 1 < mine)
+          issue(j + kDtcStages - 1);
+        else
+          ptx::cp_async_commit();
+        attend(j);
+      }
     }
     ptx::cp_async_wait<0>();
     __syncthreads();  // the list and the stages are free for the next window
@@ -314,7 +323,6 @@ __device__ inline int decode_split_tc(const DeviceCache<bf16>& c, const DeviceCa
     red[(std::size_t(warp) * kR + head) * std::size_t(D + 2)] = m_run;
     red[(std::size_t(warp) * kR + head) * std::size_t(D + 2) + 1] = l_run;
   }
-  if (marked != 0) atomicAdd(&marked_block, marked);
   __syncthreads();
   for (int x = tid; x < kR * D; x += int(blockDim.x)) {
     const int h = x / D, d = x % D;

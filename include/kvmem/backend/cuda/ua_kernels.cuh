@@ -2097,13 +2097,14 @@ __device__ inline bool decode_row(const DeviceCache<S>& c, const DeviceCall<S>& 
 // kDtcPerThread of them) and attends them in tiles of kDtcRows, each warp through kDtcStages stages of its
 // own.
 inline constexpr int kDtcRows = 16;  // entries per tile: two n-tiles of S^T, the k of one O^T step
-inline constexpr int kDtcStages = 2;
-inline constexpr int kDtcWindow = 2048;
+inline constexpr int kDtcStages = 1;
+inline constexpr int kDtcWindow = 1024;
 inline constexpr int kDtcPerThread = kDtcWindow / kDecodeThreads;
 static_assert(kDtcWindow % kDecodeThreads == 0, "every thread scans the same number of a window's entries");
-// Resident blocks per multiprocessor the tensor-core pass plans for: its stages take most of the shared
-// memory (decode_splits sizes the launch to one wave of them).
-inline constexpr int kDtcBlocksPerSm = 1;
+// Resident blocks per multiprocessor the tensor-core pass plans for (decode_splits sizes the launch to one
+// wave of them): two, i.e. 16 warps to hide the ALU latencies of the λ update and softmax, which is what one
+// stage per warp, windows of 1,024 entries and at most 128 registers per thread are sized for.
+inline constexpr int kDtcBlocksPerSm = 2;
 // Whether decode_split_tc serves a cache of this shape (bf16 storage is the caller's test): D a multiple
 // of 16 (whole k-steps and m-tiles) up to 128 (its accumulators in registers), a group of 4 or 8 heads (rows
 // 0-7 of S^T; the new key is row 8).
@@ -2199,6 +2200,10 @@ __device__ inline int decode_part(const DeviceCache<S>& c, const DeviceCall<S>& 
   if constexpr (kTc) {
     static_assert(std::is_same_v<S, bf16> && (kR == 4 || kR == 8), "the tensor-core pass takes bf16 groups of 4 or 8");
     if (plan == nullptr) return decode_split_tc<Set, kEvict, 8 * kDpl, kR>(c, a, item, b, n, split, range, smem);
+    // a step that moves the rows: the vector-row pass with one row in flight, fewer registers for
+    // kDtcBlocksPerSm blocks
+    constexpr int kVpl = vectors_per_lane<S, kDpl>();
+    return decode_split_rows<Set, kEvict, S, kVpl, kR, 1>(c, a, item, b, n, split, range, plan, smem);
   }
 #else
   static_assert(!kTc, "the tensor-core decode pass exists on the vendor path only");
@@ -2289,8 +2294,8 @@ __device__ inline bool decode_item(const DeviceCache<S>& c, const DeviceCall<S>&
 }
 // grid (I or rows * G, splits), block kDecodeThreads, dynamic smem decode_kernel_smem_bytes<S>(D, r, kR != 0,
 // kTc). Two resident blocks per multiprocessor where the vector-row pass fits them (decode_min_blocks), which
-// also doubles the one-block pass's residency in this kernel; one with the tensor-core pass (kTc), whose
-// stages take most of a multiprocessor's shared memory (kDtcBlocksPerSm): its registers are not capped.
+// also doubles the one-block pass's residency in this kernel; kDtcBlocksPerSm with the tensor-core pass
+// (kTc), whose stages and registers are sized for it.
 // A step whose last launch this is publishes from the last of the blocks that answer for a grid item
 // (every page move of the launch is one of theirs), not from every block: a ticket per grid item, not per
 // block.
