@@ -324,27 +324,7 @@ __device__ inline int decode_split_tc(const DeviceCache<bf16>& c, const DeviceCa
     red[(std::size_t(warp) * kR + head) * std::size_t(D + 2) + 1] = l_run;
   }
   __syncthreads();
-  for (int x = tid; x < kR * D; x += int(blockDim.x)) {
-    const int h = x / D, d = x % D;
-    float mx = kNegInf;
-    for (int w = 0; w < kDecodeWarps; ++w) mx = fmaxf(mx, red[(std::size_t(w) * kR + h) * std::size_t(D + 2)]);
-    float sum = 0.0f, y = 0.0f;
-    if (mx != kNegInf)
-      for (int w = 0; w < kDecodeWarps; ++w) {
-        const float* w_row = red + (std::size_t(w) * kR + h) * std::size_t(D + 2);
-        if (w_row[0] == kNegInf) continue;
-        const float f = expf(w_row[0] - mx);
-        sum += f * w_row[1];
-        y += f * w_row[2 + d];
-      }
-    const std::int64_t slot = (item * a.splits + split) * kR + h;  // P = 1 row
-    if (d == 0) {
-      a.part_ml[slot * 2] = mx;
-      a.part_ml[slot * 2 + 1] = sum;
-    }
-    a.part_acc[slot * D + d] = y;
-  }
-  __syncthreads();
+  write_split_partial(a, red, kR, D, item, split);
   return marked_block;
 }
 

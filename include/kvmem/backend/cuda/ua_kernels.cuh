@@ -1748,6 +1748,34 @@ __host__ __device__ inline std::size_t split_rows_smem_bytes(std::int64_t D, std
   return split_rows_head_bytes<S>(D, r) +
          std::size_t(kDecodeWarps) * std::size_t(r) * std::size_t(D + 2) * sizeof(float);
 }
+// The end of a decode pass that leaves one online-softmax state per (warp, head) in shared memory (`red`:
+// [warps][r][D + 2] = max, sum, accumulator): merges the warps in warp order (deterministic) into this
+// split's partial, the format merge_row reads. On the calling block's threads; ends with a barrier.
+template <class S>
+__device__ inline void write_split_partial(const DeviceCall<S>& a, const float* red, int r, std::int64_t D,
+                                           std::int64_t item, int split) {
+  for (std::int64_t x = threadIdx.x; x < r * D; x += blockDim.x) {
+    const std::int64_t h = x / D, d = x % D;
+    float mx = negative_infinity<float>();
+    for (int w = 0; w < kDecodeWarps; ++w) mx = fmaxf(mx, red[(std::size_t(w) * r + h) * std::size_t(D + 2)]);
+    float sum = 0.0f, y = 0.0f;
+    if (mx != negative_infinity<float>())
+      for (int w = 0; w < kDecodeWarps; ++w) {
+        const float* w_row = red + (std::size_t(w) * r + h) * std::size_t(D + 2);
+        if (w_row[0] == negative_infinity<float>()) continue;
+        const float f = expf(w_row[0] - mx);
+        sum += f * w_row[1];
+        y += f * w_row[2 + d];
+      }
+    const std::int64_t slot = (item * a.splits + split) * r + h;  // P = 1 row
+    if (d == 0) {
+      a.part_ml[slot * 2] = mx;
+      a.part_ml[slot * 2 + 1] = sum;
+    }
+    a.part_acc[slot * D + d] = y;
+  }
+  __syncthreads();
+}
 template <class Set, bool kEvict, class S, int kVpl, int kR, int kU>
 __device__ inline int decode_split_rows(const DeviceCache<S>& c, const DeviceCall<S>& a, std::int64_t item,
                                         std::int64_t b, std::int64_t n, int split, Range range, const MovePlan* plan,
@@ -2007,27 +2035,7 @@ __device__ inline int decode_split_rows(const DeviceCache<S>& c, const DeviceCal
   }
   if (marked != 0) atomicAdd(&marked_block, marked);
   __syncthreads();
-  for (std::int64_t x = tid; x < kR * D; x += blockDim.x) {
-    const std::int64_t h = x / D, d = x % D;
-    float mx = negative_infinity<float>();
-    for (int w = 0; w < kDecodeWarps; ++w) mx = fmaxf(mx, red[(std::size_t(w) * kR + h) * std::size_t(D + 2)]);
-    float sum = 0.0f, y = 0.0f;
-    if (mx != negative_infinity<float>())
-      for (int w = 0; w < kDecodeWarps; ++w) {
-        const float* w_row = red + (std::size_t(w) * kR + h) * std::size_t(D + 2);
-        if (w_row[0] == negative_infinity<float>()) continue;
-        const float f = expf(w_row[0] - mx);
-        sum += f * w_row[1];
-        y += f * w_row[2 + d];
-      }
-    const std::int64_t slot = (item * a.splits + split) * kR + h;  // P = 1 row
-    if (d == 0) {
-      a.part_ml[slot * 2] = mx;
-      a.part_ml[slot * 2 + 1] = sum;
-    }
-    a.part_acc[slot * D + d] = y;
-  }
-  __syncthreads();
+  write_split_partial(a, red, kR, D, item, split);
   return marked_block;
 }
 
