@@ -121,7 +121,8 @@ TEST_CASE("kokkos kvm gives the same bits with one thread and with several threa
 }
 
 TEST_CASE("kokkos kvm gives the same bits when a call repeats", "[kokkos][kvm][unit]") {
-  // On every space, device spaces included: no atomics or order-dependent reductions in the kernels.
+  // On every space, device spaces included: no order-dependent reductions in the kernels (the device
+  // order's atomic tickets choose which team merges, never the order of a sum).
   auto c = small_config(2, 75, 4, 2, 16, 12, Power{3.0, 0.5, 8, 1, 8000});
   c.chunk = 8;
   const auto in = random_inputs(c, 310);
@@ -228,6 +229,47 @@ TEST_CASE("kokkos kvm one-token calls across update boundaries equal the host ba
     CHECK(same_bits(quiet_fin.state_k, kk_fin.state_k));
     CHECK(same_bits(quiet_fin.state_v, kk_fin.state_v));
     CHECK(quiet_fin.slots == kk_fin.slots);
+  }
+}
+
+TEST_CASE("kokkos kvm one-token calls give the same bits with teams running concurrently", "[kokkos][kvm][unit]") {
+  // The device order's one-token call hands work between teams of one launch through atomic tickets:
+  // an item's last routing team scatters and refreshes, a split row's last team merges its pieces, the
+  // call's last row team folds the counters (backend/kokkos/kvm.hpp, last_team). On a host space built
+  // for the device order, the default team takes every thread of the pool, so its teams run one at a
+  // time; teams narrower than the pool run at once on the CPU's threads and draw their tickets
+  // concurrently. Every team size, call after call, must give the bits of teams one at a time: a
+  // publication the ticket does not order, a ticket not reset or drawn twice changes outputs, slot sums
+  // or counters. A host space hands each thread a contiguous range of a launch's teams, so the calls
+  // with one item and one query head put an item's routing teams (2) and a row's split teams (2, 3 or 5)
+  // on different threads. C = 32 and a 64-token window: updates at 96, 128 and 160.
+  const int threads = KokkosSpace().concurrency();
+  std::uint64_t seed = 950;
+  for (auto c : {small_config(1, 170, 1, 1, 16, 12, Power{8.0, 0.5, 8, 1, 8000}),  // appends, then mixed
+                 small_config(1, 170, 1, 1, 16, 12, Fixed{64, 64}),                // merges, 2 pieces a row
+                 small_config(1, 170, 1, 1, 12, 16, Fixed{96, 96}),                // 3 pieces a row
+                 small_config(1, 170, 1, 1, 8, 8, Fixed{200, 200}),                // 5 pieces a row
+                 small_config(3, 170, 2, 1, 12, 16, Fixed{96, 96})}) {             // several items and rows
+    c.chunk = 32;
+    const std::int64_t split = 69;
+    const auto in = random_inputs(c, seed++);
+    HostResult one_fin;
+    const auto one = kokkos_prefill_then_decode<float>(c, in, split, &one_fin);
+    for (int team = 1; team == 1 || team < threads; team *= 2) {
+      for (int repeat = 0; repeat < 3; ++repeat) {
+        INFO("B" << c.B << " budget " << c.budget.name() << ", team size " << team << " of " << threads
+                 << " threads, repeat " << repeat);
+        HostResult fin;
+        const auto many = kokkos_prefill_then_decode<float>(c, in, split, &fin, KokkosExec{KokkosSpace(), false, team});
+        CHECK(same_bits(many, one));
+        CHECK(same_bits(fin.state_k, one_fin.state_k));
+        CHECK(same_bits(fin.state_v, one_fin.state_v));
+        CHECK(same_bits(fin.state_rho, one_fin.state_rho));
+        CHECK(fin.slots == one_fin.slots);
+        CHECK(fin.slots_after_update == one_fin.slots_after_update);
+        CHECK(fin.route_merge == one_fin.route_merge);
+      }
+    }
   }
 }
 
