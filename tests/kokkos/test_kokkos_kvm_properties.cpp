@@ -21,6 +21,24 @@ using kvmem::budget::Saturating;
 constexpr double kTolFp32 = 1e-5;
 constexpr double kTolBf16 = 1e-2;  // DESIGN.md 5, for results read from bf16-stored keys and values
 
+// A Kokkos state after its updates against the host backend's: routes and |S| exactly, the slot sums
+// and ρ bitwise on host spaces (both orders keep the host's update order), within the fp32 tolerance on
+// device spaces.
+void check_state_as_host(const HostResult& kk, const HostResult& host) {
+  CHECK(kk.slots_after_update == host.slots_after_update);
+  CHECK(kk.route_append == host.route_append);
+  CHECK(kk.route_merge == host.route_merge);
+  CHECK(kk.slots == host.slots);
+  if constexpr (std::is_same_v<KokkosSpace, Kokkos::DefaultHostExecutionSpace>) {
+    CHECK(same_bits(kk.state_k, host.state_k));
+    CHECK(same_bits(kk.state_v, host.state_v));
+    CHECK(same_bits(kk.state_rho, host.state_rho));
+  } else {
+    KVMEM_KOKKOS_CHECK_AS_HOST(kk.state_k, host.state_k, kTolFp32);
+    KVMEM_KOKKOS_CHECK_AS_HOST(kk.state_v, host.state_v, kTolFp32);
+  }
+}
+
 TEST_CASE("kokkos kvm matches the reference and the host backend on random shapes, budgets and flags",
           "[kokkos][kvm][unit]") {
   std::uint64_t seed = 100;
@@ -71,18 +89,7 @@ TEST_CASE("kokkos kvm state updates equal the host backend's: routes exactly, th
     const auto kk = kokkos_prefill<float>(c, in);
     const auto host = host_prefill<float>(c, in);
     REQUIRE(host.route_merge.size() == 6);
-    CHECK(kk.slots_after_update == host.slots_after_update);
-    CHECK(kk.route_append == host.route_append);
-    CHECK(kk.route_merge == host.route_merge);
-    CHECK(kk.slots == host.slots);
-    if constexpr (std::is_same_v<KokkosSpace, Kokkos::DefaultHostExecutionSpace>) {
-      CHECK(same_bits(kk.state_k, host.state_k));
-      CHECK(same_bits(kk.state_v, host.state_v));
-      CHECK(same_bits(kk.state_rho, host.state_rho));
-    } else {
-      KVMEM_KOKKOS_CHECK_AS_HOST(kk.state_k, host.state_k, kTolFp32);
-      KVMEM_KOKKOS_CHECK_AS_HOST(kk.state_v, host.state_v, kTolFp32);
-    }
+    check_state_as_host(kk, host);
     KVMEM_KOKKOS_CHECK_AS_HOST(kk.out, host.out, kTolFp32);
     HostResult fin;  // decode from mid-sequence: its updates run one per one-token call
     CHECK(kokkos_prefill_then_decode<float>(c, in, 150, &fin) == kk.out);
@@ -204,19 +211,8 @@ TEST_CASE("kokkos kvm one-token calls across update boundaries equal the host ba
     const auto kk = kokkos_prefill_then_decode<float>(c, in, split, &kk_fin);
     const auto host = host_prefill_then_decode<float>(c, in, split, &host_fin);
     REQUIRE(host_fin.route_merge.size() == 4);
-    CHECK(kk_fin.slots_after_update == host_fin.slots_after_update);
-    CHECK(kk_fin.route_append == host_fin.route_append);
-    CHECK(kk_fin.route_merge == host_fin.route_merge);
-    CHECK(kk_fin.slots == host_fin.slots);
+    check_state_as_host(kk_fin, host_fin);
     KVMEM_KOKKOS_CHECK_AS_HOST(kk, host, kTolFp32);
-    if constexpr (std::is_same_v<KokkosSpace, Kokkos::DefaultHostExecutionSpace>) {
-      CHECK(same_bits(kk_fin.state_k, host_fin.state_k));
-      CHECK(same_bits(kk_fin.state_v, host_fin.state_v));
-      CHECK(same_bits(kk_fin.state_rho, host_fin.state_rho));
-    } else {
-      KVMEM_KOKKOS_CHECK_AS_HOST(kk_fin.state_k, host_fin.state_k, kTolFp32);
-      KVMEM_KOKKOS_CHECK_AS_HOST(kk_fin.state_v, host_fin.state_v, kTolFp32);
-    }
     const KokkosExec exec{};
     auto st = make_kokkos_state<float>(exec, c);
     const FloatWeights w(in);
