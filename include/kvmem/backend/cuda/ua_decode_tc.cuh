@@ -53,16 +53,17 @@ __device__ inline int decode_split_tc(const DeviceCache<bf16>& c, const DeviceCa
   static_assert(kR == 4 || kR == 8, "the heads of a group are rows 0-7 of S^T, the new key row 8");
   static_assert(kDmax % 16 == 0 && kDmax <= 128, "D / 16 k-steps of A and m-tiles of O^T in registers");
   static_assert(kWarpSize == 32, "mma.sync fragments are 32-lane layouts");
-  constexpr int kSteps = kDmax / 16;                           // k-steps of S^T, m-tiles of O^T (at most)
-  constexpr int kChunks = (kDtcRows * (kDmax / 8) + 31) / 32;  // 16-byte pieces of a tile's K per lane
-  constexpr int kCounts = kDtcPerThread * kDecodeWarps;        // (window slice, warp) live counts
+  constexpr int kSteps = kDmax / 16;                     // k-steps of S^T, m-tiles of O^T (at most)
+  constexpr int kCounts = kDtcPerThread * kDecodeWarps;  // (window slice, warp) live counts
   constexpr float kNegInf = negative_infinity<float>();
-  const int D = int(c.D), steps = D / 16, per_row = D / 8;  // D <= kDmax, a multiple of 16
+  const int D = int(c.D), steps = D / 16, per_row = D / 8;                   // D <= kDmax, a multiple of 16
+  const int rows_pass = kWarpSize % per_row == 0 ? kWarpSize / per_row : 0;  // tile rows one copy covers
   const DecodeTcLayout L(D, kR);
   const int pitch = int(L.pitch);
   const std::int64_t g = item % c.G, t = c.counter[item];
   const prune::Cut cut = item_cut<kEvict>(a, item);
   const int tid = int(threadIdx.x), lane = tid % kWarpSize, warp = tid / kWarpSize;
+  const int lane_e = rows_pass > 0 ? lane / per_row : 0, lane_w = rows_pass > 0 ? (lane % per_row) * 8 : 0;
   bf16* qs = reinterpret_cast<bf16*>(smem + L.qs);                              // A: [16][pitch]
   std::int64_t* list_row = reinterpret_cast<std::int64_t*>(smem + L.list_row);  // [kDtcWindow] page places
   float* list_lam = reinterpret_cast<float*>(smem + L.list_lam);                // [kDtcWindow] λ at the step's start
@@ -73,16 +74,10 @@ __device__ inline int decode_split_tc(const DeviceCache<bf16>& c, const DeviceCa
   const bf16* in_v = a.v + b * a.v_b + g * a.v_g;
 
   // 1. A = the group's queries (rows 0 .. kR - 1) and the new key (row 8), zeros elsewhere
-  for (int x = tid; x < kDtcRows * pitch; x += int(blockDim.x)) {
-    const int row = x / pitch, d = x % pitch;
-    bf16 v = store_as<bf16>(0.0f);
-    if (d < D) {
-      if (row < kR)
-        v = a.q[b * a.q_b + (g * kR + row) * a.q_h + d];
-      else if (row == 8)
-        v = in_k[d];
-    }
-    qs[x] = v;
+  for (int row = warp; row < kDtcRows; row += kDecodeWarps) {  // a warp per row: no division per element
+    const bf16* src = row < kR ? a.q + b * a.q_b + (g * kR + row) * a.q_h : row == 8 ? in_k : nullptr;
+    for (int d = lane; d < pitch; d += kWarpSize)
+      qs[row * pitch + d] = src != nullptr && d < D ? src[d] : store_as<bf16>(0.0f);
   }
   if (tid == 0) marked_block = 0;
   __syncthreads();
@@ -127,18 +122,23 @@ __device__ inline int decode_split_tc(const DeviceCache<bf16>& c, const DeviceCa
         m_pos[lane] = t;
       }
     }
+    // K and V rows in 16-byte pieces, whole rows per instruction (contiguous reads): where a row's pieces
+    // divide the warp (D = 16, 32, 64, 128), lane l copies piece l % per_row of entries l / per_row,
+    // + rows_pass, ... (a fixed column, no division per piece); else the pieces are dealt in order.
+    const auto piece = [&](int e, int w) {
+      const bool valid = e < cnt;
+      const std::int64_t row = valid ? list_row[first + e] : kDtcNone;
+      const bf16* kp = row >= 0 ? c.keys + row * D + w : row == kDtcNewToken ? in_k + w : c.keys;
+      const bf16* vp = row >= 0 ? c.values + row * D + w : row == kDtcNewToken ? in_v + w : c.values;
+      ptx::cp_async16(ks + e * pitch + w, kp, valid ? 16 : 0);  // padding rows: zeros
+      ptx::cp_async16(vs + e * pitch + w, vp, valid ? 16 : 0);
+    };
+    if (rows_pass > 0) {
+#pragma unroll 4
+      for (int e = lane_e; e < kDtcRows; e += rows_pass) piece(e, lane_w);
+    } else {
 #pragma unroll 1
-    for (int i = 0; i < kChunks; ++i) {  // asynchronous copies: no unrolling needed, fewer registers live
-      const int x = lane + kWarpSize * i;
-      if (x < kDtcRows * per_row) {
-        const int e = x / per_row, w = (x % per_row) * 8;
-        const bool valid = e < cnt;
-        const std::int64_t row = valid ? list_row[first + e] : kDtcNone;
-        const bf16* kp = row >= 0 ? c.keys + row * D + w : row == kDtcNewToken ? in_k + w : c.keys;
-        const bf16* vp = row >= 0 ? c.values + row * D + w : row == kDtcNewToken ? in_v + w : c.values;
-        ptx::cp_async16(ks + e * pitch + w, kp, valid ? 16 : 0);  // padding rows: zeros
-        ptx::cp_async16(vs + e * pitch + w, vp, valid ? 16 : 0);
-      }
+      for (int x = lane; x < kDtcRows * per_row; x += kWarpSize) piece(x / per_row, (x % per_row) * 8);
     }
     ptx::cp_async_commit();
   };

@@ -1184,7 +1184,7 @@ inline constexpr std::int64_t kOneBlockMaxKept = 256;
 struct OneBlockLayout {
   std::int64_t pitch;  // elements of S per staged row
   std::size_t keys, values, pos, lambda, logit, keep, dst, qs, nk, acc, wts, run_max, run_sum, rescale, kept, key_scale,
-      value_scale, bytes;
+      value_scale, pages, bytes;
   __host__ __device__ static std::size_t up16(std::size_t x) { return (x + 15) / 16 * 16; }
   __host__ __device__ OneBlockLayout(std::int64_t D, std::int64_t r, std::size_t elem, bool row_scales = false) {
     pitch = D + std::int64_t(16 / elem);
@@ -1206,7 +1206,8 @@ struct OneBlockLayout {
     kept = up16(rescale + std::size_t(r) * sizeof(float));
     key_scale = kept + 16;  // fp8 storage: the tile's row scales (no bytes for other storage)
     value_scale = key_scale + (row_scales ? tile * sizeof(float) : 0);
-    bytes = value_scale + (row_scales ? tile * sizeof(float) : 0);
+    pages = up16(value_scale + (row_scales ? tile * sizeof(float) : 0));
+    bytes = pages + std::size_t(kOneBlockMaxKept + 1) * sizeof(std::int32_t);
   }
 };
 
@@ -1240,6 +1241,19 @@ __device__ inline std::int64_t decode_one_block(const DeviceCache<S>& c, const D
   float* vs_t = reinterpret_cast<float*>(smem + L.value_scale);  // fp8 storage only
 
   const int tid = threadIdx.x, warp = tid / kWarpSize, lane = tid % kWarpSize, warps = int(blockDim.x / kWarpSize);
+  // The item's page places of rows [0, n], read once: every row address of the step (staging, the
+  // survivors' destinations, the new token's row) then comes from shared memory, not a page-table load.
+  std::int32_t* pages_s = reinterpret_cast<std::int32_t*>(smem + L.pages);
+  const DevicePool& pool = c.pool;
+  if (pool.table != nullptr) {
+    const std::int64_t used = pool.pages_for(n + 1) < pool.pages_per_item ? pool.pages_for(n + 1) : pool.pages_per_item;
+    for (std::int64_t x = tid; x < used; x += blockDim.x) pages_s[x] = pool.table[item * pool.pages_per_item + x];
+  }
+  const std::int64_t in_page = (std::int64_t(1) << pool.shift) - 1;
+  const auto place = [&](std::int64_t e) -> std::int64_t {
+    if (pool.table == nullptr) return item * c.stride + e;
+    return (std::int64_t(pages_s[e >> pool.shift]) << pool.shift) | (e & in_page);
+  };
   const int grp = lane / kDecodeGroup, sub = lane % kDecodeGroup;
   const auto* new_key = a.k + b * a.k_b + g * a.k_g;
   const auto* new_value = a.v + b * a.v_b + g * a.v_g;
@@ -1272,7 +1286,7 @@ __device__ inline std::int64_t decode_one_block(const DeviceCache<S>& c, const D
       const int per_row = dim * int(sizeof(S)) / 16, per = 16 / int(sizeof(S));
       for (int x = tid; x < cached * per_row; x += int(blockDim.x)) {
         const int e = x / per_row, w = x % per_row;
-        const std::int64_t at = c.row(item, e0 + e) * D + w * per;
+        const std::int64_t at = place(e0 + e) * D + w * per;
         ptx::cp_async16(kst + e * pitch + w * per, c.keys + at, 16);
         ptx::cp_async16(vst + e * pitch + w * per, c.values + at, 16);
       }
@@ -1280,7 +1294,7 @@ __device__ inline std::int64_t decode_one_block(const DeviceCache<S>& c, const D
     } else {
       for (int x = tid; x < cached * dim; x += int(blockDim.x)) {
         const int e = x / dim, d = x % dim;
-        const std::int64_t at = c.row(item, e0 + e) * D + d;
+        const std::int64_t at = place(e0 + e) * D + d;
         kst[e * pitch + d] = c.keys[at];
         vst[e * pitch + d] = c.values[at];
       }
@@ -1304,13 +1318,13 @@ __device__ inline std::int64_t decode_one_block(const DeviceCache<S>& c, const D
     }
     for (int e = tid; e < ne; e += int(blockDim.x)) {
       const bool in_cache = e < cached;
-      lam_t[e] = in_cache ? c.lambda[c.row(item, e0 + e)] : 0.0f;
-      zk_t[e] = in_cache ? c.key_logit[c.row(item, e0 + e)] : a.z_k[b * a.zk_b + g * a.zk_g];
-      pos_t[e] = in_cache ? c.pos[c.row(item, e0 + e)] : t;
+      lam_t[e] = in_cache ? c.lambda[place(e0 + e)] : 0.0f;
+      zk_t[e] = in_cache ? c.key_logit[place(e0 + e)] : a.z_k[b * a.zk_b + g * a.zk_g];
+      pos_t[e] = in_cache ? c.pos[place(e0 + e)] : t;
       if constexpr (is_row_scaled_v<S>)
         if (in_cache) {
-          ks_t[e] = c.key_scale[c.row(item, e0 + e)];
-          vs_t[e] = c.value_scale[c.row(item, e0 + e)];
+          ks_t[e] = c.key_scale[place(e0 + e)];
+          vs_t[e] = c.value_scale[place(e0 + e)];
         }
     }
     ptx::cp_async_wait<0>();
@@ -1471,24 +1485,24 @@ __device__ inline std::int64_t decode_one_block(const DeviceCache<S>& c, const D
     auto moved = [&](std::int64_t e) { return dst_t[e] >= 0 && dst_t[e] != e0 + e; };
     copy_rows<S>(
         ne, D, vec, [&](std::int64_t e) { return kst + e * pitch; },
-        [&](std::int64_t e) { return moved(e) ? c.keys + c.row(item, dst_t[e]) * D : nullptr; });
+        [&](std::int64_t e) { return moved(e) ? c.keys + place(dst_t[e]) * D : nullptr; });
     copy_rows<S>(
         ne, D, vec, [&](std::int64_t e) { return vst + e * pitch; },
-        [&](std::int64_t e) { return moved(e) ? c.values + c.row(item, dst_t[e]) * D : nullptr; });
+        [&](std::int64_t e) { return moved(e) ? c.values + place(dst_t[e]) * D : nullptr; });
     for (int e = tid; e < ne; e += int(blockDim.x)) {
       if (dst_t[e] < 0) continue;
-      c.lambda[c.row(item, dst_t[e])] = lam_t[e];
+      c.lambda[place(dst_t[e])] = lam_t[e];
       if (moved(e)) {
-        c.key_logit[c.row(item, dst_t[e])] = zk_t[e];
-        c.pos[c.row(item, dst_t[e])] = pos_t[e];
+        c.key_logit[place(dst_t[e])] = zk_t[e];
+        c.pos[place(dst_t[e])] = pos_t[e];
         if constexpr (is_row_scaled_v<S>) {
-          c.key_scale[c.row(item, dst_t[e])] = ks_t[e];
-          c.value_scale[c.row(item, dst_t[e])] = vs_t[e];
+          c.key_scale[place(dst_t[e])] = ks_t[e];
+          c.value_scale[place(dst_t[e])] = vs_t[e];
         }
       }
     }
     if (cached < ne) {  // 6. append the new token after the survivors (λ = 0 >= ln p: always kept)
-      const std::int64_t slot = c.row(item, *kept_s);
+      const std::int64_t slot = place(*kept_s);
       copy_rows<S>(
           1, D, vec, [&](std::int64_t) { return kst + cached * pitch; },
           [&](std::int64_t) { return c.keys + slot * D; });
@@ -1754,8 +1768,9 @@ __host__ __device__ inline std::size_t split_rows_smem_bytes(std::int64_t D, std
 template <class S>
 __device__ inline void write_split_partial(const DeviceCall<S>& a, const float* red, int r, std::int64_t D,
                                            std::int64_t item, int split) {
-  for (std::int64_t x = threadIdx.x; x < r * D; x += blockDim.x) {
-    const std::int64_t h = x / D, d = x % D;
+  const int dim = int(D);  // 32-bit indices: r * D is at most a few thousand
+  for (int x = int(threadIdx.x); x < r * dim; x += int(blockDim.x)) {
+    const int h = x / dim, d = x - h * dim;
     float mx = negative_infinity<float>();
     for (int w = 0; w < kDecodeWarps; ++w) mx = fmaxf(mx, red[(std::size_t(w) * r + h) * std::size_t(D + 2)]);
     float sum = 0.0f, y = 0.0f;
