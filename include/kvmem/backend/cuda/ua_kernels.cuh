@@ -44,6 +44,7 @@
 #include "kvmem/core/softmax.hpp"
 #include "kvmem/kernel/ua_decay.hpp"
 #include "kvmem/kernel/ua_evict.hpp"
+#include "kvmem/kernel/ua_rows.hpp"
 
 namespace kvmem::cuda::ua_detail {
 
@@ -1249,11 +1250,10 @@ __device__ inline std::int64_t decode_one_block(const DeviceCache<S>& c, const D
     const std::int64_t used = pool.pages_for(n + 1) < pool.pages_per_item ? pool.pages_for(n + 1) : pool.pages_per_item;
     for (std::int64_t x = tid; x < used; x += blockDim.x) pages_s[x] = pool.table[item * pool.pages_per_item + x];
   }
-  const std::int64_t in_page = (std::int64_t(1) << pool.shift) - 1;
-  const auto place = [&](std::int64_t e) -> std::int64_t {
-    if (pool.table == nullptr) return item * c.stride + e;
-    return (std::int64_t(pages_s[e >> pool.shift]) << pool.shift) | (e & in_page);
-  };
+  // own pages: the item's rows are contiguous from item * stride
+  const kernel::ua::RowMap row_map{pool.table != nullptr ? pages_s : nullptr, pool.shift};
+  const std::int64_t first_row = pool.table != nullptr ? 0 : item * c.stride;
+  const auto place = [&](std::int64_t e) { return first_row + row_map(e); };
   const int grp = lane / kDecodeGroup, sub = lane % kDecodeGroup;
   const auto* new_key = a.k + b * a.k_b + g * a.k_g;
   const auto* new_value = a.v + b * a.v_b + g * a.v_g;
