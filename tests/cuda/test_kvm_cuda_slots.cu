@@ -1103,7 +1103,8 @@ void bounded_rows(std::uint64_t seed) {
   CHECK(refused.code() == StatusCode::kInvalidArgument);
   CHECK(refused.message().find("max_query_len") != std::string::npos);
   CHECK(refused.message().find("row 0: 30") != std::string::npos);
-  CHECK(bounded.step_status(exec).is_ok());  // read and cleared
+  CHECK(refused.message() == kvmem::row_over_bound(0, 30, 20).message());  // the host's words, the bound included
+  CHECK(bounded.step_status(exec).is_ok());                                // read and cleared
   for (std::int32_t s = 0; s < 5; ++s) CHECK(export_of(bounded, s) == before[std::size_t(s)]);
   Batch negative;
   negative.add(2, seq[2], 0, 1);

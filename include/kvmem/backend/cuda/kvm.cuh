@@ -288,7 +288,7 @@ KvmStateOffsets state_offsets(const kvm::Params& p, const kvm::Shape& s) {
   o.slot_s = arena.take(std::size_t(s.B) * sizeof(std::int64_t));
   o.seen = arena.take(std::size_t(s.B) * sizeof(int));
   o.mark = arena.take(std::size_t(s.B) * sizeof(int));
-  o.status = arena.take(4 * sizeof(int));
+  o.status = arena.take(kvm_detail::kStatusWords * sizeof(int));
   o.updates = s.n_ctx / p.chunk + 2;
   o.update_target = arena.take(std::size_t(o.updates) * sizeof(std::int64_t));
   o.bytes = arena.total();
@@ -395,7 +395,7 @@ class KvmState {
                    W * ((D + Dv) * sizeof(kvm_detail::Win<S>) + sizeof(A));
     l.slot_bytes =
         std::size_t(s.Hk) * l.item_bytes + std::size_t(s.Hq) * sizeof(int) + 3 * sizeof(std::int64_t) + 2 * sizeof(int);
-    l.fixed_bytes = 4 * sizeof(int) + std::size_t(s.n_ctx / p.chunk + 2) * sizeof(std::int64_t);
+    l.fixed_bytes = kvm_detail::kStatusWords * sizeof(int) + std::size_t(s.n_ctx / p.chunk + 2) * sizeof(std::int64_t);
     l.bytes = kvm_detail::state_offsets<S, A>(p, s).bytes;
     l.alignment = kAlign;
     return l;
@@ -537,7 +537,7 @@ class KvmState {
   // since the last read. Clears it. Synchronises the stream.
   Status step_status(const Executor& exec) {
     if (!valid()) return invalid_argument("state", "a KvmState made by KvmState::create or place", "an empty KvmState");
-    int v[3] = {};
+    int v[kvm_detail::kStatusWords] = {};
     KVMEM_RETURN_IF_ERROR(
         to_status(cudaMemcpyAsync(v, sc_.status, sizeof v, cudaMemcpyDeviceToHost, exec.stream), "read step status"));
     KVMEM_RETURN_IF_ERROR(to_status(cudaStreamSynchronize(exec.stream), "step status sync"));
@@ -560,11 +560,8 @@ class KvmState {
         return {StatusCode::kOutOfRange,
                 row + " (slot " + std::to_string(v[2]) +
                     "): its tokens exceed the state's n_ctx = " + std::to_string(shape_.n_ctx)};
-      case kvm_detail::kStepOverBound:  // core/slots.hpp row_over_bound, less the bound (the word has no room)
-        return invalid_argument(
-            "max_query_len",
-            "at least the tokens of every row that names a slot (" + row + ": " + std::to_string(v[2]) + ")",
-            "a smaller bound");
+      case kvm_detail::kStepOverBound:  // the host's message (core/slots.hpp), the bound from the word
+        return row_over_bound(v[1], v[2], v[4]);
       default:
         return invalid_argument("query_start[" + std::to_string(v[1]) + "]", "the packed token count", v[2]);
     }
@@ -724,7 +721,8 @@ class KvmState {
                                       "cudaMemsetAsync slot counters"));
     KVMEM_RETURN_IF_ERROR(
         to_status(cudaMemsetAsync(sc.seen, 0, std::size_t(s.B) * sizeof(int), on), "cudaMemsetAsync seen"));
-    KVMEM_RETURN_IF_ERROR(to_status(cudaMemsetAsync(sc.status, 0, 4 * sizeof(int), on), "cudaMemsetAsync status"));
+    KVMEM_RETURN_IF_ERROR(
+        to_status(cudaMemsetAsync(sc.status, 0, kvm_detail::kStatusWords * sizeof(int), on), "cudaMemsetAsync status"));
     // the host table dies here; this waits for the state's own side stream, nothing else
     return to_status(cudaStreamSynchronize(on), "state initialisation");
   }

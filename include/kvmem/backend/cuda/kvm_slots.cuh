@@ -28,6 +28,7 @@
 #include "kvmem/backend/cuda/vendor.cuh"
 
 #include <algorithm>
+#include <climits>
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
@@ -60,6 +61,9 @@ enum SlotStepError : int {
   kStepTokenCount = 5,  // query_start[rows] != the packed token count
   kStepOverBound = 6,   // a row naming a slot holds more tokens than the rows' max_query_len
 };
+// Elements of the step status word: code, row, value, step stamp, and the rows' max_query_len of the
+// refused step (what an over-bound refusal's message names).
+inline constexpr int kStatusWords = 5;
 
 // The per-slot counters and step bookkeeping in device memory, passed by value to the kernels.
 struct SlotCounters {
@@ -68,7 +72,7 @@ struct SlotCounters {
   std::int64_t* slots;                // [B] |S|
   SlotPlan* plan;                     // [B] (workspace: rewritten by every phase of a step)
   int* seen;                          // [B] stamp of the last step whose rows named the slot (duplicate check)
-  int* status;                        // [4] error code, row, value, step stamp
+  int* status;                        // [kStatusWords] error code, row, value, step stamp, bound
   int* mark;                          // [B] scratch of a slot operation's list check (slot_lists.cuh)
   const std::int64_t* update_target;  // [updates]: budget target of update u (first token u C), spec 3.1
   int* update_rows;                   // [rows + 1] (workspace): count, then the rows updating this phase
@@ -271,6 +275,7 @@ __global__ void __launch_bounds__(kPlanThreads)
         sc.status[0] = static_cast<int>((first_error >> 32) & 0xff);
         sc.status[1] = static_cast<int>(first_error >> 40);
         sc.status[2] = static_cast<int>(first_error & 0xffffffffull);
+        sc.status[4] = static_cast<int>(rows.max_len < INT_MAX ? rows.max_len : INT_MAX);
       }
     }
     if (first_error != ~0ull) return;
