@@ -797,6 +797,18 @@ TEST_CASE("ua cuda bf16 dense tensor-core prefill at a small shape (sanitizer ca
   INFO("out relative Frobenius " << e);
   CHECK(e <= 1e-2);
   for (auto len : gpu.lengths) CHECK(len == c.config.T);
+  // p = 0.5 in launches of one 32-row chunk: after each, prune_compact_kernel marks the rows below ln p dead in
+  // place or compacts the item; the next launch walks the dead rows as masked entries, then decode
+  const kvmem::ua::Options pruned{0.5, 32, true};
+  kvmem::ua::PrunedCache<kvmem::bf16> hc(f.cache_shape());
+  const auto host_pruned = host_calls_decode(f, 0, 60, pruned, hc);
+  kvmem::cuda::UaCacheLimits one_chunk;
+  one_chunk.dense_prune_rows = 32;
+  const auto gpu_pruned = cuda_prefill_decode<kvmem::bf16>(f, 60, pruned, one_chunk);
+  const double ep = relative_frobenius(gpu_pruned.out, host_pruned);
+  INFO("p = 0.5: out relative Frobenius " << ep);
+  CHECK(ep <= 1e-2);
+  check_kept_near_ties(c, f, gpu_pruned.kept, kept_mask(hc, c.config.T), 0.5, "dense pruned, 32-row launches vs host");
 }
 
 namespace {

@@ -66,7 +66,9 @@
 // it in place once its dead rows are as many as its kept rows (compacts_in_place), so compaction moves at
 // most one row per evicted row over time. lengths, download, export_slot and the room checks see the kept
 // rows only; a shared pool counts the pages of the rows in use, own pages publish those of the kept rows;
-// a prefill drops the dead rows first.
+// a prefill drops the dead rows first. The launches of a pruned prefill on the dense kernel (below) leave the
+// rows they evict dead in place the same way while they are under a sixteenth of an item's rows
+// (prune_compact_kernel).
 // A prefill with p = 0 (nothing is evicted) in bf16 with D in {64, 80, 128} and r in {4, 8} on a cache with
 // pool_pages = 0 (contiguous items) runs every row of the call in one pipelined tensor-core launch
 // (ua_dense_tc.cuh); every other prefill, and every
@@ -135,9 +137,10 @@ struct UaCacheLimits {
   // A pruned prefill (p > 0, a threshold evictor) takes the dense tensor-core prefill where a p = 0 call
   // would (bf16, items that own their pages, Options::prefill_chunk a multiple of the row tile), as launches
   // of this many rows (rounded down to whole chunks, at least one): each launch masks, at every chunk start,
-  // the entries whose λ fell below ln p (spec UA.md 4.5), and a compaction after it drops them, so the next
-  // launch walks the kept rows only. Fewer rows per launch walk fewer evicted rows; each launch adds its
-  // compaction and the fill of its λ pipeline. 0: every pruned prefill takes the chunked path.
+  // the entries whose λ fell below ln p (spec UA.md 4.5), and a kernel after it marks the rows below ln p dead
+  // and drops them once they are a sixteenth of the item's rows, so the next launch walks the kept rows and
+  // at most that many dead ones. Fewer rows per launch walk fewer evicted rows; each launch adds that kernel
+  // and the fill of its λ pipeline. 0: every pruned prefill takes the chunked path.
   std::int64_t dense_prune_rows = 4096;
   // A decode step of a bf16 cache whose items hold more than 256 rows runs its long items on the tensor
   // cores (ua_decode_tc.cuh) where the shape allows (D a multiple of 16 up to 128, 4 or 8 query heads per kv
@@ -1104,9 +1107,10 @@ Status ua_run(const Executor& exec, UaCache<S>& cache, const UaInputs<S>& in, co
              dense_kernel_for<Set, S, Dims>(in, D, r, false).kernel) {
     // contiguous items only: the dense prefill walks rows by address. With p = 0 the whole call is one
     // launch; with a threshold, launches of super_rows rows (whole chunks from the call's first row), each
-    // masking at its chunk starts and followed by a compaction of its evicted rows, so that the next one
-    // walks the kept rows only. Every launch starts at a chunk start: its first row tile takes the cache's
-    // λ, which the compaction before it left at or above ln p.
+    // masking at its chunk starts and followed by prune_compact_kernel, which marks its evicted rows dead
+    // (λ = -inf) and compacts an item whose dead rows reach a sixteenth of its rows, so that the next one
+    // walks the kept rows and at most that many dead ones (masked entries, weight 0). Every launch starts at
+    // a chunk start: its first row tile takes the cache's λ, at or above ln p or -inf.
     // Rows a decode marked dead go first: the kernel walks rows [0, length) by address and appends after
     // them. Device lengths stay within the host bound plus the call's rows so far: the hand-off words below
     // cover them, and the capacity check above keeps them in the items' rows.

@@ -4,8 +4,9 @@
 // decode_split_rows (ua_kernels.cuh) -- one split of one item's entries, every live row's λ updated from
 // its similarity to the new key, evicted rows marked dead in place, one online-softmax partial per query
 // head of the group -- with the two products on the tensor cores (mma.sync m16n8k16, bf16 operands, fp32
-// accumulation). Like FlashAttention and the tensor-core chunk kernel, the probabilities are rounded to
-// bf16 before p.v; logits, λ, the running max/sum and the accumulators stay fp32. The similarity and
+// accumulation). Like FlashAttention and the tensor-core chunk kernel, the probabilities are 2^x on
+// ex2.approx (relative error about 2^-22) rounded to bf16 before p.v; logits, λ, the running max/sum and the
+// accumulators stay fp32, and λ takes the exact fold of every pass (update_row). The similarity and
 // q.k are exact bf16 products summed in fp32 in another order than the other passes (the tests' near-tie
 // bound for the similarity holds for any order).
 //
@@ -46,6 +47,12 @@ namespace kvmem::cuda::ua_detail {
 // a tile's padding past the list (zero rows, never attended).
 inline constexpr std::int64_t kDtcNewToken = -1;
 inline constexpr std::int64_t kDtcNone = -2;
+
+// The addresses of a staged entry's key and value rows (in the pool, or the call's new token).
+struct alignas(16) RowPair {
+  const bf16* key;
+  const bf16* value;
+};
 
 template <class Set, bool kEvict, int kDmax, int kR>
 __device__ inline int decode_split_tc(const DeviceCache<bf16>& c, const DeviceCall<bf16>& a, std::int64_t item,
@@ -107,9 +114,10 @@ __device__ inline int decode_split_tc(const DeviceCache<bf16>& c, const DeviceCa
     std::int64_t* m_pos = m_row + kDtcRows;
     float* m_lam = reinterpret_cast<float*>(m_pos + kDtcRows);
     float* m_zk = m_lam + kDtcRows;
+    RowPair* m_src = reinterpret_cast<RowPair*>(st + L.src);  // [kDtcRows]
     const int first = (warp + j * kDecodeWarps) * kDtcRows;
     const int cnt = count - first < kDtcRows ? count - first : kDtcRows;
-    if (lane < kDtcRows) {
+    if (lane < kDtcRows) {  // entry `lane`: its meta and the addresses of its rows, once
       const bool valid = lane < cnt;
       const std::int64_t row = valid ? list_row[first + lane] : kDtcNone;
       m_row[lane] = row;
@@ -121,17 +129,22 @@ __device__ inline int decode_split_tc(const DeviceCache<bf16>& c, const DeviceCa
         m_zk[lane] = 0.0f;
         m_pos[lane] = t;
       }
+      // padding rows copy 0 bytes (zeros) from a valid address
+      const bool cached = row >= 0, fresh = row == kDtcNewToken;
+      const bf16* key = cached ? c.keys + row * D : c.keys;
+      const bf16* value = cached ? c.values + row * D : c.values;
+      m_src[lane] = {fresh ? in_k : key, fresh ? in_v : value};
     }
+    warp_sync();  // every entry's row addresses are in the stage
     // K and V rows in 16-byte pieces, whole rows per instruction (contiguous reads): where a row's pieces
     // divide the warp (D = 16, 32, 64, 128), lane l copies piece l % per_row of entries l / per_row,
-    // + rows_pass, ... (a fixed column, no division per piece); else the pieces are dealt in order.
+    // + rows_pass, ... (a fixed column: one shared-memory read of the entry's two addresses per piece pair);
+    // else the pieces are dealt in order.
     const auto piece = [&](int e, int w) {
-      const bool valid = e < cnt;
-      const std::int64_t row = valid ? list_row[first + e] : kDtcNone;
-      const bf16* kp = row >= 0 ? c.keys + row * D + w : row == kDtcNewToken ? in_k + w : c.keys;
-      const bf16* vp = row >= 0 ? c.values + row * D + w : row == kDtcNewToken ? in_v + w : c.values;
-      ptx::cp_async16(ks + e * pitch + w, kp, valid ? 16 : 0);  // padding rows: zeros
-      ptx::cp_async16(vs + e * pitch + w, vp, valid ? 16 : 0);
+      const int bytes = e < cnt ? 16 : 0;  // padding rows: zeros
+      const RowPair src = m_src[e];        // one 16-byte shared-memory read
+      ptx::cp_async16(ks + e * pitch + w, src.key + w, bytes);
+      ptx::cp_async16(vs + e * pitch + w, src.value + w, bytes);
     };
     if (rows_pass > 0) {
 #pragma unroll 4
@@ -194,10 +207,13 @@ __device__ inline int decode_split_tc(const DeviceCache<bf16>& c, const DeviceCa
     mx = fmaxf(mx, warp_shfl_xor(mx, 1));
     mx = fmaxf(mx, warp_shfl_xor(mx, 2));
     mx = fmaxf(mx, m_run);
-    const float scale = m_run == kNegInf ? 0.0f : expf(m_run - mx);  // mx = -inf only when m_run is
+    // the weights as 2^x on ex2.approx, like the tensor-core prefill kernels (ua_dense_tc.cuh): a logit or
+    // running maximum of -inf gives 0, and mx = -inf only when m_run is
+    const float base = mx == kNegInf ? 0.0f : mx * kLog2eFloat;
+    const float scale = ptx::ex2_approx_ftz(fmaf(m_run, kLog2eFloat, -base));
     float p[4];
 #pragma unroll
-    for (int u = 0; u < 4; ++u) p[u] = sl[u] == kNegInf ? 0.0f : expf(sl[u] - mx);
+    for (int u = 0; u < 4; ++u) p[u] = ptx::ex2_approx_ftz(fmaf(sl[u], kLog2eFloat, -base));
     // P^T's B fragment: entries 2 quad + {0, 1} (b0) and 8 + 2 quad + {0, 1} (b1) of head `head`, in bf16;
     // the sum takes the rounded weights, the ones p.v applies
     const std::uint32_t p01 = ptx::pack_bf16(p[0], p[1]), p23 = ptx::pack_bf16(p[2], p[3]);

@@ -9,7 +9,8 @@
 // <= 0, so an entry below ln p at a chunk end stays below it): the dense prefill with a mask. Row tile k
 // receives Λ_{r0-1, j} of every earlier entry anyway (below); where r0 starts a chunk it sets those below
 // ln p to -inf (DeviceCall::prune_tiles), and a launch over whole chunks ends with the survivors' λ and -inf
-// for the rest, which a compaction drops (ua_run runs a long pruned prompt as several such launches). Each block owns
+// for the rest, dead rows that prune_compact_kernel counts and drops once they are a sixteenth of the item's rows
+// (ua_run runs a long pruned prompt as several such launches). Each block owns
 // one row tile (kDnPairs (head, row) pairs = r heads x kDnPairs / r rows) of one (sequence, kv head) item and walks
 // *every* entry up to its last row, so it finishes its own softmax and writes the output directly (FlashAttention's
 // query-stationary order). The one dependency is λ: row tile k needs Λ_{r0-1, j} of every entry j

@@ -997,26 +997,173 @@ __global__ void __launch_bounds__(kFinishThreads)
   if (a.publish_ticket != nullptr) publish_if_last(c.pool, a.publish_ticket, gridDim.x);
 }
 
+// Drops an item's dead rows (λ = -inf) in place, the others kept in position order, where every row is whole
+// 16-byte vectors and carries no row scale (moves_in_registers). The block walks the n rows in groups of
+// move_group_rows: warp 0 gives each live row its place (ballots), every thread reads its pieces of the
+// group's moving rows into registers (kMovePieces of them), and after a barrier writes them to their places.
+// A place is never above its row, so a group's writes land on rows that this group or an earlier one has
+// read, and the barrier orders every read of the group before any write. Rows before the first dead one
+// are not touched. Two round trips per group (λ, then the rows), where finish_item stages kCompactRows rows
+// through shared memory in three. Returns the kept count (every thread).
+inline constexpr int kMovePieces = 16;    // 16-byte pieces a thread holds
+inline constexpr int kMoveRowsMax = 256;  // rows of a group at most (bf16 D 64: 8 pieces a row)
+__host__ __device__ inline int move_group_rows(std::int64_t row_bytes) {
+  const std::int64_t rows = std::int64_t(kMovePieces) * kFinishThreads / (2 * (row_bytes / 16));
+  const std::int64_t whole = (rows < kMoveRowsMax ? rows : kMoveRowsMax) / kWarpSize * kWarpSize;
+  return int(whole);
+}
+template <class S>
+__device__ inline bool moves_in_registers(std::int64_t D) {
+  const std::int64_t bytes = D * std::int64_t(sizeof(S));
+  return !is_row_scaled_v<S> && bytes % 16 == 0 && move_group_rows(bytes) >= kWarpSize;
+}
+template <class S>
+__device__ inline std::int64_t compact_dead_rows(const DeviceCache<S>& c, std::int64_t item, std::int64_t n) {
+  static_assert(kMoveRowsMax % kWarpSize == 0 && kMoveRowsMax <= kFinishThreads, "a thread per row of a group");
+  constexpr int kBallots = kMoveRowsMax / kWarpSize;
+  __shared__ int place[kMoveRowsMax];  // the group's rows: their place, -1 = dead
+  __shared__ int kept_s;
+  const int tid = int(threadIdx.x), lane = tid % kWarpSize, threads = int(blockDim.x);
+  const std::int64_t D = c.D;
+  const int per_row = int(D * std::int64_t(sizeof(S)) / 16), group = move_group_rows(D * std::int64_t(sizeof(S)));
+  std::int64_t kept = 0;  // live rows before the group
+  bool moving = false;    // a dead row came before: every live row from here on moves
+  for (std::int64_t e0 = 0; e0 < n; e0 += group) {
+    const int ne = int(n - e0 < group ? n - e0 : group);
+    __syncthreads();  // the previous group's readers of place and kept_s are done
+    if (tid < kWarpSize) {
+      bool live[kBallots];
+#pragma unroll
+      for (int u = 0; u < kBallots; ++u) {  // every λ of the group in flight together
+        const int e = u * kWarpSize + lane;
+        live[u] = e < ne && !is_dead(load_cg(c.lambda + c.row(item, e0 + e)));
+      }
+      int base = int(kept);
+#pragma unroll
+      for (int u = 0; u < kBallots; ++u) {
+        const LaneMask mask = warp_ballot(live[u]);
+        if (u * kWarpSize < group)
+          place[u * kWarpSize + lane] = live[u] ? base + mask_popc(mask & lanes_below(lane)) : -1;
+        base += mask_popc(mask);
+      }
+      if (lane == 0) kept_s = base;
+    }
+    __syncthreads();
+    const std::int64_t after = kept_s;
+    if (!moving && after - kept == ne) {  // no dead row yet: nothing moves
+      kept = after;
+      continue;
+    }
+    moving = true;
+    const auto moves = [&](int e) { return e < ne && place[e] >= 0 && place[e] != e0 + e; };
+    uint4 v[kMovePieces];
+#pragma unroll
+    for (int k = 0; k < kMovePieces; ++k) {  // piece x: row x / (2 per_row), keys then values, vector x % per_row
+      const int x = tid + k * threads, e = x / (2 * per_row), w = x % per_row;
+      const bool values = (x / per_row) % 2 != 0;
+      if (moves(e)) v[k] = reinterpret_cast<const uint4*>((values ? c.values : c.keys) + c.row(item, e0 + e) * D)[w];
+    }
+    float lam = 0.0f, zk = 0.0f;
+    std::int64_t pos = 0;
+    if (moves(tid)) {
+      const std::int64_t row = c.row(item, e0 + tid);
+      lam = load_cg(c.lambda + row);
+      zk = c.key_logit[row];
+      pos = c.pos[row];
+    }
+    __syncthreads();  // every read of the group is performed before any write
+#pragma unroll
+    for (int k = 0; k < kMovePieces; ++k) {
+      const int x = tid + k * threads, e = x / (2 * per_row), w = x % per_row;
+      const bool values = (x / per_row) % 2 != 0;
+      if (moves(e)) reinterpret_cast<uint4*>((values ? c.values : c.keys) + c.row(item, place[e]) * D)[w] = v[k];
+    }
+    if (moves(tid)) {
+      const std::int64_t to = c.row(item, place[tid]);
+      c.lambda[to] = lam;
+      c.key_logit[to] = zk;
+      c.pos[to] = pos;
+    }
+    kept = after;
+  }
+  return kept;
+}
+
+// compact_dead_rows over an item's n rows in use, then its length is the kept count and no row is dead.
+template <class S>
+__device__ inline void compact_item(const DeviceCache<S>& c, std::int64_t item, std::int64_t n) {
+  const std::int64_t kept = compact_dead_rows(c, item, n);
+  if (threadIdx.x == 0) {
+    c.length[item] = kept;
+    c.dead[item] = 0;
+  }
+}
+
 // grid (I), block kFinishThreads, dynamic smem finish_smem_bytes<S>(D): drops the dead rows of every item
-// (finish_item without eviction: nothing else goes), appending nothing. Before a call that walks rows by
-// address (the dense tensor-core prefill) and before a prune rule's cuts (ua_prune.cuh: they read every
-// row in use as an entry). An item without dead rows is left as it is.
+// (compact_dead_rows, or finish_item without eviction where a group of rows does not fit the registers:
+// nothing else goes), appending nothing. Before a call that walks rows by address (the dense tensor-core
+// prefill) and before a prune rule's cuts (ua_prune.cuh: they read every row in use as an entry). An item
+// without dead rows is left as it is.
 template <class S>
 __global__ void __launch_bounds__(kFinishThreads) compact_kernel(DeviceCache<S> c, DeviceCall<S> a) {
   extern __shared__ __align__(16) unsigned char fsm[];
   const std::int64_t item = blockIdx.x, dead = c.dead[item];
   if (dead == 0) return;
-  finish_item<false>(c, a, item, item / c.G, 0, 0, false, dead, fsm);
+  if (moves_in_registers<S>(c.D))
+    compact_item(c, item, c.length[item]);
+  else
+    finish_item<false>(c, a, item, item / c.G, 0, 0, false, dead, fsm);
 }
 
 // grid (I), block kFinishThreads, dynamic smem finish_smem_bytes<S>(D): after a launch of the dense prefill
-// with a threshold (a.log_p), which ends at a chunk end: every item drops its rows below ln p (spec 4.5,
-// the masked ones included: dead, λ = -inf) and keeps the others in position order, appending nothing.
+// with a threshold (a.log_p), which ends at a chunk end: every row below ln p goes (spec 4.5, the rows the
+// launch masked included: λ = -inf already). The kernel marks them dead in place (λ = -inf) and counts them;
+// an item compacts once its dead rows are at least 1 / kPruneCompactShare of its rows (compact_dead_rows, or
+// finish_item for rows it cannot hold), and otherwise keeps them in place, counted in c.dead as a decode step
+// leaves the rows it evicts. A compaction moves every row after the first dead one, on one block per item,
+// while a dead row costs the next launch a masked entry (weight 0, λ stays -inf) and a decode step one λ
+// read: a launch that evicts a few rows of a long item (high kept fractions) moves nothing, and one that
+// evicts many leaves none behind. The compaction before the next prefill call drops what is left
+// (compact_kernel).
+inline constexpr std::int64_t kPruneCompactShare = 16;
 template <class S>
 __global__ void __launch_bounds__(kFinishThreads) prune_compact_kernel(DeviceCache<S> c, DeviceCall<S> a) {
   extern __shared__ __align__(16) unsigned char fsm[];
-  const std::int64_t item = blockIdx.x;
-  finish_item<true>(c, a, item, item / c.G, 0, 0, false, c.dead[item], fsm);
+  const std::int64_t item = blockIdx.x, n = c.length[item];
+  const prune::Cut cut = item_cut<true>(a, item);
+  __shared__ int dead_s;
+  if (threadIdx.x == 0) dead_s = 0;
+  __syncthreads();
+  constexpr int kBatch = 4;  // rows per thread whose λ and position are in flight together
+  int dead = 0;
+  for (std::int64_t e0 = threadIdx.x; e0 < n; e0 += std::int64_t(kBatch) * blockDim.x) {
+    std::int64_t row[kBatch], pos[kBatch];
+    float lam[kBatch];
+#pragma unroll
+    for (int u = 0; u < kBatch; ++u) {
+      const std::int64_t e = e0 + std::int64_t(u) * blockDim.x;
+      row[u] = e < n ? c.row(item, e) : -1;
+      lam[u] = row[u] >= 0 ? load_cg(c.lambda + row[u]) : 0.0f;
+      pos[u] = row[u] >= 0 ? c.pos[row[u]] : 0;
+    }
+#pragma unroll
+    for (int u = 0; u < kBatch; ++u)
+      if (row[u] >= 0 && gone<true>(lam[u], pos[u], cut)) {
+        ++dead;
+        if (!is_dead(lam[u])) c.lambda[row[u]] = negative_infinity<float>();
+      }
+  }
+  for (int o = kWarpSize / 2; o > 0; o /= 2) dead += warp_shfl_xor(dead, o);
+  if (threadIdx.x % kWarpSize == 0 && dead != 0) atomicAdd(&dead_s, dead);
+  __syncthreads();  // every row is marked and counted
+  const std::int64_t total = dead_s;
+  if (total == 0 || total * kPruneCompactShare < n) {  // none, or too few to move every row after them
+    if (threadIdx.x == 0) c.dead[item] = total;
+  } else if (moves_in_registers<S>(c.D)) {
+    compact_item(c, item, n);
+  } else {
+    finish_item<true>(c, a, item, item / c.G, 0, 0, false, total, fsm);
+  }
 }
 
 // ---- decode: what every decode path shares -----------------------------------------------------
@@ -2138,10 +2285,11 @@ __host__ __device__ inline bool decode_tc_shape_ok(std::int64_t D, std::int64_t 
 // window's list of live entries (page places, λ), the prefix sums of its counts, then every warp's stages.
 // Staged rows are pitch = D + 8 elements apart (16 bytes more than a row), so the 8 rows an ldmatrix reads
 // fall in different banks. A stage: K rows, V rows, then per entry its page place and position (int64), λ
-// and key-gate logit (float). After the windows the stages hold the warps' states for the merge.
+// and key-gate logit (float), and the addresses of its key and value rows (two pointers, 16-byte aligned).
+// After the windows the stages hold the warps' states for the merge.
 struct DecodeTcLayout {
   std::int64_t pitch;
-  std::size_t qs, list_row, list_lam, counts, stages, meta, stage_bytes, bytes;
+  std::size_t qs, list_row, list_lam, counts, stages, meta, src, stage_bytes, bytes;
   __host__ __device__ static std::size_t up128(std::size_t x) { return (x + 127) / 128 * 128; }
   __host__ __device__ DecodeTcLayout(std::int64_t D, std::int64_t r) {
     pitch = D + 8;
@@ -2152,7 +2300,8 @@ struct DecodeTcLayout {
     counts = up128(list_lam + std::size_t(kDtcWindow) * sizeof(float));
     stages = up128(counts + std::size_t(kDtcPerThread * kDecodeWarps + 1) * sizeof(int));
     meta = 2 * rows;
-    stage_bytes = up128(meta + std::size_t(kDtcRows) * (2 * sizeof(std::int64_t) + 2 * sizeof(float)));
+    src = meta + std::size_t(kDtcRows) * (2 * sizeof(std::int64_t) + 2 * sizeof(float));  // a multiple of 16
+    stage_bytes = up128(src + std::size_t(kDtcRows) * 2 * sizeof(const void*));           // RowPair per entry
     const std::size_t states = std::size_t(kDecodeWarps) * std::size_t(r) * std::size_t(D + 2) * sizeof(float);
     const std::size_t staged = std::size_t(kDecodeWarps) * kDtcStages * stage_bytes;
     bytes = stages + (staged > states ? staged : states);
