@@ -32,7 +32,10 @@ for a GPU run, benchmarks/results/*.json are the files of record):
       decode_ms        ms per decode step (one token per sequence), each step a plain launch
       decode_graph_ms  the same steps replayed from a captured CUDA graph (null: not measured)
       run              optional: where a row was not measured in the run of the table
+      gate_mean        the benchmark's gate-logit mean (--gate-mean; 1 where absent)
       kept_prefill, kept_decode, kept_kv_bytes, state_mib, kv_mib, ...: optional extras
+A record whose kvmem rows span several gate means is a kept-fraction sweep: its plot shows prefill and
+decode time against the kept fraction instead of the context length.
 """
 import argparse
 import collections
@@ -83,7 +86,75 @@ def main_rows(record):
     return batch, [r for r in record["rows"] if r["batch"] == batch and r.get("kv_heads", kv_heads) == kv_heads]
 
 
+def is_sweep(record):
+    """A record of the kept-fraction sweep: kvmem rows at more than one gate-logit mean."""
+    return len({r.get("gate_mean", 1.0) for r in record["rows"] if r["kind"] == "kvmem"}) > 1
+
+
+def plot_sweep(record, path):
+    """Prefill and decode time against the kept fraction, one series per (T, p), with the dense anchors of
+    each T as horizontal lines and, for decode, the bound 1.3 x (kept bytes at the copy bandwidth) + 5 us."""
+    rows = record["rows"]
+    pruned = [r for r in rows if r["kind"] == "kvmem" and r.get("p", 0) > 0]
+    tokens = sorted({r["tokens"] for r in pruned})
+    copy_tbs = record["machine"].get("copy_tb_s")
+    fig, axes = plt.subplots(1, 2, figsize=(12, 5.4))
+    for ti, T in enumerate(tokens):
+        shade = f"C{ti}"
+        for pi, p in enumerate(sorted({r["p"] for r in pruned if r["tokens"] == T})):
+            pts = sorted((r for r in pruned if r["tokens"] == T and r["p"] == p), key=lambda r: r["kept_decode"])
+            label = f"UA pruned T = {T // 1024}K, p = {p:g}"
+            style = dict(color=shade, marker="o^"[pi % 2], linestyle="-" if pi == 0 else ":", linewidth=2)
+            axes[0].plot([r["kept_prefill"] for r in pts], [r["prefill_ms"] for r in pts], label=label, **style)
+            axes[1].plot([r["kept_decode"] for r in pts], [best_decode(r) for r in pts], label=label, **style)
+            if copy_tbs and pi == 0:
+                bound = [1.3 * r["kept_kv_bytes"] / (copy_tbs * 1e12) * 1e3 + 0.005 for r in pts]
+                axes[1].plot([r["kept_decode"] for r in pts], bound, color=shade, linestyle="-.", linewidth=1,
+                             label=f"1.3 x kept bytes at {copy_tbs:g} TB/s + 5 us, {T // 1024}K")
+        for r in rows:
+            if r["tokens"] != T or r["kind"] != "anchor" or r["variant"] != "SDPA cudnn":
+                continue
+            axes[0].axhline(r["prefill_ms"], color=shade, linestyle="--", linewidth=1,
+                            label=f"cuDNN SDPA dense, {T // 1024}K")
+            axes[1].axhline(best_decode(r), color=shade, linestyle="--", linewidth=1,
+                            label=f"cuDNN SDPA dense, {T // 1024}K")
+        dense = sorted(r["prefill_ms"] for r in rows if r["kind"] == "kvmem" and r.get("p", 0) == 0 and r["tokens"] == T)
+        if dense:
+            axes[0].axhline(dense[len(dense) // 2], color=shade, linestyle=(0, (1, 1)), linewidth=1.5,
+                            label=f"kvmem UA dense prefill, {T // 1024}K")
+    for ax, ylabel, title in ((axes[0], "prefill time (ms)", "pruned prefill"),
+                              (axes[1], "decode time per token (ms)", "decode (CUDA graph)")):
+        ax.set_xscale("log")
+        ax.set_yscale("log")
+        ax.set_xlabel("kept fraction of the keys")
+        ax.set_ylabel(ylabel)
+        ax.xaxis.set_major_formatter(FuncFormatter(lambda x, _: f"{x * 100:g} %"))
+        ax.yaxis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
+        ax.yaxis.set_minor_locator(NullLocator())
+        ax.yaxis.set_major_formatter(FuncFormatter(lambda y, _: f"{y:g}"))
+        ax.grid(True, which="major", alpha=0.3)
+        ax.set_title(title)
+    handles, labels = [], []
+    for ax in axes:
+        for h, label in zip(*ax.get_legend_handles_labels()):
+            if label not in labels:
+                handles.append(h)
+                labels.append(label)
+    fig.legend(handles, labels, loc="lower center", ncol=3, fontsize=8, frameon=False)
+    m, s = record["machine"], record["shape"]
+    batch = pruned[0]["batch"] if pruned else "?"
+    fig.suptitle(f"Universal Attention at the kept fractions of trained models: B{batch} H{s['heads']}/{s['kv_heads']} "
+                 f"D{s['head_dim']} {s['storage']} — {m['gpu']}, CUDA {m.get('cuda', '?')} — {record['date']}",
+                 fontsize=10)
+    fig.tight_layout(rect=(0, 0.16, 1, 1))
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def plot(record, path):
+    if is_sweep(record):
+        plot_sweep(record, path)
+        return
     batch, rows = main_rows(record)
     series = collections.OrderedDict()
     for r in sorted(rows, key=lambda r: (r["kind"] != "kvmem", r["variant"], r.get("p", 0), r["tokens"])):
