@@ -616,11 +616,12 @@ TEST_CASE("ua cuda bf16 pruned prefill on the dense tensor-core kernel: fp64 ref
           "[ua][cuda][nearties]") {
   if (no_device()) return;
   // p > 0 with bf16, r in {4, 8}, own pages and chunks of whole row tiles takes dense_prefill_tc_kernel with
-  // the chunk-start masks, in launches of UaCacheLimits::dense_prune_rows rows, each followed by a compaction.
+  // the chunk-start masks, in launches of UaCacheLimits::dense_prune_rows rows, each followed by the kernel that
+  // marks the evicted rows dead and compacts an item once they are a sixteenth of its rows.
   // T = 600 (not a multiple of 128): one prefill of 500 tokens, then decode. Against the fp64 reference on
   // the same bf16 values: outputs (relative Frobenius <= 1e-2, DESIGN.md 5), kept sets (near-ties only:
   // keys whose fp32 λ interval, widened by the dense fold's error per pair, contains ln p) and the λ of
-  // every key both keep (inside that interval). Launches of 128 (= P: a compaction after every chunk), 256
+  // every key both keep (inside that interval). Launches of 128 (= P: that kernel after every chunk), 256
   // (two launches and a ragged third) and 4096 rows (one) must all give that; the chunk kernel
   // (dense_prune_rows = 0) and the host too. Two prefill calls ([0, 200), [200, 500): the second call's
   // chunks start at 200) against the host's same two calls. D 128 r 4 and D 64 r 8 (wgmma), D 80 r 4
