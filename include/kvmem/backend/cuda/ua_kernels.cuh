@@ -1028,16 +1028,25 @@ __device__ inline std::int64_t compact_dead_rows(const DeviceCache<S>& c, std::i
   const int per_row = int(D * std::int64_t(sizeof(S)) / 16), group = move_group_rows(D * std::int64_t(sizeof(S)));
   std::int64_t kept = 0;  // live rows before the group
   bool moving = false;    // a dead row came before: every live row from here on moves
+  // warp 0: λ of the group's rows, loaded one group ahead (no write of a group touches the next one's rows),
+  // so that the loads are in flight during the previous group's copies
+  float lam_ahead[kBallots];
+  const auto load_ahead = [&](std::int64_t g0) {
+#pragma unroll
+    for (int u = 0; u < kBallots; ++u) {
+      const std::int64_t e = g0 + u * kWarpSize + lane;
+      lam_ahead[u] = u * kWarpSize < group && e < n ? load_cg(c.lambda + c.row(item, e)) : negative_infinity<float>();
+    }
+  };
+  if (tid < kWarpSize) load_ahead(0);
   for (std::int64_t e0 = 0; e0 < n; e0 += group) {
     const int ne = int(n - e0 < group ? n - e0 : group);
     __syncthreads();  // the previous group's readers of place and kept_s are done
     if (tid < kWarpSize) {
       bool live[kBallots];
 #pragma unroll
-      for (int u = 0; u < kBallots; ++u) {  // every λ of the group in flight together
-        const int e = u * kWarpSize + lane;
-        live[u] = e < ne && !is_dead(load_cg(c.lambda + c.row(item, e0 + e)));
-      }
+      for (int u = 0; u < kBallots; ++u) live[u] = !is_dead(lam_ahead[u]);  // rows past the group: -inf
+      if (e0 + group < n) load_ahead(e0 + group);
       int base = int(kept);
 #pragma unroll
       for (int u = 0; u < kBallots; ++u) {
