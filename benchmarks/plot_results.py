@@ -34,8 +34,8 @@ for a GPU run, benchmarks/results/*.json are the files of record):
       run              optional: where a row was not measured in the run of the table
       gate_mean        the benchmark's gate-logit mean (--gate-mean; 1 where absent)
       kept_prefill, kept_decode, kept_kv_bytes, state_mib, kv_mib, ...: optional extras
-A record whose kvmem rows span several gate means is a kept-fraction sweep: its plot shows prefill and
-decode time against the kept fraction instead of the context length.
+Rows whose run starts with "kept-fraction sweep" (several gate means at a few context lengths, with their
+own anchors) are drawn in a second row of panels, against the kept fraction instead of the context length.
 """
 import argparse
 import collections
@@ -81,26 +81,23 @@ def series_name(row):
 def main_rows(record):
     """The rows of the record's main shape: the batch most kvmem rows use, KV heads as in `shape`."""
     kv_heads = record["shape"].get("kv_heads")
-    batches = collections.Counter(r["batch"] for r in record["rows"] if r["kind"] == "kvmem")
+    rows = [r for r in record["rows"] if not is_sweep_row(r)]
+    batches = collections.Counter(r["batch"] for r in rows if r["kind"] == "kvmem")
     batch = batches.most_common(1)[0][0]
-    return batch, [r for r in record["rows"] if r["batch"] == batch and r.get("kv_heads", kv_heads) == kv_heads]
+    return batch, [r for r in rows if r["batch"] == batch and r.get("kv_heads", kv_heads) == kv_heads]
 
 
-def is_sweep(record):
-    """A record of the kept-fraction sweep: kvmem rows at more than one gate-logit mean."""
-    return len({r.get("gate_mean", 1.0) for r in record["rows"] if r["kind"] == "kvmem"}) > 1
+def is_sweep_row(row):
+    """A row of the kept-fraction sweep (run: "kept-fraction sweep ..."), plotted against the kept fraction."""
+    return row.get("run", "").startswith("kept-fraction sweep")
 
 
-def plot_sweep(record, path):
+def draw_sweep(axes, rows, copy_tbs):
     """Prefill and decode time against the kept fraction, one series per (T, p), with the dense anchors of
     each T as horizontal lines and, for decode, the bound 1.3 x (kept bytes at the copy bandwidth) + 5 us."""
-    rows = record["rows"]
     pruned = [r for r in rows if r["kind"] == "kvmem" and r.get("p", 0) > 0]
-    tokens = sorted({r["tokens"] for r in pruned})
-    copy_tbs = record["machine"].get("copy_tb_s")
-    fig, axes = plt.subplots(1, 2, figsize=(12, 5.4))
-    for ti, T in enumerate(tokens):
-        shade = f"C{ti}"
+    for ti, T in enumerate(sorted({r["tokens"] for r in pruned})):
+        shade = f"C{ti + 4}"
         for pi, p in enumerate(sorted({r["p"] for r in pruned if r["tokens"] == T})):
             pts = sorted((r for r in pruned if r["tokens"] == T and r["p"] == p), key=lambda r: r["kept_decode"])
             label = f"UA pruned T = {T // 1024}K, p = {p:g}"
@@ -122,11 +119,11 @@ def plot_sweep(record, path):
         if dense:
             axes[0].axhline(dense[len(dense) // 2], color=shade, linestyle=(0, (1, 1)), linewidth=1.5,
                             label=f"kvmem UA dense prefill, {T // 1024}K")
-    for ax, ylabel, title in ((axes[0], "prefill time (ms)", "pruned prefill"),
-                              (axes[1], "decode time per token (ms)", "decode (CUDA graph)")):
+    for ax, ylabel, title in ((axes[0], "prefill time (ms)", "pruned prefill against the kept fraction"),
+                              (axes[1], "decode time per token (ms)", "decode (CUDA graph) against the kept fraction")):
         ax.set_xscale("log")
         ax.set_yscale("log")
-        ax.set_xlabel("kept fraction of the keys")
+        ax.set_xlabel("kept fraction of the keys (gate-logit mean swept)")
         ax.set_ylabel(ylabel)
         ax.xaxis.set_major_formatter(FuncFormatter(lambda x, _: f"{x * 100:g} %"))
         ax.yaxis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
@@ -134,32 +131,28 @@ def plot_sweep(record, path):
         ax.yaxis.set_major_formatter(FuncFormatter(lambda y, _: f"{y:g}"))
         ax.grid(True, which="major", alpha=0.3)
         ax.set_title(title)
+
+
+def row_legend(fig, axes, y):
+    """One legend under a row of panels, each label once."""
     handles, labels = [], []
     for ax in axes:
         for h, label in zip(*ax.get_legend_handles_labels()):
             if label not in labels:
                 handles.append(h)
                 labels.append(label)
-    fig.legend(handles, labels, loc="lower center", ncol=3, fontsize=8, frameon=False)
-    m, s = record["machine"], record["shape"]
-    batch = pruned[0]["batch"] if pruned else "?"
-    fig.suptitle(f"Universal Attention at the kept fractions of trained models: B{batch} H{s['heads']}/{s['kv_heads']} "
-                 f"D{s['head_dim']} {s['storage']} — {m['gpu']}, CUDA {m.get('cuda', '?')} — {record['date']}",
-                 fontsize=10)
-    fig.tight_layout(rect=(0, 0.16, 1, 1))
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    fig.legend(handles, labels, loc="upper center", bbox_to_anchor=(0.5, y), ncol=min(len(labels), 4), fontsize=8,
+               frameon=False)
 
 
 def plot(record, path):
-    if is_sweep(record):
-        plot_sweep(record, path)
-        return
+    sweep = [r for r in record["rows"] if is_sweep_row(r)]
     batch, rows = main_rows(record)
     series = collections.OrderedDict()
     for r in sorted(rows, key=lambda r: (r["kind"] != "kvmem", r["variant"], r.get("p", 0), r["tokens"])):
         series.setdefault((r["kind"], series_name(r)), []).append(r)
-    fig, axes = plt.subplots(1, 2, figsize=(12, 5.4))
+    fig, grid = plt.subplots(2 if sweep else 1, 2, figsize=(12, 11.5 if sweep else 5.4), squeeze=False)
+    axes = grid[0]
     markers = iter("o^vD<>pX*")
     # seconds where every prefill takes longer than one (the host backend's runs)
     in_s = all((r.get("prefill_ms") or 1e9) >= 1000 for r in rows)
@@ -199,19 +192,22 @@ def plot(record, path):
             ax.set_ylim(*nice_limits(plotted))
         ax.grid(True, which="major", alpha=0.3)
         ax.set_title(title)
-    handles, labels = axes[0].get_legend_handles_labels()
-    for h, label in zip(*axes[1].get_legend_handles_labels()):
-        if label not in labels:
-            handles.append(h)
-            labels.append(label)
-    fig.legend(handles, labels, loc="lower center", ncol=min(len(labels), 4), fontsize=8, frameon=False)
+    if sweep:
+        draw_sweep(grid[1], sweep, record["machine"].get("copy_tb_s"))
+        row_legend(fig, grid[0], 0.555)
+        row_legend(fig, grid[1], 0.085)
+    else:
+        row_legend(fig, axes, 0.1)
     m, s = record["machine"], record["shape"]
     where = f"{m['gpu']}, CUDA {m.get('cuda', '?')}" if record["backend"] == "cuda" else m.get("cpu", "CPU")
     heads = f"H{s['heads']}" + (f"/{s['kv_heads']}" if s.get("kv_heads") not in (None, s["heads"]) else "")
     backend = "CUDA backend" if record["backend"] == "cuda" else "host backend"
     fig.suptitle(f"{'KV Means' if record['mechanism'] == 'kvm' else 'Universal Attention'}, {backend}: "
                  f"B{batch} {heads} D{s['head_dim']} {s['storage']} — {where} — {record['date']}", fontsize=10)
-    fig.tight_layout(rect=(0, 0.1, 1, 1))
+    if sweep:
+        fig.tight_layout(rect=(0, 0.09, 1, 1), h_pad=7.0)
+    else:
+        fig.tight_layout(rect=(0, 0.1, 1, 1))
     fig.savefig(path, dpi=110)
     plt.close(fig)
 
