@@ -1065,13 +1065,17 @@ __device__ inline std::int64_t compact_dead_rows(const DeviceCache<S>& c, std::i
     }
     moving = true;
     const auto moves = [&](int e) { return e < ne && place[e] >= 0 && place[e] != e0 + e; };
+    // piece k of this thread: row e = x / (2 per_row) of the group, its key then its value, vector x % per_row;
+    // `at` the vector in logical row `to` (the row itself, or its place)
+    const auto row_of = [&](int k) { return (tid + k * threads) / (2 * per_row); };
+    const auto at = [&](int k, std::int64_t to) {
+      const int x = tid + k * threads;
+      return reinterpret_cast<uint4*>(((x / per_row) % 2 != 0 ? c.values : c.keys) + c.row(item, to) * D) + x % per_row;
+    };
     uint4 v[kMovePieces];
 #pragma unroll
-    for (int k = 0; k < kMovePieces; ++k) {  // piece x: row x / (2 per_row), keys then values, vector x % per_row
-      const int x = tid + k * threads, e = x / (2 * per_row), w = x % per_row;
-      const bool values = (x / per_row) % 2 != 0;
-      if (moves(e)) v[k] = reinterpret_cast<const uint4*>((values ? c.values : c.keys) + c.row(item, e0 + e) * D)[w];
-    }
+    for (int k = 0; k < kMovePieces; ++k)
+      if (moves(row_of(k))) v[k] = *at(k, e0 + row_of(k));
     float lam = 0.0f, zk = 0.0f;
     std::int64_t pos = 0;
     if (moves(tid)) {
@@ -1082,11 +1086,8 @@ __device__ inline std::int64_t compact_dead_rows(const DeviceCache<S>& c, std::i
     }
     __syncthreads();  // every read of the group is performed before any write
 #pragma unroll
-    for (int k = 0; k < kMovePieces; ++k) {
-      const int x = tid + k * threads, e = x / (2 * per_row), w = x % per_row;
-      const bool values = (x / per_row) % 2 != 0;
-      if (moves(e)) reinterpret_cast<uint4*>((values ? c.values : c.keys) + c.row(item, place[e]) * D)[w] = v[k];
-    }
+    for (int k = 0; k < kMovePieces; ++k)
+      if (moves(row_of(k))) *at(k, place[row_of(k)]) = v[k];
     if (moves(tid)) {
       const std::int64_t to = c.row(item, place[tid]);
       c.lambda[to] = lam;
@@ -1098,9 +1099,16 @@ __device__ inline std::int64_t compact_dead_rows(const DeviceCache<S>& c, std::i
   return kept;
 }
 
-// compact_dead_rows over an item's n rows in use, then its length is the kept count and no row is dead.
+// Drops the `dead` rows (λ = -inf) of an item's n rows in use: compact_dead_rows, or finish_item without
+// eviction where a group of rows does not fit the registers; then its length is the kept count and no row
+// is dead.
 template <class S>
-__device__ inline void compact_item(const DeviceCache<S>& c, std::int64_t item, std::int64_t n) {
+__device__ inline void compact_item(const DeviceCache<S>& c, const DeviceCall<S>& a, std::int64_t item, std::int64_t n,
+                                    std::int64_t dead, unsigned char* fsm) {
+  if (!moves_in_registers<S>(c.D)) {
+    finish_item<false>(c, a, item, item / c.G, 0, 0, false, dead, fsm);
+    return;
+  }
   const std::int64_t kept = compact_dead_rows(c, item, n);
   if (threadIdx.x == 0) {
     c.length[item] = kept;
@@ -1109,8 +1117,7 @@ __device__ inline void compact_item(const DeviceCache<S>& c, std::int64_t item, 
 }
 
 // grid (I), block kFinishThreads, dynamic smem finish_smem_bytes<S>(D): drops the dead rows of every item
-// (compact_dead_rows, or finish_item without eviction where a group of rows does not fit the registers:
-// nothing else goes), appending nothing. Before a call that walks rows by address (the dense tensor-core
+// (compact_item: nothing else goes), appending nothing. Before a call that walks rows by address (the dense tensor-core
 // prefill) and before a prune rule's cuts (ua_prune.cuh: they read every row in use as an entry). An item
 // without dead rows is left as it is.
 template <class S>
@@ -1118,18 +1125,15 @@ __global__ void __launch_bounds__(kFinishThreads) compact_kernel(DeviceCache<S> 
   extern __shared__ __align__(16) unsigned char fsm[];
   const std::int64_t item = blockIdx.x, dead = c.dead[item];
   if (dead == 0) return;
-  if (moves_in_registers<S>(c.D))
-    compact_item(c, item, c.length[item]);
-  else
-    finish_item<false>(c, a, item, item / c.G, 0, 0, false, dead, fsm);
+  compact_item(c, a, item, c.length[item], dead, fsm);
 }
 
 // grid (I), block kFinishThreads, dynamic smem finish_smem_bytes<S>(D): after a launch of the dense prefill
 // with a threshold (a.log_p), which ends at a chunk end: every row below ln p goes (spec 4.5, the rows the
 // launch masked included: λ = -inf already). The kernel marks them dead in place (λ = -inf) and counts them;
-// an item compacts once its dead rows are at least 1 / kPruneCompactShare of its rows (compact_dead_rows, or
-// finish_item for rows it cannot hold), and otherwise keeps them in place, counted in c.dead as a decode step
-// leaves the rows it evicts. A compaction moves every row after the first dead one, on one block per item,
+// an item compacts once its dead rows are at least 1 / kPruneCompactShare of its rows (compact_item), and
+// otherwise keeps them in place, counted in c.dead as a decode step leaves the rows it evicts. A compaction
+// moves every row after the first dead one, on one block per item,
 // while a dead row costs the next launch a masked entry (weight 0, λ stays -inf) and a decode step one λ
 // read: a launch that evicts a few rows of a long item (high kept fractions) moves nothing, and one that
 // evicts many leaves none behind. The compaction before the next prefill call drops what is left
@@ -1168,10 +1172,8 @@ __global__ void __launch_bounds__(kFinishThreads) prune_compact_kernel(DeviceCac
   const std::int64_t total = dead_s;
   if (total == 0 || total * kPruneCompactShare < n) {  // none, or too few to move every row after them
     if (threadIdx.x == 0) c.dead[item] = total;
-  } else if (moves_in_registers<S>(c.D)) {
-    compact_item(c, item, n);
   } else {
-    finish_item<true>(c, a, item, item / c.G, 0, 0, false, total, fsm);
+    compact_item(c, a, item, n, total, fsm);  // every row that goes is marked: dead rows are all that go
   }
 }
 
