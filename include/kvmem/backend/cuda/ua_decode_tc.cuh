@@ -79,13 +79,37 @@ __device__ inline int decode_split_tc(const DeviceCache<bf16>& c, const DeviceCa
   __shared__ int marked_block;
   const bf16* in_k = a.k + b * a.k_b + g * a.k_g;
   const bf16* in_v = a.v + b * a.v_b + g * a.v_g;
+  const float zq = a.z_q[b * a.zq_b + g * a.zq_g];
 
-  // 1. A = the group's queries (rows 0 .. kR - 1) and the new key (row 8), zeros elsewhere
-  for (int row = warp; row < kDtcRows; row += kDecodeWarps) {  // a warp per row: no division per element
+  // The next window's page places (kDtcNewToken, kDtcNone) and λ, loaded into registers.
+  std::int64_t srow[kDtcPerThread];
+  float slam[kDtcPerThread];
+  const auto scan = [&](std::int64_t w0) {  // loads in flight until publish reads them
+#pragma unroll
+    for (int i = 0; i < kDtcPerThread; ++i) {
+      const std::int64_t e = w0 + std::int64_t(i) * kDecodeThreads + tid;
+      srow[i] = e >= range.end ? kDtcNone : e < n ? c.row(item, e) : kDtcNewToken;
+      slam[i] = srow[i] >= 0 ? c.lambda[srow[i]] : 0.0f;
+    }
+  };
+  // 1. the first window's page places and λ (in registers), then A = the group's queries (rows 0 .. kR - 1)
+  //    and the new key (row 8), zeros elsewhere, in 16-byte pieces with cp.async (no registers: both sets
+  //    of loads in flight together, one round trip for the block's setup); a piece whose source is not
+  //    16-byte aligned is copied element by element
+  scan(range.begin);
+  for (int x = tid; x < kDtcRows * per_row; x += kDecodeThreads) {
+    const int row = x / per_row, w = (x - row * per_row) * 8;
     const bf16* src = row < kR ? a.q + b * a.q_b + (g * kR + row) * a.q_h : row == 8 ? in_k : nullptr;
-    for (int d = lane; d < pitch; d += kWarpSize)
-      qs[row * pitch + d] = src != nullptr && d < D ? src[d] : store_as<bf16>(0.0f);
+    bf16* to = qs + row * pitch + w;
+    if (src == nullptr)
+      *reinterpret_cast<uint4*>(to) = make_uint4(0, 0, 0, 0);
+    else if (reinterpret_cast<std::uintptr_t>(src + w) % 16 == 0)
+      ptx::cp_async16(to, src + w, 16);
+    else
+      for (int k = 0; k < 8; ++k) to[k] = src[w + k];
   }
+  ptx::cp_async_commit();
+  ptx::cp_async_wait<0>();
   if (tid == 0) marked_block = 0;
   __syncthreads();
   // ldmatrix addresses: A row lane % 16, columns + 8 for lanes 16-31 (a0..a3 of m16n8k16), read per tile
@@ -93,8 +117,7 @@ __device__ inline int decode_split_tc(const DeviceCache<bf16>& c, const DeviceCa
   // lane % 8 (+ 8 for lanes 16-31), columns + 8 for lanes 8-15 and 24-31
   const bf16* a_at = qs + (lane % 16) * pitch + (lane / 16) * 8;
   const int kv_row = lane % 8 + (lane / 16) * 8, kv_col = ((lane / 8) % 2) * 8;
-  const float zq = a.z_q[b * a.zq_b + g * a.zq_g];
-  const float q_part = kernel::ua::query_gate_part(zq);
+  const float q_part = kernel::ua::query_gate_part(zq);  // zq loaded with the setup
   // O^T[d][h]: m-tile mt holds d = 16 mt + lane / 4 (+ 8 in [2], [3]), heads 2 (lane % 4) + {0, 1}
   float acc[kSteps][4];
 #pragma unroll
@@ -237,16 +260,6 @@ __device__ inline int decode_split_tc(const DeviceCache<bf16>& c, const DeviceCa
   };
 
   // 2. the windows: list the live entries, then attend them in tiles of 16
-  std::int64_t srow[kDtcPerThread];  // the next window's page places (kDtcNewToken, kDtcNone) and λ
-  float slam[kDtcPerThread];
-  const auto scan = [&](std::int64_t w0) {  // loads in flight until publish reads them
-#pragma unroll
-    for (int i = 0; i < kDtcPerThread; ++i) {
-      const std::int64_t e = w0 + std::int64_t(i) * kDecodeThreads + tid;
-      srow[i] = e >= range.end ? kDtcNone : e < n ? c.row(item, e) : kDtcNewToken;
-      slam[i] = srow[i] >= 0 ? c.lambda[srow[i]] : 0.0f;
-    }
-  };
   // The live entries of the scanned window in ascending order: entry w0 + i * threads + tid is listed after
   // the live entries of slices before i, warps before this one, lanes below this one.
   const auto publish = [&]() {
@@ -286,7 +299,6 @@ __device__ inline int decode_split_tc(const DeviceCache<bf16>& c, const DeviceCa
     __syncthreads();
     return listed;
   };
-  scan(range.begin);
   for (std::int64_t w0 = range.begin; w0 < range.end; w0 += kDtcWindow) {
     count = publish();
     if (w0 + kDtcWindow < range.end) scan(w0 + kDtcWindow);  // in flight while this window is attended

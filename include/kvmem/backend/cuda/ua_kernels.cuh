@@ -721,9 +721,11 @@ __device__ inline float group_sum(float x) {
 // Every head of the group for row i (input row t0 + i): normalise, output gate, lse. Runs on the
 // calling block's threads (merge_kernel for prefill rows, the last split of a decode step). Partials
 // are read with ld.global.cg: other blocks wrote them. They are read kMergeBatch splits at a time into
-// registers, so the loads of a batch are in flight together: one round trip per batch (a chunk uses a
-// few splits: one batch) instead of two dependent loads per split.
-inline constexpr int kMergeBatch = 4;
+// registers, after the column's output gate, so the loads of a batch are in flight together: one round
+// trip per batch (a decode step fills one wave with at most kMergeBatch splits per item when the batch
+// holds 32 or more items) instead of two dependent loads per split. (Two columns a thread at once would
+// double the registers of the decode kernel's last block, which spill at its 128-register bound.)
+inline constexpr int kMergeBatch = 8;
 template <class S>
 __device__ inline void merge_row(const DeviceCache<S>& c, const DeviceCall<S>& a, std::int64_t item, std::int64_t b,
                                  std::int64_t t0, std::int64_t i, int used) {
@@ -731,6 +733,8 @@ __device__ inline void merge_row(const DeviceCache<S>& c, const DeviceCall<S>& a
   const int dim = int(D);
   for (int x = int(threadIdx.x); x < int(r) * dim; x += int(blockDim.x)) {
     const int h = x / dim, d = x % dim;
+    const std::int64_t hq = g * r + h;
+    const float gate = a.z_o ? ld(a.z_o + b * a.zo_b + (t0 + i) * a.zo_t + hq * a.zo_h + d) : 0.0f;
     float m[kMergeBatch], l[kMergeBatch], v[kMergeBatch];
     auto load_batch = [&](int s0) {
 #pragma unroll
@@ -766,8 +770,7 @@ __device__ inline void merge_row(const DeviceCache<S>& c, const DeviceCall<S>& a
         }
       }
     y = sum > 0.0f ? y / sum : 0.0f;
-    const std::int64_t hq = g * r + h;
-    if (a.z_o) y *= sigmoid(ld(a.z_o + b * a.zo_b + (t0 + i) * a.zo_t + hq * a.zo_h + d));
+    if (a.z_o) y *= sigmoid(gate);
     a.out[b * a.o_b + (t0 + i) * a.o_t + hq * a.o_h + d] = y;
     if (a.lse && d == 0)
       a.lse[b * a.l_b + hq * a.l_h + (t0 + i) * a.l_t] = sum > 0.0f ? hi + logf(sum) : negative_infinity<float>();
@@ -2212,16 +2215,52 @@ __device__ inline int decode_split_rows(const DeviceCache<S>& c, const DeviceCal
   return marked_block;
 }
 
+// The new token's rows, page place, position and key-gate logit, read by the last block of a long item
+// before its merge so that their round trip overlaps the merge's: the key and value rows in 16-byte
+// pieces, one per thread of the first 2 * D * sizeof(S) / 16 (`held`: 16-byte rows of a storage without
+// row scales, within the block; else append_new_row copies the rows itself). Valid for an append at row n
+// of the page table as the step found it (not after a page move).
+struct NewRowPrefetch {
+  uint4 piece;
+  std::int64_t row, t;
+  float zk;
+  bool held;
+};
+template <class S>
+__device__ inline NewRowPrefetch prefetch_new_row(const DeviceCache<S>& c, const DeviceCall<S>& a, std::int64_t item,
+                                                  std::int64_t b, std::int64_t n) {
+  const std::int64_t D = c.D, g = item % c.G;
+  NewRowPrefetch f;
+  f.t = c.counter[item];
+  f.row = c.row(item, n);
+  f.zk = a.z_k[b * a.zk_b + g * a.zk_g];
+  const int per_row = int(D) * int(sizeof(S)) / 16, x = int(threadIdx.x);
+  f.held =
+      !is_row_scaled_v<S> && (D * std::int64_t(sizeof(S))) % 16 == 0 && a.kv_rows16 && 2 * per_row <= int(blockDim.x);
+  f.piece = make_uint4(0, 0, 0, 0);
+  if (f.held && x < 2 * per_row) {
+    const auto* src = x < per_row ? a.k + b * a.k_b + g * a.k_g : a.v + b * a.v_b + g * a.v_g;
+    f.piece = reinterpret_cast<const uint4*>(src)[x % per_row];
+  }
+  return f;
+}
+
 // The new token after the rows in use, without a compaction (row n; λ = 0 >= ln p: always kept), and the
-// item's length and position; on the calling block's threads.
+// item's length and position; on the calling block's threads. `pre`: what prefetch_new_row read, or nullptr.
 template <class S>
 __device__ inline void append_new_row(const DeviceCache<S>& c, const DeviceCall<S>& a, std::int64_t item,
-                                      std::int64_t b, std::int64_t n) {
-  const std::int64_t D = c.D, g = item % c.G, t = c.counter[item], row = c.row(item, n);
+                                      std::int64_t b, std::int64_t n, const NewRowPrefetch* pre = nullptr) {
+  const std::int64_t D = c.D, g = item % c.G;
+  const std::int64_t t = pre ? pre->t : c.counter[item], row = pre ? pre->row : c.row(item, n);
+  const float zk = pre ? pre->zk : a.z_k[b * a.zk_b + g * a.zk_g];
   const bool vec = (D * std::int64_t(sizeof(S))) % 16 == 0 && a.kv_rows16;
   const auto* in_k = a.k + b * a.k_b + g * a.k_g;
   const auto* in_v = a.v + b * a.v_b + g * a.v_g;
-  if constexpr (is_row_scaled_v<S>) {  // fp8: one warp stores the rows with their scales
+  if (pre != nullptr && pre->held) {
+    const int per_row = int(D) * int(sizeof(S)) / 16, x = int(threadIdx.x);
+    if (x < 2 * per_row)
+      reinterpret_cast<uint4*>((x < per_row ? c.keys : c.values) + row * D)[x % per_row] = pre->piece;
+  } else if constexpr (is_row_scaled_v<S>) {  // fp8: one warp stores the rows with their scales
     if (threadIdx.x < kWarpSize) {
       const float sk = store_row_warp(in_k, c.keys + row * D, D), sv = store_row_warp(in_v, c.values + row * D, D);
       if (threadIdx.x == 0) {
@@ -2238,7 +2277,7 @@ __device__ inline void append_new_row(const DeviceCache<S>& c, const DeviceCall<
   __syncthreads();  // every thread has read the counter
   if (threadIdx.x == 0) {
     c.lambda[row] = 0.0f;
-    c.key_logit[row] = a.z_k[b * a.zk_b + g * a.zk_g];
+    c.key_logit[row] = zk;
     c.pos[row] = t;
     c.length[item] = n + 1;
     c.counter[item] = t + 1;
@@ -2430,10 +2469,11 @@ __device__ inline bool decode_item(const DeviceCache<S>& c, const DeviceCall<S>&
   __shared__ MovePlan plan;
   int marked = 0;
   bool wrote = false;
+  std::int64_t own_length = -1;  // the one-block pass's new length, in the block that ran it
   if (one_block) {
     if (split == 0) {
-      const std::int64_t length = decode_one_block<Set, kEvict, S, kDpl>(c, a, item, b, n, smem);
-      if (threadIdx.x == 0) c.next_length[item] = length;
+      own_length = decode_one_block<Set, kEvict, S, kDpl>(c, a, item, b, n, smem);
+      if (threadIdx.x == 0) c.next_length[item] = own_length;
       wrote = true;
     }
   } else if (const Range range = decode_range(n + 1, a.splits, split); range.begin < range.end) {
@@ -2453,21 +2493,26 @@ __device__ inline bool decode_item(const DeviceCache<S>& c, const DeviceCall<S>&
   ptx::fence_acq_rel_gpu();
   if (one_block) {  // compacted in the pass: no dead row is left
     if (threadIdx.x == 0) {
-      const std::int64_t length = load_cg(c.next_length + item);
+      // the block that ran the pass knows the length (usually the last: the other splits only take tickets)
+      const std::int64_t length = own_length >= 0 ? own_length : load_cg(c.next_length + item);
       c.length[item] = length;
       c.dead[item] = 0;
       c.counter[item] += 1;
       if (c.pool.table != nullptr) return_pages(c.pool, item, length);  // own pages: publishing counts them
     }
   } else {
-    merge_row(c, a, item, b, 0, 0, active_splits(n + 1, a.splits, kDecodePiece));
+    // the dead count, this step's marks and (where the step moves no rows) the new row, in flight with
+    // the merge's loads
     const std::int64_t dead = c.dead[item], marks = load_cg(c.marks + item);
+    NewRowPrefetch fresh{};
+    if (!moves && n + 1 <= c.capacity) fresh = prefetch_new_row(c, a, item, b, n);  // else it compacts
+    merge_row(c, a, item, b, 0, 0, active_splits(n + 1, a.splits, kDecodePiece));
     if (moves)
       finish_move(c, a, item, b, n - dead, marks);
     else if (compacts_in_place(c, n, dead + marks))
       finish_item<kEvict>(c, a, item, b, 0, 1, true, dead + marks, smem);  // the attention buffers are free now
     else {
-      append_new_row(c, a, item, b, n);
+      append_new_row(c, a, item, b, n, &fresh);
       if (threadIdx.x == 0) c.dead[item] = dead + marks;
     }
     if (threadIdx.x == 0) c.marks[item] = 0;
