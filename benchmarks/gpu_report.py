@@ -163,7 +163,8 @@ def machine_record(copy_tbs, mm_tflops):
 
 
 def write_record(path, mechanism, shape, machine, command, rows):
-    """One JSON of record (schema: benchmarks/plot_results.py)."""
+    """One JSON of record (schema: benchmarks/plot_results.py); creates the directory it goes in."""
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     record = dict(schema="kvmem-benchmark-record/1", mechanism=mechanism, backend="cuda",
                   date=datetime.datetime.now(datetime.timezone.utc).date().isoformat(), machine=machine,
                   shape=shape, command=command, rows=rows)

@@ -1929,26 +1929,29 @@ __host__ __device__ inline std::size_t split_rows_smem_bytes(std::int64_t D, std
 template <class S>
 __device__ inline void write_split_partial(const DeviceCall<S>& a, const float* red, int r, std::int64_t D,
                                            std::int64_t item, int split) {
-  const int dim = int(D);  // 32-bit indices: r * D is at most a few thousand
-  for (int x = int(threadIdx.x); x < r * dim; x += int(blockDim.x)) {
-    const int h = x / dim, d = x - h * dim;
+  const int dim = int(D), pairs = (dim + 1) / 2;  // two adjacent dims of one head a thread: one max, one sum
+  for (int x = int(threadIdx.x); x < r * pairs; x += int(blockDim.x)) {
+    const int h = x / pairs, d = (x - h * pairs) * 2;
+    const bool two = d + 1 < dim;
     float mx = negative_infinity<float>();
     for (int w = 0; w < kDecodeWarps; ++w) mx = fmaxf(mx, red[(std::size_t(w) * r + h) * std::size_t(D + 2)]);
-    float sum = 0.0f, y = 0.0f;
+    float sum = 0.0f, y0 = 0.0f, y1 = 0.0f;
     if (mx != negative_infinity<float>())
       for (int w = 0; w < kDecodeWarps; ++w) {
         const float* w_row = red + (std::size_t(w) * r + h) * std::size_t(D + 2);
         if (w_row[0] == negative_infinity<float>()) continue;
         const float f = expf(w_row[0] - mx);
         sum += f * w_row[1];
-        y += f * w_row[2 + d];
+        y0 += f * w_row[2 + d];
+        if (two) y1 += f * w_row[3 + d];
       }
     const std::int64_t slot = (item * a.splits + split) * r + h;  // P = 1 row
     if (d == 0) {
       a.part_ml[slot * 2] = mx;
       a.part_ml[slot * 2 + 1] = sum;
     }
-    a.part_acc[slot * D + d] = y;
+    a.part_acc[slot * D + d] = y0;
+    if (two) a.part_acc[slot * D + d + 1] = y1;
   }
   __syncthreads();
 }
