@@ -84,13 +84,17 @@ __device__ inline unsigned long long* pool_word(const DevicePool& p, int i) {
   return reinterpret_cast<unsigned long long*>(p.stats + i);
 }
 // Takes k free pages, all or none: true with the range [first, first + k) of the free list, false (the
-// pool unchanged) when fewer than k are free.
-__device__ inline bool pop_pages(const DevicePool& p, std::int64_t k, std::int64_t& first) {
+// pool unchanged) when fewer than k are free. `count`: the free count to take from, the pool's word or,
+// while one block is the pool's only taker (step_begin_kernel, batch_reserve_kernel), that block's
+// shared-memory copy of it (BlockFreeCount), on which the takers' compare-and-swap retries cost a shared-
+// memory round trip instead of an L2 one.
+__device__ inline bool pop_pages(const DevicePool& p, std::int64_t k, std::int64_t& first,
+                                 unsigned long long* count = nullptr) {
   if (k <= 0) {
     first = 0;
     return true;
   }
-  unsigned long long* count = pool_word(p, 0);
+  if (count == nullptr) count = pool_word(p, 0);
   unsigned long long old = *static_cast<volatile unsigned long long*>(count);
   for (;;) {
     if (old < static_cast<unsigned long long>(k)) return false;
@@ -101,6 +105,20 @@ __device__ inline bool pop_pages(const DevicePool& p, std::int64_t k, std::int64
   atomicAdd(pool_word(p, 1), static_cast<unsigned long long>(k));
   first = std::int64_t(old) - k;
   return true;
+}
+// A kernel of one block that alone takes pages from the pool while it runs (step_begin_kernel,
+// batch_reserve_kernel) takes them from a shared-memory copy of the free count (pop_pages' `count`), so
+// that its threads' compare-and-swap retries cost a shared-memory round trip, not an L2 one:
+// hold_free_count on every thread before the takers, release_free_count after them and before any page
+// goes back.
+__device__ inline void hold_free_count(const DevicePool& p, unsigned long long& held) {
+  if (threadIdx.x == 0) held = *static_cast<volatile unsigned long long*>(pool_word(p, 0));
+  __syncthreads();
+}
+__device__ inline void release_free_count(const DevicePool& p, const unsigned long long& held) {
+  __syncthreads();
+  if (threadIdx.x == 0) *static_cast<volatile unsigned long long*>(pool_word(p, 0)) = held;
+  __syncthreads();
 }
 // Gives `item` the logical pages [held, need) from a popped range, taking its entries from the top
 // (`next` counts down from first + k, the host's order). Counts only when items own their pages.
@@ -2550,7 +2568,8 @@ __global__ void __launch_bounds__(kDecodeThreads, (kTc ? kDtcBlocksPerSm : decod
 // rows there (decode_item; every range of that launch fits a plan); when the pool cannot give those, the
 // slot asks again without moving. A call that runs no decode launch passes splits = 0.
 template <class S>
-__device__ inline bool reserve_slot(const DeviceCache<S>& c, std::int64_t s, std::int64_t tokens, int splits) {
+__device__ inline bool reserve_slot(const DeviceCache<S>& c, std::int64_t s, std::int64_t tokens, int splits,
+                                    unsigned long long* free_count = nullptr) {
   const DevicePool& p = c.pool;
   const auto moves = [&](std::int64_t it) {
     const std::int64_t n = c.length[it];
@@ -2573,7 +2592,7 @@ __device__ inline bool reserve_slot(const DeviceCache<S>& c, std::int64_t s, std
         k += grown(it) > held ? grown(it) - held : 0;
     }
     std::int64_t first = 0;
-    if (!pop_pages(p, k, first)) continue;
+    if (!pop_pages(p, k, first, free_count)) continue;
     std::int64_t next = first + k;
     for (std::int64_t g = 0; g < c.G; ++g) {
       const std::int64_t it = s * c.G + g;
@@ -2684,6 +2703,8 @@ __global__ void __launch_bounds__(kStepBeginThreads) step_begin_kernel(DeviceCac
     return;  // every go flag is 0, and every kernel of the step reads the error first
   }
   if (tid == 0) sr.error[0] = kStepOk;
+  __shared__ unsigned long long free_pages;
+  hold_free_count(c.pool, free_pages);
   // Room and pages (DevicePool): a row runs when its slot is not flagged, has room for kept + tokens rows
   // in every kv head (eviction is data-dependent: the host backend's bound) and gets its pages, all of
   // them or none (reserve_slot; a decode row: at most one page per kv head, as the host takes it, or the
@@ -2698,11 +2719,13 @@ __global__ void __launch_bounds__(kStepBeginThreads) step_begin_kernel(DeviceCac
     // room as the host counts it: kept rows (dead ones go at the item's next compaction)
     const bool own = c.pool.table == nullptr;  // own pages: publishing counts them, nothing to take
     bool room = true;
-    for (std::int64_t g = 0; room && g < c.G; ++g) {
+#pragma unroll 4
+    for (std::int64_t g = 0; g < c.G; ++g) {  // every kv head's counts loaded together
       const std::int64_t it = s * c.G + g;
-      room = c.length[it] - c.dead[it] + n <= c.capacity;
+      const bool fits = c.length[it] - c.dead[it] + n <= c.capacity;
+      room = room && fits;
     }
-    if (room && (own || reserve_slot(c, s, n, sr.splits))) {
+    if (room && (own || reserve_slot(c, s, n, sr.splits, &free_pages))) {
       sr.go[s] = 1;
       if (n >= 2) sr.prefill_rows[atomicAdd(&prefills, 1)] = int(row);
     } else {
@@ -2712,7 +2735,7 @@ __global__ void __launch_bounds__(kStepBeginThreads) step_begin_kernel(DeviceCac
       if (room) sr.first[s] = -1;
     }
   }
-  __syncthreads();
+  release_free_count(c.pool, free_pages);
   for (std::int64_t s = tid; s < sr.max_slots; s += threads) {
     if (sr.first[s] != -1) continue;
     for (std::int64_t g = 0; g < c.G; ++g) {
@@ -2853,9 +2876,11 @@ __global__ void copy_slots_kernel(DeviceCache<S> c, int* overflow, const std::in
 template <class S>
 __global__ void batch_reserve_kernel(DeviceCache<S> c, DeviceCall<S> a, int* go, int* overflow, std::int64_t B,
                                      std::int64_t T) {
+  __shared__ unsigned long long free_pages;
+  hold_free_count(c.pool, free_pages);
   for (std::int64_t s = threadIdx.x; s < B; s += blockDim.x)
-    go[s] = overflow[s] == 0 && reserve_slot(c, s, T, a.splits) ? 1 : 0;
-  __syncthreads();
+    go[s] = overflow[s] == 0 && reserve_slot(c, s, T, a.splits, &free_pages) ? 1 : 0;
+  release_free_count(c.pool, free_pages);
   const std::int64_t H = c.G * c.r, D = c.D;
   for (std::int64_t s = 0; s < B; ++s) {
     if (go[s] != 0) continue;
