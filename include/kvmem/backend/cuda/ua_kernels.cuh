@@ -84,10 +84,8 @@ __device__ inline unsigned long long* pool_word(const DevicePool& p, int i) {
   return reinterpret_cast<unsigned long long*>(p.stats + i);
 }
 // Takes k free pages, all or none: true with the range [first, first + k) of the free list, false (the
-// pool unchanged) when fewer than k are free. `count`: the free count to take from, the pool's word or,
-// while one block is the pool's only taker (step_begin_kernel, batch_reserve_kernel), that block's
-// shared-memory copy of it (BlockFreeCount), on which the takers' compare-and-swap retries cost a shared-
-// memory round trip instead of an L2 one.
+// pool unchanged) when fewer than k are free. `count`: the free count to take from, the pool's word
+// (nullptr) or a block's shared-memory copy of it (hold_free_count).
 __device__ inline bool pop_pages(const DevicePool& p, std::int64_t k, std::int64_t& first,
                                  unsigned long long* count = nullptr) {
   if (k <= 0) {
