@@ -92,9 +92,14 @@ def is_sweep_row(row):
     return row.get("run", "").startswith("kept-fraction sweep")
 
 
-def draw_sweep(axes, rows, copy_tbs):
+def draw_sweep(axes, rows, copy_tbs, backend, main=()):
     """Prefill and decode time against the kept fraction, one series per (T, p), with the dense anchors of
-    each T as horizontal lines and, for decode, the bound 1.3 x (kept bytes at the copy bandwidth) + 5 us."""
+    each T as horizontal lines (cuDNN SDPA on a GPU, the plain causal attention on the host) and, where the
+    record has a copy bandwidth, for decode the bound 1.3 x (kept bytes at that bandwidth) + 5 us. A T's
+    anchors come from the sweep, or, where it has none, from `main` (the main table's rows of its shape); its
+    dense UA line is the median of the dense rows of both (the gate means differ, and so does dense UA's cost)."""
+    anchor = "SDPA cudnn" if backend == "cuda" else "dense causal attention"
+    anchor_name = "cuDNN SDPA dense" if backend == "cuda" else "causal attention (anchor)"
     pruned = [r for r in rows if r["kind"] == "kvmem" and r.get("p", 0) > 0]
     for ti, T in enumerate(sorted({r["tokens"] for r in pruned})):
         shade = f"C{ti + 4}"
@@ -108,19 +113,23 @@ def draw_sweep(axes, rows, copy_tbs):
                 bound = [1.3 * r["kept_kv_bytes"] / (copy_tbs * 1e12) * 1e3 + 0.005 for r in pts]
                 axes[1].plot([r["kept_decode"] for r in pts], bound, color=shade, linestyle="-.", linewidth=1,
                              label=f"1.3 x kept bytes at {copy_tbs:g} TB/s + 5 us, {T // 1024}K")
-        for r in rows:
-            if r["tokens"] != T or r["kind"] != "anchor" or r["variant"] != "SDPA cudnn":
-                continue
+        anchors = [r for r in rows if r["tokens"] == T and r["kind"] == "anchor" and r["variant"] == anchor]
+        for r in anchors or [r for r in main if r["tokens"] == T and r["kind"] == "anchor" and r["variant"] == anchor]:
             axes[0].axhline(r["prefill_ms"], color=shade, linestyle="--", linewidth=1,
-                            label=f"cuDNN SDPA dense, {T // 1024}K")
+                            label=f"{anchor_name}, {T // 1024}K")
             axes[1].axhline(best_decode(r), color=shade, linestyle="--", linewidth=1,
-                            label=f"cuDNN SDPA dense, {T // 1024}K")
-        dense = sorted(r["prefill_ms"] for r in rows if r["kind"] == "kvmem" and r.get("p", 0) == 0 and r["tokens"] == T)
-        if dense:
-            axes[0].axhline(dense[len(dense) // 2], color=shade, linestyle=(0, (1, 1)), linewidth=1.5,
-                            label=f"kvmem UA dense prefill, {T // 1024}K")
+                            label=f"{anchor_name}, {T // 1024}K")
+        # the host's dense UA rows have a decode too; the GPU's are prefill only
+        dense_rows = [r for r in list(rows) + list(main) if r["tokens"] == T and r["kind"] == "kvmem" and r.get("p") == 0]
+        prefill = sorted(r["prefill_ms"] for r in dense_rows if r.get("prefill_ms"))
+        decode = sorted(best_decode(r) for r in dense_rows if best_decode(r))
+        label = f"kvmem UA dense{'' if decode else ' prefill'}, {T // 1024}K"
+        for ax, dense in ((axes[0], prefill), (axes[1], decode)):
+            if dense:
+                ax.axhline(dense[len(dense) // 2], color=shade, linestyle=(0, (1, 1)), linewidth=1.5, label=label)
+    decode_title = "decode (CUDA graph)" if backend == "cuda" else "decode"
     for ax, ylabel, title in ((axes[0], "prefill time (ms)", "pruned prefill against the kept fraction"),
-                              (axes[1], "decode time per token (ms)", "decode (CUDA graph) against the kept fraction")):
+                              (axes[1], "decode time per token (ms)", f"{decode_title} against the kept fraction")):
         ax.set_xscale("log")
         ax.set_yscale("log")
         ax.set_xlabel("kept fraction of the keys (gate-logit mean swept)")
@@ -193,7 +202,7 @@ def plot(record, path):
         ax.grid(True, which="major", alpha=0.3)
         ax.set_title(title)
     if sweep:
-        draw_sweep(grid[1], sweep, record["machine"].get("copy_tb_s"))
+        draw_sweep(grid[1], sweep, record["machine"].get("copy_tb_s"), record["backend"], rows)
         row_legend(fig, grid[0], 0.555)
         row_legend(fig, grid[1], 0.085)
     else:
@@ -219,6 +228,8 @@ def main():
     ap.add_argument("--out", help="folder for the PNGs (default: next to each JSON file)")
     args = ap.parse_args()
     files = args.files or sorted(glob.glob(os.path.join(here, "*.json")))
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)
     for f in files:
         with open(f) as fh:
             record = json.load(fh)
