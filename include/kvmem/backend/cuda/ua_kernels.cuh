@@ -323,6 +323,12 @@ struct DeviceCall {
   const int* prefill_rows = nullptr;        // [max_slots] the step's running rows of >= 2 tokens, any order
   const int* prefill_count = nullptr;       // how many prefill_rows hold
 };
+// Whether the call's new key and value rows copy into cache rows in 16-byte pieces: a cache row (D elements
+// of S) is a whole number of pieces and every input row starts on a 16-byte boundary.
+template <class S>
+__host__ __device__ inline bool new_rows_vec16(const DeviceCall<S>& a, std::int64_t D) {
+  return (D * std::int64_t(sizeof(S))) % 16 == 0 && a.kv_rows16;
+}
 
 // The cut that evicts from `item` in this step (evict_test); without eviction (kEvict = false) a cut that
 // evicts nothing, read from no memory.
@@ -979,7 +985,7 @@ __device__ inline void finish_item(const DeviceCache<S>& c, const DeviceCall<S>&
       }
     }
   } else {
-    const bool vec_in = vec_cache && a.kv_rows16;
+    const bool vec_in = new_rows_vec16(a, D);
     copy_rows<S>(
         rows, D, vec_in, [&](std::int64_t j) { return k_in + j * a.k_t; },
         [&](std::int64_t j) { return new_dst[j] < 0 ? nullptr : c.keys + c.row(item, new_dst[j]) * D; });
@@ -2254,8 +2260,7 @@ __device__ inline NewRowPrefetch prefetch_new_row(const DeviceCache<S>& c, const
   f.row = c.row(item, n);
   f.zk = a.z_k[b * a.zk_b + g * a.zk_g];
   const int per_row = int(D) * int(sizeof(S)) / 16, x = int(threadIdx.x);
-  f.held =
-      !is_row_scaled_v<S> && (D * std::int64_t(sizeof(S))) % 16 == 0 && a.kv_rows16 && 2 * per_row <= int(blockDim.x);
+  f.held = !is_row_scaled_v<S> && new_rows_vec16(a, D) && 2 * per_row <= int(blockDim.x);
   f.piece = make_uint4(0, 0, 0, 0);
   if (f.held && x < 2 * per_row) {
     const auto* src = x < per_row ? a.k + b * a.k_b + g * a.k_g : a.v + b * a.v_b + g * a.v_g;
@@ -2272,7 +2277,7 @@ __device__ inline void append_new_row(const DeviceCache<S>& c, const DeviceCall<
   const std::int64_t D = c.D, g = item % c.G;
   const std::int64_t t = pre ? pre->t : c.counter[item], row = pre ? pre->row : c.row(item, n);
   const float zk = pre ? pre->zk : a.z_k[b * a.zk_b + g * a.zk_g];
-  const bool vec = (D * std::int64_t(sizeof(S))) % 16 == 0 && a.kv_rows16;
+  const bool vec = new_rows_vec16(a, D);
   const auto* in_k = a.k + b * a.k_b + g * a.k_g;
   const auto* in_v = a.v + b * a.v_b + g * a.v_g;
   if (pre != nullptr && pre->held) {
